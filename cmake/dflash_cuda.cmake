@@ -1,0 +1,42 @@
+# Decides whether the CUDA backend is built and finds cudart, cuBLASLt and NCCL.
+set(DFLASH_WITH_CUDA OFF)
+if(NOT DFLASH_CUDA STREQUAL "OFF")
+  include(CheckLanguage)
+  if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
+    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+  endif()
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    set(DFLASH_WITH_CUDA ON)
+  elseif(DFLASH_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "DFLASH_CUDA=ON but no CUDA compiler was found.\n"
+                        "---> HINT: put nvcc on PATH or pass -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc, or use -DDFLASH_CUDA=OFF")
+  endif()
+endif()
+
+if(DFLASH_WITH_CUDA)
+  # Hopper (sm_90) by default: that is what we tune for, and one arch keeps CI compile time down.
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+    set(CMAKE_CUDA_ARCHITECTURES 90)
+  endif()
+  enable_language(CUDA)
+  # CMake 3.25 does not know nvcc's C++20 flag (nvcc 12+ has it): teach it.
+  if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+    set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+    set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+  endif()
+  set(CMAKE_CUDA_STANDARD 20)
+  set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+  find_package(CUDAToolkit REQUIRED)
+  # NCCL ships with the CUDA installation here (/usr/local/cuda) and in /usr on the GPU machines.
+  find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/include)
+  find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/lib/x86_64-linux-gnu)
+  if(NOT NCCL_INCLUDE_DIR OR NOT NCCL_LIBRARY)
+    message(FATAL_ERROR "CUDA backend requested but NCCL (nccl.h, libnccl) was not found.\n"
+                        "---> HINT: install NCCL or configure with -DDFLASH_CUDA=OFF")
+  endif()
+  add_library(dflash_nccl INTERFACE)
+  target_include_directories(dflash_nccl INTERFACE ${NCCL_INCLUDE_DIR})
+  target_link_libraries(dflash_nccl INTERFACE ${NCCL_LIBRARY})
+  set(CMAKE_CUDA_FLAGS "${CMAKE_CUDA_FLAGS} --expt-relaxed-constexpr -Xcompiler=-Wall")
+endif()

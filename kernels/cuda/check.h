@@ -1,0 +1,68 @@
+#pragma once
+// Checked CUDA runtime, cuBLAS(Lt) and NCCL calls. A failure throws dflash::Error naming the call
+// text, file:line, the library's error name and string, and a hint where a user can act on it:
+//
+//   DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, stream));
+//   my_kernel<<<grid, block, 0, stream>>>(...);
+//   DFLASH_CUDA_CHECK_LAST();
+//   DFLASH_CUBLAS_CHECK(cublasLtMatmul(...));
+//   DFLASH_NCCL_CHECK(ncclAllReduce(...));
+//
+// The throwing is done by the non-inline throw_* functions (kernels/cuda/check.cpp) that take the
+// status code, so a test can feed them fabricated codes on a machine without a GPU. Only code under
+// kernels/cuda (and CUDA-only code elsewhere) includes this header: it pulls in the CUDA headers.
+#include <cublas_api.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <string>
+
+namespace dflash::cuda {
+
+// `call` is the call's source text; file/line where it was made. Never return.
+[[noreturn]] void throw_cuda_error(cudaError_t status, const char* call, const char* file, int line);
+[[noreturn]] void throw_cublas_error(cublasStatus_t status, const char* call, const char* file, int line);
+[[noreturn]] void throw_nccl_error(ncclResult_t status, const char* call, const char* file, int line);
+
+// For destructors and other paths that must not throw: logs a warning instead. Returns ok.
+bool warn_cuda_error(cudaError_t status, const char* call, const char* file, int line);
+
+// "cudaErrorMemoryAllocation: out of memory"; the hint ("" when none) for a status.
+std::string cuda_error_text(cudaError_t status);
+std::string cuda_error_hint(cudaError_t status);
+
+}  // namespace dflash::cuda
+
+#define DFLASH_CUDA_CHECK(call)                                                        \
+  do {                                                                                 \
+    const cudaError_t dflash_st_ = (call);                                             \
+    if (dflash_st_ != cudaSuccess)                                                     \
+      ::dflash::cuda::throw_cuda_error(dflash_st_, #call, __FILE__, __LINE__);         \
+  } while (0)
+
+// After a kernel launch: reports bad launch configurations at once. Errors while the kernel runs
+// surface at a later synchronizing call (see the hint printed for them).
+#define DFLASH_CUDA_CHECK_LAST()                                                       \
+  do {                                                                                 \
+    const cudaError_t dflash_st_ = cudaGetLastError();                                 \
+    if (dflash_st_ != cudaSuccess)                                                     \
+      ::dflash::cuda::throw_cuda_error(dflash_st_, "kernel launch (cudaGetLastError())", \
+                                       __FILE__, __LINE__);                            \
+  } while (0)
+
+// Logs instead of throwing (destructors, clean-up after another error).
+#define DFLASH_CUDA_WARN(call) ::dflash::cuda::warn_cuda_error((call), #call, __FILE__, __LINE__)
+
+#define DFLASH_CUBLAS_CHECK(call)                                                      \
+  do {                                                                                 \
+    const cublasStatus_t dflash_st_ = (call);                                          \
+    if (dflash_st_ != CUBLAS_STATUS_SUCCESS)                                           \
+      ::dflash::cuda::throw_cublas_error(dflash_st_, #call, __FILE__, __LINE__);       \
+  } while (0)
+
+#define DFLASH_NCCL_CHECK(call)                                                        \
+  do {                                                                                 \
+    const ncclResult_t dflash_st_ = (call);                                            \
+    if (dflash_st_ != ncclSuccess)                                                     \
+      ::dflash::cuda::throw_nccl_error(dflash_st_, #call, __FILE__, __LINE__);         \
+  } while (0)

@@ -1,0 +1,27 @@
+#pragma once
+// Filling tensors from the counter-based RNG (kernels/rng.h). Element j of `t` (row-major) draws
+// index `index_offset + j` of stream `stream`, so a shard of a tensor is filled with exactly the
+// values the whole tensor would hold at those positions (pass the shard's flat offset, for a
+// contiguous row range). Same values on the CPU and the GPU.
+#include <cstdint>
+
+#include "kernels/tensor.h"
+
+namespace dflash {
+
+struct RandomParams {
+  uint64_t seed = 0;
+  uint64_t stream = 0;
+  int64_t index_offset = 0;
+};
+
+// Floating dtypes only (bf16/f16/f32/f64); t must be contiguous.
+void fill_uniform(Tensor& t, const RandomParams& p, float lo, float hi);
+void fill_normal(Tensor& t, const RandomParams& p, float mean, float stddev);
+
+namespace cuda {
+void fill_uniform(Tensor& t, const RandomParams& p, float lo, float hi);
+void fill_normal(Tensor& t, const RandomParams& p, float mean, float stddev);
+}  // namespace cuda
+
+}  // namespace dflash

@@ -1,0 +1,264 @@
+#include "target_model/config.h"
+
+#include <cmath>
+#include <fstream>
+#include <filesystem>
+#include <sstream>
+
+#include "kernels/error.h"
+
+namespace dflash::target {
+
+using nlohmann::json;
+
+const char* layer_type_name(LayerType t) {
+  return t == LayerType::LinearAttention ? "linear_attention" : "full_attention";
+}
+
+namespace {
+
+// Reads fields of one JSON object with errors that name the file and the full key path.
+class FieldReader {
+ public:
+  FieldReader(const json& obj, std::string source, std::string prefix)
+      : obj_(obj), source_(std::move(source)), prefix_(std::move(prefix)) {}
+
+  bool has(const char* key) const { return obj_.contains(key) && !obj_.at(key).is_null(); }
+  std::string path(const char* key) const { return prefix_ + key; }
+
+  int64_t positive_int(const char* key) const {
+    const json& v = require(key);
+    DFLASH_CHECK(v.is_number_integer() && v.get<int64_t>() > 0,
+                 source_ << ": field '" << path(key) << "' must be a positive integer, got " << v.dump());
+    return v.get<int64_t>();
+  }
+  int64_t positive_int_or(const char* key, int64_t dflt) const { return has(key) ? positive_int(key) : dflt; }
+  double positive_number_or(const char* key, double dflt) const {
+    if (!has(key)) return dflt;
+    const json& v = obj_.at(key);
+    DFLASH_CHECK(v.is_number() && v.get<double>() > 0,
+                 source_ << ": field '" << path(key) << "' must be a positive number, got " << v.dump());
+    return v.get<double>();
+  }
+  bool bool_or(const char* key, bool dflt) const {
+    if (!has(key)) return dflt;
+    const json& v = obj_.at(key);
+    DFLASH_CHECK(v.is_boolean(), source_ << ": field '" << path(key) << "' must be true or false, got " << v.dump());
+    return v.get<bool>();
+  }
+  std::string string_or(const char* key, const std::string& dflt) const {
+    if (!has(key)) return dflt;
+    const json& v = obj_.at(key);
+    DFLASH_CHECK(v.is_string(), source_ << ": field '" << path(key) << "' must be a string, got " << v.dump());
+    return v.get<std::string>();
+  }
+  const json& require(const char* key) const {
+    DFLASH_CHECK_HINT(has(key), source_ << ": required field '" << path(key) << "' is missing",
+                      "is this a Qwen3.5 / Qwen3.6 config.json?");
+    return obj_.at(key);
+  }
+
+ private:
+  const json& obj_;
+  std::string source_, prefix_;
+};
+
+}  // namespace
+
+TargetConfig TargetConfig::from_json(const json& doc, const std::string& source) {
+  DFLASH_CHECK(doc.is_object(), source << ": config must be a JSON object");
+  const std::string top_type = doc.contains("model_type") && doc["model_type"].is_string()
+                                   ? doc["model_type"].get<std::string>() : std::string();
+  auto refuse_moe = [&](const std::string& type, const std::string& field) {
+    DFLASH_FAIL_HINT(source << ": " << field << " '" << type
+                            << "' (a Mixture-of-Experts model) is not supported yet",
+                     "dflash supports the dense hybrid models: model_type qwen3_5 or qwen3_5_text");
+  };
+  if (top_type == "qwen3_5_moe" || top_type == "qwen3_5_moe_text" || top_type == "qwen3_next")
+    refuse_moe(top_type, "model_type");
+  DFLASH_CHECK_HINT(top_type == "qwen3_5" || top_type == "qwen3_5_text",
+                    source << ": model_type '" << (top_type.empty() ? std::string("<missing>") : top_type)
+                           << "' is not supported",
+                    "dflash supports Qwen3.5 / Qwen3.6 hybrid models: model_type qwen3_5 or qwen3_5_text");
+
+  const json* text = &doc;
+  std::string prefix;
+  if (top_type == "qwen3_5") {
+    DFLASH_CHECK(doc.contains("text_config") && doc["text_config"].is_object(),
+                 source << ": model_type qwen3_5 needs an object 'text_config' with the language model fields");
+    text = &doc["text_config"];
+    prefix = "text_config.";
+    if (text->contains("model_type") && (*text)["model_type"].is_string()) {
+      const std::string inner = (*text)["model_type"].get<std::string>();
+      if (inner == "qwen3_5_moe_text" || inner == "qwen3_5_moe") refuse_moe(inner, "text_config.model_type");
+    }
+  }
+  for (const char* moe_key : {"num_experts", "num_experts_per_tok", "moe_intermediate_size"})
+    if (text->contains(moe_key) && !(*text)[moe_key].is_null())
+      DFLASH_FAIL_HINT(source << ": field '" << prefix << moe_key
+                              << "' describes a Mixture-of-Experts model, which is not supported yet",
+                       "dflash supports the dense hybrid models (Qwen3.5 / Qwen3.6 dense)");
+
+  FieldReader f(*text, source, prefix);
+  TargetConfig c;
+  c.model_type = top_type;
+  c.source = source;
+  c.hidden_size = f.positive_int("hidden_size");
+  c.num_hidden_layers = f.positive_int("num_hidden_layers");
+  c.intermediate_size = f.positive_int("intermediate_size");
+  c.vocab_size = f.positive_int("vocab_size");
+  c.num_attention_heads = f.positive_int("num_attention_heads");
+  c.num_key_value_heads = f.positive_int_or("num_key_value_heads", c.num_attention_heads);
+  c.head_dim = f.positive_int_or("head_dim", c.hidden_size / c.num_attention_heads);
+  c.rms_norm_eps = f.positive_number_or("rms_norm_eps", 1e-6);
+  c.attn_output_gate = f.bool_or("attn_output_gate", true);
+  c.linear_num_key_heads = f.positive_int("linear_num_key_heads");
+  c.linear_num_value_heads = f.positive_int("linear_num_value_heads");
+  c.linear_key_head_dim = f.positive_int("linear_key_head_dim");
+  c.linear_value_head_dim = f.positive_int("linear_value_head_dim");
+  c.linear_conv_kernel_dim = f.positive_int_or("linear_conv_kernel_dim", 4);
+  // tie_word_embeddings may sit at the top level of a multimodal config.
+  c.tie_word_embeddings = f.bool_or("tie_word_embeddings", FieldReader(doc, source, "").bool_or("tie_word_embeddings", false));
+
+  const std::string act = f.string_or("hidden_act", "silu");
+  DFLASH_CHECK(act == "silu", source << ": field '" << prefix << "hidden_act' is '" << act
+                                     << "'; only 'silu' is supported");
+  DFLASH_CHECK(!f.bool_or("attention_bias", false),
+               source << ": field '" << prefix << "attention_bias' is true; biased attention projections are not supported");
+
+  // RoPE: rope_parameters (transformers 5) or the legacy top-level rope_theta / partial_rotary_factor.
+  c.rope_theta = f.positive_number_or("rope_theta", 10000.0);
+  c.partial_rotary_factor = f.positive_number_or("partial_rotary_factor", 0.25);
+  if (f.has("rope_parameters")) {
+    const json& rp = (*text)["rope_parameters"];
+    DFLASH_CHECK(rp.is_object(), source << ": field '" << prefix << "rope_parameters' must be an object");
+    FieldReader r(rp, source, prefix + "rope_parameters.");
+    const std::string rope_type = r.string_or("rope_type", "default");
+    DFLASH_CHECK_HINT(rope_type == "default", source << ": field '" << prefix << "rope_parameters.rope_type' is '"
+                                                     << rope_type << "'; only 'default' RoPE is supported",
+                      "long-context scaling (yarn, linear, dynamic) is not implemented");
+    c.rope_theta = r.positive_number_or("rope_theta", c.rope_theta);
+    c.partial_rotary_factor = r.positive_number_or("partial_rotary_factor", c.partial_rotary_factor);
+  }
+
+  // Layer pattern: explicit layer_types, else every full_attention_interval-th layer is attention.
+  if (f.has("layer_types")) {
+    const json& lt = (*text)["layer_types"];
+    DFLASH_CHECK(lt.is_array(), source << ": field '" << prefix << "layer_types' must be a list");
+    for (size_t i = 0; i < lt.size(); ++i) {
+      const std::string s = lt[i].is_string() ? lt[i].get<std::string>() : lt[i].dump();
+      if (s == "linear_attention") c.layer_types.push_back(LayerType::LinearAttention);
+      else if (s == "full_attention") c.layer_types.push_back(LayerType::FullAttention);
+      else
+        DFLASH_FAIL(source << ": field '" << prefix << "layer_types[" << i << "]' is '" << s
+                           << "'; expected 'linear_attention' or 'full_attention'");
+    }
+  } else {
+    const int64_t interval = f.positive_int_or("full_attention_interval", 4);
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+      c.layer_types.push_back((i + 1) % interval == 0 ? LayerType::FullAttention : LayerType::LinearAttention);
+  }
+  c.validate();
+  return c;
+}
+
+TargetConfig TargetConfig::from_file(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::string file = path;
+  if (fs::is_directory(path)) file = (fs::path(path) / "config.json").string();
+  std::ifstream in(file);
+  DFLASH_CHECK_IO(in.good(), "opening model config", file);
+  json doc;
+  try {
+    doc = json::parse(in);
+  } catch (const json::exception& e) {
+    DFLASH_FAIL_HINT(file << ": not valid JSON: " << e.what(), "the file should be a Hugging Face config.json");
+  }
+  return from_json(doc, file);
+}
+
+void TargetConfig::validate() const {
+  const std::string& s = source;
+  DFLASH_CHECK(static_cast<int64_t>(layer_types.size()) == num_hidden_layers,
+               s << ": layer_types has " << layer_types.size() << " entries but num_hidden_layers is " << num_hidden_layers);
+  DFLASH_CHECK(num_attention_heads % num_key_value_heads == 0,
+               s << ": num_attention_heads " << num_attention_heads << " is not a multiple of num_key_value_heads "
+                 << num_key_value_heads);
+  DFLASH_CHECK(linear_num_value_heads % linear_num_key_heads == 0,
+               s << ": linear_num_value_heads " << linear_num_value_heads << " is not a multiple of linear_num_key_heads "
+                 << linear_num_key_heads);
+  DFLASH_CHECK(partial_rotary_factor > 0 && partial_rotary_factor <= 1,
+               s << ": partial_rotary_factor " << partial_rotary_factor << " must be in (0, 1]");
+  const double rd = static_cast<double>(head_dim) * partial_rotary_factor;
+  DFLASH_CHECK(std::floor(rd) == rd && static_cast<int64_t>(rd) % 2 == 0,
+               s << ": head_dim " << head_dim << " x partial_rotary_factor " << partial_rotary_factor
+                 << " must give an even number of rotary dims");
+  DFLASH_CHECK(rms_norm_eps < 1.0, s << ": rms_norm_eps " << rms_norm_eps << " is implausibly large");
+  DFLASH_CHECK(vocab_size < (int64_t{1} << 31), s << ": vocab_size " << vocab_size << " does not fit in int32 ids");
+}
+
+int64_t TargetConfig::rotary_dim() const {
+  return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor);
+}
+
+int64_t TargetConfig::count_layers(LayerType t) const {
+  int64_t n = 0;
+  for (LayerType x : layer_types) n += x == t;
+  return n;
+}
+
+int64_t TargetConfig::parameter_count() const {
+  const int64_t H = hidden_size;
+  const int64_t gdn = gdn_conv_dim() * H + gdn_value_dim() * H + 2 * linear_num_value_heads * H +
+                      gdn_conv_dim() * linear_conv_kernel_dim + 2 * linear_num_value_heads + linear_value_head_dim +
+                      H * gdn_value_dim();
+  const int64_t attn = attn_q_proj_rows() * H + 2 * num_key_value_heads * head_dim * H +
+                       H * num_attention_heads * head_dim + 2 * head_dim;
+  const int64_t mlp = 3 * H * intermediate_size;
+  int64_t n = vocab_size * H * (tie_word_embeddings ? 1 : 2) + H;
+  n += count_layers(LayerType::LinearAttention) * (gdn + mlp + 2 * H);
+  n += count_layers(LayerType::FullAttention) * (attn + mlp + 2 * H);
+  return n;
+}
+
+std::string TargetConfig::summary() const {
+  std::ostringstream o;
+  o << model_type << ": " << num_hidden_layers << " layers (" << count_layers(LayerType::LinearAttention)
+    << " GatedDeltaNet + " << count_layers(LayerType::FullAttention) << " attention), hidden " << hidden_size
+    << ", attn heads " << num_attention_heads << "/" << num_key_value_heads << "x" << head_dim << ", GDN heads "
+    << linear_num_key_heads << "k/" << linear_num_value_heads << "v x " << linear_key_head_dim << "/"
+    << linear_value_head_dim << ", vocab " << vocab_size << ", " << static_cast<double>(parameter_count()) / 1e9
+    << "B params";
+  return o.str();
+}
+
+json TargetConfig::to_json() const {
+  json lt = json::array();
+  for (LayerType t : layer_types) lt.push_back(layer_type_name(t));
+  return json{
+      {"architectures", {"Qwen3_5ForCausalLM"}},
+      {"model_type", "qwen3_5_text"},
+      {"hidden_size", hidden_size},
+      {"num_hidden_layers", num_hidden_layers},
+      {"intermediate_size", intermediate_size},
+      {"vocab_size", vocab_size},
+      {"layer_types", lt},
+      {"rms_norm_eps", rms_norm_eps},
+      {"tie_word_embeddings", tie_word_embeddings},
+      {"num_attention_heads", num_attention_heads},
+      {"num_key_value_heads", num_key_value_heads},
+      {"head_dim", head_dim},
+      {"attn_output_gate", attn_output_gate},
+      {"hidden_act", "silu"},
+      {"attention_bias", false},
+      {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", rope_theta}, {"partial_rotary_factor", partial_rotary_factor}}},
+      {"partial_rotary_factor", partial_rotary_factor},
+      {"linear_num_key_heads", linear_num_key_heads},
+      {"linear_num_value_heads", linear_num_value_heads},
+      {"linear_key_head_dim", linear_key_head_dim},
+      {"linear_value_head_dim", linear_value_head_dim},
+      {"linear_conv_kernel_dim", linear_conv_kernel_dim},
+  };
+}
+
+}  // namespace dflash::target

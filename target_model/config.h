@@ -1,0 +1,62 @@
+#pragma once
+// The target model's architecture, parsed from a Hugging Face config.json of model_type
+// `qwen3_5` (text fields under `text_config`) or `qwen3_5_text`.
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dflash::target {
+
+enum class LayerType { LinearAttention, FullAttention };
+const char* layer_type_name(LayerType t);  // "linear_attention" / "full_attention"
+
+struct TargetConfig {
+  std::string model_type = "qwen3_5_text";  // as read (qwen3_5 or qwen3_5_text)
+  std::string source;                       // where it was read from, for messages
+
+  int64_t hidden_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t intermediate_size = 0;
+  int64_t vocab_size = 0;
+  std::vector<LayerType> layer_types;  // [num_hidden_layers]
+  double rms_norm_eps = 1e-6;
+  bool tie_word_embeddings = false;
+
+  // Gated full attention.
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;
+  bool attn_output_gate = true;  // q_proj yields [q | gate] per head
+  double partial_rotary_factor = 0.25;
+  double rope_theta = 10000.0;
+
+  // GatedDeltaNet.
+  int64_t linear_num_key_heads = 0;
+  int64_t linear_num_value_heads = 0;
+  int64_t linear_key_head_dim = 0;
+  int64_t linear_value_head_dim = 0;
+  int64_t linear_conv_kernel_dim = 4;
+
+  // Parses a config.json document. `source` names it in error messages.
+  static TargetConfig from_json(const nlohmann::json& doc, const std::string& source);
+  // Reads a config.json file, or DIR/config.json when given a directory.
+  static TargetConfig from_file(const std::string& path);
+  // The qwen3_5_text form of this config (what save_pretrained of a text model writes).
+  nlohmann::json to_json() const;
+  // Checks internal consistency; throws naming the field. Called by from_json.
+  void validate() const;
+
+  int64_t rotary_dim() const;  // head_dim * partial_rotary_factor (even)
+  int64_t gdn_key_dim() const { return linear_num_key_heads * linear_key_head_dim; }
+  int64_t gdn_value_dim() const { return linear_num_value_heads * linear_value_head_dim; }
+  int64_t gdn_conv_dim() const { return 2 * gdn_key_dim() + gdn_value_dim(); }
+  int64_t attn_q_proj_rows() const { return num_attention_heads * head_dim * (attn_output_gate ? 2 : 1); }
+  int64_t count_layers(LayerType t) const;
+  // Parameter count of the decoder stack plus embedding (and lm_head when untied).
+  int64_t parameter_count() const;
+  std::string summary() const;  // one line for logs
+};
+
+}  // namespace dflash::target

@@ -1,0 +1,79 @@
+#pragma once
+// The frozen target's weights: the tensor list a config implies, loading from a Hugging Face
+// checkpoint (text-model or multimodal names), seeded random initialisation, and export.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/tensor.h"
+#include "target_model/config.h"
+
+namespace dflash::target {
+
+struct GdnWeights {
+  Tensor in_proj_qkv;  // (2*Hk*dk + Hv*dv, H)   rows: [q | k | v]
+  Tensor in_proj_z;    // (Hv*dv, H)
+  Tensor in_proj_b;    // (Hv, H)
+  Tensor in_proj_a;    // (Hv, H)
+  Tensor conv1d;       // (conv_dim, K)   HF stores (conv_dim, 1, K)
+  Tensor A_log;        // (Hv)
+  Tensor dt_bias;      // (Hv)
+  Tensor norm;         // (dv)            plain weight of the gated RMSNorm
+  Tensor out_proj;     // (H, Hv*dv)
+};
+
+struct AttnWeights {
+  Tensor q_proj;  // (Hq*d*2, H) with the gate: per head [q (d) | gate (d)]; (Hq*d, H) without
+  Tensor k_proj;  // (Hkv*d, H)
+  Tensor v_proj;  // (Hkv*d, H)
+  Tensor o_proj;  // (H, Hq*d)
+  Tensor q_norm;  // (d)  zero-centred
+  Tensor k_norm;  // (d)  zero-centred
+};
+
+struct LayerWeights {
+  LayerType type = LayerType::LinearAttention;
+  Tensor input_layernorm;           // (H)  zero-centred
+  Tensor post_attention_layernorm;  // (H)  zero-centred
+  GdnWeights gdn;                   // when type == LinearAttention
+  AttnWeights attn;                 // when type == FullAttention
+  Tensor gate_proj, up_proj;        // (I, H)
+  Tensor down_proj;                 // (H, I)
+};
+
+struct TargetWeights {
+  Tensor embed_tokens;  // (V, H)
+  std::vector<LayerWeights> layers;
+  Tensor norm;     // (H)  zero-centred
+  Tensor lm_head;  // (V, H); the same tensor as embed_tokens when tied
+  DType dtype = DType::F32;
+  Device device;
+  size_t bytes() const;  // unique bytes held
+};
+
+// One expected tensor: canonical (text-model) name without the "model." prefix, and HF shape.
+struct TensorSpec {
+  std::string name;  // e.g. "layers.0.linear_attn.in_proj_qkv.weight", "embed_tokens.weight", "lm_head.weight"
+  Shape shape;
+};
+std::vector<TensorSpec> expected_tensors(const TargetConfig& c);
+
+// Maps a checkpoint name to the canonical one: "model.layers.3.mlp.up_proj.weight" and
+// "model.language_model.layers.3.mlp.up_proj.weight" -> "layers.3.mlp.up_proj.weight";
+// "lm_head.weight" stays. Returns "" for tensors the target ignores (mtp.*, vision tower).
+std::string canonical_weight_name(const std::string& checkpoint_name);
+
+// Loads DIR (config.json + model.safetensors or a sharded index). Missing, unexpected or
+// mis-shaped tensors fail with the full list of offending names and the expected shapes.
+// Weights are converted to `dtype` and placed on `device`.
+TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType dtype, Device device);
+
+// Seeded random weights without any file. Tensor element j of tensor `name` draws element j of
+// the RNG stream derived from (seed, name), so any slice can be drawn on its own (TP shards).
+// Scales keep activations O(1): linears N(0, 1/in), norms at their identity, A_log = log U(1, 16).
+TargetWeights random_weights(const TargetConfig& c, uint64_t seed, DType dtype, Device device);
+
+// Writes config.json and model.safetensors (text-model names) to DIR, creating it.
+void save_checkpoint(const TargetConfig& c, const TargetWeights& w, const std::string& dir, DType dtype);
+
+}  // namespace dflash::target

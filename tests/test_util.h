@@ -1,0 +1,56 @@
+#pragma once
+// Small helpers shared by the test suites (in namespace dflash, so unqualified calls on Tensors
+// find them by argument-dependent lookup).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kernels/device.h"
+#include "kernels/tensor.h"
+
+// First statement of every test that needs a GPU: skips (not fails) on machines without one.
+#define DFLASH_REQUIRE_GPU()                                                          \
+  do {                                                                                \
+    if (::dflash::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible"; \
+  } while (0)
+
+namespace dflash {
+
+// Host copy of any tensor's elements as doubles (row-major).
+inline std::vector<double> to_doubles(const Tensor& t) {
+  Tensor h = t.device().is_cpu() ? t.contiguous() : t.contiguous().to(Device::cpu());
+  std::vector<double> out(static_cast<size_t>(h.numel()));
+  convert_elements(h.raw_data(), h.dtype(), out.data(), DType::F64, h.numel());
+  return out;
+}
+
+// max|got - ref| / max(max|ref|, 1e-30), in double over host copies of any float dtype.
+// +inf when `got` holds a NaN (or an inf where ref has none) or the element counts differ.
+inline double max_rel_err(const Tensor& got, const Tensor& ref) {
+  if (got.numel() != ref.numel()) return std::numeric_limits<double>::infinity();
+  std::vector<double> g = to_doubles(got), r = to_doubles(ref);
+  double max_diff = 0, max_ref = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (std::isnan(g[i])) return std::numeric_limits<double>::infinity();
+    double d = std::abs(g[i] - r[i]);
+    if (std::isnan(d)) d = (g[i] == r[i]) ? 0 : std::numeric_limits<double>::infinity();  // inf - inf
+    max_diff = std::max(max_diff, d);
+    max_ref = std::max(max_ref, std::abs(r[i]));
+  }
+  return max_diff / std::max(max_ref, 1e-30);
+}
+
+// Overwrites every element so that outputs a kernel forgot to write are caught: NaN for float
+// dtypes, an unlikely sentinel for integer ones. Works on cpu and cuda tensors.
+inline void poison(Tensor& t) {
+  if (!t.defined() || t.numel() == 0) return;
+  switch (t.dtype()) {
+    case DType::U8: t.fill(0xAB); break;
+    case DType::I32: case DType::I64: t.fill(-123456789.0); break;
+    default: t.fill(std::numeric_limits<double>::quiet_NaN()); break;
+  }
+}
+
+}  // namespace dflash

@@ -165,7 +165,13 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
 TargetConfig TargetConfig::from_file(const std::string& path) {
   namespace fs = std::filesystem;
   std::string file = path;
-  if (fs::is_directory(path)) file = (fs::path(path) / "config.json").string();
+  DFLASH_CHECK_HINT(fs::exists(path), "model path '" << path << "' does not exist",
+                    "pass a Hugging Face model directory (config.json + *.safetensors) or a config.json file");
+  if (fs::is_directory(path)) {
+    file = (fs::path(path) / "config.json").string();
+    DFLASH_CHECK_HINT(fs::exists(file), "model directory '" << path << "' has no config.json",
+                      "a Hugging Face model directory holds config.json and the *.safetensors weights");
+  }
   std::ifstream in(file);
   DFLASH_CHECK_IO(in.good(), "opening model config", file);
   json doc;
@@ -227,8 +233,11 @@ std::string TargetConfig::summary() const {
     << " GatedDeltaNet + " << count_layers(LayerType::FullAttention) << " attention), hidden " << hidden_size
     << ", attn heads " << num_attention_heads << "/" << num_key_value_heads << "x" << head_dim << ", GDN heads "
     << linear_num_key_heads << "k/" << linear_num_value_heads << "v x " << linear_key_head_dim << "/"
-    << linear_value_head_dim << ", vocab " << vocab_size << ", " << static_cast<double>(parameter_count()) / 1e9
-    << "B params";
+    << linear_value_head_dim << ", vocab " << vocab_size << ", ";
+  const double p = static_cast<double>(parameter_count());
+  o.precision(3);
+  if (p >= 1e9) o << p / 1e9 << "B params";
+  else o << p / 1e6 << "M params";
   return o.str();
 }
 

@@ -15,6 +15,8 @@
 #include <fstream>
 #include <sstream>
 
+#include <unistd.h>
+
 #include "dflash/version.h"
 #include "kernels/app.h"
 #include "kernels/log.h"
@@ -107,14 +109,25 @@ int main(int argc, char** argv) {
       DFLASH_CHECK(!seqs[i].empty(), "sequence " << i + 1 << " has no token ids");
 
     auto t0 = std::chrono::steady_clock::now();
+    std::vector<int64_t> opt_layers;
     TargetConfig cfg = TargetConfig::from_file(random_weights ? config_path : model_dir);
     spdlog::info("target {}", cfg.summary());
+    opt_layers = parse_layers(layers, cfg.num_hidden_layers);
+    for (int64_t id : opt_layers)
+      DFLASH_CHECK_HINT(id >= 0 && id < cfg.num_hidden_layers, "--layers: capture layer id " << id << " is out of range",
+                        "layer ids are 0.." << cfg.num_hidden_layers - 1 << " (id i = output of decoder layer i)");
+    // The CPU reference holds f32 weights: refuse up front what this machine cannot hold.
+    const double need = static_cast<double>(cfg.parameter_count()) * 4.0;
+    const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+    DFLASH_CHECK_HINT(need < 0.8 * have, "the CPU reference needs " << need / 1e9 << " GB for the f32 weights of this "
+                                         << cfg.summary() << ", but this machine has " << have / 1e9 << " GB",
+                      "the CPU reference is for small models; run big targets on the GPU");
     TargetWeights w = random_weights ? dflash::target::random_weights(cfg, seed, DType::F32, Device::cpu())
                                      : load_weights(cfg, model_dir, DType::F32, Device::cpu());
     TargetModel model(cfg, std::move(w));
     auto t1 = std::chrono::steady_clock::now();
     ForwardOptions opt;
-    opt.capture = parse_layers(layers, cfg.num_hidden_layers);
+    opt.capture = opt_layers;
     opt.final_norm = final_norm;
     opt.delta_rule = delta_rule == "chunked" ? ops::DeltaRuleAlgo::Chunked : ops::DeltaRuleAlgo::Recurrent;
     ForwardResult r = model.forward(seqs, opt);

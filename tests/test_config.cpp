@@ -128,3 +128,17 @@ TEST(Config, MissingFileIsAClearError) {
     EXPECT_NE(std::string(e.what()).find("/nonexistent/dir/config.json"), std::string::npos);
   }
 }
+
+// The shipped Qwen3.6-27B config (multimodal form, as the real checkpoint has it).
+TEST(Config, Qwen36_27bShapes) {
+  TargetConfig c = TargetConfig::from_file(std::string(DFLASH_TEST_DATA_DIR) + "/../../configs/qwen3.6-27b");
+  EXPECT_EQ(c.count_layers(LayerType::LinearAttention), 48);
+  EXPECT_EQ(c.count_layers(LayerType::FullAttention), 16);
+  EXPECT_EQ(c.layer_types[3], LayerType::FullAttention);
+  EXPECT_EQ(c.gdn_conv_dim(), 10240);  // the fused q|k|v conv channels of ../shared/ANCHORS.md
+  EXPECT_EQ(c.rotary_dim(), 64);
+  EXPECT_EQ(c.attn_q_proj_rows(), 24 * 256 * 2);
+  // ~26.9B parameters in the text model (embedding and lm_head included).
+  EXPECT_GT(c.parameter_count(), 26'500'000'000);
+  EXPECT_LT(c.parameter_count(), 27'500'000'000);
+}

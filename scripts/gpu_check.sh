@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One whole check on the GPU machine: configure (Release, sm_90), build with every core, run the
+# gpu-labelled tests and then the rest, run the benchmarks that exist, and leave logs and CSVs in
+# one folder ($OUT on the device machine, else runs/gpu_check).
+#   device: run("bash scripts/gpu_check.sh")
+source "$(dirname "$0")/common.sh"
+RESULTS="${OUT:-$DFLASH_ROOT/runs/gpu_check}"
+mkdir -p "$RESULTS"
+export DFLASH_BUILD="${DFLASH_BUILD:-$DFLASH_ROOT/build-gpu}"
+{
+  echo "commit $(git -C "$DFLASH_ROOT" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || true
+  nvcc --version | tail -2
+  cmake --version | head -1
+} > "$RESULTS/environment.txt" 2>&1
+cat "$RESULTS/environment.txt"
+
+status=0
+configure_and_build -DDFLASH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${DFLASH_CUDA_ARCHS:-90}" 2>&1 | tee "$RESULTS/build.log" | tail -5 \
+  || { say "build failed (see build.log)"; exit 1; }
+cd "$DFLASH_BUILD"
+say "gpu tests"
+ctest -L gpu --output-on-failure --timeout 600 --output-junit "$RESULTS/ctest_gpu.xml" 2>&1 | tee "$RESULTS/test_gpu.log" | tail -15 || status=1
+say "cpu and mpi tests"
+ctest -LE gpu -j "$DFLASH_JOBS" --timeout 600 --output-junit "$RESULTS/ctest_cpu.xml" 2>&1 | tee "$RESULTS/test_cpu.log" | tail -5 || status=1
+
+# Benchmarks (each writes CSV rows with the GPU name and commit). Added as they are built.
+for bench in target_bench kernel_bench; do
+  if [ -x "$DFLASH_BUILD/bench/$bench" ]; then
+    say "$bench"
+    "$DFLASH_BUILD/bench/$bench" --csv "$RESULTS/$bench.csv" 2>&1 | tee "$RESULTS/$bench.log" || status=1
+  fi
+done
+exit $status

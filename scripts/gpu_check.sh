@@ -2,13 +2,13 @@
 # One whole check on the GPU machine: configure (Release, sm_90), build with every core, run the
 # gpu-labelled tests and then the rest, run the benchmarks that exist, and leave logs and CSVs in
 # one folder ($OUT on the device machine, else runs/gpu_check).
-#   device: run("bash scripts/gpu_check.sh")
+#   device: run("DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_check.sh")  (the copied tree has no .git)
 source "$(dirname "$0")/common.sh"
 RESULTS="${OUT:-$DFLASH_ROOT/runs/gpu_check}"
 mkdir -p "$RESULTS"
 export DFLASH_BUILD="${DFLASH_BUILD:-$DFLASH_ROOT/build-gpu}"
 {
-  echo "commit $(git -C "$DFLASH_ROOT" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
+  echo "commit $(git -C "$DFLASH_ROOT" rev-parse --short=12 HEAD 2>/dev/null || echo "${DFLASH_GIT_COMMIT:-unknown}")"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || true
   nvcc --version | tail -2
   cmake --version | head -1

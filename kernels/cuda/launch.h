@@ -1,0 +1,157 @@
+#pragma once
+// Launchers of the CUDA kernels of the target forward (bf16 activations and weights, fp32 math,
+// fp32 GatedDeltaNet state). Raw pointers and sizes only, as FlashInfer / TensorRT-LLM entry
+// points: no Tensor, no CUDA types in this header (bf16 data is `void*`, streams are `void*` =
+// cudaStream_t), so host code can include it. Every launcher validates its sizes (throwing
+// dflash::Error), enqueues on the stream and checks the launch; none synchronizes.
+//
+// Conventions: "rows" are tokens of a packed batch (all sequences back to back); `ld*` are row
+// strides in elements; cu_seqlens is an int32 device array {0, len0, len0+len1, ..., N}.
+// "fast" kernels are the ones the fast-path plan selects; "fallback" kernels are simple, correct
+// for every shape and architecture, and only run when chosen on purpose.
+#include <cstdint>
+
+namespace dflash::cuda {
+
+using Stream = void*;
+
+// ---- GEMM (cuBLASLt) ----------------------------------------------------------------------------
+// y[M, N] (row stride ldy) = x[M, K] (row stride ldx) · w[N, K]^T  (+ y when accumulate)
+// bf16 inputs, fp32 accumulation, bf16 output. w is the Hugging Face Linear weight, row-major.
+// Uses the device's DeviceContext (stream, cuBLASLt handle, workspace); algorithms are cached per
+// shape. M == 0 is a no-op.
+struct GemmParams {
+  const void* x = nullptr;
+  int64_t ldx = 0;
+  const void* w = nullptr;
+  void* y = nullptr;
+  int64_t ldy = 0;
+  int64_t M = 0, N = 0, K = 0;
+  bool accumulate = false;
+};
+void gemm_bf16(const GemmParams& p, int device);
+
+// ---- Embedding, norms, elementwise (bf16 in/out, fp32 math) --------------------------------------
+// y[n, :] = table[ids[n], :]; ids were validated against V on the host.
+void embedding(const int32_t* ids, const void* table, void* y, int64_t N, int64_t D, Stream s);
+
+// y = x̂ · (1 + w) (zero_centered) or x̂ · w, over rows of D.
+void rms_norm(const void* x, int64_t ldx, const void* w, void* y, int64_t ldy, int64_t rows, int64_t D, float eps,
+              bool zero_centered, Stream s);
+
+// Residual step of a decoder layer: h += d (fp32 add, bf16 store), then y = rmsnorm(h) · (1 + w).
+// h, d, y are contiguous [rows, D]; y may be null (then only the add).
+void add_rms_norm(void* h, const void* d, const void* w, void* y, int64_t rows, int64_t D, float eps, Stream s);
+
+// y[N, I] = silu(gu[:, 0:I]) * gu[:, I:2I]; gu is the output of the fused gate|up GEMM [N, 2I].
+void swiglu(const void* gu, void* y, int64_t N, int64_t I, Stream s);
+
+// Attention q/k preparation, one (token, head) row at a time: zero-centred RMSNorm over d with
+// wq / wk, then neox RoPE on the first rotary_dim dims at position pos[n] (inv_freq and angle in
+// f32 as transformers computes them: inv_freq_i = 1 / theta^(2i / rotary_dim)).
+// q is read from q_in (row stride ldq, head stride hsq: per head [q | gate] when gated) and written
+// contiguous to q_out [N, Hq, d]; k [N, Hkv, d] (row stride ldk) is normalised and rotated in place.
+struct QkPrepParams {
+  const void* q_in = nullptr;
+  int64_t ldq = 0, hsq = 0;
+  void* q_out = nullptr;
+  void* k = nullptr;
+  int64_t ldk = 0;
+  const void* wq = nullptr;  // [d]
+  const void* wk = nullptr;  // [d]
+  const int32_t* pos = nullptr;  // [N] position of each token within its sequence
+  int64_t N = 0, Hq = 0, Hkv = 0, d = 0, rotary_dim = 0;
+  float eps = 1e-6f;
+  float theta = 10000.0f;
+};
+void qk_norm_rope(const QkPrepParams& p, Stream s);
+
+// x[N, H*d] *= sigmoid(gate); gate of token n, head h at gate + n*ldg + h*hsg (d contiguous).
+void sigmoid_gate(void* x, const void* gate, int64_t ldg, int64_t hsg, int64_t N, int64_t H, int64_t d, Stream s);
+
+// GatedDeltaNet output: y[n, h*dv:(h+1)*dv] = rmsnorm(core[n, h, :]) · w · silu(z[n, h*dv + :]).
+// core [N, Hv, dv] contiguous; z rows strided (ldz); w [dv] plain weight.
+void gated_rms_norm(const void* core, const void* z, int64_t ldz, const void* w, void* y, int64_t N, int64_t Hv,
+                    int64_t dv, float eps, Stream s);
+
+// ---- Causal attention -----------------------------------------------------------------------------
+// out[N, Hq, d] = softmax(scale · q kᵀ + causal mask within each sequence) v, GQA: query head h
+// reads kv head h / (Hq / Hkv). q [N, Hq, d], k/v [N, Hkv, d] contiguous bf16; fp32 softmax.
+struct AttentionParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  const int32_t* cu_seqlens = nullptr;  // [num_seqs + 1]
+  int64_t num_seqs = 0, max_seqlen = 0, N = 0, Hq = 0, Hkv = 0, d = 0;
+  float scale = 0.0f;
+};
+// Flash-style (no T×T matrix in memory), tensor cores. Supports d in {64, 128, 256}, sm >= 80.
+void flash_attention_fwd(const AttentionParams& p, Stream s);
+bool flash_attention_supported(int64_t d, int sm_major);
+// Plain kernel for any d and architecture (one query row per block, online softmax).
+void attention_fallback(const AttentionParams& p, Stream s);
+
+// ---- GatedDeltaNet ----------------------------------------------------------------------------------
+// Causal depthwise conv over C channels, channel-last, zeros before each sequence start:
+//   y[t, c] = act(sum_j w[c, j] · x[t - K + 1 + j, c]),  act = silu when `silu`.
+// x rows strided (ldx >= C, e.g. the [q|k|v] columns of the fused in-projection output); y contiguous.
+struct ConvParams {
+  const void* x = nullptr;
+  int64_t ldx = 0;
+  const void* w = nullptr;  // [C, K]
+  void* y = nullptr;        // [N, C]
+  const int32_t* cu_seqlens = nullptr;
+  int64_t num_seqs = 0, N = 0, C = 0, K = 0;
+  bool silu = true;
+};
+// One pass over all channels: vectorized (8 bf16 channels per thread), each input read once, K <= 4.
+void causal_conv1d_fast(const ConvParams& p, Stream s);
+bool causal_conv1d_fast_supported(int64_t C, int64_t K);
+// One thread per (token, channel), any C and K.
+void causal_conv1d_fallback(const ConvParams& p, Stream s);
+
+// Post-conv preparation: from the conv output [N, conv_dim = 2*Hk*dk + Hv*dv] (row stride ld_conv)
+// writes q = l2norm(q) · scale and k = l2norm(k) (eps 1e-6) as contiguous bf16 [N, Hk, dk], and
+// g = -exp(A_log) · softplus(a + dt_bias), beta = sigmoid(b) as fp32 [N, Hv], from the a / b
+// columns of the in-projection output (row stride ld_ab). A_log, dt_bias: bf16 [Hv].
+struct GdnPrepParams {
+  const void* conv = nullptr;
+  int64_t ld_conv = 0;
+  const void* a = nullptr;
+  const void* b = nullptr;
+  int64_t ld_ab = 0;
+  const void* A_log = nullptr;
+  const void* dt_bias = nullptr;
+  void* q = nullptr;
+  void* k = nullptr;
+  float* g = nullptr;
+  float* beta = nullptr;
+  int64_t N = 0, Hk = 0, Hv = 0, dk = 0;
+  float scale = 0.0f;
+};
+void gdn_prep(const GdnPrepParams& p, Stream s);
+
+// Gated delta rule on prepared (normalised, q pre-scaled) q/k, per sequence and value head h with
+// key head h / (Hv / Hk):  S = exp(g_t) S;  S += k_t (beta_t (v_t - Sᵀ k_t))ᵀ;  o_t = Sᵀ q_t.
+// State fp32 [num_seqs, Hv, dk, dv]; initial_state / final_state optional (null).
+struct DeltaRuleParams {
+  const void* q = nullptr;  // [N, Hk, dk] bf16
+  const void* k = nullptr;  // [N, Hk, dk] bf16
+  const void* v = nullptr;  // rows strided: v of token n, head h at v + n*ldv + h*dv
+  int64_t ldv = 0;
+  const float* g = nullptr;     // [N, Hv]
+  const float* beta = nullptr;  // [N, Hv]
+  const float* initial_state = nullptr;
+  float* final_state = nullptr;
+  void* out = nullptr;  // [N, Hv, dv] bf16
+  const int32_t* cu_seqlens = nullptr;
+  int64_t num_seqs = 0, N = 0, Hk = 0, Hv = 0, dk = 0, dv = 0;
+};
+// Chunked (64 tokens, WY / UT form) on tensor cores, fp32 state. Supports dk = dv = 128 (and 64).
+void chunk_gated_delta_rule(const DeltaRuleParams& p, Stream s);
+bool chunk_gated_delta_rule_supported(int64_t dk, int64_t dv, int sm_major);
+// Token-recurrent, one block per (sequence, value head, dv slice); any dk, dv.
+void recurrent_gated_delta_rule(const DeltaRuleParams& p, Stream s);
+
+}  // namespace dflash::cuda

@@ -24,11 +24,17 @@ ctest -L gpu --output-on-failure --timeout 600 --output-junit "$RESULTS/ctest_gp
 say "cpu and mpi tests"
 ctest -LE gpu -j "$DFLASH_JOBS" --timeout 600 --output-junit "$RESULTS/ctest_cpu.xml" 2>&1 | tee "$RESULTS/test_cpu.log" | tail -5 || status=1
 
-# Benchmarks (each writes CSV rows with the GPU name and commit). Added as they are built.
-for bench in target_bench kernel_bench; do
-  if [ -x "$DFLASH_BUILD/bench/$bench" ]; then
-    say "$bench"
-    "$DFLASH_BUILD/bench/$bench" --csv "$RESULTS/$bench.csv" 2>&1 | tee "$RESULTS/$bench.log" || status=1
-  fi
-done
+# Diagnostics and benchmarks (CSV rows carry the GPU name and commit).
+Q27=$DFLASH_ROOT/configs/qwen3.6-27b/config.json
+say "dflash_doctor (Qwen3.6-27B shapes)"
+"$DFLASH_BUILD/target_model/dflash_doctor" --config "$Q27" --json "$RESULTS/doctor.json" 2>&1 | tee "$RESULTS/doctor.txt" || status=1
+if [ -x "$DFLASH_BUILD/bench/target_bench" ]; then
+  say "target_bench (Qwen3.6-27B shapes, random weights)"
+  "$DFLASH_BUILD/bench/target_bench" --config "$Q27" --random-weights ${TARGET_BENCH_ARGS:-} --csv "$RESULTS/target_bench.csv" \
+    2>&1 | tee "$RESULTS/target_bench.txt" || status=1
+fi
+if [ -x "$DFLASH_BUILD/bench/kernel_bench" ]; then
+  say "kernel_bench"
+  "$DFLASH_BUILD/bench/kernel_bench" --csv "$RESULTS/kernel_bench.csv" 2>&1 | tee "$RESULTS/kernel_bench.txt" || status=1
+fi
 exit $status

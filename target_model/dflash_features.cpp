@@ -22,6 +22,10 @@
 #include "kernels/log.h"
 #include "target_model/model.h"
 #include "target_model/safetensors.h"
+#include "kernels/device.h"
+#if DFLASH_WITH_CUDA
+#include "target_model/model_cuda.h"
+#endif
 
 using namespace dflash;
 using namespace dflash::target;
@@ -85,14 +89,24 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", out_dtype, "dtype of the saved states")->check(CLI::IsMember({"f32", "bf16"}))->capture_default_str();
   app.add_option("--delta-rule", delta_rule, "GatedDeltaNet algorithm of the CPU reference")
       ->check(CLI::IsMember({"chunked", "recurrent"}))->capture_default_str();
-  app.add_option("--device", device, "where the target runs")->capture_default_str();
+  app.add_option("--device", device, "where the target runs: cpu or cuda[:N]")->capture_default_str();
+  std::string conv_pol = "auto", dr_pol = "auto", attn_pol = "auto", plan_json;
+  bool require_fast = false;
+  app.add_option("--conv", conv_pol, "kernel policy of the GatedDeltaNet conv (GPU)")->check(CLI::IsMember({"auto", "fast", "fallback"}));
+  app.add_option("--delta-rule-kernel", dr_pol, "kernel policy of the delta rule (GPU)")->check(CLI::IsMember({"auto", "fast", "fallback"}));
+  app.add_option("--attention", attn_pol, "kernel policy of attention (GPU)")->check(CLI::IsMember({"auto", "fast", "fallback"}));
+  app.add_flag("--require-fast-path", require_fast, "refuse to run when any layer would use a fallback kernel");
+  app.add_option("--plan-json", plan_json, "write the fast-path plan and the kernel counters as JSON");
 
   return run_app(app, argc, argv, [&]() -> int {
     init_logging(-1, log_level);
     DFLASH_CHECK_HINT(!model_dir.empty() || random_weights, "no weights given",
                       "pass --model DIR, or --config FILE --random-weights");
-    DFLASH_CHECK_HINT(Device::parse(device).is_cpu(), "--device " << device << ": the CUDA target forward is not built yet",
-                      "use --device cpu");
+    const Device dev = Device::parse(device);
+    if (dev.is_cuda())
+      DFLASH_CHECK_HINT(dev.index < cuda_device_count(), "--device " << device << ": " << cuda_device_count()
+                                                              << " CUDA device(s) visible",
+                        "check nvidia-smi / CUDA_VISIBLE_DEVICES, or use --device cpu");
     std::vector<std::vector<int32_t>> seqs;
     for (size_t i = 0; i < token_lists.size(); ++i) seqs.push_back(parse_ids(token_lists[i], "--tokens #" + std::to_string(i + 1)));
     if (!tokens_file.empty()) {
@@ -116,27 +130,70 @@ int main(int argc, char** argv) {
     for (int64_t id : opt_layers)
       DFLASH_CHECK_HINT(id >= 0 && id < cfg.num_hidden_layers, "--layers: capture layer id " << id << " is out of range",
                         "layer ids are 0.." << cfg.num_hidden_layers - 1 << " (id i = output of decoder layer i)");
-    // The CPU reference holds f32 weights: refuse up front what this machine cannot hold.
-    const double need = static_cast<double>(cfg.parameter_count()) * 4.0;
-    const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
-    DFLASH_CHECK_HINT(need < 0.8 * have, "the CPU reference needs " << need / 1e9 << " GB for the f32 weights of this "
-                                         << cfg.summary() << ", but this machine has " << have / 1e9 << " GB",
-                      "the CPU reference is for small models; run big targets on the GPU");
-    TargetWeights w = random_weights ? dflash::target::random_weights(cfg, seed, DType::F32, Device::cpu())
-                                     : load_weights(cfg, model_dir, DType::F32, Device::cpu());
-    TargetModel model(cfg, std::move(w));
-    auto t1 = std::chrono::steady_clock::now();
+    KernelPolicies pol{parse_policy(conv_pol, "--conv"), parse_policy(dr_pol, "--delta-rule-kernel"),
+                       parse_policy(attn_pol, "--attention"), require_fast};
+    const int sm = dev.is_cuda() ? cuda_device_info(dev.index).major : 0;
+    FastPathPlan plan = make_plan(cfg, dev, pol, sm);
+    spdlog::info("fast path: {}", plan.summary());
+    for (const std::string& f : plan.fallbacks()) spdlog::warn("fallback: {}", f);
     ForwardOptions opt;
     opt.capture = opt_layers;
     opt.final_norm = final_norm;
     opt.delta_rule = delta_rule == "chunked" ? ops::DeltaRuleAlgo::Chunked : ops::DeltaRuleAlgo::Recurrent;
-    ForwardResult r = model.forward(seqs, opt);
-    auto t2 = std::chrono::steady_clock::now();
-    const double load_s = std::chrono::duration<double>(t1 - t0).count();
-    const double fwd_s = std::chrono::duration<double>(t2 - t1).count();
+    PathCounters cpu_counters;
+    opt.counters = &cpu_counters;
+    ForwardResult r;
+    double load_s = 0, fwd_s = 0;
+    std::string counters_str;
+    nlohmann::json counters_json;
+    if (dev.is_cpu()) {
+      // The CPU reference holds f32 weights: refuse up front what this machine cannot hold.
+      const double need = static_cast<double>(cfg.parameter_count()) * 4.0;
+      const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+      DFLASH_CHECK_HINT(need < 0.8 * have, "the CPU reference needs " << need / 1e9 << " GB for the f32 weights of this "
+                                           << cfg.summary() << ", but this machine has " << have / 1e9 << " GB",
+                        "the CPU reference is for small models; run big targets on the GPU (--device cuda)");
+      TargetWeights w = random_weights ? dflash::target::random_weights(cfg, seed, DType::F32, dev)
+                                       : load_weights(cfg, model_dir, DType::F32, dev);
+      TargetModel model(cfg, std::move(w));
+      auto t1 = std::chrono::steady_clock::now();
+      load_s = std::chrono::duration<double>(t1 - t0).count();
+      r = model.forward(seqs, opt);
+      fwd_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+      counters_str = cpu_counters.str();
+      counters_json = cpu_counters.to_json();
+    } else {
+#if DFLASH_WITH_CUDA
+      TargetWeights w = random_weights ? dflash::target::random_weights(cfg, seed, DType::BF16, dev)
+                                       : load_weights(cfg, model_dir, DType::BF16, dev);
+      CudaTargetModel model(cfg, std::move(w), plan);
+      CudaBatch batch = model.make_batch(seqs);
+      DeviceContext::get(dev.index).synchronize();
+      auto t1 = std::chrono::steady_clock::now();
+      load_s = std::chrono::duration<double>(t1 - t0).count();
+      r = model.forward(batch, opt);
+      DeviceContext::get(dev.index).synchronize();
+      fwd_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+      for (auto& [id, t] : r.layers) t = t.to(Device::cpu()).to_dtype(DType::F32);
+      if (final_norm) r.final_hidden = r.final_hidden.to(Device::cpu()).to_dtype(DType::F32);
+      counters_str = model.counters().str();
+      counters_json = model.counters().to_json();
+      auto mm = model.counters().mismatches(model.plan(), 1);
+      DFLASH_CHECK(mm.empty(), "kernel counters disagree with the plan: " << mm.front());
+#else
+      DFLASH_FAIL_HINT("--device " << device << ": this build has no CUDA backend", "reconfigure with -DDFLASH_CUDA=ON");
+#endif
+    }
     const int64_t N = r.offsets.back();
-    spdlog::info("{} sequences, {} tokens: load {:.2f} s, forward {:.3f} s ({:.0f} tok/s on the CPU reference, "
-                 "GatedDeltaNet {})", seqs.size(), N, load_s, fwd_s, static_cast<double>(N) / fwd_s, delta_rule);
+    spdlog::info("{} sequences, {} tokens on {}: load {:.2f} s, forward {:.3f} s ({:.0f} tok/s, first call included)",
+                 seqs.size(), N, dev.str(), load_s, fwd_s, static_cast<double>(N) / fwd_s);
+    spdlog::info("kernels run: {}", counters_str);
+    if (!plan_json.empty()) {
+      nlohmann::json pj{{"plan", plan.to_json()}, {"counters", counters_json}};
+      std::ofstream pf(plan_json);
+      DFLASH_CHECK_IO(pf.good(), "writing", plan_json);
+      pf << pj.dump(2) << "\n";
+    }
 
     const DType dt = out_dtype == "bf16" ? DType::BF16 : DType::F32;
     std::vector<std::pair<std::string, Tensor>> tensors;

@@ -121,8 +121,16 @@ ForwardResult TargetModel::forward(const std::vector<std::vector<int32_t>>& sequ
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const LayerWeights& L = weights_.layers[static_cast<size_t>(i)];
     ops::rms_norm(h, L.input_layernorm, eps, ops::RmsNormKind::ZeroCentered, normed);
-    if (L.type == LayerType::LinearAttention) gdn_mixer(L, normed, seqs, options.delta_rule, mixed);
-    else attention_mixer(L, normed, seqs, mixed);
+    if (L.type == LayerType::LinearAttention) {
+      gdn_mixer(L, normed, seqs, options.delta_rule, mixed);
+      if (options.counters) {
+        options.counters->add(Step::Conv, Path::Cpu);
+        options.counters->add(Step::DeltaRule, Path::Cpu);
+      }
+    } else {
+      attention_mixer(L, normed, seqs, mixed);
+      if (options.counters) options.counters->add(Step::Attention, Path::Cpu);
+    }
     ops::add(h, mixed, h);
     ops::rms_norm(h, L.post_attention_layernorm, eps, ops::RmsNormKind::ZeroCentered, normed);
     mlp(L, normed, mixed);

@@ -6,6 +6,7 @@
 
 #include "kernels/ops.h"
 #include "target_model/config.h"
+#include "target_model/fast_path.h"
 #include "target_model/weights.h"
 
 namespace dflash::target {
@@ -16,6 +17,7 @@ struct ForwardOptions {
   std::vector<int64_t> capture;
   bool final_norm = false;  // also return norm(output of the last layer)
   ops::DeltaRuleAlgo delta_rule = ops::DeltaRuleAlgo::Chunked;
+  PathCounters* counters = nullptr;  // when set, the CPU forward counts its conv / delta-rule / attention steps
 };
 
 struct ForwardResult {

@@ -177,21 +177,25 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
 TargetWeights random_weights(const TargetConfig& c, uint64_t seed, DType dtype, Device device) {
   TargetWeights w;
   for_each_slot(c, w, [&](const std::string& name, const Shape& shape, Tensor& slot) {
-    Tensor host = Tensor::empty(shape, DType::F32);
     RandomParams rp{seed, name_stream(name), 0};
+    const bool is_conv = ends_with(name, "conv1d.weight");
+    if (is_conv || (!ends_with(name, "A_log") && !ends_with(name, "dt_bias") && !ends_with(name, "norm.weight"))) {
+      // Linears (out, in), the embedding and the conv: drawn directly in place (on the GPU for a
+      // CUDA target, so a 27B model never exists in f32 on the host).
+      const float stddev = name == "embed_tokens.weight" ? 1.0f : 1.0f / std::sqrt(static_cast<float>(shape.back()));
+      Tensor t = Tensor::empty(shape, dtype, device);
+      fill_normal(t, rp, 0.0f, stddev);
+      slot = is_conv ? t.view({shape[0], shape[2]}) : t;
+      return;
+    }
+    Tensor host = Tensor::empty(shape, DType::F32);
     if (ends_with(name, "A_log")) {
       fill_uniform(host, rp, 1.0f, 16.0f);
       for (int64_t i = 0; i < host.numel(); ++i) host.data<float>()[i] = std::log(host.data<float>()[i]);
     } else if (ends_with(name, "dt_bias") || ends_with(name, "linear_attn.norm.weight")) {
       host.fill(1.0);  // plain-weight norm at identity; dt_bias as transformers initialises it
-    } else if (ends_with(name, "norm.weight")) {
+    } else {
       host.fill(0.0);  // zero-centred norms: (1 + 0) is the identity
-    } else if (ends_with(name, "conv1d.weight")) {
-      fill_normal(host, rp, 0.0f, 1.0f / std::sqrt(static_cast<float>(shape.back())));
-    } else if (name == "embed_tokens.weight") {
-      fill_normal(host, rp, 0.0f, 1.0f);
-    } else {  // linear (out, in)
-      fill_normal(host, rp, 0.0f, 1.0f / std::sqrt(static_cast<float>(shape.back())));
     }
     place(slot, name, host, dtype, device);
   });

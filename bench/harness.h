@@ -1,0 +1,44 @@
+#pragma once
+// Timing harness shared by the benchmarks: CUDA events around the timed region, warm-up outside
+// it, repeated rounds (order shuffled per round from a recorded seed), median with p20/p80 and
+// min/max, a "noisy" mark when rounds disagree, and normalized CSV rows naming the GPU and commit.
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace dflash::bench {
+
+struct Stats {
+  double p50 = 0, p20 = 0, p80 = 0, min = 0, max = 0;
+  double round_spread = 0;  // (max - min) / min of the per-round medians
+  bool noisy = false;
+  std::vector<double> samples;  // every timed iteration, ms
+};
+Stats summarize(std::vector<double> samples, const std::vector<double>& round_medians, double noisy_threshold);
+
+// Times `fn` (which enqueues work on `stream`) `iters` times per round after `warmup` calls,
+// each iteration bracketed by CUDA events. Returns per-iteration milliseconds.
+std::vector<double> time_cuda(void* stream, int warmup, int iters, const std::function<void()>& fn);
+
+struct Row {
+  std::string bench, kernel, provider, mode, metric, unit, shape;
+  double p50 = 0, p20 = 0, p80 = 0;
+  bool noisy = false;
+};
+
+// Appends rows to a CSV file (header written when the file is new):
+// bench,kernel,provider,mode,metric,unit,shape,p50,p20,p80,noisy,gpu,commit,timestamp
+class CsvWriter {
+ public:
+  CsvWriter(std::string path, std::string gpu_name);
+  void write(const Row& r);
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_, gpu_, timestamp_;
+};
+
+std::string utc_timestamp();  // 2026-11-30T08:00:00Z
+
+}  // namespace dflash::bench

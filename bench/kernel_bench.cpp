@@ -1,0 +1,310 @@
+// kernel_bench: op-level benchmarks a kernel change cannot hide from. Every provider is checked
+// against a reference on the same inputs before it is timed (a wrong kernel never passes as a
+// fast one); rounds shuffle the provider order; rows go to CSV with the GPU name and commit.
+//
+//   kernel_bench --csv kernel_bench.csv [--only conv,gdn,layer] [--quick]
+//
+// conv : N separate causal depthwise convs vs one fused conv over the concatenated channels, and
+//        the Qwen3.6-27B layer shape (10240 channels); GB/s from bytes = read x + write y (+ w).
+// gdn  : chunked delta rule (fast) vs token-recurrent fallback, Qwen3.6-27B heads (16 k, 48 v,
+//        d 128), T 2048..32768 and a varlen batch; TFLOP/s and TB/s from the formulas below.
+// layer: one GatedDeltaNet and one attention decoder layer at the 27B shape and small shapes.
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <random>
+#include <sstream>
+
+#include "bench/harness.h"
+#include "kernels/app.h"
+#include "kernels/cuda/launch.h"
+#include "kernels/device.h"
+#include "kernels/log.h"
+#include "kernels/random.h"
+#include "target_model/model_cuda.h"
+
+using namespace dflash;
+using namespace dflash::target;
+
+namespace {
+
+struct Ctx {
+  DeviceInfo info;
+  void* stream = nullptr;
+  int warmup = 3, iters = 20, rounds = 3;
+  uint64_t seed = 0;
+  std::mt19937_64 order;
+  std::unique_ptr<bench::CsvWriter> csv;
+};
+
+Tensor dev_randn(const Shape& s, DType t, uint64_t stream, float stddev = 1.0f) {
+  Tensor x = Tensor::empty(s, t, Device::cuda(0));
+  fill_normal(x, {1234, stream, 0}, 0.0f, stddev);
+  return x;
+}
+
+double max_rel_err(const Tensor& a, const Tensor& b) {
+  Tensor x = a.to(Device::cpu()).to_dtype(DType::F64), y = b.to(Device::cpu()).to_dtype(DType::F64);
+  double md = 0, mr = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const double u = x.data<double>()[i], v = y.data<double>()[i];
+    if (std::isnan(u) || std::isnan(v)) return INFINITY;
+    md = std::max(md, std::abs(u - v));
+    mr = std::max(mr, std::abs(v));
+  }
+  return md / std::max(mr, 1e-30);
+}
+
+struct Provider {
+  std::string name;
+  std::function<void()> run;
+  std::function<Tensor()> output;  // for the correctness check (may be null: checked elsewhere)
+};
+
+// Checks every provider's output against the first one's, then times all of them in shuffled
+// rounds. `units` gives the derived metrics per provider: {metric, unit, amount per call}, where
+// the value is amount / seconds (e.g. bytes -> GB/s with amount in GB).
+void measure(Ctx& ctx, const std::string& bench, const std::string& kernel, const std::string& shape,
+             std::vector<Provider> providers, double tolerance,
+             const std::vector<std::tuple<std::string, std::string, double>>& units) {
+  for (auto& p : providers) p.run();
+  DeviceContext::get(0).synchronize();
+  Tensor ref = providers[0].output ? providers[0].output() : Tensor();
+  for (size_t i = 1; i < providers.size(); ++i) {
+    if (!ref.defined() || !providers[i].output) continue;
+    const double e = max_rel_err(providers[i].output(), ref);
+    DFLASH_CHECK(e <= tolerance, bench << "/" << kernel << " " << shape << ": provider " << providers[i].name
+                                      << " disagrees with " << providers[0].name << " (max rel err " << e << " > "
+                                      << tolerance << "); not timing a wrong kernel");
+  }
+  std::map<std::string, std::vector<double>> all, med;
+  std::vector<size_t> order(providers.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  for (int r = 0; r < ctx.rounds; ++r) {
+    std::shuffle(order.begin(), order.end(), ctx.order);
+    for (size_t i : order) {
+      auto ms = bench::time_cuda(ctx.stream, r == 0 ? ctx.warmup : 1, ctx.iters, providers[i].run);
+      all[providers[i].name].insert(all[providers[i].name].end(), ms.begin(), ms.end());
+      std::sort(ms.begin(), ms.end());
+      med[providers[i].name].push_back(ms[ms.size() / 2]);
+    }
+  }
+  double base = 0;
+  for (const auto& p : providers) {
+    bench::Stats s = bench::summarize(all[p.name], med[p.name], 0.05);
+    if (base == 0) base = s.p50;
+    std::printf("  %-6s %-22s %-44s %-26s %9.4f ms", bench.c_str(), kernel.c_str(), shape.c_str(), p.name.c_str(), s.p50);
+    if (ctx.csv) ctx.csv->write({bench, kernel, p.name, "fwd", "time", "ms", shape, s.p50, s.p20, s.p80, s.noisy});
+    for (const auto& [metric, unit, amount] : units) {
+      std::printf("  %8.1f %s", amount / (s.p50 / 1e3), unit.c_str());
+      if (ctx.csv)
+        ctx.csv->write({bench, kernel, p.name, "fwd", metric, unit, shape, amount / (s.p50 / 1e3),
+                        amount / (s.p80 / 1e3), amount / (s.p20 / 1e3), s.noisy});
+    }
+    std::printf("  x%.2f%s\n", base / s.p50, s.noisy ? "  NOISY" : "");
+  }
+}
+
+Tensor cu_seqlens_of(const std::vector<int64_t>& lens) {
+  std::vector<int32_t> cu{0};
+  for (int64_t l : lens) cu.push_back(cu.back() + static_cast<int32_t>(l));
+  return Tensor::from_blob(cu.data(), {static_cast<int64_t>(cu.size())}, DType::I32).to(Device::cuda(0));
+}
+
+void bench_conv(Ctx& ctx, bool quick) {
+  std::printf("\n== conv: N separate causal depthwise convs vs one fused conv (K=4, SiLU, bf16)\n");
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> shapes;  // (streams N, T, D per stream)
+  for (int64_t n : {2, 3, 4})
+    for (int64_t T : {2048, 4096})
+      for (int64_t D : {512, 1024}) shapes.emplace_back(n, T, D);
+  if (quick) shapes.resize(2);
+  const int64_t K = 4;
+  auto run = [&](int64_t n, int64_t T, const std::vector<int64_t>& widths, const std::string& shape) {
+    int64_t C = 0;
+    for (int64_t w : widths) C += w;
+    Tensor x = dev_randn({T, C}, DType::BF16, 1), w = dev_randn({C, K}, DType::BF16, 2, 0.5f);
+    Tensor y_fused = Tensor::empty({T, C}, DType::BF16, Device::cuda(0)), y_sep = y_fused.clone(), y_fb = y_fused.clone();
+    Tensor cu = cu_seqlens_of({T});
+    auto params = [&](int64_t c0, int64_t width, Tensor& y) {
+      cuda::ConvParams p;
+      p.x = static_cast<char*>(x.raw_data()) + c0 * 2;
+      p.ldx = C;
+      p.w = static_cast<char*>(w.raw_data()) + c0 * K * 2;
+      p.y = y.raw_data();
+      p.cu_seqlens = cu.data<int32_t>();
+      p.num_seqs = 1;
+      p.N = T;
+      p.C = width;
+      p.K = K;
+      return p;
+    };
+    // Separate convs write their own outputs (as N separate modules would); the fused output
+    // is compared column block by column block through one [T, C] buffer.
+    std::vector<Tensor> outs;
+    for (int64_t wd : widths) outs.push_back(Tensor::empty({T, wd}, DType::BF16, Device::cuda(0)));
+    std::vector<Provider> prov;
+    prov.push_back({"fused_fast", [&] { cuda::causal_conv1d_fast(params(0, C, y_fused), ctx.stream); }, [&] { return y_fused; }});
+    prov.push_back({"separate_fast_x" + std::to_string(n), [&] {
+                      int64_t c0 = 0;
+                      for (size_t i = 0; i < widths.size(); ++i) {
+                        cuda::causal_conv1d_fast(params(c0, widths[i], outs[i]), ctx.stream);
+                        c0 += widths[i];
+                      }
+                    }, [&] {
+                      Tensor cat = Tensor::empty({T, C}, DType::BF16, Device::cpu());
+                      int64_t c0 = 0;
+                      for (size_t i = 0; i < widths.size(); ++i) {
+                        Tensor h = outs[i].to(Device::cpu());
+                        cat.slice(1, c0, c0 + widths[i]).copy_from(h);
+                        c0 += widths[i];
+                      }
+                      return cat;
+                    }});
+    prov.push_back({"fused_fallback", [&] { cuda::causal_conv1d_fallback(params(0, C, y_fb), ctx.stream); }, [&] { return y_fb; }});
+    const double gb = (2.0 * static_cast<double>(T * C) * 2 + static_cast<double>(C * K) * 2) / 1e9;
+    measure(ctx, "conv", "causal_conv1d", shape, prov, 1e-2, {{"bandwidth", "GB/s", gb}});
+  };
+  for (auto [n, T, D] : shapes) run(n, T, std::vector<int64_t>(static_cast<size_t>(n), D), std::to_string(n) + "x" + std::to_string(D) + " T" + std::to_string(T));
+  for (int64_t T : {int64_t{2048}, int64_t{8192}})
+    run(3, T, {2048, 2048, 6144}, "qwen3.6-27b q|k|v 2048+2048+6144 T" + std::to_string(T));
+}
+
+void bench_gdn(Ctx& ctx, bool quick) {
+  std::printf("\n== gdn: chunked delta rule vs recurrent fallback (Hk 16, Hv 48, d 128)\n");
+  const int64_t Hk = 16, Hv = 48, d = 128;
+  std::vector<std::vector<int64_t>> cases = {{2048}, {4096}, {8192}, {32768}, std::vector<int64_t>(8, 1024)};
+  if (quick) cases = {{2048}, {8192}};
+  for (const auto& lens : cases) {
+    int64_t N = 0;
+    for (int64_t l : lens) N += l;
+    Tensor q = dev_randn({N, Hk, d}, DType::BF16, 3, 1.0f / std::sqrt(128.0f) / std::sqrt(128.0f));
+    Tensor k = dev_randn({N, Hk, d}, DType::BF16, 4, 1.0f / std::sqrt(128.0f));
+    Tensor v = dev_randn({N, Hv, d}, DType::BF16, 5);
+    Tensor g = Tensor::empty({N, Hv}, DType::F32, Device::cuda(0)), beta = g.clone();
+    fill_uniform(g, {1234, 6, 0}, -0.5f, 0.0f);
+    fill_uniform(beta, {1234, 7, 0}, 0.0f, 1.0f);
+    Tensor cu = cu_seqlens_of(lens);
+    Tensor o_fast = Tensor::empty({N, Hv, d}, DType::BF16, Device::cuda(0)), o_slow = o_fast.clone();
+    auto params = [&](Tensor& out) {
+      cuda::DeltaRuleParams p;
+      p.q = q.raw_data();
+      p.k = k.raw_data();
+      p.v = v.raw_data();
+      p.ldv = Hv * d;
+      p.g = g.data<float>();
+      p.beta = beta.data<float>();
+      p.out = out.raw_data();
+      p.cu_seqlens = cu.data<int32_t>();
+      p.num_seqs = static_cast<int64_t>(lens.size());
+      p.N = N;
+      p.Hk = Hk;
+      p.Hv = Hv;
+      p.dk = d;
+      p.dv = d;
+      return p;
+    };
+    // FLOPs (chunk form, C = 64, per value head and chunk of L tokens): K Kᵀ and Q Kᵀ 2·2·L²·d,
+    // the triangular solves 2·L²·(d + d), W S and Q S 2·2·L·d², the state update 2·L·d².
+    // ≈ per token: 8·C·d + 6·d² per head. Bytes: q, k (bf16, per key head), v and out (bf16),
+    // g and beta (f32), each read / written once.
+    const double Nn = static_cast<double>(N);
+    const double flops = Nn * static_cast<double>(Hv) * (8.0 * 64 * d + 6.0 * d * d);
+    const double bytes = Nn * (2.0 * Hk * d * 2 + 2.0 * Hv * d * 2 + 2.0 * Hv * 4);
+    std::ostringstream shape;
+    shape << "T" << N << (lens.size() > 1 ? " (" + std::to_string(lens.size()) + " seqs)" : "");
+    std::vector<Provider> prov;
+    prov.push_back({"chunk_fast", [&] { cuda::chunk_gated_delta_rule(params(o_fast), ctx.stream); }, [&] { return o_fast; }});
+    if (!(quick && N > 8192))
+      prov.push_back({"recurrent_fallback", [&] { cuda::recurrent_gated_delta_rule(params(o_slow), ctx.stream); }, [&] { return o_slow; }});
+    measure(ctx, "gdn", "gated_delta_rule", shape.str(), prov, 2e-2,
+            {{"achieved", "TFLOP/s", flops / 1e12}, {"bandwidth", "TB/s", bytes / 1e12}});
+  }
+}
+
+void bench_layer(Ctx& ctx, bool quick) {
+  std::printf("\n== layer: one decoder layer (mixer + MLP), fast vs fallback kernels\n");
+  struct Shape {
+    std::string name;
+    int64_t H, I, Hq, Hkv, d, Hk, Hv, dk, T;
+  };
+  std::vector<Shape> shapes = {{"qwen3.6-27b", 5120, 17408, 24, 4, 256, 16, 48, 128, 2048},
+                               {"qwen3.6-27b", 5120, 17408, 24, 4, 256, 16, 48, 128, 8192},
+                               {"seed-512", 512, 1536, 8, 2, 64, 4, 8, 64, 100},
+                               {"seed-512", 512, 1536, 8, 2, 64, 4, 8, 64, 2048},
+                               {"seed-2048", 2048, 6144, 16, 4, 256, 8, 16, 128, 512},
+                               {"seed-2048", 2048, 6144, 16, 4, 256, 8, 16, 128, 2048}};
+  if (quick) shapes.resize(1);
+  for (const Shape& s : shapes) {
+    TargetConfig c;
+    c.source = "kernel_bench";
+    c.hidden_size = s.H;
+    c.intermediate_size = s.I;
+    c.vocab_size = 1024;
+    c.num_hidden_layers = 2;
+    c.layer_types = {LayerType::LinearAttention, LayerType::FullAttention};
+    c.num_attention_heads = s.Hq;
+    c.num_key_value_heads = s.Hkv;
+    c.head_dim = s.d;
+    c.linear_num_key_heads = s.Hk;
+    c.linear_num_value_heads = s.Hv;
+    c.linear_key_head_dim = c.linear_value_head_dim = s.dk;
+    c.validate();
+    const Device dev = Device::cuda(0);
+    FastPathPlan fast = make_plan(c, dev, {}, ctx.info.major);
+    FastPathPlan slow = make_plan(c, dev, {KernelPolicy::Fallback, KernelPolicy::Fallback, KernelPolicy::Fallback, false}, ctx.info.major);
+    CudaTargetModel model(c, random_weights(c, ctx.seed, DType::BF16, dev), fast);
+    std::vector<int32_t> ids(static_cast<size_t>(s.T), 1);
+    CudaBatch b = model.make_batch({ids});
+    Tensor h = dev_randn({s.T, s.H}, DType::BF16, 8);
+    for (int64_t layer : {int64_t{0}, int64_t{1}}) {
+      // Correctness first, from the same input; timing then runs the layer repeatedly in place on
+      // scratch copies (no host sync inside the timed region).
+      Tensor hf = h.clone(), hs = h.clone();
+      model.run_layer(layer, hf, b, fast.layers[static_cast<size_t>(layer)]);
+      model.run_layer(layer, hs, b, slow.layers[static_cast<size_t>(layer)]);
+      const double err = max_rel_err(hf, hs);
+      DFLASH_CHECK(err <= 2e-2, "layer " << layer << " of " << s.name << ": fast and fallback disagree (" << err << ")");
+      Tensor scratch_f = h.clone(), scratch_s = h.clone();
+      std::vector<Provider> prov;
+      prov.push_back({"fast", [&] { model.run_layer(layer, scratch_f, b, fast.layers[static_cast<size_t>(layer)]); }, nullptr});
+      prov.push_back({"fallback", [&] { model.run_layer(layer, scratch_s, b, slow.layers[static_cast<size_t>(layer)]); }, nullptr});
+      std::string shape = s.name + " H" + std::to_string(s.H) + " T" + std::to_string(s.T) +
+                          (layer == 0 ? " GDN d" + std::to_string(s.dk) : " attn d" + std::to_string(s.d));
+      measure(ctx, "layer", layer == 0 ? "gdn_layer" : "attention_layer", shape, prov, 2e-2, {});
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Op-level benchmarks of the target's CUDA kernels (each provider checked before it is timed)."};
+  app.name("kernel_bench");
+  std::string log_level = "warn", csv, only = "conv,gdn,layer";
+  bool quick = false;
+  Ctx ctx;
+  add_common_options(app, &log_level);
+  app.add_option("--csv", csv, "append CSV rows to this file");
+  app.add_option("--only", only, "comma-separated subset of conv,gdn,layer")->capture_default_str();
+  app.add_flag("--quick", quick, "a few shapes only (smoke run)");
+  app.add_option("--warmup", ctx.warmup, "untimed calls before the first round")->capture_default_str();
+  app.add_option("--iters", ctx.iters, "timed calls per round")->capture_default_str();
+  app.add_option("--rounds", ctx.rounds, "rounds, provider order shuffled per round")->capture_default_str();
+  app.add_option("--seed", ctx.seed, "round-order and weight seed")->capture_default_str();
+  return run_app(app, argc, argv, [&]() -> int {
+    init_logging(-1, log_level);
+    DFLASH_CHECK_HINT(cuda_device_count() > 0, "kernel_bench needs a CUDA GPU and none is visible",
+                      "run it on the GPU machine; check nvidia-smi / CUDA_VISIBLE_DEVICES");
+    ctx.info = cuda_device_info(0);
+    ctx.stream = DeviceContext::get(0).stream();
+    ctx.order.seed(ctx.seed);
+    if (!csv.empty()) ctx.csv = std::make_unique<bench::CsvWriter>(csv, ctx.info.name);
+    std::printf("kernel_bench on %s, %s, round-order seed %llu\n", ctx.info.name.c_str(), version_string().c_str(),
+                static_cast<unsigned long long>(ctx.seed));
+    if (only.find("conv") != std::string::npos) bench_conv(ctx, quick);
+    if (only.find("gdn") != std::string::npos) bench_gdn(ctx, quick);
+    if (only.find("layer") != std::string::npos) bench_layer(ctx, quick);
+    return 0;
+  });
+}

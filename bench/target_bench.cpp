@@ -1,0 +1,181 @@
+// target_bench: the single-GPU isolation benchmark of the target forward (decoder stack, no LM
+// head) at 2048 / 4096 / 8192 tokens, on the fast path and on the explicit fallback.
+//
+//   target_bench --config configs/qwen3.6-27b/config.json --random-weights --csv results.csv
+//
+// Per length: load time, weight and peak activation memory, ms p50/p20/p80, tok/s, achieved
+// TFLOP/s and MFU (FLOPs counted from the config), and which path each layer used. A "fast" run in
+// which any layer would fall back is refused; `--path both` times the same model on both paths.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <random>
+
+#include "bench/harness.h"
+#include "kernels/app.h"
+#include "kernels/device.h"
+#include "kernels/log.h"
+#include "target_model/model_cuda.h"
+
+using namespace dflash;
+using namespace dflash::target;
+
+namespace {
+
+// Model FLOPs of one forward over `seqs` sequences of `T` tokens: every linear (2 per weight
+// element per token), causal attention (QKᵀ and PV: 2·Hq·d·T(T+1) per layer and sequence) and
+// the delta-rule state math (~7·dk·dv per token and value head: decay, Sᵀk, update, Sᵀq).
+double forward_flops(const TargetConfig& c, int64_t T, int64_t seqs) {
+  const double H = static_cast<double>(c.hidden_size), N = static_cast<double>(T * seqs);
+  const double mlp = 3.0 * H * static_cast<double>(c.intermediate_size);
+  const double gdn_lin = H * static_cast<double>(c.gdn_conv_dim() + 2 * c.gdn_value_dim() + 2 * c.linear_num_value_heads);
+  const double attn_lin = H * static_cast<double>(c.attn_q_proj_rows() + 2 * c.num_key_value_heads * c.head_dim +
+                                                  c.num_attention_heads * c.head_dim);
+  const double gdn_core = 7.0 * static_cast<double>(c.linear_key_head_dim * c.linear_value_head_dim * c.linear_num_value_heads);
+  const double attn_core_per_seq = 2.0 * static_cast<double>(c.num_attention_heads * c.head_dim) *
+                                   static_cast<double>(T) * static_cast<double>(T + 1);
+  const double n_gdn = static_cast<double>(c.count_layers(LayerType::LinearAttention));
+  const double n_attn = static_cast<double>(c.count_layers(LayerType::FullAttention));
+  return n_gdn * (2.0 * N * (gdn_lin + mlp) + N * gdn_core) +
+         n_attn * (2.0 * N * (attn_lin + mlp) + attn_core_per_seq * static_cast<double>(seqs));
+}
+
+std::vector<int64_t> parse_list(const std::string& s) {
+  std::vector<int64_t> v;
+  size_t pos = 0;
+  while (pos < s.size()) {
+    size_t end = s.find(',', pos);
+    if (end == std::string::npos) end = s.size();
+    const std::string tok = s.substr(pos, end - pos);
+    char* e = nullptr;
+    const long long x = std::strtoll(tok.c_str(), &e, 10);
+    DFLASH_CHECK_HINT(e && *e == '\0' && x > 0, "--seq: '" << tok << "' is not a positive token count", "e.g. --seq 2048,4096,8192");
+    v.push_back(x);
+    pos = end + 1;
+  }
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Single-GPU isolation benchmark of the target forward (decoder stack) on the fast path and the fallback."};
+  app.name("target_bench");
+  std::string log_level = "info", model_dir, config_path, seq_s = "2048,4096,8192", path = "both", csv;
+  bool random = false;
+  int64_t batch = 1;
+  int warmup = 2, iters = 5, rounds = 2, fallback_iters = 2;
+  uint64_t seed = 0;
+  add_common_options(app, &log_level);
+  auto* m = app.add_option("--model", model_dir, "Hugging Face model directory");
+  auto* c = app.add_option("--config", config_path, "config.json (with --random-weights)");
+  m->excludes(c);
+  app.add_flag("--random-weights", random, "seeded random bf16 weights drawn on the GPU")->needs(c);
+  app.add_option("--seq", seq_s, "tokens per sequence, comma separated")->capture_default_str();
+  app.add_option("--batch", batch, "sequences per forward")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--path", path, "fast, fallback or both")->check(CLI::IsMember({"fast", "fallback", "both"}))->capture_default_str();
+  app.add_option("--warmup", warmup, "untimed forwards before each measurement")->capture_default_str();
+  app.add_option("--iters", iters, "timed forwards per round (fast path)")->capture_default_str();
+  app.add_option("--fallback-iters", fallback_iters, "timed forwards per round on the fallback")->capture_default_str();
+  app.add_option("--rounds", rounds, "rounds; path order shuffled per round")->capture_default_str();
+  app.add_option("--seed", seed, "weights, tokens and round-order seed")->capture_default_str();
+  app.add_option("--csv", csv, "append CSV rows to this file");
+
+  return run_app(app, argc, argv, [&]() -> int {
+    init_logging(-1, log_level);
+    DFLASH_CHECK_HINT(!model_dir.empty() || random, "no weights given", "pass --model DIR or --config FILE --random-weights");
+    DFLASH_CHECK_HINT(cuda_device_count() > 0, "target_bench needs a CUDA GPU and none is visible",
+                      "run it on the GPU machine; check nvidia-smi / CUDA_VISIBLE_DEVICES");
+    const Device dev = Device::cuda(0);
+    const DeviceInfo info = cuda_device_info(0);
+    const std::vector<int64_t> seqs = parse_list(seq_s);
+    TargetConfig cfg = TargetConfig::from_file(random ? config_path : model_dir);
+    std::printf("target_bench on %s (sm %d.%d, %d SMs), %s\n  %s\n", info.name.c_str(), info.major, info.minor,
+                info.sm_count, version_string().c_str(), cfg.summary().c_str());
+
+    FastPathPlan fast = make_plan(cfg, dev, {}, info.major);
+    FastPathPlan slow = make_plan(cfg, dev, {KernelPolicy::Fallback, KernelPolicy::Fallback, KernelPolicy::Fallback, false}, info.major);
+    std::printf("  fast path plan: %s\n", fast.summary().c_str());
+    if (path != "fallback") fast.require_all_fast();  // never time a "fast" run that falls back
+
+    auto t0 = std::chrono::steady_clock::now();
+    TargetWeights w = random ? random_weights(cfg, seed, DType::BF16, dev) : load_weights(cfg, model_dir, DType::BF16, dev);
+    const size_t weight_bytes = w.bytes();
+    CudaTargetModel model(cfg, std::move(w), fast);
+    DeviceContext::get(0).synchronize();
+    const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("  weights: %.2f GiB bf16, loaded in %.1f s\n", static_cast<double>(weight_bytes) / (1 << 30), load_s);
+    void* stream = DeviceContext::get(0).stream();
+    std::unique_ptr<bench::CsvWriter> out;
+    if (!csv.empty()) out = std::make_unique<bench::CsvWriter>(csv, info.name);
+    constexpr double kPeakBf16 = 989e12;  // H100/H200 SXM dense bf16 datasheet peak; MFU is against it
+
+    std::printf("\n%-8s %-9s %10s %10s %10s %11s %9s %7s %10s %s\n", "tokens", "path", "ms p50", "p20", "p80", "tok/s",
+                "TFLOP/s", "MFU", "act GiB", "noisy");
+    std::mt19937_64 order_rng(seed);
+    for (int64_t T : seqs) {
+      std::vector<std::vector<int32_t>> tokens(static_cast<size_t>(batch));
+      std::mt19937 tok_rng(static_cast<uint32_t>(seed + static_cast<uint64_t>(T)));
+      for (auto& s : tokens) {
+        s.resize(static_cast<size_t>(T));
+        for (auto& id : s) id = static_cast<int32_t>(tok_rng() % static_cast<uint32_t>(cfg.vocab_size));
+      }
+      CudaBatch b = model.make_batch(tokens);
+      std::vector<std::string> paths;
+      if (path != "fallback") paths.push_back("fast");
+      if (path != "fast") paths.push_back("fallback");
+      std::map<std::string, std::vector<double>> samples, medians;
+      std::map<std::string, double> act_gib;
+      for (int r = 0; r < rounds; ++r) {
+        std::shuffle(paths.begin(), paths.end(), order_rng);
+        for (const std::string& p : paths) {
+          model.set_plan(p == "fast" ? fast : slow);
+          model.counters().reset();
+          DeviceContext::get(0).synchronize();
+          device_alloc::reset_peak(0);
+          const int n = p == "fast" ? iters : fallback_iters;
+          std::vector<double> ms = bench::time_cuda(stream, r == 0 ? warmup : 0, n, [&] { model.forward(b, {}); });
+          const uint64_t forwards = static_cast<uint64_t>(n + (r == 0 ? warmup : 0));
+          auto mm = model.counters().mismatches(model.plan(), forwards);
+          DFLASH_CHECK(mm.empty(), "kernel counters disagree with the " << p << " plan: " << mm.front());
+          act_gib[p] = static_cast<double>(device_alloc::stats(0).peak_allocated - weight_bytes) / (1 << 30);
+          samples[p].insert(samples[p].end(), ms.begin(), ms.end());
+          std::vector<double> sorted = ms;
+          std::sort(sorted.begin(), sorted.end());
+          medians[p].push_back(sorted[sorted.size() / 2]);
+        }
+      }
+      const double flops = forward_flops(cfg, T, batch);
+      const std::string shape = cfg.model_type + " L" + std::to_string(cfg.num_hidden_layers) + " H" +
+                                std::to_string(cfg.hidden_size) + " T" + std::to_string(T) + " B" + std::to_string(batch);
+      std::map<std::string, double> p50;
+      for (const std::string& p : {std::string("fast"), std::string("fallback")}) {
+        if (!samples.count(p)) continue;
+        bench::Stats s = bench::summarize(samples[p], medians[p], 0.05);
+        p50[p] = s.p50;
+        const double tokens_n = static_cast<double>(T * batch);
+        const double tps = tokens_n / (s.p50 / 1e3), tflops = flops / (s.p50 / 1e3) / 1e12;
+        std::printf("%-8lld %-9s %10.2f %10.2f %10.2f %11.0f %9.1f %6.1f%% %10.2f %s\n", static_cast<long long>(T * batch),
+                    p.c_str(), s.p50, s.p20, s.p80, tps, tflops, 100.0 * tflops * 1e12 / kPeakBf16, act_gib[p],
+                    s.noisy ? "NOISY" : "");
+        if (out) {
+          auto row = [&](const std::string& metric, const std::string& unit, double a, double b2, double c2) {
+            out->write({"target_bench", "forward", "dflash", p, metric, unit, shape, a, b2, c2, s.noisy});
+          };
+          row("time", "ms", s.p50, s.p20, s.p80);
+          row("throughput", "tok/s", tokens_n / (s.p50 / 1e3), tokens_n / (s.p80 / 1e3), tokens_n / (s.p20 / 1e3));
+          row("achieved", "TFLOP/s", tflops, flops / (s.p80 / 1e3) / 1e12, flops / (s.p20 / 1e3) / 1e12);
+          row("mfu", "%", 100.0 * tflops * 1e12 / kPeakBf16, 0, 0);
+          row("activation_memory", "GiB", act_gib[p], act_gib[p], act_gib[p]);
+        }
+      }
+      if (p50.count("fast") && p50.count("fallback"))
+        std::printf("%-8s fast path speed-up over the fallback: %.1fx\n", "", p50["fallback"] / p50["fast"]);
+    }
+    if (out) std::printf("\nCSV rows appended to %s\n", out->path().c_str());
+    return 0;
+  });
+}

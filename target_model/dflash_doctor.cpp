@@ -1,0 +1,240 @@
+// dflash_doctor: the fast-path diagnostics report.
+//
+//   dflash_doctor --config configs/qwen3.6-27b/config.json      (random weights of those shapes)
+//   dflash_doctor --model /models/Qwen3.6-27B --json doctor.json
+//
+// 1. Environment: GPU, compute capability, SMs, memory, driver/runtime, cuBLASLt, NCCL, MPI, build.
+// 2. The per-layer plan (which kernel runs each step and why) with a one-line summary.
+// 3. A live check on the GPU: one layer of each kind on the fast path and on the fallback with the
+//    same input; outputs compared and both timed, so the report shows the fast path is right and faster.
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <iostream>
+
+#include "dflash/version.h"
+#include "kernels/app.h"
+#include "kernels/device.h"
+#include "kernels/log.h"
+#include "kernels/random.h"
+#include "target_model/fast_path.h"
+#include "target_model/weights.h"
+#if DFLASH_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/env.h"
+#include "target_model/model_cuda.h"
+#endif
+
+using namespace dflash;
+using namespace dflash::target;
+using nlohmann::json;
+
+namespace {
+
+json environment(int device) {
+  json env;
+  env["dflash"] = version_string();
+  env["build"] = {{"commit", kGitCommit}, {"cuda_backend", kBuiltWithCuda}, {"cuda_archs", kCudaArchs},
+#ifdef NDEBUG
+                  {"assertions", false},
+#else
+                  {"assertions", true},
+#endif
+                  {"compiler", __VERSION__}};
+  char mpi[MPI_MAX_LIBRARY_VERSION_STRING] = {0};
+  int len = 0;
+  MPI_Get_library_version(mpi, &len);
+  std::string mpi_s(mpi, static_cast<size_t>(std::max(0, len)));
+  if (auto nl = mpi_s.find_first_of("\r\n,"); nl != std::string::npos) mpi_s.resize(nl);
+  env["mpi"] = mpi_s;
+  env["gpu_count"] = cuda_device_count();
+#if DFLASH_WITH_CUDA
+  auto v = cuda::library_versions();
+  env["cuda_driver"] = cuda::version_str(v.driver);
+  env["cuda_runtime"] = cuda::version_str(v.runtime);
+  env["cublaslt"] = v.cublaslt;
+  env["nccl"] = std::to_string(v.nccl / 10000) + "." + std::to_string((v.nccl / 100) % 100) + "." + std::to_string(v.nccl % 100);
+  if (device >= 0) {
+    DeviceInfo info = cuda_device_info(device);
+    env["gpu"] = {{"index", device}, {"name", info.name}, {"compute_capability", std::to_string(info.major) + "." + std::to_string(info.minor)},
+                  {"sms", info.sm_count}, {"memory_gib", static_cast<double>(info.total_memory) / (1 << 30)}};
+  }
+#else
+  (void)device;
+#endif
+  return env;
+}
+
+void print_environment(const json& env) {
+  std::cout << "== environment\n";
+  std::cout << "  " << env["dflash"].get<std::string>() << ", " << env["build"]["compiler"].get<std::string>() << "\n";
+  std::cout << "  MPI: " << env["mpi"].get<std::string>() << "\n";
+  if (env.contains("cuda_runtime"))
+    std::cout << "  CUDA driver " << env["cuda_driver"].get<std::string>() << ", runtime " << env["cuda_runtime"].get<std::string>()
+              << ", cuBLASLt " << env["cublaslt"] << ", NCCL " << env["nccl"].get<std::string>() << "\n";
+  if (env.contains("gpu")) {
+    const json& g = env["gpu"];
+    std::cout << "  GPU " << g["index"] << ": " << g["name"].get<std::string>() << ", sm " << g["compute_capability"].get<std::string>()
+              << ", " << g["sms"] << " SMs, " << g["memory_gib"].get<double>() << " GiB\n";
+  } else {
+    std::cout << "  GPU: none visible (" << env["gpu_count"] << " CUDA devices"
+              << (kBuiltWithCuda ? "" : "; this build has no CUDA backend") << ")\n";
+  }
+}
+
+#if DFLASH_WITH_CUDA
+// Median of `reps` timed runs of f (after one warm-up), in ms, with CUDA events on the device stream.
+template <typename F>
+double time_ms(void* stream, int reps, F&& f) {
+  auto s = static_cast<cudaStream_t>(stream);
+  f();
+  cudaEvent_t a, b;
+  DFLASH_CUDA_CHECK(cudaEventCreate(&a));
+  DFLASH_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int r = 0; r < reps; ++r) {
+    DFLASH_CUDA_CHECK(cudaEventRecord(a, s));
+    f();
+    DFLASH_CUDA_CHECK(cudaEventRecord(b, s));
+    DFLASH_CUDA_CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    DFLASH_CUDA_CHECK(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// max |a - b| / max |b| over (out - in) deltas, in double on the host; +inf on NaN.
+double delta_rel_err(const Tensor& out_a, const Tensor& out_b, const Tensor& in) {
+  Tensor a = out_a.to(Device::cpu()).to_dtype(DType::F64), b = out_b.to(Device::cpu()).to_dtype(DType::F64);
+  Tensor x = in.to(Device::cpu()).to_dtype(DType::F64);
+  double md = 0, mr = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    const double da = a.data<double>()[i] - x.data<double>()[i], db = b.data<double>()[i] - x.data<double>()[i];
+    if (std::isnan(da) || std::isnan(db)) return INFINITY;
+    md = std::max(md, std::abs(da - db));
+    mr = std::max(mr, std::abs(db));
+  }
+  return md / std::max(mr, 1e-30);
+}
+
+json live_check(const TargetConfig& cfg, int device, const KernelPolicies& pol, int sm_major, int64_t tokens, uint64_t seed) {
+  // A two-layer model with the target's shapes (one layer of each kind), random bf16 weights.
+  TargetConfig mini = cfg;
+  mini.num_hidden_layers = 2;
+  mini.layer_types = {LayerType::LinearAttention, LayerType::FullAttention};
+  const Device dev = Device::cuda(device);
+  KernelPolicies fallback{KernelPolicy::Fallback, KernelPolicy::Fallback, KernelPolicy::Fallback, false};
+  FastPathPlan fast_plan = make_plan(mini, dev, KernelPolicies{pol.conv, pol.delta_rule, pol.attention, false}, sm_major);
+  FastPathPlan slow_plan = make_plan(mini, dev, fallback, sm_major);
+  CudaTargetModel model(mini, random_weights(mini, seed, DType::BF16, dev), fast_plan);
+  std::vector<int32_t> ids(static_cast<size_t>(tokens));
+  for (int64_t i = 0; i < tokens; ++i) ids[static_cast<size_t>(i)] = static_cast<int32_t>(i % cfg.vocab_size);
+  CudaBatch batch = model.make_batch({ids});
+  Tensor h = Tensor::empty({tokens, cfg.hidden_size}, DType::BF16, dev);
+  fill_normal(h, {seed, 777, 0}, 0.0f, 1.0f);
+  void* stream = DeviceContext::get(device).stream();
+  json out = json::array();
+  for (int64_t layer : {int64_t{0}, int64_t{1}}) {
+    Tensor hf = h.clone(), hs = h.clone(), scratch = h.clone();
+    model.run_layer(layer, hf, batch, fast_plan.layers[static_cast<size_t>(layer)]);
+    model.run_layer(layer, hs, batch, slow_plan.layers[static_cast<size_t>(layer)]);
+    const double err = delta_rel_err(hf, hs, h);
+    const double fast_ms = time_ms(stream, 5, [&] { model.run_layer(layer, scratch, batch, fast_plan.layers[static_cast<size_t>(layer)]); });
+    const double slow_ms = time_ms(stream, 3, [&] { model.run_layer(layer, scratch, batch, slow_plan.layers[static_cast<size_t>(layer)]); });
+    json r{{"layer_type", layer_type_name(mini.layer_types[static_cast<size_t>(layer)])},
+           {"tokens", tokens},
+           {"fast_kernels", json::array()},
+           {"fallback_kernels", json::array()},
+           {"max_rel_err_fast_vs_fallback", err},
+           {"fast_ms", fast_ms},
+           {"fallback_ms", slow_ms},
+           {"speedup", slow_ms / fast_ms},
+           {"outputs_match", err <= 2e-2}};
+    for (const StepPlan& s : fast_plan.layers[static_cast<size_t>(layer)].steps) r["fast_kernels"].push_back(s.kernel);
+    for (const StepPlan& s : slow_plan.layers[static_cast<size_t>(layer)].steps) r["fallback_kernels"].push_back(s.kernel);
+    out.push_back(r);
+  }
+  return out;
+}
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Fast-path diagnostics: environment, per-layer kernel plan, and a live fast-vs-fallback check on the GPU."};
+  app.name("dflash_doctor");
+  std::string log_level = "warn", model_dir, config_path, json_path, device_s, conv = "auto", dr = "auto", attn = "auto";
+  bool require_fast = false, no_live = false;
+  int64_t tokens = 4096;
+  uint64_t seed = 0;
+  add_common_options(app, &log_level);
+  auto* m = app.add_option("--model", model_dir, "Hugging Face model directory (its config.json is read)");
+  auto* c = app.add_option("--config", config_path, "a config.json (random weights of its shapes)");
+  m->excludes(c);
+  app.add_option("--device", device_s, "cuda:N or cpu (default: cuda:0 when a GPU is visible, else cpu)");
+  app.add_option("--conv", conv, "kernel policy for the GatedDeltaNet conv")->check(CLI::IsMember({"auto", "fast", "fallback"}))->capture_default_str();
+  app.add_option("--delta-rule", dr, "kernel policy for the delta rule")->check(CLI::IsMember({"auto", "fast", "fallback"}))->capture_default_str();
+  app.add_option("--attention", attn, "kernel policy for attention")->check(CLI::IsMember({"auto", "fast", "fallback"}))->capture_default_str();
+  app.add_flag("--require-fast-path", require_fast, "fail when any layer would fall back");
+  app.add_option("--tokens", tokens, "tokens of the live check")->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_flag("--no-live", no_live, "skip the live GPU check");
+  app.add_option("--seed", seed, "seed of the live check's random weights and input")->capture_default_str();
+  app.add_option("--json", json_path, "also write the report as JSON");
+
+  return run_app(app, argc, argv, [&]() -> int {
+    init_logging(-1, log_level);
+    DFLASH_CHECK_HINT(!model_dir.empty() || !config_path.empty(), "no model given", "pass --model DIR or --config config.json");
+    TargetConfig cfg = TargetConfig::from_file(model_dir.empty() ? config_path : model_dir);
+    const int gpus = cuda_device_count();
+    Device dev = device_s.empty() ? (gpus > 0 ? Device::cuda(0) : Device::cpu()) : Device::parse(device_s);
+    if (dev.is_cuda())
+      DFLASH_CHECK_HINT(dev.index < gpus, "--device " << dev.str() << ": " << gpus << " CUDA device(s) visible",
+                        "check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --device cpu");
+    KernelPolicies pol{parse_policy(conv, "--conv"), parse_policy(dr, "--delta-rule"), parse_policy(attn, "--attention"), false};
+    json report;
+    report["environment"] = environment(dev.is_cuda() ? dev.index : -1);
+    report["model"] = {{"source", model_dir.empty() ? config_path : model_dir}, {"summary", cfg.summary()}};
+    print_environment(report["environment"]);
+    std::cout << "\n== model\n  " << cfg.summary() << "\n";
+    if (dev.is_cpu() && gpus == 0)
+      std::cout << "\n  No CUDA device is visible: showing the plan of the CPU reference backend.\n";
+    int sm_major = 0;
+    if (dev.is_cuda()) sm_major = cuda_device_info(dev.index).major;
+    FastPathPlan plan = make_plan(cfg, dev, pol, sm_major);
+    report["plan"] = plan.to_json();
+    std::cout << "\n== fast-path plan (" << plan.device << ")\n" << plan.table() << "\n  " << plan.summary() << "\n";
+    for (const std::string& f : plan.fallbacks()) std::cout << "  FALLBACK " << f << "\n";
+    int rc = 0;
+#if DFLASH_WITH_CUDA
+    if (dev.is_cuda() && !no_live) {
+      std::cout << "\n== live check on " << dev.str() << ": one layer of each kind, " << tokens
+                << " tokens, fast path vs fallback, same input (random weights of the model's shapes)\n";
+      json live = live_check(cfg, dev.index, pol, sm_major, tokens, seed);
+      report["live"] = live;
+      for (const json& r : live) {
+        std::printf("  %-16s fast %8.3f ms  fallback %9.3f ms  speed-up %6.1fx  max rel err %.2e  %s\n",
+                    r["layer_type"].get<std::string>().c_str(), r["fast_ms"].get<double>(), r["fallback_ms"].get<double>(),
+                    r["speedup"].get<double>(), r["max_rel_err_fast_vs_fallback"].get<double>(),
+                    r["outputs_match"].get<bool>() ? "outputs match" : "OUTPUTS DIFFER");
+        if (!r["outputs_match"].get<bool>()) rc = 2;
+      }
+    }
+#endif
+    if (!json_path.empty()) {
+      std::ofstream out(json_path);
+      DFLASH_CHECK_IO(out.good(), "writing", json_path);
+      out << report.dump(2) << "\n";
+    }
+    std::cout << "\nsummary: " << plan.summary() << "\n";
+    if (require_fast) plan.require_all_fast();
+    return rc;
+  });
+}

@@ -1,0 +1,241 @@
+#include "target_model/fast_path.h"
+
+#include <sstream>
+
+#include "kernels/error.h"
+#if DFLASH_WITH_CUDA
+#include "kernels/cuda/launch.h"
+#endif
+
+namespace dflash::target {
+
+const char* policy_name(KernelPolicy p) {
+  switch (p) {
+    case KernelPolicy::Auto: return "auto";
+    case KernelPolicy::Fast: return "fast";
+    case KernelPolicy::Fallback: return "fallback";
+  }
+  return "?";
+}
+
+KernelPolicy parse_policy(const std::string& s, const std::string& what) {
+  if (s == "auto") return KernelPolicy::Auto;
+  if (s == "fast") return KernelPolicy::Fast;
+  if (s == "fallback") return KernelPolicy::Fallback;
+  DFLASH_FAIL_HINT(what << ": unknown kernel policy '" << s << "'", "use auto, fast or fallback");
+}
+
+const char* step_name(Step s) {
+  switch (s) {
+    case Step::Conv: return "conv";
+    case Step::DeltaRule: return "delta_rule";
+    case Step::Attention: return "attention";
+  }
+  return "?";
+}
+
+const char* path_name(Path p) {
+  switch (p) {
+    case Path::Fast: return "fast";
+    case Path::Fallback: return "fallback";
+    case Path::Cpu: return "cpu";
+  }
+  return "?";
+}
+
+bool LayerPlan::all_fast() const {
+  for (const StepPlan& s : steps)
+    if (s.path != Path::Fast) return false;
+  return true;
+}
+
+const StepPlan& LayerPlan::step(Step s) const {
+  for (const StepPlan& p : steps)
+    if (p.step == s) return p;
+  DFLASH_FAIL("layer " << layer << " has no " << step_name(s) << " step");
+}
+
+namespace {
+
+struct Capability {
+  bool ok;
+  std::string why;  // when !ok: what the fast kernel cannot serve
+};
+
+// Decides one step: the fast kernel when allowed and able, else the fallback with the reason.
+StepPlan decide(Step step, int64_t layer, KernelPolicy policy, const Capability& cap, const std::string& fast_kernel,
+                const std::string& fast_detail, const std::string& fallback_kernel, const std::string& config_key) {
+  if (policy == KernelPolicy::Fallback)
+    return {step, Path::Fallback, fallback_kernel, "fallback: forced by config (" + config_key + ": fallback)"};
+  if (!cap.ok) {
+    DFLASH_CHECK_HINT(policy != KernelPolicy::Fast,
+                      config_key << ": fast requested, but layer " << layer << " cannot use " << fast_kernel << ": "
+                                 << cap.why,
+                      "set " << config_key << ": auto to accept the fallback, or fix the model shape");
+    return {step, Path::Fallback, fallback_kernel, "fallback: " + cap.why};
+  }
+  return {step, Path::Fast, fast_kernel, "fast: " + fast_detail};
+}
+
+}  // namespace
+
+FastPathPlan make_plan(const TargetConfig& c, Device device, const KernelPolicies& pol, int sm_major) {
+  FastPathPlan plan;
+  plan.device = device.str();
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    LayerPlan lp;
+    lp.layer = i;
+    lp.type = c.layer_types[static_cast<size_t>(i)];
+    auto cpu_step = [&](Step s, const char* k) { lp.steps.push_back({s, Path::Cpu, k, "cpu reference (f32)"}); };
+    if (device.is_cpu()) {
+      if (lp.type == LayerType::LinearAttention) {
+        cpu_step(Step::Conv, "cpu::causal_conv1d");
+        cpu_step(Step::DeltaRule, "cpu::gated_delta_rule");
+      } else {
+        cpu_step(Step::Attention, "cpu::causal_attention");
+      }
+      plan.layers.push_back(std::move(lp));
+      continue;
+    }
+#if DFLASH_WITH_CUDA
+    const std::string sm = "sm_" + std::to_string(sm_major) + "x";
+    if (lp.type == LayerType::LinearAttention) {
+      const int64_t C = c.gdn_conv_dim(), K = c.linear_conv_kernel_dim;
+      Capability conv{cuda::causal_conv1d_fast_supported(C, K),
+                      "fused conv needs channels % 8 == 0 and kernel size 1..4 (C=" + std::to_string(C) +
+                          ", K=" + std::to_string(K) + ")"};
+      lp.steps.push_back(decide(Step::Conv, i, pol.conv, conv, "causal_conv1d_fast",
+                                "one conv over C=" + std::to_string(C) + " (q|k|v) channels, K=" + std::to_string(K),
+                                "causal_conv1d_fallback", "kernels.conv"));
+      const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+      Capability dr{cuda::chunk_gated_delta_rule_supported(dk, dv, sm_major),
+                    "head dims dk=" + std::to_string(dk) + " dv=" + std::to_string(dv) + " on " + sm +
+                        " are not supported by the chunk kernel"};
+      lp.steps.push_back(decide(Step::DeltaRule, i, pol.delta_rule, dr, "chunk_gated_delta_rule",
+                                sm + ", dk=" + std::to_string(dk) + " dv=" + std::to_string(dv) + ", " +
+                                    std::to_string(c.linear_num_key_heads) + "k/" +
+                                    std::to_string(c.linear_num_value_heads) + "v heads",
+                                "recurrent_gated_delta_rule", "kernels.delta_rule"));
+    } else {
+      const int64_t d = c.head_dim;
+      Capability at{cuda::flash_attention_supported(d, sm_major),
+                    "head dim " + std::to_string(d) + " on " + sm + " is not supported by the flash kernel"};
+      lp.steps.push_back(decide(Step::Attention, i, pol.attention, at, "flash_attention_fwd",
+                                sm + ", head dim " + std::to_string(d) + ", GQA " +
+                                    std::to_string(c.num_attention_heads) + "/" + std::to_string(c.num_key_value_heads),
+                                "attention_fallback", "kernels.attention"));
+    }
+#else
+    (void)sm_major;
+    DFLASH_FAIL_HINT("a plan for " << device.str() << " needs the CUDA backend, which this build does not have",
+                     "reconfigure with -DDFLASH_CUDA=ON on a machine with nvcc");
+#endif
+    plan.layers.push_back(std::move(lp));
+  }
+  if (pol.require_fast_path && !device.is_cpu()) plan.require_all_fast();
+  return plan;
+}
+
+int64_t FastPathPlan::count(LayerType t, bool fast_only) const {
+  int64_t n = 0;
+  for (const LayerPlan& l : layers)
+    if (l.type == t && (!fast_only || l.all_fast())) ++n;
+  return n;
+}
+
+std::string FastPathPlan::summary() const {
+  std::ostringstream o;
+  const int64_t gdn = count(LayerType::LinearAttention, false), attn = count(LayerType::FullAttention, false);
+  if (!layers.empty() && !layers[0].steps.empty() && layers[0].steps[0].path == Path::Cpu) {
+    o << gdn << " GatedDeltaNet + " << attn << " attention layers on the CPU reference (" << device << ")";
+    return o.str();
+  }
+  o << count(LayerType::LinearAttention, true) << "/" << gdn << " GatedDeltaNet layers on the fast path, "
+    << count(LayerType::FullAttention, true) << "/" << attn << " attention layers on the fast path";
+  return o.str();
+}
+
+std::vector<std::string> FastPathPlan::fallbacks() const {
+  std::vector<std::string> out;
+  for (const LayerPlan& l : layers)
+    for (const StepPlan& s : l.steps)
+      if (s.path == Path::Fallback)
+        out.push_back("layer " + std::to_string(l.layer) + " (" + layer_type_name(l.type) + ") " + step_name(s.step) +
+                      ": " + s.kernel + " — " + s.reason);
+  return out;
+}
+
+std::string FastPathPlan::table() const {
+  std::ostringstream o;
+  char line[512];
+  std::snprintf(line, sizeof line, "%-5s %-16s %-10s %-8s %-28s %s\n", "layer", "type", "step", "path", "kernel", "reason");
+  o << line;
+  for (const LayerPlan& l : layers)
+    for (const StepPlan& s : l.steps) {
+      std::snprintf(line, sizeof line, "%-5lld %-16s %-10s %-8s %-28s %s\n", static_cast<long long>(l.layer),
+                    layer_type_name(l.type), step_name(s.step), path_name(s.path), s.kernel.c_str(), s.reason.c_str());
+      o << line;
+    }
+  return o.str();
+}
+
+nlohmann::json FastPathPlan::to_json() const {
+  nlohmann::json j;
+  j["device"] = device;
+  j["summary"] = summary();
+  j["fallbacks"] = fallbacks();
+  for (const LayerPlan& l : layers) {
+    nlohmann::json lj{{"layer", l.layer}, {"type", layer_type_name(l.type)}, {"all_fast", l.all_fast()}};
+    for (const StepPlan& s : l.steps)
+      lj["steps"].push_back({{"step", step_name(s.step)}, {"path", path_name(s.path)}, {"kernel", s.kernel},
+                             {"reason", s.reason}});
+    j["layers"].push_back(lj);
+  }
+  return j;
+}
+
+void FastPathPlan::require_all_fast() const {
+  std::vector<std::string> fb = fallbacks();
+  if (fb.empty()) return;
+  std::ostringstream o;
+  o << "require_fast_path is set, but " << fb.size() << " step(s) would run a fallback kernel on " << device << ":";
+  for (const std::string& f : fb) o << "\n  " << f;
+  DFLASH_FAIL_HINT(o.str(), "fix the cause named above, or set kernels.require_fast_path: false to accept the fallback");
+}
+
+void PathCounters::reset() {
+  for (auto& c : counts_) c.store(0, std::memory_order_relaxed);
+}
+
+nlohmann::json PathCounters::to_json() const {
+  nlohmann::json j;
+  for (Step s : {Step::Conv, Step::DeltaRule, Step::Attention})
+    for (Path p : {Path::Fast, Path::Fallback, Path::Cpu}) j[step_name(s)][path_name(p)] = get(s, p);
+  return j;
+}
+
+std::string PathCounters::str() const {
+  std::ostringstream o;
+  bool first = true;
+  for (Step s : {Step::Conv, Step::DeltaRule, Step::Attention}) {
+    o << (first ? "" : ", ") << step_name(s) << " fast " << get(s, Path::Fast) << " fallback " << get(s, Path::Fallback);
+    if (get(s, Path::Cpu)) o << " cpu " << get(s, Path::Cpu);
+    first = false;
+  }
+  return o.str();
+}
+
+std::vector<std::string> PathCounters::mismatches(const FastPathPlan& plan, uint64_t forwards) const {
+  std::array<uint64_t, kNumSteps * 3> want{};
+  for (const LayerPlan& l : plan.layers)
+    for (const StepPlan& s : l.steps) want[idx(s.step, s.path)] += forwards;
+  std::vector<std::string> out;
+  for (Step s : {Step::Conv, Step::DeltaRule, Step::Attention})
+    for (Path p : {Path::Fast, Path::Fallback, Path::Cpu})
+      if (get(s, p) != want[idx(s, p)])
+        out.push_back(std::string(step_name(s)) + " " + path_name(p) + ": planned " + std::to_string(want[idx(s, p)]) +
+                      ", ran " + std::to_string(get(s, p)));
+  return out;
+}
+
+}  // namespace dflash::target

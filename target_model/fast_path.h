@@ -1,0 +1,89 @@
+#pragma once
+// The fast-path plan: for every layer of the target, which kernel runs each step and why.
+// The plan is printed at start-up, written as JSON, compared with run-time counters of what
+// actually ran, and `require_fast_path` refuses to start when any layer would fall back.
+// A silent fallback is a bug: every fallback here carries its reason.
+#include <nlohmann/json.hpp>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/tensor.h"
+#include "target_model/config.h"
+
+namespace dflash::target {
+
+enum class KernelPolicy { Auto, Fast, Fallback };
+const char* policy_name(KernelPolicy p);
+KernelPolicy parse_policy(const std::string& s, const std::string& what);  // "auto|fast|fallback"
+
+// Per-op policies (config section `kernels`).
+struct KernelPolicies {
+  KernelPolicy conv = KernelPolicy::Auto;        // GatedDeltaNet short conv
+  KernelPolicy delta_rule = KernelPolicy::Auto;  // GatedDeltaNet core
+  KernelPolicy attention = KernelPolicy::Auto;   // full-attention layers
+  bool require_fast_path = false;
+};
+
+enum class Step { Conv = 0, DeltaRule = 1, Attention = 2 };
+inline constexpr int kNumSteps = 3;
+const char* step_name(Step s);
+
+enum class Path { Fast, Fallback, Cpu };
+const char* path_name(Path p);
+
+struct StepPlan {
+  Step step;
+  Path path;
+  std::string kernel;  // e.g. "causal_conv1d_fast"
+  std::string reason;  // e.g. "fast: sm_90, C=10240 (q|k|v fused), K=4"
+};
+
+struct LayerPlan {
+  int64_t layer = 0;
+  LayerType type = LayerType::LinearAttention;
+  std::vector<StepPlan> steps;
+  bool all_fast() const;
+  const StepPlan& step(Step s) const;
+};
+
+struct FastPathPlan {
+  std::string device;  // "cuda:0 (NVIDIA H200, sm_90)" or "cpu"
+  std::vector<LayerPlan> layers;
+
+  int64_t count(LayerType t, bool fast_only) const;
+  // "48/48 GatedDeltaNet layers on the fast path, 16/16 attention layers on the fast path"
+  std::string summary() const;
+  // One line per layer that does not run entirely on the fast path, with the reasons.
+  std::vector<std::string> fallbacks() const;
+  std::string table() const;  // human-readable per-layer table
+  nlohmann::json to_json() const;
+  // Throws listing every layer that would fall back and why (require_fast_path).
+  void require_all_fast() const;
+};
+
+// Builds the plan. For a CUDA device, `sm_major` is the compute capability's major version (the
+// caller reads it from the device; tests may pass any value). Policy `fast` on a layer the fast
+// kernel cannot serve is an error naming the layer and the reason.
+FastPathPlan make_plan(const TargetConfig& c, Device device, const KernelPolicies& policies, int sm_major);
+
+// Kernel invocations per (step, path) since the last reset, counted at launch time.
+class PathCounters {
+ public:
+  void add(Step s, Path p, uint64_t n = 1) { counts_[idx(s, p)].fetch_add(n, std::memory_order_relaxed); }
+  uint64_t get(Step s, Path p) const { return counts_[idx(s, p)].load(std::memory_order_relaxed); }
+  void reset();
+  nlohmann::json to_json() const;
+  std::string str() const;  // "conv fast 48 fallback 0, delta_rule fast 48 fallback 0, attention fast 16 fallback 0"
+  // What one forward of `plan` launches: compares with the counters, listing the differences.
+  std::vector<std::string> mismatches(const FastPathPlan& plan, uint64_t forwards) const;
+
+ private:
+  static size_t idx(Step s, Path p) { return static_cast<size_t>(s) * 3 + static_cast<size_t>(p); }
+  std::array<std::atomic<uint64_t>, kNumSteps * 3> counts_{};
+};
+
+}  // namespace dflash::target

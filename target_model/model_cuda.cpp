@@ -1,0 +1,324 @@
+#include "target_model/model_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/launch.h"
+#include "kernels/device.h"
+
+namespace dflash::target {
+
+namespace {
+
+int64_t round_up8(int64_t x) { return (x + 7) / 8 * 8; }
+
+// Rows [r0, r0 + part.rows) of `dst` := part (both bf16 on the same device, contiguous).
+void put_rows(Tensor& dst, int64_t r0, const Tensor& part) {
+  Tensor window = dst.slice(0, r0, r0 + part.size(0));
+  window.copy_from(part);
+}
+
+Tensor device_bf16(const Shape& s, Device d) { return Tensor::empty(s, DType::BF16, d); }
+
+// Strided copy of `rows` rows of `cols` bf16 from src (row stride lds) to contiguous dst.
+void copy_rows(void* dst, const void* src, int64_t lds, int64_t rows, int64_t cols, void* stream) {
+  if (rows == 0) return;
+  DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(cols) * 2, src, static_cast<size_t>(lds) * 2,
+                                      static_cast<size_t>(cols) * 2, static_cast<size_t>(rows), cudaMemcpyDeviceToDevice,
+                                      static_cast<cudaStream_t>(stream)));
+}
+
+}  // namespace
+
+CudaTargetModel::CudaTargetModel(TargetConfig config, TargetWeights weights, FastPathPlan plan)
+    : config_(std::move(config)), weights_(std::move(weights)), plan_(std::move(plan)), device_(weights_.device) {
+  DFLASH_CHECK(device_.is_cuda() && weights_.dtype == DType::BF16,
+               "CUDA target model: weights must be bf16 on a CUDA device, got " << dtype_name(weights_.dtype) << " on "
+                                                                               << device_.str());
+  DFLASH_CHECK(plan_.layers.size() == static_cast<size_t>(config_.num_hidden_layers),
+               "CUDA target model: the plan has " << plan_.layers.size() << " layers, the config "
+                                                  << config_.num_hidden_layers);
+  stream_ = DeviceContext::get(device_.index).stream();
+  const TargetConfig& c = config_;
+  const int64_t H = c.hidden_size;
+  fused_.resize(weights_.layers.size());
+  for (size_t i = 0; i < weights_.layers.size(); ++i) {
+    LayerWeights& L = weights_.layers[i];
+    Fused& f = fused_[i];
+    std::vector<Tensor*> parts;
+    if (L.type == LayerType::LinearAttention)
+      parts = {&L.gdn.in_proj_qkv, &L.gdn.in_proj_z, &L.gdn.in_proj_b, &L.gdn.in_proj_a};
+    else
+      parts = {&L.attn.q_proj, &L.attn.k_proj, &L.attn.v_proj};
+    int64_t rows = 0;
+    for (Tensor* t : parts) rows += t->size(0);
+    f.rows = round_up8(rows);
+    f.in_proj = Tensor::zeros({f.rows, H}, DType::BF16, device_);
+    int64_t r = 0;
+    for (Tensor* t : parts) {
+      put_rows(f.in_proj, r, *t);
+      *t = f.in_proj.slice(0, r, r + t->size(0));  // the separate copy is freed
+      r += t->size(0);
+    }
+    const int64_t I = c.intermediate_size;
+    f.gate_up = device_bf16({2 * I, H}, device_);
+    put_rows(f.gate_up, 0, L.gate_proj);
+    put_rows(f.gate_up, I, L.up_proj);
+    L.gate_proj = f.gate_up.slice(0, 0, I);
+    L.up_proj = f.gate_up.slice(0, I, 2 * I);
+  }
+  DeviceContext::get(device_.index).synchronize();
+  // The unfused copies went back to the cache; their sizes rarely fit later requests.
+  device_alloc::empty_cache(device_.index);
+}
+
+void CudaTargetModel::set_plan(FastPathPlan plan) {
+  DFLASH_CHECK(plan.layers.size() == static_cast<size_t>(config_.num_hidden_layers),
+               "CUDA target model: the plan has " << plan.layers.size() << " layers, the config "
+                                                  << config_.num_hidden_layers);
+  plan_ = std::move(plan);
+}
+
+void CudaTargetModel::gemm(const Tensor& x, int64_t ldx, const Tensor& w, Tensor& y, int64_t ldy, int64_t M, int64_t N,
+                           int64_t K, bool accumulate) {
+  cuda::GemmParams p;
+  p.x = x.raw_data();
+  p.ldx = ldx;
+  p.w = w.raw_data();
+  p.y = y.raw_data();
+  p.ldy = ldy;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.accumulate = accumulate;
+  cuda::gemm_bf16(p, device_.index);
+}
+
+CudaBatch CudaTargetModel::make_batch(const std::vector<std::vector<int32_t>>& sequences) const {
+  DFLASH_CHECK(!sequences.empty(), "target forward: the batch has no sequences");
+  CudaBatch b;
+  b.offsets.push_back(0);
+  std::vector<int32_t> ids, pos, cu{0};
+  for (size_t s = 0; s < sequences.size(); ++s) {
+    DFLASH_CHECK(!sequences[s].empty(), "target forward: sequence " << s << " is empty");
+    for (size_t t = 0; t < sequences[s].size(); ++t) {
+      const int32_t id = sequences[s][t];
+      DFLASH_CHECK_HINT(id >= 0 && id < config_.vocab_size,
+                        "target forward: token id " << id << " at sequence " << s << ", position " << t
+                                                    << " is outside the vocabulary [0, " << config_.vocab_size << ")",
+                        "the tokens do not come from this model's tokenizer, or vocab_size in config.json is wrong");
+      ids.push_back(id);
+      pos.push_back(static_cast<int32_t>(t));
+    }
+    b.offsets.push_back(b.offsets.back() + static_cast<int64_t>(sequences[s].size()));
+    DFLASH_CHECK(b.offsets.back() < INT32_MAX, "target forward: more than 2^31 tokens in one batch");
+    cu.push_back(static_cast<int32_t>(b.offsets.back()));
+    b.max_seqlen = std::max<int64_t>(b.max_seqlen, static_cast<int64_t>(sequences[s].size()));
+  }
+  b.num_tokens = b.offsets.back();
+  b.num_seqs = static_cast<int64_t>(sequences.size());
+  auto upload = [&](std::vector<int32_t>& v) {
+    return Tensor::from_blob(v.data(), {static_cast<int64_t>(v.size())}, DType::I32).to(device_);
+  };
+  b.ids = upload(ids);
+  b.pos = upload(pos);
+  b.cu_seqlens = upload(cu);
+  return b;
+}
+
+void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out) {
+  const TargetConfig& c = config_;
+  const LayerWeights& L = weights_.layers[static_cast<size_t>(i)];
+  const Fused& f = fused_[static_cast<size_t>(i)];
+  const int64_t N = b.num_tokens, H = c.hidden_size, Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, C = c.gdn_conv_dim(), V = c.gdn_value_dim();
+  const int64_t P = f.rows;
+  Tensor proj = device_bf16({N, P}, device_);
+  gemm(x, H, f.in_proj, proj, P, N, P, H);
+  auto col = [&](int64_t j) { return static_cast<char*>(proj.raw_data()) + j * 2; };
+
+  Tensor conv = device_bf16({N, C}, device_);
+  cuda::ConvParams cp;
+  cp.x = proj.raw_data();
+  cp.ldx = P;
+  cp.w = L.gdn.conv1d.raw_data();
+  cp.y = conv.raw_data();
+  cp.cu_seqlens = b.cu_seqlens.data<int32_t>();
+  cp.num_seqs = b.num_seqs;
+  cp.N = N;
+  cp.C = C;
+  cp.K = c.linear_conv_kernel_dim;
+  cp.silu = true;
+  const StepPlan& conv_step = lp.step(Step::Conv);
+  if (conv_step.path == Path::Fast) cuda::causal_conv1d_fast(cp, stream_);
+  else cuda::causal_conv1d_fallback(cp, stream_);
+  counters_.add(Step::Conv, conv_step.path);
+
+  Tensor q = device_bf16({N, Hk, dk}, device_), k = device_bf16({N, Hk, dk}, device_);
+  Tensor g = Tensor::empty({N, Hv}, DType::F32, device_), beta = Tensor::empty({N, Hv}, DType::F32, device_);
+  cuda::GdnPrepParams pp;
+  pp.conv = conv.raw_data();
+  pp.ld_conv = C;
+  pp.b = col(C + V);
+  pp.a = col(C + V + Hv);
+  pp.ld_ab = P;
+  pp.A_log = L.gdn.A_log.raw_data();
+  pp.dt_bias = L.gdn.dt_bias.raw_data();
+  pp.q = q.raw_data();
+  pp.k = k.raw_data();
+  pp.g = g.data<float>();
+  pp.beta = beta.data<float>();
+  pp.N = N;
+  pp.Hk = Hk;
+  pp.Hv = Hv;
+  pp.dk = dk;
+  pp.scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  cuda::gdn_prep(pp, stream_);
+
+  Tensor core = device_bf16({N, Hv, dv}, device_);
+  cuda::DeltaRuleParams dp;
+  dp.q = q.raw_data();
+  dp.k = k.raw_data();
+  dp.v = static_cast<char*>(conv.raw_data()) + 2 * Hk * dk * 2;
+  dp.ldv = C;
+  dp.g = g.data<float>();
+  dp.beta = beta.data<float>();
+  dp.out = core.raw_data();
+  dp.cu_seqlens = b.cu_seqlens.data<int32_t>();
+  dp.num_seqs = b.num_seqs;
+  dp.N = N;
+  dp.Hk = Hk;
+  dp.Hv = Hv;
+  dp.dk = dk;
+  dp.dv = dv;
+  const StepPlan& dr_step = lp.step(Step::DeltaRule);
+  if (dr_step.path == Path::Fast) cuda::chunk_gated_delta_rule(dp, stream_);
+  else cuda::recurrent_gated_delta_rule(dp, stream_);
+  counters_.add(Step::DeltaRule, dr_step.path);
+
+  Tensor normed = device_bf16({N, V}, device_);
+  cuda::gated_rms_norm(core.raw_data(), col(C), P, L.gdn.norm.raw_data(), normed.raw_data(), N, Hv, dv,
+                       static_cast<float>(c.rms_norm_eps), stream_);
+  gemm(normed, V, L.gdn.out_proj, out, H, N, H, V);
+}
+
+void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out) {
+  const TargetConfig& c = config_;
+  const LayerWeights& L = weights_.layers[static_cast<size_t>(i)];
+  const Fused& f = fused_[static_cast<size_t>(i)];
+  const int64_t N = b.num_tokens, H = c.hidden_size, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads;
+  const int64_t d = c.head_dim, Q = c.attn_q_proj_rows(), P = f.rows;
+  const bool gated = c.attn_output_gate;
+  Tensor proj = device_bf16({N, P}, device_);
+  gemm(x, H, f.in_proj, proj, P, N, P, H);
+  char* base = static_cast<char*>(proj.raw_data());
+
+  Tensor q = device_bf16({N, Hq, d}, device_);
+  cuda::QkPrepParams qp;
+  qp.q_in = base;
+  qp.ldq = P;
+  qp.hsq = gated ? 2 * d : d;
+  qp.q_out = q.raw_data();
+  qp.k = base + Q * 2;
+  qp.ldk = P;
+  qp.wq = L.attn.q_norm.raw_data();
+  qp.wk = L.attn.k_norm.raw_data();
+  qp.pos = b.pos.data<int32_t>();
+  qp.N = N;
+  qp.Hq = Hq;
+  qp.Hkv = Hkv;
+  qp.d = d;
+  qp.rotary_dim = c.rotary_dim();
+  qp.eps = static_cast<float>(c.rms_norm_eps);
+  qp.theta = static_cast<float>(c.rope_theta);
+  cuda::qk_norm_rope(qp, stream_);
+  // The attention kernels read contiguous k / v.
+  Tensor k = device_bf16({N, Hkv, d}, device_), v = device_bf16({N, Hkv, d}, device_);
+  copy_rows(k.raw_data(), base + Q * 2, P, N, Hkv * d, stream_);
+  copy_rows(v.raw_data(), base + (Q + Hkv * d) * 2, P, N, Hkv * d, stream_);
+
+  Tensor attn = device_bf16({N, Hq, d}, device_);
+  cuda::AttentionParams ap;
+  ap.q = q.raw_data();
+  ap.k = k.raw_data();
+  ap.v = v.raw_data();
+  ap.out = attn.raw_data();
+  ap.cu_seqlens = b.cu_seqlens.data<int32_t>();
+  ap.num_seqs = b.num_seqs;
+  ap.max_seqlen = b.max_seqlen;
+  ap.N = N;
+  ap.Hq = Hq;
+  ap.Hkv = Hkv;
+  ap.d = d;
+  ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const StepPlan& st = lp.step(Step::Attention);
+  if (st.path == Path::Fast) cuda::flash_attention_fwd(ap, stream_);
+  else cuda::attention_fallback(ap, stream_);
+  counters_.add(Step::Attention, st.path);
+  if (gated) cuda::sigmoid_gate(attn.raw_data(), base + d * 2, P, 2 * d, N, Hq, d, stream_);
+  gemm(attn, Hq * d, L.attn.o_proj, out, H, N, H, Hq * d);
+}
+
+void CudaTargetModel::mlp(int64_t i, const Tensor& x, Tensor& out) {
+  const TargetConfig& c = config_;
+  const Fused& f = fused_[static_cast<size_t>(i)];
+  const int64_t N = x.size(0), H = c.hidden_size, I = c.intermediate_size;
+  Tensor gu = device_bf16({N, 2 * I}, device_);
+  gemm(x, H, f.gate_up, gu, 2 * I, N, 2 * I, H);
+  Tensor act = device_bf16({N, I}, device_);
+  cuda::swiglu(gu.raw_data(), act.raw_data(), N, I, stream_);
+  gemm(act, I, weights_.layers[static_cast<size_t>(i)].down_proj, out, H, N, H, I);
+}
+
+void CudaTargetModel::run_layer(int64_t i, Tensor& h, const CudaBatch& b, const LayerPlan& lp) {
+  DFLASH_CHECK(i >= 0 && i < config_.num_hidden_layers, "run_layer: layer " << i << " out of range");
+  DFLASH_CHECK(lp.type == config_.layer_types[static_cast<size_t>(i)], "run_layer: plan of the wrong layer type");
+  const TargetConfig& c = config_;
+  const LayerWeights& L = weights_.layers[static_cast<size_t>(i)];
+  const int64_t N = b.num_tokens, H = c.hidden_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  Tensor normed = device_bf16({N, H}, device_), delta = device_bf16({N, H}, device_);
+  cuda::rms_norm(h.raw_data(), H, L.input_layernorm.raw_data(), normed.raw_data(), H, N, H, eps, true, stream_);
+  if (L.type == LayerType::LinearAttention) gdn_mixer(i, normed, b, lp, delta);
+  else attention_mixer(i, normed, b, lp, delta);
+  cuda::add_rms_norm(h.raw_data(), delta.raw_data(), L.post_attention_layernorm.raw_data(), normed.raw_data(), N, H,
+                     eps, stream_);
+  mlp(i, normed, delta);
+  cuda::add_rms_norm(h.raw_data(), delta.raw_data(), nullptr, nullptr, N, H, eps, stream_);
+}
+
+ForwardResult CudaTargetModel::forward(const std::vector<std::vector<int32_t>>& sequences, const ForwardOptions& options) {
+  return forward(make_batch(sequences), options);
+}
+
+ForwardResult CudaTargetModel::forward(const CudaBatch& b, const ForwardOptions& options) {
+  const TargetConfig& c = config_;
+  for (int64_t id : options.capture)
+    DFLASH_CHECK_HINT(id >= 0 && id < c.num_hidden_layers, "target forward: capture layer id " << id << " is out of range",
+                      "layer ids are 0.." << c.num_hidden_layers - 1 << " (id i = output of decoder layer i)");
+  ForwardResult r;
+  r.offsets = b.offsets;
+  const int64_t N = b.num_tokens, H = c.hidden_size;
+  Tensor h = device_bf16({N, H}, device_);
+  cuda::embedding(b.ids.data<int32_t>(), weights_.embed_tokens.raw_data(), h.raw_data(), N, H, stream_);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    run_layer(i, h, b, plan_.layers[static_cast<size_t>(i)]);
+    for (int64_t id : options.capture)
+      if (id == i) {
+        Tensor copy = device_bf16({N, H}, device_);
+        DFLASH_CUDA_CHECK(cudaMemcpyAsync(copy.raw_data(), h.raw_data(), h.nbytes(), cudaMemcpyDeviceToDevice,
+                                          static_cast<cudaStream_t>(stream_)));
+        r.layers[id] = copy;
+      }
+  }
+  if (options.final_norm) {
+    r.final_hidden = device_bf16({N, H}, device_);
+    cuda::rms_norm(h.raw_data(), H, weights_.norm.raw_data(), r.final_hidden.raw_data(), H, N, H,
+                   static_cast<float>(c.rms_norm_eps), true, stream_);
+  }
+  return r;
+}
+
+}  // namespace dflash::target

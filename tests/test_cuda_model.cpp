@@ -1,0 +1,108 @@
+// The whole target forward on the GPU (bf16) against the transformers golden hidden states, the
+// CPU reference on the same bf16 weights, and itself with every step on the fallback kernels.
+#include <gtest/gtest.h>
+
+#include "target_model/model.h"
+#include "target_model/model_cuda.h"
+#include "target_model/safetensors.h"
+#include "test_util.h"
+
+using namespace dflash;
+using namespace dflash::target;
+
+namespace {
+
+const std::string kHf = std::string(DFLASH_TEST_DATA_DIR) + "/hf/";
+// bf16 activations and weights through 4-6 layers against an f32 reference: measured errors are
+// printed; 3e-2 (normalized by the largest reference value) is the bound.
+constexpr double kBf16Bound = 3e-2;
+
+std::vector<int32_t> ids_of(const Tensor& t) {
+  Tensor i = t.to_dtype(DType::I32);
+  return std::vector<int32_t>(i.data<int32_t>(), i.data<int32_t>() + i.numel());
+}
+
+KernelPolicies all(KernelPolicy p) { return KernelPolicies{p, p, p, false}; }
+
+class CudaGolden : public ::testing::TestWithParam<std::string> {};
+
+}  // namespace
+
+TEST_P(CudaGolden, MatchesTransformersAndTheCpuReference) {
+  DFLASH_REQUIRE_GPU();
+  const std::string dir = kHf + GetParam();
+  TargetConfig cfg = TargetConfig::from_file(dir);
+  const int sm = cuda_device_info(0).major;
+  SafetensorsFile golden(dir + "/golden.safetensors");
+  // The CPU reference on exactly the bf16-rounded weights the GPU uses.
+  TargetModel cpu(cfg, load_weights(cfg, dir, DType::F32, Device::cpu()));
+  ForwardOptions opt;
+  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) opt.capture.push_back(i);
+  opt.final_norm = true;
+  for (KernelPolicy pol : {KernelPolicy::Auto, KernelPolicy::Fallback}) {
+    CudaTargetModel gpu(cfg, load_weights(cfg, dir, DType::BF16, Device::cuda(0)),
+                        make_plan(cfg, Device::cuda(0), all(pol), sm));
+    for (int T : {1, 37, 130}) {
+      std::vector<int32_t> ids = ids_of(golden.tensor("ids." + std::to_string(T)));
+      ForwardResult r = gpu.forward({ids}, opt);
+      ForwardResult rc = cpu.forward({ids}, opt);
+      double worst_hf = 0, worst_cpu = 0;
+      for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
+        const double e = max_rel_err(r.layers.at(i), golden.tensor("layer." + std::to_string(T) + "." + std::to_string(i)));
+        const double ec = max_rel_err(r.layers.at(i), rc.layers.at(i));
+        EXPECT_LE(e, kBf16Bound) << GetParam() << " " << policy_name(pol) << " T=" << T << " layer " << i;
+        EXPECT_LE(ec, kBf16Bound) << GetParam() << " " << policy_name(pol) << " T=" << T << " layer " << i;
+        worst_hf = std::max(worst_hf, e);
+        worst_cpu = std::max(worst_cpu, ec);
+      }
+      EXPECT_LE(max_rel_err(r.final_hidden, golden.tensor("final." + std::to_string(T))), kBf16Bound);
+      std::printf("%s gpu %-8s T=%3d: max rel err vs transformers %.2e, vs cpu reference %.2e\n", GetParam().c_str(),
+                  policy_name(pol), T, worst_hf, worst_cpu);
+    }
+    // What ran is what was planned: 3 forwards.
+    auto mm = gpu.counters().mismatches(gpu.plan(), 3);
+    EXPECT_TRUE(mm.empty()) << mm.front();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(HfCheckpoints, CudaGolden, ::testing::Values("tiny_a", "tiny_b"));
+
+// Fast and fallback paths agree on a random model with the real head dims (d = 128 GDN, 256
+// attention) and a packed batch of sequences, and a batch equals its sequences run alone.
+TEST(CudaModel, FastEqualsFallbackAndBatchEqualsSingles) {
+  DFLASH_REQUIRE_GPU();
+  TargetConfig c = TargetConfig::from_file(std::string(DFLASH_TEST_DATA_DIR) + "/../../configs/tiny/config.json");
+  c.hidden_size = 512;
+  c.linear_key_head_dim = c.linear_value_head_dim = 128;
+  c.head_dim = 256;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 1;
+  c.linear_num_key_heads = 2;
+  c.linear_num_value_heads = 6;
+  c.validate();
+  const int sm = cuda_device_info(0).major;
+  FastPathPlan fast = make_plan(c, Device::cuda(0), {}, sm);
+  ASSERT_TRUE(fast.fallbacks().empty()) << fast.fallbacks().front();
+  CudaTargetModel a(c, random_weights(c, 3, DType::BF16, Device::cuda(0)), fast);
+  CudaTargetModel b(c, random_weights(c, 3, DType::BF16, Device::cuda(0)),
+                    make_plan(c, Device::cuda(0), all(KernelPolicy::Fallback), sm));
+  std::vector<std::vector<int32_t>> batch;
+  for (int len : {65, 1, 200, 64}) {
+    std::vector<int32_t> s;
+    for (int t = 0; t < len; ++t) s.push_back((t * 37 + len) % static_cast<int>(c.vocab_size));
+    batch.push_back(s);
+  }
+  ForwardOptions opt;
+  opt.capture = {3, 7};
+  ForwardResult ra = a.forward(batch, opt), rb = b.forward(batch, opt);
+  for (int64_t id : opt.capture) {
+    const double e = max_rel_err(ra.layers.at(id), rb.layers.at(id));
+    std::printf("fast vs fallback, layer %lld: max rel err %.2e\n", static_cast<long long>(id), e);
+    EXPECT_LE(e, kBf16Bound);
+  }
+  for (size_t s = 0; s < batch.size(); ++s) {
+    ForwardResult single = a.forward({batch[s]}, opt);
+    Tensor mine = ra.layers.at(7).to(Device::cpu()).slice(0, ra.offsets[s], ra.offsets[s + 1]);
+    EXPECT_LE(max_rel_err(mine, single.layers.at(7)), 1e-2) << "sequence " << s;
+  }
+}

@@ -1,0 +1,93 @@
+// The fast-path plan: which kernel each layer runs and why, policies, require_fast_path, counters.
+// Pure host logic (the kernels' capability checks are host functions): runs without a GPU.
+#include <gtest/gtest.h>
+
+#include "target_model/fast_path.h"
+
+using namespace dflash;
+using namespace dflash::target;
+
+namespace {
+
+TargetConfig qwen27b() {
+  return TargetConfig::from_file(std::string(DFLASH_TEST_DATA_DIR) + "/../../configs/qwen3.6-27b/config.json");
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(FastPath, Qwen27bIsAllFastOnHopper) {
+  FastPathPlan plan = make_plan(qwen27b(), Device::cuda(0), {}, 9);
+  EXPECT_EQ(plan.summary(), "48/48 GatedDeltaNet layers on the fast path, 16/16 attention layers on the fast path");
+  EXPECT_TRUE(plan.fallbacks().empty());
+  EXPECT_EQ(plan.layers[0].step(Step::Conv).kernel, "causal_conv1d_fast");
+  EXPECT_EQ(plan.layers[0].step(Step::DeltaRule).kernel, "chunk_gated_delta_rule");
+  EXPECT_EQ(plan.layers[3].step(Step::Attention).kernel, "flash_attention_fwd");
+  EXPECT_NE(plan.layers[0].step(Step::DeltaRule).reason.find("dk=128 dv=128"), std::string::npos);
+  plan.require_all_fast();  // no throw
+  nlohmann::json j = plan.to_json();
+  EXPECT_EQ(j["layers"].size(), 64u);
+  EXPECT_EQ(j["layers"][3]["steps"][0]["path"], "fast");
+}
+
+TEST(FastPath, ForcedFallbackIsVisibleAndRefusedWhenFastIsRequired) {
+  KernelPolicies pol;
+  pol.delta_rule = KernelPolicy::Fallback;
+  FastPathPlan plan = make_plan(qwen27b(), Device::cuda(0), pol, 9);
+  EXPECT_EQ(plan.summary(), "0/48 GatedDeltaNet layers on the fast path, 16/16 attention layers on the fast path");
+  ASSERT_EQ(plan.fallbacks().size(), 48u);
+  EXPECT_NE(plan.fallbacks()[0].find("recurrent_gated_delta_rule"), std::string::npos);
+  EXPECT_NE(plan.fallbacks()[0].find("forced by config (kernels.delta_rule: fallback)"), std::string::npos);
+  EXPECT_NE(plan.table().find("fallback: forced by config"), std::string::npos);
+  pol.require_fast_path = true;
+  const std::string e = error_of([&] { make_plan(qwen27b(), Device::cuda(0), pol, 9); });
+  EXPECT_NE(e.find("require_fast_path is set, but 48 step(s) would run a fallback kernel"), std::string::npos) << e;
+  EXPECT_NE(e.find("layer 0 (linear_attention) delta_rule"), std::string::npos) << e;
+  EXPECT_NE(e.find("layer 62 (linear_attention) delta_rule"), std::string::npos) << e;
+}
+
+TEST(FastPath, UnsupportedShapesFallBackWithTheReason) {
+  TargetConfig c = qwen27b();
+  c.linear_key_head_dim = 96;  // not a chunk-kernel shape
+  c.head_dim = 96;             // not a flash-kernel head dim
+  c.partial_rotary_factor = 0.5;
+  FastPathPlan plan = make_plan(c, Device::cuda(0), {}, 9);
+  EXPECT_EQ(plan.summary(), "0/48 GatedDeltaNet layers on the fast path, 0/16 attention layers on the fast path");
+  EXPECT_NE(plan.layers[0].step(Step::DeltaRule).reason.find("dk=96 dv=128"), std::string::npos);
+  EXPECT_NE(plan.layers[3].step(Step::Attention).reason.find("head dim 96"), std::string::npos);
+  EXPECT_EQ(plan.layers[0].step(Step::Conv).path, Path::Fast);  // the conv does not care
+  KernelPolicies pol;
+  pol.delta_rule = KernelPolicy::Fast;
+  const std::string e = error_of([&] { make_plan(c, Device::cuda(0), pol, 9); });
+  EXPECT_NE(e.find("kernels.delta_rule: fast requested, but layer 0 cannot use chunk_gated_delta_rule"), std::string::npos) << e;
+  // An old GPU generation gets the fallback, and says so.
+  FastPathPlan old = make_plan(qwen27b(), Device::cuda(0), {}, 7);
+  EXPECT_EQ(old.layers[3].step(Step::Attention).path, Path::Fallback);
+  EXPECT_NE(old.layers[3].step(Step::Attention).reason.find("sm_7x"), std::string::npos);
+}
+
+TEST(FastPath, CpuPlanAndCounters) {
+  FastPathPlan plan = make_plan(qwen27b(), Device::cpu(), {}, 0);
+  EXPECT_EQ(plan.summary(), "48 GatedDeltaNet + 16 attention layers on the CPU reference (cpu)");
+  PathCounters counters;
+  for (int f = 0; f < 2; ++f)
+    for (const LayerPlan& l : plan.layers)
+      for (const StepPlan& s : l.steps) counters.add(s.step, s.path);
+  EXPECT_TRUE(counters.mismatches(plan, 2).empty());
+  counters.add(Step::Attention, Path::Fallback);
+  auto mm = counters.mismatches(plan, 2);
+  ASSERT_EQ(mm.size(), 1u);
+  EXPECT_EQ(mm[0], "attention fallback: planned 0, ran 1");
+  EXPECT_EQ(counters.get(Step::Conv, Path::Cpu), 96u);
+  counters.reset();
+  EXPECT_EQ(counters.get(Step::Conv, Path::Cpu), 0u);
+  EXPECT_THROW(parse_policy("fastest", "kernels.conv"), Error);
+}

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One whole check on the GPU machine: configure (Release, sm_90), build with every core, run the
 # gpu-labelled tests and then the rest, run the benchmarks that exist, and leave logs and CSVs in
-# one folder ($OUT on the device machine, else runs/gpu_check).
+# one folder ($OUT on the device machine, else runs/gpu_check). At most 8 files come back from the
+# device machine, so the end result is: environment.txt, test_gpu.log, doctor.txt, doctor.json,
+# target_bench.txt, target_bench.csv, kernel_bench.csv and logs.tgz (build log, cpu test log,
+# JUnit XML, kernel_bench.txt).
 #   device: run("DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_check.sh")  (the copied tree has no .git)
 source "$(dirname "$0")/common.sh"
 RESULTS="${OUT:-$DFLASH_ROOT/runs/gpu_check}"
@@ -37,4 +40,7 @@ if [ -x "$DFLASH_BUILD/bench/kernel_bench" ]; then
   say "kernel_bench"
   "$DFLASH_BUILD/bench/kernel_bench" --csv "$RESULTS/kernel_bench.csv" 2>&1 | tee "$RESULTS/kernel_bench.txt" || status=1
 fi
+cd "$RESULTS"
+tar czf logs.tgz --remove-files $(ls build.log test_cpu.log ctest_gpu.xml ctest_cpu.xml kernel_bench.txt 2>/dev/null) 2>/dev/null || true
+ls -l "$RESULTS"
 exit $status

@@ -64,12 +64,15 @@
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/ptx.cuh"
 #include "kernels/device.h"
 #include "kernels/error.h"
 
 namespace dflash::cuda {
 
 namespace {
+
+using namespace ptx;
 
 using bf16 = __nv_bfloat16;
 
@@ -83,37 +86,6 @@ constexpr int64_t kTileElems = int64_t{kC} * kC;  // one T or P tile in the scra
 
 // ---- PTX wrappers -------------------------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-
-__device__ __forceinline__ void ldsm_x2(uint32_t& r0, uint32_t& r1, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
-               : "=r"(r0), "=r"(r1)
-               : "r"(smem_addr(p)));
-}
-
-// c += a (16x16, row) * b (16x8, col); bf16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // 16-byte global -> shared copy; zero-fills the destination when !valid (src is not read then).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   const int bytes = valid ? 16 : 0;
@@ -126,10 +98,6 @@ __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src, bool
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
 __device__ __forceinline__ float2 unpack_bf16(uint32_t u) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
 }
@@ -258,9 +226,9 @@ __global__ void __launch_bounds__(kPrepThreads, 4) gdn_chunk_prep_kernel(const C
     for (int ks = 0; ks < DK / 16; ++ks) {
       uint32_t ak[4], aq[4], b0, b1;
       const int arow = 16 * mt + (lane & 15), acol = 16 * ks + (lane >> 4) * 8;
-      ldsm_x4(ak, Ks + arow * LDK + acol);
-      ldsm_x4(aq, Qs + arow * LDK + acol);
-      ldsm_x2(b0, b1, Ks + (8 * nt + (lane & 7)) * LDK + 16 * ks + ((lane >> 3) & 1) * 8);
+      ldmatrix_x4(ak, Ks + arow * LDK + acol);
+      ldmatrix_x4(aq, Qs + arow * LDK + acol);
+      ldmatrix_x2(b0, b1, Ks + (8 * nt + (lane & 7)) * LDK + 16 * ks + ((lane >> 3) & 1) * 8);
       mma_bf16(kk[u], ak, b0, b1);
       mma_bf16(qk[u], aq, b0, b1);
     }
@@ -484,13 +452,13 @@ __global__ void __launch_bounds__(kStateThreads, 1) gdn_chunk_state_kernel(const
     for (int kx = 0; kx < DK / 16; ++kx) {
       uint32_t ak[4], aq[4];
       const int arow = 16 * mt + (lane & 15), acol = 16 * kx + (lane >> 4) * 8;
-      ldsm_x4(ak, ks + arow * LDK + acol);
-      ldsm_x4(aq, qs + arow * LDK + acol);
+      ldmatrix_x4(ak, ks + arow * LDK + acol);
+      ldmatrix_x4(aq, qs + arow * LDK + acol);
       const int brow = 16 * kx + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
       for (int np = 0; np < 2; ++np) {
         uint32_t b[4];
-        ldsm_x4_t(b, Sb + brow * kLd + 32 * nh + 16 * np + (lane >> 4) * 8);
+        ldmatrix_x4_trans(b, Sb + brow * kLd + 32 * nh + 16 * np + (lane >> 4) * 8);
         mma_bf16(xk[2 * np], ak, b[0], b[1]);
         mma_bf16(xk[2 * np + 1], ak, b[2], b[3]);
         mma_bf16(oq[2 * np], aq, b[0], b[1]);
@@ -522,12 +490,12 @@ __global__ void __launch_bounds__(kStateThreads, 1) gdn_chunk_state_kernel(const
       for (int kx = 0; kx < 4; ++kx) {
         if (kx > mt) break;
         uint32_t at[4];
-        ldsm_x4(at, ts + (16 * mt + (lane & 15)) * kLd + 16 * kx + (lane >> 4) * 8);
+        ldmatrix_x4(at, ts + (16 * mt + (lane & 15)) * kLd + 16 * kx + (lane >> 4) * 8);
         const int brow = 16 * kx + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
         for (int np = 0; np < 2; ++np) {
           uint32_t b[4];
-          ldsm_x4_t(b, Yb + brow * kLd + 32 * nh + 16 * np + (lane >> 4) * 8);
+          ldmatrix_x4_trans(b, Yb + brow * kLd + 32 * nh + 16 * np + (lane >> 4) * 8);
           mma_bf16(vp[2 * np], at, b[0], b[1]);
           mma_bf16(vp[2 * np + 1], at, b[2], b[3]);
         }
@@ -549,12 +517,12 @@ __global__ void __launch_bounds__(kStateThreads, 1) gdn_chunk_state_kernel(const
     for (int kx = 0; kx < 4; ++kx) {
       if (kx > mt) break;
       uint32_t ap[4];
-      ldsm_x4(ap, ps + (16 * mt + (lane & 15)) * kLd + 16 * kx + (lane >> 4) * 8);
+      ldmatrix_x4(ap, ps + (16 * mt + (lane & 15)) * kLd + 16 * kx + (lane >> 4) * 8);
       const int brow = 16 * kx + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
       for (int np = 0; np < 2; ++np) {
         uint32_t b[4];
-        ldsm_x4_t(b, Vp + brow * kLd + 32 * nh + 16 * np + (lane >> 4) * 8);
+        ldmatrix_x4_trans(b, Vp + brow * kLd + 32 * nh + 16 * np + (lane >> 4) * 8);
         mma_bf16(oq[2 * np], ap, b[0], b[1]);
         mma_bf16(oq[2 * np + 1], ap, b[2], b[3]);
       }
@@ -585,12 +553,12 @@ __global__ void __launch_bounds__(kStateThreads, 1) gdn_chunk_state_kernel(const
 #pragma unroll
       for (int kx = 0; kx < 4; ++kx) {
         uint32_t ak[4];
-        ldsm_x4_t(ak, ks + (16 * kx + (lane & 7) + ((lane >> 4) << 3)) * LDK + 16 * sm + ((lane >> 3) & 1) * 8);
+        ldmatrix_x4_trans(ak, ks + (16 * kx + (lane & 7) + ((lane >> 4) << 3)) * LDK + 16 * sm + ((lane >> 3) & 1) * 8);
         const int brow = 16 * kx + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
         for (int np = 0; np < SNT / 2; ++np) {
           uint32_t b[4];
-          ldsm_x4_t(b, Vd + brow * kLd + 8 * sn0 + 16 * np + (lane >> 4) * 8);
+          ldmatrix_x4_trans(b, Vd + brow * kLd + 8 * sn0 + 16 * np + (lane >> 4) * 8);
           mma_bf16(S[2 * np], ak, b[0], b[1]);
           mma_bf16(S[2 * np + 1], ak, b[2], b[3]);
         }

@@ -30,6 +30,7 @@
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/ptx.cuh"
 #include "kernels/error.h"
 #include "kernels/device.h"
 
@@ -42,6 +43,8 @@ int conv_tokens_per_thread = 0;
 
 namespace {
 
+using ptx::unpack8;
+
 constexpr int kConvBatch = 8;  // rows loaded ahead per thread
 
 // SiLU with the fast intrinsics (ex2.approx + approximate division, a few ulp in f32, far below the
@@ -49,16 +52,6 @@ constexpr int kConvBatch = 8;  // rows loaded ahead per thread
 // instruction-bound (~90 instructions per 16-byte row and thread as written, ~150 with them).
 // For x < -87, __expf(-x) = inf and the quotient is -0, silu's limit.
 __device__ __forceinline__ float silu_f(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
-
-__device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 p = __bfloat1622float2(h[i]);
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
-}
 
 __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
   uint4 u;

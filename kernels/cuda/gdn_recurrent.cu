@@ -33,6 +33,7 @@
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/ptx.cuh"
 #include "kernels/error.h"
 
 namespace dflash::cuda {
@@ -44,6 +45,8 @@ int recurrent_rows_per_thread = 0;
 
 namespace {
 
+using ptx::unpack8;
+
 constexpr int kThreads = 128;
 constexpr int kMaxChunk = 64;
 constexpr size_t kSmemBudget = 48 * 1024;
@@ -51,16 +54,6 @@ constexpr size_t kSmemBudget = 48 * 1024;
 struct RecurrentGeom {
   int RP, DV_T, dk_pad, TC;
 };
-
-__device__ __forceinline__ void unpack8(const uint4& u, float* f) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 v = __bfloat1622float2(h[i]);
-    f[2 * i] = v.x;
-    f[2 * i + 1] = v.y;
-  }
-}
 
 // Shared-memory slot of element a of a q/k row: thread part p reads its g-th 8-row group at
 // slot group g·RP + p, so the RP parts read consecutive 16-byte words.

@@ -17,11 +17,6 @@ const std::string kHf = std::string(DFLASH_TEST_DATA_DIR) + "/hf/";
 // printed; 3e-2 (normalized by the largest reference value) is the bound.
 constexpr double kBf16Bound = 3e-2;
 
-std::vector<int32_t> ids_of(const Tensor& t) {
-  Tensor i = t.to_dtype(DType::I32);
-  return std::vector<int32_t>(i.data<int32_t>(), i.data<int32_t>() + i.numel());
-}
-
 KernelPolicies all(KernelPolicy p) { return KernelPolicies{p, p, p, false}; }
 
 class CudaGolden : public ::testing::TestWithParam<std::string> {};

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "target_model/fast_path.h"
+#include "test_util.h"
 
 using namespace dflash;
 using namespace dflash::target;
@@ -11,15 +12,6 @@ namespace {
 
 TargetConfig qwen27b() {
   return TargetConfig::from_file(std::string(DFLASH_TEST_DATA_DIR) + "/../../configs/qwen3.6-27b/config.json");
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 }  // namespace

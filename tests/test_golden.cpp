@@ -25,25 +25,11 @@ const std::string kHf = std::string(DFLASH_TEST_DATA_DIR) + "/hf/";
 // rounded to f16 (1.7e-5), a bug the first golden data set had.
 constexpr double kBound = 1e-5;
 
-std::vector<int32_t> ids_of(const Tensor& t) {
-  Tensor i = t.to_dtype(DType::I32);
-  return std::vector<int32_t>(i.data<int32_t>(), i.data<int32_t>() + i.numel());
-}
-
 std::string temp_dir(const std::string& name) {
   fs::path p = fs::temp_directory_path() / ("dflash_golden_" + name + "_" + std::to_string(::getpid()));
   fs::remove_all(p);
   fs::create_directories(p);
   return p.string();
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 class Golden : public ::testing::TestWithParam<std::string> {};

@@ -4,10 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
+#include <string>
 #include <limits>
 #include <vector>
 
 #include "kernels/device.h"
+#include "kernels/error.h"
 #include "kernels/tensor.h"
 
 // First statement of every test that needs a GPU: skips (not fails) on machines without one.
@@ -51,6 +54,22 @@ inline void poison(Tensor& t) {
     case DType::I32: case DType::I64: t.fill(-123456789.0); break;
     default: t.fill(std::numeric_limits<double>::quiet_NaN()); break;
   }
+}
+
+// The message of the dflash::Error that f throws, "" when it throws none.
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Token ids stored as any integer tensor (golden files hold them as i32).
+inline std::vector<int32_t> ids_of(const Tensor& t) {
+  Tensor i = t.to_dtype(DType::I32);
+  return std::vector<int32_t>(i.data<int32_t>(), i.data<int32_t>() + i.numel());
 }
 
 }  // namespace dflash

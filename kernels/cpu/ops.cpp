@@ -8,6 +8,31 @@ namespace dflash::ops {
 using detail::require_host_f32;
 using detail::require_shape;
 
+namespace {
+
+// y[i] = f(a[i], b[i]) over same-shaped f32 host tensors (y may alias a or b).
+template <typename F>
+void binary_elementwise(const char* op, const Tensor& a, const Tensor& b, Tensor& y, F f) {
+  require_host_f32(a, op, "a");
+  require_host_f32(b, op, "b");
+  require_host_f32(y, op, "y");
+  require_shape(b, a.shape(), op, "b");
+  require_shape(y, a.shape(), op, "y");
+  const float* A = a.data<float>();
+  const float* B = b.data<float>();
+  float* Y = y.data<float>();
+  for (int64_t i = 0; i < a.numel(); ++i) Y[i] = f(A[i], B[i]);
+}
+
+// 1 / sqrt(mean(x^2) + eps) over one row of D.
+float inv_rms(const float* x, int64_t D, float eps) {
+  float ss = 0;
+  for (int64_t d = 0; d < D; ++d) ss += x[d] * x[d];
+  return 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+}
+
+}  // namespace
+
 void SeqOffsets::validate(int64_t n_tokens, const char* op) const {
   DFLASH_CHECK(offsets.size() >= 2, op << ": sequence offsets need at least one sequence");
   DFLASH_CHECK(offsets.front() == 0, op << ": sequence offsets must start at 0");
@@ -72,9 +97,7 @@ void rms_norm(const Tensor& x, const Tensor& w, float eps, RmsNormKind kind, Ten
   float* Y = y.data<float>();
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = X + r * D;
-    float ss = 0;
-    for (int64_t d = 0; d < D; ++d) ss += xr[d] * xr[d];
-    float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+    const float inv = inv_rms(xr, D, eps);
     float* yr = Y + r * D;
     for (int64_t d = 0; d < D; ++d) {
       float scale = kind == RmsNormKind::ZeroCentered ? 1.0f + Wt[d] : Wt[d];
@@ -100,23 +123,13 @@ void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& w, float eps
   float* Y = y.data<float>();
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = X + r * D;
-    float ss = 0;
-    for (int64_t d = 0; d < D; ++d) ss += xr[d] * xr[d];
-    float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+    const float inv = inv_rms(xr, D, eps);
     for (int64_t d = 0; d < D; ++d) Y[r * D + d] = xr[d] * inv * Wt[d] * detail::silu(Z[r * D + d]);
   }
 }
 
 void swiglu(const Tensor& gate, const Tensor& up, Tensor& y) {
-  require_host_f32(gate, "swiglu", "gate");
-  require_host_f32(up, "swiglu", "up");
-  require_host_f32(y, "swiglu", "y");
-  require_shape(up, gate.shape(), "swiglu", "up");
-  require_shape(y, gate.shape(), "swiglu", "y");
-  const float* G = gate.data<float>();
-  const float* U = up.data<float>();
-  float* Y = y.data<float>();
-  for (int64_t i = 0; i < gate.numel(); ++i) Y[i] = detail::silu(G[i]) * U[i];
+  binary_elementwise("swiglu", gate, up, y, [](float g, float u) { return detail::silu(g) * u; });
 }
 
 void sigmoid_gate_inplace(Tensor& x, const Tensor& gate) {
@@ -129,15 +142,7 @@ void sigmoid_gate_inplace(Tensor& x, const Tensor& gate) {
 }
 
 void add(const Tensor& a, const Tensor& b, Tensor& y) {
-  require_host_f32(a, "add", "a");
-  require_host_f32(b, "add", "b");
-  require_host_f32(y, "add", "y");
-  require_shape(b, a.shape(), "add", "b");
-  require_shape(y, a.shape(), "add", "y");
-  const float* A = a.data<float>();
-  const float* B = b.data<float>();
-  float* Y = y.data<float>();
-  for (int64_t i = 0; i < a.numel(); ++i) Y[i] = A[i] + B[i];
+  binary_elementwise("add", a, b, y, [](float u, float v) { return u + v; });
 }
 
 void embedding(const Tensor& ids, const Tensor& table, Tensor& y) {

@@ -1,5 +1,6 @@
 #pragma once
-// Timing harness shared by the benchmarks: CUDA events around the timed region, warm-up outside
+// Timing harness shared by the benchmarks (time_cuda in harness.cpp; the statistics and CSV
+// writing in report.cpp, host code tested on every machine): CUDA events around the timed region, warm-up outside
 // it, repeated rounds (order shuffled per round from a recorded seed), median with p20/p80 and
 // min/max, a "noisy" mark when rounds disagree, and normalized CSV rows naming the GPU and commit.
 #include <cstdint>
@@ -27,16 +28,23 @@ struct Row {
   bool noisy = false;
 };
 
-// Appends rows to a CSV file (header written when the file is new):
+struct CsvRow;
+
+// Appends rows to a CSV file (header written when the file is new; no file when path is empty)
+// and keeps them for --json / --baseline:
 // bench,kernel,provider,mode,metric,unit,shape,p50,p20,p80,noisy,gpu,commit,timestamp
 class CsvWriter {
  public:
   CsvWriter(std::string path, std::string gpu_name);
   void write(const Row& r);
   const std::string& path() const { return path_; }
+  const std::vector<CsvRow>& rows() const { return rows_; }
+  // Writes --json and prints the --baseline comparison (either may be empty).
+  void finish(const std::string& json_path, const std::string& baseline_csv) const;
 
  private:
   std::string path_, gpu_, timestamp_;
+  std::vector<CsvRow> rows_;
 };
 
 std::string utc_timestamp();  // 2026-11-30T08:00:00Z

@@ -8,6 +8,7 @@
 //        the Qwen3.6-27B layer shape (10240 channels); GB/s from bytes = read x + write y (+ w).
 // gdn  : chunked delta rule (fast) vs token-recurrent fallback, Qwen3.6-27B heads (16 k, 48 v,
 //        d 128), T 2048..32768 and a varlen batch; TFLOP/s and TB/s from the formulas below.
+// gemm : the model's GEMM shapes: cuBLASLt's heuristic choice vs the best of its top 16 in isolation.
 // layer: one GatedDeltaNet and one attention decoder layer at the 27B shape and small shapes.
 #include <algorithm>
 #include <cmath>
@@ -17,6 +18,7 @@
 #include <sstream>
 
 #include "bench/harness.h"
+#include "bench/report.h"
 #include "kernels/app.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/device.h"
@@ -222,6 +224,42 @@ void bench_gdn(Ctx& ctx, bool quick) {
   }
 }
 
+// The target's GEMMs at the model's shapes: our launcher with cuBLASLt's first heuristic answer
+// (what the forward uses by default) against the fastest of its top 16 answers timed in isolation
+// (what autotuning reaches). Same operands, same output checked.
+void bench_gemm(Ctx& ctx, bool quick) {
+  std::printf("\n== gemm: cuBLASLt heuristic choice vs the best of its top 16 (isolation), Qwen3.6-27B shapes\n");
+  struct G {
+    const char* name;
+    int64_t N, K;
+  };
+  const std::vector<G> gemms = {{"gdn in_proj q|k|v|z|b|a", 16480, 5120}, {"gdn out_proj", 5120, 6144},
+                                {"attn q|k|v", 16384, 5120},               {"attn o_proj", 5120, 6144},
+                                {"mlp gate|up", 34816, 5120},              {"mlp down", 5120, 17408}};
+  std::vector<int64_t> tokens = {2048, 8192};
+  if (quick) tokens = {8192};
+  for (int64_t M : tokens)
+    for (const G& g : gemms) {
+      Tensor x = dev_randn({M, g.K}, DType::BF16, 11), w = dev_randn({g.N, g.K}, DType::BF16, 12, 0.02f);
+      Tensor y = Tensor::empty({M, g.N}, DType::BF16, Device::cuda(0)), ref = y.clone();
+      cuda::GemmParams p{x.raw_data(), g.K, w.raw_data(), y.raw_data(), g.N, M, g.N, g.K, false};
+      const std::string shape = std::string(g.name) + " M" + std::to_string(M) + " N" + std::to_string(g.N) + " K" +
+                                std::to_string(g.K);
+      const double tflop = 2.0 * static_cast<double>(M) * static_cast<double>(g.N) * static_cast<double>(g.K) / 1e12;
+      cuda::set_gemm_autotune(false);
+      cuda::GemmParams pr = p;
+      pr.y = ref.raw_data();
+      cuda::gemm_bf16(pr, 0);
+      measure(ctx, "gemm", "gemm_bf16", shape, {{"cublaslt_heuristic", [&] { cuda::gemm_bf16(p, 0); }, [&] { return y; }}},
+              1e-2, {{"achieved", "TFLOP/s", tflop}});
+      cuda::set_gemm_autotune(true);
+      measure(ctx, "gemm", "gemm_bf16", shape, {{"cublaslt_best_of_16", [&] { cuda::gemm_bf16(p, 0); }, [&] { return y; }}},
+              1e-2, {{"achieved", "TFLOP/s", tflop}});
+      DFLASH_CHECK(max_rel_err(y, ref) <= 1e-2, "gemm " << shape << ": autotuned result differs from the heuristic's");
+      cuda::set_gemm_autotune(false);
+    }
+}
+
 void bench_layer(Ctx& ctx, bool quick) {
   std::printf("\n== layer: one decoder layer (mixer + MLP), fast vs fallback kernels\n");
   struct Shape {
@@ -281,12 +319,15 @@ void bench_layer(Ctx& ctx, bool quick) {
 int main(int argc, char** argv) {
   CLI::App app{"Op-level benchmarks of the target's CUDA kernels (each provider checked before it is timed)."};
   app.name("kernel_bench");
-  std::string log_level = "warn", csv, only = "conv,gdn,layer";
+  std::string log_level = "warn", csv, only = "conv,gdn,gemm,layer";
   bool quick = false;
   Ctx ctx;
   add_common_options(app, &log_level);
   app.add_option("--csv", csv, "append CSV rows to this file");
-  app.add_option("--only", only, "comma-separated subset of conv,gdn,layer")->capture_default_str();
+  std::string json_path, baseline;
+  app.add_option("--json", json_path, "also write this run's rows as JSON");
+  app.add_option("--baseline", baseline, "an earlier CSV: print now/baseline per row and the geomean per group");
+  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,layer")->capture_default_str();
   app.add_flag("--quick", quick, "a few shapes only (smoke run)");
   app.add_option("--warmup", ctx.warmup, "untimed calls before the first round")->capture_default_str();
   app.add_option("--iters", ctx.iters, "timed calls per round")->capture_default_str();
@@ -299,12 +340,14 @@ int main(int argc, char** argv) {
     ctx.info = cuda_device_info(0);
     ctx.stream = DeviceContext::get(0).stream();
     ctx.order.seed(ctx.seed);
-    if (!csv.empty()) ctx.csv = std::make_unique<bench::CsvWriter>(csv, ctx.info.name);
+    ctx.csv = std::make_unique<bench::CsvWriter>(csv, ctx.info.name);
     std::printf("kernel_bench on %s, %s, round-order seed %llu\n", ctx.info.name.c_str(), version_string().c_str(),
                 static_cast<unsigned long long>(ctx.seed));
     if (only.find("conv") != std::string::npos) bench_conv(ctx, quick);
     if (only.find("gdn") != std::string::npos) bench_gdn(ctx, quick);
+    if (only.find("gemm") != std::string::npos) bench_gemm(ctx, quick);
     if (only.find("layer") != std::string::npos) bench_layer(ctx, quick);
+    ctx.csv->finish(json_path, baseline);
     return 0;
   });
 }

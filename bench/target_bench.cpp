@@ -15,7 +15,9 @@
 #include <random>
 
 #include "bench/harness.h"
+#include "bench/report.h"
 #include "kernels/app.h"
+#include "kernels/cuda/launch.h"
 #include "kernels/device.h"
 #include "kernels/log.h"
 #include "target_model/model_cuda.h"
@@ -83,6 +85,11 @@ int main(int argc, char** argv) {
   app.add_option("--rounds", rounds, "rounds; path order shuffled per round")->capture_default_str();
   app.add_option("--seed", seed, "weights, tokens and round-order seed")->capture_default_str();
   app.add_option("--csv", csv, "append CSV rows to this file");
+  bool autotune = false;
+  app.add_flag("--gemm-autotune", autotune, "time cuBLASLt's top 16 algorithms per GEMM shape on first use and keep the fastest");
+  std::string json_path, baseline;
+  app.add_option("--json", json_path, "also write this run's rows as JSON");
+  app.add_option("--baseline", baseline, "an earlier CSV: print now/baseline per row and the geomean per group");
 
   return run_app(app, argc, argv, [&]() -> int {
     init_logging(-1, log_level);
@@ -90,6 +97,7 @@ int main(int argc, char** argv) {
     DFLASH_CHECK_HINT(cuda_device_count() > 0, "target_bench needs a CUDA GPU and none is visible",
                       "run it on the GPU machine; check nvidia-smi / CUDA_VISIBLE_DEVICES");
     const Device dev = Device::cuda(0);
+    if (autotune) cuda::set_gemm_autotune(true);
     const DeviceInfo info = cuda_device_info(0);
     const std::vector<int64_t> seqs = parse_list(seq_s);
     TargetConfig cfg = TargetConfig::from_file(random ? config_path : model_dir);
@@ -109,8 +117,7 @@ int main(int argc, char** argv) {
     const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("  weights: %.2f GiB bf16, loaded in %.1f s\n", static_cast<double>(weight_bytes) / (1 << 30), load_s);
     void* stream = DeviceContext::get(0).stream();
-    std::unique_ptr<bench::CsvWriter> out;
-    if (!csv.empty()) out = std::make_unique<bench::CsvWriter>(csv, info.name);
+    auto out = std::make_unique<bench::CsvWriter>(csv, info.name);
     constexpr double kPeakBf16 = 989e12;  // H100/H200 SXM dense bf16 datasheet peak; MFU is against it
 
     std::printf("\n%-8s %-9s %10s %10s %10s %11s %9s %7s %10s %s\n", "tokens", "path", "ms p50", "p20", "p80", "tok/s",
@@ -150,7 +157,8 @@ int main(int argc, char** argv) {
       }
       const double flops = forward_flops(cfg, T, batch);
       const std::string shape = cfg.model_type + " L" + std::to_string(cfg.num_hidden_layers) + " H" +
-                                std::to_string(cfg.hidden_size) + " T" + std::to_string(T) + " B" + std::to_string(batch);
+                                std::to_string(cfg.hidden_size) + " T" + std::to_string(T) + " B" + std::to_string(batch) +
+                                (cuda::gemm_autotune() ? " gemm-autotune" : "");
       std::map<std::string, double> p50;
       for (const std::string& p : {std::string("fast"), std::string("fallback")}) {
         if (!samples.count(p)) continue;
@@ -175,7 +183,8 @@ int main(int argc, char** argv) {
       if (p50.count("fast") && p50.count("fallback"))
         std::printf("%-8s fast path speed-up over the fallback: %.1fx\n", "", p50["fallback"] / p50["fast"]);
     }
-    if (out) std::printf("\nCSV rows appended to %s\n", out->path().c_str());
+    if (!csv.empty()) std::printf("\nCSV rows appended to %s\n", out->path().c_str());
+    out->finish(json_path, baseline);
     return 0;
   });
 }

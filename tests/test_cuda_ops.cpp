@@ -95,9 +95,13 @@ TEST(CudaOps, GemmMatchesLinear) {
       {300, 1024, 512, 0, 8, false}, {1, 160, 96, 8, 8, true},    {37, 160, 96, 8, 16, true},
       {129, 520, 1032, 0, 0, true},
   };
+  // Both algorithm choices: the heuristic's first answer, and autotuning (the fastest of its top
+  // answers, timed on the real operands, which must then still compute the same product).
+  for (bool tune : {false, true})
   for (const Case& c : cases) {
+    cu::set_gemm_autotune(tune);
     SCOPED_TRACE(testing::Message() << "M=" << c.M << " N=" << c.N << " K=" << c.K << " ldx=K+" << c.pad_x
-                                    << " ldy=N+" << c.pad_y << " acc=" << c.acc);
+                                    << " ldy=N+" << c.pad_y << " acc=" << c.acc << " autotune=" << tune);
     const int64_t ldx = c.K + c.pad_x, ldy = c.N + c.pad_y;
     Pair x = rand_bf16({c.M, ldx}), w = rand_bf16({c.N, c.K}, 0.0f, 0.1f);
     Pair y0 = rand_bf16({c.M, ldy});
@@ -132,6 +136,7 @@ TEST(CudaOps, GemmMatchesLinear) {
       EXPECT_EQ(max_rel_err(cols(host_f32(y2), 0, c.N), cols(got, 0, c.N)), 0.0);
     }
   }
+  cu::set_gemm_autotune(false);
 }
 
 TEST(CudaOps, GemmRejectsBadSizes) {

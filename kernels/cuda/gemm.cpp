@@ -20,8 +20,13 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cmath>
 #include <compare>
 #include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <string>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -36,6 +41,10 @@ namespace dflash::cuda {
 namespace {
 
 constexpr uint32_t kAlignBytes = 16;
+constexpr int kCandidates = 16;  // heuristic answers timed when autotuning
+
+std::atomic<bool> g_autotune{std::getenv("DFLASH_GEMM_AUTOTUNE") != nullptr &&
+                             std::string(std::getenv("DFLASH_GEMM_AUTOTUNE")) == "1"};
 
 struct GemmKey {
   int device;
@@ -81,7 +90,40 @@ class DeviceScope {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) % kAlignBytes) == 0; }
 
-std::unique_ptr<GemmPlan> make_plan(const GemmKey& k, cublasLtHandle_t handle, size_t workspace_bytes) {
+// Runs one candidate algorithm of a plan on the real operands (enqueued on the call's stream).
+using RunFn = std::function<void(const GemmPlan&, const cublasLtMatmulAlgo_t&)>;
+
+// Times each candidate on the real operands (one warm-up, then 3 runs between CUDA events on
+// `stream`) and returns the fastest. Only for non-accumulating calls: the candidates overwrite y,
+// which the real call then writes again.
+cublasLtMatmulAlgo_t fastest(const GemmPlan& plan, const cublasLtMatmulHeuristicResult_t* results, int found,
+                             cudaStream_t stream, const RunFn& run) {
+  cudaEvent_t a, b;
+  DFLASH_CUDA_CHECK(cudaEventCreate(&a));
+  DFLASH_CUDA_CHECK(cudaEventCreate(&b));
+  float best_ms = INFINITY;
+  cublasLtMatmulAlgo_t best = results[0].algo;
+  for (int i = 0; i < found; ++i) {
+    if (results[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    run(plan, results[i].algo);
+    DFLASH_CUDA_CHECK(cudaEventRecord(a, stream));
+    for (int r = 0; r < 3; ++r) run(plan, results[i].algo);
+    DFLASH_CUDA_CHECK(cudaEventRecord(b, stream));
+    DFLASH_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    if (ms < best_ms) {
+      best_ms = ms;
+      best = results[i].algo;
+    }
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return best;
+}
+
+std::unique_ptr<GemmPlan> make_plan(const GemmKey& k, cublasLtHandle_t handle, size_t workspace_bytes, bool autotune,
+                                    cudaStream_t stream, const RunFn& run) {
   auto plan = std::make_unique<GemmPlan>();
   // On failure below the partially built plan leaks a few descriptors; that only happens on a
   // configuration error, which ends the run anyway.
@@ -112,15 +154,16 @@ std::unique_ptr<GemmPlan> make_plan(const GemmKey& k, cublasLtHandle_t handle, s
                     CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
     DFLASH_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &kAlignBytes, sizeof(kAlignBytes)));
 
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[kCandidates]{};
   int found = 0;
-  DFLASH_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, plan->op, plan->a, plan->b, plan->c, plan->c, pref, 1,
-                                                     &result, &found));
-  DFLASH_CHECK_HINT(found > 0 && result.state == CUBLAS_STATUS_SUCCESS,
+  DFLASH_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, plan->op, plan->a, plan->b, plan->c, plan->c, pref,
+                                                     autotune ? kCandidates : 1, results, &found));
+  DFLASH_CHECK_HINT(found > 0 && results[0].state == CUBLAS_STATUS_SUCCESS,
                     "gemm_bf16: cuBLASLt found no algorithm for M=" << k.M << " N=" << k.N << " K=" << k.K
                                                                     << " ldx=" << k.ldx << " ldy=" << k.ldy,
                     "this GPU / cuBLASLt version may not support bf16 GEMM with fp32 accumulation (needs sm_80+)");
-  plan->algo = result.algo;
+  plan->algo = results[0].algo;
+  if (autotune && found > 1) plan->algo = fastest(*plan, results, found, stream, run);
   return plan;
 }
 
@@ -146,19 +189,31 @@ void gemm_bf16(const GemmParams& p, int device) {
   DeviceScope scope(device);
   auto handle = static_cast<cublasLtHandle_t>(ctx.cublaslt());
 
+  const auto stream = static_cast<cudaStream_t>(ctx.stream());
+  const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
+  const RunFn run = [&](const GemmPlan& pl, const cublasLtMatmulAlgo_t& algo) {
+    DFLASH_CUBLAS_CHECK(cublasLtMatmul(handle, pl.op, &alpha, p.w, pl.a, p.x, pl.b, &beta, p.y, pl.c, p.y, pl.c, &algo,
+                                       ctx.workspace(), ctx.workspace_bytes(), stream));
+  };
   const GemmKey key{device, p.M, p.N, p.K, p.ldx, p.ldy, p.accumulate};
   const GemmPlan* plan = nullptr;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_plans->find(key);
-    if (it == g_plans->end()) it = g_plans->emplace(key, make_plan(key, handle, ctx.workspace_bytes())).first;
+    if (it == g_plans->end())
+      it = g_plans->emplace(key, make_plan(key, handle, ctx.workspace_bytes(), g_autotune.load() && !p.accumulate,
+                                           stream, run)).first;
     plan = it->second.get();
   }
 
-  const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
-  DFLASH_CUBLAS_CHECK(cublasLtMatmul(handle, plan->op, &alpha, p.w, plan->a, p.x, plan->b, &beta, p.y, plan->c, p.y,
-                                     plan->c, &plan->algo, ctx.workspace(), ctx.workspace_bytes(),
-                                     static_cast<cudaStream_t>(ctx.stream())));
+  run(*plan, plan->algo);
 }
+
+void set_gemm_autotune(bool on) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (g_autotune.exchange(on) != on) g_plans->clear();  // plans made under the other setting go
+}
+
+bool gemm_autotune() { return g_autotune.load(); }
 
 }  // namespace dflash::cuda

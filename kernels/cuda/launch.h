@@ -30,6 +30,11 @@ struct GemmParams {
   bool accumulate = false;
 };
 void gemm_bf16(const GemmParams& p, int device);
+// Algorithm choice per shape: off (default) takes cuBLASLt's first heuristic answer; on times its
+// top 16 answers on the first call of each non-accumulating shape and keeps the fastest (~0.1-1 s
+// once per shape). Also enabled by DFLASH_GEMM_AUTOTUNE=1. Switching drops the cached plans.
+void set_gemm_autotune(bool on);
+bool gemm_autotune();
 
 // ---- Embedding, norms, elementwise (bf16 in/out, fp32 math) --------------------------------------
 // y[n, :] = table[ids[n], :]; ids were validated against V on the host.

@@ -1,0 +1,44 @@
+#pragma once
+// Benchmark rows as data: reading the CSV the benches write, comparing a run with a baseline
+// (ratio per row, geometric mean per group), JSON, and a self-contained HTML/SVG page per sweep.
+// Host-only (no CUDA), so it is tested on every machine.
+#include <nlohmann/json.hpp>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "bench/harness.h"
+
+namespace dflash::bench {
+
+struct CsvRow {
+  std::string bench, kernel, provider, mode, metric, unit, shape, gpu, commit, timestamp;
+  double p50 = 0, p20 = 0, p80 = 0;
+  bool noisy = false;
+  // Identity of a measurement across runs (everything but the numbers, GPU, commit and time).
+  std::string key() const;
+};
+
+// Parses a file written by CsvWriter (quoted fields may hold commas). Errors name the file and line.
+std::vector<CsvRow> read_csv(const std::string& path);
+nlohmann::json rows_to_json(const std::vector<CsvRow>& rows);
+
+struct Comparison {
+  struct Line {
+    CsvRow now;
+    double baseline_p50 = 0;
+    double ratio = 0;  // now / baseline (for times: < 1 is faster)
+  };
+  std::vector<Line> lines;                  // rows present in both runs
+  std::map<std::string, double> geomean;    // per "bench/metric" group: geometric mean of ratios
+  std::vector<std::string> only_now, only_baseline;  // keys present in one run only
+};
+Comparison compare(const std::vector<CsvRow>& now, const std::vector<CsvRow>& baseline);
+std::string comparison_table(const Comparison& c);
+
+// One HTML page with an inline SVG bar chart per (bench, kernel, metric) sweep: shapes along the
+// x axis, one bar per provider, the p20..p80 range as a whisker. Returns the number of charts.
+int write_html_plots(const std::vector<CsvRow>& rows, const std::string& path, const std::string& title);
+
+}  // namespace dflash::bench

@@ -35,6 +35,11 @@ if [ -x "$DFLASH_BUILD/bench/target_bench" ]; then
   say "target_bench (Qwen3.6-27B shapes, random weights)"
   "$DFLASH_BUILD/bench/target_bench" --config "$Q27" --random-weights ${TARGET_BENCH_ARGS:-} --csv "$RESULTS/target_bench.csv" \
     2>&1 | tee "$RESULTS/target_bench.txt" || status=1
+  if [ "${TARGET_BENCH_AUTOTUNE:-0}" = 1 ]; then
+    say "target_bench, fast path with GEMM autotuning"
+    "$DFLASH_BUILD/bench/target_bench" --config "$Q27" --random-weights --path fast --gemm-autotune --rounds 1 \
+      --csv "$RESULTS/target_bench.csv" 2>&1 | tee -a "$RESULTS/target_bench.txt" || status=1
+  fi
 fi
 if [ -x "$DFLASH_BUILD/bench/kernel_bench" ]; then
   say "kernel_bench"

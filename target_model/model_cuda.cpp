@@ -272,21 +272,33 @@ void CudaTargetModel::mlp(int64_t i, const Tensor& x, Tensor& out) {
   gemm(act, I, weights_.layers[static_cast<size_t>(i)].down_proj, out, H, N, H, I);
 }
 
-void CudaTargetModel::run_layer(int64_t i, Tensor& h, const CudaBatch& b, const LayerPlan& lp) {
+void CudaTargetModel::layer_body(int64_t i, Tensor& h, Tensor& normed, const CudaBatch& b, const LayerPlan& lp,
+                                 const Tensor* next_norm, Tensor* next_out) {
   DFLASH_CHECK(i >= 0 && i < config_.num_hidden_layers, "run_layer: layer " << i << " out of range");
   DFLASH_CHECK(lp.type == config_.layer_types[static_cast<size_t>(i)], "run_layer: plan of the wrong layer type");
   const TargetConfig& c = config_;
   const LayerWeights& L = weights_.layers[static_cast<size_t>(i)];
   const int64_t N = b.num_tokens, H = c.hidden_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  Tensor normed = device_bf16({N, H}, device_), delta = device_bf16({N, H}, device_);
-  cuda::rms_norm(h.raw_data(), H, L.input_layernorm.raw_data(), normed.raw_data(), H, N, H, eps, true, stream_);
+  Tensor delta = device_bf16({N, H}, device_);
   if (L.type == LayerType::LinearAttention) gdn_mixer(i, normed, b, lp, delta);
   else attention_mixer(i, normed, b, lp, delta);
   cuda::add_rms_norm(h.raw_data(), delta.raw_data(), L.post_attention_layernorm.raw_data(), normed.raw_data(), N, H,
                      eps, stream_);
   mlp(i, normed, delta);
-  cuda::add_rms_norm(h.raw_data(), delta.raw_data(), nullptr, nullptr, N, H, eps, stream_);
+  // The residual add, fused with the norm the next step needs (the next layer's input norm, or
+  // the final norm after the last layer) when there is one.
+  cuda::add_rms_norm(h.raw_data(), delta.raw_data(), next_norm ? next_norm->raw_data() : nullptr,
+                     next_norm ? next_out->raw_data() : nullptr, N, H, eps, stream_);
+}
+
+void CudaTargetModel::run_layer(int64_t i, Tensor& h, const CudaBatch& b, const LayerPlan& lp) {
+  DFLASH_CHECK(i >= 0 && i < config_.num_hidden_layers, "run_layer: layer " << i << " out of range");
+  const int64_t N = b.num_tokens, H = config_.hidden_size;
+  Tensor normed = device_bf16({N, H}, device_);
+  cuda::rms_norm(h.raw_data(), H, weights_.layers[static_cast<size_t>(i)].input_layernorm.raw_data(), normed.raw_data(),
+                 H, N, H, static_cast<float>(config_.rms_norm_eps), true, stream_);
+  layer_body(i, h, normed, b, lp, nullptr, nullptr);
 }
 
 ForwardResult CudaTargetModel::forward(const std::vector<std::vector<int32_t>>& sequences, const ForwardOptions& options) {
@@ -301,10 +313,18 @@ ForwardResult CudaTargetModel::forward(const CudaBatch& b, const ForwardOptions&
   ForwardResult r;
   r.offsets = b.offsets;
   const int64_t N = b.num_tokens, H = c.hidden_size;
-  Tensor h = device_bf16({N, H}, device_);
+  Tensor h = device_bf16({N, H}, device_), normed = device_bf16({N, H}, device_);
   cuda::embedding(b.ids.data<int32_t>(), weights_.embed_tokens.raw_data(), h.raw_data(), N, H, stream_);
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  cuda::rms_norm(h.raw_data(), H, weights_.layers[0].input_layernorm.raw_data(), normed.raw_data(), H, N, H, eps, true,
+                 stream_);
+  if (options.final_norm) r.final_hidden = device_bf16({N, H}, device_);
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    run_layer(i, h, b, plan_.layers[static_cast<size_t>(i)]);
+    const bool last = i + 1 == c.num_hidden_layers;
+    const Tensor* next_norm = last ? (options.final_norm ? &weights_.norm : nullptr)
+                                   : &weights_.layers[static_cast<size_t>(i + 1)].input_layernorm;
+    Tensor* next_out = last ? &r.final_hidden : &normed;
+    layer_body(i, h, normed, b, plan_.layers[static_cast<size_t>(i)], next_norm, next_out);
     for (int64_t id : options.capture)
       if (id == i) {
         Tensor copy = device_bf16({N, H}, device_);
@@ -312,11 +332,6 @@ ForwardResult CudaTargetModel::forward(const CudaBatch& b, const ForwardOptions&
                                           static_cast<cudaStream_t>(stream_)));
         r.layers[id] = copy;
       }
-  }
-  if (options.final_norm) {
-    r.final_hidden = device_bf16({N, H}, device_);
-    cuda::rms_norm(h.raw_data(), H, weights_.norm.raw_data(), r.final_hidden.raw_data(), H, N, H,
-                   static_cast<float>(c.rms_norm_eps), true, stream_);
   }
   return r;
 }

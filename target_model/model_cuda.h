@@ -46,6 +46,10 @@ class CudaTargetModel {
     int64_t rows = 0; // P (a multiple of 8 so every row of the GEMM output stays 16-byte aligned)
     Tensor gate_up;   // (2I, H)
   };
+  // Mixer and MLP of layer i on h, from `normed` = input_norm(h) (overwritten as scratch); ends with
+  // the residual add fused with `next_norm` into *next_out when next_norm is set.
+  void layer_body(int64_t i, Tensor& h, Tensor& normed, const CudaBatch& b, const LayerPlan& lp, const Tensor* next_norm,
+                  Tensor* next_out);
   void gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out);
   void attention_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out);
   void mlp(int64_t i, const Tensor& x, Tensor& out);

@@ -28,12 +28,12 @@ int run_app(CLI::App& app, int argc, char** argv, const std::function<int()>& bo
   }
   try {
     return body();
-  } catch (const Error& e) {
-    spdlog::shutdown();
-    std::fprintf(stderr, "%s: error: %s\n", app.get_name().c_str(), e.what());
   } catch (const std::exception& e) {
     spdlog::shutdown();
-    std::fprintf(stderr, "%s: error: %s\n", app.get_name().c_str(), e.what());
+    // Under mpirun every rank may print: say which one.
+    const int rank = env_rank();
+    const std::string who = rank >= 0 ? "[rank " + std::to_string(rank) + "] " : "";
+    std::fprintf(stderr, "%s%s: error: %s\n", who.c_str(), app.get_name().c_str(), e.what());
   }
   return 1;
 }

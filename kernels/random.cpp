@@ -10,6 +10,13 @@ void check_fillable(const Tensor& t, const char* op) {
   DFLASH_CHECK(t.is_contiguous(), op << ": needs a contiguous tensor, got " << t.describe());
 }
 
+// Index of element i in the drawn stream (see RandomParams::row_stride).
+int64_t source_index(const Tensor& t, const RandomParams& p, int64_t i) {
+  if (p.row_stride <= 0) return p.index_offset + i;
+  const int64_t cols = t.dim() > 0 && t.size(-1) > 0 ? t.size(-1) : 1;
+  return p.index_offset + (i / cols) * p.row_stride + i % cols;
+}
+
 template <typename Draw>
 void fill_host(Tensor& t, Draw draw) {
   const int64_t n = t.numel();
@@ -28,7 +35,7 @@ void fill_uniform(Tensor& t, const RandomParams& p, float lo, float hi) {
   check_fillable(t, "fill_uniform");
   if (t.device().is_cuda()) return cuda::fill_uniform(t, p, lo, hi);
   fill_host(t, [&](int64_t i) {
-    return lo + (hi - lo) * rng::uniform(p.seed, p.stream, static_cast<uint64_t>(p.index_offset + i));
+    return lo + (hi - lo) * rng::uniform(p.seed, p.stream, static_cast<uint64_t>(source_index(t, p, i)));
   });
 }
 
@@ -36,7 +43,7 @@ void fill_normal(Tensor& t, const RandomParams& p, float mean, float stddev) {
   check_fillable(t, "fill_normal");
   if (t.device().is_cuda()) return cuda::fill_normal(t, p, mean, stddev);
   fill_host(t, [&](int64_t i) {
-    return mean + stddev * rng::normal(p.seed, p.stream, static_cast<uint64_t>(p.index_offset + i));
+    return mean + stddev * rng::normal(p.seed, p.stream, static_cast<uint64_t>(source_index(t, p, i)));
   });
 }
 

@@ -13,6 +13,10 @@ struct RandomParams {
   uint64_t seed = 0;
   uint64_t stream = 0;
   int64_t index_offset = 0;
+  // When > 0: t is the column block [c0, c0 + cols) of rows of a wider matrix with row_stride
+  // columns; element (i, j) of t draws index_offset + i * row_stride + j (pass index_offset =
+  // row0 * row_stride + c0). A tensor-parallel row-parallel weight shard is drawn this way.
+  int64_t row_stride = 0;
 };
 
 // Floating dtypes only (bf16/f16/f32/f64); t must be contiguous.

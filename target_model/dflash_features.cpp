@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include <unistd.h>
 
@@ -22,6 +23,8 @@
 #include "kernels/log.h"
 #include "target_model/model.h"
 #include "target_model/safetensors.h"
+#include "target_model/tp.h"
+#include "comm/comm.h"
 #include "kernels/device.h"
 #if DFLASH_WITH_CUDA
 #include "target_model/model_cuda.h"
@@ -65,6 +68,19 @@ std::vector<int64_t> parse_layers(const std::string& spec, int64_t n_layers) {
   return ids;
 }
 
+// Test hook for the failure-handling tests: DFLASH_FAULT_RANK=N makes rank N throw (or, with
+// DFLASH_FAULT=hang, stop) after the model is built, while the others go on into the collectives.
+void inject_fault(int rank) {
+  const char* r = std::getenv("DFLASH_FAULT_RANK");
+  if (r == nullptr || std::atoi(r) != rank) return;
+  const char* kind = std::getenv("DFLASH_FAULT");
+  if (kind != nullptr && std::string(kind) == "hang") {
+    spdlog::warn("DFLASH_FAULT=hang: rank {} stops here", rank);
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
+  DFLASH_FAIL("injected fault on rank " << rank << " (DFLASH_FAULT_RANK)");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -97,14 +113,26 @@ int main(int argc, char** argv) {
   app.add_option("--attention", attn_pol, "kernel policy of attention (GPU)")->check(CLI::IsMember({"auto", "fast", "fallback"}));
   app.add_flag("--require-fast-path", require_fast, "refuse to run when any layer would use a fallback kernel");
   app.add_option("--plan-json", plan_json, "write the fast-path plan and the kernel counters as JSON");
+  int tp = 1;
+  double timeout_s = 600;
+  app.add_option("--tp", tp, "tensor-parallel size (run under mpirun with a multiple of tp ranks)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--timeout", timeout_s, "seconds a collective may take before the job is ended")->capture_default_str();
 
   return run_app(app, argc, argv, [&]() -> int {
-    init_logging(-1, log_level);
+    // Under mpirun (or with --tp > 1) every rank runs this; the checks below fail identically on
+    // every rank before any collective, so each rank prints the same one message and exits 1.
+    std::unique_ptr<comm::MpiEnv> mpi;
+    if (tp > 1 || env_rank() >= 0) mpi = std::make_unique<comm::MpiEnv>(&argc, &argv);
+    const int world = mpi ? mpi->size() : 1, rank = mpi ? mpi->rank() : 0;
+    init_logging(rank, log_level);
+    const comm::Layout layout = comm::make_layout(world, rank, tp);
     DFLASH_CHECK_HINT(!model_dir.empty() || random_weights, "no weights given",
                       "pass --model DIR, or --config FILE --random-weights");
-    const Device dev = Device::parse(device);
+    Device dev = Device::parse(device);
+    if (dev.is_cuda() && world > 1 && device == "cuda") dev = mpi->bind_device();  // one GPU per rank
     if (dev.is_cuda())
-      DFLASH_CHECK_HINT(dev.index < cuda_device_count(), "--device " << device << ": " << cuda_device_count()
+      DFLASH_CHECK_HINT(dev.index < cuda_device_count(), "--device " << dev.str() << ": " << cuda_device_count()
                                                               << " CUDA device(s) visible",
                         "check nvidia-smi / CUDA_VISIBLE_DEVICES, or use --device cpu");
     std::vector<std::vector<int32_t>> seqs;
@@ -130,10 +158,17 @@ int main(int argc, char** argv) {
     for (int64_t id : opt_layers)
       DFLASH_CHECK_HINT(id >= 0 && id < cfg.num_hidden_layers, "--layers: capture layer id " << id << " is out of range",
                         "layer ids are 0.." << cfg.num_hidden_layers - 1 << " (id i = output of decoder layer i)");
+    check_tp(cfg, tp);
+    const TargetConfig local = local_config(cfg, tp);  // == cfg when tp = 1
+    const TpShard shard{layout.tp_rank, tp};
     KernelPolicies pol{parse_policy(conv_pol, "--conv"), parse_policy(dr_pol, "--delta-rule-kernel"),
                        parse_policy(attn_pol, "--attention"), require_fast};
     const int sm = dev.is_cuda() ? cuda_device_info(dev.index).major : 0;
-    FastPathPlan plan = make_plan(cfg, dev, pol, sm);
+    FastPathPlan plan = make_plan(local, dev, pol, sm);
+    // From here on ranks talk to each other: a rank that fails ends the whole job, so that the
+    // others are not left waiting in a collective.
+    std::unique_ptr<comm::Communicator> tp_comm;
+    if (tp > 1) tp_comm = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, layout.tp_group, rank, dev, timeout_s, "tp");
     spdlog::info("fast path: {}", plan.summary());
     for (const std::string& f : plan.fallbacks()) spdlog::warn("fallback: {}", f);
     ForwardOptions opt;
@@ -146,45 +181,53 @@ int main(int argc, char** argv) {
     double load_s = 0, fwd_s = 0;
     std::string counters_str;
     nlohmann::json counters_json;
-    if (dev.is_cpu()) {
-      // The CPU reference holds f32 weights: refuse up front what this machine cannot hold.
-      const double need = static_cast<double>(cfg.parameter_count()) * 4.0;
-      const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
-      DFLASH_CHECK_HINT(need < 0.8 * have, "the CPU reference needs " << need / 1e9 << " GB for the f32 weights of this "
-                                           << cfg.summary() << ", but this machine has " << have / 1e9 << " GB",
-                        "the CPU reference is for small models; run big targets on the GPU (--device cuda)");
-      TargetWeights w = random_weights ? dflash::target::random_weights(cfg, seed, DType::F32, dev)
-                                       : load_weights(cfg, model_dir, DType::F32, dev);
-      TargetModel model(cfg, std::move(w));
-      auto t1 = std::chrono::steady_clock::now();
-      load_s = std::chrono::duration<double>(t1 - t0).count();
-      r = model.forward(seqs, opt);
-      fwd_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
-      counters_str = cpu_counters.str();
-      counters_json = cpu_counters.to_json();
-    } else {
+    try {
+      if (dev.is_cpu()) {
+        // The CPU reference holds f32 weights: refuse up front what this machine cannot hold.
+        const double need = static_cast<double>(local.parameter_count()) * 4.0;
+        const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+        DFLASH_CHECK_HINT(need < 0.8 * have, "the CPU reference needs " << need / 1e9 << " GB for the f32 weights of this "
+                                             << cfg.summary() << ", but this machine has " << have / 1e9 << " GB",
+                          "the CPU reference is for small models; run big targets on the GPU (--device cuda)");
+        TargetWeights w = random_weights ? random_weights_tp(cfg, seed, DType::F32, dev, shard)
+                                         : load_weights_tp(cfg, model_dir, DType::F32, dev, shard);
+        TargetModel model(local, std::move(w), tp_comm.get());
+        inject_fault(rank);
+        auto t1 = std::chrono::steady_clock::now();
+        load_s = std::chrono::duration<double>(t1 - t0).count();
+        r = model.forward(seqs, opt);
+        fwd_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+        counters_str = cpu_counters.str();
+        counters_json = cpu_counters.to_json();
+      } else {
 #if DFLASH_WITH_CUDA
-      TargetWeights w = random_weights ? dflash::target::random_weights(cfg, seed, DType::BF16, dev)
-                                       : load_weights(cfg, model_dir, DType::BF16, dev);
-      CudaTargetModel model(cfg, std::move(w), plan);
-      CudaBatch batch = model.make_batch(seqs);
-      DeviceContext::get(dev.index).synchronize();
-      auto t1 = std::chrono::steady_clock::now();
-      load_s = std::chrono::duration<double>(t1 - t0).count();
-      r = model.forward(batch, opt);
-      DeviceContext::get(dev.index).synchronize();
-      fwd_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
-      for (auto& [id, t] : r.layers) t = t.to(Device::cpu()).to_dtype(DType::F32);
-      if (final_norm) r.final_hidden = r.final_hidden.to(Device::cpu()).to_dtype(DType::F32);
-      counters_str = model.counters().str();
-      counters_json = model.counters().to_json();
-      auto mm = model.counters().mismatches(model.plan(), 1);
-      DFLASH_CHECK(mm.empty(), "kernel counters disagree with the plan: " << mm.front());
+        TargetWeights w = random_weights ? random_weights_tp(cfg, seed, DType::BF16, dev, shard)
+                                         : load_weights_tp(cfg, model_dir, DType::BF16, dev, shard);
+        CudaTargetModel model(local, std::move(w), plan, tp_comm.get());
+        inject_fault(rank);
+        CudaBatch batch = model.make_batch(seqs);
+        DeviceContext::get(dev.index).synchronize();
+        auto t1 = std::chrono::steady_clock::now();
+        load_s = std::chrono::duration<double>(t1 - t0).count();
+        r = model.forward(batch, opt);
+        DeviceContext::get(dev.index).synchronize();
+        fwd_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+        for (auto& [id, t] : r.layers) t = t.to(Device::cpu()).to_dtype(DType::F32);
+        if (final_norm) r.final_hidden = r.final_hidden.to(Device::cpu()).to_dtype(DType::F32);
+        counters_str = model.counters().str();
+        counters_json = model.counters().to_json();
+        auto mm = model.counters().mismatches(model.plan(), 1);
+        DFLASH_CHECK(mm.empty(), "kernel counters disagree with the plan: " << mm.front());
 #else
-      DFLASH_FAIL_HINT("--device " << device << ": this build has no CUDA backend", "reconfigure with -DDFLASH_CUDA=ON");
+        DFLASH_FAIL_HINT("--device " << device << ": this build has no CUDA backend", "reconfigure with -DDFLASH_CUDA=ON");
 #endif
+      }
+    } catch (const std::exception& e) {
+      if (world > 1) comm::abort_job(e.what());
+      throw;
     }
     const int64_t N = r.offsets.back();
+    if (rank != 0) return 0;  // every rank of a TP group holds the same hidden states; rank 0 writes
     spdlog::info("{} sequences, {} tokens on {}: load {:.2f} s, forward {:.3f} s ({:.0f} tok/s, first call included)",
                  seqs.size(), N, dev.str(), load_s, fwd_s, static_cast<double>(N) / fwd_s);
     spdlog::info("kernels run: {}", counters_str);

@@ -6,8 +6,8 @@ namespace dflash::target {
 
 using ops::SeqOffsets;
 
-TargetModel::TargetModel(TargetConfig config, TargetWeights weights)
-    : config_(std::move(config)), weights_(std::move(weights)) {
+TargetModel::TargetModel(TargetConfig config, TargetWeights weights, comm::Communicator* tp)
+    : config_(std::move(config)), weights_(std::move(weights)), tp_(tp) {
   DFLASH_CHECK(weights_.layers.size() == static_cast<size_t>(config_.num_hidden_layers),
                "target model: " << weights_.layers.size() << " layers of weights for a config with "
                                 << config_.num_hidden_layers);
@@ -44,6 +44,7 @@ void TargetModel::gdn_mixer(const LayerWeights& L, const Tensor& x, const SeqOff
   Tensor normed = Tensor::empty({N, Hv, dv}, DType::F32);
   ops::gated_rms_norm(core, z.view({N, Hv, dv}), L.gdn.norm, static_cast<float>(c.rms_norm_eps), normed);
   ops::linear(normed.view({N, Hv * dv}), L.gdn.out_proj, out);
+  if (tp_) tp_->all_reduce_sum(out);  // row-parallel out_proj: partial sums over the value heads
 }
 
 void TargetModel::attention_mixer(const LayerWeights& L, const Tensor& x, const SeqOffsets& seqs, Tensor& out) const {
@@ -74,6 +75,7 @@ void TargetModel::attention_mixer(const LayerWeights& L, const Tensor& x, const 
   Tensor flat = attn.view({N, Hq * d});
   if (c.attn_output_gate) ops::sigmoid_gate_inplace(flat, gate);
   ops::linear(flat, L.attn.o_proj, out);
+  if (tp_) tp_->all_reduce_sum(out);  // row-parallel o_proj
 }
 
 void TargetModel::mlp(const LayerWeights& L, const Tensor& x, Tensor& out) const {
@@ -83,6 +85,7 @@ void TargetModel::mlp(const LayerWeights& L, const Tensor& x, Tensor& out) const
   ops::linear(x, L.up_proj, u);
   ops::swiglu(g, u, g);
   ops::linear(g, L.down_proj, out);
+  if (tp_) tp_->all_reduce_sum(out);  // row-parallel down_proj
 }
 
 ForwardResult TargetModel::forward(const std::vector<std::vector<int32_t>>& sequences,

@@ -4,6 +4,7 @@
 #include <map>
 #include <vector>
 
+#include "comm/comm.h"
 #include "kernels/ops.h"
 #include "target_model/config.h"
 #include "target_model/fast_path.h"
@@ -28,7 +29,9 @@ struct ForwardResult {
 
 class TargetModel {
  public:
-  TargetModel(TargetConfig config, TargetWeights weights);
+  // With `tp` set (a tensor-parallel group), `config` and `weights` are this rank's shard
+  // (local_config / *_weights_tp in tp.h) and each mixer's and MLP's output is all-reduced.
+  TargetModel(TargetConfig config, TargetWeights weights, comm::Communicator* tp = nullptr);
   const TargetConfig& config() const { return config_; }
   const TargetWeights& weights() const { return weights_; }
 
@@ -43,6 +46,7 @@ class TargetModel {
 
   TargetConfig config_;
   TargetWeights weights_;
+  comm::Communicator* tp_ = nullptr;
 };
 
 }  // namespace dflash::target

@@ -32,8 +32,8 @@ void copy_rows(void* dst, const void* src, int64_t lds, int64_t rows, int64_t co
 
 }  // namespace
 
-CudaTargetModel::CudaTargetModel(TargetConfig config, TargetWeights weights, FastPathPlan plan)
-    : config_(std::move(config)), weights_(std::move(weights)), plan_(std::move(plan)), device_(weights_.device) {
+CudaTargetModel::CudaTargetModel(TargetConfig config, TargetWeights weights, FastPathPlan plan, comm::Communicator* tp)
+    : config_(std::move(config)), weights_(std::move(weights)), plan_(std::move(plan)), device_(weights_.device), tp_(tp) {
   DFLASH_CHECK(device_.is_cuda() && weights_.dtype == DType::BF16,
                "CUDA target model: weights must be bf16 on a CUDA device, got " << dtype_name(weights_.dtype) << " on "
                                                                                << device_.str());
@@ -202,6 +202,7 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   cuda::gated_rms_norm(core.raw_data(), col(C), P, L.gdn.norm.raw_data(), normed.raw_data(), N, Hv, dv,
                        static_cast<float>(c.rms_norm_eps), stream_);
   gemm(normed, V, L.gdn.out_proj, out, H, N, H, V);
+  if (tp_) tp_->all_reduce_sum(out);
 }
 
 void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out) {
@@ -259,6 +260,7 @@ void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatc
   counters_.add(Step::Attention, st.path);
   if (gated) cuda::sigmoid_gate(attn.raw_data(), base + d * 2, P, 2 * d, N, Hq, d, stream_);
   gemm(attn, Hq * d, L.attn.o_proj, out, H, N, H, Hq * d);
+  if (tp_) tp_->all_reduce_sum(out);
 }
 
 void CudaTargetModel::mlp(int64_t i, const Tensor& x, Tensor& out) {
@@ -270,6 +272,7 @@ void CudaTargetModel::mlp(int64_t i, const Tensor& x, Tensor& out) {
   Tensor act = device_bf16({N, I}, device_);
   cuda::swiglu(gu.raw_data(), act.raw_data(), N, I, stream_);
   gemm(act, I, weights_.layers[static_cast<size_t>(i)].down_proj, out, H, N, H, I);
+  if (tp_) tp_->all_reduce_sum(out);
 }
 
 void CudaTargetModel::layer_body(int64_t i, Tensor& h, Tensor& normed, const CudaBatch& b, const LayerPlan& lp,

@@ -20,7 +20,9 @@ class CudaTargetModel {
  public:
   // `weights` must be bf16 on a CUDA device; the in-projections are fused in place (q|k|v|z|b|a,
   // q|k|v, gate|up) so each mixer and MLP starts with one GEMM.
-  CudaTargetModel(TargetConfig config, TargetWeights weights, FastPathPlan plan);
+  // With `tp`, config / weights / plan are this rank's shard (tp.h) and the output of each mixer
+  // and MLP is all-reduced over the group (NCCL).
+  CudaTargetModel(TargetConfig config, TargetWeights weights, FastPathPlan plan, comm::Communicator* tp = nullptr);
 
   const TargetConfig& config() const { return config_; }
   const FastPathPlan& plan() const { return plan_; }
@@ -63,6 +65,7 @@ class CudaTargetModel {
   PathCounters counters_;
   Device device_;
   void* stream_ = nullptr;
+  comm::Communicator* tp_ = nullptr;
 };
 
 }  // namespace dflash::target

@@ -78,13 +78,13 @@ void finish(const TargetConfig& c, TargetWeights& w, DType dtype, Device device)
   w.device = device;
 }
 
-uint64_t name_stream(const std::string& name) {
+}  // namespace
+
+uint64_t weight_stream(const std::string& name) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a
   for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ull;
   return rng::mix64(h);
 }
-
-}  // namespace
 
 size_t TargetWeights::bytes() const {
   std::set<const void*> seen;
@@ -141,7 +141,6 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
     ++n_problems;
   }
   std::unordered_set<std::string> used;
-  TargetWeights w;
   for (const TensorSpec& spec : expected_tensors(c)) {
     auto it = by_canonical.find(spec.name);
     if (it == by_canonical.end()) {
@@ -167,40 +166,58 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
                     "check that config.json belongs to these weights (layer_types, head counts and dims)");
   if (!ignored.empty()) spdlog::info("{}: ignoring {} tensors of the MTP head / vision tower", dir, ignored.size());
 
-  for_each_slot(c, w, [&](const std::string& name, const Shape&, Tensor& slot) {
-    place(slot, name, ckpt.tensor(by_canonical.at(name)), dtype, device);
+  return assemble_weights(c, dtype, device,
+                          [&](const std::string& name, const Shape&) { return ckpt.tensor(by_canonical.at(name)); });
+}
+
+TargetWeights assemble_weights(const TargetConfig& c, DType dtype, Device device, const TensorMaker& make) {
+  TargetWeights w;
+  for_each_slot(c, w, [&](const std::string& name, const Shape& shape, Tensor& slot) {
+    Tensor t = make(name, shape);
+    DFLASH_CHECK(t.shape() == shape, "weights: " << name << " was made with shape " << shape_str(t.shape())
+                                                 << ", expected " << shape_str(shape));
+    if (t.dtype() == dtype && t.device() == device && t.is_contiguous()) {
+      slot = ends_with(name, "conv1d.weight") ? t.view({shape[0], shape[2]}) : t;
+    } else {
+      Tensor host = t.device().is_cpu() ? t : t.to(Device::cpu());
+      place(slot, name, host, dtype, device);
+    }
   });
   finish(c, w, dtype, device);
   return w;
 }
 
+RandomInit random_init(const std::string& name, const Shape& full_shape) {
+  if (ends_with(name, "A_log")) return {RandomInit::LogUniform, 1.0f, 16.0f};
+  if (ends_with(name, "dt_bias") || ends_with(name, "linear_attn.norm.weight")) return {RandomInit::Constant, 1.0f, 0};
+  if (ends_with(name, "norm.weight") && !ends_with(name, "conv1d.weight")) return {RandomInit::Constant, 0.0f, 0};
+  const float stddev = name == "embed_tokens.weight" ? 1.0f : 1.0f / std::sqrt(static_cast<float>(full_shape.back()));
+  return {RandomInit::Normal, 0.0f, stddev};
+}
+
+Tensor random_tensor(const std::string& name, const Shape& shape, uint64_t seed, DType dtype, Device device) {
+  const RandomInit init = random_init(name, shape);
+  const RandomParams rp{seed, weight_stream(name), 0};
+  if (init.kind == RandomInit::Normal) {
+    // Drawn in place (on the GPU for a CUDA target: a 27B model never exists in f32 on the host).
+    Tensor t = Tensor::empty(shape, dtype, device);
+    fill_normal(t, rp, init.a, init.b);
+    return t;
+  }
+  Tensor host = Tensor::empty(shape, DType::F32);
+  if (init.kind == RandomInit::LogUniform) {
+    fill_uniform(host, rp, init.a, init.b);
+    for (int64_t i = 0; i < host.numel(); ++i) host.data<float>()[i] = std::log(host.data<float>()[i]);
+  } else {
+    host.fill(init.a);
+  }
+  return host;
+}
+
 TargetWeights random_weights(const TargetConfig& c, uint64_t seed, DType dtype, Device device) {
-  TargetWeights w;
-  for_each_slot(c, w, [&](const std::string& name, const Shape& shape, Tensor& slot) {
-    RandomParams rp{seed, name_stream(name), 0};
-    const bool is_conv = ends_with(name, "conv1d.weight");
-    if (is_conv || (!ends_with(name, "A_log") && !ends_with(name, "dt_bias") && !ends_with(name, "norm.weight"))) {
-      // Linears (out, in), the embedding and the conv: drawn directly in place (on the GPU for a
-      // CUDA target, so a 27B model never exists in f32 on the host).
-      const float stddev = name == "embed_tokens.weight" ? 1.0f : 1.0f / std::sqrt(static_cast<float>(shape.back()));
-      Tensor t = Tensor::empty(shape, dtype, device);
-      fill_normal(t, rp, 0.0f, stddev);
-      slot = is_conv ? t.view({shape[0], shape[2]}) : t;
-      return;
-    }
-    Tensor host = Tensor::empty(shape, DType::F32);
-    if (ends_with(name, "A_log")) {
-      fill_uniform(host, rp, 1.0f, 16.0f);
-      for (int64_t i = 0; i < host.numel(); ++i) host.data<float>()[i] = std::log(host.data<float>()[i]);
-    } else if (ends_with(name, "dt_bias") || ends_with(name, "linear_attn.norm.weight")) {
-      host.fill(1.0);  // plain-weight norm at identity; dt_bias as transformers initialises it
-    } else {
-      host.fill(0.0);  // zero-centred norms: (1 + 0) is the identity
-    }
-    place(slot, name, host, dtype, device);
+  return assemble_weights(c, dtype, device, [&](const std::string& name, const Shape& shape) {
+    return random_tensor(name, shape, seed, dtype, device);
   });
-  finish(c, w, dtype, device);
-  return w;
 }
 
 void save_checkpoint(const TargetConfig& c, const TargetWeights& w, const std::string& dir, DType dtype) {

@@ -2,6 +2,7 @@
 // The frozen target's weights: the tensor list a config implies, loading from a Hugging Face
 // checkpoint (text-model or multimodal names), seeded random initialisation, and export.
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -72,6 +73,23 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
 // the RNG stream derived from (seed, name), so any slice can be drawn on its own (TP shards).
 // Scales keep activations O(1): linears N(0, 1/in), norms at their identity, A_log = log U(1, 16).
 TargetWeights random_weights(const TargetConfig& c, uint64_t seed, DType dtype, Device device);
+
+// Builds the weights of config `c` slot by slot: make(canonical name, HF shape) returns the tensor
+// (any dtype, host or device); it is converted to `dtype` on `device` (the conv weight squeezed).
+using TensorMaker = std::function<Tensor(const std::string& name, const Shape& shape)>;
+TargetWeights assemble_weights(const TargetConfig& c, DType dtype, Device device, const TensorMaker& make);
+
+// How random_weights draws a tensor (from its canonical name and full shape).
+struct RandomInit {
+  enum Kind { Normal, LogUniform, Constant } kind;
+  float a, b;  // Normal: mean, stddev; LogUniform: log U(a, b); Constant: a
+};
+RandomInit random_init(const std::string& name, const Shape& full_shape);
+// The RNG stream of a tensor: a hash of its canonical name.
+uint64_t weight_stream(const std::string& name);
+// One full random tensor as random_weights draws it (normal ones in `dtype` on `device`, the
+// small others as f32 on the host).
+Tensor random_tensor(const std::string& name, const Shape& shape, uint64_t seed, DType dtype, Device device);
 
 // Writes config.json and model.safetensors (text-model names) to DIR, creating it.
 void save_checkpoint(const TargetConfig& c, const TargetWeights& w, const std::string& dir, DType dtype);

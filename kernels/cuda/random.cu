@@ -39,13 +39,16 @@ struct NormalDraw {
   }
 };
 
-// out[j] = draw(index_offset + j) for j in [0, n); grid-stride so any grid size covers any n.
+// out[j] = draw(index_offset + j) for j in [0, n) (with row_stride > 0: element (i, c) of rows of
+// `cols` draws index_offset + i * row_stride + c); grid-stride so any grid size covers any n.
 template <typename T, typename Draw>
 __global__ void fill_kernel(T* __restrict__ out, int64_t n, uint64_t seed, uint64_t stream, uint64_t index_offset,
-                            Draw draw) {
+                            int64_t cols, int64_t row_stride, Draw draw) {
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += step)
-    out[j] = from_f32<T>(draw(seed, stream, index_offset + static_cast<uint64_t>(j)));
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += step) {
+    const int64_t src = row_stride > 0 ? (j / cols) * row_stride + j % cols : j;
+    out[j] = from_f32<T>(draw(seed, stream, index_offset + static_cast<uint64_t>(src)));
+  }
 }
 
 void check_fillable(const Tensor& t, const char* op) {
@@ -65,22 +68,24 @@ void launch_fill(Tensor& t, const RandomParams& p, Draw draw) {
   const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 65536);
   const auto g = static_cast<unsigned>(blocks);
   const auto off = static_cast<uint64_t>(p.index_offset);
+  const int64_t cols = t.dim() > 0 && t.size(-1) > 0 ? t.size(-1) : 1;
+  const int64_t rs = p.row_stride;
   int prev = 0;
   DFLASH_CUDA_CHECK(cudaGetDevice(&prev));
   if (prev != t.device().index) DFLASH_CUDA_CHECK(cudaSetDevice(t.device().index));
   switch (t.dtype()) {
     case DType::F32:
-      fill_kernel<<<g, kThreads, 0, stream>>>(t.data<float>(), n, p.seed, p.stream, off, draw);
+      fill_kernel<<<g, kThreads, 0, stream>>>(t.data<float>(), n, p.seed, p.stream, off, cols, rs, draw);
       break;
     case DType::F64:
-      fill_kernel<<<g, kThreads, 0, stream>>>(t.data<double>(), n, p.seed, p.stream, off, draw);
+      fill_kernel<<<g, kThreads, 0, stream>>>(t.data<double>(), n, p.seed, p.stream, off, cols, rs, draw);
       break;
     case DType::BF16:
       fill_kernel<<<g, kThreads, 0, stream>>>(static_cast<__nv_bfloat16*>(t.raw_data()), n, p.seed, p.stream, off,
-                                              draw);
+                                              cols, rs, draw);
       break;
     case DType::F16:
-      fill_kernel<<<g, kThreads, 0, stream>>>(static_cast<__half*>(t.raw_data()), n, p.seed, p.stream, off, draw);
+      fill_kernel<<<g, kThreads, 0, stream>>>(static_cast<__half*>(t.raw_data()), n, p.seed, p.stream, off, cols, rs, draw);
       break;
     default:
       break;  // rejected by check_fillable

@@ -1,0 +1,117 @@
+// Tensor parallelism on the CPU backend under mpirun (label mpi): collectives over MPI, and the
+// target sharded over the ranks of a TP group gives the hidden states of the unsharded model on
+// every rank. Run as `mpirun -n 2 test_tp` (any world size; tp = world size).
+#include <gtest/gtest.h>
+
+#include "comm/comm.h"
+#include "target_model/model.h"
+#include "target_model/safetensors.h"
+#include "target_model/tp.h"
+#include "test_util.h"
+
+using namespace dflash;
+using namespace dflash::target;
+
+namespace {
+
+comm::MpiEnv* g_mpi = nullptr;
+const std::string kHf = std::string(DFLASH_TEST_DATA_DIR) + "/hf/";
+
+std::unique_ptr<comm::Communicator> world_group() {
+  return std::make_unique<comm::Communicator>(MPI_COMM_WORLD, 0, g_mpi->rank(), Device::cpu(), 60.0, "tp");
+}
+
+// The same tensor on every rank of the group: rank 0's copy broadcast and compared.
+double max_diff_to_rank0(comm::Communicator& g, const Tensor& t) {
+  Tensor mine = t.contiguous().to_dtype(DType::F32), r0 = mine.clone();
+  g.broadcast(r0, 0);
+  return max_rel_err(mine, r0);
+}
+
+}  // namespace
+
+TEST(Comm, CollectivesOnHostTensors) {
+  auto g = world_group();
+  const int n = g->size(), r = g->rank();
+  Tensor f = Tensor::from_vector({1.0f * r, 2.0f, -1.0f}, {3});
+  g->all_reduce_sum(f);
+  EXPECT_FLOAT_EQ(f.data<float>()[0], n * (n - 1) / 2.0f);
+  EXPECT_FLOAT_EQ(f.data<float>()[1], 2.0f * n);
+  Tensor b = Tensor::from_vector({0.5f, static_cast<float>(r)}, {2}, DType::BF16);
+  g->all_reduce_sum(b);
+  EXPECT_FLOAT_EQ(static_cast<float>(b.item_at(0)), 0.5f * n);
+  Tensor i = Tensor::from_vector({static_cast<float>(r + 1)}, {1}).to_dtype(DType::I64);
+  g->all_reduce_sum(i);
+  EXPECT_EQ(i.data<int64_t>()[0], static_cast<int64_t>(n) * (n + 1) / 2);
+  Tensor in = Tensor::from_vector({static_cast<float>(r), static_cast<float>(10 * r)}, {1, 2});
+  Tensor out = Tensor::empty({n, 2}, DType::F32);
+  g->all_gather(in, out);
+  for (int k = 0; k < n; ++k) EXPECT_FLOAT_EQ(out.data<float>()[2 * k + 1], 10.0f * k);
+  Tensor bc = Tensor::from_vector({static_cast<float>(r + 7)}, {1});
+  g->broadcast(bc, n - 1);
+  EXPECT_FLOAT_EQ(bc.data<float>()[0], static_cast<float>(n - 1 + 7));
+  g->barrier();
+  Tensor wrong = Tensor::empty({3, 2}, DType::F32);
+  EXPECT_THROW(g->all_gather(in, wrong), Error);
+}
+
+// tp = world size on the HF tiny checkpoints: every captured layer within 1e-5 of the tp = 1
+// model (both f32 CPU; the sums are only reordered) and identical on every rank of the group.
+TEST(TensorParallel, ShardedForwardEqualsUnsharded) {
+  auto g = world_group();
+  const int tp = g->size();
+  for (const char* name : {"tiny_a", "tiny_b"}) {
+    const std::string dir = kHf + name;
+    TargetConfig cfg = TargetConfig::from_file(dir);
+    if (cfg.num_attention_heads % tp || cfg.linear_num_key_heads % tp || cfg.linear_num_value_heads % tp ||
+        cfg.intermediate_size % tp) {
+      std::printf("%s: skipped for tp = %d (heads do not divide)\n", name, tp);
+      continue;
+    }
+    TargetModel full(cfg, load_weights(cfg, dir, DType::F32, Device::cpu()));
+    TargetModel shard(local_config(cfg, tp), load_weights_tp(cfg, dir, DType::F32, Device::cpu(), {g->rank(), tp}),
+                      g.get());
+    SafetensorsFile golden(dir + "/golden.safetensors");
+    std::vector<std::vector<int32_t>> batch = {ids_of(golden.tensor("ids.37")), ids_of(golden.tensor("ids.130")),
+                                               ids_of(golden.tensor("ids.1"))};
+    ForwardOptions opt;
+    for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) opt.capture.push_back(i);
+    opt.final_norm = true;
+    ForwardResult a = full.forward(batch, opt), b = shard.forward(batch, opt);
+    double worst = 0;
+    for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
+      const double e = max_rel_err(b.layers.at(i), a.layers.at(i));
+      EXPECT_LE(e, 1e-5) << name << " layer " << i << " rank " << g->rank();
+      EXPECT_EQ(max_diff_to_rank0(*g, b.layers.at(i)), 0.0) << name << " layer " << i << " differs across ranks";
+      worst = std::max(worst, e);
+    }
+    EXPECT_LE(max_rel_err(b.final_hidden, a.final_hidden), 1e-5);
+    if (g->rank() == 0) std::printf("%s tp=%d: max rel err vs tp=1 %.2e\n", name, tp, worst);
+  }
+}
+
+// Random initialisation: the shards hold exactly the slices of the full random model.
+TEST(TensorParallel, RandomShardsAreSlicesOfTheFullModel) {
+  auto g = world_group();
+  const int tp = g->size();
+  TargetConfig cfg = TargetConfig::from_file(std::string(DFLASH_TEST_DATA_DIR) + "/../../configs/tiny/config.json");
+  if (cfg.num_attention_heads % tp || cfg.linear_num_key_heads % tp || cfg.intermediate_size % tp) GTEST_SKIP();
+  TargetModel full(cfg, random_weights(cfg, 11, DType::F32, Device::cpu()));
+  TargetModel shard(local_config(cfg, tp), random_weights_tp(cfg, 11, DType::F32, Device::cpu(), {g->rank(), tp}), g.get());
+  ForwardOptions opt;
+  opt.capture = {0, 3, 7};
+  std::vector<std::vector<int32_t>> batch{{1, 5, 9, 4000, 17}, {3}};
+  ForwardResult a = full.forward(batch, opt), b = shard.forward(batch, opt);
+  for (int64_t id : opt.capture) EXPECT_LE(max_rel_err(b.layers.at(id), a.layers.at(id)), 1e-5) << id;
+}
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  comm::MpiEnv mpi(&argc, &argv);
+  g_mpi = &mpi;
+  int failed = RUN_ALL_TESTS();
+  int any = 0;
+  MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (mpi.rank() == 0) std::printf("%s on %d ranks\n", any ? "FAILED" : "PASSED", mpi.size());
+  return any;
+}

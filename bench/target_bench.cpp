@@ -20,7 +20,10 @@
 #include "kernels/cuda/launch.h"
 #include "kernels/device.h"
 #include "kernels/log.h"
+#include "comm/comm.h"
+#include "kernels/log.h"
 #include "target_model/model_cuda.h"
+#include "target_model/tp.h"
 
 using namespace dflash;
 using namespace dflash::target;
@@ -85,6 +88,9 @@ int main(int argc, char** argv) {
   app.add_option("--rounds", rounds, "rounds; path order shuffled per round")->capture_default_str();
   app.add_option("--seed", seed, "weights, tokens and round-order seed")->capture_default_str();
   app.add_option("--csv", csv, "append CSV rows to this file");
+  int tp = 1;
+  app.add_option("--tp", tp, "tensor-parallel size: run under mpirun -n <tp>, one GPU per rank")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   bool autotune = false;
   app.add_flag("--gemm-autotune", autotune, "time cuBLASLt's top 16 algorithms per GEMM shape on first use and keep the fastest");
   std::string json_path, baseline;
@@ -92,36 +98,53 @@ int main(int argc, char** argv) {
   app.add_option("--baseline", baseline, "an earlier CSV: print now/baseline per row and the geomean per group");
 
   return run_app(app, argc, argv, [&]() -> int {
-    init_logging(-1, log_level);
+    std::unique_ptr<comm::MpiEnv> mpi;
+    if (tp > 1 || env_rank() >= 0) mpi = std::make_unique<comm::MpiEnv>(&argc, &argv);
+    const int rank = mpi ? mpi->rank() : 0, world = mpi ? mpi->size() : 1;
+    const bool lead = rank == 0;  // rank 0 prints and writes the CSV; every rank runs the same forward
+    auto say = [&](const char* fmt, auto... args) {
+      if (lead) std::printf(fmt, args...);
+    };
+    init_logging(rank, log_level);
+    const comm::Layout layout = comm::make_layout(world, rank, tp);
+    DFLASH_CHECK_HINT(world == tp, "target_bench runs one TP group: start it with mpirun -n " << tp << " (got " << world << " ranks)",
+                      "use mpirun -n <tp> target_bench --tp <tp>");
     DFLASH_CHECK_HINT(!model_dir.empty() || random, "no weights given", "pass --model DIR or --config FILE --random-weights");
     DFLASH_CHECK_HINT(cuda_device_count() > 0, "target_bench needs a CUDA GPU and none is visible",
                       "run it on the GPU machine; check nvidia-smi / CUDA_VISIBLE_DEVICES");
-    const Device dev = Device::cuda(0);
+    const Device dev = world > 1 ? mpi->bind_device() : Device::cuda(0);
+    const int di = dev.index;
     if (autotune) cuda::set_gemm_autotune(true);
-    const DeviceInfo info = cuda_device_info(0);
+    const DeviceInfo info = cuda_device_info(di);
     const std::vector<int64_t> seqs = parse_list(seq_s);
     TargetConfig cfg = TargetConfig::from_file(random ? config_path : model_dir);
-    std::printf("target_bench on %s (sm %d.%d, %d SMs), %s\n  %s\n", info.name.c_str(), info.major, info.minor,
-                info.sm_count, version_string().c_str(), cfg.summary().c_str());
+    check_tp(cfg, tp);
+    const TargetConfig local = local_config(cfg, tp);
+    say("target_bench on %d x %s (sm %d.%d, %d SMs), %s\n  %s\n", tp, info.name.c_str(), info.major, info.minor,
+        info.sm_count, version_string().c_str(), cfg.summary().c_str());
 
-    FastPathPlan fast = make_plan(cfg, dev, {}, info.major);
-    FastPathPlan slow = make_plan(cfg, dev, {KernelPolicy::Fallback, KernelPolicy::Fallback, KernelPolicy::Fallback, false}, info.major);
-    std::printf("  fast path plan: %s\n", fast.summary().c_str());
+    FastPathPlan fast = make_plan(local, dev, {}, info.major);
+    FastPathPlan slow = make_plan(local, dev, {KernelPolicy::Fallback, KernelPolicy::Fallback, KernelPolicy::Fallback, false}, info.major);
+    say("  fast path plan (per rank): %s\n", fast.summary().c_str());
     if (path != "fallback") fast.require_all_fast();  // never time a "fast" run that falls back
 
+    std::unique_ptr<comm::Communicator> group;
+    if (tp > 1) group = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, layout.tp_group, rank, dev, 600.0, "tp");
     auto t0 = std::chrono::steady_clock::now();
-    TargetWeights w = random ? random_weights(cfg, seed, DType::BF16, dev) : load_weights(cfg, model_dir, DType::BF16, dev);
+    const TpShard shard{layout.tp_rank, tp};
+    TargetWeights w = random ? random_weights_tp(cfg, seed, DType::BF16, dev, shard)
+                             : load_weights_tp(cfg, model_dir, DType::BF16, dev, shard);
     const size_t weight_bytes = w.bytes();
-    CudaTargetModel model(cfg, std::move(w), fast);
-    DeviceContext::get(0).synchronize();
+    CudaTargetModel model(local, std::move(w), fast, group.get());
+    DeviceContext::get(di).synchronize();
     const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::printf("  weights: %.2f GiB bf16, loaded in %.1f s\n", static_cast<double>(weight_bytes) / (1 << 30), load_s);
-    void* stream = DeviceContext::get(0).stream();
-    auto out = std::make_unique<bench::CsvWriter>(csv, info.name);
+    say("  weights: %.2f GiB bf16 per GPU, loaded in %.1f s\n", static_cast<double>(weight_bytes) / (1 << 30), load_s);
+    void* stream = DeviceContext::get(di).stream();
+    auto out = std::make_unique<bench::CsvWriter>(lead ? csv : std::string(), info.name);
     constexpr double kPeakBf16 = 989e12;  // H100/H200 SXM dense bf16 datasheet peak; MFU is against it
 
-    std::printf("\n%-8s %-9s %10s %10s %10s %11s %9s %7s %10s %s\n", "tokens", "path", "ms p50", "p20", "p80", "tok/s",
-                "TFLOP/s", "MFU", "act GiB", "noisy");
+    say("\n%-8s %-9s %10s %10s %10s %11s %10s %9s %7s %10s %s\n", "tokens", "path", "ms p50", "p20", "p80", "tok/s",
+        "tok/s/GPU", "TFLOP/s", "MFU", "act GiB", "noisy");
     std::mt19937_64 order_rng(seed);
     for (int64_t T : seqs) {
       std::vector<std::vector<int32_t>> tokens(static_cast<size_t>(batch));
@@ -141,14 +164,14 @@ int main(int argc, char** argv) {
         for (const std::string& p : paths) {
           model.set_plan(p == "fast" ? fast : slow);
           model.counters().reset();
-          DeviceContext::get(0).synchronize();
-          device_alloc::reset_peak(0);
+          DeviceContext::get(di).synchronize();
+          device_alloc::reset_peak(di);
           const int n = p == "fast" ? iters : fallback_iters;
           std::vector<double> ms = bench::time_cuda(stream, r == 0 ? warmup : 0, n, [&] { model.forward(b, {}); });
           const uint64_t forwards = static_cast<uint64_t>(n + (r == 0 ? warmup : 0));
           auto mm = model.counters().mismatches(model.plan(), forwards);
           DFLASH_CHECK(mm.empty(), "kernel counters disagree with the " << p << " plan: " << mm.front());
-          act_gib[p] = static_cast<double>(device_alloc::stats(0).peak_allocated - weight_bytes) / (1 << 30);
+          act_gib[p] = static_cast<double>(device_alloc::stats(di).peak_allocated - weight_bytes) / (1 << 30);
           samples[p].insert(samples[p].end(), ms.begin(), ms.end());
           std::vector<double> sorted = ms;
           std::sort(sorted.begin(), sorted.end());
@@ -158,33 +181,35 @@ int main(int argc, char** argv) {
       const double flops = forward_flops(cfg, T, batch);
       const std::string shape = cfg.model_type + " L" + std::to_string(cfg.num_hidden_layers) + " H" +
                                 std::to_string(cfg.hidden_size) + " T" + std::to_string(T) + " B" + std::to_string(batch) +
-                                (cuda::gemm_autotune() ? " gemm-autotune" : "");
+                                (cuda::gemm_autotune() ? " gemm-autotune" : "") + (tp > 1 ? " TP" + std::to_string(tp) : "");
       std::map<std::string, double> p50;
       for (const std::string& p : {std::string("fast"), std::string("fallback")}) {
         if (!samples.count(p)) continue;
         bench::Stats s = bench::summarize(samples[p], medians[p], 0.05);
         p50[p] = s.p50;
         const double tokens_n = static_cast<double>(T * batch);
-        const double tps = tokens_n / (s.p50 / 1e3), tflops = flops / (s.p50 / 1e3) / 1e12;
-        std::printf("%-8lld %-9s %10.2f %10.2f %10.2f %11.0f %9.1f %6.1f%% %10.2f %s\n", static_cast<long long>(T * batch),
-                    p.c_str(), s.p50, s.p20, s.p80, tps, tflops, 100.0 * tflops * 1e12 / kPeakBf16, act_gib[p],
-                    s.noisy ? "NOISY" : "");
+        // Per GPU: the group's tokens over its GPUs, and each GPU's share of the FLOPs.
+        const double tps = tokens_n / (s.p50 / 1e3), tflops = flops / tp / (s.p50 / 1e3) / 1e12;
+        say("%-8lld %-9s %10.2f %10.2f %10.2f %11.0f %10.0f %9.1f %6.1f%% %10.2f %s\n", static_cast<long long>(T * batch),
+            p.c_str(), s.p50, s.p20, s.p80, tps, tps / tp, tflops, 100.0 * tflops * 1e12 / kPeakBf16, act_gib[p],
+            s.noisy ? "NOISY" : "");
         if (out) {
           auto row = [&](const std::string& metric, const std::string& unit, double a, double b2, double c2) {
             out->write({"target_bench", "forward", "dflash", p, metric, unit, shape, a, b2, c2, s.noisy});
           };
           row("time", "ms", s.p50, s.p20, s.p80);
           row("throughput", "tok/s", tokens_n / (s.p50 / 1e3), tokens_n / (s.p80 / 1e3), tokens_n / (s.p20 / 1e3));
-          row("achieved", "TFLOP/s", tflops, flops / (s.p80 / 1e3) / 1e12, flops / (s.p20 / 1e3) / 1e12);
+          row("throughput_per_gpu", "tok/s", tps / tp, tokens_n / tp / (s.p80 / 1e3), tokens_n / tp / (s.p20 / 1e3));
+          row("achieved_per_gpu", "TFLOP/s", tflops, flops / tp / (s.p80 / 1e3) / 1e12, flops / tp / (s.p20 / 1e3) / 1e12);
           row("mfu", "%", 100.0 * tflops * 1e12 / kPeakBf16, 0, 0);
           row("activation_memory", "GiB", act_gib[p], act_gib[p], act_gib[p]);
         }
       }
       if (p50.count("fast") && p50.count("fallback"))
-        std::printf("%-8s fast path speed-up over the fallback: %.1fx\n", "", p50["fallback"] / p50["fast"]);
+        say("%-8s fast path speed-up over the fallback: %.1fx\n", "", p50["fallback"] / p50["fast"]);
     }
-    if (!csv.empty()) std::printf("\nCSV rows appended to %s\n", out->path().c_str());
-    out->finish(json_path, baseline);
+    if (lead && !csv.empty()) std::printf("\nCSV rows appended to %s\n", out->path().c_str());
+    if (lead) out->finish(json_path, baseline);
     return 0;
   });
 }

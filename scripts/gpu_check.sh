@@ -41,6 +41,15 @@ if [ -x "$DFLASH_BUILD/bench/target_bench" ]; then
       --csv "$RESULTS/target_bench.csv" 2>&1 | tee -a "$RESULTS/target_bench.txt" || status=1
   fi
 fi
+# Two or more GPUs (kind nvidia-h200-x2 and up): tensor parallelism across 2 of them.
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
+if [ "${NGPU:-0}" -ge 2 ] && [ -x "$DFLASH_BUILD/bench/target_bench" ]; then
+  say "tp=2 on 2 GPUs: NCCL bandwidth (doctor under mpirun) and target_bench --tp 2"
+  mpirun -n 2 "$DFLASH_BUILD/target_model/dflash_doctor" --config "$Q27" --no-live 2>&1 | grep -A8 "NCCL all-reduce" \
+    | tee -a "$RESULTS/doctor.txt" || status=1
+  mpirun -n 2 "$DFLASH_BUILD/bench/target_bench" --config "$Q27" --random-weights --tp 2 ${TARGET_BENCH_ARGS:-} \
+    --csv "$RESULTS/target_bench.csv" 2>&1 | tee -a "$RESULTS/target_bench.txt" || status=1
+fi
 if [ -x "$DFLASH_BUILD/bench/kernel_bench" ]; then
   say "kernel_bench"
   "$DFLASH_BUILD/bench/kernel_bench" --csv "$RESULTS/kernel_bench.csv" 2>&1 | tee "$RESULTS/kernel_bench.txt" || status=1

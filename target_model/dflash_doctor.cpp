@@ -19,6 +19,7 @@
 #include "kernels/device.h"
 #include "kernels/log.h"
 #include "kernels/random.h"
+#include "comm/comm.h"
 #include "target_model/fast_path.h"
 #include "target_model/weights.h"
 #if DFLASH_WITH_CUDA
@@ -125,6 +126,24 @@ double delta_rel_err(const Tensor& out_a, const Tensor& out_b, const Tensor& in)
   return md / std::max(mr, 1e-30);
 }
 
+// NCCL all-reduce bus bandwidth over all ranks (nccl-tests' definition: 2(n-1)/n · bytes / time).
+json nccl_bandwidth(Device dev, int rank, int world) {
+  comm::Communicator group(MPI_COMM_WORLD, 0, rank, dev, 120.0, "world");
+  void* stream = DeviceContext::get(dev.index).stream();
+  json out;
+  out["message"] = "NCCL_* settings from the environment; NCCL_NVLS_ENABLE=" +
+                   std::string(std::getenv("NCCL_NVLS_ENABLE") ? std::getenv("NCCL_NVLS_ENABLE") : "(unset)");
+  for (int64_t mib : {8, 64, 256, 1024}) {
+    Tensor t = Tensor::empty({mib << 19}, DType::BF16, dev);  // mib MiB of bf16
+    fill_normal(t, {1, 99, 0}, 0.0f, 1.0f);
+    const double ms = time_ms(stream, 10, [&] { group.all_reduce_sum(t); });
+    const double bytes = static_cast<double>(t.nbytes());
+    out["sizes"].push_back({{"mib", static_cast<double>(mib)}, {"ms", ms},
+                            {"busbw_gbs", 2.0 * (world - 1) / world * bytes / (ms / 1e3) / 1e9}});
+  }
+  return out;
+}
+
 json live_check(const TargetConfig& cfg, int device, const KernelPolicies& pol, int sm_major, int64_t tokens, uint64_t seed) {
   // A two-layer model with the target's shapes (one layer of each kind), random bf16 weights.
   TargetConfig mini = cfg;
@@ -190,11 +209,21 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_path, "also write the report as JSON");
 
   return run_app(app, argc, argv, [&]() -> int {
-    init_logging(-1, log_level);
+    // Under mpirun: every rank takes its GPU and joins the NCCL bandwidth check; rank 0 reports.
+    std::unique_ptr<comm::MpiEnv> mpi;
+    if (env_rank() >= 0) mpi = std::make_unique<comm::MpiEnv>(&argc, &argv);
+    const int world = mpi ? mpi->size() : 1, rank = mpi ? mpi->rank() : 0;
+    init_logging(rank, log_level);
     DFLASH_CHECK_HINT(!model_dir.empty() || !config_path.empty(), "no model given", "pass --model DIR or --config config.json");
     TargetConfig cfg = TargetConfig::from_file(model_dir.empty() ? config_path : model_dir);
     const int gpus = cuda_device_count();
     Device dev = device_s.empty() ? (gpus > 0 ? Device::cuda(0) : Device::cpu()) : Device::parse(device_s);
+    if (world > 1 && gpus > 0) dev = mpi->bind_device();
+#if DFLASH_WITH_CUDA
+    json nccl;
+    if (world > 1 && dev.is_cuda()) nccl = nccl_bandwidth(dev, rank, world);
+#endif
+    if (rank != 0) return 0;
     if (dev.is_cuda())
       DFLASH_CHECK_HINT(dev.index < gpus, "--device " << dev.str() << ": " << gpus << " CUDA device(s) visible",
                         "check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --device cpu");
@@ -226,6 +255,15 @@ int main(int argc, char** argv) {
                     r["outputs_match"].get<bool>() ? "outputs match" : "OUTPUTS DIFFER");
         if (!r["outputs_match"].get<bool>()) rc = 2;
       }
+    }
+#endif
+#if DFLASH_WITH_CUDA
+    if (!nccl.is_null()) {
+      report["nccl_allreduce"] = nccl;
+      std::printf("\n== NCCL all-reduce over %d ranks (%s)\n", world, nccl["message"].get<std::string>().c_str());
+      for (const json& r : nccl["sizes"])
+        std::printf("  %8.1f MiB bf16: %8.3f ms, bus bandwidth %7.1f GB/s\n", r["mib"].get<double>(), r["ms"].get<double>(),
+                    r["busbw_gbs"].get<double>());
     }
 #endif
     if (!json_path.empty()) {

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "kernels/error.h"
+#include "target_model/json_fields.h"
 
 namespace dflash::target {
 
@@ -16,53 +17,7 @@ const char* layer_type_name(LayerType t) {
 }
 
 namespace {
-
-// Reads fields of one JSON object with errors that name the file and the full key path.
-class FieldReader {
- public:
-  FieldReader(const json& obj, std::string source, std::string prefix)
-      : obj_(obj), source_(std::move(source)), prefix_(std::move(prefix)) {}
-
-  bool has(const char* key) const { return obj_.contains(key) && !obj_.at(key).is_null(); }
-  std::string path(const char* key) const { return prefix_ + key; }
-
-  int64_t positive_int(const char* key) const {
-    const json& v = require(key);
-    DFLASH_CHECK(v.is_number_integer() && v.get<int64_t>() > 0,
-                 source_ << ": field '" << path(key) << "' must be a positive integer, got " << v.dump());
-    return v.get<int64_t>();
-  }
-  int64_t positive_int_or(const char* key, int64_t dflt) const { return has(key) ? positive_int(key) : dflt; }
-  double positive_number_or(const char* key, double dflt) const {
-    if (!has(key)) return dflt;
-    const json& v = obj_.at(key);
-    DFLASH_CHECK(v.is_number() && v.get<double>() > 0,
-                 source_ << ": field '" << path(key) << "' must be a positive number, got " << v.dump());
-    return v.get<double>();
-  }
-  bool bool_or(const char* key, bool dflt) const {
-    if (!has(key)) return dflt;
-    const json& v = obj_.at(key);
-    DFLASH_CHECK(v.is_boolean(), source_ << ": field '" << path(key) << "' must be true or false, got " << v.dump());
-    return v.get<bool>();
-  }
-  std::string string_or(const char* key, const std::string& dflt) const {
-    if (!has(key)) return dflt;
-    const json& v = obj_.at(key);
-    DFLASH_CHECK(v.is_string(), source_ << ": field '" << path(key) << "' must be a string, got " << v.dump());
-    return v.get<std::string>();
-  }
-  const json& require(const char* key) const {
-    DFLASH_CHECK_HINT(has(key), source_ << ": required field '" << path(key) << "' is missing",
-                      "is this a Qwen3.5 / Qwen3.6 config.json?");
-    return obj_.at(key);
-  }
-
- private:
-  const json& obj_;
-  std::string source_, prefix_;
-};
-
+constexpr const char* kMissingHint = "is this a Qwen3.5 / Qwen3.6 config.json?";
 }  // namespace
 
 TargetConfig TargetConfig::from_json(const json& doc, const std::string& source) {
@@ -99,7 +54,7 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
                               << "' describes a Mixture-of-Experts model, which is not supported yet",
                        "dflash supports the dense hybrid models (Qwen3.5 / Qwen3.6 dense)");
 
-  FieldReader f(*text, source, prefix);
+  JsonFields f(*text, source, prefix, kMissingHint);
   TargetConfig c;
   c.model_type = top_type;
   c.source = source;
@@ -110,7 +65,7 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
   c.num_attention_heads = f.positive_int("num_attention_heads");
   c.num_key_value_heads = f.positive_int_or("num_key_value_heads", c.num_attention_heads);
   c.head_dim = f.positive_int_or("head_dim", c.hidden_size / c.num_attention_heads);
-  c.rms_norm_eps = f.positive_number_or("rms_norm_eps", 1e-6);
+  c.rms_norm_eps = f.positive_or("rms_norm_eps", 1e-6);
   c.attn_output_gate = f.bool_or("attn_output_gate", true);
   c.linear_num_key_heads = f.positive_int("linear_num_key_heads");
   c.linear_num_value_heads = f.positive_int("linear_num_value_heads");
@@ -118,7 +73,7 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
   c.linear_value_head_dim = f.positive_int("linear_value_head_dim");
   c.linear_conv_kernel_dim = f.positive_int_or("linear_conv_kernel_dim", 4);
   // tie_word_embeddings may sit at the top level of a multimodal config.
-  c.tie_word_embeddings = f.bool_or("tie_word_embeddings", FieldReader(doc, source, "").bool_or("tie_word_embeddings", false));
+  c.tie_word_embeddings = f.bool_or("tie_word_embeddings", JsonFields(doc, source, "").bool_or("tie_word_embeddings", false));
 
   const std::string act = f.string_or("hidden_act", "silu");
   DFLASH_CHECK(act == "silu", source << ": field '" << prefix << "hidden_act' is '" << act
@@ -127,18 +82,18 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
                source << ": field '" << prefix << "attention_bias' is true; biased attention projections are not supported");
 
   // RoPE: rope_parameters (transformers 5) or the legacy top-level rope_theta / partial_rotary_factor.
-  c.rope_theta = f.positive_number_or("rope_theta", 10000.0);
-  c.partial_rotary_factor = f.positive_number_or("partial_rotary_factor", 0.25);
+  c.rope_theta = f.positive_or("rope_theta", 10000.0);
+  c.partial_rotary_factor = f.positive_or("partial_rotary_factor", 0.25);
   if (f.has("rope_parameters")) {
     const json& rp = (*text)["rope_parameters"];
     DFLASH_CHECK(rp.is_object(), source << ": field '" << prefix << "rope_parameters' must be an object");
-    FieldReader r(rp, source, prefix + "rope_parameters.");
+    JsonFields r(rp, source, prefix + "rope_parameters.", kMissingHint);
     const std::string rope_type = r.string_or("rope_type", "default");
     DFLASH_CHECK_HINT(rope_type == "default", source << ": field '" << prefix << "rope_parameters.rope_type' is '"
                                                      << rope_type << "'; only 'default' RoPE is supported",
                       "long-context scaling (yarn, linear, dynamic) is not implemented");
-    c.rope_theta = r.positive_number_or("rope_theta", c.rope_theta);
-    c.partial_rotary_factor = r.positive_number_or("partial_rotary_factor", c.partial_rotary_factor);
+    c.rope_theta = r.positive_or("rope_theta", c.rope_theta);
+    c.partial_rotary_factor = r.positive_or("partial_rotary_factor", c.partial_rotary_factor);
   }
 
   // Layer pattern: explicit layer_types, else every full_attention_interval-th layer is attention.

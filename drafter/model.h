@@ -1,0 +1,82 @@
+#pragma once
+// The DFlash drafter forward and hand-written backward: the CPU reference.
+//
+// Precision: every computation runs in double internally; tensors in and out may be F32 or F64
+// (weights, context features, gradients), so the same code is the f32 pipeline reference and the
+// float64 path of the finite-difference test.
+//
+// Forward, for a packed batch of sequences and sorted anchor blocks (B = block_size):
+//   ctx   = hidden_norm(fc(context))                               [N, H]   once, shared by all layers
+//   h     = embed_tokens[anchor token, mask × (B-1)] per block      [R, H]   R = blocks·B
+//   layer: x = input_layernorm(h); q = q_norm(q_proj x); keys/values = [k/v_proj(ctx) ; k/v_proj(x)]
+//          (k_norm on both); RoPE (full head_dim) at context positions 0..S-1 and block positions
+//          anchor..anchor+B-1; masked softmax attention (GQA); h += o_proj(attn);
+//          h += down(silu(gate(y)) · up(y)) with y = post_attention_layernorm(h)
+//   final = norm(h); logits = final · lm_head^T (fused, chunked CE; see loss.h)
+#include <cstdint>
+#include <vector>
+
+#include "drafter/config.h"
+#include "drafter/loss.h"
+#include "drafter/weights.h"
+#include "kernels/ops.h"
+#include "kernels/tensor.h"
+
+namespace dflash::drafter {
+
+// Test hook: the released mask, and the two published mask bugs.
+enum class MaskVariant {
+  Correct,          // context keys < anchor; full layers see the whole own block
+  CausalInBlock,    // bug: full layers causal inside the block
+  AnchorInclusive,  // bug: context keys <= anchor
+};
+
+// Whether the query at block offset j (position anchor + j) of a block may attend a key of the
+// same sequence: a context key at position key_index, or (key_in_block) the key at block offset
+// key_index of the same block. Keys of other blocks and other sequences are never attended.
+// Sliding layers are causal in the block and keep keys with position >= query position - (window-1).
+bool mask_allows(AttnType type, int64_t sliding_window, int64_t anchor, int64_t j, bool key_in_block,
+                 int64_t key_index, MaskVariant variant = MaskVariant::Correct);
+
+// The frozen target tensors the drafter uses (never updated, no gradient).
+struct FrozenTarget {
+  Tensor embed_tokens;  // [V, H] any float dtype, host
+  Tensor lm_head;       // [V, H] any float dtype, host
+};
+
+struct Block {
+  int64_t seq = 0;     // sequence index in the batch
+  int64_t anchor = 0;  // position within that sequence, 0 <= anchor < S
+};
+
+struct DrafterBatch {
+  Tensor context;                  // [N, k·H] captured target hidden states, packed, host F32/F64/BF16
+  std::vector<int32_t> tokens;     // [N]
+  std::vector<uint8_t> loss_mask;  // [N]
+  ops::SeqOffsets seqs;            // boundaries over N
+  std::vector<Block> blocks;       // sorted by (seq, anchor)
+};
+
+// Blocks for every sequence of a batch from sample_anchors (stream = base_stream + sequence index).
+std::vector<Block> sample_blocks(const std::vector<uint8_t>& loss_mask, const ops::SeqOffsets& seqs,
+                                 int64_t num_anchors, uint64_t seed, uint64_t base_stream);
+
+struct StepOptions {
+  double gamma = 7.0;           // loss decay (7 for B = 16)
+  int64_t ce_chunk_rows = 256;  // rows of logits made at a time
+  // Gradients are of grad_scale · Σ w·CE. 0 means 1 / (Σ w of this call), i.e. of this call's
+  // loss; a trainer passes 1 / (global Σ w) over all ranks and micro-batches.
+  double grad_scale = 0;
+  MaskVariant mask = MaskVariant::Correct;  // test hook
+  int64_t label_shift = 0;                  // test hook: position k predicts token a+k+label_shift
+};
+
+// Forward (and backward when grads or grad_context is given) over a batch.
+//   grads:        gradients ADDED into these tensors (F32 or F64; allocate with DrafterWeights::zeros)
+//   grad_context: when given, set to d/d context, [N, k·H] F64 (the fc input)
+//   final_hidden: when given, set to the final-normed hidden states [R, H] F64 (tests, diagnostics)
+StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, const FrozenTarget& target,
+                           const DrafterBatch& batch, const StepOptions& opt, DrafterWeights* grads = nullptr,
+                           Tensor* grad_context = nullptr, Tensor* final_hidden = nullptr);
+
+}  // namespace dflash::drafter

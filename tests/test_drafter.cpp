@@ -1,0 +1,540 @@
+// The DFlash drafter CPU reference: gradients of every parameter and of the context features
+// against central finite differences in float64, the mask (and the three published bugs), labels
+// and decay weights, anchors, the chunked CE, config parsing and the HF export / import.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
+#include "drafter/config.h"
+#include "drafter/loss.h"
+#include "drafter/model.h"
+#include "drafter/weights.h"
+#include "kernels/random.h"
+#include "target_model/safetensors.h"
+#include "test_util.h"
+
+using namespace dflash;
+using namespace dflash::drafter;
+
+namespace {
+
+uint64_t g_stream = 100;
+
+Tensor randn64(const Shape& s, float mean = 0.0f, float stddev = 1.0f, DType dt = DType::F64) {
+  Tensor t = Tensor::empty(s, dt);
+  fill_normal(t, {777, g_stream++, 0}, mean, stddev);
+  return t;
+}
+
+// H=16, 2 layers (full, sliding window 5), 2 heads / 1 kv head of 8, I=24, V=37, B=4, k=2 captured layers.
+DrafterConfig tiny_config() {
+  DrafterConfig c;
+  c.source = "tiny";
+  c.hidden_size = 16;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 2;
+  c.num_key_value_heads = 1;
+  c.head_dim = 8;
+  c.intermediate_size = 24;
+  c.vocab_size = 37;
+  c.rope_theta = 10000.0;
+  c.layer_types = {AttnType::Full, AttnType::Sliding};
+  c.sliding_window = 5;
+  c.block_size = 4;
+  c.mask_token_id = 36;
+  c.num_target_layers = 6;
+  c.target_layer_ids = {1, 3};
+  c.validate();
+  return c;
+}
+
+// Weights with enough spread that attention is far from uniform; norm weights around 1.
+DrafterWeights tiny_weights(const DrafterConfig& c, DType dt = DType::F64) {
+  DrafterWeights w = DrafterWeights::zeros(c, dt);
+  for (auto& e : w.entries(c)) *e.tensor = e.is_norm ? randn64(e.shape, 1.0f, 0.2f, dt) : randn64(e.shape, 0.0f, 0.35f, dt);
+  return w;
+}
+
+FrozenTarget tiny_target(const DrafterConfig& c) {
+  return {randn64({c.vocab_size, c.hidden_size}), randn64({c.vocab_size, c.hidden_size}, 0.0f, 0.6f)};
+}
+
+// Sequence 0: S = 12 with 3 anchors (the last block runs past the end); sequence 1: S = 7, 1 anchor.
+DrafterBatch tiny_batch(const DrafterConfig& c) {
+  DrafterBatch b;
+  b.seqs.offsets = {0, 12, 19};
+  b.context = randn64({19, c.context_dim()});
+  for (int i = 0; i < 19; ++i) b.tokens.push_back((i * 7 + 3) % 36);  // never the mask token 36
+  b.loss_mask = {0, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, /*seq 1*/ 0, 1, 1, 1, 1, 1, 1};
+  b.blocks = {{0, 2}, {0, 6}, {0, 9}, {1, 1}};
+  return b;
+}
+
+double loss_of(const DrafterConfig& c, const DrafterWeights& w, const FrozenTarget& t, const DrafterBatch& b) {
+  return forward_backward(c, w, t, b, StepOptions{}).loss();
+}
+
+Tensor hidden_of(const DrafterConfig& c, const DrafterWeights& w, const FrozenTarget& t, const DrafterBatch& b,
+                 StepOptions o = {}) {
+  Tensor h;
+  forward_backward(c, w, t, b, o, nullptr, nullptr, &h);
+  return h;
+}
+
+// Largest |difference| over the rows of block `blk` (B rows each) of two final-hidden tensors.
+double block_diff(const Tensor& x, const Tensor& y, int64_t blk, int64_t B, int64_t only_row = -1) {
+  const int64_t H = x.size(1);
+  double m = 0;
+  for (int64_t j = 0; j < B; ++j) {
+    if (only_row >= 0 && j != only_row) continue;
+    for (int64_t c = 0; c < H; ++c) {
+      const int64_t i = (blk * B + j) * H + c;
+      m = std::max(m, std::abs(x.data<double>()[i] - y.data<double>()[i]));
+    }
+  }
+  return m;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- gradients
+
+TEST(Drafter, GradientsMatchFiniteDifferencesInDouble) {
+  const DrafterConfig c = tiny_config();
+  DrafterWeights w = tiny_weights(c);
+  const FrozenTarget t = tiny_target(c);
+  DrafterBatch b = tiny_batch(c);
+  DrafterWeights g = DrafterWeights::zeros(c, DType::F64);
+  Tensor gctx;
+  const StepStats st = forward_backward(c, w, t, b, StepOptions{}, &g, &gctx);
+  ASSERT_GT(st.weight_sum, 0);
+  ASSERT_TRUE(std::isfinite(st.loss()));
+
+  const double h = 1e-5;
+  // Relative error of one tensor: max |fd - analytic| over the sampled elements, divided by the
+  // largest |analytic| among them. Bound 1e-6 (central differences in double give ~1e-9).
+  auto check = [&](const std::string& name, Tensor& param, const Tensor& grad, auto&& loss) {
+    const int64_t n = param.numel(), samples = std::min<int64_t>(n, 6);
+    double max_diff = 0, max_ref = 0;
+    for (int64_t s = 0; s < samples; ++s) {
+      const int64_t i = (s * n) / samples + (s * 7) % std::max<int64_t>(1, n / samples);
+      double* p = param.data<double>() + i;
+      const double orig = *p;
+      *p = orig + h;
+      const double lp = loss();
+      *p = orig - h;
+      const double lm = loss();
+      *p = orig;
+      const double fd = (lp - lm) / (2 * h), an = grad.item_at(i);
+      max_diff = std::max(max_diff, std::abs(fd - an));
+      max_ref = std::max(max_ref, std::abs(an));
+    }
+    const double err = max_diff / std::max(max_ref, 1e-12);
+    std::printf("  fd %-44s max|g| %.3e  rel err %.2e\n", name.c_str(), max_ref, err);
+    EXPECT_GT(max_ref, 1e-7) << name << ": sampled gradients are all ~0, the check is vacuous";
+    EXPECT_LT(err, 1e-6) << name;
+    return err;
+  };
+  auto loss = [&] { return loss_of(c, w, t, b); };
+  auto we = w.entries(c);
+  auto ge = g.entries(c);
+  double worst = 0;
+  for (size_t k = 0; k < we.size(); ++k) worst = std::max(worst, check(we[k].name, *we[k].tensor, *ge[k].tensor, loss));
+  worst = std::max(worst, check("context features (fc input)", b.context, gctx, loss));
+  std::printf("  worst relative error over %zu tensors: %.2e\n", we.size() + 1, worst);
+}
+
+TEST(Drafter, GradientsAccumulateAndF32PathAgrees) {
+  const DrafterConfig c = tiny_config();
+  const DrafterWeights w64 = tiny_weights(c);
+  DrafterWeights w32 = DrafterWeights::zeros(c, DType::F32);
+  auto e64 = const_cast<DrafterWeights&>(w64).entries(c);
+  auto e32 = w32.entries(c);
+  for (size_t i = 0; i < e64.size(); ++i) *e32[i].tensor = e64[i].tensor->to_dtype(DType::F32);
+  const FrozenTarget t = tiny_target(c);
+  const DrafterBatch b = tiny_batch(c);
+  DrafterWeights g64 = DrafterWeights::zeros(c, DType::F64), g32 = DrafterWeights::zeros(c, DType::F32);
+  forward_backward(c, w64, t, b, {}, &g64);
+  forward_backward(c, w32, t, b, {}, &g32);
+  forward_backward(c, w32, t, b, {}, &g32);  // gradients add up
+  auto a = g64.entries(c), z = g32.entries(c);
+  for (size_t i = 0; i < a.size(); ++i) {
+    Tensor twice = a[i].tensor->clone();
+    for (int64_t k = 0; k < twice.numel(); ++k) twice.data<double>()[k] *= 2;
+    EXPECT_LT(max_rel_err(*z[i].tensor, twice), 1e-5) << a[i].name;
+  }
+}
+
+// ---------------------------------------------------------------- mask
+
+TEST(DrafterMask, DirectRules) {
+  const int64_t a = 7, B = 4, W = 5;
+  for (int64_t j = 0; j < B; ++j) {
+    for (int64_t t = 0; t < 12; ++t) {
+      // Full layers: context strictly before the anchor, no window.
+      EXPECT_EQ(mask_allows(AttnType::Full, 0, a, j, false, t), t < a) << j << " " << t;
+      // Sliding: also within the window of the query position a + j.
+      EXPECT_EQ(mask_allows(AttnType::Sliding, W, a, j, false, t), t < a && t >= a + j - (W - 1)) << j << " " << t;
+    }
+    for (int64_t jj = 0; jj < B; ++jj) {
+      EXPECT_TRUE(mask_allows(AttnType::Full, 0, a, j, true, jj)) << "full layers see the whole own block";
+      EXPECT_EQ(mask_allows(AttnType::Sliding, W, a, j, true, jj), jj <= j);
+    }
+  }
+  // The buggy variants differ exactly where the bugs are.
+  EXPECT_TRUE(mask_allows(AttnType::Full, 0, a, 0, false, a, MaskVariant::AnchorInclusive));
+  EXPECT_FALSE(mask_allows(AttnType::Full, 0, a, 0, false, a, MaskVariant::Correct));
+  EXPECT_FALSE(mask_allows(AttnType::Full, 0, a, 1, true, 2, MaskVariant::CausalInBlock));
+  EXPECT_TRUE(mask_allows(AttnType::Full, 0, a, 1, true, 2, MaskVariant::Correct));
+}
+
+namespace {
+struct MaskFixture {
+  DrafterConfig c = tiny_config();
+  DrafterWeights w = tiny_weights(c);
+  FrozenTarget t = tiny_target(c);
+  DrafterBatch b = tiny_batch(c);
+};
+
+// True when perturbing the context feature AT the anchor of block 1 (anchor 6) changes that
+// block's outputs: what the `<=` bug does. The feature just before the anchor must always matter.
+bool anchor_leaks(MaskVariant v) {
+  MaskFixture f;
+  StepOptions o;
+  o.mask = v;
+  const Tensor base = hidden_of(f.c, f.w, f.t, f.b, o);
+  DrafterBatch p = f.b;
+  p.context = f.b.context.clone();
+  for (int64_t k = 0; k < p.context.size(1); ++k) p.context.data<double>()[5 * p.context.size(1) + k] += 1.0;
+  EXPECT_GT(block_diff(base, hidden_of(f.c, f.w, f.t, p, o), 1, 4), 1e-6) << "position a-1 must be seen";
+  p.context = f.b.context.clone();
+  for (int64_t k = 0; k < p.context.size(1); ++k) p.context.data<double>()[6 * p.context.size(1) + k] += 1.0;
+  return block_diff(base, hidden_of(f.c, f.w, f.t, p, o), 1, 4) > 0;
+}
+
+// True when the first row of a block cannot see the later rows (changing the mask token's
+// embedding leaves row 0 unchanged): the causal-in-block bug on full-attention layers.
+bool causal_in_block(MaskVariant v, std::vector<AttnType> types = {AttnType::Full, AttnType::Sliding}) {
+  MaskFixture f;
+  f.c.layer_types = types;
+  StepOptions o;
+  o.mask = v;
+  const Tensor base = hidden_of(f.c, f.w, f.t, f.b, o);
+  FrozenTarget p{f.t.embed_tokens.clone(), f.t.lm_head};
+  for (int64_t k = 0; k < f.c.hidden_size; ++k) p.embed_tokens.data<double>()[f.c.mask_token_id * f.c.hidden_size + k] += 1.0;
+  const Tensor pert = hidden_of(f.c, f.w, p, f.b, o);
+  bool row0_blind = true;
+  for (int64_t blk = 0; blk < 4; ++blk) {
+    EXPECT_GT(block_diff(base, pert, blk, 4, 3), 1e-6) << "the last row reads the mask embedding";
+    row0_blind = row0_blind && block_diff(base, pert, blk, 4, 0) == 0;
+  }
+  return row0_blind;
+}
+
+// Σ w·CE / Σ w by hand from the final hidden states, labels token[a + k] (k >= 1), weights
+// [a+k < S]·loss_mask[a+k]·exp(-(k-1)/gamma): compares the model's loss with that.
+bool labels_shifted(int64_t shift) {
+  MaskFixture f;
+  StepOptions o;
+  o.label_shift = shift;
+  Tensor hf;
+  const StepStats st = forward_backward(f.c, f.w, f.t, f.b, o, nullptr, nullptr, &hf);
+  const int64_t B = 4, H = f.c.hidden_size, V = f.c.vocab_size;
+  double num = 0, den = 0;
+  for (size_t bi = 0; bi < f.b.blocks.size(); ++bi) {
+    const Block& blk = f.b.blocks[bi];
+    const int64_t off = f.b.seqs.offsets[blk.seq], S = f.b.seqs.offsets[blk.seq + 1] - off;
+    for (int64_t k = 1; k < B; ++k) {
+      const int64_t p = blk.anchor + k;
+      if (p >= S || !f.b.loss_mask[off + p]) continue;
+      const double wgt = std::exp(-(k - 1) / 7.0);
+      std::vector<double> z(V);
+      double mx = -1e300;
+      for (int64_t v = 0; v < V; ++v) {
+        double s = 0;
+        for (int64_t c = 0; c < H; ++c)
+          s += hf.data<double>()[(bi * B + k) * H + c] * f.t.lm_head.data<double>()[v * H + c];
+        mx = std::max(mx, z[v] = s);
+      }
+      double se = 0;
+      for (double x : z) se += std::exp(x - mx);
+      num += wgt * (mx + std::log(se) - z[f.b.tokens[off + p]]);
+      den += wgt;
+    }
+  }
+  EXPECT_NEAR(st.weight_sum, den, shift == 0 ? 1e-12 : 1e9);
+  return std::abs(st.loss() - num / den) > 1e-10;
+}
+}  // namespace
+
+TEST(DrafterMask, ContextStopsStrictlyBeforeTheAnchor) {
+  EXPECT_FALSE(anchor_leaks(MaskVariant::Correct));
+  EXPECT_TRUE(anchor_leaks(MaskVariant::AnchorInclusive)) << "the test must catch the <= bug";
+}
+
+TEST(DrafterMask, FullLayersSeeTheWholeBlock) {
+  EXPECT_FALSE(causal_in_block(MaskVariant::Correct));
+  EXPECT_TRUE(causal_in_block(MaskVariant::CausalInBlock)) << "the test must catch a causal in-block mask";
+  // Sliding layers are causal in the block: with no full layer, row 0 is blind to later rows.
+  EXPECT_TRUE(causal_in_block(MaskVariant::Correct, {AttnType::Sliding, AttnType::Sliding}));
+}
+
+TEST(DrafterMask, LabelsAreTheTokensAtAnchorPlusK) {
+  EXPECT_FALSE(labels_shifted(0));
+  EXPECT_TRUE(labels_shifted(1)) << "the test must catch shifted labels";
+  EXPECT_TRUE(labels_shifted(-1));
+  const std::vector<uint8_t> m(10, 1);
+  for (int64_t k = 1; k < 4; ++k) EXPECT_EQ(block_label(m.data(), 10, 3, k, 7.0).position, 3 + k);
+  EXPECT_EQ(block_label(m.data(), 10, 3, 0, 7.0).weight, 0.0) << "the anchor itself is never predicted";
+}
+
+TEST(DrafterMask, NoOtherBlockAndNoOtherSequence) {
+  MaskFixture f;
+  const Tensor base = hidden_of(f.c, f.w, f.t, f.b);
+  // Another anchor token for block 2 (anchor 9): blocks 0, 1 and 3 unchanged, block 2 changed.
+  DrafterBatch p = f.b;
+  p.tokens[9] = 35;
+  const Tensor h1 = hidden_of(f.c, f.w, f.t, p);
+  EXPECT_EQ(block_diff(base, h1, 0, 4), 0);
+  EXPECT_EQ(block_diff(base, h1, 1, 4), 0);
+  EXPECT_EQ(block_diff(base, h1, 3, 4), 0);
+  EXPECT_GT(block_diff(base, h1, 2, 4), 1e-6);
+  // Context of sequence 1 changed: the blocks of sequence 0 are unchanged.
+  p = f.b;
+  p.context = f.b.context.clone();
+  for (int64_t n = 12; n < 19; ++n)
+    for (int64_t k = 0; k < p.context.size(1); ++k) p.context.data<double>()[n * p.context.size(1) + k] += 1.0;
+  const Tensor h2 = hidden_of(f.c, f.w, f.t, p);
+  for (int64_t blk = 0; blk < 3; ++blk) EXPECT_EQ(block_diff(base, h2, blk, 4), 0);
+  EXPECT_GT(block_diff(base, h2, 3, 4), 1e-6);
+}
+
+// ---------------------------------------------------------------- loss, anchors, CE
+
+TEST(DrafterLoss, WeightsByHand) {
+  const std::vector<uint8_t> m = {0, 1, 1, 1, 0, 1};  // S = 6
+  const double g = 2.0;
+  EXPECT_DOUBLE_EQ(block_label(m.data(), 6, 1, 1, g).weight, 1.0);             // pos 2
+  EXPECT_DOUBLE_EQ(block_label(m.data(), 6, 1, 2, g).weight, std::exp(-0.5));  // pos 3
+  EXPECT_DOUBLE_EQ(block_label(m.data(), 6, 1, 3, g).weight, 0.0);             // pos 4: loss_mask 0
+  EXPECT_DOUBLE_EQ(block_label(m.data(), 6, 3, 2, g).weight, std::exp(-0.5));  // pos 5
+  EXPECT_EQ(block_label(m.data(), 6, 3, 3, g).position, -1);                   // pos 6 >= S
+  EXPECT_DOUBLE_EQ(block_label(m.data(), 6, 3, 3, g).weight, 0.0);
+  EXPECT_DOUBLE_EQ(block_label(m.data(), 6, 0, 6, 7.0).weight, 0.0);  // pos 6 >= S
+
+  // Σ w of a forward over the tiny batch, by hand (gamma 7, B 4).
+  MaskFixture f;
+  const StepStats st = forward_backward(f.c, f.w, f.t, f.b, {});
+  const double e1 = std::exp(-1 / 7.0), e2 = std::exp(-2 / 7.0);
+  // seq 0, anchor 2: pos 3,4,5 -> 1 + e1 + e2; anchor 6: pos 7 masked, 8, 9 -> e1 + e2;
+  // anchor 9: pos 10, 11, (12 >= S) -> 1 + e1; seq 1 anchor 1: pos 2,3,4 -> 1 + e1 + e2.
+  EXPECT_NEAR(st.weight_sum, 3 + 4 * e1 + 3 * e2, 1e-12);
+  EXPECT_EQ(st.num_blocks, 4);
+  EXPECT_EQ(st.counted[1], 3);
+  EXPECT_EQ(st.counted[3], 3);
+  EXPECT_GE(st.accept_len(), 1.0);
+}
+
+TEST(DrafterLoss, AnchorsSampledWithoutReplacementSorted) {
+  std::vector<uint8_t> m(40, 1);
+  m[0] = m[10] = m[11] = m[25] = 0;
+  std::vector<int64_t> cand;
+  for (int64_t t = 0; t + 1 < 40; ++t)
+    if (m[t] && m[t + 1]) cand.push_back(t);
+  EXPECT_EQ(sample_anchors(m.data(), 40, 1000, 1, 2), cand) << "fewer candidates than asked: all of them";
+  const auto a = sample_anchors(m.data(), 40, 8, 1, 2);
+  ASSERT_EQ(a.size(), 8u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(std::find(cand.begin(), cand.end(), a[i]) != cand.end()) << a[i];
+    if (i) {
+      EXPECT_LT(a[i - 1], a[i]) << "sorted, no repeats";
+    }
+  }
+  EXPECT_EQ(a, sample_anchors(m.data(), 40, 8, 1, 2)) << "seeded";
+  EXPECT_NE(a, sample_anchors(m.data(), 40, 8, 2, 2));
+  EXPECT_NE(a, sample_anchors(m.data(), 40, 8, 1, 3));
+  // Every candidate gets drawn with roughly equal frequency.
+  std::vector<int> hits(40, 0);
+  for (uint64_t s = 0; s < 2000; ++s)
+    for (int64_t t : sample_anchors(m.data(), 40, 4, s, 0)) ++hits[t];
+  const double expect = 2000.0 * 4 / static_cast<double>(cand.size());
+  for (int64_t t : cand) EXPECT_NEAR(hits[t], expect, 0.25 * expect) << t;
+}
+
+TEST(DrafterLoss, ChunkedCeEqualsUnchunked) {
+  const int64_t R = 10, H = 16, V = 37;
+  const Tensor hid = randn64({R, H}), head = randn64({V, H}, 0.0f, 0.5f, DType::F32);
+  std::vector<int32_t> labels;
+  std::vector<double> w;
+  for (int64_t r = 0; r < R; ++r) {
+    labels.push_back(static_cast<int32_t>((r * 11 + 5) % V));
+    w.push_back(r % 4 == 3 ? 0.0 : 0.3 + 0.1 * r);
+  }
+  // Unchunked, by hand: full [R, V] logits.
+  double num = 0, den = 0;
+  std::vector<double> dref(R * H, 0.0);
+  for (int64_t r = 0; r < R; ++r) {
+    if (w[r] == 0) continue;
+    std::vector<double> z(V);
+    for (int64_t v = 0; v < V; ++v) {
+      z[v] = 0;
+      for (int64_t c = 0; c < H; ++c) z[v] += hid.data<double>()[r * H + c] * head.data<float>()[v * H + c];
+    }
+    double mx = *std::max_element(z.begin(), z.end()), se = 0;
+    for (double x : z) se += std::exp(x - mx);
+    const double lse = mx + std::log(se);
+    num += w[r] * (lse - z[labels[r]]);
+    den += w[r];
+    for (int64_t v = 0; v < V; ++v) {
+      const double gz = w[r] * 0.5 * (std::exp(z[v] - lse) - (v == labels[r]));
+      for (int64_t c = 0; c < H; ++c) dref[r * H + c] += gz * head.data<float>()[v * H + c];
+    }
+  }
+  for (int64_t chunk : {1, 3, 10, 64}) {
+    std::vector<double> dh(R * H, 0.0);
+    std::vector<int32_t> am;
+    const CeSums s = fused_linear_ce(hid.data<double>(), R, H, head, labels, w, chunk, 0.5, dh.data(), &am);
+    EXPECT_NEAR(s.weighted_ce_sum, num, 1e-12 * std::abs(num)) << chunk;
+    EXPECT_NEAR(s.weight_sum, den, 1e-12) << chunk;
+    double md = 0;
+    for (size_t i = 0; i < dh.size(); ++i) md = std::max(md, std::abs(dh[i] - dref[i]));
+    EXPECT_LT(md, 1e-12) << chunk;
+    EXPECT_EQ(am[3], -1) << "rows of weight 0 are skipped";
+  }
+  // Through the model: the chunk size does not change the loss or the gradients.
+  MaskFixture f;
+  StepOptions a, b;
+  a.ce_chunk_rows = 1;
+  b.ce_chunk_rows = 1000;
+  DrafterWeights ga = DrafterWeights::zeros(f.c, DType::F64), gb = DrafterWeights::zeros(f.c, DType::F64);
+  EXPECT_NEAR(forward_backward(f.c, f.w, f.t, f.b, a, &ga).loss(), forward_backward(f.c, f.w, f.t, f.b, b, &gb).loss(), 1e-13);
+  EXPECT_LT(max_rel_err(ga.fc, gb.fc), 1e-12);
+}
+
+// ---------------------------------------------------------------- config
+
+TEST(DrafterConfig, DefaultTargetLayerIdsFollowZLab) {
+  EXPECT_EQ(default_target_layer_ids(36, 5), (std::vector<int64_t>{1, 9, 17, 25, 33}));
+  EXPECT_EQ(default_target_layer_ids(64, 5), (std::vector<int64_t>{1, 16, 31, 46, 61}));
+  EXPECT_EQ(default_target_layer_ids(10, 5), (std::vector<int64_t>{1, 2, 4, 6, 7})) << "Python round: half to even";
+  EXPECT_EQ(default_target_layer_ids(36, 1), (std::vector<int64_t>{18}));
+}
+
+TEST(DrafterConfig, JsonRoundTripAndDefaults) {
+  const DrafterConfig c = tiny_config();
+  const nlohmann::json j = c.to_json();
+  EXPECT_EQ(j["architectures"][0], "DFlashDraftModel");
+  EXPECT_EQ(j["model_type"], "qwen3");
+  EXPECT_EQ(j["dflash_config"]["mask_token_id"], 36);
+  const DrafterConfig r = DrafterConfig::from_json(j, "rt");
+  EXPECT_EQ(r.to_json(), j);
+  nlohmann::json k = j;
+  k["dflash_config"].erase("target_layer_ids");
+  k.erase("layer_types");
+  k["num_target_layers"] = 36;
+  const DrafterConfig d = DrafterConfig::from_json(k, "defaults");
+  EXPECT_EQ(d.target_layer_ids, (std::vector<int64_t>{1, 33}));
+  EXPECT_EQ(d.layer_types, (std::vector<AttnType>{AttnType::Full, AttnType::Full}));
+}
+
+TEST(DrafterConfig, BadConfigsNameTheField) {
+  const nlohmann::json good = tiny_config().to_json();
+  auto err = [&](auto edit) {
+    nlohmann::json j = good;
+    edit(j);
+    return error_of([&] { DrafterConfig::from_json(j, "cfg.json"); });
+  };
+  EXPECT_NE(err([](auto& j) { j["dflash_config"].erase("mask_token_id"); }).find("dflash_config.mask_token_id"), std::string::npos);
+  EXPECT_NE(err([](auto& j) { j["dflash_config"]["mask_token_id"] = 37; }).find("dflash_config.mask_token_id"), std::string::npos);
+  EXPECT_NE(err([](auto& j) { j["dflash_config"]["target_layer_ids"] = {1, 6}; }).find("target_layer_ids[1]"), std::string::npos);
+  EXPECT_NE(err([](auto& j) { j["layer_types"] = {"full_attention"}; }).find("layer_types"), std::string::npos);
+  EXPECT_NE(err([](auto& j) { j["layer_types"][1] = "linear_attention"; }).find("layer_types[1]"), std::string::npos);
+  EXPECT_NE(err([](auto& j) { j["sliding_window"] = nullptr; }).find("sliding_window"), std::string::npos);
+  EXPECT_NE(err([](auto& j) { j["num_key_value_heads"] = 3; }).find("num_key_value_heads"), std::string::npos);
+  EXPECT_NE(err([](auto& j) { j["architectures"] = {"Qwen3ForCausalLM"}; }).find("architectures"), std::string::npos);
+  EXPECT_NE(err([](auto& j) { j["model_type"] = "llama"; }).find("model_type"), std::string::npos);
+  EXPECT_NE(err([](auto& j) { j.erase("hidden_size"); }).find("'hidden_size' is missing"), std::string::npos);
+  EXPECT_NE(err([](auto& j) { j["block_size"] = 1; }).find("block_size"), std::string::npos);
+  EXPECT_EQ(err([](auto&) {}), "");
+}
+
+// ---------------------------------------------------------------- export / import
+
+namespace {
+std::string tmp_dir(const std::string& name) {
+  const auto p = std::filesystem::temp_directory_path() / ("dflash_test_drafter_" + name);
+  std::filesystem::remove_all(p);
+  return p.string();
+}
+std::string slurp(const std::string& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+}  // namespace
+
+TEST(DrafterExport, RoundTripIsBitExactInBf16) {
+  const DrafterConfig c = tiny_config();
+  DrafterWeights w = DrafterWeights::random(c, 42, 0.5f, DType::F32);
+  const std::string dir = tmp_dir("rt");
+  export_hf(dir, c, w);
+  LoadedDrafter l = import_hf(dir, DType::F32);
+  EXPECT_EQ(l.config.to_json(), c.to_json());
+  auto a = w.entries(c), b = l.weights.entries(c);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    const Tensor want = a[i].tensor->to_dtype(DType::BF16).to_dtype(DType::F32);
+    ASSERT_EQ(b[i].tensor->shape(), want.shape()) << a[i].name;
+    EXPECT_EQ(std::memcmp(want.raw_data(), b[i].tensor->raw_data(), want.nbytes()), 0) << a[i].name;
+  }
+  const target::SafetensorsFile f((std::filesystem::path(dir) / "model.safetensors").string());
+  EXPECT_EQ(f.size(), a.size());
+  EXPECT_EQ(f.info("layers.1.self_attn.q_norm.weight").dtype, DType::BF16);
+  EXPECT_TRUE(f.has("fc.weight") && f.has("hidden_norm.weight") && f.has("norm.weight"));
+  // Export of the imported weights: the same bytes.
+  const std::string dir2 = tmp_dir("rt2");
+  export_hf(dir2, l.config, l.weights);
+  EXPECT_EQ(slurp(dir + "/model.safetensors"), slurp(dir2 + "/model.safetensors"));
+  EXPECT_EQ(slurp(dir + "/config.json"), slurp(dir2 + "/config.json"));
+}
+
+TEST(DrafterExport, BadCheckpointListsNames) {
+  const DrafterConfig c = tiny_config();
+  DrafterWeights w = DrafterWeights::random(c, 1);
+  const std::string dir = tmp_dir("bad");
+  export_hf(dir, c, w);
+  std::vector<std::pair<std::string, Tensor>> t;
+  for (auto& e : w.entries(c)) {
+    if (e.name == "layers.0.mlp.up_proj.weight") continue;  // missing
+    if (e.name == "norm.weight") t.emplace_back(e.name, Tensor::zeros({3}, DType::BF16));  // mis-shaped
+    else t.emplace_back(e.name, e.tensor->to_dtype(DType::BF16));
+  }
+  t.emplace_back("lm_head.weight", Tensor::zeros({2, 2}, DType::BF16));  // unexpected
+  target::save_safetensors(dir + "/model.safetensors", t);
+  const std::string e = error_of([&] { import_hf(dir); });
+  EXPECT_NE(e.find("missing (1): layers.0.mlp.up_proj.weight"), std::string::npos) << e;
+  EXPECT_NE(e.find("unexpected (1): lm_head.weight"), std::string::npos) << e;
+  EXPECT_NE(e.find("mis-shaped (1): norm.weight [3] (expected [16])"), std::string::npos) << e;
+  EXPECT_NE(error_of([&] { import_hf(tmp_dir("nothing")); }), "");
+}
+
+TEST(Drafter, BadInputsAreRefused) {
+  MaskFixture f;
+  DrafterBatch b = f.b;
+  b.blocks = {{0, 6}, {0, 2}};
+  EXPECT_NE(error_of([&] { forward_backward(f.c, f.w, f.t, b, {}); }).find("sorted"), std::string::npos);
+  b = f.b;
+  b.blocks = {{0, 12}};
+  EXPECT_NE(error_of([&] { forward_backward(f.c, f.w, f.t, b, {}); }).find("anchor 12"), std::string::npos);
+  b = f.b;
+  b.tokens[4] = 37;
+  EXPECT_NE(error_of([&] { forward_backward(f.c, f.w, f.t, b, {}); }).find("outside the vocabulary"), std::string::npos);
+  b = f.b;
+  b.context = randn64({19, 16});
+  EXPECT_NE(error_of([&] { forward_backward(f.c, f.w, f.t, b, {}); }).find("context"), std::string::npos);
+}

@@ -1,0 +1,463 @@
+#include "data/dataset.h"
+
+#include <glob.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "kernels/error.h"
+
+namespace dflash::data {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kRebuildHint =
+    "the file is corrupt or was not written by dflash_data; rebuild it with `dflash_data convert` "
+    "and check it with `dflash_data validate`";
+
+// ---- reading helpers ----
+
+bool has_attr(hid_t obj, const char* name, const std::string& path) {
+  return DFLASH_H5_CHECK(H5Aexists(obj, name), "looking for attribute '" << name << "' in '" << path << "'") > 0;
+}
+
+std::string read_string_attr(hid_t obj, const char* name, const std::string& path) {
+  H5Handle attr(DFLASH_H5_CHECK(H5Aopen(obj, name, H5P_DEFAULT), "opening attribute '" << name << "' of '" << path << "'"),
+                H5Aclose);
+  H5Handle type(DFLASH_H5_CHECK(H5Aget_type(attr), "reading the type of attribute '" << name << "' of '" << path << "'"),
+                H5Tclose);
+  DFLASH_CHECK_HINT(H5Tget_class(type) == H5T_STRING,
+                    "dataset file '" << path << "': attribute '" << name << "' is not a string", kRebuildHint);
+  const htri_t is_vlen = DFLASH_H5_CHECK(H5Tis_variable_str(type), "inspecting attribute '" << name << "'");
+  if (is_vlen > 0) {
+    // h5py writes str attributes as variable-length strings.
+    H5Handle mem(DFLASH_H5_CHECK(H5Tcopy(H5T_C_S1), "string type"), H5Tclose);
+    DFLASH_H5_CHECK(H5Tset_size(mem, H5T_VARIABLE), "string type");
+    DFLASH_H5_CHECK(H5Tset_cset(mem, H5Tget_cset(type)), "string type");
+    char* s = nullptr;
+    DFLASH_H5_CHECK(H5Aread(attr, mem, &s), "reading attribute '" << name << "' of '" << path << "'");
+    std::string out = s ? s : "";
+    if (s) H5free_memory(s);
+    return out;
+  }
+  const size_t n = H5Tget_size(type);
+  std::string out(n, '\0');
+  H5Handle mem(DFLASH_H5_CHECK(H5Tcopy(H5T_C_S1), "string type"), H5Tclose);
+  DFLASH_H5_CHECK(H5Tset_size(mem, n), "string type");
+  DFLASH_H5_CHECK(H5Tset_strpad(mem, H5T_STR_NULLPAD), "string type");
+  DFLASH_H5_CHECK(H5Aread(attr, mem, out.data()), "reading attribute '" << name << "' of '" << path << "'");
+  out.resize(std::strlen(out.c_str()));
+  return out;
+}
+
+int64_t read_int_attr(hid_t obj, const char* name, const std::string& path) {
+  H5Handle attr(DFLASH_H5_CHECK(H5Aopen(obj, name, H5P_DEFAULT), "opening attribute '" << name << "' of '" << path << "'"),
+                H5Aclose);
+  H5Handle type(DFLASH_H5_CHECK(H5Aget_type(attr), "reading attribute '" << name << "'"), H5Tclose);
+  H5Handle space(DFLASH_H5_CHECK(H5Aget_space(attr), "reading attribute '" << name << "'"), H5Sclose);
+  DFLASH_CHECK_HINT(H5Tget_class(type) == H5T_INTEGER && H5Sget_simple_extent_npoints(space) == 1,
+                    "dataset file '" << path << "': attribute '" << name << "' is not one integer", kRebuildHint);
+  int64_t v = 0;
+  DFLASH_H5_CHECK(H5Aread(attr, H5T_NATIVE_INT64, &v), "reading attribute '" << name << "' of '" << path << "'");
+  return v;
+}
+
+// Checks the file's attributes; returns vocab_size.
+int64_t check_attributes(hid_t file, const std::string& path) {
+  DFLASH_CHECK_HINT(has_attr(file, "format", path),
+                    "dataset file '" << path << "' has no 'format' attribute: it is not a " << kFormat << " file",
+                    "convert token data with `dflash_data convert` (JSONL rows {\"input_ids\": [...], \"loss_mask\": [...]})");
+  const std::string format = read_string_attr(file, "format", path);
+  DFLASH_CHECK_HINT(format == kFormat,
+                    "dataset file '" << path << "': attribute 'format' is '" << format << "', expected '" << kFormat << "'",
+                    "convert the data with this version's `dflash_data convert`");
+  DFLASH_CHECK_HINT(has_attr(file, "vocab_size", path),
+                    "dataset file '" << path << "' has no 'vocab_size' attribute", kRebuildHint);
+  const int64_t vocab = read_int_attr(file, "vocab_size", path);
+  DFLASH_CHECK_HINT(vocab > 0 && vocab <= (int64_t{1} << 31),
+                    "dataset file '" << path << "': attribute 'vocab_size' = " << vocab << " is not a valid vocabulary size",
+                    kRebuildHint);
+  return vocab;
+}
+
+// Opens a 1-D integer dataset; returns it and its length in elements.
+H5Handle open_1d(hid_t file, const char* name, const std::string& path, int64_t* length) {
+  const htri_t exists = DFLASH_H5_CHECK(H5Lexists(file, name, H5P_DEFAULT), "looking for " << name << " in '" << path << "'");
+  DFLASH_CHECK_HINT(exists > 0, "dataset file '" << path << "' has no dataset " << name, kRebuildHint);
+  H5Handle ds(DFLASH_H5_CHECK(H5Dopen2(file, name, H5P_DEFAULT), "opening " << name << " in '" << path << "'"), H5Dclose);
+  H5Handle type(DFLASH_H5_CHECK(H5Dget_type(ds), "reading the type of " << name << " in '" << path << "'"), H5Tclose);
+  H5Handle space(DFLASH_H5_CHECK(H5Dget_space(ds), "reading the shape of " << name << " in '" << path << "'"), H5Sclose);
+  DFLASH_CHECK_HINT(H5Tget_class(type) == H5T_INTEGER,
+                    "dataset file '" << path << "': dataset " << name << " does not hold integers", kRebuildHint);
+  DFLASH_CHECK_HINT(H5Sget_simple_extent_ndims(space) == 1,
+                    "dataset file '" << path << "': dataset " << name << " is not 1-dimensional", kRebuildHint);
+  hsize_t dim = 0;
+  H5Sget_simple_extent_dims(space, &dim, nullptr);
+  *length = static_cast<int64_t>(dim);
+  return ds;
+}
+
+// Reads elements [start, start + count) of a 1-D dataset, converted to `mem_type`.
+void read_slice(hid_t ds, hid_t mem_type, int64_t start, int64_t count, void* out, const std::string& path,
+                const char* name) {
+  if (count == 0) return;
+  H5Handle fspace(DFLASH_H5_CHECK(H5Dget_space(ds), "reading the shape of " << name << " in '" << path << "'"), H5Sclose);
+  const hsize_t off = static_cast<hsize_t>(start), n = static_cast<hsize_t>(count);
+  DFLASH_H5_CHECK(H5Sselect_hyperslab(fspace, H5S_SELECT_SET, &off, nullptr, &n, nullptr),
+                  "selecting " << name << "[" << start << ", " << start + count << ") in '" << path << "'");
+  H5Handle mspace(DFLASH_H5_CHECK(H5Screate_simple(1, &n, nullptr), "memory dataspace"), H5Sclose);
+  DFLASH_H5_CHECK(H5Dread(ds, mem_type, mspace, fspace, H5P_DEFAULT, out),
+                  "reading " << name << "[" << start << ", " << start + count << ") in '" << path << "'");
+}
+
+struct Structure {
+  int64_t vocab_size = 0;
+  std::vector<int64_t> offsets;
+  H5Handle ids, mask;
+};
+
+// Everything but the token contents: attributes, datasets, offsets against the lengths.
+Structure check_structure(hid_t file, const std::string& path) {
+  Structure s;
+  s.vocab_size = check_attributes(file, path);
+  int64_t n_ids = 0, n_mask = 0, n_off = 0;
+  s.ids = open_1d(file, "/input_ids", path, &n_ids);
+  s.mask = open_1d(file, "/loss_mask", path, &n_mask);
+  H5Handle off = open_1d(file, "/offsets", path, &n_off);
+  DFLASH_CHECK_HINT(n_off >= 1, "dataset file '" << path << "': /offsets is empty; it must hold sequences + 1 values starting at 0",
+                    kRebuildHint);
+  s.offsets.resize(static_cast<size_t>(n_off));
+  read_slice(off, H5T_NATIVE_INT64, 0, n_off, s.offsets.data(), path, "/offsets");
+  DFLASH_CHECK_HINT(s.offsets[0] == 0, "dataset file '" << path << "': /offsets[0] = " << s.offsets[0] << ", expected 0",
+                    kRebuildHint);
+  for (int64_t i = 0; i + 1 < n_off; ++i) {
+    const int64_t a = s.offsets[i], b = s.offsets[i + 1];
+    DFLASH_CHECK_HINT(b >= a,
+                      "dataset file '" << path << "': /offsets is not monotonic at sequence " << i << " (offsets[" << i
+                                       << "] = " << a << ", offsets[" << i + 1 << "] = " << b << ")",
+                      kRebuildHint);
+    DFLASH_CHECK_HINT(b != a,
+                      "dataset file '" << path << "': sequence " << i << " is empty (/offsets[" << i << "] = /offsets["
+                                       << i + 1 << "] = " << a << ")",
+                      "drop empty rows before converting; every sequence needs at least one token");
+  }
+  const int64_t last = s.offsets.back();
+  DFLASH_CHECK_HINT(last == n_ids,
+                    "dataset file '" << path << "': /offsets ends at " << last << " (after sequence " << n_off - 2
+                                     << ") but /input_ids holds " << n_ids << " tokens",
+                    kRebuildHint);
+  DFLASH_CHECK_HINT(n_mask == n_ids,
+                    "dataset file '" << path << "': /loss_mask holds " << n_mask << " values but /input_ids holds " << n_ids
+                                     << " tokens (they must have the same length)",
+                    kRebuildHint);
+  return s;
+}
+
+H5Handle open_file(const std::string& path) {
+  DFLASH_CHECK_HINT(fs::exists(path), "dataset file '" << path << "' does not exist",
+                    "check the path; make one with `dflash_data convert` or `dflash_data synth`");
+  return H5Handle(DFLASH_H5_CHECK(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), "opening dataset file '" << path << "'"),
+                  H5Fclose);
+}
+
+int bucket_of(int64_t len) {
+  int k = 0;
+  while ((int64_t{2} << k) <= len) ++k;
+  return k;
+}
+
+bool is_pattern(const std::string& s) { return s.find_first_of("*?[") != std::string::npos; }
+
+}  // namespace
+
+// ---------------------------------------------------------------- writer
+
+DatasetWriter::DatasetWriter(std::string path, int64_t vocab_size, WriterOptions options)
+    : path_(std::move(path)), tmp_path_(path_ + ".tmp"), vocab_size_(vocab_size), options_(options) {
+  DFLASH_CHECK_HINT(vocab_size_ > 0 && vocab_size_ <= (int64_t{1} << 31),
+                    "writing '" << path_ << "': vocab_size = " << vocab_size_ << " is not a valid vocabulary size",
+                    "pass the tokenizer's vocabulary size (e.g. --vocab-size 151936)");
+  DFLASH_CHECK(options_.chunk_tokens >= 1, "writing '" << path_ << "': chunk_tokens must be >= 1");
+  DFLASH_CHECK(options_.compression >= 0 && options_.compression <= 9,
+               "writing '" << path_ << "': compression level " << options_.compression << " is not in 0..9");
+  const fs::path parent = fs::path(path_).parent_path();
+  if (!parent.empty() && !fs::exists(parent)) fs::create_directories(parent);
+
+  file_ = H5Handle(DFLASH_H5_CHECK(H5Fcreate(tmp_path_.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT),
+                                   "creating dataset file '" << tmp_path_ << "'"),
+                   H5Fclose);
+  {  // attributes
+    H5Handle scalar(DFLASH_H5_CHECK(H5Screate(H5S_SCALAR), "scalar dataspace"), H5Sclose);
+    H5Handle str(DFLASH_H5_CHECK(H5Tcopy(H5T_C_S1), "string type"), H5Tclose);
+    DFLASH_H5_CHECK(H5Tset_size(str, std::strlen(kFormat)), "string type");
+    DFLASH_H5_CHECK(H5Tset_strpad(str, H5T_STR_NULLPAD), "string type");
+    H5Handle fa(DFLASH_H5_CHECK(H5Acreate2(file_, "format", str, scalar, H5P_DEFAULT, H5P_DEFAULT),
+                                "creating attribute 'format' in '" << tmp_path_ << "'"),
+                H5Aclose);
+    DFLASH_H5_CHECK(H5Awrite(fa, str, kFormat), "writing attribute 'format' in '" << tmp_path_ << "'");
+    H5Handle va(DFLASH_H5_CHECK(H5Acreate2(file_, "vocab_size", H5T_STD_I64LE, scalar, H5P_DEFAULT, H5P_DEFAULT),
+                                "creating attribute 'vocab_size' in '" << tmp_path_ << "'"),
+                H5Aclose);
+    DFLASH_H5_CHECK(H5Awrite(va, H5T_NATIVE_INT64, &vocab_size_), "writing attribute 'vocab_size' in '" << tmp_path_ << "'");
+  }
+  auto create = [&](const char* name, hid_t file_type) {
+    const hsize_t zero = 0, unlimited = H5S_UNLIMITED, chunk = static_cast<hsize_t>(options_.chunk_tokens);
+    H5Handle space(DFLASH_H5_CHECK(H5Screate_simple(1, &zero, &unlimited), "dataspace for " << name), H5Sclose);
+    H5Handle dcpl(DFLASH_H5_CHECK(H5Pcreate(H5P_DATASET_CREATE), "property list for " << name), H5Pclose);
+    DFLASH_H5_CHECK(H5Pset_chunk(dcpl, 1, &chunk), "chunking " << name);
+    if (options_.compression > 0) {
+      DFLASH_H5_CHECK(H5Pset_shuffle(dcpl), "shuffle filter for " << name);
+      DFLASH_H5_CHECK(H5Pset_deflate(dcpl, static_cast<unsigned>(options_.compression)), "deflate filter for " << name);
+    }
+    return H5Handle(DFLASH_H5_CHECK(H5Dcreate2(file_, name, file_type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT),
+                                    "creating " << name << " in '" << tmp_path_ << "'"),
+                    H5Dclose);
+  };
+  ids_ds_ = create("/input_ids", H5T_STD_I32LE);
+  mask_ds_ = create("/loss_mask", H5T_STD_U8LE);
+  ids_buf_.reserve(static_cast<size_t>(options_.chunk_tokens));
+  mask_buf_.reserve(static_cast<size_t>(options_.chunk_tokens));
+}
+
+DatasetWriter::~DatasetWriter() {
+  if (finished_) return;
+  ids_ds_.reset();
+  mask_ds_.reset();
+  file_.reset();
+  std::error_code ec;
+  fs::remove(tmp_path_, ec);
+}
+
+void DatasetWriter::append(std::span<const int32_t> ids, std::span<const uint8_t> mask) {
+  DFLASH_CHECK(!finished_, "writing '" << path_ << "': append after finish");
+  const int64_t seq = num_sequences();
+  DFLASH_CHECK_HINT(!ids.empty(), "writing '" << path_ << "': sequence " << seq << " is empty",
+                    "drop empty rows; every sequence needs at least one token");
+  DFLASH_CHECK_HINT(ids.size() == mask.size(),
+                    "writing '" << path_ << "': sequence " << seq << " has " << ids.size() << " input_ids but "
+                                << mask.size() << " loss_mask values",
+                    "input_ids and loss_mask must have one value per token");
+  for (size_t t = 0; t < ids.size(); ++t) {
+    DFLASH_CHECK_HINT(ids[t] >= 0 && ids[t] < vocab_size_,
+                      "writing '" << path_ << "': sequence " << seq << ", position " << t << ": token id " << ids[t]
+                                  << " is outside [0, vocab_size = " << vocab_size_ << ")",
+                      "check --vocab-size against the tokenizer that produced the ids");
+    DFLASH_CHECK_HINT(mask[t] <= 1,
+                      "writing '" << path_ << "': sequence " << seq << ", position " << t << ": loss_mask value "
+                                  << int(mask[t]) << " is not 0 or 1",
+                      "loss_mask marks supervised tokens with 1 and the rest with 0");
+  }
+  // Buffer; flush whole chunks so that the datasets grow by chunks.
+  size_t pos = 0;
+  while (pos < ids.size()) {
+    const size_t room = static_cast<size_t>(options_.chunk_tokens) - ids_buf_.size();
+    const size_t take = std::min(room, ids.size() - pos);
+    ids_buf_.insert(ids_buf_.end(), ids.begin() + pos, ids.begin() + pos + take);
+    mask_buf_.insert(mask_buf_.end(), mask.begin() + pos, mask.begin() + pos + take);
+    pos += take;
+    if (ids_buf_.size() == static_cast<size_t>(options_.chunk_tokens)) flush();
+  }
+  offsets_.push_back(offsets_.back() + static_cast<int64_t>(ids.size()));
+}
+
+void DatasetWriter::flush() {
+  if (ids_buf_.empty()) return;
+  const hsize_t start = static_cast<hsize_t>(written_tokens_), n = ids_buf_.size(), total = start + n;
+  auto write = [&](hid_t ds, hid_t mem_type, const void* data, const char* name) {
+    DFLASH_H5_CHECK(H5Dset_extent(ds, &total), "extending " << name << " in '" << tmp_path_ << "'");
+    H5Handle fspace(DFLASH_H5_CHECK(H5Dget_space(ds), "dataspace of " << name), H5Sclose);
+    DFLASH_H5_CHECK(H5Sselect_hyperslab(fspace, H5S_SELECT_SET, &start, nullptr, &n, nullptr), "selecting in " << name);
+    H5Handle mspace(DFLASH_H5_CHECK(H5Screate_simple(1, &n, nullptr), "memory dataspace"), H5Sclose);
+    DFLASH_H5_CHECK(H5Dwrite(ds, mem_type, mspace, fspace, H5P_DEFAULT, data),
+                    "writing " << name << " in '" << tmp_path_ << "'");
+  };
+  write(ids_ds_, H5T_NATIVE_INT32, ids_buf_.data(), "/input_ids");
+  write(mask_ds_, H5T_NATIVE_UINT8, mask_buf_.data(), "/loss_mask");
+  written_tokens_ = static_cast<int64_t>(total);
+  ids_buf_.clear();
+  mask_buf_.clear();
+}
+
+void DatasetWriter::finish() {
+  DFLASH_CHECK(!finished_, "writing '" << path_ << "': finish called twice");
+  flush();
+  {
+    const hsize_t n = offsets_.size();
+    const hsize_t chunk = std::min<hsize_t>(n, 1 << 16);
+    H5Handle space(DFLASH_H5_CHECK(H5Screate_simple(1, &n, nullptr), "dataspace for /offsets"), H5Sclose);
+    H5Handle dcpl(DFLASH_H5_CHECK(H5Pcreate(H5P_DATASET_CREATE), "property list for /offsets"), H5Pclose);
+    DFLASH_H5_CHECK(H5Pset_chunk(dcpl, 1, &chunk), "chunking /offsets");
+    if (options_.compression > 0) {
+      DFLASH_H5_CHECK(H5Pset_shuffle(dcpl), "shuffle filter for /offsets");
+      DFLASH_H5_CHECK(H5Pset_deflate(dcpl, static_cast<unsigned>(options_.compression)), "deflate filter for /offsets");
+    }
+    H5Handle ds(DFLASH_H5_CHECK(H5Dcreate2(file_, "/offsets", H5T_STD_I64LE, space, H5P_DEFAULT, dcpl, H5P_DEFAULT),
+                                "creating /offsets in '" << tmp_path_ << "'"),
+                H5Dclose);
+    DFLASH_H5_CHECK(H5Dwrite(ds, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, offsets_.data()),
+                    "writing /offsets in '" << tmp_path_ << "'");
+    ds.close("/offsets in '" + tmp_path_ + "'");
+  }
+  ids_ds_.close("/input_ids in '" + tmp_path_ + "'");
+  mask_ds_.close("/loss_mask in '" + tmp_path_ + "'");
+  DFLASH_H5_CHECK(H5Fflush(file_, H5F_SCOPE_GLOBAL), "flushing '" << tmp_path_ << "'");
+  file_.close("dataset file '" + tmp_path_ + "'");
+  DFLASH_CHECK_IO(std::rename(tmp_path_.c_str(), path_.c_str()) == 0, "renaming '" + tmp_path_ + "' to", path_);
+  finished_ = true;
+}
+
+// ---------------------------------------------------------------- paths
+
+std::vector<std::string> expand_paths(const std::vector<std::string>& specs) {
+  std::vector<std::string> out;
+  for (const std::string& spec : specs) {
+    std::vector<std::string> found;
+    if (is_pattern(spec) && !fs::exists(spec)) {
+      glob_t g{};
+      const int rc = ::glob(spec.c_str(), 0, nullptr, &g);
+      if (rc == 0)
+        for (size_t i = 0; i < g.gl_pathc; ++i) found.emplace_back(g.gl_pathv[i]);
+      globfree(&g);
+      DFLASH_CHECK_HINT(!found.empty(), "data files: the pattern '" << spec << "' matches no file",
+                        "check the pattern; quote it so that the shell does not expand it");
+    } else if (fs::is_directory(spec)) {
+      for (const auto& e : fs::directory_iterator(spec))
+        if (e.is_regular_file() && e.path().extension() == ".h5") found.push_back(e.path().string());
+      DFLASH_CHECK_HINT(!found.empty(), "data files: the directory '" << spec << "' holds no *.h5 file",
+                        "convert data into it with `dflash_data convert` or `dflash_data synth`");
+    } else {
+      DFLASH_CHECK_HINT(fs::exists(spec), "dataset file '" << spec << "' does not exist",
+                        "check the path; make one with `dflash_data convert` or `dflash_data synth`");
+      found.push_back(spec);
+    }
+    std::sort(found.begin(), found.end());
+    out.insert(out.end(), found.begin(), found.end());
+  }
+  DFLASH_CHECK_HINT(!out.empty(), "no dataset files given", "name .h5 files, a directory or a glob pattern");
+  return out;
+}
+
+// ---------------------------------------------------------------- reader
+
+Dataset::Dataset(const std::vector<std::string>& specs) {
+  for (const std::string& path : expand_paths(specs)) {
+    Open o;
+    o.file = open_file(path);
+    Structure s = check_structure(o.file, path);
+    o.ids = std::move(s.ids);
+    o.mask = std::move(s.mask);
+    o.offsets = std::move(s.offsets);
+    FileInfo info;
+    info.path = path;
+    info.vocab_size = s.vocab_size;
+    info.num_sequences = static_cast<int64_t>(o.offsets.size()) - 1;
+    info.num_tokens = o.offsets.back();
+    info.first_sequence = num_sequences_;
+    if (!infos_.empty())
+      DFLASH_CHECK_HINT(info.vocab_size == infos_.front().vocab_size,
+                        "dataset file '" << path << "' has vocab_size " << info.vocab_size << " but '"
+                                         << infos_.front().path << "' has " << infos_.front().vocab_size,
+                        "all files of one dataset must come from the same tokenizer");
+    vocab_size_ = info.vocab_size;
+    num_sequences_ += info.num_sequences;
+    num_tokens_ += info.num_tokens;
+    infos_.push_back(info);
+    open_.push_back(std::move(o));
+  }
+}
+
+std::pair<size_t, int64_t> Dataset::locate(int64_t i) const {
+  DFLASH_CHECK(i >= 0 && i < num_sequences_, "sequence index " << i << " is outside [0, " << num_sequences_ << ")");
+  // The last file whose first_sequence <= i.
+  auto it = std::upper_bound(infos_.begin(), infos_.end(), i,
+                             [](int64_t v, const FileInfo& f) { return v < f.first_sequence; });
+  const size_t f = static_cast<size_t>(it - infos_.begin()) - 1;
+  return {f, i - infos_[f].first_sequence};
+}
+
+int64_t Dataset::length(int64_t i) const {
+  auto [f, j] = locate(i);
+  return open_[f].offsets[j + 1] - open_[f].offsets[j];
+}
+
+Sequence Dataset::sequence(int64_t i, int64_t max_tokens) const {
+  auto [f, j] = locate(i);
+  const Open& o = open_[f];
+  const int64_t start = o.offsets[j];
+  int64_t len = o.offsets[j + 1] - start;
+  if (max_tokens >= 0) len = std::min(len, max_tokens);
+  Sequence s;
+  s.ids.resize(static_cast<size_t>(len));
+  s.mask.resize(static_cast<size_t>(len));
+  read_slice(o.ids, H5T_NATIVE_INT32, start, len, s.ids.data(), infos_[f].path, "/input_ids");
+  read_slice(o.mask, H5T_NATIVE_UINT8, start, len, s.mask.data(), infos_[f].path, "/loss_mask");
+  return s;
+}
+
+// ---------------------------------------------------------------- validation
+
+void DatasetStats::add(const DatasetStats& o) {
+  if (o.sequences == 0) return;
+  min_length = sequences == 0 ? o.min_length : std::min(min_length, o.min_length);
+  max_length = std::max(max_length, o.max_length);
+  sequences += o.sequences;
+  tokens += o.tokens;
+  supervised += o.supervised;
+  for (auto [k, n] : o.histogram) histogram[k] += n;
+}
+
+DatasetStats validate_file(const std::string& path, int64_t block_tokens) {
+  DFLASH_CHECK(block_tokens >= 1, "validate_file: block_tokens must be >= 1");
+  H5Handle file = open_file(path);
+  Structure s = check_structure(file, path);
+  const std::vector<int64_t>& off = s.offsets;
+  DatasetStats st;
+  st.sequences = static_cast<int64_t>(off.size()) - 1;
+  st.tokens = off.back();
+  for (int64_t i = 0; i < st.sequences; ++i) {
+    const int64_t len = off[i + 1] - off[i];
+    st.min_length = i == 0 ? len : std::min(st.min_length, len);
+    st.max_length = std::max(st.max_length, len);
+    st.histogram[bucket_of(len)] += 1;
+  }
+  // Token contents, block by block; a token position maps to its sequence through the offsets.
+  // Values are read widened (int64 / int32) so that a wrong stored type cannot wrap into range.
+  std::vector<int64_t> ids;
+  std::vector<int32_t> mask;
+  auto seq_of = [&](int64_t pos) {
+    return static_cast<int64_t>(std::upper_bound(off.begin(), off.end(), pos) - off.begin()) - 1;
+  };
+  for (int64_t start = 0; start < st.tokens; start += block_tokens) {
+    const int64_t n = std::min(block_tokens, st.tokens - start);
+    ids.resize(static_cast<size_t>(n));
+    mask.resize(static_cast<size_t>(n));
+    read_slice(s.ids, H5T_NATIVE_INT64, start, n, ids.data(), path, "/input_ids");
+    read_slice(s.mask, H5T_NATIVE_INT32, start, n, mask.data(), path, "/loss_mask");
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t id = ids[t];
+      if (id < 0 || id >= s.vocab_size) {
+        const int64_t seq = seq_of(start + t);
+        DFLASH_FAIL_HINT("dataset file '" << path << "': /input_ids: sequence " << seq << ", position "
+                                          << start + t - off[seq] << ": token id " << id
+                                          << " is outside [0, vocab_size = " << s.vocab_size << ")",
+                         "the file's vocab_size attribute does not match the tokenizer that made the ids; reconvert "
+                         "with the right --vocab-size");
+      }
+      const int32_t m = mask[t];
+      if (m != 0 && m != 1) {
+        const int64_t seq = seq_of(start + t);
+        DFLASH_FAIL_HINT("dataset file '" << path << "': /loss_mask: sequence " << seq << ", position "
+                                          << start + t - off[seq] << ": value " << m << " is not 0 or 1",
+                         "loss_mask marks supervised tokens with 1 and the rest with 0; reconvert the data");
+      }
+      st.supervised += m;
+    }
+  }
+  return st;
+}
+
+}  // namespace dflash::data

@@ -1,0 +1,341 @@
+// dflash_train's YAML config: the shipped configs, --set overrides, unknown keys, wrong types,
+// inconsistent values (each with the key path and the expected form), to_yaml round trip and the
+// settings table.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "drafter/config.h"
+#include "target_model/config.h"
+#include "test_util.h"
+#include "trainer/config.h"
+
+using namespace dflash;
+using namespace dflash::trainer;
+using ::testing::HasSubstr;
+
+namespace {
+
+const std::string kRoot = std::string(DFLASH_TEST_DATA_DIR) + "/../..";
+const std::string kTinyYaml = kRoot + "/configs/tiny.yaml";
+const std::string kQwenYaml = kRoot + "/configs/qwen3.6-27b.yaml";
+
+target::TargetConfig tiny_target() { return target::TargetConfig::from_file(kRoot + "/configs/tiny/config.json"); }
+target::TargetConfig qwen_target() { return target::TargetConfig::from_file(kRoot + "/configs/qwen3.6-27b/config.json"); }
+
+// A minimal valid config (the rest at defaults), plus `extra` YAML appended at the top level.
+const char* kMinimal = R"(
+model:
+  target: {config: t.json, random_weights: true}
+  drafter: {num_layers: 2, block_size: 8, mask_token_id: 10}
+data:
+  synth: {enabled: true}
+training:
+  max_steps: 10
+)";
+
+TrainConfig minimal(const std::vector<std::string>& overrides = {}) {
+  return TrainConfig::from_string(kMinimal, "min.yaml", overrides);
+}
+
+std::string parse_error(const std::string& yaml) {
+  return error_of([&] { TrainConfig::from_string(yaml, "x.yaml"); });
+}
+std::string set_error(const std::string& assignment) {
+  return error_of([&] { minimal({assignment}); });
+}
+std::string validate_error(const std::vector<std::string>& overrides, int world = 1) {
+  return error_of([&] { minimal(overrides).validate(world); });
+}
+
+}  // namespace
+
+TEST(TrainConfig, DefaultsAreTheDFlashRecipe) {
+  const TrainConfig c;
+  EXPECT_EQ(c.model.drafter.num_layers, 5);
+  EXPECT_EQ(c.model.drafter.block_size, 16);
+  EXPECT_EQ(c.training.num_anchors, 512);
+  EXPECT_EQ(c.training.gamma, 7);
+  EXPECT_EQ(c.training.lr, 6e-4);
+  EXPECT_EQ(c.training.warmup_ratio, 0.04);
+  EXPECT_EQ(c.training.schedule, Schedule::Cosine);
+  EXPECT_EQ(c.training.weight_decay, 0);
+  EXPECT_EQ(c.training.betas, (std::vector<double>{0.9, 0.95}));
+  EXPECT_EQ(c.training.grad_clip, 1.0);
+  EXPECT_EQ(c.checkpoint.resume, "auto");
+  EXPECT_EQ(c.kernel_policies().conv, target::KernelPolicy::Auto);
+  EXPECT_EQ(TrainConfig::keys().front(), "model.target.path");
+  EXPECT_EQ(TrainConfig::keys().back(), "logging.progress_bar");
+}
+
+TEST(TrainConfig, TinyYamlParsesAndValidates) {
+  const TrainConfig c = TrainConfig::from_file(kTinyYaml);
+  EXPECT_NO_THROW(c.validate(1));
+  EXPECT_NO_THROW(c.validate(2));
+  const target::TargetConfig t = tiny_target();
+  EXPECT_NO_THROW(c.validate_against(t));
+  const drafter::DrafterConfig d = c.drafter_config(t);
+  EXPECT_EQ(d.num_hidden_layers, 2);
+  EXPECT_EQ(d.block_size, 8);
+  EXPECT_EQ(d.mask_token_id, 4095);
+  EXPECT_EQ(d.hidden_size, t.hidden_size);
+  EXPECT_EQ(d.target_layer_ids, (std::vector<int64_t>{1, 5}));
+  EXPECT_TRUE(c.data.synth.enabled);
+  EXPECT_EQ(c.data.max_length, 256);
+  EXPECT_EQ(c.training.max_steps, 300);
+  EXPECT_FALSE(c.training.epochs.has_value());
+  EXPECT_EQ(c.synth_path(), "runs/tiny/data/synth.h5");
+  EXPECT_EQ(c.checkpoint_dir(), "runs/tiny/checkpoints");
+  EXPECT_EQ(c.origin("model.drafter.num_layers"), Origin::File);
+}
+
+TEST(TrainConfig, EmbeddedDefaultIsTinyYaml) {
+  EXPECT_EQ(TrainConfig::embedded_default(), TrainConfig::from_file(kTinyYaml));
+  EXPECT_EQ(TrainConfig::embedded_default({"training.max_steps=7"}).training.max_steps, 7);
+}
+
+TEST(TrainConfig, QwenYamlIsTheRecipe) {
+  const TrainConfig c = TrainConfig::from_file(kQwenYaml);
+  EXPECT_NO_THROW(c.validate(8));
+  const target::TargetConfig t = qwen_target();
+  EXPECT_NO_THROW(c.validate_against(t));
+  const drafter::DrafterConfig d = c.drafter_config(t);
+  EXPECT_EQ(d.num_hidden_layers, 5);
+  EXPECT_EQ(d.block_size, 16);
+  EXPECT_EQ(d.mask_token_id, 248070);
+  EXPECT_EQ(d.target_layer_ids, (std::vector<int64_t>{1, 16, 31, 46, 61}));
+  EXPECT_EQ(c.data.max_length, 4096);
+  EXPECT_EQ(c.training.num_anchors, 512);
+  EXPECT_EQ(c.training.gamma, 7);
+  EXPECT_EQ(c.training.lr, 6e-4);
+  EXPECT_EQ(c.training.warmup_ratio, 0.04);
+  EXPECT_EQ(c.training.schedule, Schedule::Cosine);
+  EXPECT_EQ(c.training.weight_decay, 0);
+  EXPECT_EQ(c.training.grad_clip, 1.0);
+  EXPECT_TRUE(c.kernels.require_fast_path);
+  // tp=2 of 8 ranks divides the 27B's heads.
+  const TrainConfig tp2 = TrainConfig::from_file(kQwenYaml, {"parallel.tp=2"});
+  EXPECT_NO_THROW(tp2.validate(8));
+  EXPECT_NO_THROW(tp2.validate_against(t));
+  // The shape-only variant from the file's header comment.
+  const TrainConfig shapes = TrainConfig::from_file(
+      kQwenYaml, {"model.target.path=", "model.target.config=configs/qwen3.6-27b/config.json",
+                  "model.target.random_weights=true"});
+  EXPECT_NO_THROW(shapes.validate(2));
+}
+
+TEST(TrainConfig, SetOverrides) {
+  const TrainConfig c = minimal({"training.lr=3e-4", "model.drafter.block_size=4", "model.drafter.target_layer_ids=[1, 3]",
+                                 "data.files=[a.h5, \"b c.h5\"]", "training.schedule=linear", "kernels.conv=fallback",
+                                 "logging.progress_bar=off", "training.betas=[0.8,0.99]", "checkpoint.resume=runs/x/step_100"});
+  EXPECT_EQ(c.training.lr, 3e-4);
+  EXPECT_EQ(c.model.drafter.block_size, 4);
+  EXPECT_EQ(c.model.drafter.target_layer_ids, (std::vector<int64_t>{1, 3}));
+  EXPECT_EQ(c.data.files, (std::vector<std::string>{"a.h5", "b c.h5"}));
+  EXPECT_EQ(c.training.schedule, Schedule::Linear);
+  EXPECT_EQ(c.kernel_policies().conv, target::KernelPolicy::Fallback);
+  EXPECT_FALSE(c.logging.progress_bar);
+  EXPECT_EQ(c.training.betas, (std::vector<double>{0.8, 0.99}));
+  EXPECT_EQ(c.checkpoint.resume, "runs/x/step_100");
+  EXPECT_EQ(c.origin("training.lr"), Origin::Override);
+  EXPECT_EQ(c.origin("model.drafter.block_size"), Origin::Override);
+  EXPECT_EQ(c.origin("model.drafter.num_layers"), Origin::File);
+  EXPECT_EQ(c.origin("training.gamma"), Origin::Default);
+  // A single string is a one-element list; null unsets an optional key; later --set wins.
+  EXPECT_EQ(minimal({"data.files=x.h5"}).data.files, (std::vector<std::string>{"x.h5"}));
+  const TrainConfig e = minimal({"training.max_steps=null", "training.epochs=2", "training.epochs=3"});
+  EXPECT_FALSE(e.training.max_steps.has_value());
+  EXPECT_EQ(e.training.epochs, 3);
+  EXPECT_NO_THROW(e.validate(1));
+}
+
+TEST(TrainConfig, SetOverrideErrors) {
+  std::string e = set_error("training.lrr=1");
+  EXPECT_THAT(e, HasSubstr("--set training.lrr=1: unknown key 'training.lrr'; valid keys of 'training': batch_size,"));
+  EXPECT_THAT(e, HasSubstr("did you mean 'training.lr'?"));
+  e = set_error("model.drafter.blok_size=4");
+  EXPECT_THAT(e, HasSubstr("unknown key 'model.drafter.blok_size'; valid keys of 'model.drafter': config, warm_start,"));
+  EXPECT_THAT(e, HasSubstr("did you mean 'model.drafter.block_size'?"));
+  EXPECT_THAT(set_error("trainig.lr=1"), HasSubstr("unknown key 'trainig.lr'; valid top-level sections: model, data, "
+                                                   "parallel, training, kernels, checkpoint, logging"));
+  EXPECT_THAT(set_error("training=1"), HasSubstr("'training' is a section; set one of its keys: training.batch_size,"));
+  EXPECT_THAT(set_error("training.lr"), HasSubstr("--set training.lr: expected key.path=value"));
+  EXPECT_THAT(set_error("training.lr=fast"),
+              HasSubstr("--set training.lr=fast: training.lr must be a positive number, got 'fast'"));
+  EXPECT_THAT(set_error("model.drafter.target_layer_ids=[1, x]"),
+              HasSubstr("model.drafter.target_layer_ids must be a list of target layer ids (integers >= 0"));
+  EXPECT_THAT(set_error("model.drafter.target_layer_ids=[1, 2"), HasSubstr("the value is not valid YAML"));
+  EXPECT_THAT(set_error("parallel.tp=0"), HasSubstr("parallel.tp must be a positive integer, got '0'"));
+}
+
+TEST(TrainConfig, UnknownKeysNameTheKeyPathAndLine) {
+  std::string e = parse_error("model:\n  drafter:\n    num_layers: 2\n    blok_size: 4\n");
+  EXPECT_THAT(e, HasSubstr("x.yaml:4: unknown key 'model.drafter.blok_size'; valid keys of 'model.drafter': config, "
+                           "warm_start, num_layers, block_size, mask_token_id, target_layer_ids"));
+  e = parse_error("training:\n  lr: 1e-3\nfoo: 1\n");
+  EXPECT_THAT(e, HasSubstr("x.yaml:3: unknown key 'foo'; valid top-level sections: model, data,"));
+  EXPECT_THAT(parse_error("data:\n  synth:\n    enable: true\n"),
+              HasSubstr("unknown key 'data.synth.enable'; valid keys of 'data.synth': enabled, path,"));
+  EXPECT_THAT(parse_error("training:\n  lr: 1e-3\n  lr: 2e-3\n"), HasSubstr("x.yaml:3: key 'training.lr' appears twice"));
+  EXPECT_THAT(parse_error("training: [1, 2]\n"), HasSubstr("training must be a section (a map with keys batch_size,"));
+  EXPECT_THAT(parse_error("- a\n- b\n"), HasSubstr("x.yaml: the config must be a YAML map of sections"));
+  EXPECT_THAT(parse_error("training:\n  lr: [1\n"), HasSubstr("not valid YAML"));
+  // An empty document or section keeps the defaults.
+  EXPECT_EQ(TrainConfig::from_string("", "empty.yaml"), TrainConfig());
+  EXPECT_EQ(TrainConfig::from_string("training:\n", "empty.yaml"), TrainConfig());
+}
+
+TEST(TrainConfig, WrongTypesNameTheKeyAndTheExpectedForm) {
+  EXPECT_THAT(parse_error("training:\n  lr: fast\n"), HasSubstr("x.yaml:2: training.lr must be a positive number, got 'fast'"));
+  EXPECT_THAT(parse_error("training:\n  lr: -1\n"), HasSubstr("training.lr must be a positive number, got '-1'"));
+  EXPECT_THAT(parse_error("training:\n  lr: .nan\n"), HasSubstr("training.lr must be a positive number, got '.nan'"));
+  EXPECT_THAT(parse_error("model:\n  drafter:\n    block_size: 1.5\n"),
+              HasSubstr("model.drafter.block_size must be an integer >= 2, got '1.5'"));
+  EXPECT_THAT(parse_error("parallel:\n  tp: \"2\"\n"), HasSubstr("parallel.tp must be a positive integer, got '\"2\"'"));
+  EXPECT_THAT(parse_error("kernels:\n  require_fast_path: maybe\n"),
+              HasSubstr("kernels.require_fast_path must be true or false, got 'maybe'"));
+  EXPECT_THAT(parse_error("kernels:\n  conv: turbo\n"), HasSubstr("kernels.conv must be one of auto, fast, fallback, got 'turbo'"));
+  EXPECT_THAT(parse_error("training:\n  schedule: step\n"),
+              HasSubstr("training.schedule must be one of cosine, linear, constant, got 'step'"));
+  EXPECT_THAT(parse_error("training:\n  betas: [0.9]\n"), HasSubstr("training.betas must be a list of two numbers in [0, 1), got '[0.9]'"));
+  EXPECT_THAT(parse_error("training:\n  betas: [0.9, 1.5]\n"), HasSubstr("training.betas must be a list of two numbers"));
+  EXPECT_THAT(parse_error("training:\n  epochs: 0\n"), HasSubstr("training.epochs must be a number of epochs (a positive integer) or null, got '0'"));
+  EXPECT_THAT(parse_error("data:\n  files: {a: 1}\n"), HasSubstr("data.files must be a list of HDF5 files or globs (strings), got '{a: 1}'"));
+  EXPECT_THAT(parse_error("model:\n  drafter:\n    mask_token_id: -3\n"),
+              HasSubstr("model.drafter.mask_token_id must be a token id (a non-negative integer) or null, got '-3'"));
+  EXPECT_THAT(parse_error("model:\n  target:\n    path: [a, b]\n"),
+              HasSubstr("model.target.path must be a Hugging Face model directory (a string), got '[a, b]'"));
+  EXPECT_THAT(parse_error("checkpoint:\n  resume: \"\"\n"),
+              HasSubstr("checkpoint.resume must be auto, never or a checkpoint directory, got '\"\"'"));
+  EXPECT_THAT(parse_error("training:\n  warmup_ratio: 1.0\n"), HasSubstr("training.warmup_ratio must be a number in [0, 1), got '1.0'"));
+  EXPECT_THAT(parse_error("checkpoint:\n  keep_last: 0\n"), HasSubstr("checkpoint.keep_last must be a positive integer, got '0'"));
+}
+
+TEST(TrainConfig, InconsistentValues) {
+  EXPECT_NO_THROW(minimal().validate(1));
+  // tp and the world size (the same words as comm::make_layout).
+  EXPECT_THAT(validate_error({"parallel.tp=3"}, 2), HasSubstr("min.yaml: parallel.tp = 3 does not divide the world size 2"));
+  EXPECT_NO_THROW(minimal({"parallel.tp=2"}).validate(4));
+  // The target: exactly one source; a bare config needs random weights.
+  EXPECT_THAT(validate_error({"model.target.path=/models/x"}),
+              HasSubstr("set exactly one of model.target.path and model.target.config (both are set)"));
+  EXPECT_THAT(validate_error({"model.target.config="}), HasSubstr("(neither is set)"));
+  EXPECT_THAT(validate_error({"model.target.random_weights=false"}),
+              HasSubstr("model.target.config names only an architecture, so model.target.random_weights must be true"));
+  // The drafter: a config file excludes the fields; the fields need a mask token.
+  EXPECT_THAT(validate_error({"model.drafter.warm_start=runs/x/export"}),
+              HasSubstr("model.drafter.num_layers cannot be combined with model.drafter.warm_start"));
+  EXPECT_THAT(error_of([] { TrainConfig::from_string("model:\n  target: {config: t.json, random_weights: true}\n"
+                                                     "  drafter: {config: d.json, warm_start: w}\n"
+                                                     "data: {synth: {enabled: true}}\ntraining: {max_steps: 1}\n", "d.yaml")
+                                .validate(1); }),
+              HasSubstr("model.drafter.config and model.drafter.warm_start are exclusive"));
+  EXPECT_THAT(validate_error({"model.drafter.mask_token_id=null"}), HasSubstr("model.drafter.mask_token_id must be set"));
+  EXPECT_THAT(validate_error({"model.drafter.target_layer_ids=[1, 1]"}),
+              HasSubstr("model.drafter.target_layer_ids[1] = 1 appears twice"));
+  EXPECT_THAT(validate_error({"data.max_length=8"}), HasSubstr("data.max_length (8) must be greater than model.drafter.block_size (8)"));
+  // Steps: exactly one of epochs and max_steps.
+  EXPECT_THAT(validate_error({"training.epochs=2"}),
+              HasSubstr("set exactly one of training.epochs and training.max_steps (both are set)"));
+  EXPECT_THAT(validate_error({"training.max_steps=null"}), HasSubstr("(neither is set)"));
+  EXPECT_THAT(validate_error({"training.min_lr=1e-3"}), HasSubstr("training.min_lr (0.001) must be <= training.lr (6e-4)"));
+  // Data: one source.
+  EXPECT_THAT(validate_error({"data.synth.enabled=false"}), HasSubstr("data.files is empty and data.synth.enabled is false"));
+  EXPECT_THAT(validate_error({"data.files=[a.h5]"}), HasSubstr("data.files and data.synth.enabled: true are exclusive"));
+  EXPECT_THAT(validate_error({"data.synth.min_length=300"}),
+              HasSubstr("data.synth.min_length (300) must be <= data.synth.max_length (256)"));
+  EXPECT_THAT(validate_error({"kernels.require_fast_path=true", "kernels.delta_rule=fallback"}),
+              HasSubstr("kernels.require_fast_path: true contradicts kernels.delta_rule: fallback"));
+  // Ranges are checked again for configs changed in code.
+  TrainConfig c = minimal();
+  c.model.drafter.block_size = 1;
+  EXPECT_THAT(error_of([&] { c.validate(1); }), HasSubstr("model.drafter.block_size must be an integer >= 2, got '1'"));
+  c = minimal();
+  c.training.warmup_ratio = 1.0;
+  EXPECT_THAT(error_of([&] { c.validate(1); }), HasSubstr("training.warmup_ratio must be a number in [0, 1), got '1'"));
+  c = minimal();
+  c.checkpoint.keep_last = 0;
+  EXPECT_THAT(error_of([&] { c.validate(1); }), HasSubstr("checkpoint.keep_last must be a positive integer, got '0'"));
+}
+
+TEST(TrainConfig, InconsistentWithTheTarget) {
+  const target::TargetConfig t = tiny_target();  // vocab 4096, 8 layers, 4 attention heads
+  EXPECT_NO_THROW(minimal().validate_against(t));
+  EXPECT_THAT(error_of([&] { minimal({"model.drafter.mask_token_id=4096"}).validate_against(t); }),
+              HasSubstr("model.drafter.mask_token_id = 4096 is outside the target's vocabulary [0, 4096)"));
+  EXPECT_THAT(error_of([&] { minimal({"model.drafter.target_layer_ids=[1, 8]"}).validate_against(t); }),
+              HasSubstr("model.drafter.target_layer_ids[1] = 8 is outside the target's layers [0, 8)"));
+  EXPECT_THAT(error_of([&] { minimal({"parallel.tp=3"}).validate_against(t); }),
+              HasSubstr("parallel.tp = 3 does not divide the model's num_attention_heads 4"));
+  EXPECT_EQ(minimal({"model.drafter.target_layer_ids=[2, 4, 6]"}).drafter_config(t).target_layer_ids,
+            (std::vector<int64_t>{2, 4, 6}));
+
+  // A drafter config.json made for another target: hidden size / vocabulary mismatch.
+  const std::string dir = ::testing::TempDir() + "dflash_train_config_drafter";
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream(dir + "/config.json") << drafter::DrafterConfig::for_target(qwen_target(), 5, 248070).to_json().dump();
+  }
+  const TrainConfig w = TrainConfig::from_string(
+      "model:\n  target: {config: t.json, random_weights: true}\n  drafter: {warm_start: " + dir +
+          "}\ndata: {synth: {enabled: true}}\ntraining: {max_steps: 1}\n",
+      "w.yaml");
+  EXPECT_NO_THROW(w.validate(1));
+  EXPECT_THAT(error_of([&] { w.validate_against(t); }),
+              HasSubstr("model.drafter.warm_start (" + dir + "): the drafter's hidden_size 5120 does not match the target's 256"));
+  EXPECT_NO_THROW(w.validate_against(qwen_target()));
+  EXPECT_EQ(w.drafter_config(qwen_target()).mask_token_id, 248070);
+}
+
+TEST(TrainConfig, ToYamlRoundTrips) {
+  for (const TrainConfig& c :
+       {TrainConfig::from_file(kTinyYaml), TrainConfig::from_file(kQwenYaml), TrainConfig(),
+        minimal({"training.max_steps=null", "training.epochs=3", "training.lr=1.25e-5", "logging.run_dir='runs/a \"b\"\\c: d'",
+                 "data.files=[\"x*.h5\", 'y: z.h5']", "model.drafter.target_layer_ids=[0, 2]", "training.gamma=0.3",
+                 "parallel.timeout_s=1e9", "kernels.attention=fast", "training.schedule=constant", "model.target.path=123"})}) {
+    const std::string y = c.to_yaml();
+    const TrainConfig back = TrainConfig::from_string(y, "effective.yaml");
+    EXPECT_EQ(back, c) << y;
+    auto body = [](const std::string& s) { return s.substr(s.find('\n')); };  // after the "# ... (from source)" line
+    EXPECT_EQ(body(back.to_yaml()), body(y));
+  }
+  const std::string y = TrainConfig::from_file(kQwenYaml).to_yaml();
+  EXPECT_THAT(y, HasSubstr("\ntraining:\n  batch_size: 1\n"));
+  EXPECT_THAT(y, HasSubstr("\n    target_layer_ids: [1, 16, 31, 46, 61]\n"));
+  EXPECT_THAT(y, HasSubstr("\n  lr: 6e-4\n"));
+  EXPECT_THAT(y, HasSubstr("\n  epochs: 6\n  max_steps: null\n"));
+}
+
+TEST(TrainConfig, SettingsTableMarksOverrides) {
+  const TrainConfig c = TrainConfig::from_file(kTinyYaml, {"training.lr=5e-4", "parallel.tp=1"});
+  const std::string t = c.settings_table();
+  auto line_of = [&](const std::string& key) {
+    const size_t at = t.find("  " + key + " ");
+    if (at == std::string::npos) return std::string();
+    return t.substr(at, t.find('\n', at) - at);
+  };
+  EXPECT_THAT(t, HasSubstr("settings (" + kTinyYaml + ")"));
+  EXPECT_THAT(line_of("training.lr"), ::testing::MatchesRegex(" *training.lr +5e-4 +--set +6e-4"));
+  EXPECT_THAT(line_of("parallel.tp"), ::testing::MatchesRegex(" *parallel.tp +1 +--set"));  // equal to the default
+  EXPECT_THAT(line_of("model.drafter.num_layers"), ::testing::MatchesRegex(" *model.drafter.num_layers +2 +file +5"));
+  EXPECT_THAT(line_of("training.num_anchors"), ::testing::MatchesRegex(" *training.num_anchors +32 +file +512"));
+  EXPECT_THAT(line_of("data.synth.path"), ::testing::MatchesRegex(" *data.synth.path +\"\" +file"));
+  EXPECT_THAT(line_of("training.epochs"), ::testing::MatchesRegex(" *training.epochs +null +default"));
+  for (const std::string& k : TrainConfig::keys()) EXPECT_FALSE(line_of(k).empty()) << k;
+}
+
+TEST(TrainConfig, ExpandsDataFileGlobs) {
+  const std::string dir = ::testing::TempDir() + "dflash_train_config_glob";
+  std::filesystem::create_directories(dir);
+  for (const char* f : {"b.h5", "a.h5", "c.txt"}) std::ofstream(dir + "/" + f) << "x";
+  TrainConfig c = minimal();
+  c.data.files = {dir + "/*.h5", dir + "/a.h5"};
+  EXPECT_EQ(c.expand_data_files(), (std::vector<std::string>{dir + "/a.h5", dir + "/b.h5"}));
+  c.data.files = {dir + "/*.bin"};
+  EXPECT_THAT(error_of([&] { c.expand_data_files(); }), HasSubstr("data.files[0] pattern '" + dir + "/*.bin' matches no file"));
+  c.data.files = {dir + "/missing.h5"};
+  EXPECT_THAT(error_of([&] { c.expand_data_files(); }), HasSubstr("data.files[0] '" + dir + "/missing.h5' does not exist"));
+}

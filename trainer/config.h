@@ -1,0 +1,182 @@
+#pragma once
+// dflash_train's configuration: a YAML file (sections model, data, parallel, training, kernels,
+// checkpoint, logging) plus `--set key.path=value` overrides from the command line.
+//
+// Every mistake a user can make here is caught before any GPU work, with the source (file and
+// line, or the --set argument), the full key path and the expected form:
+//   configs/x.yaml:12: training.lr must be a positive number, got 'fast'
+//   configs/x.yaml:3: unknown key 'model.drafter.blok_size'; valid keys of 'model.drafter': ...
+// Parsing checks each value's type and range; validate(world_size) the relations between values;
+// validate_against(target) what needs the target's config.json (vocabulary, layers, tp).
+//
+// Defaults are the DFlash recipe (block 16, 512 anchors, gamma 7, lr 6e-4, 4% warmup, cosine,
+// AdamW with weight decay 0 and betas (0.9, 0.95), grad clip 1.0, 5 drafter layers).
+// Relative paths are relative to the working directory dflash_train is started in.
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "drafter/config.h"
+#include "target_model/config.h"
+#include "target_model/fast_path.h"
+
+namespace dflash::trainer {
+
+struct TargetSection {  // model.target: a Hugging Face directory, or a config.json with random weights
+  std::string path;             // HF model directory (config.json + *.safetensors)
+  std::string config;           // a config.json; needs random_weights (there are no weights)
+  bool random_weights = false;  // initialize the target randomly (benches, demos)
+  int64_t seed = 0;             // seed of the random weights
+  bool operator==(const TargetSection&) const = default;
+};
+
+struct DrafterSection {  // model.drafter: a config.json, a warm start, or the fields below
+  std::string config;      // a DFlash drafter config.json (or a directory holding one)
+  std::string warm_start;  // an exported drafter directory to continue from (weights + config.json)
+  // Used when neither config nor warm_start is given; the rest comes from the target (DrafterConfig::for_target).
+  int64_t num_layers = 5;
+  int64_t block_size = 16;
+  std::optional<int64_t> mask_token_id;   // required with the fields (a token id of the target's vocabulary)
+  std::vector<int64_t> target_layer_ids;  // empty = z-lab's default for num_layers
+  bool operator==(const DrafterSection&) const = default;
+};
+
+struct ModelSection {
+  TargetSection target;
+  DrafterSection drafter;
+  bool operator==(const ModelSection&) const = default;
+};
+
+struct SynthSection {  // data.synth: a synthetic corpus made on first use (dflash_data synth)
+  bool enabled = false;
+  std::string path;            // "" = <logging.run_dir>/data/synth.h5
+  int64_t num_sequences = 2000;
+  int64_t min_length = 64;     // tokens per sequence
+  int64_t max_length = 256;
+  int64_t seed = 0;
+  bool operator==(const SynthSection&) const = default;
+};
+
+struct DataSection {
+  std::vector<std::string> files;  // HDF5 dflash.tokens.v1 files; entries may be globs ("shards/*.h5")
+  int64_t max_length = 4096;       // tokens per sequence after truncation/packing
+  SynthSection synth;
+  bool operator==(const DataSection&) const = default;
+};
+
+struct ParallelSection {
+  int64_t tp = 1;           // tensor-parallel size of the target; divides the number of ranks
+  double timeout_s = 600;   // a collective that takes longer aborts the job
+  bool operator==(const ParallelSection&) const = default;
+};
+
+enum class Schedule { Cosine, Linear, Constant };
+const char* schedule_name(Schedule s);
+
+struct TrainingSection {
+  int64_t batch_size = 1;     // sequences per micro-batch per TP group
+  int64_t micro_batches = 1;  // gradient accumulation steps per optimizer step
+  int64_t num_anchors = 512;  // anchor blocks sampled per sequence
+  double gamma = 7;           // loss decay over block positions
+  std::optional<int64_t> epochs;     // exactly one of epochs and max_steps
+  std::optional<int64_t> max_steps;
+  double lr = 6e-4;
+  double warmup_ratio = 0.04;  // of the total steps, in [0, 1)
+  Schedule schedule = Schedule::Cosine;
+  double min_lr = 0;
+  double weight_decay = 0;
+  std::vector<double> betas = {0.9, 0.95};
+  double eps = 1e-8;
+  double grad_clip = 1.0;  // max global grad norm; 0 = no clipping
+  int64_t seed = 0;
+  int64_t skip_nonfinite_limit = 5;  // this many non-finite steps in a row stop the run
+  bool operator==(const TrainingSection&) const = default;
+};
+
+struct KernelsSection {  // the fast-path policy of the target's kernels
+  target::KernelPolicy conv = target::KernelPolicy::Auto;
+  target::KernelPolicy delta_rule = target::KernelPolicy::Auto;
+  target::KernelPolicy attention = target::KernelPolicy::Auto;
+  bool require_fast_path = false;
+  bool operator==(const KernelsSection&) const = default;
+};
+
+struct CheckpointSection {
+  std::string dir;               // "" = <logging.run_dir>/checkpoints
+  int64_t interval = 1000;       // optimizer steps between checkpoints
+  int64_t keep_last = 3;         // complete checkpoints kept
+  std::string resume = "auto";   // auto (newest complete one, if any) | never | a checkpoint directory
+  bool operator==(const CheckpointSection&) const = default;
+};
+
+struct LoggingSection {
+  int64_t interval = 10;               // optimizer steps between log lines
+  std::string run_dir = "runs/dflash";  // logs, metrics.jsonl, fast_path.json
+  bool progress_bar = true;            // drawn only when stderr is a terminal
+  bool operator==(const LoggingSection&) const = default;
+};
+
+// Where a key's value came from (the settings table shows it).
+enum class Origin { Default, File, Override };
+
+class TrainConfig {
+ public:
+  ModelSection model;
+  DataSection data;
+  ParallelSection parallel;
+  TrainingSection training;
+  KernelsSection kernels;
+  CheckpointSection checkpoint;
+  LoggingSection logging;
+
+  std::string source;  // where it was read from ("configs/tiny.yaml"), for messages
+
+  // Parses YAML text / a YAML file, then applies `overrides` ("key.path=value") in order.
+  // Checks keys, types and ranges (throws dflash::Error); call validate() for the relations.
+  static TrainConfig from_string(const std::string& yaml, const std::string& source,
+                                 const std::vector<std::string>& overrides = {});
+  static TrainConfig from_file(const std::string& path, const std::vector<std::string>& overrides = {});
+  // configs/tiny.yaml as compiled into the library (the default when dflash_train gets no file).
+  static TrainConfig embedded_default(const std::vector<std::string>& overrides = {});
+  static const char* embedded_default_yaml();
+
+  // `--set key.path=value`: value is a YAML scalar or flow sequence ("[1, 16, 31]"); "null"
+  // unsets an optional key (training.epochs / training.max_steps).
+  void apply_override(const std::string& assignment);
+
+  // Relations between values: target/drafter sources, epochs vs max_steps, min_lr vs lr, data
+  // files vs synth, kernel policies vs require_fast_path, and tp dividing `world_size`. Also re-checks
+  // every value's range (for configs changed in code).
+  void validate(int world_size) const;
+  // What needs the target's config.json: tp divides its heads, target_layer_ids within its
+  // layers, mask_token_id within its vocabulary, and (drafter config / warm start) the drafter's
+  // hidden size, vocabulary and target layer count matching it. Reads model.drafter's config.json if named.
+  void validate_against(const target::TargetConfig& target) const;
+
+  // The drafter this config trains on `target` (reads model.drafter.config / warm_start's
+  // config.json when given; otherwise DrafterConfig::for_target with the fields). Checked against target.
+  drafter::DrafterConfig drafter_config(const target::TargetConfig& target) const;
+  target::KernelPolicies kernel_policies() const;
+  std::string checkpoint_dir() const;  // checkpoint.dir or <run_dir>/checkpoints
+  std::string synth_path() const;      // data.synth.path or <run_dir>/data/synth.h5
+  // data.files with globs expanded (sorted, duplicates removed); throws when a pattern matches nothing.
+  std::vector<std::string> expand_data_files() const;
+
+  // The effective config as YAML (every key, for the run directory); from_string of it gives an equal config.
+  std::string to_yaml() const;
+  // A table: key | value | from (default, file, --set) | default (when the value differs from it).
+  std::string settings_table() const;
+  Origin origin(const std::string& key) const;
+  // Every key path, in the order of to_yaml ("model.target.path", ..., "logging.progress_bar").
+  static std::vector<std::string> keys();
+
+  // Equal values (source and origins are not compared).
+  bool operator==(const TrainConfig& o) const;
+
+ private:
+  std::map<std::string, Origin> origins_;
+};
+
+}  // namespace dflash::trainer

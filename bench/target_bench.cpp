@@ -97,8 +97,10 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_path, "also write this run's rows as JSON");
   app.add_option("--baseline", baseline, "an earlier CSV: print now/baseline per row and the geomean per group");
 
+  // MPI outlives run_app: a rank that fails prints its message before MPI_Finalize, which waits for
+  // every rank, so no rank's exit can make mpirun kill another before it has printed.
+  std::unique_ptr<comm::MpiEnv> mpi;
   return run_app(app, argc, argv, [&]() -> int {
-    std::unique_ptr<comm::MpiEnv> mpi;
     if (tp > 1 || env_rank() >= 0) mpi = std::make_unique<comm::MpiEnv>(&argc, &argv);
     const int rank = mpi ? mpi->rank() : 0, world = mpi ? mpi->size() : 1;
     const bool lead = rank == 0;  // rank 0 prints and writes the CSV; every rank runs the same forward

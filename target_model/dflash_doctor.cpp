@@ -208,9 +208,11 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed, "seed of the live check's random weights and input")->capture_default_str();
   app.add_option("--json", json_path, "also write the report as JSON");
 
+  // MPI outlives run_app: a rank that fails prints its message before MPI_Finalize, which waits for
+  // every rank, so no rank's exit can make mpirun kill another before it has printed.
+  std::unique_ptr<comm::MpiEnv> mpi;
   return run_app(app, argc, argv, [&]() -> int {
     // Under mpirun: every rank takes its GPU and joins the NCCL bandwidth check; rank 0 reports.
-    std::unique_ptr<comm::MpiEnv> mpi;
     if (env_rank() >= 0) mpi = std::make_unique<comm::MpiEnv>(&argc, &argv);
     const int world = mpi ? mpi->size() : 1, rank = mpi ? mpi->rank() : 0;
     init_logging(rank, log_level);

@@ -119,10 +119,12 @@ int main(int argc, char** argv) {
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--timeout", timeout_s, "seconds a collective may take before the job is ended")->capture_default_str();
 
+  // MPI outlives run_app: a rank that fails prints its message before MPI_Finalize, which waits for
+  // every rank, so no rank's exit can make mpirun kill another before it has printed.
+  std::unique_ptr<comm::MpiEnv> mpi;
   return run_app(app, argc, argv, [&]() -> int {
     // Under mpirun (or with --tp > 1) every rank runs this; the checks below fail identically on
     // every rank before any collective, so each rank prints the same one message and exits 1.
-    std::unique_ptr<comm::MpiEnv> mpi;
     if (tp > 1 || env_rank() >= 0) mpi = std::make_unique<comm::MpiEnv>(&argc, &argv);
     const int world = mpi ? mpi->size() : 1, rank = mpi ? mpi->rank() : 0;
     init_logging(rank, log_level);

@@ -309,6 +309,7 @@ const std::vector<Field>& schema() {
     f.push_back(int_field("data.synth.min_length", 2, DFLASH_MEMBER(data.synth.min_length)));
     f.push_back(int_field("data.synth.max_length", 2, DFLASH_MEMBER(data.synth.max_length)));
     f.push_back(int_field("data.synth.seed", 0, DFLASH_MEMBER(data.synth.seed)));
+    f.push_back(int_field("data.synth.vocab_size", 0, DFLASH_MEMBER(data.synth.vocab_size)));
     f.push_back(int_field("parallel.tp", 1, DFLASH_MEMBER(parallel.tp)));
     f.push_back(num_field("parallel.timeout_s", Range::Positive, DFLASH_MEMBER(parallel.timeout_s)));
     f.push_back(int_field("training.batch_size", 1, DFLASH_MEMBER(training.batch_size)));
@@ -671,6 +672,11 @@ void TrainConfig::validate_against(const target::TargetConfig& target) const {
   DFLASH_CHECK(data.max_length > c.block_size, s << ": data.max_length (" << data.max_length
                                                  << ") must be greater than the drafter's block_size (" << c.block_size
                                                  << ") so that one anchor block fits in a sequence");
+  if (data.synth.enabled)
+    DFLASH_CHECK_HINT(data.synth.vocab_size <= target.vocab_size,
+                      s << ": data.synth.vocab_size (" << data.synth.vocab_size << ") is larger than the target's vocabulary ("
+                        << target.vocab_size << ")",
+                      "use at most " << target.vocab_size << ", or 0 for the whole vocabulary");
 }
 
 target::KernelPolicies TrainConfig::kernel_policies() const {

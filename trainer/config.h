@@ -56,6 +56,8 @@ struct SynthSection {  // data.synth: a synthetic corpus made on first use (dfla
   int64_t min_length = 64;     // tokens per sequence
   int64_t max_length = 256;
   int64_t seed = 0;
+  int64_t vocab_size = 0;      // token ids drawn from [0, vocab_size); 0 = the target's vocabulary
+                               // (without the mask token when it is the vocabulary's last id)
   bool operator==(const SynthSection&) const = default;
 };
 

@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# End-to-end tests of dflash_train on the CPU backend (the tiny embedded default config).
+#   train_test.sh MODE DFLASH_TRAIN TARGET_CONFIG WORKDIR [MPIRUN...]
+# MODE:
+#   learn   the tiny run, 40 steps: the loss falls by >= 2.0 nats and the mean accuracy over block positions
+#           1..B-1 rises by >= 0.025 (step 1 vs the mean of steps 31-40); checkpoint and exported drafter exist.
+#   resume  12 steps straight == 6 steps, stop (--stop-after-steps), resume, 6 steps: identical losses and
+#           grad norms (bit-exact: the JSON numbers are compared as text).
+#   mpi     1 rank (batch 4) vs mpirun -n 2 with tp=1 (dp=2, batch 2 per group) and with tp=2 (batch 4):
+#           the same loss per step within a relative 1e-9 (dp2) and 1e-4 (tp2: f32 TP target); then resuming the 1-rank checkpoint on 2 ranks is refused.
+#   sigterm SIGTERM during a run: checkpoint at the next step boundary, exit 0; running again resumes and finishes.
+#   baddata a data file whose vocabulary is larger than the target's, and a file that is not HDF5, are refused
+#           with the file's name.
+set -u
+mode=$1 bin=$2 tcfg=$3 work=$4
+shift 4
+mpirun=("$@")
+rm -rf "$work"
+mkdir -p "$work"
+fail() { echo "FAIL: $*"; exit 1; }
+# run NAME ARGS...: runs dflash_train (prefix with the mpirun words in $pre) on the tiny default, with
+# 4 sequences of 4 anchor blocks per step (cheaper and less noisy than the demo's 1 sequence x 32 blocks).
+run() {
+  local name=$1
+  shift
+  echo "+ dflash_train $* (run dir $work/$name)"
+  "${pre[@]}" "$bin" --set "model.target.config=$tcfg" --set "logging.run_dir=$work/$name" \
+    --set "data.synth.path=$work/synth.h5" --set training.batch_size=4 --set training.num_anchors=4 "$@" >"$work/$name.log" 2>&1
+  local rc=$?
+  tail -n 5 "$work/$name.log"
+  return $rc
+}
+# col FILE KEY: the KEY value of every metrics line, one a line, as written.
+col() { grep -o "\"$2\":[^,}]*" "$1" | cut -d: -f2; }
+mean_acc() { sed -n "$2p" "$1" | grep -o '"acc":\[[^]]*\]' | sed 's/.*\[//; s/\]//' | tr , '\n' | awk '{s+=$1; n++} END {printf "%.6f", s/n}'; }
+pre=()
+
+case "$mode" in
+learn)
+  run learn --set training.max_steps=40 --set logging.interval=1 || fail "dflash_train exited non-zero"
+  m=$work/learn/metrics.jsonl
+  [ "$(wc -l <"$m")" -eq 40 ] || fail "expected 40 metric lines in $m"
+  l0=$(col "$m" loss | head -n 1) l1=$(col "$m" loss | tail -n 10 | awk '{s+=$1} END {printf "%.6f", s/NR}')
+  a0=$(mean_acc "$m" 1)
+  a1=$(for i in $(seq 31 40); do mean_acc "$m" $i; echo; done | awk '{s+=$1} END {printf "%.6f", s/NR}')
+  echo "loss at step 1 $l0 -> mean of steps 31-40 $l1; mean accuracy (positions 1..B-1) $a0 -> $a1"
+  awk -v a="$l0" -v b="$l1" 'BEGIN {exit !(a - b >= 2.0)}' || fail "the loss fell by less than 2.0 ($l0 -> $l1)"
+  awk -v a="$a0" -v b="$a1" 'BEGIN {exit !(b - a >= 0.025)}' || fail "the accuracy rose by less than 0.025 ($a0 -> $a1)"
+  for f in drafter/config.json drafter/model.safetensors checkpoints/ckpt-40/COMMIT checkpoints/ckpt-40/optimizer.safetensors \
+           checkpoints/ckpt-40/state.json checkpoints/ckpt-40/loader-g0.json checkpoints/ckpt-40/drafter/model.safetensors; do
+    [ -f "$work/learn/$f" ] || fail "missing $f"
+  done
+  grep -q "drafter exported to $work/learn/drafter" "$work/learn.log" || fail "no 'drafter exported to' line"
+  ;;
+resume)
+  common=(--set training.max_steps=12 --set logging.interval=1 --set checkpoint.interval=4 --set checkpoint.keep_last=2)
+  run straight "${common[@]}" || fail "straight run failed"
+  run split "${common[@]}" --stop-after-steps 6 || fail "first half failed"
+  grep -q "stopped at step 6" "$work/split.log" || fail "the first half did not stop at step 6"
+  [ -f "$work/split/checkpoints/ckpt-6/COMMIT" ] || fail "no checkpoint at step 6"
+  # An interrupted checkpoint write (no COMMIT) must be ignored by resume.
+  mkdir -p "$work/split/checkpoints/ckpt-9" && echo junk >"$work/split/checkpoints/ckpt-9/state.json"
+  run split "${common[@]}" || fail "second half failed"
+  grep -q "resumed from .*ckpt-6 at step 6/12" "$work/split.log" || fail "the second half did not resume from ckpt-6"
+  ls "$work/split/checkpoints"
+  [ -d "$work/split/checkpoints/ckpt-4" ] && fail "keep_last 2 did not prune ckpt-4"
+  for k in step loss grad_norm lr accept_len; do
+    a=$(col "$work/straight/metrics.jsonl" $k | tr '\n' ' ') b=$(col "$work/split/metrics.jsonl" $k | tr '\n' ' ')
+    echo "$k straight: $a"
+    echo "$k resumed:  $b"
+    [ "$a" = "$b" ] || fail "$k differs between the straight and the resumed run"
+  done
+  cmp "$work/straight/drafter/model.safetensors" "$work/split/drafter/model.safetensors" || fail "exported drafters differ"
+  ;;
+mpi)
+  common=(--set training.max_steps=6 --set logging.interval=1 --set checkpoint.interval=100)
+  run one "${common[@]}" --set training.batch_size=4 || fail "1-rank run failed"
+  pre=("${mpirun[@]}" -n 2)
+  run dp2 "${common[@]}" --set training.batch_size=2 --set parallel.tp=1 || fail "mpirun -n 2, tp=1 failed"
+  run tp2 "${common[@]}" --set training.batch_size=4 --set parallel.tp=2 || fail "mpirun -n 2, tp=2 failed"
+  ref=$(col "$work/one/metrics.jsonl" loss | tr '\n' ' ')
+  echo "loss 1 rank:      $ref"
+  # dp2 differs only in the order of f64 sums; tp2 also in the f32 sums of the tensor-parallel target.
+  for r in dp2:1e-9 tp2:1e-4; do
+    tol=${r#*:} r=${r%%:*}
+    got=$(col "$work/$r/metrics.jsonl" loss | tr '\n' ' ')
+    echo "loss $r:          $got"
+    paste <(col "$work/one/metrics.jsonl" loss) <(col "$work/$r/metrics.jsonl" loss) |
+      awk 'BEGIN {n = 0; worst = 0} {n++; d = ($1 - $2) / $1; if (d < 0) d = -d; if (d > worst) worst = d}
+           END {printf "  max relative difference %.3g over %d steps\n", worst, n; exit !(n == 6 && worst <= tol)}' tol="$tol" ||
+      fail "$r losses differ from the 1-rank run by more than $tol (relative)"
+  done
+  # The 1-rank run's checkpoint cannot be resumed on 2 ranks.
+  cp -r "$work/one" "$work/one2"
+  if run one2 "${common[@]}" --set training.max_steps=8 --set training.batch_size=2; then fail "resume on 2 ranks was accepted"; fi
+  grep -q "was written by 1 rank(s) with tp 1; this run has 2 rank(s) with tp 1" "$work/one2.log" ||
+    fail "no clear message for a different world size"
+  ;;
+sigterm)
+  # SIGTERM mid-run: a checkpoint at the next step boundary, exit 0; the same command resumes and finishes.
+  common=(--set training.max_steps=30 --set logging.interval=1 --set checkpoint.interval=100)
+  run sig "${common[@]}" &
+  pid=$!
+  for _ in $(seq 600); do
+    [ -f "$work/sig/metrics.jsonl" ] && [ "$(wc -l <"$work/sig/metrics.jsonl")" -ge 3 ] && break
+    sleep 0.1
+  done
+  kill -TERM "$(pgrep -P $pid -f dflash_train | head -n 1)" 2>/dev/null || kill -TERM $pid
+  wait $pid || fail "the signalled run did not exit 0"
+  grep -q "stop requested: writing a checkpoint at step" "$work/sig.log" || fail "no stop message"
+  s=$(grep -o "stopped at step [0-9]*" "$work/sig.log" | grep -o "[0-9]*$")
+  [ -n "$s" ] && [ "$s" -lt 30 ] || fail "the run was not stopped early"
+  [ -f "$work/sig/checkpoints/ckpt-$s/COMMIT" ] || fail "no checkpoint at step $s"
+  run sig "${common[@]}" || fail "the resumed run failed"
+  grep -q "resumed from .*ckpt-$s at step $s/30" "$work/sig.log" || fail "did not resume from ckpt-$s"
+  [ "$(col "$work/sig/metrics.jsonl" step | tr '\n' ' ')" = "$(seq 1 30 | tr '\n' ' ')" ] || fail "metrics steps are not 1..30"
+  ;;
+baddata)
+  data_tool=${mpirun[0]}
+  "$data_tool" synth --out "$work/big_vocab.h5" --sequences 20 --min-len 8 --max-len 16 --vocab-size 5000 --seed 1 || fail "synth failed"
+  if run bad --set data.synth.enabled=false --set "data.files=[$work/big_vocab.h5]"; then fail "bad data was accepted"; fi
+  grep -q "big_vocab.h5 has vocab_size 5000, larger than the target's vocabulary of 4096" "$work/bad.log" ||
+    fail "no clear message for the bad data"
+  echo "not an HDF5 file" >"$work/junk.h5"
+  if run junk --set data.synth.enabled=false --set "data.files=[$work/junk.h5]"; then fail "a non-HDF5 file was accepted"; fi
+  grep -q "error while opening dataset file '$work/junk.h5'" "$work/junk.log" || fail "no clear message for the non-HDF5 file"
+  ;;
+*) fail "unknown mode $mode" ;;
+esac
+echo "OK"

@@ -1,0 +1,65 @@
+// dflash_train: trains a DFlash drafter against a frozen target (see trainer/train.h).
+//
+//   dflash_train                                   # the embedded default (configs/tiny.yaml)
+//   dflash_train configs/tiny.yaml --set training.max_steps=50
+//   mpirun -n 2 dflash_train configs/tiny.yaml --set parallel.tp=2
+//
+// SIGTERM / SIGINT: the ranks agree at the next step boundary, write a checkpoint and exit 0;
+// running the same command again continues from it (checkpoint.resume: auto).
+#include <memory>
+
+#include "comm/comm.h"
+#include "kernels/app.h"
+#include "kernels/log.h"
+#include "trainer/config.h"
+#include "trainer/train.h"
+
+using namespace dflash;
+
+int main(int argc, char** argv) {
+  CLI::App app{"Train a DFlash drafter (YAML config; the embedded tiny config when none is given)."};
+  app.name("dflash_train");
+  std::string log_level = "info", config_path;
+  std::vector<std::string> sets;
+  int64_t stop_after = -1;
+  add_common_options(app, &log_level);
+  app.add_option("config", config_path, "YAML config (default: the embedded configs/tiny.yaml)");
+  app.add_option("--set", sets, "override a config key: --set training.max_steps=50 (repeatable)");
+  app.add_option("--stop-after-steps", stop_after,
+                 "stop as on SIGTERM once this many steps are done (checkpoint, exit 0); for tests");
+
+  // MPI outlives run_app: a rank that fails prints its message before MPI_Finalize, which waits for
+  // every rank, so no rank's exit can make mpirun kill another before it has printed.
+  std::unique_ptr<comm::MpiEnv> mpi;
+  return run_app(app, argc, argv, [&]() -> int {
+    // Under mpirun every rank runs this; config errors are found identically on every rank before
+    // any collective, so each rank prints the same one message and exits 1.
+    if (env_rank() >= 0) mpi = std::make_unique<comm::MpiEnv>(&argc, &argv);
+    const int world = mpi ? mpi->size() : 1, rank = mpi ? mpi->rank() : 0;
+    init_logging(rank, log_level);
+    trainer::TrainConfig cfg = config_path.empty() ? trainer::TrainConfig::embedded_default(sets)
+                                                   : trainer::TrainConfig::from_file(config_path, sets);
+    trainer::install_stop_handlers();
+    trainer::RunOptions ro;
+    ro.stop_after_steps = stop_after;
+    ro.log_level = log_level;
+    trainer::RunResult r;
+    try {
+      r = trainer::train(cfg, world, rank, ro);
+    } catch (const Error& e) {
+      // Under mpirun one rank's failure ends the whole job (the others may be in a collective).
+      if (world > 1) comm::abort_job(e.report());
+      throw;
+    } catch (const std::exception& e) {
+      if (world > 1) comm::abort_job(e.what());
+      throw;
+    }
+    if (rank == 0) {
+      if (r.stopped)
+        std::printf("stopped at step %lld; run the same command again to resume\n", static_cast<long long>(r.step));
+      else
+        std::printf("trained %lld steps; drafter exported to %s\n", static_cast<long long>(r.step), r.drafter_dir.c_str());
+    }
+    return 0;
+  });
+}

@@ -8,6 +8,8 @@
 #           grad norms (bit-exact: the JSON numbers are compared as text).
 #   mpi     1 rank (batch 4) vs mpirun -n 2 with tp=1 (dp=2, batch 2 per group) and with tp=2 (batch 4):
 #           the same loss per step within a relative 1e-9 (dp2) and 1e-4 (tp2: f32 TP target); then resuming the 1-rank checkpoint on 2 ranks is refused.
+#   microbatch  batch 4 in 1 micro-batch vs batch 2 x 2 micro-batches: the same losses within 1e-9 (relative;
+#           the loss is normalized by the step's global sum of weights, so the split must not matter).
 #   sigterm SIGTERM during a run: checkpoint at the next step boundary, exit 0; running again resumes and finishes.
 #   baddata a data file whose vocabulary is larger than the target's, and a file that is not HDF5, are refused
 #           with the file's name.
@@ -95,6 +97,17 @@ mpi)
   if run one2 "${common[@]}" --set training.max_steps=8 --set training.batch_size=2; then fail "resume on 2 ranks was accepted"; fi
   grep -q "was written by 1 rank(s) with tp 1; this run has 2 rank(s) with tp 1" "$work/one2.log" ||
     fail "no clear message for a different world size"
+  ;;
+microbatch)
+  common=(--set training.max_steps=6 --set logging.interval=1 --set checkpoint.interval=100)
+  run mb1 "${common[@]}" --set training.batch_size=4 --set training.micro_batches=1 || fail "1 micro-batch run failed"
+  run mb2 "${common[@]}" --set training.batch_size=2 --set training.micro_batches=2 || fail "2 micro-batch run failed"
+  echo "loss 1 x 4: $(col "$work/mb1/metrics.jsonl" loss | tr '\n' ' ')"
+  echo "loss 2 x 2: $(col "$work/mb2/metrics.jsonl" loss | tr '\n' ' ')"
+  paste <(col "$work/mb1/metrics.jsonl" loss) <(col "$work/mb2/metrics.jsonl" loss) |
+    awk 'BEGIN {n = 0; worst = 0} {n++; d = ($1 - $2) / $1; if (d < 0) d = -d; if (d > worst) worst = d}
+         END {printf "  max relative difference %.3g over %d steps\n", worst, n; exit !(n == 6 && worst <= 1e-9)}' ||
+    fail "the losses depend on the micro-batch split"
   ;;
 sigterm)
   # SIGTERM mid-run: a checkpoint at the next step boundary, exit 0; the same command resumes and finishes.

@@ -185,12 +185,7 @@ int main(int argc, char** argv) {
     nlohmann::json counters_json;
     try {
       if (dev.is_cpu()) {
-        // The CPU reference holds f32 weights: refuse up front what this machine cannot hold.
-        const double need = static_cast<double>(local.parameter_count()) * 4.0;
-        const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
-        DFLASH_CHECK_HINT(need < 0.8 * have, "the CPU reference needs " << need / 1e9 << " GB for the f32 weights of this "
-                                             << cfg.summary() << ", but this machine has " << have / 1e9 << " GB",
-                          "the CPU reference is for small models; run big targets on the GPU (--device cuda)");
+        check_cpu_reference_fits(local, cfg, "the CPU reference is for small models; run big targets on the GPU (--device cuda)");
         TargetWeights w = random_weights ? random_weights_tp(cfg, seed, DType::F32, dev, shard)
                                          : load_weights_tp(cfg, model_dir, DType::F32, dev, shard);
         TargetModel model(local, std::move(w), tp_comm.get());

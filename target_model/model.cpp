@@ -1,10 +1,21 @@
 #include "target_model/model.h"
 
+#include <unistd.h>
+
 #include <cmath>
 
 namespace dflash::target {
 
 using ops::SeqOffsets;
+
+void check_cpu_reference_fits(const TargetConfig& local, const TargetConfig& full, const std::string& hint) {
+  const double need = static_cast<double>(local.parameter_count()) * 4.0;
+  const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  DFLASH_CHECK_HINT(need < 0.8 * have, "the CPU reference needs " << need / 1e9 << " GB for the f32 weights of "
+                                          << full.summary() << " (per rank), but this machine has " << have / 1e9
+                                          << " GB",
+                    hint);
+}
 
 TargetModel::TargetModel(TargetConfig config, TargetWeights weights, comm::Communicator* tp)
     : config_(std::move(config)), weights_(std::move(weights)), tp_(tp) {

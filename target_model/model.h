@@ -27,6 +27,10 @@ struct ForwardResult {
   Tensor final_hidden;                // (N, H) when ForwardOptions::final_norm
 };
 
+// The CPU reference holds f32 weights: throws, naming both sizes and `hint`, when this rank's
+// share `local` of the target `full` would need more than 80% of this machine's memory.
+void check_cpu_reference_fits(const TargetConfig& local, const TargetConfig& full, const std::string& hint);
+
 class TargetModel {
  public:
   // With `tp` set (a tensor-parallel group), `config` and `weights` are this rank's shard

@@ -9,14 +9,6 @@
 
 namespace dflash::target {
 
-namespace {
-
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-}  // namespace
-
 void check_tp(const TargetConfig& c, int tp) {
   DFLASH_CHECK(tp >= 1, "parallel.tp must be >= 1, got " << tp);
   std::ostringstream bad;
@@ -65,19 +57,19 @@ std::vector<SliceSpec> shard_specs(const TargetConfig& c, const TpShard& sh) {
     const std::string& n = s.name;
     auto rows = [&](std::vector<std::pair<int64_t, int64_t>> segs) { s.dim = 0; s.segments = std::move(segs); };
     auto cols = [&](int64_t start, int64_t len) { s.dim = 1; s.segments = {{start, len}}; };
-    if (ends_with(n, "in_proj_qkv.weight") || ends_with(n, "conv1d.weight"))
+    if (n.ends_with("in_proj_qkv.weight") || n.ends_with("conv1d.weight"))
       rows({{r * Hk_l * dk, Hk_l * dk}, {Hk * dk + r * Hk_l * dk, Hk_l * dk}, {2 * Hk * dk + r * Hv_l * dv, Hv_l * dv}});
-    else if (ends_with(n, "in_proj_z.weight")) rows({{r * Hv_l * dv, Hv_l * dv}});
-    else if (ends_with(n, "in_proj_b.weight") || ends_with(n, "in_proj_a.weight") || ends_with(n, "A_log") ||
-             ends_with(n, "dt_bias"))
+    else if (n.ends_with("in_proj_z.weight")) rows({{r * Hv_l * dv, Hv_l * dv}});
+    else if (n.ends_with("in_proj_b.weight") || n.ends_with("in_proj_a.weight") || n.ends_with("A_log") ||
+             n.ends_with("dt_bias"))
       rows({{r * Hv_l, Hv_l}});
-    else if (ends_with(n, "linear_attn.out_proj.weight")) cols(r * Hv_l * dv, Hv_l * dv);
-    else if (ends_with(n, "self_attn.q_proj.weight")) rows({{r * Hq_l * d * g, Hq_l * d * g}});
-    else if (ends_with(n, "self_attn.k_proj.weight") || ends_with(n, "self_attn.v_proj.weight")) rows({{kv0 * d, Hkv_l * d}});
-    else if (ends_with(n, "self_attn.o_proj.weight")) cols(r * Hq_l * d, Hq_l * d);
-    else if (ends_with(n, "mlp.gate_proj.weight") || ends_with(n, "mlp.up_proj.weight"))
+    else if (n.ends_with("linear_attn.out_proj.weight")) cols(r * Hv_l * dv, Hv_l * dv);
+    else if (n.ends_with("self_attn.q_proj.weight")) rows({{r * Hq_l * d * g, Hq_l * d * g}});
+    else if (n.ends_with("self_attn.k_proj.weight") || n.ends_with("self_attn.v_proj.weight")) rows({{kv0 * d, Hkv_l * d}});
+    else if (n.ends_with("self_attn.o_proj.weight")) cols(r * Hq_l * d, Hq_l * d);
+    else if (n.ends_with("mlp.gate_proj.weight") || n.ends_with("mlp.up_proj.weight"))
       rows({{r * l.intermediate_size, l.intermediate_size}});
-    else if (ends_with(n, "mlp.down_proj.weight")) cols(r * l.intermediate_size, l.intermediate_size);
+    else if (n.ends_with("mlp.down_proj.weight")) cols(r * l.intermediate_size, l.intermediate_size);
     // everything else (embedding, norms, lm_head): replicated
     if (s.dim < 0) DFLASH_CHECK(s.full == s.local, "tp: " << n << " is replicated but its local shape differs");
     out.push_back(std::move(s));

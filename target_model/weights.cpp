@@ -61,14 +61,10 @@ void for_each_slot(const TargetConfig& c, TargetWeights& w, F&& f) {
   if (!c.tie_word_embeddings) f("lm_head.weight", Shape{c.vocab_size, H}, w.lm_head);
 }
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // Stores a host tensor in the slot: converted to dtype, on device, conv weight squeezed.
 void place(Tensor& slot, const std::string& name, const Tensor& host, DType dtype, Device device) {
   Tensor t = host.to_dtype(dtype);
-  if (ends_with(name, "conv1d.weight")) t = t.view({t.size(0), t.size(2)});
+  if (name.ends_with("conv1d.weight")) t = t.view({t.size(0), t.size(2)});
   slot = device.is_cpu() ? t : t.to(device);
 }
 
@@ -177,7 +173,7 @@ TargetWeights assemble_weights(const TargetConfig& c, DType dtype, Device device
     DFLASH_CHECK(t.shape() == shape, "weights: " << name << " was made with shape " << shape_str(t.shape())
                                                  << ", expected " << shape_str(shape));
     if (t.dtype() == dtype && t.device() == device && t.is_contiguous()) {
-      slot = ends_with(name, "conv1d.weight") ? t.view({shape[0], shape[2]}) : t;
+      slot = name.ends_with("conv1d.weight") ? t.view({shape[0], shape[2]}) : t;
     } else {
       Tensor host = t.device().is_cpu() ? t : t.to(Device::cpu());
       place(slot, name, host, dtype, device);
@@ -188,9 +184,9 @@ TargetWeights assemble_weights(const TargetConfig& c, DType dtype, Device device
 }
 
 RandomInit random_init(const std::string& name, const Shape& full_shape) {
-  if (ends_with(name, "A_log")) return {RandomInit::LogUniform, 1.0f, 16.0f};
-  if (ends_with(name, "dt_bias") || ends_with(name, "linear_attn.norm.weight")) return {RandomInit::Constant, 1.0f, 0};
-  if (ends_with(name, "norm.weight") && !ends_with(name, "conv1d.weight")) return {RandomInit::Constant, 0.0f, 0};
+  if (name.ends_with("A_log")) return {RandomInit::LogUniform, 1.0f, 16.0f};
+  if (name.ends_with("dt_bias") || name.ends_with("linear_attn.norm.weight")) return {RandomInit::Constant, 1.0f, 0};
+  if (name.ends_with("norm.weight")) return {RandomInit::Constant, 0.0f, 0};
   const float stddev = name == "embed_tokens.weight" ? 1.0f : 1.0f / std::sqrt(static_cast<float>(full_shape.back()));
   return {RandomInit::Normal, 0.0f, stddev};
 }

@@ -205,16 +205,10 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
                  loader.slots_per_epoch(), total);
 
   // ---- models ----
-  // This trainer runs the CPU reference (f32): refuse up front a target this machine cannot hold
-  // (the GPU training path comes with the drafter's CUDA kernels).
-  {
-    const double need = static_cast<double>(target::local_config(tcfg, tp).parameter_count()) * 4.0;
-    const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
-    DFLASH_CHECK_HINT(need < 0.8 * have, "dflash_train runs the target on the CPU reference, which needs "
-                                             << need / 1e9 << " GB per rank for the f32 weights of " << tcfg.summary()
-                                             << "; this machine has " << have / 1e9 << " GB",
-                      "train on a small target for now; GPU training lands with the drafter's CUDA kernels");
-  }
+  // This trainer runs the target on the CPU reference (f32): refuse up front what cannot fit.
+  target::check_cpu_reference_fits(target::local_config(tcfg, tp), tcfg,
+                                   "dflash_train runs on the CPU backend for now: train on a small target; GPU "
+                                   "training lands with the drafter's CUDA kernels");
   const target::TpShard shard{layout.tp_rank, tp};
   target::TargetWeights tw =
       ts.path.empty() ? target::random_weights_tp(tcfg, static_cast<uint64_t>(ts.seed), DType::F32, Device::cpu(), shard)

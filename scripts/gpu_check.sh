@@ -54,7 +54,13 @@ if [ -x "$DFLASH_BUILD/bench/kernel_bench" ]; then
   say "kernel_bench"
   "$DFLASH_BUILD/bench/kernel_bench" --csv "$RESULTS/kernel_bench.csv" 2>&1 | tee "$RESULTS/kernel_bench.txt" || status=1
 fi
+# Reference data made with the machine's PyTorch (CPU) when asked: DFLASH_DREF=1.
+if [ "${DFLASH_DREF:-0}" = 1 ]; then
+  say "drafter reference data (PyTorch, float64, CPU)"
+  python3 "$DFLASH_ROOT/tests/reference/make_drafter_reference.py" "$RESULTS/drafter_ref" > "$RESULTS/dref.log" 2>&1 || status=1
+  tar czf "$RESULTS/dref.tgz" -C "$RESULTS" drafter_ref dref.log 2>/dev/null && rm -rf "$RESULTS/drafter_ref" "$RESULTS/dref.log"
+fi
 cd "$RESULTS"
-tar czf logs.tgz --remove-files $(ls build.log test_cpu.log ctest_gpu.xml ctest_cpu.xml kernel_bench.txt 2>/dev/null) 2>/dev/null || true
+tar czf logs.tgz --remove-files $(ls build.log test_cpu.log ctest_gpu.xml ctest_cpu.xml kernel_bench.txt dref.tgz 2>/dev/null) 2>/dev/null || true
 ls -l "$RESULTS"
 exit $status

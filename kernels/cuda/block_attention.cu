@@ -1,0 +1,2 @@
+// block_attention: see train_launch.h (work in progress).
+#include "kernels/cuda/train_launch.h"

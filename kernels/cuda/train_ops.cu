@@ -1,0 +1,2 @@
+// train_ops: see train_launch.h (work in progress).
+#include "kernels/cuda/train_launch.h"

@@ -1,25 +1,33 @@
-// bf16 GEMM through cuBLASLt: y[M, N] (row stride ldy) = x[M, K] (row stride ldx) · w[N, K]^T
-// (+ y), fp32 accumulation (CUBLAS_COMPUTE_32F, fp32 alpha/beta), bf16 output.
+// GEMMs through cuBLASLt, fp32 accumulation (CUBLAS_COMPUTE_32F, fp32 alpha/beta), bf16 A and B:
+//   gemm_ex:   D[M, N] (row stride ldd) = alpha · op(A) · op(B) + beta · D, D bf16 or fp32
+//              (train_launch.h: A [M, K] or, trans_a, stored [K, M]; B [K, N] or, trans_b, [N, K]);
+//   gemm_bf16: y[M, N] = x[M, K] · w[N, K]ᵀ (+ y), the special case A = x, B = w, trans_b, bf16 D.
 //
 // Row-major trick: a row-major [R, C] matrix with row stride ld is the column-major [C, R] matrix
-// with leading dimension ld, i.e. its transpose. So we ask cuBLASLt (column-major) for
-//   yᵀ [N, M] (ld ldy) = op(A) · B  with  A = w seen as column-major [K, N] (ld K), op = T,
-//                                        B = x seen as column-major [K, M] (ld ldx), op = N,
-// which is y = x · wᵀ in row-major terms, with no copies.
+// with leading dimension ld, i.e. its transpose. Row-major D = op(A)·op(B) is column-major
+// Dᵀ [N, M] (ld ldd) = op(B)ᵀ · op(A)ᵀ, so cuBLASLt's first operand is B's storage and its second
+// A's storage, with no copies:
+//   B, !trans_b: storage row-major [K, N] = column-major [N, K] (ld ldb) = op(B)ᵀ      -> op N
+//   B,  trans_b: storage row-major [N, K] = column-major [K, N] (ld ldb) = op(B)       -> op T
+//   A, !trans_a: storage row-major [M, K] = column-major [K, M] (ld lda) = op(A)ᵀ      -> op N
+//   A,  trans_a: storage row-major [K, M] = column-major [M, K] (ld lda) = op(A)       -> op T
+// (gemm_bf16: first operand w as column-major [K, N] with op T, second x as [K, M] with op N.)
 //
 // Roofline (H200, dense bf16 ~ 990 TFLOP/s with fp32 accumulation, ~4.8 TB/s): 2·M·N·K FLOPs over
-// 2·(M·K + N·K + M·N) bytes (+ M·N when accumulating). Decode-like M (< ~300) is bound by reading
-// w; prefill / training batches (M in the thousands) are tensor-core bound. cuBLASLt picks the
-// kernel (wgmma on sm_90); we only make sure the steady state costs one cublasLtMatmul call: the
-// descriptors and the heuristic's algorithm are built once per (device, M, N, K, ldx, ldy,
-// accumulate) and cached.
+// 2·(M·K + N·K) + (2 or 4)·M·N bytes (+ M·N read when accumulating). Decode-like M (< ~300) is
+// bound by reading the weight; prefill / training batches (M in the thousands) are tensor-core
+// bound. cuBLASLt picks the kernel (wgmma on sm_90); we only make sure the steady state costs one
+// cublasLtMatmul call: the descriptors and the heuristic's algorithm are built once per (device,
+// M, N, K, lda, ldb, ldd, transposes, output dtype, alpha == 0, beta == 0) and cached.
 //
-// Alignment: we require 16-byte aligned pointers and row strides (K, ldx, ldy multiples of 8) and
-// tell the heuristic so; that is what the fast Hopper kernels need, every shape of the target
-// model meets it, and a misaligned view is almost always an indexing mistake upstream.
+// Alignment: we require 16-byte aligned pointers and row strides that keep every row 16-byte
+// aligned (multiples of 8 elements for bf16, 4 for fp32 D) and tell the heuristic so; that is what
+// the fast Hopper kernels need, every shape of the models meets it, and a misaligned view is
+// almost always an indexing mistake upstream.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <compare>
@@ -33,6 +41,7 @@
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/train_launch.h"
 #include "kernels/device.h"
 #include "kernels/error.h"
 
@@ -48,8 +57,8 @@ std::atomic<bool> g_autotune{std::getenv("DFLASH_GEMM_AUTOTUNE") != nullptr &&
 
 struct GemmKey {
   int device;
-  int64_t M, N, K, ldx, ldy;
-  bool accumulate;
+  int64_t M, N, K, lda, ldb, ldd;
+  bool trans_a, trans_b, d_f32, alpha_zero, beta_zero;
   auto operator<=>(const GemmKey&) const = default;
 };
 
@@ -122,24 +131,31 @@ cublasLtMatmulAlgo_t fastest(const GemmPlan& plan, const cublasLtMatmulHeuristic
   return best;
 }
 
-std::unique_ptr<GemmPlan> make_plan(const GemmKey& k, cublasLtHandle_t handle, size_t workspace_bytes, bool autotune,
-                                    cudaStream_t stream, const RunFn& run) {
+std::unique_ptr<GemmPlan> make_plan(const GemmKey& k, const char* who, cublasLtHandle_t handle, size_t workspace_bytes,
+                                    bool autotune, cudaStream_t stream, const RunFn& run) {
   auto plan = std::make_unique<GemmPlan>();
   // On failure below the partially built plan leaks a few descriptors; that only happens on a
   // configuration error, which ends the run anyway.
   DFLASH_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
+  // cuBLASLt's A is our B, its B is our A (see the top of the file).
+  const cublasOperation_t op_first = k.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_second = k.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   DFLASH_CUBLAS_CHECK(
-      cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
+      cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
   DFLASH_CUBLAS_CHECK(
-      cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
-  // Column-major views (rows, cols, ld): A = w as [K, N], B = x as [K, M], C = D = y as [N, M].
-  DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, CUDA_R_16BF, static_cast<uint64_t>(k.K),
-                                                 static_cast<uint64_t>(k.N), k.K));
-  DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, CUDA_R_16BF, static_cast<uint64_t>(k.K),
-                                                 static_cast<uint64_t>(k.M), k.ldx));
-  DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->c, CUDA_R_16BF, static_cast<uint64_t>(k.N),
-                                                 static_cast<uint64_t>(k.M), k.ldy));
+      cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+  // Column-major views (rows, cols, ld) of the storage.
+  const auto u = [](int64_t v) { return static_cast<uint64_t>(v); };
+  if (k.trans_b)
+    DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, CUDA_R_16BF, u(k.K), u(k.N), k.ldb));
+  else
+    DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, CUDA_R_16BF, u(k.N), u(k.K), k.ldb));
+  if (k.trans_a)
+    DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, CUDA_R_16BF, u(k.M), u(k.K), k.lda));
+  else
+    DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, CUDA_R_16BF, u(k.K), u(k.M), k.lda));
+  DFLASH_CUBLAS_CHECK(
+      cublasLtMatrixLayoutCreate(&plan->c, k.d_f32 ? CUDA_R_32F : CUDA_R_16BF, u(k.N), u(k.M), k.ldd));
 
   cublasLtMatmulPreference_t pref = nullptr;
   DFLASH_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -159,12 +175,40 @@ std::unique_ptr<GemmPlan> make_plan(const GemmKey& k, cublasLtHandle_t handle, s
   DFLASH_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, plan->op, plan->a, plan->b, plan->c, plan->c, pref,
                                                      autotune ? kCandidates : 1, results, &found));
   DFLASH_CHECK_HINT(found > 0 && results[0].state == CUBLAS_STATUS_SUCCESS,
-                    "gemm_bf16: cuBLASLt found no algorithm for M=" << k.M << " N=" << k.N << " K=" << k.K
-                                                                    << " ldx=" << k.ldx << " ldy=" << k.ldy,
+                    who << ": cuBLASLt found no algorithm for M=" << k.M << " N=" << k.N << " K=" << k.K
+                        << " lda=" << k.lda << " ldb=" << k.ldb << " ldd=" << k.ldd << " trans_a=" << k.trans_a
+                        << " trans_b=" << k.trans_b << " D " << (k.d_f32 ? "fp32" : "bf16"),
                     "this GPU / cuBLASLt version may not support bf16 GEMM with fp32 accumulation (needs sm_80+)");
   plan->algo = results[0].algo;
   if (autotune && found > 1) plan->algo = fastest(*plan, results, found, stream, run);
   return plan;
+}
+
+// Runs one validated GEMM (M, N, K > 0) through the cached plan of its key.
+void run_gemm(const GemmExParams& p, const char* who, int device) {
+  DeviceContext& ctx = DeviceContext::get(device);
+  DeviceScope scope(device);
+  auto handle = static_cast<cublasLtHandle_t>(ctx.cublaslt());
+  const auto stream = static_cast<cudaStream_t>(ctx.stream());
+  const float alpha = p.alpha, beta = p.beta;
+  // cuBLASLt's A is our B and its B our A (see the top of the file).
+  const RunFn run = [&](const GemmPlan& pl, const cublasLtMatmulAlgo_t& algo) {
+    DFLASH_CUBLAS_CHECK(cublasLtMatmul(handle, pl.op, &alpha, p.b, pl.a, p.a, pl.b, &beta, p.d, pl.c, p.d, pl.c, &algo,
+                                       ctx.workspace(), ctx.workspace_bytes(), stream));
+  };
+  const GemmKey key{device,    p.M,       p.N,     p.K,           p.lda,         p.ldb,
+                    p.ldd,     p.trans_a, p.trans_b, p.d_f32, p.alpha == 0.0f, p.beta == 0.0f};
+  const GemmPlan* plan = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_plans->find(key);
+    // Autotuning runs the candidates on the real operands: only when they overwrite D (beta 0).
+    if (it == g_plans->end())
+      it = g_plans->emplace(key, make_plan(key, who, handle, ctx.workspace_bytes(),
+                                           g_autotune.load() && p.beta == 0.0f, stream, run)).first;
+    plan = it->second.get();
+  }
+  run(*plan, plan->algo);
 }
 
 }  // namespace
@@ -185,28 +229,57 @@ void gemm_bf16(const GemmParams& p, int device) {
                     "slice activations at column offsets that are multiples of 8 and keep hidden sizes a multiple "
                     "of 8 (every Qwen3.5 projection is); a misaligned view usually means a wrong offset");
 
-  DeviceContext& ctx = DeviceContext::get(device);
-  DeviceScope scope(device);
-  auto handle = static_cast<cublasLtHandle_t>(ctx.cublaslt());
+  GemmExParams e;
+  e.a = p.x;
+  e.lda = p.ldx;
+  e.b = p.w;
+  e.ldb = p.K;
+  e.trans_b = true;
+  e.d = p.y;
+  e.ldd = p.ldy;
+  e.M = p.M;
+  e.N = p.N;
+  e.K = p.K;
+  e.beta = p.accumulate ? 1.0f : 0.0f;
+  run_gemm(e, "gemm_bf16", device);
+}
 
-  const auto stream = static_cast<cudaStream_t>(ctx.stream());
-  const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
-  const RunFn run = [&](const GemmPlan& pl, const cublasLtMatmulAlgo_t& algo) {
-    DFLASH_CUBLAS_CHECK(cublasLtMatmul(handle, pl.op, &alpha, p.w, pl.a, p.x, pl.b, &beta, p.y, pl.c, p.y, pl.c, &algo,
-                                       ctx.workspace(), ctx.workspace_bytes(), stream));
-  };
-  const GemmKey key{device, p.M, p.N, p.K, p.ldx, p.ldy, p.accumulate};
-  const GemmPlan* plan = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_plans->find(key);
-    if (it == g_plans->end())
-      it = g_plans->emplace(key, make_plan(key, handle, ctx.workspace_bytes(), g_autotune.load() && !p.accumulate,
-                                           stream, run)).first;
-    plan = it->second.get();
+namespace detail {
+// train_ops.cu: D = beta · D over a row-major view (beta 0 writes zeros without reading D).
+void scale_matrix(void* d, bool d_f32, int64_t M, int64_t N, int64_t ldd, float beta, Stream s);
+}  // namespace detail
+
+void gemm_ex(const GemmExParams& p, int device) {
+  DFLASH_CHECK(p.M >= 0 && p.N >= 0 && p.K >= 0,
+               "gemm_ex: need M, N, K >= 0, got M=" << p.M << " N=" << p.N << " K=" << p.K);
+  const int64_t a_cols = p.trans_a ? p.M : p.K, b_cols = p.trans_b ? p.K : p.N;
+  DFLASH_CHECK(p.lda >= std::max<int64_t>(a_cols, 1),
+               "gemm_ex: A row stride lda=" << p.lda << " is smaller than its row length " << a_cols
+                                            << (p.trans_a ? " (M, trans_a)" : " (K)"));
+  DFLASH_CHECK(p.ldb >= std::max<int64_t>(b_cols, 1),
+               "gemm_ex: B row stride ldb=" << p.ldb << " is smaller than its row length " << b_cols
+                                            << (p.trans_b ? " (K, trans_b)" : " (N)"));
+  DFLASH_CHECK(p.ldd >= std::max<int64_t>(p.N, 1), "gemm_ex: D row stride ldd=" << p.ldd << " is smaller than N=" << p.N);
+  if (p.M == 0 || p.N == 0) return;
+  DFLASH_CHECK(p.d != nullptr, "gemm_ex: null D pointer for M=" << p.M << " N=" << p.N);
+  const int64_t d_mult = p.d_f32 ? 4 : 8;
+  DFLASH_CHECK_HINT(aligned16(p.d) && p.ldd % d_mult == 0,
+                    "gemm_ex: cuBLASLt needs D 16-byte aligned with ldd a multiple of "
+                        << d_mult << " elements (" << (p.d_f32 ? "fp32" : "bf16") << "), got d=" << p.d
+                        << " ldd=" << p.ldd,
+                    "slice at column offsets that are multiples of 8 and keep row strides multiples of 8");
+  if (p.K == 0) {
+    DeviceScope scope(device);
+    detail::scale_matrix(p.d, p.d_f32, p.M, p.N, p.ldd, p.beta, DeviceContext::get(device).stream());
+    return;
   }
-
-  run(*plan, plan->algo);
+  DFLASH_CHECK(p.a != nullptr && p.b != nullptr,
+               "gemm_ex: null pointer (a=" << p.a << " b=" << p.b << ") for M=" << p.M << " N=" << p.N << " K=" << p.K);
+  DFLASH_CHECK_HINT(aligned16(p.a) && aligned16(p.b) && p.lda % 8 == 0 && p.ldb % 8 == 0,
+                    "gemm_ex: cuBLASLt needs bf16 A and B 16-byte aligned with lda and ldb multiples of 8 elements, got a="
+                        << p.a << " lda=" << p.lda << " b=" << p.b << " ldb=" << p.ldb,
+                    "slice at column offsets that are multiples of 8 and keep row strides multiples of 8");
+  run_gemm(p, "gemm_ex", device);
 }
 
 void set_gemm_autotune(bool on) {

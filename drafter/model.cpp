@@ -169,26 +169,13 @@ struct LayerCache {
 
 }  // namespace
 
-StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, const FrozenTarget& target,
-                           const DrafterBatch& batch, const StepOptions& opt, DrafterWeights* grads,
-                           Tensor* grad_context, Tensor* final_hidden) {
-  c.validate();
-  w.check(c);
-  const int64_t H = c.hidden_size, B = c.block_size, d = c.head_dim, Hq = c.num_attention_heads;
-  const int64_t group = Hq / c.num_key_value_heads, Vocab = c.vocab_size, L = c.num_hidden_layers;
-  const double eps = c.rms_norm_eps, scale = 1.0 / std::sqrt(static_cast<double>(d));
-  for (const auto& [t, name] : {std::pair{&target.embed_tokens, "embed_tokens"}, {&target.lm_head, "lm_head"}})
-    DFLASH_CHECK(t->defined() && t->device().is_cpu() && t->dim() == 2 && t->size(0) == Vocab && t->size(1) == H &&
-                     dtype_is_float(t->dtype()),
-                 "drafter: target " << name << " must be a host float tensor [" << Vocab << ", " << H << "], got "
-                                    << (t->defined() ? t->describe() : "undefined"));
+void check_batch(const DrafterConfig& c, const DrafterBatch& batch) {
   const Tensor& ctx_in = batch.context;
-  DFLASH_CHECK(ctx_in.defined() && ctx_in.device().is_cpu() && ctx_in.dim() == 2 &&
-                   ctx_in.size(1) == c.context_dim() && dtype_is_float(ctx_in.dtype()),
-               "drafter: context must be a host float tensor [N, " << c.context_dim() << "] (k = "
-                                                                   << c.num_context_layers() << " captured layers × hidden "
-                                                                   << H << "), got " << (ctx_in.defined() ? ctx_in.describe() : "undefined"));
-  const int64_t N = ctx_in.size(0);
+  DFLASH_CHECK(ctx_in.defined() && ctx_in.dim() == 2 && ctx_in.size(1) == c.context_dim(),
+               "drafter: context must be [N, " << c.context_dim() << "] (k = " << c.num_context_layers()
+                                               << " captured layers × hidden " << c.hidden_size << "), got "
+                                               << (ctx_in.defined() ? ctx_in.describe() : "undefined"));
+  const int64_t N = ctx_in.size(0), Vocab = c.vocab_size;
   batch.seqs.validate(N, "drafter");
   DFLASH_CHECK(static_cast<int64_t>(batch.tokens.size()) == N && static_cast<int64_t>(batch.loss_mask.size()) == N,
                "drafter: " << N << " context rows but " << batch.tokens.size() << " tokens and "
@@ -210,6 +197,71 @@ StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, cons
     DFLASH_CHECK(batch.tokens[n] >= 0 && batch.tokens[n] < Vocab,
                  "drafter: token id " << batch.tokens[n] << " at row " << n << " is outside the vocabulary [0, " << Vocab << ")");
 
+}
+
+BlockTargets block_targets(const DrafterConfig& c, const DrafterBatch& batch, double gamma, int64_t label_shift) {
+  const int64_t B = c.block_size, nb = static_cast<int64_t>(batch.blocks.size());
+  BlockTargets t;
+  t.labels.assign(static_cast<size_t>(nb * B), 0);
+  t.weights.assign(static_cast<size_t>(nb * B), 0.0);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t off = batch.seqs.offsets[batch.blocks[b].seq];
+    const int64_t S = batch.seqs.offsets[batch.blocks[b].seq + 1] - off;
+    for (int64_t k = 1; k < B; ++k) {
+      const BlockLabel bl = block_label(batch.loss_mask.data() + off, S, batch.blocks[b].anchor, k, gamma, label_shift);
+      if (bl.position < 0) continue;
+      t.labels[b * B + k] = batch.tokens[off + bl.position];
+      t.weights[b * B + k] = bl.weight;
+      t.weight_sum += bl.weight;
+    }
+  }
+  return t;
+}
+
+StepStats block_stats(int64_t B, const BlockTargets& t, const std::vector<int32_t>& argmax, double weighted_ce_sum) {
+  const int64_t nb = static_cast<int64_t>(t.labels.size()) / B;
+  StepStats st;
+  st.weighted_ce_sum = weighted_ce_sum;
+  st.weight_sum = t.weight_sum;
+  st.correct.assign(static_cast<size_t>(B), 0);
+  st.counted.assign(static_cast<size_t>(B), 0);
+  for (int64_t b = 0; b < nb; ++b) {
+    int64_t leading = 0;
+    bool run = true;
+    for (int64_t k = 1; k < B; ++k) {
+      const int64_t r = b * B + k;
+      const bool ok = t.weights[r] > 0 && argmax[r] == t.labels[r];
+      if (t.weights[r] > 0) {
+        ++st.counted[k];
+        st.correct[k] += ok;
+      }
+      run = run && ok;
+      leading += run;
+    }
+    st.accept_len_sum += 1.0 + static_cast<double>(leading);
+    ++st.num_blocks;
+  }
+  return st;
+}
+
+StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, const FrozenTarget& target,
+                           const DrafterBatch& batch, const StepOptions& opt, DrafterWeights* grads,
+                           Tensor* grad_context, Tensor* final_hidden) {
+  c.validate();
+  w.check(c);
+  const int64_t H = c.hidden_size, B = c.block_size, d = c.head_dim, Hq = c.num_attention_heads;
+  const int64_t group = Hq / c.num_key_value_heads, Vocab = c.vocab_size, L = c.num_hidden_layers;
+  const double eps = c.rms_norm_eps, scale = 1.0 / std::sqrt(static_cast<double>(d));
+  for (const auto& [t, name] : {std::pair{&target.embed_tokens, "embed_tokens"}, {&target.lm_head, "lm_head"}})
+    DFLASH_CHECK(t->defined() && t->device().is_cpu() && t->dim() == 2 && t->size(0) == Vocab && t->size(1) == H &&
+                     dtype_is_float(t->dtype()),
+                 "drafter: target " << name << " must be a host float tensor [" << Vocab << ", " << H << "], got "
+                                    << (t->defined() ? t->describe() : "undefined"));
+  const Tensor& ctx_in = batch.context;
+  DFLASH_CHECK(ctx_in.defined() && ctx_in.device().is_cpu() && dtype_is_float(ctx_in.dtype()),
+               "drafter: context must be a host float tensor, got " << (ctx_in.defined() ? ctx_in.describe() : "undefined"));
+  check_batch(c, batch);
+  const int64_t N = ctx_in.size(0);
   const int64_t nb = static_cast<int64_t>(batch.blocks.size()), R = nb * B;
   std::vector<Mat> P;
   auto entries = const_cast<DrafterWeights&>(w).entries(c);
@@ -316,20 +368,10 @@ StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, cons
   if (final_hidden) *final_hidden = to_f64_tensor(hf);
 
   // Labels and weights.
-  std::vector<int32_t> labels(static_cast<size_t>(R), 0);
-  std::vector<double> weights(static_cast<size_t>(R), 0.0);
-  double wsum = 0;
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t off = batch.seqs.offsets[batch.blocks[b].seq];
-    const int64_t S = batch.seqs.offsets[batch.blocks[b].seq + 1] - off;
-    for (int64_t k = 1; k < B; ++k) {
-      const BlockLabel bl = block_label(batch.loss_mask.data() + off, S, batch.blocks[b].anchor, k, opt.gamma, opt.label_shift);
-      if (bl.position < 0) continue;
-      labels[b * B + k] = batch.tokens[off + bl.position];
-      weights[b * B + k] = bl.weight;
-      wsum += bl.weight;
-    }
-  }
+  const BlockTargets tg = block_targets(c, batch, opt.gamma, opt.label_shift);
+  const std::vector<int32_t>& labels = tg.labels;
+  const std::vector<double>& weights = tg.weights;
+  const double wsum = tg.weight_sum;
   const bool backward = grads != nullptr || grad_context != nullptr;
   const double gscale = opt.grad_scale != 0 ? opt.grad_scale : (wsum > 0 ? 1.0 / wsum : 0.0);
   Mat dhf(R, H);
@@ -337,27 +379,8 @@ StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, cons
   const CeSums ce = fused_linear_ce(hf.v.data(), R, H, target.lm_head.contiguous(), labels, weights, opt.ce_chunk_rows,
                                     gscale, backward ? dhf.v.data() : nullptr, &argmax);
 
-  StepStats st;
-  st.weighted_ce_sum = ce.weighted_ce_sum;
+  StepStats st = block_stats(B, tg, argmax, ce.weighted_ce_sum);
   st.weight_sum = ce.weight_sum;
-  st.correct.assign(static_cast<size_t>(B), 0);
-  st.counted.assign(static_cast<size_t>(B), 0);
-  for (int64_t b = 0; b < nb; ++b) {
-    int64_t leading = 0;
-    bool run = true;
-    for (int64_t k = 1; k < B; ++k) {
-      const int64_t r = b * B + k;
-      const bool ok = weights[r] > 0 && argmax[r] == labels[r];
-      if (weights[r] > 0) {
-        ++st.counted[k];
-        st.correct[k] += ok;
-      }
-      run = run && ok;
-      leading += run;
-    }
-    st.accept_len_sum += 1.0 + static_cast<double>(leading);
-    ++st.num_blocks;
-  }
   if (!backward) return st;
 
   // ---- backward ----

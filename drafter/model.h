@@ -71,6 +71,20 @@ struct StepOptions {
   int64_t label_shift = 0;                  // test hook: position k predicts token a+k+label_shift
 };
 
+// Checks a batch against the config (context width, sequence offsets, token ids, sorted blocks
+// inside their sequences); throws naming the first bad item. The context may be on any device.
+void check_batch(const DrafterConfig& c, const DrafterBatch& batch);
+
+// Labels and loss weights of every block row (R = blocks·B; row b·B + k), from block_label.
+struct BlockTargets {
+  std::vector<int32_t> labels;  // [R] (0 where the weight is 0)
+  std::vector<double> weights;  // [R]
+  double weight_sum = 0;
+};
+BlockTargets block_targets(const DrafterConfig& c, const DrafterBatch& batch, double gamma, int64_t label_shift = 0);
+// The step's metrics from each row's top-1 id (argmax[r], compared only where weights[r] > 0).
+StepStats block_stats(int64_t B, const BlockTargets& t, const std::vector<int32_t>& argmax, double weighted_ce_sum);
+
 // Forward (and backward when grads or grad_context is given) over a batch.
 //   grads:        gradients ADDED into these tensors (F32 or F64; allocate with DrafterWeights::zeros)
 //   grad_context: when given, set to d/d context, [N, k·H] F64 (the fc input)

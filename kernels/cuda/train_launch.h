@@ -131,6 +131,7 @@ struct BlockAttnParams {
   bool sliding = false;
   int64_t window = 0;  // keys, > 0 when sliding
   float scale = 0.0f;  // 0 means 1/sqrt(d)
+  bool force_fallback = false;  // run the plain kernels even where the tensor-core ones apply (tests, bench)
 };
 void block_attention_fwd(const BlockAttnParams& p, Stream s);
 // Backward from dout [R, Hq, d] bf16: dq [R, Hq, d], dkc / dvc [N, Hkv, d], dkb / dvb [R, Hkv, d],

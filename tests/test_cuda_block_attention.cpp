@@ -1,0 +1,433 @@
+// CUDA DFlash block attention (block_attention_fwd / _bwd) against a float64 CPU reference that
+// builds every query's key set with drafter::mask_allows, the CPU drafter's own mask. Inputs are
+// bf16 drawn on the host (so the reference sees the exact values the kernels read); every output
+// is poisoned (NaN) before the launch, and a NaN fails.
+//
+// Error bounds, as max|got − ref| / max|ref| per tensor:
+//   out 1e-2: stored in bf16 (2^-9 relative per element) and P rounded to bf16 before P·V;
+//   lse 1e-4: fp32 throughout (the inputs are exact; ex2.approx and fp32 sums give ~1e-6);
+//   dq, dkc, dvc, dkb, dvb 2e-2: on top of the output rounding, P and dS are rounded to bf16 for
+//   the tensor-core GEMMs and δ = rowsum(dO·O) uses the bf16 O; seen ~3e-3 to 8e-3.
+// Context rows no query attends must be exactly 0 in dkc / dvc (checked separately).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "drafter/config.h"
+#include "drafter/model.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/train_launch.h"
+#include "kernels/device.h"
+#include "kernels/random.h"
+#include "tests/test_util.h"
+
+using namespace dflash;
+
+namespace {
+
+constexpr double kOutBound = 1e-2, kLseBound = 1e-4, kGradBound = 2e-2;
+uint64_t g_stream = 9100;
+
+struct Shape5 {
+  std::vector<int64_t> lens;                 // context rows per sequence
+  std::vector<std::vector<int64_t>> anchors;  // per sequence, sorted
+  int64_t B = 16, Hq = 4, Hkv = 1, d = 64;
+  bool sliding = false;
+  int64_t window = 0;
+  float q_stddev = 1.0f;
+  bool force_fallback = false;
+};
+
+std::string describe(const Shape5& s) {
+  std::ostringstream os;
+  os << "d=" << s.d << " Hq=" << s.Hq << " Hkv=" << s.Hkv << " B=" << s.B << (s.sliding ? " sliding w=" : " full")
+     << (s.sliding ? std::to_string(s.window) : "") << (s.force_fallback ? " [forced fallback]" : "") << " lens={";
+  for (size_t i = 0; i < s.lens.size(); ++i) os << (i ? "," : "") << s.lens[i];
+  os << "} blocks={";
+  for (size_t i = 0; i < s.anchors.size(); ++i) os << (i ? "," : "") << s.anchors[i].size();
+  os << "}";
+  return os.str();
+}
+
+Tensor bf16_normal(const Shape& shape, float stddev) {
+  Tensor t = Tensor::empty(shape, DType::BF16);
+  fill_normal(t, {5151, g_stream++, 0}, 0.0f, stddev);
+  return t;
+}
+
+Tensor dev_i32(const std::vector<int32_t>& v) {
+  std::vector<int32_t> c = v.empty() ? std::vector<int32_t>{0} : v;
+  return Tensor::from_blob(c.data(), {static_cast<int64_t>(c.size())}, DType::I32).to(Device::cuda(0));
+}
+
+struct Problem {
+  Shape5 s;
+  int64_t N = 0, nb = 0, R = 0, max_len = 0;
+  std::vector<int32_t> cu_seqlens, cu_blocks, anchor, block_seq;
+  Tensor q, kc, vc, kb, vb, dout;  // host bf16
+  std::vector<double> hq, hkc, hvc, hkb, hvb, hdo;
+};
+
+Problem make(const Shape5& s) {
+  Problem p;
+  p.s = s;
+  p.cu_seqlens = {0};
+  p.cu_blocks = {0};
+  for (size_t i = 0; i < s.lens.size(); ++i) {
+    p.cu_seqlens.push_back(p.cu_seqlens.back() + static_cast<int32_t>(s.lens[i]));
+    p.max_len = std::max(p.max_len, s.lens[i]);
+    for (int64_t a : s.anchors[i]) {
+      EXPECT_TRUE(a >= 0 && a < s.lens[i]);
+      p.anchor.push_back(static_cast<int32_t>(a));
+      p.block_seq.push_back(static_cast<int32_t>(i));
+    }
+    p.cu_blocks.push_back(static_cast<int32_t>(p.anchor.size()));
+  }
+  p.N = p.cu_seqlens.back();
+  p.nb = static_cast<int64_t>(p.anchor.size());
+  p.R = p.nb * s.B;
+  p.q = bf16_normal({p.R, s.Hq, s.d}, s.q_stddev);
+  p.kc = bf16_normal({p.N, s.Hkv, s.d}, 1.0f);
+  p.vc = bf16_normal({p.N, s.Hkv, s.d}, 1.0f);
+  p.kb = bf16_normal({p.R, s.Hkv, s.d}, 1.0f);
+  p.vb = bf16_normal({p.R, s.Hkv, s.d}, 1.0f);
+  p.dout = bf16_normal({p.R, s.Hq, s.d}, 1.0f);
+  p.hq = to_doubles(p.q);
+  p.hkc = to_doubles(p.kc);
+  p.hvc = to_doubles(p.vc);
+  p.hkb = to_doubles(p.kb);
+  p.hvb = to_doubles(p.vb);
+  p.hdo = to_doubles(p.dout);
+  return p;
+}
+
+struct Ref {
+  std::vector<double> out, lse, dq, dkc, dvc, dkb, dvb;
+  std::vector<char> ctx_attended;  // [N · Hkv]: some query attends this context row (per kv head: all heads alike)
+};
+
+// float64 reference: per (block row, head), the keys mask_allows admits, softmax, out, lse; then
+// the backward from dout with δ = Σ dO·O.
+Ref reference(const Problem& p) {
+  const Shape5& s = p.s;
+  const int64_t d = s.d, Hq = s.Hq, Hkv = s.Hkv, G = Hq / Hkv, B = s.B;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const auto type = s.sliding ? drafter::AttnType::Sliding : drafter::AttnType::Full;
+  Ref r;
+  r.out.assign(p.R * Hq * d, 0.0);
+  r.lse.assign(p.R * Hq, 0.0);
+  r.dq.assign(p.R * Hq * d, 0.0);
+  r.dkc.assign(p.N * Hkv * d, 0.0);
+  r.dvc.assign(p.N * Hkv * d, 0.0);
+  r.dkb.assign(p.R * Hkv * d, 0.0);
+  r.dvb.assign(p.R * Hkv * d, 0.0);
+  r.ctx_attended.assign(p.N, 0);
+  struct Key {
+    bool in_block;
+    int64_t row;  // context row (global) or block row
+  };
+  for (int64_t b = 0; b < p.nb; ++b) {
+    const int64_t a = p.anchor[b], off = p.cu_seqlens[p.block_seq[b]];
+    for (int64_t j = 0; j < B; ++j) {
+      std::vector<Key> keys;
+      const int64_t S = p.cu_seqlens[p.block_seq[b] + 1] - off;
+      for (int64_t t = 0; t < S; ++t)  // every context row of the sequence: mask_allows decides
+        if (drafter::mask_allows(type, s.window, a, j, false, t))
+          keys.push_back({false, off + t});
+      for (int64_t jj = 0; jj < B; ++jj)
+        if (drafter::mask_allows(type, s.window, a, j, true, jj)) keys.push_back({true, b * B + jj});
+      const int64_t row = b * B + j;
+      for (const Key& k : keys)
+        if (!k.in_block) r.ctx_attended[k.row] = 1;
+      for (int64_t h = 0; h < Hq; ++h) {
+        const int64_t kv = h / G;
+        const double* qv = &p.hq[(row * Hq + h) * d];
+        const double* gv = &p.hdo[(row * Hq + h) * d];
+        auto kptr = [&](const Key& k, bool v) {
+          const auto& src = k.in_block ? (v ? p.hvb : p.hkb) : (v ? p.hvc : p.hkc);
+          return &src[(k.row * Hkv + kv) * d];
+        };
+        std::vector<double> sc(keys.size());
+        double mx = -INFINITY;
+        for (size_t i = 0; i < keys.size(); ++i) {
+          const double* kr = kptr(keys[i], false);
+          double dot = 0;
+          for (int64_t e = 0; e < d; ++e) dot += qv[e] * kr[e];
+          sc[i] = dot * scale;
+          mx = std::max(mx, sc[i]);
+        }
+        double sum = 0;
+        for (double& x : sc) sum += (x = std::exp(x - mx));
+        double* o = &r.out[(row * Hq + h) * d];
+        for (size_t i = 0; i < keys.size(); ++i) {
+          sc[i] /= sum;
+          const double* vr = kptr(keys[i], true);
+          for (int64_t e = 0; e < d; ++e) o[e] += sc[i] * vr[e];
+        }
+        r.lse[row * Hq + h] = mx + std::log(sum);
+        double delta = 0;
+        for (int64_t e = 0; e < d; ++e) delta += gv[e] * o[e];
+        double* dq = &r.dq[(row * Hq + h) * d];
+        for (size_t i = 0; i < keys.size(); ++i) {
+          const double* kr = kptr(keys[i], false);
+          const double* vr = kptr(keys[i], true);
+          double dp = 0;
+          for (int64_t e = 0; e < d; ++e) dp += gv[e] * vr[e];
+          const double ds = sc[i] * (dp - delta);
+          auto& dk = keys[i].in_block ? r.dkb : r.dkc;
+          auto& dv = keys[i].in_block ? r.dvb : r.dvc;
+          double* dkr = &dk[(keys[i].row * Hkv + kv) * d];
+          double* dvr = &dv[(keys[i].row * Hkv + kv) * d];
+          for (int64_t e = 0; e < d; ++e) {
+            dq[e] += scale * ds * kr[e];
+            dkr[e] += scale * ds * qv[e];
+            dvr[e] += sc[i] * gv[e];
+          }
+        }
+      }
+    }
+  }
+  return r;
+}
+
+double rel_err(const Tensor& got, const std::vector<double>& ref) {
+  const std::vector<double> g = to_doubles(got);
+  if (g.size() != ref.size()) return INFINITY;
+  double md = 0, mr = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (!std::isfinite(g[i])) return INFINITY;
+    md = std::max(md, std::abs(g[i] - ref[i]));
+    mr = std::max(mr, std::abs(ref[i]));
+  }
+  return md / std::max(mr, 1e-30);
+}
+
+struct Errors {
+  double out = 0, lse = 0, dq = 0, dkc = 0, dvc = 0, dkb = 0, dvb = 0;
+  void max_with(const Errors& e) {
+    out = std::max(out, e.out);
+    lse = std::max(lse, e.lse);
+    dq = std::max(dq, e.dq);
+    dkc = std::max(dkc, e.dkc);
+    dvc = std::max(dvc, e.dvc);
+    dkb = std::max(dkb, e.dkb);
+    dvb = std::max(dvb, e.dvb);
+  }
+};
+
+Errors check(const Shape5& shape) {
+  const Problem p = make(shape);
+  const Shape5& s = p.s;
+  const Ref ref = reference(p);
+  const Device dev = Device::cuda(0);
+  Tensor q = p.q.to(dev), kc = p.kc.to(dev), vc = p.vc.to(dev), kb = p.kb.to(dev), vb = p.vb.to(dev),
+         dout = p.dout.to(dev);
+  Tensor anchor = dev_i32(p.anchor), bseq = dev_i32(p.block_seq), cus = dev_i32(p.cu_seqlens),
+         cub = dev_i32(p.cu_blocks);
+  Tensor out = Tensor::empty({p.R, s.Hq, s.d}, DType::BF16, dev), lse = Tensor::empty({p.R, s.Hq}, DType::F32, dev);
+  Tensor dq = Tensor::empty({p.R, s.Hq, s.d}, DType::BF16, dev);
+  Tensor dkc = Tensor::empty({p.N, s.Hkv, s.d}, DType::BF16, dev), dvc = dkc.clone();
+  Tensor dkb = Tensor::empty({p.R, s.Hkv, s.d}, DType::BF16, dev), dvb = dkb.clone();
+  for (Tensor* t : {&out, &lse, &dq, &dkc, &dvc, &dkb, &dvb}) poison(*t);
+
+  cuda::BlockAttnParams a;
+  a.q = q.raw_data();
+  a.kc = kc.raw_data();
+  a.vc = vc.raw_data();
+  a.kb = kb.raw_data();
+  a.vb = vb.raw_data();
+  a.out = out.raw_data();
+  a.lse = lse.data<float>();
+  a.anchor = anchor.data<int32_t>();
+  a.block_seq = bseq.data<int32_t>();
+  a.cu_seqlens = cus.data<int32_t>();
+  a.cu_blocks = cub.data<int32_t>();
+  a.nb = p.nb;
+  a.B = s.B;
+  a.N = p.N;
+  a.num_seqs = static_cast<int64_t>(s.lens.size());
+  a.max_seqlen = p.max_len;
+  a.Hq = s.Hq;
+  a.Hkv = s.Hkv;
+  a.d = s.d;
+  a.sliding = s.sliding;
+  a.window = s.window;
+  a.force_fallback = s.force_fallback;
+  void* stream = DeviceContext::get(0).stream();
+  cuda::block_attention_fwd(a, stream);
+  cuda::BlockAttnBwdParams bp;
+  bp.fwd = a;
+  bp.dout = dout.raw_data();
+  bp.dq = dq.raw_data();
+  bp.dkc = dkc.raw_data();
+  bp.dvc = dvc.raw_data();
+  bp.dkb = dkb.raw_data();
+  bp.dvb = dvb.raw_data();
+  Tensor ws = Tensor::empty({std::max<int64_t>(cuda::block_attention_bwd_workspace(a), 1)}, DType::U8, dev);
+  bp.workspace = ws.raw_data();
+  cuda::block_attention_bwd(bp, stream);
+  DeviceContext::get(0).synchronize();
+
+  Errors e;
+  e.out = rel_err(out, ref.out);
+  e.lse = rel_err(lse, ref.lse);
+  e.dq = rel_err(dq, ref.dq);
+  e.dkc = p.N ? rel_err(dkc, ref.dkc) : 0;
+  e.dvc = p.N ? rel_err(dvc, ref.dvc) : 0;
+  e.dkb = rel_err(dkb, ref.dkb);
+  e.dvb = rel_err(dvb, ref.dvb);
+  const std::string what = describe(s);
+  EXPECT_LT(e.out, kOutBound) << what;
+  EXPECT_LT(e.lse, kLseBound) << what;
+  EXPECT_LT(e.dq, kGradBound) << what;
+  EXPECT_LT(e.dkc, kGradBound) << what;
+  EXPECT_LT(e.dvc, kGradBound) << what;
+  EXPECT_LT(e.dkb, kGradBound) << what;
+  EXPECT_LT(e.dvb, kGradBound) << what;
+  // Context rows no query attends: exactly zero (not just small).
+  if (p.N) {
+    const std::vector<double> gk = to_doubles(dkc), gv = to_doubles(dvc);
+    int64_t unattended = 0, nonzero = 0;
+    for (int64_t n = 0; n < p.N; ++n) {
+      if (ref.ctx_attended[n]) continue;
+      ++unattended;
+      for (int64_t e2 = 0; e2 < s.Hkv * s.d; ++e2)
+        if (gk[n * s.Hkv * s.d + e2] != 0.0 || gv[n * s.Hkv * s.d + e2] != 0.0) ++nonzero;
+    }
+    EXPECT_EQ(nonzero, 0) << what << ": " << nonzero << " non-zero gradient values in " << unattended
+                          << " unattended context rows";
+  }
+  std::printf("  %-80s out %.2e lse %.2e dq %.2e dkc %.2e dvc %.2e dkb %.2e dvb %.2e\n", what.c_str(), e.out, e.lse,
+              e.dq, e.dkc, e.dvc, e.dkb, e.dvb);
+  return e;
+}
+
+// Varlen context: anchors at 0 and S−1, blocks whose positions run past the sequence end, several
+// context tiles (S > 64), a sequence without blocks (its rows get zero gradients) and an empty one.
+Shape5 varlen(int64_t d, int64_t Hq, int64_t Hkv, int64_t B) {
+  Shape5 s;
+  s.lens = {300, 77, 0, 40, 131};
+  s.anchors = {{0, 1, 63, 64, 65, 150, 290, 299}, {5, 76}, {}, {}, {0, 64, 127, 128, 130}};
+  s.d = d;
+  s.Hq = Hq;
+  s.Hkv = Hkv;
+  s.B = B;
+  return s;
+}
+
+void sweep(int64_t d, bool fallback) {
+  Errors worst;
+  struct Heads {
+    int64_t Hq, Hkv, B;
+  };
+  // 4/1 and 32/8 (the 27B drafter), B 16 (M = 64 packed rows), odd B 7 (M 28 / 28: partial tiles),
+  // B 16 with 8 heads per kv head (M = 128: two query tiles) and B 80 (two own-block key tiles).
+  std::vector<Heads> heads = {{4, 1, 16}, {32, 8, 16}, {4, 1, 7}, {32, 8, 7}, {8, 1, 16}, {2, 2, 80}};
+  for (const Heads& h : heads)
+    for (int mode = 0; mode < 3; ++mode) {
+      Shape5 s = varlen(d, h.Hq, h.Hkv, h.B);
+      s.force_fallback = fallback;
+      if (h.Hq == 32) {  // keep the float64 reference fast at 32 heads
+        s.lens = {200, 70};
+        s.anchors = {{0, 99, 140, 199}, {3, 69}};
+      }
+      if (mode >= 1) {
+        s.sliding = true;
+        s.window = mode == 1 ? 5 : 100;  // smaller than a block / larger than a block and a tile
+      }
+      worst.max_with(check(s));
+    }
+  std::printf("d=%lld %s worst: out %.2e lse %.2e dq %.2e dkc %.2e dvc %.2e dkb %.2e dvb %.2e\n",
+              static_cast<long long>(d), fallback ? "fallback" : "dispatch", worst.out, worst.lse, worst.dq, worst.dkc,
+              worst.dvc, worst.dkb, worst.dvb);
+}
+
+}  // namespace
+
+TEST(CudaBlockAttention, FastD64) {
+  DFLASH_REQUIRE_GPU();
+  sweep(64, false);
+}
+
+TEST(CudaBlockAttention, FastD128) {
+  DFLASH_REQUIRE_GPU();
+  sweep(128, false);
+}
+
+TEST(CudaBlockAttention, ForcedFallbackD64) {
+  DFLASH_REQUIRE_GPU();
+  sweep(64, true);
+}
+
+// Head dims without tensor-core kernels go to the fallback through the same launchers.
+TEST(CudaBlockAttention, FallbackOddHeadDims) {
+  DFLASH_REQUIRE_GPU();
+  for (int64_t d : {32, 96, 40})
+    for (int mode = 0; mode < 2; ++mode) {
+      Shape5 s = varlen(d, 4, 2, d == 40 ? 7 : 16);
+      s.sliding = mode == 1;
+      s.window = 9;
+      check(s);
+    }
+}
+
+// Peaky softmax (q stddev 6: logits of stddev ~6): the running max must be handled in fp32.
+TEST(CudaBlockAttention, PeakySoftmax) {
+  DFLASH_REQUIRE_GPU();
+  for (int64_t d : {64, 128})
+    for (bool fb : {false, true}) {
+      Shape5 s = varlen(d, 4, 1, 16);
+      s.q_stddev = 6.0f;
+      s.force_fallback = fb;
+      check(s);
+    }
+}
+
+// The drafter layout in small: one 1024-token context, 64 uniform anchors (sorted), Hq 32, Hkv 8.
+TEST(CudaBlockAttention, DrafterShapeSmall) {
+  DFLASH_REQUIRE_GPU();
+  Shape5 s;
+  s.lens = {1024};
+  s.anchors = {{}};
+  for (int64_t i = 0; i < 24; ++i) s.anchors[0].push_back((i * 977 + 13) % 1024);
+  std::sort(s.anchors[0].begin(), s.anchors[0].end());
+  s.Hq = 32;
+  s.Hkv = 8;
+  s.d = 128;
+  check(s);
+  s.sliding = true;
+  s.window = 200;
+  check(s);
+}
+
+TEST(CudaBlockAttention, Supported) {
+  EXPECT_TRUE(cuda::block_attention_supported(64, 9));
+  EXPECT_TRUE(cuda::block_attention_supported(128, 8));
+  EXPECT_FALSE(cuda::block_attention_supported(128, 7));
+  for (int64_t d : {32, 96, 256, 40}) EXPECT_FALSE(cuda::block_attention_supported(d, 9));
+}
+
+TEST(CudaBlockAttention, BadSizesThrow) {
+  DFLASH_REQUIRE_GPU();
+  cuda::BlockAttnParams a;
+  a.nb = 1;
+  a.B = 16;
+  a.N = 10;
+  a.num_seqs = 1;
+  a.max_seqlen = 10;
+  a.Hq = 6;
+  a.Hkv = 4;  // not a divisor
+  a.d = 64;
+  EXPECT_NE(error_of([&] { cuda::block_attention_fwd(a, DeviceContext::get(0).stream()); }), "");
+  a.Hkv = 2;  // null pointers now
+  EXPECT_NE(error_of([&] { cuda::block_attention_fwd(a, DeviceContext::get(0).stream()); }), "");
+  a.sliding = true;
+  a.window = 0;
+  EXPECT_NE(error_of([&] { cuda::block_attention_fwd(a, DeviceContext::get(0).stream()); }), "");
+}

@@ -1,0 +1,398 @@
+#include "drafter/model_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/train_launch.h"
+#include "kernels/device.h"
+#include "kernels/error.h"
+
+namespace dflash::drafter {
+
+namespace {
+
+constexpr int64_t kAlign = 8;  // elements: 16 bytes of bf16 (cuBLASLt operand alignment), 32 of fp32
+
+int64_t round_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+Tensor dev_empty(const Shape& s, DType t, Device d) { return Tensor::empty(s, t, d); }
+
+// An int32 host vector on the device (synchronous upload; small).
+Tensor upload_i32(const std::vector<int32_t>& v, Device d) {
+  Tensor h = Tensor::empty({static_cast<int64_t>(v.size())}, DType::I32);
+  if (!v.empty()) std::copy(v.begin(), v.end(), h.data<int32_t>());
+  return h.to(d);
+}
+Tensor upload_f32(const std::vector<float>& v, Device d) {
+  Tensor h = Tensor::empty({static_cast<int64_t>(v.size())}, DType::F32);
+  if (!v.empty()) std::copy(v.begin(), v.end(), h.data<float>());
+  return h.to(d);
+}
+
+void copy_async(void* dst, const void* src, size_t bytes, void* stream) {
+  DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)));
+}
+// Columns [0, cols) of a row-strided bf16 matrix into another (different strides).
+void copy_cols_bf16(void* dst, int64_t ldd, const void* src, int64_t lds, int64_t rows, int64_t cols, void* stream) {
+  if (rows == 0) return;
+  DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(ldd) * 2, src, static_cast<size_t>(lds) * 2,
+                                      static_cast<size_t>(cols) * 2, static_cast<size_t>(rows), cudaMemcpyDeviceToDevice,
+                                      static_cast<cudaStream_t>(stream)));
+}
+
+char* bf16_at(void* base, int64_t elems) { return static_cast<char*>(base) + elems * 2; }
+const char* bf16_at(const void* base, int64_t elems) { return static_cast<const char*>(base) + elems * 2; }
+
+}  // namespace
+
+CudaDrafter::CudaDrafter(DrafterConfig c, const DrafterWeights& init, Tensor embed_tokens, Tensor lm_head, Device device)
+    : c_(std::move(c)), device_(device), embed_(std::move(embed_tokens)), lm_head_(std::move(lm_head)) {
+  c_.validate();
+  init.check(c_);
+  DFLASH_CHECK(device_.is_cuda(), "CudaDrafter: device must be a CUDA device, got " << device_.str());
+  for (const auto& [t, name] : {std::pair{&embed_, "embed_tokens"}, {&lm_head_, "lm_head"}})
+    DFLASH_CHECK(t->defined() && t->device() == device_ && t->dtype() == DType::BF16 && t->dim() == 2 &&
+                     t->size(0) == c_.vocab_size && t->size(1) == c_.hidden_size && t->is_contiguous(),
+                 "CudaDrafter: target " << name << " must be bf16 [" << c_.vocab_size << ", " << c_.hidden_size
+                                        << "] on " << device_.str() << ", got "
+                                        << (t->defined() ? t->describe() : "undefined"));
+  DFLASH_CHECK(c_.hidden_size % kAlign == 0 && c_.head_dim % kAlign == 0 && c_.intermediate_size % kAlign == 0 &&
+                   c_.context_dim() % kAlign == 0,
+               "CudaDrafter: hidden_size, head_dim, intermediate_size and k·hidden must be multiples of 8 (GEMM "
+               "operand alignment), got "
+                   << c_.hidden_size << ", " << c_.head_dim << ", " << c_.intermediate_size << ", " << c_.context_dim());
+  // Offsets: fc, hidden_norm and norm first (one bucket), then the layers in order; spans_ stays in
+  // entries order.
+  auto entries = const_cast<DrafterWeights&>(init).entries(c_);
+  for (const auto& e : entries) spans_.push_back({e.name, 0, shape_numel(e.shape)});
+  for (int pass = 0; pass < 2; ++pass)
+    for (Span& sp : spans_)
+      if ((sp.name.rfind("layers.", 0) == 0) == (pass == 1)) {
+        sp.offset = flat_;
+        flat_ = round_up(flat_ + sp.numel, kAlign);
+      }
+  // Fused operands must be adjacent: q|k|v and gate|up (their sizes are multiples of 8).
+  for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    DFLASH_CHECK(span(p + "self_attn.k_proj.weight").offset ==
+                         span(p + "self_attn.q_proj.weight").offset + span(p + "self_attn.q_proj.weight").numel &&
+                     span(p + "self_attn.v_proj.weight").offset ==
+                         span(p + "self_attn.k_proj.weight").offset + span(p + "self_attn.k_proj.weight").numel &&
+                     span(p + "mlp.up_proj.weight").offset ==
+                         span(p + "mlp.gate_proj.weight").offset + span(p + "mlp.gate_proj.weight").numel,
+                 "CudaDrafter: internal: parameter order does not keep q|k|v and gate|up adjacent");
+  }
+  // Buckets in the order backward completes them: the last layer first, then fc / hidden_norm / norm.
+  for (int64_t l = c_.num_hidden_layers - 1; l >= 0; --l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    int64_t first = INT64_MAX, end = 0;
+    for (const Span& sp : spans_)
+      if (sp.name.rfind(p, 0) == 0) first = std::min(first, sp.offset), end = std::max(end, round_up(sp.offset + sp.numel, kAlign));
+    buckets_.push_back({"layer " + std::to_string(l), first, end});
+  }
+  int64_t head_end = 0;
+  for (const Span& sp : spans_)
+    if (sp.name.rfind("layers.", 0) != 0) head_end = std::max(head_end, round_up(sp.offset + sp.numel, kAlign));
+  buckets_.push_back({"fc, hidden_norm, norm", 0, head_end});
+  masters_ = Tensor::zeros({flat_}, DType::F32, device_);
+  weights_ = Tensor::zeros({flat_}, DType::BF16, device_);
+  grads_ = Tensor::zeros({flat_}, DType::F32, device_);
+  upload_masters(init);
+}
+
+int64_t CudaDrafter::num_params() const {
+  int64_t n = 0;
+  for (const Span& s : spans_) n += s.numel;
+  return n;
+}
+
+const CudaDrafter::Span& CudaDrafter::span(const std::string& name) const {
+  for (const Span& s : spans_)
+    if (s.name == name) return s;
+  DFLASH_FAIL("CudaDrafter: no parameter named " << name);
+}
+void* CudaDrafter::wptr(const std::string& name) const { return bf16_at(weights_.raw_data(), span(name).offset); }
+float* CudaDrafter::gptr(const std::string& name) const { return grads_.data<float>() + span(name).offset; }
+
+void CudaDrafter::upload_masters(const DrafterWeights& w) {
+  w.check(c_);
+  Tensor host = Tensor::zeros({flat_}, DType::F32);
+  auto entries = const_cast<DrafterWeights&>(w).entries(c_);
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const Tensor t = entries[i].tensor->to(Device::cpu()).contiguous();
+    convert_elements(t.raw_data(), t.dtype(), host.data<float>() + spans_[i].offset, DType::F32, spans_[i].numel);
+  }
+  masters_.copy_from(host);
+  refresh_weights();
+}
+
+void CudaDrafter::refresh_weights() {
+  cuda::cast_f32_bf16(masters_.data<float>(), weights_.raw_data(), flat_, DeviceContext::get(device_.index).stream());
+}
+
+void CudaDrafter::zero_grads() {
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(grads_.raw_data(), 0, grads_.nbytes(),
+                                    static_cast<cudaStream_t>(DeviceContext::get(device_.index).stream())));
+}
+
+DrafterWeights CudaDrafter::download(const Tensor& flat) const {
+  DeviceContext::get(device_.index).synchronize();
+  const Tensor host = flat.to(Device::cpu());
+  DrafterWeights w = DrafterWeights::zeros(c_, DType::F32);
+  auto entries = w.entries(c_);
+  for (size_t i = 0; i < entries.size(); ++i)
+    std::copy_n(host.data<float>() + spans_[i].offset, spans_[i].numel, entries[i].tensor->data<float>());
+  return w;
+}
+DrafterWeights CudaDrafter::download_masters() const { return download(masters_); }
+DrafterWeights CudaDrafter::download_grads() const { return download(grads_); }
+
+StepStats CudaDrafter::step(const DrafterBatch& batch, const StepOptions& opt, bool backward, bool last_micro_batch,
+                            const BucketReady& on_bucket) {
+  check_batch(c_, batch);
+  const Tensor& context = batch.context;
+  DFLASH_CHECK(context.device() == device_ && context.dtype() == DType::BF16 && context.is_contiguous(),
+               "CudaDrafter: context must be contiguous bf16 on " << device_.str() << ", got " << context.describe());
+  DFLASH_CHECK(opt.mask == MaskVariant::Correct && opt.label_shift == 0,
+               "CudaDrafter: the mask / label test hooks exist on the CPU reference only");
+  const int dev = device_.index;
+  void* s = DeviceContext::get(dev).stream();
+  const int64_t H = c_.hidden_size, B = c_.block_size, d = c_.head_dim, Hq = c_.num_attention_heads;
+  const int64_t Hkv = c_.num_key_value_heads, I = c_.intermediate_size, L = c_.num_hidden_layers;
+  const int64_t qd = c_.q_dim(), kvd = c_.kv_dim(), QKV = qd + 2 * kvd, KH = c_.context_dim();
+  const int64_t N = context.size(0), nb = static_cast<int64_t>(batch.blocks.size()), R = nb * B;
+  const int64_t S = batch.seqs.num_sequences();
+  const float eps = static_cast<float>(c_.rms_norm_eps), theta = static_cast<float>(c_.rope_theta);
+
+  // ---- host-side layout of the step ----
+  const BlockTargets tg = block_targets(c_, batch, opt.gamma);
+  if (nb == 0) return block_stats(B, tg, {}, 0.0);
+  std::vector<int32_t> ids(static_cast<size_t>(R)), pos_b(static_cast<size_t>(R)), pos_c(static_cast<size_t>(N));
+  std::vector<int32_t> anchor(static_cast<size_t>(nb)), block_seq(static_cast<size_t>(nb));
+  std::vector<int32_t> cu_seq(static_cast<size_t>(S + 1)), cu_blk(static_cast<size_t>(S + 1), 0);
+  int64_t max_seqlen = 0;
+  for (int64_t q = 0; q < S; ++q) {
+    cu_seq[q] = static_cast<int32_t>(batch.seqs.offsets[q]);
+    max_seqlen = std::max(max_seqlen, batch.seqs.offsets[q + 1] - batch.seqs.offsets[q]);
+    for (int64_t n = batch.seqs.offsets[q]; n < batch.seqs.offsets[q + 1]; ++n)
+      pos_c[n] = static_cast<int32_t>(n - batch.seqs.offsets[q]);
+  }
+  cu_seq[S] = static_cast<int32_t>(N);
+  for (int64_t b = 0; b < nb; ++b) {
+    const Block& bl = batch.blocks[b];
+    anchor[b] = static_cast<int32_t>(bl.anchor);
+    block_seq[b] = static_cast<int32_t>(bl.seq);
+    cu_blk[bl.seq + 1] = static_cast<int32_t>(b + 1);
+    for (int64_t j = 0; j < B; ++j) {
+      ids[b * B + j] = j == 0 ? batch.tokens[batch.seqs.offsets[bl.seq] + bl.anchor] : static_cast<int32_t>(c_.mask_token_id);
+      pos_b[b * B + j] = static_cast<int32_t>(bl.anchor + j);
+    }
+  }
+  for (int64_t q = 1; q <= S; ++q) cu_blk[q] = std::max(cu_blk[q], cu_blk[q - 1]);  // sequences without blocks
+  const double gscale = opt.grad_scale != 0 ? opt.grad_scale : (tg.weight_sum > 0 ? 1.0 / tg.weight_sum : 0.0);
+  std::vector<float> wts(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) wts[r] = static_cast<float>(tg.weights[r]);
+  const Tensor d_ids = upload_i32(ids, device_), d_pos_b = upload_i32(pos_b, device_), d_pos_c = upload_i32(pos_c, device_);
+  const Tensor d_anchor = upload_i32(anchor, device_), d_bseq = upload_i32(block_seq, device_);
+  const Tensor d_cuseq = upload_i32(cu_seq, device_), d_cublk = upload_i32(cu_blk, device_);
+  const Tensor d_labels = upload_i32(tg.labels, device_), d_w = upload_f32(wts, device_);
+
+  auto bf = [&](int64_t rows, int64_t cols) { return dev_empty({rows, cols}, DType::BF16, device_); };
+  auto f32 = [&](int64_t rows, int64_t cols) { return dev_empty({rows, cols}, DType::F32, device_); };
+  // y[M, N] = x[M, K] · w[N, K]ᵀ, bf16 out (or fp32 accumulated into y when acc_f32).
+  auto linear = [&](const void* x, int64_t ldx, const void* w, void* y, int64_t ldy, int64_t M, int64_t Nn, int64_t K,
+                    bool acc_f32 = false) {
+    cuda::GemmExParams g;
+    g.a = x, g.lda = ldx, g.b = w, g.ldb = K, g.trans_b = true, g.d = y, g.ldd = ldy, g.d_f32 = acc_f32;
+    g.M = M, g.N = Nn, g.K = K, g.beta = acc_f32 ? 1.0f : 0.0f;
+    cuda::gemm_ex(g, dev);
+  };
+  // dx[M, K] = dy[M, N] · w[N, K]   (bf16, or fp32 with accumulation)
+  auto linear_dx = [&](const void* dy, int64_t lddy, const void* w, void* dx, int64_t lddx, int64_t M, int64_t Nn,
+                       int64_t K, bool acc_f32 = false) {
+    cuda::GemmExParams g;
+    g.a = dy, g.lda = lddy, g.b = w, g.ldb = K, g.d = dx, g.ldd = lddx, g.d_f32 = acc_f32;
+    g.M = M, g.N = K, g.K = Nn, g.beta = acc_f32 ? 1.0f : 0.0f;
+    cuda::gemm_ex(g, dev);
+  };
+  // dw[N, K] (+)= dy[M, N]ᵀ · x[M, K]   (fp32)
+  auto linear_dw = [&](const void* dy, int64_t lddy, const void* x, int64_t ldx, float* dw, int64_t M, int64_t Nn,
+                       int64_t K) {
+    cuda::GemmExParams g;
+    g.a = dy, g.lda = lddy, g.trans_a = true, g.b = x, g.ldb = ldx, g.d = dw, g.ldd = K, g.d_f32 = true;
+    g.M = Nn, g.N = K, g.K = M, g.beta = 1.0f;
+    cuda::gemm_ex(g, dev);
+  };
+  auto rms_fwd = [&](const void* x, bool x_f32, int64_t ldx, const std::string& w, void* y, float* rstd, int64_t rows,
+                     int64_t D) { cuda::rms_norm_fwd(x, x_f32, ldx, wptr(w), y, rstd, rows, D, eps, s); };
+  auto head_fwd = [&](const void* x, int64_t ldx, const std::string& w, const Tensor& pos, void* y, float* rstd,
+                      int64_t rows, int64_t heads) {
+    cuda::HeadNormRopeParams p;
+    p.x = x, p.ldx = ldx, p.w = wptr(w), p.pos = pos.data<int32_t>(), p.y = y, p.rstd = rstd;
+    p.rows = rows, p.heads = heads, p.d = d, p.eps = eps, p.theta = theta;
+    return p;
+  };
+
+  // ---- forward ----
+  const Tensor ctx_pre = bf(N, H), ctx = bf(N, H), r_ctx = f32(N, 1);
+  linear(context.raw_data(), KH, wptr("fc.weight"), ctx_pre.raw_data(), H, N, H, KH);
+  rms_fwd(ctx_pre.raw_data(), false, H, "hidden_norm.weight", ctx.raw_data(), r_ctx.data<float>(), N, H);
+
+  struct Saved {
+    Tensor h_in, xn, r_in, qk_b, v_b, k_c, v_c, q_r, k_br, k_cr, r_q, r_kb, r_kc, o, lse, h1, yn, r_post, gu, m;
+  };
+  std::vector<Saved> sv(static_cast<size_t>(L));
+  Tensor h = f32(R, H);
+  cuda::embedding_f32(d_ids.data<int32_t>(), embed_.raw_data(), h.data<float>(), R, H, s);
+  cuda::BlockAttnParams ap;
+  ap.anchor = d_anchor.data<int32_t>(), ap.block_seq = d_bseq.data<int32_t>();
+  ap.cu_seqlens = d_cuseq.data<int32_t>(), ap.cu_blocks = d_cublk.data<int32_t>();
+  ap.nb = nb, ap.B = B, ap.N = N, ap.num_seqs = S, ap.max_seqlen = max_seqlen, ap.Hq = Hq, ap.Hkv = Hkv, ap.d = d;
+  ap.window = c_.sliding_window;
+  for (int64_t l = 0; l < L; ++l) {
+    Saved& v = sv[l];
+    const std::string p = "layers." + std::to_string(l) + ".";
+    v.h_in = h;
+    v.xn = bf(R, H), v.r_in = f32(R, 1);
+    rms_fwd(h.raw_data(), true, H, p + "input_layernorm.weight", v.xn.raw_data(), v.r_in.data<float>(), R, H);
+    void* wq = wptr(p + "self_attn.q_proj.weight");
+    void* wk = wptr(p + "self_attn.k_proj.weight");
+    void* wv = wptr(p + "self_attn.v_proj.weight");
+    v.qk_b = bf(R, qd + kvd), v.v_b = bf(R, kvd), v.k_c = bf(N, kvd), v.v_c = bf(N, kvd);
+    linear(v.xn.raw_data(), H, wq, v.qk_b.raw_data(), qd + kvd, R, qd + kvd, H);  // q|k rows are adjacent
+    linear(v.xn.raw_data(), H, wv, v.v_b.raw_data(), kvd, R, kvd, H);
+    linear(ctx.raw_data(), H, wk, v.k_c.raw_data(), kvd, N, kvd, H);
+    linear(ctx.raw_data(), H, wv, v.v_c.raw_data(), kvd, N, kvd, H);
+    v.q_r = bf(R, qd), v.k_br = bf(R, kvd), v.k_cr = bf(N, kvd);
+    v.r_q = f32(R, Hq), v.r_kb = f32(R, Hkv), v.r_kc = f32(N, Hkv);
+    cuda::head_norm_rope_fwd(head_fwd(v.qk_b.raw_data(), qd + kvd, p + "self_attn.q_norm.weight", d_pos_b,
+                                      v.q_r.raw_data(), v.r_q.data<float>(), R, Hq), s);
+    cuda::head_norm_rope_fwd(head_fwd(bf16_at(v.qk_b.raw_data(), qd), qd + kvd, p + "self_attn.k_norm.weight", d_pos_b,
+                                      v.k_br.raw_data(), v.r_kb.data<float>(), R, Hkv), s);
+    cuda::head_norm_rope_fwd(head_fwd(v.k_c.raw_data(), kvd, p + "self_attn.k_norm.weight", d_pos_c, v.k_cr.raw_data(),
+                                      v.r_kc.data<float>(), N, Hkv), s);
+    v.o = bf(R, qd), v.lse = f32(R, Hq);
+    ap.q = v.q_r.raw_data(), ap.kc = v.k_cr.raw_data(), ap.vc = v.v_c.raw_data();
+    ap.kb = v.k_br.raw_data(), ap.vb = v.v_b.raw_data(), ap.out = v.o.raw_data(), ap.lse = v.lse.data<float>();
+    ap.sliding = c_.layer_types[l] == AttnType::Sliding;
+    cuda::block_attention_fwd(ap, s);
+    v.h1 = f32(R, H);
+    copy_async(v.h1.raw_data(), h.raw_data(), h.nbytes(), s);
+    linear(v.o.raw_data(), qd, wptr(p + "self_attn.o_proj.weight"), v.h1.raw_data(), H, R, H, qd, true);
+    v.yn = bf(R, H), v.r_post = f32(R, 1);
+    rms_fwd(v.h1.raw_data(), true, H, p + "post_attention_layernorm.weight", v.yn.raw_data(), v.r_post.data<float>(), R, H);
+    v.gu = bf(R, 2 * I), v.m = bf(R, I);
+    linear(v.yn.raw_data(), H, wptr(p + "mlp.gate_proj.weight"), v.gu.raw_data(), 2 * I, R, 2 * I, H);
+    cuda::swiglu(v.gu.raw_data(), v.m.raw_data(), R, I, s);
+    h = f32(R, H);
+    copy_async(h.raw_data(), v.h1.raw_data(), h.nbytes(), s);
+    linear(v.m.raw_data(), I, wptr(p + "mlp.down_proj.weight"), h.raw_data(), H, R, H, I, true);
+  }
+  const Tensor hf = bf(R, H), r_f = f32(R, 1);
+  rms_fwd(h.raw_data(), true, H, "norm.weight", hf.raw_data(), r_f.data<float>(), R, H);
+
+  // ---- loss ----
+  const Tensor ce = f32(R, 1), amax = dev_empty({R}, DType::I32, device_);
+  Tensor dhf;
+  cuda::LinearCeParams lp;
+  lp.hidden = hf.raw_data(), lp.lm_head = lm_head_.raw_data(), lp.labels = d_labels.data<int32_t>();
+  lp.weights = d_w.data<float>(), lp.R = R, lp.H = H, lp.V = c_.vocab_size;
+  // The CPU's default chunk (256 rows) is too small for the GPU GEMMs: at least 2048 rows a chunk.
+  lp.chunk_rows = std::min<int64_t>(R, std::max<int64_t>(opt.ce_chunk_rows, 2048));
+  lp.grad_scale = static_cast<float>(gscale), lp.ce = ce.data<float>(), lp.argmax = amax.data<int32_t>();
+  if (backward) dhf = f32(R, H), lp.dhidden = dhf.data<float>();
+  const Tensor ws = dev_empty({std::max<int64_t>(cuda::linear_ce_workspace(lp.chunk_rows, lp.V), 1)}, DType::U8, device_);
+  lp.workspace = ws.raw_data();
+  cuda::linear_ce(lp, dev);
+  const Tensor ce_h = ce.to(Device::cpu()), am_h = amax.to(Device::cpu());  // synchronizes
+  double wce = 0;
+  std::vector<int32_t> argmax(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    argmax[r] = am_h.data<int32_t>()[r];
+    if (tg.weights[r] > 0) wce += tg.weights[r] * static_cast<double>(ce_h.data<float>()[r]);
+  }
+  StepStats st = block_stats(B, tg, argmax, wce);
+  if (!backward) return st;
+
+  // ---- backward ----
+  auto report = [&](int64_t bucket) {
+    if (last_micro_batch && on_bucket) on_bucket(bucket);
+  };
+  const Tensor dh = f32(R, H), dh_b = bf(R, H), tmp_b = bf(R, H);
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(dh.raw_data(), 0, dh.nbytes(), static_cast<cudaStream_t>(s)));
+  cuda::cast_f32_bf16(dhf.data<float>(), tmp_b.raw_data(), R * H, s);
+  auto rms_bwd = [&](const void* x, bool x_f32, int64_t ldx, const std::string& w, const float* rstd, const void* dy,
+                     float* dx, void* dx_bf16, void* dx_copy, int64_t rows, int64_t D) {
+    cuda::RmsNormBwdParams p;
+    p.x = x, p.x_f32 = x_f32, p.ldx = ldx, p.w = wptr(w), p.rstd = rstd, p.dy = dy, p.dx = dx, p.dx_bf16 = dx_bf16;
+    p.dx_copy_bf16 = dx_copy, p.dw = gptr(w), p.rows = rows, p.D = D;
+    cuda::rms_norm_bwd(p, s);
+  };
+  rms_bwd(h.raw_data(), true, H, "norm.weight", r_f.data<float>(), tmp_b.raw_data(), dh.data<float>(), nullptr,
+          dh_b.raw_data(), R, H);
+  const Tensor dctx = f32(N, H);
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(dctx.raw_data(), 0, dctx.nbytes(), static_cast<cudaStream_t>(s)));
+  const Tensor dm = bf(R, I), dgu = bf(R, 2 * I), d_o = bf(R, qd), dq_r = bf(R, qd), dkb_r = bf(R, kvd);
+  const Tensor dkc_r = bf(N, kvd), dqkv = bf(R, QKV), dkv_c = bf(N, 2 * kvd), dvb = bf(R, kvd), dvc = bf(N, kvd);
+  cuda::BlockAttnBwdParams bp;
+  const Tensor aws = dev_empty({std::max<int64_t>(cuda::block_attention_bwd_workspace(ap), 1)}, DType::U8, device_);
+  for (int64_t l = L - 1; l >= 0; --l) {
+    Saved& v = sv[l];
+    const std::string p = "layers." + std::to_string(l) + ".";
+    // MLP: h_out = h1 + down(m), m = swiglu(gu), gu = yn · [gate; up]ᵀ
+    const std::string down = p + "mlp.down_proj.weight", gate = p + "mlp.gate_proj.weight";
+    linear_dx(dh_b.raw_data(), H, wptr(down), dm.raw_data(), I, R, H, I);
+    linear_dw(dh_b.raw_data(), H, v.m.raw_data(), I, gptr(down), R, H, I);
+    cuda::swiglu_bwd(v.gu.raw_data(), dm.raw_data(), dgu.raw_data(), R, I, s);
+    linear_dw(dgu.raw_data(), 2 * I, v.yn.raw_data(), H, gptr(gate), R, 2 * I, H);
+    linear_dx(dgu.raw_data(), 2 * I, wptr(gate), tmp_b.raw_data(), H, R, 2 * I, H);
+    rms_bwd(v.h1.raw_data(), true, H, p + "post_attention_layernorm.weight", v.r_post.data<float>(), tmp_b.raw_data(),
+            dh.data<float>(), nullptr, dh_b.raw_data(), R, H);
+    // Attention: h1 = h_in + o_proj(o)
+    const std::string o_w = p + "self_attn.o_proj.weight", q_w = p + "self_attn.q_proj.weight";
+    const std::string k_w = p + "self_attn.k_proj.weight";
+    linear_dx(dh_b.raw_data(), H, wptr(o_w), d_o.raw_data(), qd, R, H, qd);
+    linear_dw(dh_b.raw_data(), H, v.o.raw_data(), qd, gptr(o_w), R, H, qd);
+    ap.q = v.q_r.raw_data(), ap.kc = v.k_cr.raw_data(), ap.vc = v.v_c.raw_data();
+    ap.kb = v.k_br.raw_data(), ap.vb = v.v_b.raw_data(), ap.out = v.o.raw_data(), ap.lse = v.lse.data<float>();
+    ap.sliding = c_.layer_types[l] == AttnType::Sliding;
+    bp.fwd = ap, bp.dout = d_o.raw_data(), bp.dq = dq_r.raw_data(), bp.dkb = dkb_r.raw_data(), bp.dvb = dvb.raw_data();
+    bp.dkc = dkc_r.raw_data(), bp.dvc = dvc.raw_data(), bp.workspace = aws.raw_data();
+    cuda::block_attention_bwd(bp, s);
+    // Head norms + RoPE backward into the fused gradient buffers [dq | dk | dv] (block) and [dk | dv] (context).
+    cuda::HeadNormRopeBwdParams hb;
+    hb.fwd = head_fwd(v.qk_b.raw_data(), qd + kvd, p + "self_attn.q_norm.weight", d_pos_b, nullptr, v.r_q.data<float>(), R, Hq);
+    hb.dy = dq_r.raw_data(), hb.dx = dqkv.raw_data(), hb.lddx = QKV, hb.dw = gptr(p + "self_attn.q_norm.weight");
+    cuda::head_norm_rope_bwd(hb, s);
+    hb.fwd = head_fwd(bf16_at(v.qk_b.raw_data(), qd), qd + kvd, p + "self_attn.k_norm.weight", d_pos_b, nullptr,
+                      v.r_kb.data<float>(), R, Hkv);
+    hb.dy = dkb_r.raw_data(), hb.dx = bf16_at(dqkv.raw_data(), qd), hb.lddx = QKV, hb.dw = gptr(p + "self_attn.k_norm.weight");
+    cuda::head_norm_rope_bwd(hb, s);
+    hb.fwd = head_fwd(v.k_c.raw_data(), kvd, p + "self_attn.k_norm.weight", d_pos_c, nullptr, v.r_kc.data<float>(), N, Hkv);
+    hb.dy = dkc_r.raw_data(), hb.dx = dkv_c.raw_data(), hb.lddx = 2 * kvd, hb.dw = gptr(p + "self_attn.k_norm.weight");
+    cuda::head_norm_rope_bwd(hb, s);
+    copy_cols_bf16(bf16_at(dqkv.raw_data(), qd + kvd), QKV, dvb.raw_data(), kvd, R, kvd, s);
+    copy_cols_bf16(bf16_at(dkv_c.raw_data(), kvd), 2 * kvd, dvc.raw_data(), kvd, N, kvd, s);
+    // q|k|v weights (adjacent) from the block rows, k|v from the context rows.
+    linear_dw(dqkv.raw_data(), QKV, v.xn.raw_data(), H, gptr(q_w), R, QKV, H);
+    linear_dw(dkv_c.raw_data(), 2 * kvd, ctx.raw_data(), H, gptr(k_w), N, 2 * kvd, H);
+    linear_dx(dqkv.raw_data(), QKV, wptr(q_w), tmp_b.raw_data(), H, R, QKV, H);
+    linear_dx(dkv_c.raw_data(), 2 * kvd, wptr(k_w), dctx.raw_data(), H, N, 2 * kvd, H, true);
+    rms_bwd(v.h_in.raw_data(), true, H, p + "input_layernorm.weight", v.r_in.data<float>(), tmp_b.raw_data(),
+            dh.data<float>(), nullptr, dh_b.raw_data(), R, H);
+    report(L - 1 - l);
+    v = Saved{};  // free this layer's activations (back to the caching allocator)
+  }
+  // Context features: ctx = hidden_norm(fc(context)); the gradient stops at the (frozen) target.
+  const Tensor dctx_b = bf(N, H), dctx_pre = bf(N, H);
+  cuda::cast_f32_bf16(dctx.data<float>(), dctx_b.raw_data(), N * H, s);
+  rms_bwd(ctx_pre.raw_data(), false, H, "hidden_norm.weight", r_ctx.data<float>(), dctx_b.raw_data(), nullptr,
+          dctx_pre.raw_data(), nullptr, N, H);
+  linear_dw(dctx_pre.raw_data(), H, context.raw_data(), KH, gptr("fc.weight"), N, H, KH);
+  report(static_cast<int64_t>(buckets_.size()) - 1);
+  return st;
+}
+
+}  // namespace dflash::drafter

@@ -1,0 +1,95 @@
+#pragma once
+// The DFlash drafter on one GPU: forward and hand-written backward with the training kernels of
+// kernels/cuda/train_launch.h, and the optimizer state, all in flat device buffers.
+//
+// Precision: bf16 weights and activations, fp32 residual stream and its gradient, fp32 weight
+// gradients (accumulated by the GEMMs: dW (+)= dYᵀ·X in fp32), fp32 master weights and AdamW
+// moments. The CPU reference (model.h) computes the same step in double; tests/test_cuda_drafter
+// compares the two.
+//
+// Parameters live in three flat device buffers in DrafterWeights::entries order (each tensor at a
+// 16-byte aligned offset): masters (fp32), weights (bf16, refreshed from the masters by the
+// optimizer) and grads (fp32). A layer's q|k|v and gate|up are adjacent, so they serve as the fused
+// [q+k+v, H] and [2I, H] GEMM operands. Gradient buckets: one per drafter layer plus one for
+// fc / hidden_norm / norm; backward reports each bucket as soon as its gradient is final, so a
+// data-parallel trainer can start its all-reduce while the remaining layers run.
+//
+// Per micro-batch, with R = blocks·B rows and N context rows (27B drafter: R 8192, N 4096):
+//   forward: fc + hidden_norm on the context; per layer q|k, v GEMMs of the block rows, k, v GEMMs
+//   of the context, head norms + RoPE, block attention, o_proj, RMSNorm, gate|up, SwiGLU, down;
+//   final norm; fused chunked linear CE (the R × V logits never exist).
+//   backward: the same in reverse, activation gradients bf16 between GEMMs, fp32 where they sum.
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "drafter/config.h"
+#include "drafter/loss.h"
+#include "drafter/model.h"
+#include "drafter/weights.h"
+#include "kernels/tensor.h"
+
+namespace dflash::drafter {
+
+class CudaDrafter {
+ public:
+  // `init`: host weights (any float dtype) for the masters; embed_tokens / lm_head: the target's
+  // frozen [V, H] tensors, bf16 on `device` (shared, never written).
+  CudaDrafter(DrafterConfig c, const DrafterWeights& init, Tensor embed_tokens, Tensor lm_head, Device device);
+
+  const DrafterConfig& config() const { return c_; }
+  Device device() const { return device_; }
+
+  struct Span {
+    std::string name;
+    int64_t offset = 0, numel = 0;  // in elements of the flat buffers
+  };
+  const std::vector<Span>& spans() const { return spans_; }
+  int64_t num_params() const;  // trainable parameters (without padding)
+  int64_t flat_size() const { return flat_; }
+
+  // Flat buffers [flat_size()] on the device.
+  Tensor& masters() { return masters_; }
+  Tensor& weights() { return weights_; }
+  Tensor& grads() { return grads_; }
+
+  // Buckets: [first, end) element ranges of the flat buffers, in the order backward finishes them.
+  struct Bucket {
+    std::string name;
+    int64_t first = 0, end = 0;
+  };
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  using BucketReady = std::function<void(int64_t bucket)>;  // called on the host after the bucket's last
+                                                             // kernel was enqueued on the device stream
+
+  void zero_grads();
+  // Forward, and backward when `backward`: grads (+)= grad_scale · ∂(Σ w·CE)/∂θ (grad_scale as in
+  // StepOptions; 0 means 1 / Σw of this call). batch.context is [N, k·H] bf16 on this device.
+  // `on_bucket` (optional) is called for every bucket when `backward` and `last_micro_batch`.
+  StepStats step(const DrafterBatch& batch, const StepOptions& opt, bool backward, bool last_micro_batch = true,
+                 const BucketReady& on_bucket = {});
+
+  // bf16 weights = masters (after loading masters from elsewhere).
+  void refresh_weights();
+  // Host copies (F32) of the masters / the gradients, in the DrafterWeights layout.
+  DrafterWeights download_masters() const;
+  DrafterWeights download_grads() const;
+  void upload_masters(const DrafterWeights& w);
+
+ private:
+  const Span& span(const std::string& name) const;
+  void* wptr(const std::string& name) const;   // bf16 weight
+  float* gptr(const std::string& name) const;  // fp32 grad
+  DrafterWeights download(const Tensor& flat) const;
+
+  DrafterConfig c_;
+  Device device_;
+  Tensor embed_, lm_head_;
+  std::vector<Span> spans_;
+  std::vector<Bucket> buckets_;
+  int64_t flat_ = 0;
+  Tensor masters_, weights_, grads_;
+};
+
+}  // namespace dflash::drafter

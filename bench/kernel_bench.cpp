@@ -13,6 +13,7 @@
 //        d 128), T 2048..32768 and a varlen batch; TFLOP/s and TB/s from the formulas below.
 // gemm : the model's GEMM shapes: cuBLASLt's heuristic choice vs the best of its top 16 in isolation.
 // layer: one GatedDeltaNet and one attention decoder layer at the 27B shape and small shapes.
+// dattn: DFlash block attention fwd / bwd at the 27B drafter shape (only with --only dattn).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -26,6 +27,7 @@
 #include "bench/report.h"
 #include "kernels/app.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/train_launch.h"
 #include "kernels/device.h"
 #include "kernels/log.h"
 #include "kernels/random.h"
@@ -284,6 +286,113 @@ void bench_gemm(Ctx& ctx, bool quick) {
     }
 }
 
+// DFlash block attention (train_launch.h block_attention_fwd / _bwd) at the Qwen3.6-27B drafter's
+// training shape: Hq 32, Hkv 8, d 128, 512 blocks of B = 16 over one 4096-token context, anchors
+// uniform in [0, 4096) from a fixed seed, sorted; full attention. Before timing, the tensor-core
+// kernels are checked against the plain fallback kernels on the same inputs (out, dq, dkc, dvc,
+// dkb, dvb within 2e-2 normalized). FLOPs count only unmasked work: query rows of block b attend
+// a_b + B keys, fwd = 4·d·(a_b + B) per (query row, head) (Q Kᵀ and P V), bwd = 2.5 × fwd
+// (FlashAttention's convention: S recomputed, dP, dV, dK, dQ); "fwd_bwd" is one forward + one
+// backward, 3.5 × fwd.
+void bench_dattn(Ctx& ctx, bool quick) {
+  (void)quick;
+  std::printf("\n== dattn: DFlash block attention fwd / bwd, Qwen3.6-27B drafter shape (Hq 32, Hkv 8, d 128)\n");
+  const int64_t Hq = 32, Hkv = 8, d = 128, B = 16, nb = 512, N = 4096;
+  const int64_t R = nb * B;
+  std::vector<int32_t> anchors(static_cast<size_t>(nb));
+  std::mt19937_64 rng(20261130);
+  for (auto& a : anchors) a = static_cast<int32_t>(rng() % static_cast<uint64_t>(N));
+  std::sort(anchors.begin(), anchors.end());
+  std::vector<int32_t> seq(static_cast<size_t>(nb), 0), cu_s = {0, static_cast<int32_t>(N)},
+                       cu_b = {0, static_cast<int32_t>(nb)};
+  const Device dev = Device::cuda(0);
+  auto i32 = [&](std::vector<int32_t>& v) {
+    return Tensor::from_blob(v.data(), {static_cast<int64_t>(v.size())}, DType::I32).to(dev);
+  };
+  Tensor t_anchor = i32(anchors), t_seq = i32(seq), t_cus = i32(cu_s), t_cub = i32(cu_b);
+  const float qs = 1.0f;
+  Tensor q = dev_randn({R, Hq, d}, DType::BF16, 61, qs), kc = dev_randn({N, Hkv, d}, DType::BF16, 62),
+         vc = dev_randn({N, Hkv, d}, DType::BF16, 63), kb = dev_randn({R, Hkv, d}, DType::BF16, 64),
+         vb = dev_randn({R, Hkv, d}, DType::BF16, 65), dout = dev_randn({R, Hq, d}, DType::BF16, 66);
+  struct Outs {
+    Tensor out, lse, dq, dkc, dvc, dkb, dvb, ws;
+  };
+  auto make_outs = [&](const cuda::BlockAttnParams& p) {
+    return Outs{Tensor::empty({R, Hq, d}, DType::BF16, dev), Tensor::empty({R, Hq}, DType::F32, dev),
+                Tensor::empty({R, Hq, d}, DType::BF16, dev), Tensor::empty({N, Hkv, d}, DType::BF16, dev),
+                Tensor::empty({N, Hkv, d}, DType::BF16, dev), Tensor::empty({R, Hkv, d}, DType::BF16, dev),
+                Tensor::empty({R, Hkv, d}, DType::BF16, dev),
+                Tensor::empty({std::max<int64_t>(cuda::block_attention_bwd_workspace(p), 1)}, DType::U8, dev)};
+  };
+  cuda::BlockAttnParams base;
+  base.q = q.raw_data();
+  base.kc = kc.raw_data();
+  base.vc = vc.raw_data();
+  base.kb = kb.raw_data();
+  base.vb = vb.raw_data();
+  base.anchor = t_anchor.data<int32_t>();
+  base.block_seq = t_seq.data<int32_t>();
+  base.cu_seqlens = t_cus.data<int32_t>();
+  base.cu_blocks = t_cub.data<int32_t>();
+  base.nb = nb;
+  base.B = B;
+  base.N = N;
+  base.num_seqs = 1;
+  base.max_seqlen = N;
+  base.Hq = Hq;
+  base.Hkv = Hkv;
+  base.d = d;
+  auto params = [&](Outs& o, bool fallback) {
+    cuda::BlockAttnBwdParams bp;
+    bp.fwd = base;
+    bp.fwd.out = o.out.raw_data();
+    bp.fwd.lse = o.lse.data<float>();
+    bp.fwd.force_fallback = fallback;
+    bp.dout = dout.raw_data();
+    bp.dq = o.dq.raw_data();
+    bp.dkc = o.dkc.raw_data();
+    bp.dvc = o.dvc.raw_data();
+    bp.dkb = o.dkb.raw_data();
+    bp.dvb = o.dvb.raw_data();
+    bp.workspace = o.ws.raw_data();
+    return bp;
+  };
+  Outs fast = make_outs(base), ref = make_outs(base);
+  const cuda::BlockAttnBwdParams pf = params(fast, false), pr = params(ref, true);
+  cuda::block_attention_fwd(pf.fwd, ctx.stream);
+  cuda::block_attention_bwd(pf, ctx.stream);
+  cuda::block_attention_fwd(pr.fwd, ctx.stream);
+  cuda::block_attention_bwd(pr, ctx.stream);
+  DeviceContext::get(0).synchronize();
+  const std::pair<const char*, std::pair<Tensor*, Tensor*>> checks[] = {
+      {"out", {&fast.out, &ref.out}}, {"dq", {&fast.dq, &ref.dq}},   {"dkc", {&fast.dkc, &ref.dkc}},
+      {"dvc", {&fast.dvc, &ref.dvc}}, {"dkb", {&fast.dkb, &ref.dkb}}, {"dvb", {&fast.dvb, &ref.dvb}}};
+  std::printf("  check vs fallback:");
+  for (const auto& [name, t] : checks) {
+    const double e = max_rel_err(*t.first, *t.second);
+    std::printf(" %s %.2e", name, e);
+    DFLASH_CHECK(e <= 2e-2, "dattn: tensor-core " << name << " disagrees with the fallback (max rel err " << e
+                                                  << " > 2e-2); not timing a wrong kernel");
+  }
+  std::printf("\n");
+  double keys = 0;  // Σ over query rows of attended keys (per head)
+  for (int32_t a : anchors) keys += static_cast<double>(B) * static_cast<double>(a + B);
+  const double fwd_tflop = 4.0 * d * keys * Hq / 1e12;
+  const std::string shape = "Hq32 Hkv8 d128 B16 nb512 ctx4096 full";
+  measure(ctx, "dattn", "block_attention_fwd", shape,
+          {{"tensor_core", [&] { cuda::block_attention_fwd(pf.fwd, ctx.stream); }, nullptr}}, 2e-2,
+          {{"achieved", "TFLOP/s", fwd_tflop}});
+  measure(ctx, "dattn", "block_attention_bwd", shape,
+          {{"tensor_core", [&] { cuda::block_attention_bwd(pf, ctx.stream); }, nullptr}}, 2e-2,
+          {{"achieved", "TFLOP/s", 2.5 * fwd_tflop}});
+  measure(ctx, "dattn", "block_attention_fwd_bwd", shape,
+          {{"tensor_core", [&] {
+              cuda::block_attention_fwd(pf.fwd, ctx.stream);
+              cuda::block_attention_bwd(pf, ctx.stream);
+            }, nullptr}},
+          2e-2, {{"achieved", "TFLOP/s", 3.5 * fwd_tflop}});
+}
+
 void bench_layer(Ctx& ctx, bool quick) {
   std::printf("\n== layer: one decoder layer (mixer + MLP), fast vs fallback kernels\n");
   struct Shape {
@@ -373,6 +482,7 @@ int main(int argc, char** argv) {
     if (only.find("gdn") != std::string::npos) bench_gdn(ctx, quick);
     if (only.find("gemm") != std::string::npos) bench_gemm(ctx, quick);
     if (only.find("layer") != std::string::npos) bench_layer(ctx, quick);
+    if (only.find("dattn") != std::string::npos) bench_dattn(ctx, quick);
     ctx.csv->finish(json_path, baseline);
     return 0;
   });

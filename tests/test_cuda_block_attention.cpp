@@ -7,7 +7,8 @@
 //   out 1e-2: stored in bf16 (2^-9 relative per element) and P rounded to bf16 before P·V;
 //   lse 1e-4: fp32 throughout (the inputs are exact; ex2.approx and fp32 sums give ~1e-6);
 //   dq, dkc, dvc, dkb, dvb 2e-2: on top of the output rounding, P and dS are rounded to bf16 for
-//   the tensor-core GEMMs and δ = rowsum(dO·O) uses the bf16 O; seen ~3e-3 to 8e-3.
+//   the tensor-core GEMMs and δ = rowsum(dO·O) uses the bf16 O. Measured on an H200: worst
+//   out 4.0e-3, lse 2.0e-7, gradients 6.4e-3 (dkc at d 128); the fallback about the same.
 // Context rows no query attends must be exactly 0 in dkc / dvc (checked separately).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>

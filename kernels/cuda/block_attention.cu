@@ -23,12 +23,20 @@
 //              tile's first key (sorted: a binary search finds the first; on sliding layers a
 //              second one the last whose window still reaches the tile). Own-block keys: one CTA
 //              per (block, kv head), its block only. A context row no block sees is written 0.
+//   ba_dq and both ba_dkv roles run as one launch (ba_bwd_kernel): the uneven context dK/dV CTAs
+//   first, heaviest first, the short dQ CTAs filling the SMs around them.
 //
 // FLOPs (drafter shape: Hq 32, Hkv 8, d 128, 512 blocks of 16 over 4096 context tokens, anchors
 // uniform; mean attended keys ≈ 2064 per query row): fwd = 4·d·keys per (row, head)
 // = 4·128·2064·8192·32 = 0.28 TFLOP; bwd = 2.5× (S and dP recomputed/formed, dV, dK, dQ: 5 GEMMs
 // vs 2) = 0.69 TFLOP. Bytes are small (k/v of one head 2 MB, L2-resident): compute-bound; with
 // mma.sync the limit is shared-memory bandwidth, as in attention.cu (≈ 13–15 FLOP/B of ldmatrix).
+// Measured (H200, that shape, bench/kernel_bench --only dattn): fwd 1.01 ms = 265 TFLOP/s; bwd
+// 5.43 ms = 124 TFLOP/s counted (2.5× fwd); fwd+bwd 6.45 ms = 146 TFLOP/s. Without atomics, S and
+// dP are formed twice (in the dQ pass and in the dK/dV pass): 7 GEMMs run where 5 are counted, so
+// the bwd executes ≈ 173 TFLOP/s, and its kernels hold 255 registers (dK + dV accumulators, or
+// dQ + Q fragments, next to S and dP) at 8 warps per SM. One launch instead of three gained 5 %;
+// two 32-query passes in dK/dV (fewer spills) gained nothing. Beyond this: wgmma (sm_90a).
 //
 // Fallback (any d, any arch): plain fp32 kernels, one CTA per (query row, head) for out/lse and
 // dq, one per (key row, kv head) for dK/dV; warps compute dot products, threads over d accumulate.
@@ -383,13 +391,10 @@ __global__ void ba_delta_kernel(const bf16* __restrict__ out, const bf16* __rest
 
 // ---- backward: dQ (query-major) ---------------------------------------------------------------------
 template <int D>
-__global__ void __launch_bounds__(kThreads, 2) ba_dq_kernel(const Args a) {
+__device__ __forceinline__ void dq_body(const Args& a, int kh, int mt, int b, unsigned char* smem_raw) {
   constexpr int KS = D / 16, NT = kBN / 8, DT = D / 8, CH = D / 8;
-  const int kh = blockIdx.x % a.Hkv, mt = blockIdx.x / a.Hkv;
-  const int b = a.nb - 1 - blockIdx.y;
   const int m_start = mt * kBM;
 
-  extern __shared__ __align__(128) unsigned char smem_raw[];
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
   bf16* sO = sQ + kBM * D;      // dO tile
   bf16* sK = sO + kBM * D;      // [2][kBN · D]
@@ -523,17 +528,15 @@ __global__ void __launch_bounds__(kThreads, 2) ba_dq_kernel(const Args a) {
 }
 
 // ---- backward: dK, dV (key-tile-major) ---------------------------------------------------------------
-// CTX: grid (Hkv, ceil(max_seqlen / 64), num_seqs), context keys; else grid (Hkv, ceil(B / 64), nb),
-// the block's own keys.
+// CTX: key tile key_tile of sequence z (context keys); else key tile key_tile of block z's own keys.
 template <int D, bool CTX>
-__global__ void __launch_bounds__(kThreads, 2) ba_dkv_kernel(const Args a) {
+__device__ __forceinline__ void dkv_body(const Args& a, int kh, int key_tile, int z, unsigned char* smem_raw) {
   constexpr int KS = D / 16, NT = kBM / 8, DT = D / 8, CH = D / 8;
-  const int kh = blockIdx.x;
-  const int key0 = blockIdx.y * kBN;
+  const int key0 = key_tile * kBN;
   int valid, b_first, b_end, anc_fixed = 0;
   int64_t row0;  // first key row in dkc/dvc or kb/vb
   if constexpr (CTX) {
-    const int s = blockIdx.z;
+    const int s = z;
     const int begin = a.cu_seqlens[s], len = a.cu_seqlens[s + 1] - begin;
     if (key0 >= len) return;
     valid = min(kBN, len - key0);
@@ -556,7 +559,7 @@ __global__ void __launch_bounds__(kThreads, 2) ba_dkv_kernel(const Args a) {
       b_end = lo2;
     }
   } else {
-    const int b = blockIdx.z;
+    const int b = z;
     if (key0 >= a.B) return;
     valid = min(kBN, a.B - key0);
     row0 = int64_t(b) * a.B + key0;
@@ -567,7 +570,6 @@ __global__ void __launch_bounds__(kThreads, 2) ba_dkv_kernel(const Args a) {
   const int m_tiles = (a.M + kBM - 1) / kBM;
   const int n_items = (b_end - b_first) * m_tiles;
 
-  extern __shared__ __align__(128) unsigned char smem_raw[];
   bf16* sK = reinterpret_cast<bf16*>(smem_raw);
   bf16* sV = sK + kBN * D;
   bf16* sQ = sV + kBN * D;       // [2][kBM · D]
@@ -713,6 +715,37 @@ __global__ void __launch_bounds__(kThreads, 2) ba_dkv_kernel(const Args a) {
       *reinterpret_cast<uint4*>(gv + r * ldkv + c * 8) = *reinterpret_cast<const uint4*>(sV + swz<D>(r, c));
     }
   }
+}
+
+// ---- backward: one launch for dK/dV and dQ ----------------------------------------------------------------
+// The context dK/dV CTAs are very uneven (the first key tile of a sequence is seen by every block,
+// the last by few), so they go first, heaviest first (key tile outermost), and the many short dQ
+// CTAs (latest anchors first) and the own-block dK/dV CTAs fill the SMs around them: one grid,
+// no tail of idle SMs behind the longest context CTA. Same shared-memory size and register budget
+// for all three roles.
+template <int D>
+__global__ void __launch_bounds__(kThreads, 2)
+    ba_bwd_kernel(const Args a, int num_seqs, int n_ctx_ctas, int n_dq_ctas) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  int idx = blockIdx.x;
+  if (idx < n_ctx_ctas) {
+    const int kh = idx % a.Hkv;
+    idx /= a.Hkv;
+    dkv_body<D, true>(a, kh, idx / num_seqs, idx % num_seqs, smem_raw);
+    return;
+  }
+  idx -= n_ctx_ctas;
+  if (idx < n_dq_ctas) {
+    const int per_block = a.Hkv * ((a.M + kBM - 1) / kBM);
+    const int r = idx % per_block;
+    dq_body<D>(a, r % a.Hkv, r / a.Hkv, a.nb - 1 - idx / per_block, smem_raw);
+    return;
+  }
+  idx -= n_dq_ctas;
+  const int kh = idx % a.Hkv;
+  idx /= a.Hkv;
+  const int b_tiles = (a.B + kBN - 1) / kBN;
+  dkv_body<D, false>(a, kh, idx % b_tiles, idx / b_tiles, smem_raw);
 }
 
 // ---- fallback -----------------------------------------------------------------------------------------
@@ -988,22 +1021,15 @@ void launch_fwd(const Args& a, cudaStream_t st) {
 template <int D>
 void launch_bwd(const Args& a, int64_t num_seqs, int64_t max_seqlen, cudaStream_t st) {
   const size_t smem_q = size_t(2 * kBM + 4 * kBN) * D * 2;
-  set_smem(ba_dq_kernel<D>, smem_q);
-  const dim3 grid_q(static_cast<unsigned>(a.Hkv * ((a.M + kBM - 1) / kBM)), static_cast<unsigned>(a.nb));
-  ba_dq_kernel<D><<<grid_q, kThreads, smem_q, st>>>(a);
-  DFLASH_CUDA_CHECK_LAST();
   const size_t smem_kv = size_t(2 * kBN + 4 * kBM) * D * 2 + 4 * kBM * sizeof(float);
-  set_smem(ba_dkv_kernel<D, true>, smem_kv);
-  set_smem(ba_dkv_kernel<D, false>, smem_kv);
-  if (max_seqlen > 0) {
-    const dim3 grid_c(static_cast<unsigned>(a.Hkv), static_cast<unsigned>((max_seqlen + kBN - 1) / kBN),
-                      static_cast<unsigned>(num_seqs));
-    ba_dkv_kernel<D, true><<<grid_c, kThreads, smem_kv, st>>>(a);
-    DFLASH_CUDA_CHECK_LAST();
-  }
-  const dim3 grid_b(static_cast<unsigned>(a.Hkv), static_cast<unsigned>((a.B + kBN - 1) / kBN),
-                    static_cast<unsigned>(a.nb));
-  ba_dkv_kernel<D, false><<<grid_b, kThreads, smem_kv, st>>>(a);
+  const size_t smem = std::max(smem_q, smem_kv);
+  set_smem(ba_bwd_kernel<D>, smem);
+  const int64_t n_ctx = int64_t(a.Hkv) * ((max_seqlen + kBN - 1) / kBN) * num_seqs;
+  const int64_t n_dq = int64_t(a.Hkv) * ((a.M + kBM - 1) / kBM) * a.nb;
+  const int64_t n_blk = int64_t(a.Hkv) * ((a.B + kBN - 1) / kBN) * a.nb;
+  DFLASH_CHECK(n_ctx + n_dq + n_blk < INT32_MAX, "block_attention_bwd: grid too large");
+  ba_bwd_kernel<D><<<static_cast<unsigned>(n_ctx + n_dq + n_blk), kThreads, smem, st>>>(
+      a, static_cast<int>(num_seqs), static_cast<int>(n_ctx), static_cast<int>(n_dq));
   DFLASH_CUDA_CHECK_LAST();
 }
 

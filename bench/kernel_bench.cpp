@@ -12,6 +12,8 @@
 // gdn  : chunked delta rule (fast) vs token-recurrent fallback, Qwen3.6-27B heads (16 k, 48 v,
 //        d 128), T 2048..32768 and a varlen batch; TFLOP/s and TB/s from the formulas below.
 // gemm : the model's GEMM shapes: cuBLASLt's heuristic choice vs the best of its top 16 in isolation.
+// ce   : the fused linear cross-entropy of the DFlash LM head, fwd+bwd, R 8192 x H 5120 x V 248320,
+//        per chunk size, and the dense bf16 GEMM ceiling (8192³) measured in the same run.
 // layer: one GatedDeltaNet and one attention decoder layer at the 27B shape and small shapes.
 // dattn: DFlash block attention fwd / bwd at the 27B drafter shape (only with --only dattn).
 #include <cuda_runtime.h>
@@ -286,6 +288,104 @@ void bench_gemm(Ctx& ctx, bool quick) {
     }
 }
 
+// The fused linear cross-entropy (train_launch.h linear_ce) at the drafter's training shape:
+// R 8192 rows, H 5120, V 248320 (Qwen3.6-27B vocabulary), forward + backward (ce, argmax, dhidden)
+// per chunk size. FLOPs = 2·R·H·V (logits) + 2·R·H·V (dhidden); the row kernel's extra traffic
+// (~14·R·V bytes) is not counted. Before timing, every chunk size is checked against the first
+// (ce to 1e-4, argmax on >= 99.9 % of rows since near ties may break either way under another
+// GEMM algorithm, dhidden to 1e-3 in measure()). The `dense` row is the ceiling measured in the
+// same run (one 8192³ bf16 GEMM through gemm_bf16); each chunk size's share of it is printed and
+// written as metric "of_dense" (%).
+void bench_ce(Ctx& ctx, bool quick) {
+  std::printf("\n== ce: fused linear cross-entropy fwd+bwd vs the dense bf16 GEMM ceiling\n");
+  const int64_t D = 8192;
+  {
+    Tensor a = dev_randn({D, D}, DType::BF16, 41), b = dev_randn({D, D}, DType::BF16, 42, 0.02f);
+    Tensor y = Tensor::empty({D, D}, DType::BF16, Device::cuda(0));
+    cuda::GemmParams g{a.raw_data(), D, b.raw_data(), y.raw_data(), D, D, D, D, false};
+    measure(ctx, "ce", "dense", "gemm_bf16 M8192 N8192 K8192", {{"cublaslt_heuristic", [&] { cuda::gemm_bf16(g, 0); }, nullptr}},
+            1e-2, {{"achieved", "TFLOP/s", 2.0 * D * D * D / 1e12}});
+  }
+  const double dense_p50 = ctx.csv->rows().back().p50;  // the dense row's TFLOP/s just written
+
+  const int64_t R = 8192, H = 5120, V = 248320;
+  Tensor hidden = dev_randn({R, H}, DType::BF16, 43), lm_head = dev_randn({V, H}, DType::BF16, 44, 0.02f);
+  std::vector<int32_t> labels(static_cast<size_t>(R));
+  std::vector<float> weights(static_cast<size_t>(R));
+  std::mt19937_64 rng(ctx.seed + 7);
+  for (int64_t r = 0; r < R; ++r) {
+    labels[r] = static_cast<int32_t>(rng() % static_cast<uint64_t>(V));
+    weights[r] = r % 16 == 0 ? 0.0f : 0.9f;  // block position 0 carries no loss in DFlash
+  }
+  Tensor lab = Tensor::from_blob(labels.data(), {R}, DType::I32).to(Device::cuda(0));
+  Tensor wt = Tensor::from_blob(weights.data(), {R}, DType::F32).to(Device::cuda(0));
+  std::vector<int64_t> chunks = {2048, 1024, 4096};
+  if (quick) chunks.resize(2);
+  struct Run {
+    int64_t chunk;
+    Tensor ws, ce, am, dh;
+  };
+  std::vector<Run> runs;
+  for (int64_t c : chunks)
+    runs.push_back({c, Tensor::empty({cuda::linear_ce_workspace(c, V)}, DType::U8, Device::cuda(0)),
+                    Tensor::empty({R}, DType::F32, Device::cuda(0)), Tensor::empty({R}, DType::I32, Device::cuda(0)),
+                    Tensor::empty({R, H}, DType::F32, Device::cuda(0))});
+  auto call = [&](Run& x) {
+    cuda::LinearCeParams p;
+    p.hidden = hidden.raw_data();
+    p.lm_head = lm_head.raw_data();
+    p.labels = lab.data<int32_t>();
+    p.weights = wt.data<float>();
+    p.R = R;
+    p.H = H;
+    p.V = V;
+    p.chunk_rows = x.chunk;
+    p.grad_scale = 1.0f / static_cast<float>(R);
+    p.ce = x.ce.data<float>();
+    p.argmax = x.am.data<int32_t>();
+    p.dhidden = x.dh.data<float>();
+    p.workspace = x.ws.raw_data();
+    cuda::linear_ce(p, 0);
+  };
+  for (Run& x : runs) call(x);
+  DeviceContext::get(0).synchronize();
+  Tensor am0 = runs[0].am.to(Device::cpu());
+  for (size_t i = 1; i < runs.size(); ++i) {
+    const double e = max_rel_err(runs[i].ce, runs[0].ce);
+    Tensor am = runs[i].am.to(Device::cpu());
+    int64_t same = 0;
+    for (int64_t r = 0; r < R; ++r) same += am.data<int32_t>()[r] == am0.data<int32_t>()[r];
+    DFLASH_CHECK(e <= 1e-4 && same >= R - R / 1000,
+                 "ce: chunk_rows " << runs[i].chunk << " disagrees with " << runs[0].chunk << " (ce rel err " << e
+                                   << ", argmax equal on " << same << " of " << R << " rows)");
+  }
+  double ce_mean = 0;
+  Tensor ce0 = runs[0].ce.to(Device::cpu());
+  for (int64_t r = 0; r < R; ++r) ce_mean += ce0.data<float>()[r] / static_cast<double>(R);
+  DFLASH_CHECK(std::isfinite(ce_mean), "ce: non-finite cross-entropy");
+  std::printf("  mean ce %.4f (logits ~ N(0, %.2f²): expect ~ ln V + σ²/2 = %.4f)\n", ce_mean,
+              std::sqrt(static_cast<double>(H)) * 0.02, std::log(static_cast<double>(V)) + H * 0.0004 / 2);
+
+  const std::string shape = "R" + std::to_string(R) + " H" + std::to_string(H) + " V" + std::to_string(V);
+  const double tflop = 4.0 * static_cast<double>(R) * H * static_cast<double>(V) / 1e12;
+  std::vector<Provider> prov;
+  for (Run& x : runs)
+    prov.push_back({"chunk" + std::to_string(x.chunk), [&call, &x] { call(x); }, [&x] { return x.dh; }});
+  const size_t first_row = ctx.csv->rows().size();
+  measure(ctx, "ce", "linear_ce_fwd_bwd", shape, prov, 1e-3, {{"achieved", "TFLOP/s", tflop}});
+  std::vector<bench::Row> shares;
+  for (size_t i = first_row; i < ctx.csv->rows().size(); ++i) {
+    const auto& row = ctx.csv->rows()[i];
+    if (row.metric != "achieved") continue;
+    const double pct = 100.0 * row.p50 / dense_p50;
+    std::printf("  %-6s %-22s %-44s %-26s %6.1f %% of the dense bf16 ceiling (%.1f TFLOP/s)\n", "ce",
+                row.kernel.c_str(), shape.c_str(), row.provider.c_str(), pct, dense_p50);
+    shares.push_back({"ce", row.kernel, row.provider, "fwd", "of_dense", "%", shape, pct,
+                      100.0 * row.p20 / dense_p50, 100.0 * row.p80 / dense_p50, row.noisy});
+  }
+  for (const auto& s : shares) ctx.csv->write(s);
+}
+
 // DFlash block attention (train_launch.h block_attention_fwd / _bwd) at the Qwen3.6-27B drafter's
 // training shape: Hq 32, Hkv 8, d 128, 512 blocks of B = 16 over one 4096-token context, anchors
 // uniform in [0, 4096) from a fixed seed, sorted; full attention. Before timing, the tensor-core
@@ -452,7 +552,7 @@ void bench_layer(Ctx& ctx, bool quick) {
 int main(int argc, char** argv) {
   CLI::App app{"Op-level benchmarks of the target's CUDA kernels (each provider checked before it is timed)."};
   app.name("kernel_bench");
-  std::string log_level = "warn", csv, only = "conv,gdn,gemm,layer";
+  std::string log_level = "warn", csv, only = "conv,gdn,gemm,ce,layer";
   bool quick = false;
   Ctx ctx;
   add_common_options(app, &log_level);
@@ -460,7 +560,7 @@ int main(int argc, char** argv) {
   std::string json_path, baseline;
   app.add_option("--json", json_path, "also write this run's rows as JSON");
   app.add_option("--baseline", baseline, "an earlier CSV: print now/baseline per row and the geomean per group");
-  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,layer")->capture_default_str();
+  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,ce,layer")->capture_default_str();
   app.add_flag("--quick", quick, "a few shapes only (smoke run)");
   app.add_option("--warmup", ctx.warmup, "untimed calls before the first round")->capture_default_str();
   app.add_option("--iters", ctx.iters, "timed calls per round")->capture_default_str();
@@ -481,6 +581,7 @@ int main(int argc, char** argv) {
     if (only.find("conv") != std::string::npos) bench_conv(ctx, quick);
     if (only.find("gdn") != std::string::npos) bench_gdn(ctx, quick);
     if (only.find("gemm") != std::string::npos) bench_gemm(ctx, quick);
+    if (only.find("ce") != std::string::npos) bench_ce(ctx, quick);
     if (only.find("layer") != std::string::npos) bench_layer(ctx, quick);
     if (only.find("dattn") != std::string::npos) bench_dattn(ctx, quick);
     ctx.csv->finish(json_path, baseline);

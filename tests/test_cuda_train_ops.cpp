@@ -20,7 +20,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <functional>
 #include <random>
+#include <sstream>
+#include <cstdio>
 #include <vector>
 
 #include "kernels/cuda/train_launch.h"
@@ -106,6 +109,16 @@ double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
   }
   return md / std::max(mr, 1e-30);
 }
+// Checks rel_err(got, ref) < bound and prints the measured value (for the record of errors).
+#define EXPECT_REL(got, ref, bound, what)                                                              \
+  do {                                                                                                 \
+    std::ostringstream what_;                                                                          \
+    what_ << what;                                                                                     \
+    const double err_ = rel_err(got, ref);                                                             \
+    std::printf("  measured %-70s %.2e (bound %.0e)\n", what_.str().c_str(), err_, double(bound));     \
+    EXPECT_LT(err_, bound) << what_.str();                                                             \
+  } while (0)
+
 // Elements of a [rows, ld] buffer at columns >= width equal `want` (both NaN counts as equal).
 int64_t padding_changed(const std::vector<double>& got, const std::vector<double>& want, int64_t ld, int64_t width) {
   int64_t bad = 0;
@@ -235,8 +248,8 @@ void check_fd(std::vector<double> x, std::vector<double> w, const std::vector<do
     w[i] = w0;
     fdw[i] = (lp - lm) / (2 * h);
   }
-  EXPECT_LT(rel_err(dx, fdx), 1e-6) << what << ": analytic dx vs finite differences";
-  EXPECT_LT(rel_err(dw, fdw), 1e-6) << what << ": analytic dw vs finite differences";
+  EXPECT_REL(dx, fdx, 1e-6, what << ": analytic dx vs finite differences");
+  EXPECT_REL(dw, fdw, 1e-6, what << ": analytic dw vs finite differences");
 }
 
 TEST(TrainOpsReference, RmsNormBackwardMatchesFiniteDifferences) {
@@ -362,8 +375,8 @@ TEST(CudaTrainOps, RmsNormForward) {
       Buf x = x_f32 ? dev_f32(xs) : dev_bf16(xs), wb = dev_bf16(w);
       Buf y = poisoned(c.rows * c.D, DType::BF16), rs = poisoned(c.rows, DType::F32);
       cu::rms_norm_fwd(x.p(), x_f32, c.ldx, wb.p(), y.p(), rs.f(), c.rows, c.D, 1e-6f, stream());
-      EXPECT_LT(rel_err(host(y), yr), kBf16Bound) << "rms_norm_fwd y rows=" << c.rows << " D=" << c.D;
-      EXPECT_LT(rel_err(host(rs), rsr), 1e-5) << "rms_norm_fwd rstd rows=" << c.rows << " D=" << c.D;
+      EXPECT_REL(host(y), yr, kBf16Bound, "rms_norm_fwd y rows=" << c.rows << " D=" << c.D);
+      EXPECT_REL(host(rs), rsr, 1e-5, "rms_norm_fwd rstd rows=" << c.rows << " D=" << c.D);
     }
   }
 }
@@ -414,12 +427,12 @@ TEST(CudaTrainOps, RmsNormBackward) {
         if (mode == 0) {
           std::vector<double> want(dxr.size());
           for (size_t i = 0; i < want.size(); ++i) want[i] = dx0[i] + dxr[i];
-          EXPECT_LT(rel_err(host(dx), want), kF32Bound) << what << " dx (+)=";
-          EXPECT_LT(rel_err(host(copy), want), kBf16Bound) << what << " dx_copy_bf16";
+          EXPECT_REL(host(dx), want, kF32Bound, what << " dx (+)=");
+          EXPECT_REL(host(copy), want, kBf16Bound, what << " dx_copy_bf16");
         } else {
-          EXPECT_LT(rel_err(host(dxb), dxr), kBf16Bound) << what << " dx_bf16";
+          EXPECT_REL(host(dxb), dxr, kBf16Bound, what << " dx_bf16");
         }
-        EXPECT_LT(rel_err(host(dw), dwr), kF32Bound) << what << " dw (+)=";
+        EXPECT_REL(host(dw), dwr, kF32Bound, what << " dw (+)=");
         // The accumulation really adds: dw − dw0 against the reference increment.
         std::vector<double> inc(static_cast<size_t>(D)), ref_inc(static_cast<size_t>(D));
         const std::vector<double> g = host(dw);
@@ -427,7 +440,7 @@ TEST(CudaTrainOps, RmsNormBackward) {
           inc[i] = g[i] - dw0[i];
           ref_inc[i] = dwr[i] - dw0[i];
         }
-        EXPECT_LT(rel_err(inc, ref_inc), 1e-3) << what << " dw increment";
+        EXPECT_REL(inc, ref_inc, 1e-3, what << " dw increment");
         // Determinism: the same call from the same dw gives the same bits.
         if (mode == 0) {
           Buf dw2 = dev_f32(dw0), dx2 = dev_f32(dx0), dw3 = dev_f32(dw0), dx3 = dev_f32(dx0);
@@ -485,8 +498,8 @@ TEST(CudaTrainOps, HeadNormRopeForwardBackward) {
     f.eps = eps;
     f.theta = theta;
     cu::head_norm_rope_fwd(f, stream());
-    EXPECT_LT(rel_err(host(y), yr), kBf16Bound) << what << " y";
-    EXPECT_LT(rel_err(host(rs), rsr), 1e-5) << what << " rstd";
+    EXPECT_REL(host(y), yr, kBf16Bound, what << " y");
+    EXPECT_REL(host(rs), rsr, 1e-5, what << " rstd");
 
     // Backward with the rstd the forward saved; dx written with a padded row stride.
     const std::vector<double> rs_saved = host(rs);
@@ -508,9 +521,9 @@ TEST(CudaTrainOps, HeadNormRopeForwardBackward) {
     std::vector<double> dxc(static_cast<size_t>(rows * hd));
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = 0; i < hd; ++i) dxc[r * hd + i] = dxg[r * lddx + i];
-    EXPECT_LT(rel_err(dxc, dxr), kBf16Bound) << what << " dx";
+    EXPECT_REL(dxc, dxr, kBf16Bound, what << " dx");
     EXPECT_EQ(padding_changed(dxg, std::vector<double>(dxg.size(), kNaN), lddx, hd), 0) << what << " dx padding";
-    EXPECT_LT(rel_err(host(dw), dwr), kF32Bound) << what << " dw (+)=";
+    EXPECT_REL(host(dw), dwr, kF32Bound, what << " dw (+)=");
     // Determinism of dw.
     Buf dw2 = dev_f32(dw0);
     b.dw = dw2.f();
@@ -535,7 +548,7 @@ TEST(CudaTrainOps, SwigluBackward) {
       }
     Buf g = dev_bf16(gu), m = dev_bf16(dm), out = poisoned(rows * 2 * I, DType::BF16);
     cu::swiglu_bwd(g.p(), m.p(), out.p(), rows, I, stream());
-    EXPECT_LT(rel_err(host(out), ref), kBf16Bound) << "swiglu_bwd rows=" << rows << " I=" << I;
+    EXPECT_REL(host(out), ref, kBf16Bound, "swiglu_bwd rows=" << rows << " I=" << I);
   }
 }
 
@@ -553,8 +566,10 @@ TEST(CudaTrainOps, SumSquaresDeterministic) {
     cu::sum_squares(xb.f(), n, out2.f(), ws.p(), stream());
     const double got = host(out)[0];
     EXPECT_FALSE(std::isnan(got));
-    EXPECT_LE(std::abs(got - ref), 1e-6 * std::max(ref, 1e-30)) << "sum_squares n=" << n;
-    if (n == 0) EXPECT_EQ(got, 0.0);
+    EXPECT_REL(std::vector<double>{got}, std::vector<double>{ref}, 1e-6, "sum_squares n=" << n);
+    if (n == 0) {
+      EXPECT_EQ(got, 0.0);
+    }
     EXPECT_EQ(bits(out), bits(out2)) << "sum_squares n=" << n << " differs between two runs";
   }
 }
@@ -606,9 +621,9 @@ TEST(CudaTrainOps, AdamWThreeSteps) {
       upd[i] = got[i] - master0[i];
       ref_upd[i] = pm[i] - master0[i];
     }
-    EXPECT_LT(rel_err(upd, ref_upd), 1e-3) << "adamw master update";
-    EXPECT_LT(rel_err(host(m), mm), 1e-5) << "adamw m";
-    EXPECT_LT(rel_err(host(v), vv), 1e-5) << "adamw v";
+    EXPECT_REL(upd, ref_upd, 1e-3, "adamw master update");
+    EXPECT_REL(host(m), mm, 1e-5, "adamw m");
+    EXPECT_REL(host(v), vv, 1e-5, "adamw v");
     if (with_weight) {
       const std::vector<double> wt = host(weight);
       int64_t bad = 0;
@@ -632,9 +647,13 @@ TEST(CudaTrainOps, ClipFactor) {
     cu::clip_factor(s.f(), c.max_norm, scale.f(), norm.f(), stream());
     const double gs = host(scale)[0], gn = host(norm)[0];
     EXPECT_NEAR(gs, c.scale, 1e-6) << "clip_factor sumsq=" << c.sumsq << " max_norm=" << c.max_norm;
-    if (std::isnan(c.norm)) EXPECT_TRUE(std::isnan(gn)) << "clip_factor norm of NaN sumsq";
-    else if (std::isinf(c.norm)) EXPECT_TRUE(std::isinf(gn)) << "clip_factor norm of inf sumsq";
-    else EXPECT_NEAR(gn, c.norm, 1e-6) << "clip_factor norm sumsq=" << c.sumsq;
+    if (std::isnan(c.norm)) {
+      EXPECT_TRUE(std::isnan(gn)) << "clip_factor norm of NaN sumsq";
+    } else if (std::isinf(c.norm)) {
+      EXPECT_TRUE(std::isinf(gn)) << "clip_factor norm of inf sumsq";
+    } else {
+      EXPECT_NEAR(gn, c.norm, 1e-6) << "clip_factor norm sumsq=" << c.sumsq;
+    }
   }
 }
 
@@ -700,7 +719,7 @@ TEST(CudaTrainOps, GemmExAllTransposes) {
                                      " K=" + std::to_string(K) + " trans_a=" + std::to_string(ta) +
                                      " trans_b=" + std::to_string(tb) + " d_f32=" + std::to_string(d_f32) +
                                      " beta=" + std::to_string(beta);
-            EXPECT_LT(rel_err(gc, ref), d_f32 ? kGemmF32Bound : kBf16Bound) << what;
+            EXPECT_REL(gc, ref, d_f32 ? kGemmF32Bound : kBf16Bound, what);
             EXPECT_EQ(padding_changed(got, before, ldd, N), 0) << what << ": padding of D written";
           }
   }
@@ -758,7 +777,7 @@ TEST(CudaTrainOps, GemmExAccumulatesWeightGradient) {
     p.beta = 1.0f;
     cu::gemm_ex(p, 0);
   }
-  EXPECT_LT(rel_err(host(dw), ref), kGemmF32Bound) << "dw (+)= dyᵀ·x over two micro-batches";
+  EXPECT_REL(host(dw), ref, kGemmF32Bound, "dw (+)= dyᵀ·x over two micro-batches");
 }
 
 // Validation runs before any device work: no GPU needed.
@@ -802,6 +821,123 @@ TEST(CudaTrainOps, ValidationNamesLauncherAndValue) {
   r.ldx = 8;
   e = error_of([&] { cu::rms_norm_bwd(r, nullptr); });
   EXPECT_NE(e.find("exactly one of dx"), std::string::npos) << e;
+}
+
+// Bandwidth of the kernels at drafter-training shapes (printed, never asserted).
+double time_ms(const std::function<void()>& f) {
+  f();
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  const auto st = static_cast<cudaStream_t>(stream());
+  cudaEventRecord(a, st);
+  for (int i = 0; i < 10; ++i) f();
+  cudaEventRecord(b, st);
+  cudaEventSynchronize(b);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms / 10;
+}
+void report(const char* what, double ms, double bytes, double flops = 0) {
+  std::printf("  timing %-52s %8.3f ms %7.0f GB/s", what, ms, bytes / ms * 1e-6);
+  if (flops > 0) std::printf(" %6.0f TFLOP/s", flops / ms * 1e-9);
+  std::printf("\n");
+}
+
+TEST(CudaTrainOpsTiming, PrintTimings) {
+  DFLASH_REQUIRE_GPU();
+  const int64_t T = 8192, H = 5120, heads = 32, d = 128, I = 17408;
+  auto s = stream();
+  Buf xf = dev_f32(randn(T * H)), w = dev_bf16(randn(H, 0.3, 1.0)), y = poisoned(T * H, DType::BF16);
+  Buf rs = poisoned(T, DType::F32), dy = dev_bf16(randn(T * H)), dx = dev_f32(randn(T * H));
+  Buf copy = poisoned(T * H, DType::BF16), dw = dev_f32(randn(H));
+  report("cast_f32_bf16 8192x5120", time_ms([&] { cu::cast_f32_bf16(xf.f(), y.p(), T * H, s); }), 6.0 * T * H);
+  report("add_into_f32 bf16 8192x5120", time_ms([&] { cu::add_into_f32(dx.f(), dy.p(), false, T * H, s); }),
+         10.0 * T * H);
+  report("rms_norm_fwd f32 x 8192x5120", time_ms([&] {
+           cu::rms_norm_fwd(xf.p(), true, H, w.p(), y.p(), rs.f(), T, H, 1e-6f, s);
+         }), 6.0 * T * H);
+  cu::RmsNormBwdParams p;
+  p.x = xf.p();
+  p.x_f32 = true;
+  p.ldx = H;
+  p.w = w.p();
+  p.rstd = rs.f();
+  p.dy = dy.p();
+  p.dx = dx.f();
+  p.dx_copy_bf16 = copy.p();
+  p.dw = dw.f();
+  p.rows = T;
+  p.D = H;
+  report("rms_norm_bwd f32 x, dx (+)=, copy 8192x5120", time_ms([&] { cu::rms_norm_bwd(p, s); }), 16.0 * T * H);
+  {
+    Buf q = dev_bf16(randn(T * heads * d)), qy = poisoned(T * heads * d, DType::BF16);
+    Buf qr = poisoned(T * heads, DType::F32), qdw = dev_f32(randn(d));
+    std::vector<int32_t> pos(static_cast<size_t>(T));
+    for (int64_t i = 0; i < T; ++i) pos[i] = static_cast<int32_t>(i % 4096);
+    Buf pb = dev_i32(pos);
+    cu::HeadNormRopeParams f;
+    f.x = q.p();
+    f.ldx = heads * d;
+    f.w = w.p();
+    f.pos = static_cast<const int32_t*>(pb.p());
+    f.y = qy.p();
+    f.rstd = qr.f();
+    f.rows = T;
+    f.heads = heads;
+    f.d = d;
+    report("head_norm_rope_fwd 8192x32x128", time_ms([&] { cu::head_norm_rope_fwd(f, s); }), 4.0 * T * heads * d);
+    cu::HeadNormRopeBwdParams b;
+    b.fwd = f;
+    b.dy = dy.p();
+    b.dx = copy.p();
+    b.lddx = heads * d;
+    b.dw = qdw.f();
+    report("head_norm_rope_bwd 8192x32x128", time_ms([&] { cu::head_norm_rope_bwd(b, s); }), 6.0 * T * heads * d);
+  }
+  {
+    const int64_t rows = 2048;
+    Buf gu = dev_bf16(randn(rows * 2 * I)), dm = dev_bf16(randn(rows * I)), dgu = poisoned(rows * 2 * I, DType::BF16);
+    report("swiglu_bwd 2048x17408", time_ms([&] { cu::swiglu_bwd(gu.p(), dm.p(), dgu.p(), rows, I, s); }),
+           10.0 * rows * I);
+  }
+  {
+    const int64_t n = 64 << 20;
+    Buf master = dev_f32(randn(n)), g = dev_f32(randn(n)), m = dev_f32(randn(n)), v = dev_f32(randn(n, 0.1, 1.0));
+    Buf wt = poisoned(n, DType::BF16), out = poisoned(1, DType::F32);
+    Buf ws{Tensor::empty({cu::sum_squares_workspace(n)}, DType::U8, Device::cuda(0))};
+    report("sum_squares 64M", time_ms([&] { cu::sum_squares(g.f(), n, out.f(), ws.p(), s); }), 4.0 * n);
+    cu::AdamWParams a;
+    a.master = master.f();
+    a.grad = g.f();
+    a.m = m.f();
+    a.v = v.f();
+    a.weight = wt.p();
+    a.n = n;
+    a.lr = 1e-4f;
+    report("adamw_step 64M", time_ms([&] { cu::adamw_step(a, s); }), 30.0 * n);
+  }
+  {
+    // The drafter's projections: y = x·wᵀ, dx = dy·w, dw (+)= dyᵀ·x (fp32 D).
+    const int64_t M = T, N = 4096, K = H;
+    Buf xa = dev_bf16(randn(M * K)), wa = dev_bf16(randn(N * K)), ya = poisoned(M * N, DType::BF16);
+    Buf dya = dev_bf16(randn(M * N)), dxa = poisoned(M * K, DType::BF16), dwa = dev_f32(randn(N * K));
+    cu::GemmExParams g;
+    g.a = xa.p(); g.lda = K; g.b = wa.p(); g.ldb = K; g.trans_b = true; g.d = ya.p(); g.ldd = N;
+    g.M = M; g.N = N; g.K = K;
+    const double flops = 2.0 * M * N * K;
+    report("gemm_ex y = x·wᵀ 8192x4096x5120", time_ms([&] { cu::gemm_ex(g, 0); }), 0, flops);
+    cu::GemmExParams gx;
+    gx.a = dya.p(); gx.lda = N; gx.b = wa.p(); gx.ldb = K; gx.d = dxa.p(); gx.ldd = K;
+    gx.M = M; gx.N = K; gx.K = N;
+    report("gemm_ex dx = dy·w", time_ms([&] { cu::gemm_ex(gx, 0); }), 0, flops);
+    cu::GemmExParams gw;
+    gw.a = dya.p(); gw.lda = N; gw.trans_a = true; gw.b = xa.p(); gw.ldb = K; gw.d = dwa.p(); gw.ldd = K;
+    gw.d_f32 = true; gw.M = N; gw.N = K; gw.K = M; gw.beta = 1.0f;
+    report("gemm_ex dw (+)= dyᵀ·x fp32", time_ms([&] { cu::gemm_ex(gw, 0); }), 0, flops);
+  }
 }
 
 }  // namespace

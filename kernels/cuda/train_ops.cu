@@ -47,7 +47,7 @@ constexpr int kSsParts = 1024;       // max CTAs (partials) of sum_squares
 constexpr int kMaxHeadHalf = 128;    // head_norm_rope: d <= 256 (4 rotary pairs per lane)
 constexpr int kPairsPerLane = kMaxHeadHalf / 32;
 constexpr int kHeadWarps = kThreads / 32;
-constexpr int64_t kMaxNormD = 12288;  // rms_norm_bwd: the CTA's dw partial row lives in shared memory
+constexpr int64_t kMaxNormD = 12288;  // rms_norm_bwd: a thread keeps D / kThreads dw partials in registers
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -216,30 +216,52 @@ __global__ void embedding_f32_kernel(const int32_t* __restrict__ ids, const bf16
 
 // ---- RMSNorm ------------------------------------------------------------------------------------
 
-// One block per row.
-template <class T>
+// W consecutive elements as floats: W == 8 uses 16-byte accesses (aligned), W == 1 is scalar.
+template <int W, class T>
+__device__ __forceinline__ void loadw(const T* p, float (&v)[W]) {
+  if constexpr (W == 8) load8(p, v);
+  else v[0] = ld_f(p);
+}
+template <int W, class T>
+__device__ __forceinline__ void storew(T* p, const float (&v)[W]) {
+  if constexpr (W == 8) store8(p, v);
+  else if constexpr (sizeof(T) == 4) *p = v[0];
+  else *p = __float2bfloat16_rn(v[0]);
+}
+
+// One block per row; thread t owns units t, t + kThreads, ... of W elements.
+template <int W, class T>
 __global__ void __launch_bounds__(kThreads) rms_norm_fwd_kernel(const T* __restrict__ x, int64_t ldx,
                                                                 const bf16* __restrict__ w, bf16* __restrict__ y,
                                                                 float* __restrict__ rstd, int64_t D, float eps) {
   __shared__ float red[kThreads / 32];
-  const int64_t r = blockIdx.x;
+  const int64_t r = blockIdx.x, units = D / W;
   const T* xr = x + r * ldx;
   float ss = 0.0f;
-  for (int64_t i = threadIdx.x; i < D; i += kThreads) {
-    const float v = ld_f(xr + i);
-    ss += v * v;
+  for (int64_t u = threadIdx.x; u < units; u += kThreads) {
+    float v[W];
+    loadw<W>(xr + u * W, v);
+#pragma unroll
+    for (int e = 0; e < W; ++e) ss += v[e] * v[e];
   }
   ss = block_sum(ss, red);
   const float rs = rsqrtf(ss / static_cast<float>(D) + eps);
   bf16* yr = y + r * D;
-  for (int64_t i = threadIdx.x; i < D; i += kThreads)
-    yr[i] = __float2bfloat16_rn(ld_f(xr + i) * rs * __bfloat162float(w[i]));
+  for (int64_t u = threadIdx.x; u < units; u += kThreads) {
+    float v[W], g[W];
+    loadw<W>(xr + u * W, v);
+    loadw<W>(w + u * W, g);
+#pragma unroll
+    for (int e = 0; e < W; ++e) v[e] = v[e] * rs * g[e];
+    storew<W>(yr + u * W, v);
+  }
   if (threadIdx.x == 0) rstd[r] = rs;
 }
 
 // Grid of `parts` CTAs; CTA b handles rows b, b + parts, ... in order and writes its dw partial
-// (Σ over its rows of dy · x̂) to partial[b, :]. Thread t owns columns t, t + kThreads, ...
-template <class T>
+// (Σ over its rows of dy · x̂) to partial[b, :]. Thread t owns units t + k·kThreads (k < kU) of W
+// columns, the same in every row, so it keeps its dw partial in registers.
+template <int W, class T>
 __global__ void __launch_bounds__(kThreads) rms_norm_bwd_kernel(const T* __restrict__ x, int64_t ldx,
                                                                 const bf16* __restrict__ w,
                                                                 const float* __restrict__ rstd,
@@ -247,34 +269,60 @@ __global__ void __launch_bounds__(kThreads) rms_norm_bwd_kernel(const T* __restr
                                                                 bf16* dx_bf16, bf16* dx_copy,
                                                                 float* __restrict__ partial, int64_t rows,
                                                                 int64_t D) {
-  extern __shared__ float dwp[];  // (D) this CTA's partial; each column touched by one thread only
+  constexpr int kU = static_cast<int>(kMaxNormD / (W * kThreads));
   __shared__ float red[kThreads / 32];
-  for (int64_t i = threadIdx.x; i < D; i += kThreads) dwp[i] = 0.0f;
+  const int64_t units = D / W;
+  float dwr[kU][W];
+#pragma unroll
+  for (int k = 0; k < kU; ++k)
+#pragma unroll
+    for (int e = 0; e < W; ++e) dwr[k][e] = 0.0f;
   const float invD = 1.0f / static_cast<float>(D);
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * ldx;
     const bf16* gr = dy + r * D;
     const float rs = rstd[r];
     float s = 0.0f;  // Σ x̂ · w·dy
-    for (int64_t i = threadIdx.x; i < D; i += kThreads)
-      s += ld_f(xr + i) * rs * __bfloat162float(w[i]) * __bfloat162float(gr[i]);
-    const float c = block_sum(s, red) * invD;
-    for (int64_t i = threadIdx.x; i < D; i += kThreads) {
-      const float xh = ld_f(xr + i) * rs, g = __bfloat162float(gr[i]);
-      const float d = rs * (__bfloat162float(w[i]) * g - xh * c);
-      dwp[i] += g * xh;
-      float out;
-      if (dx != nullptr) {
-        out = dx[r * D + i] + d;
-        dx[r * D + i] = out;
-      } else {
-        out = d;
-        dx_bf16[r * D + i] = __float2bfloat16_rn(d);
+#pragma unroll
+    for (int k = 0; k < kU; ++k) {
+      const int64_t u = threadIdx.x + k * kThreads;
+      if (u < units) {
+        float xv[W], wv[W], gv[W];
+        loadw<W>(xr + u * W, xv);
+        loadw<W>(w + u * W, wv);
+        loadw<W>(gr + u * W, gv);
+#pragma unroll
+        for (int e = 0; e < W; ++e) s += xv[e] * rs * wv[e] * gv[e];
       }
-      if (dx_copy != nullptr) dx_copy[r * D + i] = __float2bfloat16_rn(out);
+    }
+    const float c = block_sum(s, red) * invD;
+#pragma unroll
+    for (int k = 0; k < kU; ++k) {
+      const int64_t u = threadIdx.x + k * kThreads;
+      if (u < units) {
+        float xv[W], wv[W], gv[W], d[W] = {};
+        loadw<W>(xr + u * W, xv);
+        loadw<W>(w + u * W, wv);
+        loadw<W>(gr + u * W, gv);
+        const int64_t at = r * D + u * W;
+        if (dx != nullptr) loadw<W>(dx + at, d);
+#pragma unroll
+        for (int e = 0; e < W; ++e) {
+          const float xh = xv[e] * rs;
+          dwr[k][e] += gv[e] * xh;
+          d[e] += rs * (wv[e] * gv[e] - xh * c);
+        }
+        if (dx != nullptr) storew<W>(dx + at, d);
+        else storew<W>(dx_bf16 + at, d);
+        if (dx_copy != nullptr) storew<W>(dx_copy + at, d);
+      }
     }
   }
-  for (int64_t i = threadIdx.x; i < D; i += kThreads) partial[blockIdx.x * D + i] = dwp[i];
+#pragma unroll
+  for (int k = 0; k < kU; ++k) {
+    const int64_t u = threadIdx.x + k * kThreads;
+    if (u < units) storew<W>(partial + blockIdx.x * D + u * W, dwr[k]);
+  }
 }
 
 // ---- per-head RMSNorm + neox RoPE ----------------------------------------------------------------
@@ -581,14 +629,15 @@ void rms_norm_fwd(const void* x, bool x_f32, int64_t ldx, const void* w, void* y
                "rms_norm_fwd: null pointer (x=" << x << " w=" << w << " y=" << y << " rstd=" << rstd << ")");
   const auto st = static_cast<cudaStream_t>(s);
   const auto grid = static_cast<unsigned>(rows);
-  if (x_f32)
-    rms_norm_fwd_kernel<float><<<grid, kThreads, 0, st>>>(static_cast<const float*>(x), ldx,
-                                                          static_cast<const bf16*>(w), static_cast<bf16*>(y), rstd, D,
-                                                          eps);
-  else
-    rms_norm_fwd_kernel<bf16><<<grid, kThreads, 0, st>>>(static_cast<const bf16*>(x), ldx,
-                                                         static_cast<const bf16*>(w), static_cast<bf16*>(y), rstd, D,
-                                                         eps);
+  const bool vec = D % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(y);
+  const auto* xf = static_cast<const float*>(x);
+  const auto* xb = static_cast<const bf16*>(x);
+  const auto* wb = static_cast<const bf16*>(w);
+  auto* yb = static_cast<bf16*>(y);
+  if (x_f32 && vec) rms_norm_fwd_kernel<8><<<grid, kThreads, 0, st>>>(xf, ldx, wb, yb, rstd, D, eps);
+  else if (x_f32) rms_norm_fwd_kernel<1><<<grid, kThreads, 0, st>>>(xf, ldx, wb, yb, rstd, D, eps);
+  else if (vec) rms_norm_fwd_kernel<8><<<grid, kThreads, 0, st>>>(xb, ldx, wb, yb, rstd, D, eps);
+  else rms_norm_fwd_kernel<1><<<grid, kThreads, 0, st>>>(xb, ldx, wb, yb, rstd, D, eps);
   DFLASH_CUDA_CHECK_LAST();
 }
 
@@ -607,16 +656,19 @@ void rms_norm_bwd(const RmsNormBwdParams& p, Stream s) {
   const int parts = static_cast<int>(std::min<int64_t>(p.rows, kDwParts));
   Scratch partial(static_cast<size_t>(parts) * static_cast<size_t>(p.D) * sizeof(float));
   const auto st = static_cast<cudaStream_t>(s);
-  const size_t smem = static_cast<size_t>(p.D) * sizeof(float);
   auto launch = [&](auto kernel, const auto* x) {
-    if (smem > 48 * 1024)
-      DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    kernel<<<static_cast<unsigned>(parts), kThreads, smem, st>>>(
+    kernel<<<static_cast<unsigned>(parts), kThreads, 0, st>>>(
         x, p.ldx, static_cast<const bf16*>(p.w), p.rstd, static_cast<const bf16*>(p.dy), p.dx,
         static_cast<bf16*>(p.dx_bf16), static_cast<bf16*>(p.dx_copy_bf16), partial.f32(), p.rows, p.D);
   };
-  if (p.x_f32) launch(rms_norm_bwd_kernel<float>, static_cast<const float*>(p.x));
-  else launch(rms_norm_bwd_kernel<bf16>, static_cast<const bf16*>(p.x));
+  const bool vec = p.D % 8 == 0 && p.ldx % 8 == 0 && aligned16(p.x) && aligned16(p.w) && aligned16(p.dy) &&
+                   aligned16(p.dx) && aligned16(p.dx_bf16) && aligned16(p.dx_copy_bf16);
+  const auto* xf = static_cast<const float*>(p.x);
+  const auto* xb = static_cast<const bf16*>(p.x);
+  if (p.x_f32 && vec) launch(rms_norm_bwd_kernel<8, float>, xf);
+  else if (p.x_f32) launch(rms_norm_bwd_kernel<1, float>, xf);
+  else if (vec) launch(rms_norm_bwd_kernel<8, bf16>, xb);
+  else launch(rms_norm_bwd_kernel<1, bf16>, xb);
   DFLASH_CUDA_CHECK_LAST();
   reduce_partials_kernel<<<blocks_for(p.D, kThreads), kThreads, 0, st>>>(partial.f32(), parts, p.D, p.dw);
   DFLASH_CUDA_CHECK_LAST();

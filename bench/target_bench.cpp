@@ -22,6 +22,7 @@
 #include "kernels/log.h"
 #include "comm/comm.h"
 #include "kernels/log.h"
+#include "target_model/flops.h"
 #include "target_model/model_cuda.h"
 #include "target_model/tp.h"
 
@@ -30,22 +31,8 @@ using namespace dflash::target;
 
 namespace {
 
-// Model FLOPs of one forward over `seqs` sequences of `T` tokens: every linear (2 per weight
-// element per token), causal attention (QKᵀ and PV: 2·Hq·d·T(T+1) per layer and sequence) and
-// the delta-rule state math (~7·dk·dv per token and value head: decay, Sᵀk, update, Sᵀq).
 double forward_flops(const TargetConfig& c, int64_t T, int64_t seqs) {
-  const double H = static_cast<double>(c.hidden_size), N = static_cast<double>(T * seqs);
-  const double mlp = 3.0 * H * static_cast<double>(c.intermediate_size);
-  const double gdn_lin = H * static_cast<double>(c.gdn_conv_dim() + 2 * c.gdn_value_dim() + 2 * c.linear_num_value_heads);
-  const double attn_lin = H * static_cast<double>(c.attn_q_proj_rows() + 2 * c.num_key_value_heads * c.head_dim +
-                                                  c.num_attention_heads * c.head_dim);
-  const double gdn_core = 7.0 * static_cast<double>(c.linear_key_head_dim * c.linear_value_head_dim * c.linear_num_value_heads);
-  const double attn_core_per_seq = 2.0 * static_cast<double>(c.num_attention_heads * c.head_dim) *
-                                   static_cast<double>(T) * static_cast<double>(T + 1);
-  const double n_gdn = static_cast<double>(c.count_layers(LayerType::LinearAttention));
-  const double n_attn = static_cast<double>(c.count_layers(LayerType::FullAttention));
-  return n_gdn * (2.0 * N * (gdn_lin + mlp) + N * gdn_core) +
-         n_attn * (2.0 * N * (attn_lin + mlp) + attn_core_per_seq * static_cast<double>(seqs));
+  return target::forward_flops(c, std::vector<int64_t>(static_cast<size_t>(seqs), T));
 }
 
 std::vector<int64_t> parse_list(const std::string& s) {

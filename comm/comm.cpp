@@ -266,6 +266,28 @@ void Communicator::all_reduce_sum(Tensor& t) {
 #endif
 }
 
+void Communicator::all_reduce_sum_async(void* data, int64_t count, DType dtype, void* stream) {
+  DFLASH_CHECK(device_.is_cuda(), name_ << " all_reduce_sum_async: needs a device group, this one is on " << device_.str());
+  DFLASH_CHECK(count >= 0 && data != nullptr, name_ << " all_reduce_sum_async: bad buffer (" << data << ", " << count << ")");
+  if (size_ == 1 || count == 0) return;
+#if DFLASH_WITH_CUDA
+  DFLASH_NCCL_CHECK(ncclAllReduce(data, data, static_cast<size_t>(count), nccl_type(dtype), ncclSum,
+                                  static_cast<ncclComm_t>(nccl_), static_cast<cudaStream_t>(stream)));
+#else
+  (void)dtype, (void)stream;
+#endif
+}
+
+void Communicator::wait_async(void* stream, const std::string& op) {
+  if (size_ == 1) return;
+  auto g = watchdog_->guard(op.c_str());
+#if DFLASH_WITH_CUDA
+  wait_nccl(static_cast<ncclComm_t>(nccl_), static_cast<cudaStream_t>(stream), name_ + " " + op);
+#else
+  (void)stream;
+#endif
+}
+
 void Communicator::all_gather(const Tensor& in, Tensor& out) {
   check_tensor(in, "all_gather");
   check_tensor(out, "all_gather");

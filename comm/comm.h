@@ -110,6 +110,12 @@ class Communicator {
   void all_gather(const Tensor& in, Tensor& out);
   void broadcast(Tensor& t, int root);
   void barrier();
+  // Device groups only, for overlapping communication with compute: enqueue an in-place sum of
+  // `count` elements at `data` (f32 / bf16 / f64 device memory) on `stream` (a cudaStream_t the
+  // caller orders with events) and return at once; wait_async(stream) then waits for everything
+  // enqueued there, watching NCCL's error state, under the same timeout as the other collectives.
+  void all_reduce_sum_async(void* data, int64_t count, DType dtype, void* stream);
+  void wait_async(void* stream, const std::string& op);
 
  private:
   void check_tensor(const Tensor& t, const char* op) const;

@@ -244,6 +244,29 @@ StepStats block_stats(int64_t B, const BlockTargets& t, const std::vector<int32_
   return st;
 }
 
+double step_flops(const DrafterConfig& c, const DrafterBatch& batch, bool backward) {
+  const double N = static_cast<double>(batch.context.defined() ? batch.context.size(0) : 0);
+  const double B = static_cast<double>(c.block_size), R = static_cast<double>(batch.blocks.size()) * B;
+  const double H = static_cast<double>(c.hidden_size), I = static_cast<double>(c.intermediate_size);
+  const double qd = static_cast<double>(c.q_dim()), kvd = static_cast<double>(c.kv_dim());
+  const double fc = 2.0 * N * static_cast<double>(c.context_dim()) * H;
+  double layers = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const bool sliding = c.layer_types[l] == AttnType::Sliding;
+    double keys = 0;  // Σ over query rows of attended keys
+    for (const Block& b : batch.blocks)
+      for (int64_t j = 0; j < c.block_size; ++j) {
+        const int64_t ctx = sliding ? std::min(b.anchor, c.sliding_window - j > 0 ? c.sliding_window - 1 - j : 0) : b.anchor;
+        keys += static_cast<double>(std::max<int64_t>(ctx, 0) + (sliding ? std::min(j + 1, c.sliding_window) : c.block_size));
+      }
+    const double gemm = 2.0 * R * H * (qd + 2 * kvd) + 2.0 * N * H * 2 * kvd + 2.0 * R * qd * H + 2.0 * R * H * 3 * I;
+    const double attn = 4.0 * static_cast<double>(c.head_dim * c.num_attention_heads) * keys;
+    layers += backward ? 3.0 * gemm + 3.5 * attn : gemm + attn;
+  }
+  const double head = 2.0 * R * H * static_cast<double>(c.vocab_size);
+  return (backward ? 2.0 * fc : fc) + layers + (backward ? 2.0 * head : head);
+}
+
 StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, const FrozenTarget& target,
                            const DrafterBatch& batch, const StepOptions& opt, DrafterWeights* grads,
                            Tensor* grad_context, Tensor* final_hidden) {

@@ -85,6 +85,13 @@ BlockTargets block_targets(const DrafterConfig& c, const DrafterBatch& batch, do
 // The step's metrics from each row's top-1 id (argmax[r], compared only where weights[r] > 0).
 StepStats block_stats(int64_t B, const BlockTargets& t, const std::vector<int32_t>& argmax, double weighted_ce_sum);
 
+// Model FLOPs of one drafter step on `batch` (N context rows, R = blocks·B block rows), counted
+// from the shapes: every GEMM 2·M·N·K (forward; backward = 2x forward for the layers, 1x for fc,
+// whose input gets no gradient; the LM head: logits + the hidden-state gradient, 2 GEMMs of
+// 2·R·H·V), attention 4·d·Hq per (query row, attended key) forward and 2.5x that backward (dq, dk,
+// dv and the recomputed scores), counting only the keys the mask keeps.
+double step_flops(const DrafterConfig& c, const DrafterBatch& batch, bool backward);
+
 // Forward (and backward when grads or grad_context is given) over a batch.
 //   grads:        gradients ADDED into these tensors (F32 or F64; allocate with DrafterWeights::zeros)
 //   grad_context: when given, set to d/d context, [N, k·H] F64 (the fc input)

@@ -128,6 +128,23 @@ void CudaDrafter::upload_masters(const DrafterWeights& w) {
   refresh_weights();
 }
 
+Tensor CudaDrafter::pack_context(const std::vector<Tensor>& layers) {
+  DFLASH_CHECK(!layers.empty(), "pack_context: no captured layers");
+  const Tensor& f = layers.front();
+  const int64_t N = f.size(0), H = f.size(1), K = static_cast<int64_t>(layers.size());
+  Tensor out = Tensor::empty({N, K * H}, DType::BF16, f.device());
+  void* s = DeviceContext::get(f.device().index).stream();
+  for (int64_t j = 0; j < K; ++j) {
+    const Tensor& t = layers[static_cast<size_t>(j)];
+    DFLASH_CHECK(t.device() == f.device() && t.dtype() == DType::BF16 && t.dim() == 2 && t.size(0) == N &&
+                     t.size(1) == H && t.is_contiguous(),
+                 "pack_context: captured layer " << j << " is " << t.describe() << ", expected bf16[" << N << ", " << H
+                                                 << "] on " << f.device().str());
+    copy_cols_bf16(bf16_at(out.raw_data(), j * H), K * H, t.raw_data(), H, N, H, s);
+  }
+  return out;
+}
+
 void CudaDrafter::refresh_weights() {
   cuda::cast_f32_bf16(masters_.data<float>(), weights_.raw_data(), flat_, DeviceContext::get(device_.index).stream());
 }

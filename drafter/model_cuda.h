@@ -70,6 +70,10 @@ class CudaDrafter {
   StepStats step(const DrafterBatch& batch, const StepOptions& opt, bool backward, bool last_micro_batch = true,
                  const BucketReady& on_bucket = {});
 
+  // The drafter's context input [N, k·H] bf16 from the k captured target layers ([N, H] bf16 each,
+  // on one device), in target_layer_ids order.
+  static Tensor pack_context(const std::vector<Tensor>& layers);
+
   // bf16 weights = masters (after loading masters from elsewhere).
   void refresh_weights();
   // Host copies (F32) of the masters / the gradients, in the DrafterWeights layout.

@@ -312,6 +312,9 @@ const std::vector<Field>& schema() {
     f.push_back(int_field("data.synth.vocab_size", 0, DFLASH_MEMBER(data.synth.vocab_size)));
     f.push_back(int_field("parallel.tp", 1, DFLASH_MEMBER(parallel.tp)));
     f.push_back(num_field("parallel.timeout_s", Range::Positive, DFLASH_MEMBER(parallel.timeout_s)));
+    f.push_back(enum_field<Backend>("parallel.device",
+                                    {{"auto", Backend::Auto}, {"cpu", Backend::Cpu}, {"cuda", Backend::Cuda}},
+                                    DFLASH_MEMBER(parallel.device)));
     f.push_back(int_field("training.batch_size", 1, DFLASH_MEMBER(training.batch_size)));
     f.push_back(int_field("training.micro_batches", 1, DFLASH_MEMBER(training.micro_batches)));
     f.push_back(int_field("training.num_anchors", 1, DFLASH_MEMBER(training.num_anchors)));
@@ -677,6 +680,15 @@ void TrainConfig::validate_against(const target::TargetConfig& target) const {
                       s << ": data.synth.vocab_size (" << data.synth.vocab_size << ") is larger than the target's vocabulary ("
                         << target.vocab_size << ")",
                       "use at most " << target.vocab_size << ", or 0 for the whole vocabulary");
+}
+
+const char* backend_name(Backend b) {
+  switch (b) {
+    case Backend::Auto: return "auto";
+    case Backend::Cpu: return "cpu";
+    case Backend::Cuda: return "cuda";
+  }
+  return "?";
 }
 
 target::KernelPolicies TrainConfig::kernel_policies() const {

@@ -68,9 +68,16 @@ struct DataSection {
   bool operator==(const DataSection&) const = default;
 };
 
+// Where the target and the drafter run: on one GPU per rank (NCCL between ranks), or on the CPU
+// reference (MPI collectives; small models, CI and the demo). auto = cuda when this build has the
+// CUDA backend and the node has a GPU for each of its ranks, else cpu.
+enum class Backend { Auto, Cpu, Cuda };
+const char* backend_name(Backend b);
+
 struct ParallelSection {
   int64_t tp = 1;           // tensor-parallel size of the target; divides the number of ranks
   double timeout_s = 600;   // a collective that takes longer aborts the job
+  Backend device = Backend::Auto;
   bool operator==(const ParallelSection&) const = default;
 };
 

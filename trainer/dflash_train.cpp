@@ -43,6 +43,7 @@ int main(int argc, char** argv) {
     trainer::RunOptions ro;
     ro.stop_after_steps = stop_after;
     ro.log_level = log_level;
+    if (mpi) ro.local_rank = mpi->local_rank(), ro.local_size = mpi->local_size();
     trainer::RunResult r;
     try {
       r = trainer::train(cfg, world, rank, ro);

@@ -48,6 +48,11 @@ class AdamW {
   // params) multiplied by `grad_factor` (the clip factor).
   void step(const std::vector<const Tensor*>& grads, double lr, double grad_factor);
   int64_t steps() const { return t_; }
+  // For a device optimizer that keeps its own copies (the GPU backend): the host state that
+  // save() / load() go through, and the update count it advances.
+  std::vector<Tensor>& exp_avg() { return m_; }
+  std::vector<Tensor>& exp_avg_sq() { return v_; }
+  void set_steps(int64_t t) { t_ = t; }
 
   // Masters and moments as safetensors (master.<name>, exp_avg.<name>, exp_avg_sq.<name>, all f32,
   // written via tmp + fsync + rename) and the rest as JSON.

@@ -27,7 +27,10 @@
 #include "target_model/model.h"
 #include "target_model/tp.h"
 #include "target_model/weights.h"
+#include "trainer/backend.h"
 #include "trainer/optimizer.h"
+#include "target_model/flops.h"
+#include <unistd.h>
 
 namespace fs = std::filesystem;
 
@@ -97,6 +100,45 @@ struct Group {
   }
 };
 
+// Dense bf16 tensor-core peak of an H100/H200 SXM (the MFU denominator), FLOP/s per GPU.
+constexpr double kPeakBf16PerGpu = 989.4e12;
+
+std::string fmt_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  const int64_t t = std::llround(s);
+  if (t >= 3600) return fmt::format("{}h{:02d}m", t / 3600, (t / 60) % 60);
+  if (t >= 60) return fmt::format("{}m{:02d}s", t / 60, t % 60);
+  return fmt::format("{}s", t);
+}
+
+// One status line on stderr, redrawn each step, when rank 0's stderr is a terminal; cleared before
+// any log line so the two never mix.
+class ProgressBar {
+ public:
+  ProgressBar(bool on, int64_t total) : on_(on), total_(std::max<int64_t>(total, 1)) {}
+  void update(int64_t step, double loss, double elapsed) {
+    if (!on_) return;
+    const int width = 30;
+    const int fill = static_cast<int>(static_cast<double>(width) * static_cast<double>(step) / static_cast<double>(total_));
+    const double eta = step > 0 ? elapsed / static_cast<double>(step) * static_cast<double>(total_ - step) : 0;
+    std::fprintf(stderr, "\r\033[K[%s%s] %lld/%lld loss %.4f  %s elapsed, eta %s", std::string(fill, '#').c_str(),
+                 std::string(width - fill, '.').c_str(), static_cast<long long>(step), static_cast<long long>(total_), loss,
+                 fmt_duration(elapsed).c_str(), fmt_duration(eta).c_str());
+    std::fflush(stderr);
+    drawn_ = true;
+  }
+  void clear() {
+    if (!drawn_) return;
+    std::fprintf(stderr, "\r\033[K");
+    std::fflush(stderr);
+    drawn_ = false;
+  }
+
+ private:
+  bool on_, drawn_ = false;
+  int64_t total_;
+};
+
 std::string fmt_acc(const drafter::StepStats& s, int64_t B) {
   std::string out;
   for (int64_t k = 1; k < B; ++k) out += fmt::format("{}{:.2f}", k > 1 ? " " : "", s.accuracy(k));
@@ -151,7 +193,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   if (rank == 0) {
     spdlog::info("{}", version_string());
     spdlog::info("config {}:\n{}", cfg.source, cfg.settings_table());
-    spdlog::info("world: {} rank(s), tp {}, {} TP group(s) (data parallel), CPU backend", world, tp, layout.num_tp_groups);
+    spdlog::info("world: {} rank(s), tp {}, {} TP group(s) (data parallel)", world, tp, layout.num_tp_groups);
     spdlog::info("target: {}", tcfg.summary());
     spdlog::info("drafter: {}", dcfg.summary());
     write_text(run_dir / "config.yaml", cfg.to_yaml());
@@ -204,36 +246,38 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
                  loader.dataset().num_sequences(), loader.dataset().num_tokens(), files.size(),
                  loader.slots_per_epoch(), total);
 
-  // ---- models ----
-  // This trainer runs the target on the CPU reference (f32): refuse up front what cannot fit.
-  target::check_cpu_reference_fits(target::local_config(tcfg, tp), tcfg,
-                                   "dflash_train runs on the CPU backend for now: train on a small target; GPU "
-                                   "training lands with the drafter's CUDA kernels");
-  const target::TpShard shard{layout.tp_rank, tp};
-  target::TargetWeights tw =
-      ts.path.empty() ? target::random_weights_tp(tcfg, static_cast<uint64_t>(ts.seed), DType::F32, Device::cpu(), shard)
-                      : target::load_weights_tp(tcfg, ts.path, DType::F32, Device::cpu(), shard);
-  target::TargetModel tmodel(target::local_config(tcfg, tp), std::move(tw), g.tp.get());
-  const drafter::FrozenTarget frozen{tmodel.weights().embed_tokens, tmodel.weights().lm_head};
-
-  drafter::DrafterWeights dw = cfg.model.drafter.warm_start.empty()
-                                   ? drafter::DrafterWeights::random(dcfg, static_cast<uint64_t>(cfg.training.seed))
-                                   : drafter::import_hf(cfg.model.drafter.warm_start, DType::F32).weights;
-  dw.check(dcfg);
-  drafter::DrafterWeights grads = drafter::DrafterWeights::zeros(dcfg, DType::F64);
-  std::vector<std::pair<std::string, Tensor*>> params;
-  std::vector<Tensor*> grad_list;
-  int64_t n_params = 0;
-  for (auto& e : dw.entries(dcfg)) params.emplace_back(e.name, e.tensor), n_params += e.tensor->numel();
-  for (auto& e : grads.entries(dcfg)) grad_list.push_back(e.tensor);
-  std::vector<const Tensor*> grad_clist(grad_list.begin(), grad_list.end());
+  // ---- backend: the target and the drafter on the CPU reference or one GPU per rank ----
+  Backend device = cfg.parallel.device;
+  if (device == Backend::Auto) {
+    std::string why;
+    device = cuda_backend_available(ropt.local_size, &why) ? Backend::Cuda : Backend::Cpu;
+  } else if (device == Backend::Cuda) {
+    std::string why;
+    DFLASH_CHECK_HINT(cuda_backend_available(ropt.local_size, &why),
+                      "parallel.device: cuda, but " << why,
+                      "run one rank per GPU (mpirun -n <GPUs per node>), or set parallel.device: cpu");
+  }
+  BackendSetup bs;
+  bs.cfg = &cfg, bs.target = tcfg, bs.drafter = dcfg, bs.layout = layout, bs.world = world, bs.rank = rank;
+  bs.local_rank = ropt.local_rank, bs.local_size = ropt.local_size, bs.total_steps = total;
+  std::unique_ptr<TrainBackend> backend =
+      device == Backend::Cuda ? make_cuda_backend(bs) : make_cpu_backend(bs, g.world.get(), g.tp.get());
+  const bool on_gpu = device == Backend::Cuda;
   const auto& tr = cfg.training;
-  AdamW opt(params, AdamWHyper{tr.betas.at(0), tr.betas.at(1), tr.eps, tr.weight_decay});
   const LrSchedule sched{tr.lr, tr.min_lr, tr.warmup_ratio, tr.schedule, total};
-  if (rank == 0)
+  {
+    // Every rank's fast-path summary (they may differ across GPUs of a mixed node), then rank 0's plan.
+    const std::string fp = backend->fast_path_summary();
+    if (!fp.empty()) spdlog::info("target fast path (rank {}): {}", rank, fp);
+  }
+  if (rank == 0) {
+    spdlog::info("backend: {}", backend->describe());
     spdlog::info("drafter: {:.2f} M trainable parameters; schedule {} lr {:g} -> {:g}, {} warmup step(s)",
-                 static_cast<double>(n_params) / 1e6, schedule_name(tr.schedule), tr.lr, tr.min_lr,
+                 static_cast<double>(backend->num_params()) / 1e6, schedule_name(tr.schedule), tr.lr, tr.min_lr,
                  sched.warmup_steps());
+    const std::string mem = backend->memory_summary();
+    if (!mem.empty()) spdlog::info("after loading: {}", mem);
+  }
 
   // ---- resume ----
   int64_t step = 0, skipped = 0, skipped_in_row = 0;
@@ -254,7 +298,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
                                       << ": resuming on a different world size or tp is not supported",
                         "resume with mpirun -n " << ws << " and parallel.tp = " << wtp
                                                  << ", or set checkpoint.resume: never (or another checkpoint.dir) to start anew");
-      opt.load((from / "optimizer.safetensors").string(), st.at("optimizer"));
+      backend->load_optimizer((from / "optimizer.safetensors").string(), st.at("optimizer"));
       loader.restore(nlohmann::json::parse(read_text(from / fmt::format("loader-g{}.json", layout.tp_group))));
       step = st.at("step").get<int64_t>();
       skipped = st.at("skipped_steps").get<int64_t>();
@@ -301,12 +345,12 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     if (layout.tp_rank == 0) write_text(tmp / fmt::format("loader-g{}.json", layout.tp_group), loader_state.dump(1) + "\n");
     g.barrier();
     if (rank == 0) {
-      drafter::export_hf((tmp / "drafter").string(), dcfg, dw);
-      opt.save((tmp / "optimizer.safetensors").string());
+      drafter::export_hf((tmp / "drafter").string(), dcfg, backend->weights());
+      backend->save_optimizer((tmp / "optimizer.safetensors").string());
       nlohmann::json st{{"format", "dflash.checkpoint.v1"},
                         {"step", at_step},
                         {"total_steps", total},
-                        {"optimizer", opt.state_json()},
+                        {"optimizer", backend->optimizer_state()},
                         {"schedule", {{"kind", schedule_name(tr.schedule)}, {"lr", tr.lr}, {"min_lr", tr.min_lr},
                                       {"warmup_steps", sched.warmup_steps()}, {"total_steps", total},
                                       {"next_lr", sched.at(std::min(at_step, total - 1))}}},
@@ -340,26 +384,19 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   RunResult result;
   drafter::StepOptions sopt;
   sopt.gamma = tr.gamma;
-  target::ForwardOptions fopt;
-  fopt.capture = dcfg.target_layer_ids;
-  const int64_t H = tcfg.hidden_size, K = dcfg.num_context_layers();
   drafter::StepStats log_stats;
-  double log_tokens = 0, last_norm = 0, last_lr = 0, t_target = 0, t_drafter = 0;
+  StepTimes log_times;
+  double log_tokens = 0, log_flops = 0, last_norm = 0, last_lr = 0;
   auto log_t0 = clock::now();
-  int64_t last_ckpt = -1;
-  const size_t n_grad = static_cast<size_t>(std::accumulate(
-      grad_list.begin(), grad_list.end(), int64_t{0}, [](int64_t a, const Tensor* t) { return a + t->numel(); }));
+  int64_t last_ckpt = -1, log_steps = 0;
+  const double peak_flops = on_gpu ? kPeakBf16PerGpu : 0.0;
+  ProgressBar bar(rank == 0 && cfg.logging.progress_bar && ::isatty(STDERR_FILENO), total);
 
   while (step < total) {
     const nlohmann::json loader_state_before = loader.state();
     const bool stop_here = ropt.stop_after_steps >= 0 && step >= ropt.stop_after_steps;
     // Load this step's micro-batches and sample their blocks (no forward needed for Σw).
-    struct Micro {
-      std::vector<std::vector<int32_t>> seqs;
-      drafter::DrafterBatch batch;
-      int64_t tokens = 0;
-    };
-    std::vector<Micro> micro(static_cast<size_t>(tr.micro_batches));
+    std::vector<MicroBatch> micro(static_cast<size_t>(tr.micro_batches));
     double local_w = 0;
     for (auto& m : micro) {
       data::Batch b = loader.next_batch();
@@ -384,6 +421,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     std::vector<double> head{local_w, (g_stop_requested || stop_here) ? 1.0 : 0.0};
     g.sum(head);
     if (head[1] > 0) {
+      bar.clear();
       if (rank == 0) spdlog::warn("stop requested: writing a checkpoint at step {} and exiting", step);
       if (last_ckpt != step) save_checkpoint(step, loader_state_before);
       result.step = step;
@@ -392,71 +430,63 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     }
     const double global_w = head[0];
 
-    for (Tensor* t : grad_list) t->fill(0.0);
+    backend->zero_grads();
     drafter::StepStats stats;
     stats.correct.assign(static_cast<size_t>(B), 0);
     stats.counted.assign(static_cast<size_t>(B), 0);
-    double step_tokens = 0;
-    for (auto& m : micro) {
+    StepTimes times;
+    double step_tokens = 0, step_flops = 0;
+    sopt.grad_scale = global_w > 0 ? 1.0 / global_w : 0.0;
+    for (size_t mi = 0; mi < micro.size(); ++mi) {
+      MicroBatch& m = micro[mi];
       if (m.seqs.empty()) continue;  // every rank of the group sees the same (empty) batch
       if (layout.tp_rank == 0) step_tokens += static_cast<double>(m.tokens);
-      auto t_f0 = clock::now();
-      target::ForwardResult fr = tmodel.forward(m.seqs, fopt);
-      t_target += std::chrono::duration<double>(clock::now() - t_f0).count();
-      const int64_t N = m.tokens;
-      Tensor ctx = Tensor::empty({N, K * H}, DType::F32);
-      float* cp = ctx.data<float>();
-      for (int64_t j = 0; j < K; ++j) {
-        const float* src = fr.layers.at(dcfg.target_layer_ids[static_cast<size_t>(j)]).data<float>();
-        for (int64_t n = 0; n < N; ++n) std::memcpy(cp + n * K * H + j * H, src + n * H, sizeof(float) * H);
-      }
-      if (m.batch.blocks.empty() || global_w <= 0) continue;
-      m.batch.context = ctx;
-      sopt.grad_scale = 1.0 / global_w;
-      auto t_d0 = clock::now();
-      stats.add(drafter::forward_backward(dcfg, dw, frozen, m.batch, sopt, &grads));
-      t_drafter += std::chrono::duration<double>(clock::now() - t_d0).count();
+      std::vector<int64_t> lens;
+      for (const auto& q : m.seqs) lens.push_back(static_cast<int64_t>(q.size()));
+      step_flops += target::forward_flops(tcfg, lens) / tp;
+      stats.add(backend->micro_step(m, sopt, mi + 1 == micro.size(), times));
+      if (!m.batch.blocks.empty() && global_w > 0) step_flops += drafter::step_flops(dcfg, m.batch, true);
     }
+    const double norm = backend->reduce_grads(times);
 
-    // One all-reduce (sum over all ranks): gradients, then the step's statistics.
-    std::vector<double> buf(n_grad + 5 + 2 * static_cast<size_t>(B), 0.0);
+    // The step's statistics, summed over all ranks.
+    std::vector<double> buf(8 + 2 * static_cast<size_t>(B), 0.0);
     size_t at = 0;
-    for (Tensor* t : grad_list) {
-      std::memcpy(buf.data() + at, t->data<double>(), sizeof(double) * static_cast<size_t>(t->numel()));
-      at += static_cast<size_t>(t->numel());
-    }
     buf[at++] = stats.weighted_ce_sum;
     buf[at++] = stats.weight_sum;
     buf[at++] = stats.accept_len_sum;
     buf[at++] = static_cast<double>(stats.num_blocks);
     buf[at++] = step_tokens;
+    buf[at++] = step_flops;
+    buf[at++] = times.target_s;
+    buf[at++] = times.drafter_s;
     for (int64_t k = 0; k < B; ++k) buf[at + static_cast<size_t>(k)] = static_cast<double>(stats.correct[static_cast<size_t>(k)]);
     for (int64_t k = 0; k < B; ++k) buf[at + static_cast<size_t>(B + k)] = static_cast<double>(stats.counted[static_cast<size_t>(k)]);
     g.sum(buf);
     at = 0;
-    for (Tensor* t : grad_list) {
-      std::memcpy(t->data<double>(), buf.data() + at, sizeof(double) * static_cast<size_t>(t->numel()));
-      at += static_cast<size_t>(t->numel());
-    }
     drafter::StepStats gs;
     gs.weighted_ce_sum = buf[at++];
     gs.weight_sum = buf[at++];
     gs.accept_len_sum = buf[at++];
     gs.num_blocks = std::llround(buf[at++]);
     step_tokens = buf[at++];
+    step_flops = buf[at++];
+    times.target_s = buf[at++] / world;  // mean over ranks
+    times.drafter_s = buf[at++] / world;
     gs.correct.resize(static_cast<size_t>(B));
     gs.counted.resize(static_cast<size_t>(B));
     for (int64_t k = 0; k < B; ++k) gs.correct[static_cast<size_t>(k)] = std::llround(buf[at + static_cast<size_t>(k)]);
     for (int64_t k = 0; k < B; ++k) gs.counted[static_cast<size_t>(k)] = std::llround(buf[at + static_cast<size_t>(B + k)]);
 
-    // Clip, update (or skip a non-finite step; identical decision on every rank).
+    // Clip, update (or skip a non-finite step; identical decision on every rank: the norm is of the
+    // all-reduced gradient, the loss of the all-reduced sums).
     const double loss = gs.loss();
-    const double norm = global_grad_norm(grad_clist);
     last_norm = norm;
     last_lr = sched.at(step);
     if (!std::isfinite(loss) || !std::isfinite(norm)) {
       ++skipped;
       ++skipped_in_row;
+      bar.clear();
       if (rank == 0) spdlog::warn("step {}: non-finite loss {} or grad norm {}: update skipped ({} in a row, {} in all)",
                                   step + 1, loss, norm, skipped_in_row, skipped);
       DFLASH_CHECK_HINT(skipped_in_row < tr.skip_nonfinite_limit,
@@ -465,47 +495,64 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
                         "lower training.lr, check the data, or resume from an earlier checkpoint");
     } else {
       skipped_in_row = 0;
-      if (gs.weight_sum > 0) opt.step(grad_clist, last_lr, clip_factor(norm, tr.grad_clip));
+      if (gs.weight_sum > 0) backend->apply(last_lr, clip_factor(norm, tr.grad_clip), times);
       log_stats.add(gs);
     }
     log_tokens += step_tokens;
+    log_flops += step_flops;
+    log_times.add(times);
+    ++log_steps;
     ++step;
+    const double elapsed = std::chrono::duration<double>(clock::now() - t_start).count();
+    bar.update(step, gs.loss(), elapsed);
 
     if (step % cfg.logging.interval == 0 || step == total) {
       const double dt = std::chrono::duration<double>(clock::now() - log_t0).count();
       const double tok_s = dt > 0 ? log_tokens / dt : 0.0;
+      const double mfu = peak_flops > 0 && dt > 0 ? 100.0 * log_flops / dt / (peak_flops * world) : 0.0;
+      const double mem = backend->peak_memory_gib();
       if (rank == 0) {
-        const double elapsed = std::chrono::duration<double>(clock::now() - t_start).count();
+        bar.clear();
         const double eta = step > 0 ? elapsed / static_cast<double>(step) * static_cast<double>(total - step) : 0;
-        spdlog::info("step {}/{} | loss {:.4f} | acc[1..{}] {} | accept {:.3f} | lr {:.3e} | gnorm {:.3f} | {:.0f} tok/s | eta {:.0f} s",
+        std::string perf = fmt::format("{:.0f} tok/s ({:.0f}/GPU)", tok_s, tok_s / world);
+        if (peak_flops > 0) perf += fmt::format(" | MFU {:.1f}% | mem {:.1f} GiB", mfu, mem);
+        spdlog::info("step {}/{} | loss {:.4f} | acc[1..{}] {} | accept {:.3f} | lr {:.3e} | gnorm {:.3f} | {} | eta {}",
                      step, total, log_stats.loss(), B - 1, fmt_acc(log_stats, B), log_stats.accept_len(), last_lr,
-                     last_norm, tok_s, eta);
+                     last_norm, perf, fmt_duration(eta));
         nlohmann::json acc = nlohmann::json::array();
         for (int64_t k = 1; k < B; ++k) acc.push_back(log_stats.accuracy(k));
+        const double n = static_cast<double>(std::max<int64_t>(log_steps, 1));
         nlohmann::json line{{"step", step},          {"total", total},         {"loss", log_stats.loss()},
                             {"acc", acc},            {"accept_len", log_stats.accept_len()},
                             {"lr", last_lr},         {"grad_norm", last_norm}, {"tok_s", tok_s},
+                            {"tok_s_per_gpu", tok_s / world},
                             {"skipped", skipped},    {"elapsed_s", elapsed},
-                            {"time_s", {{"target", t_target}, {"drafter", t_drafter}, {"interval", dt}}}};
+                            {"time_s", {{"target", log_times.target_s}, {"drafter", log_times.drafter_s},
+                                        {"comm", log_times.comm_s}, {"optimizer", log_times.optimizer_s},
+                                        {"interval", dt}, {"per_step", dt / n}}}};
+        if (peak_flops > 0) line["mfu"] = mfu, line["mem_gib"] = mem, line["tflops_per_gpu"] = log_flops / dt / world / 1e12;
         metrics << line.dump() << "\n";
         metrics.flush();
       }
       log_stats = drafter::StepStats{};
-      log_tokens = 0;
-      t_target = t_drafter = 0;
+      log_tokens = log_flops = 0;
+      log_times = StepTimes{};
+      log_steps = 0;
       log_t0 = clock::now();
     }
     if (step % cfg.checkpoint.interval == 0 && step < total) {
+      bar.clear();
       save_checkpoint(step, loader.state());
       last_ckpt = step;
     }
   }
+  bar.clear();
 
   if (last_ckpt != step) save_checkpoint(step, loader.state());
   result.step = step;
   result.drafter_dir = (run_dir / "drafter").string();
   if (rank == 0) {
-    drafter::export_hf(result.drafter_dir, dcfg, dw);
+    drafter::export_hf(result.drafter_dir, dcfg, backend->weights());
     const auto& c = loader.counters();
     spdlog::info("data: {} sequences seen, {} truncated, {} skipped without an anchor, {} epoch(s) done", c.seen,
                  c.truncated, c.skipped_no_anchor, c.epochs);

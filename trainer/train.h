@@ -24,6 +24,7 @@ namespace dflash::trainer {
 struct RunOptions {
   int64_t stop_after_steps = -1;  // test hook: stop as on SIGTERM once this many steps are done
   std::string log_level = "info";
+  int local_rank = 0, local_size = 1;  // this rank's place on its node (its GPU is local_rank)
 };
 
 struct RunResult {

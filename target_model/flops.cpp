@@ -1,0 +1,23 @@
+#include "target_model/flops.h"
+
+namespace dflash::target {
+
+double forward_flops(const TargetConfig& c, const std::vector<int64_t>& seq_lens) {
+  double N = 0, attn_core = 0;
+  for (int64_t T : seq_lens) {
+    N += static_cast<double>(T);
+    attn_core += 2.0 * static_cast<double>(c.num_attention_heads * c.head_dim) * static_cast<double>(T) *
+                 static_cast<double>(T + 1);
+  }
+  const double H = static_cast<double>(c.hidden_size);
+  const double mlp = 3.0 * H * static_cast<double>(c.intermediate_size);
+  const double gdn_lin = H * static_cast<double>(c.gdn_conv_dim() + 2 * c.gdn_value_dim() + 2 * c.linear_num_value_heads);
+  const double attn_lin = H * static_cast<double>(c.attn_q_proj_rows() + 2 * c.num_key_value_heads * c.head_dim +
+                                                  c.num_attention_heads * c.head_dim);
+  const double gdn_core = 7.0 * static_cast<double>(c.linear_key_head_dim * c.linear_value_head_dim * c.linear_num_value_heads);
+  const double n_gdn = static_cast<double>(c.count_layers(LayerType::LinearAttention));
+  const double n_attn = static_cast<double>(c.count_layers(LayerType::FullAttention));
+  return n_gdn * (2.0 * N * (gdn_lin + mlp) + N * gdn_core) + n_attn * (2.0 * N * (attn_lin + mlp) + attn_core);
+}
+
+}  // namespace dflash::target

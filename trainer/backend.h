@@ -1,0 +1,80 @@
+#pragma once
+// Where dflash_train's step runs: the CPU reference (f32 target, double drafter, MPI) or one GPU
+// per rank (bf16 CUDA target with tensor parallelism over NCCL, the CUDA drafter, AdamW on the
+// device, gradients all-reduced in buckets while backward runs). The loop in train.cpp (data,
+// anchors, loss normalisation, metrics, checkpoints, resume, stop) is the same for both.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "comm/comm.h"
+#include "drafter/config.h"
+#include "drafter/loss.h"
+#include "drafter/model.h"
+#include "drafter/weights.h"
+#include "target_model/config.h"
+#include "trainer/config.h"
+
+namespace dflash::trainer {
+
+struct MicroBatch {
+  std::vector<std::vector<int32_t>> seqs;  // token ids per sequence (the target's input)
+  drafter::DrafterBatch batch;             // tokens, loss_mask, offsets and this rank's blocks; the
+                                           // backend fills batch.context from the target
+  int64_t tokens = 0;
+};
+
+struct StepTimes {
+  double target_s = 0, drafter_s = 0, comm_s = 0, optimizer_s = 0;
+  void add(const StepTimes& o) {
+    target_s += o.target_s, drafter_s += o.drafter_s, comm_s += o.comm_s, optimizer_s += o.optimizer_s;
+  }
+};
+
+struct BackendSetup {
+  const TrainConfig* cfg = nullptr;
+  target::TargetConfig target;      // the full target
+  drafter::DrafterConfig drafter;
+  comm::Layout layout;
+  int world = 1, rank = 0;
+  int local_rank = 0, local_size = 1;  // on this node (the GPU a rank uses is its local rank)
+  int64_t total_steps = 1;
+};
+
+class TrainBackend {
+ public:
+  virtual ~TrainBackend() = default;
+  virtual std::string describe() const = 0;  // "cpu" / "cuda:0 (NVIDIA H200)"
+  virtual int64_t num_params() const = 0;
+  virtual void zero_grads() = 0;
+  // The target forward of the micro-batch (capturing the drafter's layers), then the drafter step
+  // (forward, and backward when grad_scale > 0); gradients accumulate. `last` marks the step's last
+  // micro-batch (a GPU backend starts its bucketed all-reduce during that backward).
+  virtual drafter::StepStats micro_step(MicroBatch& m, const drafter::StepOptions& opt, bool last, StepTimes& t) = 0;
+  // Sums the gradients over all ranks (finishing what micro_step started) and returns the global
+  // L2 norm of the summed gradient (NaN / inf when non-finite).
+  virtual double reduce_grads(StepTimes& t) = 0;
+  // AdamW with learning rate lr on the gradients times grad_factor (the clip factor).
+  virtual void apply(double lr, double grad_factor, StepTimes& t) = 0;
+  // Host copy of the current weights (for the export).
+  virtual drafter::DrafterWeights weights() = 0;
+  virtual void save_optimizer(const std::string& path) = 0;
+  virtual nlohmann::json optimizer_state() = 0;
+  virtual void load_optimizer(const std::string& path, const nlohmann::json& state) = 0;
+  // One line on memory use for the log (empty on the CPU), and the peak in GiB (0 on the CPU).
+  virtual std::string memory_summary() { return ""; }
+  virtual double peak_memory_gib() { return 0; }
+  // Fast-path summary of the target's plan (empty on the CPU).
+  virtual std::string fast_path_summary() { return ""; }
+};
+
+std::unique_ptr<TrainBackend> make_cpu_backend(const BackendSetup& s, comm::Communicator* world,
+                                               comm::Communicator* tp);
+// Built with the CUDA backend only (throws otherwise, naming the way out).
+std::unique_ptr<TrainBackend> make_cuda_backend(const BackendSetup& s);
+// Whether this build has the CUDA backend and this rank has a GPU of its own.
+bool cuda_backend_available(int local_ranks, std::string* why);
+
+}  // namespace dflash::trainer

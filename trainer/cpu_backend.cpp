@@ -1,0 +1,136 @@
+// The CPU backend: the f32 reference target (tensor-parallel over MPI inside a TP group) and the
+// double-precision drafter reference; gradients summed with one MPI all-reduce; AdamW on the host.
+#include <chrono>
+#include <cstring>
+#include <numeric>
+
+#include "target_model/model.h"
+#include "target_model/tp.h"
+#include "target_model/weights.h"
+#include "trainer/backend.h"
+#include "trainer/optimizer.h"
+
+namespace dflash::trainer {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+double since(clock_type::time_point t0) { return std::chrono::duration<double>(clock_type::now() - t0).count(); }
+
+class CpuBackend final : public TrainBackend {
+ public:
+  CpuBackend(const BackendSetup& s, comm::Communicator* world, comm::Communicator* tp)
+      : dcfg_(s.drafter), world_(world) {
+    const TrainConfig& cfg = *s.cfg;
+    const auto& ts = cfg.model.target;
+    const int tps = s.layout.tp_size;
+    // The CPU reference holds f32 weights: refuse up front what cannot fit.
+    target::check_cpu_reference_fits(target::local_config(s.target, tps), s.target,
+                                     "the CPU backend (parallel.device: cpu) is for small targets: train this one "
+                                     "with parallel.device: cuda on GPUs");
+    const target::TpShard shard{s.layout.tp_rank, tps};
+    target::TargetWeights tw =
+        ts.path.empty()
+            ? target::random_weights_tp(s.target, static_cast<uint64_t>(ts.seed), DType::F32, Device::cpu(), shard)
+            : target::load_weights_tp(s.target, ts.path, DType::F32, Device::cpu(), shard);
+    tmodel_ = std::make_unique<target::TargetModel>(target::local_config(s.target, tps), std::move(tw), tp);
+    frozen_ = {tmodel_->weights().embed_tokens, tmodel_->weights().lm_head};
+    dw_ = cfg.model.drafter.warm_start.empty()
+              ? drafter::DrafterWeights::random(dcfg_, static_cast<uint64_t>(cfg.training.seed))
+              : drafter::import_hf(cfg.model.drafter.warm_start, DType::F32).weights;
+    dw_.check(dcfg_);
+    grads_ = drafter::DrafterWeights::zeros(dcfg_, DType::F64);
+    std::vector<std::pair<std::string, Tensor*>> params;
+    for (auto& e : dw_.entries(dcfg_)) params.emplace_back(e.name, e.tensor), n_params_ += e.tensor->numel();
+    for (auto& e : grads_.entries(dcfg_)) grad_list_.push_back(e.tensor);
+    const auto& tr = cfg.training;
+    opt_ = std::make_unique<AdamW>(params, AdamWHyper{tr.betas.at(0), tr.betas.at(1), tr.eps, tr.weight_decay});
+    fopt_.capture = dcfg_.target_layer_ids;
+  }
+
+  std::string describe() const override { return "cpu (f32 target reference, double drafter reference)"; }
+  int64_t num_params() const override { return n_params_; }
+  void zero_grads() override {
+    for (Tensor* t : grad_list_) t->fill(0.0);
+  }
+
+  drafter::StepStats micro_step(MicroBatch& m, const drafter::StepOptions& opt, bool, StepTimes& t) override {
+    auto t0 = clock_type::now();
+    target::ForwardResult fr = tmodel_->forward(m.seqs, fopt_);
+    t.target_s += since(t0);
+    const int64_t N = m.tokens, H = dcfg_.hidden_size, K = dcfg_.num_context_layers();
+    Tensor ctx = Tensor::empty({N, K * H}, DType::F32);
+    float* cp = ctx.data<float>();
+    for (int64_t j = 0; j < K; ++j) {
+      const float* src = fr.layers.at(dcfg_.target_layer_ids[static_cast<size_t>(j)]).data<float>();
+      for (int64_t n = 0; n < N; ++n) std::memcpy(cp + n * K * H + j * H, src + n * H, sizeof(float) * H);
+    }
+    m.batch.context = ctx;
+    if (m.batch.blocks.empty() || opt.grad_scale <= 0) return {};
+    t0 = clock_type::now();
+    drafter::StepStats st = drafter::forward_backward(dcfg_, dw_, frozen_, m.batch, opt, &grads_);
+    t.drafter_s += since(t0);
+    return st;
+  }
+
+  double reduce_grads(StepTimes& t) override {
+    auto t0 = clock_type::now();
+    if (world_ && world_->size() > 1) {
+      std::vector<double> buf;
+      for (Tensor* g : grad_list_) buf.insert(buf.end(), g->data<double>(), g->data<double>() + g->numel());
+      Tensor b = Tensor::from_blob(buf.data(), {static_cast<int64_t>(buf.size())}, DType::F64);
+      world_->all_reduce_sum(b);
+      size_t at = 0;
+      for (Tensor* g : grad_list_) {
+        std::memcpy(g->data<double>(), buf.data() + at, sizeof(double) * static_cast<size_t>(g->numel()));
+        at += static_cast<size_t>(g->numel());
+      }
+    }
+    t.comm_s += since(t0);
+    std::vector<const Tensor*> gl(grad_list_.begin(), grad_list_.end());
+    return global_grad_norm(gl);
+  }
+
+  void apply(double lr, double grad_factor, StepTimes& t) override {
+    auto t0 = clock_type::now();
+    std::vector<const Tensor*> gl(grad_list_.begin(), grad_list_.end());
+    opt_->step(gl, lr, grad_factor);
+    t.optimizer_s += since(t0);
+  }
+
+  drafter::DrafterWeights weights() override { return dw_; }
+  void save_optimizer(const std::string& path) override { opt_->save(path); }
+  nlohmann::json optimizer_state() override { return opt_->state_json(); }
+  void load_optimizer(const std::string& path, const nlohmann::json& state) override { opt_->load(path, state); }
+
+ private:
+  drafter::DrafterConfig dcfg_;
+  comm::Communicator* world_;
+  std::unique_ptr<target::TargetModel> tmodel_;
+  drafter::FrozenTarget frozen_;
+  drafter::DrafterWeights dw_, grads_;
+  std::vector<Tensor*> grad_list_;
+  int64_t n_params_ = 0;
+  std::unique_ptr<AdamW> opt_;
+  target::ForwardOptions fopt_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainBackend> make_cpu_backend(const BackendSetup& s, comm::Communicator* world,
+                                               comm::Communicator* tp) {
+  return std::make_unique<CpuBackend>(s, world, tp);
+}
+
+#if !DFLASH_WITH_CUDA
+std::unique_ptr<TrainBackend> make_cuda_backend(const BackendSetup&) {
+  DFLASH_FAIL_HINT("parallel.device: cuda, but this dflash_train was built without the CUDA backend",
+                   "rebuild with -DDFLASH_CUDA=ON on a machine with nvcc, or set parallel.device: cpu");
+}
+bool cuda_backend_available(int, std::string* why) {
+  if (why) *why = "this build has no CUDA backend";
+  return false;
+}
+#endif
+
+}  // namespace dflash::trainer

@@ -1,0 +1,233 @@
+// The GPU backend: one GPU per rank. The bf16 CUDA target (tensor-parallel over NCCL inside the
+// TP group) captures the drafter's layers; the CUDA drafter trains data-parallel over all ranks.
+// Gradients are fp32 in one flat buffer; backward reports each layer's bucket as soon as it is
+// final and its NCCL all-reduce starts on a second stream while the earlier layers' backward runs.
+// AdamW runs on the device on fp32 masters and refreshes the bf16 weights.
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cmath>
+
+#include <spdlog/spdlog.h>
+
+#include "drafter/model_cuda.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/train_launch.h"
+#include "kernels/device.h"
+#include "target_model/fast_path.h"
+#include "target_model/model_cuda.h"
+#include "target_model/tp.h"
+#include "target_model/weights.h"
+#include "trainer/backend.h"
+#include "trainer/optimizer.h"
+
+namespace dflash::trainer {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+double since(clock_type::time_point t0) { return std::chrono::duration<double>(clock_type::now() - t0).count(); }
+
+class CudaBackend final : public TrainBackend {
+ public:
+  explicit CudaBackend(const BackendSetup& s) : dcfg_(s.drafter), device_(Device::cuda(s.local_rank)) {
+    const TrainConfig& cfg = *s.cfg;
+    const auto& ts = cfg.model.target;
+    DFLASH_CUDA_CHECK(cudaSetDevice(device_.index));
+    const DeviceInfo info = cuda_device_info(device_.index);
+    gpu_name_ = info.name;
+    stream_ = DeviceContext::get(device_.index).stream();
+    DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(reinterpret_cast<cudaStream_t*>(&comm_stream_), cudaStreamNonBlocking));
+    if (s.world > 1) {
+      world_ = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, 0, s.rank, device_, cfg.parallel.timeout_s, "dp");
+      if (s.layout.tp_size > 1)
+        tp_ = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, s.layout.tp_group, s.rank, device_,
+                                                   cfg.parallel.timeout_s, "tp");
+    }
+    // Target: this rank's shard, bf16, read slice by slice (or made from the seed).
+    const int tps = s.layout.tp_size;
+    const target::TargetConfig local = target::local_config(s.target, tps);
+    target::FastPathPlan plan = target::make_plan(local, device_, cfg.kernel_policies(), info.major);
+    fast_path_ = plan.summary();
+    if (cfg.kernels.require_fast_path) plan.require_all_fast();
+    const target::TpShard shard{s.layout.tp_rank, tps};
+    target::TargetWeights tw =
+        ts.path.empty() ? target::random_weights_tp(s.target, static_cast<uint64_t>(ts.seed), DType::BF16, device_, shard)
+                        : target::load_weights_tp(s.target, ts.path, DType::BF16, device_, shard);
+    Tensor embed = tw.embed_tokens, lm_head = tw.lm_head;
+    tmodel_ = std::make_unique<target::CudaTargetModel>(local, std::move(tw), std::move(plan), tp_.get());
+    fopt_.capture = dcfg_.target_layer_ids;
+    // Drafter: masters from the seed or the warm start; the target's embeddings and LM head shared.
+    drafter::DrafterWeights init = cfg.model.drafter.warm_start.empty()
+                                       ? drafter::DrafterWeights::random(dcfg_, static_cast<uint64_t>(cfg.training.seed))
+                                       : drafter::import_hf(cfg.model.drafter.warm_start, DType::F32).weights;
+    model_ = std::make_unique<drafter::CudaDrafter>(dcfg_, init, embed, lm_head, device_);
+    const int64_t n = model_->flat_size();
+    m_ = Tensor::zeros({n}, DType::F32, device_);
+    v_ = Tensor::zeros({n}, DType::F32, device_);
+    sumsq_ = Tensor::zeros({1}, DType::F32, device_);
+    sumsq_ws_ = Tensor::empty({std::max<int64_t>(cuda::sum_squares_workspace(n), 1)}, DType::U8, device_);
+    const auto& tr = cfg.training;
+    hyper_ = AdamWHyper{tr.betas.at(0), tr.betas.at(1), tr.eps, tr.weight_decay};
+    // The host-side state that checkpoints go through (same format as the CPU backend's).
+    host_w_ = drafter::DrafterWeights::zeros(dcfg_, DType::F32);
+    std::vector<std::pair<std::string, Tensor*>> params;
+    for (auto& e : host_w_.entries(dcfg_)) params.emplace_back(e.name, e.tensor);
+    host_opt_ = std::make_unique<AdamW>(params, hyper_);
+    for (int i = 0; i < 2; ++i) DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&ev_[i], cudaEventDisableTiming));
+  }
+
+  ~CudaBackend() override {
+    for (auto& e : ev_) cudaEventDestroy(e);
+    if (comm_stream_) cudaStreamDestroy(static_cast<cudaStream_t>(comm_stream_));
+  }
+
+  std::string describe() const override {
+    return device_.str() + " (" + gpu_name_ + "), bf16 target and drafter, fp32 masters and gradients";
+  }
+  int64_t num_params() const override { return model_->num_params(); }
+  std::string fast_path_summary() override { return fast_path_; }
+  void zero_grads() override { model_->zero_grads(); }
+
+  drafter::StepStats micro_step(MicroBatch& m, const drafter::StepOptions& opt, bool last, StepTimes& t) override {
+    auto t0 = clock_type::now();
+    target::ForwardResult fr = tmodel_->forward(m.seqs, fopt_);
+    std::vector<Tensor> layers;
+    for (int64_t id : dcfg_.target_layer_ids) layers.push_back(fr.layers.at(id));
+    m.batch.context = drafter::CudaDrafter::pack_context(layers);
+    fr = {};
+    DeviceContext::get(device_.index).synchronize();
+    t.target_s += since(t0);
+    if (m.batch.blocks.empty() || opt.grad_scale <= 0) {
+      if (last) pending_ = 0;
+      return {};
+    }
+    t0 = clock_type::now();
+    pending_ = 0;
+    const bool overlap = last && world_ && world_->size() > 1;
+    drafter::StepStats st = model_->step(m.batch, opt, true, last, [&](int64_t b) {
+      if (!overlap) return;
+      // Order the bucket's all-reduce after the kernels that finished it.
+      const auto& bk = model_->buckets()[static_cast<size_t>(b)];
+      DFLASH_CUDA_CHECK(cudaEventRecord(ev_[0], static_cast<cudaStream_t>(stream_)));
+      DFLASH_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(comm_stream_), ev_[0], 0));
+      world_->all_reduce_sum_async(model_->grads().data<float>() + bk.first, bk.end - bk.first, DType::F32, comm_stream_);
+      ++pending_;
+    });
+    m.batch.context = Tensor{};
+    t.drafter_s += since(t0);
+    return st;
+  }
+
+  double reduce_grads(StepTimes& t) override {
+    auto t0 = clock_type::now();
+    if (world_ && world_->size() > 1) {
+      if (pending_ == 0) {
+        // Nothing overlapped (e.g. this rank had no blocks in its last micro-batch): one all-reduce.
+        DFLASH_CUDA_CHECK(cudaEventRecord(ev_[0], static_cast<cudaStream_t>(stream_)));
+        DFLASH_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(comm_stream_), ev_[0], 0));
+        world_->all_reduce_sum_async(model_->grads().data<float>(), model_->flat_size(), DType::F32, comm_stream_);
+      }
+      world_->wait_async(comm_stream_, "gradient all-reduce");
+      pending_ = 0;
+    }
+    t.comm_s += since(t0);
+    // Global norm on the device (deterministic reduction), read back once.
+    cuda::sum_squares(model_->grads().data<float>(), model_->flat_size(), sumsq_.data<float>(), sumsq_ws_.raw_data(), stream_);
+    const double ss = sumsq_.to(Device::cpu()).data<float>()[0];
+    return std::sqrt(ss);
+  }
+
+  void apply(double lr, double grad_factor, StepTimes& t) override {
+    auto t0 = clock_type::now();
+    host_opt_->set_steps(host_opt_->steps() + 1);
+    cuda::AdamWParams p;
+    p.master = model_->masters().data<float>(), p.grad = model_->grads().data<float>();
+    p.m = m_.data<float>(), p.v = v_.data<float>(), p.weight = model_->weights().raw_data(), p.n = model_->flat_size();
+    p.lr = static_cast<float>(lr), p.beta1 = static_cast<float>(hyper_.beta1), p.beta2 = static_cast<float>(hyper_.beta2);
+    p.eps = static_cast<float>(hyper_.eps), p.weight_decay = static_cast<float>(hyper_.weight_decay);
+    p.step = host_opt_->steps(), p.grad_scale_host = static_cast<float>(grad_factor);
+    cuda::adamw_step(p, stream_);
+    t.optimizer_s += since(t0);
+  }
+
+  drafter::DrafterWeights weights() override { return model_->download_masters(); }
+
+  void save_optimizer(const std::string& path) override {
+    sync_host_state();
+    host_opt_->save(path);
+  }
+  nlohmann::json optimizer_state() override { return host_opt_->state_json(); }
+  void load_optimizer(const std::string& path, const nlohmann::json& state) override {
+    host_opt_->load(path, state);
+    model_->upload_masters(host_w_);
+    upload_flat(host_opt_->exp_avg(), m_);
+    upload_flat(host_opt_->exp_avg_sq(), v_);
+  }
+
+  std::string memory_summary() override {
+    const AllocatorStats a = device_alloc::stats(device_.index);
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    return fmt::format("GPU memory on {}: {:.1f} GiB in use, peak {:.1f} GiB, {:.1f} GiB reserved, {:.1f} of {:.1f} GiB free",
+                       device_.str(), gib(a.allocated), gib(a.peak_allocated), gib(a.reserved), gib(free_b), gib(total_b));
+  }
+  double peak_memory_gib() override { return gib(device_alloc::stats(device_.index).peak_allocated); }
+
+ private:
+  static double gib(size_t b) { return static_cast<double>(b) / (1024.0 * 1024.0 * 1024.0); }
+
+  // Flat device buffer <-> the per-tensor host tensors (the checkpoint layout).
+  void download_flat(const Tensor& flat, std::vector<Tensor>& host) {
+    DeviceContext::get(device_.index).synchronize();
+    const Tensor h = flat.to(Device::cpu());
+    const auto& spans = model_->spans();
+    for (size_t i = 0; i < spans.size(); ++i)
+      std::copy_n(h.data<float>() + spans[i].offset, spans[i].numel, host[i].data<float>());
+  }
+  void upload_flat(std::vector<Tensor>& host, Tensor& flat) {
+    Tensor h = Tensor::zeros({model_->flat_size()}, DType::F32);
+    const auto& spans = model_->spans();
+    for (size_t i = 0; i < spans.size(); ++i)
+      std::copy_n(host[i].data<float>(), spans[i].numel, h.data<float>() + spans[i].offset);
+    flat.copy_from(h);
+  }
+  // The host tensors the host AdamW saves from = the device state (copied into them in place, so
+  // the optimizer's pointers to them stay valid).
+  void sync_host_state() {
+    drafter::DrafterWeights w = model_->download_masters();
+    auto dst = host_w_.entries(dcfg_), src = w.entries(dcfg_);
+    for (size_t i = 0; i < dst.size(); ++i) dst[i].tensor->copy_from(*src[i].tensor);
+    download_flat(m_, host_opt_->exp_avg());
+    download_flat(v_, host_opt_->exp_avg_sq());
+  }
+
+  drafter::DrafterConfig dcfg_;
+  Device device_;
+  std::string gpu_name_, fast_path_;
+  void* stream_ = nullptr;
+  void* comm_stream_ = nullptr;
+  cudaEvent_t ev_[2] = {nullptr, nullptr};
+  std::unique_ptr<comm::Communicator> world_, tp_;
+  std::unique_ptr<target::CudaTargetModel> tmodel_;
+  target::ForwardOptions fopt_;
+  std::unique_ptr<drafter::CudaDrafter> model_;
+  Tensor m_, v_, sumsq_, sumsq_ws_;
+  AdamWHyper hyper_;
+  drafter::DrafterWeights host_w_;
+  std::unique_ptr<AdamW> host_opt_;
+  int64_t pending_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainBackend> make_cuda_backend(const BackendSetup& s) { return std::make_unique<CudaBackend>(s); }
+
+bool cuda_backend_available(int local_ranks, std::string* why) {
+  const int gpus = cuda_device_count();
+  if (gpus >= local_ranks && gpus > 0) return true;
+  if (why) *why = fmt::format("this node has {} visible GPU(s) for {} rank(s)", gpus, local_ranks);
+  return false;
+}
+
+}  // namespace dflash::trainer

@@ -52,6 +52,8 @@ double to_number(const std::string& s, const std::string& where, const char* col
   return v;
 }
 
+}  // namespace
+
 std::string html_escape(const std::string& s) {
   std::string o;
   for (char c : s) {
@@ -63,8 +65,6 @@ std::string html_escape(const std::string& s) {
   }
   return o;
 }
-
-}  // namespace
 
 std::vector<CsvRow> read_csv(const std::string& path) {
   std::ifstream in(path);
@@ -288,6 +288,162 @@ void CsvWriter::finish(const std::string& json_path, const std::string& baseline
     std::printf("\n== against the baseline %s\n%s", baseline_csv.c_str(),
                 comparison_table(compare(rows_, read_csv(baseline_csv))).c_str());
   }
+}
+
+namespace {
+
+// A tick spacing of 1, 2 or 5 times a power of ten giving about `target` intervals over `range`.
+double nice_step(double range, int target) {
+  const double raw = range / target;
+  const double mag = std::pow(10.0, std::floor(std::log10(raw)));
+  const double f = raw / mag;
+  return (f < 1.5 ? 1 : f < 3 ? 2 : f < 7 ? 5 : 10) * mag;
+}
+
+// [lo, hi] widened to whole ticks (an end that is fixed is kept), never empty.
+struct Axis {
+  double lo = 0, hi = 1, step = 0.2;
+  double map(double v, double a, double b) const { return a + (v - lo) / (hi - lo) * (b - a); }
+};
+Axis make_axis(double lo, double hi, bool fixed_lo, bool fixed_hi, int target) {
+  if (!(hi > lo)) {  // one value, or a fixed end beyond all the data: open up around the fixed end
+    const double at = fixed_hi && !fixed_lo ? hi : lo, pad = at != 0 ? std::abs(at) * 0.1 : 1.0;
+    if (fixed_lo && !fixed_hi) hi = lo + pad;
+    else if (fixed_hi && !fixed_lo) lo = hi - pad;
+    else lo = at - pad, hi = at + pad, fixed_lo = fixed_hi = false;
+  }
+  Axis a;
+  a.step = nice_step(hi - lo, target);
+  a.lo = fixed_lo ? lo : std::floor(lo / a.step + 1e-9) * a.step;
+  a.hi = fixed_hi ? hi : std::ceil(hi / a.step - 1e-9) * a.step;
+  return a;
+}
+
+std::string num(double v, const char* f = "%.1f") {
+  char b[64];
+  std::snprintf(b, sizeof b, f, v);
+  return b;
+}
+
+// Tick labels of one axis in one style: plain (%g) in the usual range, else all in scientific
+// notation with the digits the step needs ("5.0e-05", "1.0e-04", not "5e-05", "0.0001").
+std::vector<std::pair<double, std::string>> tick_labels(const Axis& a) {
+  std::vector<std::pair<double, std::string>> out;
+  const double big = std::max(std::abs(a.lo), std::abs(a.hi));
+  const bool sci = big > 0 && (big < 1e-3 || big >= 1e6);
+  const int digits = sci ? std::max(0, static_cast<int>(std::floor(std::log10(big)) - std::floor(std::log10(a.step)))) : 0;
+  for (int i = 0;; ++i) {
+    const double t = a.lo + i * a.step;
+    if (t > a.hi + a.step * 1e-6) break;
+    const double v = std::abs(t) < a.step * 1e-9 ? 0.0 : t;
+    char b[64];
+    if (v == 0) std::snprintf(b, sizeof b, "0");
+    else if (sci) std::snprintf(b, sizeof b, "%.*e", digits, v);
+    else std::snprintf(b, sizeof b, "%g", v);
+    out.push_back({t, b});
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string line_chart_svg(const std::vector<LineSeries>& series, const LineChartOptions& opt) {
+  static const char* kLineColors[] = {"#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb", "#000000"};
+  double xlo = INFINITY, xhi = -INFINITY, ylo = INFINITY, yhi = -INFINITY;
+  for (const LineSeries& s : series)
+    for (size_t i = 0; i < std::min(s.x.size(), s.y.size()); ++i) {
+      if (!std::isfinite(s.x[i]) || !std::isfinite(s.y[i])) continue;
+      xlo = std::min(xlo, s.x[i]); xhi = std::max(xhi, s.x[i]);
+      ylo = std::min(ylo, s.y[i]); yhi = std::max(yhi, s.y[i]);
+    }
+  const bool any = std::isfinite(xlo);
+  if (!any) xlo = 0, xhi = 1, ylo = 0, yhi = 1;
+  if (std::isfinite(opt.y_min)) ylo = opt.y_min;
+  if (std::isfinite(opt.y_max)) yhi = opt.y_max;
+  const Axis ax = make_axis(xlo, xhi, false, false, 6);
+  const Axis ay = make_axis(ylo, yhi, std::isfinite(opt.y_min), std::isfinite(opt.y_max), 5);
+  const auto xticks = tick_labels(ax), yticks = tick_labels(ay);
+  size_t ywidest = 0;
+  for (const auto& t : yticks) ywidest = std::max(ywidest, t.second.size());
+
+  // Pixels: the y tick labels (~6.5 px a character) and the rotated y label set the left margin.
+  const int W = opt.width, H = opt.height;
+  const int left = std::max(48, 30 + static_cast<int>(6.5 * static_cast<double>(ywidest))), right = 14;
+  const int top = opt.title.empty() ? 10 : 26;
+  // Legend entries flow left to right and wrap; their rows come out of the plot's height.
+  std::vector<std::pair<int, int>> legend_at;  // (x, row) per series
+  int lx = left, rows = series.empty() ? 0 : 1;
+  for (const LineSeries& s : series) {
+    const int w = 26 + 7 * static_cast<int>(s.name.size()) + 14;
+    if (lx + w > W - right && lx > left) { lx = left; ++rows; }
+    legend_at.push_back({lx, rows - 1});
+    lx += w;
+  }
+  const int bottom = 42 + 16 * rows;
+  const int pw = W - left - right, ph = std::max(H - top - bottom, 40);
+  auto px = [&](double x) { return ax.map(x, left, left + pw); };
+  auto py = [&](double y) { return ay.map(std::clamp(y, ay.lo, ay.hi), top + ph, top); };
+
+  std::ostringstream h;
+  h << "<svg class=\"chart\" width=\"" << W << "\" height=\"" << ph + top + bottom << "\" xmlns=\"http://www.w3.org/2000/svg\" "
+    << "font-family=\"sans-serif\" font-size=\"11\">\n";
+  if (!opt.title.empty())
+    h << "<text x=\"" << left << "\" y=\"16\" font-size=\"13\" font-weight=\"bold\">" << html_escape(opt.title) << "</text>\n";
+  h << "<rect x=\"" << left << "\" y=\"" << top << "\" width=\"" << pw << "\" height=\"" << ph
+    << "\" fill=\"none\" stroke=\"#999\"/>\n";
+  // Grid and tick labels.
+  for (const auto& [t, label] : yticks) {
+    const double y = py(t);
+    h << "<line x1=\"" << left << "\" x2=\"" << left + pw << "\" y1=\"" << num(y) << "\" y2=\"" << num(y)
+      << "\" stroke=\"#e4e4e4\"/><text x=\"" << left - 4 << "\" y=\"" << num(y + 4) << "\" text-anchor=\"end\">" << label
+      << "</text>\n";
+  }
+  for (const auto& [t, label] : xticks) {
+    const double x = px(t);
+    h << "<line x1=\"" << num(x) << "\" x2=\"" << num(x) << "\" y1=\"" << top << "\" y2=\"" << top + ph
+      << "\" stroke=\"#e4e4e4\"/><text x=\"" << num(x) << "\" y=\"" << top + ph + 14 << "\" text-anchor=\"middle\">" << label
+      << "</text>\n";
+  }
+  if (!opt.x_label.empty())
+    h << "<text x=\"" << left + pw / 2 << "\" y=\"" << top + ph + 30 << "\" text-anchor=\"middle\">" << html_escape(opt.x_label)
+      << "</text>\n";
+  if (!opt.y_label.empty())
+    h << "<text transform=\"translate(14," << top + ph / 2 << ") rotate(-90)\" text-anchor=\"middle\">"
+      << html_escape(opt.y_label) << "</text>\n";
+  if (!any)
+    h << "<text x=\"" << left + pw / 2 << "\" y=\"" << top + ph / 2 << "\" text-anchor=\"middle\" fill=\"#999\">no data</text>\n";
+
+  for (size_t si = 0; si < series.size(); ++si) {
+    const LineSeries& s = series[si];
+    const char* color = kLineColors[si % 8];
+    const size_t n = std::min(s.x.size(), s.y.size());
+    size_t finite = 0;
+    std::string pts;
+    auto flush = [&] {
+      if (!pts.empty())
+        h << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"1.6\" points=\"" << pts << "\"><title>"
+          << html_escape(s.name) << "</title></polyline>\n";
+      pts.clear();
+    };
+    for (size_t i = 0; i < n; ++i) {
+      if (!std::isfinite(s.x[i]) || !std::isfinite(s.y[i])) { flush(); continue; }
+      ++finite;
+      if (!pts.empty()) pts += ' ';
+      pts += num(px(s.x[i])) + "," + num(py(s.y[i]));
+    }
+    flush();
+    if (finite <= 60)
+      for (size_t i = 0; i < n; ++i)
+        if (std::isfinite(s.x[i]) && std::isfinite(s.y[i]))
+          h << "<circle cx=\"" << num(px(s.x[i])) << "\" cy=\"" << num(py(s.y[i])) << "\" r=\"2.5\" fill=\"" << color
+            << "\"><title>" << html_escape(s.name) << " at " << num(s.x[i], "%g") << ": " << num(s.y[i], "%.6g")
+            << "</title></circle>\n";
+    const int lxp = legend_at[si].first, ly = top + ph + 50 + 16 * legend_at[si].second;
+    h << "<line x1=\"" << lxp << "\" x2=\"" << lxp + 20 << "\" y1=\"" << ly - 4 << "\" y2=\"" << ly - 4 << "\" stroke=\"" << color
+      << "\" stroke-width=\"2\"/><text x=\"" << lxp + 26 << "\" y=\"" << ly << "\">" << html_escape(s.name) << "</text>\n";
+  }
+  h << "</svg>\n";
+  return h.str();
 }
 
 }  // namespace dflash::bench

@@ -4,6 +4,7 @@
 // Host-only (no CUDA), so it is tested on every machine.
 #include <nlohmann/json.hpp>
 
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -40,5 +41,24 @@ std::string comparison_table(const Comparison& c);
 // One HTML page with an inline SVG bar chart per (bench, kernel, metric) sweep: shapes along the
 // x axis, one bar per provider, the p20..p80 range as a whisker. Returns the number of charts.
 int write_html_plots(const std::vector<CsvRow>& rows, const std::string& path, const std::string& title);
+
+// Escapes <, >, & and " for HTML text and attribute values.
+std::string html_escape(const std::string& s);
+
+// A multi-series line chart over a numeric x axis as one inline <svg> element (no scripts, no
+// external resources): linear axes with "nice" ticks, one coloured polyline per series, a legend.
+// A non-finite y (or x) breaks that series' line; series with few points also get a dot per point
+// with its value as a hover title. An empty chart (no finite point) still renders, saying "no data".
+struct LineSeries {
+  std::string name;
+  std::vector<double> x, y;  // same length
+};
+struct LineChartOptions {
+  std::string title, x_label, y_label;
+  int width = 560, height = 280;  // pixels, the whole <svg>
+  // Fixed ends of the y range (e.g. y_min = 0 for accuracies), each on its own; NaN: from the data.
+  double y_min = std::numeric_limits<double>::quiet_NaN(), y_max = std::numeric_limits<double>::quiet_NaN();
+};
+std::string line_chart_svg(const std::vector<LineSeries>& series, const LineChartOptions& opt);
 
 }  // namespace dflash::bench

@@ -2,7 +2,7 @@
 // against a reference on the same inputs before it is timed (a wrong kernel never passes as a
 // fast one); rounds shuffle the provider order; rows go to CSV with the GPU name and commit.
 //
-//   kernel_bench --csv kernel_bench.csv [--only conv,gdn,layer] [--quick]
+//   kernel_bench --csv kernel_bench.csv [--only conv,gdn,gemm,dattn,ce,layer] [--quick]
 //
 // conv : N separate causal depthwise convs vs one fused conv over the concatenated channels, and
 //        the Qwen3.6-27B layer shape (10240 channels); GB/s from bytes = read x + write y (+ w).
@@ -15,7 +15,7 @@
 // ce   : the fused linear cross-entropy of the DFlash LM head, fwd+bwd, R 8192 x H 5120 x V 248320,
 //        per chunk size, and the dense bf16 GEMM ceiling (8192³) measured in the same run.
 // layer: one GatedDeltaNet and one attention decoder layer at the 27B shape and small shapes.
-// dattn: DFlash block attention fwd / bwd at the 27B drafter shape (only with --only dattn).
+// dattn: DFlash block attention fwd / bwd at the 27B drafter shape.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -552,7 +552,7 @@ void bench_layer(Ctx& ctx, bool quick) {
 int main(int argc, char** argv) {
   CLI::App app{"Op-level benchmarks of the target's CUDA kernels (each provider checked before it is timed)."};
   app.name("kernel_bench");
-  std::string log_level = "warn", csv, only = "conv,gdn,gemm,ce,layer";
+  std::string log_level = "warn", csv, only = "conv,gdn,gemm,dattn,ce,layer";
   bool quick = false;
   Ctx ctx;
   add_common_options(app, &log_level);
@@ -560,7 +560,7 @@ int main(int argc, char** argv) {
   std::string json_path, baseline;
   app.add_option("--json", json_path, "also write this run's rows as JSON");
   app.add_option("--baseline", baseline, "an earlier CSV: print now/baseline per row and the geomean per group");
-  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,ce,layer")->capture_default_str();
+  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,dattn,ce,layer")->capture_default_str();
   app.add_flag("--quick", quick, "a few shapes only (smoke run)");
   app.add_option("--warmup", ctx.warmup, "untimed calls before the first round")->capture_default_str();
   app.add_option("--iters", ctx.iters, "timed calls per round")->capture_default_str();

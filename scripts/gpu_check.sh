@@ -4,7 +4,10 @@
 # one folder ($OUT on the device machine, else runs/gpu_check). At most 8 files come back from the
 # device machine, so the end result is: environment.txt, test_gpu.log, doctor.txt, doctor.json,
 # target_bench.txt, target_bench.csv, kernel_bench.csv and logs.tgz (build log, cpu test log,
-# JUnit XML, kernel_bench.txt).
+# JUnit XML, kernel_bench.txt), plus train.txt / train.tgz (scripts/gpu_train.sh) — over 8 when
+# everything runs, so full runs skip what they do not need:
+#   GPU_TESTS / CPU_TESTS (ctest -R regexes), SKIP_TARGET_BENCH=1, KERNEL_BENCH_ONLY=dattn,ce,
+#   SKIP_DOCTOR=1, SKIP_TRAIN=1, TRAIN_STEPS=N, DFLASH_DREF=1.
 #   device: run("DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_check.sh")  (the copied tree has no .git)
 source "$(dirname "$0")/common.sh"
 RESULTS="${OUT:-$DFLASH_ROOT/runs/gpu_check}"
@@ -23,15 +26,17 @@ configure_and_build -DDFLASH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${DFLASH_CUDA_A
   || { say "build failed (see build.log)"; exit 1; }
 cd "$DFLASH_BUILD"
 say "gpu tests"
-ctest -L gpu --output-on-failure --timeout 600 --output-junit "$RESULTS/ctest_gpu.xml" 2>&1 | tee "$RESULTS/test_gpu.log" | tail -15 || status=1
+ctest -L gpu ${GPU_TESTS:+-R "$GPU_TESTS"} --output-on-failure --timeout 600 --output-junit "$RESULTS/ctest_gpu.xml" 2>&1 | tee "$RESULTS/test_gpu.log" | tail -15 || status=1
 say "cpu and mpi tests"
-ctest -LE gpu -j "$DFLASH_JOBS" --timeout 600 --output-junit "$RESULTS/ctest_cpu.xml" 2>&1 | tee "$RESULTS/test_cpu.log" | tail -5 || status=1
+ctest -LE gpu ${CPU_TESTS:+-R "$CPU_TESTS"} -j "$DFLASH_JOBS" --timeout 600 --output-junit "$RESULTS/ctest_cpu.xml" 2>&1 | tee "$RESULTS/test_cpu.log" | tail -5 || status=1
 
 # Diagnostics and benchmarks (CSV rows carry the GPU name and commit).
 Q27=$DFLASH_ROOT/configs/qwen3.6-27b/config.json
-say "dflash_doctor (Qwen3.6-27B shapes)"
-"$DFLASH_BUILD/target_model/dflash_doctor" --config "$Q27" --json "$RESULTS/doctor.json" 2>&1 | tee "$RESULTS/doctor.txt" || status=1
-if [ -x "$DFLASH_BUILD/bench/target_bench" ]; then
+if [ "${SKIP_DOCTOR:-0}" != 1 ]; then
+  say "dflash_doctor (Qwen3.6-27B shapes)"
+  "$DFLASH_BUILD/target_model/dflash_doctor" --config "$Q27" --json "$RESULTS/doctor.json" 2>&1 | tee "$RESULTS/doctor.txt" || status=1
+fi
+if [ -x "$DFLASH_BUILD/bench/target_bench" ] && [ "${SKIP_TARGET_BENCH:-0}" != 1 ]; then
   say "target_bench (Qwen3.6-27B shapes, random weights)"
   "$DFLASH_BUILD/bench/target_bench" --config "$Q27" --random-weights ${TARGET_BENCH_ARGS:-} --csv "$RESULTS/target_bench.csv" \
     2>&1 | tee "$RESULTS/target_bench.txt" || status=1
@@ -43,7 +48,7 @@ if [ -x "$DFLASH_BUILD/bench/target_bench" ]; then
 fi
 # Two or more GPUs (kind nvidia-h200-x2 and up): tensor parallelism across 2 of them.
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
-if [ "${NGPU:-0}" -ge 2 ] && [ -x "$DFLASH_BUILD/bench/target_bench" ]; then
+if [ "${NGPU:-0}" -ge 2 ] && [ -x "$DFLASH_BUILD/bench/target_bench" ] && [ "${SKIP_TARGET_BENCH:-0}" != 1 ]; then
   say "tp=2 on 2 GPUs: NCCL bandwidth (doctor under mpirun) and target_bench --tp 2"
   mpirun -n 2 "$DFLASH_BUILD/target_model/dflash_doctor" --config "$Q27" --no-live 2>&1 | grep -A8 "NCCL all-reduce" \
     | tee -a "$RESULTS/doctor.txt" || status=1
@@ -52,7 +57,11 @@ if [ "${NGPU:-0}" -ge 2 ] && [ -x "$DFLASH_BUILD/bench/target_bench" ]; then
 fi
 if [ -x "$DFLASH_BUILD/bench/kernel_bench" ]; then
   say "kernel_bench"
-  "$DFLASH_BUILD/bench/kernel_bench" --csv "$RESULTS/kernel_bench.csv" 2>&1 | tee "$RESULTS/kernel_bench.txt" || status=1
+  "$DFLASH_BUILD/bench/kernel_bench" ${KERNEL_BENCH_ONLY:+--only "$KERNEL_BENCH_ONLY"} --csv "$RESULTS/kernel_bench.csv" 2>&1 | tee "$RESULTS/kernel_bench.txt" || status=1
+fi
+# Training: the tiny run on a GPU and the Qwen3.6-27B-shaped runs (1 GPU; 2 GPUs tp=1 and tp=2).
+if [ "${SKIP_TRAIN:-0}" != 1 ]; then
+  (cd "$DFLASH_ROOT" && bash scripts/gpu_train.sh "$RESULTS") || status=1
 fi
 # Reference data made with the machine's PyTorch (CPU) when asked: DFLASH_DREF=1.
 if [ "${DFLASH_DREF:-0}" = 1 ]; then

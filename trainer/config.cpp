@@ -347,6 +347,7 @@ const std::vector<Field>& schema() {
     f.push_back(int_field("checkpoint.keep_last", 1, DFLASH_MEMBER(checkpoint.keep_last)));
     f.push_back(string_field("checkpoint.resume", "auto, never or a checkpoint directory", false,
                              DFLASH_MEMBER(checkpoint.resume)));
+    f.push_back(bool_field("checkpoint.at_end", DFLASH_MEMBER(checkpoint.at_end)));
     f.push_back(int_field("logging.interval", 1, DFLASH_MEMBER(logging.interval)));
     f.push_back(string_field("logging.run_dir", "a directory (a non-empty string)", false, DFLASH_MEMBER(logging.run_dir)));
     f.push_back(bool_field("logging.progress_bar", DFLASH_MEMBER(logging.progress_bar)));

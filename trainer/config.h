@@ -117,6 +117,7 @@ struct CheckpointSection {
   int64_t interval = 1000;       // optimizer steps between checkpoints
   int64_t keep_last = 3;         // complete checkpoints kept
   std::string resume = "auto";   // auto (newest complete one, if any) | never | a checkpoint directory
+  bool at_end = true;            // also write one when the run finishes (benchmark runs turn it off)
   bool operator==(const CheckpointSection&) const = default;
 };
 

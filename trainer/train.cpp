@@ -548,7 +548,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   }
   bar.clear();
 
-  if (last_ckpt != step) save_checkpoint(step, loader.state());
+  if (last_ckpt != step && cfg.checkpoint.at_end) save_checkpoint(step, loader.state());
   result.step = step;
   result.drafter_dir = (run_dir / "drafter").string();
   if (rank == 0) {

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The training runs of the GPU check (called by gpu_check.sh; or alone after a build):
+#   1. the tiny default config on one GPU (parallel.device=cuda): the loss must fall;
+#   2. the Qwen3.6-27B-shaped recipe (random target weights, synthetic 4096-token sequences, 512
+#      anchors, 5-layer drafter) on 1 GPU, and on 2 GPUs with tp=1 (data parallel) and tp=2;
+# leaving train.txt (the commands and their last log lines) and train.tgz (logs, metrics.jsonl) in
+# $RESULTS. TRAIN_STEPS (default 40) sets the 27B-shaped runs' length.
+#   bash scripts/gpu_train.sh RESULTS_DIR   (DFLASH_BUILD = the build directory)
+source "$(dirname "$0")/common.sh"
+RESULTS=${1:?results dir}
+W=$RESULTS/train
+mkdir -p "$W"
+T=$DFLASH_BUILD/trainer/dflash_train
+STEPS=${TRAIN_STEPS:-40}
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
+status=0
+run() {  # run NAME CMD...: logs to $W/NAME.log, appends the command and the summary lines to train.txt
+  local name=$1; shift
+  say "train: $name"
+  { echo "== $name"; echo "\$ $*"; } >> "$RESULTS/train.txt"
+  local t0=$SECONDS
+  "$@" > "$W/$name.log" 2>&1
+  local rc=$?
+  grep -E "backend:|fast path|memory|step [0-9]+/|error|done:|refus" "$W/$name.log" | tail -n 12 >> "$RESULTS/train.txt"
+  echo "rc=$rc wall=$((SECONDS - t0))s" >> "$RESULTS/train.txt"
+  tail -n 3 "$W/$name.log"
+  [ $rc = 0 ] || status=1
+}
+run tiny_gpu "$T" --set parallel.device=cuda --set training.max_steps=60 --set logging.run_dir="$W/tiny_gpu" \
+  --set data.synth.path="$W/tiny_synth.h5" --set checkpoint.at_end=false
+
+Q27=(configs/qwen3.6-27b.yaml --set model.target.path= --set model.target.config=configs/qwen3.6-27b/config.json
+     --set model.target.random_weights=true --set data.files=[] --set data.synth.enabled=true
+     --set data.synth.path="$W/q27_synth.h5" --set data.synth.num_sequences=512 --set data.synth.min_length=4096
+     --set data.synth.max_length=4096 --set data.synth.vocab_size=0 --set training.epochs=null
+     --set training.max_steps="$STEPS" --set logging.interval=10 --set checkpoint.at_end=false
+     --set parallel.device=cuda --set kernels.require_fast_path=true)
+cd "$DFLASH_ROOT"
+run q27_1gpu "$T" "${Q27[@]}" --set parallel.tp=1 --set logging.run_dir="$W/q27_1gpu"
+if [ "${NGPU:-0}" -ge 2 ]; then
+  run q27_2gpu_tp1 mpirun -n 2 "$T" "${Q27[@]}" --set parallel.tp=1 --set logging.run_dir="$W/q27_2gpu_tp1"
+  run q27_2gpu_tp2 mpirun -n 2 "$T" "${Q27[@]}" --set parallel.tp=2 --set logging.run_dir="$W/q27_2gpu_tp2"
+fi
+# Keep logs and metrics, not data or exported weights.
+tar czf "$RESULTS/train.tgz" -C "$W" $(cd "$W" && ls -d *.log */metrics.jsonl */logs 2>/dev/null) 2>/dev/null
+rm -rf "$W"
+exit $status

@@ -118,13 +118,23 @@ float* CudaDrafter::gptr(const std::string& name) const { return grads_.data<flo
 
 void CudaDrafter::upload_masters(const DrafterWeights& w) {
   w.check(c_);
-  Tensor host = Tensor::zeros({flat_}, DType::F32);
   auto entries = const_cast<DrafterWeights&>(w).entries(c_);
+  void* s = DeviceContext::get(device_.index).stream();
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(masters_.raw_data(), 0, masters_.nbytes(), static_cast<cudaStream_t>(s)));
+  Tensor host;  // staging for host tensors (and other dtypes / devices), made when first needed
   for (size_t i = 0; i < entries.size(); ++i) {
-    const Tensor t = entries[i].tensor->to(Device::cpu()).contiguous();
-    convert_elements(t.raw_data(), t.dtype(), host.data<float>() + spans_[i].offset, DType::F32, spans_[i].numel);
+    const Tensor& t = *entries[i].tensor;
+    float* dst = masters_.data<float>() + spans_[i].offset;
+    if (t.device() == device_ && t.dtype() == DType::F32 && t.is_contiguous()) {
+      copy_async(dst, t.raw_data(), static_cast<size_t>(spans_[i].numel) * 4, s);
+      continue;
+    }
+    if (!host.defined()) host = Tensor::zeros({flat_}, DType::F32);
+    const Tensor h = t.to(Device::cpu()).contiguous();
+    convert_elements(h.raw_data(), h.dtype(), host.data<float>() + spans_[i].offset, DType::F32, spans_[i].numel);
+    Tensor::from_blob(dst, {spans_[i].numel}, DType::F32, device_)
+        .copy_from(Tensor::from_blob(host.data<float>() + spans_[i].offset, {spans_[i].numel}, DType::F32));
   }
-  masters_.copy_from(host);
   refresh_weights();
 }
 

@@ -37,16 +37,16 @@ std::vector<DrafterWeights::Entry> DrafterWeights::entries(const DrafterConfig& 
   return e;
 }
 
-DrafterWeights DrafterWeights::zeros(const DrafterConfig& c, DType dtype) {
+DrafterWeights DrafterWeights::zeros(const DrafterConfig& c, DType dtype, Device device) {
   DFLASH_CHECK(dtype_is_float(dtype), "drafter weights need a float dtype, got " << dtype_name(dtype));
   DrafterWeights w;
   w.layers.resize(static_cast<size_t>(c.num_hidden_layers));
-  for (Entry& e : w.entries(c)) *e.tensor = Tensor::zeros(e.shape, dtype);
+  for (Entry& e : w.entries(c)) *e.tensor = Tensor::zeros(e.shape, dtype, device);
   return w;
 }
 
-DrafterWeights DrafterWeights::random(const DrafterConfig& c, uint64_t seed, float stddev, DType dtype) {
-  DrafterWeights w = zeros(c, dtype);
+DrafterWeights DrafterWeights::random(const DrafterConfig& c, uint64_t seed, float stddev, DType dtype, Device device) {
+  DrafterWeights w = zeros(c, dtype, device);
   uint64_t stream = 0;
   for (Entry& e : w.entries(c)) {
     ++stream;  // one stream per tensor in entry order: adding a layer leaves earlier tensors unchanged

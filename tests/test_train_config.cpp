@@ -225,9 +225,20 @@ TEST(TrainConfig, InconsistentValues) {
   EXPECT_THAT(validate_error({"model.target.config="}), HasSubstr("(neither is set)"));
   EXPECT_THAT(validate_error({"model.target.random_weights=false"}),
               HasSubstr("model.target.config names only an architecture, so model.target.random_weights must be true"));
-  // The drafter: a config file excludes the fields; the fields need a mask token.
-  EXPECT_THAT(validate_error({"model.drafter.warm_start=runs/x/export"}),
-              HasSubstr("model.drafter.num_layers cannot be combined with model.drafter.warm_start"));
+  // The drafter: fields given next to a config file must agree with it (checked when it is read);
+  // the fields alone need a mask token.
+  EXPECT_NO_THROW(minimal({"model.drafter.warm_start=runs/x/export"}).validate(1));
+  {
+    const std::string ref = std::string(DFLASH_TEST_DATA_DIR) + "/drafter_ref";  // 2 layers, block 4, mask 60
+    target::TargetConfig t;
+    t.hidden_size = 32, t.vocab_size = 61, t.num_hidden_layers = 10;
+    TrainConfig ok = minimal({"model.drafter.warm_start=" + ref, "model.drafter.block_size=4", "model.drafter.mask_token_id=60"});
+    EXPECT_EQ(ok.drafter_config(t).num_hidden_layers, 2);
+    EXPECT_THAT(error_of([&] { minimal({"model.drafter.warm_start=" + ref, "model.drafter.num_layers=3"}).drafter_config(t); }),
+                HasSubstr("model.drafter.num_layers = 3 disagrees with model.drafter.warm_start"));
+    EXPECT_THAT(error_of([&] { minimal({"model.drafter.config=" + ref, "model.drafter.block_size=4", "model.drafter.mask_token_id=7"}).drafter_config(t); }),
+                HasSubstr("model.drafter.mask_token_id = 7 disagrees with model.drafter.config"));
+  }
   EXPECT_THAT(error_of([] { TrainConfig::from_string("model:\n  target: {config: t.json, random_weights: true}\n"
                                                      "  drafter: {config: d.json, warm_start: w}\n"
                                                      "data: {synth: {enabled: true}}\ntraining: {max_steps: 1}\n", "d.yaml")

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# End-to-end tests of dflash_train on the CPU backend (the tiny embedded default config).
+# End-to-end tests of dflash_train on the CPU backend (the tiny embedded default config; every run
+# sets parallel.device=cpu, so the figures below hold on a machine with GPUs too).
 #   train_test.sh MODE DFLASH_TRAIN TARGET_CONFIG WORKDIR [MPIRUN...]
 # MODE:
 #   learn   the tiny run, 40 steps: the loss falls by >= 2.0 nats and the mean accuracy over block positions
-#           1..B-1 rises by >= 0.025 (step 1 vs the mean of steps 31-40); checkpoint and exported drafter exist.
+#           1..B-1 rises by >= 0.025 (step 1 vs the mean of steps 31-40); checkpoint and exported drafter exist;
+#           the export warm-starts a new run whose first loss is closer to the trained loss than to the fresh one.
 #   resume  12 steps straight == 6 steps, stop (--stop-after-steps), resume, 6 steps: identical losses and
 #           grad norms (bit-exact: the JSON numbers are compared as text).
 #   mpi     1 rank (batch 4) vs mpirun -n 2 with tp=1 (dp=2, batch 2 per group) and with tp=2 (batch 4):
 #           the same loss per step within a relative 1e-9 (dp2) and 1e-4 (tp2: f32 TP target); then resuming the 1-rank checkpoint on 2 ranks is refused.
 #   microbatch  batch 4 in 1 micro-batch vs batch 2 x 2 micro-batches: the same losses within 1e-9 (relative;
 #           the loss is normalized by the step's global sum of weights, so the split must not matter).
+#   world   world sizes 4 and 8 (mpirun --oversubscribe): tp=1 (dp 4 / dp 8) and tp=2 (2 / 4 groups), the
+#           global batch always 8 sequences: the same loss per step as 1 rank within 1e-9 (dp) and 1e-4 (tp2);
+#           tp=4 on the tiny model (2 GDN key heads) is refused on every rank with the numbers that disagree.
 #   sigterm SIGTERM during a run: checkpoint at the next step boundary, exit 0; running again resumes and finishes.
 #   baddata a data file whose vocabulary is larger than the target's, and a file that is not HDF5, are refused
 #           with the file's name.
@@ -26,7 +31,7 @@ run() {
   local name=$1
   shift
   echo "+ dflash_train $* (run dir $work/$name)"
-  "${pre[@]}" "$bin" --set "model.target.config=$tcfg" --set "logging.run_dir=$work/$name" \
+  "${pre[@]}" "$bin" --set parallel.device=cpu --set "model.target.config=$tcfg" --set "logging.run_dir=$work/$name" \
     --set "data.synth.path=$work/synth.h5" --set training.batch_size=4 --set training.num_anchors=4 "$@" >"$work/$name.log" 2>&1
   local rc=$?
   tail -n 5 "$work/$name.log"
@@ -53,6 +58,14 @@ learn)
     [ -f "$work/learn/$f" ] || fail "missing $f"
   done
   grep -q "drafter exported to $work/learn/drafter" "$work/learn.log" || fail "no 'drafter exported to' line"
+  # The exported (Hugging Face, bf16) drafter loads back as a warm start and keeps what it learned:
+  # its first loss is near the trained level, far below a fresh drafter's.
+  run warm --set training.max_steps=1 --set logging.interval=1 --set "model.drafter.warm_start=$work/learn/drafter" \
+    --set checkpoint.at_end=false || fail "warm start from the exported drafter failed"
+  w0=$(col "$work/warm/metrics.jsonl" loss | head -n 1)
+  echo "warm start from the export: first loss $w0 (fresh: $l0, trained: $l1)"
+  awk -v w="$w0" -v a="$l0" -v b="$l1" 'BEGIN {exit !(w < b + 0.5 * (a - b))}' ||
+    fail "the warm-started drafter did not keep the training ($w0 vs fresh $l0, trained $l1)"
   ;;
 resume)
   common=(--set training.max_steps=12 --set logging.interval=1 --set checkpoint.interval=4 --set checkpoint.keep_last=2)
@@ -97,6 +110,27 @@ mpi)
   if run one2 "${common[@]}" --set training.max_steps=8 --set training.batch_size=2; then fail "resume on 2 ranks was accepted"; fi
   grep -q "was written by 1 rank(s) with tp 1; this run has 2 rank(s) with tp 1" "$work/one2.log" ||
     fail "no clear message for a different world size"
+  ;;
+world)
+  common=(--set training.max_steps=4 --set logging.interval=1 --set checkpoint.interval=100 --set checkpoint.at_end=false)
+  run one "${common[@]}" --set training.batch_size=8 || fail "1-rank run failed"
+  echo "loss 1 rank:  $(col "$work/one/metrics.jsonl" loss | tr '\n' ' ')"
+  for cfg in 4:1:2:1e-9 4:2:4:1e-4 8:1:1:1e-9 8:2:2:1e-4; do
+    IFS=: read -r n t b tol <<<"$cfg"
+    name=n${n}_tp$t
+    pre=("${mpirun[@]}" -n "$n")  # (mpirun already has --oversubscribe)
+    run "$name" "${common[@]}" --set training.batch_size="$b" --set parallel.tp="$t" || fail "mpirun -n $n, tp=$t failed"
+    echo "loss $name: $(col "$work/$name/metrics.jsonl" loss | tr '\n' ' ')"
+    paste <(col "$work/one/metrics.jsonl" loss) <(col "$work/$name/metrics.jsonl" loss) |
+      awk 'BEGIN {n = 0; worst = 0} {n++; d = ($1 - $2) / $1; if (d < 0) d = -d; if (d > worst) worst = d}
+           END {printf "  max relative difference %.3g over %d steps\n", worst, n; exit !(n == 4 && worst <= tol)}' tol="$tol" ||
+      fail "$name losses differ from the 1-rank run by more than $tol (relative)"
+    # Only rank 0 writes metrics; every rank writes its own log.
+    [ "$(ls "$work/$name/logs" | wc -l)" -eq "$n" ] || fail "$name: expected $n per-rank logs in $work/$name/logs"
+  done
+  pre=("${mpirun[@]}" -n 4)
+  if run tp4 "${common[@]}" --set parallel.tp=4; then fail "tp=4 on the tiny model was accepted"; fi
+  [ "$(grep -c "linear_num_key_heads" "$work/tp4.log")" -ge 4 ] || fail "tp=4: not every rank named the GDN key heads"
   ;;
 microbatch)
   common=(--set training.max_steps=6 --set logging.interval=1 --set checkpoint.interval=100)

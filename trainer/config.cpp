@@ -579,12 +579,9 @@ void TrainConfig::validate(int world_size) const {
                s << ": model.drafter.config and model.drafter.warm_start are exclusive (a warm start brings its config.json)");
   const std::string from_file = !d.config.empty() ? "model.drafter.config" : "model.drafter.warm_start";
   if (!d.config.empty() || !d.warm_start.empty()) {
-    for (const char* k : {"model.drafter.num_layers", "model.drafter.block_size", "model.drafter.mask_token_id",
-                          "model.drafter.target_layer_ids"})
-      DFLASH_CHECK_HINT(origin(k) == Origin::Default,
-                        s << ": " << k << " cannot be combined with " << from_file
-                          << " (the drafter's config.json defines it)",
-                        "remove " << k << ", or drop " << from_file << " and describe the drafter by its fields");
+    // The drafter's config.json defines the architecture; fields given as well must agree with it
+    // (checked by drafter_config(), which reads the file).
+    (void)from_file;
   } else {
     DFLASH_CHECK_HINT(d.mask_token_id.has_value(),
                       s << ": model.drafter.mask_token_id must be set (a token id of the target's vocabulary)",
@@ -636,6 +633,25 @@ drafter::DrafterConfig TrainConfig::drafter_config(const target::TargetConfig& t
     const std::string key = !d.config.empty() ? "model.drafter.config" : "model.drafter.warm_start";
     const std::string path = !d.config.empty() ? d.config : d.warm_start;
     drafter::DrafterConfig c = drafter::DrafterConfig::from_file(path);
+    auto agree = [&](const char* k, bool ok, const std::string& given, const std::string& in_file) {
+      DFLASH_CHECK_HINT(origin(k) == Origin::Default || ok,
+                        s << ": " << k << " = " << given << " disagrees with " << key << " (" << path << "), which has "
+                          << in_file,
+                        "remove " << k << " (the drafter's config.json defines it), or drop " << key);
+    };
+    auto ids_str = [](const std::vector<int64_t>& v) {
+      std::string out = "[";
+      for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+      return out + "]";
+    };
+    agree("model.drafter.num_layers", d.num_layers == c.num_hidden_layers, std::to_string(d.num_layers),
+          std::to_string(c.num_hidden_layers) + " layers");
+    agree("model.drafter.block_size", d.block_size == c.block_size, std::to_string(d.block_size),
+          "block_size " + std::to_string(c.block_size));
+    agree("model.drafter.mask_token_id", !d.mask_token_id || *d.mask_token_id == c.mask_token_id,
+          d.mask_token_id ? std::to_string(*d.mask_token_id) : "null", "mask_token_id " + std::to_string(c.mask_token_id));
+    agree("model.drafter.target_layer_ids", d.target_layer_ids.empty() || d.target_layer_ids == c.target_layer_ids,
+          ids_str(d.target_layer_ids), "target_layer_ids " + ids_str(c.target_layer_ids));
     auto same = [&](int64_t drafter_v, int64_t target_v, const char* what) {
       DFLASH_CHECK_HINT(drafter_v == target_v, s << ": " << key << " (" << path << "): the drafter's " << what << " "
                                                  << drafter_v << " does not match the target's " << target_v,

@@ -44,6 +44,7 @@ int main(int argc, char** argv) {
     ro.stop_after_steps = stop_after;
     ro.log_level = log_level;
     if (mpi) ro.local_rank = mpi->local_rank(), ro.local_size = mpi->local_size();
+    trainer::check_config(cfg, world, ro);  // every rank prints the same message and exits 1
     trainer::RunResult r;
     try {
       r = trainer::train(cfg, world, rank, ro);

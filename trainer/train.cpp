@@ -152,10 +152,24 @@ void install_stop_handlers() {
   std::signal(SIGINT, on_stop_signal);
 }
 
+void check_config(const TrainConfig& cfg, int world, const RunOptions& ropt) {
+  cfg.validate(world);
+  const auto& ts = cfg.model.target;
+  const target::TargetConfig tcfg = target::TargetConfig::from_file(ts.path.empty() ? ts.config : ts.path);
+  cfg.validate_against(tcfg);
+  target::check_tp(tcfg, static_cast<int>(cfg.parallel.tp));
+  (void)cfg.drafter_config(tcfg);
+  if (cfg.parallel.device == Backend::Cuda) {
+    std::string why;
+    DFLASH_CHECK_HINT(cuda_backend_available(ropt.local_size, &why), "parallel.device: cuda, but " << why,
+                      "run one rank per GPU (mpirun -n <GPUs per node>), or set parallel.device: cpu");
+  }
+}
+
 RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& ropt) {
   using clock = std::chrono::steady_clock;
   const auto t_start = clock::now();
-  cfg.validate(world);
+  check_config(cfg, world, ropt);
   const comm::Layout layout = comm::make_layout(world, rank, static_cast<int>(cfg.parallel.tp));
   const int tp = layout.tp_size;
 
@@ -247,16 +261,8 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
                  loader.slots_per_epoch(), total);
 
   // ---- backend: the target and the drafter on the CPU reference or one GPU per rank ----
-  Backend device = cfg.parallel.device;
-  if (device == Backend::Auto) {
-    std::string why;
-    device = cuda_backend_available(ropt.local_size, &why) ? Backend::Cuda : Backend::Cpu;
-  } else if (device == Backend::Cuda) {
-    std::string why;
-    DFLASH_CHECK_HINT(cuda_backend_available(ropt.local_size, &why),
-                      "parallel.device: cuda, but " << why,
-                      "run one rank per GPU (mpirun -n <GPUs per node>), or set parallel.device: cpu");
-  }
+  Backend device = cfg.parallel.device;  // (cuda was checked to be available by check_config)
+  if (device == Backend::Auto) device = cuda_backend_available(ropt.local_size, nullptr) ? Backend::Cuda : Backend::Cpu;
   BackendSetup bs;
   bs.cfg = &cfg, bs.target = tcfg, bs.drafter = dcfg, bs.layout = layout, bs.world = world, bs.rank = rank;
   bs.local_rank = ropt.local_rank, bs.local_size = ropt.local_size, bs.total_steps = total;

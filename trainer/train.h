@@ -36,6 +36,12 @@ struct RunResult {
 // Installs the SIGTERM / SIGINT handlers that request a stop at the next step boundary.
 void install_stop_handlers();
 
+// Every check that needs no collective (config, target config, tp against the world and the heads,
+// the drafter config, parallel.device against this node's GPUs): identical on every rank, so under
+// mpirun each rank prints the same one message and exits 1 (dflash_train calls it before train(),
+// outside the path that aborts the whole job). train() runs it again.
+void check_config(const TrainConfig& config, int world_size, const RunOptions& options);
+
 // Runs training for this rank (world_size ranks under MPI; MPI must be initialised when > 1).
 RunResult train(const TrainConfig& config, int world_size, int world_rank, const RunOptions& options);
 

@@ -129,10 +129,17 @@ class CudaBackend final : public TrainBackend {
     auto t0 = clock_type::now();
     if (world_ && world_->size() > 1) {
       if (pending_ == 0) {
-        // Nothing overlapped (e.g. this rank had no blocks in its last micro-batch): one all-reduce.
+        // Nothing overlapped (this rank had no blocks in its last micro-batch, or none at all): the
+        // same bucket all-reduces now, in the same order, so every rank issues the same sequence of
+        // NCCL calls whatever its share of the blocks.
         DFLASH_CUDA_CHECK(cudaEventRecord(ev_[0], static_cast<cudaStream_t>(stream_)));
         DFLASH_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(comm_stream_), ev_[0], 0));
-        world_->all_reduce_sum_async(model_->grads().data<float>(), model_->flat_size(), DType::F32, comm_stream_);
+        for (const auto& bk : model_->buckets())
+          world_->all_reduce_sum_async(model_->grads().data<float>() + bk.first, bk.end - bk.first, DType::F32,
+                                       comm_stream_);
+      } else {
+        DFLASH_CHECK(pending_ == static_cast<int64_t>(model_->buckets().size()),
+                     "gradient all-reduce: " << pending_ << " of " << model_->buckets().size() << " buckets were started");
       }
       world_->wait_async(comm_stream_, "gradient all-reduce");
       pending_ = 0;

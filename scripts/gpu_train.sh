@@ -8,7 +8,11 @@
 #   bash scripts/gpu_train.sh RESULTS_DIR   (DFLASH_BUILD = the build directory)
 source "$(dirname "$0")/common.sh"
 RESULTS=${1:?results dir}
-W=$RESULTS/train
+# Work outside $OUT (the device returns at most 8 files, and nothing at all when more are there at a
+# timeout): after each run train.txt and train.tgz are brought up to date, so a run cut by the time
+# limit still returns the ones before it.
+W=${DFLASH_TRAIN_WORK:-/tmp/dflash_gpu_train}
+rm -rf "$W"
 mkdir -p "$W"
 T=$DFLASH_BUILD/trainer/dflash_train
 STEPS=${TRAIN_STEPS:-40}
@@ -21,10 +25,12 @@ run() {  # run NAME CMD...: logs to $W/NAME.log, appends the command and the sum
   local t0=$SECONDS
   "$@" > "$W/$name.log" 2>&1
   local rc=$?
-  grep -E "backend:|fast path|memory|step [0-9]+/|error|done:|refus" "$W/$name.log" | tail -n 12 >> "$RESULTS/train.txt"
+  grep -E "backend:|initialised|fast path|memory|step [0-9]+/|error|done:|refus" "$W/$name.log" | tail -n 14 >> "$RESULTS/train.txt"
   echo "rc=$rc wall=$((SECONDS - t0))s" >> "$RESULTS/train.txt"
   tail -n 3 "$W/$name.log"
   [ $rc = 0 ] || status=1
+  # Logs and metrics so far (not data or exported weights).
+  tar czf "$RESULTS/train.tgz" -C "$W" $(cd "$W" && ls -d *.log */metrics.jsonl */logs 2>/dev/null) 2>/dev/null
 }
 run tiny_gpu "$T" --set parallel.device=cuda --set training.max_steps=60 --set logging.run_dir="$W/tiny_gpu" \
   --set data.synth.path="$W/tiny_synth.h5" --set checkpoint.at_end=false
@@ -41,7 +47,5 @@ if [ "${NGPU:-0}" -ge 2 ]; then
   run q27_2gpu_tp1 mpirun -n 2 "$T" "${Q27[@]}" --set parallel.tp=1 --set logging.run_dir="$W/q27_2gpu_tp1"
   run q27_2gpu_tp2 mpirun -n 2 "$T" "${Q27[@]}" --set parallel.tp=2 --set logging.run_dir="$W/q27_2gpu_tp2"
 fi
-# Keep logs and metrics, not data or exported weights.
-tar czf "$RESULTS/train.tgz" -C "$W" $(cd "$W" && ls -d *.log */metrics.jsonl */logs 2>/dev/null) 2>/dev/null
 rm -rf "$W"
 exit $status

@@ -12,6 +12,9 @@
 #include "target_model/config.h"
 #include "test_util.h"
 #include "trainer/config.h"
+#include "trainer/memory_plan.h"
+#include "drafter/weights.h"
+#include "target_model/tp.h"
 
 using namespace dflash;
 using namespace dflash::trainer;
@@ -349,4 +352,29 @@ TEST(TrainConfig, ExpandsDataFileGlobs) {
   EXPECT_THAT(error_of([&] { c.expand_data_files(); }), HasSubstr("data.files[0] pattern '" + dir + "/*.bin' matches no file"));
   c.data.files = {dir + "/missing.h5"};
   EXPECT_THAT(error_of([&] { c.expand_data_files(); }), HasSubstr("data.files[0] '" + dir + "/missing.h5' does not exist"));
+}
+
+// The GPU memory plan of the Qwen3.6-27B recipe: the drafter state is 18 bytes per parameter (bf16
+// weights, fp32 masters, two moments, gradients), the target's bf16 shard halves with tp=2 apart
+// from the replicated embedding and LM head, and the estimate grows with tokens and blocks.
+TEST(MemoryPlan, Qwen27bRecipe) {
+  const TrainConfig q = TrainConfig::from_file(kRoot + "/configs/qwen3.6-27b.yaml");
+  const target::TargetConfig t = qwen_target();
+  const drafter::DrafterConfig d = q.drafter_config(t);
+  drafter::DrafterWeights w;
+  w.layers.resize(static_cast<size_t>(d.num_hidden_layers));
+  int64_t params = 0;
+  for (const auto& e : w.entries(d)) params += shape_numel(e.shape);
+  const MemoryPlan one = gpu_memory_plan(target::local_config(t, 1), d, 4096, 512, 2048);
+  EXPECT_DOUBLE_EQ(one.drafter_state, 18.0 * static_cast<double>(params));
+  EXPECT_DOUBLE_EQ(one.target_weights, 2.0 * static_cast<double>(t.parameter_count()));
+  const MemoryPlan two = gpu_memory_plan(target::local_config(t, 2), d, 4096, 256, 2048);
+  const double replicated = 2.0 * 2 * static_cast<double>(t.vocab_size * t.hidden_size);
+  EXPECT_NEAR(two.target_weights, (one.target_weights - replicated) / 2 + replicated, 0.01 * one.target_weights);
+  EXPECT_LT(two.drafter_activations, one.drafter_activations);
+  EXPECT_GT(gpu_memory_plan(target::local_config(t, 1), d, 8192, 1024, 2048).total(), one.total());
+  // ~1.7 B drafter parameters; the whole plan fits an H200 (139.8 GiB) with tp=1.
+  EXPECT_GT(params, 1'500'000'000);
+  EXPECT_LT(one.total(), 139.8 * (1 << 30));
+  std::printf("Qwen3.6-27B recipe, tp=1:\n%s\n", one.table(139.8 * (1 << 30)).c_str());
 }

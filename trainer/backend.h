@@ -66,6 +66,8 @@ class TrainBackend {
   // One line on memory use for the log (empty on the CPU), and the peak in GiB (0 on the CPU).
   virtual std::string memory_summary() { return ""; }
   virtual double peak_memory_gib() { return 0; }
+  // The memory plan per GPU (estimated from the configs before loading; empty on the CPU).
+  virtual std::string memory_plan() { return ""; }
   // How long loading / initialising took, for the log (may be empty).
   virtual std::string init_summary() { return ""; }
   // Fast-path summary of the target's plan (empty on the CPU).

@@ -19,11 +19,14 @@
 #include "target_model/tp.h"
 #include "target_model/weights.h"
 #include "trainer/backend.h"
+#include "trainer/memory_plan.h"
 #include "trainer/optimizer.h"
 
 namespace dflash::trainer {
 
 namespace {
+
+constexpr int64_t kCeChunkRows = 2048;  // CudaDrafter's LM-head chunk (rows of logits at a time)
 
 using clock_type = std::chrono::steady_clock;
 double since(clock_type::time_point t0) { return std::chrono::duration<double>(clock_type::now() - t0).count(); }
@@ -50,6 +53,21 @@ class CudaBackend final : public TrainBackend {
     target::FastPathPlan plan = target::make_plan(local, device_, cfg.kernel_policies(), info.major);
     fast_path_ = plan.summary();
     if (cfg.kernels.require_fast_path) plan.require_all_fast();
+    // Memory plan from the configs, before anything is loaded: refuse what cannot fit.
+    {
+      const int64_t tokens = cfg.training.batch_size * cfg.data.max_length;
+      const int64_t blocks = (cfg.training.batch_size * cfg.training.num_anchors + tps - 1) / tps;
+      const MemoryPlan mp = gpu_memory_plan(local, dcfg_, tokens, blocks, kCeChunkRows);
+      size_t free_b = 0, total_b = 0;
+      DFLASH_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+      memory_plan_ = mp.table(static_cast<double>(total_b));
+      DFLASH_CHECK_HINT(mp.total() <= static_cast<double>(free_b),
+                        "GPU training on " << device_.str() << " needs ~" << mp.total() / (1 << 30) << " GiB but "
+                                           << static_cast<double>(free_b) / (1 << 30) << " GiB are free:\n"
+                                           << memory_plan_,
+                        "raise parallel.tp (the target's weights split), lower training.num_anchors or "
+                        "training.batch_size (the drafter's activations), or use fewer drafter layers");
+    }
     const target::TpShard shard{s.layout.tp_rank, tps};
     auto t0 = clock_type::now();
     target::TargetWeights tw =
@@ -183,6 +201,7 @@ class CudaBackend final : public TrainBackend {
     upload_flat(host_opt_->exp_avg_sq(), v_);
   }
   std::string init_summary() override { return init_log_; }
+  std::string memory_plan() override { return memory_plan_; }
 
   std::string memory_summary() override {
     const AllocatorStats a = device_alloc::stats(device_.index);
@@ -247,7 +266,7 @@ class CudaBackend final : public TrainBackend {
   drafter::DrafterWeights host_w_;
   std::unique_ptr<AdamW> host_opt_;
   int64_t pending_ = 0, steps_ = 0;
-  std::string init_log_;
+  std::string init_log_, memory_plan_;
 };
 
 }  // namespace

@@ -281,6 +281,8 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     spdlog::info("drafter: {:.2f} M trainable parameters; schedule {} lr {:g} -> {:g}, {} warmup step(s)",
                  static_cast<double>(backend->num_params()) / 1e6, schedule_name(tr.schedule), tr.lr, tr.min_lr,
                  sched.warmup_steps());
+    const std::string plan = backend->memory_plan();
+    if (!plan.empty()) spdlog::info("memory plan per GPU (rank 0):\n{}", plan);
     const std::string init = backend->init_summary(), mem = backend->memory_summary();
     if (!init.empty()) spdlog::info("initialised: {}", init);
     if (!mem.empty()) spdlog::info("after loading: {}", mem);

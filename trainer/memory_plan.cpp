@@ -1,0 +1,65 @@
+#include "trainer/memory_plan.h"
+
+#include <algorithm>
+
+#include <spdlog/fmt/fmt.h>
+
+namespace dflash::trainer {
+
+namespace {
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+double drafter_params(const drafter::DrafterConfig& d) {
+  const double H = static_cast<double>(d.hidden_size), I = static_cast<double>(d.intermediate_size);
+  const double qd = static_cast<double>(d.q_dim()), kvd = static_cast<double>(d.kv_dim());
+  const double layer = H * qd * 2 + H * kvd * 2 + 3 * H * I + 2 * static_cast<double>(d.head_dim) + 2 * H;
+  return static_cast<double>(d.context_dim()) * H + H + static_cast<double>(d.num_hidden_layers) * layer + H;
+}
+}  // namespace
+
+MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::DrafterConfig& d, int64_t tokens, int64_t blocks,
+                           int64_t ce_chunk_rows) {
+  MemoryPlan p;
+  const double N = static_cast<double>(tokens), R = static_cast<double>(blocks * d.block_size);
+  p.target_weights = 2.0 * static_cast<double>(t.parameter_count());
+  // The widest per-token buffers of one layer (bf16): residual + normed + scratch, the fused
+  // in-projection output, conv output, the MLP's gate|up and its product; plus the captures.
+  const double H = static_cast<double>(t.hidden_size), I = static_cast<double>(t.intermediate_size);
+  const double proj = static_cast<double>(std::max(t.gdn_conv_dim() + 2 * t.gdn_value_dim() + 2 * t.linear_num_value_heads,
+                                                   t.attn_q_proj_rows() + 2 * t.num_key_value_heads * t.head_dim));
+  p.target_activations = 2.0 * N * (4 * H + proj + static_cast<double>(t.gdn_conv_dim()) + 3 * I) +
+                         2.0 * N * H * static_cast<double>(d.num_context_layers()) * 2;  // captures + packed context
+  p.drafter_state = 18.0 * drafter_params(d);
+  const double Hd = static_cast<double>(d.hidden_size), Id = static_cast<double>(d.intermediate_size);
+  const double qd = static_cast<double>(d.q_dim()), kvd = static_cast<double>(d.kv_dim());
+  const double Hq = static_cast<double>(d.num_attention_heads), Hkv = static_cast<double>(d.num_key_value_heads);
+  // Saved per layer: per block row h_in, h1 (fp32), xn, yn, q|k, v, q, k, o (bf16), gate|up, m,
+  // statistics; per context row k, v, rotated k.
+  const double per_row = 8 * Hd + 4 * Hd + 2 * (qd + kvd) + 2 * kvd + 2 * qd + 2 * kvd + 2 * qd + 4 * Id + 2 * Id +
+                         4 * (2 + 2 * Hq + Hkv);
+  const double per_ctx = 6 * kvd + 4 * Hkv;
+  const double saved = static_cast<double>(d.num_hidden_layers) * (R * per_row + N * per_ctx);
+  // Outside the layers: context features, final states, the LM-head gradient, backward temporaries.
+  const double other = N * (2 * Hd * 2 + 4 * Hd + 2 * Hd * 2 + 4 * kvd * 2) +
+                       R * (4 * Hd + 2 * Hd + 4 * Hd + 4 * Hd + 2 * Hd * 2 + 2 * Id + 4 * Id + 2 * qd * 2 +
+                            2 * (qd + 2 * kvd) + 2 * kvd * 2);
+  p.drafter_activations = saved + other;
+  const double V = static_cast<double>(d.vocab_size);
+  p.ce_workspace = static_cast<double>(std::min<int64_t>(ce_chunk_rows, std::max<int64_t>(blocks * d.block_size, 1))) *
+                   (V + 8) * 6.0;
+  return p;
+}
+
+std::string MemoryPlan::table(double device_bytes) const {
+  auto row = [&](const char* what, double b) {
+    return fmt::format("  {:<24} {:8.2f} GiB\n", what, b / kGiB);
+  };
+  std::string s = row("target weights", target_weights) + row("target activations", target_activations) +
+                  row("drafter state", drafter_state) + row("drafter activations", drafter_activations) +
+                  row("LM-head CE workspace", ce_workspace);
+  s += fmt::format("  {:<24} {:8.2f} GiB", "total (estimate)", total() / kGiB);
+  if (device_bytes > 0) s += fmt::format(" of {:.1f} GiB ({:.0f}%)", device_bytes / kGiB, 100.0 * total() / device_bytes);
+  return s;
+}
+
+}  // namespace dflash::trainer

@@ -1,0 +1,30 @@
+#pragma once
+// What one rank of a GPU training run will hold, estimated from the configs before anything is
+// loaded, so a run that cannot fit is refused at start-up with the numbers instead of failing with
+// an out-of-memory error at its first step.
+#include <cstdint>
+#include <string>
+
+#include "drafter/config.h"
+#include "target_model/config.h"
+
+namespace dflash::trainer {
+
+struct MemoryPlan {
+  double target_weights = 0;       // bf16 shard of the target (embedding and LM head replicated)
+  double target_activations = 0;   // one forward of the micro-batch, with the captured layers
+  double drafter_state = 0;        // bf16 weights + fp32 masters, Adam moments and gradients (18 B/param)
+  double drafter_activations = 0;  // what forward saves for backward, plus backward's temporaries
+  double ce_workspace = 0;         // one chunk of fp32 logits + bf16 logit gradients
+  double total() const {
+    return target_weights + target_activations + drafter_state + drafter_activations + ce_workspace;
+  }
+  std::string table(double device_bytes) const;  // one line per item, GiB, and the share of the device
+};
+
+// local_target: this rank's shard (target::local_config); tokens: context rows of a micro-batch
+// (batch_size · max_length); blocks: anchor blocks this rank trains per micro-batch.
+MemoryPlan gpu_memory_plan(const target::TargetConfig& local_target, const drafter::DrafterConfig& d, int64_t tokens,
+                           int64_t blocks, int64_t ce_chunk_rows);
+
+}  // namespace dflash::trainer

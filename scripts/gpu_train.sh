@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The training runs of the GPU check (called by gpu_check.sh; or alone after a build):
-#   1. the tiny default config on one GPU (parallel.device=cuda): the loss must fall;
+#   1. the tiny default config on one GPU (parallel.device=cuda): the loss must fall; then
+#      tests/train_test.sh's learn, resume (bit-exact) and, on 2 GPUs, mpi modes on the GPU backend;
 #   2. the Qwen3.6-27B-shaped recipe (random target weights, synthetic 4096-token sequences, 512
 #      anchors, 5-layer drafter) on 1 GPU, and on 2 GPUs with tp=1 (data parallel) and tp=2;
 # leaving train.txt (the commands and their last log lines) and train.tgz (logs, metrics.jsonl) in
@@ -25,7 +26,7 @@ run() {  # run NAME CMD...: logs to $W/NAME.log, appends the command and the sum
   local t0=$SECONDS
   "$@" > "$W/$name.log" 2>&1
   local rc=$?
-  grep -E "backend:|initialised|fast path|memory|step [0-9]+/|error|done:|refus" "$W/$name.log" | tail -n 14 >> "$RESULTS/train.txt"
+  grep -E "backend:|initialised|fast path|memory|step [0-9]+/|error|done:|refus|FAIL|^OK|loss |differ|max relative" "$W/$name.log" | tail -n 14 >> "$RESULTS/train.txt"
   echo "rc=$rc wall=$((SECONDS - t0))s" >> "$RESULTS/train.txt"
   tail -n 3 "$W/$name.log"
   [ $rc = 0 ] || status=1
@@ -34,6 +35,16 @@ run() {  # run NAME CMD...: logs to $W/NAME.log, appends the command and the sum
 }
 run tiny_gpu "$T" --set parallel.device=cuda --set training.max_steps=60 --set logging.run_dir="$W/tiny_gpu" \
   --set data.synth.path="$W/tiny_synth.h5" --set checkpoint.at_end=false
+
+# The CPU backend's end-to-end checks on the GPU backend: learning, bit-exact resume, and (2 GPUs)
+# 1 rank vs dp2 / tp2.
+TT=$DFLASH_ROOT/tests/train_test.sh
+TINY=$DFLASH_ROOT/configs/tiny/config.json
+export DFLASH_TRAIN_DEVICE=cuda
+run tt_learn bash "$TT" learn "$T" "$TINY" "$W/tt_learn"
+run tt_resume bash "$TT" resume "$T" "$TINY" "$W/tt_resume"
+if [ "${NGPU:-0}" -ge 2 ]; then run tt_mpi bash "$TT" mpi "$T" "$TINY" "$W/tt_mpi" mpirun; fi
+unset DFLASH_TRAIN_DEVICE
 
 Q27=(configs/qwen3.6-27b.yaml --set model.target.path= --set model.target.config=configs/qwen3.6-27b/config.json
      --set model.target.random_weights=true --set data.files=[] --set data.synth.enabled=true

@@ -42,6 +42,7 @@
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/flash_tile.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/error.h"
 
@@ -50,6 +51,7 @@ namespace dflash::cuda {
 namespace {
 
 using namespace ptx;
+using namespace flash;
 
 using bf16 = __nv_bfloat16;
 
@@ -67,23 +69,6 @@ void validate(const AttentionParams& p, const char* op) {
   DFLASH_CHECK(p.N * p.Hq * p.d < (int64_t(1) << 62), op << ": tensor too large");
   if (p.N > 0)
     DFLASH_CHECK(p.q && p.k && p.v && p.out && p.cu_seqlens, op << ": null pointer (q, k, v, out or cu_seqlens)");
-}
-
-// ---- small PTX wrappers ----------------------------------------------------------------------------
-// 16-byte global->shared copy; src_bytes = 0 writes zeros (rows past the end of a sequence).
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: 2^-inf = +0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // ---- flash forward --------------------------------------------------------------------------------
@@ -122,11 +107,6 @@ struct FlashArgs {
   float scale_log2;  // scale · log2(e)
 };
 
-// Element offset of (row, 16-byte chunk) in a swizzled [rows, D] bf16 tile.
-template <int D>
-__device__ __forceinline__ int swz(int row, int chunk) {
-  return row * D + ((chunk ^ (row & 7)) << 3);
-}
 
 // Copies rows [0, ROWS) of a [*, D] global matrix (row stride ld elements) into a swizzled tile;
 // rows >= valid are zero-filled (their source address is row 0, which is always valid).
@@ -257,58 +237,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) flash_fwd_kern
           }
       }
 
-      // Online softmax in fp32 (rows g and g+8; a row is spread over the 4 threads of a quad).
-      float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < NT; ++i) {
-        mx0 = fmaxf(mx0, fmaxf(s[i][0], s[i][1]));
-        mx1 = fmaxf(mx1, fmaxf(s[i][2], s[i][3]));
-      }
-#pragma unroll
-      for (int off = 1; off <= 2; off <<= 1) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-      }
-      const float new0 = fmaxf(m0, mx0 * a.scale_log2), new1 = fmaxf(m1, mx1 * a.scale_log2);
-      // A row with every key masked so far keeps max -inf: subtract 0 instead (p = 0, no NaN).
-      const float base0 = new0 == -INFINITY ? 0.0f : new0, base1 = new1 == -INFINITY ? 0.0f : new1;
-      const float alpha0 = fast_exp2(m0 - base0), alpha1 = fast_exp2(m1 - base1);
-      m0 = new0;
-      m1 = new1;
-      float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-      for (int i = 0; i < NT; ++i) {
-        s[i][0] = fast_exp2(fmaf(s[i][0], a.scale_log2, -base0));
-        s[i][1] = fast_exp2(fmaf(s[i][1], a.scale_log2, -base0));
-        s[i][2] = fast_exp2(fmaf(s[i][2], a.scale_log2, -base1));
-        s[i][3] = fast_exp2(fmaf(s[i][3], a.scale_log2, -base1));
-        sum0 += s[i][0] + s[i][1];
-        sum1 += s[i][2] + s[i][3];
-      }
-      l0 = l0 * alpha0 + sum0;
-      l1 = l1 * alpha1 + sum1;
-#pragma unroll
-      for (int i = 0; i < DT; ++i) {
-        o[i][0] *= alpha0;
-        o[i][1] *= alpha0;
-        o[i][2] *= alpha1;
-        o[i][3] *= alpha1;
-      }
-
-      // O += P V: the S accumulators of n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        const uint32_t pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                                pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-        for (int d2 = 0; d2 < DT / 2; ++d2) {
-          uint32_t vb[4];
-          ldmatrix_x4_trans(vb, tV + swz<D>(kk * 16 + v_row, d2 * 2 + v_chk));
-          mma_bf16(o[2 * d2], pa, vb[0], vb[1]);
-          mma_bf16(o[2 * d2 + 1], pa, vb[2], vb[3]);
-        }
-      }
+      flash::softmax_tile_pv<NT, DT, D>(s, o, m0, m1, l0, l1, a.scale_log2, tV, v_row, v_chk);
     }
 
     __syncthreads();  // every warp is done with this stage before it is refilled

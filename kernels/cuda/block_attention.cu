@@ -48,6 +48,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/check.h"
+#include "kernels/cuda/flash_tile.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/train_launch.h"
 #include "kernels/error.h"
@@ -57,6 +58,7 @@ namespace dflash::cuda {
 namespace {
 
 using namespace ptx;
+using namespace flash;
 using bf16 = __nv_bfloat16;
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -87,26 +89,10 @@ struct Args {
 };
 
 // ---- PTX wrappers ----------------------------------------------------------------------------------
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
-}
 __device__ __forceinline__ void cp_async_4(void* dst, const void* src, int src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
 }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
-template <int D>
-__device__ __forceinline__ int swz(int row, int chunk) {
-  return row * D + ((chunk ^ (row & 7)) << 3);
-}
 
 constexpr int kThreads = 128;  // 4 warps
 constexpr int kBM = 64;        // packed query rows per tile
@@ -294,54 +280,7 @@ __global__ void __launch_bounds__(kThreads, 2) ba_fwd_kernel(const Args a) {
         }
     }
 
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < NT; ++i) {
-      mx0 = fmaxf(mx0, fmaxf(s[i][0], s[i][1]));
-      mx1 = fmaxf(mx1, fmaxf(s[i][2], s[i][3]));
-    }
-#pragma unroll
-    for (int off = 1; off <= 2; off <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-    }
-    const float new0 = fmaxf(m0, mx0 * a.scale_log2), new1 = fmaxf(m1, mx1 * a.scale_log2);
-    const float base0 = new0 == -INFINITY ? 0.0f : new0, base1 = new1 == -INFINITY ? 0.0f : new1;
-    const float alpha0 = fast_exp2(m0 - base0), alpha1 = fast_exp2(m1 - base1);
-    m0 = new0;
-    m1 = new1;
-    float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NT; ++i) {
-      s[i][0] = fast_exp2(fmaf(s[i][0], a.scale_log2, -base0));
-      s[i][1] = fast_exp2(fmaf(s[i][1], a.scale_log2, -base0));
-      s[i][2] = fast_exp2(fmaf(s[i][2], a.scale_log2, -base1));
-      s[i][3] = fast_exp2(fmaf(s[i][3], a.scale_log2, -base1));
-      sum0 += s[i][0] + s[i][1];
-      sum1 += s[i][2] + s[i][3];
-    }
-    l0 = l0 * alpha0 + sum0;
-    l1 = l1 * alpha1 + sum1;
-#pragma unroll
-    for (int i = 0; i < DT; ++i) {
-      o[i][0] *= alpha0;
-      o[i][1] *= alpha0;
-      o[i][2] *= alpha1;
-      o[i][3] *= alpha1;
-    }
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-      const uint32_t pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                              pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int d2 = 0; d2 < DT / 2; ++d2) {
-        uint32_t vb[4];
-        ldmatrix_x4_trans(vb, tV + swz<D>(kk * 16 + v_row, d2 * 2 + v_chk));
-        mma_bf16(o[2 * d2], pa, vb[0], vb[1]);
-        mma_bf16(o[2 * d2 + 1], pa, vb[2], vb[3]);
-      }
-    }
+    flash::softmax_tile_pv<NT, DT, D>(s, o, m0, m1, l0, l1, a.scale_log2, tV, v_row, v_chk);
     __syncthreads();
     if (it + 2 < kp.n_tiles) load_kv(it + 2, stage);
     cp_async_commit();

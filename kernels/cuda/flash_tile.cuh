@@ -1,0 +1,95 @@
+#pragma once
+// Pieces shared by the flash-style attention kernels (attention.cu: the target's causal attention;
+// block_attention.cu: the DFlash drafter's block attention): cp.async copies into XOR-swizzled
+// shared tiles, exp2, and the per-key-tile online-softmax step with O += P·V for one warp's 16
+// query rows. Force-inlined, so the kernels compile exactly as if written in place.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/ptx.cuh"
+
+namespace dflash::cuda::flash {
+
+// 16-byte global->shared copy; src_bytes = 0 writes zeros (rows past the end of a sequence).
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(ptx::smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: 2^-inf = +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Element offset of (row, 16-byte chunk) in a swizzled [rows, D] bf16 tile.
+template <int D>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+// One key tile of the online softmax for the warp's query rows g and g+8 (a row is spread over the
+// 4 threads of a quad): s holds the masked scores of NT n-tiles (8 keys each; -inf where masked),
+// m / l the running max (in log2 units, scaled) and sum of each row, o the DT n-tiles of the output
+// accumulator. Updates m, l and o, and adds P·V with V read from the swizzled tile tV [NT·8, D].
+template <int NT, int DT, int D>
+__device__ __forceinline__ void softmax_tile_pv(float (&s)[NT][4], float (&o)[DT][4], float& m0, float& m1, float& l0,
+                                                float& l1, float scale_log2, const __nv_bfloat16* tV, int v_row,
+                                                int v_chk) {
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    mx0 = fmaxf(mx0, fmaxf(s[i][0], s[i][1]));
+    mx1 = fmaxf(mx1, fmaxf(s[i][2], s[i][3]));
+  }
+#pragma unroll
+  for (int off = 1; off <= 2; off <<= 1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+  }
+  const float new0 = fmaxf(m0, mx0 * scale_log2), new1 = fmaxf(m1, mx1 * scale_log2);
+  // A row with every key masked so far keeps max -inf: subtract 0 instead (p = 0, no NaN).
+  const float base0 = new0 == -INFINITY ? 0.0f : new0, base1 = new1 == -INFINITY ? 0.0f : new1;
+  const float alpha0 = fast_exp2(m0 - base0), alpha1 = fast_exp2(m1 - base1);
+  m0 = new0;
+  m1 = new1;
+  float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    s[i][0] = fast_exp2(fmaf(s[i][0], scale_log2, -base0));
+    s[i][1] = fast_exp2(fmaf(s[i][1], scale_log2, -base0));
+    s[i][2] = fast_exp2(fmaf(s[i][2], scale_log2, -base1));
+    s[i][3] = fast_exp2(fmaf(s[i][3], scale_log2, -base1));
+    sum0 += s[i][0] + s[i][1];
+    sum1 += s[i][2] + s[i][3];
+  }
+  l0 = l0 * alpha0 + sum0;
+  l1 = l1 * alpha1 + sum1;
+#pragma unroll
+  for (int i = 0; i < DT; ++i) {
+    o[i][0] *= alpha0;
+    o[i][1] *= alpha0;
+    o[i][2] *= alpha1;
+    o[i][3] *= alpha1;
+  }
+  // O += P V: the S accumulators of n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk) {
+    const uint32_t pa[4] = {ptx::pack_bf16(s[2 * kk][0], s[2 * kk][1]), ptx::pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                            ptx::pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                            ptx::pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+    for (int d2 = 0; d2 < DT / 2; ++d2) {
+      uint32_t vb[4];
+      ptx::ldmatrix_x4_trans(vb, tV + swz<D>(kk * 16 + v_row, d2 * 2 + v_chk));
+      ptx::mma_bf16(o[2 * d2], pa, vb[0], vb[1]);
+      ptx::mma_bf16(o[2 * d2 + 1], pa, vb[2], vb[3]);
+    }
+  }
+}
+
+}  // namespace dflash::cuda::flash

@@ -30,22 +30,15 @@
 // in the same run (716 TFLOP/s). chunk_rows 2048 is the choice: 3.0 GB of workspace, within 0.2 %
 // of 4096 (6.1 GB).
 //
-// Row-major trick as in gemm.cpp: a row-major [r, c] matrix with row stride ld is the column-major
-// [c, r] matrix with leading dimension ld.
-//   logitsᵀ [V, n] (ld Vp) = op_T(lm_head as col-major [H, V], ld H) · (hidden as col-major [H, n], ld H)
-//   dhiddenᵀ [H, n] (ld H) = (lm_head as col-major [H, V], ld H) · (grad as col-major [V, n], ld Vp)
-#include <cublasLt.h>
+// Both GEMMs go through gemm_ex (train_launch.h; cuBLASLt, plans cached per shape):
+//   logits [n, V] (row stride Vp, fp32) = hidden [n, H] · lm_headᵀ;  dhidden [n, H] (fp32) = grad [n, V] · lm_head
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <compare>
 #include <cstdint>
-#include <map>
-#include <memory>
-#include <mutex>
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/train_launch.h"
@@ -190,79 +183,6 @@ __global__ void __launch_bounds__(kThreads) ce_rows_kernel(const float* __restri
   }
 }
 
-// ---- cuBLASLt plans --------------------------------------------------------------------------------
-
-enum class Which { Logits, Dhidden };
-
-struct PlanKey {
-  int device;
-  Which which;
-  int64_t n, H, V;
-  auto operator<=>(const PlanKey&) const = default;
-};
-
-// Descriptors and the heuristic's algorithm, built once per key and kept until exit (as in
-// gemm.cpp: destroying cuBLASLt objects from static destructors is not safe).
-struct Plan {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
-  cublasLtMatmulAlgo_t algo{};
-};
-
-std::mutex g_mutex;
-auto* g_plans = new std::map<PlanKey, std::unique_ptr<Plan>>();
-
-std::unique_ptr<Plan> make_plan(const PlanKey& k, cublasLtHandle_t handle, size_t workspace_bytes) {
-  auto plan = std::make_unique<Plan>();
-  const auto n = static_cast<uint64_t>(k.n), H = static_cast<uint64_t>(k.H), V = static_cast<uint64_t>(k.V);
-  const auto Vp = static_cast<int64_t>(padded_vocab(k.V));
-  DFLASH_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  const cublasOperation_t trans_a = k.which == Which::Logits ? CUBLAS_OP_T : CUBLAS_OP_N, trans_b = CUBLAS_OP_N;
-  DFLASH_CUBLAS_CHECK(
-      cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
-  DFLASH_CUBLAS_CHECK(
-      cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)));
-  // A = lm_head as column-major [H, V] (ld H) in both GEMMs.
-  DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, CUDA_R_16BF, H, V, k.H));
-  if (k.which == Which::Logits) {
-    DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, CUDA_R_16BF, H, n, k.H));  // hidden [H, n]
-    DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->d, CUDA_R_32F, V, n, Vp));    // logits [V, n]
-  } else {
-    DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, CUDA_R_16BF, V, n, Vp));  // grad [V, n]
-    DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->d, CUDA_R_32F, H, n, k.H));  // dhidden [H, n]
-  }
-  cublasLtMatmulPreference_t pref = nullptr;
-  DFLASH_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  struct PrefGuard {
-    cublasLtMatmulPreference_t p;
-    ~PrefGuard() { cublasLtMatmulPreferenceDestroy(p); }
-  } pref_guard{pref};
-  const uint64_t ws = workspace_bytes;
-  DFLASH_CUBLAS_CHECK(
-      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-    DFLASH_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &kAlignBytes, sizeof(kAlignBytes)));
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  DFLASH_CUBLAS_CHECK(
-      cublasLtMatmulAlgoGetHeuristic(handle, plan->op, plan->a, plan->b, plan->d, plan->d, pref, 1, &result, &found));
-  DFLASH_CHECK_HINT(found > 0 && result.state == CUBLAS_STATUS_SUCCESS,
-                    "linear_ce: cuBLASLt found no algorithm for the " << (k.which == Which::Logits ? "logits" : "dhidden")
-                                                                      << " GEMM (rows " << k.n << ", H " << k.H
-                                                                      << ", V " << k.V << ")",
-                    "this GPU / cuBLASLt version may not support bf16 GEMM with fp32 output (needs sm_80+)");
-  plan->algo = result.algo;
-  return plan;
-}
-
-const Plan& plan_for(const PlanKey& key, cublasLtHandle_t handle, size_t workspace_bytes) {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_plans->find(key);
-  if (it == g_plans->end()) it = g_plans->emplace(key, make_plan(key, handle, workspace_bytes)).first;
-  return *it->second;  // stable: the map owns it until exit
-}
-
 // Makes `device` current for the call and restores the caller's device.
 class DeviceScope {
  public:
@@ -314,20 +234,20 @@ void linear_ce(const LinearCeParams& p, int device) {
 
   DeviceContext& ctx = DeviceContext::get(device);
   DeviceScope scope(device);
-  const auto handle = static_cast<cublasLtHandle_t>(ctx.cublaslt());
   const auto stream = static_cast<cudaStream_t>(ctx.stream());
   const int64_t Vp = padded_vocab(p.V);
   auto* logits = static_cast<float*>(p.workspace);
   auto* grad = reinterpret_cast<bf16*>(static_cast<char*>(p.workspace) + logits_bytes(p.chunk_rows, p.V));
-  const float one = 1.0f, zero = 0.0f;
 
   for (int64_t r0 = 0; r0 < p.R; r0 += p.chunk_rows) {
     const int64_t n = std::min(p.chunk_rows, p.R - r0);
     const bf16* h = static_cast<const bf16*>(p.hidden) + r0 * p.H;
     {
-      const Plan& pl = plan_for({device, Which::Logits, n, p.H, p.V}, handle, ctx.workspace_bytes());
-      DFLASH_CUBLAS_CHECK(cublasLtMatmul(handle, pl.op, &one, p.lm_head, pl.a, h, pl.b, &zero, logits, pl.d, logits,
-                                         pl.d, &pl.algo, ctx.workspace(), ctx.workspace_bytes(), stream));
+      // logits [n, V] (row stride Vp, fp32) = hidden [n, H] · lm_head [V, H]ᵀ
+      GemmExParams g;
+      g.a = h, g.lda = p.H, g.b = p.lm_head, g.ldb = p.H, g.trans_b = true;
+      g.d = logits, g.ldd = Vp, g.d_f32 = true, g.M = n, g.N = p.V, g.K = p.H;
+      gemm_ex(g, device);
     }
     const int V = static_cast<int>(p.V);
     if (!p.dhidden) {
@@ -340,9 +260,11 @@ void linear_ce(const LinearCeParams& p, int device) {
         logits, grad, p.labels, p.weights, p.grad_scale, p.ce, p.argmax, r0, V, Vp);
     DFLASH_CUDA_CHECK_LAST();
     float* dh = p.dhidden + r0 * p.H;
-    const Plan& pl = plan_for({device, Which::Dhidden, n, p.H, p.V}, handle, ctx.workspace_bytes());
-    DFLASH_CUBLAS_CHECK(cublasLtMatmul(handle, pl.op, &one, p.lm_head, pl.a, grad, pl.b, &zero, dh, pl.d, dh, pl.d,
-                                       &pl.algo, ctx.workspace(), ctx.workspace_bytes(), stream));
+    // dhidden [n, H] (fp32) = grad [n, V] (bf16, row stride Vp) · lm_head [V, H]
+    GemmExParams g;
+    g.a = grad, g.lda = Vp, g.b = p.lm_head, g.ldb = p.H;
+    g.d = dh, g.ldd = p.H, g.d_f32 = true, g.M = n, g.N = p.H, g.K = p.V;
+    gemm_ex(g, device);
   }
 }
 

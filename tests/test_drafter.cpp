@@ -576,3 +576,35 @@ TEST(DrafterReference, MatchesPyTorchAutograd) {
   std::printf("drafter vs PyTorch autograd (float64): loss %.15f vs %.15f, worst gradient max rel err %.2e\n", st.loss(),
               torch_loss, worst);
 }
+
+// The FLOP count behind the MFU figures: the attention term counted key by key through the mask
+// itself (mask_allows), the GEMM terms from the shapes, forward and backward multipliers as stated.
+TEST(DrafterFlops, CountsMatchTheMaskAndTheShapes) {
+  const DrafterConfig c = tiny_config();  // full + sliding (window 5), B = 4
+  DrafterBatch b;
+  b.seqs.offsets = {0, 20, 31};
+  b.context = Tensor::zeros({31, c.context_dim()}, DType::F32);
+  b.blocks = {{0, 0}, {0, 3}, {0, 17}, {1, 9}};
+  const double H = static_cast<double>(c.hidden_size), I = static_cast<double>(c.intermediate_size);
+  const double qd = static_cast<double>(c.q_dim()), kvd = static_cast<double>(c.kv_dim()), N = 31;
+  const double R = static_cast<double>(b.blocks.size() * c.block_size);
+  double fwd = 2 * N * static_cast<double>(c.context_dim()) * H + 2 * R * H * static_cast<double>(c.vocab_size);
+  double bwd = 2 * fwd;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    double keys = 0;
+    for (const Block& blk : b.blocks) {
+      const int64_t S = b.seqs.offsets[blk.seq + 1] - b.seqs.offsets[blk.seq];
+      for (int64_t j = 0; j < c.block_size; ++j) {
+        for (int64_t t = 0; t < S; ++t) keys += mask_allows(c.layer_types[l], c.sliding_window, blk.anchor, j, false, t);
+        for (int64_t jj = 0; jj < c.block_size; ++jj)
+          keys += mask_allows(c.layer_types[l], c.sliding_window, blk.anchor, j, true, jj);
+      }
+    }
+    const double gemm = 2 * R * H * (qd + 2 * kvd) + 2 * N * H * 2 * kvd + 2 * R * qd * H + 2 * R * H * 3 * I;
+    const double attn = 4.0 * static_cast<double>(c.head_dim * c.num_attention_heads) * keys;
+    fwd += gemm + attn;
+    bwd += 3 * gemm + 3.5 * attn;
+  }
+  EXPECT_DOUBLE_EQ(step_flops(c, b, false), fwd);
+  EXPECT_DOUBLE_EQ(step_flops(c, b, true), bwd);
+}

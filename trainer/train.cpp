@@ -396,6 +396,10 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   drafter::StepStats log_stats;
   StepTimes log_times;
   double log_tokens = 0, log_flops = 0, last_norm = 0, last_lr = 0;
+  // For the end-of-run summary: the first and last logged intervals, and the throughput after the
+  // first interval (start-up, first-call plans and warm-up excluded).
+  double first_loss = NAN, last_loss = NAN, last_accept = NAN, steady_tokens = 0, steady_flops = 0, steady_s = 0;
+  int64_t intervals = 0;
   auto log_t0 = clock::now();
   int64_t last_ckpt = -1, log_steps = 0;
   const double peak_flops = on_gpu ? kPeakBf16PerGpu : 0.0;
@@ -523,7 +527,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
       if (rank == 0) {
         bar.clear();
         const double eta = step > 0 ? elapsed / static_cast<double>(step) * static_cast<double>(total - step) : 0;
-        std::string perf = fmt::format("{:.0f} tok/s ({:.0f}/GPU)", tok_s, tok_s / world);
+        std::string perf = fmt::format("{:.0f} tok/s ({:.0f}/{})", tok_s, tok_s / world, on_gpu ? "GPU" : "rank");
         if (peak_flops > 0) perf += fmt::format(" | MFU {:.1f}% | mem {:.1f} GiB", mfu, mem);
         spdlog::info("step {}/{} | loss {:.4f} | acc[1..{}] {} | accept {:.3f} | lr {:.3e} | gnorm {:.3f} | {} | eta {}",
                      step, total, log_stats.loss(), B - 1, fmt_acc(log_stats, B), log_stats.accept_len(), last_lr,
@@ -543,6 +547,9 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
         metrics << line.dump() << "\n";
         metrics.flush();
       }
+      if (intervals++ == 0) first_loss = log_stats.loss();
+      else steady_tokens += log_tokens, steady_flops += log_flops, steady_s += dt;
+      last_loss = log_stats.loss(), last_accept = log_stats.accept_len();
       log_stats = drafter::StepStats{};
       log_tokens = log_flops = 0;
       log_times = StepTimes{};
@@ -567,6 +574,17 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
                  c.truncated, c.skipped_no_anchor, c.epochs);
     spdlog::info("done: {} steps ({} skipped as non-finite) in {:.1f} s; drafter exported to {}", step, skipped,
                  std::chrono::duration<double>(clock::now() - t_start).count(), result.drafter_dir);
+    std::string perf = "throughput after the first log interval: ";
+    if (steady_s > 0) {
+      perf += fmt::format("{:.0f} tok/s ({:.0f} per {})", steady_tokens / steady_s, steady_tokens / steady_s / world,
+                          on_gpu ? "GPU" : "rank");
+      if (peak_flops > 0)
+        perf += fmt::format(", MFU {:.1f}%, peak memory {:.1f} GiB", 100.0 * steady_flops / steady_s / (peak_flops * world),
+                            backend->peak_memory_gib());
+    } else {
+      perf += "n/a (one interval)";
+    }
+    spdlog::info("summary: loss {:.4f} -> {:.4f}, acceptance length {:.3f}; {}", first_loss, last_loss, last_accept, perf);
   }
   g.barrier();
   return result;

@@ -19,6 +19,9 @@
 #   world   world sizes 4 and 8 (mpirun --oversubscribe): tp=1 (dp 4 / dp 8) and tp=2 (2 / 4 groups), the
 #           global batch always 8 sequences: the same loss per step as 1 rank within 1e-9 (dp) and 1e-4 (tp2);
 #           tp=4 on the tiny model (2 GDN key heads) is refused on every rank with the numbers that disagree.
+#   nonfinite  non-finite gradient norms injected (DFLASH_FAULT_NONFINITE_STEPS): steps 3 and 4 are skipped,
+#           counted and logged and the run finishes; 3 in a row with training.skip_nonfinite_limit=3 stop the
+#           run non-zero with the message naming the limit.
 #   sigterm SIGTERM during a run: checkpoint at the next step boundary, exit 0; running again resumes and finishes.
 #   baddata a data file whose vocabulary is larger than the target's, and a file that is not HDF5, are refused
 #           with the file's name.
@@ -137,6 +140,20 @@ world)
   pre=("${mpirun[@]}" -n 4)
   if run tp4 "${common[@]}" --set parallel.tp=4; then fail "tp=4 on the tiny model was accepted"; fi
   [ "$(grep -c "linear_num_key_heads" "$work/tp4.log")" -ge 4 ] || fail "tp=4: not every rank named the GDN key heads"
+  ;;
+nonfinite)
+  common=(--set training.max_steps=8 --set logging.interval=1 --set checkpoint.interval=100 --set checkpoint.at_end=false)
+  DFLASH_FAULT_NONFINITE_STEPS=3,4 run skip "${common[@]}" || fail "the run with two non-finite steps failed"
+  [ "$(grep -c "update skipped" "$work/skip.log")" -eq 2 ] || fail "expected 2 'update skipped' warnings"
+  grep -q "step 4: non-finite loss .* or grad norm nan: update skipped (2 in a row, 2 in all)" "$work/skip.log" ||
+    fail "no warning for step 4 with the counts"
+  [ "$(col "$work/skip/metrics.jsonl" skipped | tail -n 1)" = 2 ] || fail "metrics do not count 2 skipped steps"
+  grep -q "done: 8 steps (2 skipped as non-finite)" "$work/skip.log" || fail "the summary does not count the skipped steps"
+  if DFLASH_FAULT_NONFINITE_STEPS=2,3,4,5,6 run stop "${common[@]}" --set training.skip_nonfinite_limit=3; then
+    fail "3 non-finite steps in a row did not stop the run"
+  fi
+  grep -q "3 non-finite steps in a row (training.skip_nonfinite_limit = 3): stopping at step 4" "$work/stop.log" ||
+    fail "no clear message when the limit is reached"
   ;;
 microbatch)
   common=(--set training.max_steps=6 --set logging.interval=1 --set checkpoint.interval=100)

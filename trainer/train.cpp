@@ -12,6 +12,7 @@
 #include <fstream>
 #include <memory>
 #include <numeric>
+#include <set>
 #include <sstream>
 
 #include <spdlog/spdlog.h>
@@ -404,6 +405,15 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   int64_t last_ckpt = -1, log_steps = 0;
   const double peak_flops = on_gpu ? kPeakBf16PerGpu : 0.0;
   ProgressBar bar(rank == 0 && cfg.logging.progress_bar && ::isatty(STDERR_FILENO), total);
+  // Test hook: DFLASH_FAULT_NONFINITE_STEPS="3,4" makes the gradient norm of those (1-based) steps
+  // NaN on every rank, as a non-finite gradient would, to exercise the skip / stop logic.
+  std::set<int64_t> fault_nonfinite;
+  if (const char* f = std::getenv("DFLASH_FAULT_NONFINITE_STEPS")) {
+    std::stringstream ss(f);
+    std::string item;
+    while (std::getline(ss, item, ','))
+      if (!item.empty()) fault_nonfinite.insert(std::stoll(item));
+  }
 
   while (step < total) {
     const nlohmann::json loader_state_before = loader.state();
@@ -460,7 +470,8 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
       stats.add(backend->micro_step(m, sopt, mi + 1 == micro.size(), times));
       if (!m.batch.blocks.empty() && global_w > 0) step_flops += drafter::step_flops(dcfg, m.batch, true);
     }
-    const double norm = backend->reduce_grads(times);
+    double norm = backend->reduce_grads(times);
+    if (fault_nonfinite.count(step + 1)) norm = NAN;  // test hook (DFLASH_FAULT_NONFINITE_STEPS)
 
     // The step's statistics, summed over all ranks.
     std::vector<double> buf(8 + 2 * static_cast<size_t>(B), 0.0);

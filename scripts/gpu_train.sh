@@ -43,6 +43,7 @@ TINY=$DFLASH_ROOT/configs/tiny/config.json
 export DFLASH_TRAIN_DEVICE=cuda
 run tt_learn bash "$TT" learn "$T" "$TINY" "$W/tt_learn"
 run tt_resume bash "$TT" resume "$T" "$TINY" "$W/tt_resume"
+run tt_nonfinite bash "$TT" nonfinite "$T" "$TINY" "$W/tt_nonfinite"
 if [ "${NGPU:-0}" -ge 2 ]; then run tt_mpi bash "$TT" mpi "$T" "$TINY" "$W/tt_mpi" mpirun; fi
 unset DFLASH_TRAIN_DEVICE
 

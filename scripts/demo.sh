@@ -12,4 +12,5 @@ configure_and_build
 say "training the tiny drafter (dflash_train on the embedded configs/tiny.yaml)"
 cd "$DFLASH_ROOT"
 "$DFLASH_BUILD/trainer/dflash_train" "$@"
-say "exported drafter: $DFLASH_ROOT/runs/tiny/drafter (metrics: runs/tiny/metrics.jsonl)"
+"$DFLASH_BUILD/trainer/dflash_plot" runs/tiny
+say "exported drafter: $DFLASH_ROOT/runs/tiny/drafter (metrics: runs/tiny/metrics.jsonl, charts: runs/tiny/metrics.html)"

@@ -66,3 +66,28 @@ std::string cuda_error_hint(cudaError_t status);
     if (dflash_st_ != ncclSuccess)                                                     \
       ::dflash::cuda::throw_nccl_error(dflash_st_, #call, __FILE__, __LINE__);         \
   } while (0)
+
+namespace dflash::cuda {
+
+// Makes `device` current for a scope and restores the caller's device at its end.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    DFLASH_CUDA_CHECK(cudaGetDevice(&prev_));
+    if (prev_ != device) {
+      DFLASH_CUDA_CHECK(cudaSetDevice(device));
+      switched_ = true;
+    }
+  }
+  ~DeviceGuard() {
+    if (switched_) DFLASH_CUDA_WARN(cudaSetDevice(prev_));
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = 0;
+  bool switched_ = false;
+};
+
+}  // namespace dflash::cuda

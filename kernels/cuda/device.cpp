@@ -23,6 +23,8 @@
 
 namespace dflash {
 
+using cuda::DeviceGuard;
+
 namespace {
 
 // Device::parse accepts indices below 1024; the per-device tables are sized to match.
@@ -58,26 +60,6 @@ void check_device_index(int device, const char* what) {
 
 // Makes `device` current for its scope and restores the caller's device afterwards, so dflash never
 // changes the current device behind the back of code that called it.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    DFLASH_CUDA_CHECK(cudaGetDevice(&prev_));
-    if (prev_ != device) {
-      DFLASH_CUDA_CHECK(cudaSetDevice(device));
-      switched_ = true;
-    }
-  }
-  ~DeviceGuard() {
-    if (switched_) DFLASH_CUDA_WARN(cudaSetDevice(prev_));
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int prev_ = 0;
-  bool switched_ = false;
-};
-
 // ---------------------------------------------------------------------------------------------
 // Caching allocator state of one device. All fields are guarded by `mu`. Sizes are rounded block
 // sizes: `allocated` counts the whole block a live tensor holds, so reserved == allocated + cached.

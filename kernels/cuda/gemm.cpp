@@ -76,27 +76,6 @@ std::mutex g_mutex;
 // used after the lock is released.
 auto* g_plans = new std::map<GemmKey, std::unique_ptr<GemmPlan>>();
 
-// Makes `device` current for the call and restores the caller's device.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    DFLASH_CUDA_CHECK(cudaGetDevice(&prev_));
-    if (prev_ != device) {
-      DFLASH_CUDA_CHECK(cudaSetDevice(device));
-      switched_ = true;
-    }
-  }
-  ~DeviceScope() {
-    if (switched_) DFLASH_CUDA_WARN(cudaSetDevice(prev_));
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int prev_ = 0;
-  bool switched_ = false;
-};
-
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) % kAlignBytes) == 0; }
 
 // Runs one candidate algorithm of a plan on the real operands (enqueued on the call's stream).
@@ -187,7 +166,7 @@ std::unique_ptr<GemmPlan> make_plan(const GemmKey& k, const char* who, cublasLtH
 // Runs one validated GEMM (M, N, K > 0) through the cached plan of its key.
 void run_gemm(const GemmExParams& p, const char* who, int device) {
   DeviceContext& ctx = DeviceContext::get(device);
-  DeviceScope scope(device);
+  DeviceGuard scope(device);
   auto handle = static_cast<cublasLtHandle_t>(ctx.cublaslt());
   const auto stream = static_cast<cudaStream_t>(ctx.stream());
   const float alpha = p.alpha, beta = p.beta;
@@ -269,7 +248,7 @@ void gemm_ex(const GemmExParams& p, int device) {
                         << " ldd=" << p.ldd,
                     "slice at column offsets that are multiples of 8 and keep row strides multiples of 8");
   if (p.K == 0) {
-    DeviceScope scope(device);
+    DeviceGuard scope(device);
     detail::scale_matrix(p.d, p.d_f32, p.M, p.N, p.ldd, p.beta, DeviceContext::get(device).stream());
     return;
   }

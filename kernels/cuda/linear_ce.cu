@@ -183,27 +183,6 @@ __global__ void __launch_bounds__(kThreads) ce_rows_kernel(const float* __restri
   }
 }
 
-// Makes `device` current for the call and restores the caller's device.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    DFLASH_CUDA_CHECK(cudaGetDevice(&prev_));
-    if (prev_ != device) {
-      DFLASH_CUDA_CHECK(cudaSetDevice(device));
-      switched_ = true;
-    }
-  }
-  ~DeviceScope() {
-    if (switched_) DFLASH_CUDA_WARN(cudaSetDevice(prev_));
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int prev_ = 0;
-  bool switched_ = false;
-};
-
 }  // namespace
 
 int64_t linear_ce_workspace(int64_t chunk_rows, int64_t V) {
@@ -233,7 +212,7 @@ void linear_ce(const LinearCeParams& p, int device) {
                    << " workspace=" << p.workspace);
 
   DeviceContext& ctx = DeviceContext::get(device);
-  DeviceScope scope(device);
+  DeviceGuard scope(device);
   const auto stream = static_cast<cudaStream_t>(ctx.stream());
   const int64_t Vp = padded_vocab(p.V);
   auto* logits = static_cast<float*>(p.workspace);

@@ -43,6 +43,7 @@ int conv_tokens_per_thread = 0;
 
 namespace {
 
+using ptx::pack8;
 using ptx::unpack8;
 
 constexpr int kConvBatch = 8;  // rows loaded ahead per thread
@@ -53,13 +54,6 @@ constexpr int kConvBatch = 8;  // rows loaded ahead per thread
 // For x < -87, __expf(-x) = inf and the quotient is -0, silu's limit.
 __device__ __forceinline__ float silu_f(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
 
-__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
-  uint4 u;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-  return u;
-}
 
 // Largest s with cu[s] <= t (so cu[s] <= t < cu[s + 1] when t < cu[num_seqs]); skips empty sequences.
 __device__ __forceinline__ int64_t find_sequence(const int32_t* __restrict__ cu, int64_t num_seqs, int64_t t) {

@@ -1,6 +1,6 @@
 #pragma once
 // Small device helpers shared by the CUDA kernels: shared-memory addresses, ldmatrix, the bf16
-// m16n8k16 tensor-core MMA, cp.async group commit, and bf16 packing. Each is one instruction or a
+// m16n8k16 tensor-core MMA, cp.async group commit, and bf16 packing (8 values <-> 16 bytes). Each is one instruction or a
 // few; they are force-inlined so the kernels compile exactly as if written in place.
 #include <cuda_bf16.h>
 
@@ -53,6 +53,15 @@ __device__ __forceinline__ void unpack8(const uint4& u, float* f) {
     f[2 * i] = v.x;
     f[2 * i + 1] = v.y;
   }
+}
+
+// Eight f32 -> eight bf16 (one 16-byte store), round to nearest even.
+__device__ __forceinline__ uint4 pack8(const float* f) {
+  uint4 u;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  return u;
 }
 
 }  // namespace dflash::cuda::ptx

@@ -257,12 +257,9 @@ void Communicator::all_reduce_sum(Tensor& t) {
     return;
   }
 #if DFLASH_WITH_CUDA
-  auto comm = static_cast<ncclComm_t>(nccl_);
-  auto stream = static_cast<cudaStream_t>(DeviceContext::get(device_.index).stream());
-  // NCCL counts are elements, not bytes.
-  DFLASH_NCCL_CHECK(ncclAllReduce(t.raw_data(), t.raw_data(), static_cast<size_t>(t.numel()), nccl_type(t.dtype()),
-                                  ncclSum, comm, stream));
-  wait_nccl(comm, stream, name_ + " all_reduce");
+  void* stream = DeviceContext::get(device_.index).stream();
+  all_reduce_sum_async(t.raw_data(), t.numel(), t.dtype(), stream);
+  wait_nccl(static_cast<ncclComm_t>(nccl_), static_cast<cudaStream_t>(stream), name_ + " all_reduce");
 #endif
 }
 
@@ -271,6 +268,7 @@ void Communicator::all_reduce_sum_async(void* data, int64_t count, DType dtype, 
   DFLASH_CHECK(count >= 0 && data != nullptr, name_ << " all_reduce_sum_async: bad buffer (" << data << ", " << count << ")");
   if (size_ == 1 || count == 0) return;
 #if DFLASH_WITH_CUDA
+  // NCCL counts are elements, not bytes.
   DFLASH_NCCL_CHECK(ncclAllReduce(data, data, static_cast<size_t>(count), nccl_type(dtype), ncclSum,
                                   static_cast<ncclComm_t>(nccl_), static_cast<cudaStream_t>(stream)));
 #else

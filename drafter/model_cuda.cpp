@@ -116,15 +116,27 @@ const CudaDrafter::Span& CudaDrafter::span(const std::string& name) const {
 void* CudaDrafter::wptr(const std::string& name) const { return bf16_at(weights_.raw_data(), span(name).offset); }
 float* CudaDrafter::gptr(const std::string& name) const { return grads_.data<float>() + span(name).offset; }
 
-void CudaDrafter::upload_masters(const DrafterWeights& w) {
-  w.check(c_);
-  auto entries = const_cast<DrafterWeights&>(w).entries(c_);
+std::vector<const Tensor*> CudaDrafter::tensors_of(const DrafterConfig& c, const DrafterWeights& w) {
+  w.check(c);
+  std::vector<const Tensor*> out;
+  for (const auto& e : const_cast<DrafterWeights&>(w).entries(c)) out.push_back(e.tensor);
+  return out;
+}
+
+void CudaDrafter::from_tensors(const std::vector<const Tensor*>& src, Tensor& flat) const {
+  DFLASH_CHECK(src.size() == spans_.size() && flat.numel() == flat_ && flat.dtype() == DType::F32 &&
+                   flat.device() == device_,
+               "CudaDrafter::from_tensors: " << src.size() << " tensors for " << spans_.size() << " parameters into "
+                                             << flat.describe());
   void* s = DeviceContext::get(device_.index).stream();
-  DFLASH_CUDA_CHECK(cudaMemsetAsync(masters_.raw_data(), 0, masters_.nbytes(), static_cast<cudaStream_t>(s)));
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(flat.raw_data(), 0, flat.nbytes(), static_cast<cudaStream_t>(s)));
   Tensor host;  // staging for host tensors (and other dtypes / devices), made when first needed
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const Tensor& t = *entries[i].tensor;
-    float* dst = masters_.data<float>() + spans_[i].offset;
+  for (size_t i = 0; i < src.size(); ++i) {
+    const Tensor& t = *src[i];
+    DFLASH_CHECK(t.numel() == spans_[i].numel, "CudaDrafter::from_tensors: " << spans_[i].name << " has "
+                                                                             << t.numel() << " elements, expected "
+                                                                             << spans_[i].numel);
+    float* dst = flat.data<float>() + spans_[i].offset;
     if (t.device() == device_ && t.dtype() == DType::F32 && t.is_contiguous()) {
       copy_async(dst, t.raw_data(), static_cast<size_t>(spans_[i].numel) * 4, s);
       continue;
@@ -135,6 +147,10 @@ void CudaDrafter::upload_masters(const DrafterWeights& w) {
     Tensor::from_blob(dst, {spans_[i].numel}, DType::F32, device_)
         .copy_from(Tensor::from_blob(host.data<float>() + spans_[i].offset, {spans_[i].numel}, DType::F32));
   }
+}
+
+void CudaDrafter::upload_masters(const DrafterWeights& w) {
+  from_tensors(tensors_of(c_, w), masters_);
   refresh_weights();
 }
 
@@ -164,13 +180,22 @@ void CudaDrafter::zero_grads() {
                                     static_cast<cudaStream_t>(DeviceContext::get(device_.index).stream())));
 }
 
-DrafterWeights CudaDrafter::download(const Tensor& flat) const {
+std::vector<Tensor> CudaDrafter::to_host(const Tensor& flat) const {
   DeviceContext::get(device_.index).synchronize();
   const Tensor host = flat.to(Device::cpu());
+  std::vector<Tensor> out;
+  for (const Span& sp : spans_) {
+    out.push_back(Tensor::empty({sp.numel}, DType::F32));
+    std::copy_n(host.data<float>() + sp.offset, sp.numel, out.back().data<float>());
+  }
+  return out;
+}
+
+DrafterWeights CudaDrafter::download(const Tensor& flat) const {
+  std::vector<Tensor> parts = to_host(flat);
   DrafterWeights w = DrafterWeights::zeros(c_, DType::F32);
   auto entries = w.entries(c_);
-  for (size_t i = 0; i < entries.size(); ++i)
-    std::copy_n(host.data<float>() + spans_[i].offset, spans_[i].numel, entries[i].tensor->data<float>());
+  for (size_t i = 0; i < entries.size(); ++i) *entries[i].tensor = parts[i].view(entries[i].shape);
   return w;
 }
 DrafterWeights CudaDrafter::download_masters() const { return download(masters_); }
@@ -326,8 +351,7 @@ StepStats CudaDrafter::step(const DrafterBatch& batch, const StepOptions& opt, b
   cuda::LinearCeParams lp;
   lp.hidden = hf.raw_data(), lp.lm_head = lm_head_.raw_data(), lp.labels = d_labels.data<int32_t>();
   lp.weights = d_w.data<float>(), lp.R = R, lp.H = H, lp.V = c_.vocab_size;
-  // The CPU's default chunk (256 rows) is too small for the GPU GEMMs: at least 2048 rows a chunk.
-  lp.chunk_rows = std::min<int64_t>(R, std::max<int64_t>(opt.ce_chunk_rows, 2048));
+  lp.chunk_rows = std::min<int64_t>(R, std::max<int64_t>(opt.ce_chunk_rows, kMinCeChunkRows));
   lp.grad_scale = static_cast<float>(gscale), lp.ce = ce.data<float>(), lp.argmax = amax.data<int32_t>();
   if (backward) dhf = f32(R, H), lp.dhidden = dhf.data<float>();
   const Tensor ws = dev_empty({std::max<int64_t>(cuda::linear_ce_workspace(lp.chunk_rows, lp.V), 1)}, DType::U8, device_);

@@ -34,6 +34,10 @@ namespace dflash::drafter {
 
 class CudaDrafter {
  public:
+  // Rows of LM-head logits made at a time, at least (the CPU default of 256 is too small for the
+  // GPU's GEMMs); StepOptions::ce_chunk_rows may ask for more.
+  static constexpr int64_t kMinCeChunkRows = 2048;
+
   // `init`: host weights (any float dtype) for the masters; embed_tokens / lm_head: the target's
   // frozen [V, H] tensors, bf16 on `device` (shared, never written).
   CudaDrafter(DrafterConfig c, const DrafterWeights& init, Tensor embed_tokens, Tensor lm_head, Device device);
@@ -76,9 +80,15 @@ class CudaDrafter {
 
   // bf16 weights = masters (after loading masters from elsewhere).
   void refresh_weights();
+  // A flat fp32 buffer (masters, grads, or an optimizer's moments of the same layout) <-> one tensor
+  // per parameter in DrafterWeights::entries order: to_host makes F32 host copies; from_tensors
+  // fills the buffer from tensors of any float dtype and device (padding zeroed).
+  std::vector<Tensor> to_host(const Tensor& flat) const;
+  void from_tensors(const std::vector<const Tensor*>& src, Tensor& flat) const;
   // Host copies (F32) of the masters / the gradients, in the DrafterWeights layout.
   DrafterWeights download_masters() const;
   DrafterWeights download_grads() const;
+  // masters = w, and the bf16 weights refreshed.
   void upload_masters(const DrafterWeights& w);
 
  private:
@@ -86,6 +96,7 @@ class CudaDrafter {
   void* wptr(const std::string& name) const;   // bf16 weight
   float* gptr(const std::string& name) const;  // fp32 grad
   DrafterWeights download(const Tensor& flat) const;
+  static std::vector<const Tensor*> tensors_of(const DrafterConfig& c, const DrafterWeights& w);
 
   DrafterConfig c_;
   Device device_;

@@ -3,6 +3,7 @@
 // per rank (bf16 CUDA target with tensor parallelism over NCCL, the CUDA drafter, AdamW on the
 // device, gradients all-reduced in buckets while backward runs). The loop in train.cpp (data,
 // anchors, loss normalisation, metrics, checkpoints, resume, stop) is the same for both.
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,6 +26,11 @@ struct MicroBatch {
                                            // backend fills batch.context from the target
   int64_t tokens = 0;
 };
+
+using StepClock = std::chrono::steady_clock;
+inline double seconds_since(StepClock::time_point t0) {
+  return std::chrono::duration<double>(StepClock::now() - t0).count();
+}
 
 struct StepTimes {
   double target_s = 0, drafter_s = 0, comm_s = 0, optimizer_s = 0;

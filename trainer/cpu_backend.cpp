@@ -14,9 +14,6 @@ namespace dflash::trainer {
 
 namespace {
 
-using clock_type = std::chrono::steady_clock;
-double since(clock_type::time_point t0) { return std::chrono::duration<double>(clock_type::now() - t0).count(); }
-
 class CpuBackend final : public TrainBackend {
  public:
   CpuBackend(const BackendSetup& s, comm::Communicator* world, comm::Communicator* tp)
@@ -55,9 +52,9 @@ class CpuBackend final : public TrainBackend {
   }
 
   drafter::StepStats micro_step(MicroBatch& m, const drafter::StepOptions& opt, bool, StepTimes& t) override {
-    auto t0 = clock_type::now();
+    auto t0 = StepClock::now();
     target::ForwardResult fr = tmodel_->forward(m.seqs, fopt_);
-    t.target_s += since(t0);
+    t.target_s += seconds_since(t0);
     const int64_t N = m.tokens, H = dcfg_.hidden_size, K = dcfg_.num_context_layers();
     Tensor ctx = Tensor::empty({N, K * H}, DType::F32);
     float* cp = ctx.data<float>();
@@ -67,14 +64,14 @@ class CpuBackend final : public TrainBackend {
     }
     m.batch.context = ctx;
     if (m.batch.blocks.empty() || opt.grad_scale <= 0) return {};
-    t0 = clock_type::now();
+    t0 = StepClock::now();
     drafter::StepStats st = drafter::forward_backward(dcfg_, dw_, frozen_, m.batch, opt, &grads_);
-    t.drafter_s += since(t0);
+    t.drafter_s += seconds_since(t0);
     return st;
   }
 
   double reduce_grads(StepTimes& t) override {
-    auto t0 = clock_type::now();
+    auto t0 = StepClock::now();
     if (world_ && world_->size() > 1) {
       std::vector<double> buf;
       for (Tensor* g : grad_list_) buf.insert(buf.end(), g->data<double>(), g->data<double>() + g->numel());
@@ -86,16 +83,16 @@ class CpuBackend final : public TrainBackend {
         at += static_cast<size_t>(g->numel());
       }
     }
-    t.comm_s += since(t0);
+    t.comm_s += seconds_since(t0);
     std::vector<const Tensor*> gl(grad_list_.begin(), grad_list_.end());
     return global_grad_norm(gl);
   }
 
   void apply(double lr, double grad_factor, StepTimes& t) override {
-    auto t0 = clock_type::now();
+    auto t0 = StepClock::now();
     std::vector<const Tensor*> gl(grad_list_.begin(), grad_list_.end());
     opt_->step(gl, lr, grad_factor);
-    t.optimizer_s += since(t0);
+    t.optimizer_s += seconds_since(t0);
   }
 
   drafter::DrafterWeights weights() override { return dw_; }

@@ -26,11 +26,6 @@ namespace dflash::trainer {
 
 namespace {
 
-constexpr int64_t kCeChunkRows = 2048;  // CudaDrafter's LM-head chunk (rows of logits at a time)
-
-using clock_type = std::chrono::steady_clock;
-double since(clock_type::time_point t0) { return std::chrono::duration<double>(clock_type::now() - t0).count(); }
-
 class CudaBackend final : public TrainBackend {
  public:
   explicit CudaBackend(const BackendSetup& s) : dcfg_(s.drafter), device_(Device::cuda(s.local_rank)) {
@@ -57,7 +52,7 @@ class CudaBackend final : public TrainBackend {
     {
       const int64_t tokens = cfg.training.batch_size * cfg.data.max_length;
       const int64_t blocks = (cfg.training.batch_size * cfg.training.num_anchors + tps - 1) / tps;
-      const MemoryPlan mp = gpu_memory_plan(local, dcfg_, tokens, blocks, kCeChunkRows);
+      const MemoryPlan mp = gpu_memory_plan(local, dcfg_, tokens, blocks, drafter::CudaDrafter::kMinCeChunkRows);
       size_t free_b = 0, total_b = 0;
       DFLASH_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
       memory_plan_ = mp.table(static_cast<double>(total_b));
@@ -69,16 +64,16 @@ class CudaBackend final : public TrainBackend {
                         "training.batch_size (the drafter's activations), or use fewer drafter layers");
     }
     const target::TpShard shard{s.layout.tp_rank, tps};
-    auto t0 = clock_type::now();
+    auto t0 = StepClock::now();
     target::TargetWeights tw =
         ts.path.empty() ? target::random_weights_tp(s.target, static_cast<uint64_t>(ts.seed), DType::BF16, device_, shard)
                         : target::load_weights_tp(s.target, ts.path, DType::BF16, device_, shard);
     Tensor embed = tw.embed_tokens, lm_head = tw.lm_head;
     tmodel_ = std::make_unique<target::CudaTargetModel>(local, std::move(tw), std::move(plan), tp_.get());
     DeviceContext::get(device_.index).synchronize();
-    init_log_ = fmt::format("target {} in {:.1f} s", ts.path.empty() ? "random init" : "load", since(t0));
+    init_log_ = fmt::format("target {} in {:.1f} s", ts.path.empty() ? "random init" : "load", seconds_since(t0));
     fopt_.capture = dcfg_.target_layer_ids;
-    t0 = clock_type::now();
+    t0 = StepClock::now();
     // Drafter: masters from the seed or the warm start; the target's embeddings and LM head shared.
     // (Random masters are drawn on the device: the same values as on the host, without a minute of
     // single-core RNG and 7 GB of host staging for a 27B-sized drafter.)
@@ -97,12 +92,12 @@ class CudaBackend final : public TrainBackend {
     hyper_ = AdamWHyper{tr.betas.at(0), tr.betas.at(1), tr.eps, tr.weight_decay};
     DeviceContext::get(device_.index).synchronize();
     init_log_ += fmt::format(", drafter + optimizer state ({:.2f} B parameters) in {:.1f} s",
-                             static_cast<double>(model_->num_params()) / 1e9, since(t0));
-    for (int i = 0; i < 2; ++i) DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&ev_[i], cudaEventDisableTiming));
+                             static_cast<double>(model_->num_params()) / 1e9, seconds_since(t0));
+    DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&grads_ready_, cudaEventDisableTiming));
   }
 
   ~CudaBackend() override {
-    for (auto& e : ev_) cudaEventDestroy(e);
+    if (grads_ready_) cudaEventDestroy(grads_ready_);
     if (comm_stream_) cudaStreamDestroy(static_cast<cudaStream_t>(comm_stream_));
   }
 
@@ -114,47 +109,37 @@ class CudaBackend final : public TrainBackend {
   void zero_grads() override { model_->zero_grads(); }
 
   drafter::StepStats micro_step(MicroBatch& m, const drafter::StepOptions& opt, bool last, StepTimes& t) override {
-    auto t0 = clock_type::now();
+    auto t0 = StepClock::now();
     target::ForwardResult fr = tmodel_->forward(m.seqs, fopt_);
     std::vector<Tensor> layers;
     for (int64_t id : dcfg_.target_layer_ids) layers.push_back(fr.layers.at(id));
     m.batch.context = drafter::CudaDrafter::pack_context(layers);
     fr = {};
     DeviceContext::get(device_.index).synchronize();
-    t.target_s += since(t0);
+    t.target_s += seconds_since(t0);
     if (m.batch.blocks.empty() || opt.grad_scale <= 0) {
       if (last) pending_ = 0;
       return {};
     }
-    t0 = clock_type::now();
+    t0 = StepClock::now();
     pending_ = 0;
     const bool overlap = last && world_ && world_->size() > 1;
     drafter::StepStats st = model_->step(m.batch, opt, true, last, [&](int64_t b) {
-      if (!overlap) return;
-      // Order the bucket's all-reduce after the kernels that finished it.
-      const auto& bk = model_->buckets()[static_cast<size_t>(b)];
-      DFLASH_CUDA_CHECK(cudaEventRecord(ev_[0], static_cast<cudaStream_t>(stream_)));
-      DFLASH_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(comm_stream_), ev_[0], 0));
-      world_->all_reduce_sum_async(model_->grads().data<float>() + bk.first, bk.end - bk.first, DType::F32, comm_stream_);
-      ++pending_;
+      if (overlap) start_all_reduce(b);
     });
     m.batch.context = Tensor{};
-    t.drafter_s += since(t0);
+    t.drafter_s += seconds_since(t0);
     return st;
   }
 
   double reduce_grads(StepTimes& t) override {
-    auto t0 = clock_type::now();
+    auto t0 = StepClock::now();
     if (world_ && world_->size() > 1) {
       if (pending_ == 0) {
         // Nothing overlapped (this rank had no blocks in its last micro-batch, or none at all): the
         // same bucket all-reduces now, in the same order, so every rank issues the same sequence of
         // NCCL calls whatever its share of the blocks.
-        DFLASH_CUDA_CHECK(cudaEventRecord(ev_[0], static_cast<cudaStream_t>(stream_)));
-        DFLASH_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(comm_stream_), ev_[0], 0));
-        for (const auto& bk : model_->buckets())
-          world_->all_reduce_sum_async(model_->grads().data<float>() + bk.first, bk.end - bk.first, DType::F32,
-                                       comm_stream_);
+        for (size_t b = 0; b < model_->buckets().size(); ++b) start_all_reduce(static_cast<int64_t>(b));
       } else {
         DFLASH_CHECK(pending_ == static_cast<int64_t>(model_->buckets().size()),
                      "gradient all-reduce: " << pending_ << " of " << model_->buckets().size() << " buckets were started");
@@ -162,7 +147,7 @@ class CudaBackend final : public TrainBackend {
       world_->wait_async(comm_stream_, "gradient all-reduce");
       pending_ = 0;
     }
-    t.comm_s += since(t0);
+    t.comm_s += seconds_since(t0);
     // Global norm on the device (deterministic reduction), read back once.
     cuda::sum_squares(model_->grads().data<float>(), model_->flat_size(), sumsq_.data<float>(), sumsq_ws_.raw_data(), stream_);
     const double ss = sumsq_.to(Device::cpu()).data<float>()[0];
@@ -170,7 +155,7 @@ class CudaBackend final : public TrainBackend {
   }
 
   void apply(double lr, double grad_factor, StepTimes& t) override {
-    auto t0 = clock_type::now();
+    auto t0 = StepClock::now();
     ++steps_;
     cuda::AdamWParams p;
     p.master = model_->masters().data<float>(), p.grad = model_->grads().data<float>();
@@ -179,7 +164,7 @@ class CudaBackend final : public TrainBackend {
     p.eps = static_cast<float>(hyper_.eps), p.weight_decay = static_cast<float>(hyper_.weight_decay);
     p.step = steps_, p.grad_scale_host = static_cast<float>(grad_factor);
     cuda::adamw_step(p, stream_);
-    t.optimizer_s += since(t0);
+    t.optimizer_s += seconds_since(t0);
   }
 
   drafter::DrafterWeights weights() override { return model_->download_masters(); }
@@ -189,16 +174,17 @@ class CudaBackend final : public TrainBackend {
     host_opt_->save(path);
   }
   nlohmann::json optimizer_state() override {
-    return {{"step", steps_}, {"beta1", hyper_.beta1}, {"beta2", hyper_.beta2}, {"eps", hyper_.eps},
-            {"weight_decay", hyper_.weight_decay}};
+    make_host_state();  // (already made by save_optimizer, which checkpoints call first)
+    host_opt_->set_steps(steps_);
+    return host_opt_->state_json();
   }
   void load_optimizer(const std::string& path, const nlohmann::json& state) override {
     make_host_state();
     host_opt_->load(path, state);
     steps_ = host_opt_->steps();
     model_->upload_masters(host_w_);
-    upload_flat(host_opt_->exp_avg(), m_);
-    upload_flat(host_opt_->exp_avg_sq(), v_);
+    model_->from_tensors(const_pointers(host_opt_->exp_avg()), m_);
+    model_->from_tensors(const_pointers(host_opt_->exp_avg_sq()), v_);
   }
   std::string init_summary() override { return init_log_; }
   std::string memory_plan() override { return memory_plan_; }
@@ -215,23 +201,16 @@ class CudaBackend final : public TrainBackend {
  private:
   static double gib(size_t b) { return static_cast<double>(b) / (1024.0 * 1024.0 * 1024.0); }
 
-  // Flat device buffer <-> the per-tensor host tensors (the checkpoint layout).
-  void download_flat(const Tensor& flat, std::vector<Tensor>& host) {
-    DeviceContext::get(device_.index).synchronize();
-    const Tensor h = flat.to(Device::cpu());
-    const auto& spans = model_->spans();
-    for (size_t i = 0; i < spans.size(); ++i)
-      std::copy_n(h.data<float>() + spans[i].offset, spans[i].numel, host[i].data<float>());
+  // Starts the sum of bucket b's gradients over all ranks on the comm stream, ordered after the
+  // kernels queued so far on the compute stream (those that finished the bucket).
+  void start_all_reduce(int64_t b) {
+    const auto& bk = model_->buckets()[static_cast<size_t>(b)];
+    DFLASH_CUDA_CHECK(cudaEventRecord(grads_ready_, static_cast<cudaStream_t>(stream_)));
+    DFLASH_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(comm_stream_), grads_ready_, 0));
+    world_->all_reduce_sum_async(model_->grads().data<float>() + bk.first, bk.end - bk.first, DType::F32, comm_stream_);
+    ++pending_;
   }
-  void upload_flat(std::vector<Tensor>& host, Tensor& flat) {
-    Tensor h = Tensor::zeros({model_->flat_size()}, DType::F32);
-    const auto& spans = model_->spans();
-    for (size_t i = 0; i < spans.size(); ++i)
-      std::copy_n(host[i].data<float>(), spans[i].numel, h.data<float>() + spans[i].offset);
-    flat.copy_from(h);
-  }
-  // The host tensors the host AdamW saves from = the device state (copied into them in place, so
-  // the optimizer's pointers to them stay valid).
+
   // The host-side state checkpoints go through (the CPU backend's format), made on first use: a
   // 27B-sized drafter's masters and moments are 20 GB of host memory.
   void make_host_state() {
@@ -241,14 +220,29 @@ class CudaBackend final : public TrainBackend {
     for (auto& e : host_w_.entries(dcfg_)) params.emplace_back(e.name, e.tensor);
     host_opt_ = std::make_unique<AdamW>(params, hyper_);
   }
+  // The device state copied into the host tensors the host AdamW saves from (in place, so the
+  // optimizer's pointers to them stay valid).
   void sync_host_state() {
     make_host_state();
     host_opt_->set_steps(steps_);
-    drafter::DrafterWeights w = model_->download_masters();
-    auto dst = host_w_.entries(dcfg_), src = w.entries(dcfg_);
-    for (size_t i = 0; i < dst.size(); ++i) dst[i].tensor->copy_from(*src[i].tensor);
-    download_flat(m_, host_opt_->exp_avg());
-    download_flat(v_, host_opt_->exp_avg_sq());
+    std::vector<Tensor*> masters;
+    for (auto& e : host_w_.entries(dcfg_)) masters.push_back(e.tensor);
+    copy_into(model_->to_host(model_->masters()), masters);
+    copy_into(model_->to_host(m_), pointers(host_opt_->exp_avg()));
+    copy_into(model_->to_host(v_), pointers(host_opt_->exp_avg_sq()));
+  }
+  static std::vector<Tensor*> pointers(std::vector<Tensor>& v) {
+    std::vector<Tensor*> out;
+    for (Tensor& t : v) out.push_back(&t);
+    return out;
+  }
+  static void copy_into(const std::vector<Tensor>& src, const std::vector<Tensor*>& dst) {
+    for (size_t i = 0; i < dst.size(); ++i) dst[i]->copy_from(src[i].view(dst[i]->shape()));
+  }
+  static std::vector<const Tensor*> const_pointers(std::vector<Tensor>& v) {
+    std::vector<const Tensor*> out;
+    for (const Tensor& t : v) out.push_back(&t);
+    return out;
   }
 
   drafter::DrafterConfig dcfg_;
@@ -256,7 +250,7 @@ class CudaBackend final : public TrainBackend {
   std::string gpu_name_, fast_path_;
   void* stream_ = nullptr;
   void* comm_stream_ = nullptr;
-  cudaEvent_t ev_[2] = {nullptr, nullptr};
+  cudaEvent_t grads_ready_ = nullptr;  // orders a bucket's all-reduce after the kernels that finished it
   std::unique_ptr<comm::Communicator> world_, tp_;
   std::unique_ptr<target::CudaTargetModel> tmodel_;
   target::ForwardOptions fopt_;

@@ -1,5 +1,7 @@
 #include "trainer/memory_plan.h"
 
+#include "drafter/weights.h"
+
 #include <algorithm>
 
 #include <spdlog/fmt/fmt.h>
@@ -10,10 +12,11 @@ namespace {
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 double drafter_params(const drafter::DrafterConfig& d) {
-  const double H = static_cast<double>(d.hidden_size), I = static_cast<double>(d.intermediate_size);
-  const double qd = static_cast<double>(d.q_dim()), kvd = static_cast<double>(d.kv_dim());
-  const double layer = H * qd * 2 + H * kvd * 2 + 3 * H * I + 2 * static_cast<double>(d.head_dim) + 2 * H;
-  return static_cast<double>(d.context_dim()) * H + H + static_cast<double>(d.num_hidden_layers) * layer + H;
+  drafter::DrafterWeights w;  // shapes only: nothing is allocated
+  w.layers.resize(static_cast<size_t>(d.num_hidden_layers));
+  double n = 0;
+  for (const auto& e : w.entries(d)) n += static_cast<double>(shape_numel(e.shape));
+  return n;
 }
 }  // namespace
 

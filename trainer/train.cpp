@@ -153,33 +153,39 @@ void install_stop_handlers() {
   std::signal(SIGINT, on_stop_signal);
 }
 
-void check_config(const TrainConfig& cfg, int world, const RunOptions& ropt) {
+namespace {
+struct CheckedConfigs {
+  target::TargetConfig target;
+  drafter::DrafterConfig drafter;
+};
+CheckedConfigs checked_configs(const TrainConfig& cfg, int world, const RunOptions& ropt) {
   cfg.validate(world);
   const auto& ts = cfg.model.target;
-  const target::TargetConfig tcfg = target::TargetConfig::from_file(ts.path.empty() ? ts.config : ts.path);
-  cfg.validate_against(tcfg);
-  target::check_tp(tcfg, static_cast<int>(cfg.parallel.tp));
-  (void)cfg.drafter_config(tcfg);
+  CheckedConfigs c;
+  c.target = target::TargetConfig::from_file(ts.path.empty() ? ts.config : ts.path);
+  cfg.validate_against(c.target);
+  target::check_tp(c.target, static_cast<int>(cfg.parallel.tp));
+  c.drafter = cfg.drafter_config(c.target);
   if (cfg.parallel.device == Backend::Cuda) {
     std::string why;
     DFLASH_CHECK_HINT(cuda_backend_available(ropt.local_size, &why), "parallel.device: cuda, but " << why,
                       "run one rank per GPU (mpirun -n <GPUs per node>), or set parallel.device: cpu");
   }
+  return c;
 }
+}  // namespace
+
+void check_config(const TrainConfig& cfg, int world, const RunOptions& ropt) { checked_configs(cfg, world, ropt); }
 
 RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& ropt) {
   using clock = std::chrono::steady_clock;
   const auto t_start = clock::now();
-  check_config(cfg, world, ropt);
+  // Target and drafter configs, checked on every rank before any collective.
+  const CheckedConfigs checked = checked_configs(cfg, world, ropt);
+  const target::TargetConfig& tcfg = checked.target;
+  const drafter::DrafterConfig& dcfg = checked.drafter;
   const comm::Layout layout = comm::make_layout(world, rank, static_cast<int>(cfg.parallel.tp));
   const int tp = layout.tp_size;
-
-  // ---- target and drafter configs (checked on every rank before any collective) ----
-  const auto& ts = cfg.model.target;
-  const target::TargetConfig tcfg = target::TargetConfig::from_file(ts.path.empty() ? ts.config : ts.path);
-  cfg.validate_against(tcfg);
-  target::check_tp(tcfg, tp);
-  const drafter::DrafterConfig dcfg = cfg.drafter_config(tcfg);
   const int64_t B = dcfg.block_size;
   const fs::path run_dir = cfg.logging.run_dir;
   const fs::path ckpt_dir = cfg.checkpoint_dir();

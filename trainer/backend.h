@@ -46,7 +46,6 @@ struct BackendSetup {
   comm::Layout layout;
   int world = 1, rank = 0;
   int local_rank = 0, local_size = 1;  // on this node (the GPU a rank uses is its local rank)
-  int64_t total_steps = 1;
 };
 
 class TrainBackend {

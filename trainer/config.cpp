@@ -577,12 +577,9 @@ void TrainConfig::validate(int world_size) const {
   const DrafterSection& d = model.drafter;
   DFLASH_CHECK(d.config.empty() || d.warm_start.empty(),
                s << ": model.drafter.config and model.drafter.warm_start are exclusive (a warm start brings its config.json)");
-  const std::string from_file = !d.config.empty() ? "model.drafter.config" : "model.drafter.warm_start";
-  if (!d.config.empty() || !d.warm_start.empty()) {
-    // The drafter's config.json defines the architecture; fields given as well must agree with it
-    // (checked by drafter_config(), which reads the file).
-    (void)from_file;
-  } else {
+  // With a drafter config.json (config or warm_start), fields given as well must agree with it:
+  // drafter_config() checks that when it reads the file.
+  if (d.config.empty() && d.warm_start.empty()) {
     DFLASH_CHECK_HINT(d.mask_token_id.has_value(),
                       s << ": model.drafter.mask_token_id must be set (a token id of the target's vocabulary)",
                       "use a token the data never contains, e.g. a reserved special token (Qwen3.6: 248070)");

@@ -272,7 +272,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   if (device == Backend::Auto) device = cuda_backend_available(ropt.local_size, nullptr) ? Backend::Cuda : Backend::Cpu;
   BackendSetup bs;
   bs.cfg = &cfg, bs.target = tcfg, bs.drafter = dcfg, bs.layout = layout, bs.world = world, bs.rank = rank;
-  bs.local_rank = ropt.local_rank, bs.local_size = ropt.local_size, bs.total_steps = total;
+  bs.local_rank = ropt.local_rank, bs.local_size = ropt.local_size;
   std::unique_ptr<TrainBackend> backend =
       device == Backend::Cuda ? make_cuda_backend(bs) : make_cpu_backend(bs, g.world.get(), g.tp.get());
   const bool on_gpu = device == Backend::Cuda;

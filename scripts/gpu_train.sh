@@ -5,7 +5,10 @@
 #   2. the Qwen3.6-27B-shaped recipe (random target weights, synthetic 4096-token sequences, 512
 #      anchors, 5-layer drafter) on 1 GPU, and on 2 GPUs with tp=1 (data parallel) and tp=2;
 # leaving train.txt (the commands and their last log lines) and train.tgz (logs, metrics.jsonl) in
-# $RESULTS. TRAIN_STEPS (default 40) sets the 27B-shaped runs' length.
+# $RESULTS. TRAIN_STEPS (default 40) sets the 27B-shaped runs' length; TRAIN_RUNS (a regex over the
+# run names: tiny_gpu tt_learn tt_resume tt_nonfinite tt_mpi q27_1gpu q27_2gpu_tp1 q27_2gpu_tp2) picks
+# runs; DFLASH_DEADLINE (epoch seconds) stops each run with SIGTERM in time (dflash_train then writes
+# a checkpoint and exits cleanly) so that a device call's time limit never cuts a run's log.
 #   bash scripts/gpu_train.sh RESULTS_DIR   (DFLASH_BUILD = the build directory)
 source "$(dirname "$0")/common.sh"
 RESULTS=${1:?results dir}
@@ -21,12 +24,20 @@ NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
 status=0
 run() {  # run NAME CMD...: logs to $W/NAME.log, appends the command and the summary lines to train.txt
   local name=$1; shift
+  if [ -n "${TRAIN_RUNS:-}" ] && ! [[ $name =~ ^($TRAIN_RUNS)$ ]]; then return 0; fi
+  local limit=()
+  if [ -n "${DFLASH_DEADLINE:-}" ]; then
+    local left=$((DFLASH_DEADLINE - $(date +%s) - 25))
+    if [ $left -lt 30 ]; then say "train: $name skipped (${left}s left before the deadline)"
+      echo "== $name skipped: ${left}s left before DFLASH_DEADLINE" >> "$RESULTS/train.txt"; return 0; fi
+    limit=(timeout -s TERM -k 20 $left)
+  fi
   say "train: $name"
   { echo "== $name"; echo "\$ $*"; } >> "$RESULTS/train.txt"
   local t0=$SECONDS
-  "$@" > "$W/$name.log" 2>&1
+  "${limit[@]}" "$@" > "$W/$name.log" 2>&1
   local rc=$?
-  grep -E "backend:|initialised|fast path|memory|step [0-9]+/|error|done:|refus|FAIL|^OK|loss |differ|max relative" "$W/$name.log" | tail -n 14 >> "$RESULTS/train.txt"
+  grep -E "backend:|initialised|fast path|memory|step [0-9]+/|error|done:|summary:|signal|refus|FAIL|^OK|loss |differ|max relative" "$W/$name.log" | tail -n 18 >> "$RESULTS/train.txt"
   echo "rc=$rc wall=$((SECONDS - t0))s" >> "$RESULTS/train.txt"
   tail -n 3 "$W/$name.log"
   [ $rc = 0 ] || status=1

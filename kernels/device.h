@@ -46,6 +46,9 @@ void empty_cache(int device);
 
 // Raw copies; `kind` is inferred from the devices. Synchronous with respect to the host.
 void memcpy_any(void* dst, Device dst_dev, const void* src, Device src_dev, size_t bytes);
+// Sets `bytes` bytes of device memory to `byte`, queued on the device context's stream (ordered
+// with every kernel and copy dflash issues; not waited for).
+void memset_device(void* dst, int device, int byte, size_t bytes);
 
 // Per-device context: one stream all dflash work is issued on, a cuBLASLt handle and its workspace.
 // Opaque here so that no header outside kernels/cuda includes CUDA.

@@ -35,6 +35,8 @@ void memcpy_any(void* dst, Device dst_dev, const void* src, Device src_dev, size
   std::memmove(dst, src, bytes);
 }
 
+void memset_device(void*, int, int, size_t) { no_cuda("memset_device"); }
+
 DeviceContext& DeviceContext::get(int) { no_cuda("DeviceContext"); }
 DeviceContext::~DeviceContext() = default;
 void DeviceContext::synchronize() const { no_cuda("DeviceContext::synchronize"); }

@@ -37,7 +37,7 @@ run() {  # run NAME CMD...: logs to $W/NAME.log, appends the command and the sum
   local t0=$SECONDS
   "${limit[@]}" "$@" > "$W/$name.log" 2>&1
   local rc=$?
-  grep -E "backend:|initialised|fast path|memory|step [0-9]+/|error|done:|summary:|signal|refus|FAIL|^OK|loss |differ|max relative" "$W/$name.log" | tail -n 18 >> "$RESULTS/train.txt"
+  grep -E "backend:|initialised|fast path|memory|step [0-9]+/|step time|error|done:|summary:|signal|refus|FAIL|^OK|loss |differ|max relative" "$W/$name.log" | tail -n 18 >> "$RESULTS/train.txt"
   echo "rc=$rc wall=$((SECONDS - t0))s" >> "$RESULTS/train.txt"
   tail -n 3 "$W/$name.log"
   [ $rc = 0 ] || status=1

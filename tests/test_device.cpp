@@ -245,6 +245,26 @@ TEST(Poison, WorksOnDeviceTensors) {
   }
 }
 
+TEST(Fill, DeviceZeroAndValueOverPoison) {
+  DFLASH_REQUIRE_GPU();
+  // Zero is a device memset (no host staging); other values go through the host. Both must cover
+  // every byte of a poisoned tensor, for every float dtype and an odd size.
+  for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F64}) {
+    for (double value : {0.0, -0.0, 1.5}) {
+      Tensor t = Tensor::empty({1000003}, dt, Device::cuda(0));
+      poison(t);
+      t.fill(value);
+      Tensor h = t.to(Device::cpu());
+      for (int64_t i = 0; i < h.numel(); ++i) {
+        ASSERT_EQ(h.item_at(i), value) << dtype_name(dt) << " value " << value << " element " << i;
+        ASSERT_EQ(std::signbit(h.item_at(i)), std::signbit(value)) << dtype_name(dt) << " element " << i;
+      }
+    }
+  }
+  Tensor z = Tensor::zeros({4099}, DType::I32, Device::cuda(0)).to(Device::cpu());
+  for (int64_t i = 0; i < z.numel(); ++i) ASSERT_EQ(z.data<int32_t>()[i], 0) << i;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Random fills: the GPU draws the CPU's values
 

@@ -110,6 +110,19 @@ TEST(TrainConfig, QwenYamlIsTheRecipe) {
   EXPECT_EQ(d.block_size, 16);
   EXPECT_EQ(d.mask_token_id, 248070);
   EXPECT_EQ(d.target_layer_ids, (std::vector<int64_t>{1, 16, 31, 46, 61}));
+  // z-lab's Qwen3.5-27B drafter shape (not the target's 24 x 4 gated heads of 256): 1.73 B
+  // parameters, its 3.22 GiB bf16 checkpoint, and head_dim 128 runs the tensor-core attention.
+  EXPECT_EQ(d.num_attention_heads, 32);
+  EXPECT_EQ(d.num_key_value_heads, 8);
+  EXPECT_EQ(d.head_dim, 128);
+  EXPECT_EQ(d.intermediate_size, 17408);
+  {
+    drafter::DrafterWeights w;
+    w.layers.resize(5);
+    int64_t params = 0;
+    for (const auto& e : w.entries(d)) params += shape_numel(e.shape);
+    EXPECT_NEAR(static_cast<double>(params) * 2 / (1 << 30), 3.22, 0.01);
+  }
   EXPECT_EQ(c.data.max_length, 4096);
   EXPECT_EQ(c.training.num_anchors, 512);
   EXPECT_EQ(c.training.gamma, 7);
@@ -241,6 +254,8 @@ TEST(TrainConfig, InconsistentValues) {
                 HasSubstr("model.drafter.num_layers = 3 disagrees with model.drafter.warm_start"));
     EXPECT_THAT(error_of([&] { minimal({"model.drafter.config=" + ref, "model.drafter.block_size=4", "model.drafter.mask_token_id=7"}).drafter_config(t); }),
                 HasSubstr("model.drafter.mask_token_id = 7 disagrees with model.drafter.config"));
+    EXPECT_THAT(error_of([&] { minimal({"model.drafter.config=" + ref, "model.drafter.block_size=4", "model.drafter.mask_token_id=60", "model.drafter.head_dim=64"}).drafter_config(t); }),
+                HasSubstr("model.drafter.head_dim = 64 disagrees with model.drafter.config"));
   }
   EXPECT_THAT(error_of([] { TrainConfig::from_string("model:\n  target: {config: t.json, random_weights: true}\n"
                                                      "  drafter: {config: d.json, warm_start: w}\n"
@@ -286,6 +301,26 @@ TEST(TrainConfig, InconsistentWithTheTarget) {
               HasSubstr("parallel.tp = 3 does not divide the model's num_attention_heads 4"));
   EXPECT_EQ(minimal({"model.drafter.target_layer_ids=[2, 4, 6]"}).drafter_config(t).target_layer_ids,
             (std::vector<int64_t>{2, 4, 6}));
+  // The drafter's attention / MLP shape: the target's unless given.
+  {
+    const drafter::DrafterConfig same = minimal().drafter_config(t);
+    EXPECT_EQ(same.num_attention_heads, t.num_attention_heads);
+    EXPECT_EQ(same.head_dim, t.head_dim);
+    const drafter::DrafterConfig own =
+        minimal({"model.drafter.num_attention_heads=8", "model.drafter.num_key_value_heads=2", "model.drafter.head_dim=16",
+                 "model.drafter.intermediate_size=96"})
+            .drafter_config(t);
+    EXPECT_EQ(own.num_attention_heads, 8);
+    EXPECT_EQ(own.num_key_value_heads, 2);
+    EXPECT_EQ(own.head_dim, 16);
+    EXPECT_EQ(own.intermediate_size, 96);
+    EXPECT_THAT(error_of([&] {
+                  minimal({"model.drafter.num_attention_heads=6", "model.drafter.num_key_value_heads=4"}).drafter_config(t);
+                }),
+                HasSubstr("the drafter made from model.drafter: "));
+    EXPECT_THAT(error_of([] { minimal({"model.drafter.head_dim=1"}); }),
+                HasSubstr("model.drafter.head_dim must be a head dimension (null = the target's) (an integer >= 2) or null"));
+  }
 
   // A drafter config.json made for another target: hidden size / vocabulary mismatch.
   const std::string dir = ::testing::TempDir() + "dflash_train_config_drafter";

@@ -299,6 +299,14 @@ const std::vector<Field>& schema() {
     f.push_back(list_field("model.drafter.target_layer_ids",
                            "a list of target layer ids (integers >= 0; [] = the default for num_layers)", false, 0,
                            int_item(0), DFLASH_MEMBER(model.drafter.target_layer_ids)));
+    f.push_back(opt_int_field("model.drafter.num_attention_heads", 1, "a head count (null = the target's)",
+                              DFLASH_MEMBER(model.drafter.num_attention_heads)));
+    f.push_back(opt_int_field("model.drafter.num_key_value_heads", 1, "a head count (null = the target's)",
+                              DFLASH_MEMBER(model.drafter.num_key_value_heads)));
+    f.push_back(opt_int_field("model.drafter.head_dim", 2, "a head dimension (null = the target's)",
+                              DFLASH_MEMBER(model.drafter.head_dim)));
+    f.push_back(opt_int_field("model.drafter.intermediate_size", 1, "an MLP width (null = the target's)",
+                              DFLASH_MEMBER(model.drafter.intermediate_size)));
     f.push_back(list_field("data.files", "a list of HDF5 files or globs (strings)", true, 0, string_item,
                            DFLASH_MEMBER(data.files)));
     f.push_back(int_field("data.max_length", 2, DFLASH_MEMBER(data.max_length)));
@@ -649,6 +657,14 @@ drafter::DrafterConfig TrainConfig::drafter_config(const target::TargetConfig& t
           d.mask_token_id ? std::to_string(*d.mask_token_id) : "null", "mask_token_id " + std::to_string(c.mask_token_id));
     agree("model.drafter.target_layer_ids", d.target_layer_ids.empty() || d.target_layer_ids == c.target_layer_ids,
           ids_str(d.target_layer_ids), "target_layer_ids " + ids_str(c.target_layer_ids));
+    auto agree_dim = [&](const char* k, const std::optional<int64_t>& given, int64_t in_file, const char* field) {
+      agree(k, !given || *given == in_file, given ? std::to_string(*given) : "null",
+            std::string(field) + " " + std::to_string(in_file));
+    };
+    agree_dim("model.drafter.num_attention_heads", d.num_attention_heads, c.num_attention_heads, "num_attention_heads");
+    agree_dim("model.drafter.num_key_value_heads", d.num_key_value_heads, c.num_key_value_heads, "num_key_value_heads");
+    agree_dim("model.drafter.head_dim", d.head_dim, c.head_dim, "head_dim");
+    agree_dim("model.drafter.intermediate_size", d.intermediate_size, c.intermediate_size, "intermediate_size");
     auto same = [&](int64_t drafter_v, int64_t target_v, const char* what) {
       DFLASH_CHECK_HINT(drafter_v == target_v, s << ": " << key << " (" << path << "): the drafter's " << what << " "
                                                  << drafter_v << " does not match the target's " << target_v,
@@ -671,9 +687,16 @@ drafter::DrafterConfig TrainConfig::drafter_config(const target::TargetConfig& t
                s << ": model.drafter.num_layers (" << d.num_layers << ") is more than the target's "
                  << target.num_hidden_layers << " layers; give model.drafter.target_layer_ids explicitly");
   drafter::DrafterConfig c = drafter::DrafterConfig::for_target(target, d.num_layers, *d.mask_token_id, d.block_size);
-  if (!d.target_layer_ids.empty()) {
-    c.target_layer_ids = d.target_layer_ids;
+  if (!d.target_layer_ids.empty()) c.target_layer_ids = d.target_layer_ids;
+  if (d.num_attention_heads) c.num_attention_heads = *d.num_attention_heads;
+  if (d.num_key_value_heads) c.num_key_value_heads = *d.num_key_value_heads;
+  if (d.head_dim) c.head_dim = *d.head_dim;
+  if (d.intermediate_size) c.intermediate_size = *d.intermediate_size;
+  try {
     c.validate();
+  } catch (const Error& e) {
+    DFLASH_FAIL_HINT(s << ": the drafter made from model.drafter: " << e.message(),
+                     "model.drafter.num_attention_heads must be a multiple of num_key_value_heads and head_dim even");
   }
   return c;
 }

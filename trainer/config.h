@@ -40,6 +40,8 @@ struct DrafterSection {  // model.drafter: a config.json, a warm start, or the f
   int64_t block_size = 16;
   std::optional<int64_t> mask_token_id;   // required with the fields (a token id of the target's vocabulary)
   std::vector<int64_t> target_layer_ids;  // empty = z-lab's default for num_layers
+  // The drafter's attention and MLP shape; unset = the target's (DrafterConfig::for_target).
+  std::optional<int64_t> num_attention_heads, num_key_value_heads, head_dim, intermediate_size;
   bool operator==(const DrafterSection&) const = default;
 };
 

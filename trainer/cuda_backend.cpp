@@ -46,8 +46,23 @@ class CudaBackend final : public TrainBackend {
     const int tps = s.layout.tp_size;
     const target::TargetConfig local = target::local_config(s.target, tps);
     target::FastPathPlan plan = target::make_plan(local, device_, cfg.kernel_policies(), info.major);
-    fast_path_ = plan.summary();
+    fast_path_ = "target: " + plan.summary();
     if (cfg.kernels.require_fast_path) plan.require_all_fast();
+    // The drafter's attention: the tensor-core kernels, or the (much slower) fallback for other
+    // head dims, said in the log and refused under require_fast_path like a target fallback.
+    if (cuda::block_attention_supported(dcfg_.head_dim, info.major)) {
+      fast_path_ += fmt::format("; drafter attention: tensor-core kernels (head_dim {})", dcfg_.head_dim);
+    } else {
+      const std::string why = fmt::format("head_dim {} on sm_{}{}; the tensor-core kernels take head_dim 64 or 128 on sm_80+",
+                                          dcfg_.head_dim, info.major, info.minor);
+      fast_path_ += "; drafter attention: FALLBACK kernel (" + why + ")";
+      DFLASH_CHECK_HINT(!cfg.kernels.require_fast_path,
+                        "require_fast_path is set, but the drafter's attention would run the fallback kernel on "
+                            << device_.str() << ": " << why,
+                        "set model.drafter.head_dim: 128 (with num_attention_heads / num_key_value_heads to match), or "
+                        "kernels.require_fast_path: false to accept the fallback (tens of times slower)");
+      if (s.rank == 0) spdlog::warn("the drafter's attention runs the fallback kernel ({}): expect a slow step", why);
+    }
     // Memory plan from the configs, before anything is loaded: refuse what cannot fit.
     {
       const int64_t tokens = cfg.training.batch_size * cfg.data.max_length;
@@ -128,6 +143,9 @@ class CudaBackend final : public TrainBackend {
       if (overlap) start_all_reduce(b);
     });
     m.batch.context = Tensor{};
+    // Wait for the backward the step queued (the all-reduces it started go on): drafter_s is the
+    // whole forward + backward, comm_s what the all-reduce adds after it.
+    DeviceContext::get(device_.index).synchronize();
     t.drafter_s += seconds_since(t0);
     return st;
   }
@@ -164,6 +182,7 @@ class CudaBackend final : public TrainBackend {
     p.eps = static_cast<float>(hyper_.eps), p.weight_decay = static_cast<float>(hyper_.weight_decay);
     p.step = steps_, p.grad_scale_host = static_cast<float>(grad_factor);
     cuda::adamw_step(p, stream_);
+    DeviceContext::get(device_.index).synchronize();  // (so optimizer_s is the update, not its launch)
     t.optimizer_s += seconds_since(t0);
   }
 

@@ -281,7 +281,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   {
     // Every rank's fast-path summary (they may differ across GPUs of a mixed node), then rank 0's plan.
     const std::string fp = backend->fast_path_summary();
-    if (!fp.empty()) spdlog::info("target fast path (rank {}): {}", rank, fp);
+    if (!fp.empty()) spdlog::info("fast path (rank {}): {}", rank, fp);
   }
   if (rank == 0) {
     spdlog::info("backend: {}", backend->describe());
@@ -406,7 +406,8 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   // For the end-of-run summary: the first and last logged intervals, and the throughput after the
   // first interval (start-up, first-call plans and warm-up excluded).
   double first_loss = NAN, last_loss = NAN, last_accept = NAN, steady_tokens = 0, steady_flops = 0, steady_s = 0;
-  int64_t intervals = 0;
+  int64_t intervals = 0, steady_steps = 0;
+  StepTimes steady_times;
   auto log_t0 = clock::now();
   int64_t last_ckpt = -1, log_steps = 0;
   const double peak_flops = on_gpu ? kPeakBf16PerGpu : 0.0;
@@ -564,8 +565,13 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
         metrics << line.dump() << "\n";
         metrics.flush();
       }
-      if (intervals++ == 0) first_loss = log_stats.loss();
-      else steady_tokens += log_tokens, steady_flops += log_flops, steady_s += dt;
+      if (intervals++ == 0) {
+        first_loss = log_stats.loss();
+      } else {
+        steady_tokens += log_tokens, steady_flops += log_flops, steady_s += dt;
+        steady_times.add(log_times);
+        steady_steps += log_steps;
+      }
       last_loss = log_stats.loss(), last_accept = log_stats.accept_len();
       log_stats = drafter::StepStats{};
       log_tokens = log_flops = 0;
@@ -602,6 +608,15 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
       perf += "n/a (one interval)";
     }
     spdlog::info("summary: loss {:.4f} -> {:.4f}, acceptance length {:.3f}; {}", first_loss, last_loss, last_accept, perf);
+    if (steady_steps > 0) {
+      // Where a step's time goes (target and drafter: mean over ranks; the rest: rank 0).
+      const double n = static_cast<double>(steady_steps), per = steady_s / n;
+      const StepTimes& t = steady_times;
+      const double other = per - (t.target_s + t.drafter_s + t.comm_s + t.optimizer_s) / n;
+      spdlog::info("step time {:.3f} s: target forward {:.3f}, drafter forward+backward {:.3f}, gradient all-reduce wait "
+                   "{:.3f}, optimizer {:.3f}, other (data, host) {:.3f}",
+                   per, t.target_s / n, t.drafter_s / n, t.comm_s / n, t.optimizer_s / n, other);
+    }
   }
   g.barrier();
   return result;

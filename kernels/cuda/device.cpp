@@ -242,6 +242,13 @@ void empty_cache(int device) {
 
 }  // namespace device_alloc
 
+void memset_device(void* dst, int device, int byte, size_t bytes) {
+  if (bytes == 0) return;
+  DFLASH_CHECK(dst != nullptr, "memset_device: null pointer for " << bytes << " bytes");
+  DeviceGuard guard(device);
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(dst, byte, bytes, static_cast<cudaStream_t>(DeviceContext::get(device).stream())));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Copies. Every device-side copy is issued on the device context's stream and then waited for, so
 // it is ordered after the kernels dflash queued there (the stream is non-blocking: a plain

@@ -6,7 +6,8 @@
 #      anchors, 5-layer drafter) on 1 GPU, and on 2 GPUs with tp=1 (data parallel) and tp=2;
 # leaving train.txt (the commands and their last log lines) and train.tgz (logs, metrics.jsonl) in
 # $RESULTS. TRAIN_STEPS (default 40) sets the 27B-shaped runs' length; TRAIN_RUNS (a regex over the
-# run names: tiny_gpu tt_learn tt_resume tt_nonfinite tt_mpi q27_1gpu q27_2gpu_tp1 q27_2gpu_tp2) picks
+# run names: tiny_gpu tt_learn tt_resume tt_nonfinite tt_mpi q27_refuse_d256 q27_1gpu q27_2gpu_tp1
+# q27_2gpu_tp2) picks
 # runs; DFLASH_DEADLINE (epoch seconds) stops each run with SIGTERM in time (dflash_train then writes
 # a checkpoint and exits cleanly) so that a device call's time limit never cuts a run's log.
 #   bash scripts/gpu_train.sh RESULTS_DIR   (DFLASH_BUILD = the build directory)
@@ -65,6 +66,12 @@ Q27=(configs/qwen3.6-27b.yaml --set model.target.path= --set model.target.config
      --set training.max_steps="$STEPS" --set logging.interval=10 --set checkpoint.at_end=false
      --set parallel.device=cuda --set kernels.require_fast_path=true)
 cd "$DFLASH_ROOT"
+# The drafter with the target's attention shape (head_dim 256: no tensor-core kernel) must be refused
+# under require_fast_path, before any weights are loaded.
+run q27_refuse_d256 bash -c 'out=$("$@" 2>&1); rc=$?; echo "$out" | tail -n 4
+  [ $rc != 0 ] && echo "$out" | grep -q "drafter.s attention would run the fallback kernel" && echo "OK: refused"' _ \
+  "$T" "${Q27[@]}" --set model.drafter.num_attention_heads=null --set model.drafter.num_key_value_heads=null \
+  --set model.drafter.head_dim=null --set logging.run_dir="$W/q27_refuse"
 run q27_1gpu "$T" "${Q27[@]}" --set parallel.tp=1 --set logging.run_dir="$W/q27_1gpu"
 if [ "${NGPU:-0}" -ge 2 ]; then
   run q27_2gpu_tp1 mpirun -n 2 "$T" "${Q27[@]}" --set parallel.tp=1 --set logging.run_dir="$W/q27_2gpu_tp1"

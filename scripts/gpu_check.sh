@@ -14,7 +14,7 @@ RESULTS="${OUT:-$DFLASH_ROOT/runs/gpu_check}"
 mkdir -p "$RESULTS"
 export DFLASH_BUILD="${DFLASH_BUILD:-$DFLASH_ROOT/build-gpu}"
 {
-  echo "commit $(git -C "$DFLASH_ROOT" rev-parse --short=12 HEAD 2>/dev/null || echo "${DFLASH_GIT_COMMIT:-unknown}")"
+  echo "commit ${DFLASH_GIT_COMMIT:-$(git -C "$DFLASH_ROOT" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || true
   nvcc --version | tail -2
   cmake --version | head -1

@@ -6,7 +6,7 @@
 #      anchors, 5-layer drafter) on 1 GPU, and on 2 GPUs with tp=1 (data parallel) and tp=2;
 # leaving train.txt (the commands and their last log lines) and train.tgz (logs, metrics.jsonl) in
 # $RESULTS. TRAIN_STEPS (default 40) sets the 27B-shaped runs' length; TRAIN_RUNS (a regex over the
-# run names: tiny_gpu tt_learn tt_resume tt_nonfinite tt_mpi q27_refuse_d256 q27_1gpu q27_2gpu_tp1
+# run names: tiny_gpu tt_learn tt_resume tt_nonfinite tt_microbatch tt_sigterm tt_mpi q27_refuse_d256 q27_1gpu q27_2gpu_tp1
 # q27_2gpu_tp2) picks
 # runs; DFLASH_DEADLINE (epoch seconds) stops each run with SIGTERM in time (dflash_train then writes
 # a checkpoint and exits cleanly) so that a device call's time limit never cuts a run's log.
@@ -56,6 +56,8 @@ export DFLASH_TRAIN_DEVICE=cuda
 run tt_learn bash "$TT" learn "$T" "$TINY" "$W/tt_learn"
 run tt_resume bash "$TT" resume "$T" "$TINY" "$W/tt_resume"
 run tt_nonfinite bash "$TT" nonfinite "$T" "$TINY" "$W/tt_nonfinite"
+run tt_microbatch bash "$TT" microbatch "$T" "$TINY" "$W/tt_microbatch"
+run tt_sigterm bash "$TT" sigterm "$T" "$TINY" "$W/tt_sigterm"
 if [ "${NGPU:-0}" -ge 2 ]; then run tt_mpi bash "$TT" mpi "$T" "$TINY" "$W/tt_mpi" mpirun; fi
 unset DFLASH_TRAIN_DEVICE
 

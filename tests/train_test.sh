@@ -15,7 +15,8 @@
 #   mpi     1 rank (batch 4) vs mpirun -n 2 with tp=1 (dp=2, batch 2 per group) and with tp=2 (batch 4):
 #           the same loss per step within a relative 1e-9 (dp2) and 1e-4 (tp2: f32 TP target); then resuming the 1-rank checkpoint on 2 ranks is refused.
 #   microbatch  batch 4 in 1 micro-batch vs batch 2 x 2 micro-batches: the same losses within 1e-9 (relative;
-#           the loss is normalized by the step's global sum of weights, so the split must not matter).
+#           the loss is normalized by the step's global sum of weights, so the split must not matter; 1e-3 on
+#           the GPU backend, whose bf16 sums run in another order).
 #   world   world sizes 4 and 8 (mpirun --oversubscribe): tp=1 (dp 4 / dp 8) and tp=2 (2 / 4 groups), the
 #           global batch always 8 sequences: the same loss per step as 1 rank within 1e-9 (dp) and 1e-4 (tp2);
 #           tp=4 on the tiny model (2 GDN key heads) is refused on every rank with the numbers that disagree.
@@ -163,12 +164,15 @@ microbatch)
   echo "loss 2 x 2: $(col "$work/mb2/metrics.jsonl" loss | tr '\n' ' ')"
   paste <(col "$work/mb1/metrics.jsonl" loss) <(col "$work/mb2/metrics.jsonl" loss) |
     awk 'BEGIN {n = 0; worst = 0} {n++; d = ($1 - $2) / $1; if (d < 0) d = -d; if (d > worst) worst = d}
-         END {printf "  max relative difference %.3g over %d steps\n", worst, n; exit !(n == 6 && worst <= 1e-9)}' ||
+         END {printf "  max relative difference %.3g over %d steps\n", worst, n; exit !(n == 6 && worst <= tol)}' tol="$tol_dp" ||
     fail "the losses depend on the micro-batch split"
   ;;
 sigterm)
   # SIGTERM mid-run: a checkpoint at the next step boundary, exit 0; the same command resumes and finishes.
-  common=(--set training.max_steps=30 --set logging.interval=1 --set checkpoint.interval=100)
+  # (A tiny step takes ~4 ms on a GPU: enough steps there that the signal lands mid-run.)
+  n=30
+  [ "$device" = cuda ] && n=2000
+  common=(--set training.max_steps=$n --set logging.interval=1 --set checkpoint.interval=100000)
   run sig "${common[@]}" &
   pid=$!
   for _ in $(seq 600); do
@@ -179,11 +183,11 @@ sigterm)
   wait $pid || fail "the signalled run did not exit 0"
   grep -q "stop requested: writing a checkpoint at step" "$work/sig.log" || fail "no stop message"
   s=$(grep -o "stopped at step [0-9]*" "$work/sig.log" | grep -o "[0-9]*$")
-  [ -n "$s" ] && [ "$s" -lt 30 ] || fail "the run was not stopped early"
+  [ -n "$s" ] && [ "$s" -lt $n ] || fail "the run was not stopped early"
   [ -f "$work/sig/checkpoints/ckpt-$s/COMMIT" ] || fail "no checkpoint at step $s"
   run sig "${common[@]}" || fail "the resumed run failed"
-  grep -q "resumed from .*ckpt-$s at step $s/30" "$work/sig.log" || fail "did not resume from ckpt-$s"
-  [ "$(col "$work/sig/metrics.jsonl" step | tr '\n' ' ')" = "$(seq 1 30 | tr '\n' ' ')" ] || fail "metrics steps are not 1..30"
+  grep -q "resumed from .*ckpt-$s at step $s/$n" "$work/sig.log" || fail "did not resume from ckpt-$s"
+  [ "$(col "$work/sig/metrics.jsonl" step | tr '\n' ' ')" = "$(seq 1 $n | tr '\n' ' ')" ] || fail "metrics steps are not 1..$n"
   ;;
 baddata)
   data_tool=${mpirun[0]}

@@ -7,7 +7,7 @@
 # leaving train.txt (the commands and their last log lines) and train.tgz (logs, metrics.jsonl) in
 # $RESULTS. TRAIN_STEPS (default 40) sets the 27B-shaped runs' length; TRAIN_RUNS (a regex over the
 # run names: tiny_gpu tt_learn tt_resume tt_nonfinite tt_microbatch tt_sigterm tt_mpi q27_refuse_d256 q27_1gpu q27_2gpu_tp1
-# q27_2gpu_tp2) picks
+# q27_2gpu_tp2 q27_ckpt q27_resume) picks
 # runs; DFLASH_DEADLINE (epoch seconds) stops each run with SIGTERM in time (dflash_train then writes
 # a checkpoint and exits cleanly) so that a device call's time limit never cuts a run's log.
 #   bash scripts/gpu_train.sh RESULTS_DIR   (DFLASH_BUILD = the build directory)
@@ -38,7 +38,7 @@ run() {  # run NAME CMD...: logs to $W/NAME.log, appends the command and the sum
   local t0=$SECONDS
   "${limit[@]}" "$@" > "$W/$name.log" 2>&1
   local rc=$?
-  grep -E "backend:|initialised|fast path|memory|step [0-9]+/|step time|error|done:|summary:|signal|refus|FAIL|^OK|loss |differ|max relative" "$W/$name.log" | tail -n 18 >> "$RESULTS/train.txt"
+  grep -E "backend:|initialised|fast path|memory|step [0-9]+/|step time|written|resumed|error|done:|summary:|signal|refus|FAIL|^OK|loss |differ|max relative" "$W/$name.log" | tail -n 18 >> "$RESULTS/train.txt"
   echo "rc=$rc wall=$((SECONDS - t0))s" >> "$RESULTS/train.txt"
   tail -n 3 "$W/$name.log"
   [ $rc = 0 ] || status=1
@@ -79,5 +79,11 @@ if [ "${NGPU:-0}" -ge 2 ]; then
   run q27_2gpu_tp1 mpirun -n 2 "$T" "${Q27[@]}" --set parallel.tp=1 --set logging.run_dir="$W/q27_2gpu_tp1"
   run q27_2gpu_tp2 mpirun -n 2 "$T" "${Q27[@]}" --set parallel.tp=2 --set logging.run_dir="$W/q27_2gpu_tp2"
 fi
+# A checkpoint of the 27B recipe (drafter export + fp32 masters and moments, ~22 GB) written at step
+# 20 and resumed by a run of 30 steps: the size and time of both are in the log.
+if [ "${NGPU:-0}" -ge 2 ]; then CK=(mpirun -n 2 "$T" "${Q27[@]}" --set parallel.tp=2); else CK=("$T" "${Q27[@]}"); fi
+run q27_ckpt "${CK[@]}" --set training.max_steps=20 --set checkpoint.at_end=true --set logging.run_dir="$W/q27_ckpt"
+run q27_resume env W="$W" bash -c '"$@" && grep -q "resumed from .*ckpt-20 at step 20/30" "$W/q27_resume.log" && echo "OK: resumed"' _ \
+  "${CK[@]}" --set training.max_steps=30 --set checkpoint.at_end=false --set logging.run_dir="$W/q27_ckpt"
 rm -rf "$W"
 exit $status

@@ -306,6 +306,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
       from = cfg.checkpoint.resume;
     }
     if (!from.empty()) {
+      const auto t0 = clock::now();
       const nlohmann::json st = nlohmann::json::parse(read_text(from / "state.json"));
       const int ws = st.at("world").at("world_size").get<int>(), wtp = st.at("world").at("tp").get<int>();
       DFLASH_CHECK_HINT(ws == world && wtp == tp,
@@ -320,7 +321,8 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
       skipped = st.at("skipped_steps").get<int64_t>();
       skipped_in_row = st.at("skipped_in_row").get<int64_t>();
       if (rank == 0) {
-        spdlog::info("resumed from {} at step {}/{}", from.string(), step, total);
+        spdlog::info("resumed from {} at step {}/{} (read in {:.1f} s)", from.string(), step, total,
+                     std::chrono::duration<double>(clock::now() - t0).count());
         if (st.value("total_steps", total) != total)
           spdlog::warn("the checkpoint was written by a run of {} steps; this one has {} (the LR schedule changes)",
                        st.value("total_steps", total), total);
@@ -361,6 +363,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     if (layout.tp_rank == 0) write_text(tmp / fmt::format("loader-g{}.json", layout.tp_group), loader_state.dump(1) + "\n");
     g.barrier();
     if (rank == 0) {
+      const auto t0 = clock::now();
       drafter::export_hf((tmp / "drafter").string(), dcfg, backend->weights());
       backend->save_optimizer((tmp / "optimizer.safetensors").string());
       nlohmann::json st{{"format", "dflash.checkpoint.v1"},
@@ -391,7 +394,12 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
         const std::string name = e.path().filename().string();
         if (name.rfind("ckpt-", 0) == 0 && !fs::exists(e.path() / "COMMIT")) fs::remove_all(e.path());
       }
-      spdlog::info("checkpoint {} written", final_dir.string());
+      uintmax_t bytes = 0;
+      for (const auto& e : fs::recursive_directory_iterator(final_dir))
+        if (e.is_regular_file()) bytes += e.file_size();
+      spdlog::info("checkpoint {} written ({:.2f} GiB in {:.1f} s)", final_dir.string(),
+                   static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0),
+                   std::chrono::duration<double>(clock::now() - t0).count());
     }
     g.barrier();
   };

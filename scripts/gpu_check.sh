@@ -6,7 +6,8 @@
 # target_bench.csv, kernel_bench.csv, logs.tgz (build log, cpu test log, JUnit XML, kernel_bench.txt,
 # doctor.json, target_bench.txt, dref.tgz) and train.txt / train.tgz (scripts/gpu_train.sh).
 # A whole check no longer fits one 10-minute call; these switches pick the stages:
-#   GPU_TESTS / CPU_TESTS (ctest -R regexes), SKIP_TARGET_BENCH=1, KERNEL_BENCH_ONLY=dattn,ce,
+#   GPU_TESTS / CPU_TESTS (ctest -R regexes), GPU_TESTS_EXCLUDE (ctest -E), SKIP_TARGET_BENCH=1,
+#   SKIP_TP2_BENCH=1 (no 2-GPU doctor / target_bench), TARGET_BENCH_ARGS, KERNEL_BENCH_ONLY=dattn,ce,
 #   SKIP_DOCTOR=1, SKIP_TRAIN=1, TRAIN_STEPS=N, DFLASH_DREF=1.
 #   device: run("DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_check.sh")  (the copied tree has no .git)
 source "$(dirname "$0")/common.sh"
@@ -26,7 +27,7 @@ configure_and_build -DDFLASH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="${DFLASH_CUDA_A
   || { say "build failed (see build.log)"; exit 1; }
 cd "$DFLASH_BUILD"
 say "gpu tests"
-ctest -L gpu ${GPU_TESTS:+-R "$GPU_TESTS"} --output-on-failure --timeout 600 --output-junit "$RESULTS/ctest_gpu.xml" 2>&1 | tee "$RESULTS/test_gpu.log" | tail -15 || status=1
+ctest -L gpu ${GPU_TESTS:+-R "$GPU_TESTS"} ${GPU_TESTS_EXCLUDE:+-E "$GPU_TESTS_EXCLUDE"} --output-on-failure --timeout 600 --output-junit "$RESULTS/ctest_gpu.xml" 2>&1 | tee "$RESULTS/test_gpu.log" | tail -15 || status=1
 say "cpu and mpi tests"
 ctest -LE gpu ${CPU_TESTS:+-R "$CPU_TESTS"} -j "$DFLASH_JOBS" --timeout 600 --output-junit "$RESULTS/ctest_cpu.xml" 2>&1 | tee "$RESULTS/test_cpu.log" | tail -5 || status=1
 
@@ -48,7 +49,8 @@ if [ -x "$DFLASH_BUILD/bench/target_bench" ] && [ "${SKIP_TARGET_BENCH:-0}" != 1
 fi
 # Two or more GPUs (kind nvidia-h200-x2 and up): tensor parallelism across 2 of them.
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
-if [ "${NGPU:-0}" -ge 2 ] && [ -x "$DFLASH_BUILD/bench/target_bench" ] && [ "${SKIP_TARGET_BENCH:-0}" != 1 ]; then
+if [ "${NGPU:-0}" -ge 2 ] && [ -x "$DFLASH_BUILD/bench/target_bench" ] && [ "${SKIP_TARGET_BENCH:-0}" != 1 ] &&
+   [ "${SKIP_TP2_BENCH:-0}" != 1 ]; then
   say "tp=2 on 2 GPUs: NCCL bandwidth (doctor under mpirun) and target_bench --tp 2"
   mpirun -n 2 "$DFLASH_BUILD/target_model/dflash_doctor" --config "$Q27" --no-live 2>&1 | grep -A8 "NCCL all-reduce" \
     | tee -a "$RESULTS/doctor.txt" || status=1

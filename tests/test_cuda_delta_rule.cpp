@@ -31,7 +31,7 @@
 
 namespace dflash::cuda {
 // Test hook in gdn_chunk.cu for timing breakdowns: bit 1 = skip the prep kernel, bit 2 = skip the
-// state kernel; 0 is the full op.
+// state kernel, bit 4 = 32-column state-kernel slices (instead of 64); 0 is the full op.
 void chunk_gated_delta_rule_variant(const DeltaRuleParams& p, Stream s, int flags);
 }  // namespace dflash::cuda
 
@@ -125,7 +125,9 @@ void run_case(const Case& cs) {
   std::vector<int32_t> cu(seqs.offsets.begin(), seqs.offsets.end());
   Tensor cu_d = Tensor::from_blob(cu.data(), {S + 1}, DType::I32).to(gpu);
 
-  {
+  // The full op (64-column state slices), then with the 32-column state slices of the test hook.
+  for (const int flags : {0, 16}) {
+    SCOPED_TRACE(flags == 0 ? "64-column slices" : "32-column slices");
     Tensor out = Tensor::empty({N, Hv, dv}, DType::BF16, gpu), fs = Tensor::empty({S, Hv, dk, dv}, DType::F32, gpu);
     poison(out);
     poison(fs);
@@ -146,11 +148,11 @@ void run_case(const Case& cs) {
     d.Hv = Hv;
     d.dk = dk;
     d.dv = dv;
-    cuda::chunk_gated_delta_rule(d, DeviceContext::get(0).stream());
+    cuda::chunk_gated_delta_rule_variant(d, DeviceContext::get(0).stream(), flags);
     const double eo_c = max_rel_err(out, out_c), eo_r = max_rel_err(out, out_r);
     const double es_c = max_rel_err(fs, fs_c), es_r = max_rel_err(fs, fs_r);
-    std::printf("  %-70s out %.2e (rec %.2e)  state %.2e (rec %.2e)\n", describe(cs).c_str(), eo_c, eo_r, es_c,
-                es_r);
+    std::printf("  %-70s %s out %.2e (rec %.2e)  state %.2e (rec %.2e)\n", describe(cs).c_str(),
+                flags == 0 ? "c64" : "c32", eo_c, eo_r, es_c, es_r);
     EXPECT_LT(eo_c, 2e-2) << "out vs chunked";
     EXPECT_LT(eo_r, 2e-2) << "out vs recurrent";
     EXPECT_LT(es_c, 1e-2) << "final state vs chunked";
@@ -284,9 +286,9 @@ TEST(CudaDeltaRule, ChunkedTimings) {
     p.dv = d;
     const double flops = double(N) * Hv * (2.0 * C * (3 * d + 2 * d) + 6.0 * d * d);
     const double bytes = 2.0 * N * Hk * d * 2 + 2.0 * N * Hv * d * 2 + 2.0 * N * Hv * 4;
-    const char* names[] = {"chunk", "prep only", "state only"};
-    const int flag_sets[] = {0, 4, 2};
-    for (int vi = 0; vi < 3; ++vi) {
+    const char* names[] = {"chunk", "prep only", "state only", "state c32"};
+    const int flag_sets[] = {0, 4, 2, 2 | 16};
+    for (int vi = 0; vi < 4; ++vi) {
       cudaEvent_t e0, e1;
       DFLASH_CUDA_CHECK(cudaEventCreate(&e0));
       DFLASH_CUDA_CHECK(cudaEventCreate(&e1));

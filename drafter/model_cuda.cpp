@@ -181,14 +181,28 @@ void CudaDrafter::zero_grads() {
 }
 
 std::vector<Tensor> CudaDrafter::to_host(const Tensor& flat) const {
-  DeviceContext::get(device_.index).synchronize();
-  const Tensor host = flat.to(Device::cpu());
   std::vector<Tensor> out;
-  for (const Span& sp : spans_) {
-    out.push_back(Tensor::empty({sp.numel}, DType::F32));
-    std::copy_n(host.data<float>() + sp.offset, sp.numel, out.back().data<float>());
-  }
+  std::vector<Tensor*> dst;
+  for (const Span& sp : spans_) out.push_back(Tensor::empty({sp.numel}, DType::F32));
+  for (Tensor& t : out) dst.push_back(&t);
+  to_host(flat, dst);
   return out;
+}
+
+void CudaDrafter::to_host(const Tensor& flat, const std::vector<Tensor*>& dst) const {
+  DFLASH_CHECK(dst.size() == spans_.size() && flat.numel() == flat_ && flat.dtype() == DType::F32 &&
+                   flat.device() == device_,
+               "CudaDrafter::to_host: " << dst.size() << " tensors for " << spans_.size() << " parameters from "
+                                        << flat.describe());
+  for (size_t i = 0; i < dst.size(); ++i) {
+    Tensor& t = *dst[i];
+    DFLASH_CHECK(t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous() && t.numel() == spans_[i].numel,
+                 "CudaDrafter::to_host: " << spans_[i].name << " needs a contiguous f32 host tensor of "
+                                          << spans_[i].numel << " elements, got " << t.describe());
+    // (memcpy_any waits for the work queued on the device's stream first.)
+    memcpy_any(t.raw_data(), Device::cpu(), flat.data<float>() + spans_[i].offset, device_,
+               static_cast<size_t>(spans_[i].numel) * sizeof(float));
+  }
 }
 
 DrafterWeights CudaDrafter::download(const Tensor& flat) const {

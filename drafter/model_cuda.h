@@ -84,6 +84,9 @@ class CudaDrafter {
   // per parameter in DrafterWeights::entries order: to_host makes F32 host copies; from_tensors
   // fills the buffer from tensors of any float dtype and device (padding zeroed).
   std::vector<Tensor> to_host(const Tensor& flat) const;
+  // The same into existing contiguous F32 host tensors (one per parameter, entries order): one
+  // device-to-host copy per parameter, no staging.
+  void to_host(const Tensor& flat, const std::vector<Tensor*>& dst) const;
   void from_tensors(const std::vector<const Tensor*>& src, Tensor& flat) const;
   // Host copies (F32) of the masters / the gradients, in the DrafterWeights layout.
   DrafterWeights download_masters() const;

@@ -79,11 +79,13 @@ if [ "${NGPU:-0}" -ge 2 ]; then
   run q27_2gpu_tp1 mpirun -n 2 "$T" "${Q27[@]}" --set parallel.tp=1 --set logging.run_dir="$W/q27_2gpu_tp1"
   run q27_2gpu_tp2 mpirun -n 2 "$T" "${Q27[@]}" --set parallel.tp=2 --set logging.run_dir="$W/q27_2gpu_tp2"
 fi
-# A checkpoint of the 27B recipe (drafter export + fp32 masters and moments, ~22 GB) written at step
-# 20 and resumed by a run of 30 steps: the size and time of both are in the log.
+# Checkpoints of the 27B recipe (drafter export + fp32 masters and moments, ~22 GB): one at step 5
+# written in the background while steps 6.. run, one at the end (step 10); a run of 15 steps resumes
+# from ckpt-10. Sizes and times are in the log.
 if [ "${NGPU:-0}" -ge 2 ]; then CK=(mpirun -n 2 "$T" "${Q27[@]}" --set parallel.tp=2); else CK=("$T" "${Q27[@]}"); fi
-run q27_ckpt "${CK[@]}" --set training.max_steps=20 --set checkpoint.at_end=true --set logging.run_dir="$W/q27_ckpt"
-run q27_resume env W="$W" bash -c '"$@" && grep -q "resumed from .*ckpt-20 at step 20/30" "$W/q27_resume.log" && echo "OK: resumed"' _ \
-  "${CK[@]}" --set training.max_steps=30 --set checkpoint.at_end=false --set logging.run_dir="$W/q27_ckpt"
+run q27_ckpt "${CK[@]}" --set training.max_steps=10 --set checkpoint.interval=5 --set checkpoint.at_end=true \
+  --set logging.interval=1 --set logging.run_dir="$W/q27_ckpt"
+run q27_resume env W="$W" bash -c '"$@" && grep -q "resumed from .*ckpt-10 at step 10/15" "$W/q27_resume.log" && echo "OK: resumed"' _ \
+  "${CK[@]}" --set training.max_steps=15 --set checkpoint.at_end=false --set logging.interval=1 --set logging.run_dir="$W/q27_ckpt"
 rm -rf "$W"
 exit $status

@@ -11,7 +11,8 @@
 #           1..B-1 rises by >= 0.025 (step 1 vs the mean of steps 31-40); checkpoint and exported drafter exist;
 #           the export warm-starts a new run whose first loss is closer to the trained loss than to the fresh one.
 #   resume  12 steps straight == 6 steps, stop (--stop-after-steps), resume, 6 steps: identical losses and
-#           grad norms (bit-exact: the JSON numbers are compared as text).
+#           grad norms (bit-exact: the JSON numbers are compared as text); and resuming from the straight run's
+#           ckpt-8 (written in the background while steps 9.. ran) gives its losses 9..12 bit-exact.
 #   mpi     1 rank (batch 4) vs mpirun -n 2 with tp=1 (dp=2, batch 2 per group) and with tp=2 (batch 4):
 #           the same loss per step within a relative 1e-9 (dp2) and 1e-4 (tp2: f32 TP target); then resuming the 1-rank checkpoint on 2 ranks is refused.
 #   microbatch  batch 4 in 1 micro-batch vs batch 2 x 2 micro-batches: the same losses within 1e-9 (relative;
@@ -96,6 +97,14 @@ resume)
     [ "$a" = "$b" ] || fail "$k differs between the straight and the resumed run"
   done
   cmp "$work/straight/drafter/model.safetensors" "$work/split/drafter/model.safetensors" || fail "exported drafters differ"
+  # Periodic checkpoints are written in the background while training goes on: the straight run's
+  # ckpt-8 was; resuming from it gives steps 9..12 bit-exact too.
+  grep -q "ckpt-8 written (.* while training went on)" "$work/straight.log" || fail "ckpt-8 was not written in the background"
+  run from8 "${common[@]}" --set "checkpoint.resume=$work/straight/checkpoints/ckpt-8" || fail "resume from ckpt-8 failed"
+  a=$(col "$work/straight/metrics.jsonl" loss | tail -n 4 | tr '\n' ' ') b=$(col "$work/from8/metrics.jsonl" loss | tr '\n' ' ')
+  echo "loss 9..12 straight: $a"
+  echo "loss 9..12 from ckpt-8: $b"
+  [ "$a" = "$b" ] || fail "the run resumed from the background-written ckpt-8 differs"
   ;;
 mpi)
   common=(--set training.max_steps=6 --set logging.interval=1 --set checkpoint.interval=100)

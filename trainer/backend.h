@@ -17,6 +17,7 @@
 #include "drafter/weights.h"
 #include "target_model/config.h"
 #include "trainer/config.h"
+#include "trainer/optimizer.h"
 
 namespace dflash::trainer {
 
@@ -65,8 +66,14 @@ class TrainBackend {
   virtual void apply(double lr, double grad_factor, StepTimes& t) = 0;
   // Host copy of the current weights (for the export).
   virtual drafter::DrafterWeights weights() = 0;
-  virtual void save_optimizer(const std::string& path) = 0;
-  virtual nlohmann::json optimizer_state() = 0;
+  // What a checkpoint writes: the drafter's weights and the optimizer state, on the host, left
+  // unchanged by training until the next checkpoint_state() call (so a checkpoint can be written
+  // by another thread while the next steps run).
+  struct CheckpointState {
+    drafter::DrafterWeights weights;
+    OptimizerState optimizer;
+  };
+  virtual CheckpointState checkpoint_state() = 0;
   virtual void load_optimizer(const std::string& path, const nlohmann::json& state) = 0;
   // One line on memory use for the log (empty on the CPU), and the peak in GiB (0 on the CPU).
   virtual std::string memory_summary() { return ""; }

@@ -96,8 +96,20 @@ class CpuBackend final : public TrainBackend {
   }
 
   drafter::DrafterWeights weights() override { return dw_; }
-  void save_optimizer(const std::string& path) override { opt_->save(path); }
-  nlohmann::json optimizer_state() override { return opt_->state_json(); }
+  CheckpointState checkpoint_state() override {
+    // Copies (the next step updates dw_ and the moments in place); the weights are the copied masters.
+    CheckpointState cs;
+    cs.optimizer = opt_->state(true);
+    cs.weights.layers.resize(dw_.layers.size());
+    auto entries = cs.weights.entries(dcfg_);
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const auto& [name, t] = cs.optimizer.tensors[3 * i];
+      DFLASH_CHECK(name == "master." + entries[i].name, "checkpoint state: optimizer tensor " << name << " where master."
+                                                                                            << entries[i].name << " was expected");
+      *entries[i].tensor = t;
+    }
+    return cs;
+  }
   void load_optimizer(const std::string& path, const nlohmann::json& state) override { opt_->load(path, state); }
 
  private:

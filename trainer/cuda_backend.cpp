@@ -188,14 +188,11 @@ class CudaBackend final : public TrainBackend {
 
   drafter::DrafterWeights weights() override { return model_->download_masters(); }
 
-  void save_optimizer(const std::string& path) override {
+  CheckpointState checkpoint_state() override {
+    // The device state copied into the host tensors (made on first use, then reused: they stay
+    // unchanged until the next call); the masters serve as the exported weights too.
     sync_host_state();
-    host_opt_->save(path);
-  }
-  nlohmann::json optimizer_state() override {
-    make_host_state();  // (already made by save_optimizer, which checkpoints call first)
-    host_opt_->set_steps(steps_);
-    return host_opt_->state_json();
+    return {host_w_, host_opt_->state(false)};
   }
   void load_optimizer(const std::string& path, const nlohmann::json& state) override {
     make_host_state();
@@ -246,17 +243,14 @@ class CudaBackend final : public TrainBackend {
     host_opt_->set_steps(steps_);
     std::vector<Tensor*> masters;
     for (auto& e : host_w_.entries(dcfg_)) masters.push_back(e.tensor);
-    copy_into(model_->to_host(model_->masters()), masters);
-    copy_into(model_->to_host(m_), pointers(host_opt_->exp_avg()));
-    copy_into(model_->to_host(v_), pointers(host_opt_->exp_avg_sq()));
+    model_->to_host(model_->masters(), masters);
+    model_->to_host(m_, pointers(host_opt_->exp_avg()));
+    model_->to_host(v_, pointers(host_opt_->exp_avg_sq()));
   }
   static std::vector<Tensor*> pointers(std::vector<Tensor>& v) {
     std::vector<Tensor*> out;
     for (Tensor& t : v) out.push_back(&t);
     return out;
-  }
-  static void copy_into(const std::vector<Tensor>& src, const std::vector<Tensor*>& dst) {
-    for (size_t i = 0; i < dst.size(); ++i) dst[i]->copy_from(src[i].view(dst[i]->shape()));
   }
   static std::vector<const Tensor*> const_pointers(std::vector<Tensor>& v) {
     std::vector<const Tensor*> out;

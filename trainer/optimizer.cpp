@@ -89,15 +89,24 @@ void AdamW::step(const std::vector<const Tensor*>& grads, double lr, double grad
   }
 }
 
-void AdamW::save(const std::string& path) const {
-  std::vector<std::pair<std::string, Tensor>> ts;
-  for (size_t k = 0; k < params_.size(); ++k) {
-    ts.emplace_back("master." + params_[k].first, *params_[k].second);
-    ts.emplace_back("exp_avg." + params_[k].first, m_[k]);
-    ts.emplace_back("exp_avg_sq." + params_[k].first, v_[k]);
-  }
-  target::save_safetensors(path, ts, {{"format", "dflash.adamw.v1"}, {"step", std::to_string(t_)}});
+void OptimizerState::save(const std::string& path) const {
+  target::save_safetensors(path, tensors, {{"format", "dflash.adamw.v1"}, {"step", std::to_string(steps)}});
 }
+
+OptimizerState AdamW::state(bool copy) const {
+  OptimizerState st;
+  auto take = [&](const Tensor& t) { return copy ? t.clone() : t; };
+  for (size_t k = 0; k < params_.size(); ++k) {
+    st.tensors.emplace_back("master." + params_[k].first, take(*params_[k].second));
+    st.tensors.emplace_back("exp_avg." + params_[k].first, take(m_[k]));
+    st.tensors.emplace_back("exp_avg_sq." + params_[k].first, take(v_[k]));
+  }
+  st.json = state_json();
+  st.steps = t_;
+  return st;
+}
+
+void AdamW::save(const std::string& path) const { state(false).save(path); }
 
 nlohmann::json AdamW::state_json() const {
   return {{"step", t_}, {"beta1", h_.beta1}, {"beta2", h_.beta2}, {"eps", h_.eps}, {"weight_decay", h_.weight_decay}};

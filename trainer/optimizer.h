@@ -39,6 +39,17 @@ double global_grad_norm(const std::vector<const Tensor*>& grads);
 // The factor the gradients are multiplied by: min(1, max_norm / norm) (1 when max_norm <= 0).
 double clip_factor(double norm, double max_norm);
 
+// What a checkpoint writes of the optimizer: masters and moments as named f32 host tensors
+// (master.<name>, exp_avg.<name>, exp_avg_sq.<name>) and the rest (step count, hyper-parameters)
+// as JSON.
+struct OptimizerState {
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  nlohmann::json json;
+  int64_t steps = 0;
+  // As safetensors, via tmp + fsync + rename (what AdamW::load reads).
+  void save(const std::string& safetensors_path) const;
+};
+
 class AdamW {
  public:
   // params: (name, f32 host master tensor) pairs; the tensors are updated in place.
@@ -58,6 +69,9 @@ class AdamW {
   // written via tmp + fsync + rename) and the rest as JSON.
   void save(const std::string& safetensors_path) const;
   nlohmann::json state_json() const;
+  // The state as it is now. With copy = false the tensors alias the optimizer's (they change with
+  // the next step); with copy = true they are independent (for writing while training goes on).
+  OptimizerState state(bool copy) const;
   // Restores masters (into the params), moments and the step count; throws naming a missing or
   // mis-shaped tensor.
   void load(const std::string& safetensors_path, const nlohmann::json& state);

@@ -9,11 +9,14 @@
 #include <csignal>
 #include <cstring>
 #include <filesystem>
+#include <exception>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -176,6 +179,39 @@ CheckedConfigs checked_configs(const TrainConfig& cfg, int world, const RunOptio
 }  // namespace
 
 void check_config(const TrainConfig& cfg, int world, const RunOptions& ropt) { checked_configs(cfg, world, ropt); }
+
+namespace {
+// Writes checkpoints on a background thread (rank 0) while training goes on. The next checkpoint,
+// a stop and the end of the run wait for it; an error in the writer (a full disk) surfaces there
+// and stops the run, so no checkpoint is lost silently.
+class BackgroundWriter {
+ public:
+  BackgroundWriter() = default;
+  BackgroundWriter(const BackgroundWriter&) = delete;
+  BackgroundWriter& operator=(const BackgroundWriter&) = delete;
+  ~BackgroundWriter() {
+    if (thread_.joinable()) thread_.join();
+  }
+  void wait() {
+    if (thread_.joinable()) thread_.join();
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+  void start(std::function<void()> job) {
+    wait();
+    thread_ = std::thread([this, job = std::move(job)] {
+      try {
+        job();
+      } catch (...) {
+        error_ = std::current_exception();
+      }
+    });
+  }
+
+ private:
+  std::thread thread_;
+  std::exception_ptr error_;
+};
+}  // namespace
 
 RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& ropt) {
   using clock = std::chrono::steady_clock;
@@ -352,10 +388,16 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   }
 
   // ---- checkpoints ----
-  auto save_checkpoint = [&](int64_t at_step, const nlohmann::json& loader_state) {
+  // Every rank takes part (the loader position of each TP group); rank 0 copies the drafter and
+  // optimizer state to the host and writes the files, in the background when `background` (the
+  // periodic ones: the next steps run meanwhile), else before returning (stop, end of run).
+  BackgroundWriter writer;
+  const std::string cfg_yaml = cfg.to_yaml();
+  auto save_checkpoint = [&](int64_t at_step, const nlohmann::json& loader_state, bool background) {
     const fs::path final_dir = ckpt_dir / fmt::format("ckpt-{}", at_step);
     const fs::path tmp = ckpt_dir / fmt::format("ckpt-{}.tmp", at_step);
     if (rank == 0) {
+      writer.wait();  // the previous checkpoint is complete (its pruning cannot touch this one)
       fs::remove_all(tmp);
       fs::create_directories(tmp);
     }
@@ -364,12 +406,12 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     g.barrier();
     if (rank == 0) {
       const auto t0 = clock::now();
-      drafter::export_hf((tmp / "drafter").string(), dcfg, backend->weights());
-      backend->save_optimizer((tmp / "optimizer.safetensors").string());
+      TrainBackend::CheckpointState cs = backend->checkpoint_state();
+      const double copy_s = std::chrono::duration<double>(clock::now() - t0).count();
       nlohmann::json st{{"format", "dflash.checkpoint.v1"},
                         {"step", at_step},
                         {"total_steps", total},
-                        {"optimizer", backend->optimizer_state()},
+                        {"optimizer", cs.optimizer.json},
                         {"schedule", {{"kind", schedule_name(tr.schedule)}, {"lr", tr.lr}, {"min_lr", tr.min_lr},
                                       {"warmup_steps", sched.warmup_steps()}, {"total_steps", total},
                                       {"next_lr", sched.at(std::min(at_step, total - 1))}}},
@@ -379,27 +421,34 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
                                  {"anchor_stream", "step * 2^32 + global sequence index (stateless)"}}},
                         {"world", {{"world_size", world}, {"tp", tp}, {"num_tp_groups", layout.num_tp_groups}}},
                         {"version", version_string()}};
-      write_text(tmp / "state.json", st.dump(2) + "\n");
-      write_text(tmp / "config.yaml", cfg.to_yaml());
-      fsync_tree(tmp);
-      fs::remove_all(final_dir);
-      fs::rename(tmp, final_dir);
-      fsync_path(ckpt_dir);
-      write_text(final_dir / "COMMIT", fmt::format("step {}\n", at_step));
-      fsync_path(final_dir);
-      // keep_last pruning, and leftovers of interrupted writes.
-      auto all = complete_checkpoints(ckpt_dir);
-      for (size_t i = 0; i + static_cast<size_t>(cfg.checkpoint.keep_last) < all.size(); ++i) fs::remove_all(all[i].second);
-      for (const auto& e : fs::directory_iterator(ckpt_dir)) {
-        const std::string name = e.path().filename().string();
-        if (name.rfind("ckpt-", 0) == 0 && !fs::exists(e.path() / "COMMIT")) fs::remove_all(e.path());
-      }
-      uintmax_t bytes = 0;
-      for (const auto& e : fs::recursive_directory_iterator(final_dir))
-        if (e.is_regular_file()) bytes += e.file_size();
-      spdlog::info("checkpoint {} written ({:.2f} GiB in {:.1f} s)", final_dir.string(),
-                   static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0),
-                   std::chrono::duration<double>(clock::now() - t0).count());
+      auto write = [=, &dcfg, cs = std::move(cs), st = std::move(st)] {
+        const auto t1 = clock::now();
+        drafter::export_hf((tmp / "drafter").string(), dcfg, cs.weights);
+        cs.optimizer.save((tmp / "optimizer.safetensors").string());
+        write_text(tmp / "state.json", st.dump(2) + "\n");
+        write_text(tmp / "config.yaml", cfg_yaml);
+        fsync_tree(tmp);
+        fs::remove_all(final_dir);
+        fs::rename(tmp, final_dir);
+        fsync_path(ckpt_dir);
+        write_text(final_dir / "COMMIT", fmt::format("step {}\n", at_step));
+        fsync_path(final_dir);
+        // keep_last pruning, and leftovers of interrupted writes.
+        auto all = complete_checkpoints(ckpt_dir);
+        for (size_t i = 0; i + static_cast<size_t>(cfg.checkpoint.keep_last) < all.size(); ++i) fs::remove_all(all[i].second);
+        for (const auto& e : fs::directory_iterator(ckpt_dir)) {
+          const std::string name = e.path().filename().string();
+          if (name.rfind("ckpt-", 0) == 0 && !fs::exists(e.path() / "COMMIT")) fs::remove_all(e.path());
+        }
+        uintmax_t bytes = 0;
+        for (const auto& e : fs::recursive_directory_iterator(final_dir))
+          if (e.is_regular_file()) bytes += e.file_size();
+        spdlog::info("checkpoint {} written ({:.2f} GiB: state copied in {:.1f} s, files written in {:.1f} s{})",
+                     final_dir.string(), static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0), copy_s,
+                     std::chrono::duration<double>(clock::now() - t1).count(), background ? " while training went on" : "");
+      };
+      if (background) writer.start(write);
+      else write();
     }
     g.barrier();
   };
@@ -461,7 +510,8 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     if (head[1] > 0) {
       bar.clear();
       if (rank == 0) spdlog::warn("stop requested: writing a checkpoint at step {} and exiting", step);
-      if (last_ckpt != step) save_checkpoint(step, loader_state_before);
+      if (last_ckpt != step) save_checkpoint(step, loader_state_before, false);
+      if (rank == 0) writer.wait();
       result.step = step;
       result.stopped = true;
       return result;
@@ -589,13 +639,14 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     }
     if (step % cfg.checkpoint.interval == 0 && step < total) {
       bar.clear();
-      save_checkpoint(step, loader.state());
+      save_checkpoint(step, loader.state(), true);
       last_ckpt = step;
     }
   }
   bar.clear();
 
-  if (last_ckpt != step && cfg.checkpoint.at_end) save_checkpoint(step, loader.state());
+  if (last_ckpt != step && cfg.checkpoint.at_end) save_checkpoint(step, loader.state(), false);
+  if (rank == 0) writer.wait();  // a periodic checkpoint still being written
   result.step = step;
   result.drafter_dir = (run_dir / "drafter").string();
   if (rank == 0) {

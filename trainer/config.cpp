@@ -510,7 +510,7 @@ TrainConfig TrainConfig::from_file(const std::string& path, const std::vector<st
 }
 
 TrainConfig TrainConfig::embedded_default(const std::vector<std::string>& overrides) {
-  return from_string(embedded_default_yaml(), "<embedded configs/tiny.yaml>", overrides);
+  return from_string(embedded_default_yaml(), kEmbeddedSource, overrides);
 }
 
 void TrainConfig::apply_override(const std::string& assignment) {

@@ -153,6 +153,11 @@ class TrainConfig {
   // configs/tiny.yaml as compiled into the library (the default when dflash_train gets no file).
   static TrainConfig embedded_default(const std::vector<std::string>& overrides = {});
   static const char* embedded_default_yaml();
+  // configs/tiny/config.json (the default config's target), compiled in; used when the default
+  // config runs outside the repository root, where its relative path does not resolve.
+  static const char* embedded_tiny_target_json();
+  static constexpr const char* kEmbeddedSource = "<embedded configs/tiny.yaml>";
+  static constexpr const char* kTinyTargetPath = "configs/tiny/config.json";
 
   // `--set key.path=value`: value is a YAML scalar or flow sequence ("[1, 16, 31]"); "null"
   // unsets an optional key (training.epochs / training.max_steps).

@@ -165,7 +165,14 @@ CheckedConfigs checked_configs(const TrainConfig& cfg, int world, const RunOptio
   cfg.validate(world);
   const auto& ts = cfg.model.target;
   CheckedConfigs c;
-  c.target = target::TargetConfig::from_file(ts.path.empty() ? ts.config : ts.path);
+  if (cfg.source == TrainConfig::kEmbeddedSource && ts.path.empty() && ts.config == TrainConfig::kTinyTargetPath &&
+      !fs::exists(ts.config)) {
+    // The default config started outside the repository root: its target's copy built into the binary.
+    c.target = target::TargetConfig::from_json(nlohmann::json::parse(TrainConfig::embedded_tiny_target_json()),
+                                               std::string("<embedded ") + TrainConfig::kTinyTargetPath + ">");
+  } else {
+    c.target = target::TargetConfig::from_file(ts.path.empty() ? ts.config : ts.path);
+  }
   cfg.validate_against(c.target);
   target::check_tp(c.target, static_cast<int>(cfg.parallel.tp));
   c.drafter = cfg.drafter_config(c.target);
@@ -251,7 +258,10 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     spdlog::info("{}", version_string());
     spdlog::info("config {}:\n{}", cfg.source, cfg.settings_table());
     spdlog::info("world: {} rank(s), tp {}, {} TP group(s) (data parallel)", world, tp, layout.num_tp_groups);
-    spdlog::info("target: {}", tcfg.summary());
+    spdlog::info("target: {}{}", tcfg.summary(),
+                 tcfg.source.rfind("<embedded", 0) == 0 ? fmt::format(" (from {}: {} is not under the working directory)",
+                                                                     tcfg.source, TrainConfig::kTinyTargetPath)
+                                                        : "");
     spdlog::info("drafter: {}", dcfg.summary());
     write_text(run_dir / "config.yaml", cfg.to_yaml());
   }

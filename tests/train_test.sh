@@ -25,6 +25,8 @@
 #           counted and logged and the run finishes; 3 in a row with training.skip_nonfinite_limit=3 stop the
 #           run non-zero with the message naming the limit.
 #   sigterm SIGTERM during a run: checkpoint at the next step boundary, exit 0; running again resumes and finishes.
+#   ckptfail  a background checkpoint write that fails (DFLASH_FAULT_CHECKPOINT_WRITE) stops the run non-zero
+#           before the next checkpoint, naming it; the partial directory is never resumed.
 #   baddata a data file whose vocabulary is larger than the target's, and a file that is not HDF5, are refused
 #           with the file's name.
 set -u
@@ -207,6 +209,18 @@ baddata)
   echo "not an HDF5 file" >"$work/junk.h5"
   if run junk --set data.synth.enabled=false --set "data.files=[$work/junk.h5]"; then fail "a non-HDF5 file was accepted"; fi
   grep -q "error while opening dataset file '$work/junk.h5'" "$work/junk.log" || fail "no clear message for the non-HDF5 file"
+  ;;
+ckptfail)
+  # A background checkpoint write that fails (injected at step 4) stops the run non-zero with a message
+  # naming the checkpoint; it leaves no COMMIT marker, and a resume ignores it.
+  common=(--set training.max_steps=12 --set logging.interval=1 --set checkpoint.interval=4 --set checkpoint.at_end=false)
+  if DFLASH_FAULT_CHECKPOINT_WRITE=4 run fault "${common[@]}"; then fail "the run with a failed checkpoint write exited 0"; fi
+  grep -q "checkpoint .*ckpt-4 could not be written: injected fault" "$work/fault.log" || fail "no message naming ckpt-4"
+  [ -f "$work/fault/checkpoints/ckpt-4/COMMIT" ] && fail "the failed checkpoint has a COMMIT marker"
+  s=$(col "$work/fault/metrics.jsonl" step | tail -n 1)
+  [ "$s" -lt 8 ] || fail "the run went on to step $s after the failed write"
+  run fault "${common[@]}" || fail "the run after the failed write failed"
+  grep -q "no complete checkpoint under .*: starting at step 0" "$work/fault.log" || fail "the incomplete ckpt-4 was not ignored"
   ;;
 *) fail "unknown mode $mode" ;;
 esac

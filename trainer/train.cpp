@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -203,20 +204,28 @@ class BackgroundWriter {
     if (thread_.joinable()) thread_.join();
     if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
   }
+  // Without blocking: rethrows the writer's error once it has finished with one (called every step,
+  // so a failed write stops the run at once, not at the next checkpoint).
+  void check() {
+    if (finished_.load(std::memory_order_acquire)) wait();
+  }
   void start(std::function<void()> job) {
     wait();
+    finished_.store(false, std::memory_order_relaxed);
     thread_ = std::thread([this, job = std::move(job)] {
       try {
         job();
       } catch (...) {
         error_ = std::current_exception();
       }
+      finished_.store(true, std::memory_order_release);
     });
   }
 
  private:
   std::thread thread_;
   std::exception_ptr error_;
+  std::atomic<bool> finished_{false};
 };
 }  // namespace
 
@@ -403,6 +412,9 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   // periodic ones: the next steps run meanwhile), else before returning (stop, end of run).
   BackgroundWriter writer;
   const std::string cfg_yaml = cfg.to_yaml();
+  // Test hook: DFLASH_FAULT_CHECKPOINT_WRITE=N makes the write of the step-N checkpoint fail.
+  const int64_t fault_checkpoint =
+      std::getenv("DFLASH_FAULT_CHECKPOINT_WRITE") ? std::atoll(std::getenv("DFLASH_FAULT_CHECKPOINT_WRITE")) : -1;
   auto save_checkpoint = [&](int64_t at_step, const nlohmann::json& loader_state, bool background) {
     const fs::path final_dir = ckpt_dir / fmt::format("ckpt-{}", at_step);
     const fs::path tmp = ckpt_dir / fmt::format("ckpt-{}.tmp", at_step);
@@ -431,8 +443,9 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
                                  {"anchor_stream", "step * 2^32 + global sequence index (stateless)"}}},
                         {"world", {{"world_size", world}, {"tp", tp}, {"num_tp_groups", layout.num_tp_groups}}},
                         {"version", version_string()}};
-      auto write = [=, &dcfg, cs = std::move(cs), st = std::move(st)] {
+      auto write_files = [=, &dcfg, cs = std::move(cs), st = std::move(st)] {
         const auto t1 = clock::now();
+        if (fault_checkpoint == at_step) DFLASH_FAIL("injected fault (DFLASH_FAULT_CHECKPOINT_WRITE=" << at_step << ")");
         drafter::export_hf((tmp / "drafter").string(), dcfg, cs.weights);
         cs.optimizer.save((tmp / "optimizer.safetensors").string());
         write_text(tmp / "state.json", st.dump(2) + "\n");
@@ -456,6 +469,22 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
         spdlog::info("checkpoint {} written ({:.2f} GiB: state copied in {:.1f} s, files written in {:.1f} s{})",
                      final_dir.string(), static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0), copy_s,
                      std::chrono::duration<double>(clock::now() - t1).count(), background ? " while training went on" : "");
+      };
+      // A failed write names the checkpoint; the incomplete directory has no COMMIT marker, so resume
+      // never takes it, and the newest complete checkpoint is untouched.
+      auto write = [write_files, final_dir, ckpt_dir = ckpt_dir] {
+        auto fail = [&](const std::string& why) {
+          DFLASH_FAIL_HINT("checkpoint " << final_dir.string() << " could not be written: " << why,
+                           "check the free space and permissions under " << ckpt_dir.string()
+                                                                          << "; the newest complete checkpoint there is intact");
+        };
+        try {
+          write_files();
+        } catch (const Error& e) {
+          fail(e.message());
+        } catch (const std::exception& e) {
+          fail(e.what());
+        }
       };
       if (background) writer.start(write);
       else write();
@@ -490,6 +519,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   }
 
   while (step < total) {
+    if (rank == 0) writer.check();  // a background checkpoint write that failed stops the run here
     const nlohmann::json loader_state_before = loader.state();
     const bool stop_here = ropt.stop_after_steps >= 0 && step >= ropt.stop_after_steps;
     // Load this step's micro-batches and sample their blocks (no forward needed for Σw).

@@ -73,6 +73,12 @@ learn)
   grep -q "drafter exported to $work/learn/drafter" "$work/learn.log" || fail "no 'drafter exported to' line"
   # The exported (Hugging Face, bf16) drafter loads back as a warm start and keeps what it learned:
   # its first loss is near the trained level, far below a fresh drafter's.
+  # fast_path.json: this rank's record, rewritten at the end with the target steps that ran (the tiny
+  # target: 6 GatedDeltaNet + 2 attention layers, one forward per step).
+  fp=$work/learn/fast_path.json
+  grep -q '"when": "end of run"' "$fp" || fail "no end-of-run fast_path.json"
+  [ "$(grep -c '"rank":' "$fp")" -eq 1 ] || fail "fast_path.json should hold 1 rank"
+  tr -d ' \n' <"$fp" | grep -q '"delta_rule":{"cpu":240,' || fail "fast_path.json does not count 40 x 6 delta-rule steps"
   run warm --set training.max_steps=1 --set logging.interval=1 --set "model.drafter.warm_start=$work/learn/drafter" \
     --set checkpoint.at_end=false || fail "warm start from the exported drafter failed"
   w0=$(col "$work/warm/metrics.jsonl" loss | head -n 1)
@@ -126,6 +132,7 @@ mpi)
            END {printf "  max relative difference %.3g over %d steps\n", worst, n; exit !(n == 6 && worst <= tol)}' tol="$tol" ||
       fail "$r losses differ from the 1-rank run by more than $tol (relative)"
   done
+  [ "$(grep -c '"rank":' "$work/tp2/fast_path.json")" -eq 2 ] || fail "tp2's fast_path.json should hold 2 ranks"
   # The 1-rank run's checkpoint cannot be resumed on 2 ranks.
   cp -r "$work/one" "$work/one2"
   if run one2 "${common[@]}" --set training.max_steps=8 --set training.batch_size=2; then fail "resume on 2 ranks was accepted"; fi

@@ -84,6 +84,9 @@ class TrainBackend {
   virtual std::string init_summary() { return ""; }
   // Fast-path summary of the target's plan (empty on the CPU).
   virtual std::string fast_path_summary() { return ""; }
+  // This rank's fast-path record for run_dir/fast_path.json: device, the target's per-layer plan,
+  // the kernels launched so far per step and path, and the drafter's attention path.
+  virtual nlohmann::json fast_path_json() = 0;
 };
 
 std::unique_ptr<TrainBackend> make_cpu_backend(const BackendSetup& s, comm::Communicator* world,

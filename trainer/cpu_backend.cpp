@@ -7,6 +7,7 @@
 #include "target_model/model.h"
 #include "target_model/tp.h"
 #include "target_model/weights.h"
+#include "target_model/fast_path.h"
 #include "trainer/backend.h"
 #include "trainer/optimizer.h"
 
@@ -43,6 +44,7 @@ class CpuBackend final : public TrainBackend {
     const auto& tr = cfg.training;
     opt_ = std::make_unique<AdamW>(params, AdamWHyper{tr.betas.at(0), tr.betas.at(1), tr.eps, tr.weight_decay});
     fopt_.capture = dcfg_.target_layer_ids;
+    fopt_.counters = &counters_;
   }
 
   std::string describe() const override { return "cpu (f32 target reference, double drafter reference)"; }
@@ -96,6 +98,12 @@ class CpuBackend final : public TrainBackend {
   }
 
   drafter::DrafterWeights weights() override { return dw_; }
+  nlohmann::json fast_path_json() override {
+    return {{"device", "cpu"},
+            {"target", "every layer on the CPU reference (f32)"},
+            {"target_kernel_launches", counters_.to_json()},
+            {"drafter_attention", {{"path", "cpu"}, {"reason", "the CPU reference (double)"}}}};
+  }
   CheckpointState checkpoint_state() override {
     // Copies (the next step updates dw_ and the moments in place); the weights are the copied masters.
     CheckpointState cs;
@@ -122,6 +130,7 @@ class CpuBackend final : public TrainBackend {
   int64_t n_params_ = 0;
   std::unique_ptr<AdamW> opt_;
   target::ForwardOptions fopt_;
+  target::PathCounters counters_;
 };
 
 }  // namespace

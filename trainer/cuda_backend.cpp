@@ -52,10 +52,12 @@ class CudaBackend final : public TrainBackend {
     // head dims, said in the log and refused under require_fast_path like a target fallback.
     if (cuda::block_attention_supported(dcfg_.head_dim, info.major)) {
       fast_path_ += fmt::format("; drafter attention: tensor-core kernels (head_dim {})", dcfg_.head_dim);
+      drafter_attention_ = {{"path", "fast"}, {"reason", fmt::format("head_dim {} on sm_{}{}", dcfg_.head_dim, info.major, info.minor)}};
     } else {
       const std::string why = fmt::format("head_dim {} on sm_{}{}; the tensor-core kernels take head_dim 64 or 128 on sm_80+",
                                           dcfg_.head_dim, info.major, info.minor);
       fast_path_ += "; drafter attention: FALLBACK kernel (" + why + ")";
+      drafter_attention_ = {{"path", "fallback"}, {"reason", why}};
       DFLASH_CHECK_HINT(!cfg.kernels.require_fast_path,
                         "require_fast_path is set, but the drafter's attention would run the fallback kernel on "
                             << device_.str() << ": " << why,
@@ -121,6 +123,12 @@ class CudaBackend final : public TrainBackend {
   }
   int64_t num_params() const override { return model_->num_params(); }
   std::string fast_path_summary() override { return fast_path_; }
+  nlohmann::json fast_path_json() override {
+    return {{"device", tmodel_->plan().device},
+            {"target", tmodel_->plan().to_json()},
+            {"target_kernel_launches", tmodel_->counters().to_json()},
+            {"drafter_attention", drafter_attention_}};
+  }
   void zero_grads() override { model_->zero_grads(); }
 
   drafter::StepStats micro_step(MicroBatch& m, const drafter::StepOptions& opt, bool last, StepTimes& t) override {
@@ -274,6 +282,7 @@ class CudaBackend final : public TrainBackend {
   std::unique_ptr<AdamW> host_opt_;
   int64_t pending_ = 0, steps_ = 0;
   std::string init_log_, memory_plan_;
+  nlohmann::json drafter_attention_;
 };
 
 }  // namespace

@@ -103,7 +103,38 @@ struct Group {
   void barrier() {
     if (world) world->barrier();
   }
+  // Every rank's string, in rank order (on every rank).
+  std::vector<std::string> gather(const std::string& mine, int rank) {
+    if (!world) return {mine};
+    const int n = world->size();
+    std::vector<double> lens(static_cast<size_t>(n), 0.0);
+    lens[static_cast<size_t>(rank)] = static_cast<double>(mine.size());
+    sum(lens);
+    const int64_t width = static_cast<int64_t>(*std::max_element(lens.begin(), lens.end()));
+    Tensor in = Tensor::zeros({std::max<int64_t>(width, 1)}, DType::U8);
+    std::copy(mine.begin(), mine.end(), static_cast<char*>(in.raw_data()));
+    Tensor out = Tensor::empty({n * in.size(0)}, DType::U8);
+    world->all_gather(in, out);
+    std::vector<std::string> all;
+    for (int r = 0; r < n; ++r)
+      all.emplace_back(static_cast<const char*>(out.raw_data()) + r * in.size(0), static_cast<size_t>(lens[static_cast<size_t>(r)]));
+    return all;
+  }
 };
+
+// run_dir/fast_path.json: every rank's fast-path record (written at start-up and again at the end
+// with the kernel launches counted). Collective: every rank calls it.
+void write_fast_path_json(Group& g, TrainBackend& backend, int rank, const fs::path& path, const char* when) {
+  const std::vector<std::string> all = g.gather(backend.fast_path_json().dump(), rank);
+  if (rank != 0) return;
+  nlohmann::json doc{{"format", "dflash.fast_path.v1"}, {"when", when}, {"ranks", nlohmann::json::array()}};
+  for (size_t r = 0; r < all.size(); ++r) {
+    nlohmann::json j = nlohmann::json::parse(all[r]);
+    j["rank"] = r;
+    doc["ranks"].push_back(std::move(j));
+  }
+  write_text(path, doc.dump(1) + "\n");
+}
 
 // Dense bf16 tensor-core peak of an H100/H200 SXM (the MFU denominator), FLOP/s per GPU.
 constexpr double kPeakBf16PerGpu = 989.4e12;
@@ -338,6 +369,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     const std::string fp = backend->fast_path_summary();
     if (!fp.empty()) spdlog::info("fast path (rank {}): {}", rank, fp);
   }
+  write_fast_path_json(g, *backend, rank, run_dir / "fast_path.json", "start-up");
   if (rank == 0) {
     spdlog::info("backend: {}", backend->describe());
     spdlog::info("drafter: {:.2f} M trainable parameters; schedule {} lr {:g} -> {:g}, {} warmup step(s)",
@@ -552,6 +584,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
       if (rank == 0) spdlog::warn("stop requested: writing a checkpoint at step {} and exiting", step);
       if (last_ckpt != step) save_checkpoint(step, loader_state_before, false);
       if (rank == 0) writer.wait();
+      write_fast_path_json(g, *backend, rank, run_dir / "fast_path.json", "stopped");
       result.step = step;
       result.stopped = true;
       return result;
@@ -687,6 +720,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
 
   if (last_ckpt != step && cfg.checkpoint.at_end) save_checkpoint(step, loader.state(), false);
   if (rank == 0) writer.wait();  // a periodic checkpoint still being written
+  write_fast_path_json(g, *backend, rank, run_dir / "fast_path.json", "end of run");
   result.step = step;
   result.drafter_dir = (run_dir / "drafter").string();
   if (rank == 0) {

@@ -537,7 +537,14 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   int64_t intervals = 0, steady_steps = 0;
   StepTimes steady_times;
   auto log_t0 = clock::now();
-  int64_t last_ckpt = -1, log_steps = 0;
+  // A resumed run's starting step already has its checkpoint (the one it was read from).
+  const int64_t start_step = step;
+  int64_t last_ckpt = start_step > 0 ? start_step : -1, log_steps = 0;
+  if (rank == 0 && start_step >= total)
+    spdlog::warn("nothing to train: this run is complete at step {}/{} (checkpoint.resume: auto found its last "
+                 "checkpoint); use another logging.run_dir, checkpoint.resume: never, or more training.epochs / "
+                 "training.max_steps to train again",
+                 start_step, total);
   const double peak_flops = on_gpu ? kPeakBf16PerGpu : 0.0;
   ProgressBar bar(rank == 0 && cfg.logging.progress_bar && ::isatty(STDERR_FILENO), total);
   // Test hook: DFLASH_FAULT_NONFINITE_STEPS="3,4" makes the gradient norm of those (1-based) steps
@@ -740,7 +747,10 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     } else {
       perf += "n/a (one interval)";
     }
-    spdlog::info("summary: loss {:.4f} -> {:.4f}, acceptance length {:.3f}; {}", first_loss, last_loss, last_accept, perf);
+    if (intervals == 0)
+      spdlog::info("summary: no step trained in this run (it resumed at step {} of {})", start_step, total);
+    else
+      spdlog::info("summary: loss {:.4f} -> {:.4f}, acceptance length {:.3f}; {}", first_loss, last_loss, last_accept, perf);
     if (steady_steps > 0) {
       // Where a step's time goes (target and drafter: mean over ranks; the rest: rank 0).
       const double n = static_cast<double>(steady_steps), per = steady_s / n;

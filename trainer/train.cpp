@@ -104,20 +104,19 @@ struct Group {
     if (world) world->barrier();
   }
   // Every rank's string, in rank order (on every rank).
-  std::vector<std::string> gather(const std::string& mine, int rank) {
+  std::vector<std::string> gather(const std::string& mine) {
     if (!world) return {mine};
     const int n = world->size();
-    std::vector<double> lens(static_cast<size_t>(n), 0.0);
-    lens[static_cast<size_t>(rank)] = static_cast<double>(mine.size());
-    sum(lens);
-    const int64_t width = static_cast<int64_t>(*std::max_element(lens.begin(), lens.end()));
-    Tensor in = Tensor::zeros({std::max<int64_t>(width, 1)}, DType::U8);
+    Tensor len = Tensor::empty({1}, DType::I64), lens = Tensor::empty({n}, DType::I64);
+    len.data<int64_t>()[0] = static_cast<int64_t>(mine.size());
+    world->all_gather(len, lens);
+    const int64_t* l = lens.data<int64_t>();
+    Tensor in = Tensor::zeros({std::max<int64_t>(*std::max_element(l, l + n), 1)}, DType::U8);
     std::copy(mine.begin(), mine.end(), static_cast<char*>(in.raw_data()));
     Tensor out = Tensor::empty({n * in.size(0)}, DType::U8);
     world->all_gather(in, out);
     std::vector<std::string> all;
-    for (int r = 0; r < n; ++r)
-      all.emplace_back(static_cast<const char*>(out.raw_data()) + r * in.size(0), static_cast<size_t>(lens[static_cast<size_t>(r)]));
+    for (int r = 0; r < n; ++r) all.emplace_back(static_cast<const char*>(out.raw_data()) + r * in.size(0), static_cast<size_t>(l[r]));
     return all;
   }
 };
@@ -125,7 +124,7 @@ struct Group {
 // run_dir/fast_path.json: every rank's fast-path record (written at start-up and again at the end
 // with the kernel launches counted). Collective: every rank calls it.
 void write_fast_path_json(Group& g, TrainBackend& backend, int rank, const fs::path& path, const char* when) {
-  const std::vector<std::string> all = g.gather(backend.fast_path_json().dump(), rank);
+  const std::vector<std::string> all = g.gather(backend.fast_path_json().dump());
   if (rank != 0) return;
   nlohmann::json doc{{"format", "dflash.fast_path.v1"}, {"when", when}, {"ranks", nlohmann::json::array()}};
   for (size_t r = 0; r < all.size(); ++r) {
@@ -192,6 +191,7 @@ namespace {
 struct CheckedConfigs {
   target::TargetConfig target;
   drafter::DrafterConfig drafter;
+  bool embedded_target = false;  // the default config's tiny target, from the copy in the binary
 };
 CheckedConfigs checked_configs(const TrainConfig& cfg, int world, const RunOptions& ropt) {
   cfg.validate(world);
@@ -200,6 +200,7 @@ CheckedConfigs checked_configs(const TrainConfig& cfg, int world, const RunOptio
   if (cfg.source == TrainConfig::kEmbeddedSource && ts.path.empty() && ts.config == TrainConfig::kTinyTargetPath &&
       !fs::exists(ts.config)) {
     // The default config started outside the repository root: its target's copy built into the binary.
+    c.embedded_target = true;
     c.target = target::TargetConfig::from_json(nlohmann::json::parse(TrainConfig::embedded_tiny_target_json()),
                                                std::string("<embedded ") + TrainConfig::kTinyTargetPath + ">");
   } else {
@@ -299,9 +300,9 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     spdlog::info("config {}:\n{}", cfg.source, cfg.settings_table());
     spdlog::info("world: {} rank(s), tp {}, {} TP group(s) (data parallel)", world, tp, layout.num_tp_groups);
     spdlog::info("target: {}{}", tcfg.summary(),
-                 tcfg.source.rfind("<embedded", 0) == 0 ? fmt::format(" (from {}: {} is not under the working directory)",
-                                                                     tcfg.source, TrainConfig::kTinyTargetPath)
-                                                        : "");
+                 checked.embedded_target ? fmt::format(" (from {}: {} is not under the working directory)", tcfg.source,
+                                                       TrainConfig::kTinyTargetPath)
+                                         : "");
     spdlog::info("drafter: {}", dcfg.summary());
     write_text(run_dir / "config.yaml", cfg.to_yaml());
   }
@@ -445,8 +446,9 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   BackgroundWriter writer;
   const std::string cfg_yaml = cfg.to_yaml();
   // Test hook: DFLASH_FAULT_CHECKPOINT_WRITE=N makes the write of the step-N checkpoint fail.
-  const int64_t fault_checkpoint =
-      std::getenv("DFLASH_FAULT_CHECKPOINT_WRITE") ? std::atoll(std::getenv("DFLASH_FAULT_CHECKPOINT_WRITE")) : -1;
+  const size_t keep_last = static_cast<size_t>(cfg.checkpoint.keep_last);
+  const char* fault_env = std::getenv("DFLASH_FAULT_CHECKPOINT_WRITE");
+  const int64_t fault_checkpoint = fault_env ? std::atoll(fault_env) : -1;
   auto save_checkpoint = [&](int64_t at_step, const nlohmann::json& loader_state, bool background) {
     const fs::path final_dir = ckpt_dir / fmt::format("ckpt-{}", at_step);
     const fs::path tmp = ckpt_dir / fmt::format("ckpt-{}.tmp", at_step);
@@ -475,47 +477,40 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
                                  {"anchor_stream", "step * 2^32 + global sequence index (stateless)"}}},
                         {"world", {{"world_size", world}, {"tp", tp}, {"num_tp_groups", layout.num_tp_groups}}},
                         {"version", version_string()}};
-      auto write_files = [=, &dcfg, cs = std::move(cs), st = std::move(st)] {
-        const auto t1 = clock::now();
-        if (fault_checkpoint == at_step) DFLASH_FAIL("injected fault (DFLASH_FAULT_CHECKPOINT_WRITE=" << at_step << ")");
-        drafter::export_hf((tmp / "drafter").string(), dcfg, cs.weights);
-        cs.optimizer.save((tmp / "optimizer.safetensors").string());
-        write_text(tmp / "state.json", st.dump(2) + "\n");
-        write_text(tmp / "config.yaml", cfg_yaml);
-        fsync_tree(tmp);
-        fs::remove_all(final_dir);
-        fs::rename(tmp, final_dir);
-        fsync_path(ckpt_dir);
-        write_text(final_dir / "COMMIT", fmt::format("step {}\n", at_step));
-        fsync_path(final_dir);
-        // keep_last pruning, and leftovers of interrupted writes.
-        auto all = complete_checkpoints(ckpt_dir);
-        for (size_t i = 0; i + static_cast<size_t>(cfg.checkpoint.keep_last) < all.size(); ++i) fs::remove_all(all[i].second);
-        for (const auto& e : fs::directory_iterator(ckpt_dir)) {
-          const std::string name = e.path().filename().string();
-          if (name.rfind("ckpt-", 0) == 0 && !fs::exists(e.path() / "COMMIT")) fs::remove_all(e.path());
-        }
-        uintmax_t bytes = 0;
-        for (const auto& e : fs::recursive_directory_iterator(final_dir))
-          if (e.is_regular_file()) bytes += e.file_size();
-        spdlog::info("checkpoint {} written ({:.2f} GiB: state copied in {:.1f} s, files written in {:.1f} s{})",
-                     final_dir.string(), static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0), copy_s,
-                     std::chrono::duration<double>(clock::now() - t1).count(), background ? " while training went on" : "");
-      };
       // A failed write names the checkpoint; the incomplete directory has no COMMIT marker, so resume
       // never takes it, and the newest complete checkpoint is untouched.
-      auto write = [write_files, final_dir, ckpt_dir = ckpt_dir] {
-        auto fail = [&](const std::string& why) {
-          DFLASH_FAIL_HINT("checkpoint " << final_dir.string() << " could not be written: " << why,
+      auto write = [=, &dcfg, cs = std::move(cs), st = std::move(st)] {
+        try {
+          const auto t1 = clock::now();
+          if (fault_checkpoint == at_step) DFLASH_FAIL("injected fault (DFLASH_FAULT_CHECKPOINT_WRITE=" << at_step << ")");
+          drafter::export_hf((tmp / "drafter").string(), dcfg, cs.weights);
+          cs.optimizer.save((tmp / "optimizer.safetensors").string());
+          write_text(tmp / "state.json", st.dump(2) + "\n");
+          write_text(tmp / "config.yaml", cfg_yaml);
+          fsync_tree(tmp);
+          fs::remove_all(final_dir);
+          fs::rename(tmp, final_dir);
+          fsync_path(ckpt_dir);
+          write_text(final_dir / "COMMIT", fmt::format("step {}\n", at_step));
+          fsync_path(final_dir);
+          // keep_last pruning, and leftovers of interrupted writes.
+          auto all = complete_checkpoints(ckpt_dir);
+          for (size_t i = 0; i + keep_last < all.size(); ++i) fs::remove_all(all[i].second);
+          for (const auto& e : fs::directory_iterator(ckpt_dir)) {
+            const std::string name = e.path().filename().string();
+            if (name.rfind("ckpt-", 0) == 0 && !fs::exists(e.path() / "COMMIT")) fs::remove_all(e.path());
+          }
+          uintmax_t bytes = 0;
+          for (const auto& e : fs::recursive_directory_iterator(final_dir))
+            if (e.is_regular_file()) bytes += e.file_size();
+          spdlog::info("checkpoint {} written ({:.2f} GiB: state copied in {:.1f} s, files written in {:.1f} s{})",
+                       final_dir.string(), static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0), copy_s,
+                       std::chrono::duration<double>(clock::now() - t1).count(), background ? " while training went on" : "");
+        } catch (const std::exception& e) {
+          const auto* de = dynamic_cast<const Error*>(&e);
+          DFLASH_FAIL_HINT("checkpoint " << final_dir.string() << " could not be written: " << (de ? de->message() : e.what()),
                            "check the free space and permissions under " << ckpt_dir.string()
                                                                           << "; the newest complete checkpoint there is intact");
-        };
-        try {
-          write_files();
-        } catch (const Error& e) {
-          fail(e.message());
-        } catch (const std::exception& e) {
-          fail(e.what());
         }
       };
       if (background) writer.start(write);

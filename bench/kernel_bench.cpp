@@ -2,7 +2,7 @@
 // against a reference on the same inputs before it is timed (a wrong kernel never passes as a
 // fast one); rounds shuffle the provider order; rows go to CSV with the GPU name and commit.
 //
-//   kernel_bench --csv kernel_bench.csv [--only conv,gdn,gemm,dattn,ce,layer] [--quick]
+//   kernel_bench --csv kernel_bench.csv [--only conv,gdn,gemm,attn,dattn,ce,layer] [--quick]
 //
 // conv : N separate causal depthwise convs vs one fused conv over the concatenated channels, and
 //        the Qwen3.6-27B layer shape (10240 channels); GB/s from bytes = read x + write y (+ w).
@@ -12,6 +12,8 @@
 // gdn  : chunked delta rule (fast) vs token-recurrent fallback, Qwen3.6-27B heads (16 k, 48 v,
 //        d 128), T 2048..32768 and a varlen batch; TFLOP/s and TB/s from the formulas below.
 // gemm : the model's GEMM shapes: cuBLASLt's heuristic choice vs the best of its top 16 in isolation.
+// attn : the target's causal flash attention: the wgmma (sm_90a) kernel vs the mma.sync one, 27B
+//        shape (Hq 24, Hkv 4, d 256) at T 2048 / 8192 and packed, and d 128 (Hq 32, Hkv 8).
 // ce   : the fused linear cross-entropy of the DFlash LM head, fwd+bwd, R 8192 x H 5120 x V 248320,
 //        per chunk size, and the dense bf16 GEMM ceiling (8192³) measured in the same run.
 // layer: one GatedDeltaNet and one attention decoder layer at the 27B shape and small shapes.
@@ -23,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <sstream>
 
 #include "bench/harness.h"
@@ -248,6 +251,61 @@ void bench_gdn(Ctx& ctx, bool quick) {
     if (!(quick && N > 8192))
       prov.push_back({"recurrent_fallback", [&] { cuda::recurrent_gated_delta_rule(params(o_slow), ctx.stream); }, [&] { return o_slow; }});
     measure(ctx, "gdn", "gated_delta_rule", shape.str(), prov, 2e-2,
+            {{"achieved", "TFLOP/s", flops / 1e12}, {"bandwidth", "TB/s", bytes / 1e12}});
+  }
+}
+
+// Causal flash attention forward, each kernel flash_attention_fwd can run on this GPU, on the same
+// inputs (outputs compared before timing). FLOPs = 4 · d · Hq · Σ_seq T(T+1)/2 (QKᵀ and PV over the
+// causal half); bytes ≈ q, out, k, v once (the K/V re-reads per query block hit L2).
+void bench_attn(Ctx& ctx, bool quick) {
+  std::printf("\n== attn: causal flash attention forward, wgmma (sm_90a) vs mma.sync\n");
+  struct Case {
+    std::vector<int64_t> lens;
+    int64_t Hq, Hkv, d;
+  };
+  std::vector<Case> cases = {{{2048}, 24, 4, 256}, {{8192}, 24, 4, 256}, {std::vector<int64_t>(16, 512), 24, 4, 256},
+                             {{8192}, 32, 8, 128}};
+  if (quick) cases.resize(2);
+  for (const Case& c : cases) {
+    int64_t N = 0, max_len = 0;
+    double pairs = 0;
+    for (int64_t l : c.lens) {
+      N += l;
+      max_len = std::max(max_len, l);
+      pairs += 0.5 * static_cast<double>(l) * static_cast<double>(l + 1);
+    }
+    Tensor q = dev_randn({N, c.Hq, c.d}, DType::BF16, 21), k = dev_randn({N, c.Hkv, c.d}, DType::BF16, 22);
+    Tensor v = dev_randn({N, c.Hkv, c.d}, DType::BF16, 23), cu = cu_seqlens_of(c.lens);
+    const double flops = 4.0 * static_cast<double>(c.d * c.Hq) * pairs;
+    const double bytes = static_cast<double>(N) * static_cast<double>(2 * c.Hq + 2 * c.Hkv) * c.d * 2;
+    std::vector<Tensor> outs;
+    std::vector<Provider> prov;
+    auto add = [&](const char* name, cuda::FlashImpl impl) {
+      outs.push_back(Tensor::empty({N, c.Hq, c.d}, DType::BF16, Device::cuda(0)));
+      Tensor out = outs.back();
+      cuda::AttentionParams p;
+      p.q = q.raw_data();
+      p.k = k.raw_data();
+      p.v = v.raw_data();
+      p.out = out.raw_data();
+      p.cu_seqlens = cu.data<int32_t>();
+      p.num_seqs = static_cast<int64_t>(c.lens.size());
+      p.max_seqlen = max_len;
+      p.N = N;
+      p.Hq = c.Hq;
+      p.Hkv = c.Hkv;
+      p.d = c.d;
+      p.scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+      p.impl = impl;
+      prov.push_back({name, [p, &ctx] { cuda::flash_attention_fwd(p, ctx.stream); }, [out] { return out; }});
+    };
+    if (cuda::flash_attention_wgmma_available(c.d, 0)) add("wgmma", cuda::FlashImpl::Wgmma);
+    add("mma_sync", cuda::FlashImpl::MmaSync);
+    std::ostringstream shape;
+    shape << "T" << N << (c.lens.size() > 1 ? " (" + std::to_string(c.lens.size()) + " seqs)" : "") << " Hq" << c.Hq
+          << " Hkv" << c.Hkv << " d" << c.d;
+    measure(ctx, "attn", "flash_attention_fwd", shape.str(), prov, 2e-2,
             {{"achieved", "TFLOP/s", flops / 1e12}, {"bandwidth", "TB/s", bytes / 1e12}});
   }
 }
@@ -552,7 +610,7 @@ void bench_layer(Ctx& ctx, bool quick) {
 int main(int argc, char** argv) {
   CLI::App app{"Op-level benchmarks of the target's CUDA kernels (each provider checked before it is timed)."};
   app.name("kernel_bench");
-  std::string log_level = "warn", csv, only = "conv,gdn,gemm,dattn,ce,layer";
+  std::string log_level = "warn", csv, only = "conv,gdn,gemm,attn,dattn,ce,layer";
   bool quick = false;
   Ctx ctx;
   add_common_options(app, &log_level);
@@ -560,7 +618,7 @@ int main(int argc, char** argv) {
   std::string json_path, baseline;
   app.add_option("--json", json_path, "also write this run's rows as JSON");
   app.add_option("--baseline", baseline, "an earlier CSV: print now/baseline per row and the geomean per group");
-  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,dattn,ce,layer")->capture_default_str();
+  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,attn,dattn,ce,layer")->capture_default_str();
   app.add_flag("--quick", quick, "a few shapes only (smoke run)");
   app.add_option("--warmup", ctx.warmup, "untimed calls before the first round")->capture_default_str();
   app.add_option("--iters", ctx.iters, "timed calls per round")->capture_default_str();
@@ -578,12 +636,21 @@ int main(int argc, char** argv) {
     ctx.csv = std::make_unique<bench::CsvWriter>(csv, ctx.info.name);
     std::printf("kernel_bench on %s, %s, round-order seed %llu\n", ctx.info.name.c_str(), version_string().c_str(),
                 static_cast<unsigned long long>(ctx.seed));
-    if (only.find("conv") != std::string::npos) bench_conv(ctx, quick);
-    if (only.find("gdn") != std::string::npos) bench_gdn(ctx, quick);
-    if (only.find("gemm") != std::string::npos) bench_gemm(ctx, quick);
-    if (only.find("ce") != std::string::npos) bench_ce(ctx, quick);
-    if (only.find("layer") != std::string::npos) bench_layer(ctx, quick);
-    if (only.find("dattn") != std::string::npos) bench_dattn(ctx, quick);
+    const std::vector<std::pair<std::string, void (*)(Ctx&, bool)>> sections = {
+        {"conv", bench_conv}, {"gdn", bench_gdn},     {"gemm", bench_gemm},  {"attn", bench_attn},
+        {"ce", bench_ce},     {"layer", bench_layer}, {"dattn", bench_dattn}};
+    std::set<std::string> wanted;
+    for (std::stringstream ss(only); ss.good();) {
+      std::string name;
+      std::getline(ss, name, ',');
+      if (name.empty()) continue;
+      DFLASH_CHECK_HINT(std::any_of(sections.begin(), sections.end(), [&](const auto& s) { return s.first == name; }),
+                        "kernel_bench --only: unknown section '" << name << "'",
+                        "the sections are conv, gdn, gemm, attn, dattn, ce, layer");
+      wanted.insert(name);
+    }
+    for (const auto& [name, fn] : sections)
+      if (wanted.count(name)) fn(ctx, quick);
     ctx.csv->finish(json_path, baseline);
     return 0;
   });

@@ -2,6 +2,7 @@
 
 #include <sstream>
 
+#include "kernels/device.h"
 #include "kernels/error.h"
 #if DFLASH_WITH_CUDA
 #include "kernels/cuda/launch.h"
@@ -120,9 +121,14 @@ FastPathPlan make_plan(const TargetConfig& c, Device device, const KernelPolicie
       const int64_t d = c.head_dim;
       Capability at{cuda::flash_attention_supported(d, sm_major),
                     "head dim " + std::to_string(d) + " on " + sm + " is not supported by the flash kernel"};
+      // Which of the flash kernels runs (wgmma on sm_90 for d 128 / 256, else mma.sync).
+      const std::string flash_kernel = sm_major == 9 && device.index < cuda_device_count()
+                                           ? cuda::flash_attention_kernel_name(d, device.index)
+                                           : "mma.sync";
       lp.steps.push_back(decide(Step::Attention, i, pol.attention, at, "flash_attention_fwd",
                                 sm + ", head dim " + std::to_string(d) + ", GQA " +
-                                    std::to_string(c.num_attention_heads) + "/" + std::to_string(c.num_key_value_heads),
+                                    std::to_string(c.num_attention_heads) + "/" +
+                                    std::to_string(c.num_key_value_heads) + ", " + flash_kernel,
                                 "attention_fallback", "kernels.attention"));
     }
 #else

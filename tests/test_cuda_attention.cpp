@@ -1,5 +1,5 @@
-// CUDA causal attention (flash_attention_fwd, attention_fallback) against the CPU reference
-// ops::causal_attention. Inputs are bf16 (drawn on the host, so rounded once); the reference gets
+// CUDA causal attention (flash_attention_fwd with each of its kernels: the mma.sync one and, on an
+// sm_90 GPU, the wgmma one; attention_fallback) against the CPU reference ops::causal_attention. Inputs are bf16 (drawn on the host, so rounded once); the reference gets
 // the same rounded values in f32. Outputs are poisoned (NaN) before every launch.
 //
 // Error bound: max|out - ref| / max|ref| < 1e-2. The output is stored in bf16 (relative rounding
@@ -30,8 +30,17 @@ namespace {
 constexpr double kBound = 1e-2;
 uint64_t g_stream = 7001;
 
-enum class Kernel { Flash, Fallback };
-const char* kernel_name(Kernel k) { return k == Kernel::Flash ? "flash" : "fallback"; }
+// Flash = flash_attention_fwd as the model calls it (FlashImpl::Auto); the other two force a kernel.
+enum class Kernel { Flash, FlashMma, FlashWgmma, Fallback };
+const char* kernel_name(Kernel k) {
+  switch (k) {
+    case Kernel::Flash: return "flash";
+    case Kernel::FlashMma: return "flash-mma.sync";
+    case Kernel::FlashWgmma: return "flash-wgmma";
+    default: return "fallback";
+  }
+}
+bool wgmma_runs(int64_t d) { return cuda::flash_attention_wgmma_available(d, 0); }
 
 struct Problem {
   std::vector<int64_t> lens;
@@ -109,12 +118,16 @@ cuda::AttentionParams params_of(const Problem& p, const Tensor& out) {
   return a;
 }
 
-void launch(Kernel kernel, const cuda::AttentionParams& a) {
+void launch(Kernel kernel, cuda::AttentionParams a) {
   void* stream = DeviceContext::get(0).stream();
-  if (kernel == Kernel::Flash)
-    cuda::flash_attention_fwd(a, stream);
-  else
+  if (kernel == Kernel::Fallback) {
     cuda::attention_fallback(a, stream);
+    return;
+  }
+  a.impl = kernel == Kernel::FlashMma ? cuda::FlashImpl::MmaSync
+           : kernel == Kernel::FlashWgmma ? cuda::FlashImpl::Wgmma
+                                          : cuda::FlashImpl::Auto;
+  cuda::flash_attention_fwd(a, stream);
 }
 
 // Device output [N, Hq, d] bf16, poisoned before the launch; returned on the host.
@@ -126,7 +139,7 @@ Tensor run(Kernel kernel, const Problem& p) {
 }
 
 // Runs the kernels on one problem, checks them against the reference, prints the errors.
-void check_problem(const Problem& p, std::initializer_list<Kernel> kernels, double* worst = nullptr) {
+void check_problem(const Problem& p, const std::vector<Kernel>& kernels, double* worst = nullptr) {
   const Tensor ref = reference(p);
   std::ostringstream line;
   line << "  " << describe(p) << ":";
@@ -134,7 +147,7 @@ void check_problem(const Problem& p, std::initializer_list<Kernel> kernels, doub
     const double err = max_rel_err(run(k, p), ref);
     line << " " << kernel_name(k) << " " << err;
     EXPECT_LT(err, kBound) << kernel_name(k) << " " << describe(p);
-    if (worst) worst[k == Kernel::Flash ? 0 : 1] = std::max(worst[k == Kernel::Flash ? 0 : 1], err);
+    if (worst) worst[static_cast<int>(k)] = std::max(worst[static_cast<int>(k)], err);
   }
   std::printf("%s\n", line.str().c_str());
 }
@@ -143,12 +156,22 @@ const std::vector<std::vector<int64_t>> kSeqSets = {{1}, {63}, {64}, {65}, {130}
 // Head ratios 1, 2, 3 and 6 (= Qwen3.6-27B's 24 / 4).
 const std::vector<std::pair<int64_t, int64_t>> kHeads = {{2, 2}, {4, 2}, {6, 2}, {6, 1}};
 
+// Every kernel that can run head dim d here: the mma.sync flash kernel always, the wgmma one on
+// sm_90 (d 128, 256), the default choice, and the fallback.
+std::vector<Kernel> kernels_for(int64_t d) {
+  std::vector<Kernel> k = {Kernel::Flash, Kernel::FlashMma};
+  if (wgmma_runs(d)) k.push_back(Kernel::FlashWgmma);
+  k.push_back(Kernel::Fallback);
+  return k;
+}
+
 void sweep(int64_t d) {
-  double worst[2] = {0, 0};
+  double worst[4] = {0, 0, 0, 0};
   for (auto [Hq, Hkv] : kHeads)
-    for (const auto& lens : kSeqSets) check_problem(make_problem(lens, Hq, Hkv, d), {Kernel::Flash, Kernel::Fallback}, worst);
-  std::printf("d=%lld worst normalized error: flash %.3g, fallback %.3g (bound %.0e)\n", static_cast<long long>(d),
-              worst[0], worst[1], kBound);
+    for (const auto& lens : kSeqSets) check_problem(make_problem(lens, Hq, Hkv, d), kernels_for(d), worst);
+  std::printf("d=%lld worst normalized error: flash %.3g, mma.sync %.3g, wgmma %s%.3g, fallback %.3g (bound %.0e)\n",
+              static_cast<long long>(d), worst[0], worst[1], wgmma_runs(d) ? "" : "(not run) ", worst[2], worst[3],
+              kBound);
 }
 
 }  // namespace
@@ -172,8 +195,8 @@ TEST(CudaAttention, FlashAndFallbackD256) {
 TEST(CudaAttention, PeakySoftmax) {
   DFLASH_REQUIRE_GPU();
   for (int64_t d : {64, 128, 256}) {
-    check_problem(make_problem({130, 5}, 4, 2, d, 8.0f), {Kernel::Flash, Kernel::Fallback});
-    check_problem(make_problem({97}, 2, 1, d, 8.0f, 3.0f), {Kernel::Flash, Kernel::Fallback});
+    check_problem(make_problem({130, 5}, 4, 2, d, 8.0f), kernels_for(d));
+    check_problem(make_problem({97}, 2, 1, d, 8.0f, 3.0f), kernels_for(d));
   }
 }
 
@@ -187,10 +210,11 @@ TEST(CudaAttention, FallbackOddHeadDims) {
 // One long sequence (32 key tiles per query block at the end) and a long packed batch.
 TEST(CudaAttention, LongSequences) {
   DFLASH_REQUIRE_GPU();
-  check_problem(make_problem({2048}, 2, 1, 256), {Kernel::Flash, Kernel::Fallback});
-  check_problem(make_problem({2048}, 4, 2, 128), {Kernel::Flash, Kernel::Fallback});
-  check_problem(make_problem({2048}, 6, 1, 64), {Kernel::Flash, Kernel::Fallback});
-  check_problem(make_problem({700, 1, 1347}, 2, 2, 128), {Kernel::Flash, Kernel::Fallback});
+  check_problem(make_problem({2048}, 2, 1, 256), kernels_for(256));
+  check_problem(make_problem({2048}, 4, 2, 128), kernels_for(128));
+  check_problem(make_problem({2048}, 6, 1, 64), kernels_for(64));
+  check_problem(make_problem({700, 1, 1347}, 2, 2, 128), kernels_for(128));
+  check_problem(make_problem({1000, 129, 3000}, 6, 1, 256), kernels_for(256));
 }
 
 TEST(CudaAttention, SupportedHeadDims) {
@@ -203,11 +227,32 @@ TEST(CudaAttention, SupportedHeadDims) {
   for (int64_t d : {1, 32, 40, 96, 80, 192, 512}) EXPECT_FALSE(cuda::flash_attention_supported(d, 9));
 }
 
+// On an sm_90 GPU (the H200) the wgmma kernel must be there and be what the model runs: a build
+// that lost its sm_90a code would otherwise fall back to mma.sync without a word.
+TEST(CudaAttention, WgmmaOnSm90) {
+  DFLASH_REQUIRE_GPU();
+  int major = 0, minor = 0;
+  DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0));
+  const bool sm90 = major == 9 && minor == 0;
+  for (int64_t d : {128, 256}) {
+    EXPECT_EQ(cuda::flash_attention_wgmma_available(d, 0), sm90) << "d=" << d;
+    EXPECT_STREQ(cuda::flash_attention_kernel_name(d, 0), sm90 ? "wgmma sm_90a" : "mma.sync") << "d=" << d;
+  }
+  EXPECT_FALSE(cuda::flash_attention_wgmma_available(64, 0));
+  EXPECT_STREQ(cuda::flash_attention_kernel_name(64, 0), "mma.sync");
+  if (!sm90) {  // forcing it where it cannot run is an error, not a silent mma.sync run
+    const Problem p = make_problem({5}, 2, 1, 128);
+    Tensor out = Tensor::empty({p.N, p.Hq, p.d}, DType::BF16, Device::cuda(0));
+    EXPECT_THROW(launch(Kernel::FlashWgmma, params_of(p, out)), Error);
+  }
+}
+
 TEST(CudaAttention, BadSizesThrow) {
   DFLASH_REQUIRE_GPU();
   const Problem p = make_problem({5, 3}, 6, 2, 64);
   Tensor out = Tensor::empty({p.N, p.Hq, p.d}, DType::BF16, Device::cuda(0));
-  for (Kernel k : {Kernel::Flash, Kernel::Fallback}) {
+  for (Kernel k : {Kernel::Flash, Kernel::FlashMma, Kernel::Fallback}) {
     auto a = params_of(p, out);
     a.Hkv = 4;  // 6 query heads do not divide into 4 kv heads
     EXPECT_THROW(launch(k, a), Error) << kernel_name(k);
@@ -276,8 +321,18 @@ TEST(CudaAttention, TimingPrintOnly) {
     Tensor out_f = Tensor::empty({p.N, p.Hq, p.d}, DType::BF16, Device::cuda(0));
     poison(out_f);
     const float ms_f = time_ms(Kernel::Flash, params_of(p, out_f), 3, 20);
-    std::printf("attention T=%lld Hq=24 Hkv=4 d=%lld: flash %.3f ms (%.1f TFLOP/s)\n", static_cast<long long>(T),
-                static_cast<long long>(d), ms_f, flops / ms_f * 1e-9);
+    std::printf("attention T=%lld Hq=24 Hkv=4 d=%lld: flash (%s) %.3f ms (%.1f TFLOP/s)\n", static_cast<long long>(T),
+                static_cast<long long>(d), cuda::flash_attention_kernel_name(d, 0), ms_f, flops / ms_f * 1e-9);
+    if (wgmma_runs(d)) {  // the other kernel on the same inputs: timing and agreement
+      Tensor out_m = Tensor::empty({p.N, p.Hq, p.d}, DType::BF16, Device::cuda(0));
+      poison(out_m);
+      const float ms_m = time_ms(Kernel::FlashMma, params_of(p, out_m), 3, 20);
+      const double diff = max_rel_err(out_f.to(Device::cpu()), out_m.to(Device::cpu()));
+      std::printf("attention T=%lld Hq=24 Hkv=4 d=%lld: mma.sync %.3f ms (%.1f TFLOP/s); wgmma vs mma.sync "
+                  "normalized difference %.3g\n",
+                  static_cast<long long>(T), static_cast<long long>(d), ms_m, flops / ms_m * 1e-9, diff);
+      EXPECT_LT(diff, kBound);
+    }
     if (d == 256) {
       Tensor out_b = Tensor::empty({p.N, p.Hq, p.d}, DType::BF16, Device::cuda(0));
       poison(out_b);

@@ -26,7 +26,9 @@
 //   12.8 FLOP/B · 128 B/clk/SM · 132 SMs · 1.98 GHz ≈ 430 TFLOP/s, less the cp.async tile writes.
 //   Measured (H200): d = 256 3.12 ms = 264 TFLOP/s; d = 128 1.35 ms = 306; d = 64 0.73 ms = 284
 //   (tests/test_cuda_attention.cpp TimingPrintOnly). The fallback: 226 ms at d = 256 (3.7 TFLOP/s).
-//   Going well beyond this needs wgmma (sm_90a) with operands straight from shared memory.
+//   Going well beyond this needs wgmma (sm_90a) with operands straight from shared memory: that
+//   kernel is attention_sm90.cu, which flash_attention_fwd runs instead of this one on sm_90 for
+//   d = 128 and 256 (AttentionParams::impl forces either).
 //
 // attention_fallback: one CTA per (query token, query head); the key range of its sequence is
 // walked in chunks of 64 keys: one warp per key computes the dot product (lanes over d), then the
@@ -96,16 +98,6 @@ template <int D> struct FlashCfg;
 template <> struct FlashCfg<64> : FlashTiling<64, 64, 4, true> {};
 template <> struct FlashCfg<128> : FlashTiling<128, 64, 4, true> {};
 template <> struct FlashCfg<256> : FlashTiling<256, 32, 8, false> {};
-
-struct FlashArgs {
-  const bf16* q;
-  const bf16* k;
-  const bf16* v;
-  bf16* out;
-  const int32_t* cu_seqlens;
-  int Hq, Hkv, group;
-  float scale_log2;  // scale · log2(e)
-};
 
 
 // Copies rows [0, ROWS) of a [*, D] global matrix (row stride ld elements) into a swizzled tile;
@@ -274,16 +266,7 @@ void launch_flash(const AttentionParams& p, cudaStream_t stream) {
   const auto kernel = flash_fwd_kernel<Cfg>;
   DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(Cfg::kSmemBytes)));
-  FlashArgs a;
-  a.q = static_cast<const bf16*>(p.q);
-  a.k = static_cast<const bf16*>(p.k);
-  a.v = static_cast<const bf16*>(p.v);
-  a.out = static_cast<bf16*>(p.out);
-  a.cu_seqlens = p.cu_seqlens;
-  a.Hq = static_cast<int>(p.Hq);
-  a.Hkv = static_cast<int>(p.Hkv);
-  a.group = static_cast<int>(p.Hq / p.Hkv);
-  a.scale_log2 = p.scale * 1.4426950408889634f;
+  const FlashArgs a = flash_args(p);
   const dim3 grid(static_cast<unsigned>(p.Hq), static_cast<unsigned>((p.max_seqlen + Cfg::kBlockM - 1) / Cfg::kBlockM),
                   static_cast<unsigned>(p.num_seqs));
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(a);
@@ -359,6 +342,13 @@ __global__ void attention_fallback_kernel(const bf16* __restrict__ q, const bf16
 
 }  // namespace
 
+// attention_sm90.cu: the wgmma kernel (sm_90a code), for validated parameters.
+void flash_attention_fwd_wgmma(const AttentionParams& p, Stream s);
+
+const char* flash_attention_kernel_name(int64_t d, int device) {
+  return flash_attention_wgmma_available(d, device) ? "wgmma sm_90a" : "mma.sync";
+}
+
 bool flash_attention_supported(int64_t d, int sm_major) {
   return (d == 64 || d == 128 || d == 256) && sm_major >= 8;
 }
@@ -373,6 +363,12 @@ void flash_attention_fwd(const AttentionParams& p, Stream s) {
   for (const void* ptr : {p.q, p.k, p.v, static_cast<const void*>(p.out)})
     DFLASH_CHECK(reinterpret_cast<uintptr_t>(ptr) % 16 == 0,
                  "flash_attention_fwd: q, k, v and out must be 16-byte aligned");
+  int device = 0;
+  DFLASH_CUDA_CHECK(cudaGetDevice(&device));
+  if (p.impl == FlashImpl::Wgmma || (p.impl == FlashImpl::Auto && flash_attention_wgmma_available(p.d, device))) {
+    flash_attention_fwd_wgmma(p, s);
+    return;
+  }
   const auto stream = static_cast<cudaStream_t>(s);
   switch (p.d) {
     case 64: launch_flash<FlashCfg<64>>(p, stream); break;

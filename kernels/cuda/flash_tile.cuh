@@ -7,9 +7,34 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/launch.h"
 #include "kernels/cuda/ptx.cuh"
 
 namespace dflash::cuda::flash {
+
+// Kernel arguments of the causal flash forward (attention.cu, attention_sm90.cu).
+struct FlashArgs {
+  const __nv_bfloat16* q;
+  const __nv_bfloat16* k;
+  const __nv_bfloat16* v;
+  __nv_bfloat16* out;
+  const int32_t* cu_seqlens;
+  int Hq, Hkv, group;
+  float scale_log2;  // scale · log2(e)
+};
+inline FlashArgs flash_args(const AttentionParams& p) {
+  FlashArgs a;
+  a.q = static_cast<const __nv_bfloat16*>(p.q);
+  a.k = static_cast<const __nv_bfloat16*>(p.k);
+  a.v = static_cast<const __nv_bfloat16*>(p.v);
+  a.out = static_cast<__nv_bfloat16*>(p.out);
+  a.cu_seqlens = p.cu_seqlens;
+  a.Hq = static_cast<int>(p.Hq);
+  a.Hkv = static_cast<int>(p.Hkv);
+  a.group = static_cast<int>(p.Hq / p.Hkv);
+  a.scale_log2 = p.scale * 1.4426950408889634f;
+  return a;
+}
 
 // 16-byte global->shared copy; src_bytes = 0 writes zeros (rows past the end of a sequence).
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
@@ -32,14 +57,14 @@ __device__ __forceinline__ int swz(int row, int chunk) {
   return row * D + ((chunk ^ (row & 7)) << 3);
 }
 
-// One key tile of the online softmax for the warp's query rows g and g+8 (a row is spread over the
-// 4 threads of a quad): s holds the masked scores of NT n-tiles (8 keys each; -inf where masked),
-// m / l the running max (in log2 units, scaled) and sum of each row, o the DT n-tiles of the output
-// accumulator. Updates m, l and o, and adds P·V with V read from the swizzled tile tV [NT·8, D].
-template <int NT, int DT, int D>
-__device__ __forceinline__ void softmax_tile_pv(float (&s)[NT][4], float (&o)[DT][4], float& m0, float& m1, float& l0,
-                                                float& l1, float scale_log2, const __nv_bfloat16* tV, int v_row,
-                                                int v_chk) {
+// The online-softmax step of one key tile for the warp's query rows g and g+8 (a row is spread
+// over the 4 threads of a quad): s holds the masked scores of NT n-tiles (8 keys each; -inf where
+// masked), m / l the running max (in log2 units, scaled) and sum of each row. Turns s into the
+// probabilities P (fp32, in place), updates m and l, and returns in alpha0 / alpha1 the factors by
+// which the rows' output accumulators must be rescaled before P·V is added.
+template <int NT>
+__device__ __forceinline__ void online_softmax(float (&s)[NT][4], float& m0, float& m1, float& l0, float& l1,
+                                               float scale_log2, float& alpha0, float& alpha1) {
   float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
@@ -54,7 +79,8 @@ __device__ __forceinline__ void softmax_tile_pv(float (&s)[NT][4], float (&o)[DT
   const float new0 = fmaxf(m0, mx0 * scale_log2), new1 = fmaxf(m1, mx1 * scale_log2);
   // A row with every key masked so far keeps max -inf: subtract 0 instead (p = 0, no NaN).
   const float base0 = new0 == -INFINITY ? 0.0f : new0, base1 = new1 == -INFINITY ? 0.0f : new1;
-  const float alpha0 = fast_exp2(m0 - base0), alpha1 = fast_exp2(m1 - base1);
+  alpha0 = fast_exp2(m0 - base0);
+  alpha1 = fast_exp2(m1 - base1);
   m0 = new0;
   m1 = new1;
   float sum0 = 0.0f, sum1 = 0.0f;
@@ -69,6 +95,27 @@ __device__ __forceinline__ void softmax_tile_pv(float (&s)[NT][4], float (&o)[DT
   }
   l0 = l0 * alpha0 + sum0;
   l1 = l1 * alpha1 + sum1;
+}
+
+// The bf16 A fragment (m16n8k16 layout, which is also wgmma's register-A layout for a warp's 16
+// rows) of k-step kk of P·V: the accumulators of S n-tiles 2kk and 2kk+1 are exactly its elements.
+template <int NT>
+__device__ __forceinline__ void p_fragment(const float (&s)[NT][4], int kk, uint32_t (&pa)[4]) {
+  pa[0] = ptx::pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+  pa[1] = ptx::pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+  pa[2] = ptx::pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  pa[3] = ptx::pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// One key tile of the online softmax (online_softmax above) followed by O += P·V with V read from
+// the swizzled tile tV [NT·8, D] through ldmatrix.trans and mma.sync; o holds the DT n-tiles of the
+// warp's output accumulator.
+template <int NT, int DT, int D>
+__device__ __forceinline__ void softmax_tile_pv(float (&s)[NT][4], float (&o)[DT][4], float& m0, float& m1, float& l0,
+                                                float& l1, float scale_log2, const __nv_bfloat16* tV, int v_row,
+                                                int v_chk) {
+  float alpha0, alpha1;
+  online_softmax<NT>(s, m0, m1, l0, l1, scale_log2, alpha0, alpha1);
 #pragma unroll
   for (int i = 0; i < DT; ++i) {
     o[i][0] *= alpha0;
@@ -76,12 +123,10 @@ __device__ __forceinline__ void softmax_tile_pv(float (&s)[NT][4], float (&o)[DT
     o[i][2] *= alpha1;
     o[i][3] *= alpha1;
   }
-  // O += P V: the S accumulators of n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
 #pragma unroll
   for (int kk = 0; kk < NT / 2; ++kk) {
-    const uint32_t pa[4] = {ptx::pack_bf16(s[2 * kk][0], s[2 * kk][1]), ptx::pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                            ptx::pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                            ptx::pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+    uint32_t pa[4];
+    p_fragment<NT>(s, kk, pa);
 #pragma unroll
     for (int d2 = 0; d2 < DT / 2; ++d2) {
       uint32_t vb[4];

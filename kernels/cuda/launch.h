@@ -82,6 +82,9 @@ void gated_rms_norm(const void* core, const void* z, int64_t ldz, const void* w,
 // ---- Causal attention -----------------------------------------------------------------------------
 // out[N, Hq, d] = softmax(scale · q kᵀ + causal mask within each sequence) v, GQA: query head h
 // reads kv head h / (Hq / Hkv). q [N, Hq, d], k/v [N, Hkv, d] contiguous bf16; fp32 softmax.
+// Which flash kernel runs: Auto = wgmma on an sm_90 device (when this build has its sm_90a code and
+// the head dim is 128 or 256), else mma.sync; the other two force one (kernel_bench, tests).
+enum class FlashImpl { Auto, MmaSync, Wgmma };
 struct AttentionParams {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -90,10 +93,15 @@ struct AttentionParams {
   const int32_t* cu_seqlens = nullptr;  // [num_seqs + 1]
   int64_t num_seqs = 0, max_seqlen = 0, N = 0, Hq = 0, Hkv = 0, d = 0;
   float scale = 0.0f;
+  FlashImpl impl = FlashImpl::Auto;  // flash_attention_fwd only
 };
 // Flash-style (no T×T matrix in memory), tensor cores. Supports d in {64, 128, 256}, sm >= 80.
 void flash_attention_fwd(const AttentionParams& p, Stream s);
 bool flash_attention_supported(int64_t d, int sm_major);
+// Whether the wgmma (sm_90a) kernel can run head dim d on CUDA device `device`, and the name of the
+// kernel Auto picks there ("wgmma sm_90a" or "mma.sync").
+bool flash_attention_wgmma_available(int64_t d, int device);
+const char* flash_attention_kernel_name(int64_t d, int device);
 // Plain kernel for any d and architecture (one query row per block, online softmax).
 void attention_fallback(const AttentionParams& p, Stream s);
 

@@ -1,0 +1,95 @@
+#pragma once
+// Hopper warpgroup MMA (wgmma, sm_90a only) for the attention kernels: shared-memory matrix
+// descriptors for the 128-byte-swizzled tile layout below, the fences and the bf16 m64n64k16
+// instruction with A from shared memory (SS) or from registers (RS). Force-inlined one-liners.
+//
+// Tile layout ("panels"): a [rows, D] bf16 tile is stored as D/64 panels of [rows, 64]; a panel row
+// is 128 bytes, its 16-byte chunk c sits at chunk position c ^ (row & 7) (the hardware's 128-byte
+// swizzle), and every panel starts on a 1024-byte boundary. The same bytes serve as a K-major
+// operand (rows = M or N, the 64 columns = K: Q and K in S = Q·Kᵀ) and as an MN-major operand
+// (rows = K, columns = N: V in O += P·V), so one cp.async loader fills all three.
+#include <cstdint>
+
+#include "kernels/cuda/ptx.cuh"
+
+namespace dflash::cuda::wgmma {
+
+// Byte offset of (row, 16-byte chunk) in a panel tile of `rows` rows.
+__device__ __forceinline__ uint32_t panel_offset(int rows, int row, int chunk) {
+  return static_cast<uint32_t>((chunk >> 3) * rows * 128 + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading-dimension byte offset
+// (K-major: unused; MN-major: the stride between 64-element panels), stride byte offset (between
+// groups of 8 rows: 1024). Offsets within the 14-bit address field can be added to it directly
+// (in units of 16 bytes) as long as the pattern's 1024-byte alignment is kept in the base.
+__device__ __forceinline__ uint64_t descriptor(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  const uint32_t addr = ptx::smem_addr(smem);
+  uint64_t d = static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+  d |= static_cast<uint64_t>((lbo_bytes >> 4) & 0x3FFF) << 16;
+  d |= static_cast<uint64_t>((sbo_bytes >> 4) & 0x3FFF) << 32;
+  d |= uint64_t(1) << 62;  // 128-byte swizzle
+  return d;
+}
+
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Makes this thread's generic-proxy shared-memory writes (st.shared, cp.async) visible to the async
+// proxy that wgmma reads through; put it before the barrier that precedes the wgmma.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Keeps the compiler from moving reads or writes of accumulator registers across an in-flight wgmma.
+template <int R>
+__device__ __forceinline__ void pin(float (&r)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+__device__ __forceinline__ void pin(uint32_t (&r)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
+// d[64x64] (+)= A[64x16] · B[16x64], A and B K-major in shared memory. The accumulator layout per
+// warp w of the warpgroup: rows 16w + g and 16w + g + 8 (g = lane / 4), n-tile i (8 columns) in
+// d[4i .. 4i+3] as in mma.sync m16n8: (g, 8i+2t), (g, 8i+2t+1), (g+8, 8i+2t), (g+8, 8i+2t+1).
+__device__ __forceinline__ void mma_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, "
+      "%8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31 }, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+#endif
+}
+
+// d[64x64] += A[64x16] · B[16x64], A from registers (the m16n8k16 A fragment of the warp's 16
+// rows), B MN-major in shared memory (trans-b).
+__device__ __forceinline__ void mma_rs_tb(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, "
+      "%8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, "
+      "%24, %25, %26, %27, %28, %29, %30, %31 }, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+#endif
+}
+
+}  // namespace dflash::cuda::wgmma

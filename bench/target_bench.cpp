@@ -6,6 +6,12 @@
 // Per length: load time, weight and peak activation memory, ms p50/p20/p80, tok/s, achieved
 // TFLOP/s and MFU (FLOPs counted from the config), and which path each layer used. A "fast" run in
 // which any layer would fall back is refused; `--path both` times the same model on both paths.
+//
+// --profile: after the timing, per length and path, a few forwards with the model's op profiler
+// attached (two CUDA events around every op on the model's stream; the first forward is discarded)
+// and a table per op category: calls, ms per forward, share of the plain forward, µs per call; for
+// the GEMMs also M, N, K, TFLOP/s and the same GEMM (gemm_bf16, same shape and strides) timed alone
+// in the same run, with the ratio in-forward / alone (issue 4: within 5%). Rows go to the CSV too.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -15,13 +21,14 @@
 #include <random>
 
 #include "bench/harness.h"
+#include "bench/profile.h"
 #include "bench/report.h"
 #include "kernels/app.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/device.h"
 #include "kernels/log.h"
+#include "kernels/random.h"
 #include "comm/comm.h"
-#include "kernels/log.h"
 #include "target_model/flops.h"
 #include "target_model/model_cuda.h"
 #include "target_model/tp.h"
@@ -49,6 +56,49 @@ std::vector<int64_t> parse_list(const std::string& s) {
     pos = end + 1;
   }
   return v;
+}
+
+// The GEMM `g` through the forward's launcher (cuda::gemm_bf16, same shape and row strides) on
+// fresh random operands of the forward's scales, alone: warm-up, 3 rounds of 10 calls. µs per call.
+bench::Stats time_gemm_alone(const GemmShape& g, Device dev, void* stream) {
+  Tensor x = Tensor::empty({g.M, g.ldx}, DType::BF16, dev), w = Tensor::empty({g.N, g.K}, DType::BF16, dev);
+  Tensor y = Tensor::empty({g.M, g.ldy}, DType::BF16, dev);
+  fill_normal(x, {4321, 1, 0}, 0.0f, 1.0f);
+  fill_normal(w, {4321, 2, 0}, 0.0f, 1.0f / std::sqrt(static_cast<float>(g.K)));
+  const cuda::GemmParams p{x.raw_data(), g.ldx, w.raw_data(), y.raw_data(), g.ldy, g.M, g.N, g.K, false};
+  std::vector<double> us, medians;
+  for (int r = 0; r < 3; ++r) {
+    std::vector<double> ms = bench::time_cuda(stream, r == 0 ? 3 : 1, 10, [&] { cuda::gemm_bf16(p, dev.index); });
+    for (double& t : ms) t *= 1e3;
+    us.insert(us.end(), ms.begin(), ms.end());
+    std::sort(ms.begin(), ms.end());
+    medians.push_back(ms[ms.size() / 2]);
+  }
+  return bench::summarize(us, medians, 0.05);
+}
+
+// `forwards` forwards of `b` with an op profiler attached; the first (which creates the profiler's
+// events) is dropped. Then every GEMM shape seen is timed alone. `plain_ms`: the unprofiled p50.
+bench::ProfileSummary profile_forward(CudaTargetModel& model, const CudaBatch& b, int forwards, double plain_ms,
+                                      void* stream) {
+  OpProfiler profiler;
+  std::vector<OpProfile> kept;
+  {
+    struct Attached {  // detached also when a forward throws
+      CudaTargetModel& m;
+      ~Attached() { m.set_profiler(nullptr); }
+    } attached{model};
+    model.set_profiler(&profiler);
+    for (int i = 0; i < forwards; ++i) {
+      model.forward(b, {});
+      OpProfile p = profiler.collect();
+      if (i > 0) kept.push_back(std::move(p));
+    }
+  }
+  bench::ProfileSummary s = bench::summarize_profile(kept, plain_ms);
+  for (bench::OpSummary& o : s.ops)
+    if (o.is_gemm()) o.isolated_us = time_gemm_alone(o.gemm, model.device(), stream);
+  return s;
 }
 
 }  // namespace
@@ -83,6 +133,13 @@ int main(int argc, char** argv) {
   std::string json_path, baseline;
   app.add_option("--json", json_path, "also write this run's rows as JSON");
   app.add_option("--baseline", baseline, "an earlier CSV: print now/baseline per row and the geomean per group");
+  bool profile = false;
+  int profile_forwards = 3;
+  app.add_flag("--profile", profile,
+               "after the timing: per-op profile of each timed path and length (CUDA events around every op), "
+               "with each GEMM also timed alone");
+  app.add_option("--profile-forwards", profile_forwards, "profiled forwards per length and path; the first is discarded")
+      ->capture_default_str()->check(CLI::Range(2, 1000));
 
   // MPI outlives run_app: a rank that fails prints its message before MPI_Finalize, which waits for
   // every rank, so no rank's exit can make mpirun kill another before it has printed.
@@ -135,6 +192,7 @@ int main(int argc, char** argv) {
     say("\n%-8s %-9s %10s %10s %10s %11s %10s %9s %7s %10s %s\n", "tokens", "path", "ms p50", "p20", "p80", "tok/s",
         "tok/s/GPU", "TFLOP/s", "MFU", "act GiB", "noisy");
     std::mt19937_64 order_rng(seed);
+    std::string profiles;  // --profile tables, printed after the timing table
     for (int64_t T : seqs) {
       std::vector<std::vector<int32_t>> tokens(static_cast<size_t>(batch));
       std::mt19937 tok_rng(static_cast<uint32_t>(seed + static_cast<uint64_t>(T)));
@@ -196,7 +254,21 @@ int main(int argc, char** argv) {
       }
       if (p50.count("fast") && p50.count("fallback"))
         say("%-8s fast path speed-up over the fallback: %.1fx\n", "", p50["fallback"] / p50["fast"]);
+      if (profile)
+        for (const auto& [p, plain_ms] : p50) {
+          model.set_plan(p == "fast" ? fast : slow);
+          const bench::ProfileSummary ps = profile_forward(model, b, profile_forwards, plain_ms, stream);
+          char title[200];
+          std::snprintf(title, sizeof title, "\n== profile: %s path, %lld tokens, mean of %d forwards (1 more discarded)\n",
+                        p.c_str(), static_cast<long long>(T * batch), ps.forwards);
+          profiles += title + bench::profile_table(ps);
+          for (const bench::Row& row : bench::profile_rows(ps, p, shape)) out->write(row);
+        }
     }
+    if (!profiles.empty())
+      say("%s\nshare: of the plain forward's p50; alone: the same gemm_bf16 call (shape, strides) timed by itself in "
+          "this run; ratio: p50 per call in the forward / alone (SLOW above %.2f); excess: calls x (mean - alone)\n",
+          profiles.c_str(), bench::kGemmSlowRatio);
     if (lead && !csv.empty()) std::printf("\nCSV rows appended to %s\n", out->path().c_str());
     if (lead) out->finish(json_path, baseline);
     return 0;

@@ -32,6 +32,56 @@ void copy_rows(void* dst, const void* src, int64_t lds, int64_t rows, int64_t co
 
 }  // namespace
 
+OpProfiler::~OpProfiler() {
+  for (void* e : events_) DFLASH_CUDA_WARN(cudaEventDestroy(static_cast<cudaEvent_t>(e)));
+}
+
+size_t OpProfiler::begin(ForwardOp op, void* stream, const GemmShape& gemm) {
+  DFLASH_CHECK(!open_, "OpProfiler: " << forward_op_name(ops_.back().op) << " was not closed before "
+                                      << forward_op_name(op));
+  const size_t slot = ops_.size();
+  while (events_.size() < 2 * (slot + 1)) {  // first forward only: the pool keeps its events
+    cudaEvent_t e = nullptr;
+    DFLASH_CUDA_CHECK(cudaEventCreate(&e));
+    events_.push_back(e);
+  }
+  ops_.push_back({op, gemm, 0.0});
+  open_ = true;
+  DFLASH_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(events_[2 * slot]), static_cast<cudaStream_t>(stream)));
+  return slot;
+}
+
+void OpProfiler::end(size_t slot, void* stream) {
+  DFLASH_CHECK(open_ && slot + 1 == ops_.size(), "OpProfiler: end of slot " << slot << " that is not the open one");
+  DFLASH_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(events_[2 * slot + 1]), static_cast<cudaStream_t>(stream)));
+  open_ = false;
+}
+
+OpProfile OpProfiler::collect() {
+  DFLASH_CHECK(!open_, "OpProfiler: collect() while " << forward_op_name(ops_.back().op) << " is still open");
+  OpProfile p;
+  if (ops_.empty()) return p;
+  auto elapsed = [&](size_t a, size_t b) {
+    float ms = 0;
+    DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(events_[a]), static_cast<cudaEvent_t>(events_[b])));
+    return static_cast<double>(ms);
+  };
+  DFLASH_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(events_[2 * ops_.size() - 1])));
+  for (size_t i = 0; i < ops_.size(); ++i) ops_[i].ms = elapsed(2 * i, 2 * i + 1);
+  p.span_ms = elapsed(0, 2 * ops_.size() - 1);
+  p.ops = ops_;
+  ops_.clear();  // keeps its capacity: later forwards do not allocate
+  return p;
+}
+
+template <class Enqueue>
+void CudaTargetModel::timed(ForwardOp op, Enqueue&& enqueue, const GemmShape& gemm) {
+  if (!profiler_) return enqueue();
+  const size_t slot = profiler_->begin(op, stream_, gemm);
+  enqueue();
+  profiler_->end(slot, stream_);
+}
+
 CudaTargetModel::CudaTargetModel(TargetConfig config, TargetWeights weights, FastPathPlan plan, comm::Communicator* tp)
     : config_(std::move(config)), weights_(std::move(weights)), plan_(std::move(plan)), device_(weights_.device), tp_(tp) {
   DFLASH_CHECK(device_.is_cuda() && weights_.dtype == DType::BF16,
@@ -81,8 +131,8 @@ void CudaTargetModel::set_plan(FastPathPlan plan) {
   plan_ = std::move(plan);
 }
 
-void CudaTargetModel::gemm(const Tensor& x, int64_t ldx, const Tensor& w, Tensor& y, int64_t ldy, int64_t M, int64_t N,
-                           int64_t K, bool accumulate) {
+void CudaTargetModel::gemm(ForwardOp op, const Tensor& x, int64_t ldx, const Tensor& w, Tensor& y, int64_t ldy, int64_t M,
+                           int64_t N, int64_t K) {
   cuda::GemmParams p;
   p.x = x.raw_data();
   p.ldx = ldx;
@@ -92,8 +142,7 @@ void CudaTargetModel::gemm(const Tensor& x, int64_t ldx, const Tensor& w, Tensor
   p.M = M;
   p.N = N;
   p.K = K;
-  p.accumulate = accumulate;
-  cuda::gemm_bf16(p, device_.index);
+  timed(op, [&] { cuda::gemm_bf16(p, device_.index); }, GemmShape{M, N, K, ldx, ldy});
 }
 
 CudaBatch CudaTargetModel::make_batch(const std::vector<std::vector<int32_t>>& sequences) const {
@@ -136,7 +185,7 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, C = c.gdn_conv_dim(), V = c.gdn_value_dim();
   const int64_t P = f.rows;
   Tensor proj = device_bf16({N, P}, device_);
-  gemm(x, H, f.in_proj, proj, P, N, P, H);
+  gemm(ForwardOp::GdnInProj, x, H, f.in_proj, proj, P, N, P, H);
   auto col = [&](int64_t j) { return static_cast<char*>(proj.raw_data()) + j * 2; };
 
   Tensor conv = device_bf16({N, C}, device_);
@@ -152,8 +201,10 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   cp.K = c.linear_conv_kernel_dim;
   cp.silu = true;
   const StepPlan& conv_step = lp.step(Step::Conv);
-  if (conv_step.path == Path::Fast) cuda::causal_conv1d_fast(cp, stream_);
-  else cuda::causal_conv1d_fallback(cp, stream_);
+  timed(ForwardOp::GdnConv, [&] {
+    if (conv_step.path == Path::Fast) cuda::causal_conv1d_fast(cp, stream_);
+    else cuda::causal_conv1d_fallback(cp, stream_);
+  });
   counters_.add(Step::Conv, conv_step.path);
 
   Tensor q = device_bf16({N, Hk, dk}, device_), k = device_bf16({N, Hk, dk}, device_);
@@ -175,7 +226,7 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   pp.Hv = Hv;
   pp.dk = dk;
   pp.scale = 1.0f / std::sqrt(static_cast<float>(dk));
-  cuda::gdn_prep(pp, stream_);
+  timed(ForwardOp::GdnPrep, [&] { cuda::gdn_prep(pp, stream_); });
 
   Tensor core = device_bf16({N, Hv, dv}, device_);
   cuda::DeltaRuleParams dp;
@@ -194,15 +245,19 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   dp.dk = dk;
   dp.dv = dv;
   const StepPlan& dr_step = lp.step(Step::DeltaRule);
-  if (dr_step.path == Path::Fast) cuda::chunk_gated_delta_rule(dp, stream_);
-  else cuda::recurrent_gated_delta_rule(dp, stream_);
+  timed(ForwardOp::DeltaRule, [&] {
+    if (dr_step.path == Path::Fast) cuda::chunk_gated_delta_rule(dp, stream_);
+    else cuda::recurrent_gated_delta_rule(dp, stream_);
+  });
   counters_.add(Step::DeltaRule, dr_step.path);
 
   Tensor normed = device_bf16({N, V}, device_);
-  cuda::gated_rms_norm(core.raw_data(), col(C), P, L.gdn.norm.raw_data(), normed.raw_data(), N, Hv, dv,
-                       static_cast<float>(c.rms_norm_eps), stream_);
-  gemm(normed, V, L.gdn.out_proj, out, H, N, H, V);
-  if (tp_) tp_->all_reduce_sum(out);
+  timed(ForwardOp::GatedRmsNorm, [&] {
+    cuda::gated_rms_norm(core.raw_data(), col(C), P, L.gdn.norm.raw_data(), normed.raw_data(), N, Hv, dv,
+                         static_cast<float>(c.rms_norm_eps), stream_);
+  });
+  gemm(ForwardOp::GdnOutProj, normed, V, L.gdn.out_proj, out, H, N, H, V);
+  if (tp_) timed(ForwardOp::AllReduce, [&] { tp_->all_reduce_sum(out); });
 }
 
 void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out) {
@@ -213,7 +268,7 @@ void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatc
   const int64_t d = c.head_dim, Q = c.attn_q_proj_rows(), P = f.rows;
   const bool gated = c.attn_output_gate;
   Tensor proj = device_bf16({N, P}, device_);
-  gemm(x, H, f.in_proj, proj, P, N, P, H);
+  gemm(ForwardOp::AttnQkv, x, H, f.in_proj, proj, P, N, P, H);
   char* base = static_cast<char*>(proj.raw_data());
 
   Tensor q = device_bf16({N, Hq, d}, device_);
@@ -234,11 +289,13 @@ void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatc
   qp.rotary_dim = c.rotary_dim();
   qp.eps = static_cast<float>(c.rms_norm_eps);
   qp.theta = static_cast<float>(c.rope_theta);
-  cuda::qk_norm_rope(qp, stream_);
+  timed(ForwardOp::QkNormRope, [&] { cuda::qk_norm_rope(qp, stream_); });
   // The attention kernels read contiguous k / v.
   Tensor k = device_bf16({N, Hkv, d}, device_), v = device_bf16({N, Hkv, d}, device_);
-  copy_rows(k.raw_data(), base + Q * 2, P, N, Hkv * d, stream_);
-  copy_rows(v.raw_data(), base + (Q + Hkv * d) * 2, P, N, Hkv * d, stream_);
+  timed(ForwardOp::KvCopy, [&] {
+    copy_rows(k.raw_data(), base + Q * 2, P, N, Hkv * d, stream_);
+    copy_rows(v.raw_data(), base + (Q + Hkv * d) * 2, P, N, Hkv * d, stream_);
+  });
 
   Tensor attn = device_bf16({N, Hq, d}, device_);
   cuda::AttentionParams ap;
@@ -255,12 +312,15 @@ void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatc
   ap.d = d;
   ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
   const StepPlan& st = lp.step(Step::Attention);
-  if (st.path == Path::Fast) cuda::flash_attention_fwd(ap, stream_);
-  else cuda::attention_fallback(ap, stream_);
+  timed(ForwardOp::Attention, [&] {
+    if (st.path == Path::Fast) cuda::flash_attention_fwd(ap, stream_);
+    else cuda::attention_fallback(ap, stream_);
+  });
   counters_.add(Step::Attention, st.path);
-  if (gated) cuda::sigmoid_gate(attn.raw_data(), base + d * 2, P, 2 * d, N, Hq, d, stream_);
-  gemm(attn, Hq * d, L.attn.o_proj, out, H, N, H, Hq * d);
-  if (tp_) tp_->all_reduce_sum(out);
+  if (gated)
+    timed(ForwardOp::SigmoidGate, [&] { cuda::sigmoid_gate(attn.raw_data(), base + d * 2, P, 2 * d, N, Hq, d, stream_); });
+  gemm(ForwardOp::AttnOProj, attn, Hq * d, L.attn.o_proj, out, H, N, H, Hq * d);
+  if (tp_) timed(ForwardOp::AllReduce, [&] { tp_->all_reduce_sum(out); });
 }
 
 void CudaTargetModel::mlp(int64_t i, const Tensor& x, Tensor& out) {
@@ -268,11 +328,11 @@ void CudaTargetModel::mlp(int64_t i, const Tensor& x, Tensor& out) {
   const Fused& f = fused_[static_cast<size_t>(i)];
   const int64_t N = x.size(0), H = c.hidden_size, I = c.intermediate_size;
   Tensor gu = device_bf16({N, 2 * I}, device_);
-  gemm(x, H, f.gate_up, gu, 2 * I, N, 2 * I, H);
+  gemm(ForwardOp::MlpGateUp, x, H, f.gate_up, gu, 2 * I, N, 2 * I, H);
   Tensor act = device_bf16({N, I}, device_);
-  cuda::swiglu(gu.raw_data(), act.raw_data(), N, I, stream_);
-  gemm(act, I, weights_.layers[static_cast<size_t>(i)].down_proj, out, H, N, H, I);
-  if (tp_) tp_->all_reduce_sum(out);
+  timed(ForwardOp::Swiglu, [&] { cuda::swiglu(gu.raw_data(), act.raw_data(), N, I, stream_); });
+  gemm(ForwardOp::MlpDown, act, I, weights_.layers[static_cast<size_t>(i)].down_proj, out, H, N, H, I);
+  if (tp_) timed(ForwardOp::AllReduce, [&] { tp_->all_reduce_sum(out); });
 }
 
 void CudaTargetModel::layer_body(int64_t i, Tensor& h, Tensor& normed, const CudaBatch& b, const LayerPlan& lp,
@@ -286,21 +346,27 @@ void CudaTargetModel::layer_body(int64_t i, Tensor& h, Tensor& normed, const Cud
   Tensor delta = device_bf16({N, H}, device_);
   if (L.type == LayerType::LinearAttention) gdn_mixer(i, normed, b, lp, delta);
   else attention_mixer(i, normed, b, lp, delta);
-  cuda::add_rms_norm(h.raw_data(), delta.raw_data(), L.post_attention_layernorm.raw_data(), normed.raw_data(), N, H,
-                     eps, stream_);
+  timed(ForwardOp::AddRmsNorm, [&] {
+    cuda::add_rms_norm(h.raw_data(), delta.raw_data(), L.post_attention_layernorm.raw_data(), normed.raw_data(), N, H,
+                       eps, stream_);
+  });
   mlp(i, normed, delta);
   // The residual add, fused with the norm the next step needs (the next layer's input norm, or
   // the final norm after the last layer) when there is one.
-  cuda::add_rms_norm(h.raw_data(), delta.raw_data(), next_norm ? next_norm->raw_data() : nullptr,
-                     next_norm ? next_out->raw_data() : nullptr, N, H, eps, stream_);
+  timed(ForwardOp::AddRmsNorm, [&] {
+    cuda::add_rms_norm(h.raw_data(), delta.raw_data(), next_norm ? next_norm->raw_data() : nullptr,
+                       next_norm ? next_out->raw_data() : nullptr, N, H, eps, stream_);
+  });
 }
 
 void CudaTargetModel::run_layer(int64_t i, Tensor& h, const CudaBatch& b, const LayerPlan& lp) {
   DFLASH_CHECK(i >= 0 && i < config_.num_hidden_layers, "run_layer: layer " << i << " out of range");
   const int64_t N = b.num_tokens, H = config_.hidden_size;
   Tensor normed = device_bf16({N, H}, device_);
-  cuda::rms_norm(h.raw_data(), H, weights_.layers[static_cast<size_t>(i)].input_layernorm.raw_data(), normed.raw_data(),
-                 H, N, H, static_cast<float>(config_.rms_norm_eps), true, stream_);
+  timed(ForwardOp::InputNorm, [&] {
+    cuda::rms_norm(h.raw_data(), H, weights_.layers[static_cast<size_t>(i)].input_layernorm.raw_data(),
+                   normed.raw_data(), H, N, H, static_cast<float>(config_.rms_norm_eps), true, stream_);
+  });
   layer_body(i, h, normed, b, lp, nullptr, nullptr);
 }
 
@@ -317,10 +383,13 @@ ForwardResult CudaTargetModel::forward(const CudaBatch& b, const ForwardOptions&
   r.offsets = b.offsets;
   const int64_t N = b.num_tokens, H = c.hidden_size;
   Tensor h = device_bf16({N, H}, device_), normed = device_bf16({N, H}, device_);
-  cuda::embedding(b.ids.data<int32_t>(), weights_.embed_tokens.raw_data(), h.raw_data(), N, H, stream_);
+  timed(ForwardOp::Embedding,
+        [&] { cuda::embedding(b.ids.data<int32_t>(), weights_.embed_tokens.raw_data(), h.raw_data(), N, H, stream_); });
   const float eps = static_cast<float>(c.rms_norm_eps);
-  cuda::rms_norm(h.raw_data(), H, weights_.layers[0].input_layernorm.raw_data(), normed.raw_data(), H, N, H, eps, true,
-                 stream_);
+  timed(ForwardOp::InputNorm, [&] {
+    cuda::rms_norm(h.raw_data(), H, weights_.layers[0].input_layernorm.raw_data(), normed.raw_data(), H, N, H, eps,
+                   true, stream_);
+  });
   if (options.final_norm) r.final_hidden = device_bf16({N, H}, device_);
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const bool last = i + 1 == c.num_hidden_layers;
@@ -331,8 +400,10 @@ ForwardResult CudaTargetModel::forward(const CudaBatch& b, const ForwardOptions&
     for (int64_t id : options.capture)
       if (id == i) {
         Tensor copy = device_bf16({N, H}, device_);
-        DFLASH_CUDA_CHECK(cudaMemcpyAsync(copy.raw_data(), h.raw_data(), h.nbytes(), cudaMemcpyDeviceToDevice,
-                                          static_cast<cudaStream_t>(stream_)));
+        timed(ForwardOp::CaptureCopy, [&] {
+          DFLASH_CUDA_CHECK(cudaMemcpyAsync(copy.raw_data(), h.raw_data(), h.nbytes(), cudaMemcpyDeviceToDevice,
+                                            static_cast<cudaStream_t>(stream_)));
+        });
         r.layers[id] = copy;
       }
   }

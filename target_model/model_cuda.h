@@ -2,6 +2,10 @@
 // The target forward on one GPU: bf16 weights and activations, fp32 accumulation, fp32
 // GatedDeltaNet state, kernels chosen per layer by the fast-path plan and counted as they launch.
 // (Built only with the CUDA backend; tensor parallelism comes with comm/.)
+#include <array>
+#include <compare>
+#include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "target_model/fast_path.h"
@@ -14,6 +18,72 @@ struct CudaBatch {
   std::vector<int64_t> offsets;  // host copy
   int64_t num_tokens = 0, num_seqs = 0, max_seqlen = 0;
   Tensor ids, pos, cu_seqlens;   // int32 on the device: [N], [N], [S + 1]
+};
+
+// ---- Per-op profile of the forward (target_bench --profile) --------------------------------------
+// What the forward enqueues, one category per op; the GEMMs by role. Host-only (the CPU build
+// aggregates profiles in its tests).
+enum class ForwardOp : uint8_t {
+  Embedding, InputNorm,                                           // once per forward (run_layer: per call)
+  GdnInProj, GdnConv, GdnPrep, DeltaRule, GatedRmsNorm, GdnOutProj,  // GatedDeltaNet mixer
+  AttnQkv, QkNormRope, KvCopy, Attention, SigmoidGate, AttnOProj,    // gated attention mixer
+  AddRmsNorm, MlpGateUp, Swiglu, MlpDown,                          // residual steps and MLP
+  AllReduce, CaptureCopy,                                          // tp > 1; ForwardOptions::capture
+  kCount
+};
+inline constexpr int kNumForwardOps = static_cast<int>(ForwardOp::kCount);
+inline constexpr std::array<std::string_view, kNumForwardOps> kForwardOpNames = {
+    "embedding",   "input_norm",   "gdn_in_proj",  "gdn_conv",   "gdn_prep",     "delta_rule",  "gated_rms_norm",
+    "gdn_out_proj", "attn_qkv",    "qk_norm_rope", "kv_copy",    "attention",    "sigmoid_gate", "attn_o_proj",
+    "add_rms_norm", "mlp_gate_up", "swiglu",       "mlp_down",   "all_reduce",   "capture_copy"};
+inline std::string_view forward_op_name(ForwardOp op) { return kForwardOpNames[static_cast<size_t>(op)]; }
+inline bool forward_op_is_gemm(ForwardOp op) {
+  return op == ForwardOp::GdnInProj || op == ForwardOp::GdnOutProj || op == ForwardOp::AttnQkv ||
+         op == ForwardOp::AttnOProj || op == ForwardOp::MlpGateUp || op == ForwardOp::MlpDown;
+}
+
+// A GEMM as the forward runs it (cuda::gemm_bf16): y[M, N] (row stride ldy) = x[M, K] (row stride
+// ldx) · w[N, K]ᵀ, w contiguous. All zero for the other ops.
+struct GemmShape {
+  int64_t M = 0, N = 0, K = 0, ldx = 0, ldy = 0;
+  auto operator<=>(const GemmShape&) const = default;
+  double flops() const { return 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K); }
+};
+
+struct OpRecord {
+  ForwardOp op = ForwardOp::Embedding;
+  GemmShape gemm;
+  double ms = 0;  // GPU time between the op's two events
+};
+
+// One profiled forward: its ops in enqueue order and the time from the first op's start to the
+// last op's end (span - sum of ops = time between ops: event overhead, launch gaps).
+struct OpProfile {
+  std::vector<OpRecord> ops;
+  double span_ms = 0;
+};
+
+// Brackets each op with two CUDA events recorded on the model's stream. The events come from a pool
+// that grows during the first profiled forward and is reused afterwards (that forward is the one to
+// discard); nothing synchronizes until collect().
+class OpProfiler {
+ public:
+  OpProfiler() = default;
+  ~OpProfiler();
+  OpProfiler(const OpProfiler&) = delete;
+  OpProfiler& operator=(const OpProfiler&) = delete;
+
+  // Around one op enqueued on `stream` (ops do not nest): begin returns the slot end closes.
+  size_t begin(ForwardOp op, void* stream, const GemmShape& gemm = {});
+  void end(size_t slot, void* stream);
+  // Waits for the last op and returns what was recorded since the previous collect(); the events
+  // are kept for the next forward.
+  OpProfile collect();
+
+ private:
+  std::vector<void*> events_;  // cudaEvent_t; 2 per op slot: [2i] before op i, [2i + 1] after it
+  std::vector<OpRecord> ops_;
+  bool open_ = false;          // begin without end yet
 };
 
 class CudaTargetModel {
@@ -30,6 +100,9 @@ class CudaTargetModel {
   void set_plan(FastPathPlan plan);
   PathCounters& counters() { return counters_; }
   Device device() const { return device_; }
+  // Per-op timing of every later forward / run_layer (null, the default: off, and each op costs one
+  // pointer test). The profiler must outlive its use; collect() after the forward.
+  void set_profiler(OpProfiler* profiler) { profiler_ = profiler; }
 
   // Validates the sequences (as TargetModel::forward does) and uploads them.
   CudaBatch make_batch(const std::vector<std::vector<int32_t>>& sequences) const;
@@ -55,8 +128,11 @@ class CudaTargetModel {
   void gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out);
   void attention_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out);
   void mlp(int64_t i, const Tensor& x, Tensor& out);
-  void gemm(const Tensor& x, int64_t ldx, const Tensor& w, Tensor& y, int64_t ldy, int64_t M, int64_t N, int64_t K,
-            bool accumulate = false);
+  void gemm(ForwardOp op, const Tensor& x, int64_t ldx, const Tensor& w, Tensor& y, int64_t ldy, int64_t M, int64_t N,
+            int64_t K);
+  // Runs `enqueue` (which enqueues `op` on stream_), bracketed by the profiler's events when one is set.
+  template <class Enqueue>
+  void timed(ForwardOp op, Enqueue&& enqueue, const GemmShape& gemm = {});
 
   TargetConfig config_;
   TargetWeights weights_;
@@ -66,6 +142,7 @@ class CudaTargetModel {
   Device device_;
   void* stream_ = nullptr;
   comm::Communicator* tp_ = nullptr;
+  OpProfiler* profiler_ = nullptr;
 };
 
 }  // namespace dflash::target

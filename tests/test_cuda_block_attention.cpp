@@ -43,12 +43,23 @@ struct Shape5 {
   int64_t window = 0;
   float q_stddev = 1.0f;
   bool force_fallback = false;
+  cuda::FlashImpl impl = cuda::FlashImpl::Auto;  // which tensor-core kernels
 };
+
+const char* impl_name(cuda::FlashImpl i) {
+  return i == cuda::FlashImpl::Wgmma ? " [wgmma]" : i == cuda::FlashImpl::MmaSync ? " [mma.sync]" : "";
+}
+// The tensor-core kernels a d can run here: mma.sync always, wgmma on sm_90 at d = 128.
+std::vector<cuda::FlashImpl> impls_for(int64_t d) {
+  std::vector<cuda::FlashImpl> v = {cuda::FlashImpl::MmaSync};
+  if (d == 128 && std::string(cuda::block_attention_kernel_name(d, 0)) == "wgmma sm_90a") v.push_back(cuda::FlashImpl::Wgmma);
+  return v;
+}
 
 std::string describe(const Shape5& s) {
   std::ostringstream os;
   os << "d=" << s.d << " Hq=" << s.Hq << " Hkv=" << s.Hkv << " B=" << s.B << (s.sliding ? " sliding w=" : " full")
-     << (s.sliding ? std::to_string(s.window) : "") << (s.force_fallback ? " [forced fallback]" : "") << " lens={";
+     << (s.sliding ? std::to_string(s.window) : "") << (s.force_fallback ? " [forced fallback]" : "") << impl_name(s.impl) << " lens={";
   for (size_t i = 0; i < s.lens.size(); ++i) os << (i ? "," : "") << s.lens[i];
   os << "} blocks={";
   for (size_t i = 0; i < s.anchors.size(); ++i) os << (i ? "," : "") << s.anchors[i].size();
@@ -260,6 +271,7 @@ Errors check(const Shape5& shape) {
   a.sliding = s.sliding;
   a.window = s.window;
   a.force_fallback = s.force_fallback;
+  a.impl = s.impl;
   void* stream = DeviceContext::get(0).stream();
   cuda::block_attention_fwd(a, stream);
   cuda::BlockAttnBwdParams bp;
@@ -322,7 +334,7 @@ Shape5 varlen(int64_t d, int64_t Hq, int64_t Hkv, int64_t B) {
   return s;
 }
 
-void sweep(int64_t d, bool fallback) {
+void sweep(int64_t d, bool fallback, cuda::FlashImpl impl = cuda::FlashImpl::Auto) {
   Errors worst;
   struct Heads {
     int64_t Hq, Hkv, B;
@@ -334,6 +346,7 @@ void sweep(int64_t d, bool fallback) {
     for (int mode = 0; mode < 3; ++mode) {
       Shape5 s = varlen(d, h.Hq, h.Hkv, h.B);
       s.force_fallback = fallback;
+      s.impl = impl;
       if (h.Hq == 32) {  // keep the float64 reference fast at 32 heads
         s.lens = {200, 70};
         s.anchors = {{0, 99, 140, 199}, {3, 69}};
@@ -344,8 +357,8 @@ void sweep(int64_t d, bool fallback) {
       }
       worst.max_with(check(s));
     }
-  std::printf("d=%lld %s worst: out %.2e lse %.2e dq %.2e dkc %.2e dvc %.2e dkb %.2e dvb %.2e\n",
-              static_cast<long long>(d), fallback ? "fallback" : "dispatch", worst.out, worst.lse, worst.dq, worst.dkc,
+  std::printf("d=%lld %s%s worst: out %.2e lse %.2e dq %.2e dkc %.2e dvc %.2e dkb %.2e dvb %.2e\n",
+              static_cast<long long>(d), fallback ? "fallback" : "dispatch", impl_name(impl), worst.out, worst.lse, worst.dq, worst.dkc,
               worst.dvc, worst.dkb, worst.dvb);
 }
 
@@ -358,7 +371,24 @@ TEST(CudaBlockAttention, FastD64) {
 
 TEST(CudaBlockAttention, FastD128) {
   DFLASH_REQUIRE_GPU();
-  sweep(128, false);
+  for (cuda::FlashImpl impl : impls_for(128)) sweep(128, false, impl);
+}
+
+// On an sm_90 GPU (the H200) the drafter's d = 128 attention must run the wgmma kernels: a build
+// that lost its sm_90a code would otherwise drop to mma.sync without a word.
+TEST(CudaBlockAttention, WgmmaOnSm90) {
+  DFLASH_REQUIRE_GPU();
+  int major = 0, minor = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+  const bool sm90 = major == 9 && minor == 0;
+  EXPECT_STREQ(cuda::block_attention_kernel_name(128, 0), sm90 ? "wgmma sm_90a" : "mma.sync");
+  EXPECT_STREQ(cuda::block_attention_kernel_name(64, 0), "mma.sync");
+  if (!sm90) {  // forcing it where it cannot run is an error, not a silent mma.sync run
+    Shape5 s = varlen(128, 4, 1, 16);
+    s.impl = cuda::FlashImpl::Wgmma;
+    EXPECT_THROW(check(s), Error);
+  }
 }
 
 TEST(CudaBlockAttention, ForcedFallbackD64) {
@@ -381,13 +411,18 @@ TEST(CudaBlockAttention, FallbackOddHeadDims) {
 // Peaky softmax (q stddev 6: logits of stddev ~6): the running max must be handled in fp32.
 TEST(CudaBlockAttention, PeakySoftmax) {
   DFLASH_REQUIRE_GPU();
-  for (int64_t d : {64, 128})
-    for (bool fb : {false, true}) {
+  for (int64_t d : {64, 128}) {
+    for (cuda::FlashImpl impl : impls_for(d)) {
       Shape5 s = varlen(d, 4, 1, 16);
       s.q_stddev = 6.0f;
-      s.force_fallback = fb;
+      s.impl = impl;
       check(s);
     }
+    Shape5 s = varlen(d, 4, 1, 16);
+    s.q_stddev = 6.0f;
+    s.force_fallback = true;
+    check(s);
+  }
 }
 
 // The drafter layout in small: one 1024-token context, 64 uniform anchors (sorted), Hq 32, Hkv 8.
@@ -401,10 +436,14 @@ TEST(CudaBlockAttention, DrafterShapeSmall) {
   s.Hq = 32;
   s.Hkv = 8;
   s.d = 128;
-  check(s);
-  s.sliding = true;
-  s.window = 200;
-  check(s);
+  for (cuda::FlashImpl impl : impls_for(128)) {
+    s.impl = impl;
+    s.sliding = false;
+    check(s);
+    s.sliding = true;
+    s.window = 200;
+    check(s);
+  }
 }
 
 TEST(CudaBlockAttention, Supported) {

@@ -51,8 +51,11 @@ class CudaBackend final : public TrainBackend {
     // The drafter's attention: the tensor-core kernels, or the (much slower) fallback for other
     // head dims, said in the log and refused under require_fast_path like a target fallback.
     if (cuda::block_attention_supported(dcfg_.head_dim, info.major)) {
-      fast_path_ += fmt::format("; drafter attention: tensor-core kernels (head_dim {})", dcfg_.head_dim);
-      drafter_attention_ = {{"path", "fast"}, {"reason", fmt::format("head_dim {} on sm_{}{}", dcfg_.head_dim, info.major, info.minor)}};
+      const char* kernel = cuda::block_attention_kernel_name(dcfg_.head_dim, device_.index);
+      fast_path_ += fmt::format("; drafter attention: tensor-core kernels ({}, head_dim {})", kernel, dcfg_.head_dim);
+      drafter_attention_ = {{"path", "fast"},
+                            {"kernel", kernel},
+                            {"reason", fmt::format("head_dim {} on sm_{}{}", dcfg_.head_dim, info.major, info.minor)}};
     } else {
       const std::string why = fmt::format("head_dim {} on sm_{}{}; the tensor-core kernels take head_dim 64 or 128 on sm_80+",
                                           dcfg_.head_dim, info.major, info.minor);

@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(256, 1) flash_fwd_wgmma_kernel(const FlashArgs
   if (m_start >= seqlen) return;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* sQ = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* sQ = wgmma::align1024(smem_raw);
   unsigned char* sK = sQ + Cfg::kQBytes;     // [2] K tiles
   unsigned char* sV = sK + 2 * Cfg::kTileBytes;  // [2] V tiles
 
@@ -134,11 +134,7 @@ __global__ void __launch_bounds__(256, 1) flash_fwd_wgmma_kernel(const FlashArgs
       for (int e = 0; e < NT * 4; ++e) sf[e] = 0.0f;
       wgmma::pin(sf);
       wgmma::fence();
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        const uint32_t off_q = (ks / 4) * BM * 128 + (ks % 4) * 32, off_k = (ks / 4) * BN * 128 + (ks % 4) * 32;
-        wgmma::mma_ss(sf, desc_q + (off_q >> 4), desc_k + (off_k >> 4), 1);
-      }
+      wgmma::mma_nt<KS>(sf, desc_q, BM * 128, desc_k, BN * 128);
       wgmma::commit();
       wgmma::wait<0>();
       wgmma::pin(sf);
@@ -158,31 +154,15 @@ __global__ void __launch_bounds__(256, 1) flash_fwd_wgmma_kernel(const FlashArgs
       uint32_t pa[NT / 2][4];
 #pragma unroll
       for (int kk = 0; kk < NT / 2; ++kk) flash::p_fragment<NT>(s, kk, pa[kk]);
-#pragma unroll
-      for (int p = 0; p < P; ++p) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          o[p][4 * i + 0] *= alpha0;
-          o[p][4 * i + 1] *= alpha0;
-          o[p][4 * i + 2] *= alpha1;
-          o[p][4 * i + 3] *= alpha1;
-        }
-        wgmma::pin(o[p]);
-      }
-#pragma unroll
-      for (int kk = 0; kk < NT / 2; ++kk) wgmma::pin(pa[kk]);
+      wgmma::scale_rows<P>(o, alpha0, alpha1);
+      wgmma::pin(o);
+      wgmma::pin(pa);
       wgmma::fence();
-#pragma unroll
-      for (int kk = 0; kk < NT / 2; ++kk)
-#pragma unroll
-        for (int p = 0; p < P; ++p)
-          wgmma::mma_rs_tb(o[p], pa[kk], desc_v + ((p * BN * 128 + kk * 16 * 128) >> 4));
+      wgmma::mma_nn_rs<NT / 2, P>(o, pa, desc_v, BN * 128);
       wgmma::commit();
       wgmma::wait<0>();
-#pragma unroll
-      for (int p = 0; p < P; ++p) wgmma::pin(o[p]);
-#pragma unroll
-      for (int kk = 0; kk < NT / 2; ++kk) wgmma::pin(pa[kk]);
+      wgmma::pin(o);
+      wgmma::pin(pa);
     }
 
     __syncthreads();  // every warpgroup is done with this stage before it is refilled
@@ -197,16 +177,7 @@ __global__ void __launch_bounds__(256, 1) flash_fwd_wgmma_kernel(const FlashArgs
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
   const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-  const int r0 = 64 * wg + 16 * wq + g, r1 = r0 + 8;  // rows within the CTA's tile
-#pragma unroll
-  for (int p = 0; p < P; ++p)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      *reinterpret_cast<uint32_t*>(sQ + wgmma::panel_offset(BM, r0, 8 * p + i) + 4 * t) =
-          ptx::pack_bf16(o[p][4 * i] * inv0, o[p][4 * i + 1] * inv0);
-      *reinterpret_cast<uint32_t*>(sQ + wgmma::panel_offset(BM, r1, 8 * p + i) + 4 * t) =
-          ptx::pack_bf16(o[p][4 * i + 2] * inv1, o[p][4 * i + 3] * inv1);
-    }
+  wgmma::store_rows<P>(sQ, BM, 64 * wg + 16 * wq + g, o, inv0, inv1);
   __syncwarp();
   bf16* og = a.out + (int64_t(begin + m_start) * a.Hq + h) * D;
   constexpr int kChunks = D / 8;
@@ -233,9 +204,10 @@ void launch(const AttentionParams& p, cudaStream_t stream) {
   DFLASH_CUDA_CHECK_LAST();
 }
 
-// Whether the binary holds code of the kernel for this device (sm_90 exactly: sm_90a code runs
-// nowhere else), cached per device.
-bool kernel_runs_on(int device) {
+}  // namespace
+
+namespace wgmma {
+bool sm90a_code_runs_on(int device) {
   static std::mutex mu;
   static int known[64] = {};  // 0 unknown, 1 yes, 2 no
   std::lock_guard<std::mutex> lock(mu);
@@ -244,7 +216,7 @@ bool kernel_runs_on(int device) {
     int major = 0, minor = 0, prev = 0;
     DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    bool ok = major == 9 && minor == 0;
+    bool ok = major == 9 && minor == 0;  // sm_90a code runs on sm_90 exactly
     if (ok) {
       DFLASH_CUDA_CHECK(cudaGetDevice(&prev));
       DFLASH_CUDA_CHECK(cudaSetDevice(device));
@@ -257,11 +229,10 @@ bool kernel_runs_on(int device) {
   }
   return known[device] == 1;
 }
-
-}  // namespace
+}  // namespace wgmma
 
 bool flash_attention_wgmma_available(int64_t d, int device) {
-  return (d == 128 || d == 256) && kernel_runs_on(device);
+  return (d == 128 || d == 256) && wgmma::sm90a_code_runs_on(device);
 }
 
 // Called by flash_attention_fwd (attention.cu) after it validated p.

@@ -36,7 +36,9 @@
 // dP are formed twice (in the dQ pass and in the dK/dV pass): 7 GEMMs run where 5 are counted, so
 // the bwd executes ≈ 173 TFLOP/s, and its kernels hold 255 registers (dK + dV accumulators, or
 // dQ + Q fragments, next to S and dP) at 8 warps per SM. One launch instead of three gained 5 %;
-// two 32-query passes in dK/dV (fewer spills) gained nothing. Beyond this: wgmma (sm_90a).
+// two 32-query passes in dK/dV (fewer spills) gained nothing. Beyond this: wgmma (sm_90a), which
+// block_attention_sm90.cu does with this same structure and block_attention_fwd / _bwd run on
+// sm_90 at d = 128 (BlockAttnParams::impl forces either).
 //
 // Fallback (any d, any arch): plain fp32 kernels, one CTA per (query row, head) for out/lse and
 // dq, one per (key row, kv head) for dK/dV; warps compute dot products, threads over d accumulate.
@@ -47,6 +49,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/cuda/block_attention_tile.cuh"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/flash_tile.cuh"
 #include "kernels/cuda/ptx.cuh"
@@ -59,144 +62,7 @@ namespace {
 
 using namespace ptx;
 using namespace flash;
-using bf16 = __nv_bfloat16;
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-struct Args {
-  const bf16* q;
-  const bf16* kc;
-  const bf16* vc;
-  const bf16* kb;
-  const bf16* vb;
-  bf16* out;
-  float* lse;
-  const bf16* dout;
-  bf16* dq;
-  bf16* dkc;
-  bf16* dvc;
-  bf16* dkb;
-  bf16* dvb;
-  float* delta;  // [R, Hq] workspace
-  const int32_t* anchor;
-  const int32_t* block_seq;
-  const int32_t* cu_seqlens;
-  const int32_t* cu_blocks;
-  int nb, B, Hq, Hkv, G, M;  // M = B·G packed query rows per (block, kv head)
-  int sliding, window;
-  float scale, scale_log2;
-};
-
-// ---- PTX wrappers ----------------------------------------------------------------------------------
-__device__ __forceinline__ void cp_async_4(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
-}
-
-
-constexpr int kThreads = 128;  // 4 warps
-constexpr int kBM = 64;        // packed query rows per tile
-constexpr int kBN = 64;        // keys per tile
-
-// Element offset of packed query row i of block b, kv head kh, in a [R, Hq, D] tensor.
-__device__ __forceinline__ int64_t qrow_off(const Args& a, int b, int kh, int i, int D) {
-  const int j = i / a.G, hh = i - j * a.G;
-  return (int64_t(b) * a.B + j) * a.Hq * D + int64_t(kh * a.G + hh) * D;
-}
-__device__ __forceinline__ int64_t qrow_idx(const Args& a, int b, int kh, int i) {  // into [R, Hq]
-  const int j = i / a.G, hh = i - j * a.G;
-  return (int64_t(b) * a.B + j) * a.Hq + kh * a.G + hh;
-}
-
-// 64 packed query rows [m_start, m_start + 64) of (b, kh) from a [R, Hq, D] tensor into a swizzled
-// tile; rows >= M are zero-filled.
-template <int D>
-__device__ __forceinline__ void load_q_tile(bf16* s, const bf16* g, const Args& a, int b, int kh, int m_start,
-                                            int tid) {
-  constexpr int CH = D / 8;
-#pragma unroll
-  for (int step = 0; step < kBM * CH / kThreads; ++step) {
-    const int idx = step * kThreads + tid;
-    const int r = idx / CH, c = idx % CH;
-    const int i = m_start + r;
-    const bool ok = i < a.M;
-    const bf16* src = ok ? g + qrow_off(a, b, kh, i, D) + c * 8 : g;
-    cp_async_16(s + swz<D>(r, c), src, ok ? 16 : 0);
-  }
-}
-
-// 64 key rows (stride ld elements) into a swizzled tile; rows >= valid are zero-filled.
-template <int D>
-__device__ __forceinline__ void load_k_tile(bf16* s, const bf16* g, int64_t ld, int valid, int tid) {
-  constexpr int CH = D / 8;
-#pragma unroll
-  for (int step = 0; step < kBN * CH / kThreads; ++step) {
-    const int idx = step * kThreads + tid;
-    const int r = idx / CH, c = idx % CH;
-    const bool ok = r < valid;
-    cp_async_16(s + swz<D>(r, c), g + (ok ? r : 0) * ld + c * 8, ok ? 16 : 0);
-  }
-}
-
-// The key tiles a query tile of block b walks: context tiles [ctx_lo + 64·t, ...) up to the
-// anchor, then own-block tiles [64·t, ...) up to blk_hi.
-struct KeyPlan {
-  int anc, ctx_lo, blk_hi, nct, n_tiles;
-  int64_t begin;  // first context row of the block's sequence
-};
-__device__ __forceinline__ KeyPlan key_plan(const Args& a, int b, int m_start) {
-  KeyPlan k;
-  k.anc = a.anchor[b];
-  k.begin = a.cu_seqlens[a.block_seq[b]];
-  const int jlo = m_start / a.G, jhi = (min(a.M, m_start + kBM) - 1) / a.G;
-  k.ctx_lo = 0;
-  k.blk_hi = a.B;
-  if (a.sliding) {
-    k.ctx_lo = max(0, k.anc + jlo - (a.window - 1));
-    k.blk_hi = min(a.B, jhi + 1);
-  }
-  k.nct = k.anc > k.ctx_lo ? (k.anc - k.ctx_lo + kBN - 1) / kBN : 0;
-  k.n_tiles = k.nct + (k.blk_hi + kBN - 1) / kBN;
-  return k;
-}
-
-// Key tile `it` of the plan: its k / v rows (already at kv head kh), first key index (context
-// position or block offset), valid rows, and whether it is a context tile.
-struct KeyTile {
-  const bf16* k;
-  const bf16* v;
-  int key0, valid;
-  bool ctx;
-};
-template <int D>
-__device__ __forceinline__ KeyTile key_tile(const Args& a, const KeyPlan& kp, int b, int kh, int it) {
-  KeyTile t;
-  const int64_t ldkv = int64_t(a.Hkv) * D;
-  if (it < kp.nct) {
-    t.ctx = true;
-    t.key0 = kp.ctx_lo + it * kBN;
-    t.valid = min(kBN, kp.anc - t.key0);
-    const int64_t off = (kp.begin + t.key0) * ldkv + int64_t(kh) * D;
-    t.k = a.kc + off;
-    t.v = a.vc + off;
-  } else {
-    t.ctx = false;
-    t.key0 = (it - kp.nct) * kBN;
-    t.valid = min(kBN, kp.blk_hi - t.key0);
-    const int64_t off = (int64_t(b) * a.B + t.key0) * ldkv + int64_t(kh) * D;
-    t.k = a.kb + off;
-    t.v = a.vb + off;
-  }
-  return t;
-}
-
-// Whether query row with block offset j may attend key `key` (context position or block offset)
-// of a tile, given the key lies inside the tile's valid range.
-__device__ __forceinline__ bool allowed(const Args& a, bool ctx, int anc, int j, int key) {
-  if (!a.sliding) return true;
-  if (ctx) return key >= anc + j - (a.window - 1);
-  return key <= j && key >= j - (a.window - 1);
-}
+using namespace battn;
 
 // ---- forward ------------------------------------------------------------------------------------------
 // grid: (Hkv · m-tiles, nb); blocks in reverse order (the longest, latest anchors, first).
@@ -471,43 +337,11 @@ __device__ __forceinline__ void dq_body(const Args& a, int kh, int mt, int b, un
 template <int D, bool CTX>
 __device__ __forceinline__ void dkv_body(const Args& a, int kh, int key_tile, int z, unsigned char* smem_raw) {
   constexpr int KS = D / 16, NT = kBM / 8, DT = D / 8, CH = D / 8;
-  const int key0 = key_tile * kBN;
-  int valid, b_first, b_end, anc_fixed = 0;
-  int64_t row0;  // first key row in dkc/dvc or kb/vb
-  if constexpr (CTX) {
-    const int s = z;
-    const int begin = a.cu_seqlens[s], len = a.cu_seqlens[s + 1] - begin;
-    if (key0 >= len) return;
-    valid = min(kBN, len - key0);
-    row0 = begin + key0;
-    // Blocks of s with anchor > key0: anchors ascend within a sequence.
-    int lo = a.cu_blocks[s], hi = a.cu_blocks[s + 1];
-    b_end = hi;
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (a.anchor[mid] > key0) hi = mid; else lo = mid + 1;
-    }
-    b_first = lo;
-    if (a.sliding) {  // the window of the block's query j = 0 starts at anchor − (window − 1)
-      const int last_key = key0 + valid - 1;
-      int lo2 = b_first, hi2 = b_end;
-      while (lo2 < hi2) {
-        const int mid = (lo2 + hi2) / 2;
-        if (a.anchor[mid] - (a.window - 1) > last_key) hi2 = mid; else lo2 = mid + 1;
-      }
-      b_end = lo2;
-    }
-  } else {
-    const int b = z;
-    if (key0 >= a.B) return;
-    valid = min(kBN, a.B - key0);
-    row0 = int64_t(b) * a.B + key0;
-    b_first = b;
-    b_end = b + 1;
-    anc_fixed = a.anchor[b];
-  }
-  const int m_tiles = (a.M + kBM - 1) / kBM;
-  const int n_items = (b_end - b_first) * m_tiles;
+  DkvItems di;
+  if (!dkv_items<CTX>(a, key_tile, z, di)) return;
+  const int key0 = di.key0, valid = di.valid, b_first = di.b_first, anc_fixed = di.anc_fixed;
+  const int m_tiles = di.m_tiles, n_items = di.n_items;
+  const int64_t row0 = di.row0;
 
   bf16* sK = reinterpret_cast<bf16*>(smem_raw);
   bf16* sV = sK + kBN * D;
@@ -666,25 +500,10 @@ template <int D>
 __global__ void __launch_bounds__(kThreads, 2)
     ba_bwd_kernel(const Args a, int num_seqs, int n_ctx_ctas, int n_dq_ctas) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  int idx = blockIdx.x;
-  if (idx < n_ctx_ctas) {
-    const int kh = idx % a.Hkv;
-    idx /= a.Hkv;
-    dkv_body<D, true>(a, kh, idx / num_seqs, idx % num_seqs, smem_raw);
-    return;
-  }
-  idx -= n_ctx_ctas;
-  if (idx < n_dq_ctas) {
-    const int per_block = a.Hkv * ((a.M + kBM - 1) / kBM);
-    const int r = idx % per_block;
-    dq_body<D>(a, r % a.Hkv, r / a.Hkv, a.nb - 1 - idx / per_block, smem_raw);
-    return;
-  }
-  idx -= n_dq_ctas;
-  const int kh = idx % a.Hkv;
-  idx /= a.Hkv;
-  const int b_tiles = (a.B + kBN - 1) / kBN;
-  dkv_body<D, false>(a, kh, idx % b_tiles, idx / b_tiles, smem_raw);
+  const BwdRole r = bwd_role(a, blockIdx.x, num_seqs, n_ctx_ctas, n_dq_ctas);
+  if (r.kind == BwdRole::CtxKV) dkv_body<D, true>(a, r.kh, r.tile, r.z, smem_raw);
+  else if (r.kind == BwdRole::DQ) dq_body<D>(a, r.kh, r.tile, r.z, smem_raw);
+  else dkv_body<D, false>(a, r.kh, r.tile, r.z, smem_raw);
 }
 
 // ---- fallback -----------------------------------------------------------------------------------------
@@ -943,6 +762,17 @@ bool use_fast(const BlockAttnParams& p) {
   return true;
 }
 
+// Whether the tensor-core path runs the wgmma kernels (block_attention_sm90.cu).
+bool use_wgmma(const BlockAttnParams& p) {
+  int dev = 0;
+  DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
+  const bool available = battn::wgmma_available(p.d, dev);
+  DFLASH_CHECK_HINT(p.impl != FlashImpl::Wgmma || available,
+                    "block attention: the wgmma kernels cannot run head dim " << p.d << " on CUDA device " << dev,
+                    "they need head dim 128, an sm_90 GPU and a build with sm_90a code; use FlashImpl::Auto");
+  return p.impl != FlashImpl::MmaSync && available;
+}
+
 template <class K>
 void set_smem(K kernel, size_t bytes) {
   DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
@@ -963,12 +793,10 @@ void launch_bwd(const Args& a, int64_t num_seqs, int64_t max_seqlen, cudaStream_
   const size_t smem_kv = size_t(2 * kBN + 4 * kBM) * D * 2 + 4 * kBM * sizeof(float);
   const size_t smem = std::max(smem_q, smem_kv);
   set_smem(ba_bwd_kernel<D>, smem);
-  const int64_t n_ctx = int64_t(a.Hkv) * ((max_seqlen + kBN - 1) / kBN) * num_seqs;
-  const int64_t n_dq = int64_t(a.Hkv) * ((a.M + kBM - 1) / kBM) * a.nb;
-  const int64_t n_blk = int64_t(a.Hkv) * ((a.B + kBN - 1) / kBN) * a.nb;
-  DFLASH_CHECK(n_ctx + n_dq + n_blk < INT32_MAX, "block_attention_bwd: grid too large");
-  ba_bwd_kernel<D><<<static_cast<unsigned>(n_ctx + n_dq + n_blk), kThreads, smem, st>>>(
-      a, static_cast<int>(num_seqs), static_cast<int>(n_ctx), static_cast<int>(n_dq));
+  const BwdGrid g = bwd_grid(a, num_seqs, max_seqlen);
+  DFLASH_CHECK(g.n_ctx + g.n_dq + g.n_blk < INT32_MAX, "block_attention_bwd: grid too large");
+  ba_bwd_kernel<D><<<static_cast<unsigned>(g.n_ctx + g.n_dq + g.n_blk), kThreads, smem, st>>>(
+      a, static_cast<int>(num_seqs), static_cast<int>(g.n_ctx), static_cast<int>(g.n_dq));
   DFLASH_CUDA_CHECK_LAST();
 }
 
@@ -979,13 +807,19 @@ size_t fb_key_smem(int64_t d) { return (4 * static_cast<size_t>(d) + 3 * kFbChun
 
 bool block_attention_supported(int64_t d, int sm_major) { return (d == 64 || d == 128) && sm_major >= 8; }
 
+const char* block_attention_kernel_name(int64_t d, int device) {
+  return battn::wgmma_available(d, device) ? "wgmma sm_90a" : "mma.sync";
+}
+
 void block_attention_fwd(const BlockAttnParams& p, Stream s) {
   validate(p, "block_attention_fwd");
   if (p.nb == 0) return;
   const Args a = args_of(p);
   const auto st = static_cast<cudaStream_t>(s);
   if (use_fast(p)) {
-    if (p.d == 64) launch_fwd<64>(a, st); else launch_fwd<128>(a, st);
+    if (use_wgmma(p)) launch_fwd_wgmma(a, st);
+    else if (p.d == 64) launch_fwd<64>(a, st);
+    else launch_fwd<128>(a, st);
     return;
   }
   DFLASH_CHECK(p.d <= 8192, "block_attention_fwd: head dim " << p.d << " exceeds the fallback's 8192");
@@ -1032,7 +866,8 @@ void block_attention_bwd(const BlockAttnBwdParams& bp, Stream s) {
                           static_cast<const void*>(bp.dvb)})
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) fast = false;
   if (fast) {
-    if (p.d == 64) launch_bwd<64>(a, p.num_seqs, p.max_seqlen, st);
+    if (use_wgmma(p)) launch_bwd_wgmma(a, p.num_seqs, p.max_seqlen, st);
+    else if (p.d == 64) launch_bwd<64>(a, p.num_seqs, p.max_seqlen, st);
     else launch_bwd<128>(a, p.num_seqs, p.max_seqlen, st);
     return;
   }

@@ -132,6 +132,8 @@ struct BlockAttnParams {
   int64_t window = 0;  // keys, > 0 when sliding
   float scale = 0.0f;  // 0 means 1/sqrt(d)
   bool force_fallback = false;  // run the plain kernels even where the tensor-core ones apply (tests, bench)
+  // Which tensor-core kernels: Auto = wgmma (sm_90a) on an sm_90 GPU at d = 128, else mma.sync.
+  FlashImpl impl = FlashImpl::Auto;
 };
 void block_attention_fwd(const BlockAttnParams& p, Stream s);
 // Backward from dout [R, Hq, d] bf16: dq [R, Hq, d], dkc / dvc [N, Hkv, d], dkb / dvb [R, Hkv, d],
@@ -150,6 +152,8 @@ struct BlockAttnBwdParams {
 int64_t block_attention_bwd_workspace(const BlockAttnParams& p);
 void block_attention_bwd(const BlockAttnBwdParams& p, Stream s);
 bool block_attention_supported(int64_t d, int sm_major);  // the tensor-core kernels: d in {64, 128}, sm >= 80
+// The tensor-core kernel Auto picks for head dim d on CUDA device `device`: "wgmma sm_90a" or "mma.sync".
+const char* block_attention_kernel_name(int64_t d, int device);
 
 // ---- Fused linear cross-entropy (LM head) -------------------------------------------------------------
 // For each of the R rows of hidden [R, H] bf16 (the final-normed drafter states), with the frozen

@@ -52,6 +52,16 @@ __device__ __forceinline__ void pin(uint32_t (&r)[4]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
+template <int P>
+__device__ __forceinline__ void pin(float (&r)[P][32]) {
+#pragma unroll
+  for (int p = 0; p < P; ++p) pin(r[p]);
+}
+template <int K>
+__device__ __forceinline__ void pin(uint32_t (&r)[K][4]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) pin(r[k]);
+}
 
 // d[64x64] (+)= A[64x16] · B[16x64], A and B K-major in shared memory. The accumulator layout per
 // warp w of the warpgroup: rows 16w + g and 16w + g + 8 (g = lane / 4), n-tile i (8 columns) in
@@ -91,5 +101,69 @@ __device__ __forceinline__ void mma_rs_tb(float (&d)[32], const uint32_t (&a)[4]
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
 #endif
 }
+
+// acc[64x64] (+)= A[64, 16·KS] · B[64, 16·KS]ᵀ, both K-major panel tiles (a_panel / b_panel: bytes
+// from one 64-column panel to the next); issues all KS k-steps. The caller fences before, commits
+// and waits after.
+template <int KS>
+__device__ __forceinline__ void mma_nt(float (&acc)[32], uint64_t desc_a, uint32_t a_panel, uint64_t desc_b,
+                                       uint32_t b_panel) {
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks)
+    mma_ss(acc, desc_a + (((ks / 4) * a_panel + (ks % 4) * 32) >> 4),
+           desc_b + (((ks / 4) * b_panel + (ks % 4) * 32) >> 4), 1);
+}
+
+// acc[P][64x64] += A[64, 16·KK] · B[16·KK, 64·P]: A as KK register fragments (p_fragment), B an
+// MN-major panel tile of 16·KK rows (desc_b made with LBO = b_panel, the panel stride in bytes).
+template <int KK, int P>
+__device__ __forceinline__ void mma_nn_rs(float (&acc)[P][32], const uint32_t (&a)[KK][4], uint64_t desc_b,
+                                          uint32_t b_panel) {
+#pragma unroll
+  for (int kk = 0; kk < KK; ++kk)
+#pragma unroll
+    for (int p = 0; p < P; ++p) mma_rs_tb(acc[p], a[kk], desc_b + ((p * b_panel + kk * 16 * 128) >> 4));
+}
+
+// Multiplies this thread's accumulator elements of rows r0 / r0 + 8 by s0 / s1 (online softmax).
+template <int P>
+__device__ __forceinline__ void scale_rows(float (&acc)[P][32], float s0, float s1) {
+#pragma unroll
+  for (int p = 0; p < P; ++p)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      acc[p][4 * i] *= s0;
+      acc[p][4 * i + 1] *= s0;
+      acc[p][4 * i + 2] *= s1;
+      acc[p][4 * i + 3] *= s1;
+    }
+}
+
+// Writes this thread's accumulator elements of acc[P][64x64] (rows r0 and r0 + 8 of a panel tile
+// of `rows` rows, r0 = the warp's first row + lane / 4) as bf16, times s0 / s1 per row.
+template <int P>
+__device__ __forceinline__ void store_rows(unsigned char* tile, int rows, int r0, const float (&acc)[P][32], float s0,
+                                           float s1) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int p = 0; p < P; ++p)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      *reinterpret_cast<uint32_t*>(tile + panel_offset(rows, r0, 8 * p + i) + 4 * t) =
+          ptx::pack_bf16(acc[p][4 * i] * s0, acc[p][4 * i + 1] * s0);
+      *reinterpret_cast<uint32_t*>(tile + panel_offset(rows, r0 + 8, 8 * p + i) + 4 * t) =
+          ptx::pack_bf16(acc[p][4 * i + 2] * s1, acc[p][4 * i + 3] * s1);
+    }
+}
+
+// The first 1024-byte boundary at or after p (dynamic shared memory is only 16-byte aligned by
+// contract; allocate 1024 bytes of slack).
+__device__ __forceinline__ unsigned char* align1024(unsigned char* p) {
+  return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(p) + 1023) & ~uintptr_t(1023));
+}
+
+// Host: whether this build's sm_90a code can run on CUDA device `device` (an sm_90 GPU and a binary
+// that holds the code; cached per device). Defined in attention_sm90.cu.
+bool sm90a_code_runs_on(int device);
 
 }  // namespace dflash::cuda::wgmma

@@ -1,0 +1,420 @@
+// DFlash block attention on Hopper warpgroup MMA (wgmma, sm_90a), head dim 128: the forward and
+// the one-launch deterministic backward of block_attention.cu with the same tiling, tile walk,
+// masks, softmax and CTA roles (block_attention_tile.cuh), and every matrix product on wgmma:
+// a CTA's 4 warps are one warpgroup, its 64-row tiles one m64 operand. Shared tiles use
+// wgmma.cuh's panel layout (128-byte swizzle), filled by cp.async and fenced to the async proxy.
+//   forward  : S = Q Kᵀ (SS), online softmax, O += P V (P from registers, V MN-major);
+//   dQ       : S = Q Kᵀ, dP = dO Vᵀ (SS), dS = P ∘ (dP − δ), dQ += dS K (K MN-major);
+//   dK / dV  : Sᵀ = K Qᵀ, dPᵀ = V dOᵀ (SS), dV += Pᵀ dO, dK += dSᵀ Q (dO, Q MN-major).
+// block_attention_fwd / _bwd (block_attention.cu) run these on an sm_90 GPU at d = 128 unless
+// BlockAttnParams::impl asks for mma.sync.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/block_attention_tile.cuh"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/wgmma.cuh"
+#include "kernels/error.h"
+
+namespace dflash::cuda::battn {
+
+namespace {
+
+using flash::cp_async_wait;
+using flash::fast_exp2;
+
+template <int D>
+struct WgSizes {
+  static constexpr int kQ = kBM * D * 2, kK = kBN * D * 2;  // one query-row / key tile, bytes
+  static constexpr uint32_t kPanelQ = kBM * 128, kPanelK = kBN * 128;  // panel strides
+  static constexpr size_t kFwd = size_t(kQ) + 4 * kK + 1024;            // + alignment slack
+  static constexpr size_t kDq = 2 * size_t(kQ) + 4 * kK + 1024;
+  static constexpr size_t kDkv = 2 * size_t(kK) + 4 * kQ + 4 * kBM * sizeof(float) + 1024;
+  static constexpr size_t kBwd = kDq > kDkv ? kDq : kDkv;
+};
+
+// Writes the CTA's staged 64 rows (panel tile) out, this warp's 16: row r goes to dst(r) when
+// r < valid (16-byte stores).
+template <int D, class Dst>
+__device__ __forceinline__ void write_rows(const unsigned char* tile, int valid, Dst dst) {
+  constexpr int CH = D / 8;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int step = 0; step < CH / 2; ++step) {
+    const int idx = step * 32 + lane;
+    const int r = warp * 16 + idx / CH, c = idx % CH;
+    if (r < valid) *reinterpret_cast<uint4*>(dst(r) + c * 8) = *reinterpret_cast<const uint4*>(tile + wgmma::panel_offset(64, r, c));
+  }
+}
+
+// ---- forward ------------------------------------------------------------------------------------------
+template <int D>
+__global__ void __launch_bounds__(kThreads, 2) ba_fwd_wg_kernel(const Args a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Z = WgSizes<D>;
+  constexpr int P = D / 64, KS = D / 16, NT = kBN / 8;
+  const int kh = blockIdx.x % a.Hkv, mt = blockIdx.x / a.Hkv;
+  const int b = a.nb - 1 - blockIdx.y;
+  const int m_start = mt * kBM;
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* sQ = wgmma::align1024(smem_raw);
+  unsigned char* sK = sQ + Z::kQ;      // [2] key tiles
+  unsigned char* sV = sK + 2 * Z::kK;  // [2] value tiles
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const KeyPlan kp = key_plan(a, b, m_start);
+  const int64_t ldkv = int64_t(a.Hkv) * D;
+  auto load_kv = [&](int it, int stage) {
+    const KeyTile t = key_tile<D>(a, kp, b, kh, it);
+    load_k_tile<D, true>(sK + stage * Z::kK, t.k, ldkv, t.valid, tid);
+    load_k_tile<D, true>(sV + stage * Z::kK, t.v, ldkv, t.valid, tid);
+  };
+  load_q_tile<D, true>(sQ, a.q, a, b, kh, m_start, tid);
+  ptx::cp_async_commit();
+  load_kv(0, 0);
+  ptx::cp_async_commit();
+  if (kp.n_tiles >= 2) load_kv(1, 1);
+  ptx::cp_async_commit();
+
+  float o[P][32];
+#pragma unroll
+  for (int p = 0; p < P; ++p)
+#pragma unroll
+    for (int e = 0; e < 32; ++e) o[p][e] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int i0 = m_start + warp * 16 + g, i1 = i0 + 8;  // packed rows of elements 0/1 and 2/3
+  const int j0 = i0 / a.G, j1 = i1 / a.G;
+  const uint64_t desc_q = wgmma::descriptor(sQ, 0, 1024);
+
+  for (int it = 0; it < kp.n_tiles; ++it) {
+    const int stage = it & 1;
+    const KeyTile kt = key_tile<D>(a, kp, b, kh, it);
+    cp_async_wait<1>();
+    wgmma::fence_async_smem();
+    __syncthreads();
+
+    float s[NT][4];
+    float(&sf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(s);
+#pragma unroll
+    for (int e = 0; e < NT * 4; ++e) sf[e] = 0.0f;
+    wgmma::pin(sf);
+    wgmma::fence();
+    wgmma::mma_nt<KS>(sf, desc_q, Z::kPanelQ, wgmma::descriptor(sK + stage * Z::kK, 0, 1024), Z::kPanelK);
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(sf);
+    if (kt.valid < kBN || a.sliding) {
+#pragma unroll
+      for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = i * 8 + 2 * t4 + (e & 1);
+          if (c >= kt.valid || !allowed(a, kt.ctx, kp.anc, (e >> 1) ? j1 : j0, kt.key0 + c)) s[i][e] = -INFINITY;
+        }
+    }
+    float alpha0, alpha1;
+    flash::online_softmax<NT>(s, m0, m1, l0, l1, a.scale_log2, alpha0, alpha1);
+    uint32_t pa[NT / 2][4];
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) flash::p_fragment<NT>(s, kk, pa[kk]);
+    wgmma::scale_rows<P>(o, alpha0, alpha1);
+    wgmma::pin(o);
+    wgmma::pin(pa);
+    wgmma::fence();
+    wgmma::mma_nn_rs<NT / 2, P>(o, pa, wgmma::descriptor(sV + stage * Z::kK, Z::kPanelK, 1024), Z::kPanelK);
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(o);
+    wgmma::pin(pa);
+
+    __syncthreads();
+    if (it + 2 < kp.n_tiles) load_kv(it + 2, stage);
+    ptx::cp_async_commit();
+  }
+
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+  if (t4 == 0) {
+    if (i0 < a.M) a.lse[qrow_idx(a, b, kh, i0)] = (m0 + __log2f(l0)) * kLn2;
+    if (i1 < a.M) a.lse[qrow_idx(a, b, kh, i1)] = (m1 + __log2f(l1)) * kLn2;
+  }
+  wgmma::store_rows<P>(sQ, kBM, warp * 16 + g, o, inv0, inv1);
+  __syncwarp();
+  write_rows<D>(sQ, a.M - m_start, [&](int r) { return a.out + qrow_off(a, b, kh, m_start + r, D); });
+#endif
+}
+
+// ---- backward: dQ (query-major) ---------------------------------------------------------------------
+template <int D>
+__device__ __forceinline__ void dq_wg_body(const Args& a, int kh, int mt, int b, unsigned char* smem) {
+  using Z = WgSizes<D>;
+  constexpr int P = D / 64, KS = D / 16, NT = kBN / 8;
+  const int m_start = mt * kBM;
+  unsigned char* sQ = smem;
+  unsigned char* sO = sQ + Z::kQ;      // dO tile
+  unsigned char* sK = sO + Z::kQ;      // [2] key tiles
+  unsigned char* sV = sK + 2 * Z::kK;  // [2] value tiles
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const KeyPlan kp = key_plan(a, b, m_start);
+  const int64_t ldkv = int64_t(a.Hkv) * D;
+  auto load_kv = [&](int it, int stage) {
+    const KeyTile t = key_tile<D>(a, kp, b, kh, it);
+    load_k_tile<D, true>(sK + stage * Z::kK, t.k, ldkv, t.valid, tid);
+    load_k_tile<D, true>(sV + stage * Z::kK, t.v, ldkv, t.valid, tid);
+  };
+  load_q_tile<D, true>(sQ, a.q, a, b, kh, m_start, tid);
+  load_q_tile<D, true>(sO, a.dout, a, b, kh, m_start, tid);
+  ptx::cp_async_commit();
+  load_kv(0, 0);
+  ptx::cp_async_commit();
+  if (kp.n_tiles >= 2) load_kv(1, 1);
+  ptx::cp_async_commit();
+
+  const int g = lane >> 2, t4 = lane & 3;
+  const int i0 = m_start + warp * 16 + g, i1 = i0 + 8;
+  const int j0 = i0 / a.G, j1 = i1 / a.G;
+  // Rows past M: lse2 = +inf gives p = 0.
+  const float lse0 = i0 < a.M ? a.lse[qrow_idx(a, b, kh, i0)] * kLog2e : INFINITY;
+  const float lse1 = i1 < a.M ? a.lse[qrow_idx(a, b, kh, i1)] * kLog2e : INFINITY;
+  const float dl0 = i0 < a.M ? a.delta[qrow_idx(a, b, kh, i0)] : 0.0f;
+  const float dl1 = i1 < a.M ? a.delta[qrow_idx(a, b, kh, i1)] : 0.0f;
+  const uint64_t desc_q = wgmma::descriptor(sQ, 0, 1024), desc_o = wgmma::descriptor(sO, 0, 1024);
+
+  float dq[P][32];
+#pragma unroll
+  for (int p = 0; p < P; ++p)
+#pragma unroll
+    for (int e = 0; e < 32; ++e) dq[p][e] = 0.0f;
+
+  for (int it = 0; it < kp.n_tiles; ++it) {
+    const int stage = it & 1;
+    const KeyTile kt = key_tile<D>(a, kp, b, kh, it);
+    cp_async_wait<1>();
+    wgmma::fence_async_smem();
+    __syncthreads();
+
+    float s[NT][4], dp[NT][4];
+    float(&sf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(s);
+    float(&dpf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(dp);
+#pragma unroll
+    for (int e = 0; e < NT * 4; ++e) sf[e] = dpf[e] = 0.0f;
+    wgmma::pin(sf);
+    wgmma::pin(dpf);
+    wgmma::fence();
+    wgmma::mma_nt<KS>(sf, desc_q, Z::kPanelQ, wgmma::descriptor(sK + stage * Z::kK, 0, 1024), Z::kPanelK);
+    wgmma::mma_nt<KS>(dpf, desc_o, Z::kPanelQ, wgmma::descriptor(sV + stage * Z::kK, 0, 1024), Z::kPanelK);
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(sf);
+    wgmma::pin(dpf);
+    const bool need_mask = kt.valid < kBN || a.sliding;
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = i * 8 + 2 * t4 + (e & 1);
+        const bool hi = e >> 1;
+        float p = fast_exp2(fmaf(s[i][e], a.scale_log2, -(hi ? lse1 : lse0)));
+        if (need_mask && (c >= kt.valid || !allowed(a, kt.ctx, kp.anc, hi ? j1 : j0, kt.key0 + c))) p = 0.0f;
+        s[i][e] = p * (dp[i][e] - (hi ? dl1 : dl0));  // dS (scale applied at the end)
+      }
+    uint32_t sa[NT / 2][4];
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) flash::p_fragment<NT>(s, kk, sa[kk]);
+    wgmma::pin(dq);
+    wgmma::pin(sa);
+    wgmma::fence();  // dQ += dS K: the key tile is the MN-major B operand (keys are the k dimension)
+    wgmma::mma_nn_rs<NT / 2, P>(dq, sa, wgmma::descriptor(sK + stage * Z::kK, Z::kPanelK, 1024), Z::kPanelK);
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(dq);
+    wgmma::pin(sa);
+
+    __syncthreads();
+    if (it + 2 < kp.n_tiles) load_kv(it + 2, stage);
+    ptx::cp_async_commit();
+  }
+
+  wgmma::store_rows<P>(sQ, kBM, warp * 16 + g, dq, a.scale, a.scale);
+  __syncwarp();
+  write_rows<D>(sQ, a.M - m_start, [&](int r) { return a.dq + qrow_off(a, b, kh, m_start + r, D); });
+}
+
+// ---- backward: dK, dV (key-tile-major) ---------------------------------------------------------------
+template <int D, bool CTX>
+__device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile, int z, unsigned char* smem) {
+  using Z = WgSizes<D>;
+  constexpr int P = D / 64, KS = D / 16, NT = kBM / 8;
+  DkvItems di;
+  if (!dkv_items<CTX>(a, key_tile, z, di)) return;
+
+  unsigned char* sK = smem;
+  unsigned char* sV = sK + Z::kK;
+  unsigned char* sQ = sV + Z::kK;      // [2] query-row tiles
+  unsigned char* sO = sQ + 2 * Z::kQ;  // [2] dO tiles
+  float* sL = reinterpret_cast<float*>(sO + 2 * Z::kQ);  // [2][kBM] lse
+  float* sD = sL + 2 * kBM;                               // [2][kBM] δ
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int64_t ldkv = int64_t(a.Hkv) * D;
+  const int64_t koff = di.row0 * ldkv + int64_t(kh) * D;
+  load_k_tile<D, true>(sK, (CTX ? a.kc : a.kb) + koff, ldkv, di.valid, tid);
+  load_k_tile<D, true>(sV, (CTX ? a.vc : a.vb) + koff, ldkv, di.valid, tid);
+  ptx::cp_async_commit();
+  auto load_item = [&](int item, int stage) {
+    const int b = di.b_first + item / di.m_tiles, m_start = (item % di.m_tiles) * kBM;
+    load_q_tile<D, true>(sQ + stage * Z::kQ, a.q, a, b, kh, m_start, tid);
+    load_q_tile<D, true>(sO + stage * Z::kQ, a.dout, a, b, kh, m_start, tid);
+    if (tid < kBM) {
+      const int i = m_start + tid;
+      const bool ok = i < a.M;
+      const int64_t idx = ok ? qrow_idx(a, b, kh, i) : 0;
+      cp_async_4(sL + stage * kBM + tid, a.lse + idx, ok ? 4 : 0);  // zero rows contribute 0 (q = dO = 0)
+      cp_async_4(sD + stage * kBM + tid, a.delta + idx, ok ? 4 : 0);
+    }
+  };
+  if (di.n_items > 0) load_item(0, 0);
+  ptx::cp_async_commit();
+  if (di.n_items > 1) load_item(1, 1);
+  ptx::cp_async_commit();
+
+  const int g = lane >> 2, t4 = lane & 3;
+  const int kr0 = warp * 16 + g;  // key rows of elements 0/1 (and +8 for 2/3) within the tile
+  const uint64_t desc_k = wgmma::descriptor(sK, 0, 1024), desc_v = wgmma::descriptor(sV, 0, 1024);
+  float dk[P][32], dv[P][32];
+#pragma unroll
+  for (int p = 0; p < P; ++p)
+#pragma unroll
+    for (int e = 0; e < 32; ++e) dk[p][e] = dv[p][e] = 0.0f;
+
+  for (int item = 0; item < di.n_items; ++item) {
+    const int stage = item & 1;
+    const int b = di.b_first + item / di.m_tiles, m_start = (item % di.m_tiles) * kBM;
+    const int anc = CTX ? a.anchor[b] : di.anc_fixed;
+    unsigned char* tQ = sQ + stage * Z::kQ;
+    unsigned char* tO = sO + stage * Z::kQ;
+    const float* tL = sL + stage * kBM;
+    const float* tD = sD + stage * kBM;
+    cp_async_wait<1>();
+    wgmma::fence_async_smem();
+    __syncthreads();
+
+    // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: [64 keys, 64 query rows].
+    float st[NT][4], dpt[NT][4];
+    float(&stf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(st);
+    float(&dptf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(dpt);
+#pragma unroll
+    for (int e = 0; e < NT * 4; ++e) stf[e] = dptf[e] = 0.0f;
+    wgmma::pin(stf);
+    wgmma::pin(dptf);
+    wgmma::fence();
+    wgmma::mma_nt<KS>(stf, desc_k, Z::kPanelK, wgmma::descriptor(tQ, 0, 1024), Z::kPanelQ);
+    wgmma::mma_nt<KS>(dptf, desc_v, Z::kPanelK, wgmma::descriptor(tO, 0, 1024), Z::kPanelQ);
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(stf);
+    wgmma::pin(dptf);
+    // As in block_attention.cu: masked only on sliding layers or where the key tile crosses the
+    // anchor; padded key rows (>= valid) are never written, so left unmasked.
+    const bool need_mask = a.sliding || (CTX && di.key0 + di.valid > anc);
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = i * 8 + 2 * t4 + (e & 1);  // query column within the tile
+        float p = fast_exp2(fmaf(st[i][e], a.scale_log2, -tL[c] * kLog2e));
+        if (need_mask) {
+          const int key = di.key0 + kr0 + (e >> 1) * 8;
+          const int j = (m_start + c) / a.G;
+          bool ok = CTX ? key < anc : true;
+          ok = ok && allowed(a, CTX, anc, j, key);
+          if (!ok) p = 0.0f;
+        }
+        st[i][e] = p;
+        dpt[i][e] = p * (dpt[i][e] - tD[c]);  // dSᵀ
+      }
+    // dV += Pᵀ dO and dK += dSᵀ Q: query rows are the k dimension (dO, Q as MN-major B).
+    uint32_t pa[NT / 2][4], sa[NT / 2][4];
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+      flash::p_fragment<NT>(st, kk, pa[kk]);
+      flash::p_fragment<NT>(dpt, kk, sa[kk]);
+    }
+    wgmma::pin(dv);
+    wgmma::pin(dk);
+    wgmma::pin(pa);
+    wgmma::pin(sa);
+    wgmma::fence();
+    wgmma::mma_nn_rs<NT / 2, P>(dv, pa, wgmma::descriptor(tO, Z::kPanelQ, 1024), Z::kPanelQ);
+    wgmma::mma_nn_rs<NT / 2, P>(dk, sa, wgmma::descriptor(tQ, Z::kPanelQ, 1024), Z::kPanelQ);
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::pin(dv);
+    wgmma::pin(dk);
+    wgmma::pin(pa);
+    wgmma::pin(sa);
+
+    __syncthreads();
+    if (item + 2 < di.n_items) load_item(item + 2, stage);
+    ptx::cp_async_commit();
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Stage dK (scaled) in sK and dV in sV (each warp its own 16 rows), then 16-byte stores.
+  wgmma::store_rows<P>(sK, kBN, kr0, dk, a.scale, a.scale);
+  wgmma::store_rows<P>(sV, kBN, kr0, dv, 1.0f, 1.0f);
+  __syncwarp();
+  bf16* gk = (CTX ? a.dkc : a.dkb) + koff;
+  bf16* gv = (CTX ? a.dvc : a.dvb) + koff;
+  write_rows<D>(sK, di.valid, [&](int r) { return gk + r * ldkv; });
+  write_rows<D>(sV, di.valid, [&](int r) { return gv + r * ldkv; });
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads, 2)
+    ba_bwd_wg_kernel(const Args a, int num_seqs, int n_ctx_ctas, int n_dq_ctas) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = wgmma::align1024(smem_raw);
+  const BwdRole r = bwd_role(a, blockIdx.x, num_seqs, n_ctx_ctas, n_dq_ctas);
+  if (r.kind == BwdRole::CtxKV) dkv_wg_body<D, true>(a, r.kh, r.tile, r.z, smem);
+  else if (r.kind == BwdRole::DQ) dq_wg_body<D>(a, r.kh, r.tile, r.z, smem);
+  else dkv_wg_body<D, false>(a, r.kh, r.tile, r.z, smem);
+#endif
+}
+
+template <class K>
+void set_smem(K kernel, size_t bytes) {
+  DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+}  // namespace
+
+bool wgmma_available(int64_t d, int device) { return d == 128 && wgmma::sm90a_code_runs_on(device); }
+
+void launch_fwd_wgmma(const Args& a, cudaStream_t st) {
+  set_smem(ba_fwd_wg_kernel<128>, WgSizes<128>::kFwd);
+  const dim3 grid(static_cast<unsigned>(a.Hkv * ((a.M + kBM - 1) / kBM)), static_cast<unsigned>(a.nb));
+  ba_fwd_wg_kernel<128><<<grid, kThreads, WgSizes<128>::kFwd, st>>>(a);
+  DFLASH_CUDA_CHECK_LAST();
+}
+
+void launch_bwd_wgmma(const Args& a, int64_t num_seqs, int64_t max_seqlen, cudaStream_t st) {
+  set_smem(ba_bwd_wg_kernel<128>, WgSizes<128>::kBwd);
+  const BwdGrid g = bwd_grid(a, num_seqs, max_seqlen);
+  DFLASH_CHECK(g.n_ctx + g.n_dq + g.n_blk < INT32_MAX, "block_attention_bwd: grid too large");
+  ba_bwd_wg_kernel<128><<<static_cast<unsigned>(g.n_ctx + g.n_dq + g.n_blk), kThreads, WgSizes<128>::kBwd, st>>>(
+      a, static_cast<int>(num_seqs), static_cast<int>(g.n_ctx), static_cast<int>(g.n_dq));
+  DFLASH_CUDA_CHECK_LAST();
+}
+
+}  // namespace dflash::cuda::battn

@@ -30,8 +30,10 @@
 #include "test_util.h"
 
 namespace dflash::cuda {
-// Test hook in gdn_chunk.cu for timing breakdowns: bit 1 = skip the prep kernel, bit 2 = skip the
-// state kernel, bit 4 = 32-column state-kernel slices (instead of 64); 0 is the full op.
+// Test hook in gdn_chunk.cu for timing breakdowns and variants: 2 = skip the prep kernel, 4 = skip
+// the state kernel, 8 = two input stages in the state kernel (instead of three), 16 = 32-column
+// state-kernel slices (instead of 64), 64 = one prep CTA per value head (instead of per key head),
+// 128 = the state kernel as a programmatic dependent launch of prep; 0 is the full op.
 void chunk_gated_delta_rule_variant(const DeltaRuleParams& p, Stream s, int flags);
 }  // namespace dflash::cuda
 
@@ -125,9 +127,14 @@ void run_case(const Case& cs) {
   std::vector<int32_t> cu(seqs.offsets.begin(), seqs.offsets.end());
   Tensor cu_d = Tensor::from_blob(cu.data(), {S + 1}, DType::I32).to(gpu);
 
-  // The full op (64-column state slices), then with the 32-column state slices of the test hook.
-  for (const int flags : {0, 16}) {
-    SCOPED_TRACE(flags == 0 ? "64-column slices" : "32-column slices");
+  // The full op, then the test hook's variants.
+  for (const int flags : {0, 8, 16, 64, 128}) {
+    const char* variant = flags == 0    ? "full"
+                          : flags == 8  ? "s2"
+                          : flags == 16 ? "c32"
+                          : flags == 64 ? "prepv"
+                                        : "pdl";
+    SCOPED_TRACE(variant);
     Tensor out = Tensor::empty({N, Hv, dv}, DType::BF16, gpu), fs = Tensor::empty({S, Hv, dk, dv}, DType::F32, gpu);
     poison(out);
     poison(fs);
@@ -151,8 +158,8 @@ void run_case(const Case& cs) {
     cuda::chunk_gated_delta_rule_variant(d, DeviceContext::get(0).stream(), flags);
     const double eo_c = max_rel_err(out, out_c), eo_r = max_rel_err(out, out_r);
     const double es_c = max_rel_err(fs, fs_c), es_r = max_rel_err(fs, fs_r);
-    std::printf("  %-70s %s out %.2e (rec %.2e)  state %.2e (rec %.2e)\n", describe(cs).c_str(),
-                flags == 0 ? "c64" : "c32", eo_c, eo_r, es_c, es_r);
+    std::printf("  %-70s %-6s out %.2e (rec %.2e)  state %.2e (rec %.2e)\n", describe(cs).c_str(), variant,
+                eo_c, eo_r, es_c, es_r);
     EXPECT_LT(eo_c, 2e-2) << "out vs chunked";
     EXPECT_LT(eo_r, 2e-2) << "out vs recurrent";
     EXPECT_LT(es_c, 1e-2) << "final state vs chunked";
@@ -286,9 +293,10 @@ TEST(CudaDeltaRule, ChunkedTimings) {
     p.dv = d;
     const double flops = double(N) * Hv * (2.0 * C * (3 * d + 2 * d) + 6.0 * d * d);
     const double bytes = 2.0 * N * Hk * d * 2 + 2.0 * N * Hv * d * 2 + 2.0 * N * Hv * 4;
-    const char* names[] = {"chunk", "prep only", "state only", "state c32"};
-    const int flag_sets[] = {0, 4, 2, 2 | 16};
-    for (int vi = 0; vi < 4; ++vi) {
+    const char* names[] = {"chunk", "chunk pdl", "chunk pv", "prep only", "prep/value", "state only", "state s2",
+                           "state c32"};
+    const int flag_sets[] = {0, 128, 64, 4, 4 | 64, 2, 2 | 8, 2 | 16};
+    for (int vi = 0; vi < 8; ++vi) {
       cudaEvent_t e0, e1;
       DFLASH_CUDA_CHECK(cudaEventCreate(&e0));
       DFLASH_CUDA_CHECK(cudaEventCreate(&e1));

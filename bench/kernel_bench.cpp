@@ -320,7 +320,7 @@ void bench_gemm(Ctx& ctx, bool quick) {
     int64_t N, K;
   };
   const std::vector<G> gemms = {{"gdn in_proj q|k|v|z|b|a", 16480, 5120}, {"gdn out_proj", 5120, 6144},
-                                {"attn q|k|v", 16384, 5120},               {"attn o_proj", 5120, 6144},
+                                {"attn q+gate|k|v", 14336, 5120},          {"attn o_proj", 5120, 6144},
                                 {"mlp gate|up", 34816, 5120},              {"mlp down", 5120, 17408}};
   std::vector<int64_t> tokens = {2048, 8192};
   if (quick) tokens = {8192};

@@ -22,14 +22,6 @@ void put_rows(Tensor& dst, int64_t r0, const Tensor& part) {
 
 Tensor device_bf16(const Shape& s, Device d) { return Tensor::empty(s, DType::BF16, d); }
 
-// Strided copy of `rows` rows of `cols` bf16 from src (row stride lds) to contiguous dst.
-void copy_rows(void* dst, const void* src, int64_t lds, int64_t rows, int64_t cols, void* stream) {
-  if (rows == 0) return;
-  DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(cols) * 2, src, static_cast<size_t>(lds) * 2,
-                                      static_cast<size_t>(cols) * 2, static_cast<size_t>(rows), cudaMemcpyDeviceToDevice,
-                                      static_cast<cudaStream_t>(stream)));
-}
-
 }  // namespace
 
 OpProfiler::~OpProfiler() {
@@ -290,18 +282,15 @@ void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatc
   qp.eps = static_cast<float>(c.rms_norm_eps);
   qp.theta = static_cast<float>(c.rope_theta);
   timed(ForwardOp::QkNormRope, [&] { cuda::qk_norm_rope(qp, stream_); });
-  // The attention kernels read contiguous k / v.
-  Tensor k = device_bf16({N, Hkv, d}, device_), v = device_bf16({N, Hkv, d}, device_);
-  timed(ForwardOp::KvCopy, [&] {
-    copy_rows(k.raw_data(), base + Q * 2, P, N, Hkv * d, stream_);
-    copy_rows(v.raw_data(), base + (Q + Hkv * d) * 2, P, N, Hkv * d, stream_);
-  });
-
+  // The attention kernels read k (normed and rotated in place) and v where the projection left
+  // them: rows P elements apart.
   Tensor attn = device_bf16({N, Hq, d}, device_);
   cuda::AttentionParams ap;
   ap.q = q.raw_data();
-  ap.k = k.raw_data();
-  ap.v = v.raw_data();
+  ap.k = base + Q * 2;
+  ap.v = base + (Q + Hkv * d) * 2;
+  ap.ldk = P;
+  ap.ldv = P;
   ap.out = attn.raw_data();
   ap.cu_seqlens = b.cu_seqlens.data<int32_t>();
   ap.num_seqs = b.num_seqs;

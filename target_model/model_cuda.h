@@ -26,7 +26,7 @@ struct CudaBatch {
 enum class ForwardOp : uint8_t {
   Embedding, InputNorm,                                           // once per forward (run_layer: per call)
   GdnInProj, GdnConv, GdnPrep, DeltaRule, GatedRmsNorm, GdnOutProj,  // GatedDeltaNet mixer
-  AttnQkv, QkNormRope, KvCopy, Attention, SigmoidGate, AttnOProj,    // gated attention mixer
+  AttnQkv, QkNormRope, Attention, SigmoidGate, AttnOProj,            // gated attention mixer
   AddRmsNorm, MlpGateUp, Swiglu, MlpDown,                          // residual steps and MLP
   AllReduce, CaptureCopy,                                          // tp > 1; ForwardOptions::capture
   kCount
@@ -34,7 +34,7 @@ enum class ForwardOp : uint8_t {
 inline constexpr int kNumForwardOps = static_cast<int>(ForwardOp::kCount);
 inline constexpr std::array<std::string_view, kNumForwardOps> kForwardOpNames = {
     "embedding",   "input_norm",   "gdn_in_proj",  "gdn_conv",   "gdn_prep",     "delta_rule",  "gated_rms_norm",
-    "gdn_out_proj", "attn_qkv",    "qk_norm_rope", "kv_copy",    "attention",    "sigmoid_gate", "attn_o_proj",
+    "gdn_out_proj", "attn_qkv",    "qk_norm_rope", "attention",  "sigmoid_gate", "attn_o_proj",
     "add_rms_norm", "mlp_gate_up", "swiglu",       "mlp_down",   "all_reduce",   "capture_copy"};
 inline std::string_view forward_op_name(ForwardOp op) { return kForwardOpNames[static_cast<size_t>(op)]; }
 inline bool forward_op_is_gemm(ForwardOp op) {

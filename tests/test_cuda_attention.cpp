@@ -227,6 +227,40 @@ TEST(CudaAttention, SupportedHeadDims) {
   for (int64_t d : {1, 32, 40, 96, 80, 192, 512}) EXPECT_FALSE(cuda::flash_attention_supported(d, 9));
 }
 
+// k and v read in place from the columns of a wider row (as in the model's fused q|k|v
+// projection): row stride W elements, k at column offset 8, v after it.
+TEST(CudaAttention, StridedKeysValues) {
+  DFLASH_REQUIRE_GPU();
+  for (int64_t d : {64, 128, 256}) {
+    const Problem p = make_problem({130, 1, 77}, 6, 2, d);
+    const Tensor ref = reference(p);
+    const int64_t kv = p.Hkv * d, W = 2 * kv + 24;
+    Tensor wide = Tensor::empty({p.N, W}, DType::BF16);
+    poison(wide);
+    const auto* ks = static_cast<const uint16_t*>(p.k.raw_data());
+    const auto* vs = static_cast<const uint16_t*>(p.v.raw_data());
+    auto* w = static_cast<uint16_t*>(wide.raw_data());
+    for (int64_t n = 0; n < p.N; ++n)
+      for (int64_t e = 0; e < kv; ++e) {
+        w[n * W + 8 + e] = ks[n * kv + e];
+        w[n * W + 8 + kv + e] = vs[n * kv + e];
+      }
+    const Tensor wd = wide.to(Device::cuda(0));
+    for (Kernel k : kernels_for(d)) {
+      Tensor out = Tensor::empty({p.N, p.Hq, p.d}, DType::BF16, Device::cuda(0));
+      poison(out);
+      cuda::AttentionParams a = params_of(p, out);
+      a.k = static_cast<const char*>(wd.raw_data()) + 8 * 2;
+      a.v = static_cast<const char*>(wd.raw_data()) + (8 + kv) * 2;
+      a.ldk = a.ldv = W;
+      launch(k, a);
+      const double err = max_rel_err(out.to(Device::cpu()), ref);
+      std::printf("  strided k/v d=%lld %s: %.3g\n", static_cast<long long>(d), kernel_name(k), err);
+      EXPECT_LT(err, kBound) << kernel_name(k) << " d=" << d;
+    }
+  }
+}
+
 // On an sm_90 GPU (the H200) the wgmma kernel must be there and be what the model runs: a build
 // that lost its sm_90a code would otherwise fall back to mma.sync without a word.
 TEST(CudaAttention, WgmmaOnSm90) {
@@ -270,6 +304,9 @@ TEST(CudaAttention, BadSizesThrow) {
     EXPECT_THROW(launch(k, a), Error) << kernel_name(k);
     a = params_of(p, out);
     a.out = nullptr;
+    EXPECT_THROW(launch(k, a), Error) << kernel_name(k);
+    a = params_of(p, out);
+    a.ldk = p.Hkv * p.d - 8;  // a k row stride shorter than the row
     EXPECT_THROW(launch(k, a), Error) << kernel_name(k);
   }
   for (int64_t d : {32, 96, 40, 512}) {

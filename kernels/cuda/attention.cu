@@ -71,6 +71,9 @@ void validate(const AttentionParams& p, const char* op) {
   DFLASH_CHECK(p.N * p.Hq * p.d < (int64_t(1) << 62), op << ": tensor too large");
   if (p.N > 0)
     DFLASH_CHECK(p.q && p.k && p.v && p.out && p.cu_seqlens, op << ": null pointer (q, k, v, out or cu_seqlens)");
+  for (int64_t ld : {p.ldk, p.ldv})
+    DFLASH_CHECK(ld == 0 || ld >= p.Hkv * p.d,
+                 op << ": k / v row stride " << ld << " is below the row's Hkv·d = " << p.Hkv * p.d << " elements");
 }
 
 // ---- flash forward --------------------------------------------------------------------------------
@@ -137,17 +140,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) flash_fwd_kern
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int kh = h / a.group;
-  const int64_t ldq = int64_t(a.Hq) * D, ldkv = int64_t(a.Hkv) * D;
+  const int64_t ldq = int64_t(a.Hq) * D;
   const bf16* qg = a.q + (int64_t(begin + m_start) * a.Hq + h) * D;
-  const bf16* kg = a.k + (int64_t(begin) * a.Hkv + kh) * D;
-  const bf16* vg = a.v + (int64_t(begin) * a.Hkv + kh) * D;
+  const bf16* kg = a.k + int64_t(begin) * a.ldk + int64_t(kh) * D;
+  const bf16* vg = a.v + int64_t(begin) * a.ldv + int64_t(kh) * D;
 
   // Key tiles [0, n_blocks): up to the diagonal of the last query row of this block.
   const int n_blocks = min((seqlen + BN - 1) / BN, (m_start + kBlockM + BN - 1) / BN);
   auto load_kv = [&](int j, int stage) {
     const int valid = min(BN, seqlen - j * BN);
-    load_tile<D, BN, kThreads>(sK + stage * BN * D, kg + int64_t(j) * BN * ldkv, ldkv, valid, tid);
-    load_tile<D, BN, kThreads>(sV + stage * BN * D, vg + int64_t(j) * BN * ldkv, ldkv, valid, tid);
+    load_tile<D, BN, kThreads>(sK + stage * BN * D, kg + int64_t(j) * BN * a.ldk, a.ldk, valid, tid);
+    load_tile<D, BN, kThreads>(sV + stage * BN * D, vg + int64_t(j) * BN * a.ldv, a.ldv, valid, tid);
   };
 
   // cp.async groups: G0 = Q, G1 = tile n_blocks-1, G2 = tile n_blocks-2 (maybe empty); iteration
@@ -281,7 +284,7 @@ constexpr int kFbChunk = 64;  // keys per online-softmax step
 __global__ void attention_fallback_kernel(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                           const bf16* __restrict__ v, bf16* __restrict__ out,
                                           const int32_t* __restrict__ cu_seqlens, int num_seqs, int Hq, int Hkv,
-                                          int d, float scale) {
+                                          int d, int64_t ldk, int64_t ldv, float scale) {
   extern __shared__ float fb_smem[];
   float* sq = fb_smem;        // [d] query row (f32)
   float* acc = sq + d;        // [d] unnormalised output
@@ -310,7 +313,7 @@ __global__ void attention_fallback_kernel(const bf16* __restrict__ q, const bf16
   for (int64_t c = begin; c <= n; c += kFbChunk) {
     const int cnt = n - c + 1 < kFbChunk ? static_cast<int>(n - c + 1) : kFbChunk;
     for (int i = warp; i < cnt; i += kFbThreads / 32) {
-      const bf16* kr = k + ((c + i) * Hkv + kh) * d;
+      const bf16* kr = k + (c + i) * ldk + int64_t(kh) * d;
       float dot = 0.0f;
       for (int e = lane; e < d; e += 32) dot += sq[e] * __bfloat162float(kr[e]);
       for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
@@ -330,8 +333,8 @@ __global__ void attention_fallback_kernel(const bf16* __restrict__ q, const bf16
     m = m_new;
     for (int e = tid; e < d; e += kFbThreads) {
       float a = acc[e] * alpha;
-      const bf16* vc = v + (c * Hkv + kh) * d + e;
-      for (int i = 0; i < cnt; ++i) a += sc[i] * __bfloat162float(vc[int64_t(i) * Hkv * d]);
+      const bf16* vc = v + c * ldv + int64_t(kh) * d + e;
+      for (int i = 0; i < cnt; ++i) a += sc[i] * __bfloat162float(vc[int64_t(i) * ldv]);
       acc[e] = a;
     }
     __syncthreads();  // sc is rewritten by the next chunk
@@ -363,6 +366,8 @@ void flash_attention_fwd(const AttentionParams& p, Stream s) {
   for (const void* ptr : {p.q, p.k, p.v, static_cast<const void*>(p.out)})
     DFLASH_CHECK(reinterpret_cast<uintptr_t>(ptr) % 16 == 0,
                  "flash_attention_fwd: q, k, v and out must be 16-byte aligned");
+  DFLASH_CHECK(p.ldk % 8 == 0 && p.ldv % 8 == 0,
+               "flash_attention_fwd: k / v row strides (" << p.ldk << ", " << p.ldv << ") must be multiples of 8 elements");
   int device = 0;
   DFLASH_CUDA_CHECK(cudaGetDevice(&device));
   if (p.impl == FlashImpl::Wgmma || (p.impl == FlashImpl::Auto && flash_attention_wgmma_available(p.d, device))) {
@@ -388,7 +393,8 @@ void attention_fallback(const AttentionParams& p, Stream s) {
   kernel<<<grid, kFbThreads, smem, static_cast<cudaStream_t>(s)>>>(
       static_cast<const bf16*>(p.q), static_cast<const bf16*>(p.k), static_cast<const bf16*>(p.v),
       static_cast<bf16*>(p.out), p.cu_seqlens, static_cast<int>(p.num_seqs), static_cast<int>(p.Hq),
-      static_cast<int>(p.Hkv), static_cast<int>(p.d), p.scale);
+      static_cast<int>(p.Hkv), static_cast<int>(p.d), p.ldk ? p.ldk : p.Hkv * p.d, p.ldv ? p.ldv : p.Hkv * p.d,
+      p.scale);
   DFLASH_CUDA_CHECK_LAST();
 }
 

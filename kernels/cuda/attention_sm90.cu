@@ -85,16 +85,16 @@ __global__ void __launch_bounds__(256, 1) flash_fwd_wgmma_kernel(const FlashArgs
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int wg = warp / 4, wq = warp % 4;  // warpgroup, warp within it
   const int kh = h / a.group;
-  const int64_t ldq = int64_t(a.Hq) * D, ldkv = int64_t(a.Hkv) * D;
+  const int64_t ldq = int64_t(a.Hq) * D;
   const bf16* qg = a.q + (int64_t(begin + m_start) * a.Hq + h) * D;
-  const bf16* kg = a.k + (int64_t(begin) * a.Hkv + kh) * D;
-  const bf16* vg = a.v + (int64_t(begin) * a.Hkv + kh) * D;
+  const bf16* kg = a.k + int64_t(begin) * a.ldk + int64_t(kh) * D;
+  const bf16* vg = a.v + int64_t(begin) * a.ldv + int64_t(kh) * D;
 
   const int n_blocks = min((seqlen + BN - 1) / BN, (m_start + BM + BN - 1) / BN);
   auto load_kv = [&](int j, int stage) {
     const int valid = min(BN, seqlen - j * BN);
-    load_panels<D, BN, 256>(sK + stage * Cfg::kTileBytes, kg + int64_t(j) * BN * ldkv, ldkv, valid, tid);
-    load_panels<D, BN, 256>(sV + stage * Cfg::kTileBytes, vg + int64_t(j) * BN * ldkv, ldkv, valid, tid);
+    load_panels<D, BN, 256>(sK + stage * Cfg::kTileBytes, kg + int64_t(j) * BN * a.ldk, a.ldk, valid, tid);
+    load_panels<D, BN, 256>(sV + stage * Cfg::kTileBytes, vg + int64_t(j) * BN * a.ldv, a.ldv, valid, tid);
   };
   // cp.async groups as in attention.cu: Q, tile n_blocks-1, tile n_blocks-2 (maybe empty).
   load_panels<D, BM, 256>(sQ, qg, ldq, min(BM, seqlen - m_start), tid);

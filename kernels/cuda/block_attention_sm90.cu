@@ -209,12 +209,13 @@ __device__ __forceinline__ void dq_wg_body(const Args& a, int kh, int mt, int b,
     wgmma::pin(sf);
     wgmma::pin(dpf);
     wgmma::fence();
+    // Two groups: S, then dP; P is formed while dP is still on the tensor cores.
     wgmma::mma_nt<KS>(sf, desc_q, Z::kPanelQ, wgmma::descriptor(sK + stage * Z::kK, 0, 1024), Z::kPanelK);
+    wgmma::commit();
     wgmma::mma_nt<KS>(dpf, desc_o, Z::kPanelQ, wgmma::descriptor(sV + stage * Z::kK, 0, 1024), Z::kPanelK);
     wgmma::commit();
-    wgmma::wait<0>();
+    wgmma::wait<1>();
     wgmma::pin(sf);
-    wgmma::pin(dpf);
     const bool need_mask = kt.valid < kBN || a.sliding;
 #pragma unroll
     for (int i = 0; i < NT; ++i)
@@ -224,8 +225,14 @@ __device__ __forceinline__ void dq_wg_body(const Args& a, int kh, int mt, int b,
         const bool hi = e >> 1;
         float p = fast_exp2(fmaf(s[i][e], a.scale_log2, -(hi ? lse1 : lse0)));
         if (need_mask && (c >= kt.valid || !allowed(a, kt.ctx, kp.anc, hi ? j1 : j0, kt.key0 + c))) p = 0.0f;
-        s[i][e] = p * (dp[i][e] - (hi ? dl1 : dl0));  // dS (scale applied at the end)
+        s[i][e] = p;
       }
+    wgmma::wait<0>();
+    wgmma::pin(dpf);
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[i][e] *= dp[i][e] - ((e >> 1) ? dl1 : dl0);  // dS (scale applied at the end)
     uint32_t sa[NT / 2][4];
 #pragma unroll
     for (int kk = 0; kk < NT / 2; ++kk) flash::p_fragment<NT>(s, kk, sa[kk]);
@@ -316,12 +323,14 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
     wgmma::pin(stf);
     wgmma::pin(dptf);
     wgmma::fence();
+    // Groups in flight, oldest first: Sᵀ, dPᵀ; then dV (issued as soon as P is formed, while dPᵀ
+    // may still run), then dK once dSᵀ is formed.
     wgmma::mma_nt<KS>(stf, desc_k, Z::kPanelK, wgmma::descriptor(tQ, 0, 1024), Z::kPanelQ);
+    wgmma::commit();
     wgmma::mma_nt<KS>(dptf, desc_v, Z::kPanelK, wgmma::descriptor(tO, 0, 1024), Z::kPanelQ);
     wgmma::commit();
-    wgmma::wait<0>();
+    wgmma::wait<1>();
     wgmma::pin(stf);
-    wgmma::pin(dptf);
     // As in block_attention.cu: masked only on sliding layers or where the key tile crosses the
     // anchor; padded key rows (>= valid) are never written, so left unmasked.
     const bool need_mask = a.sliding || (CTX && di.key0 + di.valid > anc);
@@ -339,21 +348,27 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
           if (!ok) p = 0.0f;
         }
         st[i][e] = p;
-        dpt[i][e] = p * (dpt[i][e] - tD[c]);  // dSᵀ
       }
     // dV += Pᵀ dO and dK += dSᵀ Q: query rows are the k dimension (dO, Q as MN-major B).
     uint32_t pa[NT / 2][4], sa[NT / 2][4];
 #pragma unroll
-    for (int kk = 0; kk < NT / 2; ++kk) {
-      flash::p_fragment<NT>(st, kk, pa[kk]);
-      flash::p_fragment<NT>(dpt, kk, sa[kk]);
-    }
+    for (int kk = 0; kk < NT / 2; ++kk) flash::p_fragment<NT>(st, kk, pa[kk]);
     wgmma::pin(dv);
-    wgmma::pin(dk);
     wgmma::pin(pa);
-    wgmma::pin(sa);
     wgmma::fence();
     wgmma::mma_nn_rs<NT / 2, P>(dv, pa, wgmma::descriptor(tO, Z::kPanelQ, 1024), Z::kPanelQ);
+    wgmma::commit();
+    wgmma::wait<1>();  // dPᵀ done (dV may still run)
+    wgmma::pin(dptf);
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dpt[i][e] = st[i][e] * (dpt[i][e] - tD[i * 8 + 2 * t4 + (e & 1)]);  // dSᵀ
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) flash::p_fragment<NT>(dpt, kk, sa[kk]);
+    wgmma::pin(dk);
+    wgmma::pin(sa);
+    wgmma::fence();
     wgmma::mma_nn_rs<NT / 2, P>(dk, sa, wgmma::descriptor(tQ, Z::kPanelQ, 1024), Z::kPanelQ);
     wgmma::commit();
     wgmma::wait<0>();

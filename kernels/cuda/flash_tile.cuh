@@ -19,6 +19,7 @@ struct FlashArgs {
   const __nv_bfloat16* v;
   __nv_bfloat16* out;
   const int32_t* cu_seqlens;
+  int64_t ldk, ldv;  // token row strides of k / v (elements)
   int Hq, Hkv, group;
   float scale_log2;  // scale · log2(e)
 };
@@ -29,6 +30,8 @@ inline FlashArgs flash_args(const AttentionParams& p) {
   a.v = static_cast<const __nv_bfloat16*>(p.v);
   a.out = static_cast<__nv_bfloat16*>(p.out);
   a.cu_seqlens = p.cu_seqlens;
+  a.ldk = p.ldk ? p.ldk : p.Hkv * p.d;
+  a.ldv = p.ldv ? p.ldv : p.Hkv * p.d;
   a.Hq = static_cast<int>(p.Hq);
   a.Hkv = static_cast<int>(p.Hkv);
   a.group = static_cast<int>(p.Hq / p.Hkv);

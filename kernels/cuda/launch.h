@@ -81,7 +81,9 @@ void gated_rms_norm(const void* core, const void* z, int64_t ldz, const void* w,
 
 // ---- Causal attention -----------------------------------------------------------------------------
 // out[N, Hq, d] = softmax(scale · q kᵀ + causal mask within each sequence) v, GQA: query head h
-// reads kv head h / (Hq / Hkv). q [N, Hq, d], k/v [N, Hkv, d] contiguous bf16; fp32 softmax.
+// reads kv head h / (Hq / Hkv). q [N, Hq, d] contiguous bf16; k / v [N, Hkv, d] with token rows
+// ldk / ldv elements apart (0 = Hkv·d, contiguous; e.g. the columns of a fused q|k|v projection),
+// heads contiguous within a row; fp32 softmax.
 // Which flash kernel runs: Auto = wgmma on an sm_90 device (when this build has its sm_90a code and
 // the head dim is 128 or 256), else mma.sync; the other two force one (kernel_bench, tests).
 enum class FlashImpl { Auto, MmaSync, Wgmma };
@@ -92,6 +94,7 @@ struct AttentionParams {
   void* out = nullptr;
   const int32_t* cu_seqlens = nullptr;  // [num_seqs + 1]
   int64_t num_seqs = 0, max_seqlen = 0, N = 0, Hq = 0, Hkv = 0, d = 0;
+  int64_t ldk = 0, ldv = 0;  // token row strides of k / v in elements; 0 = Hkv·d
   float scale = 0.0f;
   FlashImpl impl = FlashImpl::Auto;  // flash_attention_fwd only
 };

@@ -20,6 +20,7 @@
 // Test/benchmark knobs defined in the kernel files (0 = the launcher's automatic choice).
 namespace dflash::cuda::tuning {
 extern int conv_tokens_per_thread;
+extern int prep_blocks;
 extern int recurrent_rows_per_thread;
 }  // namespace dflash::cuda::tuning
 
@@ -135,8 +136,8 @@ TEST(CudaGdn, CausalConvFastAndFallbackMatchCpu) {
           ASSERT_EQ(cuda::causal_conv1d_fast_supported(C, K), K <= 4) << what;
           if (K > 4) continue;
           // Automatic run length, and forced ones: 1 and 3 (runs cross every boundary, odd
-          // batches), 8, 64.
-          for (int R : {0, 1, 3, 8, 64}) {
+          // batches), 8, 13 (a partial load ring), 64, 200 (one run over all sequences).
+          for (int R : {0, 1, 3, 8, 13, 64, 200}) {
             Knob knob(cuda::tuning::conv_tokens_per_thread, R);
             Tensor yf = gpu_out({N, C}, DType::BF16);
             p.y = yf.raw_data();
@@ -151,6 +152,44 @@ TEST(CudaGdn, CausalConvFastAndFallbackMatchCpu) {
     }
   }
   std::printf("causal_conv1d: worst normalised error vs CPU: fast %.3g, fallback %.3g\n", worst_fast, worst_fb);
+}
+
+// Long runs through the load ring: sequences longer than a run and runs longer than a sequence,
+// an empty sequence, every K; fast must equal the fallback bit for bit.
+TEST(CudaGdn, CausalConvLongRuns) {
+  DFLASH_REQUIRE_GPU();
+  const ops::SeqOffsets seqs = offsets_of({300, 1, 0, 517, 20});
+  const int64_t N = seqs.total_tokens(), C = 160, ldx = 176;
+  const Tensor cu = cu_seqlens_gpu(seqs);
+  const Tensor xw = randn_bf16({N, ldx});
+  const Tensor xd = to_gpu_bf16(xw);
+  for (int64_t K = 1; K <= 4; ++K) {
+    const Tensor w = randn_bf16({C, K}, 0.5f);
+    const Tensor wd = to_gpu_bf16(w);
+    Tensor ref = cpu_out({N, C});
+    ops::causal_conv1d(xw.slice(1, 0, C).contiguous(), w, seqs, true, ref);
+    cuda::ConvParams p;
+    p.x = xd.raw_data();
+    p.ldx = ldx;
+    p.w = wd.raw_data();
+    p.cu_seqlens = i32(cu);
+    p.num_seqs = seqs.num_sequences();
+    p.N = N;
+    p.C = C;
+    p.K = K;
+    Tensor yfb = gpu_out({N, C}, DType::BF16);
+    p.y = yfb.raw_data();
+    cuda::causal_conv1d_fallback(p, stream0());
+    EXPECT_LT(max_rel_err(yfb, ref), 1e-2) << "fallback K " << K;
+    for (int R : {0, 5, 6, 7, 8, 9, 40, 160, 299, 301, 1000}) {
+      Knob knob(cuda::tuning::conv_tokens_per_thread, R);
+      Tensor yf = gpu_out({N, C}, DType::BF16);
+      p.y = yf.raw_data();
+      cuda::causal_conv1d_fast(p, stream0());
+      EXPECT_LT(max_rel_err(yf, ref), 1e-2) << "fast K " << K << " R " << R;
+      EXPECT_EQ(max_rel_err(yf, yfb), 0.0) << "fast vs fallback K " << K << " R " << R;
+    }
+  }
 }
 
 // x starting at a 16-byte aligned column offset (e.g. the v part of [q|k|v]) for the fast path;
@@ -243,9 +282,14 @@ TEST(CudaGdn, PrepMatchesCpuL2NormAndGates) {
   struct Case {
     int64_t N, Hk, ratio, dk, dv;
   };
+  // dk 8..256 (multiple of 8) take the persistent ring kernel: lane groups of 1..32, idle lanes at
+  // dk 24 and 200, groups past the last row, more gates than threads (N 300, Hk 1, Hv 4, dk 8: the
+  // gate loop strides over the grid). dk 20 (scalar) and 264 (vector, a warp per row) the general one.
   for (const Case& c : {Case{1, 1, 1, 128, 128}, Case{65, 2, 2, 128, 64}, Case{63, 3, 3, 16, 24},
                         Case{64, 2, 3, 20, 8},  // dk % 8 != 0: scalar path
-                        Case{7, 1, 2, 256, 16}, Case{130, 16, 3, 128, 128}}) {
+                        Case{7, 1, 2, 256, 16}, Case{130, 16, 3, 128, 128}, Case{300, 1, 4, 8, 8},
+                        Case{33, 2, 2, 24, 16}, Case{21, 3, 2, 32, 8}, Case{11, 2, 1, 64, 8}, Case{9, 2, 2, 200, 8},
+                        Case{5, 2, 1, 264, 8}}) {
     const int64_t Hv = c.Hk * c.ratio, qk = c.Hk * c.dk, conv_dim = 2 * qk + Hv * c.dv;
     const int64_t ld_ab = 2 * Hv + 5;
     const float scale = 1.0f / std::sqrt(static_cast<float>(c.dk));
@@ -265,35 +309,48 @@ TEST(CudaGdn, PrepMatchesCpuL2NormAndGates) {
     ops::gdn_gates(ab.slice(1, 0, Hv).contiguous(), ab.slice(1, Hv + 3, 2 * Hv + 3).contiguous(), A_log, dt_bias,
                    g_ref, beta_ref);
     // GPU.
-    Tensor q = gpu_out({c.N, c.Hk, c.dk}, DType::BF16), k = gpu_out({c.N, c.Hk, c.dk}, DType::BF16);
-    Tensor g = gpu_out({c.N, Hv}, DType::F32), beta = gpu_out({c.N, Hv}, DType::F32);
-    cuda::GdnPrepParams p;
-    p.conv = conv_d.raw_data();
-    p.ld_conv = conv_dim;
-    p.a = ab_d.raw_data();
-    p.b = at_bf16(ab_d, Hv + 3);
-    p.ld_ab = ld_ab;
-    p.A_log = A_log_d.raw_data();
-    p.dt_bias = dt_d.raw_data();
-    p.q = q.raw_data();
-    p.k = k.raw_data();
-    p.g = g.data<float>();
-    p.beta = beta.data<float>();
-    p.N = c.N;
-    p.Hk = c.Hk;
-    p.Hv = Hv;
-    p.dk = c.dk;
-    p.scale = scale;
-    cuda::gdn_prep(p, stream0());
-    const std::string what = "N " + std::to_string(c.N) + " Hk " + std::to_string(c.Hk) + " Hv " +
-                             std::to_string(Hv) + " dk " + std::to_string(c.dk);
-    const double eq = max_rel_err(q, q_ref), ek = max_rel_err(k, k_ref);
-    const double eg = max_rel_err(g, g_ref), eb = max_rel_err(beta, beta_ref);
-    EXPECT_LT(eq, 1e-2) << "q " << what;
-    EXPECT_LT(ek, 1e-2) << "k " << what;
-    EXPECT_LT(eg, 1e-5) << "g " << what;
-    EXPECT_LT(eb, 1e-5) << "beta " << what;
-    std::printf("gdn_prep %s: q %.3g k %.3g g %.3g beta %.3g\n", what.c_str(), eq, ek, eg, eb);
+    // The automatic persistent grid, and 1 or 3 blocks (every lane group streams many rows and
+    // each thread several gates); all grids give the same bits.
+    Tensor q0, k0;
+    for (int blocks : {0, 1, 3}) {
+      Knob knob(cuda::tuning::prep_blocks, blocks);
+      Tensor q = gpu_out({c.N, c.Hk, c.dk}, DType::BF16), k = gpu_out({c.N, c.Hk, c.dk}, DType::BF16);
+      Tensor g = gpu_out({c.N, Hv}, DType::F32), beta = gpu_out({c.N, Hv}, DType::F32);
+      cuda::GdnPrepParams p;
+      p.conv = conv_d.raw_data();
+      p.ld_conv = conv_dim;
+      p.a = ab_d.raw_data();
+      p.b = at_bf16(ab_d, Hv + 3);
+      p.ld_ab = ld_ab;
+      p.A_log = A_log_d.raw_data();
+      p.dt_bias = dt_d.raw_data();
+      p.q = q.raw_data();
+      p.k = k.raw_data();
+      p.g = g.data<float>();
+      p.beta = beta.data<float>();
+      p.N = c.N;
+      p.Hk = c.Hk;
+      p.Hv = Hv;
+      p.dk = c.dk;
+      p.scale = scale;
+      cuda::gdn_prep(p, stream0());
+      const std::string what = "N " + std::to_string(c.N) + " Hk " + std::to_string(c.Hk) + " Hv " +
+                               std::to_string(Hv) + " dk " + std::to_string(c.dk) + " blocks " + std::to_string(blocks);
+      const double eq = max_rel_err(q, q_ref), ek = max_rel_err(k, k_ref);
+      const double eg = max_rel_err(g, g_ref), eb = max_rel_err(beta, beta_ref);
+      EXPECT_LT(eq, 1e-2) << "q " << what;
+      EXPECT_LT(ek, 1e-2) << "k " << what;
+      EXPECT_LT(eg, 1e-5) << "g " << what;
+      EXPECT_LT(eb, 1e-5) << "beta " << what;
+      std::printf("gdn_prep %s: q %.3g k %.3g g %.3g beta %.3g\n", what.c_str(), eq, ek, eg, eb);
+      if (blocks == 0) {
+        q0 = q;
+        k0 = k;
+      } else {
+        EXPECT_EQ(max_rel_err(q, q0), 0.0) << "q " << what << " vs automatic grid";
+        EXPECT_EQ(max_rel_err(k, k0), 0.0) << "k " << what << " vs automatic grid";
+      }
+    }
   }
   cuda::GdnPrepParams bad;
   bad.N = 4;
@@ -492,7 +549,7 @@ TEST(CudaGdn, TimingsPrintOnly) {
   const double bytes = 2.0 * N * C * 2;
   std::printf("causal_conv1d T=%lld C=%lld K=%lld (roofline %.1f MB, 0.080 ms at 4.2 TB/s):\n",
               static_cast<long long>(N), static_cast<long long>(C), static_cast<long long>(K), bytes / 1e6);
-  for (int R : {0, 8, 16, 32, 64}) {
+  for (int R : {0, 32, 64, 96, 128, 160, 192, 256}) {
     Knob knob(cuda::tuning::conv_tokens_per_thread, R);
     const float ms = time_ms([&] { cuda::causal_conv1d_fast(p, stream0()); }, 5, 30);
     std::printf("  fast  R=%-4s %8.4f ms  %7.1f GB/s\n", R ? std::to_string(R).c_str() : "auto", ms,
@@ -536,11 +593,12 @@ TEST(CudaGdn, TimingsPrintOnly) {
   pp.Hv = Hv;
   pp.dk = d;
   pp.scale = 1.0f / std::sqrt(static_cast<float>(d));
-  {
+  for (int blocks : {0, 132, 264, 396, 528, 792}) {  // persistent grid (0: as many blocks as fit)
+    Knob knob(cuda::tuning::prep_blocks, blocks);
     const float ms = time_ms([&] { cuda::gdn_prep(pp, stream0()); }, 3, 20);
     const double prep_bytes = N * (2.0 * Hk * d * 2 * 2 + Hv * (2 * 2 + 2 * 4));
-    std::printf("gdn_prep T=%lld Hk=%lld Hv=%lld dk=%lld: %.4f ms  %.1f GB/s\n", static_cast<long long>(N),
-                static_cast<long long>(Hk), static_cast<long long>(Hv), static_cast<long long>(d), ms,
+    std::printf("gdn_prep T=%lld Hk=%lld Hv=%lld dk=%lld blocks %d: %.4f ms  %.1f GB/s\n", static_cast<long long>(N),
+                static_cast<long long>(Hk), static_cast<long long>(Hv), static_cast<long long>(d), blocks, ms,
                 prep_bytes / (ms * 1e-3) / 1e9);
   }
   Tensor out = Tensor::empty({N, Hv, d}, DType::BF16, Device::cuda(0));

@@ -24,6 +24,11 @@
 #include "kernels/random.h"
 #include "test_util.h"
 
+// Test/benchmark knob defined in elementwise.cu (0 = the launcher's automatic choice).
+namespace dflash::cuda::tuning {
+extern int gated_norm_blocks;
+}  // namespace dflash::cuda::tuning
+
 using namespace dflash;
 namespace cu = dflash::cuda;
 
@@ -250,20 +255,35 @@ TEST(CudaOps, GatedRmsNorm) {
     int64_t N, Hv, dv, z_off, z_pad;
   };
   // z is a column range of a wider projection output (offset z_off, row stride Hv*dv + pads).
-  const Case cases[] = {{1, 1, 128, 0, 0}, {37, 3, 128, 64, 8}, {65, 4, 64, 8, 16}, {63, 2, 24, 0, 0},
-                        {5, 3, 130, 2, 1},  {64, 2, 1032, 8, 0}};
+  // The multi-row kernel (8 | dv <= 256) at every group width G = 1..32, with idle lanes (dv / 8 not
+  // a power of two) and partial last blocks, the Qwen3.6-27B layout (z at column 10240 of a 16480-wide
+  // in-projection row), and the generic kernels (dv 130: scalar, dv 1032: a block per row).
+  const Case cases[] = {{1, 1, 128, 0, 0},  {37, 3, 128, 64, 8}, {65, 4, 64, 8, 16},  {63, 2, 24, 0, 0},
+                        {5, 3, 130, 2, 1},  {64, 2, 1032, 8, 0}, {40, 3, 8, 0, 0},    {17, 7, 16, 8, 0},
+                        {33, 5, 32, 8, 8},  {9, 3, 256, 16, 0},  {70, 5, 200, 8, 8},  {19, 48, 128, 10240, 96}};
   for (const Case& c : cases) {
     SCOPED_TRACE(testing::Message() << "N=" << c.N << " Hv=" << c.Hv << " dv=" << c.dv << " z_off=" << c.z_off);
     const int64_t ldz = c.z_off + c.Hv * c.dv + c.z_pad;
     Pair core = rand_bf16({c.N, c.Hv, c.dv}), proj = rand_bf16({c.N, ldz}, 0.0f, 2.0f);
     Pair w = rand_bf16({c.dv}, 1.0f, 0.3f);
-    Tensor y = poisoned({c.N, c.Hv * c.dv});
-    cu::gated_rms_norm(core.dev.raw_data(), at(proj.dev, c.z_off), ldz, w.dev.raw_data(), y.raw_data(), c.N, c.Hv,
-                       c.dv, kEps, stream());
     Tensor z = cols(proj.host, c.z_off, c.z_off + c.Hv * c.dv).view({c.N * c.Hv, c.dv});
     Tensor ref = Tensor::empty({c.N * c.Hv, c.dv}, DType::F32);
     ops::gated_rms_norm(core.host.view({c.N * c.Hv, c.dv}), z, w.host, kEps, ref);
-    EXPECT_LT(max_rel_err(y, ref), kBound);
+    // The automatic grid, and 1 or 3 persistent blocks: each lane group then streams many rows
+    // through its ring (wrap-around, groups of a warp running out at different rows). The rows
+    // are independent, so every grid gives the same bits.
+    Tensor y0;
+    for (int blocks : {0, 1, 3}) {
+      const int saved = cu::tuning::gated_norm_blocks;
+      cu::tuning::gated_norm_blocks = blocks;
+      Tensor y = poisoned({c.N, c.Hv * c.dv});
+      cu::gated_rms_norm(core.dev.raw_data(), at(proj.dev, c.z_off), ldz, w.dev.raw_data(), y.raw_data(), c.N, c.Hv,
+                         c.dv, kEps, stream());
+      cu::tuning::gated_norm_blocks = saved;
+      EXPECT_LT(max_rel_err(y, ref), kBound) << "blocks " << blocks;
+      if (blocks == 0) y0 = y;
+      else EXPECT_EQ(max_rel_err(y, y0), 0.0) << "blocks " << blocks << " vs automatic";
+    }
   }
 }
 
@@ -634,6 +654,20 @@ TEST(CudaOpsTiming, PrintTimings) {
     report("gated_rms_norm 8192 tok, 48 heads of 128 vec", time_ms([&] {
              cu::gated_rms_norm(core.raw_data(), z.raw_data(), Hv * dv, w.raw_data(), y.raw_data(), T, Hv, dv, kEps, s);
            }), 6.0 * T * Hv * dv);
+    // As in the forward: z inside the [T, 16480] in-projection output (ldz 16480, column 10240);
+    // persistent grids of 1..4 blocks per SM (132 SMs) and the automatic one (0).
+    Tensor proj = dev_randn({T, 16480});
+    for (int blocks : {0, 132, 264, 396, 528, 660}) {
+      const int saved = cu::tuning::gated_norm_blocks;
+      cu::tuning::gated_norm_blocks = blocks;
+      char name[96];
+      std::snprintf(name, sizeof name, "gated_rms_norm ... z in the in_proj output (ldz 16480), %d blocks", blocks);
+      report(name, time_ms([&] {
+               cu::gated_rms_norm(core.raw_data(), at(proj, 10240), 16480, w.raw_data(), y.raw_data(), T, Hv, dv, kEps,
+                                  s);
+             }), 6.0 * T * Hv * dv);
+      cu::tuning::gated_norm_blocks = saved;
+    }
     report("gated_rms_norm ... scalar (ldz odd)", time_ms([&] {
              cu::gated_rms_norm(core.raw_data(), z.raw_data(), Hv * dv + 1, w.raw_data(), y.raw_data(), T, Hv, dv,
                                 kEps, s);

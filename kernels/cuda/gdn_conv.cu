@@ -5,24 +5,33 @@
 //   bytes = N·C·2 (read x once) + N·C·2 (write y) (+ the K-1 halo rows per run of R tokens, which
 //   the neighbouring run has just pulled into L2, so they cost L2 and not DRAM bandwidth);
 //   FLOPs = 2·K·N·C (+ SiLU), ~0.3 FLOP/byte: memory-bound. At N = 8192 that is 335 MB, ~0.08 ms at
-//   4.2 TB/s; the target is <= 0.12 ms.
-//   Measured on an H200 (N = 8192, C = 10240, K = 4, x a strided view with ldx = 16480): 0.114 ms
-//   (2.93 TB/s) at R = 64, the automatic choice there; 0.119 ms at R = 32, 0.134 at 16, 0.166 at 8;
-//   a device-to-device copy of the same bytes takes 0.085 ms (3.95 TB/s); the fallback 0.62 ms.
+//   4.2 TB/s.
+//   Measured on an H200 (N = 8192, C = 10240, K = 4, x a strided view with ldx = 16480): 0.107 ms
+//   (3.15 TB/s) at the automatic R = 160; 0.121 ms in the forward (2.78 TB/s: the previous ops leave
+//   dirty lines in L2 to write back). A device-to-device copy of the same bytes takes 0.085 ms
+//   (3.93 TB/s); the fallback 0.62 ms. The previous kernel (8-row register batches, R = 64: 640
+//   blocks in 2.4 waves) took 0.116 ms alone, 0.131 in the forward; the same at R = 160, 0.109.
+//   What is left (estimated): the warps' instruction issue (~90 instructions per 16-byte row,
+//   ~45% of the issue slots at this rate) and the mixed read/write stream; 3 blocks per SM
+//   (registers capped at 80, a few spilled) measured slower (0.132 ms).
 // Roofline, gdn_prep: reads N·2·Hk·dk·2 bytes of q/k and writes as many, plus 2·N·Hv·2 in and
 //   2·N·Hv·4 out for the gates: at N = 8192, Hk = 16, dk = 128, Hv = 48 that is 139 MB, ~0.035 ms.
-//   Measured 0.089 ms (1.56 TB/s): one warp per 128-element row (16 lanes busy) and two passes
-//   over the row leave it latency-bound; several rows per warp, kept in registers, would close it.
+//   Measured on an H200: 0.044 ms alone (3.1 TB/s), 0.051 ms in the forward (2.7 TB/s); the
+//   previous kernel (a warp per 128-element row, 16 lanes busy, two passes) took 0.090 / 0.112 ms.
 //
 // Fast conv design: each thread owns 8 consecutive channels (one 16-byte bf16 load per token row)
-// and a run of R consecutive tokens (R a multiple of 8, 8..64, chosen so the grid fills the GPU).
-// The last K-1 inputs stay in registers as a sliding window (fp32), so every element is read once
-// plus K-1 halo rows per run; the 8·K weights sit in registers; SiLU is fused; 8 rows are loaded
-// before the first is used, so 8 independent 16-byte loads are in flight per thread. Runs are laid
-// on the global token axis; a run that crosses a sequence boundary resets its window to zeros at
-// the boundary (so no value ever leaks across sequences), and its first halo rows are taken only
-// from the sequence that holds its first token (a binary search in cu_seqlens, once per thread).
-// This needs no host-side run table, so the launcher never reads cu_seqlens.
+// and a run of R consecutive tokens (chosen by the launcher so the blocks fill one wave or a whole
+// number of them). The last K-1 inputs stay in registers as a sliding window (fp32), so every
+// element is read once plus K-1 halo rows per run; the 8·K weights sit in registers; SiLU is fused.
+// The rows stream through a per-thread ring of kConvStages 16-byte slots in shared memory
+// (cp.async; each thread reads only the slots it filled itself, so no block barrier): the slot of
+// row t is read, the row computed and stored, then the slot refilled with row t + kConvStages, so
+// kConvStages loads are in flight at every step. (A ring in registers measured slower, 0.138 ms,
+// probably because refilling a register as it is consumed waits on shared load scoreboards.)
+// Runs are laid on the global token axis; a run that crosses a sequence boundary resets its window
+// to zeros at the boundary (so no value ever leaks across sequences), and its first halo rows are
+// taken only from the sequence that holds its first token (a binary search in cu_seqlens, once per
+// thread). This needs no host-side run table, so the launcher never reads cu_seqlens.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -39,6 +48,7 @@ namespace dflash::cuda {
 // Tuning knob for benchmarks/tests only: tokens per thread of the fast conv (0 = automatic).
 namespace tuning {
 int conv_tokens_per_thread = 0;
+int prep_blocks = 0;  // blocks of gdn_prep's persistent grid (0 = as many as fit on the GPU at once)
 }
 
 namespace {
@@ -46,7 +56,18 @@ namespace {
 using ptx::pack8;
 using ptx::unpack8;
 
-constexpr int kConvBatch = 8;  // rows loaded ahead per thread
+constexpr int kConvStages = 8;  // rows in flight per thread (power of two): 32 KB of ring per block
+
+// 16-byte global -> shared copy that bypasses L1 (cp.async.cg), and the wait for all but the N most
+// recent commit groups. The "memory" clobbers keep the compiler from moving shared-memory reads of
+// a slot across the copy that refills it.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(ptx::smem_addr(smem)), "l"(gmem) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // SiLU with the fast intrinsics (ex2.approx + approximate division, a few ulp in f32, far below the
 // bf16 output rounding): the full-precision expf and IEEE division would make the fast conv
@@ -71,7 +92,7 @@ __device__ __forceinline__ int64_t find_sequence(const int32_t* __restrict__ cu,
 // Thread (group g = 8 channels, run r = tokens [r·R, min((r+1)·R, N))). Threads x: channel groups
 // (fastest, so a warp reads a contiguous stretch of a row), y: runs.
 template <int K>
-__global__ void __launch_bounds__(256) causal_conv1d_fast_kernel(const __nv_bfloat16* __restrict__ x, int64_t ldx,
+__global__ void __launch_bounds__(256, 2) causal_conv1d_fast_kernel(const __nv_bfloat16* __restrict__ x, int64_t ldx,
                                                                  const __nv_bfloat16* __restrict__ w,
                                                                  __nv_bfloat16* __restrict__ y,
                                                                  const int32_t* __restrict__ cu, int64_t num_seqs,
@@ -107,43 +128,52 @@ __global__ void __launch_bounds__(256) causal_conv1d_fast_kernel(const __nv_bflo
     }
   }
 
-  for (int64_t tb = t0; tb < t1; tb += kConvBatch) {
-    uint4 raw[kConvBatch];
+  // One output row: t's input is cur_raw; the window holds the K-1 rows before it.
+  auto step = [&](int64_t t, const uint4& cur_raw) {
+    if (t == seq_end) {  // a new sequence starts at t: zeros before it (block-uniform branch)
 #pragma unroll
-    for (int i = 0; i < kConvBatch; ++i)
-      if (tb + i < t1) raw[i] = __ldg(reinterpret_cast<const uint4*>(x + (tb + i) * ldx + c0));
+      for (int j = 0; j < K - 1; ++j)
 #pragma unroll
-    for (int i = 0; i < kConvBatch; ++i) {
-      const int64_t t = tb + i;
-      if (t >= t1) break;
-      if (t == seq_end) {  // a new sequence starts at t: zeros before it (block-uniform branch)
-#pragma unroll
-        for (int j = 0; j < K - 1; ++j)
-#pragma unroll
-          for (int c = 0; c < 8; ++c) win[j][c] = 0.0f;
-        while (static_cast<int64_t>(__ldg(cu + s + 1)) <= t) ++s;
-        seq_end = __ldg(cu + s + 1);
-      }
-      float cur[8], out[8];
-      unpack8(raw[i], cur);
-#pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        float acc = 0.0f;  // same order as the reference: taps j = 0..K-1
-#pragma unroll
-        for (int j = 0; j < K - 1; ++j) acc = fmaf(wr[c][j], win[j][c], acc);
-        acc = fmaf(wr[c][K - 1], cur[c], acc);
-        out[c] = silu ? silu_f(acc) : acc;
-      }
-#pragma unroll
-      for (int j = 0; j + 1 < K - 1; ++j)
-#pragma unroll
-        for (int c = 0; c < 8; ++c) win[j][c] = win[j + 1][c];
-      if constexpr (K > 1) {
-#pragma unroll
-        for (int c = 0; c < 8; ++c) win[K - 2][c] = cur[c];
-      }
-      *reinterpret_cast<uint4*>(y + t * C + c0) = pack8(out);
+        for (int c = 0; c < 8; ++c) win[j][c] = 0.0f;
+      while (static_cast<int64_t>(__ldg(cu + s + 1)) <= t) ++s;
+      seq_end = __ldg(cu + s + 1);
     }
+    float cur[8], out[8];
+    unpack8(cur_raw, cur);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      float acc = 0.0f;  // same order as the reference: taps j = 0..K-1
+#pragma unroll
+      for (int j = 0; j < K - 1; ++j) acc = fmaf(wr[c][j], win[j][c], acc);
+      acc = fmaf(wr[c][K - 1], cur[c], acc);
+      out[c] = silu ? silu_f(acc) : acc;
+    }
+#pragma unroll
+    for (int j = 0; j + 1 < K - 1; ++j)
+#pragma unroll
+      for (int c = 0; c < 8; ++c) win[j][c] = win[j + 1][c];
+    if constexpr (K > 1) {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) win[K - 2][c] = cur[c];
+    }
+    *reinterpret_cast<uint4*>(y + t * C + c0) = pack8(out);
+  };
+
+  // The run's rows stream through this thread's ring (see the top of the file).
+  __shared__ uint4 ring[kConvStages][256];  // [slot][thread]
+  const int tid = static_cast<int>(threadIdx.y * blockDim.x + threadIdx.x);
+#pragma unroll
+  for (int k = 0; k < kConvStages; ++k) {
+    if (t0 + k < t1) cp_async16(&ring[k][tid], x + (t0 + k) * ldx + c0);
+    ptx::cp_async_commit();
+  }
+  int slot = 0;
+  for (int64_t t = t0; t < t1; ++t) {
+    cp_async_wait<kConvStages - 1>();  // row t's group (kConvStages - 1 newer ones may still fly)
+    step(t, ring[slot][tid]);
+    if (t + kConvStages < t1) cp_async16(&ring[slot][tid], x + (t + kConvStages) * ldx + c0);
+    ptx::cp_async_commit();  // (empty past the run: keeps one group per row)
+    slot = (slot + 1) & (kConvStages - 1);
   }
 }
 
@@ -191,35 +221,56 @@ void causal_conv1d_fast(const ConvParams& p, Stream s) {
   DFLASH_CHECK(aligned16(p.x) && aligned16(p.y),
                op << ": x and y must be 16-byte aligned (use causal_conv1d_fallback)");
   const int64_t groups = p.C / 8;
-  // Tokens per thread: the longest run (fewest halo re-reads) that still gives ~2 waves of threads
-  // (the K = 4 kernel takes 128 registers: 512 resident threads per SM). At N = 8192, C = 10240
-  // this picks R = 64, the fastest measured (see the top of the file).
+  // Block: bx threads over channel groups (a warp reads a contiguous 512-byte stretch of a row) x
+  // by runs. blocks(R) = gy · ceil(runs / by).
+  const int bx = static_cast<int>(std::min<int64_t>(groups, 128));
+  const int64_t gy = (groups + bx - 1) / bx;
+  auto shape = [&](int64_t R, int& by, int64_t& gx) {
+    const int64_t runs = (p.N + R - 1) / R;
+    by = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(256 / bx, runs)));
+    gx = (runs + by - 1) / by;
+  };
+  // Tokens per thread R. Every thread walks its run with the load ring full, so a wave of blocks
+  // takes ~ R + kRamp row steps (kRamp ~ ring fill + K-1 halo rows) and the launch ~ waves ·
+  // (R + kRamp), waves = ceil(blocks / resident blocks): pick the R in [8, 512] minimising that. At
+  // N = 8192, C = 10240 (2 blocks of 256 per SM, 132 SMs) that is R = 160: 260 blocks, one wave; the
+  // old rule (R = 64, 640 blocks = 2.4 waves) idled ~20% of the machine in the last wave.
   int R = tuning::conv_tokens_per_thread;
   if (R <= 0) {
-    int dev = 0;
+    int dev = 0, sms = 0, per_sm = 0;
     DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
-    int sms = 0;
     DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    const int64_t want_threads = static_cast<int64_t>(sms) * 512 * 2;
-    R = 64;
-    while (R > 8 && groups * ((p.N + R - 1) / R) < want_threads) R /= 2;
+    DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, causal_conv1d_fast_kernel<4>, 256, 0));
+    const int64_t slots = static_cast<int64_t>(sms) * std::max(per_sm, 1);
+    constexpr int64_t kRamp = 16;
+    int64_t best = -1;
+    for (int64_t r = 8; r <= 512; r += 8) {
+      int by = 1;
+      int64_t gx = 0;
+      shape(r, by, gx);
+      const int64_t cost = (gx * gy + slots - 1) / slots * (r + kRamp);
+      if (best < 0 || cost < best) best = cost, R = static_cast<int>(r);
+      if (r >= p.N) break;
+    }
   }
   DFLASH_CHECK(R >= 1, op << ": tokens per thread must be positive");
-  const int64_t runs = (p.N + R - 1) / R;
-  const int bx = static_cast<int>(std::min<int64_t>(groups, 128));
-  const int by = 256 / bx >= 1 ? static_cast<int>(std::min<int64_t>(256 / bx, runs)) : 1;
-  const int64_t gx = (runs + by - 1) / by, gy = (groups + bx - 1) / bx;
+  int by = 1;
+  int64_t gx = 0;
+  shape(R, by, gx);
   DFLASH_CHECK(gx < (1ll << 31) && gy < 65536, op << ": grid too large for N " << p.N << ", C " << p.C);
   const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), block(bx, by);
   auto stream = static_cast<cudaStream_t>(s);
   auto x = static_cast<const __nv_bfloat16*>(p.x);
   auto w = static_cast<const __nv_bfloat16*>(p.w);
   auto y = static_cast<__nv_bfloat16*>(p.y);
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, block, 0, stream>>>(x, p.ldx, w, y, p.cu_seqlens, p.num_seqs, p.N, p.C, R, p.silu);
+  };
   switch (p.K) {
-    case 1: causal_conv1d_fast_kernel<1><<<grid, block, 0, stream>>>(x, p.ldx, w, y, p.cu_seqlens, p.num_seqs, p.N, p.C, R, p.silu); break;
-    case 2: causal_conv1d_fast_kernel<2><<<grid, block, 0, stream>>>(x, p.ldx, w, y, p.cu_seqlens, p.num_seqs, p.N, p.C, R, p.silu); break;
-    case 3: causal_conv1d_fast_kernel<3><<<grid, block, 0, stream>>>(x, p.ldx, w, y, p.cu_seqlens, p.num_seqs, p.N, p.C, R, p.silu); break;
-    default: causal_conv1d_fast_kernel<4><<<grid, block, 0, stream>>>(x, p.ldx, w, y, p.cu_seqlens, p.num_seqs, p.N, p.C, R, p.silu); break;
+    case 1: launch(causal_conv1d_fast_kernel<1>); break;
+    case 2: launch(causal_conv1d_fast_kernel<2>); break;
+    case 3: launch(causal_conv1d_fast_kernel<3>); break;
+    default: launch(causal_conv1d_fast_kernel<4>); break;
   }
   DFLASH_CUDA_CHECK_LAST();
 }
@@ -238,10 +289,92 @@ void causal_conv1d_fallback(const ConvParams& p, Stream s) {
 // ---- gdn_prep -----------------------------------------------------------------------------------
 namespace {
 
-constexpr int kPrepThreads = 256;  // 8 warps: one (token, q-or-k head) row per warp
+constexpr int kPrepThreads = 256;
+constexpr int kPrepStages = 8;  // fast kernel: rows in flight per lane group (power of two); 32 KB per block
+// Cap on the persistent grid's blocks per SM (0: as many as fit). 6, the best of the sweep on an
+// H200 (0.044 ms; 0.046 uncapped, where 6 also fit; 0.049 at 2, 0.071 at 1).
+constexpr int kPrepMaxBlocksPerSm = 6;
 
-// Blocks [0, row_blocks) normalise rows r = n·2Hk + j (j < Hk: q head j, else k head j - Hk);
-// the remaining blocks compute the gates, one thread per (token, value head).
+// g = -exp(A_log) · softplus(a + dt_bias), beta = sigmoid(b) for gate index i = n·Hv + h.
+__device__ __forceinline__ void gdn_gate(const GdnPrepParams& p, int64_t i) {
+  const int64_t n = i / p.Hv, h = i - n * p.Hv;
+  const float a = __bfloat162float(static_cast<const __nv_bfloat16*>(p.a)[n * p.ld_ab + h]);
+  const float b = __bfloat162float(static_cast<const __nv_bfloat16*>(p.b)[n * p.ld_ab + h]);
+  const float A_log = __bfloat162float(static_cast<const __nv_bfloat16*>(p.A_log)[h]);
+  const float dt_bias = __bfloat162float(static_cast<const __nv_bfloat16*>(p.dt_bias)[h]);
+  const float xs = a + dt_bias;
+  const float softplus = xs > 20.0f ? xs : log1pf(expf(xs));  // torch softplus, threshold 20
+  p.g[i] = -expf(A_log) * softplus;
+  p.beta[i] = 1.0f / (1.0f + expf(-b));
+}
+
+// Fast kernel, 8 | dk <= 256: a persistent grid of lane groups streams the q|k rows r = n·2Hk + j
+// (j < Hk: q head j, else k head j - Hk). A group of G lanes (G = the power of two >= dk/8, one
+// 16-byte unit per lane, lanes past dk/8 idle) takes rows first, first + stride, ... and keeps
+// kPrepStages of them in flight through a per-thread cp.async ring in shared memory (each thread
+// reads only the slots it filled: no block barrier); a slot is refilled as soon as its row is
+// written. The row's sum of squares is reduced with log2(G) xor shuffles: the same tree, hence
+// bit-identical results, as the warp-per-row kernel (its lanes past dk/8 add exact zeros). The
+// gates are computed while the first rows are in flight (grid-stride over N·Hv).
+template <int G>
+__global__ void __launch_bounds__(kPrepThreads) gdn_prep_rows_kernel(GdnPrepParams p) {
+  constexpr int kGroups = kPrepThreads / G;
+  __shared__ uint4 ring[kPrepStages][kPrepThreads];  // [slot][thread]
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid % G, grp = tid / G;
+  const int two_hk = static_cast<int>(2 * p.Hk), units = static_cast<int>(p.dk / 8);
+  const int64_t rows = p.N * two_hk;  // < 2^31: checked by the launcher
+  const bool on = lane < units;
+  const auto* conv = static_cast<const __nv_bfloat16*>(p.conv);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kGroups;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kGroups + grp;
+  // The loop runs while the warp's first group has a row, so every lane joins each shuffle.
+  const int64_t warp_first = static_cast<int64_t>(blockIdx.x) * kGroups + (tid / 32) * (32 / G);
+  auto issue = [&](int slot, int64_t r) {
+    if (on && r < rows) {
+      const int n = static_cast<int>(r) / two_hk, j = static_cast<int>(r) - n * two_hk;
+      cp_async16(&ring[slot][tid], conv + static_cast<int64_t>(n) * p.ld_conv + j * p.dk + lane * 8);
+    }
+    ptx::cp_async_commit();  // (possibly empty: one group per row keeps the wait count fixed)
+  };
+#pragma unroll
+  for (int k = 0; k < kPrepStages; ++k) issue(k, first + k * stride);
+
+  const int64_t gates = p.N * p.Hv;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kPrepThreads + tid; i < gates;
+       i += static_cast<int64_t>(gridDim.x) * kPrepThreads)
+    gdn_gate(p, i);
+
+  int slot = 0;
+  for (int64_t k = 0; warp_first + k * stride < rows; ++k) {
+    const int64_t r = first + k * stride;
+    cp_async_wait<kPrepStages - 1>();
+    float f[8];
+    unpack8(on ? ring[slot][tid] : make_uint4(0u, 0u, 0u, 0u), f);
+    float ss = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ss = fmaf(f[e], f[e], ss);
+#pragma unroll
+    for (int off = G / 2; off >= 1; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if (on && r < rows) {
+      const int n = static_cast<int>(r) / two_hk, j = static_cast<int>(r) - n * two_hk;
+      const bool is_q = j < p.Hk;
+      const int head = is_q ? j : j - static_cast<int>(p.Hk);
+      const float inv = rsqrtf(ss + 1e-6f);
+      const float mul = is_q ? p.scale : 1.0f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[e] = (f[e] * inv) * mul;  // l2norm, then `q * scale` as transformers
+      __nv_bfloat16* dst =
+          static_cast<__nv_bfloat16*>(is_q ? p.q : p.k) + (static_cast<int64_t>(n) * p.Hk + head) * p.dk;
+      *reinterpret_cast<uint4*>(dst + lane * 8) = pack8(f);
+    }
+    issue(slot, r + kPrepStages * stride);
+    slot = (slot + 1) & (kPrepStages - 1);
+  }
+}
+
+// General kernel (any dk): blocks [0, row_blocks) normalise rows r = n·2Hk + j, one warp per row,
+// two passes over the row; the remaining blocks compute the gates, one thread per (token, value head).
 template <bool kVec>
 __global__ void __launch_bounds__(kPrepThreads) gdn_prep_kernel(GdnPrepParams p, int64_t row_blocks) {
   if (static_cast<int64_t>(blockIdx.x) < row_blocks) {
@@ -285,16 +418,7 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_prep_kernel(GdnPrepParams p,
     }
   } else {
     const int64_t i = (static_cast<int64_t>(blockIdx.x) - row_blocks) * kPrepThreads + threadIdx.x;
-    if (i >= p.N * p.Hv) return;
-    const int64_t n = i / p.Hv, h = i - n * p.Hv;
-    const float a = __bfloat162float(static_cast<const __nv_bfloat16*>(p.a)[n * p.ld_ab + h]);
-    const float b = __bfloat162float(static_cast<const __nv_bfloat16*>(p.b)[n * p.ld_ab + h]);
-    const float A_log = __bfloat162float(static_cast<const __nv_bfloat16*>(p.A_log)[h]);
-    const float dt_bias = __bfloat162float(static_cast<const __nv_bfloat16*>(p.dt_bias)[h]);
-    const float xs = a + dt_bias;
-    const float softplus = xs > 20.0f ? xs : log1pf(expf(xs));  // torch softplus, threshold 20
-    p.g[i] = -expf(A_log) * softplus;
-    p.beta[i] = 1.0f / (1.0f + expf(-b));
+    if (i < p.N * p.Hv) gdn_gate(p, i);
   }
 }
 
@@ -314,12 +438,42 @@ void gdn_prep(const GdnPrepParams& p, Stream s) {
   DFLASH_CHECK(p.conv && p.a && p.b && p.A_log && p.dt_bias && p.q && p.k && p.g && p.beta,
                op << ": null pointer among the inputs/outputs");
   const int64_t rows = p.N * 2 * p.Hk;
+  auto stream = static_cast<cudaStream_t>(s);
+  const bool vec = p.dk % 8 == 0 && p.ld_conv % 8 == 0 && aligned16(p.conv) && aligned16(p.q) && aligned16(p.k);
+  if (vec && p.dk <= 256 && rows < (1ll << 31) - (1ll << 20)) {
+    const int units = static_cast<int>(p.dk / 8);
+    int G = 1;
+    while (G < units) G *= 2;
+    auto launch = [&](auto kernel) {
+      // Persistent grid: as many blocks as fit at once, fewer when there are not enough rows.
+      int64_t blocks = tuning::prep_blocks;
+      if (blocks <= 0) {
+        int dev = 0, sms = 0, per_sm = 0;
+        DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
+        DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+        DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kPrepThreads, 0));
+        if (kPrepMaxBlocksPerSm > 0) per_sm = std::min(per_sm, kPrepMaxBlocksPerSm);
+        blocks = static_cast<int64_t>(sms) * std::max(per_sm, 1);
+      }
+      const int64_t needed = (rows + kPrepThreads / G - 1) / (kPrepThreads / G);
+      const auto grid = static_cast<unsigned>(std::min(needed, blocks));
+      kernel<<<grid, kPrepThreads, 0, stream>>>(p);
+    };
+    switch (G) {
+      case 1: launch(gdn_prep_rows_kernel<1>); break;
+      case 2: launch(gdn_prep_rows_kernel<2>); break;
+      case 4: launch(gdn_prep_rows_kernel<4>); break;
+      case 8: launch(gdn_prep_rows_kernel<8>); break;
+      case 16: launch(gdn_prep_rows_kernel<16>); break;
+      default: launch(gdn_prep_rows_kernel<32>); break;
+    }
+    DFLASH_CUDA_CHECK_LAST();
+    return;
+  }
   const int64_t row_blocks = (rows + kPrepThreads / 32 - 1) / (kPrepThreads / 32);
   const int64_t gate_blocks = (p.N * p.Hv + kPrepThreads - 1) / kPrepThreads;
   DFLASH_CHECK(row_blocks + gate_blocks < (1ll << 31), op << ": grid too large for N " << p.N);
-  const bool vec = p.dk % 8 == 0 && p.ld_conv % 8 == 0 && aligned16(p.conv) && aligned16(p.q) && aligned16(p.k);
   const auto grid = static_cast<unsigned>(row_blocks + gate_blocks);
-  auto stream = static_cast<cudaStream_t>(s);
   if (vec)
     gdn_prep_kernel<true><<<grid, kPrepThreads, 0, stream>>>(p, row_blocks);
   else

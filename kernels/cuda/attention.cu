@@ -242,11 +242,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) flash_fwd_kern
 
   // Normalise, stage the warp's 16 rows in its own rows of sQ (only this warp reads them), and
   // write them out with 16-byte stores.
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+  float inv0, inv1;
+  flash::finish_rows(l0, l1, inv0, inv1);
   const int r0 = warp * 16 + g, r1 = r0 + 8;
 #pragma unroll
   for (int i = 0; i < DT; ++i) {

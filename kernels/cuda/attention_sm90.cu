@@ -130,12 +130,7 @@ __global__ void __launch_bounds__(256, 1) flash_fwd_wgmma_kernel(const FlashArgs
       const uint64_t desc_v = wgmma::descriptor(sV + stage * Cfg::kTileBytes, BN * 128, 1024);
       float s[NT][4];
       float(&sf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(s);
-#pragma unroll
-      for (int e = 0; e < NT * 4; ++e) sf[e] = 0.0f;
-      wgmma::pin(sf);
-      wgmma::fence();
-      wgmma::mma_nt<KS>(sf, desc_q, BM * 128, desc_k, BN * 128);
-      wgmma::commit();
+      wgmma::issue_nt<KS>(sf, desc_q, BM * 128, desc_k, BN * 128);
       wgmma::wait<0>();
       wgmma::pin(sf);
 
@@ -172,11 +167,8 @@ __global__ void __launch_bounds__(256, 1) flash_fwd_wgmma_kernel(const FlashArgs
 
   // Normalise, stage the warp's 16 rows in its own rows of the Q tile (read only by this warp's
   // finished wgmma), and write them out with 16-byte stores.
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+  float inv0, inv1;
+  flash::finish_rows(l0, l1, inv0, inv1);
   wgmma::store_rows<P>(sQ, BM, 64 * wg + 16 * wq + g, o, inv0, inv1);
   __syncwarp();
   bf16* og = a.out + (int64_t(begin + m_start) * a.Hq + h) * D;

@@ -80,19 +80,9 @@ __global__ void __launch_bounds__(kThreads, 2) ba_fwd_kernel(const Args a) {
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const KeyPlan kp = key_plan(a, b, m_start);
-  const int64_t ldkv = int64_t(a.Hkv) * D;
-  auto load_kv = [&](int it, int stage) {
-    const KeyTile t = key_tile<D>(a, kp, b, kh, it);
-    load_k_tile<D>(sK + stage * kBN * D, t.k, ldkv, t.valid, tid);
-    load_k_tile<D>(sV + stage * kBN * D, t.v, ldkv, t.valid, tid);
-  };
 
   load_q_tile<D>(sQ, a.q, a, b, kh, m_start, tid);
-  cp_async_commit();
-  load_kv(0, 0);
-  cp_async_commit();
-  if (kp.n_tiles >= 2) load_kv(1, 1);
-  cp_async_commit();
+  start_kv<D, false>(a, kp, b, kh, sK, sV, tid);
 
   const int a_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
   const int a_chk = lane >> 4;
@@ -148,15 +138,12 @@ __global__ void __launch_bounds__(kThreads, 2) ba_fwd_kernel(const Args a) {
 
     flash::softmax_tile_pv<NT, DT, D>(s, o, m0, m1, l0, l1, a.scale_log2, tV, v_row, v_chk);
     __syncthreads();
-    if (it + 2 < kp.n_tiles) load_kv(it + 2, stage);
+    if (it + 2 < kp.n_tiles) load_kv_tile<D, false>(a, kp, b, kh, it + 2, sK, sV, stage, tid);
     cp_async_commit();
   }
 
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+  float inv0, inv1;
+  flash::finish_rows(l0, l1, inv0, inv1);
   if (t4 == 0) {
     if (i0 < a.M) a.lse[qrow_idx(a, b, kh, i0)] = (m0 + __log2f(l0)) * kLn2;
     if (i1 < a.M) a.lse[qrow_idx(a, b, kh, i1)] = (m1 + __log2f(l1)) * kLn2;
@@ -207,19 +194,9 @@ __device__ __forceinline__ void dq_body(const Args& a, int kh, int mt, int b, un
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const KeyPlan kp = key_plan(a, b, m_start);
-  const int64_t ldkv = int64_t(a.Hkv) * D;
-  auto load_kv = [&](int it, int stage) {
-    const KeyTile t = key_tile<D>(a, kp, b, kh, it);
-    load_k_tile<D>(sK + stage * kBN * D, t.k, ldkv, t.valid, tid);
-    load_k_tile<D>(sV + stage * kBN * D, t.v, ldkv, t.valid, tid);
-  };
   load_q_tile<D>(sQ, a.q, a, b, kh, m_start, tid);
   load_q_tile<D>(sO, a.dout, a, b, kh, m_start, tid);
-  cp_async_commit();
-  load_kv(0, 0);
-  cp_async_commit();
-  if (kp.n_tiles >= 2) load_kv(1, 1);
-  cp_async_commit();
+  start_kv<D, false>(a, kp, b, kh, sK, sV, tid);
 
   const int a_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
   const int a_chk = lane >> 4;
@@ -310,7 +287,7 @@ __device__ __forceinline__ void dq_body(const Args& a, int kh, int mt, int b, un
       }
     }
     __syncthreads();
-    if (it + 2 < kp.n_tiles) load_kv(it + 2, stage);
+    if (it + 2 < kp.n_tiles) load_kv_tile<D, false>(a, kp, b, kh, it + 2, sK, sV, stage, tid);
     cp_async_commit();
   }
 

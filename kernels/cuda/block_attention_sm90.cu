@@ -66,18 +66,8 @@ __global__ void __launch_bounds__(kThreads, 2) ba_fwd_wg_kernel(const Args a) {
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const KeyPlan kp = key_plan(a, b, m_start);
-  const int64_t ldkv = int64_t(a.Hkv) * D;
-  auto load_kv = [&](int it, int stage) {
-    const KeyTile t = key_tile<D>(a, kp, b, kh, it);
-    load_k_tile<D, true>(sK + stage * Z::kK, t.k, ldkv, t.valid, tid);
-    load_k_tile<D, true>(sV + stage * Z::kK, t.v, ldkv, t.valid, tid);
-  };
   load_q_tile<D, true>(sQ, a.q, a, b, kh, m_start, tid);
-  ptx::cp_async_commit();
-  load_kv(0, 0);
-  ptx::cp_async_commit();
-  if (kp.n_tiles >= 2) load_kv(1, 1);
-  ptx::cp_async_commit();
+  start_kv<D, true>(a, kp, b, kh, sK, sV, tid);
 
   float o[P][32];
 #pragma unroll
@@ -99,12 +89,7 @@ __global__ void __launch_bounds__(kThreads, 2) ba_fwd_wg_kernel(const Args a) {
 
     float s[NT][4];
     float(&sf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(s);
-#pragma unroll
-    for (int e = 0; e < NT * 4; ++e) sf[e] = 0.0f;
-    wgmma::pin(sf);
-    wgmma::fence();
-    wgmma::mma_nt<KS>(sf, desc_q, Z::kPanelQ, wgmma::descriptor(sK + stage * Z::kK, 0, 1024), Z::kPanelK);
-    wgmma::commit();
+    wgmma::issue_nt<KS>(sf, desc_q, Z::kPanelQ, wgmma::descriptor(sK + stage * Z::kK, 0, 1024), Z::kPanelK);
     wgmma::wait<0>();
     wgmma::pin(sf);
     if (kt.valid < kBN || a.sliding) {
@@ -132,15 +117,12 @@ __global__ void __launch_bounds__(kThreads, 2) ba_fwd_wg_kernel(const Args a) {
     wgmma::pin(pa);
 
     __syncthreads();
-    if (it + 2 < kp.n_tiles) load_kv(it + 2, stage);
+    if (it + 2 < kp.n_tiles) load_kv_tile<D, true>(a, kp, b, kh, it + 2, sK, sV, stage, tid);
     ptx::cp_async_commit();
   }
 
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+  float inv0, inv1;
+  flash::finish_rows(l0, l1, inv0, inv1);
   if (t4 == 0) {
     if (i0 < a.M) a.lse[qrow_idx(a, b, kh, i0)] = (m0 + __log2f(l0)) * kLn2;
     if (i1 < a.M) a.lse[qrow_idx(a, b, kh, i1)] = (m1 + __log2f(l1)) * kLn2;
@@ -164,19 +146,9 @@ __device__ __forceinline__ void dq_wg_body(const Args& a, int kh, int mt, int b,
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const KeyPlan kp = key_plan(a, b, m_start);
-  const int64_t ldkv = int64_t(a.Hkv) * D;
-  auto load_kv = [&](int it, int stage) {
-    const KeyTile t = key_tile<D>(a, kp, b, kh, it);
-    load_k_tile<D, true>(sK + stage * Z::kK, t.k, ldkv, t.valid, tid);
-    load_k_tile<D, true>(sV + stage * Z::kK, t.v, ldkv, t.valid, tid);
-  };
   load_q_tile<D, true>(sQ, a.q, a, b, kh, m_start, tid);
   load_q_tile<D, true>(sO, a.dout, a, b, kh, m_start, tid);
-  ptx::cp_async_commit();
-  load_kv(0, 0);
-  ptx::cp_async_commit();
-  if (kp.n_tiles >= 2) load_kv(1, 1);
-  ptx::cp_async_commit();
+  start_kv<D, true>(a, kp, b, kh, sK, sV, tid);
 
   const int g = lane >> 2, t4 = lane & 3;
   const int i0 = m_start + warp * 16 + g, i1 = i0 + 8;
@@ -204,16 +176,9 @@ __device__ __forceinline__ void dq_wg_body(const Args& a, int kh, int mt, int b,
     float s[NT][4], dp[NT][4];
     float(&sf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(s);
     float(&dpf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(dp);
-#pragma unroll
-    for (int e = 0; e < NT * 4; ++e) sf[e] = dpf[e] = 0.0f;
-    wgmma::pin(sf);
-    wgmma::pin(dpf);
-    wgmma::fence();
     // Two groups: S, then dP; P is formed while dP is still on the tensor cores.
-    wgmma::mma_nt<KS>(sf, desc_q, Z::kPanelQ, wgmma::descriptor(sK + stage * Z::kK, 0, 1024), Z::kPanelK);
-    wgmma::commit();
-    wgmma::mma_nt<KS>(dpf, desc_o, Z::kPanelQ, wgmma::descriptor(sV + stage * Z::kK, 0, 1024), Z::kPanelK);
-    wgmma::commit();
+    wgmma::issue_nt<KS>(sf, desc_q, Z::kPanelQ, wgmma::descriptor(sK + stage * Z::kK, 0, 1024), Z::kPanelK);
+    wgmma::issue_nt<KS>(dpf, desc_o, Z::kPanelQ, wgmma::descriptor(sV + stage * Z::kK, 0, 1024), Z::kPanelK);
     wgmma::wait<1>();
     wgmma::pin(sf);
     const bool need_mask = kt.valid < kBN || a.sliding;
@@ -246,7 +211,7 @@ __device__ __forceinline__ void dq_wg_body(const Args& a, int kh, int mt, int b,
     wgmma::pin(sa);
 
     __syncthreads();
-    if (it + 2 < kp.n_tiles) load_kv(it + 2, stage);
+    if (it + 2 < kp.n_tiles) load_kv_tile<D, true>(a, kp, b, kh, it + 2, sK, sV, stage, tid);
     ptx::cp_async_commit();
   }
 
@@ -318,17 +283,10 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
     float st[NT][4], dpt[NT][4];
     float(&stf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(st);
     float(&dptf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(dpt);
-#pragma unroll
-    for (int e = 0; e < NT * 4; ++e) stf[e] = dptf[e] = 0.0f;
-    wgmma::pin(stf);
-    wgmma::pin(dptf);
-    wgmma::fence();
     // Groups in flight, oldest first: Sᵀ, dPᵀ; then dV (issued as soon as P is formed, while dPᵀ
     // may still run), then dK once dSᵀ is formed.
-    wgmma::mma_nt<KS>(stf, desc_k, Z::kPanelK, wgmma::descriptor(tQ, 0, 1024), Z::kPanelQ);
-    wgmma::commit();
-    wgmma::mma_nt<KS>(dptf, desc_v, Z::kPanelK, wgmma::descriptor(tO, 0, 1024), Z::kPanelQ);
-    wgmma::commit();
+    wgmma::issue_nt<KS>(stf, desc_k, Z::kPanelK, wgmma::descriptor(tQ, 0, 1024), Z::kPanelQ);
+    wgmma::issue_nt<KS>(dptf, desc_v, Z::kPanelK, wgmma::descriptor(tO, 0, 1024), Z::kPanelQ);
     wgmma::wait<1>();
     wgmma::pin(stf);
     // As in block_attention.cu: masked only on sliding layers or where the key tile crosses the

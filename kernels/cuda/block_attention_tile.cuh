@@ -155,6 +155,30 @@ __device__ __forceinline__ KeyTile key_tile(const Args& a, const KeyPlan& kp, in
   return t;
 }
 
+// Loads key tile `it` of the plan (K and V rows at kv head kh) into stage `stage` of the shared
+// arrays sK / sV (tiles of kBN rows, D columns, in either layout).
+template <int D, bool PANELS>
+__device__ __forceinline__ void load_kv_tile(const Args& a, const KeyPlan& kp, int b, int kh, int it, void* sK,
+                                             void* sV, int stage, int tid) {
+  constexpr int kTile = kBN * D * 2;
+  const KeyTile t = key_tile<D>(a, kp, b, kh, it);
+  const int64_t ldkv = int64_t(a.Hkv) * D;
+  load_k_tile<D, PANELS>(static_cast<char*>(sK) + stage * kTile, t.k, ldkv, t.valid, tid);
+  load_k_tile<D, PANELS>(static_cast<char*>(sV) + stage * kTile, t.v, ldkv, t.valid, tid);
+}
+
+// The cp.async prologue of a query-major pass (forward, dQ), after the caller issued its query-side
+// tiles: those close group 0, key tiles 0 and 1 form groups 1 and 2 (2 maybe empty). Iteration it
+// then waits for all but the newest group and, after its barrier, loads tile it + 2.
+template <int D, bool PANELS>
+__device__ __forceinline__ void start_kv(const Args& a, const KeyPlan& kp, int b, int kh, void* sK, void* sV, int tid) {
+  ptx::cp_async_commit();
+  load_kv_tile<D, PANELS>(a, kp, b, kh, 0, sK, sV, 0, tid);
+  ptx::cp_async_commit();
+  if (kp.n_tiles >= 2) load_kv_tile<D, PANELS>(a, kp, b, kh, 1, sK, sV, 1, tid);
+  ptx::cp_async_commit();
+}
+
 // Whether query row with block offset j may attend key `key` (context position or block offset)
 // of a tile, given the key lies inside the tile's valid range.
 __device__ __forceinline__ bool allowed(const Args& a, bool ctx, int anc, int j, int key) {

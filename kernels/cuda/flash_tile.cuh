@@ -100,6 +100,17 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float& m0, flo
   l1 = l1 * alpha1 + sum1;
 }
 
+// End of the key loop: the row sums l0 / l1 summed over the quad (each thread held its own
+// columns' share) and the factors that normalise the output rows (0 for a row with no key).
+__device__ __forceinline__ void finish_rows(float& l0, float& l1, float& inv0, float& inv1) {
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f;
+  inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+}
+
 // The bf16 A fragment (m16n8k16 layout, which is also wgmma's register-A layout for a warp's 16
 // rows) of k-step kk of P·V: the accumulators of S n-tiles 2kk and 2kk+1 are exactly its elements.
 template <int NT>

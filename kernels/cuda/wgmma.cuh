@@ -114,6 +114,19 @@ __device__ __forceinline__ void mma_nt(float (&acc)[32], uint64_t desc_a, uint32
            desc_b + (((ks / 4) * b_panel + (ks % 4) * 32) >> 4), 1);
 }
 
+// acc = A·Bᵀ as one committed wgmma group (mma_nt): zeroes acc, fences, issues, commits. The
+// caller waits (wait<N>) and pins acc before reading it.
+template <int KS>
+__device__ __forceinline__ void issue_nt(float (&acc)[32], uint64_t desc_a, uint32_t a_panel, uint64_t desc_b,
+                                         uint32_t b_panel) {
+#pragma unroll
+  for (int e = 0; e < 32; ++e) acc[e] = 0.0f;
+  pin(acc);
+  fence();
+  mma_nt<KS>(acc, desc_a, a_panel, desc_b, b_panel);
+  commit();
+}
+
 // acc[P][64x64] += A[64, 16·KK] · B[16·KK, 64·P]: A as KK register fragments (p_fragment), B an
 // MN-major panel tile of 16·KK rows (desc_b made with LBO = b_panel, the panel stride in bytes).
 template <int KK, int P>

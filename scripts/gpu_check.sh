@@ -38,8 +38,8 @@ if [ "${SKIP_DOCTOR:-0}" != 1 ]; then
   "$DFLASH_BUILD/target_model/dflash_doctor" --config "$Q27" --json "$RESULTS/doctor.json" 2>&1 | tee "$RESULTS/doctor.txt" || status=1
 fi
 if [ -x "$DFLASH_BUILD/bench/target_bench" ] && [ "${SKIP_TARGET_BENCH:-0}" != 1 ]; then
-  say "target_bench (Qwen3.6-27B shapes, random weights)"
-  "$DFLASH_BUILD/bench/target_bench" --config "$Q27" --random-weights ${TARGET_BENCH_ARGS:-} --csv "$RESULTS/target_bench.csv" \
+  say "target_bench (Qwen3.6-27B shapes, random weights), with the per-op profile"
+  "$DFLASH_BUILD/bench/target_bench" --config "$Q27" --random-weights --profile ${TARGET_BENCH_ARGS:-} --csv "$RESULTS/target_bench.csv" \
     2>&1 | tee "$RESULTS/target_bench.txt" || status=1
   if [ "${TARGET_BENCH_AUTOTUNE:-0}" = 1 ]; then
     say "target_bench, fast path with GEMM autotuning"

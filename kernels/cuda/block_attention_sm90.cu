@@ -45,7 +45,8 @@ __device__ __forceinline__ void write_rows(const unsigned char* tile, int valid,
   for (int step = 0; step < CH / 2; ++step) {
     const int idx = step * 32 + lane;
     const int r = warp * 16 + idx / CH, c = idx % CH;
-    if (r < valid) *reinterpret_cast<uint4*>(dst(r) + c * 8) = *reinterpret_cast<const uint4*>(tile + wgmma::panel_offset(64, r, c));
+    if (r < valid)
+      *reinterpret_cast<uint4*>(dst(r) + c * 8) = *reinterpret_cast<const uint4*>(tile + wgmma::panel_offset(64, r, c));
   }
 }
 

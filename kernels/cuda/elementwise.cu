@@ -37,7 +37,9 @@
 #include <vector>
 
 #include "kernels/cuda/check.h"
+#include "kernels/cuda/grid.h"
 #include "kernels/cuda/launch.h"
+#include "kernels/cuda/ptx.cuh"
 #include "kernels/error.h"
 
 namespace dflash::cuda {
@@ -264,27 +266,9 @@ struct GatedRmsNormOp {
 constexpr int kGatedStages = 4;  // rows in flight per lane group (power of two); 32 KB per block
 constexpr int kGatedMaxBlocksPerSm = 0;  // cap on the persistent grid's blocks per SM (0: as many as fit)
 
-// 16-byte global -> shared copy that bypasses L1, and the wait for all but the N most recent
-// commit groups; the "memory" clobbers keep shared-memory reads of a slot before its refill.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void unpack8f(const uint4& raw, float (&v)[8]) {
-  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
+using ptx::cp_async16_ring;
+using ptx::cp_async_commit_ring;
+using ptx::cp_async_wait_ring;
 
 template <int G>
 __global__ void __launch_bounds__(kThreads) gated_rms_norm_kernel(const GatedRmsNormOp op, int rows, float eps) {
@@ -302,28 +286,28 @@ __global__ void __launch_bounds__(kThreads) gated_rms_norm_kernel(const GatedRms
   auto issue = [&](int slot, int64_t r) {
     if (on && r < rows) {
       const int n = static_cast<int>(r) / hv, h = static_cast<int>(r) - n * hv;
-      cp_async16(&ring[slot][0][tid], op.core + r * op.dv + lane * 8);
-      cp_async16(&ring[slot][1][tid], op.z + static_cast<int64_t>(n) * op.ldz + h * op.dv + lane * 8);
+      cp_async16_ring(&ring[slot][0][tid], op.core + r * op.dv + lane * 8);
+      cp_async16_ring(&ring[slot][1][tid], op.z + static_cast<int64_t>(n) * op.ldz + h * op.dv + lane * 8);
     }
-    cp_async_commit();  // (possibly empty: one group per row keeps the wait count fixed)
+    cp_async_commit_ring();  // (possibly empty: one group per row keeps the wait count fixed)
   };
 #pragma unroll
   for (int k = 0; k < kGatedStages; ++k) issue(k, first + k * stride);
   float wv[8];
-  unpack8f(on ? *reinterpret_cast<const uint4*>(op.w + lane * 8) : make_uint4(0u, 0u, 0u, 0u), wv);
+  ptx::unpack8(on ? *reinterpret_cast<const uint4*>(op.w + lane * 8) : make_uint4(0u, 0u, 0u, 0u), wv);
   int slot = 0;
   for (int64_t k = 0; warp_first + k * stride < rows; ++k) {
     const int64_t r = first + k * stride;
-    cp_async_wait<kGatedStages - 1>();
+    cp_async_wait_ring<kGatedStages - 1>();
     float v[8], zv[8];
-    unpack8f(on ? ring[slot][0][tid] : make_uint4(0u, 0u, 0u, 0u), v);
+    ptx::unpack8(on ? ring[slot][0][tid] : make_uint4(0u, 0u, 0u, 0u), v);
     float ss = 0.0f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) ss += v[e] * v[e];
 #pragma unroll
     for (int o = G / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (on && r < rows) {
-      unpack8f(ring[slot][1][tid], zv);
+      ptx::unpack8(ring[slot][1][tid], zv);
       const float inv = rsqrtf(ss / static_cast<float>(op.dv) + eps);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
@@ -714,14 +698,8 @@ void gated_rms_norm(const void* core, const void* z, int64_t ldz, const void* w,
       // Persistent grid: as many blocks as fit on the GPU at once, fewer when there are not
       // enough rows.
       int64_t blocks = tuning::gated_norm_blocks;
-      if (blocks <= 0) {
-        int dev = 0, sms = 0, per_sm = 0;
-        DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
-        DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-        DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0));
-        if (kGatedMaxBlocksPerSm > 0) per_sm = std::min(per_sm, kGatedMaxBlocksPerSm);
-        blocks = static_cast<int64_t>(sms) * std::max(per_sm, 1);
-      }
+      if (blocks <= 0)
+        blocks = resident_blocks(reinterpret_cast<const void*>(kernel), kThreads, 0, kGatedMaxBlocksPerSm);
       const int64_t needed = (rows + kThreads / G - 1) / (kThreads / G);
       const auto grid = static_cast<unsigned>(std::min(needed, blocks));
       kernel<<<grid, kThreads, 0, st>>>(op, rows, eps);

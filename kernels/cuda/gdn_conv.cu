@@ -38,6 +38,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/check.h"
+#include "kernels/cuda/grid.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/error.h"
@@ -58,16 +59,8 @@ using ptx::unpack8;
 
 constexpr int kConvStages = 8;  // rows in flight per thread (power of two): 32 KB of ring per block
 
-// 16-byte global -> shared copy that bypasses L1 (cp.async.cg), and the wait for all but the N most
-// recent commit groups. The "memory" clobbers keep the compiler from moving shared-memory reads of
-// a slot across the copy that refills it.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(ptx::smem_addr(smem)), "l"(gmem) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+using ptx::cp_async16_ring;
+using ptx::cp_async_wait_ring;
 
 // SiLU with the fast intrinsics (ex2.approx + approximate division, a few ulp in f32, far below the
 // bf16 output rounding): the full-precision expf and IEEE division would make the fast conv
@@ -164,14 +157,14 @@ __global__ void __launch_bounds__(256, 2) causal_conv1d_fast_kernel(const __nv_b
   const int tid = static_cast<int>(threadIdx.y * blockDim.x + threadIdx.x);
 #pragma unroll
   for (int k = 0; k < kConvStages; ++k) {
-    if (t0 + k < t1) cp_async16(&ring[k][tid], x + (t0 + k) * ldx + c0);
+    if (t0 + k < t1) cp_async16_ring(&ring[k][tid], x + (t0 + k) * ldx + c0);
     ptx::cp_async_commit();
   }
   int slot = 0;
   for (int64_t t = t0; t < t1; ++t) {
-    cp_async_wait<kConvStages - 1>();  // row t's group (kConvStages - 1 newer ones may still fly)
+    cp_async_wait_ring<kConvStages - 1>();  // row t's group (kConvStages - 1 newer ones may still fly)
     step(t, ring[slot][tid]);
-    if (t + kConvStages < t1) cp_async16(&ring[slot][tid], x + (t + kConvStages) * ldx + c0);
+    if (t + kConvStages < t1) cp_async16_ring(&ring[slot][tid], x + (t + kConvStages) * ldx + c0);
     ptx::cp_async_commit();  // (empty past the run: keeps one group per row)
     slot = (slot + 1) & (kConvStages - 1);
   }
@@ -237,11 +230,7 @@ void causal_conv1d_fast(const ConvParams& p, Stream s) {
   // old rule (R = 64, 640 blocks = 2.4 waves) idled ~20% of the machine in the last wave.
   int R = tuning::conv_tokens_per_thread;
   if (R <= 0) {
-    int dev = 0, sms = 0, per_sm = 0;
-    DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
-    DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, causal_conv1d_fast_kernel<4>, 256, 0));
-    const int64_t slots = static_cast<int64_t>(sms) * std::max(per_sm, 1);
+    const int64_t slots = resident_blocks(reinterpret_cast<const void*>(causal_conv1d_fast_kernel<4>), 256, 0, 0);
     constexpr int64_t kRamp = 16;
     int64_t best = -1;
     for (int64_t r = 8; r <= 512; r += 8) {
@@ -333,7 +322,7 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_prep_rows_kernel(GdnPrepPara
   auto issue = [&](int slot, int64_t r) {
     if (on && r < rows) {
       const int n = static_cast<int>(r) / two_hk, j = static_cast<int>(r) - n * two_hk;
-      cp_async16(&ring[slot][tid], conv + static_cast<int64_t>(n) * p.ld_conv + j * p.dk + lane * 8);
+      cp_async16_ring(&ring[slot][tid], conv + static_cast<int64_t>(n) * p.ld_conv + j * p.dk + lane * 8);
     }
     ptx::cp_async_commit();  // (possibly empty: one group per row keeps the wait count fixed)
   };
@@ -348,7 +337,7 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_prep_rows_kernel(GdnPrepPara
   int slot = 0;
   for (int64_t k = 0; warp_first + k * stride < rows; ++k) {
     const int64_t r = first + k * stride;
-    cp_async_wait<kPrepStages - 1>();
+    cp_async_wait_ring<kPrepStages - 1>();
     float f[8];
     unpack8(on ? ring[slot][tid] : make_uint4(0u, 0u, 0u, 0u), f);
     float ss = 0.0f;
@@ -447,14 +436,8 @@ void gdn_prep(const GdnPrepParams& p, Stream s) {
     auto launch = [&](auto kernel) {
       // Persistent grid: as many blocks as fit at once, fewer when there are not enough rows.
       int64_t blocks = tuning::prep_blocks;
-      if (blocks <= 0) {
-        int dev = 0, sms = 0, per_sm = 0;
-        DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
-        DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-        DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kPrepThreads, 0));
-        if (kPrepMaxBlocksPerSm > 0) per_sm = std::min(per_sm, kPrepMaxBlocksPerSm);
-        blocks = static_cast<int64_t>(sms) * std::max(per_sm, 1);
-      }
+      if (blocks <= 0)
+        blocks = resident_blocks(reinterpret_cast<const void*>(kernel), kPrepThreads, 0, kPrepMaxBlocksPerSm);
       const int64_t needed = (rows + kPrepThreads / G - 1) / (kPrepThreads / G);
       const auto grid = static_cast<unsigned>(std::min(needed, blocks));
       kernel<<<grid, kPrepThreads, 0, stream>>>(p);

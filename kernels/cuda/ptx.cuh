@@ -52,6 +52,19 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], 
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
+// For ring buffers refilled in place (elementwise.cu, gdn_conv.cu): a 16-byte global -> shared copy
+// that bypasses L1 (cp.async.cg), the group commit, and the wait for all but the N most recent
+// commit groups, with "memory" clobbers so the compiler keeps shared-memory reads of a slot before the copy that
+// refills it.
+__device__ __forceinline__ void cp_async16_ring(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit_ring() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_ring() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Two f32 -> one register of two bf16 (round to nearest even); lo goes to the low half.
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);

@@ -1,0 +1,24 @@
+#pragma once
+// Grid sizing shared by the persistent-grid kernels (elementwise.cu, gdn_conv.cu).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/cuda/check.h"
+
+namespace dflash::cuda {
+
+// How many blocks of `kernel` (at `threads` per block and `smem` bytes of dynamic shared memory) are
+// resident on the current GPU at once: SMs x blocks per SM, the latter capped at max_per_sm when
+// > 0 and at least 1.
+inline int64_t resident_blocks(const void* kernel, int threads, size_t smem, int max_per_sm) {
+  int dev = 0, sms = 0, per_sm = 0;
+  DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
+  DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  if (max_per_sm > 0) per_sm = std::min(per_sm, max_per_sm);
+  return static_cast<int64_t>(sms) * std::max(per_sm, 1);
+}
+
+}  // namespace dflash::cuda

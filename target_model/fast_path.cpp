@@ -64,8 +64,10 @@ struct Capability {
 };
 
 // Decides one step: the fast kernel when allowed and able, else the fallback with the reason.
-StepPlan decide(Step step, int64_t layer, KernelPolicy policy, const Capability& cap, const std::string& fast_kernel,
-                const std::string& fast_detail, const std::string& fallback_kernel, const std::string& config_key) {
+// (Unused in a build without the CUDA backend, whose plans are CPU-only.)
+[[maybe_unused]] StepPlan decide(Step step, int64_t layer, KernelPolicy policy, const Capability& cap,
+                                 const std::string& fast_kernel, const std::string& fast_detail,
+                                 const std::string& fallback_kernel, const std::string& config_key) {
   if (policy == KernelPolicy::Fallback)
     return {step, Path::Fallback, fallback_kernel, "fallback: forced by config (" + config_key + ": fallback)"};
   if (!cap.ok) {

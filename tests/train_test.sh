@@ -71,6 +71,13 @@ learn)
     [ -f "$work/learn/$f" ] || fail "missing $f"
   done
   grep -q "drafter exported to $work/learn/drafter" "$work/learn.log" || fail "no 'drafter exported to' line"
+  # The run ended with a checkpoint of its last step: the final drafter is that checkpoint's export
+  # (the same files, hard-linked), not a second export of the same weights.
+  for f in config.json model.safetensors; do
+    cmp "$work/learn/drafter/$f" "$work/learn/checkpoints/ckpt-40/drafter/$f" || fail "drafter/$f differs from ckpt-40's"
+    [ "$(stat -c %i "$work/learn/drafter/$f")" = "$(stat -c %i "$work/learn/checkpoints/ckpt-40/drafter/$f")" ] ||
+      fail "drafter/$f is not the checkpoint's file (hard link expected on one file system)"
+  done
   # The exported (Hugging Face, bf16) drafter loads back as a warm start and keeps what it learned:
   # its first loss is near the trained level, far below a fresh drafter's.
   # fast_path.json: this rank's record, rewritten at the end with the target steps that ran (the tiny

@@ -726,7 +726,23 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   result.step = step;
   result.drafter_dir = (run_dir / "drafter").string();
   if (rank == 0) {
-    drafter::export_hf(result.drafter_dir, dcfg, backend->weights());
+    // The final drafter: when a complete checkpoint of this very step exists (checkpoint.at_end),
+    // its drafter/ is that export already: hard-link its files (a copy across file systems)
+    // instead of writing the same gigabytes again; otherwise export the weights.
+    const fs::path end_ckpt = ckpt_dir / fmt::format("ckpt-{}", step);
+    if (fs::exists(end_ckpt / "COMMIT") && fs::is_directory(end_ckpt / "drafter")) {
+      const fs::path out = result.drafter_dir;
+      fs::remove_all(out);
+      fs::create_directories(out);
+      for (const auto& e : fs::directory_iterator(end_ckpt / "drafter")) {
+        std::error_code ec;
+        fs::create_hard_link(e.path(), out / e.path().filename(), ec);
+        if (ec) fs::copy_file(e.path(), out / e.path().filename(), fs::copy_options::overwrite_existing);
+      }
+      fsync_tree(out);
+    } else {
+      drafter::export_hf(result.drafter_dir, dcfg, backend->weights());
+    }
     const auto& c = loader.counters();
     spdlog::info("data: {} sequences seen, {} truncated, {} skipped without an anchor, {} epoch(s) done", c.seen,
                  c.truncated, c.skipped_no_anchor, c.epochs);

@@ -79,7 +79,11 @@ __global__ void __launch_bounds__(kThreads, 2) ba_fwd_wg_kernel(const Args a) {
   const int g = lane >> 2, t4 = lane & 3;
   const int i0 = m_start + warp * 16 + g, i1 = i0 + 8;  // packed rows of elements 0/1 and 2/3
   const int j0 = i0 / a.G, j1 = i1 / a.G;
-  const uint64_t desc_q = wgmma::descriptor(sQ, 0, 1024);
+  // Q stays in registers as wgmma A fragments: S = Q Kᵀ reads only K from shared memory.
+  uint32_t qf[KS][4];
+  cp_async_wait<2>();
+  __syncthreads();
+  wgmma::load_a_fragments<KS>(qf, sQ, kBM, 0);
 
   for (int it = 0; it < kp.n_tiles; ++it) {
     const int stage = it & 1;
@@ -90,7 +94,7 @@ __global__ void __launch_bounds__(kThreads, 2) ba_fwd_wg_kernel(const Args a) {
 
     float s[NT][4];
     float(&sf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(s);
-    wgmma::issue_nt<KS>(sf, desc_q, Z::kPanelQ, wgmma::descriptor(sK + stage * Z::kK, 0, 1024), Z::kPanelK);
+    wgmma::issue_nt_rs<KS>(sf, qf, wgmma::descriptor(sK + stage * Z::kK, 0, 1024), Z::kPanelK);
     wgmma::wait<0>();
     wgmma::pin(sf);
     if (kt.valid < kBN || a.sliding) {
@@ -159,7 +163,13 @@ __device__ __forceinline__ void dq_wg_body(const Args& a, int kh, int mt, int b,
   const float lse1 = i1 < a.M ? a.lse[qrow_idx(a, b, kh, i1)] * kLog2e : INFINITY;
   const float dl0 = i0 < a.M ? a.delta[qrow_idx(a, b, kh, i0)] : 0.0f;
   const float dl1 = i1 < a.M ? a.delta[qrow_idx(a, b, kh, i1)] : 0.0f;
-  const uint64_t desc_q = wgmma::descriptor(sQ, 0, 1024), desc_o = wgmma::descriptor(sO, 0, 1024);
+  // Q stays in registers as wgmma A fragments (S reads only K from shared memory); dO is read from
+  // shared memory (in registers too, the backward kernel spilled).
+  uint32_t qf[KS][4];
+  cp_async_wait<2>();
+  __syncthreads();
+  wgmma::load_a_fragments<KS>(qf, sQ, kBM, 0);
+  const uint64_t desc_o = wgmma::descriptor(sO, 0, 1024);
 
   float dq[P][32];
 #pragma unroll
@@ -178,7 +188,7 @@ __device__ __forceinline__ void dq_wg_body(const Args& a, int kh, int mt, int b,
     float(&sf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(s);
     float(&dpf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(dp);
     // Two groups: S, then dP; P is formed while dP is still on the tensor cores.
-    wgmma::issue_nt<KS>(sf, desc_q, Z::kPanelQ, wgmma::descriptor(sK + stage * Z::kK, 0, 1024), Z::kPanelK);
+    wgmma::issue_nt_rs<KS>(sf, qf, wgmma::descriptor(sK + stage * Z::kK, 0, 1024), Z::kPanelK);
     wgmma::issue_nt<KS>(dpf, desc_o, Z::kPanelQ, wgmma::descriptor(sV + stage * Z::kK, 0, 1024), Z::kPanelK);
     wgmma::wait<1>();
     wgmma::pin(sf);

@@ -84,8 +84,10 @@ __device__ __forceinline__ void mma_ss(float (&d)[32], uint64_t desc_a, uint64_t
 }
 
 // d[64x64] += A[64x16] · B[16x64], A from registers (the m16n8k16 A fragment of the warp's 16
-// rows), B MN-major in shared memory (trans-b).
-__device__ __forceinline__ void mma_rs_tb(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+// rows), B in shared memory: MN-major (TRANS_B = 1: V in P·V, K in dS·K) or K-major (TRANS_B = 0:
+// K in S = Q·Kᵀ with Q in registers).
+template <int TRANS_B>
+__device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
@@ -93,13 +95,16 @@ __device__ __forceinline__ void mma_rs_tb(float (&d)[32], const uint32_t (&a)[4]
       "%0, %1, %2, %3, %4, %5, %6, %7, "
       "%8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, "
-      "%24, %25, %26, %27, %28, %29, %30, %31 }, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      "%24, %25, %26, %27, %28, %29, %30, %31 }, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(TRANS_B));
 #endif
+}
+__device__ __forceinline__ void mma_rs_tb(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+  mma_rs<1>(d, a, desc_b);
 }
 
 // acc[64x64] (+)= A[64, 16·KS] · B[64, 16·KS]ᵀ, both K-major panel tiles (a_panel / b_panel: bytes
@@ -112,6 +117,38 @@ __device__ __forceinline__ void mma_nt(float (&acc)[32], uint64_t desc_a, uint32
   for (int ks = 0; ks < KS; ++ks)
     mma_ss(acc, desc_a + (((ks / 4) * a_panel + (ks % 4) * 32) >> 4),
            desc_b + (((ks / 4) * b_panel + (ks % 4) * 32) >> 4), 1);
+}
+
+// The same with A from registers: KS A fragments (load_a_fragments) and B K-major in shared memory.
+template <int KS>
+__device__ __forceinline__ void mma_nt_rs(float (&acc)[32], const uint32_t (&a)[KS][4], uint64_t desc_b,
+                                          uint32_t b_panel) {
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) mma_rs<0>(acc, a[ks], desc_b + (((ks / 4) * b_panel + (ks % 4) * 32) >> 4));
+}
+
+// The A fragments of this warp's 16 rows (of its warpgroup's 64) of a panel tile of `rows` rows,
+// k-steps 0 .. KS-1, by ldmatrix (the tile must be complete and visible to the warp).
+template <int KS>
+__device__ __forceinline__ void load_a_fragments(uint32_t (&f)[KS][4], const unsigned char* tile, int rows,
+                                                 int row0) {
+  const int lane = threadIdx.x & 31;
+  const int row = row0 + ((threadIdx.x >> 5) & 3) * 16 + (lane & 15);
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) ptx::ldmatrix_x4(f[ks], tile + panel_offset(rows, row, 2 * ks + (lane >> 4)));
+}
+
+// acc = A·Bᵀ as one committed wgmma group, A from registers (mma_nt_rs): zeroes acc, fences,
+// issues, commits.
+template <int KS>
+__device__ __forceinline__ void issue_nt_rs(float (&acc)[32], const uint32_t (&a)[KS][4], uint64_t desc_b,
+                                            uint32_t b_panel) {
+#pragma unroll
+  for (int e = 0; e < 32; ++e) acc[e] = 0.0f;
+  pin(acc);
+  fence();
+  mma_nt_rs<KS>(acc, a, desc_b, b_panel);
+  commit();
 }
 
 // acc = A·Bᵀ as one committed wgmma group (mma_nt): zeroes acc, fences, issues, commits. The

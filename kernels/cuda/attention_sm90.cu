@@ -150,14 +150,7 @@ __global__ void __launch_bounds__(256, 1) flash_fwd_wgmma_kernel(const FlashArgs
 #pragma unroll
       for (int kk = 0; kk < NT / 2; ++kk) flash::p_fragment<NT>(s, kk, pa[kk]);
       wgmma::scale_rows<P>(o, alpha0, alpha1);
-      wgmma::pin(o);
-      wgmma::pin(pa);
-      wgmma::fence();
-      wgmma::mma_nn_rs<NT / 2, P>(o, pa, desc_v, BN * 128);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::pin(o);
-      wgmma::pin(pa);
+      wgmma::mma_nn_rs_sync<NT / 2, P>(o, pa, desc_v, BN * 128);
     }
 
     __syncthreads();  // every warpgroup is done with this stage before it is refilled

@@ -121,14 +121,7 @@ __global__ void __launch_bounds__(kThreads, 2) ba_fwd_wg_kernel(const Args a) {
 #pragma unroll
     for (int kk = 0; kk < NT / 2; ++kk) flash::p_fragment<NT>(s, kk, pa[kk]);
     wgmma::scale_rows<P>(o, alpha0, alpha1);
-    wgmma::pin(o);
-    wgmma::pin(pa);
-    wgmma::fence();
-    wgmma::mma_nn_rs<NT / 2, P>(o, pa, wgmma::descriptor(sV + stage * Z::kK, Z::kPanelK, 1024), Z::kPanelK);
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::pin(o);
-    wgmma::pin(pa);
+    wgmma::mma_nn_rs_sync<NT / 2, P>(o, pa, wgmma::descriptor(sV + stage * Z::kK, Z::kPanelK, 1024), Z::kPanelK);
 
     __syncthreads();
     if (it + 2 < kp.n_tiles) load_kv_tile<D, true>(a, kp, b, kh, it + 2, sK, sV, stage, tid);
@@ -221,14 +214,8 @@ __device__ __forceinline__ void dq_wg_body(const Args& a, int kh, int mt, int b,
     uint32_t sa[NT / 2][4];
 #pragma unroll
     for (int kk = 0; kk < NT / 2; ++kk) flash::p_fragment<NT>(s, kk, sa[kk]);
-    wgmma::pin(dq);
-    wgmma::pin(sa);
-    wgmma::fence();  // dQ += dS K: the key tile is the MN-major B operand (keys are the k dimension)
-    wgmma::mma_nn_rs<NT / 2, P>(dq, sa, wgmma::descriptor(sK + stage * Z::kK, Z::kPanelK, 1024), Z::kPanelK);
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::pin(dq);
-    wgmma::pin(sa);
+    // dQ += dS K: the key tile is the MN-major B operand (keys are the k dimension).
+    wgmma::mma_nn_rs_sync<NT / 2, P>(dq, sa, wgmma::descriptor(sK + stage * Z::kK, Z::kPanelK, 1024), Z::kPanelK);
 
     __syncthreads();
     if (it + 2 < kp.n_tiles) load_kv_tile<D, true>(a, kp, b, kh, it + 2, sK, sV, stage, tid);

@@ -691,17 +691,10 @@ void gated_rms_norm(const void* core, const void* z, int64_t ldz, const void* w,
   const auto st = static_cast<cudaStream_t>(s);
   if (vec && dv <= 256 && N * Hv < (int64_t(1) << 31) - (int64_t(1) << 20)) {  // int row index + a block
     const int rows = static_cast<int>(N * Hv);
-    const int units = static_cast<int>(dv / 8);
-    int G = 1;
-    while (G < units) G *= 2;
+    const int G = pow2_at_least(static_cast<int>(dv / 8));
     auto launch = [&](auto kernel) {
-      // Persistent grid: as many blocks as fit on the GPU at once, fewer when there are not
-      // enough rows.
-      int64_t blocks = tuning::gated_norm_blocks;
-      if (blocks <= 0)
-        blocks = resident_blocks(reinterpret_cast<const void*>(kernel), kThreads, 0, kGatedMaxBlocksPerSm);
-      const int64_t needed = (rows + kThreads / G - 1) / (kThreads / G);
-      const auto grid = static_cast<unsigned>(std::min(needed, blocks));
+      const unsigned grid = persistent_grid(reinterpret_cast<const void*>(kernel), kThreads, kGatedMaxBlocksPerSm,
+                                            tuning::gated_norm_blocks, rows, kThreads / G);
       kernel<<<grid, kThreads, 0, st>>>(op, rows, eps);
     };
     switch (G) {

@@ -430,16 +430,10 @@ void gdn_prep(const GdnPrepParams& p, Stream s) {
   auto stream = static_cast<cudaStream_t>(s);
   const bool vec = p.dk % 8 == 0 && p.ld_conv % 8 == 0 && aligned16(p.conv) && aligned16(p.q) && aligned16(p.k);
   if (vec && p.dk <= 256 && rows < (1ll << 31) - (1ll << 20)) {
-    const int units = static_cast<int>(p.dk / 8);
-    int G = 1;
-    while (G < units) G *= 2;
+    const int G = pow2_at_least(static_cast<int>(p.dk / 8));
     auto launch = [&](auto kernel) {
-      // Persistent grid: as many blocks as fit at once, fewer when there are not enough rows.
-      int64_t blocks = tuning::prep_blocks;
-      if (blocks <= 0)
-        blocks = resident_blocks(reinterpret_cast<const void*>(kernel), kPrepThreads, 0, kPrepMaxBlocksPerSm);
-      const int64_t needed = (rows + kPrepThreads / G - 1) / (kPrepThreads / G);
-      const auto grid = static_cast<unsigned>(std::min(needed, blocks));
+      const unsigned grid = persistent_grid(reinterpret_cast<const void*>(kernel), kPrepThreads, kPrepMaxBlocksPerSm,
+                                            tuning::prep_blocks, rows, kPrepThreads / G);
       kernel<<<grid, kPrepThreads, 0, stream>>>(p);
     };
     switch (G) {

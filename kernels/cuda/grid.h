@@ -1,5 +1,5 @@
 #pragma once
-// Grid sizing shared by the persistent-grid kernels (elementwise.cu, gdn_conv.cu).
+// Grid sizing shared by the persistent-grid kernels (elementwise.cu, gdn_conv.cu): host code.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -19,6 +19,22 @@ inline int64_t resident_blocks(const void* kernel, int threads, size_t smem, int
   DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
   if (max_per_sm > 0) per_sm = std::min(per_sm, max_per_sm);
   return static_cast<int64_t>(sms) * std::max(per_sm, 1);
+}
+
+// The grid of a persistent kernel over `work` items, `per_block` per block and pass: `blocks` when
+// > 0 (a tuning knob), else every block that is resident at once (resident_blocks, no dynamic shared
+// memory), and never more than the work needs.
+inline unsigned persistent_grid(const void* kernel, int threads, int max_per_sm, int64_t blocks, int64_t work,
+                                int64_t per_block) {
+  if (blocks <= 0) blocks = resident_blocks(kernel, threads, 0, max_per_sm);
+  return static_cast<unsigned>(std::min((work + per_block - 1) / per_block, blocks));
+}
+
+// The smallest power of two >= n (n >= 1): lanes per row of the row kernels.
+inline int pow2_at_least(int n) {
+  int p = 1;
+  while (p < n) p *= 2;
+  return p;
 }
 
 }  // namespace dflash::cuda

@@ -189,6 +189,21 @@ __device__ __forceinline__ void scale_rows(float (&acc)[P][32], float s0, float 
     }
 }
 
+// acc += A·B (mma_nn_rs) run to completion: the operand registers pinned around it, fence, issue,
+// commit, wait for every group of the warpgroup.
+template <int KK, int P>
+__device__ __forceinline__ void mma_nn_rs_sync(float (&acc)[P][32], uint32_t (&a)[KK][4], uint64_t desc_b,
+                                               uint32_t b_panel) {
+  pin(acc);
+  pin(a);
+  fence();
+  mma_nn_rs<KK, P>(acc, a, desc_b, b_panel);
+  commit();
+  wait<0>();
+  pin(acc);
+  pin(a);
+}
+
 // Writes this thread's accumulator elements of acc[P][64x64] (rows r0 and r0 + 8 of a panel tile
 // of `rows` rows, r0 = the warp's first row + lane / 4) as bf16, times s0 / s1 per row.
 template <int P>

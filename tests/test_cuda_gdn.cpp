@@ -69,6 +69,23 @@ const int32_t* i32(const Tensor& t) { return static_cast<const int32_t*>(t.raw_d
 // Element pointer `off` elements into a bf16 tensor.
 void* at_bf16(const Tensor& t, int64_t off) { return static_cast<uint16_t*>(t.raw_data()) + off; }
 
+// A conv over N tokens of C channels (row stride ldx) of num_seqs sequences, kernel size K; the
+// caller sets p.y.
+cuda::ConvParams conv_params(const void* x, int64_t ldx, const Tensor& w, const Tensor& cu, int64_t num_seqs,
+                             int64_t N, int64_t C, int64_t K, bool silu = true) {
+  cuda::ConvParams p;
+  p.x = x;
+  p.ldx = ldx;
+  p.w = w.raw_data();
+  p.cu_seqlens = i32(cu);
+  p.num_seqs = num_seqs;
+  p.N = N;
+  p.C = C;
+  p.K = K;
+  p.silu = silu;
+  return p;
+}
+
 std::string lens_str(const std::vector<int64_t>& lens) {
   std::string s = "{";
   for (size_t i = 0; i < lens.size(); ++i) {
@@ -115,16 +132,7 @@ TEST(CudaGdn, CausalConvFastAndFallbackMatchCpu) {
         for (bool silu : {true, false}) {
           Tensor ref = cpu_out({N, C});
           ops::causal_conv1d(xc, w, seqs, silu, ref);
-          cuda::ConvParams p;
-          p.x = xd.raw_data();
-          p.ldx = ldx;
-          p.w = wd.raw_data();
-          p.cu_seqlens = i32(cu);
-          p.num_seqs = seqs.num_sequences();
-          p.N = N;
-          p.C = C;
-          p.K = K;
-          p.silu = silu;
+          cuda::ConvParams p = conv_params(xd.raw_data(), ldx, wd, cu, seqs.num_sequences(), N, C, K, silu);
           Tensor yfb = gpu_out({N, C}, DType::BF16);
           p.y = yfb.raw_data();
           cuda::causal_conv1d_fallback(p, stream0());
@@ -168,15 +176,7 @@ TEST(CudaGdn, CausalConvLongRuns) {
     const Tensor wd = to_gpu_bf16(w);
     Tensor ref = cpu_out({N, C});
     ops::causal_conv1d(xw.slice(1, 0, C).contiguous(), w, seqs, true, ref);
-    cuda::ConvParams p;
-    p.x = xd.raw_data();
-    p.ldx = ldx;
-    p.w = wd.raw_data();
-    p.cu_seqlens = i32(cu);
-    p.num_seqs = seqs.num_sequences();
-    p.N = N;
-    p.C = C;
-    p.K = K;
+    cuda::ConvParams p = conv_params(xd.raw_data(), ldx, wd, cu, seqs.num_sequences(), N, C, K);
     Tensor yfb = gpu_out({N, C}, DType::BF16);
     p.y = yfb.raw_data();
     cuda::causal_conv1d_fallback(p, stream0());
@@ -207,15 +207,7 @@ TEST(CudaGdn, CausalConvOffsetsAndOddShapes) {
     const Tensor wd = to_gpu_bf16(w);
     Tensor ref = cpu_out({N, C});
     ops::causal_conv1d(xw.slice(1, col0, col0 + C).contiguous(), w, seqs, true, ref);
-    cuda::ConvParams p;
-    p.x = at_bf16(xd, col0);
-    p.ldx = ldx;
-    p.w = wd.raw_data();
-    p.cu_seqlens = i32(cu);
-    p.num_seqs = seqs.num_sequences();
-    p.N = N;
-    p.C = C;
-    p.K = K;
+    cuda::ConvParams p = conv_params(at_bf16(xd, col0), ldx, wd, cu, seqs.num_sequences(), N, C, K);
     Tensor yfb = gpu_out({N, C}, DType::BF16);
     p.y = yfb.raw_data();
     cuda::causal_conv1d_fallback(p, stream0());
@@ -238,16 +230,8 @@ TEST(CudaGdn, CausalConvRejectsBadSizes) {
   Tensor w = Tensor::empty({64, 5}, DType::BF16, Device::cuda(0));
   Tensor y = Tensor::empty({4, 64}, DType::BF16, Device::cuda(0));
   const Tensor cu = cu_seqlens_gpu(offsets_of({4}));
-  cuda::ConvParams p;
-  p.x = x.raw_data();
-  p.ldx = 64;
-  p.w = w.raw_data();
+  cuda::ConvParams p = conv_params(x.raw_data(), 64, w, cu, 1, 4, 64, 4);
   p.y = y.raw_data();
-  p.cu_seqlens = i32(cu);
-  p.num_seqs = 1;
-  p.N = 4;
-  p.C = 64;
-  p.K = 4;
   EXPECT_NO_THROW(cuda::causal_conv1d_fast(p, stream0()));
   auto fast_throws = [&](auto mutate) {
     cuda::ConvParams q = p;
@@ -536,16 +520,8 @@ TEST(CudaGdn, TimingsPrintOnly) {
   Tensor w = Tensor::empty({C, K}, DType::BF16, Device::cuda(0));
   cuda::fill_normal(w, {2024, g_stream++, 0}, 0.0f, 0.5f);
   Tensor y = Tensor::empty({N, C}, DType::BF16, Device::cuda(0));
-  cuda::ConvParams p;
-  p.x = xin.raw_data();
-  p.ldx = ld_in;
-  p.w = w.raw_data();
+  cuda::ConvParams p = conv_params(xin.raw_data(), ld_in, w, cu, 1, N, C, K);
   p.y = y.raw_data();
-  p.cu_seqlens = i32(cu);
-  p.num_seqs = 1;
-  p.N = N;
-  p.C = C;
-  p.K = K;
   const double bytes = 2.0 * N * C * 2;
   std::printf("causal_conv1d T=%lld C=%lld K=%lld (roofline %.1f MB, 0.080 ms at 4.2 TB/s):\n",
               static_cast<long long>(N), static_cast<long long>(C), static_cast<long long>(K), bytes / 1e6);

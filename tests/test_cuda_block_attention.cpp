@@ -283,6 +283,8 @@ Errors check(const Shape5& shape) {
   bp.dkb = dkb.raw_data();
   bp.dvb = dvb.raw_data();
   Tensor ws = Tensor::empty({std::max<int64_t>(cuda::block_attention_bwd_workspace(a), 1)}, DType::U8, dev);
+  // All-ones bytes are NaN as float and bf16: a dSᵀ tile or δ read before it is written shows.
+  EXPECT_EQ(cudaMemset(ws.raw_data(), 0xFF, static_cast<size_t>(ws.nbytes())), cudaSuccess);
   bp.workspace = ws.raw_data();
   cuda::block_attention_bwd(bp, stream);
   DeviceContext::get(0).synchronize();
@@ -340,8 +342,10 @@ void sweep(int64_t d, bool fallback, cuda::FlashImpl impl = cuda::FlashImpl::Aut
     int64_t Hq, Hkv, B;
   };
   // 4/1 and 32/8 (the 27B drafter), B 16 (M = 64 packed rows), odd B 7 (M 28 / 28: partial tiles),
-  // B 16 with 8 heads per kv head (M = 128: two query tiles) and B 80 (two own-block key tiles).
-  std::vector<Heads> heads = {{4, 1, 16}, {32, 8, 16}, {4, 1, 7}, {32, 8, 7}, {8, 1, 16}, {2, 2, 80}};
+  // B 16 with 8 heads per kv head (M = 128: two query tiles), B 80 (two own-block key tiles), and
+  // groups that do not divide 8 (3: M 48; 16: M 80, two query tiles), where a tile's rows change
+  // token and head unevenly.
+  std::vector<Heads> heads = {{4, 1, 16}, {32, 8, 16}, {4, 1, 7}, {32, 8, 7}, {8, 1, 16}, {2, 2, 80}, {6, 2, 16}, {16, 1, 5}};
   for (const Heads& h : heads)
     for (int mode = 0; mode < 3; ++mode) {
       Shape5 s = varlen(d, h.Hq, h.Hkv, h.B);

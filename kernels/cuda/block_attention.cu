@@ -807,9 +807,25 @@ void block_attention_fwd(const BlockAttnParams& p, Stream s) {
   DFLASH_CUDA_CHECK_LAST();
 }
 
-int64_t block_attention_bwd_workspace(const BlockAttnParams& p) {
+namespace {
+
+// δ [R, Hq] floats; then, where the wgmma backward may run, its dSᵀ tiles (64 x 64 bf16 per block,
+// kv head, query tile and 64-key tile the block may attend, ds_tiles_per_block).
+int64_t delta_bytes(const BlockAttnParams& p) {
   return (p.nb * p.B * p.Hq * static_cast<int64_t>(sizeof(float)) + 255) / 256 * 256;
 }
+int64_t ds_bytes(const BlockAttnParams& p) {
+  if (p.force_fallback || p.impl == FlashImpl::MmaSync || p.nb == 0) return 0;
+  int dev = 0;
+  DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
+  if (!battn::wgmma_available(p.d, dev)) return 0;
+  const int64_t m_tiles = (p.B * (p.Hq / p.Hkv) + kBM - 1) / kBM;
+  return p.nb * battn::ds_tiles_per_block(p.max_seqlen, p.B) * p.Hkv * m_tiles * kBN * kBM * 2;
+}
+
+}  // namespace
+
+int64_t block_attention_bwd_workspace(const BlockAttnParams& p) { return delta_bytes(p) + ds_bytes(p); }
 
 void block_attention_bwd(const BlockAttnBwdParams& bp, Stream s) {
   const BlockAttnParams& p = bp.fwd;
@@ -843,8 +859,13 @@ void block_attention_bwd(const BlockAttnBwdParams& bp, Stream s) {
                           static_cast<const void*>(bp.dvb)})
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) fast = false;
   if (fast) {
-    if (use_wgmma(p)) launch_bwd_wgmma(a, p.num_seqs, p.max_seqlen, st);
-    else if (p.d == 64) launch_bwd<64>(a, p.num_seqs, p.max_seqlen, st);
+    if (use_wgmma(p)) {
+      DFLASH_CHECK(ds_bytes(p) > 0, "block_attention_bwd: the workspace was sized for another kernel (pass the same "
+                                    "BlockAttnParams to block_attention_bwd_workspace)");
+      a.ds = reinterpret_cast<bf16*>(static_cast<unsigned char*>(bp.workspace) + delta_bytes(p));
+      a.ds_tiles = static_cast<int>(battn::ds_tiles_per_block(p.max_seqlen, p.B));
+      launch_bwd_wgmma(a, p.num_seqs, p.max_seqlen, st);
+    } else if (p.d == 64) launch_bwd<64>(a, p.num_seqs, p.max_seqlen, st);
     else launch_bwd<128>(a, p.num_seqs, p.max_seqlen, st);
     return;
   }

@@ -1,22 +1,18 @@
-// DFlash block attention on Hopper warpgroup MMA (wgmma, sm_90a), head dim 128: the forward and
-// the one-launch deterministic backward of block_attention.cu with the same tiling, tile walk,
-// masks, softmax and CTA roles (block_attention_tile.cuh), and every matrix product on wgmma:
-// a CTA's 4 warps are one warpgroup, its 64-row tiles one m64 operand. Shared tiles use
-// wgmma.cuh's panel layout (128-byte swizzle), filled by cp.async and fenced to the async proxy.
-//   forward  : S = Q Kᵀ (SS), online softmax, O += P V (P from registers, V MN-major);
-//   dQ       : S = Q Kᵀ, dP = dO Vᵀ (SS), dS = P ∘ (dP − δ), dQ += dS K (K MN-major);
-//   dK / dV  : Sᵀ = K Qᵀ, dPᵀ = V dOᵀ (SS), dV += Pᵀ dO, dK += dSᵀ Q (dO, Q MN-major).
+// DFlash block attention on Hopper warpgroup MMA (wgmma, sm_90a), head dim 128, with the tiling,
+// tile walk, masks, softmax and dK/dV CTA roles of block_attention.cu (block_attention_tile.cuh)
+// and every matrix product on wgmma: a CTA's 4 warps are one warpgroup, its 64-row tiles one m64
+// operand. Shared tiles use wgmma.cuh's panel layout (128-byte swizzle), filled by cp.async and
+// fenced to the async proxy.
+//   forward : S = Q Kᵀ (Q from registers), online softmax, O += P V (P from registers, V MN-major);
+//   pass 1  : per key tile (dK/dV CTAs, key-tile-major): Sᵀ = K Qᵀ, dPᵀ = V dOᵀ (SS),
+//             dV += Pᵀ dO, dK += dSᵀ Q (dO, Q MN-major), and each dSᵀ tile (bf16, as dK consumed it)
+//             goes to the workspace by a bulk (TMA engine) store;
+//   pass 2  : per query tile: dQ = scale · Σ dS K over its key tiles in a fixed order (dS by
+//             ldmatrix.trans from the stored dSᵀ tiles, K MN-major): one product per tile instead of
+//             forming S and dP a second time (5 products in the backward, not 7), deterministic.
 // block_attention_fwd / _bwd (block_attention.cu) run these on an sm_90 GPU at d = 128 unless
-// BlockAttnParams::impl asks for mma.sync.
-//
-// Measured (H200, the 27B drafter shape of kernel_bench dattn): fwd 0.81 ms, bwd 3.87 ms, fwd+bwd
-// 25.7% of the dense GEMM ceiling (mma.sync 18.4%); the issue's target is 50%. Next:
-//   - dQ without forming S and dP a second time: the dK/dV roles write their dSᵀ tiles (bf16,
-//     [key tile][query tile] per (block, kv head), ~1.1 GB at that shape) to a workspace, and a dQ
-//     pass, launched after them, sums dS·K over its key tiles in a fixed order (deterministic, so
-//     the trainer's bit-exact resume holds; fp32 atomics would not): the bwd runs 5 products, not 7.
-//   - keeping the tensor cores fed: more than one warpgroup per CTA (ping-pong), the next item's
-//     Sᵀ / dPᵀ issued before this item's dS work, splitting the longest context dK/dV CTAs.
+// BlockAttnParams::impl asks for mma.sync. The dSᵀ workspace is 8 KiB per (block, kv head, query
+// tile, 64-key tile the block may attend): about 2.2 GB at the 27B drafter shape of kernel_bench.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -38,10 +34,11 @@ template <int D>
 struct WgSizes {
   static constexpr int kQ = kBM * D * 2, kK = kBN * D * 2;  // one query-row / key tile, bytes
   static constexpr uint32_t kPanelQ = kBM * 128, kPanelK = kBN * 128;  // panel strides
+  static constexpr int kS = kBN * kBM * 2;                              // one dSᵀ tile, bytes
+  static constexpr int kDqStages = 3;
   static constexpr size_t kFwd = size_t(kQ) + 4 * kK + 1024;            // + alignment slack
-  static constexpr size_t kDq = 2 * size_t(kQ) + 4 * kK + 1024;
-  static constexpr size_t kDkv = 2 * size_t(kK) + 4 * kQ + 4 * kBM * sizeof(float) + 1024;
-  static constexpr size_t kBwd = kDq > kDkv ? kDq : kDkv;
+  static constexpr size_t kDkv = 2 * size_t(kK) + 4 * kQ + kS + 4 * kBM * sizeof(float) + 1024;
+  static constexpr size_t kDq = kDqStages * size_t(kS + kK) + 1024;
 };
 
 // Writes the CTA's staged 64 rows (panel tile) out, this warp's 16: row r goes to dst(r) when
@@ -140,98 +137,25 @@ __global__ void __launch_bounds__(kThreads, 2) ba_fwd_wg_kernel(const Args a) {
 #endif
 }
 
-// ---- backward: dQ (query-major) ---------------------------------------------------------------------
-template <int D>
-__device__ __forceinline__ void dq_wg_body(const Args& a, int kh, int mt, int b, unsigned char* smem) {
-  using Z = WgSizes<D>;
-  constexpr int P = D / 64, KS = D / 16, NT = kBN / 8;
-  const int m_start = mt * kBM;
-  unsigned char* sQ = smem;
-  unsigned char* sO = sQ + Z::kQ;      // dO tile
-  unsigned char* sK = sO + Z::kQ;      // [2] key tiles
-  unsigned char* sV = sK + 2 * Z::kK;  // [2] value tiles
-
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const KeyPlan kp = key_plan(a, b, m_start);
-  load_q_tile<D, true>(sQ, a.q, a, b, kh, m_start, tid);
-  load_q_tile<D, true>(sO, a.dout, a, b, kh, m_start, tid);
-  start_kv<D, true>(a, kp, b, kh, sK, sV, tid);
-
-  const int g = lane >> 2, t4 = lane & 3;
-  const int i0 = m_start + warp * 16 + g, i1 = i0 + 8;
-  const int j0 = i0 / a.G, j1 = i1 / a.G;
-  // Rows past M: lse2 = +inf gives p = 0.
-  const float lse0 = i0 < a.M ? a.lse[qrow_idx(a, b, kh, i0)] * kLog2e : INFINITY;
-  const float lse1 = i1 < a.M ? a.lse[qrow_idx(a, b, kh, i1)] * kLog2e : INFINITY;
-  const float dl0 = i0 < a.M ? a.delta[qrow_idx(a, b, kh, i0)] : 0.0f;
-  const float dl1 = i1 < a.M ? a.delta[qrow_idx(a, b, kh, i1)] : 0.0f;
-  // Q stays in registers as wgmma A fragments (S reads only K from shared memory); dO is read from
-  // shared memory (in registers too, the backward kernel spilled).
-  uint32_t qf[KS][4];
-  cp_async_wait<2>();
-  __syncthreads();
-  wgmma::load_a_fragments<KS>(qf, sQ, kBM, 0);
-  const uint64_t desc_o = wgmma::descriptor(sO, 0, 1024);
-
-  float dq[P][32];
-#pragma unroll
-  for (int p = 0; p < P; ++p)
-#pragma unroll
-    for (int e = 0; e < 32; ++e) dq[p][e] = 0.0f;
-
-  for (int it = 0; it < kp.n_tiles; ++it) {
-    const int stage = it & 1;
-    const KeyTile kt = key_tile<D>(a, kp, b, kh, it);
-    cp_async_wait<1>();
-    wgmma::fence_async_smem();
-    __syncthreads();
-
-    float s[NT][4], dp[NT][4];
-    float(&sf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(s);
-    float(&dpf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(dp);
-    // Two groups: S, then dP; P is formed while dP is still on the tensor cores.
-    wgmma::issue_nt_rs<KS>(sf, qf, wgmma::descriptor(sK + stage * Z::kK, 0, 1024), Z::kPanelK);
-    wgmma::issue_nt<KS>(dpf, desc_o, Z::kPanelQ, wgmma::descriptor(sV + stage * Z::kK, 0, 1024), Z::kPanelK);
-    wgmma::wait<1>();
-    wgmma::pin(sf);
-    const bool need_mask = kt.valid < kBN || a.sliding;
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = i * 8 + 2 * t4 + (e & 1);
-        const bool hi = e >> 1;
-        float p = fast_exp2(fmaf(s[i][e], a.scale_log2, -(hi ? lse1 : lse0)));
-        if (need_mask && (c >= kt.valid || !allowed(a, kt.ctx, kp.anc, hi ? j1 : j0, kt.key0 + c))) p = 0.0f;
-        s[i][e] = p;
-      }
-    wgmma::wait<0>();
-    wgmma::pin(dpf);
-#pragma unroll
-    for (int i = 0; i < NT; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[i][e] *= dp[i][e] - ((e >> 1) ? dl1 : dl0);  // dS (scale applied at the end)
-    uint32_t sa[NT / 2][4];
-#pragma unroll
-    for (int kk = 0; kk < NT / 2; ++kk) flash::p_fragment<NT>(s, kk, sa[kk]);
-    // dQ += dS K: the key tile is the MN-major B operand (keys are the k dimension).
-    wgmma::mma_nn_rs_sync<NT / 2, P>(dq, sa, wgmma::descriptor(sK + stage * Z::kK, Z::kPanelK, 1024), Z::kPanelK);
-
-    __syncthreads();
-    if (it + 2 < kp.n_tiles) load_kv_tile<D, true>(a, kp, b, kh, it + 2, sK, sV, stage, tid);
-    ptx::cp_async_commit();
-  }
-
-  wgmma::store_rows<P>(sQ, kBM, warp * 16 + g, dq, a.scale, a.scale);
-  __syncwarp();
-  write_rows<D>(sQ, a.M - m_start, [&](int r) { return a.dq + qrow_off(a, b, kh, m_start + r, D); });
+// ---- backward, pass 1: dK, dV and the dSᵀ tiles (key-tile-major) ---------------------------------------
+// The aligned 64-key context tiles [t_lo, t_lo + n) of a block with anchor anc, in the tiling of the
+// dK/dV CTAs (dkv_items): those before the anchor, on sliding layers from the tile holding its first
+// query's window start on. n is returned.
+__device__ __forceinline__ int ds_ctx_tiles(const Args& a, int anc, int& t_lo) {
+  t_lo = a.sliding ? max(0, anc - (a.window - 1)) / kBN : 0;
+  return (anc + kBN - 1) / kBN - t_lo;
+}
+// dSᵀ tile t of (block b, kv head kh, query tile mt): [64 keys][64 packed query rows] bf16 as the
+// bytes of a one-panel shared tile (swizzled), so a linear copy back gives the wgmma layout again.
+__device__ __forceinline__ bf16* ds_tile(const Args& a, int b, int t, int kh, int mt) {
+  const int m_tiles = (a.M + kBM - 1) / kBM;
+  return a.ds + (((int64_t(b) * a.ds_tiles + t) * a.Hkv + kh) * m_tiles + mt) * (kBN * kBM);
 }
 
-// ---- backward: dK, dV (key-tile-major) ---------------------------------------------------------------
 template <int D, bool CTX>
 __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile, int z, unsigned char* smem) {
   using Z = WgSizes<D>;
-  constexpr int P = D / 64, KS = D / 16, NT = kBM / 8;
+  constexpr int P = D / 64, KS = D / 16, NT = kBM / 8, CH = D / 8;
   DkvItems di;
   if (!dkv_items<CTX>(a, key_tile, z, di)) return;
 
@@ -239,8 +163,9 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
   unsigned char* sV = sK + Z::kK;
   unsigned char* sQ = sV + Z::kK;      // [2] query-row tiles
   unsigned char* sO = sQ + 2 * Z::kQ;  // [2] dO tiles
-  float* sL = reinterpret_cast<float*>(sO + 2 * Z::kQ);  // [2][kBM] lse
-  float* sD = sL + 2 * kBM;                               // [2][kBM] δ
+  unsigned char* sS = sO + 2 * Z::kQ;  // the dSᵀ tile on its way to the workspace (bulk store)
+  float* sL = reinterpret_cast<float*>(sS + Z::kS);  // [2][kBM] lse
+  float* sD = sL + 2 * kBM;                           // [2][kBM] δ
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t ldkv = int64_t(a.Hkv) * D;
@@ -248,14 +173,28 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
   load_k_tile<D, true>(sK, (CTX ? a.kc : a.kb) + koff, ldkv, di.valid, tid);
   load_k_tile<D, true>(sV, (CTX ? a.vc : a.vb) + koff, ldkv, di.valid, tid);
   ptx::cp_async_commit();
+  // Query-side tiles: thread tid copies chunk cq of packed rows r0 + 8·step (step < 8) of Q and dO
+  // (the same offsets); the row's (token, head) advances by (8 / G, 8 % G) per step, so one
+  // division per item.
+  const int r0 = tid / CH, cq = tid % CH, g8 = 8 / a.G, h8 = 8 % a.G;
   auto load_item = [&](int item, int stage) {
     const int b = di.b_first + item / di.m_tiles, m_start = (item % di.m_tiles) * kBM;
-    load_q_tile<D, true>(sQ + stage * Z::kQ, a.q, a, b, kh, m_start, tid);
-    load_q_tile<D, true>(sO + stage * Z::kQ, a.dout, a, b, kh, m_start, tid);
-    if (tid < kBM) {
-      const int i = m_start + tid;
+    int i = m_start + r0, j = i / a.G, hh = i - j * a.G;
+    const int64_t base = (int64_t(b) * a.B * a.Hq + int64_t(kh) * a.G) * D + cq * 8;
+#pragma unroll
+    for (int step = 0; step < kBM * CH / kThreads; ++step) {
       const bool ok = i < a.M;
-      const int64_t idx = ok ? qrow_idx(a, b, kh, i) : 0;
+      const int64_t off = ok ? base + int64_t(j * a.Hq + hh) * D : 0;
+      const int so = tile_off<D, kBM, true>(r0 + 8 * step, cq);
+      cp_async_16(sQ + stage * Z::kQ + so, a.q + off, ok ? 16 : 0);
+      cp_async_16(sO + stage * Z::kQ + so, a.dout + off, ok ? 16 : 0);
+      i += 8, j += g8, hh += h8;
+      if (hh >= a.G) hh -= a.G, ++j;
+    }
+    if (tid < kBM) {
+      const int r = m_start + tid;
+      const bool ok = r < a.M;
+      const int64_t idx = ok ? qrow_idx(a, b, kh, r) : 0;
       cp_async_4(sL + stage * kBM + tid, a.lse + idx, ok ? 4 : 0);  // zero rows contribute 0 (q = dO = 0)
       cp_async_4(sD + stage * kBM + tid, a.delta + idx, ok ? 4 : 0);
     }
@@ -276,7 +215,7 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
 
   for (int item = 0; item < di.n_items; ++item) {
     const int stage = item & 1;
-    const int b = di.b_first + item / di.m_tiles, m_start = (item % di.m_tiles) * kBM;
+    const int b = di.b_first + item / di.m_tiles, mt = item % di.m_tiles, m_start = mt * kBM;
     const int anc = CTX ? a.anchor[b] : di.anc_fixed;
     unsigned char* tQ = sQ + stage * Z::kQ;
     unsigned char* tO = sO + stage * Z::kQ;
@@ -300,12 +239,14 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
     // anchor; padded key rows (>= valid) are never written, so left unmasked.
     const bool need_mask = a.sliding || (CTX && di.key0 + di.valid > anc);
 #pragma unroll
-    for (int i = 0; i < NT; ++i)
+    for (int i = 0; i < NT; ++i) {
+      const float2 l = *reinterpret_cast<const float2*>(tL + i * 8 + 2 * t4);  // this thread's two query columns
+      const float nl[2] = {-l.x * kLog2e, -l.y * kLog2e};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int c = i * 8 + 2 * t4 + (e & 1);  // query column within the tile
-        float p = fast_exp2(fmaf(st[i][e], a.scale_log2, -tL[c] * kLog2e));
+        float p = fast_exp2(fmaf(st[i][e], a.scale_log2, nl[e & 1]));
         if (need_mask) {
+          const int c = i * 8 + 2 * t4 + (e & 1);  // query column within the tile
           const int key = di.key0 + kr0 + (e >> 1) * 8;
           const int j = (m_start + c) / a.G;
           bool ok = CTX ? key < anc : true;
@@ -314,6 +255,7 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
         }
         st[i][e] = p;
       }
+    }
     // dV += Pᵀ dO and dK += dSᵀ Q: query rows are the k dimension (dO, Q as MN-major B).
     uint32_t pa[NT / 2][4], sa[NT / 2][4];
 #pragma unroll
@@ -326,9 +268,11 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
     wgmma::wait<1>();  // dPᵀ done (dV may still run)
     wgmma::pin(dptf);
 #pragma unroll
-    for (int i = 0; i < NT; ++i)
+    for (int i = 0; i < NT; ++i) {
+      const float2 dl = *reinterpret_cast<const float2*>(tD + i * 8 + 2 * t4);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dpt[i][e] = st[i][e] * (dpt[i][e] - tD[i * 8 + 2 * t4 + (e & 1)]);  // dSᵀ
+      for (int e = 0; e < 4; ++e) dpt[i][e] = st[i][e] * (dpt[i][e] - ((e & 1) ? dl.y : dl.x));  // dSᵀ
+    }
 #pragma unroll
     for (int kk = 0; kk < NT / 2; ++kk) flash::p_fragment<NT>(dpt, kk, sa[kk]);
     wgmma::pin(dk);
@@ -336,6 +280,12 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
     wgmma::fence();
     wgmma::mma_nn_rs<NT / 2, P>(dk, sa, wgmma::descriptor(tQ, Z::kPanelQ, 1024), Z::kPanelQ);
     wgmma::commit();
+    // dSᵀ (the bf16 values dK consumed) to the workspace for the dQ pass: into sS once the previous
+    // item's bulk store has read it, then one thread's bulk store after the barrier below.
+    if (tid == 0) wgmma::bulk_wait_read<0>();
+    __syncthreads();
+    wgmma::store_a_fragments<NT / 2>(sS, sa);
+    wgmma::fence_async_smem();
     wgmma::wait<0>();
     wgmma::pin(dv);
     wgmma::pin(dk);
@@ -343,6 +293,12 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
     wgmma::pin(sa);
 
     __syncthreads();
+    if (tid == 0) {
+      int t_lo;
+      const int nct = ds_ctx_tiles(a, anc, t_lo);
+      wgmma::bulk_store(ds_tile(a, b, CTX ? key_tile - t_lo : nct + key_tile, kh, mt), sS, Z::kS);
+      wgmma::bulk_commit();
+    }
     if (item + 2 < di.n_items) load_item(item + 2, stage);
     ptx::cp_async_commit();
   }
@@ -357,18 +313,83 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
   bf16* gv = (CTX ? a.dvc : a.dvb) + koff;
   write_rows<D>(sK, di.valid, [&](int r) { return gk + r * ldkv; });
   write_rows<D>(sV, di.valid, [&](int r) { return gv + r * ldkv; });
+  if (tid == 0) wgmma::bulk_wait<0>();  // sS stays valid until the last bulk store is done
 }
 
 template <int D>
-__global__ void __launch_bounds__(kThreads, 2)
-    ba_bwd_wg_kernel(const Args a, int num_seqs, int n_ctx_ctas, int n_dq_ctas) {
+__global__ void __launch_bounds__(kThreads, 2) ba_dkv_wg_kernel(const Args a, int num_seqs, int n_ctx_ctas) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = wgmma::align1024(smem_raw);
-  const BwdRole r = bwd_role(a, blockIdx.x, num_seqs, n_ctx_ctas, n_dq_ctas);
+  const BwdRole r = bwd_role(a, blockIdx.x, num_seqs, n_ctx_ctas, 0);
   if (r.kind == BwdRole::CtxKV) dkv_wg_body<D, true>(a, r.kh, r.tile, r.z, smem);
-  else if (r.kind == BwdRole::DQ) dq_wg_body<D>(a, r.kh, r.tile, r.z, smem);
   else dkv_wg_body<D, false>(a, r.kh, r.tile, r.z, smem);
+#endif
+}
+
+// ---- backward, pass 2: dQ = scale · Σ dS K over the block's tiles (query-major) -------------------------
+// One product per tile: the dSᵀ tiles of pass 1 (A operand by ldmatrix.trans) times the key tile
+// (MN-major B), summed in a fixed order, so the result is deterministic.
+template <int D>
+__global__ void __launch_bounds__(kThreads, 3) ba_dq_wg_kernel(const Args a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Z = WgSizes<D>;
+  constexpr int P = D / 64, KK = kBN / 16, ST = Z::kDqStages;
+  const int kh = blockIdx.x % a.Hkv, mt = blockIdx.x / a.Hkv;
+  const int b = a.nb - 1 - blockIdx.y;  // latest anchors (most tiles) first
+  const int m_start = mt * kBM;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* sS = wgmma::align1024(smem_raw);  // [ST] dSᵀ tiles
+  unsigned char* sK = sS + ST * Z::kS;             // [ST] key tiles
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int anc = a.anchor[b];
+  int t_lo;
+  const int nct = ds_ctx_tiles(a, anc, t_lo);
+  const int n_tiles = nct + (a.B + kBN - 1) / kBN;
+  const int64_t ldkv = int64_t(a.Hkv) * D;
+  const int64_t begin = a.cu_seqlens[a.block_seq[b]];
+  auto load = [&](int t, int stage) {
+    const bf16* ds = ds_tile(a, b, t, kh, mt);
+#pragma unroll
+    for (int s = 0; s < Z::kS / 16 / kThreads; ++s) {
+      const int c = s * kThreads + tid;
+      cp_async_16(sS + stage * Z::kS + c * 16, ds + c * 8, 16);
+    }
+    // Key rows past the anchor have dS = 0 (masked in pass 1); rows past `valid` are zero-filled.
+    const bool ctx = t < nct;
+    const int key0 = (ctx ? t_lo + t : t - nct) * kBN;
+    const int valid = min(kBN, (ctx ? anc : a.B) - key0);
+    const bf16* k = ctx ? a.kc + (begin + key0) * ldkv : a.kb + (int64_t(b) * a.B + key0) * ldkv;
+    load_k_tile<D, true>(sK + stage * Z::kK, k + int64_t(kh) * D, ldkv, valid, tid);
+  };
+  load(0, 0);
+  ptx::cp_async_commit();
+  if (n_tiles > 1) load(1, 1);
+  ptx::cp_async_commit();
+
+  float dq[P][32];
+#pragma unroll
+  for (int p = 0; p < P; ++p)
+#pragma unroll
+    for (int e = 0; e < 32; ++e) dq[p][e] = 0.0f;
+  for (int t = 0; t < n_tiles; ++t) {
+    const int stage = t % ST;
+    cp_async_wait<1>();
+    wgmma::fence_async_smem();
+    __syncthreads();  // tile t is in; every warp is past tile t - 1, whose stage the next load reuses
+    if (t + 2 < n_tiles) load(t + 2, (t + 2) % ST);
+    ptx::cp_async_commit();
+    uint32_t sa[KK][4];
+    wgmma::load_a_fragments_trans<KK>(sa, sS + stage * Z::kS);
+    wgmma::mma_nn_rs_sync<KK, P>(dq, sa, wgmma::descriptor(sK + stage * Z::kK, Z::kPanelK, 1024), Z::kPanelK);
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  const int g = lane >> 2;
+  wgmma::store_rows<P>(sK, kBM, warp * 16 + g, dq, a.scale, a.scale);
+  __syncwarp();
+  write_rows<D>(sK, a.M - m_start, [&](int r) { return a.dq + qrow_off(a, b, kh, m_start + r, D); });
 #endif
 }
 
@@ -389,11 +410,16 @@ void launch_fwd_wgmma(const Args& a, cudaStream_t st) {
 }
 
 void launch_bwd_wgmma(const Args& a, int64_t num_seqs, int64_t max_seqlen, cudaStream_t st) {
-  set_smem(ba_bwd_wg_kernel<128>, WgSizes<128>::kBwd);
+  using Z = WgSizes<128>;
+  set_smem(ba_dkv_wg_kernel<128>, Z::kDkv);
   const BwdGrid g = bwd_grid(a, num_seqs, max_seqlen);
-  DFLASH_CHECK(g.n_ctx + g.n_dq + g.n_blk < INT32_MAX, "block_attention_bwd: grid too large");
-  ba_bwd_wg_kernel<128><<<static_cast<unsigned>(g.n_ctx + g.n_dq + g.n_blk), kThreads, WgSizes<128>::kBwd, st>>>(
-      a, static_cast<int>(num_seqs), static_cast<int>(g.n_ctx), static_cast<int>(g.n_dq));
+  DFLASH_CHECK(g.n_ctx + g.n_blk < INT32_MAX, "block_attention_bwd: grid too large");
+  ba_dkv_wg_kernel<128><<<static_cast<unsigned>(g.n_ctx + g.n_blk), kThreads, Z::kDkv, st>>>(
+      a, static_cast<int>(num_seqs), static_cast<int>(g.n_ctx));
+  DFLASH_CUDA_CHECK_LAST();
+  set_smem(ba_dq_wg_kernel<128>, Z::kDq);
+  const dim3 grid(static_cast<unsigned>(a.Hkv * ((a.M + kBM - 1) / kBM)), static_cast<unsigned>(a.nb));
+  ba_dq_wg_kernel<128><<<grid, kThreads, Z::kDq, st>>>(a);
   DFLASH_CUDA_CHECK_LAST();
 }
 

@@ -37,6 +37,8 @@ struct Args {
   bf16* dkb;
   bf16* dvb;
   float* delta;  // [R, Hq] workspace
+  bf16* ds;      // wgmma backward: the dSᵀ tiles (workspace; block_attention_sm90.cu)
+  int ds_tiles;  // dSᵀ tiles per (block, kv head, query tile): ds_tiles_per_block()
   const int32_t* anchor;
   const int32_t* block_seq;
   const int32_t* cu_seqlens;
@@ -281,6 +283,10 @@ inline BwdGrid bwd_grid(const Args& a, int64_t num_seqs, int64_t max_seqlen) {
   return {int64_t(a.Hkv) * ((max_seqlen + kBN - 1) / kBN) * num_seqs, int64_t(a.Hkv) * ((a.M + kBM - 1) / kBM) * a.nb,
           int64_t(a.Hkv) * ((a.B + kBN - 1) / kBN) * a.nb};
 }
+
+// Host: the wgmma backward's dSᵀ tiles per (block, kv head, query tile) — an upper bound on the
+// 64-key tiles a block attends: every context tile of the longest sequence and its own keys'.
+inline int64_t ds_tiles_per_block(int64_t max_seqlen, int64_t B) { return (max_seqlen + kBN - 1) / kBN + (B + kBN - 1) / kBN; }
 
 // block_attention_sm90.cu: the wgmma kernels (d = 128), and whether they can run on `device`.
 bool wgmma_available(int64_t d, int device);

@@ -138,6 +138,51 @@ __device__ __forceinline__ void load_a_fragments(uint32_t (&f)[KS][4], const uns
   for (int ks = 0; ks < KS; ++ks) ptx::ldmatrix_x4(f[ks], tile + panel_offset(rows, row, 2 * ks + (lane >> 4)));
 }
 
+// The A fragments, k-steps 0 .. KK-1, of this warp's 16 rows of A = Tᵀ, where T is a one-panel tile
+// [16·KK rows (A's k), 64 columns (A's rows, the warpgroup's 64)], by ldmatrix.trans: a transposed
+// operand without a transposing copy (the dSᵀ tiles of the block-attention dQ pass).
+template <int KK>
+__device__ __forceinline__ void load_a_fragments_trans(uint32_t (&f)[KK][4], const unsigned char* tile) {
+  const int lane = threadIdx.x & 31, m = lane >> 3;
+  const int chunk = 2 * ((threadIdx.x >> 5) & 3) + (m & 1);
+#pragma unroll
+  for (int kk = 0; kk < KK; ++kk)
+    ptx::ldmatrix_x4_trans(f[kk], tile + panel_offset(16 * KK, 16 * kk + (m >> 1) * 8 + (lane & 7), chunk));
+}
+
+// Writes A fragments (k-steps 0 .. KK-1 of this warp's 16 rows, as p_fragment makes them) into a
+// one-panel tile [64 rows, 16·KK ≤ 64 columns]: the bf16 values the wgmma consumed, as a tile.
+template <int KK>
+__device__ __forceinline__ void store_a_fragments(unsigned char* tile, const uint32_t (&f)[KK][4]) {
+  const int lane = threadIdx.x & 31;
+  const int r0 = ((threadIdx.x >> 5) & 3) * 16 + (lane >> 2), t4 = (lane & 3) * 4;
+#pragma unroll
+  for (int kk = 0; kk < KK; ++kk) {
+    *reinterpret_cast<uint32_t*>(tile + panel_offset(64, r0, 2 * kk) + t4) = f[kk][0];
+    *reinterpret_cast<uint32_t*>(tile + panel_offset(64, r0 + 8, 2 * kk) + t4) = f[kk][1];
+    *reinterpret_cast<uint32_t*>(tile + panel_offset(64, r0, 2 * kk + 1) + t4) = f[kk][2];
+    *reinterpret_cast<uint32_t*>(tile + panel_offset(64, r0 + 8, 2 * kk + 1) + t4) = f[kk][3];
+  }
+}
+
+// Bulk (TMA engine) copy of `bytes` (a multiple of 16) from shared to global memory, one thread
+// issuing; the writers of the shared bytes fence_async_smem() and meet at a barrier first. The
+// waits: .read — the shared source may be overwritten; plain — the global writes are done.
+__device__ __forceinline__ void bulk_store(void* gmem, const void* smem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(gmem), "r"(ptx::smem_addr(smem)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // acc = A·Bᵀ as one committed wgmma group, A from registers (mma_nt_rs): zeroes acc, fences,
 // issues, commits.
 template <int KS>

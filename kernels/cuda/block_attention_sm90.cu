@@ -36,7 +36,7 @@ struct WgSizes {
   static constexpr uint32_t kPanelQ = kBM * 128, kPanelK = kBN * 128;  // panel strides
   static constexpr int kS = kBN * kBM * 2;                              // one dSᵀ tile, bytes
   static constexpr int kDqStages = 3;
-  static constexpr size_t kFwd = size_t(kQ) + 4 * kK + 1024;            // + alignment slack
+  static constexpr size_t kFwd = 4 * size_t(kK) + 1024;                // + alignment slack (Q shares V stage 1)
   static constexpr size_t kDkv = 2 * size_t(kK) + 4 * kQ + kS + 4 * kBM * sizeof(float) + 1024;
   static constexpr size_t kDq = kDqStages * size_t(kS + kK) + 1024;
 };
@@ -57,8 +57,11 @@ __device__ __forceinline__ void write_rows(const unsigned char* tile, int valid,
 }
 
 // ---- forward ------------------------------------------------------------------------------------------
+// Three CTAs per SM (the loop is latency-bound: more warpgroups to interleave): registers <= 168,
+// and the query tile shares the second value stage (Q lives in registers once loaded), so a CTA
+// holds only its two key / value stages.
 template <int D>
-__global__ void __launch_bounds__(kThreads, 2) ba_fwd_wg_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, 3) ba_fwd_wg_kernel(const Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Z = WgSizes<D>;
   constexpr int P = D / 64, KS = D / 16, NT = kBN / 8;
@@ -67,14 +70,17 @@ __global__ void __launch_bounds__(kThreads, 2) ba_fwd_wg_kernel(const Args a) {
   const int m_start = mt * kBM;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* sQ = wgmma::align1024(smem_raw);
-  unsigned char* sK = sQ + Z::kQ;      // [2] key tiles
-  unsigned char* sV = sK + 2 * Z::kK;  // [2] value tiles
+  unsigned char* sK = wgmma::align1024(smem_raw);  // [2] key tiles
+  unsigned char* sV = sK + 2 * Z::kK;               // [2] value tiles
+  unsigned char* sQ = sV + Z::kK;                   // the query tile (and at the end O), in value stage 1
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const KeyPlan kp = key_plan(a, b, m_start);
+  // cp.async groups: Q, key tile 0, then (once Q is in registers) key tile 1, as start_kv makes them.
   load_q_tile<D, true>(sQ, a.q, a, b, kh, m_start, tid);
-  start_kv<D, true>(a, kp, b, kh, sK, sV, tid);
+  ptx::cp_async_commit();
+  load_kv_tile<D, true>(a, kp, b, kh, 0, sK, sV, 0, tid);
+  ptx::cp_async_commit();
 
   float o[P][32];
 #pragma unroll
@@ -87,9 +93,12 @@ __global__ void __launch_bounds__(kThreads, 2) ba_fwd_wg_kernel(const Args a) {
   const int j0 = i0 / a.G, j1 = i1 / a.G;
   // Q stays in registers as wgmma A fragments: S = Q Kᵀ reads only K from shared memory.
   uint32_t qf[KS][4];
-  cp_async_wait<2>();
+  cp_async_wait<1>();
   __syncthreads();
   wgmma::load_a_fragments<KS>(qf, sQ, kBM, 0);
+  __syncthreads();  // every warp holds its Q fragments: value stage 1 may be filled
+  if (kp.n_tiles >= 2) load_kv_tile<D, true>(a, kp, b, kh, 1, sK, sV, 1, tid);
+  ptx::cp_async_commit();
 
   for (int it = 0; it < kp.n_tiles; ++it) {
     const int stage = it & 1;
@@ -131,6 +140,7 @@ __global__ void __launch_bounds__(kThreads, 2) ba_fwd_wg_kernel(const Args a) {
     if (i0 < a.M) a.lse[qrow_idx(a, b, kh, i0)] = (m0 + __log2f(l0)) * kLn2;
     if (i1 < a.M) a.lse[qrow_idx(a, b, kh, i1)] = (m1 + __log2f(l1)) * kLn2;
   }
+  __syncthreads();  // no warp still reads value stage 1
   wgmma::store_rows<P>(sQ, kBM, warp * 16 + g, o, inv0, inv1);
   __syncwarp();
   write_rows<D>(sQ, a.M - m_start, [&](int r) { return a.out + qrow_off(a, b, kh, m_start + r, D); });
@@ -174,35 +184,63 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
   load_k_tile<D, true>(sV, (CTX ? a.vc : a.vb) + koff, ldkv, di.valid, tid);
   ptx::cp_async_commit();
   // Query-side tiles: thread tid copies chunk cq of packed rows r0 + 8·step (step < 8) of Q and dO
-  // (the same offsets); the row's (token, head) advances by (8 / G, 8 % G) per step, so one
-  // division per item.
+  // (the same offsets), row i at token i / G, head i % G of its block. With one query tile per
+  // block and G dividing 8 (the drafters' shapes), a thread's rows sit at the same offsets in every
+  // block, 8 / G tokens apart: one multiply-add per item. Otherwise the (token, head) of the row
+  // advances by (8 / G, 8 % G) per step: one division per item.
   const int r0 = tid / CH, cq = tid % CH, g8 = 8 / a.G, h8 = 8 % a.G;
-  auto load_item = [&](int item, int stage) {
-    const int b = di.b_first + item / di.m_tiles, m_start = (item % di.m_tiles) * kBM;
-    int i = m_start + r0, j = i / a.G, hh = i - j * a.G;
-    const int64_t base = (int64_t(b) * a.B * a.Hq + int64_t(kh) * a.G) * D + cq * 8;
+  const bool fixed_rows = di.m_tiles == 1 && h8 == 0;
+  auto load_item = [&](int b, int mt, int stage) {
+    unsigned char* tq = sQ + stage * Z::kQ;
+    unsigned char* to = sO + stage * Z::kQ;
+    const int64_t block_off = int64_t(b) * a.B * a.Hq;
+    const int lg = __ffs(a.G) - 1;  // fixed_rows: G is a power of two, so shifts, no division
+    if (fixed_rows) {
+      const int64_t off = (block_off + (r0 >> lg) * a.Hq + kh * a.G + (r0 & (a.G - 1))) * D + cq * 8;
+      const int row_step = g8 * a.Hq * D;  // < 2^31: validate() bounds R·Hq·d
 #pragma unroll
-    for (int step = 0; step < kBM * CH / kThreads; ++step) {
-      const bool ok = i < a.M;
-      const int64_t off = ok ? base + int64_t(j * a.Hq + hh) * D : 0;
-      const int so = tile_off<D, kBM, true>(r0 + 8 * step, cq);
-      cp_async_16(sQ + stage * Z::kQ + so, a.q + off, ok ? 16 : 0);
-      cp_async_16(sO + stage * Z::kQ + so, a.dout + off, ok ? 16 : 0);
-      i += 8, j += g8, hh += h8;
-      if (hh >= a.G) hh -= a.G, ++j;
+      for (int step = 0; step < kBM * CH / kThreads; ++step) {
+        const bool ok = r0 + 8 * step < a.M;
+        const int so = tile_off<D, kBM, true>(r0 + 8 * step, cq);
+        const int64_t o = ok ? off + int64_t(step) * row_step : 0;
+        cp_async_16(tq + so, a.q + o, ok ? 16 : 0);
+        cp_async_16(to + so, a.dout + o, ok ? 16 : 0);
+      }
+    } else {
+      int i = mt * kBM + r0, j = i / a.G, hh = i - j * a.G;
+      const int64_t base = (block_off + int64_t(kh) * a.G) * D + cq * 8;
+#pragma unroll
+      for (int step = 0; step < kBM * CH / kThreads; ++step) {
+        const bool ok = i < a.M;
+        const int64_t off = ok ? base + int64_t(j * a.Hq + hh) * D : 0;
+        const int so = tile_off<D, kBM, true>(r0 + 8 * step, cq);
+        cp_async_16(tq + so, a.q + off, ok ? 16 : 0);
+        cp_async_16(to + so, a.dout + off, ok ? 16 : 0);
+        i += 8, j += g8, hh += h8;
+        if (hh >= a.G) hh -= a.G, ++j;
+      }
     }
     if (tid < kBM) {
-      const int r = m_start + tid;
+      const int r = mt * kBM + tid;
       const bool ok = r < a.M;
-      const int64_t idx = ok ? qrow_idx(a, b, kh, r) : 0;
+      const int64_t idx = !ok ? 0 : fixed_rows ? block_off + (r >> lg) * a.Hq + kh * a.G + (r & (a.G - 1))
+                                               : qrow_idx(a, b, kh, r);
       cp_async_4(sL + stage * kBM + tid, a.lse + idx, ok ? 4 : 0);  // zero rows contribute 0 (q = dO = 0)
       cp_async_4(sD + stage * kBM + tid, a.delta + idx, ok ? 4 : 0);
     }
   };
-  if (di.n_items > 0) load_item(0, 0);
-  ptx::cp_async_commit();
-  if (di.n_items > 1) load_item(1, 1);
-  ptx::cp_async_commit();
+  // The (block, query tile) of the item being computed and of the next one to load. Blocks are
+  // walked from the last: every context key tile's CTA starts there at launch, so the CTAs of a kv
+  // head read the same block's Q / dO at about the same time and all but the first find it in L2
+  // (walked from each tile's first block, they drifted apart and read Q / dO from DRAM).
+  int cur_b = di.b_end - 1, cur_mt = 0, next_b = di.b_end - 1, next_mt = 0;
+  auto advance = [&](int& bb, int& mt) {
+    if (++mt == di.m_tiles) mt = 0, --bb;
+  };
+  for (int item = 0; item < 2; ++item) {
+    if (item < di.n_items) load_item(next_b, next_mt, item), advance(next_b, next_mt);
+    ptx::cp_async_commit();
+  }
 
   const int g = lane >> 2, t4 = lane & 3;
   const int kr0 = warp * 16 + g;  // key rows of elements 0/1 (and +8 for 2/3) within the tile
@@ -213,9 +251,21 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
 #pragma unroll
     for (int e = 0; e < 32; ++e) dk[p][e] = dv[p][e] = 0.0f;
 
+  // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ ([64 keys, 64 query rows]) of the item in `stage`, two groups.
+  float st[NT][4], dpt[NT][4];
+  float(&stf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(st);
+  float(&dptf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(dpt);
+  auto issue_sdp = [&](int stage) {
+    wgmma::issue_nt<KS>(stf, desc_k, Z::kPanelK, wgmma::descriptor(sQ + stage * Z::kQ, 0, 1024), Z::kPanelQ);
+    wgmma::issue_nt<KS>(dptf, desc_v, Z::kPanelK, wgmma::descriptor(sO + stage * Z::kQ, 0, 1024), Z::kPanelQ);
+  };
+  // Each warp sends its own 16 rows of a dSᵀ tile (2 KiB of the staging tile) by bulk store, so no
+  // CTA barrier guards the staging tile: lane 0 waits until its previous store has read the rows.
+  const int w_rows = warp * 16 * 128;
   for (int item = 0; item < di.n_items; ++item) {
     const int stage = item & 1;
-    const int b = di.b_first + item / di.m_tiles, mt = item % di.m_tiles, m_start = mt * kBM;
+    const int b = cur_b, mt = cur_mt, m_start = mt * kBM;
+    advance(cur_b, cur_mt);
     const int anc = CTX ? a.anchor[b] : di.anc_fixed;
     unsigned char* tQ = sQ + stage * Z::kQ;
     unsigned char* tO = sO + stage * Z::kQ;
@@ -224,15 +274,9 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
     cp_async_wait<1>();
     wgmma::fence_async_smem();
     __syncthreads();
-
-    // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: [64 keys, 64 query rows].
-    float st[NT][4], dpt[NT][4];
-    float(&stf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(st);
-    float(&dptf)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(dpt);
+    issue_sdp(stage);
     // Groups in flight, oldest first: Sᵀ, dPᵀ; then dV (issued as soon as P is formed, while dPᵀ
     // may still run), then dK once dSᵀ is formed.
-    wgmma::issue_nt<KS>(stf, desc_k, Z::kPanelK, wgmma::descriptor(tQ, 0, 1024), Z::kPanelQ);
-    wgmma::issue_nt<KS>(dptf, desc_v, Z::kPanelK, wgmma::descriptor(tO, 0, 1024), Z::kPanelQ);
     wgmma::wait<1>();
     wgmma::pin(stf);
     // As in block_attention.cu: masked only on sliding layers or where the key tile crosses the
@@ -240,21 +284,23 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
     const bool need_mask = a.sliding || (CTX && di.key0 + di.valid > anc);
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
-      const float2 l = *reinterpret_cast<const float2*>(tL + i * 8 + 2 * t4);  // this thread's two query columns
+      const float2 l = ptx::lds_f2(tL + i * 8 + 2 * t4);  // this thread's two query columns
       const float nl[2] = {-l.x * kLog2e, -l.y * kLog2e};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float p = fast_exp2(fmaf(st[i][e], a.scale_log2, nl[e & 1]));
-        if (need_mask) {
+      for (int e = 0; e < 4; ++e) st[i][e] = fast_exp2(fmaf(st[i][e], a.scale_log2, nl[e & 1]));
+    }
+    if (need_mask) {  // a separate pass: the common unmasked item runs no per-element branch
+#pragma unroll
+      for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
           const int c = i * 8 + 2 * t4 + (e & 1);  // query column within the tile
           const int key = di.key0 + kr0 + (e >> 1) * 8;
           const int j = (m_start + c) / a.G;
           bool ok = CTX ? key < anc : true;
           ok = ok && allowed(a, CTX, anc, j, key);
-          if (!ok) p = 0.0f;
+          if (!ok) st[i][e] = 0.0f;
         }
-        st[i][e] = p;
-      }
     }
     // dV += Pᵀ dO and dK += dSᵀ Q: query rows are the k dimension (dO, Q as MN-major B).
     uint32_t pa[NT / 2][4], sa[NT / 2][4];
@@ -269,37 +315,39 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
     wgmma::pin(dptf);
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
-      const float2 dl = *reinterpret_cast<const float2*>(tD + i * 8 + 2 * t4);
+      const float2 dl = ptx::lds_f2(tD + i * 8 + 2 * t4);
 #pragma unroll
       for (int e = 0; e < 4; ++e) dpt[i][e] = st[i][e] * (dpt[i][e] - ((e & 1) ? dl.y : dl.x));  // dSᵀ
     }
 #pragma unroll
     for (int kk = 0; kk < NT / 2; ++kk) flash::p_fragment<NT>(dpt, kk, sa[kk]);
+    // dSᵀ (the bf16 values dK consumes) to the workspace for the dQ pass, before sa goes to the
+    // tensor cores (an in-flight wgmma's registers must not be read).
+    if (lane == 0) wgmma::bulk_wait_read<0>();
+    __syncwarp();
+    wgmma::store_a_fragments<NT / 2>(sS, sa);
+    wgmma::fence_async_smem();
+    __syncwarp();
+    if (lane == 0) {
+      int t_lo;
+      const int nct = ds_ctx_tiles(a, anc, t_lo);
+      wgmma::bulk_store(reinterpret_cast<unsigned char*>(ds_tile(a, b, CTX ? key_tile - t_lo : nct + key_tile, kh, mt)) +
+                            w_rows, sS + w_rows, 16 * 128);
+      wgmma::bulk_commit();
+    }
     wgmma::pin(dk);
     wgmma::pin(sa);
     wgmma::fence();
     wgmma::mma_nn_rs<NT / 2, P>(dk, sa, wgmma::descriptor(tQ, Z::kPanelQ, 1024), Z::kPanelQ);
     wgmma::commit();
-    // dSᵀ (the bf16 values dK consumed) to the workspace for the dQ pass: into sS once the previous
-    // item's bulk store has read it, then one thread's bulk store after the barrier below.
-    if (tid == 0) wgmma::bulk_wait_read<0>();
-    __syncthreads();
-    wgmma::store_a_fragments<NT / 2>(sS, sa);
-    wgmma::fence_async_smem();
     wgmma::wait<0>();
     wgmma::pin(dv);
     wgmma::pin(dk);
     wgmma::pin(pa);
     wgmma::pin(sa);
 
-    __syncthreads();
-    if (tid == 0) {
-      int t_lo;
-      const int nct = ds_ctx_tiles(a, anc, t_lo);
-      wgmma::bulk_store(ds_tile(a, b, CTX ? key_tile - t_lo : nct + key_tile, kh, mt), sS, Z::kS);
-      wgmma::bulk_commit();
-    }
-    if (item + 2 < di.n_items) load_item(item + 2, stage);
+    __syncthreads();  // every warp is done with this item's stage: reload it
+    if (item + 2 < di.n_items) load_item(next_b, next_mt, stage), advance(next_b, next_mt);
     ptx::cp_async_commit();
   }
   cp_async_wait<0>();
@@ -403,19 +451,21 @@ void set_smem(K kernel, size_t bytes) {
 bool wgmma_available(int64_t d, int device) { return d == 128 && wgmma::sm90a_code_runs_on(device); }
 
 void launch_fwd_wgmma(const Args& a, cudaStream_t st) {
-  set_smem(ba_fwd_wg_kernel<128>, WgSizes<128>::kFwd);
+  auto kernel = ba_fwd_wg_kernel<128>;
+  set_smem(kernel, WgSizes<128>::kFwd);
   const dim3 grid(static_cast<unsigned>(a.Hkv * ((a.M + kBM - 1) / kBM)), static_cast<unsigned>(a.nb));
-  ba_fwd_wg_kernel<128><<<grid, kThreads, WgSizes<128>::kFwd, st>>>(a);
+  kernel<<<grid, kThreads, WgSizes<128>::kFwd, st>>>(a);
   DFLASH_CUDA_CHECK_LAST();
 }
 
 void launch_bwd_wgmma(const Args& a, int64_t num_seqs, int64_t max_seqlen, cudaStream_t st) {
   using Z = WgSizes<128>;
-  set_smem(ba_dkv_wg_kernel<128>, Z::kDkv);
   const BwdGrid g = bwd_grid(a, num_seqs, max_seqlen);
   DFLASH_CHECK(g.n_ctx + g.n_blk < INT32_MAX, "block_attention_bwd: grid too large");
-  ba_dkv_wg_kernel<128><<<static_cast<unsigned>(g.n_ctx + g.n_blk), kThreads, Z::kDkv, st>>>(
-      a, static_cast<int>(num_seqs), static_cast<int>(g.n_ctx));
+  auto kernel = ba_dkv_wg_kernel<128>;
+  set_smem(kernel, Z::kDkv);
+  kernel<<<static_cast<unsigned>(g.n_ctx + g.n_blk), kThreads, Z::kDkv, st>>>(a, static_cast<int>(num_seqs),
+                                                                                static_cast<int>(g.n_ctx));
   DFLASH_CUDA_CHECK_LAST();
   set_smem(ba_dq_wg_kernel<128>, Z::kDq);
   const dim3 grid(static_cast<unsigned>(a.Hkv * ((a.M + kBM - 1) / kBM)), static_cast<unsigned>(a.nb));

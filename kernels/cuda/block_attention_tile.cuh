@@ -93,15 +93,25 @@ __device__ __forceinline__ void load_q_tile(void* s, const bf16* g, const Args& 
 }
 
 // 64 key rows (stride ld elements) into a shared tile; rows >= valid are zero-filled.
+// Thread tid copies chunk tid % CH of rows tid / CH + step · (kThreads / CH): one pointer, advanced.
 template <int D, bool PANELS = false>
 __device__ __forceinline__ void load_k_tile(void* s, const bf16* g, int64_t ld, int valid, int tid) {
-  constexpr int CH = D / 8;
+  constexpr int CH = D / 8, RS = kThreads / CH;
+  static_assert(kThreads % CH == 0, "a thread keeps its chunk column");
+  const int r0 = tid / CH, c = tid % CH;
+  const bf16* src = g + r0 * ld + c * 8;
+  if (valid >= kBN) {  // a full tile (most of them): no per-row test
 #pragma unroll
-  for (int step = 0; step < kBN * CH / kThreads; ++step) {
-    const int idx = step * kThreads + tid;
-    const int r = idx / CH, c = idx % CH;
+    for (int step = 0; step < kBN / RS; ++step, src += RS * ld)
+      cp_async_16(static_cast<char*>(s) + tile_off<D, kBN, PANELS>(r0 + step * RS, c), src, 16);
+    return;
+  }
+#pragma unroll
+  for (int step = 0; step < kBN / RS; ++step) {
+    const int r = r0 + step * RS;
     const bool ok = r < valid;
-    cp_async_16(static_cast<char*>(s) + tile_off<D, kBN, PANELS>(r, c), g + (ok ? r : 0) * ld + c * 8, ok ? 16 : 0);
+    cp_async_16(static_cast<char*>(s) + tile_off<D, kBN, PANELS>(r, c), ok ? src : g, ok ? 16 : 0);
+    src += RS * ld;
   }
 }
 

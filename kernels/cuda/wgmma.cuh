@@ -158,10 +158,10 @@ __device__ __forceinline__ void store_a_fragments(unsigned char* tile, const uin
   const int r0 = ((threadIdx.x >> 5) & 3) * 16 + (lane >> 2), t4 = (lane & 3) * 4;
 #pragma unroll
   for (int kk = 0; kk < KK; ++kk) {
-    *reinterpret_cast<uint32_t*>(tile + panel_offset(64, r0, 2 * kk) + t4) = f[kk][0];
-    *reinterpret_cast<uint32_t*>(tile + panel_offset(64, r0 + 8, 2 * kk) + t4) = f[kk][1];
-    *reinterpret_cast<uint32_t*>(tile + panel_offset(64, r0, 2 * kk + 1) + t4) = f[kk][2];
-    *reinterpret_cast<uint32_t*>(tile + panel_offset(64, r0 + 8, 2 * kk + 1) + t4) = f[kk][3];
+    ptx::sts_u32(tile + panel_offset(64, r0, 2 * kk) + t4, f[kk][0]);
+    ptx::sts_u32(tile + panel_offset(64, r0 + 8, 2 * kk) + t4, f[kk][1]);
+    ptx::sts_u32(tile + panel_offset(64, r0, 2 * kk + 1) + t4, f[kk][2]);
+    ptx::sts_u32(tile + panel_offset(64, r0 + 8, 2 * kk + 1) + t4, f[kk][3]);
   }
 }
 
@@ -220,9 +220,11 @@ __device__ __forceinline__ void mma_nn_rs(float (&acc)[P][32], const uint32_t (&
     for (int p = 0; p < P; ++p) mma_rs_tb(acc[p], a[kk], desc_b + ((p * b_panel + kk * 16 * 128) >> 4));
 }
 
-// Multiplies this thread's accumulator elements of rows r0 / r0 + 8 by s0 / s1 (online softmax).
+// Multiplies this thread's accumulator elements of rows r0 / r0 + 8 by s0 / s1 (online softmax);
+// skipped when every factor of the warp is 1 (no row's running max moved: most key tiles).
 template <int P>
 __device__ __forceinline__ void scale_rows(float (&acc)[P][32], float s0, float s1) {
+  if (__all_sync(0xffffffffu, s0 == 1.0f && s1 == 1.0f)) return;
 #pragma unroll
   for (int p = 0; p < P; ++p)
 #pragma unroll

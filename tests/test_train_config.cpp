@@ -391,7 +391,8 @@ TEST(TrainConfig, ExpandsDataFileGlobs) {
 
 // The GPU memory plan of the Qwen3.6-27B recipe: the drafter state is 18 bytes per parameter (bf16
 // weights, fp32 masters, two moments, gradients), the target's bf16 shard halves with tp=2 apart
-// from the replicated embedding and LM head, and the estimate grows with tokens and blocks.
+// from the replicated embedding and LM head, the estimate grows with tokens and blocks, and it holds
+// the block-attention backward's workspace.
 TEST(MemoryPlan, Qwen27bRecipe) {
   const TrainConfig q = TrainConfig::from_file(kRoot + "/configs/qwen3.6-27b.yaml");
   const target::TargetConfig t = qwen_target();
@@ -400,14 +401,17 @@ TEST(MemoryPlan, Qwen27bRecipe) {
   w.layers.resize(static_cast<size_t>(d.num_hidden_layers));
   int64_t params = 0;
   for (const auto& e : w.entries(d)) params += shape_numel(e.shape);
-  const MemoryPlan one = gpu_memory_plan(target::local_config(t, 1), d, 4096, 512, 2048);
+  const MemoryPlan one = gpu_memory_plan(target::local_config(t, 1), d, 4096, 4096, 512, 2048);
   EXPECT_DOUBLE_EQ(one.drafter_state, 18.0 * static_cast<double>(params));
   EXPECT_DOUBLE_EQ(one.target_weights, 2.0 * static_cast<double>(t.parameter_count()));
-  const MemoryPlan two = gpu_memory_plan(target::local_config(t, 2), d, 4096, 256, 2048);
+  const MemoryPlan two = gpu_memory_plan(target::local_config(t, 2), d, 4096, 4096, 256, 2048);
   const double replicated = 2.0 * 2 * static_cast<double>(t.vocab_size * t.hidden_size);
   EXPECT_NEAR(two.target_weights, (one.target_weights - replicated) / 2 + replicated, 0.01 * one.target_weights);
   EXPECT_LT(two.drafter_activations, one.drafter_activations);
-  EXPECT_GT(gpu_memory_plan(target::local_config(t, 1), d, 8192, 1024, 2048).total(), one.total());
+  EXPECT_GT(gpu_memory_plan(target::local_config(t, 1), d, 8192, 4096, 1024, 2048).total(), one.total());
+  // The attention backward's workspace: 512 blocks x 8 kv heads x 1 query tile x (64 + 1) key tiles
+  // of 8 KiB (the wgmma path's dSᵀ tiles, measured 2 GiB more peak memory on the H200) + δ.
+  EXPECT_DOUBLE_EQ(one.attn_workspace, 512.0 * 8 * 65 * 8192 + 512.0 * 16 * 32 * 4);
   // ~1.7 B drafter parameters; the whole plan fits an H200 (139.8 GiB) with tp=1.
   EXPECT_GT(params, 1'500'000'000);
   EXPECT_LT(one.total(), 139.8 * (1 << 30));

@@ -72,7 +72,8 @@ class CudaBackend final : public TrainBackend {
     {
       const int64_t tokens = cfg.training.batch_size * cfg.data.max_length;
       const int64_t blocks = (cfg.training.batch_size * cfg.training.num_anchors + tps - 1) / tps;
-      const MemoryPlan mp = gpu_memory_plan(local, dcfg_, tokens, blocks, drafter::CudaDrafter::kMinCeChunkRows);
+      const MemoryPlan mp =
+          gpu_memory_plan(local, dcfg_, tokens, cfg.data.max_length, blocks, drafter::CudaDrafter::kMinCeChunkRows);
       size_t free_b = 0, total_b = 0;
       DFLASH_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
       memory_plan_ = mp.table(static_cast<double>(total_b));

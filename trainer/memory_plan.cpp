@@ -20,8 +20,8 @@ double drafter_params(const drafter::DrafterConfig& d) {
 }
 }  // namespace
 
-MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::DrafterConfig& d, int64_t tokens, int64_t blocks,
-                           int64_t ce_chunk_rows) {
+MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::DrafterConfig& d, int64_t tokens,
+                           int64_t max_seqlen, int64_t blocks, int64_t ce_chunk_rows) {
   MemoryPlan p;
   const double N = static_cast<double>(tokens), R = static_cast<double>(blocks * d.block_size);
   p.target_weights = 2.0 * static_cast<double>(t.parameter_count());
@@ -50,6 +50,12 @@ MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::Drafter
   const double V = static_cast<double>(d.vocab_size);
   p.ce_workspace = static_cast<double>(std::min<int64_t>(ce_chunk_rows, std::max<int64_t>(blocks * d.block_size, 1))) *
                    (V + 8) * 6.0;
+  // block_attention_bwd_workspace where the wgmma kernels run (its upper bound elsewhere): δ
+  // [R, Hq] fp32 and a 64 x 64 bf16 dSᵀ tile per block, kv head, 64-row query tile and 64-key tile
+  // (ceil(max_seqlen / 64) context tiles + the block's own).
+  const int64_t m_tiles = (d.block_size * d.num_attention_heads / d.num_key_value_heads + 63) / 64;
+  const int64_t key_tiles = (max_seqlen + 63) / 64 + (d.block_size + 63) / 64;
+  p.attn_workspace = R * Hq * 4 + static_cast<double>(blocks) * Hkv * static_cast<double>(m_tiles * key_tiles) * 8192;
   return p;
 }
 
@@ -59,7 +65,7 @@ std::string MemoryPlan::table(double device_bytes) const {
   };
   std::string s = row("target weights", target_weights) + row("target activations", target_activations) +
                   row("drafter state", drafter_state) + row("drafter activations", drafter_activations) +
-                  row("LM-head CE workspace", ce_workspace);
+                  row("LM-head CE workspace", ce_workspace) + row("attention bwd workspace", attn_workspace);
   s += fmt::format("  {:<24} {:8.2f} GiB", "total (estimate)", total() / kGiB);
   if (device_bytes > 0) s += fmt::format(" of {:.1f} GiB ({:.0f}%)", device_bytes / kGiB, 100.0 * total() / device_bytes);
   return s;

@@ -16,15 +16,17 @@ struct MemoryPlan {
   double drafter_state = 0;        // bf16 weights + fp32 masters, Adam moments and gradients (18 B/param)
   double drafter_activations = 0;  // what forward saves for backward, plus backward's temporaries
   double ce_workspace = 0;         // one chunk of fp32 logits + bf16 logit gradients
+  double attn_workspace = 0;       // block-attention backward: δ and the wgmma path's dSᵀ tiles
   double total() const {
-    return target_weights + target_activations + drafter_state + drafter_activations + ce_workspace;
+    return target_weights + target_activations + drafter_state + drafter_activations + ce_workspace + attn_workspace;
   }
   std::string table(double device_bytes) const;  // one line per item, GiB, and the share of the device
 };
 
 // local_target: this rank's shard (target::local_config); tokens: context rows of a micro-batch
-// (batch_size · max_length); blocks: anchor blocks this rank trains per micro-batch.
+// (batch_size · max_length); max_seqlen: the longest sequence (max_length); blocks: anchor blocks
+// this rank trains per micro-batch.
 MemoryPlan gpu_memory_plan(const target::TargetConfig& local_target, const drafter::DrafterConfig& d, int64_t tokens,
-                           int64_t blocks, int64_t ce_chunk_rows);
+                           int64_t max_seqlen, int64_t blocks, int64_t ce_chunk_rows);
 
 }  // namespace dflash::trainer

@@ -2,7 +2,8 @@
 // Pieces of the DFlash block-attention kernels shared by the mma.sync kernels (block_attention.cu)
 // and the wgmma ones (block_attention_sm90.cu): kernel arguments, the packed query-row indexing,
 // the key-tile plan of a query tile and its mask, the dK/dV item range of a key tile, the tile
-// loaders (either shared layout) and the CTA roles of the one-launch backward. See
+// loaders (either shared layout) and the dK/dV CTA roles of the backward (block_attention.cu runs
+// them with its dQ CTAs in one launch, block_attention_sm90.cu alone as its first pass). See
 // block_attention.cu for the algorithm.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -248,7 +249,7 @@ __device__ __forceinline__ bool dkv_items(const Args& a, int key_tile, int z, Dk
   return true;
 }
 
-// The one-launch backward's CTA roles, in launch order: the uneven context dK/dV CTAs first,
+// The backward's CTA roles, in launch order (the wgmma pass 1 has no dQ CTAs: n_dq_ctas = 0): the uneven context dK/dV CTAs first,
 // heaviest first (key tile outermost), then the many short dQ CTAs (latest anchors first), then
 // the own-block dK/dV CTAs, so they fill the SMs around the long ones.
 struct BwdRole {
@@ -285,7 +286,7 @@ __device__ __forceinline__ BwdRole bwd_role(const Args& a, int idx, int num_seqs
   return r;
 }
 
-// Host: the launch sizes of the one-launch backward.
+// Host: the launch sizes of the backward's roles.
 struct BwdGrid {
   int64_t n_ctx, n_dq, n_blk;
 };

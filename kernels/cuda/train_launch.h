@@ -138,7 +138,10 @@ struct BlockAttnParams {
 void block_attention_fwd(const BlockAttnParams& p, Stream s);
 // Backward from dout [R, Hq, d] bf16: dq [R, Hq, d], dkc / dvc [N, Hkv, d], dkb / dvb [R, Hkv, d],
 // all bf16, all WRITTEN (context rows no query attends get zeros). Deterministic (no float atomics).
-// workspace: block_attention_bwd_workspace(p) bytes of device memory (may be 0).
+// workspace: block_attention_bwd_workspace(p) bytes of device memory (may be 0), computed with the
+// same p (impl, force_fallback, max_seqlen): δ [R, Hq] floats and, where the wgmma kernels run, the
+// dSᵀ tiles of the two-pass backward, 8 KiB per (block, kv head, 64-row query tile, 64-key tile up
+// to ceil(max_seqlen / 64) + ceil(B / 64)) — about 2.2 GB for 512 blocks over 4096 tokens, 8 kv heads.
 struct BlockAttnBwdParams {
   BlockAttnParams fwd;
   const void* dout = nullptr;

@@ -3,11 +3,12 @@
 #   1. the tiny default config on one GPU (parallel.device=cuda): the loss must fall; then
 #      tests/train_test.sh's learn, resume (bit-exact) and, on 2 GPUs, mpi modes on the GPU backend;
 #   2. the Qwen3.6-27B-shaped recipe (random target weights, synthetic 4096-token sequences, 512
-#      anchors, 5-layer drafter) on 1 GPU, and on 2 GPUs with tp=1 (data parallel) and tp=2;
+#      anchors, 5-layer drafter) on 1 GPU, on 2 GPUs with tp=1 (data parallel) and tp=2, and on 8
+#      GPUs with tp=1, 2 and 8 (TRAIN_RUNS=q27_8gpu_.* for issue 8 alone);
 # leaving train.txt (the commands and their last log lines) and train.tgz (logs, metrics.jsonl) in
 # $RESULTS. TRAIN_STEPS (default 40) sets the 27B-shaped runs' length; TRAIN_RUNS (a regex over the
 # run names: tiny_gpu tt_learn tt_resume tt_nonfinite tt_microbatch tt_sigterm tt_mpi q27_refuse_d256 q27_1gpu q27_2gpu_tp1
-# q27_2gpu_tp2 q27_ckpt q27_resume) picks
+# q27_2gpu_tp2 q27_8gpu_tp1 q27_8gpu_tp2 q27_8gpu_tp8 q27_ckpt q27_resume) picks
 # runs; DFLASH_DEADLINE (epoch seconds) stops each run with SIGTERM in time (dflash_train then writes
 # a checkpoint and exits cleanly) so that a device call's time limit never cuts a run's log.
 #   bash scripts/gpu_train.sh RESULTS_DIR   (DFLASH_BUILD = the build directory)
@@ -78,6 +79,12 @@ run q27_1gpu "$T" "${Q27[@]}" --set parallel.tp=1 --set logging.run_dir="$W/q27_
 if [ "${NGPU:-0}" -ge 2 ]; then
   run q27_2gpu_tp1 mpirun -n 2 "$T" "${Q27[@]}" --set parallel.tp=1 --set logging.run_dir="$W/q27_2gpu_tp1"
   run q27_2gpu_tp2 mpirun -n 2 "$T" "${Q27[@]}" --set parallel.tp=2 --set logging.run_dir="$W/q27_2gpu_tp2"
+fi
+# Eight GPUs of one host (kind nvidia-h200-x8, issue 8): data parallel 8, tp=2 (4 groups), tp=8.
+if [ "${NGPU:-0}" -ge 8 ]; then
+  for tp in 1 2 8; do
+    run "q27_8gpu_tp$tp" mpirun -n 8 "$T" "${Q27[@]}" --set parallel.tp=$tp --set logging.run_dir="$W/q27_8gpu_tp$tp"
+  done
 fi
 # Checkpoints of the 27B recipe (drafter export + fp32 masters and moments, ~22 GB): one at step 5
 # written in the background while steps 6.. run, one at the end (step 10); a run of 15 steps resumes

@@ -105,10 +105,7 @@ __global__ void __launch_bounds__(256, 1) flash_fwd_wgmma_kernel(const FlashArgs
   ptx::cp_async_commit();
 
   float o[P][32];
-#pragma unroll
-  for (int p = 0; p < P; ++p)
-#pragma unroll
-    for (int e = 0; e < 32; ++e) o[p][e] = 0.0f;
+  wgmma::zero(o);
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
   const int g = lane >> 2, t = lane & 3;
   const int wg_row0 = m_start + 64 * wg;        // first query row (in the sequence) of this warpgroup

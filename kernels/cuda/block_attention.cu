@@ -126,15 +126,7 @@ __global__ void __launch_bounds__(kThreads, 2) ba_fwd_kernel(const Args a) {
         mma_bf16(s[2 * n2 + 1], qf[ks], kb[2], kb[3]);
       }
     }
-    if (kt.valid < kBN || a.sliding) {
-#pragma unroll
-      for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = i * 8 + 2 * t4 + (e & 1);
-          if (c >= kt.valid || !allowed(a, kt.ctx, kp.anc, (e >> 1) ? j1 : j0, kt.key0 + c)) s[i][e] = -INFINITY;
-        }
-    }
+    mask_scores<NT>(s, a, kt, kp.anc, j0, j1, t4);
 
     flash::softmax_tile_pv<NT, DT, D>(s, o, m0, m1, l0, l1, a.scale_log2, tV, v_row, v_chk);
     __syncthreads();
@@ -859,9 +851,7 @@ void block_attention_bwd(const BlockAttnBwdParams& bp, Stream s) {
                           static_cast<const void*>(bp.dvb)})
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) fast = false;
   if (fast) {
-    if (use_wgmma(p)) {
-      DFLASH_CHECK(ds_bytes(p) > 0, "block_attention_bwd: the workspace was sized for another kernel (pass the same "
-                                    "BlockAttnParams to block_attention_bwd_workspace)");
+    if (use_wgmma(p)) {  // the workspace holds ds_bytes(p) after δ (block_attention_bwd_workspace of the same p)
       a.ds = reinterpret_cast<bf16*>(static_cast<unsigned char*>(bp.workspace) + delta_bytes(p));
       a.ds_tiles = static_cast<int>(battn::ds_tiles_per_block(p.max_seqlen, p.B));
       launch_bwd_wgmma(a, p.num_seqs, p.max_seqlen, st);

@@ -89,10 +89,7 @@ __global__ void __launch_bounds__(kThreads, 3) ba_fwd_wg_kernel(const Args a) {
   ptx::cp_async_commit();
 
   float o[P][32];
-#pragma unroll
-  for (int p = 0; p < P; ++p)
-#pragma unroll
-    for (int e = 0; e < 32; ++e) o[p][e] = 0.0f;
+  wgmma::zero(o);
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
   const int g = lane >> 2, t4 = lane & 3;
   const int i0 = m_start + warp * 16 + g, i1 = i0 + 8;  // packed rows of elements 0/1 and 2/3
@@ -118,15 +115,7 @@ __global__ void __launch_bounds__(kThreads, 3) ba_fwd_wg_kernel(const Args a) {
     wgmma::issue_nt_rs<KS>(sf, qf, wgmma::descriptor(sK + stage * Z::kK, 0, 1024), Z::kPanelK);
     wgmma::wait<0>();
     wgmma::pin(sf);
-    if (kt.valid < kBN || a.sliding) {
-#pragma unroll
-      for (int i = 0; i < NT; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = i * 8 + 2 * t4 + (e & 1);
-          if (c >= kt.valid || !allowed(a, kt.ctx, kp.anc, (e >> 1) ? j1 : j0, kt.key0 + c)) s[i][e] = -INFINITY;
-        }
-    }
+    mask_scores<NT>(s, a, kt, kp.anc, j0, j1, t4);
     float alpha0, alpha1;
     flash::online_softmax<NT>(s, m0, m1, l0, l1, a.scale_log2, alpha0, alpha1);
     uint32_t pa[NT / 2][4];
@@ -252,10 +241,8 @@ __device__ __forceinline__ void dkv_wg_body(const Args& a, int kh, int key_tile,
   const int kr0 = warp * 16 + g;  // key rows of elements 0/1 (and +8 for 2/3) within the tile
   const uint64_t desc_k = wgmma::descriptor(sK, 0, 1024), desc_v = wgmma::descriptor(sV, 0, 1024);
   float dk[P][32], dv[P][32];
-#pragma unroll
-  for (int p = 0; p < P; ++p)
-#pragma unroll
-    for (int e = 0; e < 32; ++e) dk[p][e] = dv[p][e] = 0.0f;
+  wgmma::zero(dk);
+  wgmma::zero(dv);
 
   // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ ([64 keys, 64 query rows]) of the item in `stage`, two groups.
   float st[NT][4], dpt[NT][4];
@@ -423,10 +410,7 @@ __global__ void __launch_bounds__(kThreads, 3) ba_dq_wg_kernel(const Args a) {
   ptx::cp_async_commit();
 
   float dq[P][32];
-#pragma unroll
-  for (int p = 0; p < P; ++p)
-#pragma unroll
-    for (int e = 0; e < 32; ++e) dq[p][e] = 0.0f;
+  wgmma::zero(dq);
   for (int t = 0; t < n_tiles; ++t) {
     const int stage = t % ST;
     cp_async_wait<1>();

@@ -200,6 +200,24 @@ __device__ __forceinline__ bool allowed(const Args& a, bool ctx, int anc, int j,
   return key <= j && key >= j - (a.window - 1);
 }
 
+// The forward's mask of one key tile on a warp's scores s[NT][4] (the m16n8 / wgmma accumulator
+// layout: n-tile i, element e at column 8i + 2·t4 + (e & 1) of rows j0 / j1 for e < 2 / e >= 2):
+// -inf past the tile's valid keys and outside the sliding window. A full tile on a full-attention
+// layer needs none.
+template <int NT>
+__device__ __forceinline__ void mask_scores(float (&s)[NT][4], const Args& a, const KeyTile& kt, int anc, int j0,
+                                            int j1, int t4) {
+  if (kt.valid < kBN || a.sliding) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = i * 8 + 2 * t4 + (e & 1);
+        if (c >= kt.valid || !allowed(a, kt.ctx, anc, (e >> 1) ? j1 : j0, kt.key0 + c)) s[i][e] = -INFINITY;
+      }
+  }
+}
+
 // The query tiles a dK/dV CTA walks: blocks [b_first, b_end) x m_tiles packed-row tiles, for its
 // key tile (`valid` rows from row0 of kc/vc or kb/vb). CTX: key tile `key_tile` of sequence z
 // (context keys: the blocks of the sequence with anchor > the tile's first key, anchors ascending;

@@ -220,6 +220,15 @@ __device__ __forceinline__ void mma_nn_rs(float (&acc)[P][32], const uint32_t (&
     for (int p = 0; p < P; ++p) mma_rs_tb(acc[p], a[kk], desc_b + ((p * b_panel + kk * 16 * 128) >> 4));
 }
 
+// Zeroes an accumulator of P 64-column panels (before its first accumulating product).
+template <int P>
+__device__ __forceinline__ void zero(float (&acc)[P][32]) {
+#pragma unroll
+  for (int p = 0; p < P; ++p)
+#pragma unroll
+    for (int e = 0; e < 32; ++e) acc[p][e] = 0.0f;
+}
+
 // Multiplies this thread's accumulator elements of rows r0 / r0 + 8 by s0 / s1 (online softmax);
 // skipped when every factor of the warp is 1 (no row's running max moved: most key tiles).
 template <int P>

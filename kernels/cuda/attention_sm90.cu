@@ -141,13 +141,7 @@ __global__ void __launch_bounds__(256, 1) flash_fwd_wgmma_kernel(const FlashArgs
             if (key > qpos || key >= seqlen) s[i][e] = -INFINITY;
           }
       }
-      float alpha0, alpha1;
-      flash::online_softmax<NT>(s, m0, m1, l0, l1, a.scale_log2, alpha0, alpha1);
-      uint32_t pa[NT / 2][4];
-#pragma unroll
-      for (int kk = 0; kk < NT / 2; ++kk) flash::p_fragment<NT>(s, kk, pa[kk]);
-      wgmma::scale_rows<P>(o, alpha0, alpha1);
-      wgmma::mma_nn_rs_sync<NT / 2, P>(o, pa, desc_v, BN * 128);
+      wgmma::softmax_pv<NT, P>(s, o, m0, m1, l0, l1, a.scale_log2, desc_v, BN * 128);
     }
 
     __syncthreads();  // every warpgroup is done with this stage before it is refilled

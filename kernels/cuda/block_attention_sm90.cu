@@ -116,13 +116,8 @@ __global__ void __launch_bounds__(kThreads, 3) ba_fwd_wg_kernel(const Args a) {
     wgmma::wait<0>();
     wgmma::pin(sf);
     mask_scores<NT>(s, a, kt, kp.anc, j0, j1, t4);
-    float alpha0, alpha1;
-    flash::online_softmax<NT>(s, m0, m1, l0, l1, a.scale_log2, alpha0, alpha1);
-    uint32_t pa[NT / 2][4];
-#pragma unroll
-    for (int kk = 0; kk < NT / 2; ++kk) flash::p_fragment<NT>(s, kk, pa[kk]);
-    wgmma::scale_rows<P>(o, alpha0, alpha1);
-    wgmma::mma_nn_rs_sync<NT / 2, P>(o, pa, wgmma::descriptor(sV + stage * Z::kK, Z::kPanelK, 1024), Z::kPanelK);
+    wgmma::softmax_pv<NT, P>(s, o, m0, m1, l0, l1, a.scale_log2,
+                             wgmma::descriptor(sV + stage * Z::kK, Z::kPanelK, 1024), Z::kPanelK);
 
     __syncthreads();
     if (it + 2 < kp.n_tiles) load_kv_tile<D, true>(a, kp, b, kh, it + 2, sK, sV, stage, tid);

@@ -10,6 +10,7 @@
 // (rows = K, columns = N: V in O += P·V), so one cp.async loader fills all three.
 #include <cstdint>
 
+#include "kernels/cuda/flash_tile.cuh"
 #include "kernels/cuda/ptx.cuh"
 
 namespace dflash::cuda::wgmma {
@@ -258,6 +259,21 @@ __device__ __forceinline__ void mma_nn_rs_sync(float (&acc)[P][32], uint32_t (&a
   wait<0>();
   pin(acc);
   pin(a);
+}
+
+// One key tile of a flash forward on wgmma, after its masked scores s (the S = Q·Kᵀ accumulator):
+// the online softmax (flash::online_softmax), P as register fragments, the output rows rescaled,
+// then O += P·V run to completion (V an MN-major panel tile: desc_v with LBO = v_panel).
+template <int NT, int P>
+__device__ __forceinline__ void softmax_pv(float (&s)[NT][4], float (&o)[P][32], float& m0, float& m1, float& l0,
+                                           float& l1, float scale_log2, uint64_t desc_v, uint32_t v_panel) {
+  float alpha0, alpha1;
+  flash::online_softmax<NT>(s, m0, m1, l0, l1, scale_log2, alpha0, alpha1);
+  uint32_t pa[NT / 2][4];
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk) flash::p_fragment<NT>(s, kk, pa[kk]);
+  scale_rows<P>(o, alpha0, alpha1);
+  mma_nn_rs_sync<NT / 2, P>(o, pa, desc_v, v_panel);
 }
 
 // Writes this thread's accumulator elements of acc[P][64x64] (rows r0 and r0 + 8 of a panel tile

@@ -83,4 +83,43 @@ struct DeltaRuleParams {
 void gated_delta_rule(const DeltaRuleParams& p, const SeqOffsets& seqs, DeltaRuleAlgo algo, Tensor& out,
                       Tensor* final_state = nullptr);
 
+// ---- decode / verify (speculative decoding) ---------------------------------------------------
+// All of these work on a state pool of P slots: a batch of S sequences, sequence s in slot
+// slots[s] (each < P; distinct when the op updates the pool), bringing T_s >= 0 new tokens packed
+// back to back (seqs: {0, T_0, T_0 + T_1, ..., N}). T = 1 is decode, T = 2..16 verify.
+
+// Causal conv over the new tokens of each sequence, continuing from its state. conv_state
+// [P, K-1, C] holds the last K-1 conv *inputs* of each slot (zeros for a new sequence, which
+// equals zero padding before its start). For seq s the window is [state rows ; T_s new rows] and
+//   y_t[c] = act(sum_j w[c, j] · window[t + j][c]),  act = silu when asked.
+// When update_state, the slot's state becomes the last K-1 rows of the window (also when
+// T_s < K-1); otherwise the pool is left untouched. x, y [N, C]; w [C, K].
+void causal_conv1d_update(const Tensor& x, const Tensor& w, Tensor& conv_state, const std::vector<int32_t>& slots,
+                          const SeqOffsets& seqs, bool silu, bool update_state, Tensor& y);
+
+// The gated delta rule (as gated_delta_rule above; q, k raw, l2norm_qk and scale as there;
+// p.initial_state is ignored) over the new tokens of each sequence, starting from its slot's state
+// in state_pool [P, Hv, dk, dv] f32. update_state: the state after the sequence's last token is
+// written back to its slot; otherwise the pool is read-only (verify: the accepted tokens are run
+// again later with update_state = true, which is the rollback scheme). out [N, Hv, dv], or null /
+// undefined for no output (re-running accepted tokens at commit time).
+void gated_delta_rule_pool(const DeltaRuleParams& p, const SeqOffsets& seqs, Tensor& state_pool,
+                           const std::vector<int32_t>& slots, bool update_state, Tensor* out);
+
+// Writes the new tokens' k / v [N, Hkv, d] into the cache pool k_cache / v_cache [P, L, Hkv, d] at
+// positions past_len[s] .. past_len[s] + T_s - 1 of slot slots[s] (past_len[s] + T_s <= L).
+void kv_cache_append(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
+                     const std::vector<int32_t>& slots, const std::vector<int64_t>& past_len, const SeqOffsets& seqs);
+
+// Attention of the T_s new queries of each sequence over its slot's KV cache, the new tokens'
+// K / V already appended (kv_cache_append). GQA: query head h reads kv head h / (Hq / Hkv).
+// Query t of seq s sits at position p = past_len[s] + t; a key at position kp is attended when
+//   kp < past_len[s] + T_s  and  (causal ? kp <= p : true)  and  (window > 0 ? kp >= p - (window - 1) : true).
+// causal = true is the target; causal = false, window = 0 the drafter's full layer (the block
+// attends itself both ways and all the context); causal = true, window > 0 its sliding layer.
+// q, out [N, Hq, d]; softmax in f32 with the given scale.
+void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const std::vector<int32_t>& slots,
+                      const std::vector<int64_t>& past_len, const SeqOffsets& seqs, bool causal, int64_t window,
+                      float scale, Tensor& out);
+
 }  // namespace dflash::ops

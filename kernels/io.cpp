@@ -1,0 +1,198 @@
+#include "kernels/io.h"
+
+#include <fcntl.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <system_error>
+#include <utility>
+
+#include "kernels/error.h"
+
+namespace fs = std::filesystem;
+
+namespace dflash::io {
+
+namespace {
+
+std::atomic<bool> g_full_disk{false};
+
+std::string reason(int e) { return e ? std::strerror(e) : "unknown error"; }
+
+std::string hint_for(int e, const std::string& dir) {
+  if (e == ENOSPC || e == EDQUOT) return "the file system holding " + dir + " is full: free space there or choose another directory";
+  if (e == EROFS) return dir + " is on a read-only file system: choose a writable directory";
+  if (e == EACCES || e == EPERM) return "this user may not write to " + dir + ": fix its permissions or choose another directory";
+  return "check that " + dir + " is a writable directory with free space";
+}
+
+// Writes all of [p, p + n) to fd; returns 0 or the errno of the failure.
+int write_all(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (w == 0) return EIO;
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return 0;
+}
+
+std::string parent_of(const std::string& path) {
+  const fs::path p = fs::path(path).parent_path();
+  return p.empty() ? std::string(".") : p.string();
+}
+
+}  // namespace
+
+void simulate_full_disk(bool on) { g_full_disk.store(on, std::memory_order_relaxed); }
+bool full_disk_simulated() { return g_full_disk.load(std::memory_order_relaxed); }
+
+AppendFile::AppendFile(std::string path) : path_(std::move(path)) {
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    const int e = errno;
+    DFLASH_FAIL_HINT("opening '" << path_ << "' for writing failed: " << reason(e), hint_for(e, parent_of(path_)));
+  }
+}
+
+AppendFile::~AppendFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+AppendFile::AppendFile(AppendFile&& o) noexcept : fd_(std::exchange(o.fd_, -1)), path_(std::move(o.path_)) {}
+
+AppendFile& AppendFile::operator=(AppendFile&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(o.fd_, -1);
+    path_ = std::move(o.path_);
+  }
+  return *this;
+}
+
+void AppendFile::append(std::string_view text) {
+  DFLASH_CHECK(fd_ >= 0, "writing '" << path_ << "': the file is not open");
+  int e = 0;
+  if (full_disk_simulated()) {
+    write_all(fd_, text.data(), text.size() / 2);  // what a disk that fills mid-write keeps
+    e = ENOSPC;
+  } else {
+    e = write_all(fd_, text.data(), text.size());
+  }
+  if (e) DFLASH_FAIL_HINT("writing '" << path_ << "' failed: " << reason(e), hint_for(e, parent_of(path_)));
+}
+
+void AppendFile::sync() {
+  if (fd_ < 0) return;
+  if (::fsync(fd_) != 0 && errno != EINVAL && errno != EROFS) {
+    const int e = errno;
+    DFLASH_FAIL_HINT("syncing '" << path_ << "' to disk failed: " << reason(e), hint_for(e, parent_of(path_)));
+  }
+}
+
+void write_file_atomic(const std::string& path, std::string_view text) {
+  const std::string tmp = path + ".tmp";
+  {
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+      const int e = errno;
+      DFLASH_FAIL_HINT("creating '" << tmp << "' failed: " << reason(e), hint_for(e, parent_of(path)));
+    }
+    int e = write_all(fd, text.data(), text.size());
+    if (!e && ::fsync(fd) != 0) e = errno;
+    ::close(fd);
+    if (e) {
+      std::remove(tmp.c_str());
+      DFLASH_FAIL_HINT("writing '" << tmp << "' failed: " << reason(e), hint_for(e, parent_of(path)));
+    }
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int e = errno;
+    std::remove(tmp.c_str());
+    DFLASH_FAIL_HINT("renaming '" << tmp << "' to '" << path << "' failed: " << reason(e), hint_for(e, parent_of(path)));
+  }
+  const int dfd = ::open(parent_of(path).c_str(), O_RDONLY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+uint64_t free_bytes(const std::string& dir) {
+  if (const char* f = std::getenv("DFLASH_FAULT_FREE_BYTES")) {  // "N" or "N@DIR": only under DIR
+    const std::string spec = f;
+    const size_t at = spec.find('@');
+    std::error_code ec;
+    const std::string under = at == std::string::npos ? std::string() : spec.substr(at + 1);
+    const std::string mine = fs::weakly_canonical(fs::absolute(dir, ec), ec).string();
+    if (under.empty() || mine.rfind(fs::weakly_canonical(fs::absolute(under, ec), ec).string(), 0) == 0)
+      return std::strtoull(spec.c_str(), nullptr, 10);
+  }
+  struct statvfs st {};
+  if (::statvfs(dir.c_str(), &st) != 0) return UINT64_MAX;  // unknown: the probe write decides
+  return static_cast<uint64_t>(st.f_bavail) * static_cast<uint64_t>(st.f_frsize);
+}
+
+uint64_t check_writable_dir(const std::string& dir, const std::string& what) {
+  std::error_code ec;
+  // The nearest ancestor that exists tells why a directory cannot be made.
+  fs::path existing = fs::absolute(fs::path(dir), ec);
+  while (!existing.empty() && !fs::exists(existing, ec) && existing.has_parent_path() && existing != existing.parent_path())
+    existing = existing.parent_path();
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
+    DFLASH_FAIL_HINT(what << " '" << dir << "' is a file, not a directory",
+                     "point " << what << " at a directory (it is created when missing), or move the file away");
+  if (!fs::is_directory(existing, ec))
+    DFLASH_FAIL_HINT(what << " '" << dir << "' cannot be created: '" << existing.string() << "' is a file, not a directory",
+                     "point " << what << " at a path under a directory");
+  fs::create_directories(dir, ec);
+  if (ec) {
+    const int e = ec.value();
+    DFLASH_FAIL_HINT(what << " '" << dir << "' cannot be created: " << ec.message(), hint_for(e, existing.string()));
+  }
+  // A probe file: permissions, read-only mounts and full disks all show here.
+  // (pid and time: ranks of several nodes may probe one shared directory at once)
+  const std::string probe = (fs::path(dir) / (".dflash-write-test-" + std::to_string(::getpid()) + "-" +
+                                              std::to_string(std::chrono::steady_clock::now().time_since_epoch().count())))
+                                .string();
+  int e = 0;
+  if (const char* ro = std::getenv("DFLASH_FAULT_READONLY")) {  // test hook: a read-only file system under this path
+    std::error_code ec2;
+    const std::string mine = fs::weakly_canonical(fs::absolute(dir, ec2), ec2).string();
+    if (*ro && mine.rfind(fs::weakly_canonical(fs::absolute(ro, ec2), ec2).string(), 0) == 0) e = EROFS;
+  }
+  const int fd = e ? -1 : ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0 && !e) {
+    e = errno;
+  } else if (fd >= 0) {
+    e = write_all(fd, "dflash\n", 7);
+    if (!e && ::fsync(fd) != 0 && errno != EINVAL) e = errno;
+    ::close(fd);
+    std::remove(probe.c_str());
+  }
+  if (e) DFLASH_FAIL_HINT(what << " '" << dir << "' is not writable: " << reason(e), hint_for(e, dir));
+  return free_bytes(dir);
+}
+
+std::string format_bytes(uint64_t bytes) {
+  char buf[48];
+  const double b = static_cast<double>(bytes);
+  if (b >= 1024.0 * 1024 * 1024) std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1024.0 * 1024 * 1024));
+  else if (b >= 1024.0 * 1024) std::snprintf(buf, sizeof buf, "%.1f MiB", b / (1024.0 * 1024));
+  else if (b >= 1024.0) std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
+  else std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(bytes));
+  return buf;
+}
+
+}  // namespace dflash::io

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <sstream>
 
 #include "kernels/error.h"
 
@@ -172,6 +173,60 @@ int bucket_of(int64_t len) {
 
 bool is_pattern(const std::string& s) { return s.find_first_of("*?[") != std::string::npos; }
 
+// Token contents of sequences [first, end) of one file, whole sequences at a time in blocks of about
+// block_tokens: ids in [0, vocab), mask values 0/1, lengths, supervised tokens and (within the first
+// anchor_window tokens, when > 0) sequences without an anchor, added to `st`. Values are read
+// widened (int64 / int32) so that a wrong stored type cannot wrap into range. `first_global` >= 0
+// also names the sequence's global index (several files).
+void check_sequences(hid_t ids_ds, hid_t mask_ds, const std::vector<int64_t>& off, int64_t first, int64_t end, int64_t vocab,
+                     const std::string& path, int64_t first_global, int64_t anchor_window, const std::string& vocab_hint,
+                     int64_t block_tokens, DatasetStats& st) {
+  std::vector<int64_t> ids;
+  std::vector<int32_t> mask;
+  auto where = [&](int64_t seq, int64_t pos) {
+    std::ostringstream o;
+    o << "sequence " << seq;
+    if (first_global >= 0) o << " (global sequence " << first_global + seq << ")";
+    o << ", position " << pos;
+    return o.str();
+  };
+  for (int64_t a = first; a < end;) {
+    int64_t b = a + 1;
+    while (b < end && off[b + 1] - off[a] <= block_tokens) ++b;
+    const int64_t start = off[a], n = off[b] - start;
+    ids.resize(static_cast<size_t>(n));
+    mask.resize(static_cast<size_t>(n));
+    read_slice(ids_ds, H5T_NATIVE_INT64, start, n, ids.data(), path, "/input_ids");
+    read_slice(mask_ds, H5T_NATIVE_INT32, start, n, mask.data(), path, "/loss_mask");
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t s0 = off[i] - start, len = off[i + 1] - off[i];
+      bool anchor = false;
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t id = ids[static_cast<size_t>(s0 + t)];
+        if (id < 0 || id >= vocab)
+          DFLASH_FAIL_HINT("dataset file '" << path << "': /input_ids: " << where(i, t) << ": token id " << id
+                                            << " is outside [0, vocab_size = " << vocab << ")",
+                           (vocab_hint.empty() ? "the file's vocab_size attribute does not match the tokenizer that made "
+                                                 "the ids; reconvert with the right --vocab-size"
+                                               : vocab_hint));
+        const int32_t m = mask[static_cast<size_t>(s0 + t)];
+        if (m != 0 && m != 1)
+          DFLASH_FAIL_HINT("dataset file '" << path << "': /loss_mask: " << where(i, t) << ": value " << m << " is not 0 or 1",
+                           "loss_mask marks supervised tokens with 1 and the rest with 0; reconvert the data");
+        st.supervised += m;
+        if (m && t > 0 && mask[static_cast<size_t>(s0 + t - 1)] && (anchor_window <= 0 || t < anchor_window)) anchor = true;
+      }
+      if (!anchor) ++st.no_anchor;
+      st.min_length = st.sequences == 0 ? len : std::min(st.min_length, len);
+      st.max_length = std::max(st.max_length, len);
+      st.histogram[bucket_of(len)] += 1;
+      ++st.sequences;
+      st.tokens += len;
+    }
+    a = b;
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- writer
@@ -185,7 +240,9 @@ DatasetWriter::DatasetWriter(std::string path, int64_t vocab_size, WriterOptions
   DFLASH_CHECK(options_.compression >= 0 && options_.compression <= 9,
                "writing '" << path_ << "': compression level " << options_.compression << " is not in 0..9");
   const fs::path parent = fs::path(path_).parent_path();
-  if (!parent.empty() && !fs::exists(parent)) fs::create_directories(parent);
+  DFLASH_CHECK_HINT(parent.empty() || fs::is_directory(parent),
+                    "writing '" << path_ << "': the directory '" << parent.string() << "' does not exist",
+                    "create it first (mkdir -p " << parent.string() << "), or check the path");
 
   file_ = H5Handle(DFLASH_H5_CHECK(H5Fcreate(tmp_path_.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT),
                                    "creating dataset file '" << tmp_path_ << "'"),
@@ -407,6 +464,7 @@ void DatasetStats::add(const DatasetStats& o) {
   sequences += o.sequences;
   tokens += o.tokens;
   supervised += o.supervised;
+  no_anchor += o.no_anchor;
   for (auto [k, n] : o.histogram) histogram[k] += n;
 }
 
@@ -414,48 +472,24 @@ DatasetStats validate_file(const std::string& path, int64_t block_tokens) {
   DFLASH_CHECK(block_tokens >= 1, "validate_file: block_tokens must be >= 1");
   H5Handle file = open_file(path);
   Structure s = check_structure(file, path);
-  const std::vector<int64_t>& off = s.offsets;
   DatasetStats st;
-  st.sequences = static_cast<int64_t>(off.size()) - 1;
-  st.tokens = off.back();
-  for (int64_t i = 0; i < st.sequences; ++i) {
-    const int64_t len = off[i + 1] - off[i];
-    st.min_length = i == 0 ? len : std::min(st.min_length, len);
-    st.max_length = std::max(st.max_length, len);
-    st.histogram[bucket_of(len)] += 1;
-  }
-  // Token contents, block by block; a token position maps to its sequence through the offsets.
-  // Values are read widened (int64 / int32) so that a wrong stored type cannot wrap into range.
-  std::vector<int64_t> ids;
-  std::vector<int32_t> mask;
-  auto seq_of = [&](int64_t pos) {
-    return static_cast<int64_t>(std::upper_bound(off.begin(), off.end(), pos) - off.begin()) - 1;
-  };
-  for (int64_t start = 0; start < st.tokens; start += block_tokens) {
-    const int64_t n = std::min(block_tokens, st.tokens - start);
-    ids.resize(static_cast<size_t>(n));
-    mask.resize(static_cast<size_t>(n));
-    read_slice(s.ids, H5T_NATIVE_INT64, start, n, ids.data(), path, "/input_ids");
-    read_slice(s.mask, H5T_NATIVE_INT32, start, n, mask.data(), path, "/loss_mask");
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t id = ids[t];
-      if (id < 0 || id >= s.vocab_size) {
-        const int64_t seq = seq_of(start + t);
-        DFLASH_FAIL_HINT("dataset file '" << path << "': /input_ids: sequence " << seq << ", position "
-                                          << start + t - off[seq] << ": token id " << id
-                                          << " is outside [0, vocab_size = " << s.vocab_size << ")",
-                         "the file's vocab_size attribute does not match the tokenizer that made the ids; reconvert "
-                         "with the right --vocab-size");
-      }
-      const int32_t m = mask[t];
-      if (m != 0 && m != 1) {
-        const int64_t seq = seq_of(start + t);
-        DFLASH_FAIL_HINT("dataset file '" << path << "': /loss_mask: sequence " << seq << ", position "
-                                          << start + t - off[seq] << ": value " << m << " is not 0 or 1",
-                         "loss_mask marks supervised tokens with 1 and the rest with 0; reconvert the data");
-      }
-      st.supervised += m;
-    }
+  check_sequences(s.ids, s.mask, s.offsets, 0, static_cast<int64_t>(s.offsets.size()) - 1, s.vocab_size, path, -1, 0, {},
+                  block_tokens, st);
+  return st;
+}
+
+DatasetStats Dataset::check_contents(int64_t first, int64_t end, int64_t anchor_window, const std::string& vocab_hint,
+                                     int64_t block_tokens) const {
+  DFLASH_CHECK(block_tokens >= 1, "check_contents: block_tokens must be >= 1");
+  DFLASH_CHECK(0 <= first && first <= end && end <= num_sequences_,
+               "check_contents: sequences [" << first << ", " << end << ") are outside [0, " << num_sequences_ << ")");
+  DatasetStats st;
+  for (size_t f = 0; f < infos_.size() && first < end; ++f) {
+    const FileInfo& fi = infos_[f];
+    const int64_t lo = std::max(first, fi.first_sequence), hi = std::min(end, fi.first_sequence + fi.num_sequences);
+    if (lo >= hi) continue;
+    check_sequences(open_[f].ids, open_[f].mask, open_[f].offsets, lo - fi.first_sequence, hi - fi.first_sequence,
+                    fi.vocab_size, fi.path, fi.first_sequence, anchor_window, vocab_hint, block_tokens, st);
   }
   return st;
 }

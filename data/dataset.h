@@ -82,6 +82,18 @@ struct FileInfo {
   int64_t first_sequence = 0;  // global index of its sequence 0
 };
 
+// What validate_file / stats / Dataset::check_contents report for a file (or a sum of files).
+struct DatasetStats {
+  int64_t sequences = 0, tokens = 0, supervised = 0;
+  int64_t min_length = 0, max_length = 0;
+  // Sequences with no two consecutive supervised tokens (within the first `anchor_window` tokens
+  // when the check was given one): the trainer finds no anchor block in them and skips them.
+  int64_t no_anchor = 0;
+  // Power-of-2 buckets: histogram[k] = number of sequences with 2^k <= length < 2^(k+1).
+  std::map<int, int64_t> histogram;
+  void add(const DatasetStats& o);
+};
+
 // Read access to one or several dataset files. Opening checks the format attribute, the datasets
 // and the offsets (cheap: the offsets are read into memory, 8 bytes per sequence); token contents
 // are checked by validate_file. sequence(i) reads only that sequence's slice (a hyperslab).
@@ -103,6 +115,15 @@ class Dataset {
   // Which file holds global sequence i, and its index there.
   std::pair<size_t, int64_t> locate(int64_t i) const;
 
+  // Checks the token contents of global sequences [first, end) as validate_file does (every id in
+  // [0, vocab_size), every mask value 0 or 1), reading whole sequences in blocks of about
+  // `block_tokens`; `anchor_window` > 0 counts no_anchor within each sequence's first
+  // anchor_window tokens (the trainer's max_length). Throws at the first violation naming the
+  // file, the dataset, the sequence (in the file and globally) and the position; `hint` (when
+  // non-empty) replaces the default hint of an id outside the vocabulary. Returns the range's stats.
+  DatasetStats check_contents(int64_t first, int64_t end, int64_t anchor_window = 0, const std::string& vocab_hint = {},
+                              int64_t block_tokens = 1 << 20) const;
+
  private:
   struct Open {
     H5Handle file, ids, mask;
@@ -113,14 +134,6 @@ class Dataset {
   int64_t num_sequences_ = 0, num_tokens_ = 0, vocab_size_ = 0;
 };
 
-// What validate_file / stats report for a file (or a sum of files).
-struct DatasetStats {
-  int64_t sequences = 0, tokens = 0, supervised = 0;
-  int64_t min_length = 0, max_length = 0;
-  // Power-of-2 buckets: histogram[k] = number of sequences with 2^k <= length < 2^(k+1).
-  std::map<int, int64_t> histogram;
-  void add(const DatasetStats& o);
-};
 
 // Checks every invariant of the format and every token of the file, reading in blocks of
 // `block_tokens`. Throws dflash::Error naming the file, the dataset and the sequence index (with a

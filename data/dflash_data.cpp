@@ -9,6 +9,8 @@
 // chat-template step); both keys are required, loss_mask holds 0/1 per token. Blank lines are
 // skipped; any other bad row stops the conversion with an error naming file:line, and no output
 // file is left behind.
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -53,6 +55,15 @@ void parse_row(const std::string& line, const std::string& where, int64_t vocab,
   s->ids.resize(ids.size());
   s->mask.resize(ids.size());
   for (size_t t = 0; t < ids.size(); ++t) {
+    // An integer literal beyond 64 bits parses as a float (1e+20), one beyond int64 as an unsigned:
+    // both are ids far outside any vocabulary, not "not an integer" nor a wrapped negative number.
+    const bool huge = (ids[t].is_number_float() && std::isfinite(ids[t].get<double>()) &&
+                       std::abs(ids[t].get<double>()) >= 9007199254740992.0 /* 2^53 */) ||
+                      (ids[t].is_number_unsigned() && ids[t].get<uint64_t>() > static_cast<uint64_t>(INT64_MAX));
+    DFLASH_CHECK_HINT(!huge,
+                      where << ": input_ids[" << t << "] = " << ids[t].dump() << " is far outside [0, --vocab-size = " << vocab
+                            << ")",
+                      "token ids are integers below the tokenizer's vocabulary size; check what wrote this row");
     DFLASH_CHECK_HINT(ids[t].is_number_integer(), where << ": input_ids[" << t << "] = " << ids[t].dump() << " is not an integer",
                       kRowHint);
     const int64_t id = ids[t].get<int64_t>();

@@ -17,6 +17,7 @@
 #include "data/loader.h"
 #include "data/synth.h"
 #include "kernels/error.h"
+#include "raw_dataset.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -47,38 +48,6 @@ void write_file(const std::string& path, int64_t vocab, const std::vector<Sequen
   DatasetWriter w(path, vocab, opt);
   for (const Sequence& s : seqs) w.append(s);
   w.finish();
-}
-
-// A file written with the raw C API, so that any defect can be planted.
-struct RawFile {
-  std::vector<int32_t> ids;
-  std::vector<uint8_t> mask;
-  std::vector<int64_t> offsets;
-  std::optional<std::string> format = std::string(kFormat);
-  int64_t vocab = 16;
-};
-
-void write_raw(const std::string& path, const RawFile& r) {
-  H5Handle f(DFLASH_H5_CHECK(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), "create"), H5Fclose);
-  auto put = [&](const char* name, hid_t type, const void* data, size_t n) {
-    const hsize_t dim = n;
-    H5Handle space(DFLASH_H5_CHECK(H5Screate_simple(1, &dim, nullptr), "space"), H5Sclose);
-    H5Handle ds(DFLASH_H5_CHECK(H5Dcreate2(f, name, type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), "ds"), H5Dclose);
-    if (n) DFLASH_H5_CHECK(H5Dwrite(ds, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data), "write");
-  };
-  put("/input_ids", H5T_NATIVE_INT32, r.ids.data(), r.ids.size());
-  put("/loss_mask", H5T_NATIVE_UINT8, r.mask.data(), r.mask.size());
-  put("/offsets", H5T_NATIVE_INT64, r.offsets.data(), r.offsets.size());
-  H5Handle scalar(DFLASH_H5_CHECK(H5Screate(H5S_SCALAR), "scalar"), H5Sclose);
-  if (r.format) {
-    H5Handle str(DFLASH_H5_CHECK(H5Tcopy(H5T_C_S1), "str"), H5Tclose);
-    DFLASH_H5_CHECK(H5Tset_size(str, r.format->size()), "size");
-    H5Handle a(DFLASH_H5_CHECK(H5Acreate2(f, "format", str, scalar, H5P_DEFAULT, H5P_DEFAULT), "attr"), H5Aclose);
-    DFLASH_H5_CHECK(H5Awrite(a, str, r.format->c_str()), "write attr");
-  }
-  H5Handle v(DFLASH_H5_CHECK(H5Acreate2(f, "vocab_size", H5T_NATIVE_INT64, scalar, H5P_DEFAULT, H5P_DEFAULT), "attr"),
-             H5Aclose);
-  DFLASH_H5_CHECK(H5Awrite(v, H5T_NATIVE_INT64, &r.vocab), "write attr");
 }
 
 // 4 valid sequences of lengths 3, 2, 4, 3.
@@ -223,6 +192,38 @@ TEST(Dataset, ValidateNamesFileDatasetAndSequence) {
   }
   EXPECT_TRUE(has(validate_error(dir.file("junk.h5")), "junk.h5"));
   EXPECT_TRUE(has(error_of([&] { Dataset ds({dir.file("*.nothing")}); }), "matches no file"));
+}
+
+// The trainer's start-up check: ranges of global sequences across files, each defect named with the
+// file, the dataset, the sequence (in the file and globally) and the position; sequences without an
+// anchor counted within the anchor window (the trainer's max_length).
+TEST(Dataset, CheckContentsOfRangesNamesGlobalSequenceAndCountsAnchors) {
+  TempDir dir;
+  write_file(dir.file("a.h5"), 16, {seq({1, 2, 3}, {0, 1, 1}), seq({4, 5}, {1, 0})});
+  RawFile bad = good_raw();  // sequences of lengths 3, 2, 4, 3; the third has mask 0 0 1 1 ... planted below
+  bad.ids[7] = 16;           // sequence 2, position 2 (global sequence 4)
+  write_raw(dir.file("b.h5"), bad);
+  Dataset ds({dir.file("a.h5"), dir.file("b.h5")});
+  ASSERT_EQ(ds.num_sequences(), 6);
+  // Sequences 0..3: valid. 0 has an anchor at 1; 1 none; 2 (b's 0: mask 0 1 1) one; 3 (b's 1: 1 1) one.
+  DatasetStats st = ds.check_contents(0, 4);
+  EXPECT_EQ(st.sequences, 4);
+  EXPECT_EQ(st.tokens, 3 + 2 + 3 + 2);
+  EXPECT_EQ(st.supervised, 2 + 1 + 2 + 2);
+  EXPECT_EQ(st.no_anchor, 1);
+  // Within a window of 2 tokens (mask 0 1 | 1 for sequences 0 and 2) only sequence 3 (1 1) keeps its anchor.
+  EXPECT_EQ(ds.check_contents(0, 4, 2).no_anchor, 3);
+  // Split in two ranges (two ranks) the stats add up.
+  DatasetStats lo = ds.check_contents(0, 2, 0, {}, 1), hi = ds.check_contents(2, 4, 0, {}, 1);
+  lo.add(hi);
+  EXPECT_EQ(lo.tokens, st.tokens);
+  EXPECT_EQ(lo.supervised, st.supervised);
+  EXPECT_EQ(lo.no_anchor, st.no_anchor);
+  const std::string e = error_of([&] { ds.check_contents(3, 6, 0, "HINT-TEXT"); });
+  EXPECT_TRUE(has(e, "b.h5': /input_ids: sequence 2 (global sequence 4), position 2: token id 16 is outside [0, vocab_size = 16)"))
+      << e;
+  EXPECT_TRUE(has(e, "HINT-TEXT")) << e;
+  EXPECT_TRUE(has(error_of([&] { ds.check_contents(0, 7); }), "outside [0, 6)"));
 }
 
 TEST(Dataset, FilesWithDifferentVocabulariesAreRefused) {

@@ -45,7 +45,11 @@ json environment(int device) {
 #else
                   {"assertions", true},
 #endif
-                  {"compiler", __VERSION__}};
+#if defined(__clang__)
+                  {"compiler", "clang " __clang_version__}};
+#else
+                  {"compiler", "GCC " __VERSION__}};
+#endif
   char mpi[MPI_MAX_LIBRARY_VERSION_STRING] = {0};
   int len = 0;
   MPI_Get_library_version(mpi, &len);
@@ -55,9 +59,11 @@ json environment(int device) {
   env["gpu_count"] = cuda_device_count();
 #if DFLASH_WITH_CUDA
   auto v = cuda::library_versions();
-  env["cuda_driver"] = cuda::version_str(v.driver);
+  // No NVIDIA driver (a machine without a GPU): cudaDriverGetVersion reports 0.
+  env["cuda_driver"] = v.driver > 0 ? cuda::version_str(v.driver) : std::string("none (no NVIDIA driver on this machine)");
   env["cuda_runtime"] = cuda::version_str(v.runtime);
-  env["cublaslt"] = v.cublaslt;
+  env["cublaslt"] = std::to_string(v.cublaslt / 10000) + "." + std::to_string((v.cublaslt / 100) % 100) + "." +
+                    std::to_string(v.cublaslt % 100);
   env["nccl"] = std::to_string(v.nccl / 10000) + "." + std::to_string((v.nccl / 100) % 100) + "." + std::to_string(v.nccl % 100);
   if (device >= 0) {
     DeviceInfo info = cuda_device_info(device);
@@ -72,11 +78,12 @@ json environment(int device) {
 
 void print_environment(const json& env) {
   std::cout << "== environment\n";
-  std::cout << "  " << env["dflash"].get<std::string>() << ", " << env["build"]["compiler"].get<std::string>() << "\n";
+  std::cout << "  " << env["dflash"].get<std::string>() << ", compiled by " << env["build"]["compiler"].get<std::string>() << "\n";
   std::cout << "  MPI: " << env["mpi"].get<std::string>() << "\n";
   if (env.contains("cuda_runtime"))
-    std::cout << "  CUDA driver " << env["cuda_driver"].get<std::string>() << ", runtime " << env["cuda_runtime"].get<std::string>()
-              << ", cuBLASLt " << env["cublaslt"] << ", NCCL " << env["nccl"].get<std::string>() << "\n";
+    std::cout << "  CUDA driver " << env["cuda_driver"].get<std::string>() << "; this build's CUDA runtime "
+              << env["cuda_runtime"].get<std::string>() << ", cuBLASLt " << env["cublaslt"].get<std::string>() << ", NCCL "
+              << env["nccl"].get<std::string>() << "\n";
   if (env.contains("gpu")) {
     const json& g = env["gpu"];
     std::cout << "  GPU " << g["index"] << ": " << g["name"].get<std::string>() << ", sm " << g["compute_capability"].get<std::string>()
@@ -235,8 +242,11 @@ int main(int argc, char** argv) {
     report["model"] = {{"source", model_dir.empty() ? config_path : model_dir}, {"summary", cfg.summary()}};
     print_environment(report["environment"]);
     std::cout << "\n== model\n  " << cfg.summary() << "\n";
-    if (dev.is_cpu() && gpus == 0)
-      std::cout << "\n  No CUDA device is visible: showing the plan of the CPU reference backend.\n";
+    if (dev.is_cpu())
+      std::cout << "\n  " << (gpus == 0 ? "No CUDA device is visible: showing" : "--device cpu: showing")
+                << " the plan of the CPU reference backend. It is the f32 reference\n  (plain, obviously right code "
+                   "for every op): it has no fast path and no fallback, so\n  --require-fast-path and "
+                   "kernels.require_fast_path do not apply to it (both refuse it).\n";
     int sm_major = 0;
     if (dev.is_cuda()) sm_major = cuda_device_info(dev.index).major;
     FastPathPlan plan = make_plan(cfg, dev, pol, sm_major);
@@ -274,7 +284,14 @@ int main(int argc, char** argv) {
       out << report.dump(2) << "\n";
     }
     std::cout << "\nsummary: " << plan.summary() << "\n";
-    if (require_fast) plan.require_all_fast();
+    if (require_fast) {
+      DFLASH_CHECK_HINT(!dev.is_cpu(),
+                        "--require-fast-path: the plan is for the CPU reference backend ("
+                            << (gpus == 0 ? "no CUDA device is visible" : "--device cpu")
+                            << "), which has no fast path to require",
+                        "run dflash_doctor where the GPUs are (or pass --device cuda:N)");
+      plan.require_all_fast();
+    }
     return rc;
   });
 }

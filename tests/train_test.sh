@@ -27,8 +27,25 @@
 #   sigterm SIGTERM during a run: checkpoint at the next step boundary, exit 0; running again resumes and finishes.
 #   ckptfail  a background checkpoint write that fails (DFLASH_FAULT_CHECKPOINT_WRITE) stops the run non-zero
 #           before the next checkpoint, naming it; the partial directory is never resumed.
-#   baddata a data file whose vocabulary is larger than the target's, and a file that is not HDF5, are refused
-#           with the file's name.
+#   baddata a data file whose vocabulary is larger than the target's, a file that is not HDF5, a token id beyond the
+#           vocabulary inside a file, a loss_mask value 2, and a corpus without supervised tokens are refused at
+#           start-up (before the backend is made) naming the file, the dataset and the sequence; a corpus where 30% of
+#           the sequences have no anchor trains with a warning that counts them.
+#   never   checkpoint.resume: never in a run directory holding an earlier run's checkpoints is refused naming them,
+#           and nothing of the earlier run is touched; resuming an older checkpoint into a directory with later ones
+#           is refused likewise; a start in a directory whose metrics.jsonl reached no checkpoint keeps that file as
+#           metrics.before-1.jsonl.
+#   fulldisk  every log / metrics write fails as on a full disk from step 6 (DFLASH_FAULT_FULL_DISK_AT_STEP): the run
+#           stops non-zero at step 6 naming the file, with the cut line last; the resumed run trims metrics.jsonl to
+#           the checkpoint's step, finishes, and its metrics.jsonl is steps 1..12, every line valid (dflash_plot reads it).
+#   baddirs a checkpoint.dir that is a file, a run dir under a file, a read-only checkpoint dir
+#           (DFLASH_FAULT_READONLY) and one without room for a checkpoint (DFLASH_FAULT_FREE_BYTES) are refused at
+#           start-up, before any step and before the backend is made, naming the path.
+#   kill9   kill -9 mid-run (after the first checkpoint): the same command resumes from the newest complete checkpoint
+#           and ends with the losses of an uninterrupted run, bit for bit, and metrics steps 1..12 once each. With
+#           MPIRUN (mpi label): mpirun -n 2 (dp 2), rank 1 killed: the job ends non-zero, and resumes likewise.
+#   corrupt a checkpoint whose state.json is not JSON is refused at start-up naming the file and the older complete
+#           checkpoint to resume from instead; with no older one, the message says so.
 set -u
 mode=$1 bin=$2 tcfg=$3 work=$4
 shift 4
@@ -223,6 +240,145 @@ baddata)
   echo "not an HDF5 file" >"$work/junk.h5"
   if run junk --set data.synth.enabled=false --set "data.files=[$work/junk.h5]"; then fail "a non-HDF5 file was accepted"; fi
   grep -q "error while opening dataset file '$work/junk.h5'" "$work/junk.log" || fail "no clear message for the non-HDF5 file"
+  make_bad=${mpirun[1]}
+  # Defects inside a file whose attributes are right: found at start-up, before the backend is made.
+  for k in "id_out_of_range:/input_ids: sequence 13 (global sequence 13), position 5: token id 4103 is outside \[0, vocab_size = 4096)" \
+           "mask_value:/loss_mask: sequence 13 (global sequence 13), position 5: value 2 is not 0 or 1" \
+           "no_supervised:no token of the 20 sequences in $work/no_supervised.h5 is supervised"; do
+    kind=${k%%:*} want=${k#*:}
+    "$make_bad" "$kind" "$work/$kind.h5" >/dev/null || fail "make_bad_dataset $kind failed"
+    if run "$kind" --set data.synth.enabled=false --set "data.files=[$work/$kind.h5]"; then fail "$kind was accepted"; fi
+    grep -q -- "$want" "$work/$kind.log" || fail "$kind: no message '$want'"
+    grep -q "backend:" "$work/$kind.log" && fail "$kind: found only after the backend was made"
+  done
+  grep -q "the target's vocabulary has 4096 ids" "$work/id_out_of_range.log" || fail "the hint does not name the target's vocabulary"
+  "$make_bad" few_anchors "$work/few.h5" >/dev/null || fail "make_bad_dataset few_anchors failed"
+  run few --set data.synth.enabled=false --set "data.files=[$work/few.h5]" --set training.max_steps=2 --set logging.interval=1 ||
+    fail "the corpus with some anchor-less sequences was refused"
+  grep -q "data: 6 of 20 sequences (30.0%) have no two consecutive supervised tokens within data.max_length" "$work/few.log" ||
+    fail "no warning counting the sequences without an anchor"
+  ;;
+never)
+  # A finished 12-step run (complete checkpoints 8 and 12, keep_last 2) is copied; the copy is started again with
+  # checkpoint.resume: never and a checkpoint every 10 steps (issue 15's reproduction).
+  common=(--set training.max_steps=12 --set logging.interval=1 --set checkpoint.interval=4 --set checkpoint.keep_last=2)
+  run first "${common[@]}" || fail "the first run failed"
+  cp -a "$work/first" "$work/copy"
+  if run copy --set training.max_steps=20 --set logging.interval=1 --set checkpoint.interval=10 --set checkpoint.resume=never; then
+    fail "checkpoint.resume: never beside an earlier run's checkpoints was accepted"
+  fi
+  grep -q "checkpoint.resume: never, but $work/copy/checkpoints holds complete checkpoints of an earlier run (ckpt-8, ckpt-12)" \
+    "$work/copy.log" || fail "no message naming the earlier checkpoints"
+  grep -q "backend:" "$work/copy.log" && fail "the refusal came after the backend was made"
+  for f in checkpoints/ckpt-8/COMMIT checkpoints/ckpt-12/COMMIT checkpoints/ckpt-12/optimizer.safetensors metrics.jsonl; do
+    cmp "$work/first/$f" "$work/copy/$f" || fail "the earlier run's $f was changed"
+  done
+  # An older checkpoint resumed into the directory that holds a later one: refused, nothing touched.
+  if run copy --set training.max_steps=20 --set checkpoint.resume="$work/copy/checkpoints/ckpt-8"; then
+    fail "resuming ckpt-8 beside ckpt-12 was accepted"
+  fi
+  grep -q "is at step 8, but $work/copy/checkpoints already holds later checkpoints (ckpt-12)" "$work/copy.log" ||
+    fail "no message naming the later checkpoint"
+  cmp "$work/first/metrics.jsonl" "$work/copy/metrics.jsonl" || fail "metrics.jsonl was changed"
+  # The complete run says there is nothing to train and does not suggest checkpoint.resume: never.
+  run copy "${common[@]}" || fail "re-running the complete run failed"
+  grep -q "nothing to train" "$work/copy.log" || fail "no 'nothing to train' message"
+  grep "nothing to train" "$work/copy.log" | grep -q "resume: never" && fail "the message still suggests checkpoint.resume: never"
+  # A run directory whose metrics.jsonl reached no checkpoint (here: checkpoints off): a new start keeps it aside.
+  run nockpt --set training.max_steps=3 --set logging.interval=1 --set checkpoint.interval=100 --set checkpoint.at_end=false ||
+    fail "the run without checkpoints failed"
+  cp "$work/nockpt/metrics.jsonl" "$work/nockpt.first.jsonl"
+  run nockpt --set training.max_steps=2 --set logging.interval=1 --set checkpoint.interval=100 --set checkpoint.at_end=false ||
+    fail "the second start without checkpoints failed"
+  cmp "$work/nockpt.first.jsonl" "$work/nockpt/metrics.before-1.jsonl" || fail "the earlier metrics.jsonl was not kept aside"
+  [ "$(wc -l <"$work/nockpt/metrics.jsonl")" -eq 2 ] || fail "the new metrics.jsonl should hold the new run's 2 lines"
+  ;;
+fulldisk)
+  plot=${mpirun[0]}
+  common=(--set training.max_steps=12 --set logging.interval=1 --set checkpoint.interval=4 --set checkpoint.keep_last=2)
+  if DFLASH_FAULT_FULL_DISK_AT_STEP=6 run full "${common[@]}"; then fail "the run went on with a full disk"; fi
+  grep -Eq "writing '$work/full/(metrics.jsonl|logs/rank-0.log)' failed: No space left on device" "$work/full.log" ||
+    fail "no message naming the file that could not be written"
+  m=$work/full/metrics.jsonl
+  [ "$(tail -c 1 "$m" | od -An -c | tr -d ' ')" != '\n' ] || fail "expected the cut line last in $m"
+  [ "$(col "$m" step | tail -n 1 | tr -dc 0-9)" -le 6 ] || fail "the run wrote metrics past step 6"
+  run full "${common[@]}" || fail "the resumed run failed"
+  grep -q "resumed from .*ckpt-4 at step 4/12" "$work/full.log" || fail "did not resume from ckpt-4"
+  grep -q "metrics: kept 4 line(s) of $m up to step 4; dropped 1 after it and 1 cut or invalid" "$work/full.log" ||
+    fail "metrics.jsonl was not trimmed to the checkpoint's step"
+  [ "$(col "$m" step | tr '\n' ' ')" = "$(seq 1 12 | tr '\n' ' ')" ] || fail "metrics steps are not 1..12"
+  "$plot" "$work/full" >"$work/plot.log" 2>&1 || { cat "$work/plot.log"; fail "dflash_plot refused the resumed metrics.jsonl"; }
+  grep -q "12 metric lines" "$work/plot.log" || fail "dflash_plot did not read 12 lines"
+  ;;
+baddirs)
+  common=(--set training.max_steps=4 --set logging.interval=1)
+  # each: name, expected message, settings
+  check_refused() {
+    local name=$1 want=$2
+    shift 2
+    if run "$name" "${common[@]}" "$@"; then fail "$name: accepted"; fi
+    grep -q -- "$want" "$work/$name.log" || fail "$name: no message '$want'"
+    grep -Eq "backend:|step 1/" "$work/$name.log" && fail "$name: refused only after the backend was made"
+    return 0
+  }
+  touch "$work/a_file"
+  check_refused ckfile "checkpoint.dir '$work/a_file' is a file, not a directory" --set checkpoint.dir="$work/a_file"
+  check_refused rundir "logging.run_dir '$work/a_file/run' cannot be created: '$work/a_file' is a file, not a directory" \
+    --set logging.run_dir="$work/a_file/run"
+  DFLASH_FAULT_READONLY="$work/ro" check_refused readonly "checkpoint.dir '$work/ro/ck' is not writable: Read-only file system" \
+    --set checkpoint.dir="$work/ro/ck"
+  DFLASH_FAULT_FREE_BYTES="1000000@$work/small" check_refused full \
+    "checkpoint.dir '$work/small' has 976.6 KiB free, less than one checkpoint of this drafter" --set checkpoint.dir="$work/small"
+  DFLASH_FAULT_FREE_BYTES="1000000@$work/runfull" check_refused runfull "logging.run_dir '$work/runfull' has 976.6 KiB free"
+  ;;
+kill9)
+  common=(--set training.max_steps=12 --set logging.interval=1 --set checkpoint.interval=4 --set checkpoint.keep_last=2)
+  n=1
+  if [ ${#mpirun[@]} -gt 0 ]; then pre=("${mpirun[@]}" -n 2) n=2; common+=(--set training.batch_size=2); fi
+  run straight "${common[@]}" || fail "the uninterrupted run failed"
+  run k "${common[@]}" &
+  pid=$!
+  for _ in $(seq 900); do
+    [ -f "$work/k/metrics.jsonl" ] && [ "$(wc -l <"$work/k/metrics.jsonl")" -ge 6 ] && break
+    sleep 0.1
+  done
+  # The last rank's process (rank 0 alone without mpirun): OMPI_COMM_WORLD_RANK tells them apart.
+  victim=
+  for p in $(pgrep -f "dflash_train.*$work/k"); do
+    r=$(tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | sed -n 's/^OMPI_COMM_WORLD_RANK=//p')
+    [ "$(cat /proc/$p/comm 2>/dev/null)" = dflash_train ] || continue
+    if [ "$n" = 1 ] || [ "$r" = $((n - 1)) ]; then victim=$p; fi
+  done
+  [ -n "$victim" ] || fail "no dflash_train process to kill"
+  kill -9 "$victim"
+  if wait $pid; then fail "the killed run exited 0"; fi
+  run k "${common[@]}" || fail "the run after kill -9 failed"
+  grep -Eq "resumed from .*ckpt-(4|8) at step (4|8)/12" "$work/k.log" || fail "did not resume from a complete checkpoint"
+  a=$(col "$work/straight/metrics.jsonl" loss | tr '\n' ' ') b=$(col "$work/k/metrics.jsonl" loss | tr '\n' ' ')
+  echo "loss uninterrupted: $a"
+  echo "loss after kill -9: $b"
+  [ "$a" = "$b" ] || fail "the resumed run's losses differ from the uninterrupted run's"
+  [ "$(col "$work/k/metrics.jsonl" step | tr '\n' ' ')" = "$(seq 1 12 | tr '\n' ' ')" ] || fail "metrics steps are not 1..12"
+  ;;
+corrupt)
+  common=(--set training.max_steps=12 --set logging.interval=1 --set checkpoint.interval=4 --set checkpoint.keep_last=2)
+  run c "${common[@]}" --set training.max_steps=8 || fail "the first run failed"
+  printf '{"step": 8, "world": ' >"$work/c/checkpoints/ckpt-8/state.json"
+  if run c "${common[@]}"; then fail "a corrupt state.json was accepted"; fi
+  grep -q "checkpoint $work/c/checkpoints/ckpt-8 cannot be resumed: $work/c/checkpoints/ckpt-8/state.json is corrupt (.*parse error" \
+    "$work/c.log" || fail "no message naming the corrupt state.json"
+  grep -q "an older complete checkpoint exists: $work/c/checkpoints/ckpt-4 (step 4); move $work/c/checkpoints/ckpt-8 out of" \
+    "$work/c.log" || fail "the message does not name the older checkpoint"
+  grep -q "backend:" "$work/c.log" && fail "the corrupt checkpoint was found only after the backend was made"
+  mv "$work/c/checkpoints/ckpt-8" "$work/ckpt-8.corrupt"  # as the hint says
+  run c "${common[@]}" || fail "resuming the older checkpoint failed"
+  grep -q "resumed from .*ckpt-4 at step 4/12" "$work/c.log" || fail "did not resume from ckpt-4"
+  # The only checkpoint corrupt: the message says there is no older one.
+  run one "${common[@]}" --set training.max_steps=4 || fail "the 4-step run failed"
+  echo '[1, 2]' >"$work/one/checkpoints/ckpt-4/state.json"
+  if run one "${common[@]}"; then fail "a state.json that is not an object was accepted"; fi
+  grep -q "state.json is corrupt (it is not a JSON object)" "$work/one.log" || fail "no message for a non-object state.json"
+  grep -q "no other complete checkpoint exists under $work/one/checkpoints" "$work/one.log" || fail "no 'no other checkpoint' hint"
   ;;
 ckptfail)
   # A background checkpoint write that fails (injected at step 4) stops the run non-zero with a message

@@ -623,6 +623,12 @@ void TrainConfig::validate(int world_size) const {
                         s << ": kernels.require_fast_path: true contradicts " << k << ": fallback",
                         "set " << k << " to auto or fast, or require_fast_path to false");
 
+  DFLASH_CHECK_HINT(!(kernels.require_fast_path && parallel.device == Backend::Cpu),
+                    s << ": kernels.require_fast_path: true contradicts parallel.device: cpu (the CPU backend is the f32 "
+                         "reference: it has no fast path, every op runs its plain reference code)",
+                    "train on GPUs (parallel.device: cuda or auto), or set kernels.require_fast_path: false to run the CPU "
+                    "reference on purpose");
+
   DFLASH_CHECK(world_size >= 1, s << ": world size " << world_size << " must be >= 1");
   try {
     comm::make_layout(world_size, 0, static_cast<int>(std::min<int64_t>(parallel.tp, 1 << 30)));

@@ -24,7 +24,8 @@ int main(int argc, char** argv) {
   int64_t stop_after = -1;
   add_common_options(app, &log_level);
   app.add_option("config", config_path, "YAML config (default: the embedded configs/tiny.yaml)");
-  app.add_option("--set", sets, "override a config key: --set training.max_steps=50 (repeatable)");
+  // One value per --set, so that a config named after the options (`--set a=b CONFIG.yaml`) is the config.
+  app.add_option("--set", sets, "override a config key: --set training.max_steps=50 (repeatable)")->expected(1)->allow_extra_args(false)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_option("--stop-after-steps", stop_after,
                  "stop as on SIGTERM once this many steps are done (checkpoint, exit 0); for tests");
 
@@ -48,6 +49,8 @@ int main(int argc, char** argv) {
     trainer::RunResult r;
     try {
       r = trainer::train(cfg, world, rank, ro);
+    } catch (const trainer::StartupError&) {
+      throw;  // every rank found it alike: each prints it and exits 1, no abort needed
     } catch (const Error& e) {
       // Under mpirun one rank's failure ends the whole job (the others may be in a collective).
       if (world > 1) comm::abort_job(e.report());

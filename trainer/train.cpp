@@ -25,6 +25,7 @@
 #include "data/loader.h"
 #include "data/synth.h"
 #include "kernels/app.h"
+#include "kernels/io.h"
 #include "drafter/loss.h"
 #include "drafter/model.h"
 #include "drafter/weights.h"
@@ -35,7 +36,6 @@
 #include "trainer/backend.h"
 #include "trainer/optimizer.h"
 #include "target_model/flops.h"
-#include <unistd.h>
 
 namespace fs = std::filesystem;
 
@@ -92,6 +92,83 @@ std::vector<std::pair<int64_t, fs::path>> complete_checkpoints(const fs::path& d
   return out;
 }
 
+// The ckpt-<step> directories under `dir` that are complete, as "ckpt-8, ckpt-12" (for messages).
+std::string checkpoint_names(const std::vector<std::pair<int64_t, fs::path>>& all, size_t max = 6) {
+  std::string out;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (i == max) return out + fmt::format(" and {} more", all.size() - max);
+    out += (i ? ", " : "") + all[i].second.filename().string();
+  }
+  return out;
+}
+
+// Metric lines of metrics.jsonl: every complete line ('\n'-terminated) that is a JSON object with an
+// integer step in (previous kept step, max_step]; what is dropped is counted (a line cut by a full
+// disk or a crash, lines after the checkpoint a resumed run starts from, repeats).
+struct KeptMetrics {
+  std::string text;
+  int64_t kept = 0, dropped_after = 0, dropped_bad = 0;
+};
+KeptMetrics keep_metric_lines(const std::string& text, int64_t max_step) {
+  KeptMetrics k;
+  int64_t last = 0;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    const size_t nl = text.find('\n', pos);
+    if (nl == std::string::npos) {  // a cut last line
+      if (text.find_first_not_of(" \t\r", pos) != std::string::npos) ++k.dropped_bad;
+      break;
+    }
+    const std::string line = text.substr(pos, nl - pos);
+    pos = nl + 1;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const auto j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("step") || !j["step"].is_number_integer()) {
+      ++k.dropped_bad;
+      continue;
+    }
+    const int64_t st = j["step"].get<int64_t>();
+    if (st > max_step) {
+      ++k.dropped_after;
+      continue;
+    }
+    if (st <= last) {
+      ++k.dropped_bad;
+      continue;
+    }
+    last = st;
+    k.text += line + "\n";
+    ++k.kept;
+  }
+  return k;
+}
+
+// A metrics.jsonl of an earlier start of this run directory that reached no checkpoint: kept, under
+// the next free name metrics.before-<n>.jsonl (never deleted).
+void move_metrics_aside(const fs::path& mp) {
+  std::error_code ec;
+  if (!fs::exists(mp, ec) || fs::file_size(mp, ec) == 0) return;
+  fs::path to;
+  for (int n = 1;; ++n) {
+    to = mp.parent_path() / fmt::format("metrics.before-{}.jsonl", n);
+    if (!fs::exists(to, ec)) break;
+  }
+  fs::rename(mp, to, ec);
+  DFLASH_CHECK_HINT(!ec, "moving the earlier " << mp.string() << " to " << to.string() << " failed: " << ec.message(),
+                    "check the permissions of " << mp.parent_path().string());
+  spdlog::info("metrics: the earlier {} (from a start that reached no checkpoint) is kept as {}", mp.string(),
+               to.string());
+}
+
+// Trainable parameters of a drafter of config c (from the shapes alone: no weights needed).
+int64_t drafter_param_count(const drafter::DrafterConfig& c) {
+  drafter::DrafterWeights w;
+  w.layers.resize(static_cast<size_t>(c.num_hidden_layers));
+  int64_t n = 0;
+  for (const auto& e : w.entries(c)) n += shape_numel(e.shape);
+  return n;
+}
+
 // ---- collectives that also work without MPI (world of one) ----
 struct Group {
   std::unique_ptr<comm::Communicator> world, tp;
@@ -102,6 +179,28 @@ struct Group {
   }
   void barrier() {
     if (world) world->barrier();
+  }
+  // Runs `check` on this rank; when it throws on any rank, every rank throws the error of the
+  // lowest failing rank as a StartupError (each prints the same message and exits 1, none aborts
+  // the job). Collective: every rank calls it.
+  void agree(const std::function<void()>& check) {
+    std::string mine;
+    try {
+      check();
+    } catch (const Error& e) {
+      mine = "E" + e.message() + '\x1f' + e.hint() + '\x1f' + e.where();
+    } catch (const std::exception& e) {
+      mine = std::string("E") + e.what() + "\x1f\x1f";
+    }
+    const std::vector<std::string> all = gather(mine);
+    for (size_t r = 0; r < all.size(); ++r) {
+      if (all[r].empty()) continue;
+      const std::string& m = all[r];
+      const size_t a = m.find('\x1f'), b = m.find('\x1f', a + 1);
+      std::string msg = m.substr(1, a - 1);
+      if (all.size() > 1) msg = fmt::format("rank {}: {}", r, msg);
+      throw StartupError(msg, m.substr(a + 1, b - a - 1), m.substr(b + 1));
+    }
   }
   // Every rank's string, in rank order (on every rank).
   std::vector<std::string> gather(const std::string& mine) {
@@ -180,6 +279,112 @@ std::string fmt_acc(const drafter::StepStats& s, int64_t B) {
   return out;
 }
 
+// Where a run continues from: a complete checkpoint with its state.json and this TP group's loader
+// position read and checked (before any GPU work), or none (step 0).
+struct ResumePoint {
+  fs::path from;  // empty: start at step 0
+  nlohmann::json state, loader;
+  int64_t step = 0;
+};
+
+// "an older complete checkpoint exists: ..." / "no older complete checkpoint exists ...": what a
+// user can do when checkpoint `bad` cannot be resumed.
+std::string older_checkpoint_hint(const fs::path& bad) {
+  const fs::path dir = bad.parent_path();
+  auto all = complete_checkpoints(dir);
+  std::erase_if(all, [&](const auto& c) { return c.second.filename() == bad.filename(); });
+  if (all.empty())
+    return fmt::format("no other complete checkpoint exists under {}: move {} away and start the run again from step 0",
+                       dir.string(), bad.string());
+  const auto& prev = all.back();
+  return fmt::format("an older complete checkpoint exists: {} (step {}); move {} out of {} and run again: "
+                     "checkpoint.resume: auto then resumes from the newest remaining one",
+                     prev.second.string(), prev.first, bad.string(), dir.string());
+}
+
+// Reads a JSON file of checkpoint `ckpt`; a missing or unparsable file names itself and the checkpoint.
+nlohmann::json read_checkpoint_json(const fs::path& ckpt, const std::string& name) {
+  const fs::path p = ckpt / name;
+  std::error_code ec;
+  DFLASH_CHECK_HINT(fs::is_regular_file(p, ec), "checkpoint " << ckpt.string() << " cannot be resumed: it has no " << name,
+                    older_checkpoint_hint(ckpt));
+  std::string why;
+  try {
+    nlohmann::json j = nlohmann::json::parse(read_text(p));
+    if (j.is_object()) return j;
+    why = "it is not a JSON object";
+  } catch (const nlohmann::json::parse_error& e) {
+    why = e.what();
+  }
+  DFLASH_FAIL_HINT("checkpoint " << ckpt.string() << " cannot be resumed: " << p.string() << " is corrupt (" << why << ")",
+                   older_checkpoint_hint(ckpt));
+}
+
+ResumePoint find_resume_point(const TrainConfig& cfg, const fs::path& ckpt_dir, int world, int tp, int tp_group) {
+  const auto all = complete_checkpoints(ckpt_dir);
+  ResumePoint rp;
+  const std::string& mode = cfg.checkpoint.resume;
+  if (mode == "never") {
+    // A new run beside an earlier run's checkpoints would write its own among them: keep_last would
+    // prune by step across both runs, and auto would later resume whichever is newest.
+    DFLASH_CHECK_HINT(all.empty(),
+                      "checkpoint.resume: never, but " << ckpt_dir.string() << " holds complete checkpoints of an earlier run ("
+                                                       << checkpoint_names(all)
+                                                       << "); a new run there would mix its checkpoints with them",
+                      "give the new run its own directory (--set logging.run_dir=NEW_DIR, or checkpoint.dir), or continue "
+                      "the earlier run with checkpoint.resume: auto, or move those checkpoints away to start over here");
+    return rp;
+  }
+  if (mode == "auto") {
+    if (all.empty()) return rp;
+    rp.from = all.back().second;
+  } else {
+    rp.from = mode;
+    DFLASH_CHECK_HINT(fs::exists(rp.from / "COMMIT"),
+                      "checkpoint.resume: '" << mode << "' is not a complete checkpoint (no COMMIT marker)",
+                      "name a ckpt-<step> directory written by dflash_train, or use auto / never");
+  }
+  rp.state = read_checkpoint_json(rp.from, "state.json");
+  try {
+    rp.step = rp.state.at("step").get<int64_t>();
+    const int ws = rp.state.at("world").at("world_size").get<int>(), wtp = rp.state.at("world").at("tp").get<int>();
+    DFLASH_CHECK_HINT(ws == world && wtp == tp,
+                      "checkpoint " << rp.from.string() << " was written by " << ws << " rank(s) with tp " << wtp
+                                    << "; this run has " << world << " rank(s) with tp " << tp
+                                    << ": resuming on a different world size or tp is not supported",
+                      "resume with mpirun -n " << ws << " and parallel.tp = " << wtp
+                                               << ", or give the new run its own logging.run_dir to start anew");
+    for (const char* key : {"skipped_steps", "skipped_in_row"}) (void)rp.state.at(key).get<int64_t>();
+    DFLASH_CHECK(rp.state.at("optimizer").is_object(), "'optimizer' is not an object");
+    DFLASH_CHECK(rp.step >= 0, "step " << rp.step << " is negative");
+  } catch (const nlohmann::json::exception& e) {
+    DFLASH_FAIL_HINT("checkpoint " << rp.from.string() << " cannot be resumed: " << (rp.from / "state.json").string()
+                                   << " lacks a field or has a wrong type (" << e.what() << ")",
+                     older_checkpoint_hint(rp.from));
+  } catch (const Error& e) {
+    if (e.message().rfind("checkpoint ", 0) == 0) throw;
+    DFLASH_FAIL_HINT("checkpoint " << rp.from.string() << " cannot be resumed: " << (rp.from / "state.json").string() << ": "
+                                   << e.message(),
+                     older_checkpoint_hint(rp.from));
+  }
+  rp.loader = read_checkpoint_json(rp.from, fmt::format("loader-g{}.json", tp_group));
+  DFLASH_CHECK_HINT(fs::is_regular_file(rp.from / "optimizer.safetensors"),
+                    "checkpoint " << rp.from.string() << " cannot be resumed: it has no optimizer.safetensors",
+                    older_checkpoint_hint(rp.from));
+  // Later checkpoints than the one resumed (checkpoint.resume: PATH) belong to another run or to a
+  // later point of this one: this run would overwrite them at their steps and prune by step among them.
+  std::vector<std::pair<int64_t, fs::path>> later;
+  for (const auto& c : all)
+    if (c.first > rp.step) later.push_back(c);
+  DFLASH_CHECK_HINT(later.empty(),
+                    "checkpoint.resume: " << rp.from.string() << " is at step " << rp.step << ", but " << ckpt_dir.string()
+                                          << " already holds later checkpoints (" << checkpoint_names(later)
+                                          << "): this run would overwrite and prune them",
+                    "resume from the newest (checkpoint.resume: auto), or give this run its own logging.run_dir or "
+                    "checkpoint.dir");
+  return rp;
+}
+
 }  // namespace
 
 void install_stop_handlers() {
@@ -213,6 +418,14 @@ CheckedConfigs checked_configs(const TrainConfig& cfg, int world, const RunOptio
     std::string why;
     DFLASH_CHECK_HINT(cuda_backend_available(ropt.local_size, &why), "parallel.device: cuda, but " << why,
                       "run one rank per GPU (mpirun -n <GPUs per node>), or set parallel.device: cpu");
+  } else if (cfg.parallel.device == Backend::Auto && cfg.kernels.require_fast_path) {
+    // auto would quietly take the CPU reference: exactly the slow path require_fast_path refuses.
+    std::string why;
+    DFLASH_CHECK_HINT(cuda_backend_available(ropt.local_size, &why),
+                      "kernels.require_fast_path: true, but parallel.device: auto would train on the CPU reference (it has "
+                      "no fast path): " << why,
+                      "run on a node with one GPU per rank, or set kernels.require_fast_path: false and parallel.device: "
+                      "cpu to use the CPU reference on purpose");
   }
   return c;
 }
@@ -274,12 +487,6 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   const fs::path run_dir = cfg.logging.run_dir;
   const fs::path ckpt_dir = cfg.checkpoint_dir();
 
-  // A named checkpoint must exist and be complete (checked before any collective).
-  if (cfg.checkpoint.resume != "auto" && cfg.checkpoint.resume != "never")
-    DFLASH_CHECK_HINT(fs::exists(fs::path(cfg.checkpoint.resume) / "COMMIT"),
-                      "checkpoint.resume: '" << cfg.checkpoint.resume << "' is not a complete checkpoint (no COMMIT marker)",
-                      "name a ckpt-<step> directory written by dflash_train, or use auto / never");
-
   // Data files named by the config must exist (checked before anything is written).
   std::vector<std::string> files;
   if (!cfg.data.synth.enabled) files = cfg.expand_data_files();
@@ -292,13 +499,66 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
                                                   cfg.parallel.timeout_s, "tp");
   }
 
-  if (rank == 0) fs::create_directories(run_dir / "logs");
-  g.barrier();
+  // ---- start-up checks, agreed on by every rank before any GPU work ----
+  // The directories this rank writes: every rank its log under run_dir/logs; the first rank of each
+  // TP group its loader position into each checkpoint; rank 0 the rest of the checkpoint. A
+  // checkpoint holds the bf16 export and the fp32 master weights and two AdamW moments.
+  const std::string ckpt_what = cfg.checkpoint.dir.empty() ? "the checkpoint directory (<logging.run_dir>/checkpoints)"
+                                                           : "checkpoint.dir";
+  const uint64_t ckpt_bytes = 14 * static_cast<uint64_t>(drafter_param_count(dcfg));
+  constexpr uint64_t kRunDirMinFree = 64ull << 20;  // logs and metrics of a long run
+  std::string space_warning;
+  g.agree([&] {
+    const uint64_t run_free = io::check_writable_dir(run_dir.string(), "logging.run_dir");
+    io::check_writable_dir((run_dir / "logs").string(), "the log directory <logging.run_dir>/logs");
+    if (layout.tp_rank == 0) io::check_writable_dir(ckpt_dir.string(), ckpt_what);
+    if (rank != 0) return;
+    DFLASH_CHECK_HINT(run_free >= kRunDirMinFree,
+                      "logging.run_dir '" << run_dir.string() << "' has " << io::format_bytes(run_free)
+                                          << " free; the run's logs and metrics need at least "
+                                          << io::format_bytes(kRunDirMinFree),
+                      "free space there or set logging.run_dir to another file system");
+    const uint64_t ck_free = io::free_bytes(ckpt_dir.string());
+    DFLASH_CHECK_HINT(ck_free >= ckpt_bytes + ckpt_bytes / 20,
+                      ckpt_what << " '" << ckpt_dir.string() << "' has " << io::format_bytes(ck_free)
+                                << " free, less than one checkpoint of this drafter ("
+                                << io::format_bytes(ckpt_bytes) << "): the first checkpoint would fail",
+                      "free space there, or set checkpoint.dir to a file system with room for checkpoint.keep_last + 1 = "
+                          << cfg.checkpoint.keep_last + 1 << " checkpoints (" << io::format_bytes(ckpt_bytes * (cfg.checkpoint.keep_last + 1))
+                          << ")");
+    const uint64_t peak = ckpt_bytes * static_cast<uint64_t>(cfg.checkpoint.keep_last + 1);
+    if (ck_free < peak)
+      space_warning = fmt::format("{} '{}' has {} free; checkpoint.keep_last = {} complete checkpoints plus the one being "
+                                  "written need {} ({} each): a later checkpoint may fail for lack of space",
+                                  ckpt_what, ckpt_dir.string(), io::format_bytes(ck_free), cfg.checkpoint.keep_last,
+                                  io::format_bytes(peak), io::format_bytes(ckpt_bytes));
+  });
+  if (world > 1) {
+    // Every rank that writes into a checkpoint must see the same directory (rank 0 collects it).
+    const fs::path marker = ckpt_dir / g.gather(fmt::format(".dflash-shared-{}", ::getpid())).front();
+    g.agree([&] {
+      if (rank == 0) write_text(marker, "rank 0\n");
+    });
+    g.agree([&] {
+      if (layout.tp_rank == 0)
+        DFLASH_CHECK_HINT(fs::exists(marker), ckpt_what << " '" << ckpt_dir.string()
+                                                        << "' is not the directory rank 0 writes checkpoints to (a file rank 0 "
+                                                           "made there is not visible here)",
+                          "put checkpoint.dir (and logging.run_dir) on a file system every node of the job shares");
+    });
+    if (rank == 0) fs::remove(marker);
+  }
+  // Where the run continues from (state.json and the loader position read and checked now, not
+  // after the target is loaded).
+  ResumePoint resume;
+  g.agree([&] { resume = find_resume_point(cfg, ckpt_dir, world, tp, layout.tp_group); });
+
   init_logging(rank, ropt.log_level, (run_dir / "logs" / fmt::format("rank-{}.log", rank)).string());
   if (rank == 0) {
     spdlog::info("{}", version_string());
     spdlog::info("config {}:\n{}", cfg.source, cfg.settings_table());
-    spdlog::info("world: {} rank(s), tp {}, {} TP group(s) (data parallel)", world, tp, layout.num_tp_groups);
+    spdlog::info("world: {} rank(s), tp {}, {} TP group(s){}", world, tp, layout.num_tp_groups,
+                 layout.num_tp_groups > 1 ? " (data parallel over the groups)" : " (no data parallelism)");
     spdlog::info("target: {}{}", tcfg.summary(),
                  checked.embedded_target ? fmt::format(" (from {}: {} is not under the working directory)", tcfg.source,
                                                        TrainConfig::kTinyTargetPath)
@@ -320,13 +580,13 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
                                                                 : tcfg.vocab_size;
     so.seed = static_cast<uint64_t>(cfg.data.synth.seed);
     data::check_synth_options(so);
-    if (rank == 0 && !fs::exists(sp)) {
+    g.agree([&] {
+      if (rank != 0 || fs::exists(sp)) return;
       if (sp.has_parent_path()) fs::create_directories(sp.parent_path());
       spdlog::info("data: writing the synthetic corpus {} ({} sequences, {}..{} tokens)", sp.string(), so.sequences,
                    so.min_length, so.max_length);
       data::write_synth(sp.string(), so);
-    }
-    g.barrier();
+    });
     files = {sp.string()};
   }
   data::LoaderConfig lc;
@@ -336,16 +596,54 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   lc.tp_group = layout.tp_group;
   lc.num_tp_groups = layout.num_tp_groups;
   lc.batch = cfg.training.batch_size;
-  data::Loader loader(lc);
-  DFLASH_CHECK_HINT(loader.dataset().vocab_size() <= tcfg.vocab_size,
-                    "data: " << files.front() << (files.size() > 1 ? " (and others)" : "") << " has vocab_size "
-                             << loader.dataset().vocab_size() << ", larger than the target's vocabulary of "
-                             << tcfg.vocab_size,
-                    "tokenize the data with the target's tokenizer");
-  DFLASH_CHECK_HINT(loader.slots_per_epoch() > 0,
-                    "data: " << loader.dataset().num_sequences() << " sequence(s) cannot be shared by "
-                             << layout.num_tp_groups << " TP groups",
-                    "use more data or fewer ranks");
+  std::unique_ptr<data::Loader> loader_ptr;
+  // Every token and mask of every file is checked now, each rank a contiguous share of the
+  // sequences, so bad data stops the run here, naming the file and the sequence, not when the
+  // loader reaches it hours in.
+  data::DatasetStats data_stats;
+  const auto t_data = clock::now();
+  g.agree([&] {
+    loader_ptr = std::make_unique<data::Loader>(lc);
+    const data::Dataset& ds = loader_ptr->dataset();
+    DFLASH_CHECK_HINT(ds.vocab_size() <= tcfg.vocab_size,
+                      "data: " << files.front() << (files.size() > 1 ? " (and others)" : "") << " has vocab_size "
+                               << ds.vocab_size() << ", larger than the target's vocabulary of " << tcfg.vocab_size,
+                      "tokenize the data with the target's tokenizer");
+    const int64_t n = ds.num_sequences();
+    data_stats = ds.check_contents(n * rank / world, n * (rank + 1) / world, cfg.data.max_length,
+                                   fmt::format("the target's vocabulary has {} ids; tokenize the data with the target's "
+                                               "tokenizer and convert it with --vocab-size {}",
+                                               tcfg.vocab_size, tcfg.vocab_size));
+  });
+  data::Loader& loader = *loader_ptr;
+  {
+    std::vector<double> v{static_cast<double>(data_stats.sequences), static_cast<double>(data_stats.tokens),
+                          static_cast<double>(data_stats.supervised), static_cast<double>(data_stats.no_anchor)};
+    g.sum(v);
+    const int64_t nseq = std::llround(v[0]), ntok = std::llround(v[1]), nsup = std::llround(v[2]), nna = std::llround(v[3]);
+    const std::string where = files.front() + (files.size() > 1 ? fmt::format(" and {} more file(s)", files.size() - 1) : "");
+    // Identical sums on every rank: every rank refuses alike.
+    if (nsup == 0)
+      throw StartupError(fmt::format("data: no token of the {} sequences in {} is supervised (every loss_mask value is 0): "
+                                     "there is nothing to train on", nseq, where),
+                         "set loss_mask = 1 on the tokens the drafter should learn to predict (the responses); "
+                         "`dflash_data stats` shows the supervised share");
+    if (nna == nseq)
+      throw StartupError(fmt::format("data: none of the {} sequences in {} has two consecutive supervised tokens within "
+                                     "data.max_length = {}, so no anchor block can be drawn: there is nothing to train on",
+                                     nseq, where, cfg.data.max_length),
+                         "an anchor needs loss_mask = 1 at two neighbouring positions; check the masks, or raise "
+                         "data.max_length if the supervised tokens come late");
+    if (rank == 0) {
+      spdlog::info("data: checked {} sequences, {} tokens ({} supervised) of {} file(s) in {:.2f} s on {} rank(s)", nseq, ntok,
+                   nsup, files.size(), std::chrono::duration<double>(clock::now() - t_data).count(), world);
+      if (nna > 0 && static_cast<double>(nna) >= 0.05 * static_cast<double>(nseq))
+        spdlog::warn("data: {} of {} sequences ({:.1f}%) have no two consecutive supervised tokens within data.max_length = "
+                     "{}: the loader skips them (each leaves its batch slot empty)",
+                     nna, nseq, 100.0 * static_cast<double>(nna) / static_cast<double>(nseq), cfg.data.max_length);
+      if (!space_warning.empty()) spdlog::warn("{}", space_warning);
+    }
+  }
   const int64_t seq_per_step = cfg.training.batch_size * cfg.training.micro_batches;
   const int64_t steps_per_epoch = std::max<int64_t>(1, loader.slots_per_epoch() / seq_per_step);
   const int64_t total = cfg.training.max_steps ? *cfg.training.max_steps : *cfg.training.epochs * steps_per_epoch;
@@ -383,60 +681,46 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     if (!mem.empty()) spdlog::info("after loading: {}", mem);
   }
 
-  // ---- resume ----
+  // ---- resume (the checkpoint was found and its JSON files read at start-up) ----
   int64_t step = 0, skipped = 0, skipped_in_row = 0;
-  {
-    fs::path from;
-    if (cfg.checkpoint.resume == "auto") {
-      auto all = complete_checkpoints(ckpt_dir);
-      if (!all.empty()) from = all.back().second;
-    } else if (cfg.checkpoint.resume != "never") {
-      from = cfg.checkpoint.resume;
+  if (!resume.from.empty()) {
+    const auto t0 = clock::now();
+    const fs::path& from = resume.from;
+    try {
+      backend->load_optimizer((from / "optimizer.safetensors").string(), resume.state.at("optimizer"));
+      loader.restore(resume.loader);
+    } catch (const Error& e) {
+      DFLASH_FAIL_HINT("checkpoint " << from.string() << " cannot be resumed: " << e.message(), older_checkpoint_hint(from));
     }
-    if (!from.empty()) {
-      const auto t0 = clock::now();
-      const nlohmann::json st = nlohmann::json::parse(read_text(from / "state.json"));
-      const int ws = st.at("world").at("world_size").get<int>(), wtp = st.at("world").at("tp").get<int>();
-      DFLASH_CHECK_HINT(ws == world && wtp == tp,
-                        "checkpoint " << from.string() << " was written by " << ws << " rank(s) with tp " << wtp
-                                      << "; this run has " << world << " rank(s) with tp " << tp
-                                      << ": resuming on a different world size or tp is not supported",
-                        "resume with mpirun -n " << ws << " and parallel.tp = " << wtp
-                                                 << ", or set checkpoint.resume: never (or another checkpoint.dir) to start anew");
-      backend->load_optimizer((from / "optimizer.safetensors").string(), st.at("optimizer"));
-      loader.restore(nlohmann::json::parse(read_text(from / fmt::format("loader-g{}.json", layout.tp_group))));
-      step = st.at("step").get<int64_t>();
-      skipped = st.at("skipped_steps").get<int64_t>();
-      skipped_in_row = st.at("skipped_in_row").get<int64_t>();
-      if (rank == 0) {
-        spdlog::info("resumed from {} at step {}/{} (read in {:.1f} s)", from.string(), step, total,
-                     std::chrono::duration<double>(clock::now() - t0).count());
-        if (st.value("total_steps", total) != total)
-          spdlog::warn("the checkpoint was written by a run of {} steps; this one has {} (the LR schedule changes)",
-                       st.value("total_steps", total), total);
-        // Drop metric lines after the checkpoint (a run that went on past it and then died).
-        const fs::path mp = run_dir / "metrics.jsonl";
-        if (fs::exists(mp)) {
-          std::istringstream in(read_text(mp));
-          std::string line, kept;
-          while (std::getline(in, line)) {
-            if (line.empty()) continue;
-            auto j = nlohmann::json::parse(line, nullptr, false);
-            if (!j.is_discarded() && j.contains("step") && j["step"].get<int64_t>() > step) continue;
-            kept += line + "\n";
-          }
-          write_text(mp, kept);
-        }
-      }
-    } else if (rank == 0 && cfg.checkpoint.resume == "auto") {
-      spdlog::info("no complete checkpoint under {}: starting at step 0", ckpt_dir.string());
+    step = resume.step;
+    skipped = resume.state.at("skipped_steps").get<int64_t>();
+    skipped_in_row = resume.state.at("skipped_in_row").get<int64_t>();
+    if (rank == 0) {
+      spdlog::info("resumed from {} at step {}/{} (read in {:.1f} s)", from.string(), step, total,
+                   std::chrono::duration<double>(clock::now() - t0).count());
+      if (resume.state.value("total_steps", total) != total)
+        spdlog::warn("the checkpoint was written by a run of {} steps; this one has {} (the LR schedule changes)",
+                     resume.state.value("total_steps", total), total);
     }
+  } else if (rank == 0 && cfg.checkpoint.resume == "auto") {
+    spdlog::info("no complete checkpoint under {}: starting at step 0", ckpt_dir.string());
   }
-  std::ofstream metrics;
+  io::AppendFile metrics;
   if (rank == 0) {
-    if (step == 0) fs::remove(run_dir / "metrics.jsonl");
-    metrics.open(run_dir / "metrics.jsonl", std::ios::app);
-    DFLASH_CHECK_IO(metrics.good(), "opening", (run_dir / "metrics.jsonl").string());
+    const fs::path mp = run_dir / "metrics.jsonl";
+    if (step == 0) {
+      move_metrics_aside(mp);
+    } else if (fs::exists(mp)) {
+      // Keep the lines up to the checkpoint's step: a run that went on past it and then died, or one
+      // whose last line a full disk cut, leaves lines that the resumed steps replace.
+      const KeptMetrics k = keep_metric_lines(read_text(mp), step);
+      if (k.dropped_after || k.dropped_bad) {
+        io::write_file_atomic(mp.string(), k.text);
+        spdlog::info("metrics: kept {} line(s) of {} up to step {}; dropped {} after it and {} cut or invalid", k.kept,
+                     mp.string(), step, k.dropped_after, k.dropped_bad);
+      }
+    }
+    metrics = io::AppendFile(mp.string());
   }
 
   // ---- checkpoints ----
@@ -452,6 +736,10 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   auto save_checkpoint = [&](int64_t at_step, const nlohmann::json& loader_state, bool background) {
     const fs::path final_dir = ckpt_dir / fmt::format("ckpt-{}", at_step);
     const fs::path tmp = ckpt_dir / fmt::format("ckpt-{}.tmp", at_step);
+    // The logs and metrics up to this step reach the disk with the checkpoint (a full NFS volume
+    // reports only at fsync): a failure stops the run here.
+    sync_log_file();
+    if (rank == 0) metrics.sync();
     if (rank == 0) {
       writer.wait();  // the previous checkpoint is complete (its pruning cannot touch this one)
       fs::remove_all(tmp);
@@ -480,8 +768,8 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
       // A failed write names the checkpoint; the incomplete directory has no COMMIT marker, so resume
       // never takes it, and the newest complete checkpoint is untouched.
       auto write = [=, &dcfg, cs = std::move(cs), st = std::move(st)] {
+        const auto t1 = clock::now();
         try {
-          const auto t1 = clock::now();
           if (fault_checkpoint == at_step) DFLASH_FAIL("injected fault (DFLASH_FAULT_CHECKPOINT_WRITE=" << at_step << ")");
           drafter::export_hf((tmp / "drafter").string(), dcfg, cs.weights);
           cs.optimizer.save((tmp / "optimizer.safetensors").string());
@@ -493,24 +781,33 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
           fsync_path(ckpt_dir);
           write_text(final_dir / "COMMIT", fmt::format("step {}\n", at_step));
           fsync_path(final_dir);
-          // keep_last pruning, and leftovers of interrupted writes.
-          auto all = complete_checkpoints(ckpt_dir);
-          for (size_t i = 0; i + keep_last < all.size(); ++i) fs::remove_all(all[i].second);
-          for (const auto& e : fs::directory_iterator(ckpt_dir)) {
-            const std::string name = e.path().filename().string();
-            if (name.rfind("ckpt-", 0) == 0 && !fs::exists(e.path() / "COMMIT")) fs::remove_all(e.path());
-          }
-          uintmax_t bytes = 0;
-          for (const auto& e : fs::recursive_directory_iterator(final_dir))
-            if (e.is_regular_file()) bytes += e.file_size();
-          spdlog::info("checkpoint {} written ({:.2f} GiB: state copied in {:.1f} s, files written in {:.1f} s{})",
-                       final_dir.string(), static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0), copy_s,
-                       std::chrono::duration<double>(clock::now() - t1).count(), background ? " while training went on" : "");
         } catch (const std::exception& e) {
           const auto* de = dynamic_cast<const Error*>(&e);
           DFLASH_FAIL_HINT("checkpoint " << final_dir.string() << " could not be written: " << (de ? de->message() : e.what()),
                            "check the free space and permissions under " << ckpt_dir.string()
                                                                           << "; the newest complete checkpoint there is intact");
+        }
+        // The checkpoint is complete. keep_last pruning among this run's checkpoints up to this step
+        // (start-up refused a directory with later ones), and leftovers of interrupted writes; a failure
+        // here costs disk space, not the checkpoint: it is reported and the run goes on.
+        std::error_code ec;
+        auto all = complete_checkpoints(ckpt_dir);
+        std::erase_if(all, [&](const auto& c) { return c.first > at_step; });
+        for (size_t i = 0; i + keep_last < all.size(); ++i)
+          if (fs::remove_all(all[i].second, ec) == static_cast<std::uintmax_t>(-1) || ec)
+            spdlog::warn("checkpoint.keep_last: could not remove {}: {}", all[i].second.string(), ec.message());
+        for (const auto& e : fs::directory_iterator(ckpt_dir, ec)) {
+          const std::string name = e.path().filename().string();
+          if (name.rfind("ckpt-", 0) == 0 && e.path() != final_dir && !fs::exists(e.path() / "COMMIT")) fs::remove_all(e.path(), ec);
+        }
+        {
+          uintmax_t bytes = 0;
+          for (auto it = fs::recursive_directory_iterator(final_dir, ec); !ec && it != fs::recursive_directory_iterator();
+               it.increment(ec))
+            if (it->is_regular_file(ec)) bytes += it->file_size(ec);
+          spdlog::info("checkpoint {} written ({:.2f} GiB: state copied in {:.1f} s, files written in {:.1f} s{})",
+                       final_dir.string(), static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0), copy_s,
+                       std::chrono::duration<double>(clock::now() - t1).count(), background ? " while training went on" : "");
         }
       };
       if (background) writer.start(write);
@@ -537,8 +834,8 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   int64_t last_ckpt = start_step > 0 ? start_step : -1, log_steps = 0;
   if (rank == 0 && start_step >= total)
     spdlog::warn("nothing to train: this run is complete at step {}/{} (checkpoint.resume: auto found its last "
-                 "checkpoint); use another logging.run_dir, checkpoint.resume: never, or more training.epochs / "
-                 "training.max_steps to train again",
+                 "checkpoint); to train again give the new run its own logging.run_dir, or raise training.epochs / "
+                 "training.max_steps to continue this one",
                  start_step, total);
   const double peak_flops = on_gpu ? kPeakBf16PerGpu : 0.0;
   ProgressBar bar(rank == 0 && cfg.logging.progress_bar && ::isatty(STDERR_FILENO), total);
@@ -552,8 +849,14 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
       if (!item.empty()) fault_nonfinite.insert(std::stoll(item));
   }
 
+  // Test hook: DFLASH_FAULT_FULL_DISK_AT_STEP=N makes every log and metrics write from step N on
+  // fail as on a full disk (io::simulate_full_disk: half the line written, then ENOSPC).
+  const char* full_disk_env = std::getenv("DFLASH_FAULT_FULL_DISK_AT_STEP");
+  const int64_t fault_full_disk = full_disk_env ? std::atoll(full_disk_env) : -1;
+
   while (step < total) {
     if (rank == 0) writer.check();  // a background checkpoint write that failed stops the run here
+    if (step + 1 == fault_full_disk) io::simulate_full_disk(true);
     const nlohmann::json loader_state_before = loader.state();
     const bool stop_here = ropt.stop_after_steps >= 0 && step >= ropt.stop_after_steps;
     // Load this step's micro-batches and sample their blocks (no forward needed for Σw).
@@ -695,8 +998,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
                                         {"comm", log_times.comm_s}, {"optimizer", log_times.optimizer_s},
                                         {"interval", dt}, {"per_step", dt / n}}}};
         if (peak_flops > 0) line["mfu"] = mfu, line["mem_gib"] = mem, line["tflops_per_gpu"] = log_flops / dt / world / 1e12;
-        metrics << line.dump() << "\n";
-        metrics.flush();
+        metrics.append(line.dump() + "\n");  // a failed write (a full disk) stops the run here
       }
       if (intervals++ == 0) {
         first_loss = log_stats.loss();
@@ -712,6 +1014,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
       log_steps = 0;
       log_t0 = clock::now();
     }
+    check_log_file();  // a log line that could not be written stops the run, as a failed metrics write does
     if (step % cfg.checkpoint.interval == 0 && step < total) {
       bar.clear();
       save_checkpoint(step, loader.state(), true);

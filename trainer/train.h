@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/error.h"
 #include "trainer/config.h"
 
 namespace dflash::trainer {
@@ -25,6 +26,13 @@ struct RunOptions {
   int64_t stop_after_steps = -1;  // test hook: stop as on SIGTERM once this many steps are done
   std::string log_level = "info";
   int local_rank = 0, local_size = 1;  // this rank's place on its node (its GPU is local_rank)
+};
+
+// An error found while a run starts (directories, checkpoints, data), agreed on by every rank:
+// each rank throws the same one, so dflash_train prints it and exits 1 without aborting the job.
+class StartupError : public Error {
+ public:
+  using Error::Error;
 };
 
 struct RunResult {

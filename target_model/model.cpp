@@ -27,67 +27,84 @@ TargetModel::TargetModel(TargetConfig config, TargetWeights weights, comm::Commu
                    << dtype_name(weights_.dtype) << " on " << weights_.device.str());
 }
 
-void TargetModel::gdn_mixer(const LayerWeights& L, const Tensor& x, const SeqOffsets& seqs, ops::DeltaRuleAlgo algo,
-                            Tensor& out) const {
+TargetModel::GdnInputs TargetModel::gdn_inputs(const LayerWeights& L, const Tensor& x) const {
   const TargetConfig& c = config_;
-  const int64_t N = x.size(0), Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads;
+  const int64_t N = x.size(0), Hv = c.linear_num_value_heads;
+  GdnInputs in;
+  in.mixed = Tensor::empty({N, c.gdn_conv_dim()}, DType::F32);
+  ops::linear(x, L.gdn.in_proj_qkv, in.mixed);
+  in.z = Tensor::empty({N, c.gdn_value_dim()}, DType::F32);
+  ops::linear(x, L.gdn.in_proj_z, in.z);
+  in.b = Tensor::empty({N, Hv}, DType::F32);
+  in.a = Tensor::empty({N, Hv}, DType::F32);
+  ops::linear(x, L.gdn.in_proj_b, in.b);
+  ops::linear(x, L.gdn.in_proj_a, in.a);
+  return in;
+}
+
+ops::DeltaRuleParams TargetModel::gdn_core_params(const LayerWeights& L, const Tensor& conv, const GdnInputs& in) const {
+  const TargetConfig& c = config_;
+  const int64_t N = conv.size(0), Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, conv_dim = c.gdn_conv_dim();
-  Tensor mixed = Tensor::empty({N, conv_dim}, DType::F32);
-  ops::linear(x, L.gdn.in_proj_qkv, mixed);
-  Tensor z = Tensor::empty({N, c.gdn_value_dim()}, DType::F32);
-  ops::linear(x, L.gdn.in_proj_z, z);
-  Tensor b = Tensor::empty({N, Hv}, DType::F32), a = Tensor::empty({N, Hv}, DType::F32);
-  ops::linear(x, L.gdn.in_proj_b, b);
-  ops::linear(x, L.gdn.in_proj_a, a);
-  // One causal conv over the concatenated [q | k | v] channels, then split.
-  Tensor conv = Tensor::empty({N, conv_dim}, DType::F32);
-  ops::causal_conv1d(mixed, L.gdn.conv1d, seqs, /*silu=*/true, conv);
   ops::DeltaRuleParams p;
   p.q = conv.slice(1, 0, Hk * dk).contiguous().view({N, Hk, dk});
   p.k = conv.slice(1, Hk * dk, 2 * Hk * dk).contiguous().view({N, Hk, dk});
   p.v = conv.slice(1, 2 * Hk * dk, conv_dim).contiguous().view({N, Hv, dv});
   p.g = Tensor::empty({N, Hv}, DType::F32);
   p.beta = Tensor::empty({N, Hv}, DType::F32);
-  ops::gdn_gates(a, b, L.gdn.A_log, L.gdn.dt_bias, p.g, p.beta);
+  ops::gdn_gates(in.a, in.b, L.gdn.A_log, L.gdn.dt_bias, p.g, p.beta);
   p.l2norm_qk = true;
-  Tensor core = Tensor::empty({N, Hv, dv}, DType::F32);
-  ops::gated_delta_rule(p, seqs, algo, core);
+  return p;
+}
+
+void TargetModel::gdn_output(const LayerWeights& L, const Tensor& core, const Tensor& z, Tensor& out) const {
+  const TargetConfig& c = config_;
+  const int64_t N = core.size(0), Hv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
   Tensor normed = Tensor::empty({N, Hv, dv}, DType::F32);
   ops::gated_rms_norm(core, z.view({N, Hv, dv}), L.gdn.norm, static_cast<float>(c.rms_norm_eps), normed);
   ops::linear(normed.view({N, Hv * dv}), L.gdn.out_proj, out);
   if (tp_) tp_->all_reduce_sum(out);  // row-parallel out_proj: partial sums over the value heads
 }
 
-void TargetModel::attention_mixer(const LayerWeights& L, const Tensor& x, const SeqOffsets& seqs, Tensor& out) const {
+TargetModel::AttnInputs TargetModel::attn_inputs(const LayerWeights& L, const Tensor& x) const {
   const TargetConfig& c = config_;
   const int64_t N = x.size(0), Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, d = c.head_dim;
   const float eps = static_cast<float>(c.rms_norm_eps);
   Tensor qg = Tensor::empty({N, c.attn_q_proj_rows()}, DType::F32);
   ops::linear(x, L.attn.q_proj, qg);
-  Tensor q, gate;
+  AttnInputs a;
   if (c.attn_output_gate) {
     // Per head the projection holds [q (d) | gate (d)].
     Tensor per_head = qg.view({N, Hq, 2 * d});
-    q = per_head.slice(2, 0, d).contiguous();
-    gate = per_head.slice(2, d, 2 * d).contiguous().view({N, Hq * d});
+    a.q = per_head.slice(2, 0, d).contiguous();
+    a.gate = per_head.slice(2, d, 2 * d).contiguous().view({N, Hq * d});
   } else {
-    q = qg.view({N, Hq, d});
+    a.q = qg.view({N, Hq, d});
   }
-  Tensor k = Tensor::empty({N, Hkv * d}, DType::F32), v = Tensor::empty({N, Hkv * d}, DType::F32);
+  Tensor k = Tensor::empty({N, Hkv * d}, DType::F32);
+  a.v = Tensor::empty({N, Hkv * d}, DType::F32);
   ops::linear(x, L.attn.k_proj, k);
-  ops::linear(x, L.attn.v_proj, v);
-  Tensor k3 = k.view({N, Hkv, d});
-  ops::rms_norm(q, L.attn.q_norm, eps, ops::RmsNormKind::ZeroCentered, q);
-  ops::rms_norm(k3, L.attn.k_norm, eps, ops::RmsNormKind::ZeroCentered, k3);
-  ops::rope_neox_inplace(q, seqs, c.rotary_dim(), c.rope_theta);
-  ops::rope_neox_inplace(k3, seqs, c.rotary_dim(), c.rope_theta);
-  Tensor attn = Tensor::empty({N, Hq, d}, DType::F32);
-  ops::causal_attention(q, k3, v.view({N, Hkv, d}), seqs, 1.0f / std::sqrt(static_cast<float>(d)), attn);
-  Tensor flat = attn.view({N, Hq * d});
+  ops::linear(x, L.attn.v_proj, a.v);
+  a.k = k.view({N, Hkv, d});
+  a.v = a.v.view({N, Hkv, d});
+  ops::rms_norm(a.q, L.attn.q_norm, eps, ops::RmsNormKind::ZeroCentered, a.q);
+  ops::rms_norm(a.k, L.attn.k_norm, eps, ops::RmsNormKind::ZeroCentered, a.k);
+  return a;
+}
+
+void TargetModel::attn_output(const LayerWeights& L, Tensor& attn, const Tensor& gate, Tensor& out) const {
+  const TargetConfig& c = config_;
+  Tensor flat = attn.view({attn.size(0), c.num_attention_heads * c.head_dim});
   if (c.attn_output_gate) ops::sigmoid_gate_inplace(flat, gate);
   ops::linear(flat, L.attn.o_proj, out);
   if (tp_) tp_->all_reduce_sum(out);  // row-parallel o_proj
 }
+
+void TargetModel::final_norm(const Tensor& h, Tensor& y) const {
+  ops::rms_norm(h, weights_.norm, static_cast<float>(config_.rms_norm_eps), ops::RmsNormKind::ZeroCentered, y);
+}
+
+void TargetModel::lm_head(const Tensor& normed, Tensor& logits) const { ops::linear(normed, weights_.lm_head, logits); }
 
 void TargetModel::mlp(const LayerWeights& L, const Tensor& x, Tensor& out) const {
   const int64_t N = x.size(0), I = config_.intermediate_size;
@@ -128,6 +145,42 @@ ForwardResult TargetModel::forward(const std::vector<std::vector<int32_t>>& sequ
   for (const auto& s : sequences) flat.insert(flat.end(), s.begin(), s.end());
   Tensor ids = Tensor::from_blob(flat.data(), {N}, DType::I32);
 
+  const Mixer mixer = [&](int64_t, const LayerWeights& L, const Tensor& x, Tensor& out) {
+    if (L.type == LayerType::LinearAttention) {
+      const GdnInputs in = gdn_inputs(L, x);
+      // One causal conv over the concatenated [q | k | v] channels, then split.
+      Tensor conv = Tensor::empty({N, c.gdn_conv_dim()}, DType::F32);
+      ops::causal_conv1d(in.mixed, L.gdn.conv1d, seqs, /*silu=*/true, conv);
+      const ops::DeltaRuleParams p = gdn_core_params(L, conv, in);
+      Tensor core = Tensor::empty({N, c.linear_num_value_heads, c.linear_value_head_dim}, DType::F32);
+      ops::gated_delta_rule(p, seqs, options.delta_rule, core);
+      gdn_output(L, core, in.z, out);
+      if (options.counters) {
+        options.counters->add(Step::Conv, Path::Cpu);
+        options.counters->add(Step::DeltaRule, Path::Cpu);
+      }
+    } else {
+      AttnInputs a = attn_inputs(L, x);
+      ops::rope_neox_inplace(a.q, seqs, c.rotary_dim(), c.rope_theta);
+      ops::rope_neox_inplace(a.k, seqs, c.rotary_dim(), c.rope_theta);
+      Tensor attn = Tensor::empty({N, c.num_attention_heads, c.head_dim}, DType::F32);
+      ops::causal_attention(a.q, a.k, a.v, seqs, 1.0f / std::sqrt(static_cast<float>(c.head_dim)), attn);
+      attn_output(L, attn, a.gate, out);
+      if (options.counters) options.counters->add(Step::Attention, Path::Cpu);
+    }
+  };
+  Tensor h = run_stack(ids, mixer, options.capture, r.layers);
+  if (options.final_norm) {
+    r.final_hidden = Tensor::empty({N, H}, DType::F32);
+    final_norm(h, r.final_hidden);
+  }
+  return r;
+}
+
+Tensor TargetModel::run_stack(const Tensor& ids, const Mixer& mixer, const std::vector<int64_t>& capture,
+                              std::map<int64_t, Tensor>& layers) const {
+  const TargetConfig& c = config_;
+  const int64_t N = ids.size(0), H = c.hidden_size;
   Tensor h = Tensor::empty({N, H}, DType::F32);
   ops::embedding(ids, weights_.embed_tokens, h);
   Tensor normed = Tensor::empty({N, H}, DType::F32), mixed = Tensor::empty({N, H}, DType::F32);
@@ -135,28 +188,15 @@ ForwardResult TargetModel::forward(const std::vector<std::vector<int32_t>>& sequ
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const LayerWeights& L = weights_.layers[static_cast<size_t>(i)];
     ops::rms_norm(h, L.input_layernorm, eps, ops::RmsNormKind::ZeroCentered, normed);
-    if (L.type == LayerType::LinearAttention) {
-      gdn_mixer(L, normed, seqs, options.delta_rule, mixed);
-      if (options.counters) {
-        options.counters->add(Step::Conv, Path::Cpu);
-        options.counters->add(Step::DeltaRule, Path::Cpu);
-      }
-    } else {
-      attention_mixer(L, normed, seqs, mixed);
-      if (options.counters) options.counters->add(Step::Attention, Path::Cpu);
-    }
+    mixer(i, L, normed, mixed);
     ops::add(h, mixed, h);
     ops::rms_norm(h, L.post_attention_layernorm, eps, ops::RmsNormKind::ZeroCentered, normed);
     mlp(L, normed, mixed);
     ops::add(h, mixed, h);
-    for (int64_t id : options.capture)
-      if (id == i) r.layers[id] = h.clone();
+    for (int64_t id : capture)
+      if (id == i) layers[id] = h.clone();
   }
-  if (options.final_norm) {
-    r.final_hidden = Tensor::empty({N, H}, DType::F32);
-    ops::rms_norm(h, weights_.norm, eps, ops::RmsNormKind::ZeroCentered, r.final_hidden);
-  }
-  return r;
+  return h;
 }
 
 }  // namespace dflash::target

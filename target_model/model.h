@@ -1,6 +1,7 @@
 #pragma once
 // The Qwen3.5 hybrid target forward (decoder stack, frozen, no KV cache) with hidden-state capture.
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <vector>
 
@@ -42,10 +43,39 @@ class TargetModel {
   // Runs a batch of token sequences (each non-empty; ids in [0, vocab_size)).
   ForwardResult forward(const std::vector<std::vector<int32_t>>& sequences, const ForwardOptions& options) const;
 
+  // ---- The pieces of a layer that the forward and the decoder (decode.cpp) share; they differ
+  // only in the conv, the delta rule, RoPE positions and attention, which run on slot states there.
+  // One layer's token mixer: out = mixer(input_norm(h)), all-reduced under tp.
+  using Mixer = std::function<void(int64_t layer, const LayerWeights& L, const Tensor& normed, Tensor& out)>;
+  // Embeds ids [N] (int32, checked) and runs the decoder stack with `mixer` (residuals, norms, MLP);
+  // copies the outputs of the `capture` layers into `layers`; returns the last layer's output [N, H].
+  Tensor run_stack(const Tensor& ids, const Mixer& mixer, const std::vector<int64_t>& capture,
+                   std::map<int64_t, Tensor>& layers) const;
+  // GatedDeltaNet mixer: the in-projections [q|k|v] (conv input), z, a, b ...
+  struct GdnInputs {
+    Tensor mixed;  // [N, conv_dim]
+    Tensor z;      // [N, Hv·dv]
+    Tensor a, b;   // [N, Hv]
+  };
+  GdnInputs gdn_inputs(const LayerWeights& L, const Tensor& x) const;
+  // ... the delta rule's q, k, v from the conv output [N, conv_dim] and its gates (l2norm_qk set) ...
+  ops::DeltaRuleParams gdn_core_params(const LayerWeights& L, const Tensor& conv, const GdnInputs& in) const;
+  // ... and the gated RMSNorm + out_proj of the core's output [N, Hv, dv].
+  void gdn_output(const LayerWeights& L, const Tensor& core, const Tensor& z, Tensor& out) const;
+  // Gated attention mixer: q [N, Hq, d] and k [N, Hkv, d] after their norms (RoPE not applied), v,
+  // and the output gate [N, Hq·d] (undefined without attn_output_gate) ...
+  struct AttnInputs {
+    Tensor q, k, v, gate;
+  };
+  AttnInputs attn_inputs(const LayerWeights& L, const Tensor& x) const;
+  // ... and the gate + o_proj of the attention output [N, Hq, d] (overwritten).
+  void attn_output(const LayerWeights& L, Tensor& attn, const Tensor& gate, Tensor& out) const;
+  // y = final norm(h); logits [N, V] = y · lm_headᵀ.
+  void final_norm(const Tensor& h, Tensor& y) const;
+  void lm_head(const Tensor& normed, Tensor& logits) const;
+  comm::Communicator* tp() const { return tp_; }
+
  private:
-  void gdn_mixer(const LayerWeights& L, const Tensor& x, const ops::SeqOffsets& seqs, ops::DeltaRuleAlgo algo,
-                 Tensor& out) const;
-  void attention_mixer(const LayerWeights& L, const Tensor& x, const ops::SeqOffsets& seqs, Tensor& out) const;
   void mlp(const LayerWeights& L, const Tensor& x, Tensor& out) const;
 
   TargetConfig config_;

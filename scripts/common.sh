@@ -24,14 +24,16 @@ ensure_packages() {
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
 }
 
-# configure_and_build [extra cmake args...]: Release build in $DFLASH_BUILD.
+# configure_and_build [extra cmake args...]: Release build in $DFLASH_BUILD (every target, or only
+# the targets named in $DFLASH_TARGETS, e.g. "dflash_train dflash_plot").
 configure_and_build() {
   if [ ! -f "$DFLASH_BUILD/build.ninja" ] || [ $# -gt 0 ]; then
     say "configuring $DFLASH_BUILD $*"
     cmake -S "$DFLASH_ROOT" -B "$DFLASH_BUILD" -G Ninja -DCMAKE_BUILD_TYPE="${DFLASH_BUILD_TYPE:-Release}" "$@"
   fi
-  say "building with $DFLASH_JOBS jobs"
-  cmake --build "$DFLASH_BUILD" -j "$DFLASH_JOBS"
+  say "building ${DFLASH_TARGETS:-everything} with $DFLASH_JOBS jobs"
+  # shellcheck disable=SC2086
+  cmake --build "$DFLASH_BUILD" -j "$DFLASH_JOBS" ${DFLASH_TARGETS:+--target $DFLASH_TARGETS}
 }
 
 # Open MPI refuses to run as root unless told; CI and the GPU machines run as root.

@@ -8,7 +8,7 @@
 #        mpirun -n 2 is not used here; see tests/train_test.sh for the multi-rank runs.
 source "$(dirname "$0")/common.sh"
 ensure_packages
-configure_and_build
+DFLASH_TARGETS="dflash_train dflash_plot" configure_and_build  # only what the demo runs (scripts/test.sh builds the rest)
 say "training the tiny drafter (dflash_train on the embedded configs/tiny.yaml)"
 cd "$DFLASH_ROOT"
 "$DFLASH_BUILD/trainer/dflash_train" "$@"

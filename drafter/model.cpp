@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "drafter/ref_math.h"
 #include "kernels/error.h"
 
 namespace dflash::drafter {
@@ -31,134 +32,7 @@ std::vector<Block> sample_blocks(const std::vector<uint8_t>& loss_mask, const op
 
 namespace {
 
-// A row-major matrix of doubles: the reference's only working type.
-struct Mat {
-  int64_t rows = 0, cols = 0;
-  std::vector<double> v;
-  Mat() = default;
-  Mat(int64_t r, int64_t c) : rows(r), cols(c), v(static_cast<size_t>(r * c), 0.0) {}
-  double* row(int64_t i) { return v.data() + i * cols; }
-  const double* row(int64_t i) const { return v.data() + i * cols; }
-};
-
-// Host tensor of any float dtype -> [numel / last, last] doubles (1-D tensors become one row).
-Mat to_mat(const Tensor& t) {
-  const Tensor c = t.contiguous();
-  const int64_t cols = c.dim() == 0 ? 1 : c.size(-1);
-  Mat m(cols ? c.numel() / cols : 0, cols);
-  convert_elements(c.raw_data(), c.dtype(), m.v.data(), DType::F64, c.numel());
-  return m;
-}
-
-// t += m, for F32 / F64 host gradient buffers.
-void add_into(Tensor& t, const Mat& m, const std::string& name) {
-  DFLASH_CHECK(t.defined() && t.device().is_cpu() && t.is_contiguous() && t.numel() == static_cast<int64_t>(m.v.size()),
-               "gradient '" << name << "' must be a contiguous host tensor of " << m.v.size() << " elements");
-  if (t.dtype() == DType::F64) {
-    double* p = t.data<double>();
-    for (size_t i = 0; i < m.v.size(); ++i) p[i] += m.v[i];
-  } else {
-    DFLASH_CHECK(t.dtype() == DType::F32, "gradient '" << name << "' must be F32 or F64, got " << dtype_name(t.dtype()));
-    float* p = t.data<float>();
-    for (size_t i = 0; i < m.v.size(); ++i) p[i] = static_cast<float>(p[i] + m.v[i]);
-  }
-}
-
-Tensor to_f64_tensor(const Mat& m) {
-  Tensor t = Tensor::empty({m.rows, m.cols}, DType::F64);
-  std::copy(m.v.begin(), m.v.end(), t.data<double>());
-  return t;
-}
-
-double dot(const double* a, const double* b, int64_t n) {
-  double s = 0;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-void axpy(double* y, double a, const double* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
-// y[M, N] = x[M, K] · w[N, K]^T
-Mat linear(const Mat& x, const Mat& w) {
-  Mat y(x.rows, w.rows);
-  for (int64_t m = 0; m < x.rows; ++m)
-    for (int64_t n = 0; n < w.rows; ++n) y.row(m)[n] = dot(x.row(m), w.row(n), x.cols);
-  return y;
-}
-// dx += dy · w, dw += dy^T · x (either may be null).
-void linear_bwd(const Mat& x, const Mat& w, const Mat& dy, Mat* dx, Mat* dw) {
-  for (int64_t m = 0; m < dy.rows; ++m)
-    for (int64_t n = 0; n < dy.cols; ++n) {
-      const double g = dy.row(m)[n];
-      if (g == 0) continue;
-      if (dx) axpy(dx->row(m), g, w.row(n), w.cols);
-      if (dw) axpy(dw->row(n), g, x.row(m), x.cols);
-    }
-}
-
-// Plain RMSNorm (x̂·w) over consecutive groups of D values (D = cols, or head_dim per head).
-Mat rms(const Mat& x, const std::vector<double>& w, int64_t D, double eps, std::vector<double>& r) {
-  Mat y(x.rows, x.cols);
-  const int64_t groups = static_cast<int64_t>(x.v.size()) / D;
-  r.assign(static_cast<size_t>(groups), 0.0);
-  for (int64_t g = 0; g < groups; ++g) {
-    const double* xp = x.v.data() + g * D;
-    double* yp = y.v.data() + g * D;
-    const double rg = 1.0 / std::sqrt(dot(xp, xp, D) / static_cast<double>(D) + eps);
-    r[g] = rg;
-    for (int64_t i = 0; i < D; ++i) yp[i] = xp[i] * rg * w[i];
-  }
-  return y;
-}
-// dx += d/dx, dw += d/dw of y = x·r·w with r = (mean x² + eps)^-1/2.
-void rms_bwd(const Mat& x, const std::vector<double>& w, const std::vector<double>& r, int64_t D, const Mat& dy,
-             Mat& dx, std::vector<double>& dw) {
-  const int64_t groups = static_cast<int64_t>(r.size());
-  for (int64_t g = 0; g < groups; ++g) {
-    const double* xp = x.v.data() + g * D;
-    const double* gp = dy.v.data() + g * D;
-    double* dxp = dx.v.data() + g * D;
-    const double rg = r[g];
-    double sgx = 0;
-    for (int64_t i = 0; i < D; ++i) {
-      sgx += gp[i] * w[i] * xp[i];
-      dw[i] += gp[i] * xp[i] * rg;
-    }
-    const double k = rg * rg * rg * sgx / static_cast<double>(D);
-    for (int64_t i = 0; i < D; ++i) dxp[i] += rg * gp[i] * w[i] - k * xp[i];
-  }
-}
-
-// Neox RoPE over the full head_dim of every head of x [rows, heads·d] at positions pos[row];
-// sign -1 rotates backwards (the transpose: the backward of the forward rotation).
-void rope(Mat& x, int64_t d, const std::vector<int64_t>& pos, double theta, double sign) {
-  const int64_t half = d / 2, heads = x.cols / d;
-  std::vector<double> inv_freq(static_cast<size_t>(half));
-  for (int64_t i = 0; i < half; ++i) inv_freq[i] = std::pow(theta, -static_cast<double>(2 * i) / static_cast<double>(d));
-  for (int64_t r = 0; r < x.rows; ++r)
-    for (int64_t i = 0; i < half; ++i) {
-      const double ang = static_cast<double>(pos[r]) * inv_freq[i];
-      const double c = std::cos(ang), s = sign * std::sin(ang);
-      for (int64_t h = 0; h < heads; ++h) {
-        double* p = x.row(r) + h * d;
-        const double x1 = p[i], x2 = p[i + half];
-        p[i] = x1 * c - x2 * s;
-        p[i + half] = x2 * c + x1 * s;
-      }
-    }
-}
-
-double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
-
-// Parameter slots of one layer, in DrafterWeights::entries order.
-enum Slot { Q, K, V, O, QN, KN, GATE, UP, DOWN, IN_LN, POST_LN, kSlots };
-
-// A key of a block query: a context token (global index n) or a block row (global row index).
-struct Key {
-  bool in_block;
-  int64_t index;
-};
+using namespace ref;
 
 struct LayerCache {
   Mat h_in, xn, q_pre, kb_pre, kc_pre, q, kb, kc, vb, vc, o, h1, yn, g, u, m;
@@ -286,10 +160,8 @@ StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, cons
   check_batch(c, batch);
   const int64_t N = ctx_in.size(0);
   const int64_t nb = static_cast<int64_t>(batch.blocks.size()), R = nb * B;
-  std::vector<Mat> P;
-  auto entries = const_cast<DrafterWeights&>(w).entries(c);
-  for (const auto& e : entries) P.push_back(to_mat(*e.tensor));
-  auto lp = [&](int64_t l, int s) -> Mat& { return P[2 + l * kSlots + s]; };
+  std::vector<Mat> P = load_params(c, w);
+  auto lp = [&](int64_t l, int s) -> Mat& { return P[param_index(l, s)]; };
   Mat& norm_w = P.back();
 
   // Positions: context tokens at 0..S-1 of their sequence; block rows at anchor + j.
@@ -308,15 +180,9 @@ StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, cons
   // Block inputs: embeddings of [anchor token, mask × (B-1)].
   Mat h(R, H);
   {
-    const Tensor emb = target.embed_tokens.contiguous();
-    const auto* base = static_cast<const uint8_t*>(emb.raw_data());
-    const size_t es = dtype_size(emb.dtype());
-    for (int64_t b = 0; b < nb; ++b)
-      for (int64_t j = 0; j < B; ++j) {
-        const int64_t tok = j == 0 ? batch.tokens[batch.seqs.offsets[batch.blocks[b].seq] + batch.blocks[b].anchor]
-                                   : c.mask_token_id;
-        convert_elements(base + static_cast<size_t>(tok * H) * es, emb.dtype(), h.row(b * B + j), DType::F64, H);
-      }
+    std::vector<int64_t> ids(static_cast<size_t>(R), c.mask_token_id);
+    for (int64_t b = 0; b < nb; ++b) ids[b * B] = batch.tokens[batch.seqs.offsets[batch.blocks[b].seq] + batch.blocks[b].anchor];
+    embed_rows(target.embed_tokens, ids, h);
   }
 
   std::vector<LayerCache> cache(static_cast<size_t>(L));
@@ -345,33 +211,8 @@ StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, cons
       const int64_t S = batch.seqs.offsets[batch.blocks[b].seq + 1] - off;
       for (int64_t j = 0; j < B; ++j) {
         const int64_t r = b * B + j;
-        std::vector<Key>& keys = C.keys[r];
-        for (int64_t t = 0; t < S; ++t)
-          if (mask_allows(type, c.sliding_window, a, j, false, t, opt.mask)) keys.push_back({false, off + t});
-        for (int64_t jj = 0; jj < B; ++jj)
-          if (mask_allows(type, c.sliding_window, a, j, true, jj, opt.mask)) keys.push_back({true, b * B + jj});
-        const int64_t nk = static_cast<int64_t>(keys.size());
-        std::vector<double>& p = C.prob[r];
-        p.assign(static_cast<size_t>(Hq * nk), 0.0);
-        for (int64_t hq = 0; hq < Hq; ++hq) {
-          const int64_t kvo = (hq / group) * d;
-          const double* qv = C.q.row(r) + hq * d;
-          double* ph = p.data() + hq * nk;
-          double mx = -INFINITY;
-          for (int64_t i = 0; i < nk; ++i) {
-            const double* kv = (keys[i].in_block ? C.kb.row(keys[i].index) : C.kc.row(keys[i].index)) + kvo;
-            ph[i] = dot(qv, kv, d) * scale;
-            mx = std::max(mx, ph[i]);
-          }
-          double sum = 0;
-          for (int64_t i = 0; i < nk; ++i) sum += (ph[i] = std::exp(ph[i] - mx));
-          double* ov = C.o.row(r) + hq * d;
-          for (int64_t i = 0; i < nk; ++i) {
-            ph[i] /= sum;
-            const double* vv = (keys[i].in_block ? C.vb.row(keys[i].index) : C.vc.row(keys[i].index)) + kvo;
-            axpy(ov, ph[i], vv, d);
-          }
-        }
+        block_keys(type, c.sliding_window, a, j, S, off, B, b * B, opt.mask, C.keys[r]);
+        attend(C.q.row(r), C.keys[r], C.kc, C.vc, C.kb, C.vb, Hq, group, d, scale, C.prob[r], C.o.row(r));
       }
     }
     const Mat attn = linear(C.o, lp(l, O));

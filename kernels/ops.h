@@ -122,4 +122,12 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
                       const std::vector<int64_t>& past_len, const SeqOffsets& seqs, bool causal, int64_t window,
                       float scale, Tensor& out);
 
+// ---- sampling ------------------------------------------------------------------------------------
+// Greedy decoding's token choice (temperature / top-p sampling comes later in this section).
+
+// out[r] = argmax over v of logits[r, v] for host logits [R, V] (f32 or bf16; any float dtype,
+// rows may be strided), resized to R. Ties go to the lowest id; NaN entries are never chosen (a row
+// without any non-NaN value gives 0). The oracle of cuda::argmax_rows.
+void argmax_rows(const Tensor& logits, std::vector<int32_t>& out);
+
 }  // namespace dflash::ops

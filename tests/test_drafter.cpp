@@ -1,6 +1,7 @@
 // The DFlash drafter CPU reference: gradients of every parameter and of the context features
 // against central finite differences in float64, the mask (and the three published bugs), labels
-// and decay weights, anchors, the chunked CE, config parsing and the HF export / import.
+// and decay weights, anchors, the chunked CE, config parsing and the HF export / import; the
+// inference proposer (decode.h) against the training forward, and the greedy argmax op.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,9 +10,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
+#include <limits>
 
 #include "drafter/config.h"
+#include "drafter/decode.h"
 #include "drafter/loss.h"
 #include "drafter/model.h"
 #include "drafter/weights.h"
@@ -607,4 +611,198 @@ TEST(DrafterFlops, CountsMatchTheMaskAndTheShapes) {
   }
   EXPECT_DOUBLE_EQ(step_flops(c, b, false), fwd);
   EXPECT_DOUBLE_EQ(step_flops(c, b, true), bwd);
+}
+
+// ---------------------------------------------------------------- proposer (speculative decoding)
+
+namespace {
+
+// The proposer's fixture: tiny_config with blocks of 8 (the sliding window of 5 then cuts inside
+// the block), a pool of 4 slots; four sequences with n = 13, 6, 21 and 0 context positions in slots
+// 2, 0, 3, 1 (not the identity), their features and block start tokens.
+struct DecodeFixture {
+  DrafterConfig c = [] {
+    DrafterConfig c = tiny_config();
+    c.block_size = 8;
+    c.validate();
+    return c;
+  }();
+  DrafterWeights w = tiny_weights(c);
+  FrozenTarget t = tiny_target(c);
+  std::vector<int32_t> slots{2, 0, 3, 1};
+  std::vector<int64_t> n{13, 6, 21, 0};
+  std::vector<Tensor> features;  // [n_s + 1, k·H]: the context, and the block start's own row
+  std::vector<int32_t> x_start{5, 17, 30, 2};
+  static constexpr int64_t kSlots = 4, kMaxLen = 40;
+
+  DecodeFixture() {
+    for (int64_t len : n) features.push_back(randn64({len + 1, c.context_dim()}));
+  }
+  // Every sequence's whole context in one add_context call.
+  std::unique_ptr<Proposer> filled() const {
+    auto p = make_cpu_proposer(c, w, t, kSlots, kMaxLen);
+    ops::SeqOffsets seqs{{0}};
+    std::vector<Tensor> parts;
+    for (size_t s = 0; s < n.size(); ++s) {
+      parts.push_back(features[s].slice(0, 0, n[s]));
+      seqs.offsets.push_back(seqs.offsets.back() + n[s]);
+    }
+    p->add_context(slots, concat_rows(parts), seqs);
+    return p;
+  }
+  static Tensor concat_rows(const std::vector<Tensor>& parts) {
+    int64_t rows = 0;
+    for (const Tensor& x : parts) rows += x.size(0);
+    Tensor out = Tensor::empty({rows, parts.at(0).size(1)}, DType::F64);
+    int64_t at = 0;
+    for (const Tensor& x : parts) {
+      if (x.size(0)) out.slice(0, at, at + x.size(0)).copy_from(x);
+      at += x.size(0);
+    }
+    return out;
+  }
+  // The training forward's logits of every block row: one batch of the four sequences (context
+  // rows 0..n_s, token n_s = x_start), one block per sequence at anchor n_s, blocks of Bp rows;
+  // logits = final_hidden · lm_headᵀ.
+  Tensor training_logits(int64_t Bp) const {
+    DrafterConfig cb = c;
+    cb.block_size = Bp;
+    DrafterBatch b;
+    b.seqs.offsets = {0};
+    std::vector<Tensor> parts;
+    for (size_t s = 0; s < n.size(); ++s) {
+      parts.push_back(features[s]);
+      for (int64_t i = 0; i <= n[s]; ++i) b.tokens.push_back(i == n[s] ? x_start[s] : static_cast<int32_t>((i * 5 + s) % 36));
+      b.seqs.offsets.push_back(b.seqs.offsets.back() + n[s] + 1);
+      b.blocks.push_back({static_cast<int64_t>(s), n[s]});
+    }
+    b.context = concat_rows(parts);
+    b.loss_mask.assign(b.tokens.size(), 1);
+    const Tensor hf = hidden_of(cb, w, t, b);
+    const int64_t R = hf.size(0), H = c.hidden_size, V = c.vocab_size;
+    Tensor lg = Tensor::empty({R, V}, DType::F64);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t v = 0; v < V; ++v) {
+        double acc = 0;
+        for (int64_t k = 0; k < H; ++k) acc += hf.data<double>()[r * H + k] * t.lm_head.data<double>()[v * H + k];
+        lg.data<double>()[r * V + v] = acc;
+      }
+    return lg;
+  }
+};
+
+}  // namespace
+
+// Every block row's logits (and so every draft) are the training forward's for the same block:
+// full and sliding layers, blocks of 2, 4 and the drafter's 8, four slots in a permuted order, one
+// of them with no context at all.
+TEST(DrafterDecode, ProposeEqualsTheTrainingForward) {
+  DecodeFixture f;
+  auto p = f.filled();
+  for (int64_t Bp : {2, 4, 8}) {
+    Tensor logits;
+    const auto drafts = p->propose(f.slots, f.x_start, Bp, &logits);
+    const Tensor ref = f.training_logits(Bp);
+    const double err = max_rel_err(logits, ref);
+    std::printf("  block %ld: propose logits vs training forward, max rel err %.2e\n", static_cast<long>(Bp), err);
+    EXPECT_LE(err, 1e-6) << "block " << Bp;
+    std::vector<int32_t> top;
+    ops::argmax_rows(ref, top);
+    ASSERT_EQ(drafts.size(), f.slots.size());
+    for (size_t s = 0; s < f.slots.size(); ++s) {
+      ASSERT_EQ(static_cast<int64_t>(drafts[s].size()), Bp - 1);
+      for (int64_t j = 1; j < Bp; ++j) EXPECT_EQ(drafts[s][j - 1], top[s * Bp + j]) << "slot " << f.slots[s] << " row " << j;
+    }
+    for (size_t s = 0; s < f.slots.size(); ++s) EXPECT_EQ(p->context_length(f.slots[s]), f.n[s]) << "propose changed a context";
+  }
+}
+
+// Context added in pieces of 1, 2, 3, 7 and 5 rows (each call covering some of the slots, in a
+// changing order) gives exactly the same proposals as the whole context at once; reset empties a
+// slot, and refilling it gives the same again.
+TEST(DrafterDecode, ContextInPiecesEqualsAllAtOnce) {
+  DecodeFixture f;
+  Tensor whole, pieces;
+  f.filled()->propose(f.slots, f.x_start, 8, &whole);
+  auto p = make_cpu_proposer(f.c, f.w, f.t, DecodeFixture::kSlots, DecodeFixture::kMaxLen);
+  const std::vector<int64_t> sizes{1, 2, 3, 7, 5};
+  std::vector<int64_t> done(f.n.size(), 0);
+  for (int call = 0; done != f.n; ++call) {
+    std::vector<int32_t> slots;
+    std::vector<Tensor> parts;
+    ops::SeqOffsets seqs{{0}};
+    for (size_t k = 0; k < f.n.size(); ++k) {
+      const size_t s = (k + static_cast<size_t>(call)) % f.n.size();  // a rotating slot order
+      const int64_t T = std::min(sizes[(call + s) % sizes.size()], f.n[s] - done[s]);
+      if (T == 0 && (call + s) % 2) continue;  // sometimes a slot with nothing left is left out, sometimes sent T = 0
+      slots.push_back(f.slots[s]);
+      parts.push_back(f.features[s].slice(0, done[s], done[s] + T));
+      seqs.offsets.push_back(seqs.offsets.back() + T);
+      done[s] += T;
+    }
+    p->add_context(slots, DecodeFixture::concat_rows(parts), seqs);
+  }
+  p->propose(f.slots, f.x_start, 8, &pieces);
+  const double err = max_rel_err(pieces, whole);
+  std::printf("  context in pieces vs all at once: max rel err %.2e\n", err);
+  EXPECT_EQ(err, 0.0);
+  p->reset(f.slots[0]);
+  EXPECT_EQ(p->context_length(f.slots[0]), 0);
+  p->add_context({f.slots[0]}, f.features[0].slice(0, 0, f.n[0]).contiguous(), {{0, f.n[0]}});
+  Tensor again;
+  p->propose(f.slots, f.x_start, 8, &again);
+  EXPECT_EQ(max_rel_err(again, whole), 0.0) << "reset + refill";
+}
+
+TEST(DrafterDecode, BadInputsNameTheThing) {
+  DecodeFixture f;
+  auto p = f.filled();
+  auto err = [](const std::function<void()>& fn, const std::string& want) {
+    const std::string e = error_of(fn);
+    EXPECT_NE(e.find(want), std::string::npos) << "expected '" << want << "', got '" << e << "'";
+  };
+  err([&] { p->propose({2}, {5}, 9); }, "block_size 9 is outside [2, 8] (the drafter's block_size)");
+  err([&] { p->propose({2}, {5}, 1); }, "block_size 1 is outside [2, 8]");
+  err([&] { p->propose({4}, {5}, 4); }, "propose: slot 4 is outside the pool of 4 slots");
+  err([&] { p->propose({-1}, {5}, 4); }, "slot -1 is outside the pool of 4 slots");
+  err([&] { p->propose({2, 2}, {5, 5}, 4); }, "slot 2 appears twice in one call");
+  err([&] { p->propose({2}, {5, 6}, 4); }, "2 start tokens for 1 slots");
+  err([&] { p->propose({2}, {37}, 4); }, "start token 37 of slot 2 is outside the vocabulary [0, 37)");
+  err([&] { p->reset(7); }, "reset: slot 7 is outside the pool of 4 slots");
+  err([&] { p->context_length(4); }, "context_length: slot 4 is outside the pool of 4 slots");
+  const Tensor rows = randn64({20, f.c.context_dim()});
+  err([&] { p->add_context({4}, rows, {{0, 20}}); }, "add_context: slot 4 is outside the pool of 4 slots");
+  err([&] { p->add_context({3}, rows, {{0, 20}}); }, "add_context: slot 3 holds 21 context positions; 20 more exceed max_len 40");
+  err([&] { p->add_context({0}, randn64({2, f.c.hidden_size}), {{0, 2}}); },
+      "add_context: features must be [N, 32] (k = 2 captured layers × hidden 16), got f64[2, 16]");
+  err([&] { p->add_context({0, 1}, rows, {{0, 20}}); }, "2 slots for 1 sequences");
+  EXPECT_EQ(p->context_length(3), 21) << "a refused call changed the slot";
+  // A block beyond max_len: slot 3 holds 21 + 16 = 37 positions; a block of 4 would end at 41 > 40.
+  p->add_context({3}, rows.slice(0, 0, 16).contiguous(), {{0, 16}});
+  err([&] { p->propose({3}, {5}, 4); }, "propose: slot 3 holds 37 context positions; a block of 4 beyond them exceeds max_len 40");
+  EXPECT_NO_THROW(p->propose({3}, {5}, 3));
+  err([&] { make_cpu_proposer(f.c, f.w, f.t, 4, 7); }, "max_len 7 must hold at least one block (block_size 8)");
+}
+
+TEST(ArgmaxRows, TiesGoToTheLowestIdAndNaNIsNeverChosen) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  // Row 0: a tie at 2 and 5; row 1: NaNs around a tie at 1 and 4; row 2: all NaN; row 3: all -inf;
+  // row 4: equal values and a larger one at the end.
+  const std::vector<float> v{0, 1, 3, -2, 1, 3, 0, 2,  nan, 4, nan, 1, 4, 0, 0, 0,  nan, nan, nan, nan, nan, nan, nan, nan,
+                             -inf, -inf, -inf, -inf, -inf, -inf, -inf, -inf,  7, 7, 7, 7, 7, 7, 7, 8};
+  for (DType dt : {DType::F32, DType::BF16, DType::F64}) {
+    const Tensor x = Tensor::from_vector(v, {5, 8}, dt);
+    std::vector<int32_t> out;
+    ops::argmax_rows(x, out);
+    EXPECT_EQ(out, (std::vector<int32_t>{2, 1, 0, 0, 7})) << dtype_name(dt);
+  }
+  // A strided view: the first 5 columns of each row.
+  std::vector<int32_t> out;
+  ops::argmax_rows(Tensor::from_vector(v, {5, 8}).slice(1, 0, 5), out);
+  EXPECT_EQ(out, (std::vector<int32_t>{2, 1, 0, 0, 0}));
+  EXPECT_NE(error_of([] {
+              std::vector<int32_t> o;
+              ops::argmax_rows(Tensor::zeros({3, 0}, DType::F32), o);
+            }).find("V = 0 must be in [1, 2^31)"),
+            std::string::npos);
 }

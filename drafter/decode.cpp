@@ -1,0 +1,158 @@
+// The CPU reference proposer (decode.h): the training forward of model.cpp for one block at the
+// context's end, in double, written with the same helpers (ref_math.h) and the same mask
+// (mask_allows with anchor = context length), over a per-slot cache of each layer's context keys
+// (k_proj, k_norm, RoPE at their positions) and values.
+#include "drafter/decode.h"
+
+#include <cmath>
+
+#include "drafter/proposer_slots.h"
+#include "drafter/ref_math.h"
+#include "kernels/error.h"
+
+namespace dflash::drafter {
+
+namespace {
+
+using namespace ref;
+
+class CpuProposer final : public Proposer {
+ public:
+  CpuProposer(const DrafterConfig& c, const DrafterWeights& w, const FrozenTarget& target, int64_t num_slots,
+              int64_t max_len)
+      : c_(c), slots_(c, num_slots, max_len, "cpu proposer"), target_(target) {
+    c_.validate();
+    w.check(c_);
+    for (const auto& [t, name] : {std::pair{&target_.embed_tokens, "embed_tokens"}, {&target_.lm_head, "lm_head"}})
+      DFLASH_CHECK(t->defined() && t->device().is_cpu() && t->dim() == 2 && t->size(0) == c_.vocab_size &&
+                       t->size(1) == c_.hidden_size && dtype_is_float(t->dtype()),
+                   "cpu proposer: target " << name << " must be a host float tensor [" << c_.vocab_size << ", "
+                                           << c_.hidden_size << "], got " << (t->defined() ? t->describe() : "undefined"));
+    P_ = load_params(c_, w);
+    cache_.resize(static_cast<size_t>(num_slots));
+    for (int32_t s = 0; s < num_slots; ++s) reset(s);
+  }
+
+  const DrafterConfig& config() const override { return c_; }
+  Device device() const override { return Device::cpu(); }
+  int64_t num_slots() const override { return slots_.num_slots(); }
+  int64_t max_len() const override { return slots_.max_len(); }
+  int64_t context_length(int32_t slot) const override { return slots_.length(slot); }
+  void reset(int32_t slot) override {
+    slots_.reset(slot);
+    cache_[slot].k.assign(static_cast<size_t>(c_.num_hidden_layers), Mat(0, c_.kv_dim()));
+    cache_[slot].v = cache_[slot].k;
+  }
+
+  void add_context(const std::vector<int32_t>& slots, const Tensor& features, const ops::SeqOffsets& seqs) override {
+    slots_.check_add(slots, features, seqs);
+    DFLASH_CHECK(features.device().is_cpu() && dtype_is_float(features.dtype()),
+                 "cpu proposer: add_context: features must be a host float tensor, got " << features.describe());
+    const int64_t H = c_.hidden_size, d = c_.head_dim, N = features.size(0);
+    const double eps = c_.rms_norm_eps;
+    // ctx = hidden_norm(fc(features)), then per layer k = rope(k_norm(k_proj ctx)), v = v_proj ctx.
+    std::vector<double> r;
+    const Mat ctx = rms(linear(to_mat(features), P_[0]), P_[1].v, H, eps, r);
+    std::vector<int64_t> pos(static_cast<size_t>(N));
+    for (size_t s = 0; s < slots.size(); ++s)
+      for (int64_t n = seqs.offsets[s]; n < seqs.offsets[s + 1]; ++n)
+        pos[n] = slots_.length(slots[s]) + (n - seqs.offsets[s]);
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
+      Mat k = rms(linear(ctx, lp(l, K)), lp(l, KN).v, d, eps, r);
+      rope(k, d, pos, c_.rope_theta, 1.0);
+      const Mat v = linear(ctx, lp(l, V));
+      for (size_t s = 0; s < slots.size(); ++s) {
+        SlotCache& sc = cache_[slots[s]];
+        append_rows(sc.k[l], k, seqs.offsets[s], seqs.offsets[s + 1]);
+        append_rows(sc.v[l], v, seqs.offsets[s], seqs.offsets[s + 1]);
+      }
+    }
+    slots_.commit_add(slots, seqs);
+  }
+
+  std::vector<std::vector<int32_t>> propose(const std::vector<int32_t>& slots, const std::vector<int32_t>& x_start,
+                                            int64_t block_size, Tensor* logits) override {
+    slots_.check_propose(slots, x_start, block_size);
+    const int64_t Bp = block_size, S = static_cast<int64_t>(slots.size()), R = S * Bp;
+    const int64_t H = c_.hidden_size, d = c_.head_dim, Hq = c_.num_attention_heads, Vocab = c_.vocab_size;
+    const int64_t group = Hq / c_.num_key_value_heads;
+    const double eps = c_.rms_norm_eps, scale = 1.0 / std::sqrt(static_cast<double>(d));
+    // Block s: rows s·Bp + j = [x_start, mask × (Bp-1)] at positions n_s + j (n_s = its context length).
+    std::vector<int64_t> ids(static_cast<size_t>(R), c_.mask_token_id), pos(static_cast<size_t>(R));
+    for (int64_t s = 0; s < S; ++s) {
+      ids[s * Bp] = x_start[s];
+      for (int64_t j = 0; j < Bp; ++j) pos[s * Bp + j] = slots_.length(slots[s]) + j;
+    }
+    Mat h(R, H);
+    embed_rows(target_.embed_tokens, ids, h);
+    std::vector<double> r, prob;
+    std::vector<Key> keys;
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
+      const Mat xn = rms(h, lp(l, IN_LN).v, H, eps, r);
+      Mat q = rms(linear(xn, lp(l, Q)), lp(l, QN).v, d, eps, r);
+      Mat kb = rms(linear(xn, lp(l, K)), lp(l, KN).v, d, eps, r);
+      const Mat vb = linear(xn, lp(l, V));
+      rope(q, d, pos, c_.rope_theta, 1.0);
+      rope(kb, d, pos, c_.rope_theta, 1.0);
+      Mat o(R, c_.q_dim());
+      for (int64_t s = 0; s < S; ++s) {
+        const SlotCache& sc = cache_[slots[s]];
+        const int64_t n = slots_.length(slots[s]);
+        for (int64_t j = 0; j < Bp; ++j) {
+          block_keys(c_.layer_types[l], c_.sliding_window, n, j, n, 0, Bp, s * Bp, MaskVariant::Correct, keys);
+          attend(q.row(s * Bp + j), keys, sc.k[l], sc.v[l], kb, vb, Hq, group, d, scale, prob, o.row(s * Bp + j));
+        }
+      }
+      const Mat attn = linear(o, lp(l, O));
+      for (size_t i = 0; i < attn.v.size(); ++i) h.v[i] += attn.v[i];
+      const Mat yn = rms(h, lp(l, POST_LN).v, H, eps, r);
+      const Mat g = linear(yn, lp(l, GATE)), u = linear(yn, lp(l, UP));
+      Mat m(R, c_.intermediate_size);
+      for (size_t i = 0; i < m.v.size(); ++i) m.v[i] = g.v[i] * sigmoid(g.v[i]) * u.v[i];
+      const Mat mlp = linear(m, lp(l, DOWN));
+      for (size_t i = 0; i < mlp.v.size(); ++i) h.v[i] += mlp.v[i];
+    }
+    const Mat hf = rms(h, P_.back().v, H, eps, r);
+    // logits = hf · lm_headᵀ, one lm_head row (converted to double) at a time.
+    Tensor lg = Tensor::empty({R, Vocab}, DType::F64);
+    const Tensor lm = target_.lm_head.contiguous();
+    const auto* lm_base = static_cast<const uint8_t*>(lm.raw_data());
+    std::vector<double> wrow(static_cast<size_t>(H));
+    for (int64_t v = 0; v < Vocab; ++v) {
+      convert_elements(lm_base + static_cast<size_t>(v * H) * dtype_size(lm.dtype()), lm.dtype(), wrow.data(),
+                       DType::F64, H);
+      for (int64_t i = 0; i < R; ++i) lg.data<double>()[i * Vocab + v] = dot(hf.row(i), wrow.data(), H);
+    }
+    std::vector<int32_t> top;
+    ops::argmax_rows(lg, top);
+    std::vector<std::vector<int32_t>> drafts(static_cast<size_t>(S));
+    for (int64_t s = 0; s < S; ++s) drafts[s].assign(top.begin() + s * Bp + 1, top.begin() + (s + 1) * Bp);
+    if (logits) *logits = lg.to_dtype(DType::F32);
+    return drafts;
+  }
+
+ private:
+  struct SlotCache {
+    std::vector<Mat> k, v;  // per layer [context length, Hkv·d]: k normed and rotated at its positions
+  };
+  Mat& lp(int64_t l, int slot) { return P_[param_index(l, slot)]; }
+  static void append_rows(Mat& dst, const Mat& src, int64_t begin, int64_t end) {
+    dst.v.insert(dst.v.end(), src.row(begin), src.row(begin) + (end - begin) * src.cols);
+    dst.rows += end - begin;
+  }
+
+  DrafterConfig c_;
+  ProposerSlots slots_;
+  FrozenTarget target_;
+  std::vector<Mat> P_;            // parameters, DrafterWeights::entries order
+  std::vector<SlotCache> cache_;  // [num_slots]
+};
+
+}  // namespace
+
+std::unique_ptr<Proposer> make_cpu_proposer(const DrafterConfig& config, const DrafterWeights& weights,
+                                            const FrozenTarget& target, int64_t num_slots, int64_t max_len) {
+  return std::make_unique<CpuProposer>(config, weights, target, num_slots, max_len);
+}
+
+}  // namespace dflash::drafter

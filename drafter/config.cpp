@@ -171,6 +171,17 @@ void DrafterConfig::validate() const {
                    << ", outside the target's layers [0, " << num_target_layers << ")");
 }
 
+void DrafterConfig::check_target(const target::TargetConfig& target) const {
+  auto same = [&](int64_t mine, int64_t theirs, const char* what) {
+    DFLASH_CHECK_HINT(mine == theirs, "the drafter's " << what << " " << mine << " does not match the target's " << theirs,
+                      "a drafter is trained for one target model: use the target it was trained on, or train one for "
+                      "this target");
+  };
+  same(hidden_size, target.hidden_size, "hidden_size");
+  same(vocab_size, target.vocab_size, "vocab_size");
+  same(num_target_layers, target.num_hidden_layers, "num_target_layers");
+}
+
 json DrafterConfig::to_json() const {
   json lt = json::array();
   for (AttnType t : layer_types) lt.push_back(attn_type_name(t));

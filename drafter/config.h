@@ -53,6 +53,10 @@ struct DrafterConfig {
   nlohmann::json to_json() const;
   // Checks internal consistency; throws dflash::Error naming the field.
   void validate() const;
+  // Throws naming the field when this drafter was not made for `target`: hidden_size, vocab_size
+  // and num_target_layers must be the target's (validate() keeps target_layer_ids and
+  // mask_token_id inside them). The message does not name the drafter: callers add where it came from.
+  void check_target(const target::TargetConfig& target) const;
 
   // A drafter for `target`: hidden/vocab/heads/head_dim/intermediate/rope_theta from the target,
   // all layers full attention, default target_layer_ids with n = num_layers.

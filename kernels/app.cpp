@@ -1,6 +1,10 @@
 #include "kernels/app.h"
 
+#include <cctype>
+#include <cerrno>
+#include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 
 #include "dflash/version.h"
@@ -18,6 +22,27 @@ std::string version_string() {
 void add_common_options(CLI::App& app, std::string* log_level) {
   app.set_version_flag("--version", version_string());
   app.add_option("--log-level", *log_level, "trace|debug|info|warn|error")->capture_default_str();
+}
+
+std::vector<int32_t> parse_token_ids(const std::string& text, const std::string& where) {
+  std::vector<int32_t> ids;
+  std::string tok;
+  auto flush = [&] {
+    if (tok.empty()) return;
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(tok.c_str(), &end, 10);
+    DFLASH_CHECK_HINT(end && *end == '\0' && errno == 0 && v >= 0 && v <= INT32_MAX, where << ": '" << tok << "' is not a token id",
+                      "token ids are non-negative integers separated by commas or spaces");
+    ids.push_back(static_cast<int32_t>(v));
+    tok.clear();
+  };
+  for (char ch : text) {
+    if (ch == ',' || std::isspace(static_cast<unsigned char>(ch))) flush();
+    else tok.push_back(ch);
+  }
+  flush();
+  return ids;
 }
 
 int run_app(CLI::App& app, int argc, char** argv, const std::function<int()>& body) {

@@ -3,8 +3,10 @@
 // time), logging, and one place that turns exceptions into one clear message and a non-zero exit.
 #include <CLI/CLI.hpp>
 
+#include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace dflash {
 
@@ -13,6 +15,10 @@ std::string version_string();
 
 // Adds --version and --log-level to `app`.
 void add_common_options(CLI::App& app, std::string* log_level);
+
+// Token ids separated by commas or whitespace ("1,2, 3 4"); `where` names the source in errors
+// (e.g. "ids.txt:3"). Ids are non-negative int32.
+std::vector<int32_t> parse_token_ids(const std::string& text, const std::string& where);
 
 // Parses argv into `app`, then runs `body`. Returns the process exit code: 0 on success, non-zero
 // after printing exactly one error report (dflash::Error with its hint, CLI errors with usage).

@@ -93,17 +93,6 @@ void Decoder::commit(int32_t slot, int64_t n) {
 
 namespace {
 
-// (until ops::argmax_rows lands) ties go to the lowest id
-std::vector<int32_t> argmax_rows_tmp(const Tensor& logits) {
-  const int64_t R = logits.size(0), V = logits.size(1);
-  std::vector<int32_t> out(static_cast<size_t>(R));
-  for (int64_t r = 0; r < R; ++r) {
-    const float* p = logits.data<float>() + r * V;
-    out[static_cast<size_t>(r)] = static_cast<int32_t>(std::max_element(p, p + V) - p);
-  }
-  return out;
-}
-
 class CpuDecoder final : public Decoder {
  public:
   CpuDecoder(const TargetModel& model, int64_t num_slots, int64_t max_len)
@@ -236,7 +225,7 @@ class CpuDecoder final : public Decoder {
     Tensor hr = gather(h), normed = Tensor::empty({R, H}, DType::F32), logits = Tensor::empty({R, c.vocab_size}, DType::F32);
     model_.final_norm(hr, normed);
     model_.lm_head(normed, logits);
-    r.next = argmax_rows_tmp(logits);
+    ops::argmax_rows(logits, r.next);
     if (opt.logits) r.logits = logits;
     return r;
   }

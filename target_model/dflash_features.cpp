@@ -35,35 +35,13 @@ using namespace dflash::target;
 
 namespace {
 
-std::vector<int32_t> parse_ids(const std::string& text, const std::string& where) {
-  std::vector<int32_t> ids;
-  std::string tok;
-  std::istringstream in(text);
-  auto flush = [&] {
-    if (tok.empty()) return;
-    char* end = nullptr;
-    errno = 0;
-    long long v = std::strtoll(tok.c_str(), &end, 10);
-    DFLASH_CHECK_HINT(end && *end == '\0' && errno == 0 && v >= 0 && v <= INT32_MAX,
-                      where << ": '" << tok << "' is not a token id", "token ids are non-negative integers separated by commas or spaces");
-    ids.push_back(static_cast<int32_t>(v));
-    tok.clear();
-  };
-  for (char ch; in.get(ch);) {
-    if (ch == ',' || std::isspace(static_cast<unsigned char>(ch))) flush();
-    else tok.push_back(ch);
-  }
-  flush();
-  return ids;
-}
-
 std::vector<int64_t> parse_layers(const std::string& spec, int64_t n_layers) {
   std::vector<int64_t> ids;
   if (spec == "all") {
     for (int64_t i = 0; i < n_layers; ++i) ids.push_back(i);
     return ids;
   }
-  for (int32_t v : parse_ids(spec, "--layers")) ids.push_back(v);
+  for (int32_t v : parse_token_ids(spec, "--layers")) ids.push_back(v);
   DFLASH_CHECK_HINT(!ids.empty(), "--layers '" << spec << "' names no layer", "give ids like 1,16,31 or 'all'");
   return ids;
 }
@@ -138,13 +116,13 @@ int main(int argc, char** argv) {
                                                               << " CUDA device(s) visible",
                         "check nvidia-smi / CUDA_VISIBLE_DEVICES, or use --device cpu");
     std::vector<std::vector<int32_t>> seqs;
-    for (size_t i = 0; i < token_lists.size(); ++i) seqs.push_back(parse_ids(token_lists[i], "--tokens #" + std::to_string(i + 1)));
+    for (size_t i = 0; i < token_lists.size(); ++i) seqs.push_back(parse_token_ids(token_lists[i], "--tokens #" + std::to_string(i + 1)));
     if (!tokens_file.empty()) {
       std::ifstream in(tokens_file);
       DFLASH_CHECK_IO(in.good(), "opening token file", tokens_file);
       std::string line;
       for (int ln = 1; std::getline(in, line); ++ln) {
-        auto ids = parse_ids(line, tokens_file + ":" + std::to_string(ln));
+        auto ids = parse_token_ids(line, tokens_file + ":" + std::to_string(ln));
         if (!ids.empty()) seqs.push_back(std::move(ids));
       }
     }

@@ -671,14 +671,11 @@ drafter::DrafterConfig TrainConfig::drafter_config(const target::TargetConfig& t
     agree_dim("model.drafter.num_key_value_heads", d.num_key_value_heads, c.num_key_value_heads, "num_key_value_heads");
     agree_dim("model.drafter.head_dim", d.head_dim, c.head_dim, "head_dim");
     agree_dim("model.drafter.intermediate_size", d.intermediate_size, c.intermediate_size, "intermediate_size");
-    auto same = [&](int64_t drafter_v, int64_t target_v, const char* what) {
-      DFLASH_CHECK_HINT(drafter_v == target_v, s << ": " << key << " (" << path << "): the drafter's " << what << " "
-                                                 << drafter_v << " does not match the target's " << target_v,
-                        "a drafter is trained for one target model; check model.target and " << key);
-    };
-    same(c.hidden_size, target.hidden_size, "hidden_size");
-    same(c.vocab_size, target.vocab_size, "vocab_size");
-    same(c.num_target_layers, target.num_hidden_layers, "num_target_layers");
+    try {
+      c.check_target(target);
+    } catch (const Error& e) {
+      DFLASH_FAIL_HINT(s << ": " << key << " (" << path << "): " << e.message(), "check model.target and " << key);
+    }
     return c;
   }
   DFLASH_CHECK(d.mask_token_id.has_value(), s << ": model.drafter.mask_token_id must be set");

@@ -1,0 +1,356 @@
+// dflash_eval: speculative decoding with a trained DFlash drafter against target-only greedy
+// decoding on the same prompts: the measured acceptance length tau, its histogram, the acceptance
+// per block position, tokens/s of both and the speed-up, where a step's time goes, and the trainer's
+// acceptance-length estimate on the same prompts beside the measured tau. Any token where the two
+// outputs differ is a failure (exit 3), reported with the prompt and the position.
+//
+//   dflash_eval --model DIR --drafter runs/x/drafter --prompts data.h5 --num-prompts 8 --max-new-tokens 128
+//   dflash_eval --config configs/tiny/config.json --random-weights --drafter runs/tiny/drafter --prompts p.txt
+//   mpirun -n 2 dflash_eval ... --tp 2
+//
+// Prompts: a dflash.tokens.v1 file (the prompt of a sequence is its tokens before the first
+// loss_mask = 1; a sequence without supervised tokens is a whole prompt), a JSONL file of rows
+// {"input_ids": [...], "loss_mask": [...]} (the same rule; loss_mask optional), or a text file of
+// token ids, one prompt per line.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <numeric>
+
+#include <nlohmann/json.hpp>
+
+#include "bench/harness.h"
+#include "bench/report.h"
+#include "bench/speculative.h"
+#include "comm/comm.h"
+#include "data/dataset.h"
+#include "dflash/version.h"
+#include "drafter/decode.h"
+#include "drafter/weights.h"
+#include "kernels/app.h"
+#include "kernels/device.h"
+#include "kernels/log.h"
+#include "target_model/decode.h"
+#include "target_model/model.h"
+#include "target_model/tp.h"
+
+using namespace dflash;
+using json = nlohmann::json;
+
+namespace {
+
+// The prompt of a supervised sequence: its tokens before the first loss_mask = 1.
+std::vector<int32_t> prompt_of(const std::vector<int32_t>& ids, const std::vector<uint8_t>& mask) {
+  size_t n = 0;
+  while (n < ids.size() && (mask.empty() || !mask[n])) ++n;
+  return std::vector<int32_t>(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(n));
+}
+
+std::vector<std::vector<int32_t>> read_prompts(const std::string& path, int64_t limit) {
+  std::vector<std::vector<int32_t>> out;
+  const std::string ext = std::filesystem::path(path).extension().string();
+  auto check = [&](const std::vector<int32_t>& p, const std::string& where) {
+    DFLASH_CHECK_HINT(!p.empty(), where << ": the prompt is empty (its first token is already supervised)",
+                      "a prompt needs at least one token before the first loss_mask = 1");
+  };
+  if (ext == ".h5" || ext == ".hdf5") {
+    data::Dataset ds({path});
+    for (int64_t i = 0; i < ds.num_sequences() && static_cast<int64_t>(out.size()) < limit; ++i) {
+      const data::Sequence s = ds.sequence(i);
+      out.push_back(prompt_of(s.ids, s.mask));
+      check(out.back(), path + ": sequence " + std::to_string(i));
+    }
+  } else {
+    std::ifstream in(path);
+    DFLASH_CHECK_IO(in.good(), "opening prompt file", path);
+    std::string line;
+    for (int ln = 1; std::getline(in, line) && static_cast<int64_t>(out.size()) < limit; ++ln) {
+      const std::string where = path + ":" + std::to_string(ln);
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+      if (line.find('{') != std::string::npos) {
+        json row;
+        try {
+          row = json::parse(line);
+        } catch (const json::parse_error& e) {
+          DFLASH_FAIL_HINT(where << ": not valid JSON (" << e.what() << ")", "one {\"input_ids\": [...]} object per line");
+        }
+        DFLASH_CHECK_HINT(row.is_object() && row.contains("input_ids") && row["input_ids"].is_array(),
+                          where << ": the row has no \"input_ids\" array", "one {\"input_ids\": [...]} object per line");
+        std::vector<int32_t> ids;
+        std::vector<uint8_t> mask;
+        for (const json& v : row["input_ids"]) {
+          DFLASH_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() <= INT32_MAX,
+                       where << ": input_ids holds " << v.dump() << ", not a token id");
+          ids.push_back(v.get<int32_t>());
+        }
+        if (row.contains("loss_mask"))
+          for (const json& v : row["loss_mask"]) mask.push_back(v.is_boolean() ? v.get<bool>() : v.get<int64_t>() != 0);
+        DFLASH_CHECK(mask.empty() || mask.size() == ids.size(),
+                     where << ": " << ids.size() << " input_ids but " << mask.size() << " loss_mask values");
+        out.push_back(prompt_of(ids, mask));
+      } else {
+        out.push_back(parse_token_ids(line, where));
+      }
+      check(out.back(), where);
+    }
+  }
+  DFLASH_CHECK_HINT(!out.empty(), "no prompts in " << path, "give a .h5 dataset, a JSONL file or a file of token ids");
+  return out;
+}
+
+struct PromptReport {
+  int64_t prompt_len = 0, generated = 0;
+  std::vector<int64_t> accept;
+  bench::PhaseTimes greedy, spec;
+  drafter::StepStats est_steps, est_all;
+  int64_t mismatch_at = -1;  // first position where the outputs differ
+  int32_t want = -1, got = -1;
+};
+
+double mean(const std::vector<int64_t>& v) {
+  return v.empty() ? 0.0 : static_cast<double>(std::accumulate(v.begin(), v.end(), int64_t{0})) / static_cast<double>(v.size());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Speculative decoding with a DFlash drafter vs target-only greedy decoding: measured acceptance "
+               "length, speed-up and the training-time estimate on the same prompts."};
+  app.name("dflash_eval");
+  std::string log_level = "warn", model_dir, config_path, drafter_dir, prompts_path, device = "cpu", csv_path, json_path;
+  bool random_weights = false;
+  uint64_t seed = 0;
+  int64_t num_prompts = 16, max_new = 64, block_size = 0;
+  std::vector<int32_t> stop_tokens;
+  int tp = 1;
+  double timeout_s = 600;
+  add_common_options(app, &log_level);
+  auto* model_opt = app.add_option("--model", model_dir, "the target: a Hugging Face model directory");
+  auto* config_opt = app.add_option("--config", config_path, "the target: a config.json (with --random-weights)");
+  model_opt->excludes(config_opt);
+  app.add_flag("--random-weights", random_weights, "seeded random target weights instead of a checkpoint")->needs(config_opt);
+  app.add_option("--seed", seed, "seed of --random-weights")->capture_default_str();
+  app.add_option("--drafter", drafter_dir, "an exported drafter directory (config.json + model.safetensors)")->required();
+  app.add_option("--prompts", prompts_path, "prompts: a dflash.tokens.v1 .h5 file, JSONL rows or a token-id text file")->required();
+  app.add_option("--num-prompts", num_prompts, "use the first N prompts")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--max-new-tokens", max_new, "new tokens per prompt")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--block-size", block_size, "tokens per verify step (2 .. the drafter's block_size; default: the drafter's)");
+  app.add_option("--stop-token", stop_tokens, "end a generation after this token (repeatable)");
+  app.add_option("--device", device, "where the target and the drafter run: cpu or cuda[:N]")->capture_default_str();
+  app.add_option("--tp", tp, "tensor-parallel size of the target (under mpirun)")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--timeout", timeout_s, "seconds a collective may take before the job is ended")->capture_default_str();
+  app.add_option("--csv", csv_path, "append the summary rows to this CSV (the benchmarks' format)");
+  app.add_option("--json", json_path, "write the whole report (every prompt) as JSON");
+
+  std::unique_ptr<comm::MpiEnv> mpi;
+  return run_app(app, argc, argv, [&]() -> int {
+    if (tp > 1 || env_rank() >= 0) mpi = std::make_unique<comm::MpiEnv>(&argc, &argv);
+    const int world = mpi ? mpi->size() : 1, rank = mpi ? mpi->rank() : 0;
+    init_logging(rank, log_level);
+    const comm::Layout layout = comm::make_layout(world, rank, tp);
+    DFLASH_CHECK_HINT(world == tp, "dflash_eval runs one TP group: mpirun -n " << world << " with --tp " << tp,
+                      "start it with mpirun -n " << tp);
+    DFLASH_CHECK_HINT(!model_dir.empty() || random_weights, "no target given",
+                      "pass --model DIR, or --config FILE --random-weights");
+    const Device dev = Device::parse(device);
+
+    // ---- the target and the drafter, checked against each other before anything is loaded ----
+    const target::TargetConfig cfg = target::TargetConfig::from_file(random_weights ? config_path : model_dir);
+    drafter::LoadedDrafter d;
+    try {
+      d = drafter::import_hf(drafter_dir, DType::F32);
+      d.config.check_target(cfg);
+    } catch (const Error& e) {
+      DFLASH_FAIL_HINT("--drafter " << drafter_dir << ": " << e.message(), e.hint());
+    }
+    const drafter::DrafterConfig& dc = d.config;
+    if (block_size == 0) block_size = dc.block_size;
+    DFLASH_CHECK_HINT(block_size >= 2 && block_size <= dc.block_size,
+                      "--block-size " << block_size << " is outside [2, " << dc.block_size << "] (the drafter's block_size)",
+                      "a drafter proposes at most block_size - 1 tokens per step");
+    for (int32_t t : stop_tokens)
+      DFLASH_CHECK(t >= 0 && t < cfg.vocab_size, "--stop-token " << t << " is outside the vocabulary [0, " << cfg.vocab_size << ")");
+    target::check_tp(cfg, tp);
+    const std::vector<std::vector<int32_t>> prompts = read_prompts(prompts_path, num_prompts);
+    int64_t longest = 0;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      longest = std::max<int64_t>(longest, static_cast<int64_t>(prompts[i].size()));
+      for (int32_t t : prompts[i])
+        DFLASH_CHECK_HINT(t < cfg.vocab_size,
+                          prompts_path << ": prompt " << i << " holds token id " << t << ", outside the target's vocabulary [0, "
+                                       << cfg.vocab_size << ")",
+                          "tokenize the prompts with the target's tokenizer");
+    }
+    // Room for the prompt, the new tokens, a whole last block and the estimate's labels past the end.
+    const int64_t max_len = longest + max_new + 2 * block_size;
+
+    std::unique_ptr<comm::Communicator> tp_comm;
+    if (tp > 1) tp_comm = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, layout.tp_group, rank, dev, timeout_s, "tp");
+    std::unique_ptr<target::TargetModel> cpu_model;
+    std::unique_ptr<target::Decoder> dec;
+    std::unique_ptr<drafter::Proposer> prop;
+    const target::TargetConfig local = target::local_config(cfg, tp);
+    const target::TpShard shard{layout.tp_rank, tp};
+    drafter::FrozenTarget frozen;
+    const auto t_load = std::chrono::steady_clock::now();
+    if (dev.is_cpu()) {
+      target::check_cpu_reference_fits(local, cfg, "the CPU reference is for small models; run big targets with --device cuda");
+      target::TargetWeights w = random_weights ? target::random_weights_tp(cfg, seed, DType::F32, dev, shard)
+                                               : target::load_weights_tp(cfg, model_dir, DType::F32, dev, shard);
+      cpu_model = std::make_unique<target::TargetModel>(local, std::move(w), tp_comm.get());
+      frozen = {cpu_model->weights().embed_tokens, cpu_model->weights().lm_head};
+      dec = target::make_cpu_decoder(*cpu_model, 1, max_len);
+      prop = drafter::make_cpu_proposer(dc, d.weights, frozen, 1, max_len);
+    } else {
+      DFLASH_FAIL_HINT("--device " << device << ": the CUDA decoder is not built yet", "use --device cpu");
+    }
+    const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
+
+    bench::GenerateOptions go;
+    go.max_new_tokens = max_new;
+    go.stop_tokens = stop_tokens;
+    go.block_size = block_size;
+    std::vector<PromptReport> reports;
+    int64_t mismatches = 0;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const std::vector<int32_t>& p = prompts[i];
+      PromptReport rep;
+      rep.prompt_len = static_cast<int64_t>(p.size());
+      const bench::Generation greedy = bench::greedy_generate(*dec, 0, p, go, block_size - 1);
+      const bench::Generation spec = bench::speculative_generate(*dec, *prop, 0, p, go);
+      const int64_t n_greedy = static_cast<int64_t>(greedy.tokens.size()) - (block_size - 1);
+      rep.generated = n_greedy;
+      rep.accept = spec.accept;
+      rep.greedy = greedy.times;
+      rep.spec = spec.times;
+      for (int64_t t = 0; t < std::max<int64_t>(n_greedy, static_cast<int64_t>(spec.tokens.size())); ++t) {
+        const int32_t want = t < n_greedy ? greedy.tokens[static_cast<size_t>(t)] : -1;
+        const int32_t got = t < static_cast<int64_t>(spec.tokens.size()) ? spec.tokens[static_cast<size_t>(t)] : -1;
+        if (want != got) {
+          rep.mismatch_at = t, rep.want = want, rep.got = got;
+          ++mismatches;
+          break;
+        }
+      }
+      // The trainer's estimate on this prompt: the drafter's training forward over prompt + the
+      // target's greedy tokens, with the target's features of one forward over that sequence.
+      std::vector<int32_t> seq = p;
+      seq.insert(seq.end(), greedy.tokens.begin(), greedy.tokens.end());
+      target::ExtendOptions eo;
+      eo.capture = dc.target_layer_ids;
+      dec->reset(0);
+      const target::ExtendResult whole = dec->extend({0}, {seq}, eo);
+      dec->reset(0);
+      if (dev.is_cpu()) {
+        const bench::AcceptEstimate est = bench::training_estimate(dc, d.weights, frozen, whole.features, seq, rep.prompt_len,
+                                                                   n_greedy, spec.block_starts, block_size);
+        rep.est_steps = est.at_steps;
+        rep.est_all = est.at_all;
+      }
+      if (rank == 0)
+        std::printf("prompt %3zu: %4lld tokens, %4lld new, %3zu steps, tau %.3f (estimate at these blocks %.3f, at every "
+                    "position %.3f)%s\n",
+                    i, static_cast<long long>(rep.prompt_len), static_cast<long long>(n_greedy), spec.accept.size(),
+                    mean(spec.accept), rep.est_steps.accept_len(), rep.est_all.accept_len(),
+                    rep.mismatch_at >= 0 ? "  OUTPUT DIFFERS" : "");
+      reports.push_back(std::move(rep));
+    }
+    if (rank != 0) return mismatches ? 3 : 0;
+
+    // ---- summary ----
+    std::vector<int64_t> all_accept;
+    bench::PhaseTimes g, s;
+    int64_t tokens = 0;
+    drafter::StepStats est_steps, est_all;
+    for (const PromptReport& r : reports) {
+      all_accept.insert(all_accept.end(), r.accept.begin(), r.accept.end());
+      g.prefill += r.greedy.prefill, g.decode += r.greedy.decode;
+      s.prefill += r.spec.prefill, s.propose += r.spec.propose, s.verify += r.spec.verify, s.commit += r.spec.commit;
+      tokens += r.generated;
+      est_steps.add(r.est_steps);
+      est_all.add(r.est_all);
+    }
+    const int64_t steps = static_cast<int64_t>(all_accept.size());
+    const double tau = mean(all_accept);
+    std::vector<int64_t> hist(static_cast<size_t>(block_size + 1), 0);
+    for (int64_t a : all_accept) ++hist[static_cast<size_t>(a)];
+    const double tps_g = static_cast<double>(tokens) / g.steps(), tps_s = static_cast<double>(tokens) / s.steps();
+    std::printf("\n== dflash_eval: %s\n", version_string().c_str());
+    std::printf("target  %s on %s (%s), tp %d\n", cfg.summary().c_str(), dec->describe().c_str(), dev.str().c_str(), tp);
+    std::printf("drafter %s (%s)\n", dc.summary().c_str(), drafter_dir.c_str());
+    std::printf("%zu prompt(s) from %s, %lld new tokens each (at most), block %lld; loaded in %.1f s\n", prompts.size(),
+                prompts_path.c_str(), static_cast<long long>(max_new), static_cast<long long>(block_size), load_s);
+    std::printf("\ntau (mean acceptance length over %lld steps): %.3f\n", static_cast<long long>(steps), tau);
+    std::printf("  the trainer's estimate on the same prompts: %.3f at the same blocks, %.3f at every generated position\n",
+                est_steps.accept_len(), est_all.accept_len());
+    std::printf("acceptance length histogram:");
+    for (int64_t a = 1; a <= block_size; ++a) std::printf(" %lld:%lld", static_cast<long long>(a), static_cast<long long>(hist[a]));
+    std::printf("\nacceptance per block position k (share of steps whose draft k was accepted):");
+    for (int64_t k = 1; k < block_size; ++k) {
+      int64_t n = 0;
+      for (int64_t a : all_accept) n += a > k;
+      std::printf(" %.2f", steps ? static_cast<double>(n) / static_cast<double>(steps) : 0.0);
+    }
+    std::printf("\ntarget-only greedy: %lld tokens in %.3f s = %.1f tok/s (prefill %.3f s apart)\n",
+                static_cast<long long>(tokens), g.steps(), tps_g, g.prefill);
+    std::printf("speculative:        %lld tokens in %.3f s = %.1f tok/s; speed-up %.2fx\n", static_cast<long long>(tokens),
+                s.steps(), tps_s, tps_s / tps_g);
+    std::printf("  a step: propose %.2f ms, verify %.2f ms, commit %.2f ms (target decode step %.2f ms)\n",
+                1e3 * s.propose / static_cast<double>(std::max<int64_t>(steps, 1)),
+                1e3 * s.verify / static_cast<double>(std::max<int64_t>(steps, 1)),
+                1e3 * s.commit / static_cast<double>(std::max<int64_t>(steps, 1)),
+                1e3 * g.decode / static_cast<double>(std::max<int64_t>(tokens, 1)));
+
+    if (!csv_path.empty()) {
+      bench::CsvWriter csv(csv_path, dev.is_cpu() ? "cpu" : cuda_device_info(dev.index).name);
+      const std::string shape = "prompts=" + std::to_string(prompts.size()) + ",max_new=" + std::to_string(max_new) +
+                                ",block=" + std::to_string(block_size);
+      auto row = [&](const std::string& kernel, const std::string& metric, const std::string& unit, double v) {
+        csv.write({"dflash_eval", kernel, dev.is_cpu() ? "cpu" : "cuda", "tp" + std::to_string(tp), metric, unit, shape, v, v, v, false});
+      };
+      row("speculative", "tau", "tokens", tau);
+      row("speculative", "tau_estimate_same_blocks", "tokens", est_steps.accept_len());
+      row("speculative", "tau_estimate_all_positions", "tokens", est_all.accept_len());
+      row("speculative", "tok_s", "tok/s", tps_s);
+      row("greedy", "tok_s", "tok/s", tps_g);
+      row("speculative", "speedup", "x", tps_s / tps_g);
+      row("speculative", "propose_ms", "ms", 1e3 * s.propose / static_cast<double>(std::max<int64_t>(steps, 1)));
+      row("speculative", "verify_ms", "ms", 1e3 * s.verify / static_cast<double>(std::max<int64_t>(steps, 1)));
+      row("speculative", "commit_ms", "ms", 1e3 * s.commit / static_cast<double>(std::max<int64_t>(steps, 1)));
+      row("greedy", "decode_step_ms", "ms", 1e3 * g.decode / static_cast<double>(std::max<int64_t>(tokens, 1)));
+      row("speculative", "mismatches", "prompts", static_cast<double>(mismatches));
+    }
+    if (!json_path.empty()) {
+      json j{{"format", "dflash.eval.v1"}, {"version", version_string()}, {"target", cfg.summary()},
+             {"drafter", drafter_dir}, {"device", dev.str()}, {"tp", tp}, {"block_size", block_size},
+             {"max_new_tokens", max_new}, {"tau", tau}, {"steps", steps}, {"histogram", hist},
+             {"tau_estimate_same_blocks", est_steps.accept_len()}, {"tau_estimate_all_positions", est_all.accept_len()},
+             {"greedy_tok_s", tps_g}, {"speculative_tok_s", tps_s}, {"speedup", tps_s / tps_g},
+             {"time_s", {{"greedy_prefill", g.prefill}, {"greedy_decode", g.decode}, {"spec_prefill", s.prefill},
+                         {"propose", s.propose}, {"verify", s.verify}, {"commit", s.commit}}},
+             {"mismatches", mismatches}, {"prompts", json::array()}};
+      for (const PromptReport& r : reports)
+        j["prompts"].push_back({{"prompt_len", r.prompt_len}, {"generated", r.generated}, {"accept", r.accept},
+                                {"tau", mean(r.accept)}, {"estimate_same_blocks", r.est_steps.accept_len()},
+                                {"estimate_all_positions", r.est_all.accept_len()}, {"mismatch_at", r.mismatch_at}});
+      std::ofstream f(json_path);
+      DFLASH_CHECK_IO(f.good(), "writing", json_path);
+      f << j.dump(2) << "\n";
+    }
+    if (mismatches) {
+      for (size_t i = 0; i < reports.size(); ++i)
+        if (reports[i].mismatch_at >= 0)
+          std::fprintf(stderr, "dflash_eval: prompt %zu: speculative decoding gave token %d at new position %lld where the "
+                               "target's greedy decoding gave %d\n",
+                       i, reports[i].got, static_cast<long long>(reports[i].mismatch_at), reports[i].want);
+      std::fprintf(stderr, "dflash_eval: FAILED: %lld of %zu prompt(s) differ from target-only greedy decoding\n",
+                   static_cast<long long>(mismatches), reports.size());
+      return 3;
+    }
+    std::printf("outputs: all %zu prompt(s) equal target-only greedy decoding, token for token\n", reports.size());
+    return 0;
+  });
+}

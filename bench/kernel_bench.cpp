@@ -2,7 +2,7 @@
 // against a reference on the same inputs before it is timed (a wrong kernel never passes as a
 // fast one); rounds shuffle the provider order; rows go to CSV with the GPU name and commit.
 //
-//   kernel_bench --csv kernel_bench.csv [--only conv,gdn,gemm,attn,dattn,ce,layer] [--quick]
+//   kernel_bench --csv kernel_bench.csv [--only conv,gdn,gemm,attn,dattn,ce,layer,decode] [--quick]
 //
 // conv : N separate causal depthwise convs vs one fused conv over the concatenated channels, and
 //        the Qwen3.6-27B layer shape (10240 channels); GB/s from bytes = read x + write y (+ w).
@@ -18,6 +18,10 @@
 //        per chunk size, and the dense bf16 GEMM ceiling (8192³) measured in the same run.
 // layer: one GatedDeltaNet and one attention decoder layer at the 27B shape and small shapes.
 // dattn: DFlash block attention fwd / bwd at the 27B drafter shape.
+// decode: the decode / verify ops on a state pool: the delta rule (batch 1..64 x T 1..16), the conv
+//        update and attention over a KV cache (target and drafter shapes, contexts 1k..16k); GB/s
+//        against the device-to-device copy bandwidth measured in the same run ("of_copy" rows);
+//        each also timed as 20 calls replayed from a CUDA graph (mode "graph": no launch cost).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,12 +35,20 @@
 #include "bench/harness.h"
 #include "bench/report.h"
 #include "kernels/app.h"
+#include "kernels/cuda/check.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/train_launch.h"
 #include "kernels/device.h"
 #include "kernels/log.h"
 #include "kernels/random.h"
 #include "target_model/model_cuda.h"
+
+// Tuning knobs defined in the decode kernel files (0 = the launcher's automatic choice).
+namespace dflash::cuda::tuning {
+extern int gdn_pool_warps;
+extern int gdn_pool_cg;
+extern int attn_decode_splits;
+}  // namespace dflash::cuda::tuning
 
 using namespace dflash;
 using namespace dflash::target;
@@ -51,6 +63,10 @@ struct Ctx {
   uint64_t seed = 0;
   std::mt19937_64 order;
   std::unique_ptr<bench::CsvWriter> csv;
+  // decode section: which ops (gdn, conv, attn) and, for the delta rule, which batches / tokens
+  // (empty = all; e.g. to profile one shape under ncu).
+  std::string decode_ops = "gdn,conv,attn", decode_attn = "target1,target16,drafter16";
+  std::vector<int64_t> decode_batches, decode_tokens, decode_ctx;
 };
 
 Tensor dev_randn(const Shape& s, DType t, uint64_t stream, float stddev = 1.0f) {
@@ -75,6 +91,7 @@ struct Provider {
   std::string name;
   std::function<void()> run;
   std::function<Tensor()> output;  // for the correctness check (may be null: checked elsewhere)
+  double amount_scale = 1.0;       // this provider's share of the `units` amounts (e.g. 0.5: reads only)
 };
 
 // Checks every provider's output against the first one's, then times all of them in shuffled
@@ -111,7 +128,8 @@ void measure(Ctx& ctx, const std::string& bench, const std::string& kernel, cons
     if (base == 0) base = s.p50;
     std::printf("  %-6s %-22s %-44s %-26s %9.4f ms", bench.c_str(), kernel.c_str(), shape.c_str(), p.name.c_str(), s.p50);
     if (ctx.csv) ctx.csv->write({bench, kernel, p.name, "fwd", "time", "ms", shape, s.p50, s.p20, s.p80, s.noisy});
-    for (const auto& [metric, unit, amount] : units) {
+    for (const auto& [metric, unit, total] : units) {
+      const double amount = total * p.amount_scale;
       std::printf("  %8.1f %s", amount / (s.p50 / 1e3), unit.c_str());
       if (ctx.csv)
         ctx.csv->write({bench, kernel, p.name, "fwd", metric, unit, shape, amount / (s.p50 / 1e3),
@@ -366,20 +384,27 @@ double dense_ceiling(Ctx& ctx, const std::string& bench) {
   return ctx.csv->rows().back().p50;  // the dense row's TFLOP/s just written
 }
 
-// For the "achieved" rows written since first_row: the share of the dense ceiling, printed and
-// written as metric "of_dense" (%).
-void write_dense_shares(Ctx& ctx, const std::string& bench, size_t first_row, double dense_p50) {
+// For the rows of metric `of` written since first_row: their share of `ceiling` (same unit),
+// printed and written as metric `as` (%).
+void write_shares(Ctx& ctx, const std::string& bench, size_t first_row, double ceiling, const std::string& of,
+                  const std::string& as, const char* what) {
   std::vector<bench::Row> shares;
   for (size_t i = first_row; i < ctx.csv->rows().size(); ++i) {
     const auto& row = ctx.csv->rows()[i];
-    if (row.metric != "achieved") continue;
-    const double pct = 100.0 * row.p50 / dense_p50;
-    std::printf("  %-6s %-22s %-44s %-26s %6.1f %% of the dense bf16 ceiling (%.1f TFLOP/s)\n", bench.c_str(),
-                row.kernel.c_str(), row.shape.c_str(), row.provider.c_str(), pct, dense_p50);
-    shares.push_back({bench, row.kernel, row.provider, "fwd", "of_dense", "%", row.shape, pct,
-                      100.0 * row.p20 / dense_p50, 100.0 * row.p80 / dense_p50, row.noisy});
+    if (row.metric != of) continue;
+    const double pct = 100.0 * row.p50 / ceiling;
+    std::printf("  %-6s %-22s %-44s %-26s %6.1f %% of the %s (%.1f %s)\n", bench.c_str(), row.kernel.c_str(),
+                row.shape.c_str(), (row.provider + (row.mode == "fwd" ? "" : " " + row.mode)).c_str(), pct, what,
+                ceiling, row.unit.c_str());
+    shares.push_back({bench, row.kernel, row.provider, row.mode, as, "%", row.shape, pct, 100.0 * row.p20 / ceiling,
+                      100.0 * row.p80 / ceiling, row.noisy});
   }
   for (const auto& r : shares) ctx.csv->write(r);
+}
+// For the "achieved" rows written since first_row: the share of the dense ceiling, printed and
+// written as metric "of_dense" (%).
+void write_dense_shares(Ctx& ctx, const std::string& bench, size_t first_row, double dense_p50) {
+  write_shares(ctx, bench, first_row, dense_p50, "achieved", "of_dense", "dense bf16 ceiling");
 }
 
 void bench_ce(Ctx& ctx, bool quick) {
@@ -585,6 +610,308 @@ void bench_dattn(Ctx& ctx, bool quick) {
   write_dense_shares(ctx, "dattn", first_row, dense_p50);
 }
 
+// ---- decode: the decode / verify ops of speculative decoding -------------------------------------
+// The device-to-device copy ceiling of this run (one 1 GiB cudaMemcpyAsync, bytes read + written),
+// a row of `bench`; returns its median GB/s.
+double copy_ceiling(Ctx& ctx, const std::string& bench) {
+  const int64_t bytes = int64_t{1} << 30;
+  Tensor a = Tensor::empty({bytes}, DType::U8, Device::cuda(0)), b = a.clone();
+  measure(ctx, bench, "copy", "d2d 1 GiB", {{"cudaMemcpyAsync", [&] {
+             DFLASH_CUDA_CHECK(cudaMemcpyAsync(b.raw_data(), a.raw_data(), static_cast<size_t>(bytes),
+                                               cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(ctx.stream)));
+           }, nullptr}},
+          0, {{"bandwidth", "GB/s", 2.0 * static_cast<double>(bytes) / 1e9}});
+  return ctx.csv->rows().back().p50;
+}
+
+// Every provider's output against the first one's (the reference) on the same inputs, before any
+// timing (measure() does the same; this is for outputs checked against a provider that is not timed).
+void check_outputs(const std::string& what, const Tensor& ref, const std::vector<std::pair<std::string, Tensor>>& outs,
+                   double tolerance) {
+  DeviceContext::get(0).synchronize();
+  for (const auto& [name, out] : outs) {
+    const double e = max_rel_err(out, ref);
+    DFLASH_CHECK(e <= tolerance, "decode " << what << ": " << name << " disagrees with the reference (max rel err " << e
+                                           << " > " << tolerance << "); not timing a wrong kernel");
+  }
+}
+
+// Per-call time of `calls` back-to-back launches captured in one CUDA graph (no host launch cost
+// in the timing: what a decode engine that replays graphs sees), median of 10 replays; written as
+// mode "graph" rows with the same metrics as measure()'s.
+void measure_graph(Ctx& ctx, const std::string& kernel, const std::string& shape, const std::vector<Provider>& providers,
+                   const std::vector<std::tuple<std::string, std::string, double>>& units, int calls = 20) {
+  auto st = static_cast<cudaStream_t>(ctx.stream);
+  for (const auto& p : providers) {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec;
+    DFLASH_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    try {
+      for (int i = 0; i < calls; ++i) p.run();
+    } catch (const Error& e) {  // a launcher that cannot be captured: report it, keep the section going
+      cudaStreamEndCapture(st, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      cudaGetLastError();
+      std::printf("  decode %s %s %s: no graph timing (%s)\n", kernel.c_str(), shape.c_str(), p.name.c_str(), e.what());
+      continue;
+    }
+    DFLASH_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+    DFLASH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    std::vector<double> ms = bench::time_cuda(ctx.stream, 2, 10, [&] { DFLASH_CUDA_CHECK(cudaGraphLaunch(exec, st)); });
+    DFLASH_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    DFLASH_CUDA_CHECK(cudaGraphDestroy(graph));
+    for (double& m : ms) m /= calls;
+    bench::Stats s = bench::summarize(ms, {}, 0.05);
+    std::printf("  %-6s %-22s %-44s %-26s %9.4f ms", "decode", kernel.c_str(), shape.c_str(), (p.name + " graph").c_str(), s.p50);
+    ctx.csv->write({"decode", kernel, p.name, "graph", "time", "ms", shape, s.p50, s.p20, s.p80, false});
+    for (const auto& [metric, unit, amount] : units) {
+      std::printf("  %8.1f %s", amount / (s.p50 / 1e3), unit.c_str());
+      ctx.csv->write({"decode", kernel, p.name, "graph", metric, unit, shape, amount / (s.p50 / 1e3),
+                      amount / (s.p80 / 1e3), amount / (s.p20 / 1e3), false});
+    }
+    std::printf("\n");
+  }
+}
+
+// Rotation among `sets` disjoint groups of pool slots so that the state / cache a call reads is
+// not left in L2 by the previous call (the working set of all groups is >= 3x the L2 size).
+int rotation_sets(Ctx& ctx, double bytes_per_call) {
+  return static_cast<int>(std::clamp(std::ceil(3.0 * static_cast<double>(ctx.l2_bytes) / bytes_per_call), 1.0, 64.0));
+}
+Tensor slot_sets(int64_t batch, int sets) {  // [sets][batch], set i = slots i·batch .. i·batch + batch - 1, reversed
+  std::vector<int32_t> v;
+  for (int i = 0; i < sets; ++i)
+    for (int64_t b = 0; b < batch; ++b) v.push_back(static_cast<int32_t>(i * batch + batch - 1 - b));
+  return Tensor::from_blob(v.data(), {static_cast<int64_t>(v.size())}, DType::I32).to(Device::cuda(0));
+}
+
+void bench_decode(Ctx& ctx, bool quick) {
+  std::printf("\n== decode: decode / verify ops on a state pool (GDN delta rule, conv update, KV-cache attention)\n");
+  const double copy_gbs = copy_ceiling(ctx, "decode");
+  size_t first_row = ctx.csv->rows().size();
+  const Device dev = Device::cuda(0);
+
+  // Gated delta rule on a state pool, Qwen3.6-27B heads. GB/s counts the state bytes only (read,
+  // and written when update_state): the quantity the kernel is bound by. "verify" is the same call
+  // with update_state = false (the pool read only), "w1/w2/w4" force the warps per CTA.
+  auto wanted = [&](const char* op) { return ctx.decode_ops.find(op) != std::string::npos; };
+  if (wanted("gdn")) {
+    const int64_t Hk = 16, Hv = 48, d = 128;
+    std::vector<int64_t> batches = {1, 8, 32, 64}, Ts = {1, 2, 4, 8, 16};
+    if (quick) batches = {1, 64}, Ts = {1, 16};
+    if (!ctx.decode_batches.empty()) batches = ctx.decode_batches;
+    if (!ctx.decode_tokens.empty()) Ts = ctx.decode_tokens;
+    for (int64_t B : batches)
+      for (int64_t T : Ts) {
+        const int64_t N = B * T;
+        const double state_bytes = static_cast<double>(B * Hv * d * d * 4);
+        const int sets = rotation_sets(ctx, state_bytes);
+        const int64_t P = B * sets;
+        Tensor q = dev_randn({N, Hk, d}, DType::BF16, 71, 1.0f / 128.0f), k = dev_randn({N, Hk, d}, DType::BF16, 72, 0.0884f);
+        Tensor v = dev_randn({N, Hv, d}, DType::BF16, 73);
+        Tensor g = Tensor::empty({N, Hv}, DType::F32, dev), beta = g.clone();
+        fill_uniform(g, {1234, 74, 0}, -0.5f, 0.0f);
+        fill_uniform(beta, {1234, 75, 0}, 0.0f, 1.0f);
+        Tensor cu = cu_seqlens_of(std::vector<int64_t>(static_cast<size_t>(B), T)), slots = slot_sets(B, sets);
+        Tensor pool0 = dev_randn({P, Hv, d, d}, DType::F32, 76, 0.1f);
+        struct Run {
+          std::string name;
+          int warps, cg;
+          bool fallback, update;
+          Tensor pool, out;
+          int next = 0;
+        };
+        std::vector<Run> runs;
+        runs.push_back({"fallback", 0, 0, true, true, {}, {}});
+        runs.push_back({"fast", 0, 0, false, true, {}, {}});
+        if (T > 1) runs.push_back({"fast_verify", 0, 0, false, false, {}, {}});
+        for (int cg : {2, 4, 8}) runs.push_back({"fast_cg" + std::to_string(cg), 0, cg, false, true, {}, {}});
+        if (B <= 8)
+          for (int w : {1, 2, 4}) runs.push_back({"fast_w" + std::to_string(w), w, 0, false, true, {}, {}});
+        for (Run& r : runs) {
+          r.pool = pool0.clone();
+          r.out = Tensor::empty({N, Hv, d}, DType::BF16, dev);
+        }
+        auto call = [&](Run& r) {
+          cuda::DeltaRulePoolParams p;
+          p.q = q.raw_data();
+          p.k = k.raw_data();
+          p.v = v.raw_data();
+          p.ldv = Hv * d;
+          p.g = g.data<float>();
+          p.beta = beta.data<float>();
+          p.state = r.pool.data<float>();
+          p.slots = slots.data<int32_t>() + (r.next++ % sets) * B;
+          p.out = r.out.raw_data();
+          p.cu_seqlens = cu.data<int32_t>();
+          p.num_seqs = B;
+          p.N = N;
+          p.Hk = Hk;
+          p.Hv = Hv;
+          p.dk = d;
+          p.dv = d;
+          p.num_slots = P;
+          p.update_state = r.update;
+          const int saved_w = cuda::tuning::gdn_pool_warps, saved_cg = cuda::tuning::gdn_pool_cg;
+          cuda::tuning::gdn_pool_warps = r.warps;
+          cuda::tuning::gdn_pool_cg = r.cg;
+          if (r.fallback)
+            cuda::gated_delta_rule_pool_fallback(p, ctx.stream);
+          else
+            cuda::gated_delta_rule_pool_fast(p, ctx.stream);
+          cuda::tuning::gdn_pool_warps = saved_w;
+          cuda::tuning::gdn_pool_cg = saved_cg;
+        };
+        std::vector<Provider> prov;
+        for (Run& r : runs) prov.push_back({r.name, [&call, &r] { call(r); }, [&r] { return r.out; }, r.update ? 1.0 : 0.5});
+        const std::string shape = "B" + std::to_string(B) + " T" + std::to_string(T) + " Hk16 Hv48 d128";
+        // The fallback's state traffic counts the same bytes (it reads and writes the state once
+        // too); verify reads it only (amount_scale 0.5).
+        measure(ctx, "decode", "gated_delta_rule_pool", shape, prov, 2e-2, {{"bandwidth", "GB/s", 2 * state_bytes / 1e9}});
+        std::vector<Provider> fast_only(prov.begin() + 1, prov.begin() + 2);
+        measure_graph(ctx, "gated_delta_rule_pool", shape, fast_only, {{"bandwidth", "GB/s", 2 * state_bytes / 1e9}});
+      }
+  }
+
+  // Conv update, GatedDeltaNet q|k|v channels (C 10240, K 4, SiLU), x strided as the in-projection's
+  // output (ldx 16480). GB/s counts state read + write and x read + y write.
+  if (wanted("conv")) {
+    const int64_t C = 10240, K = 4, ldx = 16480;
+    for (int64_t B : {int64_t{1}, int64_t{8}, int64_t{64}})
+      for (int64_t T : {int64_t{1}, int64_t{16}}) {
+        const int64_t N = B * T;
+        const double bytes = static_cast<double>(B * (K - 1) * C * 2 * 2 + N * C * 2 * 2);
+        const int sets = rotation_sets(ctx, bytes);
+        Tensor x = dev_randn({N, ldx}, DType::BF16, 81), w = dev_randn({C, K}, DType::BF16, 82, 0.5f);
+        Tensor cu = cu_seqlens_of(std::vector<int64_t>(static_cast<size_t>(B), T)), slots = slot_sets(B, sets);
+        Tensor state0 = dev_randn({B * sets, K - 1, C}, DType::BF16, 83);
+        struct Run {
+          bool fast;
+          Tensor state, y;
+          int next = 0;
+        };
+        Run fb{false, state0.clone(), Tensor::empty({N, C}, DType::BF16, dev)};
+        Run fa{true, state0.clone(), Tensor::empty({N, C}, DType::BF16, dev)};
+        auto call = [&](Run& r) {
+          cuda::ConvUpdateParams p;
+          p.x = x.raw_data();
+          p.ldx = ldx;
+          p.w = w.raw_data();
+          p.y = r.y.raw_data();
+          p.state = r.state.raw_data();
+          p.slots = slots.data<int32_t>() + (r.next++ % sets) * B;
+          p.cu_seqlens = cu.data<int32_t>();
+          p.num_seqs = B;
+          p.N = N;
+          p.C = C;
+          p.K = K;
+          p.num_slots = B * sets;
+          if (r.fast)
+            cuda::causal_conv1d_update_fast(p, ctx.stream);
+          else
+            cuda::causal_conv1d_update_fallback(p, ctx.stream);
+        };
+        std::vector<Provider> prov = {{"fallback", [&] { call(fb); }, [&] { return fb.y; }},
+                                      {"fast", [&] { call(fa); }, [&] { return fa.y; }}};
+        const std::string shape = "B" + std::to_string(B) + " T" + std::to_string(T) + " C10240 K4";
+        measure(ctx, "decode", "causal_conv1d_update", shape, prov, 1e-2, {{"bandwidth", "GB/s", bytes / 1e9}});
+        measure_graph(ctx, "causal_conv1d_update", shape, {prov[1]}, {{"bandwidth", "GB/s", bytes / 1e9}});
+      }
+  }
+
+  // Attention over a KV cache: the target (Hq 24, Hkv 4, d 256, causal) at T 1 and 16, the
+  // drafter's full layer (Hq 32, Hkv 8, d 128, the block of 16 attends itself both ways), contexts
+  // 1k / 4k / 16k. GB/s counts the K / V bytes of the attended context. The fallback is the
+  // reference (checked, not timed); "sN" force N splits.
+  if (wanted("attn")) {
+    struct Case {
+      std::string name;
+      int64_t Hq, Hkv, d, T;
+      bool causal;
+    };
+    const std::vector<Case> cases = {{"target", 24, 4, 256, 1, true}, {"target", 24, 4, 256, 16, true},
+                                     {"drafter", 32, 8, 128, 16, false}};
+    std::vector<int64_t> ctxs = {1024, 4096, 16384}, batches = {1, 8};
+    if (quick) ctxs = {4096}, batches = {1};
+    if (!ctx.decode_batches.empty()) batches = ctx.decode_batches;
+    if (!ctx.decode_ctx.empty()) ctxs = ctx.decode_ctx;
+    for (const Case& c : cases)
+      for (int64_t B : batches)
+        for (int64_t ctxlen : ctxs) {
+          if (("," + ctx.decode_attn + ",").find("," + c.name + std::to_string(c.T) + ",") == std::string::npos) continue;
+          const int64_t N = B * c.T, past = ctxlen - c.T, L = ctxlen;
+          const double kv_bytes = static_cast<double>(B * 2 * ctxlen * c.Hkv * c.d * 2);
+          const int sets = rotation_sets(ctx, kv_bytes);
+          const int64_t P = B * sets;
+          Tensor kc = dev_randn({P, L, c.Hkv, c.d}, DType::BF16, 91), vc = dev_randn({P, L, c.Hkv, c.d}, DType::BF16, 92);
+          Tensor q = dev_randn({N, c.Hq, c.d}, DType::BF16, 93);
+          Tensor cu = cu_seqlens_of(std::vector<int64_t>(static_cast<size_t>(B), c.T)), slots = slot_sets(B, sets);
+          std::vector<int32_t> past_h(static_cast<size_t>(B), static_cast<int32_t>(past));
+          Tensor past_d = Tensor::from_blob(past_h.data(), {B}, DType::I32).to(dev);
+          cuda::AttentionDecodeParams base;
+          base.q = q.raw_data();
+          base.k_cache = kc.raw_data();
+          base.v_cache = vc.raw_data();
+          base.past_len = past_d.data<int32_t>();
+          base.cu_seqlens = cu.data<int32_t>();
+          base.num_seqs = B;
+          base.N = N;
+          base.Hq = c.Hq;
+          base.Hkv = c.Hkv;
+          base.d = c.d;
+          base.max_len = L;
+          base.num_slots = P;
+          base.max_new = c.T;
+          base.causal = c.causal;
+          base.scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+          struct Run {
+            std::string name;
+            int splits;  // -1: fallback
+            Tensor out, ws;
+            int next = 0;
+          };
+          std::vector<Run> runs;
+          runs.push_back({"fallback", -1, {}, {}});
+          runs.push_back({"fast", 0, {}, {}});
+          for (int sp : {1, 8, 32, 128}) runs.push_back({"fast_s" + std::to_string(sp), sp, {}, {}});
+          for (Run& r : runs) {
+            r.out = Tensor::empty({N, c.Hq, c.d}, DType::BF16, dev);
+            const int saved = cuda::tuning::attn_decode_splits;
+            cuda::tuning::attn_decode_splits = std::max(r.splits, 0);
+            const size_t ws = r.splits < 0 ? 0 : cuda::attention_decode_workspace(base);
+            cuda::tuning::attn_decode_splits = saved;
+            r.ws = Tensor::empty({static_cast<int64_t>(std::max<size_t>(ws, 16))}, DType::U8, dev);
+          }
+          auto call = [&](Run& r) {
+            cuda::AttentionDecodeParams p = base;
+            p.out = r.out.raw_data();
+            p.slots = slots.data<int32_t>() + (r.next++ % sets) * B;
+            p.workspace = r.ws.raw_data();
+            p.workspace_bytes = static_cast<size_t>(r.ws.numel());
+            const int saved = cuda::tuning::attn_decode_splits;
+            cuda::tuning::attn_decode_splits = std::max(r.splits, 0);
+            if (r.splits < 0)
+              cuda::attention_decode_fallback(p, ctx.stream);
+            else
+              cuda::attention_decode_fast(p, ctx.stream);
+            cuda::tuning::attn_decode_splits = saved;
+          };
+          for (Run& r : runs) call(r);  // all on slot set 0
+          std::vector<std::pair<std::string, Tensor>> outs;
+          for (size_t i = 1; i < runs.size(); ++i) outs.push_back({runs[i].name, runs[i].out});
+          const std::string shape = c.name + " B" + std::to_string(B) + " T" + std::to_string(c.T) +
+                                    " ctx" + std::to_string(ctxlen) + " Hq" + std::to_string(c.Hq) + " Hkv" +
+                                    std::to_string(c.Hkv) + " d" + std::to_string(c.d) + (c.causal ? "" : " full");
+          check_outputs(shape, runs[0].out, outs, 2e-2);
+          std::vector<Provider> prov;
+          for (size_t i = 1; i < runs.size(); ++i) prov.push_back({runs[i].name, [&call, &runs, i] { call(runs[i]); }, nullptr});
+          measure(ctx, "decode", "attention_decode", shape, prov, 2e-2, {{"bandwidth", "GB/s", kv_bytes / 1e9}});
+          measure_graph(ctx, "attention_decode", shape, {prov[0]}, {{"bandwidth", "GB/s", kv_bytes / 1e9}});
+        }
+  }
+  write_shares(ctx, "decode", first_row, copy_gbs, "bandwidth", "of_copy", "d2d copy bandwidth");
+}
+
 void bench_layer(Ctx& ctx, bool quick) {
   std::printf("\n== layer: one decoder layer (mixer + MLP), fast vs fallback kernels\n");
   struct Shape {
@@ -644,7 +971,7 @@ void bench_layer(Ctx& ctx, bool quick) {
 int main(int argc, char** argv) {
   CLI::App app{"Op-level benchmarks of the target's CUDA kernels (each provider checked before it is timed)."};
   app.name("kernel_bench");
-  std::string log_level = "warn", csv, only = "conv,gdn,gemm,attn,dattn,ce,layer";
+  std::string log_level = "warn", csv, only = "conv,gdn,gemm,attn,dattn,ce,layer,decode";
   bool quick = false;
   Ctx ctx;
   add_common_options(app, &log_level);
@@ -652,8 +979,14 @@ int main(int argc, char** argv) {
   std::string json_path, baseline;
   app.add_option("--json", json_path, "also write this run's rows as JSON");
   app.add_option("--baseline", baseline, "an earlier CSV: print now/baseline per row and the geomean per group");
-  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,attn,dattn,ce,layer")->capture_default_str();
+  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,attn,dattn,ce,layer,decode")->capture_default_str();
   app.add_flag("--quick", quick, "a few shapes only (smoke run)");
+  app.add_option("--decode-ops", ctx.decode_ops, "decode section: which of gdn,conv,attn")->capture_default_str();
+  app.add_option("--decode-batches", ctx.decode_batches, "decode section, delta rule: only these batch sizes");
+  app.add_option("--decode-tokens", ctx.decode_tokens, "decode section, delta rule: only these T");
+  app.add_option("--decode-ctx", ctx.decode_ctx, "decode section, attention: only these context lengths");
+  app.add_option("--decode-attn", ctx.decode_attn, "decode section, attention: which of target1,target16,drafter16")
+      ->capture_default_str();
   app.add_option("--warmup", ctx.warmup, "untimed calls before the first round")->capture_default_str();
   app.add_option("--iters", ctx.iters, "timed calls per round")->capture_default_str();
   app.add_option("--rounds", ctx.rounds, "rounds, provider order shuffled per round")->capture_default_str();
@@ -672,7 +1005,7 @@ int main(int argc, char** argv) {
                 static_cast<unsigned long long>(ctx.seed));
     const std::vector<std::pair<std::string, void (*)(Ctx&, bool)>> sections = {
         {"conv", bench_conv}, {"gdn", bench_gdn},     {"gemm", bench_gemm},  {"attn", bench_attn},
-        {"ce", bench_ce},     {"layer", bench_layer}, {"dattn", bench_dattn}};
+        {"ce", bench_ce},     {"layer", bench_layer}, {"dattn", bench_dattn}, {"decode", bench_decode}};
     std::set<std::string> wanted;
     for (std::stringstream ss(only); ss.good();) {
       std::string name;
@@ -680,7 +1013,7 @@ int main(int argc, char** argv) {
       if (name.empty()) continue;
       DFLASH_CHECK_HINT(std::any_of(sections.begin(), sections.end(), [&](const auto& s) { return s.first == name; }),
                         "kernel_bench --only: unknown section '" << name << "'",
-                        "the sections are conv, gdn, gemm, attn, dattn, ce, layer");
+                        "the sections are conv, gdn, gemm, attn, dattn, ce, layer, decode");
       wanted.insert(name);
     }
     for (const auto& [name, fn] : sections)

@@ -170,4 +170,121 @@ bool chunk_gated_delta_rule_supported(int64_t dk, int64_t dv, int sm_major);
 // Token-recurrent, one block per (sequence, value head, dv slice); any dk, dv.
 void recurrent_gated_delta_rule(const DeltaRuleParams& p, Stream s);
 
+// ---- Decode / verify (speculative decoding) -----------------------------------------------------
+// All of these work on a state pool of num_slots slots: a batch of num_seqs sequences, sequence s
+// in pool slot slots[s] (int32 device array), bringing T_s >= 0 new tokens packed back to back
+// (cu_seqlens {0, T_0, T_0 + T_1, ..., N}). T = 1 is decode, T = 2..16 verify (any T works).
+// slots, past_len and cu_seqlens are device data the launchers cannot read: the caller guarantees
+// 0 <= slots[s] < num_slots, slots distinct within a call that writes the pool, and (attention)
+// past_len[s] + T_s <= max_len. A kernel that meets a slot or position outside the pool skips it
+// (it writes nothing out of bounds; that sequence's outputs are then undefined).
+
+// Causal conv update (GatedDeltaNet short conv, channel-last). state [num_slots, K-1, C] bf16 holds
+// the last K-1 conv inputs of each slot (zeros for a new sequence). For seq s the window is
+// [state rows ; its T_s rows of x] and y_t[c] = act(sum_j w[c, j] · window[t + j][c]); with
+// update_state the slot's state becomes the window's last K-1 rows (also when T_s < K-1).
+// x rows strided (ldx >= C, e.g. the q|k|v columns of the in-projection output), y [N, C].
+struct ConvUpdateParams {
+  const void* x = nullptr;
+  int64_t ldx = 0;
+  const void* w = nullptr;     // [C, K]
+  void* y = nullptr;           // [N, C]
+  void* state = nullptr;       // [num_slots, K-1, C] bf16
+  const int32_t* slots = nullptr;       // [num_seqs]
+  const int32_t* cu_seqlens = nullptr;  // [num_seqs + 1]
+  int64_t num_seqs = 0, N = 0, C = 0, K = 0, num_slots = 0;
+  bool silu = true, update_state = true;
+};
+// One thread per (sequence, 8 channels): the state rows and the sequence's rows stay in registers,
+// 16-byte loads and stores. Needs C % 8 == 0, ldx % 8 == 0, K in [1, 4], 16-byte aligned x / y / state.
+void causal_conv1d_update_fast(const ConvUpdateParams& p, Stream s);
+bool causal_conv1d_update_fast_supported(int64_t C, int64_t K);
+// One thread per (sequence, channel); any C and K, any alignment.
+void causal_conv1d_update_fallback(const ConvUpdateParams& p, Stream s);
+// The kernel the fast path names for this shape ("vec8" or "fallback").
+const char* causal_conv1d_update_kernel_name(int64_t C, int64_t K);
+
+// Gated delta rule on a state pool (fp32 [num_slots, Hv, dk, dv]): per sequence, its tokens in
+// order from its slot's state, S = exp(g_t) S; S += k_t (beta_t (v_t - Sᵀk_t))ᵀ; o_t = Sᵀ q_t.
+// q / k prepared as in DeltaRuleParams (gdn_prep's output: q l2-normalised and scaled, k normalised;
+// bf16 [N, Hk, dk]); value head h reads key head h / (Hv / Hk). out [N, Hv, dv] bf16 or null (no
+// output: re-running accepted tokens at commit time). update_state: the state after the sequence's
+// last token is written back to its slot; false leaves the pool untouched (verify; the rollback
+// scheme re-runs the accepted tokens later with update_state = true).
+struct DeltaRulePoolParams {
+  const void* q = nullptr;  // [N, Hk, dk] bf16
+  const void* k = nullptr;  // [N, Hk, dk] bf16
+  const void* v = nullptr;  // rows strided: v of token n, head h at v + n*ldv + h*dv
+  int64_t ldv = 0;
+  const float* g = nullptr;     // [N, Hv]
+  const float* beta = nullptr;  // [N, Hv]
+  float* state = nullptr;       // [num_slots, Hv, dk, dv] fp32
+  const int32_t* slots = nullptr;
+  void* out = nullptr;          // [N, Hv, dv] bf16, nullable
+  const int32_t* cu_seqlens = nullptr;
+  int64_t num_seqs = 0, N = 0, Hk = 0, Hv = 0, dk = 0, dv = 0, num_slots = 0;
+  bool update_state = true;
+};
+// Memory bound: each (slot, head, dv slice) state is read once per call into registers, kept there
+// across the sequence's tokens, and written once (only with update_state); dv is split across CTAs
+// so that small batches still fill the GPU. Supports dk in {64, 128, 256}, dv % 8 == 0, sm >= 80.
+void gated_delta_rule_pool_fast(const DeltaRulePoolParams& p, Stream s);
+bool gated_delta_rule_pool_fast_supported(int64_t dk, int64_t dv, int sm_major);
+// Plain kernel for any dk (<= 1024) and dv: the state tile in shared memory, the formula as written.
+void gated_delta_rule_pool_fallback(const DeltaRulePoolParams& p, Stream s);
+// "register-resident" or "fallback" for these head dims on an sm_major device.
+const char* gated_delta_rule_pool_kernel_name(int64_t dk, int64_t dv, int sm_major);
+
+// KV-cache append: the new tokens' k / v (token rows ldk / ldv elements apart, e.g. columns of a
+// fused q|k|v projection; the Hkv·d values of a row contiguous) into the cache pool k_cache /
+// v_cache [num_slots, max_len, Hkv, d] bf16 at positions past_len[s] .. past_len[s] + T_s - 1.
+struct KvAppendParams {
+  const void* k = nullptr;
+  int64_t ldk = 0;  // 0 = Hkv·d
+  const void* v = nullptr;
+  int64_t ldv = 0;  // 0 = Hkv·d
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  const int32_t* slots = nullptr;
+  const int32_t* past_len = nullptr;
+  const int32_t* cu_seqlens = nullptr;
+  int64_t num_seqs = 0, N = 0, Hkv = 0, d = 0, max_len = 0, num_slots = 0, max_new = 0 /* >= every T_s */;
+};
+// One CTA per (token index < max_new, sequence), 16-byte copies when the rows allow them.
+void kv_cache_append(const KvAppendParams& p, Stream s);
+
+// Attention of the T_s new queries of each sequence over its slot's KV cache (new K / V already
+// appended), GQA (query head h reads kv head h / (Hq / Hkv)), bf16 cache, fp32 softmax. Query t of
+// seq s is at position p = past_len[s] + t; key position kp is attended when kp < past_len[s] + T_s
+// and (causal ? kp <= p : true) and (window > 0 ? kp >= p - (window - 1) : true).
+// q, out [N, Hq, d] contiguous bf16. max_new bounds every T_s (the grid is sized by it).
+struct AttentionDecodeParams {
+  const void* q = nullptr;
+  const void* k_cache = nullptr;  // [num_slots, max_len, Hkv, d]
+  const void* v_cache = nullptr;
+  void* out = nullptr;
+  const int32_t* slots = nullptr;
+  const int32_t* past_len = nullptr;
+  const int32_t* cu_seqlens = nullptr;
+  int64_t num_seqs = 0, N = 0, Hq = 0, Hkv = 0, d = 0, max_len = 0, num_slots = 0, max_new = 0;
+  bool causal = true;
+  int64_t window = 0;  // 0 = none
+  float scale = 0.0f;
+  void* workspace = nullptr;  // split-KV partials (fast kernel); may be null
+  size_t workspace_bytes = 0;
+};
+// Flash-decoding on tensor cores (mma.sync): one CTA per (sequence, kv head, block of up to 128
+// query rows = tokens x the kv head's query heads, split of the key range); the K / V tiles are read
+// once per (kv head, split) and shared by all query rows of the group; the splits' partials (fp32)
+// are combined by a second kernel. Supports d in {64, 128, 256}, sm >= 80. The number of splits is
+// chosen from the grid's size and capped by what fits in the workspace (none: one split, no
+// combine), so any workspace is correct and attention_decode_workspace(p) bytes is the fastest.
+void attention_decode_fast(const AttentionDecodeParams& p, Stream s);
+bool attention_decode_fast_supported(int64_t d, int sm_major);
+size_t attention_decode_workspace(const AttentionDecodeParams& p);
+// One CTA per (query token, query head), fp32 dot products on CUDA cores, any d.
+void attention_decode_fallback(const AttentionDecodeParams& p, Stream s);
+// "flash-decoding mma.sync" or "fallback".
+const char* attention_decode_kernel_name(int64_t d, int sm_major);
+
 }  // namespace dflash::cuda

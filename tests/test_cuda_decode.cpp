@@ -1,0 +1,582 @@
+// CUDA decode / verify kernels (kernels/cuda/gdn_decode.cu, attention_decode.cu) against the f32
+// CPU reference ops (kernels/cpu/decode.cpp): the conv update, the gated delta rule on a state
+// pool and the KV-cache append + attention, fast and fallback, on fresh random bf16 inputs (the
+// CPU gets the same rounded values in f32). Several sequences sit in permuted pool slots with
+// unused slots between them, which must stay bit-identical, as must the whole pool when
+// update_state is false; outputs (and the attention workspace) are poisoned with NaN first.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/launch.h"
+#include "kernels/device.h"
+#include "kernels/ops.h"
+#include "kernels/random.h"
+#include "test_util.h"
+
+// Test/benchmark knobs defined in the kernel files (0 = the launcher's automatic choice).
+namespace dflash::cuda::tuning {
+extern int gdn_pool_warps;
+extern int gdn_pool_cg;
+extern int attn_decode_splits;
+}  // namespace dflash::cuda::tuning
+
+using namespace dflash;
+
+namespace {
+
+uint64_t g_stream = 9000;
+
+// Host f32 tensor of bf16-representable values.
+Tensor randn_bf16(const Shape& s, float stddev = 1.0f) {
+  Tensor t = Tensor::empty(s, DType::F32);
+  fill_normal(t, {2031, g_stream++, 0}, 0.0f, stddev);
+  return t.to_dtype(DType::BF16).to_dtype(DType::F32);
+}
+Tensor randn_f32(const Shape& s, float stddev) {
+  Tensor t = Tensor::empty(s, DType::F32);
+  fill_normal(t, {2031, g_stream++, 0}, 0.0f, stddev);
+  return t;
+}
+Tensor rand_uniform(const Shape& s, float lo, float hi) {
+  Tensor t = Tensor::empty(s, DType::F32);
+  fill_uniform(t, {2031, g_stream++, 0}, lo, hi);
+  return t;
+}
+Tensor to_gpu_bf16(const Tensor& host_f32) { return host_f32.contiguous().to_dtype(DType::BF16).to(Device::cuda(0)); }
+Tensor to_gpu(const Tensor& host) { return host.contiguous().to(Device::cuda(0)); }
+Tensor gpu_out(const Shape& s, DType dt) {
+  Tensor t = Tensor::empty(s, dt, Device::cuda(0));
+  poison(t);
+  return t;
+}
+Tensor cpu_out(const Shape& s) {
+  Tensor t = Tensor::empty(s, DType::F32);
+  poison(t);
+  return t;
+}
+// Host f32 copy of a device tensor of any float dtype.
+Tensor host_f32(const Tensor& t) { return t.to(Device::cpu()).to_dtype(DType::F32); }
+bool bit_equal(const Tensor& a, const Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()) == 0;
+}
+
+ops::SeqOffsets offsets_of(const std::vector<int64_t>& lens) {
+  ops::SeqOffsets s{{0}};
+  for (int64_t l : lens) s.offsets.push_back(s.offsets.back() + l);
+  return s;
+}
+Tensor i32_gpu(const std::vector<int64_t>& v) {
+  Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::I32);
+  for (size_t i = 0; i < v.size(); ++i) t.data<int32_t>()[i] = static_cast<int32_t>(v[i]);
+  return t.to(Device::cuda(0));
+}
+Tensor cu_seqlens_gpu(const ops::SeqOffsets& s) { return i32_gpu(s.offsets); }
+cuda::Stream stream0() { return DeviceContext::get(0).stream(); }
+const int32_t* i32(const Tensor& t) { return static_cast<const int32_t*>(t.raw_data()); }
+void* at_bf16(const Tensor& t, int64_t off) { return static_cast<uint16_t*>(t.raw_data()) + off; }
+int sm_major() { return cuda_device_info(0).major; }
+
+std::string lens_str(const std::vector<int64_t>& lens) {
+  std::string s = "{";
+  for (size_t i = 0; i < lens.size(); ++i) {
+    if (i > 0) s += ',';
+    s += std::to_string(lens[i]);
+  }
+  s += '}';
+  return s;
+}
+
+// Pool slots of S sequences in a pool of S + 3: a permutation with unused slots between them.
+std::vector<int32_t> slots_for(int64_t S) {
+  std::vector<int32_t> slots;
+  for (int64_t s = 0; s < S; ++s) slots.push_back(static_cast<int32_t>((S + 2 - s) % (S + 3)));
+  return slots;
+}
+Tensor slots_gpu(const std::vector<int32_t>& slots) {
+  return i32_gpu(std::vector<int64_t>(slots.begin(), slots.end()));
+}
+std::vector<int32_t> unused_slots(const std::vector<int32_t>& slots, int64_t P) {
+  std::vector<int32_t> u;
+  for (int32_t p = 0; p < P; ++p)
+    if (std::find(slots.begin(), slots.end(), p) == slots.end()) u.push_back(p);
+  return u;
+}
+
+// Sets a tuning knob for the scope.
+struct Knob {
+  int& ref;
+  int saved;
+  Knob(int& r, int v) : ref(r), saved(r) { ref = v; }
+  ~Knob() { ref = saved; }
+};
+
+// A launcher pair under test: fast and fallback of one op, and a check that either rejects the
+// parameters `p` changed by `mutate`.
+template <class Params>
+struct Launchers {
+  void (*fast)(const Params&, cuda::Stream);
+  void (*fallback)(const Params&, cuda::Stream);
+  Params p;
+  template <class Mutate>
+  void rejects(Mutate mutate, bool on_fast) const {
+    Params q = p;
+    mutate(q);
+    EXPECT_THROW((on_fast ? fast : fallback)(q, stream0()), Error);
+  }
+};
+
+}  // namespace
+
+// ---- conv update ---------------------------------------------------------------------------------
+// Bounds as causal_conv1d's (test_cuda_gdn.cpp): f32 taps in the reference's order, one bf16
+// rounding: 1e-2. The new state is a copy of bf16 inputs: exact. Fast and fallback use the same
+// fmaf order: equal bit for bit.
+TEST(CudaDecode, ConvUpdateFastAndFallbackMatchCpu) {
+  DFLASH_REQUIRE_GPU();
+  double worst_fast = 0, worst_fb = 0;
+  const std::vector<std::vector<int64_t>> seq_sets = {{1}, {1, 1, 1, 1, 1, 1, 1, 1}, {16, 1, 5, 2}, {0, 3}, {2, 9}};
+  for (int64_t C : {8, 24, 160, 10240}) {
+    for (const auto& lens : seq_sets) {
+      const ops::SeqOffsets seqs = offsets_of(lens);
+      const int64_t N = seqs.total_tokens(), S = seqs.num_sequences(), P = S + 3, ldx = C + 16;
+      const std::vector<int32_t> slots = slots_for(S);
+      const Tensor xw = randn_bf16({N, ldx}), xd = to_gpu_bf16(xw), xc = xw.slice(1, 0, C).contiguous();
+      const Tensor cu = cu_seqlens_gpu(seqs), sl = slots_gpu(slots);
+      for (int64_t K = 1; K <= 5; ++K) {
+        const Tensor w = randn_bf16({C, K}, 0.5f), wd = to_gpu_bf16(w);
+        const Tensor state0 = randn_bf16({P, K - 1, C});
+        for (bool update : {true, false}) {
+          const bool silu = update;  // both activations across the two passes
+          Tensor ref = cpu_out({N, C}), state_ref = state0.clone();
+          ops::causal_conv1d_update(xc, w, state_ref, slots, seqs, silu, update, ref);
+          cuda::ConvUpdateParams p;
+          p.x = xd.raw_data();
+          p.ldx = ldx;
+          p.w = wd.raw_data();
+          p.slots = i32(sl);
+          p.cu_seqlens = i32(cu);
+          p.num_seqs = S;
+          p.N = N;
+          p.C = C;
+          p.K = K;
+          p.num_slots = P;
+          p.silu = silu;
+          p.update_state = update;
+          const std::string what = "C " + std::to_string(C) + " K " + std::to_string(K) + " seqs " + lens_str(lens) +
+                                   (update ? " update" : " verify");
+          auto run = [&](bool fast, Tensor& y, Tensor& st) {
+            y = gpu_out({N, C}, DType::BF16);
+            st = to_gpu_bf16(state0);
+            p.y = y.raw_data();
+            p.state = st.raw_data();
+            if (fast)
+              cuda::causal_conv1d_update_fast(p, stream0());
+            else
+              cuda::causal_conv1d_update_fallback(p, stream0());
+          };
+          Tensor yfb, sfb;
+          run(false, yfb, sfb);
+          const double efb = max_rel_err(yfb, ref);
+          worst_fb = std::max(worst_fb, efb);
+          EXPECT_LT(efb, 1e-2) << "fallback " << what;
+          // The whole pool: updated slots as the reference, the others (and all, when verifying)
+          // untouched; bf16 copies of bf16 values are exact.
+          EXPECT_EQ(max_rel_err(sfb, state_ref), 0.0) << "fallback state " << what;
+          ASSERT_EQ(cuda::causal_conv1d_update_fast_supported(C, K), K <= 4) << what;
+          if (K > 4) continue;
+          Tensor yf, sf;
+          run(true, yf, sf);
+          const double ef = max_rel_err(yf, ref);
+          worst_fast = std::max(worst_fast, ef);
+          EXPECT_LT(ef, 1e-2) << "fast " << what;
+          EXPECT_EQ(max_rel_err(yf, yfb), 0.0) << "fast vs fallback " << what;
+          EXPECT_EQ(max_rel_err(sf, state_ref), 0.0) << "fast state " << what;
+        }
+      }
+    }
+  }
+  std::printf("causal_conv1d_update: worst normalised error vs CPU: fast %.3g, fallback %.3g\n", worst_fast, worst_fb);
+}
+
+TEST(CudaDecode, ConvUpdateRejectsBadSizes) {
+  DFLASH_REQUIRE_GPU();
+  Tensor x = Tensor::empty({4, 64}, DType::BF16, Device::cuda(0)), y = x.clone();
+  Tensor w = Tensor::empty({64, 4}, DType::BF16, Device::cuda(0));
+  Tensor st = Tensor::zeros({2, 3, 64}, DType::BF16, Device::cuda(0));
+  const Tensor cu = cu_seqlens_gpu(offsets_of({4})), sl = slots_gpu({1});
+  cuda::ConvUpdateParams p;
+  p.x = x.raw_data();
+  p.ldx = 64;
+  p.w = w.raw_data();
+  p.y = y.raw_data();
+  p.state = st.raw_data();
+  p.slots = i32(sl);
+  p.cu_seqlens = i32(cu);
+  p.num_seqs = 1;
+  p.N = 4;
+  p.C = 64;
+  p.K = 4;
+  p.num_slots = 2;
+  EXPECT_NO_THROW(cuda::causal_conv1d_update_fast(p, stream0()));
+  const Launchers<cuda::ConvUpdateParams> op{cuda::causal_conv1d_update_fast, cuda::causal_conv1d_update_fallback, p};
+  op.rejects([](cuda::ConvUpdateParams& q) { q.K = 5; }, true);
+  op.rejects([](cuda::ConvUpdateParams& q) { q.C = 60; }, true);
+  op.rejects([](cuda::ConvUpdateParams& q) { q.ldx = 60; q.C = 56; }, true);        // rows not 16-byte aligned
+  op.rejects([&](cuda::ConvUpdateParams& q) { q.x = at_bf16(x, 1); q.C = 56; }, true);  // misaligned pointer
+  op.rejects([](cuda::ConvUpdateParams& q) { q.ldx = 32; }, false);                 // ldx < C
+  op.rejects([](cuda::ConvUpdateParams& q) { q.num_slots = 0; }, false);
+  op.rejects([](cuda::ConvUpdateParams& q) { q.K = 0; }, false);
+  op.rejects([](cuda::ConvUpdateParams& q) { q.state = nullptr; }, false);
+  EXPECT_STREQ(cuda::causal_conv1d_update_kernel_name(10240, 4), "vec8");
+  EXPECT_STREQ(cuda::causal_conv1d_update_kernel_name(10240, 5), "fallback");
+  DeviceContext::get(0).synchronize();
+}
+
+// ---- gated delta rule on a state pool --------------------------------------------------------------
+// q / k as gdn_prep leaves them (l2-normalised, q scaled, bf16); the CPU runs them with l2norm_qk =
+// false, scale 1. Bounds as the recurrent kernel's (test_cuda_gdn.cpp): outputs rounded once to
+// bf16, 2e-2; the fp32 state 1e-3 (different summation order).
+namespace {
+
+struct PoolCase {
+  int64_t Hk, Hv, dk, dv;
+  std::vector<int64_t> lens;
+};
+
+void check_pool(const PoolCase& c, double* worst_out, double* worst_state) {
+  const ops::SeqOffsets seqs = offsets_of(c.lens);
+  const int64_t N = seqs.total_tokens(), S = seqs.num_sequences(), P = S + 3;
+  const std::vector<int32_t> slots = slots_for(S);
+  Tensor q = randn_bf16({N, c.Hk, c.dk}), k = randn_bf16({N, c.Hk, c.dk});
+  if (N > 0) {
+    ops::l2norm_inplace(q, 1e-6f);
+    ops::l2norm_inplace(k, 1e-6f);
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.dk));
+  for (int64_t i = 0; i < q.numel(); ++i) q.data<float>()[i] *= scale;
+  q = q.to_dtype(DType::BF16).to_dtype(DType::F32);
+  k = k.to_dtype(DType::BF16).to_dtype(DType::F32);
+  const int64_t off = 8, ldv = c.Hv * c.dv + 24;  // v: columns [off, off + Hv·dv) of wider rows
+  const Tensor vw = randn_bf16({N, ldv});
+  const Tensor v = vw.slice(1, off, off + c.Hv * c.dv).contiguous().view({N, c.Hv, c.dv});
+  const Tensor g = rand_uniform({N, c.Hv}, -0.4f, -0.001f), beta = rand_uniform({N, c.Hv}, 0.02f, 0.98f);
+  const Tensor pool0 = randn_f32({P, c.Hv, c.dk, c.dv}, 0.3f);
+  const Tensor qd = to_gpu_bf16(q), kd = to_gpu_bf16(k), vd = to_gpu_bf16(vw), gd = to_gpu(g), bd = to_gpu(beta);
+  const Tensor cu = cu_seqlens_gpu(seqs), sl = slots_gpu(slots);
+  const bool fast_ok = cuda::gated_delta_rule_pool_fast_supported(c.dk, c.dv, sm_major());
+  for (bool update : {true, false}) {
+    ops::DeltaRuleParams rp;
+    rp.q = q;
+    rp.k = k;
+    rp.v = v;
+    rp.g = g;
+    rp.beta = beta;
+    rp.scale = 1.0f;
+    rp.l2norm_qk = false;
+    Tensor out_ref = cpu_out({N, c.Hv, c.dv}), pool_ref = pool0.clone();
+    ops::gated_delta_rule_pool(rp, seqs, pool_ref, slots, update, &out_ref);
+    // {-1, -1}: the fallback; else the fast kernel with {warps per CTA, column groups per warp}
+    // (0 = automatic).
+    std::vector<std::pair<int, int>> variants = {{-1, -1}};
+    if (fast_ok) variants.insert(variants.end(), {{0, 0}, {1, 2}, {2, 4}, {4, 8}, {1, 8}, {4, 2}, {2, 0}});
+    for (auto [warps, cg] : variants) {
+      for (bool with_out : {true, false}) {
+        if (!with_out && warps > 0) continue;
+        Knob knob_w(cuda::tuning::gdn_pool_warps, std::max(warps, 0));
+        Knob knob_cg(cuda::tuning::gdn_pool_cg, std::max(cg, 0));
+        Tensor out = gpu_out({N, c.Hv, c.dv}, DType::BF16), pool = to_gpu(pool0);
+        cuda::DeltaRulePoolParams p;
+        p.q = qd.raw_data();
+        p.k = kd.raw_data();
+        p.v = at_bf16(vd, off);
+        p.ldv = ldv;
+        p.g = gd.data<float>();
+        p.beta = bd.data<float>();
+        p.state = pool.data<float>();
+        p.slots = i32(sl);
+        p.out = with_out ? out.raw_data() : nullptr;
+        p.cu_seqlens = i32(cu);
+        p.num_seqs = S;
+        p.N = N;
+        p.Hk = c.Hk;
+        p.Hv = c.Hv;
+        p.dk = c.dk;
+        p.dv = c.dv;
+        p.num_slots = P;
+        p.update_state = update;
+        if (warps < 0)
+          cuda::gated_delta_rule_pool_fallback(p, stream0());
+        else
+          cuda::gated_delta_rule_pool_fast(p, stream0());
+        const std::string what = std::string(warps < 0 ? "fallback"
+                                                       : "fast warps " + std::to_string(warps) + " cg " + std::to_string(cg)) +
+                                 " Hk " + std::to_string(c.Hk) + " Hv " + std::to_string(c.Hv) + " dk " +
+                                 std::to_string(c.dk) + " dv " + std::to_string(c.dv) + " seqs " + lens_str(c.lens) +
+                                 (update ? " update" : " verify") + (with_out ? "" : " no out");
+        const Tensor pool_h = pool.to(Device::cpu());
+        if (with_out) {
+          const double eo = max_rel_err(out, out_ref);
+          EXPECT_LT(eo, 2e-2) << "out " << what;
+          *worst_out = std::max(*worst_out, eo);
+        } else {
+          EXPECT_TRUE(std::isnan(host_f32(out).item_at(0)) || N == 0) << "out written although null " << what;
+        }
+        for (int64_t s = 0; s < S; ++s) {
+          const Tensor got = pool_h.select(slots[s]).contiguous(), want = pool_ref.select(slots[s]).contiguous();
+          if (update && c.lens[s] > 0) {
+            const double es = max_rel_err(got, want);
+            EXPECT_LT(es, 1e-3) << "state of seq " << s << " " << what;
+            *worst_state = std::max(*worst_state, es);
+          } else {
+            EXPECT_TRUE(bit_equal(got, pool0.select(slots[s]).contiguous())) << "slot of seq " << s << " changed " << what;
+          }
+        }
+        for (int32_t u : unused_slots(slots, P))
+          EXPECT_TRUE(bit_equal(pool_h.select(u).contiguous(), pool0.select(u).contiguous()))
+              << "unused slot " << u << " changed " << what;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST(CudaDecode, DeltaRulePoolFastAndFallbackMatchCpu) {
+  DFLASH_REQUIRE_GPU();
+  double wo = 0, ws = 0;
+  check_pool({16, 48, 128, 128, {1}}, &wo, &ws);                         // Qwen3.6-27B, batch 1 decode
+  check_pool({16, 48, 128, 128, std::vector<int64_t>(8, 1)}, &wo, &ws);  // batch 8 decode
+  check_pool({16, 48, 128, 128, {16, 16, 16}}, &wo, &ws);                // batch 3 verify T = 16
+  check_pool({4, 4, 128, 128, {5, 1, 16, 7}}, &wo, &ws);                 // GVA 1, odd T
+  check_pool({4, 8, 128, 64, {3, 11}}, &wo, &ws);                        // GVA 2, dv 64
+  check_pool({2, 6, 64, 64, {3, 16, 1}}, &wo, &ws);                      // GVA 3, dk 64
+  check_pool({1, 2, 256, 32, {9, 2}}, &wo, &ws);                         // dk 256
+  check_pool({2, 2, 128, 128, {37, 2}}, &wo, &ws);                       // T > 16: several staged chunks
+  check_pool({2, 2, 64, 64, {0, 5, 0}}, &wo, &ws);                       // empty sequences keep their state
+  check_pool({1, 3, 20, 12, {4, 1}}, &wo, &ws);                          // fallback only: dk 20, dv 12
+  check_pool({1, 1, 100, 7, {6}}, &wo, &ws);                             // fallback only: ragged dims
+  std::printf("gated_delta_rule_pool: worst normalised error vs CPU: out %.3g, state %.3g\n", wo, ws);
+}
+
+TEST(CudaDecode, DeltaRulePoolRejectsBadSizes) {
+  DFLASH_REQUIRE_GPU();
+  const Tensor cu = cu_seqlens_gpu(offsets_of({0})), sl = slots_gpu({0});
+  Tensor pool = Tensor::zeros({1, 2, 128, 128}, DType::F32, Device::cuda(0));
+  cuda::DeltaRulePoolParams p;
+  p.state = pool.data<float>();
+  p.slots = i32(sl);
+  p.cu_seqlens = i32(cu);
+  p.num_seqs = 1;
+  p.Hk = 1;
+  p.Hv = 2;
+  p.dk = 128;
+  p.dv = 128;
+  p.ldv = 256;
+  p.num_slots = 1;
+  EXPECT_NO_THROW(cuda::gated_delta_rule_pool_fast(p, stream0()));
+  EXPECT_NO_THROW(cuda::gated_delta_rule_pool_fallback(p, stream0()));
+  const Launchers<cuda::DeltaRulePoolParams> op{cuda::gated_delta_rule_pool_fast, cuda::gated_delta_rule_pool_fallback, p};
+  op.rejects([](cuda::DeltaRulePoolParams& q) { q.dk = 96; }, true);
+  op.rejects([](cuda::DeltaRulePoolParams& q) { q.dv = 12; q.ldv = 24; }, true);
+  op.rejects([](cuda::DeltaRulePoolParams& q) { q.Hk = 2; q.Hv = 3; }, false);
+  op.rejects([](cuda::DeltaRulePoolParams& q) { q.dk = 2048; }, false);
+  op.rejects([](cuda::DeltaRulePoolParams& q) { q.num_slots = 0; }, false);
+  op.rejects([](cuda::DeltaRulePoolParams& q) { q.N = 3; }, false);      // null q / k / v / g / beta
+  EXPECT_TRUE(cuda::gated_delta_rule_pool_fast_supported(128, 128, 9));
+  EXPECT_TRUE(cuda::gated_delta_rule_pool_fast_supported(64, 64, 8));
+  EXPECT_FALSE(cuda::gated_delta_rule_pool_fast_supported(128, 128, 7));
+  EXPECT_STREQ(cuda::gated_delta_rule_pool_kernel_name(128, 128, 9), "register-resident");
+  EXPECT_STREQ(cuda::gated_delta_rule_pool_kernel_name(20, 12, 9), "fallback");
+  DeviceContext::get(0).synchronize();
+}
+
+// ---- KV cache append and attention over it -----------------------------------------------------------
+// Append: bf16 copies, exact; the rest of the cache (other positions, unused slots) unchanged.
+// Attention: bf16 q / K / V, fp32 softmax, P rounded to bf16 for P·V (fast), one bf16 rounding of
+// the output: 2e-2 normalised, as the prefill flash kernels.
+namespace {
+
+struct AttnCase {
+  int64_t Hq, Hkv, d;
+  std::vector<int64_t> lens, past;
+  bool causal;
+  int64_t window;
+};
+
+void check_attention(const AttnCase& c, double* worst_fast, double* worst_fb) {
+  const ops::SeqOffsets seqs = offsets_of(c.lens);
+  const int64_t N = seqs.total_tokens(), S = seqs.num_sequences(), P = S + 3, row = c.Hkv * c.d;
+  int64_t L = 0, max_new = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    L = std::max(L, c.past[s] + c.lens[s]);
+    max_new = std::max(max_new, c.lens[s]);
+  }
+  L += 5;  // capacity past the longest sequence
+  const std::vector<int32_t> slots = slots_for(S);
+  // The new k / v: columns of a fused [q | k | v] row (ldk = ldv = Hq·d + 2·Hkv·d).
+  const int64_t ld = c.Hq * c.d + 2 * row;
+  const Tensor qkv = randn_bf16({N, ld});
+  const Tensor q = qkv.slice(1, 0, c.Hq * c.d).contiguous().view({N, c.Hq, c.d});
+  const Tensor k = qkv.slice(1, c.Hq * c.d, c.Hq * c.d + row).contiguous().view({N, c.Hkv, c.d});
+  const Tensor v = qkv.slice(1, c.Hq * c.d + row, ld).contiguous().view({N, c.Hkv, c.d});
+  const Tensor kc0 = randn_bf16({P, L, c.Hkv, c.d}), vc0 = randn_bf16({P, L, c.Hkv, c.d});
+  Tensor kc_ref = kc0.clone(), vc_ref = vc0.clone();
+  ops::kv_cache_append(k, v, kc_ref, vc_ref, slots, c.past, seqs);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+  Tensor ref = cpu_out({N, c.Hq, c.d});
+  ops::attention_decode(q, kc_ref, vc_ref, slots, c.past, seqs, c.causal, c.window, scale, ref);
+
+  const Tensor qkvd = to_gpu_bf16(qkv), qd = to_gpu_bf16(q), cu = cu_seqlens_gpu(seqs), sl = slots_gpu(slots);
+  const Tensor pastd = i32_gpu(c.past);
+  Tensor kc = to_gpu_bf16(kc0), vc = to_gpu_bf16(vc0);
+  cuda::KvAppendParams ap;
+  ap.k = at_bf16(qkvd, c.Hq * c.d);
+  ap.ldk = ld;
+  ap.v = at_bf16(qkvd, c.Hq * c.d + row);
+  ap.ldv = ld;
+  ap.k_cache = kc.raw_data();
+  ap.v_cache = vc.raw_data();
+  ap.slots = i32(sl);
+  ap.past_len = i32(pastd);
+  ap.cu_seqlens = i32(cu);
+  ap.num_seqs = S;
+  ap.N = N;
+  ap.Hkv = c.Hkv;
+  ap.d = c.d;
+  ap.max_len = L;
+  ap.num_slots = P;
+  ap.max_new = max_new;
+  cuda::kv_cache_append(ap, stream0());
+  const std::string what = "Hq " + std::to_string(c.Hq) + " Hkv " + std::to_string(c.Hkv) + " d " +
+                           std::to_string(c.d) + " lens " + lens_str(c.lens) + " past " + lens_str(c.past) +
+                           (c.causal ? " causal" : " full") + " window " + std::to_string(c.window);
+  EXPECT_EQ(max_rel_err(kc, kc_ref), 0.0) << "k cache after append " << what;
+  EXPECT_EQ(max_rel_err(vc, vc_ref), 0.0) << "v cache after append " << what;
+
+  cuda::AttentionDecodeParams p;
+  p.q = qd.raw_data();
+  p.k_cache = kc.raw_data();
+  p.v_cache = vc.raw_data();
+  p.slots = i32(sl);
+  p.past_len = i32(pastd);
+  p.cu_seqlens = i32(cu);
+  p.num_seqs = S;
+  p.N = N;
+  p.Hq = c.Hq;
+  p.Hkv = c.Hkv;
+  p.d = c.d;
+  p.max_len = L;
+  p.num_slots = P;
+  p.max_new = max_new;
+  p.causal = c.causal;
+  p.window = c.window;
+  p.scale = scale;
+  {
+    Tensor out = gpu_out({N, c.Hq, c.d}, DType::BF16);
+    p.out = out.raw_data();
+    cuda::attention_decode_fallback(p, stream0());
+    const double e = max_rel_err(out, ref);
+    EXPECT_LT(e, 2e-2) << "fallback " << what;
+    *worst_fb = std::max(*worst_fb, e);
+  }
+  if (!cuda::attention_decode_fast_supported(c.d, sm_major())) return;
+  // Automatic splits with the workspace they want, no workspace (one split), and forced splits.
+  for (int splits : {0, -1, 3, 64}) {
+    Knob knob(cuda::tuning::attn_decode_splits, std::max(splits, 0));
+    Tensor out = gpu_out({N, c.Hq, c.d}, DType::BF16);
+    p.out = out.raw_data();
+    const size_t ws_bytes = splits < 0 ? 0 : cuda::attention_decode_workspace(p);
+    Tensor ws = gpu_out({std::max<int64_t>(static_cast<int64_t>(ws_bytes / 4), 1)}, DType::F32);
+    p.workspace = splits < 0 ? nullptr : ws.raw_data();
+    p.workspace_bytes = ws_bytes;
+    cuda::attention_decode_fast(p, stream0());
+    const double e = max_rel_err(out, ref);
+    EXPECT_LT(e, 2e-2) << "fast splits " << splits << " (workspace " << ws_bytes << " B) " << what;
+    *worst_fast = std::max(*worst_fast, e);
+  }
+  // Neither kernel writes the caches.
+  EXPECT_EQ(max_rel_err(kc, kc_ref), 0.0) << "k cache after attention " << what;
+}
+
+}  // namespace
+
+TEST(CudaDecode, KvAppendAndAttentionDecodeMatchCpu) {
+  DFLASH_REQUIRE_GPU();
+  double wf = 0, wb = 0;
+  // Target (Hq 24, Hkv 4, d 256, causal): decode at contexts 1 / 63 / 1000+, verify T = 16, batches.
+  check_attention({24, 4, 256, {1}, {0}, true, 0}, &wf, &wb);
+  check_attention({24, 4, 256, {1}, {1029}, true, 0}, &wf, &wb);
+  check_attention({24, 4, 256, {16}, {63}, true, 0}, &wf, &wb);
+  check_attention({24, 4, 256, {1, 1, 1}, {0, 63, 1000}, true, 0}, &wf, &wb);
+  check_attention({24, 4, 256, {16, 5, 1, 16, 16, 16, 16, 16}, {1, 1000, 64, 7, 300, 2, 90, 513}, true, 0}, &wf, &wb);
+  // Drafter (Hq 32, Hkv 8, d 128): the block of 16 attends itself both ways and the context; the
+  // sliding layer is causal with a window.
+  check_attention({32, 8, 128, {16}, {1000}, false, 0}, &wf, &wb);
+  check_attention({32, 8, 128, {16, 16, 16}, {0, 63, 1031}, false, 0}, &wf, &wb);
+  check_attention({32, 8, 128, {16, 7}, {1000, 40}, true, 100}, &wf, &wb);
+  check_attention({32, 8, 128, {16}, {200}, false, 37}, &wf, &wb);
+  // GVA ratios 1, 2, 3; odd T; head dims 64 and 96 (fallback only).
+  check_attention({2, 2, 128, {7, 1}, {63, 1}, true, 0}, &wf, &wb);
+  check_attention({4, 2, 128, {3}, {64}, true, 0}, &wf, &wb);
+  check_attention({6, 2, 128, {13, 2}, {129, 1000}, true, 0}, &wf, &wb);
+  check_attention({6, 2, 64, {5}, {70}, true, 3}, &wf, &wb);
+  check_attention({3, 1, 96, {4, 2}, {10, 0}, true, 0}, &wf, &wb);
+  // More query rows than one CTA holds (T · group > 128): several row blocks per kv head.
+  check_attention({24, 4, 256, {40}, {100}, true, 0}, &wf, &wb);
+  std::printf("attention_decode: worst normalised error vs CPU: fast %.3g, fallback %.3g\n", wf, wb);
+}
+
+TEST(CudaDecode, AttentionDecodeRejectsBadSizes) {
+  DFLASH_REQUIRE_GPU();
+  const Tensor cu = cu_seqlens_gpu(offsets_of({1})), sl = slots_gpu({0}), past = i32_gpu({0});
+  Tensor kc = Tensor::zeros({1, 8, 2, 128}, DType::BF16, Device::cuda(0)), vc = kc.clone();
+  Tensor q = Tensor::zeros({1, 4, 128}, DType::BF16, Device::cuda(0)), out = q.clone();
+  cuda::AttentionDecodeParams p;
+  p.q = q.raw_data();
+  p.k_cache = kc.raw_data();
+  p.v_cache = vc.raw_data();
+  p.out = out.raw_data();
+  p.slots = i32(sl);
+  p.past_len = i32(past);
+  p.cu_seqlens = i32(cu);
+  p.num_seqs = 1;
+  p.N = 1;
+  p.Hq = 4;
+  p.Hkv = 2;
+  p.d = 128;
+  p.max_len = 8;
+  p.num_slots = 1;
+  p.max_new = 1;
+  p.scale = 0.1f;
+  EXPECT_NO_THROW(cuda::attention_decode_fast(p, stream0()));
+  const Launchers<cuda::AttentionDecodeParams> op{cuda::attention_decode_fast, cuda::attention_decode_fallback, p};
+  op.rejects([](cuda::AttentionDecodeParams& x) { x.d = 96; }, true);
+  op.rejects([](cuda::AttentionDecodeParams& x) { x.Hq = 5; }, false);
+  op.rejects([](cuda::AttentionDecodeParams& x) { x.scale = 0.0f; }, false);
+  op.rejects([](cuda::AttentionDecodeParams& x) { x.window = -1; }, false);
+  op.rejects([](cuda::AttentionDecodeParams& x) { x.max_new = 2; }, false);  // > N
+  op.rejects([](cuda::AttentionDecodeParams& x) { x.num_slots = 0; }, false);
+  op.rejects([](cuda::AttentionDecodeParams& x) { x.q = nullptr; }, false);
+  EXPECT_TRUE(cuda::attention_decode_fast_supported(256, 9));
+  EXPECT_FALSE(cuda::attention_decode_fast_supported(96, 9));
+  EXPECT_STREQ(cuda::attention_decode_kernel_name(256, 9), "flash-decoding mma.sync");
+  EXPECT_STREQ(cuda::attention_decode_kernel_name(96, 9), "fallback");
+  cuda::KvAppendParams a;
+  a.N = 1;
+  a.num_seqs = 1;
+  a.Hkv = 2;
+  a.d = 128;
+  a.max_len = 8;
+  a.num_slots = 1;
+  a.max_new = 1;
+  a.ldk = 100;  // < Hkv·d
+  EXPECT_THROW(cuda::kv_cache_append(a, stream0()), Error);
+  DeviceContext::get(0).synchronize();
+}

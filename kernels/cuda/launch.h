@@ -287,4 +287,12 @@ void attention_decode_fallback(const AttentionDecodeParams& p, Stream s);
 // "flash-decoding mma.sync" or "fallback".
 const char* attention_decode_kernel_name(int64_t d, int sm_major);
 
+// ---- Sampling --------------------------------------------------------------------------------------
+// Greedy token choice on the device (temperature / top-p sampling comes later in this section).
+// out[r] = argmax over v < V of logits[r · ld + v] for R rows of fp32 (bf16 = false) or bf16 logits,
+// as ops::argmax_rows: ties go to the lowest id (also across threads), NaN entries are never chosen
+// (a row without a non-NaN value gives 0). One CTA per row, 16-byte loads whatever the rows'
+// alignment (a scalar head and tail around the aligned body). Needs 1 <= V < 2^31 and ld >= V.
+void argmax_rows(const void* logits, bool bf16, int64_t ld, int64_t R, int64_t V, int32_t* out, Stream s);
+
 }  // namespace dflash::cuda

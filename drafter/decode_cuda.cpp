@@ -1,0 +1,344 @@
+#include "drafter/decode_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "drafter/proposer_slots.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/launch.h"
+#include "kernels/cuda/train_launch.h"
+#include "kernels/device.h"
+#include "kernels/error.h"
+
+namespace dflash::drafter {
+
+namespace {
+
+constexpr int64_t kAlign = 8;             // elements: 16 bytes of bf16 (cuBLASLt operand alignment)
+constexpr int64_t kLogitChunkRows = 256;  // block rows whose fp32 logits exist at a time
+
+char* bf16_at(void* base, int64_t elems) { return static_cast<char*>(base) + elems * 2; }
+const char* bf16_at(const void* base, int64_t elems) { return static_cast<const char*>(base) + elems * 2; }
+
+// Tensors of any float dtype and device, flattened one after the other into one bf16 tensor on
+// `device` (one host conversion and one upload). Used for the fused q|k|v and gate|up operands.
+Tensor upload_bf16(const std::vector<const Tensor*>& parts, Device device) {
+  int64_t n = 0;
+  for (const Tensor* t : parts) n += t->numel();
+  Tensor host = Tensor::empty({n}, DType::BF16);
+  int64_t at = 0;
+  for (const Tensor* t : parts) {
+    const Tensor h = t->to(Device::cpu()).contiguous();
+    convert_elements(h.raw_data(), h.dtype(), bf16_at(host.raw_data(), at), DType::BF16, h.numel());
+    at += h.numel();
+  }
+  return host.to(device);
+}
+
+// Pinned host memory for the small int32 transfers of a call (block tokens, positions, slots,
+// lengths; the drafts), reused from call to call. Before it is rewritten the host waits for the
+// event recorded after the last copy that read it; in the decode loop that copy finished long ago
+// (propose ends with a synchronisation), so the wait costs nothing.
+class Pinned {
+ public:
+  Pinned() = default;
+  Pinned(const Pinned&) = delete;
+  Pinned& operator=(const Pinned&) = delete;
+  ~Pinned() {
+    if (event_) DFLASH_CUDA_WARN(cudaEventDestroy(event_));
+    if (p_) DFLASH_CUDA_WARN(cudaFreeHost(p_));
+  }
+  // `count` int32 ready to be written (grown when needed).
+  int32_t* get(int64_t count) {
+    if (event_) DFLASH_CUDA_CHECK(cudaEventSynchronize(event_));
+    if (count > cap_) {
+      if (p_) DFLASH_CUDA_CHECK(cudaFreeHost(p_));
+      p_ = nullptr;
+      DFLASH_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&p_), static_cast<size_t>(count) * 4));
+      cap_ = count;
+    }
+    return p_;
+  }
+  void upload(void* dst, int64_t count, cudaStream_t s) {
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(dst, p_, static_cast<size_t>(count) * 4, cudaMemcpyHostToDevice, s));
+    if (!event_) DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    DFLASH_CUDA_CHECK(cudaEventRecord(event_, s));
+  }
+
+ private:
+  int32_t* p_ = nullptr;
+  int64_t cap_ = 0;
+  cudaEvent_t event_ = nullptr;
+};
+
+class CudaProposer final : public Proposer {
+ public:
+  CudaProposer(const DrafterConfig& c, const DrafterWeights& w, Tensor embed, Tensor lm_head, Device device,
+               int64_t num_slots, int64_t max_len)
+      : c_(c), slots_(c, num_slots, max_len, "cuda proposer"), device_(device), embed_(std::move(embed)),
+        lm_head_(std::move(lm_head)) {
+    c_.validate();
+    w.check(c_);
+    DFLASH_CHECK(device_.is_cuda(), "cuda proposer: device must be a CUDA device, got " << device_.str());
+    for (const auto& [t, name] : {std::pair{&embed_, "embed_tokens"}, {&lm_head_, "lm_head"}})
+      DFLASH_CHECK(t->defined() && t->device() == device_ && t->dtype() == DType::BF16 && t->dim() == 2 &&
+                       t->size(0) == c_.vocab_size && t->size(1) == c_.hidden_size && t->is_contiguous(),
+                   "cuda proposer: target " << name << " must be bf16 [" << c_.vocab_size << ", " << c_.hidden_size
+                                            << "] on " << device_.str() << ", got "
+                                            << (t->defined() ? t->describe() : "undefined"));
+    DFLASH_CHECK(c_.hidden_size % kAlign == 0 && c_.head_dim % kAlign == 0 && c_.intermediate_size % kAlign == 0 &&
+                     c_.context_dim() % kAlign == 0,
+                 "cuda proposer: hidden_size, head_dim, intermediate_size and k·hidden must be multiples of 8 (GEMM "
+                 "operand alignment), got "
+                     << c_.hidden_size << ", " << c_.head_dim << ", " << c_.intermediate_size << ", " << c_.context_dim());
+    fast_attention_ = cuda::attention_decode_fast_supported(c_.head_dim, cuda_device_info(device_.index).major);
+    const int64_t H = c_.hidden_size, I = c_.intermediate_size, qd = c_.q_dim(), kvd = c_.kv_dim();
+    const int64_t B = c_.block_size, Rmax = num_slots * B, V = c_.vocab_size;
+    fc_ = upload_bf16({&w.fc}, device_);
+    hidden_norm_ = upload_bf16({&w.hidden_norm}, device_);
+    norm_ = upload_bf16({&w.norm}, device_);
+    const int64_t cache_elems = num_slots * max_len * kvd;
+    for (const LayerWeights& lw : w.layers) {
+      Layer L;
+      L.qkv = upload_bf16({&lw.q_proj, &lw.k_proj, &lw.v_proj}, device_);
+      L.o = upload_bf16({&lw.o_proj}, device_);
+      L.gu = upload_bf16({&lw.gate_proj, &lw.up_proj}, device_);
+      L.down = upload_bf16({&lw.down_proj}, device_);
+      L.q_norm = upload_bf16({&lw.q_norm}, device_);
+      L.k_norm = upload_bf16({&lw.k_norm}, device_);
+      L.in_ln = upload_bf16({&lw.input_layernorm}, device_);
+      L.post_ln = upload_bf16({&lw.post_attention_layernorm}, device_);
+      L.k_cache = zeros({cache_elems}, DType::BF16);
+      L.v_cache = zeros({cache_elems}, DType::BF16);
+      layers_.push_back(std::move(L));
+    }
+    // Scratch for a block of every slot.
+    h_ = empty({Rmax, H}, DType::F32);
+    x_ = empty({Rmax, H}, DType::BF16);
+    rstd_ = empty({Rmax * std::max<int64_t>(c_.num_attention_heads, 1)}, DType::F32);
+    qkv_ = empty({Rmax, qd + 2 * kvd}, DType::BF16);
+    q_ = empty({Rmax, qd}, DType::BF16);
+    k_ = empty({Rmax, kvd}, DType::BF16);
+    o_ = empty({Rmax, qd}, DType::BF16);
+    gu_ = empty({Rmax, 2 * I}, DType::BF16);
+    m_ = empty({Rmax, I}, DType::BF16);
+    logits_ = empty({std::min(Rmax, kLogitChunkRows), V}, DType::F32);
+    amax_ = empty({Rmax}, DType::I32);
+    meta_ = empty({2 * Rmax + 3 * num_slots + 1}, DType::I32);
+    // The split-KV workspace of the fastest attention for any number of slots in a call (the split
+    // count, hence the size, depends on it); any smaller size would still be correct.
+    size_t ws = 0;
+    if (fast_attention_)
+      for (int64_t S = 1; S <= num_slots; ++S) ws = std::max(ws, cuda::attention_decode_workspace(attention_params(S, B, false)));
+    workspace_ = empty({static_cast<int64_t>(std::max<size_t>(ws, 16))}, DType::U8);
+  }
+
+  const DrafterConfig& config() const override { return c_; }
+  Device device() const override { return device_; }
+  int64_t num_slots() const override { return slots_.num_slots(); }
+  int64_t max_len() const override { return slots_.max_len(); }
+  int64_t context_length(int32_t slot) const override { return slots_.length(slot); }
+  void reset(int32_t slot) override { slots_.reset(slot); }  // positions past the length are never read
+
+  void add_context(const std::vector<int32_t>& slots, const Tensor& features, const ops::SeqOffsets& seqs) override {
+    slots_.check_add(slots, features, seqs);
+    DFLASH_CHECK(features.device() == device_ && features.dtype() == DType::BF16 && features.is_contiguous(),
+                 "cuda proposer: add_context: features must be contiguous bf16 on " << device_.str() << ", got "
+                                                                                    << features.describe());
+    const int64_t N = features.size(0), S = static_cast<int64_t>(slots.size());
+    if (N == 0) return;
+    const int64_t H = c_.hidden_size, qd = c_.q_dim(), kvd = c_.kv_dim(), Hkv = c_.num_key_value_heads;
+    const cudaStream_t st = stream();
+    // Device metadata: [positions N | slots S | past lengths S | cu_seqlens S+1].
+    const int64_t count = N + 3 * S + 1;
+    int32_t* m = ctx_meta_.get(count);
+    int64_t max_new = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t past = slots_.length(slots[s]), T = seqs.offsets[s + 1] - seqs.offsets[s];
+      for (int64_t t = 0; t < T; ++t) m[seqs.offsets[s] + t] = static_cast<int32_t>(past + t);
+      m[N + s] = slots[s];
+      m[N + S + s] = static_cast<int32_t>(past);
+      m[N + 2 * S + s] = static_cast<int32_t>(seqs.offsets[s]);
+      max_new = std::max(max_new, T);
+    }
+    m[N + 3 * S] = static_cast<int32_t>(N);
+    const Tensor meta = empty({count}, DType::I32);
+    ctx_meta_.upload(meta.raw_data(), count, st);
+    const int32_t* d_pos = meta.data<int32_t>();
+    const int32_t* d_slots = d_pos + N;
+    const int32_t* d_past = d_slots + S;
+    const int32_t* d_cu = d_past + S;
+
+    // ctx = hidden_norm(fc(features)); per layer k = rope(k_norm(k_proj ctx)), v = v_proj ctx.
+    const Tensor pre = empty({N, H}, DType::BF16), ctx = empty({N, H}, DType::BF16), kv = empty({N, 2 * kvd}, DType::BF16);
+    const Tensor k = empty({N, kvd}, DType::BF16), rstd = empty({N * std::max<int64_t>(Hkv, 1)}, DType::F32);
+    linear(features.raw_data(), c_.context_dim(), fc_.raw_data(), pre.raw_data(), H, N, H, c_.context_dim());
+    cuda::rms_norm_fwd(pre.raw_data(), false, H, hidden_norm_.raw_data(), ctx.raw_data(), rstd.data<float>(), N, H, eps(), st);
+    for (Layer& L : layers_) {
+      linear(ctx.raw_data(), H, bf16_at(L.qkv.raw_data(), qd * H), kv.raw_data(), 2 * kvd, N, 2 * kvd, H);  // k|v rows
+      cuda::head_norm_rope_fwd(head_params(kv.raw_data(), 2 * kvd, L.k_norm, d_pos, k.raw_data(), rstd, N, Hkv), st);
+      append(L, k.raw_data(), 0, bf16_at(kv.raw_data(), kvd), 2 * kvd, d_slots, d_past, d_cu, S, N, max_new);
+    }
+    slots_.commit_add(slots, seqs);
+  }
+
+  std::vector<std::vector<int32_t>> propose(const std::vector<int32_t>& slots, const std::vector<int32_t>& x_start,
+                                            int64_t block_size, Tensor* logits) override {
+    slots_.check_propose(slots, x_start, block_size);
+    const int64_t Bp = block_size, S = static_cast<int64_t>(slots.size()), R = S * Bp;
+    const int64_t H = c_.hidden_size, I = c_.intermediate_size, qd = c_.q_dim(), kvd = c_.kv_dim();
+    const int64_t QKV = qd + 2 * kvd, V = c_.vocab_size;
+    if (logits) *logits = Tensor::empty({R, V}, DType::F32);
+    if (S == 0) return {};
+    const cudaStream_t st = stream();
+    // Device metadata: [block tokens R | positions R | slots S | past lengths S | cu_seqlens S+1].
+    const int64_t count = 2 * R + 3 * S + 1;
+    int32_t* m = meta_host_.get(count);
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t past = slots_.length(slots[s]);
+      for (int64_t j = 0; j < Bp; ++j) {
+        m[s * Bp + j] = j == 0 ? x_start[s] : static_cast<int32_t>(c_.mask_token_id);
+        m[R + s * Bp + j] = static_cast<int32_t>(past + j);
+      }
+      m[2 * R + s] = slots[s];
+      m[2 * R + S + s] = static_cast<int32_t>(past);
+      m[2 * R + 2 * S + s] = static_cast<int32_t>(s * Bp);
+    }
+    m[2 * R + 3 * S] = static_cast<int32_t>(R);
+    meta_host_.upload(meta_.raw_data(), count, st);
+    const int32_t* d_ids = meta_.data<int32_t>();
+    const int32_t* d_pos = d_ids + R;
+    const int32_t* d_slots = d_pos + R;
+    const int32_t* d_past = d_slots + S;
+    const int32_t* d_cu = d_past + S;
+
+    float* h = h_.data<float>();
+    cuda::embedding_f32(d_ids, embed_.raw_data(), h, R, H, st);
+    for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
+      Layer& L = layers_[l];
+      const bool sliding = c_.layer_types[l] == AttnType::Sliding;
+      cuda::rms_norm_fwd(h, true, H, L.in_ln.raw_data(), x_.raw_data(), rstd_.data<float>(), R, H, eps(), st);
+      linear(x_.raw_data(), H, L.qkv.raw_data(), qkv_.raw_data(), QKV, R, QKV, H);
+      cuda::head_norm_rope_fwd(head_params(qkv_.raw_data(), QKV, L.q_norm, d_pos, q_.raw_data(), rstd_, R,
+                                           c_.num_attention_heads), st);
+      cuda::head_norm_rope_fwd(head_params(bf16_at(qkv_.raw_data(), qd), QKV, L.k_norm, d_pos, k_.raw_data(), rstd_, R,
+                                           c_.num_key_value_heads), st);
+      // The block's K / V at positions n .. n+Bp-1 of its slot (overwritten by the next add_context).
+      append(L, k_.raw_data(), 0, bf16_at(qkv_.raw_data(), qd + kvd), QKV, d_slots, d_past, d_cu, S, R, Bp);
+      cuda::AttentionDecodeParams a = attention_params(S, Bp, sliding);
+      a.q = q_.raw_data(), a.k_cache = L.k_cache.raw_data(), a.v_cache = L.v_cache.raw_data(), a.out = o_.raw_data();
+      a.slots = d_slots, a.past_len = d_past, a.cu_seqlens = d_cu;
+      a.workspace = workspace_.raw_data(), a.workspace_bytes = workspace_.nbytes();
+      if (fast_attention_) cuda::attention_decode_fast(a, st);
+      else cuda::attention_decode_fallback(a, st);
+      linear(o_.raw_data(), qd, L.o.raw_data(), h, H, R, H, qd, true);  // h += o_proj(attn)
+      cuda::rms_norm_fwd(h, true, H, L.post_ln.raw_data(), x_.raw_data(), rstd_.data<float>(), R, H, eps(), st);
+      linear(x_.raw_data(), H, L.gu.raw_data(), gu_.raw_data(), 2 * I, R, 2 * I, H);
+      cuda::swiglu(gu_.raw_data(), m_.raw_data(), R, I, st);
+      linear(m_.raw_data(), I, L.down.raw_data(), h, H, R, H, I, true);  // h += down(silu(gate) · up)
+    }
+    cuda::rms_norm_fwd(h, true, H, norm_.raw_data(), x_.raw_data(), rstd_.data<float>(), R, H, eps(), st);
+    for (int64_t r0 = 0; r0 < R; r0 += kLogitChunkRows) {
+      const int64_t rows = std::min(kLogitChunkRows, R - r0);
+      linear(bf16_at(x_.raw_data(), r0 * H), H, lm_head_.raw_data(), logits_.raw_data(), V, rows, V, H, false, true);
+      cuda::argmax_rows(logits_.raw_data(), false, V, rows, V, amax_.data<int32_t>() + r0, st);
+      if (logits)
+        DFLASH_CUDA_CHECK(cudaMemcpyAsync(logits->data<float>() + r0 * V, logits_.raw_data(),
+                                          static_cast<size_t>(rows * V) * 4, cudaMemcpyDeviceToHost, st));
+    }
+    // Rows 1 .. Bp-1 of each block: (Bp-1) ids per slot come back, then the one synchronisation.
+    int32_t* out = drafts_host_.get(S * (Bp - 1));
+    DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(out, static_cast<size_t>(Bp - 1) * 4, amax_.data<int32_t>() + 1,
+                                        static_cast<size_t>(Bp) * 4, static_cast<size_t>(Bp - 1) * 4,
+                                        static_cast<size_t>(S), cudaMemcpyDeviceToHost, st));
+    DFLASH_CUDA_CHECK(cudaStreamSynchronize(st));
+    std::vector<std::vector<int32_t>> drafts(static_cast<size_t>(S));
+    for (int64_t s = 0; s < S; ++s) drafts[s].assign(out + s * (Bp - 1), out + (s + 1) * (Bp - 1));
+    return drafts;
+  }
+
+ private:
+  struct Layer {
+    Tensor qkv, o, gu, down;                      // bf16 [q+k+v, H], [H, q], [2I, H], [H, I]
+    Tensor q_norm, k_norm, in_ln, post_ln;        // bf16 [d], [d], [H], [H]
+    Tensor k_cache, v_cache;                      // bf16 [num_slots, max_len, Hkv, d]
+  };
+
+  cudaStream_t stream() const { return static_cast<cudaStream_t>(DeviceContext::get(device_.index).stream()); }
+  float eps() const { return static_cast<float>(c_.rms_norm_eps); }
+  Tensor empty(const Shape& s, DType t) const { return Tensor::empty(s, t, device_); }
+  Tensor zeros(const Shape& s, DType t) const {
+    Tensor x = Tensor::empty(s, t, device_);
+    memset_device(x.raw_data(), device_.index, 0, x.nbytes());
+    return x;
+  }
+
+  // y[M, N] = x[M, K] · w[N, K]ᵀ: bf16 y, or fp32 y added into (accumulate) or written (f32_out).
+  void linear(const void* x, int64_t ldx, const void* w, void* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+              bool accumulate = false, bool f32_out = false) const {
+    cuda::GemmExParams g;
+    g.a = x, g.lda = ldx, g.b = w, g.ldb = K, g.trans_b = true, g.d = y, g.ldd = ldy;
+    g.d_f32 = accumulate || f32_out, g.M = M, g.N = N, g.K = K, g.beta = accumulate ? 1.0f : 0.0f;
+    cuda::gemm_ex(g, device_.index);
+  }
+  cuda::HeadNormRopeParams head_params(const void* x, int64_t ldx, const Tensor& w, const int32_t* pos, void* y,
+                                       const Tensor& rstd, int64_t rows, int64_t heads) const {
+    cuda::HeadNormRopeParams p;
+    p.x = x, p.ldx = ldx, p.w = w.raw_data(), p.pos = pos, p.y = y, p.rstd = rstd.data<float>();
+    p.rows = rows, p.heads = heads, p.d = c_.head_dim, p.eps = eps(), p.theta = static_cast<float>(c_.rope_theta);
+    return p;
+  }
+  void append(Layer& L, const void* k, int64_t ldk, const void* v, int64_t ldv, const int32_t* slots,
+              const int32_t* past, const int32_t* cu, int64_t S, int64_t N, int64_t max_new) const {
+    cuda::KvAppendParams p;
+    p.k = k, p.ldk = ldk, p.v = v, p.ldv = ldv, p.k_cache = L.k_cache.raw_data(), p.v_cache = L.v_cache.raw_data();
+    p.slots = slots, p.past_len = past, p.cu_seqlens = cu, p.num_seqs = S, p.N = N;
+    p.Hkv = c_.num_key_value_heads, p.d = c_.head_dim, p.max_len = slots_.max_len(), p.num_slots = slots_.num_slots();
+    p.max_new = max_new;
+    cuda::kv_cache_append(p, stream());
+  }
+  // The sizes of an attention over S blocks of Bp rows (pointers are the caller's).
+  cuda::AttentionDecodeParams attention_params(int64_t S, int64_t Bp, bool sliding) const {
+    cuda::AttentionDecodeParams a;
+    a.num_seqs = S, a.N = S * Bp, a.Hq = c_.num_attention_heads, a.Hkv = c_.num_key_value_heads, a.d = c_.head_dim;
+    a.max_len = slots_.max_len(), a.num_slots = slots_.num_slots(), a.max_new = Bp;
+    a.causal = sliding, a.window = sliding ? c_.sliding_window : 0;
+    a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c_.head_dim)));
+    return a;
+  }
+
+  DrafterConfig c_;
+  ProposerSlots slots_;
+  Device device_;
+  Tensor embed_, lm_head_;
+  bool fast_attention_ = false;
+  Tensor fc_, hidden_norm_, norm_;  // bf16 [H, k·H], [H], [H]
+  std::vector<Layer> layers_;
+  // Propose scratch, sized for a block of B rows in every slot (Rmax = num_slots · B rows).
+  Tensor h_;                          // f32 [Rmax, H] residual stream
+  Tensor x_;                          // bf16 [Rmax, H] normed input of the next GEMM
+  Tensor rstd_;                       // f32 [Rmax · Hq]
+  Tensor qkv_, q_, k_, o_, gu_, m_;   // bf16 [Rmax, q+2kv], [Rmax, q], [Rmax, kv], [Rmax, q], [Rmax, 2I], [Rmax, I]
+  Tensor logits_;                     // f32 [min(Rmax, kLogitChunkRows), V]
+  Tensor amax_;                       // i32 [Rmax]
+  Tensor meta_;                       // i32 [2 Rmax + 3 num_slots + 1]
+  Tensor workspace_;                  // attention split-KV partials
+  Pinned meta_host_, ctx_meta_, drafts_host_;
+};
+
+}  // namespace
+
+std::unique_ptr<Proposer> make_cuda_proposer(const DrafterConfig& config, const DrafterWeights& host_weights,
+                                             Tensor embed_tokens, Tensor lm_head, Device device, int64_t num_slots,
+                                             int64_t max_len) {
+  return std::make_unique<CudaProposer>(config, host_weights, std::move(embed_tokens), std::move(lm_head), device,
+                                        num_slots, max_len);
+}
+
+const char* cuda_proposer_attention_kernel(const DrafterConfig& config, Device device) {
+  return cuda::attention_decode_kernel_name(config.head_dim, cuda_device_info(device.index).major);
+}
+
+}  // namespace dflash::drafter

@@ -1,0 +1,34 @@
+#pragma once
+// The drafter's proposer (decode.h) on one GPU; CUDA builds only (like model_cuda.h).
+//
+// bf16 weights uploaded once (per layer q|k|v and gate|up fused), per layer a bf16 context K / V
+// cache [num_slots, max_len, Hkv, d]; fp32 residual stream, norms and softmax, as the training step
+// (model_cuda.h), and tested against the CPU proposer (tests/test_cuda_drafter_decode.cpp).
+//   add_context: fc GEMM, hidden_norm, per layer the k|v GEMM, k_norm + RoPE, kv_cache_append.
+//   propose: embeddings of the block tokens; per layer RMSNorm, q|k|v GEMM, q/k norm + RoPE, the
+//     block's K / V appended at the context end (tentative: the next add_context overwrites them),
+//     attention_decode (full layers: causal = false, window 0; sliding: causal, window =
+//     sliding_window), o_proj, residual, RMSNorm, gate|up, SwiGLU, down, residual; final norm; the
+//     lm_head GEMM of the block rows (fp32 logits, 256 rows at a time) and cuda::argmax_rows.
+// No host synchronisation inside propose except its final copy of the (B-1) int32 drafts per slot
+// (and, when asked, the logits); no device allocation per propose call: the scratch for a block of
+// every slot is allocated at construction. add_context takes its scratch (proportional to its rows)
+// from the caching allocator and returns without waiting for the device.
+#include <cstdint>
+#include <memory>
+
+#include "drafter/decode.h"
+
+namespace dflash::drafter {
+
+// host_weights: any float dtype, on the host or any device (converted to bf16 once);
+// embed_tokens / lm_head: the target's bf16 [V, H] tensors on `device` (shared, never written).
+std::unique_ptr<Proposer> make_cuda_proposer(const DrafterConfig& config, const DrafterWeights& host_weights,
+                                             Tensor embed_tokens, Tensor lm_head, Device device, int64_t num_slots,
+                                             int64_t max_len);
+
+// The attention kernel the CUDA proposer runs for `config` on `device` ("flash-decoding mma.sync"
+// or "fallback"), for reports.
+const char* cuda_proposer_attention_kernel(const DrafterConfig& config, Device device);
+
+}  // namespace dflash::drafter

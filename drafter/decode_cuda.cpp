@@ -133,6 +133,8 @@ class CudaProposer final : public Proposer {
     if (fast_attention_)
       for (int64_t S = 1; S <= num_slots; ++S) ws = std::max(ws, cuda::attention_decode_workspace(attention_params(S, B, false)));
     workspace_ = empty({static_cast<int64_t>(std::max<size_t>(ws, 16))}, DType::U8);
+    meta_host_.get(meta_.numel());  // the pinned staging of propose, at its largest
+    drafts_host_.get(num_slots * (B - 1));
   }
 
   const DrafterConfig& config() const override { return c_; }

@@ -36,6 +36,14 @@
 #include "target_model/decode.h"
 #include "target_model/model.h"
 #include "target_model/tp.h"
+#if DFLASH_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "drafter/decode_cuda.h"
+#include "drafter/model_cuda.h"
+#include "kernels/cuda/check.h"
+#include "target_model/model_cuda.h"
+#endif
 
 using namespace dflash;
 using json = nlohmann::json;
@@ -133,7 +141,16 @@ int main(int argc, char** argv) {
   model_opt->excludes(config_opt);
   app.add_flag("--random-weights", random_weights, "seeded random target weights instead of a checkpoint")->needs(config_opt);
   app.add_option("--seed", seed, "seed of --random-weights")->capture_default_str();
-  app.add_option("--drafter", drafter_dir, "an exported drafter directory (config.json + model.safetensors)")->required();
+  int64_t random_drafter = 0;
+  bool no_estimate = false, require_fast = false;
+  auto* drafter_opt = app.add_option("--drafter", drafter_dir, "an exported drafter directory (config.json + model.safetensors)");
+  auto* random_drafter_opt = app.add_option("--random-drafter", random_drafter,
+                                            "instead: an untrained drafter of this many layers for the target (benches: "
+                                            "its tau is ~1; the speed of each phase is what it measures)");
+  drafter_opt->excludes(random_drafter_opt);
+  app.add_flag("--no-estimate", no_estimate, "skip the trainer's acceptance estimate (on a GPU it holds the drafter's "
+                                              "training state: fp32 masters and gradients)");
+  app.add_flag("--require-fast-path", require_fast, "refuse to run when any decode or prefill step would use a fallback kernel");
   app.add_option("--prompts", prompts_path, "prompts: a dflash.tokens.v1 .h5 file, JSONL rows or a token-id text file")->required();
   app.add_option("--num-prompts", num_prompts, "use the first N prompts")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--max-new-tokens", max_new, "new tokens per prompt")->capture_default_str()->check(CLI::PositiveNumber);
@@ -159,12 +176,20 @@ int main(int argc, char** argv) {
 
     // ---- the target and the drafter, checked against each other before anything is loaded ----
     const target::TargetConfig cfg = target::TargetConfig::from_file(random_weights ? config_path : model_dir);
+    DFLASH_CHECK_HINT(!drafter_dir.empty() || random_drafter > 0, "no drafter given",
+                      "pass --drafter DIR (an exported drafter), or --random-drafter LAYERS for a speed benchmark");
     drafter::LoadedDrafter d;
-    try {
-      d = drafter::import_hf(drafter_dir, DType::F32);
-      d.config.check_target(cfg);
-    } catch (const Error& e) {
-      DFLASH_FAIL_HINT("--drafter " << drafter_dir << ": " << e.message(), e.hint());
+    if (random_drafter > 0) {
+      d.config = drafter::DrafterConfig::for_target(cfg, random_drafter, cfg.vocab_size - 1, 16);
+      d.weights = drafter::DrafterWeights::random(d.config, seed + 1);
+      drafter_dir = "<random, " + std::to_string(random_drafter) + " layers>";
+    } else {
+      try {
+        d = drafter::import_hf(drafter_dir, DType::F32);
+        d.config.check_target(cfg);
+      } catch (const Error& e) {
+        DFLASH_FAIL_HINT("--drafter " << drafter_dir << ": " << e.message(), e.hint());
+      }
     }
     const drafter::DrafterConfig& dc = d.config;
     if (block_size == 0) block_size = dc.block_size;
@@ -192,11 +217,20 @@ int main(int argc, char** argv) {
     std::unique_ptr<target::TargetModel> cpu_model;
     std::unique_ptr<target::Decoder> dec;
     std::unique_ptr<drafter::Proposer> prop;
+    bench::DrafterScorer scorer;
     const target::TargetConfig local = target::local_config(cfg, tp);
     const target::TpShard shard{layout.tp_rank, tp};
     drafter::FrozenTarget frozen;
+    double copy_gbs = 0, weight_bytes = 0;  // the decode step's roofline (GPU)
+    std::string plans;
     const auto t_load = std::chrono::steady_clock::now();
+#if DFLASH_WITH_CUDA
+    std::unique_ptr<target::CudaTargetModel> cuda_model;
+    std::unique_ptr<drafter::CudaDrafter> cuda_scorer;
+#endif
     if (dev.is_cpu()) {
+      DFLASH_CHECK_HINT(!require_fast, "--require-fast-path: --device cpu is the f32 reference, which has no fast path",
+                        "run on a GPU (--device cuda)");
       target::check_cpu_reference_fits(local, cfg, "the CPU reference is for small models; run big targets with --device cuda");
       target::TargetWeights w = random_weights ? target::random_weights_tp(cfg, seed, DType::F32, dev, shard)
                                                : target::load_weights_tp(cfg, model_dir, DType::F32, dev, shard);
@@ -204,9 +238,53 @@ int main(int argc, char** argv) {
       frozen = {cpu_model->weights().embed_tokens, cpu_model->weights().lm_head};
       dec = target::make_cpu_decoder(*cpu_model, 1, max_len);
       prop = drafter::make_cpu_proposer(dc, d.weights, frozen, 1, max_len);
+      scorer = bench::cpu_scorer(dc, d.weights, frozen, block_size);
     } else {
-      DFLASH_FAIL_HINT("--device " << device << ": the CUDA decoder is not built yet", "use --device cpu");
+#if DFLASH_WITH_CUDA
+      DFLASH_CHECK_HINT(dev.index < cuda_device_count(), "--device " << dev.str() << ": " << cuda_device_count()
+                                                              << " CUDA device(s) visible",
+                        "check nvidia-smi / CUDA_VISIBLE_DEVICES, or use --device cpu");
+      const int sm = cuda_device_info(dev.index).major;
+      const target::KernelPolicies pol{target::KernelPolicy::Auto, target::KernelPolicy::Auto, target::KernelPolicy::Auto,
+                                       require_fast};
+      target::FastPathPlan plan = target::make_plan(local, dev, pol, sm);
+      target::FastPathPlan dplan = target::make_decode_plan(local, dev, pol, sm);
+      plans = "prefill: " + plan.summary() + "; decode: " + dplan.summary();
+      for (const std::string& f : plan.fallbacks()) spdlog::warn("prefill fallback: {}", f);
+      for (const std::string& f : dplan.fallbacks()) spdlog::warn("decode fallback: {}", f);
+      target::TargetWeights w = random_weights ? target::random_weights_tp(cfg, seed, DType::BF16, dev, shard)
+                                               : target::load_weights_tp(cfg, model_dir, DType::BF16, dev, shard);
+      cuda_model = std::make_unique<target::CudaTargetModel>(local, std::move(w), plan, tp_comm.get());
+      const target::TargetWeights& tw = cuda_model->weights();
+      // What a decode step reads: every weight but the embedding table (one row of it), bf16.
+      weight_bytes = static_cast<double>(tw.bytes()) - (tw.lm_head.raw_data() == tw.embed_tokens.raw_data()
+                                                            ? 0.0
+                                                            : static_cast<double>(tw.embed_tokens.nbytes()));
+      dec = target::make_cuda_decoder(*cuda_model, 1, max_len, std::move(dplan));
+      prop = drafter::make_cuda_proposer(dc, d.weights, tw.embed_tokens, tw.lm_head, dev, 1, max_len);
+      if (!no_estimate) {
+        drafter::DrafterConfig sc = dc;
+        sc.block_size = block_size;
+        cuda_scorer = std::make_unique<drafter::CudaDrafter>(sc, d.weights, tw.embed_tokens, tw.lm_head, dev);
+        scorer = [&](const drafter::DrafterBatch& b) { return cuda_scorer->step(b, drafter::StepOptions{}, false); };
+      }
+      {  // the device-to-device copy bandwidth of this run: the decode step's roofline
+        const int64_t bytes = int64_t{1} << 30;
+        Tensor a = Tensor::empty({bytes}, DType::U8, dev), b2 = Tensor::empty({bytes}, DType::U8, dev);
+        void* st = DeviceContext::get(dev.index).stream();
+        const std::vector<double> ms = bench::time_cuda(st, 2, 10, [&] {
+          DFLASH_CUDA_CHECK(cudaMemcpyAsync(b2.raw_data(), a.raw_data(), static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice,
+                                            static_cast<cudaStream_t>(st)));
+        });
+        std::vector<double> sorted = ms;
+        std::sort(sorted.begin(), sorted.end());
+        copy_gbs = 2.0 * static_cast<double>(bytes) / (sorted[sorted.size() / 2] * 1e-3) / 1e9;  // read + write
+      }
+#else
+      DFLASH_FAIL_HINT("--device " << device << ": this build has no CUDA backend", "reconfigure with -DDFLASH_CUDA=ON");
+#endif
     }
+    if (no_estimate) scorer = nullptr;
     const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
 
     bench::GenerateOptions go;
@@ -244,9 +322,9 @@ int main(int argc, char** argv) {
       dec->reset(0);
       const target::ExtendResult whole = dec->extend({0}, {seq}, eo);
       dec->reset(0);
-      if (dev.is_cpu()) {
-        const bench::AcceptEstimate est = bench::training_estimate(dc, d.weights, frozen, whole.features, seq, rep.prompt_len,
-                                                                   n_greedy, spec.block_starts, block_size);
+      if (scorer) {
+        const bench::AcceptEstimate est =
+            bench::training_estimate(scorer, whole.features, seq, rep.prompt_len, n_greedy, spec.block_starts);
         rep.est_steps = est.at_steps;
         rep.est_all = est.at_all;
       }
@@ -280,6 +358,7 @@ int main(int argc, char** argv) {
     const double tps_g = static_cast<double>(tokens) / g.steps(), tps_s = static_cast<double>(tokens) / s.steps();
     std::printf("\n== dflash_eval: %s\n", version_string().c_str());
     std::printf("target  %s on %s (%s), tp %d\n", cfg.summary().c_str(), dec->describe().c_str(), dev.str().c_str(), tp);
+    if (!plans.empty()) std::printf("kernels %s\n", plans.c_str());
     std::printf("drafter %s (%s)\n", dc.summary().c_str(), drafter_dir.c_str());
     std::printf("%zu prompt(s) from %s, %lld new tokens each (at most), block %lld; loaded in %.1f s\n", prompts.size(),
                 prompts_path.c_str(), static_cast<long long>(max_new), static_cast<long long>(block_size), load_s);
@@ -298,11 +377,20 @@ int main(int argc, char** argv) {
                 static_cast<long long>(tokens), g.steps(), tps_g, g.prefill);
     std::printf("speculative:        %lld tokens in %.3f s = %.1f tok/s; speed-up %.2fx\n", static_cast<long long>(tokens),
                 s.steps(), tps_s, tps_s / tps_g);
-    std::printf("  a step: propose %.2f ms, verify %.2f ms, commit %.2f ms (target decode step %.2f ms)\n",
-                1e3 * s.propose / static_cast<double>(std::max<int64_t>(steps, 1)),
-                1e3 * s.verify / static_cast<double>(std::max<int64_t>(steps, 1)),
-                1e3 * s.commit / static_cast<double>(std::max<int64_t>(steps, 1)),
-                1e3 * g.decode / static_cast<double>(std::max<int64_t>(tokens, 1)));
+    const double nsteps = static_cast<double>(std::max<int64_t>(steps, 1));
+    const double t_dec = g.decode / static_cast<double>(std::max<int64_t>(tokens, 1));
+    const double t_prop = s.propose / nsteps, t_ver = s.verify / nsteps, t_com = s.commit / nsteps;
+    std::printf("  a step: propose %.2f ms, verify %.2f ms, commit %.2f ms (target decode step %.2f ms; verify = %.2fx "
+                "decode, propose = %.1f%% of verify)\n",
+                1e3 * t_prop, 1e3 * t_ver, 1e3 * t_com, 1e3 * t_dec, t_ver / t_dec, 100.0 * t_prop / t_ver);
+    const double projected = 6.0 * t_dec / (t_prop + t_ver + t_com);
+    std::printf("  projected speed-up at tau = 6: %.2fx (6 x decode step / (propose + verify + commit))\n", projected);
+    if (copy_gbs > 0)
+      std::printf("  decode step roofline: %.2f GB of weights at the %.0f GB/s copy bandwidth of this run = %.2f ms; the "
+                  "step is %.1f%% of it\n",
+                  weight_bytes / 1e9, copy_gbs, 1e3 * weight_bytes / (copy_gbs * 1e9),
+                  100.0 * weight_bytes / (copy_gbs * 1e9) / t_dec);
+    if (!dec->kernels_run().empty()) std::printf("  decode kernels run: %s\n", dec->kernels_run().c_str());
 
     if (!csv_path.empty()) {
       bench::CsvWriter csv(csv_path, dev.is_cpu() ? "cpu" : cuda_device_info(dev.index).name);
@@ -320,7 +408,12 @@ int main(int argc, char** argv) {
       row("speculative", "propose_ms", "ms", 1e3 * s.propose / static_cast<double>(std::max<int64_t>(steps, 1)));
       row("speculative", "verify_ms", "ms", 1e3 * s.verify / static_cast<double>(std::max<int64_t>(steps, 1)));
       row("speculative", "commit_ms", "ms", 1e3 * s.commit / static_cast<double>(std::max<int64_t>(steps, 1)));
-      row("greedy", "decode_step_ms", "ms", 1e3 * g.decode / static_cast<double>(std::max<int64_t>(tokens, 1)));
+      row("greedy", "decode_step_ms", "ms", 1e3 * t_dec);
+      row("speculative", "projected_speedup_tau6", "x", projected);
+      if (copy_gbs > 0) {
+        row("greedy", "decode_step_roofline_ms", "ms", 1e3 * weight_bytes / (copy_gbs * 1e9));
+        row("copy", "d2d_bandwidth", "GB/s", copy_gbs);
+      }
       row("speculative", "mismatches", "prompts", static_cast<double>(mismatches));
     }
     if (!json_path.empty()) {

@@ -92,6 +92,7 @@ Generation speculative_generate(target::Decoder& target, drafter::Proposer& prop
     t0 = clock::now();
     target.commit(slot, k + 1);
     proposer.add_context({slot}, r.features.slice(0, 0, k + 1), ops::SeqOffsets{{0, k + 1}});
+    target.synchronize();  // (a GPU's commit returns before its kernels are done: time them here)
     g.times.commit += since(t0);
     g.block_starts.push_back(static_cast<int64_t>(prompt.size() + g.tokens.size()) - 1);
     g.accept.push_back(k + 1);
@@ -101,13 +102,8 @@ Generation speculative_generate(target::Decoder& target, drafter::Proposer& prop
   return g;
 }
 
-AcceptEstimate training_estimate(const drafter::DrafterConfig& config, const drafter::DrafterWeights& weights,
-                                 const drafter::FrozenTarget& target, const Tensor& features,
-                                 const std::vector<int32_t>& sequence, int64_t prompt_len, int64_t generated,
-                                 const std::vector<int64_t>& block_starts, int64_t block_size) {
-  // The drafter as trained, with blocks of the evaluated size (the mask rule restricted to B rows).
-  drafter::DrafterConfig c = config;
-  c.block_size = block_size;
+AcceptEstimate training_estimate(const DrafterScorer& score, const Tensor& features, const std::vector<int32_t>& sequence,
+                                 int64_t prompt_len, int64_t generated, const std::vector<int64_t>& block_starts) {
   const int64_t N = static_cast<int64_t>(sequence.size());
   DFLASH_CHECK(features.dim() == 2 && features.size(0) == N,
                "acceptance estimate: " << N << " tokens but features " << features.describe());
@@ -118,18 +114,27 @@ AcceptEstimate training_estimate(const drafter::DrafterConfig& config, const dra
   b.loss_mask.assign(static_cast<size_t>(N), 0);
   for (int64_t t = prompt_len; t < N; ++t) b.loss_mask[static_cast<size_t>(t)] = 1;
   b.seqs.offsets = {0, N};
-  drafter::StepOptions so;
   AcceptEstimate e;
   auto run = [&](const std::vector<int64_t>& anchors) {
     b.blocks.clear();
     for (int64_t a : anchors) b.blocks.push_back({0, a});
-    return drafter::forward_backward(c, weights, target, b, so);
+    return score(b);
   };
   e.at_steps = run(block_starts);
   std::vector<int64_t> all;
   for (int64_t a = prompt_len; a < prompt_len + generated; ++a) all.push_back(a);
   e.at_all = run(all);
   return e;
+}
+
+DrafterScorer cpu_scorer(const drafter::DrafterConfig& config, const drafter::DrafterWeights& weights,
+                         const drafter::FrozenTarget& target, int64_t block_size) {
+  // The drafter as trained, with blocks of the evaluated size (the mask rule restricted to B rows).
+  drafter::DrafterConfig c = config;
+  c.block_size = block_size;
+  return [c, &weights, target](const drafter::DrafterBatch& b) {
+    return drafter::forward_backward(c, weights, target, b, drafter::StepOptions{});
+  };
 }
 
 }  // namespace dflash::bench

@@ -13,6 +13,7 @@
 // Verification is greedy, so the tokens equal the target's own greedy decoding, token for token;
 // dflash_eval checks that on every prompt. tau = the mean acceptance length over steps.
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "drafter/decode.h"
@@ -59,9 +60,13 @@ Generation speculative_generate(target::Decoder& target, drafter::Proposer& prop
 struct AcceptEstimate {
   drafter::StepStats at_steps, at_all;
 };
-AcceptEstimate training_estimate(const drafter::DrafterConfig& config, const drafter::DrafterWeights& weights,
-                                 const drafter::FrozenTarget& target, const Tensor& features,
-                                 const std::vector<int32_t>& sequence, int64_t prompt_len, int64_t generated,
-                                 const std::vector<int64_t>& block_starts, int64_t block_size);
+// The drafter's training forward on a batch (no backward): forward_backward on the CPU reference,
+// CudaDrafter::step on a GPU. Its blocks have the evaluated block size.
+using DrafterScorer = std::function<drafter::StepStats(const drafter::DrafterBatch&)>;
+AcceptEstimate training_estimate(const DrafterScorer& score, const Tensor& features, const std::vector<int32_t>& sequence,
+                                 int64_t prompt_len, int64_t generated, const std::vector<int64_t>& block_starts);
+// The CPU reference scorer of a drafter with blocks of block_size.
+DrafterScorer cpu_scorer(const drafter::DrafterConfig& config, const drafter::DrafterWeights& weights,
+                         const drafter::FrozenTarget& target, int64_t block_size);
 
 }  // namespace dflash::bench

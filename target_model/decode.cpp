@@ -62,6 +62,7 @@ ExtendResult Decoder::extend(const std::vector<int32_t>& slots, const std::vecto
   for (int64_t id : options.capture)
     DFLASH_CHECK_HINT(id >= 0 && id < config_.num_hidden_layers, "decoder: capture layer id " << id << " is out of range",
                       "layer ids are 0.." << config_.num_hidden_layers - 1 << " (id i = output of decoder layer i)");
+  if (!options.commit) std::fill(pending_.begin(), pending_.end(), 0);  // one verify at a time (decode.h)
   ExtendResult r = do_extend(slots, lengths, tokens, options);
   for (size_t s = 0; s < slots.size(); ++s) {
     const size_t i = static_cast<size_t>(slots[s]);

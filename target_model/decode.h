@@ -15,7 +15,8 @@
 // then ends after them and the GDN recurrent and conv states are those after token n — the state
 // before verify is never overwritten; commit re-runs the delta rule and the conv state update of the
 // n accepted tokens from their saved inputs (O(n) and no per-token state copies; see
-// bench/README.md for the cost). Another extend of a slot with an uncommitted one discards it.
+// bench/README.md for the cost). A verify's tokens are committed (or dropped) before the next
+// verify: another verify, of any slot, or a commit = true extend of the same slot discards them.
 //
 // Extending a sequence in pieces of any sizes gives the hidden states and logits of one forward
 // over the whole sequence (the CPU reference to ~1e-5, tests/test_decode.cpp).
@@ -26,6 +27,7 @@
 
 #include "kernels/tensor.h"
 #include "target_model/config.h"
+#include "target_model/fast_path.h"
 
 namespace dflash::target {
 
@@ -58,6 +60,10 @@ class Decoder {
   int64_t length(int32_t slot) const;  // committed tokens
   virtual Device device() const = 0;
   virtual std::string describe() const = 0;  // "cpu reference (f32)" / "cuda:0 ... kernels"
+  // Waits for the work this decoder enqueued (commit returns before a GPU has done it).
+  virtual void synchronize() {}
+  // The decode kernels launched so far per step and path ("conv_update fast 96 fallback 0, ..."), or "".
+  virtual std::string kernels_run() const { return {}; }
 
   // Empties the slot (length 0, zero states).
   void reset(int32_t slot);
@@ -86,5 +92,13 @@ class Decoder {
 
 // The CPU reference decoder over `model`'s f32 weights (tensor parallel when the model is).
 std::unique_ptr<Decoder> make_cpu_decoder(const TargetModel& model, int64_t num_slots, int64_t max_len);
+
+#if DFLASH_WITH_CUDA
+class CudaTargetModel;
+// The CUDA decoder over `model` (which must outlive it), with the kernels of `decode_plan`
+// (make_decode_plan of the model's config and device).
+std::unique_ptr<Decoder> make_cuda_decoder(CudaTargetModel& model, int64_t num_slots, int64_t max_len,
+                                           FastPathPlan decode_plan);
+#endif
 
 }  // namespace dflash::target

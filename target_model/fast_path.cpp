@@ -31,6 +31,9 @@ const char* step_name(Step s) {
     case Step::Conv: return "conv";
     case Step::DeltaRule: return "delta_rule";
     case Step::Attention: return "attention";
+    case Step::ConvUpdate: return "conv_update";
+    case Step::DeltaRulePool: return "delta_rule_pool";
+    case Step::AttentionDecode: return "attention_decode";
   }
   return "?";
 }
@@ -211,21 +214,90 @@ void FastPathPlan::require_all_fast() const {
   DFLASH_FAIL_HINT(o.str(), "fix the cause named above, or set kernels.require_fast_path: false to accept the fallback");
 }
 
+FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const KernelPolicies& pol, int sm_major) {
+  FastPathPlan plan;
+  plan.device = device.str();
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    LayerPlan lp;
+    lp.layer = i;
+    lp.type = c.layer_types[static_cast<size_t>(i)];
+    const bool gdn = lp.type == LayerType::LinearAttention;
+    if (device.is_cpu()) {
+      auto cpu_step = [&](Step s, const char* k) { lp.steps.push_back({s, Path::Cpu, k, "cpu reference (f32)"}); };
+      if (gdn) {
+        cpu_step(Step::ConvUpdate, "cpu::causal_conv1d_update");
+        cpu_step(Step::DeltaRulePool, "cpu::gated_delta_rule_pool");
+      } else {
+        cpu_step(Step::AttentionDecode, "cpu::attention_decode");
+      }
+      plan.layers.push_back(std::move(lp));
+      continue;
+    }
+#if DFLASH_WITH_CUDA
+    const std::string sm = "sm_" + std::to_string(sm_major) + "x";
+    if (gdn) {
+      const int64_t C = c.gdn_conv_dim(), K = c.linear_conv_kernel_dim;
+      lp.steps.push_back(decide(Step::ConvUpdate, i, pol.conv,
+                                {cuda::causal_conv1d_update_fast_supported(C, K),
+                                 "the vectorized conv update needs channels % 8 == 0 and kernel size 1..4 (C=" +
+                                     std::to_string(C) + ", K=" + std::to_string(K) + ")"},
+                                "causal_conv1d_update_fast",
+                                std::string(cuda::causal_conv1d_update_kernel_name(C, K)) + ", C=" + std::to_string(C) +
+                                    " (q|k|v), K=" + std::to_string(K),
+                                "causal_conv1d_update_fallback", "kernels.conv"));
+      const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+      lp.steps.push_back(decide(Step::DeltaRulePool, i, pol.delta_rule,
+                                {cuda::gated_delta_rule_pool_fast_supported(dk, dv, sm_major),
+                                 "head dims dk=" + std::to_string(dk) + " dv=" + std::to_string(dv) + " on " + sm +
+                                     " are not supported by the state-pool kernel"},
+                                "gated_delta_rule_pool_fast",
+                                std::string(cuda::gated_delta_rule_pool_kernel_name(dk, dv, sm_major)) + ", " + sm +
+                                    ", dk=" + std::to_string(dk) + " dv=" + std::to_string(dv),
+                                "gated_delta_rule_pool_fallback", "kernels.delta_rule"));
+    } else {
+      const int64_t d = c.head_dim;
+      lp.steps.push_back(decide(Step::AttentionDecode, i, pol.attention,
+                                {cuda::attention_decode_fast_supported(d, sm_major),
+                                 "head dim " + std::to_string(d) + " on " + sm + " is not supported by flash-decoding"},
+                                "attention_decode_fast",
+                                std::string(cuda::attention_decode_kernel_name(d, sm_major)) + ", head dim " +
+                                    std::to_string(d) + ", GQA " + std::to_string(c.num_attention_heads) + "/" +
+                                    std::to_string(c.num_key_value_heads),
+                                "attention_decode_fallback", "kernels.attention"));
+    }
+#else
+    (void)sm_major;
+    (void)pol;
+    DFLASH_FAIL_HINT("a decode plan for " << device.str() << " needs the CUDA backend, which this build does not have",
+                     "reconfigure with -DDFLASH_CUDA=ON on a machine with nvcc");
+#endif
+    plan.layers.push_back(std::move(lp));
+  }
+  if (pol.require_fast_path && !device.is_cpu()) plan.require_all_fast();
+  return plan;
+}
+
 void PathCounters::reset() {
   for (auto& c : counts_) c.store(0, std::memory_order_relaxed);
 }
 
 nlohmann::json PathCounters::to_json() const {
   nlohmann::json j;
-  for (Step s : {Step::Conv, Step::DeltaRule, Step::Attention})
+  for (Step s : kAllSteps) {
+    bool used = false;
+    for (Path p : {Path::Fast, Path::Fallback, Path::Cpu}) used = used || get(s, p);
+    if (!used && static_cast<int>(s) >= static_cast<int>(Step::ConvUpdate)) continue;  // decode steps only when they ran
     for (Path p : {Path::Fast, Path::Fallback, Path::Cpu}) j[step_name(s)][path_name(p)] = get(s, p);
+  }
   return j;
 }
 
 std::string PathCounters::str() const {
   std::ostringstream o;
   bool first = true;
-  for (Step s : {Step::Conv, Step::DeltaRule, Step::Attention}) {
+  for (Step s : kAllSteps) {
+    const bool used = get(s, Path::Fast) || get(s, Path::Fallback) || get(s, Path::Cpu);
+    if (!used && static_cast<int>(s) >= static_cast<int>(Step::ConvUpdate)) continue;  // decode steps only when they ran
     o << (first ? "" : ", ") << step_name(s) << " fast " << get(s, Path::Fast) << " fallback " << get(s, Path::Fallback);
     if (get(s, Path::Cpu)) o << " cpu " << get(s, Path::Cpu);
     first = false;
@@ -238,7 +310,7 @@ std::vector<std::string> PathCounters::mismatches(const FastPathPlan& plan, uint
   for (const LayerPlan& l : plan.layers)
     for (const StepPlan& s : l.steps) want[idx(s.step, s.path)] += forwards;
   std::vector<std::string> out;
-  for (Step s : {Step::Conv, Step::DeltaRule, Step::Attention})
+  for (Step s : kAllSteps)
     for (Path p : {Path::Fast, Path::Fallback, Path::Cpu})
       if (get(s, p) != want[idx(s, p)])
         out.push_back(std::string(step_name(s)) + " " + path_name(p) + ": planned " + std::to_string(want[idx(s, p)]) +

@@ -28,8 +28,12 @@ struct KernelPolicies {
   bool require_fast_path = false;
 };
 
-enum class Step { Conv = 0, DeltaRule = 1, Attention = 2 };
-inline constexpr int kNumSteps = 3;
+// The forward's steps, and the decode / verify steps of target::Decoder (decode.h), which run the
+// same layers on slot states: their own plan (make_decode_plan) and counters.
+enum class Step { Conv = 0, DeltaRule = 1, Attention = 2, ConvUpdate = 3, DeltaRulePool = 4, AttentionDecode = 5 };
+inline constexpr int kNumSteps = 6;
+inline constexpr Step kAllSteps[kNumSteps] = {Step::Conv,       Step::DeltaRule,     Step::Attention,
+                                              Step::ConvUpdate, Step::DeltaRulePool, Step::AttentionDecode};
 const char* step_name(Step s);
 
 enum class Path { Fast, Fallback, Cpu };
@@ -69,6 +73,11 @@ struct FastPathPlan {
 // caller reads it from the device; tests may pass any value). Policy `fast` on a layer the fast
 // kernel cannot serve is an error naming the layer and the reason.
 FastPathPlan make_plan(const TargetConfig& c, Device device, const KernelPolicies& policies, int sm_major);
+// The plan of incremental decoding: per GatedDeltaNet layer the conv update and the delta rule on
+// the state pool, per attention layer attention over the KV cache (the forward's policies apply:
+// kernels.conv covers the conv update, and so on; a prompt into an empty slot runs the forward's
+// kernels of make_plan).
+FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const KernelPolicies& policies, int sm_major);
 
 // Kernel invocations per (step, path) since the last reset, counted at launch time.
 class PathCounters {

@@ -180,7 +180,37 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   gemm(ForwardOp::GdnInProj, x, H, f.in_proj, proj, P, N, P, H);
   auto col = [&](int64_t j) { return static_cast<char*>(proj.raw_data()) + j * 2; };
 
+  DecodeStep* ds = decode_;
+  DecodeLayer* dl = ds ? &(*ds->layers)[static_cast<size_t>(i)] : nullptr;
   Tensor conv = device_bf16({N, C}, device_);
+  // The conv update on the slots' conv states: the decode step's conv, and after a prefill the
+  // state update from the prompt's last K-1 inputs (its outputs unused).
+  auto conv_update = [&](const void* x, int64_t rows, const int32_t* cu, void* y, bool update) {
+    cuda::ConvUpdateParams up;
+    up.x = x;
+    up.ldx = P;
+    up.w = L.gdn.conv1d.raw_data();
+    up.y = y;
+    up.state = dl->conv_state;
+    up.slots = ds->slots;
+    up.cu_seqlens = cu;
+    up.num_seqs = b.num_seqs;
+    up.N = rows;
+    up.C = C;
+    up.K = c.linear_conv_kernel_dim;
+    up.num_slots = ds->num_slots;
+    up.silu = true;
+    up.update_state = update;
+    const StepPlan& st = dl->plan->step(Step::ConvUpdate);
+    timed(ForwardOp::GdnConv, [&] {
+      if (st.path == Path::Fast) cuda::causal_conv1d_update_fast(up, stream_);
+      else cuda::causal_conv1d_update_fallback(up, stream_);
+    });
+    ds->counters->add(Step::ConvUpdate, st.path);
+  };
+  if (ds && !ds->prefill) {
+    conv_update(proj.raw_data(), ds->real_tokens, b.cu_seqlens.data<int32_t>(), conv.raw_data(), ds->commit);
+  } else {
   cuda::ConvParams cp;
   cp.x = proj.raw_data();
   cp.ldx = P;
@@ -198,6 +228,12 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
     else cuda::causal_conv1d_fallback(cp, stream_);
   });
   counters_.add(Step::Conv, conv_step.path);
+  if (ds) {
+    Tensor scratch = device_bf16({ds->tail, C}, device_);
+    conv_update(static_cast<const char*>(proj.raw_data()) + (N - ds->tail) * P * 2, ds->tail, ds->tail_cu,
+                scratch.raw_data(), true);
+  }
+  }
 
   Tensor q = device_bf16({N, Hk, dk}, device_), k = device_bf16({N, Hk, dk}, device_);
   Tensor g = Tensor::empty({N, Hv}, DType::F32, device_), beta = Tensor::empty({N, Hv}, DType::F32, device_);
@@ -236,12 +272,45 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   dp.Hv = Hv;
   dp.dk = dk;
   dp.dv = dv;
-  const StepPlan& dr_step = lp.step(Step::DeltaRule);
-  timed(ForwardOp::DeltaRule, [&] {
-    if (dr_step.path == Path::Fast) cuda::chunk_gated_delta_rule(dp, stream_);
-    else cuda::recurrent_gated_delta_rule(dp, stream_);
-  });
-  counters_.add(Step::DeltaRule, dr_step.path);
+  if (ds && !ds->prefill) {
+    cuda::DeltaRulePoolParams pp2;
+    pp2.q = dp.q;
+    pp2.k = dp.k;
+    pp2.v = dp.v;
+    pp2.ldv = dp.ldv;
+    pp2.g = dp.g;
+    pp2.beta = dp.beta;
+    pp2.state = dl->gdn_state;
+    pp2.slots = ds->slots;
+    pp2.out = dp.out;
+    pp2.cu_seqlens = dp.cu_seqlens;
+    pp2.num_seqs = b.num_seqs;
+    pp2.N = ds->real_tokens;
+    pp2.Hk = Hk;
+    pp2.Hv = Hv;
+    pp2.dk = dk;
+    pp2.dv = dv;
+    pp2.num_slots = ds->num_slots;
+    pp2.update_state = ds->commit;
+    const StepPlan& st = dl->plan->step(Step::DeltaRulePool);
+    timed(ForwardOp::DeltaRule, [&] {
+      if (st.path == Path::Fast) cuda::gated_delta_rule_pool_fast(pp2, stream_);
+      else cuda::gated_delta_rule_pool_fallback(pp2, stream_);
+    });
+    ds->counters->add(Step::DeltaRulePool, st.path);
+    if (!ds->commit) {  // what commit re-runs for the accepted tokens
+      dl->proj = proj, dl->proj_ld = P, dl->conv = conv, dl->q = q, dl->k = k, dl->g = g, dl->beta = beta;
+    }
+  } else {
+    // A prefill writes the state after the prompt into its slot.
+    if (ds) dp.final_state = dl->gdn_state + static_cast<int64_t>(ds->prefill_slot) * Hv * dk * dv;
+    const StepPlan& dr_step = lp.step(Step::DeltaRule);
+    timed(ForwardOp::DeltaRule, [&] {
+      if (dr_step.path == Path::Fast) cuda::chunk_gated_delta_rule(dp, stream_);
+      else cuda::recurrent_gated_delta_rule(dp, stream_);
+    });
+    counters_.add(Step::DeltaRule, dr_step.path);
+  }
 
   Tensor normed = device_bf16({N, V}, device_);
   timed(ForwardOp::GatedRmsNorm, [&] {
@@ -300,12 +369,67 @@ void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatc
   ap.Hkv = Hkv;
   ap.d = d;
   ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const StepPlan& st = lp.step(Step::Attention);
-  timed(ForwardOp::Attention, [&] {
-    if (st.path == Path::Fast) cuda::flash_attention_fwd(ap, stream_);
-    else cuda::attention_fallback(ap, stream_);
-  });
-  counters_.add(Step::Attention, st.path);
+  DecodeStep* ds = decode_;
+  if (ds) {  // the new K / V into the slots' caches (a verify's are overwritten by the next extend)
+    DecodeLayer& dl = (*ds->layers)[static_cast<size_t>(i)];
+    cuda::KvAppendParams kp;
+    kp.k = ap.k;
+    kp.ldk = P;
+    kp.v = ap.v;
+    kp.ldv = P;
+    kp.k_cache = dl.k_cache;
+    kp.v_cache = dl.v_cache;
+    kp.slots = ds->slots;
+    kp.past_len = ds->past_len;
+    kp.cu_seqlens = ap.cu_seqlens;
+    kp.num_seqs = b.num_seqs;
+    kp.N = ds->real_tokens;
+    kp.Hkv = Hkv;
+    kp.d = d;
+    kp.max_len = ds->max_len;
+    kp.num_slots = ds->num_slots;
+    kp.max_new = ds->max_new;
+    timed(ForwardOp::Attention, [&] { cuda::kv_cache_append(kp, stream_); });
+  }
+  if (ds && !ds->prefill) {
+    DecodeLayer& dl = (*ds->layers)[static_cast<size_t>(i)];
+    cuda::AttentionDecodeParams adp;
+    adp.q = ap.q;
+    adp.k_cache = dl.k_cache;
+    adp.v_cache = dl.v_cache;
+    adp.out = ap.out;
+    adp.slots = ds->slots;
+    adp.past_len = ds->past_len;
+    adp.cu_seqlens = ap.cu_seqlens;
+    adp.num_seqs = b.num_seqs;
+    adp.N = ds->real_tokens;
+    adp.Hq = Hq;
+    adp.Hkv = Hkv;
+    adp.d = d;
+    adp.max_len = ds->max_len;
+    adp.num_slots = ds->num_slots;
+    adp.max_new = ds->max_new;
+    adp.causal = true;
+    adp.window = 0;
+    adp.scale = ap.scale;
+    adp.workspace = ds->attn_workspace;
+    adp.workspace_bytes = ds->attn_workspace_bytes;
+    adp.split_keys = ds->split_keys;
+    adp.key_bound = ds->key_bound;
+    const StepPlan& st = dl.plan->step(Step::AttentionDecode);
+    timed(ForwardOp::Attention, [&] {
+      if (st.path == Path::Fast) cuda::attention_decode_fast(adp, stream_);
+      else cuda::attention_decode_fallback(adp, stream_);
+    });
+    ds->counters->add(Step::AttentionDecode, st.path);
+  } else {
+    const StepPlan& st = lp.step(Step::Attention);
+    timed(ForwardOp::Attention, [&] {
+      if (st.path == Path::Fast) cuda::flash_attention_fwd(ap, stream_);
+      else cuda::attention_fallback(ap, stream_);
+    });
+    counters_.add(Step::Attention, st.path);
+  }
   if (gated)
     timed(ForwardOp::SigmoidGate, [&] { cuda::sigmoid_gate(attn.raw_data(), base + d * 2, P, 2 * d, N, Hq, d, stream_); });
   gemm(ForwardOp::AttnOProj, attn, Hq * d, L.attn.o_proj, out, H, N, H, Hq * d);

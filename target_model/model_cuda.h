@@ -86,6 +86,42 @@ class OpProfiler {
   bool open_ = false;          // begin without end yet
 };
 
+// What a decode / verify step (target::Decoder on CUDA, decode_cuda.cpp) gives the layers of a
+// forward: the slot states and the decode plan's kernels. A plain forward has none.
+struct DecodeLayer {
+  const LayerPlan* plan = nullptr;  // this layer's steps of the decode plan (make_decode_plan)
+  void* conv_state = nullptr;       // GatedDeltaNet: [num_slots, K-1, conv_dim] bf16
+  float* gdn_state = nullptr;       //   [num_slots, Hv, dk, dv] fp32
+  void* k_cache = nullptr;          // attention: [num_slots, max_len, Hkv, d] bf16
+  void* v_cache = nullptr;
+  // After a verify (commit = false), the layer's inputs of the conv update and the delta rule that
+  // commit re-runs for the accepted tokens: the in-projection output [rows, P], the conv output
+  // [rows, conv_dim] (v inside it), prepared q / k, g, beta.
+  Tensor proj, conv, q, k, g, beta;
+  int64_t proj_ld = 0;
+};
+struct DecodeStep {
+  // A prompt into one empty slot: the forward's kernels (chunked delta rule, flash attention), then
+  // the states written (the conv state from the prompt's last K-1 inputs, the final recurrent state,
+  // the K / V). Otherwise the decode kernels on the slot states (T = 1 decode, T > 1 verify).
+  bool prefill = false;
+  bool commit = true;                 // decode: the states advance (false: verify, the pool is read only)
+  int32_t prefill_slot = 0;           // (host) the slot of a prefill
+  const int32_t* slots = nullptr;     // device [num_seqs]
+  const int32_t* past_len = nullptr;  // device [num_seqs]: committed tokens before this step
+  const int32_t* tail_cu = nullptr;   // device {0, m}: prefill, the prompt's last m = min(T, K-1) tokens
+  int64_t tail = 0;                   // m
+  int64_t real_tokens = 0;            // tokens of the sequences (the batch's rows may be padded beyond)
+  int64_t num_slots = 0, max_len = 0, max_new = 0;
+  void* attn_workspace = nullptr;
+  size_t attn_workspace_bytes = 0;
+  // Attention over the cache with absolute splits of split_keys keys (batch invariance, see
+  // AttentionDecodeParams); key_bound >= every past_len + T.
+  int64_t split_keys = 0, key_bound = 0;
+  std::vector<DecodeLayer>* layers = nullptr;  // [num_hidden_layers]
+  PathCounters* counters = nullptr;            // the decode steps' launches
+};
+
 class CudaTargetModel {
  public:
   // `weights` must be bf16 on a CUDA device; the in-projections are fused in place (q|k|v|z|b|a,
@@ -103,6 +139,10 @@ class CudaTargetModel {
   // Per-op timing of every later forward / run_layer (null, the default: off, and each op costs one
   // pointer test). The profiler must outlive its use; collect() after the forward.
   void set_profiler(OpProfiler* profiler) { profiler_ = profiler; }
+  // Makes the next forwards a decode step on slot states (null: plain forwards again).
+  void set_decode(DecodeStep* step) { decode_ = step; }
+  const TargetWeights& weights() const { return weights_; }
+  void* stream() const { return stream_; }
 
   // Validates the sequences (as TargetModel::forward does) and uploads them.
   CudaBatch make_batch(const std::vector<std::vector<int32_t>>& sequences) const;
@@ -143,6 +183,7 @@ class CudaTargetModel {
   void* stream_ = nullptr;
   comm::Communicator* tp_ = nullptr;
   OpProfiler* profiler_ = nullptr;
+  DecodeStep* decode_ = nullptr;
 };
 
 }  // namespace dflash::target

@@ -533,6 +533,44 @@ TEST(CudaDecode, KvAppendAndAttentionDecodeMatchCpu) {
   std::printf("attention_decode: worst normalised error vs CPU: fast %.3g, fallback %.3g\n", wf, wb);
 }
 
+// Batch invariance, what speculative decoding needs to reproduce greedy decoding bit for bit: with
+// absolute splits (split_keys), each of T = 16 verify rows equals the T = 1 decode of that token at
+// its position over the same cache, exactly — across a split boundary, at several context lengths,
+// for the target (causal) and the drafter's sliding layer. Without split_keys they need not.
+TEST(CudaDecode, AttentionDecodeWithAbsoluteSplitsIsBatchInvariant) {
+  DFLASH_REQUIRE_GPU();
+  if (!cuda::attention_decode_fast_supported(256, sm_major())) GTEST_SKIP() << "no fast kernel on this GPU";
+  struct Case {
+    int64_t Hq, Hkv, d, past, window, split_keys;
+  };
+  for (const Case& c : {Case{24, 4, 256, 250, 0, 128}, Case{24, 4, 256, 1000, 0, 192}, Case{24, 4, 256, 3, 0, 64},
+                        Case{32, 8, 128, 700, 100, 128}}) {
+    const int64_t T = 16, L = c.past + T + 7;
+    const Tensor kc = to_gpu_bf16(randn_f32({1, L, c.Hkv, c.d}, 1.0f)), vc = to_gpu_bf16(randn_f32({1, L, c.Hkv, c.d}, 1.0f));
+    const Tensor q = to_gpu_bf16(randn_f32({T, c.Hq, c.d}, 1.0f)), sl = slots_gpu({0});
+    cuda::AttentionDecodeParams p;
+    p.k_cache = kc.raw_data(), p.v_cache = vc.raw_data(), p.slots = i32(sl);
+    p.num_seqs = 1, p.Hq = c.Hq, p.Hkv = c.Hkv, p.d = c.d, p.max_len = L, p.num_slots = 1;
+    p.causal = true, p.window = c.window, p.scale = 1.0f / std::sqrt(static_cast<float>(c.d)), p.split_keys = c.split_keys;
+    auto run = [&](int64_t past, int64_t n, int64_t q_row) {
+      const Tensor cu = cu_seqlens_gpu(offsets_of({n})), pd = i32_gpu({past});
+      Tensor out = gpu_out({n, c.Hq, c.d}, DType::BF16);
+      p.q = at_bf16(q, q_row * c.Hq * c.d), p.out = out.raw_data(), p.past_len = i32(pd), p.cu_seqlens = i32(cu);
+      p.N = n, p.max_new = n, p.key_bound = past + n;
+      Tensor ws = gpu_out({static_cast<int64_t>(cuda::attention_decode_workspace(p) / 4) + 1}, DType::F32);
+      p.workspace = ws.raw_data(), p.workspace_bytes = cuda::attention_decode_workspace(p);
+      cuda::attention_decode_fast(p, stream0());
+      return host_f32(out);
+    };
+    const Tensor verify = run(c.past, T, 0);
+    for (int64_t t = 0; t < T; ++t) {
+      const Tensor one = run(c.past + t, 1, t);
+      EXPECT_TRUE(bit_equal(one, verify.slice(0, t, t + 1).contiguous()))
+          << "row " << t << " past " << c.past << " split_keys " << c.split_keys << " d " << c.d;
+    }
+  }
+}
+
 TEST(CudaDecode, AttentionDecodeRejectsBadSizes) {
   DFLASH_REQUIRE_GPU();
   const Tensor cu = cu_seqlens_gpu(offsets_of({1})), sl = slots_gpu({0}), past = i32_gpu({0});

@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "bench/speculative.h"
+#include "oracle_proposer.h"
 #include "kernels/rng.h"
 #include "target_model/model.h"
 #include "test_util.h"
@@ -34,42 +35,6 @@ struct Tiny {
     model = std::make_unique<target::TargetModel>(cfg, target::load_weights(cfg, kHf + name, DType::F32, Device::cpu()));
     frozen = {model->weights().embed_tokens, model->weights().lm_head};
   }
-};
-
-// Proposes the target's true greedy tokens for the first good(step) drafts of each block and a
-// wrong token after them: the acceptance length of that step must be min(good + 1, B).
-class OracleProposer final : public drafter::Proposer {
- public:
-  OracleProposer(drafter::DrafterConfig c, std::vector<int32_t> sequence, std::vector<int64_t> good)
-      : c_(std::move(c)), seq_(std::move(sequence)), good_(std::move(good)) {}
-  const drafter::DrafterConfig& config() const override { return c_; }
-  Device device() const override { return Device::cpu(); }
-  int64_t num_slots() const override { return 1; }
-  int64_t max_len() const override { return 1 << 20; }
-  void reset(int32_t) override { len_ = 0, step_ = 0; }
-  int64_t context_length(int32_t) const override { return len_; }
-  void add_context(const std::vector<int32_t>&, const Tensor& f, const ops::SeqOffsets& s) override {
-    EXPECT_EQ(f.size(0), s.total_tokens());
-    EXPECT_EQ(f.size(1), c_.context_dim());
-    len_ += s.total_tokens();
-  }
-  std::vector<std::vector<int32_t>> propose(const std::vector<int32_t>&, const std::vector<int32_t>& x_start, int64_t B,
-                                            Tensor*) override {
-    EXPECT_EQ(x_start[0], seq_[static_cast<size_t>(len_)]) << "x_start must be the greedy token at the context's end";
-    const int64_t g = good_[static_cast<size_t>(step_++ % good_.size())];
-    std::vector<int32_t> d;
-    for (int64_t i = 1; i < B; ++i) {
-      const int32_t truth = seq_[static_cast<size_t>(len_ + i)];
-      d.push_back(i <= g ? truth : (truth + 1) % static_cast<int32_t>(c_.vocab_size));
-    }
-    return {d};
-  }
-
- private:
-  drafter::DrafterConfig c_;
-  std::vector<int32_t> seq_;  // prompt + greedy continuation
-  std::vector<int64_t> good_;
-  int64_t len_ = 0, step_ = 0;
 };
 
 }  // namespace
@@ -126,8 +91,8 @@ TEST(Speculative, RealDraftersGiveTheTargetsGreedyOutput) {
           eo.capture = dc.target_layer_ids;
           dec->reset(0);
           const target::ExtendResult whole = dec->extend({0}, {seq}, eo);
-          const bench::AcceptEstimate est =
-              bench::training_estimate(dc, w, s.frozen, whole.features, seq, plen, 40, spec.block_starts, B);
+          const bench::AcceptEstimate est = bench::training_estimate(bench::cpu_scorer(dc, w, s.frozen, B), whole.features,
+                                                                     seq, plen, 40, spec.block_starts);
           const double tau = std::accumulate(spec.accept.begin(), spec.accept.end(), 0.0) / static_cast<double>(spec.accept.size());
           EXPECT_EQ(est.at_steps.num_blocks, static_cast<int64_t>(spec.accept.size()));
           EXPECT_NEAR(est.at_steps.accept_len(), tau, 1e-12) << name << " B " << B;

@@ -73,7 +73,7 @@ struct DecodeArgs {
   const int32_t* past_len;
   const int32_t* cu;
   int64_t N, max_len, num_slots;
-  int Hq, Hkv, group, splits, window;
+  int Hq, Hkv, group, splits, window, split_keys;
   bool causal;
   float scale, scale_log2;
 };
@@ -95,6 +95,7 @@ DecodeArgs decode_args(const AttentionDecodeParams& p, int splits) {
   a.group = static_cast<int>(p.Hq / p.Hkv);
   a.splits = splits;
   a.window = static_cast<int>(p.window);
+  a.split_keys = static_cast<int>(p.split_keys);
   a.causal = p.causal;
   a.scale = p.scale;
   a.scale_log2 = p.scale * 1.4426950408889634f;
@@ -151,8 +152,15 @@ __global__ void __launch_bounds__(32 * kMaxWarps) decode_fwd_kernel(const Decode
   const int hi = a.causal ? pos_max + 1 : past + T;
   const int free_lo = a.window > 0 ? pos_max - (a.window - 1) : 0;
   const int free_hi = a.causal ? pos_min + 1 : past + T;
-  const int chunk = ((hi - lo + a.splits - 1) / a.splits + BN - 1) / BN * BN;
-  const int k_begin = lo + split * chunk, k_end = min(hi, k_begin + chunk);
+  int k_begin, k_end;
+  if (a.split_keys > 0) {  // absolute splits (batch invariance): tiles start at multiples of BN
+    k_begin = max(split * a.split_keys, lo / BN * BN);
+    k_end = min(hi, (split + 1) * a.split_keys);
+  } else {
+    const int chunk = ((hi - lo + a.splits - 1) / a.splits + BN - 1) / BN * BN;
+    k_begin = lo + split * chunk;
+    k_end = min(hi, k_begin + chunk);
+  }
 
   // Row m of this kv head's block -> (token n, query head h).
   auto row_token = [&](int m) { return begin + m / G; };
@@ -456,6 +464,12 @@ void validate(const AttentionDecodeParams& p, const char* op) {
   DFLASH_CHECK(p.num_seqs < 65536 && p.Hq < 65536, op << ": num_seqs and Hq must be below 65536");
   DFLASH_CHECK(p.N == 0 || p.num_seqs >= 1, op << ": " << p.N << " tokens but no sequence");
   DFLASH_CHECK(p.max_new >= 0 && p.max_new <= p.N, op << ": max_new " << p.max_new << " must lie in [0, N = " << p.N << "]");
+  DFLASH_CHECK(p.split_keys >= 0 && p.split_keys % 64 == 0 && p.split_keys < INT32_MAX,
+               op << ": split_keys " << p.split_keys << " must be 0 or a positive multiple of 64");
+  DFLASH_CHECK(p.split_keys == 0 || (p.key_bound >= 1 && p.key_bound <= p.max_len &&
+                                     (p.key_bound + p.split_keys - 1) / p.split_keys <= kMaxSplits),
+               op << ": with split_keys " << p.split_keys << ", key_bound " << p.key_bound << " must lie in [1, max_len = "
+                  << p.max_len << "] and need at most " << kMaxSplits << " splits");
 }
 void validate_pointers(const AttentionDecodeParams& p, const char* op) {
   DFLASH_CHECK(p.N == 0 || (p.q && p.k_cache && p.v_cache && p.out && p.slots && p.past_len && p.cu_seqlens),
@@ -505,6 +519,16 @@ int choose_splits(const AttentionDecodeParams& p, int64_t workspace_bytes) {
   int row_blocks = 0, warps = 0;
   decode_shape(p, row_blocks, warps);
   const int64_t base = std::max<int64_t>(1, p.num_seqs * p.Hkv * row_blocks);
+  if (p.split_keys > 0) {
+    // Absolute splits: enough to cover key_bound, at least two so that every call combines.
+    const int64_t splits = std::max<int64_t>(2, (p.key_bound + p.split_keys - 1) / p.split_keys);
+    const int64_t per_split = p.N * p.Hq * (p.d + 1) * static_cast<int64_t>(sizeof(float));
+    DFLASH_CHECK_HINT(workspace_bytes < 0 || splits * per_split <= workspace_bytes,
+                      "attention_decode_fast: split_keys " << p.split_keys << " needs " << splits * per_split
+                                                           << " workspace bytes, got " << workspace_bytes,
+                      "allocate attention_decode_workspace(p) bytes");
+    return static_cast<int>(splits);
+  }
   int64_t splits = tuning::attn_decode_splits;
   // One full wave of resident CTAs (rounded down: a few CTAs past a wave cost a second one). The
   // compute-heavy blocks of >= 4 warps of query rows (T = 16 verify) measured faster with two waves,

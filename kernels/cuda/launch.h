@@ -272,6 +272,14 @@ struct AttentionDecodeParams {
   float scale = 0.0f;
   void* workspace = nullptr;  // split-KV partials (fast kernel); may be null
   size_t workspace_bytes = 0;
+  // Batch invariance (speculative decoding must reproduce greedy decoding bit for bit): > 0 cuts
+  // the keys into splits of split_keys (a multiple of 64) at absolute positions, so a query's keys
+  // are summed in the same splits, tiles and order whatever T and past_len are (the extra splits and
+  // tiles a longer call covers add exact zeros); key_bound >= every past_len + T_s (the host knows
+  // it) sizes the grid, and the workspace must hold attention_decode_workspace(p). 0: splits chosen
+  // for speed, which depend on T.
+  int64_t split_keys = 0;
+  int64_t key_bound = 0;
 };
 // Flash-decoding on tensor cores (mma.sync): one CTA per (sequence, kv head, block of up to 128
 // query rows = tokens x the kv head's query heads, split of the key range); the K / V tiles are read

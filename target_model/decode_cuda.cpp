@@ -1,0 +1,287 @@
+// target::Decoder on one GPU (a TP rank): the CUDA forward with a DecodeStep (model_cuda.h), so
+// prefill, decode and verify run the same layer code as the forward and differ only in the conv,
+// the delta rule and attention (the decode plan's kernels on the slot states).
+//
+// Every decode / verify step runs its rows padded to a multiple of 16 (the pad rows belong to no
+// sequence), so a T = 1 decode and a T = 16 verify of one sequence launch the same GEMMs and
+// row-wise kernels on the same shapes: each row's arithmetic is the same in both, and speculative
+// decoding reproduces target-only greedy decoding bit for bit (batch invariance), not just to
+// rounding. The sequence-aware kernels (conv update, delta rule pool, KV append, attention decode)
+// compute each token from its own inputs and state in the same order whatever T is.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/launch.h"
+#include "kernels/cuda/train_launch.h"
+#include "kernels/device.h"
+#include "target_model/decode.h"
+#include "target_model/model_cuda.h"
+
+namespace dflash::target {
+
+namespace {
+
+Tensor upload_i32(const std::vector<int32_t>& v, Device d) {
+  return Tensor::from_blob(const_cast<int32_t*>(v.data()), {static_cast<int64_t>(v.size())}, DType::I32).to(d);
+}
+
+class CudaDecoder final : public Decoder {
+ public:
+  CudaDecoder(CudaTargetModel& model, int64_t num_slots, int64_t max_len, FastPathPlan plan)
+      : Decoder(model.config(), num_slots, max_len), model_(model), plan_(std::move(plan)), dev_(model.device()) {
+    const TargetConfig& c = config_;
+    DFLASH_CHECK(plan_.layers.size() == static_cast<size_t>(c.num_hidden_layers),
+                 "CUDA decoder: the decode plan has " << plan_.layers.size() << " layers, the model "
+                                                      << c.num_hidden_layers);
+    state_.resize(static_cast<size_t>(c.num_hidden_layers));
+    tensors_.resize(state_.size());
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      DecodeLayer& dl = state_[static_cast<size_t>(i)];
+      LayerTensors& t = tensors_[static_cast<size_t>(i)];
+      dl.plan = &plan_.layers[static_cast<size_t>(i)];
+      if (c.layer_types[static_cast<size_t>(i)] == LayerType::LinearAttention) {
+        t.a = Tensor::zeros({num_slots, c.linear_conv_kernel_dim - 1, c.gdn_conv_dim()}, DType::BF16, dev_);
+        t.b = Tensor::zeros({num_slots, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim},
+                            DType::F32, dev_);
+        dl.conv_state = t.a.raw_data();
+        dl.gdn_state = t.b.data<float>();
+      } else {
+        t.a = Tensor::empty({num_slots, max_len, c.num_key_value_heads, c.head_dim}, DType::BF16, dev_);
+        t.b = Tensor::empty({num_slots, max_len, c.num_key_value_heads, c.head_dim}, DType::BF16, dev_);
+        dl.k_cache = t.a.raw_data();
+        dl.v_cache = t.b.raw_data();
+      }
+    }
+    pending_rows_.assign(static_cast<size_t>(num_slots), -1);
+  }
+
+  Device device() const override { return dev_; }
+  std::string describe() const override { return plan_.device + ", decode plan: " + plan_.summary(); }
+  std::string kernels_run() const override { return counters_.str(); }
+  void synchronize() override { DFLASH_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(model_.stream()))); }
+
+ private:
+  struct LayerTensors {
+    Tensor a, b;  // conv + recurrent state, or k + v cache
+  };
+
+  void do_reset(int32_t slot) override {
+    const TargetConfig& c = config_;
+    auto s = static_cast<cudaStream_t>(model_.stream());
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      if (c.layer_types[static_cast<size_t>(i)] != LayerType::LinearAttention) continue;  // caches: overwritten in order
+      for (Tensor* t : {&tensors_[static_cast<size_t>(i)].a, &tensors_[static_cast<size_t>(i)].b}) {
+        const size_t row = t->nbytes() / static_cast<size_t>(num_slots());
+        DFLASH_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(t->raw_data()) + row * static_cast<size_t>(slot), 0, row, s));
+      }
+    }
+    pending_rows_[static_cast<size_t>(slot)] = -1;
+  }
+
+  ExtendResult do_extend(const std::vector<int32_t>& slots, const std::vector<int64_t>& lengths,
+                         const std::vector<std::vector<int32_t>>& tokens, const ExtendOptions& opt) override {
+    const TargetConfig& c = config_;
+    const int64_t S = static_cast<int64_t>(slots.size()), H = c.hidden_size, V = c.vocab_size;
+    DecodeStep step;
+    step.prefill = S == 1 && lengths[0] == 0 && opt.commit;
+    step.commit = opt.commit;
+    step.prefill_slot = slots[0];
+    step.num_slots = num_slots();
+    step.max_len = max_len();
+    step.layers = &state_;
+    step.counters = &counters_;
+    // The batch: real tokens packed, positions from each slot's length; decode steps padded to 16 rows.
+    CudaBatch b;
+    b.offsets = {0};
+    std::vector<int32_t> ids, pos, cu{0}, past;
+    for (int64_t s = 0; s < S; ++s) {
+      const auto& t = tokens[static_cast<size_t>(s)];
+      for (size_t j = 0; j < t.size(); ++j) {
+        ids.push_back(t[j]);
+        pos.push_back(static_cast<int32_t>(lengths[s] + static_cast<int64_t>(j)));
+      }
+      b.offsets.push_back(b.offsets.back() + static_cast<int64_t>(t.size()));
+      cu.push_back(static_cast<int32_t>(b.offsets.back()));
+      past.push_back(static_cast<int32_t>(lengths[s]));
+      b.max_seqlen = std::max<int64_t>(b.max_seqlen, static_cast<int64_t>(t.size()));
+    }
+    const int64_t N = b.offsets.back();
+    const int64_t rows = step.prefill ? N : (N + 15) / 16 * 16;
+    ids.resize(static_cast<size_t>(rows), 0);
+    pos.resize(static_cast<size_t>(rows), 0);
+    b.num_tokens = rows;
+    b.num_seqs = S;
+    b.ids = upload_i32(ids, dev_);
+    b.pos = upload_i32(pos, dev_);
+    b.cu_seqlens = upload_i32(cu, dev_);
+    const Tensor d_slots = upload_i32(slots, dev_), d_past = upload_i32(past, dev_);
+    step.slots = d_slots.data<int32_t>();
+    step.past_len = d_past.data<int32_t>();
+    step.real_tokens = N;
+    step.max_new = b.max_seqlen;
+    Tensor d_tail;
+    if (step.prefill) {
+      step.tail = std::min<int64_t>(N, c.linear_conv_kernel_dim - 1);
+      d_tail = upload_i32({0, static_cast<int32_t>(step.tail)}, dev_);
+      step.tail_cu = d_tail.data<int32_t>();
+    } else {
+      // Absolute key splits: about 32 of them over the pool's length (enough CTAs for the 132 SMs
+      // at batch 1), the same for every step of this decoder.
+      step.split_keys = std::max<int64_t>(64, ((max_len() + 31) / 32 + 63) / 64 * 64);
+      for (int64_t s2 = 0; s2 < S; ++s2)
+        step.key_bound = std::max<int64_t>(step.key_bound, lengths[s2] + static_cast<int64_t>(tokens[s2].size()));
+      cuda::AttentionDecodeParams probe;  // the workspace the flash-decoding kernel wants for this step
+      probe.num_seqs = S, probe.N = N, probe.Hq = c.num_attention_heads, probe.Hkv = c.num_key_value_heads;
+      probe.d = c.head_dim, probe.max_len = max_len(), probe.num_slots = num_slots(), probe.max_new = step.max_new;
+      probe.scale = 1.0f, probe.split_keys = step.split_keys, probe.key_bound = step.key_bound;
+      const size_t need = cuda::attention_decode_workspace(probe);
+      if (!workspace_.defined() || workspace_.nbytes() < need)
+        workspace_ = Tensor::empty({static_cast<int64_t>(std::max<size_t>(need, 1))}, DType::U8, dev_);
+      step.attn_workspace = workspace_.raw_data();
+      step.attn_workspace_bytes = workspace_.nbytes();
+    }
+    ForwardOptions fo;
+    fo.capture = opt.capture;
+    fo.final_norm = true;
+    model_.set_decode(&step);
+    ForwardResult fr;
+    try {
+      fr = model_.forward(b, fo);
+    } catch (...) {
+      model_.set_decode(nullptr);
+      throw;
+    }
+    model_.set_decode(nullptr);
+    if (!opt.commit)
+      for (int64_t s = 0; s < S; ++s) pending_rows_[static_cast<size_t>(slots[s])] = b.offsets[s];
+
+    // Kept rows: all new tokens, or each slot's last one.
+    ExtendResult r;
+    r.offsets = {0};
+    std::vector<int64_t> keep;
+    for (int64_t s = 0; s < S; ++s) {
+      for (int64_t n = opt.last_only ? b.offsets[s + 1] - 1 : b.offsets[s]; n < b.offsets[s + 1]; ++n) keep.push_back(n);
+      r.offsets.push_back(static_cast<int64_t>(keep.size()));
+    }
+    const int64_t R = static_cast<int64_t>(keep.size());
+    auto s = static_cast<cudaStream_t>(model_.stream());
+    // The lm_head: a prefill's last row alone; a decode step's every (padded) row, the same GEMM
+    // shape for T = 1 and T = 16 (batch invariance).
+    const bool one_row = step.prefill && opt.last_only;
+    const int64_t M = one_row ? 1 : rows;
+    Tensor logits = Tensor::empty({M, V}, DType::F32, dev_);
+    cuda::GemmExParams gp;
+    gp.a = static_cast<const char*>(fr.final_hidden.raw_data()) + (one_row ? (N - 1) * H * 2 : 0);
+    gp.lda = H;
+    gp.b = model_.weights().lm_head.raw_data();
+    gp.ldb = H;
+    gp.trans_b = true;
+    gp.d = logits.raw_data();
+    gp.ldd = V;
+    gp.d_f32 = true;
+    gp.M = M, gp.N = V, gp.K = H;
+    cuda::gemm_ex(gp, dev_.index);
+    Tensor next = Tensor::empty({M}, DType::I32, dev_);
+    cuda::argmax_rows(logits.raw_data(), false, V, M, V, next.data<int32_t>(), s);
+    const Tensor next_h = next.to(Device::cpu());
+    r.next.resize(static_cast<size_t>(R));
+    for (int64_t j = 0; j < R; ++j) r.next[static_cast<size_t>(j)] = next_h.data<int32_t>()[one_row ? 0 : keep[j]];
+    if (opt.logits) {
+      Tensor lh = logits.to(Device::cpu());
+      r.logits = Tensor::empty({R, V}, DType::F32);
+      for (int64_t j = 0; j < R; ++j)
+        std::copy_n(lh.data<float>() + (one_row ? 0 : keep[j]) * V, V, r.logits.data<float>() + j * V);
+    }
+    if (!opt.capture.empty()) {
+      const int64_t k = static_cast<int64_t>(opt.capture.size());
+      r.features = Tensor::empty({R, k * H}, DType::BF16, dev_);
+      for (int64_t l = 0; l < k; ++l) {
+        const Tensor& src = fr.layers.at(opt.capture[static_cast<size_t>(l)]);
+        // Kept rows are runs of consecutive rows (one per slot): one 2-D copy per run.
+        for (int64_t a = 0; a < R;) {
+          int64_t e = a + 1;
+          while (e < R && keep[e] == keep[e - 1] + 1) ++e;
+          DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(static_cast<char*>(r.features.raw_data()) + (a * k * H + l * H) * 2,
+                                              static_cast<size_t>(k * H * 2),
+                                              static_cast<const char*>(src.raw_data()) + keep[a] * H * 2,
+                                              static_cast<size_t>(H * 2), static_cast<size_t>(H * 2),
+                                              static_cast<size_t>(e - a), cudaMemcpyDeviceToDevice, s));
+          a = e;
+        }
+      }
+    }
+    return r;
+  }
+
+  // The GDN states advance by the n accepted tokens from the verify's saved inputs: the conv update
+  // and the delta rule on them alone (their outputs were the verify's).
+  void do_commit(int32_t slot, int64_t, int64_t n) override {
+    const TargetConfig& c = config_;
+    const int64_t row0 = pending_rows_[static_cast<size_t>(slot)];
+    DFLASH_CHECK(row0 >= 0, "CUDA decoder: slot " << slot << " has no saved verify inputs");
+    const Tensor d_slot = upload_i32({slot}, dev_), d_cu = upload_i32({0, static_cast<int32_t>(n)}, dev_);
+    auto s = static_cast<cudaStream_t>(model_.stream());
+    const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads, dk = c.linear_key_head_dim;
+    const int64_t dv = c.linear_value_head_dim, C = c.gdn_conv_dim();
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      if (c.layer_types[static_cast<size_t>(i)] != LayerType::LinearAttention) continue;
+      DecodeLayer& dl = state_[static_cast<size_t>(i)];
+      const LayerWeights& L = model_.weights().layers[static_cast<size_t>(i)];
+      cuda::ConvUpdateParams up;
+      up.x = static_cast<const char*>(dl.proj.raw_data()) + row0 * dl.proj_ld * 2;
+      up.ldx = dl.proj_ld;
+      up.w = L.gdn.conv1d.raw_data();
+      if (!scratch_.defined() || scratch_.size(0) < n * C) scratch_ = Tensor::empty({std::max<int64_t>(n, 16) * C}, DType::BF16, dev_);
+      up.y = scratch_.raw_data();
+      up.state = dl.conv_state;
+      up.slots = d_slot.data<int32_t>();
+      up.cu_seqlens = d_cu.data<int32_t>();
+      up.num_seqs = 1, up.N = n, up.C = C, up.K = c.linear_conv_kernel_dim, up.num_slots = num_slots();
+      up.silu = true, up.update_state = true;
+      const StepPlan& cs = dl.plan->step(Step::ConvUpdate);
+      if (cs.path == Path::Fast) cuda::causal_conv1d_update_fast(up, s);
+      else cuda::causal_conv1d_update_fallback(up, s);
+      counters_.add(Step::ConvUpdate, cs.path);
+      cuda::DeltaRulePoolParams pp;
+      pp.q = static_cast<const char*>(dl.q.raw_data()) + row0 * Hk * dk * 2;
+      pp.k = static_cast<const char*>(dl.k.raw_data()) + row0 * Hk * dk * 2;
+      pp.v = static_cast<const char*>(dl.conv.raw_data()) + (row0 * C + 2 * Hk * dk) * 2;
+      pp.ldv = C;
+      pp.g = dl.g.data<float>() + row0 * Hv;
+      pp.beta = dl.beta.data<float>() + row0 * Hv;
+      pp.state = dl.gdn_state;
+      pp.slots = d_slot.data<int32_t>();
+      pp.out = nullptr;
+      pp.cu_seqlens = d_cu.data<int32_t>();
+      pp.num_seqs = 1, pp.N = n, pp.Hk = Hk, pp.Hv = Hv, pp.dk = dk, pp.dv = dv, pp.num_slots = num_slots();
+      pp.update_state = true;
+      const StepPlan& ds = dl.plan->step(Step::DeltaRulePool);
+      if (ds.path == Path::Fast) cuda::gated_delta_rule_pool_fast(pp, s);
+      else cuda::gated_delta_rule_pool_fallback(pp, s);
+      counters_.add(Step::DeltaRulePool, ds.path);
+    }
+    pending_rows_[static_cast<size_t>(slot)] = -1;
+    // The saved inputs are released with the next extend of any slot (they belong to one batch).
+  }
+
+  CudaTargetModel& model_;
+  FastPathPlan plan_;
+  Device dev_;
+  std::vector<DecodeLayer> state_;
+  std::vector<LayerTensors> tensors_;
+  std::vector<int64_t> pending_rows_;  // per slot: its first row in the last verify's batch, -1: none
+  PathCounters counters_;
+  Tensor workspace_, scratch_;
+};
+
+}  // namespace
+
+std::unique_ptr<Decoder> make_cuda_decoder(CudaTargetModel& model, int64_t num_slots, int64_t max_len,
+                                           FastPathPlan decode_plan) {
+  return std::make_unique<CudaDecoder>(model, num_slots, max_len, std::move(decode_plan));
+}
+
+}  // namespace dflash::target

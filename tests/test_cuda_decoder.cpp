@@ -1,0 +1,176 @@
+// The target's incremental decoding on the GPU (target_model/decode_cuda.cpp) and speculative
+// decoding there:
+//  - extending in pieces (prefill, then decode and verify steps) against the CPU reference decoder
+//    on the same bf16-rounded weights (bf16 bound 3e-2, as the GPU forward), fast and fallback plans;
+//  - batch invariance: a verify of B tokens gives each row's logits and features bit for bit as
+//    T = 1 decode steps of the same tokens do, and after commit(n) the states continue bit for bit
+//    as after n decode steps;
+//  - speculative decoding on the GPU gives the GPU's own greedy output token for token, with an
+//    oracle proposer (every acceptance length) and with the CUDA proposer of an untrained drafter.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numeric>
+
+#include "bench/speculative.h"
+#include "drafter/decode_cuda.h"
+#include "kernels/rng.h"
+#include "oracle_proposer.h"
+#include "target_model/decode.h"
+#include "target_model/model.h"
+#include "target_model/model_cuda.h"
+#include "test_util.h"
+
+using namespace dflash;
+using namespace dflash::target;
+
+namespace {
+
+constexpr double kBf16Bound = 3e-2;
+
+std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint64_t seed) {
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>(rng::bits(seed, 5, static_cast<uint64_t>(i)) % vocab);
+  return t;
+}
+
+// A random target with the real head dims (GDN d 128, attention d 256), so the fast kernels serve it.
+TargetConfig real_dims() {
+  TargetConfig c = TargetConfig::from_file(std::string(DFLASH_TEST_DATA_DIR) + "/../../configs/tiny/config.json");
+  c.hidden_size = 512;
+  c.linear_key_head_dim = c.linear_value_head_dim = 128;
+  c.head_dim = 256;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 1;
+  c.linear_num_key_heads = 2;
+  c.linear_num_value_heads = 6;
+  c.validate();
+  return c;
+}
+
+struct Gpu {
+  std::unique_ptr<CudaTargetModel> model;
+  std::unique_ptr<Decoder> dec;
+  Gpu(const TargetConfig& c, KernelPolicy pol, int64_t slots, int64_t max_len, uint64_t seed = 3) {
+    const int sm = cuda_device_info(0).major;
+    const KernelPolicies p{pol, pol, pol, false};
+    model = std::make_unique<CudaTargetModel>(c, random_weights(c, seed, DType::BF16, Device::cuda(0)),
+                                              make_plan(c, Device::cuda(0), p, sm));
+    dec = make_cuda_decoder(*model, slots, max_len, make_decode_plan(c, Device::cuda(0), p, sm));
+  }
+};
+
+bool bit_equal(const Tensor& a, const Tensor& b) {
+  const Tensor x = a.to(Device::cpu()).contiguous(), y = b.to(Device::cpu()).contiguous();
+  return x.nbytes() == y.nbytes() && std::memcmp(x.raw_data(), y.raw_data(), x.nbytes()) == 0;
+}
+
+Tensor rows(const Tensor& t, int64_t a, int64_t b) { return t.slice(0, a, b).contiguous(); }
+
+}  // namespace
+
+TEST(CudaDecoder, PiecesMatchTheCpuReference) {
+  DFLASH_REQUIRE_GPU();
+  const TargetConfig c = real_dims();
+  const std::vector<int32_t> seq = random_tokens(70, c.vocab_size, 1);
+  // The CPU reference decoder on the same bf16-rounded weights.
+  TargetModel cpu(c, assemble_weights(c, DType::F32, Device::cpu(), [&](const std::string& name, const Shape& shape) {
+                    return random_tensor(name, shape, 3, DType::BF16, Device::cpu()).to_dtype(DType::F32);
+                  }));
+  for (KernelPolicy pol : {KernelPolicy::Auto, KernelPolicy::Fallback}) {
+    Gpu g(c, pol, 2, 96);
+    auto ref = make_cpu_decoder(cpu, 2, 96);
+    ExtendOptions eo;
+    eo.capture = {0, 3, c.num_hidden_layers - 1};
+    eo.logits = true;
+    ExtendOptions verify = eo;
+    verify.commit = false;
+    double worst_l = 0, worst_f = 0;
+    int64_t at = 0;
+    for (int64_t p : {20, 1, 1, 7, 16, 3, 16, 6}) {
+      const std::vector<int32_t> piece(seq.begin() + at, seq.begin() + at + p);
+      const bool as_verify = p == 16;  // a verify committed whole equals the plain extend
+      const ExtendResult rg = g.dec->extend({1}, {piece}, as_verify ? verify : eo);
+      const ExtendResult rc = ref->extend({1}, {piece}, as_verify ? verify : eo);
+      if (as_verify) g.dec->commit(1, p), ref->commit(1, p);
+      worst_l = std::max(worst_l, max_rel_err(rg.logits, rc.logits));
+      worst_f = std::max(worst_f, max_rel_err(rg.features, rc.features));
+      at += p;
+    }
+    EXPECT_EQ(g.dec->length(1), 70);
+    std::printf("cuda decoder (%s) vs cpu reference: logits %.2e, features %.2e; %s\n", policy_name(pol), worst_l, worst_f,
+                g.dec->kernels_run().c_str());
+    EXPECT_LE(worst_l, kBf16Bound);
+    EXPECT_LE(worst_f, kBf16Bound);
+  }
+}
+
+TEST(CudaDecoder, VerifyRowsEqualDecodeStepsBitForBit) {
+  DFLASH_REQUIRE_GPU();
+  const TargetConfig c = real_dims();
+  const int64_t B = 16;
+  const std::vector<int32_t> prompt = random_tokens(300, c.vocab_size, 2), block = random_tokens(B, c.vocab_size, 3);
+  const std::vector<int32_t> after = random_tokens(3, c.vocab_size, 4);
+  ExtendOptions commit;
+  commit.capture = {1, c.num_hidden_layers - 1};
+  commit.logits = true;
+  ExtendOptions verify = commit;
+  verify.commit = false;
+  for (int64_t n : {1, 5, 16}) {
+    Gpu a(c, KernelPolicy::Auto, 1, 400), b(c, KernelPolicy::Auto, 1, 400);
+    a.dec->extend({0}, {prompt}, commit);
+    b.dec->extend({0}, {prompt}, commit);
+    const ExtendResult va = a.dec->extend({0}, {block}, verify);
+    a.dec->commit(0, n);
+    // b: the same tokens as T = 1 decode steps.
+    for (int64_t t = 0; t < n; ++t) {
+      const ExtendResult sb = b.dec->extend({0}, {{block[static_cast<size_t>(t)]}}, commit);
+      EXPECT_TRUE(bit_equal(rows(va.logits, t, t + 1), sb.logits)) << "logits of verify row " << t << " (n " << n << ")";
+      EXPECT_TRUE(bit_equal(rows(va.features, t, t + 1), sb.features)) << "features of verify row " << t;
+      EXPECT_EQ(va.next[static_cast<size_t>(t)], sb.next[0]);
+    }
+    // After the commit both continue alike, bit for bit.
+    for (int32_t tok : after) {
+      const ExtendResult na = a.dec->extend({0}, {{tok}}, commit), nb = b.dec->extend({0}, {{tok}}, commit);
+      EXPECT_TRUE(bit_equal(na.logits, nb.logits)) << "after commit(" << n << ")";
+    }
+  }
+}
+
+TEST(CudaDecoder, SpeculativeEqualsGreedyOnTheGpu) {
+  DFLASH_REQUIRE_GPU();
+  const TargetConfig c = real_dims();
+  Gpu g(c, KernelPolicy::Auto, 1, 256);
+  const std::vector<int32_t> prompt = random_tokens(40, c.vocab_size, 7);
+  bench::GenerateOptions go;
+  go.max_new_tokens = 90;
+  go.block_size = 8;
+  const bench::Generation greedy = bench::greedy_generate(*g.dec, 0, prompt, go, 8);
+  const std::vector<int32_t> want(greedy.tokens.begin(), greedy.tokens.begin() + 90);
+  // Oracle drafts: every acceptance length 1..8.
+  const drafter::DrafterConfig oc = drafter::DrafterConfig::for_target(c, 1, c.vocab_size - 1, 8);
+  std::vector<int32_t> seq = prompt;
+  seq.insert(seq.end(), greedy.tokens.begin(), greedy.tokens.end());
+  const std::vector<int64_t> good{7, 0, 3, 7, 1, 5, 2, 6, 4};
+  OracleProposer oracle(oc, seq, good);
+  const bench::Generation spec = bench::speculative_generate(*g.dec, oracle, 0, prompt, go);
+  EXPECT_EQ(spec.tokens, want);
+  for (size_t i = 0; i < spec.accept.size(); ++i)
+    EXPECT_EQ(spec.accept[i], std::min<int64_t>(good[i % good.size()] + 1, 8)) << "step " << i;
+  // The CUDA proposer of an untrained drafter (a full and a sliding layer).
+  drafter::DrafterConfig dc = drafter::DrafterConfig::for_target(c, 2, c.vocab_size - 1, 16);
+  dc.layer_types[1] = drafter::AttnType::Sliding;
+  dc.sliding_window = 24;
+  const drafter::DrafterWeights w = drafter::DrafterWeights::random(dc, 5, 0.05f);
+  auto prop = drafter::make_cuda_proposer(dc, w, g.model->weights().embed_tokens, g.model->weights().lm_head,
+                                          Device::cuda(0), 1, 256);
+  for (int64_t B : {2, 16}) {
+    go.block_size = B;
+    const bench::Generation s2 = bench::speculative_generate(*g.dec, *prop, 0, prompt, go);
+    EXPECT_EQ(s2.tokens, want) << "block " << B;
+  }
+  go.block_size = 4;
+  const bench::Generation one = bench::speculative_generate(*g.dec, *prop, 0, {prompt[0]}, go);
+  const bench::Generation one_g = bench::greedy_generate(*g.dec, 0, {prompt[0]}, go);
+  EXPECT_EQ(one.tokens, one_g.tokens) << "a prompt of one token";
+}

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Speculative decoding on the GPU machine in one call (issue 16): builds what it needs, runs the
+# decode / verify GPU tests, trains the tiny demo drafter on the GPU and evaluates it with
+# dflash_eval on the GPU and on the CPU reference, and times the Qwen3.6-27B-shaped decode step,
+# verify step and propose step (random weights, an untrained 5-layer drafter, a 4096-token prompt).
+#   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_decode.sh
+# Writes at most 8 files to $OUT: build.log, tests.log, tiny_eval.log, tiny_eval.csv, eval27b.log,
+# eval27b.csv, env.txt. Switches: SKIP_TESTS=1, SKIP_TINY=1, SKIP_27B=1, GPU_TESTS (ctest -R regex,
+# default the decode tests), EVAL27B_NEW (new tokens, default 64).
+set -uo pipefail
+source "$(dirname "$0")/common.sh"
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+B=${DFLASH_BUILD:-/tmp/build-decode}
+export DFLASH_GIT_COMMIT=${DFLASH_GIT_COMMIT:-}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/env.txt" 2>&1
+cmake -S "$DFLASH_ROOT" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >"$OUT/build.log" 2>&1 &&
+  ninja -C "$B" dflash_train dflash_eval test_cuda_decode test_cuda_decoder test_cuda_drafter_decode test_cuda_sampling \
+    test_cuda_model >>"$OUT/build.log" 2>&1 || { echo "build failed"; exit 1; }
+if [ -z "${SKIP_TESTS:-}" ]; then
+  (cd "$B" && ctest -R "${GPU_TESTS:-CudaDecode|CudaProposer|CudaSampling|CudaModel|CudaGolden}" \
+    --output-on-failure --timeout 300 >"$OUT/tests.log" 2>&1)
+  grep -E "tests passed|Failed|\*\*\*" "$OUT/tests.log" | tail -n 8
+fi
+if [ -z "${SKIP_TINY:-}" ]; then
+  w=/tmp/tiny-eval
+  rm -rf "$w"
+  {
+    "$B/trainer/dflash_train" --set parallel.device=cuda --set logging.run_dir=$w --set logging.progress_bar=false &&
+      "$B/bench/dflash_eval" --config configs/tiny/config.json --random-weights --drafter $w/drafter \
+        --prompts $w/data/synth.h5 --num-prompts 8 --max-new-tokens 64 --device cuda --csv "$OUT/tiny_eval.csv" &&
+      "$B/bench/dflash_eval" --config configs/tiny/config.json --random-weights --drafter $w/drafter \
+        --prompts $w/data/synth.h5 --num-prompts 8 --max-new-tokens 64 --device cpu --csv "$OUT/tiny_eval.csv"
+  } >"$OUT/tiny_eval.log" 2>&1
+  echo "tiny eval rc=$?"
+  grep -E "^tau|estimate|speed-up|outputs|FAILED" "$OUT/tiny_eval.log"
+fi
+if [ -z "${SKIP_27B:-}" ]; then
+  python3 -c "import random; random.seed(0); print(' '.join(str(random.randrange(248000)) for _ in range(4096)))" >/tmp/p4k.txt
+  timeout 400 "$B/bench/dflash_eval" --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 \
+    --prompts /tmp/p4k.txt --num-prompts 1 --max-new-tokens "${EVAL27B_NEW:-64}" --device cuda --no-estimate \
+    --require-fast-path --csv "$OUT/eval27b.csv" >"$OUT/eval27b.log" 2>&1
+  echo "27b eval rc=$?"
+  tail -n 14 "$OUT/eval27b.log"
+fi

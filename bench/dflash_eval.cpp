@@ -23,6 +23,9 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/harness.h"
+#if DFLASH_WITH_CUDA
+#include "bench/profile.h"
+#endif
 #include "bench/report.h"
 #include "bench/speculative.h"
 #include "comm/comm.h"
@@ -151,6 +154,9 @@ int main(int argc, char** argv) {
   app.add_flag("--no-estimate", no_estimate, "skip the trainer's acceptance estimate (on a GPU it holds the drafter's "
                                               "training state: fp32 masters and gradients)");
   app.add_flag("--require-fast-path", require_fast, "refuse to run when any decode or prefill step would use a fallback kernel");
+  int64_t profile_steps = 0;
+  app.add_option("--profile", profile_steps, "GPU: afterwards time every op of this many target decode steps (after one "
+                                             "warm-up) and print where a step goes")->check(CLI::NonNegativeNumber);
   app.add_option("--prompts", prompts_path, "prompts: a dflash.tokens.v1 .h5 file, JSONL rows or a token-id text file")->required();
   app.add_option("--num-prompts", num_prompts, "use the first N prompts")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--max-new-tokens", max_new, "new tokens per prompt")->capture_default_str()->check(CLI::PositiveNumber);
@@ -241,9 +247,7 @@ int main(int argc, char** argv) {
       scorer = bench::cpu_scorer(dc, d.weights, frozen, block_size);
     } else {
 #if DFLASH_WITH_CUDA
-      DFLASH_CHECK_HINT(dev.index < cuda_device_count(), "--device " << dev.str() << ": " << cuda_device_count()
-                                                              << " CUDA device(s) visible",
-                        "check nvidia-smi / CUDA_VISIBLE_DEVICES, or use --device cpu");
+      check_device_visible(dev);
       const int sm = cuda_device_info(dev.index).major;
       const target::KernelPolicies pol{target::KernelPolicy::Auto, target::KernelPolicy::Auto, target::KernelPolicy::Auto,
                                        require_fast};
@@ -391,6 +395,30 @@ int main(int argc, char** argv) {
                   weight_bytes / 1e9, copy_gbs, 1e3 * weight_bytes / (copy_gbs * 1e9),
                   100.0 * weight_bytes / (copy_gbs * 1e9) / t_dec);
     if (!dec->kernels_run().empty()) std::printf("  decode kernels run: %s\n", dec->kernels_run().c_str());
+#if DFLASH_WITH_CUDA
+    if (profile_steps > 0 && cuda_model) {
+      // Where a target decode step goes: every op bracketed by events, T = 1 steps on the first prompt.
+      target::OpProfiler prof;
+      std::vector<target::OpProfile> profiles;
+      target::ExtendOptions eo;
+      eo.last_only = true;
+      dec->reset(0);
+      int32_t next = dec->extend({0}, {prompts[0]}, eo).next.back();
+      cuda_model->set_profiler(&prof);
+      for (int64_t i = 0; i <= profile_steps && dec->length(0) < max_len; ++i) {
+        next = dec->extend({0}, {{next}}, eo).next.back();
+        target::OpProfile op = prof.collect();
+        if (i > 0) profiles.push_back(std::move(op));  // the first one grew the event pool
+      }
+      cuda_model->set_profiler(nullptr);
+      if (!profiles.empty()) {
+        const bench::ProfileSummary ps = bench::summarize_profile(profiles, 1e3 * t_dec);
+        std::printf("\nwhere a target decode step goes (%zu steps at context %lld, ms per step; the reference is the "
+                    "unprofiled step, %.2f ms):\n%s\n",
+                    profiles.size(), static_cast<long long>(prompts[0].size()), 1e3 * t_dec, bench::profile_table(ps).c_str());
+      }
+    }
+#endif
 
     if (!csv_path.empty()) {
       bench::CsvWriter csv(csv_path, dev.is_cpu() ? "cpu" : cuda_device_info(dev.index).name);

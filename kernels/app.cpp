@@ -8,6 +8,7 @@
 #include <iostream>
 
 #include "dflash/version.h"
+#include "kernels/device.h"
 #include "kernels/error.h"
 #include "kernels/log.h"
 
@@ -43,6 +44,13 @@ std::vector<int32_t> parse_token_ids(const std::string& text, const std::string&
   }
   flush();
   return ids;
+}
+
+void check_device_visible(const Device& dev, const std::string& flag) {
+  if (!dev.is_cuda()) return;
+  const int n = cuda_device_count();
+  DFLASH_CHECK_HINT(dev.index < n, flag << " " << dev.str() << ": " << n << " CUDA device(s) visible",
+                    "check nvidia-smi and CUDA_VISIBLE_DEVICES, or use " << flag << " cpu");
 }
 
 int run_app(CLI::App& app, int argc, char** argv, const std::function<int()>& body) {

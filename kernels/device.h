@@ -23,6 +23,8 @@ struct DeviceInfo {
   int driver_version = 0, runtime_version = 0;  // e.g. 12080 for 12.8
 };
 DeviceInfo cuda_device_info(int device);
+// Throws, naming the option `flag` that chose it, when `dev` is a CUDA device this process cannot see.
+void check_device_visible(const Device& dev, const std::string& flag = "--device");
 
 // Caching allocator for device memory. Blocks are rounded up (512 B granules below 1 MiB, 2 MiB
 // above) and kept on per-device free lists after release, so a steady-state training step does no

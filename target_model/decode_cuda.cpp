@@ -230,38 +230,21 @@ class CudaDecoder final : public Decoder {
       if (c.layer_types[static_cast<size_t>(i)] != LayerType::LinearAttention) continue;
       DecodeLayer& dl = state_[static_cast<size_t>(i)];
       const LayerWeights& L = model_.weights().layers[static_cast<size_t>(i)];
-      cuda::ConvUpdateParams up;
-      up.x = static_cast<const char*>(dl.proj.raw_data()) + row0 * dl.proj_ld * 2;
-      up.ldx = dl.proj_ld;
-      up.w = L.gdn.conv1d.raw_data();
       if (!scratch_.defined() || scratch_.size(0) < n * C) scratch_ = Tensor::empty({std::max<int64_t>(n, 16) * C}, DType::BF16, dev_);
-      up.y = scratch_.raw_data();
-      up.state = dl.conv_state;
-      up.slots = d_slot.data<int32_t>();
-      up.cu_seqlens = d_cu.data<int32_t>();
-      up.num_seqs = 1, up.N = n, up.C = C, up.K = c.linear_conv_kernel_dim, up.num_slots = num_slots();
-      up.silu = true, up.update_state = true;
-      const StepPlan& cs = dl.plan->step(Step::ConvUpdate);
-      if (cs.path == Path::Fast) cuda::causal_conv1d_update_fast(up, s);
-      else cuda::causal_conv1d_update_fallback(up, s);
-      counters_.add(Step::ConvUpdate, cs.path);
-      cuda::DeltaRulePoolParams pp;
-      pp.q = static_cast<const char*>(dl.q.raw_data()) + row0 * Hk * dk * 2;
-      pp.k = static_cast<const char*>(dl.k.raw_data()) + row0 * Hk * dk * 2;
-      pp.v = static_cast<const char*>(dl.conv.raw_data()) + (row0 * C + 2 * Hk * dk) * 2;
-      pp.ldv = C;
-      pp.g = dl.g.data<float>() + row0 * Hv;
-      pp.beta = dl.beta.data<float>() + row0 * Hv;
-      pp.state = dl.gdn_state;
-      pp.slots = d_slot.data<int32_t>();
-      pp.out = nullptr;
-      pp.cu_seqlens = d_cu.data<int32_t>();
-      pp.num_seqs = 1, pp.N = n, pp.Hk = Hk, pp.Hv = Hv, pp.dk = dk, pp.dv = dv, pp.num_slots = num_slots();
-      pp.update_state = true;
-      const StepPlan& ds = dl.plan->step(Step::DeltaRulePool);
-      if (ds.path == Path::Fast) cuda::gated_delta_rule_pool_fast(pp, s);
-      else cuda::gated_delta_rule_pool_fallback(pp, s);
-      counters_.add(Step::DeltaRulePool, ds.path);
+      const ConvUpdateCall call{static_cast<const char*>(dl.proj.raw_data()) + row0 * dl.proj_ld * 2, dl.proj_ld,
+                                scratch_.raw_data(), d_slot.data<int32_t>(), d_cu.data<int32_t>(), 1, n, num_slots(), true};
+      run_conv_update(c, L, dl, call, counters_, s);
+      cuda::DeltaRuleParams p;  // the accepted tokens' rows of the verify's inputs
+      p.q = static_cast<const char*>(dl.q.raw_data()) + row0 * Hk * dk * 2;
+      p.k = static_cast<const char*>(dl.k.raw_data()) + row0 * Hk * dk * 2;
+      p.v = static_cast<const char*>(dl.conv.raw_data()) + (row0 * C + 2 * Hk * dk) * 2;
+      p.ldv = C;
+      p.g = dl.g.data<float>() + row0 * Hv;
+      p.beta = dl.beta.data<float>() + row0 * Hv;
+      p.out = nullptr;
+      p.cu_seqlens = d_cu.data<int32_t>();
+      p.num_seqs = 1, p.N = n, p.Hk = Hk, p.Hv = Hv, p.dk = dk, p.dv = dv;
+      run_delta_rule_pool(dl, p, d_slot.data<int32_t>(), num_slots(), true, counters_, s);
     }
     pending_rows_[static_cast<size_t>(slot)] = -1;
     // The saved inputs are released with the next extend of any slot (they belong to one batch).

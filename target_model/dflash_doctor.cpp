@@ -233,9 +233,7 @@ int main(int argc, char** argv) {
     if (world > 1 && dev.is_cuda()) nccl = nccl_bandwidth(dev, rank, world);
 #endif
     if (rank != 0) return 0;
-    if (dev.is_cuda())
-      DFLASH_CHECK_HINT(dev.index < gpus, "--device " << dev.str() << ": " << gpus << " CUDA device(s) visible",
-                        "check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --device cpu");
+    check_device_visible(dev);
     KernelPolicies pol{parse_policy(conv, "--conv"), parse_policy(dr, "--delta-rule"), parse_policy(attn, "--attention"), false};
     json report;
     report["environment"] = environment(dev.is_cuda() ? dev.index : -1);

@@ -111,10 +111,7 @@ int main(int argc, char** argv) {
                       "pass --model DIR, or --config FILE --random-weights");
     Device dev = Device::parse(device);
     if (dev.is_cuda() && world > 1 && device == "cuda") dev = mpi->bind_device();  // one GPU per rank
-    if (dev.is_cuda())
-      DFLASH_CHECK_HINT(dev.index < cuda_device_count(), "--device " << dev.str() << ": " << cuda_device_count()
-                                                              << " CUDA device(s) visible",
-                        "check nvidia-smi / CUDA_VISIBLE_DEVICES, or use --device cpu");
+    check_device_visible(dev);
     std::vector<std::vector<int32_t>> seqs;
     for (size_t i = 0; i < token_lists.size(); ++i) seqs.push_back(parse_token_ids(token_lists[i], "--tokens #" + std::to_string(i + 1)));
     if (!tokens_file.empty()) {

@@ -85,35 +85,41 @@ struct Capability {
 
 }  // namespace
 
-FastPathPlan make_plan(const TargetConfig& c, Device device, const KernelPolicies& pol, int sm_major) {
+namespace {
+
+// Both plans: the forward's steps (decode = false) or those of incremental decoding on slot states.
+FastPathPlan build_plan(const TargetConfig& c, Device device, const KernelPolicies& pol, int sm_major, bool decode) {
   FastPathPlan plan;
   plan.device = device.str();
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     LayerPlan lp;
     lp.layer = i;
     lp.type = c.layer_types[static_cast<size_t>(i)];
-    auto cpu_step = [&](Step s, const char* k) { lp.steps.push_back({s, Path::Cpu, k, "cpu reference (f32)"}); };
+    const bool gdn = lp.type == LayerType::LinearAttention;
     if (device.is_cpu()) {
-      if (lp.type == LayerType::LinearAttention) {
-        cpu_step(Step::Conv, "cpu::causal_conv1d");
-        cpu_step(Step::DeltaRule, "cpu::gated_delta_rule");
+      auto cpu_step = [&](Step s, const char* k) { lp.steps.push_back({s, Path::Cpu, k, "cpu reference (f32)"}); };
+      if (gdn) {
+        cpu_step(decode ? Step::ConvUpdate : Step::Conv, decode ? "cpu::causal_conv1d_update" : "cpu::causal_conv1d");
+        cpu_step(decode ? Step::DeltaRulePool : Step::DeltaRule,
+                 decode ? "cpu::gated_delta_rule_pool" : "cpu::gated_delta_rule");
       } else {
-        cpu_step(Step::Attention, "cpu::causal_attention");
+        cpu_step(decode ? Step::AttentionDecode : Step::Attention, decode ? "cpu::attention_decode" : "cpu::causal_attention");
       }
       plan.layers.push_back(std::move(lp));
       continue;
     }
 #if DFLASH_WITH_CUDA
     const std::string sm = "sm_" + std::to_string(sm_major) + "x";
-    if (lp.type == LayerType::LinearAttention) {
-      const int64_t C = c.gdn_conv_dim(), K = c.linear_conv_kernel_dim;
+    const int64_t C = c.gdn_conv_dim(), K = c.linear_conv_kernel_dim, dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+    const int64_t d = c.head_dim;
+    const std::string gqa = "GQA " + std::to_string(c.num_attention_heads) + "/" + std::to_string(c.num_key_value_heads);
+    if (gdn && !decode) {
       Capability conv{cuda::causal_conv1d_fast_supported(C, K),
                       "fused conv needs channels % 8 == 0 and kernel size 1..4 (C=" + std::to_string(C) +
                           ", K=" + std::to_string(K) + ")"};
       lp.steps.push_back(decide(Step::Conv, i, pol.conv, conv, "causal_conv1d_fast",
                                 "one conv over C=" + std::to_string(C) + " (q|k|v) channels, K=" + std::to_string(K),
                                 "causal_conv1d_fallback", "kernels.conv"));
-      const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
       Capability dr{cuda::chunk_gated_delta_rule_supported(dk, dv, sm_major),
                     "head dims dk=" + std::to_string(dk) + " dv=" + std::to_string(dv) + " on " + sm +
                         " are not supported by the chunk kernel"};
@@ -122,8 +128,24 @@ FastPathPlan make_plan(const TargetConfig& c, Device device, const KernelPolicie
                                     std::to_string(c.linear_num_key_heads) + "k/" +
                                     std::to_string(c.linear_num_value_heads) + "v heads",
                                 "recurrent_gated_delta_rule", "kernels.delta_rule"));
-    } else {
-      const int64_t d = c.head_dim;
+    } else if (gdn) {
+      lp.steps.push_back(decide(Step::ConvUpdate, i, pol.conv,
+                                {cuda::causal_conv1d_update_fast_supported(C, K),
+                                 "the vectorized conv update needs channels % 8 == 0 and kernel size 1..4 (C=" +
+                                     std::to_string(C) + ", K=" + std::to_string(K) + ")"},
+                                "causal_conv1d_update_fast",
+                                std::string(cuda::causal_conv1d_update_kernel_name(C, K)) + ", C=" + std::to_string(C) +
+                                    " (q|k|v), K=" + std::to_string(K),
+                                "causal_conv1d_update_fallback", "kernels.conv"));
+      lp.steps.push_back(decide(Step::DeltaRulePool, i, pol.delta_rule,
+                                {cuda::gated_delta_rule_pool_fast_supported(dk, dv, sm_major),
+                                 "head dims dk=" + std::to_string(dk) + " dv=" + std::to_string(dv) + " on " + sm +
+                                     " are not supported by the state-pool kernel"},
+                                "gated_delta_rule_pool_fast",
+                                std::string(cuda::gated_delta_rule_pool_kernel_name(dk, dv, sm_major)) + ", " + sm +
+                                    ", dk=" + std::to_string(dk) + " dv=" + std::to_string(dv),
+                                "gated_delta_rule_pool_fallback", "kernels.delta_rule"));
+    } else if (!decode) {
       Capability at{cuda::flash_attention_supported(d, sm_major),
                     "head dim " + std::to_string(d) + " on " + sm + " is not supported by the flash kernel"};
       // Which of the flash kernels runs (wgmma on sm_90 for d 128 / 256, else mma.sync).
@@ -131,10 +153,16 @@ FastPathPlan make_plan(const TargetConfig& c, Device device, const KernelPolicie
                                            ? cuda::flash_attention_kernel_name(d, device.index)
                                            : "mma.sync";
       lp.steps.push_back(decide(Step::Attention, i, pol.attention, at, "flash_attention_fwd",
-                                sm + ", head dim " + std::to_string(d) + ", GQA " +
-                                    std::to_string(c.num_attention_heads) + "/" +
-                                    std::to_string(c.num_key_value_heads) + ", " + flash_kernel,
+                                sm + ", head dim " + std::to_string(d) + ", " + gqa + ", " + flash_kernel,
                                 "attention_fallback", "kernels.attention"));
+    } else {
+      lp.steps.push_back(decide(Step::AttentionDecode, i, pol.attention,
+                                {cuda::attention_decode_fast_supported(d, sm_major),
+                                 "head dim " + std::to_string(d) + " on " + sm + " is not supported by flash-decoding"},
+                                "attention_decode_fast",
+                                std::string(cuda::attention_decode_kernel_name(d, sm_major)) + ", head dim " +
+                                    std::to_string(d) + ", " + gqa,
+                                "attention_decode_fallback", "kernels.attention"));
     }
 #else
     (void)sm_major;
@@ -147,134 +175,14 @@ FastPathPlan make_plan(const TargetConfig& c, Device device, const KernelPolicie
   return plan;
 }
 
-int64_t FastPathPlan::count(LayerType t, bool fast_only) const {
-  int64_t n = 0;
-  for (const LayerPlan& l : layers)
-    if (l.type == t && (!fast_only || l.all_fast())) ++n;
-  return n;
-}
+}  // namespace
 
-std::string FastPathPlan::summary() const {
-  std::ostringstream o;
-  const int64_t gdn = count(LayerType::LinearAttention, false), attn = count(LayerType::FullAttention, false);
-  if (!layers.empty() && !layers[0].steps.empty() && layers[0].steps[0].path == Path::Cpu) {
-    o << gdn << " GatedDeltaNet + " << attn << " attention layers on the CPU reference (" << device << ")";
-    return o.str();
-  }
-  o << count(LayerType::LinearAttention, true) << "/" << gdn << " GatedDeltaNet layers on the fast path, "
-    << count(LayerType::FullAttention, true) << "/" << attn << " attention layers on the fast path";
-  return o.str();
-}
-
-std::vector<std::string> FastPathPlan::fallbacks() const {
-  std::vector<std::string> out;
-  for (const LayerPlan& l : layers)
-    for (const StepPlan& s : l.steps)
-      if (s.path == Path::Fallback)
-        out.push_back("layer " + std::to_string(l.layer) + " (" + layer_type_name(l.type) + ") " + step_name(s.step) +
-                      ": " + s.kernel + " — " + s.reason);
-  return out;
-}
-
-std::string FastPathPlan::table() const {
-  std::ostringstream o;
-  char line[512];
-  std::snprintf(line, sizeof line, "%-5s %-16s %-10s %-8s %-28s %s\n", "layer", "type", "step", "path", "kernel", "reason");
-  o << line;
-  for (const LayerPlan& l : layers)
-    for (const StepPlan& s : l.steps) {
-      std::snprintf(line, sizeof line, "%-5lld %-16s %-10s %-8s %-28s %s\n", static_cast<long long>(l.layer),
-                    layer_type_name(l.type), step_name(s.step), path_name(s.path), s.kernel.c_str(), s.reason.c_str());
-      o << line;
-    }
-  return o.str();
-}
-
-nlohmann::json FastPathPlan::to_json() const {
-  nlohmann::json j;
-  j["device"] = device;
-  j["summary"] = summary();
-  j["fallbacks"] = fallbacks();
-  for (const LayerPlan& l : layers) {
-    nlohmann::json lj{{"layer", l.layer}, {"type", layer_type_name(l.type)}, {"all_fast", l.all_fast()}};
-    for (const StepPlan& s : l.steps)
-      lj["steps"].push_back({{"step", step_name(s.step)}, {"path", path_name(s.path)}, {"kernel", s.kernel},
-                             {"reason", s.reason}});
-    j["layers"].push_back(lj);
-  }
-  return j;
-}
-
-void FastPathPlan::require_all_fast() const {
-  std::vector<std::string> fb = fallbacks();
-  if (fb.empty()) return;
-  std::ostringstream o;
-  o << "require_fast_path is set, but " << fb.size() << " step(s) would run a fallback kernel on " << device << ":";
-  for (const std::string& f : fb) o << "\n  " << f;
-  DFLASH_FAIL_HINT(o.str(), "fix the cause named above, or set kernels.require_fast_path: false to accept the fallback");
+FastPathPlan make_plan(const TargetConfig& c, Device device, const KernelPolicies& pol, int sm_major) {
+  return build_plan(c, device, pol, sm_major, false);
 }
 
 FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const KernelPolicies& pol, int sm_major) {
-  FastPathPlan plan;
-  plan.device = device.str();
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    LayerPlan lp;
-    lp.layer = i;
-    lp.type = c.layer_types[static_cast<size_t>(i)];
-    const bool gdn = lp.type == LayerType::LinearAttention;
-    if (device.is_cpu()) {
-      auto cpu_step = [&](Step s, const char* k) { lp.steps.push_back({s, Path::Cpu, k, "cpu reference (f32)"}); };
-      if (gdn) {
-        cpu_step(Step::ConvUpdate, "cpu::causal_conv1d_update");
-        cpu_step(Step::DeltaRulePool, "cpu::gated_delta_rule_pool");
-      } else {
-        cpu_step(Step::AttentionDecode, "cpu::attention_decode");
-      }
-      plan.layers.push_back(std::move(lp));
-      continue;
-    }
-#if DFLASH_WITH_CUDA
-    const std::string sm = "sm_" + std::to_string(sm_major) + "x";
-    if (gdn) {
-      const int64_t C = c.gdn_conv_dim(), K = c.linear_conv_kernel_dim;
-      lp.steps.push_back(decide(Step::ConvUpdate, i, pol.conv,
-                                {cuda::causal_conv1d_update_fast_supported(C, K),
-                                 "the vectorized conv update needs channels % 8 == 0 and kernel size 1..4 (C=" +
-                                     std::to_string(C) + ", K=" + std::to_string(K) + ")"},
-                                "causal_conv1d_update_fast",
-                                std::string(cuda::causal_conv1d_update_kernel_name(C, K)) + ", C=" + std::to_string(C) +
-                                    " (q|k|v), K=" + std::to_string(K),
-                                "causal_conv1d_update_fallback", "kernels.conv"));
-      const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
-      lp.steps.push_back(decide(Step::DeltaRulePool, i, pol.delta_rule,
-                                {cuda::gated_delta_rule_pool_fast_supported(dk, dv, sm_major),
-                                 "head dims dk=" + std::to_string(dk) + " dv=" + std::to_string(dv) + " on " + sm +
-                                     " are not supported by the state-pool kernel"},
-                                "gated_delta_rule_pool_fast",
-                                std::string(cuda::gated_delta_rule_pool_kernel_name(dk, dv, sm_major)) + ", " + sm +
-                                    ", dk=" + std::to_string(dk) + " dv=" + std::to_string(dv),
-                                "gated_delta_rule_pool_fallback", "kernels.delta_rule"));
-    } else {
-      const int64_t d = c.head_dim;
-      lp.steps.push_back(decide(Step::AttentionDecode, i, pol.attention,
-                                {cuda::attention_decode_fast_supported(d, sm_major),
-                                 "head dim " + std::to_string(d) + " on " + sm + " is not supported by flash-decoding"},
-                                "attention_decode_fast",
-                                std::string(cuda::attention_decode_kernel_name(d, sm_major)) + ", head dim " +
-                                    std::to_string(d) + ", GQA " + std::to_string(c.num_attention_heads) + "/" +
-                                    std::to_string(c.num_key_value_heads),
-                                "attention_decode_fallback", "kernels.attention"));
-    }
-#else
-    (void)sm_major;
-    (void)pol;
-    DFLASH_FAIL_HINT("a decode plan for " << device.str() << " needs the CUDA backend, which this build does not have",
-                     "reconfigure with -DDFLASH_CUDA=ON on a machine with nvcc");
-#endif
-    plan.layers.push_back(std::move(lp));
-  }
-  if (pol.require_fast_path && !device.is_cpu()) plan.require_all_fast();
-  return plan;
+  return build_plan(c, device, pol, sm_major, true);
 }
 
 void PathCounters::reset() {

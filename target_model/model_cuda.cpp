@@ -186,27 +186,8 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   // The conv update on the slots' conv states: the decode step's conv, and after a prefill the
   // state update from the prompt's last K-1 inputs (its outputs unused).
   auto conv_update = [&](const void* x, int64_t rows, const int32_t* cu, void* y, bool update) {
-    cuda::ConvUpdateParams up;
-    up.x = x;
-    up.ldx = P;
-    up.w = L.gdn.conv1d.raw_data();
-    up.y = y;
-    up.state = dl->conv_state;
-    up.slots = ds->slots;
-    up.cu_seqlens = cu;
-    up.num_seqs = b.num_seqs;
-    up.N = rows;
-    up.C = C;
-    up.K = c.linear_conv_kernel_dim;
-    up.num_slots = ds->num_slots;
-    up.silu = true;
-    up.update_state = update;
-    const StepPlan& st = dl->plan->step(Step::ConvUpdate);
-    timed(ForwardOp::GdnConv, [&] {
-      if (st.path == Path::Fast) cuda::causal_conv1d_update_fast(up, stream_);
-      else cuda::causal_conv1d_update_fallback(up, stream_);
-    });
-    ds->counters->add(Step::ConvUpdate, st.path);
+    const ConvUpdateCall call{x, P, y, ds->slots, cu, b.num_seqs, rows, ds->num_slots, update};
+    timed(ForwardOp::GdnConv, [&] { run_conv_update(c, L, *dl, call, *ds->counters, stream_); });
   };
   if (ds && !ds->prefill) {
     conv_update(proj.raw_data(), ds->real_tokens, b.cu_seqlens.data<int32_t>(), conv.raw_data(), ds->commit);
@@ -273,31 +254,9 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   dp.dk = dk;
   dp.dv = dv;
   if (ds && !ds->prefill) {
-    cuda::DeltaRulePoolParams pp2;
-    pp2.q = dp.q;
-    pp2.k = dp.k;
-    pp2.v = dp.v;
-    pp2.ldv = dp.ldv;
-    pp2.g = dp.g;
-    pp2.beta = dp.beta;
-    pp2.state = dl->gdn_state;
-    pp2.slots = ds->slots;
-    pp2.out = dp.out;
-    pp2.cu_seqlens = dp.cu_seqlens;
-    pp2.num_seqs = b.num_seqs;
-    pp2.N = ds->real_tokens;
-    pp2.Hk = Hk;
-    pp2.Hv = Hv;
-    pp2.dk = dk;
-    pp2.dv = dv;
-    pp2.num_slots = ds->num_slots;
-    pp2.update_state = ds->commit;
-    const StepPlan& st = dl->plan->step(Step::DeltaRulePool);
-    timed(ForwardOp::DeltaRule, [&] {
-      if (st.path == Path::Fast) cuda::gated_delta_rule_pool_fast(pp2, stream_);
-      else cuda::gated_delta_rule_pool_fallback(pp2, stream_);
-    });
-    ds->counters->add(Step::DeltaRulePool, st.path);
+    dp.N = ds->real_tokens;
+    timed(ForwardOp::DeltaRule,
+          [&] { run_delta_rule_pool(*dl, dp, ds->slots, ds->num_slots, ds->commit, *ds->counters, stream_); });
     if (!ds->commit) {  // what commit re-runs for the accepted tokens
       dl->proj = proj, dl->proj_ld = P, dl->conv = conv, dl->q = q, dl->k = k, dl->g = g, dl->beta = beta;
     }
@@ -319,6 +278,56 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   });
   gemm(ForwardOp::GdnOutProj, normed, V, L.gdn.out_proj, out, H, N, H, V);
   if (tp_) timed(ForwardOp::AllReduce, [&] { tp_->all_reduce_sum(out); });
+}
+
+void run_conv_update(const TargetConfig& c, const LayerWeights& L, const DecodeLayer& dl, const ConvUpdateCall& call,
+                     PathCounters& counters, void* stream) {
+  cuda::ConvUpdateParams up;
+  up.x = call.x;
+  up.ldx = call.ldx;
+  up.w = L.gdn.conv1d.raw_data();
+  up.y = call.y;
+  up.state = dl.conv_state;
+  up.slots = call.slots;
+  up.cu_seqlens = call.cu_seqlens;
+  up.num_seqs = call.num_seqs;
+  up.N = call.rows;
+  up.C = c.gdn_conv_dim();
+  up.K = c.linear_conv_kernel_dim;
+  up.num_slots = call.num_slots;
+  up.silu = true;
+  up.update_state = call.update;
+  const StepPlan& st = dl.plan->step(Step::ConvUpdate);
+  if (st.path == Path::Fast) cuda::causal_conv1d_update_fast(up, stream);
+  else cuda::causal_conv1d_update_fallback(up, stream);
+  counters.add(Step::ConvUpdate, st.path);
+}
+
+void run_delta_rule_pool(const DecodeLayer& dl, const cuda::DeltaRuleParams& p, const int32_t* slots, int64_t num_slots,
+                         bool update, PathCounters& counters, void* stream) {
+  cuda::DeltaRulePoolParams pp;
+  pp.q = p.q;
+  pp.k = p.k;
+  pp.v = p.v;
+  pp.ldv = p.ldv;
+  pp.g = p.g;
+  pp.beta = p.beta;
+  pp.state = dl.gdn_state;
+  pp.slots = slots;
+  pp.out = p.out;
+  pp.cu_seqlens = p.cu_seqlens;
+  pp.num_seqs = p.num_seqs;
+  pp.N = p.N;
+  pp.Hk = p.Hk;
+  pp.Hv = p.Hv;
+  pp.dk = p.dk;
+  pp.dv = p.dv;
+  pp.num_slots = num_slots;
+  pp.update_state = update;
+  const StepPlan& st = dl.plan->step(Step::DeltaRulePool);
+  if (st.path == Path::Fast) cuda::gated_delta_rule_pool_fast(pp, stream);
+  else cuda::gated_delta_rule_pool_fallback(pp, stream);
+  counters.add(Step::DeltaRulePool, st.path);
 }
 
 void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out) {

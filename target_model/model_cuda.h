@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "kernels/cuda/launch.h"
 #include "target_model/fast_path.h"
 #include "target_model/model.h"
 
@@ -121,6 +122,25 @@ struct DecodeStep {
   std::vector<DecodeLayer>* layers = nullptr;  // [num_hidden_layers]
   PathCounters* counters = nullptr;            // the decode steps' launches
 };
+
+// The GatedDeltaNet decode kernels of one layer as the decode plan chose them, counted in
+// `counters`; the decode step (CudaTargetModel's mixer) and commit (decode_cuda.cpp) run these.
+// The conv update of `rows` tokens of x (rows ldx apart; cu_seqlens over them) on the layer's state.
+struct ConvUpdateCall {
+  const void* x = nullptr;
+  int64_t ldx = 0;
+  void* y = nullptr;
+  const int32_t* slots = nullptr;
+  const int32_t* cu_seqlens = nullptr;
+  int64_t num_seqs = 0, rows = 0, num_slots = 0;
+  bool update = true;
+};
+void run_conv_update(const TargetConfig& c, const LayerWeights& L, const DecodeLayer& dl, const ConvUpdateCall& call,
+                     PathCounters& counters, void* stream);
+// The delta rule on the layer's state pool for the tokens of `p` (q, k, v, g, beta, cu_seqlens, N,
+// sizes as for the prefill kernel); out may be null.
+void run_delta_rule_pool(const DecodeLayer& dl, const cuda::DeltaRuleParams& p, const int32_t* slots, int64_t num_slots,
+                         bool update, PathCounters& counters, void* stream);
 
 class CudaTargetModel {
  public:

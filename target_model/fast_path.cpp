@@ -185,6 +185,73 @@ FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const Kernel
   return build_plan(c, device, pol, sm_major, true);
 }
 
+int64_t FastPathPlan::count(LayerType t, bool fast_only) const {
+  int64_t n = 0;
+  for (const LayerPlan& l : layers)
+    if (l.type == t && (!fast_only || l.all_fast())) ++n;
+  return n;
+}
+
+std::string FastPathPlan::summary() const {
+  std::ostringstream o;
+  const int64_t gdn = count(LayerType::LinearAttention, false), attn = count(LayerType::FullAttention, false);
+  if (!layers.empty() && !layers[0].steps.empty() && layers[0].steps[0].path == Path::Cpu) {
+    o << gdn << " GatedDeltaNet + " << attn << " attention layers on the CPU reference (" << device << ")";
+    return o.str();
+  }
+  o << count(LayerType::LinearAttention, true) << "/" << gdn << " GatedDeltaNet layers on the fast path, "
+    << count(LayerType::FullAttention, true) << "/" << attn << " attention layers on the fast path";
+  return o.str();
+}
+
+std::vector<std::string> FastPathPlan::fallbacks() const {
+  std::vector<std::string> out;
+  for (const LayerPlan& l : layers)
+    for (const StepPlan& s : l.steps)
+      if (s.path == Path::Fallback)
+        out.push_back("layer " + std::to_string(l.layer) + " (" + layer_type_name(l.type) + ") " + step_name(s.step) +
+                      ": " + s.kernel + " — " + s.reason);
+  return out;
+}
+
+std::string FastPathPlan::table() const {
+  std::ostringstream o;
+  char line[512];
+  std::snprintf(line, sizeof line, "%-5s %-16s %-10s %-8s %-28s %s\n", "layer", "type", "step", "path", "kernel", "reason");
+  o << line;
+  for (const LayerPlan& l : layers)
+    for (const StepPlan& s : l.steps) {
+      std::snprintf(line, sizeof line, "%-5lld %-16s %-10s %-8s %-28s %s\n", static_cast<long long>(l.layer),
+                    layer_type_name(l.type), step_name(s.step), path_name(s.path), s.kernel.c_str(), s.reason.c_str());
+      o << line;
+    }
+  return o.str();
+}
+
+nlohmann::json FastPathPlan::to_json() const {
+  nlohmann::json j;
+  j["device"] = device;
+  j["summary"] = summary();
+  j["fallbacks"] = fallbacks();
+  for (const LayerPlan& l : layers) {
+    nlohmann::json lj{{"layer", l.layer}, {"type", layer_type_name(l.type)}, {"all_fast", l.all_fast()}};
+    for (const StepPlan& s : l.steps)
+      lj["steps"].push_back({{"step", step_name(s.step)}, {"path", path_name(s.path)}, {"kernel", s.kernel},
+                             {"reason", s.reason}});
+    j["layers"].push_back(lj);
+  }
+  return j;
+}
+
+void FastPathPlan::require_all_fast() const {
+  std::vector<std::string> fb = fallbacks();
+  if (fb.empty()) return;
+  std::ostringstream o;
+  o << "require_fast_path is set, but " << fb.size() << " step(s) would run a fallback kernel on " << device << ":";
+  for (const std::string& f : fb) o << "\n  " << f;
+  DFLASH_FAIL_HINT(o.str(), "fix the cause named above, or set kernels.require_fast_path: false to accept the fallback");
+}
+
 void PathCounters::reset() {
   for (auto& c : counts_) c.store(0, std::memory_order_relaxed);
 }

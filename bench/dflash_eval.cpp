@@ -333,10 +333,13 @@ int main(int argc, char** argv) {
         rep.est_all = est.at_all;
       }
       if (rank == 0)
-        std::printf("prompt %3zu: %4lld tokens, %4lld new, %3zu steps, tau %.3f (estimate at these blocks %.3f, at every "
-                    "position %.3f)%s\n",
-                    i, static_cast<long long>(rep.prompt_len), static_cast<long long>(n_greedy), spec.accept.size(),
-                    mean(spec.accept), rep.est_steps.accept_len(), rep.est_all.accept_len(),
+        std::printf("prompt %3zu: %4lld tokens, %4lld new, %3zu steps, tau %.3f%s%s\n", i,
+                    static_cast<long long>(rep.prompt_len), static_cast<long long>(n_greedy), spec.accept.size(),
+                    mean(spec.accept),
+                    scorer ? fmt::format(" (estimate at these blocks {:.3f}, at every position {:.3f})",
+                                         rep.est_steps.accept_len(), rep.est_all.accept_len())
+                                 .c_str()
+                           : "",
                     rep.mismatch_at >= 0 ? "  OUTPUT DIFFERS" : "");
       reports.push_back(std::move(rep));
     }
@@ -367,8 +370,11 @@ int main(int argc, char** argv) {
     std::printf("%zu prompt(s) from %s, %lld new tokens each (at most), block %lld; loaded in %.1f s\n", prompts.size(),
                 prompts_path.c_str(), static_cast<long long>(max_new), static_cast<long long>(block_size), load_s);
     std::printf("\ntau (mean acceptance length over %lld steps): %.3f\n", static_cast<long long>(steps), tau);
-    std::printf("  the trainer's estimate on the same prompts: %.3f at the same blocks, %.3f at every generated position\n",
-                est_steps.accept_len(), est_all.accept_len());
+    if (scorer)
+      std::printf("  the trainer's estimate on the same prompts: %.3f at the same blocks, %.3f at every generated position\n",
+                  est_steps.accept_len(), est_all.accept_len());
+    else
+      std::printf("  the trainer's estimate: not computed (--no-estimate)\n");
     std::printf("acceptance length histogram:");
     for (int64_t a = 1; a <= block_size; ++a) std::printf(" %lld:%lld", static_cast<long long>(a), static_cast<long long>(hist[a]));
     std::printf("\nacceptance per block position k (share of steps whose draft k was accepted):");
@@ -428,8 +434,10 @@ int main(int argc, char** argv) {
         csv.write({"dflash_eval", kernel, dev.is_cpu() ? "cpu" : "cuda", "tp" + std::to_string(tp), metric, unit, shape, v, v, v, false});
       };
       row("speculative", "tau", "tokens", tau);
-      row("speculative", "tau_estimate_same_blocks", "tokens", est_steps.accept_len());
-      row("speculative", "tau_estimate_all_positions", "tokens", est_all.accept_len());
+      if (scorer) {
+        row("speculative", "tau_estimate_same_blocks", "tokens", est_steps.accept_len());
+        row("speculative", "tau_estimate_all_positions", "tokens", est_all.accept_len());
+      }
       row("speculative", "tok_s", "tok/s", tps_s);
       row("greedy", "tok_s", "tok/s", tps_g);
       row("speculative", "speedup", "x", tps_s / tps_g);

@@ -9,7 +9,9 @@
 # MODE:
 #   learn   the tiny run, 40 steps: the loss falls by >= 2.0 nats and the mean accuracy over block positions
 #           1..B-1 rises by >= 0.025 (step 1 vs the mean of steps 31-40); checkpoint and exported drafter exist;
-#           the export warm-starts a new run whose first loss is closer to the trained loss than to the fresh one.
+#           the export warm-starts a new run whose first loss is closer to the trained loss than to the fresh one;
+#           dflash_eval with the trained drafter gives the target's greedy output and a tau equal to the trainer's
+#           estimate at the same blocks.
 #   resume  12 steps straight == 6 steps, stop (--stop-after-steps), resume, 6 steps: identical losses and
 #           grad norms (bit-exact: the JSON numbers are compared as text); and resuming from the straight run's
 #           ckpt-8 (written in the background while steps 9.. ran) gives its losses 9..12 bit-exact.
@@ -103,6 +105,20 @@ learn)
   grep -q '"when": "end of run"' "$fp" || fail "no end-of-run fast_path.json"
   [ "$(grep -c '"rank":' "$fp")" -eq 1 ] || fail "fast_path.json should hold 1 rank"
   tr -d ' \n' <"$fp" | grep -q '"delta_rule":{"cpu":240,' || fail "fast_path.json does not count 40 x 6 delta-rule steps"
+  # The trained drafter in speculative decoding (dflash_eval, beside dflash_train in the build): the
+  # output is the target's own greedy decoding, and the trainer's estimate at the same blocks is the
+  # measured acceptance length.
+  ev=$(dirname "$bin")/../bench/dflash_eval
+  if [ -x "$ev" ]; then
+    "$ev" --config "$tcfg" --random-weights --drafter "$work/learn/drafter" --prompts "$work/synth.h5" --num-prompts 3 \
+      --max-new-tokens 24 --device "$device" >"$work/eval.log" 2>&1 || { tail -n 5 "$work/eval.log"; fail "dflash_eval of the trained drafter failed"; }
+    grep -q "outputs: all 3 prompt(s) equal target-only greedy decoding, token for token" "$work/eval.log" ||
+      fail "speculative decoding with the trained drafter differs from greedy decoding"
+    t=$(sed -n 's/^tau (mean acceptance length over [0-9]* steps): //p' "$work/eval.log")
+    e=$(sed -n "s/^  the trainer's estimate on the same prompts: \([0-9.]*\) at the same blocks.*/\1/p" "$work/eval.log")
+    echo "trained drafter: measured tau $t, the trainer's estimate at the same blocks $e"
+    [ -n "$t" ] && [ "$t" = "$e" ] || fail "measured tau ($t) and the estimate at the same blocks ($e) differ"
+  fi
   run warm --set training.max_steps=1 --set logging.interval=1 --set "model.drafter.warm_start=$work/learn/drafter" \
     --set checkpoint.at_end=false || fail "warm start from the exported drafter failed"
   w0=$(col "$work/warm/metrics.jsonl" loss | head -n 1)

@@ -284,7 +284,7 @@ std::string fmt_acc(const drafter::StepStats& s, int64_t B) {
 struct ResumePoint {
   fs::path from;  // empty: start at step 0
   nlohmann::json state, loader;
-  int64_t step = 0;
+  int64_t step = 0, skipped = 0, skipped_in_row = 0;
 };
 
 // "an older complete checkpoint exists: ..." / "no older complete checkpoint exists ...": what a
@@ -345,28 +345,29 @@ ResumePoint find_resume_point(const TrainConfig& cfg, const fs::path& ckpt_dir, 
                       "name a ckpt-<step> directory written by dflash_train, or use auto / never");
   }
   rp.state = read_checkpoint_json(rp.from, "state.json");
+  int ws = 0, wtp = 0;
+  std::string bad;  // what is wrong with state.json's fields
   try {
     rp.step = rp.state.at("step").get<int64_t>();
-    const int ws = rp.state.at("world").at("world_size").get<int>(), wtp = rp.state.at("world").at("tp").get<int>();
-    DFLASH_CHECK_HINT(ws == world && wtp == tp,
-                      "checkpoint " << rp.from.string() << " was written by " << ws << " rank(s) with tp " << wtp
-                                    << "; this run has " << world << " rank(s) with tp " << tp
-                                    << ": resuming on a different world size or tp is not supported",
-                      "resume with mpirun -n " << ws << " and parallel.tp = " << wtp
-                                               << ", or give the new run its own logging.run_dir to start anew");
-    for (const char* key : {"skipped_steps", "skipped_in_row"}) (void)rp.state.at(key).get<int64_t>();
-    DFLASH_CHECK(rp.state.at("optimizer").is_object(), "'optimizer' is not an object");
-    DFLASH_CHECK(rp.step >= 0, "step " << rp.step << " is negative");
+    ws = rp.state.at("world").at("world_size").get<int>();
+    wtp = rp.state.at("world").at("tp").get<int>();
+    rp.skipped = rp.state.at("skipped_steps").get<int64_t>();
+    rp.skipped_in_row = rp.state.at("skipped_in_row").get<int64_t>();
+    if (!rp.state.at("optimizer").is_object()) bad = "'optimizer' is not an object";
+    else if (rp.step < 0) bad = fmt::format("step {} is negative", rp.step);
   } catch (const nlohmann::json::exception& e) {
-    DFLASH_FAIL_HINT("checkpoint " << rp.from.string() << " cannot be resumed: " << (rp.from / "state.json").string()
-                                   << " lacks a field or has a wrong type (" << e.what() << ")",
-                     older_checkpoint_hint(rp.from));
-  } catch (const Error& e) {
-    if (e.message().rfind("checkpoint ", 0) == 0) throw;
-    DFLASH_FAIL_HINT("checkpoint " << rp.from.string() << " cannot be resumed: " << (rp.from / "state.json").string() << ": "
-                                   << e.message(),
-                     older_checkpoint_hint(rp.from));
+    bad = fmt::format("it lacks a field or has a wrong type ({})", e.what());
   }
+  DFLASH_CHECK_HINT(bad.empty(),
+                    "checkpoint " << rp.from.string() << " cannot be resumed: " << (rp.from / "state.json").string() << ": "
+                                  << bad,
+                    older_checkpoint_hint(rp.from));
+  DFLASH_CHECK_HINT(ws == world && wtp == tp,
+                    "checkpoint " << rp.from.string() << " was written by " << ws << " rank(s) with tp " << wtp
+                                  << "; this run has " << world << " rank(s) with tp " << tp
+                                  << ": resuming on a different world size or tp is not supported",
+                    "resume with mpirun -n " << ws << " and parallel.tp = " << wtp
+                                             << ", or give the new run its own logging.run_dir to start anew");
   rp.loader = read_checkpoint_json(rp.from, fmt::format("loader-g{}.json", tp_group));
   DFLASH_CHECK_HINT(fs::is_regular_file(rp.from / "optimizer.safetensors"),
                     "checkpoint " << rp.from.string() << " cannot be resumed: it has no optimizer.safetensors",
@@ -692,9 +693,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     } catch (const Error& e) {
       DFLASH_FAIL_HINT("checkpoint " << from.string() << " cannot be resumed: " << e.message(), older_checkpoint_hint(from));
     }
-    step = resume.step;
-    skipped = resume.state.at("skipped_steps").get<int64_t>();
-    skipped_in_row = resume.state.at("skipped_in_row").get<int64_t>();
+    step = resume.step, skipped = resume.skipped, skipped_in_row = resume.skipped_in_row;
     if (rank == 0) {
       spdlog::info("resumed from {} at step {}/{} (read in {:.1f} s)", from.string(), step, total,
                    std::chrono::duration<double>(clock::now() - t0).count());

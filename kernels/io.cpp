@@ -48,6 +48,26 @@ int write_all(int fd, const char* p, size_t n) {
   return 0;
 }
 
+// write_all, then fsync (EINVAL: a file system without fsync, e.g. a pipe); 0 or the errno.
+int write_and_sync(int fd, std::string_view text) {
+  int e = write_all(fd, text.data(), text.size());
+  if (!e && ::fsync(fd) != 0 && errno != EINVAL) e = errno;
+  return e;
+}
+
+// Whether `dir` is `root` or below it, comparing whole path components of the canonical paths
+// (the test hooks' DIR; "/a/small" does not contain "/a/smaller").
+bool is_under(const std::string& dir, const std::string& root) {
+  std::error_code ec;
+  const fs::path d = fs::weakly_canonical(fs::absolute(dir, ec), ec), r = fs::weakly_canonical(fs::absolute(root, ec), ec);
+  auto di = d.begin();
+  for (auto ri = r.begin(); ri != r.end(); ++ri, ++di) {
+    if (ri->empty()) continue;  // a trailing separator
+    if (di == d.end() || *di != *ri) return false;
+  }
+  return true;
+}
+
 std::string parent_of(const std::string& path) {
   const fs::path p = fs::path(path).parent_path();
   return p.empty() ? std::string(".") : p.string();
@@ -109,8 +129,7 @@ void write_file_atomic(const std::string& path, std::string_view text) {
       const int e = errno;
       DFLASH_FAIL_HINT("creating '" << tmp << "' failed: " << reason(e), hint_for(e, parent_of(path)));
     }
-    int e = write_all(fd, text.data(), text.size());
-    if (!e && ::fsync(fd) != 0) e = errno;
+    const int e = write_and_sync(fd, text);
     ::close(fd);
     if (e) {
       std::remove(tmp.c_str());
@@ -133,11 +152,7 @@ uint64_t free_bytes(const std::string& dir) {
   if (const char* f = std::getenv("DFLASH_FAULT_FREE_BYTES")) {  // "N" or "N@DIR": only under DIR
     const std::string spec = f;
     const size_t at = spec.find('@');
-    std::error_code ec;
-    const std::string under = at == std::string::npos ? std::string() : spec.substr(at + 1);
-    const std::string mine = fs::weakly_canonical(fs::absolute(dir, ec), ec).string();
-    if (under.empty() || mine.rfind(fs::weakly_canonical(fs::absolute(under, ec), ec).string(), 0) == 0)
-      return std::strtoull(spec.c_str(), nullptr, 10);
+    if (at == std::string::npos || is_under(dir, spec.substr(at + 1))) return std::strtoull(spec.c_str(), nullptr, 10);
   }
   struct statvfs st {};
   if (::statvfs(dir.c_str(), &st) != 0) return UINT64_MAX;  // unknown: the probe write decides
@@ -167,17 +182,13 @@ uint64_t check_writable_dir(const std::string& dir, const std::string& what) {
                                               std::to_string(std::chrono::steady_clock::now().time_since_epoch().count())))
                                 .string();
   int e = 0;
-  if (const char* ro = std::getenv("DFLASH_FAULT_READONLY")) {  // test hook: a read-only file system under this path
-    std::error_code ec2;
-    const std::string mine = fs::weakly_canonical(fs::absolute(dir, ec2), ec2).string();
-    if (*ro && mine.rfind(fs::weakly_canonical(fs::absolute(ro, ec2), ec2).string(), 0) == 0) e = EROFS;
-  }
-  const int fd = e ? -1 : ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0 && !e) {
+  const char* ro = std::getenv("DFLASH_FAULT_READONLY");  // test hook: a read-only file system under this path
+  if (ro && *ro && is_under(dir, ro)) {
+    e = EROFS;
+  } else if (const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644); fd < 0) {
     e = errno;
-  } else if (fd >= 0) {
-    e = write_all(fd, "dflash\n", 7);
-    if (!e && ::fsync(fd) != 0 && errno != EINVAL) e = errno;
+  } else {
+    e = write_and_sync(fd, "dflash\n");
     ::close(fd);
     std::remove(probe.c_str());
   }

@@ -60,7 +60,7 @@ std::vector<int32_t> prompt_of(const std::vector<int32_t>& ids, const std::vecto
   return std::vector<int32_t>(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(n));
 }
 
-std::vector<std::vector<int32_t>> read_prompts(const std::string& path, int64_t limit) {
+std::vector<std::vector<int32_t>> read_prompts(const std::string& path, int64_t limit, int64_t vocab) {
   std::vector<std::vector<int32_t>> out;
   const std::string ext = std::filesystem::path(path).extension().string();
   auto check = [&](const std::vector<int32_t>& p, const std::string& where) {
@@ -82,26 +82,8 @@ std::vector<std::vector<int32_t>> read_prompts(const std::string& path, int64_t 
       const std::string where = path + ":" + std::to_string(ln);
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
       if (line.find('{') != std::string::npos) {
-        json row;
-        try {
-          row = json::parse(line);
-        } catch (const json::parse_error& e) {
-          DFLASH_FAIL_HINT(where << ": not valid JSON (" << e.what() << ")", "one {\"input_ids\": [...]} object per line");
-        }
-        DFLASH_CHECK_HINT(row.is_object() && row.contains("input_ids") && row["input_ids"].is_array(),
-                          where << ": the row has no \"input_ids\" array", "one {\"input_ids\": [...]} object per line");
-        std::vector<int32_t> ids;
-        std::vector<uint8_t> mask;
-        for (const json& v : row["input_ids"]) {
-          DFLASH_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() <= INT32_MAX,
-                       where << ": input_ids holds " << v.dump() << ", not a token id");
-          ids.push_back(v.get<int32_t>());
-        }
-        if (row.contains("loss_mask"))
-          for (const json& v : row["loss_mask"]) mask.push_back(v.is_boolean() ? v.get<bool>() : v.get<int64_t>() != 0);
-        DFLASH_CHECK(mask.empty() || mask.size() == ids.size(),
-                     where << ": " << ids.size() << " input_ids but " << mask.size() << " loss_mask values");
-        out.push_back(prompt_of(ids, mask));
+        const data::Sequence row = data::parse_token_row(line, where, vocab, "the target's vocabulary", false);
+        out.push_back(prompt_of(row.ids, row.mask));
       } else {
         out.push_back(parse_token_ids(line, where));
       }
@@ -205,7 +187,7 @@ int main(int argc, char** argv) {
     for (int32_t t : stop_tokens)
       DFLASH_CHECK(t >= 0 && t < cfg.vocab_size, "--stop-token " << t << " is outside the vocabulary [0, " << cfg.vocab_size << ")");
     target::check_tp(cfg, tp);
-    const std::vector<std::vector<int32_t>> prompts = read_prompts(prompts_path, num_prompts);
+    const std::vector<std::vector<int32_t>> prompts = read_prompts(prompts_path, num_prompts, cfg.vocab_size);
     int64_t longest = 0;
     for (size_t i = 0; i < prompts.size(); ++i) {
       longest = std::max<int64_t>(longest, static_cast<int64_t>(prompts[i].size()));
@@ -280,9 +262,7 @@ int main(int argc, char** argv) {
           DFLASH_CUDA_CHECK(cudaMemcpyAsync(b2.raw_data(), a.raw_data(), static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice,
                                             static_cast<cudaStream_t>(st)));
         });
-        std::vector<double> sorted = ms;
-        std::sort(sorted.begin(), sorted.end());
-        copy_gbs = 2.0 * static_cast<double>(bytes) / (sorted[sorted.size() / 2] * 1e-3) / 1e9;  // read + write
+        copy_gbs = 2.0 * static_cast<double>(bytes) / (bench::summarize(ms, {}, 0).p50 * 1e-3) / 1e9;  // read + write
       }
 #else
       DFLASH_FAIL_HINT("--device " << device << ": this build has no CUDA backend", "reconfigure with -DDFLASH_CUDA=ON");

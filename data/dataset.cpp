@@ -3,12 +3,16 @@
 #include <glob.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <sstream>
 
 #include "kernels/error.h"
+
+#include <nlohmann/json.hpp>
 
 namespace dflash::data {
 
@@ -454,6 +458,70 @@ Sequence Dataset::sequence(int64_t i, int64_t max_tokens) const {
   read_slice(o.mask, H5T_NATIVE_UINT8, start, len, s.mask.data(), infos_[f].path, "/loss_mask");
   return s;
 }
+
+// ---------------------------------------------------------------- JSONL rows
+
+namespace {
+
+constexpr const char* kRowHint =
+    "each line must be a JSON object {\"input_ids\": [int, ...], \"loss_mask\": [0|1, ...]} with one mask value per id";
+
+}  // namespace
+
+Sequence parse_token_row(const std::string& line, const std::string& where, int64_t vocab, const std::string& vocab_name,
+                         bool mask_required) {
+  using nlohmann::json;
+  json row;
+  try {
+    row = json::parse(line);
+  } catch (const json::parse_error& e) {
+    DFLASH_FAIL_HINT(where << ": not valid JSON (" << e.what() << ")", kRowHint);
+  }
+  DFLASH_CHECK_HINT(row.is_object(), where << ": the row is not a JSON object", kRowHint);
+  const bool has_mask = mask_required || row.contains("loss_mask");
+  for (const char* key : {"input_ids", "loss_mask"}) {
+    if (!has_mask && std::string(key) == "loss_mask") continue;
+    DFLASH_CHECK_HINT(row.contains(key), where << ": the row has no \"" << key << "\"", kRowHint);
+    DFLASH_CHECK_HINT(row[key].is_array(), where << ": \"" << key << "\" is not an array", kRowHint);
+  }
+  const json& ids = row["input_ids"];
+  const json empty = json::array();
+  const json& mask = has_mask ? row["loss_mask"] : empty;
+  DFLASH_CHECK_HINT(!ids.empty(), where << ": \"input_ids\" is empty", "drop empty rows; every sequence needs a token");
+  DFLASH_CHECK_HINT(!has_mask || ids.size() == mask.size(),
+                    where << ": \"input_ids\" has " << ids.size() << " values but \"loss_mask\" has " << mask.size(),
+                    kRowHint);
+  Sequence out;
+  Sequence* s = &out;
+  s->ids.resize(ids.size());
+  s->mask.resize(has_mask ? ids.size() : 0);
+  for (size_t t = 0; t < ids.size(); ++t) {
+    // An integer literal beyond 64 bits parses as a float (1e+20), one beyond int64 as an unsigned:
+    // both are ids far outside any vocabulary, not "not an integer" nor a wrapped negative number.
+    const bool huge = (ids[t].is_number_float() && std::isfinite(ids[t].get<double>()) &&
+                       std::abs(ids[t].get<double>()) >= 9007199254740992.0 /* 2^53 */) ||
+                      (ids[t].is_number_unsigned() && ids[t].get<uint64_t>() > static_cast<uint64_t>(INT64_MAX));
+    DFLASH_CHECK_HINT(!huge,
+                      where << ": input_ids[" << t << "] = " << ids[t].dump() << " is far outside [0, " << vocab_name << " = " << vocab
+                            << ")",
+                      "token ids are integers below the tokenizer's vocabulary size; check what wrote this row");
+    DFLASH_CHECK_HINT(ids[t].is_number_integer(), where << ": input_ids[" << t << "] = " << ids[t].dump() << " is not an integer",
+                      kRowHint);
+    const int64_t id = ids[t].get<int64_t>();
+    DFLASH_CHECK_HINT(id >= 0 && id < vocab,
+                      where << ": input_ids[" << t << "] = " << id << " is outside [0, " << vocab_name << " = " << vocab << ")",
+                      "check " << vocab_name << " against the tokenizer that produced the ids");
+    s->ids[t] = static_cast<int32_t>(id);
+    if (!has_mask) continue;
+    DFLASH_CHECK_HINT(mask[t].is_number_integer() || mask[t].is_boolean(),
+                      where << ": loss_mask[" << t << "] = " << mask[t].dump() << " is not 0 or 1", kRowHint);
+    const int64_t m = mask[t].is_boolean() ? int64_t{mask[t].get<bool>()} : mask[t].get<int64_t>();
+    DFLASH_CHECK_HINT(m == 0 || m == 1, where << ": loss_mask[" << t << "] = " << m << " is not 0 or 1", kRowHint);
+    s->mask[t] = static_cast<uint8_t>(m);
+  }
+  return out;
+}
+
 
 // ---------------------------------------------------------------- validation
 

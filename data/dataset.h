@@ -70,6 +70,13 @@ class DatasetWriter {
   bool finished_ = false;
 };
 
+// One JSONL row {"input_ids": [...], "loss_mask": [...]} (dflash_data convert, dflash_eval's prompts):
+// ids integers in [0, vocab) (`vocab_name` names that bound in messages, e.g. "--vocab-size"),
+// loss_mask 0/1 or booleans, one per id. Without mask_required a row may omit loss_mask (the
+// returned mask is then empty). Throws naming `where` ("file:line"), the field and the value.
+Sequence parse_token_row(const std::string& line, const std::string& where, int64_t vocab, const std::string& vocab_name,
+                         bool mask_required);
+
 // Dataset files named by `specs`: a file, a directory (its *.h5 files, sorted) or a glob pattern
 // (sorted matches). Throws when a spec matches nothing.
 std::vector<std::string> expand_paths(const std::vector<std::string>& specs);

@@ -30,55 +30,6 @@ using nlohmann::json;
 
 namespace {
 
-constexpr const char* kRowHint =
-    "each line must be a JSON object {\"input_ids\": [int, ...], \"loss_mask\": [0|1, ...]} with one mask value per id";
-
-// Parses one JSONL row into `s`; `where` is "file:line".
-void parse_row(const std::string& line, const std::string& where, int64_t vocab, Sequence* s) {
-  json row;
-  try {
-    row = json::parse(line);
-  } catch (const json::parse_error& e) {
-    DFLASH_FAIL_HINT(where << ": not valid JSON (" << e.what() << ")", kRowHint);
-  }
-  DFLASH_CHECK_HINT(row.is_object(), where << ": the row is not a JSON object", kRowHint);
-  for (const char* key : {"input_ids", "loss_mask"}) {
-    DFLASH_CHECK_HINT(row.contains(key), where << ": the row has no \"" << key << "\"", kRowHint);
-    DFLASH_CHECK_HINT(row[key].is_array(), where << ": \"" << key << "\" is not an array", kRowHint);
-  }
-  const json& ids = row["input_ids"];
-  const json& mask = row["loss_mask"];
-  DFLASH_CHECK_HINT(!ids.empty(), where << ": \"input_ids\" is empty", "drop empty rows; every sequence needs a token");
-  DFLASH_CHECK_HINT(ids.size() == mask.size(),
-                    where << ": \"input_ids\" has " << ids.size() << " values but \"loss_mask\" has " << mask.size(),
-                    kRowHint);
-  s->ids.resize(ids.size());
-  s->mask.resize(ids.size());
-  for (size_t t = 0; t < ids.size(); ++t) {
-    // An integer literal beyond 64 bits parses as a float (1e+20), one beyond int64 as an unsigned:
-    // both are ids far outside any vocabulary, not "not an integer" nor a wrapped negative number.
-    const bool huge = (ids[t].is_number_float() && std::isfinite(ids[t].get<double>()) &&
-                       std::abs(ids[t].get<double>()) >= 9007199254740992.0 /* 2^53 */) ||
-                      (ids[t].is_number_unsigned() && ids[t].get<uint64_t>() > static_cast<uint64_t>(INT64_MAX));
-    DFLASH_CHECK_HINT(!huge,
-                      where << ": input_ids[" << t << "] = " << ids[t].dump() << " is far outside [0, --vocab-size = " << vocab
-                            << ")",
-                      "token ids are integers below the tokenizer's vocabulary size; check what wrote this row");
-    DFLASH_CHECK_HINT(ids[t].is_number_integer(), where << ": input_ids[" << t << "] = " << ids[t].dump() << " is not an integer",
-                      kRowHint);
-    const int64_t id = ids[t].get<int64_t>();
-    DFLASH_CHECK_HINT(id >= 0 && id < vocab,
-                      where << ": input_ids[" << t << "] = " << id << " is outside [0, --vocab-size = " << vocab << ")",
-                      "check --vocab-size against the tokenizer that produced the ids");
-    DFLASH_CHECK_HINT(mask[t].is_number_integer() || mask[t].is_boolean(),
-                      where << ": loss_mask[" << t << "] = " << mask[t].dump() << " is not 0 or 1", kRowHint);
-    const int64_t m = mask[t].is_boolean() ? int64_t{mask[t].get<bool>()} : mask[t].get<int64_t>();
-    DFLASH_CHECK_HINT(m == 0 || m == 1, where << ": loss_mask[" << t << "] = " << m << " is not 0 or 1", kRowHint);
-    s->ids[t] = static_cast<int32_t>(id);
-    s->mask[t] = static_cast<uint8_t>(m);
-  }
-}
-
 std::string percent(int64_t a, int64_t b) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.1f%%", b > 0 ? 100.0 * static_cast<double>(a) / static_cast<double>(b) : 0.0);
@@ -160,7 +111,7 @@ int main(int argc, char** argv) {
         while (std::getline(f, line)) {
           ++lineno;
           if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-          parse_row(line, in + ":" + std::to_string(lineno), conv_vocab, &s);
+          s = parse_token_row(line, in + ":" + std::to_string(lineno), conv_vocab, "--vocab-size", true);
           w.append(s);
           for (uint8_t m : s.mask) supervised += m;
           ++rows;

@@ -281,9 +281,11 @@ int main(int argc, char** argv) {
       const std::vector<int32_t>& p = prompts[i];
       PromptReport rep;
       rep.prompt_len = static_cast<int64_t>(p.size());
-      const bench::Generation greedy = bench::greedy_generate(*dec, 0, p, go, block_size - 1);
+      // The estimate's labels need block_size - 1 greedy tokens past the timed ones.
+      const int64_t extra = scorer ? block_size - 1 : 0;
+      const bench::Generation greedy = bench::greedy_generate(*dec, 0, p, go, extra);
       const bench::Generation spec = bench::speculative_generate(*dec, *prop, 0, p, go);
-      const int64_t n_greedy = static_cast<int64_t>(greedy.tokens.size()) - (block_size - 1);
+      const int64_t n_greedy = static_cast<int64_t>(greedy.tokens.size()) - extra;
       rep.generated = n_greedy;
       rep.accept = spec.accept;
       rep.greedy = greedy.times;
@@ -297,16 +299,15 @@ int main(int argc, char** argv) {
           break;
         }
       }
-      // The trainer's estimate on this prompt: the drafter's training forward over prompt + the
-      // target's greedy tokens, with the target's features of one forward over that sequence.
-      std::vector<int32_t> seq = p;
-      seq.insert(seq.end(), greedy.tokens.begin(), greedy.tokens.end());
-      target::ExtendOptions eo;
-      eo.capture = dc.target_layer_ids;
-      dec->reset(0);
-      const target::ExtendResult whole = dec->extend({0}, {seq}, eo);
-      dec->reset(0);
       if (scorer) {
+        // The trainer's estimate on this prompt: the drafter's training forward over prompt + the
+        // target's greedy tokens, with the target's features of one forward over that sequence.
+        std::vector<int32_t> seq = p;
+        seq.insert(seq.end(), greedy.tokens.begin(), greedy.tokens.end());
+        target::ExtendOptions eo;
+        eo.capture = dc.target_layer_ids;
+        dec->reset(0);
+        const target::ExtendResult whole = dec->extend({0}, {seq}, eo);
         const bench::AcceptEstimate est =
             bench::training_estimate(scorer, whole.features, seq, rep.prompt_len, n_greedy, spec.block_starts);
         rep.est_steps = est.at_steps;

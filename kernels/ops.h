@@ -123,11 +123,38 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
                       float scale, Tensor& out);
 
 // ---- sampling ------------------------------------------------------------------------------------
-// Greedy decoding's token choice (temperature / top-p sampling comes later in this section).
+// The token choice of decoding: greedy (argmax) and temperature / top-p sampling.
 
 // out[r] = argmax over v of logits[r, v] for host logits [R, V] (f32 or bf16; any float dtype,
 // rows may be strided), resized to R. Ties go to the lowest id; NaN entries are never chosen (a row
 // without any non-NaN value gives 0). The oracle of cuda::argmax_rows.
 void argmax_rows(const Tensor& logits, std::vector<int32_t>& out);
+
+// Temperature / top-p (nucleus) sampling that is reproducible: row r's token is a pure function of
+// its logits, the parameters, streams[r] and positions[r] — not of the batch it runs in, the
+// thread layout or the device (cuda::sample_rows draws the same numbers). Per row:
+//   z_v = logit_v / temperature (f32; NaN entries are never chosen), m = max z, e_v = exp(z_v - m);
+//   the nucleus is {v : z_v >= z_c}, z_c the largest z_u with  sum_{z_w >= z_u} e_w >= top_p * sum_w e_w
+//   (every token when top_p >= 1; ties at z_c are all kept);
+//   the token is the Gumbel-max over the nucleus: argmax of z_v + G_v, G_v = -log(-log(u_v)),
+//   u_v = ((rng::bits(seed, streams[r], positions[r] * V + v) >> 8) + 0.5) * 2^-24, in double;
+//   ties go to the lowest id.
+// That is an exact draw from softmax(z) restricted to the nucleus and renormalized. A decoder passes
+// stream = the sequence's id and position = the position whose next token is drawn, so a sequence's
+// draws do not depend on what else is decoded with it.
+struct SampleParams {
+  float temperature = 1.0f;  // > 0 (0 is greedy decoding: argmax_rows)
+  float top_p = 1.0f;        // in (0, 1]
+  uint64_t seed = 0;
+};
+// Throws naming the parameter when temperature <= 0 or top_p is outside (0, 1] (or not finite).
+void check_sample_params(const SampleParams& p);
+// logits: host [R, V] (any float dtype, rows may be strided); streams, positions: [R]; out resized to R.
+void sample_rows(const Tensor& logits, const SampleParams& p, const std::vector<uint64_t>& streams,
+                 const std::vector<int64_t>& positions, std::vector<int32_t>& out);
+// The nucleus threshold z_c of one row of z values (and, in *margin when non-null, how far the
+// nucleus mass is from the top_p boundary: min over the two sets next to z_c of |mass/total - top_p|,
+// which says how sure a float summation in another order is to pick the same z_c). Tests use it.
+float nucleus_threshold(const float* z, int64_t V, float top_p, double* margin = nullptr);
 
 }  // namespace dflash::ops

@@ -59,6 +59,12 @@ ExtendResult Decoder::extend(const std::vector<int32_t>& slots, const std::vecto
                         "the tokens do not come from this model's tokenizer");
     lengths.push_back(len);
   }
+  if (options.sample) {
+    ops::check_sample_params(*options.sample);
+    DFLASH_CHECK(options.sample_streams.size() == slots.size(),
+                 "decoder: sampling needs one stream per slot, got " << options.sample_streams.size() << " for "
+                                                                     << slots.size() << " slot(s)");
+  }
   for (int64_t id : options.capture)
     DFLASH_CHECK_HINT(id >= 0 && id < config_.num_hidden_layers, "decoder: capture layer id " << id << " is out of range",
                       "layer ids are 0.." << config_.num_hidden_layers - 1 << " (id i = output of decoder layer i)");
@@ -226,7 +232,18 @@ class CpuDecoder final : public Decoder {
     Tensor hr = gather(h), normed = Tensor::empty({R, H}, DType::F32), logits = Tensor::empty({R, c.vocab_size}, DType::F32);
     model_.final_norm(hr, normed);
     model_.lm_head(normed, logits);
-    ops::argmax_rows(logits, r.next);
+    if (opt.sample) {
+      std::vector<uint64_t> streams(static_cast<size_t>(R));
+      std::vector<int64_t> positions(static_cast<size_t>(R));
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t j = r.offsets[s]; j < r.offsets[s + 1]; ++j) {
+          streams[j] = opt.sample_streams[static_cast<size_t>(s)];
+          positions[j] = lengths[s] + rows[j] - seqs.offsets[s];
+        }
+      ops::sample_rows(logits, *opt.sample, streams, positions, r.next);
+    } else {
+      ops::argmax_rows(logits, r.next);
+    }
     if (opt.logits) r.logits = logits;
     return r;
   }

@@ -9,7 +9,7 @@
 // extend(slots, tokens) runs T_s >= 1 new tokens of each slot on top of its committed state in one
 // forward (positions length .. length + T_s - 1) and returns, for every new token, the greedy next
 // token (argmax of its logits over the vocabulary, computed where the model runs; ties go to the
-// lowest id) and the captured features the drafter is trained on. With commit = true the tokens
+// lowest id; or a sampled one, ExtendOptions::sample) and the captured features the drafter is trained on. With commit = true the tokens
 // become part of the slot (prefill, plain decoding); with commit = false (verify) the slot is left
 // as it was until commit(slot, n) keeps the first n of those tokens (1 <= n <= T): the KV cache
 // then ends after them and the GDN recurrent and conv states are those after token n — the state
@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/ops.h"
 #include "kernels/tensor.h"
 #include "target_model/config.h"
 #include "target_model/fast_path.h"
@@ -41,6 +42,11 @@ struct ExtendOptions {
   // Only the last new token of each slot needs its next token and features (prefill).
   bool last_only = false;
   bool logits = false;  // also return the f32 logits (tests)
+  // Sampling instead of greedy argmax: `next` holds ops::sample_rows draws (on the model's device),
+  // row of slot s at position p drawn with stream sample_streams[s] and position p, so a sequence's
+  // tokens depend on its stream (e.g. its index in a dataset) and the seed, not on its batch.
+  const ops::SampleParams* sample = nullptr;
+  std::vector<uint64_t> sample_streams;  // [slots] with sample
 };
 
 struct ExtendResult {

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/launch.h"
@@ -27,6 +28,25 @@ namespace {
 Tensor upload_i32(const std::vector<int32_t>& v, Device d) {
   return Tensor::from_blob(const_cast<int32_t*>(v.data()), {static_cast<int64_t>(v.size())}, DType::I32).to(d);
 }
+
+// Host arrays packed (16-byte aligned each) into one buffer that goes to the device in one copy.
+class Staging {
+ public:
+  template <class T>
+  size_t add(const std::vector<T>& v) {
+    const size_t off = (bytes_.size() + 15) / 16 * 16;
+    bytes_.resize(off + v.size() * sizeof(T));
+    if (!v.empty()) std::memcpy(bytes_.data() + off, v.data(), v.size() * sizeof(T));
+    return off;
+  }
+  Tensor upload(Device d) {
+    bytes_.resize(std::max<size_t>((bytes_.size() + 15) / 16 * 16, 16));
+    return Tensor::from_blob(bytes_.data(), {static_cast<int64_t>(bytes_.size())}, DType::U8).to(d);
+  }
+
+ private:
+  std::vector<char> bytes_;
+};
 
 class CudaDecoder final : public Decoder {
  public:
@@ -84,11 +104,14 @@ class CudaDecoder final : public Decoder {
   ExtendResult do_extend(const std::vector<int32_t>& slots, const std::vector<int64_t>& lengths,
                          const std::vector<std::vector<int32_t>>& tokens, const ExtendOptions& opt) override {
     const TargetConfig& c = config_;
+    DFLASH_CHECK(!opt.sample, "CUDA decoder: sampling (ExtendOptions::sample) needs cuda::sample_rows, not built yet");
     const int64_t S = static_cast<int64_t>(slots.size()), H = c.hidden_size, V = c.vocab_size;
     DecodeStep step;
-    step.prefill = S == 1 && lengths[0] == 0 && opt.commit;
+    // Prompts into empty slots: the forward's kernels over the packed batch. Any other extend (a
+    // slot with a past, or a verify) runs the decode kernels on the padded rows.
+    step.prefill = opt.commit && std::all_of(lengths.begin(), lengths.end(), [](int64_t l) { return l == 0; });
     step.commit = opt.commit;
-    step.prefill_slot = slots[0];
+    step.host_slots = slots;
     step.num_slots = num_slots();
     step.max_len = max_len();
     step.layers = &state_;
@@ -112,22 +135,40 @@ class CudaDecoder final : public Decoder {
     const int64_t rows = step.prefill ? N : (N + 15) / 16 * 16;
     ids.resize(static_cast<size_t>(rows), 0);
     pos.resize(static_cast<size_t>(rows), 0);
+
+    // Kept rows: all new tokens, or each slot's last one.
+    ExtendResult r;
+    r.offsets = {0};
+    std::vector<int32_t> keep;
+    for (int64_t s = 0; s < S; ++s) {
+      for (int64_t n = opt.last_only ? b.offsets[s + 1] - 1 : b.offsets[s]; n < b.offsets[s + 1]; ++n)
+        keep.push_back(static_cast<int32_t>(n));
+      r.offsets.push_back(static_cast<int64_t>(keep.size()));
+    }
+    const int64_t R = static_cast<int64_t>(keep.size());
+    // The lm_head: a prefill's kept rows alone (gathered when that is not every row: last_only); a
+    // decode step's every (padded) row, the same GEMM shape for T = 1 and T = 16 (batch invariance).
+    const bool gather_head = step.prefill && R < N;
+    const int64_t M = gather_head ? R : rows;
+    auto head_row = [&](int64_t j) -> int64_t { return gather_head ? j : keep[static_cast<size_t>(j)]; };
+    // Everything the step reads on the device, in one upload (one host sync per extend).
+    Staging st;
+    const size_t o_ids = st.add(ids), o_pos = st.add(pos), o_cu = st.add(cu), o_slots = st.add(slots);
+    const size_t o_past = st.add(past), o_keep = st.add(keep);
+    const Tensor staged = st.upload(dev_);
+    auto at = [&](size_t off) { return static_cast<char*>(staged.raw_data()) + off; };
+    auto i32 = [&](size_t off, int64_t n) { return Tensor::from_blob(at(off), {n}, DType::I32, dev_); };
     b.num_tokens = rows;
     b.num_seqs = S;
-    b.ids = upload_i32(ids, dev_);
-    b.pos = upload_i32(pos, dev_);
-    b.cu_seqlens = upload_i32(cu, dev_);
-    const Tensor d_slots = upload_i32(slots, dev_), d_past = upload_i32(past, dev_);
-    step.slots = d_slots.data<int32_t>();
-    step.past_len = d_past.data<int32_t>();
+    b.ids = i32(o_ids, rows);
+    b.pos = i32(o_pos, rows);
+    b.cu_seqlens = i32(o_cu, S + 1);
+    step.slots = reinterpret_cast<const int32_t*>(at(o_slots));
+    step.past_len = reinterpret_cast<const int32_t*>(at(o_past));
+    const int32_t* d_keep = reinterpret_cast<const int32_t*>(at(o_keep));
     step.real_tokens = N;
     step.max_new = b.max_seqlen;
-    Tensor d_tail;
-    if (step.prefill) {
-      step.tail = std::min<int64_t>(N, c.linear_conv_kernel_dim - 1);
-      d_tail = upload_i32({0, static_cast<int32_t>(step.tail)}, dev_);
-      step.tail_cu = d_tail.data<int32_t>();
-    } else {
+    if (!step.prefill) {
       // Absolute key splits: about 32 of them over the pool's length (enough CTAs for the 132 SMs
       // at batch 1), the same for every step of this decoder.
       step.split_keys = std::max<int64_t>(64, ((max_len() + 31) / 32 + 63) / 64 * 64);
@@ -158,23 +199,15 @@ class CudaDecoder final : public Decoder {
     if (!opt.commit)
       for (int64_t s = 0; s < S; ++s) pending_rows_[static_cast<size_t>(slots[s])] = b.offsets[s];
 
-    // Kept rows: all new tokens, or each slot's last one.
-    ExtendResult r;
-    r.offsets = {0};
-    std::vector<int64_t> keep;
-    for (int64_t s = 0; s < S; ++s) {
-      for (int64_t n = opt.last_only ? b.offsets[s + 1] - 1 : b.offsets[s]; n < b.offsets[s + 1]; ++n) keep.push_back(n);
-      r.offsets.push_back(static_cast<int64_t>(keep.size()));
-    }
-    const int64_t R = static_cast<int64_t>(keep.size());
     auto s = static_cast<cudaStream_t>(model_.stream());
-    // The lm_head: a prefill's last row alone; a decode step's every (padded) row, the same GEMM
-    // shape for T = 1 and T = 16 (batch invariance).
-    const bool one_row = step.prefill && opt.last_only;
-    const int64_t M = one_row ? 1 : rows;
+    Tensor head_in = fr.final_hidden;
+    if (gather_head) {  // the kept rows of the final hidden state, packed (cuda::embedding as a row gather)
+      head_in = Tensor::empty({R, H}, DType::BF16, dev_);
+      cuda::embedding(d_keep, fr.final_hidden.raw_data(), head_in.raw_data(), R, H, s);
+    }
     Tensor logits = Tensor::empty({M, V}, DType::F32, dev_);
     cuda::GemmExParams gp;
-    gp.a = static_cast<const char*>(fr.final_hidden.raw_data()) + (one_row ? (N - 1) * H * 2 : 0);
+    gp.a = head_in.raw_data();
     gp.lda = H;
     gp.b = model_.weights().lm_head.raw_data();
     gp.ldb = H;
@@ -186,32 +219,44 @@ class CudaDecoder final : public Decoder {
     cuda::gemm_ex(gp, dev_.index);
     Tensor next = Tensor::empty({M}, DType::I32, dev_);
     cuda::argmax_rows(logits.raw_data(), false, V, M, V, next.data<int32_t>(), s);
-    const Tensor next_h = next.to(Device::cpu());
-    r.next.resize(static_cast<size_t>(R));
-    for (int64_t j = 0; j < R; ++j) r.next[static_cast<size_t>(j)] = next_h.data<int32_t>()[one_row ? 0 : keep[j]];
-    if (opt.logits) {
-      Tensor lh = logits.to(Device::cpu());
-      r.logits = Tensor::empty({R, V}, DType::F32);
-      for (int64_t j = 0; j < R; ++j)
-        std::copy_n(lh.data<float>() + (one_row ? 0 : keep[j]) * V, V, r.logits.data<float>() + j * V);
-    }
     if (!opt.capture.empty()) {
       const int64_t k = static_cast<int64_t>(opt.capture.size());
       r.features = Tensor::empty({R, k * H}, DType::BF16, dev_);
+      // Kept rows in runs of consecutive rows: one 2-D copy per run when there are few runs (decode
+      // steps: one), else one gather of all of them and one 2-D copy (a prefill's last rows).
+      int64_t runs = 0;
+      for (int64_t j = 0; j < R; ++j) runs += j == 0 || keep[j] != keep[j - 1] + 1;
+      Tensor packed = runs > 2 && k > 1 ? Tensor::empty({R, H}, DType::BF16, dev_) : Tensor();
       for (int64_t l = 0; l < k; ++l) {
         const Tensor& src = fr.layers.at(opt.capture[static_cast<size_t>(l)]);
-        // Kept rows are runs of consecutive rows (one per slot): one 2-D copy per run.
+        char* dst = static_cast<char*>(r.features.raw_data()) + l * H * 2;
+        if (runs > 2) {
+          cuda::embedding(d_keep, src.raw_data(), k > 1 ? packed.raw_data() : dst, R, H, s);
+          if (k > 1)
+            DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(k * H * 2), packed.raw_data(),
+                                                static_cast<size_t>(H * 2), static_cast<size_t>(H * 2),
+                                                static_cast<size_t>(R), cudaMemcpyDeviceToDevice, s));
+          continue;
+        }
         for (int64_t a = 0; a < R;) {
           int64_t e = a + 1;
           while (e < R && keep[e] == keep[e - 1] + 1) ++e;
-          DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(static_cast<char*>(r.features.raw_data()) + (a * k * H + l * H) * 2,
-                                              static_cast<size_t>(k * H * 2),
+          DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(dst + a * k * H * 2, static_cast<size_t>(k * H * 2),
                                               static_cast<const char*>(src.raw_data()) + keep[a] * H * 2,
                                               static_cast<size_t>(H * 2), static_cast<size_t>(H * 2),
                                               static_cast<size_t>(e - a), cudaMemcpyDeviceToDevice, s));
           a = e;
         }
       }
+    }
+    const Tensor next_h = next.to(Device::cpu());
+    r.next.resize(static_cast<size_t>(R));
+    for (int64_t j = 0; j < R; ++j) r.next[static_cast<size_t>(j)] = next_h.data<int32_t>()[head_row(j)];
+    if (opt.logits) {
+      Tensor lh = logits.to(Device::cpu());
+      r.logits = Tensor::empty({R, V}, DType::F32);
+      for (int64_t j = 0; j < R; ++j)
+        std::copy_n(lh.data<float>() + head_row(j) * V, V, r.logits.data<float>() + j * V);
     }
     return r;
   }

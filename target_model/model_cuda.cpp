@@ -2,7 +2,9 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/launch.h"
@@ -184,36 +186,41 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   DecodeLayer* dl = ds ? &(*ds->layers)[static_cast<size_t>(i)] : nullptr;
   Tensor conv = device_bf16({N, C}, device_);
   // The conv update on the slots' conv states: the decode step's conv, and after a prefill the
-  // state update from the prompt's last K-1 inputs (its outputs unused).
-  auto conv_update = [&](const void* x, int64_t rows, const int32_t* cu, void* y, bool update) {
-    const ConvUpdateCall call{x, P, y, ds->slots, cu, b.num_seqs, rows, ds->num_slots, update};
+  // state update from the prompts' last K-1 inputs (its outputs unused).
+  auto conv_update = [&](const void* x, int64_t ldx, int64_t rows, const int32_t* cu, void* y, bool update) {
+    const ConvUpdateCall call{x, ldx, y, ds->slots, cu, b.num_seqs, rows, ds->num_slots, update};
     timed(ForwardOp::GdnConv, [&] { run_conv_update(c, L, *dl, call, *ds->counters, stream_); });
   };
   if (ds && !ds->prefill) {
-    conv_update(proj.raw_data(), ds->real_tokens, b.cu_seqlens.data<int32_t>(), conv.raw_data(), ds->commit);
+    conv_update(proj.raw_data(), P, ds->real_tokens, b.cu_seqlens.data<int32_t>(), conv.raw_data(), ds->commit);
   } else {
-  cuda::ConvParams cp;
-  cp.x = proj.raw_data();
-  cp.ldx = P;
-  cp.w = L.gdn.conv1d.raw_data();
-  cp.y = conv.raw_data();
-  cp.cu_seqlens = b.cu_seqlens.data<int32_t>();
-  cp.num_seqs = b.num_seqs;
-  cp.N = N;
-  cp.C = C;
-  cp.K = c.linear_conv_kernel_dim;
-  cp.silu = true;
-  const StepPlan& conv_step = lp.step(Step::Conv);
-  timed(ForwardOp::GdnConv, [&] {
-    if (conv_step.path == Path::Fast) cuda::causal_conv1d_fast(cp, stream_);
-    else cuda::causal_conv1d_fallback(cp, stream_);
-  });
-  counters_.add(Step::Conv, conv_step.path);
-  if (ds) {
-    Tensor scratch = device_bf16({ds->tail, C}, device_);
-    conv_update(static_cast<const char*>(proj.raw_data()) + (N - ds->tail) * P * 2, ds->tail, ds->tail_cu,
-                scratch.raw_data(), true);
-  }
+    cuda::ConvParams cp;
+    cp.x = proj.raw_data();
+    cp.ldx = P;
+    cp.w = L.gdn.conv1d.raw_data();
+    cp.y = conv.raw_data();
+    cp.cu_seqlens = b.cu_seqlens.data<int32_t>();
+    cp.num_seqs = b.num_seqs;
+    cp.N = N;
+    cp.C = C;
+    cp.K = c.linear_conv_kernel_dim;
+    cp.silu = true;
+    const StepPlan& conv_step = lp.step(Step::Conv);
+    timed(ForwardOp::GdnConv, [&] {
+      if (conv_step.path == Path::Fast) cuda::causal_conv1d_fast(cp, stream_);
+      else cuda::causal_conv1d_fallback(cp, stream_);
+    });
+    counters_.add(Step::Conv, conv_step.path);
+    if (ds && prefill_.tail_rows > 0) {
+      // Each prompt's last m = min(T, K-1) conv inputs (columns [0, C) of its rows of proj), packed
+      // by one gather (cuda::embedding over chunks of the rows), then the conv update of those rows
+      // on the slots' zero states: the states become [zeros; the m inputs], as after decode steps.
+      const Prefill& pf = prefill_;
+      timed(ForwardOp::GdnConv, [&] {
+        cuda::embedding(pf.gather_ids, proj.raw_data(), pf.tails.raw_data(), pf.gather_rows, pf.chunk, stream_);
+      });
+      conv_update(pf.tails.raw_data(), C, pf.tail_rows, pf.tail_cu, pf.tails_y.raw_data(), true);
+    }
   }
 
   Tensor q = device_bf16({N, Hk, dk}, device_), k = device_bf16({N, Hk, dk}, device_);
@@ -261,14 +268,26 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
       dl->proj = proj, dl->proj_ld = P, dl->conv = conv, dl->q = q, dl->k = k, dl->g = g, dl->beta = beta;
     }
   } else {
-    // A prefill writes the state after the prompt into its slot.
-    if (ds) dp.final_state = dl->gdn_state + static_cast<int64_t>(ds->prefill_slot) * Hv * dk * dv;
+    // A prefill writes the state after each prompt into its slot: in place when the slots are
+    // consecutive in batch order, else through a scratch copied per run of consecutive slots.
+    const int64_t state_elems = Hv * dk * dv;
+    if (ds)
+      dp.final_state = prefill_.in_place ? dl->gdn_state + static_cast<int64_t>(prefill_.first_slot) * state_elems
+                                         : prefill_.state.data<float>();
     const StepPlan& dr_step = lp.step(Step::DeltaRule);
     timed(ForwardOp::DeltaRule, [&] {
       if (dr_step.path == Path::Fast) cuda::chunk_gated_delta_rule(dp, stream_);
       else cuda::recurrent_gated_delta_rule(dp, stream_);
     });
     counters_.add(Step::DeltaRule, dr_step.path);
+    if (ds && !prefill_.in_place)
+      timed(ForwardOp::DeltaRule, [&] {
+        for (const auto& [s0, count] : prefill_.runs)
+          DFLASH_CUDA_CHECK(cudaMemcpyAsync(dl->gdn_state + static_cast<int64_t>(ds->host_slots[static_cast<size_t>(s0)]) * state_elems,
+                                            prefill_.state.data<float>() + s0 * state_elems,
+                                            static_cast<size_t>(count * state_elems) * sizeof(float),
+                                            cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream_)));
+      });
   }
 
   Tensor normed = device_bf16({N, V}, device_);
@@ -496,11 +515,63 @@ ForwardResult CudaTargetModel::forward(const std::vector<std::vector<int32_t>>& 
   return forward(make_batch(sequences), options);
 }
 
+void CudaTargetModel::begin_prefill(const CudaBatch& b) {
+  const TargetConfig& c = config_;
+  const DecodeStep& ds = *decode_;
+  Prefill& pf = prefill_;
+  pf = Prefill{};
+  const int64_t S = b.num_seqs;
+  DFLASH_CHECK(static_cast<int64_t>(ds.host_slots.size()) == S && S >= 1 && b.num_tokens == b.offsets.back(),
+               "prefill: " << ds.host_slots.size() << " slots for " << S << " sequences (rows must not be padded)");
+  pf.first_slot = ds.host_slots[0];
+  for (int64_t s = 0; s < S; ++s) {
+    const int32_t slot = ds.host_slots[static_cast<size_t>(s)];
+    if (slot != pf.first_slot + s) pf.in_place = false;
+    if (s > 0 && slot == ds.host_slots[static_cast<size_t>(s - 1)] + 1) ++pf.runs.back().second;
+    else pf.runs.emplace_back(s, 1);
+  }
+  int64_t P = 0;  // the GatedDeltaNet in-projection's row length (the same in every such layer)
+  for (int64_t i = 0; i < c.num_hidden_layers && P == 0; ++i)
+    if (c.layer_types[static_cast<size_t>(i)] == LayerType::LinearAttention) P = fused_[static_cast<size_t>(i)].rows;
+  if (P == 0) return;  // no GatedDeltaNet layer
+  const int64_t C = c.gdn_conv_dim(), K1 = c.linear_conv_kernel_dim - 1;
+  if (!pf.in_place)
+    pf.state = Tensor::empty({S, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim}, DType::F32,
+                             device_);
+  // The tails' conv inputs, row r's columns [0, C) of proj: chunks r·P/w + j (j < C/w) of width
+  // w = gcd(P, C), gathered packed [tail_rows, C].
+  pf.chunk = std::gcd(P, C);
+  const int64_t per_row = C / pf.chunk, row_chunks = P / pf.chunk;
+  DFLASH_CHECK(b.num_tokens * row_chunks < INT32_MAX, "prefill: " << b.num_tokens << " tokens are too many to gather");
+  std::vector<int32_t> host, cu{0};
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t end = b.offsets[static_cast<size_t>(s + 1)];
+    const int64_t m = std::min(end - b.offsets[static_cast<size_t>(s)], K1);
+    for (int64_t r = end - m; r < end; ++r)
+      for (int64_t j = 0; j < per_row; ++j) host.push_back(static_cast<int32_t>(r * row_chunks + j));
+    cu.push_back(cu.back() + static_cast<int32_t>(m));
+  }
+  pf.tail_rows = cu.back();
+  if (pf.tail_rows == 0) return;
+  pf.gather_rows = static_cast<int64_t>(host.size());
+  host.insert(host.end(), cu.begin(), cu.end());
+  pf.staging = Tensor::from_blob(host.data(), {static_cast<int64_t>(host.size())}, DType::I32).to(device_);
+  pf.gather_ids = pf.staging.data<int32_t>();
+  pf.tail_cu = pf.gather_ids + pf.gather_rows;
+  pf.tails = device_bf16({pf.tail_rows, C}, device_);
+  pf.tails_y = device_bf16({pf.tail_rows, C}, device_);
+}
+
 ForwardResult CudaTargetModel::forward(const CudaBatch& b, const ForwardOptions& options) {
   const TargetConfig& c = config_;
   for (int64_t id : options.capture)
     DFLASH_CHECK_HINT(id >= 0 && id < c.num_hidden_layers, "target forward: capture layer id " << id << " is out of range",
                       "layer ids are 0.." << c.num_hidden_layers - 1 << " (id i = output of decoder layer i)");
+  struct DropPrefill {  // the prefill's scratch goes back to the allocator however the forward ends
+    Prefill& pf;
+    ~DropPrefill() { pf = Prefill{}; }
+  } drop{prefill_};
+  if (decode_ && decode_->prefill) begin_prefill(b);
   ForwardResult r;
   r.offsets = b.offsets;
   const int64_t N = b.num_tokens, H = c.hidden_size;

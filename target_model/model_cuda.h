@@ -6,6 +6,7 @@
 #include <compare>
 #include <cstdint>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda/launch.h"
@@ -102,16 +103,16 @@ struct DecodeLayer {
   int64_t proj_ld = 0;
 };
 struct DecodeStep {
-  // A prompt into one empty slot: the forward's kernels (chunked delta rule, flash attention), then
-  // the states written (the conv state from the prompt's last K-1 inputs, the final recurrent state,
-  // the K / V). Otherwise the decode kernels on the slot states (T = 1 decode, T > 1 verify).
+  // Prompts into empty slots (every slot of the extend at length 0, commit = true; any number of
+  // slots and prompt lengths): the forward's kernels once over the packed varlen batch (causal conv,
+  // chunked delta rule, varlen flash attention), then each slot's states written — the final
+  // recurrent state of its sequence, the conv state from its own last min(T, K-1) conv inputs, its
+  // K / V. Otherwise the decode kernels on the slot states (T = 1 decode, T > 1 verify).
   bool prefill = false;
   bool commit = true;                 // decode: the states advance (false: verify, the pool is read only)
-  int32_t prefill_slot = 0;           // (host) the slot of a prefill
+  std::vector<int32_t> host_slots;    // (host) the slots, batch order: a prefill's state copies
   const int32_t* slots = nullptr;     // device [num_seqs]
   const int32_t* past_len = nullptr;  // device [num_seqs]: committed tokens before this step
-  const int32_t* tail_cu = nullptr;   // device {0, m}: prefill, the prompt's last m = min(T, K-1) tokens
-  int64_t tail = 0;                   // m
   int64_t real_tokens = 0;            // tokens of the sequences (the batch's rows may be padded beyond)
   int64_t num_slots = 0, max_len = 0, max_new = 0;
   void* attn_workspace = nullptr;
@@ -190,6 +191,21 @@ class CudaTargetModel {
   void mlp(int64_t i, const Tensor& x, Tensor& out);
   void gemm(ForwardOp op, const Tensor& x, int64_t ldx, const Tensor& w, Tensor& y, int64_t ldy, int64_t M, int64_t N,
             int64_t K);
+  // What a prefill (DecodeStep::prefill) needs beside the batch, built once per forward (one upload)
+  // by begin_prefill and dropped at the end of the forward.
+  struct Prefill {
+    Tensor staging;                    // int32 on the device: gather ids, then tail_cu
+    const int32_t* gather_ids = nullptr;  // [gather_rows]: the tails' chunks of the in-projection output
+    int64_t gather_rows = 0, chunk = 0;   // rows of `chunk` elements that cuda::embedding gathers
+    const int32_t* tail_cu = nullptr;  // [S + 1] over the tails, m_s = min(T_s, K-1)
+    int64_t tail_rows = 0;             // sum of m_s
+    Tensor tails, tails_y;             // [tail_rows, C] bf16: the gathered conv inputs; the conv update's (unused) output
+    int32_t first_slot = 0;            // the pool is written in place when the slots are first_slot, first_slot + 1, ...
+    bool in_place = true;
+    Tensor state;                      // else [S, Hv, dk, dv] fp32, copied to the slots per run
+    std::vector<std::pair<int64_t, int64_t>> runs;  // (first sequence, count) of consecutive slots
+  };
+  void begin_prefill(const CudaBatch& b);
   // Runs `enqueue` (which enqueues `op` on stream_), bracketed by the profiler's events when one is set.
   template <class Enqueue>
   void timed(ForwardOp op, Enqueue&& enqueue, const GemmShape& gemm = {});
@@ -204,6 +220,7 @@ class CudaTargetModel {
   comm::Communicator* tp_ = nullptr;
   OpProfiler* profiler_ = nullptr;
   DecodeStep* decode_ = nullptr;
+  Prefill prefill_;
 };
 
 }  // namespace dflash::target

@@ -6,9 +6,13 @@
 //    T = 1 decode steps of the same tokens do, and after commit(n) the states continue bit for bit
 //    as after n decode steps;
 //  - speculative decoding on the GPU gives the GPU's own greedy output token for token, with an
-//    oracle proposer (every acceptance length) and with the CUDA proposer of an untrained drafter.
+//    oracle proposer (every acceptance length) and with the CUDA proposer of an untrained drafter;
+//  - packed prefill (several empty slots in one extend, slots in and out of order, prompts of 1 to
+//    200 tokens) against the CPU reference and against one-slot prefills, then decode steps of all.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 
@@ -70,6 +74,46 @@ bool bit_equal(const Tensor& a, const Tensor& b) {
 }
 
 Tensor rows(const Tensor& t, int64_t a, int64_t b) { return t.slice(0, a, b).contiguous(); }
+
+// The CPU reference target on the bf16-rounded weights of Gpu(c, ..., seed).
+std::unique_ptr<TargetModel> cpu_reference(const TargetConfig& c, uint64_t seed = 3) {
+  return std::make_unique<TargetModel>(
+      c, assemble_weights(c, DType::F32, Device::cpu(), [&](const std::string& name, const Shape& shape) {
+        return random_tensor(name, shape, seed, DType::BF16, Device::cpu()).to_dtype(DType::F32);
+      }));
+}
+
+// Logits / features of two extends of the same rows (GPU `got` against `ref`), and the next tokens
+// wherever ref's top-2 logit margin is wider than twice that row's logit error (so no rounding can
+// flip the argmax).
+struct Agreement {
+  double logits = 0, features = 0;
+  int64_t rows = 0, clear = 0;
+  void add(const ExtendResult& got, const ExtendResult& ref, const std::string& what) {
+    EXPECT_EQ(got.offsets, ref.offsets) << what;
+    EXPECT_EQ(got.next.size(), ref.next.size()) << what;
+    logits = std::max(logits, max_rel_err(got.logits, ref.logits));
+    if (ref.features.defined()) features = std::max(features, max_rel_err(got.features, ref.features));
+    const int64_t R = ref.logits.size(0), V = ref.logits.size(1);
+    if (got.logits.numel() != R * V || got.next.size() != static_cast<size_t>(R)) return;
+    for (int64_t j = 0; j < R; ++j) {
+      const float* g = got.logits.data<float>() + j * V;
+      const float* r = ref.logits.data<float>() + j * V;
+      double err = 0, top1 = -INFINITY, top2 = -INFINITY;
+      for (int64_t v = 0; v < V; ++v) {
+        err = std::max(err, std::abs(static_cast<double>(g[v]) - r[v]));
+        if (r[v] > top1) top2 = top1, top1 = r[v];
+        else if (r[v] > top2) top2 = r[v];
+      }
+      ++rows;
+      if (top1 - top2 > 2 * err) {
+        ++clear;
+        EXPECT_EQ(got.next[static_cast<size_t>(j)], ref.next[static_cast<size_t>(j)])
+            << what << ", row " << j << ": margin " << top1 - top2 << " > 2 x error " << err;
+      }
+    }
+  }
+};
 
 }  // namespace
 
@@ -177,4 +221,86 @@ TEST(CudaDecoder, SpeculativeEqualsGreedyOnTheGpu) {
   const bench::Generation one = bench::speculative_generate(*g.dec, *prop, 0, {prompt[0]}, go);
   const bench::Generation one_g = bench::greedy_generate(*g.dec, 0, {prompt[0]}, go);
   EXPECT_EQ(one.tokens, one_g.tokens) << "a prompt of one token";
+}
+
+// Several empty slots in one extend: one forward over the packed prompts (the forward's kernels,
+// counted once per layer whatever the number of slots), the states written into each slot.
+TEST(CudaDecoder, PackedPrefillMatchesTheCpuReference) {
+  DFLASH_REQUIRE_GPU();
+  const TargetConfig c = real_dims();
+  const auto cpu = cpu_reference(c);
+  int64_t gdn_layers = 0;
+  for (LayerType t : c.layer_types) gdn_layers += t == LayerType::LinearAttention;
+  struct Case {
+    std::vector<int32_t> slots;
+    std::vector<int64_t> lens;
+    bool last_only;
+  };
+  // In order (the pool written in place), out of order (one copy per slot), runs of consecutive
+  // slots (one copy per run); prompts shorter and longer than the conv's K - 1 and the 64-token chunk.
+  const std::vector<Case> cases{{{2}, {200}, false},
+                                {{5, 0, 3}, {3, 64, 1}, true},
+                                {{5, 0, 3}, {200, 2, 17}, false},
+                                {{0, 1, 2, 3, 4, 5, 6}, {1, 2, 3, 5, 64, 200, 17}, false},
+                                {{0, 1, 2, 3, 4, 5, 6}, {1, 2, 3, 5, 64, 200, 17}, true},
+                                {{4, 5, 0, 1, 2}, {17, 2, 200, 1, 5}, true}};
+  for (KernelPolicy pol : {KernelPolicy::Auto, KernelPolicy::Fallback}) {
+    Gpu g(c, pol, 8, 256), solo(c, pol, 8, 256);
+    auto ref = make_cpu_decoder(*cpu, 8, 256);
+    Agreement vs_cpu, vs_solo;
+    for (size_t ci = 0; ci < cases.size(); ++ci) {
+      const Case& k = cases[ci];
+      for (int32_t s = 0; s < 8; ++s) g.dec->reset(s), ref->reset(s), solo.dec->reset(s);
+      std::vector<std::vector<int32_t>> prompts;
+      for (size_t s = 0; s < k.slots.size(); ++s)
+        prompts.push_back(random_tokens(k.lens[s], c.vocab_size, 100 + 10 * ci + s));
+      ExtendOptions eo;
+      eo.capture = {0, 3, c.num_hidden_layers - 1};
+      eo.logits = true;
+      eo.last_only = k.last_only;
+      const std::string what = "case " + std::to_string(ci) + " (" + policy_name(pol) + ")";
+      auto delta_rules = [&] {  // the forward's delta rule launches (prefill kernels), either path
+        return g.model->counters().get(Step::DeltaRule, Path::Fast) + g.model->counters().get(Step::DeltaRule, Path::Fallback);
+      };
+      const uint64_t before = delta_rules();
+      const ExtendResult rg = g.dec->extend(k.slots, prompts, eo), rc = ref->extend(k.slots, prompts, eo);
+      EXPECT_EQ(delta_rules(), before + static_cast<uint64_t>(gdn_layers))
+          << what << ": the prefill is not one forward";
+      vs_cpu.add(rg, rc, what + " prefill");
+      // The same prompts one slot at a time.
+      for (size_t s = 0; s < k.slots.size(); ++s) {
+        const ExtendResult one = solo.dec->extend({k.slots[s]}, {prompts[s]}, eo);
+        const int64_t a = rg.offsets[s], b = rg.offsets[s + 1];
+        ExtendResult part;
+        part.offsets = {0, b - a};
+        part.next.assign(rg.next.begin() + a, rg.next.begin() + b);
+        part.logits = rows(rg.logits, a, b);
+        part.features = rows(rg.features, a, b);
+        vs_solo.add(part, one, what + " slot " + std::to_string(k.slots[s]) + " packed vs alone");
+      }
+      // Decode steps of all slots continue from the written states (the CPU's tokens fed to both).
+      ExtendOptions step = eo;
+      step.last_only = false;
+      std::vector<std::vector<int32_t>> next;
+      for (size_t s = 0; s < k.slots.size(); ++s) next.push_back({rc.next[static_cast<size_t>(rc.offsets[s + 1] - 1)]});
+      for (int t = 0; t < 3; ++t) {
+        const ExtendResult sg = g.dec->extend(k.slots, next, step), sc = ref->extend(k.slots, next, step);
+        const ExtendResult so = solo.dec->extend(k.slots, next, step);
+        vs_cpu.add(sg, sc, what + " decode step " + std::to_string(t));
+        vs_solo.add(sg, so, what + " decode step " + std::to_string(t) + " after packed vs one-slot prefills");
+        for (size_t s = 0; s < k.slots.size(); ++s) next[s] = {sc.next[s]};
+      }
+      for (size_t s = 0; s < k.slots.size(); ++s) EXPECT_EQ(g.dec->length(k.slots[s]), k.lens[s] + 3) << what;
+    }
+    std::printf("packed prefill (%s): vs cpu reference logits %.2e, features %.2e, next equal on %ld clear rows of %ld; "
+                "vs one-slot prefills logits %.2e, features %.2e (%ld / %ld clear)\n",
+                policy_name(pol), vs_cpu.logits, vs_cpu.features, static_cast<long>(vs_cpu.clear),
+                static_cast<long>(vs_cpu.rows), vs_solo.logits, vs_solo.features, static_cast<long>(vs_solo.clear),
+                static_cast<long>(vs_solo.rows));
+    EXPECT_LE(vs_cpu.logits, kLogitsBound);
+    EXPECT_LE(vs_cpu.features, kBf16Bound);
+    EXPECT_LE(vs_solo.logits, kLogitsBound);
+    EXPECT_LE(vs_solo.features, kBf16Bound);
+    EXPECT_GT(vs_cpu.clear, vs_cpu.rows / 10) << "too few rows with a clear margin: the token comparison is vacuous";
+  }
 }

@@ -2,7 +2,7 @@
 // against a reference on the same inputs before it is timed (a wrong kernel never passes as a
 // fast one); rounds shuffle the provider order; rows go to CSV with the GPU name and commit.
 //
-//   kernel_bench --csv kernel_bench.csv [--only conv,gdn,gemm,attn,dattn,ce,layer,decode] [--quick]
+//   kernel_bench --csv kernel_bench.csv [--only conv,gdn,gemm,attn,dattn,ce,layer,decode,sample] [--quick]
 //
 // conv : N separate causal depthwise convs vs one fused conv over the concatenated channels, and
 //        the Qwen3.6-27B layer shape (10240 channels); GB/s from bytes = read x + write y (+ w).
@@ -22,6 +22,12 @@
 //        update and attention over a KV cache (target and drafter shapes, contexts 1k..16k); GB/s
 //        against the device-to-device copy bandwidth measured in the same run ("of_copy" rows);
 //        each also timed as 20 calls replayed from a CUDA graph (mode "graph": no launch cost).
+// sample: temperature / top-p sampling (cuda::sample_rows) of R 1 / 64 / 128 rows of fp32 logits,
+//        V 248320, top_p 1 and 0.9, on "flat" rows (N(0, 1): every token needs its random number,
+//        the nucleus holds most of the vocabulary) and "peaked" ones (16 tokens far above the rest, as
+//        a language model's rows mostly are); both CTA layouts, and argmax_rows (one read, no
+//        sampling) as the floor. GB/s counts the logits once (R x V x 4 bytes; top_p < 1 reads them
+//        3 times), against the device-to-device copy bandwidth measured in the same run.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -45,6 +51,7 @@
 
 // Tuning knobs defined in the decode kernel files (0 = the launcher's automatic choice).
 namespace dflash::cuda::tuning {
+extern int sample_threads;
 extern int gdn_pool_warps;
 extern int gdn_pool_cg;
 extern int attn_decode_splits;
@@ -912,6 +919,59 @@ void bench_decode(Ctx& ctx, bool quick) {
   write_shares(ctx, "decode", first_row, copy_gbs, "bandwidth", "of_copy", "d2d copy bandwidth");
 }
 
+// ---- sample: temperature / top-p sampling -------------------------------------------------------
+void bench_sample(Ctx& ctx, bool quick) {
+  std::printf("\n== sample: temperature / top-p sampling of fp32 logits (cuda::sample_rows), V 248320, T 0.7\n");
+  const double copy_gbs = copy_ceiling(ctx, "sample");
+  const size_t first_row = ctx.csv->rows().size();
+  const int64_t V = 248320, npeaks = 16, peak_col = 100000;
+  const float T = 0.7f;
+  const std::vector<int64_t> Rs = quick ? std::vector<int64_t>{64} : std::vector<int64_t>{1, 64, 128};
+  auto st = static_cast<cudaStream_t>(ctx.stream);
+  for (const std::string kind : {"flat", "peaked"})
+    for (int64_t R : Rs) {
+      const double bytes = static_cast<double>(R * V) * 4;
+      const int sets = rotation_sets(ctx, bytes);  // calls rotate among sets of rows, so L2 holds none
+      Tensor logits = dev_randn({sets * R, V}, DType::F32, 90 + static_cast<uint64_t>(R), 1.0f);
+      if (kind == "peaked") {  // tokens peak_col.. get 8, 9, ..., 23 (+ noise): the top few hold ~all the mass
+        std::vector<float> peaks(static_cast<size_t>(sets * R * npeaks));
+        std::mt19937_64 g(R);
+        for (size_t i = 0; i < peaks.size(); ++i)
+          peaks[i] = 8.0f + static_cast<float>(i % npeaks) + static_cast<float>(g() % 1000) * 1e-3f;
+        DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(logits.data<float>() + peak_col, V * 4, peaks.data(), npeaks * 4, npeaks * 4,
+                                            static_cast<size_t>(sets * R), cudaMemcpyHostToDevice, st));
+      }
+      std::vector<int64_t> hs(static_cast<size_t>(R)), hp(static_cast<size_t>(R));
+      for (int64_t r = 0; r < R; ++r) hs[static_cast<size_t>(r)] = r, hp[static_cast<size_t>(r)] = 1000 + r;
+      Tensor streams = Tensor::from_blob(hs.data(), {R}, DType::I64).to(Device::cuda(0));
+      Tensor positions = Tensor::from_blob(hp.data(), {R}, DType::I64).to(Device::cuda(0));
+      for (float top_p : {1.0f, 0.9f}) {
+        Tensor out_auto = Tensor::empty({R}, DType::I32, Device::cuda(0)), out_512 = out_auto.clone(),
+               out_am = out_auto.clone();
+        auto call = [&, R, top_p](int set, int threads, Tensor& out) {
+          cuda::tuning::sample_threads = threads;
+          cuda::sample_rows(logits.data<float>() + set * R * V, V, R, V, T, top_p, 7,
+                            reinterpret_cast<const uint64_t*>(streams.data<int64_t>()), positions.data<int64_t>(),
+                            out.data<int32_t>(), ctx.stream);
+          cuda::tuning::sample_threads = 0;
+        };
+        int next_auto = 0, next_512 = 0, next_am = 0;  // each provider walks the sets from set 0 (checked)
+        std::vector<Provider> prov;
+        prov.push_back({"t1024", [&] { call(next_auto++ % sets, 0, out_auto); }, [&] { return out_auto; }});
+        prov.push_back({"t512", [&] { call(next_512++ % sets, 512, out_512); }, [&] { return out_512; }});
+        prov.push_back({"argmax_rows (floor)", [&] {
+                          cuda::argmax_rows(logits.data<float>() + (next_am++ % sets) * R * V, false, V, R, V,
+                                            out_am.data<int32_t>(), ctx.stream);
+                        }, nullptr});
+        char shape[128];
+        std::snprintf(shape, sizeof shape, "%s R%lld top_p %.1f%s", kind.c_str(), static_cast<long long>(R), top_p,
+                      sets > 1 ? (" (" + std::to_string(sets) + " sets)").c_str() : "");
+        measure(ctx, "sample", "sample_rows", shape, prov, 0, {{"bandwidth", "GB/s", bytes / 1e9}});
+      }
+    }
+  write_shares(ctx, "sample", first_row, copy_gbs, "bandwidth", "of_copy", "d2d copy bandwidth");
+}
+
 void bench_layer(Ctx& ctx, bool quick) {
   std::printf("\n== layer: one decoder layer (mixer + MLP), fast vs fallback kernels\n");
   struct Shape {
@@ -971,7 +1031,7 @@ void bench_layer(Ctx& ctx, bool quick) {
 int main(int argc, char** argv) {
   CLI::App app{"Op-level benchmarks of the target's CUDA kernels (each provider checked before it is timed)."};
   app.name("kernel_bench");
-  std::string log_level = "warn", csv, only = "conv,gdn,gemm,attn,dattn,ce,layer,decode";
+  std::string log_level = "warn", csv, only = "conv,gdn,gemm,attn,dattn,ce,layer,decode,sample";
   bool quick = false;
   Ctx ctx;
   add_common_options(app, &log_level);
@@ -979,7 +1039,7 @@ int main(int argc, char** argv) {
   std::string json_path, baseline;
   app.add_option("--json", json_path, "also write this run's rows as JSON");
   app.add_option("--baseline", baseline, "an earlier CSV: print now/baseline per row and the geomean per group");
-  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,attn,dattn,ce,layer,decode")->capture_default_str();
+  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,attn,dattn,ce,layer,decode,sample")->capture_default_str();
   app.add_flag("--quick", quick, "a few shapes only (smoke run)");
   app.add_option("--decode-ops", ctx.decode_ops, "decode section: which of gdn,conv,attn")->capture_default_str();
   app.add_option("--decode-batches", ctx.decode_batches, "decode section, delta rule: only these batch sizes");
@@ -1005,7 +1065,8 @@ int main(int argc, char** argv) {
                 static_cast<unsigned long long>(ctx.seed));
     const std::vector<std::pair<std::string, void (*)(Ctx&, bool)>> sections = {
         {"conv", bench_conv}, {"gdn", bench_gdn},     {"gemm", bench_gemm},  {"attn", bench_attn},
-        {"ce", bench_ce},     {"layer", bench_layer}, {"dattn", bench_dattn}, {"decode", bench_decode}};
+        {"ce", bench_ce},     {"layer", bench_layer}, {"dattn", bench_dattn}, {"decode", bench_decode},
+        {"sample", bench_sample}};
     std::set<std::string> wanted;
     for (std::stringstream ss(only); ss.good();) {
       std::string name;
@@ -1013,7 +1074,7 @@ int main(int argc, char** argv) {
       if (name.empty()) continue;
       DFLASH_CHECK_HINT(std::any_of(sections.begin(), sections.end(), [&](const auto& s) { return s.first == name; }),
                         "kernel_bench --only: unknown section '" << name << "'",
-                        "the sections are conv, gdn, gemm, attn, dattn, ce, layer, decode");
+                        "the sections are conv, gdn, gemm, attn, dattn, ce, layer, decode, sample");
       wanted.insert(name);
     }
     for (const auto& [name, fn] : sections)

@@ -1,0 +1,135 @@
+#include "target_model/generate.h"
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+
+#include "kernels/error.h"
+
+namespace dflash::target {
+
+void GenStats::add(const GenStats& o) {
+  sequences += o.sequences, prompt_tokens += o.prompt_tokens, generated += o.generated;
+  prefills += o.prefills, decode_steps += o.decode_steps, decode_rows += o.decode_rows;
+  prefill_s += o.prefill_s, decode_s += o.decode_s;
+}
+
+void check_generate_config(const GenerateConfig& c, int64_t vocab) {
+  DFLASH_CHECK_HINT(c.max_new_tokens >= 1, "generation: max new tokens = " << c.max_new_tokens << " must be >= 1",
+                    "ask for at least one new token");
+  DFLASH_CHECK_HINT(c.prefill_tokens >= 1, "generation: prefill tokens = " << c.prefill_tokens << " must be >= 1",
+                    "the prompt tokens one prefill extend may take (at least one prompt always goes in)");
+  for (int32_t t : c.stop_tokens)
+    DFLASH_CHECK_HINT(t >= 0 && t < vocab, "generation: stop token " << t << " is outside the vocabulary [0, " << vocab << ")",
+                      "stop tokens are ids of the target's tokenizer (e.g. its eos_token_id)");
+  if (c.sample) ops::check_sample_params(*c.sample);
+}
+
+namespace {
+
+using clock = std::chrono::steady_clock;
+double since(clock::time_point t0) { return std::chrono::duration<double>(clock::now() - t0).count(); }
+
+struct Running {
+  size_t request = 0;
+  std::vector<int32_t> tokens;
+};
+
+}  // namespace
+
+GenStats generate_batch(Decoder& dec, const std::vector<GenRequest>& requests, const GenerateConfig& c,
+                        const std::function<void(GenResult&&)>& on_done,
+                        const std::function<void(const GenStats&)>& progress) {
+  check_generate_config(c, dec.config().vocab_size);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const int64_t n = static_cast<int64_t>(requests[i].prompt.size());
+    DFLASH_CHECK_HINT(n >= 1, "generation: request " << i << " (id " << requests[i].id << ") has an empty prompt",
+                      "every prompt needs at least one token");
+    DFLASH_CHECK_HINT(n + c.max_new_tokens <= dec.max_len(),
+                      "generation: request " << i << " (id " << requests[i].id << "): its " << n << "-token prompt + "
+                                             << c.max_new_tokens << " new tokens exceed the decoder's " << dec.max_len()
+                                             << " tokens per slot",
+                      "size the decoder for the longest prompt + max new tokens");
+  }
+  const auto is_stop = [&](int32_t t) { return std::find(c.stop_tokens.begin(), c.stop_tokens.end(), t) != c.stop_tokens.end(); };
+  GenStats st;
+  std::vector<std::optional<Running>> slot(static_cast<size_t>(dec.num_slots()));
+  std::deque<int32_t> free;
+  for (int32_t s = 0; s < dec.num_slots(); ++s) free.push_back(s);
+  size_t next_request = 0;
+  int64_t running = 0;
+
+  // Appends t to the slot's sequence; a finished sequence goes to on_done and frees the slot.
+  const auto push = [&](int32_t s, int32_t t) {
+    Running& r = *slot[static_cast<size_t>(s)];
+    r.tokens.push_back(t);
+    const bool stopped = is_stop(t);
+    if (!stopped && static_cast<int64_t>(r.tokens.size()) < c.max_new_tokens) return;
+    GenResult out;
+    out.index = r.request;
+    out.id = requests[r.request].id;
+    out.tokens = std::move(r.tokens);
+    out.stopped = stopped;
+    ++st.sequences;
+    st.prompt_tokens += static_cast<int64_t>(requests[r.request].prompt.size());
+    st.generated += static_cast<int64_t>(out.tokens.size());
+    slot[static_cast<size_t>(s)].reset();
+    free.push_back(s);
+    --running;
+    on_done(std::move(out));
+  };
+  const auto options = [&](const std::vector<int32_t>& slots) {
+    ExtendOptions o;
+    o.last_only = true;
+    if (c.sample) {
+      o.sample = &*c.sample;
+      for (int32_t s : slots) o.sample_streams.push_back(requests[slot[static_cast<size_t>(s)]->request].id);
+    }
+    return o;
+  };
+
+  while (next_request < requests.size() || running > 0) {
+    if (!free.empty() && next_request < requests.size()) {
+      // Prefill: the next prompts into free slots, packed into one extend.
+      std::vector<int32_t> slots;
+      std::vector<std::vector<int32_t>> prompts;
+      int64_t tokens = 0;
+      while (!free.empty() && next_request < requests.size()) {
+        const auto& p = requests[next_request].prompt;
+        if (!slots.empty() && tokens + static_cast<int64_t>(p.size()) > c.prefill_tokens) break;
+        const int32_t s = free.front();
+        free.pop_front();
+        dec.reset(s);
+        slot[static_cast<size_t>(s)] = Running{next_request++, {}};
+        ++running;
+        slots.push_back(s);
+        prompts.push_back(p);
+        tokens += static_cast<int64_t>(p.size());
+      }
+      const auto t0 = clock::now();
+      const ExtendResult r = dec.extend(slots, prompts, options(slots));
+      st.prefill_s += since(t0);
+      ++st.prefills;
+      for (size_t j = 0; j < slots.size(); ++j) push(slots[j], r.next[j]);
+      if (progress) progress(st);
+      continue;  // fill every free slot before the next decode step
+    }
+    std::vector<int32_t> slots;
+    std::vector<std::vector<int32_t>> last;
+    for (int32_t s = 0; s < dec.num_slots(); ++s)
+      if (slot[static_cast<size_t>(s)]) {
+        slots.push_back(s);
+        last.push_back({slot[static_cast<size_t>(s)]->tokens.back()});
+      }
+    const auto t0 = clock::now();
+    const ExtendResult r = dec.extend(slots, last, options(slots));
+    st.decode_s += since(t0);
+    ++st.decode_steps;
+    st.decode_rows += static_cast<int64_t>(slots.size());
+    for (size_t j = 0; j < slots.size(); ++j) push(slots[j], r.next[j]);
+    if (progress) progress(st);
+  }
+  return st;
+}
+
+}  // namespace dflash::target

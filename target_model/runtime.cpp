@@ -1,0 +1,82 @@
+#include "target_model/runtime.h"
+
+#include "kernels/error.h"
+#include "kernels/log.h"
+#include "target_model/model.h"
+#if DFLASH_WITH_CUDA
+#include "target_model/model_cuda.h"
+#endif
+
+namespace dflash::target {
+
+#if !DFLASH_WITH_CUDA
+class CudaTargetModel {};  // never made without CUDA (the unique_ptr needs a complete type)
+#endif
+
+void TargetSource::check(const std::string& model_opt, const std::string& config_opt) const {
+  DFLASH_CHECK_HINT(!model_dir.empty() || (random_weights && !config_path.empty()), "no target given",
+                    "pass " << model_opt << " DIR, or " << config_opt << " FILE with random weights");
+  DFLASH_CHECK_HINT(model_dir.empty() || !random_weights, model_opt << " and random weights are exclusive",
+                    "give a checkpoint directory or a config with random weights, not both");
+}
+
+TargetConfig TargetSource::read_config() const { return TargetConfig::from_file(random_weights ? config_path : model_dir); }
+
+std::string TargetSource::describe() const {
+  return random_weights ? "random weights (seed " + std::to_string(seed) + ") of " + config_path : model_dir;
+}
+
+TargetRuntime::TargetRuntime(const TargetSource& source, const TargetConfig& full, Device device, int tp, int tp_rank,
+                             comm::Communicator* tp_comm, bool require_fast_path)
+    : device_(device), local_(target::local_config(full, tp)) {
+  check_tp(full, tp);
+  const TpShard shard{tp_rank, tp};
+  if (device.is_cpu()) {
+    DFLASH_CHECK_HINT(!require_fast_path, "require_fast_path: the CPU backend is the f32 reference, which has no fast path",
+                      "run on a GPU (--device cuda)");
+    check_cpu_reference_fits(local_, full, "the CPU reference is for small models; run big targets with --device cuda");
+    TargetWeights w = source.random_weights ? random_weights_tp(full, source.seed, DType::F32, device, shard)
+                                            : load_weights_tp(full, source.model_dir, DType::F32, device, shard);
+    cpu_ = std::make_unique<TargetModel>(local_, std::move(w), tp_comm);
+    return;
+  }
+#if DFLASH_WITH_CUDA
+  check_device_visible(device);
+  const int sm = cuda_device_info(device.index).major;
+  const KernelPolicies pol{KernelPolicy::Auto, KernelPolicy::Auto, KernelPolicy::Auto, require_fast_path};
+  FastPathPlan plan = make_plan(local_, device, pol, sm);
+  decode_plan_ = make_decode_plan(local_, device, pol, sm);
+  plans_ = "prefill: " + plan.summary() + "; decode: " + decode_plan_.summary();
+  for (const std::string& f : plan.fallbacks()) spdlog::warn("prefill fallback: {}", f);
+  for (const std::string& f : decode_plan_.fallbacks()) spdlog::warn("decode fallback: {}", f);
+  TargetWeights w = source.random_weights ? random_weights_tp(full, source.seed, DType::BF16, device, shard)
+                                          : load_weights_tp(full, source.model_dir, DType::BF16, device, shard);
+  cuda_ = std::make_unique<CudaTargetModel>(local_, std::move(w), plan, tp_comm);
+#else
+  DFLASH_FAIL_HINT("device " << device.str() << ": this build has no CUDA backend", "reconfigure with -DDFLASH_CUDA=ON");
+#endif
+}
+
+TargetRuntime::~TargetRuntime() = default;
+
+const TargetWeights& TargetRuntime::weights() const {
+#if DFLASH_WITH_CUDA
+  if (cuda_) return cuda_->weights();
+#endif
+  return cpu_->weights();
+}
+
+double TargetRuntime::decode_weight_bytes() const {
+  const TargetWeights& w = weights();
+  return static_cast<double>(w.bytes()) -
+         (w.lm_head.raw_data() == w.embed_tokens.raw_data() ? 0.0 : static_cast<double>(w.embed_tokens.nbytes()));
+}
+
+std::unique_ptr<Decoder> TargetRuntime::make_decoder(int64_t num_slots, int64_t max_len) {
+#if DFLASH_WITH_CUDA
+  if (cuda_) return make_cuda_decoder(*cuda_, num_slots, max_len, decode_plan_);
+#endif
+  return make_cpu_decoder(*cpu_, num_slots, max_len);
+}
+
+}  // namespace dflash::target

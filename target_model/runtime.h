@@ -1,0 +1,69 @@
+#pragma once
+// The frozen target as the decoding tools load it (dflash_eval, dflash_data regenerate, the
+// generation benchmark): a Hugging Face checkpoint or seeded random weights, this rank's TP shard,
+// on the CPU reference (f32) or a GPU (bf16 with the fast-path plans), and decoders on it.
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kernels/device.h"
+#include "target_model/config.h"
+#include "target_model/decode.h"
+#include "target_model/fast_path.h"
+#include "target_model/tp.h"
+#include "target_model/weights.h"
+
+namespace dflash::comm {
+class Communicator;
+}
+
+namespace dflash::target {
+
+class TargetModel;
+class CudaTargetModel;
+
+// Where the target comes from: a model directory, or a config.json with seeded random weights.
+struct TargetSource {
+  std::string model_dir;
+  std::string config_path;
+  bool random_weights = false;
+  uint64_t seed = 0;
+  // Checks that exactly one source is given (naming the options as `model_opt` / `config_opt` say).
+  void check(const std::string& model_opt = "--model", const std::string& config_opt = "--config") const;
+  TargetConfig read_config() const;   // the full model's architecture
+  std::string describe() const;       // "DIR" or "random weights (seed S) of FILE"
+};
+
+class TargetRuntime {
+ public:
+  // Loads this rank's shard (tp_comm: the TP group, or null for tp = 1). On a GPU the prefill and
+  // decode plans are made for the GPU's architecture; require_fast_path refuses a fallback in
+  // either (and the CPU backend, which has no fast path).
+  TargetRuntime(const TargetSource& source, const TargetConfig& full, Device device, int tp, int tp_rank,
+                comm::Communicator* tp_comm, bool require_fast_path);
+  ~TargetRuntime();
+  TargetRuntime(const TargetRuntime&) = delete;
+  TargetRuntime& operator=(const TargetRuntime&) = delete;
+
+  Device device() const { return device_; }
+  const TargetConfig& local_config() const { return local_; }
+  const TargetWeights& weights() const;
+  // "prefill: <plan>; decode: <plan>" on a GPU, "" on the CPU.
+  const std::string& plans() const { return plans_; }
+  // What a decode step reads from memory: every weight but the embedding table (one row of it).
+  double decode_weight_bytes() const;
+  TargetModel* cpu_model() { return cpu_.get(); }
+  CudaTargetModel* cuda_model() { return cuda_.get(); }
+
+  std::unique_ptr<Decoder> make_decoder(int64_t num_slots, int64_t max_len);
+
+ private:
+  Device device_;
+  TargetConfig local_;
+  std::string plans_;
+  std::unique_ptr<TargetModel> cpu_;
+  std::unique_ptr<CudaTargetModel> cuda_;
+  FastPathPlan decode_plan_;
+};
+
+}  // namespace dflash::target

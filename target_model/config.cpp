@@ -74,6 +74,8 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
   c.linear_conv_kernel_dim = f.positive_int_or("linear_conv_kernel_dim", 4);
   // tie_word_embeddings may sit at the top level of a multimodal config.
   c.tie_word_embeddings = f.bool_or("tie_word_embeddings", JsonFields(doc, source, "").bool_or("tie_word_embeddings", false));
+  c.max_position_embeddings = f.positive_int_or("max_position_embeddings", 0);
+  c.random_branch_scale = f.positive_or("dflash_random_branch_scale", 1.0);
 
   const std::string act = f.string_or("hidden_act", "silu");
   DFLASH_CHECK(act == "silu", source << ": field '" << prefix << "hidden_act' is '" << act
@@ -199,7 +201,7 @@ std::string TargetConfig::summary() const {
 json TargetConfig::to_json() const {
   json lt = json::array();
   for (LayerType t : layer_types) lt.push_back(layer_type_name(t));
-  return json{
+  json j{
       {"architectures", {"Qwen3_5ForCausalLM"}},
       {"model_type", "qwen3_5_text"},
       {"hidden_size", hidden_size},
@@ -223,6 +225,9 @@ json TargetConfig::to_json() const {
       {"linear_value_head_dim", linear_value_head_dim},
       {"linear_conv_kernel_dim", linear_conv_kernel_dim},
   };
+  if (max_position_embeddings > 0) j["max_position_embeddings"] = max_position_embeddings;
+  if (random_branch_scale != 1.0) j["dflash_random_branch_scale"] = random_branch_scale;
+  return j;
 }
 
 }  // namespace dflash::target

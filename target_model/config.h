@@ -23,6 +23,13 @@ struct TargetConfig {
   std::vector<LayerType> layer_types;  // [num_hidden_layers]
   double rms_norm_eps = 1e-6;
   bool tie_word_embeddings = false;
+  int64_t max_position_embeddings = 0;  // the context the model was made for (0: the config does not say)
+  // Random weights only (demos): the standard deviation of the residual branches' output
+  // projections (o_proj, out_proj, down_proj) is multiplied by this (config.json key
+  // "dflash_random_branch_scale", default 1). A deep random network's next token is a chaotic
+  // function of its whole context that no drafter can learn; with small branches it depends mostly
+  // on the recent tokens, like a language model's mostly predictable text (configs/tiny).
+  double random_branch_scale = 1.0;
 
   // Gated full attention.
   int64_t num_attention_heads = 0;

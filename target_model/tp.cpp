@@ -139,10 +139,10 @@ TargetWeights random_weights_tp(const TargetConfig& full, uint64_t seed, DType d
   const auto specs = specs_by_name(full, shard);
   return assemble_weights(local_config(full, shard.size), dtype, device, [&](const std::string& name, const Shape& shape) {
     const SliceSpec& s = specs.at(name);
-    const RandomInit init = random_init(name, s.full);
+    const RandomInit init = random_init(name, s.full, full.random_branch_scale);
     if (s.dim < 0 || init.kind != RandomInit::Normal) {
       // Small tensors (norms, A_log, dt_bias) and replicated ones: the full tensor, then the slice.
-      Tensor t = random_tensor(name, s.full, seed, dtype, device);
+      Tensor t = random_tensor(name, s.full, seed, dtype, device, full.random_branch_scale);
       if (s.dim < 0) return t;
       return extract_slice(t.device().is_cpu() ? t : t.to(Device::cpu()), s);
     }

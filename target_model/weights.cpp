@@ -183,16 +183,19 @@ TargetWeights assemble_weights(const TargetConfig& c, DType dtype, Device device
   return w;
 }
 
-RandomInit random_init(const std::string& name, const Shape& full_shape) {
+RandomInit random_init(const std::string& name, const Shape& full_shape, double branch_scale) {
   if (name.ends_with("A_log")) return {RandomInit::LogUniform, 1.0f, 16.0f};
   if (name.ends_with("dt_bias") || name.ends_with("linear_attn.norm.weight")) return {RandomInit::Constant, 1.0f, 0};
   if (name.ends_with("norm.weight")) return {RandomInit::Constant, 0.0f, 0};
-  const float stddev = name == "embed_tokens.weight" ? 1.0f : 1.0f / std::sqrt(static_cast<float>(full_shape.back()));
+  float stddev = name == "embed_tokens.weight" ? 1.0f : 1.0f / std::sqrt(static_cast<float>(full_shape.back()));
+  if (name.ends_with("o_proj.weight") || name.ends_with("out_proj.weight") || name.ends_with("down_proj.weight"))
+    stddev *= static_cast<float>(branch_scale);
   return {RandomInit::Normal, 0.0f, stddev};
 }
 
-Tensor random_tensor(const std::string& name, const Shape& shape, uint64_t seed, DType dtype, Device device) {
-  const RandomInit init = random_init(name, shape);
+Tensor random_tensor(const std::string& name, const Shape& shape, uint64_t seed, DType dtype, Device device,
+                     double branch_scale) {
+  const RandomInit init = random_init(name, shape, branch_scale);
   const RandomParams rp{seed, weight_stream(name), 0};
   if (init.kind == RandomInit::Normal) {
     // Drawn in place (on the GPU for a CUDA target: a 27B model never exists in f32 on the host).
@@ -212,7 +215,7 @@ Tensor random_tensor(const std::string& name, const Shape& shape, uint64_t seed,
 
 TargetWeights random_weights(const TargetConfig& c, uint64_t seed, DType dtype, Device device) {
   return assemble_weights(c, dtype, device, [&](const std::string& name, const Shape& shape) {
-    return random_tensor(name, shape, seed, dtype, device);
+    return random_tensor(name, shape, seed, dtype, device, c.random_branch_scale);
   });
 }
 

@@ -84,12 +84,14 @@ struct RandomInit {
   enum Kind { Normal, LogUniform, Constant } kind;
   float a, b;  // Normal: mean, stddev; LogUniform: log U(a, b); Constant: a
 };
-RandomInit random_init(const std::string& name, const Shape& full_shape);
+// branch_scale: TargetConfig::random_branch_scale (multiplies the output projections' stddev).
+RandomInit random_init(const std::string& name, const Shape& full_shape, double branch_scale = 1.0);
 // The RNG stream of a tensor: a hash of its canonical name.
 uint64_t weight_stream(const std::string& name);
 // One full random tensor as random_weights draws it (normal ones in `dtype` on `device`, the
 // small others as f32 on the host).
-Tensor random_tensor(const std::string& name, const Shape& shape, uint64_t seed, DType dtype, Device device);
+Tensor random_tensor(const std::string& name, const Shape& shape, uint64_t seed, DType dtype, Device device,
+                     double branch_scale = 1.0);
 
 // Writes config.json and model.safetensors (text-model names) to DIR, creating it.
 void save_checkpoint(const TargetConfig& c, const TargetWeights& w, const std::string& dir, DType dtype);

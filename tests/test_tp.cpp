@@ -144,7 +144,7 @@ TEST(TensorParallel, CudaShardedForwardEqualsUnsharded) {
   // within the bf16 bound of it; by the triangle inequality they are then within twice that of
   // each other (the sharded one sums in another order: per-shard GEMMs, then NCCL).
   TargetModel cpu(c, assemble_weights(c, DType::F32, Device::cpu(), [](const std::string& name, const Shape& shape) {
-                    return random_tensor(name, shape, 5, DType::BF16, Device::cpu()).to_dtype(DType::F32);
+                    return random_tensor(name, shape, 5, DType::BF16, Device::cpu(), c.random_branch_scale).to_dtype(DType::F32);
                   }));
   ForwardResult ref = cpu.forward(batch, opt);
   comm::Communicator host_group(MPI_COMM_WORLD, 0, g_mpi->rank(), Device::cpu(), 60.0, "check");

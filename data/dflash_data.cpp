@@ -3,7 +3,15 @@
 //   dflash_data convert chat.jsonl more.jsonl --vocab-size 151936 --out data/train.h5
 //   dflash_data validate data/               (a file, a directory of *.h5 or a glob pattern)
 //   dflash_data stats data/train.h5
+//   dflash_data dump data/train.h5 --first 10 --count 2   (JSONL rows, convert's input format)
 //   dflash_data synth --out data/synth.h5 --sequences 2000 --min-len 64 --max-len 512 --vocab-size 1024
+//   dflash_data regenerate chat.h5 --model /models/Qwen3.6-27B --device cuda --out data/regen.h5 --max-new-tokens 2048
+//   mpirun -n 8 dflash_data regenerate chat.h5 --model DIR --device cuda --tp 2 --out data/regen.h5
+//
+// regenerate replaces the responses of a dataset by the target's own (data/regenerate.h): each
+// sequence's prompt (its tokens before the first loss_mask = 1) + the target's greedy or sampled
+// response, many sequences at once on the target's slot pool, data parallel over TP groups under
+// mpirun, resumable (parts under <out>.parts; a restart continues and makes the same file).
 //
 // convert reads JSONL rows {"input_ids": [...], "loss_mask": [...]} (the output of a tokenizer and
 // chat-template step); both keys are required, loss_mask holds 0/1 per token. Blank lines are
@@ -18,11 +26,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include "comm/comm.h"
 #include "data/dataset.h"
+#include "data/regenerate.h"
 #include "data/synth.h"
 #include "kernels/app.h"
 #include "kernels/error.h"
 #include "kernels/log.h"
+#include "target_model/runtime.h"
 
 using namespace dflash;
 using namespace dflash::data;
@@ -95,8 +106,112 @@ int main(int argc, char** argv) {
   synth->add_option("--chunk-tokens", wopt.chunk_tokens, "HDF5 chunk size in tokens")->capture_default_str();
   synth->add_option("--compression", wopt.compression, "deflate level 0..9 (0: none)")->capture_default_str();
 
+  // dump
+  auto* dump = app.add_subcommand("dump", "print sequences as JSONL rows {\"input_ids\": [...], \"loss_mask\": [...]} (convert's input)");
+  std::vector<std::string> dump_files;
+  int64_t dump_first = 0, dump_count = -1;
+  dump->add_option("files", dump_files, "files, directories or glob patterns")->required();
+  dump->add_option("--first", dump_first, "index of the first sequence printed")->capture_default_str()->check(CLI::NonNegativeNumber);
+  dump->add_option("--count", dump_count, "sequences printed (default: all)")->check(CLI::NonNegativeNumber);
+
+  // regenerate
+  auto* regen = app.add_subcommand("regenerate", "replace the responses by the target's own (greedy or sampled)");
+  RegenerateOptions ropt;
+  target::TargetSource src;
+  std::string device = "cpu";
+  int tp = 1;
+  double temperature = 0, top_p = 1, timeout_s = 600;
+  uint64_t sample_seed = 0;
+  bool no_progress = false, require_fast = false;
+  regen->add_option("inputs", ropt.inputs, "dflash.tokens.v1 files, directories or glob patterns (the prompts)")->required();
+  regen->add_option("--out,-o", ropt.out, "output .h5 file (parts are kept under <out>.parts until it is complete)")->required();
+  auto* model_opt = regen->add_option("--model", src.model_dir, "the target: a Hugging Face model directory");
+  auto* config_opt = regen->add_option("--config", src.config_path, "the target: a config.json (with --random-weights)");
+  model_opt->excludes(config_opt);
+  regen->add_flag("--random-weights", src.random_weights, "seeded random target weights (benches, demos)")->needs(config_opt);
+  regen->add_option("--weight-seed", src.seed, "seed of --random-weights")->capture_default_str();
+  regen->add_option("--device", device, "where the target runs: cpu, cuda (under mpirun: the GPU of the node-local rank) or cuda:N")->capture_default_str();
+  regen->add_option("--tp", tp, "tensor-parallel size of the target (under mpirun; the TP groups share the prompts)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  regen->add_option("--max-new-tokens", ropt.gen.max_new_tokens, "new tokens per response (at most)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  regen->add_option("--stop-token", ropt.gen.stop_tokens, "end a response after this token, kept (repeatable; e.g. the "
+                                                          "tokenizer's eos and <|im_end|> ids)");
+  regen->add_option("--temperature", temperature, "0: greedy; > 0: sample at this temperature")->capture_default_str();
+  regen->add_option("--top-p", top_p, "nucleus sampling: keep the smallest set of tokens with this much probability")
+      ->capture_default_str();
+  regen->add_option("--seed", sample_seed, "sampling seed (a sequence's draws depend on it and its index)")->capture_default_str();
+  regen->add_option("--num-prompts", ropt.num_prompts, "use the first N sequences (default: all)")->check(CLI::PositiveNumber);
+  regen->add_option("--max-prompt-len", ropt.max_prompt_len, "skip (and count) prompts longer than this")->check(CLI::PositiveNumber);
+  regen->add_option("--slots", ropt.slots, "sequences in flight per TP group (the state pool)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  regen->add_option("--prefill-tokens", ropt.gen.prefill_tokens, "prompt tokens per packed prefill")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  regen->add_option("--part-size", ropt.part_size, "input sequences per part (the unit of resumption and of data parallelism)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  regen->add_flag("--no-progress", no_progress, "no progress line on stderr");
+  regen->add_flag("--require-fast-path", require_fast, "refuse to run when a prefill or decode step would use a fallback kernel");
+  regen->add_option("--timeout", timeout_s, "seconds a collective may take before the job is ended")->capture_default_str();
+  regen->add_option("--chunk-tokens", ropt.writer.chunk_tokens, "HDF5 chunk size in tokens")->capture_default_str();
+  regen->add_option("--compression", ropt.writer.compression, "deflate level 0..9 (0: none)")->capture_default_str();
+
+  std::unique_ptr<comm::MpiEnv> mpi;
   return run_app(app, argc, argv, [&]() -> int {
-    init_logging(-1, log_level);
+    if (*regen && (tp > 1 || env_rank() >= 0)) mpi = std::make_unique<comm::MpiEnv>(&argc, &argv);
+    const int world = mpi ? mpi->size() : 1, rank = mpi ? mpi->rank() : 0;
+    init_logging(mpi ? rank : -1, log_level);
+    if (*regen) {
+      src.check();
+      const comm::Layout layout = comm::make_layout(world, rank, tp);
+      const Device dev = Device::parse(device);
+      const Device rank_dev = device == "cuda" && mpi ? Device::cuda(mpi->local_rank()) : dev;  // one GPU per rank
+      if (temperature < 0 || !std::isfinite(temperature))
+        DFLASH_FAIL_HINT("--temperature " << temperature << " must be >= 0", "0 is greedy decoding");
+      if (temperature > 0) ropt.gen.sample = ops::SampleParams{static_cast<float>(temperature), static_cast<float>(top_p), sample_seed};
+      else DFLASH_CHECK_HINT(top_p == 1.0, "--top-p " << top_p << " needs --temperature > 0", "greedy decoding keeps no nucleus");
+      ropt.progress = !no_progress;
+      const target::TargetConfig cfg = src.read_config();
+      target::check_tp(cfg, tp);
+      target::check_generate_config(ropt.gen, cfg.vocab_size);
+      ropt.target_identity = src.describe() + ": " + cfg.summary();
+      const int64_t max_len = regenerate_max_len(ropt);
+      std::unique_ptr<comm::Communicator> tp_comm;
+      if (tp > 1) tp_comm = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, layout.tp_group, rank, rank_dev, timeout_s, "tp");
+      std::unique_ptr<comm::Communicator> world_comm;
+      if (world > 1) world_comm = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, 0, rank, Device::cpu(), timeout_s, "world");
+      const auto t_load = std::chrono::steady_clock::now();
+      target::TargetRuntime rt(src, cfg, rank_dev, tp, layout.tp_rank, tp_comm.get(), require_fast);
+      const std::unique_ptr<target::Decoder> dec = rt.make_decoder(ropt.slots, max_len);
+      if (rank == 0)
+        std::fprintf(stderr, "regenerate: target %s on %s, %lld slot(s) of %lld tokens, loaded in %.1f s%s%s\n",
+                     ropt.target_identity.c_str(), dec->describe().c_str(), static_cast<long long>(ropt.slots),
+                     static_cast<long long>(max_len),
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count(),
+                     rt.plans().empty() ? "" : "\n  kernels ", rt.plans().c_str());
+      RegenerateLayout lay;
+      lay.group = layout.tp_group;
+      lay.num_groups = layout.num_tp_groups;
+      lay.writer = layout.tp_rank == 0;
+      lay.leader = rank == 0;
+      if (world_comm) lay.barrier = [&] { world_comm->barrier(); };
+      const RegenerateSummary sum = regenerate(*dec, ropt, lay);
+      if (rank == 0) std::printf("%s\n", format_summary(sum, ropt).c_str());
+      return 0;
+    }
+    if (*dump) {
+      const Dataset ds(expand_paths(dump_files));
+      const int64_t end = dump_count < 0 ? ds.num_sequences() : std::min(ds.num_sequences(), dump_first + dump_count);
+      for (int64_t i = dump_first; i < end; ++i) {
+        const Sequence q = ds.sequence(i);
+        std::printf("%s\n", json{{"input_ids", q.ids}, {"loss_mask", q.mask}}.dump().c_str());
+      }
+      return 0;
+    }
     if (*convert) {
       DFLASH_CHECK_HINT(conv_vocab > 0, "convert: --vocab-size = " << conv_vocab << " must be positive",
                         "pass the tokenizer's vocabulary size");

@@ -1,0 +1,306 @@
+// Batched generation (target_model/generate.h) and regeneration (data/regenerate.h) on the CPU
+// reference, on the tiny checkpoint transformers made (tests/data/hf/tiny_a):
+// - continuous batching over any slot count and prefill budget gives, per prompt, exactly the
+//   tokens of decoding that prompt alone (the CPU reference computes each row on its own);
+// - stop tokens end a response (kept); sampling is reproducible whatever the batch and differs by seed;
+// - regenerate writes prompt + response per input sequence in input order, counts what it skips,
+//   continues from parts on disk (also another TP group's) to the same file, reuses a complete
+//   output made with the same settings and refuses parts or outputs made with other ones.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+
+#include "data/dataset.h"
+#include "data/regenerate.h"
+#include "kernels/rng.h"
+#include "target_model/generate.h"
+#include "target_model/model.h"
+#include "test_util.h"
+
+using namespace dflash;
+using namespace dflash::target;
+namespace fs = std::filesystem;
+
+namespace {
+
+const std::string kModel = std::string(DFLASH_TEST_DATA_DIR) + "/hf/tiny_a";
+
+struct Loaded {
+  TargetConfig cfg;
+  std::unique_ptr<TargetModel> model;
+};
+const Loaded& tiny() {
+  static Loaded l = [] {
+    Loaded x;
+    x.cfg = TargetConfig::from_file(kModel);
+    x.model = std::make_unique<TargetModel>(x.cfg, load_weights(x.cfg, kModel, DType::F32, Device::cpu()));
+    return x;
+  }();
+  return l;
+}
+
+// EXPECT_THROW_MSG(statement, text): the statement throws, and its message holds the text.
+#define EXPECT_THROW_MSG(stmt, text)                                                           \
+  do {                                                                                         \
+    const std::string msg_ = error_of([&] { stmt; });                                          \
+    EXPECT_NE(msg_.find(text), std::string::npos) << "message: '" << msg_ << "'\nwanted: " << (text); \
+  } while (0)
+
+std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint64_t seed) {
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>(rng::bits(seed, 3, static_cast<uint64_t>(i)) % vocab);
+  return t;
+}
+
+std::vector<GenRequest> requests(int64_t n, int64_t vocab) {
+  std::vector<GenRequest> r;
+  for (int64_t i = 0; i < n; ++i) r.push_back({static_cast<uint64_t>(100 + i), random_tokens(1 + (i * 7) % 40, vocab, 50 + i)});
+  return r;
+}
+
+// One prompt alone on a one-slot decoder: the plain loop.
+std::vector<int32_t> alone(const std::vector<int32_t>& prompt, int64_t max_new, int64_t max_len) {
+  auto dec = make_cpu_decoder(*tiny().model, 1, max_len);
+  ExtendOptions o;
+  o.last_only = true;
+  std::vector<int32_t> out{dec->extend({0}, {prompt}, o).next.back()};
+  while (static_cast<int64_t>(out.size()) < max_new) out.push_back(dec->extend({0}, {{out.back()}}, o).next.back());
+  return out;
+}
+
+std::map<uint64_t, GenResult> run(const std::vector<GenRequest>& reqs, const GenerateConfig& gc, int64_t slots, int64_t max_len,
+                                  GenStats* stats = nullptr) {
+  auto dec = make_cpu_decoder(*tiny().model, slots, max_len);
+  std::map<uint64_t, GenResult> out;
+  const GenStats st = generate_batch(*dec, reqs, gc, [&](GenResult&& r) { out[r.id] = std::move(r); });
+  if (stats) *stats = st;
+  return out;
+}
+
+}  // namespace
+
+TEST(Generate, AnySlotsAndPrefillBudgetEqualDecodingEachPromptAlone) {
+  const int64_t V = tiny().cfg.vocab_size, max_new = 9, max_len = 64;
+  const std::vector<GenRequest> reqs = requests(11, V);
+  std::vector<std::vector<int32_t>> want;
+  for (const GenRequest& r : reqs) want.push_back(alone(r.prompt, max_new, max_len));
+  for (int64_t slots : {1, 3, 16})
+    for (int64_t budget : {1, 50, 100000}) {
+      GenerateConfig gc;
+      gc.max_new_tokens = max_new;
+      gc.prefill_tokens = budget;
+      GenStats st;
+      const auto got = run(reqs, gc, slots, max_len, &st);
+      ASSERT_EQ(got.size(), reqs.size());
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        const GenResult& g = got.at(reqs[i].id);
+        EXPECT_EQ(g.index, i);
+        EXPECT_FALSE(g.stopped);
+        EXPECT_EQ(g.tokens, want[i]) << "request " << i << ", slots " << slots << ", prefill budget " << budget;
+      }
+      EXPECT_EQ(st.sequences, 11);
+      EXPECT_EQ(st.generated, 11 * max_new);
+      EXPECT_LE(st.occupancy(), static_cast<double>(slots));
+      if (budget == 1) {
+        EXPECT_GE(st.prefills, 11);  // one prompt per prefill when the budget is below a prompt
+      }
+    }
+}
+
+TEST(Generate, StopTokenEndsTheResponseAndIsKept) {
+  const int64_t V = tiny().cfg.vocab_size;
+  const std::vector<GenRequest> reqs = requests(5, V);
+  const std::vector<int32_t> ref = alone(reqs[2].prompt, 12, 64);
+  GenerateConfig gc;
+  gc.max_new_tokens = 12;
+  gc.stop_tokens = {ref[3]};
+  const auto got = run(reqs, gc, 2, 64);
+  const GenResult& g = got.at(reqs[2].id);
+  const size_t first = static_cast<size_t>(std::find(ref.begin(), ref.end(), ref[3]) - ref.begin());
+  EXPECT_TRUE(g.stopped);
+  EXPECT_EQ(g.tokens, std::vector<int32_t>(ref.begin(), ref.begin() + static_cast<std::ptrdiff_t>(first) + 1));
+  for (const auto& [id, r] : got) {
+    if (r.stopped) EXPECT_EQ(r.tokens.back(), ref[3]);
+    else EXPECT_EQ(static_cast<int64_t>(r.tokens.size()), 12);
+  }
+}
+
+TEST(Generate, SamplingIsReproducibleWhateverTheBatchAndDependsOnTheSeed) {
+  const int64_t V = tiny().cfg.vocab_size;
+  const std::vector<GenRequest> reqs = requests(7, V);
+  GenerateConfig gc;
+  gc.max_new_tokens = 10;
+  gc.sample = ops::SampleParams{0.9f, 0.95f, 5};
+  const auto a = run(reqs, gc, 1, 64), b = run(reqs, gc, 5, 64);
+  gc.prefill_tokens = 3;
+  const auto c = run(reqs, gc, 7, 64);
+  int64_t differs_from_greedy = 0, differs_by_seed = 0;
+  gc.sample->seed = 6;
+  const auto d = run(reqs, gc, 5, 64);
+  for (const GenRequest& r : reqs) {
+    EXPECT_EQ(a.at(r.id).tokens, b.at(r.id).tokens);
+    EXPECT_EQ(a.at(r.id).tokens, c.at(r.id).tokens);
+    differs_from_greedy += a.at(r.id).tokens != alone(r.prompt, 10, 64);
+    differs_by_seed += a.at(r.id).tokens != d.at(r.id).tokens;
+  }
+  // Random-weight tiny logits are flat: 10 draws at temperature 0.9 all equal to greedy has
+  // vanishing probability (and the seed must change them).
+  EXPECT_GE(differs_from_greedy, 6);
+  EXPECT_GE(differs_by_seed, 6);
+}
+
+TEST(Generate, BadRequestsAndConfigsAreRefused) {
+  auto dec = make_cpu_decoder(*tiny().model, 2, 16);
+  GenerateConfig gc;
+  gc.max_new_tokens = 8;
+  const auto ignore = [](GenResult&&) {};
+  EXPECT_THROW_MSG(generate_batch(*dec, {{7, random_tokens(9, 100, 1)}}, gc, ignore),
+                   "request 0 (id 7): its 9-token prompt + 8 new tokens exceed the decoder's 16 tokens per slot");
+  EXPECT_THROW_MSG(generate_batch(*dec, {{7, {}}}, gc, ignore), "request 0 (id 7) has an empty prompt");
+  gc.stop_tokens = {static_cast<int32_t>(tiny().cfg.vocab_size)};
+  EXPECT_THROW_MSG(generate_batch(*dec, {{7, {1}}}, gc, ignore), "stop token");
+  gc.stop_tokens.clear();
+  gc.max_new_tokens = 0;
+  EXPECT_THROW_MSG(generate_batch(*dec, {{7, {1}}}, gc, ignore), "max new tokens = 0 must be >= 1");
+  gc.max_new_tokens = 2;
+  gc.sample = ops::SampleParams{0.0f, 1.0f, 0};
+  EXPECT_THROW_MSG(generate_batch(*dec, {{7, {1}}}, gc, ignore), "temperature = 0 must be > 0");
+}
+
+// ---- regenerate ----
+
+namespace {
+
+struct RegenFixture : ::testing::Test {
+  fs::path dir;
+  std::string input;
+  std::vector<data::Sequence> seqs;
+  void SetUp() override {
+    dir = fs::temp_directory_path() / ("dflash_regen_" + std::to_string(::getpid()) + "_" +
+                                       ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+    input = (dir / "in.h5").string();
+    const int64_t V = tiny().cfg.vocab_size;
+    for (int64_t i = 0; i < 10; ++i) {
+      data::Sequence s;
+      s.ids = random_tokens(5 + i * 3, V, 900 + i);
+      const int64_t plen = i == 3 ? 0 : i == 6 ? static_cast<int64_t>(s.ids.size()) : 1 + i;  // 3: no prompt; 6: all prompt
+      s.mask.assign(s.ids.size(), 0);
+      for (size_t t = static_cast<size_t>(plen); t < s.ids.size(); ++t) s.mask[t] = 1;
+      seqs.push_back(s);
+    }
+    seqs[8].ids.resize(30);  // a long prompt (max_prompt_len below skips it)
+    seqs[8].mask.assign(30, 0);
+    data::DatasetWriter w(input, V);
+    for (const auto& s : seqs) w.append(s);
+    w.finish();
+  }
+  void TearDown() override { fs::remove_all(dir); }
+
+  data::RegenerateOptions options(const std::string& out) const {
+    data::RegenerateOptions o;
+    o.inputs = {input};
+    o.out = out;
+    o.gen.max_new_tokens = 6;
+    o.slots = 3;
+    o.part_size = 3;
+    o.max_prompt_len = 25;
+    o.progress = false;
+    o.target_identity = "tiny_a";
+    return o;
+  }
+  data::RegenerateSummary regen(const data::RegenerateOptions& o, data::RegenerateLayout lay = {}) const {
+    auto dec = make_cpu_decoder(*tiny().model, o.slots, data::regenerate_max_len(o));
+    return data::regenerate(*dec, o, lay);
+  }
+  static std::vector<data::Sequence> read(const std::string& path) {
+    const data::Dataset ds({path});
+    std::vector<data::Sequence> v;
+    for (int64_t i = 0; i < ds.num_sequences(); ++i) v.push_back(ds.sequence(i));
+    return v;
+  }
+};
+
+}  // namespace
+
+TEST_F(RegenFixture, WritesPromptPlusTheTargetsResponseInInputOrderAndCountsTheSkipped) {
+  const data::RegenerateOptions o = options((dir / "out.h5").string());
+  const data::RegenerateSummary s = regen(o);
+  EXPECT_TRUE(s.joined);
+  EXPECT_EQ(s.sequences, 10);
+  EXPECT_EQ(s.skipped_empty, 1);  // sequence 3
+  EXPECT_EQ(s.skipped_long, 1);   // sequence 8
+  EXPECT_EQ(s.written, 8);
+  EXPECT_EQ(s.parts, 4);
+  EXPECT_FALSE(fs::exists(o.out + ".parts"));
+  EXPECT_TRUE(fs::exists(o.out + ".json"));
+  const std::vector<data::Sequence> got = read(o.out);
+  ASSERT_EQ(got.size(), 8u);
+  size_t j = 0;
+  int64_t gen = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    if (i == 3 || i == 8) continue;
+    const std::vector<int32_t> p = data::prompt_of(seqs[i]);
+    const std::vector<int32_t> r = alone(p, 6, 64);
+    std::vector<int32_t> ids = p;
+    ids.insert(ids.end(), r.begin(), r.end());
+    std::vector<uint8_t> mask(p.size(), 0);
+    mask.resize(ids.size(), 1);
+    EXPECT_EQ(got[j].ids, ids) << "input sequence " << i;
+    EXPECT_EQ(got[j].mask, mask) << "input sequence " << i;
+    gen += static_cast<int64_t>(r.size());
+    ++j;
+  }
+  EXPECT_EQ(s.generated, gen);
+  // Made again with the same settings: reused, nothing done.
+  const data::RegenerateSummary again = regen(o);
+  EXPECT_TRUE(again.reused);
+  EXPECT_TRUE(data::regenerated_file_matches(o));
+  data::RegenerateOptions other = o;
+  other.gen.max_new_tokens = 7;
+  EXPECT_FALSE(data::regenerated_file_matches(other));
+  EXPECT_THROW_MSG(regen(other), "exists and was not made with these settings (decoding.max_new_tokens: the parts were made with 6, this run has 7)");
+}
+
+TEST_F(RegenFixture, ContinuesFromPartsOnDiskToTheSameFile) {
+  const data::RegenerateOptions whole = options((dir / "whole.h5").string());
+  regen(whole);
+  const data::RegenerateOptions o = options((dir / "out.h5").string());
+  // TP group 0 of 2 makes parts 0 and 2 and stops (as a run killed after them would).
+  data::RegenerateLayout g0;
+  g0.group = 0, g0.num_groups = 2, g0.leader = false;
+  const data::RegenerateSummary s0 = regen(o, g0);
+  EXPECT_FALSE(s0.joined);
+  EXPECT_TRUE(fs::exists(o.out + ".parts/part-000000.h5"));
+  EXPECT_FALSE(fs::exists(o.out + ".parts/part-000001.h5"));
+  EXPECT_TRUE(fs::exists(o.out + ".parts/part-000002.h5"));
+  EXPECT_FALSE(fs::exists(o.out));
+  // Other settings are refused while those parts are there.
+  data::RegenerateOptions other = o;
+  other.gen.sample = ops::SampleParams{1.0f, 1.0f, 0};
+  EXPECT_THROW_MSG(regen(other), "holds parts of another regeneration (decoding.sampling");
+  // One process continues: parts 1 and 3, then the join.
+  const data::RegenerateSummary s = regen(o);
+  EXPECT_EQ(s.parts_resumed, 2);
+  EXPECT_EQ(s.gen.sequences, 3);  // parts 1 and 3: inputs 3..5 (3 has no prompt) and 9
+  const auto a = read(whole.out), b = read(o.out);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].ids, b[i].ids) << i;
+    EXPECT_EQ(a[i].mask, b[i].mask) << i;
+  }
+}
+
+TEST_F(RegenFixture, SampledRegenerationIsTheSameWhateverTheSlotsAndTheParts) {
+  data::RegenerateOptions a = options((dir / "a.h5").string()), b = options((dir / "b.h5").string());
+  a.gen.sample = b.gen.sample = ops::SampleParams{1.0f, 0.9f, 3};
+  b.slots = 1;
+  regen(a);
+  b.part_size = 4;  // (another part size is another regeneration: its own file)
+  regen(b);
+  const auto x = read(a.out), y = read(b.out);
+  ASSERT_EQ(x.size(), y.size());
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(x[i].ids, y[i].ids) << i;
+}

@@ -205,7 +205,7 @@ json DrafterConfig::to_json() const {
       {"attention_bias", false},
       {"attention_dropout", 0.0},
       {"tie_word_embeddings", false},
-      {"torch_dtype", "bfloat16"},
+      {"dtype", "bfloat16"},  // (transformers 5 reads dtype; torch_dtype is its deprecated name)
       {"use_cache", true},
       {"layer_types", lt},
       {"use_sliding_window", any_sliding},
@@ -230,6 +230,8 @@ DrafterConfig DrafterConfig::for_target(const target::TargetConfig& t, int64_t n
   c.vocab_size = t.vocab_size;
   c.rms_norm_eps = t.rms_norm_eps;
   c.rope_theta = t.rope_theta;
+  // Loaders size the drafter's RoPE from it (SGLang, vLLM): the target's context, not a default.
+  if (t.max_position_embeddings > 0) c.max_position_embeddings = t.max_position_embeddings;
   c.layer_types.assign(static_cast<size_t>(num_layers), AttnType::Full);
   c.block_size = block_size;
   c.mask_token_id = mask_token_id;

@@ -20,6 +20,7 @@
 #include "drafter/model.h"
 #include "drafter/weights.h"
 #include "kernels/random.h"
+#include "target_model/config.h"
 #include "target_model/safetensors.h"
 #include "test_util.h"
 
@@ -805,4 +806,32 @@ TEST(ArgmaxRows, TiesGoToTheLowestIdAndNaNIsNeverChosen) {
               ops::argmax_rows(Tensor::zeros({3, 0}, DType::F32), o);
             }).find("V = 0 must be in [1, 2^31)"),
             std::string::npos);
+}
+
+// What loaders read from an exported config.json: the target's context (SGLang and vLLM size the
+// drafter's RoPE from max_position_embeddings; Qwen3.6-27B has 262144), the dtype under `dtype`
+// (transformers 5 warns about torch_dtype), and use_sliding_window beside sliding layers
+// (transformers reads the window as None without it; SpecForge and SGLang refuse such a config).
+TEST(DrafterConfigExport, CarriesTheTargetsContextTheDtypeAndTheSlidingFlag) {
+  const std::string data = DFLASH_TEST_DATA_DIR;
+  const target::TargetConfig t = target::TargetConfig::from_file(data + "/huge_target_config.json");
+  ASSERT_EQ(t.max_position_embeddings, 262144);
+  DrafterConfig c = DrafterConfig::for_target(t, 5, t.vocab_size - 1, 16);
+  EXPECT_EQ(c.max_position_embeddings, 262144);
+  nlohmann::json j = c.to_json();
+  EXPECT_EQ(j["max_position_embeddings"], 262144);
+  EXPECT_EQ(j["dtype"], "bfloat16");
+  EXPECT_FALSE(j.contains("torch_dtype"));
+  EXPECT_EQ(j["use_sliding_window"], false);
+  c.layer_types[1] = AttnType::Sliding;
+  c.sliding_window = 2048;
+  j = c.to_json();
+  EXPECT_EQ(j["use_sliding_window"], true);
+  EXPECT_EQ(j["sliding_window"], 2048);
+  EXPECT_EQ(DrafterConfig::from_json(j, "round trip").max_position_embeddings, 262144);
+  // The reference drafter (tests/reference/make_drafter_reference.py) has a sliding layer.
+  std::ifstream f(data + "/drafter_ref/config.json");
+  const nlohmann::json ref = nlohmann::json::parse(f);
+  EXPECT_EQ(ref["use_sliding_window"], true);
+  EXPECT_EQ(ref["sliding_window"], 6);
 }

@@ -161,7 +161,8 @@ def main():
     save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(out_dir, "reference.safetensors"),
               metadata={"gamma": str(GAMMA), "torch": torch.__version__})
     save_file({n: t.detach().contiguous() for n, t in p.items()}, os.path.join(out_dir, "model.safetensors"))
-    cfg = dict(CFG, architectures=["DFlashDraftModel"], model_type="qwen3", max_position_embeddings=4096)
+    cfg = dict(CFG, architectures=["DFlashDraftModel"], model_type="qwen3", max_position_embeddings=4096,
+               use_sliding_window=True)  # transformers reads the window as None without it
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     print(f"loss {loss.item():.12f}; wrote {out_dir}")

@@ -67,6 +67,7 @@ INSTANTIATE_TEST_SUITE_P(HfCheckpoints, CudaGolden, ::testing::Values("tiny_a", 
 TEST(CudaModel, FastEqualsFallbackAndBatchEqualsSingles) {
   DFLASH_REQUIRE_GPU();
   TargetConfig c = TargetConfig::from_file(std::string(DFLASH_TEST_DATA_DIR) + "/../../configs/tiny/config.json");
+  c.random_branch_scale = 1.0;  // full-size residual branches: every layer's error shows (the demo's 0.02 would hide them)
   c.hidden_size = 512;
   c.linear_key_head_dim = c.linear_value_head_dim = 128;
   c.head_dim = 256;

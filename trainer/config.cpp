@@ -318,6 +318,19 @@ const std::vector<Field>& schema() {
     f.push_back(int_field("data.synth.max_length", 2, DFLASH_MEMBER(data.synth.max_length)));
     f.push_back(int_field("data.synth.seed", 0, DFLASH_MEMBER(data.synth.seed)));
     f.push_back(int_field("data.synth.vocab_size", 0, DFLASH_MEMBER(data.synth.vocab_size)));
+    f.push_back(bool_field("data.regenerate.enabled", DFLASH_MEMBER(data.regenerate.enabled)));
+    f.push_back(string_field("data.regenerate.path",
+                             "an HDF5 file path (a string; \"\" = <run_dir>/data/regenerated.h5)", true,
+                             DFLASH_MEMBER(data.regenerate.path)));
+    f.push_back(int_field("data.regenerate.max_new_tokens", 1, DFLASH_MEMBER(data.regenerate.max_new_tokens)));
+    f.push_back(num_field("data.regenerate.temperature", Range::NonNegative, DFLASH_MEMBER(data.regenerate.temperature)));
+    f.push_back(num_field("data.regenerate.top_p", Range::Positive, DFLASH_MEMBER(data.regenerate.top_p)));
+    f.push_back(int_field("data.regenerate.seed", 0, DFLASH_MEMBER(data.regenerate.seed)));
+    f.push_back(list_field("data.regenerate.stop_tokens", "a list of token ids (integers >= 0)", false, 0, int_item(0),
+                           DFLASH_MEMBER(data.regenerate.stop_tokens)));
+    f.push_back(int_field("data.regenerate.num_prompts", 0, DFLASH_MEMBER(data.regenerate.num_prompts)));
+    f.push_back(int_field("data.regenerate.max_prompt_len", 0, DFLASH_MEMBER(data.regenerate.max_prompt_len)));
+    f.push_back(int_field("data.regenerate.slots", 1, DFLASH_MEMBER(data.regenerate.slots)));
     f.push_back(int_field("parallel.tp", 1, DFLASH_MEMBER(parallel.tp)));
     f.push_back(num_field("parallel.timeout_s", Range::Positive, DFLASH_MEMBER(parallel.timeout_s)));
     f.push_back(enum_field<Backend>("parallel.device",
@@ -610,6 +623,14 @@ void TrainConfig::validate(int world_size) const {
                s << ": data.synth.min_length (" << data.synth.min_length << ") must be <= data.synth.max_length ("
                  << data.synth.max_length << ")");
 
+  if (data.regenerate.enabled) {
+    DFLASH_CHECK_HINT(data.regenerate.top_p <= 1, s << ": data.regenerate.top_p (" << show(data.regenerate.top_p) << ") must be <= 1",
+                      "top_p = 1 keeps every token");
+    DFLASH_CHECK_HINT(data.regenerate.top_p == 1 || data.regenerate.temperature > 0,
+                      s << ": data.regenerate.top_p (" << show(data.regenerate.top_p) << ") needs data.regenerate.temperature > 0",
+                      "temperature 0 is greedy decoding, which keeps no nucleus");
+  }
+
   DFLASH_CHECK_HINT(training.epochs.has_value() != training.max_steps.has_value(),
                     s << ": set exactly one of training.epochs and training.max_steps"
                       << (training.epochs ? " (both are set)" : " (neither is set)"),
@@ -715,6 +736,11 @@ void TrainConfig::validate_against(const target::TargetConfig& target) const {
   DFLASH_CHECK(data.max_length > c.block_size, s << ": data.max_length (" << data.max_length
                                                  << ") must be greater than the drafter's block_size (" << c.block_size
                                                  << ") so that one anchor block fits in a sequence");
+  for (size_t i = 0; i < data.regenerate.stop_tokens.size(); ++i)
+    DFLASH_CHECK_HINT(data.regenerate.stop_tokens[i] < target.vocab_size,
+                      s << ": data.regenerate.stop_tokens[" << i << "] = " << data.regenerate.stop_tokens[i]
+                        << " is outside the target's vocabulary [0, " << target.vocab_size << ")",
+                      "stop tokens are ids of the target's tokenizer (e.g. its eos_token_id)");
   if (data.synth.enabled)
     DFLASH_CHECK_HINT(data.synth.vocab_size <= target.vocab_size,
                       s << ": data.synth.vocab_size (" << data.synth.vocab_size << ") is larger than the target's vocabulary ("
@@ -747,6 +773,11 @@ std::string TrainConfig::checkpoint_dir() const {
 std::string TrainConfig::synth_path() const {
   return data.synth.path.empty() ? (std::filesystem::path(logging.run_dir) / "data" / "synth.h5").string()
                                  : data.synth.path;
+}
+
+std::string TrainConfig::regenerate_path() const {
+  return data.regenerate.path.empty() ? (std::filesystem::path(logging.run_dir) / "data" / "regenerated.h5").string()
+                                      : data.regenerate.path;
 }
 
 std::vector<std::string> TrainConfig::expand_data_files() const {

@@ -63,10 +63,28 @@ struct SynthSection {  // data.synth: a synthetic corpus made on first use (dfla
   bool operator==(const SynthSection&) const = default;
 };
 
+// data.regenerate: the responses of the training data replaced by the target's own before training
+// (dflash_data regenerate, data/regenerate.h), made on first use and reused after (a file made with
+// other settings is refused, naming the difference).
+struct RegenerateSection {
+  bool enabled = false;
+  std::string path;               // "" = <logging.run_dir>/data/regenerated.h5
+  int64_t max_new_tokens = 512;   // per response
+  double temperature = 0;         // 0 = greedy
+  double top_p = 1;
+  int64_t seed = 0;               // sampling seed
+  std::vector<int64_t> stop_tokens;  // e.g. the tokenizer's eos / <|im_end|> ids
+  int64_t num_prompts = 0;        // the first N sequences (0 = all)
+  int64_t max_prompt_len = 0;     // longer prompts are skipped and counted (0 = none)
+  int64_t slots = 64;             // sequences in flight per TP group
+  bool operator==(const RegenerateSection&) const = default;
+};
+
 struct DataSection {
   std::vector<std::string> files;  // HDF5 dflash.tokens.v1 files; entries may be globs ("shards/*.h5")
   int64_t max_length = 4096;       // tokens per sequence after truncation/packing
   SynthSection synth;
+  RegenerateSection regenerate;
   bool operator==(const DataSection&) const = default;
 };
 
@@ -178,6 +196,7 @@ class TrainConfig {
   target::KernelPolicies kernel_policies() const;
   std::string checkpoint_dir() const;  // checkpoint.dir or <run_dir>/checkpoints
   std::string synth_path() const;      // data.synth.path or <run_dir>/data/synth.h5
+  std::string regenerate_path() const; // data.regenerate.path or <run_dir>/data/regenerated.h5
   // data.files with globs expanded (sorted, duplicates removed); throws when a pattern matches nothing.
   std::vector<std::string> expand_data_files() const;
 

@@ -23,6 +23,7 @@
 
 #include "comm/comm.h"
 #include "data/loader.h"
+#include "data/regenerate.h"
 #include "data/synth.h"
 #include "kernels/app.h"
 #include "kernels/io.h"
@@ -31,6 +32,7 @@
 #include "drafter/weights.h"
 #include "kernels/log.h"
 #include "target_model/model.h"
+#include "target_model/runtime.h"
 #include "target_model/tp.h"
 #include "target_model/weights.h"
 #include "trainer/backend.h"
@@ -590,6 +592,55 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     });
     files = {sp.string()};
   }
+  Backend device = cfg.parallel.device;  // (cuda was checked to be available by check_config)
+  if (device == Backend::Auto) device = cuda_backend_available(ropt.local_size, nullptr) ? Backend::Cuda : Backend::Cpu;
+  if (cfg.data.regenerate.enabled) {
+    // The prompts of the data get the target's own responses, made on first use (a restart continues
+    // the parts on disk; a later run reuses the file when its settings match).
+    const auto& rc = cfg.data.regenerate;
+    data::RegenerateOptions ro;
+    ro.inputs = files;
+    ro.out = cfg.regenerate_path();
+    ro.num_prompts = rc.num_prompts > 0 ? rc.num_prompts : -1;
+    ro.max_prompt_len = rc.max_prompt_len > 0 ? rc.max_prompt_len : -1;
+    ro.gen.max_new_tokens = rc.max_new_tokens;
+    for (int64_t t : rc.stop_tokens) ro.gen.stop_tokens.push_back(static_cast<int32_t>(t));
+    if (rc.temperature > 0)
+      ro.gen.sample = ops::SampleParams{static_cast<float>(rc.temperature), static_cast<float>(rc.top_p), static_cast<uint64_t>(rc.seed)};
+    ro.slots = rc.slots;
+    ro.progress = cfg.logging.progress_bar;
+    const target::TargetSource src{cfg.model.target.path, cfg.model.target.config, cfg.model.target.random_weights,
+                                   static_cast<uint64_t>(cfg.model.target.seed)};
+    ro.target_identity = src.describe() + ": " + tcfg.summary();
+    data::RegenerateSummary rs;
+    if (data::regenerated_file_matches(ro)) {
+      if (rank == 0) spdlog::info("data: using the regenerated data {} (made earlier with these settings)", ro.out);
+    } else {
+      if (rank == 0)
+        spdlog::info("data: regenerating the responses of {} with the target into {} ({} new tokens at most, {})", files.front(),
+                     ro.out, ro.gen.max_new_tokens,
+                     ro.gen.sample ? fmt::format("temperature {:g}, top_p {:g}", rc.temperature, rc.top_p) : "greedy");
+      g.agree([&] {
+        if (rank == 0) fs::create_directories(fs::path(ro.out).parent_path());
+      });
+      const Device rdev = device == Backend::Cuda ? Device::cuda(ropt.local_rank) : Device::cpu();
+      std::unique_ptr<comm::Communicator> rtp;
+      if (tp > 1)
+        rtp = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, layout.tp_group, rank, rdev, cfg.parallel.timeout_s,
+                                                   "regenerate-tp");
+      {  // the target lives only while it regenerates (training loads its own)
+        target::TargetRuntime rt(src, tcfg, rdev, tp, layout.tp_rank, rtp.get(), cfg.kernels.require_fast_path);
+        const std::unique_ptr<target::Decoder> dec = rt.make_decoder(ro.slots, data::regenerate_max_len(ro));
+        data::RegenerateLayout lay;
+        lay.group = layout.tp_group, lay.num_groups = layout.num_tp_groups;
+        lay.writer = layout.tp_rank == 0, lay.leader = rank == 0;
+        if (g.world) lay.barrier = [&] { g.world->barrier(); };
+        rs = data::regenerate(*dec, ro, lay);
+      }
+      if (rank == 0) spdlog::info("data: {}", data::format_summary(rs, ro));
+    }
+    files = {ro.out};
+  }
   data::LoaderConfig lc;
   lc.files = files;
   lc.max_length = cfg.data.max_length;
@@ -654,8 +705,6 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
                  loader.slots_per_epoch(), total);
 
   // ---- backend: the target and the drafter on the CPU reference or one GPU per rank ----
-  Backend device = cfg.parallel.device;  // (cuda was checked to be available by check_config)
-  if (device == Backend::Auto) device = cuda_backend_available(ropt.local_size, nullptr) ? Backend::Cuda : Backend::Cpu;
   BackendSetup bs;
   bs.cfg = &cfg, bs.target = tcfg, bs.drafter = dcfg, bs.layout = layout, bs.world = world, bs.rank = rank;
   bs.local_rank = ropt.local_rank, bs.local_size = ropt.local_size;
@@ -819,6 +868,17 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   RunResult result;
   drafter::StepOptions sopt;
   sopt.gamma = tr.gamma;
+  // Test hook (CPU backend): DFLASH_FAULT_MASK=causal_in_block | anchor_inclusive trains with one of
+  // the two published training-mask bugs (drafter/model.h MaskVariant), so the quality gate can
+  // show what such a drafter measures in speculative decoding.
+  if (const char* m = std::getenv("DFLASH_FAULT_MASK")) {
+    const std::string v = m;
+    DFLASH_CHECK_HINT(v == "causal_in_block" || v == "anchor_inclusive",
+                      "DFLASH_FAULT_MASK=" << v << " is not a mask variant", "use causal_in_block or anchor_inclusive");
+    DFLASH_CHECK_HINT(!on_gpu, "DFLASH_FAULT_MASK is a CPU-backend test hook", "set parallel.device: cpu");
+    sopt.mask = v == "causal_in_block" ? drafter::MaskVariant::CausalInBlock : drafter::MaskVariant::AnchorInclusive;
+    if (rank == 0) spdlog::warn("test hook DFLASH_FAULT_MASK={}: training with a broken attention mask", v);
+  }
   drafter::StepStats log_stats;
   StepTimes log_times;
   double log_tokens = 0, log_flops = 0, last_norm = 0, last_lr = 0;

@@ -38,6 +38,7 @@
 #include "kernels/log.h"
 #include "target_model/decode.h"
 #include "target_model/model.h"
+#include "target_model/runtime.h"
 #include "target_model/tp.h"
 #if DFLASH_WITH_CUDA
 #include <cuda_runtime.h>
@@ -202,51 +203,27 @@ int main(int argc, char** argv) {
 
     std::unique_ptr<comm::Communicator> tp_comm;
     if (tp > 1) tp_comm = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, layout.tp_group, rank, dev, timeout_s, "tp");
-    std::unique_ptr<target::TargetModel> cpu_model;
     std::unique_ptr<target::Decoder> dec;
     std::unique_ptr<drafter::Proposer> prop;
     bench::DrafterScorer scorer;
-    const target::TargetConfig local = target::local_config(cfg, tp);
-    const target::TpShard shard{layout.tp_rank, tp};
-    drafter::FrozenTarget frozen;
     double copy_gbs = 0, weight_bytes = 0;  // the decode step's roofline (GPU)
-    std::string plans;
     const auto t_load = std::chrono::steady_clock::now();
+    const target::TargetSource src{model_dir, config_path, random_weights, seed};
+    target::TargetRuntime rt(src, cfg, dev, tp, layout.tp_rank, tp_comm.get(), require_fast);
+    const std::string plans = rt.plans();
+    dec = rt.make_decoder(1, max_len);
+    const target::TargetWeights& tw = rt.weights();
 #if DFLASH_WITH_CUDA
-    std::unique_ptr<target::CudaTargetModel> cuda_model;
     std::unique_ptr<drafter::CudaDrafter> cuda_scorer;
+    target::CudaTargetModel* cuda_model = rt.cuda_model();
 #endif
     if (dev.is_cpu()) {
-      DFLASH_CHECK_HINT(!require_fast, "--require-fast-path: --device cpu is the f32 reference, which has no fast path",
-                        "run on a GPU (--device cuda)");
-      target::check_cpu_reference_fits(local, cfg, "the CPU reference is for small models; run big targets with --device cuda");
-      target::TargetWeights w = random_weights ? target::random_weights_tp(cfg, seed, DType::F32, dev, shard)
-                                               : target::load_weights_tp(cfg, model_dir, DType::F32, dev, shard);
-      cpu_model = std::make_unique<target::TargetModel>(local, std::move(w), tp_comm.get());
-      frozen = {cpu_model->weights().embed_tokens, cpu_model->weights().lm_head};
-      dec = target::make_cpu_decoder(*cpu_model, 1, max_len);
+      const drafter::FrozenTarget frozen{tw.embed_tokens, tw.lm_head};
       prop = drafter::make_cpu_proposer(dc, d.weights, frozen, 1, max_len);
       scorer = bench::cpu_scorer(dc, d.weights, frozen, block_size);
     } else {
 #if DFLASH_WITH_CUDA
-      check_device_visible(dev);
-      const int sm = cuda_device_info(dev.index).major;
-      const target::KernelPolicies pol{target::KernelPolicy::Auto, target::KernelPolicy::Auto, target::KernelPolicy::Auto,
-                                       require_fast};
-      target::FastPathPlan plan = target::make_plan(local, dev, pol, sm);
-      target::FastPathPlan dplan = target::make_decode_plan(local, dev, pol, sm);
-      plans = "prefill: " + plan.summary() + "; decode: " + dplan.summary();
-      for (const std::string& f : plan.fallbacks()) spdlog::warn("prefill fallback: {}", f);
-      for (const std::string& f : dplan.fallbacks()) spdlog::warn("decode fallback: {}", f);
-      target::TargetWeights w = random_weights ? target::random_weights_tp(cfg, seed, DType::BF16, dev, shard)
-                                               : target::load_weights_tp(cfg, model_dir, DType::BF16, dev, shard);
-      cuda_model = std::make_unique<target::CudaTargetModel>(local, std::move(w), plan, tp_comm.get());
-      const target::TargetWeights& tw = cuda_model->weights();
-      // What a decode step reads: every weight but the embedding table (one row of it), bf16.
-      weight_bytes = static_cast<double>(tw.bytes()) - (tw.lm_head.raw_data() == tw.embed_tokens.raw_data()
-                                                            ? 0.0
-                                                            : static_cast<double>(tw.embed_tokens.nbytes()));
-      dec = target::make_cuda_decoder(*cuda_model, 1, max_len, std::move(dplan));
+      weight_bytes = rt.decode_weight_bytes();
       prop = drafter::make_cuda_proposer(dc, d.weights, tw.embed_tokens, tw.lm_head, dev, 1, max_len);
       if (!no_estimate) {
         drafter::DrafterConfig sc = dc;
@@ -254,18 +231,7 @@ int main(int argc, char** argv) {
         cuda_scorer = std::make_unique<drafter::CudaDrafter>(sc, d.weights, tw.embed_tokens, tw.lm_head, dev);
         scorer = [&](const drafter::DrafterBatch& b) { return cuda_scorer->step(b, drafter::StepOptions{}, false); };
       }
-      {  // the device-to-device copy bandwidth of this run: the decode step's roofline
-        const int64_t bytes = int64_t{1} << 30;
-        Tensor a = Tensor::empty({bytes}, DType::U8, dev), b2 = Tensor::empty({bytes}, DType::U8, dev);
-        void* st = DeviceContext::get(dev.index).stream();
-        const std::vector<double> ms = bench::time_cuda(st, 2, 10, [&] {
-          DFLASH_CUDA_CHECK(cudaMemcpyAsync(b2.raw_data(), a.raw_data(), static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice,
-                                            static_cast<cudaStream_t>(st)));
-        });
-        copy_gbs = 2.0 * static_cast<double>(bytes) / (bench::summarize(ms, {}, 0).p50 * 1e-3) / 1e9;  // read + write
-      }
-#else
-      DFLASH_FAIL_HINT("--device " << device << ": this build has no CUDA backend", "reconfigure with -DDFLASH_CUDA=ON");
+      copy_gbs = bench::copy_bandwidth_gbs(dev.index);
 #endif
     }
     if (no_estimate) scorer = nullptr;

@@ -3,7 +3,9 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/check.h"
+#include "kernels/device.h"
 #include "kernels/error.h"
+#include "kernels/tensor.h"
 
 namespace dflash::bench {
 
@@ -26,6 +28,18 @@ std::vector<double> time_cuda(void* stream, int warmup, int iters, const std::fu
   }
   for (auto& e : ev) cudaEventDestroy(e);
   return ms;
+}
+
+double copy_bandwidth_gbs(int device) {
+  const int64_t bytes = int64_t{1} << 30;
+  const Device dev = Device::cuda(device);
+  Tensor a = Tensor::empty({bytes}, DType::U8, dev), b = Tensor::empty({bytes}, DType::U8, dev);
+  void* st = DeviceContext::get(device).stream();
+  const std::vector<double> ms = time_cuda(st, 2, 10, [&] {
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(b.raw_data(), a.raw_data(), static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice,
+                                      static_cast<cudaStream_t>(st)));
+  });
+  return 2.0 * static_cast<double>(bytes) / (summarize(ms, {}, 0).p50 * 1e-3) / 1e9;
 }
 
 }  // namespace dflash::bench

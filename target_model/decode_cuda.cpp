@@ -104,7 +104,6 @@ class CudaDecoder final : public Decoder {
   ExtendResult do_extend(const std::vector<int32_t>& slots, const std::vector<int64_t>& lengths,
                          const std::vector<std::vector<int32_t>>& tokens, const ExtendOptions& opt) override {
     const TargetConfig& c = config_;
-    DFLASH_CHECK(!opt.sample, "CUDA decoder: sampling (ExtendOptions::sample) needs cuda::sample_rows, not built yet");
     const int64_t S = static_cast<int64_t>(slots.size()), H = c.hidden_size, V = c.vocab_size;
     DecodeStep step;
     // Prompts into empty slots: the forward's kernels over the packed batch. Any other extend (a
@@ -151,10 +150,29 @@ class CudaDecoder final : public Decoder {
     const bool gather_head = step.prefill && R < N;
     const int64_t M = gather_head ? R : rows;
     auto head_row = [&](int64_t j) -> int64_t { return gather_head ? j : keep[static_cast<size_t>(j)]; };
+    // Sampling: lm_head row m is drawn with its slot's stream at its token's position (pad rows:
+    // stream 0, position 0, drawn and dropped), as the CPU decoder draws its kept rows.
+    std::vector<uint64_t> streams;
+    std::vector<int64_t> positions;
+    if (opt.sample) {
+      streams.assign(static_cast<size_t>(M), 0);
+      positions.assign(static_cast<size_t>(M), 0);
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t n = b.offsets[s]; n < b.offsets[s + 1]; ++n) {
+          int64_t m = n;  // the lm_head row of token n (gathered: its index among the kept rows, if kept)
+          if (gather_head) {
+            if (n != b.offsets[s + 1] - 1) continue;  // last_only keeps the last token alone
+            m = r.offsets[s];
+          }
+          streams[static_cast<size_t>(m)] = opt.sample_streams[static_cast<size_t>(s)];
+          positions[static_cast<size_t>(m)] = lengths[s] + n - b.offsets[s];
+        }
+    }
+
     // Everything the step reads on the device, in one upload (one host sync per extend).
     Staging st;
     const size_t o_ids = st.add(ids), o_pos = st.add(pos), o_cu = st.add(cu), o_slots = st.add(slots);
-    const size_t o_past = st.add(past), o_keep = st.add(keep);
+    const size_t o_past = st.add(past), o_keep = st.add(keep), o_streams = st.add(streams), o_positions = st.add(positions);
     const Tensor staged = st.upload(dev_);
     auto at = [&](size_t off) { return static_cast<char*>(staged.raw_data()) + off; };
     auto i32 = [&](size_t off, int64_t n) { return Tensor::from_blob(at(off), {n}, DType::I32, dev_); };
@@ -218,7 +236,12 @@ class CudaDecoder final : public Decoder {
     gp.M = M, gp.N = V, gp.K = H;
     cuda::gemm_ex(gp, dev_.index);
     Tensor next = Tensor::empty({M}, DType::I32, dev_);
-    cuda::argmax_rows(logits.raw_data(), false, V, M, V, next.data<int32_t>(), s);
+    if (opt.sample)
+      cuda::sample_rows(logits.data<float>(), V, M, V, opt.sample->temperature, opt.sample->top_p, opt.sample->seed,
+                        reinterpret_cast<const uint64_t*>(at(o_streams)), reinterpret_cast<const int64_t*>(at(o_positions)),
+                        next.data<int32_t>(), s);
+    else
+      cuda::argmax_rows(logits.raw_data(), false, V, M, V, next.data<int32_t>(), s);
     if (!opt.capture.empty()) {
       const int64_t k = static_cast<int64_t>(opt.capture.size());
       r.features = Tensor::empty({R, k * H}, DType::BF16, dev_);

@@ -8,7 +8,10 @@
 //  - speculative decoding on the GPU gives the GPU's own greedy output token for token, with an
 //    oracle proposer (every acceptance length) and with the CUDA proposer of an untrained drafter;
 //  - packed prefill (several empty slots in one extend, slots in and out of order, prompts of 1 to
-//    200 tokens) against the CPU reference and against one-slot prefills, then decode steps of all.
+//    200 tokens) against the CPU reference and against one-slot prefills, then decode steps of all;
+//  - sampling (temperature / top-p): each draw is the reference's draw on the GPU's own logits,
+//    equals the CPU decoder's where the logits' rounding cannot change it, and is the same in a
+//    batch of 1 and of 5.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -45,6 +48,7 @@ std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint64_t seed) {
 // A random target with the real head dims (GDN d 128, attention d 256), so the fast kernels serve it.
 TargetConfig real_dims() {
   TargetConfig c = TargetConfig::from_file(std::string(DFLASH_TEST_DATA_DIR) + "/../../configs/tiny/config.json");
+  c.random_branch_scale = 1.0;  // full-size residual branches: every layer's error shows (the demo's 0.02 would hide them)
   c.hidden_size = 512;
   c.linear_key_head_dim = c.linear_value_head_dim = 128;
   c.head_dim = 256;
@@ -79,7 +83,7 @@ Tensor rows(const Tensor& t, int64_t a, int64_t b) { return t.slice(0, a, b).con
 std::unique_ptr<TargetModel> cpu_reference(const TargetConfig& c, uint64_t seed = 3) {
   return std::make_unique<TargetModel>(
       c, assemble_weights(c, DType::F32, Device::cpu(), [&](const std::string& name, const Shape& shape) {
-        return random_tensor(name, shape, seed, DType::BF16, Device::cpu()).to_dtype(DType::F32);
+        return random_tensor(name, shape, seed, DType::BF16, Device::cpu(), c.random_branch_scale).to_dtype(DType::F32);
       }));
 }
 
@@ -123,7 +127,7 @@ TEST(CudaDecoder, PiecesMatchTheCpuReference) {
   const std::vector<int32_t> seq = random_tokens(70, c.vocab_size, 1);
   // The CPU reference decoder on the same bf16-rounded weights.
   TargetModel cpu(c, assemble_weights(c, DType::F32, Device::cpu(), [&](const std::string& name, const Shape& shape) {
-                    return random_tensor(name, shape, 3, DType::BF16, Device::cpu()).to_dtype(DType::F32);
+                    return random_tensor(name, shape, 3, DType::BF16, Device::cpu(), c.random_branch_scale).to_dtype(DType::F32);
                   }));
   for (KernelPolicy pol : {KernelPolicy::Auto, KernelPolicy::Fallback}) {
     Gpu g(c, pol, 2, 96);
@@ -303,4 +307,129 @@ TEST(CudaDecoder, PackedPrefillMatchesTheCpuReference) {
     EXPECT_LE(vs_solo.features, kBf16Bound);
     EXPECT_GT(vs_cpu.clear, vs_cpu.rows / 10) << "too few rows with a clear margin: the token comparison is vacuous";
   }
+}
+
+namespace {
+
+// One row as ops::sample_rows defines its draw: z = logits / temperature, the nucleus, and
+// x_v = z_v + G_v (the Gumbel-perturbed values whose argmax over the nucleus is the token).
+struct Draw {
+  std::vector<char> in;   // [V] in the nucleus
+  std::vector<double> x;  // [V] z_v + G_v
+  int64_t token = -1;
+  double margin = 0;      // how far the nucleus mass is from top_p (nucleus_threshold)
+};
+Draw reference_draw(const float* logits, int64_t V, const ops::SampleParams& sp, uint64_t stream, int64_t pos) {
+  std::vector<float> z(static_cast<size_t>(V));
+  for (int64_t v = 0; v < V; ++v) z[static_cast<size_t>(v)] = logits[v] / sp.temperature;
+  Draw d;
+  const float zc = ops::nucleus_threshold(z.data(), V, sp.top_p, &d.margin);
+  d.in.resize(static_cast<size_t>(V));
+  d.x.resize(static_cast<size_t>(V));
+  double best = -INFINITY;
+  for (int64_t v = 0; v < V; ++v) {
+    const uint32_t bits = rng::bits(sp.seed, stream, static_cast<uint64_t>(pos * V + v));
+    const double u = (static_cast<double>(bits >> 8) + 0.5) * 0x1p-24;
+    d.x[static_cast<size_t>(v)] = static_cast<double>(z[static_cast<size_t>(v)]) - std::log(-std::log(u));
+    d.in[static_cast<size_t>(v)] = z[static_cast<size_t>(v)] >= zc;
+    if (d.in[static_cast<size_t>(v)] && d.x[static_cast<size_t>(v)] > best) best = d.x[static_cast<size_t>(v)], d.token = v;
+  }
+  return d;
+}
+
+// Whether two rows whose z differ by at most delta everywhere must draw the same token: the best x
+// over the union of both nuclei lies in both and beats every other token of the union by > 2 delta.
+bool same_draw_is_certain(const Draw& a, const Draw& b, double delta) {
+  int64_t w = -1;
+  double best = -INFINITY, second = -INFINITY;
+  for (size_t v = 0; v < a.x.size(); ++v) {
+    if (!a.in[v] && !b.in[v]) continue;
+    if (a.x[v] > best) second = best, best = a.x[v], w = static_cast<int64_t>(v);
+    else if (a.x[v] > second) second = a.x[v];
+  }
+  return w >= 0 && a.in[static_cast<size_t>(w)] && b.in[static_cast<size_t>(w)] && best - second > 2 * delta + 1e-6;
+}
+
+}  // namespace
+
+// ExtendOptions::sample on the GPU: row of slot s at position p drawn with stream sample_streams[s]
+// and position p (the token whose next token is drawn), as the CPU decoder draws.
+TEST(CudaDecoder, SamplingMatchesTheCpuReference) {
+  DFLASH_REQUIRE_GPU();
+  const TargetConfig c = real_dims();
+  const int64_t V = c.vocab_size;
+  const auto cpu = cpu_reference(c);
+  Gpu g(c, KernelPolicy::Auto, 6, 128);
+  auto ref = make_cpu_decoder(*cpu, 6, 128);
+  ops::SampleParams sp;
+  sp.temperature = 0.8f;
+  sp.top_p = 0.9f;
+  sp.seed = 1234;
+  const std::vector<int32_t> slots{4, 0, 2, 5, 1};
+  const std::vector<int64_t> lens{7, 1, 30, 12, 3};
+  const std::vector<uint64_t> streams{11, 3, 900, 42, 7};
+  std::vector<std::vector<int32_t>> prompts;
+  for (size_t s = 0; s < slots.size(); ++s) prompts.push_back(random_tokens(lens[s], V, 60 + s));
+  ExtendOptions eo;
+  eo.sample = &sp;
+  eo.sample_streams = streams;
+  eo.logits = true;
+  eo.last_only = true;
+  int64_t drawn = 0, exact = 0, clear = 0;
+  // Each GPU draw against the reference draw on the GPU's own logits (exact but for a nucleus mass
+  // within ~1e-5 of top_p, launch.h), and against the CPU decoder's draw where the two decoders'
+  // nuclei are the same set and the Gumbel gap is wider than twice the row's logit error (z units).
+  auto check = [&](const ExtendResult& rg, const ExtendResult& rc, const std::vector<int64_t>& pos_of_first,
+                   const std::string& what) {
+    for (size_t s = 0; s < slots.size(); ++s)
+      for (int64_t j = rg.offsets[s]; j < rg.offsets[s + 1]; ++j) {
+        const int64_t pos = pos_of_first[s] + (j - rg.offsets[s]);
+        const float* lg = rg.logits.data<float>() + j * V;
+        const float* lc = rc.logits.data<float>() + j * V;
+        const Draw dg = reference_draw(lg, V, sp, streams[s], pos), dc = reference_draw(lc, V, sp, streams[s], pos);
+        ++drawn;
+        EXPECT_EQ(rc.next[static_cast<size_t>(j)], dc.token) << what << ": the CPU decoder's draw";
+        if (dg.margin > 1e-4) {
+          ++exact;
+          EXPECT_EQ(rg.next[static_cast<size_t>(j)], dg.token) << what << ", slot " << slots[s] << " position " << pos;
+        }
+        double err = 0;
+        for (int64_t v = 0; v < V; ++v) err = std::max(err, std::abs(static_cast<double>(lg[v]) - lc[v]) / sp.temperature);
+        if (same_draw_is_certain(dc, dg, err)) {
+          ++clear;
+          EXPECT_EQ(rg.next[static_cast<size_t>(j)], rc.next[static_cast<size_t>(j)])
+              << what << ", slot " << slots[s] << " position " << pos << ": z error " << err;
+        }
+      }
+  };
+  const ExtendResult pg = g.dec->extend(slots, prompts, eo), pc = ref->extend(slots, prompts, eo);
+  std::vector<int64_t> last(slots.size());
+  for (size_t s = 0; s < slots.size(); ++s) last[s] = lens[s] - 1;
+  check(pg, pc, last, "prefill");
+  ExtendOptions step = eo;
+  step.last_only = false;
+  ExtendOptions alone = step;
+  alone.commit = false;
+  std::vector<std::vector<int32_t>> next;
+  for (size_t s = 0; s < slots.size(); ++s) next.push_back({pc.next[s]});
+  for (int t = 0; t < 4; ++t) {
+    // Slot slots[t % 5] alone first (a verify: nothing is written), then all five: the same stream
+    // and position give the same logits bit for bit (rows padded to 16 either way) and the same draw.
+    const size_t x = static_cast<size_t>(t) % slots.size();
+    alone.sample_streams = {streams[x]};
+    const ExtendResult one = g.dec->extend({slots[x]}, {next[x]}, alone);
+    std::vector<int64_t> pos(slots.size());
+    for (size_t s = 0; s < slots.size(); ++s) pos[s] = g.dec->length(slots[s]);
+    const ExtendResult sg = g.dec->extend(slots, next, step), sc = ref->extend(slots, next, step);
+    EXPECT_TRUE(bit_equal(one.logits, rows(sg.logits, static_cast<int64_t>(x), static_cast<int64_t>(x) + 1)))
+        << "step " << t << ": slot " << slots[x] << " alone vs in a batch of 5";
+    EXPECT_EQ(one.next[0], sg.next[x]) << "step " << t << ": slot " << slots[x] << " alone vs in a batch of 5";
+    check(sg, sc, pos, "decode step " + std::to_string(t));
+    for (size_t s = 0; s < slots.size(); ++s) next[s] = {sc.next[s]};
+  }
+  std::printf("sampling (T %.1f, top-p %.2f): %ld rows; GPU draw == reference draw on its logits on %ld; == CPU decoder "
+              "on %ld clear rows\n",
+              sp.temperature, sp.top_p, static_cast<long>(drawn), static_cast<long>(exact), static_cast<long>(clear));
+  EXPECT_GT(exact, drawn * 3 / 4);
+  EXPECT_GT(clear, drawn / 4) << "too few rows with a clear decision: the comparison is vacuous";
 }

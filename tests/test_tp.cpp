@@ -99,6 +99,7 @@ TEST(TensorParallel, RandomShardsAreSlicesOfTheFullModel) {
   auto g = world_group();
   const int tp = g->size();
   TargetConfig cfg = TargetConfig::from_file(std::string(DFLASH_TEST_DATA_DIR) + "/../../configs/tiny/config.json");
+  cfg.random_branch_scale = 1.0;  // full-size residual branches: every layer's error shows (the demo's 0.02 would hide them)
   if (cfg.num_attention_heads % tp || cfg.linear_num_key_heads % tp || cfg.intermediate_size % tp) GTEST_SKIP();
   TargetModel full(cfg, random_weights(cfg, 11, DType::F32, Device::cpu()));
   TargetModel shard(local_config(cfg, tp), random_weights_tp(cfg, 11, DType::F32, Device::cpu(), {g->rank(), tp}), g.get());
@@ -118,6 +119,7 @@ TEST(TensorParallel, CudaShardedForwardEqualsUnsharded) {
   if (cuda_device_count() < g_mpi->local_size() || world < 2) GTEST_SKIP() << "needs one GPU per rank and 2+ ranks";
   const Device dev = g_mpi->bind_device();
   TargetConfig c = TargetConfig::from_file(std::string(DFLASH_TEST_DATA_DIR) + "/../../configs/tiny/config.json");
+  c.random_branch_scale = 1.0;  // full-size residual branches: every layer's error shows (the demo's 0.02 would hide them)
   c.hidden_size = 512;
   c.linear_key_head_dim = c.linear_value_head_dim = 128;
   c.head_dim = 256;

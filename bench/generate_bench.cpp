@@ -11,6 +11,7 @@
 #include <cstdio>
 
 #include "bench/harness.h"
+#include "bench/report.h"
 #include "dflash/version.h"
 #include "kernels/app.h"
 #include "kernels/device.h"

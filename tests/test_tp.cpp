@@ -145,7 +145,7 @@ TEST(TensorParallel, CudaShardedForwardEqualsUnsharded) {
   // The oracle: the f32 CPU forward of the same (bf16-valued) weights. Both CUDA forwards must be
   // within the bf16 bound of it; by the triangle inequality they are then within twice that of
   // each other (the sharded one sums in another order: per-shard GEMMs, then NCCL).
-  TargetModel cpu(c, assemble_weights(c, DType::F32, Device::cpu(), [](const std::string& name, const Shape& shape) {
+  TargetModel cpu(c, assemble_weights(c, DType::F32, Device::cpu(), [&](const std::string& name, const Shape& shape) {
                     return random_tensor(name, shape, 5, DType::BF16, Device::cpu(), c.random_branch_scale).to_dtype(DType::F32);
                   }));
   ForwardResult ref = cpu.forward(batch, opt);

@@ -377,7 +377,7 @@ TEST(CudaDecoder, SamplingMatchesTheCpuReference) {
   eo.last_only = true;
   int64_t drawn = 0, exact = 0, clear = 0;
   // Each GPU draw against the reference draw on the GPU's own logits (exact but for a nucleus mass
-  // within ~1e-5 of top_p, launch.h), and against the CPU decoder's draw where the two decoders'
+  // within 1e-5 of top_p, launch.h), and against the CPU decoder's draw where the two decoders'
   // nuclei are the same set and the Gumbel gap is wider than twice the row's logit error (z units).
   auto check = [&](const ExtendResult& rg, const ExtendResult& rc, const std::vector<int64_t>& pos_of_first,
                    const std::string& what) {
@@ -389,7 +389,7 @@ TEST(CudaDecoder, SamplingMatchesTheCpuReference) {
         const Draw dg = reference_draw(lg, V, sp, streams[s], pos), dc = reference_draw(lc, V, sp, streams[s], pos);
         ++drawn;
         EXPECT_EQ(rc.next[static_cast<size_t>(j)], dc.token) << what << ": the CPU decoder's draw";
-        if (dg.margin > 1e-4) {
+        if (dg.margin > 1e-5) {  // (a flat row's margin is at most about one token's mass: ~1e-4 at V = 4096)
           ++exact;
           EXPECT_EQ(rg.next[static_cast<size_t>(j)], dg.token) << what << ", slot " << slots[s] << " position " << pos;
         }

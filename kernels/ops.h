@@ -157,4 +157,30 @@ void sample_rows(const Tensor& logits, const SampleParams& p, const std::vector<
 // which says how sure a float summation in another order is to pick the same z_c). Tests use it.
 float nucleus_threshold(const float* z, int64_t V, float top_p, double* margin = nullptr);
 
+// ---- fp8: block-scaled e4m3 (the official -FP8 checkpoints' format; kernels/fp8.h) ---------------
+// The CPU reference of the FP8 target's GEMMs: what every FP8 CUDA op is tested against.
+
+// A weight [N, K] as e4m3 codes (U8 [N, K]) and one dequantization scale per 128 x 128 block
+// (F32 [ceil(N/128), ceil(K/128)], the checkpoints' weight_scale_inv): w ~= e4m3(q) * scale_inv.
+struct Fp8Weight {
+  Tensor q, scale_inv;
+};
+// An activation [M, K] as e4m3 codes and one scale per token and 128-column group (F32 [M, ceil(K/128)]).
+struct Fp8Act {
+  Tensor q, scale;
+};
+// Quantizes a host float tensor [N, K] (any float dtype): per block scale_inv = max(amax, floor) / 448,
+// q = e4m3(clamp(w / scale_inv, +-448)), rounded to nearest even.
+Fp8Weight quantize_fp8_weight(const Tensor& w);
+// The same per token and 128-column group (dynamic activation quantization).
+Fp8Act quantize_fp8_act(const Tensor& x);
+// Back to F32 [N, K] / [M, K]: code value times its scale.
+Tensor dequantize_fp8(const Fp8Weight& w);
+Tensor dequantize_fp8(const Fp8Act& a);
+// out [M, N] (F32, host) = the product of the two quantized operands, accumulated as an FP8 GEMM
+// with block scales does: per 128-column group g the f32 sum of code products, times
+// a.scale[m, g] * w.scale_inv[n / 128, g], the groups summed in f32, in order. (Equal to
+// dequantize(a) dequantize(w)^T up to f32 summation order.)
+void gemm_fp8_blockwise(const Fp8Act& a, const Fp8Weight& w, Tensor& out);
+
 }  // namespace dflash::ops

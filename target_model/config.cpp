@@ -115,6 +115,43 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
     for (int64_t i = 0; i < c.num_hidden_layers; ++i)
       c.layer_types.push_back((i + 1) % interval == 0 ? LayerType::FullAttention : LayerType::LinearAttention);
   }
+  // quantization_config: at the top level (as save_pretrained writes it) or beside the text fields.
+  const bool top_qc = doc.contains("quantization_config");
+  const json* qc = top_qc ? &doc.at("quantization_config")
+                   : text->contains("quantization_config") ? &text->at("quantization_config") : nullptr;
+  if (qc && !qc->is_null()) {
+    const std::string qp = (top_qc ? std::string() : prefix) + "quantization_config.";
+    DFLASH_CHECK(qc->is_object(), source << ": field '" << qp.substr(0, qp.size() - 1) << "' must be an object");
+    JsonFields q(*qc, source, qp, "an FP8 checkpoint's quantization_config names quant_method fp8");
+    const std::string hint = "dflash loads the block-FP8 checkpoints (quant_method fp8, fmt e4m3, weight_block_size "
+                             "[128, 128], activation_scheme dynamic) and bf16 / f16 / f32 ones";
+    const std::string method = q.string_or("quant_method", "<missing>");
+    DFLASH_CHECK_HINT(method == "fp8", source << ": field '" << qp << "quant_method' is '" << method
+                                              << "'; only 'fp8' (block-scaled e4m3) is supported", hint);
+    const std::string fmt = q.string_or("fmt", "e4m3");
+    DFLASH_CHECK_HINT(fmt == "e4m3", source << ": field '" << qp << "fmt' is '" << fmt << "'; only 'e4m3' is supported", hint);
+    const std::string act = q.string_or("activation_scheme", "dynamic");
+    DFLASH_CHECK_HINT(act == "dynamic", source << ": field '" << qp << "activation_scheme' is '" << act
+                                               << "'; only 'dynamic' (per-token 1 x 128 scales computed at run time) is supported",
+                      hint);
+    DFLASH_CHECK_HINT(q.has("weight_block_size"), source << ": field '" << qp << "weight_block_size' is missing",
+                      "per-tensor FP8 checkpoints are not supported; " + hint);
+    const json& bs = (*qc)["weight_block_size"];
+    DFLASH_CHECK_HINT(bs == json::array({128, 128}), source << ": field '" << qp << "weight_block_size' is " << bs.dump()
+                                                            << "; only [128, 128] is supported",
+                      hint);
+    Fp8Quantization fq;
+    if (q.has("modules_to_not_convert")) {
+      const json& m = (*qc)["modules_to_not_convert"];
+      DFLASH_CHECK(m.is_array(), source << ": field '" << qp << "modules_to_not_convert' must be a list of names");
+      for (size_t i = 0; i < m.size(); ++i) {
+        DFLASH_CHECK(m[i].is_string(), source << ": field '" << qp << "modules_to_not_convert[" << i << "]' is " << m[i].dump()
+                                              << "; expected a module name");
+        fq.modules_to_not_convert.push_back(m[i].get<std::string>());
+      }
+    }
+    c.fp8 = std::move(fq);
+  }
   c.validate();
   return c;
 }

@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,15 @@ struct TargetConfig {
   // function of its whole context that no drafter can learn; with small branches it depends mostly
   // on the recent tokens, like a language model's mostly predictable text (configs/tiny).
   double random_branch_scale = 1.0;
+
+  // quantization_config of a block-FP8 checkpoint (Qwen3.6-27B-FP8 and its kin: quant_method fp8,
+  // fmt e4m3, weight_block_size [128, 128], activation_scheme dynamic); absent for bf16/f16/f32
+  // checkpoints. Any other scheme is refused by from_json, naming the field and the value.
+  struct Fp8Quantization {
+    std::vector<std::string> modules_to_not_convert;  // names (or name prefixes) kept in bf16
+    bool operator==(const Fp8Quantization&) const = default;
+  };
+  std::optional<Fp8Quantization> fp8;
 
   // Gated full attention.
   int64_t num_attention_heads = 0;

@@ -115,6 +115,7 @@ std::map<std::string, SliceSpec> specs_by_name(const TargetConfig& full, const T
 
 TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, DType dtype, Device device,
                               const TpShard& shard) {
+  check_loadable(full, dir);
   if (shard.size == 1) return load_weights(full, dir, dtype, device);
   // The checkpoint is validated against the full config exactly as a single rank would, then
   // each slice is copied out of the mmap'd file: only its pages are read.

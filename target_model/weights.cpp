@@ -120,7 +120,14 @@ std::string canonical_weight_name(const std::string& n) {
   return n;
 }
 
+void check_loadable(const TargetConfig& c, const std::string& dir) {
+  DFLASH_CHECK_HINT(!c.fp8, dir << ": a block-FP8 checkpoint (quantization_config.quant_method fp8): its config is read, "
+                                   "but loading e4m3 weights is not implemented yet",
+                    "use the bf16 checkpoint of the same model for now");
+}
+
 TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType dtype, Device device) {
+  check_loadable(c, dir);
   SafetensorsIndex ckpt = open_checkpoint(dir);
   // canonical name -> checkpoint name
   std::map<std::string, std::string> by_canonical;

@@ -93,6 +93,9 @@ uint64_t weight_stream(const std::string& name);
 Tensor random_tensor(const std::string& name, const Shape& shape, uint64_t seed, DType dtype, Device device,
                      double branch_scale = 1.0);
 
+// Throws naming the directory when the checkpoint cannot be loaded yet (a block-FP8 one).
+void check_loadable(const TargetConfig& c, const std::string& dir);
+
 // Writes config.json and model.safetensors (text-model names) to DIR, creating it.
 void save_checkpoint(const TargetConfig& c, const TargetWeights& w, const std::string& dir, DType dtype);
 

@@ -54,13 +54,6 @@ using json = nlohmann::json;
 
 namespace {
 
-// The prompt of a supervised sequence: its tokens before the first loss_mask = 1.
-std::vector<int32_t> prompt_of(const std::vector<int32_t>& ids, const std::vector<uint8_t>& mask) {
-  size_t n = 0;
-  while (n < ids.size() && (mask.empty() || !mask[n])) ++n;
-  return std::vector<int32_t>(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(n));
-}
-
 std::vector<std::vector<int32_t>> read_prompts(const std::string& path, int64_t limit, int64_t vocab) {
   std::vector<std::vector<int32_t>> out;
   const std::string ext = std::filesystem::path(path).extension().string();
@@ -72,7 +65,7 @@ std::vector<std::vector<int32_t>> read_prompts(const std::string& path, int64_t 
     data::Dataset ds({path});
     for (int64_t i = 0; i < ds.num_sequences() && static_cast<int64_t>(out.size()) < limit; ++i) {
       const data::Sequence s = ds.sequence(i);
-      out.push_back(prompt_of(s.ids, s.mask));
+      out.push_back(data::prompt_of(s));
       check(out.back(), path + ": sequence " + std::to_string(i));
     }
   } else {
@@ -84,7 +77,7 @@ std::vector<std::vector<int32_t>> read_prompts(const std::string& path, int64_t 
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
       if (line.find('{') != std::string::npos) {
         const data::Sequence row = data::parse_token_row(line, where, vocab, "the target's vocabulary", false);
-        out.push_back(prompt_of(row.ids, row.mask));
+        out.push_back(data::prompt_of(row));
       } else {
         out.push_back(parse_token_ids(line, where));
       }

@@ -562,4 +562,10 @@ DatasetStats Dataset::check_contents(int64_t first, int64_t end, int64_t anchor_
   return st;
 }
 
+std::vector<int32_t> prompt_of(const Sequence& s) {
+  size_t n = 0;
+  while (n < s.ids.size() && (s.mask.empty() || !s.mask[n])) ++n;
+  return std::vector<int32_t>(s.ids.begin(), s.ids.begin() + static_cast<std::ptrdiff_t>(n));
+}
+
 }  // namespace dflash::data

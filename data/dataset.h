@@ -70,6 +70,10 @@ class DatasetWriter {
   bool finished_ = false;
 };
 
+// The prompt of a sequence: its tokens before the first loss_mask = 1 (all of them when none is
+// supervised, or when the mask is empty). What dflash_eval decodes from and regenerate answers.
+std::vector<int32_t> prompt_of(const Sequence& s);
+
 // One JSONL row {"input_ids": [...], "loss_mask": [...]} (dflash_data convert, dflash_eval's prompts):
 // ids integers in [0, vocab) (`vocab_name` names that bound in messages, e.g. "--vocab-size"),
 // loss_mask 0/1 or booleans, one per id. Without mask_required a row may omit loss_mask (the

@@ -119,12 +119,6 @@ bool regenerated_file_matches(const RegenerateOptions& o) {
   return was && difference(*was, manifest(o, ds, n)).empty();
 }
 
-std::vector<int32_t> prompt_of(const Sequence& s) {
-  size_t n = 0;
-  while (n < s.ids.size() && (s.mask.empty() || !s.mask[n])) ++n;
-  return std::vector<int32_t>(s.ids.begin(), s.ids.begin() + static_cast<std::ptrdiff_t>(n));
-}
-
 int64_t regenerate_max_len(const RegenerateOptions& o) {
   const Dataset ds(o.inputs);
   const int64_t n = o.num_prompts < 0 ? ds.num_sequences() : std::min(o.num_prompts, ds.num_sequences());
@@ -190,11 +184,12 @@ RegenerateSummary regenerate(target::Decoder& dec, const RegenerateOptions& o, c
   barrier();
 
   // ---- this group's parts ----
-  for (int64_t k = 0; k < K; ++k)
-    if (fs::exists(part_path(o, k))) ++sum.parts_resumed;
   int64_t resumed_seqs = 0;
   for (int64_t k = 0; k < K; ++k)
-    if (fs::exists(part_path(o, k))) resumed_seqs += std::min(o.part_size, sum.sequences - k * o.part_size);
+    if (fs::exists(part_path(o, k))) {
+      ++sum.parts_resumed;
+      resumed_seqs += std::min(o.part_size, sum.sequences - k * o.part_size);
+    }
   if (lay.leader && sum.parts_resumed > 0)
     spdlog::info("regenerate: resuming: {} of {} parts are already in {}", sum.parts_resumed, K, parts_dir(o));
   Progress bar(lay.leader && o.progress, sum.sequences, resumed_seqs);

@@ -65,9 +65,6 @@ struct RegenerateSummary {
   bool reused = false;       // the output was already complete with these settings: nothing was done
 };
 
-// The prompt of a sequence: its tokens before the first loss_mask = 1.
-std::vector<int32_t> prompt_of(const Sequence& s);
-
 // Whether options.out exists and was made with these options (its <out>.json manifest matches).
 bool regenerated_file_matches(const RegenerateOptions& options);
 

@@ -78,6 +78,9 @@ run() {
 }
 # col FILE KEY: the KEY value of every metrics line, one a line, as written.
 col() { grep -o "\"$2\":[^,}]*" "$1" | cut -d: -f2; }
+# tau_of / est_of REPORT: the summary's tau and the trainer's estimate at the same blocks in a dflash_eval report.
+tau_of() { sed -n 's/^tau (mean acceptance length over [0-9]* steps): //p' "$1"; }
+est_of() { sed -n "s/^  the trainer's estimate on the same prompts: \([0-9.]*\) at the same blocks.*/\1/p" "$1"; }
 mean_acc() { sed -n "$2p" "$1" | grep -o '"acc":\[[^]]*\]' | sed 's/.*\[//; s/\]//' | tr , '\n' | awk '{s+=$1; n++} END {printf "%.6f", s/n}'; }
 pre=()
 
@@ -96,9 +99,6 @@ quality)
     "$ev" --config "$tcfg" --random-weights --drafter "$work/$name/drafter" --prompts "$work/heldout.h5" --max-new-tokens 40 \
       --device "$device" --json "$work/$name.json" >"$work/$name.eval" 2>&1 || { tail -n 5 "$work/$name.eval"; fail "dflash_eval ($name)"; }
   }
-  # the summary's tau and the trainer's estimate at the same blocks, from dflash_eval's report
-  tau_of() { sed -n 's/^tau (mean acceptance length over [0-9]* steps): //p' "$1"; }
-  est_of() { sed -n "s/^  the trainer's estimate on the same prompts: \([0-9.]*\) at the same blocks.*/\1/p" "$1"; }
   t0=$(date +%s)
   gate trained
   echo "the demo: dflash_train $(( $(date +%s) - t0 )) s (regeneration + 300 steps)"
@@ -162,8 +162,7 @@ learn)
       --max-new-tokens 24 --device "$device" >"$work/eval.log" 2>&1 || { tail -n 5 "$work/eval.log"; fail "dflash_eval of the trained drafter failed"; }
     grep -q "outputs: all 3 prompt(s) equal target-only greedy decoding, token for token" "$work/eval.log" ||
       fail "speculative decoding with the trained drafter differs from greedy decoding"
-    t=$(sed -n 's/^tau (mean acceptance length over [0-9]* steps): //p' "$work/eval.log")
-    e=$(sed -n "s/^  the trainer's estimate on the same prompts: \([0-9.]*\) at the same blocks.*/\1/p" "$work/eval.log")
+    t=$(tau_of "$work/eval.log") e=$(est_of "$work/eval.log")
     echo "trained drafter: measured tau $t, the trainer's estimate at the same blocks $e"
     [ -n "$t" ] && [ "$t" = "$e" ] || fail "measured tau ($t) and the estimate at the same blocks ($e) differ"
   fi

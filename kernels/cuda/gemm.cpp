@@ -268,4 +268,187 @@ void set_gemm_autotune(bool on) {
 
 bool gemm_autotune() { return g_autotune.load(); }
 
+// ==== gemm_fp8: block-scaled e4m3 GEMM (issue 18) ==================================================
+// y[M, N] bf16 = x[M, K] · w[N, K]^T with e4m3 codes and f32 block scales, through cuBLASLt's
+// Hopper block-scaling modes (cuBLAS >= 12.9, sm_90): with the row-major trick above, cuBLASLt's
+// first operand is the weight, column-major [K, N] with op T, scale mode BLK128x128_32F; its second
+// the activation codes, column-major [K, M] (ld ldx) with op N, scale mode VEC128_32F; D bf16 [N, M]
+// (ld ldy), CUBLAS_COMPUTE_32F. The kernel applies both scales per 128-deep K block in fp32 (the
+// DeepSeek-V3 recipe's promotion), so the result is the reference's sum of per-group products.
+//
+// Scale layouts (launch.h "FP8"; neither is fully specified by the cuBLASLt documentation we had):
+//   activations, VEC128 on [K, M]: scale of (token m, group g) at x_scale[g * fp8_act_scale_ld(M) + m]
+//       (the token index contiguous; fp8_act_scale_ld(M) = M, as M is a multiple of 4 here)
+//   weights, BLK128x128 on [K, N]: scale of (block nb, kb) at w_scale[nb * fp8_weight_scale_ld(K) + kb],
+//       fp8_weight_scale_ld(K) = ceil(K/128) rounded up to a multiple of 4 (NVIDIA's
+//       CUDALibrarySamples size such a tensor roundoff(ceil(inner/128), 4) * ceil(outer/128))
+// Verified on an H200 (cuBLASLt 13.1, version 130100) by CudaFp8.ScaleLayoutsAreCublasLts
+// (tests/test_cuda_fp8.cpp): random codes, random power-of-two scales arranged in each candidate
+// layout, the other operand's scales all 1, the product compared with ops::gemm_fp8_blockwise. At
+// M = 32, N = 384, K = 640 (5 K blocks, padded 8): token-contiguous activation scales matched
+// (2.4e-3), group-contiguous ones did not (0.77, 0.93); K-block-contiguous weight scales with rows
+// padded to 4 matched (2.8e-3), unpadded rows (1.5) and N-block-contiguous layouts (1.2, 1.5) did not.
+//
+// Token counts: with block scaling that cuBLASLt has no kernel (CUBLAS_STATUS_NOT_SUPPORTED from the
+// heuristic) for M % 4 != 0 (measured: M = 1, 2, 3, 7, 15, 17, 31 refused; 4, 8, 16, 32, 64, 128,
+// 1000, 8192 run), so gemm_fp8 requires M % 4 == 0 and says so up front. The activation scale layout
+// is that of the padded problem (fp8_act_scale_ld(M) = M rounded up to 4, the padding entries 1), so
+// a caller with M % 4 != 0 quantizes its M rows and runs the GEMM on M rounded up to 4 rows of codes
+// and output (the extra output rows are garbage). Per-tensor scales take any M (M = 1 ran).
+//
+// Alignment: cuBLASLt's FP8 kernels need 16-byte aligned pointers (codes, scales, D) and 16-byte
+// aligned columns: K % 16 == 0, ldx % 16 == 0 (bytes = elements), ldy % 8 == 0 (bf16).
+//
+// Fast accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM): with block scaling the same cuBLASLt returns
+// no algorithm for any shape tried (kernel_bench --only fp8, every 27B shape at M 1 / 64 / 8192), so
+// it stays off; tuning::gemm_fp8_fast_accum (kernel_bench) forces it on or off.
+namespace tuning {
+int gemm_fp8_fast_accum = -1;  // -1: kFp8FastAccum; 0 / 1: off / on
+}  // namespace tuning
+
+namespace {
+
+constexpr bool kFp8FastAccum = false;
+
+struct Fp8Key {
+  int device;
+  int64_t M, N, K, ldx, ldy;
+  bool tensor_scales, fast_accum, autotune;  // plans made under another autotune setting are not reused
+  auto operator<=>(const Fp8Key&) const = default;
+};
+
+// A GemmPlan and the lock that makes "set this call's scale pointers, enqueue" atomic: the scale
+// pointers are attributes of the plan's (shared) matmul descriptor, read when cublasLtMatmul enqueues.
+struct Fp8Plan {
+  GemmPlan plan;
+  std::mutex mutex;
+};
+
+auto* g_fp8_plans = new std::map<Fp8Key, std::unique_ptr<Fp8Plan>>();
+
+void set_fp8_scales(const GemmPlan& plan, const void* w_scale, const void* x_scale) {
+  // cuBLASLt's A is the weight, its B the activations.
+  DFLASH_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &w_scale, sizeof(w_scale)));
+  DFLASH_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &x_scale, sizeof(x_scale)));
+}
+
+std::string fp8_shape_text(const Fp8Key& k, int device) {
+  const DeviceInfo info = cuda_device_info(device);
+  std::string s = "M=" + std::to_string(k.M) + " N=" + std::to_string(k.N) + " K=" + std::to_string(k.K) +
+                  " ldx=" + std::to_string(k.ldx) + " ldy=" + std::to_string(k.ldy) +
+                  (k.tensor_scales ? " (per-tensor scales)" : " (VEC128 x BLK128x128 scales)") +
+                  (k.fast_accum ? " fast-accum" : "") + " on " + info.name + " (sm_" + std::to_string(info.major) +
+                  std::to_string(info.minor) + "), cuBLASLt " + std::to_string(cublasLtGetVersion());
+  return s;
+}
+
+std::unique_ptr<Fp8Plan> make_fp8_plan(const Fp8Key& k, const GemmFp8Params& p, cublasLtHandle_t handle,
+                                       size_t workspace_bytes, bool autotune, cudaStream_t stream, const RunFn& run) {
+  auto out = std::make_unique<Fp8Plan>();
+  GemmPlan& plan = out->plan;
+  DFLASH_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t op_w = CUBLAS_OP_T, op_x = CUBLAS_OP_N;  // the "TN" form FP8 needs
+  DFLASH_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_w, sizeof(op_w)));
+  DFLASH_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_x, sizeof(op_x)));
+  if (!k.tensor_scales) {
+    const int32_t mode_w = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, mode_x = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    DFLASH_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_w, sizeof(mode_w)));
+    DFLASH_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_x, sizeof(mode_x)));
+  }
+  const int8_t fast = k.fast_accum ? 1 : 0;
+  DFLASH_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+  set_fp8_scales(plan, p.w_scale, p.x_scale);
+  const auto u = [](int64_t v) { return static_cast<uint64_t>(v); };
+  DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_8F_E4M3, u(k.K), u(k.N), k.K));
+  DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_8F_E4M3, u(k.K), u(k.M), k.ldx));
+  DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_16BF, u(k.N), u(k.M), k.ldy));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  DFLASH_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  struct PrefGuard {
+    cublasLtMatmulPreference_t p;
+    ~PrefGuard() { cublasLtMatmulPreferenceDestroy(p); }
+  } pref_guard{pref};
+  const uint64_t ws = workspace_bytes;
+  DFLASH_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    DFLASH_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &kAlignBytes, sizeof(kAlignBytes)));
+
+  cublasLtMatmulHeuristicResult_t results[kCandidates]{};
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, plan.op, plan.a, plan.b, plan.c, plan.c, pref,
+                                                           autotune ? kCandidates : 1, results, &found);
+  DFLASH_CHECK_HINT(st == CUBLAS_STATUS_SUCCESS && found > 0 && results[0].state == CUBLAS_STATUS_SUCCESS,
+                    "gemm_fp8: cuBLASLt found no algorithm (status " << static_cast<int>(st) << ", " << found
+                                                                     << " answers) for " << fp8_shape_text(k, k.device),
+                    "block-scaled FP8 GEMMs need an sm_90 GPU and cuBLAS >= 12.9; run the bf16 target "
+                    "(model.target.precision: bf16) on other GPUs");
+  plan.algo = results[0].algo;
+  if (autotune && found > 1) plan.algo = fastest(plan, results, found, stream, run);
+  return out;
+}
+
+}  // namespace
+
+int64_t fp8_weight_scale_ld(int64_t K) { return ((K + 127) / 128 + 3) / 4 * 4; }
+
+const char* gemm_fp8_kernel_name() {
+  return kFp8FastAccum ? "cublasLt e4m3 VEC128xBLK128x128 fast-accum" : "cublasLt e4m3 VEC128xBLK128x128";
+}
+
+void gemm_fp8(const GemmFp8Params& p, int device) {
+  DFLASH_CHECK(p.M >= 0 && p.N > 0 && p.K > 0,
+               "gemm_fp8: need M >= 0, N > 0, K > 0, got M=" << p.M << " N=" << p.N << " K=" << p.K);
+  DFLASH_CHECK(p.ldx >= p.K, "gemm_fp8: x row stride ldx=" << p.ldx << " is smaller than K=" << p.K);
+  DFLASH_CHECK(p.ldy >= p.N, "gemm_fp8: y row stride ldy=" << p.ldy << " is smaller than N=" << p.N);
+  if (p.M == 0) return;
+  DFLASH_CHECK(p.x != nullptr && p.w != nullptr && p.y != nullptr && p.x_scale != nullptr && p.w_scale != nullptr,
+               "gemm_fp8: null pointer (x=" << static_cast<const void*>(p.x) << " x_scale=" << p.x_scale
+                                            << " w=" << static_cast<const void*>(p.w) << " w_scale=" << p.w_scale
+                                            << " y=" << p.y << ") for M=" << p.M);
+  DFLASH_CHECK_HINT(aligned16(p.x) && aligned16(p.w) && aligned16(p.y) && aligned16(p.x_scale) &&
+                        aligned16(p.w_scale) && p.K % 16 == 0 && p.ldx % 16 == 0 && p.ldy % 8 == 0,
+                    "gemm_fp8: cuBLASLt's FP8 kernels need 16-byte aligned codes, scales and output, K and ldx "
+                    "multiples of 16 and ldy a multiple of 8, got x="
+                        << static_cast<const void*>(p.x) << " w=" << static_cast<const void*>(p.w) << " y=" << p.y
+                        << " x_scale=" << p.x_scale << " w_scale=" << p.w_scale << " K=" << p.K << " ldx=" << p.ldx
+                        << " ldy=" << p.ldy,
+                    "slice activations and outputs at column offsets that are multiples of 16; every Qwen3.5 "
+                    "projection's K is a multiple of 128");
+  DFLASH_CHECK_HINT(p.tensor_scales || p.M % 4 == 0,
+                    "gemm_fp8: block-scaled FP8 GEMMs need M (tokens) a multiple of 4, got M="
+                        << p.M << " (N=" << p.N << " K=" << p.K
+                        << "): cuBLASLt has no block-scaled kernel for other M on sm_90",
+                    "pad the token rows to a multiple of 4: quantize the M rows (their scale buffer already has "
+                    "the padded layout) and run the GEMM on M rounded up to 4 rows of codes and output");
+  DeviceContext& ctx = DeviceContext::get(device);
+  DeviceGuard scope(device);
+  auto handle = static_cast<cublasLtHandle_t>(ctx.cublaslt());
+  const auto stream = static_cast<cudaStream_t>(ctx.stream());
+  const bool fast = tuning::gemm_fp8_fast_accum < 0 ? kFp8FastAccum : tuning::gemm_fp8_fast_accum != 0;
+  const float alpha = 1.0f, beta = 0.0f;
+  const RunFn run = [&](const GemmPlan& pl, const cublasLtMatmulAlgo_t& algo) {
+    set_fp8_scales(pl, p.w_scale, p.x_scale);
+    DFLASH_CUBLAS_CHECK(cublasLtMatmul(handle, pl.op, &alpha, p.w, pl.a, p.x, pl.b, &beta, p.y, pl.c, p.y, pl.c, &algo,
+                                       ctx.workspace(), ctx.workspace_bytes(), stream));
+  };
+  const bool autotune = g_autotune.load();
+  const Fp8Key key{device, p.M, p.N, p.K, p.ldx, p.ldy, p.tensor_scales, fast, autotune};
+  Fp8Plan* plan = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_fp8_plans->find(key);
+    if (it == g_fp8_plans->end())
+      it = g_fp8_plans->emplace(key, make_fp8_plan(key, p, handle, ctx.workspace_bytes(), autotune,
+                                                   stream, run)).first;
+    plan = it->second.get();
+  }
+  std::lock_guard<std::mutex> lock(plan->mutex);
+  run(plan->plan, plan->plan.algo);
+}
+
 }  // namespace dflash::cuda

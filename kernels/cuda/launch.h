@@ -312,4 +312,92 @@ void argmax_rows(const void* logits, bool bf16, int64_t ld, int64_t R, int64_t V
 void sample_rows(const float* logits, int64_t ld, int64_t R, int64_t V, float temperature, float top_p, uint64_t seed,
                  const uint64_t* streams, const int64_t* positions, int32_t* out, Stream s);
 
+// ==== FP8: block-scaled e4m3 (issue 18; kernels/cuda/fp8.cu, gemm_fp8 in kernels/cuda/gemm.cpp) ====
+// The official -FP8 checkpoints' format (kernels/fp8.h, the CPU reference in kernels/ops.h "fp8"):
+// weights [N, K] as e4m3 codes with one f32 dequantization scale per 128 x 128 block, activations
+// quantized per token and 128-column group at run time (DeepSeek-V3's recipe). Codes are uint8_t
+// (e4m3 "fn" bit patterns); scales are dequantization scales (value ~= e4m3(code) * scale), laid
+// out as cuBLASLt's block-scaling modes read them, so gemm_fp8 consumes them without a copy:
+//   activation scale of (token m, group g):  scale[g * fp8_act_scale_ld(M) + m]
+//       (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F on the [K, M] column-major operand: token index
+//       contiguous, one row of fp8_act_scale_ld(M) floats per 128-column group)
+//   weight scale of block (nb, kb):         scale_inv[nb * fp8_weight_scale_ld(K) + kb]
+//       (CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F: the K-block index contiguous, each row of
+//       blocks padded to a multiple of 4 floats)
+// Both established on an H200 (cuBLASLt 13.1) against the CPU reference: see gemm.cpp's gemm_fp8 part.
+
+// Row stride (floats) between the 128-column groups of an activation's scales (M rounded up to 4:
+// the layout of the GEMM on the padded rows, which gemm_fp8 needs), and the number of floats a
+// scale buffer of an [M, K] activation needs (callers allocate this; the quantizers write its
+// padding entries too, as 1.0).
+int64_t fp8_act_scale_ld(int64_t M);
+size_t fp8_act_scale_elems(int64_t M, int64_t K);
+// Row stride (floats) between the 128-row blocks of a weight's scales (>= ceil(K / 128)).
+int64_t fp8_weight_scale_ld(int64_t K);
+
+// Dynamic per-token group quantization, as ops::quantize_fp8_act bit for bit (for the same values in
+// f32): per (token m, group g of 128 columns; the last group may be partial and covers only the
+// existing columns) scale = max(amax, 1e-10) / 448, q = e4m3(clamp(x / scale, +-448)) (IEEE
+// division, round to nearest even). Memory bound: 2·M·K bytes read, M·K + 4·M·ceil(K/128) written.
+struct Fp8ActQuantParams {
+  const void* x = nullptr;  // bf16 [M, K], row stride ldx
+  int64_t ldx = 0;
+  uint8_t* q = nullptr;     // e4m3 [M, K], row stride ldq
+  int64_t ldq = 0;
+  float* scale = nullptr;   // fp8_act_scale_elems(M, K) floats (layout above)
+  int64_t M = 0, K = 0;
+};
+// Needs K % 16 == 0, x and q 16-byte aligned, ldx % 8 == 0, ldq % 16 == 0 (what gemm_fp8 needs of
+// its codes anyway), scale 16-byte aligned. M == 0 is a no-op.
+void quantize_fp8_act(const Fp8ActQuantParams& p, Stream s);
+
+// Block quantization of a bf16 weight [N, K] (contiguous), as ops::quantize_fp8_weight bit for bit:
+// per 128 x 128 block (partial at the edges) scale_inv = max(amax, 1e-10) / 448 written to
+// scale_inv[nb * ld_scale + kb] (ld_scale >= ceil(K / 128); pass fp8_weight_scale_ld(K) for
+// gemm_fp8; padding entries are not written), q [N, K] contiguous. For bf16 checkpoints and random
+// weights at load time. Needs K % 16 == 0 and 16-byte aligned w and q.
+void quantize_fp8_weight(const void* w_bf16, int64_t N, int64_t K, uint8_t* q, float* scale_inv, int64_t ld_scale,
+                         Stream s);
+
+// y[M, N] (bf16, row stride ldy) = x[M, K] · w[N, K]^T with both operands e4m3 codes and block
+// scales, fp32 accumulation (per 128-column group the code products summed, times the two scales),
+// through cuBLASLt on the device's DeviceContext; algorithms cached per shape like gemm_bf16 (and
+// autotuned under the same switch). tensor_scales: x_scale and w_scale point to one float each
+// (plain per-tensor scaling: the dense FP8 ceiling kernel_bench compares against).
+struct GemmFp8Params {
+  const uint8_t* x = nullptr;   // e4m3 [M, K], row stride ldx
+  int64_t ldx = 0;
+  const float* x_scale = nullptr;  // quantize_fp8_act's layout (fp8_act_scale_ld(M))
+  const uint8_t* w = nullptr;   // e4m3 [N, K] contiguous
+  const float* w_scale = nullptr;  // [ceil(N/128), fp8_weight_scale_ld(K)]
+  void* y = nullptr;            // bf16 [M, N], row stride ldy
+  int64_t ldy = 0;
+  int64_t M = 0, N = 0, K = 0;
+  bool tensor_scales = false;
+};
+// Needs 16-byte aligned pointers, K % 16 == 0, ldx % 16 == 0, ldy % 8 == 0, and with block scales
+// M % 4 == 0 (cuBLASLt has no block-scaled kernel for other M: pad the rows, see gemm.cpp); throws
+// naming the shape and the GPU when the installed cuBLASLt has no algorithm for it (block scaling
+// needs sm_90 and cuBLAS >= 12.9). M == 0 is a no-op.
+void gemm_fp8(const GemmFp8Params& p, int device);
+// The kernel gemm_fp8 runs, in words ("cublasLt e4m3 VEC128xBLK128x128").
+const char* gemm_fp8_kernel_name();
+// Fused producers of gemm_fp8's activation operand: the unfused GPU op's bf16 result (exactly as
+// cuda::rms_norm / cuda::swiglu / cuda::gated_rms_norm compute and round it), quantized as
+// quantize_fp8_act does, without the bf16 round trip through memory: codes and scales equal those
+// of the op followed by quantize_fp8_act bit for bit. Outputs: q [rows, K] (row stride ldq) and
+// scale (fp8_act_scale_elems(rows, K) floats), K the op's output width; K % 16 == 0, 16-byte aligned
+// pointers, ldq % 16 == 0 (the unfused ops also take other alignments).
+// y = rmsnorm(x) · (1 + w) (zero-centred, Qwen3.5's decoder norms), x rows strided (ldx % 8 == 0),
+// D <= 8192.
+void rms_norm_quant_fp8(const void* x, int64_t ldx, const void* w, int64_t rows, int64_t D, float eps, uint8_t* q,
+                        int64_t ldq, float* scale, Stream s);
+// y[N, I] = silu(gu[:, 0:I]) * gu[:, I:2I] (gu [N, 2I] contiguous, the fused gate|up GEMM output).
+void swiglu_quant_fp8(const void* gu, int64_t N, int64_t I, uint8_t* q, int64_t ldq, float* scale, Stream s);
+// y[n, h*dv:(h+1)*dv] = rmsnorm(core[n, h, :]) · w · silu(z[n, h*dv + :]), K = Hv·dv; dv 128 or 256
+// (each head one or two 128-column groups), z rows strided (ldz % 8 == 0).
+void gated_rms_norm_quant_fp8(const void* core, const void* z, int64_t ldz, const void* w, int64_t N, int64_t Hv,
+                              int64_t dv, float eps, uint8_t* q, int64_t ldq, float* scale, Stream s);
+// ==== end FP8 =======================================================================================
+
 }  // namespace dflash::cuda

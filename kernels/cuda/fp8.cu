@@ -1,0 +1,472 @@
+// FP8 quantization kernels (issue 18): the dynamic per-token 1 x 128 activation groups and the
+// 128 x 128 weight blocks of the official -FP8 checkpoints, bit for bit the CPU reference
+// (kernels/cpu/fp8.cpp, kernels/ops.h "fp8"): per group / block scale = max(amax, 1e-10) / 448,
+// q = e4m3(clamp(x / scale, +-448)), the division IEEE (__fdiv_rn: the reference divides in f32) and
+// the cast round-to-nearest-even (cvt.rn.satfinite.e4m3x2.f32, which is fp8::e4m3_from_float for
+// every finite input and NaN). Scale layouts are gemm_fp8's (launch.h "FP8").
+//
+// Roofline (H200, ~4.8 TB/s; no arithmetic worth counting: a max, a division and a cvt per element):
+//   quantize_fp8_act     2·M·K read + M·K + 4·M·ceil(K/128) written (M 8192, K 5120: 126 MB, ~26 us)
+//   quantize_fp8_weight  2·N·K read + N·K written (a 27B model's 54 GB of bf16 weights: ~17 ms, once)
+// Measured on an H200 (kernel_bench --only fp8, at 7912da0 + these files): quantize_fp8_act at
+// M 8192 runs at 1.55 TB/s (K 5120: 82 us; K 6144: 1.67 TB/s; K 17408: 1.56 TB/s), a third of the
+// roofline: each lane has one 16-byte load in flight per pass and waits for it before the group's
+// shuffles. Keeping two or four groups in flight per half warp is the next step (not measured yet).
+// The fused producers at T 8192 (rate on the fused kernel's bytes): rms_norm_quant_fp8 (D 5120)
+// 0.086 ms = 1.48 TB/s vs 0.126 ms for rms_norm + quantize_fp8_act; swiglu_quant_fp8 (I 17408)
+// 0.334 vs 0.411 ms (2.15 TB/s); gated_rms_norm_quant_fp8 (48 x 128) 0.137 vs 0.165 ms (1.85 TB/s).
+//
+// Layout of the work:
+//   * activations: one group of 16 lanes (half a warp) per (token, 128-column group), 8 bf16 = one
+//     16-byte load per lane, the group's amax by 4 shuffles inside the half warp, 8 codes stored as
+//     one 8-byte store; the (token, group) pairs are walked by a grid-stride loop (consecutive pairs
+//     are consecutive groups of a row: a warp reads 512 contiguous bytes) over a grid of every
+//     resident block.
+//   * weights: one 256-thread block per 128 x 128 block: each thread keeps its 8 16-byte units in
+//     registers between the amax (block reduction) and the store.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/grid.h"
+#include "kernels/cuda/launch.h"
+#include "kernels/error.h"
+#include "kernels/fp8.h"
+
+namespace dflash::cuda {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kThreads = 256;
+constexpr int kGroupLanes = 16;                        // lanes per 128-column activation group
+constexpr int kUnit = 8;                               // bf16 per 16-byte access
+constexpr int kGroupsPerBlock = kThreads / kGroupLanes;
+constexpr int kBlockUnits = fp8::kBlock / kUnit;       // 16 units across a 128-wide block
+constexpr int kWeightRowsPerPass = kThreads / kBlockUnits;            // 16
+constexpr int kWeightPasses = fp8::kBlock / kWeightRowsPerPass;       // 8
+
+int64_t blocks_of(int64_t n) { return (n + fp8::kBlock - 1) / fp8::kBlock; }
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+__device__ __forceinline__ void unpack(const uint4& raw, float (&v)[kUnit]) {
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+// As elementwise.cu's (the fused kernels must compute the unfused ones' bf16 results bit for bit).
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+__device__ __forceinline__ float silu(float x) { return x * sigmoid(x); }
+
+__device__ __forceinline__ float unit_amax(const float (&v)[kUnit]) {
+  float a = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kUnit; ++i) a = fmaxf(a, fabsf(v[i]));  // NaN ignored, as std::max in the reference
+  return a;
+}
+
+// The reference's scale: max(amax, floor) / 448 (amax is never NaN here).
+__device__ __forceinline__ float scale_of(float amax) { return __fdiv_rn(fmaxf(amax, fp8::kAmaxFloor), fp8::kE4m3Max); }
+
+// 8 values -> 8 e4m3 codes (byte i = code of v[i]) with the reference's clamp; NaN stays NaN (the
+// comparisons are false for it, as std::clamp's, and the cvt keeps NaN).
+__device__ __forceinline__ uint2 encode(const float (&v)[kUnit], float scale) {
+  uint32_t w[2] = {0, 0};
+#pragma unroll
+  for (int i = 0; i < kUnit; i += 2) {
+    float a = __fdiv_rn(v[i], scale), b = __fdiv_rn(v[i + 1], scale);
+    a = a < -fp8::kE4m3Max ? -fp8::kE4m3Max : (fp8::kE4m3Max < a ? fp8::kE4m3Max : a);
+    b = b < -fp8::kE4m3Max ? -fp8::kE4m3Max : (fp8::kE4m3Max < b ? fp8::kE4m3Max : b);
+    uint32_t pair = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);  // low byte: a
+    // The reference's NaN code is 0x7F whatever the sign; the cvt may keep a negative NaN's sign.
+    if (a != a) pair = (pair & 0xFF00u) | fp8::kE4m3NaN;
+    if (b != b) pair = (pair & 0x00FFu) | (uint32_t{fp8::kE4m3NaN} << 8);
+    w[i / 4] |= pair << (16 * ((i / 2) % 2));
+  }
+  return make_uint2(w[0], w[1]);
+}
+
+// What the activation quantizer reads: 8 bf16 values (as f32) of row m at column col.
+struct PlainSource {  // quantize_fp8_act
+  const bf16* x;
+  int64_t ldx;
+  __device__ void operator()(int m, int col, float (&v)[kUnit]) const {
+    unpack(__ldg(reinterpret_cast<const uint4*>(x + m * ldx + col)), v);
+  }
+};
+struct SwigluSource {  // swiglu_quant_fp8: silu(gate) * up rounded to bf16, as cuda::swiglu stores it
+  const bf16* gu;      // [N, 2I]
+  int64_t I;
+  __device__ void operator()(int m, int col, float (&v)[kUnit]) const {
+    const bf16* src = gu + m * 2 * I + col;
+    float up[kUnit];
+    unpack(__ldg(reinterpret_cast<const uint4*>(src)), v);
+    unpack(__ldg(reinterpret_cast<const uint4*>(src + I)), up);
+#pragma unroll
+    for (int e = 0; e < kUnit; ++e) v[e] = round_bf16(silu(v[e]) * up[e]);
+  }
+};
+
+// Writes the codes of one unit and the group's scale (lane 0 of the group; with the padding entries
+// m in [M, lds) of the group's row of scales, written as 1 by the last token's group).
+__device__ __forceinline__ void quantize_group(const float (&v)[kUnit], bool active, unsigned mask, int lane, int m,
+                                               int M, int g, uint8_t* q, float* scale, int64_t lds) {
+  float amax = unit_amax(v);  // inactive units hold zeros
+#pragma unroll
+  for (int o = kGroupLanes / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
+  const float s = scale_of(amax);
+  if (active) *reinterpret_cast<uint2*>(q) = encode(v, s);
+  if (lane == 0) {
+    scale[g * lds + m] = s;
+    if (m == M - 1)
+      for (int64_t p = M; p < lds; ++p) scale[g * lds + p] = 1.0f;
+  }
+}
+
+// One (token, group) pair per half warp and pass. lds = fp8_act_scale_ld(M): scale of (m, g) at
+// scale[g * lds + m].
+template <class Source>
+__global__ void __launch_bounds__(kThreads) quantize_act_kernel(const Source src, uint8_t* __restrict__ q, int64_t ldq,
+                                                                 float* __restrict__ scale, int64_t lds, int M, int K,
+                                                                 int G) {
+  const int lane = static_cast<int>(threadIdx.x) % kGroupLanes;
+  const unsigned mask = 0xFFFFu << (16 * ((threadIdx.x / kGroupLanes) % 2));  // this half warp
+  const int total = M * G;  // < 2^31: checked on the host
+  for (int i = static_cast<int>(blockIdx.x) * kGroupsPerBlock + static_cast<int>(threadIdx.x) / kGroupLanes;
+       i < total; i += static_cast<int>(gridDim.x) * kGroupsPerBlock) {
+    const int m = i / G, g = i - m * G;
+    const int col = g * static_cast<int>(fp8::kBlock) + lane * kUnit;
+    const bool active = col < K;  // the last group may be partial (K % 8 == 0: whole units)
+    float v[kUnit];
+    if (active) {
+      src(m, col, v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kUnit; ++j) v[j] = 0.0f;
+    }
+    quantize_group(v, active, mask, lane, m, M, g, q + m * ldq + col, scale, lds);
+  }
+}
+
+// rms_norm_quant_fp8: elementwise.cu's row_norm_kernel (W = 8, G lanes per row, kCache units per
+// lane in registers) with the same sum of squares in the same order (lane partial sums in unit order,
+// the group reduction as its group_sum), y = rn_bf16(x * inv * (1 + w)) as RmsNormOp stores it, then
+// per 128 columns (16 units: the 16 lanes of a half warp, G being a multiple of 16) the quantization.
+// Rows longer than kNormCache * G units are not supported (the unfused kernel re-reads them).
+constexpr int kNormCache = 4;
+
+template <int G>
+__device__ __forceinline__ float norm_group_sum(float v, float* red) {
+  if constexpr (G <= 32) {
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+  } else {
+    static_assert(G == kThreads);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+    __syncthreads();
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < G / 32; ++i) s += red[i];
+    return s;
+  }
+}
+
+template <int G>
+__global__ void __launch_bounds__(kThreads) rms_norm_quant_kernel(const bf16* __restrict__ x, int64_t ldx,
+                                                                   const bf16* __restrict__ w, uint8_t* __restrict__ q,
+                                                                   int64_t ldq, float* __restrict__ scale, int64_t lds,
+                                                                   int rows, int units, int D, float eps) {
+  __shared__ float red[kThreads / 32];
+  const int lane = static_cast<int>(threadIdx.x) % G;
+  const int row = static_cast<int>(blockIdx.x) * (kThreads / G) + static_cast<int>(threadIdx.x) / G;
+  const bool active = row < rows;  // inactive groups still join the shuffles
+  float v[kNormCache][kUnit];
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kNormCache; ++i) {
+    const int u = lane + i * G;
+    if (active && u < units) {
+      unpack(__ldg(reinterpret_cast<const uint4*>(x + row * ldx + u * kUnit)), v[i]);
+#pragma unroll
+      for (int e = 0; e < kUnit; ++e) ss += v[i][e] * v[i][e];
+    }
+  }
+  ss = norm_group_sum<G>(ss, red);
+  if (!active) return;  // a whole half warp (G = 16) or more
+  const float inv = rsqrtf(ss / static_cast<float>(D) + eps);
+  const unsigned mask = 0xFFFFu << (16 * ((threadIdx.x / kGroupLanes) % 2));
+#pragma unroll
+  for (int i = 0; i < kNormCache; ++i) {
+    const int u = lane + i * G;
+    if ((u & ~(kGroupLanes - 1)) >= units) continue;  // the half warp's group starts past the row
+    const bool on = u < units;
+    float y[kUnit];
+    if (on) {
+      float wv[kUnit];
+      unpack(__ldg(reinterpret_cast<const uint4*>(w + u * kUnit)), wv);
+#pragma unroll
+      for (int e = 0; e < kUnit; ++e) {
+        float t = v[i][e] * inv;
+        t *= 1.0f + wv[e];
+        y[e] = round_bf16(t);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < kUnit; ++e) y[e] = 0.0f;
+    }
+    quantize_group(y, on, mask, lane % kGroupLanes, row, rows, u / kGroupLanes, q + row * ldq + u * kUnit, scale, lds);
+  }
+}
+
+// gated_rms_norm_quant_fp8: elementwise.cu's gated_rms_norm_kernel (dv / 8 lanes per row = G, one
+// 16-byte unit of core and z per lane) with the same arithmetic in the same order, rows walked by a
+// grid-stride loop with the next row's core and z loaded before the current row is reduced (two rows
+// in flight per lane). dv in {128, 256}: a row is one or two 128-column groups of the output row.
+template <int G>
+__global__ void __launch_bounds__(kThreads) gated_rms_norm_quant_kernel(
+    const bf16* __restrict__ core, const bf16* __restrict__ z, int64_t ldz, const bf16* __restrict__ w,
+    uint8_t* __restrict__ q, int64_t ldq, float* __restrict__ scale, int64_t lds, int N, int Hv, float eps) {
+  constexpr int kGroups = kThreads / G, dv = G * kUnit;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % G;
+  const int rows = N * Hv;
+  const int stride = static_cast<int>(gridDim.x) * kGroups;
+  const int first = static_cast<int>(blockIdx.x) * kGroups + tid / G;
+  // Loop while the warp's first group has a row, so every lane of a warp joins each shuffle.
+  const int warp_first = static_cast<int>(blockIdx.x) * kGroups + (tid / 32) * (32 / G);
+  auto fetch = [&](int r, uint4& c, uint4& zz) {
+    if (r < rows) {
+      const int n = r / Hv, h = r - n * Hv;
+      c = __ldg(reinterpret_cast<const uint4*>(core + static_cast<int64_t>(r) * dv + lane * kUnit));
+      zz = __ldg(reinterpret_cast<const uint4*>(z + static_cast<int64_t>(n) * ldz + h * dv + lane * kUnit));
+    }
+  };
+  float wv[kUnit];
+  unpack(__ldg(reinterpret_cast<const uint4*>(w + lane * kUnit)), wv);
+  uint4 c_next = make_uint4(0, 0, 0, 0), z_next = c_next;
+  fetch(first, c_next, z_next);
+  const unsigned mask = 0xFFFFu << (16 * ((tid / kGroupLanes) % 2));
+  for (int r = first, wf = warp_first; wf < rows; r += stride, wf += stride) {
+    const uint4 c_cur = c_next, z_cur = z_next;
+    fetch(r + stride, c_next, z_next);
+    float v[kUnit], zv[kUnit];
+    unpack(c_cur, v);
+    float ss = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kUnit; ++e) ss += v[e] * v[e];
+#pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (r >= rows) continue;  // a whole half warp: the quantization shuffles use the half-warp mask
+    unpack(z_cur, zv);
+    const float inv = rsqrtf(ss / static_cast<float>(dv) + eps);
+#pragma unroll
+    for (int e = 0; e < kUnit; ++e) {
+      v[e] *= inv;
+      v[e] *= wv[e] * silu(zv[e]);
+      v[e] = round_bf16(v[e]);
+    }
+    const int n = r / Hv, h = r - n * Hv;
+    const int col = h * dv + lane * kUnit;
+    quantize_group(v, true, mask, lane % kGroupLanes, n, N, col / static_cast<int>(fp8::kBlock), q + n * ldq + col,
+                   scale, lds);
+  }
+}
+
+// One 128 x 128 block per CTA; thread t covers unit t % 16 of rows t / 16 + 16 j, j < 8.
+__global__ void __launch_bounds__(kThreads) quantize_weight_kernel(const bf16* __restrict__ w, int64_t N, int64_t K,
+                                                                    uint8_t* __restrict__ q,
+                                                                    float* __restrict__ scale_inv, int64_t ld_scale) {
+  __shared__ float red[kThreads / 32];
+  const int64_t kb = blockIdx.x, nb = blockIdx.y;
+  const int64_t col = kb * fp8::kBlock + (threadIdx.x % kBlockUnits) * kUnit;
+  const int64_t row0 = nb * fp8::kBlock + threadIdx.x / kBlockUnits;
+  uint4 raw[kWeightPasses];
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kWeightPasses; ++j) {
+    const int64_t r = row0 + j * kWeightRowsPerPass;
+    raw[j] = make_uint4(0, 0, 0, 0);  // +0 bf16: no effect on the amax
+    if (r < N && col < K) raw[j] = __ldg(reinterpret_cast<const uint4*>(w + r * K + col));
+    float v[kUnit];
+    unpack(raw[j], v);
+    amax = fmaxf(amax, unit_amax(v));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kThreads / 32; ++i) amax = fmaxf(amax, red[i]);
+  const float s = scale_of(amax);
+  if (threadIdx.x == 0) scale_inv[nb * ld_scale + kb] = s;
+#pragma unroll
+  for (int j = 0; j < kWeightPasses; ++j) {
+    const int64_t r = row0 + j * kWeightRowsPerPass;
+    if (r >= N || col >= K) continue;
+    float v[kUnit];
+    unpack(raw[j], v);
+    *reinterpret_cast<uint2*>(q + r * K + col) = encode(v, s);
+  }
+}
+
+int64_t act_scale_ld(int64_t M) { return (M + 3) / 4 * 4; }
+
+template <class Source>
+void launch_act(const Source& src, uint8_t* q, int64_t ldq, float* scale, int64_t M, int64_t K, cudaStream_t st) {
+  const int64_t G = blocks_of(K);
+  const auto kernel = quantize_act_kernel<Source>;
+  const unsigned grid = persistent_grid(reinterpret_cast<const void*>(kernel), kThreads, 0, 0, M * G, kGroupsPerBlock);
+  kernel<<<grid, kThreads, 0, st>>>(src, q, ldq, scale, act_scale_ld(M), static_cast<int>(M), static_cast<int>(K),
+                                    static_cast<int>(G));
+  DFLASH_CUDA_CHECK_LAST();
+}
+
+// The checks every fused producer shares: its quantized output [M, K] (row stride ldq) and scales.
+void check_quant_output(const char* who, const uint8_t* q, int64_t ldq, const float* scale, int64_t M, int64_t K) {
+  DFLASH_CHECK(K > 0 && K % 16 == 0 && ldq >= K && M * ldq < (int64_t{1} << 31) && M * blocks_of(K) < (int64_t{1} << 31),
+               who << ": need K > 0 a multiple of 16, ldq >= K and M * ldq < 2^31, got M=" << M << " K=" << K
+                   << " ldq=" << ldq);
+  DFLASH_CHECK(q != nullptr && scale != nullptr,
+               who << ": null output (q=" << static_cast<const void*>(q) << " scale=" << scale << ")");
+  DFLASH_CHECK_HINT(aligned16(q) && aligned16(scale) && ldq % 16 == 0,
+                    who << ": q and scale must be 16-byte aligned with ldq % 16 == 0, got q=" << static_cast<const void*>(q)
+                        << " ldq=" << ldq << " scale=" << scale,
+                    "these are what gemm_fp8 needs of its operand");
+}
+
+}  // namespace
+
+int64_t fp8_act_scale_ld(int64_t M) { return act_scale_ld(M); }
+
+size_t fp8_act_scale_elems(int64_t M, int64_t K) {
+  return static_cast<size_t>(blocks_of(K)) * static_cast<size_t>(fp8_act_scale_ld(M));
+}
+
+void quantize_fp8_act(const Fp8ActQuantParams& p, Stream s) {
+  DFLASH_CHECK(p.M >= 0 && p.K > 0 && p.K % 16 == 0,
+               "quantize_fp8_act: need M >= 0 and K > 0 a multiple of 16, got M=" << p.M << " K=" << p.K);
+  DFLASH_CHECK(p.ldx >= p.K && p.ldq >= p.K,
+               "quantize_fp8_act: row strides ldx=" << p.ldx << " ldq=" << p.ldq << " are smaller than K=" << p.K);
+  if (p.M == 0) return;
+  const int64_t G = blocks_of(p.K);
+  DFLASH_CHECK(p.M * G < (int64_t{1} << 31) && p.M * p.ldx < (int64_t{1} << 31) && p.M * p.ldq < (int64_t{1} << 31),
+               "quantize_fp8_act: M=" << p.M << " x ld=" << std::max(p.ldx, p.ldq)
+                                      << " is too large for this kernel's 32-bit indexing");
+  DFLASH_CHECK(p.x != nullptr && p.q != nullptr && p.scale != nullptr,
+               "quantize_fp8_act: null pointer (x=" << p.x << " q=" << static_cast<const void*>(p.q)
+                                                    << " scale=" << p.scale << ")");
+  DFLASH_CHECK_HINT(aligned16(p.x) && aligned16(p.q) && aligned16(p.scale) && p.ldx % 8 == 0 && p.ldq % 16 == 0,
+                    "quantize_fp8_act: x, q and scale must be 16-byte aligned with ldx % 8 == 0 and ldq % 16 == 0, got x="
+                        << p.x << " ldx=" << p.ldx << " q=" << static_cast<const void*>(p.q) << " ldq=" << p.ldq
+                        << " scale=" << p.scale,
+                    "these are what gemm_fp8 needs of its operand; slice activations at column offsets that are "
+                    "multiples of 16");
+  launch_act(PlainSource{static_cast<const bf16*>(p.x), p.ldx}, p.q, p.ldq, p.scale, p.M, p.K,
+             static_cast<cudaStream_t>(s));
+}
+
+void quantize_fp8_weight(const void* w_bf16, int64_t N, int64_t K, uint8_t* q, float* scale_inv, int64_t ld_scale,
+                         Stream s) {
+  DFLASH_CHECK(N >= 0 && K > 0 && K % 16 == 0,
+               "quantize_fp8_weight: need N >= 0 and K > 0 a multiple of 16, got N=" << N << " K=" << K);
+  DFLASH_CHECK(ld_scale >= blocks_of(K), "quantize_fp8_weight: ld_scale=" << ld_scale << " is smaller than ceil(K/128)="
+                                                                          << blocks_of(K) << " (K=" << K << ")");
+  if (N == 0) return;
+  DFLASH_CHECK(w_bf16 != nullptr && q != nullptr && scale_inv != nullptr,
+               "quantize_fp8_weight: null pointer (w=" << w_bf16 << " q=" << static_cast<const void*>(q)
+                                                       << " scale_inv=" << scale_inv << ")");
+  DFLASH_CHECK_HINT(aligned16(w_bf16) && aligned16(q),
+                    "quantize_fp8_weight: w and q must be 16-byte aligned, got w=" << w_bf16
+                                                                                   << " q=" << static_cast<const void*>(q),
+                    "pass whole tensors (device allocations are aligned), not views at odd offsets");
+  DFLASH_CHECK(blocks_of(N) < 65536, "quantize_fp8_weight: N=" << N << " has more than 65535 row blocks");
+  const dim3 grid(static_cast<unsigned>(blocks_of(K)), static_cast<unsigned>(blocks_of(N)));
+  quantize_weight_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(s)>>>(static_cast<const bf16*>(w_bf16), N, K,
+                                                                             q, scale_inv, ld_scale);
+  DFLASH_CUDA_CHECK_LAST();
+}
+
+
+void rms_norm_quant_fp8(const void* x, int64_t ldx, const void* w, int64_t rows, int64_t D, float eps, uint8_t* q,
+                        int64_t ldq, float* scale, Stream s) {
+  DFLASH_CHECK(rows >= 0 && rows < (int64_t{1} << 31) && D > 0,
+               "rms_norm_quant_fp8: need 0 <= rows < 2^31 and D > 0, got rows=" << rows << " D=" << D);
+  DFLASH_CHECK(ldx >= D, "rms_norm_quant_fp8: row stride ldx=" << ldx << " is smaller than D=" << D);
+  if (rows == 0) return;
+  check_quant_output("rms_norm_quant_fp8", q, ldq, scale, rows, D);
+  DFLASH_CHECK(x != nullptr && w != nullptr, "rms_norm_quant_fp8: null pointer (x=" << x << " w=" << w << ")");
+  DFLASH_CHECK_HINT(aligned16(x) && aligned16(w) && ldx % 8 == 0 && rows * ldx < (int64_t{1} << 31),
+                    "rms_norm_quant_fp8: x and w must be 16-byte aligned with ldx % 8 == 0, got x="
+                        << x << " w=" << w << " ldx=" << ldx,
+                    "the unfused pair (rms_norm, quantize_fp8_act) takes any alignment of x");
+  const int units = static_cast<int>(D / kUnit);
+  DFLASH_CHECK_HINT(units <= kNormCache * kThreads, "rms_norm_quant_fp8: rows of D=" << D << " > " << kNormCache * kThreads * kUnit
+                                                                                     << " are not supported",
+                    "use rms_norm then quantize_fp8_act");
+  const auto st = static_cast<cudaStream_t>(s);
+  auto launch = [&](auto kernel, int G) {
+    const int per_block = kThreads / G;
+    const auto grid = static_cast<unsigned>((rows + per_block - 1) / per_block);
+    kernel<<<grid, kThreads, 0, st>>>(static_cast<const bf16*>(x), ldx, static_cast<const bf16*>(w), q, ldq, scale,
+                                      act_scale_ld(rows), static_cast<int>(rows), units, static_cast<int>(D), eps);
+    DFLASH_CUDA_CHECK_LAST();
+  };
+  // The group size rms_norm picks for this row length (elementwise.cu launch_row_norm, W = 8).
+  if (units <= 16) launch(rms_norm_quant_kernel<16>, 16);
+  else if (units <= 32 * kNormCache) launch(rms_norm_quant_kernel<32>, 32);
+  else launch(rms_norm_quant_kernel<kThreads>, kThreads);
+}
+
+void swiglu_quant_fp8(const void* gu, int64_t N, int64_t I, uint8_t* q, int64_t ldq, float* scale, Stream s) {
+  DFLASH_CHECK(N >= 0 && I > 0, "swiglu_quant_fp8: need N >= 0 and I > 0, got N=" << N << " I=" << I);
+  if (N == 0) return;
+  check_quant_output("swiglu_quant_fp8", q, ldq, scale, N, I);
+  DFLASH_CHECK(gu != nullptr, "swiglu_quant_fp8: null gu");
+  DFLASH_CHECK_HINT(aligned16(gu) && N * 2 * I < (int64_t{1} << 31),
+                    "swiglu_quant_fp8: gu must be 16-byte aligned (and N * 2I < 2^31), got gu=" << gu << " N=" << N
+                                                                                                  << " I=" << I,
+                    "the unfused pair (swiglu, quantize_fp8_act) takes any alignment");
+  launch_act(SwigluSource{static_cast<const bf16*>(gu), I}, q, ldq, scale, N, I, static_cast<cudaStream_t>(s));
+}
+
+void gated_rms_norm_quant_fp8(const void* core, const void* z, int64_t ldz, const void* w, int64_t N, int64_t Hv,
+                              int64_t dv, float eps, uint8_t* q, int64_t ldq, float* scale, Stream s) {
+  DFLASH_CHECK(N >= 0 && Hv > 0 && (dv == 128 || dv == 256) && N * Hv < (int64_t{1} << 30),
+               "gated_rms_norm_quant_fp8: need N >= 0, Hv > 0, dv 128 or 256 and N*Hv < 2^30, got N="
+                   << N << " Hv=" << Hv << " dv=" << dv);
+  DFLASH_CHECK(ldz >= Hv * dv, "gated_rms_norm_quant_fp8: z row stride ldz=" << ldz << " is smaller than Hv*dv=" << Hv * dv);
+  if (N == 0) return;
+  check_quant_output("gated_rms_norm_quant_fp8", q, ldq, scale, N, Hv * dv);
+  DFLASH_CHECK(core != nullptr && z != nullptr && w != nullptr,
+               "gated_rms_norm_quant_fp8: null pointer (core=" << core << " z=" << z << " w=" << w << ")");
+  DFLASH_CHECK_HINT(aligned16(core) && aligned16(z) && aligned16(w) && ldz % 8 == 0 && N * ldz < (int64_t{1} << 31),
+                    "gated_rms_norm_quant_fp8: core, z and w must be 16-byte aligned with ldz % 8 == 0, got core="
+                        << core << " z=" << z << " w=" << w << " ldz=" << ldz,
+                    "the unfused pair (gated_rms_norm, quantize_fp8_act) takes any alignment");
+  const auto st = static_cast<cudaStream_t>(s);
+  auto launch = [&](auto kernel, int G) {
+    const unsigned grid =
+        persistent_grid(reinterpret_cast<const void*>(kernel), kThreads, 0, 0, N * Hv, kThreads / G);
+    kernel<<<grid, kThreads, 0, st>>>(static_cast<const bf16*>(core), static_cast<const bf16*>(z), ldz,
+                                      static_cast<const bf16*>(w), q, ldq, scale, act_scale_ld(N), static_cast<int>(N),
+                                      static_cast<int>(Hv), eps);
+    DFLASH_CUDA_CHECK_LAST();
+  };
+  if (dv == 128) launch(gated_rms_norm_quant_kernel<16>, 16);
+  else launch(gated_rms_norm_quant_kernel<32>, 32);
+}
+}  // namespace dflash::cuda

@@ -2,7 +2,7 @@
 // against a reference on the same inputs before it is timed (a wrong kernel never passes as a
 // fast one); rounds shuffle the provider order; rows go to CSV with the GPU name and commit.
 //
-//   kernel_bench --csv kernel_bench.csv [--only conv,gdn,gemm,attn,dattn,ce,layer,decode,sample] [--quick]
+//   kernel_bench --csv kernel_bench.csv [--only conv,gdn,gemm,attn,dattn,ce,layer,decode,sample,fp8] [--quick]
 //
 // conv : N separate causal depthwise convs vs one fused conv over the concatenated channels, and
 //        the Qwen3.6-27B layer shape (10240 channels); GB/s from bytes = read x + write y (+ w).
@@ -28,6 +28,18 @@
 //        a language model's rows mostly are); both CTA layouts, and argmax_rows (one read, no
 //        sampling) as the floor. GB/s counts the logits once (R x V x 4 bytes; top_p < 1 reads them
 //        3 times), against the device-to-device copy bandwidth measured in the same run.
+// fp8  : the FP8 target's GEMMs (issue 18) at the Qwen3.6-27B shapes, M 8192 (prefill / training
+//        batch) and 64 / 1 (decode): gemm_bf16, the FP8 dense ceiling (e4m3 x e4m3 with per-tensor
+//        scalar scales: gemm_fp8 tensor_scales, same codes), the block-scaled gemm_fp8 (VEC128 x
+//        BLK128x128) with fast accumulation off and on (on: where cuBLASLt accepts it), each GEMM's
+//        share of the ceiling of its shape ("of_fp8_ceiling" rows, %), and quantize_fp8_act's GB/s
+//        (bytes 2·M·K + M·K + 4·M·ceil(K/128)). gemm_fp8 is checked against gemm_bf16 on the same
+//        inputs (the quantization error: <= 0.1 normalised) before it is timed, which also checks the
+//        quantizer it is fed by. Decode shapes rotate over enough weight copies to exceed 3x L2 (the
+//        fp8 weights of the 5120 x 6144 projections, 31 MB, would otherwise be read from L2).
+//        Then the fused producers (rms_norm / swiglu / gated_rms_norm + quantization) vs the unfused
+//        pairs at T 8192 (bench_fp8_fused). On an H200 (cuBLASLt 13.1) block scaling takes no M % 4
+//        != 0 (the M 1 gemm_fp8 rows are "not run") and no fast accumulation (those rows neither).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -55,6 +67,7 @@ extern int sample_threads;
 extern int gdn_pool_warps;
 extern int gdn_pool_cg;
 extern int attn_decode_splits;
+extern int gemm_fp8_fast_accum;
 }  // namespace dflash::cuda::tuning
 
 using namespace dflash;
@@ -1026,12 +1039,181 @@ void bench_layer(Ctx& ctx, bool quick) {
   }
 }
 
+// ---- fp8 (issue 18) -------------------------------------------------------------------------------
+// The fused producers of the FP8 GEMMs' inputs (rms_norm / swiglu / gated_rms_norm + quantization in
+// one kernel) against the unfused pair (the op storing bf16, then quantize_fp8_act) at the 27B
+// shapes, T 8192. Codes checked equal (tolerance 0) before timing. GB/s counts the fused kernel's
+// bytes (its inputs read once, codes and scales written) for both, so the unfused pair's extra bf16
+// round trip shows as a lower rate.
+void bench_fp8_fused(Ctx& ctx) {
+  const int64_t T = 8192, D = 5120, I = 17408, Hv = 48, dv = 128, ldz = 16480, z_off = 10240;
+  const float eps = 1e-6f;
+  auto scales = [](int64_t M, int64_t K) {
+    return Tensor::empty({static_cast<int64_t>(cuda::fp8_act_scale_elems(M, K))}, DType::F32, Device::cuda(0));
+  };
+  auto act_gb = [](int64_t M, int64_t K, double in_bytes) {
+    return (in_bytes + static_cast<double>(M * K) + 4.0 * static_cast<double>(M) * static_cast<double>((K + 127) / 128)) / 1e9;
+  };
+  {
+    Tensor x = dev_randn({T, D}, DType::BF16, 61), w = dev_randn({D}, DType::BF16, 62, 0.3f);
+    Tensor y = Tensor::empty({T, D}, DType::BF16, Device::cuda(0));
+    Tensor q1 = Tensor::empty({T, D}, DType::U8, Device::cuda(0)), q2 = q1.clone(), s1 = scales(T, D), s2 = scales(T, D);
+    const cuda::Fp8ActQuantParams qp{y.raw_data(), D, q1.data<uint8_t>(), D, s1.data<float>(), T, D};
+    measure(ctx, "fp8", "rms_norm_quant_fp8", "T" + std::to_string(T) + " D" + std::to_string(D),
+            {{"unfused", [&] { cuda::rms_norm(x.raw_data(), D, w.raw_data(), y.raw_data(), D, T, D, eps, true, ctx.stream);
+                               cuda::quantize_fp8_act(qp, ctx.stream); }, [&] { return q1; }},
+             {"fused", [&] { cuda::rms_norm_quant_fp8(x.raw_data(), D, w.raw_data(), T, D, eps, q2.data<uint8_t>(), D,
+                                                      s2.data<float>(), ctx.stream); }, [&] { return q2; }}},
+            0, {{"bandwidth", "GB/s", act_gb(T, D, 2.0 * T * D)}});
+  }
+  {
+    Tensor gu = dev_randn({T, 2 * I}, DType::BF16, 63, 3.0f);
+    Tensor y = Tensor::empty({T, I}, DType::BF16, Device::cuda(0));
+    Tensor q1 = Tensor::empty({T, I}, DType::U8, Device::cuda(0)), q2 = q1.clone(), s1 = scales(T, I), s2 = scales(T, I);
+    const cuda::Fp8ActQuantParams qp{y.raw_data(), I, q1.data<uint8_t>(), I, s1.data<float>(), T, I};
+    measure(ctx, "fp8", "swiglu_quant_fp8", "T" + std::to_string(T) + " I" + std::to_string(I),
+            {{"unfused", [&] { cuda::swiglu(gu.raw_data(), y.raw_data(), T, I, ctx.stream);
+                               cuda::quantize_fp8_act(qp, ctx.stream); }, [&] { return q1; }},
+             {"fused", [&] { cuda::swiglu_quant_fp8(gu.raw_data(), T, I, q2.data<uint8_t>(), I, s2.data<float>(),
+                                                    ctx.stream); }, [&] { return q2; }}},
+            0, {{"bandwidth", "GB/s", act_gb(T, I, 4.0 * T * I)}});
+  }
+  {
+    const int64_t K = Hv * dv;
+    Tensor core = dev_randn({T * Hv, dv}, DType::BF16, 64), proj = dev_randn({T, ldz}, DType::BF16, 65, 2.0f);
+    Tensor w = dev_randn({dv}, DType::BF16, 66, 0.3f);
+    const void* z = static_cast<const char*>(proj.raw_data()) + z_off * 2;
+    Tensor y = Tensor::empty({T, K}, DType::BF16, Device::cuda(0));
+    Tensor q1 = Tensor::empty({T, K}, DType::U8, Device::cuda(0)), q2 = q1.clone(), s1 = scales(T, K), s2 = scales(T, K);
+    const cuda::Fp8ActQuantParams qp{y.raw_data(), K, q1.data<uint8_t>(), K, s1.data<float>(), T, K};
+    measure(ctx, "fp8", "gated_rms_norm_quant_fp8", "T" + std::to_string(T) + " Hv" + std::to_string(Hv) + " dv128",
+            {{"unfused", [&] { cuda::gated_rms_norm(core.raw_data(), z, ldz, w.raw_data(), y.raw_data(), T, Hv, dv, eps,
+                                                    ctx.stream);
+                               cuda::quantize_fp8_act(qp, ctx.stream); }, [&] { return q1; }},
+             {"fused", [&] { cuda::gated_rms_norm_quant_fp8(core.raw_data(), z, ldz, w.raw_data(), T, Hv, dv, eps,
+                                                            q2.data<uint8_t>(), K, s2.data<float>(), ctx.stream); },
+              [&] { return q2; }}},
+            0, {{"bandwidth", "GB/s", act_gb(T, K, 4.0 * T * K)}});
+  }
+}
+
+void bench_fp8(Ctx& ctx, bool quick) {
+  std::printf("\n== fp8: block-scaled FP8 GEMMs (%s) vs bf16 and the per-tensor FP8 ceiling, Qwen3.6-27B shapes\n",
+              cuda::gemm_fp8_kernel_name());
+  struct G {
+    const char* name;
+    int64_t N, K;
+  };
+  const std::vector<G> gemms = {{"gdn in_proj qkv|z", 16384, 5120}, {"gdn out_proj", 5120, 6144},
+                                {"attn q|k|v", 14336, 5120},        {"attn o_proj", 5120, 6144},
+                                {"mlp gate|up", 34816, 5120},       {"mlp down", 5120, 17408}};
+  std::vector<int64_t> tokens = {8192, 64, 1};
+  if (quick) tokens = {8192};
+  std::set<std::pair<int64_t, int64_t>> quant_done;
+  Tensor one = Tensor::from_vector({1.0f, 1.0f, 1.0f, 1.0f}, {4}).to(Device::cuda(0));
+  const float* unit_scale = one.data<float>();
+  for (const G& g : gemms) {
+    // Weight copies: enough that decode calls (which read the whole weight) do not hit L2.
+    const int copies = static_cast<int>(
+        std::clamp(std::ceil(3.0 * static_cast<double>(ctx.l2_bytes) / static_cast<double>(g.N * g.K)), 1.0, 8.0));
+    const int64_t ld_ws = cuda::fp8_weight_scale_ld(g.K), nb = (g.N + 127) / 128;
+    std::vector<Tensor> w, wq, ws;
+    w.push_back(dev_randn({g.N, g.K}, DType::BF16, 52, 0.02f));
+    for (int i = 0; i < copies; ++i) {
+      if (i > 0) w.push_back(w[0].clone());
+      wq.push_back(Tensor::empty({g.N, g.K}, DType::U8, Device::cuda(0)));
+      ws.push_back(Tensor::empty({nb * ld_ws}, DType::F32, Device::cuda(0)));
+      ws.back().fill(1.0);
+      cuda::quantize_fp8_weight(w[i].raw_data(), g.N, g.K, wq[i].data<uint8_t>(), ws[i].data<float>(), ld_ws, ctx.stream);
+    }
+    for (int64_t M : tokens) {
+      const int64_t K = g.K, N = g.N;
+      Tensor x = dev_randn({M, K}, DType::BF16, 51);
+      Tensor xq = Tensor::empty({M, K}, DType::U8, Device::cuda(0));
+      Tensor xs = Tensor::empty({static_cast<int64_t>(cuda::fp8_act_scale_elems(M, K))}, DType::F32, Device::cuda(0));
+      Tensor y16 = Tensor::empty({M, N}, DType::BF16, Device::cuda(0)), y8 = y16.clone();
+      const cuda::Fp8ActQuantParams qp{x.raw_data(), K, xq.data<uint8_t>(), K, xs.data<float>(), M, K};
+      cuda::quantize_fp8_act(qp, ctx.stream);
+      const std::string shape = std::string(g.name) + " M" + std::to_string(M) + " N" + std::to_string(N) + " K" +
+                                std::to_string(K) + (copies > 1 ? " (" + std::to_string(copies) + " weight copies)" : "");
+      const double tflop = 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K) / 1e12;
+      const double w_gb = static_cast<double>(N) * static_cast<double>(K) / 1e9;  // e4m3 bytes; bf16 twice that
+      int next = 0;
+      auto bf16_call = [&] {
+        const int i = next++ % copies;
+        cuda::gemm_bf16({x.raw_data(), K, w[i].raw_data(), y16.raw_data(), N, M, N, K, false}, 0);
+      };
+      auto fp8_call = [&](bool tensor_scales) {
+        const int i = next++ % copies;
+        cuda::GemmFp8Params p{xq.data<uint8_t>(), K, tensor_scales ? unit_scale : xs.data<float>(), wq[i].data<uint8_t>(),
+                              tensor_scales ? unit_scale : ws[i].data<float>(), y8.raw_data(), N, M, N, K, tensor_scales};
+        cuda::gemm_fp8(p, 0);
+      };
+      using Units = std::vector<std::tuple<std::string, std::string, double>>;
+      const bool decode = M < 1024;
+      auto units = [&](double bytes_per_weight) {
+        Units u;
+        if (decode) u.emplace_back("weight_read", "GB/s", w_gb * bytes_per_weight);
+        u.emplace_back("achieved", "TFLOP/s", tflop);  // last: ceiling_p50 reads it
+        return u;
+      };
+      // The ceiling first (its row is the reference of the shares), then the shared rows.
+      double ceiling_p50 = 0;
+      try {
+        measure(ctx, "fp8", "gemm_fp8_tensor", shape, {{"cublaslt_e4m3_per_tensor", [&] { fp8_call(true); }, nullptr}},
+                0, units(1));
+        ceiling_p50 = ctx.csv->rows().back().p50;
+      } catch (const Error& e) {
+        std::printf("  fp8    gemm_fp8_tensor        %-44s not run: %s\n", shape.c_str(), e.what());
+      }
+      const size_t first_row = ctx.csv->rows().size();
+      measure(ctx, "fp8", "gemm_bf16", shape, {{"cublaslt_bf16", bf16_call, nullptr}}, 0, units(2));
+      for (int fast : {0, 1}) {
+        cuda::tuning::gemm_fp8_fast_accum = fast;
+        try {
+          next = 0;
+          bf16_call();
+          next = 0;
+          fp8_call(false);
+          DeviceContext::get(0).synchronize();
+          const int64_t rows = std::min<int64_t>(M, 64);  // a host copy of the first rows is enough
+          const double e = max_rel_err(y8.slice(0, 0, rows), y16.slice(0, 0, rows));
+          DFLASH_CHECK(e <= 0.1, "fp8 " << shape << ": gemm_fp8 (fast_accum " << fast << ") disagrees with gemm_bf16 (max rel err "
+                                        << e << " > 0.1); not timing a wrong kernel");
+          measure(ctx, "fp8", "gemm_fp8", shape,
+                  {{fast ? "cublaslt_block_fast_accum" : "cublaslt_block_scaled", [&] { fp8_call(false); }, nullptr}}, 0,
+                  units(1));
+          std::printf("  fp8    gemm_fp8 fast_accum %d max rel err vs bf16 %.2e\n", fast, e);
+        } catch (const Error& e) {
+          std::printf("  fp8    gemm_fp8 fast_accum %d %-44s not run: %s\n", fast, shape.c_str(), e.what());
+        }
+      }
+      cuda::tuning::gemm_fp8_fast_accum = -1;
+      if (ceiling_p50 > 0)
+        write_shares(ctx, "fp8", first_row, ceiling_p50, "achieved", "of_fp8_ceiling", "fp8 ceiling");
+      if (quant_done.insert({M, K}).second) {
+        const double gb = (3.0 * static_cast<double>(M * K) +
+                           4.0 * static_cast<double>(M) * static_cast<double>((K + 127) / 128)) / 1e9;
+        measure(ctx, "fp8", "quantize_fp8_act", "M" + std::to_string(M) + " K" + std::to_string(K),
+                {{"fp8.cu", [&] { cuda::quantize_fp8_act(qp, ctx.stream); }, nullptr}}, 0,
+                {{"bandwidth", "GB/s", gb}});
+      }
+    }
+  }
+  if (quick) return;
+  try {
+    bench_fp8_fused(ctx);
+  } catch (const Error& e) {
+    std::printf("  fp8    fused producers not run: %s\n", e.what());
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"Op-level benchmarks of the target's CUDA kernels (each provider checked before it is timed)."};
   app.name("kernel_bench");
-  std::string log_level = "warn", csv, only = "conv,gdn,gemm,attn,dattn,ce,layer,decode,sample";
+  std::string log_level = "warn", csv, only = "conv,gdn,gemm,attn,dattn,ce,layer,decode,sample,fp8";
   bool quick = false;
   Ctx ctx;
   add_common_options(app, &log_level);
@@ -1039,7 +1221,7 @@ int main(int argc, char** argv) {
   std::string json_path, baseline;
   app.add_option("--json", json_path, "also write this run's rows as JSON");
   app.add_option("--baseline", baseline, "an earlier CSV: print now/baseline per row and the geomean per group");
-  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,attn,dattn,ce,layer,decode,sample")->capture_default_str();
+  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,attn,dattn,ce,layer,decode,sample,fp8")->capture_default_str();
   app.add_flag("--quick", quick, "a few shapes only (smoke run)");
   app.add_option("--decode-ops", ctx.decode_ops, "decode section: which of gdn,conv,attn")->capture_default_str();
   app.add_option("--decode-batches", ctx.decode_batches, "decode section, delta rule: only these batch sizes");
@@ -1066,7 +1248,7 @@ int main(int argc, char** argv) {
     const std::vector<std::pair<std::string, void (*)(Ctx&, bool)>> sections = {
         {"conv", bench_conv}, {"gdn", bench_gdn},     {"gemm", bench_gemm},  {"attn", bench_attn},
         {"ce", bench_ce},     {"layer", bench_layer}, {"dattn", bench_dattn}, {"decode", bench_decode},
-        {"sample", bench_sample}};
+        {"sample", bench_sample}, {"fp8", bench_fp8}};
     std::set<std::string> wanted;
     for (std::stringstream ss(only); ss.good();) {
       std::string name;
@@ -1074,7 +1256,7 @@ int main(int argc, char** argv) {
       if (name.empty()) continue;
       DFLASH_CHECK_HINT(std::any_of(sections.begin(), sections.end(), [&](const auto& s) { return s.first == name; }),
                         "kernel_bench --only: unknown section '" << name << "'",
-                        "the sections are conv, gdn, gemm, attn, dattn, ce, layer, decode, sample");
+                        "the sections are conv, gdn, gemm, attn, dattn, ce, layer, decode, sample, fp8");
       wanted.insert(name);
     }
     for (const auto& [name, fn] : sections)

@@ -154,7 +154,7 @@ MPI_Datatype mpi_type(DType t) {
     case DType::F64: return MPI_DOUBLE;
     case DType::I32: return MPI_INT32_T;
     case DType::I64: return MPI_INT64_T;
-    case DType::U8: return MPI_UINT8_T;
+    case DType::U8: case DType::F8E4M3: return MPI_UINT8_T;
     default: return MPI_DATATYPE_NULL;
   }
 }
@@ -168,7 +168,7 @@ ncclDataType_t nccl_type(DType t) {
     case DType::F16: return ncclFloat16;
     case DType::I32: return ncclInt32;
     case DType::I64: return ncclInt64;
-    case DType::U8: return ncclUint8;
+    case DType::U8: case DType::F8E4M3: return ncclUint8;
   }
   return ncclFloat32;
 }

@@ -8,14 +8,16 @@
 
 namespace dflash {
 
-enum class DType : uint8_t { BF16, F16, F32, F64, I32, I64, U8 };
+// F8E4M3: e4m3 codes (kernels/fp8.h) as the block-FP8 checkpoints store their weights; a value is
+// only meaningful with its block scale, so the models keep one beside every such tensor.
+enum class DType : uint8_t { BF16, F16, F32, F64, I32, I64, U8, F8E4M3 };
 
 constexpr size_t dtype_size(DType t) {
   switch (t) {
     case DType::BF16: case DType::F16: return 2;
     case DType::F32: case DType::I32: return 4;
     case DType::F64: case DType::I64: return 8;
-    case DType::U8: return 1;
+    case DType::U8: case DType::F8E4M3: return 1;
   }
   return 0;
 }
@@ -29,6 +31,7 @@ constexpr const char* dtype_name(DType t) {
     case DType::I32: return "i32";
     case DType::I64: return "i64";
     case DType::U8: return "u8";
+    case DType::F8E4M3: return "f8e4m3";
   }
   return "?";
 }

@@ -177,6 +177,9 @@ Fp8Act quantize_fp8_act(const Tensor& x);
 // Back to F32 [N, K] / [M, K]: code value times its scale.
 Tensor dequantize_fp8(const Fp8Weight& w);
 Tensor dequantize_fp8(const Fp8Act& a);
+// x [..., K] -> dequantize(quantize_fp8_act(x)) as F32 [..., K]: what the FP8 target's GEMM sees of
+// its input (the CPU FP8 target runs its FP8 projections as this times the dequantized weight).
+Tensor fake_quantize_fp8_act(const Tensor& x);
 // out [M, N] (F32, host) = the product of the two quantized operands, accumulated as an FP8 GEMM
 // with block scales does: per 128-column group g the f32 sum of code products, times
 // a.scale[m, g] * w.scale_inv[n / 128, g], the groups summed in f32, in order. (Equal to

@@ -6,11 +6,12 @@
 #include <sstream>
 
 #include "kernels/device.h"
+#include "kernels/fp8.h"
 
 namespace dflash {
 
 std::optional<DType> dtype_from_name(std::string_view name) {
-  for (DType t : {DType::BF16, DType::F16, DType::F32, DType::F64, DType::I32, DType::I64, DType::U8})
+  for (DType t : {DType::BF16, DType::F16, DType::F32, DType::F64, DType::I32, DType::I64, DType::U8, DType::F8E4M3})
     if (name == dtype_name(t)) return t;
   return std::nullopt;
 }
@@ -348,6 +349,7 @@ double load_as_double(const void* p, DType t, int64_t i) {
     case DType::I32: return static_cast<const int32_t*>(p)[i];
     case DType::I64: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
     case DType::U8: return static_cast<const uint8_t*>(p)[i];
+    case DType::F8E4M3: return fp8::e4m3_to_float(static_cast<const uint8_t*>(p)[i]);
   }
   return 0;
 }
@@ -360,6 +362,8 @@ void store_from_double(void* p, DType t, int64_t i, double v) {
     case DType::I32: static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
     case DType::I64: static_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); break;
     case DType::U8: static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v); break;
+    // (unscaled: the nearest code, saturating at +-448; quantizing a weight needs its block scales)
+    case DType::F8E4M3: static_cast<uint8_t*>(p)[i] = fp8::e4m3_from_float(static_cast<float>(v)); break;
   }
 }
 }  // namespace

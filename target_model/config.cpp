@@ -10,6 +10,33 @@
 
 namespace dflash::target {
 
+std::optional<Precision> precision_from_name(std::string_view name) {
+  for (Precision p : {Precision::Auto, Precision::Bf16, Precision::Fp8})
+    if (name == precision_name(p)) return p;
+  return std::nullopt;
+}
+
+const char* precision_name(Precision p) {
+  switch (p) {
+    case Precision::Auto: return "auto";
+    case Precision::Bf16: return "bf16";
+    case Precision::Fp8: return "fp8";
+  }
+  return "?";
+}
+
+Precision parse_precision(std::string_view name, const std::string& where) {
+  const auto p = precision_from_name(name);
+  DFLASH_CHECK_HINT(p.has_value(), where << " is '" << name << "'", "use auto, bf16 or fp8");
+  return *p;
+}
+
+Precision resolve_precision(Precision p, const TargetConfig& c) {
+  if (p != Precision::Auto) return p;
+  return c.fp8 ? Precision::Fp8 : Precision::Bf16;
+}
+
+
 using nlohmann::json;
 
 const char* layer_type_name(LayerType t) {

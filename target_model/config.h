@@ -6,9 +6,30 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace dflash::target {
+
+// How the target's large projections run (model.target.precision, --precision):
+//   auto  as stored: FP8 for a block-FP8 checkpoint, bf16 otherwise (random weights: bf16)
+//   bf16  bf16 weights (f32 on the CPU reference); an FP8 checkpoint is dequantized at load
+//   fp8   e4m3 weights with one f32 scale per 128 x 128 block, activations quantized per token
+//         and 128-column group at run time (kernels/fp8.h); a bf16 checkpoint or random weights
+//         are quantized at load
+// Only the FP8 projections (is_fp8_projection) change; norms, conv, A_log, dt_bias, the small
+// in_proj_b / in_proj_a, the embedding and lm_head stay as they are, as in the official checkpoints.
+enum class Precision : uint8_t { Auto, Bf16, Fp8 };
+std::optional<Precision> precision_from_name(std::string_view name);  // "auto", "bf16", "fp8"
+const char* precision_name(Precision p);
+struct TargetConfig;
+// Auto resolved for a config: fp8 when it is a block-FP8 checkpoint's, bf16 otherwise.
+Precision resolve_precision(Precision p, const TargetConfig& c);
+// precision_from_name, throwing a message that names `where` (e.g. "--precision") otherwise.
+Precision parse_precision(std::string_view name, const std::string& where);
+inline constexpr const char* kPrecisionHelp =
+    "auto | bf16 | fp8: the target's large projections as stored, in bf16, or in block-FP8 (e4m3 weights with "
+    "128 x 128 block scales, dynamic 1 x 128 activation groups; a bf16 checkpoint is quantized at load)";
 
 enum class LayerType { LinearAttention, FullAttention };
 const char* layer_type_name(LayerType t);  // "linear_attention" / "full_attention"

@@ -34,6 +34,7 @@ const char* step_name(Step s) {
     case Step::ConvUpdate: return "conv_update";
     case Step::DeltaRulePool: return "delta_rule_pool";
     case Step::AttentionDecode: return "attention_decode";
+    case Step::Gemm: return "gemm";
   }
   return "?";
 }
@@ -88,7 +89,15 @@ struct Capability {
 namespace {
 
 // Both plans: the forward's steps (decode = false) or those of incremental decoding on slot states.
-FastPathPlan build_plan(const TargetConfig& c, Device device, const KernelPolicies& pol, int sm_major, bool decode) {
+// The layer's projections, as the gemm step's reason names them.
+std::string projections(bool gdn) {
+  return gdn ? "in_proj_qkv|z, out_proj, gate|up, down (in_proj_b|a bf16)" : "q|k|v, o_proj, gate|up, down";
+}
+
+FastPathPlan build_plan(const TargetConfig& c, Device device, const KernelPolicies& pol, int sm_major, bool decode,
+                        Precision precision) {
+  DFLASH_CHECK(precision != Precision::Auto, "fast-path plan: resolve the precision first (resolve_precision)");
+  const bool fp8 = precision == Precision::Fp8;
   FastPathPlan plan;
   plan.device = device.str();
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
@@ -105,6 +114,9 @@ FastPathPlan build_plan(const TargetConfig& c, Device device, const KernelPolici
       } else {
         cpu_step(decode ? Step::AttentionDecode : Step::Attention, decode ? "cpu::attention_decode" : "cpu::causal_attention");
       }
+      lp.steps.push_back({Step::Gemm, Path::Cpu, fp8 ? "cpu::linear (fp8)" : "cpu::linear",
+                          fp8 ? "cpu reference (f32 on the e4m3 values; inputs quantized per 1 x 128 group): " + projections(gdn)
+                              : "cpu reference (f32): " + projections(gdn)});
       plan.layers.push_back(std::move(lp));
       continue;
     }
@@ -164,6 +176,14 @@ FastPathPlan build_plan(const TargetConfig& c, Device device, const KernelPolici
                                     std::to_string(d) + ", " + gqa,
                                 "attention_decode_fallback", "kernels.attention"));
     }
+    if (fp8)
+      lp.steps.push_back(decide(Step::Gemm, i, KernelPolicy::Auto,
+                                {fp8_gemm_supported(sm_major),
+                                 "block-scaled FP8 GEMMs run on sm_90 only (" + sm + "); the weights are dequantized to bf16"},
+                                "gemm_fp8", std::string(cuda::gemm_fp8_kernel_name()) + ": " + projections(gdn),
+                                "gemm_bf16 (dequantized)", "model.target.precision"));
+    else
+      lp.steps.push_back({Step::Gemm, Path::Fast, "gemm_bf16", "fast: cuBLASLt bf16, fp32 accumulation: " + projections(gdn)});
 #else
     (void)sm_major;
     DFLASH_FAIL_HINT("a plan for " << device.str() << " needs the CUDA backend, which this build does not have",
@@ -177,13 +197,16 @@ FastPathPlan build_plan(const TargetConfig& c, Device device, const KernelPolici
 
 }  // namespace
 
-FastPathPlan make_plan(const TargetConfig& c, Device device, const KernelPolicies& pol, int sm_major) {
-  return build_plan(c, device, pol, sm_major, false);
+FastPathPlan make_plan(const TargetConfig& c, Device device, const KernelPolicies& pol, int sm_major, Precision precision) {
+  return build_plan(c, device, pol, sm_major, false, precision);
 }
 
-FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const KernelPolicies& pol, int sm_major) {
-  return build_plan(c, device, pol, sm_major, true);
+FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const KernelPolicies& pol, int sm_major,
+                              Precision precision) {
+  return build_plan(c, device, pol, sm_major, true, precision);
 }
+
+bool fp8_gemm_supported(int sm_major) { return sm_major == 9; }
 
 int64_t FastPathPlan::count(LayerType t, bool fast_only) const {
   int64_t n = 0;
@@ -195,12 +218,16 @@ int64_t FastPathPlan::count(LayerType t, bool fast_only) const {
 std::string FastPathPlan::summary() const {
   std::ostringstream o;
   const int64_t gdn = count(LayerType::LinearAttention, false), attn = count(LayerType::FullAttention, false);
+  std::string fp8;
+  if (!layers.empty())
+    for (const StepPlan& s : layers[0].steps)
+      if (s.step == Step::Gemm && s.kernel.find("fp8") != std::string::npos) fp8 = ", fp8 GEMMs";
   if (!layers.empty() && !layers[0].steps.empty() && layers[0].steps[0].path == Path::Cpu) {
-    o << gdn << " GatedDeltaNet + " << attn << " attention layers on the CPU reference (" << device << ")";
+    o << gdn << " GatedDeltaNet + " << attn << " attention layers on the CPU reference (" << device << ")" << fp8;
     return o.str();
   }
   o << count(LayerType::LinearAttention, true) << "/" << gdn << " GatedDeltaNet layers on the fast path, "
-    << count(LayerType::FullAttention, true) << "/" << attn << " attention layers on the fast path";
+    << count(LayerType::FullAttention, true) << "/" << attn << " attention layers on the fast path" << fp8;
   return o.str();
 }
 

@@ -30,10 +30,12 @@ struct KernelPolicies {
 
 // The forward's steps, and the decode / verify steps of target::Decoder (decode.h), which run the
 // same layers on slot states: their own plan (make_decode_plan) and counters.
-enum class Step { Conv = 0, DeltaRule = 1, Attention = 2, ConvUpdate = 3, DeltaRulePool = 4, AttentionDecode = 5 };
-inline constexpr int kNumSteps = 6;
-inline constexpr Step kAllSteps[kNumSteps] = {Step::Conv,       Step::DeltaRule,     Step::Attention,
-                                              Step::ConvUpdate, Step::DeltaRulePool, Step::AttentionDecode};
+// Gemm: the layer's projections (in both plans; its kernel names the precision), counted once per
+// layer and forward.
+enum class Step { Conv = 0, DeltaRule = 1, Attention = 2, ConvUpdate = 3, DeltaRulePool = 4, AttentionDecode = 5, Gemm = 6 };
+inline constexpr int kNumSteps = 7;
+inline constexpr Step kAllSteps[kNumSteps] = {Step::Conv,          Step::DeltaRule,       Step::Attention, Step::ConvUpdate,
+                                              Step::DeltaRulePool, Step::AttentionDecode, Step::Gemm};
 const char* step_name(Step s);
 
 enum class Path { Fast, Fallback, Cpu };
@@ -59,7 +61,8 @@ struct FastPathPlan {
   std::vector<LayerPlan> layers;
 
   int64_t count(LayerType t, bool fast_only) const;
-  // "48/48 GatedDeltaNet layers on the fast path, 16/16 attention layers on the fast path"
+  // "48/48 GatedDeltaNet layers on the fast path, 16/16 attention layers on the fast path" (+ ", fp8
+  // GEMMs" when the gemm steps run FP8)
   std::string summary() const;
   // One line per layer that does not run entirely on the fast path, with the reasons.
   std::vector<std::string> fallbacks() const;
@@ -72,12 +75,19 @@ struct FastPathPlan {
 // Builds the plan. For a CUDA device, `sm_major` is the compute capability's major version (the
 // caller reads it from the device; tests may pass any value). Policy `fast` on a layer the fast
 // kernel cannot serve is an error naming the layer and the reason.
-FastPathPlan make_plan(const TargetConfig& c, Device device, const KernelPolicies& policies, int sm_major);
+// `precision` (resolved, not auto) picks the gemm step: bf16 through cuBLASLt, or the block-scaled
+// FP8 GEMM, which needs sm_90 (elsewhere: a reported fallback, the weights dequantized to bf16).
+FastPathPlan make_plan(const TargetConfig& c, Device device, const KernelPolicies& policies, int sm_major,
+                       Precision precision = Precision::Bf16);
 // The plan of incremental decoding: per GatedDeltaNet layer the conv update and the delta rule on
 // the state pool, per attention layer attention over the KV cache (the forward's policies apply:
 // kernels.conv covers the conv update, and so on; a prompt into an empty slot runs the forward's
 // kernels of make_plan).
-FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const KernelPolicies& policies, int sm_major);
+FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const KernelPolicies& policies, int sm_major,
+                              Precision precision = Precision::Bf16);
+// Whether the block-scaled FP8 GEMM runs on compute capability sm_major (cuBLASLt's VEC128 /
+// BLK128x128 scale modes: Hopper).
+bool fp8_gemm_supported(int sm_major);
 
 // Kernel invocations per (step, path) since the last reset, counted at launch time.
 class PathCounters {

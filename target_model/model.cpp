@@ -8,6 +8,15 @@ namespace dflash::target {
 
 using ops::SeqOffsets;
 
+namespace {
+// y = x · wᵀ; for an FP8 projection (its scale defined) x is first quantized per token and
+// 128-column group as the FP8 GEMM quantizes it (w holds the dequantized e4m3 values).
+void project(const Tensor& x, const Tensor& w, const Tensor& scale, Tensor& y) {
+  if (scale.defined()) ops::linear(ops::fake_quantize_fp8_act(x), w, y);
+  else ops::linear(x, w, y);
+}
+}  // namespace
+
 void check_cpu_reference_fits(const TargetConfig& local, const TargetConfig& full, const std::string& hint) {
   const double need = static_cast<double>(local.parameter_count()) * 4.0;
   const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
@@ -32,9 +41,9 @@ TargetModel::GdnInputs TargetModel::gdn_inputs(const LayerWeights& L, const Tens
   const int64_t N = x.size(0), Hv = c.linear_num_value_heads;
   GdnInputs in;
   in.mixed = Tensor::empty({N, c.gdn_conv_dim()}, DType::F32);
-  ops::linear(x, L.gdn.in_proj_qkv, in.mixed);
+  project(x, L.gdn.in_proj_qkv, L.gdn.in_proj_qkv_scale, in.mixed);
   in.z = Tensor::empty({N, c.gdn_value_dim()}, DType::F32);
-  ops::linear(x, L.gdn.in_proj_z, in.z);
+  project(x, L.gdn.in_proj_z, L.gdn.in_proj_z_scale, in.z);
   in.b = Tensor::empty({N, Hv}, DType::F32);
   in.a = Tensor::empty({N, Hv}, DType::F32);
   ops::linear(x, L.gdn.in_proj_b, in.b);
@@ -62,7 +71,7 @@ void TargetModel::gdn_output(const LayerWeights& L, const Tensor& core, const Te
   const int64_t N = core.size(0), Hv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
   Tensor normed = Tensor::empty({N, Hv, dv}, DType::F32);
   ops::gated_rms_norm(core, z.view({N, Hv, dv}), L.gdn.norm, static_cast<float>(c.rms_norm_eps), normed);
-  ops::linear(normed.view({N, Hv * dv}), L.gdn.out_proj, out);
+  project(normed.view({N, Hv * dv}), L.gdn.out_proj, L.gdn.out_proj_scale, out);
   if (tp_) tp_->all_reduce_sum(out);  // row-parallel out_proj: partial sums over the value heads
 }
 
@@ -71,7 +80,7 @@ TargetModel::AttnInputs TargetModel::attn_inputs(const LayerWeights& L, const Te
   const int64_t N = x.size(0), Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, d = c.head_dim;
   const float eps = static_cast<float>(c.rms_norm_eps);
   Tensor qg = Tensor::empty({N, c.attn_q_proj_rows()}, DType::F32);
-  ops::linear(x, L.attn.q_proj, qg);
+  project(x, L.attn.q_proj, L.attn.q_proj_scale, qg);
   AttnInputs a;
   if (c.attn_output_gate) {
     // Per head the projection holds [q (d) | gate (d)].
@@ -83,8 +92,8 @@ TargetModel::AttnInputs TargetModel::attn_inputs(const LayerWeights& L, const Te
   }
   Tensor k = Tensor::empty({N, Hkv * d}, DType::F32);
   a.v = Tensor::empty({N, Hkv * d}, DType::F32);
-  ops::linear(x, L.attn.k_proj, k);
-  ops::linear(x, L.attn.v_proj, a.v);
+  project(x, L.attn.k_proj, L.attn.k_proj_scale, k);
+  project(x, L.attn.v_proj, L.attn.v_proj_scale, a.v);
   a.k = k.view({N, Hkv, d});
   a.v = a.v.view({N, Hkv, d});
   ops::rms_norm(a.q, L.attn.q_norm, eps, ops::RmsNormKind::ZeroCentered, a.q);
@@ -96,7 +105,7 @@ void TargetModel::attn_output(const LayerWeights& L, Tensor& attn, const Tensor&
   const TargetConfig& c = config_;
   Tensor flat = attn.view({attn.size(0), c.num_attention_heads * c.head_dim});
   if (c.attn_output_gate) ops::sigmoid_gate_inplace(flat, gate);
-  ops::linear(flat, L.attn.o_proj, out);
+  project(flat, L.attn.o_proj, L.attn.o_proj_scale, out);
   if (tp_) tp_->all_reduce_sum(out);  // row-parallel o_proj
 }
 
@@ -109,10 +118,10 @@ void TargetModel::lm_head(const Tensor& normed, Tensor& logits) const { ops::lin
 void TargetModel::mlp(const LayerWeights& L, const Tensor& x, Tensor& out) const {
   const int64_t N = x.size(0), I = config_.intermediate_size;
   Tensor g = Tensor::empty({N, I}, DType::F32), u = Tensor::empty({N, I}, DType::F32);
-  ops::linear(x, L.gate_proj, g);
-  ops::linear(x, L.up_proj, u);
+  project(x, L.gate_proj, L.gate_proj_scale, g);
+  project(x, L.up_proj, L.up_proj_scale, u);
   ops::swiglu(g, u, g);
-  ops::linear(g, L.down_proj, out);
+  project(g, L.down_proj, L.down_proj_scale, out);
   if (tp_) tp_->all_reduce_sum(out);  // row-parallel down_proj
 }
 
@@ -168,6 +177,7 @@ ForwardResult TargetModel::forward(const std::vector<std::vector<int32_t>>& sequ
       attn_output(L, attn, a.gate, out);
       if (options.counters) options.counters->add(Step::Attention, Path::Cpu);
     }
+    if (options.counters) options.counters->add(Step::Gemm, Path::Cpu);
   };
   Tensor h = run_stack(ids, mixer, options.capture, r.layers);
   if (options.final_norm) {

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <numeric>
 
@@ -85,37 +86,165 @@ CudaTargetModel::CudaTargetModel(TargetConfig config, TargetWeights weights, Fas
                "CUDA target model: the plan has " << plan_.layers.size() << " layers, the config "
                                                   << config_.num_hidden_layers);
   stream_ = DeviceContext::get(device_.index).stream();
+  // The plan's gemm steps and the weights must agree on the precision; an FP8 plan that falls back
+  // (no block-scaled FP8 GEMM on this GPU) runs the dequantized weights.
+  const StepPlan& gemm_step = plan_.layers[0].step(Step::Gemm);
+  const bool plan_fp8 = gemm_step.kernel.find("fp8") != std::string::npos || gemm_step.kernel.find("dequantized") != std::string::npos;
+  const bool weights_fp8 = weights_.fp8_projections() > 0;
+  DFLASH_CHECK_HINT(plan_fp8 == weights_fp8, "CUDA target model: the weights are " << (weights_fp8 ? "FP8" : "bf16")
+                                                 << " but the plan's gemm steps are " << gemm_step.kernel,
+                    "make the plan with the weights' precision (make_plan(..., Precision::"
+                        << (weights_fp8 ? "Fp8" : "Bf16") << "))");
+  if (weights_fp8 && gemm_step.path != Path::Fast) apply_precision(config_, weights_, Precision::Bf16);
+  fp8_ = weights_fp8 && gemm_step.path == Path::Fast;
   const TargetConfig& c = config_;
-  const int64_t H = c.hidden_size;
   fused_.resize(weights_.layers.size());
   for (size_t i = 0; i < weights_.layers.size(); ++i) {
     LayerWeights& L = weights_.layers[i];
     Fused& f = fused_[i];
-    std::vector<Tensor*> parts;
-    if (L.type == LayerType::LinearAttention)
+    std::vector<Tensor*> parts, scales;
+    if (L.type == LayerType::LinearAttention) {
       parts = {&L.gdn.in_proj_qkv, &L.gdn.in_proj_z, &L.gdn.in_proj_b, &L.gdn.in_proj_a};
-    else
+      scales = {&L.gdn.in_proj_qkv_scale, &L.gdn.in_proj_z_scale, nullptr, nullptr};
+      f.out = make_proj({&L.gdn.out_proj}, {&L.gdn.out_proj_scale}, 0, 0);
+    } else {
       parts = {&L.attn.q_proj, &L.attn.k_proj, &L.attn.v_proj};
+      scales = {&L.attn.q_proj_scale, &L.attn.k_proj_scale, &L.attn.v_proj_scale};
+      f.out = make_proj({&L.attn.o_proj}, {&L.attn.o_proj_scale}, 0, 0);
+    }
     int64_t rows = 0;
     for (Tensor* t : parts) rows += t->size(0);
     f.rows = round_up8(rows);
-    f.in_proj = Tensor::zeros({f.rows, H}, DType::BF16, device_);
-    int64_t r = 0;
-    for (Tensor* t : parts) {
-      put_rows(f.in_proj, r, *t);
-      *t = f.in_proj.slice(0, r, r + t->size(0));  // the separate copy is freed
-      r += t->size(0);
-    }
-    const int64_t I = c.intermediate_size;
-    f.gate_up = device_bf16({2 * I, H}, device_);
-    put_rows(f.gate_up, 0, L.gate_proj);
-    put_rows(f.gate_up, I, L.up_proj);
-    L.gate_proj = f.gate_up.slice(0, 0, I);
-    L.up_proj = f.gate_up.slice(0, I, 2 * I);
+    // Groups of consecutive parts of one precision; an FP8 group continues only across a part with
+    // a multiple of 128 rows (its scale blocks then stack). The last GEMM also writes the padding
+    // columns up to pad_to (zero rows of its weight).
+    auto group = [&](std::vector<Tensor*>& ps, std::vector<Tensor*>& ss, std::vector<Proj>& out, int64_t pad_to) {
+      std::vector<std::pair<size_t, size_t>> groups;
+      for (size_t j = 0; j < ps.size();) {
+        const bool fp8 = ss[j] && ss[j]->defined();
+        size_t e = j + 1;
+        while (e < ps.size() && (ss[e] && ss[e]->defined()) == fp8 && (!fp8 || ps[e - 1]->size(0) % 128 == 0)) ++e;
+        groups.emplace_back(j, e);
+        j = e;
+      }
+      int64_t col = 0;
+      for (size_t g = 0; g < groups.size(); ++g) {
+        const auto [j, e] = groups[g];
+        std::vector<Tensor*> gw(ps.begin() + static_cast<std::ptrdiff_t>(j), ps.begin() + static_cast<std::ptrdiff_t>(e));
+        std::vector<Tensor*> gs(ss.begin() + static_cast<std::ptrdiff_t>(j), ss.begin() + static_cast<std::ptrdiff_t>(e));
+        int64_t rows_g = 0;
+        for (Tensor* t : gw) rows_g += t->size(0);
+        const int64_t extra = g + 1 == groups.size() ? std::max<int64_t>(0, pad_to - col - rows_g) : 0;
+        out.push_back(make_proj(gw, gs, col, extra));
+        col += rows_g;
+      }
+    };
+    group(parts, scales, f.in_parts, f.rows);
+    std::vector<Tensor*> gu = {&L.gate_proj, &L.up_proj}, gus = {&L.gate_proj_scale, &L.up_proj_scale};
+    group(gu, gus, f.gate_up, 0);
+    f.down = make_proj({&L.down_proj}, {&L.down_proj_scale}, 0, 0);
+    // The bf16 layout's fused in-projection (for run_layer's callers that read it) is the first part.
+    f.in_proj = f.in_parts[0].w;
   }
   DeviceContext::get(device_.index).synchronize();
   // The unfused copies went back to the cache; their sizes rarely fit later requests.
   device_alloc::empty_cache(device_.index);
+}
+
+CudaTargetModel::Proj CudaTargetModel::make_proj(std::vector<Tensor*> ws, std::vector<Tensor*> ss, int64_t col,
+                                                 int64_t extra_rows) {
+  Proj p;
+  p.col = col;
+  p.K = ws[0]->size(1);
+  const bool fp8 = ss[0] && ss[0]->defined();
+  for (Tensor* t : ws) {
+    DFLASH_CHECK(t->size(1) == p.K, "CUDA target model: fused projections of different input sizes");
+    p.N += t->size(0);
+  }
+  p.N += extra_rows;
+  DFLASH_CHECK_HINT(col % 8 == 0, "CUDA target model: a projection's output starts at column " << col
+                                      << ", not a multiple of 8 (16-byte aligned rows)",
+                    "the model's head / value dims must keep the fused projections' boundaries 16-byte aligned");
+  if (ws.size() == 1 && extra_rows == 0) {
+    p.w = *ws[0];
+  } else {
+    p.w = extra_rows ? Tensor::zeros({p.N, p.K}, ws[0]->dtype(), device_) : Tensor::empty({p.N, p.K}, ws[0]->dtype(), device_);
+    int64_t r = 0;
+    for (Tensor* t : ws) {
+      put_rows(p.w, r, *t);
+      *t = p.w.slice(0, r, r + t->size(0));  // the separate copy is freed
+      r += t->size(0);
+    }
+  }
+  if (!fp8) return p;
+  // The block scales stacked in cuBLASLt's layout: rows of fp8_weight_scale_ld(K) floats.
+  const int64_t kb = (p.K + 127) / 128, ld = cuda::fp8_weight_scale_ld(p.K);
+  Tensor host = Tensor::zeros({(p.N + 127) / 128, ld}, DType::F32);
+  int64_t b0 = 0;
+  for (Tensor* s : ss) {
+    DFLASH_CHECK(s && s->defined() && s->size(1) == kb, "CUDA target model: an FP8 group mixes precisions");
+    Tensor hs = s->to(Device::cpu());
+    for (int64_t r = 0; r < hs.size(0); ++r)
+      std::memcpy(host.data<float>() + (b0 + r) * ld, hs.data<float>() + r * kb, static_cast<size_t>(kb) * sizeof(float));
+    b0 += hs.size(0);
+  }
+  p.scale = host.to(device_);
+  return p;
+}
+
+CudaTargetModel::Fp8Input CudaTargetModel::quantize_input(const Tensor& x, int64_t ldx, int64_t M, int64_t K) {
+  Fp8Input in;
+  const int64_t Mg = gemm_rows(M);
+  in.q = Tensor::empty({Mg, K}, DType::F8E4M3, device_);
+  if (Mg > M)  // the pad rows the GEMM reads: zero codes (their scales are written as 1)
+    DFLASH_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(in.q.raw_data()) + M * K, 0, static_cast<size_t>((Mg - M) * K),
+                                      static_cast<cudaStream_t>(stream_)));
+  in.scale = Tensor::empty({static_cast<int64_t>(cuda::fp8_act_scale_elems(M, K))}, DType::F32, device_);
+  cuda::Fp8ActQuantParams qp;
+  qp.x = x.raw_data();
+  qp.ldx = ldx;
+  qp.q = static_cast<uint8_t*>(in.q.raw_data());
+  qp.ldq = K;
+  qp.scale = in.scale.data<float>();
+  qp.M = M;
+  qp.K = K;
+  timed(ForwardOp::Fp8Quant, [&] { cuda::quantize_fp8_act(qp, stream_); });
+  return in;
+}
+
+void CudaTargetModel::project(ForwardOp op, const Tensor& x, int64_t ldx, const std::vector<Proj>& parts, Tensor& y,
+                              int64_t ldy, int64_t M) {
+  Fp8Input in;
+  for (const Proj& p : parts) {
+    char* out = static_cast<char*>(y.raw_data()) + p.col * 2;
+    const GemmShape shape{p.fp8() ? gemm_rows(M) : M, p.N, p.K, p.fp8() ? p.K : ldx, ldy, p.fp8()};
+    if (p.fp8()) {
+      if (!in.q.defined()) in = quantize_input(x, ldx, M, p.K);
+      cuda::GemmFp8Params g;
+      g.x = static_cast<const uint8_t*>(in.q.raw_data());
+      g.ldx = p.K;
+      g.x_scale = in.scale.data<float>();
+      g.w = static_cast<const uint8_t*>(p.w.raw_data());
+      g.w_scale = p.scale.data<float>();
+      g.y = out;
+      g.ldy = ldy;
+      g.M = gemm_rows(M);  // y has those rows (gemm_rows)
+      g.N = p.N;
+      g.K = p.K;
+      timed(op, [&] { cuda::gemm_fp8(g, device_.index); }, shape);
+    } else {
+      cuda::GemmParams g;
+      g.x = x.raw_data();
+      g.ldx = ldx;
+      g.w = p.w.raw_data();
+      g.y = out;
+      g.ldy = ldy;
+      g.M = M;
+      g.N = p.N;
+      g.K = p.K;
+      timed(op, [&] { cuda::gemm_bf16(g, device_.index); }, shape);
+    }
+  }
 }
 
 void CudaTargetModel::set_plan(FastPathPlan plan) {
@@ -123,20 +252,6 @@ void CudaTargetModel::set_plan(FastPathPlan plan) {
                "CUDA target model: the plan has " << plan.layers.size() << " layers, the config "
                                                   << config_.num_hidden_layers);
   plan_ = std::move(plan);
-}
-
-void CudaTargetModel::gemm(ForwardOp op, const Tensor& x, int64_t ldx, const Tensor& w, Tensor& y, int64_t ldy, int64_t M,
-                           int64_t N, int64_t K) {
-  cuda::GemmParams p;
-  p.x = x.raw_data();
-  p.ldx = ldx;
-  p.w = w.raw_data();
-  p.y = y.raw_data();
-  p.ldy = ldy;
-  p.M = M;
-  p.N = N;
-  p.K = K;
-  timed(op, [&] { cuda::gemm_bf16(p, device_.index); }, GemmShape{M, N, K, ldx, ldy});
 }
 
 CudaBatch CudaTargetModel::make_batch(const std::vector<std::vector<int32_t>>& sequences) const {
@@ -178,8 +293,8 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   const int64_t N = b.num_tokens, H = c.hidden_size, Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, C = c.gdn_conv_dim(), V = c.gdn_value_dim();
   const int64_t P = f.rows;
-  Tensor proj = device_bf16({N, P}, device_);
-  gemm(ForwardOp::GdnInProj, x, H, f.in_proj, proj, P, N, P, H);
+  Tensor proj = device_bf16({gemm_rows(N), P}, device_);
+  project(ForwardOp::GdnInProj, x, H, f.in_parts, proj, P, N);
   auto col = [&](int64_t j) { return static_cast<char*>(proj.raw_data()) + j * 2; };
 
   DecodeStep* ds = decode_;
@@ -295,7 +410,7 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
     cuda::gated_rms_norm(core.raw_data(), col(C), P, L.gdn.norm.raw_data(), normed.raw_data(), N, Hv, dv,
                          static_cast<float>(c.rms_norm_eps), stream_);
   });
-  gemm(ForwardOp::GdnOutProj, normed, V, L.gdn.out_proj, out, H, N, H, V);
+  project(ForwardOp::GdnOutProj, normed, V, {f.out}, out, H, N);
   if (tp_) timed(ForwardOp::AllReduce, [&] { tp_->all_reduce_sum(out); });
 }
 
@@ -356,8 +471,8 @@ void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatc
   const int64_t N = b.num_tokens, H = c.hidden_size, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads;
   const int64_t d = c.head_dim, Q = c.attn_q_proj_rows(), P = f.rows;
   const bool gated = c.attn_output_gate;
-  Tensor proj = device_bf16({N, P}, device_);
-  gemm(ForwardOp::AttnQkv, x, H, f.in_proj, proj, P, N, P, H);
+  Tensor proj = device_bf16({gemm_rows(N), P}, device_);
+  project(ForwardOp::AttnQkv, x, H, f.in_parts, proj, P, N);
   char* base = static_cast<char*>(proj.raw_data());
 
   Tensor q = device_bf16({N, Hq, d}, device_);
@@ -460,7 +575,7 @@ void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatc
   }
   if (gated)
     timed(ForwardOp::SigmoidGate, [&] { cuda::sigmoid_gate(attn.raw_data(), base + d * 2, P, 2 * d, N, Hq, d, stream_); });
-  gemm(ForwardOp::AttnOProj, attn, Hq * d, L.attn.o_proj, out, H, N, H, Hq * d);
+  project(ForwardOp::AttnOProj, attn, Hq * d, {f.out}, out, H, N);
   if (tp_) timed(ForwardOp::AllReduce, [&] { tp_->all_reduce_sum(out); });
 }
 
@@ -468,11 +583,11 @@ void CudaTargetModel::mlp(int64_t i, const Tensor& x, Tensor& out) {
   const TargetConfig& c = config_;
   const Fused& f = fused_[static_cast<size_t>(i)];
   const int64_t N = x.size(0), H = c.hidden_size, I = c.intermediate_size;
-  Tensor gu = device_bf16({N, 2 * I}, device_);
-  gemm(ForwardOp::MlpGateUp, x, H, f.gate_up, gu, 2 * I, N, 2 * I, H);
+  Tensor gu = device_bf16({gemm_rows(N), 2 * I}, device_);
+  project(ForwardOp::MlpGateUp, x, H, f.gate_up, gu, 2 * I, N);
   Tensor act = device_bf16({N, I}, device_);
   timed(ForwardOp::Swiglu, [&] { cuda::swiglu(gu.raw_data(), act.raw_data(), N, I, stream_); });
-  gemm(ForwardOp::MlpDown, act, I, weights_.layers[static_cast<size_t>(i)].down_proj, out, H, N, H, I);
+  project(ForwardOp::MlpDown, act, I, {f.down}, out, H, N);
   if (tp_) timed(ForwardOp::AllReduce, [&] { tp_->all_reduce_sum(out); });
 }
 
@@ -484,7 +599,7 @@ void CudaTargetModel::layer_body(int64_t i, Tensor& h, Tensor& normed, const Cud
   const LayerWeights& L = weights_.layers[static_cast<size_t>(i)];
   const int64_t N = b.num_tokens, H = c.hidden_size;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  Tensor delta = device_bf16({N, H}, device_);
+  Tensor delta = device_bf16({gemm_rows(N), H}, device_);  // the GEMMs' output rows (gemm_rows)
   if (L.type == LayerType::LinearAttention) gdn_mixer(i, normed, b, lp, delta);
   else attention_mixer(i, normed, b, lp, delta);
   timed(ForwardOp::AddRmsNorm, [&] {
@@ -492,6 +607,15 @@ void CudaTargetModel::layer_body(int64_t i, Tensor& h, Tensor& normed, const Cud
                        eps, stream_);
   });
   mlp(i, normed, delta);
+  {  // the layer's projections ran on the gemm step's kernel (counted once per layer)
+    const DecodeStep* ds = decode_;
+    if (ds && !ds->prefill) {
+      const DecodeLayer& dl = (*ds->layers)[static_cast<size_t>(i)];
+      ds->counters->add(Step::Gemm, dl.plan->step(Step::Gemm).path);
+    } else {
+      counters_.add(Step::Gemm, lp.step(Step::Gemm).path);
+    }
+  }
   // The residual add, fused with the norm the next step needs (the next layer's input norm, or
   // the final norm after the last layer) when there is one.
   timed(ForwardOp::AddRmsNorm, [&] {

@@ -31,13 +31,14 @@ enum class ForwardOp : uint8_t {
   AttnQkv, QkNormRope, Attention, SigmoidGate, AttnOProj,            // gated attention mixer
   AddRmsNorm, MlpGateUp, Swiglu, MlpDown,                          // residual steps and MLP
   AllReduce, CaptureCopy,                                          // tp > 1; ForwardOptions::capture
+  Fp8Quant,                                                        // precision fp8: a GEMM input quantized
   kCount
 };
 inline constexpr int kNumForwardOps = static_cast<int>(ForwardOp::kCount);
 inline constexpr std::array<std::string_view, kNumForwardOps> kForwardOpNames = {
     "embedding",   "input_norm",   "gdn_in_proj",  "gdn_conv",   "gdn_prep",     "delta_rule",  "gated_rms_norm",
     "gdn_out_proj", "attn_qkv",    "qk_norm_rope", "attention",  "sigmoid_gate", "attn_o_proj",
-    "add_rms_norm", "mlp_gate_up", "swiglu",       "mlp_down",   "all_reduce",   "capture_copy"};
+    "add_rms_norm", "mlp_gate_up", "swiglu",       "mlp_down",   "all_reduce",   "capture_copy", "fp8_quant"};
 inline std::string_view forward_op_name(ForwardOp op) { return kForwardOpNames[static_cast<size_t>(op)]; }
 inline bool forward_op_is_gemm(ForwardOp op) {
   return op == ForwardOp::GdnInProj || op == ForwardOp::GdnOutProj || op == ForwardOp::AttnQkv ||
@@ -48,6 +49,7 @@ inline bool forward_op_is_gemm(ForwardOp op) {
 // ldx) · w[N, K]ᵀ, w contiguous. All zero for the other ops.
 struct GemmShape {
   int64_t M = 0, N = 0, K = 0, ldx = 0, ldy = 0;
+  bool fp8 = false;  // cuda::gemm_fp8 on e4m3 codes (then ldx is the codes' row stride, K)
   auto operator<=>(const GemmShape&) const = default;
   double flops() const { return 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K); }
 };
@@ -146,7 +148,11 @@ void run_delta_rule_pool(const DecodeLayer& dl, const cuda::DeltaRuleParams& p, 
 class CudaTargetModel {
  public:
   // `weights` must be bf16 on a CUDA device; the in-projections are fused in place (q|k|v|z|b|a,
-  // q|k|v, gate|up) so each mixer and MLP starts with one GEMM.
+  // q|k|v, gate|up) so each mixer and MLP starts with one GEMM. FP8 projections (weights.h: e4m3
+  // codes and block scales) run the block-scaled FP8 GEMM when the plan's gemm steps say so (the
+  // plan's precision must match the weights'); there the in-projection is one FP8 GEMM over the
+  // FP8 parts (q|k|v|z, q|k|v, gate|up, fused when each part before the last has a multiple of 128
+  // rows) and one bf16 GEMM over the rest (b|a); a fallback gemm step dequantizes them at start.
   // With `tp`, config / weights / plan are this rank's shard (tp.h) and the output of each mixer
   // and MLP is all-reduced over the group (NCCL).
   CudaTargetModel(TargetConfig config, TargetWeights weights, FastPathPlan plan, comm::Communicator* tp = nullptr);
@@ -177,11 +183,34 @@ class CudaTargetModel {
   void run_layer(int64_t i, Tensor& h, const CudaBatch& batch, const LayerPlan& layer_plan);
 
  private:
-  struct Fused {
-    Tensor in_proj;   // GDN: (P, H) rows [qkv | z | b | a | pad]; attention: [q(+gate) | k | v | pad]
-    int64_t rows = 0; // P (a multiple of 8 so every row of the GEMM output stays 16-byte aligned)
-    Tensor gate_up;   // (2I, H)
+  // One GEMM of the forward: y[:, col, col + N) = x · wᵀ with w [N, K] bf16, or e4m3 codes with
+  // their block scales in the layout cuda::gemm_fp8 reads (rows of cuda::fp8_weight_scale_ld(K)).
+  struct Proj {
+    Tensor w, scale;  // scale undefined: bf16
+    int64_t col = 0, N = 0, K = 0;
+    bool fp8() const { return scale.defined(); }
   };
+  struct Fused {
+    Tensor in_proj;   // GDN: (P, H) rows [qkv | z | b | a | pad]; attention: [q(+gate) | k | v | pad] (bf16 layout)
+    int64_t rows = 0; // P (a multiple of 8 so every row of the GEMM output stays 16-byte aligned)
+    std::vector<Proj> in_parts, gate_up;  // the GEMMs that write proj [N, P] and gu [N, 2I]
+    Proj out, down;                       // out_proj / o_proj, down_proj
+  };
+  // Quantized GEMM inputs (precision fp8): x [M, K] as e4m3 codes and its per-token group scales.
+  struct Fp8Input {
+    Tensor q, scale;
+  };
+  Fp8Input quantize_input(const Tensor& x, int64_t ldx, int64_t M, int64_t K);
+  // Rows of a GEMM's output buffer for N tokens: the block-scaled FP8 GEMM runs on M % 4 == 0 only
+  // (cuBLASLt), so an FP8 target's GEMMs run on N rounded up to 4, the pad rows' inputs zero and
+  // their outputs never read.
+  int64_t gemm_rows(int64_t N) const { return fp8_ ? (N + 3) / 4 * 4 : N; }
+  // Runs the parts' GEMMs of x (ldx) into y (ldy); FP8 parts read x quantized once.
+  void project(ForwardOp op, const Tensor& x, int64_t ldx, const std::vector<Proj>& parts, Tensor& y, int64_t ldy,
+               int64_t M);
+  // One GEMM over the concatenated weights (their slots become views of it), output from column
+  // `col`, with extra_rows zero rows after them.
+  Proj make_proj(std::vector<Tensor*> weights, std::vector<Tensor*> scales, int64_t col, int64_t extra_rows);
   // Mixer and MLP of layer i on h, from `normed` = input_norm(h) (overwritten as scratch); ends with
   // the residual add fused with `next_norm` into *next_out when next_norm is set.
   void layer_body(int64_t i, Tensor& h, Tensor& normed, const CudaBatch& b, const LayerPlan& lp, const Tensor* next_norm,
@@ -189,8 +218,6 @@ class CudaTargetModel {
   void gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out);
   void attention_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out);
   void mlp(int64_t i, const Tensor& x, Tensor& out);
-  void gemm(ForwardOp op, const Tensor& x, int64_t ldx, const Tensor& w, Tensor& y, int64_t ldy, int64_t M, int64_t N,
-            int64_t K);
   // What a prefill (DecodeStep::prefill) needs beside the batch, built once per forward (one upload)
   // by begin_prefill and dropped at the end of the forward.
   struct Prefill {
@@ -214,6 +241,7 @@ class CudaTargetModel {
   TargetWeights weights_;
   FastPathPlan plan_;
   std::vector<Fused> fused_;
+  bool fp8_ = false;  // the projections run the block-scaled FP8 GEMM
   PathCounters counters_;
   Device device_;
   void* stream_ = nullptr;

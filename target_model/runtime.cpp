@@ -26,6 +26,11 @@ std::string TargetSource::describe() const {
   return random_weights ? "random weights (seed " + std::to_string(seed) + ") of " + config_path : model_dir;
 }
 
+std::string TargetSource::identity(const TargetConfig& full) const {
+  const bool fp8 = resolve_precision(precision, full) == Precision::Fp8;
+  return describe() + ": " + full.summary() + (fp8 ? ", precision fp8" : "");
+}
+
 TargetRuntime::TargetRuntime(const TargetSource& source, const TargetConfig& full, Device device, int tp, int tp_rank,
                              comm::Communicator* tp_comm, bool require_fast_path)
     : device_(device), local_(target::local_config(full, tp)) {
@@ -35,8 +40,9 @@ TargetRuntime::TargetRuntime(const TargetSource& source, const TargetConfig& ful
     DFLASH_CHECK_HINT(!require_fast_path, "require_fast_path: the CPU backend is the f32 reference, which has no fast path",
                       "run on a GPU (--device cuda)");
     check_cpu_reference_fits(local_, full, "the CPU reference is for small models; run big targets with --device cuda");
-    TargetWeights w = source.random_weights ? random_weights_tp(full, source.seed, DType::F32, device, shard)
-                                            : load_weights_tp(full, source.model_dir, DType::F32, device, shard);
+    TargetWeights w = source.random_weights
+                          ? random_weights_tp(full, source.seed, DType::F32, device, shard, source.precision)
+                          : load_weights_tp(full, source.model_dir, DType::F32, device, shard, source.precision);
     cpu_ = std::make_unique<TargetModel>(local_, std::move(w), tp_comm);
     return;
   }
@@ -44,13 +50,15 @@ TargetRuntime::TargetRuntime(const TargetSource& source, const TargetConfig& ful
   check_device_visible(device);
   const int sm = cuda_device_info(device.index).major;
   const KernelPolicies pol{KernelPolicy::Auto, KernelPolicy::Auto, KernelPolicy::Auto, require_fast_path};
-  FastPathPlan plan = make_plan(local_, device, pol, sm);
-  decode_plan_ = make_decode_plan(local_, device, pol, sm);
+  const Precision precision = resolve_precision(source.precision, full);
+  FastPathPlan plan = make_plan(local_, device, pol, sm, precision);
+  decode_plan_ = make_decode_plan(local_, device, pol, sm, precision);
   plans_ = "prefill: " + plan.summary() + "; decode: " + decode_plan_.summary();
   for (const std::string& f : plan.fallbacks()) spdlog::warn("prefill fallback: {}", f);
   for (const std::string& f : decode_plan_.fallbacks()) spdlog::warn("decode fallback: {}", f);
-  TargetWeights w = source.random_weights ? random_weights_tp(full, source.seed, DType::BF16, device, shard)
-                                          : load_weights_tp(full, source.model_dir, DType::BF16, device, shard);
+  TargetWeights w = source.random_weights
+                        ? random_weights_tp(full, source.seed, DType::BF16, device, shard, source.precision)
+                        : load_weights_tp(full, source.model_dir, DType::BF16, device, shard, source.precision);
   cuda_ = std::make_unique<CudaTargetModel>(local_, std::move(w), plan, tp_comm);
 #else
   DFLASH_FAIL_HINT("device " << device.str() << ": this build has no CUDA backend", "reconfigure with -DDFLASH_CUDA=ON");

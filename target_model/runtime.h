@@ -28,10 +28,14 @@ struct TargetSource {
   std::string config_path;
   bool random_weights = false;
   uint64_t seed = 0;
+  Precision precision = Precision::Auto;  // what the projections run in (weights.h)
   // Checks that exactly one source is given (naming the options as `model_opt` / `config_opt` say).
   void check(const std::string& model_opt = "--model", const std::string& config_opt = "--config") const;
   TargetConfig read_config() const;   // the full model's architecture
   std::string describe() const;       // "DIR" or "random weights (seed S) of FILE"
+  // What a regeneration's manifest records of the target: describe(), the architecture, and the
+  // precision when it is fp8 (bf16 runs keep the identity they had before FP8 existed).
+  std::string identity(const TargetConfig& full) const;
 };
 
 class TargetRuntime {

@@ -31,7 +31,7 @@ using json = nlohmann::json;
 
 namespace {
 
-constexpr DType kSupported[] = {DType::BF16, DType::F16, DType::F32, DType::F64, DType::I32, DType::I64, DType::U8};
+constexpr DType kSupported[] = {DType::BF16, DType::F16, DType::F32, DType::F64, DType::I32, DType::I64, DType::U8, DType::F8E4M3};
 
 // Quotes a string for messages (names come from files and may hold anything).
 std::string q(const std::string& s) {
@@ -120,7 +120,7 @@ TensorInfo parse_entry(const std::string& path, const std::string& name, const j
   auto dt = safetensors_dtype_from_string(dts);
   DFLASH_CHECK_HINT(dt.has_value(), ctx << ": dtype " << q(dts) << " is not supported",
                     "supported dtypes: " << safetensors_supported_dtypes()
-                                         << " (convert the checkpoint, e.g. BOOL/I8/F8 tensors to U8/BF16)");
+                                         << " (convert the checkpoint, e.g. BOOL/I8/F8_E5M2 tensors to U8/BF16)");
   info.dtype = *dt;
 
   // Element count with overflow checks: the product of the non-zero dims must fit in int64, so
@@ -301,11 +301,12 @@ const char* safetensors_dtype_string(DType t) {
     case DType::I32: return "I32";
     case DType::I64: return "I64";
     case DType::U8: return "U8";
+    case DType::F8E4M3: return "F8_E4M3";
   }
   return "?";
 }
 
-const char* safetensors_supported_dtypes() { return "BF16, F16, F32, F64, I32, I64, U8"; }
+const char* safetensors_supported_dtypes() { return "BF16, F16, F32, F64, I32, I64, U8, F8_E4M3"; }
 
 // ---------------------------------------------------------------------------------------------
 // SafetensorsFile

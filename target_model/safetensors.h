@@ -40,7 +40,8 @@ struct TensorInfo {
   size_t nbytes() const { return end - begin; }
 };
 
-// Safetensors dtype strings we read and write: "BF16", "F16", "F32", "F64", "I32", "I64", "U8".
+// Safetensors dtype strings we read and write: "BF16", "F16", "F32", "F64", "I32", "I64", "U8",
+// "F8_E4M3" (e4m3 codes, DType::F8E4M3).
 std::optional<DType> safetensors_dtype_from_string(std::string_view s);
 const char* safetensors_dtype_string(DType t);
 // "BF16, F16, F32, F64, I32, I64, U8" (for messages).

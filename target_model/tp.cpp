@@ -4,6 +4,7 @@
 #include <map>
 #include <sstream>
 
+#include "kernels/fp8.h"
 #include "kernels/random.h"
 #include "target_model/safetensors.h"
 
@@ -113,10 +114,28 @@ std::map<std::string, SliceSpec> specs_by_name(const TargetConfig& full, const T
 }
 }  // namespace
 
+SliceSpec scale_slice_spec(const SliceSpec& w, int tp) {
+  constexpr int64_t B = fp8::kBlock;
+  auto blocks = [](int64_t n) { return (n + B - 1) / B; };
+  SliceSpec s{w.name + "_scale_inv", {blocks(w.full[0]), blocks(w.full[1])}, {blocks(w.local[0]), blocks(w.local[1])},
+              w.dim, {}};
+  if (w.dim < 0) return s;
+  const int64_t extent = w.full[static_cast<size_t>(w.dim)];
+  for (auto [start, len] : w.segments) {
+    DFLASH_CHECK_HINT(start % B == 0 && (len % B == 0 || start + len == extent),
+                      "tp = " << tp << ": the FP8 weight " << w.name << " " << shape_str(w.full) << " is cut at "
+                              << (w.dim == 0 ? "rows" : "columns") << " [" << start << ", " << start + len
+                              << "), which does not fall on its 128 x 128 scale blocks",
+                      "use a tp whose head / intermediate slices are multiples of 128 (Qwen3.6-27B-FP8: any tp that "
+                      "divides the heads), or load the bf16 checkpoint and quantize at load (precision fp8)");
+    s.segments.emplace_back(start / B, blocks(len));
+  }
+  return s;
+}
+
 TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, DType dtype, Device device,
-                              const TpShard& shard) {
-  check_loadable(full, dir);
-  if (shard.size == 1) return load_weights(full, dir, dtype, device);
+                              const TpShard& shard, Precision precision) {
+  if (shard.size == 1) return load_weights(full, dir, dtype, device, precision);
   // The checkpoint is validated against the full config exactly as a single rank would, then
   // each slice is copied out of the mmap'd file: only its pages are read.
   const SafetensorsIndex ckpt = open_checkpoint(dir);
@@ -128,17 +147,26 @@ TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, 
     DFLASH_CHECK_HINT(it != by_canonical.end() && ckpt.info(it->second).shape == t.shape,
                       dir << ": tensor " << t.name << " " << shape_str(t.shape) << " is missing or mis-shaped",
                       "run once with tp = 1 (or dflash_doctor) for the full list of checkpoint problems");
+    if (ckpt.info(it->second).dtype == DType::F8E4M3)
+      DFLASH_CHECK_HINT(is_fp8_projection(t.name) && by_canonical.count(t.name + "_scale_inv"),
+                        dir << ": " << it->second << " is e4m3 without its weight_scale_inv (or is not a projection)",
+                        "run once with tp = 1 (or dflash_doctor) for the full list of checkpoint problems");
   }
   const auto specs = specs_by_name(full, shard);
-  return assemble_weights(local_config(full, shard.size), dtype, device, [&](const std::string& name, const Shape&) {
-    return extract_slice(ckpt.tensor(by_canonical.at(name)), specs.at(name));
-  });
+  TargetWeights w = assemble_weights(
+      local_config(full, shard.size), dtype, device,
+      [&](const std::string& name, const Shape&) { return extract_slice(ckpt.tensor(by_canonical.at(name)), specs.at(name)); },
+      [&](const std::string& name, const Shape&) {
+        return extract_slice(ckpt.tensor(by_canonical.at(name + "_scale_inv")), scale_slice_spec(specs.at(name), shard.size));
+      });
+  apply_precision(full, w, precision);
+  return w;
 }
 
 TargetWeights random_weights_tp(const TargetConfig& full, uint64_t seed, DType dtype, Device device,
-                                const TpShard& shard) {
+                                const TpShard& shard, Precision precision) {
   const auto specs = specs_by_name(full, shard);
-  return assemble_weights(local_config(full, shard.size), dtype, device, [&](const std::string& name, const Shape& shape) {
+  TargetWeights w = assemble_weights(local_config(full, shard.size), dtype, device, [&](const std::string& name, const Shape& shape) {
     const SliceSpec& s = specs.at(name);
     const RandomInit init = random_init(name, s.full, full.random_branch_scale);
     if (s.dim < 0 || init.kind != RandomInit::Normal) {
@@ -168,6 +196,8 @@ TargetWeights random_weights_tp(const TargetConfig& full, uint64_t seed, DType d
     }
     return t;
   });
+  apply_precision(full, w, precision);
+  return w;
 }
 
 }  // namespace dflash::target

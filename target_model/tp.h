@@ -43,11 +43,19 @@ std::vector<SliceSpec> shard_specs(const TargetConfig& full, const TpShard& shar
 // the slice's bytes are touched), returning a contiguous host tensor of the same dtype.
 Tensor extract_slice(const Tensor& full, const SliceSpec& spec);
 
-// The rank's weights, read slice by slice from the checkpoint (no full copy in host memory).
+// The slice of an FP8 projection's block scales [ceil(N/128), ceil(K/128)] that goes with the
+// weight slice `weight`: every cut must fall on a multiple of 128 (or the tensor's end); throws
+// naming the tensor, the cut and tp otherwise.
+SliceSpec scale_slice_spec(const SliceSpec& weight, int tp);
+
+// The rank's weights, read slice by slice from the checkpoint (no full copy in host memory); an
+// FP8 checkpoint's e4m3 projections with their block scales (scale_slice_spec), then `precision`
+// as apply_precision says.
 TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, DType dtype, Device device,
-                              const TpShard& shard);
-// The rank's slice of exactly the model random_weights(full, seed) would make.
+                              const TpShard& shard, Precision precision = Precision::Auto);
+// The rank's slice of exactly the model random_weights(full, seed) would make (precision fp8:
+// quantized after slicing, see apply_precision).
 TargetWeights random_weights_tp(const TargetConfig& full, uint64_t seed, DType dtype, Device device,
-                                const TpShard& shard);
+                                const TpShard& shard, Precision precision = Precision::Auto);
 
 }  // namespace dflash::target

@@ -9,8 +9,14 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "kernels/fp8.h"
+#include "kernels/ops.h"
 #include "kernels/random.h"
 #include "kernels/rng.h"
+#include "kernels/device.h"
+#if DFLASH_WITH_CUDA
+#include "kernels/cuda/launch.h"
+#endif
 #include "target_model/safetensors.h"
 
 namespace dflash::target {
@@ -74,7 +80,105 @@ void finish(const TargetConfig& c, TargetWeights& w, DType dtype, Device device)
   w.device = device;
 }
 
+int64_t blocks(int64_t n) { return (n + fp8::kBlock - 1) / fp8::kBlock; }
+
+// Stores an FP8 projection from host codes and scale in the layout of weights.h.
+void place_fp8(Tensor& weight, Tensor& scale, const Tensor& codes, const Tensor& scale_in, DType dtype, Device device) {
+  Tensor s = scale_in.to_dtype(DType::F32).contiguous();
+  if (dtype == DType::F32) {
+    weight = ops::dequantize_fp8(ops::Fp8Weight{codes.contiguous(), s});
+    if (!device.is_cpu()) weight = weight.to(device);
+  } else {
+    weight = device.is_cpu() ? codes.contiguous() : codes.contiguous().to(device);
+  }
+  scale = device.is_cpu() ? s : s.to(device);
+}
+
+// Quantizes one projection in place (apply_precision fp8).
+void quantize_projection(Tensor& weight, Tensor& scale, DType dtype) {
+  const int64_t N = weight.size(0), K = weight.size(1);
+  if (weight.device().is_cpu()) {
+    ops::Fp8Weight q = ops::quantize_fp8_weight(weight);
+    weight = dtype == DType::F32 ? ops::dequantize_fp8(q) : q.q.to_dtype(DType::F8E4M3);
+    scale = q.scale_inv;
+    return;
+  }
+#if DFLASH_WITH_CUDA
+  DFLASH_CHECK(weight.dtype() == DType::BF16 && weight.is_contiguous(),
+               "fp8: quantizing on the GPU takes contiguous bf16 weights, got " << weight.describe());
+  Tensor codes = Tensor::empty({N, K}, DType::F8E4M3, weight.device());
+  Tensor s = Tensor::empty({blocks(N), blocks(K)}, DType::F32, weight.device());
+  cuda::quantize_fp8_weight(weight.raw_data(), N, K, static_cast<uint8_t*>(codes.raw_data()), s.data<float>(), blocks(K),
+                            DeviceContext::get(weight.device().index).stream());
+  weight = codes;
+  scale = s;
+#else
+  (void)N, (void)K;
+  DFLASH_FAIL("fp8: " << weight.describe() << " is on a GPU, but this build has no CUDA backend");
+#endif
+}
+
+// An FP8 projection back to plain `dtype` values (apply_precision bf16), through the host.
+void dequantize_projection(Tensor& weight, Tensor& scale, DType dtype) {
+  const Device dev = weight.device();
+  Tensor s = dev.is_cpu() ? scale : scale.to(Device::cpu());
+  Tensor values = dtype == DType::F32 && dev.is_cpu()
+                      ? weight
+                      : ops::dequantize_fp8(ops::Fp8Weight{dev.is_cpu() ? weight : weight.to(Device::cpu()), s});
+  values = values.to_dtype(dtype);
+  weight = dev.is_cpu() ? values : values.to(dev);
+  scale = Tensor();
+}
+
 }  // namespace
+
+bool is_fp8_projection(const std::string& n) {
+  if (!n.starts_with("layers.")) return false;
+  for (const char* suffix : {".linear_attn.in_proj_qkv.weight", ".linear_attn.in_proj_z.weight", ".linear_attn.out_proj.weight",
+                             ".self_attn.q_proj.weight", ".self_attn.k_proj.weight", ".self_attn.v_proj.weight",
+                             ".self_attn.o_proj.weight", ".mlp.gate_proj.weight", ".mlp.up_proj.weight",
+                             ".mlp.down_proj.weight"})
+    if (n.ends_with(suffix)) return true;
+  return false;
+}
+
+void for_each_projection(TargetWeights& w, const std::function<void(const std::string&, Tensor&, Tensor&)>& f) {
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    LayerWeights& L = w.layers[i];
+    const std::string p = layer_prefix(static_cast<int64_t>(i));
+    if (L.type == LayerType::LinearAttention) {
+      f(p + "linear_attn.in_proj_qkv.weight", L.gdn.in_proj_qkv, L.gdn.in_proj_qkv_scale);
+      f(p + "linear_attn.in_proj_z.weight", L.gdn.in_proj_z, L.gdn.in_proj_z_scale);
+      f(p + "linear_attn.out_proj.weight", L.gdn.out_proj, L.gdn.out_proj_scale);
+    } else {
+      f(p + "self_attn.q_proj.weight", L.attn.q_proj, L.attn.q_proj_scale);
+      f(p + "self_attn.k_proj.weight", L.attn.k_proj, L.attn.k_proj_scale);
+      f(p + "self_attn.v_proj.weight", L.attn.v_proj, L.attn.v_proj_scale);
+      f(p + "self_attn.o_proj.weight", L.attn.o_proj, L.attn.o_proj_scale);
+    }
+    f(p + "mlp.gate_proj.weight", L.gate_proj, L.gate_proj_scale);
+    f(p + "mlp.up_proj.weight", L.up_proj, L.up_proj_scale);
+    f(p + "mlp.down_proj.weight", L.down_proj, L.down_proj_scale);
+  }
+}
+
+int64_t TargetWeights::fp8_projections() const {
+  int64_t n = 0;
+  for_each_projection(const_cast<TargetWeights&>(*this), [&](const std::string&, Tensor&, Tensor& s) { n += s.defined(); });
+  return n;
+}
+
+void apply_precision(const TargetConfig& c, TargetWeights& w, Precision precision) {
+  (void)c;
+  if (precision == Precision::Auto) return;
+  const bool any_fp8 = w.fp8_projections() > 0;
+  if (precision == Precision::Fp8 && any_fp8) return;  // an FP8 checkpoint as stored (its bf16 projections stay)
+  for_each_projection(w, [&](const std::string&, Tensor& weight, Tensor& scale) {
+    if (precision == Precision::Fp8) quantize_projection(weight, scale, w.dtype);
+    else if (scale.defined()) dequantize_projection(weight, scale, w.dtype);
+  });
+  if (!w.device.is_cpu()) device_alloc::empty_cache(w.device.index);  // the bf16 copies went back to the cache
+}
 
 uint64_t weight_stream(const std::string& name) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a
@@ -95,7 +199,10 @@ size_t TargetWeights::bytes() const {
     for (const Tensor* t : {&L.input_layernorm, &L.post_attention_layernorm, &L.gate_proj, &L.up_proj, &L.down_proj,
                             &L.gdn.in_proj_qkv, &L.gdn.in_proj_z, &L.gdn.in_proj_b, &L.gdn.in_proj_a, &L.gdn.conv1d,
                             &L.gdn.A_log, &L.gdn.dt_bias, &L.gdn.norm, &L.gdn.out_proj, &L.attn.q_proj,
-                            &L.attn.k_proj, &L.attn.v_proj, &L.attn.o_proj, &L.attn.q_norm, &L.attn.k_norm})
+                            &L.attn.k_proj, &L.attn.v_proj, &L.attn.o_proj, &L.attn.q_norm, &L.attn.k_norm,
+                            &L.gdn.in_proj_qkv_scale, &L.gdn.in_proj_z_scale, &L.gdn.out_proj_scale, &L.attn.q_proj_scale,
+                            &L.attn.k_proj_scale, &L.attn.v_proj_scale, &L.attn.o_proj_scale, &L.gate_proj_scale,
+                            &L.up_proj_scale, &L.down_proj_scale})
       add(*t);
   }
   return total;
@@ -120,65 +227,124 @@ std::string canonical_weight_name(const std::string& n) {
   return n;
 }
 
-void check_loadable(const TargetConfig& c, const std::string& dir) {
-  DFLASH_CHECK_HINT(!c.fp8, dir << ": a block-FP8 checkpoint (quantization_config.quant_method fp8): its config is read, "
-                                   "but loading e4m3 weights is not implemented yet",
-                    "use the bf16 checkpoint of the same model for now");
+namespace {
+
+// Whether quantization_config.modules_to_not_convert names the module of checkpoint weight `name`
+// (an entry names the module, a dotted suffix of it, or a parent module).
+bool not_converted(const TargetConfig& c, const std::string& name) {
+  if (!c.fp8) return false;
+  const std::string module = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
+  for (const std::string& e : c.fp8->modules_to_not_convert) {
+    if (e.empty()) continue;
+    if (module == e || module.ends_with("." + e) || module.starts_with(e + ".") ||
+        module.find("." + e + ".") != std::string::npos)
+      return true;
+  }
+  return false;
 }
 
-TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType dtype, Device device) {
-  check_loadable(c, dir);
+std::string scale_name(const std::string& weight_name) { return weight_name + "_scale_inv"; }
+
+}  // namespace
+
+TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType dtype, Device device, Precision precision) {
   SafetensorsIndex ckpt = open_checkpoint(dir);
-  // canonical name -> checkpoint name
-  std::map<std::string, std::string> by_canonical;
+  // canonical name -> checkpoint name; the FP8 scales apart: canonical weight name -> scale name
+  std::map<std::string, std::string> by_canonical, scales;
   std::vector<std::string> ignored, duplicated;
   for (const std::string& n : ckpt.names()) {
     std::string canon = canonical_weight_name(n);
     if (canon.empty()) { ignored.push_back(n); continue; }
+    if (canon.ends_with(".weight_scale_inv")) {
+      scales.emplace(canon.substr(0, canon.size() - std::string("_scale_inv").size()), n);
+      continue;
+    }
     if (!by_canonical.emplace(canon, n).second) duplicated.push_back(n + " (same as " + by_canonical[canon] + ")");
   }
   std::ostringstream problems;
   int n_problems = 0;
-  for (const std::string& d : duplicated) {
-    problems << "\n  duplicate: " << d;
+  auto problem = [&](const std::string& what) {
+    problems << "\n  " << what;
     ++n_problems;
-  }
+  };
+  for (const std::string& d : duplicated) problem("duplicate: " + d);
   std::unordered_set<std::string> used;
+  int64_t n_fp8 = 0;
   for (const TensorSpec& spec : expected_tensors(c)) {
     auto it = by_canonical.find(spec.name);
     if (it == by_canonical.end()) {
-      problems << "\n  missing: " << spec.name << " " << shape_str(spec.shape);
-      ++n_problems;
+      problem("missing: " + spec.name + " " + shape_str(spec.shape));
       continue;
     }
     used.insert(spec.name);
-    const Shape got = ckpt.info(it->second).shape;
-    if (got != spec.shape) {
-      problems << "\n  wrong shape: " << it->second << " is " << shape_str(got) << ", expected " << shape_str(spec.shape);
-      ++n_problems;
+    const TensorInfo& info = ckpt.info(it->second);
+    if (info.shape != spec.shape)
+      problem("wrong shape: " + it->second + " is " + shape_str(info.shape) + ", expected " + shape_str(spec.shape));
+    const auto sc = scales.find(spec.name);
+    if (info.dtype != DType::F8E4M3) {
+      if (sc != scales.end()) problem("unexpected: " + sc->second + " (its weight is " + dtype_name(info.dtype) + ", not e4m3)");
+      continue;
     }
+    ++n_fp8;
+    if (!is_fp8_projection(spec.name)) {
+      problem(it->second + " is stored as F8_E4M3, but only the large projections run in FP8 here (in_proj_qkv, in_proj_z, "
+              "out_proj, q/k/v/o_proj, gate/up/down_proj)");
+      continue;
+    }
+    if (not_converted(c, it->second))
+      problem(it->second + " is stored as F8_E4M3, but quantization_config.modules_to_not_convert lists it");
+    const Shape want{blocks(spec.shape[0]), blocks(spec.shape[1])};
+    if (sc == scales.end()) {
+      problem("missing: " + scale_name(spec.name) + " " + shape_str(want) + " (the block scales of the e4m3 " + it->second + ")");
+      continue;
+    }
+    const TensorInfo& si = ckpt.info(sc->second);
+    if (si.shape != want)
+      problem("wrong shape: " + sc->second + " is " + shape_str(si.shape) + ", expected " + shape_str(want) +
+              " (one scale per 128 x 128 block of " + shape_str(spec.shape) + ")");
+    if (si.dtype != DType::F32 && si.dtype != DType::BF16)
+      problem(sc->second + " is " + dtype_name(si.dtype) + "; block scales are F32 (or BF16)");
   }
   for (const auto& [canon, name] : by_canonical) {
     // A tied checkpoint may still carry lm_head.weight; it must then equal the embedding's shape.
     if (used.count(canon) || (c.tie_word_embeddings && canon == "lm_head.weight")) continue;
-    problems << "\n  unexpected: " << name;
-    ++n_problems;
+    problem("unexpected: " + name);
   }
+  for (const auto& [weight, name] : scales)
+    if (!by_canonical.count(weight)) problem("unexpected: " + name + " (no weight " + weight + ")");
+  if (n_fp8 > 0 && !c.fp8)
+    problem(std::to_string(n_fp8) + " tensors are F8_E4M3, but config.json has no quantization_config (quant_method fp8)");
+  if (n_fp8 == 0 && c.fp8) problem("config.json has a quantization_config (quant_method fp8), but no tensor is F8_E4M3");
   DFLASH_CHECK_HINT(n_problems == 0, dir << ": the checkpoint does not match its config (" << c.source << "), "
                                          << n_problems << " problem(s):" << problems.str(),
-                    "check that config.json belongs to these weights (layer_types, head counts and dims)");
+                    "check that config.json belongs to these weights (layer_types, head counts and dims; an FP8 "
+                    "checkpoint's weight_scale_inv tensors and quantization_config)");
   if (!ignored.empty()) spdlog::info("{}: ignoring {} tensors of the MTP head / vision tower", dir, ignored.size());
 
-  return assemble_weights(c, dtype, device,
-                          [&](const std::string& name, const Shape&) { return ckpt.tensor(by_canonical.at(name)); });
+  TargetWeights w = assemble_weights(
+      c, dtype, device, [&](const std::string& name, const Shape&) { return ckpt.tensor(by_canonical.at(name)); },
+      [&](const std::string& name, const Shape&) { return ckpt.tensor(scales.at(name)); });
+  apply_precision(c, w, precision);
+  return w;
 }
 
-TargetWeights assemble_weights(const TargetConfig& c, DType dtype, Device device, const TensorMaker& make) {
+TargetWeights assemble_weights(const TargetConfig& c, DType dtype, Device device, const TensorMaker& make,
+                               const TensorMaker& make_scale) {
   TargetWeights w;
+  std::map<std::string, std::pair<Tensor, Tensor>> fp8;  // name -> host codes, scale
   for_each_slot(c, w, [&](const std::string& name, const Shape& shape, Tensor& slot) {
     Tensor t = make(name, shape);
     DFLASH_CHECK(t.shape() == shape, "weights: " << name << " was made with shape " << shape_str(t.shape())
                                                  << ", expected " << shape_str(shape));
+    if (t.dtype() == DType::F8E4M3) {
+      DFLASH_CHECK(is_fp8_projection(name) && make_scale, "weights: " << name << " is e4m3 without block scales");
+      const Shape ss{blocks(shape[0]), blocks(shape[1])};
+      Tensor s = make_scale(name, ss);
+      DFLASH_CHECK(s.shape() == ss, "weights: the scales of " << name << " have shape " << shape_str(s.shape())
+                                                              << ", expected " << shape_str(ss));
+      fp8.emplace(name, std::make_pair(t.device().is_cpu() ? t : t.to(Device::cpu()), s.device().is_cpu() ? s : s.to(Device::cpu())));
+      return;
+    }
     if (t.dtype() == dtype && t.device() == device && t.is_contiguous()) {
       slot = name.ends_with("conv1d.weight") ? t.view({shape[0], shape[2]}) : t;
     } else {
@@ -186,6 +352,11 @@ TargetWeights assemble_weights(const TargetConfig& c, DType dtype, Device device
       place(slot, name, host, dtype, device);
     }
   });
+  if (!fp8.empty())
+    for_each_projection(w, [&](const std::string& name, Tensor& weight, Tensor& scale) {
+      auto it = fp8.find(name);
+      if (it != fp8.end()) place_fp8(weight, scale, it->second.first, it->second.second, dtype, device);
+    });
   finish(c, w, dtype, device);
   return w;
 }
@@ -220,10 +391,12 @@ Tensor random_tensor(const std::string& name, const Shape& shape, uint64_t seed,
   return host;
 }
 
-TargetWeights random_weights(const TargetConfig& c, uint64_t seed, DType dtype, Device device) {
-  return assemble_weights(c, dtype, device, [&](const std::string& name, const Shape& shape) {
+TargetWeights random_weights(const TargetConfig& c, uint64_t seed, DType dtype, Device device, Precision precision) {
+  TargetWeights w = assemble_weights(c, dtype, device, [&](const std::string& name, const Shape& shape) {
     return random_tensor(name, shape, seed, dtype, device, c.random_branch_scale);
   });
+  apply_precision(c, w, precision);
+  return w;
 }
 
 void save_checkpoint(const TargetConfig& c, const TargetWeights& w, const std::string& dir, DType dtype) {
@@ -232,10 +405,32 @@ void save_checkpoint(const TargetConfig& c, const TargetWeights& w, const std::s
   fs::create_directories(dir, ec);
   DFLASH_CHECK_IO(!ec, "creating directory", dir);
   std::vector<std::pair<std::string, Tensor>> tensors;
-  TargetWeights copy = w;  // for_each_slot wants mutable slots; tensors share storage
+  TargetWeights copy = w;  // the visitors want mutable slots; tensors share storage
+  std::map<std::string, std::pair<Tensor, Tensor>> fp8;  // FP8 projections: host codes, scale
+  for_each_projection(copy, [&](const std::string& name, Tensor& weight, Tensor& scale) {
+    if (!scale.defined()) return;
+    Tensor s = scale.device().is_cpu() ? scale : scale.to(Device::cpu());
+    Tensor v = weight.device().is_cpu() ? weight : weight.to(Device::cpu());
+    if (v.dtype() != DType::F8E4M3) {  // the CPU layout holds code * scale: recover the codes
+      const Tensor f = v.to_dtype(DType::F32).contiguous();
+      const int64_t N = f.size(0), K = f.size(1);
+      v = Tensor::empty({N, K}, DType::F8E4M3);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t k = 0; k < K; ++k)
+          static_cast<uint8_t*>(v.raw_data())[n * K + k] = fp8::e4m3_from_float(
+              f.data<float>()[n * K + k] / s.data<float>()[(n / fp8::kBlock) * blocks(K) + k / fp8::kBlock]);
+    }
+    fp8.emplace(name, std::make_pair(v, s));
+  });
   for_each_slot(c, copy, [&](const std::string& name, const Shape& shape, Tensor& slot) {
+    const std::string out = name == "lm_head.weight" ? name : "model." + name;
+    if (auto it = fp8.find(name); it != fp8.end()) {
+      tensors.emplace_back(out, it->second.first);
+      tensors.emplace_back(scale_name(out), it->second.second);
+      return;
+    }
     Tensor host = slot.device().is_cpu() ? slot : slot.to(Device::cpu());
-    tensors.emplace_back(name == "lm_head.weight" ? name : "model." + name, host.to_dtype(dtype).view(shape));
+    tensors.emplace_back(out, host.to_dtype(dtype).view(shape));
   });
   save_safetensors((fs::path(dir) / "model.safetensors").string(), tensors, {{"format", "pt"}});
   const std::string cfg_path = (fs::path(dir) / "config.json").string();
@@ -243,6 +438,20 @@ void save_checkpoint(const TargetConfig& c, const TargetWeights& w, const std::s
   DFLASH_CHECK_IO(out.good(), "writing", cfg_path);
   nlohmann::json j = c.to_json();
   j["dtype"] = dtype == DType::BF16 ? "bfloat16" : dtype == DType::F16 ? "float16" : "float32";
+  j.erase("quantization_config");
+  if (!fp8.empty()) {
+    // The official block-FP8 layout; the projections left in bf16 are named.
+    nlohmann::json keep = nlohmann::json::array();
+    for_each_projection(copy, [&](const std::string& name, Tensor&, Tensor& scale) {
+      if (!scale.defined()) keep.push_back("model." + name.substr(0, name.size() - 7));
+    });
+    for (const char* m : {"lm_head", "model.embed_tokens"}) keep.push_back(m);
+    j["quantization_config"] = {{"quant_method", "fp8"},
+                                {"fmt", "e4m3"},
+                                {"activation_scheme", "dynamic"},
+                                {"weight_block_size", {fp8::kBlock, fp8::kBlock}},
+                                {"modules_to_not_convert", keep}};
+  }
   out << j.dump(2) << "\n";
   DFLASH_CHECK_IO(out.good(), "writing", cfg_path);
 }

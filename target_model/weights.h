@@ -3,7 +3,9 @@
 // checkpoint (text-model or multimodal names), seeded random initialisation, and export.
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kernels/tensor.h"
@@ -11,6 +13,15 @@
 
 namespace dflash::target {
 
+// in_proj_qkv, in_proj_z, out_proj, q/k/v/o_proj, gate/up/down_proj (canonical weight names).
+bool is_fp8_projection(const std::string& canonical_name);
+
+// An FP8 projection [N, K] holds, per backend,
+//   CPU (f32 weights):  the dequantized values code * scale (f32), so the reference GEMM is exact
+//                       on the values the GPU multiplies; the CPU model quantizes its input
+//   CUDA (bf16 weights): the e4m3 codes (DType::F8E4M3) on the device
+// and its `*_scale` is the F32 [ceil(N/128), ceil(K/128)] weight_scale_inv on the weights' device
+// (undefined: the projection is not FP8).
 struct GdnWeights {
   Tensor in_proj_qkv;  // (2*Hk*dk + Hv*dv, H)   rows: [q | k | v]
   Tensor in_proj_z;    // (Hv*dv, H)
@@ -21,6 +32,7 @@ struct GdnWeights {
   Tensor dt_bias;      // (Hv)
   Tensor norm;         // (dv)            plain weight of the gated RMSNorm
   Tensor out_proj;     // (H, Hv*dv)
+  Tensor in_proj_qkv_scale, in_proj_z_scale, out_proj_scale;  // FP8 block scales
 };
 
 struct AttnWeights {
@@ -30,6 +42,7 @@ struct AttnWeights {
   Tensor o_proj;  // (H, Hq*d)
   Tensor q_norm;  // (d)  zero-centred
   Tensor k_norm;  // (d)  zero-centred
+  Tensor q_proj_scale, k_proj_scale, v_proj_scale, o_proj_scale;  // FP8 block scales
 };
 
 struct LayerWeights {
@@ -40,6 +53,7 @@ struct LayerWeights {
   AttnWeights attn;                 // when type == FullAttention
   Tensor gate_proj, up_proj;        // (I, H)
   Tensor down_proj;                 // (H, I)
+  Tensor gate_proj_scale, up_proj_scale, down_proj_scale;  // FP8 block scales
 };
 
 struct TargetWeights {
@@ -50,7 +64,20 @@ struct TargetWeights {
   DType dtype = DType::F32;
   Device device;
   size_t bytes() const;  // unique bytes held
+  int64_t fp8_projections() const;  // how many projections are FP8 (0: a bf16 / f32 target)
+  Precision precision() const { return fp8_projections() > 0 ? Precision::Fp8 : Precision::Bf16; }
 };
+
+// Visits every FP8-capable projection of `w` (is_fp8_projection) with its canonical name, its
+// weight and its scale slot.
+void for_each_projection(TargetWeights& w,
+                         const std::function<void(const std::string& name, Tensor& weight, Tensor& scale)>& f);
+
+// Applies `precision` to loaded weights: fp8 quantizes every projection when none is FP8 yet
+// (128 x 128 blocks of each tensor as it is held, i.e. of the rank's slice at tp > 1, which are
+// the full tensor's blocks whenever the slice cuts on multiples of 128); bf16 dequantizes FP8
+// projections; auto keeps what was loaded.
+void apply_precision(const TargetConfig& c, TargetWeights& w, Precision precision);
 
 // One expected tensor: canonical (text-model) name without the "model." prefix, and HF shape.
 struct TensorSpec {
@@ -66,18 +93,25 @@ std::string canonical_weight_name(const std::string& checkpoint_name);
 
 // Loads DIR (config.json + model.safetensors or a sharded index). Missing, unexpected or
 // mis-shaped tensors fail with the full list of offending names and the expected shapes.
-// Weights are converted to `dtype` and placed on `device`.
-TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType dtype, Device device);
+// Weights are converted to `dtype` and placed on `device`. A block-FP8 checkpoint's e4m3
+// projections come with their weight_scale_inv (F32 or BF16 in the file); then `precision`
+// (apply_precision) decides what the target runs.
+TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType dtype, Device device,
+                           Precision precision = Precision::Auto);
 
 // Seeded random weights without any file. Tensor element j of tensor `name` draws element j of
 // the RNG stream derived from (seed, name), so any slice can be drawn on its own (TP shards).
 // Scales keep activations O(1): linears N(0, 1/in), norms at their identity, A_log = log U(1, 16).
-TargetWeights random_weights(const TargetConfig& c, uint64_t seed, DType dtype, Device device);
+TargetWeights random_weights(const TargetConfig& c, uint64_t seed, DType dtype, Device device,
+                             Precision precision = Precision::Auto);
 
 // Builds the weights of config `c` slot by slot: make(canonical name, HF shape) returns the tensor
 // (any dtype, host or device); it is converted to `dtype` on `device` (the conv weight squeezed).
+// An F8E4M3 tensor from `make` is an FP8 projection: make_scale(name) then returns its scale
+// (F32 / BF16 [ceil(N/128), ceil(K/128)]), and it is stored as the FP8 layout above says.
 using TensorMaker = std::function<Tensor(const std::string& name, const Shape& shape)>;
-TargetWeights assemble_weights(const TargetConfig& c, DType dtype, Device device, const TensorMaker& make);
+TargetWeights assemble_weights(const TargetConfig& c, DType dtype, Device device, const TensorMaker& make,
+                               const TensorMaker& make_scale = nullptr);
 
 // How random_weights draws a tensor (from its canonical name and full shape).
 struct RandomInit {
@@ -93,10 +127,9 @@ uint64_t weight_stream(const std::string& name);
 Tensor random_tensor(const std::string& name, const Shape& shape, uint64_t seed, DType dtype, Device device,
                      double branch_scale = 1.0);
 
-// Throws naming the directory when the checkpoint cannot be loaded yet (a block-FP8 one).
-void check_loadable(const TargetConfig& c, const std::string& dir);
-
-// Writes config.json and model.safetensors (text-model names) to DIR, creating it.
+// Writes config.json and model.safetensors (text-model names) to DIR, creating it. FP8 projections
+// are written as the official block-FP8 checkpoints store them (e4m3 weight + F32
+// weight_scale_inv, and a quantization_config) unless dtype asks for plain floats.
 void save_checkpoint(const TargetConfig& c, const TargetWeights& w, const std::string& dir, DType dtype);
 
 }  // namespace dflash::target

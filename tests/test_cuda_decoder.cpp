@@ -63,12 +63,13 @@ TargetConfig real_dims() {
 struct Gpu {
   std::unique_ptr<CudaTargetModel> model;
   std::unique_ptr<Decoder> dec;
-  Gpu(const TargetConfig& c, KernelPolicy pol, int64_t slots, int64_t max_len, uint64_t seed = 3) {
+  Gpu(const TargetConfig& c, KernelPolicy pol, int64_t slots, int64_t max_len, uint64_t seed = 3,
+      Precision precision = Precision::Bf16) {
     const int sm = cuda_device_info(0).major;
     const KernelPolicies p{pol, pol, pol, false};
-    model = std::make_unique<CudaTargetModel>(c, random_weights(c, seed, DType::BF16, Device::cuda(0)),
-                                              make_plan(c, Device::cuda(0), p, sm));
-    dec = make_cuda_decoder(*model, slots, max_len, make_decode_plan(c, Device::cuda(0), p, sm));
+    model = std::make_unique<CudaTargetModel>(c, random_weights(c, seed, DType::BF16, Device::cuda(0), precision),
+                                              make_plan(c, Device::cuda(0), p, sm, precision));
+    dec = make_cuda_decoder(*model, slots, max_len, make_decode_plan(c, Device::cuda(0), p, sm, precision));
   }
 };
 
@@ -225,6 +226,44 @@ TEST(CudaDecoder, SpeculativeEqualsGreedyOnTheGpu) {
   const bench::Generation one = bench::speculative_generate(*g.dec, *prop, 0, {prompt[0]}, go);
   const bench::Generation one_g = bench::greedy_generate(*g.dec, 0, {prompt[0]}, go);
   EXPECT_EQ(one.tokens, one_g.tokens) << "a prompt of one token";
+}
+
+// The FP8 target decodes like the bf16 one: verify rows equal T = 1 decode steps bit for bit (the
+// rows are padded to 16 and quantized per token, so a row's GEMM inputs do not depend on the others),
+// and speculative decoding gives the FP8 target's own greedy output token for token.
+TEST(CudaDecoder, Fp8VerifyEqualsDecodeAndSpeculativeEqualsGreedy) {
+  DFLASH_REQUIRE_GPU();
+  if (!fp8_gemm_supported(cuda_device_info(0).major)) GTEST_SKIP() << "block-scaled FP8 GEMMs need sm_90";
+  const TargetConfig c = real_dims();
+  const std::vector<int32_t> prompt = random_tokens(120, c.vocab_size, 2), block = random_tokens(16, c.vocab_size, 3);
+  ExtendOptions commit;
+  commit.logits = true;
+  ExtendOptions verify = commit;
+  verify.commit = false;
+  Gpu a(c, KernelPolicy::Auto, 1, 400, 3, Precision::Fp8), b(c, KernelPolicy::Auto, 1, 400, 3, Precision::Fp8);
+  EXPECT_NE(a.model->plan().summary().find("fp8 GEMMs"), std::string::npos);
+  a.dec->extend({0}, {prompt}, commit);
+  b.dec->extend({0}, {prompt}, commit);
+  const ExtendResult va = a.dec->extend({0}, {block}, verify);
+  for (int64_t t = 0; t < 5; ++t) {
+    const ExtendResult sb = b.dec->extend({0}, {{block[static_cast<size_t>(t)]}}, commit);
+    EXPECT_TRUE(bit_equal(rows(va.logits, t, t + 1), sb.logits)) << "fp8 logits of verify row " << t;
+  }
+  Gpu g(c, KernelPolicy::Auto, 1, 256, 3, Precision::Fp8);
+  bench::GenerateOptions go;
+  go.max_new_tokens = 60;
+  go.block_size = 8;
+  const bench::Generation greedy = bench::greedy_generate(*g.dec, 0, prompt, go, 8);
+  const std::vector<int32_t> want(greedy.tokens.begin(), greedy.tokens.begin() + 60);
+  const drafter::DrafterConfig oc = drafter::DrafterConfig::for_target(c, 1, c.vocab_size - 1, 8);
+  std::vector<int32_t> seq = prompt;
+  seq.insert(seq.end(), greedy.tokens.begin(), greedy.tokens.end());
+  const std::vector<int64_t> good{7, 0, 3, 7, 1, 5, 2, 6, 4};
+  OracleProposer oracle(oc, seq, good);
+  const bench::Generation spec = bench::speculative_generate(*g.dec, oracle, 0, prompt, go);
+  EXPECT_EQ(spec.tokens, want);
+  // What ran is the FP8 plan's: the decode counters saw only fast gemm steps.
+  EXPECT_EQ(g.model->counters().get(Step::Gemm, Path::Fallback), 0u);
 }
 
 // Several empty slots in one extend: one forward over the packed prompts (the forward's kernels,

@@ -51,6 +51,7 @@ inline void poison(Tensor& t) {
   if (!t.defined() || t.numel() == 0) return;
   switch (t.dtype()) {
     case DType::U8: t.fill(0xAB); break;
+    case DType::F8E4M3: t.fill(std::numeric_limits<double>::quiet_NaN()); break;  // code 0x7F
     case DType::I32: case DType::I64: t.fill(-123456789.0); break;
     default: t.fill(std::numeric_limits<double>::quiet_NaN()); break;
   }

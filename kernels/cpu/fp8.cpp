@@ -33,8 +33,8 @@ float quantize_tile(const float* x, int64_t ld, int64_t r0, int64_t r1, int64_t 
 }
 
 void check_codes(const Tensor& q, const Tensor& s, int64_t srows, const char* what) {
-  DFLASH_CHECK(q.defined() && q.device().is_cpu() && q.dim() == 2 && q.dtype() == DType::U8,
-               what << ": codes must be a host U8 [rows, K] tensor, got " << (q.defined() ? q.describe() : "undefined"));
+  DFLASH_CHECK(q.defined() && q.device().is_cpu() && q.dim() == 2 && (q.dtype() == DType::U8 || q.dtype() == DType::F8E4M3),
+               what << ": codes must be a host U8 / F8E4M3 [rows, K] tensor, got " << (q.defined() ? q.describe() : "undefined"));
   DFLASH_CHECK(s.defined() && s.device().is_cpu() && s.dtype() == DType::F32 && s.dim() == 2 && s.size(0) == srows &&
                    s.size(1) == blocks(q.size(1)),
                what << ": scales must be F32 [" << srows << ", " << blocks(q.size(1)) << "] for codes " << q.describe()
@@ -86,6 +86,12 @@ Tensor dequantize_fp8(const Fp8Weight& w) {
 Tensor dequantize_fp8(const Fp8Act& a) {
   check_codes(a.q, a.scale, a.q.defined() ? a.q.size(0) : 0, "dequantize_fp8 (activation)");
   return dequantize(a.q, a.scale, 1);
+}
+
+Tensor fake_quantize_fp8_act(const Tensor& x) {
+  DFLASH_CHECK(x.defined() && x.dim() >= 1, "fake_quantize_fp8_act: expected a tensor [..., K]");
+  const int64_t K = x.size(-1);
+  return dequantize_fp8(quantize_fp8_act(x.contiguous().view({x.numel() / std::max<int64_t>(K, 1), K}))).view(x.shape());
 }
 
 void gemm_fp8_blockwise(const Fp8Act& a, const Fp8Weight& w, Tensor& out) {

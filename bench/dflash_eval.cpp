@@ -120,6 +120,8 @@ int main(int argc, char** argv) {
   model_opt->excludes(config_opt);
   app.add_flag("--random-weights", random_weights, "seeded random target weights instead of a checkpoint")->needs(config_opt);
   app.add_option("--seed", seed, "seed of --random-weights")->capture_default_str();
+  std::string precision_s = "auto";
+  app.add_option("--precision", precision_s, target::kPrecisionHelp)->capture_default_str();
   int64_t random_drafter = 0;
   bool no_estimate = false, require_fast = false;
   auto* drafter_opt = app.add_option("--drafter", drafter_dir, "an exported drafter directory (config.json + model.safetensors)");
@@ -201,7 +203,8 @@ int main(int argc, char** argv) {
     bench::DrafterScorer scorer;
     double copy_gbs = 0, weight_bytes = 0;  // the decode step's roofline (GPU)
     const auto t_load = std::chrono::steady_clock::now();
-    const target::TargetSource src{model_dir, config_path, random_weights, seed};
+    const target::TargetSource src{model_dir, config_path, random_weights, seed,
+                                   target::parse_precision(precision_s, "--precision")};
     target::TargetRuntime rt(src, cfg, dev, tp, layout.tp_rank, tp_comm.get(), require_fast);
     const std::string plans = rt.plans();
     dec = rt.make_decoder(1, max_len);

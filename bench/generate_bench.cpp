@@ -38,11 +38,13 @@ int main(int argc, char** argv) {
   app.add_option("--waves", waves, "prompts per point = waves x slots")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--device", device, "cuda[:N]")->capture_default_str();
   app.add_option("--csv", csv_path, "append the rows to this CSV");
+  std::string precision_s = "auto";
+  app.add_option("--precision", precision_s, target::kPrecisionHelp)->capture_default_str();
   return run_app(app, argc, argv, [&]() -> int {
     init_logging(-1, log_level);
     const Device dev = Device::parse(device);
     DFLASH_CHECK_HINT(!dev.is_cpu(), "generate_bench measures a GPU", "pass --device cuda");
-    const target::TargetSource src{"", config_path, true, seed};
+    const target::TargetSource src{"", config_path, true, seed, target::parse_precision(precision_s, "--precision")};
     const target::TargetConfig cfg = src.read_config();
     const auto t0 = std::chrono::steady_clock::now();
     target::TargetRuntime rt(src, cfg, dev, 1, 0, nullptr, false);
@@ -97,7 +99,8 @@ int main(int argc, char** argv) {
                   static_cast<long long>(reqs.size()), st.prefill_s, st.decode_s, step_ms, decode_tps, total_tps, bytes / 1e9,
                   roof_ms, roof_ms > 0 ? 100.0 * roof_ms / step_ms : 0.0, bound);
       const std::string shape = "slots=" + std::to_string(S) + ",prompt=" + std::to_string(prompt_len) +
-                                ",new=" + std::to_string(max_new) + ",prompts=" + std::to_string(reqs.size());
+                                ",new=" + std::to_string(max_new) + ",prompts=" + std::to_string(reqs.size()) +
+                                (rt.weights().fp8_projections() > 0 ? ",fp8" : "");
       auto row = [&](const std::string& metric, const std::string& unit, double v) {
         csv.write({"generate_bench", "generate_batch", "cuda", "greedy", metric, unit, shape, v, v, v, false});
       };

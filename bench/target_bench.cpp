@@ -60,15 +60,48 @@ std::vector<int64_t> parse_list(const std::string& s) {
 
 // The GEMM `g` through the forward's launcher (cuda::gemm_bf16, same shape and row strides) on
 // fresh random operands of the forward's scales, alone: warm-up, 3 rounds of 10 calls. µs per call.
+// An FP8 GEMM (g.fp8) is cuda::gemm_fp8 on those operands quantized (block scales, 1 x 128 groups).
 bench::Stats time_gemm_alone(const GemmShape& g, Device dev, void* stream) {
   Tensor x = Tensor::empty({g.M, g.ldx}, DType::BF16, dev), w = Tensor::empty({g.N, g.K}, DType::BF16, dev);
   Tensor y = Tensor::empty({g.M, g.ldy}, DType::BF16, dev);
   fill_normal(x, {4321, 1, 0}, 0.0f, 1.0f);
   fill_normal(w, {4321, 2, 0}, 0.0f, 1.0f / std::sqrt(static_cast<float>(g.K)));
   const cuda::GemmParams p{x.raw_data(), g.ldx, w.raw_data(), y.raw_data(), g.ldy, g.M, g.N, g.K, false};
+  Tensor xq, xs, wq, ws;
+  cuda::GemmFp8Params f;
+  if (g.fp8) {
+    xq = Tensor::empty({g.M, g.K}, DType::F8E4M3, dev);
+    xs = Tensor::empty({static_cast<int64_t>(cuda::fp8_act_scale_elems(g.M, g.K))}, DType::F32, dev);
+    wq = Tensor::empty({g.N, g.K}, DType::F8E4M3, dev);
+    ws = Tensor::empty({(g.N + 127) / 128, cuda::fp8_weight_scale_ld(g.K)}, DType::F32, dev);
+    cuda::Fp8ActQuantParams qp;
+    qp.x = x.raw_data();
+    qp.ldx = g.ldx;
+    qp.q = static_cast<uint8_t*>(xq.raw_data());
+    qp.ldq = g.K;
+    qp.scale = xs.data<float>();
+    qp.M = g.M;
+    qp.K = g.K;
+    cuda::quantize_fp8_act(qp, stream);
+    cuda::quantize_fp8_weight(w.raw_data(), g.N, g.K, static_cast<uint8_t*>(wq.raw_data()), ws.data<float>(),
+                              cuda::fp8_weight_scale_ld(g.K), stream);
+    f.x = static_cast<const uint8_t*>(xq.raw_data());
+    f.ldx = g.K;
+    f.x_scale = xs.data<float>();
+    f.w = static_cast<const uint8_t*>(wq.raw_data());
+    f.w_scale = ws.data<float>();
+    f.y = y.raw_data();
+    f.ldy = g.ldy;
+    f.M = g.M;
+    f.N = g.N;
+    f.K = g.K;
+  }
   std::vector<double> us, medians;
   for (int r = 0; r < 3; ++r) {
-    std::vector<double> ms = bench::time_cuda(stream, r == 0 ? 3 : 1, 10, [&] { cuda::gemm_bf16(p, dev.index); });
+    std::vector<double> ms = bench::time_cuda(stream, r == 0 ? 3 : 1, 10, [&] {
+      if (g.fp8) cuda::gemm_fp8(f, dev.index);
+      else cuda::gemm_bf16(p, dev.index);
+    });
     for (double& t : ms) t *= 1e3;
     us.insert(us.end(), ms.begin(), ms.end());
     std::sort(ms.begin(), ms.end());
@@ -106,7 +139,7 @@ bench::ProfileSummary profile_forward(CudaTargetModel& model, const CudaBatch& b
 int main(int argc, char** argv) {
   CLI::App app{"Single-GPU isolation benchmark of the target forward (decoder stack) on the fast path and the fallback."};
   app.name("target_bench");
-  std::string log_level = "info", model_dir, config_path, seq_s = "2048,4096,8192", path = "both", csv;
+  std::string log_level = "info", model_dir, config_path, seq_s = "2048,4096,8192", path = "both", csv, precision_s = "auto";
   bool random = false;
   int64_t batch = 1;
   int warmup = 2, iters = 5, rounds = 2, fallback_iters = 2;
@@ -116,6 +149,7 @@ int main(int argc, char** argv) {
   auto* c = app.add_option("--config", config_path, "config.json (with --random-weights)");
   m->excludes(c);
   app.add_flag("--random-weights", random, "seeded random bf16 weights drawn on the GPU")->needs(c);
+  app.add_option("--precision", precision_s, kPrecisionHelp)->capture_default_str();
   app.add_option("--seq", seq_s, "tokens per sequence, comma separated")->capture_default_str();
   app.add_option("--batch", batch, "sequences per forward")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--path", path, "fast, fallback or both")->check(CLI::IsMember({"fast", "fallback", "both"}))->capture_default_str();
@@ -169,8 +203,11 @@ int main(int argc, char** argv) {
     say("target_bench on %d x %s (sm %d.%d, %d SMs), %s\n  %s\n", tp, info.name.c_str(), info.major, info.minor,
         info.sm_count, version_string().c_str(), cfg.summary().c_str());
 
-    FastPathPlan fast = make_plan(local, dev, {}, info.major);
-    FastPathPlan slow = make_plan(local, dev, {KernelPolicy::Fallback, KernelPolicy::Fallback, KernelPolicy::Fallback, false}, info.major);
+    const Precision precision = resolve_precision(parse_precision(precision_s, "--precision"), cfg);
+    const bool fp8 = precision == Precision::Fp8;
+    FastPathPlan fast = make_plan(local, dev, {}, info.major, precision);
+    FastPathPlan slow = make_plan(local, dev, {KernelPolicy::Fallback, KernelPolicy::Fallback, KernelPolicy::Fallback, false},
+                                  info.major, precision);
     say("  fast path plan (per rank): %s\n", fast.summary().c_str());
     if (path != "fallback") fast.require_all_fast();  // never time a "fast" run that falls back
 
@@ -178,16 +215,19 @@ int main(int argc, char** argv) {
     if (tp > 1) group = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, layout.tp_group, rank, dev, 600.0, "tp");
     auto t0 = std::chrono::steady_clock::now();
     const TpShard shard{layout.tp_rank, tp};
-    TargetWeights w = random ? random_weights_tp(cfg, seed, DType::BF16, dev, shard)
-                             : load_weights_tp(cfg, model_dir, DType::BF16, dev, shard);
+    TargetWeights w = random ? random_weights_tp(cfg, seed, DType::BF16, dev, shard, precision)
+                             : load_weights_tp(cfg, model_dir, DType::BF16, dev, shard, precision);
     const size_t weight_bytes = w.bytes();
+    const int64_t fp8_projections = w.fp8_projections();
     CudaTargetModel model(local, std::move(w), fast, group.get());
     DeviceContext::get(di).synchronize();
     const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    say("  weights: %.2f GiB bf16 per GPU, loaded in %.1f s\n", static_cast<double>(weight_bytes) / (1 << 30), load_s);
+    say("  weights: %.2f GiB per GPU (%s, %lld FP8 projections), loaded in %.1f s\n", static_cast<double>(weight_bytes) / (1 << 30),
+        precision_name(precision), static_cast<long long>(fp8_projections), load_s);
     void* stream = DeviceContext::get(di).stream();
     auto out = std::make_unique<bench::CsvWriter>(lead ? csv : std::string(), info.name);
     constexpr double kPeakBf16 = 989e12;  // H100/H200 SXM dense bf16 datasheet peak; MFU is against it
+    constexpr double kPeakFp8 = 1979e12;  // and dense FP8 (an FP8 forward also reports MFU against this)
 
     say("\n%-8s %-9s %10s %10s %10s %11s %10s %9s %7s %10s %s\n", "tokens", "path", "ms p50", "p20", "p80", "tok/s",
         "tok/s/GPU", "TFLOP/s", "MFU", "act GiB", "noisy");
@@ -228,7 +268,8 @@ int main(int argc, char** argv) {
       const double flops = forward_flops(cfg, T, batch);
       const std::string shape = cfg.model_type + " L" + std::to_string(cfg.num_hidden_layers) + " H" +
                                 std::to_string(cfg.hidden_size) + " T" + std::to_string(T) + " B" + std::to_string(batch) +
-                                (cuda::gemm_autotune() ? " gemm-autotune" : "") + (tp > 1 ? " TP" + std::to_string(tp) : "");
+                                (cuda::gemm_autotune() ? " gemm-autotune" : "") + (tp > 1 ? " TP" + std::to_string(tp) : "") +
+                                (fp8 ? " fp8" : "");
       std::map<std::string, double> p50;
       for (const std::string& p : {std::string("fast"), std::string("fallback")}) {
         if (!samples.count(p)) continue;
@@ -240,6 +281,7 @@ int main(int argc, char** argv) {
         say("%-8lld %-9s %10.2f %10.2f %10.2f %11.0f %10.0f %9.1f %6.1f%% %10.2f %s\n", static_cast<long long>(T * batch),
             p.c_str(), s.p50, s.p20, s.p80, tps, tps / tp, tflops, 100.0 * tflops * 1e12 / kPeakBf16, act_gib[p],
             s.noisy ? "NOISY" : "");
+        if (fp8) say("%-8s %-9s MFU against the dense FP8 peak (1979 TFLOP/s): %.1f%%\n", "", "", 100.0 * tflops * 1e12 / kPeakFp8);
         if (out) {
           auto row = [&](const std::string& metric, const std::string& unit, double a, double b2, double c2) {
             out->write({"target_bench", "forward", "dflash", p, metric, unit, shape, a, b2, c2, s.noisy});
@@ -249,6 +291,7 @@ int main(int argc, char** argv) {
           row("throughput_per_gpu", "tok/s", tps / tp, tokens_n / tp / (s.p80 / 1e3), tokens_n / tp / (s.p20 / 1e3));
           row("achieved_per_gpu", "TFLOP/s", tflops, flops / tp / (s.p80 / 1e3) / 1e12, flops / tp / (s.p20 / 1e3) / 1e12);
           row("mfu", "%", 100.0 * tflops * 1e12 / kPeakBf16, 0, 0);
+          if (fp8) row("mfu_fp8_peak", "%", 100.0 * tflops * 1e12 / kPeakFp8, 0, 0);
           row("activation_memory", "GiB", act_gib[p], act_gib[p], act_gib[p]);
         }
       }
@@ -266,7 +309,7 @@ int main(int argc, char** argv) {
         }
     }
     if (!profiles.empty())
-      say("%s\nshare: of the plain forward's p50; alone: the same gemm_bf16 call (shape, strides) timed by itself in "
+      say("%s\nshare: of the plain forward's p50; alone: the same gemm_bf16 / gemm_fp8 call (shape, strides) timed by itself in "
           "this run; ratio: p50 per call in the forward / alone (SLOW above %.2f); excess: calls x (mean - alone)\n",
           profiles.c_str(), bench::kGemmSlowRatio);
     if (lead && !csv.empty()) std::printf("\nCSV rows appended to %s\n", out->path().c_str());

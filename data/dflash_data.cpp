@@ -130,6 +130,8 @@ int main(int argc, char** argv) {
   model_opt->excludes(config_opt);
   regen->add_flag("--random-weights", src.random_weights, "seeded random target weights (benches, demos)")->needs(config_opt);
   regen->add_option("--weight-seed", src.seed, "seed of --random-weights")->capture_default_str();
+  std::string precision_s = "auto";
+  regen->add_option("--precision", precision_s, target::kPrecisionHelp)->capture_default_str();
   regen->add_option("--device", device, "where the target runs: cpu, cuda (under mpirun: the GPU of the node-local rank) or cuda:N")->capture_default_str();
   regen->add_option("--tp", tp, "tensor-parallel size of the target (under mpirun; the TP groups share the prompts)")
       ->capture_default_str()
@@ -175,10 +177,11 @@ int main(int argc, char** argv) {
       if (temperature > 0) ropt.gen.sample = ops::SampleParams{static_cast<float>(temperature), static_cast<float>(top_p), sample_seed};
       else DFLASH_CHECK_HINT(top_p == 1.0, "--top-p " << top_p << " needs --temperature > 0", "greedy decoding keeps no nucleus");
       ropt.progress = !no_progress;
+      src.precision = target::parse_precision(precision_s, "--precision");
       const target::TargetConfig cfg = src.read_config();
       target::check_tp(cfg, tp);
       target::check_generate_config(ropt.gen, cfg.vocab_size);
-      ropt.target_identity = src.describe() + ": " + cfg.summary();
+      ropt.target_identity = src.identity(cfg);
       const int64_t max_len = regenerate_max_len(ropt);
       std::unique_ptr<comm::Communicator> tp_comm;
       if (tp > 1) tp_comm = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, layout.tp_group, rank, rank_dev, timeout_s, "tp");

@@ -151,16 +151,18 @@ json nccl_bandwidth(Device dev, int rank, int world) {
   return out;
 }
 
-json live_check(const TargetConfig& cfg, int device, const KernelPolicies& pol, int sm_major, int64_t tokens, uint64_t seed) {
+json live_check(const TargetConfig& cfg, int device, const KernelPolicies& pol, int sm_major, int64_t tokens, uint64_t seed,
+                Precision precision) {
   // A two-layer model with the target's shapes (one layer of each kind), random bf16 weights.
   TargetConfig mini = cfg;
   mini.num_hidden_layers = 2;
   mini.layer_types = {LayerType::LinearAttention, LayerType::FullAttention};
   const Device dev = Device::cuda(device);
   KernelPolicies fallback{KernelPolicy::Fallback, KernelPolicy::Fallback, KernelPolicy::Fallback, false};
-  FastPathPlan fast_plan = make_plan(mini, dev, KernelPolicies{pol.conv, pol.delta_rule, pol.attention, false}, sm_major);
-  FastPathPlan slow_plan = make_plan(mini, dev, fallback, sm_major);
-  CudaTargetModel model(mini, random_weights(mini, seed, DType::BF16, dev), fast_plan);
+  FastPathPlan fast_plan =
+      make_plan(mini, dev, KernelPolicies{pol.conv, pol.delta_rule, pol.attention, false}, sm_major, precision);
+  FastPathPlan slow_plan = make_plan(mini, dev, fallback, sm_major, precision);
+  CudaTargetModel model(mini, random_weights(mini, seed, DType::BF16, dev, precision), fast_plan);
   std::vector<int32_t> ids(static_cast<size_t>(tokens));
   for (int64_t i = 0; i < tokens; ++i) ids[static_cast<size_t>(i)] = static_cast<int32_t>(i % cfg.vocab_size);
   CudaBatch batch = model.make_batch({ids});
@@ -210,6 +212,8 @@ int main(int argc, char** argv) {
   app.add_option("--delta-rule", dr, "kernel policy for the delta rule")->check(CLI::IsMember({"auto", "fast", "fallback"}))->capture_default_str();
   app.add_option("--attention", attn, "kernel policy for attention")->check(CLI::IsMember({"auto", "fast", "fallback"}))->capture_default_str();
   app.add_flag("--require-fast-path", require_fast, "fail when any layer would fall back");
+  std::string precision_s = "auto";
+  app.add_option("--precision", precision_s, kPrecisionHelp)->capture_default_str();
   app.add_option("--tokens", tokens, "tokens of the live check")->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_flag("--no-live", no_live, "skip the live GPU check");
   app.add_option("--seed", seed, "seed of the live check's random weights and input")->capture_default_str();
@@ -247,7 +251,9 @@ int main(int argc, char** argv) {
                    "kernels.require_fast_path do not apply to it (both refuse it).\n";
     int sm_major = 0;
     if (dev.is_cuda()) sm_major = cuda_device_info(dev.index).major;
-    FastPathPlan plan = make_plan(cfg, dev, pol, sm_major);
+    const Precision precision = resolve_precision(parse_precision(precision_s, "--precision"), cfg);
+    report["model"]["precision"] = precision_name(precision);
+    FastPathPlan plan = make_plan(cfg, dev, pol, sm_major, precision);
     report["plan"] = plan.to_json();
     std::cout << "\n== fast-path plan (" << plan.device << ")\n" << plan.table() << "\n  " << plan.summary() << "\n";
     for (const std::string& f : plan.fallbacks()) std::cout << "  FALLBACK " << f << "\n";
@@ -256,7 +262,7 @@ int main(int argc, char** argv) {
     if (dev.is_cuda() && !no_live) {
       std::cout << "\n== live check on " << dev.str() << ": one layer of each kind, " << tokens
                 << " tokens, fast path vs fallback, same input (random weights of the model's shapes)\n";
-      json live = live_check(cfg, dev.index, pol, sm_major, tokens, seed);
+      json live = live_check(cfg, dev.index, pol, sm_major, tokens, seed, precision);
       report["live"] = live;
       for (const json& r : live) {
         std::printf("  %-16s fast %8.3f ms  fallback %9.3f ms  speed-up %6.1fx  max rel err %.2e  %s\n",

@@ -65,7 +65,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Run the target model on token ids and save the captured hidden states (safetensors)."};
   app.name("dflash_features");
   std::string log_level = "info", model_dir, config_path, out_path = "features.safetensors", layers = "all";
-  std::string tokens_file, out_dtype = "f32", delta_rule = "chunked", device = "cpu";
+  std::string tokens_file, out_dtype = "f32", delta_rule = "chunked", device = "cpu", precision_s = "auto";
   std::vector<std::string> token_lists;
   bool random_weights = false, final_norm = false;
   uint64_t seed = 0;
@@ -84,6 +84,7 @@ int main(int argc, char** argv) {
   app.add_option("--delta-rule", delta_rule, "GatedDeltaNet algorithm of the CPU reference")
       ->check(CLI::IsMember({"chunked", "recurrent"}))->capture_default_str();
   app.add_option("--device", device, "where the target runs: cpu or cuda[:N]")->capture_default_str();
+  app.add_option("--precision", precision_s, kPrecisionHelp)->capture_default_str();
   std::string conv_pol = "auto", dr_pol = "auto", attn_pol = "auto", plan_json;
   bool require_fast = false;
   app.add_option("--conv", conv_pol, "kernel policy of the GatedDeltaNet conv (GPU)")->check(CLI::IsMember({"auto", "fast", "fallback"}));
@@ -141,7 +142,8 @@ int main(int argc, char** argv) {
     KernelPolicies pol{parse_policy(conv_pol, "--conv"), parse_policy(dr_pol, "--delta-rule-kernel"),
                        parse_policy(attn_pol, "--attention"), require_fast};
     const int sm = dev.is_cuda() ? cuda_device_info(dev.index).major : 0;
-    FastPathPlan plan = make_plan(local, dev, pol, sm);
+    const Precision precision = resolve_precision(parse_precision(precision_s, "--precision"), cfg);
+    FastPathPlan plan = make_plan(local, dev, pol, sm, precision);
     // From here on ranks talk to each other: a rank that fails ends the whole job, so that the
     // others are not left waiting in a collective.
     std::unique_ptr<comm::Communicator> tp_comm;
@@ -161,8 +163,8 @@ int main(int argc, char** argv) {
     try {
       if (dev.is_cpu()) {
         check_cpu_reference_fits(local, cfg, "the CPU reference is for small models; run big targets on the GPU (--device cuda)");
-        TargetWeights w = random_weights ? random_weights_tp(cfg, seed, DType::F32, dev, shard)
-                                         : load_weights_tp(cfg, model_dir, DType::F32, dev, shard);
+        TargetWeights w = random_weights ? random_weights_tp(cfg, seed, DType::F32, dev, shard, precision)
+                                         : load_weights_tp(cfg, model_dir, DType::F32, dev, shard, precision);
         TargetModel model(local, std::move(w), tp_comm.get());
         inject_fault(rank);
         auto t1 = std::chrono::steady_clock::now();
@@ -173,8 +175,8 @@ int main(int argc, char** argv) {
         counters_json = cpu_counters.to_json();
       } else {
 #if DFLASH_WITH_CUDA
-        TargetWeights w = random_weights ? random_weights_tp(cfg, seed, DType::BF16, dev, shard)
-                                         : load_weights_tp(cfg, model_dir, DType::BF16, dev, shard);
+        TargetWeights w = random_weights ? random_weights_tp(cfg, seed, DType::BF16, dev, shard, precision)
+                                         : load_weights_tp(cfg, model_dir, DType::BF16, dev, shard, precision);
         CudaTargetModel model(local, std::move(w), plan, tp_comm.get());
         inject_fault(rank);
         CudaBatch batch = model.make_batch(seqs);

@@ -289,6 +289,10 @@ const std::vector<Field>& schema() {
                              DFLASH_MEMBER(model.target.config)));
     f.push_back(bool_field("model.target.random_weights", DFLASH_MEMBER(model.target.random_weights)));
     f.push_back(int_field("model.target.seed", 0, DFLASH_MEMBER(model.target.seed)));
+    f.push_back(enum_field<target::Precision>(
+        "model.target.precision",
+        {{"auto", target::Precision::Auto}, {"bf16", target::Precision::Bf16}, {"fp8", target::Precision::Fp8}},
+        DFLASH_MEMBER(model.target.precision)));
     f.push_back(string_field("model.drafter.config", "a drafter config.json path (a string)", true,
                              DFLASH_MEMBER(model.drafter.config)));
     f.push_back(string_field("model.drafter.warm_start", "an exported drafter directory (a string)", true,

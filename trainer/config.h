@@ -29,6 +29,7 @@ struct TargetSection {  // model.target: a Hugging Face directory, or a config.j
   std::string config;           // a config.json; needs random_weights (there are no weights)
   bool random_weights = false;  // initialize the target randomly (benches, demos)
   int64_t seed = 0;             // seed of the random weights
+  target::Precision precision = target::Precision::Auto;  // auto | bf16 | fp8 (target_model/config.h)
   bool operator==(const TargetSection&) const = default;
 };
 

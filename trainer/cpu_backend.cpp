@@ -29,8 +29,9 @@ class CpuBackend final : public TrainBackend {
     const target::TpShard shard{s.layout.tp_rank, tps};
     target::TargetWeights tw =
         ts.path.empty()
-            ? target::random_weights_tp(s.target, static_cast<uint64_t>(ts.seed), DType::F32, Device::cpu(), shard)
-            : target::load_weights_tp(s.target, ts.path, DType::F32, Device::cpu(), shard);
+            ? target::random_weights_tp(s.target, static_cast<uint64_t>(ts.seed), DType::F32, Device::cpu(), shard,
+                                        ts.precision)
+            : target::load_weights_tp(s.target, ts.path, DType::F32, Device::cpu(), shard, ts.precision);
     tmodel_ = std::make_unique<target::TargetModel>(target::local_config(s.target, tps), std::move(tw), tp);
     frozen_ = {tmodel_->weights().embed_tokens, tmodel_->weights().lm_head};
     dw_ = cfg.model.drafter.warm_start.empty()

@@ -45,7 +45,8 @@ class CudaBackend final : public TrainBackend {
     // Target: this rank's shard, bf16, read slice by slice (or made from the seed).
     const int tps = s.layout.tp_size;
     const target::TargetConfig local = target::local_config(s.target, tps);
-    target::FastPathPlan plan = target::make_plan(local, device_, cfg.kernel_policies(), info.major);
+    const target::Precision precision = target::resolve_precision(ts.precision, s.target);
+    target::FastPathPlan plan = target::make_plan(local, device_, cfg.kernel_policies(), info.major, precision);
     fast_path_ = "target: " + plan.summary();
     if (cfg.kernels.require_fast_path) plan.require_all_fast();
     // The drafter's attention: the tensor-core kernels, or the (much slower) fallback for other
@@ -73,7 +74,8 @@ class CudaBackend final : public TrainBackend {
       const int64_t tokens = cfg.training.batch_size * cfg.data.max_length;
       const int64_t blocks = (cfg.training.batch_size * cfg.training.num_anchors + tps - 1) / tps;
       const MemoryPlan mp =
-          gpu_memory_plan(local, dcfg_, tokens, cfg.data.max_length, blocks, drafter::CudaDrafter::kMinCeChunkRows);
+          gpu_memory_plan(local, dcfg_, tokens, cfg.data.max_length, blocks, drafter::CudaDrafter::kMinCeChunkRows,
+                          precision == target::Precision::Fp8);
       size_t free_b = 0, total_b = 0;
       DFLASH_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
       memory_plan_ = mp.table(static_cast<double>(total_b));
@@ -87,8 +89,9 @@ class CudaBackend final : public TrainBackend {
     const target::TpShard shard{s.layout.tp_rank, tps};
     auto t0 = StepClock::now();
     target::TargetWeights tw =
-        ts.path.empty() ? target::random_weights_tp(s.target, static_cast<uint64_t>(ts.seed), DType::BF16, device_, shard)
-                        : target::load_weights_tp(s.target, ts.path, DType::BF16, device_, shard);
+        ts.path.empty()
+            ? target::random_weights_tp(s.target, static_cast<uint64_t>(ts.seed), DType::BF16, device_, shard, precision)
+            : target::load_weights_tp(s.target, ts.path, DType::BF16, device_, shard, precision);
     Tensor embed = tw.embed_tokens, lm_head = tw.lm_head;
     tmodel_ = std::make_unique<target::CudaTargetModel>(local, std::move(tw), std::move(plan), tp_.get());
     DeviceContext::get(device_.index).synchronize();

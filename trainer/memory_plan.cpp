@@ -1,6 +1,7 @@
 #include "trainer/memory_plan.h"
 
 #include "drafter/weights.h"
+#include "target_model/weights.h"
 
 #include <algorithm>
 
@@ -21,10 +22,16 @@ double drafter_params(const drafter::DrafterConfig& d) {
 }  // namespace
 
 MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::DrafterConfig& d, int64_t tokens,
-                           int64_t max_seqlen, int64_t blocks, int64_t ce_chunk_rows) {
+                           int64_t max_seqlen, int64_t blocks, int64_t ce_chunk_rows, bool fp8_target) {
   MemoryPlan p;
   const double N = static_cast<double>(tokens), R = static_cast<double>(blocks * d.block_size);
   p.target_weights = 2.0 * static_cast<double>(t.parameter_count());
+  if (fp8_target) {
+    double proj = 0;
+    for (const target::TensorSpec& s : target::expected_tensors(t))
+      if (target::is_fp8_projection(s.name)) proj += static_cast<double>(shape_numel(s.shape));
+    p.target_weights -= proj * (1.0 - 4.0 / (128.0 * 128.0));  // 2 -> 1 byte, plus the block scales
+  }
   // The widest per-token buffers of one layer (bf16): residual + normed + scratch, the fused
   // in-projection output, conv output, the MLP's gate|up and its product; plus the captures.
   const double H = static_cast<double>(t.hidden_size), I = static_cast<double>(t.intermediate_size);
@@ -32,6 +39,8 @@ MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::Drafter
                                                    t.attn_q_proj_rows() + 2 * t.num_key_value_heads * t.head_dim));
   p.target_activations = 2.0 * N * (4 * H + proj + static_cast<double>(t.gdn_conv_dim()) + 3 * I) +
                          2.0 * N * H * static_cast<double>(d.num_context_layers()) * 2;  // captures + packed context
+  // FP8: the largest quantized GEMM input (e4m3 [N, I]) and its scales
+  if (fp8_target) p.target_activations += N * I * (1.0 + 4.0 / 128.0);
   p.drafter_state = 18.0 * drafter_params(d);
   const double Hd = static_cast<double>(d.hidden_size), Id = static_cast<double>(d.intermediate_size);
   const double qd = static_cast<double>(d.q_dim()), kvd = static_cast<double>(d.kv_dim());

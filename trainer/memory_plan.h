@@ -25,8 +25,9 @@ struct MemoryPlan {
 
 // local_target: this rank's shard (target::local_config); tokens: context rows of a micro-batch
 // (batch_size · max_length); max_seqlen: the longest sequence (max_length); blocks: anchor blocks
-// this rank trains per micro-batch.
+// this rank trains per micro-batch. fp8_target: the projections held as e4m3 codes (1 byte per
+// weight, plus a 4-byte scale per 128 x 128 block) instead of bf16.
 MemoryPlan gpu_memory_plan(const target::TargetConfig& local_target, const drafter::DrafterConfig& d, int64_t tokens,
-                           int64_t max_seqlen, int64_t blocks, int64_t ce_chunk_rows);
+                           int64_t max_seqlen, int64_t blocks, int64_t ce_chunk_rows, bool fp8_target = false);
 
 }  // namespace dflash::trainer

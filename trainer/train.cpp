@@ -236,8 +236,10 @@ void write_fast_path_json(Group& g, TrainBackend& backend, int rank, const fs::p
   write_text(path, doc.dump(1) + "\n");
 }
 
-// Dense bf16 tensor-core peak of an H100/H200 SXM (the MFU denominator), FLOP/s per GPU.
+// Dense bf16 tensor-core peak of an H100/H200 SXM (the MFU denominator), FLOP/s per GPU; and the
+// dense FP8 one (an FP8 target's runs also report MFU against it).
 constexpr double kPeakBf16PerGpu = 989.4e12;
+constexpr double kPeakFp8PerGpu = 1978.9e12;
 
 std::string fmt_duration(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
@@ -610,8 +612,8 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     ro.slots = rc.slots;
     ro.progress = cfg.logging.progress_bar;
     const target::TargetSource src{cfg.model.target.path, cfg.model.target.config, cfg.model.target.random_weights,
-                                   static_cast<uint64_t>(cfg.model.target.seed)};
-    ro.target_identity = src.describe() + ": " + tcfg.summary();
+                                   static_cast<uint64_t>(cfg.model.target.seed), cfg.model.target.precision};
+    ro.target_identity = src.identity(tcfg);
     data::RegenerateSummary rs;
     if (data::regenerated_file_matches(ro)) {
       if (rank == 0) spdlog::info("data: using the regenerated data {} (made earlier with these settings)", ro.out);
@@ -897,6 +899,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
                  "training.max_steps to continue this one",
                  start_step, total);
   const double peak_flops = on_gpu ? kPeakBf16PerGpu : 0.0;
+  const bool fp8_target = target::resolve_precision(cfg.model.target.precision, tcfg) == target::Precision::Fp8;
   ProgressBar bar(rank == 0 && cfg.logging.progress_bar && ::isatty(STDERR_FILENO), total);
   // Test hook: DFLASH_FAULT_NONFINITE_STEPS="3,4" makes the gradient norm of those (1-based) steps
   // NaN on every rank, as a non-finite gradient would, to exercise the skip / stop logic.
@@ -1041,7 +1044,10 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
         bar.clear();
         const double eta = step > 0 ? elapsed / static_cast<double>(step) * static_cast<double>(total - step) : 0;
         std::string perf = fmt::format("{:.0f} tok/s ({:.0f}/{})", tok_s, tok_s / world, on_gpu ? "GPU" : "rank");
-        if (peak_flops > 0) perf += fmt::format(" | MFU {:.1f}% | mem {:.1f} GiB", mfu, mem);
+        if (peak_flops > 0 && fp8_target)
+          perf += fmt::format(" | MFU {:.1f}% (fp8 peak {:.1f}%) | mem {:.1f} GiB", mfu, mfu * kPeakBf16PerGpu / kPeakFp8PerGpu, mem);
+        else if (peak_flops > 0)
+          perf += fmt::format(" | MFU {:.1f}% | mem {:.1f} GiB", mfu, mem);
         spdlog::info("step {}/{} | loss {:.4f} | acc[1..{}] {} | accept {:.3f} | lr {:.3e} | gnorm {:.3f} | {} | eta {}",
                      step, total, log_stats.loss(), B - 1, fmt_acc(log_stats, B), log_stats.accept_len(), last_lr,
                      last_norm, perf, fmt_duration(eta));
@@ -1057,6 +1063,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
                                         {"comm", log_times.comm_s}, {"optimizer", log_times.optimizer_s},
                                         {"interval", dt}, {"per_step", dt / n}}}};
         if (peak_flops > 0) line["mfu"] = mfu, line["mem_gib"] = mem, line["tflops_per_gpu"] = log_flops / dt / world / 1e12;
+        if (peak_flops > 0 && fp8_target) line["mfu_fp8_peak"] = mfu * kPeakBf16PerGpu / kPeakFp8PerGpu;
         metrics.append(line.dump() + "\n");  // a failed write (a full disk) stops the run here
       }
       if (intervals++ == 0) {
@@ -1115,7 +1122,10 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
       perf += fmt::format("{:.0f} tok/s ({:.0f} per {})", steady_tokens / steady_s, steady_tokens / steady_s / world,
                           on_gpu ? "GPU" : "rank");
       if (peak_flops > 0)
-        perf += fmt::format(", MFU {:.1f}%, peak memory {:.1f} GiB", 100.0 * steady_flops / steady_s / (peak_flops * world),
+        perf += fmt::format(", MFU {:.1f}%{}, peak memory {:.1f} GiB", 100.0 * steady_flops / steady_s / (peak_flops * world),
+                            fp8_target ? fmt::format(" ({:.1f}% of the FP8 peak)",
+                                                     100.0 * steady_flops / steady_s / (kPeakFp8PerGpu * world))
+                                       : std::string(),
                             backend->peak_memory_gib());
     } else {
       perf += "n/a (one interval)";

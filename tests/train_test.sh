@@ -12,6 +12,8 @@
 #           untrained one's by >= 0.8 (measured: 2.29 vs 1.00 on the CPU), equals the trainer's estimate at the
 #           same blocks within 1e-3 (0.1 on the GPU), and both outputs are the target's greedy decoding. With
 #           DFLASH_GATE_MASKS=1 also trains with each of the two published mask bugs and prints their tau.
+#           DFLASH_GATE_FP8=1 also trains on the FP8 target's regenerated data and features and prints the 2 x 2
+#           tau table (trained on bf16 / fp8 x served by bf16 / fp8); the fp8 -> fp8 drafter passes the same gates.
 #   learn   the tiny run, 40 steps: the loss falls by >= 2.0 nats and the mean accuracy over block positions
 #           1..B-1 rises by >= 0.025 (step 1 vs the mean of steps 31-40); checkpoint and exported drafter exist;
 #           the export warm-starts a new run whose first loss is closer to the trained loss than to the fresh one;
@@ -114,6 +116,26 @@ quality)
   awk -v a="$tt" -v b="$tu" 'BEGIN {exit !(a >= b + 0.8)}' || fail "trained tau $tt is not >= untrained $tu + 0.8"
   awk -v a="$tt" -v b="$te" -v t="$tol_est" 'BEGIN {d = a - b; if (d < 0) d = -d; exit !(d <= t)}' ||
     fail "measured tau $tt and the training estimate $te differ by more than $tol_est (a train / inference mismatch)"
+  if [ -n "${DFLASH_GATE_FP8:-}" ]; then  # the FP8 target (issue 18; one more training, three more evaluations)
+    gate fp8 --set model.target.precision=fp8 --set data.synth.path="$work/trained/data/synth.h5"
+    grep -q "data: regenerated .*regenerated.h5: 600 sequences" "$work/fp8.log" || fail "the fp8 run did not regenerate its data"
+    evalp() {  # evalp NAME DRAFTER PRECISION
+      "$ev" --config "$tcfg" --random-weights --drafter "$work/$2/drafter" --prompts "$work/heldout.h5" --max-new-tokens 40 \
+        --device "$device" --precision "$3" --json "$work/$1.json" >"$work/$1.eval" 2>&1 || { tail -n 5 "$work/$1.eval"; fail "dflash_eval ($1)"; }
+      grep -q '"mismatches": 0' "$work/$1.json" || fail "$1: speculative decoding differs from the $3 target's greedy decoding"
+    }
+    evalp fp8_on_fp8 fp8 fp8
+    evalp bf16_on_fp8 trained fp8
+    evalp fp8_on_bf16 fp8 bf16
+    echo "tau on held-out prompts (rows: the features trained on, columns: the target served)"
+    echo "  trained on bf16: bf16 target $tt, fp8 target $(tau_of "$work/bf16_on_fp8.eval")"
+    echo "  trained on fp8:  bf16 target $(tau_of "$work/fp8_on_bf16.eval"), fp8 target $(tau_of "$work/fp8_on_fp8.eval")" \
+      "(the trainer's estimate at the same blocks $(est_of "$work/fp8_on_fp8.eval"))"
+    t8=$(tau_of "$work/fp8_on_fp8.eval") e8=$(est_of "$work/fp8_on_fp8.eval")
+    awk -v a="$t8" -v b="$tu" 'BEGIN {exit !(a >= b + 0.8)}' || fail "fp8 -> fp8 tau $t8 is not >= untrained $tu + 0.8"
+    awk -v a="$t8" -v b="$e8" -v t="$tol_est" 'BEGIN {d = a - b; if (d < 0) d = -d; exit !(d <= t)}' ||
+      fail "fp8 -> fp8: measured tau $t8 and the training estimate $e8 differ by more than $tol_est"
+  fi
   if [ -n "${DFLASH_GATE_MASKS:-}" ]; then  # the two published mask bugs (slow: two more trainings)
     for v in causal_in_block anchor_inclusive; do
       DFLASH_FAULT_MASK=$v gate "mask_$v" --set data.regenerate.path="$work/trained/data/regenerated.h5" \

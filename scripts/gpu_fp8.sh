@@ -11,7 +11,7 @@
 # generate_bench logs and CSVs), features.log, gate.log, train.log, train.tgz.
 # Switches: SKIP_TESTS=1, GPU_TESTS (ctest -R regex; default the FP8-related ones), SKIP_BENCH=1,
 # SKIP_KBENCH=1, SKIP_FEATURES=1, SKIP_DECODE=1, SKIP_GATE=1, SKIP_TRAIN=1, TRAIN_STEPS (default 40),
-# TRAIN_PRECISIONS (default fp8), BENCH_SEQ (default 8192), DFLASH_DEADLINE (epoch s: training stops in time).
+# TRAIN_PRECISIONS (default fp8), BENCH_PRECISIONS (default bf16 fp8), BENCH_SEQ (default 8192), DFLASH_DEADLINE (epoch s: training stops in time).
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
 set +e
@@ -32,7 +32,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 C27=configs/qwen3.6-27b/config.json
 if [ -z "${SKIP_BENCH:-}" ]; then
-  for p in bf16 fp8; do
+  for p in ${BENCH_PRECISIONS:-bf16 fp8}; do
     extra=()
     [ "$p" = fp8 ] && extra=(--profile)
     timeout 240 "$B/bench/target_bench" --config $C27 --random-weights --precision $p --seq "${BENCH_SEQ:-8192}" --path fast \
@@ -55,10 +55,18 @@ if [ -z "${SKIP_FEATURES:-}" ]; then
         --tokens-file /tmp/ids.txt --layers 1,16,31,46,61 --out /tmp/feat_$p.safetensors
       echo "dflash_features $p rc=$?"
     done
+    # How this random network amplifies rounding-level differences: the bf16 forward on the fallback
+    # kernels (the same math, other summation orders) against the fast one.
+    timeout 200 "$B/target_model/dflash_features" --config $C27 --random-weights --device cuda --precision bf16 \
+      --conv fallback --delta-rule-kernel fallback --attention fallback \
+      --tokens-file /tmp/ids.txt --layers 1,16,31,46,61 --out /tmp/feat_bf16_fallback.safetensors
+    echo "dflash_features bf16 fallback rc=$?"
     echo "== the FP8 forward's captured hidden states against the bf16 forward's (Qwen3.6-27B shapes, random weights, 2048 tokens)"
     python3 scripts/compare_features.py /tmp/feat_fp8.safetensors /tmp/feat_bf16.safetensors
+    echo "== calibration: the bf16 forward on the fallback kernels against the fast one (rounding-level differences)"
+    python3 scripts/compare_features.py /tmp/feat_bf16_fallback.safetensors /tmp/feat_bf16.safetensors
   } >"$OUT/features.log" 2>&1
-  tail -n 8 "$OUT/features.log"
+  tail -n 16 "$OUT/features.log"
 fi
 if [ -z "${SKIP_DECODE:-}" ]; then
   for p in bf16 fp8; do

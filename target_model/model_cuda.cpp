@@ -192,7 +192,7 @@ CudaTargetModel::Proj CudaTargetModel::make_proj(std::vector<Tensor*> ws, std::v
   return p;
 }
 
-CudaTargetModel::Fp8Input CudaTargetModel::quantize_input(const Tensor& x, int64_t ldx, int64_t M, int64_t K) {
+CudaTargetModel::Fp8Input CudaTargetModel::alloc_input(int64_t M, int64_t K) {
   Fp8Input in;
   const int64_t Mg = gemm_rows(M);
   in.q = Tensor::empty({Mg, K}, DType::F8E4M3, device_);
@@ -200,6 +200,11 @@ CudaTargetModel::Fp8Input CudaTargetModel::quantize_input(const Tensor& x, int64
     DFLASH_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(in.q.raw_data()) + M * K, 0, static_cast<size_t>((Mg - M) * K),
                                       static_cast<cudaStream_t>(stream_)));
   in.scale = Tensor::empty({static_cast<int64_t>(cuda::fp8_act_scale_elems(M, K))}, DType::F32, device_);
+  return in;
+}
+
+CudaTargetModel::Fp8Input CudaTargetModel::quantize_input(const Tensor& x, int64_t ldx, int64_t M, int64_t K) {
+  Fp8Input in = alloc_input(M, K);
   cuda::Fp8ActQuantParams qp;
   qp.x = x.raw_data();
   qp.ldx = ldx;
@@ -213,8 +218,9 @@ CudaTargetModel::Fp8Input CudaTargetModel::quantize_input(const Tensor& x, int64
 }
 
 void CudaTargetModel::project(ForwardOp op, const Tensor& x, int64_t ldx, const std::vector<Proj>& parts, Tensor& y,
-                              int64_t ldy, int64_t M) {
+                              int64_t ldy, int64_t M, const Fp8Input* pre) {
   Fp8Input in;
+  if (pre) in = *pre;
   for (const Proj& p : parts) {
     char* out = static_cast<char*>(y.raw_data()) + p.col * 2;
     const GemmShape shape{p.fp8() ? gemm_rows(M) : M, p.N, p.K, p.fp8() ? p.K : ldx, ldy, p.fp8()};
@@ -405,12 +411,22 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
       });
   }
 
-  Tensor normed = device_bf16({N, V}, device_);
-  timed(ForwardOp::GatedRmsNorm, [&] {
-    cuda::gated_rms_norm(core.raw_data(), col(C), P, L.gdn.norm.raw_data(), normed.raw_data(), N, Hv, dv,
-                         static_cast<float>(c.rms_norm_eps), stream_);
-  });
-  project(ForwardOp::GdnOutProj, normed, V, {f.out}, out, H, N);
+  if (f.out.fp8() && dv % 128 == 0) {  // the norm writes out_proj's quantized input (fused)
+    const Fp8Input in = alloc_input(N, V);
+    timed(ForwardOp::GatedRmsNorm, [&] {
+      cuda::gated_rms_norm_quant_fp8(core.raw_data(), col(C), P, L.gdn.norm.raw_data(), N, Hv, dv,
+                                     static_cast<float>(c.rms_norm_eps), static_cast<uint8_t*>(in.q.raw_data()), V,
+                                     in.scale.data<float>(), stream_);
+    });
+    project(ForwardOp::GdnOutProj, Tensor(), V, {f.out}, out, H, N, &in);
+  } else {
+    Tensor normed = device_bf16({N, V}, device_);
+    timed(ForwardOp::GatedRmsNorm, [&] {
+      cuda::gated_rms_norm(core.raw_data(), col(C), P, L.gdn.norm.raw_data(), normed.raw_data(), N, Hv, dv,
+                           static_cast<float>(c.rms_norm_eps), stream_);
+    });
+    project(ForwardOp::GdnOutProj, normed, V, {f.out}, out, H, N);
+  }
   if (tp_) timed(ForwardOp::AllReduce, [&] { tp_->all_reduce_sum(out); });
 }
 
@@ -585,9 +601,18 @@ void CudaTargetModel::mlp(int64_t i, const Tensor& x, Tensor& out) {
   const int64_t N = x.size(0), H = c.hidden_size, I = c.intermediate_size;
   Tensor gu = device_bf16({gemm_rows(N), 2 * I}, device_);
   project(ForwardOp::MlpGateUp, x, H, f.gate_up, gu, 2 * I, N);
-  Tensor act = device_bf16({N, I}, device_);
-  timed(ForwardOp::Swiglu, [&] { cuda::swiglu(gu.raw_data(), act.raw_data(), N, I, stream_); });
-  project(ForwardOp::MlpDown, act, I, {f.down}, out, H, N);
+  if (f.down.fp8()) {  // SwiGLU writes down_proj's quantized input (fused)
+    const Fp8Input in = alloc_input(N, I);
+    timed(ForwardOp::Swiglu, [&] {
+      cuda::swiglu_quant_fp8(gu.raw_data(), N, I, static_cast<uint8_t*>(in.q.raw_data()), I, in.scale.data<float>(),
+                             stream_);
+    });
+    project(ForwardOp::MlpDown, Tensor(), I, {f.down}, out, H, N, &in);
+  } else {
+    Tensor act = device_bf16({N, I}, device_);
+    timed(ForwardOp::Swiglu, [&] { cuda::swiglu(gu.raw_data(), act.raw_data(), N, I, stream_); });
+    project(ForwardOp::MlpDown, act, I, {f.down}, out, H, N);
+  }
   if (tp_) timed(ForwardOp::AllReduce, [&] { tp_->all_reduce_sum(out); });
 }
 

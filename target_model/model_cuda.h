@@ -200,14 +200,16 @@ class CudaTargetModel {
   struct Fp8Input {
     Tensor q, scale;
   };
+  Fp8Input alloc_input(int64_t M, int64_t K);  // [gemm_rows(M), K] codes (pad rows zero) and the scales
   Fp8Input quantize_input(const Tensor& x, int64_t ldx, int64_t M, int64_t K);
   // Rows of a GEMM's output buffer for N tokens: the block-scaled FP8 GEMM runs on M % 4 == 0 only
   // (cuBLASLt), so an FP8 target's GEMMs run on N rounded up to 4, the pad rows' inputs zero and
   // their outputs never read.
   int64_t gemm_rows(int64_t N) const { return fp8_ ? (N + 3) / 4 * 4 : N; }
   // Runs the parts' GEMMs of x (ldx) into y (ldy); FP8 parts read x quantized once.
+  // `pre`: x already quantized by a fused producer (swiglu_quant_fp8, gated_rms_norm_quant_fp8).
   void project(ForwardOp op, const Tensor& x, int64_t ldx, const std::vector<Proj>& parts, Tensor& y, int64_t ldy,
-               int64_t M);
+               int64_t M, const Fp8Input* pre = nullptr);
   // One GEMM over the concatenated weights (their slots become views of it), output from column
   // `col`, with extra_rows zero rows after them.
   Proj make_proj(std::vector<Tensor*> weights, std::vector<Tensor*> scales, int64_t col, int64_t extra_rows);

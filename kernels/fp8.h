@@ -5,7 +5,8 @@
 //   weights:     128 x 128 blocks, w ~= q * weight_scale_inv[block], weight_scale_inv = amax / 448
 //   activations: per token, 1 x 128 groups, x ~= q * s[token, group],  s = amax / 448 (dynamic)
 // with amax clamped below at kFp8AmaxFloor (an all-zero block gets a tiny scale, not 0 / 0), and
-// x / scale clamped to [-448, 448] before the round-to-nearest-even cast. Host and device code.
+// x / scale (activations: x * (1 / scale), kernels/ops.h quantize_fp8_act) clamped to [-448, 448]
+// before the round-to-nearest-even cast. Host and device code.
 #include <cmath>
 #include <cstdint>
 #include <cstring>

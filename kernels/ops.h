@@ -172,7 +172,10 @@ struct Fp8Act {
 // Quantizes a host float tensor [N, K] (any float dtype): per block scale_inv = max(amax, floor) / 448,
 // q = e4m3(clamp(w / scale_inv, +-448)), rounded to nearest even.
 Fp8Weight quantize_fp8_weight(const Tensor& w);
-// The same per token and 128-column group (dynamic activation quantization).
+// The same per token and 128-column group (dynamic activation quantization), except that the codes
+// are e4m3(clamp(x * (1 / scale))): one reciprocal per group instead of a division per element (the
+// GPU kernels' arithmetic; it differs from x / scale only where that quotient lies within an f32 ulp
+// of an e4m3 rounding boundary).
 Fp8Act quantize_fp8_act(const Tensor& x);
 // Back to F32 [N, K] / [M, K]: code value times its scale.
 Tensor dequantize_fp8(const Fp8Weight& w);

@@ -18,16 +18,19 @@ Tensor host_f32_2d(const Tensor& t, const char* op) {
   return t.to_dtype(DType::F32).contiguous();
 }
 
-// Quantizes rows [r0, r1) x columns [c0, c1) of x (row stride ld) with one scale.
-float quantize_tile(const float* x, int64_t ld, int64_t r0, int64_t r1, int64_t c0, int64_t c1, uint8_t* q) {
+// Quantizes rows [r0, r1) x columns [c0, c1) of x (row stride ld) with one scale: x / scale
+// (weights, as the checkpoints were made) or x * (1 / scale) (activations: one reciprocal per group,
+// what the CUDA kernels compute, bit for bit).
+float quantize_tile(const float* x, int64_t ld, int64_t r0, int64_t r1, int64_t c0, int64_t c1, uint8_t* q, bool divide) {
   float amax = 0;
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::abs(x[r * ld + c]));
   const float scale = std::max(amax, fp8::kAmaxFloor) / fp8::kE4m3Max;
+  const float inv = 1.0f / scale;
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t c = c0; c < c1; ++c) {
-      const float v = std::clamp(x[r * ld + c] / scale, -fp8::kE4m3Max, fp8::kE4m3Max);
-      q[r * ld + c] = fp8::e4m3_from_float(v);
+      const float t = divide ? x[r * ld + c] / scale : x[r * ld + c] * inv;
+      q[r * ld + c] = fp8::e4m3_from_float(std::clamp(t, -fp8::kE4m3Max, fp8::kE4m3Max));
     }
   return scale;
 }
@@ -51,7 +54,7 @@ Fp8Weight quantize_fp8_weight(const Tensor& w) {
     for (int64_t bk = 0; bk < blocks(K); ++bk)
       out.scale_inv.data<float>()[bn * blocks(K) + bk] =
           quantize_tile(x.data<float>(), K, bn * fp8::kBlock, std::min(N, (bn + 1) * fp8::kBlock), bk * fp8::kBlock,
-                        std::min(K, (bk + 1) * fp8::kBlock), out.q.data<uint8_t>());
+                        std::min(K, (bk + 1) * fp8::kBlock), out.q.data<uint8_t>(), true);
   return out;
 }
 
@@ -62,7 +65,7 @@ Fp8Act quantize_fp8_act(const Tensor& a) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < blocks(K); ++g)
       out.scale.data<float>()[m * blocks(K) + g] = quantize_tile(x.data<float>(), K, m, m + 1, g * fp8::kBlock,
-                                                                 std::min(K, (g + 1) * fp8::kBlock), out.q.data<uint8_t>());
+                                                                 std::min(K, (g + 1) * fp8::kBlock), out.q.data<uint8_t>(), false);
   return out;
 }
 

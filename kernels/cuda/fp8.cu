@@ -79,22 +79,29 @@ __device__ __forceinline__ float unit_amax(const float (&v)[kUnit]) {
 // The reference's scale: max(amax, floor) / 448 (amax is never NaN here).
 __device__ __forceinline__ float scale_of(float amax) { return __fdiv_rn(fmaxf(amax, fp8::kAmaxFloor), fp8::kE4m3Max); }
 
-// 8 values -> 8 e4m3 codes (byte i = code of v[i]) with the reference's clamp; NaN stays NaN (the
-// comparisons are false for it, as std::clamp's, and the cvt keeps NaN).
-__device__ __forceinline__ uint2 encode(const float (&v)[kUnit], float scale) {
+// 8 values -> 8 e4m3 codes (byte i = code of v[i]) of v[i] / scale (weights: IEEE division, as the
+// checkpoints were made) or v[i] * inv with inv = 1 / scale (activations: one correctly rounded
+// reciprocal per group and a multiply per element, as the CPU reference's quantize_fp8_act). The
+// reference's clamp to +-448 is the cvt's satfinite (a finite quotient beyond 448, or an infinite one,
+// gives +-448 either way); NaN stays NaN (the reference's NaN code is 0x7F whatever the sign; the
+// cvt may keep a negative NaN's sign).
+template <bool kDivide>
+__device__ __forceinline__ uint2 encode_as(const float (&v)[kUnit], float scale_or_inv) {
   uint32_t w[2] = {0, 0};
 #pragma unroll
   for (int i = 0; i < kUnit; i += 2) {
-    float a = __fdiv_rn(v[i], scale), b = __fdiv_rn(v[i + 1], scale);
-    a = a < -fp8::kE4m3Max ? -fp8::kE4m3Max : (fp8::kE4m3Max < a ? fp8::kE4m3Max : a);
-    b = b < -fp8::kE4m3Max ? -fp8::kE4m3Max : (fp8::kE4m3Max < b ? fp8::kE4m3Max : b);
+    const float a = kDivide ? __fdiv_rn(v[i], scale_or_inv) : __fmul_rn(v[i], scale_or_inv);
+    const float b = kDivide ? __fdiv_rn(v[i + 1], scale_or_inv) : __fmul_rn(v[i + 1], scale_or_inv);
     uint32_t pair = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);  // low byte: a
-    // The reference's NaN code is 0x7F whatever the sign; the cvt may keep a negative NaN's sign.
     if (a != a) pair = (pair & 0xFF00u) | fp8::kE4m3NaN;
     if (b != b) pair = (pair & 0x00FFu) | (uint32_t{fp8::kE4m3NaN} << 8);
     w[i / 4] |= pair << (16 * ((i / 2) % 2));
   }
   return make_uint2(w[0], w[1]);
+}
+__device__ __forceinline__ uint2 encode(const float (&v)[kUnit], float scale) { return encode_as<true>(v, scale); }
+__device__ __forceinline__ uint2 encode_act(const float (&v)[kUnit], float scale) {
+  return encode_as<false>(v, __frcp_rn(scale));
 }
 
 // What the activation quantizer reads: 8 bf16 values (as f32) of row m at column col.
@@ -126,7 +133,7 @@ __device__ __forceinline__ void quantize_group(const float (&v)[kUnit], bool act
 #pragma unroll
   for (int o = kGroupLanes / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
   const float s = scale_of(amax);
-  if (active) *reinterpret_cast<uint2*>(q) = encode(v, s);
+  if (active) *reinterpret_cast<uint2*>(q) = encode_act(v, s);
   if (lane == 0) {
     scale[g * lds + m] = s;
     if (m == M - 1)
@@ -135,9 +142,10 @@ __device__ __forceinline__ void quantize_group(const float (&v)[kUnit], bool act
 }
 
 // kActBatch (token, group) pairs per half warp and pass, their loads issued before any is reduced
-// (one 16-byte load in flight per lane reached ~1.5 TB/s; four keep DRAM busier). lds =
+// (ncu at 4d73020: with 4 the kernel held 3 blocks per SM by registers and was issue-bound, 60% SM
+// throughput against 34% DRAM). lds =
 // fp8_act_scale_ld(M): scale of (m, g) at scale[g * lds + m].
-constexpr int kActBatch = 4;
+constexpr int kActBatch = 2;
 
 template <class Source>
 __global__ void __launch_bounds__(kThreads) quantize_act_kernel(const Source src, uint8_t* __restrict__ q, int64_t ldq,

@@ -337,8 +337,8 @@ int64_t fp8_weight_scale_ld(int64_t K);
 
 // Dynamic per-token group quantization, as ops::quantize_fp8_act bit for bit (for the same values in
 // f32): per (token m, group g of 128 columns; the last group may be partial and covers only the
-// existing columns) scale = max(amax, 1e-10) / 448, q = e4m3(clamp(x / scale, +-448)) (IEEE
-// division, round to nearest even). Memory bound: 2·M·K bytes read, M·K + 4·M·ceil(K/128) written.
+// existing columns) scale = max(amax, 1e-10) / 448, q = e4m3(clamp(x * (1 / scale), +-448)) (one
+// correctly rounded reciprocal per group, round to nearest even). Memory bound: 2·M·K bytes read, M·K + 4·M·ceil(K/128) written.
 struct Fp8ActQuantParams {
   const void* x = nullptr;  // bf16 [M, K], row stride ldx
   int64_t ldx = 0;

@@ -120,6 +120,24 @@ struct Agreement {
   }
 };
 
+// Greedy decoding of `prompt` on g, then speculative decoding with oracle drafts of every acceptance
+// length 1..8 (block 8): the same tokens, each step accepting what the oracle planted. Returns them.
+std::vector<int32_t> oracle_equals_greedy(Gpu& g, const TargetConfig& c, const std::vector<int32_t>& prompt,
+                                          const bench::GenerateOptions& go) {
+  const bench::Generation greedy = bench::greedy_generate(*g.dec, 0, prompt, go, 8);
+  const std::vector<int32_t> want(greedy.tokens.begin(), greedy.tokens.begin() + go.max_new_tokens);
+  const drafter::DrafterConfig oc = drafter::DrafterConfig::for_target(c, 1, c.vocab_size - 1, 8);
+  std::vector<int32_t> seq = prompt;
+  seq.insert(seq.end(), greedy.tokens.begin(), greedy.tokens.end());
+  const std::vector<int64_t> good{7, 0, 3, 7, 1, 5, 2, 6, 4};
+  OracleProposer oracle(oc, seq, good);
+  const bench::Generation spec = bench::speculative_generate(*g.dec, oracle, 0, prompt, go);
+  EXPECT_EQ(spec.tokens, want);
+  for (size_t i = 0; i < spec.accept.size(); ++i)
+    EXPECT_EQ(spec.accept[i], std::min<int64_t>(good[i % good.size()] + 1, 8)) << "step " << i;
+  return want;
+}
+
 }  // namespace
 
 TEST(CudaDecoder, PiecesMatchTheCpuReference) {
@@ -198,18 +216,7 @@ TEST(CudaDecoder, SpeculativeEqualsGreedyOnTheGpu) {
   bench::GenerateOptions go;
   go.max_new_tokens = 90;
   go.block_size = 8;
-  const bench::Generation greedy = bench::greedy_generate(*g.dec, 0, prompt, go, 8);
-  const std::vector<int32_t> want(greedy.tokens.begin(), greedy.tokens.begin() + 90);
-  // Oracle drafts: every acceptance length 1..8.
-  const drafter::DrafterConfig oc = drafter::DrafterConfig::for_target(c, 1, c.vocab_size - 1, 8);
-  std::vector<int32_t> seq = prompt;
-  seq.insert(seq.end(), greedy.tokens.begin(), greedy.tokens.end());
-  const std::vector<int64_t> good{7, 0, 3, 7, 1, 5, 2, 6, 4};
-  OracleProposer oracle(oc, seq, good);
-  const bench::Generation spec = bench::speculative_generate(*g.dec, oracle, 0, prompt, go);
-  EXPECT_EQ(spec.tokens, want);
-  for (size_t i = 0; i < spec.accept.size(); ++i)
-    EXPECT_EQ(spec.accept[i], std::min<int64_t>(good[i % good.size()] + 1, 8)) << "step " << i;
+  const std::vector<int32_t> want = oracle_equals_greedy(g, c, prompt, go);
   // The CUDA proposer of an untrained drafter (a full and a sliding layer).
   drafter::DrafterConfig dc = drafter::DrafterConfig::for_target(c, 2, c.vocab_size - 1, 16);
   dc.layer_types[1] = drafter::AttnType::Sliding;
@@ -253,15 +260,7 @@ TEST(CudaDecoder, Fp8VerifyEqualsDecodeAndSpeculativeEqualsGreedy) {
   bench::GenerateOptions go;
   go.max_new_tokens = 60;
   go.block_size = 8;
-  const bench::Generation greedy = bench::greedy_generate(*g.dec, 0, prompt, go, 8);
-  const std::vector<int32_t> want(greedy.tokens.begin(), greedy.tokens.begin() + 60);
-  const drafter::DrafterConfig oc = drafter::DrafterConfig::for_target(c, 1, c.vocab_size - 1, 8);
-  std::vector<int32_t> seq = prompt;
-  seq.insert(seq.end(), greedy.tokens.begin(), greedy.tokens.end());
-  const std::vector<int64_t> good{7, 0, 3, 7, 1, 5, 2, 6, 4};
-  OracleProposer oracle(oc, seq, good);
-  const bench::Generation spec = bench::speculative_generate(*g.dec, oracle, 0, prompt, go);
-  EXPECT_EQ(spec.tokens, want);
+  oracle_equals_greedy(g, c, prompt, go);
   // What ran is the FP8 plan's: the decode counters saw only fast gemm steps.
   EXPECT_EQ(g.model->counters().get(Step::Gemm, Path::Fallback), 0u);
 }

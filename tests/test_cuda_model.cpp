@@ -24,6 +24,33 @@ constexpr double kBf16Bound = 3e-2;
 
 KernelPolicies all(KernelPolicy p) { return KernelPolicies{p, p, p, false}; }
 
+// A random target with the real head dims (d = 128 GDN, 256 attention), full-size residual branches
+// (every layer's error shows; the demo's 0.02 would hide them).
+TargetConfig real_dims() {
+  TargetConfig c = TargetConfig::from_file(std::string(DFLASH_TEST_DATA_DIR) + "/../../configs/tiny/config.json");
+  c.random_branch_scale = 1.0;
+  c.hidden_size = 512;
+  c.linear_key_head_dim = c.linear_value_head_dim = 128;
+  c.head_dim = 256;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 1;
+  c.linear_num_key_heads = 2;
+  c.linear_num_value_heads = 6;
+  c.validate();
+  return c;
+}
+
+// Sequences of these lengths with deterministic ids.
+std::vector<std::vector<int32_t>> packed_batch(std::initializer_list<int> lengths, int64_t vocab) {
+  std::vector<std::vector<int32_t>> batch;
+  for (int len : lengths) {
+    std::vector<int32_t> seq;
+    for (int t = 0; t < len; ++t) seq.push_back((t * 37 + len) % static_cast<int>(vocab));
+    batch.push_back(seq);
+  }
+  return batch;
+}
+
 class CudaGolden : public ::testing::TestWithParam<std::string> {};
 
 }  // namespace
@@ -71,28 +98,14 @@ INSTANTIATE_TEST_SUITE_P(HfCheckpoints, CudaGolden, ::testing::Values("tiny_a", 
 // attention) and a packed batch of sequences, and a batch equals its sequences run alone.
 TEST(CudaModel, FastEqualsFallbackAndBatchEqualsSingles) {
   DFLASH_REQUIRE_GPU();
-  TargetConfig c = TargetConfig::from_file(std::string(DFLASH_TEST_DATA_DIR) + "/../../configs/tiny/config.json");
-  c.random_branch_scale = 1.0;  // full-size residual branches: every layer's error shows (the demo's 0.02 would hide them)
-  c.hidden_size = 512;
-  c.linear_key_head_dim = c.linear_value_head_dim = 128;
-  c.head_dim = 256;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 1;
-  c.linear_num_key_heads = 2;
-  c.linear_num_value_heads = 6;
-  c.validate();
+  const TargetConfig c = real_dims();
   const int sm = cuda_device_info(0).major;
   FastPathPlan fast = make_plan(c, Device::cuda(0), {}, sm);
   ASSERT_TRUE(fast.fallbacks().empty()) << fast.fallbacks().front();
   CudaTargetModel a(c, random_weights(c, 3, DType::BF16, Device::cuda(0)), fast);
   CudaTargetModel b(c, random_weights(c, 3, DType::BF16, Device::cuda(0)),
                     make_plan(c, Device::cuda(0), all(KernelPolicy::Fallback), sm));
-  std::vector<std::vector<int32_t>> batch;
-  for (int len : {65, 1, 200, 64}) {
-    std::vector<int32_t> s;
-    for (int t = 0; t < len; ++t) s.push_back((t * 37 + len) % static_cast<int>(c.vocab_size));
-    batch.push_back(s);
-  }
+  const std::vector<std::vector<int32_t>> batch = packed_batch({65, 1, 200, 64}, c.vocab_size);
   ForwardOptions opt;
   opt.capture = {3, 7};
   ForwardResult ra = a.forward(batch, opt), rb = b.forward(batch, opt);
@@ -148,15 +161,7 @@ TEST(CudaModel, Fp8MatchesTheCpuFp8Reference) {
 
   // Random weights quantized on the GPU at load: the codes and scales of the CPU quantizer on the
   // same bf16 values, and the forward within kFp8Bound of the CPU FP8 reference.
-  TargetConfig c = TargetConfig::from_file(std::string(DFLASH_TEST_DATA_DIR) + "/../../configs/tiny/config.json");
-  c.random_branch_scale = 1.0;
-  c.hidden_size = 512;
-  c.linear_key_head_dim = c.linear_value_head_dim = 128;
-  c.head_dim = 256;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 1;
-  c.linear_num_key_heads = 2;
-  c.linear_num_value_heads = 6;
+  TargetConfig c = real_dims();
   c.num_hidden_layers = 2;  // one layer of each kind
   c.layer_types = {LayerType::LinearAttention, LayerType::FullAttention};
   c.validate();
@@ -178,12 +183,7 @@ TEST(CudaModel, Fp8MatchesTheCpuFp8Reference) {
   EXPECT_EQ(same, total) << "projections quantized on the GPU identically to the CPU";
   TargetModel hcpu(c, std::move(hw));
   CudaTargetModel hgpu(c, std::move(gw), make_plan(c, Device::cuda(0), {}, sm, Precision::Fp8));
-  std::vector<std::vector<int32_t>> batch;
-  for (int len : {65, 1, 200}) {
-    std::vector<int32_t> seq;
-    for (int t = 0; t < len; ++t) seq.push_back((t * 37 + len) % static_cast<int>(c.vocab_size));
-    batch.push_back(seq);
-  }
+  const std::vector<std::vector<int32_t>> batch = packed_batch({65, 1, 200}, c.vocab_size);
   ForwardOptions o2;
   o2.capture = {0, 1};
   ForwardResult ra = hgpu.forward(batch, o2), rb = hcpu.forward(batch, o2);

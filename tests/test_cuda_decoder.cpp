@@ -26,6 +26,7 @@
 #include "target_model/decode.h"
 #include "target_model/model.h"
 #include "target_model/model_cuda.h"
+#include "real_dims.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -43,21 +44,6 @@ std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint64_t seed) {
   std::vector<int32_t> t(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>(rng::bits(seed, 5, static_cast<uint64_t>(i)) % vocab);
   return t;
-}
-
-// A random target with the real head dims (GDN d 128, attention d 256), so the fast kernels serve it.
-TargetConfig real_dims() {
-  TargetConfig c = TargetConfig::from_file(std::string(DFLASH_TEST_DATA_DIR) + "/../../configs/tiny/config.json");
-  c.random_branch_scale = 1.0;  // full-size residual branches: every layer's error shows (the demo's 0.02 would hide them)
-  c.hidden_size = 512;
-  c.linear_key_head_dim = c.linear_value_head_dim = 128;
-  c.head_dim = 256;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 1;
-  c.linear_num_key_heads = 2;
-  c.linear_num_value_heads = 6;
-  c.validate();
-  return c;
 }
 
 struct Gpu {

@@ -10,6 +10,7 @@
 #include "kernels/ops.h"
 #include "target_model/safetensors.h"
 #include "target_model/weights.h"
+#include "real_dims.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -23,22 +24,6 @@ const std::string kHf = std::string(DFLASH_TEST_DATA_DIR) + "/hf/";
 constexpr double kBf16Bound = 3e-2;
 
 KernelPolicies all(KernelPolicy p) { return KernelPolicies{p, p, p, false}; }
-
-// A random target with the real head dims (d = 128 GDN, 256 attention), full-size residual branches
-// (every layer's error shows; the demo's 0.02 would hide them).
-TargetConfig real_dims() {
-  TargetConfig c = TargetConfig::from_file(std::string(DFLASH_TEST_DATA_DIR) + "/../../configs/tiny/config.json");
-  c.random_branch_scale = 1.0;
-  c.hidden_size = 512;
-  c.linear_key_head_dim = c.linear_value_head_dim = 128;
-  c.head_dim = 256;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 1;
-  c.linear_num_key_heads = 2;
-  c.linear_num_value_heads = 6;
-  c.validate();
-  return c;
-}
 
 // Sequences of these lengths with deterministic ids.
 std::vector<std::vector<int32_t>> packed_batch(std::initializer_list<int> lengths, int64_t vocab) {

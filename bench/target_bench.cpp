@@ -31,6 +31,7 @@
 #include "comm/comm.h"
 #include "target_model/flops.h"
 #include "target_model/model_cuda.h"
+#include "target_model/runtime.h"
 #include "target_model/tp.h"
 
 using namespace dflash;
@@ -215,8 +216,7 @@ int main(int argc, char** argv) {
     if (tp > 1) group = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, layout.tp_group, rank, dev, 600.0, "tp");
     auto t0 = std::chrono::steady_clock::now();
     const TpShard shard{layout.tp_rank, tp};
-    TargetWeights w = random ? random_weights_tp(cfg, seed, DType::BF16, dev, shard, precision)
-                             : load_weights_tp(cfg, model_dir, DType::BF16, dev, shard, precision);
+    TargetWeights w = load_target_shard({model_dir, config_path, random, seed, precision}, cfg, dev, shard);
     const size_t weight_bytes = w.bytes();
     const int64_t fp8_projections = w.fp8_projections();
     CudaTargetModel model(local, std::move(w), fast, group.get());

@@ -23,6 +23,7 @@
 #include "kernels/log.h"
 #include "target_model/model.h"
 #include "target_model/safetensors.h"
+#include "target_model/runtime.h"
 #include "target_model/tp.h"
 #include "comm/comm.h"
 #include "kernels/device.h"
@@ -142,8 +143,8 @@ int main(int argc, char** argv) {
     KernelPolicies pol{parse_policy(conv_pol, "--conv"), parse_policy(dr_pol, "--delta-rule-kernel"),
                        parse_policy(attn_pol, "--attention"), require_fast};
     const int sm = dev.is_cuda() ? cuda_device_info(dev.index).major : 0;
-    const Precision precision = resolve_precision(parse_precision(precision_s, "--precision"), cfg);
-    FastPathPlan plan = make_plan(local, dev, pol, sm, precision);
+    const TargetSource source{model_dir, config_path, random_weights, seed, parse_precision(precision_s, "--precision")};
+    FastPathPlan plan = make_plan(local, dev, pol, sm, resolve_precision(source.precision, cfg));
     // From here on ranks talk to each other: a rank that fails ends the whole job, so that the
     // others are not left waiting in a collective.
     std::unique_ptr<comm::Communicator> tp_comm;
@@ -163,8 +164,7 @@ int main(int argc, char** argv) {
     try {
       if (dev.is_cpu()) {
         check_cpu_reference_fits(local, cfg, "the CPU reference is for small models; run big targets on the GPU (--device cuda)");
-        TargetWeights w = random_weights ? random_weights_tp(cfg, seed, DType::F32, dev, shard, precision)
-                                         : load_weights_tp(cfg, model_dir, DType::F32, dev, shard, precision);
+        TargetWeights w = load_target_shard(source, cfg, dev, shard);
         TargetModel model(local, std::move(w), tp_comm.get());
         inject_fault(rank);
         auto t1 = std::chrono::steady_clock::now();
@@ -175,8 +175,7 @@ int main(int argc, char** argv) {
         counters_json = cpu_counters.to_json();
       } else {
 #if DFLASH_WITH_CUDA
-        TargetWeights w = random_weights ? random_weights_tp(cfg, seed, DType::BF16, dev, shard, precision)
-                                         : load_weights_tp(cfg, model_dir, DType::BF16, dev, shard, precision);
+        TargetWeights w = load_target_shard(source, cfg, dev, shard);
         CudaTargetModel model(local, std::move(w), plan, tp_comm.get());
         inject_fault(rank);
         CudaBatch batch = model.make_batch(seqs);

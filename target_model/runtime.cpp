@@ -31,6 +31,12 @@ std::string TargetSource::identity(const TargetConfig& full) const {
   return describe() + ": " + full.summary() + (fp8 ? ", precision fp8" : "");
 }
 
+TargetWeights load_target_shard(const TargetSource& source, const TargetConfig& full, Device device, const TpShard& shard) {
+  const DType dtype = device.is_cpu() ? DType::F32 : DType::BF16;
+  return source.random_weights ? random_weights_tp(full, source.seed, dtype, device, shard, source.precision)
+                               : load_weights_tp(full, source.model_dir, dtype, device, shard, source.precision);
+}
+
 TargetRuntime::TargetRuntime(const TargetSource& source, const TargetConfig& full, Device device, int tp, int tp_rank,
                              comm::Communicator* tp_comm, bool require_fast_path)
     : device_(device), local_(target::local_config(full, tp)) {
@@ -40,9 +46,7 @@ TargetRuntime::TargetRuntime(const TargetSource& source, const TargetConfig& ful
     DFLASH_CHECK_HINT(!require_fast_path, "require_fast_path: the CPU backend is the f32 reference, which has no fast path",
                       "run on a GPU (--device cuda)");
     check_cpu_reference_fits(local_, full, "the CPU reference is for small models; run big targets with --device cuda");
-    TargetWeights w = source.random_weights
-                          ? random_weights_tp(full, source.seed, DType::F32, device, shard, source.precision)
-                          : load_weights_tp(full, source.model_dir, DType::F32, device, shard, source.precision);
+    TargetWeights w = load_target_shard(source, full, device, shard);
     cpu_ = std::make_unique<TargetModel>(local_, std::move(w), tp_comm);
     return;
   }
@@ -56,9 +60,7 @@ TargetRuntime::TargetRuntime(const TargetSource& source, const TargetConfig& ful
   plans_ = "prefill: " + plan.summary() + "; decode: " + decode_plan_.summary();
   for (const std::string& f : plan.fallbacks()) spdlog::warn("prefill fallback: {}", f);
   for (const std::string& f : decode_plan_.fallbacks()) spdlog::warn("decode fallback: {}", f);
-  TargetWeights w = source.random_weights
-                        ? random_weights_tp(full, source.seed, DType::BF16, device, shard, source.precision)
-                        : load_weights_tp(full, source.model_dir, DType::BF16, device, shard, source.precision);
+  TargetWeights w = load_target_shard(source, full, device, shard);
   cuda_ = std::make_unique<CudaTargetModel>(local_, std::move(w), plan, tp_comm);
 #else
   DFLASH_FAIL_HINT("device " << device.str() << ": this build has no CUDA backend", "reconfigure with -DDFLASH_CUDA=ON");

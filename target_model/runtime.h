@@ -38,6 +38,11 @@ struct TargetSource {
   std::string identity(const TargetConfig& full) const;
 };
 
+// This rank's shard of the target's weights from `source` (a checkpoint or seeded random weights,
+// at the source's precision): f32 for the CPU reference, bf16 on a GPU. Every tool and both trainer
+// backends load the target through this.
+TargetWeights load_target_shard(const TargetSource& source, const TargetConfig& full, Device device, const TpShard& shard);
+
 class TargetRuntime {
  public:
   // Loads this rank's shard (tp_comm: the TP group, or null for tp = 1). On a GPU the prefill and

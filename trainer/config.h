@@ -21,6 +21,7 @@
 #include "drafter/config.h"
 #include "target_model/config.h"
 #include "target_model/fast_path.h"
+#include "target_model/runtime.h"
 
 namespace dflash::trainer {
 
@@ -31,6 +32,9 @@ struct TargetSection {  // model.target: a Hugging Face directory, or a config.j
   int64_t seed = 0;             // seed of the random weights
   target::Precision precision = target::Precision::Auto;  // auto | bf16 | fp8 (target_model/config.h)
   bool operator==(const TargetSection&) const = default;
+  target::TargetSource source() const {  // what target::load_target_shard / TargetRuntime load
+    return {path, config, random_weights, static_cast<uint64_t>(seed), precision};
+  }
 };
 
 struct DrafterSection {  // model.drafter: a config.json, a warm start, or the fields below

@@ -27,11 +27,7 @@ class CpuBackend final : public TrainBackend {
                                      "the CPU backend (parallel.device: cpu) is for small targets: train this one "
                                      "with parallel.device: cuda on GPUs");
     const target::TpShard shard{s.layout.tp_rank, tps};
-    target::TargetWeights tw =
-        ts.path.empty()
-            ? target::random_weights_tp(s.target, static_cast<uint64_t>(ts.seed), DType::F32, Device::cpu(), shard,
-                                        ts.precision)
-            : target::load_weights_tp(s.target, ts.path, DType::F32, Device::cpu(), shard, ts.precision);
+    target::TargetWeights tw = target::load_target_shard(ts.source(), s.target, Device::cpu(), shard);
     tmodel_ = std::make_unique<target::TargetModel>(target::local_config(s.target, tps), std::move(tw), tp);
     frozen_ = {tmodel_->weights().embed_tokens, tmodel_->weights().lm_head};
     dw_ = cfg.model.drafter.warm_start.empty()

@@ -88,10 +88,7 @@ class CudaBackend final : public TrainBackend {
     }
     const target::TpShard shard{s.layout.tp_rank, tps};
     auto t0 = StepClock::now();
-    target::TargetWeights tw =
-        ts.path.empty()
-            ? target::random_weights_tp(s.target, static_cast<uint64_t>(ts.seed), DType::BF16, device_, shard, precision)
-            : target::load_weights_tp(s.target, ts.path, DType::BF16, device_, shard, precision);
+    target::TargetWeights tw = target::load_target_shard(ts.source(), s.target, device_, shard);
     Tensor embed = tw.embed_tokens, lm_head = tw.lm_head;
     tmodel_ = std::make_unique<target::CudaTargetModel>(local, std::move(tw), std::move(plan), tp_.get());
     DeviceContext::get(device_.index).synchronize();

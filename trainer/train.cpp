@@ -611,8 +611,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
       ro.gen.sample = ops::SampleParams{static_cast<float>(rc.temperature), static_cast<float>(rc.top_p), static_cast<uint64_t>(rc.seed)};
     ro.slots = rc.slots;
     ro.progress = cfg.logging.progress_bar;
-    const target::TargetSource src{cfg.model.target.path, cfg.model.target.config, cfg.model.target.random_weights,
-                                   static_cast<uint64_t>(cfg.model.target.seed), cfg.model.target.precision};
+    const target::TargetSource src = cfg.model.target.source();
     ro.target_identity = src.identity(tcfg);
     data::RegenerateSummary rs;
     if (data::regenerated_file_matches(ro)) {

@@ -1015,7 +1015,7 @@ void bench_layer(Ctx& ctx, bool quick) {
     c.validate();
     const Device dev = Device::cuda(0);
     FastPathPlan fast = make_plan(c, dev, {}, ctx.info.major);
-    FastPathPlan slow = make_plan(c, dev, {KernelPolicy::Fallback, KernelPolicy::Fallback, KernelPolicy::Fallback, false}, ctx.info.major);
+    FastPathPlan slow = make_plan(c, dev, KernelPolicies::all(KernelPolicy::Fallback), ctx.info.major);
     CudaTargetModel model(c, random_weights(c, ctx.seed, DType::BF16, dev), fast);
     std::vector<int32_t> ids(static_cast<size_t>(s.T), 1);
     CudaBatch b = model.make_batch({ids});

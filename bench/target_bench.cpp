@@ -207,7 +207,7 @@ int main(int argc, char** argv) {
     const Precision precision = resolve_precision(parse_precision(precision_s, "--precision"), cfg);
     const bool fp8 = precision == Precision::Fp8;
     FastPathPlan fast = make_plan(local, dev, {}, info.major, precision);
-    FastPathPlan slow = make_plan(local, dev, {KernelPolicy::Fallback, KernelPolicy::Fallback, KernelPolicy::Fallback, false},
+    FastPathPlan slow = make_plan(local, dev, KernelPolicies::all(KernelPolicy::Fallback),
                                   info.major, precision);
     say("  fast path plan (per rank): %s\n", fast.summary().c_str());
     if (path != "fallback") fast.require_all_fast();  // never time a "fast" run that falls back

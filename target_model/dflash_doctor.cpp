@@ -158,9 +158,9 @@ json live_check(const TargetConfig& cfg, int device, const KernelPolicies& pol, 
   mini.num_hidden_layers = 2;
   mini.layer_types = {LayerType::LinearAttention, LayerType::FullAttention};
   const Device dev = Device::cuda(device);
-  KernelPolicies fallback{KernelPolicy::Fallback, KernelPolicy::Fallback, KernelPolicy::Fallback, false};
+  const KernelPolicies fallback = KernelPolicies::all(KernelPolicy::Fallback);
   FastPathPlan fast_plan =
-      make_plan(mini, dev, KernelPolicies{pol.conv, pol.delta_rule, pol.attention, false}, sm_major, precision);
+      make_plan(mini, dev, KernelPolicies{pol.conv, pol.delta_rule, pol.attention}, sm_major, precision);
   FastPathPlan slow_plan = make_plan(mini, dev, fallback, sm_major, precision);
   CudaTargetModel model(mini, random_weights(mini, seed, DType::BF16, dev, precision), fast_plan);
   std::vector<int32_t> ids(static_cast<size_t>(tokens));

@@ -20,12 +20,15 @@ enum class KernelPolicy { Auto, Fast, Fallback };
 const char* policy_name(KernelPolicy p);
 KernelPolicy parse_policy(const std::string& s, const std::string& what);  // "auto|fast|fallback"
 
-// Per-op policies (config section `kernels`).
+// Per-op policies (config section `kernels`). require_fast_path is enforced in one place, by
+// make_plan / make_decode_plan (a plan with a fallback step is refused there).
 struct KernelPolicies {
   KernelPolicy conv = KernelPolicy::Auto;        // GatedDeltaNet short conv
   KernelPolicy delta_rule = KernelPolicy::Auto;  // GatedDeltaNet core
   KernelPolicy attention = KernelPolicy::Auto;   // full-attention layers
   bool require_fast_path = false;
+  // Every op on policy p (e.g. all(KernelPolicy::Fallback): the explicit slow path to compare with).
+  static KernelPolicies all(KernelPolicy p, bool require_fast = false) { return {p, p, p, require_fast}; }
 };
 
 // The forward's steps, and the decode / verify steps of target::Decoder (decode.h), which run the

@@ -53,7 +53,7 @@ TargetRuntime::TargetRuntime(const TargetSource& source, const TargetConfig& ful
 #if DFLASH_WITH_CUDA
   check_device_visible(device);
   const int sm = cuda_device_info(device.index).major;
-  const KernelPolicies pol{KernelPolicy::Auto, KernelPolicy::Auto, KernelPolicy::Auto, require_fast_path};
+  const KernelPolicies pol = KernelPolicies::all(KernelPolicy::Auto, require_fast_path);
   const Precision precision = resolve_precision(source.precision, full);
   FastPathPlan plan = make_plan(local_, device, pol, sm, precision);
   decode_plan_ = make_decode_plan(local_, device, pol, sm, precision);

@@ -52,7 +52,7 @@ struct Gpu {
   Gpu(const TargetConfig& c, KernelPolicy pol, int64_t slots, int64_t max_len, uint64_t seed = 3,
       Precision precision = Precision::Bf16) {
     const int sm = cuda_device_info(0).major;
-    const KernelPolicies p{pol, pol, pol, false};
+    const KernelPolicies p = KernelPolicies::all(pol);
     model = std::make_unique<CudaTargetModel>(c, random_weights(c, seed, DType::BF16, Device::cuda(0), precision),
                                               make_plan(c, Device::cuda(0), p, sm, precision));
     dec = make_cuda_decoder(*model, slots, max_len, make_decode_plan(c, Device::cuda(0), p, sm, precision));

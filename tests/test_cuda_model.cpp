@@ -23,7 +23,7 @@ const std::string kHf = std::string(DFLASH_TEST_DATA_DIR) + "/hf/";
 // printed; 3e-2 (normalized by the largest reference value) is the bound.
 constexpr double kBf16Bound = 3e-2;
 
-KernelPolicies all(KernelPolicy p) { return KernelPolicies{p, p, p, false}; }
+KernelPolicies all(KernelPolicy p) { return KernelPolicies::all(p); }
 
 // Sequences of these lengths with deterministic ids.
 std::vector<std::vector<int32_t>> packed_batch(std::initializer_list<int> lengths, int64_t vocab) {

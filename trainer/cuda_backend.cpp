@@ -48,7 +48,6 @@ class CudaBackend final : public TrainBackend {
     const target::Precision precision = target::resolve_precision(ts.precision, s.target);
     target::FastPathPlan plan = target::make_plan(local, device_, cfg.kernel_policies(), info.major, precision);
     fast_path_ = "target: " + plan.summary();
-    if (cfg.kernels.require_fast_path) plan.require_all_fast();
     // The drafter's attention: the tensor-core kernels, or the (much slower) fallback for other
     // head dims, said in the log and refused under require_fast_path like a target fallback.
     if (cuda::block_attention_supported(dcfg_.head_dim, info.major)) {

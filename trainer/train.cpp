@@ -416,8 +416,7 @@ CheckedConfigs checked_configs(const TrainConfig& cfg, int world, const RunOptio
   } else {
     c.target = target::TargetConfig::from_file(ts.path.empty() ? ts.config : ts.path);
   }
-  cfg.validate_against(c.target);
-  target::check_tp(c.target, static_cast<int>(cfg.parallel.tp));
+  cfg.validate_against(c.target);  // (checks tp against the heads, naming the config)
   c.drafter = cfg.drafter_config(c.target);
   if (cfg.parallel.device == Backend::Cuda) {
     std::string why;

@@ -89,13 +89,13 @@ CudaTargetModel::CudaTargetModel(TargetConfig config, TargetWeights weights, Fas
   // The plan's gemm steps and the weights must agree on the precision; an FP8 plan that falls back
   // (no block-scaled FP8 GEMM on this GPU) runs the dequantized weights.
   const StepPlan& gemm_step = plan_.layers[0].step(Step::Gemm);
-  const bool plan_fp8 = gemm_step.kernel.find("fp8") != std::string::npos || gemm_step.kernel.find("dequantized") != std::string::npos;
+  const bool plan_fp8 = gemm_step.kernel != "gemm_bf16";  // gemm_fp8, or its dequantizing fallback
   const bool weights_fp8 = weights_.fp8_projections() > 0;
   DFLASH_CHECK_HINT(plan_fp8 == weights_fp8, "CUDA target model: the weights are " << (weights_fp8 ? "FP8" : "bf16")
                                                  << " but the plan's gemm steps are " << gemm_step.kernel,
                     "make the plan with the weights' precision (make_plan(..., Precision::"
                         << (weights_fp8 ? "Fp8" : "Bf16") << "))");
-  if (weights_fp8 && gemm_step.path != Path::Fast) apply_precision(config_, weights_, Precision::Bf16);
+  if (weights_fp8 && gemm_step.path != Path::Fast) apply_precision(weights_, Precision::Bf16);
   fp8_ = weights_fp8 && gemm_step.path == Path::Fast;
   const TargetConfig& c = config_;
   fused_.resize(weights_.layers.size());
@@ -143,8 +143,6 @@ CudaTargetModel::CudaTargetModel(TargetConfig config, TargetWeights weights, Fas
     std::vector<Tensor*> gu = {&L.gate_proj, &L.up_proj}, gus = {&L.gate_proj_scale, &L.up_proj_scale};
     group(gu, gus, f.gate_up, 0);
     f.down = make_proj({&L.down_proj}, {&L.down_proj_scale}, 0, 0);
-    // The bf16 layout's fused in-projection (for run_layer's callers that read it) is the first part.
-    f.in_proj = f.in_parts[0].w;
   }
   DeviceContext::get(device_.index).synchronize();
   // The unfused copies went back to the cache; their sizes rarely fit later requests.

@@ -191,7 +191,6 @@ class CudaTargetModel {
     bool fp8() const { return scale.defined(); }
   };
   struct Fused {
-    Tensor in_proj;   // GDN: (P, H) rows [qkv | z | b | a | pad]; attention: [q(+gate) | k | v | pad] (bf16 layout)
     int64_t rows = 0; // P (a multiple of 8 so every row of the GEMM output stays 16-byte aligned)
     std::vector<Proj> in_parts, gate_up;  // the GEMMs that write proj [N, P] and gu [N, 2I]
     Proj out, down;                       // out_proj / o_proj, down_proj

@@ -159,7 +159,7 @@ TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, 
       [&](const std::string& name, const Shape&) {
         return extract_slice(ckpt.tensor(by_canonical.at(name + "_scale_inv")), scale_slice_spec(specs.at(name), shard.size));
       });
-  apply_precision(full, w, precision);
+  apply_precision(w, precision);
   return w;
 }
 
@@ -196,7 +196,7 @@ TargetWeights random_weights_tp(const TargetConfig& full, uint64_t seed, DType d
     }
     return t;
   });
-  apply_precision(full, w, precision);
+  apply_precision(w, precision);
   return w;
 }
 

@@ -168,8 +168,7 @@ int64_t TargetWeights::fp8_projections() const {
   return n;
 }
 
-void apply_precision(const TargetConfig& c, TargetWeights& w, Precision precision) {
-  (void)c;
+void apply_precision(TargetWeights& w, Precision precision) {
   if (precision == Precision::Auto) return;
   const bool any_fp8 = w.fp8_projections() > 0;
   if (precision == Precision::Fp8 && any_fp8) return;  // an FP8 checkpoint as stored (its bf16 projections stay)
@@ -324,7 +323,7 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
   TargetWeights w = assemble_weights(
       c, dtype, device, [&](const std::string& name, const Shape&) { return ckpt.tensor(by_canonical.at(name)); },
       [&](const std::string& name, const Shape&) { return ckpt.tensor(scales.at(name)); });
-  apply_precision(c, w, precision);
+  apply_precision(w, precision);
   return w;
 }
 
@@ -395,7 +394,7 @@ TargetWeights random_weights(const TargetConfig& c, uint64_t seed, DType dtype, 
   TargetWeights w = assemble_weights(c, dtype, device, [&](const std::string& name, const Shape& shape) {
     return random_tensor(name, shape, seed, dtype, device, c.random_branch_scale);
   });
-  apply_precision(c, w, precision);
+  apply_precision(w, precision);
   return w;
 }
 

@@ -77,7 +77,7 @@ void for_each_projection(TargetWeights& w,
 // (128 x 128 blocks of each tensor as it is held, i.e. of the rank's slice at tp > 1, which are
 // the full tensor's blocks whenever the slice cuts on multiples of 128); bf16 dequantizes FP8
 // projections; auto keeps what was loaded.
-void apply_precision(const TargetConfig& c, TargetWeights& w, Precision precision);
+void apply_precision(TargetWeights& w, Precision precision);
 
 // One expected tensor: canonical (text-model) name without the "model." prefix, and HF shape.
 struct TensorSpec {

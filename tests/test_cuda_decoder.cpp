@@ -68,10 +68,7 @@ Tensor rows(const Tensor& t, int64_t a, int64_t b) { return t.slice(0, a, b).con
 
 // The CPU reference target on the bf16-rounded weights of Gpu(c, ..., seed).
 std::unique_ptr<TargetModel> cpu_reference(const TargetConfig& c, uint64_t seed = 3) {
-  return std::make_unique<TargetModel>(
-      c, assemble_weights(c, DType::F32, Device::cpu(), [&](const std::string& name, const Shape& shape) {
-        return random_tensor(name, shape, seed, DType::BF16, Device::cpu(), c.random_branch_scale).to_dtype(DType::F32);
-      }));
+  return std::make_unique<TargetModel>(c, bf16_random_weights_f32(c, seed));
 }
 
 // Logits / features of two extends of the same rows (GPU `got` against `ref`), and the next tokens
@@ -131,9 +128,7 @@ TEST(CudaDecoder, PiecesMatchTheCpuReference) {
   const TargetConfig c = real_dims();
   const std::vector<int32_t> seq = random_tokens(70, c.vocab_size, 1);
   // The CPU reference decoder on the same bf16-rounded weights.
-  TargetModel cpu(c, assemble_weights(c, DType::F32, Device::cpu(), [&](const std::string& name, const Shape& shape) {
-                    return random_tensor(name, shape, 3, DType::BF16, Device::cpu(), c.random_branch_scale).to_dtype(DType::F32);
-                  }));
+  TargetModel cpu(c, bf16_random_weights_f32(c, 3));
   for (KernelPolicy pol : {KernelPolicy::Auto, KernelPolicy::Fallback}) {
     Gpu g(c, pol, 2, 96);
     auto ref = make_cpu_decoder(cpu, 2, 96);

@@ -151,10 +151,8 @@ TEST(CudaModel, Fp8MatchesTheCpuFp8Reference) {
   c.layer_types = {LayerType::LinearAttention, LayerType::FullAttention};
   c.validate();
   TargetWeights gw = random_weights(c, 3, DType::BF16, Device::cuda(0), Precision::Fp8);
-  TargetWeights hw = assemble_weights(c, DType::F32, Device::cpu(), [&](const std::string& name, const Shape& shape) {
-    return random_tensor(name, shape, 3, DType::BF16, Device::cpu(), c.random_branch_scale).to_dtype(DType::F32);
-  });
-  apply_precision(c, hw, Precision::Fp8);
+  TargetWeights hw = bf16_random_weights_f32(c, 3);
+  apply_precision(hw, Precision::Fp8);
   std::map<std::string, std::pair<Tensor, Tensor>> host;
   for_each_projection(hw, [&](const std::string& n, Tensor& w, Tensor& s) { host[n] = {w, s}; });
   int64_t same = 0, total = 0;

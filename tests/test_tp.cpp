@@ -11,6 +11,7 @@
 #endif
 #include "target_model/safetensors.h"
 #include "target_model/tp.h"
+#include "real_dims.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -118,11 +119,7 @@ TEST(TensorParallel, CudaShardedForwardEqualsUnsharded) {
   const int world = g_mpi->size();
   if (cuda_device_count() < g_mpi->local_size() || world < 2) GTEST_SKIP() << "needs one GPU per rank and 2+ ranks";
   const Device dev = g_mpi->bind_device();
-  TargetConfig c = TargetConfig::from_file(std::string(DFLASH_TEST_DATA_DIR) + "/../../configs/tiny/config.json");
-  c.random_branch_scale = 1.0;  // full-size residual branches: every layer's error shows (the demo's 0.02 would hide them)
-  c.hidden_size = 512;
-  c.linear_key_head_dim = c.linear_value_head_dim = 128;
-  c.head_dim = 256;
+  TargetConfig c = real_dims();  // with more heads, so that tp divides them
   c.num_attention_heads = 8;
   c.num_key_value_heads = 2;
   c.linear_num_key_heads = 4;
@@ -145,9 +142,7 @@ TEST(TensorParallel, CudaShardedForwardEqualsUnsharded) {
   // The oracle: the f32 CPU forward of the same (bf16-valued) weights. Both CUDA forwards must be
   // within the bf16 bound of it; by the triangle inequality they are then within twice that of
   // each other (the sharded one sums in another order: per-shard GEMMs, then NCCL).
-  TargetModel cpu(c, assemble_weights(c, DType::F32, Device::cpu(), [&](const std::string& name, const Shape& shape) {
-                    return random_tensor(name, shape, 5, DType::BF16, Device::cpu(), c.random_branch_scale).to_dtype(DType::F32);
-                  }));
+  TargetModel cpu(c, bf16_random_weights_f32(c, 5));
   ForwardResult ref = cpu.forward(batch, opt);
   comm::Communicator host_group(MPI_COMM_WORLD, 0, g_mpi->rank(), Device::cpu(), 60.0, "check");
   for (int64_t id : opt.capture) {

@@ -43,7 +43,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/attention.h"
 #include "kernels/cuda/flash_tile.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/error.h"

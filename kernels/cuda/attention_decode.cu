@@ -1,4 +1,4 @@
-// Attention of a few new queries per sequence over a KV-cache pool (launch.h "Decode / verify"):
+// Attention of a few new queries per sequence over a KV-cache pool (attention.h; pool conventions in launch.h):
 // kv_cache_append, the flash-decoding kernel with its split combine, and a plain fallback. The
 // decode twin of attention.cu (prefill flash attention); it reuses that kernel's tile pieces
 // (flash_tile.cuh: swizzled cp.async tiles, the online softmax and P·V on mma.sync).
@@ -39,7 +39,7 @@
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/flash_tile.cuh"
 #include "kernels/cuda/grid.h"
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/attention.h"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/error.h"
 

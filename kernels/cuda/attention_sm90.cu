@@ -26,7 +26,7 @@
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/flash_tile.cuh"
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/attention.h"
 #include "kernels/cuda/wgmma.cuh"
 #include "kernels/error.h"
 

@@ -1,4 +1,4 @@
-// DFlash block attention, forward and backward (see train_launch.h for the mask): the drafter's
+// DFlash block attention, forward and backward (see block_attention.h for the mask): the drafter's
 // block queries attend the context keys strictly before their anchor plus their own block's keys.
 // bf16 q/k/v/out and gradients, fp32 softmax, accumulation and LSE.
 //
@@ -53,7 +53,7 @@
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/flash_tile.cuh"
 #include "kernels/cuda/ptx.cuh"
-#include "kernels/cuda/train_launch.h"
+#include "kernels/cuda/block_attention.h"
 #include "kernels/error.h"
 
 namespace dflash::cuda {

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/attention.h"
 #include "kernels/cuda/ptx.cuh"
 
 namespace dflash::cuda::flash {

@@ -3,7 +3,7 @@
 // (kernels/cpu/fp8.cpp, kernels/ops.h "fp8"): per group / block scale = max(amax, 1e-10) / 448,
 // q = e4m3(clamp(x / scale, +-448)), the division IEEE (__fdiv_rn: the reference divides in f32) and
 // the cast round-to-nearest-even (cvt.rn.satfinite.e4m3x2.f32, which is fp8::e4m3_from_float for
-// every finite input and NaN). Scale layouts are gemm_fp8's (launch.h "FP8").
+// every finite input and NaN). Scale layouts are gemm_fp8's (gemm.h "FP8").
 //
 // Roofline (H200, ~4.8 TB/s; no arithmetic worth counting: a max, a division and a cvt per element):
 //   quantize_fp8_act     2·M·K read + M·K + 4·M·ceil(K/128) written (M 8192, K 5120: 126 MB, ~26 us)
@@ -33,7 +33,10 @@
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/grid.h"
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/norm.h"
+#include "kernels/cuda/vec.cuh"
 #include "kernels/error.h"
 #include "kernels/fp8.h"
 
@@ -41,7 +44,7 @@ namespace dflash::cuda {
 
 namespace {
 
-using bf16 = __nv_bfloat16;
+using namespace vec;
 
 constexpr int kThreads = 256;
 constexpr int kGroupLanes = 16;                        // lanes per 128-column activation group
@@ -52,23 +55,6 @@ constexpr int kWeightRowsPerPass = kThreads / kBlockUnits;            // 16
 constexpr int kWeightPasses = fp8::kBlock / kWeightRowsPerPass;       // 8
 
 int64_t blocks_of(int64_t n) { return (n + fp8::kBlock - 1) / fp8::kBlock; }
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-__device__ __forceinline__ void unpack(const uint4& raw, float (&v)[kUnit]) {
-  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-
-__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-// As elementwise.cu's (the fused kernels must compute the unfused ones' bf16 results bit for bit).
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
-__device__ __forceinline__ float silu(float x) { return x * sigmoid(x); }
-
 __device__ __forceinline__ float unit_amax(const float (&v)[kUnit]) {
   float a = 0.0f;
 #pragma unroll
@@ -181,31 +167,12 @@ __global__ void __launch_bounds__(kThreads) quantize_act_kernel(const Source src
   }
 }
 
-// rms_norm_quant_fp8: elementwise.cu's row_norm_kernel (W = 8, G lanes per row, kCache units per
+// rms_norm_quant_fp8: norm.cu's row_norm_kernel (W = 8, G lanes per row, kCache units per
 // lane in registers) with the same sum of squares in the same order (lane partial sums in unit order,
-// the group reduction as its group_sum), y = rn_bf16(x * inv * (1 + w)) as RmsNormOp stores it, then
+// the group reduction: vec::group_sum), y = rn_bf16(x * inv * (1 + w)) as RmsNormOp stores it, then
 // per 128 columns (16 units: the 16 lanes of a half warp, G being a multiple of 16) the quantization.
 // Rows longer than kNormCache * G units are not supported (the unfused kernel re-reads them).
 constexpr int kNormCache = 4;
-
-template <int G>
-__device__ __forceinline__ float norm_group_sum(float v, float* red) {
-  if constexpr (G <= 32) {
-#pragma unroll
-    for (int o = G / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-  } else {
-    static_assert(G == kThreads);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-    __syncthreads();
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < G / 32; ++i) s += red[i];
-    return s;
-  }
-}
 
 template <int G>
 __global__ void __launch_bounds__(kThreads) rms_norm_quant_kernel(const bf16* __restrict__ x, int64_t ldx,
@@ -227,7 +194,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_quant_kernel(const bf16* __
       for (int e = 0; e < kUnit; ++e) ss += v[i][e] * v[i][e];
     }
   }
-  ss = norm_group_sum<G>(ss, red);
+  ss = group_sum<G>(ss, red);
   if (!active) return;  // a whole half warp (G = 16) or more
   const float inv = rsqrtf(ss / static_cast<float>(D) + eps);
   const unsigned mask = 0xFFFFu << (16 * ((threadIdx.x / kGroupLanes) % 2));
@@ -254,7 +221,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_quant_kernel(const bf16* __
   }
 }
 
-// gated_rms_norm_quant_fp8: elementwise.cu's gated_rms_norm_kernel (dv / 8 lanes per row = G, one
+// gated_rms_norm_quant_fp8: norm.cu's gated_rms_norm_kernel (dv / 8 lanes per row = G, one
 // 16-byte unit of core and z per lane) with the same arithmetic in the same order, rows walked by a
 // grid-stride loop with the next row's core and z loaded before the current row is reduced (two rows
 // in flight per lane). dv in {128, 256}: a row is one or two 128-column groups of the output row.
@@ -447,7 +414,7 @@ void rms_norm_quant_fp8(const void* x, int64_t ldx, const void* w, int64_t rows,
                                       act_scale_ld(rows), static_cast<int>(rows), units, static_cast<int>(D), eps);
     DFLASH_CUDA_CHECK_LAST();
   };
-  // The group size rms_norm picks for this row length (elementwise.cu launch_row_norm, W = 8).
+  // The group size rms_norm picks for this row length (norm.cu launch_row_norm, W = 8).
   if (units <= 16) launch(rms_norm_quant_kernel<16>, 16);
   else if (units <= 32 * kNormCache) launch(rms_norm_quant_kernel<32>, 32);
   else launch(rms_norm_quant_kernel<kThreads>, kThreads);

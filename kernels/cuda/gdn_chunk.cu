@@ -90,7 +90,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/gdn.h"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/device.h"
 #include "kernels/error.h"
@@ -829,7 +829,7 @@ bool chunk_gated_delta_rule_supported(int64_t dk, int64_t dv, int sm_major) {
   return sm_major >= 8 && (dk == 64 || dk == 128) && dv >= kDvs && dv % kDvs == 0 && dv <= 4096;
 }
 
-// Test hook (not in launch.h) for timing breakdowns and variants: flags 2 = skip the prep kernel,
+// Test hook (not in gdn.h) for timing breakdowns and variants: flags 2 = skip the prep kernel,
 // 4 = skip the state kernel, 8 = two input stages in the state kernel, 16 = 32-column state
 // slices, 64 = one prep CTA per value head, 128 = state kernel as a programmatic dependent launch
 // of prep (bits 0 and 5 are unused). 0 is the full op.

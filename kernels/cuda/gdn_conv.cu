@@ -39,7 +39,8 @@
 
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/grid.h"
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/conv.h"
+#include "kernels/cuda/gdn.h"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/error.h"
 #include "kernels/device.h"

@@ -1,4 +1,4 @@
-// GatedDeltaNet decode / verify kernels on a state pool (launch.h "Decode / verify"): the causal
+// GatedDeltaNet decode / verify kernels on a state pool (conv.h, gdn.h; pool conventions in launch.h): the causal
 // conv update (the twin of gdn_conv.cu's prefill conv) and the gated delta rule over T = 1..16 new
 // tokens per sequence from its slot's fp32 state (the twin of gdn_chunk.cu / gdn_recurrent.cu).
 // They live together, apart from the prefill kernels, because both are bound by the same thing:
@@ -40,7 +40,8 @@
 #include <type_traits>
 
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/conv.h"
+#include "kernels/cuda/gdn.h"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/error.h"
 

@@ -32,7 +32,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/gdn.h"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/error.h"
 

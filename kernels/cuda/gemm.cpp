@@ -1,6 +1,6 @@
 // GEMMs through cuBLASLt, fp32 accumulation (CUBLAS_COMPUTE_32F, fp32 alpha/beta), bf16 A and B:
 //   gemm_ex:   D[M, N] (row stride ldd) = alpha · op(A) · op(B) + beta · D, D bf16 or fp32
-//              (train_launch.h: A [M, K] or, trans_a, stored [K, M]; B [K, N] or, trans_b, [N, K]);
+//              (gemm.h: A [M, K] or, trans_a, stored [K, M]; B [K, N] or, trans_b, [N, K]);
 //   gemm_bf16: y[M, N] = x[M, K] · w[N, K]ᵀ (+ y), the special case A = x, B = w, trans_b, bf16 D.
 //
 // Row-major trick: a row-major [R, C] matrix with row stride ld is the column-major [C, R] matrix
@@ -40,8 +40,7 @@
 #include <mutex>
 
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/launch.h"
-#include "kernels/cuda/train_launch.h"
+#include "kernels/cuda/gemm.h"
 #include "kernels/device.h"
 #include "kernels/error.h"
 
@@ -224,7 +223,7 @@ void gemm_bf16(const GemmParams& p, int device) {
 }
 
 namespace detail {
-// train_ops.cu: D = beta · D over a row-major view (beta 0 writes zeros without reading D).
+// elementwise.cu: D = beta · D over a row-major view (beta 0 writes zeros without reading D).
 void scale_matrix(void* d, bool d_f32, int64_t M, int64_t N, int64_t ldd, float beta, Stream s);
 }  // namespace detail
 
@@ -276,7 +275,7 @@ bool gemm_autotune() { return g_autotune.load(); }
 // (ld ldy), CUBLAS_COMPUTE_32F. The kernel applies both scales per 128-deep K block in fp32 (the
 // DeepSeek-V3 recipe's promotion), so the result is the reference's sum of per-group products.
 //
-// Scale layouts (launch.h "FP8"; neither is fully specified by the cuBLASLt documentation we had):
+// Scale layouts (gemm.h "FP8"; neither is fully specified by the cuBLASLt documentation we had):
 //   activations, VEC128 on [K, M]: scale of (token m, group g) at x_scale[g * fp8_act_scale_ld(M) + m]
 //       (the token index contiguous; fp8_act_scale_ld(M) = M, as M is a multiple of 4 here)
 //   weights, BLK128x128 on [K, N]: scale of (block nb, kb) at w_scale[nb * fp8_weight_scale_ld(K) + kb],

@@ -1,5 +1,5 @@
 #pragma once
-// Grid sizing shared by the persistent-grid kernels (elementwise.cu, gdn_conv.cu): host code.
+// Grid sizing shared by the persistent-grid kernels (norm.cu, gdn_conv.cu): host code.
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// Fused, chunked linear cross-entropy of the DFlash LM head (see train_launch.h for the contract).
+// Fused, chunked linear cross-entropy of the DFlash LM head (see loss.h for the contract).
 //
 // Per chunk of n <= chunk_rows rows (all on the device's DeviceContext stream, in order):
 //   1. logits [n, V] fp32 = hidden_chunk · lm_headᵀ        cuBLASLt, bf16 A/B, fp32 accumulate and OUTPUT
@@ -30,7 +30,7 @@
 // in the same run (716 TFLOP/s). chunk_rows 2048 is the choice: 3.0 GB of workspace, within 0.2 %
 // of 4096 (6.1 GB).
 //
-// Both GEMMs go through gemm_ex (train_launch.h; cuBLASLt, plans cached per shape):
+// Both GEMMs go through gemm_ex (gemm.h; cuBLASLt, plans cached per shape):
 //   logits [n, V] (row stride Vp, fp32) = hidden [n, H] · lm_headᵀ;  dhidden [n, H] (fp32) = grad [n, V] · lm_head
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -41,7 +41,8 @@
 #include <cstdint>
 
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/train_launch.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/loss.h"
 #include "kernels/device.h"
 #include "kernels/error.h"
 

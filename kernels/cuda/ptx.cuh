@@ -52,7 +52,7 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], 
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
-// For ring buffers refilled in place (elementwise.cu, gdn_conv.cu): a 16-byte global -> shared copy
+// For ring buffers refilled in place (norm.cu, gdn_conv.cu): a 16-byte global -> shared copy
 // that bypasses L1 (cp.async.cg), the group commit, and the wait for all but the N most recent
 // commit groups, with "memory" clobbers so the compiler keeps shared-memory reads of a slot before the copy that
 // refills it.

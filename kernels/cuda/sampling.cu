@@ -1,4 +1,4 @@
-// Sampling ops (launch.h "Sampling"): the greedy argmax and temperature / top-p sampling over rows
+// Sampling ops (sampling.h): the greedy argmax and temperature / top-p sampling over rows
 // of logits, on the device so that a decode step brings back token ids, not R × V logits.
 //
 // argmax_rows roofline: reads the R·V logits once (4 B each in fp32, 2 B in bf16), writes R ids; no FLOPs to
@@ -20,7 +20,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/sampling.h"
 #include "kernels/error.h"
 #include "kernels/rng.h"
 

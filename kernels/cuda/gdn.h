@@ -1,0 +1,87 @@
+#pragma once
+// GatedDeltaNet family: the post-conv preparation and the gated delta rule, prefill (chunked tensor
+// cores, recurrent fallback) and its decode / verify twin on a state pool (kernels/cuda/gdn_*.cu).
+// CPU reference: ops::gdn_gates, ops::l2norm, ops::gated_delta_rule, ops::gated_delta_rule_pool.
+#include <cstdint>
+
+#include "kernels/cuda/launch.h"
+
+namespace dflash::cuda {
+
+// ---- Prefill ---------------------------------------------------------------------------------------
+// Post-conv preparation: from the conv output [N, conv_dim = 2*Hk*dk + Hv*dv] (row stride ld_conv)
+// writes q = l2norm(q) · scale and k = l2norm(k) (eps 1e-6) as contiguous bf16 [N, Hk, dk], and
+// g = -exp(A_log) · softplus(a + dt_bias), beta = sigmoid(b) as fp32 [N, Hv], from the a / b
+// columns of the in-projection output (row stride ld_ab). A_log, dt_bias: bf16 [Hv].
+struct GdnPrepParams {
+  const void* conv = nullptr;
+  int64_t ld_conv = 0;
+  const void* a = nullptr;
+  const void* b = nullptr;
+  int64_t ld_ab = 0;
+  const void* A_log = nullptr;
+  const void* dt_bias = nullptr;
+  void* q = nullptr;
+  void* k = nullptr;
+  float* g = nullptr;
+  float* beta = nullptr;
+  int64_t N = 0, Hk = 0, Hv = 0, dk = 0;
+  float scale = 0.0f;
+};
+void gdn_prep(const GdnPrepParams& p, Stream s);
+
+// Gated delta rule on prepared (normalised, q pre-scaled) q/k, per sequence and value head h with
+// key head h / (Hv / Hk):  S = exp(g_t) S;  S += k_t (beta_t (v_t - Sᵀ k_t))ᵀ;  o_t = Sᵀ q_t.
+// State fp32 [num_seqs, Hv, dk, dv]; initial_state / final_state optional (null).
+struct DeltaRuleParams {
+  const void* q = nullptr;  // [N, Hk, dk] bf16
+  const void* k = nullptr;  // [N, Hk, dk] bf16
+  const void* v = nullptr;  // rows strided: v of token n, head h at v + n*ldv + h*dv
+  int64_t ldv = 0;
+  const float* g = nullptr;     // [N, Hv]
+  const float* beta = nullptr;  // [N, Hv]
+  const float* initial_state = nullptr;
+  float* final_state = nullptr;
+  void* out = nullptr;  // [N, Hv, dv] bf16
+  const int32_t* cu_seqlens = nullptr;
+  int64_t num_seqs = 0, N = 0, Hk = 0, Hv = 0, dk = 0, dv = 0;
+};
+// Chunked (64 tokens, WY / UT form) on tensor cores, fp32 state. Supports dk = dv = 128 (and 64).
+void chunk_gated_delta_rule(const DeltaRuleParams& p, Stream s);
+bool chunk_gated_delta_rule_supported(int64_t dk, int64_t dv, int sm_major);
+// Token-recurrent, one block per (sequence, value head, dv slice); any dk, dv.
+void recurrent_gated_delta_rule(const DeltaRuleParams& p, Stream s);
+
+// ---- Decode / verify (conventions in launch.h) -----------------------------------------------------
+// Gated delta rule on a state pool (fp32 [num_slots, Hv, dk, dv]): per sequence, its tokens in
+// order from its slot's state, S = exp(g_t) S; S += k_t (beta_t (v_t - Sᵀk_t))ᵀ; o_t = Sᵀ q_t.
+// q / k prepared as in DeltaRuleParams (gdn_prep's output: q l2-normalised and scaled, k normalised;
+// bf16 [N, Hk, dk]); value head h reads key head h / (Hv / Hk). out [N, Hv, dv] bf16 or null (no
+// output: re-running accepted tokens at commit time). update_state: the state after the sequence's
+// last token is written back to its slot; false leaves the pool untouched (verify; the rollback
+// scheme re-runs the accepted tokens later with update_state = true).
+struct DeltaRulePoolParams {
+  const void* q = nullptr;  // [N, Hk, dk] bf16
+  const void* k = nullptr;  // [N, Hk, dk] bf16
+  const void* v = nullptr;  // rows strided: v of token n, head h at v + n*ldv + h*dv
+  int64_t ldv = 0;
+  const float* g = nullptr;     // [N, Hv]
+  const float* beta = nullptr;  // [N, Hv]
+  float* state = nullptr;       // [num_slots, Hv, dk, dv] fp32
+  const int32_t* slots = nullptr;
+  void* out = nullptr;          // [N, Hv, dv] bf16, nullable
+  const int32_t* cu_seqlens = nullptr;
+  int64_t num_seqs = 0, N = 0, Hk = 0, Hv = 0, dk = 0, dv = 0, num_slots = 0;
+  bool update_state = true;
+};
+// Memory bound: each (slot, head, dv slice) state is read once per call into registers, kept there
+// across the sequence's tokens, and written once (only with update_state); dv is split across CTAs
+// so that small batches still fill the GPU. Supports dk in {64, 128, 256}, dv % 8 == 0, sm >= 80.
+void gated_delta_rule_pool_fast(const DeltaRulePoolParams& p, Stream s);
+bool gated_delta_rule_pool_fast_supported(int64_t dk, int64_t dv, int sm_major);
+// Plain kernel for any dk (<= 1024) and dv: the state tile in shared memory, the formula as written.
+void gated_delta_rule_pool_fallback(const DeltaRulePoolParams& p, Stream s);
+// "register-resident" or "fallback" for these head dims on an sm_major device.
+const char* gated_delta_rule_pool_kernel_name(int64_t dk, int64_t dv, int sm_major);
+
+}  // namespace dflash::cuda

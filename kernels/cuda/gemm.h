@@ -1,0 +1,127 @@
+#pragma once
+// GEMM family: the target's bf16 projections (gemm_bf16), the drafter's general row-major GEMM
+// (gemm_ex, forward and backward), and the FP8 block-scaled GEMM with its operand quantizers
+// (kernels/cuda/gemm.cpp on cuBLASLt; the quantizers in fp8.cu). CPU reference: ops::linear,
+// ops::quantize_fp8_act / quantize_fp8_weight (kernels/ops.h).
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cuda/launch.h"
+
+namespace dflash::cuda {
+
+// ---- GEMM (cuBLASLt) ----------------------------------------------------------------------------
+// y[M, N] (row stride ldy) = x[M, K] (row stride ldx) · w[N, K]^T  (+ y when accumulate)
+// bf16 inputs, fp32 accumulation, bf16 output. w is the Hugging Face Linear weight, row-major.
+// Uses the device's DeviceContext (stream, cuBLASLt handle, workspace); algorithms are cached per
+// shape. M == 0 is a no-op.
+struct GemmParams {
+  const void* x = nullptr;
+  int64_t ldx = 0;
+  const void* w = nullptr;
+  void* y = nullptr;
+  int64_t ldy = 0;
+  int64_t M = 0, N = 0, K = 0;
+  bool accumulate = false;
+};
+void gemm_bf16(const GemmParams& p, int device);
+// Algorithm choice per shape: off (default) takes cuBLASLt's first heuristic answer; on times its
+// top 16 answers on the first call of each non-accumulating shape and keeps the fastest (~0.1-1 s
+// once per shape). Also enabled by DFLASH_GEMM_AUTOTUNE=1. Switching drops the cached plans.
+void set_gemm_autotune(bool on);
+bool gemm_autotune();
+
+// ---- General GEMM (cuBLASLt), row-major ------------------------------------------------------------
+//   D[M, N] (row stride ldd) = alpha · op(A) · op(B) + beta · D
+//   A: [M, K] row-major (lda >= K), or when trans_a its transpose stored as [K, M] (lda >= M);
+//   B: [K, N] row-major (ldb >= N), or when trans_b its transpose stored as [N, K] (ldb >= K).
+// A and B bf16, fp32 accumulation; D fp32 (d_f32) or bf16. beta 0 never reads D.
+// The training uses:  y = x·wᵀ (trans_b), dx = dy·w, dw (+)= dyᵀ·x (trans_a, fp32 D, beta 1).
+// M == 0 or N == 0 is a no-op; K == 0 scales D by beta.
+struct GemmExParams {
+  const void* a = nullptr;
+  int64_t lda = 0;
+  bool trans_a = false;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  bool trans_b = false;
+  void* d = nullptr;
+  int64_t ldd = 0;
+  bool d_f32 = false;
+  int64_t M = 0, N = 0, K = 0;
+  float alpha = 1.0f, beta = 0.0f;
+};
+void gemm_ex(const GemmExParams& p, int device);
+
+// ==== FP8: block-scaled e4m3 (issue 18; kernels/cuda/fp8.cu, gemm_fp8 in kernels/cuda/gemm.cpp) ====
+// The official -FP8 checkpoints' format (kernels/fp8.h, the CPU reference in kernels/ops.h "fp8"):
+// weights [N, K] as e4m3 codes with one f32 dequantization scale per 128 x 128 block, activations
+// quantized per token and 128-column group at run time (DeepSeek-V3's recipe). Codes are uint8_t
+// (e4m3 "fn" bit patterns); scales are dequantization scales (value ~= e4m3(code) * scale), laid
+// out as cuBLASLt's block-scaling modes read them, so gemm_fp8 consumes them without a copy:
+//   activation scale of (token m, group g):  scale[g * fp8_act_scale_ld(M) + m]
+//       (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F on the [K, M] column-major operand: token index
+//       contiguous, one row of fp8_act_scale_ld(M) floats per 128-column group)
+//   weight scale of block (nb, kb):         scale_inv[nb * fp8_weight_scale_ld(K) + kb]
+//       (CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F: the K-block index contiguous, each row of
+//       blocks padded to a multiple of 4 floats)
+// Both established on an H200 (cuBLASLt 13.1) against the CPU reference: see gemm.cpp's gemm_fp8 part.
+
+// Row stride (floats) between the 128-column groups of an activation's scales (M rounded up to 4:
+// the layout of the GEMM on the padded rows, which gemm_fp8 needs), and the number of floats a
+// scale buffer of an [M, K] activation needs (callers allocate this; the quantizers write its
+// padding entries too, as 1.0).
+int64_t fp8_act_scale_ld(int64_t M);
+size_t fp8_act_scale_elems(int64_t M, int64_t K);
+// Row stride (floats) between the 128-row blocks of a weight's scales (>= ceil(K / 128)).
+int64_t fp8_weight_scale_ld(int64_t K);
+
+// Dynamic per-token group quantization, as ops::quantize_fp8_act bit for bit (for the same values in
+// f32): per (token m, group g of 128 columns; the last group may be partial and covers only the
+// existing columns) scale = max(amax, 1e-10) / 448, q = e4m3(clamp(x * (1 / scale), +-448)) (one
+// correctly rounded reciprocal per group, round to nearest even). Memory bound: 2·M·K bytes read, M·K + 4·M·ceil(K/128) written.
+struct Fp8ActQuantParams {
+  const void* x = nullptr;  // bf16 [M, K], row stride ldx
+  int64_t ldx = 0;
+  uint8_t* q = nullptr;     // e4m3 [M, K], row stride ldq
+  int64_t ldq = 0;
+  float* scale = nullptr;   // fp8_act_scale_elems(M, K) floats (layout above)
+  int64_t M = 0, K = 0;
+};
+// Needs K % 16 == 0, x and q 16-byte aligned, ldx % 8 == 0, ldq % 16 == 0 (what gemm_fp8 needs of
+// its codes anyway), scale 16-byte aligned. M == 0 is a no-op.
+void quantize_fp8_act(const Fp8ActQuantParams& p, Stream s);
+
+// Block quantization of a bf16 weight [N, K] (contiguous), as ops::quantize_fp8_weight bit for bit:
+// per 128 x 128 block (partial at the edges) scale_inv = max(amax, 1e-10) / 448 written to
+// scale_inv[nb * ld_scale + kb] (ld_scale >= ceil(K / 128); pass fp8_weight_scale_ld(K) for
+// gemm_fp8; padding entries are not written), q [N, K] contiguous. For bf16 checkpoints and random
+// weights at load time. Needs K % 16 == 0 and 16-byte aligned w and q.
+void quantize_fp8_weight(const void* w_bf16, int64_t N, int64_t K, uint8_t* q, float* scale_inv, int64_t ld_scale,
+                         Stream s);
+
+// y[M, N] (bf16, row stride ldy) = x[M, K] · w[N, K]^T with both operands e4m3 codes and block
+// scales, fp32 accumulation (per 128-column group the code products summed, times the two scales),
+// through cuBLASLt on the device's DeviceContext; algorithms cached per shape like gemm_bf16 (and
+// autotuned under the same switch). tensor_scales: x_scale and w_scale point to one float each
+// (plain per-tensor scaling: the dense FP8 ceiling kernel_bench compares against).
+struct GemmFp8Params {
+  const uint8_t* x = nullptr;   // e4m3 [M, K], row stride ldx
+  int64_t ldx = 0;
+  const float* x_scale = nullptr;  // quantize_fp8_act's layout (fp8_act_scale_ld(M))
+  const uint8_t* w = nullptr;   // e4m3 [N, K] contiguous
+  const float* w_scale = nullptr;  // [ceil(N/128), fp8_weight_scale_ld(K)]
+  void* y = nullptr;            // bf16 [M, N], row stride ldy
+  int64_t ldy = 0;
+  int64_t M = 0, N = 0, K = 0;
+  bool tensor_scales = false;
+};
+// Needs 16-byte aligned pointers, K % 16 == 0, ldx % 16 == 0, ldy % 8 == 0, and with block scales
+// M % 4 == 0 (cuBLASLt has no block-scaled kernel for other M: pad the rows, see gemm.cpp); throws
+// naming the shape and the GPU when the installed cuBLASLt has no algorithm for it (block scaling
+// needs sm_90 and cuBLAS >= 12.9). M == 0 is a no-op.
+void gemm_fp8(const GemmFp8Params& p, int device);
+// The kernel gemm_fp8 runs, in words ("cublasLt e4m3 VEC128xBLK128x128").
+const char* gemm_fp8_kernel_name();
+
+}  // namespace dflash::cuda

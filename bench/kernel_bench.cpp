@@ -52,6 +52,7 @@
 
 #include "bench/harness.h"
 #include "bench/report.h"
+#include "kernels/cases/gdn_cases.h"
 #include "kernels/app.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/launch.h"
@@ -61,11 +62,10 @@
 #include "kernels/random.h"
 #include "target_model/model_cuda.h"
 
-// Tuning knobs defined in the decode kernel files (0 = the launcher's automatic choice).
+// Tuning knobs defined in the decode kernel files (0 = the launcher's automatic choice; the GDN
+// ones come with kernels/cases/gdn_cases.h).
 namespace dflash::cuda::tuning {
 extern int sample_threads;
-extern int gdn_pool_warps;
-extern int gdn_pool_cg;
 extern int attn_decode_splits;
 extern int gemm_fp8_fast_accum;
 }  // namespace dflash::cuda::tuning
@@ -95,17 +95,10 @@ Tensor dev_randn(const Shape& s, DType t, uint64_t stream, float stddev = 1.0f) 
   return x;
 }
 
-double max_rel_err(const Tensor& a, const Tensor& b) {
-  Tensor x = a.to(Device::cpu()).to_dtype(DType::F64), y = b.to(Device::cpu()).to_dtype(DType::F64);
-  double md = 0, mr = 0;
-  for (int64_t i = 0; i < x.numel(); ++i) {
-    const double u = x.data<double>()[i], v = y.data<double>()[i];
-    if (std::isnan(u) || std::isnan(v)) return INFINITY;
-    md = std::max(md, std::abs(u - v));
-    mr = std::max(mr, std::abs(v));
-  }
-  return md / std::max(mr, 1e-30);
-}
+using cases::max_rel_err;
+
+// The seed of the op-case tables' inputs (kernels/cases): every section draws from it.
+constexpr uint64_t kCaseSeed = 1234;
 
 struct Provider {
   std::string name;
@@ -165,131 +158,74 @@ Tensor cu_seqlens_of(const std::vector<int64_t>& lens) {
   return Tensor::from_blob(cu.data(), {static_cast<int64_t>(cu.size())}, DType::I32).to(Device::cuda(0));
 }
 
+// The op-case table's conv perf cases (kernels/cases/gdn_cases.h): n streams of D channels, and
+// the Qwen3.6-27B q|k|v layer shape, fused and as separate convs over the parts.
 void bench_conv(Ctx& ctx, bool quick) {
   std::printf("\n== conv: N separate causal depthwise convs vs one fused conv (K=4, SiLU, bf16)\n");
-  std::vector<std::tuple<int64_t, int64_t, int64_t>> shapes;  // (streams N, T, D per stream)
-  for (int64_t n : {2, 3, 4})
-    for (int64_t T : {2048, 4096})
-      for (int64_t D : {512, 1024}) shapes.emplace_back(n, T, D);
-  if (quick) shapes.resize(2);
-  const int64_t K = 4;
-  auto run = [&](int64_t n, int64_t T, const std::vector<int64_t>& widths, const std::string& shape) {
-    int64_t C = 0;
-    for (int64_t w : widths) C += w;
+  for (const cases::ConvCase& c : cases::conv_perf_cases(quick)) {
+    const int64_t T = c.N(), C = c.C;
     // Rotate among enough input/output sets that they do not fit in L2 together (3x the L2
     // size), so small shapes are timed from DRAM as they run in the model, not from the cache.
     const double set_bytes = 2.0 * static_cast<double>(T * C) * 2;
     const int sets = static_cast<int>(std::clamp(std::ceil(3.0 * static_cast<double>(ctx.l2_bytes) / set_bytes), 1.0, 32.0));
-    std::vector<Tensor> xs, y_fused, y_fb;
+    const cases::ConvData data = cases::draw(c, kCaseSeed, sets);
+    std::vector<Tensor> y_fused, y_fb;
     std::vector<std::vector<Tensor>> outs(static_cast<size_t>(sets));
     for (int i = 0; i < sets; ++i) {
-      xs.push_back(dev_randn({T, C}, DType::BF16, 1 + 100 * static_cast<uint64_t>(i)));
       y_fused.push_back(Tensor::empty({T, C}, DType::BF16, Device::cuda(0)));
       y_fb.push_back(Tensor::empty({T, C}, DType::BF16, Device::cuda(0)));
-      for (int64_t wd : widths) outs[static_cast<size_t>(i)].push_back(Tensor::empty({T, wd}, DType::BF16, Device::cuda(0)));
+      for (int64_t wd : c.parts) outs[static_cast<size_t>(i)].push_back(Tensor::empty({T, wd}, DType::BF16, Device::cuda(0)));
     }
-    Tensor w = dev_randn({C, K}, DType::BF16, 2, 0.5f);
-    Tensor cu = cu_seqlens_of({T});
-    auto params = [&](int set, int64_t c0, int64_t width, Tensor& y) {
-      cuda::ConvParams p;
-      p.x = static_cast<char*>(xs[static_cast<size_t>(set)].raw_data()) + c0 * 2;
-      p.ldx = C;
-      p.w = static_cast<char*>(w.raw_data()) + c0 * K * 2;
-      p.y = y.raw_data();
-      p.cu_seqlens = cu.data<int32_t>();
-      p.num_seqs = 1;
-      p.N = T;
-      p.C = width;
-      p.K = K;
-      return p;
-    };
     // Each provider walks the sets from set 0 (the one its output is checked on).
     int next_fused = 0, next_sep = 0, next_fb = 0;
     std::vector<Provider> prov;
-    prov.push_back({"fused_fast", [&] {
+    prov.push_back({std::string("fused_") + cases::kConvFast.name, [&] {
                       const int i = next_fused++ % sets;
-                      cuda::causal_conv1d_fast(params(i, 0, C, y_fused[static_cast<size_t>(i)]), ctx.stream);
+                      cases::kConvFast.launch(data.params(c, y_fused[static_cast<size_t>(i)].raw_data(), i), ctx.stream);
                     }, [&] { return y_fused[0]; }});
     // Separate convs write their own outputs (as N separate modules would).
-    prov.push_back({"separate_fast_x" + std::to_string(n), [&] {
+    prov.push_back({std::string("separate_") + cases::kConvFast.name + "_x" + std::to_string(c.parts.size()), [&] {
                       const int i = next_sep++ % sets;
                       int64_t c0 = 0;
-                      for (size_t j = 0; j < widths.size(); ++j) {
-                        cuda::causal_conv1d_fast(params(i, c0, widths[j], outs[static_cast<size_t>(i)][j]), ctx.stream);
-                        c0 += widths[j];
+                      for (size_t j = 0; j < c.parts.size(); ++j) {
+                        cases::kConvFast.launch(
+                            data.params(c, outs[static_cast<size_t>(i)][j].raw_data(), i, c0, c.parts[j]), ctx.stream);
+                        c0 += c.parts[j];
                       }
                     }, [&] {
                       Tensor cat = Tensor::empty({T, C}, DType::BF16, Device::cpu());
                       int64_t c0 = 0;
-                      for (size_t j = 0; j < widths.size(); ++j) {
+                      for (size_t j = 0; j < c.parts.size(); ++j) {
                         Tensor h = outs[0][j].to(Device::cpu());
-                        cat.slice(1, c0, c0 + widths[j]).copy_from(h);
-                        c0 += widths[j];
+                        cat.slice(1, c0, c0 + c.parts[j]).copy_from(h);
+                        c0 += c.parts[j];
                       }
                       return cat;
                     }});
-    prov.push_back({"fused_fallback", [&] {
+    prov.push_back({std::string("fused_") + cases::kConvFallback.name, [&] {
                       const int i = next_fb++ % sets;
-                      cuda::causal_conv1d_fallback(params(i, 0, C, y_fb[static_cast<size_t>(i)]), ctx.stream);
+                      cases::kConvFallback.launch(data.params(c, y_fb[static_cast<size_t>(i)].raw_data(), i), ctx.stream);
                     }, [&] { return y_fb[0]; }});
-    const double gb = (2.0 * static_cast<double>(T * C) * 2 + static_cast<double>(C * K) * 2) / 1e9;
-    measure(ctx, "conv", "causal_conv1d", shape + (sets > 1 ? " (" + std::to_string(sets) + " sets rotated)" : ""), prov,
-            1e-2, {{"bandwidth", "GB/s", gb}});
-  };
-  for (auto [n, T, D] : shapes) run(n, T, std::vector<int64_t>(static_cast<size_t>(n), D), std::to_string(n) + "x" + std::to_string(D) + " T" + std::to_string(T));
-  for (int64_t T : {int64_t{2048}, int64_t{8192}})
-    run(3, T, {2048, 2048, 6144}, "qwen3.6-27b q|k|v 2048+2048+6144 T" + std::to_string(T));
+    measure(ctx, "conv", "causal_conv1d", c.shape + (sets > 1 ? " (" + std::to_string(sets) + " sets rotated)" : ""),
+            prov, c.y_bound, {{"bandwidth", "GB/s", c.bytes() / 1e9}});
+  }
 }
 
+// The op-case table's delta-rule perf cases: Qwen3.6-27B heads, T 2048..32768 and a varlen batch;
+// FLOPs and bytes from RuleCase::flops() / bytes() (the dense-equivalent chunked form).
 void bench_gdn(Ctx& ctx, bool quick) {
   std::printf("\n== gdn: chunked delta rule vs recurrent fallback (Hk 16, Hv 48, d 128)\n");
-  const int64_t Hk = 16, Hv = 48, d = 128;
-  std::vector<std::vector<int64_t>> cases = {{2048}, {4096}, {8192}, {32768}, std::vector<int64_t>(8, 1024)};
-  if (quick) cases = {{2048}, {8192}};
-  for (const auto& lens : cases) {
-    int64_t N = 0;
-    for (int64_t l : lens) N += l;
-    Tensor q = dev_randn({N, Hk, d}, DType::BF16, 3, 1.0f / std::sqrt(128.0f) / std::sqrt(128.0f));
-    Tensor k = dev_randn({N, Hk, d}, DType::BF16, 4, 1.0f / std::sqrt(128.0f));
-    Tensor v = dev_randn({N, Hv, d}, DType::BF16, 5);
-    Tensor g = Tensor::empty({N, Hv}, DType::F32, Device::cuda(0)), beta = g.clone();
-    fill_uniform(g, {1234, 6, 0}, -0.5f, 0.0f);
-    fill_uniform(beta, {1234, 7, 0}, 0.0f, 1.0f);
-    Tensor cu = cu_seqlens_of(lens);
-    Tensor o_fast = Tensor::empty({N, Hv, d}, DType::BF16, Device::cuda(0)), o_slow = o_fast.clone();
-    auto params = [&](Tensor& out) {
-      cuda::DeltaRuleParams p;
-      p.q = q.raw_data();
-      p.k = k.raw_data();
-      p.v = v.raw_data();
-      p.ldv = Hv * d;
-      p.g = g.data<float>();
-      p.beta = beta.data<float>();
-      p.out = out.raw_data();
-      p.cu_seqlens = cu.data<int32_t>();
-      p.num_seqs = static_cast<int64_t>(lens.size());
-      p.N = N;
-      p.Hk = Hk;
-      p.Hv = Hv;
-      p.dk = d;
-      p.dv = d;
-      return p;
-    };
-    // FLOPs (chunk form, C = 64, per value head and chunk of L tokens): K Kᵀ and Q Kᵀ 2·2·L²·d,
-    // the triangular solves 2·L²·(d + d), W S and Q S 2·2·L·d², the state update 2·L·d².
-    // ≈ per token: 8·C·d + 6·d² per head. Bytes: q, k (bf16, per key head), v and out (bf16),
-    // g and beta (f32), each read / written once.
-    const double Nn = static_cast<double>(N);
-    const double flops = Nn * static_cast<double>(Hv) * (8.0 * 64 * d + 6.0 * d * d);
-    const double bytes = Nn * (2.0 * Hk * d * 2 + 2.0 * Hv * d * 2 + 2.0 * Hv * 4);
-    std::ostringstream shape;
-    shape << "T" << N << (lens.size() > 1 ? " (" + std::to_string(lens.size()) + " seqs)" : "");
+  for (const cases::RuleCase& c : cases::rule_perf_cases(quick)) {
+    const cases::RuleData data = cases::draw(c, kCaseSeed);
+    Tensor o_fast = Tensor::empty({c.N(), c.Hv, c.dv}, DType::BF16, Device::cuda(0)), o_slow = o_fast.clone();
+    const cuda::DeltaRuleParams p_fast = data.params(o_fast.raw_data(), nullptr), p_slow = data.params(o_slow.raw_data(), nullptr);
     std::vector<Provider> prov;
-    prov.push_back({"chunk_fast", [&] { cuda::chunk_gated_delta_rule(params(o_fast), ctx.stream); }, [&] { return o_fast; }});
-    if (!(quick && N > 8192))
-      prov.push_back({"recurrent_fallback", [&] { cuda::recurrent_gated_delta_rule(params(o_slow), ctx.stream); }, [&] { return o_slow; }});
-    measure(ctx, "gdn", "gated_delta_rule", shape.str(), prov, 2e-2,
-            {{"achieved", "TFLOP/s", flops / 1e12}, {"bandwidth", "TB/s", bytes / 1e12}});
+    prov.push_back({cases::kChunkFast.name, [&] { cases::kChunkFast.launch(p_fast, ctx.stream); }, [&] { return o_fast; }});
+    if (!(quick && c.N() > 8192))
+      prov.push_back({cases::kRecurrentFallback.name, [&] { cases::kRecurrentFallback.launch(p_slow, ctx.stream); },
+                      [&] { return o_slow; }});
+    measure(ctx, "gdn", "gated_delta_rule", c.shape, prov, c.out_bound,
+            {{"achieved", "TFLOP/s", c.flops() / 1e12}, {"bandwidth", "TB/s", c.bytes() / 1e12}});
   }
 }
 
@@ -716,24 +652,16 @@ void bench_decode(Ctx& ctx, bool quick) {
   // with update_state = false (the pool read only), "w1/w2/w4" force the warps per CTA.
   auto wanted = [&](const char* op) { return ctx.decode_ops.find(op) != std::string::npos; };
   if (wanted("gdn")) {
-    const int64_t Hk = 16, Hv = 48, d = 128;
     std::vector<int64_t> batches = {1, 8, 32, 64}, Ts = {1, 2, 4, 8, 16};
     if (quick) batches = {1, 64}, Ts = {1, 16};
     if (!ctx.decode_batches.empty()) batches = ctx.decode_batches;
     if (!ctx.decode_tokens.empty()) Ts = ctx.decode_tokens;
     for (int64_t B : batches)
       for (int64_t T : Ts) {
-        const int64_t N = B * T;
-        const double state_bytes = static_cast<double>(B * Hv * d * d * 4);
+        const cases::PoolCase c = cases::pool_perf_case(B, T);
+        const double state_bytes = c.state_bytes();
         const int sets = rotation_sets(ctx, state_bytes);
-        const int64_t P = B * sets;
-        Tensor q = dev_randn({N, Hk, d}, DType::BF16, 71, 1.0f / 128.0f), k = dev_randn({N, Hk, d}, DType::BF16, 72, 0.0884f);
-        Tensor v = dev_randn({N, Hv, d}, DType::BF16, 73);
-        Tensor g = Tensor::empty({N, Hv}, DType::F32, dev), beta = g.clone();
-        fill_uniform(g, {1234, 74, 0}, -0.5f, 0.0f);
-        fill_uniform(beta, {1234, 75, 0}, 0.0f, 1.0f);
-        Tensor cu = cu_seqlens_of(std::vector<int64_t>(static_cast<size_t>(B), T)), slots = slot_sets(B, sets);
-        Tensor pool0 = dev_randn({P, Hv, d, d}, DType::F32, 76, 0.1f);
+        const cases::PoolData data = cases::draw(c, kCaseSeed, sets);
         struct Run {
           std::string name;
           int warps, cg;
@@ -742,100 +670,54 @@ void bench_decode(Ctx& ctx, bool quick) {
           int next = 0;
         };
         std::vector<Run> runs;
-        runs.push_back({"fallback", 0, 0, true, true, {}, {}});
-        runs.push_back({"fast", 0, 0, false, true, {}, {}});
+        runs.push_back({cases::kPoolFallback.name, 0, 0, true, true, {}, {}});
+        runs.push_back({cases::kPoolFast.name, 0, 0, false, true, {}, {}});
         if (T > 1) runs.push_back({"fast_verify", 0, 0, false, false, {}, {}});
         for (int cg : {2, 4, 8}) runs.push_back({"fast_cg" + std::to_string(cg), 0, cg, false, true, {}, {}});
         if (B <= 8)
           for (int w : {1, 2, 4}) runs.push_back({"fast_w" + std::to_string(w), w, 0, false, true, {}, {}});
         for (Run& r : runs) {
-          r.pool = pool0.clone();
-          r.out = Tensor::empty({N, Hv, d}, DType::BF16, dev);
+          r.pool = data.pool0.clone();
+          r.out = Tensor::empty({c.N(), c.Hv, c.dv}, DType::BF16, dev);
         }
         auto call = [&](Run& r) {
-          cuda::DeltaRulePoolParams p;
-          p.q = q.raw_data();
-          p.k = k.raw_data();
-          p.v = v.raw_data();
-          p.ldv = Hv * d;
-          p.g = g.data<float>();
-          p.beta = beta.data<float>();
-          p.state = r.pool.data<float>();
-          p.slots = slots.data<int32_t>() + (r.next++ % sets) * B;
-          p.out = r.out.raw_data();
-          p.cu_seqlens = cu.data<int32_t>();
-          p.num_seqs = B;
-          p.N = N;
-          p.Hk = Hk;
-          p.Hv = Hv;
-          p.dk = d;
-          p.dv = d;
-          p.num_slots = P;
-          p.update_state = r.update;
-          const int saved_w = cuda::tuning::gdn_pool_warps, saved_cg = cuda::tuning::gdn_pool_cg;
-          cuda::tuning::gdn_pool_warps = r.warps;
-          cuda::tuning::gdn_pool_cg = r.cg;
-          if (r.fallback)
-            cuda::gated_delta_rule_pool_fallback(p, ctx.stream);
-          else
-            cuda::gated_delta_rule_pool_fast(p, ctx.stream);
-          cuda::tuning::gdn_pool_warps = saved_w;
-          cuda::tuning::gdn_pool_cg = saved_cg;
+          const cases::Knob knob_w(cuda::tuning::gdn_pool_warps, r.warps), knob_cg(cuda::tuning::gdn_pool_cg, r.cg);
+          const cuda::DeltaRulePoolParams p = data.params(r.pool.data<float>(), r.out.raw_data(), r.update, r.next++ % sets);
+          (r.fallback ? cases::kPoolFallback : cases::kPoolFast).launch(p, ctx.stream);
         };
         std::vector<Provider> prov;
         for (Run& r : runs) prov.push_back({r.name, [&call, &r] { call(r); }, [&r] { return r.out; }, r.update ? 1.0 : 0.5});
-        const std::string shape = "B" + std::to_string(B) + " T" + std::to_string(T) + " Hk16 Hv48 d128";
         // The fallback's state traffic counts the same bytes (it reads and writes the state once
         // too); verify reads it only (amount_scale 0.5).
-        measure(ctx, "decode", "gated_delta_rule_pool", shape, prov, 2e-2, {{"bandwidth", "GB/s", 2 * state_bytes / 1e9}});
+        measure(ctx, "decode", "gated_delta_rule_pool", c.shape, prov, c.out_bound, {{"bandwidth", "GB/s", 2 * state_bytes / 1e9}});
         std::vector<Provider> fast_only(prov.begin() + 1, prov.begin() + 2);
-        measure_graph(ctx, "gated_delta_rule_pool", shape, fast_only, {{"bandwidth", "GB/s", 2 * state_bytes / 1e9}});
+        measure_graph(ctx, "gated_delta_rule_pool", c.shape, fast_only, {{"bandwidth", "GB/s", 2 * state_bytes / 1e9}});
       }
   }
 
   // Conv update, GatedDeltaNet q|k|v channels (C 10240, K 4, SiLU), x strided as the in-projection's
   // output (ldx 16480). GB/s counts state read + write and x read + y write.
   if (wanted("conv")) {
-    const int64_t C = 10240, K = 4, ldx = 16480;
     for (int64_t B : {int64_t{1}, int64_t{8}, int64_t{64}})
       for (int64_t T : {int64_t{1}, int64_t{16}}) {
-        const int64_t N = B * T;
-        const double bytes = static_cast<double>(B * (K - 1) * C * 2 * 2 + N * C * 2 * 2);
+        const cases::ConvUpdateCase c = cases::conv_update_perf_case(B, T);
+        const double bytes = c.bytes();
         const int sets = rotation_sets(ctx, bytes);
-        Tensor x = dev_randn({N, ldx}, DType::BF16, 81), w = dev_randn({C, K}, DType::BF16, 82, 0.5f);
-        Tensor cu = cu_seqlens_of(std::vector<int64_t>(static_cast<size_t>(B), T)), slots = slot_sets(B, sets);
-        Tensor state0 = dev_randn({B * sets, K - 1, C}, DType::BF16, 83);
+        const cases::ConvUpdateData data = cases::draw(c, kCaseSeed, sets);
         struct Run {
-          bool fast;
+          const cases::Variant<cuda::ConvUpdateParams>& variant;
           Tensor state, y;
           int next = 0;
         };
-        Run fb{false, state0.clone(), Tensor::empty({N, C}, DType::BF16, dev)};
-        Run fa{true, state0.clone(), Tensor::empty({N, C}, DType::BF16, dev)};
+        Run fb{cases::kConvUpdateFallback, data.state0.clone(), Tensor::empty({c.N(), c.C}, DType::BF16, dev)};
+        Run fa{cases::kConvUpdateFast, data.state0.clone(), Tensor::empty({c.N(), c.C}, DType::BF16, dev)};
         auto call = [&](Run& r) {
-          cuda::ConvUpdateParams p;
-          p.x = x.raw_data();
-          p.ldx = ldx;
-          p.w = w.raw_data();
-          p.y = r.y.raw_data();
-          p.state = r.state.raw_data();
-          p.slots = slots.data<int32_t>() + (r.next++ % sets) * B;
-          p.cu_seqlens = cu.data<int32_t>();
-          p.num_seqs = B;
-          p.N = N;
-          p.C = C;
-          p.K = K;
-          p.num_slots = B * sets;
-          if (r.fast)
-            cuda::causal_conv1d_update_fast(p, ctx.stream);
-          else
-            cuda::causal_conv1d_update_fallback(p, ctx.stream);
+          r.variant.launch(data.params(c, r.y.raw_data(), r.state.raw_data(), r.next++ % sets), ctx.stream);
         };
-        std::vector<Provider> prov = {{"fallback", [&] { call(fb); }, [&] { return fb.y; }},
-                                      {"fast", [&] { call(fa); }, [&] { return fa.y; }}};
-        const std::string shape = "B" + std::to_string(B) + " T" + std::to_string(T) + " C10240 K4";
-        measure(ctx, "decode", "causal_conv1d_update", shape, prov, 1e-2, {{"bandwidth", "GB/s", bytes / 1e9}});
-        measure_graph(ctx, "causal_conv1d_update", shape, {prov[1]}, {{"bandwidth", "GB/s", bytes / 1e9}});
+        std::vector<Provider> prov = {{fb.variant.name, [&] { call(fb); }, [&] { return fb.y; }},
+                                      {fa.variant.name, [&] { call(fa); }, [&] { return fa.y; }}};
+        measure(ctx, "decode", "causal_conv1d_update", c.shape, prov, c.y_bound, {{"bandwidth", "GB/s", bytes / 1e9}});
+        measure_graph(ctx, "causal_conv1d_update", c.shape, {prov[1]}, {{"bandwidth", "GB/s", bytes / 1e9}});
       }
   }
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/cpu/train_ops.h"
 #include "kernels/tensor.h"
 
 namespace dflash::drafter {
@@ -42,16 +43,9 @@ struct StepStats {
   void add(const StepStats& o);
 };
 
-// Fused, chunked linear cross-entropy. hidden [R, H] (row-major doubles), lm_head [V, H] (any
-// float dtype, contiguous host tensor). Rows are processed chunk_rows at a time: the logits of
-// one chunk ([chunk_rows, V]) are made, used and dropped. Rows with weight 0 are skipped.
-// Returns Σ w·CE and Σ w; writes the top-1 id of every row with w > 0 (-1 for skipped rows) to
-// argmax when given, and ADDS grad_scale · d(Σ w·CE)/d hidden to dhidden [R, H] when given.
-struct CeSums {
-  double weighted_ce_sum = 0, weight_sum = 0;
-};
-CeSums fused_linear_ce(const double* hidden, int64_t rows, int64_t H, const Tensor& lm_head,
-                       const std::vector<int32_t>& labels, const std::vector<double>& weights, int64_t chunk_rows,
-                       double grad_scale, double* dhidden, std::vector<int32_t>* argmax);
+// The fused, chunked linear cross-entropy through the frozen LM head: the CPU reference of the loss
+// family, kernels/cpu/train_ops.h (the drafter's CPU model and the gpu tests use it by these names).
+using cpu::CeSums;
+using cpu::fused_linear_ce;
 
 }  // namespace dflash::drafter

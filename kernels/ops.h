@@ -1,8 +1,16 @@
 #pragma once
-// The op families of the target forward. Each op takes a plain parameter struct or tensors,
-// validates shapes/dtypes/devices once here, then runs on the tensors' device: `cpu::` is the
-// fp32 reference (simple, obviously right, the oracle for every test); the CUDA backend arrives
-// with the CUDA target forward and is reached through the same entry points.
+// The CPU reference of every op family: plain parameter structs or tensors, validated once here
+// (shapes, dtypes, devices: a wrong one throws naming the op), then `cpu::` runs it in fp32 (fp64
+// for the drafter's training ops, kernels/cpu/train_ops.h): simple, obviously right, the oracle for
+// every test and the backend of the whole pipeline on a machine without a GPU.
+//
+// There is no Tensor-level dispatch to CUDA behind these entry points, on purpose: the CUDA models
+// (target_model/model_cuda, drafter/model_cuda) call the raw-pointer launchers of kernels/cuda/<family>.h
+// directly, because they fuse neighbouring ops, pass strided views of buffers planned once (row
+// strides into fused projections) and choose kernels by the fast-path plan, none of which a
+// Tensor-in / Tensor-out call can express without copies, allocations or checks on the hot path. What pairs each CUDA
+// launcher with its reference here is the table of op cases (kernels/cases/op_cases.h), which the
+// gpu tests run in check mode and kernel_bench in perf mode.
 //
 // Layout conventions (row-major, "packed" = tokens of all sequences back to back):
 //   activations [N, D] with N = total tokens; per-head tensors [N, H, d];

@@ -23,7 +23,8 @@
 #include "drafter/config.h"
 #include "drafter/model.h"
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/train_launch.h"
+#include "kernels/cpu/train_ops.h"
+#include "kernels/cuda/block_attention.h"
 #include "kernels/device.h"
 #include "kernels/random.h"
 #include "tests/test_util.h"
@@ -119,93 +120,23 @@ Problem make(const Shape5& s) {
   return p;
 }
 
-struct Ref {
-  std::vector<double> out, lse, dq, dkc, dvc, dkb, dvb;
-  std::vector<char> ctx_attended;  // [N · Hkv]: some query attends this context row (per kv head: all heads alike)
-};
-
-// float64 reference: per (block row, head), the keys mask_allows admits, softmax, out, lse; then
-// the backward from dout with δ = Σ dO·O.
-Ref reference(const Problem& p) {
+// float64 reference (kernels/cpu/train_ops.h) with the drafter's own mask as the oracle of which
+// keys each query sees.
+cpu::BlockAttentionRef reference(const Problem& p) {
   const Shape5& s = p.s;
-  const int64_t d = s.d, Hq = s.Hq, Hkv = s.Hkv, G = Hq / Hkv, B = s.B;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   const auto type = s.sliding ? drafter::AttnType::Sliding : drafter::AttnType::Full;
-  Ref r;
-  r.out.assign(p.R * Hq * d, 0.0);
-  r.lse.assign(p.R * Hq, 0.0);
-  r.dq.assign(p.R * Hq * d, 0.0);
-  r.dkc.assign(p.N * Hkv * d, 0.0);
-  r.dvc.assign(p.N * Hkv * d, 0.0);
-  r.dkb.assign(p.R * Hkv * d, 0.0);
-  r.dvb.assign(p.R * Hkv * d, 0.0);
-  r.ctx_attended.assign(p.N, 0);
-  struct Key {
-    bool in_block;
-    int64_t row;  // context row (global) or block row
-  };
-  for (int64_t b = 0; b < p.nb; ++b) {
-    const int64_t a = p.anchor[b], off = p.cu_seqlens[p.block_seq[b]];
-    for (int64_t j = 0; j < B; ++j) {
-      std::vector<Key> keys;
-      const int64_t S = p.cu_seqlens[p.block_seq[b] + 1] - off;
-      for (int64_t t = 0; t < S; ++t)  // every context row of the sequence: mask_allows decides
-        if (drafter::mask_allows(type, s.window, a, j, false, t))
-          keys.push_back({false, off + t});
-      for (int64_t jj = 0; jj < B; ++jj)
-        if (drafter::mask_allows(type, s.window, a, j, true, jj)) keys.push_back({true, b * B + jj});
-      const int64_t row = b * B + j;
-      for (const Key& k : keys)
-        if (!k.in_block) r.ctx_attended[k.row] = 1;
-      for (int64_t h = 0; h < Hq; ++h) {
-        const int64_t kv = h / G;
-        const double* qv = &p.hq[(row * Hq + h) * d];
-        const double* gv = &p.hdo[(row * Hq + h) * d];
-        auto kptr = [&](const Key& k, bool v) {
-          const auto& src = k.in_block ? (v ? p.hvb : p.hkb) : (v ? p.hvc : p.hkc);
-          return &src[(k.row * Hkv + kv) * d];
-        };
-        std::vector<double> sc(keys.size());
-        double mx = -INFINITY;
-        for (size_t i = 0; i < keys.size(); ++i) {
-          const double* kr = kptr(keys[i], false);
-          double dot = 0;
-          for (int64_t e = 0; e < d; ++e) dot += qv[e] * kr[e];
-          sc[i] = dot * scale;
-          mx = std::max(mx, sc[i]);
-        }
-        double sum = 0;
-        for (double& x : sc) sum += (x = std::exp(x - mx));
-        double* o = &r.out[(row * Hq + h) * d];
-        for (size_t i = 0; i < keys.size(); ++i) {
-          sc[i] /= sum;
-          const double* vr = kptr(keys[i], true);
-          for (int64_t e = 0; e < d; ++e) o[e] += sc[i] * vr[e];
-        }
-        r.lse[row * Hq + h] = mx + std::log(sum);
-        double delta = 0;
-        for (int64_t e = 0; e < d; ++e) delta += gv[e] * o[e];
-        double* dq = &r.dq[(row * Hq + h) * d];
-        for (size_t i = 0; i < keys.size(); ++i) {
-          const double* kr = kptr(keys[i], false);
-          const double* vr = kptr(keys[i], true);
-          double dp = 0;
-          for (int64_t e = 0; e < d; ++e) dp += gv[e] * vr[e];
-          const double ds = sc[i] * (dp - delta);
-          auto& dk = keys[i].in_block ? r.dkb : r.dkc;
-          auto& dv = keys[i].in_block ? r.dvb : r.dvc;
-          double* dkr = &dk[(keys[i].row * Hkv + kv) * d];
-          double* dvr = &dv[(keys[i].row * Hkv + kv) * d];
-          for (int64_t e = 0; e < d; ++e) {
-            dq[e] += scale * ds * kr[e];
-            dkr[e] += scale * ds * qv[e];
-            dvr[e] += sc[i] * gv[e];
-          }
-        }
-      }
-    }
-  }
-  return r;
+  cpu::BlockAttentionShape shape;
+  shape.cu_seqlens = p.cu_seqlens;
+  shape.anchor = p.anchor;
+  shape.block_seq = p.block_seq;
+  shape.B = s.B;
+  shape.Hq = s.Hq;
+  shape.Hkv = s.Hkv;
+  shape.d = s.d;
+  return cpu::block_attention(shape, p.hq, p.hkc, p.hvc, p.hkb, p.hvb, p.hdo,
+                              [&](int64_t anchor, int64_t j, bool key_in_block, int64_t t) {
+                                return drafter::mask_allows(type, s.window, anchor, j, key_in_block, t);
+                              });
 }
 
 double rel_err(const Tensor& got, const std::vector<double>& ref) {
@@ -236,7 +167,7 @@ struct Errors {
 Errors check(const Shape5& shape) {
   const Problem p = make(shape);
   const Shape5& s = p.s;
-  const Ref ref = reference(p);
+  const cpu::BlockAttentionRef ref = reference(p);
   const Device dev = Device::cuda(0);
   Tensor q = p.q.to(dev), kc = p.kc.to(dev), vc = p.vc.to(dev), kb = p.kb.to(dev), vb = p.vb.to(dev),
          dout = p.dout.to(dev);

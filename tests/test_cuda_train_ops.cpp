@@ -1,5 +1,5 @@
-// Training kernels of kernels/cuda/train_ops.cu and gemm_ex (kernels/cuda/train_launch.h) against
-// CPU references written here in double. Inputs are fresh random values (bf16 inputs are rounded
+// The drafter's training kernels (kernels/cuda/norm.h, rope.h, elementwise.h, optimizer.h) and
+// gemm_ex (gemm.h) against CPU references in double (kernels/cpu/train_ops.h, and a few written here). Inputs are fresh random values (bf16 inputs are rounded
 // on the host, and the reference gets the rounded values); every output is poisoned (NaN) before
 // the launch, padding of strided outputs is checked to be left alone, NaN fails.
 //
@@ -11,7 +11,7 @@
 //   gemm fp32 D                 1e-5   (exact bf16 products, fp32 accumulation over K <= 600)
 //   casts, adds, embedding      exact  (one rounding, defined bit for bit)
 // The backward references themselves are checked against central finite differences of the
-// double forward (relative 1e-6) on tiny cases.
+// double forward (relative 1e-6) on tiny cases: tests/test_ops_train.cpp.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -26,7 +26,12 @@
 #include <cstdio>
 #include <vector>
 
-#include "kernels/cuda/train_launch.h"
+#include "kernels/cpu/train_ops.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/norm.h"
+#include "kernels/cuda/optimizer.h"
+#include "kernels/cuda/rope.h"
 #include "kernels/device.h"
 #include "kernels/dtype.h"
 #include "test_util.h"
@@ -99,25 +104,6 @@ std::vector<uint8_t> bits(const Buf& b) {
   return out;
 }
 
-// max |got − ref| / max |ref| over the first ref.size() elements; +inf on NaN in got.
-double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
-  double md = 0, mr = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    if (std::isnan(got[i])) return std::numeric_limits<double>::infinity();
-    md = std::max(md, std::abs(got[i] - ref[i]));
-    mr = std::max(mr, std::abs(ref[i]));
-  }
-  return md / std::max(mr, 1e-30);
-}
-// Checks rel_err(got, ref) < bound and prints the measured value (for the record of errors).
-#define EXPECT_REL(got, ref, bound, what)                                                              \
-  do {                                                                                                 \
-    std::ostringstream what_;                                                                          \
-    what_ << what;                                                                                     \
-    const double err_ = rel_err(got, ref);                                                             \
-    std::printf("  measured %-70s %.2e (bound %.0e)\n", what_.str().c_str(), err_, double(bound));     \
-    EXPECT_LT(err_, bound) << what_.str();                                                             \
-  } while (0)
 
 // Elements of a [rows, ld] buffer at columns >= width equal `want` (both NaN counts as equal).
 int64_t padding_changed(const std::vector<double>& got, const std::vector<double>& want, int64_t ld, int64_t width) {
@@ -128,165 +114,6 @@ int64_t padding_changed(const std::vector<double>& got, const std::vector<double
     bad += same ? 0 : 1;
   }
   return bad;
-}
-
-// ---- CPU references (double) --------------------------------------------------------------------
-
-// y = x · rstd · w per row of D (x contiguous here); rstd out.
-void ref_rms_fwd(const std::vector<double>& x, const std::vector<double>& w, int64_t rows, int64_t D, double eps,
-                 std::vector<double>& y, std::vector<double>& rstd) {
-  y.assign(static_cast<size_t>(rows * D), 0);
-  rstd.assign(static_cast<size_t>(rows), 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    double ss = 0;
-    for (int64_t i = 0; i < D; ++i) ss += x[r * D + i] * x[r * D + i];
-    rstd[r] = 1.0 / std::sqrt(ss / static_cast<double>(D) + eps);
-    for (int64_t i = 0; i < D; ++i) y[r * D + i] = x[r * D + i] * rstd[r] * w[i];
-  }
-}
-// dx = rstd · (w·dy − x̂ · mean(x̂ · w·dy)) (written), dw += Σ dy · x̂, with the given rstd.
-void ref_rms_bwd(const std::vector<double>& x, const std::vector<double>& w, const std::vector<double>& rstd,
-                 const std::vector<double>& dy, int64_t rows, int64_t D, std::vector<double>& dx,
-                 std::vector<double>& dw) {
-  dx.assign(static_cast<size_t>(rows * D), 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    double c = 0;
-    for (int64_t i = 0; i < D; ++i) c += x[r * D + i] * rstd[r] * w[i] * dy[r * D + i];
-    c /= static_cast<double>(D);
-    for (int64_t i = 0; i < D; ++i) {
-      const double xh = x[r * D + i] * rstd[r];
-      dx[r * D + i] = rstd[r] * (w[i] * dy[r * D + i] - xh * c);
-      dw[i] += dy[r * D + i] * xh;
-    }
-  }
-}
-
-// inv_freq as the kernel uses it: f32 of the double value; the angle is the f32 product.
-std::vector<double> angles(int64_t d, double theta, int32_t pos) {
-  std::vector<double> a(static_cast<size_t>(d / 2));
-  for (int64_t i = 0; i < d / 2; ++i) {
-    const auto f = static_cast<float>(1.0 / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(d)));
-    a[i] = static_cast<double>(static_cast<float>(pos) * f);
-  }
-  return a;
-}
-// Per (row, head): n = x̂ · w, y = rope(n); x contiguous [rows, heads, d].
-void ref_hnr_fwd(const std::vector<double>& x, const std::vector<double>& w, const std::vector<int32_t>& pos,
-                 int64_t rows, int64_t heads, int64_t d, double eps, double theta, std::vector<double>& y,
-                 std::vector<double>& rstd) {
-  const int64_t half = d / 2;
-  y.assign(static_cast<size_t>(rows * heads * d), 0);
-  rstd.assign(static_cast<size_t>(rows * heads), 0);
-  for (int64_t r = 0; r < rows; ++r) {
-    const auto ang = angles(d, theta, pos[r]);
-    for (int64_t h = 0; h < heads; ++h) {
-      const double* xr = &x[(r * heads + h) * d];
-      double ss = 0;
-      for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
-      const double rs = 1.0 / std::sqrt(ss / static_cast<double>(d) + eps);
-      rstd[r * heads + h] = rs;
-      double* yr = &y[(r * heads + h) * d];
-      for (int64_t i = 0; i < half; ++i) {
-        const double n1 = xr[i] * rs * w[i], n2 = xr[i + half] * rs * w[i + half];
-        const double c = std::cos(ang[i]), s = std::sin(ang[i]);
-        yr[i] = n1 * c - n2 * s;
-        yr[i + half] = n2 * c + n1 * s;
-      }
-    }
-  }
-}
-// Backward: dn = rotation of dy by −angle, then plain RMSNorm backward per head.
-void ref_hnr_bwd(const std::vector<double>& x, const std::vector<double>& w, const std::vector<int32_t>& pos,
-                 const std::vector<double>& rstd, const std::vector<double>& dy, int64_t rows, int64_t heads, int64_t d,
-                 double theta, std::vector<double>& dx, std::vector<double>& dw) {
-  const int64_t half = d / 2;
-  std::vector<double> dn(dy.size());
-  for (int64_t r = 0; r < rows; ++r) {
-    const auto ang = angles(d, theta, pos[r]);
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t i = 0; i < half; ++i) {
-        const int64_t b = (r * heads + h) * d;
-        const double c = std::cos(ang[i]), s = std::sin(ang[i]);
-        dn[b + i] = dy[b + i] * c + dy[b + i + half] * s;
-        dn[b + i + half] = dy[b + i + half] * c - dy[b + i] * s;
-      }
-  }
-  ref_rms_bwd(x, w, rstd, dn, rows * heads, d, dx, dw);
-}
-
-// ---- finite-difference checks of the references --------------------------------------------------
-
-// L = Σ dy · f(x, w); checks ∂L/∂x and ∂L/∂w of the analytic backward against central differences.
-template <class Fwd, class Bwd>
-void check_fd(std::vector<double> x, std::vector<double> w, const std::vector<double>& dy, Fwd fwd, Bwd bwd,
-              const char* what) {
-  auto loss = [&](const std::vector<double>& xx, const std::vector<double>& ww) {
-    std::vector<double> y = fwd(xx, ww);
-    double l = 0;
-    for (size_t i = 0; i < y.size(); ++i) l += dy[i] * y[i];
-    return l;
-  };
-  std::vector<double> dx, dw(w.size(), 0.0);
-  bwd(x, w, dx, dw);
-  const double h = 1e-5;
-  std::vector<double> fdx(x.size()), fdw(w.size());
-  for (size_t i = 0; i < x.size(); ++i) {
-    const double x0 = x[i];
-    x[i] = x0 + h;
-    const double lp = loss(x, w);
-    x[i] = x0 - h;
-    const double lm = loss(x, w);
-    x[i] = x0;
-    fdx[i] = (lp - lm) / (2 * h);
-  }
-  for (size_t i = 0; i < w.size(); ++i) {
-    const double w0 = w[i];
-    w[i] = w0 + h;
-    const double lp = loss(x, w);
-    w[i] = w0 - h;
-    const double lm = loss(x, w);
-    w[i] = w0;
-    fdw[i] = (lp - lm) / (2 * h);
-  }
-  EXPECT_REL(dx, fdx, 1e-6, what << ": analytic dx vs finite differences");
-  EXPECT_REL(dw, fdw, 1e-6, what << ": analytic dw vs finite differences");
-}
-
-TEST(TrainOpsReference, RmsNormBackwardMatchesFiniteDifferences) {
-  const int64_t rows = 3, D = 7;
-  const double eps = 1e-6;
-  auto fwd = [&](const std::vector<double>& x, const std::vector<double>& w) {
-    std::vector<double> y, rs;
-    ref_rms_fwd(x, w, rows, D, eps, y, rs);
-    return y;
-  };
-  const std::vector<double> dy = to_d(randn(rows * D));
-  auto bwd_dy = [&](const std::vector<double>& x, const std::vector<double>& w, std::vector<double>& dx,
-                    std::vector<double>& dw) {
-    std::vector<double> y, rs;
-    ref_rms_fwd(x, w, rows, D, eps, y, rs);
-    ref_rms_bwd(x, w, rs, dy, rows, D, dx, dw);
-  };
-  check_fd(to_d(randn(rows * D)), to_d(randn(D, 0.5, 1.0)), dy, fwd, bwd_dy, "rms_norm");
-}
-
-TEST(TrainOpsReference, HeadNormRopeBackwardMatchesFiniteDifferences) {
-  const int64_t rows = 2, heads = 3, d = 8;
-  const double eps = 1e-6, theta = 100.0;
-  const std::vector<int32_t> pos = {5, 123};
-  auto fwd = [&](const std::vector<double>& x, const std::vector<double>& w) {
-    std::vector<double> y, rs;
-    ref_hnr_fwd(x, w, pos, rows, heads, d, eps, theta, y, rs);
-    return y;
-  };
-  const std::vector<double> dy = to_d(randn(rows * heads * d));
-  auto bwd = [&](const std::vector<double>& x, const std::vector<double>& w, std::vector<double>& dx,
-                 std::vector<double>& dw) {
-    std::vector<double> y, rs;
-    ref_hnr_fwd(x, w, pos, rows, heads, d, eps, theta, y, rs);
-    ref_hnr_bwd(x, w, pos, rs, dy, rows, heads, d, theta, dx, dw);
-  };
-  check_fd(to_d(randn(rows * heads * d)), to_d(randn(d, 0.5, 1.0)), dy, fwd, bwd, "head_norm_rope");
 }
 
 // ---- casts, residual add, embedding --------------------------------------------------------------
@@ -371,7 +198,7 @@ TEST(CudaTrainOps, RmsNormForward) {
       for (int64_t r = 0; r < c.rows; ++r)
         for (int64_t i = 0; i < c.D; ++i) xc[r * c.D + i] = xs[r * c.ldx + i];
       std::vector<double> yr, rsr;
-      ref_rms_fwd(xc, to_d(w), c.rows, c.D, 1e-6, yr, rsr);
+      cpu::rms_norm_fwd(xc, to_d(w), c.rows, c.D, 1e-6, yr, rsr);
       Buf x = x_f32 ? dev_f32(xs) : dev_bf16(xs), wb = dev_bf16(w);
       Buf y = poisoned(c.rows * c.D, DType::BF16), rs = poisoned(c.rows, DType::F32);
       cu::rms_norm_fwd(x.p(), x_f32, c.ldx, wb.p(), y.p(), rs.f(), c.rows, c.D, 1e-6f, stream());
@@ -396,11 +223,11 @@ TEST(CudaTrainOps, RmsNormBackward) {
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t i = 0; i < D; ++i) xc[r * D + i] = xs[r * c.ldx + i];
         std::vector<double> yr, rsd;
-        ref_rms_fwd(xc, to_d(w), rows, D, 1e-6, yr, rsd);
+        cpu::rms_norm_fwd(xc, to_d(w), rows, D, 1e-6, yr, rsd);
         std::vector<float> rsf(rsd.begin(), rsd.end());  // the kernel gets rstd as saved (fp32)
         const std::vector<float> dx0 = randn(rows * D), dw0 = randn(D);
         std::vector<double> dxr, dwr = to_d(dw0);
-        ref_rms_bwd(xc, to_d(w), to_d(rsf), to_d(dyv), rows, D, dxr, dwr);
+        cpu::rms_norm_bwd(xc, to_d(w), to_d(rsf), to_d(dyv), rows, D, dxr, dwr);
 
         Buf x = x_f32 ? dev_f32(xs) : dev_bf16(xs), wb = dev_bf16(w), rs = dev_f32(rsf), dy = dev_bf16(dyv);
         Buf dx = dev_f32(dx0), dxb = poisoned(rows * D, DType::BF16), copy = poisoned(rows * D, DType::BF16);
@@ -481,7 +308,7 @@ TEST(CudaTrainOps, HeadNormRopeForwardBackward) {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = 0; i < hd; ++i) xc[r * hd + i] = xs[r * ldx + i];
     std::vector<double> yr, rsr;
-    ref_hnr_fwd(xc, to_d(w), pos, rows, heads, d, eps, theta, yr, rsr);
+    cpu::head_norm_rope_fwd(xc, to_d(w), pos, rows, heads, d, eps, theta, yr, rsr);
 
     Buf x = dev_bf16(xs), wb = dev_bf16(w), pb = dev_i32(pos);
     Buf y = poisoned(rows * hd, DType::BF16), rs = poisoned(rows * heads, DType::F32);
@@ -506,7 +333,7 @@ TEST(CudaTrainOps, HeadNormRopeForwardBackward) {
     const std::vector<float> dyv = round_bf16(randn(rows * hd));
     const std::vector<float> dw0 = randn(d);
     std::vector<double> dxr, dwr = to_d(dw0);
-    ref_hnr_bwd(xc, to_d(w), pos, rs_saved, to_d(dyv), rows, heads, d, theta, dxr, dwr);
+    cpu::head_norm_rope_bwd(xc, to_d(w), pos, rs_saved, to_d(dyv), rows, heads, d, theta, dxr, dwr);
     const int64_t lddx = hd + 8;
     Buf dy = dev_bf16(dyv), dx = poisoned(rows * lddx, DType::BF16), dw = dev_f32(dw0);
     cu::HeadNormRopeBwdParams b;

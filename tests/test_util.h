@@ -3,10 +3,13 @@
 // find them by argument-dependent lookup).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <string>
 #include <limits>
+#include <sstream>
 #include <vector>
 
 #include "kernels/device.h"
@@ -72,5 +75,25 @@ inline std::vector<int32_t> ids_of(const Tensor& t) {
   Tensor i = t.to_dtype(DType::I32);
   return std::vector<int32_t>(i.data<int32_t>(), i.data<int32_t>() + i.numel());
 }
+
+// max |got − ref| / max |ref| over the first ref.size() elements; +inf on NaN in got.
+inline double rel_err(const std::vector<double>& got, const std::vector<double>& ref) {
+  double md = 0, mr = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (std::isnan(got[i])) return std::numeric_limits<double>::infinity();
+    md = std::max(md, std::abs(got[i] - ref[i]));
+    mr = std::max(mr, std::abs(ref[i]));
+  }
+  return md / std::max(mr, 1e-30);
+}
+// Checks rel_err(got, ref) < bound and prints the measured value (for the record of errors).
+#define EXPECT_REL(got, ref, bound, what)                                                              \
+  do {                                                                                                 \
+    std::ostringstream what_;                                                                          \
+    what_ << what;                                                                                     \
+    const double err_ = rel_err(got, ref);                                                             \
+    std::printf("  measured %-70s %.2e (bound %.0e)\n", what_.str().c_str(), err_, double(bound));     \
+    EXPECT_LT(err_, bound) << what_.str();                                                             \
+  } while (0)
 
 }  // namespace dflash

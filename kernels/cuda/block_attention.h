@@ -1,7 +1,7 @@
 #pragma once
 // Block-attention family: the DFlash drafter's block attention, forward and backward, tensor
 // cores (wgmma / mma.sync) and fallback (kernels/cuda/block_attention*.cu). CPU reference:
-// cpu::block_attention_fwd / _bwd (kernels/cpu/train_ops.h).
+// cpu::block_attention (kernels/cpu/train_ops.h; the tests give it drafter::mask_allows as the mask).
 #include <cstdint>
 
 #include "kernels/cuda/launch.h"

@@ -1,6 +1,6 @@
 #pragma once
 // Loss family: the fused linear cross-entropy through the frozen LM head, forward and backward
-// (kernels/cuda/linear_ce.cu). CPU reference: cpu::linear_ce (kernels/cpu/train_ops.h).
+// (kernels/cuda/linear_ce.cu). CPU reference: cpu::fused_linear_ce (kernels/cpu/train_ops.h).
 #include <cstdint>
 
 #include "kernels/cuda/launch.h"

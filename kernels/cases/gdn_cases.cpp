@@ -40,6 +40,24 @@ Tokens draw_tokens(Draw& d, const TokenDraw& in, const std::vector<int64_t>& len
   return t;
 }
 
+// The per-token fields DeltaRuleParams and DeltaRulePoolParams share.
+template <class Params>
+void fill_tokens(const Tokens& t, Params& p) {
+  p.q = t.q.raw_data();
+  p.k = t.k.raw_data();
+  p.v = t.v();
+  p.ldv = t.ldv;
+  p.g = t.g.data<float>();
+  p.beta = t.beta.data<float>();
+  p.cu_seqlens = t.cu.data<int32_t>();
+  p.num_seqs = t.seqs.num_sequences();
+  p.N = t.seqs.total_tokens();
+  p.Hk = t.Hk;
+  p.Hv = t.Hv;
+  p.dk = t.dk;
+  p.dv = t.dv;
+}
+
 }  // namespace
 
 const void* Tokens::v() const { return bf16_at(v_rows, v_col0); }
@@ -241,22 +259,10 @@ RuleData draw(const RuleCase& c, uint64_t seed) {
 
 cuda::DeltaRuleParams RuleData::params(void* out, float* final_state) const {
   cuda::DeltaRuleParams p;
-  p.q = t.q.raw_data();
-  p.k = t.k.raw_data();
-  p.v = t.v();
-  p.ldv = t.ldv;
-  p.g = t.g.data<float>();
-  p.beta = t.beta.data<float>();
+  fill_tokens(t, p);
   p.initial_state = init.defined() ? init.data<float>() : nullptr;
   p.final_state = final_state;
   p.out = out;
-  p.cu_seqlens = t.cu.data<int32_t>();
-  p.num_seqs = t.seqs.num_sequences();
-  p.N = t.seqs.total_tokens();
-  p.Hk = t.Hk;
-  p.Hv = t.Hv;
-  p.dk = t.dk;
-  p.dv = t.dv;
   return p;
 }
 
@@ -434,22 +440,10 @@ PoolData draw(const PoolCase& c, uint64_t seed, int64_t sets) {
 
 cuda::DeltaRulePoolParams PoolData::params(float* state, void* out, bool update, int64_t set) const {
   cuda::DeltaRulePoolParams p;
-  p.q = t.q.raw_data();
-  p.k = t.k.raw_data();
-  p.v = t.v();
-  p.ldv = t.ldv;
-  p.g = t.g.data<float>();
-  p.beta = t.beta.data<float>();
+  fill_tokens(t, p);
   p.state = state;
   p.slots = slots.data<int32_t>() + set * layout.S;
   p.out = out;
-  p.cu_seqlens = t.cu.data<int32_t>();
-  p.num_seqs = layout.S;
-  p.N = t.seqs.total_tokens();
-  p.Hk = t.Hk;
-  p.Hv = t.Hv;
-  p.dk = t.dk;
-  p.dv = t.dv;
   p.num_slots = layout.pool();
   p.update_state = update;
   return p;

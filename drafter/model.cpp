@@ -18,18 +18,6 @@ bool mask_allows(AttnType type, int64_t sliding_window, int64_t anchor, int64_t 
   return true;  // full attention: the whole own block, in both directions
 }
 
-std::vector<Block> sample_blocks(const std::vector<uint8_t>& loss_mask, const ops::SeqOffsets& seqs,
-                                 int64_t num_anchors, uint64_t seed, uint64_t base_stream) {
-  seqs.validate(static_cast<int64_t>(loss_mask.size()), "sample_blocks");
-  std::vector<Block> blocks;
-  for (int64_t s = 0; s < seqs.num_sequences(); ++s) {
-    const int64_t off = seqs.offsets[s], S = seqs.offsets[s + 1] - off;
-    for (int64_t a : sample_anchors(loss_mask.data() + off, S, num_anchors, seed, base_stream + s))
-      blocks.push_back({s, a});
-  }
-  return blocks;
-}
-
 namespace {
 
 using namespace ref;

@@ -57,9 +57,7 @@ struct DrafterBatch {
   std::vector<Block> blocks;       // sorted by (seq, anchor)
 };
 
-// Blocks for every sequence of a batch from sample_anchors (stream = base_stream + sequence index).
-std::vector<Block> sample_blocks(const std::vector<uint8_t>& loss_mask, const ops::SeqOffsets& seqs,
-                                 int64_t num_anchors, uint64_t seed, uint64_t base_stream);
+// A batch's blocks are drawn by sample_blocks / make_batch (drafter/batch.h).
 
 struct StepOptions {
   double gamma = 7.0;           // loss decay (7 for B = 16)

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <set>
 
+#include "drafter/batch.h"
 #include "drafter/model.h"
 #include "drafter/model_cuda.h"
 #include "kernels/random.h"
@@ -77,7 +78,7 @@ Fixture make_setup(uint64_t seed) {
     s.host.tokens.push_back(static_cast<int32_t>(std::fmod(u.data<float>()[n] * 997.0f * 31.0f, 998.0f)));
     s.host.loss_mask.push_back(u.data<float>()[n] < 0.85f ? 1 : 0);
   }
-  s.host.blocks = sample_blocks(s.host.loss_mask, s.host.seqs, 12, seed, 0);
+  s.host.blocks = sample_blocks(s.host.loss_mask, s.host.seqs, {0, 1, 2}, {12, seed});  // stream = sequence index
   // A block whose rows run past the end of the first sequence, and one at position 0 of the last.
   s.host.blocks.push_back({0, 147});
   std::sort(s.host.blocks.begin(), s.host.blocks.end(),

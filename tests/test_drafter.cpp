@@ -14,6 +14,7 @@
 #include <iterator>
 #include <limits>
 
+#include "drafter/batch.h"
 #include "drafter/config.h"
 #include "drafter/decode.h"
 #include "drafter/loss.h"
@@ -21,7 +22,7 @@
 #include "drafter/weights.h"
 #include "kernels/random.h"
 #include "target_model/config.h"
-#include "target_model/safetensors.h"
+#include "kernels/io/safetensors.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -372,6 +373,79 @@ TEST(DrafterLoss, AnchorsSampledWithoutReplacementSorted) {
   for (int64_t t : cand) EXPECT_NEAR(hits[t], expect, 0.25 * expect) << t;
 }
 
+// make_batch / add_block_weights against the loop dflash_train ran inline before they existed (copied
+// here as the reference): the same blocks on every TP shard and the same Σw, bit for bit, whatever
+// the seed, step and shard count; the shards' blocks are disjoint and together all of them.
+TEST(DrafterBatch, MatchesTheTrainersRoundRobinBitForBit) {
+  const int64_t B = 5;
+  const double gamma = 3.0;
+  for (uint64_t seed : {0ull, 7ull, 123456789ull}) {
+    std::vector<std::vector<int32_t>> ids;
+    std::vector<std::vector<uint8_t>> masks;
+    std::vector<int64_t> indices;
+    for (int64_t s = 0; s < 5; ++s) {
+      const int64_t S = 3 + 17 * s + static_cast<int64_t>(seed % 5);
+      Tensor u = Tensor::empty({S}, DType::F32);
+      fill_uniform(u, {seed, 9 + static_cast<uint64_t>(s), 0}, 0.0f, 1.0f);
+      ids.emplace_back(), masks.emplace_back();
+      for (int64_t n = 0; n < S; ++n) {
+        ids.back().push_back(static_cast<int32_t>(u.data<float>()[n] * 1000.0f));
+        masks.back().push_back(u.data<float>()[n] < 0.7f ? 1 : 0);
+      }
+      indices.push_back(1000 * s + 3);
+    }
+    for (int64_t step : {int64_t{0}, int64_t{1}, int64_t{41}}) {
+      for (int tp : {1, 2, 3}) {
+        std::vector<Block> all;
+        for (int rank = 0; rank < tp; ++rank) {
+          // The reference: train.cpp's micro-batch loop as it was.
+          std::vector<Block> want;
+          double want_w = 0.25;
+          int64_t blk = 0;
+          for (size_t s = 0; s < ids.size(); ++s) {
+            const int64_t S = static_cast<int64_t>(ids[s].size());
+            const uint64_t stream = (static_cast<uint64_t>(step) << 32) + static_cast<uint64_t>(indices[s]);
+            for (int64_t a : sample_anchors(masks[s].data(), S, 4, seed, stream)) {
+              if (blk++ % tp != rank) continue;
+              want.push_back({static_cast<int64_t>(s), a});
+              for (int64_t k = 1; k < B; ++k) want_w += block_label(masks[s].data(), S, a, k, gamma).weight;
+            }
+          }
+          std::vector<BatchSequence> in;
+          for (size_t s = 0; s < ids.size(); ++s)
+            in.push_back({ids[s], masks[s], (static_cast<uint64_t>(step) << 32) + static_cast<uint64_t>(indices[s])});
+          const DrafterBatch b = make_batch(in, {4, seed, rank, tp});
+          ASSERT_EQ(b.blocks.size(), want.size()) << "seed " << seed << " step " << step << " rank " << rank << "/" << tp;
+          for (size_t i = 0; i < want.size(); ++i) {
+            EXPECT_EQ(b.blocks[i].seq, want[i].seq);
+            EXPECT_EQ(b.blocks[i].anchor, want[i].anchor);
+          }
+          const double w = add_block_weights(b, B, gamma, 0.25);
+          EXPECT_EQ(std::memcmp(&w, &want_w, sizeof w), 0) << w << " vs " << want_w;
+          ASSERT_EQ(b.seqs.num_sequences(), 5);
+          for (size_t s = 0; s < ids.size(); ++s) {
+            const int64_t off = b.seqs.offsets[s];
+            EXPECT_TRUE(std::equal(ids[s].begin(), ids[s].end(), b.tokens.begin() + off));
+            EXPECT_TRUE(std::equal(masks[s].begin(), masks[s].end(), b.loss_mask.begin() + off));
+          }
+          all.insert(all.end(), b.blocks.begin(), b.blocks.end());
+        }
+        const DrafterBatch whole = make_batch(
+            [&] {
+              std::vector<BatchSequence> in;
+              for (size_t s = 0; s < ids.size(); ++s)
+                in.push_back({ids[s], masks[s], (static_cast<uint64_t>(step) << 32) + static_cast<uint64_t>(indices[s])});
+              return in;
+            }(),
+            {4, seed});
+        EXPECT_EQ(all.size(), whole.blocks.size()) << "the shards together hold every block once";
+      }
+    }
+  }
+  EXPECT_TRUE(make_batch({}, {4, 1}).blocks.empty()) << "an empty batch has no blocks";
+  EXPECT_THROW(sample_blocks({1, 1}, ops::SeqOffsets{{0, 2}}, {0}, {4, 1, 2, 2}), Error) << "shard 2 of 2";
+}
+
 TEST(DrafterLoss, ChunkedCeEqualsUnchunked) {
   const int64_t R = 10, H = 16, V = 37;
   const Tensor hid = randn64({R, H}), head = randn64({V, H}, 0.0f, 0.5f, DType::F32);
@@ -497,7 +571,7 @@ TEST(DrafterExport, RoundTripIsBitExactInBf16) {
     ASSERT_EQ(b[i].tensor->shape(), want.shape()) << a[i].name;
     EXPECT_EQ(std::memcmp(want.raw_data(), b[i].tensor->raw_data(), want.nbytes()), 0) << a[i].name;
   }
-  const target::SafetensorsFile f((std::filesystem::path(dir) / "model.safetensors").string());
+  const io::SafetensorsFile f((std::filesystem::path(dir) / "model.safetensors").string());
   EXPECT_EQ(f.size(), a.size());
   EXPECT_EQ(f.info("layers.1.self_attn.q_norm.weight").dtype, DType::BF16);
   EXPECT_TRUE(f.has("fc.weight") && f.has("hidden_norm.weight") && f.has("norm.weight"));
@@ -520,7 +594,7 @@ TEST(DrafterExport, BadCheckpointListsNames) {
     else t.emplace_back(e.name, e.tensor->to_dtype(DType::BF16));
   }
   t.emplace_back("lm_head.weight", Tensor::zeros({2, 2}, DType::BF16));  // unexpected
-  target::save_safetensors(dir + "/model.safetensors", t);
+  io::save_safetensors(dir + "/model.safetensors", t);
   const std::string e = error_of([&] { import_hf(dir); });
   EXPECT_NE(e.find("missing (1): layers.0.mlp.up_proj.weight"), std::string::npos) << e;
   EXPECT_NE(e.find("unexpected (1): lm_head.weight"), std::string::npos) << e;
@@ -551,7 +625,7 @@ TEST(Drafter, BadInputsAreRefused) {
 TEST(DrafterReference, MatchesPyTorchAutograd) {
   const std::string dir = std::string(DFLASH_TEST_DATA_DIR) + "/drafter_ref";
   LoadedDrafter d = import_hf(dir, DType::F64);
-  auto ref = target::SafetensorsFile::open(dir + "/reference.safetensors");
+  auto ref = io::SafetensorsFile::open(dir + "/reference.safetensors");
   auto f64 = [&](const std::string& n) { return ref.tensor(n).to_dtype(DType::F64); };
   DrafterBatch batch;
   batch.context = f64("context");

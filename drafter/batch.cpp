@@ -1,0 +1,52 @@
+#include "drafter/batch.h"
+
+#include "drafter/loss.h"
+#include "kernels/error.h"
+
+namespace dflash::drafter {
+
+std::vector<Block> sample_blocks(const std::vector<uint8_t>& loss_mask, const ops::SeqOffsets& seqs,
+                                 const std::vector<uint64_t>& streams, const BlockSampling& sampling) {
+  seqs.validate(static_cast<int64_t>(loss_mask.size()), "sample_blocks");
+  DFLASH_CHECK(static_cast<int64_t>(streams.size()) == seqs.num_sequences(),
+               "sample_blocks: " << streams.size() << " anchor streams for " << seqs.num_sequences() << " sequences");
+  DFLASH_CHECK(sampling.num_shards >= 1 && sampling.shard >= 0 && sampling.shard < sampling.num_shards,
+               "sample_blocks: shard " << sampling.shard << " of " << sampling.num_shards);
+  std::vector<Block> blocks;
+  int64_t blk = 0;  // the batch's blocks, numbered over all its sequences
+  for (int64_t s = 0; s < seqs.num_sequences(); ++s) {
+    const int64_t off = seqs.offsets[s], S = seqs.offsets[s + 1] - off;
+    for (int64_t a : sample_anchors(loss_mask.data() + off, S, sampling.num_anchors, sampling.seed,
+                                    streams[static_cast<size_t>(s)])) {
+      if (blk++ % sampling.num_shards != sampling.shard) continue;  // round-robin among the shards
+      blocks.push_back({s, a});
+    }
+  }
+  return blocks;
+}
+
+DrafterBatch make_batch(const std::vector<BatchSequence>& seqs, const BlockSampling& sampling) {
+  DrafterBatch b;
+  b.seqs.offsets = {0};
+  std::vector<uint64_t> streams;
+  for (const BatchSequence& sq : seqs) {
+    DFLASH_CHECK(sq.ids.size() == sq.mask.size(),
+                 "make_batch: a sequence of " << sq.ids.size() << " tokens has " << sq.mask.size() << " mask entries");
+    b.tokens.insert(b.tokens.end(), sq.ids.begin(), sq.ids.end());
+    b.loss_mask.insert(b.loss_mask.end(), sq.mask.begin(), sq.mask.end());
+    b.seqs.offsets.push_back(b.seqs.offsets.back() + static_cast<int64_t>(sq.ids.size()));
+    streams.push_back(sq.anchor_stream);
+  }
+  if (!seqs.empty()) b.blocks = sample_blocks(b.loss_mask, b.seqs, streams, sampling);  // (an empty batch: no blocks)
+  return b;
+}
+
+double add_block_weights(const DrafterBatch& batch, int64_t block_size, double gamma, double sum) {
+  for (const Block& bl : batch.blocks) {
+    const int64_t off = batch.seqs.offsets[bl.seq], S = batch.seqs.offsets[bl.seq + 1] - off;
+    for (int64_t k = 1; k < block_size; ++k) sum += block_label(batch.loss_mask.data() + off, S, bl.anchor, k, gamma).weight;
+  }
+  return sum;
+}
+
+}  // namespace dflash::drafter

@@ -1,0 +1,109 @@
+#pragma once
+// What dflash_train reports: one step's figures packed for the all-reduce that sums them over the
+// ranks, the log line and metrics.jsonl record of every log interval, the progress bar, and the
+// end-of-run summary; and metrics.jsonl across restarts (lines after the resumed checkpoint dropped,
+// the file of a start that reached no checkpoint kept aside).
+//
+// metrics.jsonl, one JSON object a line per log interval: step, total, loss, acc [B-1], accept_len,
+// lr, grad_norm, tok_s, tok_s_per_gpu, skipped, elapsed_s, time_s {target, drafter, comm, optimizer,
+// interval, per_step}, and on a GPU mfu, mem_gib, tflops_per_gpu (+ mfu_fp8_peak with an FP8 target).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "drafter/loss.h"
+#include "kernels/io/files.h"
+#include "trainer/backend.h"
+
+namespace dflash::trainer {
+
+// Dense bf16 tensor-core peak of an H100/H200 SXM (the MFU denominator), FLOP/s per GPU; and the
+// dense FP8 one (an FP8 target's runs also report MFU against it).
+constexpr double kPeakBf16PerGpu = 989.4e12;
+constexpr double kPeakFp8PerGpu = 1978.9e12;
+
+std::string fmt_duration(double s);  // "1h02m", "3m07s", "42s"; "?" when not finite or negative
+// "0.81 0.62 0.40": the top-1 accuracy at block positions 1..B-1.
+std::string fmt_acc(const drafter::StepStats& s, int64_t B);
+
+// One status line on stderr, redrawn each step, when rank 0's stderr is a terminal; cleared before
+// any log line so the two never mix.
+class ProgressBar {
+ public:
+  ProgressBar(bool on, int64_t total) : on_(on), total_(std::max<int64_t>(total, 1)) {}
+  void update(int64_t step, double loss, double elapsed);
+  void clear();
+
+ private:
+  bool on_, drawn_ = false;
+  int64_t total_;
+};
+
+// Metric lines of metrics.jsonl: every complete line ('\n'-terminated) that is a JSON object with an
+// integer step in (previous kept step, max_step]; what is dropped is counted (a line cut by a full
+// disk or a crash, lines after the checkpoint a resumed run starts from, repeats).
+struct KeptMetrics {
+  std::string text;
+  int64_t kept = 0, dropped_after = 0, dropped_bad = 0;
+};
+KeptMetrics keep_metric_lines(const std::string& text, int64_t max_step);
+// A metrics.jsonl of an earlier start of this run directory that reached no checkpoint: kept, under
+// the next free name metrics.before-<n>.jsonl (never deleted).
+void move_metrics_aside(const std::filesystem::path& mp);
+// Rank 0's metrics.jsonl `mp` for a run starting at `step`: a fresh start moves an earlier file
+// aside; a resumed one keeps the lines up to its step (a run that went on past the checkpoint and
+// then died, or one whose last line a full disk cut, leaves lines that the resumed steps replace).
+io::AppendFile open_metrics(const std::filesystem::path& mp, int64_t step);
+
+// One step's figures of this rank, packed into one vector of doubles for the all-reduce that sums
+// them over all ranks, and the sums unpacked (the times: the mean over ranks).
+struct StepTotals {
+  drafter::StepStats stats;
+  double tokens = 0, flops = 0;
+  double target_s = 0, drafter_s = 0;
+};
+std::vector<double> pack_step(const drafter::StepStats& stats, double tokens, double flops, const StepTimes& times,
+                              int64_t block_size);
+StepTotals unpack_step(const std::vector<double>& sums, int64_t block_size, int world);
+
+// The log intervals of a run: each trained step is added; every logging.interval steps rank 0 writes
+// the log line and the metrics.jsonl record of the interval; the summary at the end compares the
+// first and the last intervals and gives the throughput after the first (start-up, first-call plans
+// and warm-up excluded).
+struct RunShape {
+  int rank = 0, world = 1;
+  int64_t total_steps = 0, block_size = 0;
+  bool on_gpu = false, fp8_target = false;
+};
+class RunMetrics {
+ public:
+  RunMetrics(const RunShape& shape, io::AppendFile& file, ProgressBar& bar);
+  // A step's totals (over all ranks); `finite`: it was applied, so its loss and accuracies count.
+  void add_step(const drafter::StepStats& stats, bool finite, double tokens, double flops, const StepTimes& times);
+  // Ends the interval at `step` (lr and grad_norm: the last step's; mem_gib: the peak, any rank):
+  // the log line and the metrics.jsonl record on rank 0 (a failed write stops the run).
+  void end_interval(int64_t step, double elapsed_s, double lr, double grad_norm, int64_t skipped, double mem_gib);
+  // Rank 0: "done: ...", "summary: ..." and where a step's time went.
+  void log_summary(int64_t step, int64_t skipped, double elapsed_s, const std::string& drafter_dir, int64_t start_step,
+                   double peak_mem_gib) const;
+
+ private:
+  RunShape shape_;
+  io::AppendFile& file_;
+  ProgressBar& bar_;
+  double peak_flops_;
+  drafter::StepStats log_stats_;
+  StepTimes log_times_;
+  double log_tokens_ = 0, log_flops_ = 0;
+  int64_t log_steps_ = 0;
+  std::chrono::steady_clock::time_point log_t0_;
+  double first_loss_ = NAN, last_loss_ = NAN, last_accept_ = NAN, steady_tokens_ = 0, steady_flops_ = 0, steady_s_ = 0;
+  int64_t intervals_ = 0, steady_steps_ = 0;
+  StepTimes steady_times_;
+};
+
+}  // namespace dflash::trainer

@@ -15,7 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kernels/error.h"
-#include "kernels/io.h"
+#include "kernels/io/files.h"
 #include "kernels/log.h"
 
 namespace dflash::data {

@@ -8,7 +8,7 @@
 
 #include "kernels/error.h"
 #include "target_model/config.h"
-#include "target_model/json_fields.h"
+#include "kernels/io/json_fields.h"
 
 namespace dflash::drafter {
 
@@ -32,7 +32,7 @@ std::vector<int64_t> default_target_layer_ids(int64_t num_target_layers, int64_t
 
 namespace {
 
-using Fields = target::JsonFields;
+using Fields = io::JsonFields;
 constexpr const char* kMissingHint = "is this a DFlash drafter config.json (architectures [\"DFlashDraftModel\"])?";
 
 }  // namespace

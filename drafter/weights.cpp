@@ -7,7 +7,7 @@
 
 #include "kernels/error.h"
 #include "kernels/random.h"
-#include "target_model/safetensors.h"
+#include "kernels/io/safetensors.h"
 
 namespace dflash::drafter {
 
@@ -76,7 +76,7 @@ void export_hf(const std::string& dir, const DrafterConfig& c, const DrafterWeig
   std::vector<std::pair<std::string, Tensor>> tensors;
   for (const auto& e : const_cast<DrafterWeights&>(w).entries(c))
     tensors.emplace_back(e.name, e.tensor->contiguous().to_dtype(DType::BF16));
-  target::save_safetensors((fs::path(dir) / "model.safetensors").string(), tensors, {{"format", "pt"}});
+  io::save_safetensors((fs::path(dir) / "model.safetensors").string(), tensors, {{"format", "pt"}});
   // config.json last, via tmp + rename, so a directory with a config has its weights.
   const std::string cfg = (fs::path(dir) / "config.json").string();
   {
@@ -93,7 +93,7 @@ void export_hf(const std::string& dir, const DrafterConfig& c, const DrafterWeig
 LoadedDrafter import_hf(const std::string& dir, DType dtype) {
   LoadedDrafter out;
   out.config = DrafterConfig::from_file(dir);
-  const target::SafetensorsIndex ckpt = target::open_checkpoint(dir);
+  const io::SafetensorsIndex ckpt = io::open_checkpoint(dir);
   out.weights = DrafterWeights::zeros(out.config, dtype);
   std::vector<std::string> missing, misshaped;
   std::set<std::string> expected;

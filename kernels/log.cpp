@@ -9,7 +9,7 @@
 #include <optional>
 
 #include "kernels/error.h"
-#include "kernels/io.h"
+#include "kernels/io/files.h"
 
 namespace dflash {
 

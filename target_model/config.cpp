@@ -6,7 +6,7 @@
 #include <sstream>
 
 #include "kernels/error.h"
-#include "target_model/json_fields.h"
+#include "kernels/io/json_fields.h"
 
 namespace dflash::target {
 
@@ -81,7 +81,7 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
                               << "' describes a Mixture-of-Experts model, which is not supported yet",
                        "dflash supports the dense hybrid models (Qwen3.5 / Qwen3.6 dense)");
 
-  JsonFields f(*text, source, prefix, kMissingHint);
+  io::JsonFields f(*text, source, prefix, kMissingHint);
   TargetConfig c;
   c.model_type = top_type;
   c.source = source;
@@ -100,7 +100,7 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
   c.linear_value_head_dim = f.positive_int("linear_value_head_dim");
   c.linear_conv_kernel_dim = f.positive_int_or("linear_conv_kernel_dim", 4);
   // tie_word_embeddings may sit at the top level of a multimodal config.
-  c.tie_word_embeddings = f.bool_or("tie_word_embeddings", JsonFields(doc, source, "").bool_or("tie_word_embeddings", false));
+  c.tie_word_embeddings = f.bool_or("tie_word_embeddings", io::JsonFields(doc, source, "").bool_or("tie_word_embeddings", false));
   c.max_position_embeddings = f.positive_int_or("max_position_embeddings", 0);
   c.random_branch_scale = f.positive_or("dflash_random_branch_scale", 1.0);
 
@@ -116,7 +116,7 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
   if (f.has("rope_parameters")) {
     const json& rp = (*text)["rope_parameters"];
     DFLASH_CHECK(rp.is_object(), source << ": field '" << prefix << "rope_parameters' must be an object");
-    JsonFields r(rp, source, prefix + "rope_parameters.", kMissingHint);
+    io::JsonFields r(rp, source, prefix + "rope_parameters.", kMissingHint);
     const std::string rope_type = r.string_or("rope_type", "default");
     DFLASH_CHECK_HINT(rope_type == "default", source << ": field '" << prefix << "rope_parameters.rope_type' is '"
                                                      << rope_type << "'; only 'default' RoPE is supported",
@@ -149,7 +149,7 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
   if (qc && !qc->is_null()) {
     const std::string qp = (top_qc ? std::string() : prefix) + "quantization_config.";
     DFLASH_CHECK(qc->is_object(), source << ": field '" << qp.substr(0, qp.size() - 1) << "' must be an object");
-    JsonFields q(*qc, source, qp, "an FP8 checkpoint's quantization_config names quant_method fp8");
+    io::JsonFields q(*qc, source, qp, "an FP8 checkpoint's quantization_config names quant_method fp8");
     const std::string hint = "dflash loads the block-FP8 checkpoints (quant_method fp8, fmt e4m3, weight_block_size "
                              "[128, 128], activation_scheme dynamic) and bf16 / f16 / f32 ones";
     const std::string method = q.string_or("quant_method", "<missing>");

@@ -22,7 +22,7 @@
 #include "kernels/app.h"
 #include "kernels/log.h"
 #include "target_model/model.h"
-#include "target_model/safetensors.h"
+#include "kernels/io/safetensors.h"
 #include "target_model/runtime.h"
 #include "target_model/tp.h"
 #include "comm/comm.h"
@@ -229,7 +229,7 @@ int main(int argc, char** argv) {
     tensors.emplace_back("offsets", Tensor::from_blob(r.offsets.data(), {static_cast<int64_t>(r.offsets.size())}, DType::I64));
     std::filesystem::path out(out_path);
     if (out.has_parent_path()) std::filesystem::create_directories(out.parent_path());
-    save_safetensors(out_path, tensors,
+    io::save_safetensors(out_path, tensors,
                      {{"layer_ids", ids_meta}, {"source", random_weights ? config_path + " (random, seed " + std::to_string(seed) + ")" : model_dir},
                       {"dflash_commit", kGitCommit}, {"format", "dflash.features.v1"}});
     spdlog::info("wrote {} ({} captured layers)", out_path, r.layers.size());

@@ -6,7 +6,7 @@
 
 #include "kernels/fp8.h"
 #include "kernels/random.h"
-#include "target_model/safetensors.h"
+#include "kernels/io/safetensors.h"
 
 namespace dflash::target {
 
@@ -138,7 +138,7 @@ TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, 
   if (shard.size == 1) return load_weights(full, dir, dtype, device, precision);
   // The checkpoint is validated against the full config exactly as a single rank would, then
   // each slice is copied out of the mmap'd file: only its pages are read.
-  const SafetensorsIndex ckpt = open_checkpoint(dir);
+  const io::SafetensorsIndex ckpt = io::open_checkpoint(dir);
   std::map<std::string, std::string> by_canonical;
   for (const std::string& n : ckpt.names())
     if (std::string c = canonical_weight_name(n); !c.empty()) by_canonical.emplace(c, n);

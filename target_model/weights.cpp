@@ -17,7 +17,7 @@
 #if DFLASH_WITH_CUDA
 #include "kernels/cuda/launch.h"
 #endif
-#include "target_model/safetensors.h"
+#include "kernels/io/safetensors.h"
 
 namespace dflash::target {
 
@@ -247,7 +247,7 @@ std::string scale_name(const std::string& weight_name) { return weight_name + "_
 }  // namespace
 
 TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType dtype, Device device, Precision precision) {
-  SafetensorsIndex ckpt = open_checkpoint(dir);
+  io::SafetensorsIndex ckpt = io::open_checkpoint(dir);
   // canonical name -> checkpoint name; the FP8 scales apart: canonical weight name -> scale name
   std::map<std::string, std::string> by_canonical, scales;
   std::vector<std::string> ignored, duplicated;
@@ -276,7 +276,7 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
       continue;
     }
     used.insert(spec.name);
-    const TensorInfo& info = ckpt.info(it->second);
+    const io::TensorInfo& info = ckpt.info(it->second);
     if (info.shape != spec.shape)
       problem("wrong shape: " + it->second + " is " + shape_str(info.shape) + ", expected " + shape_str(spec.shape));
     const auto sc = scales.find(spec.name);
@@ -297,7 +297,7 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
       problem("missing: " + scale_name(spec.name) + " " + shape_str(want) + " (the block scales of the e4m3 " + it->second + ")");
       continue;
     }
-    const TensorInfo& si = ckpt.info(sc->second);
+    const io::TensorInfo& si = ckpt.info(sc->second);
     if (si.shape != want)
       problem("wrong shape: " + sc->second + " is " + shape_str(si.shape) + ", expected " + shape_str(want) +
               " (one scale per 128 x 128 block of " + shape_str(spec.shape) + ")");
@@ -431,7 +431,7 @@ void save_checkpoint(const TargetConfig& c, const TargetWeights& w, const std::s
     Tensor host = slot.device().is_cpu() ? slot : slot.to(Device::cpu());
     tensors.emplace_back(out, host.to_dtype(dtype).view(shape));
   });
-  save_safetensors((fs::path(dir) / "model.safetensors").string(), tensors, {{"format", "pt"}});
+  io::save_safetensors((fs::path(dir) / "model.safetensors").string(), tensors, {{"format", "pt"}});
   const std::string cfg_path = (fs::path(dir) / "config.json").string();
   std::ofstream out(cfg_path);
   DFLASH_CHECK_IO(out.good(), "writing", cfg_path);

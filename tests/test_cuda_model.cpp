@@ -8,7 +8,7 @@
 #include "target_model/model.h"
 #include "target_model/model_cuda.h"
 #include "kernels/ops.h"
-#include "target_model/safetensors.h"
+#include "kernels/io/safetensors.h"
 #include "target_model/weights.h"
 #include "real_dims.h"
 #include "test_util.h"
@@ -45,7 +45,7 @@ TEST_P(CudaGolden, MatchesTransformersAndTheCpuReference) {
   const std::string dir = kHf + GetParam();
   TargetConfig cfg = TargetConfig::from_file(dir);
   const int sm = cuda_device_info(0).major;
-  SafetensorsFile golden(dir + "/golden.safetensors");
+  io::SafetensorsFile golden(dir + "/golden.safetensors");
   // The CPU reference on exactly the bf16-rounded weights the GPU uses.
   TargetModel cpu(cfg, load_weights(cfg, dir, DType::F32, Device::cpu()));
   ForwardOptions opt;
@@ -127,7 +127,7 @@ TEST(CudaModel, Fp8MatchesTheCpuFp8Reference) {
   CudaTargetModel gpu(cfg, load_weights(cfg, dir, DType::BF16, Device::cuda(0)),
                       make_plan(cfg, Device::cuda(0), {}, sm, Precision::Fp8));
   EXPECT_NE(gpu.plan().summary().find("fp8 GEMMs"), std::string::npos) << gpu.plan().summary();
-  SafetensorsFile golden(kHf + "tiny_a/golden.safetensors");
+  io::SafetensorsFile golden(kHf + "tiny_a/golden.safetensors");
   ForwardOptions opt;
   for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) opt.capture.push_back(i);
   for (int T : {1, 37, 130}) {

@@ -21,7 +21,7 @@
 #include "kernels/ops.h"
 #include "target_model/fast_path.h"
 #include "target_model/model.h"
-#include "target_model/safetensors.h"
+#include "kernels/io/safetensors.h"
 #include "target_model/tp.h"
 #include "test_util.h"
 
@@ -86,11 +86,11 @@ std::string edited(const std::string& src, const std::string& name,
   const std::string dir = temp_dir(name);
   std::vector<std::pair<std::string, Tensor>> tensors;
   {
-    SafetensorsFile f(src + "/model.safetensors");
+    io::SafetensorsFile f(src + "/model.safetensors");
     for (const std::string& n : f.names()) tensors.emplace_back(n, f.tensor(n).clone());
   }
   edit(tensors);
-  save_safetensors(dir + "/model.safetensors", tensors);
+  io::save_safetensors(dir + "/model.safetensors", tensors);
   nlohmann::json j;
   std::ifstream(src + "/config.json") >> j;
   if (edit_config) edit_config(j);
@@ -151,7 +151,7 @@ TEST(Fp8Checkpoint, OfficialLayoutLoadsAndEqualsOurQuantization) {
 
 TEST(Fp8Checkpoint, FeatureErrorAgainstTransformers) {
   // The golden data: transformers' float32 forward of the bf16 tiny_a (tests/reference/make_golden.py).
-  SafetensorsFile golden(kHfTiny + "/golden.safetensors");
+  io::SafetensorsFile golden(kHfTiny + "/golden.safetensors");
   const TargetConfig c = TargetConfig::from_file(kFp8Tiny);
   const TargetConfig hc = TargetConfig::from_file(kHfTiny);
   for (int T : {37, 130}) {
@@ -197,7 +197,7 @@ TEST(Fp8Checkpoint, RandomWeightsQuantizedAtLoadRoundTripThroughTheOfficialLayou
   save_checkpoint(c, w, dir, DType::BF16);
   const TargetConfig back = TargetConfig::from_file(dir);
   ASSERT_TRUE(back.fp8.has_value());
-  SafetensorsFile f(dir + "/model.safetensors");
+  io::SafetensorsFile f(dir + "/model.safetensors");
   EXPECT_EQ(f.info("model.layers.0.mlp.down_proj.weight").dtype, DType::F8E4M3);
   EXPECT_EQ(f.info("model.layers.0.mlp.down_proj.weight_scale_inv").dtype, DType::F32);
   EXPECT_EQ(f.info("model.layers.0.linear_attn.in_proj_a.weight").dtype, DType::BF16);

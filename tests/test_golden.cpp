@@ -11,7 +11,7 @@
 #include <fstream>
 
 #include "target_model/model.h"
-#include "target_model/safetensors.h"
+#include "kernels/io/safetensors.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -40,7 +40,7 @@ TEST_P(Golden, EveryLayerMatchesTransformers) {
   const std::string dir = kHf + GetParam();
   TargetConfig cfg = TargetConfig::from_file(dir);
   TargetModel model(cfg, load_weights(cfg, dir, DType::F32, Device::cpu()));
-  SafetensorsFile golden(dir + "/golden.safetensors");
+  io::SafetensorsFile golden(dir + "/golden.safetensors");
   ForwardOptions opt;
   for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) opt.capture.push_back(i);
   opt.final_norm = true;
@@ -73,7 +73,7 @@ TEST_P(Golden, BatchOfSequencesEqualsSeparateRuns) {
   const std::string dir = kHf + GetParam();
   TargetConfig cfg = TargetConfig::from_file(dir);
   TargetModel model(cfg, load_weights(cfg, dir, DType::F32, Device::cpu()));
-  SafetensorsFile golden(dir + "/golden.safetensors");
+  io::SafetensorsFile golden(dir + "/golden.safetensors");
   std::vector<std::vector<int32_t>> batch;
   for (int T : {37, 1, 130}) batch.push_back(ids_of(golden.tensor("ids." + std::to_string(T))));
   ForwardOptions opt;
@@ -98,13 +98,13 @@ INSTANTIATE_TEST_SUITE_P(HfCheckpoints, Golden, ::testing::Values("tiny_a", "tin
 TEST(GoldenLayouts, MultimodalNamesAndConfig) {
   const std::string src = kHf + "tiny_a";
   const std::string dir = temp_dir("mm");
-  SafetensorsIndex in = open_checkpoint(src);
+  io::SafetensorsIndex in = io::open_checkpoint(src);
   std::vector<std::pair<std::string, Tensor>> tensors;
   for (const std::string& n : in.names())
     tensors.emplace_back(n.rfind("model.", 0) == 0 ? "model.language_model." + n.substr(6) : n, in.tensor(n));
   tensors.emplace_back("mtp.fc.weight", Tensor::zeros({4, 4}, DType::BF16));
   tensors.emplace_back("model.visual.blocks.0.attn.qkv.weight", Tensor::zeros({4, 4}, DType::BF16));
-  save_sharded(dir, tensors, 200 << 10);
+  io::save_sharded(dir, tensors, 200 << 10);
   nlohmann::json text;
   std::ifstream(src + "/config.json") >> text;
   nlohmann::json mm{{"model_type", "qwen3_5"}, {"architectures", {"Qwen3_5ForConditionalGeneration"}},
@@ -114,7 +114,7 @@ TEST(GoldenLayouts, MultimodalNamesAndConfig) {
   TargetConfig cfg = TargetConfig::from_file(dir);
   EXPECT_EQ(cfg.model_type, "qwen3_5");
   TargetModel model(cfg, load_weights(cfg, dir, DType::F32, Device::cpu()));
-  SafetensorsFile golden(src + "/golden.safetensors");
+  io::SafetensorsFile golden(src + "/golden.safetensors");
   ForwardOptions opt;
   opt.capture = {cfg.num_hidden_layers - 1};
   ForwardResult r = model.forward({ids_of(golden.tensor("ids.37"))}, opt);
@@ -166,7 +166,7 @@ TEST(GoldenBadInputs, TokenIdOutsideVocabulary) {
 
 TEST(GoldenBadInputs, MissingUnexpectedAndMisshapedTensorsAreListed) {
   const std::string src = kHf + "tiny_a";
-  SafetensorsIndex in = open_checkpoint(src);
+  io::SafetensorsIndex in = io::open_checkpoint(src);
   const std::string dir = temp_dir("bad");
   fs::copy_file(src + "/config.json", dir + "/config.json");
   std::vector<std::pair<std::string, Tensor>> tensors;
@@ -177,7 +177,7 @@ TEST(GoldenBadInputs, MissingUnexpectedAndMisshapedTensorsAreListed) {
     tensors.emplace_back(n, t);
   }
   tensors.emplace_back("model.layers.9.mlp.up_proj.weight", Tensor::zeros({2, 2}, DType::BF16));  // unexpected
-  save_safetensors(dir + "/model.safetensors", tensors);
+  io::save_safetensors(dir + "/model.safetensors", tensors);
   TargetConfig cfg = TargetConfig::from_file(dir);
   const std::string e = error_of([&] { load_weights(cfg, dir, DType::F32, Device::cpu()); });
   EXPECT_NE(e.find("3 problem(s)"), std::string::npos) << e;

@@ -8,7 +8,7 @@
 
 #include "kernels/ops.h"
 #include "kernels/random.h"
-#include "target_model/safetensors.h"
+#include "kernels/io/safetensors.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -222,7 +222,7 @@ TEST(Ops, DeltaRuleChunkedEqualsRecurrent) {
 // 130 tokens, Hk = 2, Hv = 4, dk = 16, dv = 24, an initial state, q/k l2-normalised by the op.
 TEST(Ops, DeltaRuleMatchesTransformers) {
   const std::string path = std::string(DFLASH_TEST_DATA_DIR) + "/hf/gdn_ops.safetensors";
-  target::SafetensorsFile f = target::SafetensorsFile::open(path);
+  io::SafetensorsFile f = io::SafetensorsFile::open(path);
   auto packed = [&](const char* name) {  // [B, T, ...] -> [B*T, ...]
     Tensor t = f.tensor(name).to_dtype(DType::F32);
     Shape s = t.shape();

@@ -9,7 +9,7 @@
 #if DFLASH_WITH_CUDA
 #include "target_model/model_cuda.h"
 #endif
-#include "target_model/safetensors.h"
+#include "kernels/io/safetensors.h"
 #include "target_model/tp.h"
 #include "real_dims.h"
 #include "test_util.h"
@@ -76,7 +76,7 @@ TEST(TensorParallel, ShardedForwardEqualsUnsharded) {
     TargetModel full(cfg, load_weights(cfg, dir, DType::F32, Device::cpu()));
     TargetModel shard(local_config(cfg, tp), load_weights_tp(cfg, dir, DType::F32, Device::cpu(), {g->rank(), tp}),
                       g.get());
-    SafetensorsFile golden(dir + "/golden.safetensors");
+    io::SafetensorsFile golden(dir + "/golden.safetensors");
     std::vector<std::vector<int32_t>> batch = {ids_of(golden.tensor("ids.37")), ids_of(golden.tensor("ids.130")),
                                                ids_of(golden.tensor("ids.1"))};
     ForwardOptions opt;

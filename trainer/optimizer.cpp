@@ -4,7 +4,7 @@
 #include <cmath>
 #include <numbers>
 
-#include "target_model/safetensors.h"
+#include "kernels/io/safetensors.h"
 
 namespace dflash::trainer {
 
@@ -90,7 +90,7 @@ void AdamW::step(const std::vector<const Tensor*>& grads, double lr, double grad
 }
 
 void OptimizerState::save(const std::string& path) const {
-  target::save_safetensors(path, tensors, {{"format", "dflash.adamw.v1"}, {"step", std::to_string(steps)}});
+  io::save_safetensors(path, tensors, {{"format", "dflash.adamw.v1"}, {"step", std::to_string(steps)}});
 }
 
 OptimizerState AdamW::state(bool copy) const {
@@ -113,7 +113,7 @@ nlohmann::json AdamW::state_json() const {
 }
 
 void AdamW::load(const std::string& path, const nlohmann::json& state) {
-  target::SafetensorsFile f(path);
+  io::SafetensorsFile f(path);
   auto get = [&](const std::string& name, Tensor& dst) {
     DFLASH_CHECK_HINT(f.has(name), path << ": optimizer state has no tensor '" << name << "'",
                       "the checkpoint was written for another drafter config");

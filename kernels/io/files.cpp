@@ -1,4 +1,4 @@
-#include "kernels/io.h"
+#include "kernels/io/files.h"
 
 #include <fcntl.h>
 #include <sys/statvfs.h>

@@ -8,7 +8,7 @@
 
 #include "kernels/error.h"
 
-namespace dflash::target {
+namespace dflash::io {
 
 class JsonFields {
  public:
@@ -62,4 +62,4 @@ class JsonFields {
   std::string source_, prefix_, hint_;
 };
 
-}  // namespace dflash::target
+}  // namespace dflash::io

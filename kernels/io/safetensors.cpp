@@ -1,4 +1,4 @@
-#include "target_model/safetensors.h"
+#include "kernels/io/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -21,7 +21,7 @@
 
 #include "kernels/error.h"
 
-namespace dflash::target {
+namespace dflash::io {
 
 static_assert(std::endian::native == std::endian::little,
               "safetensors data is little-endian; a big-endian host would need byte swapping");
@@ -689,4 +689,4 @@ std::vector<std::string> save_sharded(const std::string& dir, const std::vector<
   return files;
 }
 
-}  // namespace dflash::target
+}  // namespace dflash::io

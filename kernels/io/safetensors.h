@@ -29,7 +29,7 @@
 #include "kernels/dtype.h"
 #include "kernels/tensor.h"
 
-namespace dflash::target {
+namespace dflash::io {
 
 // Where one tensor lives inside a file.
 struct TensorInfo {
@@ -132,4 +132,4 @@ std::vector<std::string> save_sharded(const std::string& dir,
                                       size_t max_shard_bytes,
                                       const std::map<std::string, std::string>& metadata = {});
 
-}  // namespace dflash::target
+}  // namespace dflash::io

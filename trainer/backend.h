@@ -16,6 +16,7 @@
 #include "drafter/model.h"
 #include "drafter/weights.h"
 #include "target_model/config.h"
+#include "target_model/weights.h"
 #include "trainer/config.h"
 #include "trainer/optimizer.h"
 
@@ -82,12 +83,23 @@ class TrainBackend {
   virtual std::string memory_plan() { return ""; }
   // How long loading / initialising took, for the log (may be empty).
   virtual std::string init_summary() { return ""; }
-  // Fast-path summary of the target's plan (empty on the CPU).
+  // Fast-path summary of the target's and the drafter's plans (empty on the CPU).
   virtual std::string fast_path_summary() { return ""; }
   // This rank's fast-path record for run_dir/fast_path.json: device, the target's per-layer plan,
-  // the kernels launched so far per step and path, and the drafter's attention path.
+  // the kernels launched so far per step and path, the drafter's attention path ("drafter_attention")
+  // and the drafter's whole plan ("drafter", drafter/fast_path.h).
   virtual nlohmann::json fast_path_json() = 0;
 };
+
+// What both backends load and make the same way (cpu_backend.cpp).
+// This rank's TP shard of the target (s.layout) on `device`: the checkpoint's slices, or the seed's
+// random weights (target::load_target_shard).
+target::TargetWeights load_target(const BackendSetup& s, Device device);
+// The drafter's initial fp32 weights: from training.seed (drawn on `device`: the same values on
+// every device) or model.drafter.warm_start (on the host).
+drafter::DrafterWeights initial_drafter_weights(const BackendSetup& s, Device device);
+// AdamW's hyper-parameters from the training section.
+AdamWHyper adamw_hyper(const TrainConfig& cfg);
 
 std::unique_ptr<TrainBackend> make_cpu_backend(const BackendSetup& s, comm::Communicator* world,
                                                comm::Communicator* tp);

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "drafter/fast_path.h"
 #include "target_model/model.h"
 #include "target_model/tp.h"
 #include "target_model/weights.h"
@@ -18,28 +19,22 @@ namespace {
 class CpuBackend final : public TrainBackend {
  public:
   CpuBackend(const BackendSetup& s, comm::Communicator* world, comm::Communicator* tp)
-      : dcfg_(s.drafter), world_(world) {
+      : dcfg_(s.drafter), world_(world), drafter_plan_(drafter::make_cpu_drafter_plan(s.drafter)) {
     const TrainConfig& cfg = *s.cfg;
-    const auto& ts = cfg.model.target;
     const int tps = s.layout.tp_size;
     // The CPU reference holds f32 weights: refuse up front what cannot fit.
     target::check_cpu_reference_fits(target::local_config(s.target, tps), s.target,
                                      "the CPU backend (parallel.device: cpu) is for small targets: train this one "
                                      "with parallel.device: cuda on GPUs");
-    const target::TpShard shard{s.layout.tp_rank, tps};
-    target::TargetWeights tw = target::load_target_shard(ts.source(), s.target, Device::cpu(), shard);
-    tmodel_ = std::make_unique<target::TargetModel>(target::local_config(s.target, tps), std::move(tw), tp);
+    tmodel_ = std::make_unique<target::TargetModel>(target::local_config(s.target, tps), load_target(s, Device::cpu()), tp);
     frozen_ = {tmodel_->weights().embed_tokens, tmodel_->weights().lm_head};
-    dw_ = cfg.model.drafter.warm_start.empty()
-              ? drafter::DrafterWeights::random(dcfg_, static_cast<uint64_t>(cfg.training.seed))
-              : drafter::import_hf(cfg.model.drafter.warm_start, DType::F32).weights;
+    dw_ = initial_drafter_weights(s, Device::cpu());
     dw_.check(dcfg_);
     grads_ = drafter::DrafterWeights::zeros(dcfg_, DType::F64);
     std::vector<std::pair<std::string, Tensor*>> params;
     for (auto& e : dw_.entries(dcfg_)) params.emplace_back(e.name, e.tensor), n_params_ += e.tensor->numel();
     for (auto& e : grads_.entries(dcfg_)) grad_list_.push_back(e.tensor);
-    const auto& tr = cfg.training;
-    opt_ = std::make_unique<AdamW>(params, AdamWHyper{tr.betas.at(0), tr.betas.at(1), tr.eps, tr.weight_decay});
+    opt_ = std::make_unique<AdamW>(params, adamw_hyper(cfg));
     fopt_.capture = dcfg_.target_layer_ids;
     fopt_.counters = &counters_;
   }
@@ -99,7 +94,8 @@ class CpuBackend final : public TrainBackend {
     return {{"device", "cpu"},
             {"target", "every layer on the CPU reference (f32)"},
             {"target_kernel_launches", counters_.to_json()},
-            {"drafter_attention", {{"path", "cpu"}, {"reason", "the CPU reference (double)"}}}};
+            {"drafter_attention", drafter_plan_.attention_json()},
+            {"drafter", drafter_plan_.to_json()}};
   }
   CheckpointState checkpoint_state() override {
     // Copies (the next step updates dw_ and the moments in place); the weights are the copied masters.
@@ -120,6 +116,7 @@ class CpuBackend final : public TrainBackend {
  private:
   drafter::DrafterConfig dcfg_;
   comm::Communicator* world_;
+  drafter::DrafterPlan drafter_plan_;
   std::unique_ptr<target::TargetModel> tmodel_;
   drafter::FrozenTarget frozen_;
   drafter::DrafterWeights dw_, grads_;
@@ -131,6 +128,23 @@ class CpuBackend final : public TrainBackend {
 };
 
 }  // namespace
+
+target::TargetWeights load_target(const BackendSetup& s, Device device) {
+  return target::load_target_shard(s.cfg->model.target.source(), s.target, device,
+                                   target::TpShard{s.layout.tp_rank, s.layout.tp_size});
+}
+
+drafter::DrafterWeights initial_drafter_weights(const BackendSetup& s, Device device) {
+  const TrainConfig& cfg = *s.cfg;
+  return cfg.model.drafter.warm_start.empty()
+             ? drafter::DrafterWeights::random(s.drafter, static_cast<uint64_t>(cfg.training.seed), 0.02f, DType::F32, device)
+             : drafter::import_hf(cfg.model.drafter.warm_start, DType::F32).weights;
+}
+
+AdamWHyper adamw_hyper(const TrainConfig& cfg) {
+  const auto& tr = cfg.training;
+  return AdamWHyper{tr.betas.at(0), tr.betas.at(1), tr.eps, tr.weight_decay};
+}
 
 std::unique_ptr<TrainBackend> make_cpu_backend(const BackendSetup& s, comm::Communicator* world,
                                                comm::Communicator* tp) {

@@ -10,6 +10,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "drafter/fast_path.h"
 #include "drafter/model_cuda.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/train_launch.h"
@@ -48,26 +49,12 @@ class CudaBackend final : public TrainBackend {
     const target::Precision precision = target::resolve_precision(ts.precision, s.target);
     target::FastPathPlan plan = target::make_plan(local, device_, cfg.kernel_policies(), info.major, precision);
     fast_path_ = "target: " + plan.summary();
-    // The drafter's attention: the tensor-core kernels, or the (much slower) fallback for other
-    // head dims, said in the log and refused under require_fast_path like a target fallback.
-    if (cuda::block_attention_supported(dcfg_.head_dim, info.major)) {
-      const char* kernel = cuda::block_attention_kernel_name(dcfg_.head_dim, device_.index);
-      fast_path_ += fmt::format("; drafter attention: tensor-core kernels ({}, head_dim {})", kernel, dcfg_.head_dim);
-      drafter_attention_ = {{"path", "fast"},
-                            {"kernel", kernel},
-                            {"reason", fmt::format("head_dim {} on sm_{}{}", dcfg_.head_dim, info.major, info.minor)}};
-    } else {
-      const std::string why = fmt::format("head_dim {} on sm_{}{}; the tensor-core kernels take head_dim 64 or 128 on sm_80+",
-                                          dcfg_.head_dim, info.major, info.minor);
-      fast_path_ += "; drafter attention: FALLBACK kernel (" + why + ")";
-      drafter_attention_ = {{"path", "fallback"}, {"reason", why}};
-      DFLASH_CHECK_HINT(!cfg.kernels.require_fast_path,
-                        "require_fast_path is set, but the drafter's attention would run the fallback kernel on "
-                            << device_.str() << ": " << why,
-                        "set model.drafter.head_dim: 128 (with num_attention_heads / num_key_value_heads to match), or "
-                        "kernels.require_fast_path: false to accept the fallback (tens of times slower)");
-      if (s.rank == 0) spdlog::warn("the drafter's attention runs the fallback kernel ({}): expect a slow step", why);
-    }
+    // The drafter's plan (its attention: the tensor-core kernels, or the much slower fallback, which
+    // require_fast_path refuses there like a target fallback).
+    drafter_plan_ = drafter::make_drafter_plan(dcfg_, device_, info.major, info.minor, cfg.kernels.require_fast_path);
+    fast_path_ += "; " + drafter_plan_.summary();
+    if (drafter_plan_.attention_fallback() && s.rank == 0)
+      spdlog::warn("the drafter's attention runs the fallback kernel ({}): expect a slow step", drafter_plan_.attention().reason);
     // Memory plan from the configs, before anything is loaded: refuse what cannot fit.
     {
       const int64_t tokens = cfg.training.batch_size * cfg.data.max_length;
@@ -85,9 +72,8 @@ class CudaBackend final : public TrainBackend {
                         "raise parallel.tp (the target's weights split), lower training.num_anchors or "
                         "training.batch_size (the drafter's activations), or use fewer drafter layers");
     }
-    const target::TpShard shard{s.layout.tp_rank, tps};
     auto t0 = StepClock::now();
-    target::TargetWeights tw = target::load_target_shard(ts.source(), s.target, device_, shard);
+    target::TargetWeights tw = load_target(s, device_);
     Tensor embed = tw.embed_tokens, lm_head = tw.lm_head;
     tmodel_ = std::make_unique<target::CudaTargetModel>(local, std::move(tw), std::move(plan), tp_.get());
     DeviceContext::get(device_.index).synchronize();
@@ -97,10 +83,7 @@ class CudaBackend final : public TrainBackend {
     // Drafter: masters from the seed or the warm start; the target's embeddings and LM head shared.
     // (Random masters are drawn on the device: the same values as on the host, without a minute of
     // single-core RNG and 7 GB of host staging for a 27B-sized drafter.)
-    drafter::DrafterWeights init =
-        cfg.model.drafter.warm_start.empty()
-            ? drafter::DrafterWeights::random(dcfg_, static_cast<uint64_t>(cfg.training.seed), 0.02f, DType::F32, device_)
-            : drafter::import_hf(cfg.model.drafter.warm_start, DType::F32).weights;
+    drafter::DrafterWeights init = initial_drafter_weights(s, device_);
     model_ = std::make_unique<drafter::CudaDrafter>(dcfg_, init, embed, lm_head, device_);
     init = {};
     const int64_t n = model_->flat_size();
@@ -108,8 +91,7 @@ class CudaBackend final : public TrainBackend {
     v_ = Tensor::zeros({n}, DType::F32, device_);
     sumsq_ = Tensor::zeros({1}, DType::F32, device_);
     sumsq_ws_ = Tensor::empty({std::max<int64_t>(cuda::sum_squares_workspace(n), 1)}, DType::U8, device_);
-    const auto& tr = cfg.training;
-    hyper_ = AdamWHyper{tr.betas.at(0), tr.betas.at(1), tr.eps, tr.weight_decay};
+    hyper_ = adamw_hyper(cfg);
     DeviceContext::get(device_.index).synchronize();
     init_log_ += fmt::format(", drafter + optimizer state ({:.2f} B parameters) in {:.1f} s",
                              static_cast<double>(model_->num_params()) / 1e9, seconds_since(t0));
@@ -130,7 +112,8 @@ class CudaBackend final : public TrainBackend {
     return {{"device", tmodel_->plan().device},
             {"target", tmodel_->plan().to_json()},
             {"target_kernel_launches", tmodel_->counters().to_json()},
-            {"drafter_attention", drafter_attention_}};
+            {"drafter_attention", drafter_plan_.attention_json()},
+            {"drafter", drafter_plan_.to_json()}};
   }
   void zero_grads() override { model_->zero_grads(); }
 
@@ -285,7 +268,7 @@ class CudaBackend final : public TrainBackend {
   std::unique_ptr<AdamW> host_opt_;
   int64_t pending_ = 0, steps_ = 0;
   std::string init_log_, memory_plan_;
-  nlohmann::json drafter_attention_;
+  drafter::DrafterPlan drafter_plan_;
 };
 
 }  // namespace

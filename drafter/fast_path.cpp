@@ -1,0 +1,80 @@
+#include "drafter/fast_path.h"
+
+#include <fmt/format.h>
+
+#include "kernels/device.h"
+#include "kernels/error.h"
+#if DFLASH_WITH_CUDA
+#include "kernels/cuda/train_launch.h"
+#endif
+
+namespace dflash::drafter {
+
+std::string DrafterPlan::summary() const {
+  const DrafterStepPlan& a = attention();
+  if (a.path == "fast") return fmt::format("drafter attention: tensor-core kernels ({}, head_dim {})", a.kernel, head_dim);
+  if (a.path == "fallback") return "drafter attention: FALLBACK kernel (" + a.reason + ")";
+  return "drafter attention: " + a.reason;
+}
+
+nlohmann::json DrafterPlan::attention_json() const {
+  const DrafterStepPlan& a = attention();
+  if (a.path == "fast") return {{"path", a.path}, {"kernel", a.kernel}, {"reason", a.reason}};
+  return {{"path", a.path}, {"reason", a.reason}};
+}
+
+nlohmann::json DrafterPlan::to_json() const {
+  nlohmann::json steps_json = nlohmann::json::array();
+  for (const DrafterStepPlan& s : steps)
+    steps_json.push_back({{"step", s.step}, {"path", s.path}, {"kernel", s.kernel}, {"reason", s.reason}});
+  return {{"device", device}, {"steps", steps_json}};
+}
+
+DrafterPlan drafter_plan(const DrafterConfig& c, Device device, int sm_major, int sm_minor,
+                         const BlockAttentionKernels& kernels, bool require_fast_path) {
+  DrafterPlan plan;
+  plan.device = device.str();
+  plan.head_dim = c.head_dim;
+  if (kernels.tensor_cores) {
+    plan.steps.push_back({"block_attention", "fast", kernels.kernel,
+                          fmt::format("head_dim {} on sm_{}{}", c.head_dim, sm_major, sm_minor)});
+  } else {
+    const std::string why = fmt::format("head_dim {} on sm_{}{}; the tensor-core kernels take head_dim 64 or 128 on sm_80+",
+                                        c.head_dim, sm_major, sm_minor);
+    plan.steps.push_back({"block_attention", "fallback", "", why});
+    DFLASH_CHECK_HINT(!require_fast_path,
+                      "require_fast_path is set, but the drafter's attention would run the fallback kernel on "
+                          << device.str() << ": " << why,
+                      "set model.drafter.head_dim: 128 (with num_attention_heads / num_key_value_heads to match), or "
+                      "kernels.require_fast_path: false to accept the fallback (tens of times slower)");
+  }
+  plan.steps.push_back({"gemm", "fast", "cuBLASLt gemm_ex", "bf16 operands, fp32 accumulation (weight gradients fp32)"});
+  plan.steps.push_back({"lm_head_ce", "fast", "linear_ce", "fused chunked LM head + cross-entropy (no R x V logits)"});
+  return plan;
+}
+
+DrafterPlan make_drafter_plan(const DrafterConfig& c, Device device, int sm_major, int sm_minor, bool require_fast_path) {
+#if DFLASH_WITH_CUDA
+  BlockAttentionKernels k;
+  k.tensor_cores = cuda::block_attention_supported(c.head_dim, sm_major);
+  // (Which tensor-core kernel runs is the device's to say; without it, as a test may ask, mma.sync.)
+  if (k.tensor_cores)
+    k.kernel = device.index < cuda_device_count() ? cuda::block_attention_kernel_name(c.head_dim, device.index) : "mma.sync";
+  return drafter_plan(c, device, sm_major, sm_minor, k, require_fast_path);
+#else
+  (void)c, (void)sm_major, (void)sm_minor, (void)require_fast_path;
+  DFLASH_FAIL_HINT("a drafter plan for " << device.str() << " needs the CUDA backend, which this build does not have",
+                   "reconfigure with -DDFLASH_CUDA=ON on a machine with nvcc");
+#endif
+}
+
+DrafterPlan make_cpu_drafter_plan(const DrafterConfig& c) {
+  DrafterPlan plan;
+  plan.head_dim = c.head_dim;
+  plan.device = Device::cpu().str();
+  for (const char* step : {"block_attention", "gemm", "lm_head_ce"})
+    plan.steps.push_back({step, "cpu", "cpu reference", "the CPU reference (double)"});
+  return plan;
+}
+
+}  // namespace dflash::drafter

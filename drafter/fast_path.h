@@ -1,0 +1,61 @@
+#pragma once
+// The drafter's fast-path plan: which kernel runs each step of the drafter's training step and why,
+// decided once at start-up (the drafter's twin of target_model/fast_path.h). The trainer prints its
+// summary with the target's, writes it into run_dir/fast_path.json ("drafter_attention", as before,
+// and the whole plan under "drafter"), and `require_fast_path` refuses a fallback here, in the plan
+// builder, and nowhere else.
+//
+// Of the drafter's steps (drafter/model_cuda.cpp) only the block attention has a choice: the
+// tensor-core kernels (wgmma on sm_90a, mma.sync elsewhere) for head dims 64 and 128 on sm_80+, else
+// the (tens of times slower) fallback kernel. The GEMMs (cuBLASLt) and the fused LM-head CE have one
+// kernel each; the plan names them too.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "drafter/config.h"
+#include "kernels/tensor.h"
+
+namespace dflash::drafter {
+
+struct DrafterStepPlan {
+  std::string step;    // "block_attention", "gemm", "lm_head_ce"
+  std::string path;    // "fast", "fallback" or "cpu"
+  std::string kernel;  // e.g. "wgmma sm_90a" (empty for the attention fallback)
+  std::string reason;  // e.g. "head_dim 128 on sm_90"
+};
+
+struct DrafterPlan {
+  std::string device;  // Device::str(): "cuda:0" or "cpu"
+  int64_t head_dim = 0;
+  std::vector<DrafterStepPlan> steps;  // block_attention first
+
+  const DrafterStepPlan& attention() const { return steps.front(); }
+  bool attention_fallback() const { return attention().path == "fallback"; }
+  // "drafter attention: tensor-core kernels (wgmma sm_90a, head_dim 128)" / "drafter attention:
+  // FALLBACK kernel (<reason>)" / "drafter attention: the CPU reference (double)".
+  std::string summary() const;
+  // fast_path.json's "drafter_attention": {"path", "kernel" (fast only), "reason"}.
+  nlohmann::json attention_json() const;
+  nlohmann::json to_json() const;  // {"device", "steps": [{"step", "path", "kernel", "reason"}]}
+};
+
+// What the kernels report for the block attention on a device (kernels/cuda/block_attention.h),
+// passed in so the decision below is host logic a test drives without a GPU.
+struct BlockAttentionKernels {
+  bool tensor_cores = false;  // block_attention_supported(head_dim, sm_major)
+  std::string kernel;         // block_attention_kernel_name(head_dim, device) when tensor_cores
+};
+
+// The plan of a CUDA device of compute capability sm_major.sm_minor from what its kernels support;
+// require_fast_path refuses the attention fallback (naming the device and the reason, with a hint).
+DrafterPlan drafter_plan(const DrafterConfig& c, Device device, int sm_major, int sm_minor,
+                         const BlockAttentionKernels& kernels, bool require_fast_path);
+// The same, asking the kernels (a build without CUDA throws, naming the way out).
+DrafterPlan make_drafter_plan(const DrafterConfig& c, Device device, int sm_major, int sm_minor, bool require_fast_path);
+// The CPU reference's plan (every step on the double-precision reference).
+DrafterPlan make_cpu_drafter_plan(const DrafterConfig& c);
+
+}  // namespace dflash::drafter

@@ -1,0 +1,84 @@
+// The drafter's fast-path plan (drafter/fast_path.h): host logic only, driven with the compute
+// capability and head dim passed in, so it runs without a GPU (and in a build without CUDA).
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+
+#include "drafter/fast_path.h"
+#include "kernels/error.h"
+
+using namespace dflash;
+using namespace dflash::drafter;
+
+namespace {
+
+DrafterConfig config_with_head_dim(int64_t d) {
+  DrafterConfig c;
+  c.head_dim = d;
+  return c;
+}
+
+std::string refusal(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.message() + " | " + e.hint();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(DrafterFastPath, TensorCoreKernelsWhenTheKernelsTakeTheHeadDim) {
+  const DrafterPlan p = drafter_plan(config_with_head_dim(128), Device::cuda(0), 9, 0, {true, "wgmma sm_90a"}, true);
+  EXPECT_EQ(p.device, "cuda:0");
+  EXPECT_FALSE(p.attention_fallback());
+  EXPECT_EQ(p.summary(), "drafter attention: tensor-core kernels (wgmma sm_90a, head_dim 128)");
+  EXPECT_EQ(p.attention_json(),
+            (nlohmann::json{{"path", "fast"}, {"kernel", "wgmma sm_90a"}, {"reason", "head_dim 128 on sm_90"}}));
+  ASSERT_EQ(p.steps.size(), 3u);
+  EXPECT_EQ(p.steps[0].step, "block_attention");
+  for (const DrafterStepPlan& s : p.steps) EXPECT_EQ(s.path, "fast") << s.step;
+  EXPECT_EQ(p.to_json()["steps"].size(), 3u);
+}
+
+TEST(DrafterFastPath, FallbackIsNamedAndRefusedUnderRequireFastPath) {
+  const DrafterConfig c = config_with_head_dim(96);
+  const DrafterPlan p = drafter_plan(c, Device::cuda(1), 8, 6, {false, ""}, false);
+  EXPECT_TRUE(p.attention_fallback());
+  const std::string why = "head_dim 96 on sm_86; the tensor-core kernels take head_dim 64 or 128 on sm_80+";
+  EXPECT_EQ(p.summary(), "drafter attention: FALLBACK kernel (" + why + ")");
+  EXPECT_EQ(p.attention_json(), (nlohmann::json{{"path", "fallback"}, {"reason", why}}));
+  const std::string msg = refusal([&] { drafter_plan(c, Device::cuda(1), 8, 6, {false, ""}, true); });
+  EXPECT_EQ(msg,
+            "require_fast_path is set, but the drafter's attention would run the fallback kernel on cuda:1: " + why +
+                " | set model.drafter.head_dim: 128 (with num_attention_heads / num_key_value_heads to match), or "
+                "kernels.require_fast_path: false to accept the fallback (tens of times slower)");
+}
+
+TEST(DrafterFastPath, CpuReferencePlan) {
+  const DrafterPlan p = make_cpu_drafter_plan(config_with_head_dim(128));
+  EXPECT_EQ(p.device, "cpu");
+  EXPECT_EQ(p.attention_json(), (nlohmann::json{{"path", "cpu"}, {"reason", "the CPU reference (double)"}}));
+  for (const DrafterStepPlan& s : p.steps) EXPECT_EQ(s.path, "cpu") << s.step;
+}
+
+// make_drafter_plan asks the kernels: head dims 64 / 128 on sm_80+ take the tensor cores (which of
+// them runs is the device's to say), anything else falls back; a build without CUDA refuses.
+TEST(DrafterFastPath, TheKernelsDecide) {
+#if DFLASH_WITH_CUDA
+  for (int64_t d : {64, 128}) {
+    EXPECT_FALSE(make_drafter_plan(config_with_head_dim(d), Device::cuda(0), 9, 0, true).attention_fallback()) << d;
+    EXPECT_FALSE(make_drafter_plan(config_with_head_dim(d), Device::cuda(0), 8, 0, true).attention_fallback()) << d;
+    EXPECT_TRUE(make_drafter_plan(config_with_head_dim(d), Device::cuda(0), 7, 5, false).attention_fallback()) << d;
+  }
+  for (int64_t d : {32, 96, 256})
+    EXPECT_TRUE(make_drafter_plan(config_with_head_dim(d), Device::cuda(0), 9, 0, false).attention_fallback()) << d;
+  EXPECT_THROW(make_drafter_plan(config_with_head_dim(96), Device::cuda(0), 9, 0, true), Error);
+#else
+  EXPECT_NE(refusal([] { make_drafter_plan(config_with_head_dim(128), Device::cuda(0), 9, 0, false); })
+                .find("needs the CUDA backend"),
+            std::string::npos);
+#endif
+}

@@ -1,4 +1,4 @@
-#include "trainer/plot.h"
+#include "bench/plot.h"
 
 #include <nlohmann/json.hpp>
 
@@ -13,7 +13,7 @@
 #include "bench/report.h"
 #include "kernels/error.h"
 
-namespace dflash::trainer {
+namespace dflash::bench {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -257,4 +257,4 @@ std::string render_metrics_html(const Metrics& m, const std::string& title_in) {
 
 std::string render_metrics_html(const std::string& jsonl_path) { return render_metrics_html(read_metrics(jsonl_path)); }
 
-}  // namespace dflash::trainer
+}  // namespace dflash::bench

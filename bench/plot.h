@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-namespace dflash::trainer {
+namespace dflash::bench {
 
 // One line of metrics.jsonl. A key that is absent or null (JSON has no NaN: a non-finite value is
 // written as null) reads as NaN, which leaves a gap in its chart.
@@ -56,4 +56,4 @@ std::vector<int64_t> plotted_positions(int64_t positions);
 std::string render_metrics_html(const Metrics& m, const std::string& title = {});
 std::string render_metrics_html(const std::string& jsonl_path);
 
-}  // namespace dflash::trainer
+}  // namespace dflash::bench

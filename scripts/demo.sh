@@ -16,7 +16,7 @@ DFLASH_TARGETS="dflash_train dflash_plot dflash_data_tool dflash_eval" configure
 cd "$DFLASH_ROOT"
 say "training the tiny drafter (dflash_train on the embedded configs/tiny.yaml)"
 "$DFLASH_BUILD/trainer/dflash_train" "$@"
-"$DFLASH_BUILD/trainer/dflash_plot" runs/tiny
+"$DFLASH_BUILD/bench/dflash_plot" runs/tiny
 say "speculative decoding with the trained drafter on 16 held-out prompts (dflash_eval)"
 "$DFLASH_BUILD/data/dflash_data" synth --out runs/tiny/data/heldout.h5 --sequences 16 --min-len 24 --max-len 64 \
   --vocab-size 16 --seed 1 >/dev/null

@@ -10,10 +10,10 @@
 
 #include "bench/report.h"
 #include "kernels/error.h"
-#include "trainer/plot.h"
+#include "bench/plot.h"
 
 using namespace dflash;
-using namespace dflash::trainer;
+using namespace dflash::bench;
 namespace fs = std::filesystem;
 
 namespace {

@@ -5,7 +5,10 @@
 #include "kernels/device.h"
 #include "kernels/error.h"
 #if DFLASH_WITH_CUDA
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/conv.h"
+#include "kernels/cuda/gdn.h"
+#include "kernels/cuda/gemm.h"
 #endif
 
 namespace dflash::target {

@@ -7,8 +7,14 @@
 #include <cmath>
 #include <numeric>
 
+#include "kernels/cuda/attention.h"
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/conv.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/gdn.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/norm.h"
+#include "kernels/cuda/rope.h"
 #include "kernels/device.h"
 
 namespace dflash::target {

@@ -9,13 +9,13 @@
 #include <sstream>
 #include <unordered_set>
 
+#include "kernels/device.h"
 #include "kernels/fp8.h"
 #include "kernels/ops.h"
 #include "kernels/random.h"
 #include "kernels/rng.h"
-#include "kernels/device.h"
 #if DFLASH_WITH_CUDA
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/gemm.h"
 #endif
 #include "kernels/io/safetensors.h"
 

@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/attention.h"
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/launch.h"
 #include "kernels/device.h"
 #include "kernels/ops.h"
 #include "kernels/random.h"

@@ -29,7 +29,7 @@
 
 #include "kernels/cases/gdn_cases.h"
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/gdn.h"
 #include "kernels/device.h"
 #include "kernels/ops.h"
 #include "test_util.h"

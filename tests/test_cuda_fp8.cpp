@@ -33,7 +33,9 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/norm.h"
 #include "kernels/device.h"
 #include "kernels/fp8.h"
 #include "kernels/ops.h"

@@ -13,7 +13,8 @@
 #include <vector>
 
 #include "kernels/cases/gdn_cases.h"
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/conv.h"
+#include "kernels/cuda/gdn.h"
 #include "kernels/device.h"
 #include "kernels/ops.h"
 #include "kernels/random.h"

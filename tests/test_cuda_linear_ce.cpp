@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "drafter/loss.h"
-#include "kernels/cuda/train_launch.h"
+#include "kernels/cuda/loss.h"
 #include "kernels/device.h"
 #include "kernels/random.h"
 #include "test_util.h"

@@ -18,7 +18,10 @@
 #include <functional>
 #include <vector>
 
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/norm.h"
+#include "kernels/cuda/rope.h"
 #include "kernels/device.h"
 #include "kernels/ops.h"
 #include "kernels/random.h"

@@ -17,7 +17,7 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/sampling.h"
 #include "kernels/device.h"
 #include "kernels/ops.h"
 #include "kernels/random.h"

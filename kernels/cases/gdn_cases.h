@@ -9,7 +9,8 @@
 #include <vector>
 
 #include "kernels/cases/op_cases.h"
-#include "kernels/cuda/launch.h"
+#include "kernels/cuda/conv.h"
+#include "kernels/cuda/gdn.h"
 
 // Tuning knobs and test hooks defined in the kernel files, swept by the check tables and kernel_bench.
 namespace dflash::cuda {

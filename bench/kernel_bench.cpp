@@ -327,7 +327,7 @@ void bench_gemm(Ctx& ctx, bool quick) {
     }
 }
 
-// The fused linear cross-entropy (train_launch.h linear_ce) at the drafter's training shape:
+// The fused linear cross-entropy (loss.h linear_ce) at the drafter's training shape:
 // R 8192 rows, H 5120, V 248320 (Qwen3.6-27B vocabulary), forward + backward (ce, argmax, dhidden)
 // per chunk size. FLOPs = 2·R·H·V (logits) + 2·R·H·V (dhidden); the row kernel's extra traffic
 // (~14·R·V bytes) is not counted. Before timing, every chunk size is checked against the first
@@ -442,7 +442,7 @@ void bench_ce(Ctx& ctx, bool quick) {
   write_dense_shares(ctx, "ce", first_row, dense_p50);
 }
 
-// DFlash block attention (train_launch.h block_attention_fwd / _bwd) at the Qwen3.6-27B drafter's
+// DFlash block attention (block_attention.h block_attention_fwd / _bwd) at the Qwen3.6-27B drafter's
 // training shape: Hq 32, Hkv 8, d 128, 512 blocks of B = 16 over one 4096-token context, anchors
 // uniform in [0, 4096) from a fixed seed, sorted; full attention. Before timing, the tensor-core
 // kernels are checked against the plain fallback kernels on the same inputs (out, dq, dkc, dvc,

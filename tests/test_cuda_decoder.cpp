@@ -396,7 +396,7 @@ TEST(CudaDecoder, SamplingMatchesTheCpuReference) {
   eo.last_only = true;
   int64_t drawn = 0, exact = 0, clear = 0;
   // Each GPU draw against the reference draw on the GPU's own logits (exact but for a nucleus mass
-  // within 1e-5 of top_p, launch.h), and against the CPU decoder's draw where the two decoders'
+  // within 1e-5 of top_p, sampling.h), and against the CPU decoder's draw where the two decoders'
   // nuclei are the same set and the Gumbel gap is wider than twice the row's logit error (z units).
   auto check = [&](const ExtendResult& rg, const ExtendResult& rc, const std::vector<int64_t>& pos_of_first,
                    const std::string& what) {

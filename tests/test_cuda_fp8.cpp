@@ -1,4 +1,4 @@
-// The FP8 CUDA ops (kernels/cuda/launch.h "FP8": kernels/cuda/fp8.cu and gemm_fp8 in
+// The FP8 CUDA ops (kernels/cuda/gemm.h "FP8": kernels/cuda/fp8.cu and gemm_fp8 in
 // kernels/cuda/gemm.cpp) against the CPU reference (kernels/cpu/fp8.cpp) on fresh random inputs;
 // every output is poisoned before the launch (codes 0xAB, scales NaN) and NaN fails.
 //
@@ -15,7 +15,7 @@
 //   gives >= 1e-1 with the varied scales used here (powers of two spread over 2^-4..2^4).
 // - ScaleLayoutsAreCublasLts: which layout cuBLASLt reads for each scale mode, decided here on the
 //   GPU (random codes, random scales in each candidate layout, the other operand's scales all 1):
-//   the launch.h layouts must match; and which token counts block scaling takes (M % 4 == 0).
+//   the gemm.h layouts must match; and which token counts block scaling takes (M % 4 == 0).
 // H200 run (7912da0 + these files, cuBLASLt 13.1): the quantizers and fused producers bit-identical
 // on every case; gemm_fp8 within 2.0e-3 .. 3.1e-3 on every M = 128 / 1000 / 300 case; cuBLASLt
 // refused M = 1, 7, 17, 33 and fast accumulation with block scaling, which is why those cases are
@@ -113,7 +113,7 @@ std::vector<uint8_t> strided_codes(const Tensor& q, int64_t ld) {
   return out;
 }
 
-// Where gemm_fp8 reads a scale (launch.h "FP8").
+// Where gemm_fp8 reads a scale (gemm.h "FP8").
 int64_t act_scale_at(int64_t m, int64_t g, int64_t M) { return g * cu::fp8_act_scale_ld(M) + m; }
 int64_t weight_scale_at(int64_t nb, int64_t kb, int64_t K) { return nb * cu::fp8_weight_scale_ld(K) + kb; }
 
@@ -244,15 +244,15 @@ TEST(CudaFp8, ScaleLayoutsAreCublasLts) {
       ADD_FAILURE() << "M=" << M << ": " << e.what();
       continue;
     }
-    // What the code uses (launch.h): token-contiguous with ld fp8_act_scale_ld(M), K-block-contiguous
+    // What the code uses (gemm.h): token-contiguous with ld fp8_act_scale_ld(M), K-block-contiguous
     // with ld fp8_weight_scale_ld(K).
     const ops::Fp8Act a_both = a_rand;
     const double e = max_rel_err(run_gemm(xq, K, dev_from(act_scales_for_gemm(a_rand.scale)), wq,
                                           dev_from(weight_scales_for_gemm(w_rand.scale_inv, K)), M, N, K),
                                  cpu_gemm(a_both, w_rand));
-    std::printf("  M=%ld launch.h layouts (act ld %ld, weight ld %ld): max_rel_err %.2e\n", long(M),
+    std::printf("  M=%ld gemm.h layouts (act ld %ld, weight ld %ld): max_rel_err %.2e\n", long(M),
                 long(cu::fp8_act_scale_ld(M)), long(cu::fp8_weight_scale_ld(K)), e);
-    EXPECT_LT(e, kGemmBound) << "M=" << M << ": the scale layouts of launch.h are not the ones cuBLASLt reads";
+    EXPECT_LT(e, kGemmBound) << "M=" << M << ": the scale layouts of gemm.h are not the ones cuBLASLt reads";
     EXPECT_FALSE(act_match.empty() || wgt_match.empty()) << "M=" << M << ": no candidate layout matched";
   }
   // Which token counts block scaling takes (K 5120, N 384): multiples of 4 (cuBLASLt 13.1 on an H200

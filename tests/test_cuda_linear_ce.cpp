@@ -1,4 +1,4 @@
-// CUDA fused linear cross-entropy (train_launch.h: linear_ce) against the CPU oracle
+// CUDA fused linear cross-entropy (loss.h: linear_ce) against the CPU oracle
 // drafter::fused_linear_ce, computed in double on the same bf16-rounded hidden states and lm_head.
 // Fresh random inputs per case; ce / argmax / dhidden are poisoned (NaN / sentinel) before every run.
 //

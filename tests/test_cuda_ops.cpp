@@ -1,4 +1,4 @@
-// CUDA GEMM, embedding, norm and elementwise kernels (kernels/cuda/launch.h) against the fp32 CPU
+// CUDA GEMM, embedding, norm and elementwise kernels (kernels/cuda/gemm.h, norm.h, rope.h, elementwise.h) against the fp32 CPU
 // reference ops. Inputs are drawn in f32, rounded to bf16 on the host, and the reference gets the
 // same rounded values in f32; every output is poisoned (NaN) before the launch, and padding columns
 // of strided views are checked to be left alone.
@@ -27,7 +27,7 @@
 #include "kernels/random.h"
 #include "test_util.h"
 
-// Test/benchmark knob defined in elementwise.cu (0 = the launcher's automatic choice).
+// Test/benchmark knob defined in norm.cu (0 = the launcher's automatic choice).
 namespace dflash::cuda::tuning {
 extern int gated_norm_blocks;
 }  // namespace dflash::cuda::tuning

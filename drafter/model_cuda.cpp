@@ -215,7 +215,92 @@ DrafterWeights CudaDrafter::download(const Tensor& flat) const {
 DrafterWeights CudaDrafter::download_masters() const { return download(masters_); }
 DrafterWeights CudaDrafter::download_grads() const { return download(grads_); }
 
-StepStats CudaDrafter::step(const DrafterBatch& batch, const StepOptions& opt, bool backward, bool last_micro_batch,
+// One step's state, handed from part to part: the host-side layout and its device copies, the
+// forward's saved activations and the loss's outputs. It lives until step() returns (as the same
+// tensors did when the step was one function); the backward's own buffers live inside backward().
+struct CudaDrafter::StepState {
+  StepState(const CudaDrafter& m, const DrafterBatch& b)
+      : model(m),
+        batch(b),
+        dev(m.device_.index),
+        s(DeviceContext::get(dev).stream()),
+        N(b.context.size(0)),
+        nb(static_cast<int64_t>(b.blocks.size())),
+        R(nb * m.c_.block_size),
+        S(b.seqs.num_sequences()),
+        eps(static_cast<float>(m.c_.rms_norm_eps)),
+        theta(static_cast<float>(m.c_.rope_theta)) {}
+
+  struct Saved {
+    Tensor h_in, xn, r_in, qk_b, v_b, k_c, v_c, q_r, k_br, k_cr, r_q, r_kb, r_kc, o, lse, h1, yn, r_post, gu, m;
+  };
+
+  const CudaDrafter& model;
+  const DrafterBatch& batch;
+  const int dev;
+  void* const s;  // the device's stream: every kernel of the step runs on it
+  const int64_t N, nb, R, S;  // context rows, blocks, block rows (nb·B), sequences
+  const float eps, theta;
+  // layout
+  BlockTargets tg;
+  int64_t max_seqlen = 0;
+  double gscale = 0;
+  Tensor d_ids, d_pos_b, d_pos_c, d_anchor, d_bseq, d_cuseq, d_cublk, d_labels, d_w;
+  // forward
+  cuda::BlockAttnParams ap;
+  Tensor ctx_pre, ctx, r_ctx;  // fc(context) [N, H] bf16, hidden_norm of it, its rstd
+  std::vector<Saved> sv;       // [L]
+  Tensor h;                    // [R, H] fp32 residual stream after the last layer
+  Tensor hf, r_f;              // final norm [R, H] bf16, its rstd
+  // loss
+  Tensor ce, amax, dhf, ws;    // per-row CE, top-1, d(final norm) [R, H] fp32 when backward, CE workspace
+
+  Tensor bf(int64_t rows, int64_t cols) const { return dev_empty({rows, cols}, DType::BF16, model.device_); }
+  Tensor f32(int64_t rows, int64_t cols) const { return dev_empty({rows, cols}, DType::F32, model.device_); }
+  // y[M, N] = x[M, K] · w[N, K]ᵀ, bf16 out (or fp32 accumulated into y when acc_f32).
+  void linear(const void* x, int64_t ldx, const void* w, void* y, int64_t ldy, int64_t M, int64_t Nn, int64_t K,
+              bool acc_f32 = false) const {
+    cuda::GemmExParams g;
+    g.a = x, g.lda = ldx, g.b = w, g.ldb = K, g.trans_b = true, g.d = y, g.ldd = ldy, g.d_f32 = acc_f32;
+    g.M = M, g.N = Nn, g.K = K, g.beta = acc_f32 ? 1.0f : 0.0f;
+    cuda::gemm_ex(g, dev);
+  }
+  // dx[M, K] = dy[M, N] · w[N, K]   (bf16, or fp32 with accumulation)
+  void linear_dx(const void* dy, int64_t lddy, const void* w, void* dx, int64_t lddx, int64_t M, int64_t Nn, int64_t K,
+                 bool acc_f32 = false) const {
+    cuda::GemmExParams g;
+    g.a = dy, g.lda = lddy, g.b = w, g.ldb = K, g.d = dx, g.ldd = lddx, g.d_f32 = acc_f32;
+    g.M = M, g.N = K, g.K = Nn, g.beta = acc_f32 ? 1.0f : 0.0f;
+    cuda::gemm_ex(g, dev);
+  }
+  // dw[N, K] (+)= dy[M, N]ᵀ · x[M, K]   (fp32)
+  void linear_dw(const void* dy, int64_t lddy, const void* x, int64_t ldx, float* dw, int64_t M, int64_t Nn, int64_t K) const {
+    cuda::GemmExParams g;
+    g.a = dy, g.lda = lddy, g.trans_a = true, g.b = x, g.ldb = ldx, g.d = dw, g.ldd = K, g.d_f32 = true;
+    g.M = Nn, g.N = K, g.K = M, g.beta = 1.0f;
+    cuda::gemm_ex(g, dev);
+  }
+  void rms_fwd(const void* x, bool x_f32, int64_t ldx, const std::string& w, void* y, float* rstd, int64_t rows,
+               int64_t D) const {
+    cuda::rms_norm_fwd(x, x_f32, ldx, model.wptr(w), y, rstd, rows, D, eps, s);
+  }
+  cuda::HeadNormRopeParams head_fwd(const void* x, int64_t ldx, const std::string& w, const Tensor& pos, void* y,
+                                    float* rstd, int64_t rows, int64_t heads) const {
+    cuda::HeadNormRopeParams p;
+    p.x = x, p.ldx = ldx, p.w = model.wptr(w), p.pos = pos.data<int32_t>(), p.y = y, p.rstd = rstd;
+    p.rows = rows, p.heads = heads, p.d = model.c_.head_dim, p.eps = eps, p.theta = theta;
+    return p;
+  }
+  void rms_bwd(const void* x, bool x_f32, int64_t ldx, const std::string& w, const float* rstd, const void* dy, float* dx,
+               void* dx_bf16, void* dx_copy, int64_t rows, int64_t D) const {
+    cuda::RmsNormBwdParams p;
+    p.x = x, p.x_f32 = x_f32, p.ldx = ldx, p.w = model.wptr(w), p.rstd = rstd, p.dy = dy, p.dx = dx, p.dx_bf16 = dx_bf16;
+    p.dx_copy_bf16 = dx_copy, p.dw = model.gptr(w), p.rows = rows, p.D = D;
+    cuda::rms_norm_bwd(p, s);
+  }
+};
+
+StepStats CudaDrafter::step(const DrafterBatch& batch, const StepOptions& opt, bool with_backward, bool last_micro_batch,
                             const BucketReady& on_bucket) {
   check_batch(c_, batch);
   const Tensor& context = batch.context;
@@ -223,18 +308,22 @@ StepStats CudaDrafter::step(const DrafterBatch& batch, const StepOptions& opt, b
                "CudaDrafter: context must be contiguous bf16 on " << device_.str() << ", got " << context.describe());
   DFLASH_CHECK(opt.mask == MaskVariant::Correct && opt.label_shift == 0,
                "CudaDrafter: the mask / label test hooks exist on the CPU reference only");
-  const int dev = device_.index;
-  void* s = DeviceContext::get(dev).stream();
-  const int64_t H = c_.hidden_size, B = c_.block_size, d = c_.head_dim, Hq = c_.num_attention_heads;
-  const int64_t Hkv = c_.num_key_value_heads, I = c_.intermediate_size, L = c_.num_hidden_layers;
-  const int64_t qd = c_.q_dim(), kvd = c_.kv_dim(), QKV = qd + 2 * kvd, KH = c_.context_dim();
-  const int64_t N = context.size(0), nb = static_cast<int64_t>(batch.blocks.size()), R = nb * B;
-  const int64_t S = batch.seqs.num_sequences();
-  const float eps = static_cast<float>(c_.rms_norm_eps), theta = static_cast<float>(c_.rope_theta);
+  StepState st(*this, batch);
+  layout(st, opt);
+  if (st.nb == 0) return block_stats(c_.block_size, st.tg, {}, 0.0);
+  forward(st);
+  const StepStats stats = loss(st, opt, with_backward);
+  if (with_backward) backward(st, last_micro_batch, on_bucket);
+  return stats;
+}
 
-  // ---- host-side layout of the step ----
-  const BlockTargets tg = block_targets(c_, batch, opt.gamma);
-  if (nb == 0) return block_stats(B, tg, {}, 0.0);
+// ---- host-side layout of the step ----
+void CudaDrafter::layout(StepState& st, const StepOptions& opt) const {
+  const DrafterBatch& batch = st.batch;
+  const int64_t B = c_.block_size, N = st.N, nb = st.nb, R = st.R, S = st.S;
+  st.tg = block_targets(c_, batch, opt.gamma);
+  const BlockTargets& tg = st.tg;
+  if (nb == 0) return;
   std::vector<int32_t> ids(static_cast<size_t>(R)), pos_b(static_cast<size_t>(R)), pos_c(static_cast<size_t>(N));
   std::vector<int32_t> anchor(static_cast<size_t>(nb)), block_seq(static_cast<size_t>(nb));
   std::vector<int32_t> cu_seq(static_cast<size_t>(S + 1)), cu_blk(static_cast<size_t>(S + 1), 0);
@@ -257,169 +346,145 @@ StepStats CudaDrafter::step(const DrafterBatch& batch, const StepOptions& opt, b
     }
   }
   for (int64_t q = 1; q <= S; ++q) cu_blk[q] = std::max(cu_blk[q], cu_blk[q - 1]);  // sequences without blocks
-  const double gscale = opt.grad_scale != 0 ? opt.grad_scale : (tg.weight_sum > 0 ? 1.0 / tg.weight_sum : 0.0);
+  st.max_seqlen = max_seqlen;
+  st.gscale = opt.grad_scale != 0 ? opt.grad_scale : (tg.weight_sum > 0 ? 1.0 / tg.weight_sum : 0.0);
   std::vector<float> wts(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r) wts[r] = static_cast<float>(tg.weights[r]);
-  const Tensor d_ids = upload_i32(ids, device_), d_pos_b = upload_i32(pos_b, device_), d_pos_c = upload_i32(pos_c, device_);
-  const Tensor d_anchor = upload_i32(anchor, device_), d_bseq = upload_i32(block_seq, device_);
-  const Tensor d_cuseq = upload_i32(cu_seq, device_), d_cublk = upload_i32(cu_blk, device_);
-  const Tensor d_labels = upload_i32(tg.labels, device_), d_w = upload_f32(wts, device_);
+  st.d_ids = upload_i32(ids, device_), st.d_pos_b = upload_i32(pos_b, device_), st.d_pos_c = upload_i32(pos_c, device_);
+  st.d_anchor = upload_i32(anchor, device_), st.d_bseq = upload_i32(block_seq, device_);
+  st.d_cuseq = upload_i32(cu_seq, device_), st.d_cublk = upload_i32(cu_blk, device_);
+  st.d_labels = upload_i32(tg.labels, device_), st.d_w = upload_f32(wts, device_);
+}
 
-  auto bf = [&](int64_t rows, int64_t cols) { return dev_empty({rows, cols}, DType::BF16, device_); };
-  auto f32 = [&](int64_t rows, int64_t cols) { return dev_empty({rows, cols}, DType::F32, device_); };
-  // y[M, N] = x[M, K] · w[N, K]ᵀ, bf16 out (or fp32 accumulated into y when acc_f32).
-  auto linear = [&](const void* x, int64_t ldx, const void* w, void* y, int64_t ldy, int64_t M, int64_t Nn, int64_t K,
-                    bool acc_f32 = false) {
-    cuda::GemmExParams g;
-    g.a = x, g.lda = ldx, g.b = w, g.ldb = K, g.trans_b = true, g.d = y, g.ldd = ldy, g.d_f32 = acc_f32;
-    g.M = M, g.N = Nn, g.K = K, g.beta = acc_f32 ? 1.0f : 0.0f;
-    cuda::gemm_ex(g, dev);
-  };
-  // dx[M, K] = dy[M, N] · w[N, K]   (bf16, or fp32 with accumulation)
-  auto linear_dx = [&](const void* dy, int64_t lddy, const void* w, void* dx, int64_t lddx, int64_t M, int64_t Nn,
-                       int64_t K, bool acc_f32 = false) {
-    cuda::GemmExParams g;
-    g.a = dy, g.lda = lddy, g.b = w, g.ldb = K, g.d = dx, g.ldd = lddx, g.d_f32 = acc_f32;
-    g.M = M, g.N = K, g.K = Nn, g.beta = acc_f32 ? 1.0f : 0.0f;
-    cuda::gemm_ex(g, dev);
-  };
-  // dw[N, K] (+)= dy[M, N]ᵀ · x[M, K]   (fp32)
-  auto linear_dw = [&](const void* dy, int64_t lddy, const void* x, int64_t ldx, float* dw, int64_t M, int64_t Nn,
-                       int64_t K) {
-    cuda::GemmExParams g;
-    g.a = dy, g.lda = lddy, g.trans_a = true, g.b = x, g.ldb = ldx, g.d = dw, g.ldd = K, g.d_f32 = true;
-    g.M = Nn, g.N = K, g.K = M, g.beta = 1.0f;
-    cuda::gemm_ex(g, dev);
-  };
-  auto rms_fwd = [&](const void* x, bool x_f32, int64_t ldx, const std::string& w, void* y, float* rstd, int64_t rows,
-                     int64_t D) { cuda::rms_norm_fwd(x, x_f32, ldx, wptr(w), y, rstd, rows, D, eps, s); };
-  auto head_fwd = [&](const void* x, int64_t ldx, const std::string& w, const Tensor& pos, void* y, float* rstd,
-                      int64_t rows, int64_t heads) {
-    cuda::HeadNormRopeParams p;
-    p.x = x, p.ldx = ldx, p.w = wptr(w), p.pos = pos.data<int32_t>(), p.y = y, p.rstd = rstd;
-    p.rows = rows, p.heads = heads, p.d = d, p.eps = eps, p.theta = theta;
-    return p;
-  };
+// ---- forward ----
+void CudaDrafter::forward(StepState& st) const {
+  const Tensor& context = st.batch.context;
+  void* s = st.s;
+  const int64_t H = c_.hidden_size, B = c_.block_size, d = c_.head_dim, Hq = c_.num_attention_heads;
+  const int64_t Hkv = c_.num_key_value_heads, I = c_.intermediate_size, L = c_.num_hidden_layers;
+  const int64_t qd = c_.q_dim(), kvd = c_.kv_dim(), KH = c_.context_dim();
+  const int64_t N = st.N, nb = st.nb, R = st.R, S = st.S;
+  st.ctx_pre = st.bf(N, H), st.ctx = st.bf(N, H), st.r_ctx = st.f32(N, 1);
+  const Tensor &ctx_pre = st.ctx_pre, &ctx = st.ctx, &r_ctx = st.r_ctx;
+  st.linear(context.raw_data(), KH, wptr("fc.weight"), ctx_pre.raw_data(), H, N, H, KH);
+  st.rms_fwd(ctx_pre.raw_data(), false, H, "hidden_norm.weight", ctx.raw_data(), r_ctx.data<float>(), N, H);
 
-  // ---- forward ----
-  const Tensor ctx_pre = bf(N, H), ctx = bf(N, H), r_ctx = f32(N, 1);
-  linear(context.raw_data(), KH, wptr("fc.weight"), ctx_pre.raw_data(), H, N, H, KH);
-  rms_fwd(ctx_pre.raw_data(), false, H, "hidden_norm.weight", ctx.raw_data(), r_ctx.data<float>(), N, H);
-
-  struct Saved {
-    Tensor h_in, xn, r_in, qk_b, v_b, k_c, v_c, q_r, k_br, k_cr, r_q, r_kb, r_kc, o, lse, h1, yn, r_post, gu, m;
-  };
-  std::vector<Saved> sv(static_cast<size_t>(L));
-  Tensor h = f32(R, H);
-  cuda::embedding_f32(d_ids.data<int32_t>(), embed_.raw_data(), h.data<float>(), R, H, s);
-  cuda::BlockAttnParams ap;
-  ap.anchor = d_anchor.data<int32_t>(), ap.block_seq = d_bseq.data<int32_t>();
-  ap.cu_seqlens = d_cuseq.data<int32_t>(), ap.cu_blocks = d_cublk.data<int32_t>();
-  ap.nb = nb, ap.B = B, ap.N = N, ap.num_seqs = S, ap.max_seqlen = max_seqlen, ap.Hq = Hq, ap.Hkv = Hkv, ap.d = d;
+  st.sv.resize(static_cast<size_t>(L));
+  Tensor& h = st.h;
+  h = st.f32(R, H);
+  cuda::embedding_f32(st.d_ids.data<int32_t>(), embed_.raw_data(), h.data<float>(), R, H, s);
+  cuda::BlockAttnParams& ap = st.ap;
+  ap.anchor = st.d_anchor.data<int32_t>(), ap.block_seq = st.d_bseq.data<int32_t>();
+  ap.cu_seqlens = st.d_cuseq.data<int32_t>(), ap.cu_blocks = st.d_cublk.data<int32_t>();
+  ap.nb = nb, ap.B = B, ap.N = N, ap.num_seqs = S, ap.max_seqlen = st.max_seqlen, ap.Hq = Hq, ap.Hkv = Hkv, ap.d = d;
   ap.window = c_.sliding_window;
   for (int64_t l = 0; l < L; ++l) {
-    Saved& v = sv[l];
+    StepState::Saved& v = st.sv[l];
     const std::string p = "layers." + std::to_string(l) + ".";
     v.h_in = h;
-    v.xn = bf(R, H), v.r_in = f32(R, 1);
-    rms_fwd(h.raw_data(), true, H, p + "input_layernorm.weight", v.xn.raw_data(), v.r_in.data<float>(), R, H);
+    v.xn = st.bf(R, H), v.r_in = st.f32(R, 1);
+    st.rms_fwd(h.raw_data(), true, H, p + "input_layernorm.weight", v.xn.raw_data(), v.r_in.data<float>(), R, H);
     void* wq = wptr(p + "self_attn.q_proj.weight");
     void* wk = wptr(p + "self_attn.k_proj.weight");
     void* wv = wptr(p + "self_attn.v_proj.weight");
-    v.qk_b = bf(R, qd + kvd), v.v_b = bf(R, kvd), v.k_c = bf(N, kvd), v.v_c = bf(N, kvd);
-    linear(v.xn.raw_data(), H, wq, v.qk_b.raw_data(), qd + kvd, R, qd + kvd, H);  // q|k rows are adjacent
-    linear(v.xn.raw_data(), H, wv, v.v_b.raw_data(), kvd, R, kvd, H);
-    linear(ctx.raw_data(), H, wk, v.k_c.raw_data(), kvd, N, kvd, H);
-    linear(ctx.raw_data(), H, wv, v.v_c.raw_data(), kvd, N, kvd, H);
-    v.q_r = bf(R, qd), v.k_br = bf(R, kvd), v.k_cr = bf(N, kvd);
-    v.r_q = f32(R, Hq), v.r_kb = f32(R, Hkv), v.r_kc = f32(N, Hkv);
-    cuda::head_norm_rope_fwd(head_fwd(v.qk_b.raw_data(), qd + kvd, p + "self_attn.q_norm.weight", d_pos_b,
-                                      v.q_r.raw_data(), v.r_q.data<float>(), R, Hq), s);
-    cuda::head_norm_rope_fwd(head_fwd(bf16_at(v.qk_b.raw_data(), qd), qd + kvd, p + "self_attn.k_norm.weight", d_pos_b,
-                                      v.k_br.raw_data(), v.r_kb.data<float>(), R, Hkv), s);
-    cuda::head_norm_rope_fwd(head_fwd(v.k_c.raw_data(), kvd, p + "self_attn.k_norm.weight", d_pos_c, v.k_cr.raw_data(),
-                                      v.r_kc.data<float>(), N, Hkv), s);
-    v.o = bf(R, qd), v.lse = f32(R, Hq);
+    v.qk_b = st.bf(R, qd + kvd), v.v_b = st.bf(R, kvd), v.k_c = st.bf(N, kvd), v.v_c = st.bf(N, kvd);
+    st.linear(v.xn.raw_data(), H, wq, v.qk_b.raw_data(), qd + kvd, R, qd + kvd, H);  // q|k rows are adjacent
+    st.linear(v.xn.raw_data(), H, wv, v.v_b.raw_data(), kvd, R, kvd, H);
+    st.linear(ctx.raw_data(), H, wk, v.k_c.raw_data(), kvd, N, kvd, H);
+    st.linear(ctx.raw_data(), H, wv, v.v_c.raw_data(), kvd, N, kvd, H);
+    v.q_r = st.bf(R, qd), v.k_br = st.bf(R, kvd), v.k_cr = st.bf(N, kvd);
+    v.r_q = st.f32(R, Hq), v.r_kb = st.f32(R, Hkv), v.r_kc = st.f32(N, Hkv);
+    cuda::head_norm_rope_fwd(st.head_fwd(v.qk_b.raw_data(), qd + kvd, p + "self_attn.q_norm.weight", st.d_pos_b,
+                                         v.q_r.raw_data(), v.r_q.data<float>(), R, Hq), s);
+    cuda::head_norm_rope_fwd(st.head_fwd(bf16_at(v.qk_b.raw_data(), qd), qd + kvd, p + "self_attn.k_norm.weight", st.d_pos_b,
+                                         v.k_br.raw_data(), v.r_kb.data<float>(), R, Hkv), s);
+    cuda::head_norm_rope_fwd(st.head_fwd(v.k_c.raw_data(), kvd, p + "self_attn.k_norm.weight", st.d_pos_c, v.k_cr.raw_data(),
+                                         v.r_kc.data<float>(), N, Hkv), s);
+    v.o = st.bf(R, qd), v.lse = st.f32(R, Hq);
     ap.q = v.q_r.raw_data(), ap.kc = v.k_cr.raw_data(), ap.vc = v.v_c.raw_data();
     ap.kb = v.k_br.raw_data(), ap.vb = v.v_b.raw_data(), ap.out = v.o.raw_data(), ap.lse = v.lse.data<float>();
     ap.sliding = c_.layer_types[l] == AttnType::Sliding;
     cuda::block_attention_fwd(ap, s);
-    v.h1 = f32(R, H);
+    v.h1 = st.f32(R, H);
     copy_async(v.h1.raw_data(), h.raw_data(), h.nbytes(), s);
-    linear(v.o.raw_data(), qd, wptr(p + "self_attn.o_proj.weight"), v.h1.raw_data(), H, R, H, qd, true);
-    v.yn = bf(R, H), v.r_post = f32(R, 1);
-    rms_fwd(v.h1.raw_data(), true, H, p + "post_attention_layernorm.weight", v.yn.raw_data(), v.r_post.data<float>(), R, H);
-    v.gu = bf(R, 2 * I), v.m = bf(R, I);
-    linear(v.yn.raw_data(), H, wptr(p + "mlp.gate_proj.weight"), v.gu.raw_data(), 2 * I, R, 2 * I, H);
+    st.linear(v.o.raw_data(), qd, wptr(p + "self_attn.o_proj.weight"), v.h1.raw_data(), H, R, H, qd, true);
+    v.yn = st.bf(R, H), v.r_post = st.f32(R, 1);
+    st.rms_fwd(v.h1.raw_data(), true, H, p + "post_attention_layernorm.weight", v.yn.raw_data(), v.r_post.data<float>(), R, H);
+    v.gu = st.bf(R, 2 * I), v.m = st.bf(R, I);
+    st.linear(v.yn.raw_data(), H, wptr(p + "mlp.gate_proj.weight"), v.gu.raw_data(), 2 * I, R, 2 * I, H);
     cuda::swiglu(v.gu.raw_data(), v.m.raw_data(), R, I, s);
-    h = f32(R, H);
+    h = st.f32(R, H);
     copy_async(h.raw_data(), v.h1.raw_data(), h.nbytes(), s);
-    linear(v.m.raw_data(), I, wptr(p + "mlp.down_proj.weight"), h.raw_data(), H, R, H, I, true);
+    st.linear(v.m.raw_data(), I, wptr(p + "mlp.down_proj.weight"), h.raw_data(), H, R, H, I, true);
   }
-  const Tensor hf = bf(R, H), r_f = f32(R, 1);
-  rms_fwd(h.raw_data(), true, H, "norm.weight", hf.raw_data(), r_f.data<float>(), R, H);
+  st.hf = st.bf(R, H), st.r_f = st.f32(R, 1);
+  st.rms_fwd(h.raw_data(), true, H, "norm.weight", st.hf.raw_data(), st.r_f.data<float>(), R, H);
+}
 
-  // ---- loss ----
-  const Tensor ce = f32(R, 1), amax = dev_empty({R}, DType::I32, device_);
-  Tensor dhf;
+// ---- loss ----
+StepStats CudaDrafter::loss(StepState& st, const StepOptions& opt, bool with_backward) const {
+  const int64_t H = c_.hidden_size, B = c_.block_size, R = st.R;
+  const BlockTargets& tg = st.tg;
+  st.ce = st.f32(R, 1), st.amax = dev_empty({R}, DType::I32, device_);
   cuda::LinearCeParams lp;
-  lp.hidden = hf.raw_data(), lp.lm_head = lm_head_.raw_data(), lp.labels = d_labels.data<int32_t>();
-  lp.weights = d_w.data<float>(), lp.R = R, lp.H = H, lp.V = c_.vocab_size;
+  lp.hidden = st.hf.raw_data(), lp.lm_head = lm_head_.raw_data(), lp.labels = st.d_labels.data<int32_t>();
+  lp.weights = st.d_w.data<float>(), lp.R = R, lp.H = H, lp.V = c_.vocab_size;
   lp.chunk_rows = std::min<int64_t>(R, std::max<int64_t>(opt.ce_chunk_rows, kMinCeChunkRows));
-  lp.grad_scale = static_cast<float>(gscale), lp.ce = ce.data<float>(), lp.argmax = amax.data<int32_t>();
-  if (backward) dhf = f32(R, H), lp.dhidden = dhf.data<float>();
-  const Tensor ws = dev_empty({std::max<int64_t>(cuda::linear_ce_workspace(lp.chunk_rows, lp.V), 1)}, DType::U8, device_);
-  lp.workspace = ws.raw_data();
-  cuda::linear_ce(lp, dev);
-  const Tensor ce_h = ce.to(Device::cpu()), am_h = amax.to(Device::cpu());  // synchronizes
+  lp.grad_scale = static_cast<float>(st.gscale), lp.ce = st.ce.data<float>(), lp.argmax = st.amax.data<int32_t>();
+  if (with_backward) st.dhf = st.f32(R, H), lp.dhidden = st.dhf.data<float>();
+  st.ws = dev_empty({std::max<int64_t>(cuda::linear_ce_workspace(lp.chunk_rows, lp.V), 1)}, DType::U8, device_);
+  lp.workspace = st.ws.raw_data();
+  cuda::linear_ce(lp, st.dev);
+  const Tensor ce_h = st.ce.to(Device::cpu()), am_h = st.amax.to(Device::cpu());  // synchronizes
   double wce = 0;
   std::vector<int32_t> argmax(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r) {
     argmax[r] = am_h.data<int32_t>()[r];
     if (tg.weights[r] > 0) wce += tg.weights[r] * static_cast<double>(ce_h.data<float>()[r]);
   }
-  StepStats st = block_stats(B, tg, argmax, wce);
-  if (!backward) return st;
+  return block_stats(B, tg, argmax, wce);
+}
 
-  // ---- backward ----
+// ---- backward ----
+void CudaDrafter::backward(StepState& st, bool last_micro_batch, const BucketReady& on_bucket) {
+  const Tensor& context = st.batch.context;
+  void* s = st.s;
+  const int64_t H = c_.hidden_size, I = c_.intermediate_size, L = c_.num_hidden_layers;
+  const int64_t qd = c_.q_dim(), kvd = c_.kv_dim(), QKV = qd + 2 * kvd, KH = c_.context_dim();
+  const int64_t N = st.N, R = st.R;
+  const Tensor &h = st.h, &ctx = st.ctx;
+  cuda::BlockAttnParams& ap = st.ap;
   auto report = [&](int64_t bucket) {
     if (last_micro_batch && on_bucket) on_bucket(bucket);
   };
-  const Tensor dh = f32(R, H), dh_b = bf(R, H), tmp_b = bf(R, H);
+  const Tensor dh = st.f32(R, H), dh_b = st.bf(R, H), tmp_b = st.bf(R, H);
   DFLASH_CUDA_CHECK(cudaMemsetAsync(dh.raw_data(), 0, dh.nbytes(), static_cast<cudaStream_t>(s)));
-  cuda::cast_f32_bf16(dhf.data<float>(), tmp_b.raw_data(), R * H, s);
-  auto rms_bwd = [&](const void* x, bool x_f32, int64_t ldx, const std::string& w, const float* rstd, const void* dy,
-                     float* dx, void* dx_bf16, void* dx_copy, int64_t rows, int64_t D) {
-    cuda::RmsNormBwdParams p;
-    p.x = x, p.x_f32 = x_f32, p.ldx = ldx, p.w = wptr(w), p.rstd = rstd, p.dy = dy, p.dx = dx, p.dx_bf16 = dx_bf16;
-    p.dx_copy_bf16 = dx_copy, p.dw = gptr(w), p.rows = rows, p.D = D;
-    cuda::rms_norm_bwd(p, s);
-  };
-  rms_bwd(h.raw_data(), true, H, "norm.weight", r_f.data<float>(), tmp_b.raw_data(), dh.data<float>(), nullptr,
-          dh_b.raw_data(), R, H);
-  const Tensor dctx = f32(N, H);
+  cuda::cast_f32_bf16(st.dhf.data<float>(), tmp_b.raw_data(), R * H, s);
+  st.rms_bwd(h.raw_data(), true, H, "norm.weight", st.r_f.data<float>(), tmp_b.raw_data(), dh.data<float>(), nullptr,
+             dh_b.raw_data(), R, H);
+  const Tensor dctx = st.f32(N, H);
   DFLASH_CUDA_CHECK(cudaMemsetAsync(dctx.raw_data(), 0, dctx.nbytes(), static_cast<cudaStream_t>(s)));
-  const Tensor dm = bf(R, I), dgu = bf(R, 2 * I), d_o = bf(R, qd), dq_r = bf(R, qd), dkb_r = bf(R, kvd);
-  const Tensor dkc_r = bf(N, kvd), dqkv = bf(R, QKV), dkv_c = bf(N, 2 * kvd), dvb = bf(R, kvd), dvc = bf(N, kvd);
+  const Tensor dm = st.bf(R, I), dgu = st.bf(R, 2 * I), d_o = st.bf(R, qd), dq_r = st.bf(R, qd), dkb_r = st.bf(R, kvd);
+  const Tensor dkc_r = st.bf(N, kvd), dqkv = st.bf(R, QKV), dkv_c = st.bf(N, 2 * kvd), dvb = st.bf(R, kvd), dvc = st.bf(N, kvd);
   cuda::BlockAttnBwdParams bp;
   const Tensor aws = dev_empty({std::max<int64_t>(cuda::block_attention_bwd_workspace(ap), 1)}, DType::U8, device_);
   for (int64_t l = L - 1; l >= 0; --l) {
-    Saved& v = sv[l];
+    StepState::Saved& v = st.sv[l];
     const std::string p = "layers." + std::to_string(l) + ".";
     // MLP: h_out = h1 + down(m), m = swiglu(gu), gu = yn · [gate; up]ᵀ
     const std::string down = p + "mlp.down_proj.weight", gate = p + "mlp.gate_proj.weight";
-    linear_dx(dh_b.raw_data(), H, wptr(down), dm.raw_data(), I, R, H, I);
-    linear_dw(dh_b.raw_data(), H, v.m.raw_data(), I, gptr(down), R, H, I);
+    st.linear_dx(dh_b.raw_data(), H, wptr(down), dm.raw_data(), I, R, H, I);
+    st.linear_dw(dh_b.raw_data(), H, v.m.raw_data(), I, gptr(down), R, H, I);
     cuda::swiglu_bwd(v.gu.raw_data(), dm.raw_data(), dgu.raw_data(), R, I, s);
-    linear_dw(dgu.raw_data(), 2 * I, v.yn.raw_data(), H, gptr(gate), R, 2 * I, H);
-    linear_dx(dgu.raw_data(), 2 * I, wptr(gate), tmp_b.raw_data(), H, R, 2 * I, H);
-    rms_bwd(v.h1.raw_data(), true, H, p + "post_attention_layernorm.weight", v.r_post.data<float>(), tmp_b.raw_data(),
-            dh.data<float>(), nullptr, dh_b.raw_data(), R, H);
+    st.linear_dw(dgu.raw_data(), 2 * I, v.yn.raw_data(), H, gptr(gate), R, 2 * I, H);
+    st.linear_dx(dgu.raw_data(), 2 * I, wptr(gate), tmp_b.raw_data(), H, R, 2 * I, H);
+    st.rms_bwd(v.h1.raw_data(), true, H, p + "post_attention_layernorm.weight", v.r_post.data<float>(), tmp_b.raw_data(),
+               dh.data<float>(), nullptr, dh_b.raw_data(), R, H);
     // Attention: h1 = h_in + o_proj(o)
     const std::string o_w = p + "self_attn.o_proj.weight", q_w = p + "self_attn.q_proj.weight";
     const std::string k_w = p + "self_attn.k_proj.weight";
-    linear_dx(dh_b.raw_data(), H, wptr(o_w), d_o.raw_data(), qd, R, H, qd);
-    linear_dw(dh_b.raw_data(), H, v.o.raw_data(), qd, gptr(o_w), R, H, qd);
+    st.linear_dx(dh_b.raw_data(), H, wptr(o_w), d_o.raw_data(), qd, R, H, qd);
+    st.linear_dw(dh_b.raw_data(), H, v.o.raw_data(), qd, gptr(o_w), R, H, qd);
     ap.q = v.q_r.raw_data(), ap.kc = v.k_cr.raw_data(), ap.vc = v.v_c.raw_data();
     ap.kb = v.k_br.raw_data(), ap.vb = v.v_b.raw_data(), ap.out = v.o.raw_data(), ap.lse = v.lse.data<float>();
     ap.sliding = c_.layer_types[l] == AttnType::Sliding;
@@ -428,36 +493,37 @@ StepStats CudaDrafter::step(const DrafterBatch& batch, const StepOptions& opt, b
     cuda::block_attention_bwd(bp, s);
     // Head norms + RoPE backward into the fused gradient buffers [dq | dk | dv] (block) and [dk | dv] (context).
     cuda::HeadNormRopeBwdParams hb;
-    hb.fwd = head_fwd(v.qk_b.raw_data(), qd + kvd, p + "self_attn.q_norm.weight", d_pos_b, nullptr, v.r_q.data<float>(), R, Hq);
+    hb.fwd = st.head_fwd(v.qk_b.raw_data(), qd + kvd, p + "self_attn.q_norm.weight", st.d_pos_b, nullptr, v.r_q.data<float>(),
+                         R, c_.num_attention_heads);
     hb.dy = dq_r.raw_data(), hb.dx = dqkv.raw_data(), hb.lddx = QKV, hb.dw = gptr(p + "self_attn.q_norm.weight");
     cuda::head_norm_rope_bwd(hb, s);
-    hb.fwd = head_fwd(bf16_at(v.qk_b.raw_data(), qd), qd + kvd, p + "self_attn.k_norm.weight", d_pos_b, nullptr,
-                      v.r_kb.data<float>(), R, Hkv);
+    hb.fwd = st.head_fwd(bf16_at(v.qk_b.raw_data(), qd), qd + kvd, p + "self_attn.k_norm.weight", st.d_pos_b, nullptr,
+                         v.r_kb.data<float>(), R, c_.num_key_value_heads);
     hb.dy = dkb_r.raw_data(), hb.dx = bf16_at(dqkv.raw_data(), qd), hb.lddx = QKV, hb.dw = gptr(p + "self_attn.k_norm.weight");
     cuda::head_norm_rope_bwd(hb, s);
-    hb.fwd = head_fwd(v.k_c.raw_data(), kvd, p + "self_attn.k_norm.weight", d_pos_c, nullptr, v.r_kc.data<float>(), N, Hkv);
+    hb.fwd = st.head_fwd(v.k_c.raw_data(), kvd, p + "self_attn.k_norm.weight", st.d_pos_c, nullptr, v.r_kc.data<float>(), N,
+                         c_.num_key_value_heads);
     hb.dy = dkc_r.raw_data(), hb.dx = dkv_c.raw_data(), hb.lddx = 2 * kvd, hb.dw = gptr(p + "self_attn.k_norm.weight");
     cuda::head_norm_rope_bwd(hb, s);
     copy_cols_bf16(bf16_at(dqkv.raw_data(), qd + kvd), QKV, dvb.raw_data(), kvd, R, kvd, s);
     copy_cols_bf16(bf16_at(dkv_c.raw_data(), kvd), 2 * kvd, dvc.raw_data(), kvd, N, kvd, s);
     // q|k|v weights (adjacent) from the block rows, k|v from the context rows.
-    linear_dw(dqkv.raw_data(), QKV, v.xn.raw_data(), H, gptr(q_w), R, QKV, H);
-    linear_dw(dkv_c.raw_data(), 2 * kvd, ctx.raw_data(), H, gptr(k_w), N, 2 * kvd, H);
-    linear_dx(dqkv.raw_data(), QKV, wptr(q_w), tmp_b.raw_data(), H, R, QKV, H);
-    linear_dx(dkv_c.raw_data(), 2 * kvd, wptr(k_w), dctx.raw_data(), H, N, 2 * kvd, H, true);
-    rms_bwd(v.h_in.raw_data(), true, H, p + "input_layernorm.weight", v.r_in.data<float>(), tmp_b.raw_data(),
-            dh.data<float>(), nullptr, dh_b.raw_data(), R, H);
+    st.linear_dw(dqkv.raw_data(), QKV, v.xn.raw_data(), H, gptr(q_w), R, QKV, H);
+    st.linear_dw(dkv_c.raw_data(), 2 * kvd, ctx.raw_data(), H, gptr(k_w), N, 2 * kvd, H);
+    st.linear_dx(dqkv.raw_data(), QKV, wptr(q_w), tmp_b.raw_data(), H, R, QKV, H);
+    st.linear_dx(dkv_c.raw_data(), 2 * kvd, wptr(k_w), dctx.raw_data(), H, N, 2 * kvd, H, true);
+    st.rms_bwd(v.h_in.raw_data(), true, H, p + "input_layernorm.weight", v.r_in.data<float>(), tmp_b.raw_data(),
+               dh.data<float>(), nullptr, dh_b.raw_data(), R, H);
     report(L - 1 - l);
-    v = Saved{};  // free this layer's activations (back to the caching allocator)
+    v = StepState::Saved{};  // free this layer's activations (back to the caching allocator)
   }
   // Context features: ctx = hidden_norm(fc(context)); the gradient stops at the (frozen) target.
-  const Tensor dctx_b = bf(N, H), dctx_pre = bf(N, H);
+  const Tensor dctx_b = st.bf(N, H), dctx_pre = st.bf(N, H);
   cuda::cast_f32_bf16(dctx.data<float>(), dctx_b.raw_data(), N * H, s);
-  rms_bwd(ctx_pre.raw_data(), false, H, "hidden_norm.weight", r_ctx.data<float>(), dctx_b.raw_data(), nullptr,
-          dctx_pre.raw_data(), nullptr, N, H);
-  linear_dw(dctx_pre.raw_data(), H, context.raw_data(), KH, gptr("fc.weight"), N, H, KH);
+  st.rms_bwd(st.ctx_pre.raw_data(), false, H, "hidden_norm.weight", st.r_ctx.data<float>(), dctx_b.raw_data(), nullptr,
+             dctx_pre.raw_data(), nullptr, N, H);
+  st.linear_dw(dctx_pre.raw_data(), H, context.raw_data(), KH, gptr("fc.weight"), N, H, KH);
   report(static_cast<int64_t>(buckets_.size()) - 1);
-  return st;
 }
 
 }  // namespace dflash::drafter

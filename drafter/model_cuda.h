@@ -95,6 +95,14 @@ class CudaDrafter {
   void upload_masters(const DrafterWeights& w);
 
  private:
+  // step() in its parts, called in this order; every kernel runs on the device's stream, in the
+  // order the one function had. StepState (model_cuda.cpp) carries what one part leaves for the next.
+  struct StepState;
+  void layout(StepState& st, const StepOptions& opt) const;  // block targets, ids, positions, offsets: uploaded
+  void forward(StepState& st) const;                          // fc + hidden_norm, the layers, the final norm
+  StepStats loss(StepState& st, const StepOptions& opt, bool backward) const;  // fused LM-head CE (synchronizes)
+  void backward(StepState& st, bool last_micro_batch, const BucketReady& on_bucket);  // grads (+)=, buckets reported
+
   const Span& span(const std::string& name) const;
   void* wptr(const std::string& name) const;   // bf16 weight
   float* gptr(const std::string& name) const;  // fp32 grad

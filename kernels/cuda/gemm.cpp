@@ -109,6 +109,26 @@ cublasLtMatmulAlgo_t fastest(const GemmPlan& plan, const cublasLtMatmulHeuristic
   return best;
 }
 
+// cuBLASLt's heuristic answers (up to `want`, best first) for plan's descriptors under the preference
+// every plan uses: the device context's workspace and 16-byte alignment of A, B, C and D (what the
+// launchers check). Returns cuBLASLt's status; `found` answers are in results.
+cublasStatus_t heuristic(cublasLtHandle_t handle, const GemmPlan& plan, size_t workspace_bytes, int want,
+                         cublasLtMatmulHeuristicResult_t* results, int& found) {
+  cublasLtMatmulPreference_t pref = nullptr;
+  DFLASH_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  struct PrefGuard {
+    cublasLtMatmulPreference_t p;
+    ~PrefGuard() { cublasLtMatmulPreferenceDestroy(p); }
+  } pref_guard{pref};
+  const uint64_t ws = workspace_bytes;
+  DFLASH_CUBLAS_CHECK(
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    DFLASH_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &kAlignBytes, sizeof(kAlignBytes)));
+  return cublasLtMatmulAlgoGetHeuristic(handle, plan.op, plan.a, plan.b, plan.c, plan.c, pref, want, results, &found);
+}
+
 std::unique_ptr<GemmPlan> make_plan(const GemmKey& k, const char* who, cublasLtHandle_t handle, size_t workspace_bytes,
                                     bool autotune, cudaStream_t stream, const RunFn& run) {
   auto plan = std::make_unique<GemmPlan>();
@@ -135,23 +155,9 @@ std::unique_ptr<GemmPlan> make_plan(const GemmKey& k, const char* who, cublasLtH
   DFLASH_CUBLAS_CHECK(
       cublasLtMatrixLayoutCreate(&plan->c, k.d_f32 ? CUDA_R_32F : CUDA_R_16BF, u(k.N), u(k.M), k.ldd));
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  DFLASH_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  struct PrefGuard {
-    cublasLtMatmulPreference_t p;
-    ~PrefGuard() { cublasLtMatmulPreferenceDestroy(p); }
-  } pref_guard{pref};
-  const uint64_t ws = workspace_bytes;
-  DFLASH_CUBLAS_CHECK(
-      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-    DFLASH_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &kAlignBytes, sizeof(kAlignBytes)));
-
   cublasLtMatmulHeuristicResult_t results[kCandidates]{};
   int found = 0;
-  DFLASH_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, plan->op, plan->a, plan->b, plan->c, plan->c, pref,
-                                                     autotune ? kCandidates : 1, results, &found));
+  DFLASH_CUBLAS_CHECK(heuristic(handle, *plan, workspace_bytes, autotune ? kCandidates : 1, results, found));
   DFLASH_CHECK_HINT(found > 0 && results[0].state == CUBLAS_STATUS_SUCCESS,
                     who << ": cuBLASLt found no algorithm for M=" << k.M << " N=" << k.N << " K=" << k.K
                         << " lda=" << k.lda << " ldb=" << k.ldb << " ldd=" << k.ldd << " trans_a=" << k.trans_a
@@ -364,23 +370,9 @@ std::unique_ptr<Fp8Plan> make_fp8_plan(const Fp8Key& k, const GemmFp8Params& p, 
   DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_8F_E4M3, u(k.K), u(k.M), k.ldx));
   DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_16BF, u(k.N), u(k.M), k.ldy));
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  DFLASH_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  struct PrefGuard {
-    cublasLtMatmulPreference_t p;
-    ~PrefGuard() { cublasLtMatmulPreferenceDestroy(p); }
-  } pref_guard{pref};
-  const uint64_t ws = workspace_bytes;
-  DFLASH_CUBLAS_CHECK(
-      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-    DFLASH_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &kAlignBytes, sizeof(kAlignBytes)));
-
   cublasLtMatmulHeuristicResult_t results[kCandidates]{};
   int found = 0;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, plan.op, plan.a, plan.b, plan.c, plan.c, pref,
-                                                           autotune ? kCandidates : 1, results, &found);
+  const cublasStatus_t st = heuristic(handle, plan, workspace_bytes, autotune ? kCandidates : 1, results, found);
   DFLASH_CHECK_HINT(st == CUBLAS_STATUS_SUCCESS && found > 0 && results[0].state == CUBLAS_STATUS_SUCCESS,
                     "gemm_fp8: cuBLASLt found no algorithm (status " << static_cast<int>(st) << ", " << found
                                                                      << " answers) for " << fp8_shape_text(k, k.device),

@@ -16,23 +16,10 @@ using namespace dflash::ops;
 
 namespace {
 
-uint64_t g_stream = 1;
-
-Tensor randn(const Shape& s, float stddev = 1.0f) {
-  Tensor t = Tensor::empty(s, DType::F32);
-  fill_normal(t, {12345, g_stream++, 0}, 0.0f, stddev);
-  return t;
-}
-Tensor rand_uniform(const Shape& s, float lo, float hi) {
-  Tensor t = Tensor::empty(s, DType::F32);
-  fill_uniform(t, {12345, g_stream++, 0}, lo, hi);
-  return t;
-}
-Tensor out_like(const Shape& s) {
-  Tensor t = Tensor::empty(s, DType::F32);
-  poison(t);
-  return t;
-}
+HostDraws g_draws{12345};
+Tensor randn(const Shape& s, float stddev = 1.0f) { return g_draws.randn(s, stddev); }
+Tensor rand_uniform(const Shape& s, float lo, float hi) { return g_draws.uniform(s, lo, hi); }
+Tensor out_like(const Shape& s) { return poisoned_f32(s); }
 float at(const Tensor& t, int64_t i) { return t.data<float>()[i]; }
 
 SeqOffsets offsets_of(std::vector<int64_t> lens) {

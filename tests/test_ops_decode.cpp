@@ -19,23 +19,10 @@ using namespace dflash::ops;
 
 namespace {
 
-uint64_t g_stream = 1;
-
-Tensor randn(const Shape& s, float stddev = 1.0f) {
-  Tensor t = Tensor::empty(s, DType::F32);
-  fill_normal(t, {777, g_stream++, 0}, 0.0f, stddev);
-  return t;
-}
-Tensor rand_uniform(const Shape& s, float lo, float hi) {
-  Tensor t = Tensor::empty(s, DType::F32);
-  fill_uniform(t, {777, g_stream++, 0}, lo, hi);
-  return t;
-}
-Tensor out_like(const Shape& s) {
-  Tensor t = Tensor::empty(s, DType::F32);
-  poison(t);
-  return t;
-}
+HostDraws g_draws{777};
+Tensor randn(const Shape& s, float stddev = 1.0f) { return g_draws.randn(s, stddev); }
+Tensor rand_uniform(const Shape& s, float lo, float hi) { return g_draws.uniform(s, lo, hi); }
+Tensor out_like(const Shape& s) { return poisoned_f32(s); }
 SeqOffsets offsets_of(const std::vector<int64_t>& lens) {
   SeqOffsets s{{0}};
   for (int64_t l : lens) s.offsets.push_back(s.offsets.back() + l);

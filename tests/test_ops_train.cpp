@@ -37,25 +37,21 @@ void check_fd(std::vector<double> x, std::vector<double> w, const std::vector<do
   std::vector<double> dx, dw(w.size(), 0.0);
   bwd(x, w, dx, dw);
   const double h = 1e-5;
-  std::vector<double> fdx(x.size()), fdw(w.size());
-  for (size_t i = 0; i < x.size(); ++i) {
-    const double x0 = x[i];
-    x[i] = x0 + h;
-    const double lp = loss(x, w);
-    x[i] = x0 - h;
-    const double lm = loss(x, w);
-    x[i] = x0;
-    fdx[i] = (lp - lm) / (2 * h);
-  }
-  for (size_t i = 0; i < w.size(); ++i) {
-    const double w0 = w[i];
-    w[i] = w0 + h;
-    const double lp = loss(x, w);
-    w[i] = w0 - h;
-    const double lm = loss(x, w);
-    w[i] = w0;
-    fdw[i] = (lp - lm) / (2 * h);
-  }
+  // Central differences of the loss in each element of v (x or w), the other held fixed.
+  auto central = [&](std::vector<double>& v) {
+    std::vector<double> fd(v.size());
+    for (size_t i = 0; i < v.size(); ++i) {
+      const double v0 = v[i];
+      v[i] = v0 + h;
+      const double lp = loss(x, w);
+      v[i] = v0 - h;
+      const double lm = loss(x, w);
+      v[i] = v0;
+      fd[i] = (lp - lm) / (2 * h);
+    }
+    return fd;
+  };
+  const std::vector<double> fdx = central(x), fdw = central(w);
   EXPECT_REL(dx, fdx, 1e-6, what << ": analytic dx vs finite differences");
   EXPECT_REL(dw, fdw, 1e-6, what << ": analytic dw vs finite differences");
 }

@@ -14,6 +14,7 @@
 
 #include "kernels/device.h"
 #include "kernels/error.h"
+#include "kernels/random.h"
 #include "kernels/tensor.h"
 
 // First statement of every test that needs a GPU: skips (not fails) on machines without one.
@@ -95,5 +96,28 @@ inline double rel_err(const std::vector<double>& got, const std::vector<double>&
     std::printf("  measured %-70s %.2e (bound %.0e)\n", what_.str().c_str(), err_, double(bound));     \
     EXPECT_LT(err_, bound) << what_.str();                                                             \
   } while (0)
+
+// Fresh f32 host tensors for the CPU op tests: every draw takes the next counter-based stream of
+// one seed, so a test's inputs do not depend on what other tests drew.
+struct HostDraws {
+  uint64_t seed;
+  uint64_t stream = 1;
+  Tensor randn(const Shape& s, float stddev = 1.0f) {
+    Tensor t = Tensor::empty(s, DType::F32);
+    fill_normal(t, {seed, stream++, 0}, 0.0f, stddev);
+    return t;
+  }
+  Tensor uniform(const Shape& s, float lo, float hi) {
+    Tensor t = Tensor::empty(s, DType::F32);
+    fill_uniform(t, {seed, stream++, 0}, lo, hi);
+    return t;
+  }
+};
+// An f32 output tensor, poisoned (NaN) so that elements an op does not write are caught.
+inline Tensor poisoned_f32(const Shape& s) {
+  Tensor t = Tensor::empty(s, DType::F32);
+  poison(t);
+  return t;
+}
 
 }  // namespace dflash

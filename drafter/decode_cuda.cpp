@@ -6,9 +6,13 @@
 #include <cmath>
 
 #include "drafter/proposer_slots.h"
+#include "kernels/cuda/attention.h"
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/launch.h"
-#include "kernels/cuda/train_launch.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/norm.h"
+#include "kernels/cuda/rope.h"
+#include "kernels/cuda/sampling.h"
 #include "kernels/device.h"
 #include "kernels/error.h"
 

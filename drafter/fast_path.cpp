@@ -5,7 +5,9 @@
 #include "kernels/device.h"
 #include "kernels/error.h"
 #if DFLASH_WITH_CUDA
-#include "kernels/cuda/train_launch.h"
+#include "kernels/cuda/block_attention.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/loss.h"
 #endif
 
 namespace dflash::drafter {

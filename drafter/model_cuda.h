@@ -1,6 +1,7 @@
 #pragma once
 // The DFlash drafter on one GPU: forward and hand-written backward with the training kernels of
-// kernels/cuda/train_launch.h, and the optimizer state, all in flat device buffers.
+// kernels/cuda/ (gemm.h, norm.h, rope.h, elementwise.h, block_attention.h, loss.h, optimizer.h), and
+// the optimizer state, all in flat device buffers.
 //
 // Precision: bf16 weights and activations, fp32 residual stream and its gradient, fp32 weight
 // gradients (accumulated by the GEMMs: dW (+)= dYᵀ·X in fp32), fp32 master weights and AdamW

@@ -12,8 +12,9 @@
 
 #include "drafter/fast_path.h"
 #include "drafter/model_cuda.h"
+#include "kernels/cuda/attention.h"
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/train_launch.h"
+#include "kernels/cuda/optimizer.h"
 #include "kernels/device.h"
 #include "target_model/fast_path.h"
 #include "target_model/model_cuda.h"

@@ -37,15 +37,3 @@ enum class FlashImpl { Auto, MmaSync, Wgmma };
 
 }  // namespace dflash::cuda
 
-// Transitional umbrella (issue 19): every family header.
-#include "kernels/cuda/gemm.h"
-#include "kernels/cuda/norm.h"
-#include "kernels/cuda/rope.h"
-#include "kernels/cuda/elementwise.h"
-#include "kernels/cuda/attention.h"
-#include "kernels/cuda/block_attention.h"
-#include "kernels/cuda/conv.h"
-#include "kernels/cuda/gdn.h"
-#include "kernels/cuda/loss.h"
-#include "kernels/cuda/optimizer.h"
-#include "kernels/cuda/sampling.h"

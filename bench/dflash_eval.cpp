@@ -36,6 +36,7 @@
 #include "kernels/app.h"
 #include "kernels/device.h"
 #include "kernels/log.h"
+#include "target_model/cli.h"
 #include "target_model/decode.h"
 #include "target_model/model.h"
 #include "target_model/runtime.h"
@@ -107,21 +108,14 @@ int main(int argc, char** argv) {
   CLI::App app{"Speculative decoding with a DFlash drafter vs target-only greedy decoding: measured acceptance "
                "length, speed-up and the training-time estimate on the same prompts."};
   app.name("dflash_eval");
-  std::string log_level = "warn", model_dir, config_path, drafter_dir, prompts_path, device = "cpu", csv_path, json_path;
-  bool random_weights = false;
-  uint64_t seed = 0;
+  std::string log_level = "warn", drafter_dir, prompts_path, device = "cpu", csv_path, json_path;
+  target::TargetOptions target;
   int64_t num_prompts = 16, max_new = 64, block_size = 0;
   std::vector<int32_t> stop_tokens;
   int tp = 1;
   double timeout_s = 600;
   add_common_options(app, &log_level);
-  auto* model_opt = app.add_option("--model", model_dir, "the target: a Hugging Face model directory");
-  auto* config_opt = app.add_option("--config", config_path, "the target: a config.json (with --random-weights)");
-  model_opt->excludes(config_opt);
-  app.add_flag("--random-weights", random_weights, "seeded random target weights instead of a checkpoint")->needs(config_opt);
-  app.add_option("--seed", seed, "seed of --random-weights")->capture_default_str();
-  std::string precision_s = "auto";
-  app.add_option("--precision", precision_s, target::kPrecisionHelp)->capture_default_str();
+  target::add_target_options(app, target);
   int64_t random_drafter = 0;
   bool no_estimate = false, require_fast = false;
   auto* drafter_opt = app.add_option("--drafter", drafter_dir, "an exported drafter directory (config.json + model.safetensors)");
@@ -154,18 +148,18 @@ int main(int argc, char** argv) {
     const comm::Layout layout = comm::make_layout(world, rank, tp);
     DFLASH_CHECK_HINT(world == tp, "dflash_eval runs one TP group: mpirun -n " << world << " with --tp " << tp,
                       "start it with mpirun -n " << tp);
-    DFLASH_CHECK_HINT(!model_dir.empty() || random_weights, "no target given",
+    DFLASH_CHECK_HINT(!target.src.model_dir.empty() || target.src.random_weights, "no target given",
                       "pass --model DIR, or --config FILE --random-weights");
     const Device dev = Device::parse(device);
 
     // ---- the target and the drafter, checked against each other before anything is loaded ----
-    const target::TargetConfig cfg = target::TargetConfig::from_file(random_weights ? config_path : model_dir);
+    const target::TargetConfig cfg = target.src.read_config();
     DFLASH_CHECK_HINT(!drafter_dir.empty() || random_drafter > 0, "no drafter given",
                       "pass --drafter DIR (an exported drafter), or --random-drafter LAYERS for a speed benchmark");
     drafter::LoadedDrafter d;
     if (random_drafter > 0) {
       d.config = drafter::DrafterConfig::for_target(cfg, random_drafter, cfg.vocab_size - 1, 16);
-      d.weights = drafter::DrafterWeights::random(d.config, seed + 1);
+      d.weights = drafter::DrafterWeights::random(d.config, target.src.seed + 1);
       drafter_dir = "<random, " + std::to_string(random_drafter) + " layers>";
     } else {
       try {
@@ -203,8 +197,7 @@ int main(int argc, char** argv) {
     bench::DrafterScorer scorer;
     double copy_gbs = 0, weight_bytes = 0;  // the decode step's roofline (GPU)
     const auto t_load = std::chrono::steady_clock::now();
-    const target::TargetSource src{model_dir, config_path, random_weights, seed,
-                                   target::parse_precision(precision_s, "--precision")};
+    const target::TargetSource src = target.source();
     target::TargetRuntime rt(src, cfg, dev, tp, layout.tp_rank, tp_comm.get(), require_fast);
     const std::string plans = rt.plans();
     dec = rt.make_decoder(1, max_len);

@@ -29,6 +29,7 @@
 #include "kernels/device.h"
 #include "kernels/log.h"
 #include "kernels/random.h"
+#include "target_model/cli.h"
 #include "target_model/flops.h"
 #include "target_model/model_cuda.h"
 #include "target_model/runtime.h"
@@ -140,17 +141,15 @@ bench::ProfileSummary profile_forward(CudaTargetModel& model, const CudaBatch& b
 int main(int argc, char** argv) {
   CLI::App app{"Single-GPU isolation benchmark of the target forward (decoder stack) on the fast path and the fallback."};
   app.name("target_bench");
-  std::string log_level = "info", model_dir, config_path, seq_s = "2048,4096,8192", path = "both", csv, precision_s = "auto";
-  bool random = false;
+  std::string log_level = "info", seq_s = "2048,4096,8192", path = "both", csv;
+  TargetOptions target;
   int64_t batch = 1;
   int warmup = 2, iters = 5, rounds = 2, fallback_iters = 2;
-  uint64_t seed = 0;
   add_common_options(app, &log_level);
-  auto* m = app.add_option("--model", model_dir, "Hugging Face model directory");
-  auto* c = app.add_option("--config", config_path, "config.json (with --random-weights)");
-  m->excludes(c);
-  app.add_flag("--random-weights", random, "seeded random bf16 weights drawn on the GPU")->needs(c);
-  app.add_option("--precision", precision_s, kPrecisionHelp)->capture_default_str();
+  add_target_options(app, target, {.model = "Hugging Face model directory",
+                                    .config = "config.json (with --random-weights)",
+                                    .random = "seeded random bf16 weights drawn on the GPU",
+                                    .seed = "weights, tokens and round-order seed"});
   app.add_option("--seq", seq_s, "tokens per sequence, comma separated")->capture_default_str();
   app.add_option("--batch", batch, "sequences per forward")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--path", path, "fast, fallback or both")->check(CLI::IsMember({"fast", "fallback", "both"}))->capture_default_str();
@@ -158,7 +157,6 @@ int main(int argc, char** argv) {
   app.add_option("--iters", iters, "timed forwards per round (fast path)")->capture_default_str();
   app.add_option("--fallback-iters", fallback_iters, "timed forwards per round on the fallback")->capture_default_str();
   app.add_option("--rounds", rounds, "rounds; path order shuffled per round")->capture_default_str();
-  app.add_option("--seed", seed, "weights, tokens and round-order seed")->capture_default_str();
   app.add_option("--csv", csv, "append CSV rows to this file");
   int tp = 1;
   app.add_option("--tp", tp, "tensor-parallel size: run under mpirun -n <tp>, one GPU per rank")
@@ -190,7 +188,7 @@ int main(int argc, char** argv) {
     const comm::Layout layout = comm::make_layout(world, rank, tp);
     DFLASH_CHECK_HINT(world == tp, "target_bench runs one TP group: start it with mpirun -n " << tp << " (got " << world << " ranks)",
                       "use mpirun -n <tp> target_bench --tp <tp>");
-    DFLASH_CHECK_HINT(!model_dir.empty() || random, "no weights given", "pass --model DIR or --config FILE --random-weights");
+    DFLASH_CHECK_HINT(!target.src.model_dir.empty() || target.src.random_weights, "no weights given", "pass --model DIR or --config FILE --random-weights");
     DFLASH_CHECK_HINT(cuda_device_count() > 0, "target_bench needs a CUDA GPU and none is visible",
                       "run it on the GPU machine; check nvidia-smi / CUDA_VISIBLE_DEVICES");
     const Device dev = world > 1 ? mpi->bind_device() : Device::cuda(0);
@@ -198,13 +196,15 @@ int main(int argc, char** argv) {
     if (autotune) cuda::set_gemm_autotune(true);
     const DeviceInfo info = cuda_device_info(di);
     const std::vector<int64_t> seqs = parse_list(seq_s);
-    TargetConfig cfg = TargetConfig::from_file(random ? config_path : model_dir);
+    TargetConfig cfg = target.src.read_config();
     check_tp(cfg, tp);
     const TargetConfig local = local_config(cfg, tp);
     say("target_bench on %d x %s (sm %d.%d, %d SMs), %s\n  %s\n", tp, info.name.c_str(), info.major, info.minor,
         info.sm_count, version_string().c_str(), cfg.summary().c_str());
 
-    const Precision precision = resolve_precision(parse_precision(precision_s, "--precision"), cfg);
+    TargetSource source = target.source();
+    source.precision = resolve_precision(source.precision, cfg);
+    const Precision precision = source.precision;
     const bool fp8 = precision == Precision::Fp8;
     FastPathPlan fast = make_plan(local, dev, {}, info.major, precision);
     FastPathPlan slow = make_plan(local, dev, KernelPolicies::all(KernelPolicy::Fallback),
@@ -216,7 +216,7 @@ int main(int argc, char** argv) {
     if (tp > 1) group = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, layout.tp_group, rank, dev, 600.0, "tp");
     auto t0 = std::chrono::steady_clock::now();
     const TpShard shard{layout.tp_rank, tp};
-    TargetWeights w = load_target_shard({model_dir, config_path, random, seed, precision}, cfg, dev, shard);
+    TargetWeights w = load_target_shard(source, cfg, dev, shard);
     const size_t weight_bytes = w.bytes();
     const int64_t fp8_projections = w.fp8_projections();
     CudaTargetModel model(local, std::move(w), fast, group.get());
@@ -231,11 +231,11 @@ int main(int argc, char** argv) {
 
     say("\n%-8s %-9s %10s %10s %10s %11s %10s %9s %7s %10s %s\n", "tokens", "path", "ms p50", "p20", "p80", "tok/s",
         "tok/s/GPU", "TFLOP/s", "MFU", "act GiB", "noisy");
-    std::mt19937_64 order_rng(seed);
+    std::mt19937_64 order_rng(target.src.seed);
     std::string profiles;  // --profile tables, printed after the timing table
     for (int64_t T : seqs) {
       std::vector<std::vector<int32_t>> tokens(static_cast<size_t>(batch));
-      std::mt19937 tok_rng(static_cast<uint32_t>(seed + static_cast<uint64_t>(T)));
+      std::mt19937 tok_rng(static_cast<uint32_t>(target.src.seed + static_cast<uint64_t>(T)));
       for (auto& s : tokens) {
         s.resize(static_cast<size_t>(T));
         for (auto& id : s) id = static_cast<int32_t>(tok_rng() % static_cast<uint32_t>(cfg.vocab_size));

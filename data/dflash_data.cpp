@@ -33,6 +33,7 @@
 #include "kernels/app.h"
 #include "kernels/error.h"
 #include "kernels/log.h"
+#include "target_model/cli.h"
 #include "target_model/runtime.h"
 
 using namespace dflash;
@@ -117,7 +118,7 @@ int main(int argc, char** argv) {
   // regenerate
   auto* regen = app.add_subcommand("regenerate", "replace the responses by the target's own (greedy or sampled)");
   RegenerateOptions ropt;
-  target::TargetSource src;
+  target::TargetOptions target;
   std::string device = "cpu";
   int tp = 1;
   double temperature = 0, top_p = 1, timeout_s = 600;
@@ -125,13 +126,8 @@ int main(int argc, char** argv) {
   bool no_progress = false, require_fast = false;
   regen->add_option("inputs", ropt.inputs, "dflash.tokens.v1 files, directories or glob patterns (the prompts)")->required();
   regen->add_option("--out,-o", ropt.out, "output .h5 file (parts are kept under <out>.parts until it is complete)")->required();
-  auto* model_opt = regen->add_option("--model", src.model_dir, "the target: a Hugging Face model directory");
-  auto* config_opt = regen->add_option("--config", src.config_path, "the target: a config.json (with --random-weights)");
-  model_opt->excludes(config_opt);
-  regen->add_flag("--random-weights", src.random_weights, "seeded random target weights (benches, demos)")->needs(config_opt);
-  regen->add_option("--weight-seed", src.seed, "seed of --random-weights")->capture_default_str();
-  std::string precision_s = "auto";
-  regen->add_option("--precision", precision_s, target::kPrecisionHelp)->capture_default_str();
+  target::add_target_options(*regen, target, {.random = "seeded random target weights (benches, demos)",
+                                               .seed_flag = "--weight-seed"});
   regen->add_option("--device", device, "where the target runs: cpu, cuda (under mpirun: the GPU of the node-local rank) or cuda:N")->capture_default_str();
   regen->add_option("--tp", tp, "tensor-parallel size of the target (under mpirun; the TP groups share the prompts)")
       ->capture_default_str()
@@ -168,6 +164,7 @@ int main(int argc, char** argv) {
     const int world = mpi ? mpi->size() : 1, rank = mpi ? mpi->rank() : 0;
     init_logging(mpi ? rank : -1, log_level);
     if (*regen) {
+      target::TargetSource src = target.source();
       src.check();
       const comm::Layout layout = comm::make_layout(world, rank, tp);
       const Device dev = Device::parse(device);
@@ -177,7 +174,6 @@ int main(int argc, char** argv) {
       if (temperature > 0) ropt.gen.sample = ops::SampleParams{static_cast<float>(temperature), static_cast<float>(top_p), sample_seed};
       else DFLASH_CHECK_HINT(top_p == 1.0, "--top-p " << top_p << " needs --temperature > 0", "greedy decoding keeps no nucleus");
       ropt.progress = !no_progress;
-      src.precision = target::parse_precision(precision_s, "--precision");
       const target::TargetConfig cfg = src.read_config();
       target::check_tp(cfg, tp);
       target::check_generate_config(ropt.gen, cfg.vocab_size);

@@ -21,6 +21,7 @@
 #include "dflash/version.h"
 #include "kernels/app.h"
 #include "kernels/log.h"
+#include "target_model/cli.h"
 #include "target_model/model.h"
 #include "kernels/io/safetensors.h"
 #include "target_model/runtime.h"
@@ -65,17 +66,16 @@ void inject_fault(int rank) {
 int main(int argc, char** argv) {
   CLI::App app{"Run the target model on token ids and save the captured hidden states (safetensors)."};
   app.name("dflash_features");
-  std::string log_level = "info", model_dir, config_path, out_path = "features.safetensors", layers = "all";
-  std::string tokens_file, out_dtype = "f32", delta_rule = "chunked", device = "cpu", precision_s = "auto";
+  std::string log_level = "info", out_path = "features.safetensors", layers = "all";
+  std::string tokens_file, out_dtype = "f32", delta_rule = "chunked", device = "cpu";
   std::vector<std::string> token_lists;
-  bool random_weights = false, final_norm = false;
-  uint64_t seed = 0;
+  bool final_norm = false;
+  TargetOptions target;
   add_common_options(app, &log_level);
-  auto* model_opt = app.add_option("--model", model_dir, "Hugging Face model directory (config.json + safetensors)");
-  auto* config_opt = app.add_option("--config", config_path, "config.json (with --random-weights)");
-  model_opt->excludes(config_opt);
-  app.add_flag("--random-weights", random_weights, "seeded random weights instead of a checkpoint")->needs(config_opt);
-  app.add_option("--seed", seed, "seed for --random-weights")->capture_default_str();
+  add_target_options(app, target, {.model = "Hugging Face model directory (config.json + safetensors)",
+                                    .config = "config.json (with --random-weights)",
+                                    .random = "seeded random weights instead of a checkpoint",
+                                    .seed = "seed for --random-weights"});
   app.add_option("--tokens", token_lists, "one sequence of token ids, comma separated (repeatable)");
   app.add_option("--tokens-file", tokens_file, "file with one sequence of token ids per line");
   app.add_option("--layers", layers, "decoder layer ids to capture, e.g. 1,16,31, or 'all'")->capture_default_str();
@@ -85,7 +85,6 @@ int main(int argc, char** argv) {
   app.add_option("--delta-rule", delta_rule, "GatedDeltaNet algorithm of the CPU reference")
       ->check(CLI::IsMember({"chunked", "recurrent"}))->capture_default_str();
   app.add_option("--device", device, "where the target runs: cpu or cuda[:N]")->capture_default_str();
-  app.add_option("--precision", precision_s, kPrecisionHelp)->capture_default_str();
   std::string conv_pol = "auto", dr_pol = "auto", attn_pol = "auto", plan_json;
   bool require_fast = false;
   app.add_option("--conv", conv_pol, "kernel policy of the GatedDeltaNet conv (GPU)")->check(CLI::IsMember({"auto", "fast", "fallback"}));
@@ -109,7 +108,7 @@ int main(int argc, char** argv) {
     const int world = mpi ? mpi->size() : 1, rank = mpi ? mpi->rank() : 0;
     init_logging(rank, log_level);
     const comm::Layout layout = comm::make_layout(world, rank, tp);
-    DFLASH_CHECK_HINT(!model_dir.empty() || random_weights, "no weights given",
+    DFLASH_CHECK_HINT(!target.src.model_dir.empty() || target.src.random_weights, "no weights given",
                       "pass --model DIR, or --config FILE --random-weights");
     Device dev = Device::parse(device);
     if (dev.is_cuda() && world > 1 && device == "cuda") dev = mpi->bind_device();  // one GPU per rank
@@ -131,7 +130,7 @@ int main(int argc, char** argv) {
 
     auto t0 = std::chrono::steady_clock::now();
     std::vector<int64_t> opt_layers;
-    TargetConfig cfg = TargetConfig::from_file(random_weights ? config_path : model_dir);
+    TargetConfig cfg = target.src.read_config();
     spdlog::info("target {}", cfg.summary());
     opt_layers = parse_layers(layers, cfg.num_hidden_layers);
     for (int64_t id : opt_layers)
@@ -143,7 +142,7 @@ int main(int argc, char** argv) {
     KernelPolicies pol{parse_policy(conv_pol, "--conv"), parse_policy(dr_pol, "--delta-rule-kernel"),
                        parse_policy(attn_pol, "--attention"), require_fast};
     const int sm = dev.is_cuda() ? cuda_device_info(dev.index).major : 0;
-    const TargetSource source{model_dir, config_path, random_weights, seed, parse_precision(precision_s, "--precision")};
+    const TargetSource source = target.source();
     FastPathPlan plan = make_plan(local, dev, pol, sm, resolve_precision(source.precision, cfg));
     // From here on ranks talk to each other: a rank that fails ends the whole job, so that the
     // others are not left waiting in a collective.
@@ -229,9 +228,12 @@ int main(int argc, char** argv) {
     tensors.emplace_back("offsets", Tensor::from_blob(r.offsets.data(), {static_cast<int64_t>(r.offsets.size())}, DType::I64));
     std::filesystem::path out(out_path);
     if (out.has_parent_path()) std::filesystem::create_directories(out.parent_path());
+    const TargetSource& src = target.src;
+    const std::string from =
+        src.random_weights ? src.config_path + " (random, seed " + std::to_string(src.seed) + ")" : src.model_dir;
     io::save_safetensors(out_path, tensors,
-                     {{"layer_ids", ids_meta}, {"source", random_weights ? config_path + " (random, seed " + std::to_string(seed) + ")" : model_dir},
-                      {"dflash_commit", kGitCommit}, {"format", "dflash.features.v1"}});
+                         {{"layer_ids", ids_meta}, {"source", from}, {"dflash_commit", kGitCommit},
+                          {"format", "dflash.features.v1"}});
     spdlog::info("wrote {} ({} captured layers)", out_path, r.layers.size());
     return 0;
   });

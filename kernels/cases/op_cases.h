@@ -9,7 +9,8 @@
 //
 // This header: what every op family shares (seeded draws, host copies, pool-slot layouts, the
 // normalised error). The families: kernels/cases/gdn_cases.h (GatedDeltaNet: causal conv, prep,
-// delta rule, and their decode twins). Built only with CUDA (target dflash_op_cases).
+// delta rule, and their decode twins), kernels/cases/attention_cases.h (causal flash attention,
+// the KV-cache append and attention decode). Built only with CUDA (target dflash_op_cases).
 #include <cstdint>
 #include <string>
 #include <vector>

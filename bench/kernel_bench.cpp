@@ -53,6 +53,7 @@
 #include "bench/harness.h"
 #include "bench/report.h"
 #include "kernels/app.h"
+#include "kernels/cases/attention_cases.h"
 #include "kernels/cases/gdn_cases.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/block_attention.h"
@@ -69,11 +70,10 @@
 #include "kernels/random.h"
 #include "target_model/model_cuda.h"
 
-// Tuning knobs defined in the decode kernel files (0 = the launcher's automatic choice; the GDN
-// ones come with kernels/cases/gdn_cases.h).
+// Tuning knobs defined in the kernel files (0 = the launcher's automatic choice; the GDN and
+// attention-decode ones come with kernels/cases/gdn_cases.h and attention_cases.h).
 namespace dflash::cuda::tuning {
 extern int sample_threads;
-extern int attn_decode_splits;
 extern int gemm_fp8_fast_accum;
 }  // namespace dflash::cuda::tuning
 
@@ -159,12 +159,6 @@ void measure(Ctx& ctx, const std::string& bench, const std::string& kernel, cons
   }
 }
 
-Tensor cu_seqlens_of(const std::vector<int64_t>& lens) {
-  std::vector<int32_t> cu{0};
-  for (int64_t l : lens) cu.push_back(cu.back() + static_cast<int32_t>(l));
-  return Tensor::from_blob(cu.data(), {static_cast<int64_t>(cu.size())}, DType::I32).to(Device::cuda(0));
-}
-
 // The op-case table's conv perf cases (kernels/cases/gdn_cases.h): n streams of D channels, and
 // the Qwen3.6-27B q|k|v layer shape, fused and as separate convs over the parts.
 void bench_conv(Ctx& ctx, bool quick) {
@@ -237,57 +231,21 @@ void bench_gdn(Ctx& ctx, bool quick) {
 }
 
 // Causal flash attention forward, each kernel flash_attention_fwd can run on this GPU, on the same
-// inputs (outputs compared before timing). FLOPs = 4 · d · Hq · Σ_seq T(T+1)/2 (QKᵀ and PV over the
-// causal half); bytes ≈ q, out, k, v once (the K/V re-reads per query block hit L2).
+// inputs (outputs compared before timing): the op-case table's perf cases (kernels/cases/attention_cases.h),
+// FLOPs and bytes from AttentionCase::flops() / bytes().
 void bench_attn(Ctx& ctx, bool quick) {
   std::printf("\n== attn: causal flash attention forward, wgmma (sm_90a) vs mma.sync\n");
-  struct Case {
-    std::vector<int64_t> lens;
-    int64_t Hq, Hkv, d;
-  };
-  std::vector<Case> cases = {{{2048}, 24, 4, 256}, {{8192}, 24, 4, 256}, {std::vector<int64_t>(16, 512), 24, 4, 256},
-                             {{8192}, 32, 8, 128}};
-  if (quick) cases.resize(2);
-  for (const Case& c : cases) {
-    int64_t N = 0, max_len = 0;
-    double pairs = 0;
-    for (int64_t l : c.lens) {
-      N += l;
-      max_len = std::max(max_len, l);
-      pairs += 0.5 * static_cast<double>(l) * static_cast<double>(l + 1);
-    }
-    Tensor q = dev_randn({N, c.Hq, c.d}, DType::BF16, 21), k = dev_randn({N, c.Hkv, c.d}, DType::BF16, 22);
-    Tensor v = dev_randn({N, c.Hkv, c.d}, DType::BF16, 23), cu = cu_seqlens_of(c.lens);
-    const double flops = 4.0 * static_cast<double>(c.d * c.Hq) * pairs;
-    const double bytes = static_cast<double>(N) * static_cast<double>(2 * c.Hq + 2 * c.Hkv) * c.d * 2;
-    std::vector<Tensor> outs;
+  for (const cases::AttentionCase& c : cases::attention_perf_cases(quick)) {
+    const cases::AttentionData data = cases::draw(c, kCaseSeed);
     std::vector<Provider> prov;
-    auto add = [&](const char* name, cuda::FlashImpl impl) {
-      outs.push_back(Tensor::empty({N, c.Hq, c.d}, DType::BF16, Device::cuda(0)));
-      Tensor out = outs.back();
-      cuda::AttentionParams p;
-      p.q = q.raw_data();
-      p.k = k.raw_data();
-      p.v = v.raw_data();
-      p.out = out.raw_data();
-      p.cu_seqlens = cu.data<int32_t>();
-      p.num_seqs = static_cast<int64_t>(c.lens.size());
-      p.max_seqlen = max_len;
-      p.N = N;
-      p.Hq = c.Hq;
-      p.Hkv = c.Hkv;
-      p.d = c.d;
-      p.scale = 1.0f / std::sqrt(static_cast<float>(c.d));
-      p.impl = impl;
-      prov.push_back({name, [p, &ctx] { cuda::flash_attention_fwd(p, ctx.stream); }, [out] { return out; }});
-    };
-    if (cuda::flash_attention_wgmma_available(c.d, 0)) add("wgmma", cuda::FlashImpl::Wgmma);
-    add("mma_sync", cuda::FlashImpl::MmaSync);
-    std::ostringstream shape;
-    shape << "T" << N << (c.lens.size() > 1 ? " (" + std::to_string(c.lens.size()) + " seqs)" : "") << " Hq" << c.Hq
-          << " Hkv" << c.Hkv << " d" << c.d;
-    measure(ctx, "attn", "flash_attention_fwd", shape.str(), prov, 2e-2,
-            {{"achieved", "TFLOP/s", flops / 1e12}, {"bandwidth", "TB/s", bytes / 1e12}});
+    for (const auto* v : {&cases::kFlashWgmma, &cases::kFlashMmaSync}) {
+      if (v == &cases::kFlashWgmma && !cuda::flash_attention_wgmma_available(c.d, 0)) continue;
+      const Tensor out = Tensor::empty({c.N(), c.Hq, c.d}, DType::BF16, Device::cuda(0));
+      const cuda::AttentionParams p = data.params(c, out.raw_data());
+      prov.push_back({v->name, [p, v, &ctx] { v->launch(p, ctx.stream); }, [out] { return out; }});
+    }
+    measure(ctx, "attn", "flash_attention_fwd", c.shape, prov, c.agree_bound,
+            {{"achieved", "TFLOP/s", c.flops() / 1e12}, {"bandwidth", "TB/s", c.bytes() / 1e12}});
   }
 }
 
@@ -641,12 +599,6 @@ void measure_graph(Ctx& ctx, const std::string& kernel, const std::string& shape
 int rotation_sets(Ctx& ctx, double bytes_per_call) {
   return static_cast<int>(std::clamp(std::ceil(3.0 * static_cast<double>(ctx.l2_bytes) / bytes_per_call), 1.0, 64.0));
 }
-Tensor slot_sets(int64_t batch, int sets) {  // [sets][batch], set i = slots i·batch .. i·batch + batch - 1, reversed
-  std::vector<int32_t> v;
-  for (int i = 0; i < sets; ++i)
-    for (int64_t b = 0; b < batch; ++b) v.push_back(static_cast<int32_t>(i * batch + batch - 1 - b));
-  return Tensor::from_blob(v.data(), {static_cast<int64_t>(v.size())}, DType::I32).to(Device::cuda(0));
-}
 
 void bench_decode(Ctx& ctx, bool quick) {
   std::printf("\n== decode: decode / verify ops on a state pool (GDN delta rule, conv update, KV-cache attention)\n");
@@ -728,51 +680,24 @@ void bench_decode(Ctx& ctx, bool quick) {
       }
   }
 
-  // Attention over a KV cache: the target (Hq 24, Hkv 4, d 256, causal) at T 1 and 16, the
-  // drafter's full layer (Hq 32, Hkv 8, d 128, the block of 16 attends itself both ways), contexts
-  // 1k / 4k / 16k. GB/s counts the K / V bytes of the attended context. The fallback is the
-  // reference (checked, not timed); "sN" force N splits.
+  // Attention over a KV cache (the op-case table's decode_attention_perf_case): the target (Hq 24,
+  // Hkv 4, d 256, causal) at T 1 and 16, the drafter's full layer (Hq 32, Hkv 8, d 128, the block of
+  // 16 attends itself both ways), contexts 1k / 4k / 16k. GB/s counts the K / V bytes of the attended
+  // context. The fallback is the reference (checked, not timed); "sN" force N splits.
   if (wanted("attn")) {
-    struct Case {
-      std::string name;
-      int64_t Hq, Hkv, d, T;
-      bool causal;
-    };
-    const std::vector<Case> cases = {{"target", 24, 4, 256, 1, true}, {"target", 24, 4, 256, 16, true},
-                                     {"drafter", 32, 8, 128, 16, false}};
+    const std::vector<std::pair<std::string, int64_t>> models = {{"target", 1}, {"target", 16}, {"drafter", 16}};
     std::vector<int64_t> ctxs = {1024, 4096, 16384}, batches = {1, 8};
     if (quick) ctxs = {4096}, batches = {1};
     if (!ctx.decode_batches.empty()) batches = ctx.decode_batches;
     if (!ctx.decode_ctx.empty()) ctxs = ctx.decode_ctx;
-    for (const Case& c : cases)
+    for (const auto& [model, T] : models)
       for (int64_t B : batches)
         for (int64_t ctxlen : ctxs) {
-          if (("," + ctx.decode_attn + ",").find("," + c.name + std::to_string(c.T) + ",") == std::string::npos) continue;
-          const int64_t N = B * c.T, past = ctxlen - c.T, L = ctxlen;
-          const double kv_bytes = static_cast<double>(B * 2 * ctxlen * c.Hkv * c.d * 2);
+          if (("," + ctx.decode_attn + ",").find("," + model + std::to_string(T) + ",") == std::string::npos) continue;
+          const cases::DecodeAttentionCase c = cases::decode_attention_perf_case(model, B, T, ctxlen);
+          const double kv_bytes = c.kv_bytes();
           const int sets = rotation_sets(ctx, kv_bytes);
-          const int64_t P = B * sets;
-          Tensor kc = dev_randn({P, L, c.Hkv, c.d}, DType::BF16, 91), vc = dev_randn({P, L, c.Hkv, c.d}, DType::BF16, 92);
-          Tensor q = dev_randn({N, c.Hq, c.d}, DType::BF16, 93);
-          Tensor cu = cu_seqlens_of(std::vector<int64_t>(static_cast<size_t>(B), c.T)), slots = slot_sets(B, sets);
-          std::vector<int32_t> past_h(static_cast<size_t>(B), static_cast<int32_t>(past));
-          Tensor past_d = Tensor::from_blob(past_h.data(), {B}, DType::I32).to(dev);
-          cuda::AttentionDecodeParams base;
-          base.q = q.raw_data();
-          base.k_cache = kc.raw_data();
-          base.v_cache = vc.raw_data();
-          base.past_len = past_d.data<int32_t>();
-          base.cu_seqlens = cu.data<int32_t>();
-          base.num_seqs = B;
-          base.N = N;
-          base.Hq = c.Hq;
-          base.Hkv = c.Hkv;
-          base.d = c.d;
-          base.max_len = L;
-          base.num_slots = P;
-          base.max_new = c.T;
-          base.causal = c.causal;
-          base.scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+          const cases::DecodeAttentionData data = cases::draw(c, kCaseSeed, sets);
           struct Run {
             std::string name;
             int splits;  // -1: fallback
@@ -780,42 +705,27 @@ void bench_decode(Ctx& ctx, bool quick) {
             int next = 0;
           };
           std::vector<Run> runs;
-          runs.push_back({"fallback", -1, {}, {}});
-          runs.push_back({"fast", 0, {}, {}});
+          runs.push_back({cases::kDecodeAttentionFallback.name, -1, {}, {}});
+          runs.push_back({cases::kDecodeAttentionFast.name, 0, {}, {}});
           for (int sp : {1, 8, 32, 128}) runs.push_back({"fast_s" + std::to_string(sp), sp, {}, {}});
           for (Run& r : runs) {
-            r.out = Tensor::empty({N, c.Hq, c.d}, DType::BF16, dev);
-            const int saved = cuda::tuning::attn_decode_splits;
-            cuda::tuning::attn_decode_splits = std::max(r.splits, 0);
-            const size_t ws = r.splits < 0 ? 0 : cuda::attention_decode_workspace(base);
-            cuda::tuning::attn_decode_splits = saved;
-            r.ws = Tensor::empty({static_cast<int64_t>(std::max<size_t>(ws, 16))}, DType::U8, dev);
+            r.out = Tensor::empty({c.N(), c.Hq, c.d}, DType::BF16, dev);
+            r.ws = Tensor::empty({static_cast<int64_t>(std::max<size_t>(data.workspace_bytes(c, r.splits), 16))}, DType::U8, dev);
           }
           auto call = [&](Run& r) {
-            cuda::AttentionDecodeParams p = base;
-            p.out = r.out.raw_data();
-            p.slots = slots.data<int32_t>() + (r.next++ % sets) * B;
-            p.workspace = r.ws.raw_data();
-            p.workspace_bytes = static_cast<size_t>(r.ws.numel());
-            const int saved = cuda::tuning::attn_decode_splits;
-            cuda::tuning::attn_decode_splits = std::max(r.splits, 0);
-            if (r.splits < 0)
-              cuda::attention_decode_fallback(p, ctx.stream);
-            else
-              cuda::attention_decode_fast(p, ctx.stream);
-            cuda::tuning::attn_decode_splits = saved;
+            const cases::Knob knob(cuda::tuning::attn_decode_splits, std::max(r.splits, 0));
+            const cuda::AttentionDecodeParams p = data.params(c, data.k_cache0.raw_data(), data.v_cache0.raw_data(), r.out.raw_data(),
+                                                              r.next++ % sets, r.ws.raw_data(), static_cast<size_t>(r.ws.numel()));
+            (r.splits < 0 ? cases::kDecodeAttentionFallback : cases::kDecodeAttentionFast).launch(p, ctx.stream);
           };
           for (Run& r : runs) call(r);  // all on slot set 0
           std::vector<std::pair<std::string, Tensor>> outs;
           for (size_t i = 1; i < runs.size(); ++i) outs.push_back({runs[i].name, runs[i].out});
-          const std::string shape = c.name + " B" + std::to_string(B) + " T" + std::to_string(c.T) +
-                                    " ctx" + std::to_string(ctxlen) + " Hq" + std::to_string(c.Hq) + " Hkv" +
-                                    std::to_string(c.Hkv) + " d" + std::to_string(c.d) + (c.causal ? "" : " full");
-          check_outputs(shape, runs[0].out, outs, 2e-2);
+          check_outputs(c.shape, runs[0].out, outs, c.out_bound);
           std::vector<Provider> prov;
           for (size_t i = 1; i < runs.size(); ++i) prov.push_back({runs[i].name, [&call, &runs, i] { call(runs[i]); }, nullptr});
-          measure(ctx, "decode", "attention_decode", shape, prov, 2e-2, {{"bandwidth", "GB/s", kv_bytes / 1e9}});
-          measure_graph(ctx, "attention_decode", shape, {prov[0]}, {{"bandwidth", "GB/s", kv_bytes / 1e9}});
+          measure(ctx, "decode", "attention_decode", c.shape, prov, c.out_bound, {{"bandwidth", "GB/s", kv_bytes / 1e9}});
+          measure_graph(ctx, "attention_decode", c.shape, {prov[0]}, {{"bandwidth", "GB/s", kv_bytes / 1e9}});
         }
   }
   write_shares(ctx, "decode", first_row, copy_gbs, "bandwidth", "of_copy", "d2d copy bandwidth");

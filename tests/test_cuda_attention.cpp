@@ -1,177 +1,71 @@
 // CUDA causal attention (flash_attention_fwd with each of its kernels: the mma.sync one and, on an
-// sm_90 GPU, the wgmma one; attention_fallback) against the CPU reference ops::causal_attention. Inputs are bf16 (drawn on the host, so rounded once); the reference gets
-// the same rounded values in f32. Outputs are poisoned (NaN) before every launch.
+// sm_90 GPU, the wgmma one; attention_fallback) against the CPU reference ops::causal_attention,
+// from the op-case table (kernels/cases/attention_cases.h). Inputs are bf16 drawn on the GPU (the
+// reference gets the same values in f32). Outputs are poisoned (NaN) before every launch.
 //
-// Error bound: max|out - ref| / max|ref| < 1e-2. The output is stored in bf16 (relative rounding
-// 2^-9 ≈ 2e-3 of an element, at most ~4e-3 of max|ref| after the averaging), and the flash kernel
-// also rounds the probabilities P to bf16 before P·V (relative 2^-9 per term, partly averaging
-// out); expected errors are ~2e-3 to 5e-3, the fallback (fp32 P) near the bf16 output rounding.
+// Error bound (AttentionCase::out_bound): max|out - ref| / max|ref| < 1e-2. The output is stored in
+// bf16 (relative rounding 2^-9 ≈ 2e-3 of an element, at most ~4e-3 of max|ref| after the
+// averaging), and the flash kernel also rounds the probabilities P to bf16 before P·V (relative
+// 2^-9 per term, partly averaging out); expected errors are ~2e-3 to 5e-3, the fallback (fp32 P)
+// near the bf16 output rounding. The parameter checks (rejects) are written out here; last,
+// print-only timings at the Qwen3.6-27B prefill shape.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
-#include <sstream>
+#include <map>
 #include <string>
 #include <vector>
 
-#include "kernels/cuda/attention.h"
+#include "kernels/cases/attention_cases.h"
 #include "kernels/cuda/check.h"
 #include "kernels/device.h"
-#include "kernels/ops.h"
-#include "kernels/random.h"
 #include "tests/test_util.h"
 
 using namespace dflash;
+using AttentionVariant = cases::Variant<cuda::AttentionParams>;
 
 namespace {
 
-constexpr double kBound = 1e-2;
-uint64_t g_stream = 7001;
-
-// Flash = flash_attention_fwd as the model calls it (FlashImpl::Auto); the other two force a kernel.
-enum class Kernel { Flash, FlashMma, FlashWgmma, Fallback };
-const char* kernel_name(Kernel k) {
-  switch (k) {
-    case Kernel::Flash: return "flash";
-    case Kernel::FlashMma: return "flash-mma.sync";
-    case Kernel::FlashWgmma: return "flash-wgmma";
-    default: return "fallback";
-  }
-}
+cuda::Stream stream0() { return DeviceContext::get(0).stream(); }
+Tensor poisoned_out(const cases::AttentionCase& c) { return cases::poisoned({c.N(), c.Hq, c.d}, DType::BF16, Device::cuda(0)); }
 bool wgmma_runs(int64_t d) { return cuda::flash_attention_wgmma_available(d, 0); }
 
-struct Problem {
-  std::vector<int64_t> lens;
-  int64_t Hq = 1, Hkv = 1, d = 64;
-  float scale = 0.0f;        // softmax scale (set from d when 0)
-  float q_stddev = 1.0f;     // larger values make the softmax peakier
-  int64_t N = 0, max_len = 0;
-  ops::SeqOffsets seqs;
-  Tensor q, k, v;            // host bf16
-  Tensor qd, kd, vd, cu;     // device copies (cu: int32 cu_seqlens)
-};
+uint64_t g_seed = 7001;  // each case drawn from its own seed
 
-std::string describe(const Problem& p) {
-  std::ostringstream os;
-  os << "d=" << p.d << " Hq=" << p.Hq << " Hkv=" << p.Hkv << " lens={";
-  for (size_t i = 0; i < p.lens.size(); ++i) os << (i ? "," : "") << p.lens[i];
-  os << "} scale=" << p.scale;
-  return os.str();
-}
-
-Tensor bf16_normal(const Shape& s, float stddev) {
-  Tensor t = Tensor::empty(s, DType::BF16);
-  fill_normal(t, {4242, g_stream++, 0}, 0.0f, stddev);  // rounded to bf16 on the host
-  return t;
-}
-
-Problem make_problem(std::vector<int64_t> lens, int64_t Hq, int64_t Hkv, int64_t d, float scale_mult = 1.0f,
-                     float q_stddev = 1.0f) {
-  Problem p;
-  p.lens = std::move(lens);
-  p.Hq = Hq;
-  p.Hkv = Hkv;
-  p.d = d;
-  p.scale = scale_mult / std::sqrt(static_cast<float>(d));
-  p.q_stddev = q_stddev;
-  p.seqs.offsets = {0};
-  for (int64_t l : p.lens) {
-    p.seqs.offsets.push_back(p.seqs.offsets.back() + l);
-    p.max_len = std::max(p.max_len, l);
+// Runs every variant that takes the case's head dim here (cases::attention_variants) on it, checks
+// each against the reference, prints the errors; `worst` collects the largest per variant.
+void check_case(const cases::AttentionCase& c, std::map<std::string, double>* worst = nullptr) {
+  SCOPED_TRACE(c.describe());
+  const cases::AttentionData data = cases::draw(c, g_seed++);
+  const Tensor ref = data.reference(c);
+  std::string line = "  " + c.describe() + ":";
+  for (const AttentionVariant* v : cases::attention_variants(c.d)) {
+    Tensor out = poisoned_out(c);
+    v->launch(data.params(c, out.raw_data()), stream0());
+    const double err = max_rel_err(out, ref);
+    char e[32];
+    std::snprintf(e, sizeof e, " %.3g", err);
+    line += std::string(" ") + v->name + e;
+    EXPECT_LT(err, c.out_bound) << v->name;
+    if (worst) (*worst)[v->name] = std::max((*worst)[v->name], err);
   }
-  p.N = p.seqs.offsets.back();
-  p.q = bf16_normal({p.N, Hq, d}, q_stddev);
-  p.k = bf16_normal({p.N, Hkv, d}, 1.0f);
-  p.v = bf16_normal({p.N, Hkv, d}, 1.0f);
-  p.qd = p.q.to(Device::cuda(0));
-  p.kd = p.k.to(Device::cuda(0));
-  p.vd = p.v.to(Device::cuda(0));
-  std::vector<float> cu(p.seqs.offsets.begin(), p.seqs.offsets.end());
-  p.cu = Tensor::from_vector(cu, {static_cast<int64_t>(cu.size())}, DType::I32).to(Device::cuda(0));
-  return p;
+  std::printf("%s\n", line.c_str());
 }
 
-Tensor reference(const Problem& p) {
-  Tensor out = Tensor::empty({p.N, p.Hq, p.d}, DType::F32);
-  poison(out);
-  ops::causal_attention(p.q.to_dtype(DType::F32), p.k.to_dtype(DType::F32), p.v.to_dtype(DType::F32), p.seqs,
-                        p.scale, out);
-  return out;
+void check_cases(const std::vector<cases::AttentionCase>& cs) {
+  for (const cases::AttentionCase& c : cs) check_case(c);
 }
 
-cuda::AttentionParams params_of(const Problem& p, const Tensor& out) {
-  cuda::AttentionParams a;
-  a.q = p.qd.raw_data();
-  a.k = p.kd.raw_data();
-  a.v = p.vd.raw_data();
-  a.out = out.raw_data();
-  a.cu_seqlens = p.cu.data<int32_t>();
-  a.num_seqs = static_cast<int64_t>(p.lens.size());
-  a.max_seqlen = p.max_len;
-  a.N = p.N;
-  a.Hq = p.Hq;
-  a.Hkv = p.Hkv;
-  a.d = p.d;
-  a.scale = p.scale;
-  return a;
-}
-
-void launch(Kernel kernel, cuda::AttentionParams a) {
-  void* stream = DeviceContext::get(0).stream();
-  if (kernel == Kernel::Fallback) {
-    cuda::attention_fallback(a, stream);
-    return;
-  }
-  a.impl = kernel == Kernel::FlashMma ? cuda::FlashImpl::MmaSync
-           : kernel == Kernel::FlashWgmma ? cuda::FlashImpl::Wgmma
-                                          : cuda::FlashImpl::Auto;
-  cuda::flash_attention_fwd(a, stream);
-}
-
-// Device output [N, Hq, d] bf16, poisoned before the launch; returned on the host.
-Tensor run(Kernel kernel, const Problem& p) {
-  Tensor out = Tensor::empty({p.N, p.Hq, p.d}, DType::BF16, Device::cuda(0));
-  poison(out);
-  launch(kernel, params_of(p, out));
-  return out.to(Device::cpu());
-}
-
-// Runs the kernels on one problem, checks them against the reference, prints the errors.
-void check_problem(const Problem& p, const std::vector<Kernel>& kernels, double* worst = nullptr) {
-  const Tensor ref = reference(p);
-  std::ostringstream line;
-  line << "  " << describe(p) << ":";
-  for (Kernel k : kernels) {
-    const double err = max_rel_err(run(k, p), ref);
-    line << " " << kernel_name(k) << " " << err;
-    EXPECT_LT(err, kBound) << kernel_name(k) << " " << describe(p);
-    if (worst) worst[static_cast<int>(k)] = std::max(worst[static_cast<int>(k)], err);
-  }
-  std::printf("%s\n", line.str().c_str());
-}
-
-const std::vector<std::vector<int64_t>> kSeqSets = {{1}, {63}, {64}, {65}, {130}, {1, 200, 17}, {3, 0, 70}};
-// Head ratios 1, 2, 3 and 6 (= Qwen3.6-27B's 24 / 4).
-const std::vector<std::pair<int64_t, int64_t>> kHeads = {{2, 2}, {4, 2}, {6, 2}, {6, 1}};
-
-// Every kernel that can run head dim d here: the mma.sync flash kernel always, the wgmma one on
-// sm_90 (d 128, 256), the default choice, and the fallback.
-std::vector<Kernel> kernels_for(int64_t d) {
-  std::vector<Kernel> k = {Kernel::Flash, Kernel::FlashMma};
-  if (wgmma_runs(d)) k.push_back(Kernel::FlashWgmma);
-  k.push_back(Kernel::Fallback);
-  return k;
-}
-
+// Every head ratio (1, 2, 3, 6) x sequence set at head dim d, each kernel that runs d here: the
+// mma.sync flash kernel always, the wgmma one on sm_90 (d 128, 256), the default choice, and the fallback.
 void sweep(int64_t d) {
-  double worst[4] = {0, 0, 0, 0};
-  for (auto [Hq, Hkv] : kHeads)
-    for (const auto& lens : kSeqSets) check_problem(make_problem(lens, Hq, Hkv, d), kernels_for(d), worst);
+  std::map<std::string, double> worst;
+  for (const cases::AttentionCase& c : cases::attention_sweep_cases(d)) check_case(c, &worst);
   std::printf("d=%lld worst normalized error: flash %.3g, mma.sync %.3g, wgmma %s%.3g, fallback %.3g (bound %.0e)\n",
-              static_cast<long long>(d), worst[0], worst[1], wgmma_runs(d) ? "" : "(not run) ", worst[2], worst[3],
-              kBound);
+              static_cast<long long>(d), worst["flash"], worst["mma_sync"], wgmma_runs(d) ? "" : "(not run) ",
+              worst["wgmma"], worst["fallback"], cases::AttentionCase::out_bound);
 }
 
 }  // namespace
@@ -194,27 +88,21 @@ TEST(CudaAttention, FlashAndFallbackD256) {
 // Peaky softmax (logits with stddev ~8 and ~24): the running max must be subtracted correctly.
 TEST(CudaAttention, PeakySoftmax) {
   DFLASH_REQUIRE_GPU();
-  for (int64_t d : {64, 128, 256}) {
-    check_problem(make_problem({130, 5}, 4, 2, d, 8.0f), kernels_for(d));
-    check_problem(make_problem({97}, 2, 1, d, 8.0f, 3.0f), kernels_for(d));
-  }
+  check_cases(cases::attention_peaky_cases());
 }
 
-// Head dims the flash kernel does not instantiate: the fallback covers any d.
+// Head dims the flash kernel does not instantiate (40, 96, 1, 33): the fallback covers any d.
 TEST(CudaAttention, FallbackOddHeadDims) {
   DFLASH_REQUIRE_GPU();
-  for (int64_t d : {40, 96, 1, 33})
-    for (const auto& lens : kSeqSets) check_problem(make_problem(lens, 6, 2, d), {Kernel::Fallback});
+  for (const cases::AttentionCase& c : cases::attention_odd_dim_cases())
+    ASSERT_EQ(cases::attention_variants(c.d).size(), 1u) << "d=" << c.d << ": only the fallback takes it";
+  check_cases(cases::attention_odd_dim_cases());
 }
 
 // One long sequence (32 key tiles per query block at the end) and a long packed batch.
 TEST(CudaAttention, LongSequences) {
   DFLASH_REQUIRE_GPU();
-  check_problem(make_problem({2048}, 2, 1, 256), kernels_for(256));
-  check_problem(make_problem({2048}, 4, 2, 128), kernels_for(128));
-  check_problem(make_problem({2048}, 6, 1, 64), kernels_for(64));
-  check_problem(make_problem({700, 1, 1347}, 2, 2, 128), kernels_for(128));
-  check_problem(make_problem({1000, 129, 3000}, 6, 1, 256), kernels_for(256));
+  check_cases(cases::attention_long_cases());
 }
 
 TEST(CudaAttention, SupportedHeadDims) {
@@ -228,37 +116,10 @@ TEST(CudaAttention, SupportedHeadDims) {
 }
 
 // k and v read in place from the columns of a wider row (as in the model's fused q|k|v
-// projection): row stride W elements, k at column offset 8, v after it.
+// projection): row stride 2·Hkv·d + 24 elements, k at column offset 8, v after it, the rest NaN.
 TEST(CudaAttention, StridedKeysValues) {
   DFLASH_REQUIRE_GPU();
-  for (int64_t d : {64, 128, 256}) {
-    const Problem p = make_problem({130, 1, 77}, 6, 2, d);
-    const Tensor ref = reference(p);
-    const int64_t kv = p.Hkv * d, W = 2 * kv + 24;
-    Tensor wide = Tensor::empty({p.N, W}, DType::BF16);
-    poison(wide);
-    const auto* ks = static_cast<const uint16_t*>(p.k.raw_data());
-    const auto* vs = static_cast<const uint16_t*>(p.v.raw_data());
-    auto* w = static_cast<uint16_t*>(wide.raw_data());
-    for (int64_t n = 0; n < p.N; ++n)
-      for (int64_t e = 0; e < kv; ++e) {
-        w[n * W + 8 + e] = ks[n * kv + e];
-        w[n * W + 8 + kv + e] = vs[n * kv + e];
-      }
-    const Tensor wd = wide.to(Device::cuda(0));
-    for (Kernel k : kernels_for(d)) {
-      Tensor out = Tensor::empty({p.N, p.Hq, p.d}, DType::BF16, Device::cuda(0));
-      poison(out);
-      cuda::AttentionParams a = params_of(p, out);
-      a.k = static_cast<const char*>(wd.raw_data()) + 8 * 2;
-      a.v = static_cast<const char*>(wd.raw_data()) + (8 + kv) * 2;
-      a.ldk = a.ldv = W;
-      launch(k, a);
-      const double err = max_rel_err(out.to(Device::cpu()), ref);
-      std::printf("  strided k/v d=%lld %s: %.3g\n", static_cast<long long>(d), kernel_name(k), err);
-      EXPECT_LT(err, kBound) << kernel_name(k) << " d=" << d;
-    }
-  }
+  check_cases(cases::attention_strided_cases());
 }
 
 // On an sm_90 GPU (the H200) the wgmma kernel must be there and be what the model runs: a build
@@ -276,72 +137,66 @@ TEST(CudaAttention, WgmmaOnSm90) {
   EXPECT_FALSE(cuda::flash_attention_wgmma_available(64, 0));
   EXPECT_STREQ(cuda::flash_attention_kernel_name(64, 0), "mma.sync");
   if (!sm90) {  // forcing it where it cannot run is an error, not a silent mma.sync run
-    const Problem p = make_problem({5}, 2, 1, 128);
-    Tensor out = Tensor::empty({p.N, p.Hq, p.d}, DType::BF16, Device::cuda(0));
-    EXPECT_THROW(launch(Kernel::FlashWgmma, params_of(p, out)), Error);
+    const cases::AttentionCase c{"", {5}, 2, 1, 128};
+    const cases::AttentionData data = cases::draw(c, 1);
+    Tensor out = poisoned_out(c);
+    EXPECT_THROW(cases::kFlashWgmma.launch(data.params(c, out.raw_data()), stream0()), Error);
   }
 }
 
 TEST(CudaAttention, BadSizesThrow) {
   DFLASH_REQUIRE_GPU();
-  const Problem p = make_problem({5, 3}, 6, 2, 64);
-  Tensor out = Tensor::empty({p.N, p.Hq, p.d}, DType::BF16, Device::cuda(0));
-  for (Kernel k : {Kernel::Flash, Kernel::FlashMma, Kernel::Fallback}) {
-    auto a = params_of(p, out);
-    a.Hkv = 4;  // 6 query heads do not divide into 4 kv heads
-    EXPECT_THROW(launch(k, a), Error) << kernel_name(k);
-    a = params_of(p, out);
-    a.Hkv = 0;
-    EXPECT_THROW(launch(k, a), Error) << kernel_name(k);
-    a = params_of(p, out);
-    a.scale = 0.0f;
-    EXPECT_THROW(launch(k, a), Error) << kernel_name(k);
-    a = params_of(p, out);
-    a.num_seqs = 0;
-    EXPECT_THROW(launch(k, a), Error) << kernel_name(k);
-    a = params_of(p, out);
-    a.max_seqlen = p.N + 1;
-    EXPECT_THROW(launch(k, a), Error) << kernel_name(k);
-    a = params_of(p, out);
-    a.out = nullptr;
-    EXPECT_THROW(launch(k, a), Error) << kernel_name(k);
-    a = params_of(p, out);
-    a.ldk = p.Hkv * p.d - 8;  // a k row stride shorter than the row
-    EXPECT_THROW(launch(k, a), Error) << kernel_name(k);
+  const cases::AttentionCase c{"", {5, 3}, 6, 2, 64};
+  const cases::AttentionData data = cases::draw(c, 2);
+  Tensor out = poisoned_out(c);
+  const cuda::AttentionParams p = data.params(c, out.raw_data());
+  for (const AttentionVariant* v : {&cases::kFlash, &cases::kFlashMmaSync, &cases::kAttentionFallback}) {
+    auto rejects = [&](auto mutate) {
+      cuda::AttentionParams a = p;
+      mutate(a);
+      EXPECT_THROW(v->launch(a, stream0()), Error) << v->name;
+    };
+    rejects([](cuda::AttentionParams& a) { a.Hkv = 4; });  // 6 query heads do not divide into 4 kv heads
+    rejects([](cuda::AttentionParams& a) { a.Hkv = 0; });
+    rejects([](cuda::AttentionParams& a) { a.scale = 0.0f; });
+    rejects([](cuda::AttentionParams& a) { a.num_seqs = 0; });
+    rejects([&](cuda::AttentionParams& a) { a.max_seqlen = c.N() + 1; });
+    rejects([](cuda::AttentionParams& a) { a.out = nullptr; });
+    rejects([&](cuda::AttentionParams& a) { a.ldk = c.Hkv * c.d - 8; });  // a k row stride shorter than the row
   }
   for (int64_t d : {32, 96, 40, 512}) {
-    auto a = params_of(p, out);
+    cuda::AttentionParams a = p;
     a.d = d;
-    EXPECT_THROW(cuda::flash_attention_fwd(a, DeviceContext::get(0).stream()), Error) << "d=" << d;
+    EXPECT_THROW(cases::kFlash.launch(a, stream0()), Error) << "d=" << d;
   }
-  auto a = params_of(p, out);
+  cuda::AttentionParams a = p;
   a.q = static_cast<const char*>(a.q) + 2;  // misaligned for 16-byte loads
-  EXPECT_THROW(cuda::flash_attention_fwd(a, DeviceContext::get(0).stream()), Error);
+  EXPECT_THROW(cases::kFlash.launch(a, stream0()), Error);
   // N = 0 is a no-op for both.
-  a = params_of(p, out);
+  a = p;
   a.N = 0;
   a.max_seqlen = 0;
-  EXPECT_NO_THROW(cuda::flash_attention_fwd(a, DeviceContext::get(0).stream()));
-  EXPECT_NO_THROW(cuda::attention_fallback(a, DeviceContext::get(0).stream()));
+  EXPECT_NO_THROW(cases::kFlash.launch(a, stream0()));
+  EXPECT_NO_THROW(cases::kAttentionFallback.launch(a, stream0()));
   DeviceContext::get(0).synchronize();
 }
 
 // Print-only timing of the Qwen3.6-27B prefill shape (T = 8192, Hq = 24, Hkv = 4, d = 256), plus
-// the flash kernel at d = 128 and 64 and on a packed batch of short sequences.
-// FLOPs = 4 · T²/2 · d · Hq per sequence (causal half of QKᵀ and PV).
-// Also checks the two kernels agree at this size (no CPU reference: it would take minutes).
+// the flash kernel at d = 128 and 64 and on a packed batch of short sequences; FLOPs from
+// AttentionCase::flops() (the causal half of QKᵀ and PV). Also checks the kernels agree at this
+// size (no CPU reference: it would take minutes).
 TEST(CudaAttention, TimingPrintOnly) {
   DFLASH_REQUIRE_GPU();
-  auto stream = static_cast<cudaStream_t>(DeviceContext::get(0).stream());
+  auto stream = static_cast<cudaStream_t>(stream0());
   cudaEvent_t start, stop;
   DFLASH_CUDA_CHECK(cudaEventCreate(&start));
   DFLASH_CUDA_CHECK(cudaEventCreate(&stop));
-  auto time_ms = [&](Kernel k, const cuda::AttentionParams& a, int warmup, int reps) {
-    for (int i = 0; i < warmup; ++i) launch(k, a);
+  auto time_ms = [&](const AttentionVariant& v, const cuda::AttentionParams& a, int warmup, int reps) {
+    for (int i = 0; i < warmup; ++i) v.launch(a, stream);
     std::vector<float> ms;
     for (int i = 0; i < reps; ++i) {
       DFLASH_CUDA_CHECK(cudaEventRecord(start, stream));
-      launch(k, a);
+      v.launch(a, stream);
       DFLASH_CUDA_CHECK(cudaEventRecord(stop, stream));
       DFLASH_CUDA_CHECK(cudaEventSynchronize(stop));
       float t = 0;
@@ -351,42 +206,39 @@ TEST(CudaAttention, TimingPrintOnly) {
     std::sort(ms.begin(), ms.end());
     return ms[ms.size() / 2];
   };
-  const int64_t T = 8192;
   for (int64_t d : {256, 128, 64}) {
-    const Problem p = make_problem({T}, 24, 4, d);
-    const double flops = 4.0 * (double(T) * T / 2) * double(d) * 24;
-    Tensor out_f = Tensor::empty({p.N, p.Hq, p.d}, DType::BF16, Device::cuda(0));
-    poison(out_f);
-    const float ms_f = time_ms(Kernel::Flash, params_of(p, out_f), 3, 20);
-    std::printf("attention T=%lld Hq=24 Hkv=4 d=%lld: flash (%s) %.3f ms (%.1f TFLOP/s)\n", static_cast<long long>(T),
-                static_cast<long long>(d), cuda::flash_attention_kernel_name(d, 0), ms_f, flops / ms_f * 1e-9);
+    const cases::AttentionCase c{"", {8192}, 24, 4, d};
+    const cases::AttentionData data = cases::draw(c, 3);
+    const long long T = c.N(), dl = d;
+    Tensor out_f = poisoned_out(c);
+    const float ms_f = time_ms(cases::kFlash, data.params(c, out_f.raw_data()), 3, 20);
+    std::printf("attention T=%lld Hq=24 Hkv=4 d=%lld: flash (%s) %.3f ms (%.1f TFLOP/s)\n", T, dl,
+                cuda::flash_attention_kernel_name(d, 0), ms_f, c.flops() / ms_f * 1e-9);
     if (wgmma_runs(d)) {  // the other kernel on the same inputs: timing and agreement
-      Tensor out_m = Tensor::empty({p.N, p.Hq, p.d}, DType::BF16, Device::cuda(0));
-      poison(out_m);
-      const float ms_m = time_ms(Kernel::FlashMma, params_of(p, out_m), 3, 20);
-      const double diff = max_rel_err(out_f.to(Device::cpu()), out_m.to(Device::cpu()));
+      Tensor out_m = poisoned_out(c);
+      const float ms_m = time_ms(cases::kFlashMmaSync, data.params(c, out_m.raw_data()), 3, 20);
+      const double diff = max_rel_err(out_f, out_m);
       std::printf("attention T=%lld Hq=24 Hkv=4 d=%lld: mma.sync %.3f ms (%.1f TFLOP/s); wgmma vs mma.sync "
                   "normalized difference %.3g\n",
-                  static_cast<long long>(T), static_cast<long long>(d), ms_m, flops / ms_m * 1e-9, diff);
-      EXPECT_LT(diff, kBound);
+                  T, dl, ms_m, c.flops() / ms_m * 1e-9, diff);
+      EXPECT_LT(diff, c.out_bound);
     }
     if (d == 256) {
-      Tensor out_b = Tensor::empty({p.N, p.Hq, p.d}, DType::BF16, Device::cuda(0));
-      poison(out_b);
-      const float ms_b = time_ms(Kernel::Fallback, params_of(p, out_b), 1, 3);
-      const double diff = max_rel_err(out_f.to(Device::cpu()), out_b.to(Device::cpu()));
+      Tensor out_b = poisoned_out(c);
+      const float ms_b = time_ms(cases::kAttentionFallback, data.params(c, out_b.raw_data()), 1, 3);
+      const double diff = max_rel_err(out_f, out_b);
       std::printf("attention T=%lld Hq=24 Hkv=4 d=256: fallback %.3f ms (%.2f TFLOP/s); flash is %.1fx faster; "
                   "flash vs fallback normalized difference %.3g\n",
-                  static_cast<long long>(T), ms_b, flops / ms_b * 1e-9, ms_b / ms_f, diff);
-      EXPECT_LT(diff, kBound);
+                  T, ms_b, c.flops() / ms_b * 1e-9, ms_b / ms_f, diff);
+      EXPECT_LT(diff, c.out_bound);
     }
   }
   {  // a packed batch of 16 sequences of 512 tokens (drafter-training style prefill)
-    const Problem p = make_problem(std::vector<int64_t>(16, 512), 24, 4, 256);
-    const double flops = 16 * 4.0 * (512.0 * 512 / 2) * 256 * 24;
-    Tensor out = Tensor::empty({p.N, p.Hq, p.d}, DType::BF16, Device::cuda(0));
-    const float ms = time_ms(Kernel::Flash, params_of(p, out), 3, 20);
-    std::printf("attention 16 x 512 tokens Hq=24 Hkv=4 d=256: flash %.3f ms (%.1f TFLOP/s)\n", ms, flops / ms * 1e-9);
+    const cases::AttentionCase c{"", std::vector<int64_t>(16, 512), 24, 4, 256};
+    const cases::AttentionData data = cases::draw(c, 4);
+    Tensor out = poisoned_out(c);
+    const float ms = time_ms(cases::kFlash, data.params(c, out.raw_data()), 3, 20);
+    std::printf("attention 16 x 512 tokens Hq=24 Hkv=4 d=256: flash %.3f ms (%.1f TFLOP/s)\n", ms, c.flops() / ms * 1e-9);
   }
   DFLASH_CUDA_CHECK(cudaEventDestroy(start));
   DFLASH_CUDA_CHECK(cudaEventDestroy(stop));

@@ -1,7 +1,7 @@
 #pragma once
 // GatedDeltaNet family: the post-conv preparation and the gated delta rule, prefill (chunked tensor
 // cores, recurrent fallback) and its decode / verify twin on a state pool (kernels/cuda/gdn_*.cu).
-// CPU reference: ops::gdn_gates, ops::l2norm, ops::gated_delta_rule, ops::gated_delta_rule_pool.
+// CPU reference: ops::gdn_gates, ops::l2norm_inplace, ops::gated_delta_rule, ops::gated_delta_rule_pool.
 #include <cstdint>
 
 #include "kernels/cuda/launch.h"

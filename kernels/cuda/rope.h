@@ -1,7 +1,7 @@
 #pragma once
 // RoPE family: per-head RMSNorm + neox rotary embedding, the target's q/k preparation and the
 // drafter's q_norm / k_norm forward and backward (kernels/cuda/rope.cu). CPU reference:
-// ops::rms_norm + ops::rope_neox_inplace (kernels/ops.h), cpu::head_norm_rope_bwd (kernels/cpu/train_ops.h).
+// ops::rms_norm + ops::rope_neox_inplace (kernels/ops.h), cpu::head_norm_rope_fwd / _bwd (kernels/cpu/train_ops.h).
 #include <cstdint>
 
 #include "kernels/cuda/launch.h"

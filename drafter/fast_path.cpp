@@ -6,8 +6,6 @@
 #include "kernels/error.h"
 #if DFLASH_WITH_CUDA
 #include "kernels/cuda/block_attention.h"
-#include "kernels/cuda/gemm.h"
-#include "kernels/cuda/loss.h"
 #endif
 
 namespace dflash::drafter {

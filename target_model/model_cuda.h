@@ -9,10 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gdn.h"
-#include "kernels/cuda/norm.h"
-#include "kernels/cuda/rope.h"
 #include "target_model/fast_path.h"
 #include "target_model/model.h"
 

@@ -91,7 +91,7 @@ class TrainBackend {
   virtual nlohmann::json fast_path_json() = 0;
 };
 
-// What both backends load and make the same way (cpu_backend.cpp).
+// What both backends load and make the same way (backend.cpp).
 // This rank's TP shard of the target (s.layout) on `device`: the checkpoint's slices, or the seed's
 // random weights (target::load_target_shard).
 target::TargetWeights load_target(const BackendSetup& s, Device device);

@@ -9,7 +9,6 @@
 #include <string>
 #include <vector>
 
-#include "kernels/cases/gdn_cases.h"  // Variant (shared by the families; defined there first)
 #include "kernels/cases/op_cases.h"
 #include "kernels/cuda/attention.h"
 

@@ -30,13 +30,6 @@ void chunk_gated_delta_rule_variant(const DeltaRuleParams& p, Stream s, int flag
 
 namespace dflash::cases {
 
-// A CUDA variant of an op: its name (kernel_bench's provider suffix) and launcher.
-template <class Params>
-struct Variant {
-  const char* name;
-  void (*launch)(const Params&, cuda::Stream);
-};
-
 // ---- causal_conv1d: depthwise causal conv over packed sequences, bf16 in / out -------------------
 struct ConvCase {
   std::string shape = {};      // kernel_bench's shape label ("" in check tables: describe())

@@ -15,11 +15,19 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/launch.h"
 #include "kernels/ops.h"
 #include "kernels/random.h"
 #include "kernels/tensor.h"
 
 namespace dflash::cases {
+
+// A CUDA variant of an op: its name (kernel_bench's provider suffix) and launcher.
+template <class Params>
+struct Variant {
+  const char* name;
+  void (*launch)(const Params&, cuda::Stream);
+};
 
 // The inputs of one case: input j draws stream j of `seed` (counter-based RNG, the same values
 // on the CPU and the GPU), so a case drawn twice from one seed holds the same inputs.

@@ -5,9 +5,9 @@
 #include <iostream>
 
 #include "bench/report.h"
-#include "kernels/app.h"
-#include "kernels/error.h"
-#include "kernels/log.h"
+#include "core/app.h"
+#include "core/error.h"
+#include "core/log.h"
 
 using namespace dflash;
 

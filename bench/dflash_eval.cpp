@@ -33,9 +33,9 @@
 #include "dflash/version.h"
 #include "drafter/decode.h"
 #include "drafter/weights.h"
-#include "kernels/app.h"
-#include "kernels/device.h"
-#include "kernels/log.h"
+#include "core/app.h"
+#include "core/device.h"
+#include "core/log.h"
 #include "target_model/cli.h"
 #include "target_model/decode.h"
 #include "target_model/model.h"
@@ -46,7 +46,7 @@
 
 #include "drafter/decode_cuda.h"
 #include "drafter/model_cuda.h"
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "target_model/model_cuda.h"
 #endif
 

@@ -7,9 +7,9 @@
 #include <filesystem>
 #include <fstream>
 
-#include "kernels/app.h"
-#include "kernels/error.h"
-#include "kernels/log.h"
+#include "core/app.h"
+#include "core/error.h"
+#include "core/log.h"
 #include "bench/plot.h"
 
 using namespace dflash;

@@ -2,10 +2,10 @@
 
 #include <cuda_runtime.h>
 
-#include "kernels/cuda/check.h"
-#include "kernels/device.h"
-#include "kernels/error.h"
-#include "kernels/tensor.h"
+#include "core/cuda/check.h"
+#include "core/device.h"
+#include "core/error.h"
+#include "core/tensor.h"
 
 namespace dflash::bench {
 

@@ -52,12 +52,12 @@
 
 #include "bench/harness.h"
 #include "bench/report.h"
-#include "kernels/app.h"
+#include "core/app.h"
 #include "kernels/cases/attention_cases.h"
 #include "kernels/cases/gdn_cases.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/block_attention.h"
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/conv.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gdn.h"
@@ -65,9 +65,9 @@
 #include "kernels/cuda/loss.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/sampling.h"
-#include "kernels/device.h"
-#include "kernels/log.h"
-#include "kernels/random.h"
+#include "core/device.h"
+#include "core/log.h"
+#include "core/random.h"
 #include "target_model/model_cuda.h"
 
 // Tuning knobs defined in the kernel files (0 = the launcher's automatic choice; the GDN and

@@ -11,7 +11,7 @@
 #include <sstream>
 
 #include "bench/report.h"
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::bench {
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <utility>
 
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::bench {
 

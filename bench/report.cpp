@@ -11,7 +11,7 @@
 
 #include "bench/harness.h"
 #include "dflash/version.h"
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::bench {
 

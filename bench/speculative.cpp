@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <chrono>
 
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::bench {
 

@@ -8,13 +8,13 @@
 #include <vector>
 
 #include "comm/mpi_check.h"
-#include "kernels/device.h"
-#include "kernels/error.h"
+#include "core/device.h"
+#include "core/error.h"
 #if DFLASH_WITH_CUDA
 #include <cuda_runtime.h>
 #include <nccl.h>
 
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #endif
 
 namespace dflash::comm {

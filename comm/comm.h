@@ -15,7 +15,7 @@
 #include <string>
 #include <thread>
 
-#include "kernels/tensor.h"
+#include "core/tensor.h"
 
 namespace dflash::comm {
 

@@ -1,6 +1,6 @@
 #include "comm/mpi_check.h"
 
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash {
 

@@ -10,7 +10,7 @@
 #include <filesystem>
 #include <sstream>
 
-#include "kernels/error.h"
+#include "core/error.h"
 
 #include <nlohmann/json.hpp>
 

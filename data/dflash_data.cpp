@@ -30,9 +30,9 @@
 #include "data/dataset.h"
 #include "data/regenerate.h"
 #include "data/synth.h"
-#include "kernels/app.h"
-#include "kernels/error.h"
-#include "kernels/log.h"
+#include "core/app.h"
+#include "core/error.h"
+#include "core/log.h"
 #include "target_model/cli.h"
 #include "target_model/runtime.h"
 

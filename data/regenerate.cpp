@@ -14,9 +14,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "kernels/error.h"
-#include "kernels/io/files.h"
-#include "kernels/log.h"
+#include "core/error.h"
+#include "core/io/files.h"
+#include "core/log.h"
 
 namespace dflash::data {
 

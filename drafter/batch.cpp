@@ -1,7 +1,7 @@
 #include "drafter/batch.h"
 
 #include "drafter/loss.h"
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::drafter {
 

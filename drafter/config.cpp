@@ -6,9 +6,9 @@
 #include <fstream>
 #include <sstream>
 
-#include "kernels/error.h"
+#include "core/error.h"
 #include "target_model/config.h"
-#include "kernels/io/json_fields.h"
+#include "core/io/json_fields.h"
 
 namespace dflash::drafter {
 

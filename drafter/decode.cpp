@@ -8,7 +8,7 @@
 
 #include "drafter/proposer_slots.h"
 #include "drafter/ref_math.h"
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::drafter {
 

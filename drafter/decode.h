@@ -25,7 +25,7 @@
 #include "drafter/model.h"
 #include "drafter/weights.h"
 #include "kernels/ops.h"
-#include "kernels/tensor.h"
+#include "core/tensor.h"
 
 namespace dflash::drafter {
 

@@ -2,8 +2,8 @@
 
 #include <fmt/format.h>
 
-#include "kernels/device.h"
-#include "kernels/error.h"
+#include "core/device.h"
+#include "core/error.h"
 #if DFLASH_WITH_CUDA
 #include "kernels/cuda/block_attention.h"
 #endif

@@ -16,7 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "drafter/config.h"
-#include "kernels/tensor.h"
+#include "core/tensor.h"
 
 namespace dflash::drafter {
 

@@ -4,8 +4,8 @@
 #include <cmath>
 #include <numeric>
 
-#include "kernels/error.h"
-#include "kernels/rng.h"
+#include "core/error.h"
+#include "core/rng.h"
 
 namespace dflash::drafter {
 

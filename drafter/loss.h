@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "kernels/cpu/train_ops.h"
-#include "kernels/tensor.h"
+#include "core/tensor.h"
 
 namespace dflash::drafter {
 

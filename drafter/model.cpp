@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "drafter/ref_math.h"
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::drafter {
 

@@ -20,7 +20,7 @@
 #include "drafter/loss.h"
 #include "drafter/weights.h"
 #include "kernels/ops.h"
-#include "kernels/tensor.h"
+#include "core/tensor.h"
 
 namespace dflash::drafter {
 

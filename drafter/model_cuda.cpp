@@ -5,14 +5,14 @@
 #include <cmath>
 
 #include "kernels/cuda/block_attention.h"
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/loss.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/rope.h"
-#include "kernels/device.h"
-#include "kernels/error.h"
+#include "core/device.h"
+#include "core/error.h"
 
 namespace dflash::drafter {
 

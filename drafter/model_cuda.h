@@ -29,7 +29,7 @@
 #include "drafter/loss.h"
 #include "drafter/model.h"
 #include "drafter/weights.h"
-#include "kernels/tensor.h"
+#include "core/tensor.h"
 
 namespace dflash::drafter {
 

@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "drafter/config.h"
-#include "kernels/error.h"
+#include "core/error.h"
 #include "kernels/ops.h"
-#include "kernels/tensor.h"
+#include "core/tensor.h"
 
 namespace dflash::drafter {
 

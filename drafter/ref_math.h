@@ -11,8 +11,8 @@
 #include "drafter/config.h"
 #include "drafter/model.h"
 #include "drafter/weights.h"
-#include "kernels/error.h"
-#include "kernels/tensor.h"
+#include "core/error.h"
+#include "core/tensor.h"
 
 namespace dflash::drafter::ref {
 

@@ -5,9 +5,9 @@
 #include <set>
 #include <sstream>
 
-#include "kernels/error.h"
-#include "kernels/random.h"
-#include "kernels/io/safetensors.h"
+#include "core/error.h"
+#include "core/random.h"
+#include "core/io/safetensors.h"
 
 namespace dflash::drafter {
 

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "drafter/config.h"
-#include "kernels/tensor.h"
+#include "core/tensor.h"
 
 namespace dflash::drafter {
 

@@ -18,7 +18,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernels/tensor.h"
+#include "core/tensor.h"
 
 namespace dflash::ops {
 
@@ -165,7 +165,7 @@ void sample_rows(const Tensor& logits, const SampleParams& p, const std::vector<
 // which says how sure a float summation in another order is to pick the same z_c). Tests use it.
 float nucleus_threshold(const float* z, int64_t V, float top_p, double* margin = nullptr);
 
-// ---- fp8: block-scaled e4m3 (the official -FP8 checkpoints' format; kernels/fp8.h) ---------------
+// ---- fp8: block-scaled e4m3 (the official -FP8 checkpoints' format; core/fp8.h) ---------------
 // The CPU reference of the FP8 target's GEMMs: what every FP8 CUDA op is tested against.
 
 // A weight [N, K] as e4m3 codes (U8 [N, K]) and one dequantization scale per 128 x 128 block

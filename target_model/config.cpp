@@ -5,8 +5,8 @@
 #include <filesystem>
 #include <sstream>
 
-#include "kernels/error.h"
-#include "kernels/io/json_fields.h"
+#include "core/error.h"
+#include "core/io/json_fields.h"
 
 namespace dflash::target {
 

@@ -15,7 +15,7 @@ namespace dflash::target {
 //   auto  as stored: FP8 for a block-FP8 checkpoint, bf16 otherwise (random weights: bf16)
 //   bf16  bf16 weights (f32 on the CPU reference); an FP8 checkpoint is dequantized at load
 //   fp8   e4m3 weights with one f32 scale per 128 x 128 block, activations quantized per token
-//         and 128-column group at run time (kernels/fp8.h); a bf16 checkpoint or random weights
+//         and 128-column group at run time (core/fp8.h); a bf16 checkpoint or random weights
 //         are quantized at load
 // Only the FP8 projections (is_fp8_projection) change; norms, conv, A_log, dt_bias, the small
 // in_proj_b / in_proj_a, the embedding and lm_head stay as they are, as in the official checkpoints.

@@ -5,7 +5,7 @@
 #include <memory>
 #include <set>
 
-#include "kernels/error.h"
+#include "core/error.h"
 #include "kernels/ops.h"
 #include "target_model/model.h"
 

@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "kernels/ops.h"
-#include "kernels/tensor.h"
+#include "core/tensor.h"
 #include "target_model/config.h"
 #include "target_model/fast_path.h"
 

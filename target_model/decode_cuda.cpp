@@ -15,12 +15,12 @@
 #include <cstring>
 
 #include "kernels/cuda/attention.h"
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gdn.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/sampling.h"
-#include "kernels/device.h"
+#include "core/device.h"
 #include "target_model/decode.h"
 #include "target_model/model_cuda.h"
 

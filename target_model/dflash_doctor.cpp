@@ -15,18 +15,18 @@
 #include <iostream>
 
 #include "dflash/version.h"
-#include "kernels/app.h"
-#include "kernels/device.h"
-#include "kernels/log.h"
-#include "kernels/random.h"
+#include "core/app.h"
+#include "core/device.h"
+#include "core/log.h"
+#include "core/random.h"
 #include "comm/comm.h"
 #include "target_model/fast_path.h"
 #include "target_model/weights.h"
 #if DFLASH_WITH_CUDA
 #include <cuda_runtime.h>
 
-#include "kernels/cuda/check.h"
-#include "kernels/cuda/env.h"
+#include "core/cuda/check.h"
+#include "core/cuda/env.h"
 #include "target_model/model_cuda.h"
 #endif
 

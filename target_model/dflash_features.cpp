@@ -19,15 +19,15 @@
 #include <unistd.h>
 
 #include "dflash/version.h"
-#include "kernels/app.h"
-#include "kernels/log.h"
+#include "core/app.h"
+#include "core/log.h"
 #include "target_model/cli.h"
 #include "target_model/model.h"
-#include "kernels/io/safetensors.h"
+#include "core/io/safetensors.h"
 #include "target_model/runtime.h"
 #include "target_model/tp.h"
 #include "comm/comm.h"
-#include "kernels/device.h"
+#include "core/device.h"
 #if DFLASH_WITH_CUDA
 #include "target_model/model_cuda.h"
 #endif

@@ -2,8 +2,8 @@
 
 #include <sstream>
 
-#include "kernels/device.h"
-#include "kernels/error.h"
+#include "core/device.h"
+#include "core/error.h"
 #if DFLASH_WITH_CUDA
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/conv.h"

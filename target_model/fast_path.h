@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/tensor.h"
+#include "core/tensor.h"
 #include "target_model/config.h"
 
 namespace dflash::target {

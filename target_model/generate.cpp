@@ -4,7 +4,7 @@
 #include <chrono>
 #include <deque>
 
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::target {
 

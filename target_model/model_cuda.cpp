@@ -8,14 +8,14 @@
 #include <numeric>
 
 #include "kernels/cuda/attention.h"
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/conv.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gdn.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/rope.h"
-#include "kernels/device.h"
+#include "core/device.h"
 
 namespace dflash::target {
 

@@ -1,7 +1,7 @@
 #include "target_model/runtime.h"
 
-#include "kernels/error.h"
-#include "kernels/log.h"
+#include "core/error.h"
+#include "core/log.h"
 #include "target_model/model.h"
 #if DFLASH_WITH_CUDA
 #include "target_model/model_cuda.h"

@@ -6,7 +6,7 @@
 #include <memory>
 #include <string>
 
-#include "kernels/device.h"
+#include "core/device.h"
 #include "target_model/config.h"
 #include "target_model/decode.h"
 #include "target_model/fast_path.h"

@@ -4,9 +4,9 @@
 #include <map>
 #include <sstream>
 
-#include "kernels/fp8.h"
-#include "kernels/random.h"
-#include "kernels/io/safetensors.h"
+#include "core/fp8.h"
+#include "core/random.h"
+#include "core/io/safetensors.h"
 
 namespace dflash::target {
 

@@ -9,15 +9,15 @@
 #include <sstream>
 #include <unordered_set>
 
-#include "kernels/device.h"
-#include "kernels/fp8.h"
+#include "core/device.h"
+#include "core/fp8.h"
 #include "kernels/ops.h"
-#include "kernels/random.h"
-#include "kernels/rng.h"
+#include "core/random.h"
+#include "core/rng.h"
 #if DFLASH_WITH_CUDA
 #include "kernels/cuda/gemm.h"
 #endif
-#include "kernels/io/safetensors.h"
+#include "core/io/safetensors.h"
 
 namespace dflash::target {
 

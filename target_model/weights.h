@@ -8,7 +8,7 @@
 #include <string_view>
 #include <vector>
 
-#include "kernels/tensor.h"
+#include "core/tensor.h"
 #include "target_model/config.h"
 
 namespace dflash::target {

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "bench/profile.h"
-#include "kernels/error.h"
+#include "core/error.h"
 
 using namespace dflash;
 using namespace dflash::bench;

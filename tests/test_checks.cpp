@@ -11,12 +11,12 @@
 
 #include "comm/mpi_check.h"
 #include "data/hdf5_check.h"
-#include "kernels/dtype.h"
-#include "kernels/error.h"
-#include "kernels/rng.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/rng.h"
 
 #ifdef DFLASH_WITH_CUDA
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #endif
 
 namespace dflash {

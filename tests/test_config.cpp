@@ -1,7 +1,7 @@
 // TargetConfig parsing: both config forms, defaults, and clear refusals.
 #include <gtest/gtest.h>
 
-#include "kernels/error.h"
+#include "core/error.h"
 #include "target_model/config.h"
 
 using namespace dflash;

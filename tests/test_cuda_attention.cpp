@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "kernels/cases/attention_cases.h"
-#include "kernels/cuda/check.h"
-#include "kernels/device.h"
+#include "core/cuda/check.h"
+#include "core/device.h"
 #include "tests/test_util.h"
 
 using namespace dflash;

@@ -22,11 +22,11 @@
 
 #include "drafter/config.h"
 #include "drafter/model.h"
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cpu/train_ops.h"
 #include "kernels/cuda/block_attention.h"
-#include "kernels/device.h"
-#include "kernels/random.h"
+#include "core/device.h"
+#include "core/random.h"
 #include "tests/test_util.h"
 
 using namespace dflash;

@@ -20,7 +20,7 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/conv.h"
 #include "kernels/cuda/gdn.h"
-#include "kernels/device.h"
+#include "core/device.h"
 #include "kernels/ops.h"
 #include "test_util.h"
 

@@ -21,7 +21,7 @@
 
 #include "bench/speculative.h"
 #include "drafter/decode_cuda.h"
-#include "kernels/rng.h"
+#include "core/rng.h"
 #include "oracle_proposer.h"
 #include "target_model/decode.h"
 #include "target_model/model.h"

@@ -28,9 +28,9 @@
 #include <vector>
 
 #include "kernels/cases/gdn_cases.h"
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/gdn.h"
-#include "kernels/device.h"
+#include "core/device.h"
 #include "kernels/ops.h"
 #include "test_util.h"
 

@@ -14,7 +14,7 @@
 #include "drafter/batch.h"
 #include "drafter/model.h"
 #include "drafter/model_cuda.h"
-#include "kernels/random.h"
+#include "core/random.h"
 #include "test_util.h"
 
 using namespace dflash;

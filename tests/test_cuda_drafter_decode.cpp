@@ -15,7 +15,7 @@
 
 #include "drafter/decode.h"
 #include "drafter/decode_cuda.h"
-#include "kernels/random.h"
+#include "core/random.h"
 #include "test_util.h"
 
 using namespace dflash;

@@ -36,10 +36,10 @@
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/norm.h"
-#include "kernels/device.h"
-#include "kernels/fp8.h"
+#include "core/device.h"
+#include "core/fp8.h"
 #include "kernels/ops.h"
-#include "kernels/random.h"
+#include "core/random.h"
 #include "test_util.h"
 
 using namespace dflash;

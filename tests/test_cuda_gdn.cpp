@@ -15,9 +15,9 @@
 #include "kernels/cases/gdn_cases.h"
 #include "kernels/cuda/conv.h"
 #include "kernels/cuda/gdn.h"
-#include "kernels/device.h"
+#include "core/device.h"
 #include "kernels/ops.h"
-#include "kernels/random.h"
+#include "core/random.h"
 #include "test_util.h"
 
 using namespace dflash;

@@ -25,8 +25,8 @@
 
 #include "drafter/loss.h"
 #include "kernels/cuda/loss.h"
-#include "kernels/device.h"
-#include "kernels/random.h"
+#include "core/device.h"
+#include "core/random.h"
 #include "test_util.h"
 
 using namespace dflash;

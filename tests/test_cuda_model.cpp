@@ -8,7 +8,7 @@
 #include "target_model/model.h"
 #include "target_model/model_cuda.h"
 #include "kernels/ops.h"
-#include "kernels/io/safetensors.h"
+#include "core/io/safetensors.h"
 #include "target_model/weights.h"
 #include "real_dims.h"
 #include "test_util.h"

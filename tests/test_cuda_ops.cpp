@@ -22,9 +22,9 @@
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/rope.h"
-#include "kernels/device.h"
+#include "core/device.h"
 #include "kernels/ops.h"
-#include "kernels/random.h"
+#include "core/random.h"
 #include "test_util.h"
 
 // Test/benchmark knob defined in norm.cu (0 = the launcher's automatic choice).

@@ -18,10 +18,10 @@
 #include <vector>
 
 #include "kernels/cuda/sampling.h"
-#include "kernels/device.h"
+#include "core/device.h"
 #include "kernels/ops.h"
-#include "kernels/random.h"
-#include "kernels/rng.h"
+#include "core/random.h"
+#include "core/rng.h"
 #include "test_util.h"
 
 namespace dflash::cuda::tuning {

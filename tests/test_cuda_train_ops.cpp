@@ -32,8 +32,8 @@
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/optimizer.h"
 #include "kernels/cuda/rope.h"
-#include "kernels/device.h"
-#include "kernels/dtype.h"
+#include "core/device.h"
+#include "core/dtype.h"
 #include "test_util.h"
 
 using namespace dflash;

@@ -16,7 +16,7 @@
 #include "data/hdf5_check.h"
 #include "data/loader.h"
 #include "data/synth.h"
-#include "kernels/error.h"
+#include "core/error.h"
 #include "raw_dataset.h"
 #include "test_util.h"
 

@@ -11,7 +11,7 @@
 
 #include <numeric>
 
-#include "kernels/rng.h"
+#include "core/rng.h"
 #include "target_model/decode.h"
 #include "target_model/model.h"
 #include "test_util.h"

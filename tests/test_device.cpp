@@ -8,9 +8,9 @@
 #include <random>
 #include <vector>
 
-#include "kernels/device.h"
-#include "kernels/random.h"
-#include "kernels/tensor.h"
+#include "core/device.h"
+#include "core/random.h"
+#include "core/tensor.h"
 #include "tests/test_util.h"
 
 namespace dflash {

@@ -20,9 +20,9 @@
 #include "drafter/loss.h"
 #include "drafter/model.h"
 #include "drafter/weights.h"
-#include "kernels/random.h"
+#include "core/random.h"
 #include "target_model/config.h"
-#include "kernels/io/safetensors.h"
+#include "core/io/safetensors.h"
 #include "test_util.h"
 
 using namespace dflash;

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "drafter/fast_path.h"
-#include "kernels/error.h"
+#include "core/error.h"
 
 using namespace dflash;
 using namespace dflash::drafter;

@@ -17,11 +17,11 @@
 #include <functional>
 #include <map>
 
-#include "kernels/fp8.h"
+#include "core/fp8.h"
 #include "kernels/ops.h"
 #include "target_model/fast_path.h"
 #include "target_model/model.h"
-#include "kernels/io/safetensors.h"
+#include "core/io/safetensors.h"
 #include "target_model/tp.h"
 #include "test_util.h"
 

@@ -11,7 +11,7 @@
 #include <fstream>
 
 #include "target_model/model.h"
-#include "kernels/io/safetensors.h"
+#include "core/io/safetensors.h"
 #include "test_util.h"
 
 using namespace dflash;

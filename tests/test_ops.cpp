@@ -7,8 +7,8 @@
 #include <filesystem>
 
 #include "kernels/ops.h"
-#include "kernels/random.h"
-#include "kernels/io/safetensors.h"
+#include "core/random.h"
+#include "core/io/safetensors.h"
 #include "test_util.h"
 
 using namespace dflash;

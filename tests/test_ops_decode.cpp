@@ -11,7 +11,7 @@
 #include <string>
 
 #include "kernels/ops.h"
-#include "kernels/random.h"
+#include "core/random.h"
 #include "test_util.h"
 
 using namespace dflash;

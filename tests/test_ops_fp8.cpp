@@ -1,4 +1,4 @@
-// The FP8 reference (kernels/fp8.h, kernels/ops.h "fp8") and the FP8 quantization_config of
+// The FP8 reference (core/fp8.h, kernels/ops.h "fp8") and the FP8 quantization_config of
 // target configs (issue 18, first step):
 // - e4m3 decoding and encoding: every code round-trips; encoding is the nearest code (ties to the
 //   even mantissa) by brute force over all finite codes, saturating at +-448, NaN to NaN;
@@ -14,7 +14,7 @@
 #include <limits>
 #include <random>
 
-#include "kernels/fp8.h"
+#include "core/fp8.h"
 #include "kernels/ops.h"
 #include "target_model/config.h"
 #include "target_model/weights.h"

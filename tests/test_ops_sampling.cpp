@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "kernels/ops.h"
-#include "kernels/random.h"
+#include "core/random.h"
 #include "test_util.h"
 
 using namespace dflash;

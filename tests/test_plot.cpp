@@ -9,7 +9,7 @@
 #include <string>
 
 #include "bench/report.h"
-#include "kernels/error.h"
+#include "core/error.h"
 #include "bench/plot.h"
 
 using namespace dflash;

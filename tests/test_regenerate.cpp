@@ -13,7 +13,7 @@
 
 #include "data/dataset.h"
 #include "data/regenerate.h"
-#include "kernels/rng.h"
+#include "core/rng.h"
 #include "target_model/generate.h"
 #include "target_model/model.h"
 #include "test_util.h"

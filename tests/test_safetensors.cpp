@@ -1,6 +1,6 @@
 // Safetensors reader/writer: round trips (every dtype, awkward shapes, metadata, shards) and
 // hand-crafted bad files that must each raise a dflash::Error naming the file and the tensor.
-#include "kernels/io/safetensors.h"
+#include "core/io/safetensors.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/error.h"
-#include "kernels/tensor.h"
+#include "core/error.h"
+#include "core/tensor.h"
 
 namespace fs = std::filesystem;
 using dflash::Device;

@@ -10,7 +10,7 @@
 
 #include "bench/speculative.h"
 #include "oracle_proposer.h"
-#include "kernels/rng.h"
+#include "core/rng.h"
 #include "target_model/model.h"
 #include "test_util.h"
 

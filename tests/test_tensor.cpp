@@ -3,9 +3,9 @@
 
 #include <cmath>
 
-#include "kernels/device.h"
-#include "kernels/random.h"
-#include "kernels/tensor.h"
+#include "core/device.h"
+#include "core/random.h"
+#include "core/tensor.h"
 #include "test_util.h"
 
 using namespace dflash;

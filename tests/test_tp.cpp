@@ -4,12 +4,12 @@
 #include <gtest/gtest.h>
 
 #include "comm/comm.h"
-#include "kernels/device.h"
+#include "core/device.h"
 #include "target_model/model.h"
 #if DFLASH_WITH_CUDA
 #include "target_model/model_cuda.h"
 #endif
-#include "kernels/io/safetensors.h"
+#include "core/io/safetensors.h"
 #include "target_model/tp.h"
 #include "real_dims.h"
 #include "test_util.h"

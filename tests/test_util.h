@@ -12,10 +12,10 @@
 #include <sstream>
 #include <vector>
 
-#include "kernels/device.h"
-#include "kernels/error.h"
-#include "kernels/random.h"
-#include "kernels/tensor.h"
+#include "core/device.h"
+#include "core/error.h"
+#include "core/random.h"
+#include "core/tensor.h"
 
 // First statement of every test that needs a GPU: skips (not fails) on machines without one.
 #define DFLASH_REQUIRE_GPU()                                                          \

@@ -13,9 +13,9 @@
 #include <spdlog/spdlog.h>
 
 #include "drafter/weights.h"
-#include "kernels/app.h"
-#include "kernels/error.h"
-#include "kernels/log.h"
+#include "core/app.h"
+#include "core/error.h"
+#include "core/log.h"
 
 namespace dflash::trainer {
 

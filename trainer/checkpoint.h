@@ -21,7 +21,7 @@
 
 #include "comm/comm.h"
 #include "drafter/config.h"
-#include "kernels/io/files.h"
+#include "core/io/files.h"
 #include "trainer/backend.h"
 #include "trainer/config.h"
 #include "trainer/optimizer.h"

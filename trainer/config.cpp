@@ -14,7 +14,7 @@
 #include <sstream>
 
 #include "comm/comm.h"
-#include "kernels/error.h"
+#include "core/error.h"
 #include "target_model/tp.h"
 
 namespace dflash::trainer {

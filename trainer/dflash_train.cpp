@@ -9,8 +9,8 @@
 #include <memory>
 
 #include "comm/comm.h"
-#include "kernels/app.h"
-#include "kernels/log.h"
+#include "core/app.h"
+#include "core/log.h"
 #include "trainer/config.h"
 #include "trainer/train.h"
 

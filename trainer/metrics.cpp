@@ -5,7 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
-#include "kernels/error.h"
+#include "core/error.h"
 #include "trainer/checkpoint.h"
 
 namespace fs = std::filesystem;

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "drafter/loss.h"
-#include "kernels/io/files.h"
+#include "core/io/files.h"
 #include "trainer/backend.h"
 
 namespace dflash::trainer {

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <numbers>
 
-#include "kernels/io/safetensors.h"
+#include "core/io/safetensors.h"
 
 namespace dflash::trainer {
 

@@ -17,7 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "kernels/tensor.h"
+#include "core/tensor.h"
 #include "trainer/config.h"
 
 namespace dflash::trainer {

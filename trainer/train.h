@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <string>
 
-#include "kernels/error.h"
+#include "core/error.h"
 #include "trainer/config.h"
 
 namespace dflash::trainer {

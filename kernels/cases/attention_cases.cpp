@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <numeric>
 
-#include "kernels/device.h"
+#include "core/device.h"
 
 namespace dflash::cases {
 

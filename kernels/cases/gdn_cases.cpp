@@ -5,7 +5,7 @@
 #include <numeric>
 #include <tuple>
 
-#include "kernels/device.h"
+#include "core/device.h"
 
 namespace dflash::cases {
 

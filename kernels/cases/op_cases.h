@@ -17,8 +17,8 @@
 
 #include "kernels/cuda/launch.h"
 #include "kernels/ops.h"
-#include "kernels/random.h"
-#include "kernels/tensor.h"
+#include "core/random.h"
+#include "core/tensor.h"
 
 namespace dflash::cases {
 

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "kernels/cpu/common.h"
-#include "kernels/fp8.h"
+#include "core/fp8.h"
 
 namespace dflash::ops {
 

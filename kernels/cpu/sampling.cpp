@@ -6,7 +6,7 @@
 #include <numeric>
 
 #include "kernels/cpu/common.h"
-#include "kernels/rng.h"
+#include "core/rng.h"
 
 namespace dflash::ops {
 

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::cpu {
 

@@ -9,7 +9,7 @@
 #include <functional>
 #include <vector>
 
-#include "kernels/tensor.h"
+#include "core/tensor.h"
 
 namespace dflash::cpu {
 

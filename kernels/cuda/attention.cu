@@ -42,11 +42,11 @@
 #include <cmath>
 #include <cstdint>
 
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/flash_tile.cuh"
 #include "kernels/cuda/ptx.cuh"
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::cuda {
 

@@ -24,11 +24,11 @@
 #include <cstdint>
 #include <mutex>
 
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/flash_tile.cuh"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/wgmma.cuh"
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::cuda {
 

@@ -50,11 +50,11 @@
 #include <cstdint>
 
 #include "kernels/cuda/block_attention_tile.cuh"
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/flash_tile.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/block_attention.h"
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::cuda {
 

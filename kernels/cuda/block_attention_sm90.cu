@@ -25,9 +25,9 @@
 #include <cstdint>
 
 #include "kernels/cuda/block_attention_tile.cuh"
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/wgmma.cuh"
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::cuda::battn {
 

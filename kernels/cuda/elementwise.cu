@@ -20,11 +20,11 @@
 #include <cmath>
 #include <cstdint>
 
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/pointwise.cuh"
 #include "kernels/cuda/vec.cuh"
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::cuda {
 

@@ -31,14 +31,14 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/grid.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/vec.cuh"
-#include "kernels/error.h"
-#include "kernels/fp8.h"
+#include "core/error.h"
+#include "core/fp8.h"
 
 namespace dflash::cuda {
 

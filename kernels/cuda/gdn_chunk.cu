@@ -89,11 +89,11 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/gdn.h"
 #include "kernels/cuda/ptx.cuh"
-#include "kernels/device.h"
-#include "kernels/error.h"
+#include "core/device.h"
+#include "core/error.h"
 
 namespace dflash::cuda {
 
@@ -756,7 +756,7 @@ bool aligned(const void* p, size_t n) { return reinterpret_cast<uintptr_t>(p) % 
 
 // Scratch for T, P, G/beta from the caching allocator. It is released when the launcher returns,
 // before the kernels run: device_alloc hands blocks out again in stream order, which is safe as
-// long as all dflash work is issued on the device context's stream (kernels/device.h).
+// long as all dflash work is issued on the device context's stream (core/device.h).
 struct Scratch {
   void* ptr = nullptr;
   int device = 0;

@@ -37,13 +37,13 @@
 
 #include <algorithm>
 
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/grid.h"
 #include "kernels/cuda/conv.h"
 #include "kernels/cuda/gdn.h"
 #include "kernels/cuda/ptx.cuh"
-#include "kernels/error.h"
-#include "kernels/device.h"
+#include "core/error.h"
+#include "core/device.h"
 
 namespace dflash::cuda {
 

@@ -39,11 +39,11 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/conv.h"
 #include "kernels/cuda/gdn.h"
 #include "kernels/cuda/ptx.cuh"
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::cuda {
 

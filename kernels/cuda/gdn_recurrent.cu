@@ -31,10 +31,10 @@
 
 #include <algorithm>
 
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/gdn.h"
 #include "kernels/cuda/ptx.cuh"
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::cuda {
 

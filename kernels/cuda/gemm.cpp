@@ -39,10 +39,10 @@
 #include <memory>
 #include <mutex>
 
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/gemm.h"
-#include "kernels/device.h"
-#include "kernels/error.h"
+#include "core/device.h"
+#include "core/error.h"
 
 namespace dflash::cuda {
 

@@ -54,7 +54,7 @@ struct GemmExParams {
 void gemm_ex(const GemmExParams& p, int device);
 
 // ==== FP8: block-scaled e4m3 (issue 18; kernels/cuda/fp8.cu, gemm_fp8 in kernels/cuda/gemm.cpp) ====
-// The official -FP8 checkpoints' format (kernels/fp8.h, the CPU reference in kernels/ops.h "fp8"):
+// The official -FP8 checkpoints' format (core/fp8.h, the CPU reference in kernels/ops.h "fp8"):
 // weights [N, K] as e4m3 codes with one f32 dequantization scale per 128 x 128 block, activations
 // quantized per token and 128-column group at run time (DeepSeek-V3's recipe). Codes are uint8_t
 // (e4m3 "fn" bit patterns); scales are dequantization scales (value ~= e4m3(code) * scale), laid

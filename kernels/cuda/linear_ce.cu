@@ -40,11 +40,11 @@
 #include <cmath>
 #include <cstdint>
 
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/loss.h"
-#include "kernels/device.h"
-#include "kernels/error.h"
+#include "core/device.h"
+#include "core/error.h"
 
 namespace dflash::cuda {
 

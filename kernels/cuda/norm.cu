@@ -39,13 +39,13 @@
 #include <cmath>
 #include <cstdint>
 
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/grid.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/pointwise.cuh"
 #include "kernels/cuda/vec.cuh"
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::cuda {
 

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 
 namespace dflash::cuda {
 namespace {

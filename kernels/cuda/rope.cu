@@ -19,12 +19,12 @@
 #include <cmath>
 #include <cstdint>
 
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 #include "kernels/cuda/grid.h"
 #include "kernels/cuda/rope.h"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/vec.cuh"
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::cuda {
 

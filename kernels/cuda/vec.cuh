@@ -10,8 +10,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/cuda/check.h"
-#include "kernels/device.h"
+#include "core/cuda/check.h"
+#include "core/device.h"
 
 namespace dflash::cuda::vec {
 

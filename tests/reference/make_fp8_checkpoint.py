@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Makes a block-FP8 checkpoint in the layout of the official Qwen3.x-*-FP8 releases from a bf16 /
 f16 / f32 one, with nothing but the Python standard library (its own e4m3 encoder, independent of
-dflash's kernels/fp8.h, so that loading the result checks dflash's reading of the format rather
+dflash's core/fp8.h, so that loading the result checks dflash's reading of the format rather
 than its own writing of it).
 
 The layout (Qwen3.6-27B-FP8's config.json and safetensors index):

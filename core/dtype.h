@@ -8,7 +8,7 @@
 
 namespace dflash {
 
-// F8E4M3: e4m3 codes (kernels/fp8.h) as the block-FP8 checkpoints store their weights; a value is
+// F8E4M3: e4m3 codes (core/fp8.h) as the block-FP8 checkpoints store their weights; a value is
 // only meaningful with its block scale, so the models keep one beside every such tensor.
 enum class DType : uint8_t { BF16, F16, F32, F64, I32, I64, U8, F8E4M3 };
 

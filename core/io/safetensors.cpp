@@ -1,4 +1,4 @@
-#include "kernels/io/safetensors.h"
+#include "core/io/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -19,7 +19,7 @@
 #include <sstream>
 #include <tuple>
 
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::io {
 

@@ -8,7 +8,7 @@
 //   DFLASH_CUBLAS_CHECK(cublasLtMatmul(...));
 //   DFLASH_NCCL_CHECK(ncclAllReduce(...));
 //
-// The throwing is done by the non-inline throw_* functions (kernels/cuda/check.cpp) that take the
+// The throwing is done by the non-inline throw_* functions (core/cuda/check.cpp) that take the
 // status code, so a test can feed them fabricated codes on a machine without a GPU. Only code under
 // kernels/cuda (and CUDA-only code elsewhere) includes this header: it pulls in the CUDA headers.
 #include <cublas_api.h>

@@ -1,12 +1,12 @@
-#include "kernels/tensor.h"
+#include "core/tensor.h"
 
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
 
-#include "kernels/device.h"
-#include "kernels/fp8.h"
+#include "core/device.h"
+#include "core/fp8.h"
 
 namespace dflash {
 

@@ -1,5 +1,5 @@
-// GPU fills from the counter-based RNG. Each element calls the same kernels/rng.h functions as the
-// CPU path (kernels/random.cpp), so uniform fills are bit-identical to the CPU and normal fills
+// GPU fills from the counter-based RNG. Each element calls the same core/rng.h functions as the
+// CPU path (core/random.cpp), so uniform fills are bit-identical to the CPU and normal fills
 // agree to about one f32 ulp (the device's double log/sin/cos may differ from the host's in the
 // last double bit). The affine step is written with explicitly rounded operations because the CPU
 // computes `lo + (hi - lo) * u` in f32 without FMA contraction; nvcc would otherwise fuse it.
@@ -9,10 +9,10 @@
 
 #include <algorithm>
 
-#include "kernels/cuda/check.h"
-#include "kernels/device.h"
-#include "kernels/random.h"
-#include "kernels/rng.h"
+#include "core/cuda/check.h"
+#include "core/device.h"
+#include "core/random.h"
+#include "core/rng.h"
 
 namespace dflash::cuda {
 

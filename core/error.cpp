@@ -1,4 +1,4 @@
-#include "kernels/error.h"
+#include "core/error.h"
 
 #include <cerrno>
 #include <cstring>

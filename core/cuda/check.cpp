@@ -1,10 +1,10 @@
-// The throwing half of kernels/cuda/check.h: turns a status code into one dflash::Error with the
+// The throwing half of core/cuda/check.h: turns a status code into one dflash::Error with the
 // call text, the library's name and description of the code, and a hint a user can act on.
-#include "kernels/cuda/check.h"
+#include "core/cuda/check.h"
 
 #include <spdlog/spdlog.h>
 
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::cuda {
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace dflash::io {
 

@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "kernels/dtype.h"
-#include "kernels/error.h"
+#include "core/dtype.h"
+#include "core/error.h"
 
 namespace dflash {
 

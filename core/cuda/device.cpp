@@ -1,4 +1,4 @@
-// CUDA implementation of kernels/device.h: device queries, the caching allocator, copies and the
+// CUDA implementation of core/device.h: device queries, the caching allocator, copies and the
 // per-device context. Host code only (no kernels); compiled by the host compiler.
 //
 // Lifetime at exit: the allocator caches and the device contexts are created with `new` and never
@@ -18,8 +18,8 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "kernels/cuda/check.h"
-#include "kernels/device.h"
+#include "core/cuda/check.h"
+#include "core/device.h"
 
 namespace dflash {
 

@@ -1,4 +1,4 @@
-#include "kernels/cuda/env.h"
+#include "core/cuda/env.h"
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>

@@ -1,4 +1,4 @@
-#include "kernels/io/files.h"
+#include "core/io/files.h"
 
 #include <fcntl.h>
 #include <sys/statvfs.h>
@@ -14,7 +14,7 @@
 #include <system_error>
 #include <utility>
 
-#include "kernels/error.h"
+#include "core/error.h"
 
 namespace fs = std::filesystem;
 

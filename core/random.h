@@ -1,11 +1,11 @@
 #pragma once
-// Filling tensors from the counter-based RNG (kernels/rng.h). Element j of `t` (row-major) draws
+// Filling tensors from the counter-based RNG (core/rng.h). Element j of `t` (row-major) draws
 // index `index_offset + j` of stream `stream`, so a shard of a tensor is filled with exactly the
 // values the whole tensor would hold at those positions (pass the shard's flat offset, for a
 // contiguous row range). Same values on the CPU and the GPU.
 #include <cstdint>
 
-#include "kernels/tensor.h"
+#include "core/tensor.h"
 
 namespace dflash {
 

@@ -1,4 +1,4 @@
-#include "kernels/log.h"
+#include "core/log.h"
 
 #include <spdlog/sinks/base_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -8,8 +8,8 @@
 #include <mutex>
 #include <optional>
 
-#include "kernels/error.h"
-#include "kernels/io/files.h"
+#include "core/error.h"
+#include "core/io/files.h"
 
 namespace dflash {
 

@@ -1,4 +1,4 @@
-#include "kernels/app.h"
+#include "core/app.h"
 
 #include <cctype>
 #include <cerrno>
@@ -8,9 +8,9 @@
 #include <iostream>
 
 #include "dflash/version.h"
-#include "kernels/device.h"
-#include "kernels/error.h"
-#include "kernels/log.h"
+#include "core/device.h"
+#include "core/error.h"
+#include "core/log.h"
 
 namespace dflash {
 

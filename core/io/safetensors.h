@@ -26,8 +26,8 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/dtype.h"
-#include "kernels/tensor.h"
+#include "core/dtype.h"
+#include "core/tensor.h"
 
 namespace dflash::io {
 

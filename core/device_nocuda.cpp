@@ -1,9 +1,9 @@
-// kernels/device.h (and the cuda:: fills of kernels/random.h) for a build without the CUDA backend:
+// core/device.h (and the cuda:: fills of core/random.h) for a build without the CUDA backend:
 // no devices, host<->host copies only, and every other entry point says clearly why it cannot run.
 #include <cstring>
 
-#include "kernels/device.h"
-#include "kernels/random.h"
+#include "core/device.h"
+#include "core/random.h"
 
 namespace dflash {
 

@@ -1,6 +1,6 @@
-#include "kernels/random.h"
+#include "core/random.h"
 
-#include "kernels/rng.h"
+#include "core/rng.h"
 
 namespace dflash {
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "kernels/tensor.h"
+#include "core/tensor.h"
 
 namespace dflash {
 

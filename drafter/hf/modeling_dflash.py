@@ -90,6 +90,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def _rope_theta(config) -> float:
     params = getattr(config, "rope_parameters", None) or {}
+    if "full_attention" in params:  # a per-layer-type form; the drafter has one RoPE for all layers
+        params = params["full_attention"]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         raise ValueError(f"DFlash drafter: rope_parameters.rope_type is {rope_type!r}; only 'default' RoPE is supported")
@@ -267,7 +269,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         if position_ids.shape[1] != ctx.shape[1] + q_len:
             raise ValueError(f"DFlash drafter: position_ids covers {position_ids.shape[1]} tokens, expected "
                              f"{ctx.shape[1]} context + {q_len} block")
-        cache = past_key_values if past_key_values is not None else None
+        cache = past_key_values
         past_len = cache.get_seq_length() if cache is not None else 0
         allowed = self._allowed(position_ids, q_len, past_len, attention_mask)
         rope_k = rope_cos_sin(position_ids, self.head_dim, self.rope_theta, h.dtype)

@@ -19,7 +19,8 @@ gives a DFlashDraftModel with the interface of z-lab's published drafters:
                                 (or input_ids [b, B] with embed_tokens, the target's embedding)
   position_ids     [b, C + B]   positions of those context tokens, then of the block
   past_key_values  a transformers Cache holding the context keys/values of earlier calls; the
-                   caller crops it back to the context (cache.crop(anchor)) after each call
+                   caller crops it back to the context after each call (crop_cache(cache, anchor)
+                   of this file; z-lab's cache.crop(anchor) also works for anchor > 0)
   returns          [b, B, H]    the final-normed hidden states; row j predicts the token at
                                 anchor + j (row 0 is the anchor itself)
 
@@ -86,6 +87,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     c, s = cos[:, None], sin[:, None]
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keeps the first `length` positions of a transformers Cache. Through a negative crop (drop
+    that many), which every transformers version reads the same way: in 5.17 crop(0) keeps
+    everything and a positive crop is deprecated."""
+    drop = cache.get_seq_length() - int(length)
+    if drop > 0:
+        cache.crop(-drop)
 
 
 def _rope_theta(config) -> float:
@@ -314,7 +324,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             positions = torch.arange(draft_cache.get_seq_length(), start + B, device=device)[None]
             hidden = self(position_ids=positions, noise_embedding=embed(block), target_hidden=features,
                           past_key_values=draft_cache, use_cache=True)
-            draft_cache.crop(start)
+            crop_cache(draft_cache, start)
             draft = head(hidden[:, 1:].to(head.weight.dtype)).argmax(-1)[0].tolist()
             verify = torch.tensor([[tokens[-1]] + draft], device=device)
             out = target(verify, past_key_values=target_cache, use_cache=True, output_hidden_states=True,
@@ -324,7 +334,7 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             while k < B - 1 and draft[k] == greedy[k]:
                 k += 1
             tokens += draft[:k] + [greedy[k]]
-            target_cache.crop(start + k + 1)
+            crop_cache(target_cache, start + k + 1)
             features = self._features(out.hidden_states)[:, : k + 1]
             accepted.append(k + 1)
         new = tokens[n0:n0 + max_new_tokens]

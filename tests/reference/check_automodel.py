@@ -19,7 +19,8 @@ Checks, each with its bound on max|logits - dflash's| / max|dflash's logits| ove
   bfloat16 load (dtype='auto', the checkpoint's) ........................... 5e-2
   z-lab's module, float32, full-attention export ........................... 1e-4
     (z-lab's forward gets no mask, so its sliding layers attend like full ones: mixed is not compared)
-  spec_generate on a random tiny Qwen3 target, float64: equals target.generate greedy, token for token
+  spec_generate on a random tiny Qwen3 target, float64: equals target.generate greedy, token for token,
+    with the drafter as exported (drafts rejected) and with drafts accepted in part
 Exit status 0 when every check passes, 1 when one fails, 77 (skip) when torch or transformers is
 missing (as in CI).
 """
@@ -89,7 +90,8 @@ def run_blocks(model, ref, dtype, mode="noise"):
 
 def run_cache(model, ref, dtype):
     """Sequence 0's blocks in anchor order with z-lab's cache protocol: each call gets the context
-    rows not yet cached, then the cache is cropped back to the anchor."""
+    rows not yet cached, then the cache is cropped back to the anchor (the module's crop_cache)."""
+    crop_cache = sys.modules[type(model).__module__].crop_cache
     cache, done, got, want = DynamicCache(), 0, [], []
     embed = ref.embed.to(DEVICE, dtype)
     for i, (s, a) in enumerate(ref.blocks):
@@ -100,7 +102,7 @@ def run_cache(model, ref, dtype):
         with torch.no_grad():
             h = model(position_ids=pos, noise_embedding=embed[ref.block_ids(s, a).to(DEVICE)][None], target_hidden=ctx,
                       past_key_values=cache, use_cache=True)
-        cache.crop(a)
+        crop_cache(cache, a)
         done = a
         got.append(h[0].double().cpu() @ ref.lm_head.double().T)
         want.append(ref.want(i))
@@ -139,8 +141,13 @@ def run_zlab(model, ref):
 
 def check_spec_generate(ref, results):
     """Greedy speculative decoding with the export on a random tiny Qwen3 target equals the
-    target's own greedy decoding (the drafter was not trained for it: acceptance stays low, the
-    output must still be identical)."""
+    target's own greedy decoding, in two settings:
+      random   the drafter as exported (not trained for this target): drafts are rejected
+      biased   the drafter's final norm zeroed, so every draft is token 0 (the argmax of all-zero
+               logits), and the target's lm_head row 0 scaled until about half of its greedy tokens
+               are 0: blocks are accepted in part, so rollback (cache crops, features of the
+               accepted rows) is exercised
+    Float64, so a near-tie cannot flip an argmax between the T = 1 and the T = B target forwards."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = ref.cfg
@@ -153,12 +160,42 @@ def check_spec_generate(ref, results):
     drafter = load_automodel(ref.dir, torch.float64)
     prompt = torch.randint(0, cfg["vocab_size"] - 1, (1, 9), device=DEVICE)
     n = 40
+
+    def greedy():
+        with torch.no_grad():
+            return target.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    def run(name):
+        want = greedy()
+        got, acc = drafter.spec_generate(target, prompt, max_new_tokens=n, return_acceptance=True)
+        same = got.shape == want.shape and bool((got == want).all())
+        results.setdefault("spec_generate", {})[name] = {"equal": same, "new_tokens": n, "steps": len(acc),
+                                                         "accepted": acc}
+        print(f"spec_generate {name}: equals target greedy: {same}; accepted per step {acc}")
+        return same, acc
+
+    ok, _ = run("random")
     with torch.no_grad():
-        greedy = target.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    spec, acc = drafter.spec_generate(target, prompt, max_new_tokens=n, return_acceptance=True)
-    same = spec.shape == greedy.shape and bool((spec == greedy).all())
-    results["spec_generate"] = {"equal": same, "new_tokens": n, "steps": len(acc), "accepted": acc}
-    return same
+        drafter.norm.weight.zero_()
+        row0 = target.lm_head.weight[0].clone()
+        for scale in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+            target.lm_head.weight[0] = row0 * scale
+            if (greedy()[0, prompt.shape[1]:] == 0).float().mean() >= 0.4:
+                break
+    same, acc = run("biased")
+    partial = any(1 < a < ref.B for a in acc)
+    results["spec_generate"]["biased"]["partial_acceptance_seen"] = partial
+    if not partial:
+        print("spec_generate biased: no block was accepted in part (rollback not exercised) FAIL")
+    return ok and same and partial
+
+
+def crop_zero_keeps_cache():
+    """What this transformers does with DynamicCache.crop(0) (why the module crops by a negative count)."""
+    c = DynamicCache()
+    c.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2), 0)
+    c.crop(0)
+    return c.get_seq_length()
 
 
 def main():
@@ -206,9 +243,9 @@ def main():
                 print(results["zlab"])
             else:
                 record(variant, "zlab_f32", rel_err(run_zlab(z, ref), ref.logits))
-    same = check_spec_generate(Reference(os.path.join(args.work_dir, "mixed")), results)
-    print(f"spec_generate equals target greedy: {same} (accepted per step: {results['spec_generate']['accepted']})")
-    ok = ok and same
+    results["dynamic_cache_len_after_crop0_of_3"] = crop_zero_keeps_cache()
+    print(f"DynamicCache of 3 positions after crop(0): {results['dynamic_cache_len_after_crop0_of_3']} positions")
+    ok = check_spec_generate(Reference(os.path.join(args.work_dir, "mixed")), results) and ok
     results["pass"] = ok
     if args.out:
         with open(args.out, "w") as f:

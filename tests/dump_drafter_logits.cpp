@@ -22,34 +22,12 @@
 #include "core/random.h"
 #include "drafter/model.h"
 #include "drafter/weights.h"
+#include "small_drafter.h"
 
 namespace {
 
 using namespace dflash;
 using namespace dflash::drafter;
-
-DrafterConfig dump_config(std::vector<AttnType> types) {
-  DrafterConfig c;
-  c.source = "dump_drafter_logits";
-  c.hidden_size = 32;
-  c.num_hidden_layers = static_cast<int64_t>(types.size());
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 12;  // not hidden / heads: loaders must read head_dim
-  c.intermediate_size = 56;
-  c.vocab_size = 71;
-  c.rms_norm_eps = 1e-6;
-  c.rope_theta = 10000.0;
-  c.max_position_embeddings = 4096;
-  c.layer_types = std::move(types);
-  c.sliding_window = 5;
-  c.block_size = 6;
-  c.mask_token_id = 70;
-  c.num_target_layers = 10;
-  c.target_layer_ids = {1, 4, 7};
-  c.validate();
-  return c;
-}
 
 Tensor normal(const Shape& shape, uint64_t stream, float mean, float stddev) {
   Tensor t = Tensor::zeros(shape, DType::F32);
@@ -114,8 +92,8 @@ int main(int argc, char** argv) {
   app.add_option("out_dir", out, "output directory")->required();
   add_common_options(app, &log_level);
   return run_app(app, argc, argv, [&] {
-    dump(dump_config({AttnType::Sliding, AttnType::Full, AttnType::Sliding}), out + "/mixed");
-    dump(dump_config({AttnType::Full, AttnType::Full, AttnType::Full}), out + "/full");
+    dump(fixtures::small_drafter_config({AttnType::Sliding, AttnType::Full, AttnType::Sliding}), out + "/mixed");
+    dump(fixtures::small_drafter_config({AttnType::Full, AttnType::Full, AttnType::Full}), out + "/full");
     return 0;
   });
 }

@@ -15,6 +15,7 @@
 
 #include "drafter/config.h"
 #include "drafter/weights.h"
+#include "small_drafter.h"
 
 namespace {
 
@@ -33,27 +34,12 @@ json read_json(const std::string& p) {
   return json::parse(in);
 }
 
-// A drafter unlike the defaults in every field a reader might guess: GQA, head_dim not
-// hidden / heads, a sliding layer first, an odd vocabulary.
+// tests/small_drafter.h's drafter, with an rms_norm_eps and a rope_theta that are no reader's
+// default either.
 DrafterConfig export_config(std::vector<AttnType> types) {
-  DrafterConfig c;
-  c.source = "export test";
-  c.hidden_size = 24;
-  c.num_hidden_layers = static_cast<int64_t>(types.size());
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 10;
-  c.intermediate_size = 40;
-  c.vocab_size = 53;
+  DrafterConfig c = fixtures::small_drafter_config(std::move(types));
   c.rms_norm_eps = 1e-5;
   c.rope_theta = 5e5;
-  c.max_position_embeddings = 8192;
-  c.layer_types = std::move(types);
-  c.sliding_window = 7;
-  c.block_size = 8;
-  c.mask_token_id = 51;
-  c.num_target_layers = 12;
-  c.target_layer_ids = {1, 5, 9};
   c.validate();
   return c;
 }

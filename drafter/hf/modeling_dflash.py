@@ -18,9 +18,12 @@ gives a DFlashDraftModel with the interface of z-lab's published drafters:
   noise_embedding  [b, B, H]    the target's embeddings of [anchor token, mask x (B - 1)]
                                 (or input_ids [b, B] with embed_tokens, the target's embedding)
   position_ids     [b, C + B]   positions of those context tokens, then of the block
+  attention_mask   optional [b, cached + C + B] key padding mask (1 = a real key), for batches
+                   of contexts of different lengths (left-padded)
   past_key_values  a transformers Cache holding the context keys/values of earlier calls; the
-                   caller crops it back to the context after each call (crop_cache(cache, anchor)
-                   of this file; z-lab's cache.crop(anchor) also works for anchor > 0)
+                   caller crops it back to the context after each call: crop_cache(cache, anchor)
+                   of this file (z-lab's loop calls cache.crop(anchor), which transformers 5.17
+                   deprecates and which keeps everything for anchor 0)
   returns          [b, B, H]    the final-normed hidden states; row j predicts the token at
                                 anchor + j (row 0 is the anchor itself)
 

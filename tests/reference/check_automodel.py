@@ -15,6 +15,7 @@ Checks, each with its bound on max|logits - dflash's| / max|dflash's logits| ove
   float64 load, one block per call (z-lab's calling convention) ............ 1e-10
   float64 load, sequence 0's context fed piece by piece through a DynamicCache 1e-10
   float64 load, input_ids + embed_tokens instead of noise_embedding ......... 1e-10
+  float64 load, all blocks in one batch, contexts left-padded + attention_mask 1e-10
   float32 load ............................................................. 1e-4
   bfloat16 load (dtype='auto', the checkpoint's) ........................... 5e-2
   z-lab's module, float32, full-attention export ........................... 1e-4
@@ -41,7 +42,7 @@ except Exception as e:  # noqa: BLE001 - any missing piece means this machine ca
     print(f"check_automodel: skipped: {e}")
     sys.exit(SKIP)
 
-BOUNDS = {"f64": 1e-10, "f64_cache": 1e-10, "f64_input_ids": 1e-10, "f32": 1e-4, "bf16": 5e-2, "zlab_f32": 1e-4}
+BOUNDS = {"f64": 1e-10, "f64_cache": 1e-10, "f64_input_ids": 1e-10, "f64_batched": 1e-10, "f32": 1e-4, "bf16": 5e-2, "zlab_f32": 1e-4}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -86,6 +87,27 @@ def run_blocks(model, ref, dtype, mode="noise"):
                 h = model(position_ids=pos, noise_embedding=embed(ids), target_hidden=ctx)
         out.append(h[0].double().cpu() @ ref.lm_head.double().T)
     return torch.cat(out)
+
+
+def run_batched(model, ref, dtype):
+    """Every block in one call of batch size nb: contexts of different lengths left-padded to the
+    longest, the padding masked by a [nb, keys] attention_mask (1 = a real key)."""
+    C = max(a for _, a in ref.blocks)
+    nb, H = len(ref.blocks), ref.embed.shape[1]
+    ctx = torch.zeros(nb, C, ref.context.shape[1], dtype=dtype)
+    pos = torch.zeros(nb, C + ref.B, dtype=torch.long)
+    keep = torch.zeros(nb, C + ref.B, dtype=torch.long)
+    ids = torch.stack([ref.block_ids(s, a) for s, a in ref.blocks])
+    for i, (s, a) in enumerate(ref.blocks):
+        o = ref.offsets[s]
+        ctx[i, C - a:] = ref.context[o:o + a].to(dtype)
+        pos[i, C - a:] = torch.arange(0, a + ref.B)
+        keep[i, C - a:] = 1
+    with torch.no_grad():
+        h = model(position_ids=pos.to(DEVICE), attention_mask=keep.to(DEVICE), target_hidden=ctx.to(DEVICE),
+                  noise_embedding=ref.embed.to(DEVICE, dtype)[ids.to(DEVICE)])
+    assert h.shape == (nb, ref.B, H)
+    return h.double().cpu().reshape(nb * ref.B, H) @ ref.lm_head.double().T
 
 
 def run_cache(model, ref, dtype):
@@ -226,6 +248,7 @@ def main():
         got, want = run_cache(m64, ref, torch.float64)
         record(variant, "f64_cache", rel_err(got, want))
         record(variant, "f64_input_ids", rel_err(run_blocks(m64, ref, torch.float64, "input_ids"), ref.logits))
+        record(variant, "f64_batched", rel_err(run_batched(m64, ref, torch.float64), ref.logits))
         m32 = load_automodel(ref.dir, torch.float32)
         record(variant, "f32", rel_err(run_blocks(m32, ref, torch.float32), ref.logits))
         m16 = load_automodel(ref.dir, "auto")

@@ -187,9 +187,20 @@ json DrafterConfig::to_json() const {
   for (AttnType t : layer_types) lt.push_back(attn_type_name(t));
   bool any_sliding = false;
   for (AttnType t : layer_types) any_sliding = any_sliding || t == AttnType::Sliding;
+  // Qwen's older rule "layers i >= max_window_layers slide" agrees with layer_types whenever the
+  // sliding layers are a suffix; readers that have layer_types (all of tests/data/serving_fields.json's)
+  // use it instead.
+  int64_t leading_full = 0;
+  while (leading_full < num_hidden_layers && layer_types[static_cast<size_t>(leading_full)] == AttnType::Full)
+    ++leading_full;
+  // Every field here is one that a serving stack or transformers reads for a DFlash drafter;
+  // tests/data/serving_fields.json names the readers (file@commit) and test_export checks it.
   json j = {
       {"architectures", {"DFlashDraftModel"}},
       {"model_type", "qwen3"},
+      // transformers' AutoModel(trust_remote_code=True) loads dflash's own module, shipped beside
+      // the weights by export_hf (drafter/hf/modeling_dflash.py).
+      {"auto_map", {{"AutoModel", std::string(kHfModelingModule) + ".DFlashDraftModel"}}},
       {"hidden_size", hidden_size},
       {"num_hidden_layers", num_hidden_layers},
       {"num_attention_heads", num_attention_heads},
@@ -198,8 +209,9 @@ json DrafterConfig::to_json() const {
       {"intermediate_size", intermediate_size},
       {"vocab_size", vocab_size},
       {"rms_norm_eps", rms_norm_eps},
+      // transformers 5, SGLang and vLLM read rope_parameters; rope_theta is its transformers 4 form.
       {"rope_theta", rope_theta},
-      {"rope_scaling", nullptr},
+      {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", rope_theta}}},
       {"max_position_embeddings", max_position_embeddings},
       {"hidden_act", "silu"},
       {"attention_bias", false},
@@ -210,6 +222,7 @@ json DrafterConfig::to_json() const {
       {"layer_types", lt},
       {"use_sliding_window", any_sliding},
       {"sliding_window", any_sliding ? json(sliding_window) : json(nullptr)},
+      {"max_window_layers", leading_full},
       {"block_size", block_size},
       {"num_target_layers", num_target_layers},
       {"dflash_config", {{"mask_token_id", mask_token_id}, {"target_layer_ids", target_layer_ids}}},

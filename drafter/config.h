@@ -1,7 +1,9 @@
 #pragma once
 // The DFlash drafter's architecture, as a Hugging Face config.json that z-lab's DFlashDraftModel,
-// SGLang and vLLM read: architectures ["DFlashDraftModel"], model_type "qwen3", the Qwen3 fields,
-// block_size, dflash_config {mask_token_id, target_layer_ids}, num_target_layers.
+// SGLang, vLLM and transformers (through dflash's own modeling file) read: architectures
+// ["DFlashDraftModel"], model_type "qwen3", auto_map, the Qwen3 fields, block_size, dflash_config
+// {mask_token_id, target_layer_ids}, num_target_layers. tests/data/serving_fields.json lists every
+// field those loaders read, with where each is read.
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
@@ -13,6 +15,10 @@ struct TargetConfig;
 }
 
 namespace dflash::drafter {
+
+// The Python module export_hf writes beside the weights (drafter/hf/modeling_dflash.py, compiled in)
+// and config.json's auto_map names: AutoModel.from_pretrained(dir, trust_remote_code=True) loads it.
+inline constexpr const char* kHfModelingModule = "modeling_dflash";
 
 enum class AttnType { Full, Sliding };
 const char* attn_type_name(AttnType t);  // "full_attention" / "sliding_attention"

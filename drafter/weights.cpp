@@ -1,12 +1,12 @@
 #include "drafter/weights.h"
 
 #include <filesystem>
-#include <fstream>
 #include <set>
 #include <sstream>
 
 #include "core/error.h"
 #include "core/random.h"
+#include "core/io/files.h"
 #include "core/io/safetensors.h"
 
 namespace dflash::drafter {
@@ -77,17 +77,9 @@ void export_hf(const std::string& dir, const DrafterConfig& c, const DrafterWeig
   for (const auto& e : const_cast<DrafterWeights&>(w).entries(c))
     tensors.emplace_back(e.name, e.tensor->contiguous().to_dtype(DType::BF16));
   io::save_safetensors((fs::path(dir) / "model.safetensors").string(), tensors, {{"format", "pt"}});
-  // config.json last, via tmp + rename, so a directory with a config has its weights.
-  const std::string cfg = (fs::path(dir) / "config.json").string();
-  {
-    std::ofstream out(cfg + ".tmp");
-    DFLASH_CHECK_IO(out.good(), "open", cfg + ".tmp");
-    out << c.to_json().dump(2) << "\n";
-    out.close();
-    DFLASH_CHECK_IO(out.good(), "write", cfg + ".tmp");
-  }
-  fs::rename(cfg + ".tmp", cfg, ec);
-  DFLASH_CHECK(!ec, "export: cannot rename '" << cfg << ".tmp': " << ec.message());
+  io::write_file_atomic((fs::path(dir) / (std::string(kHfModelingModule) + ".py")).string(), hf_modeling_source());
+  // config.json last (atomically), so a directory with a config has its weights and its module.
+  io::write_file_atomic((fs::path(dir) / "config.json").string(), c.to_json().dump(2) + "\n");
 }
 
 LoadedDrafter import_hf(const std::string& dir, DType dtype) {

@@ -50,8 +50,14 @@ struct DrafterWeights {
   void check(const DrafterConfig& c) const;
 };
 
-// Writes `dir`/config.json and `dir`/model.safetensors (bf16, z-lab names); creates `dir`.
+// Writes `dir`/model.safetensors (bf16, z-lab names), `dir`/modeling_dflash.py (hf_modeling_source)
+// and, last, `dir`/config.json (DrafterConfig::to_json, with the auto_map naming the module);
+// creates `dir`. SGLang and vLLM load the directory as it is, transformers through
+// AutoModel.from_pretrained(dir, trust_remote_code=True).
 void export_hf(const std::string& dir, const DrafterConfig& c, const DrafterWeights& w);
+
+// drafter/hf/modeling_dflash.py as compiled in: dflash's PyTorch DFlashDraftModel.
+const char* hf_modeling_source();
 
 struct LoadedDrafter {
   DrafterConfig config;

@@ -142,10 +142,8 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<comm::MpiEnv> mpi;
   return run_app(app, argc, argv, [&]() -> int {
-    if (tp > 1 || env_rank() >= 0) mpi = std::make_unique<comm::MpiEnv>(&argc, &argv);
-    const int world = mpi ? mpi->size() : 1, rank = mpi ? mpi->rank() : 0;
-    init_logging(rank, log_level);
-    const comm::Layout layout = comm::make_layout(world, rank, tp);
+    const comm::Layout layout = comm::start_ranks(mpi, &argc, &argv, tp, log_level);
+    const int world = layout.world_size, rank = layout.world_rank;
     DFLASH_CHECK_HINT(world == tp, "dflash_eval runs one TP group: mpirun -n " << world << " with --tp " << tp,
                       "start it with mpirun -n " << tp);
     DFLASH_CHECK_HINT(!target.src.model_dir.empty() || target.src.random_weights, "no target given",

@@ -22,6 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/greedy_estimate.h"
 #include "bench/harness.h"
 #if DFLASH_WITH_CUDA
 #include "bench/profile.h"
@@ -255,14 +256,8 @@ int main(int argc, char** argv) {
       if (scorer) {
         // The trainer's estimate on this prompt: the drafter's training forward over prompt + the
         // target's greedy tokens, with the target's features of one forward over that sequence.
-        std::vector<int32_t> seq = p;
-        seq.insert(seq.end(), greedy.tokens.begin(), greedy.tokens.end());
-        target::ExtendOptions eo;
-        eo.capture = dc.target_layer_ids;
-        dec->reset(0);
-        const target::ExtendResult whole = dec->extend({0}, {seq}, eo);
-        const bench::AcceptEstimate est =
-            bench::training_estimate(scorer, whole.features, seq, rep.prompt_len, n_greedy, spec.block_starts);
+        const bench::AcceptEstimate est = bench::greedy_training_estimate(*dec, dc.target_layer_ids, scorer, p,
+                                                                          greedy.tokens, n_greedy, spec.block_starts);
         rep.est_steps = est.at_steps;
         rep.est_all = est.at_all;
       }

@@ -368,19 +368,11 @@ TEST(CudaBlockAttention, Supported) {
 
 TEST(CudaBlockAttention, BadSizesThrow) {
   DFLASH_REQUIRE_GPU();
-  cuda::BlockAttnParams a;
-  a.nb = 1;
-  a.B = 16;
-  a.N = 10;
-  a.num_seqs = 1;
-  a.max_seqlen = 10;
-  a.Hq = 6;
-  a.Hkv = 4;  // not a divisor
-  a.d = 64;
-  EXPECT_NE(error_of([&] { cuda::block_attention_fwd(a, DeviceContext::get(0).stream()); }), "");
-  a.Hkv = 2;  // null pointers now
-  EXPECT_NE(error_of([&] { cuda::block_attention_fwd(a, DeviceContext::get(0).stream()); }), "");
-  a.sliding = true;
-  a.window = 0;
-  EXPECT_NE(error_of([&] { cuda::block_attention_fwd(a, DeviceContext::get(0).stream()); }), "");
+  // One block of 16 rows over 10 context rows; no pointers.
+  const cuda::BlockAttnParams a{.nb = 1, .B = 16, .N = 10, .num_seqs = 1, .max_seqlen = 10, .Hq = 6, .Hkv = 4, .d = 64};
+  const auto rejects = throws_after_edit(
+      a, [](const cuda::BlockAttnParams& p) { cuda::block_attention_fwd(p, DeviceContext::get(0).stream()); });
+  rejects([](cuda::BlockAttnParams&) {}, "6 query heads over 4 kv heads: not a divisor");
+  rejects([](cuda::BlockAttnParams& p) { p.Hkv = 2; }, "null pointers");
+  rejects([](cuda::BlockAttnParams& p) { p.Hkv = 2; p.sliding = true; p.window = 0; }, "sliding with window 0");
 }

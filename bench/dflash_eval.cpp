@@ -22,6 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/greedy_estimate.h"
 #include "bench/harness.h"
 #if DFLASH_WITH_CUDA
 #include "bench/profile.h"
@@ -142,10 +143,8 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<comm::MpiEnv> mpi;
   return run_app(app, argc, argv, [&]() -> int {
-    if (tp > 1 || env_rank() >= 0) mpi = std::make_unique<comm::MpiEnv>(&argc, &argv);
-    const int world = mpi ? mpi->size() : 1, rank = mpi ? mpi->rank() : 0;
-    init_logging(rank, log_level);
-    const comm::Layout layout = comm::make_layout(world, rank, tp);
+    const comm::Layout layout = comm::start_ranks(mpi, &argc, &argv, tp, log_level);
+    const int world = layout.world_size, rank = layout.world_rank;
     DFLASH_CHECK_HINT(world == tp, "dflash_eval runs one TP group: mpirun -n " << world << " with --tp " << tp,
                       "start it with mpirun -n " << tp);
     DFLASH_CHECK_HINT(!target.src.model_dir.empty() || target.src.random_weights, "no target given",
@@ -257,14 +256,8 @@ int main(int argc, char** argv) {
       if (scorer) {
         // The trainer's estimate on this prompt: the drafter's training forward over prompt + the
         // target's greedy tokens, with the target's features of one forward over that sequence.
-        std::vector<int32_t> seq = p;
-        seq.insert(seq.end(), greedy.tokens.begin(), greedy.tokens.end());
-        target::ExtendOptions eo;
-        eo.capture = dc.target_layer_ids;
-        dec->reset(0);
-        const target::ExtendResult whole = dec->extend({0}, {seq}, eo);
-        const bench::AcceptEstimate est =
-            bench::training_estimate(scorer, whole.features, seq, rep.prompt_len, n_greedy, spec.block_starts);
+        const bench::AcceptEstimate est = bench::greedy_training_estimate(*dec, dc.target_layer_ids, scorer, p,
+                                                                          greedy.tokens, n_greedy, spec.block_starts);
         rep.est_steps = est.at_steps;
         rep.est_all = est.at_all;
       }

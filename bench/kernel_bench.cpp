@@ -54,6 +54,7 @@
 #include "bench/report.h"
 #include "core/app.h"
 #include "kernels/cases/attention_cases.h"
+#include "kernels/cases/block_attention_cases.h"
 #include "kernels/cases/gdn_cases.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/block_attention.h"
@@ -249,22 +250,32 @@ void bench_attn(Ctx& ctx, bool quick) {
   }
 }
 
+// The target's projection GEMMs at Qwen3.6-27B shapes, y[M, N] = x[M, K] · w[N, K]ᵀ. fp8: the ones the
+// FP8 target quantizes (its GatedDeltaNet in-projection without the b | a columns, which stay bf16).
+// The names are part of the CSV rows' shapes: keep them.
+struct GemmShape {
+  const char* name;
+  int64_t N, K;
+};
+std::vector<GemmShape> qwen36_27b_gemms(bool fp8) {
+  return {fp8 ? GemmShape{"gdn in_proj qkv|z", 16384, 5120} : GemmShape{"gdn in_proj q|k|v|z|b|a", 16480, 5120},
+          {"gdn out_proj", 5120, 6144},
+          {fp8 ? "attn q|k|v" : "attn q+gate|k|v", 14336, 5120},
+          {"attn o_proj", 5120, 6144},
+          {"mlp gate|up", 34816, 5120},
+          {"mlp down", 5120, 17408}};
+}
+
 // The target's GEMMs at the model's shapes: our launcher with cuBLASLt's first heuristic answer
 // (what the forward uses by default) against the fastest of its top 16 answers timed in isolation
 // (what autotuning reaches). Same operands, same output checked.
 void bench_gemm(Ctx& ctx, bool quick) {
   std::printf("\n== gemm: cuBLASLt heuristic choice vs the best of its top 16 (isolation), Qwen3.6-27B shapes\n");
-  struct G {
-    const char* name;
-    int64_t N, K;
-  };
-  const std::vector<G> gemms = {{"gdn in_proj q|k|v|z|b|a", 16480, 5120}, {"gdn out_proj", 5120, 6144},
-                                {"attn q+gate|k|v", 14336, 5120},          {"attn o_proj", 5120, 6144},
-                                {"mlp gate|up", 34816, 5120},              {"mlp down", 5120, 17408}};
+  const std::vector<GemmShape> gemms = qwen36_27b_gemms(false);
   std::vector<int64_t> tokens = {2048, 8192};
   if (quick) tokens = {8192};
   for (int64_t M : tokens)
-    for (const G& g : gemms) {
+    for (const GemmShape& g : gemms) {
       Tensor x = dev_randn({M, g.K}, DType::BF16, 11), w = dev_randn({g.N, g.K}, DType::BF16, 12, 0.02f);
       Tensor y = Tensor::empty({M, g.N}, DType::BF16, Device::cuda(0)), ref = y.clone();
       cuda::GemmParams p{x.raw_data(), g.K, w.raw_data(), y.raw_data(), g.N, M, g.N, g.K, false};
@@ -439,39 +450,16 @@ void bench_dattn(Ctx& ctx, bool quick) {
                 Tensor::empty({R, Hkv, d}, DType::BF16, dev),
                 Tensor::empty({std::max<int64_t>(cuda::block_attention_bwd_workspace(p), 1)}, DType::U8, dev)};
   };
-  cuda::BlockAttnParams base;
-  base.q = q.raw_data();
-  base.kc = kc.raw_data();
-  base.vc = vc.raw_data();
-  base.kb = kb.raw_data();
-  base.vb = vb.raw_data();
-  base.anchor = t_anchor.data<int32_t>();
-  base.block_seq = t_seq.data<int32_t>();
-  base.cu_seqlens = t_cus.data<int32_t>();
-  base.cu_blocks = t_cub.data<int32_t>();
-  base.nb = nb;
-  base.B = B;
-  base.N = N;
-  base.num_seqs = 1;
-  base.max_seqlen = N;
-  base.Hq = Hq;
-  base.Hkv = Hkv;
-  base.d = d;
+  const cuda::BlockAttnParams base =
+      cases::block_attn_params({q, kc, vc, kb, vb, t_anchor, t_seq, t_cus, t_cub},
+                               {.nb = nb, .B = B, .N = N, .num_seqs = 1, .max_seqlen = N, .Hq = Hq, .Hkv = Hkv, .d = d});
   auto params = [&](Outs& o, bool fallback, cuda::FlashImpl impl) {
-    cuda::BlockAttnBwdParams bp;
-    bp.fwd = base;
-    bp.fwd.out = o.out.raw_data();
-    bp.fwd.lse = o.lse.data<float>();
-    bp.fwd.force_fallback = fallback;
-    bp.fwd.impl = impl;
-    bp.dout = dout.raw_data();
-    bp.dq = o.dq.raw_data();
-    bp.dkc = o.dkc.raw_data();
-    bp.dvc = o.dvc.raw_data();
-    bp.dkb = o.dkb.raw_data();
-    bp.dvb = o.dvb.raw_data();
-    bp.workspace = o.ws.raw_data();
-    return bp;
+    cuda::BlockAttnParams fwd = base;
+    fwd.out = o.out.raw_data();
+    fwd.lse = o.lse.data<float>();
+    fwd.force_fallback = fallback;
+    fwd.impl = impl;
+    return cases::block_attn_bwd_params(fwd, {dout, o.dq, o.dkc, o.dvc, o.dkb, o.dvb, o.ws});
   };
   // The tensor-core kernels this GPU runs (wgmma on sm_90, mma.sync), each checked against the
   // fallback on the same inputs before anything is timed.
@@ -899,19 +887,13 @@ void bench_fp8_fused(Ctx& ctx) {
 void bench_fp8(Ctx& ctx, bool quick) {
   std::printf("\n== fp8: block-scaled FP8 GEMMs (%s) vs bf16 and the per-tensor FP8 ceiling, Qwen3.6-27B shapes\n",
               cuda::gemm_fp8_kernel_name());
-  struct G {
-    const char* name;
-    int64_t N, K;
-  };
-  const std::vector<G> gemms = {{"gdn in_proj qkv|z", 16384, 5120}, {"gdn out_proj", 5120, 6144},
-                                {"attn q|k|v", 14336, 5120},        {"attn o_proj", 5120, 6144},
-                                {"mlp gate|up", 34816, 5120},       {"mlp down", 5120, 17408}};
+  const std::vector<GemmShape> gemms = qwen36_27b_gemms(true);
   std::vector<int64_t> tokens = {8192, 64, 1};
   if (quick) tokens = {8192};
   std::set<std::pair<int64_t, int64_t>> quant_done;
   Tensor one = Tensor::from_vector({1.0f, 1.0f, 1.0f, 1.0f}, {4}).to(Device::cuda(0));
   const float* unit_scale = one.data<float>();
-  for (const G& g : gemms) {
+  for (const GemmShape& g : gemms) {
     // Weight copies: enough that decode calls (which read the whole weight) do not hit L2.
     const int copies = static_cast<int>(
         std::clamp(std::ceil(3.0 * static_cast<double>(ctx.l2_bytes) / static_cast<double>(g.N * g.K)), 1.0, 8.0));

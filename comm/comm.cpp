@@ -10,6 +10,7 @@
 #include "comm/mpi_check.h"
 #include "core/device.h"
 #include "core/error.h"
+#include "core/log.h"
 #if DFLASH_WITH_CUDA
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -33,6 +34,13 @@ Layout make_layout(int world_size, int world_rank, int tp) {
   l.tp_group = world_rank / tp;
   l.num_tp_groups = world_size / tp;
   return l;
+}
+
+Layout start_ranks(std::unique_ptr<MpiEnv>& mpi, int* argc, char*** argv, int tp, const std::string& log_level) {
+  if (tp > 1 || env_rank() >= 0) mpi = std::make_unique<MpiEnv>(argc, argv);
+  const int world = mpi ? mpi->size() : 1, rank = mpi ? mpi->rank() : 0;
+  init_logging(rank, log_level);
+  return make_layout(world, rank, tp);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -57,6 +57,12 @@ class MpiEnv {
   std::string host_;
 };
 
+// The start of a program that may run under mpirun with a TP size `tp` (dflash_eval, dflash_features,
+// target_bench): MPI when tp > 1 or mpirun started this process (into `mpi`, which the caller keeps
+// beyond run_app: a rank that fails prints its message before MPI_Finalize, which waits for every
+// rank), logging tagged with the rank at `log_level`, and the layout (checked: tp divides the world).
+Layout start_ranks(std::unique_ptr<MpiEnv>& mpi, int* argc, char*** argv, int tp, const std::string& log_level);
+
 // Logs `why` with the rank, then ends every rank of the job (MPI_Abort) with `code`. Used when a
 // rank throws under mpirun, so the job stops instead of the other ranks waiting forever.
 [[noreturn]] void abort_job(const std::string& why, int code = 1);

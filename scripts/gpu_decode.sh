@@ -8,21 +8,9 @@
 # eval27b.csv, env.txt. Switches: SKIP_TESTS=1, SKIP_TINY=1, SKIP_27B=1, GPU_TESTS (ctest -L gpu -R regex,
 # default the decode tests; '.' = every gpu test), EVAL27B_NEW (new tokens, default 64), EVAL27B_PROFILE
 # (decode steps profiled op by op, default 8).
-set -uo pipefail
-source "$(dirname "$0")/common.sh"
-set +e  # (common.sh sets -e) every stage runs and reports, whatever the one before did
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-B=${DFLASH_BUILD:-/tmp/build-decode}
-export DFLASH_GIT_COMMIT=${DFLASH_GIT_COMMIT:-}
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/env.txt" 2>&1
-cmake -S "$DFLASH_ROOT" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >"$OUT/build.log" 2>&1 &&
-  ninja -C "$B" >>"$OUT/build.log" 2>&1 || { echo "build failed"; exit 1; }
-if [ -z "${SKIP_TESTS:-}" ]; then
-  (cd "$B" && ctest -L gpu -R "${GPU_TESTS:-CudaDecode|CudaProposer|CudaSampling|CudaModel|CudaGolden}" \
-    --output-on-failure --timeout 300 >"$OUT/tests.log" 2>&1)
-  grep -E "tests passed|Failed|\*\*\*" "$OUT/tests.log" | tail -n 8
-fi
+source "$(dirname "$0")/gpu_call.sh"
+gpu_call_start /tmp/build-decode
+gpu_call_tests "CudaDecode|CudaProposer|CudaSampling|CudaModel|CudaGolden"
 if [ -z "${SKIP_TINY:-}" ]; then
   w=/tmp/tiny-eval
   rm -rf "$w"

@@ -9,23 +9,10 @@
 # Writes at most 8 files to $OUT: env.txt, build.log, tests.log, genbench.log, genbench.csv, gate.log,
 # tp2.log. Switches: SKIP_TESTS=1, GPU_TESTS (ctest -L gpu -R regex, default every gpu test),
 # SKIP_GENBENCH=1, GENBENCH_SLOTS (default 1,8,32,64,128), GENBENCH_NEW (default 512), SKIP_GATE=1, SKIP_TP2=1.
-set -uo pipefail
-source "$(dirname "$0")/common.sh"
-set +e  # (common.sh sets -e) every stage runs and reports, whatever the one before did
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-B=${DFLASH_BUILD:-/tmp/build-regen}
-export DFLASH_GIT_COMMIT=${DFLASH_GIT_COMMIT:-}
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/env.txt" 2>&1
+source "$(dirname "$0")/gpu_call.sh"
+gpu_call_start /tmp/build-regen
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
-t0=$(date +%s)
-cmake -S "$DFLASH_ROOT" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >"$OUT/build.log" 2>&1 &&
-  ninja -C "$B" >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -n 30 "$OUT/build.log"; exit 1; }
-echo "build $(( $(date +%s) - t0 )) s"
-if [ -z "${SKIP_TESTS:-}" ]; then
-  (cd "$B" && ctest -L gpu -R "${GPU_TESTS:-.}" -E Timing --output-on-failure --timeout 300 >"$OUT/tests.log" 2>&1)
-  grep -E "tests passed|Failed|\*\*\*" "$OUT/tests.log" | tail -n 8
-fi
+gpu_call_tests . -E Timing
 if [ -z "${SKIP_GENBENCH:-}" ]; then
   timeout 300 "$B/bench/generate_bench" --config configs/qwen3.6-27b/config.json --slots "${GENBENCH_SLOTS:-1,8,32,64,128}" \
     --prompt-len 512 --max-new-tokens "${GENBENCH_NEW:-512}" --csv "$OUT/genbench.csv" >"$OUT/genbench.log" 2>&1

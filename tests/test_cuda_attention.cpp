@@ -151,18 +151,15 @@ TEST(CudaAttention, BadSizesThrow) {
   Tensor out = poisoned_out(c);
   const cuda::AttentionParams p = data.params(c, out.raw_data());
   for (const AttentionVariant* v : {&cases::kFlash, &cases::kFlashMmaSync, &cases::kAttentionFallback}) {
-    auto rejects = [&](auto mutate) {
-      cuda::AttentionParams a = p;
-      mutate(a);
-      EXPECT_THROW(v->launch(a, stream0()), Error) << v->name;
-    };
-    rejects([](cuda::AttentionParams& a) { a.Hkv = 4; });  // 6 query heads do not divide into 4 kv heads
-    rejects([](cuda::AttentionParams& a) { a.Hkv = 0; });
-    rejects([](cuda::AttentionParams& a) { a.scale = 0.0f; });
-    rejects([](cuda::AttentionParams& a) { a.num_seqs = 0; });
-    rejects([&](cuda::AttentionParams& a) { a.max_seqlen = c.N() + 1; });
-    rejects([](cuda::AttentionParams& a) { a.out = nullptr; });
-    rejects([&](cuda::AttentionParams& a) { a.ldk = c.Hkv * c.d - 8; });  // a k row stride shorter than the row
+    const auto rejects = throws_after_edit(p, [&](const cuda::AttentionParams& a) { v->launch(a, stream0()); });
+    const std::string n = v->name;
+    rejects([](cuda::AttentionParams& a) { a.Hkv = 4; }, n);  // 6 query heads do not divide into 4 kv heads
+    rejects([](cuda::AttentionParams& a) { a.Hkv = 0; }, n);
+    rejects([](cuda::AttentionParams& a) { a.scale = 0.0f; }, n);
+    rejects([](cuda::AttentionParams& a) { a.num_seqs = 0; }, n);
+    rejects([&](cuda::AttentionParams& a) { a.max_seqlen = c.N() + 1; }, n);
+    rejects([](cuda::AttentionParams& a) { a.out = nullptr; }, n);
+    rejects([&](cuda::AttentionParams& a) { a.ldk = c.Hkv * c.d - 8; }, n);  // a k row stride shorter than the row
   }
   for (int64_t d : {32, 96, 40, 512}) {
     cuda::AttentionParams a = p;

@@ -24,6 +24,7 @@
 #include "drafter/model.h"
 #include "core/cuda/check.h"
 #include "kernels/cpu/train_ops.h"
+#include "kernels/cases/block_attention_cases.h"
 #include "kernels/cuda/block_attention.h"
 #include "core/device.h"
 #include "core/random.h"
@@ -169,54 +170,31 @@ Errors check(const Shape5& shape) {
   const Shape5& s = p.s;
   const cpu::BlockAttentionRef ref = reference(p);
   const Device dev = Device::cuda(0);
-  Tensor q = p.q.to(dev), kc = p.kc.to(dev), vc = p.vc.to(dev), kb = p.kb.to(dev), vb = p.vb.to(dev),
-         dout = p.dout.to(dev);
-  Tensor anchor = dev_i32(p.anchor), bseq = dev_i32(p.block_seq), cus = dev_i32(p.cu_seqlens),
-         cub = dev_i32(p.cu_blocks);
+  const cases::BlockAttnInputs in{p.q.to(dev),           p.kc.to(dev),          p.vc.to(dev),
+                                  p.kb.to(dev),          p.vb.to(dev),          dev_i32(p.anchor),
+                                  dev_i32(p.block_seq), dev_i32(p.cu_seqlens), dev_i32(p.cu_blocks)};
+  Tensor dout = p.dout.to(dev);
   Tensor out = Tensor::empty({p.R, s.Hq, s.d}, DType::BF16, dev), lse = Tensor::empty({p.R, s.Hq}, DType::F32, dev);
   Tensor dq = Tensor::empty({p.R, s.Hq, s.d}, DType::BF16, dev);
   Tensor dkc = Tensor::empty({p.N, s.Hkv, s.d}, DType::BF16, dev), dvc = dkc.clone();
   Tensor dkb = Tensor::empty({p.R, s.Hkv, s.d}, DType::BF16, dev), dvb = dkb.clone();
   for (Tensor* t : {&out, &lse, &dq, &dkc, &dvc, &dkb, &dvb}) poison(*t);
 
-  cuda::BlockAttnParams a;
-  a.q = q.raw_data();
-  a.kc = kc.raw_data();
-  a.vc = vc.raw_data();
-  a.kb = kb.raw_data();
-  a.vb = vb.raw_data();
+  cuda::BlockAttnParams a = cases::block_attn_params(
+      in, {.nb = p.nb, .B = s.B, .N = p.N, .num_seqs = static_cast<int64_t>(s.lens.size()), .max_seqlen = p.max_len,
+           .Hq = s.Hq, .Hkv = s.Hkv, .d = s.d});
   a.out = out.raw_data();
   a.lse = lse.data<float>();
-  a.anchor = anchor.data<int32_t>();
-  a.block_seq = bseq.data<int32_t>();
-  a.cu_seqlens = cus.data<int32_t>();
-  a.cu_blocks = cub.data<int32_t>();
-  a.nb = p.nb;
-  a.B = s.B;
-  a.N = p.N;
-  a.num_seqs = static_cast<int64_t>(s.lens.size());
-  a.max_seqlen = p.max_len;
-  a.Hq = s.Hq;
-  a.Hkv = s.Hkv;
-  a.d = s.d;
   a.sliding = s.sliding;
   a.window = s.window;
   a.force_fallback = s.force_fallback;
   a.impl = s.impl;
   void* stream = DeviceContext::get(0).stream();
   cuda::block_attention_fwd(a, stream);
-  cuda::BlockAttnBwdParams bp;
-  bp.fwd = a;
-  bp.dout = dout.raw_data();
-  bp.dq = dq.raw_data();
-  bp.dkc = dkc.raw_data();
-  bp.dvc = dvc.raw_data();
-  bp.dkb = dkb.raw_data();
-  bp.dvb = dvb.raw_data();
   Tensor ws = Tensor::empty({std::max<int64_t>(cuda::block_attention_bwd_workspace(a), 1)}, DType::U8, dev);
   // All-ones bytes are NaN as float and bf16: a dSᵀ tile or δ read before it is written shows.
   EXPECT_EQ(cudaMemset(ws.raw_data(), 0xFF, static_cast<size_t>(ws.nbytes())), cudaSuccess);
-  bp.workspace = ws.raw_data();
+  const cuda::BlockAttnBwdParams bp = cases::block_attn_bwd_params(a, {dout, dq, dkc, dvc, dkb, dvb, ws});
   cuda::block_attention_bwd(bp, stream);
   DeviceContext::get(0).synchronize();
 
@@ -390,19 +368,11 @@ TEST(CudaBlockAttention, Supported) {
 
 TEST(CudaBlockAttention, BadSizesThrow) {
   DFLASH_REQUIRE_GPU();
-  cuda::BlockAttnParams a;
-  a.nb = 1;
-  a.B = 16;
-  a.N = 10;
-  a.num_seqs = 1;
-  a.max_seqlen = 10;
-  a.Hq = 6;
-  a.Hkv = 4;  // not a divisor
-  a.d = 64;
-  EXPECT_NE(error_of([&] { cuda::block_attention_fwd(a, DeviceContext::get(0).stream()); }), "");
-  a.Hkv = 2;  // null pointers now
-  EXPECT_NE(error_of([&] { cuda::block_attention_fwd(a, DeviceContext::get(0).stream()); }), "");
-  a.sliding = true;
-  a.window = 0;
-  EXPECT_NE(error_of([&] { cuda::block_attention_fwd(a, DeviceContext::get(0).stream()); }), "");
+  // One block of 16 rows over 10 context rows; no pointers.
+  const cuda::BlockAttnParams a{.nb = 1, .B = 16, .N = 10, .num_seqs = 1, .max_seqlen = 10, .Hq = 6, .Hkv = 4, .d = 64};
+  const auto rejects = throws_after_edit(
+      a, [](const cuda::BlockAttnParams& p) { cuda::block_attention_fwd(p, DeviceContext::get(0).stream()); });
+  rejects([](cuda::BlockAttnParams&) {}, "6 query heads over 4 kv heads: not a divisor");
+  rejects([](cuda::BlockAttnParams& p) { p.Hkv = 2; }, "null pointers");
+  rejects([](cuda::BlockAttnParams& p) { p.Hkv = 2; p.sliding = true; p.window = 0; }, "sliding with window 0");
 }

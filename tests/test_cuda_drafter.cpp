@@ -15,6 +15,7 @@
 #include "drafter/model.h"
 #include "drafter/model_cuda.h"
 #include "core/random.h"
+#include "test_drafters.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -22,31 +23,8 @@ using namespace dflash::drafter;
 
 namespace {
 
-DrafterConfig small_config() {
-  DrafterConfig c;
-  c.source = "test";
-  c.hidden_size = 256;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 64;
-  c.intermediate_size = 512;
-  c.vocab_size = 1000;
-  c.rope_theta = 10000.0;
-  c.layer_types = {AttnType::Full, AttnType::Sliding};
-  c.sliding_window = 20;
-  c.block_size = 8;
-  c.mask_token_id = 999;
-  c.num_target_layers = 6;
-  c.target_layer_ids = {1, 3};
-  c.validate();
-  return c;
-}
-
-Tensor bf16_values(const Tensor& t) { return t.to(Device::cpu()).to_dtype(DType::BF16).to_dtype(DType::F64); }
-
 struct Fixture {
-  DrafterConfig c = small_config();
+  DrafterConfig c = gpu_test_drafter(20, 8);  // window 20, blocks of 8
   DrafterWeights w;        // bf16-valued, F64 (the CPU reference's view)
   Tensor embed, lm_head;   // bf16 on the GPU
   FrozenTarget frozen;     // the same values, F64 on the host
@@ -55,19 +33,11 @@ struct Fixture {
 
 Fixture make_setup(uint64_t seed) {
   Fixture s;
-  DrafterWeights w = DrafterWeights::random(s.c, seed, 0.05f, DType::F32);
-  // Norm weights away from 1 so their gradients are exercised.
-  for (auto& e : w.entries(s.c))
-    if (e.is_norm) fill_uniform(*e.tensor, {seed, 77, 0}, 0.5f, 1.5f);
-  s.w = DrafterWeights::zeros(s.c, DType::F64);
-  auto src = w.entries(s.c), dst = s.w.entries(s.c);
-  for (size_t i = 0; i < src.size(); ++i) dst[i].tensor->copy_from(bf16_values(*src[i].tensor));
-  Tensor emb = Tensor::empty({s.c.vocab_size, s.c.hidden_size}, DType::F32), lm = emb.clone();
-  fill_normal(emb, {seed, 1, 0}, 0.0f, 1.0f);
-  fill_normal(lm, {seed, 2, 0}, 0.0f, 0.06f);
-  s.embed = emb.to_dtype(DType::BF16).to(Device::cuda(0));
-  s.lm_head = lm.to_dtype(DType::BF16).to(Device::cuda(0));
-  s.frozen = {bf16_values(emb), bf16_values(lm)};
+  Bf16DrafterInputs in = bf16_drafter_inputs(s.c, seed);
+  s.w = std::move(in.w);
+  s.embed = in.embed.to_dtype(DType::BF16).to(Device::cuda(0));
+  s.lm_head = in.lm_head.to_dtype(DType::BF16).to(Device::cuda(0));
+  s.frozen = {bf16_values(in.embed), bf16_values(in.lm_head)};
   const std::vector<int64_t> lens{150, 77, 9};
   s.host.seqs.offsets = {0};
   for (int64_t L : lens) s.host.seqs.offsets.push_back(s.host.seqs.offsets.back() + L);

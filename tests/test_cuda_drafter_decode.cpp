@@ -16,6 +16,7 @@
 #include "drafter/decode.h"
 #include "drafter/decode_cuda.h"
 #include "core/random.h"
+#include "test_drafters.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -23,47 +24,16 @@ using namespace dflash::drafter;
 
 namespace {
 
-DrafterConfig decode_config() {
-  DrafterConfig c;
-  c.source = "test";
-  c.hidden_size = 256;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 64;
-  c.intermediate_size = 512;
-  c.vocab_size = 1000;
-  c.rope_theta = 10000.0;
-  c.layer_types = {AttnType::Full, AttnType::Sliding};
-  c.sliding_window = 12;
-  c.block_size = 16;
-  c.mask_token_id = 999;
-  c.num_target_layers = 6;
-  c.target_layer_ids = {1, 3};
-  c.validate();
-  return c;
-}
-
-Tensor bf16_values(const Tensor& t) { return t.to(Device::cpu()).to_dtype(DType::BF16).to_dtype(DType::F64); }
-
 struct Pair {
-  DrafterConfig c = decode_config();
+  DrafterConfig c = gpu_test_drafter(12, 16);  // window 12, blocks of 16
   std::unique_ptr<Proposer> cpu, gpu;
   uint64_t stream = 10;
 
   explicit Pair(uint64_t seed, int64_t num_slots = 5, int64_t max_len = 128) {
-    DrafterWeights w = DrafterWeights::random(c, seed, 0.05f, DType::F32);
-    for (auto& e : w.entries(c))
-      if (e.is_norm) fill_uniform(*e.tensor, {seed, 77, 0}, 0.5f, 1.5f);
-    DrafterWeights wb = DrafterWeights::zeros(c, DType::F64);  // the bf16 values, exactly, for both
-    auto src = w.entries(c), dst = wb.entries(c);
-    for (size_t i = 0; i < src.size(); ++i) dst[i].tensor->copy_from(bf16_values(*src[i].tensor));
-    Tensor emb = Tensor::empty({c.vocab_size, c.hidden_size}, DType::F32), lm = emb.clone();
-    fill_normal(emb, {seed, 1, 0}, 0.0f, 1.0f);
-    fill_normal(lm, {seed, 2, 0}, 0.0f, 0.06f);
-    cpu = make_cpu_proposer(c, wb, {bf16_values(emb), bf16_values(lm)}, num_slots, max_len);
-    gpu = make_cuda_proposer(c, wb, emb.to_dtype(DType::BF16).to(Device::cuda(0)),
-                             lm.to_dtype(DType::BF16).to(Device::cuda(0)), Device::cuda(0), num_slots, max_len);
+    const Bf16DrafterInputs in = bf16_drafter_inputs(c, seed);  // the bf16 values, exactly, for both
+    cpu = make_cpu_proposer(c, in.w, {bf16_values(in.embed), bf16_values(in.lm_head)}, num_slots, max_len);
+    gpu = make_cuda_proposer(c, in.w, in.embed.to_dtype(DType::BF16).to(Device::cuda(0)),
+                             in.lm_head.to_dtype(DType::BF16).to(Device::cuda(0)), Device::cuda(0), num_slots, max_len);
   }
   // The same random features (rows[s] of them for slots[s]) into both proposers.
   void add(const std::vector<int32_t>& slots, const std::vector<int64_t>& rows) {

@@ -151,23 +151,31 @@ Tensor rand_scales(int64_t R, int64_t C, std::mt19937_64& g, bool ones) {
   return s;
 }
 
+// gemm_fp8's parameters for device codes xq (row stride ldx) / wq and their f32 scales xs / ws,
+// writing y [M, N] (row stride ldy) at `y`.
+cu::GemmFp8Params fp8_gemm_params(const void* xq, int64_t ldx, const void* xs, const void* wq, const void* ws, void* y,
+                                  int64_t ldy, int64_t M, int64_t N, int64_t K) {
+  cu::GemmFp8Params p;
+  p.x = static_cast<const uint8_t*>(xq);
+  p.ldx = ldx;
+  p.x_scale = static_cast<const float*>(xs);
+  p.w = static_cast<const uint8_t*>(wq);
+  p.w_scale = static_cast<const float*>(ws);
+  p.y = y;
+  p.ldy = ldy;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  return p;
+}
+
 // Runs gemm_fp8 on device codes / scales and returns y [M, N] in f32 (NaN-poisoned before).
 Tensor run_gemm(const Tensor& xq, int64_t ldx, const Tensor& xs, const Tensor& wq, const Tensor& ws, int64_t M,
                 int64_t N, int64_t K) {
   Tensor y = Tensor::empty({M, N}, DType::BF16, Device::cuda(0));
   poison(y);
-  cu::GemmFp8Params p;
-  p.x = static_cast<const uint8_t*>(xq.raw_data());
-  p.ldx = ldx;
-  p.x_scale = static_cast<const float*>(xs.raw_data());
-  p.w = static_cast<const uint8_t*>(wq.raw_data());
-  p.w_scale = static_cast<const float*>(ws.raw_data());
-  p.y = y.raw_data();
-  p.ldy = N;
-  p.M = M;
-  p.N = N;
-  p.K = K;
-  cu::gemm_fp8(p, 0);
+  cu::gemm_fp8(fp8_gemm_params(xq.raw_data(), ldx, xs.raw_data(), wq.raw_data(), ws.raw_data(), y.raw_data(), N, M, N, K),
+               0);
   return y.to(Device::cpu()).to_dtype(DType::F32);
 }
 
@@ -427,17 +435,8 @@ TEST(CudaFp8, GemmMatchesCpuBlockwise) {
     Tensor xs = dev_from(act_scales_for_gemm(a.scale)), ws = dev_from(weight_scales_for_gemm(w.scale_inv, c.K));
     Tensor y = Tensor::empty({c.M, ldy}, DType::BF16, Device::cuda(0));
     poison(y);
-    cu::GemmFp8Params p;
-    p.x = static_cast<const uint8_t*>(xq.raw_data());
-    p.ldx = ldx;
-    p.x_scale = static_cast<const float*>(xs.raw_data());
-    p.w = static_cast<const uint8_t*>(wq.raw_data());
-    p.w_scale = static_cast<const float*>(ws.raw_data());
-    p.y = static_cast<uint16_t*>(y.raw_data()) + c.y_col;
-    p.ldy = ldy;
-    p.M = c.M;
-    p.N = c.N;
-    p.K = c.K;
+    const cu::GemmFp8Params p = fp8_gemm_params(xq.raw_data(), ldx, xs.raw_data(), wq.raw_data(), ws.raw_data(),
+                                                static_cast<uint16_t*>(y.raw_data()) + c.y_col, ldy, c.M, c.N, c.K);
     try {
       cu::gemm_fp8(p, 0);
     } catch (const Error& e) {
@@ -507,25 +506,8 @@ TEST(CudaFp8, RejectsBadArguments) {
   alignas(16) static uint8_t codes[4096];
   alignas(16) static float scales[256];
   alignas(16) static uint16_t out[4096];
-  auto gemm = [&] {
-    cu::GemmFp8Params p;
-    p.x = codes;
-    p.ldx = 64;
-    p.x_scale = scales;
-    p.w = codes;
-    p.w_scale = scales;
-    p.y = out;
-    p.ldy = 32;
-    p.M = 4;
-    p.N = 32;
-    p.K = 64;
-    return p;
-  };
-  auto expect_gemm_throw = [&](const std::function<void(cu::GemmFp8Params&)>& edit, const char* what) {
-    cu::GemmFp8Params p = gemm();
-    edit(p);
-    EXPECT_THROW(cu::gemm_fp8(p, 0), Error) << what;
-  };
+  auto gemm = [&] { return fp8_gemm_params(codes, 64, scales, codes, scales, out, 32, 4, 32, 64); };
+  const auto expect_gemm_throw = throws_after_edit(gemm(), [](const cu::GemmFp8Params& p) { cu::gemm_fp8(p, 0); });
   expect_gemm_throw([](cu::GemmFp8Params& p) { p.K = 0; }, "K = 0");
   expect_gemm_throw([](cu::GemmFp8Params& p) { p.M = -1; }, "M < 0");
   expect_gemm_throw([](cu::GemmFp8Params& p) { p.ldx = 48; }, "ldx < K");
@@ -550,11 +532,8 @@ TEST(CudaFp8, RejectsBadArguments) {
   EXPECT_NO_THROW(cu::gemm_fp8(p, 0)) << "M = 0 is a no-op";
 
   auto quant = [&] { return cu::Fp8ActQuantParams{out, 64, codes, 64, scales, 4, 64}; };
-  auto expect_quant_throw = [&](const std::function<void(cu::Fp8ActQuantParams&)>& edit, const char* what) {
-    cu::Fp8ActQuantParams q = quant();
-    edit(q);
-    EXPECT_THROW(cu::quantize_fp8_act(q, nullptr), Error) << what;
-  };
+  const auto expect_quant_throw =
+      throws_after_edit(quant(), [](const cu::Fp8ActQuantParams& q) { cu::quantize_fp8_act(q, nullptr); });
   expect_quant_throw([](cu::Fp8ActQuantParams& q) { q.K = 40; q.ldx = q.ldq = 48; }, "K % 16 != 0");
   expect_quant_throw([](cu::Fp8ActQuantParams& q) { q.ldx = 32; }, "ldx < K");
   expect_quant_throw([](cu::Fp8ActQuantParams& q) { q.ldq = 72; }, "ldq % 16 != 0");

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <vector>
 
 #include "kernels/cases/gdn_cases.h"
@@ -18,6 +19,7 @@
 #include "core/device.h"
 #include "kernels/ops.h"
 #include "core/random.h"
+#include "cuda_timing.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -172,11 +174,8 @@ TEST(CudaGdn, RecurrentDeltaRuleRejectsBadSizes) {
   p.dv = 16;
   p.ldv = 96;
   EXPECT_NO_THROW(cuda::recurrent_gated_delta_rule(p, stream0()));
-  auto throws = [&](auto mutate) {
-    cuda::DeltaRuleParams q = p;
-    mutate(q);
-    EXPECT_THROW(cuda::recurrent_gated_delta_rule(q, stream0()), Error);
-  };
+  const auto throws =
+      throws_after_edit(p, [](const cuda::DeltaRuleParams& q) { cuda::recurrent_gated_delta_rule(q, stream0()); });
   throws([](cuda::DeltaRuleParams& q) { q.Hv = 5; });      // not a multiple of Hk
   throws([](cuda::DeltaRuleParams& q) { q.dk = 2048; });   // above the supported dk
   throws([](cuda::DeltaRuleParams& q) { q.ldv = 95; });    // ldv < Hv*dv
@@ -189,27 +188,8 @@ TEST(CudaGdn, RecurrentDeltaRuleRejectsBadSizes) {
 namespace {
 
 // Median of `iters` event-timed launches after `warm` warm-up launches, in ms.
-template <typename F>
-float time_ms(F&& launch, int warm, int iters) {
-  auto st = static_cast<cudaStream_t>(stream0());
-  for (int i = 0; i < warm; ++i) launch();
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  std::vector<float> ms;
-  for (int i = 0; i < iters; ++i) {
-    cudaEventRecord(a, st);
-    launch();
-    cudaEventRecord(b, st);
-    cudaEventSynchronize(b);
-    float t = 0;
-    cudaEventElapsedTime(&t, a, b);
-    ms.push_back(t);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+float time_ms(const std::function<void()>& launch, int warm, int iters) {
+  return static_cast<float>(median_ms(stream0(), warm, iters, launch));
 }
 
 }  // namespace

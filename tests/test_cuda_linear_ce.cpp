@@ -227,29 +227,32 @@ void check_case(int64_t R, int64_t H, int64_t V, int64_t chunk, int64_t chunk2, 
 
 }  // namespace
 
-// R not a multiple of chunk_rows, odd V (rows padded to 1008 in the workspace), grad_scale != 1.
-TEST(CudaLinearCe, OddVocabPartialChunk) {
+// One oracle check per shape (R, H, V, chunk_rows, the other chunk_rows, grad_scale).
+struct CeShape {
+  const char* name;
+  int64_t R, H, V, chunk, chunk2;
+  float grad_scale;
+};
+class CudaLinearCeShape : public ::testing::TestWithParam<CeShape> {};
+
+TEST_P(CudaLinearCeShape, MatchesOracle) {
   DFLASH_REQUIRE_GPU();
-  check_case(50, 64, 1001, 16, 7, 0.37f);
+  const CeShape& c = GetParam();
+  check_case(c.R, c.H, c.V, c.chunk, c.chunk2, c.grad_scale);
 }
 
-// chunk_rows > R (one partial chunk), V % 8 == 3.
-TEST(CudaLinearCe, ChunkLargerThanRows) {
-  DFLASH_REQUIRE_GPU();
-  check_case(19, 128, 4099, 64, 5, 1.0f);
-}
-
-// V a multiple of 8, several chunks, grad_scale 2.
-TEST(CudaLinearCe, AlignedVocabManyChunks) {
-  DFLASH_REQUIRE_GPU();
-  check_case(130, 256, 2048, 32, 130, 2.0f);
-}
-
-// V below one float4 (scalar tail only) and a single row.
-TEST(CudaLinearCe, TinyVocab) {
-  DFLASH_REQUIRE_GPU();
-  check_case(1, 8, 3, 4, 1, 1.5f);
-}
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaLinearCeShape,
+    ::testing::Values(
+        // R not a multiple of chunk_rows, odd V (rows padded to 1008 in the workspace), grad_scale != 1.
+        CeShape{"OddVocabPartialChunk", 50, 64, 1001, 16, 7, 0.37f},
+        // chunk_rows > R (one partial chunk), V % 8 == 3.
+        CeShape{"ChunkLargerThanRows", 19, 128, 4099, 64, 5, 1.0f},
+        // V a multiple of 8, several chunks, grad_scale 2.
+        CeShape{"AlignedVocabManyChunks", 130, 256, 2048, 32, 130, 2.0f},
+        // V below one float4 (scalar tail only) and a single row.
+        CeShape{"TinyVocab", 1, 8, 3, 4, 1, 1.5f}),
+    [](const ::testing::TestParamInfo<CeShape>& i) { return std::string(i.param.name); });
 
 TEST(CudaLinearCe, Workspace) {
   // fp32 logits + bf16 gradient of chunk_rows padded rows.

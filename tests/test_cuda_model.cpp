@@ -36,6 +36,16 @@ std::vector<std::vector<int32_t>> packed_batch(std::initializer_list<int> length
   return batch;
 }
 
+// Every layer in `ids`, of a against b, within bound; prints each error after `what`.
+void expect_layers_close(const ForwardResult& a, const ForwardResult& b, const std::vector<int64_t>& ids,
+                         const char* what, double bound) {
+  for (int64_t id : ids) {
+    const double e = max_rel_err(a.layers.at(id), b.layers.at(id));
+    std::printf("%s, layer %lld: max rel err %.2e\n", what, static_cast<long long>(id), e);
+    EXPECT_LE(e, bound) << what << ", layer " << id;
+  }
+}
+
 class CudaGolden : public ::testing::TestWithParam<std::string> {};
 
 }  // namespace
@@ -94,11 +104,7 @@ TEST(CudaModel, FastEqualsFallbackAndBatchEqualsSingles) {
   ForwardOptions opt;
   opt.capture = {3, 7};
   ForwardResult ra = a.forward(batch, opt), rb = b.forward(batch, opt);
-  for (int64_t id : opt.capture) {
-    const double e = max_rel_err(ra.layers.at(id), rb.layers.at(id));
-    std::printf("fast vs fallback, layer %lld: max rel err %.2e\n", static_cast<long long>(id), e);
-    EXPECT_LE(e, kBf16Bound);
-  }
+  expect_layers_close(ra, rb, opt.capture, "fast vs fallback", kBf16Bound);
   for (size_t s = 0; s < batch.size(); ++s) {
     ForwardResult single = a.forward({batch[s]}, opt);
     Tensor mine = ra.layers.at(7).to(Device::cpu()).slice(0, ra.offsets[s], ra.offsets[s + 1]);
@@ -170,11 +176,7 @@ TEST(CudaModel, Fp8MatchesTheCpuFp8Reference) {
   ForwardOptions o2;
   o2.capture = {0, 1};
   ForwardResult ra = hgpu.forward(batch, o2), rb = hcpu.forward(batch, o2);
-  for (int64_t id : o2.capture) {
-    const double e = max_rel_err(ra.layers.at(id), rb.layers.at(id));
-    std::printf("fp8 real dims gpu vs cpu fp8 reference, layer %lld: max rel err %.2e\n", static_cast<long long>(id), e);
-    EXPECT_LE(e, kFp8Bound);
-  }
+  expect_layers_close(ra, rb, o2.capture, "fp8 real dims gpu vs cpu fp8 reference", kFp8Bound);
   // A plan of the other precision is refused, naming both.
   const std::string e = error_of([&] {
     CudaTargetModel bad(c, random_weights(c, 3, DType::BF16, Device::cuda(0), Precision::Fp8),

@@ -25,6 +25,7 @@
 #include "core/device.h"
 #include "kernels/ops.h"
 #include "core/random.h"
+#include "cuda_timing.h"
 #include "test_util.h"
 
 // Test/benchmark knob defined in norm.cu (0 = the launcher's automatic choice).
@@ -162,11 +163,7 @@ TEST(CudaOps, GemmRejectsBadSizes) {
     p.K = 64;
     return p;
   };
-  auto expect_throw = [&](const std::function<void(cu::GemmParams&)>& edit, const char* what) {
-    cu::GemmParams p = make();
-    edit(p);
-    EXPECT_THROW(cu::gemm_bf16(p, 0), Error) << what;
-  };
+  const auto expect_throw = throws_after_edit(make(), [](const cu::GemmParams& p) { cu::gemm_bf16(p, 0); });
   expect_throw([](cu::GemmParams& p) { p.N = 0; }, "N = 0");
   expect_throw([](cu::GemmParams& p) { p.K = 0; }, "K = 0");
   expect_throw([](cu::GemmParams& p) { p.M = -1; }, "M < 0");
@@ -502,11 +499,7 @@ TEST(CudaOps, ElementwiseRejectBadSizes) {
     return p;
   };
   EXPECT_NO_THROW(cu::qk_norm_rope(qk(), s));
-  auto bad = [&](const std::function<void(cu::QkPrepParams&)>& edit, const char* what) {
-    cu::QkPrepParams p = qk();
-    edit(p);
-    EXPECT_THROW(cu::qk_norm_rope(p, s), Error) << what;
-  };
+  const auto bad = throws_after_edit(qk(), [&](const cu::QkPrepParams& p) { cu::qk_norm_rope(p, s); });
   bad([](cu::QkPrepParams& p) { p.rotary_dim = 7; }, "odd rotary_dim");
   bad([](cu::QkPrepParams& p) { p.rotary_dim = 18; }, "rotary_dim > d");
   bad([](cu::QkPrepParams& p) { p.rotary_dim = 0; }, "rotary_dim = 0");
@@ -527,27 +520,7 @@ namespace {
 
 // Median milliseconds of `fn` over `reps` runs after 3 warm-ups, timed with CUDA events on the
 // context stream.
-double time_ms(const std::function<void()>& fn, int reps = 20) {
-  auto st = static_cast<cudaStream_t>(stream());
-  for (int i = 0; i < 3; ++i) fn();
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  std::vector<float> ms;
-  for (int i = 0; i < reps; ++i) {
-    cudaEventRecord(e0, st);
-    fn();
-    cudaEventRecord(e1, st);
-    cudaEventSynchronize(e1);
-    float t = 0;
-    cudaEventElapsedTime(&t, e0, e1);
-    ms.push_back(t);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
+double time_ms(const std::function<void()>& fn, int reps = 20) { return median_ms(stream(), 3, reps, fn); }
 
 Tensor dev_randn(const Shape& shape, float stddev = 1.0f) {
   Tensor t = Tensor::empty(shape, DType::BF16, Device::cuda(0));

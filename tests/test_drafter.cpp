@@ -23,6 +23,7 @@
 #include "core/random.h"
 #include "target_model/config.h"
 #include "core/io/safetensors.h"
+#include "test_drafters.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -40,24 +41,8 @@ Tensor randn64(const Shape& s, float mean = 0.0f, float stddev = 1.0f, DType dt 
 
 // H=16, 2 layers (full, sliding window 5), 2 heads / 1 kv head of 8, I=24, V=37, B=4, k=2 captured layers.
 DrafterConfig tiny_config() {
-  DrafterConfig c;
-  c.source = "tiny";
-  c.hidden_size = 16;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 2;
-  c.num_key_value_heads = 1;
-  c.head_dim = 8;
-  c.intermediate_size = 24;
-  c.vocab_size = 37;
-  c.rope_theta = 10000.0;
-  c.layer_types = {AttnType::Full, AttnType::Sliding};
-  c.sliding_window = 5;
-  c.block_size = 4;
-  c.mask_token_id = 36;
-  c.num_target_layers = 6;
-  c.target_layer_ids = {1, 3};
-  c.validate();
-  return c;
+  return full_and_sliding_drafter("tiny", {.hidden = 16, .intermediate = 24, .vocab = 37, .heads = 2, .kv_heads = 1,
+                                           .head_dim = 8, .sliding_window = 5, .block_size = 4});
 }
 
 // Weights with enough spread that attention is far from uniform; norm weights around 1.

@@ -17,9 +17,6 @@ using namespace dflash::ops;
 namespace {
 
 HostDraws g_draws{12345};
-Tensor randn(const Shape& s, float stddev = 1.0f) { return g_draws.randn(s, stddev); }
-Tensor rand_uniform(const Shape& s, float lo, float hi) { return g_draws.uniform(s, lo, hi); }
-Tensor out_like(const Shape& s) { return poisoned_f32(s); }
 float at(const Tensor& t, int64_t i) { return t.data<float>()[i]; }
 
 SeqOffsets offsets_of(std::vector<int64_t> lens) {
@@ -32,7 +29,7 @@ SeqOffsets offsets_of(std::vector<int64_t> lens) {
 
 TEST(Ops, LinearMatchesDoubleLoop) {
   for (auto [M, K, N] : {std::tuple{1, 1, 1}, {3, 17, 5}, {7, 64, 130}}) {
-    Tensor x = randn({M, K}), w = randn({N, K}), y = out_like({M, N});
+    Tensor x = g_draws.randn({M, K}), w = g_draws.randn({N, K}), y = poisoned_f32({M, N});
     linear(x, w, y);
     Tensor ref = Tensor::empty({M, N}, DType::F64);
     for (int m = 0; m < M; ++m)
@@ -46,15 +43,15 @@ TEST(Ops, LinearMatchesDoubleLoop) {
     linear(x, w, y2, /*accumulate=*/true);
     for (int64_t i = 0; i < y.numel(); ++i) EXPECT_FLOAT_EQ(at(y2, i), 2 * at(y, i));
   }
-  Tensor x = randn({2, 3}), w = randn({4, 5}), y = out_like({2, 4});
+  Tensor x = g_draws.randn({2, 3}), w = g_draws.randn({4, 5}), y = poisoned_f32({2, 4});
   EXPECT_THROW(linear(x, w, y), Error);
 }
 
 TEST(Ops, RmsNormBothKindsAndGated) {
   const int64_t M = 5, D = 24;
-  Tensor x = randn({M, D}), w = randn({D}, 0.3f), z = randn({M, D});
+  Tensor x = g_draws.randn({M, D}), w = g_draws.randn({D}, 0.3f), z = g_draws.randn({M, D});
   for (auto kind : {RmsNormKind::ZeroCentered, RmsNormKind::Plain}) {
-    Tensor y = out_like({M, D});
+    Tensor y = poisoned_f32({M, D});
     rms_norm(x, w, 1e-6f, kind, y);
     Tensor ref = Tensor::empty({M, D}, DType::F64);
     for (int m = 0; m < M; ++m) {
@@ -67,7 +64,7 @@ TEST(Ops, RmsNormBothKindsAndGated) {
     }
     EXPECT_LT(max_rel_err(y, ref), 1e-6);
   }
-  Tensor y = out_like({M, D});
+  Tensor y = poisoned_f32({M, D});
   gated_rms_norm(x, z, w, 1e-6f, y);
   for (int m = 0; m < M; ++m) {
     double ss = 0;
@@ -84,7 +81,7 @@ TEST(Ops, CausalConvRespectsSequenceStarts) {
   for (int64_t K : {1, 2, 3, 4}) {
     SeqOffsets seqs = offsets_of({1, 5, 2, 9});
     const int64_t N = seqs.total_tokens(), C = 7;
-    Tensor x = randn({N, C}), w = randn({C, K}), y = out_like({N, C});
+    Tensor x = g_draws.randn({N, C}), w = g_draws.randn({C, K}), y = poisoned_f32({N, C});
     causal_conv1d(x, w, seqs, /*silu=*/true, y);
     for (int64_t s = 0; s < seqs.num_sequences(); ++s)
       for (int64_t t = seqs.offsets[s]; t < seqs.offsets[s + 1]; ++t)
@@ -101,7 +98,7 @@ TEST(Ops, CausalConvRespectsSequenceStarts) {
 
 TEST(Ops, RopeRotatesOnlyTheRotaryDims) {
   SeqOffsets seqs = offsets_of({3, 4});
-  Tensor x = randn({7, 2, 16}), y = x.clone();
+  Tensor x = g_draws.randn({7, 2, 16}), y = x.clone();
   rope_neox_inplace(y, seqs, 8, 10000.0);
   for (int64_t t = 0; t < 7; ++t) {
     const int64_t pos = t < 3 ? t : t - 3;
@@ -122,7 +119,7 @@ TEST(Ops, RopeRotatesOnlyTheRotaryDims) {
 TEST(Ops, CausalAttentionGqaMatchesSoftmaxFormula) {
   SeqOffsets seqs = offsets_of({1, 6, 3});
   const int64_t N = seqs.total_tokens(), Hq = 6, Hkv = 2, D = 8;
-  Tensor q = randn({N, Hq, D}), k = randn({N, Hkv, D}), v = randn({N, Hkv, D}), o = out_like({N, Hq, D});
+  Tensor q = g_draws.randn({N, Hq, D}), k = g_draws.randn({N, Hkv, D}), v = g_draws.randn({N, Hkv, D}), o = poisoned_f32({N, Hq, D});
   const float scale = 0.35f;
   causal_attention(q, k, v, seqs, scale, o);
   Tensor ref = Tensor::empty({N, Hq, D}, DType::F64);
@@ -150,9 +147,9 @@ TEST(Ops, CausalAttentionGqaMatchesSoftmaxFormula) {
 }
 
 TEST(Ops, GdnGatesMatchFormula) {
-  Tensor a = randn({9, 3}, 5.0f), b = randn({9, 3}), A_log = randn({3}), dt = randn({3});
+  Tensor a = g_draws.randn({9, 3}, 5.0f), b = g_draws.randn({9, 3}), A_log = g_draws.randn({3}), dt = g_draws.randn({3});
   a.data<float>()[0] = 40.0f;  // beyond softplus' threshold
-  Tensor g = out_like({9, 3}), beta = out_like({9, 3});
+  Tensor g = poisoned_f32({9, 3}), beta = poisoned_f32({9, 3});
   gdn_gates(a, b, A_log, dt, g, beta);
   for (int64_t i = 0; i < 27; ++i) {
     double x = double(at(a, i)) + at(dt, i % 3);
@@ -163,9 +160,9 @@ TEST(Ops, GdnGatesMatchFormula) {
 }
 
 TEST(Ops, EmbeddingRejectsOutOfVocabIds) {
-  Tensor table = randn({10, 4});
+  Tensor table = g_draws.randn({10, 4});
   std::vector<int32_t> ids{0, 9, 3};
-  Tensor it = Tensor::from_blob(ids.data(), {3}, DType::I32), y = out_like({3, 4});
+  Tensor it = Tensor::from_blob(ids.data(), {3}, DType::I32), y = poisoned_f32({3, 4});
   embedding(it, table, y);
   for (int d = 0; d < 4; ++d) EXPECT_EQ(at(y, 4 + d), at(table, 36 + d));
   ids[2] = 10;
@@ -188,15 +185,15 @@ TEST(Ops, DeltaRuleChunkedEqualsRecurrent) {
     SeqOffsets seqs = offsets_of(cs.lens);
     const int64_t N = seqs.total_tokens(), S = seqs.num_sequences();
     DeltaRuleParams p;
-    p.q = randn({N, cs.Hk, cs.dk});
-    p.k = randn({N, cs.Hk, cs.dk});
-    p.v = randn({N, cs.Hv, cs.dv});
-    p.g = rand_uniform({N, cs.Hv}, -2.0f, 0.0f);
-    p.beta = rand_uniform({N, cs.Hv}, 0.0f, 1.0f);
-    if (cs.init) p.initial_state = randn({S, cs.Hv, cs.dk, cs.dv}, 0.5f);
+    p.q = g_draws.randn({N, cs.Hk, cs.dk});
+    p.k = g_draws.randn({N, cs.Hk, cs.dk});
+    p.v = g_draws.randn({N, cs.Hv, cs.dv});
+    p.g = g_draws.uniform({N, cs.Hv}, -2.0f, 0.0f);
+    p.beta = g_draws.uniform({N, cs.Hv}, 0.0f, 1.0f);
+    if (cs.init) p.initial_state = g_draws.randn({S, cs.Hv, cs.dk, cs.dv}, 0.5f);
     p.chunk_size = cs.chunk;
-    Tensor oc = out_like({N, cs.Hv, cs.dv}), orr = out_like({N, cs.Hv, cs.dv});
-    Tensor sc = out_like({S, cs.Hv, cs.dk, cs.dv}), sr = out_like({S, cs.Hv, cs.dk, cs.dv});
+    Tensor oc = poisoned_f32({N, cs.Hv, cs.dv}), orr = poisoned_f32({N, cs.Hv, cs.dv});
+    Tensor sc = poisoned_f32({S, cs.Hv, cs.dk, cs.dv}), sr = poisoned_f32({S, cs.Hv, cs.dk, cs.dv});
     gated_delta_rule(p, seqs, DeltaRuleAlgo::Chunked, oc, &sc);
     gated_delta_rule(p, seqs, DeltaRuleAlgo::Recurrent, orr, &sr);
     EXPECT_LT(max_rel_err(oc, orr), 2e-5) << "N=" << N << " chunk=" << cs.chunk;
@@ -230,7 +227,7 @@ TEST(Ops, DeltaRuleMatchesTransformers) {
   Tensor exact = f.tensor("out_f64").to_dtype(DType::F64);
   Tensor exact_state = f.tensor("state_f64").to_dtype(DType::F64);
   for (auto algo : {DeltaRuleAlgo::Chunked, DeltaRuleAlgo::Recurrent}) {
-    Tensor o = out_like({B * T, Hv, dv}), s = out_like(p.initial_state.shape());
+    Tensor o = poisoned_f32({B * T, Hv, dv}), s = poisoned_f32(p.initial_state.shape());
     gated_delta_rule(p, seqs, algo, o, &s);
     const double e_hf = max_rel_err(o, hf_out), e_exact = max_rel_err(o, exact), e_state = max_rel_err(s, exact_state);
     std::printf("delta rule %s: max rel err vs transformers f32 %.2e, vs f64 %.2e, state vs f64 %.2e\n",
@@ -244,17 +241,17 @@ TEST(Ops, DeltaRuleMatchesTransformers) {
 TEST(Ops, DeltaRuleValidatesShapes) {
   SeqOffsets seqs = offsets_of({4});
   DeltaRuleParams p;
-  p.q = randn({4, 2, 8});
-  p.k = randn({4, 2, 8});
-  p.v = randn({4, 3, 8});  // 3 value heads do not group over 2 key heads
-  p.g = randn({4, 3});
-  p.beta = randn({4, 3});
-  Tensor o = out_like({4, 3, 8});
+  p.q = g_draws.randn({4, 2, 8});
+  p.k = g_draws.randn({4, 2, 8});
+  p.v = g_draws.randn({4, 3, 8});  // 3 value heads do not group over 2 key heads
+  p.g = g_draws.randn({4, 3});
+  p.beta = g_draws.randn({4, 3});
+  Tensor o = poisoned_f32({4, 3, 8});
   EXPECT_THROW(gated_delta_rule(p, seqs, DeltaRuleAlgo::Chunked, o), Error);
   SeqOffsets wrong = offsets_of({3});
-  p.v = randn({4, 4, 8});
-  p.g = randn({4, 4});
-  p.beta = randn({4, 4});
-  Tensor o2 = out_like({4, 4, 8});
+  p.v = g_draws.randn({4, 4, 8});
+  p.g = g_draws.randn({4, 4});
+  p.beta = g_draws.randn({4, 4});
+  Tensor o2 = poisoned_f32({4, 4, 8});
   EXPECT_THROW(gated_delta_rule(p, wrong, DeltaRuleAlgo::Chunked, o2), Error);
 }

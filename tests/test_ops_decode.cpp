@@ -20,9 +20,6 @@ using namespace dflash::ops;
 namespace {
 
 HostDraws g_draws{777};
-Tensor randn(const Shape& s, float stddev = 1.0f) { return g_draws.randn(s, stddev); }
-Tensor rand_uniform(const Shape& s, float lo, float hi) { return g_draws.uniform(s, lo, hi); }
-Tensor out_like(const Shape& s) { return poisoned_f32(s); }
 SeqOffsets offsets_of(const std::vector<int64_t>& lens) {
   SeqOffsets s{{0}};
   for (int64_t l : lens) s.offsets.push_back(s.offsets.back() + l);
@@ -103,20 +100,20 @@ TEST(OpsDecode, ConvUpdateInPiecesEqualsWholeConv) {
   const Plan plan = plan_pieces(kLens, kPieceSizes);
   for (int64_t K = 1; K <= 4; ++K) {
     for (bool silu : {true, false}) {
-      const Tensor x = randn({N, C}), w = randn({C, K}, 0.5f);
-      Tensor ref = out_like({N, C});
+      const Tensor x = g_draws.randn({N, C}), w = g_draws.randn({C, K}, 0.5f);
+      Tensor ref = poisoned_f32({N, C});
       causal_conv1d(x, w, whole, silu, ref);
       // New sequences start from zeros; the unused slots hold random values that must survive.
-      Tensor pool = randn({kPool, K - 1, C});
+      Tensor pool = g_draws.randn({kPool, K - 1, C});
       for (int32_t s : kSlots) pool.select(s).copy_from(Tensor::zeros({K - 1, C}, DType::F32));
       const Tensor pool0 = pool.clone();
-      Tensor y = out_like({N, C});
+      Tensor y = poisoned_f32({N, C});
       for (size_t step = 0; step < plan.pieces.size(); ++step) {
         const SeqOffsets seqs = offsets_of(plan.pieces[step]);
         const Tensor xp = gather_piece(x, whole, plan.start[step], plan.pieces[step]);
         // A verify call first: same outputs, pool untouched.
         const Tensor before = pool.clone();
-        Tensor yv = out_like({seqs.total_tokens(), C}), yp = out_like({seqs.total_tokens(), C});
+        Tensor yv = poisoned_f32({seqs.total_tokens(), C}), yp = poisoned_f32({seqs.total_tokens(), C});
         causal_conv1d_update(xp, w, pool, kSlots, seqs, silu, /*update_state=*/false, yv);
         EXPECT_TRUE(bit_equal(pool, before)) << "update_state = false changed the pool, K " << K;
         causal_conv1d_update(xp, w, pool, kSlots, seqs, silu, /*update_state=*/true, yp);
@@ -149,24 +146,24 @@ TEST(OpsDecode, DeltaRulePoolInPiecesEqualsWholeRule) {
   for (int64_t ratio : {1, 2, 3}) {
     const int64_t Hv = Hk * ratio;
     DeltaRuleParams p;
-    p.q = randn({N, Hk, dk});
-    p.k = randn({N, Hk, dk});
-    p.v = randn({N, Hv, dv});
-    p.g = rand_uniform({N, Hv}, -0.5f, -0.01f);
-    p.beta = rand_uniform({N, Hv}, 0.05f, 0.95f);
+    p.q = g_draws.randn({N, Hk, dk});
+    p.k = g_draws.randn({N, Hk, dk});
+    p.v = g_draws.randn({N, Hv, dv});
+    p.g = g_draws.uniform({N, Hv}, -0.5f, -0.01f);
+    p.beta = g_draws.uniform({N, Hv}, 0.05f, 0.95f);
     p.chunk_size = 4;  // the chunked reference crosses several chunks
     // Start from non-zero states (a sequence that already holds context).
-    Tensor pool = randn({kPool, Hv, dk, dv}, 0.3f);
+    Tensor pool = g_draws.randn({kPool, Hv, dk, dv}, 0.3f);
     const Tensor pool0 = pool.clone();
     DeltaRuleParams pw = p;
     pw.initial_state = Tensor::empty({S, Hv, dk, dv}, DType::F32);
     for (int64_t s = 0; s < S; ++s) pw.initial_state.select(s).copy_from(pool.select(kSlots[s]));
-    Tensor ref_rec = out_like({N, Hv, dv}), ref_chk = out_like({N, Hv, dv});
-    Tensor fin_rec = out_like({S, Hv, dk, dv}), fin_chk = out_like({S, Hv, dk, dv});
+    Tensor ref_rec = poisoned_f32({N, Hv, dv}), ref_chk = poisoned_f32({N, Hv, dv});
+    Tensor fin_rec = poisoned_f32({S, Hv, dk, dv}), fin_chk = poisoned_f32({S, Hv, dk, dv});
     gated_delta_rule(pw, whole, DeltaRuleAlgo::Recurrent, ref_rec, &fin_rec);
     gated_delta_rule(pw, whole, DeltaRuleAlgo::Chunked, ref_chk, &fin_chk);
 
-    Tensor out = out_like({N, Hv, dv});
+    Tensor out = poisoned_f32({N, Hv, dv});
     for (size_t step = 0; step < plan.pieces.size(); ++step) {
       // Verify: the piece plus up to 2 more tokens (the drafted ones that will be rejected).
       std::vector<int64_t> verify = plan.pieces[step];
@@ -180,7 +177,7 @@ TEST(OpsDecode, DeltaRulePoolInPiecesEqualsWholeRule) {
       };
       const SeqOffsets vseqs = offsets_of(verify), cseqs = offsets_of(plan.pieces[step]);
       const Tensor before = pool.clone();
-      Tensor vout = out_like({vseqs.total_tokens(), Hv, dv});
+      Tensor vout = poisoned_f32({vseqs.total_tokens(), Hv, dv});
       gated_delta_rule_pool(piece_params(verify), vseqs, pool, kSlots, /*update_state=*/false, &vout);
       EXPECT_TRUE(bit_equal(pool, before)) << "verify changed the pool, ratio " << ratio << " step " << step;
       // The verified outputs of the accepted prefix are the outputs of the step.
@@ -212,20 +209,20 @@ TEST(OpsDecode, CausalAttentionDecodeInPiecesEqualsWholeAttention) {
   const int64_t N = whole.total_tokens(), d = 8, L = 16;
   const Plan plan = plan_pieces(kLens, kPieceSizes);
   for (auto [Hq, Hkv] : {std::pair<int64_t, int64_t>{4, 2}, {3, 1}, {2, 2}}) {
-    const Tensor q = randn({N, Hq, d}), k = randn({N, Hkv, d}), v = randn({N, Hkv, d});
+    const Tensor q = g_draws.randn({N, Hq, d}), k = g_draws.randn({N, Hkv, d}), v = g_draws.randn({N, Hkv, d});
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    Tensor ref = out_like({N, Hq, d});
+    Tensor ref = poisoned_f32({N, Hq, d});
     causal_attention(q, k, v, whole, scale, ref);
-    Tensor kc = randn({kPool, L, Hkv, d}), vc = randn({kPool, L, Hkv, d});  // stale contents never read
+    Tensor kc = g_draws.randn({kPool, L, Hkv, d}), vc = g_draws.randn({kPool, L, Hkv, d});  // stale contents never read
     const Tensor kc0 = kc.clone();
     std::vector<int64_t> past(kLens.size(), 0);
-    Tensor out = out_like({N, Hq, d});
+    Tensor out = poisoned_f32({N, Hq, d});
     for (size_t step = 0; step < plan.pieces.size(); ++step) {
       const SeqOffsets seqs = offsets_of(plan.pieces[step]);
       const auto& st = plan.start[step];
       kv_cache_append(gather_piece(k, whole, st, plan.pieces[step]), gather_piece(v, whole, st, plan.pieces[step]), kc,
                       vc, kSlots, past, seqs);
-      Tensor o = out_like({seqs.total_tokens(), Hq, d});
+      Tensor o = poisoned_f32({seqs.total_tokens(), Hq, d});
       attention_decode(gather_piece(q, whole, st, plan.pieces[step]), kc, vc, kSlots, past, seqs, /*causal=*/true,
                        /*window=*/0, scale, o);
       scatter_piece(out, whole, st, plan.pieces[step], o);
@@ -244,10 +241,10 @@ TEST(OpsDecode, AttentionDecodeNonCausalAndWindowedMatchBruteForce) {
   const std::vector<int32_t> slots = {3, 1, 0};
   const SeqOffsets seqs = offsets_of(lens);
   const int64_t N = seqs.total_tokens();
-  const Tensor q = randn({N, Hq, d}), kc = randn({4, L, Hkv, d}), vc = randn({4, L, Hkv, d});
+  const Tensor q = g_draws.randn({N, Hq, d}), kc = g_draws.randn({4, L, Hkv, d}), vc = g_draws.randn({4, L, Hkv, d});
   const float scale = 0.3f;
   for (auto [causal, window] : {std::pair<bool, int64_t>{false, 0}, {true, 4}, {true, 1}, {false, 7}, {true, 100}}) {
-    Tensor out = out_like({N, Hq, d});
+    Tensor out = poisoned_f32({N, Hq, d});
     attention_decode(q, kc, vc, slots, past, seqs, causal, window, scale, out);
     Tensor ref = Tensor::empty({N, Hq, d}, DType::F64);
     for (size_t s = 0; s < lens.size(); ++s)
@@ -282,8 +279,8 @@ TEST(OpsDecode, AttentionDecodeNonCausalAndWindowedMatchBruteForce) {
 
 TEST(OpsDecode, RejectsBadSlotsAndLengths) {
   const SeqOffsets seqs = offsets_of({2, 1});
-  const Tensor x = randn({3, 4}), w = randn({4, 3});
-  Tensor pool = Tensor::zeros({3, 2, 4}, DType::F32), y = out_like({3, 4});
+  const Tensor x = g_draws.randn({3, 4}), w = g_draws.randn({4, 3});
+  Tensor pool = Tensor::zeros({3, 2, 4}, DType::F32), y = poisoned_f32({3, 4});
   EXPECT_NO_THROW(causal_conv1d_update(x, w, pool, {2, 0}, seqs, true, true, y));
   EXPECT_THROW(causal_conv1d_update(x, w, pool, {3, 0}, seqs, true, true, y), Error);   // outside the pool
   EXPECT_THROW(causal_conv1d_update(x, w, pool, {-1, 0}, seqs, true, false, y), Error);
@@ -293,12 +290,12 @@ TEST(OpsDecode, RejectsBadSlotsAndLengths) {
   Tensor bad_state = Tensor::zeros({3, 3, 4}, DType::F32);
   EXPECT_THROW(causal_conv1d_update(x, w, bad_state, {0, 1}, seqs, true, false, y), Error);  // not K-1 rows
 
-  const Tensor k = randn({3, 1, 4});
+  const Tensor k = g_draws.randn({3, 1, 4});
   Tensor kc = Tensor::zeros({2, 5, 1, 4}, DType::F32), vc = kc.clone();
   EXPECT_NO_THROW(kv_cache_append(k, k, kc, vc, {0, 1}, {3, 4}, seqs));
   EXPECT_THROW(kv_cache_append(k, k, kc, vc, {0, 1}, {4, 4}, seqs), Error);  // 4 + 2 > 5
-  const Tensor q = randn({3, 2, 4});
-  Tensor o = out_like({3, 2, 4});
+  const Tensor q = g_draws.randn({3, 2, 4});
+  Tensor o = poisoned_f32({3, 2, 4});
   EXPECT_THROW(attention_decode(q, kc, vc, {0, 1}, {3, 5}, seqs, true, 0, 0.5f, o), Error);
   EXPECT_THROW(attention_decode(q, kc, vc, {0, 1}, {3, 4}, seqs, true, -1, 0.5f, o), Error);
   EXPECT_NO_THROW(attention_decode(q, kc, vc, {1, 1}, {3, 4}, seqs, true, 2, 0.5f, o));

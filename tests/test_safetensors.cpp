@@ -546,23 +546,31 @@ TEST_F(Safetensors, ShapeTimesDtypeMismatch) {
 
 TEST_F(Safetensors, BadShapes) {
   const std::string path = p("shape.safetensors");
-  write_raw(path, R"({"w": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 0]}})", "");
-  EXPECT_DFLASH_ERROR(io::SafetensorsFile f(path), path, "'w'", "negative");
-  write_raw(path, R"({"w": {"dtype": "U8", "shape": [1.5], "data_offsets": [0, 1]}})", "x");
-  EXPECT_DFLASH_ERROR(io::SafetensorsFile f(path), path, "'w'", "not an integer");
-  write_raw(path, R"({"w": {"dtype": "U8", "shape": ["2"], "data_offsets": [0, 2]}})", "xx");
-  EXPECT_DFLASH_ERROR(io::SafetensorsFile f(path), path, "'w'", "not an integer");
-  write_raw(path, R"({"w": {"dtype": "U8", "shape": [18446744073709551615], "data_offsets": [0, 1]}})", "x");
-  EXPECT_DFLASH_ERROR(io::SafetensorsFile f(path), path, "'w'", "too large");
-  write_raw(path, R"({"w": {"dtype": "U8", "shape": [99999999999999999999999], "data_offsets": [0, 1]}})", "x");
-  EXPECT_DFLASH_ERROR(io::SafetensorsFile f(path), path, "'w'", "too large");
-  // Products that would wrap around 64 bits must not sneak past the size check.
-  write_raw(path, R"({"w": {"dtype": "U8", "shape": [4294967296, 4294967296], "data_offsets": [0, 0]}})", "");
-  EXPECT_DFLASH_ERROR(io::SafetensorsFile f(path), path, "'w'", "overflow");
-  write_raw(path, R"({"w": {"dtype": "F64", "shape": [2305843009213693952], "data_offsets": [0, 0]}})", "");
-  EXPECT_DFLASH_ERROR(io::SafetensorsFile f(path), path, "'w'", "overflow");
-  write_raw(path, R"({"w": {"dtype": "F32", "shape": [4611686018427387904, 4, 0], "data_offsets": [0, 0]}})", "");
-  EXPECT_DFLASH_ERROR(io::SafetensorsFile f(path), path, "'w'", "overflow");
+  // One tensor 'w' of this dtype and "shape", its data offsets spanning exactly `data`.
+  struct BadShape {
+    const char* dtype;
+    const char* shape;
+    std::string data;
+    const char* problem;
+  };
+  const BadShape cases[] = {
+      {"U8", "[-1]", "", "negative"},
+      {"U8", "[1.5]", "x", "not an integer"},
+      {"U8", R"(["2"])", "xx", "not an integer"},
+      {"U8", "[18446744073709551615]", "x", "too large"},
+      {"U8", "[99999999999999999999999]", "x", "too large"},
+      // Products that would wrap around 64 bits must not sneak past the size check.
+      {"U8", "[4294967296, 4294967296]", "", "overflow"},
+      {"F64", "[2305843009213693952]", "", "overflow"},
+      {"F32", "[4611686018427387904, 4, 0]", "", "overflow"},
+  };
+  for (const BadShape& c : cases) {
+    write_raw(path,
+              std::string(R"({"w": {"dtype": ")") + c.dtype + R"(", "shape": )" + c.shape + R"(, "data_offsets": [0, )" +
+                  std::to_string(c.data.size()) + "]}}",
+              c.data);
+    EXPECT_DFLASH_ERROR(io::SafetensorsFile f(path), path, "'w'", c.problem);
+  }
   write_raw(path, R"({"w": {"dtype": "U8", "shape": 3, "data_offsets": [0, 3]}})", "xyz");
   EXPECT_DFLASH_ERROR(io::SafetensorsFile f(path), path, "'w'", "\"shape\"", "not an array");
 }

@@ -8,6 +8,7 @@
 
 #include <numeric>
 
+#include "bench/greedy_estimate.h"
 #include "bench/speculative.h"
 #include "oracle_proposer.h"
 #include "core/rng.h"
@@ -85,14 +86,8 @@ TEST(Speculative, RealDraftersGiveTheTargetsGreedyOutput) {
           ASSERT_EQ(spec.tokens, std::vector<int32_t>(greedy.tokens.begin(), greedy.tokens.begin() + 40))
               << name << " B " << B << " seed " << seed << " prompt " << plen;
           // The trainer's estimate at the same blocks is the measured acceptance, block by block.
-          std::vector<int32_t> seq = prompt;
-          seq.insert(seq.end(), greedy.tokens.begin(), greedy.tokens.end());
-          target::ExtendOptions eo;
-          eo.capture = dc.target_layer_ids;
-          dec->reset(0);
-          const target::ExtendResult whole = dec->extend({0}, {seq}, eo);
-          const bench::AcceptEstimate est = bench::training_estimate(bench::cpu_scorer(dc, w, s.frozen, B), whole.features,
-                                                                     seq, plen, 40, spec.block_starts);
+          const bench::AcceptEstimate est = bench::greedy_training_estimate(
+              *dec, dc.target_layer_ids, bench::cpu_scorer(dc, w, s.frozen, B), prompt, greedy.tokens, 40, spec.block_starts);
           const double tau = std::accumulate(spec.accept.begin(), spec.accept.end(), 0.0) / static_cast<double>(spec.accept.size());
           EXPECT_EQ(est.at_steps.num_blocks, static_cast<int64_t>(spec.accept.size()));
           EXPECT_NEAR(est.at_steps.accept_len(), tau, 1e-12) << name << " B " << B;

@@ -71,6 +71,17 @@ inline std::string error_of(const std::function<void()>& f) {
   return "";
 }
 
+// The bad-argument tests of the launchers: returns expect(edit, what), which applies `edit` to a
+// copy of `base` and expects launch(copy) to throw dflash::Error; `what` names the defect.
+template <typename P, typename Launch>
+auto throws_after_edit(const P& base, Launch launch) {
+  return [base, launch](const std::function<void(P&)>& edit, const std::string& what = "") {
+    P p = base;
+    edit(p);
+    EXPECT_THROW(launch(p), Error) << what;
+  };
+}
+
 // Token ids stored as any integer tensor (golden files hold them as i32).
 inline std::vector<int32_t> ids_of(const Tensor& t) {
   Tensor i = t.to_dtype(DType::I32);

@@ -33,39 +33,28 @@ std::string cuda_error_hint(cudaError_t status);
 
 }  // namespace dflash::cuda
 
-#define DFLASH_CUDA_CHECK(call)                                                        \
+// The one shape of every check below: `call` is evaluated once; a status other than `ok` goes to
+// ::dflash::cuda::`thrower` with `text` (the call's source text) and this file:line.
+#define DFLASH_STATUS_CHECK_(Status, call, ok, thrower, text)                          \
   do {                                                                                 \
-    const cudaError_t dflash_st_ = (call);                                             \
-    if (dflash_st_ != cudaSuccess)                                                     \
-      ::dflash::cuda::throw_cuda_error(dflash_st_, #call, __FILE__, __LINE__);         \
+    const Status dflash_st_ = (call);                                                  \
+    if (dflash_st_ != (ok)) ::dflash::cuda::thrower(dflash_st_, text, __FILE__, __LINE__); \
   } while (0)
+
+#define DFLASH_CUDA_CHECK(call) DFLASH_STATUS_CHECK_(cudaError_t, call, cudaSuccess, throw_cuda_error, #call)
 
 // After a kernel launch: reports bad launch configurations at once. Errors while the kernel runs
 // surface at a later synchronizing call (see the hint printed for them).
-#define DFLASH_CUDA_CHECK_LAST()                                                       \
-  do {                                                                                 \
-    const cudaError_t dflash_st_ = cudaGetLastError();                                 \
-    if (dflash_st_ != cudaSuccess)                                                     \
-      ::dflash::cuda::throw_cuda_error(dflash_st_, "kernel launch (cudaGetLastError())", \
-                                       __FILE__, __LINE__);                            \
-  } while (0)
+#define DFLASH_CUDA_CHECK_LAST() \
+  DFLASH_STATUS_CHECK_(cudaError_t, cudaGetLastError(), cudaSuccess, throw_cuda_error, "kernel launch (cudaGetLastError())")
 
 // Logs instead of throwing (destructors, clean-up after another error).
 #define DFLASH_CUDA_WARN(call) ::dflash::cuda::warn_cuda_error((call), #call, __FILE__, __LINE__)
 
-#define DFLASH_CUBLAS_CHECK(call)                                                      \
-  do {                                                                                 \
-    const cublasStatus_t dflash_st_ = (call);                                          \
-    if (dflash_st_ != CUBLAS_STATUS_SUCCESS)                                           \
-      ::dflash::cuda::throw_cublas_error(dflash_st_, #call, __FILE__, __LINE__);       \
-  } while (0)
+#define DFLASH_CUBLAS_CHECK(call) \
+  DFLASH_STATUS_CHECK_(cublasStatus_t, call, CUBLAS_STATUS_SUCCESS, throw_cublas_error, #call)
 
-#define DFLASH_NCCL_CHECK(call)                                                        \
-  do {                                                                                 \
-    const ncclResult_t dflash_st_ = (call);                                            \
-    if (dflash_st_ != ncclSuccess)                                                     \
-      ::dflash::cuda::throw_nccl_error(dflash_st_, #call, __FILE__, __LINE__);         \
-  } while (0)
+#define DFLASH_NCCL_CHECK(call) DFLASH_STATUS_CHECK_(ncclResult_t, call, ncclSuccess, throw_nccl_error, #call)
 
 namespace dflash::cuda {
 

@@ -31,7 +31,15 @@ using json = nlohmann::json;
 
 namespace {
 
-constexpr DType kSupported[] = {DType::BF16, DType::F16, DType::F32, DType::F64, DType::I32, DType::I64, DType::U8, DType::F8E4M3};
+// Every dtype this reader and writer take, with its name in the safetensors header, in the order the
+// messages list them: the one place the names are written.
+struct DtypeName {
+  DType dtype;
+  const char* name;
+};
+constexpr DtypeName kSupported[] = {{DType::BF16, "BF16"}, {DType::F16, "F16"}, {DType::F32, "F32"},
+                                    {DType::F64, "F64"},   {DType::I32, "I32"}, {DType::I64, "I64"},
+                                    {DType::U8, "U8"},     {DType::F8E4M3, "F8_E4M3"}};
 
 // Quotes a string for messages (names come from files and may hold anything).
 std::string q(const std::string& s) {
@@ -287,26 +295,25 @@ void check_tensor_for_save(const std::string& path, const std::string& name, con
 // dtypes
 
 std::optional<DType> safetensors_dtype_from_string(std::string_view s) {
-  for (DType t : kSupported)
-    if (s == safetensors_dtype_string(t)) return t;
+  for (const DtypeName& d : kSupported)
+    if (s == d.name) return d.dtype;
   return std::nullopt;
 }
 
 const char* safetensors_dtype_string(DType t) {
-  switch (t) {
-    case DType::BF16: return "BF16";
-    case DType::F16: return "F16";
-    case DType::F32: return "F32";
-    case DType::F64: return "F64";
-    case DType::I32: return "I32";
-    case DType::I64: return "I64";
-    case DType::U8: return "U8";
-    case DType::F8E4M3: return "F8_E4M3";
-  }
+  for (const DtypeName& d : kSupported)
+    if (d.dtype == t) return d.name;
   return "?";
 }
 
-const char* safetensors_supported_dtypes() { return "BF16, F16, F32, F64, I32, I64, U8, F8_E4M3"; }
+const char* safetensors_supported_dtypes() {
+  static const std::string names = [] {
+    std::string s;
+    for (const DtypeName& d : kSupported) s += std::string(s.empty() ? "" : ", ") + d.name;
+    return s;
+  }();
+  return names.c_str();
+}
 
 // ---------------------------------------------------------------------------------------------
 // SafetensorsFile

@@ -38,6 +38,25 @@ void check_past_len(const std::vector<int64_t>& past_len, const SeqOffsets& seqs
   }
 }
 
+// The KV-cache ops' tensors: f32 host `rows` (k or q, named `rows_name`, [N, heads, d]) and a k / v
+// cache pair [P, L, Hkv, d] with the rows' d. The caller checks the rows' heads against Hkv.
+struct CacheDims {
+  int64_t N, heads, d, P, L, Hkv;
+};
+CacheDims check_kv_cache(const char* op, const Tensor& rows, const char* rows_name, const Tensor& k_cache,
+                         const Tensor& v_cache) {
+  detail::require_host_f32(rows, op, rows_name);
+  detail::require_host_f32(k_cache, op, "k_cache");
+  detail::require_host_f32(v_cache, op, "v_cache");
+  DFLASH_CHECK(rows.dim() == 3 && k_cache.dim() == 4,
+               op << ": " << rows_name << " [N, heads, d] and k_cache [P, L, Hkv, d] expected, got "
+                  << rows.describe() << ", " << k_cache.describe());
+  const CacheDims c{rows.size(0), rows.size(1), rows.size(2), k_cache.size(0), k_cache.size(1), k_cache.size(2)};
+  detail::require_shape(k_cache, {c.P, c.L, c.Hkv, c.d}, op, "k_cache");
+  detail::require_shape(v_cache, {c.P, c.L, c.Hkv, c.d}, op, "v_cache");
+  return c;
+}
+
 }  // namespace
 
 void causal_conv1d_update(const Tensor& x, const Tensor& w, Tensor& conv_state, const std::vector<int32_t>& slots,
@@ -112,19 +131,11 @@ void gated_delta_rule_pool(const DeltaRuleParams& p, const SeqOffsets& seqs, Ten
 
 void kv_cache_append(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& v_cache,
                      const std::vector<int32_t>& slots, const std::vector<int64_t>& past_len, const SeqOffsets& seqs) {
-  using detail::require_host_f32;
   const char* op = "kv_cache_append";
-  require_host_f32(k, op, "k");
-  require_host_f32(v, op, "v");
-  require_host_f32(k_cache, op, "k_cache");
-  require_host_f32(v_cache, op, "v_cache");
-  DFLASH_CHECK(k.dim() == 3 && k_cache.dim() == 4,
-               op << ": k [N, Hkv, d] and k_cache [P, L, Hkv, d] expected, got " << k.describe() << ", "
-                  << k_cache.describe());
-  const int64_t N = k.size(0), Hkv = k.size(1), d = k.size(2), P = k_cache.size(0), L = k_cache.size(1);
+  const auto [N, heads, d, P, L, Hkv] = check_kv_cache(op, k, "k", k_cache, v_cache);
+  DFLASH_CHECK(heads == Hkv, op << ": k has " << heads << " heads, the cache " << Hkv);
+  detail::require_host_f32(v, op, "v");
   detail::require_shape(v, {N, Hkv, d}, op, "v");
-  detail::require_shape(k_cache, {P, L, Hkv, d}, op, "k_cache");
-  detail::require_shape(v_cache, {P, L, Hkv, d}, op, "v_cache");
   seqs.validate(N, op);
   check_slots(slots, seqs, P, true, op);
   check_past_len(past_len, seqs, L, op);
@@ -140,19 +151,9 @@ void kv_cache_append(const Tensor& k, const Tensor& v, Tensor& k_cache, Tensor& 
 void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const std::vector<int32_t>& slots,
                       const std::vector<int64_t>& past_len, const SeqOffsets& seqs, bool causal, int64_t window,
                       float scale, Tensor& out) {
-  using detail::require_host_f32;
   const char* op = "attention_decode";
-  require_host_f32(q, op, "q");
-  require_host_f32(k_cache, op, "k_cache");
-  require_host_f32(v_cache, op, "v_cache");
-  require_host_f32(out, op, "out");
-  DFLASH_CHECK(q.dim() == 3 && k_cache.dim() == 4,
-               op << ": q [N, Hq, d] and k_cache [P, L, Hkv, d] expected, got " << q.describe() << ", "
-                  << k_cache.describe());
-  const int64_t N = q.size(0), Hq = q.size(1), d = q.size(2);
-  const int64_t P = k_cache.size(0), L = k_cache.size(1), Hkv = k_cache.size(2);
-  detail::require_shape(k_cache, {P, L, Hkv, d}, op, "k_cache");
-  detail::require_shape(v_cache, {P, L, Hkv, d}, op, "v_cache");
+  const auto [N, Hq, d, P, L, Hkv] = check_kv_cache(op, q, "q", k_cache, v_cache);
+  detail::require_host_f32(out, op, "out");
   detail::require_shape(out, {N, Hq, d}, op, "out");
   DFLASH_CHECK(Hkv > 0 && Hq % Hkv == 0, op << ": " << Hq << " query heads are not a multiple of " << Hkv << " kv heads");
   DFLASH_CHECK(window >= 0, op << ": window must be >= 0 (0 = none), got " << window);

@@ -31,6 +31,32 @@ float inv_rms(const float* x, int64_t D, float eps) {
   return 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
 }
 
+// What the RMS norms check: f32 host x / w / y, a 1-D weight w [D], x [..., D], y shaped as x.
+// Returns D.
+int64_t check_norm_args(const char* op, const Tensor& x, const Tensor& w, const Tensor& y) {
+  require_host_f32(x, op, "x");
+  require_host_f32(w, op, "w");
+  require_host_f32(y, op, "y");
+  DFLASH_CHECK(w.dim() == 1, op << ": weight must be 1-D, got " << w.describe());
+  const int64_t D = w.size(0);
+  DFLASH_CHECK(x.dim() >= 1 && x.size(-1) == D, op << ": x " << x.describe() << " does not end in " << D);
+  require_shape(y, x.shape(), op, "y");
+  return D;
+}
+
+// y[r, d] = out(r, d, x[r, d] · inv_rms(x[r, :])) over the rows r of x [..., D].
+template <typename Out>
+void rms_rows(const Tensor& x, int64_t D, float eps, Tensor& y, Out out) {
+  const int64_t rows = x.numel() / D;
+  const float* X = x.data<float>();
+  float* Y = y.data<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = X + r * D;
+    const float inv = inv_rms(xr, D, eps);
+    for (int64_t d = 0; d < D; ++d) Y[r * D + d] = out(r, d, xr[d] * inv);
+  }
+}
+
 }  // namespace
 
 void SeqOffsets::validate(int64_t n_tokens, const char* op) const {
@@ -84,48 +110,21 @@ void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
 }
 
 void rms_norm(const Tensor& x, const Tensor& w, float eps, RmsNormKind kind, Tensor& y) {
-  require_host_f32(x, "rms_norm", "x");
-  require_host_f32(w, "rms_norm", "w");
-  require_host_f32(y, "rms_norm", "y");
-  DFLASH_CHECK(w.dim() == 1, "rms_norm: weight must be 1-D, got " << w.describe());
-  const int64_t D = w.size(0);
-  DFLASH_CHECK(x.dim() >= 1 && x.size(-1) == D, "rms_norm: x " << x.describe() << " does not end in " << D);
-  require_shape(y, x.shape(), "rms_norm", "y");
-  const int64_t rows = x.numel() / D;
-  const float* X = x.data<float>();
+  const int64_t D = check_norm_args("rms_norm", x, w, y);
   const float* Wt = w.data<float>();
-  float* Y = y.data<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = X + r * D;
-    const float inv = inv_rms(xr, D, eps);
-    float* yr = Y + r * D;
-    for (int64_t d = 0; d < D; ++d) {
-      float scale = kind == RmsNormKind::ZeroCentered ? 1.0f + Wt[d] : Wt[d];
-      yr[d] = xr[d] * inv * scale;
-    }
-  }
+  rms_rows(x, D, eps, y, [&](int64_t, int64_t d, float xn) {
+    const float scale = kind == RmsNormKind::ZeroCentered ? 1.0f + Wt[d] : Wt[d];
+    return xn * scale;
+  });
 }
 
 void gated_rms_norm(const Tensor& x, const Tensor& z, const Tensor& w, float eps, Tensor& y) {
-  require_host_f32(x, "gated_rms_norm", "x");
+  const int64_t D = check_norm_args("gated_rms_norm", x, w, y);
   require_host_f32(z, "gated_rms_norm", "z");
-  require_host_f32(w, "gated_rms_norm", "w");
-  require_host_f32(y, "gated_rms_norm", "y");
-  DFLASH_CHECK(w.dim() == 1, "gated_rms_norm: weight must be 1-D, got " << w.describe());
-  const int64_t D = w.size(0);
-  DFLASH_CHECK(x.dim() >= 1 && x.size(-1) == D, "gated_rms_norm: x " << x.describe() << " does not end in " << D);
   require_shape(z, x.shape(), "gated_rms_norm", "z");
-  require_shape(y, x.shape(), "gated_rms_norm", "y");
-  const int64_t rows = x.numel() / D;
-  const float* X = x.data<float>();
   const float* Z = z.data<float>();
   const float* Wt = w.data<float>();
-  float* Y = y.data<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = X + r * D;
-    const float inv = inv_rms(xr, D, eps);
-    for (int64_t d = 0; d < D; ++d) Y[r * D + d] = xr[d] * inv * Wt[d] * detail::silu(Z[r * D + d]);
-  }
+  rms_rows(x, D, eps, y, [&](int64_t r, int64_t d, float xn) { return xn * Wt[d] * detail::silu(Z[r * D + d]); });
 }
 
 void swiglu(const Tensor& gate, const Tensor& up, Tensor& y) {

@@ -4,30 +4,52 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 
 #include "kernels/cpu/common.h"
 #include "core/rng.h"
 
 namespace dflash::ops {
 
-void argmax_rows(const Tensor& logits, std::vector<int32_t>& out) {
+namespace {
+
+// The logits both ops take: a 2-D host float tensor [R, V] with 1 <= V < 2^31 (ids fit int32).
+void check_logits(const Tensor& logits, const char* op) {
   DFLASH_CHECK(logits.defined() && logits.device().is_cpu() && logits.dim() == 2 && dtype_is_float(logits.dtype()),
-               "argmax_rows: logits must be a 2-D host float tensor [R, V], got "
-                   << (logits.defined() ? logits.describe() : "undefined"));
-  const int64_t R = logits.size(0), V = logits.size(1);
+               op << ": logits must be a 2-D host float tensor [R, V], got "
+                  << (logits.defined() ? logits.describe() : "undefined"));
+  const int64_t V = logits.size(1);
   DFLASH_CHECK(V >= 1 && V <= std::numeric_limits<int32_t>::max(),
-               "argmax_rows: the vocabulary dimension V = " << V << " must be in [1, 2^31)");
+               op << ": the vocabulary dimension V = " << V << " must be in [1, 2^31)");
+}
+
+// f(r, row) for each row r of logits [R, V], the row converted to T (F64 or F32) in one buffer that
+// every row reuses.
+template <typename T, typename F>
+void for_each_row(const Tensor& logits, F f) {
   const Tensor x = logits.contiguous();
-  out.assign(static_cast<size_t>(R), 0);
-  std::vector<double> row(static_cast<size_t>(V));
+  const int64_t R = x.size(0), V = x.size(1);
+  std::vector<T> row(static_cast<size_t>(V));
   const size_t row_bytes = static_cast<size_t>(V) * dtype_size(x.dtype());
   for (int64_t r = 0; r < R; ++r) {
-    convert_elements(static_cast<const uint8_t*>(x.raw_data()) + r * row_bytes, x.dtype(), row.data(), DType::F64, V);
+    convert_elements(static_cast<const uint8_t*>(x.raw_data()) + r * row_bytes, x.dtype(), row.data(),
+                     std::is_same_v<T, double> ? DType::F64 : DType::F32, V);
+    f(r, row);
+  }
+}
+
+}  // namespace
+
+void argmax_rows(const Tensor& logits, std::vector<int32_t>& out) {
+  check_logits(logits, "argmax_rows");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  out.assign(static_cast<size_t>(R), 0);
+  for_each_row<double>(logits, [&](int64_t r, const std::vector<double>& row) {
     int64_t best = -1;
     for (int64_t v = 0; v < V; ++v)
       if (!std::isnan(row[v]) && (best < 0 || row[v] > row[best])) best = v;  // strictly greater: the lowest id wins
     out[r] = static_cast<int32_t>(best < 0 ? 0 : best);
-  }
+  });
 }
 
 void check_sample_params(const SampleParams& p) {
@@ -69,21 +91,13 @@ float nucleus_threshold(const float* z, int64_t V, float top_p, double* margin) 
 
 void sample_rows(const Tensor& logits, const SampleParams& p, const std::vector<uint64_t>& streams,
                  const std::vector<int64_t>& positions, std::vector<int32_t>& out) {
-  DFLASH_CHECK(logits.defined() && logits.device().is_cpu() && logits.dim() == 2 && dtype_is_float(logits.dtype()),
-               "sample_rows: logits must be a 2-D host float tensor [R, V], got "
-                   << (logits.defined() ? logits.describe() : "undefined"));
+  check_logits(logits, "sample_rows");
   check_sample_params(p);
   const int64_t R = logits.size(0), V = logits.size(1);
-  DFLASH_CHECK(V >= 1 && V <= std::numeric_limits<int32_t>::max(),
-               "sample_rows: the vocabulary dimension V = " << V << " must be in [1, 2^31)");
   DFLASH_CHECK(static_cast<int64_t>(streams.size()) == R && static_cast<int64_t>(positions.size()) == R,
                "sample_rows: " << R << " rows but " << streams.size() << " streams and " << positions.size() << " positions");
-  const Tensor x = logits.contiguous();
   out.assign(static_cast<size_t>(R), 0);
-  std::vector<float> z(static_cast<size_t>(V));
-  const size_t row_bytes = static_cast<size_t>(V) * dtype_size(x.dtype());
-  for (int64_t r = 0; r < R; ++r) {
-    convert_elements(static_cast<const uint8_t*>(x.raw_data()) + r * row_bytes, x.dtype(), z.data(), DType::F32, V);
+  for_each_row<float>(logits, [&](int64_t r, std::vector<float>& z) {
     for (float& f : z) f = f / p.temperature;
     const float zc = nucleus_threshold(z.data(), V, p.top_p);
     const uint64_t base = static_cast<uint64_t>(positions[r]) * static_cast<uint64_t>(V);
@@ -97,7 +111,7 @@ void sample_rows(const Tensor& logits, const SampleParams& p, const std::vector<
       if (best < 0 || score > best_score) best = v, best_score = score;  // strictly greater: the lowest id wins
     }
     out[r] = static_cast<int32_t>(best < 0 ? 0 : best);
-  }
+  });
 }
 
 }  // namespace dflash::ops

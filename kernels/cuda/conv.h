@@ -53,4 +53,10 @@ void causal_conv1d_update_fallback(const ConvUpdateParams& p, Stream s);
 // The kernel the fast path names for this shape ("vec8" or "fallback").
 const char* causal_conv1d_update_kernel_name(int64_t C, int64_t K);
 
+namespace detail {
+// The shape checks of the two vec8 launchers (gdn_conv.cu): C % 8 == 0, K in [1, 4] and 16-byte rows
+// (ldx % 8 == 0); the message of `op` names `fallback` as the launcher that takes any shape.
+void check_conv_vec8_shape(const char* op, int64_t C, int64_t K, int64_t ldx, const char* fallback);
+}  // namespace detail
+
 }  // namespace dflash::cuda

@@ -254,24 +254,29 @@ void sigmoid_gate(void* x, const void* gate, int64_t ldg, int64_t hsg, int64_t N
                    static_cast<cudaStream_t>(s));
 }
 
-void cast_bf16_f32(const void* x, float* y, int64_t n, Stream s) {
-  DFLASH_CHECK(n >= 0, "cast_bf16_f32: need n >= 0, got n=" << n);
+namespace {
+
+// The casts' launcher: n elements of x into y, by units of 8 when both are 16-byte aligned.
+template <class Src, class Dst>
+void launch_cast(const char* op, void (*kernel)(const Src*, Dst*, int64_t, bool), const void* x, void* y, int64_t n,
+                 Stream s) {
+  DFLASH_CHECK(n >= 0, op << ": need n >= 0, got n=" << n);
   if (n == 0) return;
-  DFLASH_CHECK(x != nullptr && y != nullptr, "cast_bf16_f32: null pointer (x=" << x << " y=" << y << ") for n=" << n);
+  DFLASH_CHECK(x != nullptr && y != nullptr, op << ": null pointer (x=" << x << " y=" << y << ") for n=" << n);
   const bool vec = aligned16(x) && aligned16(y);
-  cast_bf16_f32_kernel<<<blocks_for(n, kThreads * 8, 8192), kThreads, 0, static_cast<cudaStream_t>(s)>>>(
-      static_cast<const bf16*>(x), y, n, vec);
+  kernel<<<blocks_for(n, kThreads * 8, 8192), kThreads, 0, static_cast<cudaStream_t>(s)>>>(
+      static_cast<const Src*>(x), static_cast<Dst*>(y), n, vec);
   DFLASH_CUDA_CHECK_LAST();
 }
 
+}  // namespace
+
+void cast_bf16_f32(const void* x, float* y, int64_t n, Stream s) {
+  launch_cast("cast_bf16_f32", cast_bf16_f32_kernel, x, y, n, s);
+}
+
 void cast_f32_bf16(const float* x, void* y, int64_t n, Stream s) {
-  DFLASH_CHECK(n >= 0, "cast_f32_bf16: need n >= 0, got n=" << n);
-  if (n == 0) return;
-  DFLASH_CHECK(x != nullptr && y != nullptr, "cast_f32_bf16: null pointer (x=" << x << " y=" << y << ") for n=" << n);
-  const bool vec = aligned16(x) && aligned16(y);
-  cast_f32_bf16_kernel<<<blocks_for(n, kThreads * 8, 8192), kThreads, 0, static_cast<cudaStream_t>(s)>>>(
-      x, static_cast<bf16*>(y), n, vec);
-  DFLASH_CUDA_CHECK_LAST();
+  launch_cast("cast_f32_bf16", cast_f32_bf16_kernel, x, y, n, s);
 }
 
 void add_into_f32(float* h, const void* d, bool d_f32, int64_t n, Stream s) {

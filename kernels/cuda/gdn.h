@@ -30,16 +30,22 @@ struct GdnPrepParams {
 };
 void gdn_prep(const GdnPrepParams& p, Stream s);
 
-// Gated delta rule on prepared (normalised, q pre-scaled) q/k, per sequence and value head h with
-// key head h / (Hv / Hk):  S = exp(g_t) S;  S += k_t (beta_t (v_t - Sᵀ k_t))ᵀ;  o_t = Sᵀ q_t.
-// State fp32 [num_seqs, Hv, dk, dv]; initial_state / final_state optional (null).
-struct DeltaRuleParams {
+// The per-token inputs of every gated delta rule (prefill and pool), the first fields of both
+// parameter structs (no padding after them: the kernels that take a struct by value see the layout
+// of one flat struct).
+struct DeltaRuleTokens {
   const void* q = nullptr;  // [N, Hk, dk] bf16
   const void* k = nullptr;  // [N, Hk, dk] bf16
   const void* v = nullptr;  // rows strided: v of token n, head h at v + n*ldv + h*dv
   int64_t ldv = 0;
   const float* g = nullptr;     // [N, Hv]
   const float* beta = nullptr;  // [N, Hv]
+};
+
+// Gated delta rule on prepared (normalised, q pre-scaled) q/k, per sequence and value head h with
+// key head h / (Hv / Hk):  S = exp(g_t) S;  S += k_t (beta_t (v_t - Sᵀ k_t))ᵀ;  o_t = Sᵀ q_t.
+// State fp32 [num_seqs, Hv, dk, dv]; initial_state / final_state optional (null).
+struct DeltaRuleParams : DeltaRuleTokens {
   const float* initial_state = nullptr;
   float* final_state = nullptr;
   void* out = nullptr;  // [N, Hv, dv] bf16
@@ -60,13 +66,7 @@ void recurrent_gated_delta_rule(const DeltaRuleParams& p, Stream s);
 // output: re-running accepted tokens at commit time). update_state: the state after the sequence's
 // last token is written back to its slot; false leaves the pool untouched (verify; the rollback
 // scheme re-runs the accepted tokens later with update_state = true).
-struct DeltaRulePoolParams {
-  const void* q = nullptr;  // [N, Hk, dk] bf16
-  const void* k = nullptr;  // [N, Hk, dk] bf16
-  const void* v = nullptr;  // rows strided: v of token n, head h at v + n*ldv + h*dv
-  int64_t ldv = 0;
-  const float* g = nullptr;     // [N, Hv]
-  const float* beta = nullptr;  // [N, Hv]
+struct DeltaRulePoolParams : DeltaRuleTokens {
   float* state = nullptr;       // [num_slots, Hv, dk, dv] fp32
   const int32_t* slots = nullptr;
   void* out = nullptr;          // [N, Hv, dv] bf16, nullable

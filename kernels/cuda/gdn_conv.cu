@@ -40,6 +40,7 @@
 #include "core/cuda/check.h"
 #include "kernels/cuda/grid.h"
 #include "kernels/cuda/conv.h"
+#include "kernels/cuda/conv_tile.cuh"
 #include "kernels/cuda/gdn.h"
 #include "kernels/cuda/ptx.cuh"
 #include "core/error.h"
@@ -63,11 +64,8 @@ constexpr int kConvStages = 8;  // rows in flight per thread (power of two): 32 
 using ptx::cp_async16_ring;
 using ptx::cp_async_wait_ring;
 
-// SiLU with the fast intrinsics (ex2.approx + approximate division, a few ulp in f32, far below the
-// bf16 output rounding): the full-precision expf and IEEE division would make the fast conv
-// instruction-bound (~90 instructions per 16-byte row and thread as written, ~150 with them).
-// For x < -87, __expf(-x) = inf and the quotient is -0, silu's limit.
-__device__ __forceinline__ float silu_f(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
+using conv::conv8_step;
+using conv::silu_f;
 
 
 // Largest s with cu[s] <= t (so cu[s] <= t < cu[s + 1] when t < cu[num_seqs]); skips empty sequences.
@@ -134,22 +132,7 @@ __global__ void __launch_bounds__(256, 2) causal_conv1d_fast_kernel(const __nv_b
     }
     float cur[8], out[8];
     unpack8(cur_raw, cur);
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      float acc = 0.0f;  // same order as the reference: taps j = 0..K-1
-#pragma unroll
-      for (int j = 0; j < K - 1; ++j) acc = fmaf(wr[c][j], win[j][c], acc);
-      acc = fmaf(wr[c][K - 1], cur[c], acc);
-      out[c] = silu ? silu_f(acc) : acc;
-    }
-#pragma unroll
-    for (int j = 0; j + 1 < K - 1; ++j)
-#pragma unroll
-      for (int c = 0; c < 8; ++c) win[j][c] = win[j + 1][c];
-    if constexpr (K > 1) {
-#pragma unroll
-      for (int c = 0; c < 8; ++c) win[K - 2][c] = cur[c];
-    }
+    conv8_step<K>(wr, win, cur, silu, out);
     *reinterpret_cast<uint4*>(y + t * C + c0) = pack8(out);
   };
 
@@ -204,13 +187,16 @@ void check_conv_common(const ConvParams& p, const char* op) {
 
 bool causal_conv1d_fast_supported(int64_t C, int64_t K) { return C >= 8 && C % 8 == 0 && K >= 1 && K <= 4; }
 
+void detail::check_conv_vec8_shape(const char* op, int64_t C, int64_t K, int64_t ldx, const char* fallback) {
+  DFLASH_CHECK(causal_conv1d_fast_supported(C, K),
+               op << ": needs C % 8 == 0 and K in [1, 4], got C " << C << ", K " << K << " (use " << fallback << ")");
+  DFLASH_CHECK(ldx % 8 == 0, op << ": row stride ldx " << ldx << " must be a multiple of 8 (16-byte rows)");
+}
+
 void causal_conv1d_fast(const ConvParams& p, Stream s) {
   const char* op = "causal_conv1d_fast";
   check_conv_common(p, op);
-  DFLASH_CHECK(causal_conv1d_fast_supported(p.C, p.K),
-               op << ": needs C % 8 == 0 and K in [1, 4], got C " << p.C << ", K " << p.K
-                  << " (use causal_conv1d_fallback)");
-  DFLASH_CHECK(p.ldx % 8 == 0, op << ": row stride ldx " << p.ldx << " must be a multiple of 8 (16-byte rows)");
+  detail::check_conv_vec8_shape(op, p.C, p.K, p.ldx, "causal_conv1d_fallback");
   if (p.N == 0) return;
   DFLASH_CHECK(aligned16(p.x) && aligned16(p.y),
                op << ": x and y must be 16-byte aligned (use causal_conv1d_fallback)");
@@ -431,20 +417,12 @@ void gdn_prep(const GdnPrepParams& p, Stream s) {
   auto stream = static_cast<cudaStream_t>(s);
   const bool vec = p.dk % 8 == 0 && p.ld_conv % 8 == 0 && aligned16(p.conv) && aligned16(p.q) && aligned16(p.k);
   if (vec && p.dk <= 256 && rows < (1ll << 31) - (1ll << 20)) {
-    const int G = pow2_at_least(static_cast<int>(p.dk / 8));
-    auto launch = [&](auto kernel) {
+    dispatch_lanes(pow2_at_least(static_cast<int>(p.dk / 8)), [&](auto G) {
+      const auto kernel = gdn_prep_rows_kernel<G>;
       const unsigned grid = persistent_grid(reinterpret_cast<const void*>(kernel), kPrepThreads, kPrepMaxBlocksPerSm,
                                             tuning::prep_blocks, rows, kPrepThreads / G);
       kernel<<<grid, kPrepThreads, 0, stream>>>(p);
-    };
-    switch (G) {
-      case 1: launch(gdn_prep_rows_kernel<1>); break;
-      case 2: launch(gdn_prep_rows_kernel<2>); break;
-      case 4: launch(gdn_prep_rows_kernel<4>); break;
-      case 8: launch(gdn_prep_rows_kernel<8>); break;
-      case 16: launch(gdn_prep_rows_kernel<16>); break;
-      default: launch(gdn_prep_rows_kernel<32>); break;
-    }
+    });
     DFLASH_CUDA_CHECK_LAST();
     return;
   }

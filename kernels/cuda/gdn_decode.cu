@@ -41,6 +41,7 @@
 
 #include "core/cuda/check.h"
 #include "kernels/cuda/conv.h"
+#include "kernels/cuda/conv_tile.cuh"
 #include "kernels/cuda/gdn.h"
 #include "kernels/cuda/ptx.cuh"
 #include "core/error.h"
@@ -60,8 +61,8 @@ using bf16 = __nv_bfloat16;
 using ptx::pack8;
 using ptx::unpack8;
 
-// As gdn_conv.cu's silu: ex2.approx and an approximate division, a few ulp in f32.
-__device__ __forceinline__ float silu_f(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
+using conv::conv8_step;
+using conv::silu_f;
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
@@ -91,22 +92,7 @@ __global__ void __launch_bounds__(128) conv_update_fast_kernel(const ConvUpdateP
   for (int64_t t = 0; t < T; ++t) {
     float cur[8], out[8];
     unpack8(__ldg(reinterpret_cast<const uint4*>(x + t * p.ldx)), cur);
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      float acc = 0.0f;  // taps j = 0..K-1 in order, as the fallback and the CPU reference
-#pragma unroll
-      for (int j = 0; j < K - 1; ++j) acc = fmaf(wr[c][j], win[j][c], acc);
-      acc = fmaf(wr[c][K - 1], cur[c], acc);
-      out[c] = p.silu ? silu_f(acc) : acc;
-    }
-#pragma unroll
-    for (int j = 0; j + 1 < K - 1; ++j)
-#pragma unroll
-      for (int c = 0; c < 8; ++c) win[j][c] = win[j + 1][c];
-    if constexpr (K > 1) {
-#pragma unroll
-      for (int c = 0; c < 8; ++c) win[K - 2][c] = cur[c];
-    }
+    conv8_step<K>(wr, win, cur, p.silu, out);
     *reinterpret_cast<uint4*>(y + t * p.C) = pack8(out);
   }
   // The window's last K-1 rows: with T < K-1 some are still old state rows, which is right.
@@ -152,7 +138,8 @@ void check_conv_update(const ConvUpdateParams& p, const char* op) {
 
 }  // namespace
 
-bool causal_conv1d_update_fast_supported(int64_t C, int64_t K) { return C >= 8 && C % 8 == 0 && K >= 1 && K <= 4; }
+// The vec8 kernel of the prefill conv takes the same shapes.
+bool causal_conv1d_update_fast_supported(int64_t C, int64_t K) { return causal_conv1d_fast_supported(C, K); }
 
 const char* causal_conv1d_update_kernel_name(int64_t C, int64_t K) {
   return causal_conv1d_update_fast_supported(C, K) ? "vec8" : "fallback";
@@ -161,10 +148,7 @@ const char* causal_conv1d_update_kernel_name(int64_t C, int64_t K) {
 void causal_conv1d_update_fast(const ConvUpdateParams& p, Stream s) {
   const char* op = "causal_conv1d_update_fast";
   check_conv_update(p, op);
-  DFLASH_CHECK(causal_conv1d_update_fast_supported(p.C, p.K),
-               op << ": needs C % 8 == 0 and K in [1, 4], got C " << p.C << ", K " << p.K
-                  << " (use causal_conv1d_update_fallback)");
-  DFLASH_CHECK(p.ldx % 8 == 0, op << ": row stride ldx " << p.ldx << " must be a multiple of 8 (16-byte rows)");
+  detail::check_conv_vec8_shape(op, p.C, p.K, p.ldx, "causal_conv1d_update_fallback");
   if (p.num_seqs == 0) return;
   DFLASH_CHECK(aligned16(p.x) && aligned16(p.y) && aligned16(p.state),
                op << ": x, y and state must be 16-byte aligned (use causal_conv1d_update_fallback)");

@@ -1,9 +1,11 @@
 #pragma once
-// Grid sizing shared by the persistent-grid kernels (norm.cu, gdn_conv.cu): host code.
+// Grid sizing and the lane-count dispatch shared by the persistent-grid row kernels (norm.cu,
+// gdn_conv.cu): host code.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/cuda/check.h"
 
@@ -35,6 +37,21 @@ inline int pow2_at_least(int n) {
   int p = 1;
   while (p < n) p *= 2;
   return p;
+}
+
+// Runs f(std::integral_constant<int, G>{}) for G = lanes (a power of two, pow2_at_least of the row's
+// 16-byte units), so that the row kernel templated on its lanes per row is picked in one place;
+// lanes above 16 take G = 32, a warp per row.
+template <typename F>
+void dispatch_lanes(int lanes, F&& f) {
+  switch (lanes) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 16: f(std::integral_constant<int, 16>{}); break;
+    default: f(std::integral_constant<int, 32>{}); break;
+  }
 }
 
 }  // namespace dflash::cuda

@@ -458,20 +458,12 @@ void gated_rms_norm(const void* core, const void* z, int64_t ldz, const void* w,
   const auto st = static_cast<cudaStream_t>(s);
   if (vec && dv <= 256 && N * Hv < (int64_t(1) << 31) - (int64_t(1) << 20)) {  // int row index + a block
     const int rows = static_cast<int>(N * Hv);
-    const int G = pow2_at_least(static_cast<int>(dv / 8));
-    auto launch = [&](auto kernel) {
+    dispatch_lanes(pow2_at_least(static_cast<int>(dv / 8)), [&](auto G) {
+      const auto kernel = gated_rms_norm_kernel<G>;
       const unsigned grid = persistent_grid(reinterpret_cast<const void*>(kernel), kThreads, kGatedMaxBlocksPerSm,
                                             tuning::gated_norm_blocks, rows, kThreads / G);
       kernel<<<grid, kThreads, 0, st>>>(op, rows, eps);
-    };
-    switch (G) {
-      case 1: launch(gated_rms_norm_kernel<1>); break;
-      case 2: launch(gated_rms_norm_kernel<2>); break;
-      case 4: launch(gated_rms_norm_kernel<4>); break;
-      case 8: launch(gated_rms_norm_kernel<8>); break;
-      case 16: launch(gated_rms_norm_kernel<16>); break;
-      default: launch(gated_rms_norm_kernel<32>); break;
-    }
+    });
     DFLASH_CUDA_CHECK_LAST();
     return;
   }

@@ -12,6 +12,7 @@
 
 #include "core/cuda/check.h"
 #include "core/device.h"
+#include "kernels/cuda/ptx.cuh"
 
 namespace dflash::cuda::vec {
 
@@ -19,17 +20,10 @@ using bf16 = __nv_bfloat16;
 
 // ---- fragments ------------------------------------------------------------------------------------
 
-// 8 bf16 held in a 16-byte register value -> f32. Load the uint4 into a local first: passing
-// *reinterpret_cast<const uint4*>(p) straight in compiles to four 4-byte loads (seen in the PTX).
-__device__ __forceinline__ void unpack(const uint4& raw, float (&v)[8]) {
-  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
+// 8 bf16 held in a 16-byte register value -> f32 (ptx::unpack8, for an array of 8). Load the uint4
+// into a local first: passing *reinterpret_cast<const uint4*>(p) straight in compiles to four 4-byte
+// loads (seen in the PTX).
+__device__ __forceinline__ void unpack(const uint4& raw, float (&v)[8]) { ptx::unpack8(raw, v); }
 
 __device__ __forceinline__ float ld_f(const float* p) { return *p; }
 __device__ __forceinline__ float ld_f(const bf16* p) { return __bfloat162float(*p); }
@@ -94,6 +88,18 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
+// The sum of the kBlock / 32 warps' values v (each warp's lane 0 writes its v to red[warp]; every
+// thread of the block must call it), in warp order.
+template <int kBlock, class T>
+__device__ __forceinline__ T sum_of_warps(T v, T* red) {
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  T s = 0;
+#pragma unroll
+  for (int i = 0; i < kBlock / 32; ++i) s += red[i];
+  return s;
+}
+
 // Sum over a group of G threads: G <= 32 are aligned lanes of one warp (every lane of the warp
 // must call it), G > 32 is the whole block of G threads (uses `red`, G / 32 floats, once per kernel).
 template <int G>
@@ -104,13 +110,7 @@ __device__ __forceinline__ float group_sum(float v, float* red) {
     return v;
   } else {
     static_assert(G % 32 == 0);
-    v = warp_sum(v);
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-    __syncthreads();
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < G / 32; ++i) s += red[i];
-    return s;
+    return sum_of_warps<G>(warp_sum(v), red);
   }
 }
 
@@ -120,12 +120,7 @@ template <int kBlock, class T>
 __device__ __forceinline__ T block_sum(T v, T* red) {
   v = warp_sum(v);
   __syncthreads();
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-  __syncthreads();
-  T s = 0;
-#pragma unroll
-  for (int i = 0; i < kBlock / 32; ++i) s += red[i];
-  return s;
+  return sum_of_warps<kBlock>(v, red);
 }
 
 // ---- host helpers of the launchers ----------------------------------------------------------------

@@ -4,7 +4,9 @@
 // golden; the Qwen fast-path splitter against Oniguruma; and the errors for bad input.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -60,14 +62,14 @@ std::vector<Golden> goldens(const std::string& file) {
   return out;
 }
 
-// The Qwen3 tokenizer.json with `edit` applied (the variants of the goldens script).
-std::string qwen3_json() {
+// The Qwen3 tokenizer.json (the fixture; the variants below edit it as the goldens script does).
+const std::string& qwen3_json() {
   static const std::string text = read(kData + "/tokenizer.json");
   return text;
 }
 
 // Compares every golden's ids and the decode round trip; reports the first difference of each row.
-void check_goldens(const Tokenizer& tok, const std::vector<Golden>& rows, bool roundtrip = true) {
+void check_goldens(const Tokenizer& tok, const std::vector<Golden>& rows, bool roundtrip = true, size_t min_tokens = 100000) {
   ASSERT_GT(rows.size(), 40u);
   size_t bad = 0, tokens = 0;
   for (const auto& g : rows) {
@@ -87,7 +89,7 @@ void check_goldens(const Tokenizer& tok, const std::vector<Golden>& rows, bool r
     const std::string want = g.has_decoded ? g.decoded : tok.normalize(g.text);
     EXPECT_EQ(back, want) << g.name << ": decode(encode(text)) is not the normalized text";
   }
-  EXPECT_GT(tokens, 100000u);  // the real-text rows are there
+  EXPECT_GT(tokens, min_tokens);  // the real-text rows are there
 }
 
 }  // namespace
@@ -145,7 +147,7 @@ TEST(Tokenizer, QwenSplitterMatchesOniguruma) {
 }
 
 TEST(Tokenizer, InvalidUtf8NamesTheOffset) {
-  const Tokenizer tok = Tokenizer::from_json(qwen3_json(), "qwen3");
+  const Tokenizer tok = Tokenizer::from_file(kData + "/byte_fallback.tokenizer.json");
   try {
     tok.encode(std::string("abc\xC3(def"));
     FAIL() << "no error";
@@ -160,10 +162,11 @@ TEST(Tokenizer, InvalidUtf8NamesTheOffset) {
   EXPECT_EQ(utf8_lossy("a\xF0\x9F\x98" "b\xC3"), "a\xEF\xBF\xBD" "b\xEF\xBF\xBD");
   EXPECT_EQ(utf8_lossy("\xED\xA0\x80"), "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");
   EXPECT_THROW(tok.decode(std::vector<uint32_t>{1, 999999}), Error);
+  EXPECT_THROW(tok.decode(std::vector<uint32_t>{1, static_cast<uint32_t>(tok.vocab_size())}), Error);
 }
 
 TEST(Tokenizer, UnsupportedConfigurationsAreRefusedByName) {
-  const json base = json::parse(qwen3_json());
+  const json base = json::parse(read(kData + "/byte_fallback.tokenizer.json"));
   struct Case {
     const char* what;
     std::function<void(json&)> edit;
@@ -173,6 +176,8 @@ TEST(Tokenizer, UnsupportedConfigurationsAreRefusedByName) {
       {"WordPiece model", [](json& j) { j["model"]["type"] = "WordPiece"; }, "model type \"WordPiece\" is not supported"},
       {"Unigram model", [](json& j) { j["model"]["type"] = "Unigram"; }, "model type \"Unigram\" is not supported"},
       {"Metaspace", [](json& j) { j["pre_tokenizer"] = {{"type", "Metaspace"}}; }, "pre_tokenizer type \"Metaspace\" is not supported"},
+      {"Whitespace in a Sequence", [](json& j) { j["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", {j["pre_tokenizer"], {{"type", "Whitespace"}}}}}; },
+       "pre_tokenizer type \"Whitespace\" is not supported"},
       {"Lowercase", [](json& j) { j["normalizer"] = {{"type", "Lowercase"}}; }, "normalizer type \"Lowercase\" is not supported"},
       {"NFD in a Sequence", [](json& j) { j["normalizer"] = {{"type", "Sequence"}, {"normalizers", {{{"type", "NFC"}}, {{"type", "NFD"}}}}}; },
        "normalizer type \"NFD\" is not supported"},
@@ -181,12 +186,15 @@ TEST(Tokenizer, UnsupportedConfigurationsAreRefusedByName) {
       {"dropout", [](json& j) { j["model"]["dropout"] = 0.1; }, "model.dropout = 0.1 is not supported"},
       {"subword prefix", [](json& j) { j["model"]["continuing_subword_prefix"] = "##"; }, "continuing_subword_prefix = \"##\" is not supported"},
       {"truncation", [](json& j) { j["truncation"] = {{"max_length", 8}}; }, "truncation = {\"max_length\":8} is not supported"},
-      {"split behavior", [](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Sideways"; }, "Split behavior \"Sideways\""},
-      {"bad regex", [](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(unclosed"; }, "does not compile with Oniguruma"},
-      {"step after ByteLevel", [](json& j) { j["pre_tokenizer"]["pretokenizers"].push_back(j["pre_tokenizer"]["pretokenizers"][0]); },
+      {"split behavior", [](json& j) { j["pre_tokenizer"]["behavior"] = "Sideways"; }, "Split behavior \"Sideways\""},
+      {"bad regex", [](json& j) { j["pre_tokenizer"]["pattern"]["Regex"] = "(unclosed"; }, "does not compile with Oniguruma"},
+      {"step after ByteLevel", [](json& j) { j["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", {{{"type", "ByteLevel"}}, j["pre_tokenizer"]}}}; },
        "pre_tokenizer Split comes after ByteLevel"},
       {"post_processor", [](json& j) { j["post_processor"] = {{"type", "Mystery"}}; }, "post_processor type \"Mystery\" is not supported"},
       {"merge not in vocab", [](json& j) { j["model"]["merges"][5] = "zz\xC3\xA9q x"; }, "merges[5] names a token that is not in the vocab"},
+      {"merge of three", [](json& j) { j["model"]["merges"][2] = "a b c"; }, "merges[2] = \"a b c\" is not two tokens"},
+      {"unk not in vocab", [](json& j) { j["model"]["unk_token"] = "<nope>"; }, "unk_token \"<nope>\" is not in model.vocab"},
+      {"added token field", [](json& j) { j["added_tokens"][0]["weird"] = true; }, "has the field \"weird\""},
   };
   for (const auto& c : cases) {
     json j = base;
@@ -200,6 +208,69 @@ TEST(Tokenizer, UnsupportedConfigurationsAreRefusedByName) {
     }
   }
   EXPECT_THROW(Tokenizer::from_file(kData + "/no_such_dir"), Error);
-  Tokenizer from_dir = Tokenizer::from_file(kData);  // a directory holding tokenizer.json
-  EXPECT_EQ(from_dir.encode("Hello world"), (std::vector<uint32_t>{9707, 1879}));
+  EXPECT_THROW(Tokenizer::from_json("{not json", "broken.json"), Error);
+}
+
+TEST(Tokenizer, LoadsFromADirectory) {
+  const Tokenizer tok = Tokenizer::from_file(kData);  // a directory holding tokenizer.json
+  EXPECT_EQ(tok.encode("Hello world"), (std::vector<uint32_t>{9707, 1879}));
+  EXPECT_EQ(tok.token_to_id("<|im_end|>"), std::optional<uint32_t>(151645));
+  EXPECT_EQ(tok.decode(tok.encode("<|im_start|>user\nhi<|im_end|>")), "<|im_start|>user\nhi<|im_end|>");
+}
+
+// Feature variants of Qwen3's tokenizer.json, built with the edits the goldens script makes.
+TEST(Tokenizer, FeatureVariantGoldens) {
+  const json base = json::parse(qwen3_json());
+  {
+    SCOPED_TRACE("features_a: NFKC, Split String / every behavior / invert, ByteLevel regex + prefix space, string merges, added-token flags");
+    json c = base;
+    c["normalizer"] = {{"type", "Sequence"}, {"normalizers", {{{"type", "NFC"}}, {{"type", "NFKC"}}}}};
+    auto split = [](json pattern, const char* behavior, bool invert) {
+      return json{{"type", "Split"}, {"pattern", pattern}, {"behavior", behavior}, {"invert", invert}};
+    };
+    c["pre_tokenizer"] = {{"type", "Sequence"},
+                          {"pretokenizers",
+                           {split({{"String", " "}}, "MergedWithNext", false), split({{"Regex", "\\p{N}+"}}, "Contiguous", false),
+                            split({{"Regex", "[.,!?]"}}, "MergedWithPrevious", false), split({{"Regex", "q"}}, "Removed", false),
+                            split({{"Regex", "\\p{L}+"}}, "MergedWithPrevious", true),
+                            {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}}}};
+    for (auto& m : c["model"]["merges"]) m = m[0].get<std::string>() + " " + m[1].get<std::string>();
+    for (auto& t : c["added_tokens"]) {
+      const std::string s = t["content"];
+      if (s == "<think>") t["lstrip"] = t["rstrip"] = true;
+      if (s == "</think>") t["single_word"] = true;
+      if (s == "<tool_call>") t["normalized"] = true;
+      if (s == "<|im_end|>") t["rstrip"] = true;
+      if (s == "<|im_start|>") t["lstrip"] = true;
+    }
+    c["added_tokens"].push_back({{"id", 151669}, {"content", "\xEF\xAC\x81ne"}, {"single_word", true}, {"lstrip", false}, {"rstrip", false},
+                                 {"normalized", true}, {"special", false}});
+    c["added_tokens"].push_back({{"id", 151670}, {"content", "Hello"}, {"single_word", false}, {"lstrip", true}, {"rstrip", true},
+                                 {"normalized", false}, {"special", false}});
+    const Tokenizer tok = Tokenizer::from_json(c.dump(), "features_a");
+    check_goldens(tok, goldens("features_a.jsonl"), true, 5000);
+  }
+  {
+    SCOPED_TRACE("features_b: ByteLevel with its GPT-2 regex, no normalizer, Split Removed + invert, single_word special token");
+    json c = base;
+    c["normalizer"] = nullptr;
+    c["pre_tokenizer"] = {{"type", "Sequence"},
+                          {"pretokenizers",
+                           {{{"type", "Split"}, {"pattern", {{"Regex", "\\s"}}}, {"behavior", "Removed"}, {"invert", true}},
+                            {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", true}}}}};
+    for (auto& t : c["added_tokens"])
+      if (t["content"] == "<|endoftext|>") t["single_word"] = true;
+    const Tokenizer tok = Tokenizer::from_json(c.dump(), "features_b");
+    check_goldens(tok, goldens("features_b.jsonl"), true, 5000);
+  }
+}
+
+// Character-level BPE models without ByteLevel: byte_fallback, unk fused or not, and neither (HF
+// drops what it cannot encode). Their decode is HF's (the <0xXX> and <unk> tokens come back as text).
+TEST(Tokenizer, CharacterModelGoldens) {
+  for (const char* name : {"byte_fallback", "unk_fused", "unk", "dropped"}) {
+    SCOPED_TRACE(name);
+    const Tokenizer tok = Tokenizer::from_file(kData + "/" + name + ".tokenizer.json");
+    check_goldens(tok, goldens(std::string(name) + ".jsonl"), true, 1000);
+  }
 }

@@ -6,9 +6,12 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <unordered_map>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
 #include "core/error.h"
 #include "text/bpe.h"
@@ -365,24 +368,37 @@ Tokenizer Tokenizer::from_json(const std::string& text, const std::string& origi
                       "supported model: BPE (WordPiece, Unigram and WordLevel are not implemented)");
     impl->bpe.emplace(Bpe::from_json(model, impl->byte_level));
 
+    // Added tokens get their ids as HF's AddedVocabulary::add_tokens gives them (the "id" field is
+    // not used there, only warned about): the id of the same content already added or in the model
+    // vocab, else the next free id from the model vocab's size on. A content listed again replaces
+    // the earlier entry's options; an empty content is ignored.
     size_t n_ids = impl->bpe->id_to_token().size();
+    uint32_t next_id = static_cast<uint32_t>(impl->bpe->vocab().size());
+    std::unordered_map<std::string, uint32_t> added_ids;
+    std::map<uint32_t, AddedToken> by_id;
     for (const auto& a : j.value("added_tokens", json::array())) {
       check_known_keys(a, {"id", "content", "single_word", "lstrip", "rstrip", "normalized", "special"}, "an added_tokens entry");
       AddedToken t;
-      DFLASH_CHECK(a.contains("id") && a["id"].is_number_unsigned() && a.contains("content") && a["content"].is_string(),
-                   "tokenizer.json: an added_tokens entry needs an \"id\" and a \"content\": " << a.dump());
-      t.id = a["id"].get<uint32_t>();
+      DFLASH_CHECK(a.contains("content") && a["content"].is_string(), "tokenizer.json: an added_tokens entry needs a \"content\": " << a.dump());
       t.content = a["content"].get<std::string>();
       check_utf8(t.content, "tokenizer.json: added token content");
-      DFLASH_CHECK(!t.content.empty(), "tokenizer.json: added token " << t.id << " has empty content");
+      if (t.content.empty()) continue;
       t.special = a.value("special", false);
       t.lstrip = a.value("lstrip", false);
       t.rstrip = a.value("rstrip", false);
       t.normalized = a.value("normalized", !t.special);
       t.single_word = a.value("single_word", false);
+      if (auto it = added_ids.find(t.content); it != added_ids.end()) t.id = it->second;
+      else if (auto v = impl->bpe->vocab().find(t.content); v != impl->bpe->vocab().end()) t.id = v->second;
+      else t.id = next_id++;
+      if (a.contains("id") && a["id"].is_number_unsigned() && a["id"].get<uint64_t>() != t.id)
+        spdlog::warn("{}: added token '{}' is listed with id {} but gets id {} (as in Hugging Face tokenizers)", origin, t.content,
+                     a["id"].get<uint64_t>(), t.id);
+      added_ids[t.content] = t.id;
       n_ids = std::max(n_ids, size_t(t.id) + 1);
-      impl->added.push_back(std::move(t));
+      by_id[t.id] = std::move(t);
     }
+    for (auto& [id, t] : by_id) impl->added.push_back(std::move(t));
     impl->raw.pattern.resize(impl->added.size());
     impl->norm.pattern.resize(impl->added.size());
     for (uint32_t k = 0; k < impl->added.size(); ++k) {

@@ -7,9 +7,11 @@
 //   NODE_PATH=/tmp/tokref/node_modules node tests/reference/make_tokenizer_goldens.mjs \
 //       /tmp/tokref/package/models/tokenizer.json tests/data/tokenizers
 //
-// Writes OUT/goldens.tar.xz holding qwen3.jsonl and qwen35.jsonl: one row per text,
-// {"name": ..., "text": ..., "ids": [...]}, ids = encode(text, add_special_tokens=False). qwen35 is
-// the same tokenizer with the Qwen3.5 pre-tokenizer regex (\p{M} joins \p{L}; see PROVENANCE.md).
+// Writes OUT/goldens.tar.xz holding NAME.jsonl per tokenizer variant (see `variants` below): one row
+// per text, {"name": ..., "text": ..., "ids": [...]} (+ "decoded": HF's decode where it is not the
+// text), ids = encode(text, add_special_tokens=False). qwen35 is Qwen3's tokenizer with the Qwen3.5
+// pre-tokenizer regex (\p{M} joins \p{L}; see PROVENANCE.md); the feature variants exercise each
+// supported option; the character-level models are stored as NAME.tokenizer.json beside.
 // The texts: the hard strings below plus real text that ships on a Debian machine (the license
 // texts in /usr/share/common-licenses and Python 3.11 standard-library sources), cut into rows of
 // at most 16 KiB at line ends, about 2 MB in all. Each row's HF decode is checked here to equal the
@@ -111,28 +113,120 @@ function realTexts() {
   return rows;
 }
 
-async function goldens(tok, texts) {
+// The ids of every text; `strict`: HF's decode must give back the NFC text (the Qwen tokenizers),
+// else a row records HF's decode as "decoded" where it differs from the text.
+async function goldens(tok, texts, strict) {
   const out = [];
   for (const [name, text] of texts) {
     const enc = await tok.encode(text, null, { addSpecialTokens: false });
     const ids = enc.getIds();
     const back = await tok.decode(ids, false);
-    if (back !== text.normalize('NFC')) throw new Error(`${name}: HF decode is not the NFC text`);
-    out.push(JSON.stringify({ name, text, ids }));
+    if (strict && back !== text.normalize('NFC')) throw new Error(`${name}: HF decode is not the NFC text`);
+    const row = { name, text, ids };
+    if (back !== text) row.decoded = back;
+    out.push(JSON.stringify(row));
   }
   return out.join('\n') + '\n';
 }
 
 const json = fs.readFileSync(tokenizerPath, 'utf8');
-const cfg = JSON.parse(json);
-if (cfg.pre_tokenizer.pretokenizers[0].pattern.Regex !== QWEN3_REGEX) throw new Error('not the Qwen3 regex');
-cfg.pre_tokenizer.pretokenizers[0].pattern.Regex = QWEN35_REGEX;
+const qwen3 = () => JSON.parse(json);
+if (qwen3().pre_tokenizer.pretokenizers[0].pattern.Regex !== QWEN3_REGEX) throw new Error('not the Qwen3 regex');
 
-const texts = [...hard, ...realTexts()];
+// Feature variants, each derived from Qwen3's tokenizer.json (tests/test_tokenizer.cpp builds the
+// same ones with the same edits: keep the two in step).
+function qwen35() {
+  const c = qwen3();
+  c.pre_tokenizer.pretokenizers[0].pattern.Regex = QWEN35_REGEX;
+  return c;
+}
+// NFKC; Split with a String pattern and every behavior, invert; ByteLevel with its own regex and
+// the prefix space; merges in the "a b" string form; added tokens with lstrip / rstrip /
+// single_word / normalized, and a new normalized one.
+function featuresA() {
+  const c = qwen3();
+  c.normalizer = { type: 'Sequence', normalizers: [{ type: 'NFC' }, { type: 'NFKC' }] };
+  c.pre_tokenizer = { type: 'Sequence', pretokenizers: [
+    { type: 'Split', pattern: { String: ' ' }, behavior: 'MergedWithNext', invert: false },
+    { type: 'Split', pattern: { Regex: '\\p{N}+' }, behavior: 'Contiguous', invert: false },
+    { type: 'Split', pattern: { Regex: '[.,!?]' }, behavior: 'MergedWithPrevious', invert: false },
+    { type: 'Split', pattern: { Regex: 'q' }, behavior: 'Removed', invert: false },
+    { type: 'Split', pattern: { Regex: '\\p{L}+' }, behavior: 'MergedWithPrevious', invert: true },
+    { type: 'ByteLevel', add_prefix_space: true, trim_offsets: true, use_regex: true },
+  ] };
+  c.model.merges = c.model.merges.map(([a, b]) => `${a} ${b}`);
+  for (const t of c.added_tokens) {
+    if (t.content === '<think>') { t.lstrip = true; t.rstrip = true; }
+    if (t.content === '</think>') t.single_word = true;
+    if (t.content === '<tool_call>') t.normalized = true;
+    if (t.content === '<|im_end|>') t.rstrip = true;
+    if (t.content === '<|im_start|>') t.lstrip = true;
+  }
+  c.added_tokens.push({ id: 151669, content: 'ﬁne', single_word: true, lstrip: false, rstrip: false, normalized: true, special: false });
+  c.added_tokens.push({ id: 151670, content: 'Hello', single_word: false, lstrip: true, rstrip: true, normalized: false, special: false });
+  return c;
+}
+// GPT-2 style: ByteLevel alone (its regex, no prefix space), no normalizer, Split's Removed + invert.
+function featuresB() {
+  const c = qwen3();
+  c.normalizer = null;
+  c.pre_tokenizer = { type: 'Sequence', pretokenizers: [
+    { type: 'Split', pattern: { Regex: '\\s' }, behavior: 'Removed', invert: true },
+    { type: 'ByteLevel', add_prefix_space: false, trim_offsets: false, use_regex: true },
+  ] };
+  for (const t of c.added_tokens) if (t.content === '<|endoftext|>') t.single_word = true;
+  return c;
+}
+// A character-level BPE without ByteLevel: byte_fallback, unk (fused or not), or neither (HF drops
+// characters it cannot encode).
+function charModel(mode) {
+  const vocab = {};
+  let id = 0;
+  const add = (t) => { if (!(t in vocab)) vocab[t] = id++; };
+  add('<unk>');
+  if (mode === 'byte_fallback') for (let b = 0; b < 256; ++b) add(`<0x${b.toString(16).toUpperCase().padStart(2, '0')}>`);
+  for (let c = 0x20; c < 0x7f; ++c) add(String.fromCharCode(c));
+  for (const c of 'éü中文') add(c);
+  const merges = [['t', 'h'], ['th', 'e'], ['i', 'n'], ['in', 'g'], ['e', 'r'], [' ', 't'], [' t', 'h'], [' th', 'e'], ['a', 'n'], ['o', 'n'], ['中', '文']];
+  for (const [a, b] of merges) add(a + b);
+  return {
+    version: '1.0', truncation: null, padding: null,
+    added_tokens: [{ id: id, content: '<|end|>', single_word: false, lstrip: false, rstrip: false, normalized: false, special: true }],
+    normalizer: { type: 'NFC' },
+    pre_tokenizer: { type: 'Split', pattern: { Regex: ' ?[^ ]+' }, behavior: 'Isolated', invert: false },
+    post_processor: null,
+    decoder: { type: 'ByteLevel', add_prefix_space: false, trim_offsets: false, use_regex: false },
+    model: { type: 'BPE', dropout: null, unk_token: mode.startsWith('unk') ? '<unk>' : null, continuing_subword_prefix: null,
+             end_of_word_suffix: null, fuse_unk: mode === 'unk_fused', byte_fallback: mode === 'byte_fallback',
+             ignore_merges: false, vocab, merges },
+  };
+}
+
+const real = realTexts();
+const texts = [...hard, ...real];
+const someTexts = [...hard, ...real.slice(0, 12)];
+const variants = [
+  ['qwen3', qwen3(), texts, true],
+  ['qwen35', qwen35(), texts, true],
+  ['features_a', featuresA(), someTexts, false],
+  ['features_b', featuresB(), someTexts, false],
+  ['byte_fallback', charModel('byte_fallback'), hard, false],
+  ['unk_fused', charModel('unk_fused'), hard, false],
+  ['unk', charModel('unk'), hard, false],
+  ['dropped', charModel('dropped'), hard, false],
+];
 const tmp = fs.mkdtempSync(path.join(os.tmpdir(), 'tokgold-'));
-fs.writeFileSync(path.join(tmp, 'qwen3.jsonl'), await goldens(Tokenizer.fromString(json), texts));
-fs.writeFileSync(path.join(tmp, 'qwen35.jsonl'), await goldens(Tokenizer.fromString(JSON.stringify(cfg)), texts));
+const files = [];
+for (const [name, cfg, rows, strict] of variants) {
+  fs.writeFileSync(path.join(tmp, `${name}.jsonl`), await goldens(Tokenizer.fromString(JSON.stringify(cfg)), rows, strict));
+  files.push(`${name}.jsonl`);
+  // The small character-level models are stored whole (the Qwen variants are edits of the fixture).
+  if (name === 'byte_fallback' || name.startsWith('unk') || name === 'dropped') {
+    fs.writeFileSync(path.join(tmp, `${name}.tokenizer.json`), JSON.stringify(cfg));
+    files.push(`${name}.tokenizer.json`);
+  }
+}
 fs.mkdirSync(outDir, { recursive: true });
 execFileSync('tar', ['-c', '-J', '--owner=0', '--group=0', '--mtime=2026-01-01', '-f', path.resolve(outDir, 'goldens.tar.xz'),
-                     '-C', tmp, 'qwen3.jsonl', 'qwen35.jsonl'], { env: { ...process.env, XZ_OPT: '-9e' } });
-console.log(`wrote ${path.resolve(outDir, 'goldens.tar.xz')}: ${texts.length} rows each`);
+                     '-C', tmp, ...files], { env: { ...process.env, XZ_OPT: '-9e' } });
+console.log(`wrote ${path.resolve(outDir, 'goldens.tar.xz')}: ${files.join(' ')}`);

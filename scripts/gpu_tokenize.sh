@@ -13,7 +13,8 @@
 # text/ needs Oniguruma and ICU headers (libonig-dev, libicu-dev). Where they cannot be installed
 # (the GPU machine has no package registry), fetch them on a Debian machine first:
 #   bash scripts/gpu_tokenize.sh fetch-deps      # -> .deps/text (Debian 12 packages, unpacked, ~20 MB)
-# and send .deps/text with the tree; this script finds it there.
+# and send .deps/text with the tree (~33 MB); this script finds it there (DFLASH_TEXT_DEPS_FORCE=1
+# uses it even where the system has the packages, to test it).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEPS="${DFLASH_TEXT_DEPS:-$ROOT/.deps/text}"
@@ -23,8 +24,10 @@ if [ "${1:-}" = "fetch-deps" ]; then
   (cd "$tmp" && apt-get download libonig5 libonig-dev libicu72 libicu-dev)
   rm -rf "$DEPS" && mkdir -p "$DEPS"
   for d in "$tmp"/*.deb; do dpkg-deb -x "$d" "$DEPS"; done
+  # Keep what the build and the run need: headers, pkg-config file, libonig, libicuuc, libicudata.
   find "$DEPS" -name '*.a' -delete
-  rm -rf "$DEPS/usr/share/doc" "$DEPS/usr/share/man" "$tmp"
+  find "$DEPS/usr/lib" -name 'libicu*' ! -name 'libicuuc*' ! -name 'libicudata*' -delete
+  rm -rf "$DEPS/usr/share" "$DEPS/usr/bin" "$DEPS/usr/sbin" "$tmp"
   du -sh "$DEPS"
   exit 0
 fi
@@ -36,12 +39,12 @@ JOBS="${DFLASH_JOBS:-$(nproc)}"
 THREADS="${TOKENIZE_THREADS:-16}"
 SECONDS_PER_ROW="${TOKENIZE_SECONDS:-5}"
 
-cmake_extra=()
-if ! pkg-config --exists oniguruma 2>/dev/null || [ ! -e /usr/include/unicode/normalizer2.h ]; then
+read -r -a cmake_extra <<< "${DFLASH_CMAKE_ARGS:-}"  # e.g. -DCMAKE_CXX_COMPILER_LAUNCHER=ccache
+if [ -n "${DFLASH_TEXT_DEPS_FORCE:-}" ] || ! pkg-config --exists oniguruma 2>/dev/null || [ ! -e /usr/include/unicode/normalizer2.h ]; then
   if [ -d "$DEPS/usr/include" ]; then
     echo "using Oniguruma / ICU from $DEPS"
     pc="$DEPS/pc" && mkdir -p "$pc"
-    sed "s|^prefix=.*|prefix=$DEPS/usr|" "$DEPS"/usr/lib/x86_64-linux-gnu/pkgconfig/oniguruma.pc > "$pc/oniguruma.pc"
+    sed "s|=/usr|=$DEPS/usr|" "$DEPS"/usr/lib/x86_64-linux-gnu/pkgconfig/oniguruma.pc > "$pc/oniguruma.pc"
     export PKG_CONFIG_PATH="$pc${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
     export LD_LIBRARY_PATH="$DEPS/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     cmake_extra+=("-DICU_ROOT=$DEPS/usr")

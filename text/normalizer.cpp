@@ -39,6 +39,13 @@ Normalizer Normalizer::from_json(const nlohmann::json& j) {
   return n;
 }
 
+std::string Normalizer::describe() const {
+  if (forms_.empty()) return "none";
+  std::string out;
+  for (size_t i = 0; i < forms_.size(); ++i) out += std::string(i ? " > " : "") + (forms_[i] == Form::NFC ? "NFC" : "NFKC");
+  return out;
+}
+
 std::string Normalizer::apply(std::string_view s) const {
   if (forms_.empty() || is_ascii(s)) return std::string(s);
   std::string cur(s);

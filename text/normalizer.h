@@ -17,6 +17,7 @@ class Normalizer {
   static Normalizer from_json(const nlohmann::json& j);
 
   bool empty() const { return forms_.empty(); }
+  std::string describe() const;  // "none", "NFC", "NFC > NFKC", ...
   // Applies the forms in order; s must be valid UTF-8. ASCII text is left as it is (it is stable
   // under both forms), so the common case costs one scan.
   std::string apply(std::string_view s) const;

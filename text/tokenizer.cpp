@@ -510,7 +510,7 @@ std::string Tokenizer::describe() const {
   const Impl& im = *impl_;
   std::ostringstream os;
   os << "BPE, " << im.id_to_string.size() << " ids, " << im.bpe->merges() << " merges, normalizer "
-     << (im.normalizer.empty() ? "none" : "NFC/NFKC") << ", pre-tokenizer ";
+     << im.normalizer.describe() << ", pre-tokenizer ";
   if (im.steps.empty()) os << "none";
   for (size_t i = 0; i < im.steps.size(); ++i) os << (i ? " > " : "") << im.steps[i].what;
   os << ", " << im.added.size() << " added tokens";

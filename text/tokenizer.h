@@ -11,7 +11,8 @@
 //   pre_tokenizer   null, Split (pattern Regex or String; behavior Removed, Isolated,
 //                   MergedWithPrevious, MergedWithNext, Contiguous; invert), ByteLevel
 //                   (add_prefix_space, use_regex), Sequence of those with ByteLevel last
-//   added_tokens    special, lstrip, rstrip, normalized, single_word
+//   added_tokens    special, lstrip, rstrip, normalized, single_word; ids as HF assigns them (the
+//                   content's vocab id, else the next free id; the "id" field is only checked)
 //   decoder         ByteLevel
 //   post_processor  null, ByteLevel, TemplateProcessing, RobertaProcessing, BertProcessing,
 //                   Sequence (none adds anything when special tokens are not added)

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <iostream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <exception>
 #include <vector>
@@ -53,16 +54,25 @@ int TextCommands::run() const {
 
 namespace {
 
-// One line of input -> one line of output (without the newline); `where` is "IN:line".
-std::string tokenize_line(const text::Tokenizer& tok, const std::string& line, const std::string& where) {
+// The JSON object of one line holding `key` of the given kind (text: a string, ids: a list);
+// `where` is "IN:line".
+json parse_row(const std::string& line, const char* key, const std::string& where) {
+  const bool text = std::string_view(key) == "text";
+  const char* form = text ? "each line must be {\"text\": \"...\"}" : "each line must be {\"ids\": [...]}";
   json j;
   try {
     j = json::parse(line);
   } catch (const json::exception& e) {
-    DFLASH_FAIL_HINT(where << ": not a JSON line: " << e.what(), "each line must be {\"text\": \"...\"}");
+    DFLASH_FAIL_HINT(where << ": not a JSON line: " << e.what(), form);
   }
-  DFLASH_CHECK_HINT(j.is_object() && j.contains("text") && j["text"].is_string(), where << ": the line has no string \"text\"",
-                    "each line must be {\"text\": \"...\"}");
+  DFLASH_CHECK_HINT(j.is_object() && j.contains(key) && (text ? j[key].is_string() : j[key].is_array()),
+                    where << ": the line has no " << (text ? "string" : "list") << " \"" << key << "\"", form);
+  return j;
+}
+
+// One line of input -> one line of output (without the newline).
+std::string tokenize_line(const text::Tokenizer& tok, const std::string& line, const std::string& where) {
+  const json j = parse_row(line, "text", where);
   std::vector<uint32_t> ids;
   try {
     tok.encode(j["text"].get_ref<const std::string&>(), ids);
@@ -79,14 +89,7 @@ std::string tokenize_line(const text::Tokenizer& tok, const std::string& line, c
 }
 
 std::string detokenize_line(const text::Tokenizer& tok, const std::string& line, const std::string& where) {
-  json j;
-  try {
-    j = json::parse(line);
-  } catch (const json::exception& e) {
-    DFLASH_FAIL_HINT(where << ": not a JSON line: " << e.what(), "each line must be {\"ids\": [...]}");
-  }
-  DFLASH_CHECK_HINT(j.is_object() && j.contains("ids") && j["ids"].is_array(), where << ": the line has no list \"ids\"",
-                    "each line must be {\"ids\": [...]}");
+  const json j = parse_row(line, "ids", where);
   std::vector<uint32_t> ids;
   ids.reserve(j["ids"].size());
   for (size_t k = 0; k < j["ids"].size(); ++k) {

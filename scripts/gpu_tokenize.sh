@@ -82,7 +82,7 @@ PY
 
 COMMIT="${DFLASH_GIT_COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 RAYON_NUM_THREADS="$THREADS" python3 - "$TOK/tokenizer.json" "$OUT/docs.jsonl" "$OUT/ids.jsonl" "$OUT/tokenize.csv" \
-    "$CORPUS_NAME" "$THREADS" "$SECONDS_PER_ROW" "${COMMIT:0:7}" <<'PY' | tee -a "$OUT/summary.txt"
+    "$CORPUS_NAME" "$THREADS" "$SECONDS_PER_ROW" "${COMMIT:0:12}" <<'PY' | tee -a "$OUT/summary.txt"
 import json, os, statistics, sys, time
 import tokenizers
 from tokenizers import Tokenizer

@@ -117,6 +117,12 @@ for mode, fn, t in (('encode', single, 1), ('encode_batch', batch, threads)):
 with open(csv_path, 'a') as f:
     f.write('\n'.join(rows) + '\n')
 
+import csv
+rate = {(r['provider'], r['mode'], r['metric'], r['shape']): float(r['p50']) for r in csv.DictReader(open(csv_path))}
+shape = lambda t: f'tokenizer=qwen3,threads={t},corpus={corpus}'
+for t, hf_mode in ((1, 'encode'), (threads, 'encode_batch')):
+    a, b = rate.get(('dflash', 'encode', 'mb_per_s', shape(t))), rate.get(('hf_tokenizers', hf_mode, 'mb_per_s', shape(t)))
+    if a and b: print(f'threads {t:3d}: dflash {a:.2f} MB/s, HF {hf_mode} {b:.2f} MB/s: {a / b:.2f}x')
 ours = [json.loads(l)['ids'] for l in open(ids_path)]
 theirs = [e.ids for e in tok.encode_batch(docs, add_special_tokens=False)]
 bad = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]

@@ -128,7 +128,8 @@ TEST(Tokenizer, QwenSplitterMatchesOniguruma) {
   const std::vector<uint32_t> pool = {'a', 'Z', 's', 'S', 't', 'r', 'E', 'v', 'm', 'l', 'L', 'd', 0x17F, 0x212A, '\'', 0x2019, '0', '7',
                                       0x0663, 0x00BD, 0x2167, ' ', ' ', '\t', '\n', '\r', 0x00A0, 0x3000, 0x2028, 0x0085, 0x000B,
                                       0x0301, 0x0308, 0x093F, 0x20DD, '.', ',', '!', '-', '(', '"', 0x1F600, 0x200D, 0xFE0F, 0x4E2D,
-                                      0x0627, 0x05D0, 0x0E01, 0x0E31, 0x1100, 0x1F1E9, 0x00E9, 0x0130, 0x1E9E, 0x00DF};
+                                      0x0627, 0x05D0, 0x0E01, 0x0E31, 0x1100, 0x1F1E9, 0x00E9, 0x0130, 0x1E9E, 0x00DF,
+                                      0x1E97, 0xFB06, 0xFB05, 0x01C9, 0x0131};
   std::mt19937 rng(1234);
   for (const char* pattern : {kQwen3Pattern, kQwen35Pattern}) {
     const Regex re(pattern);

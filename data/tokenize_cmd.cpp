@@ -16,6 +16,7 @@
 #include "core/error.h"
 #ifdef DFLASH_WITH_TEXT
 #include "text/tokenizer.h"
+#include "text/utf8.h"
 #include "text/worker_pool.h"
 #endif
 
@@ -59,6 +60,7 @@ namespace {
 json parse_row(const std::string& line, const char* key, const std::string& where) {
   const bool text = std::string_view(key) == "text";
   const char* form = text ? "each line must be {\"text\": \"...\"}" : "each line must be {\"ids\": [...]}";
+  text::check_utf8(line, where + ": the line");  // names the byte offset, which JSON's message does not
   json j;
   try {
     j = json::parse(line);

@@ -153,12 +153,13 @@ TEST(Tokenizer, InvalidUtf8NamesTheOffset) {
     tok.encode(std::string("abc\xC3(def"));
     FAIL() << "no error";
   } catch (const Error& e) {
-    EXPECT_NE(e.message().find("invalid UTF-8 at byte 4"), std::string::npos) << e.message();
+    EXPECT_NE(e.message().find("invalid UTF-8 at byte 3 (0xC3)"), std::string::npos) << e.message();
   }
   for (const char* bad : {"\xC0\x80", "\xED\xA0\x80", "\xF4\x90\x80\x80", "\x80", "ab\xE2\x82"})
     EXPECT_NE(invalid_utf8_offset(bad), kValidUtf8) << json::binary_t(std::vector<uint8_t>(bad, bad + strlen(bad))).size();
   EXPECT_EQ(invalid_utf8_offset("h\xC3\xA9llo \xF0\x9F\x98\x80"), kValidUtf8);
-  EXPECT_EQ(invalid_utf8_offset("ab\xE2\x82"), 4u);  // truncated at the end: the offset of the missing byte
+  EXPECT_EQ(invalid_utf8_offset("ab\xE2\x82"), 2u);  // truncated at the end: where the sequence starts
+  EXPECT_EQ(invalid_utf8_offset("abc\x80"), 3u);
   // Lossy decoding of bytes that are not UTF-8, as Rust's from_utf8_lossy: one U+FFFD per maximal subpart.
   EXPECT_EQ(utf8_lossy("a\xF0\x9F\x98" "b\xC3"), "a\xEF\xBF\xBD" "b\xEF\xBF\xBD");
   EXPECT_EQ(utf8_lossy("\xED\xA0\x80"), "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");

@@ -42,7 +42,7 @@ printf '{"text": "fine"}\n{"text": "also fine"}\n{"txt": "no text"}\n' > no_text
 expect_fail 'no_text.jsonl:3: the line has no string "text"' "$data" tokenize --tokenizer "$tok" no_text.jsonl --out o1.jsonl
 test ! -e o1.jsonl && test ! -e o1.jsonl.tmp
 printf '{"text": "ok"}\n{"text": "bad \xC3( byte"}\n' > bad_utf8.jsonl
-expect_fail 'bad_utf8.jsonl:2: not a JSON line: .*(UTF-8|utf-8)' "$data" tokenize --tokenizer "$tok" bad_utf8.jsonl
+expect_fail 'bad_utf8.jsonl:2: the line: invalid UTF-8 at byte 14 \(0xC3\)' "$data" tokenize --tokenizer "$tok" bad_utf8.jsonl
 printf '{"text": "ok"}\n\n' > blank.jsonl
 expect_fail 'blank.jsonl:2: the line is blank' "$data" tokenize --tokenizer "$tok" blank.jsonl
 printf '{"ids": [1, 2]}\n{"ids": [3, 999999]}\n' > bad_ids.jsonl

@@ -45,7 +45,7 @@ size_t invalid_utf8_offset(std::string_view s) {
     if (i >= s.size()) break;
     size_t bad = 0;
     const size_t len = well_formed(s, i, bad);
-    if (len == 0) return i + bad;
+    if (len == 0) return i;  // the start of the ill-formed sequence (as Python's "position")
     i += len;
   }
   return kValidUtf8;
@@ -55,8 +55,7 @@ void check_utf8(std::string_view s, const std::string& what) {
   const size_t off = invalid_utf8_offset(s);
   if (off == kValidUtf8) return;
   char hex[16];
-  if (off < s.size()) std::snprintf(hex, sizeof hex, "0x%02X", static_cast<unsigned char>(s[off]));
-  else std::snprintf(hex, sizeof hex, "end of text");
+  std::snprintf(hex, sizeof hex, "0x%02X", static_cast<unsigned char>(s[off]));
   DFLASH_FAIL_HINT(what << ": invalid UTF-8 at byte " << off << " (" << hex << ")",
                    "the tokenizer takes UTF-8 text; convert the input (e.g. iconv -f LATIN1 -t UTF-8) or fix that byte");
 }

@@ -11,8 +11,9 @@ namespace dflash::text {
 
 inline constexpr size_t kValidUtf8 = static_cast<size_t>(-1);
 
-// Byte offset of the first byte that does not start or continue a well-formed UTF-8 sequence
-// (overlongs, surrogates and code points past U+10FFFF are errors), or kValidUtf8.
+// Byte offset of the first ill-formed sequence (its first byte: a stray continuation byte, a lead
+// byte not followed by its continuations, an overlong, a surrogate or a code point past U+10FFFF),
+// or kValidUtf8.
 size_t invalid_utf8_offset(std::string_view s);
 
 // Throws dflash::Error "<what>: invalid UTF-8 at byte N (0x..)" unless s is valid UTF-8.

@@ -30,6 +30,7 @@
 #include "data/dataset.h"
 #include "data/regenerate.h"
 #include "data/synth.h"
+#include "data/tokenize_cmd.h"
 #include "core/app.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -158,8 +159,13 @@ int main(int argc, char** argv) {
   regen->add_option("--chunk-tokens", ropt.writer.chunk_tokens, "HDF5 chunk size in tokens")->capture_default_str();
   regen->add_option("--compression", ropt.writer.compression, "deflate level 0..9 (0: none)")->capture_default_str();
 
+  const TextCommands text_cmds(app);  // tokenize, detokenize (data/tokenize_cmd.h)
   std::unique_ptr<comm::MpiEnv> mpi;
   return run_app(app, argc, argv, [&]() -> int {
+    if (text_cmds.parsed()) {
+      init_logging(-1, log_level);
+      return text_cmds.run();
+    }
     if (*regen && (tp > 1 || env_rank() >= 0)) mpi = std::make_unique<comm::MpiEnv>(&argc, &argv);
     const int world = mpi ? mpi->size() : 1, rank = mpi ? mpi->rank() : 0;
     init_logging(mpi ? rank : -1, log_level);

@@ -7,7 +7,7 @@ DFLASH_JOBS="${DFLASH_JOBS:-$(nproc)}"
 
 # Debian 12 / Ubuntu 24.04 packages the build needs (CUDA itself comes from /usr/local/cuda).
 DFLASH_APT_PACKAGES=(cmake ninja-build g++ pkg-config libopenmpi-dev openmpi-bin libhdf5-dev libcli11-dev
-  libspdlog-dev libyaml-cpp-dev nlohmann-json3-dev libgtest-dev libgmock-dev)
+  libspdlog-dev libyaml-cpp-dev nlohmann-json3-dev libgtest-dev libgmock-dev libonig-dev libicu-dev)
 
 say() { printf '\033[1m[dflash]\033[0m %s\n' "$*" >&2; }
 

@@ -26,6 +26,7 @@
 #include <filesystem>
 
 #include "bench/speculative.h"
+#include "core/device.h"
 #include "core/rng.h"
 #include "data/dataset.h"
 #include "data/regenerate.h"
@@ -47,9 +48,16 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// The bounds of the existing GPU tests: the forward's bf16 activations (test_cuda_model), the
-// logits (test_cuda_decoder), the drafter's loss and gradients (test_cuda_drafter).
-constexpr double kBf16Bound = 3e-2, kLogitsBound = 5e-2, kLossRel = 1e-2, kGradBound = 5e-2;
+// The bounds of the existing GPU tests: one layer's bf16 activations against the CPU on the same
+// input (test_cuda_model's bound for the GPU forward), the drafter's loss and gradients
+// (test_cuda_drafter). Each case also states the bound of what the GPU's rounding compounds through
+// the 8 random layers (full-size residual branches amplify any difference layer by layer): the
+// forward's last layers and the decoders' logits. Those were measured (5b58ee3, H200): forward
+// 2.3e-2 / 3.0e-2 / 0.18 and logits 5.8e-2 / 3.1e-2 / 0.21 for the three cases; the third, with
+// GatedDeltaNet head dims 18 and hidden 333, amplifies most (its layer 0 is within 3e-2, every layer
+// from the CPU's own input too). A wrong index or an unwritten pad column gives O(1) or NaN; the
+// per-layer check is the tight one, and speculative decoding is checked exactly against greedy.
+constexpr double kBf16Bound = 3e-2, kLossRel = 1e-2, kGradBound = 5e-2;
 constexpr uint64_t kSeed = 3;
 
 struct OddCase {
@@ -57,6 +65,7 @@ struct OddCase {
   int64_t vocab = 0, hidden = 0, intermediate = 0, head_dim = 0, gdn_head_dim = 0;  // 0: real_dims' value
   bool gemm_fallback = false;  // some projection size is not a multiple of 8
   bool drafter = true;         // the CUDA drafter takes this target (hidden_size % 8 == 0)
+  double deep_bound = 0, logits_bound = 0;  // through the 8 layers (above)
 };
 
 TargetConfig odd_config(const OddCase& k) {
@@ -112,15 +121,14 @@ drafter::DrafterConfig drafter_for(const TargetConfig& c) {
 Tensor bf16_values(const Tensor& t) { return t.to(Device::cpu()).to_dtype(DType::BF16).to_dtype(DType::F64); }
 
 // Logits of the GPU's extend against the CPU's; next tokens equal where the CPU's top-2 margin is
-// wider than twice the row's logit error. Returns the logits' max_rel_err.
-double compare_extend(const ExtendResult& g, const ExtendResult& r, int64_t V, const std::string& what) {
+// wider than twice the row's logit error (counted in *clear). Returns the logits' max_rel_err.
+double compare_extend(const ExtendResult& g, const ExtendResult& r, int64_t V, const std::string& what, int64_t* clear) {
   EXPECT_EQ(g.offsets, r.offsets) << what;
   EXPECT_EQ(g.logits.dim(), 2) << what;
   EXPECT_EQ(g.logits.size(1), V) << what << ": the logits are the real vocabulary's, not the padded rows";
   for (int32_t t : g.next) EXPECT_TRUE(t >= 0 && t < V) << what << ": token " << t << " outside the vocabulary";
   const int64_t R = r.logits.size(0);
   if (g.logits.numel() != R * V || g.next.size() != static_cast<size_t>(R)) return INFINITY;
-  int64_t clear = 0;
   for (int64_t j = 0; j < R; ++j) {
     const float* a = g.logits.data<float>() + j * V;
     const float* b = r.logits.data<float>() + j * V;
@@ -131,11 +139,10 @@ double compare_extend(const ExtendResult& g, const ExtendResult& r, int64_t V, c
       else if (b[v] > top2) top2 = b[v];
     }
     if (top1 - top2 > 2 * err) {
-      ++clear;
+      ++*clear;
       EXPECT_EQ(g.next[static_cast<size_t>(j)], r.next[static_cast<size_t>(j)]) << what << ", row " << j;
     }
   }
-  EXPECT_GT(clear, 0) << what << ": no row's argmax was clear of rounding";
   return max_rel_err(g.logits, r.logits);
 }
 
@@ -169,16 +176,37 @@ TEST_P(OddSizes, ForwardMatchesTheCpuReference) {
   for (int64_t i = 0; i < m.c.num_hidden_layers; ++i) opt.capture.push_back(i);
   opt.final_norm = true;
   const ForwardResult g = m.gpu->forward(batch, opt), r = m.cpu->forward(batch, opt);
+  const double bound = GetParam().deep_bound;
   double worst = 0;
   for (int64_t id : opt.capture) {
     const double e = max_rel_err(g.layers.at(id), r.layers.at(id));
-    EXPECT_LE(e, kBf16Bound) << "layer " << id;
+    EXPECT_LE(e, id == 0 ? kBf16Bound : bound) << "layer " << id;
     worst = std::max(worst, e);
   }
   const double ef = max_rel_err(g.final_hidden, r.final_hidden);
-  EXPECT_LE(ef, kBf16Bound) << "final norm";
-  std::printf("%s: forward vs CPU: worst layer %.2e, final norm %.2e (%s)\n", GetParam().name, worst, ef,
-              m.gpu->counters().str().c_str());
+  EXPECT_LE(ef, bound) << "final norm";
+  std::printf("%s: forward vs CPU: layer 0 %.2e, worst layer %.2e, final norm %.2e (%s)\n", GetParam().name,
+              max_rel_err(g.layers.at(0), r.layers.at(0)), worst, ef, m.gpu->counters().str().c_str());
+
+  // Each layer on the GPU from the CPU's input to it (layer 0: the embedding rows), against the
+  // CPU's output: one layer's bf16 error, nothing compounded.
+  const CudaBatch b = m.gpu->make_batch(batch);
+  const int64_t N = b.num_tokens, H = m.c.hidden_size;
+  Tensor emb = Tensor::empty({N, H}, DType::F32);
+  const Tensor& table = m.cpu->weights().embed_tokens;
+  int64_t row = 0;
+  for (const auto& seq : batch)
+    for (int32_t id : seq) std::copy_n(table.data<float>() + id * H, H, emb.data<float>() + (row++) * H);
+  double worst_layer = 0;
+  for (int64_t i = 0; i < m.c.num_hidden_layers; ++i) {
+    Tensor h = (i == 0 ? emb : r.layers.at(i - 1)).to_dtype(DType::BF16).to(Device::cuda(0));
+    m.gpu->run_layer(i, h, b, m.plan.layers[static_cast<size_t>(i)]);
+    DeviceContext::get(0).synchronize();
+    const double e = max_rel_err(h, r.layers.at(i));
+    EXPECT_LE(e, kBf16Bound) << "layer " << i << " from the CPU's input";
+    worst_layer = std::max(worst_layer, e);
+  }
+  std::printf("%s: each layer from the CPU's input: worst %.2e\n", GetParam().name, worst_layer);
 }
 
 TEST_P(OddSizes, DecodingMatchesTheCpuAndSpeculativeEqualsGreedy) {
@@ -192,20 +220,27 @@ TEST_P(OddSizes, DecodingMatchesTheCpuAndSpeculativeEqualsGreedy) {
   o.logits = true;
   o.capture = {1, 5};
   const std::vector<int32_t> p0 = random_tokens(37, V, 5), p1 = random_tokens(5, V, 6);
-  double worst = compare_extend(gd->extend({0, 1}, {p0, p1}, o), cd->extend({0, 1}, {p0, p1}, o), V, "prefill");
+  int64_t clear = 0;
+  double worst = compare_extend(gd->extend({0, 1}, {p0, p1}, o), cd->extend({0, 1}, {p0, p1}, o), V, "prefill", &clear);
   std::vector<int32_t> last = {p0.back(), p1.back()};
   for (int step = 0; step < 3; ++step) {  // decode steps of both slots on the CPU's tokens
     const std::vector<std::vector<int32_t>> t = {{last[0]}, {last[1]}};
     const ExtendResult r = cd->extend({0, 1}, t, o);
-    worst = std::max(worst, compare_extend(gd->extend({0, 1}, t, o), r, V, "decode step " + std::to_string(step)));
+    worst = std::max(worst, compare_extend(gd->extend({0, 1}, t, o), r, V, "decode step " + std::to_string(step), &clear));
     last = {r.next[0], r.next[1]};
   }
   ExtendOptions verify = o;
   verify.commit = false;
   const std::vector<std::vector<int32_t>> block = {random_tokens(6, V, 7)};
-  worst = std::max(worst, compare_extend(gd->extend({1}, block, verify), cd->extend({1}, block, verify), V, "verify"));
-  EXPECT_LE(worst, kLogitsBound);
-  std::printf("%s: decoding vs CPU: logits max rel err %.2e (%s)\n", k.name, worst, gd->kernels_run().c_str());
+  worst = std::max(worst, compare_extend(gd->extend({1}, block, verify), cd->extend({1}, block, verify), V, "verify", &clear));
+  EXPECT_LE(worst, k.logits_bound);
+  // Where the logits' error is small, some rows' argmax must be clear of it (and then equal); where it
+  // is not (the third case), the speculative check below is the exact one.
+  if (k.logits_bound <= 0.1) {
+    EXPECT_GT(clear, 0) << "no row's argmax was clear of rounding";
+  }
+  std::printf("%s: decoding vs CPU: logits max rel err %.2e, %lld clear rows with equal tokens (%s)\n", k.name, worst,
+              static_cast<long long>(clear), gd->kernels_run().c_str());
 
   // Speculative decoding on the GPU equals its greedy decoding: an oracle proposer (every
   // acceptance length), then the CUDA proposer where the drafter takes this target.
@@ -366,7 +401,7 @@ TEST_P(OddSizes, DrafterTrainingStepsMatchTheCpuReference) {
 // conv and delta-rule fallbacks too), which the CUDA drafter refuses.
 INSTANTIATE_TEST_SUITE_P(
     Sizes, OddSizes,
-    ::testing::Values(OddCase{"vocab777", 777, 0, 0, 0, 0, false, true},
-                      OddCase{"vocab1001_intermediate1001", 1001, 0, 1001, 0, 0, true, true},
-                      OddCase{"hidden333_heads40_18_intermediate700", 1001, 333, 700, 40, 18, true, false}),
+    ::testing::Values(OddCase{"vocab777", 777, 0, 0, 0, 0, false, true, 3e-2, 8e-2},
+                      OddCase{"vocab1001_intermediate1001", 1001, 0, 1001, 0, 0, true, true, 4e-2, 8e-2},
+                      OddCase{"hidden333_heads40_18_intermediate700", 1001, 333, 700, 40, 18, true, false, 0.3, 0.35}),
     [](const ::testing::TestParamInfo<OddCase>& i) { return std::string(i.param.name); });

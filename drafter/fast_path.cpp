@@ -35,12 +35,15 @@ void check_cuda_drafter_sizes(const DrafterConfig& c) {
   if (c.hidden_size % 8 != 0)
     bad += fmt::format("\n  hidden_size {} (the target's; the drafter shares its embedding and LM head)", c.hidden_size);
   if (c.head_dim % 8 != 0) bad += fmt::format("\n  head_dim {} (model.drafter.head_dim)", c.head_dim);
+  // The head norm + RoPE kernels (kernels/cuda/rope.cu, head_norm_rope) hold 4 rotary pairs per lane.
+  if (c.head_dim > 256)
+    bad += fmt::format("\n  head_dim {} (model.drafter.head_dim) above 256, the head norm + RoPE kernels' limit", c.head_dim);
   DFLASH_CHECK_HINT(bad.empty(),
                     (c.source.empty() ? std::string("drafter") : c.source)
                         << ": the CUDA drafter needs these sizes multiples of 8 (16-byte rows of bf16 for its "
-                           "parameter layout, GEMMs, block attention and fused LM-head CE):"
+                           "parameter layout, GEMMs, block attention and fused LM-head CE) and head_dim <= 256:"
                         << bad,
-                    "set model.drafter.head_dim to a multiple of 8 (64 or 128 run the tensor-core attention); a "
+                    "set model.drafter.head_dim to a multiple of 8 up to 256 (64 or 128 run the tensor-core attention); a "
                     "target whose hidden_size is not a multiple of 8 trains its drafter on the CPU backend "
                     "(parallel.device: cpu) only");
 }

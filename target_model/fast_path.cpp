@@ -247,6 +247,20 @@ std::string sizes_not_multiple_of(const TargetConfig& c, int64_t m) {
 std::string unaligned_gemm_sizes(const TargetConfig& c) { return sizes_not_multiple_of(c, 8); }
 
 void check_gpu_sizes(const TargetConfig& c, Precision precision) {
+  // The fused q/k norm + RoPE kernel (kernels/cuda/rope.cu, qk_norm_rope): its inverse-frequency table
+  // holds at most 256 rotary dims, and its shared memory (rotary_dim + 4 warps x head_dim floats)
+  // fits 48 KiB. Every other attention kernel takes any head_dim (the fallbacks up to 4096).
+  if (c.count_layers(LayerType::FullAttention) > 0) {
+    DFLASH_CHECK_HINT(c.rotary_dim() <= 256,
+                      c.source << ": head_dim " << c.head_dim << " x partial_rotary_factor " << c.partial_rotary_factor
+                               << " = " << c.rotary_dim()
+                               << " rotary dims; the GPU's q/k norm + RoPE kernel takes at most 256",
+                      "run this model on the CPU reference (--device cpu); no Qwen3.5 / 3.6 model has more than 64");
+    DFLASH_CHECK_HINT((c.rotary_dim() + 4 * c.head_dim) * 4 <= 48 * 1024,
+                      c.source << ": head_dim " << c.head_dim
+                               << " is too large for the GPU's q/k norm + RoPE kernel (at most 3008 with 256 rotary dims)",
+                      "run this model on the CPU reference (--device cpu)");
+  }
   if (precision != Precision::Fp8) return;  // bf16: every size runs (the gemm step may be the fallback)
   const std::string bad = sizes_not_multiple_of(c, 16);
   DFLASH_CHECK_HINT(bad.empty(),

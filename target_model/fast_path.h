@@ -105,9 +105,11 @@ inline constexpr const char* kGemmUnalignedKernel = "gemm_bf16_unaligned";
 // "intermediate_size=1001, num_attention_heads x head_dim=4x36=144 ..." (each named once).
 std::string unaligned_gemm_sizes(const TargetConfig& c);
 // Throws, naming each config.json field that breaks it and what to do, when the GPU cannot run
-// this model at `precision` (resolved): the block-scaled FP8 GEMM needs each projection input size
-// a multiple of 16 (its e4m3 rows must stay 16-byte aligned). make_plan / make_decode_plan call it
-// for a CUDA device, so a model is refused at start-up, before any weight is read.
+// this model at `precision` (resolved): the fused q/k norm + RoPE kernel takes at most 256 rotary
+// dims (head_dim x partial_rotary_factor) and head_dim up to 3008; the block-scaled FP8 GEMM needs
+// each projection input size a multiple of 16 (its e4m3 rows must stay 16-byte aligned).
+// make_plan / make_decode_plan call it for a CUDA device, so a model is refused at start-up,
+// before any weight is read.
 void check_gpu_sizes(const TargetConfig& c, Precision precision);
 
 // Kernel invocations per (step, path) since the last reset, counted at launch time.

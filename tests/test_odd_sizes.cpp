@@ -63,6 +63,21 @@ TEST(OddSizes, Fp8TargetNeedsMultiplesOf16AndIsRefusedByThePlan) {
   EXPECT_EQ(error_of([&] { make_plan(c, Device::cpu(), {}, 9, Precision::Fp8); }), "") << "the CPU reference takes it";
 }
 
+TEST(OddSizes, RopeKernelLimitsAreRefusedByThePlan) {
+  TargetConfig c = tiny();
+  c.head_dim = 512;
+  c.partial_rotary_factor = 1.0;  // 512 rotary dims
+  c.validate();
+  const std::string e = error_of([&] { make_plan(c, Device::cuda(0), {}, 9); });
+  EXPECT_HAS(e, "head_dim 512 x partial_rotary_factor 1 = 512 rotary dims; the GPU's q/k norm + RoPE kernel takes at most 256");
+  EXPECT_EQ(error_of([&] { make_decode_plan(c, Device::cuda(0), {}, 9); }), e);
+  c.partial_rotary_factor = 0.25;  // 128 rotary dims: fine
+  EXPECT_EQ(error_of([&] { check_gpu_sizes(c, Precision::Bf16); }), "");
+  c.head_dim = 4096;
+  c.partial_rotary_factor = 1.0 / 32;
+  EXPECT_HAS(error_of([&] { check_gpu_sizes(c, Precision::Bf16); }), "head_dim 4096 is too large for the GPU's q/k norm");
+}
+
 #if DFLASH_WITH_CUDA
 TEST(OddSizes, GemmFallbackIsNamedInThePlanAndRefusedWhenFastIsRequired) {
   TargetConfig c = tiny();
@@ -113,6 +128,9 @@ TEST(OddSizes, CudaDrafterRefusesHiddenAndHeadDimsAndRunsAnOddIntermediateOnTheF
   EXPECT_HAS(eh, "the CUDA drafter needs these sizes multiples of 8");
   EXPECT_HAS(eh, "head_dim 36 (model.drafter.head_dim)");
   EXPECT_HAS(eh, "set model.drafter.head_dim to a multiple of 8");
+
+  hd.head_dim = 512;
+  EXPECT_HAS(error_of([&] { plan_of(hd); }), "head_dim 512 (model.drafter.head_dim) above 256");
 
   t.hidden_size = 333;
   const drafter::DrafterConfig odd = drafter::DrafterConfig::for_target(t, 2, 776, 8);

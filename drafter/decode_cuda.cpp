@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "drafter/fast_path.h"
 #include "drafter/proposer_slots.h"
 #include "kernels/cuda/attention.h"
 #include "core/cuda/check.h"
@@ -20,8 +21,11 @@ namespace dflash::drafter {
 
 namespace {
 
-constexpr int64_t kAlign = 8;             // elements: 16 bytes of bf16 (cuBLASLt operand alignment)
 constexpr int64_t kLogitChunkRows = 256;  // block rows whose fp32 logits exist at a time
+
+// Row stride of the fp32 logits: V rounded up to 8 (32 bytes), so the LM-head GEMM's D rows stay
+// 16-byte aligned for any vocabulary.
+int64_t padded_vocab(int64_t V) { return (V + 7) / 8 * 8; }
 
 char* bf16_at(void* base, int64_t elems) { return static_cast<char*>(base) + elems * 2; }
 const char* bf16_at(const void* base, int64_t elems) { return static_cast<const char*>(base) + elems * 2; }
@@ -92,11 +96,8 @@ class CudaProposer final : public Proposer {
                    "cuda proposer: target " << name << " must be bf16 [" << c_.vocab_size << ", " << c_.hidden_size
                                             << "] on " << device_.str() << ", got "
                                             << (t->defined() ? t->describe() : "undefined"));
-    DFLASH_CHECK(c_.hidden_size % kAlign == 0 && c_.head_dim % kAlign == 0 && c_.intermediate_size % kAlign == 0 &&
-                     c_.context_dim() % kAlign == 0,
-                 "cuda proposer: hidden_size, head_dim, intermediate_size and k·hidden must be multiples of 8 (GEMM "
-                 "operand alignment), got "
-                     << c_.hidden_size << ", " << c_.head_dim << ", " << c_.intermediate_size << ", " << c_.context_dim());
+    check_cuda_drafter_sizes(c_);  // hidden_size, head_dim multiples of 8 (so is k·hidden)
+    gemm_unaligned_ = cuda_drafter_gemm_unaligned(c_);
     fast_attention_ = cuda::attention_decode_fast_supported(c_.head_dim, cuda_device_info(device_.index).major);
     const int64_t H = c_.hidden_size, I = c_.intermediate_size, qd = c_.q_dim(), kvd = c_.kv_dim();
     const int64_t B = c_.block_size, Rmax = num_slots * B, V = c_.vocab_size;
@@ -128,7 +129,7 @@ class CudaProposer final : public Proposer {
     o_ = empty({Rmax, qd}, DType::BF16);
     gu_ = empty({Rmax, 2 * I}, DType::BF16);
     m_ = empty({Rmax, I}, DType::BF16);
-    logits_ = empty({std::min(Rmax, kLogitChunkRows), V}, DType::F32);
+    logits_ = empty({std::min(Rmax, kLogitChunkRows), padded_vocab(V)}, DType::F32);
     amax_ = empty({Rmax}, DType::I32);
     meta_ = empty({2 * Rmax + 3 * num_slots + 1}, DType::I32);
     // The split-KV workspace of the fastest attention for any number of slots in a call (the split
@@ -248,11 +249,13 @@ class CudaProposer final : public Proposer {
     cuda::rms_norm_fwd(h, true, H, norm_.raw_data(), x_.raw_data(), rstd_.data<float>(), R, H, eps(), st);
     for (int64_t r0 = 0; r0 < R; r0 += kLogitChunkRows) {
       const int64_t rows = std::min(kLogitChunkRows, R - r0);
-      linear(bf16_at(x_.raw_data(), r0 * H), H, lm_head_.raw_data(), logits_.raw_data(), V, rows, V, H, false, true);
-      cuda::argmax_rows(logits_.raw_data(), false, V, rows, V, amax_.data<int32_t>() + r0, st);
-      if (logits)
-        DFLASH_CUDA_CHECK(cudaMemcpyAsync(logits->data<float>() + r0 * V, logits_.raw_data(),
-                                          static_cast<size_t>(rows * V) * 4, cudaMemcpyDeviceToHost, st));
+      const int64_t Vp = padded_vocab(V);
+      linear(bf16_at(x_.raw_data(), r0 * H), H, lm_head_.raw_data(), logits_.raw_data(), Vp, rows, V, H, false, true);
+      cuda::argmax_rows(logits_.raw_data(), false, Vp, rows, V, amax_.data<int32_t>() + r0, st);
+      if (logits)  // the V real columns of each row (the pad columns are never written)
+        DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(logits->data<float>() + r0 * V, static_cast<size_t>(V) * 4,
+                                            logits_.raw_data(), static_cast<size_t>(Vp) * 4, static_cast<size_t>(V) * 4,
+                                            static_cast<size_t>(rows), cudaMemcpyDeviceToHost, st));
     }
     // Rows 1 .. Bp-1 of each block: (Bp-1) ids per slot come back, then the one synchronisation.
     int32_t* out = drafts_host_.get(S * (Bp - 1));
@@ -287,6 +290,7 @@ class CudaProposer final : public Proposer {
     cuda::GemmExParams g;
     g.a = x, g.lda = ldx, g.b = w, g.ldb = K, g.trans_b = true, g.d = y, g.ldd = ldy;
     g.d_f32 = accumulate || f32_out, g.M = M, g.N = N, g.K = K, g.beta = accumulate ? 1.0f : 0.0f;
+    g.unaligned = gemm_unaligned_;
     cuda::gemm_ex(g, device_.index);
   }
   cuda::HeadNormRopeParams head_params(const void* x, int64_t ldx, const Tensor& w, const int32_t* pos, void* y,
@@ -320,6 +324,7 @@ class CudaProposer final : public Proposer {
   Device device_;
   Tensor embed_, lm_head_;
   bool fast_attention_ = false;
+  bool gemm_unaligned_ = false;     // cuda_drafter_gemm_unaligned: intermediate_size not a multiple of 8
   Tensor fc_, hidden_norm_, norm_;  // bf16 [H, k·H], [H], [H]
   std::vector<Layer> layers_;
   // Propose scratch, sized for a block of B rows in every slot (Rmax = num_slots · B rows).

@@ -30,8 +30,29 @@ nlohmann::json DrafterPlan::to_json() const {
   return {{"device", device}, {"steps", steps_json}};
 }
 
+void check_cuda_drafter_sizes(const DrafterConfig& c) {
+  std::string bad;
+  if (c.hidden_size % 8 != 0)
+    bad += fmt::format("\n  hidden_size {} (the target's; the drafter shares its embedding and LM head)", c.hidden_size);
+  if (c.head_dim % 8 != 0) bad += fmt::format("\n  head_dim {} (model.drafter.head_dim)", c.head_dim);
+  // The head norm + RoPE kernels (kernels/cuda/rope.cu, head_norm_rope) hold 4 rotary pairs per lane.
+  if (c.head_dim > 256)
+    bad += fmt::format("\n  head_dim {} (model.drafter.head_dim) above 256, the head norm + RoPE kernels' limit", c.head_dim);
+  DFLASH_CHECK_HINT(bad.empty(),
+                    (c.source.empty() ? std::string("drafter") : c.source)
+                        << ": the CUDA drafter needs these sizes multiples of 8 (16-byte rows of bf16 for its "
+                           "parameter layout, GEMMs, block attention and fused LM-head CE) and head_dim <= 256:"
+                        << bad,
+                    "set model.drafter.head_dim to a multiple of 8 up to 256 (64 or 128 run the tensor-core attention); a "
+                    "target whose hidden_size is not a multiple of 8 trains its drafter on the CPU backend "
+                    "(parallel.device: cpu) only");
+}
+
+bool cuda_drafter_gemm_unaligned(const DrafterConfig& c) { return c.intermediate_size % 8 != 0; }
+
 DrafterPlan drafter_plan(const DrafterConfig& c, Device device, int sm_major, int sm_minor,
                          const BlockAttentionKernels& kernels, bool require_fast_path) {
+  check_cuda_drafter_sizes(c);
   DrafterPlan plan;
   plan.device = device.str();
   plan.head_dim = c.head_dim;
@@ -48,7 +69,19 @@ DrafterPlan drafter_plan(const DrafterConfig& c, Device device, int sm_major, in
                       "set model.drafter.head_dim: 128 (with num_attention_heads / num_key_value_heads to match), or "
                       "kernels.require_fast_path: false to accept the fallback (tens of times slower)");
   }
-  plan.steps.push_back({"gemm", "fast", "cuBLASLt gemm_ex", "bf16 operands, fp32 accumulation (weight gradients fp32)"});
+  if (cuda_drafter_gemm_unaligned(c)) {
+    const std::string why = fmt::format(
+        "intermediate_size {} is not a multiple of 8: the MLP's GEMMs run cuBLASLt's kernels for unaligned bf16 "
+        "operands",
+        c.intermediate_size);
+    plan.steps.push_back({"gemm", "fallback", "cuBLASLt gemm_ex (unaligned)", why});
+    DFLASH_CHECK_HINT(!require_fast_path,
+                      "require_fast_path is set, but the drafter's GEMMs would run the fallback kernels on "
+                          << device.str() << ": " << why,
+                      "set model.drafter.intermediate_size to a multiple of 8, or kernels.require_fast_path: false");
+  } else {
+    plan.steps.push_back({"gemm", "fast", "cuBLASLt gemm_ex", "bf16 operands, fp32 accumulation (weight gradients fp32)"});
+  }
   plan.steps.push_back({"lm_head_ce", "fast", "linear_ce", "fused chunked LM head + cross-entropy (no R x V logits)"});
   return plan;
 }

@@ -58,4 +58,14 @@ DrafterPlan make_drafter_plan(const DrafterConfig& c, Device device, int sm_majo
 // The CPU reference's plan (every step on the double-precision reference).
 DrafterPlan make_cpu_drafter_plan(const DrafterConfig& c);
 
+// ---- Sizes the CUDA drafter's kernels constrain (issue 26) --------------------------------------
+// hidden_size (the target's) and head_dim must be multiples of 8: the flat parameter layout, the
+// fused LM-head CE, the block attention and the q|k|v views keep 16-byte rows of bf16; throws naming
+// the field and what to do. drafter_plan calls it (start-up, before anything is loaded), and so do
+// CudaDrafter and the CUDA proposer. The vocabulary may have any size (the CE pads its logits rows).
+void check_cuda_drafter_sizes(const DrafterConfig& c);
+// intermediate_size not a multiple of 8: the MLP's GEMMs run cuBLASLt's kernels for unaligned
+// operands (GemmExParams::unaligned; the plan's gemm step is then "fallback" and says why).
+bool cuda_drafter_gemm_unaligned(const DrafterConfig& c);
+
 }  // namespace dflash::drafter

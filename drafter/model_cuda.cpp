@@ -13,6 +13,7 @@
 #include "kernels/cuda/rope.h"
 #include "core/device.h"
 #include "core/error.h"
+#include "drafter/fast_path.h"
 
 namespace dflash::drafter {
 
@@ -63,11 +64,8 @@ CudaDrafter::CudaDrafter(DrafterConfig c, const DrafterWeights& init, Tensor emb
                  "CudaDrafter: target " << name << " must be bf16 [" << c_.vocab_size << ", " << c_.hidden_size
                                         << "] on " << device_.str() << ", got "
                                         << (t->defined() ? t->describe() : "undefined"));
-  DFLASH_CHECK(c_.hidden_size % kAlign == 0 && c_.head_dim % kAlign == 0 && c_.intermediate_size % kAlign == 0 &&
-                   c_.context_dim() % kAlign == 0,
-               "CudaDrafter: hidden_size, head_dim, intermediate_size and k·hidden must be multiples of 8 (GEMM "
-               "operand alignment), got "
-                   << c_.hidden_size << ", " << c_.head_dim << ", " << c_.intermediate_size << ", " << c_.context_dim());
+  check_cuda_drafter_sizes(c_);  // hidden_size, head_dim multiples of 8 (so is k·hidden)
+  gemm_unaligned_ = cuda_drafter_gemm_unaligned(c_);
   // Offsets: fc, hidden_norm and norm first (one bucket), then the layers in order; spans_ stays in
   // entries order.
   auto entries = const_cast<DrafterWeights&>(init).entries(c_);
@@ -267,7 +265,7 @@ struct CudaDrafter::StepState {
               bool acc_f32 = false) const {
     cuda::GemmExParams g;
     g.a = x, g.lda = ldx, g.b = w, g.ldb = K, g.trans_b = true, g.d = y, g.ldd = ldy, g.d_f32 = acc_f32;
-    g.M = M, g.N = Nn, g.K = K, g.beta = acc_f32 ? 1.0f : 0.0f;
+    g.M = M, g.N = Nn, g.K = K, g.beta = acc_f32 ? 1.0f : 0.0f, g.unaligned = model.gemm_unaligned_;
     cuda::gemm_ex(g, dev);
   }
   // dx[M, K] = dy[M, N] · w[N, K]   (bf16, or fp32 with accumulation)
@@ -275,14 +273,14 @@ struct CudaDrafter::StepState {
                  bool acc_f32 = false) const {
     cuda::GemmExParams g;
     g.a = dy, g.lda = lddy, g.b = w, g.ldb = K, g.d = dx, g.ldd = lddx, g.d_f32 = acc_f32;
-    g.M = M, g.N = K, g.K = Nn, g.beta = acc_f32 ? 1.0f : 0.0f;
+    g.M = M, g.N = K, g.K = Nn, g.beta = acc_f32 ? 1.0f : 0.0f, g.unaligned = model.gemm_unaligned_;
     cuda::gemm_ex(g, dev);
   }
   // dw[N, K] (+)= dy[M, N]ᵀ · x[M, K]   (fp32)
   void linear_dw(const void* dy, int64_t lddy, const void* x, int64_t ldx, float* dw, int64_t M, int64_t Nn, int64_t K) const {
     cuda::GemmExParams g;
     g.a = dy, g.lda = lddy, g.trans_a = true, g.b = x, g.ldb = ldx, g.d = dw, g.ldd = K, g.d_f32 = true;
-    g.M = Nn, g.N = K, g.K = M, g.beta = 1.0f;
+    g.M = Nn, g.N = K, g.K = M, g.beta = 1.0f, g.unaligned = model.gemm_unaligned_;
     cuda::gemm_ex(g, dev);
   }
   void rms_fwd(const void* x, bool x_f32, int64_t ldx, const std::string& w, void* y, float* rstd, int64_t rows,

@@ -113,6 +113,7 @@ class CudaDrafter {
   DrafterConfig c_;
   Device device_;
   Tensor embed_, lm_head_;
+  bool gemm_unaligned_ = false;  // cuda_drafter_gemm_unaligned (fast_path.h): every GEMM passes GemmExParams::unaligned
   std::vector<Span> spans_;
   std::vector<Bucket> buckets_;
   int64_t flat_ = 0;

@@ -226,7 +226,11 @@ class CudaDecoder final : public Decoder {
       head_in = Tensor::empty({R, H}, DType::BF16, dev_);
       cuda::embedding(d_keep, fr.final_hidden.raw_data(), head_in.raw_data(), R, H, s);
     }
-    Tensor logits = Tensor::empty({M, V}, DType::F32, dev_);
+    // Logits rows padded to Vp = V rounded up to 8 floats (32 bytes), so the LM-head GEMM's D keeps
+    // 16-byte aligned rows for any vocabulary (V = 777: ldd 784); the pad columns are never written
+    // nor read (the GEMM's N, argmax / sampling and the copy to the host take V).
+    const int64_t Vp = (V + 7) / 8 * 8;
+    Tensor logits = Tensor::empty({M, Vp}, DType::F32, dev_);
     cuda::GemmExParams gp;
     gp.a = head_in.raw_data();
     gp.lda = H;
@@ -234,17 +238,18 @@ class CudaDecoder final : public Decoder {
     gp.ldb = H;
     gp.trans_b = true;
     gp.d = logits.raw_data();
-    gp.ldd = V;
+    gp.ldd = Vp;
     gp.d_f32 = true;
     gp.M = M, gp.N = V, gp.K = H;
+    gp.unaligned = model_.gemm_unaligned();  // hidden_size not a multiple of 8
     cuda::gemm_ex(gp, dev_.index);
     Tensor next = Tensor::empty({M}, DType::I32, dev_);
     if (opt.sample)
-      cuda::sample_rows(logits.data<float>(), V, M, V, opt.sample->temperature, opt.sample->top_p, opt.sample->seed,
+      cuda::sample_rows(logits.data<float>(), Vp, M, V, opt.sample->temperature, opt.sample->top_p, opt.sample->seed,
                         reinterpret_cast<const uint64_t*>(at(o_streams)), reinterpret_cast<const int64_t*>(at(o_positions)),
                         next.data<int32_t>(), s);
     else
-      cuda::argmax_rows(logits.raw_data(), false, V, M, V, next.data<int32_t>(), s);
+      cuda::argmax_rows(logits.raw_data(), false, Vp, M, V, next.data<int32_t>(), s);
     if (!opt.capture.empty()) {
       const int64_t k = static_cast<int64_t>(opt.capture.size());
       r.features = Tensor::empty({R, k * H}, DType::BF16, dev_);
@@ -282,7 +287,7 @@ class CudaDecoder final : public Decoder {
       Tensor lh = logits.to(Device::cpu());
       r.logits = Tensor::empty({R, V}, DType::F32);
       for (int64_t j = 0; j < R; ++j)
-        std::copy_n(lh.data<float>() + head_row(j) * V, V, r.logits.data<float>() + j * V);
+        std::copy_n(lh.data<float>() + head_row(j) * Vp, V, r.logits.data<float>() + j * V);
     }
     return r;
   }

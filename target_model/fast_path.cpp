@@ -101,6 +101,8 @@ FastPathPlan build_plan(const TargetConfig& c, Device device, const KernelPolici
                         Precision precision) {
   DFLASH_CHECK(precision != Precision::Auto, "fast-path plan: resolve the precision first (resolve_precision)");
   const bool fp8 = precision == Precision::Fp8;
+  if (!device.is_cpu()) check_gpu_sizes(c, precision);
+  [[maybe_unused]] const std::string unaligned = unaligned_gemm_sizes(c);
   FastPathPlan plan;
   plan.device = device.str();
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
@@ -185,6 +187,10 @@ FastPathPlan build_plan(const TargetConfig& c, Device device, const KernelPolici
                                  "block-scaled FP8 GEMMs run on sm_90 only (" + sm + "); the weights are dequantized to bf16"},
                                 "gemm_fp8", std::string(cuda::gemm_fp8_kernel_name()) + ": " + projections(gdn),
                                 "gemm_bf16 (dequantized)", "model.target.precision"));
+    else if (!unaligned.empty())
+      lp.steps.push_back({Step::Gemm, Path::Fallback, kGemmUnalignedKernel,
+                          "fallback: " + unaligned + " not multiples of 8, so cuBLASLt runs its kernels for unaligned "
+                          "bf16 operands (slower than the 16-byte aligned ones): " + projections(gdn)});
     else
       lp.steps.push_back({Step::Gemm, Path::Fast, "gemm_bf16", "fast: cuBLASLt bf16, fp32 accumulation: " + projections(gdn)});
 #else
@@ -210,6 +216,59 @@ FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const Kernel
 }
 
 bool fp8_gemm_supported(int sm_major) { return sm_major == 9; }
+
+namespace {
+
+// The projections' input sizes (elements; this rank's share), each with the config.json fields
+// that make it. Attention / GatedDeltaNet sizes only when the model has such layers.
+std::vector<std::pair<std::string, int64_t>> projection_sizes(const TargetConfig& c) {
+  std::vector<std::pair<std::string, int64_t>> out = {{"hidden_size", c.hidden_size},
+                                                      {"intermediate_size", c.intermediate_size}};
+  if (c.count_layers(LayerType::FullAttention) > 0)
+    out.emplace_back("num_attention_heads x head_dim = " + std::to_string(c.num_attention_heads) + " x " +
+                         std::to_string(c.head_dim),
+                     c.num_attention_heads * c.head_dim);
+  if (c.count_layers(LayerType::LinearAttention) > 0)
+    out.emplace_back("linear_num_value_heads x linear_value_head_dim = " + std::to_string(c.linear_num_value_heads) +
+                         " x " + std::to_string(c.linear_value_head_dim),
+                     c.gdn_value_dim());
+  return out;
+}
+
+std::string sizes_not_multiple_of(const TargetConfig& c, int64_t m) {
+  std::string out;
+  for (const auto& [what, n] : projection_sizes(c))
+    if (n % m != 0) out += (out.empty() ? "" : ", ") + what + (what.find('=') == std::string::npos ? "=" : " = ") + std::to_string(n);
+  return out;
+}
+
+}  // namespace
+
+std::string unaligned_gemm_sizes(const TargetConfig& c) { return sizes_not_multiple_of(c, 8); }
+
+void check_gpu_sizes(const TargetConfig& c, Precision precision) {
+  // The fused q/k norm + RoPE kernel (kernels/cuda/rope.cu, qk_norm_rope): its inverse-frequency table
+  // holds at most 256 rotary dims, and its shared memory (rotary_dim + 4 warps x head_dim floats)
+  // fits 48 KiB. Every other attention kernel takes any head_dim (the fallbacks up to 4096).
+  if (c.count_layers(LayerType::FullAttention) > 0) {
+    DFLASH_CHECK_HINT(c.rotary_dim() <= 256,
+                      c.source << ": head_dim " << c.head_dim << " x partial_rotary_factor " << c.partial_rotary_factor
+                               << " = " << c.rotary_dim()
+                               << " rotary dims; the GPU's q/k norm + RoPE kernel takes at most 256",
+                      "run this model on the CPU reference (--device cpu); no Qwen3.5 / 3.6 model has more than 64");
+    DFLASH_CHECK_HINT((c.rotary_dim() + 4 * c.head_dim) * 4 <= 48 * 1024,
+                      c.source << ": head_dim " << c.head_dim
+                               << " is too large for the GPU's q/k norm + RoPE kernel (at most 3008 with 256 rotary dims)",
+                      "run this model on the CPU reference (--device cpu)");
+  }
+  if (precision != Precision::Fp8) return;  // bf16: every size runs (the gemm step may be the fallback)
+  const std::string bad = sizes_not_multiple_of(c, 16);
+  DFLASH_CHECK_HINT(bad.empty(),
+                    c.source << ": the FP8 target on the GPU needs every projection's input size a multiple of 16 "
+                             << "(the block-scaled e4m3 GEMM's rows must stay 16-byte aligned), but " << bad
+                             << (c.source.empty() ? "" : " in config.json") << " is not",
+                    "run this model in bf16 (model.target.precision: bf16, or --precision bf16), which takes every size");
+}
 
 int64_t FastPathPlan::count(LayerType t, bool fast_only) const {
   int64_t n = 0;

@@ -92,6 +92,26 @@ FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const Kernel
 // BLK128x128 scale modes: Hopper).
 bool fp8_gemm_supported(int sm_major);
 
+// ---- Model sizes the GPU kernels constrain (issue 26) ------------------------------------------
+// The projections' GEMMs take hidden_size, intermediate_size, num_attention_heads x head_dim and
+// linear_num_value_heads x linear_value_head_dim (this rank's share under tp) as K and as row
+// strides. The fast cuBLASLt kernels need each a multiple of 8 (16-byte rows of bf16); a model with
+// another size runs the gemm step's fallback, kGemmUnalignedKernel (cuBLASLt told the operands'
+// real alignment), named in the plan with the fields that need it. Every other GPU kernel of the
+// forward and of decoding serves any size (vectorized bodies where rows are aligned, scalar ones
+// elsewhere; the vocabulary's logits rows are padded to a multiple of 8 on the device).
+inline constexpr const char* kGemmUnalignedKernel = "gemm_bf16_unaligned";
+// "" when every size above is a multiple of 8, else the fields that are not, e.g.
+// "intermediate_size=1001, num_attention_heads x head_dim=4x36=144 ..." (each named once).
+std::string unaligned_gemm_sizes(const TargetConfig& c);
+// Throws, naming each config.json field that breaks it and what to do, when the GPU cannot run
+// this model at `precision` (resolved): the fused q/k norm + RoPE kernel takes at most 256 rotary
+// dims (head_dim x partial_rotary_factor) and head_dim up to 3008; the block-scaled FP8 GEMM needs
+// each projection input size a multiple of 16 (its e4m3 rows must stay 16-byte aligned).
+// make_plan / make_decode_plan call it for a CUDA device, so a model is refused at start-up,
+// before any weight is read.
+void check_gpu_sizes(const TargetConfig& c, Precision precision);
+
 // Kernel invocations per (step, path) since the last reset, counted at launch time.
 class PathCounters {
  public:

@@ -95,7 +95,9 @@ CudaTargetModel::CudaTargetModel(TargetConfig config, TargetWeights weights, Fas
   // The plan's gemm steps and the weights must agree on the precision; an FP8 plan that falls back
   // (no block-scaled FP8 GEMM on this GPU) runs the dequantized weights.
   const StepPlan& gemm_step = plan_.layers[0].step(Step::Gemm);
-  const bool plan_fp8 = gemm_step.kernel != "gemm_bf16";  // gemm_fp8, or its dequantizing fallback
+  // gemm_fp8, or its dequantizing fallback (the unaligned bf16 fallback is bf16: make_plan refuses
+  // an FP8 model whose sizes it would need)
+  const bool plan_fp8 = gemm_step.kernel != "gemm_bf16" && gemm_step.kernel != kGemmUnalignedKernel;
   const bool weights_fp8 = weights_.fp8_projections() > 0;
   DFLASH_CHECK_HINT(plan_fp8 == weights_fp8, "CUDA target model: the weights are " << (weights_fp8 ? "FP8" : "bf16")
                                                  << " but the plan's gemm steps are " << gemm_step.kernel,
@@ -103,6 +105,7 @@ CudaTargetModel::CudaTargetModel(TargetConfig config, TargetWeights weights, Fas
                         << (weights_fp8 ? "Fp8" : "Bf16") << "))");
   if (weights_fp8 && gemm_step.path != Path::Fast) apply_precision(weights_, Precision::Bf16);
   fp8_ = weights_fp8 && gemm_step.path == Path::Fast;
+  gemm_unaligned_ = gemm_step.kernel == kGemmUnalignedKernel;
   const TargetConfig& c = config_;
   fused_.resize(weights_.layers.size());
   for (size_t i = 0; i < weights_.layers.size(); ++i) {
@@ -252,6 +255,7 @@ void CudaTargetModel::project(ForwardOp op, const Tensor& x, int64_t ldx, const 
       g.M = M;
       g.N = p.N;
       g.K = p.K;
+      g.unaligned = gemm_unaligned_;
       timed(op, [&] { cuda::gemm_bf16(g, device_.index); }, shape);
     }
   }
@@ -262,6 +266,7 @@ void CudaTargetModel::set_plan(FastPathPlan plan) {
                "CUDA target model: the plan has " << plan.layers.size() << " layers, the config "
                                                   << config_.num_hidden_layers);
   plan_ = std::move(plan);
+  gemm_unaligned_ = plan_.layers[0].step(Step::Gemm).kernel == kGemmUnalignedKernel;
 }
 
 CudaBatch CudaTargetModel::make_batch(const std::vector<std::vector<int32_t>>& sequences) const {

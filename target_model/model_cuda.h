@@ -170,6 +170,9 @@ class CudaTargetModel {
   void set_decode(DecodeStep* step) { decode_ = step; }
   const TargetWeights& weights() const { return weights_; }
   void* stream() const { return stream_; }
+  // The plan's gemm step is kGemmUnalignedKernel (sizes not multiples of 8): every GEMM on this
+  // model's activations, the decoder's LM head too, passes cuda::GemmParams::unaligned.
+  bool gemm_unaligned() const { return gemm_unaligned_; }
 
   // Validates the sequences (as TargetModel::forward does) and uploads them.
   CudaBatch make_batch(const std::vector<std::vector<int32_t>>& sequences) const;
@@ -243,6 +246,7 @@ class CudaTargetModel {
   FastPathPlan plan_;
   std::vector<Fused> fused_;
   bool fp8_ = false;  // the projections run the block-scaled FP8 GEMM
+  bool gemm_unaligned_ = false;  // gemm_unaligned()
   PathCounters counters_;
   Device device_;
   void* stream_ = nullptr;

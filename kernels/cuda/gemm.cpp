@@ -20,10 +20,13 @@
 // cublasLtMatmul call: the descriptors and the heuristic's algorithm are built once per (device,
 // M, N, K, lda, ldb, ldd, transposes, output dtype, alpha == 0, beta == 0) and cached.
 //
-// Alignment: we require 16-byte aligned pointers and row strides that keep every row 16-byte
-// aligned (multiples of 8 elements for bf16, 4 for fp32 D) and tell the heuristic so; that is what
-// the fast Hopper kernels need, every shape of the models meets it, and a misaligned view is
-// almost always an indexing mistake upstream.
+// Alignment: by default we require 16-byte aligned pointers and row strides that keep every row
+// 16-byte aligned (multiples of 8 elements for bf16, 4 for fp32 D) and tell the heuristic so; that
+// is what the fast Hopper kernels need, every Qwen3.5 shape meets it, and a misaligned view is
+// almost always an indexing mistake upstream. With `unaligned` (a model whose sizes are not
+// multiples of 8, planned as the gemm step's fallback) each operand's alignment is the largest
+// power of two up to 16 bytes dividing its address and its row stride in bytes (at least the
+// element size), the heuristic is told exactly that, and the plan is cached per alignment too.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -38,6 +41,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <utility>
 
 #include "core/cuda/check.h"
 #include "kernels/cuda/gemm.h"
@@ -58,6 +62,7 @@ struct GemmKey {
   int device;
   int64_t M, N, K, lda, ldb, ldd;
   bool trans_a, trans_b, d_f32, alpha_zero, beta_zero;
+  uint32_t align_a = kAlignBytes, align_b = kAlignBytes, align_d = kAlignBytes;  // bytes, each a power of two <= 16
   auto operator<=>(const GemmKey&) const = default;
 };
 
@@ -76,6 +81,14 @@ std::mutex g_mutex;
 auto* g_plans = new std::map<GemmKey, std::unique_ptr<GemmPlan>>();
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) % kAlignBytes) == 0; }
+bool elem_aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// The alignment (bytes, a power of two <= 16) of every row of a matrix at p with row stride ld
+// elements of elem_bytes each.
+uint32_t row_alignment(const void* p, int64_t ld, int64_t elem_bytes) {
+  const uint64_t bits = reinterpret_cast<uintptr_t>(p) | static_cast<uint64_t>(ld * elem_bytes) | kAlignBytes;
+  return static_cast<uint32_t>(bits & (~bits + 1));  // lowest set bit
+}
 
 // Runs one candidate algorithm of a plan on the real operands (enqueued on the call's stream).
 using RunFn = std::function<void(const GemmPlan&, const cublasLtMatmulAlgo_t&)>;
@@ -110,10 +123,12 @@ cublasLtMatmulAlgo_t fastest(const GemmPlan& plan, const cublasLtMatmulHeuristic
 }
 
 // cuBLASLt's heuristic answers (up to `want`, best first) for plan's descriptors under the preference
-// every plan uses: the device context's workspace and 16-byte alignment of A, B, C and D (what the
-// launchers check). Returns cuBLASLt's status; `found` answers are in results.
+// every plan uses: the device context's workspace and the operands' alignment (16 bytes for A, B, C
+// and D unless told otherwise: what the launchers check; align_first / align_second are cuBLASLt's A
+// and B, i.e. our B and A). Returns cuBLASLt's status; `found` answers are in results.
 cublasStatus_t heuristic(cublasLtHandle_t handle, const GemmPlan& plan, size_t workspace_bytes, int want,
-                         cublasLtMatmulHeuristicResult_t* results, int& found) {
+                         cublasLtMatmulHeuristicResult_t* results, int& found, uint32_t align_first = kAlignBytes,
+                         uint32_t align_second = kAlignBytes, uint32_t align_d = kAlignBytes) {
   cublasLtMatmulPreference_t pref = nullptr;
   DFLASH_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   struct PrefGuard {
@@ -123,9 +138,13 @@ cublasStatus_t heuristic(cublasLtHandle_t handle, const GemmPlan& plan, size_t w
   const uint64_t ws = workspace_bytes;
   DFLASH_CUBLAS_CHECK(
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-    DFLASH_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &kAlignBytes, sizeof(kAlignBytes)));
+  const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> aligns[] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_first},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_second},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d}};
+  for (const auto& [attr, bytes] : aligns)
+    DFLASH_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &bytes, sizeof(bytes)));
   return cublasLtMatmulAlgoGetHeuristic(handle, plan.op, plan.a, plan.b, plan.c, plan.c, pref, want, results, &found);
 }
 
@@ -157,11 +176,13 @@ std::unique_ptr<GemmPlan> make_plan(const GemmKey& k, const char* who, cublasLtH
 
   cublasLtMatmulHeuristicResult_t results[kCandidates]{};
   int found = 0;
-  DFLASH_CUBLAS_CHECK(heuristic(handle, *plan, workspace_bytes, autotune ? kCandidates : 1, results, found));
+  DFLASH_CUBLAS_CHECK(heuristic(handle, *plan, workspace_bytes, autotune ? kCandidates : 1, results, found, k.align_b,
+                                k.align_a, k.align_d));
   DFLASH_CHECK_HINT(found > 0 && results[0].state == CUBLAS_STATUS_SUCCESS,
                     who << ": cuBLASLt found no algorithm for M=" << k.M << " N=" << k.N << " K=" << k.K
                         << " lda=" << k.lda << " ldb=" << k.ldb << " ldd=" << k.ldd << " trans_a=" << k.trans_a
-                        << " trans_b=" << k.trans_b << " D " << (k.d_f32 ? "fp32" : "bf16"),
+                        << " trans_b=" << k.trans_b << " D " << (k.d_f32 ? "fp32" : "bf16") << ", alignment A "
+                        << k.align_a << " B " << k.align_b << " D " << k.align_d << " bytes",
                     "this GPU / cuBLASLt version may not support bf16 GEMM with fp32 accumulation (needs sm_80+)");
   plan->algo = results[0].algo;
   if (autotune && found > 1) plan->algo = fastest(*plan, results, found, stream, run);
@@ -180,8 +201,13 @@ void run_gemm(const GemmExParams& p, const char* who, int device) {
     DFLASH_CUBLAS_CHECK(cublasLtMatmul(handle, pl.op, &alpha, p.b, pl.a, p.a, pl.b, &beta, p.d, pl.c, p.d, pl.c, &algo,
                                        ctx.workspace(), ctx.workspace_bytes(), stream));
   };
-  const GemmKey key{device,    p.M,       p.N,     p.K,           p.lda,         p.ldb,
-                    p.ldd,     p.trans_a, p.trans_b, p.d_f32, p.alpha == 0.0f, p.beta == 0.0f};
+  GemmKey key{device,    p.M,       p.N,     p.K,           p.lda,         p.ldb,
+              p.ldd,     p.trans_a, p.trans_b, p.d_f32, p.alpha == 0.0f, p.beta == 0.0f};
+  if (p.unaligned) {
+    key.align_a = row_alignment(p.a, p.lda, 2);
+    key.align_b = row_alignment(p.b, p.ldb, 2);
+    key.align_d = row_alignment(p.d, p.ldd, p.d_f32 ? 4 : 2);
+  }
   const GemmPlan* plan = nullptr;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -205,13 +231,15 @@ void gemm_bf16(const GemmParams& p, int device) {
   if (p.M == 0) return;
   DFLASH_CHECK(p.x != nullptr && p.w != nullptr && p.y != nullptr,
                "gemm_bf16: null pointer (x=" << p.x << " w=" << p.w << " y=" << p.y << ") for M=" << p.M);
-  DFLASH_CHECK_HINT(aligned16(p.x) && aligned16(p.w) && aligned16(p.y) && p.K % 8 == 0 && p.ldx % 8 == 0 &&
-                        p.ldy % 8 == 0,
+  DFLASH_CHECK_HINT(p.unaligned || (aligned16(p.x) && aligned16(p.w) && aligned16(p.y) && p.K % 8 == 0 &&
+                                     p.ldx % 8 == 0 && p.ldy % 8 == 0),
                     "gemm_bf16: operands must be 16-byte aligned with row strides a multiple of 8 elements, got x="
                         << p.x << " w=" << p.w << " y=" << p.y << " K=" << p.K << " ldx=" << p.ldx
                         << " ldy=" << p.ldy,
-                    "slice activations at column offsets that are multiples of 8 and keep hidden sizes a multiple "
-                    "of 8 (every Qwen3.5 projection is); a misaligned view usually means a wrong offset");
+                    "slice activations at column offsets that are multiples of 8; a model whose sizes are not "
+                    "multiples of 8 plans its gemm step as the fallback, which sets GemmParams::unaligned");
+  DFLASH_CHECK(elem_aligned(p.x, 2) && elem_aligned(p.w, 2) && elem_aligned(p.y, 2),
+               "gemm_bf16: bf16 operands must be 2-byte aligned, got x=" << p.x << " w=" << p.w << " y=" << p.y);
 
   GemmExParams e;
   e.a = p.x;
@@ -225,6 +253,7 @@ void gemm_bf16(const GemmParams& p, int device) {
   e.N = p.N;
   e.K = p.K;
   e.beta = p.accumulate ? 1.0f : 0.0f;
+  e.unaligned = p.unaligned;
   run_gemm(e, "gemm_bf16", device);
 }
 
@@ -247,11 +276,14 @@ void gemm_ex(const GemmExParams& p, int device) {
   if (p.M == 0 || p.N == 0) return;
   DFLASH_CHECK(p.d != nullptr, "gemm_ex: null D pointer for M=" << p.M << " N=" << p.N);
   const int64_t d_mult = p.d_f32 ? 4 : 8;
-  DFLASH_CHECK_HINT(aligned16(p.d) && p.ldd % d_mult == 0,
-                    "gemm_ex: cuBLASLt needs D 16-byte aligned with ldd a multiple of "
+  DFLASH_CHECK_HINT(p.unaligned || (aligned16(p.d) && p.ldd % d_mult == 0),
+                    "gemm_ex: cuBLASLt's fast kernels need D 16-byte aligned with ldd a multiple of "
                         << d_mult << " elements (" << (p.d_f32 ? "fp32" : "bf16") << "), got d=" << p.d
                         << " ldd=" << p.ldd,
-                    "slice at column offsets that are multiples of 8 and keep row strides multiples of 8");
+                    "slice at column offsets that are multiples of 8 and keep row strides multiples of 8 (pad a "
+                    "vocabulary-wide D to a multiple of 8 columns); a model whose sizes are not multiples of 8 "
+                    "plans its gemm step as the fallback, which sets GemmExParams::unaligned");
+  DFLASH_CHECK(elem_aligned(p.d, p.d_f32 ? 4 : 2), "gemm_ex: D must be element-aligned, got d=" << p.d);
   if (p.K == 0) {
     DeviceGuard scope(device);
     detail::scale_matrix(p.d, p.d_f32, p.M, p.N, p.ldd, p.beta, DeviceContext::get(device).stream());
@@ -259,10 +291,14 @@ void gemm_ex(const GemmExParams& p, int device) {
   }
   DFLASH_CHECK(p.a != nullptr && p.b != nullptr,
                "gemm_ex: null pointer (a=" << p.a << " b=" << p.b << ") for M=" << p.M << " N=" << p.N << " K=" << p.K);
-  DFLASH_CHECK_HINT(aligned16(p.a) && aligned16(p.b) && p.lda % 8 == 0 && p.ldb % 8 == 0,
-                    "gemm_ex: cuBLASLt needs bf16 A and B 16-byte aligned with lda and ldb multiples of 8 elements, got a="
+  DFLASH_CHECK_HINT(p.unaligned || (aligned16(p.a) && aligned16(p.b) && p.lda % 8 == 0 && p.ldb % 8 == 0),
+                    "gemm_ex: cuBLASLt's fast kernels need bf16 A and B 16-byte aligned with lda and ldb multiples of "
+                    "8 elements, got a="
                         << p.a << " lda=" << p.lda << " b=" << p.b << " ldb=" << p.ldb,
-                    "slice at column offsets that are multiples of 8 and keep row strides multiples of 8");
+                    "slice at column offsets that are multiples of 8 and keep row strides multiples of 8; a model "
+                    "whose sizes are not multiples of 8 plans its gemm step as the fallback (GemmExParams::unaligned)");
+  DFLASH_CHECK(elem_aligned(p.a, 2) && elem_aligned(p.b, 2),
+               "gemm_ex: bf16 A and B must be 2-byte aligned, got a=" << p.a << " b=" << p.b);
   run_gemm(p, "gemm_ex", device);
 }
 

@@ -15,6 +15,13 @@ namespace dflash::cuda {
 // bf16 inputs, fp32 accumulation, bf16 output. w is the Hugging Face Linear weight, row-major.
 // Uses the device's DeviceContext (stream, cuBLASLt handle, workspace); algorithms are cached per
 // shape. M == 0 is a no-op.
+//
+// Alignment: by default every operand must be 16-byte aligned with row strides (and K) multiples
+// of 8 elements — what the fast tensor-core kernels need; a misaligned operand is refused (it is
+// almost always a wrong offset upstream). `unaligned` is the explicit fallback for models whose
+// sizes are not multiples of 8 (hidden_size 1001, head dims like 36, ...; the fast-path plan's gemm
+// step says so): the operands then need only element alignment (2 bytes bf16, 4 fp32) and cuBLASLt
+// is told each operand's real alignment, so it picks kernels that serve it (slower ones).
 struct GemmParams {
   const void* x = nullptr;
   int64_t ldx = 0;
@@ -23,6 +30,7 @@ struct GemmParams {
   int64_t ldy = 0;
   int64_t M = 0, N = 0, K = 0;
   bool accumulate = false;
+  bool unaligned = false;  // allow operands that are not 16-byte aligned (see above)
 };
 void gemm_bf16(const GemmParams& p, int device);
 // Algorithm choice per shape: off (default) takes cuBLASLt's first heuristic answer; on times its
@@ -37,7 +45,8 @@ bool gemm_autotune();
 //   B: [K, N] row-major (ldb >= N), or when trans_b its transpose stored as [N, K] (ldb >= K).
 // A and B bf16, fp32 accumulation; D fp32 (d_f32) or bf16. beta 0 never reads D.
 // The training uses:  y = x·wᵀ (trans_b), dx = dy·w, dw (+)= dyᵀ·x (trans_a, fp32 D, beta 1).
-// M == 0 or N == 0 is a no-op; K == 0 scales D by beta.
+// M == 0 or N == 0 is a no-op; K == 0 scales D by beta. Alignment and `unaligned` as for GemmParams
+// (the fast path needs 16-byte aligned A, B, D with lda, ldb multiples of 8 and ldd of 8 bf16 / 4 fp32).
 struct GemmExParams {
   const void* a = nullptr;
   int64_t lda = 0;
@@ -50,8 +59,10 @@ struct GemmExParams {
   bool d_f32 = false;
   int64_t M = 0, N = 0, K = 0;
   float alpha = 1.0f, beta = 0.0f;
+  bool unaligned = false;  // allow operands that are not 16-byte aligned (see GemmParams)
 };
 void gemm_ex(const GemmExParams& p, int device);
+
 
 // ==== FP8: block-scaled e4m3 (issue 18; kernels/cuda/fp8.cu, gemm_fp8 in kernels/cuda/gemm.cpp) ====
 // The official -FP8 checkpoints' format (core/fp8.h, the CPU reference in kernels/ops.h "fp8"):

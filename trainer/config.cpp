@@ -747,9 +747,11 @@ drafter::DrafterConfig TrainConfig::drafter_config(const target::TargetConfig& t
     return c;
   }
   DFLASH_REQUIRE(d.mask_token_id.has_value(), s << ": model.drafter.mask_token_id must be set");
-  DFLASH_REQUIRE(*d.mask_token_id < target.vocab_size,
-               s << ": model.drafter.mask_token_id = " << *d.mask_token_id << " is outside the target's vocabulary [0, "
-                 << target.vocab_size << ")");
+  DFLASH_REQUIRE_HINT(*d.mask_token_id < target.vocab_size,
+                      s << ": model.drafter.mask_token_id = " << *d.mask_token_id << " is outside the target's vocabulary [0, "
+                        << target.vocab_size << ")",
+                      "set model.drafter.mask_token_id to an id of the target's vocabulary that the data never holds (a "
+                      "reserved token; Qwen3.5/3.6: 248070); configs/my-model.yaml is the recipe for your own model");
   for (size_t i = 0; i < d.target_layer_ids.size(); ++i)
     DFLASH_REQUIRE(d.target_layer_ids[i] < target.num_hidden_layers,
                  s << ": model.drafter.target_layer_ids[" << i << "] = " << d.target_layer_ids[i]

@@ -60,7 +60,7 @@ std::vector<std::vector<int32_t>> read_prompts(const std::string& path, int64_t 
   std::vector<std::vector<int32_t>> out;
   const std::string ext = std::filesystem::path(path).extension().string();
   auto check = [&](const std::vector<int32_t>& p, const std::string& where) {
-    DFLASH_CHECK_HINT(!p.empty(), where << ": the prompt is empty (its first token is already supervised)",
+    DFLASH_REQUIRE_HINT(!p.empty(), where << ": the prompt is empty (its first token is already supervised)",
                       "a prompt needs at least one token before the first loss_mask = 1");
   };
   if (ext == ".h5" || ext == ".hdf5") {
@@ -86,7 +86,7 @@ std::vector<std::vector<int32_t>> read_prompts(const std::string& path, int64_t 
       check(out.back(), where);
     }
   }
-  DFLASH_CHECK_HINT(!out.empty(), "no prompts in " << path, "give a .h5 dataset, a JSONL file or a file of token ids");
+  DFLASH_REQUIRE_HINT(!out.empty(), "no prompts in " << path, "give a .h5 dataset, a JSONL file or a file of token ids");
   return out;
 }
 
@@ -145,15 +145,15 @@ int main(int argc, char** argv) {
   return run_app(app, argc, argv, [&]() -> int {
     const comm::Layout layout = comm::start_ranks(mpi, &argc, &argv, tp, log_level);
     const int world = layout.world_size, rank = layout.world_rank;
-    DFLASH_CHECK_HINT(world == tp, "dflash_eval runs one TP group: mpirun -n " << world << " with --tp " << tp,
+    DFLASH_REQUIRE_HINT(world == tp, "dflash_eval runs one TP group: mpirun -n " << world << " with --tp " << tp,
                       "start it with mpirun -n " << tp);
-    DFLASH_CHECK_HINT(!target.src.model_dir.empty() || target.src.random_weights, "no target given",
+    DFLASH_REQUIRE_HINT(!target.src.model_dir.empty() || target.src.random_weights, "no target given",
                       "pass --model DIR, or --config FILE --random-weights");
     const Device dev = Device::parse(device);
 
     // ---- the target and the drafter, checked against each other before anything is loaded ----
     const target::TargetConfig cfg = target.src.read_config();
-    DFLASH_CHECK_HINT(!drafter_dir.empty() || random_drafter > 0, "no drafter given",
+    DFLASH_REQUIRE_HINT(!drafter_dir.empty() || random_drafter > 0, "no drafter given",
                       "pass --drafter DIR (an exported drafter), or --random-drafter LAYERS for a speed benchmark");
     drafter::LoadedDrafter d;
     if (random_drafter > 0) {
@@ -165,23 +165,23 @@ int main(int argc, char** argv) {
         d = drafter::import_hf(drafter_dir, DType::F32);
         d.config.check_target(cfg);
       } catch (const Error& e) {
-        DFLASH_FAIL_HINT("--drafter " << drafter_dir << ": " << e.message(), e.hint());
+        DFLASH_REJECT_HINT("--drafter " << drafter_dir << ": " << e.message(), e.hint());
       }
     }
     const drafter::DrafterConfig& dc = d.config;
     if (block_size == 0) block_size = dc.block_size;
-    DFLASH_CHECK_HINT(block_size >= 2 && block_size <= dc.block_size,
+    DFLASH_REQUIRE_HINT(block_size >= 2 && block_size <= dc.block_size,
                       "--block-size " << block_size << " is outside [2, " << dc.block_size << "] (the drafter's block_size)",
                       "a drafter proposes at most block_size - 1 tokens per step");
     for (int32_t t : stop_tokens)
-      DFLASH_CHECK(t >= 0 && t < cfg.vocab_size, "--stop-token " << t << " is outside the vocabulary [0, " << cfg.vocab_size << ")");
+      DFLASH_REQUIRE(t >= 0 && t < cfg.vocab_size, "--stop-token " << t << " is outside the vocabulary [0, " << cfg.vocab_size << ")");
     target::check_tp(cfg, tp);
     const std::vector<std::vector<int32_t>> prompts = read_prompts(prompts_path, num_prompts, cfg.vocab_size);
     int64_t longest = 0;
     for (size_t i = 0; i < prompts.size(); ++i) {
       longest = std::max<int64_t>(longest, static_cast<int64_t>(prompts[i].size()));
       for (int32_t t : prompts[i])
-        DFLASH_CHECK_HINT(t < cfg.vocab_size,
+        DFLASH_REQUIRE_HINT(t < cfg.vocab_size,
                           prompts_path << ": prompt " << i << " holds token id " << t << ", outside the target's vocabulary [0, "
                                        << cfg.vocab_size << ")",
                           "tokenize the prompts with the target's tokenizer");

@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
   return run_app(app, argc, argv, [&]() -> int {
     init_logging(-1, log_level);
     const Device dev = Device::parse(device);
-    DFLASH_CHECK_HINT(!dev.is_cpu(), "generate_bench measures a GPU", "pass --device cuda");
+    DFLASH_REQUIRE_HINT(!dev.is_cpu(), "generate_bench measures a GPU", "pass --device cuda");
     const target::TargetSource src{"", config_path, true, seed, target::parse_precision(precision_s, "--precision")};
     const target::TargetConfig cfg = src.read_config();
     const auto t0 = std::chrono::steady_clock::now();
@@ -69,7 +69,7 @@ int main(int argc, char** argv) {
                 "decode_t/s", "total_t/s", "GB/step", "roof_ms", "% roof", "bound");
     bench::CsvWriter csv(csv_path, cuda_device_info(dev.index).name);
     for (int64_t S : slot_counts) {
-      DFLASH_CHECK_HINT(S >= 1, "--slots " << S << " must be >= 1", "sequences in flight per point");
+      DFLASH_REQUIRE_HINT(S >= 1, "--slots " << S << " must be >= 1", "sequences in flight per point");
       std::vector<target::GenRequest> reqs;
       for (int64_t i = 0; i < S * waves; ++i) {
         target::GenRequest r;

@@ -1016,7 +1016,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", ctx.seed, "round-order and weight seed")->capture_default_str();
   return run_app(app, argc, argv, [&]() -> int {
     init_logging(-1, log_level);
-    DFLASH_CHECK_HINT(cuda_device_count() > 0, "kernel_bench needs a CUDA GPU and none is visible",
+    DFLASH_REQUIRE_HINT(cuda_device_count() > 0, "kernel_bench needs a CUDA GPU and none is visible",
                       "run it on the GPU machine; check nvidia-smi / CUDA_VISIBLE_DEVICES");
     ctx.info = cuda_device_info(0);
     int l2 = 0;
@@ -1035,7 +1035,7 @@ int main(int argc, char** argv) {
       std::string name;
       std::getline(ss, name, ',');
       if (name.empty()) continue;
-      DFLASH_CHECK_HINT(std::any_of(sections.begin(), sections.end(), [&](const auto& s) { return s.first == name; }),
+      DFLASH_REQUIRE_HINT(std::any_of(sections.begin(), sections.end(), [&](const auto& s) { return s.first == name; }),
                         "kernel_bench --only: unknown section '" << name << "'",
                         "the sections are conv, gdn, gemm, attn, dattn, ce, layer, decode, sample, fp8");
       wanted.insert(name);

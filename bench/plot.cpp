@@ -26,14 +26,14 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 double number_or_nan(const json& j, const char* key, const std::string& where) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return kNaN;
-  DFLASH_CHECK(it->is_number(), where << ": \"" << key << "\" is not a number: " << it->dump());
+  DFLASH_REQUIRE(it->is_number(), where << ": \"" << key << "\" is not a number: " << it->dump());
   return it->get<double>();
 }
 
 int64_t integer_or(const json& j, const char* key, int64_t fallback, const std::string& where) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) return fallback;
-  DFLASH_CHECK(it->is_number_integer(), where << ": \"" << key << "\" is not an integer: " << it->dump());
+  DFLASH_REQUIRE(it->is_number_integer(), where << ": \"" << key << "\" is not an integer: " << it->dump());
   return it->get<int64_t>();
 }
 
@@ -42,14 +42,14 @@ MetricsLine parse_line(const std::string& text, const std::string& where) {
   try {
     j = json::parse(text);
   } catch (const json::parse_error& e) {
-    DFLASH_FAIL_HINT(where << ": the line is not JSON (" << e.what() << ")",
+    DFLASH_REJECT_HINT(where << ": the line is not JSON (" << e.what() << ")",
                      "metrics.jsonl holds one JSON object per line; a cut-off last line means the run was killed "
                      "while writing it: delete that line");
   }
-  DFLASH_CHECK(j.is_object(), where << ": the line is not a JSON object but " << j.type_name());
-  DFLASH_CHECK_HINT(j.contains("step"), where << ": the line has no \"step\"",
+  DFLASH_REQUIRE(j.is_object(), where << ": the line is not a JSON object but " << j.type_name());
+  DFLASH_REQUIRE_HINT(j.contains("step"), where << ": the line has no \"step\"",
                     "pass a metrics.jsonl written by dflash_train (one object per logging interval)");
-  DFLASH_CHECK(!j["step"].is_null(), where << ": \"step\" is null");
+  DFLASH_REQUIRE(!j["step"].is_null(), where << ": \"step\" is null");
   MetricsLine m;
   m.step = integer_or(j, "step", 0, where);
   m.total = integer_or(j, "total", -1, where);
@@ -64,9 +64,9 @@ MetricsLine parse_line(const std::string& text, const std::string& where) {
   m.mfu = number_or_nan(j, "mfu", where);
   m.mem_gib = number_or_nan(j, "mem_gib", where);
   if (auto it = j.find("acc"); it != j.end() && !it->is_null()) {
-    DFLASH_CHECK(it->is_array(), where << ": \"acc\" is not an array: " << it->dump());
+    DFLASH_REQUIRE(it->is_array(), where << ": \"acc\" is not an array: " << it->dump());
     for (const json& a : *it) {
-      DFLASH_CHECK(a.is_null() || a.is_number(), where << ": \"acc\" holds a non-number: " << a.dump());
+      DFLASH_REQUIRE(a.is_null() || a.is_number(), where << ": \"acc\" holds a non-number: " << a.dump());
       m.acc.push_back(a.is_null() ? kNaN : a.get<double>());
     }
   }
@@ -119,12 +119,12 @@ std::string resolve_metrics_path(const std::string& run_dir_or_jsonl) {
   std::error_code ec;
   if (fs::is_directory(p, ec)) {
     const fs::path m = p / "metrics.jsonl";
-    DFLASH_CHECK_HINT(fs::exists(m, ec), "the run directory '" << p.string() << "' has no metrics.jsonl",
+    DFLASH_REQUIRE_HINT(fs::exists(m, ec), "the run directory '" << p.string() << "' has no metrics.jsonl",
                       "dflash_train writes RUN_DIR/metrics.jsonl every logging.interval steps; pass that run's "
                       "directory (or the file itself)");
     return m.string();
   }
-  DFLASH_CHECK_HINT(fs::exists(p, ec), "metrics file '" << p.string() << "' does not exist",
+  DFLASH_REQUIRE_HINT(fs::exists(p, ec), "metrics file '" << p.string() << "' does not exist",
                     "pass a run directory (holding metrics.jsonl) or the metrics.jsonl file itself");
   return p.string();
 }
@@ -144,7 +144,7 @@ Metrics read_metrics(const std::string& jsonl_path) {
     m.lines.push_back(std::move(l));
   }
   DFLASH_CHECK_IO(!in.bad(), "reading metrics file", jsonl_path);
-  DFLASH_CHECK_HINT(!m.lines.empty(), "metrics file '" << jsonl_path << "' is empty (no metric lines)",
+  DFLASH_REQUIRE_HINT(!m.lines.empty(), "metrics file '" << jsonl_path << "' is empty (no metric lines)",
                     "dflash_train writes its first line after logging.interval steps; wait for it or lower "
                     "logging.interval");
   for (const MetricsLine& l : m.lines) {

@@ -23,7 +23,7 @@ bool push(Generation& g, const GenerateOptions& o, int32_t t) {
 }
 
 void check_options(const GenerateOptions& o) {
-  DFLASH_CHECK_HINT(o.max_new_tokens >= 1, "max new tokens = " << o.max_new_tokens << " must be >= 1",
+  DFLASH_REQUIRE_HINT(o.max_new_tokens >= 1, "max new tokens = " << o.max_new_tokens << " must be >= 1",
                     "ask for at least one new token");
 }
 
@@ -58,7 +58,7 @@ Generation speculative_generate(target::Decoder& target, drafter::Proposer& prop
   check_options(o);
   const drafter::DrafterConfig& dc = proposer.config();
   const int64_t B = o.block_size;
-  DFLASH_CHECK_HINT(B >= 2 && B <= dc.block_size,
+  DFLASH_REQUIRE_HINT(B >= 2 && B <= dc.block_size,
                     "block size " << B << " is outside [2, " << dc.block_size << "] (the drafter's block_size)",
                     "a drafter proposes at most block_size - 1 tokens per step");
   target.reset(slot);

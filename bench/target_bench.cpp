@@ -53,7 +53,7 @@ std::vector<int64_t> parse_list(const std::string& s) {
     const std::string tok = s.substr(pos, end - pos);
     char* e = nullptr;
     const long long x = std::strtoll(tok.c_str(), &e, 10);
-    DFLASH_CHECK_HINT(e && *e == '\0' && x > 0, "--seq: '" << tok << "' is not a positive token count", "e.g. --seq 2048,4096,8192");
+    DFLASH_REQUIRE_HINT(e && *e == '\0' && x > 0, "--seq: '" << tok << "' is not a positive token count", "e.g. --seq 2048,4096,8192");
     v.push_back(x);
     pos = end + 1;
   }
@@ -186,10 +186,10 @@ int main(int argc, char** argv) {
     };
     init_logging(rank, log_level);
     const comm::Layout layout = comm::make_layout(world, rank, tp);
-    DFLASH_CHECK_HINT(world == tp, "target_bench runs one TP group: start it with mpirun -n " << tp << " (got " << world << " ranks)",
+    DFLASH_REQUIRE_HINT(world == tp, "target_bench runs one TP group: start it with mpirun -n " << tp << " (got " << world << " ranks)",
                       "use mpirun -n <tp> target_bench --tp <tp>");
-    DFLASH_CHECK_HINT(!target.src.model_dir.empty() || target.src.random_weights, "no weights given", "pass --model DIR or --config FILE --random-weights");
-    DFLASH_CHECK_HINT(cuda_device_count() > 0, "target_bench needs a CUDA GPU and none is visible",
+    DFLASH_REQUIRE_HINT(!target.src.model_dir.empty() || target.src.random_weights, "no weights given", "pass --model DIR or --config FILE --random-weights");
+    DFLASH_REQUIRE_HINT(cuda_device_count() > 0, "target_bench needs a CUDA GPU and none is visible",
                       "run it on the GPU machine; check nvidia-smi / CUDA_VISIBLE_DEVICES");
     const Device dev = world > 1 ? mpi->bind_device() : Device::cuda(0);
     const int di = dev.index;

@@ -22,7 +22,14 @@ std::string version_string() {
 
 void add_common_options(CLI::App& app, std::string* log_level) {
   app.set_version_flag("--version", version_string());
-  app.add_option("--log-level", *log_level, "trace|debug|info|warn|error")->capture_default_str();
+  app.add_option("--log-level", *log_level, "trace|debug|info|warn|error (debug: errors name their source file:line)")
+      ->capture_default_str();
+}
+
+CLI::App* add_subcommand(CLI::App& app, const std::string& name, const std::string& description, std::string* log_level) {
+  CLI::App* sub = app.add_subcommand(name, description);
+  add_common_options(*sub, log_level);
+  return sub;
 }
 
 std::vector<int32_t> parse_token_ids(const std::string& text, const std::string& where) {
@@ -33,7 +40,7 @@ std::vector<int32_t> parse_token_ids(const std::string& text, const std::string&
     char* end = nullptr;
     errno = 0;
     const long long v = std::strtoll(tok.c_str(), &end, 10);
-    DFLASH_CHECK_HINT(end && *end == '\0' && errno == 0 && v >= 0 && v <= INT32_MAX, where << ": '" << tok << "' is not a token id",
+    DFLASH_REQUIRE_HINT(end && *end == '\0' && errno == 0 && v >= 0 && v <= INT32_MAX, where << ": '" << tok << "' is not a token id",
                       "token ids are non-negative integers separated by commas or spaces");
     ids.push_back(static_cast<int32_t>(v));
     tok.clear();
@@ -49,7 +56,7 @@ std::vector<int32_t> parse_token_ids(const std::string& text, const std::string&
 void check_device_visible(const Device& dev, const std::string& flag) {
   if (!dev.is_cuda()) return;
   const int n = cuda_device_count();
-  DFLASH_CHECK_HINT(dev.index < n, flag << " " << dev.str() << ": " << n << " CUDA device(s) visible",
+  DFLASH_REQUIRE_HINT(dev.index < n, flag << " " << dev.str() << ": " << n << " CUDA device(s) visible",
                     "check nvidia-smi and CUDA_VISIBLE_DEVICES, or use " << flag << " cpu");
 }
 
@@ -62,11 +69,16 @@ int run_app(CLI::App& app, int argc, char** argv, const std::function<int()>& bo
   try {
     return body();
   } catch (const std::exception& e) {
+    // The debug log level (--log-level debug or DFLASH_LOG_LEVEL=debug, set by init_logging) shows
+    // every error's file:line, a user's included.
+    const bool debug = spdlog::should_log(spdlog::level::debug);
     spdlog::shutdown();
+    const auto* de = dynamic_cast<const Error*>(&e);
+    const std::string text = de ? de->report(debug) : e.what();
     // Under mpirun every rank may print: say which one.
     const int rank = env_rank();
     const std::string who = rank >= 0 ? "[rank " + std::to_string(rank) + "] " : "";
-    std::fprintf(stderr, "%s%s: error: %s\n", who.c_str(), app.get_name().c_str(), e.what());
+    std::fprintf(stderr, "%s%s: error: %s\n", who.c_str(), app.get_name().c_str(), text.c_str());
   }
   return 1;
 }

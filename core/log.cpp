@@ -76,7 +76,7 @@ void init_logging(int rank, const std::string& level, const std::string& log_fil
   std::string lvl = level;
   if (const char* env = std::getenv("DFLASH_LOG_LEVEL")) lvl = env;
   auto parsed = spdlog::level::from_str(lvl);
-  DFLASH_CHECK_HINT(parsed != spdlog::level::off || lvl == "off", "unknown log level '" << lvl << "'",
+  DFLASH_REQUIRE_HINT(parsed != spdlog::level::off || lvl == "off", "unknown log level '" << lvl << "'",
                     "use trace, debug, info, warn, error or off");
   std::vector<spdlog::sink_ptr> sinks;
   sinks.push_back(std::make_shared<spdlog::sinks::stderr_color_sink_mt>());

@@ -35,7 +35,7 @@ std::string read_string_attr(hid_t obj, const char* name, const std::string& pat
                 H5Aclose);
   H5Handle type(DFLASH_H5_CHECK(H5Aget_type(attr), "reading the type of attribute '" << name << "' of '" << path << "'"),
                 H5Tclose);
-  DFLASH_CHECK_HINT(H5Tget_class(type) == H5T_STRING,
+  DFLASH_REQUIRE_HINT(H5Tget_class(type) == H5T_STRING,
                     "dataset file '" << path << "': attribute '" << name << "' is not a string", kRebuildHint);
   const htri_t is_vlen = DFLASH_H5_CHECK(H5Tis_variable_str(type), "inspecting attribute '" << name << "'");
   if (is_vlen > 0) {
@@ -64,7 +64,7 @@ int64_t read_int_attr(hid_t obj, const char* name, const std::string& path) {
                 H5Aclose);
   H5Handle type(DFLASH_H5_CHECK(H5Aget_type(attr), "reading attribute '" << name << "'"), H5Tclose);
   H5Handle space(DFLASH_H5_CHECK(H5Aget_space(attr), "reading attribute '" << name << "'"), H5Sclose);
-  DFLASH_CHECK_HINT(H5Tget_class(type) == H5T_INTEGER && H5Sget_simple_extent_npoints(space) == 1,
+  DFLASH_REQUIRE_HINT(H5Tget_class(type) == H5T_INTEGER && H5Sget_simple_extent_npoints(space) == 1,
                     "dataset file '" << path << "': attribute '" << name << "' is not one integer", kRebuildHint);
   int64_t v = 0;
   DFLASH_H5_CHECK(H5Aread(attr, H5T_NATIVE_INT64, &v), "reading attribute '" << name << "' of '" << path << "'");
@@ -73,17 +73,17 @@ int64_t read_int_attr(hid_t obj, const char* name, const std::string& path) {
 
 // Checks the file's attributes; returns vocab_size.
 int64_t check_attributes(hid_t file, const std::string& path) {
-  DFLASH_CHECK_HINT(has_attr(file, "format", path),
+  DFLASH_REQUIRE_HINT(has_attr(file, "format", path),
                     "dataset file '" << path << "' has no 'format' attribute: it is not a " << kFormat << " file",
                     "convert token data with `dflash_data convert` (JSONL rows {\"input_ids\": [...], \"loss_mask\": [...]})");
   const std::string format = read_string_attr(file, "format", path);
-  DFLASH_CHECK_HINT(format == kFormat,
+  DFLASH_REQUIRE_HINT(format == kFormat,
                     "dataset file '" << path << "': attribute 'format' is '" << format << "', expected '" << kFormat << "'",
                     "convert the data with this version's `dflash_data convert`");
-  DFLASH_CHECK_HINT(has_attr(file, "vocab_size", path),
+  DFLASH_REQUIRE_HINT(has_attr(file, "vocab_size", path),
                     "dataset file '" << path << "' has no 'vocab_size' attribute", kRebuildHint);
   const int64_t vocab = read_int_attr(file, "vocab_size", path);
-  DFLASH_CHECK_HINT(vocab > 0 && vocab <= (int64_t{1} << 31),
+  DFLASH_REQUIRE_HINT(vocab > 0 && vocab <= (int64_t{1} << 31),
                     "dataset file '" << path << "': attribute 'vocab_size' = " << vocab << " is not a valid vocabulary size",
                     kRebuildHint);
   return vocab;
@@ -92,13 +92,13 @@ int64_t check_attributes(hid_t file, const std::string& path) {
 // Opens a 1-D integer dataset; returns it and its length in elements.
 H5Handle open_1d(hid_t file, const char* name, const std::string& path, int64_t* length) {
   const htri_t exists = DFLASH_H5_CHECK(H5Lexists(file, name, H5P_DEFAULT), "looking for " << name << " in '" << path << "'");
-  DFLASH_CHECK_HINT(exists > 0, "dataset file '" << path << "' has no dataset " << name, kRebuildHint);
+  DFLASH_REQUIRE_HINT(exists > 0, "dataset file '" << path << "' has no dataset " << name, kRebuildHint);
   H5Handle ds(DFLASH_H5_CHECK(H5Dopen2(file, name, H5P_DEFAULT), "opening " << name << " in '" << path << "'"), H5Dclose);
   H5Handle type(DFLASH_H5_CHECK(H5Dget_type(ds), "reading the type of " << name << " in '" << path << "'"), H5Tclose);
   H5Handle space(DFLASH_H5_CHECK(H5Dget_space(ds), "reading the shape of " << name << " in '" << path << "'"), H5Sclose);
-  DFLASH_CHECK_HINT(H5Tget_class(type) == H5T_INTEGER,
+  DFLASH_REQUIRE_HINT(H5Tget_class(type) == H5T_INTEGER,
                     "dataset file '" << path << "': dataset " << name << " does not hold integers", kRebuildHint);
-  DFLASH_CHECK_HINT(H5Sget_simple_extent_ndims(space) == 1,
+  DFLASH_REQUIRE_HINT(H5Sget_simple_extent_ndims(space) == 1,
                     "dataset file '" << path << "': dataset " << name << " is not 1-dimensional", kRebuildHint);
   hsize_t dim = 0;
   H5Sget_simple_extent_dims(space, &dim, nullptr);
@@ -133,29 +133,29 @@ Structure check_structure(hid_t file, const std::string& path) {
   s.ids = open_1d(file, "/input_ids", path, &n_ids);
   s.mask = open_1d(file, "/loss_mask", path, &n_mask);
   H5Handle off = open_1d(file, "/offsets", path, &n_off);
-  DFLASH_CHECK_HINT(n_off >= 1, "dataset file '" << path << "': /offsets is empty; it must hold sequences + 1 values starting at 0",
+  DFLASH_REQUIRE_HINT(n_off >= 1, "dataset file '" << path << "': /offsets is empty; it must hold sequences + 1 values starting at 0",
                     kRebuildHint);
   s.offsets.resize(static_cast<size_t>(n_off));
   read_slice(off, H5T_NATIVE_INT64, 0, n_off, s.offsets.data(), path, "/offsets");
-  DFLASH_CHECK_HINT(s.offsets[0] == 0, "dataset file '" << path << "': /offsets[0] = " << s.offsets[0] << ", expected 0",
+  DFLASH_REQUIRE_HINT(s.offsets[0] == 0, "dataset file '" << path << "': /offsets[0] = " << s.offsets[0] << ", expected 0",
                     kRebuildHint);
   for (int64_t i = 0; i + 1 < n_off; ++i) {
     const int64_t a = s.offsets[i], b = s.offsets[i + 1];
-    DFLASH_CHECK_HINT(b >= a,
+    DFLASH_REQUIRE_HINT(b >= a,
                       "dataset file '" << path << "': /offsets is not monotonic at sequence " << i << " (offsets[" << i
                                        << "] = " << a << ", offsets[" << i + 1 << "] = " << b << ")",
                       kRebuildHint);
-    DFLASH_CHECK_HINT(b != a,
+    DFLASH_REQUIRE_HINT(b != a,
                       "dataset file '" << path << "': sequence " << i << " is empty (/offsets[" << i << "] = /offsets["
                                        << i + 1 << "] = " << a << ")",
                       "drop empty rows before converting; every sequence needs at least one token");
   }
   const int64_t last = s.offsets.back();
-  DFLASH_CHECK_HINT(last == n_ids,
+  DFLASH_REQUIRE_HINT(last == n_ids,
                     "dataset file '" << path << "': /offsets ends at " << last << " (after sequence " << n_off - 2
                                      << ") but /input_ids holds " << n_ids << " tokens",
                     kRebuildHint);
-  DFLASH_CHECK_HINT(n_mask == n_ids,
+  DFLASH_REQUIRE_HINT(n_mask == n_ids,
                     "dataset file '" << path << "': /loss_mask holds " << n_mask << " values but /input_ids holds " << n_ids
                                      << " tokens (they must have the same length)",
                     kRebuildHint);
@@ -163,7 +163,7 @@ Structure check_structure(hid_t file, const std::string& path) {
 }
 
 H5Handle open_file(const std::string& path) {
-  DFLASH_CHECK_HINT(fs::exists(path), "dataset file '" << path << "' does not exist",
+  DFLASH_REQUIRE_HINT(fs::exists(path), "dataset file '" << path << "' does not exist",
                     "check the path; make one with `dflash_data convert` or `dflash_data synth`");
   return H5Handle(DFLASH_H5_CHECK(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), "opening dataset file '" << path << "'"),
                   H5Fclose);
@@ -208,14 +208,14 @@ void check_sequences(hid_t ids_ds, hid_t mask_ds, const std::vector<int64_t>& of
       for (int64_t t = 0; t < len; ++t) {
         const int64_t id = ids[static_cast<size_t>(s0 + t)];
         if (id < 0 || id >= vocab)
-          DFLASH_FAIL_HINT("dataset file '" << path << "': /input_ids: " << where(i, t) << ": token id " << id
+          DFLASH_REJECT_HINT("dataset file '" << path << "': /input_ids: " << where(i, t) << ": token id " << id
                                             << " is outside [0, vocab_size = " << vocab << ")",
                            (vocab_hint.empty() ? "the file's vocab_size attribute does not match the tokenizer that made "
                                                  "the ids; reconvert with the right --vocab-size"
                                                : vocab_hint));
         const int32_t m = mask[static_cast<size_t>(s0 + t)];
         if (m != 0 && m != 1)
-          DFLASH_FAIL_HINT("dataset file '" << path << "': /loss_mask: " << where(i, t) << ": value " << m << " is not 0 or 1",
+          DFLASH_REJECT_HINT("dataset file '" << path << "': /loss_mask: " << where(i, t) << ": value " << m << " is not 0 or 1",
                            "loss_mask marks supervised tokens with 1 and the rest with 0; reconvert the data");
         st.supervised += m;
         if (m && t > 0 && mask[static_cast<size_t>(s0 + t - 1)] && (anchor_window <= 0 || t < anchor_window)) anchor = true;
@@ -237,14 +237,14 @@ void check_sequences(hid_t ids_ds, hid_t mask_ds, const std::vector<int64_t>& of
 
 DatasetWriter::DatasetWriter(std::string path, int64_t vocab_size, WriterOptions options)
     : path_(std::move(path)), tmp_path_(path_ + ".tmp"), vocab_size_(vocab_size), options_(options) {
-  DFLASH_CHECK_HINT(vocab_size_ > 0 && vocab_size_ <= (int64_t{1} << 31),
+  DFLASH_REQUIRE_HINT(vocab_size_ > 0 && vocab_size_ <= (int64_t{1} << 31),
                     "writing '" << path_ << "': vocab_size = " << vocab_size_ << " is not a valid vocabulary size",
                     "pass the tokenizer's vocabulary size (e.g. --vocab-size 151936)");
-  DFLASH_CHECK(options_.chunk_tokens >= 1, "writing '" << path_ << "': chunk_tokens must be >= 1");
-  DFLASH_CHECK(options_.compression >= 0 && options_.compression <= 9,
+  DFLASH_REQUIRE(options_.chunk_tokens >= 1, "writing '" << path_ << "': chunk_tokens must be >= 1");
+  DFLASH_REQUIRE(options_.compression >= 0 && options_.compression <= 9,
                "writing '" << path_ << "': compression level " << options_.compression << " is not in 0..9");
   const fs::path parent = fs::path(path_).parent_path();
-  DFLASH_CHECK_HINT(parent.empty() || fs::is_directory(parent),
+  DFLASH_REQUIRE_HINT(parent.empty() || fs::is_directory(parent),
                     "writing '" << path_ << "': the directory '" << parent.string() << "' does not exist",
                     "create it first (mkdir -p " << parent.string() << "), or check the path");
 
@@ -296,18 +296,18 @@ DatasetWriter::~DatasetWriter() {
 void DatasetWriter::append(std::span<const int32_t> ids, std::span<const uint8_t> mask) {
   DFLASH_CHECK(!finished_, "writing '" << path_ << "': append after finish");
   const int64_t seq = num_sequences();
-  DFLASH_CHECK_HINT(!ids.empty(), "writing '" << path_ << "': sequence " << seq << " is empty",
+  DFLASH_REQUIRE_HINT(!ids.empty(), "writing '" << path_ << "': sequence " << seq << " is empty",
                     "drop empty rows; every sequence needs at least one token");
-  DFLASH_CHECK_HINT(ids.size() == mask.size(),
+  DFLASH_REQUIRE_HINT(ids.size() == mask.size(),
                     "writing '" << path_ << "': sequence " << seq << " has " << ids.size() << " input_ids but "
                                 << mask.size() << " loss_mask values",
                     "input_ids and loss_mask must have one value per token");
   for (size_t t = 0; t < ids.size(); ++t) {
-    DFLASH_CHECK_HINT(ids[t] >= 0 && ids[t] < vocab_size_,
+    DFLASH_REQUIRE_HINT(ids[t] >= 0 && ids[t] < vocab_size_,
                       "writing '" << path_ << "': sequence " << seq << ", position " << t << ": token id " << ids[t]
                                   << " is outside [0, vocab_size = " << vocab_size_ << ")",
                       "check --vocab-size against the tokenizer that produced the ids");
-    DFLASH_CHECK_HINT(mask[t] <= 1,
+    DFLASH_REQUIRE_HINT(mask[t] <= 1,
                       "writing '" << path_ << "': sequence " << seq << ", position " << t << ": loss_mask value "
                                   << int(mask[t]) << " is not 0 or 1",
                       "loss_mask marks supervised tokens with 1 and the rest with 0");
@@ -383,22 +383,22 @@ std::vector<std::string> expand_paths(const std::vector<std::string>& specs) {
       if (rc == 0)
         for (size_t i = 0; i < g.gl_pathc; ++i) found.emplace_back(g.gl_pathv[i]);
       globfree(&g);
-      DFLASH_CHECK_HINT(!found.empty(), "data files: the pattern '" << spec << "' matches no file",
+      DFLASH_REQUIRE_HINT(!found.empty(), "data files: the pattern '" << spec << "' matches no file",
                         "check the pattern; quote it so that the shell does not expand it");
     } else if (fs::is_directory(spec)) {
       for (const auto& e : fs::directory_iterator(spec))
         if (e.is_regular_file() && e.path().extension() == ".h5") found.push_back(e.path().string());
-      DFLASH_CHECK_HINT(!found.empty(), "data files: the directory '" << spec << "' holds no *.h5 file",
+      DFLASH_REQUIRE_HINT(!found.empty(), "data files: the directory '" << spec << "' holds no *.h5 file",
                         "convert data into it with `dflash_data convert` or `dflash_data synth`");
     } else {
-      DFLASH_CHECK_HINT(fs::exists(spec), "dataset file '" << spec << "' does not exist",
+      DFLASH_REQUIRE_HINT(fs::exists(spec), "dataset file '" << spec << "' does not exist",
                         "check the path; make one with `dflash_data convert` or `dflash_data synth`");
       found.push_back(spec);
     }
     std::sort(found.begin(), found.end());
     out.insert(out.end(), found.begin(), found.end());
   }
-  DFLASH_CHECK_HINT(!out.empty(), "no dataset files given", "name .h5 files, a directory or a glob pattern");
+  DFLASH_REQUIRE_HINT(!out.empty(), "no dataset files given", "name .h5 files, a directory or a glob pattern");
   return out;
 }
 
@@ -419,7 +419,7 @@ Dataset::Dataset(const std::vector<std::string>& specs) {
     info.num_tokens = o.offsets.back();
     info.first_sequence = num_sequences_;
     if (!infos_.empty())
-      DFLASH_CHECK_HINT(info.vocab_size == infos_.front().vocab_size,
+      DFLASH_REQUIRE_HINT(info.vocab_size == infos_.front().vocab_size,
                         "dataset file '" << path << "' has vocab_size " << info.vocab_size << " but '"
                                          << infos_.front().path << "' has " << infos_.front().vocab_size,
                         "all files of one dataset must come from the same tokenizer");
@@ -475,20 +475,20 @@ Sequence parse_token_row(const std::string& line, const std::string& where, int6
   try {
     row = json::parse(line);
   } catch (const json::parse_error& e) {
-    DFLASH_FAIL_HINT(where << ": not valid JSON (" << e.what() << ")", kRowHint);
+    DFLASH_REJECT_HINT(where << ": not valid JSON (" << e.what() << ")", kRowHint);
   }
-  DFLASH_CHECK_HINT(row.is_object(), where << ": the row is not a JSON object", kRowHint);
+  DFLASH_REQUIRE_HINT(row.is_object(), where << ": the row is not a JSON object", kRowHint);
   const bool has_mask = mask_required || row.contains("loss_mask");
   for (const char* key : {"input_ids", "loss_mask"}) {
     if (!has_mask && std::string(key) == "loss_mask") continue;
-    DFLASH_CHECK_HINT(row.contains(key), where << ": the row has no \"" << key << "\"", kRowHint);
-    DFLASH_CHECK_HINT(row[key].is_array(), where << ": \"" << key << "\" is not an array", kRowHint);
+    DFLASH_REQUIRE_HINT(row.contains(key), where << ": the row has no \"" << key << "\"", kRowHint);
+    DFLASH_REQUIRE_HINT(row[key].is_array(), where << ": \"" << key << "\" is not an array", kRowHint);
   }
   const json& ids = row["input_ids"];
   const json empty = json::array();
   const json& mask = has_mask ? row["loss_mask"] : empty;
-  DFLASH_CHECK_HINT(!ids.empty(), where << ": \"input_ids\" is empty", "drop empty rows; every sequence needs a token");
-  DFLASH_CHECK_HINT(!has_mask || ids.size() == mask.size(),
+  DFLASH_REQUIRE_HINT(!ids.empty(), where << ": \"input_ids\" is empty", "drop empty rows; every sequence needs a token");
+  DFLASH_REQUIRE_HINT(!has_mask || ids.size() == mask.size(),
                     where << ": \"input_ids\" has " << ids.size() << " values but \"loss_mask\" has " << mask.size(),
                     kRowHint);
   Sequence out;
@@ -501,22 +501,22 @@ Sequence parse_token_row(const std::string& line, const std::string& where, int6
     const bool huge = (ids[t].is_number_float() && std::isfinite(ids[t].get<double>()) &&
                        std::abs(ids[t].get<double>()) >= 9007199254740992.0 /* 2^53 */) ||
                       (ids[t].is_number_unsigned() && ids[t].get<uint64_t>() > static_cast<uint64_t>(INT64_MAX));
-    DFLASH_CHECK_HINT(!huge,
+    DFLASH_REQUIRE_HINT(!huge,
                       where << ": input_ids[" << t << "] = " << ids[t].dump() << " is far outside [0, " << vocab_name << " = " << vocab
                             << ")",
                       "token ids are integers below the tokenizer's vocabulary size; check what wrote this row");
-    DFLASH_CHECK_HINT(ids[t].is_number_integer(), where << ": input_ids[" << t << "] = " << ids[t].dump() << " is not an integer",
+    DFLASH_REQUIRE_HINT(ids[t].is_number_integer(), where << ": input_ids[" << t << "] = " << ids[t].dump() << " is not an integer",
                       kRowHint);
     const int64_t id = ids[t].get<int64_t>();
-    DFLASH_CHECK_HINT(id >= 0 && id < vocab,
+    DFLASH_REQUIRE_HINT(id >= 0 && id < vocab,
                       where << ": input_ids[" << t << "] = " << id << " is outside [0, " << vocab_name << " = " << vocab << ")",
                       "check " << vocab_name << " against the tokenizer that produced the ids");
     s->ids[t] = static_cast<int32_t>(id);
     if (!has_mask) continue;
-    DFLASH_CHECK_HINT(mask[t].is_number_integer() || mask[t].is_boolean(),
+    DFLASH_REQUIRE_HINT(mask[t].is_number_integer() || mask[t].is_boolean(),
                       where << ": loss_mask[" << t << "] = " << mask[t].dump() << " is not 0 or 1", kRowHint);
     const int64_t m = mask[t].is_boolean() ? int64_t{mask[t].get<bool>()} : mask[t].get<int64_t>();
-    DFLASH_CHECK_HINT(m == 0 || m == 1, where << ": loss_mask[" << t << "] = " << m << " is not 0 or 1", kRowHint);
+    DFLASH_REQUIRE_HINT(m == 0 || m == 1, where << ": loss_mask[" << t << "] = " << m << " is not 0 or 1", kRowHint);
     s->mask[t] = static_cast<uint8_t>(m);
   }
   return out;

@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
 
   // convert
-  auto* convert = app.add_subcommand("convert", "JSONL rows {\"input_ids\": [...], \"loss_mask\": [...]} -> HDF5");
+  auto* convert = add_subcommand(app, "convert", "JSONL rows {\"input_ids\": [...], \"loss_mask\": [...]} -> HDF5", &log_level);
   std::vector<std::string> conv_inputs;
   std::string conv_out;
   int64_t conv_vocab = 0;
@@ -86,17 +86,17 @@ int main(int argc, char** argv) {
   convert->add_option("--compression", wopt.compression, "deflate level 0..9 (0: none)")->capture_default_str();
 
   // validate
-  auto* validate = app.add_subcommand("validate", "check every invariant of dataset files");
+  auto* validate = add_subcommand(app, "validate", "check every invariant of dataset files", &log_level);
   std::vector<std::string> val_files;
   validate->add_option("files", val_files, "files, directories or glob patterns")->required();
 
   // stats
-  auto* stats = app.add_subcommand("stats", "sequences, tokens, supervised tokens, length histogram");
+  auto* stats = add_subcommand(app, "stats", "sequences, tokens, supervised tokens, length histogram", &log_level);
   std::vector<std::string> stat_files;
   stats->add_option("files", stat_files, "files, directories or glob patterns")->required();
 
   // synth
-  auto* synth = app.add_subcommand("synth", "write a deterministic synthetic corpus with learnable structure");
+  auto* synth = add_subcommand(app, "synth", "write a deterministic synthetic corpus with learnable structure", &log_level);
   SynthOptions sopt;
   std::string synth_out;
   synth->add_option("--out,-o", synth_out, "output .h5 file")->required();
@@ -109,7 +109,7 @@ int main(int argc, char** argv) {
   synth->add_option("--compression", wopt.compression, "deflate level 0..9 (0: none)")->capture_default_str();
 
   // dump
-  auto* dump = app.add_subcommand("dump", "print sequences as JSONL rows {\"input_ids\": [...], \"loss_mask\": [...]} (convert's input)");
+  auto* dump = add_subcommand(app, "dump", "print sequences as JSONL rows {\"input_ids\": [...], \"loss_mask\": [...]} (convert's input)", &log_level);
   std::vector<std::string> dump_files;
   int64_t dump_first = 0, dump_count = -1;
   dump->add_option("files", dump_files, "files, directories or glob patterns")->required();
@@ -117,7 +117,7 @@ int main(int argc, char** argv) {
   dump->add_option("--count", dump_count, "sequences printed (default: all)")->check(CLI::NonNegativeNumber);
 
   // regenerate
-  auto* regen = app.add_subcommand("regenerate", "replace the responses by the target's own (greedy or sampled)");
+  auto* regen = add_subcommand(app, "regenerate", "replace the responses by the target's own (greedy or sampled)", &log_level);
   RegenerateOptions ropt;
   target::TargetOptions target;
   std::string device = "cpu";
@@ -176,9 +176,9 @@ int main(int argc, char** argv) {
       const Device dev = Device::parse(device);
       const Device rank_dev = device == "cuda" && mpi ? Device::cuda(mpi->local_rank()) : dev;  // one GPU per rank
       if (temperature < 0 || !std::isfinite(temperature))
-        DFLASH_FAIL_HINT("--temperature " << temperature << " must be >= 0", "0 is greedy decoding");
+        DFLASH_REJECT_HINT("--temperature " << temperature << " must be >= 0", "0 is greedy decoding");
       if (temperature > 0) ropt.gen.sample = ops::SampleParams{static_cast<float>(temperature), static_cast<float>(top_p), sample_seed};
-      else DFLASH_CHECK_HINT(top_p == 1.0, "--top-p " << top_p << " needs --temperature > 0", "greedy decoding keeps no nucleus");
+      else DFLASH_REQUIRE_HINT(top_p == 1.0, "--top-p " << top_p << " needs --temperature > 0", "greedy decoding keeps no nucleus");
       ropt.progress = !no_progress;
       const target::TargetConfig cfg = src.read_config();
       target::check_tp(cfg, tp);
@@ -218,7 +218,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*convert) {
-      DFLASH_CHECK_HINT(conv_vocab > 0, "convert: --vocab-size = " << conv_vocab << " must be positive",
+      DFLASH_REQUIRE_HINT(conv_vocab > 0, "convert: --vocab-size = " << conv_vocab << " must be positive",
                         "pass the tokenizer's vocabulary size");
       DatasetWriter w(conv_out, conv_vocab, wopt);
       int64_t rows = 0, supervised = 0;
@@ -238,7 +238,7 @@ int main(int argc, char** argv) {
         }
         DFLASH_CHECK_IO(!f.bad(), "reading JSONL file", in);
       }
-      DFLASH_CHECK_HINT(rows > 0, "convert: the input holds no rows", "check the input files");
+      DFLASH_REQUIRE_HINT(rows > 0, "convert: the input holds no rows", "check the input files");
       w.finish();
       std::printf("wrote %s: %lld sequences, %lld tokens (%lld supervised)\n", conv_out.c_str(),
                   static_cast<long long>(w.num_sequences()), static_cast<long long>(w.num_tokens()),

@@ -29,7 +29,8 @@ std::string hint_for(const std::string& m) {
   if (contains(m, "errno = 13,")) return "check the file permissions";
   if (contains(m, "errno = 28,")) return "the disk is full; free space or choose another directory";
   if (contains(m, "signature not found"))
-    return "the file is not an HDF5 file, or is truncated; rebuild it with dflash_data";
+    return "the file is not an HDF5 file, or is truncated: data files are dflash.tokens.v1 HDF5; make one from JSONL "
+           "token rows with `dflash_data convert rows.jsonl --vocab-size V --out data.h5`, or rebuild a truncated one";
   if (contains(m, "lock"))
     return "another process may have the file open for writing; on network filesystems without locking "
            "set HDF5_USE_FILE_LOCKING=FALSE";
@@ -60,7 +61,10 @@ void throw_h5_error(const char* call, const std::string& what, const H5ErrorDeta
   if (detail.message.empty()) msg += "HDF5 left no error message";
   else msg += detail.message;
   if (!detail.function.empty()) msg += " [in " + detail.function + "]";
-  raise(file, line, msg, hint_for(detail.message));
+  // A failure with a known cause (a missing or unreadable path, a full disk, not an HDF5 file) is the
+  // user's to fix; any other is reported with its source location.
+  const std::string hint = hint_for(detail.message);
+  raise(file, line, msg, hint, hint.empty() ? ErrorKind::Internal : ErrorKind::User);
 }
 
 void H5Handle::reset() noexcept {

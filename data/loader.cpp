@@ -34,7 +34,7 @@ bool has_anchor(const std::vector<uint8_t>& mask) {
 }
 
 Loader::Loader(LoaderConfig config) : config_(std::move(config)), dataset_(config_.files) {
-  DFLASH_CHECK_HINT(config_.max_length >= 2, "data loader: max_length = " << config_.max_length << " must be >= 2",
+  DFLASH_REQUIRE_HINT(config_.max_length >= 2, "data loader: max_length = " << config_.max_length << " must be >= 2",
                     "a training sequence needs at least two tokens");
   DFLASH_CHECK(config_.batch >= 1, "data loader: batch = " << config_.batch << " must be >= 1");
   DFLASH_CHECK(config_.num_tp_groups >= 1 && config_.tp_group >= 0 && config_.tp_group < config_.num_tp_groups,
@@ -42,7 +42,7 @@ Loader::Loader(LoaderConfig config) : config_(std::move(config)), dataset_(confi
                                         << ")");
   const int64_t n = dataset_.num_sequences();
   slots_per_epoch_ = n / config_.num_tp_groups;
-  DFLASH_CHECK_HINT(slots_per_epoch_ >= 1,
+  DFLASH_REQUIRE_HINT(slots_per_epoch_ >= 1,
                     "data loader: the dataset has " << n << " sequences, fewer than the " << config_.num_tp_groups
                                                     << " TP groups that share it",
                     "use more data or fewer data-parallel groups");
@@ -108,18 +108,18 @@ void Loader::restore(const nlohmann::json& state) {
   try {
     const int64_t n = state.at("num_sequences").get<int64_t>();
     const int64_t t = state.at("num_tokens").get<int64_t>();
-    DFLASH_CHECK_HINT(n == dataset_.num_sequences() && t == dataset_.num_tokens(),
+    DFLASH_REQUIRE_HINT(n == dataset_.num_sequences() && t == dataset_.num_tokens(),
                       "data loader: the saved position is for a dataset of " << n << " sequences / " << t
                                                                              << " tokens, but the data files hold "
                                                                              << dataset_.num_sequences() << " / "
                                                                              << dataset_.num_tokens(),
                       "resume with the same data files, or start a new run");
     const uint64_t seed = state.at("seed").get<uint64_t>();
-    DFLASH_CHECK_HINT(seed == config_.seed,
+    DFLASH_REQUIRE_HINT(seed == config_.seed,
                       "data loader: the saved position was made with seed " << seed << ", this run uses " << config_.seed,
                       "resume with the same seed");
     const int g = state.at("num_tp_groups").get<int>();
-    DFLASH_CHECK_HINT(g == config_.num_tp_groups,
+    DFLASH_REQUIRE_HINT(g == config_.num_tp_groups,
                       "data loader: the saved position is for " << g << " TP groups, this run has " << config_.num_tp_groups,
                       "resume with the same world size and tp");
     LoaderPosition p = state.at("position").get<LoaderPosition>();
@@ -130,7 +130,7 @@ void Loader::restore(const nlohmann::json& state) {
     pos_ = p;
     counters_ = c;
   } catch (const nlohmann::json::exception& e) {
-    DFLASH_FAIL_HINT("data loader: the saved position is malformed: " << e.what(),
+    DFLASH_REJECT_HINT("data loader: the saved position is malformed: " << e.what(),
                      "the checkpoint's loader state was written by another version or edited by hand");
   }
 }

@@ -104,7 +104,7 @@ std::optional<json> read_json(const std::string& path, const std::string& what_t
     std::ifstream f(path);
     return json::parse(f);
   } catch (const std::exception& e) {
-    DFLASH_FAIL_HINT("regenerate: " << path << " cannot be read: " << e.what(),
+    DFLASH_REJECT_HINT("regenerate: " << path << " cannot be read: " << e.what(),
                      "remove " << what_to_remove << " to make it again");
   }
 }
@@ -133,21 +133,21 @@ RegenerateSummary regenerate(target::Decoder& dec, const RegenerateOptions& o, c
   const auto barrier = [&] {
     if (lay.barrier) lay.barrier();
   };
-  DFLASH_CHECK_HINT(!o.out.empty(), "regenerate: no output file given", "pass --out FILE.h5");
-  DFLASH_CHECK_HINT(o.part_size >= 1, "regenerate: part size " << o.part_size << " must be >= 1",
+  DFLASH_REQUIRE_HINT(!o.out.empty(), "regenerate: no output file given", "pass --out FILE.h5");
+  DFLASH_REQUIRE_HINT(o.part_size >= 1, "regenerate: part size " << o.part_size << " must be >= 1",
                     "a part is the sequences written (and resumed) together");
   target::check_generate_config(o.gen, dec.config().vocab_size);
   const Dataset ds(o.inputs);
-  DFLASH_CHECK_HINT(ds.vocab_size() <= dec.config().vocab_size,
+  DFLASH_REQUIRE_HINT(ds.vocab_size() <= dec.config().vocab_size,
                     "regenerate: the inputs have vocab_size " << ds.vocab_size() << ", larger than the target's vocabulary of "
                                                               << dec.config().vocab_size,
                     "tokenize the prompts with the target's tokenizer");
   for (const FileInfo& f : ds.files())
-    DFLASH_CHECK_HINT(fs::absolute(f.path).lexically_normal() != fs::absolute(o.out).lexically_normal(),
+    DFLASH_REQUIRE_HINT(fs::absolute(f.path).lexically_normal() != fs::absolute(o.out).lexically_normal(),
                       "regenerate: the output " << o.out << " is also an input", "write the regenerated data to a new file");
   RegenerateSummary sum;
   sum.sequences = o.num_prompts < 0 ? ds.num_sequences() : std::min(o.num_prompts, ds.num_sequences());
-  DFLASH_CHECK_HINT(sum.sequences > 0, "regenerate: the inputs hold no sequences", "check the input files");
+  DFLASH_REQUIRE_HINT(sum.sequences > 0, "regenerate: the inputs hold no sequences", "check the input files");
   const int64_t K = (sum.sequences + o.part_size - 1) / o.part_size;
   sum.parts = K;
   const int64_t slot_len = dec.max_len() - o.gen.max_new_tokens;
@@ -159,7 +159,7 @@ RegenerateSummary regenerate(target::Decoder& dec, const RegenerateOptions& o, c
   if (fs::exists(o.out)) {
     const std::optional<json> was = read_json(manifest_beside(o), o.out);
     const std::string d = was ? difference(*was, want) : "it has no manifest " + manifest_beside(o);
-    DFLASH_CHECK_HINT(d.empty(), "regenerate: the output " << o.out << " exists and was not made with these settings (" << d << ")",
+    DFLASH_REQUIRE_HINT(d.empty(), "regenerate: the output " << o.out << " exists and was not made with these settings (" << d << ")",
                       "remove it (and " << manifest_beside(o) << ") to make it again, or write to another file");
     sum.reused = true;
     const Dataset done({o.out});
@@ -169,7 +169,7 @@ RegenerateSummary regenerate(target::Decoder& dec, const RegenerateOptions& o, c
   const std::string mpath = (fs::path(parts_dir(o)) / "manifest.json").string();
   if (const std::optional<json> was = read_json(mpath, parts_dir(o))) {
     const std::string d = difference(*was, want);
-    DFLASH_CHECK_HINT(d.empty(), "regenerate: " << parts_dir(o) << " holds parts of another regeneration (" << d << ")",
+    DFLASH_REQUIRE_HINT(d.empty(), "regenerate: " << parts_dir(o) << " holds parts of another regeneration (" << d << ")",
                       "run with the same inputs, target and decoding options to continue it, or remove "
                           << parts_dir(o) << " (or choose another --out) to start afresh");
   }
@@ -205,7 +205,7 @@ RegenerateSummary regenerate(target::Decoder& dec, const RegenerateOptions& o, c
       std::vector<int32_t> p = prompt_of(s);
       if (p.empty()) continue;                                                            // counted at the join
       if (o.max_prompt_len > 0 && static_cast<int64_t>(p.size()) > o.max_prompt_len) continue;  // counted at the join
-      DFLASH_CHECK_HINT(static_cast<int64_t>(p.size()) <= slot_len,
+      DFLASH_REQUIRE_HINT(static_cast<int64_t>(p.size()) <= slot_len,
                         "regenerate: sequence " << i << "'s prompt has " << p.size() << " tokens; the slots hold " << slot_len
                                                 << " + " << o.gen.max_new_tokens << " new ones",
                         "size the decoder with regenerate_max_len");
@@ -290,7 +290,7 @@ RegenerateSummary regenerate(target::Decoder& dec, const RegenerateOptions& o, c
                           "remove it and run the regeneration again");
         ++k;
       }
-      DFLASH_CHECK_HINT(sum.written > 0, "regenerate: no sequence has a prompt to regenerate ("
+      DFLASH_REQUIRE_HINT(sum.written > 0, "regenerate: no sequence has a prompt to regenerate ("
                                              << sum.skipped_empty << " are supervised from their first token, "
                                              << sum.skipped_long << " have prompts longer than --max-prompt-len)",
                         "a prompt is the tokens before the first loss_mask = 1");

@@ -12,12 +12,12 @@ constexpr uint64_t kSynthTag = 0x73796e7468636f72ull;  // "synthcor"
 }  // namespace
 
 void check_synth_options(const SynthOptions& o) {
-  DFLASH_CHECK(o.sequences >= 1, "synth: --sequences = " << o.sequences << " must be >= 1");
-  DFLASH_CHECK_HINT(o.min_length >= 3, "synth: --min-len = " << o.min_length << " must be >= 3",
+  DFLASH_REQUIRE(o.sequences >= 1, "synth: --sequences = " << o.sequences << " must be >= 1");
+  DFLASH_REQUIRE_HINT(o.min_length >= 3, "synth: --min-len = " << o.min_length << " must be >= 3",
                     "a sequence needs a prompt token and two supervised tokens");
-  DFLASH_CHECK(o.max_length >= o.min_length,
+  DFLASH_REQUIRE(o.max_length >= o.min_length,
                "synth: --max-len = " << o.max_length << " is smaller than --min-len = " << o.min_length);
-  DFLASH_CHECK(o.vocab_size >= 2 && o.vocab_size <= (int64_t{1} << 31),
+  DFLASH_REQUIRE(o.vocab_size >= 2 && o.vocab_size <= (int64_t{1} << 31),
                "synth: --vocab-size = " << o.vocab_size << " must be in [2, 2^31]");
 }
 

@@ -17,7 +17,7 @@ using nlohmann::json;
 const char* attn_type_name(AttnType t) { return t == AttnType::Full ? "full_attention" : "sliding_attention"; }
 
 std::vector<int64_t> default_target_layer_ids(int64_t num_target_layers, int64_t n) {
-  DFLASH_CHECK(num_target_layers > 0 && n > 0,
+  DFLASH_REQUIRE(num_target_layers > 0 && n > 0,
                "default target_layer_ids: need num_target_layers > 0 and n > 0, got " << num_target_layers << ", " << n);
   if (n == 1) return {num_target_layers / 2};
   const double start = 1, end = static_cast<double>(num_target_layers - 3), span = end - start;
@@ -38,7 +38,7 @@ constexpr const char* kMissingHint = "is this a DFlash drafter config.json (arch
 }  // namespace
 
 DrafterConfig DrafterConfig::from_json(const json& doc, const std::string& source) {
-  DFLASH_CHECK(doc.is_object(), source << ": config must be a JSON object");
+  DFLASH_REQUIRE(doc.is_object(), source << ": config must be a JSON object");
   Fields f(doc, source, "", kMissingHint);
   if (f.has("architectures")) {
     const json& a = doc["architectures"];
@@ -46,16 +46,16 @@ DrafterConfig DrafterConfig::from_json(const json& doc, const std::string& sourc
     bool found = false;
     if (ok)
       for (const json& x : a) found = found || (x.is_string() && x.get<std::string>() == "DFlashDraftModel");
-    DFLASH_CHECK_HINT(ok && found, source << ": field 'architectures' is " << a.dump() << ", expected [\"DFlashDraftModel\"]",
+    DFLASH_REQUIRE_HINT(ok && found, source << ": field 'architectures' is " << a.dump() << ", expected [\"DFlashDraftModel\"]",
                       "this looks like a different kind of model; a DFlash drafter config names DFlashDraftModel");
   }
   const std::string model_type = f.string_or("model_type", "qwen3");
-  DFLASH_CHECK(model_type == "qwen3",
+  DFLASH_REQUIRE(model_type == "qwen3",
                source << ": field 'model_type' is '" << model_type << "'; the DFlash drafter is a 'qwen3' model");
   const std::string act = f.string_or("hidden_act", "silu");
-  DFLASH_CHECK(act == "silu", source << ": field 'hidden_act' is '" << act << "'; only 'silu' is supported");
+  DFLASH_REQUIRE(act == "silu", source << ": field 'hidden_act' is '" << act << "'; only 'silu' is supported");
   if (f.has("attention_bias"))
-    DFLASH_CHECK(doc["attention_bias"].is_boolean() && !doc["attention_bias"].get<bool>(),
+    DFLASH_REQUIRE(doc["attention_bias"].is_boolean() && !doc["attention_bias"].get<bool>(),
                  source << ": field 'attention_bias' must be false (biased projections are not supported)");
 
   DrafterConfig c;
@@ -70,30 +70,30 @@ DrafterConfig DrafterConfig::from_json(const json& doc, const std::string& sourc
   c.rms_norm_eps = f.positive_or("rms_norm_eps", 1e-6);
   c.rope_theta = f.positive_or("rope_theta", 1000000.0);
   if (f.has("rope_parameters")) {
-    DFLASH_CHECK(doc["rope_parameters"].is_object(), source << ": field 'rope_parameters' must be an object");
+    DFLASH_REQUIRE(doc["rope_parameters"].is_object(), source << ": field 'rope_parameters' must be an object");
     Fields r(doc["rope_parameters"], source, "rope_parameters.", kMissingHint);
     const std::string type = r.string_or("rope_type", "default");
-    DFLASH_CHECK(type == "default", source << ": field 'rope_parameters.rope_type' is '" << type
+    DFLASH_REQUIRE(type == "default", source << ": field 'rope_parameters.rope_type' is '" << type
                                            << "'; only 'default' RoPE is supported");
     c.rope_theta = r.positive_or("rope_theta", c.rope_theta);
   }
   if (f.has("rope_scaling")) {
     const json& rs = doc["rope_scaling"];
     const bool plain = rs.is_object() && (!rs.contains("rope_type") || rs["rope_type"] == "default");
-    DFLASH_CHECK(plain, source << ": field 'rope_scaling' is " << rs.dump() << "; only default RoPE is supported");
+    DFLASH_REQUIRE(plain, source << ": field 'rope_scaling' is " << rs.dump() << "; only default RoPE is supported");
   }
   c.max_position_embeddings = f.integer_or("max_position_embeddings", 1, c.max_position_embeddings);
   c.block_size = f.integer_or("block_size", 2, 16);
   c.sliding_window = f.integer_or("sliding_window", 1, 0);
   if (f.has("layer_types")) {
     const json& lt = doc["layer_types"];
-    DFLASH_CHECK(lt.is_array(), source << ": field 'layer_types' must be a list");
+    DFLASH_REQUIRE(lt.is_array(), source << ": field 'layer_types' must be a list");
     for (size_t i = 0; i < lt.size(); ++i) {
       const std::string s = lt[i].is_string() ? lt[i].get<std::string>() : lt[i].dump();
       if (s == "full_attention") c.layer_types.push_back(AttnType::Full);
       else if (s == "sliding_attention") c.layer_types.push_back(AttnType::Sliding);
       else
-        DFLASH_FAIL(source << ": field 'layer_types[" << i << "]' is '" << s
+        DFLASH_REJECT(source << ": field 'layer_types[" << i << "]' is '" << s
                            << "'; expected 'full_attention' or 'sliding_attention'");
     }
   } else {
@@ -102,15 +102,15 @@ DrafterConfig DrafterConfig::from_json(const json& doc, const std::string& sourc
   c.num_target_layers = f.integer("num_target_layers", 1);
 
   const json& dc = f.require("dflash_config");
-  DFLASH_CHECK(dc.is_object(), source << ": field 'dflash_config' must be an object");
+  DFLASH_REQUIRE(dc.is_object(), source << ": field 'dflash_config' must be an object");
   Fields d(dc, source, "dflash_config.", kMissingHint);
   c.mask_token_id = d.integer("mask_token_id", 0);
   if (d.has("target_layer_ids")) {
     const json& ids = dc["target_layer_ids"];
-    DFLASH_CHECK(ids.is_array() && !ids.empty(),
+    DFLASH_REQUIRE(ids.is_array() && !ids.empty(),
                  source << ": field 'dflash_config.target_layer_ids' must be a non-empty list, got " << ids.dump());
     for (size_t i = 0; i < ids.size(); ++i) {
-      DFLASH_CHECK(ids[i].is_number_integer(), source << ": field 'dflash_config.target_layer_ids[" << i
+      DFLASH_REQUIRE(ids[i].is_number_integer(), source << ": field 'dflash_config.target_layer_ids[" << i
                                                       << "]' must be an integer, got " << ids[i].dump());
       c.target_layer_ids.push_back(ids[i].get<int64_t>());
     }
@@ -130,7 +130,7 @@ DrafterConfig DrafterConfig::from_file(const std::string& path) {
   try {
     doc = json::parse(in);
   } catch (const json::exception& e) {
-    DFLASH_FAIL(file << ": not valid JSON: " << e.what());
+    DFLASH_REJECT(file << ": not valid JSON: " << e.what());
   }
   return from_json(doc, file);
 }
@@ -138,7 +138,7 @@ DrafterConfig DrafterConfig::from_file(const std::string& path) {
 void DrafterConfig::validate() const {
   const std::string& s = source.empty() ? std::string("drafter config") : source;
   auto positive = [&](int64_t v, const char* name) {
-    DFLASH_CHECK(v > 0, s << ": field '" << name << "' must be positive, got " << v);
+    DFLASH_REQUIRE(v > 0, s << ": field '" << name << "' must be positive, got " << v);
   };
   positive(hidden_size, "hidden_size");
   positive(num_hidden_layers, "num_hidden_layers");
@@ -148,32 +148,32 @@ void DrafterConfig::validate() const {
   positive(intermediate_size, "intermediate_size");
   positive(vocab_size, "vocab_size");
   positive(num_target_layers, "num_target_layers");
-  DFLASH_CHECK(rms_norm_eps > 0, s << ": field 'rms_norm_eps' must be positive, got " << rms_norm_eps);
-  DFLASH_CHECK(rope_theta > 0, s << ": field 'rope_theta' must be positive, got " << rope_theta);
-  DFLASH_CHECK(num_attention_heads % num_key_value_heads == 0,
+  DFLASH_REQUIRE(rms_norm_eps > 0, s << ": field 'rms_norm_eps' must be positive, got " << rms_norm_eps);
+  DFLASH_REQUIRE(rope_theta > 0, s << ": field 'rope_theta' must be positive, got " << rope_theta);
+  DFLASH_REQUIRE(num_attention_heads % num_key_value_heads == 0,
                s << ": field 'num_attention_heads' (" << num_attention_heads
                  << ") must be a multiple of 'num_key_value_heads' (" << num_key_value_heads << ")");
-  DFLASH_CHECK(head_dim % 2 == 0, s << ": field 'head_dim' must be even for RoPE, got " << head_dim);
-  DFLASH_CHECK(block_size >= 2, s << ": field 'block_size' must be >= 2, got " << block_size);
-  DFLASH_CHECK(static_cast<int64_t>(layer_types.size()) == num_hidden_layers,
+  DFLASH_REQUIRE(head_dim % 2 == 0, s << ": field 'head_dim' must be even for RoPE, got " << head_dim);
+  DFLASH_REQUIRE(block_size >= 2, s << ": field 'block_size' must be >= 2, got " << block_size);
+  DFLASH_REQUIRE(static_cast<int64_t>(layer_types.size()) == num_hidden_layers,
                s << ": field 'layer_types' has " << layer_types.size() << " entries but num_hidden_layers is "
                  << num_hidden_layers);
   for (size_t i = 0; i < layer_types.size(); ++i)
-    DFLASH_CHECK(layer_types[i] != AttnType::Sliding || sliding_window > 0,
+    DFLASH_REQUIRE(layer_types[i] != AttnType::Sliding || sliding_window > 0,
                  s << ": field 'layer_types[" << i << "]' is sliding_attention but 'sliding_window' is not set (> 0)");
-  DFLASH_CHECK(mask_token_id >= 0 && mask_token_id < vocab_size,
+  DFLASH_REQUIRE(mask_token_id >= 0 && mask_token_id < vocab_size,
                s << ": field 'dflash_config.mask_token_id' is " << mask_token_id << ", outside the vocabulary [0, "
                  << vocab_size << ")");
-  DFLASH_CHECK(!target_layer_ids.empty(), s << ": field 'dflash_config.target_layer_ids' must not be empty");
+  DFLASH_REQUIRE(!target_layer_ids.empty(), s << ": field 'dflash_config.target_layer_ids' must not be empty");
   for (size_t i = 0; i < target_layer_ids.size(); ++i)
-    DFLASH_CHECK(target_layer_ids[i] >= 0 && target_layer_ids[i] < num_target_layers,
+    DFLASH_REQUIRE(target_layer_ids[i] >= 0 && target_layer_ids[i] < num_target_layers,
                  s << ": field 'dflash_config.target_layer_ids[" << i << "]' is " << target_layer_ids[i]
                    << ", outside the target's layers [0, " << num_target_layers << ")");
 }
 
 void DrafterConfig::check_target(const target::TargetConfig& target) const {
   auto same = [&](int64_t mine, int64_t theirs, const char* what) {
-    DFLASH_CHECK_HINT(mine == theirs, "the drafter's " << what << " " << mine << " does not match the target's " << theirs,
+    DFLASH_REQUIRE_HINT(mine == theirs, "the drafter's " << what << " " << mine << " does not match the target's " << theirs,
                       "a drafter is trained for one target model: use the target it was trained on, or train one for "
                       "this target");
   };

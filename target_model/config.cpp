@@ -27,7 +27,7 @@ const char* precision_name(Precision p) {
 
 Precision parse_precision(std::string_view name, const std::string& where) {
   const auto p = precision_from_name(name);
-  DFLASH_CHECK_HINT(p.has_value(), where << " is '" << name << "'", "use auto, bf16 or fp8");
+  DFLASH_REQUIRE_HINT(p.has_value(), where << " is '" << name << "'", "use auto, bf16 or fp8");
   return *p;
 }
 
@@ -48,17 +48,17 @@ constexpr const char* kMissingHint = "is this a Qwen3.5 / Qwen3.6 config.json?";
 }  // namespace
 
 TargetConfig TargetConfig::from_json(const json& doc, const std::string& source) {
-  DFLASH_CHECK(doc.is_object(), source << ": config must be a JSON object");
+  DFLASH_REQUIRE(doc.is_object(), source << ": config must be a JSON object");
   const std::string top_type = doc.contains("model_type") && doc["model_type"].is_string()
                                    ? doc["model_type"].get<std::string>() : std::string();
   auto refuse_moe = [&](const std::string& type, const std::string& field) {
-    DFLASH_FAIL_HINT(source << ": " << field << " '" << type
+    DFLASH_REJECT_HINT(source << ": " << field << " '" << type
                             << "' (a Mixture-of-Experts model) is not supported yet",
                      "dflash supports the dense hybrid models: model_type qwen3_5 or qwen3_5_text");
   };
   if (top_type == "qwen3_5_moe" || top_type == "qwen3_5_moe_text" || top_type == "qwen3_next")
     refuse_moe(top_type, "model_type");
-  DFLASH_CHECK_HINT(top_type == "qwen3_5" || top_type == "qwen3_5_text",
+  DFLASH_REQUIRE_HINT(top_type == "qwen3_5" || top_type == "qwen3_5_text",
                     source << ": model_type '" << (top_type.empty() ? std::string("<missing>") : top_type)
                            << "' is not supported",
                     "dflash supports Qwen3.5 / Qwen3.6 hybrid models: model_type qwen3_5 or qwen3_5_text");
@@ -66,7 +66,7 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
   const json* text = &doc;
   std::string prefix;
   if (top_type == "qwen3_5") {
-    DFLASH_CHECK(doc.contains("text_config") && doc["text_config"].is_object(),
+    DFLASH_REQUIRE(doc.contains("text_config") && doc["text_config"].is_object(),
                  source << ": model_type qwen3_5 needs an object 'text_config' with the language model fields");
     text = &doc["text_config"];
     prefix = "text_config.";
@@ -77,7 +77,7 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
   }
   for (const char* moe_key : {"num_experts", "num_experts_per_tok", "moe_intermediate_size"})
     if (text->contains(moe_key) && !(*text)[moe_key].is_null())
-      DFLASH_FAIL_HINT(source << ": field '" << prefix << moe_key
+      DFLASH_REJECT_HINT(source << ": field '" << prefix << moe_key
                               << "' describes a Mixture-of-Experts model, which is not supported yet",
                        "dflash supports the dense hybrid models (Qwen3.5 / Qwen3.6 dense)");
 
@@ -105,9 +105,9 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
   c.random_branch_scale = f.positive_or("dflash_random_branch_scale", 1.0);
 
   const std::string act = f.string_or("hidden_act", "silu");
-  DFLASH_CHECK(act == "silu", source << ": field '" << prefix << "hidden_act' is '" << act
+  DFLASH_REQUIRE(act == "silu", source << ": field '" << prefix << "hidden_act' is '" << act
                                      << "'; only 'silu' is supported");
-  DFLASH_CHECK(!f.bool_or("attention_bias", false),
+  DFLASH_REQUIRE(!f.bool_or("attention_bias", false),
                source << ": field '" << prefix << "attention_bias' is true; biased attention projections are not supported");
 
   // RoPE: rope_parameters (transformers 5) or the legacy top-level rope_theta / partial_rotary_factor.
@@ -115,10 +115,10 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
   c.partial_rotary_factor = f.positive_or("partial_rotary_factor", 0.25);
   if (f.has("rope_parameters")) {
     const json& rp = (*text)["rope_parameters"];
-    DFLASH_CHECK(rp.is_object(), source << ": field '" << prefix << "rope_parameters' must be an object");
+    DFLASH_REQUIRE(rp.is_object(), source << ": field '" << prefix << "rope_parameters' must be an object");
     io::JsonFields r(rp, source, prefix + "rope_parameters.", kMissingHint);
     const std::string rope_type = r.string_or("rope_type", "default");
-    DFLASH_CHECK_HINT(rope_type == "default", source << ": field '" << prefix << "rope_parameters.rope_type' is '"
+    DFLASH_REQUIRE_HINT(rope_type == "default", source << ": field '" << prefix << "rope_parameters.rope_type' is '"
                                                      << rope_type << "'; only 'default' RoPE is supported",
                       "long-context scaling (yarn, linear, dynamic) is not implemented");
     c.rope_theta = r.positive_or("rope_theta", c.rope_theta);
@@ -128,13 +128,13 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
   // Layer pattern: explicit layer_types, else every full_attention_interval-th layer is attention.
   if (f.has("layer_types")) {
     const json& lt = (*text)["layer_types"];
-    DFLASH_CHECK(lt.is_array(), source << ": field '" << prefix << "layer_types' must be a list");
+    DFLASH_REQUIRE(lt.is_array(), source << ": field '" << prefix << "layer_types' must be a list");
     for (size_t i = 0; i < lt.size(); ++i) {
       const std::string s = lt[i].is_string() ? lt[i].get<std::string>() : lt[i].dump();
       if (s == "linear_attention") c.layer_types.push_back(LayerType::LinearAttention);
       else if (s == "full_attention") c.layer_types.push_back(LayerType::FullAttention);
       else
-        DFLASH_FAIL(source << ": field '" << prefix << "layer_types[" << i << "]' is '" << s
+        DFLASH_REJECT(source << ": field '" << prefix << "layer_types[" << i << "]' is '" << s
                            << "'; expected 'linear_attention' or 'full_attention'");
     }
   } else {
@@ -148,31 +148,31 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
                    : text->contains("quantization_config") ? &text->at("quantization_config") : nullptr;
   if (qc && !qc->is_null()) {
     const std::string qp = (top_qc ? std::string() : prefix) + "quantization_config.";
-    DFLASH_CHECK(qc->is_object(), source << ": field '" << qp.substr(0, qp.size() - 1) << "' must be an object");
+    DFLASH_REQUIRE(qc->is_object(), source << ": field '" << qp.substr(0, qp.size() - 1) << "' must be an object");
     io::JsonFields q(*qc, source, qp, "an FP8 checkpoint's quantization_config names quant_method fp8");
     const std::string hint = "dflash loads the block-FP8 checkpoints (quant_method fp8, fmt e4m3, weight_block_size "
                              "[128, 128], activation_scheme dynamic) and bf16 / f16 / f32 ones";
     const std::string method = q.string_or("quant_method", "<missing>");
-    DFLASH_CHECK_HINT(method == "fp8", source << ": field '" << qp << "quant_method' is '" << method
+    DFLASH_REQUIRE_HINT(method == "fp8", source << ": field '" << qp << "quant_method' is '" << method
                                               << "'; only 'fp8' (block-scaled e4m3) is supported", hint);
     const std::string fmt = q.string_or("fmt", "e4m3");
-    DFLASH_CHECK_HINT(fmt == "e4m3", source << ": field '" << qp << "fmt' is '" << fmt << "'; only 'e4m3' is supported", hint);
+    DFLASH_REQUIRE_HINT(fmt == "e4m3", source << ": field '" << qp << "fmt' is '" << fmt << "'; only 'e4m3' is supported", hint);
     const std::string act = q.string_or("activation_scheme", "dynamic");
-    DFLASH_CHECK_HINT(act == "dynamic", source << ": field '" << qp << "activation_scheme' is '" << act
+    DFLASH_REQUIRE_HINT(act == "dynamic", source << ": field '" << qp << "activation_scheme' is '" << act
                                                << "'; only 'dynamic' (per-token 1 x 128 scales computed at run time) is supported",
                       hint);
-    DFLASH_CHECK_HINT(q.has("weight_block_size"), source << ": field '" << qp << "weight_block_size' is missing",
+    DFLASH_REQUIRE_HINT(q.has("weight_block_size"), source << ": field '" << qp << "weight_block_size' is missing",
                       "per-tensor FP8 checkpoints are not supported; " + hint);
     const json& bs = (*qc)["weight_block_size"];
-    DFLASH_CHECK_HINT(bs == json::array({128, 128}), source << ": field '" << qp << "weight_block_size' is " << bs.dump()
+    DFLASH_REQUIRE_HINT(bs == json::array({128, 128}), source << ": field '" << qp << "weight_block_size' is " << bs.dump()
                                                             << "; only [128, 128] is supported",
                       hint);
     Fp8Quantization fq;
     if (q.has("modules_to_not_convert")) {
       const json& m = (*qc)["modules_to_not_convert"];
-      DFLASH_CHECK(m.is_array(), source << ": field '" << qp << "modules_to_not_convert' must be a list of names");
+      DFLASH_REQUIRE(m.is_array(), source << ": field '" << qp << "modules_to_not_convert' must be a list of names");
       for (size_t i = 0; i < m.size(); ++i) {
-        DFLASH_CHECK(m[i].is_string(), source << ": field '" << qp << "modules_to_not_convert[" << i << "]' is " << m[i].dump()
+        DFLASH_REQUIRE(m[i].is_string(), source << ": field '" << qp << "modules_to_not_convert[" << i << "]' is " << m[i].dump()
                                               << "; expected a module name");
         fq.modules_to_not_convert.push_back(m[i].get<std::string>());
       }
@@ -186,11 +186,11 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
 TargetConfig TargetConfig::from_file(const std::string& path) {
   namespace fs = std::filesystem;
   std::string file = path;
-  DFLASH_CHECK_HINT(fs::exists(path), "model path '" << path << "' does not exist",
+  DFLASH_REQUIRE_HINT(fs::exists(path), "model path '" << path << "' does not exist",
                     "pass a Hugging Face model directory (config.json + *.safetensors) or a config.json file");
   if (fs::is_directory(path)) {
     file = (fs::path(path) / "config.json").string();
-    DFLASH_CHECK_HINT(fs::exists(file), "model directory '" << path << "' has no config.json",
+    DFLASH_REQUIRE_HINT(fs::exists(file), "model directory '" << path << "' has no config.json",
                       "a Hugging Face model directory holds config.json and the *.safetensors weights");
   }
   std::ifstream in(file);
@@ -199,29 +199,29 @@ TargetConfig TargetConfig::from_file(const std::string& path) {
   try {
     doc = json::parse(in);
   } catch (const json::exception& e) {
-    DFLASH_FAIL_HINT(file << ": not valid JSON: " << e.what(), "the file should be a Hugging Face config.json");
+    DFLASH_REJECT_HINT(file << ": not valid JSON: " << e.what(), "the file should be a Hugging Face config.json");
   }
   return from_json(doc, file);
 }
 
 void TargetConfig::validate() const {
   const std::string& s = source;
-  DFLASH_CHECK(static_cast<int64_t>(layer_types.size()) == num_hidden_layers,
+  DFLASH_REQUIRE(static_cast<int64_t>(layer_types.size()) == num_hidden_layers,
                s << ": layer_types has " << layer_types.size() << " entries but num_hidden_layers is " << num_hidden_layers);
-  DFLASH_CHECK(num_attention_heads % num_key_value_heads == 0,
+  DFLASH_REQUIRE(num_attention_heads % num_key_value_heads == 0,
                s << ": num_attention_heads " << num_attention_heads << " is not a multiple of num_key_value_heads "
                  << num_key_value_heads);
-  DFLASH_CHECK(linear_num_value_heads % linear_num_key_heads == 0,
+  DFLASH_REQUIRE(linear_num_value_heads % linear_num_key_heads == 0,
                s << ": linear_num_value_heads " << linear_num_value_heads << " is not a multiple of linear_num_key_heads "
                  << linear_num_key_heads);
-  DFLASH_CHECK(partial_rotary_factor > 0 && partial_rotary_factor <= 1,
+  DFLASH_REQUIRE(partial_rotary_factor > 0 && partial_rotary_factor <= 1,
                s << ": partial_rotary_factor " << partial_rotary_factor << " must be in (0, 1]");
   const double rd = static_cast<double>(head_dim) * partial_rotary_factor;
-  DFLASH_CHECK(std::floor(rd) == rd && static_cast<int64_t>(rd) % 2 == 0,
+  DFLASH_REQUIRE(std::floor(rd) == rd && static_cast<int64_t>(rd) % 2 == 0,
                s << ": head_dim " << head_dim << " x partial_rotary_factor " << partial_rotary_factor
                  << " must give an even number of rotary dims");
-  DFLASH_CHECK(rms_norm_eps < 1.0, s << ": rms_norm_eps " << rms_norm_eps << " is implausibly large");
-  DFLASH_CHECK(vocab_size < (int64_t{1} << 31), s << ": vocab_size " << vocab_size << " does not fit in int32 ids");
+  DFLASH_REQUIRE(rms_norm_eps < 1.0, s << ": rms_norm_eps " << rms_norm_eps << " is implausibly large");
+  DFLASH_REQUIRE(vocab_size < (int64_t{1} << 31), s << ": vocab_size " << vocab_size << " does not fit in int32 ids");
 }
 
 int64_t TargetConfig::rotary_dim() const {

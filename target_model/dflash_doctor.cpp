@@ -227,7 +227,7 @@ int main(int argc, char** argv) {
     if (env_rank() >= 0) mpi = std::make_unique<comm::MpiEnv>(&argc, &argv);
     const int world = mpi ? mpi->size() : 1, rank = mpi ? mpi->rank() : 0;
     init_logging(rank, log_level);
-    DFLASH_CHECK_HINT(!model_dir.empty() || !config_path.empty(), "no model given", "pass --model DIR or --config config.json");
+    DFLASH_REQUIRE_HINT(!model_dir.empty() || !config_path.empty(), "no model given", "pass --model DIR or --config config.json");
     TargetConfig cfg = TargetConfig::from_file(model_dir.empty() ? config_path : model_dir);
     const int gpus = cuda_device_count();
     Device dev = device_s.empty() ? (gpus > 0 ? Device::cuda(0) : Device::cpu()) : Device::parse(device_s);
@@ -289,7 +289,7 @@ int main(int argc, char** argv) {
     }
     std::cout << "\nsummary: " << plan.summary() << "\n";
     if (require_fast) {
-      DFLASH_CHECK_HINT(!dev.is_cpu(),
+      DFLASH_REQUIRE_HINT(!dev.is_cpu(),
                         "--require-fast-path: the plan is for the CPU reference backend ("
                             << (gpus == 0 ? "no CUDA device is visible" : "--device cpu")
                             << "), which has no fast path to require",

@@ -44,7 +44,7 @@ std::vector<int64_t> parse_layers(const std::string& spec, int64_t n_layers) {
     return ids;
   }
   for (int32_t v : parse_token_ids(spec, "--layers")) ids.push_back(v);
-  DFLASH_CHECK_HINT(!ids.empty(), "--layers '" << spec << "' names no layer", "give ids like 1,16,31 or 'all'");
+  DFLASH_REQUIRE_HINT(!ids.empty(), "--layers '" << spec << "' names no layer", "give ids like 1,16,31 or 'all'");
   return ids;
 }
 
@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
     const int world = mpi ? mpi->size() : 1, rank = mpi ? mpi->rank() : 0;
     init_logging(rank, log_level);
     const comm::Layout layout = comm::make_layout(world, rank, tp);
-    DFLASH_CHECK_HINT(!target.src.model_dir.empty() || target.src.random_weights, "no weights given",
+    DFLASH_REQUIRE_HINT(!target.src.model_dir.empty() || target.src.random_weights, "no weights given",
                       "pass --model DIR, or --config FILE --random-weights");
     Device dev = Device::parse(device);
     if (dev.is_cuda() && world > 1 && device == "cuda") dev = mpi->bind_device();  // one GPU per rank
@@ -124,9 +124,9 @@ int main(int argc, char** argv) {
         if (!ids.empty()) seqs.push_back(std::move(ids));
       }
     }
-    DFLASH_CHECK_HINT(!seqs.empty(), "no token sequences given", "pass --tokens 1,2,3 or --tokens-file FILE");
+    DFLASH_REQUIRE_HINT(!seqs.empty(), "no token sequences given", "pass --tokens 1,2,3 or --tokens-file FILE");
     for (size_t i = 0; i < seqs.size(); ++i)
-      DFLASH_CHECK(!seqs[i].empty(), "sequence " << i + 1 << " has no token ids");
+      DFLASH_REQUIRE(!seqs[i].empty(), "sequence " << i + 1 << " has no token ids");
 
     auto t0 = std::chrono::steady_clock::now();
     std::vector<int64_t> opt_layers;
@@ -134,7 +134,7 @@ int main(int argc, char** argv) {
     spdlog::info("target {}", cfg.summary());
     opt_layers = parse_layers(layers, cfg.num_hidden_layers);
     for (int64_t id : opt_layers)
-      DFLASH_CHECK_HINT(id >= 0 && id < cfg.num_hidden_layers, "--layers: capture layer id " << id << " is out of range",
+      DFLASH_REQUIRE_HINT(id >= 0 && id < cfg.num_hidden_layers, "--layers: capture layer id " << id << " is out of range",
                         "layer ids are 0.." << cfg.num_hidden_layers - 1 << " (id i = output of decoder layer i)");
     check_tp(cfg, tp);
     const TargetConfig local = local_config(cfg, tp);  // == cfg when tp = 1
@@ -191,7 +191,7 @@ int main(int argc, char** argv) {
         auto mm = model.counters().mismatches(model.plan(), 1);
         DFLASH_CHECK(mm.empty(), "kernel counters disagree with the plan: " << mm.front());
 #else
-        DFLASH_FAIL_HINT("--device " << device << ": this build has no CUDA backend", "reconfigure with -DDFLASH_CUDA=ON");
+        DFLASH_REJECT_HINT("--device " << device << ": this build has no CUDA backend", "reconfigure with -DDFLASH_CUDA=ON");
 #endif
       }
     } catch (const std::exception& e) {

@@ -14,9 +14,9 @@ class CudaTargetModel {};  // never made without CUDA (the unique_ptr needs a co
 #endif
 
 void TargetSource::check(const std::string& model_opt, const std::string& config_opt) const {
-  DFLASH_CHECK_HINT(!model_dir.empty() || (random_weights && !config_path.empty()), "no target given",
+  DFLASH_REQUIRE_HINT(!model_dir.empty() || (random_weights && !config_path.empty()), "no target given",
                     "pass " << model_opt << " DIR, or " << config_opt << " FILE with random weights");
-  DFLASH_CHECK_HINT(model_dir.empty() || !random_weights, model_opt << " and random weights are exclusive",
+  DFLASH_REQUIRE_HINT(model_dir.empty() || !random_weights, model_opt << " and random weights are exclusive",
                     "give a checkpoint directory or a config with random weights, not both");
 }
 
@@ -43,7 +43,7 @@ TargetRuntime::TargetRuntime(const TargetSource& source, const TargetConfig& ful
   check_tp(full, tp);
   const TpShard shard{tp_rank, tp};
   if (device.is_cpu()) {
-    DFLASH_CHECK_HINT(!require_fast_path, "require_fast_path: the CPU backend is the f32 reference, which has no fast path",
+    DFLASH_REQUIRE_HINT(!require_fast_path, "require_fast_path: the CPU backend is the f32 reference, which has no fast path",
                       "run on a GPU (--device cuda)");
     check_cpu_reference_fits(local_, full, "the CPU reference is for small models; run big targets with --device cuda");
     TargetWeights w = load_target_shard(source, full, device, shard);
@@ -63,7 +63,7 @@ TargetRuntime::TargetRuntime(const TargetSource& source, const TargetConfig& ful
   TargetWeights w = load_target_shard(source, full, device, shard);
   cuda_ = std::make_unique<CudaTargetModel>(local_, std::move(w), plan, tp_comm);
 #else
-  DFLASH_FAIL_HINT("device " << device.str() << ": this build has no CUDA backend", "reconfigure with -DDFLASH_CUDA=ON");
+  DFLASH_REJECT_HINT("device " << device.str() << ": this build has no CUDA backend", "reconfigure with -DDFLASH_CUDA=ON");
 #endif
 }
 

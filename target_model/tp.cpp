@@ -11,7 +11,7 @@
 namespace dflash::target {
 
 void check_tp(const TargetConfig& c, int tp) {
-  DFLASH_CHECK(tp >= 1, "parallel.tp must be >= 1, got " << tp);
+  DFLASH_REQUIRE(tp >= 1, "parallel.tp must be >= 1, got " << tp);
   std::ostringstream bad;
   int n = 0;
   auto need = [&](const char* field, int64_t v) {
@@ -23,7 +23,7 @@ void check_tp(const TargetConfig& c, int tp) {
   need("intermediate_size", c.intermediate_size);
   if (c.num_key_value_heads % tp != 0 && tp % c.num_key_value_heads != 0)
     bad << (n++ ? ", " : "") << "num_key_value_heads " << c.num_key_value_heads << " (nor does it divide tp)";
-  DFLASH_CHECK_HINT(n == 0, "parallel.tp = " << tp << " does not divide the model's " << bad.str() << " (" << c.source << ")",
+  DFLASH_REQUIRE_HINT(n == 0, "parallel.tp = " << tp << " does not divide the model's " << bad.str() << " (" << c.source << ")",
                     "choose a tp that divides every head count and the intermediate size (e.g. 1, 2, 4, 8 for Qwen3.6-27B)");
 }
 

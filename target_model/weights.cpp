@@ -314,7 +314,7 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
   if (n_fp8 > 0 && !c.fp8)
     problem(std::to_string(n_fp8) + " tensors are F8_E4M3, but config.json has no quantization_config (quant_method fp8)");
   if (n_fp8 == 0 && c.fp8) problem("config.json has a quantization_config (quant_method fp8), but no tensor is F8_E4M3");
-  DFLASH_CHECK_HINT(n_problems == 0, dir << ": the checkpoint does not match its config (" << c.source << "), "
+  DFLASH_REQUIRE_HINT(n_problems == 0, dir << ": the checkpoint does not match its config (" << c.source << "), "
                                          << n_problems << " problem(s):" << problems.str(),
                     "check that config.json belongs to these weights (layer_types, head counts and dims; an FP8 "
                     "checkpoint's weight_scale_inv tensors and quantization_config)");

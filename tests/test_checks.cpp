@@ -5,12 +5,16 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "comm/mpi_check.h"
 #include "data/hdf5_check.h"
+#include "core/app.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/rng.h"
@@ -60,6 +64,61 @@ TEST(Checks, CheckCarriesMessageWhereAndHint) {
   EXPECT_EQ(f.message(), "failed 42");
 }
 
+// A user error (a config key, a flag, a path, a bad file) reads as a message to the user: no source
+// location unless asked for (the debug log level); internal errors keep theirs.
+TEST(Checks, UserErrorsReadWithoutTheSourceLocation) {
+  const int n = 3;
+  Error u = catch_error([&] { DFLASH_REQUIRE_HINT(n == 4, "--count " << n << " must be 4", "pass " << "--count 4"); });
+  EXPECT_TRUE(u.is_user_error());
+  EXPECT_EQ(u.message(), "--count 3 must be 4");
+  EXPECT_EQ(std::string(u.what()), "--count 3 must be 4\n---> HINT: pass --count 4");
+  EXPECT_EQ(u.report(), u.what());
+  EXPECT_TRUE(has(u.where(), "tests/test_checks.cpp:")) << u.where();  // kept for the debug log level
+  EXPECT_TRUE(has(u.report(true), "--count 3 must be 4 (at tests/test_checks.cpp:")) << u.report(true);
+  EXPECT_TRUE(has(u.report(true), "\n---> HINT: pass --count 4")) << u.report(true);
+  EXPECT_NO_THROW(DFLASH_REQUIRE(n == 3, "unused"));
+
+  Error r = catch_error([] { DFLASH_REJECT("bad flag " << 7); });
+  EXPECT_TRUE(r.is_user_error());
+  EXPECT_EQ(std::string(r.what()), "bad flag 7");
+  Error rh = catch_error([] { DFLASH_REJECT_HINT("bad", "fix it"); });
+  EXPECT_EQ(std::string(rh.what()), "bad\n---> HINT: fix it");
+  EXPECT_TRUE(catch_error([] { DFLASH_REQUIRE(false, "x"); }).is_user_error());
+
+  // Internal errors (DFLASH_CHECK / DFLASH_FAIL) name their source in every report.
+  Error i = catch_error([&] { DFLASH_CHECK(n == 4, "invariant"); });
+  EXPECT_FALSE(i.is_user_error());
+  EXPECT_TRUE(has(i.report(), "invariant (at tests/test_checks.cpp:")) << i.report();
+  EXPECT_EQ(i.report(), i.what());
+  EXPECT_EQ(i.report(true), i.report());
+  EXPECT_FALSE(catch_error([] { DFLASH_FAIL("x"); }).is_user_error());
+
+  // A copy keeps the kind (errors are carried across ranks and log sinks by copy).
+  const Error copy = u;
+  EXPECT_TRUE(copy.is_user_error());
+  EXPECT_EQ(std::string(copy.what()), u.what());
+}
+
+// Every program and every subcommand takes --version and --log-level (core/app.h add_subcommand).
+TEST(App, SubcommandsTakeTheCommonOptions) {
+  auto make = [](std::string* level) {
+    auto app = std::make_unique<CLI::App>("test");
+    add_common_options(*app, level);
+    add_subcommand(*app, "validate", "check files", level);
+    app->require_subcommand(1);
+    return app;
+  };
+  for (const char* line : {"validate --log-level debug", "--log-level debug validate"}) {
+    std::string level = "info";
+    make(&level)->parse(line, false);
+    EXPECT_EQ(level, "debug") << line;
+  }
+  for (const char* line : {"validate --version", "--version"}) {
+    std::string level = "info";
+    EXPECT_THROW(make(&level)->parse(line, false), CLI::CallForVersion) << line;
+  }
+}
+
 TEST(Checks, CheckIoNamesPathAndStrerror) {
   const std::string path = missing_path("nope.bin");
   Error e = catch_error([&] {
@@ -70,6 +129,7 @@ TEST(Checks, CheckIoNamesPathAndStrerror) {
   EXPECT_TRUE(has(e.message(), "No such file or directory")) << e.what();
   EXPECT_TRUE(has(e.message(), "open")) << e.what();
   EXPECT_FALSE(e.hint().empty());
+  EXPECT_TRUE(e.is_user_error());  // a path: the user's to fix
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -118,6 +178,22 @@ TEST(Hdf5Check, MissingFileGivesOneMessageWithReason) {
   EXPECT_TRUE(has(e.message(), "No such file or directory")) << e.what();
   EXPECT_TRUE(has(e.where(), "test_checks.cpp:")) << e.where();
   EXPECT_TRUE(has(e.hint(), "path")) << e.what();
+}
+
+// A JSONL file where an HDF5 dataset is expected (dflash_train's data.files, dflash_data validate):
+// a user error whose hint names the conversion.
+TEST(Hdf5Check, NotAnHdf5FileNamesConvert) {
+  const std::string path = (std::filesystem::temp_directory_path() / "dflash_test_checks_rows.jsonl").string();
+  std::ofstream(path) << "{\"input_ids\": [1, 2], \"loss_mask\": [0, 1]}\n";
+  Error e = catch_error([&] {
+    H5Handle f(DFLASH_H5_CHECK(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), "opening dataset file '" << path << "'"),
+               H5Fclose);
+  });
+  EXPECT_TRUE(has(e.message(), "signature")) << e.what();
+  EXPECT_TRUE(has(e.hint(), "dflash_data convert")) << e.what();
+  EXPECT_TRUE(e.is_user_error());
+  EXPECT_FALSE(has(e.what(), "(at ")) << e.what();
+  std::filesystem::remove(path);
 }
 
 TEST(Hdf5Check, ReturnsValueAndHandlesClose) {

@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -13,6 +14,7 @@
 #include "test_util.h"
 #include "trainer/config.h"
 #include "trainer/memory_plan.h"
+#include "trainer/metrics.h"
 #include "drafter/weights.h"
 #include "target_model/tp.h"
 
@@ -136,11 +138,109 @@ TEST(TrainConfig, QwenYamlIsTheRecipe) {
   const TrainConfig tp2 = TrainConfig::from_file(kQwenYaml, {"parallel.tp=2"});
   EXPECT_NO_THROW(tp2.validate(8));
   EXPECT_NO_THROW(tp2.validate_against(t));
-  // The shape-only variant from the file's header comment.
+  // Regeneration is on: DFlash drafters learn the target's own responses.
+  EXPECT_TRUE(c.data.regenerate.enabled);
+  EXPECT_EQ(c.data.regenerate.temperature, 0);
+  EXPECT_EQ(c.data.regenerate.max_new_tokens, 2048);
+  EXPECT_EQ(c.regenerate_path(), "runs/qwen3.6-27b/data/regenerated.h5");
+  // The shape-only variant, spelled out and as the file's header comment gives it (a config.json
+  // replaces the path and implies random weights).
   const TrainConfig shapes = TrainConfig::from_file(
       kQwenYaml, {"model.target.path=", "model.target.config=configs/qwen3.6-27b/config.json",
                   "model.target.random_weights=true"});
   EXPECT_NO_THROW(shapes.validate(2));
+  const TrainConfig short_shapes = TrainConfig::from_file(kQwenYaml, {"model.target.config=configs/qwen3.6-27b/config.json"});
+  EXPECT_EQ(short_shapes, shapes);
+  EXPECT_EQ(short_shapes.origin("model.target.path"), Origin::Implied);
+  EXPECT_EQ(short_shapes.origin("model.target.random_weights"), Origin::Implied);
+  // Other shards keep the regeneration; the synthetic corpus of the GPU scripts turns it off (it was
+  // configured for data.files).
+  EXPECT_TRUE(TrainConfig::from_file(kQwenYaml, {"data.files=[other/*.h5]"}).data.regenerate.enabled);
+  const TrainConfig synth = TrainConfig::from_file(kQwenYaml, {"data.files=[]", "data.synth.enabled=true"});
+  EXPECT_FALSE(synth.data.regenerate.enabled);
+  EXPECT_NO_THROW(synth.validate(1));
+  EXPECT_TRUE(TrainConfig::from_file(kQwenYaml, {"data.synth.enabled=true", "data.regenerate.enabled=true"}).data.regenerate.enabled);
+}
+
+// "My own model, my own data": the model path and the data files are all the embedded default needs;
+// what is --set wins over the default's alternatives (its random-weights tiny target, its synthetic,
+// regenerated corpus), unless those are --set too.
+TEST(TrainConfig, SetPathsWinOverTheDefaultsAlternatives) {
+  const TrainConfig c = TrainConfig::embedded_default({"model.target.path=/models/m", "data.files=[d.h5]"});
+  EXPECT_EQ(c.model.target.path, "/models/m");
+  EXPECT_EQ(c.model.target.config, "");
+  EXPECT_FALSE(c.model.target.random_weights);
+  EXPECT_EQ(c.data.files, (std::vector<std::string>{"d.h5"}));
+  EXPECT_FALSE(c.data.synth.enabled);
+  EXPECT_FALSE(c.data.regenerate.enabled);
+  EXPECT_NO_THROW(c.validate(1));
+  EXPECT_NO_THROW(c.validate_against(tiny_target()));
+  for (const char* k : {"model.target.config", "model.target.random_weights", "data.synth.enabled", "data.regenerate.enabled"})
+    EXPECT_EQ(c.origin(k), Origin::Implied) << k;
+  EXPECT_EQ(c.origin("model.target.path"), Origin::Override);
+  ASSERT_EQ(c.notes().size(), 4u);
+  EXPECT_EQ(c.notes()[0], "--set model.target.path=/models/m: model.target.config = \"\" instead of "
+                          "\"configs/tiny/config.json\" (from <embedded configs/tiny.yaml>)");
+  EXPECT_EQ(c.notes()[3], "--set data.files=[d.h5]: data.regenerate.enabled = false instead of true (from <embedded configs/tiny.yaml>)");
+  const std::string t = c.settings_table();
+  EXPECT_THAT(t, ::testing::ContainsRegex("\n  data.synth.enabled +false +implied\n"));
+  EXPECT_THAT(t, HasSubstr("implied by --set (what was --set wins over the config's alternatives):\n  --set model.target.path"));
+
+  // What is --set too, before or after, stays (and a contradiction is reported as before).
+  for (const std::vector<std::string>& sets : {std::vector<std::string>{"data.files=[d.h5]", "data.regenerate.enabled=true"},
+                                               std::vector<std::string>{"data.regenerate.enabled=true", "data.files=[d.h5]"}}) {
+    const TrainConfig r = TrainConfig::embedded_default(sets);
+    EXPECT_TRUE(r.data.regenerate.enabled);
+    EXPECT_FALSE(r.data.synth.enabled);
+    EXPECT_NO_THROW(r.validate(1));
+  }
+  // data.synth.enabled=false given by hand: the regeneration configured for the synthetic prompts goes too.
+  EXPECT_FALSE(TrainConfig::embedded_default({"data.synth.enabled=false", "data.files=[d.h5]"}).data.regenerate.enabled);
+  // An empty value selects nothing, so it resets nothing.
+  EXPECT_EQ(TrainConfig::embedded_default({"data.files=[]"}), TrainConfig::embedded_default());
+  EXPECT_TRUE(TrainConfig::embedded_default({"model.target.path="}).notes().empty());
+  // The other pairs: epochs / max_steps, drafter config / warm start, synth over data files.
+  const TrainConfig e = TrainConfig::embedded_default({"training.epochs=2"});
+  EXPECT_FALSE(e.training.max_steps.has_value());
+  EXPECT_NO_THROW(e.validate(1));
+  EXPECT_FALSE(TrainConfig::from_string("training: {epochs: 2}", "e.yaml", {"training.max_steps=5"}).training.epochs.has_value());
+  EXPECT_EQ(TrainConfig::from_string("model: {drafter: {config: d.json}}", "d.yaml", {"model.drafter.warm_start=w"}).model.drafter.config, "");
+  EXPECT_EQ(TrainConfig::from_string("model: {drafter: {warm_start: w}}", "d.yaml", {"model.drafter.config=d.json"}).model.drafter.warm_start, "");
+  EXPECT_TRUE(TrainConfig::from_string("data: {files: [a.h5]}", "f.yaml", {"data.synth.enabled=true"}).data.files.empty());
+}
+
+// configs/my-model.yaml: the commented example for your own model and data, valid for a
+// Qwen3.6-shaped target, with the two paths its header names set from the command line.
+TEST(TrainConfig, MyModelYamlIsValid) {
+  const TrainConfig c = TrainConfig::from_file(kRoot + "/configs/my-model.yaml",
+                                               {"model.target.path=/models/MyModel", "data.files=[data/train.h5]"});
+  EXPECT_NO_THROW(c.validate(1));
+  EXPECT_NO_THROW(c.validate(8));
+  EXPECT_NO_THROW(c.validate_against(qwen_target()));
+  EXPECT_TRUE(c.notes().empty());  // nothing to displace: the file names a model and data files
+  EXPECT_TRUE(c.data.regenerate.enabled);
+  EXPECT_FALSE(c.data.synth.enabled);
+  EXPECT_EQ(c.training.epochs, 6);
+  EXPECT_EQ(c.drafter_config(qwen_target()).num_hidden_layers, 5);
+  EXPECT_EQ(c.logging.run_dir, "runs/my-model");
+}
+
+// The ETA counts this start's own steps after its first: start-up (here 43 s of regeneration) and a
+// resumed run's earlier steps are not steps of this start.
+TEST(StepRate, EtaFromThisStartsStepsOnly) {
+  StepRate r;
+  EXPECT_TRUE(std::isnan(r.eta_s(0, 43.0, 300)));
+  r.step_done(1, 43.5);  // the first step ends 43.5 s after the start
+  EXPECT_TRUE(std::isnan(r.eta_s(1, 43.5, 300)));
+  for (int64_t s = 2; s <= 10; ++s) r.step_done(s, 43.5 + 0.5 * static_cast<double>(s - 1));
+  // 9 steps in 4.5 s: 0.5 s a step, 290 left. (Elapsed / step would say 48 / 10 * 290 = 1392 s.)
+  EXPECT_DOUBLE_EQ(r.eta_s(10, 48.0, 300), 145.0);
+  EXPECT_EQ(r.eta_s(300, 200.0, 300), 0.0);
+  // Resumed at step 200: its first step is 201.
+  StepRate q;
+  q.step_done(201, 5.0);
+  q.step_done(210, 9.5);
+  EXPECT_DOUBLE_EQ(q.eta_s(210, 9.5, 300), 45.0);
 }
 
 TEST(TrainConfig, SetOverrides) {
@@ -236,8 +336,10 @@ TEST(TrainConfig, InconsistentValues) {
   EXPECT_THAT(validate_error({"parallel.tp=3"}, 2), HasSubstr("min.yaml: parallel.tp = 3 does not divide the world size 2"));
   EXPECT_NO_THROW(minimal({"parallel.tp=2"}).validate(4));
   // The target: exactly one source; a bare config needs random weights.
-  EXPECT_THAT(validate_error({"model.target.path=/models/x"}),
+  EXPECT_THAT(validate_error({"model.target.path=/models/x", "model.target.config=t.json"}),
               HasSubstr("set exactly one of model.target.path and model.target.config (both are set)"));
+  EXPECT_THAT(error_of([] { TrainConfig::from_string("model: {target: {path: m, config: t.json}}", "b.yaml").validate(1); }),
+              HasSubstr("b.yaml: model.target: set exactly one of model.target.path and model.target.config (both are set)"));
   EXPECT_THAT(validate_error({"model.target.config="}), HasSubstr("(neither is set)"));
   EXPECT_THAT(validate_error({"model.target.random_weights=false"}),
               HasSubstr("model.target.config names only an architecture, so model.target.random_weights must be true"));
@@ -267,13 +369,14 @@ TEST(TrainConfig, InconsistentValues) {
               HasSubstr("model.drafter.target_layer_ids[1] = 1 appears twice"));
   EXPECT_THAT(validate_error({"data.max_length=8"}), HasSubstr("data.max_length (8) must be greater than model.drafter.block_size (8)"));
   // Steps: exactly one of epochs and max_steps.
-  EXPECT_THAT(validate_error({"training.epochs=2"}),
+  EXPECT_THAT(validate_error({"training.epochs=2", "training.max_steps=3"}),
               HasSubstr("set exactly one of training.epochs and training.max_steps (both are set)"));
   EXPECT_THAT(validate_error({"training.max_steps=null"}), HasSubstr("(neither is set)"));
   EXPECT_THAT(validate_error({"training.min_lr=1e-3"}), HasSubstr("training.min_lr (0.001) must be <= training.lr (6e-4)"));
   // Data: one source.
   EXPECT_THAT(validate_error({"data.synth.enabled=false"}), HasSubstr("data.files is empty and data.synth.enabled is false"));
-  EXPECT_THAT(validate_error({"data.files=[a.h5]"}), HasSubstr("data.files and data.synth.enabled: true are exclusive"));
+  EXPECT_THAT(validate_error({"data.files=[a.h5]", "data.synth.enabled=true"}),
+              HasSubstr("data.files and data.synth.enabled: true are exclusive"));
   EXPECT_THAT(validate_error({"data.synth.min_length=300"}),
               HasSubstr("data.synth.min_length (300) must be <= data.synth.max_length (256)"));
   EXPECT_THAT(validate_error({"kernels.require_fast_path=true", "kernels.delta_rule=fallback"}),

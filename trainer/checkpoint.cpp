@@ -88,7 +88,7 @@ std::string older_checkpoint_hint(const fs::path& bad) {
 nlohmann::json read_checkpoint_json(const fs::path& ckpt, const std::string& name) {
   const fs::path p = ckpt / name;
   std::error_code ec;
-  DFLASH_CHECK_HINT(fs::is_regular_file(p, ec), "checkpoint " << ckpt.string() << " cannot be resumed: it has no " << name,
+  DFLASH_REQUIRE_HINT(fs::is_regular_file(p, ec), "checkpoint " << ckpt.string() << " cannot be resumed: it has no " << name,
                     older_checkpoint_hint(ckpt));
   std::string why;
   try {
@@ -98,7 +98,7 @@ nlohmann::json read_checkpoint_json(const fs::path& ckpt, const std::string& nam
   } catch (const nlohmann::json::parse_error& e) {
     why = e.what();
   }
-  DFLASH_FAIL_HINT("checkpoint " << ckpt.string() << " cannot be resumed: " << p.string() << " is corrupt (" << why << ")",
+  DFLASH_REJECT_HINT("checkpoint " << ckpt.string() << " cannot be resumed: " << p.string() << " is corrupt (" << why << ")",
                    older_checkpoint_hint(ckpt));
 }
 
@@ -109,7 +109,7 @@ ResumePoint find_resume_point(const TrainConfig& cfg, const fs::path& ckpt_dir, 
   if (mode == "never") {
     // A new run beside an earlier run's checkpoints would write its own among them: keep_last would
     // prune by step across both runs, and auto would later resume whichever is newest.
-    DFLASH_CHECK_HINT(all.empty(),
+    DFLASH_REQUIRE_HINT(all.empty(),
                       "checkpoint.resume: never, but " << ckpt_dir.string() << " holds complete checkpoints of an earlier run ("
                                                        << checkpoint_names(all)
                                                        << "); a new run there would mix its checkpoints with them",
@@ -122,7 +122,7 @@ ResumePoint find_resume_point(const TrainConfig& cfg, const fs::path& ckpt_dir, 
     rp.from = all.back().second;
   } else {
     rp.from = mode;
-    DFLASH_CHECK_HINT(fs::exists(rp.from / "COMMIT"),
+    DFLASH_REQUIRE_HINT(fs::exists(rp.from / "COMMIT"),
                       "checkpoint.resume: '" << mode << "' is not a complete checkpoint (no COMMIT marker)",
                       "name a ckpt-<step> directory written by dflash_train, or use auto / never");
   }
@@ -140,18 +140,18 @@ ResumePoint find_resume_point(const TrainConfig& cfg, const fs::path& ckpt_dir, 
   } catch (const nlohmann::json::exception& e) {
     bad = fmt::format("it lacks a field or has a wrong type ({})", e.what());
   }
-  DFLASH_CHECK_HINT(bad.empty(),
+  DFLASH_REQUIRE_HINT(bad.empty(),
                     "checkpoint " << rp.from.string() << " cannot be resumed: " << (rp.from / "state.json").string() << ": "
                                   << bad,
                     older_checkpoint_hint(rp.from));
-  DFLASH_CHECK_HINT(ws == world && wtp == tp,
+  DFLASH_REQUIRE_HINT(ws == world && wtp == tp,
                     "checkpoint " << rp.from.string() << " was written by " << ws << " rank(s) with tp " << wtp
                                   << "; this run has " << world << " rank(s) with tp " << tp
                                   << ": resuming on a different world size or tp is not supported",
                     "resume with mpirun -n " << ws << " and parallel.tp = " << wtp
                                              << ", or give the new run its own logging.run_dir to start anew");
   rp.loader = read_checkpoint_json(rp.from, fmt::format("loader-g{}.json", tp_group));
-  DFLASH_CHECK_HINT(fs::is_regular_file(rp.from / "optimizer.safetensors"),
+  DFLASH_REQUIRE_HINT(fs::is_regular_file(rp.from / "optimizer.safetensors"),
                     "checkpoint " << rp.from.string() << " cannot be resumed: it has no optimizer.safetensors",
                     older_checkpoint_hint(rp.from));
   // Later checkpoints than the one resumed (checkpoint.resume: PATH) belong to another run or to a
@@ -159,7 +159,7 @@ ResumePoint find_resume_point(const TrainConfig& cfg, const fs::path& ckpt_dir, 
   std::vector<std::pair<int64_t, fs::path>> later;
   for (const auto& c : all)
     if (c.first > rp.step) later.push_back(c);
-  DFLASH_CHECK_HINT(later.empty(),
+  DFLASH_REQUIRE_HINT(later.empty(),
                     "checkpoint.resume: " << rp.from.string() << " is at step " << rp.step << ", but " << ckpt_dir.string()
                                           << " already holds later checkpoints (" << checkpoint_names(later)
                                           << "): this run would overwrite and prune them",
@@ -244,7 +244,7 @@ void Checkpointer::save(int64_t at_step, const nlohmann::json& loader_state, boo
         fsync_path(final_dir);
       } catch (const std::exception& e) {
         const auto* de = dynamic_cast<const Error*>(&e);
-        DFLASH_FAIL_HINT("checkpoint " << final_dir.string() << " could not be written: " << (de ? de->message() : e.what()),
+        DFLASH_REJECT_HINT("checkpoint " << final_dir.string() << " could not be written: " << (de ? de->message() : e.what()),
                          "check the free space and permissions under " << ckpt_dir.string()
                                                                         << "; the newest complete checkpoint there is intact");
       }

@@ -448,12 +448,12 @@ size_t edit_distance(const std::string& a, const std::string& b) {
   m << where << ": unknown key '" << key << "'; ";
   if (known.empty()) m << "valid top-level sections: " << join(valid);
   else m << "valid keys of '" << known << "': " << join(valid);
-  if (hint.empty()) DFLASH_FAIL(m.str());
-  DFLASH_FAIL_HINT(m.str(), hint);
+  if (hint.empty()) DFLASH_REJECT(m.str());
+  DFLASH_REJECT_HINT(m.str(), hint);
 }
 
 [[noreturn]] void bad_value(const std::string& where, const Field& f, const YAML::Node& n) {
-  DFLASH_FAIL(where << ": " << f.key << " must be " << f.expected << ", got '" << flow_text(n) << "'");
+  DFLASH_REJECT(where << ": " << f.key << " must be " << f.expected << ", got '" << flow_text(n) << "'");
 }
 
 std::string where_in_file(const std::string& source, const YAML::Node& n) {
@@ -475,15 +475,15 @@ void load_section(TrainConfig& c, const YAML::Node& map, const std::string& sect
   std::set<std::string> seen;
   for (const auto& kv : map) {
     const std::string where = where_in_file(source, kv.first);
-    DFLASH_CHECK(kv.first.IsScalar(), where << ": keys must be plain names, got '" << flow_text(kv.first) << "'");
+    DFLASH_REQUIRE(kv.first.IsScalar(), where << ": keys must be plain names, got '" << flow_text(kv.first) << "'");
     const std::string key = section.empty() ? kv.first.Scalar() : section + "." + kv.first.Scalar();
-    DFLASH_CHECK(seen.insert(key).second, where << ": key '" << key << "' appears twice");
+    DFLASH_REQUIRE(seen.insert(key).second, where << ": key '" << key << "' appears twice");
     if (const Field* f = find_field(key)) {
       set_field(c, *f, kv.second, where);
       origins[key] = Origin::File;
     } else if (is_section(key)) {
       if (kv.second.IsNull()) continue;  // an empty section keeps its defaults
-      DFLASH_CHECK(kv.second.IsMap(), where << ": " << key << " must be a section (a map with keys "
+      DFLASH_REQUIRE(kv.second.IsMap(), where << ": " << key << " must be a section (a map with keys "
                                             << join(children(key)) << "), got '" << flow_text(kv.second) << "'");
       load_section(c, kv.second, key, source, origins);
     } else {
@@ -504,20 +504,21 @@ TrainConfig TrainConfig::from_string(const std::string& yaml, const std::string&
   try {
     root = YAML::Load(yaml);
   } catch (const YAML::Exception& e) {
-    DFLASH_FAIL_HINT(source << ":" << e.mark.line + 1 << ": not valid YAML: " << e.msg,
+    DFLASH_REJECT_HINT(source << ":" << e.mark.line + 1 << ": not valid YAML: " << e.msg,
                      "a config is a YAML map of sections: model, data, parallel, training, kernels, checkpoint, logging");
   }
   if (!root.IsNull()) {
-    DFLASH_CHECK_HINT(root.IsMap(), source << ": the config must be a YAML map of sections, got '" << flow_text(root) << "'",
+    DFLASH_REQUIRE_HINT(root.IsMap(), source << ": the config must be a YAML map of sections, got '" << flow_text(root) << "'",
                       "valid top-level sections: " << join(children("")));
     load_section(c, root, "", source, c.origins_);
   }
+  c.file_synth_ = c.data.synth.enabled;
   for (const std::string& o : overrides) c.apply_override(o);
   return c;
 }
 
 TrainConfig TrainConfig::from_file(const std::string& path, const std::vector<std::string>& overrides) {
-  DFLASH_CHECK_HINT(std::filesystem::is_regular_file(path), "config file '" << path << "' does not exist",
+  DFLASH_REQUIRE_HINT(std::filesystem::is_regular_file(path), "config file '" << path << "' does not exist",
                     "pass a YAML config such as configs/tiny.yaml");
   std::ifstream in(path);
   DFLASH_CHECK_IO(in.good(), "opening config", path);
@@ -533,7 +534,7 @@ TrainConfig TrainConfig::embedded_default(const std::vector<std::string>& overri
 void TrainConfig::apply_override(const std::string& assignment) {
   const std::string where = "--set " + assignment;
   const size_t eq = assignment.find('=');
-  DFLASH_CHECK_HINT(eq != std::string::npos && eq > 0, where << ": expected key.path=value",
+  DFLASH_REQUIRE_HINT(eq != std::string::npos && eq > 0, where << ": expected key.path=value",
                     "for example --set training.lr=3e-4 or --set model.drafter.target_layer_ids=[1,16,31]");
   std::string key = assignment.substr(0, eq);
   while (!key.empty() && std::isspace(static_cast<unsigned char>(key.back()))) key.pop_back();
@@ -542,7 +543,7 @@ void TrainConfig::apply_override(const std::string& assignment) {
   try {
     value = YAML::Load(assignment.substr(eq + 1));
   } catch (const YAML::Exception& e) {
-    DFLASH_FAIL_HINT(where << ": the value is not valid YAML (" << e.msg << ")",
+    DFLASH_REJECT_HINT(where << ": the value is not valid YAML (" << e.msg << ")",
                      "a value is read as YAML: quote one that starts with * & ! [ { or holds ': ', "
                      "e.g. --set 'data.files=\"*.h5\"'");
   }
@@ -551,12 +552,54 @@ void TrainConfig::apply_override(const std::string& assignment) {
     if (is_section(key)) {
       std::vector<std::string> keys;
       for (const std::string& ch : children(key)) keys.push_back(key + "." + ch);
-      DFLASH_FAIL(where << ": '" << key << "' is a section; set one of its keys: " << join(keys));
+      DFLASH_REJECT(where << ": '" << key << "' is a section; set one of its keys: " << join(keys));
     }
     unknown_key(where, key);
   }
   set_field(*this, *f, value, where);
   origins_[key] = Origin::Override;
+  resolve_alternatives(key, where);
+}
+
+// Pairs of keys that exclude each other: --set of one (to a value that selects it) resets the other
+// unless it was --set too. The file's data.regenerate goes with the file's source of data (the
+// embedded default regenerates its synthetic prompts, configs/qwen3.6-27b.yaml its data.files): a --set
+// that switches to the other source turns it off, unless data.regenerate.enabled is --set too.
+void TrainConfig::resolve_alternatives(const std::string& key, const std::string& where) {
+  // Resets `k` to the YAML `value`; returns whether it changed.
+  auto displace = [&](const std::string& k, const char* value) {
+    if (origin(k) == Origin::Override) return false;
+    const Field& f = *find_field(k);
+    const std::string before = f.show(*this);
+    set_field(*this, f, YAML::Load(value), where);
+    if (f.show(*this) == before) return false;
+    notes_.push_back(where + ": " + k + " = " + f.show(*this) + " instead of " + before + " (from " +
+                     (origin(k) == Origin::Default ? std::string("the defaults") : source) + ")");
+    origins_[k] = Origin::Implied;
+    return true;
+  };
+  const TargetSection& t = model.target;
+  if (key == "model.target.path" && !t.path.empty()) {
+    displace("model.target.config", "\"\"");
+    displace("model.target.random_weights", "false");
+  } else if (key == "model.target.config" && !t.config.empty()) {
+    displace("model.target.path", "\"\"");
+    displace("model.target.random_weights", "true");  // a config.json has no weights
+  } else if (key == "model.drafter.config" && !model.drafter.config.empty()) {
+    displace("model.drafter.warm_start", "\"\"");
+  } else if (key == "model.drafter.warm_start" && !model.drafter.warm_start.empty()) {
+    displace("model.drafter.config", "\"\"");
+  } else if (key == "data.files" && !data.files.empty()) {
+    displace("data.synth.enabled", "false");
+    if (file_synth_) displace("data.regenerate.enabled", "false");
+  } else if (key == "data.synth.enabled" && data.synth.enabled) {
+    displace("data.files", "[]");
+    if (!file_synth_) displace("data.regenerate.enabled", "false");
+  } else if (key == "training.epochs" && training.epochs) {
+    displace("training.max_steps", "null");
+  } else if (key == "training.max_steps" && training.max_steps) {
+    displace("training.epochs", "null");
+  }
 }
 
 Origin TrainConfig::origin(const std::string& key) const {
@@ -590,75 +633,75 @@ void TrainConfig::validate(int world_size) const {
     }
   }
   const TargetSection& t = model.target;
-  DFLASH_CHECK_HINT(t.path.empty() != t.config.empty(),
+  DFLASH_REQUIRE_HINT(t.path.empty() != t.config.empty(),
                     s << ": model.target: set exactly one of model.target.path and model.target.config"
                       << (t.path.empty() ? " (neither is set)" : " (both are set)"),
                     "model.target.path: a Hugging Face model directory; model.target.config: a config.json "
                     "with model.target.random_weights: true");
-  DFLASH_CHECK_HINT(t.config.empty() || t.random_weights,
+  DFLASH_REQUIRE_HINT(t.config.empty() || t.random_weights,
                     s << ": model.target.config names only an architecture, so model.target.random_weights must be true",
                     "set model.target.random_weights: true, or give a model directory as model.target.path");
 
   const DrafterSection& d = model.drafter;
-  DFLASH_CHECK(d.config.empty() || d.warm_start.empty(),
+  DFLASH_REQUIRE(d.config.empty() || d.warm_start.empty(),
                s << ": model.drafter.config and model.drafter.warm_start are exclusive (a warm start brings its config.json)");
   // With a drafter config.json (config or warm_start), fields given as well must agree with it:
   // drafter_config() checks that when it reads the file.
   if (d.config.empty() && d.warm_start.empty()) {
-    DFLASH_CHECK_HINT(d.mask_token_id.has_value(),
+    DFLASH_REQUIRE_HINT(d.mask_token_id.has_value(),
                       s << ": model.drafter.mask_token_id must be set (a token id of the target's vocabulary)",
                       "use a token the data never contains, e.g. a reserved special token (Qwen3.6: 248070)");
     std::set<int64_t> ids;
     for (size_t i = 0; i < d.target_layer_ids.size(); ++i)
-      DFLASH_CHECK(ids.insert(d.target_layer_ids[i]).second,
+      DFLASH_REQUIRE(ids.insert(d.target_layer_ids[i]).second,
                    s << ": model.drafter.target_layer_ids[" << i << "] = " << d.target_layer_ids[i]
                      << " appears twice; expected distinct target layer ids");
-    DFLASH_CHECK(data.max_length > d.block_size,
+    DFLASH_REQUIRE(data.max_length > d.block_size,
                  s << ": data.max_length (" << data.max_length << ") must be greater than model.drafter.block_size ("
                    << d.block_size << ") so that one anchor block fits in a sequence");
   }
 
-  DFLASH_CHECK_HINT(!data.files.empty() || data.synth.enabled,
+  DFLASH_REQUIRE_HINT(!data.files.empty() || data.synth.enabled,
                     s << ": data.files is empty and data.synth.enabled is false; there is nothing to train on",
                     "list HDF5 token files (dflash_data convert makes them) or set data.synth.enabled: true");
-  DFLASH_CHECK(data.files.empty() || !data.synth.enabled,
+  DFLASH_REQUIRE(data.files.empty() || !data.synth.enabled,
                s << ": data.files and data.synth.enabled: true are exclusive; use one source of data");
-  DFLASH_CHECK(data.synth.min_length <= data.synth.max_length,
+  DFLASH_REQUIRE(data.synth.min_length <= data.synth.max_length,
                s << ": data.synth.min_length (" << data.synth.min_length << ") must be <= data.synth.max_length ("
                  << data.synth.max_length << ")");
 
   if (data.regenerate.enabled) {
-    DFLASH_CHECK_HINT(data.regenerate.top_p <= 1, s << ": data.regenerate.top_p (" << show(data.regenerate.top_p) << ") must be <= 1",
+    DFLASH_REQUIRE_HINT(data.regenerate.top_p <= 1, s << ": data.regenerate.top_p (" << show(data.regenerate.top_p) << ") must be <= 1",
                       "top_p = 1 keeps every token");
-    DFLASH_CHECK_HINT(data.regenerate.top_p == 1 || data.regenerate.temperature > 0,
+    DFLASH_REQUIRE_HINT(data.regenerate.top_p == 1 || data.regenerate.temperature > 0,
                       s << ": data.regenerate.top_p (" << show(data.regenerate.top_p) << ") needs data.regenerate.temperature > 0",
                       "temperature 0 is greedy decoding, which keeps no nucleus");
   }
 
-  DFLASH_CHECK_HINT(training.epochs.has_value() != training.max_steps.has_value(),
+  DFLASH_REQUIRE_HINT(training.epochs.has_value() != training.max_steps.has_value(),
                     s << ": set exactly one of training.epochs and training.max_steps"
                       << (training.epochs ? " (both are set)" : " (neither is set)"),
                     "unset the other with null, e.g. --set training.epochs=null");
-  DFLASH_CHECK(training.min_lr <= training.lr, s << ": training.min_lr (" << show(training.min_lr)
+  DFLASH_REQUIRE(training.min_lr <= training.lr, s << ": training.min_lr (" << show(training.min_lr)
                                                  << ") must be <= training.lr (" << show(training.lr) << ")");
 
   if (kernels.require_fast_path)
     for (const char* k : {"kernels.conv", "kernels.delta_rule", "kernels.attention"})
-      DFLASH_CHECK_HINT(find_field(k)->show(*this) != "fallback",
+      DFLASH_REQUIRE_HINT(find_field(k)->show(*this) != "fallback",
                         s << ": kernels.require_fast_path: true contradicts " << k << ": fallback",
                         "set " << k << " to auto or fast, or require_fast_path to false");
 
-  DFLASH_CHECK_HINT(!(kernels.require_fast_path && parallel.device == Backend::Cpu),
+  DFLASH_REQUIRE_HINT(!(kernels.require_fast_path && parallel.device == Backend::Cpu),
                     s << ": kernels.require_fast_path: true contradicts parallel.device: cpu (the CPU backend is the f32 "
                          "reference: it has no fast path, every op runs its plain reference code)",
                     "train on GPUs (parallel.device: cuda or auto), or set kernels.require_fast_path: false to run the CPU "
                     "reference on purpose");
 
-  DFLASH_CHECK(world_size >= 1, s << ": world size " << world_size << " must be >= 1");
+  DFLASH_REQUIRE(world_size >= 1, s << ": world size " << world_size << " must be >= 1");
   try {
     comm::make_layout(world_size, 0, static_cast<int>(std::min<int64_t>(parallel.tp, 1 << 30)));
   } catch (const Error& e) {
-    DFLASH_FAIL_HINT(s << ": " << e.message(), e.hint());
+    DFLASH_REJECT_HINT(s << ": " << e.message(), e.hint());
   }
 }
 
@@ -670,7 +713,7 @@ drafter::DrafterConfig TrainConfig::drafter_config(const target::TargetConfig& t
     const std::string path = !d.config.empty() ? d.config : d.warm_start;
     drafter::DrafterConfig c = drafter::DrafterConfig::from_file(path);
     auto agree = [&](const char* k, bool ok, const std::string& given, const std::string& in_file) {
-      DFLASH_CHECK_HINT(origin(k) == Origin::Default || ok,
+      DFLASH_REQUIRE_HINT(origin(k) == Origin::Default || ok,
                         s << ": " << k << " = " << given << " disagrees with " << key << " (" << path << "), which has "
                           << in_file,
                         "remove " << k << " (the drafter's config.json defines it), or drop " << key);
@@ -699,19 +742,21 @@ drafter::DrafterConfig TrainConfig::drafter_config(const target::TargetConfig& t
     try {
       c.check_target(target);
     } catch (const Error& e) {
-      DFLASH_FAIL_HINT(s << ": " << key << " (" << path << "): " << e.message(), "check model.target and " << key);
+      DFLASH_REJECT_HINT(s << ": " << key << " (" << path << "): " << e.message(), "check model.target and " << key);
     }
     return c;
   }
-  DFLASH_CHECK(d.mask_token_id.has_value(), s << ": model.drafter.mask_token_id must be set");
-  DFLASH_CHECK(*d.mask_token_id < target.vocab_size,
-               s << ": model.drafter.mask_token_id = " << *d.mask_token_id << " is outside the target's vocabulary [0, "
-                 << target.vocab_size << ")");
+  DFLASH_REQUIRE(d.mask_token_id.has_value(), s << ": model.drafter.mask_token_id must be set");
+  DFLASH_REQUIRE_HINT(*d.mask_token_id < target.vocab_size,
+                      s << ": model.drafter.mask_token_id = " << *d.mask_token_id << " is outside the target's vocabulary [0, "
+                        << target.vocab_size << ")",
+                      "set model.drafter.mask_token_id to an id of the target's vocabulary that the data never holds (a "
+                      "reserved token; Qwen3.5/3.6: 248070); configs/my-model.yaml is the recipe for your own model");
   for (size_t i = 0; i < d.target_layer_ids.size(); ++i)
-    DFLASH_CHECK(d.target_layer_ids[i] < target.num_hidden_layers,
+    DFLASH_REQUIRE(d.target_layer_ids[i] < target.num_hidden_layers,
                  s << ": model.drafter.target_layer_ids[" << i << "] = " << d.target_layer_ids[i]
                    << " is outside the target's layers [0, " << target.num_hidden_layers << ")");
-  DFLASH_CHECK(d.num_layers <= target.num_hidden_layers || !d.target_layer_ids.empty(),
+  DFLASH_REQUIRE(d.num_layers <= target.num_hidden_layers || !d.target_layer_ids.empty(),
                s << ": model.drafter.num_layers (" << d.num_layers << ") is more than the target's "
                  << target.num_hidden_layers << " layers; give model.drafter.target_layer_ids explicitly");
   drafter::DrafterConfig c = drafter::DrafterConfig::for_target(target, d.num_layers, *d.mask_token_id, d.block_size);
@@ -723,7 +768,7 @@ drafter::DrafterConfig TrainConfig::drafter_config(const target::TargetConfig& t
   try {
     c.validate();
   } catch (const Error& e) {
-    DFLASH_FAIL_HINT(s << ": the drafter made from model.drafter: " << e.message(),
+    DFLASH_REJECT_HINT(s << ": the drafter made from model.drafter: " << e.message(),
                      "model.drafter.num_attention_heads must be a multiple of num_key_value_heads and head_dim even");
   }
   return c;
@@ -734,19 +779,19 @@ void TrainConfig::validate_against(const target::TargetConfig& target) const {
   try {
     target::check_tp(target, static_cast<int>(parallel.tp));
   } catch (const Error& e) {
-    DFLASH_FAIL_HINT(s << ": " << e.message(), e.hint());
+    DFLASH_REJECT_HINT(s << ": " << e.message(), e.hint());
   }
   const drafter::DrafterConfig c = drafter_config(target);
-  DFLASH_CHECK(data.max_length > c.block_size, s << ": data.max_length (" << data.max_length
+  DFLASH_REQUIRE(data.max_length > c.block_size, s << ": data.max_length (" << data.max_length
                                                  << ") must be greater than the drafter's block_size (" << c.block_size
                                                  << ") so that one anchor block fits in a sequence");
   for (size_t i = 0; i < data.regenerate.stop_tokens.size(); ++i)
-    DFLASH_CHECK_HINT(data.regenerate.stop_tokens[i] < target.vocab_size,
+    DFLASH_REQUIRE_HINT(data.regenerate.stop_tokens[i] < target.vocab_size,
                       s << ": data.regenerate.stop_tokens[" << i << "] = " << data.regenerate.stop_tokens[i]
                         << " is outside the target's vocabulary [0, " << target.vocab_size << ")",
                       "stop tokens are ids of the target's tokenizer (e.g. its eos_token_id)");
   if (data.synth.enabled)
-    DFLASH_CHECK_HINT(data.synth.vocab_size <= target.vocab_size,
+    DFLASH_REQUIRE_HINT(data.synth.vocab_size <= target.vocab_size,
                       s << ": data.synth.vocab_size (" << data.synth.vocab_size << ") is larger than the target's vocabulary ("
                         << target.vocab_size << ")",
                       "use at most " << target.vocab_size << ", or 0 for the whole vocabulary");
@@ -789,7 +834,7 @@ std::vector<std::string> TrainConfig::expand_data_files() const {
   for (size_t i = 0; i < data.files.size(); ++i) {
     const std::string& p = data.files[i];
     if (p.find_first_of("*?[") == std::string::npos) {
-      DFLASH_CHECK_HINT(std::filesystem::exists(p), source << ": data.files[" << i << "] '" << p << "' does not exist",
+      DFLASH_REQUIRE_HINT(std::filesystem::exists(p), source << ": data.files[" << i << "] '" << p << "' does not exist",
                         "relative paths are relative to the directory dflash_train was started in");
       out.push_back(p);
       continue;
@@ -798,7 +843,7 @@ std::vector<std::string> TrainConfig::expand_data_files() const {
     const int rc = ::glob(p.c_str(), 0, nullptr, &g);
     std::vector<std::string> found(g.gl_pathv, g.gl_pathv + (rc == 0 ? g.gl_pathc : 0));
     globfree(&g);
-    DFLASH_CHECK_HINT(!found.empty(), source << ": data.files[" << i << "] pattern '" << p << "' matches no file",
+    DFLASH_REQUIRE_HINT(!found.empty(), source << ": data.files[" << i << "] pattern '" << p << "' matches no file",
                       "relative paths are relative to the directory dflash_train was started in");
     out.insert(out.end(), found.begin(), found.end());
   }
@@ -839,7 +884,8 @@ std::string TrainConfig::settings_table() const {
   for (const Field& f : schema()) {
     const std::string v = f.show(*this), dv = f.show(defaults);
     const Origin og = origin(f.key);
-    rows.push_back({f.key, v, og == Origin::Default ? "default" : og == Origin::File ? "file" : "--set",
+    rows.push_back({f.key, v,
+                    og == Origin::Default ? "default" : og == Origin::File ? "file" : og == Origin::Override ? "--set" : "implied",
                     v == dv ? "" : dv});
   }
   size_t w[3] = {0, 0, 0};
@@ -856,6 +902,8 @@ std::string TrainConfig::settings_table() const {
     if (!r.dflt.empty()) line += std::string(w[2] - r.from.size() + 2, ' ') + r.dflt;
     o << line << "\n";
   }
+  if (!notes_.empty()) o << "implied by --set (what was --set wins over the config's alternatives):\n";
+  for (const std::string& n : notes_) o << "  " << n << "\n";
   return o.str();
 }
 

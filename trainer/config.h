@@ -153,8 +153,9 @@ struct LoggingSection {
   bool operator==(const LoggingSection&) const = default;
 };
 
-// Where a key's value came from (the settings table shows it).
-enum class Origin { Default, File, Override };
+// Where a key's value came from (the settings table shows it). Implied: reset because a --set chose
+// an alternative that excludes it (TrainConfig::apply_override).
+enum class Origin { Default, File, Override, Implied };
 
 class TrainConfig {
  public:
@@ -184,7 +185,15 @@ class TrainConfig {
 
   // `--set key.path=value`: value is a YAML scalar or flow sequence ("[1, 16, 31]"); "null"
   // unsets an optional key (training.epochs / training.max_steps).
+  // What is --set wins over the alternatives the file (or the defaults) chose, unless those are --set
+  // too: model.target.path resets model.target.config and random_weights (a config.json the reverse,
+  // with random weights); data.files turns data.synth off and data.synth.enabled: true empties
+  // data.files, and either switch of the file's source of data turns the file's data.regenerate off
+  // (the embedded default's regenerates synthetic prompts);
+  // training.epochs and max_steps, model.drafter.config and warm_start replace each other. Each reset
+  // is listed in notes() and shown as "implied" in the settings table.
   void apply_override(const std::string& assignment);
+  const std::vector<std::string>& notes() const { return notes_; }
 
   // Relations between values: target/drafter sources, epochs vs max_steps, min_lr vs lr, data
   // files vs synth, kernel policies vs require_fast_path, and tp dividing `world_size`. Also re-checks
@@ -217,7 +226,10 @@ class TrainConfig {
   bool operator==(const TrainConfig& o) const;
 
  private:
+  void resolve_alternatives(const std::string& key, const std::string& where);
   std::map<std::string, Origin> origins_;
+  std::vector<std::string> notes_;  // "--set data.files=x.h5: data.synth.enabled = false instead of true (from ...)"
+  bool file_synth_ = false;  // the file's source of data is data.synth (not data.files)
 };
 
 }  // namespace dflash::trainer

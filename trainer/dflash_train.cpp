@@ -60,10 +60,14 @@ int main(int argc, char** argv) {
       throw;
     }
     if (rank == 0) {
+      // Steps of this start and of the whole run: a resumed run trains only those after its checkpoint.
+      const long long now = r.step - r.start_step, all = r.step;
       if (r.stopped)
-        std::printf("stopped at step %lld; run the same command again to resume\n", static_cast<long long>(r.step));
+        std::printf("stopped at step %lld after %lld step(s) in this run; run the same command again to resume\n", all, now);
+      else if (r.start_step > 0)
+        std::printf("trained %lld steps in this run (%lld in all); drafter exported to %s\n", now, all, r.drafter_dir.c_str());
       else
-        std::printf("trained %lld steps; drafter exported to %s\n", static_cast<long long>(r.step), r.drafter_dir.c_str());
+        std::printf("trained %lld steps; drafter exported to %s\n", all, r.drafter_dir.c_str());
     }
     return 0;
   });

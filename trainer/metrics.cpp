@@ -20,11 +20,10 @@ std::string fmt_duration(double s) {
   return fmt::format("{}s", t);
 }
 
-void ProgressBar::update(int64_t step, double loss, double elapsed) {
+void ProgressBar::update(int64_t step, double loss, double elapsed, double eta) {
   if (!on_) return;
   const int width = 30;
   const int fill = static_cast<int>(static_cast<double>(width) * static_cast<double>(step) / static_cast<double>(total_));
-  const double eta = step > 0 ? elapsed / static_cast<double>(step) * static_cast<double>(total_ - step) : 0;
   std::fprintf(stderr, "\r\033[K[%s%s] %lld/%lld loss %.4f  %s elapsed, eta %s", std::string(fill, '#').c_str(),
                std::string(width - fill, '.').c_str(), static_cast<long long>(step), static_cast<long long>(total_), loss,
                fmt_duration(elapsed).c_str(), fmt_duration(eta).c_str());
@@ -161,7 +160,8 @@ void RunMetrics::add_step(const drafter::StepStats& stats, bool finite, double t
   ++log_steps_;
 }
 
-void RunMetrics::end_interval(int64_t step, double elapsed_s, double lr, double grad_norm, int64_t skipped, double mem_gib) {
+void RunMetrics::end_interval(int64_t step, double elapsed_s, double eta, double lr, double grad_norm, int64_t skipped,
+                              double mem_gib) {
   using clock = std::chrono::steady_clock;
   const int64_t B = shape_.block_size;
   const double dt = std::chrono::duration<double>(clock::now() - log_t0_).count();
@@ -169,7 +169,6 @@ void RunMetrics::end_interval(int64_t step, double elapsed_s, double lr, double 
   const double mfu = peak_flops_ > 0 && dt > 0 ? 100.0 * log_flops_ / dt / (peak_flops_ * shape_.world) : 0.0;
   if (shape_.rank == 0) {
     bar_.clear();
-    const double eta = step > 0 ? elapsed_s / static_cast<double>(step) * static_cast<double>(shape_.total_steps - step) : 0;
     std::string perf = fmt::format("{:.0f} tok/s ({:.0f}/{})", tok_s, tok_s / shape_.world, shape_.on_gpu ? "GPU" : "rank");
     if (peak_flops_ > 0 && shape_.fp8_target)
       perf += fmt::format(" | MFU {:.1f}% (fp8 peak {:.1f}%) | mem {:.1f} GiB", mfu, mfu * kPeakBf16PerGpu / kPeakFp8PerGpu, mem_gib);
@@ -211,8 +210,16 @@ void RunMetrics::end_interval(int64_t step, double elapsed_s, double lr, double 
 void RunMetrics::log_summary(int64_t step, int64_t skipped, double elapsed_s, const std::string& drafter_dir, int64_t start_step,
                              double peak_mem_gib) const {
   if (shape_.rank != 0) return;
-  spdlog::info("done: {} steps ({} skipped as non-finite) in {:.1f} s; drafter exported to {}", step, skipped,
-               elapsed_s, drafter_dir);
+  // A resumed start trains only the steps after its checkpoint: say both counts.
+  if (step == start_step)
+    spdlog::info("done: no step trained in this run ({} of {} steps were done before it); drafter exported to {}", step,
+                 shape_.total_steps, drafter_dir);
+  else if (start_step > 0)
+    spdlog::info("done: {} steps in this run (steps {}..{} of {}; {} skipped as non-finite in all) in {:.1f} s; drafter "
+                 "exported to {}", step - start_step, start_step + 1, step, shape_.total_steps, skipped, elapsed_s, drafter_dir);
+  else
+    spdlog::info("done: {} steps ({} skipped as non-finite) in {:.1f} s; drafter exported to {}", step, skipped, elapsed_s,
+                 drafter_dir);
   std::string perf = "throughput after the first log interval: ";
   if (steady_s_ > 0) {
     perf += fmt::format("{:.0f} tok/s ({:.0f} per {})", steady_tokens_ / steady_s_, steady_tokens_ / steady_s_ / shape_.world,

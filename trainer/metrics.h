@@ -30,12 +30,34 @@ std::string fmt_duration(double s);  // "1h02m", "3m07s", "42s"; "?" when not fi
 // "0.81 0.62 0.40": the top-1 accuracy at block positions 1..B-1.
 std::string fmt_acc(const drafter::StepStats& s, int64_t B);
 
+// The remaining time of a run from this start's own step rate. The clock starts when this start's
+// first step ends: start-up (config and data checks, regeneration, loading the target) and the first
+// step's one-time costs (plans, allocations, first calls) are not steps, and the steps a resumed run
+// did before its checkpoint took no time in this start. Times in seconds on any one clock.
+class StepRate {
+ public:
+  // `step`: the steps done so far (of the whole run, as the log counts them), at time `t_s`.
+  void step_done(int64_t step, double t_s) {
+    if (first_step_ < 0) first_step_ = step, t0_ = t_s;
+  }
+  // Seconds left until `total` steps: 0 when done, NaN (shown as "?") until two steps of this start are done.
+  double eta_s(int64_t step, double t_s, int64_t total) const {
+    if (step >= total) return 0;
+    if (first_step_ < 0 || step <= first_step_) return NAN;
+    return (t_s - t0_) / static_cast<double>(step - first_step_) * static_cast<double>(total - step);
+  }
+
+ private:
+  int64_t first_step_ = -1;
+  double t0_ = 0;
+};
+
 // One status line on stderr, redrawn each step, when rank 0's stderr is a terminal; cleared before
 // any log line so the two never mix.
 class ProgressBar {
  public:
   ProgressBar(bool on, int64_t total) : on_(on), total_(std::max<int64_t>(total, 1)) {}
-  void update(int64_t step, double loss, double elapsed);
+  void update(int64_t step, double loss, double elapsed_s, double eta_s);
   void clear();
 
  private:
@@ -84,10 +106,12 @@ class RunMetrics {
   RunMetrics(const RunShape& shape, io::AppendFile& file, ProgressBar& bar);
   // A step's totals (over all ranks); `finite`: it was applied, so its loss and accuracies count.
   void add_step(const drafter::StepStats& stats, bool finite, double tokens, double flops, const StepTimes& times);
-  // Ends the interval at `step` (lr and grad_norm: the last step's; mem_gib: the peak, any rank):
-  // the log line and the metrics.jsonl record on rank 0 (a failed write stops the run).
-  void end_interval(int64_t step, double elapsed_s, double lr, double grad_norm, int64_t skipped, double mem_gib);
-  // Rank 0: "done: ...", "summary: ..." and where a step's time went.
+  // Ends the interval at `step` (lr and grad_norm: the last step's; mem_gib: the peak, any rank;
+  // eta_s: StepRate's): the log line and the metrics.jsonl record on rank 0 (a failed write stops the run).
+  void end_interval(int64_t step, double elapsed_s, double eta_s, double lr, double grad_norm, int64_t skipped,
+                    double mem_gib);
+  // Rank 0: "done: ..." (the steps of this start, from start_step, and of the whole run), "summary: ..."
+  // and where a step's time went.
   void log_summary(int64_t step, int64_t skipped, double elapsed_s, const std::string& drafter_dir, int64_t start_step,
                    double peak_mem_gib) const;
 

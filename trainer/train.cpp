@@ -74,7 +74,8 @@ struct Group {
     try {
       check();
     } catch (const Error& e) {
-      mine = "E" + e.message() + '\x1f' + e.hint() + '\x1f' + e.where();
+      // "U" a user error, "E" an internal one (run_app prints the source location of the latter).
+      mine = (e.is_user_error() ? "U" : "E") + e.message() + '\x1f' + e.hint() + '\x1f' + e.where();
     } catch (const std::exception& e) {
       mine = std::string("E") + e.what() + "\x1f\x1f";
     }
@@ -85,7 +86,7 @@ struct Group {
       const size_t a = m.find('\x1f'), b = m.find('\x1f', a + 1);
       std::string msg = m.substr(1, a - 1);
       if (all.size() > 1) msg = fmt::format("rank {}: {}", r, msg);
-      throw StartupError(msg, m.substr(a + 1, b - a - 1), m.substr(b + 1));
+      throw StartupError(msg, m.substr(a + 1, b - a - 1), m.substr(b + 1), m[0] == 'U' ? ErrorKind::User : ErrorKind::Internal);
     }
   }
   // Every rank's string, in rank order (on every rank).
@@ -150,12 +151,12 @@ CheckedConfigs checked_configs(const TrainConfig& cfg, int world, const RunOptio
   c.drafter = cfg.drafter_config(c.target);
   if (cfg.parallel.device == Backend::Cuda) {
     std::string why;
-    DFLASH_CHECK_HINT(cuda_backend_available(ropt.local_size, &why), "parallel.device: cuda, but " << why,
+    DFLASH_REQUIRE_HINT(cuda_backend_available(ropt.local_size, &why), "parallel.device: cuda, but " << why,
                       "run one rank per GPU (mpirun -n <GPUs per node>), or set parallel.device: cpu");
   } else if (cfg.parallel.device == Backend::Auto && cfg.kernels.require_fast_path) {
     // auto would quietly take the CPU reference: exactly the slow path require_fast_path refuses.
     std::string why;
-    DFLASH_CHECK_HINT(cuda_backend_available(ropt.local_size, &why),
+    DFLASH_REQUIRE_HINT(cuda_backend_available(ropt.local_size, &why),
                       "kernels.require_fast_path: true, but parallel.device: auto would train on the CPU reference (it has "
                       "no fast path): " << why,
                       "run on a node with one GPU per rank, or set kernels.require_fast_path: false and parallel.device: "
@@ -232,13 +233,13 @@ void check_directories(Run& r) {
     io::check_writable_dir((run_dir / "logs").string(), "the log directory <logging.run_dir>/logs");
     if (layout.tp_rank == 0) io::check_writable_dir(ckpt_dir.string(), ckpt_what);
     if (rank != 0) return;
-    DFLASH_CHECK_HINT(run_free >= kRunDirMinFree,
+    DFLASH_REQUIRE_HINT(run_free >= kRunDirMinFree,
                       "logging.run_dir '" << run_dir.string() << "' has " << io::format_bytes(run_free)
                                           << " free; the run's logs and metrics need at least "
                                           << io::format_bytes(kRunDirMinFree),
                       "free space there or set logging.run_dir to another file system");
     const uint64_t ck_free = io::free_bytes(ckpt_dir.string());
-    DFLASH_CHECK_HINT(ck_free >= ckpt_bytes + ckpt_bytes / 20,
+    DFLASH_REQUIRE_HINT(ck_free >= ckpt_bytes + ckpt_bytes / 20,
                       ckpt_what << " '" << ckpt_dir.string() << "' has " << io::format_bytes(ck_free)
                                 << " free, less than one checkpoint of this drafter ("
                                 << io::format_bytes(ckpt_bytes) << "): the first checkpoint would fail",
@@ -260,7 +261,7 @@ void check_directories(Run& r) {
     });
     g.agree([&] {
       if (layout.tp_rank == 0)
-        DFLASH_CHECK_HINT(fs::exists(marker), ckpt_what << " '" << ckpt_dir.string()
+        DFLASH_REQUIRE_HINT(fs::exists(marker), ckpt_what << " '" << ckpt_dir.string()
                                                         << "' is not the directory rank 0 writes checkpoints to (a file rank 0 "
                                                            "made there is not visible here)",
                           "put checkpoint.dir (and logging.run_dir) on a file system every node of the job shares");
@@ -277,6 +278,14 @@ void log_start(const Run& r) {
   if (r.rank != 0) return;
   spdlog::info("{}", version_string());
   spdlog::info("config {}:\n{}", cfg.source, cfg.settings_table());
+  if (cfg.source == TrainConfig::kEmbeddedSource &&
+      (cfg.origin("model.target.path") == Origin::Override || cfg.origin("data.files") == Origin::Override))
+    spdlog::warn("the embedded default is the tiny demo's recipe ({} drafter layers, block {}, mask_token_id {}, {} steps at "
+                 "lr {:g}, data.max_length {}, run_dir {}): for your own model and data start from configs/my-model.yaml",
+                 cfg.model.drafter.num_layers, cfg.model.drafter.block_size,
+                 cfg.model.drafter.mask_token_id ? std::to_string(*cfg.model.drafter.mask_token_id) : "null",
+                 cfg.training.max_steps ? std::to_string(*cfg.training.max_steps) : "?", cfg.training.lr,
+                 cfg.data.max_length, cfg.logging.run_dir);
   spdlog::info("world: {} rank(s), tp {}, {} TP group(s){}", r.world, layout.tp_size, layout.num_tp_groups,
                layout.num_tp_groups > 1 ? " (data parallel over the groups)" : " (no data parallelism)");
   spdlog::info("target: {}{}", r.tcfg().summary(),
@@ -394,7 +403,7 @@ void open_loader(Run& r) {
   g.agree([&] {
     loader_ptr = std::make_unique<data::Loader>(lc);
     const data::Dataset& ds = loader_ptr->dataset();
-    DFLASH_CHECK_HINT(ds.vocab_size() <= tcfg.vocab_size,
+    DFLASH_REQUIRE_HINT(ds.vocab_size() <= tcfg.vocab_size,
                       "data: " << files.front() << (files.size() > 1 ? " (and others)" : "") << " has vocab_size "
                                << ds.vocab_size() << ", larger than the target's vocabulary of " << tcfg.vocab_size,
                       "tokenize the data with the target's tokenizer");
@@ -416,13 +425,13 @@ void open_loader(Run& r) {
       throw StartupError(fmt::format("data: no token of the {} sequences in {} is supervised (every loss_mask value is 0): "
                                      "there is nothing to train on", nseq, where),
                          "set loss_mask = 1 on the tokens the drafter should learn to predict (the responses); "
-                         "`dflash_data stats` shows the supervised share");
+                         "`dflash_data stats` shows the supervised share", {}, ErrorKind::User);
     if (nna == nseq)
       throw StartupError(fmt::format("data: none of the {} sequences in {} has two consecutive supervised tokens within "
                                      "data.max_length = {}, so no anchor block can be drawn: there is nothing to train on",
                                      nseq, where, cfg.data.max_length),
                          "an anchor needs loss_mask = 1 at two neighbouring positions; check the masks, or raise "
-                         "data.max_length if the supervised tokens come late");
+                         "data.max_length if the supervised tokens come late", {}, ErrorKind::User);
     if (rank == 0) {
       spdlog::info("data: checked {} sequences, {} tokens ({} supervised) of {} file(s) in {:.2f} s on {} rank(s)", nseq, ntok,
                    nsup, files.size(), std::chrono::duration<double>(clock::now() - t_data).count(), world);
@@ -490,7 +499,7 @@ Progress resume_run(Run& r, TrainBackend& backend) {
       backend.load_optimizer((from / "optimizer.safetensors").string(), resume.state.at("optimizer"));
       r.loader->restore(resume.loader);
     } catch (const Error& e) {
-      DFLASH_FAIL_HINT("checkpoint " << from.string() << " cannot be resumed: " << e.message(), older_checkpoint_hint(from));
+      DFLASH_REJECT_HINT("checkpoint " << from.string() << " cannot be resumed: " << e.message(), older_checkpoint_hint(from));
     }
     p.step = resume.step, p.skipped = resume.skipped, p.skipped_in_row = resume.skipped_in_row;
     if (rank == 0) {
@@ -534,9 +543,9 @@ drafter::StepOptions step_options(const Run& r) {
   sopt.gamma = r.cfg.training.gamma;
   if (const char* m = std::getenv("DFLASH_FAULT_MASK")) {
     const std::string v = m;
-    DFLASH_CHECK_HINT(v == "causal_in_block" || v == "anchor_inclusive",
+    DFLASH_REQUIRE_HINT(v == "causal_in_block" || v == "anchor_inclusive",
                       "DFLASH_FAULT_MASK=" << v << " is not a mask variant", "use causal_in_block or anchor_inclusive");
-    DFLASH_CHECK_HINT(!r.on_gpu(), "DFLASH_FAULT_MASK is a CPU-backend test hook", "set parallel.device: cpu");
+    DFLASH_REQUIRE_HINT(!r.on_gpu(), "DFLASH_FAULT_MASK is a CPU-backend test hook", "set parallel.device: cpu");
     sopt.mask = v == "causal_in_block" ? drafter::MaskVariant::CausalInBlock : drafter::MaskVariant::AnchorInclusive;
     if (r.rank == 0) spdlog::warn("test hook DFLASH_FAULT_MASK={}: training with a broken attention mask", v);
   }
@@ -670,6 +679,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
                  start_step, total);
   const bool fp8_target = target::resolve_precision(cfg.model.target.precision, r.tcfg()) == target::Precision::Fp8;
   ProgressBar bar(rank == 0 && cfg.logging.progress_bar && ::isatty(STDERR_FILENO), total);
+  StepRate rate;  // the ETA: this start's own steps, start-up excluded
   RunMetrics metrics({rank, world, total, B, r.on_gpu(), fp8_target}, metrics_file, bar);
   const FaultHooks faults = fault_hooks();
 
@@ -689,6 +699,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
       checkpoints.wait();
       write_fast_path_json(r.g, *backend, rank, r.run_dir / "fast_path.json", "stopped");
       result.step = p.step;
+      result.start_step = start_step;
       result.stopped = true;
       return result;
     }
@@ -707,9 +718,11 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     metrics.add_step(tot.stats, applied, tot.tokens, tot.flops, times);
     ++p.step;
     const double elapsed = std::chrono::duration<double>(clock::now() - t_start).count();
-    bar.update(p.step, tot.stats.loss(), elapsed);
+    rate.step_done(p.step, elapsed);
+    const double eta = rate.eta_s(p.step, elapsed, total);
+    bar.update(p.step, tot.stats.loss(), elapsed, eta);
     if (p.step % cfg.logging.interval == 0 || p.step == total)
-      metrics.end_interval(p.step, elapsed, lr, ls.grad_norm, p.skipped, backend->peak_memory_gib());
+      metrics.end_interval(p.step, elapsed, eta, lr, ls.grad_norm, p.skipped, backend->peak_memory_gib());
     check_log_file();  // a log line that could not be written stops the run, as a failed metrics write does
     if (p.step % cfg.checkpoint.interval == 0 && p.step < total) {
       bar.clear();
@@ -724,6 +737,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   checkpoints.wait();  // a periodic checkpoint still being written
   write_fast_path_json(r.g, *backend, rank, r.run_dir / "fast_path.json", "end of run");
   result.step = p.step;
+  result.start_step = start_step;
   result.drafter_dir = (r.run_dir / "drafter").string();
   if (rank == 0) {
     export_final_drafter(r.ckpt_dir, p.step, result.drafter_dir, r.dcfg(), [&] { return backend->weights(); });

@@ -36,7 +36,8 @@ class StartupError : public Error {
 };
 
 struct RunResult {
-  int64_t step = 0;       // optimizer steps done (including skipped ones)
+  int64_t step = 0;       // optimizer steps done (including skipped ones), of the whole run
+  int64_t start_step = 0; // where this start began (the resumed checkpoint's step; 0 for a fresh run)
   bool stopped = false;   // stopped early (signal / stop_after_steps) after writing a checkpoint
   std::string drafter_dir;  // the exported drafter (empty when stopped early)
 };

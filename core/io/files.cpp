@@ -82,7 +82,7 @@ AppendFile::AppendFile(std::string path) : path_(std::move(path)) {
   fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (fd_ < 0) {
     const int e = errno;
-    DFLASH_FAIL_HINT("opening '" << path_ << "' for writing failed: " << reason(e), hint_for(e, parent_of(path_)));
+    DFLASH_REJECT_HINT("opening '" << path_ << "' for writing failed: " << reason(e), hint_for(e, parent_of(path_)));
   }
 }
 
@@ -110,14 +110,14 @@ void AppendFile::append(std::string_view text) {
   } else {
     e = write_all(fd_, text.data(), text.size());
   }
-  if (e) DFLASH_FAIL_HINT("writing '" << path_ << "' failed: " << reason(e), hint_for(e, parent_of(path_)));
+  if (e) DFLASH_REJECT_HINT("writing '" << path_ << "' failed: " << reason(e), hint_for(e, parent_of(path_)));
 }
 
 void AppendFile::sync() {
   if (fd_ < 0) return;
   if (::fsync(fd_) != 0 && errno != EINVAL && errno != EROFS) {
     const int e = errno;
-    DFLASH_FAIL_HINT("syncing '" << path_ << "' to disk failed: " << reason(e), hint_for(e, parent_of(path_)));
+    DFLASH_REJECT_HINT("syncing '" << path_ << "' to disk failed: " << reason(e), hint_for(e, parent_of(path_)));
   }
 }
 
@@ -127,19 +127,19 @@ void write_file_atomic(const std::string& path, std::string_view text) {
     const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) {
       const int e = errno;
-      DFLASH_FAIL_HINT("creating '" << tmp << "' failed: " << reason(e), hint_for(e, parent_of(path)));
+      DFLASH_REJECT_HINT("creating '" << tmp << "' failed: " << reason(e), hint_for(e, parent_of(path)));
     }
     const int e = write_and_sync(fd, text);
     ::close(fd);
     if (e) {
       std::remove(tmp.c_str());
-      DFLASH_FAIL_HINT("writing '" << tmp << "' failed: " << reason(e), hint_for(e, parent_of(path)));
+      DFLASH_REJECT_HINT("writing '" << tmp << "' failed: " << reason(e), hint_for(e, parent_of(path)));
     }
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     const int e = errno;
     std::remove(tmp.c_str());
-    DFLASH_FAIL_HINT("renaming '" << tmp << "' to '" << path << "' failed: " << reason(e), hint_for(e, parent_of(path)));
+    DFLASH_REJECT_HINT("renaming '" << tmp << "' to '" << path << "' failed: " << reason(e), hint_for(e, parent_of(path)));
   }
   const int dfd = ::open(parent_of(path).c_str(), O_RDONLY | O_CLOEXEC);
   if (dfd >= 0) {
@@ -166,15 +166,15 @@ uint64_t check_writable_dir(const std::string& dir, const std::string& what) {
   while (!existing.empty() && !fs::exists(existing, ec) && existing.has_parent_path() && existing != existing.parent_path())
     existing = existing.parent_path();
   if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
-    DFLASH_FAIL_HINT(what << " '" << dir << "' is a file, not a directory",
+    DFLASH_REJECT_HINT(what << " '" << dir << "' is a file, not a directory",
                      "point " << what << " at a directory (it is created when missing), or move the file away");
   if (!fs::is_directory(existing, ec))
-    DFLASH_FAIL_HINT(what << " '" << dir << "' cannot be created: '" << existing.string() << "' is a file, not a directory",
+    DFLASH_REJECT_HINT(what << " '" << dir << "' cannot be created: '" << existing.string() << "' is a file, not a directory",
                      "point " << what << " at a path under a directory");
   fs::create_directories(dir, ec);
   if (ec) {
     const int e = ec.value();
-    DFLASH_FAIL_HINT(what << " '" << dir << "' cannot be created: " << ec.message(), hint_for(e, existing.string()));
+    DFLASH_REJECT_HINT(what << " '" << dir << "' cannot be created: " << ec.message(), hint_for(e, existing.string()));
   }
   // A probe file: permissions, read-only mounts and full disks all show here.
   // (pid and time: ranks of several nodes may probe one shared directory at once)
@@ -192,7 +192,7 @@ uint64_t check_writable_dir(const std::string& dir, const std::string& what) {
     ::close(fd);
     std::remove(probe.c_str());
   }
-  if (e) DFLASH_FAIL_HINT(what << " '" << dir << "' is not writable: " << reason(e), hint_for(e, dir));
+  if (e) DFLASH_REJECT_HINT(what << " '" << dir << "' is not writable: " << reason(e), hint_for(e, dir));
   return free_bytes(dir);
 }
 

@@ -111,22 +111,22 @@ TensorInfo parse_entry(const std::string& path, const std::string& name, const j
                        size_t data_size, size_t file_size) {
   const std::string ctx = tensor_ctx(path, name);
   const char* hint = "each tensor entry must be {\"dtype\": \"BF16\", \"shape\": [..], \"data_offsets\": [begin, end]}";
-  DFLASH_CHECK_HINT(e.is_object(), ctx << ": header entry is a JSON " << e.type_name() << ", not an object", hint);
+  DFLASH_REQUIRE_HINT(e.is_object(), ctx << ": header entry is a JSON " << e.type_name() << ", not an object", hint);
   for (const char* key : {"dtype", "shape", "data_offsets"})
-    DFLASH_CHECK_HINT(e.contains(key), ctx << ": header entry has no \"" << key << "\"", hint);
+    DFLASH_REQUIRE_HINT(e.contains(key), ctx << ": header entry has no \"" << key << "\"", hint);
   const json& jd = e.at("dtype");
   const json& js = e.at("shape");
   const json& jo = e.at("data_offsets");
-  DFLASH_CHECK_HINT(jd.is_string(), ctx << ": \"dtype\" is a JSON " << jd.type_name() << ", not a string", hint);
-  DFLASH_CHECK_HINT(js.is_array(), ctx << ": \"shape\" is a JSON " << js.type_name() << ", not an array", hint);
-  DFLASH_CHECK_HINT(jo.is_array() && jo.size() == 2,
+  DFLASH_REQUIRE_HINT(jd.is_string(), ctx << ": \"dtype\" is a JSON " << jd.type_name() << ", not a string", hint);
+  DFLASH_REQUIRE_HINT(js.is_array(), ctx << ": \"shape\" is a JSON " << js.type_name() << ", not an array", hint);
+  DFLASH_REQUIRE_HINT(jo.is_array() && jo.size() == 2,
                     ctx << ": \"data_offsets\" must be an array of two integers [begin, end], got " << jo.dump(),
                     hint);
 
   TensorInfo info;
   const std::string dts = jd.get<std::string>();
   auto dt = safetensors_dtype_from_string(dts);
-  DFLASH_CHECK_HINT(dt.has_value(), ctx << ": dtype " << q(dts) << " is not supported",
+  DFLASH_REQUIRE_HINT(dt.has_value(), ctx << ": dtype " << q(dts) << " is not supported",
                     "supported dtypes: " << safetensors_supported_dtypes()
                                          << " (convert the checkpoint, e.g. BOOL/I8/F8_E5M2 tensors to U8/BF16)");
   info.dtype = *dt;
@@ -139,36 +139,36 @@ TensorInfo parse_entry(const std::string& path, const std::string& name, const j
   for (size_t i = 0; i < js.size(); ++i) {
     uint64_t d = 0;
     IntCheck c = as_nonneg_int(js[i], static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), &d);
-    DFLASH_CHECK_HINT(c == IntCheck::Ok, ctx << ": shape " << js.dump() << ": dim " << i << " (" << js[i].dump() << ") "
+    DFLASH_REQUIRE_HINT(c == IntCheck::Ok, ctx << ": shape " << js.dump() << ": dim " << i << " (" << js[i].dump() << ") "
                                              << int_problem(c),
                       "dims must be non-negative integers");
     if (d == 0) any_zero = true;
     else
-      DFLASH_CHECK(!__builtin_mul_overflow(numel_nonzero, d, &numel_nonzero) &&
+      DFLASH_REQUIRE(!__builtin_mul_overflow(numel_nonzero, d, &numel_nonzero) &&
                        numel_nonzero <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
                    ctx << ": shape " << js.dump() << " has too many elements (overflows 64 bits)");
     info.shape.push_back(static_cast<int64_t>(d));
   }
   const uint64_t numel = any_zero ? 0 : numel_nonzero;
   uint64_t expect_bytes = 0;
-  DFLASH_CHECK(!__builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(info.dtype)), &expect_bytes),
+  DFLASH_REQUIRE(!__builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(info.dtype)), &expect_bytes),
                ctx << ": shape " << js.dump() << " x " << dts << " overflows 64 bits");
 
   uint64_t off[2] = {0, 0};
   for (size_t i = 0; i < 2; ++i) {
     IntCheck c = as_nonneg_int(jo[i], std::numeric_limits<uint64_t>::max(), &off[i]);
-    DFLASH_CHECK_HINT(c == IntCheck::Ok, ctx << ": data_offsets " << jo.dump() << ": " << (i ? "end" : "begin") << " "
+    DFLASH_REQUIRE_HINT(c == IntCheck::Ok, ctx << ": data_offsets " << jo.dump() << ": " << (i ? "end" : "begin") << " "
                                              << int_problem(c),
                       hint);
   }
-  DFLASH_CHECK(off[0] <= off[1], ctx << ": data_offsets " << jo.dump() << " has begin " << off[0] << " > end " << off[1]);
+  DFLASH_REQUIRE(off[0] <= off[1], ctx << ": data_offsets " << jo.dump() << " has begin " << off[0] << " > end " << off[1]);
   const uint64_t span = off[1] - off[0];
-  DFLASH_CHECK_HINT(span == expect_bytes,
+  DFLASH_REQUIRE_HINT(span == expect_bytes,
                     ctx << ": shape " << shape_str(info.shape) << " x " << dts << " (" << dtype_size(info.dtype)
                         << " bytes) = " << expect_bytes << " bytes, but data_offsets " << jo.dump() << " span " << span
                         << " bytes",
                     "the header is corrupt or was written with a different dtype/shape");
-  DFLASH_CHECK_HINT(off[1] <= data_size,
+  DFLASH_REQUIRE_HINT(off[1] <= data_size,
                     ctx << ": data_offsets " << jo.dump() << " run past the end of the data region (" << data_size
                         << " bytes; file " << file_size << " bytes)",
                     kTruncatedHint);
@@ -194,7 +194,7 @@ void check_coverage(const std::string& path, const std::map<std::string, TensorI
   const std::string* prev = nullptr;
   for (const auto& [b, e, name] : r) {
     if (b > prev_end) {
-      DFLASH_FAIL_HINT(file_ctx(path) << ": gap of " << (b - prev_end) << " bytes [" << prev_end << ", " << b
+      DFLASH_REJECT_HINT(file_ctx(path) << ": gap of " << (b - prev_end) << " bytes [" << prev_end << ", " << b
                                       << ") not covered by any tensor, "
                                       << (prev ? "between tensor " + q(*prev) + " [" + std::to_string(prev_begin) +
                                                      ", " + std::to_string(prev_end) + ") and"
@@ -203,7 +203,7 @@ void check_coverage(const std::string& path, const std::map<std::string, TensorI
                        hint);
     }
     if (b < prev_end) {
-      DFLASH_FAIL_HINT(file_ctx(path) << ": tensors " << q(*prev) << " [" << prev_begin << ", " << prev_end << ") and "
+      DFLASH_REJECT_HINT(file_ctx(path) << ": tensors " << q(*prev) << " [" << prev_begin << ", " << prev_end << ") and "
                                       << q(*name) << " [" << b << ", " << e << ") overlap",
                        hint);
     }
@@ -212,7 +212,7 @@ void check_coverage(const std::string& path, const std::map<std::string, TensorI
     prev = name;
   }
   if (prev_end != data_size) {
-    DFLASH_FAIL_HINT(file_ctx(path) << ": the data region has " << data_size << " bytes but the tensors cover only "
+    DFLASH_REJECT_HINT(file_ctx(path) << ": the data region has " << data_size << " bytes but the tensors cover only "
                                     << prev_end << "; " << (data_size - prev_end) << " trailing bytes "
                                     << (prev ? "after the last tensor " + q(*prev) : std::string("with no tensors")),
                      "the header does not describe the whole file (corrupt, or data appended by another tool)");
@@ -273,7 +273,7 @@ std::string dump_json(const json& j, int indent, const std::string& what) {
   try {
     return j.dump(indent);
   } catch (const json::exception& e) {
-    DFLASH_FAIL_HINT("cannot write " << what << ": " << e.what(), "tensor names and metadata must be valid UTF-8");
+    DFLASH_REJECT_HINT("cannot write " << what << ": " << e.what(), "tensor names and metadata must be valid UTF-8");
   }
 }
 
@@ -283,7 +283,7 @@ void check_tensor_for_save(const std::string& path, const std::string& name, con
   DFLASH_CHECK(name != "__metadata__", "save " << q(path) << ": \"__metadata__\" is reserved and cannot name a tensor");
   DFLASH_CHECK(seen.insert(name).second, "save " << q(path) << ": duplicate tensor name " << q(name));
   DFLASH_CHECK(t.defined(), "save " << q(path) << ": tensor " << q(name) << " is undefined");
-  DFLASH_CHECK_HINT(t.device().is_cpu(),
+  DFLASH_REQUIRE_HINT(t.device().is_cpu(),
                     "save " << q(path) << ": tensor " << q(name) << " is on " << t.device().str()
                             << "; only host tensors can be written",
                     "copy it to the host first with .to(Device::cpu())");
@@ -331,12 +331,12 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
-    DFLASH_FAIL(ctx << " is not a regular file");
+    DFLASH_REJECT(ctx << " is not a regular file");
   }
   file_size_ = static_cast<size_t>(st.st_size);
   if (file_size_ < 8) {
     ::close(fd);
-    DFLASH_FAIL_HINT(ctx << " is " << file_size_ << " bytes, shorter than the 8-byte header length", kTruncatedHint);
+    DFLASH_REJECT_HINT(ctx << " is " << file_size_ << " bytes, shorter than the 8-byte header length", kTruncatedHint);
   }
   void* base = ::mmap(nullptr, file_size_, PROT_READ, MAP_PRIVATE, fd, 0);
   int map_errno = errno;
@@ -349,13 +349,13 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   const auto* bytes = static_cast<const unsigned char*>(base);
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
-  DFLASH_CHECK_HINT(n <= file_size_ - 8,
+  DFLASH_REQUIRE_HINT(n <= file_size_ - 8,
                     ctx << ": header length " << n << " is larger than the rest of the file (" << (file_size_ - 8)
                         << " bytes after the 8-byte length)",
                     (n > kSafetensorsMaxHeaderBytes
                          ? "this is not a safetensors file (a PyTorch .bin / pickle checkpoint?) or it is corrupt"
                          : kTruncatedHint));
-  DFLASH_CHECK_HINT(n <= kSafetensorsMaxHeaderBytes,
+  DFLASH_REQUIRE_HINT(n <= kSafetensorsMaxHeaderBytes,
                     ctx << ": header length " << n << " exceeds the " << (kSafetensorsMaxHeaderBytes >> 20)
                         << " MiB limit",
                     "this is not a safetensors file or it is corrupt");
@@ -365,7 +365,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   const size_t hlen = static_cast<size_t>(n);
 
   const char* hint_json = "the header must be one UTF-8 JSON object; the file is corrupt or not a safetensors file";
-  DFLASH_CHECK_HINT(std::memchr(hdr, '\0', hlen) == nullptr, ctx << ": header contains a NUL byte", hint_json);
+  DFLASH_REQUIRE_HINT(std::memchr(hdr, '\0', hlen) == nullptr, ctx << ": header contains a NUL byte", hint_json);
 
   // Parse, remembering duplicate top-level keys (nlohmann would silently keep only one of them).
   std::set<std::string> keys;
@@ -381,18 +381,18 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     };
     root = json::parse(hdr, hdr + hlen, cb);
   } catch (const json::exception& e) {
-    DFLASH_FAIL_HINT(ctx << ": header (" << hlen << " bytes) is not valid JSON: " << e.what(), hint_json);
+    DFLASH_REJECT_HINT(ctx << ": header (" << hlen << " bytes) is not valid JSON: " << e.what(), hint_json);
   }
-  DFLASH_CHECK_HINT(root.is_object(), ctx << ": header is a JSON " << root.type_name() << ", not an object", hint_json);
-  DFLASH_CHECK(dups.empty(), ctx << ": header names " << list_names(dups) << " more than once");
+  DFLASH_REQUIRE_HINT(root.is_object(), ctx << ": header is a JSON " << root.type_name() << ", not an object", hint_json);
+  DFLASH_REQUIRE(dups.empty(), ctx << ": header names " << list_names(dups) << " more than once");
 
   for (const auto& [name, entry] : root.items()) {
     if (name == "__metadata__") {
-      DFLASH_CHECK_HINT(entry.is_object(), ctx << ": \"__metadata__\" is a JSON " << entry.type_name()
+      DFLASH_REQUIRE_HINT(entry.is_object(), ctx << ": \"__metadata__\" is a JSON " << entry.type_name()
                                                << ", not an object",
                         "__metadata__ must map strings to strings");
       for (const auto& [k, v] : entry.items()) {
-        DFLASH_CHECK_HINT(v.is_string(), ctx << ": __metadata__ value for " << q(k) << " is a JSON " << v.type_name()
+        DFLASH_REQUIRE_HINT(v.is_string(), ctx << ": __metadata__ value for " << q(k) << " is a JSON " << v.type_name()
                                              << ", not a string",
                           "__metadata__ must map strings to strings");
         metadata_[k] = v.get<std::string>();
@@ -413,7 +413,7 @@ std::vector<std::string> SafetensorsFile::names() const {
 
 const TensorInfo& SafetensorsFile::info(const std::string& name) const {
   auto it = tensors_.find(name);
-  DFLASH_CHECK_HINT(it != tensors_.end(),
+  DFLASH_REQUIRE_HINT(it != tensors_.end(),
                     (is_open() ? file_ctx(path_) : std::string("safetensors file (not opened)"))
                         << " has no tensor " << q(name),
                     "check the tensor name; the file has " << tensors_.size() << " tensors");
@@ -442,7 +442,7 @@ std::string read_small_file(const std::string& path, size_t limit) {
   ss << in.rdbuf();
   DFLASH_CHECK_IO(!in.bad(), "read", path);
   std::string s = ss.str();
-  DFLASH_CHECK(s.size() <= limit, "file " << q(path) << " is " << s.size() << " bytes, larger than the "
+  DFLASH_REQUIRE(s.size() <= limit, "file " << q(path) << " is " << s.size() << " bytes, larger than the "
                                           << (limit >> 20) << " MiB limit for an index");
   return s;
 }
@@ -473,7 +473,7 @@ SafetensorsIndex SafetensorsIndex::open(const std::string& path) {
       ix.files_.emplace_back(path);
     }
   } else {
-    DFLASH_CHECK_HINT(fs::is_directory(p, ec), "no safetensors weights in " << q(path) << ": "
+    DFLASH_REQUIRE_HINT(fs::is_directory(p, ec), "no safetensors weights in " << q(path) << ": "
                                                    << (fs::exists(p, ec) ? "not a directory" : "no such directory"),
                       expect_hint);
     const fs::path index = p / "model.safetensors.index.json";
@@ -495,7 +495,7 @@ SafetensorsIndex SafetensorsIndex::open(const std::string& path) {
           found.push_back(f);
       }
       std::sort(found.begin(), found.end());
-      DFLASH_FAIL_HINT("no safetensors weights in " << q(path),
+      DFLASH_REJECT_HINT("no safetensors weights in " << q(path),
                        expect_hint << (found.empty() ? std::string("; the directory has no weight files at all")
                                                      : "; found instead: " + list_names(found)));
     }
@@ -515,23 +515,23 @@ SafetensorsIndex SafetensorsIndex::open(const std::string& path) {
   try {
     root = json::parse(read_small_file(ipath, kSafetensorsMaxHeaderBytes));
   } catch (const json::exception& e) {
-    DFLASH_FAIL_HINT(ictx << " is not valid JSON: " << e.what(), hint_index);
+    DFLASH_REJECT_HINT(ictx << " is not valid JSON: " << e.what(), hint_index);
   }
-  DFLASH_CHECK_HINT(root.is_object(), ictx << " is a JSON " << root.type_name() << ", not an object", hint_index);
-  DFLASH_CHECK_HINT(root.contains("weight_map"), ictx << " has no \"weight_map\"", hint_index);
+  DFLASH_REQUIRE_HINT(root.is_object(), ictx << " is a JSON " << root.type_name() << ", not an object", hint_index);
+  DFLASH_REQUIRE_HINT(root.contains("weight_map"), ictx << " has no \"weight_map\"", hint_index);
   const json& wm = root.at("weight_map");
-  DFLASH_CHECK_HINT(wm.is_object(), ictx << ": \"weight_map\" is a JSON " << wm.type_name() << ", not an object",
+  DFLASH_REQUIRE_HINT(wm.is_object(), ictx << ": \"weight_map\" is a JSON " << wm.type_name() << ", not an object",
                     hint_index);
 
   std::map<std::string, std::string> weight_map;            // tensor -> shard file name
   std::map<std::string, std::vector<std::string>> by_shard;  // shard file name -> tensors
   for (const auto& [name, v] : wm.items()) {
-    DFLASH_CHECK_HINT(v.is_string(), ictx << ": weight_map entry for tensor " << q(name) << " is a JSON "
+    DFLASH_REQUIRE_HINT(v.is_string(), ictx << ": weight_map entry for tensor " << q(name) << " is a JSON "
                                           << v.type_name() << ", not a file name",
                       hint_index);
     std::string f = v.get<std::string>();
     if (safe_relative(f)) f = fs::path(f).lexically_normal().string();  // "./a" and "a" are one shard
-    DFLASH_CHECK(safe_relative(f), ictx << ": weight_map entry for tensor " << q(name) << " names shard " << q(f)
+    DFLASH_REQUIRE(safe_relative(f), ictx << ": weight_map entry for tensor " << q(name) << " names shard " << q(f)
                                         << ", which is not a relative path inside the model directory");
     by_shard[f].push_back(name);
     weight_map.emplace(name, std::move(f));
@@ -541,7 +541,7 @@ SafetensorsIndex SafetensorsIndex::open(const std::string& path) {
   std::vector<std::string> shard_names;
   for (const auto& [f, names] : by_shard) {
     const fs::path sp = fs::path(ix.dir_) / f;
-    DFLASH_CHECK_HINT(fs::is_regular_file(sp, ec),
+    DFLASH_REQUIRE_HINT(fs::is_regular_file(sp, ec),
                       ictx << " names shard " << q(f) << " (for " << names.size() << " tensors, e.g. " << q(names[0])
                            << "), but " << q(sp.string()) << " does not exist",
                       "the checkpoint is incomplete; download every shard listed in the index");
@@ -550,7 +550,7 @@ SafetensorsIndex SafetensorsIndex::open(const std::string& path) {
     const size_t k = ix.files_.size() - 1;
     for (const auto& name : ix.files_[k].names()) {
       auto [it, fresh] = ix.where_.emplace(name, k);
-      DFLASH_CHECK_HINT(fresh, ictx << ": tensor " << q(name) << " is in both shard " << q(shard_names[it->second])
+      DFLASH_REQUIRE_HINT(fresh, ictx << ": tensor " << q(name) << " is in both shard " << q(shard_names[it->second])
                                     << " and shard " << q(f),
                         "a tensor must be stored exactly once; the shards come from different exports");
     }
@@ -560,7 +560,7 @@ SafetensorsIndex SafetensorsIndex::open(const std::string& path) {
   for (const auto& [name, f] : weight_map) {
     auto it = ix.where_.find(name);
     if (it != ix.where_.end() && shard_names[it->second] == f) continue;
-    DFLASH_FAIL_HINT(ictx << " lists tensor " << q(name) << " in shard " << q(f) << ", but that shard has no such tensor"
+    DFLASH_REJECT_HINT(ictx << " lists tensor " << q(name) << " in shard " << q(f) << ", but that shard has no such tensor"
                           << (it != ix.where_.end() ? " (it is in shard " + q(shard_names[it->second]) + ")"
                                                     : std::string()),
                      hint_mismatch);
@@ -569,7 +569,7 @@ SafetensorsIndex SafetensorsIndex::open(const std::string& path) {
     std::vector<std::string> extra;
     for (const auto& name : ix.files_[k].names())
       if (!weight_map.count(name)) extra.push_back(name);
-    DFLASH_CHECK_HINT(extra.empty(), ictx << ": shard " << q(shard_names[k]) << " holds " << extra.size()
+    DFLASH_REQUIRE_HINT(extra.empty(), ictx << ": shard " << q(shard_names[k]) << " holds " << extra.size()
                                           << " tensor(s) missing from the weight_map: " << list_names(extra),
                       hint_mismatch);
   }
@@ -585,7 +585,7 @@ std::vector<std::string> SafetensorsIndex::names() const {
 
 size_t SafetensorsIndex::shard_index(const std::string& name) const {
   auto it = where_.find(name);
-  DFLASH_CHECK_HINT(it != where_.end(),
+  DFLASH_REQUIRE_HINT(it != where_.end(),
                     "checkpoint " << q(sharded() ? index_path_ : (files_.empty() ? dir_ : files_[0].path()))
                                   << " has no tensor " << q(name),
                     "check the tensor name; the checkpoint has " << where_.size() << " tensors");

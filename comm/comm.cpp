@@ -23,7 +23,7 @@ namespace dflash::comm {
 Layout make_layout(int world_size, int world_rank, int tp) {
   DFLASH_CHECK(world_size >= 1 && world_rank >= 0 && world_rank < world_size,
                "parallel layout: rank " << world_rank << " of " << world_size);
-  DFLASH_CHECK_HINT(tp >= 1 && world_size % tp == 0,
+  DFLASH_REQUIRE_HINT(tp >= 1 && world_size % tp == 0,
                     "parallel.tp = " << tp << " does not divide the world size " << world_size,
                     "launch a multiple of tp ranks (mpirun -n k*" << tp << ") or change parallel.tp");
   Layout l;
@@ -77,7 +77,7 @@ MpiEnv::~MpiEnv() {
 
 Device MpiEnv::bind_device() const {
   const int gpus = cuda_device_count();
-  DFLASH_CHECK_HINT(local_rank_ < gpus, "rank " << rank_ << " is local rank " << local_rank_ << " of " << local_size_
+  DFLASH_REQUIRE_HINT(local_rank_ < gpus, "rank " << rank_ << " is local rank " << local_rank_ << " of " << local_size_
                                                 << " on host " << host_ << ", which has " << gpus << " visible GPU(s)",
                     "start at most one rank per GPU on each node (mpirun -n <GPUs>), or check CUDA_VISIBLE_DEVICES");
   return Device::cuda(local_rank_);
@@ -99,7 +99,7 @@ void abort_job(const std::string& why, int code) {
 // Watchdog
 
 Watchdog::Watchdog(double timeout_s, std::string who) : timeout_s_(timeout_s), who_(std::move(who)) {
-  DFLASH_CHECK_HINT(timeout_s > 0, who_ << ": collective timeout " << timeout_s << " s must be positive",
+  DFLASH_REQUIRE_HINT(timeout_s > 0, who_ << ": collective timeout " << timeout_s << " s must be positive",
                     "set parallel.timeout_s to the longest a collective may legitimately take (e.g. 600)");
   thread_ = std::thread([this] { loop(); });
 }

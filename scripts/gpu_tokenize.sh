@@ -47,7 +47,9 @@ if [ -n "${DFLASH_TEXT_DEPS_FORCE:-}" ] || ! pkg-config --exists oniguruma 2>/de
     sed "s|=/usr|=$DEPS/usr|" "$DEPS"/usr/lib/x86_64-linux-gnu/pkgconfig/oniguruma.pc > "$pc/oniguruma.pc"
     export PKG_CONFIG_PATH="$pc${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
     export LD_LIBRARY_PATH="$DEPS/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    cmake_extra+=("-DICU_ROOT=$DEPS/usr")
+    # FindICU does not search <root>/lib/<multiarch> for a root given this way: name the files.
+    cmake_extra+=("-DICU_ROOT=$DEPS/usr" "-DICU_INCLUDE_DIR=$DEPS/usr/include"
+      "-DICU_UC_LIBRARY_RELEASE=$DEPS/usr/lib/x86_64-linux-gnu/libicuuc.so")
   else
     echo "error: no Oniguruma / ICU headers (libonig-dev, libicu-dev) and no $DEPS" >&2
     echo "---> HINT: apt-get install libonig-dev libicu-dev, or run 'bash scripts/gpu_tokenize.sh fetch-deps' on a Debian machine and send .deps/text" >&2

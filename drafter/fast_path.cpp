@@ -63,7 +63,7 @@ DrafterPlan drafter_plan(const DrafterConfig& c, Device device, int sm_major, in
     const std::string why = fmt::format("head_dim {} on sm_{}{}; the tensor-core kernels take head_dim 64 or 128 on sm_80+",
                                         c.head_dim, sm_major, sm_minor);
     plan.steps.push_back({"block_attention", "fallback", "", why});
-    DFLASH_CHECK_HINT(!require_fast_path,
+    DFLASH_REQUIRE_HINT(!require_fast_path,
                       "require_fast_path is set, but the drafter's attention would run the fallback kernel on "
                           << device.str() << ": " << why,
                       "set model.drafter.head_dim: 128 (with num_attention_heads / num_key_value_heads to match), or "
@@ -75,7 +75,7 @@ DrafterPlan drafter_plan(const DrafterConfig& c, Device device, int sm_major, in
         "operands",
         c.intermediate_size);
     plan.steps.push_back({"gemm", "fallback", "cuBLASLt gemm_ex (unaligned)", why});
-    DFLASH_CHECK_HINT(!require_fast_path,
+    DFLASH_REQUIRE_HINT(!require_fast_path,
                       "require_fast_path is set, but the drafter's GEMMs would run the fallback kernels on "
                           << device.str() << ": " << why,
                       "set model.drafter.intermediate_size to a multiple of 8, or kernels.require_fast_path: false");

@@ -22,6 +22,9 @@ struct ChatOptions {
   std::optional<bool> enable_thinking;  // unset: the template's own default
   nlohmann::json tools = nullptr;       // a list of tool schemas, or null
   nlohmann::json extra = nlohmann::json::object();  // any other template variable
+  // The tools in their keys' written order (tojson prints keys in order, as Python's json.dumps does;
+  // nlohmann::json sorts them). Takes precedence over `tools` when not null.
+  nlohmann::ordered_json tools_ordered = nullptr;
 };
 
 // One assistant message's place in the rendered text: [begin, end) byte offsets.
@@ -55,6 +58,16 @@ class ChatTemplate {
   std::string render(const nlohmann::json& messages, const ChatOptions& opt = {}) const;
   // render() plus the span of each assistant message in the text.
   Rendered render_with_spans(const nlohmann::json& messages, const ChatOptions& opt = {}) const;
+  // The same on insertion-ordered JSON: a message's keys (tool-call arguments, above all) print in
+  // the order they were read, byte for byte as transformers prints them. nlohmann::json sorts keys,
+  // so parse conversations with nlohmann::ordered_json where tojson parity matters.
+  std::string render(const nlohmann::ordered_json& messages, const ChatOptions& opt = {}) const;
+  Rendered render_with_spans(const nlohmann::ordered_json& messages, const ChatOptions& opt = {}) const;
+
+  // What probing found (see render_with_spans): the assistant header ("<|im_start|>assistant\n") and
+  // the end-of-turn marker ("<|im_end|>\n"). Throws the probing error for a template it failed on.
+  const std::string& assistant_header() const;
+  const std::string& end_of_turn() const;
 
   const std::string& source() const;
   const std::string& origin() const;

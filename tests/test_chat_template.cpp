@@ -219,8 +219,10 @@ TEST(Jinja, MatchesJinja2) {
        "one=1;two=2;empty"},
       {"{{ ['a','b'] | join('-') }}{{ [3,4] | first }}{{ [3,4] | last }}{{ 'abc' | length }}{{ '\xe2\x82\xacx' | length }}{{ ' s ' | trim }}|",
        "a-b3432s|"},
+      {"{{ {'b': [1, {}, []], 'a': '\xc3\xa9\xf0\x9f\x98\x80'} | tojson(indent=2) }}|{{ {'b': 1, 'a': '\xc3\xa9\xf0\x9f\x98\x80'} | tojson(sort_keys=true, ensure_ascii=true) }}",
+       "{\n  \"b\": [\n    1,\n    {},\n    []\n  ],\n  \"a\": \"\xc3\xa9\xf0\x9f\x98\x80\"\n}|{\"a\": \"\\u00e9\\ud83d\\ude00\", \"b\": 1}"},
   };
-  for (auto& [src, want] : cases) {
+  for (auto& [src, want] : cases) {  // NOLINT
     std::string got;
     EXPECT_NO_THROW(got = jinja::Template(src, "<case>").render(ojson::object())) << src;
     EXPECT_EQ(got, want) << src;

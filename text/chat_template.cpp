@@ -125,11 +125,17 @@ struct ChatTemplate::Impl {
     size_t cursor = 0;
     ChatOptions prefix_opt = opt;
     prefix_opt.add_generation_prompt = false;
+    // The header appears once per assistant message (and once for a generation prompt) unless some
+    // text quotes it; only then is each turn's start bounded by rendering the messages before it.
+    size_t assistants = 0, headers = 0;
+    for (const auto& m : messages) assistants += m["role"] == "assistant";
+    for (size_t p = t.find(header); p != std::string::npos; p = t.find(header, p + 1)) ++headers;
+    const bool quoted = headers > assistants + (opt.add_generation_prompt ? 1 : 0);
     for (size_t i = 0; i < messages.size(); ++i) {
       if (messages[i]["role"] != "assistant") continue;
       // The conversation before this message, where it renders as a prefix of the whole, bounds
       // where this turn can start (a user message quoting the header cannot be taken for it).
-      if (i > 0) {
+      if (quoted && i > 0) {
         try {
           ojson head(ojson::value_t::array);
           for (size_t k = 0; k < i; ++k) head.push_back(messages[k]);

@@ -269,7 +269,12 @@ bool equal(const Value& a, const Value& b) {
   }
 }
 
-void dump_json(const Value& v, std::string& out, int line, const std::string& origin);
+// json.dumps options transformers' tojson passes through: indent (None: one line), sort_keys, ensure_ascii.
+struct JsonOpts {
+  int indent = -1;
+  bool sort_keys = false, ensure_ascii = false;
+};
+void dump_json(const Value& v, std::string& out, int line, const std::string& origin, const JsonOpts& o = {}, int level = 0);
 
 // ---------------------------------------------------------------- AST
 struct Expr {
@@ -1402,10 +1407,21 @@ struct Renderer {
     int line = e.line;
     const std::string what = "the filter |" + f;
     if (f == "length" || f == "count") { max_args(a, 0, what, line); return Value::integer(length(v, line)); }
-    if (f == "tojson") {
-      max_args(a, 0, what, line);
+    if (f == "tojson") {  // transformers' own: json.dumps(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)
+      max_args(a, 2, what, line, {"ensure_ascii", "indent", "sort_keys"});
+      JsonOpts o;
+      const Value* ea = arg(a, 99, "ensure_ascii");
+      const Value* in = arg(a, 1, "indent");
+      const Value* sk = arg(a, 99, "sort_keys");
+      if (a.pos.size() > 0) o.ensure_ascii = truthy(a.pos[0]);
+      if (ea) o.ensure_ascii = truthy(*ea);
+      if (sk) o.sort_keys = truthy(*sk);
+      if (in && in->k != Value::K::None) {
+        if (in->k != Value::K::Int || in->i < 0) unsupported(line, "|tojson(indent=...) other than a non-negative integer");
+        o.indent = static_cast<int>(in->i);
+      }
       std::string out;
-      dump_json(v, out, line, origin);
+      dump_json(v, out, line, origin, o);
       return Value::str(out);
     }
     if (f == "trim") {
@@ -1656,7 +1672,23 @@ struct Renderer {
   }
 };
 
-void dump_json(const Value& v, std::string& out, int line, const std::string& origin) {
+void dump_json(const Value& v, std::string& out, int line, const std::string& origin, const JsonOpts& o, int level) {
+  auto newline = [&](int lvl) {
+    if (o.indent >= 0) out += "\n" + std::string(static_cast<size_t>(o.indent * lvl), ' ');
+  };
+  const char* item_sep = o.indent >= 0 ? "," : ", ";
+  auto str = [&](const std::string& s) {
+    std::string j = json_string(s);
+    if (!o.ensure_ascii) return j;
+    std::string a;
+    for (char32_t c : decode(j)) {
+      if (c < 0x80) { a += static_cast<char>(c); continue; }
+      auto u = [&](unsigned x) { char b[16]; std::snprintf(b, sizeof b, "\\u%04x", x); a += b; };
+      if (c >= 0x10000) { u(0xd800 + ((c - 0x10000) >> 10)); u(0xdc00 + ((c - 0x10000) & 0x3ff)); }
+      else u(static_cast<unsigned>(c));
+    }
+    return a;
+  };
   switch (v.k) {
     case Value::K::None: out += "null"; return;
     case Value::K::Bool: out += v.b ? "true" : "false"; return;
@@ -1664,24 +1696,34 @@ void dump_json(const Value& v, std::string& out, int line, const std::string& or
     case Value::K::Float:
       out += std::isnan(v.f) ? "NaN" : std::isinf(v.f) ? (v.f > 0 ? "Infinity" : "-Infinity") : py_float(v.f);
       return;
-    case Value::K::Str: out += json_string(v.s); return;
+    case Value::K::Str: out += str(v.s); return;
     case Value::K::List:
+      if (v.l->empty()) { out += "[]"; return; }
       out += '[';
       for (size_t k = 0; k < v.l->size(); ++k) {
-        if (k) out += ", ";
-        dump_json((*v.l)[k], out, line, origin);
+        if (k) out += item_sep;
+        newline(level + 1);
+        dump_json((*v.l)[k], out, line, origin, o, level + 1);
       }
+      newline(level);
       out += ']';
       return;
-    case Value::K::Dict:
+    case Value::K::Dict: {
+      if (v.d->empty()) { out += "{}"; return; }
+      std::vector<const std::pair<std::string, Value>*> items;
+      for (auto& kv : *v.d) items.push_back(&kv);
+      if (o.sort_keys) std::stable_sort(items.begin(), items.end(), [](auto* a, auto* b) { return a->first < b->first; });
       out += '{';
-      for (size_t k = 0; k < v.d->size(); ++k) {
-        if (k) out += ", ";
-        out += json_string((*v.d)[k].first) + ": ";
-        dump_json((*v.d)[k].second, out, line, origin);
+      for (size_t k = 0; k < items.size(); ++k) {
+        if (k) out += item_sep;
+        newline(level + 1);
+        out += str(items[k]->first) + ": ";
+        dump_json(items[k]->second, out, line, origin, o, level + 1);
       }
+      newline(level);
       out += '}';
       return;
+    }
     default:
       fail(origin, line, std::string("|tojson: a ") + Renderer::type_name(v) + " is not JSON serializable");
   }

@@ -224,6 +224,7 @@ TEST(Jinja, MatchesJinja2) {
        "a-b3432s|"},
       {"{{ {'b': [1, {}, []], 'a': '\xc3\xa9\xf0\x9f\x98\x80'} | tojson(indent=2) }}|{{ {'b': 1, 'a': '\xc3\xa9\xf0\x9f\x98\x80'} | tojson(sort_keys=true, ensure_ascii=true) }}",
        "{\n  \"b\": [\n    1,\n    {},\n    []\n  ],\n  \"a\": \"\xc3\xa9\xf0\x9f\x98\x80\"\n}|{\"a\": \"\\u00e9\\ud83d\\ude00\", \"b\": 1}"},
+      {R"({{ '\x41\u00e9\U0001F600\b' | length }}{{ '\u00e9' }})", "4\xc3\xa9"},
   };
   for (auto& [src, want] : cases) {  // NOLINT
     std::string got;
@@ -251,6 +252,9 @@ TEST(ChatTemplate, Errors) {
   expect_error([&] { render("{% for x in y if x %}{% endfor %}"); }, {"t.jinja:1:", "loop filter"});
   expect_error([&] { render("{{ 'a'.zfill(3) }}"); }, {"str.zfill()"});
   expect_error([&] { render("{{ x is divisible }}"); }, {"'is divisible'"});
+  // jinja2 gives a bound method for these, before any key of that name: refused, not guessed.
+  expect_error([&] { render("{{ {'items': 1}.items }}"); }, {"the dict method .items"});
+  expect_error([&] { render("{{ [1].append(2) }}"); }, {"the list method .append"});
   expect_error([&] { render("{% if true %}open"); }, {"missing {% endif %}"});
   expect_error([&] { render("{{ missing.attr }}"); }, {"'missing' is undefined"});
   expect_error([&] { render("{{ 1 + 'a' }}"); }, {"unsupported operand types for +: int and str"});

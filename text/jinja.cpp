@@ -419,6 +419,18 @@ std::vector<Seg> lex(std::string src, const std::string& origin) {
                 case '\'': s += '\''; break;
                 case '"': s += '"'; break;
                 case '0': s += '\0'; break;
+                case 'a': s += '\a'; break;
+                case 'b': s += '\b'; break;
+                case 'f': s += '\f'; break;
+                case 'v': s += '\v'; break;
+                case 'x': case 'u': case 'U': {  // Python's \xhh, \uXXXX, \UXXXXXXXX
+                  size_t n = e == 'x' ? 2 : e == 'u' ? 4 : 8;
+                  if (q + n >= src.size() || !std::all_of(src.begin() + q + 1, src.begin() + q + 1 + n, [](char h) { return std::isxdigit(static_cast<unsigned char>(h)); }))
+                    fail(origin, line, std::string("a malformed \\") + e + " escape in a string literal");
+                  s += encode(std::u32string(1, static_cast<char32_t>(std::stoul(src.substr(q + 1, n), nullptr, 16))));
+                  q += n;
+                  break;
+                }
                 default: s += '\\'; s += e;
               }
             } else {
@@ -996,8 +1008,23 @@ struct Renderer {
     if (v.k == Value::K::Undef) err(line, "'" + v.s + "' is undefined");
   }
 
+  // Python's methods, which jinja2's getattr returns (bound) before any dict key of that name.
+  static bool is_method(const Value& obj, const std::string& name) {
+    static const char* str_m[] = {"capitalize", "casefold", "center", "count", "encode", "endswith", "expandtabs", "find", "format",
+                                  "format_map", "index", "isalnum", "isalpha", "isascii", "isdecimal", "isdigit", "isidentifier",
+                                  "islower", "isnumeric", "isprintable", "isspace", "istitle", "isupper", "join", "ljust", "lower",
+                                  "lstrip", "maketrans", "partition", "removeprefix", "removesuffix", "replace", "rfind", "rindex",
+                                  "rjust", "rpartition", "rsplit", "rstrip", "split", "splitlines", "startswith", "strip", "swapcase",
+                                  "title", "translate", "upper", "zfill"};
+    static const char* dict_m[] = {"clear", "copy", "fromkeys", "get", "items", "keys", "pop", "popitem", "setdefault", "update", "values"};
+    static const char* list_m[] = {"append", "clear", "copy", "count", "extend", "index", "insert", "pop", "remove", "reverse", "sort"};
+    auto in = [&](auto& arr) { return std::any_of(std::begin(arr), std::end(arr), [&](const char* m) { return name == m; }); };
+    return obj.k == Value::K::Str ? in(str_m) : obj.k == Value::K::Dict ? in(dict_m) : obj.k == Value::K::List ? in(list_m) : false;
+  }
+
   Value getattr(const Value& obj, const std::string& name, int line) {
     require_defined(obj, line);
+    if (is_method(obj, name)) unsupported(line, std::string("the ") + type_name(obj) + " method ." + name + " (not called, or not supported)");
     if (obj.k == Value::K::Dict || obj.k == Value::K::Ns) {
       const Value* v = obj.find(name);
       if (v) return *v;

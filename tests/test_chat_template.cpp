@@ -27,7 +27,9 @@ namespace {
 
 const std::string kDir = std::string(DFLASH_TEST_DATA_DIR) + "/chat_templates";
 const std::string kGoldens = DFLASH_CHAT_GOLDENS;
-const char* kTemplates[] = {"qwen3", "qwen3_5_think", "qwen3_5_nothink", "qwen3_6"};
+// The last two: TRL's training variants, whose {% generation %} blocks mark what TRL supervises.
+const char* kTemplates[] = {"qwen3", "qwen3_5_think", "qwen3_5_nothink", "qwen3_6", "qwen3_5_think_training", "qwen3_6_training"};
+constexpr size_t kNumTemplates = sizeof(kTemplates) / sizeof(kTemplates[0]);
 
 std::string read(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -99,7 +101,7 @@ TEST(ChatTemplate, RendersAsJinja2OnTheGoldens) {
     }
   }
   const size_t convs = ojson::parse(read(kDir + "/conversations.json"))["conversations"].size();
-  EXPECT_EQ(n, 4 * convs * 6);  // 4 templates x the conversations x 6 option sets: the goldens were all read
+  EXPECT_EQ(n, kNumTemplates * convs * 6);  // templates x conversations x 6 option sets: the goldens were all read
   EXPECT_GE(convs, 18u);
   EXPECT_GT(errors, 0u);
 }
@@ -113,9 +115,10 @@ TEST(ChatTemplate, ProbesTheQwenTurnMarkers) {
 }
 
 // Each assistant message: a span right after the header through the end-of-turn marker, in order,
-// holding the message's final content; the think block at its start when the render has one.
+// holding the message's final content; the think block at its start when the render has one; and
+// on TRL's training templates exactly the {% generation %} spans (what TRL's assistant mask marks).
 TEST(ChatTemplate, AssistantSpansOnTheGoldens) {
-  size_t spans = 0, thinks = 0;
+  size_t spans = 0, thinks = 0, trl_spans = 0;
   for (const char* tmpl : kTemplates) {
     ChatTemplate t = load(tmpl);
     for (const Case& c : cases(tmpl)) {
@@ -126,6 +129,15 @@ TEST(ChatTemplate, AssistantSpansOnTheGoldens) {
       for (size_t i = 0; i < c.messages.size(); ++i)
         if (c.messages[i]["role"] == "assistant") assistants.push_back(i);
       ASSERT_EQ(r.assistant.size(), assistants.size()) << label(tmpl, c);
+      if (c.golden.contains("generation_spans")) {  // TRL's {% generation %} spans, as jinja2 rendered them
+        const ojson& g = c.golden["generation_spans"];
+        ASSERT_EQ(g.size(), r.assistant.size()) << label(tmpl, c);
+        for (size_t k = 0; k < g.size(); ++k) {
+          EXPECT_EQ(r.assistant[k].begin, g[k][0].get<size_t>()) << label(tmpl, c) << " turn " << k;
+          EXPECT_EQ(r.assistant[k].end, g[k][1].get<size_t>()) << label(tmpl, c) << " turn " << k;
+          ++trl_spans;
+        }
+      }
       size_t prev_end = 0;
       for (size_t k = 0; k < r.assistant.size(); ++k) {
         const AssistantSpan& s = r.assistant[k];
@@ -162,8 +174,9 @@ TEST(ChatTemplate, AssistantSpansOnTheGoldens) {
       }
     }
   }
-  EXPECT_GT(spans, 200u);
-  EXPECT_GT(thinks, 50u);
+  EXPECT_GT(spans, 300u);
+  EXPECT_GT(thinks, 100u);
+  EXPECT_GT(trl_spans, 200u);
 }
 
 TEST(ChatTemplate, ExactSpans) {

@@ -22,10 +22,15 @@ import tarfile
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "chat_templates")
-TEMPLATES = ["qwen3", "qwen3_5_think", "qwen3_5_nothink", "qwen3_6"]
+TEMPLATES = ["qwen3", "qwen3_5_think", "qwen3_5_nothink", "qwen3_6", "qwen3_5_think_training", "qwen3_6_training"]
+# TRL's training templates wrap each assistant turn's supervised part in {% generation %}: the
+# extension below (transformers' AssistantTracker renders the body unchanged) marks it, and the
+# marks give "generation_spans", byte offsets in the UTF-8 text, the reference for dflash's spans.
+OPEN, CLOSE = "\ue000GEN<", "\ue000GEN>"
 EOS = "<|im_end|>"
 
 
@@ -45,8 +50,36 @@ def strftime_now(fmt):
     return datetime.datetime.now().strftime(fmt)
 
 
+class Generation(jinja2.ext.Extension):
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+    def _mark(self, caller):
+        return OPEN + caller() + CLOSE
+
+
+def unmark(marked):
+    """The text without the marks, and the [begin, end) byte offsets of each marked part."""
+    text, spans, pos = "", [], 0
+    while True:
+        o = marked.find(OPEN, pos)
+        if o < 0:
+            return text + marked[pos:], spans
+        c = marked.find(CLOSE, o)
+        text += marked[pos:o]
+        begin = len(text.encode("utf-8"))
+        text += marked[o + len(OPEN):c]
+        spans.append([begin, len(text.encode("utf-8"))])
+        pos = c + len(CLOSE)
+
+
 def env():
-    e = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    e = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[jinja2.ext.loopcontrols, Generation])
     e.filters["tojson"] = tojson
     e.globals["raise_exception"] = raise_exception
     e.globals["strftime_now"] = strftime_now
@@ -69,7 +102,9 @@ def main():
                         kw["enable_thinking"] = think
                     row = {"conversation": c["name"], "add_generation_prompt": gen, "enable_thinking": think}
                     try:
-                        row["text"] = tpl.render(**kw)
+                        row["text"], spans = unmark(tpl.render(**kw))
+                        if name.endswith("_training"):
+                            row["generation_spans"] = spans
                     except Raised as ex:
                         row["error"], row["raised"] = str(ex), True
                     except Exception as ex:  # a type error in the template, as jinja2 reports it

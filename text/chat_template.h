@@ -52,6 +52,7 @@ class ChatTemplate {
   ChatTemplate& operator=(ChatTemplate&&) noexcept;
   ~ChatTemplate();
 
+  // Rendering is const and keeps no state: one ChatTemplate may render on many threads at once.
   // messages: a JSON array of {"role": ..., "content": ..., ...} as transformers takes them.
   // Errors (a raise_exception in the template, an unsupported construct, bad messages) are
   // dflash::Error naming the template origin.

@@ -36,6 +36,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/metrics.h"
 #include "trainer/optimizer.h"
+#include "trainer/prepared_data.h"
 
 namespace fs = std::filesystem;
 
@@ -203,7 +204,8 @@ void make_groups(Run& r) {
   r.run_dir = cfg.logging.run_dir;
   r.ckpt_dir = cfg.checkpoint_dir();
   // Data files named by the config must exist (checked before anything is written).
-  if (!cfg.data.synth.enabled) r.files = cfg.expand_data_files();
+  if (!cfg.data.train.empty()) check_train_text(cfg);
+  else if (!cfg.data.synth.enabled) r.files = cfg.expand_data_files();
   if (r.world > 1) {
     r.g.world = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, 0, r.rank, Device::cpu(), cfg.parallel.timeout_s, "world");
     if (r.layout.tp_size > 1)
@@ -322,6 +324,19 @@ void make_synthetic_corpus(Run& r) {
     data::write_synth(sp.string(), so);
   });
   r.files = {sp.string()};
+}
+
+// data.train: the JSONL of conversations prepared by rank 0 on first use (trainer/prepared_data.h:
+// reused while its key matches), the other ranks waiting for it.
+void prepare_text(Run& r) {
+  const TrainConfig& cfg = r.cfg;
+  r.g.agree([&] {
+    if (r.rank != 0) return;
+    spdlog::info("data: checking the prepared data of {} ({})", cfg.data.train, cfg.prepare_path());
+    const PreparedText p = prepare_train_text(cfg);
+    spdlog::info("data: {}", p.log);
+  });
+  r.files = {cfg.prepare_path()};
 }
 
 // data.regenerate: the prompts of the data get the target's own responses, made on first use (a
@@ -647,6 +662,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   r.g.agree([&] { r.resume = find_resume_point(cfg, r.ckpt_dir, world, r.layout.tp_size, r.layout.tp_group); });
   log_start(r);
   if (cfg.data.synth.enabled) make_synthetic_corpus(r);
+  if (!cfg.data.train.empty()) prepare_text(r);
   r.device = cfg.parallel.device;  // (cuda was checked to be available by check_config)
   if (r.device == Backend::Auto) r.device = cuda_backend_available(ropt.local_size, nullptr) ? Backend::Cuda : Backend::Cpu;
   if (cfg.data.regenerate.enabled) regenerate_responses(r);

@@ -11,10 +11,12 @@
 // or true for a prompt-only row (no assistant message): such a row gets the generation prompt and an
 // all-zero mask, ready for dflash_data regenerate.
 //
-// Mask rule: a token is supervised iff every byte of it lies inside an assistant span of the render
-// (after the assistant header, through the end-of-turn marker; text/chat_template.h AssistantSpan).
-// With ThinkMode::out the bytes of the <think>...</think> block are outside; with last_turn_only
-// only the last assistant message's span counts. See docs/data.md "prepare" for the full rule.
+// Mask rule: a token is supervised iff its bytes (Tokenizer::encode_with_offsets) overlap an
+// assistant span of the render (after the assistant header, through the end-of-turn marker;
+// text/chat_template.h AssistantSpan), so a token straddling a span's edge is supervised, as
+// transformers' return_assistant_tokens_mask (TRL) and SpecForge's offset masks mark it. With
+// ThinkMode::out the <think>...</think> block (and the newlines after it) is taken out of the span;
+// with last_turn_only only the last assistant message's span counts. docs/data.md "prepare".
 #include <cstddef>
 #include <optional>
 #include <string>

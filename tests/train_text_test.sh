@@ -24,8 +24,8 @@ start() {
   shift
   "$train" --set parallel.device=cpu --set "model.target.config=$tcfg" --set "logging.run_dir=$run" \
     --set data.train=chat.jsonl --set "data.tokenizer=$tok" --set data.regenerate.enabled=true \
-    --set data.regenerate.max_new_tokens=24 --set training.max_steps=20 --set training.batch_size=2 \
-    --set training.num_anchors=8 --set checkpoint.interval=10 --set logging.progress_bar=false "$@" >"$name.log" 2>&1 ||
+    --set data.regenerate.max_new_tokens=16 --set training.max_steps=20 --set training.batch_size=2 \
+    --set training.num_anchors=4 --set checkpoint.interval=10 --set logging.progress_bar=false "$@" >"$name.log" 2>&1 ||
     { tail -n 20 "$name.log"; fail "dflash_train ($name)"; }
 }
 has() { grep -Eq -- "$2" "$1.log" || { cat "$1.log"; fail "$1: expected '$2'"; }; }
@@ -48,7 +48,7 @@ echo "first start (prepare, regenerate, 20 steps, export): $(( $(date +%s) - t0 
 # 2. the drafter on held-out prompts: speculative decoding equals the target's greedy decoding.
 "$data" prepare "$chat/heldout.jsonl" --tokenizer "$tok" --out heldout.h5 >prep_heldout.txt 2>&1 ||
   { cat prep_heldout.txt; fail "dflash_data prepare of the held-out prompts"; }
-"$eval" --config "$tcfg" --random-weights --drafter "$run/drafter" --prompts heldout.h5 --max-new-tokens 24 --device cpu \
+"$eval" --config "$tcfg" --random-weights --drafter "$run/drafter" --prompts heldout.h5 --max-new-tokens 16 --device cpu --no-estimate \
   --json eval.json >eval.txt 2>&1 || { tail -n 20 eval.txt; fail "dflash_eval"; }
 grep -q '"mismatches": 0' eval.json || { cat eval.txt; fail "speculative decoding differs from the target's greedy decoding"; }
 grep -q "outputs: all 8 prompt(s) equal target-only greedy decoding, token for token" eval.txt || { cat eval.txt; fail "eval summary"; }

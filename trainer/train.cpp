@@ -3,7 +3,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
@@ -11,8 +13,10 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -327,14 +331,44 @@ void make_synthetic_corpus(Run& r) {
 }
 
 // data.train: the JSONL of conversations prepared by rank 0 on first use (trainer/prepared_data.h:
-// reused while its key matches), the other ranks waiting for it.
+// reused while its key matches), the other ranks waiting for it. Preparing a large corpus may take
+// longer than parallel.timeout_s, so rank 0 prepares on a thread and every rank meets it in a short
+// all-reduce each second until it is done (no collective waits long); its error, if any, is then
+// every rank's (Group::agree).
 void prepare_text(Run& r) {
   const TrainConfig& cfg = r.cfg;
+  std::exception_ptr failed;
+  std::atomic<bool> done{false};
+  std::mutex mu;
+  std::condition_variable cv;
+  std::thread worker;
+  if (r.rank == 0)
+    worker = std::thread([&] {
+      try {
+        spdlog::info("data: checking the prepared data of {} ({})", cfg.data.train, cfg.prepare_path());
+        const PreparedText p = prepare_train_text(cfg);
+        spdlog::info("data: {}", p.log);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      done = true;
+      cv.notify_all();
+    });
+  if (r.g.world) {
+    for (;;) {
+      if (r.rank == 0) {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait_for(lock, std::chrono::seconds(1), [&] { return done.load(); });
+      }
+      std::vector<double> flag{r.rank == 0 && done ? 1.0 : 0.0};
+      r.g.sum(flag);
+      if (flag[0] > 0) break;
+    }
+  }
+  if (worker.joinable()) worker.join();
   r.g.agree([&] {
-    if (r.rank != 0) return;
-    spdlog::info("data: checking the prepared data of {} ({})", cfg.data.train, cfg.prepare_path());
-    const PreparedText p = prepare_train_text(cfg);
-    spdlog::info("data: {}", p.log);
+    if (failed) std::rethrow_exception(failed);
   });
   r.files = {cfg.prepare_path()};
 }

@@ -3,6 +3,7 @@
 # train.jsonl: 40 conversations in messages and ShareGPT form, 8 prompt-only, 16 multi-turn) with the
 # tiny random target (configs/tiny/config.json) and the 4,096-token Qwen3 tokenizer cut with the
 # Qwen3.5 template (tests/data/tokenizers/qwen3_4k):
+#   0. a random-weights target without data.tokenizer and a bad row are refused, naming the keys;
 #   1. dflash_train prepares data.train into <run_dir>/data/prepared.h5, regenerates its responses with
 #      the target, trains 20 steps and exports the drafter;
 #   2. dflash_eval with that drafter on held-out prompts (heldout.jsonl through dflash_data prepare)
@@ -30,6 +31,18 @@ start() {
 }
 has() { grep -Eq -- "$2" "$1.log" || { cat "$1.log"; fail "$1: expected '$2'"; }; }
 hasnt() { ! grep -Eq -- "$2" "$1.log" || { cat "$1.log"; fail "$1: did not expect '$2'"; }; }
+
+# 0. refusals: no tokenizer for a random-weights target (naming both keys); a bad row (naming the file,
+#    the line and the config key that skips bad rows), leaving nothing in the run's data directory.
+"$train" --set parallel.device=cpu --set "model.target.config=$tcfg" --set "logging.run_dir=$work/bad" \
+  --set data.train=chat.jsonl >notok.log 2>&1 && fail "a random-weights target without data.tokenizer was accepted"
+has notok "data.train needs a tokenizer: data.tokenizer is not set and model.target has no model directory"
+(head -n 3 chat.jsonl; echo '{"prompt": "no such form"}') >bad.jsonl
+"$train" --set parallel.device=cpu --set "model.target.config=$tcfg" --set "logging.run_dir=$work/bad" \
+  --set data.train=bad.jsonl --set "data.tokenizer=$tok" >badrow.log 2>&1 && fail "a bad row was accepted"
+has badrow "data.train: bad.jsonl:4: the row has none of"
+has badrow "data.prepare.skip_bad: true skips"
+[ -z "$(ls -A "$work/bad/data" 2>/dev/null)" ] || { ls -la "$work/bad/data"; fail "a refused prepare left files"; }
 
 # 1. first start: prepare -> regenerate -> train -> export.
 t0=$(date +%s)

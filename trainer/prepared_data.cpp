@@ -178,7 +178,16 @@ PreparedText prepare_train_text(const TrainConfig& cfg) {
   po.max_length = static_cast<size_t>(cfg.prepare_max_length());
   po.skip_bad = cfg.data.prepare.skip_bad;
   po.progress = cfg.logging.progress_bar;
-  const data::PrepareSummary s = data::prepare_jsonl(cfg.data.train, r.path, po);
+  data::PrepareSummary s;
+  try {
+    s = data::prepare_jsonl(cfg.data.train, r.path, po);
+  } catch (const Error& e) {
+    if (!e.is_user_error()) throw;
+    // dflash_data prepare's flags are this config's data.prepare keys.
+    std::string hint = e.hint();
+    for (size_t at; (at = hint.find("--skip-bad")) != std::string::npos;) hint.replace(at, 10, "data.prepare.skip_bad: true");
+    DFLASH_REJECT_HINT("data.train: " << e.message(), hint);
+  }
   now["summary"] = {{"rows", s.rows},         {"written", s.written}, {"bad_skipped", s.bad_skipped},
                     {"prompt_only", s.prompt_only}, {"truncated", s.truncated}, {"tokens", s.tokens},
                     {"supervised", s.supervised}};

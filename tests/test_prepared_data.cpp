@@ -74,6 +74,12 @@ TEST_F(PreparedKey, SameSizeOtherBytesIsAChangeATouchIsNot) {
   const nlohmann::json k1 = prepared_key(config(), k0);
   EXPECT_NE(k1["input"]["mtime_ns"], k0["input"]["mtime_ns"]);
   EXPECT_EQ(prepared_key_difference(k0, k1), "");
+  // The same bytes under another name, the tokenizer in another directory: the same key.
+  fs::copy_file(in, dir / "copy.jsonl");
+  fs::copy(dir / "tok", dir / "tok2");
+  EXPECT_EQ(prepared_key_difference(
+                k0, prepared_key(config({"data.train=" + (dir / "copy.jsonl").string(), "data.tokenizer=" + (dir / "tok2").string()}), k0)),
+            "");
   // One byte changed, same size, new mtime: hashed again, a change.
   write("chat.jsonl", "{\"messages\": [{\"role\": \"user\", \"content\": \"ho\"}]}\n");
   fs::last_write_time(in, fs::last_write_time(in) + std::chrono::seconds(10));

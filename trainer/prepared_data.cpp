@@ -53,7 +53,8 @@ std::string diff(const json& was, const json& now, const std::string& path) {
   if (was.is_object() && now.is_object()) {
     for (auto it = now.begin(); it != now.end(); ++it) {
       const std::string p = path.empty() ? it.key() : path + "." + it.key();
-      if (p == "input.mtime_ns" || p == "summary") continue;
+      // Content decides: where the input and the tokenizer lie and when the input was written do not.
+      if (p == "input.mtime_ns" || p == "input.path" || p == "tokenizer.path" || p == "summary") continue;
       if (!was.contains(it.key())) return p + ": not in the earlier key";
       const std::string d = diff(was[it.key()], it.value(), p);
       if (!d.empty()) return d;
@@ -143,10 +144,9 @@ PreparedText prepare_train_text(const TrainConfig& cfg) {
   else why = prepared_key_difference(*was, now);
   if (why.empty()) {
     r.reused = true;
-    if (was->at("input").value("mtime_ns", int64_t{-1}) != now["input"]["mtime_ns"]) {
-      now["summary"] = was->value("summary", json(nullptr));
-      io::write_file_atomic(kp, now.dump(2) + "\n");  // touched, same bytes: the next start need not hash it
-    }
+    // Touched or moved, same bytes: the key takes the new mtime and paths (the next start need not hash it).
+    now["summary"] = was->value("summary", json(nullptr));
+    if (now != *was) io::write_file_atomic(kp, now.dump(2) + "\n");
     r.log = fmt::format("using the prepared data {} (made earlier from {} with this tokenizer and these options)", r.path,
                         cfg.data.train);
     return r;

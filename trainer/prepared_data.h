@@ -5,9 +5,10 @@
 // Beside the file lies its key, <prepared>.key.json: what it was made from: the input (absolute
 // path, bytes, mtime and SHA-256), the tokenizer (its directory and the SHA-256 of tokenizer.json,
 // tokenizer_config.json and chat_template.jinja, which hold the chat template) and the options.
-// A start whose key equals the file's reuses it; any difference prepares again, naming it. The
-// input is hashed only when its size or mtime moved (an unchanged size and mtime keep the recorded
-// hash, as make and rsync trust them); a file touched but not changed is reused and its key updated.
+// A start whose key equals the file's (the paths and the mtime aside: content decides) reuses it;
+// any difference prepares again, naming it. The input is hashed only when its path, size or mtime
+// moved (an unchanged size and mtime keep the recorded hash, as make and rsync trust them); a file
+// touched but not changed is reused and its key updated.
 //
 // Nothing half-written survives a crash: the key goes first, prepare_jsonl writes the file
 // atomically, the new key is written (atomically) last, so a file without a matching key is made again.
@@ -30,7 +31,7 @@ void check_train_text(const TrainConfig& cfg);
 nlohmann::json prepared_key(const TrainConfig& cfg, const nlohmann::json& previous = nullptr);
 
 // The first difference between two keys ("input.sha256: was ..., now ..."), "" when they match.
-// The input's mtime and the summary are not compared.
+// The paths, the input's mtime and the summary are not compared.
 std::string prepared_key_difference(const nlohmann::json& was, const nlohmann::json& now);
 
 struct PreparedText {

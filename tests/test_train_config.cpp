@@ -439,6 +439,14 @@ training: {max_steps: 10}
   EXPECT_THAT(error_of([] { TrainConfig::embedded_default({"data.train=x.jsonl"}).validate(1); }),
               HasSubstr("data.train needs a tokenizer: data.tokenizer is not set and model.target has no model directory"));
   EXPECT_NO_THROW(TrainConfig::embedded_default({"data.train=x.jsonl", "data.tokenizer=tok"}).validate(1));
+  EXPECT_THAT(error_of([] { TrainConfig::embedded_default({"data.train=x.jsonl", "data.tokenizer=tok", "data.prepare.path=./x.jsonl"}).validate(1); }),
+              HasSubstr("data.prepare.path './x.jsonl' is data.train itself"));
+  EXPECT_THAT(error_of([] {
+                TrainConfig::embedded_default({"data.train=x.jsonl", "data.tokenizer=tok", "data.regenerate.enabled=true",
+                                               "data.prepare.path=runs/tiny/data/regenerated.h5"})
+                    .validate(1);
+              }),
+              HasSubstr("data.prepare.path and data.regenerate.path are the same file"));
 
   // --set data.train wins over the embedded default's synthetic corpus, and (configured for it) its regeneration.
   const TrainConfig e = TrainConfig::embedded_default({"data.train=x.jsonl"});

@@ -708,6 +708,18 @@ void TrainConfig::validate(int world_size) const {
                     "token files itself)");
   DFLASH_REQUIRE(!data.synth.enabled || data.train.empty(),
                s << ": data.train and data.synth.enabled: true are exclusive; use one source of data");
+  if (!data.train.empty()) {
+    auto same_file = [](const std::string& a, const std::string& b) {
+      return std::filesystem::absolute(a).lexically_normal() == std::filesystem::absolute(b).lexically_normal();
+    };
+    DFLASH_REQUIRE_HINT(!same_file(prepare_path(), data.train),
+                      s << ": data.prepare.path '" << prepare_path() << "' is data.train itself; preparing would replace the input",
+                      "leave data.prepare.path empty (<run_dir>/data/prepared.h5) or name another file");
+    DFLASH_REQUIRE_HINT(!data.regenerate.enabled || !same_file(prepare_path(), regenerate_path()),
+                      s << ": data.prepare.path and data.regenerate.path are the same file '" << prepare_path()
+                        << "'; the regenerated data is made from the prepared one",
+                      "leave both empty (<run_dir>/data/prepared.h5 and regenerated.h5) or name two files");
+  }
   if (!data.train.empty())
     DFLASH_REQUIRE_HINT(!tokenizer_dir().empty(),
                       s << ": data.train needs a tokenizer: data.tokenizer is not set and model.target has no model "

@@ -72,4 +72,5 @@ printf '{"text": "bad \xC3( byte"}\n' > utf8.jsonl
 expect_fail 'utf8.jsonl:1: invalid UTF-8 at byte 14 of the line \(0xC3\)' "$data" prepare utf8.jsonl --tokenizer "$tok" --out u.h5
 expect_fail '--think: maybe not in \{in,out\}' "$data" prepare in.jsonl --tokenizer "$tok" --out x.h5 --think maybe
 expect_fail 'dump --text needs --tokenizer' "$data" dump a.h5 --text
+expect_fail 'dump: --tokenizer and --marks go with --text' "$data" dump a.h5 --tokenizer "$tok"
 echo OK

@@ -42,6 +42,10 @@ std::string PrepareSummary::describe() const {
 }
 
 #ifndef DFLASH_WITH_TEXT
+PrepareSummary prepare_jsonl(const std::string&, const std::string&, const PrepareOptions&, const text::Tokenizer&) {
+  DFLASH_REJECT_HINT("prepare: this build has no tokenizer (text/ was skipped)",
+                     "install libonig-dev and libicu-dev (scripts/common.sh lists them) and configure again");
+}
 PrepareSummary prepare_jsonl(const std::string&, const std::string&, const PrepareOptions&) {
   DFLASH_REJECT_HINT("prepare: this build has no tokenizer (text/ was skipped)",
                      "install libonig-dev and libicu-dev (scripts/common.sh lists them) and configure again");
@@ -90,11 +94,11 @@ struct Row {
 
 struct Preparer {
   const PrepareOptions& o;
-  text::Tokenizer tok;
+  const text::Tokenizer& tok;
   std::optional<text::ChatTemplate> tmpl;
   std::string tmpl_error, tmpl_hint;  // the template could not be loaded: chat rows are refused with this
 
-  Preparer(const PrepareOptions& opt) : o(opt), tok(text::Tokenizer::from_file(opt.tokenizer)) {
+  Preparer(const PrepareOptions& opt, const text::Tokenizer& t) : o(opt), tok(t) {
     const fs::path dir = fs::is_directory(opt.tokenizer) ? fs::path(opt.tokenizer) : fs::path(opt.tokenizer).parent_path();
     try {
       if (opt.chat_template.empty()) {
@@ -287,10 +291,17 @@ class Progress {
 
 PrepareSummary prepare_jsonl(const std::string& in_jsonl, const std::string& out_h5, const PrepareOptions& options) {
   DFLASH_REQUIRE_HINT(!options.tokenizer.empty(), "prepare: no tokenizer given", "pass --tokenizer DIR (the target's directory) or a tokenizer.json");
+  const text::Tokenizer tok = text::Tokenizer::from_file(options.tokenizer);
+  return prepare_jsonl(in_jsonl, out_h5, options, tok);
+}
+
+PrepareSummary prepare_jsonl(const std::string& in_jsonl, const std::string& out_h5, const PrepareOptions& options,
+                             const text::Tokenizer& tokenizer) {
+  DFLASH_REQUIRE_HINT(!options.tokenizer.empty(), "prepare: no tokenizer given", "pass --tokenizer DIR (the target's directory) or a tokenizer.json");
   DFLASH_REQUIRE_HINT(!out_h5.empty(), "prepare: no output file given", "pass --out data.h5");
   DFLASH_REQUIRE_HINT(fs::absolute(in_jsonl) != fs::absolute(out_h5), "prepare: the output " << out_h5 << " is the input",
                       "write the dataset to another file");
-  const Preparer prep(options);
+  const Preparer prep(options, tokenizer);
   std::ifstream in(in_jsonl, std::ios::binary);
   DFLASH_CHECK_IO(in.good(), "opening", in_jsonl);
   std::error_code ec;

@@ -21,6 +21,10 @@
 #include <optional>
 #include <string>
 
+namespace dflash::text {
+class Tokenizer;
+}
+
 namespace dflash::data {
 
 enum class ThinkMode { in, out };  // <think>...</think> inside or outside the loss
@@ -54,5 +58,9 @@ struct PrepareSummary {
 // left on an error). Throws dflash::Error naming the file, the row (1-based line number) and the
 // field for a bad row unless skip_bad. Throws when no row is written.
 PrepareSummary prepare_jsonl(const std::string& in_jsonl, const std::string& out_h5, const PrepareOptions& options);
+// The same with the tokenizer already loaded (text/tokenizer.h; loading Qwen's takes a second or two):
+// `tokenizer` must be what options.tokenizer names, whose directory still gives the chat template.
+PrepareSummary prepare_jsonl(const std::string& in_jsonl, const std::string& out_h5, const PrepareOptions& options,
+                             const text::Tokenizer& tokenizer);
 
 }  // namespace dflash::data

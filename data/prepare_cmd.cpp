@@ -69,7 +69,10 @@ PrepareCommands::PrepareCommands(CLI::App& app, std::string* log_level, CLI::App
 
 PrepareCommands::~PrepareCommands() = default;
 
-bool PrepareCommands::parsed() const { return s_->prepare->parsed() || (s_->dump->parsed() && s_->text); }
+bool PrepareCommands::parsed() const {
+  const State& s = *s_;
+  return s.prepare->parsed() || (s.dump->parsed() && (s.text || !s.dump_tokenizer.empty() || s.marks != "auto"));
+}
 
 int PrepareCommands::run() const {
   const State& s = *s_;
@@ -86,6 +89,7 @@ int PrepareCommands::run() const {
   DFLASH_REJECT_HINT("dflash_data dump --text: this build has no tokenizer (text/ was skipped)",
                      "install libonig-dev and libicu-dev (scripts/common.sh lists them) and configure again");
 #else
+  DFLASH_REQUIRE_HINT(s.text, "dflash_data dump: --tokenizer and --marks go with --text", "add --text to print the decoded text");
   DFLASH_REQUIRE_HINT(!s.dump_tokenizer.empty(), "dflash_data dump --text needs --tokenizer",
                       "pass the tokenizer directory (or tokenizer.json) the dataset was made with");
   const text::Tokenizer tok = text::Tokenizer::from_file(s.dump_tokenizer);

@@ -207,6 +207,7 @@ TEST(Tokenizer, Qwen35VariantGoldens) {
     const Tokenizer tok = Tokenizer::from_json(j.dump(), "qwen35", TokenizerOptions{.fast_paths = fast});
     EXPECT_EQ(tok.uses_fast_path(), fast);
     check_goldens(tok, rows);
+    if (fast) check_offsets(tok, rows, true);
   }
 }
 

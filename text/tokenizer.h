@@ -61,7 +61,8 @@ class Tokenizer {
   // byte-level piece of an emoji, say) gets that character's whole range, so two such tokens share
   // it. An added token's range includes the whitespace its lstrip / rstrip took. Where the
   // normalizer changed the text, every token within a changed stretch (between normalization
-  // boundaries) gets that stretch's range in the input.
+  // boundaries) gets that stretch's range in the input. ByteLevel's trim_offsets is not applied (a
+  // token's range includes its leading space; Qwen's tokenizers set trim_offsets false).
   struct Encoding {
     std::vector<uint32_t> ids;
     std::vector<std::pair<size_t, size_t>> offsets;

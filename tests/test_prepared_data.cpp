@@ -58,6 +58,14 @@ TEST_F(PreparedKey, ChangesOfInputTokenizerAndOptionsAreNamed) {
   EXPECT_EQ(prepared_key_difference(k0, prepared_key(config({"data.prepare.skip_bad=true"}))),
             "options.skip_bad: was false, now true");
 
+  // A template of its own: its bytes are in the key.
+  write("own.jinja", "{{ messages }}?");
+  const nlohmann::json own = prepared_key(config({"data.prepare.chat_template=" + (dir / "own.jinja").string()}));
+  EXPECT_THAT(prepared_key_difference(k0, own), HasSubstr("options.chat_template: was null, now \""));
+  write("own.jinja", "{{ messages }}?!");
+  EXPECT_THAT(prepared_key_difference(own, prepared_key(config({"data.prepare.chat_template=" + (dir / "own.jinja").string()}))),
+              HasSubstr("options.chat_template: was \""));
+
   // The tokenizer's files: a template beside it, an edited tokenizer.json.
   write("tok/chat_template.jinja", "{{ messages }}!");
   EXPECT_THAT(prepared_key_difference(k0, prepared_key(config())), HasSubstr("tokenizer.files.chat_template.jinja: was null"));
@@ -95,6 +103,8 @@ TEST_F(PreparedKey, StartUpChecksNameTheKeys) {
   EXPECT_THAT(error_of([&] { check_train_text(config({"data.train=" + (dir / "nope.jsonl").string()})); }),
               HasSubstr("data.train '" + (dir / "nope.jsonl").string() + "' does not exist"));
   EXPECT_THAT(error_of([&] { check_train_text(config({"data.train=" + dir.string()})); }), HasSubstr("is not a file"));
+  EXPECT_THAT(error_of([&] { check_train_text(config({"data.prepare.chat_template=" + (dir / "no.jinja").string()})); }),
+              HasSubstr("data.prepare.chat_template '" + (dir / "no.jinja").string() + "' does not exist"));
   EXPECT_THAT(error_of([&] { check_train_text(config({"data.tokenizer=" + dir.string()})); }),
               HasSubstr("data.tokenizer '" + dir.string() + "' holds no tokenizer.json"));
   const TrainConfig from_target = TrainConfig::embedded_default(

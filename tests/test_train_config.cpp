@@ -411,7 +411,7 @@ model:
 data:
   train: chats.jsonl
   max_length: 512
-  prepare: {think: out, last_turn_only: true, enable_thinking: false, max_length: 300, skip_bad: true}
+  prepare: {think: out, last_turn_only: true, enable_thinking: false, max_length: 300, skip_bad: true, chat_template: t.jinja}
 training: {max_steps: 10}
 )";
   TrainConfig c = TrainConfig::from_string(yaml, "t.yaml");
@@ -423,6 +423,7 @@ training: {max_steps: 10}
   EXPECT_EQ(c.data.prepare.enable_thinking, std::optional<bool>(false));
   EXPECT_EQ(c.prepare_max_length(), 300);
   EXPECT_TRUE(c.data.prepare.skip_bad);
+  EXPECT_EQ(c.data.prepare.chat_template, "t.jinja");
   EXPECT_EQ(TrainConfig::from_string(c.to_yaml(), "again.yaml"), c);
   EXPECT_EQ(TrainConfig::from_string(yaml, "t.yaml", {"data.tokenizer=tok"}).tokenizer_dir(), "tok");
   EXPECT_FALSE(TrainConfig::from_string(yaml, "t.yaml", {"data.prepare.enable_thinking=null"}).data.prepare.enable_thinking);

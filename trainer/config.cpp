@@ -351,6 +351,9 @@ const std::vector<Field>& schema() {
                                DFLASH_MEMBER(data.prepare.enable_thinking)));
     f.push_back(int_field("data.prepare.max_length", 0, DFLASH_MEMBER(data.prepare.max_length)));
     f.push_back(bool_field("data.prepare.skip_bad", DFLASH_MEMBER(data.prepare.skip_bad)));
+    f.push_back(string_field("data.prepare.chat_template",
+                             "a chat template .jinja file (a string; \"\" = the tokenizer directory's own)", true,
+                             DFLASH_MEMBER(data.prepare.chat_template)));
     f.push_back(bool_field("data.regenerate.enabled", DFLASH_MEMBER(data.regenerate.enabled)));
     f.push_back(string_field("data.regenerate.path",
                              "an HDF5 file path (a string; \"\" = <run_dir>/data/regenerated.h5)", true,

@@ -78,6 +78,7 @@ struct PrepareSection {
   std::optional<bool> enable_thinking;  // passed to the chat template; null = the template's default
   int64_t max_length = 0;       // longer rows are truncated to it and counted; 0 = data.max_length
   bool skip_bad = false;        // bad rows are counted and reported instead of stopping the run
+  std::string chat_template;    // a .jinja file to render with instead of the tokenizer's own ("" = its own)
   bool operator==(const PrepareSection&) const = default;
 };
 

@@ -91,6 +91,10 @@ void check_train_text(const TrainConfig& cfg) {
                                  << "is tokenized with it)",
                       "set data.tokenizer to the target's tokenizer directory (tokenizer.json and tokenizer_config.json "
                       "with its chat template)");
+  const std::string& ct = cfg.data.prepare.chat_template;
+  DFLASH_REQUIRE_HINT(ct.empty() || fs::is_regular_file(ct),
+                      cfg.source << ": data.prepare.chat_template '" << ct << "' " << (fs::exists(ct) ? "is not a file" : "does not exist"),
+                      "name a .jinja chat template, or leave it empty for the tokenizer directory's own");
 #ifndef DFLASH_WITH_TEXT
   DFLASH_REJECT_HINT(cfg.source << ": data.train needs the tokenizer, and this build has none (text/ was skipped)",
                      "install libonig-dev and libicu-dev (scripts/common.sh lists them) and configure again, or prepare "
@@ -126,7 +130,9 @@ json prepared_key(const TrainConfig& cfg, const json& previous) {
                 {"last_turn_only", p.last_turn_only},
                 {"enable_thinking", p.enable_thinking ? json(*p.enable_thinking) : json(nullptr)},
                 {"max_length", cfg.prepare_max_length()},
-                {"skip_bad", p.skip_bad}}}};
+                {"skip_bad", p.skip_bad},
+                // The template's bytes (its path aside: content decides); null = the tokenizer's own, hashed above.
+                {"chat_template", p.chat_template.empty() ? json(nullptr) : json(io::sha256_file(p.chat_template))}}}};
 }
 
 std::string prepared_key_difference(const json& was, const json& now) { return diff(was, now, ""); }
@@ -177,6 +183,7 @@ PreparedText prepare_train_text(const TrainConfig& cfg) {
   po.enable_thinking = cfg.data.prepare.enable_thinking;
   po.max_length = static_cast<size_t>(cfg.prepare_max_length());
   po.skip_bad = cfg.data.prepare.skip_bad;
+  po.chat_template = cfg.data.prepare.chat_template;
   po.progress = cfg.logging.progress_bar;
   data::PrepareSummary s;
   try {

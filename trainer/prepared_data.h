@@ -4,7 +4,8 @@
 //
 // Beside the file lies its key, <prepared>.key.json: what it was made from: the input (absolute
 // path, bytes, mtime and SHA-256), the tokenizer (its directory and the SHA-256 of tokenizer.json,
-// tokenizer_config.json and chat_template.jinja, which hold the chat template) and the options.
+// tokenizer_config.json and chat_template.jinja, which hold the chat template) and the options (with
+// the SHA-256 of data.prepare.chat_template when one is named).
 // A start whose key equals the file's (the paths and the mtime aside: content decides) reuses it;
 // any difference prepares again, naming it. The input is hashed only when its path, size or mtime
 // moved (an unchanged size and mtime keep the recorded hash, as make and rsync trust them); a file

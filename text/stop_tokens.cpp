@@ -158,4 +158,30 @@ std::string describe_stop_tokens(const std::vector<int32_t>& ids, const Tokenize
   return s.empty() ? "none" : s;
 }
 
+StopTokenChoice choose_stop_tokens(const std::vector<std::string>& specs, const std::string& what,
+                                   const std::string& defaults_dir, const std::function<const Tokenizer*()>& tokenizer) {
+  StopTokenChoice c;
+  auto tok = [&]() -> const Tokenizer* { return tokenizer ? tokenizer() : nullptr; };
+  if (!specs.empty()) {
+    bool text = false;
+    for (const std::string& s : specs) text = text || !is_token_id(s);
+    const Tokenizer* t = text ? tok() : nullptr;
+    c.ids = resolve_stop_tokens(specs, t, what);
+    c.log = "stop tokens: " + describe_stop_tokens(c.ids, t) + " from " + what;
+    return c;
+  }
+  if (defaults_dir.empty()) {
+    c.log = "stop tokens: none (no " + what + " given, and no model or tokenizer directory to take the target's own from)";
+    return c;
+  }
+  const DefaultStopTokens d = default_stop_tokens(defaults_dir, tok);
+  if (d.ids.empty()) {
+    c.log = "stop tokens: none (" + d.note + ")";
+    return c;
+  }
+  c.ids = d.ids;
+  c.log = "stop tokens: " + describe_stop_tokens(c.ids, tok()) + " from " + d.source;
+  return c;
+}
+
 }  // namespace dflash::text

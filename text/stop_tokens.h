@@ -46,4 +46,16 @@ DefaultStopTokens default_stop_tokens(const std::string& dir, const std::functio
 // "<|im_end|> (151645), <|endoftext|> (151643)"; plain ids without a tokenizer.
 std::string describe_stop_tokens(const std::vector<int32_t>& ids, const Tokenizer* tok);
 
+// What a tool stops at: `specs` when there are any (the defaults are then not used; `what` names
+// the option in errors, e.g. "--stop-token"), else the defaults of `defaults_dir` ("": none are
+// looked for). `tokenizer` is called only when text must be resolved or described; it may return null.
+struct StopTokenChoice {
+  std::vector<int32_t> ids;
+  // One line for the log: "stop tokens: <|im_end|> (151645) from generation_config.json",
+  // "... from --stop-token", or "stop tokens: none (<why>)".
+  std::string log;
+};
+StopTokenChoice choose_stop_tokens(const std::vector<std::string>& specs, const std::string& what,
+                                   const std::string& defaults_dir, const std::function<const Tokenizer*()>& tokenizer);
+
 }  // namespace dflash::text

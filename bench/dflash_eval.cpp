@@ -237,7 +237,11 @@ int main(int argc, char** argv) {
       if (!text_tried) {
         text_tried = true;
         if (!tokenizer_path.empty()) {
-          text = std::make_unique<bench::EvalText>(tokenizer_path);  // asked for: its errors stop the run
+          try {
+            text = std::make_unique<bench::EvalText>(tokenizer_path);  // asked for: its errors stop the run
+          } catch (const Error& e) {
+            DFLASH_REJECT_HINT("--tokenizer " << tokenizer_path << ": " << e.message(), e.hint());
+          }
         } else if (!tok_dir.empty() && bench::have_text() && std::filesystem::exists(std::filesystem::path(tok_dir) / "tokenizer.json")) {
           try {
             text = std::make_unique<bench::EvalText>(tok_dir);

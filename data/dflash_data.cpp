@@ -218,7 +218,13 @@ int main(int argc, char** argv) {
             stop_specs, "--stop-token", no_default_stops ? "" : tok_dir, [&]() -> const text::Tokenizer* {
               if (!tried) {
                 tried = true;
-                if (!regen_tokenizer.empty()) tok.emplace(text::Tokenizer::from_file(regen_tokenizer));
+                if (!regen_tokenizer.empty()) {
+                  try {
+                    tok.emplace(text::Tokenizer::from_file(regen_tokenizer));
+                  } catch (const Error& e) {
+                    DFLASH_REJECT_HINT("--tokenizer " << regen_tokenizer << ": " << e.message(), e.hint());
+                  }
+                }
                 else if (!tok_dir.empty() && std::filesystem::exists(std::filesystem::path(tok_dir) / "tokenizer.json")) {
                   try {
                     tok.emplace(text::Tokenizer::from_file(tok_dir));

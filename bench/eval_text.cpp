@@ -51,11 +51,11 @@ ojson chat_messages(const ojson& row, const std::string& where) {
     const std::string from = m["from"];
     std::string role;
     if (from == "human" || from == "user") role = "user";
-    else if (from == "gpt" || from == "assistant" || from == "chatgpt" || from == "model") role = "assistant";
+    else if (from == "gpt" || from == "assistant" || from == "chatgpt" || from == "bard" || from == "model") role = "assistant";
     else if (from == "system") role = "system";
     else if (from == "tool" || from == "function" || from == "observation") role = "tool";
     DFLASH_REQUIRE_HINT(!role.empty(), at << ": unknown \"from\": \"" << from << "\"",
-                        "ShareGPT speakers: human / user, gpt / assistant, system, tool");
+                        "ShareGPT speakers (as dflash_data prepare reads them): human/user, gpt/assistant/chatgpt/bard/model, system, tool/function/observation");
     out.push_back(ojson{{"role", role}, {"content", m["value"]}});
   }
   while (!out.empty() && out.back()["role"] == "assistant") out.erase(out.size() - 1);

@@ -244,7 +244,8 @@ int main(int argc, char** argv) {
                               "give the token's id, or build with libonig-dev and libicu-dev");
           ropt.gen.stop_tokens.push_back(static_cast<int32_t>(std::stoll(sp)));
         }
-        stop_log = stop_specs.empty() ? "stop tokens: none (this build has no tokenizer to read the target's own)"
+        stop_log = stop_specs.empty() ? (tok_dir.empty() ? "stop tokens: none (no --stop-token given)"
+                                                        : "stop tokens: none (this build has no tokenizer to read the target's own)")
                                       : "stop tokens: " + std::to_string(ropt.gen.stop_tokens.size()) + " id(s) from --stop-token";
 #endif
         if (stop_specs.empty() && no_default_stops) stop_log = "stop tokens: none (--no-default-stop-tokens)";

@@ -65,7 +65,11 @@ std::vector<int32_t> regenerate_stop_tokens(const TrainConfig& cfg, const target
         text::choose_stop_tokens(st ? *st : std::vector<std::string>{}, "data.regenerate.stop_tokens", dir, [&]() -> const text::Tokenizer* {
           if (!tried && !dir.empty() && std::filesystem::exists(std::filesystem::path(dir) / "tokenizer.json")) {
             tried = true;
-            tok.emplace(text::Tokenizer::from_file(dir));
+            try {
+              tok.emplace(text::Tokenizer::from_file(dir));
+            } catch (const Error& e) {  // ids still work; token text is then refused as having no tokenizer
+              if (rank == 0) spdlog::warn("data.regenerate: {}/tokenizer.json not used ({})", dir, e.message());
+            }
           }
           return tok ? &*tok : nullptr;
         });

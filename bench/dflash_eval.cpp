@@ -11,17 +11,30 @@
 // Prompts: a dflash.tokens.v1 file (the prompt of a sequence is its tokens before the first
 // loss_mask = 1; a sequence without supervised tokens is a whole prompt), a JSONL file of rows
 // {"input_ids": [...], "loss_mask": [...]} (the same rule; loss_mask optional), or a text file of
-// token ids, one prompt per line.
+// token ids, one prompt per line. JSONL rows may also be text (bench/eval_text.h): chat rows
+// {"messages": [...]} / {"conversations": [...]} rendered with the target's chat template and its
+// generation prompt (trailing assistant turns dropped), {"prompt": "..."} / {"text": "..."}
+// tokenized raw; the tokenizer is --tokenizer DIR, else the --model directory's.
+//
+// Stop tokens: --stop-token ids or token text ("<|im_end|>"); without any, the target's own
+// end-of-turn ids (text/stop_tokens.h: generation_config.json, config.json, tokenizer_config.json)
+// from the tokenizer directory; --no-default-stop-tokens runs to --max-new-tokens.
+//
+//   dflash_eval --model DIR --drafter D --prompts chat.jsonl --show 2 --html eval.html
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <numeric>
 
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
+#include <unistd.h>
 
+#include "bench/eval_text.h"
 #include "bench/greedy_estimate.h"
 #include "bench/harness.h"
 #if DFLASH_WITH_CUDA
@@ -36,12 +49,16 @@
 #include "drafter/weights.h"
 #include "core/app.h"
 #include "core/device.h"
+#include "core/io/files.h"
 #include "core/log.h"
 #include "target_model/cli.h"
 #include "target_model/decode.h"
 #include "target_model/model.h"
 #include "target_model/runtime.h"
 #include "target_model/tp.h"
+#if DFLASH_WITH_TEXT
+#include "text/stop_tokens.h"
+#endif
 #if DFLASH_WITH_CUDA
 #include <cuda_runtime.h>
 
@@ -56,19 +73,27 @@ using json = nlohmann::json;
 
 namespace {
 
-std::vector<std::vector<int32_t>> read_prompts(const std::string& path, int64_t limit, int64_t vocab) {
-  std::vector<std::vector<int32_t>> out;
+struct Prompt {
+  std::vector<int32_t> ids;
+  std::string kind;  // "ids", "text" or "chat"
+};
+
+// `text(where, what)`: the tokenizer, or an error naming `where` and `what` needs it.
+using TextFor = std::function<const bench::EvalText&(const std::string& where, const std::string& what)>;
+
+std::vector<Prompt> read_prompts(const std::string& path, int64_t limit, int64_t vocab, const TextFor& text) {
+  std::vector<Prompt> out;
   const std::string ext = std::filesystem::path(path).extension().string();
   auto check = [&](const std::vector<int32_t>& p, const std::string& where) {
-    DFLASH_REQUIRE_HINT(!p.empty(), where << ": the prompt is empty (its first token is already supervised)",
+    DFLASH_REQUIRE_HINT(!p.empty(), where << ": the prompt is empty (its first token is already supervised, or its text is empty)",
                       "a prompt needs at least one token before the first loss_mask = 1");
   };
   if (ext == ".h5" || ext == ".hdf5") {
     data::Dataset ds({path});
     for (int64_t i = 0; i < ds.num_sequences() && static_cast<int64_t>(out.size()) < limit; ++i) {
       const data::Sequence s = ds.sequence(i);
-      out.push_back(data::prompt_of(s));
-      check(out.back(), path + ": sequence " + std::to_string(i));
+      out.push_back({data::prompt_of(s), "ids"});
+      check(out.back().ids, path + ": sequence " + std::to_string(i));
     }
   } else {
     std::ifstream in(path);
@@ -78,12 +103,27 @@ std::vector<std::vector<int32_t>> read_prompts(const std::string& path, int64_t 
       const std::string where = path + ":" + std::to_string(ln);
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
       if (line.find('{') != std::string::npos) {
-        const data::Sequence row = data::parse_token_row(line, where, vocab, "the target's vocabulary", false);
-        out.push_back(data::prompt_of(row));
+        // The row's keys tell its form: chat, raw text, or token ids.
+        nlohmann::ordered_json row;
+        try {
+          row = nlohmann::ordered_json::parse(line);
+        } catch (const nlohmann::json::exception&) {
+          row = nullptr;  // parse_token_row names the JSON error
+        }
+        if (const nlohmann::ordered_json messages = row.is_object() ? bench::chat_messages(row, where) : nullptr; !messages.is_null()) {
+          out.push_back({text(where, "a chat row").encode_chat(messages, where), "chat"});
+        } else if (row.is_object() && !row.contains("input_ids") && (row.contains("prompt") || row.contains("text"))) {
+          const char* key = row.contains("prompt") ? "prompt" : "text";
+          DFLASH_REQUIRE_HINT(row[key].is_string(), where << ": \"" << key << "\" is not a string", "text rows are {\"" << key << "\": \"...\"}");
+          out.push_back({text(where, "a text row").encode(row[key].get<std::string>(), where), "text"});
+        } else {
+          const data::Sequence seq = data::parse_token_row(line, where, vocab, "the target's vocabulary", false);
+          out.push_back({data::prompt_of(seq), "ids"});
+        }
       } else {
-        out.push_back(parse_token_ids(line, where));
+        out.push_back({parse_token_ids(line, where), "ids"});
       }
-      check(out.back(), where);
+      check(out.back().ids, where);
     }
   }
   DFLASH_REQUIRE_HINT(!out.empty(), "no prompts in " << path, "give a .h5 dataset, a JSONL file or a file of token ids");
@@ -92,6 +132,8 @@ std::vector<std::vector<int32_t>> read_prompts(const std::string& path, int64_t 
 
 struct PromptReport {
   int64_t prompt_len = 0, generated = 0;
+  std::string kind;
+  std::vector<int32_t> prompt, tokens;  // the new tokens: the speculative output
   std::vector<int64_t> accept;
   bench::PhaseTimes greedy, spec;
   drafter::StepStats est_steps, est_all;
@@ -109,10 +151,11 @@ int main(int argc, char** argv) {
   CLI::App app{"Speculative decoding with a DFlash drafter vs target-only greedy decoding: measured acceptance "
                "length, speed-up and the training-time estimate on the same prompts."};
   app.name("dflash_eval");
-  std::string log_level = "warn", drafter_dir, prompts_path, device = "cpu", csv_path, json_path;
+  std::string log_level = "warn", drafter_dir, prompts_path, device = "cpu", csv_path, json_path, tokenizer_path, html_path;
   target::TargetOptions target;
-  int64_t num_prompts = 16, max_new = 64, block_size = 0;
-  std::vector<int32_t> stop_tokens;
+  int64_t num_prompts = 16, max_new = 64, block_size = 0, show = 0;
+  std::vector<std::string> stop_specs;
+  bool no_default_stops = false;
   int tp = 1;
   double timeout_s = 600;
   add_common_options(app, &log_level);
@@ -130,16 +173,28 @@ int main(int argc, char** argv) {
   int64_t profile_steps = 0;
   app.add_option("--profile", profile_steps, "GPU: afterwards time every op of this many target decode steps (after one "
                                              "warm-up) and print where a step goes")->check(CLI::NonNegativeNumber);
-  app.add_option("--prompts", prompts_path, "prompts: a dflash.tokens.v1 .h5 file, JSONL rows or a token-id text file")->required();
+  app.add_option("--prompts", prompts_path, "prompts: a dflash.tokens.v1 .h5 file, JSONL rows (chat {\"messages\"} / "
+                                            "{\"conversations\"}, text {\"prompt\"} / {\"text\"}, or {\"input_ids\"}) or a "
+                                            "token-id text file")->required();
+  app.add_option("--tokenizer", tokenizer_path, "tokenizer.json and chat template: a directory or the tokenizer.json "
+                                                "(default: the --model directory, when it has one)");
   app.add_option("--num-prompts", num_prompts, "use the first N prompts")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--max-new-tokens", max_new, "new tokens per prompt")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--block-size", block_size, "tokens per verify step (2 .. the drafter's block_size; default: the drafter's)");
-  app.add_option("--stop-token", stop_tokens, "end a generation after this token (repeatable)");
+  app.add_option("--stop-token", stop_specs, "end a generation after this token: an id or a token's text, e.g. '<|im_end|>' "
+                                            "(repeatable; default: the target's own eos ids from the tokenizer directory's "
+                                            "generation_config.json / config.json / tokenizer_config.json)");
+  app.add_flag("--no-default-stop-tokens", no_default_stops, "without --stop-token, stop only at --max-new-tokens");
+  app.add_option("--show", show, "print the first N prompts' decoded end, output and accepted draft tokens (ANSI colours "
+                                 "alternating per step on a terminal, else [brackets] around each step's accepted drafts)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--html", html_path, "write one HTML page of every prompt's output, each step's accepted drafts coloured");
   app.add_option("--device", device, "where the target and the drafter run: cpu or cuda[:N]")->capture_default_str();
   app.add_option("--tp", tp, "tensor-parallel size of the target (under mpirun)")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--timeout", timeout_s, "seconds a collective may take before the job is ended")->capture_default_str();
   app.add_option("--csv", csv_path, "append the summary rows to this CSV (the benchmarks' format)");
-  app.add_option("--json", json_path, "write the whole report (every prompt) as JSON");
+  app.add_option("--json", json_path, "write the whole report (every prompt) as JSON (with the decoded prompt_text and "
+                                      "output_text when a tokenizer is known)");
 
   std::unique_ptr<comm::MpiEnv> mpi;
   return run_app(app, argc, argv, [&]() -> int {
@@ -173,14 +228,75 @@ int main(int argc, char** argv) {
     DFLASH_REQUIRE_HINT(block_size >= 2 && block_size <= dc.block_size,
                       "--block-size " << block_size << " is outside [2, " << dc.block_size << "] (the drafter's block_size)",
                       "a drafter proposes at most block_size - 1 tokens per step");
+
+    // ---- text: the tokenizer (explicit, or the model directory's when it has one), stop tokens, prompts ----
+    const std::string tok_dir = !tokenizer_path.empty() ? tokenizer_path : target.src.model_dir;
+    std::unique_ptr<bench::EvalText> text;
+    bool text_tried = false;
+    auto load_text = [&]() -> const bench::EvalText* {
+      if (!text_tried) {
+        text_tried = true;
+        if (!tokenizer_path.empty()) {
+          try {
+            text = std::make_unique<bench::EvalText>(tokenizer_path);  // asked for: its errors stop the run
+          } catch (const Error& e) {
+            DFLASH_REJECT_HINT("--tokenizer " << tokenizer_path << ": " << e.message(), e.hint());
+          }
+        } else if (!tok_dir.empty() && bench::have_text() && std::filesystem::exists(std::filesystem::path(tok_dir) / "tokenizer.json")) {
+          try {
+            text = std::make_unique<bench::EvalText>(tok_dir);
+          } catch (const Error& e) {  // the model's own: without it, token ids still work
+            if (rank == 0) spdlog::warn("{}/tokenizer.json not used ({}): no decoded text", tok_dir, e.message());
+          }
+        }
+      }
+      return text.get();
+    };
+    const TextFor text_for = [&](const std::string& where, const std::string& what) -> const bench::EvalText& {
+      const bench::EvalText* t = load_text();
+      DFLASH_REQUIRE_HINT(t != nullptr, where << ": " << what << " needs a tokenizer, and there is none"
+                                              << (tok_dir.empty() ? "" : " in " + tok_dir),
+                          "pass --tokenizer DIR (the target's tokenizer.json and tokenizer_config.json), or --model DIR that has them");
+      return *t;
+    };
+    if (show > 0) text_for("--show", "decoded text");
+    if (!html_path.empty()) text_for("--html", "decoded text");
+    std::vector<int32_t> stop_tokens;
+    std::string stop_log;
+    {
+#if DFLASH_WITH_TEXT
+      const text::StopTokenChoice sc = text::choose_stop_tokens(stop_specs, "--stop-token", no_default_stops ? "" : tok_dir, [&] {
+        const bench::EvalText* t = load_text();
+        return t ? t->tokenizer() : nullptr;
+      });
+      stop_tokens = sc.ids;
+      stop_log = sc.log;
+#else
+      for (const std::string& sp : stop_specs) {
+        DFLASH_REQUIRE_HINT(!sp.empty() && sp.find_first_not_of("0123456789") == std::string::npos,
+                            "--stop-token '" << sp << "' is text, and this build has no tokenizer (text/ was skipped)",
+                            "give the token's id, or build with libonig-dev and libicu-dev");
+        stop_tokens.push_back(static_cast<int32_t>(std::stoll(sp)));
+      }
+      stop_log = stop_specs.empty() ? (tok_dir.empty() ? "stop tokens: none (no --stop-token given)"
+                                                        : "stop tokens: none (this build has no tokenizer to read the target's own)")
+                                    : "stop tokens: " + fmt::format("{}", fmt::join(stop_tokens, ", ")) + " from --stop-token";
+#endif
+      if (stop_specs.empty() && no_default_stops) stop_log = "stop tokens: none (--no-default-stop-tokens)";
+    }
     for (int32_t t : stop_tokens)
-      DFLASH_REQUIRE(t >= 0 && t < cfg.vocab_size, "--stop-token " << t << " is outside the vocabulary [0, " << cfg.vocab_size << ")");
+      DFLASH_REQUIRE_HINT(t >= 0 && t < cfg.vocab_size,
+                          (stop_specs.empty() ? "the default stop token " : "--stop-token ")
+                              << t << " is outside the vocabulary [0, " << cfg.vocab_size << ")",
+                          (stop_specs.empty() ? "the tokenizer directory's eos ids are not this target's: pass --stop-token or "
+                                                "--no-default-stop-tokens"
+                                              : "stop tokens are ids of the target's tokenizer"));
     target::check_tp(cfg, tp);
-    const std::vector<std::vector<int32_t>> prompts = read_prompts(prompts_path, num_prompts, cfg.vocab_size);
+    const std::vector<Prompt> prompts = read_prompts(prompts_path, num_prompts, cfg.vocab_size, text_for);
     int64_t longest = 0;
     for (size_t i = 0; i < prompts.size(); ++i) {
-      longest = std::max<int64_t>(longest, static_cast<int64_t>(prompts[i].size()));
-      for (int32_t t : prompts[i])
+      longest = std::max<int64_t>(longest, static_cast<int64_t>(prompts[i].ids.size()));
+      for (int32_t t : prompts[i].ids)
         DFLASH_REQUIRE_HINT(t < cfg.vocab_size,
                           prompts_path << ": prompt " << i << " holds token id " << t << ", outside the target's vocabulary [0, "
                                        << cfg.vocab_size << ")",
@@ -231,10 +347,14 @@ int main(int argc, char** argv) {
     go.block_size = block_size;
     std::vector<PromptReport> reports;
     int64_t mismatches = 0;
+    if (rank == 0) std::printf("%s\n", stop_log.c_str());
+    const bool colour = isatty(fileno(stdout)) != 0;
     for (size_t i = 0; i < prompts.size(); ++i) {
-      const std::vector<int32_t>& p = prompts[i];
+      const std::vector<int32_t>& p = prompts[i].ids;
       PromptReport rep;
       rep.prompt_len = static_cast<int64_t>(p.size());
+      rep.kind = prompts[i].kind;
+      rep.prompt = p;
       // The estimate's labels need block_size - 1 greedy tokens past the timed ones.
       const int64_t extra = scorer ? block_size - 1 : 0;
       const bench::Generation greedy = bench::greedy_generate(*dec, 0, p, go, extra);
@@ -242,6 +362,7 @@ int main(int argc, char** argv) {
       const int64_t n_greedy = static_cast<int64_t>(greedy.tokens.size()) - extra;
       rep.generated = n_greedy;
       rep.accept = spec.accept;
+      rep.tokens = spec.tokens;
       rep.greedy = greedy.times;
       rep.spec = spec.times;
       for (int64_t t = 0; t < std::max<int64_t>(n_greedy, static_cast<int64_t>(spec.tokens.size())); ++t) {
@@ -270,6 +391,8 @@ int main(int argc, char** argv) {
                                  .c_str()
                            : "",
                     rep.mismatch_at >= 0 ? "  OUTPUT DIFFERS" : "");
+      if (rank == 0 && static_cast<int64_t>(i) < show)
+        std::printf("%s", bench::show_text(*text, {i, rep.kind, rep.prompt, rep.tokens, rep.accept}, colour).c_str());
       reports.push_back(std::move(rep));
     }
     if (rank != 0) return mismatches ? 3 : 0;
@@ -338,7 +461,7 @@ int main(int argc, char** argv) {
       target::ExtendOptions eo;
       eo.last_only = true;
       dec->reset(0);
-      int32_t next = dec->extend({0}, {prompts[0]}, eo).next.back();
+      int32_t next = dec->extend({0}, {prompts[0].ids}, eo).next.back();
       cuda_model->set_profiler(&prof);
       for (int64_t i = 0; i <= profile_steps && dec->length(0) < max_len; ++i) {
         next = dec->extend({0}, {{next}}, eo).next.back();
@@ -350,7 +473,7 @@ int main(int argc, char** argv) {
         const bench::ProfileSummary ps = bench::summarize_profile(profiles, 1e3 * t_dec);
         std::printf("\nwhere a target decode step goes (%zu steps at context %lld, ms per step; the reference is the "
                     "unprofiled step, %.2f ms):\n%s\n",
-                    profiles.size(), static_cast<long long>(prompts[0].size()), 1e3 * t_dec, bench::profile_table(ps).c_str());
+                    profiles.size(), static_cast<long long>(prompts[0].ids.size()), 1e3 * t_dec, bench::profile_table(ps).c_str());
       }
     }
 #endif
@@ -390,13 +513,27 @@ int main(int argc, char** argv) {
              {"time_s", {{"greedy_prefill", g.prefill}, {"greedy_decode", g.decode}, {"spec_prefill", s.prefill},
                          {"propose", s.propose}, {"verify", s.verify}, {"commit", s.commit}}},
              {"mismatches", mismatches}, {"prompts", json::array()}};
-      for (const PromptReport& r : reports)
-        j["prompts"].push_back({{"prompt_len", r.prompt_len}, {"generated", r.generated}, {"accept", r.accept},
-                                {"tau", mean(r.accept)}, {"estimate_same_blocks", r.est_steps.accept_len()},
-                                {"estimate_all_positions", r.est_all.accept_len()}, {"mismatch_at", r.mismatch_at}});
-      std::ofstream f(json_path);
-      DFLASH_CHECK_IO(f.good(), "writing", json_path);
-      f << j.dump(2) << "\n";
+      j["stop_tokens"] = stop_tokens;
+      if (text) j["tokenizer"] = text->path();
+      for (const PromptReport& r : reports) {
+        json pj{{"kind", r.kind}, {"prompt_len", r.prompt_len}, {"generated", r.generated}, {"accept", r.accept},
+                {"tau", mean(r.accept)}, {"estimate_same_blocks", r.est_steps.accept_len()},
+                {"estimate_all_positions", r.est_all.accept_len()}, {"mismatch_at", r.mismatch_at}, {"output_ids", r.tokens}};
+        if (text) {
+          pj["prompt_text"] = text->decode(r.prompt);
+          pj["output_text"] = text->decode(r.tokens);
+        }
+        j["prompts"].push_back(std::move(pj));
+      }
+      io::write_file_atomic(json_path, j.dump(2) + "\n");
+    }
+    if (!html_path.empty()) {
+      std::vector<bench::ShownOutput> shown;
+      for (size_t i = 0; i < reports.size(); ++i)
+        shown.push_back({i, reports[i].kind, reports[i].prompt, reports[i].tokens, reports[i].accept});
+      const std::string title = fmt::format("dflash_eval: {} prompt(s), tau {:.3f}, drafter {}", reports.size(), tau, drafter_dir);
+      io::write_file_atomic(html_path, bench::html_report(*text, shown, title));
+      std::printf("wrote %s\n", html_path.c_str());
     }
     if (mismatches) {
       for (size_t i = 0; i < reports.size(); ++i)

@@ -10,6 +10,11 @@
 //   dflash_data regenerate chat.h5 --model /models/Qwen3.6-27B --device cuda --out data/regen.h5 --max-new-tokens 2048
 //   mpirun -n 8 dflash_data regenerate chat.h5 --model DIR --device cuda --tp 2 --out data/regen.h5
 //
+// regenerate's stop tokens: --stop-token ids or token text ('<|im_end|>', through --tokenizer DIR,
+// default the --model directory); without any, the target's own end-of-turn ids from that directory
+// (text/stop_tokens.h: generation_config.json, config.json, tokenizer_config.json), logged once;
+// --no-default-stop-tokens generates to --max-new-tokens. A random target (--config) has no defaults.
+//
 // regenerate replaces the responses of a dataset by the target's own (data/regenerate.h): each
 // sequence's prompt (its tokens before the first loss_mask = 1) + the target's greedy or sampled
 // response, many sequences at once on the target's slot pool, data parallel over TP groups under
@@ -22,7 +27,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,6 +46,10 @@
 #include "core/log.h"
 #include "target_model/cli.h"
 #include "target_model/runtime.h"
+#ifdef DFLASH_WITH_TEXT
+#include "text/stop_tokens.h"
+#include "text/tokenizer.h"
+#endif
 
 using namespace dflash;
 using namespace dflash::data;
@@ -127,7 +138,9 @@ int main(int argc, char** argv) {
   int tp = 1;
   double temperature = 0, top_p = 1, timeout_s = 600;
   uint64_t sample_seed = 0;
-  bool no_progress = false, require_fast = false;
+  bool no_progress = false, require_fast = false, no_default_stops = false;
+  std::vector<std::string> stop_specs;
+  std::string regen_tokenizer;
   regen->add_option("inputs", ropt.inputs, "dflash.tokens.v1 files, directories or glob patterns (the prompts)")->required();
   regen->add_option("--out,-o", ropt.out, "output .h5 file (parts are kept under <out>.parts until it is complete)")->required();
   target::add_target_options(*regen, target, {.random = "seeded random target weights (benches, demos)",
@@ -139,8 +152,12 @@ int main(int argc, char** argv) {
   regen->add_option("--max-new-tokens", ropt.gen.max_new_tokens, "new tokens per response (at most)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  regen->add_option("--stop-token", ropt.gen.stop_tokens, "end a response after this token, kept (repeatable; e.g. the "
-                                                          "tokenizer's eos and <|im_end|> ids)");
+  regen->add_option("--stop-token", stop_specs, "end a response after this token, kept: an id or a token's text, e.g. "
+                                                "'<|im_end|>' (repeatable; default: the target's own eos ids from the "
+                                                "--model directory's generation_config.json / config.json / tokenizer_config.json)");
+  regen->add_flag("--no-default-stop-tokens", no_default_stops, "without --stop-token, stop only at --max-new-tokens");
+  regen->add_option("--tokenizer", regen_tokenizer, "the tokenizer for text stop tokens and the defaults: a directory or "
+                                                    "tokenizer.json (default: the --model directory)");
   regen->add_option("--temperature", temperature, "0: greedy; > 0: sample at this temperature")->capture_default_str();
   regen->add_option("--top-p", top_p, "nucleus sampling: keep the smallest set of tokens with this much probability")
       ->capture_default_str();
@@ -191,6 +208,54 @@ int main(int argc, char** argv) {
       ropt.progress = !no_progress;
       const target::TargetConfig cfg = src.read_config();
       target::check_tp(cfg, tp);
+      {  // stop tokens: given (ids or text), else the target's own
+        const std::string tok_dir = !regen_tokenizer.empty() ? regen_tokenizer : target.src.model_dir;
+        std::string stop_log;
+#ifdef DFLASH_WITH_TEXT
+        std::optional<text::Tokenizer> tok;
+        bool tried = false;
+        const text::StopTokenChoice sc = text::choose_stop_tokens(
+            stop_specs, "--stop-token", no_default_stops ? "" : tok_dir, [&]() -> const text::Tokenizer* {
+              if (!tried) {
+                tried = true;
+                if (!regen_tokenizer.empty()) {
+                  try {
+                    tok.emplace(text::Tokenizer::from_file(regen_tokenizer));
+                  } catch (const Error& e) {
+                    DFLASH_REJECT_HINT("--tokenizer " << regen_tokenizer << ": " << e.message(), e.hint());
+                  }
+                }
+                else if (!tok_dir.empty() && std::filesystem::exists(std::filesystem::path(tok_dir) / "tokenizer.json")) {
+                  try {
+                    tok.emplace(text::Tokenizer::from_file(tok_dir));
+                  } catch (const Error& e) {  // the model's own, not asked for: ids still work
+                    if (rank == 0) spdlog::warn("{}/tokenizer.json not used ({})", tok_dir, e.message());
+                  }
+                }
+              }
+              return tok ? &*tok : nullptr;
+            });
+        ropt.gen.stop_tokens = sc.ids;
+        stop_log = sc.log;
+#else
+        for (const std::string& sp : stop_specs) {
+          DFLASH_REQUIRE_HINT(!sp.empty() && sp.find_first_not_of("0123456789") == std::string::npos,
+                              "--stop-token '" << sp << "' is text, and this build has no tokenizer (text/ was skipped)",
+                              "give the token's id, or build with libonig-dev and libicu-dev");
+          ropt.gen.stop_tokens.push_back(static_cast<int32_t>(std::stoll(sp)));
+        }
+        stop_log = stop_specs.empty() ? (tok_dir.empty() ? "stop tokens: none (no --stop-token given)"
+                                                        : "stop tokens: none (this build has no tokenizer to read the target's own)")
+                                      : "stop tokens: " + std::to_string(ropt.gen.stop_tokens.size()) + " id(s) from --stop-token";
+#endif
+        if (stop_specs.empty() && no_default_stops) stop_log = "stop tokens: none (--no-default-stop-tokens)";
+        if (stop_specs.empty())
+          for (int32_t t : ropt.gen.stop_tokens)
+            DFLASH_REQUIRE_HINT(t < cfg.vocab_size, "the default stop token " << t << " (" << stop_log << ") is outside the "
+                                                    "target's vocabulary [0, " << cfg.vocab_size << ")",
+                                "pass --stop-token, or --no-default-stop-tokens");
+        if (rank == 0) std::fprintf(stderr, "regenerate: %s\n", stop_log.c_str());
+      }
       target::check_generate_config(ropt.gen, cfg.vocab_size);
       ropt.target_identity = src.identity(cfg);
       const int64_t max_len = regenerate_max_len(ropt);

@@ -599,3 +599,20 @@ TEST(MemoryPlan, Qwen27bRecipe) {
   EXPECT_LT(one.total(), 139.8 * (1 << 30));
   std::printf("Qwen3.6-27B recipe, tp=1:\n%s\n", one.table(139.8 * (1 << 30)).c_str());
 }
+
+// data.regenerate.stop_tokens: null = the target's own eos ids, [] = none, else ids and token text;
+// a number that is not a token id is refused; the effective YAML reads back the same.
+TEST(TrainConfig, RegenerateStopTokensTakeIdsTextOrNull) {
+  EXPECT_FALSE(minimal().data.regenerate.stop_tokens.has_value());
+  EXPECT_FALSE(minimal({"data.regenerate.stop_tokens=null"}).data.regenerate.stop_tokens.has_value());
+  EXPECT_EQ(minimal({"data.regenerate.stop_tokens=[]"}).data.regenerate.stop_tokens, std::vector<std::string>{});
+  const TrainConfig c = minimal({"data.regenerate.stop_tokens=[151645, \"<|im_end|>\"]"});
+  EXPECT_EQ(c.data.regenerate.stop_tokens, (std::vector<std::string>{"151645", "<|im_end|>"}));
+  EXPECT_EQ(TrainConfig::from_string(c.to_yaml(), "effective.yaml"), c);
+  EXPECT_EQ(TrainConfig::from_string(minimal().to_yaml(), "effective.yaml"), minimal());
+  for (const char* bad : {"data.regenerate.stop_tokens=[-1]", "data.regenerate.stop_tokens=[1.5]", "data.regenerate.stop_tokens=151645"})
+    EXPECT_THAT(set_error(bad), HasSubstr("data.regenerate.stop_tokens")) << bad;
+  EXPECT_THAT(error_of([] { minimal({"data.regenerate.stop_tokens=[4096]"}).validate_against(tiny_target()); }),
+              HasSubstr("data.regenerate.stop_tokens[0] = 4096 is outside the target's vocabulary [0, 4096)"));
+  EXPECT_NO_THROW(minimal({"data.regenerate.stop_tokens=[4095, \"<|im_end|>\"]"}).validate_against(tiny_target()));
+}

@@ -362,8 +362,38 @@ const std::vector<Field>& schema() {
     f.push_back(num_field("data.regenerate.temperature", Range::NonNegative, DFLASH_MEMBER(data.regenerate.temperature)));
     f.push_back(num_field("data.regenerate.top_p", Range::Positive, DFLASH_MEMBER(data.regenerate.top_p)));
     f.push_back(int_field("data.regenerate.seed", 0, DFLASH_MEMBER(data.regenerate.seed)));
-    f.push_back(list_field("data.regenerate.stop_tokens", "a list of token ids (integers >= 0)", false, 0, int_item(0),
-                           DFLASH_MEMBER(data.regenerate.stop_tokens)));
+    // null (the target's own), or a list of ids / token texts.
+    f.push_back({"data.regenerate.stop_tokens",
+                 "null (the target's own eos ids) or a list of token ids (integers >= 0) and token texts (\"<|im_end|>\")",
+                 [](TrainConfig& c, const YAML::Node& n) {
+                   auto& out = c.data.regenerate.stop_tokens;
+                   if (n.IsNull()) {
+                     out.reset();
+                     return;
+                   }
+                   if (!n.IsSequence()) throw BadValue{};
+                   std::vector<std::string> v;
+                   for (const YAML::Node& x : n) {
+                     if (!x.IsScalar() || x.Scalar().empty()) throw BadValue{};
+                     const std::string& t = x.Scalar();
+                     // A number must be a token id (an integer >= 0); anything else is token text.
+                     if (t.find_first_not_of("+-0123456789.eE") == std::string::npos && t.find_first_of("0123456789") != std::string::npos &&
+                         t.find_first_not_of("0123456789") != std::string::npos)
+                       throw BadValue{};
+                     v.push_back(t);
+                   }
+                   out = std::move(v);
+                 },
+                 [](const TrainConfig& c) {
+                   const auto& v = c.data.regenerate.stop_tokens;
+                   if (!v) return std::string("null");
+                   std::string o = "[";
+                   for (size_t i = 0; i < v->size(); ++i) {
+                     const std::string& t = (*v)[i];
+                     o += (i ? ", " : "") + (t.find_first_not_of("0123456789") == std::string::npos ? t : show(t));
+                   }
+                   return o + "]";
+                 }});
     f.push_back(int_field("data.regenerate.num_prompts", 0, DFLASH_MEMBER(data.regenerate.num_prompts)));
     f.push_back(int_field("data.regenerate.max_prompt_len", 0, DFLASH_MEMBER(data.regenerate.max_prompt_len)));
     f.push_back(int_field("data.regenerate.slots", 1, DFLASH_MEMBER(data.regenerate.slots)));
@@ -849,11 +879,15 @@ void TrainConfig::validate_against(const target::TargetConfig& target) const {
   DFLASH_REQUIRE(data.max_length > c.block_size, s << ": data.max_length (" << data.max_length
                                                  << ") must be greater than the drafter's block_size (" << c.block_size
                                                  << ") so that one anchor block fits in a sequence");
-  for (size_t i = 0; i < data.regenerate.stop_tokens.size(); ++i)
-    DFLASH_REQUIRE_HINT(data.regenerate.stop_tokens[i] < target.vocab_size,
-                      s << ": data.regenerate.stop_tokens[" << i << "] = " << data.regenerate.stop_tokens[i]
-                        << " is outside the target's vocabulary [0, " << target.vocab_size << ")",
-                      "stop tokens are ids of the target's tokenizer (e.g. its eos_token_id)");
+  if (data.regenerate.stop_tokens)  // ids are checked here, token text where it is resolved (the trainer's regenerate step)
+    for (size_t i = 0; i < data.regenerate.stop_tokens->size(); ++i) {
+      const std::string& t = (*data.regenerate.stop_tokens)[i];
+      if (t.find_first_not_of("0123456789") != std::string::npos) continue;
+      DFLASH_REQUIRE_HINT(t.size() <= 10 && std::stoll(t) < target.vocab_size,
+                          s << ": data.regenerate.stop_tokens[" << i << "] = " << t
+                            << " is outside the target's vocabulary [0, " << target.vocab_size << ")",
+                          "stop tokens are ids of the target's tokenizer (e.g. its eos_token_id)");
+    }
   if (data.synth.enabled)
     DFLASH_REQUIRE_HINT(data.synth.vocab_size <= target.vocab_size,
                       s << ": data.synth.vocab_size (" << data.synth.vocab_size << ") is larger than the target's vocabulary ("

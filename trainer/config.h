@@ -92,7 +92,10 @@ struct RegenerateSection {
   double temperature = 0;         // 0 = greedy
   double top_p = 1;
   int64_t seed = 0;               // sampling seed
-  std::vector<int64_t> stop_tokens;  // e.g. the tokenizer's eos / <|im_end|> ids
+  // Token ids ("151645") or token text ("<|im_end|>", through model.target.path's tokenizer);
+  // null: the target's own eos ids (text/stop_tokens.h: model.target.path's generation_config.json,
+  // config.json, tokenizer_config.json); []: none (every response runs max_new_tokens).
+  std::optional<std::vector<std::string>> stop_tokens;
   int64_t num_prompts = 0;        // the first N sequences (0 = all)
   int64_t max_prompt_len = 0;     // longer prompts are skipped and counted (0 = none)
   int64_t slots = 64;             // sequences in flight per TP group

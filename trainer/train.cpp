@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -37,6 +38,10 @@
 #include "target_model/tp.h"
 #include "target_model/weights.h"
 #include "trainer/backend.h"
+#if DFLASH_WITH_TEXT
+#include "text/stop_tokens.h"
+#include "text/tokenizer.h"
+#endif
 #include "trainer/checkpoint.h"
 #include "trainer/metrics.h"
 #include "trainer/optimizer.h"
@@ -47,6 +52,55 @@ namespace fs = std::filesystem;
 namespace dflash::trainer {
 
 namespace {
+
+// data.regenerate.stop_tokens: ids or token text (the tokenizer of data.tokenizer, else of
+// model.target.path), null = the target's own eos ids read from that directory
+// (text/stop_tokens.h), [] = none; logged once.
+std::vector<int32_t> regenerate_stop_tokens(const TrainConfig& cfg, const target::TargetConfig& tcfg, int rank) {
+  const auto& st = cfg.data.regenerate.stop_tokens;
+  std::string dir = cfg.tokenizer_dir();  // data.tokenizer may name the tokenizer.json itself
+  if (!dir.empty() && std::filesystem::is_regular_file(dir)) dir = std::filesystem::path(dir).parent_path().string();
+  std::vector<int32_t> ids;
+  std::string log;
+  if (st && st->empty()) {
+    log = "stop tokens: none (data.regenerate.stop_tokens: [])";
+  } else {
+#if DFLASH_WITH_TEXT
+    std::optional<text::Tokenizer> tok;
+    bool tried = false;
+    const text::StopTokenChoice sc =
+        text::choose_stop_tokens(st ? *st : std::vector<std::string>{}, "data.regenerate.stop_tokens", dir, [&]() -> const text::Tokenizer* {
+          if (!tried && !dir.empty() && std::filesystem::exists(std::filesystem::path(dir) / "tokenizer.json")) {
+            tried = true;
+            try {
+              tok.emplace(text::Tokenizer::from_file(dir));
+            } catch (const Error& e) {  // ids still work; token text is then refused as having no tokenizer
+              if (rank == 0) spdlog::warn("data.regenerate: {}/tokenizer.json not used ({})", dir, e.message());
+            }
+          }
+          return tok ? &*tok : nullptr;
+        });
+    ids = sc.ids;
+    log = sc.log;
+#else
+    for (const std::string& t : st ? *st : std::vector<std::string>{}) {
+      DFLASH_REQUIRE_HINT(t.find_first_not_of("0123456789") == std::string::npos,
+                          "data.regenerate.stop_tokens: '" << t << "' is text, and this build has no tokenizer (text/ was skipped)",
+                          "give the token's id, or build with libonig-dev and libicu-dev");
+      ids.push_back(static_cast<int32_t>(std::stoll(t)));
+    }
+    log = st ? "stop tokens: " + std::to_string(ids.size()) + " id(s) from data.regenerate.stop_tokens"
+             : "stop tokens: none (this build has no tokenizer to read the target's own)";
+#endif
+  }
+  for (int32_t t : ids)
+    DFLASH_REQUIRE_HINT(t >= 0 && t < tcfg.vocab_size,
+                        "data.regenerate: stop token " << t << " (" << log << ") is outside the target's vocabulary [0, "
+                                                       << tcfg.vocab_size << ")",
+                        "set data.regenerate.stop_tokens to the target's end-of-turn ids, or [] for none");
+  if (rank == 0) spdlog::info("data.regenerate: {}", log);
+  return ids;
+}
 
 volatile std::sig_atomic_t g_stop_requested = 0;
 extern "C" void on_stop_signal(int) { g_stop_requested = 1; }
@@ -391,7 +445,7 @@ void regenerate_responses(Run& r) {
   ro.num_prompts = rc.num_prompts > 0 ? rc.num_prompts : -1;
   ro.max_prompt_len = rc.max_prompt_len > 0 ? rc.max_prompt_len : -1;
   ro.gen.max_new_tokens = rc.max_new_tokens;
-  for (int64_t t : rc.stop_tokens) ro.gen.stop_tokens.push_back(static_cast<int32_t>(t));
+  ro.gen.stop_tokens = regenerate_stop_tokens(cfg, tcfg, rank);
   if (rc.temperature > 0)
     ro.gen.sample = ops::SampleParams{static_cast<float>(rc.temperature), static_cast<float>(rc.top_p), static_cast<uint64_t>(rc.seed)};
   ro.slots = rc.slots;

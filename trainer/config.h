@@ -92,8 +92,8 @@ struct RegenerateSection {
   double temperature = 0;         // 0 = greedy
   double top_p = 1;
   int64_t seed = 0;               // sampling seed
-  // Token ids ("151645") or token text ("<|im_end|>", through model.target.path's tokenizer);
-  // null: the target's own eos ids (text/stop_tokens.h: model.target.path's generation_config.json,
+  // Token ids ("151645") or token text ("<|im_end|>", through tokenizer_dir()'s tokenizer);
+  // null: the target's own eos ids (text/stop_tokens.h: tokenizer_dir()'s generation_config.json,
   // config.json, tokenizer_config.json); []: none (every response runs max_new_tokens).
   std::optional<std::vector<std::string>> stop_tokens;
   int64_t num_prompts = 0;        // the first N sequences (0 = all)

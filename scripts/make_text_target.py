@@ -8,7 +8,11 @@ on the CPU (--device cpu: the same steps, slower). Everything comes from what sh
               - the Python standard library's sources (/usr/lib/python3.X/**/*.py): code with
                 docstrings and comments, the bulk of the corpus and what the chat examples are made of;
               - the Debian-packaged Python modules (/usr/lib/python3/dist-packages/**/*.py): more code
-                of the same kind, from the distribution itself (not pip-installed packages, which vary);
+                of the same kind, from the distribution itself;
+              - the Python packages installed on that machine with pip (/usr/local/lib/python3.X/
+                dist-packages/**/*.py: torch, transformers, numpy, ...; a subset of 32 MB in the order
+                of sha256(path)): the image's own, so the corpus is what that machine has; without
+                them the distribution's code is 18 MB, too little for fewer passes;
               - the license texts (/usr/share/common-licenses): long, regular English prose;
               - the man pages (/usr/share/man/man{1,5,7,8}, groff with the markup stripped): prose about
                 commands, the "prose" prompts beside the licenses;
@@ -80,7 +84,7 @@ MAX_FILE = 256 << 10
 MIN_FILE = 200
 HELDOUT_MOD = 16
 # Bytes taken from each source at most (the corpus stays a few minutes' training on one GPU).
-CAPS = {"python-stdlib": 40e6, "python3-dist-packages": 16e6, "common-licenses": 4e6, "man-pages": 16e6,
+CAPS = {"python-stdlib": 40e6, "python3-dist-packages": 16e6, "python-pip-packages": 32e6, "common-licenses": 4e6, "man-pages": 16e6,
         "usr-share-doc": 8e6}
 
 
@@ -147,10 +151,13 @@ def collect_corpus():
     """[(name, kind, text)] sorted by name; kind: code / prose. And the source table for the README."""
     import sysconfig
     stdlib = sysconfig.get_paths()["stdlib"]
+    pip_dir = f"/usr/local/lib/python{sys.version_info[0]}.{sys.version_info[1]}/dist-packages"
     sources = [
         ("python-stdlib", stdlib, sorted(glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True)), "code"),
         ("python3-dist-packages", "/usr/lib/python3/dist-packages",
          sorted(glob.glob("/usr/lib/python3/dist-packages/**/*.py", recursive=True)), "code"),
+        ("python-pip-packages", pip_dir,
+         sorted(glob.glob(os.path.join(pip_dir, "**", "*.py"), recursive=True)), "code"),
         ("common-licenses", "/usr/share/common-licenses", sorted(glob.glob("/usr/share/common-licenses/*")), "prose"),
         ("man-pages", "/usr/share/man",
          sorted(p for s in ("1", "5", "7", "8") for p in glob.glob(f"/usr/share/man/man{s}/*.gz")), "prose"),
@@ -403,12 +410,16 @@ def train_model(args, tok, train_texts, heldout_texts, out_dir):
     t0 = time.time()
     step = 0
     while True:
-        if total is None and step == 20:  # the time budget fixes the step count after 20 timed steps
+        if total is None and step in (20, 60):  # the time budget fixes the step count: steps 21..60 timed
             if dev.type == "cuda":
                 torch.cuda.synchronize()
-            step_t = (time.time() - t0) / 20
-            total = max(200, 20 + int((args.train_seconds - (time.time() - t0)) / (step_t * 1.04)))
-            log(f"train: {step_t * 1000:.1f} ms a step: {total} steps in the {args.train_seconds} s budget")
+            if step == 20:
+                t20 = time.time()
+            else:
+                step_t = (time.time() - t20) / 40
+                # evaluations: ~2 steps' time each
+                total = max(200, 60 + int((args.train_seconds - (time.time() - t0)) / (step_t * (1 + 2 / args.eval_every))))
+                log(f"train: {step_t * 1000:.1f} ms a step: {total} steps in the {args.train_seconds} s budget")
         if total is not None and step >= total:
             break
         plan = total if total is not None else 10 ** 9

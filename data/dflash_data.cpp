@@ -4,6 +4,8 @@
 //   dflash_data validate data/               (a file, a directory of *.h5 or a glob pattern)
 //   dflash_data stats data/train.h5
 //   dflash_data dump data/train.h5 --first 10 --count 2   (JSONL rows, convert's input format)
+//   dflash_data prepare chat.jsonl --tokenizer /models/Qwen3-8B --out data/train.h5   (data/prepare.h)
+//   dflash_data dump data/train.h5 --text --tokenizer /models/Qwen3-8B   (decoded, supervised spans marked)
 //   dflash_data synth --out data/synth.h5 --sequences 2000 --min-len 64 --max-len 512 --vocab-size 1024
 //   dflash_data regenerate chat.h5 --model /models/Qwen3.6-27B --device cuda --out data/regen.h5 --max-new-tokens 2048
 //   mpirun -n 8 dflash_data regenerate chat.h5 --model DIR --device cuda --tp 2 --out data/regen.h5
@@ -28,6 +30,7 @@
 
 #include "comm/comm.h"
 #include "data/dataset.h"
+#include "data/prepare_cmd.h"
 #include "data/regenerate.h"
 #include "data/synth.h"
 #include "data/tokenize_cmd.h"
@@ -160,11 +163,17 @@ int main(int argc, char** argv) {
   regen->add_option("--compression", ropt.writer.compression, "deflate level 0..9 (0: none)")->capture_default_str();
 
   const TextCommands text_cmds(app);  // tokenize, detokenize (data/tokenize_cmd.h)
+  // prepare, dump --text (data/prepare_cmd.h)
+  const PrepareCommands prepare_cmds(app, &log_level, dump, &dump_files, &dump_first, &dump_count);
   std::unique_ptr<comm::MpiEnv> mpi;
   return run_app(app, argc, argv, [&]() -> int {
     if (text_cmds.parsed()) {
       init_logging(-1, log_level);
       return text_cmds.run();
+    }
+    if (prepare_cmds.parsed()) {
+      init_logging(-1, log_level);
+      return prepare_cmds.run();
     }
     if (*regen && (tp > 1 || env_rank() >= 0)) mpi = std::make_unique<comm::MpiEnv>(&argc, &argv);
     const int world = mpi ? mpi->size() : 1, rank = mpi ? mpi->rank() : 0;

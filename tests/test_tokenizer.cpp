@@ -94,6 +94,95 @@ void check_goldens(const Tokenizer& tok, const std::vector<Golden>& rows, bool r
 
 }  // namespace
 
+// encode_with_offsets on every golden text: the same ids as encode; ranges in bounds, on character
+// boundaries, in order; and, where `full`, every byte covered, overlaps only between tokens that
+// share one character (byte-level pieces of it), and each token's decoded bytes equal to its range
+// of the text where the normalizer left the text as it is.
+void check_offsets(const Tokenizer& tok, const std::vector<Golden>& rows, bool full) {
+  size_t checked = 0, shared = 0;
+  for (const auto& g : rows) {
+    const Tokenizer::Encoding e = tok.encode_with_offsets(g.text);
+    ASSERT_EQ(e.ids, tok.encode(g.text)) << g.name;
+    ASSERT_EQ(e.offsets.size(), e.ids.size()) << g.name;
+    const bool unchanged = tok.normalize(g.text) == g.text;
+    auto boundary = [&](size_t i) { return i == g.text.size() || (static_cast<unsigned char>(g.text[i]) & 0xC0) != 0x80; };
+    size_t covered = 0;  // bytes [0, covered) are covered by the tokens so far
+    for (size_t k = 0; k < e.ids.size(); ++k) {
+      const auto [b, en] = e.offsets[k];
+      ASSERT_LE(b, en) << g.name << " token " << k;
+      ASSERT_LE(en, g.text.size()) << g.name << " token " << k;
+      ASSERT_TRUE(boundary(b) && boundary(en)) << g.name << " token " << k << " [" << b << ", " << en << ") cuts a character";
+      if (k > 0) {
+        ASSERT_GE(b, e.offsets[k - 1].first) << g.name << " token " << k << " starts before the previous one";
+        ASSERT_GE(en, e.offsets[k - 1].second) << g.name << " token " << k << " ends before the previous one";
+      }
+      ++checked;
+      if (!full) continue;
+      ASSERT_LE(b, covered) << g.name << ": bytes [" << covered << ", " << b << ") belong to no token (token " << k << ")";
+      if (b < covered) {  // an overlap: within one character (byte pieces of it) or a normalized stretch
+        ++shared;
+        if (unchanged) {
+          size_t n;
+          decode_utf8(g.text, b, n);
+          ASSERT_TRUE(covered == b + n && en - b <= 4) << g.name << " token " << k << " overlaps the previous by more than one character";
+        }
+      } else if (unchanged && (k + 1 == e.ids.size() || e.offsets[k + 1].first >= en)) {
+        const std::string piece = tok.decode(std::vector<uint32_t>{e.ids[k]});
+        ASSERT_EQ(piece, g.text.substr(b, en - b)) << g.name << " token " << k;
+      }
+      covered = std::max(covered, en);
+    }
+    if (full) {
+      ASSERT_EQ(covered, g.text.size()) << g.name << ": the tail is covered by no token";
+    }
+  }
+  EXPECT_GT(checked, 1000u);
+  if (full) {
+    EXPECT_GT(shared, 0u) << "no golden has a character split into byte tokens: the shared-range rule went untested";
+  }
+}
+
+TEST(Tokenizer, OffsetsOnTheGoldens) {
+  const Tokenizer fast = Tokenizer::from_json(qwen3_json(), "qwen3");
+  check_offsets(fast, goldens("qwen3.jsonl"), true);
+  const Tokenizer onig = Tokenizer::from_json(qwen3_json(), "qwen3", {.fast_paths = false});
+  check_offsets(onig, goldens("qwen3.jsonl"), true);
+}
+
+TEST(Tokenizer, OffsetsOfSpecialTokensAndSplitCharacters) {
+  const Tokenizer tok = Tokenizer::from_json(qwen3_json(), "qwen3");
+  using Off = std::vector<std::pair<size_t, size_t>>;
+  {
+    const auto e = tok.encode_with_offsets("<|im_start|>user\nhi<|im_end|>\n");
+    EXPECT_EQ(e.ids, (std::vector<uint32_t>{151644, 872, 198, 6023, 151645, 198}));
+    EXPECT_EQ(e.offsets, (Off{{0, 12}, {12, 16}, {16, 17}, {17, 19}, {19, 29}, {29, 30}}));
+  }
+  {
+    // U+1D11E (musical G clef, 4 bytes) is not one token in Qwen3's vocab: its byte-level pieces
+    // each stand for the whole character, as HF reports them.
+    const std::string s = "a \xF0\x9D\x84\x9E b";
+    const auto e = tok.encode_with_offsets(s);
+    ASSERT_GE(e.ids.size(), 4u);
+    size_t in_char = 0;
+    for (const auto& o : e.offsets)
+      if (o.first <= 2 && o.second >= 6) ++in_char;
+    EXPECT_GE(in_char, 2u) << "the clef should be split into byte tokens, each with the range [2, 6)";
+    EXPECT_EQ(e.offsets.front(), (std::pair<size_t, size_t>{0, 1}));
+    EXPECT_EQ(e.offsets.back().second, s.size());
+  }
+  {
+    // NFC composes e + U+0301 into U+00E9: the tokens of the changed stretch get its input range.
+    const std::string s = "cafe\xCC\x81 ok";
+    const auto e = tok.encode_with_offsets(s);
+    EXPECT_EQ(e.ids, tok.encode(s));
+    EXPECT_EQ(e.offsets.back(), (std::pair<size_t, size_t>{6, 9}));
+    for (const auto& o : e.offsets) EXPECT_LE(o.second, s.size());
+    EXPECT_EQ(e.offsets.front().first, 0u);
+  }
+  EXPECT_THROW(tok.encode_with_offsets("ab\xC3("), Error);
+  EXPECT_TRUE(tok.encode_with_offsets("").ids.empty());
+}
+
 TEST(Tokenizer, Qwen3GoldensFastPath) {
   const Tokenizer tok = Tokenizer::from_json(qwen3_json(), "qwen3");
   EXPECT_TRUE(tok.uses_fast_path()) << tok.describe();
@@ -251,6 +340,7 @@ TEST(Tokenizer, FeatureVariantGoldens) {
                                  {"normalized", false}, {"special", false}});
     const Tokenizer tok = Tokenizer::from_json(c.dump(), "features_a");
     check_goldens(tok, goldens("features_a.jsonl"), true, 5000);
+    check_offsets(tok, goldens("features_a.jsonl"), false);  // it removes text (Split Removed): no coverage
   }
   {
     SCOPED_TRACE("features_b: ByteLevel with its GPT-2 regex, no normalizer, Split Removed + invert, single_word special token");

@@ -374,7 +374,8 @@ TEST(TrainConfig, InconsistentValues) {
   EXPECT_THAT(validate_error({"training.max_steps=null"}), HasSubstr("(neither is set)"));
   EXPECT_THAT(validate_error({"training.min_lr=1e-3"}), HasSubstr("training.min_lr (0.001) must be <= training.lr (6e-4)"));
   // Data: one source.
-  EXPECT_THAT(validate_error({"data.synth.enabled=false"}), HasSubstr("data.files is empty and data.synth.enabled is false"));
+  EXPECT_THAT(validate_error({"data.synth.enabled=false"}),
+              HasSubstr("data.files is empty, data.train is not set and data.synth.enabled is false"));
   EXPECT_THAT(validate_error({"data.files=[a.h5]", "data.synth.enabled=true"}),
               HasSubstr("data.files and data.synth.enabled: true are exclusive"));
   EXPECT_THAT(validate_error({"data.synth.min_length=300"}),
@@ -391,6 +392,75 @@ TEST(TrainConfig, InconsistentValues) {
   c = minimal();
   c.checkpoint.keep_last = 0;
   EXPECT_THAT(error_of([&] { c.validate(1); }), HasSubstr("checkpoint.keep_last must be a positive integer, got '0'"));
+}
+
+// data.train: a JSONL of conversations, the third source of data, with its tokenizer and prepare options.
+TEST(TrainConfig, TrainFromText) {
+  const TrainConfig d;
+  EXPECT_EQ(d.data.train, "");
+  EXPECT_EQ(d.data.prepare.think, "in");
+  EXPECT_FALSE(d.data.prepare.last_turn_only);
+  EXPECT_FALSE(d.data.prepare.enable_thinking.has_value());
+  EXPECT_EQ(d.prepare_path(), "runs/dflash/data/prepared.h5");
+  EXPECT_EQ(d.prepare_max_length(), 4096);  // data.max_length
+
+  const char* yaml = R"(
+model:
+  target: {path: /models/m}
+  drafter: {mask_token_id: 10}
+data:
+  train: chats.jsonl
+  max_length: 512
+  prepare: {think: out, last_turn_only: true, enable_thinking: false, max_length: 300, skip_bad: true}
+training: {max_steps: 10}
+)";
+  TrainConfig c = TrainConfig::from_string(yaml, "t.yaml");
+  EXPECT_NO_THROW(c.validate(1));
+  EXPECT_EQ(c.data.train, "chats.jsonl");
+  EXPECT_EQ(c.tokenizer_dir(), "/models/m");  // the target's directory
+  EXPECT_EQ(c.data.prepare.think, "out");
+  EXPECT_TRUE(c.data.prepare.last_turn_only);
+  EXPECT_EQ(c.data.prepare.enable_thinking, std::optional<bool>(false));
+  EXPECT_EQ(c.prepare_max_length(), 300);
+  EXPECT_TRUE(c.data.prepare.skip_bad);
+  EXPECT_EQ(TrainConfig::from_string(c.to_yaml(), "again.yaml"), c);
+  EXPECT_EQ(TrainConfig::from_string(yaml, "t.yaml", {"data.tokenizer=tok"}).tokenizer_dir(), "tok");
+  EXPECT_FALSE(TrainConfig::from_string(yaml, "t.yaml", {"data.prepare.enable_thinking=null"}).data.prepare.enable_thinking);
+  EXPECT_THAT(parse_error("data:\n  prepare: {think: maybe}\n"), HasSubstr("data.prepare.think must be one of in, out, got 'maybe'"));
+  EXPECT_THAT(parse_error("data:\n  prepare: {enable_thinking: 2}\n"),
+              HasSubstr("data.prepare.enable_thinking must be true, false or null (null = the chat template's default), got '2'"));
+
+  // One source of data.
+  EXPECT_THAT(error_of([&] { TrainConfig::from_string(yaml, "t.yaml", {"data.files=[a.h5]", "data.train=x.jsonl"}).validate(1); }),
+              HasSubstr("data.files and data.train are exclusive"));
+  EXPECT_THAT(validate_error({"data.train=x.jsonl", "data.synth.enabled=true", "data.tokenizer=tok"}),
+              HasSubstr("data.train and data.synth.enabled: true are exclusive"));
+  // A random-weights config.json target has no tokenizer: the message names both keys.
+  EXPECT_THAT(error_of([] { TrainConfig::embedded_default({"data.train=x.jsonl"}).validate(1); }),
+              HasSubstr("data.train needs a tokenizer: data.tokenizer is not set and model.target has no model directory"));
+  EXPECT_NO_THROW(TrainConfig::embedded_default({"data.train=x.jsonl", "data.tokenizer=tok"}).validate(1));
+
+  // --set data.train wins over the embedded default's synthetic corpus, and (configured for it) its regeneration.
+  const TrainConfig e = TrainConfig::embedded_default({"data.train=x.jsonl"});
+  EXPECT_FALSE(e.data.synth.enabled);
+  EXPECT_FALSE(e.data.regenerate.enabled);
+  EXPECT_EQ(e.origin("data.synth.enabled"), Origin::Implied);
+  EXPECT_EQ(e.origin("data.regenerate.enabled"), Origin::Implied);
+  EXPECT_TRUE(TrainConfig::embedded_default({"data.train=x.jsonl", "data.regenerate.enabled=true"}).data.regenerate.enabled);
+  EXPECT_TRUE(TrainConfig::embedded_default({"data.regenerate.enabled=true", "data.train=x.jsonl"}).data.regenerate.enabled);
+  // The other sources displace data.train, and a file's data.train keeps its regeneration only while it is the source.
+  const TrainConfig f = TrainConfig::from_string(
+      "model: {target: {path: /m}, drafter: {mask_token_id: 1}}\ndata: {train: a.jsonl, regenerate: {enabled: true}}\n"
+      "training: {max_steps: 1}\n", "r.yaml", {"data.files=[b.h5]"});
+  EXPECT_EQ(f.data.train, "");
+  EXPECT_EQ(f.origin("data.train"), Origin::Implied);
+  EXPECT_FALSE(f.data.regenerate.enabled);
+  EXPECT_NO_THROW(f.validate(1));
+  const TrainConfig g = TrainConfig::from_string(
+      "model: {target: {path: /m}, drafter: {mask_token_id: 1}}\ndata: {train: a.jsonl, regenerate: {enabled: true}}\n"
+      "training: {max_steps: 1}\n", "r.yaml", {"data.train=c.jsonl"});
+  EXPECT_TRUE(g.data.regenerate.enabled);
+  EXPECT_EQ(TrainConfig::from_string(yaml, "t.yaml", {"data.synth.enabled=true"}).data.train, "");
 }
 
 TEST(TrainConfig, InconsistentWithTheTarget) {

@@ -4,6 +4,7 @@
 #include <unicode/normalizer2.h>
 
 #include "core/error.h"
+#include "text/utf8.h"
 
 namespace dflash::text {
 
@@ -60,6 +61,29 @@ std::string Normalizer::apply(std::string_view s) const {
     cur = std::move(next);
   }
   return cur;
+}
+
+std::vector<size_t> Normalizer::boundaries(std::string_view s) const {
+  std::vector<size_t> out{0};
+  std::vector<const icu::Normalizer2*> ns;
+  for (Form f : forms_) {
+    UErrorCode status = U_ZERO_ERROR;
+    ns.push_back(f == Form::NFC ? icu::Normalizer2::getNFCInstance(status) : icu::Normalizer2::getNFKCInstance(status));
+    DFLASH_CHECK(U_SUCCESS(status), "ICU: no normalizer: " << u_errorName(status));
+  }
+  size_t i = 0;
+  while (i < s.size()) {
+    size_t n;
+    const uint32_t c = decode_utf8(s, i, n);
+    if (i > 0) {
+      bool all = true;
+      for (const icu::Normalizer2* nz : ns) all = all && nz->hasBoundaryBefore(static_cast<UChar32>(c));
+      if (all) out.push_back(i);
+    }
+    i += n;
+  }
+  if (s.size() > 0) out.push_back(s.size());
+  return out;
 }
 
 }  // namespace dflash::text

@@ -21,6 +21,11 @@ class Normalizer {
   // Applies the forms in order; s must be valid UTF-8. ASCII text is left as it is (it is stable
   // under both forms), so the common case costs one scan.
   std::string apply(std::string_view s) const;
+  // Byte offsets in s (valid UTF-8) where every form of the sequence has a normalization boundary
+  // (ICU hasBoundaryBefore), 0 and s.size() included: normalizing the pieces between them one by
+  // one gives the pieces of apply(s) (checked by the caller), so each normalized piece aligns with
+  // its original. ASCII stretches are cut at every character.
+  std::vector<size_t> boundaries(std::string_view s) const;
 
  private:
   std::vector<Form> forms_;

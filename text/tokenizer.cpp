@@ -82,6 +82,7 @@ std::string read_text(const std::string& path) {
 struct Piece {
   std::string_view text;
   int64_t token = -1;
+  size_t begin = 0, end = 0;  // a token's range in the searched string (its stripped whitespace included)
 };
 
 }  // namespace
@@ -103,10 +104,13 @@ struct Tokenizer::Impl {
   Matcher raw, norm;
   std::vector<std::string> id_to_string;  // decode: added content or vocab string per id
   std::vector<char> is_added;
+  // Bytes of input each id stands for when the model emits it (-1: not known, e.g. an unk token).
+  std::vector<int32_t> token_bytes;
   bool fast = false;
 
   void find_added(std::string_view s, const Matcher& m, std::vector<Piece>& out) const;
-  void encode_segment(std::string_view s, std::vector<uint32_t>& out) const;
+  // `offs` (optional) gets each token's byte range in s.
+  void encode_segment(std::string_view s, std::vector<uint32_t>& out, std::vector<Span>* offs = nullptr) const;
 };
 
 void Tokenizer::Impl::find_added(std::string_view s, const Matcher& m, std::vector<Piece>& out) const {
@@ -162,24 +166,27 @@ void Tokenizer::Impl::find_added(std::string_view s, const Matcher& m, std::vect
       }
     }
     if (start_offset < start) out.push_back({s.substr(start_offset, start - start_offset), -1});
-    out.push_back({std::string_view(), static_cast<int64_t>(hit->id)});
+    out.push_back({std::string_view(), static_cast<int64_t>(hit->id), start, stop});
     start_offset = stop;
   }
   if (start_offset < s.size()) out.push_back({s.substr(start_offset), -1});
 }
 
 // Pre-tokenizer steps and the model over one normalized stretch of text without added tokens.
-void Tokenizer::Impl::encode_segment(std::string_view s, std::vector<uint32_t>& out) const {
+void Tokenizer::Impl::encode_segment(std::string_view s, std::vector<uint32_t>& out, std::vector<Span>* offs) const {
   thread_local std::vector<std::string_view> pieces, next;
   thread_local std::vector<Span> matches;
   thread_local std::vector<std::pair<Span, bool>> marked;
   thread_local std::deque<std::string> made;  // storage of pieces a step creates (prefix space)
+  thread_local std::vector<size_t> made_base;  // where each made piece's text (after its space) starts in s
   made.clear();
+  made_base.clear();
   pieces.assign(1, s);
   for (const Step& st : steps) {
     next.clear();
     for (std::string_view piece : pieces) {
       if (st.prefix_space && (piece.empty() || piece[0] != ' ')) {
+        made_base.push_back(piece.data() >= s.data() && piece.data() <= s.data() + s.size() ? static_cast<size_t>(piece.data() - s.data()) : 0);
         made.emplace_back(" ");
         made.back().append(piece);
         piece = made.back();
@@ -250,8 +257,54 @@ void Tokenizer::Impl::encode_segment(std::string_view s, std::vector<uint32_t>& 
     }
     std::swap(pieces, next);
   }
-  for (std::string_view piece : pieces)
-    if (!piece.empty()) bpe->encode_word(piece, out);
+  if (offs == nullptr) {
+    for (std::string_view piece : pieces)
+      if (!piece.empty()) bpe->encode_word(piece, out);
+    return;
+  }
+  // Where a piece starts in s: a view into s, or into a piece the prefix-space step made (" " +
+  // a view of s; its leading space is `pre` = 1 byte that is not in s).
+  auto locate = [&](std::string_view piece, size_t& lo, size_t& pre) {
+    const char* p = piece.data();
+    lo = 0, pre = 0;
+    if (p >= s.data() && p <= s.data() + s.size()) {
+      lo = static_cast<size_t>(p - s.data());
+      return;
+    }
+    for (size_t m = 0; m < made.size(); ++m)
+      if (p >= made[m].data() && p <= made[m].data() + made[m].size()) {
+        const size_t k = static_cast<size_t>(p - made[m].data());
+        pre = k == 0 ? 1 : 0;
+        lo = made_base[m] + (k == 0 ? 0 : k - 1);
+        return;
+      }
+  };
+  for (std::string_view piece : pieces) {
+    if (piece.empty()) continue;
+    const size_t first = out.size();
+    bpe->encode_word(piece, out);
+    size_t lo, pre;
+    locate(piece, lo, pre);
+    // Each token's bytes from the vocab; where they do not add up to the piece (an unk token), every
+    // token of the piece gets the whole piece.
+    size_t at = 0;
+    bool known = true;
+    for (size_t k = first; k < out.size() && known; ++k) {
+      known = token_bytes[out[k]] >= 0;
+      if (known) at += static_cast<size_t>(token_bytes[out[k]]);
+    }
+    known = known && at == piece.size();
+    at = 0;
+    for (size_t k = first; k < out.size(); ++k) {
+      if (!known) {
+        offs->push_back({lo, lo + piece.size() - pre});
+        continue;
+      }
+      const size_t a = at, b = at + static_cast<size_t>(token_bytes[out[k]]);
+      at = b;
+      offs->push_back({lo + (a < pre ? 0 : a - pre), lo + (b < pre ? 0 : b - pre)});
+    }
+  }
 }
 
 Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -413,6 +466,23 @@ Tokenizer Tokenizer::from_json(const std::string& text, const std::string& origi
       for (auto& v : m->by_first)
         std::stable_sort(v.begin(), v.end(), [&](uint32_t a, uint32_t b) { return m->pattern[a].size() > m->pattern[b].size(); });
 
+    impl->token_bytes.assign(n_ids, -1);
+    for (size_t i = 0; i < impl->bpe->id_to_token().size(); ++i) {
+      const std::string& t = impl->bpe->id_to_token()[i];
+      if (t.empty()) continue;
+      if (!impl->byte_level) {  // raw text, or a byte-fallback <0xXX> token
+        const bool fallback = t.size() == 6 && t.compare(0, 3, "<0x") == 0 && t[5] == '>';
+        impl->token_bytes[i] = fallback ? 1 : static_cast<int32_t>(t.size());
+        continue;
+      }
+      int32_t n = 0;
+      for (size_t k = 0; k < t.size() && n >= 0;) {  // every character a byte image
+        size_t len;
+        n = char_to_byte(decode_utf8(t, k, len)) < 0 ? -1 : n + 1;
+        k += len;
+      }
+      impl->token_bytes[i] = n;
+    }
     impl->id_to_string.assign(n_ids, std::string());
     impl->is_added.assign(n_ids, 0);
     const auto& vt = impl->bpe->id_to_token();
@@ -453,6 +523,77 @@ void Tokenizer::encode(std::string_view text, std::vector<uint32_t>& out) const 
       else im.encode_segment(q.text, out);
     }
   }
+}
+
+Tokenizer::Encoding Tokenizer::encode_with_offsets(std::string_view text) const {
+  check_utf8(text, "text to encode");
+  const Impl& im = *impl_;
+  Encoding enc;
+  std::vector<Piece> outer, inner;
+  std::vector<Span> seg_offs, align;  // align: per byte of a normalized segment, its range in text
+  im.find_added(text, im.raw, outer);
+  for (const Piece& p : outer) {
+    if (p.token >= 0) {
+      enc.ids.push_back(static_cast<uint32_t>(p.token));
+      enc.offsets.push_back({p.begin, p.end});
+      continue;
+    }
+    const size_t base = static_cast<size_t>(p.text.data() - text.data());
+    std::string normalized;
+    std::string_view seg = p.text;
+    bool identity = true;
+    if (!im.normalizer.empty()) {
+      normalized = im.normalizer.apply(p.text);
+      if (normalized != p.text) {
+        seg = normalized;
+        identity = false;
+        // Normalize between boundaries, piece by piece: an unchanged piece maps byte for byte, a
+        // changed one maps each of its bytes to the whole original piece. Should the pieces not add
+        // up to the whole (they do for NFC and NFKC), every byte maps to the whole segment.
+        align.clear();
+        std::string joined;
+        const std::vector<size_t> cuts = im.normalizer.boundaries(p.text);
+        for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+          const std::string_view orig = p.text.substr(cuts[c], cuts[c + 1] - cuts[c]);
+          const std::string part = im.normalizer.apply(orig);
+          joined += part;
+          for (size_t k = 0; k < part.size(); ++k)
+            align.push_back(part == orig ? Span{base + cuts[c] + k, base + cuts[c] + k + 1}
+                                         : Span{base + cuts[c], base + cuts[c + 1]});
+        }
+        if (joined != normalized) align.assign(normalized.size(), Span{base, base + p.text.size()});
+      }
+    }
+    // A token of no bytes of the segment (the space a ByteLevel prefix step added) takes the range
+    // of the character after it, as HF aligns a prepended character.
+    auto map = [&](size_t a, size_t b) -> Span {
+      if (a >= b && a < seg.size()) b = a + 1;
+      if (identity) return {base + a, base + b};
+      if (a >= b) return {base + p.text.size(), base + p.text.size()};
+      return {align[a].first, align[b - 1].second};
+    };
+    inner.clear();
+    im.find_added(seg, im.norm, inner);
+    for (const Piece& q : inner) {
+      if (q.token >= 0) {
+        enc.ids.push_back(static_cast<uint32_t>(q.token));
+        enc.offsets.push_back(map(q.begin, q.end));
+        continue;
+      }
+      const size_t qoff = static_cast<size_t>(q.text.data() - seg.data());
+      seg_offs.clear();
+      im.encode_segment(q.text, enc.ids, &seg_offs);
+      for (const Span& o : seg_offs) enc.offsets.push_back(map(qoff + o.first, qoff + o.second));
+    }
+  }
+  DFLASH_CHECK(enc.ids.size() == enc.offsets.size(), "encode_with_offsets: " << enc.ids.size() << " ids but " << enc.offsets.size() << " offsets");
+  // A token holding part of a character's bytes stands for the whole character (HF's byte-level alignments).
+  auto cont = [&](size_t i) { return i < text.size() && (static_cast<unsigned char>(text[i]) & 0xC0) == 0x80; };
+  for (auto& [b, e] : enc.offsets) {
+    while (b > 0 && cont(b)) --b;
+    while (cont(e)) ++e;
+  }
+  return enc;
 }
 
 std::vector<uint32_t> Tokenizer::encode(std::string_view text) const {

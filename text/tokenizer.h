@@ -55,6 +55,18 @@ class Tokenizer {
   // Thread-safe (one Tokenizer serves every thread).
   std::vector<uint32_t> encode(std::string_view text) const;
   void encode(std::string_view text, std::vector<uint32_t>& out) const;  // appends
+  // encode() plus where each token comes from: offsets[k] = [begin, end) byte range of `text`
+  // that token k stands for, as Hugging Face's offsets (in bytes, not chars): consecutive, in
+  // order, together covering the text. A token made of some of the bytes of one character (a
+  // byte-level piece of an emoji, say) gets that character's whole range, so two such tokens share
+  // it. An added token's range includes the whitespace its lstrip / rstrip took. Where the
+  // normalizer changed the text, every token within a changed stretch (between normalization
+  // boundaries) gets that stretch's range in the input.
+  struct Encoding {
+    std::vector<uint32_t> ids;
+    std::vector<std::pair<size_t, size_t>> offsets;
+  };
+  Encoding encode_with_offsets(std::string_view text) const;
   // Throws naming the first id that is neither in the vocab nor an added token.
   std::string decode(std::span<const uint32_t> ids) const;
 

@@ -209,6 +209,22 @@ Field bool_field(std::string key, Get get) {
           [=](const TrainConfig& c) { return show(get(c)); }};
 }
 
+// true, false or null (unset: the default of whatever reads it).
+template <class Get>
+Field opt_bool_field(std::string key, std::string what, Get get) {
+  return {std::move(key), "true, false or null (" + what + ")",
+          [=](TrainConfig& c, const YAML::Node& n) {
+            if (n.IsNull()) {
+              get(c).reset();
+              return;
+            }
+            auto v = to_bool(n);
+            if (!v) throw BadValue{};
+            get(c) = *v;
+          },
+          [=](const TrainConfig& c) { return get(c) ? show(*get(c)) : std::string("null"); }};
+}
+
 template <class Get>
 Field string_field(std::string key, std::string what, bool allow_empty, Get get) {
   return {std::move(key), std::move(what),
@@ -313,6 +329,11 @@ const std::vector<Field>& schema() {
                               DFLASH_MEMBER(model.drafter.intermediate_size)));
     f.push_back(list_field("data.files", "a list of HDF5 files or globs (strings)", true, 0, string_item,
                            DFLASH_MEMBER(data.files)));
+    f.push_back(string_field("data.train", "a JSONL file of conversations (a string; \"\" = none)", true,
+                             DFLASH_MEMBER(data.train)));
+    f.push_back(string_field("data.tokenizer",
+                             "a tokenizer directory (a string; \"\" = the target's model directory, model.target.path)", true,
+                             DFLASH_MEMBER(data.tokenizer)));
     f.push_back(int_field("data.max_length", 2, DFLASH_MEMBER(data.max_length)));
     f.push_back(bool_field("data.synth.enabled", DFLASH_MEMBER(data.synth.enabled)));
     f.push_back(string_field("data.synth.path", "an HDF5 file path (a string; \"\" = <run_dir>/data/synth.h5)", true,
@@ -322,6 +343,14 @@ const std::vector<Field>& schema() {
     f.push_back(int_field("data.synth.max_length", 2, DFLASH_MEMBER(data.synth.max_length)));
     f.push_back(int_field("data.synth.seed", 0, DFLASH_MEMBER(data.synth.seed)));
     f.push_back(int_field("data.synth.vocab_size", 0, DFLASH_MEMBER(data.synth.vocab_size)));
+    f.push_back(string_field("data.prepare.path", "an HDF5 file path (a string; \"\" = <run_dir>/data/prepared.h5)", true,
+                             DFLASH_MEMBER(data.prepare.path)));
+    f.push_back(enum_field<std::string>("data.prepare.think", {{"in", "in"}, {"out", "out"}}, DFLASH_MEMBER(data.prepare.think)));
+    f.push_back(bool_field("data.prepare.last_turn_only", DFLASH_MEMBER(data.prepare.last_turn_only)));
+    f.push_back(opt_bool_field("data.prepare.enable_thinking", "null = the chat template's default",
+                               DFLASH_MEMBER(data.prepare.enable_thinking)));
+    f.push_back(int_field("data.prepare.max_length", 0, DFLASH_MEMBER(data.prepare.max_length)));
+    f.push_back(bool_field("data.prepare.skip_bad", DFLASH_MEMBER(data.prepare.skip_bad)));
     f.push_back(bool_field("data.regenerate.enabled", DFLASH_MEMBER(data.regenerate.enabled)));
     f.push_back(string_field("data.regenerate.path",
                              "an HDF5 file path (a string; \"\" = <run_dir>/data/regenerated.h5)", true,
@@ -512,7 +541,7 @@ TrainConfig TrainConfig::from_string(const std::string& yaml, const std::string&
                       "valid top-level sections: " << join(children("")));
     load_section(c, root, "", source, c.origins_);
   }
-  c.file_synth_ = c.data.synth.enabled;
+  c.file_source_ = !c.data.train.empty() ? DataSource::Train : c.data.synth.enabled ? DataSource::Synth : DataSource::Files;
   for (const std::string& o : overrides) c.apply_override(o);
   return c;
 }
@@ -591,10 +620,16 @@ void TrainConfig::resolve_alternatives(const std::string& key, const std::string
     displace("model.drafter.config", "\"\"");
   } else if (key == "data.files" && !data.files.empty()) {
     displace("data.synth.enabled", "false");
-    if (file_synth_) displace("data.regenerate.enabled", "false");
+    displace("data.train", "\"\"");
+    if (file_source_ != DataSource::Files) displace("data.regenerate.enabled", "false");
   } else if (key == "data.synth.enabled" && data.synth.enabled) {
     displace("data.files", "[]");
-    if (!file_synth_) displace("data.regenerate.enabled", "false");
+    displace("data.train", "\"\"");
+    if (file_source_ != DataSource::Synth) displace("data.regenerate.enabled", "false");
+  } else if (key == "data.train" && !data.train.empty()) {
+    displace("data.files", "[]");
+    displace("data.synth.enabled", "false");
+    if (file_source_ != DataSource::Train) displace("data.regenerate.enabled", "false");
   } else if (key == "training.epochs" && training.epochs) {
     displace("training.max_steps", "null");
   } else if (key == "training.max_steps" && training.max_steps) {
@@ -661,11 +696,25 @@ void TrainConfig::validate(int world_size) const {
                    << d.block_size << ") so that one anchor block fits in a sequence");
   }
 
-  DFLASH_REQUIRE_HINT(!data.files.empty() || data.synth.enabled,
-                    s << ": data.files is empty and data.synth.enabled is false; there is nothing to train on",
-                    "list HDF5 token files (dflash_data convert makes them) or set data.synth.enabled: true");
+  DFLASH_REQUIRE_HINT(!data.files.empty() || data.synth.enabled || !data.train.empty(),
+                    s << ": data.files is empty, data.train is not set and data.synth.enabled is false; there is nothing "
+                         "to train on",
+                    "list HDF5 token files (dflash_data convert / prepare make them), name a JSONL of conversations as "
+                    "data.train, or set data.synth.enabled: true");
   DFLASH_REQUIRE(data.files.empty() || !data.synth.enabled,
                s << ": data.files and data.synth.enabled: true are exclusive; use one source of data");
+  DFLASH_REQUIRE(data.files.empty() || data.train.empty(),
+               s << ": data.files and data.train are exclusive; use one source of data (data.train is prepared into "
+                    "token files itself)");
+  DFLASH_REQUIRE(!data.synth.enabled || data.train.empty(),
+               s << ": data.train and data.synth.enabled: true are exclusive; use one source of data");
+  if (!data.train.empty())
+    DFLASH_REQUIRE_HINT(!tokenizer_dir().empty(),
+                      s << ": data.train needs a tokenizer: data.tokenizer is not set and model.target has no model "
+                           "directory to read one from (model.target.path is not set: the target is a config.json with "
+                           "random weights)",
+                      "set data.tokenizer to a directory holding the target's tokenizer.json and tokenizer_config.json, "
+                      "or model.target.path to a Hugging Face model directory");
   DFLASH_REQUIRE(data.synth.min_length <= data.synth.max_length,
                s << ": data.synth.min_length (" << data.synth.min_length << ") must be <= data.synth.max_length ("
                  << data.synth.max_length << ")");
@@ -827,6 +876,17 @@ std::string TrainConfig::synth_path() const {
 std::string TrainConfig::regenerate_path() const {
   return data.regenerate.path.empty() ? (std::filesystem::path(logging.run_dir) / "data" / "regenerated.h5").string()
                                       : data.regenerate.path;
+}
+
+std::string TrainConfig::prepare_path() const {
+  return data.prepare.path.empty() ? (std::filesystem::path(logging.run_dir) / "data" / "prepared.h5").string()
+                                   : data.prepare.path;
+}
+
+std::string TrainConfig::tokenizer_dir() const { return !data.tokenizer.empty() ? data.tokenizer : model.target.path; }
+
+int64_t TrainConfig::prepare_max_length() const {
+  return data.prepare.max_length > 0 ? data.prepare.max_length : data.max_length;
 }
 
 std::vector<std::string> TrainConfig::expand_data_files() const {

@@ -68,6 +68,19 @@ struct SynthSection {  // data.synth: a synthetic corpus made on first use (dfla
   bool operator==(const SynthSection&) const = default;
 };
 
+// data.prepare: how data.train (a JSONL of conversations) becomes token ids and loss masks (dflash_data
+// prepare, data/prepare.h) on first use. The result is reused while the input, the tokenizer, its chat
+// template and these options are unchanged (a key file beside it records them); a change prepares again.
+struct PrepareSection {
+  std::string path;             // "" = <logging.run_dir>/data/prepared.h5
+  std::string think = "in";     // in | out: the <think>...</think> block inside or outside the loss
+  bool last_turn_only = false;  // supervise only the last assistant message of each row
+  std::optional<bool> enable_thinking;  // passed to the chat template; null = the template's default
+  int64_t max_length = 0;       // longer rows are truncated to it and counted; 0 = data.max_length
+  bool skip_bad = false;        // bad rows are counted and reported instead of stopping the run
+  bool operator==(const PrepareSection&) const = default;
+};
+
 // data.regenerate: the responses of the training data replaced by the target's own before training
 // (dflash_data regenerate, data/regenerate.h), made on first use and reused after (a file made with
 // other settings is refused, naming the difference).
@@ -87,8 +100,11 @@ struct RegenerateSection {
 
 struct DataSection {
   std::vector<std::string> files;  // HDF5 dflash.tokens.v1 files; entries may be globs ("shards/*.h5")
+  std::string train;               // a JSONL of conversations (messages / conversations / text rows), prepared on first use
+  std::string tokenizer;           // data.train's tokenizer directory; "" = model.target.path
   int64_t max_length = 4096;       // tokens per sequence after truncation/packing
   SynthSection synth;
+  PrepareSection prepare;
   RegenerateSection regenerate;
   bool operator==(const DataSection&) const = default;
 };
@@ -187,16 +203,16 @@ class TrainConfig {
   // unsets an optional key (training.epochs / training.max_steps).
   // What is --set wins over the alternatives the file (or the defaults) chose, unless those are --set
   // too: model.target.path resets model.target.config and random_weights (a config.json the reverse,
-  // with random weights); data.files turns data.synth off and data.synth.enabled: true empties
-  // data.files, and either switch of the file's source of data turns the file's data.regenerate off
-  // (the embedded default's regenerates synthetic prompts);
+  // with random weights); the three sources of data exclude each other: data.files, data.synth.enabled:
+  // true and data.train each reset the other two, and a switch away from the file's source of data
+  // turns the file's data.regenerate off (the embedded default's regenerates synthetic prompts);
   // training.epochs and max_steps, model.drafter.config and warm_start replace each other. Each reset
   // is listed in notes() and shown as "implied" in the settings table.
   void apply_override(const std::string& assignment);
   const std::vector<std::string>& notes() const { return notes_; }
 
   // Relations between values: target/drafter sources, epochs vs max_steps, min_lr vs lr, data
-  // files vs synth, kernel policies vs require_fast_path, and tp dividing `world_size`. Also re-checks
+  // files vs synth vs train (and data.train's tokenizer), kernel policies vs require_fast_path, and tp dividing `world_size`. Also re-checks
   // every value's range (for configs changed in code).
   void validate(int world_size) const;
   // What needs the target's config.json: tp divides its heads, target_layer_ids within its
@@ -211,6 +227,11 @@ class TrainConfig {
   std::string checkpoint_dir() const;  // checkpoint.dir or <run_dir>/checkpoints
   std::string synth_path() const;      // data.synth.path or <run_dir>/data/synth.h5
   std::string regenerate_path() const; // data.regenerate.path or <run_dir>/data/regenerated.h5
+  std::string prepare_path() const;    // data.prepare.path or <run_dir>/data/prepared.h5
+  // data.train's tokenizer: data.tokenizer, else the target's model directory ("" when neither:
+  // validate() refuses that).
+  std::string tokenizer_dir() const;
+  int64_t prepare_max_length() const;  // data.prepare.max_length or data.max_length
   // data.files with globs expanded (sorted, duplicates removed); throws when a pattern matches nothing.
   std::vector<std::string> expand_data_files() const;
 
@@ -229,7 +250,10 @@ class TrainConfig {
   void resolve_alternatives(const std::string& key, const std::string& where);
   std::map<std::string, Origin> origins_;
   std::vector<std::string> notes_;  // "--set data.files=x.h5: data.synth.enabled = false instead of true (from ...)"
-  bool file_synth_ = false;  // the file's source of data is data.synth (not data.files)
+  // The file's source of data (data.files, data.synth or data.train): a --set that switches to
+  // another one turns the file's data.regenerate off.
+  enum class DataSource { Files, Synth, Train };
+  DataSource file_source_ = DataSource::Files;
 };
 
 }  // namespace dflash::trainer

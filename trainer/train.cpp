@@ -3,7 +3,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
@@ -11,8 +13,10 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -36,6 +40,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/metrics.h"
 #include "trainer/optimizer.h"
+#include "trainer/prepared_data.h"
 
 namespace fs = std::filesystem;
 
@@ -203,7 +208,8 @@ void make_groups(Run& r) {
   r.run_dir = cfg.logging.run_dir;
   r.ckpt_dir = cfg.checkpoint_dir();
   // Data files named by the config must exist (checked before anything is written).
-  if (!cfg.data.synth.enabled) r.files = cfg.expand_data_files();
+  if (!cfg.data.train.empty()) check_train_text(cfg);
+  else if (!cfg.data.synth.enabled) r.files = cfg.expand_data_files();
   if (r.world > 1) {
     r.g.world = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, 0, r.rank, Device::cpu(), cfg.parallel.timeout_s, "world");
     if (r.layout.tp_size > 1)
@@ -322,6 +328,49 @@ void make_synthetic_corpus(Run& r) {
     data::write_synth(sp.string(), so);
   });
   r.files = {sp.string()};
+}
+
+// data.train: the JSONL of conversations prepared by rank 0 on first use (trainer/prepared_data.h:
+// reused while its key matches), the other ranks waiting for it. Preparing a large corpus may take
+// longer than parallel.timeout_s, so rank 0 prepares on a thread and every rank meets it in a short
+// all-reduce each second until it is done (no collective waits long); its error, if any, is then
+// every rank's (Group::agree).
+void prepare_text(Run& r) {
+  const TrainConfig& cfg = r.cfg;
+  std::exception_ptr failed;
+  std::atomic<bool> done{false};
+  std::mutex mu;
+  std::condition_variable cv;
+  std::thread worker;
+  if (r.rank == 0)
+    worker = std::thread([&] {
+      try {
+        spdlog::info("data: checking the prepared data of {} ({})", cfg.data.train, cfg.prepare_path());
+        const PreparedText p = prepare_train_text(cfg);
+        spdlog::info("data: {}", p.log);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      done = true;
+      cv.notify_all();
+    });
+  if (r.g.world) {
+    for (;;) {
+      if (r.rank == 0) {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait_for(lock, std::chrono::seconds(1), [&] { return done.load(); });
+      }
+      std::vector<double> flag{r.rank == 0 && done ? 1.0 : 0.0};
+      r.g.sum(flag);
+      if (flag[0] > 0) break;
+    }
+  }
+  if (worker.joinable()) worker.join();
+  r.g.agree([&] {
+    if (failed) std::rethrow_exception(failed);
+  });
+  r.files = {cfg.prepare_path()};
 }
 
 // data.regenerate: the prompts of the data get the target's own responses, made on first use (a
@@ -647,6 +696,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   r.g.agree([&] { r.resume = find_resume_point(cfg, r.ckpt_dir, world, r.layout.tp_size, r.layout.tp_group); });
   log_start(r);
   if (cfg.data.synth.enabled) make_synthetic_corpus(r);
+  if (!cfg.data.train.empty()) prepare_text(r);
   r.device = cfg.parallel.device;  // (cuda was checked to be available by check_config)
   if (r.device == Backend::Auto) r.device = cuda_backend_available(ropt.local_size, nullptr) ? Backend::Cuda : Backend::Cpu;
   if (cfg.data.regenerate.enabled) regenerate_responses(r);

@@ -220,7 +220,7 @@ def functions_of(name, text):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         doc = ast.get_docstring(node)
-        if not doc or not (20 <= len(doc) <= 800) or node.name.startswith("__"):
+        if not doc or not (20 <= len(doc) <= 400) or node.name.startswith("__"):
             continue
         try:
             args = ast.unparse(node.args)

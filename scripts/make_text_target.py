@@ -287,7 +287,10 @@ def make_examples_and_prompts(docs, seed):
     by_kind = {k: [p for p in ho if p["kind"] == k] for k in ("chat", "code", "prose")}
     want = {"chat": 48, "code": 48, "prose": 32}
     prompts["heldout"] = [p for k in ("chat", "code", "prose") for p in by_kind[k][:want[k]]]
-    rng.shuffle(prompts["heldout"])
+    # Both lists: the chat rows first (dflash_data prepare makes them prompts for regeneration; the
+    # first N of a list are N chat prompts), then code, then prose, each in shuffled order.
+    order = {"chat": 0, "code": 1, "prose": 2}
+    prompts["train"].sort(key=lambda p: order[p["kind"]])
     train_docs = {p["doc"] for p in prompts["train"]}
     assert not train_docs & {p["doc"] for p in prompts["heldout"]}, "prompt lists share a document"
     return chats, prompts
@@ -594,7 +597,8 @@ def write_readme(out_dir, args, table, info, counts, samples, versions):
           f"held-out {info['last'][4]:.4f}. Every evaluation: train_log.csv.", "",
           "## Prompts", "",
           f"prompts_train.jsonl ({counts['prompts_train']} rows) and prompts_heldout.jsonl ({counts['prompts_heldout']} rows:"
-          " 48 chat, 48 code, 32 prose where there are that many) come from disjoint documents (`doc`).",
+          " 48 chat, 48 code, 32 prose where there are that many) come from disjoint documents (`doc`); in each, the"
+          " chat rows come first, then code, then prose.",
           "Kinds: `chat` ({\"messages\": [user turn]}), `code` ({\"text\": a function's def line(s) and docstring}),"
           " `prose` ({\"text\": the opening of a paragraph}).", "", "## Greedy samples (held-out prompts)", ""]
     for kind, prompt, out in samples:

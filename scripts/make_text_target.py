@@ -9,10 +9,10 @@ on the CPU (--device cpu: the same steps, slower). Everything comes from what sh
                 docstrings and comments, the bulk of the corpus and what the chat examples are made of;
               - the Debian-packaged Python modules (/usr/lib/python3/dist-packages/**/*.py): more code
                 of the same kind, from the distribution itself;
-              - the Python packages installed on that machine with pip (/usr/local/lib/python3.X/
-                dist-packages/**/*.py: torch, transformers, numpy, ...; a subset of 32 MB in the order
-                of sha256(path)): the image's own, so the corpus is what that machine has; without
-                them the distribution's code is 18 MB, too little for fewer passes;
+              - with --pip-packages (not used for the committed checkpoint), also the Python packages
+                installed on that machine with pip (/usr/local/lib/python3.X/dist-packages/**/*.py:
+                torch, transformers, numpy, ...; 32 MB at most, in the order of sha256(path)): the
+                distribution's own code is 18 MB there, which a longer training passes over many times;
               - the license texts (/usr/share/common-licenses): long, regular English prose;
               - the man pages (/usr/share/man/man{1,5,7,8}, groff with the markup stripped): prose about
                 commands, the "prose" prompts beside the licenses;
@@ -83,6 +83,7 @@ EOT, IM_START, IM_END, THINK, END_THINK, MASK = range(BPE_VOCAB, VOCAB)
 MAX_FILE = 256 << 10
 MIN_FILE = 200
 HELDOUT_MOD = 16
+MAX_DOCSTRING = 800  # --max-docstring: the longest docstring of a chat example / prompt
 # Bytes taken from each source at most (the corpus stays a few minutes' training on one GPU).
 CAPS = {"python-stdlib": 40e6, "python3-dist-packages": 16e6, "python-pip-packages": 32e6, "common-licenses": 4e6, "man-pages": 16e6,
         "usr-share-doc": 8e6}
@@ -147,7 +148,7 @@ def degroff(src):
     return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
 
-def collect_corpus():
+def collect_corpus(pip=False):
     """[(name, kind, text)] sorted by name; kind: code / prose. And the source table for the README."""
     import sysconfig
     stdlib = sysconfig.get_paths()["stdlib"]
@@ -157,7 +158,7 @@ def collect_corpus():
         ("python3-dist-packages", "/usr/lib/python3/dist-packages",
          sorted(glob.glob("/usr/lib/python3/dist-packages/**/*.py", recursive=True)), "code"),
         ("python-pip-packages", pip_dir,
-         sorted(glob.glob(os.path.join(pip_dir, "**", "*.py"), recursive=True)), "code"),
+         sorted(glob.glob(os.path.join(pip_dir, "**", "*.py"), recursive=True)) if pip else [], "code"),
         ("common-licenses", "/usr/share/common-licenses", sorted(glob.glob("/usr/share/common-licenses/*")), "prose"),
         ("man-pages", "/usr/share/man",
          sorted(p for s in ("1", "5", "7", "8") for p in glob.glob(f"/usr/share/man/man{s}/*.gz")), "prose"),
@@ -167,12 +168,8 @@ def collect_corpus():
     ]
     docs, seen, table = [], set(), []
     for label, base, paths, kind in sources:
-        kept = nbytes = 0
-        cap = CAPS[label]
-        # Files in the order of sha256(path) until the source's cap: a uniform, deterministic subset.
-        for p in sorted(paths, key=lambda q: hashlib.sha256(q.encode()).hexdigest()):
-            if nbytes >= cap:
-                break
+        mine = []
+        for p in paths:  # sorted: the first of exact duplicates is kept
             if not os.path.isfile(p) or os.path.islink(p):
                 continue
             if label == "python-stdlib" and ("site-packages" in p or "dist-packages" in p):
@@ -189,12 +186,21 @@ def collect_corpus():
             if h in seen:
                 continue
             seen.add(h)
-            name = f"{label}/{os.path.relpath(p, base)}"
-            docs.append((name, kind, text))
-            kept += 1
-            nbytes += len(text.encode())
-        table.append((label, base, len(paths), kept, nbytes))
-        log(f"corpus: {label} ({base}): {kept} of {len(paths)} files, {nbytes / 1e6:.2f} MB (cap {cap / 1e6:.0f} MB)")
+            mine.append((f"{label}/{os.path.relpath(p, base)}", kind, text))
+        cap = CAPS[label]
+        if sum(len(d[2].encode()) for d in mine) > cap:  # a uniform, deterministic subset: by sha256(name)
+            mine.sort(key=lambda d: hashlib.sha256(d[0].encode()).hexdigest())
+            keep, n = [], 0
+            for d in mine:
+                if n >= cap:
+                    break
+                keep.append(d)
+                n += len(d[2].encode())
+            mine = keep
+        nbytes = sum(len(d[2].encode()) for d in mine)
+        docs += mine
+        table.append((label, base, len(paths), len(mine), nbytes))
+        log(f"corpus: {label} ({base}): {len(mine)} of {len(paths)} files, {nbytes / 1e6:.2f} MB (cap {cap / 1e6:.0f} MB)")
     docs.sort(key=lambda d: d[0])
     return docs, table
 
@@ -220,7 +226,7 @@ def functions_of(name, text):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         doc = ast.get_docstring(node)
-        if not doc or not (20 <= len(doc) <= 400) or node.name.startswith("__"):
+        if not doc or not (20 <= len(doc) <= MAX_DOCSTRING) or node.name.startswith("__"):
             continue
         try:
             args = ast.unparse(node.args)
@@ -287,10 +293,12 @@ def make_examples_and_prompts(docs, seed):
     by_kind = {k: [p for p in ho if p["kind"] == k] for k in ("chat", "code", "prose")}
     want = {"chat": 48, "code": 48, "prose": 32}
     prompts["heldout"] = [p for k in ("chat", "code", "prose") for p in by_kind[k][:want[k]]]
+    rng.shuffle(prompts["heldout"])
     # Both lists: the chat rows first (dflash_data prepare makes them prompts for regeneration; the
     # first N of a list are N chat prompts), then code, then prose, each in shuffled order.
     order = {"chat": 0, "code": 1, "prose": 2}
-    prompts["train"].sort(key=lambda p: order[p["kind"]])
+    for split in prompts:
+        prompts[split].sort(key=lambda p: order[p["kind"]])
     train_docs = {p["doc"] for p in prompts["train"]}
     assert not train_docs & {p["doc"] for p in prompts["heldout"]}, "prompt lists share a document"
     return chats, prompts
@@ -621,7 +629,10 @@ def main():
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--pip-packages", action="store_true", help="add the pip-installed Python packages to the corpus")
+    ap.add_argument("--max-docstring", type=int, default=MAX_DOCSTRING, help="longest docstring of a chat example")
     args = ap.parse_args()
+    globals()["MAX_DOCSTRING"] = args.max_docstring
     import torch
     import transformers
     import tokenizers
@@ -631,7 +642,7 @@ def main():
                 f"tokenizers {tokenizers.__version__}")
     log(versions)
     os.makedirs(args.out, exist_ok=True)
-    docs, table = collect_corpus()
+    docs, table = collect_corpus(args.pip_packages)
     train_docs = [d for d in docs if not heldout(d[0])]
     held_docs = [d for d in docs if heldout(d[0])]
     log(f"corpus: {len(train_docs)} training documents, {len(held_docs)} held out")

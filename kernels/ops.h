@@ -99,10 +99,10 @@ void gated_delta_rule(const DeltaRuleParams& p, const SeqOffsets& seqs, DeltaRul
 struct MoeRouting {
   Tensor experts;  // [N, k] i32, each in [0, E)
   Tensor weights;  // [N, k] f32
+  Tensor logits;   // [N, E] f32, the router logits
 };
-// Fills `r` (allocated here); `logits`, when given, receives the router logits [N, E] (allocated here).
-void moe_route(const Tensor& x, const Tensor& router, int64_t top_k, bool renormalize, MoeRouting& r,
-               Tensor* logits = nullptr);
+// Fills `r` (its tensors allocated here).
+void moe_route(const Tensor& x, const Tensor& router, int64_t top_k, bool renormalize, MoeRouting& r);
 // The routed experts' SwiGLU, weighted and summed per token:
 //   y[n] = sum over j of weights[n, j] · down[e] · (silu(g) * u),  [g | u] = gate_up[e] · x[n],  e = experts[n, j]
 // gate_up [E, 2I, H] (per expert [gate (I) | up (I)] rows), down [E, H, I], x / y [N, H] (y overwritten).

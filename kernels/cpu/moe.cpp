@@ -22,7 +22,7 @@ float dot(const float* a, const float* b, int64_t K) {
 
 }  // namespace
 
-void moe_route(const Tensor& x, const Tensor& router, int64_t top_k, bool renormalize, MoeRouting& r, Tensor* logits) {
+void moe_route(const Tensor& x, const Tensor& router, int64_t top_k, bool renormalize, MoeRouting& r) {
   require_host_f32(x, "moe_route", "x");
   require_host_f32(router, "moe_route", "router");
   DFLASH_CHECK(x.dim() == 2 && router.dim() == 2 && router.size(1) == x.size(1),
@@ -31,7 +31,7 @@ void moe_route(const Tensor& x, const Tensor& router, int64_t top_k, bool renorm
   DFLASH_CHECK(top_k >= 1 && top_k <= E, "moe_route: top_k " << top_k << " must be in [1, " << E << "]");
   r.experts = Tensor::empty({N, top_k}, DType::I32);
   r.weights = Tensor::empty({N, top_k}, DType::F32);
-  if (logits) *logits = Tensor::empty({N, E}, DType::F32);
+  r.logits = Tensor::empty({N, E}, DType::F32);
   const float* X = x.data<float>();
   const float* W = router.data<float>();
   std::vector<float> p(static_cast<size_t>(E));
@@ -40,7 +40,7 @@ void moe_route(const Tensor& x, const Tensor& router, int64_t top_k, bool renorm
     float mx = -INFINITY;
     for (int64_t e = 0; e < E; ++e) {
       p[e] = dot(X + n * H, W + e * H, H);
-      if (logits) logits->data<float>()[n * E + e] = p[e];
+      r.logits.data<float>()[n * E + e] = p[e];
       mx = std::max(mx, p[e]);
     }
     float sum = 0;

@@ -46,8 +46,9 @@ struct AttnWeights {
 };
 
 // The sparse MoE block of a qwen3_5_moe layer (E experts of width Ie, a shared expert of width Is),
-// in transformers' own (fused) layout; a checkpoint with one tensor per expert
-// (mlp.experts.N.{gate,up,down}_proj.weight) is stacked into it at load.
+// in transformers' in-memory layout, which the official checkpoints store (fused experts);
+// transformers 5.17's save_pretrained writes one tensor per expert
+// (mlp.experts.N.{gate,up,down}_proj.weight), which load_weights stacks into it.
 struct MoeWeights {
   Tensor router;              // (E, H)        mlp.gate.weight
   Tensor experts_gate_up;     // (E, 2*Ie, H)  mlp.experts.gate_up_proj: per expert [gate (Ie) | up (Ie)] rows
@@ -116,8 +117,9 @@ std::string canonical_weight_name(const std::string& checkpoint_name);
 
 // Loads DIR (config.json + model.safetensors or a sharded index). Missing, unexpected or
 // mis-shaped tensors fail with the full list of offending names and the expected shapes. An MoE
-// layer's experts may be stored fused (mlp.experts.gate_up_proj / down_proj, as transformers
-// saves them) or one tensor per expert (mlp.experts.N.gate_proj.weight, ...), not both.
+// layer's experts may be stored fused (mlp.experts.gate_up_proj / down_proj, the official
+// checkpoints) or one tensor per expert (mlp.experts.N.gate_proj.weight, ..., what transformers
+// 5.17's save_pretrained writes), not both.
 // Weights are converted to `dtype` and placed on `device`. A block-FP8 checkpoint's e4m3
 // projections come with their weight_scale_inv (F32 or BF16 in the file); then `precision`
 // (apply_precision) decides what the target runs.

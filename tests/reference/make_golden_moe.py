@@ -10,7 +10,8 @@ One tiny random qwen3_5_moe_text model (4 layers, 3 GatedDeltaNet + 1 attention,
 top-2, a shared expert behind its sigmoid gate), saved with save_pretrained in bf16.
 
 Output (under OUT_DIR, default tests/data/hf_moe):
-  tiny_moe/config.json, model.safetensors     the checkpoint, via save_pretrained
+  tiny_moe/config.json, model.safetensors     the checkpoint, via save_pretrained (5.17 writes the
+                                              experts one tensor each: mlp.experts.N.gate_proj.weight)
   tiny_moe/golden.safetensors                 per sequence length T (1, 37, 130):
       ids.T                i32 [T]       token ids
       layer.T.i            f32 [T, H]    output of decoder layer i (float32 run)
@@ -103,6 +104,30 @@ def run(model, ids):
     return outs, [h[0] for h in res.hidden_states], res.last_hidden_state[0], routes
 
 
+def check_block_formula(model, ids):
+    """The MoE block's output against the formula dflash implements, written out (float64 model)."""
+    seen = []
+    layer = model.model.layers[0]
+    hook = layer.mlp.register_forward_hook(lambda m, a, o: seen.append((a[0][0], o[0] if o.dim() == 3 else o)))
+    with torch.no_grad():
+        model.model(input_ids=ids[None], use_cache=False)
+        hook.remove()
+        x, y = seen[0]
+        mlp = layer.mlp
+        p = torch.softmax(x @ mlp.gate.weight.T, dim=-1)
+        w, idx = torch.topk(p, model.config.num_experts_per_tok, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        ref = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for j in range(idx.shape[1]):
+                e = int(idx[t, j])
+                g, u = (mlp.experts.gate_up_proj[e] @ x[t]).chunk(2)
+                ref[t] += w[t, j] * (mlp.experts.down_proj[e] @ (torch.nn.functional.silu(g) * u))
+        ref += torch.sigmoid(x @ mlp.shared_expert_gate.weight.T) * mlp.shared_expert(x)
+    print(f"MoE block vs the written-out formula (f64, layer 0, T={x.shape[0]}): max rel diff "
+          f"{((y - ref).abs().max() / ref.abs().max()).item():.3e}")
+
+
 def main():
     out_dir = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "data", "hf_moe")
     os.makedirs(out_dir, exist_ok=True)
@@ -146,6 +171,10 @@ def main():
     m32.model.rotary_emb = mq.Qwen3_5MoeTextRotaryEmbedding(config=m32.config)
     m64 = copy.deepcopy(m32).to(torch.float64)
 
+    try:
+        check_block_formula(m64, torch.randint(0, cfg.vocab_size, (37,), generator=torch.Generator().manual_seed(1)))
+    except Exception as e:  # noqa: BLE001
+        print("block formula check FAILED:", repr(e))
     tensors, report = {}, {}
     for T in SEQ_LENS:
         ids = torch.randint(0, cfg.vocab_size, (T,), generator=gen)
@@ -176,20 +205,24 @@ def main():
               metadata={"transformers": transformers.__version__, "torch": torch.__version__})
     print(f"tiny_moe: saved {path}; HF float32 vs float64 max rel err per T: {report}")
 
-    # What save_pretrained wrote is what from_pretrained reads back to the same model.
-    back = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    back.config._attn_implementation = "eager"
-    eager_experts(back)
-    ids = tensors["ids.37"].long()
-    lb, _, _, _ = run(back, ids)
-    diff = max(((a - tensors[f"layer.37.{i}"]).abs().max() / tensors[f"layer.37.{i}"].abs().max()).item()
-               for i, a in enumerate(lb))
-    print(f"from_pretrained round trip, T=37: max rel diff {diff:.3e}")
-
     with open(os.path.join(out_dir, "VERSIONS.json"), "w") as f:
         json.dump({"transformers": transformers.__version__, "torch": torch.__version__,
                    "script": "tests/reference/make_golden_moe.py",
                    "experts_implementation": str(getattr(m32.config, "_experts_implementation", None))}, f, indent=1)
+
+    # What save_pretrained wrote is what from_pretrained reads back to the same model.
+    try:
+        back = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        back.config._attn_implementation = "eager"
+        eager_experts(back)
+        ids = tensors["ids.37"].long()
+        lb, _, _, _ = run(back, ids)
+        diff = max(((a - tensors[f"layer.37.{i}"]).abs().max() / tensors[f"layer.37.{i}"].abs().max()).item()
+                   for i, a in enumerate(lb))
+        print(f"from_pretrained round trip, T=37: max rel diff {diff:.3e}")
+    except Exception as e:  # noqa: BLE001
+        print("from_pretrained round trip FAILED:", repr(e))
+        raise
 
 
 if __name__ == "__main__":

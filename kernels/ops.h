@@ -91,6 +91,27 @@ struct DeltaRuleParams {
 void gated_delta_rule(const DeltaRuleParams& p, const SeqOffsets& seqs, DeltaRuleAlgo algo, Tensor& out,
                       Tensor* final_state = nullptr);
 
+// ---- mixture of experts (qwen3_5_moe's sparse MoE block, transformers 5.17's order of ops) --------
+// Routing of N tokens over E experts:
+//   logits [N, E] = x [N, H] · router [E, H]ᵀ (f32);  p = softmax over E (f32);
+//   experts [N, k] = the k largest p, largest first (ties: the lower expert index first);
+//   weights [N, k] = those p, divided by their sum when renormalize (qwen3_5_moe always does).
+struct MoeRouting {
+  Tensor experts;  // [N, k] i32, each in [0, E)
+  Tensor weights;  // [N, k] f32
+  Tensor logits;   // [N, E] f32, the router logits
+};
+// Fills `r` (its tensors allocated here).
+void moe_route(const Tensor& x, const Tensor& router, int64_t top_k, bool renormalize, MoeRouting& r);
+// The routed experts' SwiGLU, weighted and summed per token:
+//   y[n] = sum over j of weights[n, j] · down[e] · (silu(g) * u),  [g | u] = gate_up[e] · x[n],  e = experts[n, j]
+// gate_up [E, 2I, H] (per expert [gate (I) | up (I)] rows), down [E, H, I], x / y [N, H] (y overwritten).
+// Each token's terms are added in ascending expert order onto zero, as transformers' loop over the
+// experts hit (index_add_) adds them.
+void moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, const MoeRouting& r, Tensor& y);
+// y[n, :] += sigmoid(gate[n, 0]) · x[n, :] (the shared expert behind its gate). y, x [N, D]; gate [N, 1].
+void add_sigmoid_gated(const Tensor& x, const Tensor& gate, Tensor& y);
+
 // ---- decode / verify (speculative decoding) ---------------------------------------------------
 // All of these work on a state pool of P slots: a batch of S sequences, sequence s in slot
 // slots[s] (each < P; distinct when the op updates the pool), bringing T_s >= 0 new tokens packed

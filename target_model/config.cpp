@@ -45,41 +45,100 @@ const char* layer_type_name(LayerType t) {
 
 namespace {
 constexpr const char* kMissingHint = "is this a Qwen3.5 / Qwen3.6 config.json?";
+
+// The MoE fields of a qwen3_5_moe text config, as transformers 5.17's Qwen3_5MoeTextConfig has them.
+void read_moe_fields(const json& text, const io::JsonFields& f, const std::string& source, const std::string& prefix,
+                     TargetConfig& c) {
+  const std::string hint = "an MoE config.json (qwen3_5_moe) names num_experts, num_experts_per_tok, "
+                           "moe_intermediate_size and shared_expert_intermediate_size";
+  io::JsonFields m(text, source, prefix, hint);
+  c.num_experts = m.positive_int("num_experts");
+  c.num_experts_per_tok = m.positive_int("num_experts_per_tok");
+  c.moe_intermediate_size = m.positive_int("moe_intermediate_size");
+  c.shared_expert_intermediate_size = m.positive_int("shared_expert_intermediate_size");
+  // transformers 5.17 routes every layer through the MoE block and always renormalises the top-k
+  // weights: the qwen3_moe / qwen3_next fields that would change that are refused, not ignored.
+  c.norm_topk_prob = f.bool_or("norm_topk_prob", true);
+  DFLASH_REQUIRE_HINT(c.norm_topk_prob, source << ": field '" << prefix << "norm_topk_prob' is false",
+                    "qwen3_5_moe always renormalises the top-k routing weights (transformers 5.17 has no "
+                    "norm_topk_prob); a model without renormalisation is not a qwen3_5_moe model");
+  if (f.has("decoder_sparse_step")) {
+    const json& v = text.at("decoder_sparse_step");
+    DFLASH_REQUIRE_HINT(v.is_number_integer() && v.get<int64_t>() == 1,
+                      source << ": field '" << prefix << "decoder_sparse_step' is " << v.dump(),
+                      "qwen3_5_moe has an MoE block in every layer (transformers 5.17 has no decoder_sparse_step); "
+                      "only 1 (every layer sparse) describes this model");
+  }
+  if (f.has("mlp_only_layers")) {
+    const json& v = text.at("mlp_only_layers");
+    DFLASH_REQUIRE_HINT(v.is_array() && v.empty(), source << ": field '" << prefix << "mlp_only_layers' is " << v.dump(),
+                      "qwen3_5_moe has an MoE block in every layer (transformers 5.17 has no mlp_only_layers); only [] "
+                      "describes this model");
+  }
+  c.output_router_logits = f.bool_or("output_router_logits", false);
+  if (f.has("router_aux_loss_coef")) {
+    const json& v = text.at("router_aux_loss_coef");
+    DFLASH_REQUIRE(v.is_number() && v.get<double>() >= 0,
+                   source << ": field '" << prefix << "router_aux_loss_coef' must be a number >= 0, got " << v.dump());
+    c.router_aux_loss_coef = v.get<double>();
+  }
+  DFLASH_REQUIRE(c.num_experts_per_tok <= c.num_experts,
+                 source << ": field '" << prefix << "num_experts_per_tok' is " << c.num_experts_per_tok
+                        << ", more than num_experts " << c.num_experts);
+}
 }  // namespace
+
+void require_dense_target(const TargetConfig& c, const std::string& what) {
+  DFLASH_REQUIRE_HINT(!c.is_moe(), c.source << ": model_type " << c.model_type << " (num_experts " << c.num_experts
+                                            << "): MoE layers run on the CPU backend only for now, not on " << what,
+                    "run this target with --device cpu (the f32 reference), or a dense qwen3_5 target on the GPU");
+}
 
 TargetConfig TargetConfig::from_json(const json& doc, const std::string& source) {
   DFLASH_REQUIRE(doc.is_object(), source << ": config must be a JSON object");
   const std::string top_type = doc.contains("model_type") && doc["model_type"].is_string()
                                    ? doc["model_type"].get<std::string>() : std::string();
-  auto refuse_moe = [&](const std::string& type, const std::string& field) {
-    DFLASH_REJECT_HINT(source << ": " << field << " '" << type
-                            << "' (a Mixture-of-Experts model) is not supported yet",
-                     "dflash supports the dense hybrid models: model_type qwen3_5 or qwen3_5_text");
-  };
-  if (top_type == "qwen3_5_moe" || top_type == "qwen3_5_moe_text" || top_type == "qwen3_next")
-    refuse_moe(top_type, "model_type");
-  DFLASH_REQUIRE_HINT(top_type == "qwen3_5" || top_type == "qwen3_5_text",
+  DFLASH_REQUIRE_HINT(top_type != "qwen3_next",
+                     source << ": model_type 'qwen3_next' is not supported",
+                     "dflash supports the Qwen3.5 / Qwen3.6 hybrid models: model_type qwen3_5, qwen3_5_text, qwen3_5_moe "
+                     "or qwen3_5_moe_text");
+  DFLASH_REQUIRE_HINT(top_type == "qwen3_5" || top_type == "qwen3_5_text" || top_type == "qwen3_5_moe" ||
+                          top_type == "qwen3_5_moe_text",
                     source << ": model_type '" << (top_type.empty() ? std::string("<missing>") : top_type)
                            << "' is not supported",
-                    "dflash supports Qwen3.5 / Qwen3.6 hybrid models: model_type qwen3_5 or qwen3_5_text");
+                    "dflash supports Qwen3.5 / Qwen3.6 hybrid models: model_type qwen3_5, qwen3_5_text, qwen3_5_moe or "
+                    "qwen3_5_moe_text");
+  const bool moe = top_type == "qwen3_5_moe" || top_type == "qwen3_5_moe_text";
 
   const json* text = &doc;
   std::string prefix;
-  if (top_type == "qwen3_5") {
-    DFLASH_REQUIRE(doc.contains("text_config") && doc["text_config"].is_object(),
-                 source << ": model_type qwen3_5 needs an object 'text_config' with the language model fields");
+  if (top_type == "qwen3_5" || top_type == "qwen3_5_moe") {
+    const bool has_text = doc.contains("text_config") && doc["text_config"].is_object();
+    // transformers would fill a missing text_config of qwen3_5_moe with the Qwen3.5-35B-A3B defaults.
+    DFLASH_REQUIRE_HINT(has_text || !moe, source << ": model_type qwen3_5_moe without an object 'text_config' (transformers "
+                                                      "would take the default Qwen3.5-35B-A3B text fields) is not supported yet",
+                      "write the language model's fields under text_config, or use model_type qwen3_5_moe_text with them "
+                      "at the top level");
+    DFLASH_REQUIRE(has_text,
+                 source << ": model_type " << top_type << " needs an object 'text_config' with the language model fields");
     text = &doc["text_config"];
     prefix = "text_config.";
     if (text->contains("model_type") && (*text)["model_type"].is_string()) {
       const std::string inner = (*text)["model_type"].get<std::string>();
-      if (inner == "qwen3_5_moe_text" || inner == "qwen3_5_moe") refuse_moe(inner, "text_config.model_type");
+      const std::string want = moe ? "qwen3_5_moe_text" : "qwen3_5_text";
+      DFLASH_REQUIRE_HINT(inner == want, source << ": field 'text_config.model_type' is '" << inner
+                                                << "', but the top-level model_type '" << top_type << "' has '" << want
+                                                << "' text fields",
+                        "a dense model is qwen3_5 / qwen3_5_text, a Mixture-of-Experts one qwen3_5_moe / qwen3_5_moe_text "
+                        "throughout");
     }
   }
-  for (const char* moe_key : {"num_experts", "num_experts_per_tok", "moe_intermediate_size"})
-    if (text->contains(moe_key) && !(*text)[moe_key].is_null())
-      DFLASH_REJECT_HINT(source << ": field '" << prefix << moe_key
-                              << "' describes a Mixture-of-Experts model, which is not supported yet",
-                       "dflash supports the dense hybrid models (Qwen3.5 / Qwen3.6 dense)");
+  if (!moe)
+    for (const char* moe_key : {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"})
+      if (text->contains(moe_key) && !(*text)[moe_key].is_null())
+        DFLASH_REJECT_HINT(source << ": field '" << prefix << moe_key << "' describes a Mixture-of-Experts model, but model_type is '"
+                                << top_type << "'",
+                         "an MoE config.json has model_type qwen3_5_moe (text fields under text_config) or qwen3_5_moe_text");
 
   io::JsonFields f(*text, source, prefix, kMissingHint);
   TargetConfig c;
@@ -87,7 +146,8 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
   c.source = source;
   c.hidden_size = f.positive_int("hidden_size");
   c.num_hidden_layers = f.positive_int("num_hidden_layers");
-  c.intermediate_size = f.positive_int("intermediate_size");
+  // transformers' qwen3_5_moe has no intermediate_size (the experts' is moe_intermediate_size).
+  if (!moe) c.intermediate_size = f.positive_int("intermediate_size");
   c.vocab_size = f.positive_int("vocab_size");
   c.num_attention_heads = f.positive_int("num_attention_heads");
   c.num_key_value_heads = f.positive_int_or("num_key_value_heads", c.num_attention_heads);
@@ -142,6 +202,7 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
     for (int64_t i = 0; i < c.num_hidden_layers; ++i)
       c.layer_types.push_back((i + 1) % interval == 0 ? LayerType::FullAttention : LayerType::LinearAttention);
   }
+  if (moe) read_moe_fields(*text, f, source, prefix, c);
   // quantization_config: at the top level (as save_pretrained writes it) or beside the text fields.
   const bool top_qc = doc.contains("quantization_config");
   const json* qc = top_qc ? &doc.at("quantization_config")
@@ -178,6 +239,9 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
       }
     }
     c.fp8 = std::move(fq);
+    DFLASH_REQUIRE_HINT(!moe, source << ": field '" << qp.substr(0, qp.size() - 1)
+                                     << "': block-FP8 Mixture-of-Experts checkpoints are not supported yet",
+                      "use the bf16 checkpoint of this model (the MoE block runs in bf16 / f32 only for now)");
   }
   c.validate();
   return c;
@@ -222,6 +286,16 @@ void TargetConfig::validate() const {
                  << " must give an even number of rotary dims");
   DFLASH_REQUIRE(rms_norm_eps < 1.0, s << ": rms_norm_eps " << rms_norm_eps << " is implausibly large");
   DFLASH_REQUIRE(vocab_size < (int64_t{1} << 31), s << ": vocab_size " << vocab_size << " does not fit in int32 ids");
+  if (is_moe()) {
+    DFLASH_REQUIRE(num_experts_per_tok >= 1 && num_experts_per_tok <= num_experts && moe_intermediate_size > 0 &&
+                       shared_expert_intermediate_size > 0,
+                   s << ": MoE sizes num_experts " << num_experts << ", num_experts_per_tok " << num_experts_per_tok
+                     << ", moe_intermediate_size " << moe_intermediate_size << ", shared_expert_intermediate_size "
+                     << shared_expert_intermediate_size << " are inconsistent");
+    DFLASH_REQUIRE(!fp8, s << ": block-FP8 Mixture-of-Experts targets are not supported yet");
+  } else {
+    DFLASH_REQUIRE(intermediate_size > 0, s << ": intermediate_size must be positive for a dense model");
+  }
 }
 
 int64_t TargetConfig::rotary_dim() const {
@@ -241,11 +315,27 @@ int64_t TargetConfig::parameter_count() const {
                       H * gdn_value_dim();
   const int64_t attn = attn_q_proj_rows() * H + 2 * num_key_value_heads * head_dim * H +
                        H * num_attention_heads * head_dim + 2 * head_dim;
-  const int64_t mlp = 3 * H * intermediate_size;
+  const int64_t mlp = mlp_parameters();
   int64_t n = vocab_size * H * (tie_word_embeddings ? 1 : 2) + H;
   n += count_layers(LayerType::LinearAttention) * (gdn + mlp + 2 * H);
   n += count_layers(LayerType::FullAttention) * (attn + mlp + 2 * H);
   return n;
+}
+
+int64_t TargetConfig::mlp_parameters() const {
+  const int64_t H = hidden_size;
+  if (!is_moe()) return 3 * H * intermediate_size;
+  return num_experts * H + num_experts * 3 * H * moe_intermediate_size + 3 * H * shared_expert_intermediate_size + H;
+}
+
+int64_t TargetConfig::active_mlp_parameters() const {
+  const int64_t H = hidden_size;
+  if (!is_moe()) return mlp_parameters();
+  return num_experts * H + num_experts_per_tok * 3 * H * moe_intermediate_size + 3 * H * shared_expert_intermediate_size + H;
+}
+
+int64_t TargetConfig::active_parameter_count() const {
+  return parameter_count() - num_hidden_layers * (mlp_parameters() - active_mlp_parameters());
 }
 
 std::string TargetConfig::summary() const {
@@ -255,10 +345,21 @@ std::string TargetConfig::summary() const {
     << ", attn heads " << num_attention_heads << "/" << num_key_value_heads << "x" << head_dim << ", GDN heads "
     << linear_num_key_heads << "k/" << linear_num_value_heads << "v x " << linear_key_head_dim << "/"
     << linear_value_head_dim << ", vocab " << vocab_size << ", ";
-  const double p = static_cast<double>(parameter_count());
+  if (is_moe())
+    o << num_experts << " experts (top " << num_experts_per_tok << ") x " << moe_intermediate_size << " + shared "
+      << shared_expert_intermediate_size << ", ";
+  auto count = [&](double p) {
+    if (p >= 1e9) o << p / 1e9 << "B";
+    else o << p / 1e6 << "M";
+  };
   o.precision(3);
-  if (p >= 1e9) o << p / 1e9 << "B params";
-  else o << p / 1e6 << "M params";
+  count(static_cast<double>(parameter_count()));
+  o << " params";
+  if (is_moe()) {
+    o << " (";
+    count(static_cast<double>(active_parameter_count()));
+    o << " active)";
+  }
   return o.str();
 }
 
@@ -266,11 +367,10 @@ json TargetConfig::to_json() const {
   json lt = json::array();
   for (LayerType t : layer_types) lt.push_back(layer_type_name(t));
   json j{
-      {"architectures", {"Qwen3_5ForCausalLM"}},
-      {"model_type", "qwen3_5_text"},
+      {"architectures", {is_moe() ? "Qwen3_5MoeForCausalLM" : "Qwen3_5ForCausalLM"}},
+      {"model_type", is_moe() ? "qwen3_5_moe_text" : "qwen3_5_text"},
       {"hidden_size", hidden_size},
       {"num_hidden_layers", num_hidden_layers},
-      {"intermediate_size", intermediate_size},
       {"vocab_size", vocab_size},
       {"layer_types", lt},
       {"rms_norm_eps", rms_norm_eps},
@@ -289,6 +389,16 @@ json TargetConfig::to_json() const {
       {"linear_value_head_dim", linear_value_head_dim},
       {"linear_conv_kernel_dim", linear_conv_kernel_dim},
   };
+  if (is_moe()) {
+    j["num_experts"] = num_experts;
+    j["num_experts_per_tok"] = num_experts_per_tok;
+    j["moe_intermediate_size"] = moe_intermediate_size;
+    j["shared_expert_intermediate_size"] = shared_expert_intermediate_size;
+    j["output_router_logits"] = output_router_logits;
+    j["router_aux_loss_coef"] = router_aux_loss_coef;
+  } else {
+    j["intermediate_size"] = intermediate_size;
+  }
   if (max_position_embeddings > 0) j["max_position_embeddings"] = max_position_embeddings;
   if (random_branch_scale != 1.0) j["dflash_random_branch_scale"] = random_branch_scale;
   return j;

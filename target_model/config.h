@@ -1,6 +1,7 @@
 #pragma once
 // The target model's architecture, parsed from a Hugging Face config.json of model_type
-// `qwen3_5` (text fields under `text_config`) or `qwen3_5_text`.
+// `qwen3_5` (text fields under `text_config`) or `qwen3_5_text`, or their Mixture-of-Experts
+// twins `qwen3_5_moe` (text fields under `text_config`) and `qwen3_5_moe_text`.
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
@@ -35,12 +36,12 @@ enum class LayerType { LinearAttention, FullAttention };
 const char* layer_type_name(LayerType t);  // "linear_attention" / "full_attention"
 
 struct TargetConfig {
-  std::string model_type = "qwen3_5_text";  // as read (qwen3_5 or qwen3_5_text)
+  std::string model_type = "qwen3_5_text";  // as read (qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text)
   std::string source;                       // where it was read from, for messages
 
   int64_t hidden_size = 0;
   int64_t num_hidden_layers = 0;
-  int64_t intermediate_size = 0;
+  int64_t intermediate_size = 0;  // the dense MLP's (0 for an MoE model, whose config does not have one)
   int64_t vocab_size = 0;
   std::vector<LayerType> layer_types;  // [num_hidden_layers]
   double rms_norm_eps = 1e-6;
@@ -77,6 +78,23 @@ struct TargetConfig {
   int64_t linear_value_head_dim = 0;
   int64_t linear_conv_kernel_dim = 4;
 
+  // Mixture of experts (qwen3_5_moe as transformers 5.17 reads it): every decoder layer's MLP is a
+  // sparse MoE block. router logits = x · gateᵀ (f32), softmax over all experts (f32), the top
+  // num_experts_per_tok of them, their weights renormalised to sum 1, each chosen expert's SwiGLU
+  // (moe_intermediate_size) times its weight, plus the shared expert's SwiGLU
+  // (shared_expert_intermediate_size) times sigmoid(shared_expert_gate · x). 0 experts: dense.
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;
+  int64_t shared_expert_intermediate_size = 0;
+  // transformers 5.17's qwen3_5_moe has no norm_topk_prob and always renormalises; a config.json
+  // that says false is refused (that would be another model), true or absent reads as true.
+  bool norm_topk_prob = true;
+  // Read and kept for to_json, but without effect: the target is frozen (no load-balancing loss).
+  bool output_router_logits = false;
+  double router_aux_loss_coef = 0.001;
+  bool is_moe() const { return num_experts > 0; }
+
   // Parses a config.json document. `source` names it in error messages.
   static TargetConfig from_json(const nlohmann::json& doc, const std::string& source);
   // Reads a config.json file, or DIR/config.json when given a directory.
@@ -92,9 +110,18 @@ struct TargetConfig {
   int64_t gdn_conv_dim() const { return 2 * gdn_key_dim() + gdn_value_dim(); }
   int64_t attn_q_proj_rows() const { return num_attention_heads * head_dim * (attn_output_gate ? 2 : 1); }
   int64_t count_layers(LayerType t) const;
+  // Parameters of one layer's MLP or MoE block, all of them / those one token uses.
+  int64_t mlp_parameters() const;
+  int64_t active_mlp_parameters() const;
   // Parameter count of the decoder stack plus embedding (and lm_head when untied).
   int64_t parameter_count() const;
+  // The same with only the experts one token uses (= parameter_count() for a dense model).
+  int64_t active_parameter_count() const;
   std::string summary() const;  // one line for logs
 };
+
+// Throws a user error when `c` is an MoE target and `what` (e.g. "the CUDA backend") cannot run it:
+// the MoE block exists on the CPU reference only for now.
+void require_dense_target(const TargetConfig& c, const std::string& what);
 
 }  // namespace dflash::target

@@ -101,7 +101,10 @@ FastPathPlan build_plan(const TargetConfig& c, Device device, const KernelPolici
                         Precision precision) {
   DFLASH_CHECK(precision != Precision::Auto, "fast-path plan: resolve the precision first (resolve_precision)");
   const bool fp8 = precision == Precision::Fp8;
-  if (!device.is_cpu()) check_gpu_sizes(c, precision);
+  if (!device.is_cpu()) {
+    require_dense_target(c, "the CUDA backend (" + device.str() + ")");
+    check_gpu_sizes(c, precision);
+  }
   [[maybe_unused]] const std::string unaligned = unaligned_gemm_sizes(c);
   FastPathPlan plan;
   plan.device = device.str();

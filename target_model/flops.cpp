@@ -10,7 +10,8 @@ double forward_flops(const TargetConfig& c, const std::vector<int64_t>& seq_lens
                  static_cast<double>(T + 1);
   }
   const double H = static_cast<double>(c.hidden_size);
-  const double mlp = 3.0 * H * static_cast<double>(c.intermediate_size);
+  // An MoE block counts what a token runs: the router, its top-k experts and the shared expert.
+  const double mlp = static_cast<double>(c.active_mlp_parameters());
   const double gdn_lin = H * static_cast<double>(c.gdn_conv_dim() + 2 * c.gdn_value_dim() + 2 * c.linear_num_value_heads);
   const double attn_lin = H * static_cast<double>(c.attn_q_proj_rows() + 2 * c.num_key_value_heads * c.head_dim +
                                                   c.num_attention_heads * c.head_dim);

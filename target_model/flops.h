@@ -10,7 +10,8 @@ namespace dflash::target {
 // One forward over sequences of the given lengths: every linear (2 per weight element per token),
 // causal attention (QKᵀ and PV: 2·Hq·d·T(T+1) per layer and sequence of T tokens) and the
 // delta-rule state math (~7·dk·dv per token and value head: decay, Sᵀk, update, Sᵀq). For a
-// tensor-parallel rank divide by tp (every term splits by heads or columns).
+// tensor-parallel rank divide by tp (every term splits by heads or columns). An MoE block counts
+// the weights a token uses (router, its top-k experts, the shared expert and its gate).
 double forward_flops(const TargetConfig& c, const std::vector<int64_t>& seq_lens);
 
 }  // namespace dflash::target

@@ -125,6 +125,24 @@ void TargetModel::mlp(const LayerWeights& L, const Tensor& x, Tensor& out) const
   if (tp_) tp_->all_reduce_sum(out);  // row-parallel down_proj
 }
 
+void TargetModel::moe(const LayerWeights& L, const Tensor& x, Tensor& out, ops::MoeRouting& routing) const {
+  // transformers' Qwen3_5MoeSparseMoeBlock: routed experts (each token's top-k, renormalised
+  // weights) + sigmoid(shared_expert_gate · x) · shared_expert(x), all in f32 here.
+  const TargetConfig& c = config_;
+  const int64_t N = x.size(0), Is = c.shared_expert_intermediate_size;
+  DFLASH_CHECK(!tp_, "target model: the MoE block runs with tp 1 only (check_tp refuses more)");
+  ops::moe_route(x, L.moe.router, c.num_experts_per_tok, c.norm_topk_prob, routing);
+  ops::moe_experts(x, L.moe.experts_gate_up, L.moe.experts_down, routing, out);
+  Tensor g = Tensor::empty({N, Is}, DType::F32), u = Tensor::empty({N, Is}, DType::F32);
+  ops::linear(x, L.moe.shared_gate_proj, g);
+  ops::linear(x, L.moe.shared_up_proj, u);
+  ops::swiglu(g, u, g);
+  Tensor shared = Tensor::empty({N, c.hidden_size}, DType::F32), gate = Tensor::empty({N, 1}, DType::F32);
+  ops::linear(g, L.moe.shared_down_proj, shared);
+  ops::linear(x, L.moe.shared_expert_gate, gate);
+  ops::add_sigmoid_gated(shared, gate, out);
+}
+
 ForwardResult TargetModel::forward(const std::vector<std::vector<int32_t>>& sequences,
                                    const ForwardOptions& options) const {
   const TargetConfig& c = config_;
@@ -179,7 +197,7 @@ ForwardResult TargetModel::forward(const std::vector<std::vector<int32_t>>& sequ
     }
     if (options.counters) options.counters->add(Step::Gemm, Path::Cpu);
   };
-  Tensor h = run_stack(ids, mixer, options.capture, r.layers);
+  Tensor h = run_stack(ids, mixer, options.capture, r.layers, options.capture_routing ? &r.routing : nullptr);
   if (options.final_norm) {
     r.final_hidden = Tensor::empty({N, H}, DType::F32);
     final_norm(h, r.final_hidden);
@@ -188,7 +206,7 @@ ForwardResult TargetModel::forward(const std::vector<std::vector<int32_t>>& sequ
 }
 
 Tensor TargetModel::run_stack(const Tensor& ids, const Mixer& mixer, const std::vector<int64_t>& capture,
-                              std::map<int64_t, Tensor>& layers) const {
+                              std::map<int64_t, Tensor>& layers, std::map<int64_t, ops::MoeRouting>* routing) const {
   const TargetConfig& c = config_;
   const int64_t N = ids.size(0), H = c.hidden_size;
   Tensor h = Tensor::empty({N, H}, DType::F32);
@@ -201,7 +219,13 @@ Tensor TargetModel::run_stack(const Tensor& ids, const Mixer& mixer, const std::
     mixer(i, L, normed, mixed);
     ops::add(h, mixed, h);
     ops::rms_norm(h, L.post_attention_layernorm, eps, ops::RmsNormKind::ZeroCentered, normed);
-    mlp(L, normed, mixed);
+    if (c.is_moe()) {
+      ops::MoeRouting route;
+      moe(L, normed, mixed, route);
+      if (routing) (*routing)[i] = std::move(route);
+    } else {
+      mlp(L, normed, mixed);
+    }
     ops::add(h, mixed, h);
     for (int64_t id : capture)
       if (id == i) layers[id] = h.clone();

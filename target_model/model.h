@@ -20,12 +20,14 @@ struct ForwardOptions {
   bool final_norm = false;  // also return norm(output of the last layer)
   ops::DeltaRuleAlgo delta_rule = ops::DeltaRuleAlgo::Chunked;
   PathCounters* counters = nullptr;  // when set, the CPU forward counts its conv / delta-rule / attention steps
+  bool capture_routing = false;      // MoE targets: also return each layer's router choices
 };
 
 struct ForwardResult {
   std::vector<int64_t> offsets;       // packed sequence boundaries, offsets.back() = total tokens
   std::map<int64_t, Tensor> layers;   // layer id -> (N, H) f32
   Tensor final_hidden;                // (N, H) when ForwardOptions::final_norm
+  std::map<int64_t, ops::MoeRouting> routing;  // layer -> top-k experts / weights (N, k), when capture_routing
 };
 
 // The CPU reference holds f32 weights: throws, naming both sizes and `hint`, when this rank's
@@ -48,9 +50,12 @@ class TargetModel {
   // One layer's token mixer: out = mixer(input_norm(h)), all-reduced under tp.
   using Mixer = std::function<void(int64_t layer, const LayerWeights& L, const Tensor& normed, Tensor& out)>;
   // Embeds ids [N] (int32, checked) and runs the decoder stack with `mixer` (residuals, norms, MLP);
-  // copies the outputs of the `capture` layers into `layers`; returns the last layer's output [N, H].
+  // copies the outputs of the `capture` layers into `layers` (and, when `routing` is given, an MoE
+  // target's router choices of every layer into it); returns the last layer's output [N, H].
   Tensor run_stack(const Tensor& ids, const Mixer& mixer, const std::vector<int64_t>& capture,
-                   std::map<int64_t, Tensor>& layers) const;
+                   std::map<int64_t, Tensor>& layers, std::map<int64_t, ops::MoeRouting>* routing = nullptr) const;
+  // The sparse MoE block (config().is_moe()) on x [N, H] -> out [N, H]; the router's choices in `routing`.
+  void moe(const LayerWeights& L, const Tensor& x, Tensor& out, ops::MoeRouting& routing) const;
   // GatedDeltaNet mixer: the in-projections [q|k|v] (conv input), z, a, b ...
   struct GdnInputs {
     Tensor mixed;  // [N, conv_dim]

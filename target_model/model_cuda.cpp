@@ -88,6 +88,7 @@ CudaTargetModel::CudaTargetModel(TargetConfig config, TargetWeights weights, Fas
   DFLASH_CHECK(device_.is_cuda() && weights_.dtype == DType::BF16,
                "CUDA target model: weights must be bf16 on a CUDA device, got " << dtype_name(weights_.dtype) << " on "
                                                                                << device_.str());
+  require_dense_target(config_, "the CUDA backend");
   DFLASH_CHECK(plan_.layers.size() == static_cast<size_t>(config_.num_hidden_layers),
                "CUDA target model: the plan has " << plan_.layers.size() << " layers, the config "
                                                   << config_.num_hidden_layers);

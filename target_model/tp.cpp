@@ -12,6 +12,9 @@ namespace dflash::target {
 
 void check_tp(const TargetConfig& c, int tp) {
   DFLASH_REQUIRE(tp >= 1, "parallel.tp must be >= 1, got " << tp);
+  DFLASH_REQUIRE_HINT(tp == 1 || !c.is_moe(), "parallel.tp = " << tp << ": " << c.source << " is a Mixture-of-Experts model (num_experts "
+                                                            << c.num_experts << "), which runs with tp 1 only for now",
+                    "set parallel.tp: 1 (tensor / expert parallelism of the MoE block is not built yet)");
   std::ostringstream bad;
   int n = 0;
   auto need = [&](const char* field, int64_t v) {

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -59,9 +60,20 @@ void for_each_slot(const TargetConfig& c, TargetWeights& w, F&& f) {
       f(q + "k_norm.weight", Shape{d}, L.attn.k_norm);
     }
     f(p + "post_attention_layernorm.weight", Shape{H}, L.post_attention_layernorm);
-    f(p + "mlp.gate_proj.weight", Shape{I, H}, L.gate_proj);
-    f(p + "mlp.up_proj.weight", Shape{I, H}, L.up_proj);
-    f(p + "mlp.down_proj.weight", Shape{H, I}, L.down_proj);
+    if (c.is_moe()) {
+      const int64_t E = c.num_experts, Ie = c.moe_intermediate_size, Is = c.shared_expert_intermediate_size;
+      f(p + "mlp.gate.weight", Shape{E, H}, L.moe.router);
+      f(p + "mlp.experts.gate_up_proj", Shape{E, 2 * Ie, H}, L.moe.experts_gate_up);
+      f(p + "mlp.experts.down_proj", Shape{E, H, Ie}, L.moe.experts_down);
+      f(p + "mlp.shared_expert.gate_proj.weight", Shape{Is, H}, L.moe.shared_gate_proj);
+      f(p + "mlp.shared_expert.up_proj.weight", Shape{Is, H}, L.moe.shared_up_proj);
+      f(p + "mlp.shared_expert.down_proj.weight", Shape{H, Is}, L.moe.shared_down_proj);
+      f(p + "mlp.shared_expert_gate.weight", Shape{1, H}, L.moe.shared_expert_gate);
+    } else {
+      f(p + "mlp.gate_proj.weight", Shape{I, H}, L.gate_proj);
+      f(p + "mlp.up_proj.weight", Shape{I, H}, L.up_proj);
+      f(p + "mlp.down_proj.weight", Shape{H, I}, L.down_proj);
+    }
   }
   f("norm.weight", Shape{H}, w.norm);
   if (!c.tie_word_embeddings) f("lm_head.weight", Shape{c.vocab_size, H}, w.lm_head);
@@ -156,6 +168,7 @@ void for_each_projection(TargetWeights& w, const std::function<void(const std::s
       f(p + "self_attn.v_proj.weight", L.attn.v_proj, L.attn.v_proj_scale);
       f(p + "self_attn.o_proj.weight", L.attn.o_proj, L.attn.o_proj_scale);
     }
+    if (L.moe.defined()) continue;  // the MoE block has no FP8 form (yet): apply_precision refuses fp8
     f(p + "mlp.gate_proj.weight", L.gate_proj, L.gate_proj_scale);
     f(p + "mlp.up_proj.weight", L.up_proj, L.up_proj_scale);
     f(p + "mlp.down_proj.weight", L.down_proj, L.down_proj_scale);
@@ -170,6 +183,10 @@ int64_t TargetWeights::fp8_projections() const {
 
 void apply_precision(TargetWeights& w, Precision precision) {
   if (precision == Precision::Auto) return;
+  for (const LayerWeights& L : w.layers)
+    DFLASH_REQUIRE_HINT(precision != Precision::Fp8 || !L.moe.defined(),
+                      "precision fp8: Mixture-of-Experts targets run in bf16 only for now (no FP8 MoE block yet)",
+                      "use precision bf16 (or auto) for this target");
   const bool any_fp8 = w.fp8_projections() > 0;
   if (precision == Precision::Fp8 && any_fp8) return;  // an FP8 checkpoint as stored (its bf16 projections stay)
   for_each_projection(w, [&](const std::string&, Tensor& weight, Tensor& scale) {
@@ -201,7 +218,9 @@ size_t TargetWeights::bytes() const {
                             &L.attn.k_proj, &L.attn.v_proj, &L.attn.o_proj, &L.attn.q_norm, &L.attn.k_norm,
                             &L.gdn.in_proj_qkv_scale, &L.gdn.in_proj_z_scale, &L.gdn.out_proj_scale, &L.attn.q_proj_scale,
                             &L.attn.k_proj_scale, &L.attn.v_proj_scale, &L.attn.o_proj_scale, &L.gate_proj_scale,
-                            &L.up_proj_scale, &L.down_proj_scale})
+                            &L.up_proj_scale, &L.down_proj_scale, &L.moe.router, &L.moe.experts_gate_up,
+                            &L.moe.experts_down, &L.moe.shared_gate_proj, &L.moe.shared_up_proj,
+                            &L.moe.shared_down_proj, &L.moe.shared_expert_gate})
       add(*t);
   }
   return total;
@@ -212,6 +231,36 @@ std::vector<TensorSpec> expected_tensors(const TargetConfig& c) {
   TargetWeights scratch;
   for_each_slot(c, scratch, [&](const std::string& name, const Shape& shape, Tensor&) { specs.push_back({name, shape}); });
   return specs;
+}
+
+bool parse_per_expert_name(const std::string& n, PerExpertName& out) {
+  // layers.<L>.mlp.experts.<N>.<gate|up|down>_proj.weight
+  auto number = [&](size_t& pos, int64_t& v) {
+    const size_t start = pos;
+    v = 0;
+    while (pos < n.size() && n[pos] >= '0' && n[pos] <= '9' && pos - start < 12) v = v * 10 + (n[pos++] - '0');
+    return pos > start && (pos - start == 1 || n[start] != '0');
+  };
+  auto literal = [&](size_t& pos, const char* lit) {
+    const std::string_view l(lit);
+    if (n.compare(pos, l.size(), l) != 0) return false;
+    pos += l.size();
+    return true;
+  };
+  size_t pos = 0;
+  PerExpertName r;
+  if (!literal(pos, "layers.") || !number(pos, r.layer) || !literal(pos, ".mlp.experts.") || !number(pos, r.expert) ||
+      !literal(pos, "."))
+    return false;
+  for (const char* proj : {"gate", "up", "down"}) {
+    size_t q = pos;
+    if (literal(q, proj) && literal(q, "_proj.weight") && q == n.size()) {
+      r.proj = proj;
+      out = r;
+      return true;
+    }
+  }
+  return false;
 }
 
 std::string canonical_weight_name(const std::string& n) {
@@ -244,6 +293,19 @@ bool not_converted(const TargetConfig& c, const std::string& name) {
 
 std::string scale_name(const std::string& weight_name) { return weight_name + "_scale_inv"; }
 
+// One fused expert tensor of `shape` [E, rows, cols] from per-expert pieces (checkpoint names, in
+// order; each [rows / pieces-per-expert, cols]) stacked along the first two dims, as f32.
+Tensor stack_experts(const io::SafetensorsIndex& ckpt, const std::vector<std::string>& pieces, const Shape& shape) {
+  Tensor out = Tensor::empty(shape, DType::F32);
+  const int64_t per = out.numel() / static_cast<int64_t>(pieces.size());
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const Tensor t = ckpt.tensor(pieces[i]).to_dtype(DType::F32).contiguous();
+    DFLASH_CHECK(t.numel() == per, "weights: " << pieces[i] << " has " << t.numel() << " elements, expected " << per);
+    std::memcpy(out.data<float>() + static_cast<int64_t>(i) * per, t.data<float>(), static_cast<size_t>(per) * sizeof(float));
+  }
+  return out;
+}
+
 }  // namespace
 
 TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType dtype, Device device, Precision precision) {
@@ -251,9 +313,15 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
   // canonical name -> checkpoint name; the FP8 scales apart: canonical weight name -> scale name
   std::map<std::string, std::string> by_canonical, scales;
   std::vector<std::string> ignored, duplicated;
+  // Per-expert tensors: layer -> (expert, "gate" / "up" / "down") -> checkpoint name.
+  std::map<int64_t, std::map<std::pair<int64_t, std::string>, std::string>> per_expert;
   for (const std::string& n : ckpt.names()) {
     std::string canon = canonical_weight_name(n);
     if (canon.empty()) { ignored.push_back(n); continue; }
+    if (PerExpertName pe; parse_per_expert_name(canon, pe)) {
+      if (!per_expert[pe.layer].emplace(std::make_pair(pe.expert, pe.proj), n).second) duplicated.push_back(n);
+      continue;
+    }
     if (canon.ends_with(".weight_scale_inv")) {
       scales.emplace(canon.substr(0, canon.size() - std::string("_scale_inv").size()), n);
       continue;
@@ -267,9 +335,60 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
     ++n_problems;
   };
   for (const std::string& d : duplicated) problem("duplicate: " + d);
+  // A layer's experts stored one tensor per expert become the fused tensors of expected_tensors.
+  std::map<std::string, std::vector<std::string>> stacked;  // fused canonical name -> pieces in order
+  std::set<std::string> per_expert_layout;                  // fused names a layer's per-expert tensors stand for
+  for (const auto& [layer, entries] : per_expert) {
+    const std::string fused = layer_prefix(layer) + "mlp.experts.";
+    if (!c.is_moe() || layer >= c.num_hidden_layers) {
+      for (const auto& [key, name] : entries) problem("unexpected: " + name);
+      continue;
+    }
+    per_expert_layout.insert({fused + "gate_up_proj", fused + "down_proj"});
+    if (by_canonical.count(fused + "gate_up_proj") || by_canonical.count(fused + "down_proj")) {
+      problem("layer " + std::to_string(layer) + " stores its experts both fused (" + fused + "gate_up_proj / down_proj) and " +
+              "one tensor per expert (" + entries.begin()->second + ", ...)");
+      continue;
+    }
+    const int64_t E = c.num_experts, Ie = c.moe_intermediate_size, H = c.hidden_size;
+    bool complete = true;
+    for (const auto& [key, name] : entries)
+      if (key.first >= E) {
+        problem("unexpected: " + name + " (expert " + std::to_string(key.first) + ", but num_experts is " + std::to_string(E) + ")");
+        complete = false;
+      }
+    std::vector<std::string> gate_up, down;
+    for (int64_t e = 0; e < E; ++e)
+      for (const char* proj : {"gate", "up", "down"}) {
+        const std::string want = fused + std::to_string(e) + "." + proj + "_proj.weight";
+        const Shape shape = std::string(proj) == "down" ? Shape{H, Ie} : Shape{Ie, H};
+        const auto it = entries.find({e, proj});
+        if (it == entries.end()) {
+          problem("missing: " + want + " " + shape_str(shape) + " (the other experts of layer " + std::to_string(layer) +
+                  " are stored one tensor per expert)");
+          complete = false;
+          continue;
+        }
+        const io::TensorInfo& info = ckpt.info(it->second);
+        if (info.shape != shape) {
+          problem("wrong shape: " + it->second + " is " + shape_str(info.shape) + ", expected " + shape_str(shape));
+          complete = false;
+        }
+        if (info.dtype == DType::F8E4M3) {
+          problem(it->second + " is stored as F8_E4M3, but FP8 Mixture-of-Experts weights are not supported yet");
+          complete = false;
+        }
+        (std::string(proj) == "down" ? down : gate_up).push_back(it->second);
+      }
+    if (complete) {
+      stacked[fused + "gate_up_proj"] = std::move(gate_up);  // per expert [gate | up], as transformers fuses them
+      stacked[fused + "down_proj"] = std::move(down);
+    }
+  }
   std::unordered_set<std::string> used;
   int64_t n_fp8 = 0;
   for (const TensorSpec& spec : expected_tensors(c)) {
+    if (per_expert_layout.count(spec.name)) continue;  // checked above
     auto it = by_canonical.find(spec.name);
     if (it == by_canonical.end()) {
       problem("missing: " + spec.name + " " + shape_str(spec.shape));
@@ -321,7 +440,11 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
   if (!ignored.empty()) spdlog::info("{}: ignoring {} tensors of the MTP head / vision tower", dir, ignored.size());
 
   TargetWeights w = assemble_weights(
-      c, dtype, device, [&](const std::string& name, const Shape&) { return ckpt.tensor(by_canonical.at(name)); },
+      c, dtype, device,
+      [&](const std::string& name, const Shape& shape) {
+        const auto st = stacked.find(name);
+        return st != stacked.end() ? stack_experts(ckpt, st->second, shape) : ckpt.tensor(by_canonical.at(name));
+      },
       [&](const std::string& name, const Shape&) { return ckpt.tensor(scales.at(name)); });
   apply_precision(w, precision);
   return w;
@@ -365,7 +488,8 @@ RandomInit random_init(const std::string& name, const Shape& full_shape, double 
   if (name.ends_with("dt_bias") || name.ends_with("linear_attn.norm.weight")) return {RandomInit::Constant, 1.0f, 0};
   if (name.ends_with("norm.weight")) return {RandomInit::Constant, 0.0f, 0};
   float stddev = name == "embed_tokens.weight" ? 1.0f : 1.0f / std::sqrt(static_cast<float>(full_shape.back()));
-  if (name.ends_with("o_proj.weight") || name.ends_with("out_proj.weight") || name.ends_with("down_proj.weight"))
+  if (name.ends_with("o_proj.weight") || name.ends_with("out_proj.weight") || name.ends_with("down_proj.weight") ||
+      name.ends_with("experts.down_proj"))
     stddev *= static_cast<float>(branch_scale);
   return {RandomInit::Normal, 0.0f, stddev};
 }

@@ -45,15 +45,31 @@ struct AttnWeights {
   Tensor q_proj_scale, k_proj_scale, v_proj_scale, o_proj_scale;  // FP8 block scales
 };
 
+// The sparse MoE block of a qwen3_5_moe layer (E experts of width Ie, a shared expert of width Is),
+// in transformers' in-memory layout, which the official checkpoints store (fused experts);
+// transformers 5.17's save_pretrained writes one tensor per expert
+// (mlp.experts.N.{gate,up,down}_proj.weight), which load_weights stacks into it.
+struct MoeWeights {
+  Tensor router;              // (E, H)        mlp.gate.weight
+  Tensor experts_gate_up;     // (E, 2*Ie, H)  mlp.experts.gate_up_proj: per expert [gate (Ie) | up (Ie)] rows
+  Tensor experts_down;        // (E, H, Ie)    mlp.experts.down_proj
+  Tensor shared_gate_proj;    // (Is, H)       mlp.shared_expert.gate_proj.weight
+  Tensor shared_up_proj;      // (Is, H)
+  Tensor shared_down_proj;    // (H, Is)
+  Tensor shared_expert_gate;  // (1, H)        mlp.shared_expert_gate.weight
+  bool defined() const { return router.defined(); }
+};
+
 struct LayerWeights {
   LayerType type = LayerType::LinearAttention;
   Tensor input_layernorm;           // (H)  zero-centred
   Tensor post_attention_layernorm;  // (H)  zero-centred
   GdnWeights gdn;                   // when type == LinearAttention
   AttnWeights attn;                 // when type == FullAttention
-  Tensor gate_proj, up_proj;        // (I, H)
+  Tensor gate_proj, up_proj;        // (I, H)      dense models
   Tensor down_proj;                 // (H, I)
   Tensor gate_proj_scale, up_proj_scale, down_proj_scale;  // FP8 block scales
+  MoeWeights moe;                   // MoE models (config.is_moe()) instead of the dense MLP
 };
 
 struct TargetWeights {
@@ -86,13 +102,24 @@ struct TensorSpec {
 };
 std::vector<TensorSpec> expected_tensors(const TargetConfig& c);
 
+// A checkpoint's per-expert tensor name (canonical) "layers.L.mlp.experts.N.{gate,up,down}_proj.weight":
+// true with its layer, expert and projection ("gate", "up", "down"); false for any other name.
+struct PerExpertName {
+  int64_t layer = -1, expert = -1;
+  std::string proj;
+};
+bool parse_per_expert_name(const std::string& canonical_name, PerExpertName& out);
+
 // Maps a checkpoint name to the canonical one: "model.layers.3.mlp.up_proj.weight" and
 // "model.language_model.layers.3.mlp.up_proj.weight" -> "layers.3.mlp.up_proj.weight";
 // "lm_head.weight" stays. Returns "" for tensors the target ignores (mtp.*, vision tower).
 std::string canonical_weight_name(const std::string& checkpoint_name);
 
 // Loads DIR (config.json + model.safetensors or a sharded index). Missing, unexpected or
-// mis-shaped tensors fail with the full list of offending names and the expected shapes.
+// mis-shaped tensors fail with the full list of offending names and the expected shapes. An MoE
+// layer's experts may be stored fused (mlp.experts.gate_up_proj / down_proj, the official
+// checkpoints) or one tensor per expert (mlp.experts.N.gate_proj.weight, ..., what transformers
+// 5.17's save_pretrained writes), not both.
 // Weights are converted to `dtype` and placed on `device`. A block-FP8 checkpoint's e4m3
 // projections come with their weight_scale_inv (F32 or BF16 in the file); then `precision`
 // (apply_precision) decides what the target runs.

@@ -1,0 +1,600 @@
+// The CPU reference MoE target (qwen3_5_moe) against Hugging Face transformers 5.17: golden data
+// made by tests/reference/make_golden_moe.py on the GPU machine, computed on its CPU in float32
+// (and float64) with transformers' own pure-torch code (torch GatedDeltaNet, eager experts loop).
+// One tiny random checkpoint as save_pretrained wrote it (bf16): 4 layers (3 GatedDeltaNet + 1
+// attention), 8 experts, top-2, a shared expert; sequence lengths 1, 37 and 130.
+//
+// Bounds: every decoder-layer output and the final norm within max |ours - hf| / max |hf| <= 1e-5
+// of transformers' float32 run and of its float64 run (as test_golden.cpp); every token's top-k
+// experts equal to transformers' (float32 and float64 runs), their weights within 1e-5 (absolute,
+// the weights are in [0, 1]). Measured values are printed.
+//
+// Also here: the other checkpoint layouts (multimodal names, one tensor per expert), the refusals
+// of config fields and checkpoints the MoE reference does not run, and the CPU decoder on it.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <numeric>
+
+#include "core/io/safetensors.h"
+#include "core/rng.h"
+#include "target_model/decode.h"
+#include "target_model/fast_path.h"
+#include "target_model/model.h"
+#include "target_model/tp.h"
+#include "test_util.h"
+
+using namespace dflash;
+using namespace dflash::target;
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+const std::string kDir = std::string(DFLASH_TEST_DATA_DIR) + "/hf_moe/tiny_moe";
+constexpr double kBound = 1e-5;         // hidden states, relative to the largest |hf|
+constexpr double kWeightBound = 1e-5;   // routing weights, absolute
+
+std::string temp_dir(const std::string& name) {
+  fs::path p = fs::temp_directory_path() / ("dflash_moe_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p.string();
+}
+
+std::vector<int64_t> all_layers(const TargetConfig& c) {
+  std::vector<int64_t> v(static_cast<size_t>(c.num_hidden_layers));
+  std::iota(v.begin(), v.end(), 0);
+  return v;
+}
+
+double max_abs_diff(const Tensor& a, const Tensor& b) {
+  const std::vector<double> x = to_doubles(a), y = to_doubles(b);
+  EXPECT_EQ(x.size(), y.size());
+  double m = 0;
+  for (size_t i = 0; i < x.size() && i < y.size(); ++i) m = std::max(m, std::abs(x[i] - y[i]));
+  return m;
+}
+
+// Tokens whose top-k experts differ from `ref` [N, k] i32 (the order counts: best first).
+int64_t routing_mismatches(const Tensor& got, const Tensor& ref) {
+  EXPECT_EQ(got.shape(), ref.shape());
+  const int64_t N = ref.size(0), k = ref.size(1);
+  int64_t bad = 0;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < k; ++j)
+      if (got.data<int32_t>()[n * k + j] != ref.data<int32_t>()[n * k + j]) {
+        ++bad;
+        break;
+      }
+  return bad;
+}
+
+json read_json(const std::string& path) {
+  json j;
+  std::ifstream(path) >> j;
+  return j;
+}
+
+using Tensors = std::vector<std::pair<std::string, Tensor>>;
+
+// The tiny checkpoint's tensors (as transformers saved them: one tensor per expert).
+Tensors checkpoint_tensors() {
+  io::SafetensorsIndex in = io::open_checkpoint(kDir);
+  Tensors out;
+  for (const std::string& n : in.names()) out.emplace_back(n, in.tensor(n));
+  return out;
+}
+
+// `tensors` with config `cfg` in a fresh directory (sharded).
+std::string write_checkpoint(const std::string& name, const json& cfg, const Tensors& tensors) {
+  const std::string dir = temp_dir(name);
+  io::save_sharded(dir, tensors, 256 << 10);
+  std::ofstream(dir + "/config.json") << cfg.dump(1);
+  return dir;
+}
+
+// One tensor per expert (layers.L.mlp.experts.N.{gate,up,down}_proj.weight, what transformers 5.17's
+// save_pretrained writes) -> the fused layout of the official checkpoints (experts.gate_up_proj
+// [E, 2I, H] with each expert's gate rows first, experts.down_proj [E, H, I]). `only_layer` >= 0:
+// fuse that layer and keep the per-expert tensors of the others.
+Tensors fuse_experts(const Tensors& in, int64_t E, int64_t only_layer = -1) {
+  Tensors out;
+  std::map<std::string, std::vector<Tensor>> gate, up, down;  // "prefix.mlp.experts." -> per expert
+  for (const auto& [n, t] : in) {
+    const size_t at = n.find(".mlp.experts.");
+    PerExpertName pe;
+    if (at == std::string::npos || !parse_per_expert_name(canonical_weight_name(n), pe) ||
+        (only_layer >= 0 && pe.layer != only_layer)) {
+      out.emplace_back(n, t);
+      continue;
+    }
+    const std::string p = n.substr(0, at) + ".mlp.experts.";
+    auto& v = pe.proj == "gate" ? gate[p] : pe.proj == "up" ? up[p] : down[p];
+    v.resize(static_cast<size_t>(E));
+    v[static_cast<size_t>(pe.expert)] = t.to_dtype(DType::F32).contiguous();
+  }
+  for (const auto& [p, g] : gate) {
+    const int64_t I = g[0].size(0), H = g[0].size(1);
+    Tensor gu = Tensor::empty({E, 2 * I, H}, DType::F32), dn = Tensor::empty({E, H, I}, DType::F32);
+    for (int64_t e = 0; e < E; ++e) {
+      std::memcpy(gu.data<float>() + e * 2 * I * H, g[e].data<float>(), sizeof(float) * I * H);
+      std::memcpy(gu.data<float>() + (e * 2 + 1) * I * H, up.at(p)[e].data<float>(), sizeof(float) * I * H);
+      std::memcpy(dn.data<float>() + e * H * I, down.at(p)[e].data<float>(), sizeof(float) * H * I);
+    }
+    out.emplace_back(p + "gate_up_proj", gu.to_dtype(DType::BF16));
+    out.emplace_back(p + "down_proj", dn.to_dtype(DType::BF16));
+  }
+  return out;
+}
+
+ForwardResult run_all(const TargetModel& m, const std::vector<std::vector<int32_t>>& seqs) {
+  ForwardOptions opt;
+  opt.capture = all_layers(m.config());
+  opt.final_norm = true;
+  opt.capture_routing = true;
+  return m.forward(seqs, opt);
+}
+
+// Same result bit for bit: every layer and every routing choice.
+void expect_identical(const ForwardResult& a, const ForwardResult& b) {
+  ASSERT_EQ(a.layers.size(), b.layers.size());
+  for (const auto& [i, t] : a.layers) EXPECT_EQ(max_abs_diff(t, b.layers.at(i)), 0.0) << "layer " << i;
+  for (const auto& [i, r] : a.routing) {
+    EXPECT_EQ(routing_mismatches(r.experts, b.routing.at(i).experts), 0) << "layer " << i;
+    EXPECT_EQ(max_abs_diff(r.weights, b.routing.at(i).weights), 0.0) << "layer " << i;
+  }
+}
+
+struct Loaded {
+  TargetConfig cfg;
+  std::unique_ptr<TargetModel> model;
+};
+Loaded load(const std::string& dir) {
+  Loaded l;
+  l.cfg = TargetConfig::from_file(dir);
+  l.model = std::make_unique<TargetModel>(l.cfg, load_weights(l.cfg, dir, DType::F32, Device::cpu()));
+  return l;
+}
+
+}  // namespace
+
+TEST(MoeGolden, EveryLayerAndEveryRoutingChoiceMatchesTransformers) {
+  Loaded m = load(kDir);
+  const TargetConfig& cfg = m.cfg;
+  ASSERT_TRUE(cfg.is_moe());
+  EXPECT_EQ(cfg.model_type, "qwen3_5_moe_text");
+  io::SafetensorsFile golden(kDir + "/golden.safetensors");
+  for (auto algo : {ops::DeltaRuleAlgo::Chunked, ops::DeltaRuleAlgo::Recurrent}) {
+    for (int T : {1, 37, 130}) {
+      const std::string t = std::to_string(T);
+      ForwardOptions opt;
+      opt.capture = all_layers(cfg);
+      opt.final_norm = true;
+      opt.capture_routing = true;
+      opt.delta_rule = algo;
+      const ForwardResult r = m.model->forward({ids_of(golden.tensor("ids." + t))}, opt);
+      double worst = 0, worst_exact = 0, worst_w = 0;
+      int64_t mismatched = 0;
+      ASSERT_EQ(r.routing.size(), static_cast<size_t>(cfg.num_hidden_layers));
+      for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
+        const std::string li = t + "." + std::to_string(i);
+        const double e = max_rel_err(r.layers.at(i), golden.tensor("layer." + li));
+        const double ex = max_rel_err(r.layers.at(i), golden.tensor("exact." + li));
+        EXPECT_LE(e, kBound) << "T=" << T << " layer " << i;
+        EXPECT_LE(ex, kBound) << "T=" << T << " layer " << i << " vs float64";
+        const ops::MoeRouting& route = r.routing.at(i);
+        ASSERT_EQ(route.experts.shape(), (Shape{T, cfg.num_experts_per_tok}));
+        const int64_t bad = routing_mismatches(route.experts, golden.tensor("router." + li + ".experts"));
+        const int64_t bad64 = routing_mismatches(route.experts, golden.tensor("router64." + li + ".experts"));
+        EXPECT_EQ(bad, 0) << "T=" << T << " layer " << i << ": tokens routed unlike transformers";
+        EXPECT_EQ(bad64, 0) << "T=" << T << " layer " << i << ": tokens routed unlike transformers' float64 run";
+        const double w = max_abs_diff(route.weights, golden.tensor("router." + li + ".weights"));
+        const double w64 = max_abs_diff(route.weights, golden.tensor("router64." + li + ".weights"));
+        EXPECT_LE(w, kWeightBound) << "T=" << T << " layer " << i;
+        EXPECT_LE(w64, kWeightBound) << "T=" << T << " layer " << i;
+        worst = std::max(worst, e);
+        worst_exact = std::max(worst_exact, ex);
+        worst_w = std::max({worst_w, w, w64});
+        mismatched += bad + bad64;
+      }
+      const double ef = max_rel_err(r.final_hidden, golden.tensor("final." + t));
+      EXPECT_LE(ef, kBound) << "T=" << T << " final norm";
+      std::printf("tiny_moe %-9s T=%3d: max rel err vs transformers f32 %.2e (f64 %.2e), final norm %.2e, "
+                  "routing weights %.2e, tokens routed differently %lld\n",
+                  algo == ops::DeltaRuleAlgo::Chunked ? "chunked" : "recurrent", T, worst, worst_exact, ef, worst_w,
+                  static_cast<long long>(mismatched));
+    }
+  }
+}
+
+// The router logits themselves, against transformers' (the choices above follow from them).
+TEST(MoeGolden, RouterLogitsMatchTransformers) {
+  Loaded m = load(kDir);
+  io::SafetensorsFile golden(kDir + "/golden.safetensors");
+  for (int T : {1, 37, 130}) {
+    const std::string t = std::to_string(T);
+    const ForwardResult r = run_all(*m.model, {ids_of(golden.tensor("ids." + t))});
+    double worst = 0;
+    for (int64_t i = 0; i < m.cfg.num_hidden_layers; ++i) {
+      const double e = max_rel_err(r.routing.at(i).logits, golden.tensor("router." + t + "." + std::to_string(i) + ".logits"));
+      EXPECT_LE(e, kBound) << "T=" << T << " layer " << i;
+      worst = std::max(worst, e);
+    }
+    std::printf("tiny_moe T=%3d: router logits max rel err vs transformers f32 %.2e\n", T, worst);
+  }
+}
+
+// Packing several sequences in one batch gives each the result it gets alone.
+TEST(MoeGolden, BatchOfSequencesEqualsSeparateRuns) {
+  Loaded m = load(kDir);
+  io::SafetensorsFile golden(kDir + "/golden.safetensors");
+  std::vector<std::vector<int32_t>> batch;
+  for (int T : {37, 1, 130}) batch.push_back(ids_of(golden.tensor("ids." + std::to_string(T))));
+  const ForwardResult r = run_all(*m.model, batch);
+  ASSERT_EQ(r.offsets, (std::vector<int64_t>{0, 37, 38, 168}));
+  for (size_t s = 0; s < batch.size(); ++s) {
+    const std::string t = std::to_string(batch[s].size());
+    for (int64_t id = 0; id < m.cfg.num_hidden_layers; ++id) {
+      const std::string li = t + "." + std::to_string(id);
+      EXPECT_LE(max_rel_err(r.layers.at(id).slice(0, r.offsets[s], r.offsets[s + 1]), golden.tensor("layer." + li)), kBound)
+          << "sequence " << s << " layer " << id;
+      const Tensor ex = r.routing.at(id).experts.slice(0, r.offsets[s], r.offsets[s + 1]).contiguous();
+      EXPECT_EQ(routing_mismatches(ex, golden.tensor("router." + li + ".experts")), 0) << "sequence " << s << " layer " << id;
+    }
+  }
+}
+
+// transformers 5.17 saves one tensor per expert (checkpoint_names.txt); the official checkpoints
+// hold them fused (mlp.experts.gate_up_proj / down_proj). Both, with text-model or multimodal names
+// (model_type qwen3_5_moe with text_config; tensors under model.language_model.*, MTP and vision
+// tensors ignored), load to the same model, bit for bit.
+TEST(MoeLayouts, FusedExpertsAndMultimodalNamesLoadTheSameModel) {
+  Loaded ref = load(kDir);
+  const int64_t E = ref.cfg.num_experts;
+  std::vector<int32_t> ids(37);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(rng::bits(5, 2, i) % ref.cfg.vocab_size);
+  const std::vector<std::vector<int32_t>> seq = {ids};
+  const ForwardResult want = run_all(*ref.model, seq);
+  const json text = read_json(kDir + "/config.json");
+  const Tensors saved = checkpoint_tensors();
+  ASSERT_TRUE(std::any_of(saved.begin(), saved.end(), [](const auto& p) { return p.first == "model.layers.0.mlp.experts.7.up_proj.weight"; }));
+
+  const Tensors fused = fuse_experts(saved, E);
+  ASSERT_TRUE(std::any_of(fused.begin(), fused.end(), [](const auto& p) { return p.first == "model.layers.3.mlp.experts.gate_up_proj"; }));
+  const std::string fused_dir = write_checkpoint("fused", text, fused);
+  Loaded f = load(fused_dir);
+  expect_identical(run_all(*f.model, seq), want);
+  fs::remove_all(fused_dir);
+
+  const json mm{{"model_type", "qwen3_5_moe"}, {"architectures", {"Qwen3_5MoeForConditionalGeneration"}},
+                {"text_config", text}, {"vision_config", {{"depth", 1}}}};
+  for (const Tensors* layout : {&saved, &fused}) {
+    Tensors renamed;
+    for (const auto& [n, t] : *layout)
+      renamed.emplace_back(n.rfind("model.", 0) == 0 ? "model.language_model." + n.substr(6) : n, t);
+    renamed.emplace_back("mtp.layers.0.mlp.experts.0.gate_proj.weight", Tensor::zeros({4, 4}, DType::BF16));
+    renamed.emplace_back("model.visual.blocks.0.attn.qkv.weight", Tensor::zeros({4, 4}, DType::BF16));
+    const std::string mm_dir = write_checkpoint("mm", mm, renamed);
+    Loaded m = load(mm_dir);
+    EXPECT_EQ(m.cfg.model_type, "qwen3_5_moe");
+    EXPECT_EQ(m.cfg.num_experts, E);
+    expect_identical(run_all(*m.model, seq), want);
+    fs::remove_all(mm_dir);
+  }
+}
+
+// Checkpoints that do not match the config name every offending tensor.
+TEST(MoeLayouts, BadExpertTensorsAreNamed) {
+  const json text = read_json(kDir + "/config.json");
+  const TargetConfig cfg = TargetConfig::from_json(text, "config.json");
+  auto error_loading = [&](const std::string& name, const Tensors& tensors) {
+    const std::string dir = write_checkpoint(name, text, tensors);
+    const std::string e = error_of([&] { load_weights(cfg, dir, DType::F32, Device::cpu()); });
+    fs::remove_all(dir);
+    return e;
+  };
+  const Tensors saved = checkpoint_tensors();
+  // Expert 5 of layer 2 without its up_proj.
+  Tensors t = saved;
+  std::erase_if(t, [](const auto& p) { return p.first == "model.layers.2.mlp.experts.5.up_proj.weight"; });
+  std::string e = error_loading("missing", t);
+  EXPECT_NE(e.find("missing: layers.2.mlp.experts.5.up_proj.weight [32, 64]"), std::string::npos) << e;
+  // An expert past num_experts.
+  t = saved;
+  t.emplace_back("model.layers.1.mlp.experts.8.down_proj.weight", Tensor::zeros({64, 32}, DType::BF16));
+  e = error_loading("extra", t);
+  EXPECT_NE(e.find("model.layers.1.mlp.experts.8.down_proj.weight (expert 8, but num_experts is 8)"), std::string::npos) << e;
+  // A mis-shaped expert.
+  t = saved;
+  for (auto& [n, x] : t)
+    if (n == "model.layers.0.mlp.experts.3.gate_proj.weight") x = x.slice(0, 0, 31).contiguous();
+  e = error_loading("expert_shape", t);
+  EXPECT_NE(e.find("wrong shape: model.layers.0.mlp.experts.3.gate_proj.weight is [31, 64], expected [32, 64]"),
+            std::string::npos) << e;
+  // Both layouts for one layer.
+  t = saved;
+  for (auto& p : fuse_experts(saved, 8, 3))
+    if (p.first.find(".mlp.experts.gate_up_proj") != std::string::npos || p.first.find(".mlp.experts.down_proj") != std::string::npos)
+      t.push_back(p);
+  e = error_loading("both", t);
+  EXPECT_NE(e.find("layer 3 stores its experts both fused"), std::string::npos) << e;
+  // A mis-shaped fused tensor, and a dense MLP tensor in an MoE checkpoint.
+  t = fuse_experts(saved, 8);
+  for (auto& [n, x] : t)
+    if (n == "model.layers.0.mlp.experts.down_proj") x = x.slice(0, 0, 7).contiguous();
+  t.emplace_back("model.layers.0.mlp.up_proj.weight", Tensor::zeros({4, 64}, DType::BF16));
+  e = error_loading("shape", t);
+  EXPECT_NE(e.find("wrong shape: model.layers.0.mlp.experts.down_proj is [7, 64, 32], expected [8, 64, 32]"), std::string::npos) << e;
+  EXPECT_NE(e.find("unexpected: model.layers.0.mlp.up_proj.weight"), std::string::npos) << e;
+}
+
+namespace {
+
+json moe_fields() {
+  return json{{"model_type", "qwen3_5_moe_text"}, {"hidden_size", 64}, {"num_hidden_layers", 4}, {"vocab_size", 256},
+              {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"head_dim", 32},
+              {"linear_num_key_heads", 2}, {"linear_num_value_heads", 4}, {"linear_key_head_dim", 16},
+              {"linear_value_head_dim", 24}, {"num_experts", 8}, {"num_experts_per_tok", 2},
+              {"moe_intermediate_size", 32}, {"shared_expert_intermediate_size", 48}};
+}
+
+std::string config_error(const json& doc) {
+  return error_of([&] { TargetConfig::from_json(doc, "cfg.json"); });
+}
+
+}  // namespace
+
+TEST(MoeConfig, ReadsTheFieldsTransformersReads) {
+  TargetConfig c = TargetConfig::from_json(moe_fields(), "cfg.json");
+  EXPECT_TRUE(c.is_moe());
+  EXPECT_EQ(c.num_experts, 8);
+  EXPECT_EQ(c.num_experts_per_tok, 2);
+  EXPECT_EQ(c.moe_intermediate_size, 32);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 48);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_EQ(c.intermediate_size, 0);
+  // What transformers ignores or always does is accepted when it says so.
+  json j = moe_fields();
+  j["norm_topk_prob"] = true;
+  j["decoder_sparse_step"] = 1;
+  j["mlp_only_layers"] = json::array();
+  j["router_aux_loss_coef"] = 0.0;
+  j["output_router_logits"] = true;
+  j["intermediate_size"] = 512;  // not a field of qwen3_5_moe: ignored as transformers ignores it
+  c = TargetConfig::from_json(j, "cfg.json");
+  EXPECT_TRUE(c.output_router_logits);
+  EXPECT_EQ(c.router_aux_loss_coef, 0.0);
+  // The multimodal form.
+  const json mm{{"model_type", "qwen3_5_moe"}, {"text_config", moe_fields()}, {"tie_word_embeddings", false}};
+  EXPECT_EQ(TargetConfig::from_json(mm, "cfg.json").num_experts, 8);
+  // to_json round trip (what save_checkpoint writes).
+  const TargetConfig back = TargetConfig::from_json(c.to_json(), "back.json");
+  EXPECT_EQ(back.model_type, "qwen3_5_moe_text");
+  EXPECT_EQ(back.num_experts, c.num_experts);
+  EXPECT_EQ(back.num_experts_per_tok, c.num_experts_per_tok);
+  EXPECT_EQ(back.moe_intermediate_size, c.moe_intermediate_size);
+  EXPECT_EQ(back.shared_expert_intermediate_size, c.shared_expert_intermediate_size);
+  EXPECT_EQ(back.output_router_logits, c.output_router_logits);
+  EXPECT_NE(c.summary().find("8 experts (top 2) x 32 + shared 48"), std::string::npos) << c.summary();
+  // parameter_count is what expected_tensors holds.
+  int64_t n = 0;
+  for (const TensorSpec& s : expected_tensors(c)) n += std::accumulate(s.shape.begin(), s.shape.end(), int64_t{1}, std::multiplies<>());
+  EXPECT_EQ(c.parameter_count(), n);
+  // Active: 2 of the 8 experts per token.
+  EXPECT_EQ(c.parameter_count() - c.active_parameter_count(), 4 * 6 * 3 * 64 * 32);
+}
+
+// Qwen3.5-35B-A3B's shapes (issue 33): 35B parameters, about 3B active per token.
+TEST(MoeConfig, Qwen35_35bA3bCounts) {
+  json t{{"model_type", "qwen3_5_moe_text"}, {"hidden_size", 2048}, {"num_hidden_layers", 40}, {"vocab_size", 248320},
+         {"num_attention_heads", 16}, {"num_key_value_heads", 2}, {"head_dim", 256},
+         {"linear_num_key_heads", 16}, {"linear_num_value_heads", 32}, {"linear_key_head_dim", 128},
+         {"linear_value_head_dim", 128}, {"num_experts", 256}, {"num_experts_per_tok", 8},
+         {"moe_intermediate_size", 512}, {"shared_expert_intermediate_size", 512}};
+  const TargetConfig c = TargetConfig::from_json(json{{"model_type", "qwen3_5_moe"}, {"text_config", t}}, "35b.json");
+  std::printf("%s\n", c.summary().c_str());
+  EXPECT_GT(c.parameter_count(), 33e9);
+  EXPECT_LT(c.parameter_count(), 36e9);
+  EXPECT_GT(c.active_parameter_count(), 2.5e9);
+  EXPECT_LT(c.active_parameter_count(), 3.8e9);
+}
+
+TEST(MoeConfig, RefusesWhatTheReferenceDoesNotRunByName) {
+  auto with = [](const char* key, const json& v) {
+    json j = moe_fields();
+    j[key] = v;
+    return j;
+  };
+  std::string e = config_error(with("norm_topk_prob", false));
+  EXPECT_NE(e.find("'norm_topk_prob' is false"), std::string::npos) << e;
+  e = config_error(with("decoder_sparse_step", 2));
+  EXPECT_NE(e.find("'decoder_sparse_step' is 2"), std::string::npos) << e;
+  e = config_error(with("mlp_only_layers", json::array({1})));
+  EXPECT_NE(e.find("'mlp_only_layers' is [1]"), std::string::npos) << e;
+  e = config_error(with("num_experts_per_tok", 9));
+  EXPECT_NE(e.find("'num_experts_per_tok' is 9, more than num_experts 8"), std::string::npos) << e;
+  e = config_error(with("router_aux_loss_coef", "high"));
+  EXPECT_NE(e.find("'router_aux_loss_coef' must be a number"), std::string::npos) << e;
+  e = config_error(with("quantization_config", json{{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}}));
+  EXPECT_NE(e.find("block-FP8 Mixture-of-Experts checkpoints are not supported yet"), std::string::npos) << e;
+  json missing = moe_fields();
+  missing.erase("moe_intermediate_size");
+  e = config_error(missing);
+  EXPECT_NE(e.find("'moe_intermediate_size' is missing"), std::string::npos) << e;
+  json nested{{"model_type", "qwen3_5_moe"}, {"text_config", moe_fields()}};
+  nested["text_config"].erase("num_experts");
+  e = config_error(nested);
+  EXPECT_NE(e.find("'text_config.num_experts' is missing"), std::string::npos) << e;
+  // Dense / MoE mix-ups and the layouts transformers would fill with defaults.
+  json dense_with_experts = moe_fields();
+  dense_with_experts["model_type"] = "qwen3_5_text";
+  dense_with_experts["intermediate_size"] = 128;
+  e = config_error(dense_with_experts);
+  EXPECT_NE(e.find("field 'num_experts' describes a Mixture-of-Experts model, but model_type is 'qwen3_5_text'"),
+            std::string::npos) << e;
+  json inner{{"model_type", "qwen3_5_moe"}, {"text_config", moe_fields()}};
+  inner["text_config"]["model_type"] = "qwen3_5_text";
+  e = config_error(inner);
+  EXPECT_NE(e.find("'text_config.model_type' is 'qwen3_5_text'"), std::string::npos) << e;
+  e = config_error(json{{"model_type", "qwen3_5_moe"}});
+  EXPECT_NE(e.find("qwen3_5_moe without an object 'text_config'"), std::string::npos) << e;
+  e = config_error(with("model_type", "qwen3_next"));
+  EXPECT_NE(e.find("'qwen3_next' is not supported"), std::string::npos) << e;
+}
+
+// tp > 1, fp8 and the CUDA backend are refused at load, naming the field.
+TEST(MoeConfig, RefusesTensorParallelFp8AndTheGpuBackend) {
+  const TargetConfig c = TargetConfig::from_json(moe_fields(), "cfg.json");
+  std::string e = error_of([&] { check_tp(c, 2); });
+  EXPECT_NE(e.find("parallel.tp = 2"), std::string::npos) << e;
+  EXPECT_NE(e.find("runs with tp 1 only"), std::string::npos) << e;
+  EXPECT_NO_THROW(check_tp(c, 1));
+  e = error_of([&] { random_weights(c, 1, DType::F32, Device::cpu(), Precision::Fp8); });
+  EXPECT_NE(e.find("precision fp8: Mixture-of-Experts targets run in bf16 only"), std::string::npos) << e;
+  e = error_of([&] { make_plan(c, Device::cuda(0), KernelPolicies{}, 9, Precision::Bf16); });
+  EXPECT_NE(e.find("MoE layers run on the CPU backend only for now"), std::string::npos) << e;
+  EXPECT_NE(e.find("model_type qwen3_5_moe_text (num_experts 8)"), std::string::npos) << e;
+  e = error_of([&] { make_decode_plan(c, Device::cuda(0), KernelPolicies{}, 9, Precision::Bf16); });
+  EXPECT_NE(e.find("MoE layers run on the CPU backend only for now"), std::string::npos) << e;
+  // The CPU plan is made.
+  EXPECT_EQ(make_plan(c, Device::cpu(), KernelPolicies{}, 0, Precision::Bf16).layers.size(), 4u);
+}
+
+// Random MoE weights: save_checkpoint writes what load_weights reads back to the same model.
+TEST(MoeWeights, RandomWeightsSaveAndLoadBack) {
+  const TargetConfig c = TargetConfig::from_json(moe_fields(), "cfg.json");
+  const TargetWeights w = random_weights(c, 7, DType::F32, Device::cpu());
+  const std::string dir = temp_dir("save");
+  save_checkpoint(c, w, dir, DType::F32);
+  const TargetConfig back = TargetConfig::from_file(dir);
+  EXPECT_TRUE(back.is_moe());
+  TargetModel a(c, w), b(back, load_weights(back, dir, DType::F32, Device::cpu()));
+  std::vector<int32_t> seq(20);
+  for (size_t i = 0; i < seq.size(); ++i) seq[i] = static_cast<int32_t>(rng::bits(3, 1, i) % 256);
+  expect_identical(run_all(a, {seq}), run_all(b, {seq}));
+  fs::remove_all(dir);
+}
+
+// The CPU decoder (which shares the forward's layer stack) on the MoE target: extending in pieces
+// equals one forward, and verify + commit equals extending by the accepted tokens.
+TEST(MoeDecode, PiecesEqualOneForwardAndVerifyCommitRollsBack) {
+  Loaded m = load(kDir);
+  const TargetConfig& c = m.cfg;
+  const int64_t T = 40, H = c.hidden_size;
+  std::vector<int32_t> seq(static_cast<size_t>(T));
+  for (int64_t i = 0; i < T; ++i) seq[i] = static_cast<int32_t>(rng::bits(11, 7, static_cast<uint64_t>(i)) % c.vocab_size);
+  const ForwardResult full = run_all(*m.model, {seq});
+  ExtendOptions eo;
+  eo.capture = all_layers(c);
+  auto dec = make_cpu_decoder(*m.model, 2, 64);
+  int64_t at = 0;
+  double worst = 0;
+  for (int64_t p : {1, 5, 16, 18}) {
+    const std::vector<int32_t> piece(seq.begin() + at, seq.begin() + at + p);
+    const ExtendResult r = dec->extend({1}, {piece}, eo);
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+      worst = std::max(worst, max_rel_err(r.features.slice(1, l * H, (l + 1) * H).contiguous(),
+                                          full.layers.at(l).slice(0, at, at + p).contiguous()));
+    at += p;
+  }
+  EXPECT_LE(worst, 1e-5);
+  // Verify 8 tokens, keep 3, then the next token continues as if only those 3 had been extended.
+  auto a = make_cpu_decoder(*m.model, 1, 64), b = make_cpu_decoder(*m.model, 1, 64);
+  const std::vector<int32_t> prompt(seq.begin(), seq.begin() + 10), block(seq.begin() + 10, seq.begin() + 18);
+  a->extend({0}, {prompt}, eo);
+  b->extend({0}, {prompt}, eo);
+  ExtendOptions verify = eo;
+  verify.commit = false;
+  a->extend({0}, {block}, verify);
+  a->commit(0, 3);
+  b->extend({0}, {std::vector<int32_t>(block.begin(), block.begin() + 3)}, eo);
+  const ExtendResult ra = a->extend({0}, {{seq[30]}}, eo), rb = b->extend({0}, {{seq[30]}}, eo);
+  EXPECT_EQ(max_abs_diff(ra.features, rb.features), 0.0);
+  EXPECT_EQ(ra.next, rb.next);
+}
+
+// The MoE ops against the formulas written out in double, on random inputs (independent of the
+// golden data): the routing's choices and weights (renormalised or not, k = 1 .. E), the experts'
+// weighted SwiGLU sum and the gated shared-expert add. Bound 1e-5 relative (f32 vs double).
+TEST(MoeOps, MatchTheFormulasInDouble) {
+  HostDraws draw{2024};
+  const int64_t N = 23, H = 40, E = 6, I = 12;
+  const Tensor x = draw.randn({N, H}), router = draw.randn({E, H}, 0.5f);
+  const Tensor gate_up = draw.randn({E, 2 * I, H}, 0.3f), down = draw.randn({E, H, I}, 0.3f);
+  const std::vector<double> X = to_doubles(x), R = to_doubles(router), GU = to_doubles(gate_up), D = to_doubles(down);
+  for (int64_t k : {int64_t{1}, int64_t{2}, E})
+    for (bool renorm : {true, false}) {
+      ops::MoeRouting r;
+      ops::moe_route(x, router, k, renorm, r);
+      ASSERT_EQ(r.experts.shape(), (Shape{N, k}));
+      Tensor y = poisoned_f32({N, H});
+      ops::moe_experts(x, gate_up, down, r, y);
+      std::vector<double> want_w, want_y(static_cast<size_t>(N * H), 0.0), want_logits;
+      for (int64_t n = 0; n < N; ++n) {
+        std::vector<double> lg(static_cast<size_t>(E)), p(static_cast<size_t>(E));
+        double mx = -1e300, sum = 0;
+        for (int64_t e = 0; e < E; ++e) {
+          for (int64_t h = 0; h < H; ++h) lg[e] += X[n * H + h] * R[e * H + h];
+          mx = std::max(mx, lg[e]);
+          want_logits.push_back(lg[e]);
+        }
+        for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(lg[e] - mx));
+        std::vector<int32_t> order(static_cast<size_t>(E));
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });
+        double chosen = 0;
+        for (int64_t j = 0; j < k; ++j) chosen += p[order[j]] / sum;
+        for (int64_t j = 0; j < k; ++j) {
+          ASSERT_EQ(r.experts.data<int32_t>()[n * k + j], order[j]) << "token " << n << " rank " << j;
+          const int64_t e = order[j];
+          const double w = p[e] / sum / (renorm ? chosen : 1.0);
+          want_w.push_back(w);
+          std::vector<double> a(static_cast<size_t>(I));
+          for (int64_t c = 0; c < I; ++c) {
+            double g = 0, u = 0;
+            for (int64_t h = 0; h < H; ++h) {
+              g += GU[(e * 2 * I + c) * H + h] * X[n * H + h];
+              u += GU[(e * 2 * I + I + c) * H + h] * X[n * H + h];
+            }
+            a[c] = g / (1 + std::exp(-g)) * u;
+          }
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t c = 0; c < I; ++c) want_y[n * H + h] += w * D[(e * H + h) * I + c] * a[c];
+        }
+      }
+      EXPECT_LE(rel_err(to_doubles(r.logits), want_logits), 1e-5);
+      EXPECT_LE(rel_err(to_doubles(r.weights), want_w), 1e-5) << "k " << k << " renormalise " << renorm;
+      EXPECT_LE(rel_err(to_doubles(y), want_y), 1e-5) << "k " << k << " renormalise " << renorm;
+      if (renorm) {  // the chosen weights sum to 1
+        for (int64_t n = 0; n < N; ++n) {
+          double s = 0;
+          for (int64_t j = 0; j < k; ++j) s += r.weights.data<float>()[n * k + j];
+          EXPECT_NEAR(s, 1.0, 1e-6);
+        }
+      }
+    }
+  // The shared expert's gate: y += sigmoid(g) · s.
+  const Tensor s = draw.randn({N, H}), g = draw.randn({N, 1}, 2.0f);
+  Tensor y = draw.randn({N, H});
+  std::vector<double> want = to_doubles(y);
+  const std::vector<double> S = to_doubles(s), G = to_doubles(g);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h) want[n * H + h] += S[n * H + h] / (1 + std::exp(-G[n]));
+  ops::add_sigmoid_gated(s, g, y);
+  EXPECT_LE(rel_err(to_doubles(y), want), 1e-6);
+  // Ties go to the lower expert index; bad inputs are named.
+  const Tensor flat = Tensor::zeros({2, H}, DType::F32);
+  ops::MoeRouting r;
+  ops::moe_route(flat, router, 3, true, r);
+  for (int64_t j = 0; j < 3; ++j) EXPECT_EQ(r.experts.data<int32_t>()[j], j);
+  EXPECT_NE(error_of([&] { ops::moe_route(x, router, E + 1, true, r); }).find("top_k 7 must be in [1, 6]"), std::string::npos);
+  r.experts.data<int32_t>()[0] = static_cast<int32_t>(E);
+  Tensor y2 = Tensor::empty({2, H}, DType::F32);
+  EXPECT_NE(error_of([&] { ops::moe_experts(flat, gate_up, down, r, y2); }).find("expert index 6"), std::string::npos);
+}

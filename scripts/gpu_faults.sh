@@ -2,7 +2,7 @@
 # The fault matrix on the GPU backend (issue 32), in one device call: tests/train_test.sh's fault
 # modes with DFLASH_TRAIN_DEVICE=cuda (parallel.device: cuda) on the tiny config, the Qwen3.6-27B
 # recipe's shapes (random weights) for determinism, the memory plan's prediction and its start-up
-# refusal, and the tiny run's device memory over 2,000 steps. Leaves in $OUT: faults.log (every
+# refusal, and the tiny run's device memory over 10,000 steps. Leaves in $OUT: faults.log (every
 # row's output), faults.md (the table: fault, device, result, evidence), faults.csv, env.txt,
 # build.log, logs.tgz (the runs' logs and metrics).
 #   OUT=DIR DFLASH_DEADLINE=EPOCH bash scripts/gpu_faults.sh   (DFLASH_BUILD: the build dir)
@@ -56,7 +56,7 @@ row() {
   printf '| %s | %s | %s | %s (%ss) |\n' "$fault" "$DEV" "$res" "$e" $((SECONDS - s)) >>"$OUT/faults.md"
   printf '"%s","%s","%s","%s"\n' "$fault" "$DEV" "$res" "${e//\"/\'}" >>"$OUT/faults.csv"
   echo "$name: $res ($((SECONDS - s)) s)"
-  tar czf "$OUT/logs.tgz" -C "$W" $(cd "$W" && ls -d *.out */*.log */*/metrics.jsonl */*/logs 2>/dev/null) 2>/dev/null
+  tar czf "$OUT/logs.tgz" -C "$W" $(cd "$W" && ls -d *.out *.log *.samples */*.log */metrics.jsonl */*/metrics.jsonl */*/logs 2>/dev/null) 2>/dev/null
 }
 export DFLASH_TRAIN_DEVICE=cuda
 tt() { bash "$TT" "$1" "$T" "$TINY" "$W/$1" "${@:2}"; }
@@ -108,11 +108,12 @@ oom() {
   else tail -n 5 "$W/q27oom.log"; return 1; fi
 }
 row oom "out of memory: the 27B recipe with 4 x the anchors (2048 blocks) on one H200" 30 "does not fit|total \(estimate\)|^OK" oom
-# Device memory over a long run: the tiny config, 2,000 steps; the process's device memory
+# Device memory over a long run: the tiny config, MEMFLAT_STEPS (default 10,000) steps; the process's device memory
 # (nvidia-smi, what the allocator holds from the driver) sampled with the step it was at, and the
 # allocator's peak (metrics.jsonl mem_gib).
+MEMFLAT_STEPS=${MEMFLAT_STEPS:-10000}
 memflat() {
-  "$T" --set parallel.device=cuda --set training.max_steps=2000 --set logging.interval=50 --set checkpoint.interval=500 \
+  "$T" --set parallel.device=cuda --set training.max_steps=$MEMFLAT_STEPS --set logging.interval=50 --set checkpoint.interval=1000 \
     --set logging.run_dir="$W/memflat" --set data.synth.path="$W/memflat_synth.h5" --set logging.progress_bar=false \
     --set data.regenerate.enabled=false --set training.batch_size=4 --set training.num_anchors=4 \
     >"$W/memflat.log" 2>&1 &
@@ -126,15 +127,15 @@ memflat() {
     sleep 0.2
   done
   wait $pid || { tail -n 5 "$W/memflat.log"; return 1; }
-  local peaks
-  peaks=$(grep -o '"step":[0-9]*\|"mem_gib":[0-9.e-]*' "$m" | paste - - | awk -F'[:\t]' '$2 == 50 || $2 == 1000 || $2 == 2000 {printf "step %s peak %s GiB; ", $2, $4}')
-  echo "allocator peak (metrics.jsonl mem_gib): $peaks"
+  echo "allocator peak (metrics.jsonl mem_gib) at steps 50 / 1000 / $MEMFLAT_STEPS: $(awk -v n=$MEMFLAT_STEPS '{
+      match($0, /"step":[0-9]+/); st = substr($0, RSTART + 7, RLENGTH - 7); match($0, /"mem_gib":[0-9.e+-]+/)
+      if (st == 50 || st == 1000 || st == n) printf "%s ", substr($0, RSTART + 10, RLENGTH - 10)}' "$m")GiB"
   awk '$1 >= 50 && a == "" {a = $0} $1 >= 1000 && b == "" {b = $0} {last = $0; if ($2 + 0 > mx) mx = $2 + 0; if (mn == "" || $2 + 0 < mn) mn = $2 + 0}
        END {printf "nvidia-smi process memory [step MiB]: first at >= 50: [%s], first at >= 1000: [%s], last: [%s]; min %s max %s MiB over %d samples\n", a, b, last, mn, mx, NR}' \
     "$W/memflat.samples"
-  grep -q "done: 2000 steps" "$W/memflat.log" && echo "OK: 2000 steps"
+  grep -q "done: $MEMFLAT_STEPS steps" "$W/memflat.log" && echo "OK: $MEMFLAT_STEPS steps"
 }
-row memflat "device memory over 2,000 steps (tiny config)" 40 "allocator peak|nvidia-smi process|^OK" memflat
+row memflat "device memory over $MEMFLAT_STEPS steps (tiny config)" 60 "allocator peak|nvidia-smi process|^OK" memflat
 # A full disk at a checkpoint: checkpoint.dir on a real tmpfs where mount is permitted (root); the
 # hooks' rows (fulldisk, ckptfail, baddirs) either way.
 if mount -t tmpfs -o size=1m tmpfs "$W/.probe" 2>/dev/null || { mkdir -p "$W/.probe" && mount -t tmpfs -o size=1m tmpfs "$W/.probe" 2>/dev/null; }; then

@@ -2,7 +2,7 @@
 # The fault matrix on the GPU backend (issue 32), in one device call: tests/train_test.sh's fault
 # modes with DFLASH_TRAIN_DEVICE=cuda (parallel.device: cuda) on the tiny config, the Qwen3.6-27B
 # recipe's shapes (random weights) for determinism, the memory plan's prediction and its start-up
-# refusal, and the tiny run's device memory over 10,000 steps. Leaves in $OUT: faults.log (every
+# refusal, and the tiny run's device memory over 6,000 steps. Leaves in $OUT: faults.log (every
 # row's output), faults.md (the table: fault, device, result, evidence), faults.csv, env.txt,
 # build.log, logs.tgz (the runs' logs and metrics).
 #   OUT=DIR DFLASH_DEADLINE=EPOCH bash scripts/gpu_faults.sh   (DFLASH_BUILD: the build dir)
@@ -108,10 +108,10 @@ oom() {
   else tail -n 5 "$W/q27oom.log"; return 1; fi
 }
 row oom "out of memory: the 27B recipe with 4 x the anchors (2048 blocks) on one H200" 30 "does not fit|total \(estimate\)|^OK" oom
-# Device memory over a long run: the tiny config, MEMFLAT_STEPS (default 10,000) steps; the process's device memory
+# Device memory over a long run: the tiny config, MEMFLAT_STEPS (default 6,000) steps; the process's device memory
 # (nvidia-smi, what the allocator holds from the driver) sampled with the step it was at, and the
 # allocator's peak (metrics.jsonl mem_gib).
-MEMFLAT_STEPS=${MEMFLAT_STEPS:-10000}
+MEMFLAT_STEPS=${MEMFLAT_STEPS:-6000}
 memflat() {
   "$T" --set parallel.device=cuda --set training.max_steps=$MEMFLAT_STEPS --set logging.interval=50 --set checkpoint.interval=1000 \
     --set logging.run_dir="$W/memflat" --set data.synth.path="$W/memflat_synth.h5" --set logging.progress_bar=false \

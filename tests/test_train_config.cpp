@@ -13,6 +13,7 @@
 #include "target_model/config.h"
 #include "test_util.h"
 #include "trainer/config.h"
+#include "trainer/faults.h"
 #include "trainer/memory_plan.h"
 #include "trainer/metrics.h"
 #include "drafter/weights.h"
@@ -598,6 +599,68 @@ TEST(MemoryPlan, Qwen27bRecipe) {
   EXPECT_GT(params, 1'500'000'000);
   EXPECT_LT(one.total(), 139.8 * (1 << 30));
   std::printf("Qwen3.6-27B recipe, tp=1:\n%s\n", one.table(139.8 * (1 << 30)).c_str());
+}
+
+// The start-up refusal (issue 32): on an H200 (139.8 GiB, 139.2 free as at start-up) the 27B recipe
+// fits with the plan's 10% headroom; with 4 x the anchors (2048 blocks) or 4 sequences of 16384
+// tokens it does not, and the message gives the figures, the table and what to change. The plan
+// against the peaks measured on the H200 (bench/results/h200-0630575 q27_1gpu 95.8 GiB,
+// h200x2-fb4e956-train q27_2gpu_tp2 67.2 GiB, peak allocated): below each, within the headroom.
+TEST(MemoryPlan, RefusesWhatDoesNotFitNamingTheFiguresAndWhatToChange) {
+  const TrainConfig q = TrainConfig::from_file(kRoot + "/configs/qwen3.6-27b.yaml");
+  const target::TargetConfig t = qwen_target();
+  const drafter::DrafterConfig d = q.drafter_config(t);
+  const double gib = 1024.0 * 1024.0 * 1024.0, total = 139.8 * gib, free = 139.2 * gib;
+  const int64_t L = q.data.max_length, A = q.training.num_anchors;
+  const MemoryPlan recipe = gpu_memory_plan(target::local_config(t, 1), d, L, L, A, 2048);
+  EXPECT_NO_THROW(check_memory_plan_fits(recipe, free, total, "cuda:0"));
+  const MemoryPlan anchors = gpu_memory_plan(target::local_config(t, 1), d, L, L, 4 * A, 2048);
+  const std::string e = error_of([&] { check_memory_plan_fits(anchors, free, total, "cuda:0"); });
+  EXPECT_THAT(e, HasSubstr("GPU training on cuda:0 does not fit: the memory plan needs "));
+  EXPECT_THAT(e, HasSubstr("% headroom) but 139.20 GiB are free"));
+  EXPECT_THAT(e, HasSubstr("drafter activations"));
+  EXPECT_THAT(e, HasSubstr("total (estimate)"));
+  EXPECT_THAT(e, HasSubstr("lower training.num_anchors or training.batch_size"));
+  const MemoryPlan longseq = gpu_memory_plan(target::local_config(t, 1), d, 4 * 16384, 16384, 4 * A, 2048);
+  EXPECT_THAT(error_of([&] { check_memory_plan_fits(longseq, free, total, "cuda:0"); }), HasSubstr("does not fit"));
+  // tp=2 halves the target's weights: the 4 x anchors recipe still does not fit one H200 per rank,
+  // the recipe does.
+  const MemoryPlan tp2 = gpu_memory_plan(target::local_config(t, 2), d, L, L, (A + 1) / 2, 2048);
+  EXPECT_NO_THROW(check_memory_plan_fits(tp2, free, total, "cuda:0"));
+  for (const auto& [plan, peak] : {std::pair{recipe, 95.8}, std::pair{tp2, 67.2}}) {
+    EXPECT_LT(plan.total() / gib, peak);
+    EXPECT_GT(plan.total() * (1 + kMemoryPlanMargin) / gib, peak);
+    std::printf("plan %.2f GiB, measured peak %.1f GiB (%.1f%%)\n", plan.total() / gib, peak,
+                100.0 * (plan.total() / gib - peak) / peak);
+  }
+}
+
+// DFLASH_FAULT_CUDA_ERROR=OP:STEP[:KIND] (the GPU backend's CUDA-error hook): parsed, malformed
+// values refused naming the value; a step's error names the rank and the step.
+TEST(Faults, CudaErrorHookParsesAndNamesTheStep) {
+  EXPECT_FALSE(parse_cuda_fault(nullptr).enabled());
+  EXPECT_FALSE(parse_cuda_fault("").enabled());
+  const CudaFault f = parse_cuda_fault("drafter:6");
+  EXPECT_TRUE(f.enabled());
+  EXPECT_EQ(f.op, "drafter");
+  EXPECT_EQ(f.step, 6);
+  EXPECT_EQ(f.kind, "launch");
+  EXPECT_TRUE(f.at(6, "drafter"));
+  EXPECT_FALSE(f.at(5, "drafter"));
+  EXPECT_FALSE(f.at(6, "target"));
+  const CudaFault g = parse_cuda_fault("optimizer:12:trap");
+  EXPECT_EQ(g.op, "optimizer");
+  EXPECT_EQ(g.step, 12);
+  EXPECT_EQ(g.kind, "trap");
+  EXPECT_EQ(parse_cuda_fault("target:1").op, "target");
+  EXPECT_THAT(error_of([] { parse_cuda_fault("drafter"); }), HasSubstr("DFLASH_FAULT_CUDA_ERROR='drafter' has no ':STEP'"));
+  EXPECT_THAT(error_of([] { parse_cuda_fault("lmhead:3"); }), HasSubstr("'lmhead' is not an op"));
+  EXPECT_THAT(error_of([] { parse_cuda_fault("drafter:0"); }), HasSubstr("'0' is not a step >= 1"));
+  EXPECT_THAT(error_of([] { parse_cuda_fault("drafter:x6"); }), HasSubstr("'x6' is not a step >= 1"));
+  EXPECT_THAT(error_of([] { parse_cuda_fault("drafter:6:boom"); }), HasSubstr("'boom' is not a kind"));
+  EXPECT_THAT(error_of([] { parse_cuda_fault("drafter:6:boom"); }), HasSubstr("OP target, drafter or optimizer"));
+  EXPECT_EQ(step_failure_message(1, 6, "drafter forward+backward: cudaErrorLaunchFailure"),
+            "rank 1, step 6: drafter forward+backward: cudaErrorLaunchFailure");
 }
 
 // data.regenerate.stop_tokens: null = the target's own eos ids, [] = none, else ids and token text;

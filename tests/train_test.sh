@@ -56,6 +56,18 @@
 #           MPIRUN (mpi label): mpirun -n 2 (dp 2), rank 1 killed: the job ends non-zero, and resumes likewise.
 #   corrupt a checkpoint whose state.json is not JSON is refused at start-up naming the file and the older complete
 #           checkpoint to resume from instead; with no older one, the message says so.
+#   kill9bg kill -9 while the background checkpoint writer is active (DFLASH_FAULT_CHECKPOINT_PAUSE holds ckpt-8's write
+#           after its drafter files): the partial ckpt-8 has no COMMIT and is never resumed; the same command resumes
+#           from ckpt-4 and ends with the uninterrupted run's losses, bit for bit; the partial directory is removed.
+#   determinism  the same run twice (DFLASH_DET_STEPS steps, default 6): losses and grad norms equal as text, the
+#           final checkpoint's optimizer state and drafter byte for byte (on a mismatch: the largest difference).
+#   cudaerror  on the CPU backend DFLASH_FAULT_CUDA_ERROR (a GPU-backend hook) and a malformed value are refused at
+#           start-up; on the GPU backend each fault of DFLASH_CUDA_FAULTS (default drafter:6 target:7:trap
+#           optimizer:10) ends the run non-zero (never a hang: 120 s) naming rank, step and op, after the last complete
+#           checkpoint, which the same command without the hook resumes to the uninterrupted run's losses.
+#   tmpfs   (root: mount -t tmpfs; not in ctest) checkpoint.dir on a tmpfs with room for 2.5 checkpoints: ckpt-12's
+#           background write hits a real ENOSPC and the run stops non-zero naming it; ckpt-4 and ckpt-8 stay complete;
+#           after the tmpfs is enlarged the same command resumes from ckpt-8 to the uninterrupted run's losses.
 set -u
 mode=$1 bin=$2 tcfg=$3 work=$4
 shift 4
@@ -452,14 +464,17 @@ baddirs)
   DFLASH_FAULT_FREE_BYTES="1000000@$work/runfull" check_refused runfull "logging.run_dir '$work/runfull' has 976.6 KiB free"
   ;;
 kill9)
-  common=(--set training.max_steps=12 --set logging.interval=1 --set checkpoint.interval=4 --set checkpoint.keep_last=2)
+  # (On the GPU a tiny step takes ~4 ms: 1500 steps, a checkpoint every 200, killed after step 500.)
+  N=12 I=4 at=6
+  [ "$device" = cuda ] && N=1500 I=200 at=500
+  common=(--set training.max_steps=$N --set logging.interval=1 --set checkpoint.interval=$I --set checkpoint.keep_last=2)
   n=1
   if [ ${#mpirun[@]} -gt 0 ]; then pre=("${mpirun[@]}" -n 2) n=2; common+=(--set training.batch_size=2); fi
   run straight "${common[@]}" || fail "the uninterrupted run failed"
   run k "${common[@]}" &
   pid=$!
   for _ in $(seq 900); do
-    [ -f "$work/k/metrics.jsonl" ] && [ "$(wc -l <"$work/k/metrics.jsonl")" -ge 6 ] && break
+    [ -f "$work/k/metrics.jsonl" ] && [ "$(wc -l <"$work/k/metrics.jsonl")" -ge $at ] && break
     sleep 0.1
   done
   # The last rank's process (rank 0 alone without mpirun): OMPI_COMM_WORLD_RANK tells them apart.
@@ -472,13 +487,17 @@ kill9)
   [ -n "$victim" ] || fail "no dflash_train process to kill"
   kill -9 "$victim"
   if wait $pid; then fail "the killed run exited 0"; fi
+  echo "killed at step $(col "$work/k/metrics.jsonl" step | tail -n 1); complete checkpoints: $(ls "$work"/k/checkpoints/*/COMMIT | sed 's|.*/\(ckpt-[0-9]*\)/COMMIT|\1|' | tr '\n' ' ')"
   run k "${common[@]}" || fail "the run after kill -9 failed"
-  grep -Eq "resumed from .*ckpt-(4|8) at step (4|8)/12" "$work/k.log" || fail "did not resume from a complete checkpoint"
+  r=$(grep -Eo "resumed from .*ckpt-[0-9]+ at step [0-9]+/$N" "$work/k.log" | grep -Eo "[0-9]+/$N" | cut -d/ -f1)
+  [ -n "$r" ] && [ $((r % I)) = 0 ] || fail "did not resume from a complete checkpoint"
+  echo "resumed from ckpt-$r"
   a=$(col "$work/straight/metrics.jsonl" loss | tr '\n' ' ') b=$(col "$work/k/metrics.jsonl" loss | tr '\n' ' ')
-  echo "loss uninterrupted: $a"
-  echo "loss after kill -9: $b"
+  echo "loss uninterrupted: $(echo $a | cut -d' ' -f1-12)"
+  echo "loss after kill -9: $(echo $b | cut -d' ' -f1-12)"
   [ "$a" = "$b" ] || fail "the resumed run's losses differ from the uninterrupted run's"
-  [ "$(col "$work/k/metrics.jsonl" step | tr '\n' ' ')" = "$(seq 1 12 | tr '\n' ' ')" ] || fail "metrics steps are not 1..12"
+  echo "all $N losses equal as text"
+  [ "$(col "$work/k/metrics.jsonl" step | tr '\n' ' ')" = "$(seq 1 $N | tr '\n' ' ')" ] || fail "metrics steps are not 1..$N"
   ;;
 corrupt)
   common=(--set training.max_steps=12 --set logging.interval=1 --set checkpoint.interval=4 --set checkpoint.keep_last=2)
@@ -511,6 +530,106 @@ ckptfail)
   [ "$s" -lt 8 ] || fail "the run went on to step $s after the failed write"
   run fault "${common[@]}" || fail "the run after the failed write failed"
   grep -q "no complete checkpoint under .*: starting at step 0" "$work/fault.log" || fail "the incomplete ckpt-4 was not ignored"
+  ;;
+kill9bg)
+  common=(--set training.max_steps=12 --set logging.interval=1 --set checkpoint.interval=4 --set checkpoint.keep_last=2)
+  run straight "${common[@]}" || fail "the uninterrupted run failed"
+  DFLASH_FAULT_CHECKPOINT_PAUSE=8:60000 run k "${common[@]}" &
+  pid=$!
+  for _ in $(seq 900); do grep -q "DFLASH_FAULT_CHECKPOINT_PAUSE: the write of" "$work/k.log" 2>/dev/null && break; sleep 0.1; done
+  grep -q "DFLASH_FAULT_CHECKPOINT_PAUSE: the write of .*ckpt-8 pauses" "$work/k.log" || fail "the ckpt-8 write did not start"
+  victim=
+  for p in $(pgrep -f "dflash_train.*$work/k"); do [ "$(cat /proc/$p/comm 2>/dev/null)" = dflash_train ] && victim=$p; done
+  [ -n "$victim" ] || fail "no dflash_train process to kill"
+  [ -f "$work/k/checkpoints/ckpt-8.tmp/drafter/model.safetensors" ] || ls -R "$work/k/checkpoints"
+  kill -9 "$victim"
+  if wait $pid; then fail "the killed run exited 0"; fi
+  echo "killed at step $(col "$work/k/metrics.jsonl" step | tail -n 1) with ckpt-8's write in progress: $(ls "$work/k/checkpoints" | tr '\n' ' ')"
+  [ -f "$work/k/checkpoints/ckpt-4/COMMIT" ] || fail "the complete ckpt-4 was lost"
+  [ -d "$work/k/checkpoints/ckpt-8.tmp" ] || fail "no partial ckpt-8.tmp: the kill did not land during the write"
+  [ -e "$work/k/checkpoints/ckpt-8/COMMIT" ] && fail "the partial ckpt-8 has a COMMIT marker"
+  run k "${common[@]}" || fail "the run after kill -9 failed"
+  grep -q "resumed from .*ckpt-4 at step 4/12" "$work/k.log" || fail "did not resume from the complete ckpt-4"
+  a=$(col "$work/straight/metrics.jsonl" loss | tr '\n' ' ') b=$(col "$work/k/metrics.jsonl" loss | tr '\n' ' ')
+  echo "loss uninterrupted: $a"
+  echo "loss after kill -9: $b"
+  [ "$a" = "$b" ] || fail "the resumed run's losses differ from the uninterrupted run's"
+  [ "$(col "$work/k/metrics.jsonl" step | tr '\n' ' ')" = "$(seq 1 12 | tr '\n' ' ')" ] || fail "metrics steps are not 1..12"
+  [ -e "$work/k/checkpoints/ckpt-8.tmp" ] && fail "the partial ckpt-8.tmp was not removed"
+  [ -f "$work/k/checkpoints/ckpt-12/COMMIT" ] || fail "no final checkpoint"
+  ;;
+determinism)
+  n=${DFLASH_DET_STEPS:-6}
+  common=(--set training.max_steps=$n --set logging.interval=1 --set checkpoint.interval=100000)
+  run a "${common[@]}" || fail "run a failed"
+  run b "${common[@]}" || fail "run b failed"
+  ok=1
+  for k in loss grad_norm; do
+    if [ "$(col "$work/a/metrics.jsonl" $k)" != "$(col "$work/b/metrics.jsonl" $k)" ]; then
+      ok=0
+      paste <(col "$work/a/metrics.jsonl" $k) <(col "$work/b/metrics.jsonl" $k) |
+        awk -v k=$k '{n++; d = $1 - $2; if (d < 0) d = -d; if (d > w) {w = d; s = n}; if (d > 0 && !f) f = n}
+                     END {printf "  %s differs: first at step %d, largest |a - b| %.3g at step %d\n", k, f, w, s}'
+    fi
+  done
+  for f in "checkpoints/ckpt-$n/optimizer.safetensors" drafter/model.safetensors; do
+    cmp -s "$work/a/$f" "$work/b/$f" || { ok=0; echo "  $f differs: $(cmp "$work/a/$f" "$work/b/$f" -l 2>/dev/null | wc -l) bytes"; }
+  done
+  [ $ok = 1 ] || fail "two identical runs differ ($device backend)"
+  echo "two identical $n-step runs: losses, grad norms, optimizer state and drafter equal bit for bit"
+  ;;
+cudaerror)
+  common=(--set training.max_steps=12 --set logging.interval=1 --set checkpoint.interval=4 --set checkpoint.keep_last=2)
+  if [ "$device" != cuda ]; then
+    if DFLASH_FAULT_CUDA_ERROR=drafter:6 run cpu "${common[@]}"; then fail "the GPU hook was accepted on the CPU backend"; fi
+    grep -q "DFLASH_FAULT_CUDA_ERROR is a GPU-backend test hook" "$work/cpu.log" || fail "no message refusing the hook"
+    if DFLASH_FAULT_CUDA_ERROR=lmhead:6 run bad "${common[@]}"; then fail "a malformed hook was accepted"; fi
+    grep -q "DFLASH_FAULT_CUDA_ERROR='lmhead:6': 'lmhead' is not an op" "$work/bad.log" || fail "no message naming the bad value"
+    grep -q "step 1/" "$work/bad.log" && fail "the bad hook was found only after a step"
+  else
+    run straight "${common[@]}" || fail "the uninterrupted run failed"
+    for spec in ${DFLASH_CUDA_FAULTS:-drafter:6 target:7:trap optimizer:10}; do
+      op=${spec%%:*} rest=${spec#*:} s=${rest%%:*} name=ce_${spec//:/_}
+      case $op in target) optext="target forward" ;; drafter) optext="drafter forward+backward" ;; *) optext="optimizer (AdamW)" ;; esac
+      DFLASH_FAULT_CUDA_ERROR=$spec timeout -s KILL 120 bash -c "$(declare -f run); $(declare -p pre work bin tcfg device); run $name ${common[*]}"
+      rc=$?
+      [ $rc = 0 ] && fail "$spec: the run exited 0"
+      [ $rc = 137 ] && fail "$spec: the run hung (killed after 120 s)"
+      grep -q "rank 0, step $s: $optext: " "$work/$name.log" || fail "$spec: no message naming rank 0, step $s and the $optext"
+      k=$(( (s - 1) / 4 * 4 ))
+      [ "$(col "$work/$name/metrics.jsonl" step | tail -n 1)" = $((s - 1)) ] || fail "$spec: metrics go past step $((s - 1))"
+      if [ $k -gt 0 ]; then [ -f "$work/$name/checkpoints/ckpt-$k/COMMIT" ] || fail "$spec: the last good checkpoint ckpt-$k is not complete"; fi
+      echo "$spec: rc $rc; $(grep -o "rank 0, step $s: .*" "$work/$name.log" | head -n 1 | cut -c1-220)"
+      echo "  checkpoints: $(ls "$work/$name/checkpoints" 2>/dev/null | tr '\n' ' ')"
+      run $name "${common[@]}" || fail "$spec: the run without the hook failed"
+      [ $k -gt 0 ] && { grep -q "resumed from .*ckpt-$k at step $k/12" "$work/$name.log" || fail "$spec: did not resume from ckpt-$k"; }
+      [ "$(col "$work/straight/metrics.jsonl" loss | tr '\n' ' ')" = "$(col "$work/$name/metrics.jsonl" loss | tr '\n' ' ')" ] ||
+        fail "$spec: the resumed run's losses differ from the uninterrupted run's"
+    done
+  fi
+  ;;
+tmpfs)
+  common=(--set training.max_steps=16 --set logging.interval=1 --set checkpoint.interval=4 --set checkpoint.keep_last=2)
+  run straight "${common[@]}" || fail "the uninterrupted run failed"
+  ck=$(du -sb "$work/straight/checkpoints/ckpt-16" | cut -f1)
+  mkdir -p "$work/tck"
+  size=$(( ck * 5 / 2 ))
+  mount -t tmpfs -o size=$size tmpfs "$work/tck" || fail "mount -t tmpfs failed (this mode needs root)"
+  trap 'umount "$work/tck" 2>/dev/null' EXIT
+  echo "checkpoint.dir on a tmpfs of $size bytes (a checkpoint is $ck bytes)"
+  common+=(--set checkpoint.dir="$work/tck")
+  if run t "${common[@]}"; then fail "the run on a full tmpfs exited 0"; fi
+  grep -q "checkpoint .*ckpt-12 could not be written: .*No space left on device" "$work/t.log" ||
+    { grep -i "space\|error" "$work/t.log" | head -n 5; fail "no message naming ckpt-12 and the full disk"; }
+  echo "stopped at step $(col "$work/t/metrics.jsonl" step | tail -n 1); checkpoints: $(ls "$work/tck" | tr '\n' ' ')"
+  for c in 4 8; do [ -f "$work/tck/ckpt-$c/COMMIT" ] || fail "the complete ckpt-$c was lost"; done
+  [ -f "$work/tck/ckpt-12/COMMIT" ] && fail "the partial ckpt-12 has a COMMIT marker"
+  mount -o remount,size=$(( ck * 8 )) "$work/tck" || fail "remount failed"
+  run t "${common[@]}" || fail "the run after the tmpfs was enlarged failed"
+  grep -q "resumed from .*ckpt-8 at step 8/16" "$work/t.log" || fail "did not resume from ckpt-8"
+  [ "$(col "$work/straight/metrics.jsonl" loss | tr '\n' ' ')" = "$(col "$work/t/metrics.jsonl" loss | tr '\n' ' ')" ] ||
+    fail "the resumed run's losses differ from the uninterrupted run's"
+  [ -e "$work/tck/ckpt-12.tmp" ] && fail "the partial ckpt-12.tmp was not removed"
   ;;
 *) fail "unknown mode $mode" ;;
 esac

@@ -56,6 +56,8 @@ class TrainBackend {
   virtual std::string describe() const = 0;  // "cpu" / "cuda:0 (NVIDIA H200)"
   virtual int64_t num_params() const = 0;
   virtual void zero_grads() = 0;
+  // The 1-based step about to run (before its micro-steps): for messages and test hooks.
+  virtual void begin_step(int64_t /*step*/) {}
   // The target forward of the micro-batch (capturing the drafter's layers), then the drafter step
   // (forward, and backward when grad_scale > 0); gradients accumulate. `last` marks the step's last
   // micro-batch (a GPU backend starts its bucketed all-reduce during that backward).

@@ -1,5 +1,7 @@
 #include "trainer/checkpoint.h"
 
+#include <thread>
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -183,6 +185,15 @@ Checkpointer::Checkpointer(const TrainConfig& cfg, const drafter::DrafterConfig&
       keep_last_(static_cast<size_t>(cfg.checkpoint.keep_last)) {
   const char* fault_env = std::getenv("DFLASH_FAULT_CHECKPOINT_WRITE");
   fault_step_ = fault_env ? std::atoll(fault_env) : -1;
+  // DFLASH_FAULT_CHECKPOINT_PAUSE=N:MS: the step-N write pauses MS ms after the drafter's files (so a
+  // test can kill the job while the background writer is active).
+  if (const char* pause = std::getenv("DFLASH_FAULT_CHECKPOINT_PAUSE")) {
+    const std::string v = pause;
+    const size_t c = v.find(':');
+    DFLASH_REQUIRE_HINT(c != std::string::npos, "DFLASH_FAULT_CHECKPOINT_PAUSE='" << v << "' is not N:MS",
+                        "e.g. DFLASH_FAULT_CHECKPOINT_PAUSE=8:20000, or unset it");
+    pause_step_ = std::atoll(v.substr(0, c).c_str()), pause_ms_ = std::atoll(v.substr(c + 1).c_str());
+  }
 }
 
 void Checkpointer::save(int64_t at_step, const nlohmann::json& loader_state, bool background, TrainBackend& backend,
@@ -194,7 +205,7 @@ void Checkpointer::save(int64_t at_step, const nlohmann::json& loader_state, boo
   const drafter::DrafterConfig& dcfg = dcfg_;
   const std::string& cfg_yaml = cfg_yaml_;
   const size_t keep_last = keep_last_;
-  const int64_t fault_checkpoint = fault_step_;
+  const int64_t fault_checkpoint = fault_step_, pause_ms = pause_step_ == at_step ? pause_ms_ : 0;
   const fs::path final_dir = ckpt_dir / fmt::format("ckpt-{}", at_step);
   const fs::path tmp = ckpt_dir / fmt::format("ckpt-{}.tmp", at_step);
   // The logs and metrics up to this step reach the disk with the checkpoint (a full NFS volume
@@ -233,6 +244,10 @@ void Checkpointer::save(int64_t at_step, const nlohmann::json& loader_state, boo
       try {
         if (fault_checkpoint == at_step) DFLASH_FAIL("injected fault (DFLASH_FAULT_CHECKPOINT_WRITE=" << at_step << ")");
         drafter::export_hf((tmp / "drafter").string(), dcfg, cs.weights);
+        if (pause_ms > 0) {  // test hook (DFLASH_FAULT_CHECKPOINT_PAUSE)
+          spdlog::warn("test hook DFLASH_FAULT_CHECKPOINT_PAUSE: the write of {} pauses {} ms", final_dir.string(), pause_ms);
+          std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+        }
         cs.optimizer.save((tmp / "optimizer.safetensors").string());
         write_text(tmp / "state.json", st.dump(2) + "\n");
         write_text(tmp / "config.yaml", cfg_yaml);

@@ -129,6 +129,7 @@ class Checkpointer {
   std::string cfg_yaml_;
   size_t keep_last_;
   int64_t fault_step_;  // test hook: DFLASH_FAULT_CHECKPOINT_WRITE=N fails the write of the step-N checkpoint
+  int64_t pause_step_ = -1, pause_ms_ = 0;  // test hook: DFLASH_FAULT_CHECKPOINT_PAUSE=N:MS
   BackgroundWriter writer_;  // (last: joined before the members its job reads)
 };
 

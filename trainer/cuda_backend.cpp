@@ -7,12 +7,14 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 
 #include <spdlog/spdlog.h>
 
 #include "drafter/fast_path.h"
 #include "drafter/model_cuda.h"
 #include "kernels/cuda/attention.h"
+#include "kernels/cuda/fault.h"
 #include "core/cuda/check.h"
 #include "kernels/cuda/optimizer.h"
 #include "core/device.h"
@@ -21,6 +23,7 @@
 #include "target_model/tp.h"
 #include "target_model/weights.h"
 #include "trainer/backend.h"
+#include "trainer/faults.h"
 #include "trainer/memory_plan.h"
 #include "trainer/optimizer.h"
 
@@ -66,13 +69,11 @@ class CudaBackend final : public TrainBackend {
       size_t free_b = 0, total_b = 0;
       DFLASH_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
       memory_plan_ = mp.table(static_cast<double>(total_b));
-      DFLASH_CHECK_HINT(mp.total() <= static_cast<double>(free_b),
-                        "GPU training on " << device_.str() << " needs ~" << mp.total() / (1 << 30) << " GiB but "
-                                           << static_cast<double>(free_b) / (1 << 30) << " GiB are free:\n"
-                                           << memory_plan_,
-                        "raise parallel.tp (the target's weights split), lower training.num_anchors or "
-                        "training.batch_size (the drafter's activations), or use fewer drafter layers");
+      check_memory_plan_fits(mp, static_cast<double>(free_b), static_cast<double>(total_b), device_.str());
     }
+    fault_ = parse_cuda_fault(std::getenv("DFLASH_FAULT_CUDA_ERROR"));
+    if (fault_.enabled())
+      spdlog::warn("test hook DFLASH_FAULT_CUDA_ERROR: a CUDA {} fault in the {} op of step {}", fault_.kind, fault_.op, fault_.step);
     auto t0 = StepClock::now();
     target::TargetWeights tw = load_target(s, device_);
     Tensor embed = tw.embed_tokens, lm_head = tw.lm_head;
@@ -118,14 +119,18 @@ class CudaBackend final : public TrainBackend {
   }
   void zero_grads() override { model_->zero_grads(); }
 
+  void begin_step(int64_t step) override { step_ = step; }
+
   drafter::StepStats micro_step(MicroBatch& m, const drafter::StepOptions& opt, bool last, StepTimes& t) override {
     auto t0 = StepClock::now();
-    target::ForwardResult fr = tmodel_->forward(m.seqs, fopt_);
-    std::vector<Tensor> layers;
-    for (int64_t id : dcfg_.target_layer_ids) layers.push_back(fr.layers.at(id));
-    m.batch.context = drafter::CudaDrafter::pack_context(layers);
-    fr = {};
-    DeviceContext::get(device_.index).synchronize();
+    in_op("target forward", "target", [&] {
+      target::ForwardResult fr = tmodel_->forward(m.seqs, fopt_);
+      std::vector<Tensor> layers;
+      for (int64_t id : dcfg_.target_layer_ids) layers.push_back(fr.layers.at(id));
+      m.batch.context = drafter::CudaDrafter::pack_context(layers);
+      fr = {};
+      DeviceContext::get(device_.index).synchronize();
+    });
     t.target_s += seconds_since(t0);
     if (m.batch.blocks.empty() || opt.grad_scale <= 0) {
       if (last) pending_ = 0;
@@ -134,13 +139,16 @@ class CudaBackend final : public TrainBackend {
     t0 = StepClock::now();
     pending_ = 0;
     const bool overlap = last && world_ && world_->size() > 1;
-    drafter::StepStats st = model_->step(m.batch, opt, true, last, [&](int64_t b) {
-      if (overlap) start_all_reduce(b);
+    drafter::StepStats st;
+    in_op("drafter forward+backward", "drafter", [&] {
+      st = model_->step(m.batch, opt, true, last, [&](int64_t b) {
+        if (overlap) start_all_reduce(b);
+      });
+      m.batch.context = Tensor{};
+      // Wait for the backward the step queued (the all-reduces it started go on): drafter_s is the
+      // whole forward + backward, comm_s what the all-reduce adds after it.
+      DeviceContext::get(device_.index).synchronize();
     });
-    m.batch.context = Tensor{};
-    // Wait for the backward the step queued (the all-reduces it started go on): drafter_s is the
-    // whole forward + backward, comm_s what the all-reduce adds after it.
-    DeviceContext::get(device_.index).synchronize();
     t.drafter_s += seconds_since(t0);
     return st;
   }
@@ -176,8 +184,10 @@ class CudaBackend final : public TrainBackend {
     p.lr = static_cast<float>(lr), p.beta1 = static_cast<float>(hyper_.beta1), p.beta2 = static_cast<float>(hyper_.beta2);
     p.eps = static_cast<float>(hyper_.eps), p.weight_decay = static_cast<float>(hyper_.weight_decay);
     p.step = steps_, p.grad_scale_host = static_cast<float>(grad_factor);
-    cuda::adamw_step(p, stream_);
-    DeviceContext::get(device_.index).synchronize();  // (so optimizer_s is the update, not its launch)
+    in_op("optimizer (AdamW)", "optimizer", [&] {
+      cuda::adamw_step(p, stream_);
+      DeviceContext::get(device_.index).synchronize();  // (so optimizer_s is the update, not its launch)
+    });
     t.optimizer_s += seconds_since(t0);
   }
 
@@ -210,6 +220,21 @@ class CudaBackend final : public TrainBackend {
   double peak_memory_gib() override { return gib(device_alloc::stats(device_.index).peak_allocated); }
 
  private:
+  // Runs f, the body of the step's op `what` (fault_op: its name in DFLASH_FAULT_CUDA_ERROR); an error
+  // raised inside names the op. The test hook's failing launch is queued first on the op's stream.
+  template <class F>
+  void in_op(const char* what, const char* fault_op, F&& f) {
+    try {
+      if (fault_.at(step_, fault_op)) {
+        spdlog::warn("test hook DFLASH_FAULT_CUDA_ERROR: a failing CUDA launch ({}) in the {} of step {}", fault_.kind, what, step_);
+        cuda::launch_fault(fault_.kind == "trap", stream_);
+      }
+      f();
+    } catch (const Error& e) {
+      throw Error(std::string(what) + ": " + e.message(), e.hint(), e.where(), e.kind());
+    }
+  }
+
   static double gib(size_t b) { return static_cast<double>(b) / (1024.0 * 1024.0 * 1024.0); }
 
   // Starts the sum of bucket b's gradients over all ranks on the comm stream, ordered after the
@@ -268,6 +293,8 @@ class CudaBackend final : public TrainBackend {
   drafter::DrafterWeights host_w_;
   std::unique_ptr<AdamW> host_opt_;
   int64_t pending_ = 0, steps_ = 0;
+  int64_t step_ = 0;  // the 1-based step running (begin_step)
+  CudaFault fault_;   // the test hook DFLASH_FAULT_CUDA_ERROR
   std::string init_log_, memory_plan_;
   drafter::DrafterPlan drafter_plan_;
 };

@@ -43,6 +43,7 @@
 #include "text/tokenizer.h"
 #endif
 #include "trainer/checkpoint.h"
+#include "trainer/faults.h"
 #include "trainer/metrics.h"
 #include "trainer/optimizer.h"
 #include "trainer/prepared_data.h"
@@ -623,8 +624,11 @@ struct FaultHooks {
   std::set<int64_t> nonfinite;  // DFLASH_FAULT_NONFINITE_STEPS="3,4": NaN gradient norms at these 1-based steps
   int64_t full_disk = -1;       // DFLASH_FAULT_FULL_DISK_AT_STEP=N: every log / metrics write fails from step N on
 };
-FaultHooks fault_hooks() {
+FaultHooks fault_hooks(const Run& r) {
   FaultHooks h;
+  // DFLASH_FAULT_CUDA_ERROR (the GPU backend reads it): checked here too, so a CPU run refuses it.
+  if (parse_cuda_fault(std::getenv("DFLASH_FAULT_CUDA_ERROR")).enabled())
+    DFLASH_REQUIRE_HINT(r.on_gpu(), "DFLASH_FAULT_CUDA_ERROR is a GPU-backend test hook", "set parallel.device: cuda, or unset it");
   // NaN on every rank, as a non-finite gradient would be, to exercise the skip / stop logic.
   if (const char* f = std::getenv("DFLASH_FAULT_NONFINITE_STEPS")) {
     std::stringstream ss(f);
@@ -785,7 +789,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   ProgressBar bar(rank == 0 && cfg.logging.progress_bar && ::isatty(STDERR_FILENO), total);
   StepRate rate;  // the ETA: this start's own steps, start-up excluded
   RunMetrics metrics({rank, world, total, B, r.on_gpu(), fp8_target}, metrics_file, bar);
-  const FaultHooks faults = fault_hooks();
+  const FaultHooks faults = fault_hooks(r);
 
   while (p.step < total) {
     checkpoints.check();  // a background checkpoint write that failed stops the run here
@@ -807,18 +811,29 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
       result.stopped = true;
       return result;
     }
-    LocalStep ls = forward_backward(r, *backend, sb.micro, head[0], sopt);
-    if (faults.nonfinite.count(p.step + 1)) ls.grad_norm = NAN;  // test hook (DFLASH_FAULT_NONFINITE_STEPS)
-
-    // The step's statistics, summed over all ranks.
-    std::vector<double> sums = pack_step(ls.stats, ls.tokens, ls.flops, ls.times, B);
-    r.g.sum(sums);
-    const StepTotals tot = unpack_step(sums, B, world);
-    StepTimes times = ls.times;
-    times.target_s = tot.target_s, times.drafter_s = tot.drafter_s;
-
+    // An error inside the step (a CUDA error, a failed collective) names this rank and the step.
+    LocalStep ls;
+    StepTotals tot;
+    StepTimes times;
     const double lr = sched.at(p.step);
-    const bool applied = update_or_skip(r, *backend, tot.stats, ls.grad_norm, lr, p.step, p, bar, times);
+    bool applied = false;
+    try {
+      backend->begin_step(p.step + 1);
+      ls = forward_backward(r, *backend, sb.micro, head[0], sopt);
+      if (faults.nonfinite.count(p.step + 1)) ls.grad_norm = NAN;  // test hook (DFLASH_FAULT_NONFINITE_STEPS)
+
+      // The step's statistics, summed over all ranks.
+      std::vector<double> sums = pack_step(ls.stats, ls.tokens, ls.flops, ls.times, B);
+      r.g.sum(sums);
+      tot = unpack_step(sums, B, world);
+      times = ls.times;
+      times.target_s = tot.target_s, times.drafter_s = tot.drafter_s;
+
+      applied = update_or_skip(r, *backend, tot.stats, ls.grad_norm, lr, p.step, p, bar, times);
+    } catch (const Error& e) {
+      bar.clear();
+      throw Error(step_failure_message(rank, p.step + 1, e.message()), e.hint(), e.where(), e.kind());
+    }
     metrics.add_step(tot.stats, applied, tot.tokens, tot.flops, times);
     ++p.step;
     const double elapsed = std::chrono::duration<double>(clock::now() - t_start).count();

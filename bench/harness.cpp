@@ -2,6 +2,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "core/cuda/check.h"
 #include "core/device.h"
 #include "core/error.h"
@@ -39,7 +41,8 @@ double copy_bandwidth_gbs(int device) {
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(b.raw_data(), a.raw_data(), static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice,
                                       static_cast<cudaStream_t>(st)));
   });
-  return 2.0 * static_cast<double>(bytes) / (summarize(ms, {}, 0).p50 * 1e-3) / 1e9;
+  // The best copy: the bandwidth the memory reaches (roofline.h states every step against it).
+  return 2.0 * static_cast<double>(bytes) / (*std::min_element(ms.begin(), ms.end()) * 1e-3) / 1e9;
 }
 
 }  // namespace dflash::bench

@@ -313,6 +313,10 @@ int main(int argc, char** argv) {
     std::unique_ptr<drafter::Proposer> prop;
     bench::DrafterScorer scorer;
     bench::Roofline roof;  // the copy bandwidth of this run (GPU; roofline.h)
+#if DFLASH_WITH_CUDA
+    // Measured before the weights are on the GPU, as generate_bench and dflash_doctor measure it.
+    if (!dev.is_cpu()) roof.copy_gbs = bench::copy_bandwidth_gbs(dev.index);
+#endif
     const auto t_load = std::chrono::steady_clock::now();
     const target::TargetSource src = target.source();
     target::TargetRuntime rt(src, cfg, dev, tp, layout.tp_rank, tp_comm.get(), require_fast);
@@ -336,7 +340,6 @@ int main(int argc, char** argv) {
         cuda_scorer = std::make_unique<drafter::CudaDrafter>(sc, d.weights, tw.embed_tokens, tw.lm_head, dev);
         scorer = [&](const drafter::DrafterBatch& b) { return cuda_scorer->step(b, drafter::StepOptions{}, false); };
       }
-      roof.copy_gbs = bench::copy_bandwidth_gbs(dev.index);
 #endif
     }
     if (no_estimate) scorer = nullptr;

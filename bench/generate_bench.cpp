@@ -47,12 +47,13 @@ int main(int argc, char** argv) {
     DFLASH_REQUIRE_HINT(!dev.is_cpu(), "generate_bench measures a GPU", "pass --device cuda");
     const target::TargetSource src{"", config_path, true, seed, target::parse_precision(precision_s, "--precision")};
     const target::TargetConfig cfg = src.read_config();
+    // The copy bandwidth before the weights are on the GPU (as dflash_eval and dflash_doctor measure it).
+    const double copy = bench::copy_bandwidth_gbs(dev.index);
     const auto t0 = std::chrono::steady_clock::now();
     target::TargetRuntime rt(src, cfg, dev, 1, 0, nullptr, false);
     std::printf("== generate_bench: %s\n", version_string().c_str());
     std::printf("target %s, random weights, loaded in %.1f s\nkernels %s\n", cfg.summary().c_str(),
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), rt.plans().c_str());
-    const double copy = bench::copy_bandwidth_gbs(dev.index);
     // The roofline (bench/roofline.h): a decode step's bytes at the mean context of the decode steps.
     const target::Precision prec = rt.weights().precision();
     const double ctx = static_cast<double>(prompt_len) + 0.5 * static_cast<double>(max_new);

@@ -17,7 +17,8 @@
 // - propose (the drafter): its layer and final-norm weights (bf16), the target's lm_head (bf16,
 //   shared), one embedding row per block token, and per layer the bf16 context K / V read once.
 // Bandwidth: copy_bandwidth_gbs (harness.h): the best of 10 device-to-device copies of 1 GiB,
-// counting read + write (2 x 1 GiB per copy), measured once per run by the tool that states it.
+// counting read + write (2 x 1 GiB per copy), measured once per run by the tool that states it, at
+// its start, before the model is loaded.
 #include <cstdint>
 #include <string>
 

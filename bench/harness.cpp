@@ -37,9 +37,9 @@ double copy_bandwidth_gbs(int device) {
   const Device dev = Device::cuda(device);
   Tensor a = Tensor::empty({bytes}, DType::U8, dev), b = Tensor::empty({bytes}, DType::U8, dev);
   void* st = DeviceContext::get(device).stream();
-  // An idle GPU: work still in flight on any stream (a model's random initialisation, say) would
-  // share the memory with the copies (generate_bench measured 3833 GB/s right after loading the
-  // target where dflash_eval, later in its set-up, measured 4265 on the same GPU).
+  // An idle GPU: no work in flight on any stream shares the memory with the copies. (The callers
+  // measure before loading a model too: with 52 GB of weights allocated the same copies gave
+  // 3,835 GB/s against 4,273 before, on one H200.)
   DFLASH_CUDA_CHECK(cudaSetDevice(device));
   DFLASH_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<double> ms = time_cuda(st, 2, 10, [&] {

@@ -29,6 +29,7 @@
 #include <functional>
 #include <memory>
 #include <numeric>
+#include <tuple>
 
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
@@ -41,6 +42,7 @@
 #include "bench/profile.h"
 #endif
 #include "bench/report.h"
+#include "bench/roofline.h"
 #include "bench/speculative.h"
 #include "comm/comm.h"
 #include "data/dataset.h"
@@ -310,7 +312,11 @@ int main(int argc, char** argv) {
     std::unique_ptr<target::Decoder> dec;
     std::unique_ptr<drafter::Proposer> prop;
     bench::DrafterScorer scorer;
-    double copy_gbs = 0, weight_bytes = 0;  // the decode step's roofline (GPU)
+    bench::Roofline roof;  // the copy bandwidth of this run (GPU; roofline.h)
+#if DFLASH_WITH_CUDA
+    // Measured before the weights are on the GPU, as generate_bench and dflash_doctor measure it.
+    if (!dev.is_cpu()) roof.copy_gbs = bench::copy_bandwidth_gbs(dev.index);
+#endif
     const auto t_load = std::chrono::steady_clock::now();
     const target::TargetSource src = target.source();
     target::TargetRuntime rt(src, cfg, dev, tp, layout.tp_rank, tp_comm.get(), require_fast);
@@ -327,7 +333,6 @@ int main(int argc, char** argv) {
       scorer = bench::cpu_scorer(dc, d.weights, frozen, block_size);
     } else {
 #if DFLASH_WITH_CUDA
-      weight_bytes = rt.decode_weight_bytes();
       prop = drafter::make_cuda_proposer(dc, d.weights, tw.embed_tokens, tw.lm_head, dev, 1, max_len);
       if (!no_estimate) {
         drafter::DrafterConfig sc = dc;
@@ -335,7 +340,6 @@ int main(int argc, char** argv) {
         cuda_scorer = std::make_unique<drafter::CudaDrafter>(sc, d.weights, tw.embed_tokens, tw.lm_head, dev);
         scorer = [&](const drafter::DrafterBatch& b) { return cuda_scorer->step(b, drafter::StepOptions{}, false); };
       }
-      copy_gbs = bench::copy_bandwidth_gbs(dev.index);
 #endif
     }
     if (no_estimate) scorer = nullptr;
@@ -447,11 +451,23 @@ int main(int argc, char** argv) {
                 1e3 * t_prop, 1e3 * t_ver, 1e3 * t_com, 1e3 * t_dec, t_ver / t_dec, 100.0 * t_prop / t_ver);
     const double projected = 6.0 * t_dec / (t_prop + t_ver + t_com);
     std::printf("  projected speed-up at tau = 6: %.2fx (6 x decode step / (propose + verify + commit))\n", projected);
-    if (copy_gbs > 0)
-      std::printf("  decode step roofline: %.2f GB of weights at the %.0f GB/s copy bandwidth of this run = %.2f ms; the "
-                  "step is %.1f%% of it\n",
-                  weight_bytes / 1e9, copy_gbs, 1e3 * weight_bytes / (copy_gbs * 1e9),
-                  100.0 * weight_bytes / (copy_gbs * 1e9) / t_dec);
+    // The roofline (bench/roofline.h) at the mean context of the timed steps, this rank's shard.
+    double ctx = 0;
+    for (const PromptReport& r : reports)
+      ctx += static_cast<double>(r.prompt_len) + 0.5 * static_cast<double>(r.generated);
+    ctx /= static_cast<double>(std::max<size_t>(reports.size(), 1));
+    const target::Precision prec = tw.precision();
+    const bench::StepBytes b_dec = bench::target_step_bytes(rt.local_config(), prec, 1, 1, ctx);
+    const bench::StepBytes b_ver = bench::target_step_bytes(rt.local_config(), prec, 1, block_size, ctx);
+    const bench::StepBytes b_prop = bench::propose_bytes(dc, 1, ctx);
+    if (roof.copy_gbs > 0) {
+      std::printf("  roofline (bytes a step moves / the copy bandwidth, %.0f GB/s: %s; context %.0f):\n", roof.copy_gbs,
+                  bench::kCopyMethod, ctx);
+      for (const auto& [what, b, ms] : {std::tuple{"decode", b_dec, t_dec}, std::tuple{"verify", b_ver, t_ver},
+                                        std::tuple{"propose", b_prop, t_prop}})
+        std::printf("    %-7s %s -> %.2f ms; the step (%.2f ms) is %.1f%% of it\n", what, bench::describe(b).c_str(),
+                    roof.ms(b), 1e3 * ms, 100.0 * roof.share(b, 1e3 * ms));
+    }
     if (!dec->kernels_run().empty()) std::printf("  decode kernels run: %s\n", dec->kernels_run().c_str());
 #if DFLASH_WITH_CUDA
     if (profile_steps > 0 && cuda_model) {
@@ -480,8 +496,11 @@ int main(int argc, char** argv) {
 
     if (!csv_path.empty()) {
       bench::CsvWriter csv(csv_path, dev.is_cpu() ? "cpu" : cuda_device_info(dev.index).name);
-      const std::string shape = "prompts=" + std::to_string(prompts.size()) + ",max_new=" + std::to_string(max_new) +
-                                ",block=" + std::to_string(block_size);
+      // "qwen3_5 L64 H5120 ctx=4128 block=16 bf16,prompts=1,max_new=64": model, mean context of the
+      // timed steps, block, precision, then the run.
+      const std::string shape = fmt::format("{} L{} H{} ctx={:.0f} block={} {},prompts={},max_new={}", cfg.model_type,
+                                            cfg.num_hidden_layers, cfg.hidden_size, ctx, block_size,
+                                            dev.is_cpu() ? "f32" : target::precision_name(prec), prompts.size(), max_new);
       auto row = [&](const std::string& kernel, const std::string& metric, const std::string& unit, double v) {
         csv.write({"dflash_eval", kernel, dev.is_cpu() ? "cpu" : "cuda", "tp" + std::to_string(tp), metric, unit, shape, v, v, v, false});
       };
@@ -493,14 +512,22 @@ int main(int argc, char** argv) {
       row("speculative", "tok_s", "tok/s", tps_s);
       row("greedy", "tok_s", "tok/s", tps_g);
       row("speculative", "speedup", "x", tps_s / tps_g);
-      row("speculative", "propose_ms", "ms", 1e3 * s.propose / static_cast<double>(std::max<int64_t>(steps, 1)));
-      row("speculative", "verify_ms", "ms", 1e3 * s.verify / static_cast<double>(std::max<int64_t>(steps, 1)));
-      row("speculative", "commit_ms", "ms", 1e3 * s.commit / static_cast<double>(std::max<int64_t>(steps, 1)));
+      row("speculative", "propose_step_ms", "ms", 1e3 * t_prop);
+      row("speculative", "verify_step_ms", "ms", 1e3 * t_ver);
+      row("speculative", "commit_step_ms", "ms", 1e3 * t_com);
       row("greedy", "decode_step_ms", "ms", 1e3 * t_dec);
       row("speculative", "projected_speedup_tau6", "x", projected);
-      if (copy_gbs > 0) {
-        row("greedy", "decode_step_roofline_ms", "ms", 1e3 * weight_bytes / (copy_gbs * 1e9));
-        row("copy", "d2d_bandwidth", "GB/s", copy_gbs);
+      row("greedy", "decode_step_bytes", "GB", b_dec.total() / 1e9);
+      row("speculative", "verify_step_bytes", "GB", b_ver.total() / 1e9);
+      row("speculative", "propose_step_bytes", "GB", b_prop.total() / 1e9);
+      if (roof.copy_gbs > 0) {
+        row("greedy", "decode_step_roofline_ms", "ms", roof.ms(b_dec));
+        row("greedy", "decode_step_roofline_pct", "%", 100.0 * roof.share(b_dec, 1e3 * t_dec));
+        row("speculative", "verify_step_roofline_ms", "ms", roof.ms(b_ver));
+        row("speculative", "verify_step_roofline_pct", "%", 100.0 * roof.share(b_ver, 1e3 * t_ver));
+        row("speculative", "propose_step_roofline_ms", "ms", roof.ms(b_prop));
+        row("speculative", "propose_step_roofline_pct", "%", 100.0 * roof.share(b_prop, 1e3 * t_prop));
+        row("copy", "d2d_bandwidth", "GB/s", roof.copy_gbs);
       }
       row("speculative", "mismatches", "prompts", static_cast<double>(mismatches));
     }

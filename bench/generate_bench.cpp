@@ -3,7 +3,7 @@
 // random weights: per point, `slots` prompts of --prompt-len random tokens prefilled in packed
 // batches, then --max-new-tokens decode steps of every sequence. A decode step reads every weight
 // once whatever the batch; the GDN states (read and written, fp32) and the KV cache grow with it —
-// the table states each point's bytes per step against the copy bandwidth of the run.
+// the table states each point's bytes per step against the copy bandwidth of the run (bench/roofline.h).
 //
 //   generate_bench --config configs/qwen3.6-27b/config.json --slots 1,8,32,64,128 --csv gen.csv
 #include <algorithm>
@@ -12,6 +12,7 @@
 
 #include "bench/harness.h"
 #include "bench/report.h"
+#include "bench/roofline.h"
 #include "dflash/version.h"
 #include "core/app.h"
 #include "core/device.h"
@@ -46,25 +47,28 @@ int main(int argc, char** argv) {
     DFLASH_REQUIRE_HINT(!dev.is_cpu(), "generate_bench measures a GPU", "pass --device cuda");
     const target::TargetSource src{"", config_path, true, seed, target::parse_precision(precision_s, "--precision")};
     const target::TargetConfig cfg = src.read_config();
+    // The copy bandwidth before the weights are on the GPU (as dflash_eval and dflash_doctor measure it).
+    const double copy = bench::copy_bandwidth_gbs(dev.index);
     const auto t0 = std::chrono::steady_clock::now();
     target::TargetRuntime rt(src, cfg, dev, 1, 0, nullptr, false);
     std::printf("== generate_bench: %s\n", version_string().c_str());
     std::printf("target %s, random weights, loaded in %.1f s\nkernels %s\n", cfg.summary().c_str(),
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), rt.plans().c_str());
-    const double copy = bench::copy_bandwidth_gbs(dev.index);
-    const double wbytes = rt.decode_weight_bytes();
-    // Per sequence per decode step: GDN recurrent state read + written (fp32), conv state read +
-    // written (bf16), the KV cache read at the mean context (bf16).
-    int64_t gdn = 0, attn = 0;
-    for (target::LayerType t : cfg.layer_types) (t == target::LayerType::LinearAttention ? gdn : attn) += 1;
-    const double state = 2.0 * static_cast<double>(gdn) *
-                         (4.0 * static_cast<double>(cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim) +
-                          2.0 * static_cast<double>((cfg.linear_conv_kernel_dim - 1) * cfg.gdn_conv_dim()));
+    // The roofline (bench/roofline.h): a decode step's bytes at the mean context of the decode steps.
+    const target::Precision prec = rt.weights().precision();
     const double ctx = static_cast<double>(prompt_len) + 0.5 * static_cast<double>(max_new);
-    const double kv = static_cast<double>(attn) * ctx * 2.0 * static_cast<double>(cfg.num_key_value_heads * cfg.head_dim) * 2.0;
-    std::printf("copy bandwidth %.0f GB/s; a decode step reads %.2f GB of weights + %.1f MB of state and KV per sequence "
-                "(context %.0f)\n\n",
-                copy, wbytes / 1e9, (state + kv) / 1e6, ctx);
+    const bench::Roofline roof{copy};
+    // Mean sequences in flight `occ` (fractional): the bytes between those of floor(occ) and ceil(occ) sequences.
+    auto step_bytes = [&](double occ) {
+      const int64_t lo = std::max<int64_t>(1, static_cast<int64_t>(occ));
+      const bench::StepBytes a = bench::target_step_bytes(rt.local_config(), prec, lo, 1, ctx);
+      const bench::StepBytes b = bench::target_step_bytes(rt.local_config(), prec, lo + 1, 1, ctx);
+      const double f = std::max(0.0, occ - static_cast<double>(lo));
+      return bench::StepBytes{a.weights + f * (b.weights - a.weights), a.state + f * (b.state - a.state), a.kv + f * (b.kv - a.kv)};
+    };
+    const bench::StepBytes one = step_bytes(1);
+    std::printf("copy bandwidth %.0f GB/s (%s); a decode step of one sequence moves %s (context %.0f; roofline.h)\n\n",
+                copy, bench::kCopyMethod, bench::describe(one).c_str(), ctx);
     std::printf("%6s %8s %10s %10s %9s %11s %11s %9s %9s %7s  %s\n", "slots", "prompts", "prefill_s", "decode_s", "ms/step",
                 "decode_t/s", "total_t/s", "GB/step", "roof_ms", "% roof", "bound");
     bench::CsvWriter csv(csv_path, cuda_device_info(dev.index).name);
@@ -90,24 +94,27 @@ int main(int argc, char** argv) {
       const target::GenStats st = target::generate_batch(*dec, reqs, gc, [](target::GenResult&&) {});
       const double step_ms = 1e3 * st.decode_s / static_cast<double>(std::max<int64_t>(st.decode_steps, 1));
       const double occ = st.occupancy();
-      const double bytes = wbytes + occ * (state + kv);
-      const double roof_ms = copy > 0 ? 1e3 * bytes / (copy * 1e9) : 0;
+      const bench::StepBytes sb = step_bytes(occ);
+      const double bytes = sb.total(), roof_ms = roof.ms(sb);
       const double decode_tps = static_cast<double>(st.decode_rows) / st.decode_s;
       const double total_tps = static_cast<double>(st.generated) / st.seconds();
-      const char* bound = wbytes > occ * (state + kv) ? "weights" : "state+KV";
+      const char* bound = sb.weights > sb.state + sb.kv ? "weights" : "state+KV";
       std::printf("%6lld %8lld %10.2f %10.2f %9.2f %11.0f %11.0f %9.2f %9.2f %6.1f%%  %s\n", static_cast<long long>(S),
                   static_cast<long long>(reqs.size()), st.prefill_s, st.decode_s, step_ms, decode_tps, total_tps, bytes / 1e9,
                   roof_ms, roof_ms > 0 ? 100.0 * roof_ms / step_ms : 0.0, bound);
       const std::string shape = "slots=" + std::to_string(S) + ",prompt=" + std::to_string(prompt_len) +
                                 ",new=" + std::to_string(max_new) + ",prompts=" + std::to_string(reqs.size()) +
-                                (rt.weights().fp8_projections() > 0 ? ",fp8" : "");
+                                (prec == target::Precision::Fp8 ? ",fp8" : "");
       auto row = [&](const std::string& metric, const std::string& unit, double v) {
         csv.write({"generate_bench", "generate_batch", "cuda", "greedy", metric, unit, shape, v, v, v, false});
       };
       row("generated_tok_s", "tok/s", total_tps);
       row("decode_tok_s", "tok/s", decode_tps);
       row("decode_step_ms", "ms", step_ms);
+      row("decode_step_bytes", "GB", bytes / 1e9);
       row("decode_step_roofline_ms", "ms", roof_ms);
+      row("decode_step_roofline_pct", "%", 100.0 * roof.share(sb, step_ms));
+      row("d2d_bandwidth", "GB/s", copy);
       row("prefill_tok_s", "tok/s", static_cast<double>(st.prompt_tokens) / st.prefill_s);
     }
     return 0;

@@ -22,8 +22,9 @@ Stats summarize(std::vector<double> samples, const std::vector<double>& round_me
 // each iteration bracketed by CUDA events. Returns per-iteration milliseconds.
 std::vector<double> time_cuda(void* stream, int warmup, int iters, const std::function<void()>& fn);
 
-// The device-to-device copy bandwidth of this GPU now (read + write bytes per second / 1e9, median
-// of 10 copies of 1 GiB): the memory roofline the decode benchmarks state their steps against.
+// The device-to-device copy bandwidth of this GPU now (read + write bytes per second / 1e9, the best
+// of 10 copies of 1 GiB after 2 untimed): the memory roofline (roofline.h) every decode benchmark and
+// dflash_doctor state their steps against. Every tool measures it at its start, before the model is on the GPU.
 double copy_bandwidth_gbs(int device);
 
 struct Row {

@@ -7,7 +7,8 @@
 # Writes at most 8 files to $OUT: build.log, tests.log, tiny_eval.log, tiny_eval.csv, eval27b.log,
 # eval27b.csv, env.txt. Switches: SKIP_TESTS=1, SKIP_TINY=1, SKIP_27B=1, GPU_TESTS (ctest -L gpu -R regex,
 # default the decode tests; '.' = every gpu test), EVAL27B_NEW (new tokens, default 64), EVAL27B_PROFILE
-# (decode steps profiled op by op, default 8).
+# (decode steps profiled op by op, default 8), EVAL27B_PRECISIONS (default "bf16 fp8": one dflash_eval each,
+# stated against the one roofline of bench/roofline.h).
 source "$(dirname "$0")/gpu_call.sh"
 gpu_call_start /tmp/build-decode
 gpu_call_tests "CudaDecode|CudaProposer|CudaSampling|CudaModel|CudaGolden"
@@ -26,9 +27,12 @@ if [ -z "${SKIP_TINY:-}" ]; then
 fi
 if [ -z "${SKIP_27B:-}" ]; then
   python3 -c "import random; random.seed(0); print(' '.join(str(random.randrange(248000)) for _ in range(4096)))" >/tmp/p4k.txt
-  timeout 400 "$B/bench/dflash_eval" --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 \
-    --prompts /tmp/p4k.txt --num-prompts 1 --max-new-tokens "${EVAL27B_NEW:-64}" --device cuda --no-estimate \
-    --require-fast-path --profile "${EVAL27B_PROFILE:-8}" --csv "$OUT/eval27b.csv" >"$OUT/eval27b.log" 2>&1
-  echo "27b eval rc=$?"
-  grep -E "^tau|step|roofline|speed-up|outputs|FAILED|total|gemm" "$OUT/eval27b.log" | head -n 40
+  : >"$OUT/eval27b.log"
+  for prec in ${EVAL27B_PRECISIONS:-bf16 fp8}; do
+    timeout 300 "$B/bench/dflash_eval" --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 \
+      --precision "$prec" --prompts /tmp/p4k.txt --num-prompts 1 --max-new-tokens "${EVAL27B_NEW:-64}" --device cuda \
+      --no-estimate --require-fast-path --profile "${EVAL27B_PROFILE:-8}" --csv "$OUT/eval27b.csv" >>"$OUT/eval27b.log" 2>&1
+    echo "27b eval $prec rc=$?"
+  done
+  grep -E "^tau|step|roofline|decode  |verify  |propose |speed-up|outputs|FAILED|total|gemm" "$OUT/eval27b.log" | head -n 60
 fi

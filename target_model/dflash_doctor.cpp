@@ -20,6 +20,8 @@
 #include "core/log.h"
 #include "core/random.h"
 #include "comm/comm.h"
+#include "bench/roofline.h"
+#include "drafter/config.h"
 #include "target_model/fast_path.h"
 #include "target_model/weights.h"
 #if DFLASH_WITH_CUDA
@@ -27,6 +29,7 @@
 
 #include "core/cuda/check.h"
 #include "core/cuda/env.h"
+#include "bench/harness.h"
 #include "target_model/model_cuda.h"
 #endif
 
@@ -201,7 +204,7 @@ int main(int argc, char** argv) {
   app.name("dflash_doctor");
   std::string log_level = "warn", model_dir, config_path, json_path, device_s, conv = "auto", dr = "auto", attn = "auto";
   bool require_fast = false, no_live = false;
-  int64_t tokens = 4096;
+  int64_t tokens = 4096, roof_context = 4096, roof_block = 16;
   uint64_t seed = 0;
   add_common_options(app, &log_level);
   auto* m = app.add_option("--model", model_dir, "Hugging Face model directory (its config.json is read)");
@@ -216,6 +219,10 @@ int main(int argc, char** argv) {
   app.add_option("--precision", precision_s, kPrecisionHelp)->capture_default_str();
   app.add_option("--tokens", tokens, "tokens of the live check")->capture_default_str()->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   app.add_flag("--no-live", no_live, "skip the live GPU check");
+  app.add_option("--roofline-context", roof_context, "context of the roofline's decode / verify / propose steps")
+      ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
+  app.add_option("--roofline-block", roof_block, "tokens of the roofline's verify step (and the drafter's block)")
+      ->capture_default_str()->check(CLI::Range(int64_t{2}, int64_t{64}));
   app.add_option("--seed", seed, "seed of the live check's random weights and input")->capture_default_str();
   app.add_option("--json", json_path, "also write the report as JSON");
 
@@ -257,6 +264,30 @@ int main(int argc, char** argv) {
     report["plan"] = plan.to_json();
     std::cout << "\n== fast-path plan (" << plan.device << ")\n" << plan.table() << "\n  " << plan.summary() << "\n";
     for (const std::string& f : plan.fallbacks()) std::cout << "  FALLBACK " << f << "\n";
+    {
+      // The memory roofline (bench/roofline.h), the same bytes and bandwidth as dflash_eval and generate_bench.
+      bench::Roofline roof;
+#if DFLASH_WITH_CUDA
+      if (dev.is_cuda()) roof.copy_gbs = bench::copy_bandwidth_gbs(dev.index);
+#endif
+      const drafter::DrafterConfig dc = drafter::DrafterConfig::for_target(cfg, 5, 0, roof_block);
+      const double ctx = static_cast<double>(roof_context);
+      json rj{{"copy_gbs", roof.copy_gbs}, {"copy_method", bench::kCopyMethod}, {"context", roof_context},
+              {"block", roof_block}, {"precision", precision_name(precision)}, {"steps", json::object()}};
+      std::cout << "\n== memory roofline (bench/roofline.h): bytes a step moves / the copy bandwidth";
+      if (roof.copy_gbs > 0) std::printf(" %.0f GB/s (%s)", roof.copy_gbs, bench::kCopyMethod);
+      std::cout << "; context " << roof_context << ", " << precision_name(precision) << "\n";
+      for (const auto& [what, b] : {std::pair{"decode", bench::target_step_bytes(cfg, precision, 1, 1, ctx)},
+                                    std::pair{"verify", bench::target_step_bytes(cfg, precision, 1, roof_block, ctx)},
+                                    std::pair{"propose", bench::propose_bytes(dc, 1, ctx)}}) {
+        std::printf("  %-7s %s", what, bench::describe(b).c_str());
+        if (roof.copy_gbs > 0) std::printf(" -> %.2f ms", roof.ms(b));
+        std::printf("%s\n", std::string(what) == "propose" ? " (a 5-layer drafter)" : "");
+        rj["steps"][what] = {{"weights_bytes", b.weights}, {"state_bytes", b.state}, {"kv_bytes", b.kv},
+                             {"total_bytes", b.total()}, {"roofline_ms", roof.ms(b)}};
+      }
+      report["roofline"] = rj;
+    }
     int rc = 0;
 #if DFLASH_WITH_CUDA
     if (dev.is_cuda() && !no_live) {

@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -17,6 +18,7 @@
 #include "trainer/metrics.h"
 #include "drafter/weights.h"
 #include "target_model/tp.h"
+#include "target_model/weights.h"
 
 using namespace dflash;
 using namespace dflash::trainer;
@@ -598,6 +600,36 @@ TEST(MemoryPlan, Qwen27bRecipe) {
   EXPECT_GT(params, 1'500'000'000);
   EXPECT_LT(one.total(), 139.8 * (1 << 30));
   std::printf("Qwen3.6-27B recipe, tp=1:\n%s\n", one.table(139.8 * (1 << 30)).c_str());
+}
+
+// The memory plan of an MoE target (the HF-made tiny qwen3_5_moe: H 64, 8 experts of 32, top 2,
+// shared expert 48): the weights hold every expert, router and shared expert (2 bytes each, what the
+// loader checks against the checkpoint), and a token's MLP-block activations are the router's fp32
+// logits and probabilities, its top-k ids and weights, per chosen expert the gathered input, gate|up,
+// product and output (bf16) and the shared expert's gate|up and product: counted by hand here.
+TEST(MemoryPlan, MoeBlock) {
+  const target::TargetConfig t = target::TargetConfig::from_file(kRoot + "/tests/data/hf_moe/tiny_moe/config.json");
+  ASSERT_TRUE(t.is_moe());
+  const drafter::DrafterConfig d = drafter::DrafterConfig::for_target(t, 1, 255, 4);
+  EXPECT_EQ(d.intermediate_size, 3 * 64);  // an MoE target has no dense width: 3 x hidden
+  int64_t stored = 0;
+  for (const target::TensorSpec& s : target::expected_tensors(t)) stored += shape_numel(s.shape);
+  const int64_t per_layer_mlp = 8 * 64 + 8 * 3 * 64 * 32 + 3 * 64 * 48 + 64;  // router, experts, shared, its gate
+  EXPECT_EQ(t.mlp_parameters(), per_layer_mlp);
+  EXPECT_EQ(t.parameter_count(), stored);
+  const MemoryPlan p = gpu_memory_plan(t, d, 100, 100, 8, 2048);
+  EXPECT_DOUBLE_EQ(p.target_weights, 2.0 * static_cast<double>(stored));
+  const double per_token = 4.0 * 2 * 8 + (4 + 4) * 2 + 2.0 * 2 * (64 + 2 * 32 + 32 + 64) + 2.0 * 3 * 48 + 4;
+  EXPECT_DOUBLE_EQ(mlp_activation_bytes_per_token(t), per_token);
+  EXPECT_DOUBLE_EQ(per_token, 1268.0);
+  // Linear in tokens, and the MLP block's share is its per-token bytes.
+  const MemoryPlan p2 = gpu_memory_plan(t, d, 200, 100, 8, 2048);
+  const double gdn_proj = static_cast<double>(std::max(t.gdn_conv_dim() + 2 * t.gdn_value_dim() + 2 * t.linear_num_value_heads,
+                                                       t.attn_q_proj_rows() + 2 * t.num_key_value_heads * t.head_dim));
+  const double other = 2.0 * (4 * 64 + gdn_proj + static_cast<double>(t.gdn_conv_dim())) + 2.0 * 64 * d.num_context_layers() * 2;
+  EXPECT_DOUBLE_EQ(p2.target_activations - p.target_activations, 100 * (per_token + other));
+  // A dense target's MLP block: gate|up and product, bf16.
+  EXPECT_DOUBLE_EQ(mlp_activation_bytes_per_token(tiny_target()), 2.0 * 3 * tiny_target().intermediate_size);
 }
 
 // data.regenerate.stop_tokens: null = the target's own eos ids, [] = none, else ids and token text;

@@ -19,6 +19,7 @@
 #include "drafter/weights.h"
 #include "target_model/tp.h"
 #include "target_model/weights.h"
+#include "target_model/fast_path.h"
 
 using namespace dflash;
 using namespace dflash::trainer;
@@ -630,6 +631,37 @@ TEST(MemoryPlan, MoeBlock) {
   EXPECT_DOUBLE_EQ(p2.target_activations - p.target_activations, 100 * (per_token + other));
   // A dense target's MLP block: gate|up and product, bf16.
   EXPECT_DOUBLE_EQ(mlp_activation_bytes_per_token(tiny_target()), 2.0 * 3 * tiny_target().intermediate_size);
+}
+
+// The Qwen3.6-35B-A3B recipe (configs/qwen3.6-35b-a3b.yaml): its drafter is z-lab's published one
+// (8 layers, MLP 6144 = 3 x hidden, the default for an MoE target), the random-weight target config
+// reads as 35B parameters with ~3B active, the CUDA backend refuses it by name, and the memory plan's
+// figures (one rank, tp=1) are printed.
+TEST(MemoryPlan, Qwen35bA3bRecipe) {
+  const TrainConfig q = TrainConfig::from_file(kRoot + "/configs/qwen3.6-35b-a3b.yaml");
+  const target::TargetConfig t = target::TargetConfig::from_file(kRoot + "/configs/qwen3.6-35b-a3b/config.json");
+  ASSERT_TRUE(t.is_moe());
+  EXPECT_EQ(t.num_hidden_layers, 40);
+  EXPECT_EQ(t.count_layers(target::LayerType::FullAttention), 10);
+  EXPECT_GT(t.parameter_count(), 34e9);
+  EXPECT_LT(t.parameter_count(), 36e9);
+  EXPECT_GT(t.active_parameter_count(), 2.5e9);
+  EXPECT_LT(t.active_parameter_count(), 3.5e9);
+  const drafter::DrafterConfig d = q.drafter_config(t);
+  EXPECT_EQ(d.num_hidden_layers, 8);
+  EXPECT_EQ(d.block_size, 16);
+  EXPECT_EQ(d.mask_token_id, 248070);
+  EXPECT_EQ(d.target_layer_ids, (std::vector<int64_t>{1, 10, 19, 28, 37}));
+  EXPECT_EQ(d.intermediate_size, 6144);
+  EXPECT_EQ(drafter::DrafterConfig::for_target(t, 8, 248070, 16).intermediate_size, 6144);
+  const MemoryPlan one = gpu_memory_plan(target::local_config(t, 1), d, 4096, 4096, 512, 2048);
+  EXPECT_DOUBLE_EQ(one.target_weights, 2.0 * static_cast<double>(t.parameter_count()));
+  // Per token: 2 x 256 fp32 router scores, 8 x (ids, weights), 8 x (2 x 2048 + 3 x 512) bf16, shared 3 x 512 bf16.
+  EXPECT_DOUBLE_EQ(mlp_activation_bytes_per_token(t), 8.0 * 256 + 8 * 8 + 2.0 * 8 * (2 * 2048 + 3 * 512) + 2.0 * 3 * 512 + 4);
+  std::printf("Qwen3.6-35B-A3B recipe, tp=1 (target in bf16; MoE runs on the CPU reference only for now):\n%s\n",
+              one.table(139.8 * (1 << 30)).c_str());
+  const std::string e = error_of([&] { target::make_plan(t, Device::cuda(0), target::KernelPolicies{}, 9, target::Precision::Bf16); });
+  EXPECT_THAT(e, HasSubstr("MoE layers run on the CPU backend only for now"));
 }
 
 // data.regenerate.stop_tokens: null = the target's own eos ids, [] = none, else ids and token text;

@@ -239,7 +239,10 @@ DrafterConfig DrafterConfig::for_target(const target::TargetConfig& t, int64_t n
   c.num_attention_heads = t.num_attention_heads;
   c.num_key_value_heads = t.num_key_value_heads;
   c.head_dim = t.head_dim;
-  c.intermediate_size = t.intermediate_size;
+  // An MoE target has no dense MLP width (intermediate_size is not a field of qwen3_5_moe): the
+  // drafter's dense MLP defaults to 3 x hidden, the ratio of z-lab's drafters for MoE targets
+  // (Qwen3-Coder-30B-A3B-DFlash: hidden 2048, intermediate 6144); model.drafter.intermediate_size overrides.
+  c.intermediate_size = t.is_moe() ? 3 * t.hidden_size : t.intermediate_size;
   c.vocab_size = t.vocab_size;
   c.rms_norm_eps = t.rms_norm_eps;
   c.rope_theta = t.rope_theta;

@@ -93,8 +93,14 @@ namespace {
 
 // Both plans: the forward's steps (decode = false) or those of incremental decoding on slot states.
 // The layer's projections, as the gemm step's reason names them.
-std::string projections(bool gdn) {
-  return gdn ? "in_proj_qkv|z, out_proj, gate|up, down (in_proj_b|a bf16)" : "q|k|v, o_proj, gate|up, down";
+// An MoE block (CPU reference only: ops::moe_route / moe_experts / add_sigmoid_gated) names its
+// router, routed experts and shared expert in place of the dense MLP's gate|up, down.
+std::string projections(bool gdn, const TargetConfig& c) {
+  const std::string mlp = c.is_moe() ? "MoE block (router over " + std::to_string(c.num_experts) + " experts, top " +
+                                           std::to_string(c.num_experts_per_tok) +
+                                           " experts' gate|up, down, shared expert, its sigmoid gate)"
+                                     : std::string("gate|up, down");
+  return gdn ? "in_proj_qkv|z, out_proj, " + mlp + " (in_proj_b|a bf16)" : "q|k|v, o_proj, " + mlp;
 }
 
 FastPathPlan build_plan(const TargetConfig& c, Device device, const KernelPolicies& pol, int sm_major, bool decode,
@@ -108,6 +114,9 @@ FastPathPlan build_plan(const TargetConfig& c, Device device, const KernelPolici
   [[maybe_unused]] const std::string unaligned = unaligned_gemm_sizes(c);
   FastPathPlan plan;
   plan.device = device.str();
+  if (c.is_moe())
+    plan.moe = std::to_string(c.num_hidden_layers) + " MoE blocks (" + std::to_string(c.num_experts) + " experts, top " +
+               std::to_string(c.num_experts_per_tok) + ") on the CPU reference";
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     LayerPlan lp;
     lp.layer = i;
@@ -123,8 +132,8 @@ FastPathPlan build_plan(const TargetConfig& c, Device device, const KernelPolici
         cpu_step(decode ? Step::AttentionDecode : Step::Attention, decode ? "cpu::attention_decode" : "cpu::causal_attention");
       }
       lp.steps.push_back({Step::Gemm, Path::Cpu, fp8 ? "cpu::linear (fp8)" : "cpu::linear",
-                          fp8 ? "cpu reference (f32 on the e4m3 values; inputs quantized per 1 x 128 group): " + projections(gdn)
-                              : "cpu reference (f32): " + projections(gdn)});
+                          fp8 ? "cpu reference (f32 on the e4m3 values; inputs quantized per 1 x 128 group): " + projections(gdn, c)
+                              : "cpu reference (f32): " + projections(gdn, c)});
       plan.layers.push_back(std::move(lp));
       continue;
     }
@@ -188,14 +197,14 @@ FastPathPlan build_plan(const TargetConfig& c, Device device, const KernelPolici
       lp.steps.push_back(decide(Step::Gemm, i, KernelPolicy::Auto,
                                 {fp8_gemm_supported(sm_major),
                                  "block-scaled FP8 GEMMs run on sm_90 only (" + sm + "); the weights are dequantized to bf16"},
-                                "gemm_fp8", std::string(cuda::gemm_fp8_kernel_name()) + ": " + projections(gdn),
+                                "gemm_fp8", std::string(cuda::gemm_fp8_kernel_name()) + ": " + projections(gdn, c),
                                 "gemm_bf16 (dequantized)", "model.target.precision"));
     else if (!unaligned.empty())
       lp.steps.push_back({Step::Gemm, Path::Fallback, kGemmUnalignedKernel,
                           "fallback: " + unaligned + " not multiples of 8, so cuBLASLt runs its kernels for unaligned "
-                          "bf16 operands (slower than the 16-byte aligned ones): " + projections(gdn)});
+                          "bf16 operands (slower than the 16-byte aligned ones): " + projections(gdn, c)});
     else
-      lp.steps.push_back({Step::Gemm, Path::Fast, "gemm_bf16", "fast: cuBLASLt bf16, fp32 accumulation: " + projections(gdn)});
+      lp.steps.push_back({Step::Gemm, Path::Fast, "gemm_bf16", "fast: cuBLASLt bf16, fp32 accumulation: " + projections(gdn, c)});
 #else
     (void)sm_major;
     DFLASH_FAIL_HINT("a plan for " << device.str() << " needs the CUDA backend, which this build does not have",
@@ -289,6 +298,7 @@ std::string FastPathPlan::summary() const {
       if (s.step == Step::Gemm && s.kernel.find("fp8") != std::string::npos) fp8 = ", fp8 GEMMs";
   if (!layers.empty() && !layers[0].steps.empty() && layers[0].steps[0].path == Path::Cpu) {
     o << gdn << " GatedDeltaNet + " << attn << " attention layers on the CPU reference (" << device << ")" << fp8;
+    if (!moe.empty()) o << ", " << moe;
     return o.str();
   }
   o << count(LayerType::LinearAttention, true) << "/" << gdn << " GatedDeltaNet layers on the fast path, "
@@ -323,6 +333,7 @@ std::string FastPathPlan::table() const {
 nlohmann::json FastPathPlan::to_json() const {
   nlohmann::json j;
   j["device"] = device;
+  if (!moe.empty()) j["moe"] = moe;
   j["summary"] = summary();
   j["fallbacks"] = fallbacks();
   for (const LayerPlan& l : layers) {

@@ -61,6 +61,7 @@ struct LayerPlan {
 
 struct FastPathPlan {
   std::string device;  // "cuda:0 (NVIDIA H200, sm_90)" or "cpu"
+  std::string moe;     // MoE targets: "40 MoE blocks (256 experts, top 8) on the CPU reference"; "" if dense
   std::vector<LayerPlan> layers;
 
   int64_t count(LayerType t, bool fast_only) const;

@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +19,8 @@
 #include "trainer/metrics.h"
 #include "drafter/weights.h"
 #include "target_model/tp.h"
+#include "target_model/weights.h"
+#include "target_model/fast_path.h"
 
 using namespace dflash;
 using namespace dflash::trainer;
@@ -661,6 +664,67 @@ TEST(Faults, CudaErrorHookParsesAndNamesTheStep) {
   EXPECT_THAT(error_of([] { parse_cuda_fault("drafter:6:boom"); }), HasSubstr("OP target, drafter or optimizer"));
   EXPECT_EQ(step_failure_message(1, 6, "drafter forward+backward: cudaErrorLaunchFailure"),
             "rank 1, step 6: drafter forward+backward: cudaErrorLaunchFailure");
+}
+
+// The memory plan of an MoE target (the HF-made tiny qwen3_5_moe: H 64, 8 experts of 32, top 2,
+// shared expert 48): the weights hold every expert, router and shared expert (2 bytes each, what the
+// loader checks against the checkpoint), and a token's MLP-block activations are the router's fp32
+// logits and probabilities, its top-k ids and weights, per chosen expert the gathered input, gate|up,
+// product and output (bf16) and the shared expert's gate|up and product: counted by hand here.
+TEST(MemoryPlan, MoeBlock) {
+  const target::TargetConfig t = target::TargetConfig::from_file(kRoot + "/tests/data/hf_moe/tiny_moe/config.json");
+  ASSERT_TRUE(t.is_moe());
+  const drafter::DrafterConfig d = drafter::DrafterConfig::for_target(t, 1, 255, 4);
+  EXPECT_EQ(d.intermediate_size, 3 * 64);  // an MoE target has no dense width: 3 x hidden
+  int64_t stored = 0;
+  for (const target::TensorSpec& s : target::expected_tensors(t)) stored += shape_numel(s.shape);
+  const int64_t per_layer_mlp = 8 * 64 + 8 * 3 * 64 * 32 + 3 * 64 * 48 + 64;  // router, experts, shared, its gate
+  EXPECT_EQ(t.mlp_parameters(), per_layer_mlp);
+  EXPECT_EQ(t.parameter_count(), stored);
+  const MemoryPlan p = gpu_memory_plan(t, d, 100, 100, 8, 2048);
+  EXPECT_DOUBLE_EQ(p.target_weights, 2.0 * static_cast<double>(stored));
+  const double per_token = 4.0 * 2 * 8 + (4 + 4) * 2 + 2.0 * 2 * (64 + 2 * 32 + 32 + 64) + 2.0 * 3 * 48 + 4;
+  EXPECT_DOUBLE_EQ(mlp_activation_bytes_per_token(t), per_token);
+  EXPECT_DOUBLE_EQ(per_token, 1268.0);
+  // Linear in tokens, and the MLP block's share is its per-token bytes.
+  const MemoryPlan p2 = gpu_memory_plan(t, d, 200, 100, 8, 2048);
+  const double gdn_proj = static_cast<double>(std::max(t.gdn_conv_dim() + 2 * t.gdn_value_dim() + 2 * t.linear_num_value_heads,
+                                                       t.attn_q_proj_rows() + 2 * t.num_key_value_heads * t.head_dim));
+  const double other = 2.0 * (4 * 64 + gdn_proj + static_cast<double>(t.gdn_conv_dim())) + 2.0 * 64 * d.num_context_layers() * 2;
+  EXPECT_DOUBLE_EQ(p2.target_activations - p.target_activations, 100 * (per_token + other));
+  // A dense target's MLP block: gate|up and product, bf16.
+  EXPECT_DOUBLE_EQ(mlp_activation_bytes_per_token(tiny_target()), 2.0 * 3 * tiny_target().intermediate_size);
+}
+
+// The Qwen3.6-35B-A3B recipe (configs/qwen3.6-35b-a3b.yaml): its drafter is z-lab's published one
+// (8 layers, MLP 6144 = 3 x hidden, the default for an MoE target), the random-weight target config
+// reads as 35B parameters with ~3B active, the CUDA backend refuses it by name, and the memory plan's
+// figures (one rank, tp=1) are printed.
+TEST(MemoryPlan, Qwen35bA3bRecipe) {
+  const TrainConfig q = TrainConfig::from_file(kRoot + "/configs/qwen3.6-35b-a3b.yaml");
+  const target::TargetConfig t = target::TargetConfig::from_file(kRoot + "/configs/qwen3.6-35b-a3b/config.json");
+  ASSERT_TRUE(t.is_moe());
+  EXPECT_EQ(t.num_hidden_layers, 40);
+  EXPECT_EQ(t.count_layers(target::LayerType::FullAttention), 10);
+  EXPECT_GT(t.parameter_count(), 34e9);
+  EXPECT_LT(t.parameter_count(), 36e9);
+  EXPECT_GT(t.active_parameter_count(), 2.5e9);
+  EXPECT_LT(t.active_parameter_count(), 3.5e9);
+  const drafter::DrafterConfig d = q.drafter_config(t);
+  EXPECT_EQ(d.num_hidden_layers, 8);
+  EXPECT_EQ(d.block_size, 16);
+  EXPECT_EQ(d.mask_token_id, 248070);
+  EXPECT_EQ(d.target_layer_ids, (std::vector<int64_t>{1, 10, 19, 28, 37}));
+  EXPECT_EQ(d.intermediate_size, 6144);
+  EXPECT_EQ(drafter::DrafterConfig::for_target(t, 8, 248070, 16).intermediate_size, 6144);
+  const MemoryPlan one = gpu_memory_plan(target::local_config(t, 1), d, 4096, 4096, 512, 2048);
+  EXPECT_DOUBLE_EQ(one.target_weights, 2.0 * static_cast<double>(t.parameter_count()));
+  // Per token: 2 x 256 fp32 router scores, 8 x (ids, weights), 8 x (2 x 2048 + 3 x 512) bf16, shared 3 x 512 bf16.
+  EXPECT_DOUBLE_EQ(mlp_activation_bytes_per_token(t), 8.0 * 256 + 8 * 8 + 2.0 * 8 * (2 * 2048 + 3 * 512) + 2.0 * 3 * 512 + 4);
+  std::printf("Qwen3.6-35B-A3B recipe, tp=1 (target in bf16; MoE runs on the CPU reference only for now):\n%s\n",
+              one.table(139.8 * (1 << 30)).c_str());
+  const std::string e = error_of([&] { target::make_plan(t, Device::cuda(0), target::KernelPolicies{}, 9, target::Precision::Bf16); });
+  EXPECT_THAT(e, HasSubstr("MoE layers run on the CPU backend only for now"));
 }
 
 // data.regenerate.stop_tokens: null = the target's own eos ids, [] = none, else ids and token text;

@@ -12,6 +12,12 @@ namespace dflash::trainer {
 namespace {
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
+// The widest input of one FP8 GEMM per token, in elements (it is quantized to e4m3 [N, .]): the
+// dense MLP's down projection input I; an MoE block's k expert down inputs or the shared expert's.
+double fp8_gemm_input_per_token(const target::TargetConfig& t) {
+  if (!t.is_moe()) return static_cast<double>(t.intermediate_size);
+  return static_cast<double>(std::max(t.num_experts_per_tok * t.moe_intermediate_size, t.shared_expert_intermediate_size));
+}
 double drafter_params(const drafter::DrafterConfig& d) {
   drafter::DrafterWeights w;  // shapes only: nothing is allocated
   w.layers.resize(static_cast<size_t>(d.num_hidden_layers));
@@ -20,6 +26,19 @@ double drafter_params(const drafter::DrafterConfig& d) {
   return n;
 }
 }  // namespace
+
+// Bytes per token, the widest MLP-block buffers of the target forward. Dense: gate|up and
+// their product (bf16, 3·I). MoE: the router's fp32 logits and probabilities (2·E), the top-k ids
+// and weights (int32 + fp32), per chosen expert the token's gathered copy, its gate|up, their
+// product and the weighted expert output (bf16, 2·H + 3·I_e), and the shared expert's gate|up
+// and product (bf16, 3·I_s); the shared gate's logit is one fp32.
+double mlp_activation_bytes_per_token(const target::TargetConfig& t) {
+  if (!t.is_moe()) return 2.0 * 3.0 * static_cast<double>(t.intermediate_size);
+  const double H = static_cast<double>(t.hidden_size), E = static_cast<double>(t.num_experts);
+  const double k = static_cast<double>(t.num_experts_per_tok), Ie = static_cast<double>(t.moe_intermediate_size);
+  const double Is = static_cast<double>(t.shared_expert_intermediate_size);
+  return 4.0 * 2.0 * E + 8.0 * k + 2.0 * k * (2.0 * H + 3.0 * Ie) + 2.0 * 3.0 * Is + 4.0;
+}
 
 MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::DrafterConfig& d, int64_t tokens,
                            int64_t max_seqlen, int64_t blocks, int64_t ce_chunk_rows, bool fp8_target) {
@@ -33,14 +52,15 @@ MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::Drafter
     p.target_weights -= proj * (1.0 - 4.0 / (128.0 * 128.0));  // 2 -> 1 byte, plus the block scales
   }
   // The widest per-token buffers of one layer (bf16): residual + normed + scratch, the fused
-  // in-projection output, conv output, the MLP's gate|up and its product; plus the captures.
-  const double H = static_cast<double>(t.hidden_size), I = static_cast<double>(t.intermediate_size);
+  // in-projection output, conv output, the MLP block's (mlp_activation_bytes_per_token); plus the captures.
+  const double H = static_cast<double>(t.hidden_size);
   const double proj = static_cast<double>(std::max(t.gdn_conv_dim() + 2 * t.gdn_value_dim() + 2 * t.linear_num_value_heads,
                                                    t.attn_q_proj_rows() + 2 * t.num_key_value_heads * t.head_dim));
-  p.target_activations = 2.0 * N * (4 * H + proj + static_cast<double>(t.gdn_conv_dim()) + 3 * I) +
+  p.target_activations = 2.0 * N * (4 * H + proj + static_cast<double>(t.gdn_conv_dim())) +
+                         N * mlp_activation_bytes_per_token(t) +
                          2.0 * N * H * static_cast<double>(d.num_context_layers()) * 2;  // captures + packed context
-  // FP8: the largest quantized GEMM input (e4m3 [N, I]) and its scales
-  if (fp8_target) p.target_activations += N * I * (1.0 + 4.0 / 128.0);
+  // FP8: the largest quantized GEMM input (e4m3) and its scales
+  if (fp8_target) p.target_activations += N * fp8_gemm_input_per_token(t) * (1.0 + 4.0 / 128.0);
   p.drafter_state = 18.0 * drafter_params(d);
   const double Hd = static_cast<double>(d.hidden_size), Id = static_cast<double>(d.intermediate_size);
   const double qd = static_cast<double>(d.q_dim()), kvd = static_cast<double>(d.kv_dim());

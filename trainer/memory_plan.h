@@ -30,4 +30,9 @@ struct MemoryPlan {
 MemoryPlan gpu_memory_plan(const target::TargetConfig& local_target, const drafter::DrafterConfig& d, int64_t tokens,
                            int64_t max_seqlen, int64_t blocks, int64_t ce_chunk_rows, bool fp8_target = false);
 
+// Bytes per token of the target's widest MLP-block buffers (dense: gate|up and product; MoE: router
+// scores, top-k ids and weights, per chosen expert its gathered input, gate|up, product and output,
+// the shared expert's), as target_activations counts them.
+double mlp_activation_bytes_per_token(const target::TargetConfig& t);
+
 }  // namespace dflash::trainer

@@ -7,7 +7,9 @@
 # Everything ends before $DEADLINE seconds; what comes back: $OUT/target.tar.xz (the checkpoint, prompt
 # lists, README, goldens), $OUT/runs.tar.xz (logs, eval reports, metrics), $OUT/summary.txt.
 # That machine's build has no tokenizer (no libonig-dev / libicu-dev there): the prompt lists are prepared
-# here first (dflash_data prepare into $PREPARED: train.h5, shuf.h5 (shuffled, seed 0), heldout.h5, ho_chat.h5).
+# here first (dflash_data prepare into $PREPARED: train.h5, shuf.h5 (shuffled, seed 0), heldout.h5, ho_chat.h5),
+# every token of a prompt unsupervised: prepare supervises all of a {"text"} row (code and prose prompts), so
+# those files go through `dflash_data dump`, loss_mask set to 0, `dflash_data convert --vocab-size 4096`.
 # With MAKE_TARGET=1 the target is made there first (the first call did; the second used the committed one).
 # Usage (repo root): PREPARED=dir DEADLINE=480 bash scripts/gpu_text2.sh
 set -uo pipefail

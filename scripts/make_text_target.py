@@ -9,10 +9,11 @@ on the CPU (--device cpu: the same steps, slower). Everything comes from what sh
                 docstrings and comments, the bulk of the corpus and what the chat examples are made of;
               - the Debian-packaged Python modules (/usr/lib/python3/dist-packages/**/*.py): more code
                 of the same kind, from the distribution itself;
-              - with --pip-packages (not used for the committed checkpoint), also the Python packages
-                installed on that machine with pip (/usr/local/lib/python3.X/dist-packages/**/*.py:
-                torch, transformers, numpy, ...; 32 MB at most, in the order of sha256(path)): the
-                distribution's own code is 18 MB there, which a longer training passes over many times;
+              - with --pip-packages (used for the committed checkpoint), also the Python packages
+                installed beside torch (the directory python finds torch in; on that machine
+                /opt/torch/.venv/lib/python3.12/site-packages: torch, transformers, numpy, ...; 32 MB of
+                its 25,127 .py files at most, in the order of sha256(path)): the distribution's own code
+                is 18 MB there, which a 150 s training passes over ~7 times (held-out loss rising);
               - the license texts (/usr/share/common-licenses): long, regular English prose;
               - the man pages (/usr/share/man/man{1,5,7,8}, groff with the markup stripped): prose about
                 commands, the "prose" prompts beside the licenses;

@@ -9,10 +9,12 @@ on the CPU (--device cpu: the same steps, slower). Everything comes from what sh
                 docstrings and comments, the bulk of the corpus and what the chat examples are made of;
               - the Debian-packaged Python modules (/usr/lib/python3/dist-packages/**/*.py): more code
                 of the same kind, from the distribution itself;
-              - with --pip-packages (not used for the committed checkpoint), also the Python packages
-                installed on that machine with pip (/usr/local/lib/python3.X/dist-packages/**/*.py:
-                torch, transformers, numpy, ...; 32 MB at most, in the order of sha256(path)): the
-                distribution's own code is 18 MB there, which a longer training passes over many times;
+              - with --pip-packages (used for the committed checkpoint), also the Python packages
+                installed beside torch (the directory python finds torch in; on that machine
+                /opt/torch/.venv/lib/python3.12/site-packages: torch, transformers, numpy, ...; 32 MB of
+                its 25,127 .py files at most, in the order of sha256(path)): the distribution's own code
+                is 18 MB there (7 M tokens: 60 s of training passed over it 3 times; with these, 145 s
+                of training, 47 M tokens, pass over the 28.7 M training tokens 1.6 times);
               - the license texts (/usr/share/common-licenses): long, regular English prose;
               - the man pages (/usr/share/man/man{1,5,7,8}, groff with the markup stripped): prose about
                 commands, the "prose" prompts beside the licenses;
@@ -152,7 +154,13 @@ def collect_corpus(pip=False):
     """[(name, kind, text)] sorted by name; kind: code / prose. And the source table for the README."""
     import sysconfig
     stdlib = sysconfig.get_paths()["stdlib"]
+    # The pip-installed packages: where python finds torch (the packages beside it: transformers, numpy, ...).
     pip_dir = f"/usr/local/lib/python{sys.version_info[0]}.{sys.version_info[1]}/dist-packages"
+    if pip:
+        import importlib.util
+        spec = importlib.util.find_spec("torch")
+        if spec is not None and spec.origin:
+            pip_dir = os.path.dirname(os.path.dirname(spec.origin))
     sources = [
         ("python-stdlib", stdlib, sorted(glob.glob(os.path.join(stdlib, "**", "*.py"), recursive=True)), "code"),
         ("python3-dist-packages", "/usr/lib/python3/dist-packages",
@@ -577,7 +585,10 @@ def write_golden(out_dir, golden_dir, tok, heldout_texts, prompts):
 def write_readme(out_dir, args, table, info, counts, samples, versions):
     L = ["# text-target: a small Qwen3.5-shaped target trained on real text", "",
          "Made by `scripts/make_text_target.py` (issue 29) on the GPU machine; running it again there makes it again",
-         f"(`python3 scripts/make_text_target.py --steps {info['steps']} --seed {args.seed}`; GPU arithmetic is not",
+         f"(`python3 scripts/make_text_target.py --steps {info['steps']} --seed {args.seed}"
+         f"{' --pip-packages' if args.pip_packages else ''}{f' --chat-repeat {args.chat_repeat}' if args.chat_repeat != 1 else ''}"
+         f"{f' --max-train-prompts {args.max_train_prompts}' if args.max_train_prompts else ''}"
+         f"{f' --lr {args.lr}' if args.lr != 3e-3 else ''}`; GPU arithmetic is not",
          "bit-reproducible, so expect the same losses to about 0.01, not the same bytes).", "",
          f"Versions: {versions}.", "", "## Corpus (what Ubuntu 24.04 installs on that machine)", "",
          "| source | path | files found | documents kept | MB |", "|---|---|---:|---:|---:|"]
@@ -587,7 +598,7 @@ def write_readme(out_dir, args, table, info, counts, samples, versions):
           f"Held out by document: sha256(name) mod {HELDOUT_MOD} == 0 (name = source label / path under it).",
           f"Documents: {counts['train_docs']} training, {counts['heldout_docs']} held out; chat examples (a documented",
           f"function of a training file: signature + docstring as the user turn, its source as the assistant turn):",
-          f"{counts['chats']}; tokens: {info['train_tokens'] / 1e6:.2f} M training, {info['heldout_tokens'] / 1e6:.3f} M held out.",
+          f"{counts['chats']} (each {args.chat_repeat} time(s) in the training stream); tokens: {info['train_tokens'] / 1e6:.2f} M training, {info['heldout_tokens'] / 1e6:.3f} M held out.",
           "", "## Tokenizer", "",
           f"Byte-level BPE trained with `tokenizers` on the training documents: NFC, the Qwen3.5 split regex +",
           f"ByteLevel(use_regex false); ids 0..{BPE_VOCAB - 1} BPE, then " +
@@ -630,6 +641,10 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--pip-packages", action="store_true", help="add the pip-installed Python packages to the corpus")
+    ap.add_argument("--chat-repeat", type=int, default=1,
+                    help="each training chat example this many times in the training stream (the chat format learned)")
+    ap.add_argument("--max-train-prompts", type=int, default=0,
+                    help="at most this many training prompt rows, each kind cut in proportion (0: all)")
     ap.add_argument("--max-docstring", type=int, default=MAX_DOCSTRING, help="longest docstring of a chat example")
     args = ap.parse_args()
     globals()["MAX_DOCSTRING"] = args.max_docstring
@@ -655,6 +670,15 @@ def main():
     msgs = [{"role": "user", "content": "Write f.\n"}, {"role": "assistant", "content": "def f():\n    pass\n"}]
     assert render(msgs, False) == render_chat("Write f.", "def f():\n    pass"), repr(render(msgs, False))
     assert render(msgs[:1], True) == render_chat("Write f."), repr(render(msgs[:1], True))
+    if args.max_train_prompts and len(prompts["train"]) > args.max_train_prompts:
+        # The first rows of each kind (each kind is in shuffled order), in proportion: the list stays chat, code, prose.
+        frac = args.max_train_prompts / len(prompts["train"])
+        cut = []
+        for kind in ("chat", "code", "prose"):
+            rows = [p for p in prompts["train"] if p["kind"] == kind]
+            cut += rows[:int(len(rows) * frac)]
+        log(f"prompts: {len(cut)} of {len(prompts['train'])} training rows kept (--max-train-prompts)")
+        prompts["train"] = cut
     for split in ("train", "heldout"):
         with open(os.path.join(args.out, f"prompts_{split}.jsonl"), "w", encoding="utf-8") as f:
             for p in prompts[split]:
@@ -668,7 +692,7 @@ def main():
                 for p, e in zip(prompts[split], enc):
                     f.write(json.dumps({"input_ids": e.ids, "loss_mask": [0] * len(e.ids)}) + "\n")
                     fk.write(p["kind"] + "\n")
-    info = train_model(args, tok, [d[2] for d in train_docs] + chats["train"], [d[2] for d in held_docs] + chats["heldout"],
+    info = train_model(args, tok, [d[2] for d in train_docs] + chats["train"] * args.chat_repeat, [d[2] for d in held_docs] + chats["heldout"],
                        args.out)
     log(f"train: {json.dumps(info)}")
     m = load_f32(args.out)

@@ -160,7 +160,8 @@ struct Preparer {
       DFLASH_REQUIRE_HINT(!t.empty(), where << ": \"text\" is empty", "drop the row, or give it text");
       std::vector<uint32_t> ids = tok.encode(t);
       r.seq.ids.assign(ids.begin(), ids.end());
-      r.seq.mask.assign(ids.size(), 1);  // plain text: every token is a training target
+      r.seq.mask.assign(ids.size(), o.prompts_only ? 0 : 1);  // plain text: every token a target, or all of it a prompt
+      r.prompt_only = o.prompts_only;
       finish(r);
       return r;
     }
@@ -202,9 +203,15 @@ struct Preparer {
     DFLASH_REQUIRE_HINT(!messages.empty(), where << ": the conversation has no messages", "drop the row, or give it messages");
     if (!tmpl) DFLASH_REJECT_HINT(where << ": no chat template: " << tmpl_error, tmpl_hint);
 
+    if (o.prompts_only) {
+      // The prompt: the conversation without its trailing assistant turns.
+      while (!messages.empty() && messages.back()["role"] == "assistant") messages.erase(messages.size() - 1);
+      DFLASH_REQUIRE_HINT(!messages.empty(), where << ": with --prompts the conversation has no turn before its assistant turns",
+                          "drop the row, or give it a user turn");
+    }
     size_t assistants = 0;
     for (const auto& m : messages) assistants += m["role"] == "assistant";
-    r.prompt_only = assistants == 0;
+    r.prompt_only = assistants == 0 || o.prompts_only;
     text::ChatOptions co;
     co.add_generation_prompt = r.prompt_only;  // a prompt-only row is made ready for regenerate
     co.enable_thinking = o.enable_thinking;
@@ -221,7 +228,7 @@ struct Preparer {
     }
     // The supervised byte ranges of the text.
     std::vector<std::pair<size_t, size_t>> ranges;
-    for (size_t k = 0; k < rendered.assistant.size(); ++k) {
+    for (size_t k = 0; k < rendered.assistant.size() && !o.prompts_only; ++k) {
       if (o.last_turn_only && k + 1 != rendered.assistant.size()) continue;
       const text::AssistantSpan& s = rendered.assistant[k];
       if (o.think == ThinkMode::out && s.think_end > s.think_begin) {

@@ -9,7 +9,10 @@
 //   {"text": "..."}   plain text, no template: every token supervised
 // Rendering uses the template's own text (text/chat_template.h) with add_generation_prompt false,
 // or true for a prompt-only row (no assistant message): such a row gets the generation prompt and an
-// all-zero mask, ready for dflash_data regenerate.
+// all-zero mask, ready for dflash_data regenerate. With prompts_only every row becomes such a prompt:
+// a conversation's trailing assistant turns are dropped (the generation prompt follows its last
+// user / tool turn) and a text row is kept as it is; every mask is zero (prompt sets for
+// regenerate and dflash_eval made from the same files as the training data).
 //
 // Mask rule: a token is supervised iff its bytes (Tokenizer::encode_with_offsets) overlap an
 // assistant span of the render (after the assistant header, through the end-of-turn marker;
@@ -34,6 +37,7 @@ struct PrepareOptions {
   std::string chat_template;  // "" = the tokenizer directory's own; else a .jinja file
   ThinkMode think = ThinkMode::in;
   bool last_turn_only = false;           // supervise only the last assistant message
+  bool prompts_only = false;             // every row a prompt (all-zero mask; trailing assistant turns dropped)
   std::optional<bool> enable_thinking;   // passed to the template; unset = the template's default
   size_t max_length = 0;                 // 0 = none; longer rows are truncated to it and counted
   bool skip_bad = false;                 // bad rows are counted and reported instead of stopping the run

@@ -51,6 +51,9 @@ PrepareCommands::PrepareCommands(CLI::App& app, std::string* log_level, CLI::App
       ->capture_default_str()
       ->check(CLI::IsMember({"in", "out"}));
   p->add_flag("--last-turn-only", s.opt.last_turn_only, "supervise only the last assistant turn of each conversation");
+  p->add_flag("--prompts", s.opt.prompts_only,
+              "every row a prompt (all-zero mask): conversations without their trailing assistant turns, with the generation "
+              "prompt; text rows as they are (prompt sets for regenerate and dflash_eval)");
   p->add_option("--enable-thinking", s.enable_thinking, "the template's enable_thinking (default: the template's own default)")
       ->check(CLI::IsMember({"true", "false"}));
   p->add_option("--max-length", s.opt.max_length, "truncate longer sequences to this many tokens, and count them (0: no limit)")

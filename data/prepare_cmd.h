@@ -1,6 +1,6 @@
 #pragma once
 // dflash_data prepare (data/prepare.h) and dump --text, the two text views of a dataset:
-//   dflash_data prepare IN.jsonl --tokenizer DIR --out data.h5 [--think in|out] [--last-turn-only]
+//   dflash_data prepare IN.jsonl --tokenizer DIR --out data.h5 [--think in|out] [--last-turn-only] [--prompts]
 //       [--enable-thinking true|false] [--max-length N] [--skip-bad] [--chat-template FILE] [--threads N]
 //   dflash_data dump data.h5 --text --tokenizer DIR      each sequence decoded, supervised spans marked
 // Kept apart from dflash_data.cpp so the other subcommands' edits merge without touching these.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # dflash_data prepare + dump --text from the command line on the real Qwen3 tokenizer: the three
-# row forms, the options (--think, --last-turn-only, --enable-thinking, --max-length,
+# row forms, the options (--think, --last-turn-only, --prompts, --enable-thinking, --max-length,
 # --chat-template, --threads), the summary, dump --text's marks, and bad rows (the error names
 # IN:line and the field; --skip-bad counts them; no output or .tmp is left behind).
 #   test_prepare_cli.sh DFLASH_DATA TOKENIZER_DIR CHAT_TEMPLATES_DIR WORK_DIR
@@ -54,6 +54,21 @@ PY
 grep -q '^truncated:   3$' c.txt
 "$data" stats c.h5 | grep -q 'min 2, mean .*, max 8'
 
+# --prompts: every row a prompt (all-zero mask): trailing assistant turns dropped and the generation
+# prompt after the last user turn; text rows as they are.
+"$data" prepare in.jsonl --tokenizer "$tok" --out p.h5 --prompts --enable-thinking false --no-progress > p.txt
+grep -q '^prompt-only: 4 ' p.txt
+"$data" dump p.h5 --text --tokenizer "$tok" > p_text.txt
+python3 - <<'PY'
+t = open('p_text.txt', encoding='utf-8').read()
+assert '\u00ab' not in t, f'a prompt set has no supervised token:\n{t}'
+for w in ['<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n',
+          'and 3+3?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n',
+          'plain words']:
+    assert w in t, f'missing from dump --text:\n{w!r}\n--- got:\n{t}'
+assert 'Hello there' not in t and 'six' not in t, t
+PY
+printf '{"messages": [{"role": "assistant", "content": "only me"}]}\n' > asst.jsonl
 expect_fail() {  # expect_fail REGEX command...: the command fails and its stderr matches REGEX
   local regex="$1"; shift
   if "$@" 2> err.txt > /dev/null; then echo "FAIL: '$*' succeeded"; exit 1; fi
@@ -71,6 +86,8 @@ grep -q '^written:     4 sequences$' skip.txt
 printf '{"text": "bad \xC3( byte"}\n' > utf8.jsonl
 expect_fail 'utf8.jsonl:1: invalid UTF-8 at byte 14 of the line \(0xC3\)' "$data" prepare utf8.jsonl --tokenizer "$tok" --out u.h5
 expect_fail '--think: maybe not in \{in,out\}' "$data" prepare in.jsonl --tokenizer "$tok" --out x.h5 --think maybe
+expect_fail 'asst.jsonl:1: with --prompts the conversation has no turn before its assistant turns' \
+  "$data" prepare asst.jsonl --tokenizer "$tok" --out asst.h5 --prompts
 expect_fail 'dump --text needs --tokenizer' "$data" dump a.h5 --text
 expect_fail 'dump: --tokenizer and --marks go with --text' "$data" dump a.h5 --tokenizer "$tok"
 echo OK

@@ -8,8 +8,8 @@
 # lists, README, goldens), $OUT/runs.tar.xz (logs, eval reports, metrics), $OUT/summary.txt.
 # That machine's build has no tokenizer (no libonig-dev / libicu-dev there): the prompt lists are prepared
 # here first (dflash_data prepare into $PREPARED: train.h5, shuf.h5 (shuffled, seed 0), heldout.h5, ho_chat.h5),
-# every token of a prompt unsupervised: prepare supervises all of a {"text"} row (code and prose prompts), so
-# those files go through `dflash_data dump`, loss_mask set to 0, `dflash_data convert --vocab-size 4096`.
+# every token of a prompt unsupervised: `dflash_data prepare --prompts` (since 58d9d6d; the second call
+# still sent every file through `dflash_data dump`, loss_mask set to 0, `dflash_data convert --vocab-size 4096`).
 # With MAKE_TARGET=1 the target is made there first (the first call did; the second used the committed one).
 # Usage (repo root): PREPARED=dir DEADLINE=480 bash scripts/gpu_text2.sh
 set -uo pipefail

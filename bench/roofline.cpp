@@ -4,17 +4,14 @@
 #include <cstdio>
 
 #include "core/error.h"
+#include "core/tensor.h"
 #include "drafter/weights.h"
 #include "target_model/weights.h"
 
 namespace dflash::bench {
 
 namespace {
-double numel(const Shape& s) {
-  double n = 1;
-  for (int64_t d : s) n *= static_cast<double>(d);
-  return n;
-}
+double numel(const Shape& s) { return static_cast<double>(shape_numel(s)); }
 double blocks128(int64_t n) { return static_cast<double>((n + 127) / 128); }
 }  // namespace
 

@@ -76,12 +76,6 @@ const TargetWeights& TargetRuntime::weights() const {
   return cpu_->weights();
 }
 
-double TargetRuntime::decode_weight_bytes() const {
-  const TargetWeights& w = weights();
-  return static_cast<double>(w.bytes()) -
-         (w.lm_head.raw_data() == w.embed_tokens.raw_data() ? 0.0 : static_cast<double>(w.embed_tokens.nbytes()));
-}
-
 std::unique_ptr<Decoder> TargetRuntime::make_decoder(int64_t num_slots, int64_t max_len) {
 #if DFLASH_WITH_CUDA
   if (cuda_) return make_cuda_decoder(*cuda_, num_slots, max_len, decode_plan_);

@@ -59,8 +59,6 @@ class TargetRuntime {
   const TargetWeights& weights() const;
   // "prefill: <plan>; decode: <plan>" on a GPU, "" on the CPU.
   const std::string& plans() const { return plans_; }
-  // What a decode step reads from memory: every weight but the embedding table (one row of it).
-  double decode_weight_bytes() const;
   TargetModel* cpu_model() { return cpu_.get(); }
   CudaTargetModel* cuda_model() { return cuda_.get(); }
 

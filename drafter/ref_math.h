@@ -13,6 +13,7 @@
 #include "drafter/weights.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "kernels/cpu/train_ops.h"
 
 namespace dflash::drafter::ref {
 
@@ -64,29 +65,13 @@ inline void axpy(double* y, double a, const double* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-// out[j] = dot(a, b_j, n) for four rows b_j: each the same sum as dot() (ascending index, one
-// accumulator), so bit for bit its value; four independent chains overlap where one dot waits on
-// each add (a serial double sum is latency-bound).
-inline void dot4(const double* a, const double* b0, const double* b1, const double* b2, const double* b3, int64_t n,
-                 double* out) {
-  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const double x = a[i];
-    s0 += x * b0[i];
-    s1 += x * b1[i];
-    s2 += x * b2[i];
-    s3 += x * b3[i];
-  }
-  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
-}
-
-// y[M, N] = x[M, K] · w[N, K]^T (each output one dot(); four at a time, dot4)
+// y[M, N] = x[M, K] · w[N, K]^T (each output one dot(); four at a time, cpu::dot4: the same values)
 inline Mat linear(const Mat& x, const Mat& w) {
   Mat y(x.rows, w.rows);
   for (int64_t m = 0; m < x.rows; ++m) {
     double* ym = y.row(m);
     int64_t n = 0;
-    for (; n + 4 <= w.rows; n += 4) dot4(x.row(m), w.row(n), w.row(n + 1), w.row(n + 2), w.row(n + 3), x.cols, ym + n);
+    for (; n + 4 <= w.rows; n += 4) cpu::dot4(x.row(m), w.row(n), w.row(n + 1), w.row(n + 2), w.row(n + 3), x.cols, ym + n);
     for (; n < w.rows; ++n) ym[n] = dot(x.row(m), w.row(n), x.cols);
   }
   return y;

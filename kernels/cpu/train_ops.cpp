@@ -215,17 +215,9 @@ CeSums fused_linear_ce(const double* hidden, int64_t rows, int64_t H, const Tens
       // same values bit for bit: the serial double sum is latency-bound, not the arithmetic).
       int64_t i = 0;
       for (; i + 4 <= n; i += 4) {
-        const double *h0 = hidden + live[i] * H, *h1 = hidden + live[i + 1] * H, *h2 = hidden + live[i + 2] * H,
-                     *h3 = hidden + live[i + 3] * H;
-        double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-        for (int64_t c = 0; c < H; ++c) {
-          const double x = w[c];
-          s0 += h0[c] * x;
-          s1 += h1[c] * x;
-          s2 += h2[c] * x;
-          s3 += h3[c] * x;
-        }
-        logits[i * V + v] = s0, logits[(i + 1) * V + v] = s1, logits[(i + 2) * V + v] = s2, logits[(i + 3) * V + v] = s3;
+        double s[4];
+        dot4(w, hidden + live[i] * H, hidden + live[i + 1] * H, hidden + live[i + 2] * H, hidden + live[i + 3] * H, H, s);
+        for (int j = 0; j < 4; ++j) logits[(i + j) * V + v] = s[j];
       }
       for (; i < n; ++i) {
         const double* h = hidden + live[i] * H;

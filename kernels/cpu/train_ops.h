@@ -13,6 +13,22 @@
 
 namespace dflash::cpu {
 
+// out[j] = Σ_i a[i]·b_j[i] for four rows b_j, each one sum in ascending i with one accumulator (bit
+// for bit what a plain loop gives); four independent chains overlap where a single serial double
+// sum waits on each add. Used by drafter/ref_math.h's linear and fused_linear_ce's logits.
+inline void dot4(const double* a, const double* b0, const double* b1, const double* b2, const double* b3, int64_t n,
+                 double* out) {
+  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = a[i];
+    s0 += x * b0[i];
+    s1 += x * b1[i];
+    s2 += x * b2[i];
+    s3 += x * b3[i];
+  }
+  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
 // y = x · rstd · w per row of D (x contiguous [rows, D]); rstd[r] = 1 / sqrt(mean(x²) + eps) out.
 void rms_norm_fwd(const std::vector<double>& x, const std::vector<double>& w, int64_t rows, int64_t D, double eps,
                   std::vector<double>& y, std::vector<double>& rstd);

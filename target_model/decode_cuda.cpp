@@ -8,6 +8,16 @@
 // decoding reproduces target-only greedy decoding bit for bit (batch invariance), not just to
 // rounding. The sequence-aware kernels (conv update, delta rule pool, KV append, attention decode)
 // compute each token from its own inputs and state in the same order whatever T is.
+//
+// CUDA graphs (FastPathPlan::cuda_graphs, on by default; --no-cuda-graphs): a decode / verify step
+// shape (tokens per slot, the options, the attention's key splits rounded up to a power of two) and
+// a commit shape (n, its row, the verify graph it follows) run eagerly once, are then captured
+// (relaxed mode) into a graph whose buffers — the fixed input buffer the host arrays are copied into,
+// temporaries, outputs, a verify's saved layer inputs — come from the graph's own device_alloc::Pool,
+// and are replayed from then on; the caller gets its own copy of the features. Prefill is never
+// captured; a profiler, tensor parallelism or a failed capture (logged) run eagerly, and every eager
+// step with graphs on is counted by reason (kernels_run(), graph_stats()). Replays give the eager
+// launches' values bit for bit (the extra key splits add exact zeros; tests/test_cuda_decoder.cpp).
 #include <cuda_runtime.h>
 
 #include <algorithm>

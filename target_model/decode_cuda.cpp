@@ -370,7 +370,10 @@ class CudaDecoder final : public Decoder {
         graph_kb = std::min<int64_t>(max_len(), splits * step.split_keys);
         key = graph_key(tokens, opt, splits);
         auto it = graphs_.find(key);
-        if (it == graphs_.end()) eager_why = "first step of its shape";
+        if (it == graphs_.end() && graphs_full()) {
+          eager_why = kGraphsFull;
+          key.clear();
+        } else if (it == graphs_.end()) eager_why = "first step of its shape";
         else if (!it->second) eager_why = "its shape's capture failed";
         else graph = it->second.get();
       }
@@ -473,8 +476,17 @@ class CudaDecoder final : public Decoder {
       return;
     }
     ++stats_.captures;
+    pool_bytes_ += g->pool.reserved();
     graphs_[key] = std::move(g);
   }
+
+  // At most kMaxGraphs shapes and kMaxPoolBytes of their pools per decoder (many batch shapes, e.g.
+  // regeneration's changing number of sequences in flight, must not fill the GPU); beyond that, new
+  // shapes run eagerly (counted).
+  static constexpr size_t kMaxGraphs = 64;
+  static constexpr size_t kMaxPoolBytes = size_t(4) << 30;
+  static constexpr const char* kGraphsFull = "the graph limit (64 shapes or 4 GiB of their pools) reached";
+  bool graphs_full() const { return graphs_.size() >= kMaxGraphs || pool_bytes_ >= kMaxPoolBytes; }
 
   // The shape a graph is keyed by: the tokens per slot, the options the step's launches depend on,
   // and the attention's key splits.
@@ -558,7 +570,10 @@ class CudaDecoder final : public Decoder {
       else {
         key = "commit n=" + std::to_string(n) + " row0=" + std::to_string(row0) + " of " + verify_graph_key_;
         auto it = graphs_.find(key);
-        if (it == graphs_.end()) eager_why = "first step of its shape";
+        if (it == graphs_.end() && graphs_full()) {
+          eager_why = kGraphsFull;
+          key.clear();
+        } else if (it == graphs_.end()) eager_why = "first step of its shape";
         else if (!it->second) eager_why = "its shape's capture failed";
         else graph = it->second.get();
       }
@@ -595,6 +610,7 @@ class CudaDecoder final : public Decoder {
   Tensor workspace_, scratch_;
   std::map<std::string, std::unique_ptr<Graph>> graphs_;  // by graph_key; null: its capture failed
   GraphStats stats_;
+  size_t pool_bytes_ = 0;  // the graphs' pools, together
   Graph* verify_graph_ = nullptr;  // the last verify's graph (null: it ran eagerly)
   std::string verify_graph_key_;
   std::map<std::string, uint64_t> eager_why_;  // eager steps with graphs on, by reason

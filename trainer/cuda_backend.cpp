@@ -108,6 +108,7 @@ class CudaBackend final : public TrainBackend {
   std::string describe() const override {
     return device_.str() + " (" + gpu_name_ + "), bf16 target and drafter, fp32 masters and gradients";
   }
+  std::string device_name() const override { return gpu_name_; }
   int64_t num_params() const override { return model_->num_params(); }
   std::string fast_path_summary() override { return fast_path_; }
   nlohmann::json fast_path_json() override {

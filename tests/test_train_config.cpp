@@ -647,7 +647,8 @@ TEST(MemoryPlan, RefusesWhatDoesNotFitNamingTheFiguresAndWhatToChange) {
 // drafter's context rows (linear: the delta rule keeps its state in registers, flash attention stores
 // no scores), and the block-attention backward's dS tiles (blocks x key tiles: linear at 512 anchors,
 // quadratic when the anchors grow with the length). The recipe fits one H200 with the plan's headroom
-// at every length in both precisions; at the kept density it stops fitting at 16384 tokens.
+// at every length in both precisions; at the kept density it stops fitting at 16384 tokens, and fits
+// again with training.blocks_per_pass = 512.
 TEST(MemoryPlan, SequenceLengthAxis) {
   const TrainConfig q = TrainConfig::from_file(kRoot + "/configs/qwen3.6-27b.yaml");
   const target::TargetConfig t = target::local_config(qwen_target(), 1);
@@ -686,6 +687,24 @@ TEST(MemoryPlan, SequenceLengthAxis) {
         }
       }
     }
+  }
+  // training.blocks_per_pass = 512 brings the L/8 anchors back to the plan of 512 blocks: 32768 tokens with
+  // 4096 anchors fit (the drafter's context rows, the only part of it that grows, are in the plan).
+  TrainConfig c = q;
+  c.data.max_length = 32768;
+  c.training.num_anchors = 4096;
+  EXPECT_EQ(blocks_per_drafter_pass(c, 1), 4096);
+  EXPECT_EQ(blocks_per_drafter_pass(c, 2), 2048);
+  c.training.blocks_per_pass = 512;
+  EXPECT_EQ(blocks_per_drafter_pass(c, 1), 512);
+  c.training.num_anchors = 300;
+  EXPECT_EQ(blocks_per_drafter_pass(c, 1), 300);
+  EXPECT_EQ(blocks_per_drafter_pass(c, 2), 150);
+  c.training.num_anchors = 4096;
+  for (const bool fp8 : {false, true}) {
+    const MemoryPlan p = gpu_memory_plan(t, d, 32768, 32768, blocks_per_drafter_pass(c, 1), 2048, fp8);
+    EXPECT_NO_THROW(check_memory_plan_fits(p, free, total, "cuda:0"));
+    std::printf("32768   4096 in passes of 512, %s: %.2f GiB\n", fp8 ? "fp8" : "bf16", p.total() / gib);
   }
 }
 

@@ -93,7 +93,7 @@ struct TrainCsv : ::testing::Test {
   // The tiny embedded recipe on the CPU reference, 6 steps logged every 2 (no regeneration).
   TrainConfig config() const {
     return TrainConfig::embedded_default({"parallel.device=cpu", "data.regenerate.enabled=false", "training.max_steps=6",
-                                          "logging.interval=2", "checkpoint.at_end=false", "logging.progress_bar=false",
+                                          "logging.interval=2", "checkpoint.at_end=false", "logging.progress_bar=false", "training.num_anchors=8",
                                           "logging.run_dir=" + (dir / "run").string()});
   }
 };
@@ -115,7 +115,7 @@ TEST_F(TrainCsv, TinyRunWritesItsRows) {
     EXPECT_EQ(r.kernel, "step");
     EXPECT_EQ(r.provider, "cpu");
     EXPECT_EQ(r.mode, "train");
-    EXPECT_EQ(r.shape, "qwen3_5_text L8 H256 seq=256 f32 tp=1 dp=1 drafter=2x8 anchors=32 batch=1x1");
+    EXPECT_EQ(r.shape, "qwen3_5_text L8 H256 seq=256 f32 tp=1 dp=1 drafter=2x8 anchors=8 batch=1x1");
     EXPECT_EQ(r.gpu, "cpu");
     EXPECT_EQ(r.commit, kGitCommit);
     EXPECT_FALSE(r.timestamp.empty());
@@ -180,6 +180,34 @@ TEST_F(TrainCsv, RefusesABadCsvAtStartUp) {
     e = err.message();
   }
   EXPECT_THAT(e, HasSubstr("is not a file"));
+}
+
+// training.blocks_per_pass on the CPU backend: 4 steps with each micro-batch's 8 blocks in passes of 3
+// train like one pass of all of them: the same loss and gradient norm at every step within 1e-10
+// (the double drafter sums the passes' gradients in another order).
+TEST_F(TrainCsv, BlockPassesTrainLikeOnePass) {
+  auto run = [&](const std::string& name, int64_t per_pass) {
+    const TrainConfig cfg = TrainConfig::embedded_default(
+        {"parallel.device=cpu", "data.regenerate.enabled=false", "training.max_steps=4", "logging.interval=1",
+         "checkpoint.at_end=false", "logging.progress_bar=false", "training.blocks_per_pass=" + std::to_string(per_pass), "training.num_anchors=8",
+         "data.synth.path=" + (dir / "synth.h5").string(), "logging.run_dir=" + (dir / name).string()});
+    train(cfg, 1, 0, RunOptions{});
+    std::vector<std::pair<double, double>> out;
+    std::ifstream in(dir / name / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line);
+      out.emplace_back(j["loss"].get<double>(), j["grad_norm"].get<double>());
+    }
+    return out;
+  };
+  const auto one = run("one", 0), passes = run("passes", 3);
+  ASSERT_EQ(one.size(), 4u);
+  ASSERT_EQ(passes.size(), 4u);
+  for (size_t i = 0; i < one.size(); ++i) {
+    EXPECT_NEAR(passes[i].first, one[i].first, 1e-10 * one[i].first) << "step " << i + 1;
+    EXPECT_NEAR(passes[i].second, one[i].second, 1e-10 * one[i].second) << "step " << i + 1;
+  }
+  EXPECT_NE(one[0].first, one[3].first);  // (it trained)
 }
 
 }  // namespace

@@ -841,10 +841,10 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     if (head[1] > 0) {
       bar.clear();
       if (rank == 0) spdlog::warn("stop requested: writing a checkpoint at step {} and exiting", p.step);
+      write_rows();  // first: a benchmark run stopped by its deadline keeps its rows if the checkpoint is cut short
       if (last_ckpt != p.step) save_checkpoint(p.step, loader_state_before, false);
       checkpoints.wait();
       write_fast_path_json(r.g, *backend, rank, r.run_dir / "fast_path.json", "stopped");
-      write_rows();
       result.step = p.step;
       result.start_step = start_step;
       result.stopped = true;

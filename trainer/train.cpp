@@ -898,13 +898,13 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   result.start_step = start_step;
   result.drafter_dir = (r.run_dir / "drafter").string();
   if (rank == 0) {
+    write_rows();  // (before the export: a 27B drafter's takes ~15 s, which a deadline may cut)
     export_final_drafter(r.ckpt_dir, p.step, result.drafter_dir, r.dcfg(), [&] { return backend->weights(); });
     const auto& c = loader.counters();
     spdlog::info("data: {} sequences seen, {} truncated, {} skipped without an anchor, {} epoch(s) done", c.seen,
                  c.truncated, c.skipped_no_anchor, c.epochs);
     metrics.log_summary(p.step, p.skipped, std::chrono::duration<double>(clock::now() - t_start).count(),
                         result.drafter_dir, start_step, backend->peak_memory_gib());
-    write_rows();
   }
   r.g.barrier();
   return result;

@@ -1,5 +1,7 @@
 #include "drafter/batch.h"
 
+#include <algorithm>
+
 #include "drafter/loss.h"
 #include "core/error.h"
 
@@ -46,6 +48,29 @@ double add_block_weights(const DrafterBatch& batch, int64_t block_size, double g
     const int64_t off = batch.seqs.offsets[bl.seq], S = batch.seqs.offsets[bl.seq + 1] - off;
     for (int64_t k = 1; k < block_size; ++k) sum += block_label(batch.loss_mask.data() + off, S, bl.anchor, k, gamma).weight;
   }
+  return sum;
+}
+
+StepStats for_each_block_pass(DrafterBatch& batch, int64_t per_pass, double grad_scale,
+                              const std::function<StepStats(bool last)>& pass) {
+  const int64_t n = static_cast<int64_t>(batch.blocks.size());
+  DFLASH_CHECK(per_pass >= 0, "for_each_block_pass: " << per_pass << " blocks per pass");
+  if (per_pass == 0 || n <= per_pass) return pass(true);
+  DFLASH_CHECK(grad_scale > 0, "for_each_block_pass: " << n << " blocks in passes of " << per_pass
+                                                       << " need a fixed loss normalisation (grad_scale > 0)");
+  std::vector<Block> all = std::move(batch.blocks);
+  StepStats sum;
+  try {
+    for (int64_t b0 = 0; b0 < n; b0 += per_pass) {
+      const int64_t b1 = std::min(n, b0 + per_pass);
+      batch.blocks.assign(all.begin() + b0, all.begin() + b1);
+      sum.add(pass(b1 == n));
+    }
+  } catch (...) {
+    batch.blocks = std::move(all);
+    throw;
+  }
+  batch.blocks = std::move(all);
   return sum;
 }
 

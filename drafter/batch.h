@@ -8,6 +8,7 @@
 // numbered in order (sequence by sequence, anchors ascending); block i belongs to shard
 // i % num_shards. Resume and the CPU-vs-reference tests rely on both rules.
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -41,5 +42,17 @@ DrafterBatch make_batch(const std::vector<BatchSequence>& seqs, const BlockSampl
 // `sum` plus Σ w of the batch's block rows k = 1..block_size-1 (block_label's weights), added one
 // by one in block order: a sum over micro-batches is the same number however they are grouped.
 double add_block_weights(const DrafterBatch& batch, int64_t block_size, double gamma, double sum);
+
+// A micro-batch's blocks in passes of at most `per_pass` blocks over the same context (0, or at least
+// as many as there are: one pass of all): `pass(last)` runs with batch.blocks set to the pass's blocks
+// (in order) and returns its stats; their sum is returned, and batch.blocks is restored. Every block
+// depends on the context and its own tokens only, so the passes' gradients sum to those of one pass
+// over all blocks (in another order of summation) when the loss normalisation is fixed beforehand:
+// grad_scale > 0 is required for more than one pass (0 would normalise each pass by its own Σw).
+// What it buys: the drafter's activations and block-attention workspace of per_pass blocks instead of
+// all (training.blocks_per_pass; long sequences with many anchors), for the context rows' work
+// (fc, the context K/V) once per pass.
+StepStats for_each_block_pass(DrafterBatch& batch, int64_t per_pass, double grad_scale,
+                              const std::function<StepStats(bool last)>& pass);
 
 }  // namespace dflash::drafter

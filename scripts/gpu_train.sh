@@ -5,12 +5,24 @@
 #   2. the Qwen3.6-27B-shaped recipe (random target weights, synthetic 4096-token sequences, 512
 #      anchors, 5-layer drafter) on 1 GPU, on 2 GPUs with tp=1 (data parallel) and tp=2, and on 8
 #      GPUs with tp=1, 2 and 8 (TRAIN_RUNS=q27_8gpu_.* for issue 8 alone);
-# leaving train.txt (the commands and their last log lines) and train.tgz (logs, metrics.jsonl) in
-# $RESULTS. TRAIN_STEPS (default 40) sets the 27B-shaped runs' length; TRAIN_RUNS (a regex over the
-# run names: tiny_gpu tt_learn tt_resume tt_nonfinite tt_microbatch tt_sigterm tt_mpi q27_refuse_d256 q27_1gpu q27_2gpu_tp1
-# q27_2gpu_tp2 q27_8gpu_tp1 q27_8gpu_tp2 q27_8gpu_tp8 q27_ckpt q27_resume) picks
+#   3. with SEQ_LENS="4096 8192 16384 32768" (issue 31) the recipe on 1 GPU at each sequence length
+#      (runs q27_seq<L>): SEQ_PRECISION (default fp8) target, one sequence of L tokens a step, SEQ_STEPS
+#      (default 15) steps logged every 5, so the rows average the last 10; SEQ_ANCHORS (default recipe)
+#      "recipe" keeps the recipe's 512 anchors per sequence, "density" its one anchor per 8 tokens (L/8,
+#      in drafter passes of 512 blocks: training.blocks_per_pass; runs q27_seq<L>_density), "recipe
+#      density" both. Expected at the last measured step's rates (fp8 0.451 s at 4096: target 0.227,
+#      drafter 0.203; scaled by FLOPs, TrainFlops.SequenceLengthAxis) plus ~30 s a run (start-up, drafter
+#      export): recipe 37 / 41 / 48 / 65 s at 4096 / 8192 / 16384 / 32768 (~190 s; the attention layers
+#      run slower than the GEMMs, so 32768 may take ~15 s more), density 37 / 44 / 58 / ~100 s;
+# leaving train.txt (the commands and their last log lines) and train.tgz (logs, metrics.jsonl, and the
+# benchmark rows train_rows.csv unless TRAIN_CSV names another file) in $RESULTS. Every 27B-shaped run
+# appends its rows (dflash_train --csv: trained_tok_s_per_gpu, mfu, peak_mem_gib, the step split) to
+# TRAIN_CSV (default $W/train_rows.csv, tarred into train.tgz; gpu_seqlen.sh passes $OUT/train_rows.csv).
+# TRAIN_STEPS (default 40) sets the 27B-shaped runs' length; TRAIN_RUNS (a regex over the
+# run names: tiny_gpu tt_learn tt_resume tt_nonfinite tt_microbatch tt_sigterm tt_mpi q27_refuse_d256 q27_1gpu
+# q27_seq<L>[_density] q27_2gpu_tp1 q27_2gpu_tp2 q27_8gpu_tp1 q27_8gpu_tp2 q27_8gpu_tp8 q27_ckpt q27_resume) picks
 # runs; DFLASH_DEADLINE (epoch seconds) stops each run with SIGTERM in time (dflash_train then writes
-# a checkpoint and exits cleanly) so that a device call's time limit never cuts a run's log.
+# its rows and a checkpoint and exits cleanly) so that a device call's time limit never cuts a run's log.
 #   bash scripts/gpu_train.sh RESULTS_DIR   (DFLASH_BUILD = the build directory)
 source "$(dirname "$0")/common.sh"
 RESULTS=${1:?results dir}
@@ -22,6 +34,7 @@ rm -rf "$W"
 mkdir -p "$W"
 T=$DFLASH_BUILD/trainer/dflash_train
 STEPS=${TRAIN_STEPS:-40}
+CSV=${TRAIN_CSV:-$W/train_rows.csv}
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
 status=0
 run() {  # run NAME CMD...: logs to $W/NAME.log, appends the command and the summary lines to train.txt
@@ -39,12 +52,12 @@ run() {  # run NAME CMD...: logs to $W/NAME.log, appends the command and the sum
   local t0=$SECONDS
   "${limit[@]}" "$@" > "$W/$name.log" 2>&1
   local rc=$?
-  grep -E "backend:|initialised|fast path|memory|step [0-9]+/|step time|written|resumed|error|done:|summary:|signal|refus|FAIL|^OK|loss |differ|max relative" "$W/$name.log" | tail -n 18 >> "$RESULTS/train.txt"
+  grep -E "backend:|initialised|fast path|memory|step [0-9]+/|step time|written|resumed|error|done:|summary:|signal|refus|FAIL|^OK|loss |differ|max relative|--csv" "$W/$name.log" | tail -n 18 >> "$RESULTS/train.txt"
   echo "rc=$rc wall=$((SECONDS - t0))s" >> "$RESULTS/train.txt"
   tail -n 3 "$W/$name.log"
   [ $rc = 0 ] || status=1
   # Logs and metrics so far (not data or exported weights).
-  tar czf "$RESULTS/train.tgz" -C "$W" $(cd "$W" && ls -d *.log */metrics.jsonl */logs 2>/dev/null) 2>/dev/null
+  tar czf "$RESULTS/train.tgz" -C "$W" $(cd "$W" && ls -d *.log */metrics.jsonl */logs train_rows.csv 2>/dev/null) 2>/dev/null
 }
 run tiny_gpu "$T" --set parallel.device=cuda --set training.max_steps=60 --set logging.run_dir="$W/tiny_gpu" \
   --set data.synth.path="$W/tiny_synth.h5" --set checkpoint.at_end=false
@@ -75,15 +88,32 @@ run q27_refuse_d256 bash -c 'out=$("$@" 2>&1); rc=$?; echo "$out" | tail -n 4
   [ $rc != 0 ] && echo "$out" | grep -q "drafter.s attention would run the fallback kernel" && echo "OK: refused"' _ \
   "$T" "${Q27[@]}" --set model.drafter.num_attention_heads=null --set model.drafter.num_key_value_heads=null \
   --set model.drafter.head_dim=null --set logging.run_dir="$W/q27_refuse"
-run q27_1gpu "$T" "${Q27[@]}" --set parallel.tp=1 --set logging.run_dir="$W/q27_1gpu"
+run q27_1gpu "$T" "${Q27[@]}" --set parallel.tp=1 --set logging.run_dir="$W/q27_1gpu" --csv "$CSV"
+# Sequence length as a scale axis (issue 31): one sequence of L tokens a step, its own synthetic corpus.
+for L in ${SEQ_LENS:-}; do
+  for how in ${SEQ_ANCHORS:-recipe}; do
+    case $how in
+      recipe) name=q27_seq$L; anchors=(--set training.num_anchors=512) ;;
+      density) [ $((L / 8)) = 512 ] && continue  # (the recipe's run)
+        name=q27_seq${L}_density; anchors=(--set training.num_anchors=$((L / 8)) --set training.blocks_per_pass=512) ;;
+      *) echo "SEQ_ANCHORS: '$how' is neither recipe nor density" >&2; status=1; continue ;;
+    esac
+    run "$name" "$T" "${Q27[@]}" --set parallel.tp=1 --set model.target.precision="${SEQ_PRECISION:-fp8}" \
+      --set data.max_length=$L --set data.synth.path="$W/q27_synth_$L.h5" --set data.synth.num_sequences=32 \
+      --set data.synth.min_length=$L --set data.synth.max_length=$L "${anchors[@]}" \
+      --set training.max_steps="${SEQ_STEPS:-15}" --set logging.interval=5 --set logging.progress_bar=false \
+      --set logging.run_dir="$W/$name" --csv "$CSV"
+    rm -f "$W/q27_synth_$L.h5"
+  done
+done
 if [ "${NGPU:-0}" -ge 2 ]; then
-  run q27_2gpu_tp1 mpirun -n 2 "$T" "${Q27[@]}" --set parallel.tp=1 --set logging.run_dir="$W/q27_2gpu_tp1"
-  run q27_2gpu_tp2 mpirun -n 2 "$T" "${Q27[@]}" --set parallel.tp=2 --set logging.run_dir="$W/q27_2gpu_tp2"
+  run q27_2gpu_tp1 mpirun -n 2 "$T" "${Q27[@]}" --set parallel.tp=1 --set logging.run_dir="$W/q27_2gpu_tp1" --csv "$CSV"
+  run q27_2gpu_tp2 mpirun -n 2 "$T" "${Q27[@]}" --set parallel.tp=2 --set logging.run_dir="$W/q27_2gpu_tp2" --csv "$CSV"
 fi
 # Eight GPUs of one host (kind nvidia-h200-x8, issue 8): data parallel 8, tp=2 (4 groups), tp=8.
 if [ "${NGPU:-0}" -ge 8 ]; then
   for tp in 1 2 8; do
-    run "q27_8gpu_tp$tp" mpirun -n 8 "$T" "${Q27[@]}" --set parallel.tp=$tp --set logging.run_dir="$W/q27_8gpu_tp$tp"
+    run "q27_8gpu_tp$tp" mpirun -n 8 "$T" "${Q27[@]}" --set parallel.tp=$tp --set logging.run_dir="$W/q27_8gpu_tp$tp" --csv "$CSV"
   done
 fi
 # Checkpoints of the 27B recipe (drafter export + fp32 masters and moments, ~22 GB): one at step 5

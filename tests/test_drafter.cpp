@@ -162,6 +162,52 @@ TEST(Drafter, GradientsAccumulateAndF32PathAgrees) {
   }
 }
 
+// training.blocks_per_pass (issue 31): a batch's blocks in passes over the same context give the loss,
+// the accuracy counts and every gradient (the context's too) of one pass over all of them, within the
+// summation order (double: 1e-13); a pass size of 0 or of all blocks is one pass; without a fixed
+// normalisation (grad_scale 0) more than one pass is refused; the batch's blocks are restored.
+TEST(Drafter, BlockPassesGiveTheGradientsOfOnePass) {
+  const DrafterConfig c = tiny_config();
+  const DrafterWeights w = tiny_weights(c);
+  const FrozenTarget t = tiny_target(c);
+  DrafterBatch b = tiny_batch(c);
+  StepOptions o;
+  o.grad_scale = 0.37;
+  DrafterWeights g1 = DrafterWeights::zeros(c, DType::F64);
+  Tensor gc1;
+  const StepStats s1 = forward_backward(c, w, t, b, o, &g1, &gc1);
+  for (const int64_t per_pass : {1, 3}) {
+    DrafterWeights gp = DrafterWeights::zeros(c, DType::F64);
+    Tensor gcp = Tensor::zeros(b.context.shape(), DType::F64);
+    int passes = 0, lasts = 0;
+    const StepStats sp = for_each_block_pass(b, per_pass, o.grad_scale, [&](bool last) {
+      ++passes, lasts += last;
+      EXPECT_LE(static_cast<int64_t>(b.blocks.size()), per_pass);
+      Tensor gc;
+      const StepStats st = forward_backward(c, w, t, b, o, &gp, &gc);
+      for (int64_t i = 0; i < gc.numel(); ++i) gcp.data<double>()[i] += gc.data<double>()[i];
+      return st;
+    });
+    EXPECT_EQ(passes, per_pass == 1 ? 4 : 2);
+    EXPECT_EQ(lasts, 1);
+    EXPECT_EQ(b.blocks.size(), 4u);
+    EXPECT_EQ(b.blocks[2].anchor, 9);
+    EXPECT_NEAR(sp.weighted_ce_sum, s1.weighted_ce_sum, 1e-13 * s1.weighted_ce_sum);
+    EXPECT_DOUBLE_EQ(sp.weight_sum, s1.weight_sum);
+    EXPECT_EQ(sp.correct, s1.correct);
+    EXPECT_EQ(sp.counted, s1.counted);
+    EXPECT_EQ(sp.num_blocks, s1.num_blocks);
+    auto a = g1.entries(c), z = gp.entries(c);
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_LT(max_rel_err(*z[i].tensor, *a[i].tensor), 1e-13) << a[i].name << ", " << per_pass;
+    EXPECT_LT(max_rel_err(gcp, gc1), 1e-13) << "context, " << per_pass;
+  }
+  int passes = 0;
+  for (const int64_t per_pass : {0, 4, 9}) for_each_block_pass(b, per_pass, 0.0, [&](bool last) { EXPECT_TRUE(last); ++passes; return StepStats{}; });
+  EXPECT_EQ(passes, 3);
+  EXPECT_THROW(for_each_block_pass(b, 2, 0.0, [](bool) { return StepStats{}; }), Error);
+  EXPECT_EQ(b.blocks.size(), 4u);
+}
+
 // ---------------------------------------------------------------- mask
 
 TEST(DrafterMask, DirectRules) {

@@ -9,14 +9,17 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "drafter/config.h"
 #include "target_model/config.h"
+#include "target_model/flops.h"
 #include "test_util.h"
 #include "trainer/config.h"
 #include "trainer/faults.h"
 #include "trainer/memory_plan.h"
 #include "trainer/metrics.h"
+#include "drafter/model.h"
 #include "drafter/weights.h"
 #include "target_model/tp.h"
 #include "target_model/weights.h"
@@ -636,6 +639,118 @@ TEST(MemoryPlan, RefusesWhatDoesNotFitNamingTheFiguresAndWhatToChange) {
     std::printf("plan %.2f GiB, measured peak %.1f GiB (%.1f%%)\n", plan.total() / gib, peak,
                 100.0 * (plan.total() / gib - peak) / peak);
   }
+}
+
+// Sequence length as a scale axis (issue 31): the 27B recipe's plan at 4096..32768 tokens, one
+// sequence per step, with the recipe's 512 anchors and with the anchors kept at the recipe's density
+// (one per 8 tokens). What grows with the length: the target's per-token buffers and captures and the
+// drafter's context rows (linear: the delta rule keeps its state in registers, flash attention stores
+// no scores), and the block-attention backward's dS tiles (blocks x key tiles: linear at 512 anchors,
+// quadratic when the anchors grow with the length). The recipe fits one H200 with the plan's headroom
+// at every length in both precisions; at the kept density it stops fitting at 16384 tokens, and fits
+// again with training.blocks_per_pass = 512.
+TEST(MemoryPlan, SequenceLengthAxis) {
+  const TrainConfig q = TrainConfig::from_file(kRoot + "/configs/qwen3.6-27b.yaml");
+  const target::TargetConfig t = target::local_config(qwen_target(), 1);
+  const drafter::DrafterConfig d = q.drafter_config(t);
+  const double gib = 1024.0 * 1024.0 * 1024.0, free = 139.2 * gib, total = 139.8 * gib;
+  std::printf("seq     anchors precision  target_w target_act drafter_state drafter_act  ce  attn_ws  total  fits\n");
+  MemoryPlan prev[2];
+  for (const int64_t L : {4096, 8192, 16384, 32768}) {
+    for (const bool fp8 : {false, true}) {
+      for (const int64_t A : L == 4096 ? std::vector<int64_t>{512} : std::vector<int64_t>{512, L / 8}) {
+        const MemoryPlan p = gpu_memory_plan(t, d, L, L, A, 2048, fp8);
+        bool fits = true;
+        try {
+          check_memory_plan_fits(p, free, total, "cuda:0");
+        } catch (const Error&) {
+          fits = false;
+        }
+        std::printf("%-7lld %-7lld %-9s %9.2f %10.2f %13.2f %11.2f %4.2f %8.2f %6.2f  %s\n", static_cast<long long>(L),
+                    static_cast<long long>(A), fp8 ? "fp8" : "bf16", p.target_weights / gib, p.target_activations / gib,
+                    p.drafter_state / gib, p.drafter_activations / gib, p.ce_workspace / gib, p.attn_workspace / gib,
+                    p.total() / gib, fits ? "yes" : "NO");
+        if (A == 512) {
+          EXPECT_TRUE(fits) << L << " tokens, " << (fp8 ? "fp8" : "bf16");
+          MemoryPlan& pr = prev[fp8];
+          if (L > 4096) {  // doubling the length doubles what grows with it, and nothing else moves
+            EXPECT_DOUBLE_EQ(p.target_weights, pr.target_weights);
+            EXPECT_DOUBLE_EQ(p.drafter_state, pr.drafter_state);
+            EXPECT_DOUBLE_EQ(p.ce_workspace, pr.ce_workspace);
+            EXPECT_NEAR(p.target_activations, 2 * pr.target_activations, 1e-6 * p.target_activations);
+            EXPECT_GT(p.drafter_activations, pr.drafter_activations);
+            EXPECT_GT(p.attn_workspace, 1.9 * pr.attn_workspace);
+          }
+          pr = p;
+        } else if (L >= 16384) {
+          EXPECT_FALSE(fits) << L << " tokens at " << A << " anchors";
+        }
+      }
+    }
+  }
+  // training.blocks_per_pass = 512 brings the L/8 anchors back to the plan of 512 blocks: 32768 tokens with
+  // 4096 anchors fit (the drafter's context rows, the only part of it that grows, are in the plan).
+  TrainConfig c = q;
+  c.data.max_length = 32768;
+  c.training.num_anchors = 4096;
+  EXPECT_EQ(blocks_per_drafter_pass(c, 1), 4096);
+  EXPECT_EQ(blocks_per_drafter_pass(c, 2), 2048);
+  c.training.blocks_per_pass = 512;
+  EXPECT_EQ(blocks_per_drafter_pass(c, 1), 512);
+  c.training.num_anchors = 300;
+  EXPECT_EQ(blocks_per_drafter_pass(c, 1), 300);
+  EXPECT_EQ(blocks_per_drafter_pass(c, 2), 150);
+  c.training.num_anchors = 4096;
+  for (const bool fp8 : {false, true}) {
+    const MemoryPlan p = gpu_memory_plan(t, d, 32768, 32768, blocks_per_drafter_pass(c, 1), 2048, fp8);
+    EXPECT_NO_THROW(check_memory_plan_fits(p, free, total, "cuda:0"));
+    std::printf("32768   4096 in passes of 512, %s: %.2f GiB\n", fp8 ? "fp8" : "bf16", p.total() / gib);
+  }
+}
+
+// The cost of a trained token against the sequence length (issue 31; docs/training.md's table): the
+// target forward's FLOPs per token are a constant (every linear, the delta rule's state math: the 48
+// GatedDeltaNet layers are linear in tokens) plus the 16 attention layers' QKᵀ and PV, which grow by
+// 2·Hq·d per token for each token of the sequence (quadratic in all); the drafter's step, with the
+// recipe's 512 anchors per sequence, costs a constant per sequence (its blocks) plus its context rows
+// and the blocks' attention over the context before each anchor (~L/2 keys). Printed, with the step
+// time each length would take at the 4096-token step's measured rates (fp8 target 0.227 s, drafter
+// 0.203 s: bench/results/h200-issue19-13173c4) if every FLOP ran at the same speed.
+TEST(TrainFlops, SequenceLengthAxis) {
+  const TrainConfig q = TrainConfig::from_file(kRoot + "/configs/qwen3.6-27b.yaml");
+  const target::TargetConfig t = qwen_target();
+  const drafter::DrafterConfig d = q.drafter_config(t);
+  const double n_attn = static_cast<double>(t.count_layers(target::LayerType::FullAttention));
+  const double per_tok_per_tok = n_attn * 2.0 * static_cast<double>(t.num_attention_heads * t.head_dim);
+  auto drafter_flops = [&](int64_t L, int64_t A) {
+    drafter::DrafterBatch b;
+    b.context = Tensor::empty({L, 1}, DType::F32);  // (step_flops reads the context's rows only)
+    for (int64_t i = 0; i < A; ++i)  // anchors spread evenly over the sequence, as the uniform draw is on average
+      b.blocks.push_back({0, static_cast<int64_t>((static_cast<double>(i) + 0.5) * static_cast<double>(L - d.block_size) /
+                                                  static_cast<double>(A))});
+    return drafter::step_flops(d, b, true);
+  };
+  const double t4 = target::forward_flops(t, {4096}), d4 = drafter_flops(4096, 512);
+  std::printf("seq    target GFLOP/tok  attn-core share  drafter GFLOP/tok (512 anchors | L/8)  step at 4096's rates (512 anchors | L/8)\n");
+  double prev = 0;
+  for (const int64_t L : {4096, 8192, 16384, 32768}) {
+    const double tf = target::forward_flops(t, {L}), per_tok = tf / static_cast<double>(L);
+    const double core = per_tok_per_tok * static_cast<double>(L + 1);  // per token
+    if (prev > 0) {  // doubling L adds exactly the attention core's growth to the cost of a token
+      EXPECT_NEAR(per_tok - prev, per_tok_per_tok * static_cast<double>(L / 2), 1e-9 * per_tok);
+    }
+    prev = per_tok;
+    const double df = drafter_flops(L, 512), dd = drafter_flops(L, L / 8);
+    // + the optimizer and the host (0.021 s a step whatever the length)
+    const double step = 0.227 * tf / t4 + 0.203 * df / d4 + 0.021, step_d = 0.227 * tf / t4 + 0.203 * dd / d4 + 0.021;
+    std::printf("%-6lld %16.2f %15.1f%% %18.2f | %-5.2f %8.3f s = %.0f tok/s | %.3f s = %.0f tok/s\n", static_cast<long long>(L),
+                per_tok / 1e9, 100.0 * core / per_tok, df / static_cast<double>(L) / 1e9, dd / static_cast<double>(L) / 1e9,
+                step, static_cast<double>(L) / step, step_d, static_cast<double>(L) / step_d);
+  }
+  // 32768 tokens: the attention core is 11.6% of the target's FLOPs of a token (1.6% at 4096).
+  const double at32 = per_tok_per_tok * 32769 / (target::forward_flops(t, {32768}) / 32768);
+  EXPECT_GT(at32, 0.11);
+  EXPECT_LT(at32, 0.12);
 }
 
 // DFLASH_FAULT_CUDA_ERROR=OP:STEP[:KIND] (the GPU backend's CUDA-error hook): parsed, malformed

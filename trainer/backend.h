@@ -54,6 +54,8 @@ class TrainBackend {
  public:
   virtual ~TrainBackend() = default;
   virtual std::string describe() const = 0;  // "cpu" / "cuda:0 (NVIDIA H200)"
+  // The benchmark rows' gpu field: the GPU's name ("NVIDIA H200"), "cpu" on the CPU reference.
+  virtual std::string device_name() const { return "cpu"; }
   virtual int64_t num_params() const = 0;
   virtual void zero_grads() = 0;
   // The 1-based step about to run (before its micro-steps): for messages and test hooks.

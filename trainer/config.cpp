@@ -405,6 +405,7 @@ const std::vector<Field>& schema() {
     f.push_back(int_field("training.batch_size", 1, DFLASH_MEMBER(training.batch_size)));
     f.push_back(int_field("training.micro_batches", 1, DFLASH_MEMBER(training.micro_batches)));
     f.push_back(int_field("training.num_anchors", 1, DFLASH_MEMBER(training.num_anchors)));
+    f.push_back(int_field("training.blocks_per_pass", 0, DFLASH_MEMBER(training.blocks_per_pass)));
     f.push_back(num_field("training.gamma", Range::Positive, DFLASH_MEMBER(training.gamma)));
     f.push_back(opt_int_field("training.epochs", 1, "a number of epochs", DFLASH_MEMBER(training.epochs)));
     f.push_back(opt_int_field("training.max_steps", 1, "a number of optimizer steps", DFLASH_MEMBER(training.max_steps)));

@@ -133,6 +133,10 @@ struct TrainingSection {
   int64_t batch_size = 1;     // sequences per micro-batch per TP group
   int64_t micro_batches = 1;  // gradient accumulation steps per optimizer step
   int64_t num_anchors = 512;  // anchor blocks sampled per sequence
+  // Anchor blocks per drafter forward+backward pass (0 = all of a micro-batch's blocks in one pass): a
+  // micro-batch's blocks in passes over the same target features, gradients summed (drafter/batch.h
+  // for_each_block_pass: the same gradient), the drafter's activations those of one pass.
+  int64_t blocks_per_pass = 0;
   double gamma = 7;           // loss decay over block positions
   std::optional<int64_t> epochs;     // exactly one of epochs and max_steps
   std::optional<int64_t> max_steps;

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "drafter/batch.h"
 #include "drafter/fast_path.h"
 #include "target_model/model.h"
 #include "target_model/tp.h"
@@ -21,6 +22,7 @@ class CpuBackend final : public TrainBackend {
   CpuBackend(const BackendSetup& s, comm::Communicator* world, comm::Communicator* tp)
       : dcfg_(s.drafter), world_(world), drafter_plan_(drafter::make_cpu_drafter_plan(s.drafter)) {
     const TrainConfig& cfg = *s.cfg;
+    blocks_per_pass_ = cfg.training.blocks_per_pass;
     const int tps = s.layout.tp_size;
     // The CPU reference holds f32 weights: refuse up front what cannot fit.
     target::check_cpu_reference_fits(target::local_config(s.target, tps), s.target,
@@ -59,7 +61,9 @@ class CpuBackend final : public TrainBackend {
     m.batch.context = ctx;
     if (m.batch.blocks.empty() || opt.grad_scale <= 0) return {};
     t0 = StepClock::now();
-    drafter::StepStats st = drafter::forward_backward(dcfg_, dw_, frozen_, m.batch, opt, &grads_);
+    drafter::StepStats st = drafter::for_each_block_pass(m.batch, blocks_per_pass_, opt.grad_scale, [&](bool) {
+      return drafter::forward_backward(dcfg_, dw_, frozen_, m.batch, opt, &grads_);
+    });
     t.drafter_s += seconds_since(t0);
     return st;
   }
@@ -122,6 +126,7 @@ class CpuBackend final : public TrainBackend {
   drafter::DrafterWeights dw_, grads_;
   std::vector<Tensor*> grad_list_;
   int64_t n_params_ = 0;
+  int64_t blocks_per_pass_ = 0;  // training.blocks_per_pass
   std::unique_ptr<AdamW> opt_;
   target::ForwardOptions fopt_;
   target::PathCounters counters_;

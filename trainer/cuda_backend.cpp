@@ -11,6 +11,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "drafter/batch.h"
 #include "drafter/fast_path.h"
 #include "drafter/model_cuda.h"
 #include "kernels/cuda/attention.h"
@@ -36,6 +37,7 @@ class CudaBackend final : public TrainBackend {
   explicit CudaBackend(const BackendSetup& s) : dcfg_(s.drafter), device_(Device::cuda(s.local_rank)) {
     const TrainConfig& cfg = *s.cfg;
     const auto& ts = cfg.model.target;
+    blocks_per_pass_ = cfg.training.blocks_per_pass;
     DFLASH_CUDA_CHECK(cudaSetDevice(device_.index));
     const DeviceInfo info = cuda_device_info(device_.index);
     gpu_name_ = info.name;
@@ -62,7 +64,7 @@ class CudaBackend final : public TrainBackend {
     // Memory plan from the configs, before anything is loaded: refuse what cannot fit.
     {
       const int64_t tokens = cfg.training.batch_size * cfg.data.max_length;
-      const int64_t blocks = (cfg.training.batch_size * cfg.training.num_anchors + tps - 1) / tps;
+      const int64_t blocks = blocks_per_drafter_pass(cfg, tps);  // (training.blocks_per_pass)
       const MemoryPlan mp =
           gpu_memory_plan(local, dcfg_, tokens, cfg.data.max_length, blocks, drafter::CudaDrafter::kMinCeChunkRows,
                           precision == target::Precision::Fp8);
@@ -108,6 +110,7 @@ class CudaBackend final : public TrainBackend {
   std::string describe() const override {
     return device_.str() + " (" + gpu_name_ + "), bf16 target and drafter, fp32 masters and gradients";
   }
+  std::string device_name() const override { return gpu_name_; }
   int64_t num_params() const override { return model_->num_params(); }
   std::string fast_path_summary() override { return fast_path_; }
   nlohmann::json fast_path_json() override {
@@ -141,8 +144,11 @@ class CudaBackend final : public TrainBackend {
     const bool overlap = last && world_ && world_->size() > 1;
     drafter::StepStats st;
     in_op("drafter forward+backward", "drafter", [&] {
-      st = model_->step(m.batch, opt, true, last, [&](int64_t b) {
-        if (overlap) start_all_reduce(b);
+      // (training.blocks_per_pass: the blocks in passes; the all-reduce starts in the last one's backward)
+      st = drafter::for_each_block_pass(m.batch, blocks_per_pass_, opt.grad_scale, [&](bool last_pass) {
+        return model_->step(m.batch, opt, true, last && last_pass, [&](int64_t b) {
+          if (overlap && last_pass) start_all_reduce(b);
+        });
       });
       m.batch.context = Tensor{};
       // Wait for the backward the step queued (the all-reduces it started go on): drafter_s is the
@@ -293,6 +299,7 @@ class CudaBackend final : public TrainBackend {
   drafter::DrafterWeights host_w_;
   std::unique_ptr<AdamW> host_opt_;
   int64_t pending_ = 0, steps_ = 0;
+  int64_t blocks_per_pass_ = 0;  // training.blocks_per_pass
   int64_t step_ = 0;  // the 1-based step running (begin_step)
   CudaFault fault_;   // the test hook DFLASH_FAULT_CUDA_ERROR
   std::string init_log_, memory_plan_;

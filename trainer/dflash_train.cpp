@@ -22,10 +22,14 @@ int main(int argc, char** argv) {
   std::string log_level = "info", config_path;
   std::vector<std::string> sets;
   int64_t stop_after = -1;
+  std::string csv_path;
   add_common_options(app, &log_level);
   app.add_option("config", config_path, "YAML config (default: the embedded configs/tiny.yaml)");
   // One value per --set, so that a config named after the options (`--set a=b CONFIG.yaml`) is the config.
   app.add_option("--set", sets, "override a config key: --set training.max_steps=50 (repeatable)")->expected(1)->allow_extra_args(false)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app.add_option("--csv", csv_path,
+                 "append the run's benchmark rows to this CSV (the benchmarks' format: trained_tok_s_per_gpu, mfu, "
+                 "peak_mem_gib, the step split; averaged over the steps after the first log interval)");
   app.add_option("--stop-after-steps", stop_after,
                  "stop as on SIGTERM once this many steps are done (checkpoint, exit 0); for tests");
 
@@ -44,6 +48,7 @@ int main(int argc, char** argv) {
     trainer::RunOptions ro;
     ro.stop_after_steps = stop_after;
     ro.log_level = log_level;
+    ro.csv_path = csv_path;
     if (mpi) ro.local_rank = mpi->local_rank(), ro.local_size = mpi->local_size();
     trainer::check_config(cfg, world, ro);  // every rank prints the same message and exits 1
     trainer::RunResult r;

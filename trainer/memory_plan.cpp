@@ -88,6 +88,11 @@ MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::Drafter
   return p;
 }
 
+int64_t blocks_per_drafter_pass(const TrainConfig& cfg, int64_t tp) {
+  const int64_t blocks = (cfg.training.batch_size * cfg.training.num_anchors + tp - 1) / tp;
+  return cfg.training.blocks_per_pass > 0 ? std::min(blocks, cfg.training.blocks_per_pass) : blocks;
+}
+
 std::string MemoryPlan::table(double device_bytes) const {
   auto row = [&](const char* what, double b) {
     return fmt::format("  {:<24} {:8.2f} GiB\n", what, b / kGiB);

@@ -7,6 +7,7 @@
 
 #include "drafter/config.h"
 #include "target_model/config.h"
+#include "trainer/config.h"
 
 namespace dflash::trainer {
 
@@ -29,6 +30,10 @@ struct MemoryPlan {
 // weight, plus a 4-byte scale per 128 x 128 block) instead of bf16.
 MemoryPlan gpu_memory_plan(const target::TargetConfig& local_target, const drafter::DrafterConfig& d, int64_t tokens,
                            int64_t max_seqlen, int64_t blocks, int64_t ce_chunk_rows, bool fp8_target = false);
+
+// The anchor blocks of one drafter pass on a rank of a TP group of `tp` (what gpu_memory_plan's `blocks`
+// is): a micro-batch's share, batch_size · num_anchors / tp rounded up, at most training.blocks_per_pass.
+int64_t blocks_per_drafter_pass(const TrainConfig& cfg, int64_t tp);
 
 // Bytes per token of the target's widest MLP-block buffers (dense: gate|up and product; MoE: router
 // scores, top-k ids and weights, per chosen expert its gathered input, gate|up, product and output,

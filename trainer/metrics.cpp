@@ -194,6 +194,7 @@ void RunMetrics::end_interval(int64_t step, double elapsed_s, double eta, double
   }
   if (intervals_++ == 0) {
     first_loss_ = log_stats_.loss();
+    warmup_steps_ = log_steps_;
   } else {
     steady_tokens_ += log_tokens_, steady_flops_ += log_flops_, steady_s_ += dt;
     steady_times_.add(log_times_);
@@ -246,6 +247,52 @@ void RunMetrics::log_summary(int64_t step, int64_t skipped, double elapsed_s, co
                  "{:.3f}, optimizer {:.3f}, other (data, host) {:.3f}",
                  per, t.target_s / n, t.drafter_s / n, t.comm_s / n, t.optimizer_s / n, other);
   }
+}
+
+SteadyState RunMetrics::steady() const {
+  SteadyState s;
+  s.warmup_steps = warmup_steps_;
+  s.steps = steady_steps_;
+  s.seconds = steady_s_, s.tokens = steady_tokens_, s.flops = steady_flops_;
+  s.times = steady_times_;
+  s.last_loss = last_loss_;
+  return s;
+}
+
+std::string TrainRowShape::shape() const {
+  return fmt::format("{} L{} H{} seq={} {} tp={} dp={} drafter={}x{} anchors={} batch={}x{}", model_type, target_layers,
+                     hidden, seq_len, precision, tp, dp, drafter_layers, block_size, anchors, batch, micro_batches);
+}
+
+std::vector<bench::Row> training_rows(const TrainRowShape& sh, const SteadyState& s, int world) {
+  std::vector<bench::Row> rows;
+  if (s.steps <= 0 || !(s.seconds > 0)) return rows;
+  const std::string shape = sh.shape(), provider = sh.on_gpu ? "cuda" : "cpu";
+  auto row = [&](const std::string& metric, const std::string& unit, double v) {
+    rows.push_back({"dflash_train", "step", provider, "train", metric, unit, shape, v, v, v, false});
+  };
+  const double n = static_cast<double>(s.steps), per = s.seconds / n, tok_s = s.tokens / s.seconds;
+  const StepTimes& t = s.times;
+  row("trained_tok_s_per_gpu", "tok/s", tok_s / world);
+  row("trained_tok_s", "tok/s", tok_s);
+  if (sh.on_gpu) {
+    const double achieved = s.flops / s.seconds / world;  // FLOP/s per GPU
+    row("mfu", "%", 100.0 * achieved / kPeakBf16PerGpu);
+    if (sh.fp8_target) row("mfu_fp8_peak", "%", 100.0 * achieved / kPeakFp8PerGpu);
+    row("tflops_per_gpu", "TFLOP/s", achieved / 1e12);
+    row("peak_mem_gib", "GiB", sh.peak_mem_gib);
+  }
+  row("step_s", "s", per);
+  row("target_fwd_s", "s", t.target_s / n);
+  row("drafter_s", "s", t.drafter_s / n);
+  row("comm_s", "s", t.comm_s / n);
+  row("optimizer_s", "s", t.optimizer_s / n);
+  row("other_s", "s", per - (t.target_s + t.drafter_s + t.comm_s + t.optimizer_s) / n);
+  row("tokens_per_step", "tokens", s.tokens / n);
+  if (std::isfinite(s.last_loss)) row("loss", "nats", s.last_loss);
+  row("warmup_steps", "steps", static_cast<double>(s.warmup_steps));
+  row("steps_averaged", "steps", n);
+  return rows;
 }
 
 }  // namespace dflash::trainer

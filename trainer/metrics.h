@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/harness.h"
 #include "drafter/loss.h"
 #include "core/io/files.h"
 #include "trainer/backend.h"
@@ -92,6 +93,39 @@ std::vector<double> pack_step(const drafter::StepStats& stats, double tokens, do
                               int64_t block_size);
 StepTotals unpack_step(const std::vector<double>& sums, int64_t block_size, int world);
 
+// What a run measured after its first log interval (the warm-up it leaves out: start-up, first-call
+// plans and allocations, the first steps' clocks), summed over those steps; the benchmark rows and the
+// summary line are made from it.
+struct SteadyState {
+  int64_t warmup_steps = 0;  // the steps of the first log interval (left out)
+  int64_t steps = 0;         // the steps after it (averaged over)
+  double seconds = 0, tokens = 0, flops = 0;  // wall time of those steps; tokens and FLOPs over all ranks
+  StepTimes times;           // summed over those steps (target and drafter: mean over ranks; the rest: rank 0)
+  double last_loss = NAN;    // of the last log interval
+};
+
+// What names a training run in its benchmark rows (bench/README.md's schema): the target, the
+// precision, the sequence length and the layout, and the drafter's recipe.
+struct TrainRowShape {
+  std::string model_type;         // the target's ("qwen3_5_text")
+  int64_t target_layers = 0, hidden = 0;
+  int64_t seq_len = 0;            // data.max_length
+  std::string precision;          // "bf16" | "fp8" (GPU); "f32" on the CPU reference
+  int tp = 1, dp = 1;             // parallel.tp; TP groups (data-parallel replicas)
+  int64_t drafter_layers = 0, block_size = 0, anchors = 0, batch = 0, micro_batches = 0;
+  bool on_gpu = false, fp8_target = false;
+  double peak_mem_gib = 0;        // the peak allocated on any rank (GPU)
+  // "qwen3_5_text L64 H5120 seq=4096 fp8 tp=1 dp=1 drafter=5x16 anchors=512 batch=1x1"
+  std::string shape() const;
+};
+// The rows `dflash_train --csv` appends (bench dflash_train, kernel step, provider cuda | cpu, mode
+// train): trained_tok_s_per_gpu and trained_tok_s (context tokens through the target per second),
+// step_s and its split (target_fwd_s, drafter_s, comm_s, optimizer_s, other_s), tokens_per_step,
+// loss (the last interval's), the averaging (warmup_steps left out, steps_averaged), and on a GPU
+// mfu (% of the dense bf16 peak; mfu_fp8_peak too with an FP8 target), tflops_per_gpu and
+// peak_mem_gib. Nothing when no step followed the first log interval.
+std::vector<bench::Row> training_rows(const TrainRowShape& shape, const SteadyState& s, int world);
+
 // The log intervals of a run: each trained step is added; every logging.interval steps rank 0 writes
 // the log line and the metrics.jsonl record of the interval; the summary at the end compares the
 // first and the last intervals and gives the throughput after the first (start-up, first-call plans
@@ -114,6 +148,7 @@ class RunMetrics {
   // and where a step's time went.
   void log_summary(int64_t step, int64_t skipped, double elapsed_s, const std::string& drafter_dir, int64_t start_step,
                    double peak_mem_gib) const;
+  SteadyState steady() const;
 
  private:
   RunShape shape_;
@@ -126,7 +161,7 @@ class RunMetrics {
   int64_t log_steps_ = 0;
   std::chrono::steady_clock::time_point log_t0_;
   double first_loss_ = NAN, last_loss_ = NAN, last_accept_ = NAN, steady_tokens_ = 0, steady_flops_ = 0, steady_s_ = 0;
-  int64_t intervals_ = 0, steady_steps_ = 0;
+  int64_t intervals_ = 0, steady_steps_ = 0, warmup_steps_ = 0;
   StepTimes steady_times_;
 };
 

@@ -37,6 +37,7 @@
 #include "target_model/runtime.h"
 #include "target_model/tp.h"
 #include "target_model/weights.h"
+#include "bench/report.h"
 #include "trainer/backend.h"
 #if DFLASH_WITH_TEXT
 #include "text/stop_tokens.h"
@@ -299,6 +300,20 @@ void check_directories(Run& r) {
                                           << " free; the run's logs and metrics need at least "
                                           << io::format_bytes(kRunDirMinFree),
                       "free space there or set logging.run_dir to another file system");
+    if (!r.ropt.csv_path.empty()) {  // found now, not when the run ends
+      const fs::path csv = fs::absolute(r.ropt.csv_path);
+      io::check_writable_dir(csv.parent_path().string(), "the directory of --csv");
+      if (fs::exists(csv)) {
+        DFLASH_REQUIRE_HINT(fs::is_regular_file(csv), "--csv " << r.ropt.csv_path << " is not a file",
+                            "give a file path for the benchmark rows");
+        try {  // rows are appended: an existing file must be the benchmarks' CSV
+          bench::read_csv(csv.string());
+        } catch (const Error& e) {
+          DFLASH_REJECT_HINT("--csv " << r.ropt.csv_path << " cannot take the run's rows: " << e.message(),
+                             "give a new file, or a CSV written by dflash_train / the benchmarks' --csv");
+        }
+      }
+    }
     const uint64_t ck_free = io::free_bytes(ckpt_dir.string());
     DFLASH_REQUIRE_HINT(ck_free >= ckpt_bytes + ckpt_bytes / 20,
                       ckpt_what << " '" << ckpt_dir.string() << "' has " << io::format_bytes(ck_free)
@@ -790,6 +805,29 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   StepRate rate;  // the ETA: this start's own steps, start-up excluded
   RunMetrics metrics({rank, world, total, B, r.on_gpu(), fp8_target}, metrics_file, bar);
   const FaultHooks faults = fault_hooks(r);
+  // --csv: rank 0's rows of this start's steps after its first log interval (bench/README.md's schema).
+  auto write_rows = [&] {
+    if (rank != 0 || ropt.csv_path.empty()) return;
+    TrainRowShape sh;
+    const target::TargetConfig& t = r.tcfg();
+    sh.model_type = t.model_type, sh.target_layers = t.num_hidden_layers, sh.hidden = t.hidden_size;
+    sh.seq_len = cfg.data.max_length;
+    sh.precision = r.on_gpu() ? target::precision_name(target::resolve_precision(cfg.model.target.precision, t)) : "f32";
+    sh.tp = r.layout.tp_size, sh.dp = r.layout.num_tp_groups;
+    sh.drafter_layers = r.dcfg().num_hidden_layers, sh.block_size = B, sh.anchors = tr.num_anchors;
+    sh.batch = tr.batch_size, sh.micro_batches = tr.micro_batches;
+    sh.on_gpu = r.on_gpu(), sh.fp8_target = fp8_target;
+    sh.peak_mem_gib = backend->peak_memory_gib();
+    const std::vector<bench::Row> rows = training_rows(sh, metrics.steady(), world);
+    if (rows.empty()) {
+      spdlog::warn("--csv {}: no rows (no step after the first log interval of {} step(s): raise training.max_steps or "
+                   "lower logging.interval)", ropt.csv_path, cfg.logging.interval);
+      return;
+    }
+    bench::CsvWriter csv(ropt.csv_path, backend->device_name());
+    for (const bench::Row& row : rows) csv.write(row);
+    spdlog::info("--csv: {} rows ({}) appended to {}", rows.size(), sh.shape(), ropt.csv_path);
+  };
 
   while (p.step < total) {
     checkpoints.check();  // a background checkpoint write that failed stops the run here
@@ -803,6 +841,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     if (head[1] > 0) {
       bar.clear();
       if (rank == 0) spdlog::warn("stop requested: writing a checkpoint at step {} and exiting", p.step);
+      write_rows();  // first: a benchmark run stopped by its deadline keeps its rows if the checkpoint is cut short
       if (last_ckpt != p.step) save_checkpoint(p.step, loader_state_before, false);
       checkpoints.wait();
       write_fast_path_json(r.g, *backend, rank, r.run_dir / "fast_path.json", "stopped");
@@ -859,6 +898,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   result.start_step = start_step;
   result.drafter_dir = (r.run_dir / "drafter").string();
   if (rank == 0) {
+    write_rows();  // (before the export: a 27B drafter's takes ~15 s, which a deadline may cut)
     export_final_drafter(r.ckpt_dir, p.step, result.drafter_dir, r.dcfg(), [&] { return backend->weights(); });
     const auto& c = loader.counters();
     spdlog::info("data: {} sequences seen, {} truncated, {} skipped without an anchor, {} epoch(s) done", c.seen,

@@ -26,6 +26,9 @@ struct RunOptions {
   int64_t stop_after_steps = -1;  // test hook: stop as on SIGTERM once this many steps are done
   std::string log_level = "info";
   int local_rank = 0, local_size = 1;  // this rank's place on its node (its GPU is local_rank)
+  // --csv: rank 0 appends the run's benchmark rows (trainer/metrics.h training_rows) to this file when
+  // the run ends or stops; "" = none.
+  std::string csv_path;
 };
 
 // An error found while a run starts (directories, checkpoints, data), agreed on by every rank:

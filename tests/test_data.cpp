@@ -118,6 +118,36 @@ TEST(Dataset, RoundTripAcrossTwoFiles) {
   EXPECT_EQ(st.histogram, (std::map<int, int64_t>{{1, 1}, {3, 2}, {4, 1}}));  // 3 | 8, 13 | 18
 }
 
+// The trainer's access pattern: whole sequences in random order from a compressed file of many chunks
+// (the reader's chunk cache holds them all: data/dataset.cpp), each read twice, from two Datasets of the
+// same file open at once (HDF5 shares their dataset objects), and truncated reads.
+TEST(Dataset, RandomOrderReadsOfACompressedFile) {
+  TempDir dir;
+  std::vector<Sequence> seqs;
+  for (int i = 0; i < 300; ++i) {
+    Sequence s;
+    for (int t = 0; t < 1 + (i * 37) % 90; ++t) {
+      s.ids.push_back((i * 131 + t * 17) % 1000);
+      s.mask.push_back((i + t) % 4 != 0);
+    }
+    seqs.push_back(s);
+  }
+  write_file(dir.file("c.h5"), 1000, seqs, WriterOptions{64, 6});
+  Dataset a({dir.file("c.h5")}), b({dir.file("c.h5")});
+  std::vector<int64_t> order;
+  for (int k = 0; k < 2 * 300; ++k) order.push_back((k * 151) % 300);  // every index twice, scattered
+  for (size_t k = 0; k < order.size(); ++k) {
+    const int64_t i = order[k];
+    const Dataset& ds = k % 3 == 0 ? b : a;
+    const Sequence got = ds.sequence(i);
+    ASSERT_EQ(got.ids, seqs[i].ids) << "sequence " << i;
+    ASSERT_EQ(got.mask, seqs[i].mask) << "sequence " << i;
+    const Sequence head = ds.sequence(i, 5);
+    const size_t n = std::min<size_t>(5, seqs[i].ids.size());
+    ASSERT_EQ(head.ids, std::vector<int32_t>(seqs[i].ids.begin(), seqs[i].ids.begin() + n)) << "sequence " << i;
+  }
+}
+
 TEST(Dataset, WriterRejectsBadSequencesAndLeavesNoFileWhenAbandoned) {
   TempDir dir;
   const std::string path = dir.file("w.h5");

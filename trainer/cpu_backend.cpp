@@ -21,12 +21,12 @@ class CpuBackend final : public TrainBackend {
   CpuBackend(const BackendSetup& s, comm::Communicator* world, comm::Communicator* tp)
       : dcfg_(s.drafter), world_(world), drafter_plan_(drafter::make_cpu_drafter_plan(s.drafter)) {
     const TrainConfig& cfg = *s.cfg;
-    const int tps = s.layout.tp_size;
+    const int tps = s.layout.tp_size, ep = static_cast<int>(cfg.parallel.ep);
     // The CPU reference holds f32 weights: refuse up front what cannot fit.
-    target::check_cpu_reference_fits(target::local_config(s.target, tps), s.target,
+    target::check_cpu_reference_fits(target::local_config(s.target, tps, ep), s.target,
                                      "the CPU backend (parallel.device: cpu) is for small targets: train this one "
                                      "with parallel.device: cuda on GPUs");
-    tmodel_ = std::make_unique<target::TargetModel>(target::local_config(s.target, tps), load_target(s, Device::cpu()), tp);
+    tmodel_ = std::make_unique<target::TargetModel>(target::local_config(s.target, tps, ep), load_target(s, Device::cpu()), tp);
     frozen_ = {tmodel_->weights().embed_tokens, tmodel_->weights().lm_head};
     dw_ = initial_drafter_weights(s, Device::cpu());
     dw_.check(dcfg_);

@@ -347,7 +347,11 @@ void log_start(const Run& r) {
                  cfg.model.drafter.mask_token_id ? std::to_string(*cfg.model.drafter.mask_token_id) : "null",
                  cfg.training.max_steps ? std::to_string(*cfg.training.max_steps) : "?", cfg.training.lr,
                  cfg.data.max_length, cfg.logging.run_dir);
-  spdlog::info("world: {} rank(s), tp {}, {} TP group(s){}", r.world, layout.tp_size, layout.num_tp_groups,
+  spdlog::info("world: {} rank(s), tp {}{}, {} TP group(s){}", r.world, layout.tp_size,
+               cfg.parallel.ep > 1 ? fmt::format(" (ep {}: the experts in {} groups of {} ranks)", cfg.parallel.ep,
+                                                 cfg.parallel.ep, layout.tp_size / cfg.parallel.ep)
+                                   : std::string(),
+               layout.num_tp_groups,
                layout.num_tp_groups > 1 ? " (data parallel over the groups)" : " (no data parallelism)");
   spdlog::info("target: {}{}", r.tcfg().summary(),
                r.checked.embedded_target ? fmt::format(" (from {}: {} is not under the working directory)", r.tcfg().source,
@@ -470,7 +474,8 @@ void regenerate_responses(Run& r) {
       rtp = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, layout.tp_group, rank, rdev, cfg.parallel.timeout_s,
                                                  "regenerate-tp");
     {  // the target lives only while it regenerates (training loads its own)
-      target::TargetRuntime rt(src, tcfg, rdev, tp, layout.tp_rank, rtp.get(), cfg.kernels.require_fast_path);
+      target::TargetRuntime rt(src, tcfg, rdev, tp, layout.tp_rank, rtp.get(), cfg.kernels.require_fast_path,
+                               static_cast<int>(cfg.parallel.ep));
       const std::unique_ptr<target::Decoder> dec = rt.make_decoder(ro.slots, data::regenerate_max_len(ro));
       data::RegenerateLayout lay;
       lay.group = layout.tp_group, lay.num_groups = layout.num_tp_groups;

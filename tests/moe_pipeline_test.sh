@@ -42,6 +42,8 @@ grep -q "regenerated regen.h5: 24 sequences" regen.log || { cat regen.log; fail 
   { tail -n 30 train.log; fail "dflash_train"; }
 grep -q "trained 6 steps; drafter exported" train.log || { tail -n 30 train.log; fail "training summary"; }
 [ -f run/drafter/model.safetensors ] && [ -f run/drafter/config.json ] || fail "no exported drafter"
+grep -qE "target MoE load: token-expert pairs per expert group \(ep ${par[3]:-1}\): [0-9 ]+ of [0-9]+" train.log ||
+  { tail -n 30 train.log; fail "the MoE load line"; }
 grep -q '"intermediate_size": 192' run/drafter/config.json || { cat run/drafter/config.json; fail "drafter MLP width (3 x 64)"; }
 
 # 4. speculative decoding with the trained drafter equals the target's greedy output

@@ -1,6 +1,8 @@
 // The CPU backend: the f32 reference target (tensor-parallel over MPI inside a TP group) and the
 // double-precision drafter reference; gradients summed with one MPI all-reduce; AdamW on the host.
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 
@@ -40,6 +42,18 @@ class CpuBackend final : public TrainBackend {
   }
 
   std::string describe() const override { return "cpu (f32 target reference, double drafter reference)"; }
+  std::string expert_load() override {
+    const std::vector<int64_t>& load = tmodel_->expert_load();
+    if (load.empty()) return "";
+    int64_t sum = 0, most = 0;
+    std::string per;
+    for (int64_t v : load) sum += v, most = std::max(most, v), per += (per.empty() ? "" : " ") + std::to_string(v);
+    char ratio[32];
+    std::snprintf(ratio, sizeof ratio, "%.2f",
+                  sum > 0 ? static_cast<double>(most) * static_cast<double>(load.size()) / static_cast<double>(sum) : 0.0);
+    return "target MoE load: token-expert pairs per expert group (ep " + std::to_string(load.size()) + "): " + per +
+           " of " + std::to_string(sum) + " (max / mean " + ratio + ")";
+  }
   int64_t num_params() const override { return n_params_; }
   void zero_grads() override {
     for (Tensor* t : grad_list_) t->fill(0.0);

@@ -868,6 +868,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     const auto& c = loader.counters();
     spdlog::info("data: {} sequences seen, {} truncated, {} skipped without an anchor, {} epoch(s) done", c.seen,
                  c.truncated, c.skipped_no_anchor, c.epochs);
+    if (const std::string load = backend->expert_load(); !load.empty()) spdlog::info("{}", load);
     metrics.log_summary(p.step, p.skipped, std::chrono::duration<double>(clock::now() - t_start).count(),
                         result.drafter_dir, start_step, backend->peak_memory_gib());
   }

@@ -163,7 +163,7 @@ int main(int argc, char** argv) {
   add_common_options(app, &log_level);
   target::add_target_options(app, target);
   int64_t random_drafter = 0;
-  bool no_estimate = false, require_fast = false;
+  bool no_estimate = false, require_fast = false, no_graphs = false;
   auto* drafter_opt = app.add_option("--drafter", drafter_dir, "an exported drafter directory (config.json + model.safetensors)");
   auto* random_drafter_opt = app.add_option("--random-drafter", random_drafter,
                                             "instead: an untrained drafter of this many layers for the target (benches: "
@@ -171,6 +171,8 @@ int main(int argc, char** argv) {
   drafter_opt->excludes(random_drafter_opt);
   app.add_flag("--no-estimate", no_estimate, "skip the trainer's acceptance estimate (on a GPU it holds the drafter's "
                                               "training state: fp32 masters and gradients)");
+  app.add_flag("--no-cuda-graphs", no_graphs, "GPU: launch every decode / verify step's kernels eagerly instead of "
+                                             "replaying CUDA graphs (to compare; CSV rows get ',eager')");
   app.add_flag("--require-fast-path", require_fast, "refuse to run when any decode or prefill step would use a fallback kernel");
   int64_t profile_steps = 0;
   app.add_option("--profile", profile_steps, "GPU: afterwards time every op of this many target decode steps (after one "
@@ -322,6 +324,7 @@ int main(int argc, char** argv) {
     const auto t_load = std::chrono::steady_clock::now();
     const target::TargetSource src = target.source();
     target::TargetRuntime rt(src, cfg, dev, tp, layout.tp_rank, tp_comm.get(), require_fast, ep);
+    rt.set_cuda_graphs(!no_graphs);
     const std::string plans = rt.plans();
     dec = rt.make_decoder(1, max_len);
     const target::TargetWeights& tw = rt.weights();
@@ -502,7 +505,8 @@ int main(int argc, char** argv) {
       // timed steps, block, precision, then the run.
       const std::string shape = fmt::format("{} L{} H{} ctx={:.0f} block={} {},prompts={},max_new={}", cfg.model_type,
                                             cfg.num_hidden_layers, cfg.hidden_size, ctx, block_size,
-                                            dev.is_cpu() ? "f32" : target::precision_name(prec), prompts.size(), max_new);
+                                            dev.is_cpu() ? "f32" : target::precision_name(prec), prompts.size(), max_new) +
+                                (no_graphs && !dev.is_cpu() ? ",eager" : "");
       auto row = [&](const std::string& kernel, const std::string& metric, const std::string& unit, double v) {
         csv.write({"dflash_eval", kernel, dev.is_cpu() ? "cpu" : "cuda", "tp" + std::to_string(tp), metric, unit, shape, v, v, v, false});
       };

@@ -41,6 +41,9 @@ int main(int argc, char** argv) {
   app.add_option("--csv", csv_path, "append the rows to this CSV");
   std::string precision_s = "auto";
   app.add_option("--precision", precision_s, target::kPrecisionHelp)->capture_default_str();
+  bool no_graphs = false;
+  app.add_flag("--no-cuda-graphs", no_graphs, "launch every decode step's kernels eagerly instead of replaying CUDA "
+                                             "graphs (to compare; CSV rows get ',eager')");
   return run_app(app, argc, argv, [&]() -> int {
     init_logging(-1, log_level);
     const Device dev = Device::parse(device);
@@ -51,6 +54,7 @@ int main(int argc, char** argv) {
     const double copy = bench::copy_bandwidth_gbs(dev.index);
     const auto t0 = std::chrono::steady_clock::now();
     target::TargetRuntime rt(src, cfg, dev, 1, 0, nullptr, false);
+    rt.set_cuda_graphs(!no_graphs);
     std::printf("== generate_bench: %s\n", version_string().c_str());
     std::printf("target %s, random weights, loaded in %.1f s\nkernels %s\n", cfg.summary().c_str(),
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), rt.plans().c_str());
@@ -92,6 +96,7 @@ int main(int argc, char** argv) {
         target::generate_batch(*dec, {reqs.begin(), reqs.begin() + std::min<int64_t>(S, 2)}, w, [](target::GenResult&&) {});
       }
       const target::GenStats st = target::generate_batch(*dec, reqs, gc, [](target::GenResult&&) {});
+      const target::GraphStats gs = dec->graph_stats();
       const double step_ms = 1e3 * st.decode_s / static_cast<double>(std::max<int64_t>(st.decode_steps, 1));
       const double occ = st.occupancy();
       const bench::StepBytes sb = step_bytes(occ);
@@ -102,9 +107,13 @@ int main(int argc, char** argv) {
       std::printf("%6lld %8lld %10.2f %10.2f %9.2f %11.0f %11.0f %9.2f %9.2f %6.1f%%  %s\n", static_cast<long long>(S),
                   static_cast<long long>(reqs.size()), st.prefill_s, st.decode_s, step_ms, decode_tps, total_tps, bytes / 1e9,
                   roof_ms, roof_ms > 0 ? 100.0 * roof_ms / step_ms : 0.0, bound);
+      if (!no_graphs)
+        std::printf("%6s CUDA graphs: %llu shape(s) captured, %llu replay(s), %llu eager step(s), %llu capture(s) failed\n",
+                    "", static_cast<unsigned long long>(gs.captures), static_cast<unsigned long long>(gs.replays),
+                    static_cast<unsigned long long>(gs.eager), static_cast<unsigned long long>(gs.capture_failures));
       const std::string shape = "slots=" + std::to_string(S) + ",prompt=" + std::to_string(prompt_len) +
                                 ",new=" + std::to_string(max_new) + ",prompts=" + std::to_string(reqs.size()) +
-                                (prec == target::Precision::Fp8 ? ",fp8" : "");
+                                (prec == target::Precision::Fp8 ? ",fp8" : "") + (no_graphs ? ",eager" : "");
       auto row = [&](const std::string& metric, const std::string& unit, double v) {
         csv.write({"generate_bench", "generate_batch", "cuda", "greedy", metric, unit, shape, v, v, v, false});
       };

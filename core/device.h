@@ -44,6 +44,40 @@ AllocatorStats stats(int device);
 void reset_peak(int device);
 // Returns every cached (unused) block to the driver.
 void empty_cache(int device);
+
+// A private pool (CUDA graphs, CUDA builds only): while a PoolScope on it is open on this thread,
+// every allocation on the pool's device comes from the pool — its own cached blocks, or new ones
+// from cudaMalloc — so the addresses a captured graph bakes in belong to that graph alone and are
+// never handed to other tensors. A block goes back to the pool that gave it whenever its tensor is
+// released, inside the scope or not; the blocks return to the driver when the pool is destroyed
+// (the caller makes sure no work on them is in flight; tensors still holding blocks then are
+// reported).
+class Pool {
+ public:
+  explicit Pool(int device);
+  ~Pool();
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+  int device() const { return device_; }
+  size_t reserved() const;  // bytes this pool obtained from cudaMalloc
+
+  struct State;  // defined in core/cuda/device.cpp
+  State* state() const { return state_; }
+
+ private:
+  int device_;
+  State* state_;
+};
+class PoolScope {
+ public:
+  explicit PoolScope(Pool& pool);
+  ~PoolScope();
+  PoolScope(const PoolScope&) = delete;
+  PoolScope& operator=(const PoolScope&) = delete;
+
+ private:
+  Pool* previous_;
+};
 }  // namespace device_alloc
 
 // Raw copies; `kind` is inferred from the devices. Synchronous with respect to the host.

@@ -6,7 +6,8 @@ set +e  # (common.sh sets -e) every stage runs and reports, whatever the one bef
 
 # gpu_call_start DEFAULT_BUILD_DIR: $OUT exists, $B is the build dir ($DFLASH_BUILD, which common.sh
 # sets, else the default), $OUT/env.txt names the GPU and its clocks; then a Release sm_90 build of
-# everything into $B (log $OUT/build.log; on failure its tail is printed and the script exits 1).
+# everything (or only the targets in $NINJA_TARGETS) into $B (log $OUT/build.log; on failure its tail
+# is printed and the script exits 1).
 gpu_call_start() {
   OUT=${OUT:-/tmp/out}
   mkdir -p "$OUT"
@@ -16,7 +17,7 @@ gpu_call_start() {
   local t0
   t0=$(date +%s)
   cmake -S "$DFLASH_ROOT" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >"$OUT/build.log" 2>&1 &&
-    ninja -C "$B" >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -n 30 "$OUT/build.log"; exit 1; }
+    ninja -C "$B" ${NINJA_TARGETS:-} >>"$OUT/build.log" 2>&1 || { echo "build failed"; tail -n 30 "$OUT/build.log"; exit 1; }
   echo "build $(( $(date +%s) - t0 )) s"
 }
 

@@ -8,7 +8,10 @@
 # eval27b.csv, env.txt. Switches: SKIP_TESTS=1, SKIP_TINY=1, SKIP_27B=1, GPU_TESTS (ctest -L gpu -R regex,
 # default the decode tests; '.' = every gpu test), EVAL27B_NEW (new tokens, default 64), EVAL27B_PROFILE
 # (decode steps profiled op by op, default 8), EVAL27B_PRECISIONS (default "bf16 fp8": one dflash_eval each,
-# stated against the one roofline of bench/roofline.h).
+# stated against the one roofline of bench/roofline.h), EVAL27B_GRAPHS (default "on off": each precision with
+# its decode / verify / commit steps replayed as CUDA graphs, then launched eagerly, --no-cuda-graphs),
+# NINJA_TARGETS (build only these, e.g. "test_cuda_decoder dflash_eval").
+# The op profile (--profile) times eager launches in both modes (a profiler bypasses the graphs).
 source "$(dirname "$0")/gpu_call.sh"
 gpu_call_start /tmp/build-decode
 gpu_call_tests "CudaDecode|CudaProposer|CudaSampling|CudaModel|CudaGolden"
@@ -29,10 +32,16 @@ if [ -z "${SKIP_27B:-}" ]; then
   python3 -c "import random; random.seed(0); print(' '.join(str(random.randrange(248000)) for _ in range(4096)))" >/tmp/p4k.txt
   : >"$OUT/eval27b.log"
   for prec in ${EVAL27B_PRECISIONS:-bf16 fp8}; do
-    timeout 300 "$B/bench/dflash_eval" --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 \
-      --precision "$prec" --prompts /tmp/p4k.txt --num-prompts 1 --max-new-tokens "${EVAL27B_NEW:-64}" --device cuda \
-      --no-estimate --require-fast-path --profile "${EVAL27B_PROFILE:-8}" --csv "$OUT/eval27b.csv" >>"$OUT/eval27b.log" 2>&1
-    echo "27b eval $prec rc=$?"
+    for graphs in ${EVAL27B_GRAPHS:-on off}; do
+      flag=
+      [ "$graphs" = off ] && flag=--no-cuda-graphs
+      echo "=== dflash_eval $prec graphs $graphs" >>"$OUT/eval27b.log"
+      timeout 300 "$B/bench/dflash_eval" --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 \
+        --precision "$prec" --prompts /tmp/p4k.txt --num-prompts 1 --max-new-tokens "${EVAL27B_NEW:-64}" --device cuda \
+        --no-estimate --require-fast-path --profile "${EVAL27B_PROFILE:-8}" $flag --csv "$OUT/eval27b.csv" \
+        >>"$OUT/eval27b.log" 2>&1
+      echo "27b eval $prec graphs $graphs rc=$?"
+    done
   done
-  grep -E "^tau|step|roofline|decode  |verify  |propose |speed-up|outputs|FAILED|total|gemm" "$OUT/eval27b.log" | head -n 60
+  grep -E "^===|^tau|step|roofline|decode  |verify  |propose |speed-up|outputs|FAILED|total|gemm|graphs" "$OUT/eval27b.log" | head -n 90
 fi

@@ -57,6 +57,15 @@ struct ExtendResult {
   Tensor logits;                 // [rows, V] f32 host when ExtendOptions::logits
 };
 
+// How a decoder's decode / verify steps ran (CUDA: decode_cuda.cpp); zero on the CPU reference.
+struct GraphStats {
+  uint64_t captures = 0;          // step shapes captured as CUDA graphs
+  uint64_t replays = 0;           // steps that replayed one
+  uint64_t eager = 0;             // steps that launched eagerly although graphs are on (first step of a shape,
+                                  // profiler set, tensor parallel, a shape whose capture failed)
+  uint64_t capture_failures = 0;  // captures that failed (logged; that shape then runs eagerly, counted in eager)
+};
+
 class Decoder {
  public:
   virtual ~Decoder() = default;
@@ -70,6 +79,7 @@ class Decoder {
   virtual void synchronize() {}
   // The decode kernels launched so far per step and path ("conv_update fast 96 fallback 0, ..."), or "".
   virtual std::string kernels_run() const { return {}; }
+  virtual GraphStats graph_stats() const { return {}; }
 
   // Empties the slot (length 0, zero states).
   void reset(int32_t slot);

@@ -8,11 +8,25 @@
 // decoding reproduces target-only greedy decoding bit for bit (batch invariance), not just to
 // rounding. The sequence-aware kernels (conv update, delta rule pool, KV append, attention decode)
 // compute each token from its own inputs and state in the same order whatever T is.
+//
+// CUDA graphs (FastPathPlan::cuda_graphs, on by default; --no-cuda-graphs): a decode / verify step
+// shape (tokens per slot, the options, the attention's key splits rounded up to a power of two) and
+// a commit shape (n, its row, the verify graph it follows) run eagerly once, are then captured
+// (relaxed mode) into a graph whose buffers — the fixed input buffer the host arrays are copied into,
+// temporaries, outputs, a verify's saved layer inputs — come from the graph's own device_alloc::Pool,
+// and are replayed from then on; the caller gets its own copy of the features. Prefill is never
+// captured; a profiler, tensor parallelism or a failed capture (logged) run eagerly, and every eager
+// step with graphs on is counted by reason (kernels_run(), graph_stats()). Replays give the eager
+// launches' values bit for bit (the extra key splits add exact zeros; tests/test_cuda_decoder.cpp).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <sstream>
+
+#include <spdlog/spdlog.h>
 
 #include "kernels/cuda/attention.h"
 #include "core/cuda/check.h"
@@ -42,8 +56,13 @@ class Staging {
     if (!v.empty()) std::memcpy(bytes_.data() + off, v.data(), v.size() * sizeof(T));
     return off;
   }
-  Tensor upload(Device d) {
+  // The packed bytes (padded to 16, at least 16): what upload copies.
+  const std::vector<char>& bytes() {
     bytes_.resize(std::max<size_t>((bytes_.size() + 15) / 16 * 16, 16));
+    return bytes_;
+  }
+  Tensor upload(Device d) {
+    bytes();
     return Tensor::from_blob(bytes_.data(), {static_cast<int64_t>(bytes_.size())}, DType::U8).to(d);
   }
 
@@ -81,14 +100,57 @@ class CudaDecoder final : public Decoder {
     pending_rows_.assign(static_cast<size_t>(num_slots), -1);
   }
 
+  ~CudaDecoder() override {
+    // The graphs' pools go back to the driver once nothing runs on them and no layer holds their buffers.
+    DFLASH_CUDA_WARN(cudaStreamSynchronize(static_cast<cudaStream_t>(model_.stream())));
+    restore_saved(std::vector<SavedLayer>(state_.size()));
+    graphs_.clear();
+  }
+
   Device device() const override { return dev_; }
   std::string describe() const override { return plan_.device + ", decode plan: " + plan_.summary(); }
-  std::string kernels_run() const override { return counters_.str(); }
+  std::string kernels_run() const override {
+    std::string out = counters_.str();
+    if (!plan_.cuda_graphs) return out + "; CUDA graphs off (eager launches)";
+    out += "; CUDA graphs: " + std::to_string(stats_.captures) + " shape(s) captured, " + std::to_string(stats_.replays) +
+           " replay(s), " + std::to_string(stats_.eager) + " eager step(s)";
+    std::string why;
+    for (const auto& [w, n] : eager_why_) why += (why.empty() ? "" : ", ") + std::to_string(n) + " " + w;
+    if (!why.empty()) out += " (" + why + ")";
+    if (stats_.capture_failures) out += ", " + std::to_string(stats_.capture_failures) + " CAPTURE(S) FAILED";
+    return out;
+  }
+  GraphStats graph_stats() const override { return stats_; }
   void synchronize() override { DFLASH_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(model_.stream()))); }
 
  private:
   struct LayerTensors {
     Tensor a, b;  // conv + recurrent state, or k + v cache
+  };
+  // A verify's saved layer inputs (DecodeLayer), which commit reads.
+  struct SavedLayer {
+    Tensor proj, conv, q, k, g, beta;
+    int64_t proj_ld = 0;
+  };
+  struct StepOutputs {
+    Tensor next, features, logits;  // [M] argmax / samples, [R, k·H] bf16, [M, Vp] f32 (device)
+  };
+  // One captured step shape: its graph, and every buffer the graph reads or writes beside the
+  // decoder's states (the inputs it is replayed on, its outputs, a verify's saved layer inputs), all
+  // from its own pool (declared first: released last).
+  struct Graph {
+    explicit Graph(int device) : pool(device) {}
+    ~Graph() {
+      if (exec) DFLASH_CUDA_WARN(cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec)));
+    }
+    Graph(const Graph&) = delete;
+    Graph& operator=(const Graph&) = delete;
+    device_alloc::Pool pool;
+    void* exec = nullptr;  // cudaGraphExec_t
+    Tensor input, workspace;
+    StepOutputs out;
+    PathCounters counts;  // the decode kernels one replay launches
+    std::vector<SavedLayer> saved;
   };
 
   void do_reset(int32_t slot) override {
@@ -172,124 +234,295 @@ class CudaDecoder final : public Decoder {
         }
     }
 
-    // Everything the step reads on the device, in one upload (one host sync per extend).
+    // Everything the step reads on the device, packed at offsets that depend on the step's shape
+    // alone: one upload (eager), or one copy into a graph's fixed input buffer (replay).
     Staging st;
     const size_t o_ids = st.add(ids), o_pos = st.add(pos), o_cu = st.add(cu), o_slots = st.add(slots);
     const size_t o_past = st.add(past), o_keep = st.add(keep), o_streams = st.add(streams), o_positions = st.add(positions);
-    const Tensor staged = st.upload(dev_);
-    auto at = [&](size_t off) { return static_cast<char*>(staged.raw_data()) + off; };
-    auto i32 = [&](size_t off, int64_t n) { return Tensor::from_blob(at(off), {n}, DType::I32, dev_); };
-    b.num_tokens = rows;
-    b.num_seqs = S;
-    b.ids = i32(o_ids, rows);
-    b.pos = i32(o_pos, rows);
-    b.cu_seqlens = i32(o_cu, S + 1);
-    step.slots = reinterpret_cast<const int32_t*>(at(o_slots));
-    step.past_len = reinterpret_cast<const int32_t*>(at(o_past));
-    const int32_t* d_keep = reinterpret_cast<const int32_t*>(at(o_keep));
     step.real_tokens = N;
     step.max_new = b.max_seqlen;
+    int64_t key_bound = 0;
     if (!step.prefill) {
       // Absolute key splits: about 32 of them over the pool's length (enough CTAs for the 132 SMs
       // at batch 1), the same for every step of this decoder.
       step.split_keys = std::max<int64_t>(64, ((max_len() + 31) / 32 + 63) / 64 * 64);
       for (int64_t s2 = 0; s2 < S; ++s2)
-        step.key_bound = std::max<int64_t>(step.key_bound, lengths[s2] + static_cast<int64_t>(tokens[s2].size()));
-      cuda::AttentionDecodeParams probe;  // the workspace the flash-decoding kernel wants for this step
-      probe.num_seqs = S, probe.N = N, probe.Hq = c.num_attention_heads, probe.Hkv = c.num_key_value_heads;
-      probe.d = c.head_dim, probe.max_len = max_len(), probe.num_slots = num_slots(), probe.max_new = step.max_new;
-      probe.scale = 1.0f, probe.split_keys = step.split_keys, probe.key_bound = step.key_bound;
-      const size_t need = cuda::attention_decode_workspace(probe);
-      if (!workspace_.defined() || workspace_.nbytes() < need)
-        workspace_ = Tensor::empty({static_cast<int64_t>(std::max<size_t>(need, 1))}, DType::U8, dev_);
-      step.attn_workspace = workspace_.raw_data();
-      step.attn_workspace_bytes = workspace_.nbytes();
+        key_bound = std::max<int64_t>(key_bound, lengths[s2] + static_cast<int64_t>(tokens[s2].size()));
     }
-    ForwardOptions fo;
-    fo.capture = opt.capture;
-    fo.final_norm = true;
-    model_.set_decode(&step);
-    ForwardResult fr;
-    try {
-      fr = model_.forward(b, fo);
-    } catch (...) {
-      model_.set_decode(nullptr);
-      throw;
-    }
-    model_.set_decode(nullptr);
-    if (!opt.commit)
-      for (int64_t s = 0; s < S; ++s) pending_rows_[static_cast<size_t>(slots[s])] = b.offsets[s];
 
-    auto s = static_cast<cudaStream_t>(model_.stream());
-    Tensor head_in = fr.final_hidden;
-    if (gather_head) {  // the kept rows of the final hidden state, packed (cuda::embedding as a row gather)
-      head_in = Tensor::empty({R, H}, DType::BF16, dev_);
-      cuda::embedding(d_keep, fr.final_hidden.raw_data(), head_in.raw_data(), R, H, s);
-    }
-    // Logits rows padded to Vp = V rounded up to 8 floats (32 bytes), so the LM-head GEMM's D keeps
-    // 16-byte aligned rows for any vocabulary (V = 777: ldd 784); the pad columns are never written
-    // nor read (the GEMM's N, argmax / sampling and the copy to the host take V).
-    const int64_t Vp = (V + 7) / 8 * 8;
-    Tensor logits = Tensor::empty({M, Vp}, DType::F32, dev_);
-    cuda::GemmExParams gp;
-    gp.a = head_in.raw_data();
-    gp.lda = H;
-    gp.b = model_.weights().lm_head.raw_data();
-    gp.ldb = H;
-    gp.trans_b = true;
-    gp.d = logits.raw_data();
-    gp.ldd = Vp;
-    gp.d_f32 = true;
-    gp.M = M, gp.N = V, gp.K = H;
-    gp.unaligned = model_.gemm_unaligned();  // hidden_size not a multiple of 8
-    cuda::gemm_ex(gp, dev_.index);
-    Tensor next = Tensor::empty({M}, DType::I32, dev_);
-    if (opt.sample)
-      cuda::sample_rows(logits.data<float>(), Vp, M, V, opt.sample->temperature, opt.sample->top_p, opt.sample->seed,
-                        reinterpret_cast<const uint64_t*>(at(o_streams)), reinterpret_cast<const int64_t*>(at(o_positions)),
-                        next.data<int32_t>(), s);
-    else
-      cuda::argmax_rows(logits.raw_data(), false, Vp, M, V, next.data<int32_t>(), s);
-    if (!opt.capture.empty()) {
-      const int64_t k = static_cast<int64_t>(opt.capture.size());
-      r.features = Tensor::empty({R, k * H}, DType::BF16, dev_);
-      // Kept rows in runs of consecutive rows: one 2-D copy per run when there are few runs (decode
-      // steps: one), else one gather of all of them and one 2-D copy (a prefill's last rows).
-      int64_t runs = 0;
-      for (int64_t j = 0; j < R; ++j) runs += j == 0 || keep[j] != keep[j - 1] + 1;
-      Tensor packed = runs > 2 && k > 1 ? Tensor::empty({R, H}, DType::BF16, dev_) : Tensor();
-      for (int64_t l = 0; l < k; ++l) {
-        const Tensor& src = fr.layers.at(opt.capture[static_cast<size_t>(l)]);
-        char* dst = static_cast<char*>(r.features.raw_data()) + l * H * 2;
-        if (runs > 2) {
-          cuda::embedding(d_keep, src.raw_data(), k > 1 ? packed.raw_data() : dst, R, H, s);
-          if (k > 1)
-            DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(k * H * 2), packed.raw_data(),
+    // The device part of the step: everything enqueued from the staged inputs at `base` (device) up
+    // to the outputs; the same code runs eagerly and under stream capture. `ws` holds the attention
+    // workspace (grown here), `counters` counts the decode kernels.
+    auto enqueue = [&](const char* base, int64_t kb, Tensor& ws, PathCounters* counters) {
+      auto at = [&](size_t off) { return const_cast<char*>(base) + off; };
+      auto i32 = [&](size_t off, int64_t n) { return Tensor::from_blob(at(off), {n}, DType::I32, dev_); };
+      b.num_tokens = rows;
+      b.num_seqs = S;
+      b.ids = i32(o_ids, rows);
+      b.pos = i32(o_pos, rows);
+      b.cu_seqlens = i32(o_cu, S + 1);
+      step.slots = reinterpret_cast<const int32_t*>(at(o_slots));
+      step.past_len = reinterpret_cast<const int32_t*>(at(o_past));
+      step.counters = counters;
+      const int32_t* d_keep = reinterpret_cast<const int32_t*>(at(o_keep));
+      if (!step.prefill) {
+        step.key_bound = kb;
+        cuda::AttentionDecodeParams probe;  // the workspace the flash-decoding kernel wants for this step
+        probe.num_seqs = S, probe.N = N, probe.Hq = c.num_attention_heads, probe.Hkv = c.num_key_value_heads;
+        probe.d = c.head_dim, probe.max_len = max_len(), probe.num_slots = num_slots(), probe.max_new = step.max_new;
+        probe.scale = 1.0f, probe.split_keys = step.split_keys, probe.key_bound = step.key_bound;
+        const size_t need = cuda::attention_decode_workspace(probe);
+        if (!ws.defined() || ws.nbytes() < need)
+          ws = Tensor::empty({static_cast<int64_t>(std::max<size_t>(need, 1))}, DType::U8, dev_);
+        step.attn_workspace = ws.raw_data();
+        step.attn_workspace_bytes = ws.nbytes();
+      }
+      ForwardOptions fo;
+      fo.capture = opt.capture;
+      fo.final_norm = true;
+      model_.set_decode(&step);
+      ForwardResult fr;
+      try {
+        fr = model_.forward(b, fo);
+      } catch (...) {
+        model_.set_decode(nullptr);
+        throw;
+      }
+      model_.set_decode(nullptr);
+
+      auto s = static_cast<cudaStream_t>(model_.stream());
+      Tensor head_in = fr.final_hidden;
+      if (gather_head) {  // the kept rows of the final hidden state, packed (cuda::embedding as a row gather)
+        head_in = Tensor::empty({R, H}, DType::BF16, dev_);
+        cuda::embedding(d_keep, fr.final_hidden.raw_data(), head_in.raw_data(), R, H, s);
+      }
+      StepOutputs out;
+      // Logits rows padded to Vp = V rounded up to 8 floats (32 bytes), so the LM-head GEMM's D keeps
+      // 16-byte aligned rows for any vocabulary (V = 777: ldd 784); the pad columns are never written
+      // nor read (the GEMM's N, argmax / sampling and the copy to the host take V).
+      const int64_t Vp = (V + 7) / 8 * 8;
+      out.logits = Tensor::empty({M, Vp}, DType::F32, dev_);
+      cuda::GemmExParams gp;
+      gp.a = head_in.raw_data();
+      gp.lda = H;
+      gp.b = model_.weights().lm_head.raw_data();
+      gp.ldb = H;
+      gp.trans_b = true;
+      gp.d = out.logits.raw_data();
+      gp.ldd = Vp;
+      gp.d_f32 = true;
+      gp.M = M, gp.N = V, gp.K = H;
+      gp.unaligned = model_.gemm_unaligned();  // hidden_size not a multiple of 8
+      cuda::gemm_ex(gp, dev_.index);
+      out.next = Tensor::empty({M}, DType::I32, dev_);
+      if (opt.sample)
+        cuda::sample_rows(out.logits.data<float>(), Vp, M, V, opt.sample->temperature, opt.sample->top_p, opt.sample->seed,
+                          reinterpret_cast<const uint64_t*>(at(o_streams)), reinterpret_cast<const int64_t*>(at(o_positions)),
+                          out.next.data<int32_t>(), s);
+      else
+        cuda::argmax_rows(out.logits.raw_data(), false, Vp, M, V, out.next.data<int32_t>(), s);
+      if (!opt.capture.empty()) {
+        const int64_t k = static_cast<int64_t>(opt.capture.size());
+        out.features = Tensor::empty({R, k * H}, DType::BF16, dev_);
+        // Kept rows in runs of consecutive rows: one 2-D copy per run when there are few runs (decode
+        // steps: one), else one gather of all of them and one 2-D copy (a prefill's last rows).
+        int64_t runs = 0;
+        for (int64_t j = 0; j < R; ++j) runs += j == 0 || keep[j] != keep[j - 1] + 1;
+        Tensor packed = runs > 2 && k > 1 ? Tensor::empty({R, H}, DType::BF16, dev_) : Tensor();
+        for (int64_t l = 0; l < k; ++l) {
+          const Tensor& src = fr.layers.at(opt.capture[static_cast<size_t>(l)]);
+          char* dst = static_cast<char*>(out.features.raw_data()) + l * H * 2;
+          if (runs > 2) {
+            cuda::embedding(d_keep, src.raw_data(), k > 1 ? packed.raw_data() : dst, R, H, s);
+            if (k > 1)
+              DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(dst, static_cast<size_t>(k * H * 2), packed.raw_data(),
+                                                  static_cast<size_t>(H * 2), static_cast<size_t>(H * 2),
+                                                  static_cast<size_t>(R), cudaMemcpyDeviceToDevice, s));
+            continue;
+          }
+          for (int64_t a = 0; a < R;) {
+            int64_t e = a + 1;
+            while (e < R && keep[e] == keep[e - 1] + 1) ++e;
+            DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(dst + a * k * H * 2, static_cast<size_t>(k * H * 2),
+                                                static_cast<const char*>(src.raw_data()) + keep[a] * H * 2,
                                                 static_cast<size_t>(H * 2), static_cast<size_t>(H * 2),
-                                                static_cast<size_t>(R), cudaMemcpyDeviceToDevice, s));
-          continue;
-        }
-        for (int64_t a = 0; a < R;) {
-          int64_t e = a + 1;
-          while (e < R && keep[e] == keep[e - 1] + 1) ++e;
-          DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(dst + a * k * H * 2, static_cast<size_t>(k * H * 2),
-                                              static_cast<const char*>(src.raw_data()) + keep[a] * H * 2,
-                                              static_cast<size_t>(H * 2), static_cast<size_t>(H * 2),
-                                              static_cast<size_t>(e - a), cudaMemcpyDeviceToDevice, s));
-          a = e;
+                                                static_cast<size_t>(e - a), cudaMemcpyDeviceToDevice, s));
+            a = e;
+          }
         }
       }
+      return out;
+    };
+
+    // CUDA graphs (decode / verify steps): one per shape, captured after the shape's first (eager)
+    // step and replayed from then on; the attention's key bound goes up to a power-of-two number of
+    // key splits (the extra splits add exact zeros: the same values as the eager step's).
+    Graph* graph = nullptr;
+    std::string key;
+    const char* eager_why = nullptr;  // graphs on, this step eager: why
+    int64_t graph_kb = key_bound;
+    if (!step.prefill && plan_.cuda_graphs) {
+      if (model_.profiling()) eager_why = "an op profiler is set";
+      else if (model_.tensor_parallel()) eager_why = "tensor parallelism (the all-reduces are not captured)";
+      else {
+        int64_t splits = 2;
+        while (splits * step.split_keys < key_bound) splits *= 2;
+        graph_kb = std::min<int64_t>(max_len(), splits * step.split_keys);
+        key = graph_key(tokens, opt, splits);
+        auto it = graphs_.find(key);
+        if (it == graphs_.end() && graphs_full()) {
+          eager_why = kGraphsFull;
+          key.clear();
+        } else if (it == graphs_.end()) eager_why = "first step of its shape";
+        else if (!it->second) eager_why = "its shape's capture failed";
+        else graph = it->second.get();
+      }
     }
-    const Tensor next_h = next.to(Device::cpu());
+    if (eager_why) {
+      ++stats_.eager;
+      ++eager_why_[eager_why];
+    }
+
+    StepOutputs out;
+    auto s = static_cast<cudaStream_t>(model_.stream());
+    if (graph) {
+      const std::vector<char>& bytes = st.bytes();
+      DFLASH_CHECK(bytes.size() == graph->input.nbytes(), "CUDA decoder: a graph's inputs are " << graph->input.nbytes()
+                                                            << " bytes, the step's " << bytes.size());
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(graph->input.raw_data(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice, s));
+      DFLASH_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph->exec), s));
+      ++stats_.replays;
+      counters_.add(graph->counts);
+      if (!opt.commit) restore_saved(graph->saved);  // what commit re-runs: the graph's buffers
+      out.next = graph->out.next;
+      out.logits = graph->out.logits;
+      if (graph->out.features.defined()) {  // the caller's own copy (the graph's buffer is rewritten by its next replay)
+        out.features = Tensor::empty(graph->out.features.shape(), DType::BF16, dev_);
+        DFLASH_CUDA_CHECK(cudaMemcpyAsync(out.features.raw_data(), graph->out.features.raw_data(),
+                                          graph->out.features.nbytes(), cudaMemcpyDeviceToDevice, s));
+      }
+    } else {
+      const Tensor staged = st.upload(dev_);
+      out = enqueue(static_cast<const char*>(staged.raw_data()), key_bound, workspace_, &counters_);
+    }
+    if (!opt.commit)
+      for (int64_t s2 = 0; s2 < S; ++s2) pending_rows_[static_cast<size_t>(slots[s2])] = b.offsets[s2];
+
+    const Tensor next_h = out.next.to(Device::cpu());
     r.next.resize(static_cast<size_t>(R));
     for (int64_t j = 0; j < R; ++j) r.next[static_cast<size_t>(j)] = next_h.data<int32_t>()[head_row(j)];
     if (opt.logits) {
-      Tensor lh = logits.to(Device::cpu());
+      const int64_t Vp = out.logits.size(1);
+      Tensor lh = out.logits.to(Device::cpu());
       r.logits = Tensor::empty({R, V}, DType::F32);
       for (int64_t j = 0; j < R; ++j)
         std::copy_n(lh.data<float>() + head_row(j) * Vp, V, r.logits.data<float>() + j * V);
     }
+    r.features = out.features;
+    if (!opt.commit) {  // commit reads this verify's saved inputs: a graph's (stable) or the eager step's
+      verify_graph_ = graph;
+      verify_graph_key_ = graph ? key : std::string();
+    }
+    if (!key.empty() && !graph && !graphs_.count(key))
+      capture(key, st.bytes().size(), !opt.commit,
+              [&](const char* base, Graph& g) { g.out = enqueue(base, graph_kb, g.workspace, &g.counts); });
     return r;
+  }
+
+  // Captures what `record(input, graph)` enqueues (the shape of the eager step just run, whose
+  // results are already out) into a graph with its own memory pool, or records that the capture
+  // failed (logged and counted; that shape then runs eagerly). keep_saved: a verify, whose saved
+  // layer inputs the graph keeps for commit.
+  template <class Record>
+  void capture(const std::string& key, size_t input_bytes, bool keep_saved, Record&& record) {
+    auto s = static_cast<cudaStream_t>(model_.stream());
+    auto g = std::make_unique<Graph>(dev_.index);
+    const std::vector<SavedLayer> eager_saved = save_saved();  // the eager verify's, for commit
+    std::string err;
+    cudaGraph_t cg = nullptr;
+    {
+      device_alloc::PoolScope scope(g->pool);
+      try {
+        synchronize();
+        g->input = Tensor::empty({static_cast<int64_t>(input_bytes)}, DType::U8, dev_);
+        // Relaxed: the pool may cudaMalloc its blocks while capturing (nothing synchronizes).
+        DFLASH_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+        try {
+          record(static_cast<const char*>(g->input.raw_data()), *g);
+        } catch (const std::exception& e) {
+          err = e.what();
+        }
+        const cudaError_t end = cudaStreamEndCapture(s, &cg);
+        if (err.empty() && end != cudaSuccess) err = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(end);
+        if (err.empty()) {
+          cudaGraphExec_t exec = nullptr;
+          const cudaError_t inst = cudaGraphInstantiate(&exec, cg, 0);
+          if (inst != cudaSuccess) err = std::string("cudaGraphInstantiate: ") + cudaGetErrorString(inst);
+          else g->exec = exec;
+        }
+      } catch (const std::exception& e) {
+        if (err.empty()) err = e.what();
+      }
+      if (cg) DFLASH_CUDA_WARN(cudaGraphDestroy(cg));
+      if (!err.empty()) cudaGetLastError();  // a failed capture leaves its error behind
+      if (keep_saved) g->saved = save_saved();
+      restore_saved(eager_saved);
+    }
+    if (!err.empty()) {
+      ++stats_.capture_failures;
+      spdlog::warn("CUDA decoder: capturing the step shape {} as a CUDA graph failed ({}); that shape runs eager launches",
+                   key, err);
+      graphs_[key] = nullptr;
+      return;
+    }
+    ++stats_.captures;
+    pool_bytes_ += g->pool.reserved();
+    graphs_[key] = std::move(g);
+  }
+
+  // At most kMaxGraphs shapes and kMaxPoolBytes of their pools per decoder (many batch shapes, e.g.
+  // regeneration's changing number of sequences in flight, must not fill the GPU); beyond that, new
+  // shapes run eagerly (counted).
+  static constexpr size_t kMaxGraphs = 64;
+  static constexpr size_t kMaxPoolBytes = size_t(4) << 30;
+  static constexpr const char* kGraphsFull = "the graph limit (64 shapes or 4 GiB of their pools) reached";
+  bool graphs_full() const { return graphs_.size() >= kMaxGraphs || pool_bytes_ >= kMaxPoolBytes; }
+
+  // The shape a graph is keyed by: the tokens per slot, the options the step's launches depend on,
+  // and the attention's key splits.
+  static std::string graph_key(const std::vector<std::vector<int32_t>>& tokens, const ExtendOptions& opt, int64_t splits) {
+    std::ostringstream k;
+    k << (opt.commit ? "decode" : "verify") << " T=";
+    for (size_t i = 0; i < tokens.size(); ++i) k << (i ? "," : "") << tokens[i].size();
+    k << " splits=" << splits;
+    if (!opt.capture.empty()) {
+      k << " capture=";
+      for (size_t i = 0; i < opt.capture.size(); ++i) k << (i ? "," : "") << opt.capture[i];
+    }
+    if (opt.last_only) k << " last_only";
+    if (opt.logits) k << " logits";
+    if (opt.sample)
+      k << " sample=" << std::hexfloat << opt.sample->temperature << "," << opt.sample->top_p << std::dec << ","
+        << opt.sample->seed;
+    return k.str();
+  }
+
+  // The verify's saved layer inputs (DecodeLayer::proj ... beta) of every layer.
+  std::vector<SavedLayer> save_saved() const {
+    std::vector<SavedLayer> v(state_.size());
+    for (size_t i = 0; i < state_.size(); ++i) {
+      const DecodeLayer& dl = state_[i];
+      v[i] = {dl.proj, dl.conv, dl.q, dl.k, dl.g, dl.beta, dl.proj_ld};
+    }
+    return v;
+  }
+  void restore_saved(const std::vector<SavedLayer>& v) {
+    for (size_t i = 0; i < state_.size() && i < v.size(); ++i) {
+      DecodeLayer& dl = state_[i];
+      const SavedLayer& sv = v[i];
+      dl.proj = sv.proj, dl.conv = sv.conv, dl.q = sv.q, dl.k = sv.k, dl.g = sv.g, dl.beta = sv.beta;
+      dl.proj_ld = sv.proj_ld;
+    }
   }
 
   // The GDN states advance by the n accepted tokens from the verify's saved inputs: the conv update
@@ -298,29 +531,70 @@ class CudaDecoder final : public Decoder {
     const TargetConfig& c = config_;
     const int64_t row0 = pending_rows_[static_cast<size_t>(slot)];
     DFLASH_CHECK(row0 >= 0, "CUDA decoder: slot " << slot << " has no saved verify inputs");
-    const Tensor d_slot = upload_i32({slot}, dev_), d_cu = upload_i32({0, static_cast<int32_t>(n)}, dev_);
+    const std::vector<int32_t> host{slot, 0, static_cast<int32_t>(n), 0};  // the slot, then cu_seqlens {0, n}
     auto s = static_cast<cudaStream_t>(model_.stream());
     const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads, dk = c.linear_key_head_dim;
     const int64_t dv = c.linear_value_head_dim, C = c.gdn_conv_dim();
-    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-      if (c.layer_types[static_cast<size_t>(i)] != LayerType::LinearAttention) continue;
-      DecodeLayer& dl = state_[static_cast<size_t>(i)];
-      const LayerWeights& L = model_.weights().layers[static_cast<size_t>(i)];
-      if (!scratch_.defined() || scratch_.size(0) < n * C) scratch_ = Tensor::empty({std::max<int64_t>(n, 16) * C}, DType::BF16, dev_);
-      const ConvUpdateCall call{static_cast<const char*>(dl.proj.raw_data()) + row0 * dl.proj_ld * 2, dl.proj_ld,
-                                scratch_.raw_data(), d_slot.data<int32_t>(), d_cu.data<int32_t>(), 1, n, num_slots(), true};
-      run_conv_update(c, L, dl, call, counters_, s);
-      cuda::DeltaRuleParams p;  // the accepted tokens' rows of the verify's inputs
-      p.q = static_cast<const char*>(dl.q.raw_data()) + row0 * Hk * dk * 2;
-      p.k = static_cast<const char*>(dl.k.raw_data()) + row0 * Hk * dk * 2;
-      p.v = static_cast<const char*>(dl.conv.raw_data()) + (row0 * C + 2 * Hk * dk) * 2;
-      p.ldv = C;
-      p.g = dl.g.data<float>() + row0 * Hv;
-      p.beta = dl.beta.data<float>() + row0 * Hv;
-      p.out = nullptr;
-      p.cu_seqlens = d_cu.data<int32_t>();
-      p.num_seqs = 1, p.N = n, p.Hk = Hk, p.Hv = Hv, p.dk = dk, p.dv = dv;
-      run_delta_rule_pool(dl, p, d_slot.data<int32_t>(), num_slots(), true, counters_, s);
+    auto enqueue = [&](const int32_t* d_in, Tensor& scratch, PathCounters* counters) {
+      const int32_t *d_slot = d_in, *d_cu = d_in + 1;
+      if (!scratch.defined() || scratch.size(0) < n * C)
+        scratch = Tensor::empty({std::max<int64_t>(n, 16) * C}, DType::BF16, dev_);
+      for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+        if (c.layer_types[static_cast<size_t>(i)] != LayerType::LinearAttention) continue;
+        DecodeLayer& dl = state_[static_cast<size_t>(i)];
+        const LayerWeights& L = model_.weights().layers[static_cast<size_t>(i)];
+        const ConvUpdateCall call{static_cast<const char*>(dl.proj.raw_data()) + row0 * dl.proj_ld * 2, dl.proj_ld,
+                                  scratch.raw_data(), d_slot, d_cu, 1, n, num_slots(), true};
+        run_conv_update(c, L, dl, call, *counters, s);
+        cuda::DeltaRuleParams p;  // the accepted tokens' rows of the verify's inputs
+        p.q = static_cast<const char*>(dl.q.raw_data()) + row0 * Hk * dk * 2;
+        p.k = static_cast<const char*>(dl.k.raw_data()) + row0 * Hk * dk * 2;
+        p.v = static_cast<const char*>(dl.conv.raw_data()) + (row0 * C + 2 * Hk * dk) * 2;
+        p.ldv = C;
+        p.g = dl.g.data<float>() + row0 * Hv;
+        p.beta = dl.beta.data<float>() + row0 * Hv;
+        p.out = nullptr;
+        p.cu_seqlens = d_cu;
+        p.num_seqs = 1, p.N = n, p.Hk = Hk, p.Hv = Hv, p.dk = dk, p.dv = dv;
+        run_delta_rule_pool(dl, p, d_slot, num_slots(), true, *counters, s);
+      }
+    };
+    // A graph per (n, row0) of a verify graph (whose saved inputs live as long as it does); after an
+    // eager verify (its saved inputs come and go with the allocator) the commit runs eagerly too.
+    std::string key;
+    const char* eager_why = nullptr;
+    Graph* graph = nullptr;
+    if (plan_.cuda_graphs) {
+      if (model_.profiling()) eager_why = "an op profiler is set";
+      else if (!verify_graph_) eager_why = "commit after an eager verify";
+      else {
+        key = "commit n=" + std::to_string(n) + " row0=" + std::to_string(row0) + " of " + verify_graph_key_;
+        auto it = graphs_.find(key);
+        if (it == graphs_.end() && graphs_full()) {
+          eager_why = kGraphsFull;
+          key.clear();
+        } else if (it == graphs_.end()) eager_why = "first step of its shape";
+        else if (!it->second) eager_why = "its shape's capture failed";
+        else graph = it->second.get();
+      }
+    }
+    if (eager_why) {
+      ++stats_.eager;
+      ++eager_why_[eager_why];
+    }
+    if (graph) {
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(graph->input.raw_data(), host.data(), host.size() * sizeof(int32_t),
+                                        cudaMemcpyHostToDevice, s));
+      DFLASH_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph->exec), s));
+      ++stats_.replays;
+      counters_.add(graph->counts);
+    } else {
+      const Tensor d_in = upload_i32(host, dev_);
+      enqueue(d_in.data<int32_t>(), scratch_, &counters_);
+      if (!key.empty() && !graphs_.count(key))
+        capture(key, host.size() * sizeof(int32_t), false, [&](const char* base, Graph& g) {
+          enqueue(reinterpret_cast<const int32_t*>(base), g.workspace, &g.counts);
+        });
     }
     pending_rows_[static_cast<size_t>(slot)] = -1;
     // The saved inputs are released with the next extend of any slot (they belong to one batch).
@@ -334,6 +608,12 @@ class CudaDecoder final : public Decoder {
   std::vector<int64_t> pending_rows_;  // per slot: its first row in the last verify's batch, -1: none
   PathCounters counters_;
   Tensor workspace_, scratch_;
+  std::map<std::string, std::unique_ptr<Graph>> graphs_;  // by graph_key; null: its capture failed
+  GraphStats stats_;
+  size_t pool_bytes_ = 0;  // the graphs' pools, together
+  Graph* verify_graph_ = nullptr;  // the last verify's graph (null: it ran eagerly)
+  std::string verify_graph_key_;
+  std::map<std::string, uint64_t> eager_why_;  // eager steps with graphs on, by reason
 };
 
 }  // namespace

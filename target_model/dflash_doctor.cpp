@@ -292,6 +292,13 @@ int main(int argc, char** argv) {
     std::cout << "\n== fast-path plan (" << plan.device << ")\n" << plan.table() << "\n  " << plan.summary() << "\n";
     for (const std::string& f : plan.fallbacks()) std::cout << "  FALLBACK " << f << "\n";
     {
+      // The decode plan (decode / verify steps on slot states): its kernels' summary and whether its
+      // steps replay CUDA graphs (dflash_eval / generate_bench --no-cuda-graphs turn them off).
+      const FastPathPlan dp = make_decode_plan(cfg, dev, pol, sm_major, precision);
+      report["decode_plan"] = {{"summary", dp.summary()}, {"cuda_graphs", dp.cuda_graphs}, {"fallbacks", dp.fallbacks()}};
+      std::cout << "  decode plan: " << dp.summary() << (dp.cuda_graphs ? "" : " (eager launches: no CUDA device)") << "\n";
+    }
+    {
       // The memory roofline (bench/roofline.h), the same bytes and bandwidth as dflash_eval and generate_bench.
       bench::Roofline roof;
 #if DFLASH_WITH_CUDA

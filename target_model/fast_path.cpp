@@ -228,7 +228,9 @@ FastPathPlan make_plan(const TargetConfig& c, Device device, const KernelPolicie
 
 FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const KernelPolicies& pol, int sm_major,
                               Precision precision) {
-  return build_plan(c, device, pol, sm_major, true, precision);
+  FastPathPlan plan = build_plan(c, device, pol, sm_major, true, precision);
+  plan.cuda_graphs = device.is_cuda() && pol.cuda_graphs;
+  return plan;
 }
 
 bool fp8_gemm_supported(int sm_major) { return sm_major == 9; }
@@ -307,6 +309,7 @@ std::string FastPathPlan::summary() const {
   }
   o << count(LayerType::LinearAttention, true) << "/" << gdn << " GatedDeltaNet layers on the fast path, "
     << count(LayerType::FullAttention, true) << "/" << attn << " attention layers on the fast path" << fp8;
+  if (cuda_graphs) o << ", decode / verify steps as CUDA graphs";
   return o.str();
 }
 
@@ -340,6 +343,7 @@ nlohmann::json FastPathPlan::to_json() const {
   if (!moe.empty()) j["moe"] = moe;
   j["summary"] = summary();
   j["fallbacks"] = fallbacks();
+  j["cuda_graphs"] = cuda_graphs;
   for (const LayerPlan& l : layers) {
     nlohmann::json lj{{"layer", l.layer}, {"type", layer_type_name(l.type)}, {"all_fast", l.all_fast()}};
     for (const StepPlan& s : l.steps)

@@ -27,6 +27,9 @@ struct KernelPolicies {
   KernelPolicy delta_rule = KernelPolicy::Auto;  // GatedDeltaNet core
   KernelPolicy attention = KernelPolicy::Auto;   // full-attention layers
   bool require_fast_path = false;
+  // Decode plans on a GPU: decode / verify steps (T >= 1 on slots with a past) run as CUDA graphs
+  // captured per shape and replayed (decode_cuda.cpp); false: eager launches (--no-cuda-graphs).
+  bool cuda_graphs = true;
   // Every op on policy p (e.g. all(KernelPolicy::Fallback): the explicit slow path to compare with).
   static KernelPolicies all(KernelPolicy p, bool require_fast = false) { return {p, p, p, require_fast}; }
 };
@@ -63,6 +66,9 @@ struct FastPathPlan {
   std::string device;  // "cuda:0 (NVIDIA H200, sm_90)" or "cpu"
   std::string moe;     // MoE targets: "40 MoE blocks (256 experts, top 8) on the CPU reference"; "" if dense
   std::vector<LayerPlan> layers;
+  // Decode plans on CUDA (KernelPolicies::cuda_graphs): the decoder captures each decode / verify
+  // step shape once and replays it; summary() says which.
+  bool cuda_graphs = false;
 
   int64_t count(LayerType t, bool fast_only) const;
   // "48/48 GatedDeltaNet layers on the fast path, 16/16 attention layers on the fast path" (+ ", fp8
@@ -117,6 +123,9 @@ void check_gpu_sizes(const TargetConfig& c, Precision precision);
 class PathCounters {
  public:
   void add(Step s, Path p, uint64_t n = 1) { counts_[idx(s, p)].fetch_add(n, std::memory_order_relaxed); }
+  void add(const PathCounters& o) {  // every count of o (a CUDA graph's launches, once per replay)
+    for (size_t i = 0; i < counts_.size(); ++i) counts_[i].fetch_add(o.counts_[i].load(std::memory_order_relaxed), std::memory_order_relaxed);
+  }
   uint64_t get(Step s, Path p) const { return counts_[idx(s, p)].load(std::memory_order_relaxed); }
   void reset();
   nlohmann::json to_json() const;

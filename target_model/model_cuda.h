@@ -166,6 +166,8 @@ class CudaTargetModel {
   // Per-op timing of every later forward / run_layer (null, the default: off, and each op costs one
   // pointer test). The profiler must outlive its use; collect() after the forward.
   void set_profiler(OpProfiler* profiler) { profiler_ = profiler; }
+  bool profiling() const { return profiler_ != nullptr; }
+  bool tensor_parallel() const { return tp_ != nullptr; }
   // Makes the next forwards a decode step on slot states (null: plain forwards again).
   void set_decode(DecodeStep* step) { decode_ = step; }
   const TargetWeights& weights() const { return weights_; }

@@ -75,6 +75,13 @@ const TargetWeights& TargetRuntime::weights() const {
   return cpu_->weights();
 }
 
+void TargetRuntime::set_cuda_graphs(bool on) {
+  if (device_.is_cpu()) return;  // the CPU reference has no graphs
+  decode_plan_.cuda_graphs = on;
+  const size_t at = plans_.find("; decode: ");
+  if (at != std::string::npos) plans_ = plans_.substr(0, at) + "; decode: " + decode_plan_.summary();
+}
+
 std::unique_ptr<Decoder> TargetRuntime::make_decoder(int64_t num_slots, int64_t max_len) {
 #if DFLASH_WITH_CUDA
   if (cuda_) return make_cuda_decoder(*cuda_, num_slots, max_len, decode_plan_);

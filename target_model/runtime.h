@@ -64,6 +64,9 @@ class TargetRuntime {
   CudaTargetModel* cuda_model() { return cuda_.get(); }
 
   std::unique_ptr<Decoder> make_decoder(int64_t num_slots, int64_t max_len);
+  // Whether later decoders' decode / verify steps replay CUDA graphs (default: on a GPU; the tools'
+  // --no-cuda-graphs turns them off). Updates plans().
+  void set_cuda_graphs(bool on);
 
  private:
   Device device_;

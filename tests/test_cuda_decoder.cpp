@@ -50,9 +50,10 @@ struct Gpu {
   std::unique_ptr<CudaTargetModel> model;
   std::unique_ptr<Decoder> dec;
   Gpu(const TargetConfig& c, KernelPolicy pol, int64_t slots, int64_t max_len, uint64_t seed = 3,
-      Precision precision = Precision::Bf16) {
+      Precision precision = Precision::Bf16, bool graphs = true) {
     const int sm = cuda_device_info(0).major;
-    const KernelPolicies p = KernelPolicies::all(pol);
+    KernelPolicies p = KernelPolicies::all(pol);
+    p.cuda_graphs = graphs;
     model = std::make_unique<CudaTargetModel>(c, random_weights(c, seed, DType::BF16, Device::cuda(0), precision),
                                               make_plan(c, Device::cuda(0), p, sm, precision));
     dec = make_cuda_decoder(*model, slots, max_len, make_decode_plan(c, Device::cuda(0), p, sm, precision));
@@ -214,6 +215,92 @@ TEST(CudaDecoder, SpeculativeEqualsGreedyOnTheGpu) {
   const bench::Generation one = bench::speculative_generate(*g.dec, *prop, 0, {prompt[0]}, go);
   const bench::Generation one_g = bench::greedy_generate(*g.dec, 0, {prompt[0]}, go);
   EXPECT_EQ(one.tokens, one_g.tokens) << "a prompt of one token";
+}
+
+// CUDA graphs (decode_cuda.cpp): a decoder that replays its decode / verify steps as graphs gives
+// the logits, features and next tokens of one that launches the same kernels eagerly, bit for bit,
+// over decode steps of 3 and 1 slots, verifies of block 16 with commits of different lengths, key
+// bounds in two split buckets (the graph's extra splits add exact zeros), and a profiled step (eager
+// with graphs on: counted). The graphs did run: shapes captured, steps replayed, no capture failed.
+TEST(CudaDecoder, GraphReplayEqualsEagerLaunchesBitForBit) {
+  DFLASH_REQUIRE_GPU();
+  const TargetConfig c = real_dims();
+  Gpu e(c, KernelPolicy::Auto, 3, 400, 3, Precision::Bf16, false), g(c, KernelPolicy::Auto, 3, 400, 3, Precision::Bf16, true);
+  EXPECT_EQ(e.dec->describe().find("CUDA graphs"), std::string::npos);
+  EXPECT_NE(g.dec->describe().find("decode / verify steps as CUDA graphs"), std::string::npos);
+  ExtendOptions commit;
+  commit.capture = {1, c.num_hidden_layers - 1};
+  commit.logits = true;
+  ExtendOptions verify = commit;
+  verify.commit = false;
+  int64_t step = 0;
+  auto same = [&](const ExtendResult& a, const ExtendResult& b, const std::string& what) {
+    EXPECT_EQ(a.next, b.next) << what << " (step " << step << ")";
+    EXPECT_TRUE(bit_equal(a.logits, b.logits)) << "logits of " << what << " (step " << step << ")";
+    EXPECT_TRUE(bit_equal(a.features, b.features)) << "features of " << what << " (step " << step << ")";
+    ++step;
+  };
+  const std::vector<int32_t> slots{0, 1, 2};
+  std::vector<std::vector<int32_t>> prompts{random_tokens(100, c.vocab_size, 11), random_tokens(60, c.vocab_size, 12),
+                                            random_tokens(120, c.vocab_size, 13)};
+  same(e.dec->extend(slots, prompts, commit), g.dec->extend(slots, prompts, commit), "prefill");
+  std::vector<std::vector<int32_t>> next(3);
+  auto decode = [&](const std::vector<int32_t>& ss, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) {
+      std::vector<std::vector<int32_t>> toks;
+      for (int32_t sl : ss) toks.push_back({random_tokens(1, c.vocab_size, 100 + 7 * step + sl)[0]});
+      same(e.dec->extend(ss, toks, commit), g.dec->extend(ss, toks, commit), "decode");
+    }
+  };
+  decode(slots, 5);  // key bound 126: 2 splits of 64
+  for (int64_t n : {3, 16, 1, 1, 16}) {  // the key bound passes 128: 4 splits; commits replayed from the 4th
+    std::vector<std::vector<int32_t>> blocks;
+    for (int32_t sl : slots) blocks.push_back(random_tokens(16, c.vocab_size, 200 + step + sl));
+    same(e.dec->extend(slots, blocks, verify), g.dec->extend(slots, blocks, verify), "verify");
+    for (int32_t sl : slots) {
+      const int64_t keep = std::max<int64_t>(1, n - sl);
+      e.dec->commit(sl, keep);
+      g.dec->commit(sl, keep);
+    }
+    decode(slots, 2);
+  }
+  decode({1}, 3);
+  OpProfiler prof;
+  g.model->set_profiler(&prof);
+  decode(slots, 1);
+  g.model->set_profiler(nullptr);
+  (void)prof.collect();
+  decode(slots, 2);
+  const GraphStats gs = g.dec->graph_stats(), es = e.dec->graph_stats();
+  EXPECT_EQ(gs.capture_failures, 0u);
+  EXPECT_GE(gs.captures, 4u) << g.dec->kernels_run();  // decode x2 key bounds, verify, decode of one slot
+  EXPECT_GE(gs.replays, 10u) << g.dec->kernels_run();
+  EXPECT_GE(gs.eager, 1u);
+  EXPECT_NE(g.dec->kernels_run().find("an op profiler is set"), std::string::npos) << g.dec->kernels_run();
+  EXPECT_EQ(es.captures + es.replays + es.eager, 0u);
+  EXPECT_EQ(e.dec->length(0), g.dec->length(0));
+}
+
+// Speculative decoding with graphs on (verify and decode steps replayed) gives the greedy output of
+// the same target launched eagerly, token for token, with the CUDA proposer of an untrained drafter.
+TEST(CudaDecoder, SpeculativeWithGraphsEqualsEagerGreedy) {
+  DFLASH_REQUIRE_GPU();
+  const TargetConfig c = real_dims();
+  Gpu e(c, KernelPolicy::Auto, 1, 256, 3, Precision::Bf16, false), g(c, KernelPolicy::Auto, 1, 256, 3, Precision::Bf16, true);
+  const std::vector<int32_t> prompt = random_tokens(40, c.vocab_size, 7);
+  bench::GenerateOptions go;
+  go.max_new_tokens = 60;
+  go.block_size = 16;
+  const bench::Generation want = bench::greedy_generate(*e.dec, 0, prompt, go);
+  const drafter::DrafterConfig dc = drafter::DrafterConfig::for_target(c, 2, c.vocab_size - 1, 16);
+  const drafter::DrafterWeights w = drafter::DrafterWeights::random(dc, 5, 0.05f);
+  auto prop = drafter::make_cuda_proposer(dc, w, g.model->weights().embed_tokens, g.model->weights().lm_head,
+                                          Device::cuda(0), 1, 256);
+  const bench::Generation spec = bench::speculative_generate(*g.dec, *prop, 0, prompt, go);
+  EXPECT_EQ(spec.tokens, want.tokens);
+  EXPECT_EQ(bench::greedy_generate(*g.dec, 0, prompt, go).tokens, want.tokens) << "greedy with graphs";
+  EXPECT_GT(g.dec->graph_stats().replays, 0u) << g.dec->kernels_run();
+  EXPECT_EQ(g.dec->graph_stats().capture_failures, 0u);
 }
 
 // The FP8 target decodes like the bf16 one: verify rows equal T = 1 decode steps bit for bit (the

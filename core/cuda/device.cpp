@@ -17,6 +17,7 @@
 #include <map>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include "core/cuda/check.h"
 #include "core/device.h"
@@ -141,8 +142,86 @@ DeviceInfo cuda_device_info(int device) {
 
 namespace device_alloc {
 
+// A pool's blocks, as DeviceCache's (best fit up to twice the request, blocks never split).
+struct Pool::State {
+  std::mutex mu;
+  std::multimap<size_t, void*> free_blocks;
+  std::unordered_map<void*, size_t> live;
+  std::vector<void*> owned;
+  size_t reserved = 0;
+};
+
+namespace {
+
+thread_local Pool* t_pool = nullptr;  // the open PoolScope's pool on this thread
+std::mutex g_pools_mu;
+std::vector<std::pair<int, Pool::State*>> g_pools;  // every pool alive: (device, state)
+
+// Gives a pool's block back (true), or false when no pool of `device` owns ptr.
+bool release_to_pool(void* ptr, int device) {
+  std::lock_guard<std::mutex> lock(g_pools_mu);
+  for (auto& [dev, st] : g_pools) {
+    if (dev != device) continue;
+    std::lock_guard<std::mutex> l2(st->mu);
+    auto it = st->live.find(ptr);
+    if (it == st->live.end()) continue;
+    st->free_blocks.emplace(it->second, ptr);
+    st->live.erase(it);
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+Pool::Pool(int device) : device_(device), state_(new State) {
+  std::lock_guard<std::mutex> lock(g_pools_mu);
+  g_pools.emplace_back(device, state_);
+}
+
+Pool::~Pool() {
+  {
+    std::lock_guard<std::mutex> lock(g_pools_mu);
+    g_pools.erase(std::remove_if(g_pools.begin(), g_pools.end(), [&](const auto& e) { return e.second == state_; }),
+                  g_pools.end());
+  }
+  if (!state_->live.empty())
+    spdlog::error("device_alloc::Pool on cuda:{}: destroyed while {} tensor(s) still hold its blocks", device_,
+                  state_->live.size());
+  DeviceGuard guard(device_);
+  for (void* p : state_->owned) DFLASH_CUDA_WARN(cudaFree(p));
+  delete state_;
+}
+
+size_t Pool::reserved() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->reserved;
+}
+
+PoolScope::PoolScope(Pool& pool) : previous_(t_pool) { t_pool = &pool; }
+PoolScope::~PoolScope() { t_pool = previous_; }
+
 void* allocate(size_t bytes, int device) {
   const size_t rounded = round_block(bytes);
+  if (Pool* pool = t_pool; pool && pool->device() == device) {
+    Pool::State& st = *pool->state();
+    std::lock_guard<std::mutex> lock(st.mu);
+    auto it = st.free_blocks.lower_bound(rounded);
+    if (it != st.free_blocks.end() && it->first <= 2 * rounded) {
+      void* ptr = it->second;
+      st.live.emplace(ptr, it->first);
+      st.free_blocks.erase(it);
+      return ptr;
+    }
+    DeviceGuard guard(device);
+    void* ptr = nullptr;
+    const cudaError_t e = cudaMalloc(&ptr, rounded);
+    if (e != cudaSuccess) cuda::throw_cuda_error(e, "cudaMalloc(&ptr, rounded) (a CUDA graph's pool)", __FILE__, __LINE__);
+    st.owned.push_back(ptr);
+    st.live.emplace(ptr, rounded);
+    st.reserved += rounded;
+    return ptr;
+  }
   DeviceCache& cache = get_cache(device);
   std::lock_guard<std::mutex> lock(cache.mu);
 
@@ -201,12 +280,14 @@ void release(void* ptr, int device) {
   DeviceCache* cache = find_cache(device);
   // Called from destructors: report misuse but never throw.
   if (!cache) {
+    if (release_to_pool(ptr, device)) return;
     spdlog::error("device_alloc::release: cuda:{} has no allocations; pointer {} ignored", device, ptr);
     return;
   }
   std::lock_guard<std::mutex> lock(cache->mu);
   auto it = cache->live.find(ptr);
   if (it == cache->live.end()) {
+    if (release_to_pool(ptr, device)) return;
     spdlog::error("device_alloc::release: pointer {} was not allocated on cuda:{} (or was released twice)", ptr,
                   device);
     return;

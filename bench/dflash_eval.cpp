@@ -158,7 +158,7 @@ int main(int argc, char** argv) {
   int64_t num_prompts = 16, max_new = 64, block_size = 0, show = 0;
   std::vector<std::string> stop_specs;
   bool no_default_stops = false;
-  int tp = 1;
+  int tp = 1, ep = 1;
   double timeout_s = 600;
   add_common_options(app, &log_level);
   target::add_target_options(app, target);
@@ -195,6 +195,8 @@ int main(int argc, char** argv) {
   app.add_option("--html", html_path, "write one HTML page of every prompt's output, each step's accepted drafts coloured");
   app.add_option("--device", device, "where the target and the drafter run: cpu or cuda[:N]")->capture_default_str();
   app.add_option("--tp", tp, "tensor-parallel size of the target (under mpirun)")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--ep", ep, "MoE targets: expert groups within a TP group (divides --tp and num_experts; each holds num_experts / ep experts)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--timeout", timeout_s, "seconds a collective may take before the job is ended")->capture_default_str();
   app.add_option("--csv", csv_path, "append the summary rows to this CSV (the benchmarks' format)");
   app.add_option("--json", json_path, "write the whole report (every prompt) as JSON (with the decoded prompt_text and "
@@ -295,7 +297,7 @@ int main(int argc, char** argv) {
                           (stop_specs.empty() ? "the tokenizer directory's eos ids are not this target's: pass --stop-token or "
                                                 "--no-default-stop-tokens"
                                               : "stop tokens are ids of the target's tokenizer"));
-    target::check_tp(cfg, tp);
+    target::check_tp(cfg, tp, ep);
     const std::vector<Prompt> prompts = read_prompts(prompts_path, num_prompts, cfg.vocab_size, text_for);
     int64_t longest = 0;
     for (size_t i = 0; i < prompts.size(); ++i) {
@@ -321,7 +323,7 @@ int main(int argc, char** argv) {
 #endif
     const auto t_load = std::chrono::steady_clock::now();
     const target::TargetSource src = target.source();
-    target::TargetRuntime rt(src, cfg, dev, tp, layout.tp_rank, tp_comm.get(), require_fast);
+    target::TargetRuntime rt(src, cfg, dev, tp, layout.tp_rank, tp_comm.get(), require_fast, ep);
     rt.set_cuda_graphs(!no_graphs);
     const std::string plans = rt.plans();
     dec = rt.make_decoder(1, max_len);

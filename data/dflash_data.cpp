@@ -135,7 +135,7 @@ int main(int argc, char** argv) {
   RegenerateOptions ropt;
   target::TargetOptions target;
   std::string device = "cpu";
-  int tp = 1;
+  int tp = 1, ep = 1;
   double temperature = 0, top_p = 1, timeout_s = 600;
   uint64_t sample_seed = 0;
   bool no_progress = false, require_fast = false, no_default_stops = false;
@@ -147,6 +147,9 @@ int main(int argc, char** argv) {
                                                .seed_flag = "--weight-seed"});
   regen->add_option("--device", device, "where the target runs: cpu, cuda (under mpirun: the GPU of the node-local rank) or cuda:N")->capture_default_str();
   regen->add_option("--tp", tp, "tensor-parallel size of the target (under mpirun; the TP groups share the prompts)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  regen->add_option("--ep", ep, "MoE targets: expert groups within a TP group (divides --tp and num_experts; each holds num_experts / ep experts)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   regen->add_option("--max-new-tokens", ropt.gen.max_new_tokens, "new tokens per response (at most)")
@@ -207,7 +210,7 @@ int main(int argc, char** argv) {
       else DFLASH_REQUIRE_HINT(top_p == 1.0, "--top-p " << top_p << " needs --temperature > 0", "greedy decoding keeps no nucleus");
       ropt.progress = !no_progress;
       const target::TargetConfig cfg = src.read_config();
-      target::check_tp(cfg, tp);
+      target::check_tp(cfg, tp, ep);
       {  // stop tokens: given (ids or text), else the target's own
         const std::string tok_dir = !regen_tokenizer.empty() ? regen_tokenizer : target.src.model_dir;
         std::string stop_log;
@@ -264,7 +267,7 @@ int main(int argc, char** argv) {
       std::unique_ptr<comm::Communicator> world_comm;
       if (world > 1) world_comm = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, 0, rank, Device::cpu(), timeout_s, "world");
       const auto t_load = std::chrono::steady_clock::now();
-      target::TargetRuntime rt(src, cfg, rank_dev, tp, layout.tp_rank, tp_comm.get(), require_fast);
+      target::TargetRuntime rt(src, cfg, rank_dev, tp, layout.tp_rank, tp_comm.get(), require_fast, ep);
       const std::unique_ptr<target::Decoder> dec = rt.make_decoder(ropt.slots, max_len);
       if (rank == 0)
         std::fprintf(stderr, "regenerate: target %s on %s, %lld slot(s) of %lld tokens, loaded in %.1f s%s%s\n",

@@ -108,7 +108,11 @@ void moe_route(const Tensor& x, const Tensor& router, int64_t top_k, bool renorm
 // gate_up [E, 2I, H] (per expert [gate (I) | up (I)] rows), down [E, H, I], x / y [N, H] (y overwritten).
 // Each token's terms are added in ascending expert order onto zero, as transformers' loop over the
 // experts hit (index_add_) adds them.
-void moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, const MoeRouting& r, Tensor& y);
+// Expert parallelism: gate_up / down hold experts [expert_begin, expert_begin + E) of num_experts
+// (0: E, the whole model); choices of the other experts are skipped (another rank runs them), so
+// y is this shard's share of the sum. Returns the (token, expert) pairs this shard ran.
+int64_t moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, const MoeRouting& r, Tensor& y,
+                    int64_t expert_begin = 0, int64_t num_experts = 0);
 // y[n, :] += sigmoid(gate[n, 0]) · x[n, :] (the shared expert behind its gate). y, x [N, D]; gate [N, 1].
 void add_sigmoid_gated(const Tensor& x, const Tensor& gate, Tensor& y);
 

@@ -293,7 +293,10 @@ void TargetConfig::validate() const {
                      << ", moe_intermediate_size " << moe_intermediate_size << ", shared_expert_intermediate_size "
                      << shared_expert_intermediate_size << " are inconsistent");
     DFLASH_REQUIRE(!fp8, s << ": block-FP8 Mixture-of-Experts targets are not supported yet");
+    DFLASH_REQUIRE(ep_size >= 1 && num_experts % ep_size == 0,
+                   s << ": ep_size " << ep_size << " does not divide num_experts " << num_experts);
   } else {
+    DFLASH_REQUIRE(ep_size == 1, s << ": ep_size " << ep_size << " on a dense model (it has no experts)");
     DFLASH_REQUIRE(intermediate_size > 0, s << ": intermediate_size must be positive for a dense model");
   }
 }
@@ -325,13 +328,19 @@ int64_t TargetConfig::parameter_count() const {
 int64_t TargetConfig::mlp_parameters() const {
   const int64_t H = hidden_size;
   if (!is_moe()) return 3 * H * intermediate_size;
-  return num_experts * H + num_experts * 3 * H * moe_intermediate_size + 3 * H * shared_expert_intermediate_size + H;
+  return num_experts * H + local_num_experts() * 3 * H * moe_intermediate_size + 3 * H * shared_expert_intermediate_size + H;
+}
+
+double TargetConfig::expert_bytes_per_layer(double bytes_per_param) const {
+  return static_cast<double>(local_num_experts()) * 3.0 * static_cast<double>(hidden_size * moe_intermediate_size) *
+         bytes_per_param;
 }
 
 int64_t TargetConfig::active_mlp_parameters() const {
   const int64_t H = hidden_size;
   if (!is_moe()) return mlp_parameters();
-  return num_experts * H + num_experts_per_tok * 3 * H * moe_intermediate_size + 3 * H * shared_expert_intermediate_size + H;
+  return num_experts * H + num_experts_per_tok * 3 * H * moe_intermediate_size / ep_size +
+         3 * H * shared_expert_intermediate_size + H;
 }
 
 int64_t TargetConfig::active_parameter_count() const {

@@ -94,6 +94,11 @@ struct TargetConfig {
   bool output_router_logits = false;
   double router_aux_loss_coef = 0.001;
   bool is_moe() const { return num_experts > 0; }
+  // Expert parallelism (set by target::local_config on a rank's shard, never read from config.json):
+  // the experts are split into ep_size consecutive groups and this shard holds one group,
+  // local_num_experts() of them (the router still scores all num_experts). 1 for the whole model.
+  int64_t ep_size = 1;
+  int64_t local_num_experts() const { return num_experts / ep_size; }
 
   // Parses a config.json document. `source` names it in error messages.
   static TargetConfig from_json(const nlohmann::json& doc, const std::string& source);
@@ -110,9 +115,12 @@ struct TargetConfig {
   int64_t gdn_conv_dim() const { return 2 * gdn_key_dim() + gdn_value_dim(); }
   int64_t attn_q_proj_rows() const { return num_attention_heads * head_dim * (attn_output_gate ? 2 : 1); }
   int64_t count_layers(LayerType t) const;
-  // Parameters of one layer's MLP or MoE block, all of them / those one token uses.
+  // Parameters of one layer's MLP or MoE block, all of them / those one token uses (an expert-parallel
+  // shard: the experts it holds / its average share of a token's, num_experts_per_tok / ep_size).
   int64_t mlp_parameters() const;
   int64_t active_mlp_parameters() const;
+  // Bytes of one layer's routed experts (gate|up and down of local_num_experts()) at `bytes_per_param`.
+  double expert_bytes_per_layer(double bytes_per_param) const;
   // Parameter count of the decoder stack plus embedding (and lm_head when untied).
   int64_t parameter_count() const;
   // The same with only the experts one token uses (= parameter_count() for a dense model).

@@ -5,6 +5,7 @@
 //
 // 1. Environment: GPU, compute capability, SMs, memory, driver/runtime, cuBLASLt, NCCL, MPI, build.
 // 2. The per-layer plan (which kernel runs each step and why) with a one-line summary.
+//    An MoE target: its weights per rank under each tensor x expert parallel layout (tp.h).
 // 3. A live check on the GPU: one layer of each kind on the fast path and on the fallback with the
 //    same input; outputs compared and both timed, so the report shows the fast path is right and faster.
 #include <mpi.h>
@@ -23,6 +24,7 @@
 #include "bench/roofline.h"
 #include "drafter/config.h"
 #include "target_model/fast_path.h"
+#include "target_model/tp.h"
 #include "target_model/weights.h"
 #if DFLASH_WITH_CUDA
 #include <cuda_runtime.h>
@@ -251,6 +253,31 @@ int main(int argc, char** argv) {
     report["model"] = {{"source", model_dir.empty() ? config_path : model_dir}, {"summary", cfg.summary()}};
     print_environment(report["environment"]);
     std::cout << "\n== model\n  " << cfg.summary() << "\n";
+    if (cfg.is_moe()) {
+      // Per-rank weights of the layouts of target_model/tp.h (parallel.tp, parallel.ep): bf16 bytes.
+      std::cout << "\n== MoE layouts: bf16 weights per rank (parallel.tp x parallel.ep; ep expert groups of tp / ep "
+                   "ranks,\n   each rank holding num_experts / ep experts of moe_intermediate_size / (tp / ep); one "
+                   "all-reduce of N x hidden per block)\n";
+      std::printf("  %4s %4s %8s %8s %16s %16s\n", "tp", "ep", "experts", "width", "experts GiB", "all weights GiB");
+      json layouts = json::array();
+      for (int tp : {1, 2, 4, 8})
+        for (int ep = 1; ep <= tp; ep *= 2) {
+          TargetConfig l;
+          try {
+            l = local_config(cfg, tp, ep);
+          } catch (const Error&) {
+            continue;  // this tp / ep does not divide the model
+          }
+          const double experts = static_cast<double>(l.num_hidden_layers) * l.expert_bytes_per_layer(2.0);
+          const double all = 2.0 * static_cast<double>(l.parameter_count());
+          std::printf("  %4d %4d %8lld %8lld %16.2f %16.2f\n", tp, ep, static_cast<long long>(l.local_num_experts()),
+                      static_cast<long long>(l.moe_intermediate_size), experts / (1 << 30), all / (1 << 30));
+          layouts.push_back({{"tp", tp}, {"ep", ep}, {"experts_per_rank", l.local_num_experts()},
+                             {"expert_width", l.moe_intermediate_size}, {"expert_bytes_per_rank", experts},
+                             {"weight_bytes_per_rank", all}});
+        }
+      report["moe_layouts"] = layouts;
+    }
     if (dev.is_cpu())
       std::cout << "\n  " << (gpus == 0 ? "No CUDA device is visible: showing" : "--device cpu: showing")
                 << " the plan of the CPU reference backend. It is the f32 reference\n  (plain, obviously right code "

@@ -21,6 +21,7 @@
 #include "dflash/version.h"
 #include "core/app.h"
 #include "core/log.h"
+#include <spdlog/fmt/fmt.h>
 #include "target_model/cli.h"
 #include "target_model/model.h"
 #include "core/io/safetensors.h"
@@ -96,6 +97,10 @@ int main(int argc, char** argv) {
   double timeout_s = 600;
   app.add_option("--tp", tp, "tensor-parallel size (run under mpirun with a multiple of tp ranks)")
       ->capture_default_str()->check(CLI::PositiveNumber);
+  int ep = 1;
+  app.add_option("--ep", ep, "MoE targets: expert groups within a TP group (divides --tp and num_experts; each holds "
+                             "num_experts / ep experts)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--timeout", timeout_s, "seconds a collective may take before the job is ended")->capture_default_str();
 
   // MPI outlives run_app: a rank that fails prints its message before MPI_Finalize, which waits for
@@ -136,9 +141,9 @@ int main(int argc, char** argv) {
     for (int64_t id : opt_layers)
       DFLASH_REQUIRE_HINT(id >= 0 && id < cfg.num_hidden_layers, "--layers: capture layer id " << id << " is out of range",
                         "layer ids are 0.." << cfg.num_hidden_layers - 1 << " (id i = output of decoder layer i)");
-    check_tp(cfg, tp);
-    const TargetConfig local = local_config(cfg, tp);  // == cfg when tp = 1
-    const TpShard shard{layout.tp_rank, tp};
+    check_tp(cfg, tp, ep);
+    const TargetConfig local = local_config(cfg, tp, ep);  // == cfg when tp = 1
+    const TpShard shard{layout.tp_rank, tp, ep};
     KernelPolicies pol{parse_policy(conv_pol, "--conv"), parse_policy(dr_pol, "--delta-rule-kernel"),
                        parse_policy(attn_pol, "--attention"), require_fast};
     const int sm = dev.is_cuda() ? cuda_device_info(dev.index).major : 0;
@@ -158,7 +163,7 @@ int main(int argc, char** argv) {
     opt.counters = &cpu_counters;
     ForwardResult r;
     double load_s = 0, fwd_s = 0;
-    std::string counters_str;
+    std::string counters_str, expert_load;
     nlohmann::json counters_json;
     try {
       if (dev.is_cpu()) {
@@ -172,6 +177,16 @@ int main(int argc, char** argv) {
         fwd_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
         counters_str = cpu_counters.str();
         counters_json = cpu_counters.to_json();
+        if (cfg.is_moe()) {
+          // Load balance over the expert groups: (token, expert) pairs each ran, all layers.
+          const std::vector<int64_t>& load = model.expert_load();
+          int64_t sum = 0, most = 0;
+          for (int64_t v : load) sum += v, most = std::max(most, v);
+          std::string per;
+          for (int64_t v : load) per += (per.empty() ? "" : " ") + std::to_string(v);
+          expert_load = fmt::format("token-expert pairs per expert group (ep {}): {} of {} (max / mean {:.2f})", ep, per,
+                                    sum, sum > 0 ? static_cast<double>(most) * static_cast<double>(load.size()) / static_cast<double>(sum) : 0.0);
+        }
       } else {
 #if DFLASH_WITH_CUDA
         TargetWeights w = load_target_shard(source, cfg, dev, shard);
@@ -203,6 +218,7 @@ int main(int argc, char** argv) {
     spdlog::info("{} sequences, {} tokens on {}: load {:.2f} s, forward {:.3f} s ({:.0f} tok/s, first call included)",
                  seqs.size(), N, dev.str(), load_s, fwd_s, static_cast<double>(N) / fwd_s);
     spdlog::info("kernels run: {}", counters_str);
+    if (!expert_load.empty()) spdlog::info("{}", expert_load);
     if (!plan_json.empty()) {
       nlohmann::json pj{{"plan", plan.to_json()}, {"counters", counters_json}};
       std::ofstream pf(plan_json);

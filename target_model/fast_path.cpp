@@ -116,7 +116,11 @@ FastPathPlan build_plan(const TargetConfig& c, Device device, const KernelPolici
   plan.device = device.str();
   if (c.is_moe())
     plan.moe = std::to_string(c.num_hidden_layers) + " MoE blocks (" + std::to_string(c.num_experts) + " experts, top " +
-               std::to_string(c.num_experts_per_tok) + ") on the CPU reference";
+               std::to_string(c.num_experts_per_tok) +
+               (c.ep_size > 1 ? ", ep " + std::to_string(c.ep_size) + ": " + std::to_string(c.local_num_experts()) +
+                                    " of them on this rank"
+                              : std::string()) +
+               ") on the CPU reference";
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     LayerPlan lp;
     lp.layer = i;

@@ -34,6 +34,10 @@ TargetModel::TargetModel(TargetConfig config, TargetWeights weights, comm::Commu
   DFLASH_CHECK(weights_.device.is_cpu() && weights_.dtype == DType::F32,
                "target model: the CPU reference forward needs f32 weights on cpu, got "
                    << dtype_name(weights_.dtype) << " on " << weights_.device.str());
+  const int tp_size = tp_ ? tp_->size() : 1;
+  DFLASH_CHECK(config_.ep_size >= 1 && tp_size % config_.ep_size == 0,
+               "target model: ep " << config_.ep_size << " expert groups in a TP group of " << tp_size << " ranks");
+  if (config_.is_moe()) expert_load_.assign(static_cast<size_t>(config_.ep_size), 0);
 }
 
 TargetModel::GdnInputs TargetModel::gdn_inputs(const LayerWeights& L, const Tensor& x) const {
@@ -128,11 +132,19 @@ void TargetModel::mlp(const LayerWeights& L, const Tensor& x, Tensor& out) const
 void TargetModel::moe(const LayerWeights& L, const Tensor& x, Tensor& out, ops::MoeRouting& routing) const {
   // transformers' Qwen3_5MoeSparseMoeBlock: routed experts (each token's top-k, renormalised
   // weights) + sigmoid(shared_expert_gate · x) · shared_expert(x), all in f32 here.
+  // Under tp (tp.h): every rank routes the same tokens with the replicated router, runs its expert
+  // group's experts (their moe_intermediate_size slice) and its slice of the shared expert, and the
+  // partial outputs are summed by one all-reduce.
   const TargetConfig& c = config_;
   const int64_t N = x.size(0), Is = c.shared_expert_intermediate_size;
-  DFLASH_CHECK(!tp_, "target model: the MoE block runs with tp 1 only (check_tp refuses more)");
   ops::moe_route(x, L.moe.router, c.num_experts_per_tok, c.norm_topk_prob, routing);
-  ops::moe_experts(x, L.moe.experts_gate_up, L.moe.experts_down, routing, out);
+  const int64_t El = c.local_num_experts();
+  ops::moe_experts(x, L.moe.experts_gate_up, L.moe.experts_down, routing, out, expert_group() * El, c.num_experts);
+  {
+    // Load balance: (token, expert) pairs per expert group (every rank sees the whole routing).
+    const int32_t* ex = routing.experts.data<int32_t>();
+    for (int64_t i = 0; i < routing.experts.numel(); ++i) expert_load_[static_cast<size_t>(ex[i] / El)] += 1;
+  }
   Tensor g = Tensor::empty({N, Is}, DType::F32), u = Tensor::empty({N, Is}, DType::F32);
   ops::linear(x, L.moe.shared_gate_proj, g);
   ops::linear(x, L.moe.shared_up_proj, u);
@@ -141,6 +153,11 @@ void TargetModel::moe(const LayerWeights& L, const Tensor& x, Tensor& out, ops::
   ops::linear(g, L.moe.shared_down_proj, shared);
   ops::linear(x, L.moe.shared_expert_gate, gate);
   ops::add_sigmoid_gated(shared, gate, out);
+  if (tp_) tp_->all_reduce_sum(out);  // the experts' and the shared expert's partial sums
+}
+
+int64_t TargetModel::expert_group() const {
+  return tp_ ? tp_->rank() / (tp_->size() / static_cast<int>(config_.ep_size)) : 0;
 }
 
 ForwardResult TargetModel::forward(const std::vector<std::vector<int32_t>>& sequences,

@@ -79,6 +79,11 @@ class TargetModel {
   void final_norm(const Tensor& h, Tensor& y) const;
   void lm_head(const Tensor& normed, Tensor& logits) const;
   comm::Communicator* tp() const { return tp_; }
+  // MoE: this rank's expert group (tp.h: rank / (tp / ep)), and the (token, expert) pairs routed to
+  // each of the ep_size groups, summed over every layer and call since construction (the routing is
+  // replicated, so every rank knows every group's load; a forward of N tokens adds N·k·L in all).
+  int64_t expert_group() const;
+  const std::vector<int64_t>& expert_load() const { return expert_load_; }
 
  private:
   void mlp(const LayerWeights& L, const Tensor& x, Tensor& out) const;
@@ -86,6 +91,7 @@ class TargetModel {
   TargetConfig config_;
   TargetWeights weights_;
   comm::Communicator* tp_ = nullptr;
+  mutable std::vector<int64_t> expert_load_;  // [ep_size]; counted by the (const) forward, single-threaded
 };
 
 }  // namespace dflash::target

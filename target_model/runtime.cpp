@@ -38,10 +38,9 @@ TargetWeights load_target_shard(const TargetSource& source, const TargetConfig& 
 }
 
 TargetRuntime::TargetRuntime(const TargetSource& source, const TargetConfig& full, Device device, int tp, int tp_rank,
-                             comm::Communicator* tp_comm, bool require_fast_path)
-    : device_(device), local_(target::local_config(full, tp)) {
-  check_tp(full, tp);
-  const TpShard shard{tp_rank, tp};
+                             comm::Communicator* tp_comm, bool require_fast_path, int ep)
+    : device_(device), local_(target::local_config(full, tp, ep)) {
+  const TpShard shard{tp_rank, tp, ep};
   if (device.is_cpu()) {
     DFLASH_REQUIRE_HINT(!require_fast_path, "require_fast_path: the CPU backend is the f32 reference, which has no fast path",
                       "run on a GPU (--device cuda)");

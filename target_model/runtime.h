@@ -48,8 +48,9 @@ class TargetRuntime {
   // Loads this rank's shard (tp_comm: the TP group, or null for tp = 1). On a GPU the prefill and
   // decode plans are made for the GPU's architecture; require_fast_path refuses a fallback in
   // either (and the CPU backend, which has no fast path).
+  // ep: the MoE block's expert groups within the TP group (tp.h; 1 for a dense target).
   TargetRuntime(const TargetSource& source, const TargetConfig& full, Device device, int tp, int tp_rank,
-                comm::Communicator* tp_comm, bool require_fast_path);
+                comm::Communicator* tp_comm, bool require_fast_path, int ep = 1);
   ~TargetRuntime();
   TargetRuntime(const TargetRuntime&) = delete;
   TargetRuntime& operator=(const TargetRuntime&) = delete;

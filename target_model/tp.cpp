@@ -10,42 +10,69 @@
 
 namespace dflash::target {
 
-void check_tp(const TargetConfig& c, int tp) {
+void check_tp(const TargetConfig& c, int tp, int ep) {
   DFLASH_REQUIRE(tp >= 1, "parallel.tp must be >= 1, got " << tp);
-  DFLASH_REQUIRE_HINT(tp == 1 || !c.is_moe(), "parallel.tp = " << tp << ": " << c.source << " is a Mixture-of-Experts model (num_experts "
-                                                            << c.num_experts << "), which runs with tp 1 only for now",
-                    "set parallel.tp: 1 (tensor / expert parallelism of the MoE block is not built yet)");
+  check_ep(c, tp, ep);
   std::ostringstream bad;
   int n = 0;
-  auto need = [&](const char* field, int64_t v) {
-    if (v % tp != 0) bad << (n++ ? ", " : "") << field << " " << v;
+  auto need = [&](const char* field, int64_t v, int64_t by) {
+    if (v % by != 0) bad << (n++ ? ", " : "") << field << " " << v;
   };
-  need("num_attention_heads", c.num_attention_heads);
-  need("linear_num_key_heads", c.linear_num_key_heads);
-  need("linear_num_value_heads", c.linear_num_value_heads);
-  need("intermediate_size", c.intermediate_size);
+  need("num_attention_heads", c.num_attention_heads, tp);
+  need("linear_num_key_heads", c.linear_num_key_heads, tp);
+  need("linear_num_value_heads", c.linear_num_value_heads, tp);
+  if (c.is_moe()) {
+    // Each expert is split over the tp / ep ranks of its expert group, the shared expert over all tp.
+    need("moe_intermediate_size", c.moe_intermediate_size, tp / ep);
+    need("shared_expert_intermediate_size", c.shared_expert_intermediate_size, tp);
+  } else {
+    need("intermediate_size", c.intermediate_size, tp);
+  }
   if (c.num_key_value_heads % tp != 0 && tp % c.num_key_value_heads != 0)
     bad << (n++ ? ", " : "") << "num_key_value_heads " << c.num_key_value_heads << " (nor does it divide tp)";
-  DFLASH_REQUIRE_HINT(n == 0, "parallel.tp = " << tp << " does not divide the model's " << bad.str() << " (" << c.source << ")",
-                    "choose a tp that divides every head count and the intermediate size (e.g. 1, 2, 4, 8 for Qwen3.6-27B)");
+  DFLASH_REQUIRE_HINT(n == 0, "parallel.tp = " << tp << (ep > 1 ? " (ep " + std::to_string(ep) + ")" : std::string())
+                                               << " does not divide the model's " << bad.str() << " (" << c.source << ")",
+                    (c.is_moe() ? "choose a tp that divides every head count and shared_expert_intermediate_size, with tp / ep "
+                                 "dividing moe_intermediate_size (e.g. tp 1, 2, 4 or 8 with any ep dividing tp for "
+                                 "Qwen3.6-35B-A3B)"
+                               : "choose a tp that divides every head count and the intermediate size (e.g. 1, 2, 4, 8 "
+                                 "for Qwen3.6-27B)"));
 }
 
-TargetConfig local_config(const TargetConfig& c, int tp) {
-  check_tp(c, tp);
+void check_ep(const TargetConfig& c, int tp, int ep) {
+  DFLASH_REQUIRE_HINT(ep >= 1, "parallel.ep must be >= 1, got " << ep, "set parallel.ep: 1 (no expert parallelism) or a divisor of parallel.tp");
+  if (ep == 1) return;
+  DFLASH_REQUIRE_HINT(c.is_moe(), "parallel.ep = " << ep << ": " << c.source << " is a dense model (no experts to split)",
+                      "set parallel.ep: 1 (expert parallelism is for Mixture-of-Experts targets)");
+  DFLASH_REQUIRE_HINT(tp % ep == 0, "parallel.ep = " << ep << " does not divide parallel.tp = " << tp
+                                                     << ": the experts are split over the ranks of a TP group (ep groups of tp / ep ranks)",
+                      "choose ep among the divisors of tp (e.g. tp " << tp << ", ep " << tp << ": each rank holds whole experts)");
+  DFLASH_REQUIRE_HINT(c.num_experts % ep == 0, "parallel.ep = " << ep << " does not divide the model's num_experts "
+                                                                << c.num_experts << " (" << c.source << ")",
+                      "choose an ep that divides num_experts (e.g. 2, 4, 8 for 256 experts)");
+}
+
+TargetConfig local_config(const TargetConfig& c, int tp, int ep) {
+  check_tp(c, tp, ep);
   TargetConfig l = c;
   l.num_attention_heads = c.num_attention_heads / tp;
   l.num_key_value_heads = std::max<int64_t>(1, c.num_key_value_heads / tp);
   l.linear_num_key_heads = c.linear_num_key_heads / tp;
   l.linear_num_value_heads = c.linear_num_value_heads / tp;
   l.intermediate_size = c.intermediate_size / tp;
-  l.source = c.source + " (tp shard 1/" + std::to_string(tp) + ")";
+  if (c.is_moe()) {
+    l.moe_intermediate_size = c.moe_intermediate_size / (tp / ep);
+    l.shared_expert_intermediate_size = c.shared_expert_intermediate_size / tp;
+    l.ep_size = ep;
+  }
+  l.source = c.source + " (tp shard 1/" + std::to_string(tp) + (ep > 1 ? ", ep " + std::to_string(ep) : std::string()) + ")";
   l.validate();
   return l;
 }
 
 std::vector<SliceSpec> shard_specs(const TargetConfig& c, const TpShard& sh) {
   DFLASH_CHECK(sh.size >= 1 && sh.rank >= 0 && sh.rank < sh.size, "tp shard " << sh.rank << " of " << sh.size);
-  const TargetConfig l = local_config(c, sh.size);
+  const TargetConfig l = local_config(c, sh.size, sh.ep);
   const std::vector<TensorSpec> full = expected_tensors(c), local = expected_tensors(l);
   DFLASH_CHECK(full.size() == local.size(), "tp: tensor lists differ between the full and the local config");
   const int64_t r = sh.rank;
@@ -55,6 +82,10 @@ std::vector<SliceSpec> shard_specs(const TargetConfig& c, const TpShard& sh) {
   // kv heads: a contiguous share, or the one kv head this rank's query heads read (replicated).
   const int64_t Hkv_l = l.num_key_value_heads;
   const int64_t kv0 = c.num_key_value_heads >= sh.size ? r * Hkv_l : (r * c.num_key_value_heads) / sh.size;
+  // MoE: expert group eg = r / (tp / ep) holds experts [eg·El, (eg+1)·El); rank er of the group's
+  // tp / ep ranks holds columns [er·Ie_l, ...) of each of them.
+  const int64_t per_group = sh.size / sh.ep, eg = r / per_group, er = r % per_group;
+  const int64_t El = l.local_num_experts(), Ie_l = l.moe_intermediate_size, Is_l = l.shared_expert_intermediate_size;
   std::vector<SliceSpec> out;
   for (size_t i = 0; i < full.size(); ++i) {
     SliceSpec s{full[i].name, full[i].shape, local[i].shape, -1, {}};
@@ -74,7 +105,20 @@ std::vector<SliceSpec> shard_specs(const TargetConfig& c, const TpShard& sh) {
     else if (n.ends_with("mlp.gate_proj.weight") || n.ends_with("mlp.up_proj.weight"))
       rows({{r * l.intermediate_size, l.intermediate_size}});
     else if (n.ends_with("mlp.down_proj.weight")) cols(r * l.intermediate_size, l.intermediate_size);
-    // everything else (embedding, norms, lm_head): replicated
+    else if (n.ends_with("mlp.shared_expert.gate_proj.weight") || n.ends_with("mlp.shared_expert.up_proj.weight"))
+      rows({{r * Is_l, Is_l}});
+    else if (n.ends_with("mlp.shared_expert.down_proj.weight")) cols(r * Is_l, Is_l);
+    else if (n.ends_with("mlp.experts.gate_up_proj")) {
+      // [E, 2·Ie, H]: the rank's expert group, and within each expert its share of the gate and up rows.
+      s.dim = 1;
+      s.segments = {{er * Ie_l, Ie_l}, {c.moe_intermediate_size + er * Ie_l, Ie_l}};
+      s.experts = {eg * El, El};
+    } else if (n.ends_with("mlp.experts.down_proj")) {  // [E, H, Ie]: the same experts, their columns
+      s.dim = 2;
+      s.segments = {{er * Ie_l, Ie_l}};
+      s.experts = {eg * El, El};
+    }
+    // everything else (embedding, norms, router, shared expert gate, lm_head): replicated
     if (s.dim < 0) DFLASH_CHECK(s.full == s.local, "tp: " << n << " is replicated but its local shape differs");
     out.push_back(std::move(s));
   }
@@ -86,26 +130,36 @@ Tensor extract_slice(const Tensor& full, const SliceSpec& spec) {
                "tp: " << spec.name << ": expected a contiguous host tensor of shape " << shape_str(spec.full) << ", got "
                       << full.describe());
   if (spec.dim < 0) return full;
+  // The tensor as [outer, extent, inner] around dim; the segments cut `extent`, the expert range
+  // (dim >= 1 only) cuts the leading dim and with it `outer`.
+  const int d = spec.dim;
+  DFLASH_CHECK(d < full.dim() && (d >= 1 || spec.experts.second < 0), "tp: " << spec.name << ": bad slice dim " << d);
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < d; ++i) outer *= full.shape()[static_cast<size_t>(i)];
+  for (int i = d + 1; i < full.dim(); ++i) inner *= full.shape()[static_cast<size_t>(i)];
+  const int64_t extent = full.shape()[static_cast<size_t>(d)];
+  int64_t o0 = 0, o1 = outer;
+  if (spec.experts.second >= 0) {
+    const int64_t lead = full.shape()[0], per = outer / lead;
+    DFLASH_CHECK(spec.experts.first >= 0 && spec.experts.first + spec.experts.second <= lead,
+                 "tp: " << spec.name << ": experts out of range");
+    o0 = spec.experts.first * per;
+    o1 = (spec.experts.first + spec.experts.second) * per;
+  }
+  for (auto [start, len] : spec.segments)
+    DFLASH_CHECK(start >= 0 && len >= 0 && start + len <= extent, "tp: " << spec.name << ": slice out of range");
   Tensor out = Tensor::empty(spec.local, full.dtype());
   const size_t es = dtype_size(full.dtype());
   const char* src = static_cast<const char*>(full.raw_data());
   char* dst = static_cast<char*>(out.raw_data());
-  const int64_t rows = full.shape()[0];
-  const int64_t row_elems = full.numel() / std::max<int64_t>(rows, 1);  // elements per row (all trailing dims)
-  if (spec.dim == 0) {
-    int64_t at = 0;
+  size_t at = 0;
+  for (int64_t o = o0; o < o1; ++o)
     for (auto [start, len] : spec.segments) {
-      DFLASH_CHECK(start >= 0 && start + len <= rows, "tp: " << spec.name << ": rows out of range");
-      std::memcpy(dst + at * row_elems * es, src + start * row_elems * es, static_cast<size_t>(len * row_elems) * es);
-      at += len;
+      const size_t n = static_cast<size_t>(len * inner) * es;
+      std::memcpy(dst + at, src + static_cast<size_t>((o * extent + start) * inner) * es, n);
+      at += n;
     }
-  } else {
-    DFLASH_CHECK(full.dim() == 2 && spec.segments.size() == 1, "tp: " << spec.name << ": column slices need a matrix");
-    const auto [start, len] = spec.segments[0];
-    const int64_t cols = full.shape()[1];
-    for (int64_t i = 0; i < rows; ++i)
-      std::memcpy(dst + i * len * es, src + (i * cols + start) * es, static_cast<size_t>(len) * es);
-  }
+  DFLASH_CHECK(at == static_cast<size_t>(out.numel()) * es, "tp: " << spec.name << ": the slice does not fill " << shape_str(spec.local));
   return out;
 }
 
@@ -136,6 +190,40 @@ SliceSpec scale_slice_spec(const SliceSpec& w, int tp) {
   return s;
 }
 
+namespace {
+// One expert-parallel slice of a fused expert tensor (gate_up_proj / down_proj) from a checkpoint
+// that stores one tensor per expert (mlp.experts.N.{gate,up,down}_proj.weight, what transformers
+// 5.17's save_pretrained writes): only the held experts' tensors are read.
+Tensor slice_from_per_expert(const io::SafetensorsIndex& ckpt, const std::map<std::pair<int64_t, std::string>, std::string>& pieces,
+                             const SliceSpec& spec) {
+  const bool down = spec.name.ends_with("down_proj");
+  const int64_t E_l = spec.local[0];
+  const Shape one{spec.full[1], spec.full[2]};  // one expert's fused tensor: [2·Ie, H] or [H, Ie]
+  SliceSpec per{spec.name, one, {spec.local[1], spec.local[2]}, spec.dim - 1, spec.segments, {0, -1}};
+  Tensor out;
+  for (int64_t j = 0; j < E_l; ++j) {
+    const int64_t e = spec.experts.first + j;
+    Tensor fused;
+    if (down) {
+      fused = ckpt.tensor(pieces.at({e, "down"})).contiguous();
+    } else {
+      const Tensor g = ckpt.tensor(pieces.at({e, "gate"})), u = ckpt.tensor(pieces.at({e, "up"}));
+      DFLASH_CHECK(g.dtype() == u.dtype(), "tp: the gate and up tensors of expert " << e << " (" << spec.name << ") differ in dtype");
+      fused = Tensor::empty(one, g.dtype());
+      const size_t half = static_cast<size_t>(g.numel()) * dtype_size(g.dtype());
+      std::memcpy(fused.raw_data(), g.contiguous().raw_data(), half);
+      std::memcpy(static_cast<char*>(fused.raw_data()) + half, u.contiguous().raw_data(), half);
+    }
+    const Tensor part = extract_slice(fused, per);
+    if (!out.defined()) out = Tensor::empty(spec.local, part.dtype());
+    DFLASH_CHECK(part.dtype() == out.dtype(), "tp: the experts of " << spec.name << " are stored in different dtypes");
+    const size_t n = static_cast<size_t>(part.numel()) * dtype_size(part.dtype());
+    std::memcpy(static_cast<char*>(out.raw_data()) + static_cast<size_t>(j) * n, part.raw_data(), n);
+  }
+  return out;
+}
+}  // namespace
+
 TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, DType dtype, Device device,
                               const TpShard& shard, Precision precision) {
   if (shard.size == 1) return load_weights(full, dir, dtype, device, precision);
@@ -143,22 +231,51 @@ TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, 
   // each slice is copied out of the mmap'd file: only its pages are read.
   const io::SafetensorsIndex ckpt = io::open_checkpoint(dir);
   std::map<std::string, std::string> by_canonical;
-  for (const std::string& n : ckpt.names())
-    if (std::string c = canonical_weight_name(n); !c.empty()) by_canonical.emplace(c, n);
+  // A layer's experts stored one tensor each: fused name -> (expert, "gate" / "up" / "down") -> checkpoint name.
+  std::map<std::string, std::map<std::pair<int64_t, std::string>, std::string>> per_expert;
+  for (const std::string& n : ckpt.names()) {
+    std::string c = canonical_weight_name(n);
+    if (c.empty()) continue;
+    if (PerExpertName pe; parse_per_expert_name(c, pe)) {
+      const std::string prefix = "layers." + std::to_string(pe.layer) + ".mlp.experts.";
+      per_expert[prefix + (pe.proj == "down" ? "down_proj" : "gate_up_proj")][{pe.expert, pe.proj}] = n;
+      continue;
+    }
+    by_canonical.emplace(c, n);
+  }
+  const std::string hint = "run once with tp = 1 (or dflash_doctor) for the full list of checkpoint problems";
   for (const TensorSpec& t : expected_tensors(full)) {
+    if (auto pe = per_expert.find(t.name); pe != per_expert.end() && !by_canonical.count(t.name)) {
+      const bool down = t.name.ends_with("down_proj");
+      const Shape one = down ? Shape{t.shape[1], t.shape[2]} : Shape{t.shape[1] / 2, t.shape[2]};
+      for (int64_t e = 0; e < full.num_experts; ++e)
+        for (const char* proj : down ? std::vector<const char*>{"down"} : std::vector<const char*>{"gate", "up"}) {
+          auto it = pe->second.find({e, proj});
+          DFLASH_CHECK_HINT(it != pe->second.end() && ckpt.info(it->second).shape == one &&
+                                ckpt.info(it->second).dtype != DType::F8E4M3,
+                            dir << ": expert " << e << "'s " << proj << "_proj of " << t.name << " " << shape_str(one)
+                                << " is missing, mis-shaped or e4m3",
+                            hint);
+        }
+      continue;
+    }
     auto it = by_canonical.find(t.name);
     DFLASH_CHECK_HINT(it != by_canonical.end() && ckpt.info(it->second).shape == t.shape,
-                      dir << ": tensor " << t.name << " " << shape_str(t.shape) << " is missing or mis-shaped",
-                      "run once with tp = 1 (or dflash_doctor) for the full list of checkpoint problems");
+                      dir << ": tensor " << t.name << " " << shape_str(t.shape) << " is missing or mis-shaped", hint);
     if (ckpt.info(it->second).dtype == DType::F8E4M3)
-      DFLASH_CHECK_HINT(is_fp8_projection(t.name) && by_canonical.count(t.name + "_scale_inv"),
-                        dir << ": " << it->second << " is e4m3 without its weight_scale_inv (or is not a projection)",
-                        "run once with tp = 1 (or dflash_doctor) for the full list of checkpoint problems");
+      DFLASH_CHECK_HINT(is_fp8_projection(t.name) && by_canonical.count(t.name + "_scale_inv") && !full.is_moe(),
+                        dir << ": " << it->second << " is e4m3 without its weight_scale_inv (or is not a projection, "
+                            << "or belongs to an MoE model, which has no FP8 form yet)",
+                        hint);
   }
   const auto specs = specs_by_name(full, shard);
   TargetWeights w = assemble_weights(
-      local_config(full, shard.size), dtype, device,
-      [&](const std::string& name, const Shape&) { return extract_slice(ckpt.tensor(by_canonical.at(name)), specs.at(name)); },
+      local_config(full, shard.size, shard.ep), dtype, device,
+      [&](const std::string& name, const Shape&) {
+        if (auto pe = per_expert.find(name); pe != per_expert.end() && !by_canonical.count(name))
+          return slice_from_per_expert(ckpt, pe->second, specs.at(name));
+        return extract_slice(ckpt.tensor(by_canonical.at(name)), specs.at(name));
+      },
       [&](const std::string& name, const Shape&) {
         return extract_slice(ckpt.tensor(by_canonical.at(name + "_scale_inv")), scale_slice_spec(specs.at(name), shard.size));
       });
@@ -169,7 +286,8 @@ TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, 
 TargetWeights random_weights_tp(const TargetConfig& full, uint64_t seed, DType dtype, Device device,
                                 const TpShard& shard, Precision precision) {
   const auto specs = specs_by_name(full, shard);
-  TargetWeights w = assemble_weights(local_config(full, shard.size), dtype, device, [&](const std::string& name, const Shape& shape) {
+  const TargetConfig local = local_config(full, shard.size, shard.ep);
+  TargetWeights w = assemble_weights(local, dtype, device, [&](const std::string& name, const Shape& shape) {
     const SliceSpec& s = specs.at(name);
     const RandomInit init = random_init(name, s.full, full.random_branch_scale);
     if (s.dim < 0 || init.kind != RandomInit::Normal) {
@@ -184,7 +302,29 @@ TargetWeights random_weights_tp(const TargetConfig& full, uint64_t seed, DType d
     const int64_t full_rows = s.full[0];
     const int64_t row_elems = shape_numel(s.full) / std::max<int64_t>(full_rows, 1);
     RandomParams rp{seed, weight_stream(name), 0, 0};
-    if (s.dim == 0) {
+    if (s.experts.second >= 0) {
+      // An expert tensor [E, R, C]: per held expert, its row segments (dim 1) or its column block (dim 2).
+      const int64_t R = s.full[1], C = s.full[2], R_l = shape[1], C_l = shape[2];
+      const int64_t e0 = s.experts.first;
+      for (int64_t j = 0; j < shape[0]; ++j) {
+        Tensor ex = t.slice(0, j, j + 1).view({R_l, C_l});
+        const int64_t base = (e0 + j) * R * C;
+        if (s.dim == 1) {
+          int64_t at = 0;
+          for (auto [start, len] : s.segments) {
+            Tensor part = ex.slice(0, at, at + len);
+            rp.index_offset = base + start * C;
+            rp.row_stride = 0;
+            fill_normal(part, rp, init.a, init.b);
+            at += len;
+          }
+        } else {
+          rp.index_offset = base + s.segments[0].first;
+          rp.row_stride = C;
+          fill_normal(ex, rp, init.a, init.b);
+        }
+      }
+    } else if (s.dim == 0) {
       int64_t at = 0;
       for (auto [start, len] : s.segments) {
         Tensor part = t.slice(0, at, at + len);

@@ -6,9 +6,18 @@
 //   Attention: query heads [r·Hq/tp, ...) with their gates (q_proj rows), k / v rows of its kv heads
 //     (a kv head is replicated on tp / Hkv ranks when Hkv < tp), o_proj columns (row-parallel).
 //   MLP: gate / up rows [r·I/tp, ...), down columns.
+//   MoE block (parallel.ep = ep, dividing tp and num_experts): the TP group is ep expert groups of
+//     tp / ep consecutive ranks; group g = r / (tp / ep) holds experts [g·E/ep, (g+1)·E/ep), each
+//     split like the dense MLP over the group's ranks (gate / up rows, down columns of
+//     moe_intermediate_size); ep = 1: every rank holds every expert's 1/tp, ep = tp: whole experts.
+//     The shared expert is split over all tp ranks like the dense MLP. The router (E x H) and the
+//     shared expert's sigmoid gate (1 x H) are replicated: every rank routes every token of the
+//     (replicated) hidden states to the same experts, so no token is dispatched, and each rank adds
+//     its experts' and its shared-expert slice's weighted partial outputs into one sum.
 //   Embedding, every norm and lm_head: replicated.
-// One all-reduce (sum) after each mixer's and each MLP's output projection makes the hidden states
-// identical on every rank of the group. The rank's model is the single-GPU model of local_config().
+// One all-reduce (sum) after each mixer's and each MLP's (MoE block's) output projection makes the
+// hidden states identical on every rank of the group. The rank's model is the single-GPU model of
+// local_config().
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -21,21 +30,29 @@ namespace dflash::target {
 
 struct TpShard {
   int rank = 0, size = 1;
+  int ep = 1;  // expert groups of the MoE block within the TP group (divides size)
 };
 
-// Throws one message naming every count that tp does not divide (heads, intermediate size).
-void check_tp(const TargetConfig& c, int tp);
+// Throws one message naming every count that tp does not divide (heads, intermediate sizes; an
+// MoE model's moe_intermediate_size by tp / ep), after check_ep.
+void check_tp(const TargetConfig& c, int tp, int ep = 1);
+// parallel.ep: >= 1; > 1 only for an MoE model, dividing tp and num_experts (messages name the field).
+void check_ep(const TargetConfig& c, int tp, int ep);
 
-// The per-rank architecture: head counts and intermediate size divided by tp (kv heads: at least 1).
-TargetConfig local_config(const TargetConfig& c, int tp);
+// The per-rank architecture: head counts and intermediate size divided by tp (kv heads: at least 1);
+// MoE: moe_intermediate_size by tp / ep, the shared expert's by tp, ep_size = ep (num_experts / ep held).
+TargetConfig local_config(const TargetConfig& c, int tp, int ep = 1);
 
 // How a rank's tensor is cut from the full one: replicated (dim = -1), or the concatenation of
-// `segments` (start, length) along `dim` (0 = rows / output features, 1 = columns / input features).
+// `segments` (start, length) along `dim` (0 = rows / output features, 1 = columns / input features
+// of a matrix; an expert tensor [E, ., .]: 1 = its rows, 2 = its columns), within the leading-dim
+// range `experts` (start, length) when that is set (the expert-parallel group's experts).
 struct SliceSpec {
   std::string name;  // canonical name
   Shape full, local;
   int dim = -1;
   std::vector<std::pair<int64_t, int64_t>> segments;
+  std::pair<int64_t, int64_t> experts{0, -1};  // length -1: all
 };
 std::vector<SliceSpec> shard_specs(const TargetConfig& full, const TpShard& shard);
 

@@ -63,8 +63,9 @@ void for_each_slot(const TargetConfig& c, TargetWeights& w, F&& f) {
     if (c.is_moe()) {
       const int64_t E = c.num_experts, Ie = c.moe_intermediate_size, Is = c.shared_expert_intermediate_size;
       f(p + "mlp.gate.weight", Shape{E, H}, L.moe.router);
-      f(p + "mlp.experts.gate_up_proj", Shape{E, 2 * Ie, H}, L.moe.experts_gate_up);
-      f(p + "mlp.experts.down_proj", Shape{E, H, Ie}, L.moe.experts_down);
+      const int64_t El = c.local_num_experts();  // = E but on an expert-parallel shard
+      f(p + "mlp.experts.gate_up_proj", Shape{El, 2 * Ie, H}, L.moe.experts_gate_up);
+      f(p + "mlp.experts.down_proj", Shape{El, H, Ie}, L.moe.experts_down);
       f(p + "mlp.shared_expert.gate_proj.weight", Shape{Is, H}, L.moe.shared_gate_proj);
       f(p + "mlp.shared_expert.up_proj.weight", Shape{Is, H}, L.moe.shared_up_proj);
       f(p + "mlp.shared_expert.down_proj.weight", Shape{H, Is}, L.moe.shared_down_proj);

@@ -111,6 +111,84 @@ TEST(TensorParallel, RandomShardsAreSlicesOfTheFullModel) {
   for (int64_t id : opt.capture) EXPECT_LE(max_rel_err(b.layers.at(id), a.layers.at(id)), 1e-5) << id;
 }
 
+// The MoE block across ranks (tp.h): TP groups of 2 consecutive ranks (any even world), on the
+// HF-made tiny qwen3_5_moe checkpoint (8 experts of 32, top 2, shared expert 48; its experts stored
+// one tensor each). tp 2 with ep 1 (every expert split in two along moe_intermediate_size) and ep 2
+// (each rank holds 4 whole experts): every layer within 1e-5 (max error over max magnitude) of the
+// unsharded model, the same router choices, identical on both ranks, and the expert groups' load
+// (token-expert pairs) adding up to N·k·layers. The f32 sums are only reordered (the experts' and the
+// shared expert's partial outputs summed by one all-reduce), so 1e-5 is ~100x the float rounding seen.
+TEST(MoeParallel, ShardedForwardEqualsUnsharded) {
+  const int world = g_mpi->size();
+  if (world < 2 || world % 2) GTEST_SKIP() << "needs an even number of ranks";
+  const int tp = 2;
+  comm::Communicator g(MPI_COMM_WORLD, g_mpi->rank() / tp, g_mpi->rank(), Device::cpu(), 60.0, "tp");
+  const std::string dir = std::string(DFLASH_TEST_DATA_DIR) + "/hf_moe/tiny_moe";
+  const TargetConfig cfg = TargetConfig::from_file(dir);
+  TargetModel full(cfg, load_weights(cfg, dir, DType::F32, Device::cpu()));
+  io::SafetensorsFile golden(dir + "/golden.safetensors");
+  const std::vector<std::vector<int32_t>> batch = {ids_of(golden.tensor("ids.37")), ids_of(golden.tensor("ids.130")),
+                                                   ids_of(golden.tensor("ids.1"))};
+  ForwardOptions opt;
+  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) opt.capture.push_back(i);
+  opt.final_norm = true;
+  opt.capture_routing = true;
+  const ForwardResult a = full.forward(batch, opt);
+  const int64_t N = a.offsets.back();
+  for (int ep : {1, 2}) {
+    TargetModel shard(local_config(cfg, tp, ep), load_weights_tp(cfg, dir, DType::F32, Device::cpu(), {g.rank(), tp, ep}), &g);
+    EXPECT_EQ(shard.weights().layers[0].moe.experts_gate_up.size(0), cfg.num_experts / ep);
+    const ForwardResult b = shard.forward(batch, opt);
+    double worst = 0;
+    for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
+      const double e = max_rel_err(b.layers.at(i), a.layers.at(i));
+      EXPECT_LE(e, 1e-5) << "ep " << ep << " layer " << i << " rank " << g.rank();
+      EXPECT_EQ(max_diff_to_rank0(g, b.layers.at(i)), 0.0) << "ep " << ep << " layer " << i << " differs across ranks";
+      EXPECT_EQ(max_rel_err(b.routing.at(i).experts.to_dtype(DType::F32), a.routing.at(i).experts.to_dtype(DType::F32)), 0.0)
+          << "ep " << ep << " layer " << i << ": other experts chosen";
+      worst = std::max(worst, e);
+    }
+    EXPECT_LE(max_rel_err(b.final_hidden, a.final_hidden), 1e-5);
+    const std::vector<int64_t>& load = shard.expert_load();
+    ASSERT_EQ(load.size(), static_cast<size_t>(ep));
+    int64_t sum = 0;
+    std::string per_rank;
+    for (int64_t v : load) sum += v, per_rank += " " + std::to_string(v);
+    EXPECT_EQ(sum, N * cfg.num_experts_per_tok * cfg.num_hidden_layers);
+    if (g_mpi->rank() == 0)
+      std::printf("tiny_moe tp=%d ep=%d: max rel err vs tp=1 %.2e; token-expert pairs per expert group:%s (of %lld)\n", tp,
+                  ep, worst, per_rank.c_str(), static_cast<long long>(sum));
+  }
+}
+
+// Random MoE weights at tp 2 (ep 1, 2) or, on a multiple of 4 ranks, tp 4 (ep 1, 2, 4: experts
+// split in 4, in 2 groups of 2 ranks each splitting them in 2, whole experts; the tiny model with 4
+// GDN key heads): the forward equals the unsharded random model's (the shards draw exactly the
+// full model's values, random_weights_tp), full-size residual branches.
+TEST(MoeParallel, RandomShardsForwardEqualsUnsharded) {
+  const int world = g_mpi->size();
+  if (world < 2 || world % 2) GTEST_SKIP() << "needs an even number of ranks";
+  const int tp = world % 4 == 0 ? 4 : 2;
+  comm::Communicator g(MPI_COMM_WORLD, g_mpi->rank() / tp, g_mpi->rank(), Device::cpu(), 60.0, "tp");
+  TargetConfig cfg = TargetConfig::from_file(std::string(DFLASH_TEST_DATA_DIR) + "/hf_moe/tiny_moe");
+  cfg.linear_num_key_heads = 4;  // tp 4 divides every head count (kv heads: 2, each on 2 ranks)
+  TargetModel full(cfg, random_weights(cfg, 7, DType::F32, Device::cpu()));
+  ForwardOptions opt;
+  opt.capture = {0, 1, 2, 3};
+  const std::vector<std::vector<int32_t>> batch{{1, 5, 9, 200, 17, 3, 3, 80}, {3}};
+  const ForwardResult a = full.forward(batch, opt);
+  for (int ep = 1; ep <= tp; ep *= 2) {
+    TargetModel shard(local_config(cfg, tp, ep), random_weights_tp(cfg, 7, DType::F32, Device::cpu(), {g.rank(), tp, ep}), &g);
+    const ForwardResult b = shard.forward(batch, opt);
+    double worst = 0;
+    for (int64_t id : opt.capture) {
+      worst = std::max(worst, max_rel_err(b.layers.at(id), a.layers.at(id)));
+      EXPECT_LE(max_rel_err(b.layers.at(id), a.layers.at(id)), 1e-5) << "tp " << tp << " ep " << ep << " layer " << id;
+    }
+    if (g_mpi->rank() == 0) std::printf("random tiny_moe tp=%d ep=%d: max rel err vs tp=1 %.2e\n", tp, ep, worst);
+  }
+}
+
 #if DFLASH_WITH_CUDA
 // On a machine with a GPU per rank: the bf16 CUDA forward sharded over the group (NCCL all-reduce)
 // against the unsharded CUDA forward on rank 0's GPU, on a model with the real head dims (fast

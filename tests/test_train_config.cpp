@@ -840,6 +840,43 @@ TEST(MemoryPlan, Qwen35bA3bRecipe) {
               one.table(139.8 * (1 << 30)).c_str());
   const std::string e = error_of([&] { target::make_plan(t, Device::cuda(0), target::KernelPolicies{}, 9, target::Precision::Bf16); });
   EXPECT_THAT(e, HasSubstr("MoE layers run on the CPU backend only for now"));
+  // Expert parallelism (parallel.tp = parallel.ep = 2, 4, 8: each rank holds 256 / ep whole experts,
+  // attention and GatedDeltaNet split tp ways): the routed experts' bf16 bytes per rank are
+  // 40 layers x 256 / ep experts x 3 x 2048 x 512 x 2 B, and the plan is printed per layout.
+  const double experts_all = 40.0 * 256 * 3 * 2048 * 512 * 2;
+  EXPECT_DOUBLE_EQ(one.target_experts, experts_all);
+  for (int ep : {2, 4, 8}) {
+    const target::TargetConfig l = target::local_config(t, ep, ep);
+    const int64_t blocks = (q.training.batch_size * q.training.num_anchors + ep - 1) / ep;
+    const MemoryPlan p = gpu_memory_plan(l, d, 4096, 4096, blocks, 2048);
+    EXPECT_DOUBLE_EQ(p.target_experts, experts_all / ep);
+    EXPECT_LT(p.target_weights, one.target_weights / ep + 2.0 * 2 * 248320 * 2048);  // + the replicated embedding and head
+    std::printf("Qwen3.6-35B-A3B recipe, tp=%d ep=%d (per rank):\n%s\n", ep, ep, p.table(139.8 * (1 << 30)).c_str());
+  }
+}
+
+// parallel.ep: a positive integer dividing parallel.tp (validate), and the target's num_experts;
+// more than 1 only for an MoE target (validate_against); each message names the field.
+TEST(TrainConfig, ExpertParallelIsChecked) {
+  EXPECT_THAT(set_error("parallel.ep=0"), HasSubstr("parallel.ep must be a positive integer, got '0'"));
+  EXPECT_NO_THROW(minimal({"parallel.tp=2", "parallel.ep=2"}).validate(2));
+  EXPECT_THAT(validate_error({"parallel.tp=2", "parallel.ep=4"}, 4),
+              HasSubstr("min.yaml: parallel.ep = 4 does not divide parallel.tp = 2"));
+  const target::TargetConfig moe = target::TargetConfig::from_file(kRoot + "/tests/data/hf_moe/tiny_moe/config.json");
+  EXPECT_NO_THROW(minimal({"parallel.tp=2", "parallel.ep=2", "model.drafter.target_layer_ids=[1]",
+                           "model.drafter.mask_token_id=1"}).validate_against(moe));
+  const target::TargetConfig dense = tiny_target();
+  EXPECT_THAT(error_of([&] { minimal({"parallel.tp=2", "parallel.ep=2"}).validate_against(dense); }),
+              HasSubstr("parallel.ep = 2: "));
+  EXPECT_THAT(error_of([&] { minimal({"parallel.tp=2", "parallel.ep=2"}).validate_against(dense); }),
+              HasSubstr("is a dense model (no experts to split)"));
+  target::TargetConfig six = moe;
+  six.num_experts = 6;
+  six.linear_num_key_heads = six.linear_num_value_heads = six.num_attention_heads = 4;
+  six.num_key_value_heads = 4;
+  EXPECT_THAT(error_of([&] { minimal({"parallel.tp=4", "parallel.ep=4", "model.drafter.target_layer_ids=[1]",
+                                      "model.drafter.mask_token_id=1"}).validate_against(six); }),
+              HasSubstr("parallel.ep = 4 does not divide the model's num_experts 6"));
 }
 
 // data.regenerate.stop_tokens: null = the target's own eos ids, [] = none, else ids and token text;

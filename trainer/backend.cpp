@@ -8,7 +8,7 @@ namespace dflash::trainer {
 
 target::TargetWeights load_target(const BackendSetup& s, Device device) {
   return target::load_target_shard(s.cfg->model.target.source(), s.target, device,
-                                   target::TpShard{s.layout.tp_rank, s.layout.tp_size});
+                                   target::TpShard{s.layout.tp_rank, s.layout.tp_size, static_cast<int>(s.cfg->parallel.ep)});
 }
 
 drafter::DrafterWeights initial_drafter_weights(const BackendSetup& s, Device device) {

@@ -89,6 +89,8 @@ class TrainBackend {
   virtual std::string init_summary() { return ""; }
   // Fast-path summary of the target's and the drafter's plans (empty on the CPU).
   virtual std::string fast_path_summary() { return ""; }
+  // An MoE target's load balance so far: (token, expert) pairs per expert group (empty otherwise).
+  virtual std::string expert_load() { return ""; }
   // This rank's fast-path record for run_dir/fast_path.json: device, the target's per-layer plan,
   // the kernels launched so far per step and path, the drafter's attention path ("drafter_attention")
   // and the drafter's whole plan ("drafter", drafter/fast_path.h).

@@ -398,6 +398,7 @@ const std::vector<Field>& schema() {
     f.push_back(int_field("data.regenerate.max_prompt_len", 0, DFLASH_MEMBER(data.regenerate.max_prompt_len)));
     f.push_back(int_field("data.regenerate.slots", 1, DFLASH_MEMBER(data.regenerate.slots)));
     f.push_back(int_field("parallel.tp", 1, DFLASH_MEMBER(parallel.tp)));
+    f.push_back(int_field("parallel.ep", 1, DFLASH_MEMBER(parallel.ep)));
     f.push_back(num_field("parallel.timeout_s", Range::Positive, DFLASH_MEMBER(parallel.timeout_s)));
     f.push_back(enum_field<Backend>("parallel.device",
                                     {{"auto", Backend::Auto}, {"cpu", Backend::Cpu}, {"cuda", Backend::Cuda}},
@@ -798,6 +799,11 @@ void TrainConfig::validate(int world_size) const {
   } catch (const Error& e) {
     DFLASH_REJECT_HINT(s << ": " << e.message(), e.hint());
   }
+  // The expert groups live inside a TP group (target_model/tp.h), so ep divides tp and the world.
+  DFLASH_REQUIRE_HINT(parallel.tp % parallel.ep == 0,
+                      s << ": parallel.ep = " << parallel.ep << " does not divide parallel.tp = " << parallel.tp
+                        << " (the experts are split over the ranks of a TP group: ep groups of tp / ep ranks)",
+                      "choose ep among the divisors of tp (ep = tp: each rank holds whole experts), or raise parallel.tp");
 }
 
 drafter::DrafterConfig TrainConfig::drafter_config(const target::TargetConfig& target) const {
@@ -872,7 +878,7 @@ drafter::DrafterConfig TrainConfig::drafter_config(const target::TargetConfig& t
 void TrainConfig::validate_against(const target::TargetConfig& target) const {
   const std::string& s = source.empty() ? std::string("config") : source;
   try {
-    target::check_tp(target, static_cast<int>(parallel.tp));
+    target::check_tp(target, static_cast<int>(parallel.tp), static_cast<int>(std::min<int64_t>(parallel.ep, 1 << 30)));
   } catch (const Error& e) {
     DFLASH_REJECT_HINT(s << ": " << e.message(), e.hint());
   }

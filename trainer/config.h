@@ -121,6 +121,7 @@ const char* backend_name(Backend b);
 
 struct ParallelSection {
   int64_t tp = 1;           // tensor-parallel size of the target; divides the number of ranks
+  int64_t ep = 1;           // MoE targets: expert groups within a TP group (divides tp and num_experts; target_model/tp.h)
   double timeout_s = 600;   // a collective that takes longer aborts the job
   Backend device = Backend::Auto;
   bool operator==(const ParallelSection&) const = default;

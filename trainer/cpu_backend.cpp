@@ -1,6 +1,8 @@
 // The CPU backend: the f32 reference target (tensor-parallel over MPI inside a TP group) and the
 // double-precision drafter reference; gradients summed with one MPI all-reduce; AdamW on the host.
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 
@@ -23,12 +25,12 @@ class CpuBackend final : public TrainBackend {
       : dcfg_(s.drafter), world_(world), drafter_plan_(drafter::make_cpu_drafter_plan(s.drafter)) {
     const TrainConfig& cfg = *s.cfg;
     blocks_per_pass_ = cfg.training.blocks_per_pass;
-    const int tps = s.layout.tp_size;
+    const int tps = s.layout.tp_size, ep = static_cast<int>(cfg.parallel.ep);
     // The CPU reference holds f32 weights: refuse up front what cannot fit.
-    target::check_cpu_reference_fits(target::local_config(s.target, tps), s.target,
+    target::check_cpu_reference_fits(target::local_config(s.target, tps, ep), s.target,
                                      "the CPU backend (parallel.device: cpu) is for small targets: train this one "
                                      "with parallel.device: cuda on GPUs");
-    tmodel_ = std::make_unique<target::TargetModel>(target::local_config(s.target, tps), load_target(s, Device::cpu()), tp);
+    tmodel_ = std::make_unique<target::TargetModel>(target::local_config(s.target, tps, ep), load_target(s, Device::cpu()), tp);
     frozen_ = {tmodel_->weights().embed_tokens, tmodel_->weights().lm_head};
     dw_ = initial_drafter_weights(s, Device::cpu());
     dw_.check(dcfg_);
@@ -42,6 +44,18 @@ class CpuBackend final : public TrainBackend {
   }
 
   std::string describe() const override { return "cpu (f32 target reference, double drafter reference)"; }
+  std::string expert_load() override {
+    const std::vector<int64_t>& load = tmodel_->expert_load();
+    if (load.empty()) return "";
+    int64_t sum = 0, most = 0;
+    std::string per;
+    for (int64_t v : load) sum += v, most = std::max(most, v), per += (per.empty() ? "" : " ") + std::to_string(v);
+    char ratio[32];
+    std::snprintf(ratio, sizeof ratio, "%.2f",
+                  sum > 0 ? static_cast<double>(most) * static_cast<double>(load.size()) / static_cast<double>(sum) : 0.0);
+    return "target MoE load: token-expert pairs per expert group (ep " + std::to_string(load.size()) + "): " + per +
+           " of " + std::to_string(sum) + " (max / mean " + ratio + ")";
+  }
   int64_t num_params() const override { return n_params_; }
   void zero_grads() override {
     for (Tensor* t : grad_list_) t->fill(0.0);

@@ -51,7 +51,7 @@ class CudaBackend final : public TrainBackend {
     }
     // Target: this rank's shard, bf16, read slice by slice (or made from the seed).
     const int tps = s.layout.tp_size;
-    const target::TargetConfig local = target::local_config(s.target, tps);
+    const target::TargetConfig local = target::local_config(s.target, tps, static_cast<int>(cfg.parallel.ep));
     const target::Precision precision = target::resolve_precision(ts.precision, s.target);
     target::FastPathPlan plan = target::make_plan(local, device_, cfg.kernel_policies(), info.major, precision);
     fast_path_ = "target: " + plan.summary();

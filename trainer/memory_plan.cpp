@@ -45,6 +45,7 @@ MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::Drafter
   MemoryPlan p;
   const double N = static_cast<double>(tokens), R = static_cast<double>(blocks * d.block_size);
   p.target_weights = 2.0 * static_cast<double>(t.parameter_count());
+  if (t.is_moe()) p.target_experts = static_cast<double>(t.num_hidden_layers) * t.expert_bytes_per_layer(2.0);
   if (fp8_target) {
     double proj = 0;
     for (const target::TensorSpec& s : target::expected_tensors(t))
@@ -97,7 +98,9 @@ std::string MemoryPlan::table(double device_bytes) const {
   auto row = [&](const char* what, double b) {
     return fmt::format("  {:<24} {:8.2f} GiB\n", what, b / kGiB);
   };
-  std::string s = row("target weights", target_weights) + row("target activations", target_activations) +
+  std::string s = row("target weights", target_weights) +
+                  (target_experts > 0 ? row("  of which routed experts", target_experts) : std::string()) +
+                  row("target activations", target_activations) +
                   row("drafter state", drafter_state) + row("drafter activations", drafter_activations) +
                   row("LM-head CE workspace", ce_workspace) + row("attention bwd workspace", attn_workspace);
   s += fmt::format("  {:<24} {:8.2f} GiB", "total (estimate)", total() / kGiB);

@@ -13,6 +13,7 @@ namespace dflash::trainer {
 
 struct MemoryPlan {
   double target_weights = 0;       // bf16 shard of the target (embedding and LM head replicated)
+  double target_experts = 0;       // of target_weights: this rank's routed experts (MoE; num_experts / ep of them)
   double target_activations = 0;   // one forward of the micro-batch, with the captured layers
   double drafter_state = 0;        // bf16 weights + fp32 masters, Adam moments and gradients (18 B/param)
   double drafter_activations = 0;  // what forward saves for backward, plus backward's temporaries

@@ -362,7 +362,11 @@ void log_start(const Run& r) {
                  cfg.model.drafter.mask_token_id ? std::to_string(*cfg.model.drafter.mask_token_id) : "null",
                  cfg.training.max_steps ? std::to_string(*cfg.training.max_steps) : "?", cfg.training.lr,
                  cfg.data.max_length, cfg.logging.run_dir);
-  spdlog::info("world: {} rank(s), tp {}, {} TP group(s){}", r.world, layout.tp_size, layout.num_tp_groups,
+  spdlog::info("world: {} rank(s), tp {}{}, {} TP group(s){}", r.world, layout.tp_size,
+               cfg.parallel.ep > 1 ? fmt::format(" (ep {}: the experts in {} groups of {} ranks)", cfg.parallel.ep,
+                                                 cfg.parallel.ep, layout.tp_size / cfg.parallel.ep)
+                                   : std::string(),
+               layout.num_tp_groups,
                layout.num_tp_groups > 1 ? " (data parallel over the groups)" : " (no data parallelism)");
   spdlog::info("target: {}{}", r.tcfg().summary(),
                r.checked.embedded_target ? fmt::format(" (from {}: {} is not under the working directory)", r.tcfg().source,
@@ -485,7 +489,8 @@ void regenerate_responses(Run& r) {
       rtp = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, layout.tp_group, rank, rdev, cfg.parallel.timeout_s,
                                                  "regenerate-tp");
     {  // the target lives only while it regenerates (training loads its own)
-      target::TargetRuntime rt(src, tcfg, rdev, tp, layout.tp_rank, rtp.get(), cfg.kernels.require_fast_path);
+      target::TargetRuntime rt(src, tcfg, rdev, tp, layout.tp_rank, rtp.get(), cfg.kernels.require_fast_path,
+                               static_cast<int>(cfg.parallel.ep));
       const std::unique_ptr<target::Decoder> dec = rt.make_decoder(ro.slots, data::regenerate_max_len(ro));
       data::RegenerateLayout lay;
       lay.group = layout.tp_group, lay.num_groups = layout.num_tp_groups;
@@ -903,6 +908,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     const auto& c = loader.counters();
     spdlog::info("data: {} sequences seen, {} truncated, {} skipped without an anchor, {} epoch(s) done", c.seen,
                  c.truncated, c.skipped_no_anchor, c.epochs);
+    if (const std::string load = backend->expert_load(); !load.empty()) spdlog::info("{}", load);
     metrics.log_summary(p.step, p.skipped, std::chrono::duration<double>(clock::now() - t_start).count(),
                         result.drafter_dir, start_step, backend->peak_memory_gib());
   }

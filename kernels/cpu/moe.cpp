@@ -58,7 +58,8 @@ void moe_route(const Tensor& x, const Tensor& router, int64_t top_k, bool renorm
   }
 }
 
-void moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, const MoeRouting& r, Tensor& y) {
+int64_t moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, const MoeRouting& r, Tensor& y,
+                    int64_t expert_begin, int64_t num_experts) {
   require_host_f32(x, "moe_experts", "x");
   require_host_f32(gate_up, "moe_experts", "gate_up");
   require_host_f32(down, "moe_experts", "down");
@@ -77,14 +78,21 @@ void moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, con
                "moe_experts: experts must be [" << N << ", k] i32 on the host, got " << r.experts.describe());
   const int64_t k = r.experts.size(1);
   require_shape(r.weights, {N, k}, "moe_experts", "weights");
+  const int64_t total = num_experts > 0 ? num_experts : E;
+  DFLASH_CHECK(expert_begin >= 0 && expert_begin + E <= total, "moe_experts: experts [" << expert_begin << ", "
+                                                                  << expert_begin + E << ") are not within [0, " << total << ")");
   const int32_t* ex = r.experts.data<int32_t>();
   const float* wt = r.weights.data<float>();
-  // Tokens per expert, in token order (transformers gathers each expert's tokens the same way).
+  // Tokens per held expert, in token order (transformers gathers each expert's tokens the same way).
   std::vector<std::vector<int64_t>> hits(static_cast<size_t>(E));  // flat (n * k + j)
+  int64_t ran = 0;
   for (int64_t i = 0; i < N * k; ++i) {
-    DFLASH_CHECK(ex[i] >= 0 && ex[i] < E, "moe_experts: expert index " << ex[i] << " (token " << i / k
-                                                                        << ") is outside [0, " << E << ")");
-    hits[static_cast<size_t>(ex[i])].push_back(i);
+    DFLASH_CHECK(ex[i] >= 0 && ex[i] < total, "moe_experts: expert index " << ex[i] << " (token " << i / k
+                                                                            << ") is outside [0, " << total << ")");
+    const int64_t e = ex[i] - expert_begin;
+    if (e < 0 || e >= E) continue;  // another expert-parallel shard's
+    hits[static_cast<size_t>(e)].push_back(i);
+    ++ran;
   }
   const float* X = x.data<float>();
   const float* GU = gate_up.data<float>();
@@ -103,6 +111,7 @@ void moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, con
       for (int64_t h = 0; h < H; ++h) Y[n * H + h] += dot(act.data(), dn + h * I, I) * w;
     }
   }
+  return ran;
 }
 
 void add_sigmoid_gated(const Tensor& x, const Tensor& gate, Tensor& y) {

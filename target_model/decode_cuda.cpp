@@ -369,19 +369,10 @@ class CudaDecoder final : public Decoder {
         while (splits * step.split_keys < key_bound) splits *= 2;
         graph_kb = std::min<int64_t>(max_len(), splits * step.split_keys);
         key = graph_key(tokens, opt, splits);
-        auto it = graphs_.find(key);
-        if (it == graphs_.end() && graphs_full()) {
-          eager_why = kGraphsFull;
-          key.clear();
-        } else if (it == graphs_.end()) eager_why = "first step of its shape";
-        else if (!it->second) eager_why = "its shape's capture failed";
-        else graph = it->second.get();
+        graph = find_graph(key, eager_why);
       }
     }
-    if (eager_why) {
-      ++stats_.eager;
-      ++eager_why_[eager_why];
-    }
+    count_eager(eager_why);
 
     StepOutputs out;
     auto s = static_cast<cudaStream_t>(model_.stream());
@@ -487,6 +478,25 @@ class CudaDecoder final : public Decoder {
   static constexpr size_t kMaxPoolBytes = size_t(4) << 30;
   static constexpr const char* kGraphsFull = "the graph limit (64 shapes or 4 GiB of their pools) reached";
   bool graphs_full() const { return graphs_.size() >= kMaxGraphs || pool_bytes_ >= kMaxPoolBytes; }
+  // The replayable graph of `key`, or nullptr with why the step runs eagerly; `key` is cleared when no new
+  // graph may be captured (the limit), so the step is not captured after it runs.
+  Graph* find_graph(std::string& key, const char*& eager_why) {
+    auto it = graphs_.find(key);
+    if (it == graphs_.end() && graphs_full()) {
+      eager_why = kGraphsFull;
+      key.clear();
+      return nullptr;
+    }
+    if (it == graphs_.end()) eager_why = "first step of its shape";
+    else if (!it->second) eager_why = "its shape's capture failed";
+    else return it->second.get();
+    return nullptr;
+  }
+  void count_eager(const char* eager_why) {
+    if (!eager_why) return;
+    ++stats_.eager;
+    ++eager_why_[eager_why];
+  }
 
   // The shape a graph is keyed by: the tokens per slot, the options the step's launches depend on,
   // and the attention's key splits.
@@ -569,19 +579,10 @@ class CudaDecoder final : public Decoder {
       else if (!verify_graph_) eager_why = "commit after an eager verify";
       else {
         key = "commit n=" + std::to_string(n) + " row0=" + std::to_string(row0) + " of " + verify_graph_key_;
-        auto it = graphs_.find(key);
-        if (it == graphs_.end() && graphs_full()) {
-          eager_why = kGraphsFull;
-          key.clear();
-        } else if (it == graphs_.end()) eager_why = "first step of its shape";
-        else if (!it->second) eager_why = "its shape's capture failed";
-        else graph = it->second.get();
+        graph = find_graph(key, eager_why);
       }
     }
-    if (eager_why) {
-      ++stats_.eager;
-      ++eager_why_[eager_why];
-    }
+    count_eager(eager_why);
     if (graph) {
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(graph->input.raw_data(), host.data(), host.size() * sizeof(int32_t),
                                         cudaMemcpyHostToDevice, s));

@@ -43,6 +43,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -888,8 +889,9 @@ void bench_fp8(Ctx& ctx, bool quick) {
   std::printf("\n== fp8: block-scaled FP8 GEMMs (%s) vs bf16 and the per-tensor FP8 ceiling, Qwen3.6-27B shapes\n",
               cuda::gemm_fp8_kernel_name());
   const std::vector<GemmShape> gemms = qwen36_27b_gemms(true);
-  std::vector<int64_t> tokens = {8192, 64, 1};
+  std::vector<int64_t> tokens = {8192, 64, 16, 4, 1};
   if (quick) tokens = {8192};
+  if (const char* d = std::getenv("DFLASH_BENCH_FP8_DECODE"); d && *d == '1') tokens = {16, 4, 1};  // decode rows only
   std::set<std::pair<int64_t, int64_t>> quant_done;
   Tensor one = Tensor::from_vector({1.0f, 1.0f, 1.0f, 1.0f}, {4}).to(Device::cuda(0));
   const float* unit_scale = one.data<float>();
@@ -949,6 +951,22 @@ void bench_fp8(Ctx& ctx, bool quick) {
       }
       const size_t first_row = ctx.csv->rows().size();
       measure(ctx, "fp8", "gemm_bf16", shape, {{"cublaslt_bf16", bf16_call, nullptr}}, 0, units(2));
+      if (cuda::gemm_fp8_stream_supported({xq.data<uint8_t>(), K, xs.data<float>(), wq[0].data<uint8_t>(),
+                                           ws[0].data<float>(), y8.raw_data(), N, M, N, K, false})) {
+        // The streaming decode GEMM (issue 30; fp8_stream.cu), checked against gemm_bf16 first.
+        cuda::tuning::gemm_fp8_stream = 1;
+        next = 0;
+        bf16_call();
+        next = 0;
+        fp8_call(false);
+        DeviceContext::get(0).synchronize();
+        const double e = max_rel_err(y8, y16);
+        DFLASH_CHECK(e <= 0.1, "fp8 " << shape << ": gemm_fp8_stream disagrees with gemm_bf16 (max rel err " << e
+                                      << " > 0.1); not timing a wrong kernel");
+        measure(ctx, "fp8", "gemm_fp8", shape, {{"stream_e4m3", [&] { fp8_call(false); }, nullptr}}, 0, units(1));
+        std::printf("  fp8    gemm_fp8_stream max rel err vs bf16 %.2e\n", e);
+      }
+      cuda::tuning::gemm_fp8_stream = 0;  // the cuBLASLt rows below
       for (int fast : {0, 1}) {
         cuda::tuning::gemm_fp8_fast_accum = fast;
         try {
@@ -970,6 +988,7 @@ void bench_fp8(Ctx& ctx, bool quick) {
         }
       }
       cuda::tuning::gemm_fp8_fast_accum = -1;
+      cuda::tuning::gemm_fp8_stream = -1;
       if (ceiling_p50 > 0)
         write_shares(ctx, "fp8", first_row, ceiling_p50, "achieved", "of_fp8_ceiling", "fp8 ceiling");
       if (quant_done.insert({M, K}).second) {

@@ -457,6 +457,73 @@ TEST(CudaFp8, GemmMatchesCpuBlockwise) {
   }
 }
 
+// The streaming decode GEMM (issue 30, fp8_stream.cu) on fresh random inputs at odd shapes: every M
+// from 1 to 16 (one and two MMA token tiles, M % 4 != 0 included), N not a multiple of 16 or 128,
+// split-K (small N) and row-wide (large N) blocks, ldx > K and an output window; against the CPU
+// reference (same codes and scales, fp32 sums in another order: kGemmBound) and against cuBLASLt
+// (tuning::gemm_fp8_stream = 0) where that runs (M % 4 == 0). Outputs NaN-poisoned.
+TEST(CudaFp8, StreamingGemmMatchesCpuBlockwise) {
+  DFLASH_REQUIRE_GPU();
+  struct Case {
+    int64_t M, N, K, pad_x;
+  };
+  std::vector<Case> cases;
+  for (int64_t M = 1; M <= 16; ++M) cases.push_back({M, M % 2 ? 333 : 4100, M % 3 ? 640 : 2048, M == 5 ? 48 : 0});
+  cases.push_back({16, 17, 128, 0});
+  cases.push_back({4, 9000, 1024, 16});
+  for (const Case& c : cases) {
+    SCOPED_TRACE(testing::Message() << "M=" << c.M << " N=" << c.N << " K=" << c.K << " ldx=K+" << c.pad_x);
+    const int64_t ldx = c.K + c.pad_x, y_col = 8, ldy = c.N + 24;
+    const ops::Fp8Act a = ops::quantize_fp8_act(rand_bf16_values(c.M, c.K, 1.0f));
+    const ops::Fp8Weight w = ops::quantize_fp8_weight(rand_bf16_values(c.N, c.K, 0.05f));
+    Tensor xq = dev_from(strided_codes(a.q, ldx)), wq = dev_from(strided_codes(w.q, c.K));
+    Tensor xs = dev_from(act_scales_for_gemm(a.scale)), ws = dev_from(weight_scales_for_gemm(w.scale_inv, c.K));
+    const Tensor ref = cpu_gemm(a, w);
+    auto run = [&](int mode) {
+      Tensor y = Tensor::empty({c.M, ldy}, DType::BF16, Device::cuda(0));
+      poison(y);
+      const cu::GemmFp8Params p = fp8_gemm_params(xq.raw_data(), ldx, xs.raw_data(), wq.raw_data(), ws.raw_data(),
+                                                  static_cast<uint16_t*>(y.raw_data()) + y_col, ldy, c.M, c.N, c.K);
+      const int saved = cu::tuning::gemm_fp8_stream;
+      cu::tuning::gemm_fp8_stream = mode;
+      cu::gemm_fp8(p, 0);
+      cu::tuning::gemm_fp8_stream = saved;
+      return y.to(Device::cpu()).to_dtype(DType::F32);
+    };
+    const Tensor got = run(1);
+    const double err = max_rel_err(got.slice(1, y_col, y_col + c.N).clone(), ref);
+    EXPECT_LT(err, kGemmBound);
+    int64_t written = 0;
+    for (int64_t m = 0; m < c.M; ++m)
+      for (int64_t n = 0; n < ldy; ++n)
+        if ((n < y_col || n >= y_col + c.N) && !std::isnan(got.data<float>()[m * ldy + n])) ++written;
+    EXPECT_EQ(written, 0) << "elements outside the output window were written";
+    double vs_lt = -1;
+    if (c.M % 4 == 0) {
+      const Tensor lt = run(0);
+      vs_lt = max_rel_err(got.slice(1, y_col, y_col + c.N).clone(), lt.slice(1, y_col, y_col + c.N).clone());
+      EXPECT_LT(vs_lt, kGemmBound);
+    }
+    std::printf("  gemm_fp8_stream M=%ld N=%ld K=%ld ldx=%ld: max_rel_err %.2e vs cpu, %.2e vs cublasLt\n",
+                long(c.M), long(c.N), long(c.K), long(ldx), err, vs_lt);
+  }
+  // What it cannot do is refused by name (gemm_fp8 then takes cuBLASLt).
+  cu::GemmFp8Params bad = fp8_gemm_params(dev_codes(32 * 144).raw_data(), 144, dev_floats(64).raw_data(),
+                                          dev_codes(32 * 144).raw_data(), dev_floats(64).raw_data(),
+                                          dev_floats(64).raw_data(), 32, 4, 32, 144);
+  EXPECT_FALSE(cu::gemm_fp8_stream_supported(bad));
+  try {
+    cu::gemm_fp8_stream(bad, 132, nullptr);
+    ADD_FAILURE() << "K = 144 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gemm_fp8_stream"), std::string::npos) << e.what();
+  }
+  bad.K = 128;
+  bad.ldx = 128;
+  bad.M = 17;
+  EXPECT_FALSE(cu::gemm_fp8_stream_supported(bad)) << "M = 17";
+}
+
 // The whole path as the model runs it (GPU quantization of both operands, then gemm_fp8) against the
 // unquantized f32 product: the quantization error itself. e4m3 keeps 3 mantissa bits (relative
 // rounding error <= 2^-4, ~0.03 RMS per operand); over K random terms the normalised max error is a

@@ -446,6 +446,20 @@ void gemm_fp8(const GemmFp8Params& p, int device) {
                         << " ldy=" << p.ldy,
                     "slice activations and outputs at column offsets that are multiples of 16; every Qwen3.5 "
                     "projection's K is a multiple of 128");
+  if (tuning::gemm_fp8_stream != 0 && gemm_fp8_stream_supported(p)) {
+    // Decode / verify shapes: the streaming kernel (issue 30), on sm_90 (cuBLASLt's requirement too).
+    static int sms[64] = {}, major[64] = {};
+    if (device >= 0 && device < 64 && major[device] == 0) {
+      DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device));
+      DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device));
+    }
+    if (device >= 0 && device < 64 && major[device] == 9) {
+      DeviceContext& ctx = DeviceContext::get(device);
+      DeviceGuard scope(device);
+      gemm_fp8_stream(p, sms[device], ctx.stream());
+      return;
+    }
+  }
   DFLASH_CHECK_HINT(p.tensor_scales || p.M % 4 == 0,
                     "gemm_fp8: block-scaled FP8 GEMMs need M (tokens) a multiple of 4, got M="
                         << p.M << " (N=" << p.N << " K=" << p.K

@@ -1,7 +1,16 @@
 // Streaming FP8 skinny GEMM for decode / verify (issue 30): y[M, N] = x[M, K] · w[N, K]^T for M <= 16
 // with gemm_fp8's operands (e4m3 codes, per-token 1 x 128 activation scales, 128 x 128 weight block
 // scales; layouts in gemm.h "FP8"), fp32 accumulation, bf16 out. gemm_fp8 dispatches here for
-// M <= 16 (cuBLASLt's block-scaled kernels do not stream the weight at those M: issue 30).
+// M % 4 != 0 (cuBLASLt has no block-scaled kernel there) or when tuning::gemm_fp8_stream == 1.
+//
+// Measured on an H200 (bench/results/h200-fp8dec-*, kernel_bench --only fp8, weight_read GB/s, copy
+// 4,268): gate/up 34816 x 5120 M 1 / 4 / 16: 2,713 / 2,687 / 2,152 (cuBLASLt block-scaled: - / 3,150
+// / 2,852); down 5120 x 17408 M 4 / 16: 2,503 / 2,005 (cuBLASLt 2,704 / 2,525); gdn in_proj 16384 x
+// 5120 M 4: 2,914 (cuBLASLt 2,657). Used in every step of the fp8 decode it made the step slower
+// (14.72 vs 12.11 ms), so it is not the default. Short of the goal (>= 3,600 GB/s): one batch of
+// loads per warp then the math (no overlap inside a warp; 8-warp blocks, 2 per SM); at M 16 the
+// x fragments come from L2 per warp (doubling the bytes a warp loads). Next: a cp.async ring of W
+// stages in shared memory per block, x staged once per block, and occupancy measured.
 //
 // Work layout: a block of 8 warps = RW row warps x KW k warps; a warp owns 16 weight rows and a
 // contiguous run of 128-wide K groups. Per group each lane issues four 16-byte loads of the weight
@@ -26,7 +35,7 @@
 namespace dflash::cuda {
 
 namespace tuning {
-int gemm_fp8_stream = -1;  // -1: automatic (M <= 16 streams); 0: always cuBLASLt; 1: stream when possible
+int gemm_fp8_stream = -1;  // -1: only where cuBLASLt has no kernel (M % 4 != 0); 0: never; 1: whenever supported
 }  // namespace tuning
 
 namespace {

@@ -446,8 +446,9 @@ void gemm_fp8(const GemmFp8Params& p, int device) {
                         << " ldy=" << p.ldy,
                     "slice activations and outputs at column offsets that are multiples of 16; every Qwen3.5 "
                     "projection's K is a multiple of 128");
-  if (tuning::gemm_fp8_stream != 0 && gemm_fp8_stream_supported(p)) {
-    // Decode / verify shapes: the streaming kernel (issue 30), on sm_90 (cuBLASLt's requirement too).
+  if (tuning::gemm_fp8_stream != 0 && gemm_fp8_stream_supported(p) && (tuning::gemm_fp8_stream == 1 || p.M % 4 != 0)) {
+    // The streaming kernel (issue 30) on sm_90: always when forced on, else only where cuBLASLt has
+    // no block-scaled kernel (M % 4 != 0); at M = 4 / 16 it measured slower than cuBLASLt (fp8_stream.cu).
     static int sms[64] = {}, major[64] = {};
     if (device >= 0 && device < 64 && major[device] == 0) {
       DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device));

@@ -137,15 +137,16 @@ const char* gemm_fp8_kernel_name();
 
 // Streaming FP8 skinny GEMM (issue 30; kernels/cuda/fp8_stream.cu): gemm_fp8's operands and result
 // for 1 <= M <= 16 (no M % 4 needed), block scales only, K % 128 == 0; each weight byte read once
-// with 16-byte loads, mma.sync e4m3 on sm_90 (sm >= 89). gemm_fp8 runs it for every shape it
-// supports on sm_90 unless tuning::gemm_fp8_stream == 0 (kernel_bench compares it with cuBLASLt
-// there); elsewhere cuBLASLt. Same sums as ops::gemm_fp8_blockwise (per group code products in
+// with 16-byte loads, mma.sync e4m3 on sm_90 (sm >= 89). gemm_fp8 runs it on sm_90 where cuBLASLt
+// has no block-scaled kernel (M % 4 != 0), or for every shape it supports when
+// tuning::gemm_fp8_stream == 1 (kernel_bench's stream_e4m3 rows); it is not yet faster than
+// cuBLASLt at M = 4 / 16 (h200-fp8dec rows), so the model's padded GEMMs stay on cuBLASLt. Same sums as ops::gemm_fp8_blockwise (per group code products in
 // fp32, times the two scales), in another order. Throws naming the shape for what it cannot do.
 bool gemm_fp8_stream_supported(const GemmFp8Params& p);
 void gemm_fp8_stream(const GemmFp8Params& p, int sm_count, Stream s);
 const char* gemm_fp8_stream_kernel_name();
 namespace tuning {
-extern int gemm_fp8_stream;  // -1 automatic (stream for M <= 16), 0 never, 1 whenever supported
+extern int gemm_fp8_stream;  // -1 automatic (stream only for M % 4 != 0), 0 never, 1 whenever supported
 }  // namespace tuning
 
 }  // namespace dflash::cuda

@@ -497,8 +497,8 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
                "moe_block: N " << p.N << ", H " << p.H << ", E " << p.E << ", k " << p.k << ", I " << p.I << ", Is "
                                << p.Is << " (H, I, Is multiples of 8)");
   DFLASH_CHECK(p.x && p.router && p.experts_gate_up && p.experts_down && p.out && p.workspace &&
-                   reinterpret_cast<uintptr_t>(p.workspace) % 256 == 0,
-               "moe_block: null operand or a workspace that is not 256-byte aligned");
+                   reinterpret_cast<uintptr_t>(p.workspace) % 16 == 0,
+               "moe_block: null operand or a workspace that is not 16-byte aligned");
   DFLASH_CHECK(!p.shared_gate_up || (p.shared_down && p.shared_gate),
                "moe_block: a shared expert needs shared_gate_up, shared_down and shared_gate");
   if (p.N == 0) return;

@@ -85,7 +85,7 @@ struct MoeBlockParams {
   const void* shared_down = nullptr;      // bf16 [H, Is]
   const void* shared_gate = nullptr;      // bf16 [H] (mlp.shared_expert_gate.weight)
   void* out = nullptr;                    // bf16 [N, H]
-  void* workspace = nullptr;              // moe_workspace_bytes(...) bytes, 256-byte aligned
+  void* workspace = nullptr;              // moe_workspace_bytes(...) bytes, 16-byte aligned
   // Optional copies out (device): the router's choices.
   int32_t* experts_out = nullptr;  // [N, k]
   float* weights_out = nullptr;    // [N, k]

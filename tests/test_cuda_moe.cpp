@@ -322,11 +322,18 @@ TEST(CudaMoe, BlockMatchesCpu) {
 TEST(CudaMoe, Bench35bA3b) {
   if (!gpu() || !std::getenv("DFLASH_MOE_BENCH")) GTEST_SKIP() << "set DFLASH_MOE_BENCH=1 (and a GPU)";
   const int64_t H = 2048, E = 256, k = 8, I = 512, Is = 512;
-  Pair router = rand_bf16({E, H}, 0.02f), gu = rand_bf16({E, 2 * I, H}, 0.02f), dn = rand_bf16({E, H, I}, 0.02f);
-  Pair sgu = rand_bf16({2 * Is, H}, 0.02f), sdn = rand_bf16({H, Is}, 0.02f), sg = rand_bf16({1, H}, 0.02f);
+  // Weights drawn on the GPU (a host draw of 800M values would take most of a minute).
+  auto gpu_rand = [](const Shape& s, float sd) {
+    Pair r;
+    r.dev = Tensor::empty(s, DType::BF16, Device::cuda(0));
+    cu::fill_normal(r.dev, {3312, g_stream++, 0}, 0.0f, sd);
+    return r;
+  };
+  Pair router = gpu_rand({E, H}, 0.02f), gu = gpu_rand({E, 2 * I, H}, 0.02f), dn = gpu_rand({E, H, I}, 0.02f);
+  Pair sgu = gpu_rand({2 * Is, H}, 0.02f), sdn = gpu_rand({H, Is}, 0.02f), sg = gpu_rand({1, H}, 0.02f);
   std::printf("moe_bench,impl,tokens,ms_block,block_tflops,ms_expert_gemms,expert_gemm_tflops\n");
   for (int64_t N : {1, 16, 2048, 8192}) {
-    Pair x = rand_bf16({N, H}, 1.0f);
+    Pair x = gpu_rand({N, H}, 1.0f);
     Tensor out = Tensor::empty({N, H}, DType::BF16, Device::cuda(0));
     for (cu::MoeImpl impl : {cu::MoeImpl::Grouped, cu::MoeImpl::Fallback}) {
       const size_t bytes = cu::moe_workspace_bytes(N, H, E, k, I, Is, impl);

@@ -268,6 +268,8 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
   ptx::cp_async_wait_ring<0>();
 
   bf16* Y = static_cast<bf16*>(p.y);
+  // Paired (4-byte) stores only where every row start is 4-byte aligned (odd ldy: scalar stores).
+  const bool pairs = p.ldy % 2 == 0 && reinterpret_cast<uintptr_t>(p.y) % 4 == 0;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -281,10 +283,11 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
           const int c = col0 + wn * 32 + j * 8 + (lane & 3) * 2;
           const float v0 = silu(acc[i][j][2 * h]) * acc[i][j + 4][2 * h];
           const float v1 = silu(acc[i][j][2 * h + 1]) * acc[i][j + 4][2 * h + 1];
-          if (c + 1 < Nout) {
+          if (pairs && c + 1 < Nout) {
             *reinterpret_cast<__nv_bfloat162*>(yr + c) = __floats2bfloat162_rn(v0, v1);
-          } else if (c < Nout) {
-            yr[c] = __float2bfloat16(v0);
+          } else {
+            if (c < Nout) yr[c] = __float2bfloat16(v0);
+            if (c + 1 < Nout) yr[c + 1] = __float2bfloat16(v1);
           }
         }
       } else {
@@ -292,10 +295,11 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
         for (int j = 0; j < 8; ++j) {
           const int c = col0 + wn * 64 + j * 8 + (lane & 3) * 2;
           const float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
-          if (c + 1 < Nout) {
+          if (pairs && c + 1 < Nout) {
             *reinterpret_cast<__nv_bfloat162*>(yr + c) = __floats2bfloat162_rn(v0, v1);
-          } else if (c < Nout) {
-            yr[c] = __float2bfloat16(v0);
+          } else {
+            if (c < Nout) yr[c] = __float2bfloat16(v0);
+            if (c + 1 < Nout) yr[c + 1] = __float2bfloat16(v1);
           }
         }
       }

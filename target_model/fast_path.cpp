@@ -103,12 +103,40 @@ std::string projections(bool gdn, const TargetConfig& c) {
   return gdn ? "in_proj_qkv|z, out_proj, " + mlp + " (in_proj_b|a bf16)" : "q|k|v, o_proj, " + mlp;
 }
 
+// The GPU runs MoE blocks in bf16 on one rank holding every expert (kernels/cuda/moe.h); FP8 MoE
+// checkpoints and expert parallelism on GPUs are refused by name.
+void require_gpu_moe(const TargetConfig& c, Precision precision, Device device) {
+  DFLASH_REQUIRE_HINT(precision != Precision::Fp8,
+                      c.source << ": model_type " << c.model_type << " (num_experts " << c.num_experts
+                               << "): FP8 MoE layers do not run on the GPU yet (" << device.str() << ")",
+                      "run this MoE target in bf16 (model.target.precision: bf16, or --precision bf16)");
+  DFLASH_REQUIRE_HINT(c.ep_size == 1 && c.local_num_experts() == c.num_experts,
+                      c.source << ": MoE layers under expert parallelism (ep " << c.ep_size
+                               << ") run on the CPU backend only for now, not on " << device.str(),
+                      "run this target with parallel.ep 1 on one GPU, or with --device cpu under mpirun");
+}
+
+// The GPU MoE block's steps and kernels (sets the plan's moe_kernel / moe_fallback).
+std::string gpu_moe_detail(const TargetConfig& c, const KernelPolicies& pol, FastPathPlan& plan) {
+  const bool fallback = pol.moe == KernelPolicy::Fallback;
+  plan.moe_kernel = fallback ? "moe_loop_gemm_bf16" : "moe_grouped_mma";
+  plan.moe_fallback = fallback;
+  std::string steps = ": router gemm_ex (fp32 logits), moe_topk (fp32 softmax, top " +
+                      std::to_string(c.num_experts_per_tok) + (c.norm_topk_prob ? ", renormalised" : "") +
+                      "), moe_permute, ";
+  steps += fallback ? "fallback moe_loop_gemm_bf16 (kernels.moe: fallback; gathered rows, per expert gemm_bf16 "
+                      "gate|up + swiglu + gemm_bf16 down; reads the counts back: eager launches, no CUDA graphs)"
+                    : "fast moe_grouped_mma (grouped gate|up with the gather and SwiGLU fused, grouped down)";
+  steps += ", shared expert gemm_bf16, moe_combine (weighted un-permute + sigmoid-gated shared expert)";
+  return steps;
+}
+
 FastPathPlan build_plan(const TargetConfig& c, Device device, const KernelPolicies& pol, int sm_major, bool decode,
                         Precision precision) {
   DFLASH_CHECK(precision != Precision::Auto, "fast-path plan: resolve the precision first (resolve_precision)");
   const bool fp8 = precision == Precision::Fp8;
   if (!device.is_cpu()) {
-    require_dense_target(c, "the CUDA backend (" + device.str() + ")");
+    if (c.is_moe()) require_gpu_moe(c, precision, device);
     check_gpu_sizes(c, precision);
   }
   [[maybe_unused]] const std::string unaligned = unaligned_gemm_sizes(c);
@@ -120,7 +148,7 @@ FastPathPlan build_plan(const TargetConfig& c, Device device, const KernelPolici
                (c.ep_size > 1 ? ", ep " + std::to_string(c.ep_size) + ": " + std::to_string(c.local_num_experts()) +
                                     " of them on this rank"
                               : std::string()) +
-               ") on the CPU reference";
+               ")" + (device.is_cpu() ? std::string(" on the CPU reference") : gpu_moe_detail(c, pol, plan));
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     LayerPlan lp;
     lp.layer = i;
@@ -229,7 +257,7 @@ FastPathPlan make_plan(const TargetConfig& c, Device device, const KernelPolicie
 FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const KernelPolicies& pol, int sm_major,
                               Precision precision) {
   FastPathPlan plan = build_plan(c, device, pol, sm_major, true, precision);
-  plan.cuda_graphs = device.is_cuda() && pol.cuda_graphs;
+  plan.cuda_graphs = device.is_cuda() && pol.cuda_graphs && !plan.moe_fallback;  // the fallback syncs
   return plan;
 }
 
@@ -309,6 +337,7 @@ std::string FastPathPlan::summary() const {
   }
   o << count(LayerType::LinearAttention, true) << "/" << gdn << " GatedDeltaNet layers on the fast path, "
     << count(LayerType::FullAttention, true) << "/" << attn << " attention layers on the fast path" << fp8;
+  if (!moe_kernel.empty()) o << ", " << layers.size() << " MoE blocks on " << moe_kernel;
   if (cuda_graphs) o << ", decode / verify steps as CUDA graphs";
   return o.str();
 }
@@ -320,6 +349,7 @@ std::vector<std::string> FastPathPlan::fallbacks() const {
       if (s.path == Path::Fallback)
         out.push_back("layer " + std::to_string(l.layer) + " (" + layer_type_name(l.type) + ") " + step_name(s.step) +
                       ": " + s.kernel + " — " + s.reason);
+  if (moe_fallback) out.push_back("MoE blocks: " + moe_kernel + " — " + moe);
   return out;
 }
 
@@ -341,6 +371,7 @@ nlohmann::json FastPathPlan::to_json() const {
   nlohmann::json j;
   j["device"] = device;
   if (!moe.empty()) j["moe"] = moe;
+  if (!moe_kernel.empty()) j["moe_kernel"] = moe_kernel;
   j["summary"] = summary();
   j["fallbacks"] = fallbacks();
   j["cuda_graphs"] = cuda_graphs;

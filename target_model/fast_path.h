@@ -30,8 +30,15 @@ struct KernelPolicies {
   // Decode plans on a GPU: decode / verify steps (T >= 1 on slots with a past) run as CUDA graphs
   // captured per shape and replayed (decode_cuda.cpp); false: eager launches (--no-cuda-graphs).
   bool cuda_graphs = true;
+  // MoE targets on a GPU: the routed experts through the grouped GEMM (fast, moe_grouped_mma) or a
+  // loop over experts of gemm_bf16 (fallback, moe_loop_gemm_bf16; eager launches only).
+  KernelPolicy moe = KernelPolicy::Auto;
   // Every op on policy p (e.g. all(KernelPolicy::Fallback): the explicit slow path to compare with).
-  static KernelPolicies all(KernelPolicy p, bool require_fast = false) { return {p, p, p, require_fast}; }
+  static KernelPolicies all(KernelPolicy p, bool require_fast = false) {
+    KernelPolicies k{p, p, p, require_fast};
+    k.moe = p;
+    return k;
+  }
 };
 
 // The forward's steps, and the decode / verify steps of target::Decoder (decode.h), which run the
@@ -65,6 +72,10 @@ struct LayerPlan {
 struct FastPathPlan {
   std::string device;  // "cuda:0 (NVIDIA H200, sm_90)" or "cpu"
   std::string moe;     // MoE targets: "40 MoE blocks (256 experts, top 8) on the CPU reference"; "" if dense
+  // MoE targets on a GPU: the routed experts' kernel (cuda::moe_impl_name: "moe_grouped_mma" or the
+  // fallback "moe_loop_gemm_bf16") and whether it is the fallback; "" / false otherwise.
+  std::string moe_kernel;
+  bool moe_fallback = false;
   std::vector<LayerPlan> layers;
   // Decode plans on CUDA (KernelPolicies::cuda_graphs): the decoder captures each decode / verify
   // step shape once and replays it; summary() says which.

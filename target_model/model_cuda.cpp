@@ -13,6 +13,7 @@
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gdn.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/moe.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/rope.h"
 #include "core/device.h"
@@ -88,7 +89,9 @@ CudaTargetModel::CudaTargetModel(TargetConfig config, TargetWeights weights, Fas
   DFLASH_CHECK(device_.is_cuda() && weights_.dtype == DType::BF16,
                "CUDA target model: weights must be bf16 on a CUDA device, got " << dtype_name(weights_.dtype) << " on "
                                                                                << device_.str());
-  require_dense_target(config_, "the CUDA backend");
+  DFLASH_CHECK_HINT(!config_.is_moe() || !tp_, config_.source << ": MoE layers under tensor / expert parallelism (tp "
+                                                 << tp_->size() << ") run on the CPU backend only for now, not on the GPU",
+                    "run this MoE target on one GPU (parallel.tp 1), or with --device cpu under mpirun");
   DFLASH_CHECK(plan_.layers.size() == static_cast<size_t>(config_.num_hidden_layers),
                "CUDA target model: the plan has " << plan_.layers.size() << " layers, the config "
                                                   << config_.num_hidden_layers);
@@ -107,7 +110,12 @@ CudaTargetModel::CudaTargetModel(TargetConfig config, TargetWeights weights, Fas
   if (weights_fp8 && gemm_step.path != Path::Fast) apply_precision(weights_, Precision::Bf16);
   fp8_ = weights_fp8 && gemm_step.path == Path::Fast;
   gemm_unaligned_ = gemm_step.kernel == kGemmUnalignedKernel;
-  const TargetConfig& c = config_;
+  moe_fallback_ = plan_.moe_fallback;
+  DFLASH_CHECK_HINT(!config_.is_moe() || (!weights_fp8 && !gemm_unaligned_ && !plan_.moe_kernel.empty()),
+                    config_.source << ": the GPU runs MoE blocks in bf16 with every size a multiple of 8 (the plan: "
+                                   << plan_.moe << ")",
+                    "make the plan for this device with make_plan (bf16); FP8 MoE runs nowhere yet");
+  [[maybe_unused]] const TargetConfig& c = config_;
   fused_.resize(weights_.layers.size());
   for (size_t i = 0; i < weights_.layers.size(); ++i) {
     LayerWeights& L = weights_.layers[i];
@@ -150,6 +158,10 @@ CudaTargetModel::CudaTargetModel(TargetConfig config, TargetWeights weights, Fas
       }
     };
     group(parts, scales, f.in_parts, f.rows);
+    if (L.moe.defined()) {
+      f.shared_gate_up = make_proj({&L.moe.shared_gate_proj, &L.moe.shared_up_proj}, {nullptr, nullptr}, 0, 0);
+      continue;
+    }
     std::vector<Tensor*> gu = {&L.gate_proj, &L.up_proj}, gus = {&L.gate_proj_scale, &L.up_proj_scale};
     group(gu, gus, f.gate_up, 0);
     f.down = make_proj({&L.down_proj}, {&L.down_proj_scale}, 0, 0);
@@ -268,6 +280,7 @@ void CudaTargetModel::set_plan(FastPathPlan plan) {
                                                   << config_.num_hidden_layers);
   plan_ = std::move(plan);
   gemm_unaligned_ = plan_.layers[0].step(Step::Gemm).kernel == kGemmUnalignedKernel;
+  moe_fallback_ = plan_.moe_fallback;
 }
 
 CudaBatch CudaTargetModel::make_batch(const std::vector<std::vector<int32_t>>& sequences) const {
@@ -605,8 +618,50 @@ void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatc
   if (tp_) timed(ForwardOp::AllReduce, [&] { tp_->all_reduce_sum(out); });
 }
 
+void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
+  // transformers' Qwen3_5MoeSparseMoeBlock (kernels/cuda/moe.h): router, top-k, permutation, the
+  // routed experts (grouped GEMMs, or the per-expert gemm_bf16 fallback), the shared expert behind
+  // its sigmoid gate, the weighted un-permute; out [N, H] bf16.
+  const TargetConfig& c = config_;
+  const LayerWeights& L = weights_.layers[static_cast<size_t>(i)];
+  const Fused& f = fused_[static_cast<size_t>(i)];
+  const int64_t N = x.size(0);
+  const cuda::MoeImpl impl = moe_fallback_ ? cuda::MoeImpl::Fallback : cuda::MoeImpl::Grouped;
+  if (impl == cuda::MoeImpl::Fallback) {
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    DFLASH_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream_), &st));
+    DFLASH_CHECK_HINT(st == cudaStreamCaptureStatusNone,
+                      "CUDA target model: the MoE fallback (moe_loop_gemm_bf16) reads the expert counts back to the "
+                      "host and cannot run inside a CUDA graph",
+                      "use kernels.moe: auto (the grouped GEMM), or decode with --no-cuda-graphs");
+  }
+  cuda::MoeBlockParams p;
+  p.x = x.raw_data();
+  p.N = N;
+  p.H = c.hidden_size;
+  p.E = c.num_experts;
+  p.k = c.num_experts_per_tok;
+  p.I = c.moe_intermediate_size;
+  p.Is = c.shared_expert_intermediate_size;
+  p.renormalize = c.norm_topk_prob;
+  p.router = L.moe.router.raw_data();
+  p.experts_gate_up = L.moe.experts_gate_up.raw_data();
+  p.experts_down = L.moe.experts_down.raw_data();
+  if (p.Is > 0) {
+    p.shared_gate_up = f.shared_gate_up.w.raw_data();
+    p.shared_down = L.moe.shared_down_proj.raw_data();
+    p.shared_gate = L.moe.shared_expert_gate.raw_data();
+  }
+  p.out = out.raw_data();
+  Tensor ws = Tensor::empty({static_cast<int64_t>(cuda::moe_workspace_bytes(N, p.H, p.E, p.k, p.I, p.Is, impl))},
+                            DType::U8, device_);
+  p.workspace = ws.raw_data();
+  timed(ForwardOp::MoeBlock, [&] { cuda::moe_block(p, impl, device_.index); });
+}
+
 void CudaTargetModel::mlp(int64_t i, const Tensor& x, Tensor& out) {
   const TargetConfig& c = config_;
+  if (c.is_moe()) return moe(i, x, out);
   const Fused& f = fused_[static_cast<size_t>(i)];
   const int64_t N = x.size(0), H = c.hidden_size, I = c.intermediate_size;
   Tensor gu = device_bf16({gemm_rows(N), 2 * I}, device_);

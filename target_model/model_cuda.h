@@ -32,13 +32,15 @@ enum class ForwardOp : uint8_t {
   AddRmsNorm, MlpGateUp, Swiglu, MlpDown,                          // residual steps and MLP
   AllReduce, CaptureCopy,                                          // tp > 1; ForwardOptions::capture
   Fp8Quant,                                                        // precision fp8: a GEMM input quantized
+  MoeBlock,                                                        // MoE targets: the whole sparse MoE block
   kCount
 };
 inline constexpr int kNumForwardOps = static_cast<int>(ForwardOp::kCount);
 inline constexpr std::array<std::string_view, kNumForwardOps> kForwardOpNames = {
     "embedding",   "input_norm",   "gdn_in_proj",  "gdn_conv",   "gdn_prep",     "delta_rule",  "gated_rms_norm",
     "gdn_out_proj", "attn_qkv",    "qk_norm_rope", "attention",  "sigmoid_gate", "attn_o_proj",
-    "add_rms_norm", "mlp_gate_up", "swiglu",       "mlp_down",   "all_reduce",   "capture_copy", "fp8_quant"};
+    "add_rms_norm", "mlp_gate_up", "swiglu",       "mlp_down",   "all_reduce",   "capture_copy", "fp8_quant",
+    "moe_block"};
 inline std::string_view forward_op_name(ForwardOp op) { return kForwardOpNames[static_cast<size_t>(op)]; }
 inline bool forward_op_is_gemm(ForwardOp op) {
   return op == ForwardOp::GdnInProj || op == ForwardOp::GdnOutProj || op == ForwardOp::AttnQkv ||
@@ -199,6 +201,7 @@ class CudaTargetModel {
     int64_t rows = 0; // P (a multiple of 8 so every row of the GEMM output stays 16-byte aligned)
     std::vector<Proj> in_parts, gate_up;  // the GEMMs that write proj [N, P] and gu [N, 2I]
     Proj out, down;                       // out_proj / o_proj, down_proj
+    Proj shared_gate_up;                  // MoE: the shared expert's [gate | up] rows, fused
   };
   // Quantized GEMM inputs (precision fp8): x [M, K] as e4m3 codes and its per-token group scales.
   struct Fp8Input {
@@ -249,6 +252,8 @@ class CudaTargetModel {
   std::vector<Fused> fused_;
   bool fp8_ = false;  // the projections run the block-scaled FP8 GEMM
   bool gemm_unaligned_ = false;  // gemm_unaligned()
+  bool moe_fallback_ = false;    // MoE blocks on the per-expert gemm_bf16 loop (plan().moe_fallback)
+  void moe(int64_t i, const Tensor& x, Tensor& out);  // the sparse MoE block (cuda::moe_block)
   PathCounters counters_;
   Device device_;
   void* stream_ = nullptr;

@@ -458,11 +458,22 @@ TEST(MoeConfig, RefusesFp8AndTheGpuBackend) {
   EXPECT_NE(e.find("parallel.tp = 4 does not divide the model's linear_num_key_heads 2"), std::string::npos) << e;
   e = error_of([&] { random_weights(c, 1, DType::F32, Device::cpu(), Precision::Fp8); });
   EXPECT_NE(e.find("precision fp8: Mixture-of-Experts targets run in bf16 only"), std::string::npos) << e;
-  e = error_of([&] { make_plan(c, Device::cuda(0), KernelPolicies{}, 9, Precision::Bf16); });
-  EXPECT_NE(e.find("MoE layers run on the CPU backend only for now"), std::string::npos) << e;
+  // The GPU plan (bf16) names the MoE kernels (CUDA builds); FP8 MoE is refused by name.
+  e = error_of([&] { make_plan(c, Device::cuda(0), KernelPolicies{}, 9, Precision::Fp8); });
+  EXPECT_NE(e.find("FP8 MoE layers do not run on the GPU yet"), std::string::npos) << e;
   EXPECT_NE(e.find("model_type qwen3_5_moe_text (num_experts 8)"), std::string::npos) << e;
-  e = error_of([&] { make_decode_plan(c, Device::cuda(0), KernelPolicies{}, 9, Precision::Bf16); });
-  EXPECT_NE(e.find("MoE layers run on the CPU backend only for now"), std::string::npos) << e;
+#ifdef DFLASH_WITH_CUDA
+  const FastPathPlan gp = make_plan(c, Device::cuda(0), KernelPolicies{}, 9, Precision::Bf16);
+  EXPECT_EQ(gp.moe_kernel, "moe_grouped_mma");
+  EXPECT_NE(gp.moe.find("moe_combine"), std::string::npos) << gp.moe;
+  for (const std::string& f : gp.fallbacks()) EXPECT_EQ(f.find("MoE blocks"), std::string::npos) << f;
+  const FastPathPlan fp = make_decode_plan(c, Device::cuda(0), KernelPolicies::all(KernelPolicy::Fallback), 9, Precision::Bf16);
+  EXPECT_EQ(fp.moe_kernel, "moe_loop_gemm_bf16");
+  EXPECT_FALSE(fp.cuda_graphs);  // the fallback reads the counts back to the host
+  bool moe_listed = false;
+  for (const std::string& f : fp.fallbacks()) moe_listed = moe_listed || f.rfind("MoE blocks: moe_loop_gemm_bf16", 0) == 0;
+  EXPECT_TRUE(moe_listed);
+#endif
   // The CPU plan is made.
   EXPECT_EQ(make_plan(c, Device::cpu(), KernelPolicies{}, 0, Precision::Bf16).layers.size(), 4u);
 }

@@ -1,0 +1,626 @@
+// The mixture-of-experts family's kernels (moe.h): top-k routing, the permutation by expert, the
+// grouped expert GEMM (mma.sync m16n8k16 bf16, fp32 accumulation, cp.async 3-stage pipeline; the
+// row gather and SwiGLU fused), the gather and the weighted un-permute with the shared expert's
+// sigmoid gate; and moe_block, which chains them (or the per-expert gemm_bf16 fallback).
+//
+// Roofline at Qwen3.6-35B-A3B shapes (H 2048, E 256, k 8, I 512), per token: routed experts
+// 2·k·(2I·H + H·I) = 50.3 MFLOP, shared expert 2·(2Is·H + H·Is) = 6.3 MFLOP, router 2·E·H = 1 MFLOP.
+// At 8192 tokens a block is ~470 GFLOP (~0.5 ms at 989 TFLOP/s dense bf16): compute bound; the
+// weights (E·3·I·H·2 = 1.6 GB per layer) are read once per column tile. At decode (N = 1..16) it is
+// bound by reading the chosen experts' weights (k·3·I·H·2 = 50 MB for N = 1).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/cuda/check.h"
+#include "core/device.h"
+#include "core/error.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/moe.h"
+#include "kernels/cuda/ptx.cuh"
+#include "kernels/cuda/vec.cuh"
+
+namespace dflash::cuda {
+
+namespace {
+
+using vec::bf16;
+
+// ---- top-k ----------------------------------------------------------------------------------------
+constexpr int kMaxE = 1024;
+constexpr int kTopkWarps = 4;
+
+// One warp per token: the E logits in registers (E / 32 per lane), the softmax as the CPU computes
+// it (max, sum of exp(l - max), p = e / sum), k rounds of a warp argmax over p (ties: lower index).
+__global__ void topk_kernel(const float* __restrict__ logits, int N, int E, int k, bool renorm,
+                            int32_t* __restrict__ experts, float* __restrict__ weights, int32_t* __restrict__ counts) {
+  const int lane = threadIdx.x & 31;
+  const int n = blockIdx.x * kTopkWarps + (threadIdx.x >> 5);
+  if (n >= N) return;
+  constexpr int kPer = kMaxE / 32;
+  float p[kPer];
+  const float* row = logits + static_cast<int64_t>(n) * E;
+  float mx = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = i * 32 + lane;
+    p[i] = e < E ? row[e] : -INFINITY;
+    mx = fmaxf(mx, p[i]);
+  }
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = i * 32 + lane;
+    p[i] = e < E ? expf(p[i] - mx) : 0.0f;
+    sum += p[i];
+  }
+  for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) p[i] = (i * 32 + lane) < E ? p[i] / sum : -1.0f;  // taken ones become -1
+  float chosen_p = 0, my_p = 0;
+  int my_e = -1;
+  for (int j = 0; j < k; ++j) {
+    float best = -2.0f;
+    int be = INT32_MAX;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = i * 32 + lane;
+      if (p[i] > best) {  // i ascending: the first (lowest e) of equal values stays
+        best = p[i];
+        be = e;
+      }
+    }
+    for (int o = 16; o; o >>= 1) {
+      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
+      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+      if (ob > best || (ob == best && oe < be)) {
+        best = ob;
+        be = oe;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      if (i * 32 + lane == be) p[i] = -1.0f;
+    chosen_p += best;
+    if (lane == j) {
+      my_p = best;
+      my_e = be;
+    }
+  }
+  if (lane < k) {
+    experts[static_cast<int64_t>(n) * k + lane] = my_e;
+    weights[static_cast<int64_t>(n) * k + lane] = renorm ? my_p / chosen_p : my_p;
+    atomicAdd(&counts[my_e], 1);
+  }
+}
+
+// One block of up to 1024 threads: exclusive scans of counts and of their row tiles.
+__global__ void scan_kernel(const int32_t* __restrict__ counts, int E, int32_t* __restrict__ offsets,
+                            int32_t* __restrict__ tile_offsets, int32_t* __restrict__ cursor) {
+  __shared__ int32_t sc[kMaxE], st[kMaxE];
+  const int t = threadIdx.x;
+  const int c = t < E ? counts[t] : 0;
+  sc[t] = c;
+  st[t] = (c + kMoeTileRows - 1) / kMoeTileRows;
+  __syncthreads();
+  for (int d = 1; d < blockDim.x; d <<= 1) {  // Hillis-Steele inclusive scan
+    const int a = t >= d ? sc[t - d] : 0, b = t >= d ? st[t - d] : 0;
+    __syncthreads();
+    sc[t] += a;
+    st[t] += b;
+    __syncthreads();
+  }
+  if (t < E) {
+    offsets[t + 1] = sc[t];
+    tile_offsets[t + 1] = st[t];
+    cursor[t] = sc[t] - c;
+  }
+  if (t == 0) {
+    offsets[0] = 0;
+    tile_offsets[0] = 0;
+  }
+}
+
+__global__ void scatter_kernel(const int32_t* __restrict__ experts, int64_t rows, int k, int32_t* __restrict__ cursor,
+                               int32_t* __restrict__ src_row, int32_t* __restrict__ slot_pos) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows) return;
+  const int pos = atomicAdd(&cursor[experts[i]], 1);
+  src_row[pos] = static_cast<int32_t>(i / k);
+  slot_pos[i] = pos;
+}
+
+// ---- grouped GEMM -----------------------------------------------------------------------------------
+constexpr int BM = kMoeTileRows, BN = 128, BK = 32, kStages = 3, kThreads = 128;
+constexpr int kLds = BK + 8;  // 80-byte smem rows: ldmatrix's 8 row addresses hit distinct banks
+
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(ptx::smem_addr(smem)), "l"(gmem),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// Block: BM rows of one expert x (swiglu ? 64 act columns (64 gate + 64 up weight rows) : BN output
+// columns). 4 warps, 2 (rows) x 2 (columns); a warp 32 rows x 8 n8 tiles. In swiglu mode the warp's
+// tiles 0-3 are gate columns and 4-7 the up columns of the same act columns.
+__global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [kStages][BM][kLds]
+  bf16* sb = sa + kStages * BM * kLds;            // [kStages][BN][kLds]
+  const int E = static_cast<int>(p.E);
+  const int tile = blockIdx.x;
+  if (tile >= p.tile_offsets[E]) return;
+  int lo = 0, hi = E - 1;  // the expert e with tile_offsets[e] <= tile < tile_offsets[e + 1]
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.tile_offsets[mid] <= tile) lo = mid;
+    else hi = mid - 1;
+  }
+  const int e = lo;
+  const int row0 = p.offsets[e] + (tile - p.tile_offsets[e]) * BM, row_end = p.offsets[e + 1];
+  const int K = static_cast<int>(p.K), Nout = static_cast<int>(p.Nout);
+  const int col0 = blockIdx.y * (p.swiglu ? BN / 2 : BN);
+  const bf16* X = static_cast<const bf16*>(p.x);
+  const bf16* W = static_cast<const bf16*>(p.w) + static_cast<int64_t>(e) * (p.swiglu ? 2 : 1) * Nout * K;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 1, wn = warp & 1;
+
+  // Each thread's load assignments: A 2 chunks (row, 8-col group), B 4 chunks.
+  const bf16* a_src[2];
+  bool a_ok[2];
+  int a_off[2];
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const int idx = tid + c * kThreads, r = idx >> 2, g = idx & 3;
+    const int pos = row0 + r;
+    a_ok[c] = pos < row_end;
+    const int src = a_ok[c] ? (p.src_row ? p.src_row[pos] : pos) : 0;
+    a_src[c] = X + static_cast<int64_t>(src) * p.ldx + g * 8;
+    a_off[c] = r * kLds + g * 8;
+  }
+  const bf16* b_src[4];
+  bool b_ok[4];
+  int b_off[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int idx = tid + c * kThreads, r = idx >> 2, g = idx & 3;
+    int wrow;
+    bool ok;
+    if (p.swiglu) {
+      const int ac = col0 + (r & 63);
+      ok = ac < Nout;
+      wrow = (r < 64 ? 0 : Nout) + ac;
+    } else {
+      wrow = col0 + r;
+      ok = wrow < Nout;
+    }
+    b_ok[c] = ok;
+    b_src[c] = W + static_cast<int64_t>(ok ? wrow : 0) * K + g * 8;
+    b_off[c] = r * kLds + g * 8;
+  }
+  const int KT = (K + BK - 1) / BK;
+  auto load = [&](int stage, int kt) {
+    const int k0 = kt * BK;
+    bf16* A = sa + stage * BM * kLds;
+    bf16* B = sb + stage * BN * kLds;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int kk = k0 + ((tid + c * kThreads) & 3) * 8;
+      const bool v = a_ok[c] && kk < K;
+      cp_async16_zfill(A + a_off[c], v ? a_src[c] + k0 : X, v);
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int kk = k0 + ((tid + c * kThreads) & 3) * 8;
+      const bool v = b_ok[c] && kk < K;
+      cp_async16_zfill(B + b_off[c], v ? b_src[c] + k0 : W, v);
+    }
+  };
+
+  float acc[2][8][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+
+  // The warp's B smem row of its n8 tile j (j even: tiles j, j + 1 are 16 consecutive rows).
+  auto brow = [&](int j) { return p.swiglu ? ((j < 4 ? 0 : 64) + wn * 32 + (j & 3) * 8) : (wn * 64 + j * 8); };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < KT) load(s, s);
+    ptx::cp_async_commit_ring();
+  }
+  for (int kt = 0; kt < KT; ++kt) {
+    ptx::cp_async_wait_ring<kStages - 2>();
+    __syncthreads();
+    if (kt + kStages - 1 < KT) load((kt + kStages - 1) % kStages, kt + kStages - 1);
+    ptx::cp_async_commit_ring();
+    const bf16* A = sa + (kt % kStages) * BM * kLds;
+    const bf16* B = sb + (kt % kStages) * BN * kLds;
+#pragma unroll
+    for (int ks = 0; ks < BK; ks += 16) {
+      uint32_t af[2][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        ptx::ldmatrix_x4(af[i], A + (wm * 32 + i * 16 + (lane & 15)) * kLds + ks + (lane >> 4) * 8);
+#pragma unroll
+      for (int j = 0; j < 8; j += 2) {
+        uint32_t bfr[4];
+        ptx::ldmatrix_x4(bfr, B + (brow(j) + (lane >> 4) * 8 + (lane & 7)) * kLds + ks + ((lane >> 3) & 1) * 8);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          ptx::mma_bf16(acc[i][j], af[i], bfr[0], bfr[1]);
+          ptx::mma_bf16(acc[i][j + 1], af[i], bfr[2], bfr[3]);
+        }
+      }
+    }
+  }
+  ptx::cp_async_wait_ring<0>();
+
+  bf16* Y = static_cast<bf16*>(p.y);
+  // Paired (4-byte) stores only where every row start is 4-byte aligned (odd ldy: scalar stores).
+  const bool pairs = p.ldy % 2 == 0 && reinterpret_cast<uintptr_t>(p.y) % 4 == 0;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int pos = row0 + wm * 32 + i * 16 + (lane >> 2) + h * 8;
+      if (pos >= row_end) continue;
+      bf16* yr = Y + static_cast<int64_t>(pos) * p.ldy;
+      if (p.swiglu) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int c = col0 + wn * 32 + j * 8 + (lane & 3) * 2;
+          const float v0 = silu(acc[i][j][2 * h]) * acc[i][j + 4][2 * h];
+          const float v1 = silu(acc[i][j][2 * h + 1]) * acc[i][j + 4][2 * h + 1];
+          if (pairs && c + 1 < Nout) {
+            *reinterpret_cast<__nv_bfloat162*>(yr + c) = __floats2bfloat162_rn(v0, v1);
+          } else {
+            if (c < Nout) yr[c] = __float2bfloat16(v0);
+            if (c + 1 < Nout) yr[c + 1] = __float2bfloat16(v1);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int c = col0 + wn * 64 + j * 8 + (lane & 3) * 2;
+          const float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
+          if (pairs && c + 1 < Nout) {
+            *reinterpret_cast<__nv_bfloat162*>(yr + c) = __floats2bfloat162_rn(v0, v1);
+          } else {
+            if (c < Nout) yr[c] = __float2bfloat16(v0);
+            if (c + 1 < Nout) yr[c + 1] = __float2bfloat16(v1);
+          }
+        }
+      }
+    }
+  }
+}
+
+constexpr size_t kGemmSmem = static_cast<size_t>(kStages) * (BM + BN) * kLds * sizeof(bf16);
+
+// ---- gather / combine -------------------------------------------------------------------------------
+__global__ void gather_kernel(const bf16* __restrict__ x, const int32_t* __restrict__ src_row, int64_t rows, int H,
+                              bf16* __restrict__ y) {
+  const int64_t pos = blockIdx.x;
+  if (pos >= rows) return;
+  const uint4* s = reinterpret_cast<const uint4*>(x + static_cast<int64_t>(src_row[pos]) * H);
+  uint4* d = reinterpret_cast<uint4*>(y + pos * H);
+  for (int c = threadIdx.x; c < H / 8; c += blockDim.x) d[c] = s[c];
+}
+
+// One block per token: the shared gate's dot product (block reduction), then 8 columns a thread.
+__global__ void combine_kernel(const bf16* __restrict__ y, const int32_t* __restrict__ slot_pos,
+                               const float* __restrict__ weights, int k, int H, const bf16* __restrict__ shared,
+                               const bf16* __restrict__ x, const bf16* __restrict__ gate_w, bf16* __restrict__ out) {
+  const int64_t n = blockIdx.x;
+  __shared__ float red[32];
+  __shared__ int32_t sp[32];
+  __shared__ float sw[32];
+  if (threadIdx.x < k) {
+    sp[threadIdx.x] = slot_pos[n * k + threadIdx.x];
+    sw[threadIdx.x] = weights[n * k + threadIdx.x];
+  }
+  float gate = 0;
+  if (shared) {
+    float d = 0;
+    for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
+      float a[8], b[8];
+      vec::load8(x + n * H + c, a);
+      vec::load8(gate_w + c, b);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) d += a[q] * b[q];
+    }
+    for (int o = 16; o; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = d;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      float v = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.0f;
+      for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (threadIdx.x == 0) red[0] = v;
+    }
+  }
+  __syncthreads();
+  if (shared) gate = 1.0f / (1.0f + expf(-red[0]));
+  for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = 0; j < k; ++j) {
+      float v[8];
+      vec::load8(y + static_cast<int64_t>(sp[j]) * H + c, v);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] += v[q] * sw[j];
+    }
+    if (shared) {
+      float v[8];
+      vec::load8(shared + n * H + c, v);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] += gate * v[q];
+    }
+    vec::store8(out + n * H + c, acc);
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+int64_t moe_max_tiles(int64_t rows, int64_t E) { return (rows + kMoeTileRows - 1) / kMoeTileRows + std::min(E, rows); }
+
+void moe_topk(const float* logits, int64_t N, int64_t E, int64_t k, bool renormalize, int32_t* experts,
+              float* weights, int32_t* counts, Stream s) {
+  DFLASH_CHECK(E >= 1 && E <= kMaxE && k >= 1 && k <= E && k <= 32 && N >= 0 && N < INT32_MAX,
+               "moe_topk: E " << E << " (1..1024), k " << k << " (1..min(E, 32)), N " << N << " out of range");
+  auto st = static_cast<cudaStream_t>(s);
+  DFLASH_CUDA_CHECK(cudaMemsetAsync(counts, 0, static_cast<size_t>(E) * sizeof(int32_t), st));
+  if (N == 0) return;
+  DFLASH_CHECK(logits && experts && weights && counts, "moe_topk: null pointer");
+  topk_kernel<<<static_cast<unsigned>((N + kTopkWarps - 1) / kTopkWarps), kTopkWarps * 32, 0, st>>>(
+      logits, static_cast<int>(N), static_cast<int>(E), static_cast<int>(k), renormalize, experts, weights, counts);
+  DFLASH_CUDA_CHECK_LAST();
+}
+
+void moe_permute(const int32_t* experts, const int32_t* counts, int64_t N, int64_t E, int64_t k, int32_t* offsets,
+                 int32_t* tile_offsets, int32_t* cursor, int32_t* src_row, int32_t* slot_pos, Stream s) {
+  DFLASH_CHECK(E >= 1 && E <= kMaxE && k >= 1 && N >= 0 && N * k < INT32_MAX,
+               "moe_permute: E " << E << " (1..1024), k " << k << ", N " << N << " out of range");
+  auto st = static_cast<cudaStream_t>(s);
+  int threads = 32;
+  while (threads < E) threads *= 2;
+  scan_kernel<<<1, threads, 0, st>>>(counts, static_cast<int>(E), offsets, tile_offsets, cursor);
+  DFLASH_CUDA_CHECK_LAST();
+  const int64_t rows = N * k;
+  if (rows == 0) return;
+  scatter_kernel<<<static_cast<unsigned>((rows + 255) / 256), 256, 0, st>>>(experts, rows, static_cast<int>(k), cursor,
+                                                                           src_row, slot_pos);
+  DFLASH_CUDA_CHECK_LAST();
+}
+
+void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
+  DFLASH_CHECK(p.E >= 1 && p.Nout > 0 && p.K > 0 && p.K % 8 == 0 && p.ldx % 8 == 0 && p.ldx >= p.K &&
+                   p.ldy >= p.Nout && p.K < INT32_MAX && p.Nout < INT32_MAX,
+               "moe_grouped_gemm: E " << p.E << ", Nout " << p.Nout << ", K " << p.K << " (a multiple of 8), ldx "
+                                      << p.ldx << " (a multiple of 8, >= K), ldy " << p.ldy << " (>= Nout)");
+  DFLASH_CHECK(p.x && p.w && p.y && p.offsets && p.tile_offsets && aligned16(p.x) && aligned16(p.w),
+               "moe_grouped_gemm: null or not 16-byte aligned x / w, or no offsets");
+  if (p.max_tiles == 0) return;
+  static bool attr[64] = {};  // the shared-memory opt-in, once per device
+  int dev = 0;
+  DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= 64 || !attr[dev]) {
+    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(kGemmSmem)));
+    if (dev < 64) attr[dev] = true;
+  }
+  const int64_t cols = p.swiglu ? BN / 2 : BN;
+  const dim3 grid(static_cast<unsigned>(p.max_tiles), static_cast<unsigned>((p.Nout + cols - 1) / cols));
+  grouped_gemm_kernel<<<grid, kThreads, kGemmSmem, static_cast<cudaStream_t>(s)>>>(p);
+  DFLASH_CUDA_CHECK_LAST();
+}
+
+void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, void* y, Stream s) {
+  DFLASH_CHECK(H > 0 && H % 8 == 0 && aligned16(x) && aligned16(y), "moe_gather: H " << H
+                                                                       << " must be a multiple of 8, x and y 16-byte aligned");
+  if (rows == 0) return;
+  gather_kernel<<<static_cast<unsigned>(rows), 128, 0, static_cast<cudaStream_t>(s)>>>(
+      static_cast<const bf16*>(x), src_row, rows, static_cast<int>(H), static_cast<bf16*>(y));
+  DFLASH_CUDA_CHECK_LAST();
+}
+
+void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, int64_t N, int64_t k, int64_t H,
+                 const void* shared, const void* x, const void* gate_w, void* out, Stream s) {
+  DFLASH_CHECK(H > 0 && H % 8 == 0 && k >= 1 && k <= 32 && aligned16(y) && aligned16(out) &&
+                   (!shared || (aligned16(shared) && aligned16(x) && aligned16(gate_w))),
+               "moe_combine: H " << H << " (a multiple of 8), k " << k << " (1..32), 16-byte aligned operands");
+  if (N == 0) return;
+  combine_kernel<<<static_cast<unsigned>(N), 256, 0, static_cast<cudaStream_t>(s)>>>(
+      static_cast<const bf16*>(y), slot_pos, weights, static_cast<int>(k), static_cast<int>(H),
+      static_cast<const bf16*>(shared), static_cast<const bf16*>(x), static_cast<const bf16*>(gate_w),
+      static_cast<bf16*>(out));
+  DFLASH_CUDA_CHECK_LAST();
+}
+
+const char* moe_impl_name(MoeImpl impl) {
+  return impl == MoeImpl::Grouped ? "moe_grouped_mma" : "moe_loop_gemm_bf16";
+}
+
+namespace {
+
+// The workspace's pieces, each 256-byte aligned, in order.
+struct Layout {
+  size_t logits, experts, weights, counts, offsets, tiles, cursor, src, slot, act, y, xg, gu, sgu, sact, sout, total;
+};
+Layout layout(int64_t N, int64_t H, int64_t E, int64_t k, int64_t I, int64_t Is, MoeImpl impl) {
+  Layout l{};
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    const size_t here = at;
+    at += (bytes + 255) / 256 * 256;
+    return here;
+  };
+  const size_t R = static_cast<size_t>(N * k);
+  l.logits = take(static_cast<size_t>(N * E) * 4);
+  l.experts = take(R * 4);
+  l.weights = take(R * 4);
+  l.counts = take(static_cast<size_t>(E) * 4);
+  l.offsets = take(static_cast<size_t>(E + 1) * 4);
+  l.tiles = take(static_cast<size_t>(E + 1) * 4);
+  l.cursor = take(static_cast<size_t>(E) * 4);
+  l.src = take(R * 4);
+  l.slot = take(R * 4);
+  l.act = take(R * static_cast<size_t>(I) * 2);
+  l.y = take(R * static_cast<size_t>(H) * 2);
+  const bool fb = impl == MoeImpl::Fallback;
+  l.xg = take(fb ? R * static_cast<size_t>(H) * 2 : 0);
+  l.gu = take(fb ? R * static_cast<size_t>(2 * I) * 2 : 0);
+  l.sgu = take(static_cast<size_t>(N * 2 * Is) * 2);
+  l.sact = take(static_cast<size_t>(N * Is) * 2);
+  l.sout = take(static_cast<size_t>(N * H) * 2);
+  l.total = at;
+  return l;
+}
+
+}  // namespace
+
+size_t moe_workspace_bytes(int64_t N, int64_t H, int64_t E, int64_t k, int64_t I, int64_t Is, MoeImpl impl) {
+  return layout(N, H, E, k, I, Is, impl).total;
+}
+
+void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
+  DFLASH_CHECK(p.N >= 0 && p.H > 0 && p.E >= 1 && p.k >= 1 && p.I > 0 && p.H % 8 == 0 && p.I % 8 == 0 &&
+                   (!p.shared_gate_up || p.Is > 0) && (p.Is % 8 == 0),
+               "moe_block: N " << p.N << ", H " << p.H << ", E " << p.E << ", k " << p.k << ", I " << p.I << ", Is "
+                               << p.Is << " (H, I, Is multiples of 8)");
+  DFLASH_CHECK(p.x && p.router && p.experts_gate_up && p.experts_down && p.out && p.workspace &&
+                   reinterpret_cast<uintptr_t>(p.workspace) % 16 == 0,
+               "moe_block: null operand or a workspace that is not 16-byte aligned");
+  DFLASH_CHECK(!p.shared_gate_up || (p.shared_down && p.shared_gate),
+               "moe_block: a shared expert needs shared_gate_up, shared_down and shared_gate");
+  if (p.N == 0) return;
+  Stream s = DeviceContext::get(device).stream();
+  const Layout l = layout(p.N, p.H, p.E, p.k, p.I, p.Is, impl);
+  char* ws = static_cast<char*>(p.workspace);
+  auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
+  auto i32 = [&](size_t off) { return reinterpret_cast<int32_t*>(ws + off); };
+  const int64_t R = p.N * p.k;
+
+  GemmExParams rg;  // router logits, fp32
+  rg.a = p.x;
+  rg.lda = p.H;
+  rg.b = p.router;
+  rg.ldb = p.H;
+  rg.trans_b = true;
+  rg.d = f32(l.logits);
+  rg.ldd = p.E;
+  rg.d_f32 = true;
+  rg.M = p.N;
+  rg.N = p.E;
+  rg.K = p.H;
+  rg.unaligned = p.E % 4 != 0;
+  gemm_ex(rg, device);
+  int32_t* experts = p.experts_out ? p.experts_out : i32(l.experts);
+  float* weights = p.weights_out ? p.weights_out : f32(l.weights);
+  moe_topk(f32(l.logits), p.N, p.E, p.k, p.renormalize, experts, weights, i32(l.counts), s);
+  moe_permute(experts, i32(l.counts), p.N, p.E, p.k, i32(l.offsets), i32(l.tiles), i32(l.cursor), i32(l.src),
+              i32(l.slot), s);
+  void* act = ws + l.act;
+  void* y = ws + l.y;
+  if (impl == MoeImpl::Grouped) {
+    MoeGemmParams g;
+    g.x = p.x;
+    g.ldx = p.H;
+    g.src_row = i32(l.src);
+    g.w = p.experts_gate_up;
+    g.y = act;
+    g.ldy = p.I;
+    g.offsets = i32(l.offsets);
+    g.tile_offsets = i32(l.tiles);
+    g.E = p.E;
+    g.Nout = p.I;
+    g.K = p.H;
+    g.max_tiles = moe_max_tiles(R, p.E);
+    g.swiglu = true;
+    moe_grouped_gemm(g, s);
+    g.x = act;
+    g.ldx = p.I;
+    g.src_row = nullptr;
+    g.w = p.experts_down;
+    g.y = y;
+    g.ldy = p.H;
+    g.Nout = p.H;
+    g.K = p.I;
+    g.swiglu = false;
+    moe_grouped_gemm(g, s);
+  } else {
+    // The explicit fallback: gathered rows, then per expert gemm_bf16 (gate|up), swiglu, gemm_bf16 (down).
+    moe_gather(p.x, i32(l.src), R, p.H, ws + l.xg, s);
+    std::vector<int32_t> off(static_cast<size_t>(p.E + 1));
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(off.data(), i32(l.offsets), off.size() * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                      static_cast<cudaStream_t>(s)));
+    DFLASH_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(s)));
+    const auto* gu_w = static_cast<const bf16*>(p.experts_gate_up);
+    const auto* dn_w = static_cast<const bf16*>(p.experts_down);
+    for (int64_t e = 0; e < p.E; ++e) {
+      const int64_t o = off[static_cast<size_t>(e)], c = off[static_cast<size_t>(e + 1)] - o;
+      if (c == 0) continue;
+      GemmParams a;
+      a.x = static_cast<const bf16*>(static_cast<const void*>(ws + l.xg)) + o * p.H;
+      a.ldx = p.H;
+      a.w = gu_w + e * 2 * p.I * p.H;
+      a.y = ws + l.gu;
+      a.ldy = 2 * p.I;
+      a.M = c;
+      a.N = 2 * p.I;
+      a.K = p.H;
+      gemm_bf16(a, device);
+      swiglu(ws + l.gu, static_cast<bf16*>(act) + o * p.I, c, p.I, s);
+      GemmParams d;
+      d.x = static_cast<const bf16*>(act) + o * p.I;
+      d.ldx = p.I;
+      d.w = dn_w + e * p.H * p.I;
+      d.y = static_cast<bf16*>(y) + o * p.H;
+      d.ldy = p.H;
+      d.M = c;
+      d.N = p.H;
+      d.K = p.I;
+      gemm_bf16(d, device);
+    }
+  }
+  const void* shared = nullptr;
+  if (p.shared_gate_up) {
+    GemmParams a;
+    a.x = p.x;
+    a.ldx = p.H;
+    a.w = p.shared_gate_up;
+    a.y = ws + l.sgu;
+    a.ldy = 2 * p.Is;
+    a.M = p.N;
+    a.N = 2 * p.Is;
+    a.K = p.H;
+    gemm_bf16(a, device);
+    swiglu(ws + l.sgu, ws + l.sact, p.N, p.Is, s);
+    GemmParams d;
+    d.x = ws + l.sact;
+    d.ldx = p.Is;
+    d.w = p.shared_down;
+    d.y = ws + l.sout;
+    d.ldy = p.H;
+    d.M = p.N;
+    d.N = p.H;
+    d.K = p.Is;
+    gemm_bf16(d, device);
+    shared = ws + l.sout;
+  }
+  moe_combine(y, i32(l.slot), weights, p.N, p.k, p.H, shared, p.x, p.shared_gate, p.out, s);
+}
+
+}  // namespace dflash::cuda

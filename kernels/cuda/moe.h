@@ -1,0 +1,96 @@
+#pragma once
+// Mixture-of-experts family (issue 33): qwen3_5_moe's sparse MoE block on the GPU
+// (kernels/cuda/moe.cu). CPU reference: ops::moe_route, ops::moe_experts, ops::add_sigmoid_gated
+// (kernels/ops.h, kernels/cpu/moe.cpp), which follow transformers 5.17's Qwen3_5MoeSparseMoeBlock.
+//
+// The block, for x bf16 [N, H], E experts of width I, top-k routing and a shared expert of width Is:
+//   1. router logits  [N, E] fp32  = x · router^T          (gemm_ex, bf16 in, fp32 out)
+//   2. moe_topk:      p = softmax(logits) in fp32; each token's k largest p (ties: the lower expert
+//                     index, as the CPU's partial_sort comparator); weights = p (/ their sum when
+//                     norm_topk_prob); per-expert counts.
+//   3. moe_permute:   offsets (exclusive scan of counts), the grouped GEMM's tile table, and the
+//                     permutation: row pos of expert e's range [offsets[e], offsets[e+1]) holds token
+//                     src_row[pos]; slot_pos[n * k + j] = the row of (token n, choice j).
+//   4. grouped GEMMs  (moe_grouped_gemm, tensor cores, mma.sync m16n8k16): act[pos] = silu(g) * u of
+//                     x[src_row[pos]] · gate_up[e]^T (the gather and the SwiGLU fused), then
+//                     y[pos] = act[pos] · down[e]^T.
+//      or the explicit fallback: gather x rows, a loop over experts of gemm_bf16 + swiglu (reads
+//                     the counts back to the host: a synchronisation, not graph-capturable).
+//   5. moe_combine:   out[n] = sum_j weights[n, j] · y[slot_pos[n, j]] (j in order, fp32)
+//                     (+ sigmoid(x[n] · shared_gate) · shared[n] when a shared expert is given).
+// The row order inside an expert's range is that of atomic arrival (not token order); every row's
+// result depends only on its own token, so outputs are deterministic all the same.
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cuda/launch.h"
+
+namespace dflash::cuda {
+
+// Tile of the grouped GEMM in rows (tokens of one expert): the tile table counts ceil(count / this).
+constexpr int kMoeTileRows = 64;
+// Upper bound of the grouped GEMM's row tiles for N*k routed rows over E experts (grid size).
+int64_t moe_max_tiles(int64_t rows, int64_t E);
+
+// logits fp32 [N, E] (row stride E) -> experts i32 [N, k], weights fp32 [N, k], counts i32 [E]
+// (zeroed and counted here). Needs 1 <= k <= E <= 1024, k <= 32.
+void moe_topk(const float* logits, int64_t N, int64_t E, int64_t k, bool renormalize, int32_t* experts,
+              float* weights, int32_t* counts, Stream s);
+
+// From experts [N, k] and counts [E]: offsets i32 [E + 1], tile_offsets i32 [E + 1] (prefix sums of
+// ceil(counts / kMoeTileRows)), src_row i32 [N * k], slot_pos i32 [N * k]; cursor i32 [E] scratch.
+void moe_permute(const int32_t* experts, const int32_t* counts, int64_t N, int64_t E, int64_t k, int32_t* offsets,
+                 int32_t* tile_offsets, int32_t* cursor, int32_t* src_row, int32_t* slot_pos, Stream s);
+
+// Grouped GEMM over experts. For every expert e and row pos in [offsets[e], offsets[e+1]), with
+// a = x[gather ? src_row[pos] : pos] (bf16 rows of K, row stride ldx):
+//   swiglu:  y[pos, c] = silu(a · w[e][c]) * (a · w[e][Nout + c]),  c < Nout; w[e] is [2 Nout, K]
+//   else:    y[pos, c] = a · w[e][c],                                c < Nout; w[e] is [Nout, K]
+// w: E consecutive bf16 matrices (the checkpoint's fused experts), y bf16 [N*k, Nout] row stride ldy.
+// Needs K % 8 == 0, ldx % 8 == 0, 16-byte aligned x and w. max_tiles: moe_max_tiles(N*k, E).
+struct MoeGemmParams {
+  const void* x = nullptr;
+  int64_t ldx = 0;
+  const int32_t* src_row = nullptr;  // gather rows (nullptr: a = x[pos])
+  const void* w = nullptr;
+  void* y = nullptr;
+  int64_t ldy = 0;
+  const int32_t* offsets = nullptr;       // [E + 1]
+  const int32_t* tile_offsets = nullptr;  // [E + 1]
+  int64_t E = 0, Nout = 0, K = 0, max_tiles = 0;
+  bool swiglu = false;
+};
+void moe_grouped_gemm(const MoeGemmParams& p, Stream s);
+
+// y[pos, :] = x[src_row[pos], :] for pos < rows (bf16, H columns, contiguous).
+void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, void* y, Stream s);
+
+// out[n, :] = sum_j weights[n, j] * y[slot_pos[n, j], :] (+ sigmoid(x[n] · gate_w) * shared[n, :]
+// when shared != nullptr; x, gate_w [H] bf16), bf16 out [N, H] contiguous, fp32 math.
+void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, int64_t N, int64_t k, int64_t H,
+                 const void* shared, const void* x, const void* gate_w, void* out, Stream s);
+
+// ---- The whole block --------------------------------------------------------------------------------
+enum class MoeImpl { Grouped, Fallback };
+const char* moe_impl_name(MoeImpl impl);  // "moe_grouped_mma" / "moe_loop_gemm_bf16"
+
+struct MoeBlockParams {
+  const void* x = nullptr;  // bf16 [N, H] contiguous
+  int64_t N = 0, H = 0, E = 0, k = 0, I = 0, Is = 0;
+  bool renormalize = true;
+  const void* router = nullptr;           // bf16 [E, H]
+  const void* experts_gate_up = nullptr;  // bf16 [E, 2I, H]
+  const void* experts_down = nullptr;     // bf16 [E, H, I]
+  const void* shared_gate_up = nullptr;   // bf16 [2 Is, H] (gate rows, then up rows); nullptr: no shared expert
+  const void* shared_down = nullptr;      // bf16 [H, Is]
+  const void* shared_gate = nullptr;      // bf16 [H] (mlp.shared_expert_gate.weight)
+  void* out = nullptr;                    // bf16 [N, H]
+  void* workspace = nullptr;              // moe_workspace_bytes(...) bytes, 16-byte aligned
+  // Optional copies out (device): the router's choices.
+  int32_t* experts_out = nullptr;  // [N, k]
+  float* weights_out = nullptr;    // [N, k]
+};
+size_t moe_workspace_bytes(int64_t N, int64_t H, int64_t E, int64_t k, int64_t I, int64_t Is, MoeImpl impl);
+void moe_block(const MoeBlockParams& p, MoeImpl impl, int device);
+
+}  // namespace dflash::cuda

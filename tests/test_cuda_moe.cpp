@@ -1,0 +1,404 @@
+// The MoE kernels (kernels/cuda/moe.h) against the f32 CPU reference (ops::moe_route,
+// ops::moe_experts, ops::add_sigmoid_gated, ops::linear / swiglu). Fresh seeded inputs per case,
+// every output poisoned (NaN) before the launch, NaN fails.
+//
+// Routing: moe_topk is checked on the very logits the GPU holds: the CPU reference routes them
+// through moe_route(logits, identity) (its dot products with a one-hot row are exact), so the
+// chosen experts must be identical, ties included (integer-valued logits: many exact ties, the
+// lower index wins on both). Weights: within 1e-5 relative (expf vs std::exp, summation order).
+// In the whole block the GPU's router logits (bf16 GEMM, fp32 out) differ from the CPU's f32 ones
+// by ~1e-6 relative; a token whose CPU choice differs must have the swapped experts' CPU scores
+// within 1e-4 of each other (a near tie), and the expert outputs are checked on the GPU's choices.
+// Outputs (bf16): max |got - ref| / max |ref| <= 1e-2 (bf16 rounding of the activations ~2^-9 and
+// of the expert outputs; a wrong row, expert or weight is >= 1e-1).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <set>
+#include <vector>
+
+#include "core/cuda/check.h"
+#include "core/device.h"
+#include "core/random.h"
+#include "kernels/cuda/moe.h"
+#include "kernels/ops.h"
+#include "test_util.h"
+
+using namespace dflash;
+namespace cu = dflash::cuda;
+
+namespace {
+
+constexpr double kBound = 1e-2;
+uint64_t g_stream = 9100;
+
+struct Pair {
+  Tensor dev;   // bf16 (or f32), cuda:0
+  Tensor host;  // f32, cpu
+};
+Pair rand_bf16(const Shape& shape, float stddev) {
+  Tensor f = Tensor::empty(shape, DType::F32);
+  fill_normal(f, {3311, g_stream++, 0}, 0.0f, stddev);
+  Tensor b = f.to_dtype(DType::BF16);
+  return {b.to(Device::cuda(0)), b.to_dtype(DType::F32)};
+}
+Tensor dev_i32(int64_t n) {
+  Tensor t = Tensor::empty({n}, DType::I32, Device::cuda(0));
+  poison(t);
+  return t;
+}
+Tensor host(const Tensor& t) { return t.to(Device::cpu()); }
+Tensor host_f32(const Tensor& t) { return t.to(Device::cpu()).to_dtype(DType::F32); }
+cu::Stream stream() { return DeviceContext::get(0).stream(); }
+void sync_dev() { DeviceContext::get(0).synchronize(); }
+
+Tensor eye(int64_t E) {
+  Tensor t = Tensor::zeros({E, E}, DType::F32);
+  for (int64_t e = 0; e < E; ++e) t.data<float>()[e * E + e] = 1.0f;
+  return t;
+}
+
+struct TopkCase {
+  int64_t N, E, k;
+  bool renorm, ties;
+};
+
+void check_topk(const TopkCase& c) {
+  SCOPED_TRACE("N " + std::to_string(c.N) + " E " + std::to_string(c.E) + " k " + std::to_string(c.k) +
+               (c.ties ? " ties" : ""));
+  Tensor lf = Tensor::empty({c.N, c.E}, DType::F32);
+  fill_normal(lf, {77, g_stream++, 0}, 0.0f, 2.0f);
+  if (c.ties)
+    for (int64_t i = 0; i < lf.numel(); ++i) lf.data<float>()[i] = std::round(lf.data<float>()[i]);
+  Tensor ld = lf.to(Device::cuda(0));
+  Tensor ex = dev_i32(c.N * c.k), counts = dev_i32(c.E);
+  Tensor wt = Tensor::empty({c.N * c.k}, DType::F32, Device::cuda(0));
+  poison(wt);
+  cu::moe_topk(ld.data<float>(), c.N, c.E, c.k, c.renorm, ex.data<int32_t>(), wt.data<float>(),
+               counts.data<int32_t>(), stream());
+  sync_dev();
+  ops::MoeRouting ref;
+  ops::moe_route(lf, eye(c.E), c.k, c.renorm, ref);
+  Tensor ge = host(ex), gw = host(wt), gc = host(counts);
+  int64_t bad_e = 0;
+  double werr = 0;
+  std::vector<int32_t> hist(static_cast<size_t>(c.E), 0);
+  for (int64_t i = 0; i < c.N * c.k; ++i) {
+    bad_e += ge.data<int32_t>()[i] != ref.experts.data<int32_t>()[i];
+    const float r = ref.weights.data<float>()[i], g = gw.data<float>()[i];
+    werr = std::max(werr, std::isnan(g) ? double(INFINITY) : double(std::abs(g - r) / std::max(std::abs(r), 1e-30f)));
+    hist[static_cast<size_t>(ref.experts.data<int32_t>()[i])] += 1;
+  }
+  EXPECT_EQ(bad_e, 0) << "chosen experts differ from the CPU's";
+  EXPECT_LE(werr, 1e-5) << "routing weights";
+  for (int64_t e = 0; e < c.E; ++e) EXPECT_EQ(gc.data<int32_t>()[e], hist[static_cast<size_t>(e)]) << "count of " << e;
+}
+
+// The permutation's invariants from given experts.
+void check_permute(int64_t N, int64_t E, int64_t k) {
+  SCOPED_TRACE("permute N " + std::to_string(N) + " E " + std::to_string(E) + " k " + std::to_string(k));
+  Tensor lf = Tensor::empty({N, E}, DType::F32);
+  fill_normal(lf, {78, g_stream++, 0}, 0.0f, 1.0f);
+  // Skew the routing: experts 0..3 get most tokens (several row tiles), the last ones none.
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t e = 0; e < E; ++e) lf.data<float>()[n * E + e] += e < 4 ? 4.0f : (e >= E - 2 ? -50.0f : 0.0f);
+  Tensor ld = lf.to(Device::cuda(0));
+  const int64_t R = N * k;
+  Tensor ex = dev_i32(R), counts = dev_i32(E), off = dev_i32(E + 1), tiles = dev_i32(E + 1), cur = dev_i32(E),
+         src = dev_i32(R), slot = dev_i32(R);
+  Tensor wt = Tensor::empty({R}, DType::F32, Device::cuda(0));
+  cu::moe_topk(ld.data<float>(), N, E, k, true, ex.data<int32_t>(), wt.data<float>(), counts.data<int32_t>(), stream());
+  cu::moe_permute(ex.data<int32_t>(), counts.data<int32_t>(), N, E, k, off.data<int32_t>(), tiles.data<int32_t>(),
+                  cur.data<int32_t>(), src.data<int32_t>(), slot.data<int32_t>(), stream());
+  sync_dev();
+  Tensor he = host(ex), hc = host(counts), ho = host(off), ht = host(tiles), hs = host(src), hp = host(slot);
+  const int32_t *E_ = he.data<int32_t>(), *C = hc.data<int32_t>(), *O = ho.data<int32_t>(), *T = ht.data<int32_t>(),
+                *S = hs.data<int32_t>(), *P = hp.data<int32_t>();
+  ASSERT_EQ(O[0], 0);
+  ASSERT_EQ(T[0], 0);
+  for (int64_t e = 0; e < E; ++e) {
+    ASSERT_EQ(O[e + 1] - O[e], C[e]) << "offsets of expert " << e;
+    ASSERT_EQ(T[e + 1] - T[e], (C[e] + cu::kMoeTileRows - 1) / cu::kMoeTileRows) << "tiles of expert " << e;
+  }
+  ASSERT_EQ(O[E], R);
+  EXPECT_LE(T[E], cu::moe_max_tiles(R, E));
+  EXPECT_GT(C[0], cu::kMoeTileRows) << "the case should give an expert several tiles";
+  EXPECT_EQ(C[E - 1], 0) << "the case should leave an expert empty";
+  std::vector<int> seen(static_cast<size_t>(R), 0);
+  for (int64_t i = 0; i < R; ++i) {
+    const int32_t pos = P[i], e = E_[i];
+    ASSERT_TRUE(pos >= 0 && pos < R) << "slot_pos " << pos;
+    seen[static_cast<size_t>(pos)] += 1;
+    EXPECT_TRUE(pos >= O[e] && pos < O[e + 1]) << "row " << pos << " of (token " << i / k << ", expert " << e << ")";
+    EXPECT_EQ(S[pos], i / k) << "src_row of row " << pos;
+  }
+  for (int64_t i = 0; i < R; ++i) EXPECT_EQ(seen[static_cast<size_t>(i)], 1) << "row " << i << " used";
+}
+
+// The grouped GEMM alone (no swiglu, odd Nout, K not a multiple of 32) vs per-row dot products.
+void check_grouped_plain(int64_t N, int64_t E, int64_t k, int64_t Nout, int64_t K) {
+  SCOPED_TRACE("grouped plain Nout " + std::to_string(Nout) + " K " + std::to_string(K));
+  const int64_t R = N * k;
+  Tensor lf = Tensor::empty({N, E}, DType::F32);
+  fill_normal(lf, {79, g_stream++, 0}, 0.0f, 1.0f);
+  Tensor ld = lf.to(Device::cuda(0));
+  Tensor ex = dev_i32(R), counts = dev_i32(E), off = dev_i32(E + 1), tiles = dev_i32(E + 1), cur = dev_i32(E),
+         src = dev_i32(R), slot = dev_i32(R);
+  Tensor wt = Tensor::empty({R}, DType::F32, Device::cuda(0));
+  cu::moe_topk(ld.data<float>(), N, E, k, true, ex.data<int32_t>(), wt.data<float>(), counts.data<int32_t>(), stream());
+  cu::moe_permute(ex.data<int32_t>(), counts.data<int32_t>(), N, E, k, off.data<int32_t>(), tiles.data<int32_t>(),
+                  cur.data<int32_t>(), src.data<int32_t>(), slot.data<int32_t>(), stream());
+  Pair x = rand_bf16({N, K}, 1.0f), w = rand_bf16({E, Nout, K}, 1.0f / std::sqrt(float(K)));
+  Tensor y = Tensor::empty({R, Nout}, DType::BF16, Device::cuda(0));
+  poison(y);
+  cu::MoeGemmParams g;
+  g.x = x.dev.raw_data();
+  g.ldx = K;
+  g.src_row = src.data<int32_t>();
+  g.w = w.dev.raw_data();
+  g.y = y.raw_data();
+  g.ldy = Nout;
+  g.offsets = off.data<int32_t>();
+  g.tile_offsets = tiles.data<int32_t>();
+  g.E = E;
+  g.Nout = Nout;
+  g.K = K;
+  g.max_tiles = cu::moe_max_tiles(R, E);
+  cu::moe_grouped_gemm(g, stream());
+  sync_dev();
+  Tensor hy = host_f32(y), he = host(ex), hp = host(slot);
+  Tensor ref = Tensor::empty({R, Nout}, DType::F32);
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t n = i / k, e = he.data<int32_t>()[i], pos = hp.data<int32_t>()[i];
+    for (int64_t c = 0; c < Nout; ++c) {
+      float s = 0;
+      for (int64_t q = 0; q < K; ++q) s += x.host.data<float>()[n * K + q] * w.host.data<float>()[(e * Nout + c) * K + q];
+      ref.data<float>()[pos * Nout + c] = s;
+    }
+  }
+  EXPECT_LE(max_rel_err(hy, ref), kBound);
+}
+
+struct BlockCase {
+  int64_t N, H, E, k, I, Is;
+  bool renorm;
+};
+
+void check_block(const BlockCase& c, cu::MoeImpl impl) {
+  SCOPED_TRACE(std::string(cu::moe_impl_name(impl)) + " N " + std::to_string(c.N) + " H " + std::to_string(c.H) +
+               " E " + std::to_string(c.E) + " k " + std::to_string(c.k) + " I " + std::to_string(c.I) + " Is " +
+               std::to_string(c.Is));
+  const float ws = 1.0f / std::sqrt(float(c.H));
+  Pair x = rand_bf16({c.N, c.H}, 1.0f), router = rand_bf16({c.E, c.H}, ws);
+  Pair gu = rand_bf16({c.E, 2 * c.I, c.H}, ws), dn = rand_bf16({c.E, c.H, c.I}, 1.0f / std::sqrt(float(c.I)));
+  Pair sgu, sdn, sg;
+  if (c.Is) {
+    sgu = rand_bf16({2 * c.Is, c.H}, ws);
+    sdn = rand_bf16({c.H, c.Is}, 1.0f / std::sqrt(float(c.Is)));
+    sg = rand_bf16({1, c.H}, ws);
+  }
+  Tensor out = Tensor::empty({c.N, c.H}, DType::BF16, Device::cuda(0));
+  poison(out);
+  Tensor ex = dev_i32(c.N * c.k), wt = Tensor::empty({c.N * c.k}, DType::F32, Device::cuda(0));
+  const size_t bytes = cu::moe_workspace_bytes(c.N, c.H, c.E, c.k, c.I, c.Is, impl);
+  Tensor ws_t = Tensor::empty({static_cast<int64_t>(bytes)}, DType::U8, Device::cuda(0));
+  DFLASH_CUDA_CHECK(cudaMemset(ws_t.raw_data(), 0xff, bytes));  // NaN-ish garbage in every scratch buffer
+  cu::MoeBlockParams p;
+  p.x = x.dev.raw_data();
+  p.N = c.N;
+  p.H = c.H;
+  p.E = c.E;
+  p.k = c.k;
+  p.I = c.I;
+  p.Is = c.Is;
+  p.renormalize = c.renorm;
+  p.router = router.dev.raw_data();
+  p.experts_gate_up = gu.dev.raw_data();
+  p.experts_down = dn.dev.raw_data();
+  if (c.Is) {
+    p.shared_gate_up = sgu.dev.raw_data();
+    p.shared_down = sdn.dev.raw_data();
+    p.shared_gate = sg.dev.raw_data();
+  }
+  p.out = out.raw_data();
+  p.workspace = ws_t.raw_data();
+  p.experts_out = ex.data<int32_t>();
+  p.weights_out = wt.data<float>();
+  cu::moe_block(p, impl, 0);
+  sync_dev();
+
+  // Routing vs the CPU's f32 router (near ties allowed, see the top).
+  ops::MoeRouting cpu;
+  ops::moe_route(x.host, router.host, c.k, c.renorm, cpu);
+  ops::MoeRouting gpu;
+  gpu.experts = host(ex).view({c.N, c.k});
+  gpu.weights = host(wt).view({c.N, c.k});
+  int64_t differ = 0;
+  for (int64_t n = 0; n < c.N; ++n) {
+    std::set<int32_t> a, b;
+    for (int64_t j = 0; j < c.k; ++j) {
+      a.insert(cpu.experts.data<int32_t>()[n * c.k + j]);
+      b.insert(gpu.experts.data<int32_t>()[n * c.k + j]);
+    }
+    if (a == b) continue;
+    ++differ;
+    const float* L = cpu.logits.data<float>() + n * c.E;
+    const float kth = L[cpu.experts.data<int32_t>()[n * c.k + c.k - 1]];
+    for (int32_t e : b) {
+      if (!a.count(e)) {
+        EXPECT_LE(std::abs(L[e] - kth), 1e-4f * std::max(1.0f, std::abs(kth))) << "token " << n << " expert " << e;
+      }
+    }
+  }
+  EXPECT_LE(differ, std::max<int64_t>(1, c.N / 100)) << "tokens routed differently from the CPU";
+
+  // Output vs the CPU block on the GPU's choices.
+  Tensor ref = Tensor::empty({c.N, c.H}, DType::F32);
+  ops::moe_experts(x.host, gu.host, dn.host, gpu, ref);
+  if (c.Is) {
+    Tensor g = Tensor::empty({c.N, c.Is}, DType::F32), u = Tensor::empty({c.N, c.Is}, DType::F32);
+    Tensor sgu_g = sgu.host.slice(0, 0, c.Is).clone(), sgu_u = sgu.host.slice(0, c.Is, 2 * c.Is).clone();
+    ops::linear(x.host, sgu_g, g);
+    ops::linear(x.host, sgu_u, u);
+    ops::swiglu(g, u, g);
+    Tensor sh = Tensor::empty({c.N, c.H}, DType::F32), gate = Tensor::empty({c.N, 1}, DType::F32);
+    ops::linear(g, sdn.host, sh);
+    ops::linear(x.host, sg.host, gate);
+    ops::add_sigmoid_gated(sh, gate, ref);
+  }
+  EXPECT_LE(max_rel_err(host_f32(out), ref), kBound);
+}
+
+bool gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+}  // namespace
+
+TEST(CudaMoe, TopK) {
+  if (!gpu()) GTEST_SKIP() << "no CUDA device";
+  for (const TopkCase& c : std::vector<TopkCase>{{37, 8, 2, true, false},
+                                                 {300, 256, 8, true, false},
+                                                 {64, 256, 8, false, false},
+                                                 {50, 64, 8, true, true},
+                                                 {9, 1000, 32, true, false},
+                                                 {5, 3, 3, true, true},
+                                                 {1, 256, 8, true, false}})
+    check_topk(c);
+}
+
+TEST(CudaMoe, Permute) {
+  if (!gpu()) GTEST_SKIP() << "no CUDA device";
+  check_permute(200, 16, 2);
+  check_permute(500, 256, 8);
+}
+
+TEST(CudaMoe, GroupedGemmEdges) {
+  if (!gpu()) GTEST_SKIP() << "no CUDA device";
+  check_grouped_plain(150, 4, 2, 101, 40);  // ~75 rows an expert: two row tiles; partial column and k tiles
+  check_grouped_plain(7, 16, 4, 136, 64);
+}
+
+TEST(CudaMoe, BlockMatchesCpu) {
+  if (!gpu()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<BlockCase> cases = {
+      {37, 64, 8, 2, 32, 0, true},       {130, 128, 16, 4, 48, 64, true}, {200, 256, 64, 8, 64, 64, true},
+      {33, 128, 16, 4, 40, 24, false},   {1, 256, 64, 8, 64, 64, true},   {4, 256, 64, 8, 64, 64, true},
+      {16, 256, 64, 8, 64, 64, true},
+  };
+  for (const BlockCase& c : cases)
+    for (cu::MoeImpl impl : {cu::MoeImpl::Grouped, cu::MoeImpl::Fallback}) check_block(c, impl);
+}
+
+// Timing rows at Qwen3.6-35B-A3B shapes (H 2048, E 256, k 8, I 512, Is 512), random bf16 weights:
+// only with DFLASH_MOE_BENCH=1 (kernel_bench-style rows on stdout: impl, N, ms, TFLOP/s).
+TEST(CudaMoe, Bench35bA3b) {
+  if (!gpu() || !std::getenv("DFLASH_MOE_BENCH")) GTEST_SKIP() << "set DFLASH_MOE_BENCH=1 (and a GPU)";
+  const int64_t H = 2048, E = 256, k = 8, I = 512, Is = 512;
+  // Weights drawn on the GPU (a host draw of 800M values would take most of a minute).
+  auto gpu_rand = [](const Shape& s, float sd) {
+    Pair r;
+    r.dev = Tensor::empty(s, DType::BF16, Device::cuda(0));
+    cu::fill_normal(r.dev, {3312, g_stream++, 0}, 0.0f, sd);
+    return r;
+  };
+  Pair router = gpu_rand({E, H}, 0.02f), gu = gpu_rand({E, 2 * I, H}, 0.02f), dn = gpu_rand({E, H, I}, 0.02f);
+  Pair sgu = gpu_rand({2 * Is, H}, 0.02f), sdn = gpu_rand({H, Is}, 0.02f), sg = gpu_rand({1, H}, 0.02f);
+  std::printf("moe_bench,impl,tokens,ms_block,block_tflops,ms_expert_gemms,expert_gemm_tflops\n");
+  for (int64_t N : {1, 16, 2048, 8192}) {
+    Pair x = gpu_rand({N, H}, 1.0f);
+    Tensor out = Tensor::empty({N, H}, DType::BF16, Device::cuda(0));
+    for (cu::MoeImpl impl : {cu::MoeImpl::Grouped, cu::MoeImpl::Fallback}) {
+      const size_t bytes = cu::moe_workspace_bytes(N, H, E, k, I, Is, impl);
+      Tensor ws_t = Tensor::empty({static_cast<int64_t>(bytes)}, DType::U8, Device::cuda(0));
+      cu::MoeBlockParams p;
+      p.x = x.dev.raw_data();
+      p.N = N, p.H = H, p.E = E, p.k = k, p.I = I, p.Is = Is;
+      p.router = router.dev.raw_data();
+      p.experts_gate_up = gu.dev.raw_data();
+      p.experts_down = dn.dev.raw_data();
+      p.shared_gate_up = sgu.dev.raw_data();
+      p.shared_down = sdn.dev.raw_data();
+      p.shared_gate = sg.dev.raw_data();
+      p.out = out.raw_data();
+      p.workspace = ws_t.raw_data();
+      auto time_it = [&](auto&& fn) {
+        fn();
+        sync_dev();
+        cudaEvent_t a, b;
+        cudaEventCreate(&a);
+        cudaEventCreate(&b);
+        const int reps = N >= 2048 ? 10 : 50;
+        cudaEventRecord(a, static_cast<cudaStream_t>(stream()));
+        for (int r = 0; r < reps; ++r) fn();
+        cudaEventRecord(b, static_cast<cudaStream_t>(stream()));
+        cudaEventSynchronize(b);
+        float ms = 0;
+        cudaEventElapsedTime(&ms, a, b);
+        cudaEventDestroy(a);
+        cudaEventDestroy(b);
+        return ms / reps;
+      };
+      const double ms = time_it([&] { cu::moe_block(p, impl, 0); });
+      const double flops = 2.0 * N * (E * H + k * 3 * I * H + 3 * Is * H);
+      double ms_g = NAN;
+      if (impl == cu::MoeImpl::Grouped) {
+        // The two grouped GEMMs alone, on the routing moe_block left in the workspace... rerun the
+        // routing into separate buffers so the GEMMs' inputs are real.
+        const int64_t R = N * k;
+        Tensor lg = Tensor::empty({N, E}, DType::F32);
+        fill_normal(lg, {5, g_stream++, 0}, 0.0f, 1.0f);
+        lg = lg.to(Device::cuda(0));
+        Tensor ex = dev_i32(R), counts = dev_i32(E), off = dev_i32(E + 1), tiles = dev_i32(E + 1), cur = dev_i32(E),
+               src = dev_i32(R), slot = dev_i32(R);
+        Tensor wt = Tensor::empty({R}, DType::F32, Device::cuda(0));
+        cu::moe_topk(lg.data<float>(), N, E, k, true, ex.data<int32_t>(), wt.data<float>(), counts.data<int32_t>(), stream());
+        cu::moe_permute(ex.data<int32_t>(), counts.data<int32_t>(), N, E, k, off.data<int32_t>(), tiles.data<int32_t>(),
+                        cur.data<int32_t>(), src.data<int32_t>(), slot.data<int32_t>(), stream());
+        Tensor act = Tensor::empty({R, I}, DType::BF16, Device::cuda(0)), y = Tensor::empty({R, H}, DType::BF16, Device::cuda(0));
+        cu::MoeGemmParams g1;
+        g1.x = x.dev.raw_data(), g1.ldx = H, g1.src_row = src.data<int32_t>(), g1.w = gu.dev.raw_data();
+        g1.y = act.raw_data(), g1.ldy = I, g1.offsets = off.data<int32_t>(), g1.tile_offsets = tiles.data<int32_t>();
+        g1.E = E, g1.Nout = I, g1.K = H, g1.max_tiles = cu::moe_max_tiles(R, E), g1.swiglu = true;
+        cu::MoeGemmParams g2 = g1;
+        g2.x = act.raw_data(), g2.ldx = I, g2.src_row = nullptr, g2.w = dn.dev.raw_data(), g2.y = y.raw_data();
+        g2.ldy = H, g2.Nout = H, g2.K = I, g2.swiglu = false;
+        ms_g = time_it([&] {
+          cu::moe_grouped_gemm(g1, stream());
+          cu::moe_grouped_gemm(g2, stream());
+        });
+      }
+      const double gflops = 2.0 * N * k * 3 * I * H;
+      std::printf("moe_bench,%s,%lld,%.4f,%.1f,%.4f,%.1f\n", cu::moe_impl_name(impl), static_cast<long long>(N), ms,
+                  flops / ms / 1e9, ms_g, gflops / ms_g / 1e9);
+      std::fflush(stdout);
+    }
+  }
+}

@@ -56,6 +56,22 @@ Tensor dev_i32(int64_t n) {
 Tensor host(const Tensor& t) { return t.to(Device::cpu()); }
 Tensor host_f32(const Tensor& t) { return t.to(Device::cpu()).to_dtype(DType::F32); }
 cu::Stream stream() { return DeviceContext::get(0).stream(); }
+
+// The routing of N tokens over E experts by logits already on the GPU: moe_topk then moe_permute into
+// buffers of their own (the inputs of the grouped GEMM tests and of the bench's GEMMs).
+struct Routed {
+  Tensor ex, counts, off, tiles, cur, src, slot, wt;
+};
+Routed route(const Tensor& logits_dev, int64_t N, int64_t E, int64_t k) {
+  const int64_t R = N * k;
+  Routed r{dev_i32(R), dev_i32(E), dev_i32(E + 1), dev_i32(E + 1), dev_i32(E), dev_i32(R), dev_i32(R),
+           Tensor::empty({R}, DType::F32, Device::cuda(0))};
+  cu::moe_topk(logits_dev.data<float>(), N, E, k, true, r.ex.data<int32_t>(), r.wt.data<float>(), r.counts.data<int32_t>(),
+               stream());
+  cu::moe_permute(r.ex.data<int32_t>(), r.counts.data<int32_t>(), N, E, k, r.off.data<int32_t>(), r.tiles.data<int32_t>(),
+                  r.cur.data<int32_t>(), r.src.data<int32_t>(), r.slot.data<int32_t>(), stream());
+  return r;
+}
 void sync_dev() { DeviceContext::get(0).synchronize(); }
 
 Tensor eye(int64_t E) {
@@ -110,12 +126,8 @@ void check_permute(int64_t N, int64_t E, int64_t k) {
     for (int64_t e = 0; e < E; ++e) lf.data<float>()[n * E + e] += e < 4 ? 4.0f : (e >= E - 2 ? -50.0f : 0.0f);
   Tensor ld = lf.to(Device::cuda(0));
   const int64_t R = N * k;
-  Tensor ex = dev_i32(R), counts = dev_i32(E), off = dev_i32(E + 1), tiles = dev_i32(E + 1), cur = dev_i32(E),
-         src = dev_i32(R), slot = dev_i32(R);
-  Tensor wt = Tensor::empty({R}, DType::F32, Device::cuda(0));
-  cu::moe_topk(ld.data<float>(), N, E, k, true, ex.data<int32_t>(), wt.data<float>(), counts.data<int32_t>(), stream());
-  cu::moe_permute(ex.data<int32_t>(), counts.data<int32_t>(), N, E, k, off.data<int32_t>(), tiles.data<int32_t>(),
-                  cur.data<int32_t>(), src.data<int32_t>(), slot.data<int32_t>(), stream());
+  Routed rt = route(ld, N, E, k);
+  Tensor &ex = rt.ex, &counts = rt.counts, &off = rt.off, &tiles = rt.tiles, &src = rt.src, &slot = rt.slot;
   sync_dev();
   Tensor he = host(ex), hc = host(counts), ho = host(off), ht = host(tiles), hs = host(src), hp = host(slot);
   const int32_t *E_ = he.data<int32_t>(), *C = hc.data<int32_t>(), *O = ho.data<int32_t>(), *T = ht.data<int32_t>(),
@@ -148,12 +160,8 @@ void check_grouped_plain(int64_t N, int64_t E, int64_t k, int64_t Nout, int64_t 
   Tensor lf = Tensor::empty({N, E}, DType::F32);
   fill_normal(lf, {79, g_stream++, 0}, 0.0f, 1.0f);
   Tensor ld = lf.to(Device::cuda(0));
-  Tensor ex = dev_i32(R), counts = dev_i32(E), off = dev_i32(E + 1), tiles = dev_i32(E + 1), cur = dev_i32(E),
-         src = dev_i32(R), slot = dev_i32(R);
-  Tensor wt = Tensor::empty({R}, DType::F32, Device::cuda(0));
-  cu::moe_topk(ld.data<float>(), N, E, k, true, ex.data<int32_t>(), wt.data<float>(), counts.data<int32_t>(), stream());
-  cu::moe_permute(ex.data<int32_t>(), counts.data<int32_t>(), N, E, k, off.data<int32_t>(), tiles.data<int32_t>(),
-                  cur.data<int32_t>(), src.data<int32_t>(), slot.data<int32_t>(), stream());
+  Routed rt = route(ld, N, E, k);
+  Tensor &ex = rt.ex, &off = rt.off, &tiles = rt.tiles, &src = rt.src, &slot = rt.slot;
   Pair x = rand_bf16({N, K}, 1.0f), w = rand_bf16({E, Nout, K}, 1.0f / std::sqrt(float(K)));
   Tensor y = Tensor::empty({R, Nout}, DType::BF16, Device::cuda(0));
   poison(y);
@@ -376,12 +384,8 @@ TEST(CudaMoe, Bench35bA3b) {
         Tensor lg = Tensor::empty({N, E}, DType::F32);
         fill_normal(lg, {5, g_stream++, 0}, 0.0f, 1.0f);
         lg = lg.to(Device::cuda(0));
-        Tensor ex = dev_i32(R), counts = dev_i32(E), off = dev_i32(E + 1), tiles = dev_i32(E + 1), cur = dev_i32(E),
-               src = dev_i32(R), slot = dev_i32(R);
-        Tensor wt = Tensor::empty({R}, DType::F32, Device::cuda(0));
-        cu::moe_topk(lg.data<float>(), N, E, k, true, ex.data<int32_t>(), wt.data<float>(), counts.data<int32_t>(), stream());
-        cu::moe_permute(ex.data<int32_t>(), counts.data<int32_t>(), N, E, k, off.data<int32_t>(), tiles.data<int32_t>(),
-                        cur.data<int32_t>(), src.data<int32_t>(), slot.data<int32_t>(), stream());
+        Routed rt = route(lg, N, E, k);
+        Tensor &off = rt.off, &tiles = rt.tiles, &src = rt.src;
         Tensor act = Tensor::empty({R, I}, DType::BF16, Device::cuda(0)), y = Tensor::empty({R, H}, DType::BF16, Device::cuda(0));
         cu::MoeGemmParams g1;
         g1.x = x.dev.raw_data(), g1.ldx = H, g1.src_row = src.data<int32_t>(), g1.w = gu.dev.raw_data();

@@ -88,12 +88,6 @@ void read_moe_fields(const json& text, const io::JsonFields& f, const std::strin
 }
 }  // namespace
 
-void require_dense_target(const TargetConfig& c, const std::string& what) {
-  DFLASH_REQUIRE_HINT(!c.is_moe(), c.source << ": model_type " << c.model_type << " (num_experts " << c.num_experts
-                                            << "): MoE layers run on the CPU backend only for now, not on " << what,
-                    "run this target with --device cpu (the f32 reference), or a dense qwen3_5 target on the GPU");
-}
-
 TargetConfig TargetConfig::from_json(const json& doc, const std::string& source) {
   DFLASH_REQUIRE(doc.is_object(), source << ": config must be a JSON object");
   const std::string top_type = doc.contains("model_type") && doc["model_type"].is_string()

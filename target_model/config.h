@@ -128,8 +128,4 @@ struct TargetConfig {
   std::string summary() const;  // one line for logs
 };
 
-// Throws a user error when `c` is an MoE target and `what` (e.g. "the CUDA backend") cannot run it:
-// the MoE block exists on the CPU reference only for now.
-void require_dense_target(const TargetConfig& c, const std::string& what);
-
 }  // namespace dflash::target

@@ -110,12 +110,10 @@ CudaTargetModel::CudaTargetModel(TargetConfig config, TargetWeights weights, Fas
   if (weights_fp8 && gemm_step.path != Path::Fast) apply_precision(weights_, Precision::Bf16);
   fp8_ = weights_fp8 && gemm_step.path == Path::Fast;
   gemm_unaligned_ = gemm_step.kernel == kGemmUnalignedKernel;
-  moe_fallback_ = plan_.moe_fallback;
   DFLASH_CHECK_HINT(!config_.is_moe() || (!weights_fp8 && !gemm_unaligned_ && !plan_.moe_kernel.empty()),
                     config_.source << ": the GPU runs MoE blocks in bf16 with every size a multiple of 8 (the plan: "
                                    << plan_.moe << ")",
                     "make the plan for this device with make_plan (bf16); FP8 MoE runs nowhere yet");
-  [[maybe_unused]] const TargetConfig& c = config_;
   fused_.resize(weights_.layers.size());
   for (size_t i = 0; i < weights_.layers.size(); ++i) {
     LayerWeights& L = weights_.layers[i];
@@ -280,7 +278,6 @@ void CudaTargetModel::set_plan(FastPathPlan plan) {
                                                   << config_.num_hidden_layers);
   plan_ = std::move(plan);
   gemm_unaligned_ = plan_.layers[0].step(Step::Gemm).kernel == kGemmUnalignedKernel;
-  moe_fallback_ = plan_.moe_fallback;
 }
 
 CudaBatch CudaTargetModel::make_batch(const std::vector<std::vector<int32_t>>& sequences) const {
@@ -626,7 +623,7 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
   const LayerWeights& L = weights_.layers[static_cast<size_t>(i)];
   const Fused& f = fused_[static_cast<size_t>(i)];
   const int64_t N = x.size(0);
-  const cuda::MoeImpl impl = moe_fallback_ ? cuda::MoeImpl::Fallback : cuda::MoeImpl::Grouped;
+  const cuda::MoeImpl impl = plan_.moe_fallback ? cuda::MoeImpl::Fallback : cuda::MoeImpl::Grouped;
   if (impl == cuda::MoeImpl::Fallback) {
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
     DFLASH_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream_), &st));

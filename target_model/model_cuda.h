@@ -252,7 +252,6 @@ class CudaTargetModel {
   std::vector<Fused> fused_;
   bool fp8_ = false;  // the projections run the block-scaled FP8 GEMM
   bool gemm_unaligned_ = false;  // gemm_unaligned()
-  bool moe_fallback_ = false;    // MoE blocks on the per-expert gemm_bf16 loop (plan().moe_fallback)
   void moe(int64_t i, const Tensor& x, Tensor& out);  // the sparse MoE block (cuda::moe_block)
   PathCounters counters_;
   Device device_;

@@ -474,6 +474,8 @@ TEST(CudaFp8, StreamingGemmMatchesCpuBlockwise) {
   for (int64_t M = 1; M <= 16; ++M) cases.push_back({M, M % 2 ? 333 : 4100, M % 3 ? 640 : 2048, M == 5 ? 48 : 0});
   cases.push_back({16, 17, 128, 0});
   cases.push_back({4, 9000, 1024, 16});
+  cases.push_back({8, 5120, 1024, 0});  // a model-like shape (N, K multiples of 128): cuBLASLt serves it
+  int compared_with_lt = 0;
   for (const Case& c : cases) {
     SCOPED_TRACE(testing::Message() << "M=" << c.M << " N=" << c.N << " K=" << c.K << " ldx=K+" << c.pad_x);
     const int64_t ldx = c.K + c.pad_x, y_col = 8, ldy = (c.N + 24 + 7) / 8 * 8;  // gemm_fp8: ldy % 8 == 0
@@ -503,13 +505,25 @@ TEST(CudaFp8, StreamingGemmMatchesCpuBlockwise) {
     EXPECT_EQ(written, 0) << "elements outside the output window were written";
     double vs_lt = -1;
     if (c.M % 4 == 0) {
-      const Tensor lt = run(0);
-      vs_lt = max_rel_err(got.slice(1, y_col, y_col + c.N).clone(), lt.slice(1, y_col, y_col + c.N).clone());
-      EXPECT_LT(vs_lt, kGemmBound);
+      // cuBLASLt's block-scaled FP8 has no algorithm at some of these odd shapes (M=4 N=4100 K=640 on an
+      // H200 with cuBLAS 13.0: the model's own shapes are multiples of 128); there the CPU comparison
+      // above is the check, and at least the cases counted below must reach cuBLASLt.
+      try {
+        const Tensor lt = run(0);
+        vs_lt = max_rel_err(got.slice(1, y_col, y_col + c.N).clone(), lt.slice(1, y_col, y_col + c.N).clone());
+        EXPECT_LT(vs_lt, kGemmBound);
+        ++compared_with_lt;
+      } catch (const std::exception& e) {
+        const std::string what = e.what();
+        ASSERT_NE(what.find("found no algorithm"), std::string::npos) << what;
+        std::printf("  cuBLASLt has no algorithm at M=%ld N=%ld K=%ld: compared with the CPU only\n", long(c.M),
+                    long(c.N), long(c.K));
+      }
     }
     std::printf("  gemm_fp8_stream M=%ld N=%ld K=%ld ldx=%ld: max_rel_err %.2e vs cpu, %.2e vs cublasLt\n",
                 long(c.M), long(c.N), long(c.K), long(ldx), err, vs_lt);
   }
+  EXPECT_GE(compared_with_lt, 2) << "the streaming kernel must be compared with cuBLASLt at the shapes it serves";
   // What it cannot do is refused by name (gemm_fp8 then takes cuBLASLt).
   cu::GemmFp8Params bad = fp8_gemm_params(dev_codes(32 * 144).raw_data(), 144, dev_floats(64).raw_data(),
                                           dev_codes(32 * 144).raw_data(), dev_floats(64).raw_data(),

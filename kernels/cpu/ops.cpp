@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "kernels/cpu/common.h"
+#include "kernels/cpu/gemm.h"
 
 namespace dflash::ops {
 
@@ -76,37 +77,10 @@ void linear(const Tensor& x, const Tensor& w, Tensor& y, bool accumulate) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   DFLASH_CHECK(w.size(1) == K, "linear: x " << x.describe() << " and w " << w.describe() << " disagree on K");
   require_shape(y, {M, N}, "linear", "y");
-  const float* X = x.data<float>();
-  const float* W = w.data<float>();
-  float* Y = y.data<float>();
-  // Four output columns at a time: each x row is read once per four w rows.
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = X + m * K;
-    int64_t n = 0;
-    for (; n + 4 <= N; n += 4) {
-      const float* w0 = W + n * K;
-      const float* w1 = w0 + K;
-      const float* w2 = w1 + K;
-      const float* w3 = w2 + K;
-      float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        float xv = xr[k];
-        s0 += xv * w0[k];
-        s1 += xv * w1[k];
-        s2 += xv * w2[k];
-        s3 += xv * w3[k];
-      }
-      float* yr = Y + m * N + n;
-      if (accumulate) { yr[0] += s0; yr[1] += s1; yr[2] += s2; yr[3] += s3; }
-      else { yr[0] = s0; yr[1] = s1; yr[2] = s2; yr[3] = s3; }
-    }
-    for (; n < N; ++n) {
-      const float* wr = W + n * K;
-      float s = 0;
-      for (int64_t k = 0; k < K; ++k) s += xr[k] * wr[k];
-      Y[m * N + n] = accumulate ? Y[m * N + n] + s : s;
-    }
-  }
+  // Each output one f32 sum over k in ascending order (kernels/cpu/gemm.h), whatever M and the thread
+  // count: a row's values do not depend on the other rows of the batch (decoding relies on it).
+  cpu::gemm_f32(cpu::Trans::N, cpu::Trans::T, M, N, K, x.data<float>(), K, w.data<float>(), K, accumulate,
+                y.data<float>(), N);
 }
 
 void rms_norm(const Tensor& x, const Tensor& w, float eps, RmsNormKind kind, Tensor& y) {

@@ -1,0 +1,473 @@
+// The CPU backend's f32 GEMM (kernels/cpu/gemm.h): packed panels and a register-tile micro-kernel per
+// instruction set, in the way of BLIS / GotoBLAS: for each task's C tile [<= kMc, <= nc], for each k
+// range of kKc: op(B) is packed into 16-column panels ([kc][16], zero-padded), op(A) into MR-row panels
+// ([kc][MR], zero-padded), and the micro-kernel sums an MR x 16 tile over the range from zero with one
+// fused multiply-add per k (ascending), then adds it to C (or stores it, for the first range when not
+// accumulating). Padded rows and columns are computed and dropped, so an element's value does not depend
+// on where its tile starts, on M, N or on the thread that computes it (gemm.h: determinism).
+#include "kernels/cpu/gemm.h"
+
+// GCC 12's AVX-512 headers start some casts from _mm256_undefined_pd(), which -O3 reports as
+// maybe-uninitialized where they are inlined (the upper bits are never read).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <thread>
+#include <vector>
+
+namespace dflash::cpu {
+
+namespace {
+
+constexpr int kNr = 16;        // columns of a micro-tile (one AVX-512 vector, two AVX2 vectors)
+constexpr int64_t kKc = 256;   // k range packed at a time
+constexpr int64_t kMc = 96;    // rows of a task's tile (a multiple of every MR below)
+constexpr int64_t kNc = 512;   // columns of a task's tile at most
+
+// c[mr x nr] (row stride ldc) = (add ? c : 0) + Σ_k ap[k][i] · bp[k][j]; ap [kc][MR], bp [kc][16].
+using MicroKernel = void (*)(int64_t kc, const float* ap, const float* bp, float* c, int64_t ldc, int mr, int nr,
+                             bool add);
+
+// Writes an MR x 16 accumulator tile held in `acc` (row-major, 16 floats a row) to C.
+inline void store_tile(const float* acc, int mr, int nr, float* c, int64_t ldc, bool add) {
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) c[i * ldc + j] = add ? c[i * ldc + j] + acc[i * kNr + j] : acc[i * kNr + j];
+}
+
+template <int MR>
+void micro_portable(int64_t kc, const float* ap, const float* bp, float* c, int64_t ldc, int mr, int nr, bool add) {
+  float acc[MR * kNr] = {};
+  for (int64_t k = 0; k < kc; ++k)
+    for (int i = 0; i < MR; ++i) {
+      const float a = ap[k * MR + i];
+      for (int j = 0; j < kNr; ++j) acc[i * kNr + j] = std::fma(a, bp[k * kNr + j], acc[i * kNr + j]);
+    }
+  store_tile(acc, mr, nr, c, ldc, add);
+}
+
+__attribute__((target("avx2,fma"))) void micro_avx2(int64_t kc, const float* ap, const float* bp, float* c,
+                                                    int64_t ldc, int mr, int nr, bool add) {
+  constexpr int MR = 6;
+  __m256 lo[MR], hi[MR];
+  for (int i = 0; i < MR; ++i) lo[i] = _mm256_setzero_ps(), hi[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_load_ps(bp + k * kNr), b1 = _mm256_load_ps(bp + k * kNr + 8);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 a = _mm256_broadcast_ss(ap + k * MR + i);
+      lo[i] = _mm256_fmadd_ps(a, b0, lo[i]);
+      hi[i] = _mm256_fmadd_ps(a, b1, hi[i]);
+    }
+  }
+  if (mr == MR && nr == kNr) {
+    for (int i = 0; i < MR; ++i) {
+      float* p = c + i * ldc;
+      _mm256_storeu_ps(p, add ? _mm256_add_ps(_mm256_loadu_ps(p), lo[i]) : lo[i]);
+      _mm256_storeu_ps(p + 8, add ? _mm256_add_ps(_mm256_loadu_ps(p + 8), hi[i]) : hi[i]);
+    }
+    return;
+  }
+  alignas(64) float acc[MR * kNr];
+  for (int i = 0; i < MR; ++i) _mm256_store_ps(acc + i * kNr, lo[i]), _mm256_store_ps(acc + i * kNr + 8, hi[i]);
+  store_tile(acc, mr, nr, c, ldc, add);
+}
+
+__attribute__((target("avx512f"))) void micro_avx512(int64_t kc, const float* ap, const float* bp, float* c,
+                                                     int64_t ldc, int mr, int nr, bool add) {
+  constexpr int MR = 12;
+  __m512 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m512 b = _mm512_load_ps(bp + k * kNr);
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(ap[k * MR + i]), b, acc[i]);
+  }
+  const __mmask16 m = static_cast<__mmask16>(nr == kNr ? 0xffff : (1u << nr) - 1);
+  for (int i = 0; i < mr; ++i) {
+    float* p = c + i * ldc;
+    const __m512 v = add ? _mm512_add_ps(_mm512_maskz_loadu_ps(m, p), acc[i]) : acc[i];
+    _mm512_mask_storeu_ps(p, m, v);
+  }
+}
+
+// The NT product (op(A) = A [M, K], op(B) = B^T with B [N, K]: both operands contiguous along k, the
+// linear layers' forward) needs no packing: each element is a dot product of two rows, summed in L
+// lanes (lane l takes k = l, l + L, ...; a K tail is read masked as zeros) and the lanes reduced by one
+// fixed tree. A call covers mi <= MI rows of A and nj <= NJ rows of B, sharing their loads; rows past
+// mi / nj repeat row 0 and are dropped, so an element's bits do not depend on its neighbours (M = 1
+// decoding runs at the speed of the rest, with the same bits).
+using DotKernel = void (*)(int64_t K, const float* a, int64_t lda, int mi, const float* b, int64_t ldb, int nj, float* c,
+                           int64_t ldc, bool add);
+
+template <int MI, int NJ>
+void dot_portable(int64_t K, const float* a, int64_t lda, int mi, const float* b, int64_t ldb, int nj, float* c,
+                  int64_t ldc, bool add) {
+  constexpr int L = 8;
+  for (int i = 0; i < mi; ++i)
+    for (int j = 0; j < nj; ++j) {
+      float lane[L] = {};
+      const float* x = a + i * lda;
+      const float* w = b + j * ldb;
+      for (int64_t k = 0; k < K; ++k) lane[k % L] = std::fma(x[k], w[k], lane[k % L]);
+      const float s = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+      c[i * ldc + j] = add ? c[i * ldc + j] + s : s;
+    }
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // (0+4, 1+5, 2+6, 3+7)
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                        // (0+4)+(2+6), (1+5)+(3+7)
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+__attribute__((target("avx2,fma"))) void dot_avx2(int64_t K, const float* a, int64_t lda, int mi, const float* b,
+                                                  int64_t ldb, int nj, float* c, int64_t ldc, bool add) {
+  constexpr int MI = 2, NJ = 4;
+  const float* x[MI];
+  const float* w[NJ];
+  for (int i = 0; i < MI; ++i) x[i] = a + (i < mi ? i : 0) * lda;
+  for (int j = 0; j < NJ; ++j) w[j] = b + (j < nj ? j : 0) * ldb;
+  __m256 acc[MI][NJ];
+  for (int i = 0; i < MI; ++i)
+    for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[MI], wv[NJ];
+    for (int i = 0; i < MI; ++i) xv[i] = _mm256_loadu_ps(x[i] + k);
+    for (int j = 0; j < NJ; ++j) wv[j] = _mm256_loadu_ps(w[j] + k);
+    for (int i = 0; i < MI; ++i)
+      for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_fmadd_ps(xv[i], wv[j], acc[i][j]);
+  }
+  if (k < K) {
+    alignas(32) int32_t m[8];
+    for (int l = 0; l < 8; ++l) m[l] = k + l < K ? -1 : 0;
+    const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(m));
+    __m256 xv[MI], wv[NJ];
+    for (int i = 0; i < MI; ++i) xv[i] = _mm256_maskload_ps(x[i] + k, mask);
+    for (int j = 0; j < NJ; ++j) wv[j] = _mm256_maskload_ps(w[j] + k, mask);
+    for (int i = 0; i < MI; ++i)
+      for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_fmadd_ps(xv[i], wv[j], acc[i][j]);
+  }
+  for (int i = 0; i < mi; ++i)
+    for (int j = 0; j < nj; ++j) {
+      const float s = hsum8(acc[i][j]);
+      c[i * ldc + j] = add ? c[i * ldc + j] + s : s;
+    }
+}
+
+// The lane sums of four vectors: out[t] = Σ of v_t's 16 lanes, by one fixed tree (halves, then
+// quarters, then pairs within a quarter).
+__attribute__((target("avx512f"))) inline __m256 fold16(__m512 v) {  // 16 -> 8 lanes: low half + high half
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_castps512_ps256(_mm512_shuffle_f32x4(v, v, 0xee)));
+}
+__attribute__((target("avx512f"))) inline __m128 hsum16x4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+  const __m256 a0 = fold16(v0), a1 = fold16(v1), a2 = fold16(v2), a3 = fold16(v3);
+  // 8 -> 4 lanes each, two vectors at a time in one register: (a0 | a1) -> low 128 + high 128.
+  const __m256 b01 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20), _mm256_permute2f128_ps(a0, a1, 0x31));
+  const __m256 b23 = _mm256_add_ps(_mm256_permute2f128_ps(a2, a3, 0x20), _mm256_permute2f128_ps(a2, a3, 0x31));
+  // Within each 4-lane quarter: hadd twice gives (s0, s1, s2, s3) in lane order.
+  const __m256 c = _mm256_hadd_ps(b01, b23);  // (a0 01, a0 23, a2 01, a2 23 | a1 01, a1 23, a3 01, a3 23)
+  const __m256 d = _mm256_hadd_ps(c, c);      // (a0, a2, a0, a2 | a1, a3, a1, a3)
+  const __m128 lo = _mm256_castps256_ps128(d), hi = _mm256_extractf128_ps(d, 1);
+  return _mm_unpacklo_ps(lo, hi);  // (a0, a1, a2, a3)
+}
+
+__attribute__((target("avx512f"))) void dot_avx512(int64_t K, const float* a, int64_t lda, int mi, const float* b,
+                                                   int64_t ldb, int nj, float* c, int64_t ldc, bool add) {
+  constexpr int MI = 4, NJ = 4;
+  const float* x[MI];
+  const float* w[NJ];
+  for (int i = 0; i < MI; ++i) x[i] = a + (i < mi ? i : 0) * lda;
+  for (int j = 0; j < NJ; ++j) w[j] = b + (j < nj ? j : 0) * ldb;
+  __m512 acc[MI][NJ];
+  for (int i = 0; i < MI; ++i)
+    for (int j = 0; j < NJ; ++j) acc[i][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 xv[MI], wv[NJ];
+    for (int i = 0; i < MI; ++i) xv[i] = _mm512_loadu_ps(x[i] + k);
+    for (int j = 0; j < NJ; ++j) wv[j] = _mm512_loadu_ps(w[j] + k);
+    for (int i = 0; i < MI; ++i)
+      for (int j = 0; j < NJ; ++j) acc[i][j] = _mm512_fmadd_ps(xv[i], wv[j], acc[i][j]);
+  }
+  if (k < K) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 xv[MI], wv[NJ];
+    for (int i = 0; i < MI; ++i) xv[i] = _mm512_maskz_loadu_ps(m, x[i] + k);
+    for (int j = 0; j < NJ; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w[j] + k);
+    for (int i = 0; i < MI; ++i)
+      for (int j = 0; j < NJ; ++j) acc[i][j] = _mm512_fmadd_ps(xv[i], wv[j], acc[i][j]);
+  }
+  for (int i = 0; i < mi; ++i) {
+    alignas(16) float s[4];
+    _mm_store_ps(s, hsum16x4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+    for (int j = 0; j < nj; ++j) c[i * ldc + j] = add ? c[i * ldc + j] + s[j] : s[j];
+  }
+}
+
+struct Isa {
+  const char* name;
+  int mr;
+  MicroKernel kernel;
+  int dot_mi, dot_nj;
+  DotKernel dot;
+};
+
+Isa pick_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return {"avx512", 12, micro_avx512, 4, 4, dot_avx512};
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return {"avx2", 6, micro_avx2, 2, 4, dot_avx2};
+  return {"portable", 4, micro_portable<4>, 2, 2, dot_portable<2, 2>};
+}
+
+const Isa& isa() {
+  static const Isa i = pick_isa();
+  return i;
+}
+
+// A 64-byte aligned scratch buffer per thread (the packed panels), grown on demand.
+struct Scratch {
+  struct Free {
+    void operator()(float* p) const { ::operator delete[](p, std::align_val_t(64)); }
+  };
+  std::unique_ptr<float[], Free> p;
+  size_t n = 0;
+  float* get(size_t want) {
+    if (want > n) {
+      p.reset(static_cast<float*>(::operator new[](want * sizeof(float), std::align_val_t(64))));
+      n = want;
+    }
+    return p.get();
+  }
+};
+
+// op(B)[k0 .. k0+kc, j0 .. j0+nc] into ceil(nc / 16) panels [kc][16], zero-padded.
+void pack_b(Trans tb, const float* B, int64_t ldb, int64_t k0, int64_t kc, int64_t j0, int64_t nc, float* bp) {
+  for (int64_t jp = 0; jp < nc; jp += kNr) {
+    const int nr = static_cast<int>(std::min<int64_t>(kNr, nc - jp));
+    float* dst = bp + jp * kc;
+    if (tb == Trans::N) {
+      for (int64_t k = 0; k < kc; ++k) {
+        const float* src = B + (k0 + k) * ldb + j0 + jp;
+        float* d = dst + k * kNr;
+        std::memcpy(d, src, sizeof(float) * static_cast<size_t>(nr));
+        for (int j = nr; j < kNr; ++j) d[j] = 0.0f;
+      }
+    } else {
+      for (int j = 0; j < kNr; ++j) {
+        if (j >= nr) {
+          for (int64_t k = 0; k < kc; ++k) dst[k * kNr + j] = 0.0f;
+          continue;
+        }
+        const float* src = B + (j0 + jp + j) * ldb + k0;
+        for (int64_t k = 0; k < kc; ++k) dst[k * kNr + j] = src[k];
+      }
+    }
+  }
+}
+
+// op(A)[i0 .. i0+mc, k0 .. k0+kc] into ceil(mc / MR) panels [kc][MR], zero-padded.
+void pack_a(Trans ta, const float* A, int64_t lda, int64_t i0, int64_t mc, int64_t k0, int64_t kc, int MR, float* ap) {
+  for (int64_t ip = 0; ip < mc; ip += MR) {
+    const int mr = static_cast<int>(std::min<int64_t>(MR, mc - ip));
+    float* dst = ap + ip * kc;
+    if (ta == Trans::N) {
+      for (int i = 0; i < MR; ++i) {
+        if (i >= mr) {
+          for (int64_t k = 0; k < kc; ++k) dst[k * MR + i] = 0.0f;
+          continue;
+        }
+        const float* src = A + (i0 + ip + i) * lda + k0;
+        for (int64_t k = 0; k < kc; ++k) dst[k * MR + i] = src[k];
+      }
+    } else {
+      for (int64_t k = 0; k < kc; ++k) {
+        const float* src = A + (k0 + k) * lda + i0 + ip;
+        float* d = dst + k * MR;
+        for (int i = 0; i < mr; ++i) d[i] = src[i];
+        for (int i = mr; i < MR; ++i) d[i] = 0.0f;
+      }
+    }
+  }
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- worker threads ----
+
+int default_threads() {
+  if (const char* e = std::getenv("DFLASH_CPU_THREADS")) {
+    const int n = std::atoi(e);
+    if (n >= 1) return n;
+  }
+  const unsigned hw = std::thread::hardware_concurrency();
+  return static_cast<int>(std::clamp<unsigned>(hw, 1, 16));
+}
+
+std::atomic<int> g_threads{0};
+thread_local bool t_in_task = false;
+
+class Pool {
+ public:
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& t : workers_) t.join();
+  }
+  // Runs fn(0..n-1) on `threads` threads (this one included).
+  void run(int64_t n, const std::function<void(int64_t)>& fn, int threads) {
+    std::unique_lock<std::mutex> serial(run_mu_);  // one parallel region at a time
+    grow(threads - 1);
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      fn_ = &fn;
+      n_ = n;
+      next_.store(0);
+      active_ = std::min<int64_t>(threads - 1, n - 1);
+      busy_ = active_;
+      ++generation_;
+    }
+    cv_.notify_all();
+    work();
+    std::unique_lock<std::mutex> l(mu_);
+    done_cv_.wait(l, [&] { return busy_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  void grow(int want) {
+    std::lock_guard<std::mutex> l(mu_);
+    while (static_cast<int>(workers_.size()) < want) {
+      const int id = static_cast<int>(workers_.size());
+      workers_.emplace_back([this, id] { loop(id); });
+    }
+  }
+  void work() {
+    const bool was = t_in_task;
+    t_in_task = true;
+    for (int64_t i; (i = next_.fetch_add(1)) < n_;) (*fn_)(i);
+    t_in_task = was;
+  }
+  void loop(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> l(mu_);
+        cv_.wait(l, [&] { return stop_ || (generation_ != seen && id < active_); });
+        if (stop_) return;
+        seen = generation_;
+      }
+      work();
+      std::lock_guard<std::mutex> l(mu_);
+      if (--busy_ == 0) done_cv_.notify_all();
+    }
+  }
+  std::mutex run_mu_, mu_;
+  std::condition_variable cv_, done_cv_;
+  std::vector<std::thread> workers_;
+  const std::function<void(int64_t)>* fn_ = nullptr;
+  int64_t n_ = 0;
+  std::atomic<int64_t> next_{0};
+  int64_t active_ = 0, busy_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+Pool& pool() {
+  static Pool p;
+  return p;
+}
+
+}  // namespace
+
+const char* gemm_isa() { return isa().name; }
+
+int cpu_threads() {
+  int n = g_threads.load();
+  if (n <= 0) {
+    n = default_threads();
+    g_threads.store(n);
+  }
+  return n;
+}
+
+void set_cpu_threads(int n) { g_threads.store(std::max(1, n)); }
+
+void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) {
+  const int threads = cpu_threads();
+  if (n <= 0) return;
+  if (n == 1 || threads <= 1 || t_in_task) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  pool().run(n, fn, static_cast<int>(std::min<int64_t>(threads, n)));
+}
+
+void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+              int64_t ldb, bool accumulate, float* C, int64_t ldc) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    if (!accumulate)
+      for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, 0.0f);
+    return;
+  }
+  const Isa& I = isa();
+  const int threads = cpu_threads();
+  if (ta == Trans::N && tb == Trans::T) {
+    // Tasks of <= kDotRows rows x tn columns; tn gives the threads enough tasks when it is worth it.
+    constexpr int64_t kDotRows = 16;
+    const int64_t mt = ceil_div(M, kDotRows);
+    int64_t tn = std::min<int64_t>(256, N);
+    if (threads > 1 && 2.0 * static_cast<double>(M) * N * K > 2e6)
+      tn = std::min(tn, std::max<int64_t>(16, ceil_div(ceil_div(N, ceil_div(2 * threads, mt)), 4) * 4));
+    const int64_t nt = ceil_div(N, tn);
+    parallel_for(mt * nt, [&](int64_t t) {
+      const int64_t i0 = (t / nt) * kDotRows, j0 = (t % nt) * tn;
+      const int64_t i1 = std::min(M, i0 + kDotRows), j1 = std::min(N, j0 + tn);
+      for (int64_t j = j0; j < j1; j += I.dot_nj)
+        for (int64_t i = i0; i < i1; i += I.dot_mi)
+          I.dot(K, A + i * lda, lda, static_cast<int>(std::min<int64_t>(I.dot_mi, i1 - i)), B + j * ldb, ldb,
+                static_cast<int>(std::min<int64_t>(I.dot_nj, j1 - j)), C + i * ldc + j, ldc, accumulate);
+    });
+    return;
+  }
+  const int64_t mt = ceil_div(M, kMc);
+  int64_t nc = std::min<int64_t>(kNc, ceil_div(N, kNr) * kNr);
+  // Enough tasks for the threads when the product is worth splitting (~1 MFLOP a task at least).
+  if (threads > 1 && 2.0 * static_cast<double>(M) * N * K > 2e6) {
+    const int64_t want_nt = ceil_div(2 * threads, mt);
+    nc = std::min(nc, std::max<int64_t>(2 * kNr, ceil_div(ceil_div(N, want_nt), kNr) * kNr));
+  }
+  const int64_t nt = ceil_div(N, nc);
+  auto task = [&](int64_t t) {
+    static thread_local Scratch sa, sb;
+    const int64_t i0 = (t / nt) * kMc, j0 = (t % nt) * nc;
+    const int64_t mc = std::min(kMc, M - i0), ncc = std::min(nc, N - j0);
+    float* ap = sa.get(static_cast<size_t>(ceil_div(kMc, I.mr) * I.mr * kKc));
+    float* bp = sb.get(static_cast<size_t>(ceil_div(kNc, kNr) * kNr * kKc));
+    for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+      const int64_t kc = std::min(kKc, K - k0);
+      const bool add = accumulate || k0 > 0;
+      pack_b(tb, B, ldb, k0, kc, j0, ncc, bp);
+      pack_a(ta, A, lda, i0, mc, k0, kc, I.mr, ap);
+      for (int64_t jp = 0; jp < ncc; jp += kNr)
+        for (int64_t ip = 0; ip < mc; ip += I.mr)
+          I.kernel(kc, ap + ip * kc, bp + jp * kc, C + (i0 + ip) * ldc + j0 + jp, ldc,
+                   static_cast<int>(std::min<int64_t>(I.mr, mc - ip)), static_cast<int>(std::min<int64_t>(kNr, ncc - jp)),
+                   add);
+    }
+  };
+  parallel_for(mt * nt, task);
+}
+
+}  // namespace dflash::cpu

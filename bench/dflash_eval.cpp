@@ -173,6 +173,10 @@ int main(int argc, char** argv) {
                                               "training state: fp32 masters and gradients)");
   app.add_flag("--no-cuda-graphs", no_graphs, "GPU: launch every decode / verify step's kernels eagerly instead of "
                                              "replaying CUDA graphs (to compare; CSV rows get ',eager')");
+  std::string cpu_drafter = "f32";
+  app.add_option("--cpu-drafter", cpu_drafter, "CPU: the drafter's arithmetic, f32 (threaded GEMM, the trainer's default) or "
+                                               "f64 (the double reference); proposals and estimate use the same")
+      ->capture_default_str()->check(CLI::IsMember({"f32", "f64"}));
   app.add_flag("--require-fast-path", require_fast, "refuse to run when any decode or prefill step would use a fallback kernel");
   int64_t profile_steps = 0;
   app.add_option("--profile", profile_steps, "GPU: afterwards time every op of this many target decode steps (after one "
@@ -334,8 +338,9 @@ int main(int argc, char** argv) {
 #endif
     if (dev.is_cpu()) {
       const drafter::FrozenTarget frozen{tw.embed_tokens, tw.lm_head};
-      prop = drafter::make_cpu_proposer(dc, d.weights, frozen, 1, max_len);
-      scorer = bench::cpu_scorer(dc, d.weights, frozen, block_size);
+      const drafter::DrafterMath math = cpu_drafter == "f64" ? drafter::DrafterMath::F64 : drafter::DrafterMath::F32;
+      prop = drafter::make_cpu_proposer(dc, d.weights, frozen, 1, max_len, math);
+      scorer = bench::cpu_scorer(dc, d.weights, frozen, block_size, math);
     } else {
 #if DFLASH_WITH_CUDA
       prop = drafter::make_cuda_proposer(dc, d.weights, tw.embed_tokens, tw.lm_head, dev, 1, max_len);

@@ -128,13 +128,13 @@ AcceptEstimate training_estimate(const DrafterScorer& score, const Tensor& featu
 }
 
 DrafterScorer cpu_scorer(const drafter::DrafterConfig& config, const drafter::DrafterWeights& weights,
-                         const drafter::FrozenTarget& target, int64_t block_size) {
+                         const drafter::FrozenTarget& target, int64_t block_size, drafter::DrafterMath math) {
   // The drafter as trained, with blocks of the evaluated size (the mask rule restricted to B rows).
   drafter::DrafterConfig c = config;
   c.block_size = block_size;
-  return [c, &weights, target](const drafter::DrafterBatch& b) {
-    return drafter::forward_backward(c, weights, target, b, drafter::StepOptions{});
-  };
+  drafter::StepOptions o;
+  o.math = math;
+  return [c, &weights, target, o](const drafter::DrafterBatch& b) { return drafter::forward_backward(c, weights, target, b, o); };
 }
 
 }  // namespace dflash::bench

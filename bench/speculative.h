@@ -65,8 +65,9 @@ struct AcceptEstimate {
 using DrafterScorer = std::function<drafter::StepStats(const drafter::DrafterBatch&)>;
 AcceptEstimate training_estimate(const DrafterScorer& score, const Tensor& features, const std::vector<int32_t>& sequence,
                                  int64_t prompt_len, int64_t generated, const std::vector<int64_t>& block_starts);
-// The CPU reference scorer of a drafter with blocks of block_size.
+// The CPU scorer of a drafter with blocks of block_size, in the proposer's arithmetic (math).
 DrafterScorer cpu_scorer(const drafter::DrafterConfig& config, const drafter::DrafterWeights& weights,
-                         const drafter::FrozenTarget& target, int64_t block_size);
+                         const drafter::FrozenTarget& target, int64_t block_size,
+                         drafter::DrafterMath math = drafter::DrafterMath::F64);
 
 }  // namespace dflash::bench

@@ -21,6 +21,13 @@ namespace dflash::drafter {
 inline constexpr const char* kHfModelingModule = "modeling_dflash";
 
 enum class AttnType { Full, Sliding };
+
+// The arithmetic of the CPU drafter step (StepOptions::math, drafter/model.h): F64 is the reference
+// (plain double loops: the oracle of the tests, finite differences and the CUDA drafter); F32 computes
+// the same formulas in float with the matrix products on the threaded f32 GEMM (kernels/cpu/gemm.h),
+// ~10x faster: the CPU backend's default (kernels.cpu_drafter). Both give the same bits on any thread
+// count.
+enum class DrafterMath { F64, F32 };
 const char* attn_type_name(AttnType t);  // "full_attention" / "sliding_attention"
 
 // z-lab's rule: n ids evenly spaced from 1 to L-3 (Python round: half to even), or L/2 when n = 1.

@@ -15,7 +15,7 @@
 //
 // One pool of `num_slots` sequences of up to `max_len` context positions each; several sequences
 // go through one call (packed, in `slots` order). The CPU reference (make_cpu_proposer, double
-// inside like forward_backward) is the oracle; the CUDA proposer (bf16 weights, fp32 softmax and
+// inside like forward_backward, or its float twin) is the oracle; the CUDA proposer (bf16 weights, fp32 softmax and
 // norms) is tested against it.
 #include <cstdint>
 #include <memory>
@@ -55,9 +55,11 @@ class Proposer {
                                                     int64_t block_size, Tensor* logits = nullptr) = 0;
 };
 
-// The CPU reference. `weights` in any float dtype (they are read into double); the frozen target's
-// embed_tokens / lm_head as in forward_backward.
+// The CPU proposer. `weights` in any float dtype (read into double, or float with DrafterMath::F32);
+// the frozen target's embed_tokens / lm_head as in forward_backward. Its drafts are those of
+// forward_backward with the same math (StepOptions::math) on the same block, bit for bit.
 std::unique_ptr<Proposer> make_cpu_proposer(const DrafterConfig& config, const DrafterWeights& weights,
-                                            const FrozenTarget& target, int64_t num_slots, int64_t max_len);
+                                            const FrozenTarget& target, int64_t num_slots, int64_t max_len,
+                                            DrafterMath math = DrafterMath::F64);
 
 }  // namespace dflash::drafter

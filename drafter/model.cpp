@@ -22,12 +22,31 @@ namespace {
 
 using namespace ref;
 
+template <class T>
 struct LayerCache {
-  Mat h_in, xn, q_pre, kb_pre, kc_pre, q, kb, kc, vb, vc, o, h1, yn, g, u, m;
-  std::vector<double> r_in, r_q, r_kb, r_kc, r_post;
-  std::vector<std::vector<Key>> keys;     // [R] keys each row attends
-  std::vector<std::vector<double>> prob;  // [R] Hq × keys softmax weights
+  MatT<T> h_in, xn, q_pre, kb_pre, kc_pre, q, kb, kc, vb, vc, o, h1, yn, g, u, m;
+  std::vector<T> r_in, r_q, r_kb, r_kc, r_post;
+  std::vector<std::vector<Key>> keys;  // [R] keys each row attends
+  std::vector<std::vector<T>> prob;    // [R] Hq × keys softmax weights
 };
+
+// The LM-head loss of the final hidden states: the double reference or its f32 twin.
+CeSums head_ce(const Mat& hf, const Tensor& lm_head, const BlockTargets& tg, int64_t chunk, double gscale, Mat* dhf,
+               std::vector<int32_t>& argmax) {
+  return fused_linear_ce(hf.v.data(), hf.rows, hf.cols, lm_head.contiguous(), tg.labels, tg.weights, chunk, gscale,
+                         dhf ? dhf->v.data() : nullptr, &argmax);
+}
+CeSums head_ce(const MatF& hf, const Tensor& lm_head, const BlockTargets& tg, int64_t chunk, double gscale, MatF* dhf,
+               std::vector<int32_t>& argmax) {
+  const Tensor head = lm_head.dtype() == DType::F32 ? lm_head.contiguous() : lm_head.to_dtype(DType::F32);
+  return cpu::fused_linear_ce_f32(hf.v.data(), hf.rows, hf.cols, head, tg.labels, tg.weights, chunk, gscale,
+                             dhf ? dhf->v.data() : nullptr, &argmax);
+}
+
+template <class T>
+StepStats forward_backward_impl(const DrafterConfig& c, const DrafterWeights& w, const FrozenTarget& target,
+                                const DrafterBatch& batch, const StepOptions& opt, DrafterWeights* grads,
+                                Tensor* grad_context, Tensor* final_hidden);
 
 }  // namespace
 
@@ -132,11 +151,24 @@ double step_flops(const DrafterConfig& c, const DrafterBatch& batch, bool backwa
 StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, const FrozenTarget& target,
                            const DrafterBatch& batch, const StepOptions& opt, DrafterWeights* grads,
                            Tensor* grad_context, Tensor* final_hidden) {
+  if (opt.math == DrafterMath::F32)
+    return forward_backward_impl<float>(c, w, target, batch, opt, grads, grad_context, final_hidden);
+  return forward_backward_impl<double>(c, w, target, batch, opt, grads, grad_context, final_hidden);
+}
+
+namespace {
+
+template <class T>
+StepStats forward_backward_impl(const DrafterConfig& c, const DrafterWeights& w, const FrozenTarget& target,
+                                const DrafterBatch& batch, const StepOptions& opt, DrafterWeights* grads,
+                                Tensor* grad_context, Tensor* final_hidden) {
+  using M = MatT<T>;
   c.validate();
   w.check(c);
   const int64_t H = c.hidden_size, B = c.block_size, d = c.head_dim, Hq = c.num_attention_heads;
   const int64_t group = Hq / c.num_key_value_heads, Vocab = c.vocab_size, L = c.num_hidden_layers;
-  const double eps = c.rms_norm_eps, scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const double eps = c.rms_norm_eps;
+  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
   for (const auto& [t, name] : {std::pair{&target.embed_tokens, "embed_tokens"}, {&target.lm_head, "lm_head"}})
     DFLASH_CHECK(t->defined() && t->device().is_cpu() && t->dim() == 2 && t->size(0) == Vocab && t->size(1) == H &&
                      dtype_is_float(t->dtype()),
@@ -148,9 +180,9 @@ StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, cons
   check_batch(c, batch);
   const int64_t N = ctx_in.size(0);
   const int64_t nb = static_cast<int64_t>(batch.blocks.size()), R = nb * B;
-  std::vector<Mat> P = load_params(c, w);
-  auto lp = [&](int64_t l, int s) -> Mat& { return P[param_index(l, s)]; };
-  Mat& norm_w = P.back();
+  std::vector<M> P = load_params<T>(c, w);
+  auto lp = [&](int64_t l, int s) -> M& { return P[param_index(l, s)]; };
+  M& norm_w = P.back();
 
   // Positions: context tokens at 0..S-1 of their sequence; block rows at anchor + j.
   std::vector<int64_t> ctx_pos(static_cast<size_t>(N)), blk_pos(static_cast<size_t>(R));
@@ -160,22 +192,22 @@ StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, cons
     for (int64_t j = 0; j < B; ++j) blk_pos[b * B + j] = batch.blocks[b].anchor + j;
 
   // Context features, shared by all layers.
-  const Mat X = to_mat(ctx_in);
-  const Mat cpre = linear(X, P[0]);
-  std::vector<double> r_ctx;
-  const Mat ctx = rms(cpre, P[1].v, H, eps, r_ctx);
+  const M X = to_mat<T>(ctx_in);
+  const M cpre = linear(X, P[0]);
+  std::vector<T> r_ctx;
+  const M ctx = rms(cpre, P[1].v, H, eps, r_ctx);
 
   // Block inputs: embeddings of [anchor token, mask × (B-1)].
-  Mat h(R, H);
+  M h(R, H);
   {
     std::vector<int64_t> ids(static_cast<size_t>(R), c.mask_token_id);
     for (int64_t b = 0; b < nb; ++b) ids[b * B] = batch.tokens[batch.seqs.offsets[batch.blocks[b].seq] + batch.blocks[b].anchor];
     embed_rows(target.embed_tokens, ids, h);
   }
 
-  std::vector<LayerCache> cache(static_cast<size_t>(L));
+  std::vector<LayerCache<T>> cache(static_cast<size_t>(L));
   for (int64_t l = 0; l < L; ++l) {
-    LayerCache& C = cache[l];
+    LayerCache<T>& C = cache[l];
     const AttnType type = c.layer_types[l];
     C.h_in = h;
     C.xn = rms(h, lp(l, IN_LN).v, H, eps, C.r_in);
@@ -193,8 +225,8 @@ StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, cons
 
     C.keys.assign(static_cast<size_t>(R), {});
     C.prob.assign(static_cast<size_t>(R), {});
-    C.o = Mat(R, c.q_dim());
-    for (int64_t b = 0; b < nb; ++b) {
+    C.o = M(R, c.q_dim());
+    cpu::parallel_for(nb, [&](int64_t b) {  // blocks are independent: each writes its own rows
       const int64_t a = batch.blocks[b].anchor, off = batch.seqs.offsets[batch.blocks[b].seq];
       const int64_t S = batch.seqs.offsets[batch.blocks[b].seq + 1] - off;
       for (int64_t j = 0; j < B; ++j) {
@@ -202,88 +234,85 @@ StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, cons
         block_keys(type, c.sliding_window, a, j, S, off, B, b * B, opt.mask, C.keys[r]);
         attend(C.q.row(r), C.keys[r], C.kc, C.vc, C.kb, C.vb, Hq, group, d, scale, C.prob[r], C.o.row(r));
       }
-    }
-    const Mat attn = linear(C.o, lp(l, O));
+    });
+    const M attn = linear(C.o, lp(l, O));
     C.h1 = C.h_in;
     for (size_t i = 0; i < attn.v.size(); ++i) C.h1.v[i] += attn.v[i];
     C.yn = rms(C.h1, lp(l, POST_LN).v, H, eps, C.r_post);
     C.g = linear(C.yn, lp(l, GATE));
     C.u = linear(C.yn, lp(l, UP));
-    C.m = Mat(R, c.intermediate_size);
+    C.m = M(R, c.intermediate_size);
     for (size_t i = 0; i < C.m.v.size(); ++i) C.m.v[i] = C.g.v[i] * sigmoid(C.g.v[i]) * C.u.v[i];
-    const Mat mlp = linear(C.m, lp(l, DOWN));
+    const M mlp = linear(C.m, lp(l, DOWN));
     h = C.h1;
     for (size_t i = 0; i < mlp.v.size(); ++i) h.v[i] += mlp.v[i];
   }
-  std::vector<double> r_final;
-  const Mat hf = rms(h, norm_w.v, H, eps, r_final);
+  std::vector<T> r_final;
+  const M hf = rms(h, norm_w.v, H, eps, r_final);
   if (final_hidden) *final_hidden = to_f64_tensor(hf);
 
   // Labels and weights.
   const BlockTargets tg = block_targets(c, batch, opt.gamma, opt.label_shift);
-  const std::vector<int32_t>& labels = tg.labels;
-  const std::vector<double>& weights = tg.weights;
   const double wsum = tg.weight_sum;
   const bool backward = grads != nullptr || grad_context != nullptr;
   const double gscale = opt.grad_scale != 0 ? opt.grad_scale : (wsum > 0 ? 1.0 / wsum : 0.0);
-  Mat dhf(R, H);
+  M dhf(R, H);
   std::vector<int32_t> argmax;
-  const CeSums ce = fused_linear_ce(hf.v.data(), R, H, target.lm_head.contiguous(), labels, weights, opt.ce_chunk_rows,
-                                    gscale, backward ? dhf.v.data() : nullptr, &argmax);
+  const CeSums ce = head_ce(hf, target.lm_head, tg, opt.ce_chunk_rows, gscale, backward ? &dhf : nullptr, argmax);
 
   StepStats st = block_stats(B, tg, argmax, ce.weighted_ce_sum);
   st.weight_sum = ce.weight_sum;
   if (!backward) return st;
 
   // ---- backward ----
-  std::vector<Mat> dP;
-  for (const Mat& p : P) dP.push_back(Mat(p.rows, p.cols));
-  auto dlp = [&](int64_t l, int s) -> Mat& { return dP[2 + l * kSlots + s]; };
-  Mat dh(R, H);
+  std::vector<M> dP;
+  for (const M& p : P) dP.push_back(M(p.rows, p.cols));
+  auto dlp = [&](int64_t l, int s) -> M& { return dP[2 + l * kSlots + s]; };
+  M dh(R, H);
   rms_bwd(h, norm_w.v, r_final, H, dhf, dh, dP.back().v);
-  Mat dctx(N, H);
+  M dctx(N, H);
   for (int64_t l = L - 1; l >= 0; --l) {
-    LayerCache& C = cache[l];
+    LayerCache<T>& C = cache[l];
     // MLP: h_out = h1 + down(silu(g)·u)
-    Mat dh1 = dh;
-    Mat dm(R, c.intermediate_size);
+    M dh1 = dh;
+    M dm(R, c.intermediate_size);
     linear_bwd(C.m, lp(l, DOWN), dh, &dm, &dlp(l, DOWN));
-    Mat dg(R, c.intermediate_size), du(R, c.intermediate_size);
+    M dg(R, c.intermediate_size), du(R, c.intermediate_size);
     for (size_t i = 0; i < dm.v.size(); ++i) {
-      const double g = C.g.v[i], sg = sigmoid(g);
+      const T g = C.g.v[i], sg = sigmoid(g);
       du.v[i] = dm.v[i] * g * sg;
-      dg.v[i] = dm.v[i] * C.u.v[i] * sg * (1.0 + g * (1.0 - sg));
+      dg.v[i] = dm.v[i] * C.u.v[i] * sg * (T(1) + g * (T(1) - sg));
     }
-    Mat dyn(R, H);
+    M dyn(R, H);
     linear_bwd(C.yn, lp(l, GATE), dg, &dyn, &dlp(l, GATE));
     linear_bwd(C.yn, lp(l, UP), du, &dyn, &dlp(l, UP));
     rms_bwd(C.h1, lp(l, POST_LN).v, C.r_post, H, dyn, dh1, dlp(l, POST_LN).v);
     // Attention: h1 = h_in + o_proj(o)
-    Mat dh_in = dh1;
-    Mat d_o(R, c.q_dim());
+    M dh_in = dh1;
+    M d_o(R, c.q_dim());
     linear_bwd(C.o, lp(l, O), dh1, &d_o, &dlp(l, O));
-    Mat dq(R, c.q_dim()), dkb(R, c.kv_dim()), dvb(R, c.kv_dim()), dkc(N, c.kv_dim()), dvc(N, c.kv_dim());
-    std::vector<double> dp;
+    M dq(R, c.q_dim()), dkb(R, c.kv_dim()), dvb(R, c.kv_dim()), dkc(N, c.kv_dim()), dvc(N, c.kv_dim());
+    std::vector<T> dp;
     for (int64_t r = 0; r < R; ++r) {
       const std::vector<Key>& keys = C.keys[r];
       const int64_t nk = static_cast<int64_t>(keys.size());
-      dp.assign(static_cast<size_t>(nk), 0.0);
+      dp.assign(static_cast<size_t>(nk), T(0));
       for (int64_t hq = 0; hq < Hq; ++hq) {
         const int64_t kvo = (hq / group) * d;
-        const double* ph = C.prob[r].data() + hq * nk;
-        const double* dov = d_o.row(r) + hq * d;
-        double pdp = 0;
+        const T* ph = C.prob[r].data() + hq * nk;
+        const T* dov = d_o.row(r) + hq * d;
+        T pdp = 0;
         for (int64_t i = 0; i < nk; ++i) {
           const Key& k = keys[i];
           dp[i] = dot(dov, (k.in_block ? C.vb.row(k.index) : C.vc.row(k.index)) + kvo, d);
           pdp += ph[i] * dp[i];
           axpy((k.in_block ? dvb.row(k.index) : dvc.row(k.index)) + kvo, ph[i], dov, d);
         }
-        const double* qv = C.q.row(r) + hq * d;
-        double* dqv = dq.row(r) + hq * d;
+        const T* qv = C.q.row(r) + hq * d;
+        T* dqv = dq.row(r) + hq * d;
         for (int64_t i = 0; i < nk; ++i) {
           const Key& k = keys[i];
-          const double ds = ph[i] * (dp[i] - pdp) * scale;
+          const T ds = ph[i] * (dp[i] - pdp) * scale;
           axpy(dqv, ds, (k.in_block ? C.kb.row(k.index) : C.kc.row(k.index)) + kvo, d);
           axpy((k.in_block ? dkb.row(k.index) : dkc.row(k.index)) + kvo, ds, qv, d);
         }
@@ -292,11 +321,11 @@ StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, cons
     rope(dq, d, blk_pos, c.rope_theta, -1.0);
     rope(dkb, d, blk_pos, c.rope_theta, -1.0);
     rope(dkc, d, ctx_pos, c.rope_theta, -1.0);
-    Mat dq_pre(R, c.q_dim()), dkb_pre(R, c.kv_dim()), dkc_pre(N, c.kv_dim());
+    M dq_pre(R, c.q_dim()), dkb_pre(R, c.kv_dim()), dkc_pre(N, c.kv_dim());
     rms_bwd(C.q_pre, lp(l, QN).v, C.r_q, d, dq, dq_pre, dlp(l, QN).v);
     rms_bwd(C.kb_pre, lp(l, KN).v, C.r_kb, d, dkb, dkb_pre, dlp(l, KN).v);
     rms_bwd(C.kc_pre, lp(l, KN).v, C.r_kc, d, dkc, dkc_pre, dlp(l, KN).v);
-    Mat dxn(R, H);
+    M dxn(R, H);
     linear_bwd(C.xn, lp(l, Q), dq_pre, &dxn, &dlp(l, Q));
     linear_bwd(C.xn, lp(l, K), dkb_pre, &dxn, &dlp(l, K));
     linear_bwd(C.xn, lp(l, V), dvb, &dxn, &dlp(l, V));
@@ -305,9 +334,9 @@ StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, cons
     rms_bwd(C.h_in, lp(l, IN_LN).v, C.r_in, H, dxn, dh_in, dlp(l, IN_LN).v);
     dh = std::move(dh_in);  // the embeddings are frozen: the gradient stops at the block input
   }
-  Mat dcpre(N, H);
+  M dcpre(N, H);
   rms_bwd(cpre, P[1].v, r_ctx, H, dctx, dcpre, dP[1].v);
-  Mat dX(N, c.context_dim());
+  M dX(N, c.context_dim());
   linear_bwd(X, P[0], dcpre, grad_context ? &dX : nullptr, &dP[0]);
   if (grad_context) *grad_context = to_f64_tensor(dX);
   if (grads) {
@@ -317,5 +346,7 @@ StepStats forward_backward(const DrafterConfig& c, const DrafterWeights& w, cons
   }
   return st;
 }
+
+}  // namespace
 
 }  // namespace dflash::drafter

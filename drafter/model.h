@@ -1,9 +1,9 @@
 #pragma once
 // The DFlash drafter forward and hand-written backward: the CPU reference.
 //
-// Precision: every computation runs in double internally; tensors in and out may be F32 or F64
-// (weights, context features, gradients), so the same code is the f32 pipeline reference and the
-// float64 path of the finite-difference test.
+// Precision: StepOptions::math. The reference (F64) runs every computation in double; tensors in and
+// out may be F32 or F64 (weights, context features, gradients), so the same code is the f32 pipeline
+// reference and the float64 path of the finite-difference test. F32 is the same code in float.
 //
 // Forward, for a packed batch of sequences and sorted anchor blocks (B = block_size):
 //   ctx   = hidden_norm(fc(context))                               [N, H]   once, shared by all layers
@@ -67,6 +67,7 @@ struct StepOptions {
   double grad_scale = 0;
   MaskVariant mask = MaskVariant::Correct;  // test hook
   int64_t label_shift = 0;                  // test hook: position k predicts token a+k+label_shift
+  DrafterMath math = DrafterMath::F64;
 };
 
 // Checks a batch against the config (context width, sequence offsets, token ids, sorted blocks

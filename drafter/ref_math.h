@@ -1,7 +1,10 @@
 #pragma once
-// The CPU reference's double-precision building blocks (internal to drafter/): the training forward
-// and backward (model.cpp) and the inference proposer (decode.cpp) are written with the same
-// helpers, so that proposing a block computes exactly what the training forward computes for it.
+// The CPU drafter's building blocks (internal to drafter/): the training forward and backward
+// (model.cpp) and the inference proposer (decode.cpp) are written with the same helpers, so that
+// proposing a block computes exactly what the training forward computes for it. Each helper is written
+// once for a scalar type T: double is the reference (plain loops, the oracle of the tests and of the
+// finite-difference checks), float the CPU backend's fast step (DrafterMath::F32: the same loops, and
+// the matrix products on the f32 GEMM of kernels/cpu/gemm.h).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -13,31 +16,41 @@
 #include "drafter/weights.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/train_ops.h"
 
 namespace dflash::drafter::ref {
 
-// A row-major matrix of doubles: the reference's only working type.
-struct Mat {
+// A row-major matrix of T: the only working type.
+template <class T>
+struct MatT {
   int64_t rows = 0, cols = 0;
-  std::vector<double> v;
-  Mat() = default;
-  Mat(int64_t r, int64_t c) : rows(r), cols(c), v(static_cast<size_t>(r * c), 0.0) {}
-  double* row(int64_t i) { return v.data() + i * cols; }
-  const double* row(int64_t i) const { return v.data() + i * cols; }
+  std::vector<T> v;
+  MatT() = default;
+  MatT(int64_t r, int64_t c) : rows(r), cols(c), v(static_cast<size_t>(r * c), T(0)) {}
+  T* row(int64_t i) { return v.data() + i * cols; }
+  const T* row(int64_t i) const { return v.data() + i * cols; }
 };
+using Mat = MatT<double>;
 
-// Host tensor of any float dtype -> [numel / last, last] doubles (1-D tensors become one row).
-inline Mat to_mat(const Tensor& t) {
+template <class T>
+constexpr DType dtype_of() {
+  return sizeof(T) == sizeof(double) ? DType::F64 : DType::F32;
+}
+
+// Host tensor of any float dtype -> [numel / last, last] values of T (1-D tensors become one row).
+template <class T = double>
+inline MatT<T> to_mat(const Tensor& t) {
   const Tensor c = t.contiguous();
   const int64_t cols = c.dim() == 0 ? 1 : c.size(-1);
-  Mat m(cols ? c.numel() / cols : 0, cols);
-  convert_elements(c.raw_data(), c.dtype(), m.v.data(), DType::F64, c.numel());
+  MatT<T> m(cols ? c.numel() / cols : 0, cols);
+  convert_elements(c.raw_data(), c.dtype(), m.v.data(), dtype_of<T>(), c.numel());
   return m;
 }
 
 // t += m, for F32 / F64 host gradient buffers.
-inline void add_into(Tensor& t, const Mat& m, const std::string& name) {
+template <class T>
+inline void add_into(Tensor& t, const MatT<T>& m, const std::string& name) {
   DFLASH_CHECK(t.defined() && t.device().is_cpu() && t.is_contiguous() && t.numel() == static_cast<int64_t>(m.v.size()),
                "gradient '" << name << "' must be a contiguous host tensor of " << m.v.size() << " elements");
   if (t.dtype() == DType::F64) {
@@ -50,18 +63,21 @@ inline void add_into(Tensor& t, const Mat& m, const std::string& name) {
   }
 }
 
-inline Tensor to_f64_tensor(const Mat& m) {
+template <class T>
+inline Tensor to_f64_tensor(const MatT<T>& m) {
   Tensor t = Tensor::empty({m.rows, m.cols}, DType::F64);
   std::copy(m.v.begin(), m.v.end(), t.data<double>());
   return t;
 }
 
-inline double dot(const double* a, const double* b, int64_t n) {
-  double s = 0;
+template <class T>
+inline T dot(const T* a, const T* b, int64_t n) {
+  T s = 0;
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
 }
-inline void axpy(double* y, double a, const double* x, int64_t n) {
+template <class T>
+inline void axpy(T* y, T a, const T* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
@@ -87,80 +103,106 @@ inline void linear_bwd(const Mat& x, const Mat& w, const Mat& dy, Mat* dx, Mat* 
     }
 }
 
+// The f32 twins of linear / linear_bwd on the GEMM of kernels/cpu/gemm.h (threaded, deterministic).
+using MatF = MatT<float>;
+inline MatF linear(const MatF& x, const MatF& w) {
+  MatF y(x.rows, w.rows);
+  cpu::gemm_f32(cpu::Trans::N, cpu::Trans::T, x.rows, w.rows, x.cols, x.v.data(), x.cols, w.v.data(), w.cols, false,
+                y.v.data(), y.cols);
+  return y;
+}
+inline void linear_bwd(const MatF& x, const MatF& w, const MatF& dy, MatF* dx, MatF* dw) {
+  if (dx)
+    cpu::gemm_f32(cpu::Trans::N, cpu::Trans::N, dy.rows, w.cols, dy.cols, dy.v.data(), dy.cols, w.v.data(), w.cols, true,
+                  dx->v.data(), dx->cols);
+  if (dw)
+    cpu::gemm_f32(cpu::Trans::T, cpu::Trans::N, dy.cols, x.cols, dy.rows, dy.v.data(), dy.cols, x.v.data(), x.cols, true,
+                  dw->v.data(), dw->cols);
+}
+
 // Plain RMSNorm (x̂·w) over consecutive groups of D values (D = cols, or head_dim per head).
-inline Mat rms(const Mat& x, const std::vector<double>& w, int64_t D, double eps, std::vector<double>& r) {
-  Mat y(x.rows, x.cols);
+template <class T>
+inline MatT<T> rms(const MatT<T>& x, const std::vector<T>& w, int64_t D, double eps, std::vector<T>& r) {
+  MatT<T> y(x.rows, x.cols);
   const int64_t groups = static_cast<int64_t>(x.v.size()) / D;
-  r.assign(static_cast<size_t>(groups), 0.0);
+  r.assign(static_cast<size_t>(groups), T(0));
   for (int64_t g = 0; g < groups; ++g) {
-    const double* xp = x.v.data() + g * D;
-    double* yp = y.v.data() + g * D;
-    const double rg = 1.0 / std::sqrt(dot(xp, xp, D) / static_cast<double>(D) + eps);
+    const T* xp = x.v.data() + g * D;
+    T* yp = y.v.data() + g * D;
+    const T rg = static_cast<T>(1.0 / std::sqrt(dot(xp, xp, D) / static_cast<T>(D) + eps));
     r[g] = rg;
     for (int64_t i = 0; i < D; ++i) yp[i] = xp[i] * rg * w[i];
   }
   return y;
 }
 // dx += d/dx, dw += d/dw of y = x·r·w with r = (mean x² + eps)^-1/2.
-inline void rms_bwd(const Mat& x, const std::vector<double>& w, const std::vector<double>& r, int64_t D, const Mat& dy,
-                    Mat& dx, std::vector<double>& dw) {
+template <class T>
+inline void rms_bwd(const MatT<T>& x, const std::vector<T>& w, const std::vector<T>& r, int64_t D, const MatT<T>& dy,
+                    MatT<T>& dx, std::vector<T>& dw) {
   const int64_t groups = static_cast<int64_t>(r.size());
   for (int64_t g = 0; g < groups; ++g) {
-    const double* xp = x.v.data() + g * D;
-    const double* gp = dy.v.data() + g * D;
-    double* dxp = dx.v.data() + g * D;
-    const double rg = r[g];
-    double sgx = 0;
+    const T* xp = x.v.data() + g * D;
+    const T* gp = dy.v.data() + g * D;
+    T* dxp = dx.v.data() + g * D;
+    const T rg = r[g];
+    T sgx = 0;
     for (int64_t i = 0; i < D; ++i) {
       sgx += gp[i] * w[i] * xp[i];
       dw[i] += gp[i] * xp[i] * rg;
     }
-    const double k = rg * rg * rg * sgx / static_cast<double>(D);
+    const T k = rg * rg * rg * sgx / static_cast<T>(D);
     for (int64_t i = 0; i < D; ++i) dxp[i] += rg * gp[i] * w[i] - k * xp[i];
   }
 }
 
 // Neox RoPE over the full head_dim of every head of x [rows, heads·d] at positions pos[row];
 // sign -1 rotates backwards (the transpose: the backward of the forward rotation).
-inline void rope(Mat& x, int64_t d, const std::vector<int64_t>& pos, double theta, double sign) {
+// (The angles are computed in double for either T.)
+template <class T>
+inline void rope(MatT<T>& x, int64_t d, const std::vector<int64_t>& pos, double theta, double sign) {
   const int64_t half = d / 2, heads = x.cols / d;
   std::vector<double> inv_freq(static_cast<size_t>(half));
   for (int64_t i = 0; i < half; ++i) inv_freq[i] = std::pow(theta, -static_cast<double>(2 * i) / static_cast<double>(d));
   for (int64_t r = 0; r < x.rows; ++r)
     for (int64_t i = 0; i < half; ++i) {
       const double ang = static_cast<double>(pos[r]) * inv_freq[i];
-      const double c = std::cos(ang), s = sign * std::sin(ang);
+      const T c = static_cast<T>(std::cos(ang)), s = static_cast<T>(sign * std::sin(ang));
       for (int64_t h = 0; h < heads; ++h) {
-        double* p = x.row(r) + h * d;
-        const double x1 = p[i], x2 = p[i + half];
+        T* p = x.row(r) + h * d;
+        const T x1 = p[i], x2 = p[i + half];
         p[i] = x1 * c - x2 * s;
         p[i + half] = x2 * c + x1 * s;
       }
     }
 }
 
-inline double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+template <class T>
+inline T sigmoid(T x) {
+  return T(1) / (T(1) + std::exp(-x));
+}
 
 // Parameter slots of one layer, in DrafterWeights::entries order.
 enum Slot { Q, K, V, O, QN, KN, GATE, UP, DOWN, IN_LN, POST_LN, kSlots };
 
 // Every parameter as a Mat, in DrafterWeights::entries order: [0] fc, [1] hidden_norm, then each
 // layer's kSlots (param_index), and norm last.
-inline std::vector<Mat> load_params(const DrafterConfig& c, const DrafterWeights& w) {
-  std::vector<Mat> P;
-  for (const auto& e : const_cast<DrafterWeights&>(w).entries(c)) P.push_back(to_mat(*e.tensor));
+template <class T = double>
+inline std::vector<MatT<T>> load_params(const DrafterConfig& c, const DrafterWeights& w) {
+  std::vector<MatT<T>> P;
+  for (const auto& e : const_cast<DrafterWeights&>(w).entries(c)) P.push_back(to_mat<T>(*e.tensor));
   return P;
 }
 inline size_t param_index(int64_t layer, int slot) { return static_cast<size_t>(2 + layer * kSlots + slot); }
 
 // h.row(i) = table[tokens[i]] for a host [V, H] table of any float dtype (ids already checked).
-inline void embed_rows(const Tensor& table, const std::vector<int64_t>& tokens, Mat& h) {
+template <class T>
+inline void embed_rows(const Tensor& table, const std::vector<int64_t>& tokens, MatT<T>& h) {
   const Tensor emb = table.contiguous();
   const auto* base = static_cast<const uint8_t*>(emb.raw_data());
   const size_t es = dtype_size(emb.dtype());
   for (size_t i = 0; i < tokens.size(); ++i)
     convert_elements(base + static_cast<size_t>(tokens[i] * h.cols) * es, emb.dtype(), h.row(static_cast<int64_t>(i)),
-                     DType::F64, h.cols);
+                     dtype_of<T>(), h.cols);
 }
 
 // A key of a block query: a context token (global index n) or a block row (global row index).
@@ -184,27 +226,27 @@ inline void block_keys(AttnType type, int64_t window, int64_t anchor, int64_t j,
 // Softmax attention of one query row q [Hq·d] over `keys` (context keys/values in kc / vc, block
 // keys/values in kb / vb, [rows, Hkv·d]); query head hq reads kv head hq / group. p gets the
 // Hq × keys softmax weights; out [Hq·d] += Σ p·v.
-inline void attend(const double* q, const std::vector<Key>& keys, const Mat& kc, const Mat& vc, const Mat& kb,
-                   const Mat& vb, int64_t Hq, int64_t group, int64_t d, double scale, std::vector<double>& p,
-                   double* out) {
+template <class T>
+inline void attend(const T* q, const std::vector<Key>& keys, const MatT<T>& kc, const MatT<T>& vc, const MatT<T>& kb,
+                   const MatT<T>& vb, int64_t Hq, int64_t group, int64_t d, T scale, std::vector<T>& p, T* out) {
   const int64_t nk = static_cast<int64_t>(keys.size());
-  p.assign(static_cast<size_t>(Hq * nk), 0.0);
+  p.assign(static_cast<size_t>(Hq * nk), T(0));
   for (int64_t hq = 0; hq < Hq; ++hq) {
     const int64_t kvo = (hq / group) * d;
-    const double* qv = q + hq * d;
-    double* ph = p.data() + hq * nk;
-    double mx = -INFINITY;
+    const T* qv = q + hq * d;
+    T* ph = p.data() + hq * nk;
+    T mx = -INFINITY;
     for (int64_t i = 0; i < nk; ++i) {
-      const double* kv = (keys[i].in_block ? kb.row(keys[i].index) : kc.row(keys[i].index)) + kvo;
+      const T* kv = (keys[i].in_block ? kb.row(keys[i].index) : kc.row(keys[i].index)) + kvo;
       ph[i] = dot(qv, kv, d) * scale;
       mx = std::max(mx, ph[i]);
     }
-    double sum = 0;
+    T sum = 0;
     for (int64_t i = 0; i < nk; ++i) sum += (ph[i] = std::exp(ph[i] - mx));
-    double* ov = out + hq * d;
+    T* ov = out + hq * d;
     for (int64_t i = 0; i < nk; ++i) {
       ph[i] /= sum;
-      const double* vv = (keys[i].in_block ? vb.row(keys[i].index) : vc.row(keys[i].index)) + kvo;
+      const T* vv = (keys[i].in_block ? vb.row(keys[i].index) : vc.row(keys[i].index)) + kvo;
       axpy(ov, ph[i], vv, d);
     }
   }

@@ -21,6 +21,7 @@
 #include "drafter/model.h"
 #include "drafter/weights.h"
 #include "core/random.h"
+#include "kernels/cpu/gemm.h"
 #include "target_model/config.h"
 #include "core/io/safetensors.h"
 #include "test_drafters.h"
@@ -160,6 +161,47 @@ TEST(Drafter, GradientsAccumulateAndF32PathAgrees) {
     for (int64_t k = 0; k < twice.numel(); ++k) twice.data<double>()[k] *= 2;
     EXPECT_LT(max_rel_err(*z[i].tensor, twice), 1e-5) << a[i].name;
   }
+}
+
+// DrafterMath::F32 (the CPU backend's fast step: float, GEMMs on kernels/cpu/gemm.h) against the double
+// reference on the same weights and batch, for every mask variant: the loss within 1e-5 (relative), the
+// final hidden states and every gradient (the context's too) within 1e-4 (max_rel_err; f32 sums over at
+// most a few hundred terms give ~1e-6), the same top-1 counts; and the same bits on 1 and 3 threads.
+TEST(Drafter, F32MathMatchesTheDoubleReference) {
+  const DrafterConfig c = tiny_config();
+  const DrafterWeights w = tiny_weights(c, DType::F32);
+  const FrozenTarget t = tiny_target(c);
+  const DrafterBatch b = tiny_batch(c);
+  for (MaskVariant v : {MaskVariant::Correct, MaskVariant::CausalInBlock, MaskVariant::AnchorInclusive}) {
+    SCOPED_TRACE(static_cast<int>(v));
+    StepOptions o64, o32;
+    o64.mask = o32.mask = v;
+    o32.math = DrafterMath::F32;
+    DrafterWeights g64 = DrafterWeights::zeros(c, DType::F64), g32 = DrafterWeights::zeros(c, DType::F32);
+    Tensor c64, c32, h64, h32;
+    const StepStats s64 = forward_backward(c, w, t, b, o64, &g64, &c64, &h64);
+    const StepStats s32 = forward_backward(c, w, t, b, o32, &g32, &c32, &h32);
+    EXPECT_NEAR(s32.loss(), s64.loss(), 1e-5 * s64.loss());
+    EXPECT_EQ(s32.correct, s64.correct);
+    EXPECT_LT(max_rel_err(h32, h64), 1e-4) << "final hidden states";
+    EXPECT_LT(max_rel_err(c32, c64), 1e-4) << "context gradient";
+    auto a = g64.entries(c), z = g32.entries(c);
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_LT(max_rel_err(*z[i].tensor, *a[i].tensor), 1e-4) << a[i].name;
+  }
+  const int saved = cpu::cpu_threads();
+  StepOptions o;
+  o.math = DrafterMath::F32;
+  DrafterWeights g1 = DrafterWeights::zeros(c, DType::F32), g3 = DrafterWeights::zeros(c, DType::F32);
+  cpu::set_cpu_threads(1);
+  const double l1 = forward_backward(c, w, t, b, o, &g1).loss();
+  cpu::set_cpu_threads(3);
+  const double l3 = forward_backward(c, w, t, b, o, &g3).loss();
+  cpu::set_cpu_threads(saved);
+  EXPECT_EQ(l1, l3);
+  auto a = g1.entries(c), z = g3.entries(c);
+  for (size_t i = 0; i < a.size(); ++i)
+    for (int64_t k = 0; k < a[i].tensor->numel(); ++k)
+      ASSERT_EQ(a[i].tensor->data<float>()[k], z[i].tensor->data<float>()[k]) << a[i].name << " element " << k;
 }
 
 // training.blocks_per_pass (issue 31): a batch's blocks in passes over the same context give the loss,
@@ -771,6 +813,19 @@ struct DecodeFixture {
   // rows 0..n_s, token n_s = x_start), one block per sequence at anchor n_s, blocks of Bp rows;
   // logits = final_hidden · lm_headᵀ.
   Tensor training_logits(int64_t Bp) const {
+    const Tensor hf = training_hidden(Bp);
+    const int64_t R = hf.size(0), H = c.hidden_size, V = c.vocab_size;
+    Tensor lg = Tensor::empty({R, V}, DType::F64);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t v = 0; v < V; ++v) {
+        double acc = 0;
+        for (int64_t k = 0; k < H; ++k) acc += hf.data<double>()[r * H + k] * t.lm_head.data<double>()[v * H + k];
+        lg.data<double>()[r * V + v] = acc;
+      }
+    return lg;
+  }
+  // The training forward's final hidden states of those blocks.
+  Tensor training_hidden(int64_t Bp, StepOptions o = {}) const {
     DrafterConfig cb = c;
     cb.block_size = Bp;
     DrafterBatch b;
@@ -784,16 +839,7 @@ struct DecodeFixture {
     }
     b.context = concat_rows(parts);
     b.loss_mask.assign(b.tokens.size(), 1);
-    const Tensor hf = hidden_of(cb, w, t, b);
-    const int64_t R = hf.size(0), H = c.hidden_size, V = c.vocab_size;
-    Tensor lg = Tensor::empty({R, V}, DType::F64);
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t v = 0; v < V; ++v) {
-        double acc = 0;
-        for (int64_t k = 0; k < H; ++k) acc += hf.data<double>()[r * H + k] * t.lm_head.data<double>()[v * H + k];
-        lg.data<double>()[r * V + v] = acc;
-      }
-    return lg;
+    return hidden_of(cb, w, t, b, o);
   }
 };
 
@@ -820,6 +866,44 @@ TEST(DrafterDecode, ProposeEqualsTheTrainingForward) {
       for (int64_t j = 1; j < Bp; ++j) EXPECT_EQ(drafts[s][j - 1], top[s * Bp + j]) << "slot " << f.slots[s] << " row " << j;
     }
     for (size_t s = 0; s < f.slots.size(); ++s) EXPECT_EQ(p->context_length(f.slots[s]), f.n[s]) << "propose changed a context";
+  }
+}
+
+// The float proposer (DrafterMath::F32, the CPU default of dflash_eval) gives, bit for bit, the logits of
+// the float training forward for the same blocks (its final hidden states through the same GEMM): what
+// makes dflash_eval's estimate "at the same blocks" equal the measured tau on the CPU. Context in two
+// pieces, blocks of 2 and 8.
+TEST(DrafterDecode, F32ProposeEqualsTheF32TrainingForwardBitForBit) {
+  DecodeFixture f;
+  auto p = make_cpu_proposer(f.c, f.w, f.t, DecodeFixture::kSlots, DecodeFixture::kMaxLen, DrafterMath::F32);
+  for (int piece = 0; piece < 2; ++piece) {
+    ops::SeqOffsets seqs{{0}};
+    std::vector<Tensor> parts;
+    for (size_t s = 0; s < f.n.size(); ++s) {
+      const int64_t half = f.n[s] / 2, b0 = piece ? half : 0, b1 = piece ? f.n[s] : half;
+      parts.push_back(f.features[s].slice(0, b0, b1));
+      seqs.offsets.push_back(seqs.offsets.back() + b1 - b0);
+    }
+    p->add_context(f.slots, DecodeFixture::concat_rows(parts), seqs);
+  }
+  const Tensor head = f.t.lm_head.to_dtype(DType::F32);
+  for (int64_t Bp : {2, 8}) {
+    Tensor logits;
+    const auto drafts = p->propose(f.slots, f.x_start, Bp, &logits);
+    StepOptions o;
+    o.math = DrafterMath::F32;
+    const Tensor hf = f.training_hidden(Bp, o).to_dtype(DType::F32);  // exact: float values held in double
+    const int64_t R = hf.size(0), H = f.c.hidden_size, V = f.c.vocab_size;
+    Tensor ref = Tensor::empty({R, V}, DType::F32);
+    cpu::gemm_f32(cpu::Trans::N, cpu::Trans::T, R, V, H, hf.data<float>(), H, head.data<float>(), H, false,
+                  ref.data<float>(), V);
+    ASSERT_EQ(logits.numel(), ref.numel());
+    for (int64_t i = 0; i < ref.numel(); ++i)
+      ASSERT_EQ(logits.data<float>()[i], ref.data<float>()[i]) << "block " << Bp << " logit " << i;
+    std::vector<int32_t> top;
+    ops::argmax_rows(ref, top);
+    for (size_t s = 0; s < f.slots.size(); ++s)
+      for (int64_t j = 1; j < Bp; ++j) EXPECT_EQ(drafts[s][j - 1], top[s * Bp + j]) << "slot " << f.slots[s] << " row " << j;
   }
 }
 

@@ -184,13 +184,13 @@ TEST_F(TrainCsv, RefusesABadCsvAtStartUp) {
 
 // training.blocks_per_pass on the CPU backend: 4 steps with each micro-batch's 8 blocks in passes of 3
 // train like one pass of all of them: the same loss and gradient norm at every step within 1e-10
-// (the double drafter sums the passes' gradients in another order).
+// (the double drafter, kernels.cpu_drafter: f64, sums the passes' gradients in another order).
 TEST_F(TrainCsv, BlockPassesTrainLikeOnePass) {
   auto run = [&](const std::string& name, int64_t per_pass) {
     const TrainConfig cfg = TrainConfig::embedded_default(
         {"parallel.device=cpu", "data.regenerate.enabled=false", "training.max_steps=4", "logging.interval=1",
          "checkpoint.at_end=false", "logging.progress_bar=false", "training.blocks_per_pass=" + std::to_string(per_pass), "training.num_anchors=8",
-         "data.synth.path=" + (dir / "synth.h5").string(), "logging.run_dir=" + (dir / name).string()});
+         "kernels.cpu_drafter=f64", "data.synth.path=" + (dir / "synth.h5").string(), "logging.run_dir=" + (dir / name).string()});
     train(cfg, 1, 0, RunOptions{});
     std::vector<std::pair<double, double>> out;
     std::ifstream in(dir / name / "metrics.jsonl");

@@ -430,6 +430,9 @@ const std::vector<Field>& schema() {
     f.push_back(enum_field<KernelPolicy>(
         "kernels.attention", policies, DFLASH_MEMBER(kernels.attention)));
     f.push_back(bool_field("kernels.require_fast_path", DFLASH_MEMBER(kernels.require_fast_path)));
+    f.push_back(enum_field<drafter::DrafterMath>("kernels.cpu_drafter",
+                                                 {{"f32", drafter::DrafterMath::F32}, {"f64", drafter::DrafterMath::F64}},
+                                                 DFLASH_MEMBER(kernels.cpu_drafter)));
     f.push_back(string_field("checkpoint.dir", "a directory (a string; \"\" = <run_dir>/checkpoints)", true,
                              DFLASH_MEMBER(checkpoint.dir)));
     f.push_back(int_field("checkpoint.interval", 1, DFLASH_MEMBER(checkpoint.interval)));

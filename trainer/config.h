@@ -159,6 +159,9 @@ struct KernelsSection {  // the fast-path policy of the target's kernels
   target::KernelPolicy delta_rule = target::KernelPolicy::Auto;
   target::KernelPolicy attention = target::KernelPolicy::Auto;
   bool require_fast_path = false;
+  // The CPU backend's drafter step: F32 (float, the threaded GEMM of kernels/cpu/gemm.h; the default)
+  // or F64 (the double reference: every cross-layout test at 1e-9 runs it).
+  drafter::DrafterMath cpu_drafter = drafter::DrafterMath::F32;
   bool operator==(const KernelsSection&) const = default;
 };
 

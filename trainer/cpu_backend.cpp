@@ -1,13 +1,17 @@
-// The CPU backend: the f32 reference target (tensor-parallel over MPI inside a TP group) and the
-// double-precision drafter reference; gradients summed with one MPI all-reduce; AdamW on the host.
+// The CPU backend: the f32 reference target (tensor-parallel over MPI inside a TP group) and the drafter
+// step in f32 on the threaded GEMM (kernels.cpu_drafter: f32) or the double-precision reference (f64);
+// gradients summed with one MPI all-reduce (in double); AdamW on the host.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <thread>
 
 #include "drafter/batch.h"
 #include "drafter/fast_path.h"
+#include "kernels/cpu/gemm.h"
 #include "target_model/model.h"
 #include "target_model/tp.h"
 #include "target_model/weights.h"
@@ -34,7 +38,11 @@ class CpuBackend final : public TrainBackend {
     frozen_ = {tmodel_->weights().embed_tokens, tmodel_->weights().lm_head};
     dw_ = initial_drafter_weights(s, Device::cpu());
     dw_.check(dcfg_);
-    grads_ = drafter::DrafterWeights::zeros(dcfg_, DType::F64);
+    math_ = cfg.kernels.cpu_drafter;
+    // Ranks sharing a machine share its cores (DFLASH_CPU_THREADS, when set, wins).
+    if (s.local_size > 1 && !std::getenv("DFLASH_CPU_THREADS"))
+      cpu::set_cpu_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / s.local_size));
+    grads_ = drafter::DrafterWeights::zeros(dcfg_, math_ == drafter::DrafterMath::F32 ? DType::F32 : DType::F64);
     std::vector<std::pair<std::string, Tensor*>> params;
     for (auto& e : dw_.entries(dcfg_)) params.emplace_back(e.name, e.tensor), n_params_ += e.tensor->numel();
     for (auto& e : grads_.entries(dcfg_)) grad_list_.push_back(e.tensor);
@@ -43,7 +51,11 @@ class CpuBackend final : public TrainBackend {
     fopt_.counters = &counters_;
   }
 
-  std::string describe() const override { return "cpu (f32 target reference, double drafter reference)"; }
+  std::string describe() const override {
+    return math_ == drafter::DrafterMath::F32 ? "cpu (f32 target reference, f32 drafter on " + std::to_string(cpu::cpu_threads()) +
+                                                   " thread(s), " + cpu::gemm_isa() + " GEMM)"
+                                             : "cpu (f32 target reference, double drafter reference)";
+  }
   std::string expert_load() override {
     const std::vector<int64_t>& load = tmodel_->expert_load();
     if (load.empty()) return "";
@@ -75,8 +87,10 @@ class CpuBackend final : public TrainBackend {
     m.batch.context = ctx;
     if (m.batch.blocks.empty() || opt.grad_scale <= 0) return {};
     t0 = StepClock::now();
+    drafter::StepOptions o = opt;
+    o.math = math_;
     drafter::StepStats st = drafter::for_each_block_pass(m.batch, blocks_per_pass_, opt.grad_scale, [&](bool) {
-      return drafter::forward_backward(dcfg_, dw_, frozen_, m.batch, opt, &grads_);
+      return drafter::forward_backward(dcfg_, dw_, frozen_, m.batch, o, &grads_);
     });
     t.drafter_s += seconds_since(t0);
     return st;
@@ -84,14 +98,17 @@ class CpuBackend final : public TrainBackend {
 
   double reduce_grads(StepTimes& t) override {
     auto t0 = StepClock::now();
-    if (world_ && world_->size() > 1) {
+    if (world_ && world_->size() > 1) {  // summed in double whatever the gradients' dtype
       std::vector<double> buf;
-      for (Tensor* g : grad_list_) buf.insert(buf.end(), g->data<double>(), g->data<double>() + g->numel());
+      for (Tensor* g : grad_list_) {
+        const Tensor d = g->dtype() == DType::F64 ? *g : g->to_dtype(DType::F64);
+        buf.insert(buf.end(), d.data<double>(), d.data<double>() + d.numel());
+      }
       Tensor b = Tensor::from_blob(buf.data(), {static_cast<int64_t>(buf.size())}, DType::F64);
       world_->all_reduce_sum(b);
       size_t at = 0;
       for (Tensor* g : grad_list_) {
-        std::memcpy(g->data<double>(), buf.data() + at, sizeof(double) * static_cast<size_t>(g->numel()));
+        convert_elements(buf.data() + at, DType::F64, g->raw_data(), g->dtype(), g->numel());
         at += static_cast<size_t>(g->numel());
       }
     }
@@ -142,6 +159,7 @@ class CpuBackend final : public TrainBackend {
   int64_t n_params_ = 0;
   int64_t blocks_per_pass_ = 0;  // training.blocks_per_pass
   std::unique_ptr<AdamW> opt_;
+  drafter::DrafterMath math_ = drafter::DrafterMath::F32;
   target::ForwardOptions fopt_;
   target::PathCounters counters_;
 };

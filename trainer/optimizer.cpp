@@ -5,6 +5,7 @@
 #include <numbers>
 
 #include "core/io/safetensors.h"
+#include "kernels/cpu/gemm.h"
 
 namespace dflash::trainer {
 
@@ -23,17 +24,18 @@ double LrSchedule::at(int64_t step) const {
 }
 
 namespace {
+// f(i, value) for the elements [begin, end) of a contiguous host gradient (F32 / F64).
 template <typename F>
-void for_each_value(const Tensor& t, F&& f) {
+void for_each_value(const Tensor& t, F&& f, int64_t begin = 0, int64_t end = -1) {
   DFLASH_CHECK(t.device().is_cpu() && t.is_contiguous(), "optimizer: gradient must be a contiguous host tensor, got "
                                                            << t.describe());
-  const int64_t n = t.numel();
+  if (end < 0) end = t.numel();
   if (t.dtype() == DType::F64) {
     const double* p = t.data<double>();
-    for (int64_t i = 0; i < n; ++i) f(i, p[i]);
+    for (int64_t i = begin; i < end; ++i) f(i, p[i]);
   } else if (t.dtype() == DType::F32) {
     const float* p = t.data<float>();
-    for (int64_t i = 0; i < n; ++i) f(i, static_cast<double>(p[i]));
+    for (int64_t i = begin; i < end; ++i) f(i, static_cast<double>(p[i]));
   } else {
     DFLASH_FAIL("optimizer: gradients must be f32 or f64, got " << t.describe());
   }
@@ -75,7 +77,7 @@ void AdamW::step(const std::vector<const Tensor*>& grads, double lr, double grad
     float* pw = p.data<float>();
     float* m = m_[k].data<float>();
     float* v = v_[k].data<float>();
-    for_each_value(*grads[k], [&](int64_t i, double g0) {
+    auto update = [&](int64_t i, double g0) {
       const double g = g0 * grad_factor;
       const double mi = b1 * m[i] + (1.0 - b1) * g;
       const double vi = b2 * v[i] + (1.0 - b2) * g * g;
@@ -85,6 +87,16 @@ void AdamW::step(const std::vector<const Tensor*>& grads, double lr, double grad
       w -= lr * h_.weight_decay * w;
       w -= lr * (mi / c1) / (std::sqrt(vi / c2) + h_.eps);
       pw[i] = static_cast<float>(w);
+    };
+    const Tensor& gk = *grads[k];
+    DFLASH_CHECK(gk.device().is_cpu() && gk.is_contiguous() && (gk.dtype() == DType::F32 || gk.dtype() == DType::F64),
+                 "optimizer: gradient of '" << params_[k].first << "' must be a contiguous f32 / f64 host tensor, got "
+                                            << gk.describe());
+    // Each element on its own: chunks on the CPU worker threads give the same bits as one loop.
+    constexpr int64_t kChunk = 1 << 15;
+    const int64_t n = p.numel();
+    cpu::parallel_for((n + kChunk - 1) / kChunk, [&](int64_t c) {
+      for_each_value(gk, update, c * kChunk, std::min(n, (c + 1) * kChunk));
     });
   }
 }

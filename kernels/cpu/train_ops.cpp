@@ -1,10 +1,12 @@
-// CPU references of the drafter's training ops (kernels/cpu/train_ops.h), in double.
+// CPU references of the drafter's training ops (kernels/cpu/train_ops.h), in double; and the f32
+// twin of the fused linear cross-entropy (the CPU backend's fast drafter step).
 #include "kernels/cpu/train_ops.h"
 
 #include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
+#include "kernels/cpu/gemm.h"
 
 namespace dflash::cpu {
 
@@ -251,6 +253,76 @@ CeSums fused_linear_ce(const double* hidden, int64_t rows, int64_t H, const Tens
         double* dh = dhidden + live[i] * H;
         for (int64_t c = 0; c < H; ++c) dh[c] += g * w[c];
       }
+    }
+  }
+  return sums;
+}
+
+CeSums fused_linear_ce_f32(const float* hidden, int64_t rows, int64_t H, const Tensor& lm_head,
+                           const std::vector<int32_t>& labels, const std::vector<double>& weights, int64_t chunk_rows,
+                           double grad_scale, float* dhidden, std::vector<int32_t>* argmax) {
+  DFLASH_CHECK(chunk_rows > 0, "fused_linear_ce_f32: chunk_rows must be positive, got " << chunk_rows);
+  DFLASH_CHECK(lm_head.defined() && lm_head.device().is_cpu() && lm_head.is_contiguous() && lm_head.dim() == 2 &&
+                   lm_head.size(1) == H && lm_head.dtype() == DType::F32,
+               "fused_linear_ce_f32: lm_head must be a contiguous host F32 tensor [V, " << H << "], got "
+                                                                                       << (lm_head.defined() ? lm_head.describe() : "undefined"));
+  DFLASH_CHECK(static_cast<int64_t>(labels.size()) == rows && static_cast<int64_t>(weights.size()) == rows,
+               "fused_linear_ce_f32: " << rows << " rows but " << labels.size() << " labels and " << weights.size()
+                                       << " weights");
+  const int64_t V = lm_head.size(0);
+  const float* W = lm_head.data<float>();
+  if (argmax) argmax->assign(static_cast<size_t>(rows), -1);
+  CeSums sums;
+  std::vector<int64_t> live;
+  std::vector<float> x, logits, dx;
+  std::vector<double> ce;
+  std::vector<int32_t> best;
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows) {
+    const int64_t r1 = std::min(rows, r0 + chunk_rows);
+    live.clear();
+    for (int64_t r = r0; r < r1; ++r)
+      if (weights[r] > 0) {
+        DFLASH_CHECK(labels[r] >= 0 && labels[r] < V,
+                     "fused_linear_ce_f32: label " << labels[r] << " of row " << r << " is outside the vocabulary [0, " << V << ")");
+        live.push_back(r);
+      }
+    if (live.empty()) continue;
+    const int64_t n = static_cast<int64_t>(live.size());
+    x.resize(static_cast<size_t>(n * H));
+    for (int64_t i = 0; i < n; ++i) std::copy_n(hidden + live[i] * H, H, x.data() + i * H);
+    logits.resize(static_cast<size_t>(n * V));  // the only [rows, V] buffer: one chunk
+    gemm_f32(Trans::N, Trans::T, n, V, H, x.data(), H, W, H, false, logits.data(), V);
+    ce.assign(static_cast<size_t>(n), 0.0);
+    best.assign(static_cast<size_t>(n), 0);
+    parallel_for(n, [&](int64_t i) {
+      float* z = &logits[i * V];
+      const int64_t r = live[i];
+      int64_t b = 0;
+      for (int64_t v = 1; v < V; ++v)
+        if (z[v] > z[b]) b = v;
+      double sum = 0;
+      for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(z[v] - z[b]));
+      const double lse = static_cast<double>(z[b]) + std::log(sum);
+      ce[i] = lse - static_cast<double>(z[labels[r]]);
+      best[i] = static_cast<int32_t>(b);
+      // The row becomes dCE/dz scaled by w·grad_scale: softmax - onehot.
+      const double f = weights[r] * grad_scale;
+      for (int64_t v = 0; v < V; ++v) z[v] = static_cast<float>(std::exp(static_cast<double>(z[v]) - lse) * f);
+      z[labels[r]] -= static_cast<float>(f);
+    });
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = live[i];
+      sums.weighted_ce_sum += weights[r] * ce[i];
+      sums.weight_sum += weights[r];
+      if (argmax) (*argmax)[r] = best[i];
+    }
+    if (!dhidden) continue;
+    dx.resize(static_cast<size_t>(n * H));
+    gemm_f32(Trans::N, Trans::N, n, H, V, logits.data(), V, W, H, false, dx.data(), H);
+    for (int64_t i = 0; i < n; ++i) {
+      float* dh = dhidden + live[i] * H;
+      const float* g = dx.data() + i * H;
+      for (int64_t c = 0; c < H; ++c) dh[c] += g[c];
     }
   }
   return sums;

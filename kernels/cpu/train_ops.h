@@ -84,4 +84,12 @@ CeSums fused_linear_ce(const double* hidden, int64_t rows, int64_t H, const Tens
                        const std::vector<int32_t>& labels, const std::vector<double>& weights, int64_t chunk_rows,
                        double grad_scale, double* dhidden, std::vector<int32_t>* argmax);
 
+// Its f32 twin for the CPU backend's fast drafter step (DrafterMath::F32): the same contract on f32
+// hidden states and gradients, lm_head F32 [V, H] contiguous; the two products of each chunk (logits and
+// the hidden-state gradient) on the GEMM of kernels/cpu/gemm.h, the rows' softmax on the worker threads,
+// the sums in double in row order (the same result on any thread count).
+CeSums fused_linear_ce_f32(const float* hidden, int64_t rows, int64_t H, const Tensor& lm_head,
+                           const std::vector<int32_t>& labels, const std::vector<double>& weights, int64_t chunk_rows,
+                           double grad_scale, float* dhidden, std::vector<int32_t>* argmax);
+
 }  // namespace dflash::cpu

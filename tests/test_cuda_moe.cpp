@@ -196,12 +196,15 @@ void check_grouped_plain(int64_t N, int64_t E, int64_t k, int64_t Nout, int64_t 
 struct BlockCase {
   int64_t N, H, E, k, I, Is;
   bool renorm;
+  int64_t routed = -1;  // MoeBlockParams::routed: rows after these get the shared expert alone
+  bool forced = false;  // route by given logits (MoeBlockParams::logits_in) instead of the router's
 };
 
 void check_block(const BlockCase& c, cu::MoeImpl impl) {
   SCOPED_TRACE(std::string(cu::moe_impl_name(impl)) + " N " + std::to_string(c.N) + " H " + std::to_string(c.H) +
                " E " + std::to_string(c.E) + " k " + std::to_string(c.k) + " I " + std::to_string(c.I) + " Is " +
-               std::to_string(c.Is));
+               std::to_string(c.Is) + " routed " + std::to_string(c.routed) + (c.forced ? " forced" : ""));
+  const int64_t Nr = c.routed < 0 ? c.N : c.routed;
   const float ws = 1.0f / std::sqrt(float(c.H));
   Pair x = rand_bf16({c.N, c.H}, 1.0f), router = rand_bf16({c.E, c.H}, ws);
   Pair gu = rand_bf16({c.E, 2 * c.I, c.H}, ws), dn = rand_bf16({c.E, c.H, c.I}, 1.0f / std::sqrt(float(c.I)));
@@ -213,7 +216,17 @@ void check_block(const BlockCase& c, cu::MoeImpl impl) {
   }
   Tensor out = Tensor::empty({c.N, c.H}, DType::BF16, Device::cuda(0));
   poison(out);
-  Tensor ex = dev_i32(c.N * c.k), wt = Tensor::empty({c.N * c.k}, DType::F32, Device::cuda(0));
+  Tensor ex = dev_i32(Nr * c.k), wt = Tensor::empty({Nr * c.k}, DType::F32, Device::cuda(0));
+  Tensor lg_out = Tensor::empty({c.N, c.E}, DType::F32, Device::cuda(0));
+  poison(wt);
+  poison(lg_out);
+  // Forced routing: logits of another model (random, wide apart) that the block must follow.
+  Tensor forced_host, forced_dev;
+  if (c.forced) {
+    forced_host = Tensor::empty({c.N, c.E}, DType::F32);
+    fill_normal(forced_host, {80, g_stream++, 0}, 0.0f, 3.0f);
+    forced_dev = forced_host.to(Device::cuda(0));
+  }
   const size_t bytes = cu::moe_workspace_bytes(c.N, c.H, c.E, c.k, c.I, c.Is, impl);
   Tensor ws_t = Tensor::empty({static_cast<int64_t>(bytes)}, DType::U8, Device::cuda(0));
   DFLASH_CUDA_CHECK(cudaMemset(ws_t.raw_data(), 0xff, bytes));  // NaN-ish garbage in every scratch buffer
@@ -238,17 +251,32 @@ void check_block(const BlockCase& c, cu::MoeImpl impl) {
   p.workspace = ws_t.raw_data();
   p.experts_out = ex.data<int32_t>();
   p.weights_out = wt.data<float>();
+  p.logits_out = lg_out.data<float>();
+  p.routed = c.routed;
+  if (c.forced) p.logits_in = forced_dev.data<float>();
   cu::moe_block(p, impl, 0);
   sync_dev();
 
-  // Routing vs the CPU's f32 router (near ties allowed, see the top).
+  // The router's logits (logits_out, every row, forced or not) vs the CPU's f32 ones on the same
+  // bf16 inputs: only the summation order differs.
   ops::MoeRouting cpu;
   ops::moe_route(x.host, router.host, c.k, c.renorm, cpu);
+  EXPECT_LE(max_rel_err(host(lg_out), cpu.logits), 1e-4) << "router logits";
   ops::MoeRouting gpu;
-  gpu.experts = host(ex).view({c.N, c.k});
-  gpu.weights = host(wt).view({c.N, c.k});
+  gpu.experts = host(ex).view({Nr, c.k});
+  gpu.weights = host(wt).view({Nr, c.k});
+  if (c.forced) {
+    // The choices and weights are those of the given logits, exactly as the CPU's top-k on them.
+    ops::MoeRouting want;
+    ops::moe_route_logits(forced_host.slice(0, 0, Nr).contiguous(), c.k, c.renorm, want);
+    for (int64_t i = 0; i < Nr * c.k; ++i) {
+      ASSERT_EQ(gpu.experts.data<int32_t>()[i], want.experts.data<int32_t>()[i]) << "forced choice " << i;
+      EXPECT_NEAR(gpu.weights.data<float>()[i], want.weights.data<float>()[i], 1e-5) << "forced weight " << i;
+    }
+  }
+  // Routing of the routed rows vs the CPU's f32 router (near ties allowed, see the top).
   int64_t differ = 0;
-  for (int64_t n = 0; n < c.N; ++n) {
+  for (int64_t n = 0; n < Nr && !c.forced; ++n) {
     std::set<int32_t> a, b;
     for (int64_t j = 0; j < c.k; ++j) {
       a.insert(cpu.experts.data<int32_t>()[n * c.k + j]);
@@ -266,9 +294,13 @@ void check_block(const BlockCase& c, cu::MoeImpl impl) {
   }
   EXPECT_LE(differ, std::max<int64_t>(1, c.N / 100)) << "tokens routed differently from the CPU";
 
-  // Output vs the CPU block on the GPU's choices.
-  Tensor ref = Tensor::empty({c.N, c.H}, DType::F32);
-  ops::moe_experts(x.host, gu.host, dn.host, gpu, ref);
+  // Output vs the CPU block on the GPU's choices; rows past the routed ones have no routed term.
+  Tensor ref = Tensor::zeros({c.N, c.H}, DType::F32);
+  if (Nr > 0) {
+    Tensor part = Tensor::empty({Nr, c.H}, DType::F32);
+    ops::moe_experts(x.host.slice(0, 0, Nr).contiguous(), gu.host, dn.host, gpu, part);
+    std::copy(part.data<float>(), part.data<float>() + Nr * c.H, ref.data<float>());
+  }
   if (c.Is) {
     Tensor g = Tensor::empty({c.N, c.Is}, DType::F32), u = Tensor::empty({c.N, c.Is}, DType::F32);
     Tensor sgu_g = sgu.host.slice(0, 0, c.Is).clone(), sgu_u = sgu.host.slice(0, c.Is, 2 * c.Is).clone();
@@ -320,6 +352,10 @@ TEST(CudaMoe, BlockMatchesCpu) {
       {37, 64, 8, 2, 32, 0, true},       {130, 128, 16, 4, 48, 64, true}, {200, 256, 64, 8, 64, 64, true},
       {33, 128, 16, 4, 40, 24, false},   {1, 256, 64, 8, 64, 64, true},   {4, 256, 64, 8, 64, 64, true},
       {16, 256, 64, 8, 64, 64, true},
+      // A decode step's pad rows (routed < N) and forced routing (logits_in), alone and together.
+      {16, 256, 64, 8, 64, 64, true, 1},  {16, 128, 16, 4, 48, 64, true, 5}, {70, 128, 16, 4, 48, 0, true, 64},
+      {37, 64, 8, 2, 32, 48, true, -1, true}, {16, 256, 64, 8, 64, 64, true, 3, true},
+      {16, 128, 16, 4, 48, 64, true, 0},
   };
   for (const BlockCase& c : cases)
     for (cu::MoeImpl impl : {cu::MoeImpl::Grouped, cu::MoeImpl::Fallback}) check_block(c, impl);

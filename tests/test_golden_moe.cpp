@@ -230,6 +230,54 @@ TEST(MoeGolden, RouterLogitsMatchTransformers) {
   }
 }
 
+// ForwardOptions::router_logits (the GPU golden test forces transformers' routing with it): a layer
+// routes by the given logits, and capture_routing returns those choices beside the router's own
+// logits. Transformers' own logits give transformers' choices and outputs; logits that send every
+// token of layer 1 to the last two experts do exactly that, leave layer 0 bit for bit as it was and
+// change layer 1.
+TEST(MoeGolden, ForcedRouterLogitsRouteTheLayer) {
+  Loaded m = load(kDir);
+  const TargetConfig& cfg = m.cfg;
+  io::SafetensorsFile golden(kDir + "/golden.safetensors");
+  const int64_t T = 37, E = cfg.num_experts, k = cfg.num_experts_per_tok;
+  const std::vector<int32_t> ids = ids_of(golden.tensor("ids.37"));
+  std::map<int64_t, Tensor> hf;
+  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) hf[i] = golden.tensor("router.37." + std::to_string(i) + ".logits");
+  ForwardOptions opt;
+  opt.capture = all_layers(cfg);
+  opt.capture_routing = true;
+  const ForwardResult plain = m.model->forward({ids}, opt);
+  opt.router_logits = &hf;
+  const ForwardResult r = m.model->forward({ids}, opt);
+  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
+    const std::string li = "37." + std::to_string(i);
+    EXPECT_EQ(routing_mismatches(r.routing.at(i).experts, golden.tensor("router." + li + ".experts")), 0) << "layer " << i;
+    EXPECT_LE(max_rel_err(r.layers.at(i), golden.tensor("layer." + li)), kBound) << "layer " << i;
+    // The router's own logits: layer 0's input is the same; later ones moved by the forced weights'
+    // last bits (transformers' weights, not this model's).
+    EXPECT_LE(max_rel_err(r.routing.at(i).logits, plain.routing.at(i).logits), i == 0 ? 0.0 : kBound) << "own logits, layer " << i;
+  }
+  Tensor skew = Tensor::zeros({T, E}, DType::F32);
+  for (int64_t n = 0; n < T; ++n) {
+    skew.data<float>()[n * E + E - 1] = 5.0f;
+    skew.data<float>()[n * E + E - 2] = 4.0f;
+  }
+  const std::map<int64_t, Tensor> one{{1, skew}};
+  opt.router_logits = &one;
+  const ForwardResult s = m.model->forward({ids}, opt);
+  for (int64_t n = 0; n < T; ++n) {
+    EXPECT_EQ(s.routing.at(1).experts.data<int32_t>()[n * k], E - 1) << "token " << n;
+    EXPECT_EQ(s.routing.at(1).experts.data<int32_t>()[n * k + 1], E - 2) << "token " << n;
+  }
+  EXPECT_EQ(max_rel_err(s.layers.at(0), plain.layers.at(0)), 0.0) << "layer 0 is not forced";
+  EXPECT_EQ(routing_mismatches(s.routing.at(0).experts, plain.routing.at(0).experts), 0);
+  EXPECT_GT(max_rel_err(s.layers.at(1), plain.layers.at(1)), 1e-2) << "layer 1 routed elsewhere";
+  // A forced tensor of the wrong shape is named.
+  const std::map<int64_t, Tensor> bad{{2, Tensor::zeros({T, E + 1}, DType::F32)}};
+  opt.router_logits = &bad;
+  EXPECT_NE(error_of([&] { m.model->forward({ids}, opt); }).find("forced router logits"), std::string::npos);
+}
+
 // Packing several sequences in one batch gives each the result it gets alone.
 TEST(MoeGolden, BatchOfSequencesEqualsSeparateRuns) {
   Loaded m = load(kDir);

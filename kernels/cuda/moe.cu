@@ -320,14 +320,17 @@ __global__ void gather_kernel(const bf16* __restrict__ x, const int32_t* __restr
 }
 
 // One block per token: the shared gate's dot product (block reduction), then 8 columns a thread.
+// Rows n >= routed have no routed term (kn = 0).
 __global__ void combine_kernel(const bf16* __restrict__ y, const int32_t* __restrict__ slot_pos,
                                const float* __restrict__ weights, int k, int H, const bf16* __restrict__ shared,
-                               const bf16* __restrict__ x, const bf16* __restrict__ gate_w, bf16* __restrict__ out) {
+                               const bf16* __restrict__ x, const bf16* __restrict__ gate_w, bf16* __restrict__ out,
+                               int64_t routed) {
   const int64_t n = blockIdx.x;
+  const int kn = n < routed ? k : 0;
   __shared__ float red[32];
   __shared__ int32_t sp[32];
   __shared__ float sw[32];
-  if (threadIdx.x < k) {
+  if (threadIdx.x < kn) {
     sp[threadIdx.x] = slot_pos[n * k + threadIdx.x];
     sw[threadIdx.x] = weights[n * k + threadIdx.x];
   }
@@ -354,7 +357,7 @@ __global__ void combine_kernel(const bf16* __restrict__ y, const int32_t* __rest
   if (shared) gate = 1.0f / (1.0f + expf(-red[0]));
   for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int j = 0; j < k; ++j) {
+    for (int j = 0; j < kn; ++j) {
       float v[8];
       vec::load8(y + static_cast<int64_t>(sp[j]) * H + c, v);
 #pragma unroll
@@ -437,7 +440,9 @@ void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, 
 }
 
 void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, int64_t N, int64_t k, int64_t H,
-                 const void* shared, const void* x, const void* gate_w, void* out, Stream s) {
+                 const void* shared, const void* x, const void* gate_w, void* out, Stream s, int64_t routed) {
+  if (routed < 0) routed = N;
+  DFLASH_CHECK(routed <= N, "moe_combine: " << routed << " routed rows of " << N);
   DFLASH_CHECK(H > 0 && H % 8 == 0 && k >= 1 && k <= 32 && aligned16(y) && aligned16(out) &&
                    (!shared || (aligned16(shared) && aligned16(x) && aligned16(gate_w))),
                "moe_combine: H " << H << " (a multiple of 8), k " << k << " (1..32), 16-byte aligned operands");
@@ -445,7 +450,7 @@ void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, i
   combine_kernel<<<static_cast<unsigned>(N), 256, 0, static_cast<cudaStream_t>(s)>>>(
       static_cast<const bf16*>(y), slot_pos, weights, static_cast<int>(k), static_cast<int>(H),
       static_cast<const bf16*>(shared), static_cast<const bf16*>(x), static_cast<const bf16*>(gate_w),
-      static_cast<bf16*>(out));
+      static_cast<bf16*>(out), routed);
   DFLASH_CUDA_CHECK_LAST();
 }
 
@@ -505,13 +510,15 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
                "moe_block: null operand or a workspace that is not 16-byte aligned");
   DFLASH_CHECK(!p.shared_gate_up || (p.shared_down && p.shared_gate),
                "moe_block: a shared expert needs shared_gate_up, shared_down and shared_gate");
+  const int64_t Nr = p.routed < 0 ? p.N : p.routed;  // routed rows
+  DFLASH_CHECK(Nr <= p.N, "moe_block: " << Nr << " routed rows of " << p.N);
   if (p.N == 0) return;
   Stream s = DeviceContext::get(device).stream();
   const Layout l = layout(p.N, p.H, p.E, p.k, p.I, p.Is, impl);
   char* ws = static_cast<char*>(p.workspace);
   auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
   auto i32 = [&](size_t off) { return reinterpret_cast<int32_t*>(ws + off); };
-  const int64_t R = p.N * p.k;
+  const int64_t R = Nr * p.k;
 
   GemmExParams rg;  // router logits, fp32
   rg.a = p.x;
@@ -519,7 +526,8 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
   rg.b = p.router;
   rg.ldb = p.H;
   rg.trans_b = true;
-  rg.d = f32(l.logits);
+  float* logits = p.logits_out ? p.logits_out : f32(l.logits);
+  rg.d = logits;
   rg.ldd = p.E;
   rg.d_f32 = true;
   rg.M = p.N;
@@ -529,8 +537,8 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
   gemm_ex(rg, device);
   int32_t* experts = p.experts_out ? p.experts_out : i32(l.experts);
   float* weights = p.weights_out ? p.weights_out : f32(l.weights);
-  moe_topk(f32(l.logits), p.N, p.E, p.k, p.renormalize, experts, weights, i32(l.counts), s);
-  moe_permute(experts, i32(l.counts), p.N, p.E, p.k, i32(l.offsets), i32(l.tiles), i32(l.cursor), i32(l.src),
+  moe_topk(p.logits_in ? p.logits_in : logits, Nr, p.E, p.k, p.renormalize, experts, weights, i32(l.counts), s);
+  moe_permute(experts, i32(l.counts), Nr, p.E, p.k, i32(l.offsets), i32(l.tiles), i32(l.cursor), i32(l.src),
               i32(l.slot), s);
   void* act = ws + l.act;
   void* y = ws + l.y;
@@ -620,7 +628,7 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     gemm_bf16(d, device);
     shared = ws + l.sout;
   }
-  moe_combine(y, i32(l.slot), weights, p.N, p.k, p.H, shared, p.x, p.shared_gate, p.out, s);
+  moe_combine(y, i32(l.slot), weights, p.N, p.k, p.H, shared, p.x, p.shared_gate, p.out, s, Nr);
 }
 
 }  // namespace dflash::cuda

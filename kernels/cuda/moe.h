@@ -66,9 +66,10 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s);
 void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, void* y, Stream s);
 
 // out[n, :] = sum_j weights[n, j] * y[slot_pos[n, j], :] (+ sigmoid(x[n] · gate_w) * shared[n, :]
-// when shared != nullptr; x, gate_w [H] bf16), bf16 out [N, H] contiguous, fp32 math.
+// when shared != nullptr; x, gate_w [H] bf16), bf16 out [N, H] contiguous, fp32 math. Rows n >=
+// routed (routed < 0: every row is routed) have no routed term; slot_pos / weights hold the routed rows.
 void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, int64_t N, int64_t k, int64_t H,
-                 const void* shared, const void* x, const void* gate_w, void* out, Stream s);
+                 const void* shared, const void* x, const void* gate_w, void* out, Stream s, int64_t routed = -1);
 
 // ---- The whole block --------------------------------------------------------------------------------
 enum class MoeImpl { Grouped, Fallback };
@@ -77,6 +78,11 @@ const char* moe_impl_name(MoeImpl impl);  // "moe_grouped_mma" / "moe_loop_gemm_
 struct MoeBlockParams {
   const void* x = nullptr;  // bf16 [N, H] contiguous
   int64_t N = 0, H = 0, E = 0, k = 0, I = 0, Is = 0;
+  // Rows routed to experts: the first `routed` of the N (-1: all). The rows after them (a decode
+  // step's pad rows, which belong to no sequence) get the shared expert's term alone, so they add
+  // no experts to the step's weight reads; the router and shared-expert GEMMs still run on all N
+  // rows (the same GEMM shapes whatever the number of real rows: batch invariance).
+  int64_t routed = -1;
   bool renormalize = true;
   const void* router = nullptr;           // bf16 [E, H]
   const void* experts_gate_up = nullptr;  // bf16 [E, 2I, H]
@@ -87,8 +93,12 @@ struct MoeBlockParams {
   void* out = nullptr;                    // bf16 [N, H]
   void* workspace = nullptr;              // moe_workspace_bytes(...) bytes, 16-byte aligned
   // Optional copies out (device): the router's choices.
-  int32_t* experts_out = nullptr;  // [N, k]
-  float* weights_out = nullptr;    // [N, k]
+  int32_t* experts_out = nullptr;  // [routed, k]
+  float* weights_out = nullptr;    // [routed, k]
+  float* logits_out = nullptr;     // [N, E] fp32: the router logits x · router^T
+  // Tests: route by these fp32 logits [N, E] (device) instead of the router's own (still computed,
+  // into logits_out when given): a reference's routing forced onto the GPU's activations.
+  const float* logits_in = nullptr;
 };
 size_t moe_workspace_bytes(int64_t N, int64_t H, int64_t E, int64_t k, int64_t I, int64_t Is, MoeImpl impl);
 void moe_block(const MoeBlockParams& p, MoeImpl impl, int device);

@@ -10,7 +10,8 @@
 #   4. the 35B-A3B recipe's training rate on one GPU (gpu_train.sh's run q35_1gpu, TRAIN_STEPS, default 20).
 #   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_moe.sh
 # Writes at most 8 files to $OUT: env.txt, build.log, tests.log, eval35b.log, eval35b.csv, pipeline.log,
-# train.txt, train.tgz (with train_rows.csv). SKIP_TESTS / SKIP_EVAL / SKIP_PIPELINE / SKIP_TRAIN=1 skip a
+# train.txt, train.tgz (with train_rows.csv). MOE_BENCH=1 adds test_cuda_moe's timing rows (moe_bench,...: the
+# block and its expert GEMMs at 35B-A3B shapes, both tilings) to tests.log. SKIP_TESTS / SKIP_EVAL / SKIP_PIPELINE / SKIP_TRAIN=1 skip a
 # stage; every stage after the build is skipped or stopped (SIGTERM: dflash_train keeps its rows) before
 # DFLASH_DEADLINE (default 540 s after the start).
 source "$(dirname "$0")/gpu_call.sh"
@@ -23,12 +24,12 @@ cd "$DFLASH_ROOT"
 if [ -z "${SKIP_TESTS:-}" ]; then
   t0=$(date +%s)
   {
-    timeout 150 "$B/tests/test_cuda_moe" --gtest_filter='CudaMoe.*'
+    DFLASH_MOE_BENCH=${MOE_BENCH:-} timeout 150 "$B/tests/test_cuda_moe" --gtest_filter='CudaMoe.*'
     timeout 120 "$B/tests/test_cuda_model" --gtest_filter='CudaMoeGolden.*'
     timeout 150 "$B/tests/test_cuda_decoder" --gtest_filter='CudaDecoder.Moe*'
   } >"$OUT/tests.log" 2>&1
   echo "tests $(( $(date +%s) - t0 )) s"
-  grep -E "^\[  (PASSED|FAILED) |^tiny_moe gpu .*(forced|free)|moe greedy" "$OUT/tests.log" | head -n 40
+  grep -E "^\[  (PASSED|FAILED) |^tiny_moe gpu .*(forced|free)|moe greedy|^moe_bench" "$OUT/tests.log" | head -n 40
 fi
 
 if [ -z "${SKIP_EVAL:-}" ] && [ "$(left)" -gt 120 ]; then

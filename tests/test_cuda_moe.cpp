@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <set>
 #include <vector>
@@ -340,10 +341,22 @@ TEST(CudaMoe, Permute) {
   check_permute(500, 256, 8);
 }
 
+// Both tilings of the grouped GEMM (tuning::moe_narrow_tiles forced), each against the reference
+// here and each other bit for bit in the block tests below.
+struct NarrowKnob {
+  explicit NarrowKnob(int v) { cu::tuning::moe_narrow_tiles = v; }
+  ~NarrowKnob() { cu::tuning::moe_narrow_tiles = -1; }
+};
+
 TEST(CudaMoe, GroupedGemmEdges) {
   if (!gpu()) GTEST_SKIP() << "no CUDA device";
-  check_grouped_plain(150, 4, 2, 101, 40);  // ~75 rows an expert: two row tiles; partial column and k tiles
-  check_grouped_plain(7, 16, 4, 136, 64);
+  for (int narrow : {0, 1}) {
+    SCOPED_TRACE(narrow ? "narrow tiles" : "wide tiles");
+    NarrowKnob knob(narrow);
+    check_grouped_plain(150, 4, 2, 101, 40);  // ~75 rows an expert: two row tiles; partial column and k tiles
+    check_grouped_plain(7, 16, 4, 136, 64);
+    check_grouped_plain(3, 64, 8, 72, 48);    // decode-like: one or two rows an expert
+  }
 }
 
 TEST(CudaMoe, BlockMatchesCpu) {
@@ -359,6 +372,58 @@ TEST(CudaMoe, BlockMatchesCpu) {
   };
   for (const BlockCase& c : cases)
     for (cu::MoeImpl impl : {cu::MoeImpl::Grouped, cu::MoeImpl::Fallback}) check_block(c, impl);
+  // The grouped GEMM's tilings, forced either way on every case.
+  for (int narrow : {0, 1}) {
+    SCOPED_TRACE(narrow ? "narrow tiles" : "wide tiles");
+    NarrowKnob knob(narrow);
+    for (const BlockCase& c : cases) check_block(c, cu::MoeImpl::Grouped);
+  }
+}
+
+// The two tilings give the same bits (each output is the same mma k16 steps in the same K order),
+// at the 35B-A3B block's widths (H 2048, I 512: 32 k-steps of gate|up, 16 of down) and a row count
+// whose experts hold 1 to several tiles.
+TEST(CudaMoe, NarrowAndWideTilesAreBitIdentical) {
+  if (!gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t N = 300, E = 32, k = 4, H = 2048, I = 512, R = N * k;
+  Tensor lf = Tensor::empty({N, E}, DType::F32);
+  fill_normal(lf, {81, g_stream++, 0}, 0.0f, 1.0f);
+  Routed rt = route(lf.to(Device::cuda(0)), N, E, k);
+  Pair x = rand_bf16({N, H}, 1.0f), gu = rand_bf16({E, 2 * I, H}, 0.02f), dn = rand_bf16({E, H, I}, 0.05f);
+  Tensor out[2][2];
+  for (int narrow : {0, 1}) {
+    NarrowKnob knob(narrow);
+    Tensor act = Tensor::empty({R, I}, DType::BF16, Device::cuda(0)), y = Tensor::empty({R, H}, DType::BF16, Device::cuda(0));
+    poison(act);
+    poison(y);
+    cu::MoeGemmParams g;
+    g.x = x.dev.raw_data(), g.ldx = H, g.src_row = rt.src.data<int32_t>(), g.w = gu.dev.raw_data();
+    g.y = act.raw_data(), g.ldy = I, g.offsets = rt.off.data<int32_t>(), g.tile_offsets = rt.tiles.data<int32_t>();
+    g.E = E, g.Nout = I, g.K = H, g.max_tiles = cu::moe_max_tiles(R, E), g.swiglu = true, g.rows = R;
+    EXPECT_EQ(cu::moe_narrow_tiles(g), narrow == 1);
+    cu::moe_grouped_gemm(g, stream());
+    cu::MoeGemmParams d = g;
+    d.x = act.raw_data(), d.ldx = I, d.src_row = nullptr, d.w = dn.dev.raw_data(), d.y = y.raw_data();
+    d.ldy = H, d.Nout = H, d.K = I, d.swiglu = false;
+    cu::moe_grouped_gemm(d, stream());
+    sync_dev();
+    out[narrow][0] = host(act);
+    out[narrow][1] = host(y);
+  }
+  for (int t = 0; t < 2; ++t) {
+    const Tensor &a = out[0][t], &b = out[1][t];
+    ASSERT_EQ(a.nbytes(), b.nbytes());
+    EXPECT_EQ(std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()), 0) << (t ? "down" : "gate|up + swiglu");
+    EXPECT_EQ(max_rel_err(b, a), 0.0);  // and no NaN (poisoned outputs all written)
+  }
+  // The automatic choice: narrow for few known rows, wide for many or unknown.
+  cu::MoeGemmParams p;
+  p.rows = 8;
+  EXPECT_TRUE(cu::moe_narrow_tiles(p));
+  p.rows = cu::kMoeNarrowRows + 1;
+  EXPECT_FALSE(cu::moe_narrow_tiles(p));
+  p.rows = -1;
+  EXPECT_FALSE(cu::moe_narrow_tiles(p));
 }
 
 // Timing rows at Qwen3.6-35B-A3B shapes (H 2048, E 256, k 8, I 512, Is 512), random bf16 weights:
@@ -375,11 +440,14 @@ TEST(CudaMoe, Bench35bA3b) {
   };
   Pair router = gpu_rand({E, H}, 0.02f), gu = gpu_rand({E, 2 * I, H}, 0.02f), dn = gpu_rand({E, H, I}, 0.02f);
   Pair sgu = gpu_rand({2 * Is, H}, 0.02f), sdn = gpu_rand({H, Is}, 0.02f), sg = gpu_rand({1, H}, 0.02f);
-  std::printf("moe_bench,impl,tokens,ms_block,block_tflops,ms_expert_gemms,expert_gemm_tflops\n");
+  std::printf("moe_bench,impl,tokens,ms_block,block_tflops,ms_expert_gemms,expert_gemm_tflops,expert_gemm_gbs\n");
   for (int64_t N : {1, 16, 2048, 8192}) {
     Pair x = gpu_rand({N, H}, 1.0f);
     Tensor out = Tensor::empty({N, H}, DType::BF16, Device::cuda(0));
-    for (cu::MoeImpl impl : {cu::MoeImpl::Grouped, cu::MoeImpl::Fallback}) {
+    for (int variant : {0, 1, 2}) {  // grouped wide tiles, grouped narrow tiles, the fallback
+      const cu::MoeImpl impl = variant < 2 ? cu::MoeImpl::Grouped : cu::MoeImpl::Fallback;
+      NarrowKnob knob(variant < 2 ? variant : -1);
+      const std::string name = std::string(cu::moe_impl_name(impl)) + (variant == 0 ? "/wide" : variant == 1 ? "/narrow" : "");
       const size_t bytes = cu::moe_workspace_bytes(N, H, E, k, I, Is, impl);
       Tensor ws_t = Tensor::empty({static_cast<int64_t>(bytes)}, DType::U8, Device::cuda(0));
       cu::MoeBlockParams p;
@@ -412,7 +480,7 @@ TEST(CudaMoe, Bench35bA3b) {
       };
       const double ms = time_it([&] { cu::moe_block(p, impl, 0); });
       const double flops = 2.0 * N * (E * H + k * 3 * I * H + 3 * Is * H);
-      double ms_g = NAN;
+      double ms_g = NAN, gbs = NAN;
       if (impl == cu::MoeImpl::Grouped) {
         // The two grouped GEMMs alone, on the routing moe_block left in the workspace... rerun the
         // routing into separate buffers so the GEMMs' inputs are real.
@@ -430,14 +498,20 @@ TEST(CudaMoe, Bench35bA3b) {
         cu::MoeGemmParams g2 = g1;
         g2.x = act.raw_data(), g2.ldx = I, g2.src_row = nullptr, g2.w = dn.dev.raw_data(), g2.y = y.raw_data();
         g2.ldy = H, g2.Nout = H, g2.K = I, g2.swiglu = false;
+        g1.rows = g2.rows = R;
         ms_g = time_it([&] {
           cu::moe_grouped_gemm(g1, stream());
           cu::moe_grouped_gemm(g2, stream());
         });
+        // The experts' weights the two GEMMs must read (each touched expert's gate|up and down).
+        const Tensor hc = host(rt.counts);
+        int64_t touched = 0;
+        for (int64_t e = 0; e < E; ++e) touched += hc.data<int32_t>()[e] > 0;
+        gbs = static_cast<double>(touched) * 3.0 * I * H * 2.0 / ms_g / 1e6;
       }
       const double gflops = 2.0 * N * k * 3 * I * H;
-      std::printf("moe_bench,%s,%lld,%.4f,%.1f,%.4f,%.1f\n", cu::moe_impl_name(impl), static_cast<long long>(N), ms,
-                  flops / ms / 1e9, ms_g, gflops / ms_g / 1e9);
+      std::printf("moe_bench,%s,%lld,%.4f,%.1f,%.4f,%.1f,%.0f\n", name.c_str(), static_cast<long long>(N), ms,
+                  flops / ms / 1e9, ms_g, gflops / ms_g / 1e9, gbs);
       std::fflush(stdout);
     }
   }

@@ -137,7 +137,11 @@ __global__ void scatter_kernel(const int32_t* __restrict__ experts, int64_t rows
 }
 
 // ---- grouped GEMM -----------------------------------------------------------------------------------
-constexpr int BM = kMoeTileRows, BN = 128, BK = 32, kStages = 3, kThreads = 128;
+// Two tilings of one kernel: BN weight rows a block (128: the prefill's, fewer blocks reading each A
+// tile; 64 with 5 stages: few routed rows (decode / verify), twice the blocks and more loads in
+// flight, where reading the experts' weights is the whole cost). Every output element is the same
+// mma.sync k16 steps in the same K order either way, so the two give the same bits.
+constexpr int BM = kMoeTileRows, BK = 32, kThreads = 128;
 constexpr int kLds = BK + 8;  // 80-byte smem rows: ldmatrix's 8 row addresses hit distinct banks
 
 __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
@@ -148,10 +152,13 @@ __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, b
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
-// Block: BM rows of one expert x (swiglu ? 64 act columns (64 gate + 64 up weight rows) : BN output
-// columns). 4 warps, 2 (rows) x 2 (columns); a warp 32 rows x 8 n8 tiles. In swiglu mode the warp's
-// tiles 0-3 are gate columns and 4-7 the up columns of the same act columns.
+// Block: BM rows of one expert x (swiglu ? BN/2 act columns (BN/2 gate + BN/2 up weight rows) : BN
+// output columns). 4 warps, 2 (rows) x 2 (columns); a warp 32 rows x NT = BN/16 n8 tiles. In swiglu
+// mode the warp's tiles [0, NT/2) are gate columns and [NT/2, NT) the up columns of the same act columns.
+template <int BN, int kStages>
 __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p) {
+  constexpr int NT = BN / 16, HT = NT / 2, BCH = BN * (BK / 8) / kThreads;  // n8 tiles, half, B chunks a thread
+  static_assert(HT % 2 == 0 && BCH >= 1 && (BN & (BN - 1)) == 0, "tile pairs for ldmatrix_x4, whole B chunks, BN a power of 2");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [kStages][BM][kLds]
   bf16* sb = sa + kStages * BM * kLds;            // [kStages][BN][kLds]
@@ -185,18 +192,18 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
     a_src[c] = X + static_cast<int64_t>(src) * p.ldx + g * 8;
     a_off[c] = r * kLds + g * 8;
   }
-  const bf16* b_src[4];
-  bool b_ok[4];
-  int b_off[4];
+  const bf16* b_src[BCH];
+  bool b_ok[BCH];
+  int b_off[BCH];
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < BCH; ++c) {
     const int idx = tid + c * kThreads, r = idx >> 2, g = idx & 3;
     int wrow;
     bool ok;
     if (p.swiglu) {
-      const int ac = col0 + (r & 63);
+      const int ac = col0 + (r & (BN / 2 - 1));
       ok = ac < Nout;
-      wrow = (r < 64 ? 0 : Nout) + ac;
+      wrow = (r < BN / 2 ? 0 : Nout) + ac;
     } else {
       wrow = col0 + r;
       ok = wrow < Nout;
@@ -217,23 +224,25 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
       cp_async16_zfill(A + a_off[c], v ? a_src[c] + k0 : X, v);
     }
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < BCH; ++c) {
       const int kk = k0 + ((tid + c * kThreads) & 3) * 8;
       const bool v = b_ok[c] && kk < K;
       cp_async16_zfill(B + b_off[c], v ? b_src[c] + k0 : W, v);
     }
   };
 
-  float acc[2][8][4];
+  float acc[2][NT][4];
 #pragma unroll
   for (int i = 0; i < 2; ++i)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
 
   // The warp's B smem row of its n8 tile j (j even: tiles j, j + 1 are 16 consecutive rows).
-  auto brow = [&](int j) { return p.swiglu ? ((j < 4 ? 0 : 64) + wn * 32 + (j & 3) * 8) : (wn * 64 + j * 8); };
+  auto brow = [&](int j) {
+    return p.swiglu ? ((j < HT ? 0 : BN / 2) + wn * (BN / 4) + (j % HT) * 8) : (wn * (BN / 2) + j * 8);
+  };
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -254,7 +263,7 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
       for (int i = 0; i < 2; ++i)
         ptx::ldmatrix_x4(af[i], A + (wm * 32 + i * 16 + (lane & 15)) * kLds + ks + (lane >> 4) * 8);
 #pragma unroll
-      for (int j = 0; j < 8; j += 2) {
+      for (int j = 0; j < NT; j += 2) {
         uint32_t bfr[4];
         ptx::ldmatrix_x4(bfr, B + (brow(j) + (lane >> 4) * 8 + (lane & 7)) * kLds + ks + ((lane >> 3) & 1) * 8);
 #pragma unroll
@@ -279,10 +288,10 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
       bf16* yr = Y + static_cast<int64_t>(pos) * p.ldy;
       if (p.swiglu) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int c = col0 + wn * 32 + j * 8 + (lane & 3) * 2;
-          const float v0 = silu(acc[i][j][2 * h]) * acc[i][j + 4][2 * h];
-          const float v1 = silu(acc[i][j][2 * h + 1]) * acc[i][j + 4][2 * h + 1];
+        for (int j = 0; j < HT; ++j) {
+          const int c = col0 + wn * (BN / 4) + j * 8 + (lane & 3) * 2;
+          const float v0 = silu(acc[i][j][2 * h]) * acc[i][j + HT][2 * h];
+          const float v1 = silu(acc[i][j][2 * h + 1]) * acc[i][j + HT][2 * h + 1];
           if (pairs && c + 1 < Nout) {
             *reinterpret_cast<__nv_bfloat162*>(yr + c) = __floats2bfloat162_rn(v0, v1);
           } else {
@@ -292,8 +301,8 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
         }
       } else {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int c = col0 + wn * 64 + j * 8 + (lane & 3) * 2;
+        for (int j = 0; j < NT; ++j) {
+          const int c = col0 + wn * (BN / 2) + j * 8 + (lane & 3) * 2;
           const float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
           if (pairs && c + 1 < Nout) {
             *reinterpret_cast<__nv_bfloat162*>(yr + c) = __floats2bfloat162_rn(v0, v1);
@@ -307,7 +316,27 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
   }
 }
 
-constexpr size_t kGemmSmem = static_cast<size_t>(kStages) * (BM + BN) * kLds * sizeof(bf16);
+template <int BN, int kStages>
+constexpr size_t gemm_smem() {
+  return static_cast<size_t>(kStages) * (BM + BN) * kLds * sizeof(bf16);
+}
+
+// Launches one tiling (`attr`: the shared-memory opt-in done, per device).
+template <int BN, int kStages>
+void launch_grouped(const MoeGemmParams& p, Stream s, bool (&attr)[64]) {
+  constexpr size_t smem = gemm_smem<BN, kStages>();
+  int dev = 0;
+  DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= 64 || !attr[dev]) {
+    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<BN, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem)));
+    if (dev < 64) attr[dev] = true;
+  }
+  const int64_t cols = p.swiglu ? BN / 2 : BN;
+  const dim3 grid(static_cast<unsigned>(p.max_tiles), static_cast<unsigned>((p.Nout + cols - 1) / cols));
+  grouped_gemm_kernel<BN, kStages><<<grid, kThreads, smem, static_cast<cudaStream_t>(s)>>>(p);
+  DFLASH_CUDA_CHECK_LAST();
+}
 
 // ---- gather / combine -------------------------------------------------------------------------------
 __global__ void gather_kernel(const bf16* __restrict__ x, const int32_t* __restrict__ src_row, int64_t rows, int H,
@@ -416,19 +445,19 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
   DFLASH_CHECK(p.x && p.w && p.y && p.offsets && p.tile_offsets && aligned16(p.x) && aligned16(p.w),
                "moe_grouped_gemm: null or not 16-byte aligned x / w, or no offsets");
   if (p.max_tiles == 0) return;
-  static bool attr[64] = {};  // the shared-memory opt-in, once per device
-  int dev = 0;
-  DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= 64 || !attr[dev]) {
-    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(kGemmSmem)));
-    if (dev < 64) attr[dev] = true;
-  }
-  const int64_t cols = p.swiglu ? BN / 2 : BN;
-  const dim3 grid(static_cast<unsigned>(p.max_tiles), static_cast<unsigned>((p.Nout + cols - 1) / cols));
-  grouped_gemm_kernel<<<grid, kThreads, kGemmSmem, static_cast<cudaStream_t>(s)>>>(p);
-  DFLASH_CUDA_CHECK_LAST();
+  static bool attr_wide[64] = {}, attr_narrow[64] = {};  // the shared-memory opt-ins, once per device
+  if (moe_narrow_tiles(p)) launch_grouped<64, 5>(p, s, attr_narrow);
+  else launch_grouped<128, 3>(p, s, attr_wide);
 }
+
+bool moe_narrow_tiles(const MoeGemmParams& p) {
+  if (tuning::moe_narrow_tiles >= 0) return tuning::moe_narrow_tiles == 1;
+  return p.rows >= 0 && p.rows <= kMoeNarrowRows;
+}
+
+namespace tuning {
+int moe_narrow_tiles = -1;
+}  // namespace tuning
 
 void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, void* y, Stream s) {
   DFLASH_CHECK(H > 0 && H % 8 == 0 && aligned16(x) && aligned16(y), "moe_gather: H " << H
@@ -557,6 +586,7 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     g.K = p.H;
     g.max_tiles = moe_max_tiles(R, p.E);
     g.swiglu = true;
+    g.rows = R;
     moe_grouped_gemm(g, s);
     g.x = act;
     g.ldx = p.I;

@@ -59,8 +59,18 @@ struct MoeGemmParams {
   const int32_t* tile_offsets = nullptr;  // [E + 1]
   int64_t E = 0, Nout = 0, K = 0, max_tiles = 0;
   bool swiglu = false;
+  int64_t rows = -1;  // the routed rows (offsets[E]) when the host knows them: picks the tiling
 };
 void moe_grouped_gemm(const MoeGemmParams& p, Stream s);
+// The grouped GEMM's two tilings give the same bits (the same mma k16 steps per element in the same
+// K order); narrow tiles (64 weight rows a block, 5 stages) have twice the blocks and more loads in
+// flight, for few routed rows, where the experts' weight reads are the cost (a decode or verify
+// step: 8-128 rows at 35B-A3B shapes); wide ones (128, 3 stages) read each row tile half as often.
+inline constexpr int64_t kMoeNarrowRows = 512;
+bool moe_narrow_tiles(const MoeGemmParams& p);  // narrow: rows known and <= kMoeNarrowRows, or the knob
+namespace tuning {
+extern int moe_narrow_tiles;  // -1 automatic (moe_narrow_tiles(p)), 0 never, 1 always (tests, benches)
+}  // namespace tuning
 
 // y[pos, :] = x[src_row[pos], :] for pos < rows (bf16, H columns, contiguous).
 void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, void* y, Stream s);

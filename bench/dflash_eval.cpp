@@ -178,9 +178,16 @@ int main(int argc, char** argv) {
                                                "f64 (the double reference); proposals and estimate use the same")
       ->capture_default_str()->check(CLI::IsMember({"f32", "f64"}));
   app.add_flag("--require-fast-path", require_fast, "refuse to run when any decode or prefill step would use a fallback kernel");
-  int64_t profile_steps = 0;
+  int64_t profile_steps = 0, sweep_reps = 20;
+  std::vector<int64_t> sweep_blocks;
   app.add_option("--profile", profile_steps, "GPU: afterwards time every op of this many target decode steps (after one "
                                              "warm-up) and print where a step goes")->check(CLI::NonNegativeNumber);
+  app.add_option("--verify-sweep", sweep_blocks, "afterwards time the verify step (and the propose step) at these block "
+                                                 "sizes on the last prompt's state, e.g. 1,4,8,16, with the speed-up each "
+                                                 "implies at given tau (the MoE question: a verify of B tokens reads more experts)")
+      ->delimiter(',');
+  app.add_option("--verify-sweep-reps", sweep_reps, "timed steps per block size of --verify-sweep (after 2 warm-ups)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--prompts", prompts_path, "prompts: a dflash.tokens.v1 .h5 file, JSONL rows (chat {\"messages\"} / "
                                             "{\"conversations\"}, text {\"prompt\"} / {\"text\"}, or {\"input_ids\"}) or a "
                                             "token-id text file")->required();
@@ -313,7 +320,16 @@ int main(int argc, char** argv) {
                           "tokenize the prompts with the target's tokenizer");
     }
     // Room for the prompt, the new tokens, a whole last block and the estimate's labels past the end.
-    const int64_t max_len = longest + max_new + 2 * block_size;
+    DFLASH_REQUIRE_HINT(sweep_blocks.empty() || tp == 1, "--verify-sweep runs on one rank (tp 1), here tp " << tp,
+                        "time the block sizes without mpirun");
+    int64_t sweep_max = block_size;
+    for (int64_t b : sweep_blocks) {
+      DFLASH_REQUIRE_HINT(b >= 1 && b <= dc.block_size, "--verify-sweep " << b << " is outside [1, " << dc.block_size
+                                                                         << "] (the drafter's block_size)",
+                          "a verify step holds x_start and at most block_size - 1 drafts");
+      sweep_max = std::max(sweep_max, b);
+    }
+    const int64_t max_len = longest + max_new + 2 * std::max(block_size, sweep_max);
 
     std::unique_ptr<comm::Communicator> tp_comm;
     if (tp > 1) tp_comm = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, layout.tp_group, rank, dev, timeout_s, "tp");
@@ -479,6 +495,66 @@ int main(int argc, char** argv) {
                     roof.ms(b), 1e3 * ms, 100.0 * roof.share(b, 1e3 * ms));
     }
     if (!dec->kernels_run().empty()) std::printf("  decode kernels run: %s\n", dec->kernels_run().c_str());
+
+    // ---- --verify-sweep: the step costs against the block size B on the last prompt's state ----
+    // Each timed step is a propose of B - 1 drafts and a verify of [x_start, drafts] (commit = false,
+    // the drafter's features captured, as in speculative decoding), never committed: the context
+    // stays where the last prompt ended. B = 1 is a verify of x_start alone (a decode step's work).
+    // The speed-up a block implies at acceptance length tau (<= B) is tau x decode step / (propose +
+    // verify + commit), with this run's decode and commit steps.
+    struct SweepRow {
+      int64_t B;
+      double propose_ms, verify_ms;
+      bench::StepBytes bytes;
+    };
+    std::vector<SweepRow> sweep;
+    const std::vector<double> sweep_taus{3.0, 5.0, 7.0};
+    if (!sweep_blocks.empty()) {
+      using clk = std::chrono::steady_clock;
+      const int32_t x_start = reports.back().tokens.empty() ? 0 : reports.back().tokens.back();
+      target::ExtendOptions vo;
+      vo.capture = dc.target_layer_ids;
+      vo.commit = false;
+      const double sweep_ctx = static_cast<double>(dec->length(0));
+      for (int64_t B : sweep_blocks) {
+        double prop_s = 0, ver_s = 0;
+        for (int64_t it = 0; it < sweep_reps + 2; ++it) {
+          std::vector<int32_t> block{x_start};
+          auto t0 = clk::now();
+          if (B > 1) {
+            const std::vector<int32_t> drafts = prop->propose({0}, {x_start}, B).front();
+            block.insert(block.end(), drafts.begin(), drafts.end());
+          }
+          auto t1 = clk::now();
+          (void)dec->extend({0}, {block}, vo);
+          auto t2 = clk::now();
+          if (it >= 2) {  // the first two capture the shapes' graphs
+            prop_s += std::chrono::duration<double>(t1 - t0).count();
+            ver_s += std::chrono::duration<double>(t2 - t1).count();
+          }
+        }
+        sweep.push_back({B, 1e3 * prop_s / static_cast<double>(sweep_reps), 1e3 * ver_s / static_cast<double>(sweep_reps),
+                         bench::target_step_bytes(rt.local_config(), prec, 1, B, sweep_ctx)});
+      }
+      std::printf("\nverify step against block size B (%lld steps each, context %.0f; decode step %.2f ms, commit %.2f ms "
+                  "from the run above; speed-up at tau = tau x decode / (propose + verify + commit)):\n",
+                  static_cast<long long>(sweep_reps), sweep_ctx, 1e3 * t_dec, 1e3 * t_com);
+      std::printf("  %3s %10s %10s %9s %11s %10s", "B", "verify ms", "/ decode", "propose", "roofline ms", "experts <=");
+      for (double t : sweep_taus) std::printf("  x @tau %.0f", t);
+      std::printf("\n");
+      for (const SweepRow& w : sweep) {
+        const int64_t experts =
+            cfg.is_moe() ? std::min<int64_t>(cfg.num_experts, w.B * cfg.num_experts_per_tok) : 0;
+        std::printf("  %3lld %10.3f %9.2fx %9.3f %11.3f %10s", static_cast<long long>(w.B), w.verify_ms,
+                    w.verify_ms / (1e3 * t_dec), w.propose_ms, roof.ms(w.bytes),
+                    cfg.is_moe() ? std::to_string(experts).c_str() : "-");
+        for (double t : sweep_taus) {
+          if (t > static_cast<double>(w.B) || w.B < 2) std::printf("  %8s", "-");
+          else std::printf("  %7.2fx", t * 1e3 * t_dec / (w.propose_ms + w.verify_ms + 1e3 * t_com));
+        }
+        std::printf("\n");
+      }
+    }
 #if DFLASH_WITH_CUDA
     if (profile_steps > 0 && cuda_model) {
       // Where a target decode step goes: every op bracketed by events, T = 1 steps on the first prompt.
@@ -541,6 +617,18 @@ int main(int argc, char** argv) {
         row("copy", "d2d_bandwidth", "GB/s", roof.copy_gbs);
       }
       row("speculative", "mismatches", "prompts", static_cast<double>(mismatches));
+      for (const SweepRow& w : sweep) {
+        // The sweep's rows: kernel verify_sweep, the block size in the metric's name.
+        const std::string b = "_b" + std::to_string(w.B);
+        row("verify_sweep", "verify_step_ms" + b, "ms", w.verify_ms);
+        row("verify_sweep", "verify_over_decode" + b, "x", w.verify_ms / (1e3 * t_dec));
+        if (w.B > 1) row("verify_sweep", "propose_step_ms" + b, "ms", w.propose_ms);
+        if (roof.copy_gbs > 0) row("verify_sweep", "verify_step_roofline_ms" + b, "ms", roof.ms(w.bytes));
+        for (double t : sweep_taus)
+          if (w.B >= 2 && t <= static_cast<double>(w.B))
+            row("verify_sweep", fmt::format("projected_speedup_tau{:.0f}{}", t, b), "x",
+                t * 1e3 * t_dec / (w.propose_ms + w.verify_ms + 1e3 * t_com));
+      }
     }
     if (!json_path.empty()) {
       json j{{"format", "dflash.eval.v1"}, {"version", version_string()}, {"target", cfg.summary()},

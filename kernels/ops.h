@@ -103,6 +103,8 @@ struct MoeRouting {
 };
 // Fills `r` (its tensors allocated here).
 void moe_route(const Tensor& x, const Tensor& router, int64_t top_k, bool renormalize, MoeRouting& r);
+// The same from given logits [N, E] f32 (r.logits is a copy of them): the softmax and top-k alone.
+void moe_route_logits(const Tensor& logits, int64_t top_k, bool renormalize, MoeRouting& r);
 // The routed experts' SwiGLU, weighted and summed per token:
 //   y[n] = sum over j of weights[n, j] · down[e] · (silu(g) * u),  [g | u] = gate_up[e] · x[n],  e = experts[n, j]
 // gate_up [E, 2I, H] (per expert [gate (I) | up (I)] rows), down [E, H, I], x / y [N, H] (y overwritten).

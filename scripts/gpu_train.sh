@@ -4,7 +4,8 @@
 #      tests/train_test.sh's learn, resume (bit-exact) and, on 2 GPUs, mpi modes on the GPU backend;
 #   2. the Qwen3.6-27B-shaped recipe (random target weights, synthetic 4096-token sequences, 512
 #      anchors, 5-layer drafter) on 1 GPU, on 2 GPUs with tp=1 (data parallel) and tp=2, and on 8
-#      GPUs with tp=1, 2 and 8 (TRAIN_RUNS=q27_8gpu_.* for issue 8 alone);
+#      GPUs with tp=1, 2 and 8 (TRAIN_RUNS=q27_8gpu_.* for issue 8 alone); the Qwen3.6-35B-A3B recipe
+#      (an MoE target, issue 33) on 1 GPU (run q35_1gpu);
 #   3. with SEQ_LENS="4096 8192 16384 32768" (issue 31) the recipe on 1 GPU at each sequence length
 #      (runs q27_seq<L>): SEQ_PRECISION (default fp8) target, one sequence of L tokens a step, SEQ_STEPS
 #      (default 15) steps logged every 5, so the rows average the last 10; SEQ_ANCHORS (default recipe)
@@ -19,7 +20,7 @@
 # appends its rows (dflash_train --csv: trained_tok_s_per_gpu, mfu, peak_mem_gib, the step split) to
 # TRAIN_CSV (default $W/train_rows.csv, tarred into train.tgz; gpu_seqlen.sh passes $OUT/train_rows.csv).
 # TRAIN_STEPS (default 40) sets the 27B-shaped runs' length; TRAIN_RUNS (a regex over the
-# run names: tiny_gpu tt_learn tt_resume tt_nonfinite tt_microbatch tt_sigterm tt_mpi q27_refuse_d256 q27_1gpu
+# run names: tiny_gpu tt_learn tt_resume tt_nonfinite tt_microbatch tt_sigterm tt_mpi q27_refuse_d256 q27_1gpu q35_1gpu
 # q27_seq<L>[_density] q27_2gpu_tp1 q27_2gpu_tp2 q27_8gpu_tp1 q27_8gpu_tp2 q27_8gpu_tp8 q27_ckpt q27_resume) picks
 # runs; DFLASH_DEADLINE (epoch seconds) stops each run with SIGTERM in time (dflash_train then writes
 # its rows and a checkpoint and exits cleanly) so that a device call's time limit never cuts a run's log.
@@ -89,6 +90,15 @@ run q27_refuse_d256 bash -c 'out=$("$@" 2>&1); rc=$?; echo "$out" | tail -n 4
   "$T" "${Q27[@]}" --set model.drafter.num_attention_heads=null --set model.drafter.num_key_value_heads=null \
   --set model.drafter.head_dim=null --set logging.run_dir="$W/q27_refuse"
 run q27_1gpu "$T" "${Q27[@]}" --set parallel.tp=1 --set logging.run_dir="$W/q27_1gpu" --csv "$CSV"
+# The Qwen3.6-35B-A3B recipe (issue 33: an MoE target, bf16, random weights; the z-lab drafter's shape)
+# on one GPU, the same synthetic 4096-token corpus.
+Q35=(configs/qwen3.6-35b-a3b.yaml --set model.target.path= --set model.target.config=configs/qwen3.6-35b-a3b/config.json
+     --set model.target.random_weights=true --set data.files=[] --set data.synth.enabled=true
+     --set data.regenerate.enabled=false --set data.synth.path="$W/q27_synth.h5" --set data.synth.num_sequences=512
+     --set data.synth.min_length=4096 --set data.synth.max_length=4096 --set data.synth.vocab_size=0
+     --set training.epochs=null --set training.max_steps="$STEPS" --set logging.interval=10 --set checkpoint.at_end=false
+     --set parallel.device=cuda --set kernels.require_fast_path=true)
+run q35_1gpu "$T" "${Q35[@]}" --set parallel.tp=1 --set logging.run_dir="$W/q35_1gpu" --csv "$CSV"
 # Sequence length as a scale axis (issue 31): one sequence of L tokens a step, its own synthetic corpus.
 for L in ${SEQ_LENS:-}; do
   for how in ${SEQ_ANCHORS:-recipe}; do

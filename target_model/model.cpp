@@ -129,7 +129,8 @@ void TargetModel::mlp(const LayerWeights& L, const Tensor& x, Tensor& out) const
   if (tp_) tp_->all_reduce_sum(out);  // row-parallel down_proj
 }
 
-void TargetModel::moe(const LayerWeights& L, const Tensor& x, Tensor& out, ops::MoeRouting& routing) const {
+void TargetModel::moe(const LayerWeights& L, const Tensor& x, Tensor& out, ops::MoeRouting& routing,
+                      const Tensor* logits) const {
   // transformers' Qwen3_5MoeSparseMoeBlock: routed experts (each token's top-k, renormalised
   // weights) + sigmoid(shared_expert_gate · x) · shared_expert(x), all in f32 here.
   // Under tp (tp.h): every rank routes the same tokens with the replicated router, runs its expert
@@ -137,7 +138,17 @@ void TargetModel::moe(const LayerWeights& L, const Tensor& x, Tensor& out, ops::
   // partial outputs are summed by one all-reduce.
   const TargetConfig& c = config_;
   const int64_t N = x.size(0), Is = c.shared_expert_intermediate_size;
-  ops::moe_route(x, L.moe.router, c.num_experts_per_tok, c.norm_topk_prob, routing);
+  if (logits) {
+    DFLASH_CHECK(logits->shape() == Shape({N, c.num_experts}), "target forward: forced router logits "
+                                                                   << logits->describe() << " are not [" << N << ", "
+                                                                   << c.num_experts << "]");
+    ops::moe_route_logits(*logits, c.num_experts_per_tok, c.norm_topk_prob, routing);
+    ops::MoeRouting own;  // the router's own logits are still what capture_routing returns
+    ops::moe_route(x, L.moe.router, c.num_experts_per_tok, c.norm_topk_prob, own);
+    routing.logits = own.logits;
+  } else {
+    ops::moe_route(x, L.moe.router, c.num_experts_per_tok, c.norm_topk_prob, routing);
+  }
   const int64_t El = c.local_num_experts();
   ops::moe_experts(x, L.moe.experts_gate_up, L.moe.experts_down, routing, out, expert_group() * El, c.num_experts);
   {
@@ -214,7 +225,8 @@ ForwardResult TargetModel::forward(const std::vector<std::vector<int32_t>>& sequ
     }
     if (options.counters) options.counters->add(Step::Gemm, Path::Cpu);
   };
-  Tensor h = run_stack(ids, mixer, options.capture, r.layers, options.capture_routing ? &r.routing : nullptr);
+  Tensor h = run_stack(ids, mixer, options.capture, r.layers, options.capture_routing ? &r.routing : nullptr,
+                       options.router_logits);
   if (options.final_norm) {
     r.final_hidden = Tensor::empty({N, H}, DType::F32);
     final_norm(h, r.final_hidden);
@@ -223,7 +235,8 @@ ForwardResult TargetModel::forward(const std::vector<std::vector<int32_t>>& sequ
 }
 
 Tensor TargetModel::run_stack(const Tensor& ids, const Mixer& mixer, const std::vector<int64_t>& capture,
-                              std::map<int64_t, Tensor>& layers, std::map<int64_t, ops::MoeRouting>* routing) const {
+                              std::map<int64_t, Tensor>& layers, std::map<int64_t, ops::MoeRouting>* routing,
+                              const std::map<int64_t, Tensor>* router_logits) const {
   const TargetConfig& c = config_;
   const int64_t N = ids.size(0), H = c.hidden_size;
   Tensor h = Tensor::empty({N, H}, DType::F32);
@@ -238,7 +251,8 @@ Tensor TargetModel::run_stack(const Tensor& ids, const Mixer& mixer, const std::
     ops::rms_norm(h, L.post_attention_layernorm, eps, ops::RmsNormKind::ZeroCentered, normed);
     if (c.is_moe()) {
       ops::MoeRouting route;
-      moe(L, normed, mixed, route);
+      const auto forced = router_logits ? router_logits->find(i) : std::map<int64_t, Tensor>::const_iterator();
+      moe(L, normed, mixed, route, router_logits && forced != router_logits->end() ? &forced->second : nullptr);
       if (routing) (*routing)[i] = std::move(route);
     } else {
       mlp(L, normed, mixed);

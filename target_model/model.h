@@ -21,6 +21,10 @@ struct ForwardOptions {
   ops::DeltaRuleAlgo delta_rule = ops::DeltaRuleAlgo::Chunked;
   PathCounters* counters = nullptr;  // when set, the CPU forward counts its conv / delta-rule / attention steps
   bool capture_routing = false;      // MoE targets: also return each layer's router choices
+  // Tests (MoE targets): layer i routes by router_logits->at(i) ([N, E] f32, host) instead of its
+  // router's logits where the map has layer i: a reference's routing forced onto this model. With
+  // capture_routing such a layer returns the forced choices and weights beside its router's own logits.
+  const std::map<int64_t, Tensor>* router_logits = nullptr;
 };
 
 struct ForwardResult {
@@ -52,10 +56,14 @@ class TargetModel {
   // Embeds ids [N] (int32, checked) and runs the decoder stack with `mixer` (residuals, norms, MLP);
   // copies the outputs of the `capture` layers into `layers` (and, when `routing` is given, an MoE
   // target's router choices of every layer into it); returns the last layer's output [N, H].
+  // `router_logits`: ForwardOptions::router_logits.
   Tensor run_stack(const Tensor& ids, const Mixer& mixer, const std::vector<int64_t>& capture,
-                   std::map<int64_t, Tensor>& layers, std::map<int64_t, ops::MoeRouting>* routing = nullptr) const;
-  // The sparse MoE block (config().is_moe()) on x [N, H] -> out [N, H]; the router's choices in `routing`.
-  void moe(const LayerWeights& L, const Tensor& x, Tensor& out, ops::MoeRouting& routing) const;
+                   std::map<int64_t, Tensor>& layers, std::map<int64_t, ops::MoeRouting>* routing = nullptr,
+                   const std::map<int64_t, Tensor>* router_logits = nullptr) const;
+  // The sparse MoE block (config().is_moe()) on x [N, H] -> out [N, H]; the router's choices in
+  // `routing`; routed by `logits` [N, E] instead of the router's when given.
+  void moe(const LayerWeights& L, const Tensor& x, Tensor& out, ops::MoeRouting& routing,
+           const Tensor* logits = nullptr) const;
   // GatedDeltaNet mixer: the in-projections [q|k|v] (conv input), z, a, b ...
   struct GdnInputs {
     Tensor mixed;  // [N, conv_dim]

@@ -650,6 +650,29 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
     p.shared_gate = L.moe.shared_expert_gate.raw_data();
   }
   p.out = out.raw_data();
+  // A decode step's pad rows (after the real tokens) belong to no sequence: they are not routed, so
+  // they read no expert weights.
+  p.routed = decode_ && !decode_->prefill ? decode_->real_tokens : N;
+  if (moe_io_) {
+    MoeIo::Layer& io = moe_io_->layers[i];
+    const ForwardOptions& o = *moe_io_->options;
+    if (o.router_logits && o.router_logits->count(i)) {
+      const Tensor& f = o.router_logits->at(i);
+      DFLASH_CHECK(f.dtype() == DType::F32 && f.shape() == Shape({N, p.E}),
+                   "CUDA target forward: forced router logits of layer " << i << " " << f.describe() << " are not [" << N
+                                                                          << ", " << p.E << "] f32");
+      io.forced = f.contiguous().to(device_);
+      p.logits_in = io.forced.data<float>();
+    }
+    if (o.capture_routing) {
+      io.experts = Tensor::empty({p.routed, p.k}, DType::I32, device_);
+      io.weights = Tensor::empty({p.routed, p.k}, DType::F32, device_);
+      io.logits = Tensor::empty({N, p.E}, DType::F32, device_);
+      p.experts_out = io.experts.data<int32_t>();
+      p.weights_out = io.weights.data<float>();
+      p.logits_out = io.logits.data<float>();
+    }
+  }
   Tensor ws = Tensor::empty({static_cast<int64_t>(cuda::moe_workspace_bytes(N, p.H, p.E, p.k, p.I, p.Is, impl))},
                             DType::U8, device_);
   p.workspace = ws.raw_data();
@@ -783,6 +806,16 @@ ForwardResult CudaTargetModel::forward(const CudaBatch& b, const ForwardOptions&
     ~DropPrefill() { pf = Prefill{}; }
   } drop{prefill_};
   if (decode_ && decode_->prefill) begin_prefill(b);
+  MoeIo moe_io;
+  moe_io.options = &options;
+  struct DropMoeIo {  // the blocks write into moe_io for this forward only
+    MoeIo*& at;
+    ~DropMoeIo() { at = nullptr; }
+  } drop_io{moe_io_};
+  if (c.is_moe() && (options.capture_routing || options.router_logits)) {
+    DFLASH_CHECK(!decode_ || decode_->prefill, "CUDA target forward: capture_routing / router_logits in a decode step");
+    moe_io_ = &moe_io;
+  }
   ForwardResult r;
   r.offsets = b.offsets;
   const int64_t N = b.num_tokens, H = c.hidden_size;
@@ -811,6 +844,10 @@ ForwardResult CudaTargetModel::forward(const CudaBatch& b, const ForwardOptions&
         r.layers[id] = copy;
       }
   }
+  if (options.capture_routing)
+    for (auto& [i, io] : moe_io.layers)
+      if (io.experts.defined())
+        r.routing[i] = ops::MoeRouting{io.experts.to(Device::cpu()), io.weights.to(Device::cpu()), io.logits.to(Device::cpu())};
   return r;
 }
 

@@ -181,7 +181,9 @@ class CudaTargetModel {
   // Validates the sequences (as TargetModel::forward does) and uploads them.
   CudaBatch make_batch(const std::vector<std::vector<int32_t>>& sequences) const;
 
-  // Captured layers come back as bf16 (N, H) device tensors; final_hidden likewise.
+  // Captured layers come back as bf16 (N, H) device tensors; final_hidden likewise. MoE targets:
+  // ForwardOptions::capture_routing returns each layer's choices, weights and router logits (host,
+  // as the CPU reference), router_logits forces a routing (tests; plain forwards, not decode steps).
   ForwardResult forward(const std::vector<std::vector<int32_t>>& sequences, const ForwardOptions& options);
   ForwardResult forward(const CudaBatch& batch, const ForwardOptions& options);
 
@@ -253,6 +255,17 @@ class CudaTargetModel {
   bool fp8_ = false;  // the projections run the block-scaled FP8 GEMM
   bool gemm_unaligned_ = false;  // gemm_unaligned()
   void moe(int64_t i, const Tensor& x, Tensor& out);  // the sparse MoE block (cuda::moe_block)
+  // What a forward's options ask of its MoE blocks (capture_routing, router_logits), set for the
+  // length of one forward: the device buffers the blocks write into, per layer.
+  struct MoeIo {
+    const ForwardOptions* options = nullptr;
+    struct Layer {
+      Tensor experts, weights, logits;  // device: [routed, k] i32, [routed, k] f32, [N, E] f32
+      Tensor forced;                    // device copy of options->router_logits->at(i)
+    };
+    std::map<int64_t, Layer> layers;
+  };
+  MoeIo* moe_io_ = nullptr;
   PathCounters counters_;
   Device device_;
   void* stream_ = nullptr;

@@ -23,6 +23,20 @@ inline dflash::target::TargetConfig real_dims() {
   return c;
 }
 
+// real_dims() with a sparse MoE block in every layer (qwen3_5_moe): 16 experts of 256, top 4, a
+// shared expert of 256 (the MoE decode / speculative tests' target).
+inline dflash::target::TargetConfig real_dims_moe() {
+  dflash::target::TargetConfig c = real_dims();
+  c.model_type = "qwen3_5_moe_text";
+  c.num_experts = 16;
+  c.num_experts_per_tok = 4;
+  c.moe_intermediate_size = 256;
+  c.shared_expert_intermediate_size = 256;
+  c.intermediate_size = 0;
+  c.validate();
+  return c;
+}
+
 // f32 weights holding exactly the bf16 values random_weights(c, seed, BF16, <GPU>) draws: the CPU
 // reference of a GPU model on the same weights.
 inline dflash::target::TargetWeights bf16_random_weights_f32(const dflash::target::TargetConfig& c, uint64_t seed) {

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <set>
 #include <vector>
@@ -196,12 +197,15 @@ void check_grouped_plain(int64_t N, int64_t E, int64_t k, int64_t Nout, int64_t 
 struct BlockCase {
   int64_t N, H, E, k, I, Is;
   bool renorm;
+  int64_t routed = -1;  // MoeBlockParams::routed: rows after these get the shared expert alone
+  bool forced = false;  // route by given logits (MoeBlockParams::logits_in) instead of the router's
 };
 
 void check_block(const BlockCase& c, cu::MoeImpl impl) {
   SCOPED_TRACE(std::string(cu::moe_impl_name(impl)) + " N " + std::to_string(c.N) + " H " + std::to_string(c.H) +
                " E " + std::to_string(c.E) + " k " + std::to_string(c.k) + " I " + std::to_string(c.I) + " Is " +
-               std::to_string(c.Is));
+               std::to_string(c.Is) + " routed " + std::to_string(c.routed) + (c.forced ? " forced" : ""));
+  const int64_t Nr = c.routed < 0 ? c.N : c.routed;
   const float ws = 1.0f / std::sqrt(float(c.H));
   Pair x = rand_bf16({c.N, c.H}, 1.0f), router = rand_bf16({c.E, c.H}, ws);
   Pair gu = rand_bf16({c.E, 2 * c.I, c.H}, ws), dn = rand_bf16({c.E, c.H, c.I}, 1.0f / std::sqrt(float(c.I)));
@@ -213,7 +217,17 @@ void check_block(const BlockCase& c, cu::MoeImpl impl) {
   }
   Tensor out = Tensor::empty({c.N, c.H}, DType::BF16, Device::cuda(0));
   poison(out);
-  Tensor ex = dev_i32(c.N * c.k), wt = Tensor::empty({c.N * c.k}, DType::F32, Device::cuda(0));
+  Tensor ex = dev_i32(Nr * c.k), wt = Tensor::empty({Nr * c.k}, DType::F32, Device::cuda(0));
+  Tensor lg_out = Tensor::empty({c.N, c.E}, DType::F32, Device::cuda(0));
+  poison(wt);
+  poison(lg_out);
+  // Forced routing: logits of another model (random, wide apart) that the block must follow.
+  Tensor forced_host, forced_dev;
+  if (c.forced) {
+    forced_host = Tensor::empty({c.N, c.E}, DType::F32);
+    fill_normal(forced_host, {80, g_stream++, 0}, 0.0f, 3.0f);
+    forced_dev = forced_host.to(Device::cuda(0));
+  }
   const size_t bytes = cu::moe_workspace_bytes(c.N, c.H, c.E, c.k, c.I, c.Is, impl);
   Tensor ws_t = Tensor::empty({static_cast<int64_t>(bytes)}, DType::U8, Device::cuda(0));
   DFLASH_CUDA_CHECK(cudaMemset(ws_t.raw_data(), 0xff, bytes));  // NaN-ish garbage in every scratch buffer
@@ -238,17 +252,32 @@ void check_block(const BlockCase& c, cu::MoeImpl impl) {
   p.workspace = ws_t.raw_data();
   p.experts_out = ex.data<int32_t>();
   p.weights_out = wt.data<float>();
+  p.logits_out = lg_out.data<float>();
+  p.routed = c.routed;
+  if (c.forced) p.logits_in = forced_dev.data<float>();
   cu::moe_block(p, impl, 0);
   sync_dev();
 
-  // Routing vs the CPU's f32 router (near ties allowed, see the top).
+  // The router's logits (logits_out, every row, forced or not) vs the CPU's f32 ones on the same
+  // bf16 inputs: only the summation order differs.
   ops::MoeRouting cpu;
   ops::moe_route(x.host, router.host, c.k, c.renorm, cpu);
+  EXPECT_LE(max_rel_err(host(lg_out), cpu.logits), 1e-4) << "router logits";
   ops::MoeRouting gpu;
-  gpu.experts = host(ex).view({c.N, c.k});
-  gpu.weights = host(wt).view({c.N, c.k});
+  gpu.experts = host(ex).view({Nr, c.k});
+  gpu.weights = host(wt).view({Nr, c.k});
+  if (c.forced) {
+    // The choices and weights are those of the given logits, exactly as the CPU's top-k on them.
+    ops::MoeRouting want;
+    ops::moe_route_logits(forced_host.slice(0, 0, Nr).contiguous(), c.k, c.renorm, want);
+    for (int64_t i = 0; i < Nr * c.k; ++i) {
+      ASSERT_EQ(gpu.experts.data<int32_t>()[i], want.experts.data<int32_t>()[i]) << "forced choice " << i;
+      EXPECT_NEAR(gpu.weights.data<float>()[i], want.weights.data<float>()[i], 1e-5) << "forced weight " << i;
+    }
+  }
+  // Routing of the routed rows vs the CPU's f32 router (near ties allowed, see the top).
   int64_t differ = 0;
-  for (int64_t n = 0; n < c.N; ++n) {
+  for (int64_t n = 0; n < Nr && !c.forced; ++n) {
     std::set<int32_t> a, b;
     for (int64_t j = 0; j < c.k; ++j) {
       a.insert(cpu.experts.data<int32_t>()[n * c.k + j]);
@@ -266,9 +295,13 @@ void check_block(const BlockCase& c, cu::MoeImpl impl) {
   }
   EXPECT_LE(differ, std::max<int64_t>(1, c.N / 100)) << "tokens routed differently from the CPU";
 
-  // Output vs the CPU block on the GPU's choices.
-  Tensor ref = Tensor::empty({c.N, c.H}, DType::F32);
-  ops::moe_experts(x.host, gu.host, dn.host, gpu, ref);
+  // Output vs the CPU block on the GPU's choices; rows past the routed ones have no routed term.
+  Tensor ref = Tensor::zeros({c.N, c.H}, DType::F32);
+  if (Nr > 0) {
+    Tensor part = Tensor::empty({Nr, c.H}, DType::F32);
+    ops::moe_experts(x.host.slice(0, 0, Nr).contiguous(), gu.host, dn.host, gpu, part);
+    std::copy(part.data<float>(), part.data<float>() + Nr * c.H, ref.data<float>());
+  }
   if (c.Is) {
     Tensor g = Tensor::empty({c.N, c.Is}, DType::F32), u = Tensor::empty({c.N, c.Is}, DType::F32);
     Tensor sgu_g = sgu.host.slice(0, 0, c.Is).clone(), sgu_u = sgu.host.slice(0, c.Is, 2 * c.Is).clone();
@@ -308,10 +341,22 @@ TEST(CudaMoe, Permute) {
   check_permute(500, 256, 8);
 }
 
+// Both tilings of the grouped GEMM (tuning::moe_narrow_tiles forced), each against the reference
+// here and each other bit for bit in the block tests below.
+struct NarrowKnob {
+  explicit NarrowKnob(int v) { cu::tuning::moe_narrow_tiles = v; }
+  ~NarrowKnob() { cu::tuning::moe_narrow_tiles = -1; }
+};
+
 TEST(CudaMoe, GroupedGemmEdges) {
   if (!gpu()) GTEST_SKIP() << "no CUDA device";
-  check_grouped_plain(150, 4, 2, 101, 40);  // ~75 rows an expert: two row tiles; partial column and k tiles
-  check_grouped_plain(7, 16, 4, 136, 64);
+  for (int narrow : {0, 1}) {
+    SCOPED_TRACE(narrow ? "narrow tiles" : "wide tiles");
+    NarrowKnob knob(narrow);
+    check_grouped_plain(150, 4, 2, 101, 40);  // ~75 rows an expert: two row tiles; partial column and k tiles
+    check_grouped_plain(7, 16, 4, 136, 64);
+    check_grouped_plain(3, 64, 8, 72, 48);    // decode-like: one or two rows an expert
+  }
 }
 
 TEST(CudaMoe, BlockMatchesCpu) {
@@ -320,9 +365,65 @@ TEST(CudaMoe, BlockMatchesCpu) {
       {37, 64, 8, 2, 32, 0, true},       {130, 128, 16, 4, 48, 64, true}, {200, 256, 64, 8, 64, 64, true},
       {33, 128, 16, 4, 40, 24, false},   {1, 256, 64, 8, 64, 64, true},   {4, 256, 64, 8, 64, 64, true},
       {16, 256, 64, 8, 64, 64, true},
+      // A decode step's pad rows (routed < N) and forced routing (logits_in), alone and together.
+      {16, 256, 64, 8, 64, 64, true, 1},  {16, 128, 16, 4, 48, 64, true, 5}, {70, 128, 16, 4, 48, 0, true, 64},
+      {37, 64, 8, 2, 32, 48, true, -1, true}, {16, 256, 64, 8, 64, 64, true, 3, true},
+      {16, 128, 16, 4, 48, 64, true, 0},
   };
   for (const BlockCase& c : cases)
     for (cu::MoeImpl impl : {cu::MoeImpl::Grouped, cu::MoeImpl::Fallback}) check_block(c, impl);
+  // The grouped GEMM's tilings, forced either way on every case.
+  for (int narrow : {0, 1}) {
+    SCOPED_TRACE(narrow ? "narrow tiles" : "wide tiles");
+    NarrowKnob knob(narrow);
+    for (const BlockCase& c : cases) check_block(c, cu::MoeImpl::Grouped);
+  }
+}
+
+// The two tilings give the same bits (each output is the same mma k16 steps in the same K order),
+// at the 35B-A3B block's widths (H 2048, I 512: 32 k-steps of gate|up, 16 of down) and a row count
+// whose experts hold 1 to several tiles.
+TEST(CudaMoe, NarrowAndWideTilesAreBitIdentical) {
+  if (!gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t N = 300, E = 32, k = 4, H = 2048, I = 512, R = N * k;
+  Tensor lf = Tensor::empty({N, E}, DType::F32);
+  fill_normal(lf, {81, g_stream++, 0}, 0.0f, 1.0f);
+  Routed rt = route(lf.to(Device::cuda(0)), N, E, k);
+  Pair x = rand_bf16({N, H}, 1.0f), gu = rand_bf16({E, 2 * I, H}, 0.02f), dn = rand_bf16({E, H, I}, 0.05f);
+  Tensor out[2][2];
+  for (int narrow : {0, 1}) {
+    NarrowKnob knob(narrow);
+    Tensor act = Tensor::empty({R, I}, DType::BF16, Device::cuda(0)), y = Tensor::empty({R, H}, DType::BF16, Device::cuda(0));
+    poison(act);
+    poison(y);
+    cu::MoeGemmParams g;
+    g.x = x.dev.raw_data(), g.ldx = H, g.src_row = rt.src.data<int32_t>(), g.w = gu.dev.raw_data();
+    g.y = act.raw_data(), g.ldy = I, g.offsets = rt.off.data<int32_t>(), g.tile_offsets = rt.tiles.data<int32_t>();
+    g.E = E, g.Nout = I, g.K = H, g.max_tiles = cu::moe_max_tiles(R, E), g.swiglu = true, g.rows = R;
+    EXPECT_EQ(cu::moe_narrow_tiles(g), narrow == 1);
+    cu::moe_grouped_gemm(g, stream());
+    cu::MoeGemmParams d = g;
+    d.x = act.raw_data(), d.ldx = I, d.src_row = nullptr, d.w = dn.dev.raw_data(), d.y = y.raw_data();
+    d.ldy = H, d.Nout = H, d.K = I, d.swiglu = false;
+    cu::moe_grouped_gemm(d, stream());
+    sync_dev();
+    out[narrow][0] = host(act);
+    out[narrow][1] = host(y);
+  }
+  for (int t = 0; t < 2; ++t) {
+    const Tensor &a = out[0][t], &b = out[1][t];
+    ASSERT_EQ(a.nbytes(), b.nbytes());
+    EXPECT_EQ(std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()), 0) << (t ? "down" : "gate|up + swiglu");
+    EXPECT_EQ(max_rel_err(b, a), 0.0);  // and no NaN (poisoned outputs all written)
+  }
+  // The automatic choice: narrow for few known rows, wide for many or unknown.
+  cu::MoeGemmParams p;
+  p.rows = 8;
+  EXPECT_TRUE(cu::moe_narrow_tiles(p));
+  p.rows = cu::kMoeNarrowRows + 1;
+  EXPECT_FALSE(cu::moe_narrow_tiles(p));
+  p.rows = -1;
+  EXPECT_FALSE(cu::moe_narrow_tiles(p));
 }
 
 // Timing rows at Qwen3.6-35B-A3B shapes (H 2048, E 256, k 8, I 512, Is 512), random bf16 weights:
@@ -339,11 +440,14 @@ TEST(CudaMoe, Bench35bA3b) {
   };
   Pair router = gpu_rand({E, H}, 0.02f), gu = gpu_rand({E, 2 * I, H}, 0.02f), dn = gpu_rand({E, H, I}, 0.02f);
   Pair sgu = gpu_rand({2 * Is, H}, 0.02f), sdn = gpu_rand({H, Is}, 0.02f), sg = gpu_rand({1, H}, 0.02f);
-  std::printf("moe_bench,impl,tokens,ms_block,block_tflops,ms_expert_gemms,expert_gemm_tflops\n");
+  std::printf("moe_bench,impl,tokens,ms_block,block_tflops,ms_expert_gemms,expert_gemm_tflops,expert_gemm_gbs\n");
   for (int64_t N : {1, 16, 2048, 8192}) {
     Pair x = gpu_rand({N, H}, 1.0f);
     Tensor out = Tensor::empty({N, H}, DType::BF16, Device::cuda(0));
-    for (cu::MoeImpl impl : {cu::MoeImpl::Grouped, cu::MoeImpl::Fallback}) {
+    for (int variant : {0, 1, 2}) {  // grouped wide tiles, grouped narrow tiles, the fallback
+      const cu::MoeImpl impl = variant < 2 ? cu::MoeImpl::Grouped : cu::MoeImpl::Fallback;
+      NarrowKnob knob(variant < 2 ? variant : -1);
+      const std::string name = std::string(cu::moe_impl_name(impl)) + (variant == 0 ? "/wide" : variant == 1 ? "/narrow" : "");
       const size_t bytes = cu::moe_workspace_bytes(N, H, E, k, I, Is, impl);
       Tensor ws_t = Tensor::empty({static_cast<int64_t>(bytes)}, DType::U8, Device::cuda(0));
       cu::MoeBlockParams p;
@@ -376,7 +480,7 @@ TEST(CudaMoe, Bench35bA3b) {
       };
       const double ms = time_it([&] { cu::moe_block(p, impl, 0); });
       const double flops = 2.0 * N * (E * H + k * 3 * I * H + 3 * Is * H);
-      double ms_g = NAN;
+      double ms_g = NAN, gbs = NAN;
       if (impl == cu::MoeImpl::Grouped) {
         // The two grouped GEMMs alone, on the routing moe_block left in the workspace... rerun the
         // routing into separate buffers so the GEMMs' inputs are real.
@@ -394,14 +498,20 @@ TEST(CudaMoe, Bench35bA3b) {
         cu::MoeGemmParams g2 = g1;
         g2.x = act.raw_data(), g2.ldx = I, g2.src_row = nullptr, g2.w = dn.dev.raw_data(), g2.y = y.raw_data();
         g2.ldy = H, g2.Nout = H, g2.K = I, g2.swiglu = false;
+        g1.rows = g2.rows = R;
         ms_g = time_it([&] {
           cu::moe_grouped_gemm(g1, stream());
           cu::moe_grouped_gemm(g2, stream());
         });
+        // The experts' weights the two GEMMs must read (each touched expert's gate|up and down).
+        const Tensor hc = host(rt.counts);
+        int64_t touched = 0;
+        for (int64_t e = 0; e < E; ++e) touched += hc.data<int32_t>()[e] > 0;
+        gbs = static_cast<double>(touched) * 3.0 * I * H * 2.0 / ms_g / 1e6;
       }
       const double gflops = 2.0 * N * k * 3 * I * H;
-      std::printf("moe_bench,%s,%lld,%.4f,%.1f,%.4f,%.1f\n", cu::moe_impl_name(impl), static_cast<long long>(N), ms,
-                  flops / ms / 1e9, ms_g, gflops / ms_g / 1e9);
+      std::printf("moe_bench,%s,%lld,%.4f,%.1f,%.4f,%.1f,%.0f\n", name.c_str(), static_cast<long long>(N), ms,
+                  flops / ms / 1e9, ms_g, gflops / ms_g / 1e9, gbs);
       std::fflush(stdout);
     }
   }

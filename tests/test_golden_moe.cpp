@@ -21,12 +21,15 @@
 #include <map>
 #include <numeric>
 
+#include <fmt/format.h>
+
 #include "core/io/safetensors.h"
 #include "core/rng.h"
 #include "target_model/decode.h"
 #include "target_model/fast_path.h"
 #include "target_model/model.h"
 #include "target_model/tp.h"
+#include "bf16_storage.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -227,6 +230,96 @@ TEST(MoeGolden, RouterLogitsMatchTransformers) {
       worst = std::max(worst, e);
     }
     std::printf("tiny_moe T=%3d: router logits max rel err vs transformers f32 %.2e\n", T, worst);
+  }
+}
+
+// ForwardOptions::router_logits (the GPU golden test forces transformers' routing with it): a layer
+// routes by the given logits, and capture_routing returns those choices beside the router's own
+// logits. Transformers' own logits give transformers' choices and outputs; logits that send every
+// token of layer 1 to the last two experts do exactly that, leave layer 0 bit for bit as it was and
+// change layer 1.
+TEST(MoeGolden, ForcedRouterLogitsRouteTheLayer) {
+  Loaded m = load(kDir);
+  const TargetConfig& cfg = m.cfg;
+  io::SafetensorsFile golden(kDir + "/golden.safetensors");
+  const int64_t T = 37, E = cfg.num_experts, k = cfg.num_experts_per_tok;
+  const std::vector<int32_t> ids = ids_of(golden.tensor("ids.37"));
+  std::map<int64_t, Tensor> hf;
+  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) hf[i] = golden.tensor("router.37." + std::to_string(i) + ".logits");
+  ForwardOptions opt;
+  opt.capture = all_layers(cfg);
+  opt.capture_routing = true;
+  const ForwardResult plain = m.model->forward({ids}, opt);
+  opt.router_logits = &hf;
+  const ForwardResult r = m.model->forward({ids}, opt);
+  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
+    const std::string li = "37." + std::to_string(i);
+    EXPECT_EQ(routing_mismatches(r.routing.at(i).experts, golden.tensor("router." + li + ".experts")), 0) << "layer " << i;
+    EXPECT_LE(max_rel_err(r.layers.at(i), golden.tensor("layer." + li)), kBound) << "layer " << i;
+    // The router's own logits: layer 0's input is the same; later ones moved by the forced weights'
+    // last bits (transformers' weights, not this model's).
+    EXPECT_LE(max_rel_err(r.routing.at(i).logits, plain.routing.at(i).logits), i == 0 ? 0.0 : kBound) << "own logits, layer " << i;
+  }
+  Tensor skew = Tensor::zeros({T, E}, DType::F32);
+  for (int64_t n = 0; n < T; ++n) {
+    skew.data<float>()[n * E + E - 1] = 5.0f;
+    skew.data<float>()[n * E + E - 2] = 4.0f;
+  }
+  const std::map<int64_t, Tensor> one{{1, skew}};
+  opt.router_logits = &one;
+  const ForwardResult s = m.model->forward({ids}, opt);
+  for (int64_t n = 0; n < T; ++n) {
+    EXPECT_EQ(s.routing.at(1).experts.data<int32_t>()[n * k], E - 1) << "token " << n;
+    EXPECT_EQ(s.routing.at(1).experts.data<int32_t>()[n * k + 1], E - 2) << "token " << n;
+  }
+  EXPECT_EQ(max_rel_err(s.layers.at(0), plain.layers.at(0)), 0.0) << "layer 0 is not forced";
+  EXPECT_EQ(routing_mismatches(s.routing.at(0).experts, plain.routing.at(0).experts), 0);
+  EXPECT_GT(max_rel_err(s.layers.at(1), plain.layers.at(1)), 1e-2) << "layer 1 routed elsewhere";
+  // A forced tensor of the wrong shape is named.
+  const std::map<int64_t, Tensor> bad{{2, Tensor::zeros({T, E + 1}, DType::F32)}};
+  opt.router_logits = &bad;
+  EXPECT_NE(error_of([&] { m.model->forward({ids}, opt); }).find("forced router logits"), std::string::npos);
+}
+
+// tests/bf16_storage.h (the bounds of the GPU's MoE golden test come from it): without rounding it
+// is this forward, bit for bit (the same ops in the same order); with rounding every stored
+// activation is a bf16 value, and what that costs against transformers is printed (the GPU's own
+// error at these lengths, h200-moe5: 4.0e-2 at T = 37 with routing forced, where this gives 4.0e-2).
+TEST(MoeGolden, Bf16StorageEmulationIsTheForwardWithRounding) {
+  Loaded m = load(kDir);
+  const TargetConfig& cfg = m.cfg;
+  io::SafetensorsFile golden(kDir + "/golden.safetensors");
+  for (int T : {37, 130}) {
+    const std::string t = std::to_string(T);
+    const std::vector<int32_t> ids = ids_of(golden.tensor("ids." + t));
+    ForwardOptions opt;
+    opt.capture = all_layers(cfg);
+    opt.final_norm = true;
+    opt.capture_routing = true;
+    const ForwardResult r = m.model->forward({ids}, opt);
+    const Bf16Storage plain = bf16_storage_forward(*m.model, ids, false);
+    for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
+      EXPECT_EQ(max_rel_err(plain.layers.at(i), r.layers.at(i)), 0.0) << "T=" << T << " layer " << i;
+      EXPECT_EQ(routing_mismatches(plain.routing.at(i).experts, r.routing.at(i).experts), 0);
+    }
+    EXPECT_EQ(max_rel_err(plain.final_hidden, r.final_hidden), 0.0);
+    std::map<int64_t, Tensor> hf;
+    for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) hf[i] = golden.tensor("router." + t + "." + std::to_string(i) + ".logits");
+    for (bool forced : {false, true}) {
+      const Bf16Storage e = bf16_storage_forward(*m.model, ids, true, forced ? &hf : nullptr);
+      std::string line;
+      int64_t flipped = 0;
+      for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
+        const Tensor& h = e.layers.at(i);
+        EXPECT_EQ(max_rel_err(h.to_dtype(DType::BF16).to_dtype(DType::F32), h), 0.0) << "stored as bf16";
+        flipped += routing_mismatches(e.routing.at(i).experts, golden.tensor("router." + t + "." + std::to_string(i) + ".experts"));
+        line += fmt::format(" {:.2e}", max_rel_err(h, golden.tensor("layer." + t + "." + std::to_string(i))));
+      }
+      std::printf("tiny_moe with bf16 storage, T=%3d, routing %s: max rel err per layer vs transformers%s, final norm "
+                  "%.2e; %lld (token, layer) with other ranked choices\n",
+                  T, forced ? "forced" : "free  ", line.c_str(), max_rel_err(e.final_hidden, golden.tensor("final." + t)),
+                  static_cast<long long>(flipped));
+    }
   }
 }
 

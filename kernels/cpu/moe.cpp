@@ -22,27 +22,20 @@ float dot(const float* a, const float* b, int64_t K) {
 
 }  // namespace
 
-void moe_route(const Tensor& x, const Tensor& router, int64_t top_k, bool renormalize, MoeRouting& r) {
-  require_host_f32(x, "moe_route", "x");
-  require_host_f32(router, "moe_route", "router");
-  DFLASH_CHECK(x.dim() == 2 && router.dim() == 2 && router.size(1) == x.size(1),
-               "moe_route: x " << x.describe() << " and router " << router.describe() << " must be [N, H] and [E, H]");
-  const int64_t N = x.size(0), H = x.size(1), E = router.size(0);
+void moe_route_logits(const Tensor& logits, int64_t top_k, bool renormalize, MoeRouting& r) {
+  require_host_f32(logits, "moe_route_logits", "logits");
+  DFLASH_CHECK(logits.dim() == 2, "moe_route_logits: logits " << logits.describe() << " must be [N, E]");
+  const int64_t N = logits.size(0), E = logits.size(1);
   DFLASH_CHECK(top_k >= 1 && top_k <= E, "moe_route: top_k " << top_k << " must be in [1, " << E << "]");
   r.experts = Tensor::empty({N, top_k}, DType::I32);
   r.weights = Tensor::empty({N, top_k}, DType::F32);
-  r.logits = Tensor::empty({N, E}, DType::F32);
-  const float* X = x.data<float>();
-  const float* W = router.data<float>();
+  r.logits = logits.contiguous().clone();
+  const float* L = r.logits.data<float>();
   std::vector<float> p(static_cast<size_t>(E));
   std::vector<int32_t> order(static_cast<size_t>(E));
   for (int64_t n = 0; n < N; ++n) {
     float mx = -INFINITY;
-    for (int64_t e = 0; e < E; ++e) {
-      p[e] = dot(X + n * H, W + e * H, H);
-      r.logits.data<float>()[n * E + e] = p[e];
-      mx = std::max(mx, p[e]);
-    }
+    for (int64_t e = 0; e < E; ++e) mx = std::max(mx, p[e] = L[n * E + e]);
     float sum = 0;
     for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(p[e] - mx));
     for (int64_t e = 0; e < E; ++e) p[e] /= sum;
@@ -56,6 +49,21 @@ void moe_route(const Tensor& x, const Tensor& router, int64_t top_k, bool renorm
       r.weights.data<float>()[n * top_k + j] = renormalize ? p[order[j]] / chosen : p[order[j]];
     }
   }
+}
+
+void moe_route(const Tensor& x, const Tensor& router, int64_t top_k, bool renormalize, MoeRouting& r) {
+  require_host_f32(x, "moe_route", "x");
+  require_host_f32(router, "moe_route", "router");
+  DFLASH_CHECK(x.dim() == 2 && router.dim() == 2 && router.size(1) == x.size(1),
+               "moe_route: x " << x.describe() << " and router " << router.describe() << " must be [N, H] and [E, H]");
+  const int64_t N = x.size(0), H = x.size(1), E = router.size(0);
+  DFLASH_CHECK(top_k >= 1 && top_k <= E, "moe_route: top_k " << top_k << " must be in [1, " << E << "]");
+  Tensor logits = Tensor::empty({N, E}, DType::F32);
+  const float* X = x.data<float>();
+  const float* W = router.data<float>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t e = 0; e < E; ++e) logits.data<float>()[n * E + e] = dot(X + n * H, W + e * H, H);
+  moe_route_logits(logits, top_k, renormalize, r);
 }
 
 int64_t moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, const MoeRouting& r, Tensor& y,

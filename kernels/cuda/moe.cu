@@ -137,7 +137,11 @@ __global__ void scatter_kernel(const int32_t* __restrict__ experts, int64_t rows
 }
 
 // ---- grouped GEMM -----------------------------------------------------------------------------------
-constexpr int BM = kMoeTileRows, BN = 128, BK = 32, kStages = 3, kThreads = 128;
+// Two tilings of one kernel: BN weight rows a block (128: the prefill's, fewer blocks reading each A
+// tile; 64 with 5 stages: few routed rows (decode / verify), twice the blocks and more loads in
+// flight, where reading the experts' weights is the whole cost). Every output element is the same
+// mma.sync k16 steps in the same K order either way, so the two give the same bits.
+constexpr int BM = kMoeTileRows, BK = 32, kThreads = 128;
 constexpr int kLds = BK + 8;  // 80-byte smem rows: ldmatrix's 8 row addresses hit distinct banks
 
 __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
@@ -148,10 +152,13 @@ __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, b
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
-// Block: BM rows of one expert x (swiglu ? 64 act columns (64 gate + 64 up weight rows) : BN output
-// columns). 4 warps, 2 (rows) x 2 (columns); a warp 32 rows x 8 n8 tiles. In swiglu mode the warp's
-// tiles 0-3 are gate columns and 4-7 the up columns of the same act columns.
+// Block: BM rows of one expert x (swiglu ? BN/2 act columns (BN/2 gate + BN/2 up weight rows) : BN
+// output columns). 4 warps, 2 (rows) x 2 (columns); a warp 32 rows x NT = BN/16 n8 tiles. In swiglu
+// mode the warp's tiles [0, NT/2) are gate columns and [NT/2, NT) the up columns of the same act columns.
+template <int BN, int kStages>
 __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p) {
+  constexpr int NT = BN / 16, HT = NT / 2, BCH = BN * (BK / 8) / kThreads;  // n8 tiles, half, B chunks a thread
+  static_assert(HT % 2 == 0 && BCH >= 1 && (BN & (BN - 1)) == 0, "tile pairs for ldmatrix_x4, whole B chunks, BN a power of 2");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [kStages][BM][kLds]
   bf16* sb = sa + kStages * BM * kLds;            // [kStages][BN][kLds]
@@ -185,18 +192,18 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
     a_src[c] = X + static_cast<int64_t>(src) * p.ldx + g * 8;
     a_off[c] = r * kLds + g * 8;
   }
-  const bf16* b_src[4];
-  bool b_ok[4];
-  int b_off[4];
+  const bf16* b_src[BCH];
+  bool b_ok[BCH];
+  int b_off[BCH];
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < BCH; ++c) {
     const int idx = tid + c * kThreads, r = idx >> 2, g = idx & 3;
     int wrow;
     bool ok;
     if (p.swiglu) {
-      const int ac = col0 + (r & 63);
+      const int ac = col0 + (r & (BN / 2 - 1));
       ok = ac < Nout;
-      wrow = (r < 64 ? 0 : Nout) + ac;
+      wrow = (r < BN / 2 ? 0 : Nout) + ac;
     } else {
       wrow = col0 + r;
       ok = wrow < Nout;
@@ -217,23 +224,25 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
       cp_async16_zfill(A + a_off[c], v ? a_src[c] + k0 : X, v);
     }
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < BCH; ++c) {
       const int kk = k0 + ((tid + c * kThreads) & 3) * 8;
       const bool v = b_ok[c] && kk < K;
       cp_async16_zfill(B + b_off[c], v ? b_src[c] + k0 : W, v);
     }
   };
 
-  float acc[2][8][4];
+  float acc[2][NT][4];
 #pragma unroll
   for (int i = 0; i < 2; ++i)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
 
   // The warp's B smem row of its n8 tile j (j even: tiles j, j + 1 are 16 consecutive rows).
-  auto brow = [&](int j) { return p.swiglu ? ((j < 4 ? 0 : 64) + wn * 32 + (j & 3) * 8) : (wn * 64 + j * 8); };
+  auto brow = [&](int j) {
+    return p.swiglu ? ((j < HT ? 0 : BN / 2) + wn * (BN / 4) + (j % HT) * 8) : (wn * (BN / 2) + j * 8);
+  };
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -254,7 +263,7 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
       for (int i = 0; i < 2; ++i)
         ptx::ldmatrix_x4(af[i], A + (wm * 32 + i * 16 + (lane & 15)) * kLds + ks + (lane >> 4) * 8);
 #pragma unroll
-      for (int j = 0; j < 8; j += 2) {
+      for (int j = 0; j < NT; j += 2) {
         uint32_t bfr[4];
         ptx::ldmatrix_x4(bfr, B + (brow(j) + (lane >> 4) * 8 + (lane & 7)) * kLds + ks + ((lane >> 3) & 1) * 8);
 #pragma unroll
@@ -279,10 +288,10 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
       bf16* yr = Y + static_cast<int64_t>(pos) * p.ldy;
       if (p.swiglu) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int c = col0 + wn * 32 + j * 8 + (lane & 3) * 2;
-          const float v0 = silu(acc[i][j][2 * h]) * acc[i][j + 4][2 * h];
-          const float v1 = silu(acc[i][j][2 * h + 1]) * acc[i][j + 4][2 * h + 1];
+        for (int j = 0; j < HT; ++j) {
+          const int c = col0 + wn * (BN / 4) + j * 8 + (lane & 3) * 2;
+          const float v0 = silu(acc[i][j][2 * h]) * acc[i][j + HT][2 * h];
+          const float v1 = silu(acc[i][j][2 * h + 1]) * acc[i][j + HT][2 * h + 1];
           if (pairs && c + 1 < Nout) {
             *reinterpret_cast<__nv_bfloat162*>(yr + c) = __floats2bfloat162_rn(v0, v1);
           } else {
@@ -292,8 +301,8 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
         }
       } else {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const int c = col0 + wn * 64 + j * 8 + (lane & 3) * 2;
+        for (int j = 0; j < NT; ++j) {
+          const int c = col0 + wn * (BN / 2) + j * 8 + (lane & 3) * 2;
           const float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
           if (pairs && c + 1 < Nout) {
             *reinterpret_cast<__nv_bfloat162*>(yr + c) = __floats2bfloat162_rn(v0, v1);
@@ -307,7 +316,27 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
   }
 }
 
-constexpr size_t kGemmSmem = static_cast<size_t>(kStages) * (BM + BN) * kLds * sizeof(bf16);
+template <int BN, int kStages>
+constexpr size_t gemm_smem() {
+  return static_cast<size_t>(kStages) * (BM + BN) * kLds * sizeof(bf16);
+}
+
+// Launches one tiling (`attr`: the shared-memory opt-in done, per device).
+template <int BN, int kStages>
+void launch_grouped(const MoeGemmParams& p, Stream s, bool (&attr)[64]) {
+  constexpr size_t smem = gemm_smem<BN, kStages>();
+  int dev = 0;
+  DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= 64 || !attr[dev]) {
+    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<BN, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem)));
+    if (dev < 64) attr[dev] = true;
+  }
+  const int64_t cols = p.swiglu ? BN / 2 : BN;
+  const dim3 grid(static_cast<unsigned>(p.max_tiles), static_cast<unsigned>((p.Nout + cols - 1) / cols));
+  grouped_gemm_kernel<BN, kStages><<<grid, kThreads, smem, static_cast<cudaStream_t>(s)>>>(p);
+  DFLASH_CUDA_CHECK_LAST();
+}
 
 // ---- gather / combine -------------------------------------------------------------------------------
 __global__ void gather_kernel(const bf16* __restrict__ x, const int32_t* __restrict__ src_row, int64_t rows, int H,
@@ -320,14 +349,17 @@ __global__ void gather_kernel(const bf16* __restrict__ x, const int32_t* __restr
 }
 
 // One block per token: the shared gate's dot product (block reduction), then 8 columns a thread.
+// Rows n >= routed have no routed term (kn = 0).
 __global__ void combine_kernel(const bf16* __restrict__ y, const int32_t* __restrict__ slot_pos,
                                const float* __restrict__ weights, int k, int H, const bf16* __restrict__ shared,
-                               const bf16* __restrict__ x, const bf16* __restrict__ gate_w, bf16* __restrict__ out) {
+                               const bf16* __restrict__ x, const bf16* __restrict__ gate_w, bf16* __restrict__ out,
+                               int64_t routed) {
   const int64_t n = blockIdx.x;
+  const int kn = n < routed ? k : 0;
   __shared__ float red[32];
   __shared__ int32_t sp[32];
   __shared__ float sw[32];
-  if (threadIdx.x < k) {
+  if (threadIdx.x < kn) {
     sp[threadIdx.x] = slot_pos[n * k + threadIdx.x];
     sw[threadIdx.x] = weights[n * k + threadIdx.x];
   }
@@ -354,7 +386,7 @@ __global__ void combine_kernel(const bf16* __restrict__ y, const int32_t* __rest
   if (shared) gate = 1.0f / (1.0f + expf(-red[0]));
   for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int j = 0; j < k; ++j) {
+    for (int j = 0; j < kn; ++j) {
       float v[8];
       vec::load8(y + static_cast<int64_t>(sp[j]) * H + c, v);
 #pragma unroll
@@ -413,19 +445,19 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
   DFLASH_CHECK(p.x && p.w && p.y && p.offsets && p.tile_offsets && aligned16(p.x) && aligned16(p.w),
                "moe_grouped_gemm: null or not 16-byte aligned x / w, or no offsets");
   if (p.max_tiles == 0) return;
-  static bool attr[64] = {};  // the shared-memory opt-in, once per device
-  int dev = 0;
-  DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= 64 || !attr[dev]) {
-    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(kGemmSmem)));
-    if (dev < 64) attr[dev] = true;
-  }
-  const int64_t cols = p.swiglu ? BN / 2 : BN;
-  const dim3 grid(static_cast<unsigned>(p.max_tiles), static_cast<unsigned>((p.Nout + cols - 1) / cols));
-  grouped_gemm_kernel<<<grid, kThreads, kGemmSmem, static_cast<cudaStream_t>(s)>>>(p);
-  DFLASH_CUDA_CHECK_LAST();
+  static bool attr_wide[64] = {}, attr_narrow[64] = {};  // the shared-memory opt-ins, once per device
+  if (moe_narrow_tiles(p)) launch_grouped<64, 5>(p, s, attr_narrow);
+  else launch_grouped<128, 3>(p, s, attr_wide);
 }
+
+bool moe_narrow_tiles(const MoeGemmParams& p) {
+  if (tuning::moe_narrow_tiles >= 0) return tuning::moe_narrow_tiles == 1;
+  return p.rows >= 0 && p.rows <= kMoeNarrowRows;
+}
+
+namespace tuning {
+int moe_narrow_tiles = -1;
+}  // namespace tuning
 
 void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, void* y, Stream s) {
   DFLASH_CHECK(H > 0 && H % 8 == 0 && aligned16(x) && aligned16(y), "moe_gather: H " << H
@@ -437,7 +469,9 @@ void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, 
 }
 
 void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, int64_t N, int64_t k, int64_t H,
-                 const void* shared, const void* x, const void* gate_w, void* out, Stream s) {
+                 const void* shared, const void* x, const void* gate_w, void* out, Stream s, int64_t routed) {
+  if (routed < 0) routed = N;
+  DFLASH_CHECK(routed <= N, "moe_combine: " << routed << " routed rows of " << N);
   DFLASH_CHECK(H > 0 && H % 8 == 0 && k >= 1 && k <= 32 && aligned16(y) && aligned16(out) &&
                    (!shared || (aligned16(shared) && aligned16(x) && aligned16(gate_w))),
                "moe_combine: H " << H << " (a multiple of 8), k " << k << " (1..32), 16-byte aligned operands");
@@ -445,7 +479,7 @@ void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, i
   combine_kernel<<<static_cast<unsigned>(N), 256, 0, static_cast<cudaStream_t>(s)>>>(
       static_cast<const bf16*>(y), slot_pos, weights, static_cast<int>(k), static_cast<int>(H),
       static_cast<const bf16*>(shared), static_cast<const bf16*>(x), static_cast<const bf16*>(gate_w),
-      static_cast<bf16*>(out));
+      static_cast<bf16*>(out), routed);
   DFLASH_CUDA_CHECK_LAST();
 }
 
@@ -505,13 +539,15 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
                "moe_block: null operand or a workspace that is not 16-byte aligned");
   DFLASH_CHECK(!p.shared_gate_up || (p.shared_down && p.shared_gate),
                "moe_block: a shared expert needs shared_gate_up, shared_down and shared_gate");
+  const int64_t Nr = p.routed < 0 ? p.N : p.routed;  // routed rows
+  DFLASH_CHECK(Nr <= p.N, "moe_block: " << Nr << " routed rows of " << p.N);
   if (p.N == 0) return;
   Stream s = DeviceContext::get(device).stream();
   const Layout l = layout(p.N, p.H, p.E, p.k, p.I, p.Is, impl);
   char* ws = static_cast<char*>(p.workspace);
   auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
   auto i32 = [&](size_t off) { return reinterpret_cast<int32_t*>(ws + off); };
-  const int64_t R = p.N * p.k;
+  const int64_t R = Nr * p.k;
 
   GemmExParams rg;  // router logits, fp32
   rg.a = p.x;
@@ -519,7 +555,8 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
   rg.b = p.router;
   rg.ldb = p.H;
   rg.trans_b = true;
-  rg.d = f32(l.logits);
+  float* logits = p.logits_out ? p.logits_out : f32(l.logits);
+  rg.d = logits;
   rg.ldd = p.E;
   rg.d_f32 = true;
   rg.M = p.N;
@@ -529,8 +566,8 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
   gemm_ex(rg, device);
   int32_t* experts = p.experts_out ? p.experts_out : i32(l.experts);
   float* weights = p.weights_out ? p.weights_out : f32(l.weights);
-  moe_topk(f32(l.logits), p.N, p.E, p.k, p.renormalize, experts, weights, i32(l.counts), s);
-  moe_permute(experts, i32(l.counts), p.N, p.E, p.k, i32(l.offsets), i32(l.tiles), i32(l.cursor), i32(l.src),
+  moe_topk(p.logits_in ? p.logits_in : logits, Nr, p.E, p.k, p.renormalize, experts, weights, i32(l.counts), s);
+  moe_permute(experts, i32(l.counts), Nr, p.E, p.k, i32(l.offsets), i32(l.tiles), i32(l.cursor), i32(l.src),
               i32(l.slot), s);
   void* act = ws + l.act;
   void* y = ws + l.y;
@@ -549,6 +586,7 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     g.K = p.H;
     g.max_tiles = moe_max_tiles(R, p.E);
     g.swiglu = true;
+    g.rows = R;
     moe_grouped_gemm(g, s);
     g.x = act;
     g.ldx = p.I;
@@ -620,7 +658,7 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     gemm_bf16(d, device);
     shared = ws + l.sout;
   }
-  moe_combine(y, i32(l.slot), weights, p.N, p.k, p.H, shared, p.x, p.shared_gate, p.out, s);
+  moe_combine(y, i32(l.slot), weights, p.N, p.k, p.H, shared, p.x, p.shared_gate, p.out, s, Nr);
 }
 
 }  // namespace dflash::cuda

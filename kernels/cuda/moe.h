@@ -59,16 +59,27 @@ struct MoeGemmParams {
   const int32_t* tile_offsets = nullptr;  // [E + 1]
   int64_t E = 0, Nout = 0, K = 0, max_tiles = 0;
   bool swiglu = false;
+  int64_t rows = -1;  // the routed rows (offsets[E]) when the host knows them: picks the tiling
 };
 void moe_grouped_gemm(const MoeGemmParams& p, Stream s);
+// The grouped GEMM's two tilings give the same bits (the same mma k16 steps per element in the same
+// K order); narrow tiles (64 weight rows a block, 5 stages) have twice the blocks and more loads in
+// flight, for few routed rows, where the experts' weight reads are the cost (a decode or verify
+// step: 8-128 rows at 35B-A3B shapes); wide ones (128, 3 stages) read each row tile half as often.
+inline constexpr int64_t kMoeNarrowRows = 512;
+bool moe_narrow_tiles(const MoeGemmParams& p);  // narrow: rows known and <= kMoeNarrowRows, or the knob
+namespace tuning {
+extern int moe_narrow_tiles;  // -1 automatic (moe_narrow_tiles(p)), 0 never, 1 always (tests, benches)
+}  // namespace tuning
 
 // y[pos, :] = x[src_row[pos], :] for pos < rows (bf16, H columns, contiguous).
 void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, void* y, Stream s);
 
 // out[n, :] = sum_j weights[n, j] * y[slot_pos[n, j], :] (+ sigmoid(x[n] · gate_w) * shared[n, :]
-// when shared != nullptr; x, gate_w [H] bf16), bf16 out [N, H] contiguous, fp32 math.
+// when shared != nullptr; x, gate_w [H] bf16), bf16 out [N, H] contiguous, fp32 math. Rows n >=
+// routed (routed < 0: every row is routed) have no routed term; slot_pos / weights hold the routed rows.
 void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, int64_t N, int64_t k, int64_t H,
-                 const void* shared, const void* x, const void* gate_w, void* out, Stream s);
+                 const void* shared, const void* x, const void* gate_w, void* out, Stream s, int64_t routed = -1);
 
 // ---- The whole block --------------------------------------------------------------------------------
 enum class MoeImpl { Grouped, Fallback };
@@ -77,6 +88,11 @@ const char* moe_impl_name(MoeImpl impl);  // "moe_grouped_mma" / "moe_loop_gemm_
 struct MoeBlockParams {
   const void* x = nullptr;  // bf16 [N, H] contiguous
   int64_t N = 0, H = 0, E = 0, k = 0, I = 0, Is = 0;
+  // Rows routed to experts: the first `routed` of the N (-1: all). The rows after them (a decode
+  // step's pad rows, which belong to no sequence) get the shared expert's term alone, so they add
+  // no experts to the step's weight reads; the router and shared-expert GEMMs still run on all N
+  // rows (the same GEMM shapes whatever the number of real rows: batch invariance).
+  int64_t routed = -1;
   bool renormalize = true;
   const void* router = nullptr;           // bf16 [E, H]
   const void* experts_gate_up = nullptr;  // bf16 [E, 2I, H]
@@ -87,8 +103,12 @@ struct MoeBlockParams {
   void* out = nullptr;                    // bf16 [N, H]
   void* workspace = nullptr;              // moe_workspace_bytes(...) bytes, 16-byte aligned
   // Optional copies out (device): the router's choices.
-  int32_t* experts_out = nullptr;  // [N, k]
-  float* weights_out = nullptr;    // [N, k]
+  int32_t* experts_out = nullptr;  // [routed, k]
+  float* weights_out = nullptr;    // [routed, k]
+  float* logits_out = nullptr;     // [N, E] fp32: the router logits x · router^T
+  // Tests: route by these fp32 logits [N, E] (device) instead of the router's own (still computed,
+  // into logits_out when given): a reference's routing forced onto the GPU's activations.
+  const float* logits_in = nullptr;
 };
 size_t moe_workspace_bytes(int64_t N, int64_t H, int64_t E, int64_t k, int64_t I, int64_t Is, MoeImpl impl);
 void moe_block(const MoeBlockParams& p, MoeImpl impl, int device);

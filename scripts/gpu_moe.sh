@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# MoE targets on the GPU in one device call (issue 33): builds what it needs, then
+#   1. the MoE gpu tests: test_cuda_moe (op cases, pad rows, forced routing), the HF tiny MoE golden
+#      (CudaMoeGolden.*: T = 1, and T = 37 / 130 with routing forced and free), the MoE decoder
+#      (CudaDecoder.Moe*: verify rows = decode steps bit for bit, speculative = greedy with CUDA graphs);
+#   2. dflash_eval on Qwen3.6-35B-A3B shapes (random weights, an untrained 8-layer drafter, a 4096-token
+#      prompt): the decode step, the verify step against the block size (--verify-sweep), the op profile
+#      of a decode step; again with --no-cuda-graphs (EVAL_EAGER=0 skips it);
+#   3. the tiny MoE end to end on the GPU (ctest moe_pipeline_gpu: capture, regenerate, train, eval);
+#   4. the 35B-A3B recipe's training rate on one GPU (gpu_train.sh's run q35_1gpu, TRAIN_STEPS, default 20).
+#   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_moe.sh
+# Writes at most 8 files to $OUT: env.txt, build.log, tests.log, eval35b.log, eval35b.csv, pipeline.log,
+# train.txt, train.tgz (with train_rows.csv). MOE_BENCH=1 adds test_cuda_moe's timing rows (moe_bench,...: the
+# block and its expert GEMMs at 35B-A3B shapes, both tilings) to tests.log. SKIP_TESTS / SKIP_EVAL / SKIP_PIPELINE / SKIP_TRAIN=1 skip a
+# stage; every stage after the build is skipped or stopped (SIGTERM: dflash_train keeps its rows) before
+# DFLASH_DEADLINE (default 540 s after the start).
+source "$(dirname "$0")/gpu_call.sh"
+export DFLASH_DEADLINE=${DFLASH_DEADLINE:-$(( $(date +%s) + 540 ))}
+NINJA_TARGETS=${NINJA_TARGETS:-test_cuda_moe test_cuda_model test_cuda_decoder dflash_eval dflash_train dflash_features dflash_data_tool}
+gpu_call_start /tmp/build-moe
+left() { echo $(( DFLASH_DEADLINE - $(date +%s) )); }
+cd "$DFLASH_ROOT"
+
+if [ -z "${SKIP_TESTS:-}" ]; then
+  t0=$(date +%s)
+  {
+    DFLASH_MOE_BENCH=${MOE_BENCH:-} timeout 150 "$B/tests/test_cuda_moe" --gtest_filter='CudaMoe.*'
+    timeout 120 "$B/tests/test_cuda_model" --gtest_filter='CudaMoeGolden.*'
+    timeout 150 "$B/tests/test_cuda_decoder" --gtest_filter='CudaDecoder.Moe*'
+  } >"$OUT/tests.log" 2>&1
+  echo "tests $(( $(date +%s) - t0 )) s"
+  grep -E "^\[  (PASSED|FAILED) |^tiny_moe gpu .*(forced|free)|moe greedy|^moe_bench" "$OUT/tests.log" | head -n 40
+fi
+
+if [ -z "${SKIP_EVAL:-}" ] && [ "$(left)" -gt 120 ]; then
+  python3 -c "import random; random.seed(0); print(' '.join(str(random.randrange(248000)) for _ in range(4096)))" >/tmp/p4k.txt
+  : >"$OUT/eval35b.log"
+  for graphs in on off; do
+    [ "$graphs" = off ] && [ "${EVAL_EAGER:-1}" = 0 ] && continue
+    [ "$(left)" -gt 90 ] || { echo "eval graphs $graphs skipped: $(left) s left" | tee -a "$OUT/eval35b.log"; continue; }
+    extra=(--verify-sweep 1,2,4,8,16 --profile 8)
+    [ "$graphs" = off ] && extra=(--no-cuda-graphs --profile 0)
+    echo "=== dflash_eval 35b-a3b bf16 graphs $graphs" >>"$OUT/eval35b.log"
+    timeout 150 "$B/bench/dflash_eval" --config configs/qwen3.6-35b-a3b/config.json --random-weights --random-drafter 8 \
+      --prompts /tmp/p4k.txt --num-prompts 1 --max-new-tokens 64 --device cuda --no-estimate --require-fast-path \
+      "${extra[@]}" --csv "$OUT/eval35b.csv" >>"$OUT/eval35b.log" 2>&1
+    echo "eval graphs $graphs rc=$?"
+  done
+  grep -E "^===|^kernels|step|roofline|decode  |verify  |propose |speed-up|outputs|FAILED|error|^ +[0-9]+ +[0-9.]+ |moe_block|gemm" \
+    "$OUT/eval35b.log" | head -n 70
+fi
+
+if [ -z "${SKIP_PIPELINE:-}" ] && [ "$(left)" -gt 100 ]; then
+  (cd "$B" && timeout 120 ctest -R '^moe_pipeline_gpu$' --output-on-failure) >"$OUT/pipeline.log" 2>&1
+  echo "pipeline rc=$?"
+  grep -E "tau:|eval on|Passed|Failed|FAIL" "$OUT/pipeline.log" | head -n 8
+fi
+
+if [ -z "${SKIP_TRAIN:-}" ]; then
+  DFLASH_BUILD=$B TRAIN_RUNS=q35_1gpu TRAIN_STEPS=${TRAIN_STEPS:-20} DFLASH_TRAIN_WORK=/tmp/dflash_q35 \
+    bash scripts/gpu_train.sh "$OUT"
+  grep -E "^== |memory|summary:|step time|rc=" "$OUT/train.txt" | head -n 20
+  grep -E "trained_tok_s_per_gpu|peak_mem_gib|,step_s,|target_fwd_s|drafter_s" /tmp/dflash_q35/train_rows.csv 2>/dev/null | cut -d, -f5,8
+fi
+echo "total: deadline $(left) s ahead"

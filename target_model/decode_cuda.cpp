@@ -98,6 +98,7 @@ class CudaDecoder final : public Decoder {
       }
     }
     pending_rows_.assign(static_cast<size_t>(num_slots), -1);
+    for (LayerType t : c.layer_types) gdn_layers_ += t == LayerType::LinearAttention;
   }
 
   ~CudaDecoder() override {
@@ -180,6 +181,7 @@ class CudaDecoder final : public Decoder {
     step.max_len = max_len();
     step.layers = &state_;
     step.counters = &counters_;
+    step.fusion = plan_.fusion;
     // The batch: real tokens packed, positions from each slot's length; decode steps padded to 16 rows.
     CudaBatch b;
     b.offsets = {0};
@@ -545,7 +547,36 @@ class CudaDecoder final : public Decoder {
     auto s = static_cast<cudaStream_t>(model_.stream());
     const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads, dk = c.linear_key_head_dim;
     const int64_t dv = c.linear_value_head_dim, C = c.gdn_conv_dim();
+    // Fused (plan_.fusion.commit): every layer's conv state update and delta rule in one kernel, the
+    // unfused launches' values bit for bit (gdn.h gdn_commit_fused).
+    const bool fused = plan_.fusion.commit && n <= 16 && gdn_layers_ <= cuda::kCommitMaxLayers;
+    auto enqueue_fused = [&](const int32_t* d_in, PathCounters* counters) {
+      cuda::GdnCommitParams p;
+      p.slot = d_in;
+      p.n = static_cast<int>(n);
+      p.C = C, p.K = c.linear_conv_kernel_dim, p.Hk = Hk, p.Hv = Hv, p.dk = dk, p.dv = dv, p.num_slots = num_slots();
+      p.ldv = C;
+      for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+        if (c.layer_types[static_cast<size_t>(i)] != LayerType::LinearAttention) continue;
+        const DecodeLayer& dl = state_[static_cast<size_t>(i)];
+        DFLASH_CHECK(p.ldx == 0 || p.ldx == dl.proj_ld, "CUDA decoder: the layers' in-projections differ in width");
+        p.ldx = dl.proj_ld;
+        cuda::GdnCommitLayer& L = p.layers[p.num_layers++];
+        L.conv_state = dl.conv_state;
+        L.state = dl.gdn_state;
+        L.x = static_cast<const char*>(dl.proj.raw_data()) + row0 * dl.proj_ld * 2;
+        L.q = static_cast<const char*>(dl.q.raw_data()) + row0 * Hk * dk * 2;
+        L.k = static_cast<const char*>(dl.k.raw_data()) + row0 * Hk * dk * 2;
+        L.v = static_cast<const char*>(dl.conv.raw_data()) + (row0 * C + 2 * Hk * dk) * 2;
+        L.g = dl.g.data<float>() + row0 * Hv;
+        L.beta = dl.beta.data<float>() + row0 * Hv;
+        counters->add(Step::ConvUpdate, Path::Fast);
+        counters->add(Step::DeltaRulePool, Path::Fast);
+      }
+      cuda::gdn_commit_fused(p, s);
+    };
     auto enqueue = [&](const int32_t* d_in, Tensor& scratch, PathCounters* counters) {
+      if (fused) return enqueue_fused(d_in, counters);
       const int32_t *d_slot = d_in, *d_cu = d_in + 1;
       if (!scratch.defined() || scratch.size(0) < n * C)
         scratch = Tensor::empty({std::max<int64_t>(n, 16) * C}, DType::BF16, dev_);
@@ -607,6 +638,7 @@ class CudaDecoder final : public Decoder {
   std::vector<DecodeLayer> state_;
   std::vector<LayerTensors> tensors_;
   std::vector<int64_t> pending_rows_;  // per slot: its first row in the last verify's batch, -1: none
+  int64_t gdn_layers_ = 0;             // GatedDeltaNet layers (commit's fused kernel takes up to kCommitMaxLayers)
   PathCounters counters_;
   Tensor workspace_, scratch_;
   std::map<std::string, std::unique_ptr<Graph>> graphs_;  // by graph_key; null: its capture failed

@@ -29,6 +29,7 @@
 #include <functional>
 #include <memory>
 #include <numeric>
+#include <sstream>
 #include <tuple>
 
 #include <fmt/ranges.h>
@@ -67,6 +68,7 @@
 #include "drafter/decode_cuda.h"
 #include "drafter/model_cuda.h"
 #include "core/cuda/check.h"
+#include "kernels/cuda/pdl.cuh"
 #include "target_model/model_cuda.h"
 #endif
 
@@ -143,6 +145,13 @@ struct PromptReport {
   int32_t want = -1, got = -1;
 };
 
+// One --decode-variants run: a variant of the decode plan's fused kernels, timed on fresh decoders.
+struct VariantRow {
+  std::string name, fusion, kernels;
+  bool pdl = false, same = false;
+  double decode_ms = 0, verify_ms = 0, commit_ms = 0, propose_ms = 0;
+};
+
 double mean(const std::vector<int64_t>& v) {
   return v.empty() ? 0.0 : static_cast<double>(std::accumulate(v.begin(), v.end(), int64_t{0})) / static_cast<double>(v.size());
 }
@@ -174,6 +183,15 @@ int main(int argc, char** argv) {
   app.add_flag("--no-cuda-graphs", no_graphs, "GPU: launch every decode / verify step's kernels eagerly instead of "
                                              "replaying CUDA graphs (to compare; CSV rows get ',eager')");
   app.add_flag("--require-fast-path", require_fast, "refuse to run when any decode or prefill step would use a fallback kernel");
+  std::string decode_variants;
+  app.add_option("--decode-variants", decode_variants,
+                 "GPU: afterwards time the first prompt's decode, propose, verify and commit steps again with fresh "
+                 "decoders of these variants of the decode plan (comma-separated: fused = the plan as is, no_pdl, "
+                 "no_skinny, no_swiglu, no_gdn_chain, no_commit, unfused = every fusion and PDL off); the A/B table "
+                 "of issue 30's fused decode kernels, CSV kernel 'variant:<name>'");
+  int64_t variant_tokens = 32;
+  app.add_option("--variant-tokens", variant_tokens, "new tokens per --decode-variants run")->capture_default_str()
+      ->check(CLI::PositiveNumber);
   int64_t profile_steps = 0;
   app.add_option("--profile", profile_steps, "GPU: afterwards time every op of this many target decode steps (after one "
                                              "warm-up) and print where a step goes")->check(CLI::NonNegativeNumber);
@@ -475,6 +493,61 @@ int main(int argc, char** argv) {
     }
     if (!dec->kernels_run().empty()) std::printf("  decode kernels run: %s\n", dec->kernels_run().c_str());
 #if DFLASH_WITH_CUDA
+    std::vector<VariantRow> variant_rows;
+    if (!decode_variants.empty() && cuda_model) {
+      // Fresh decoders of variants of the decode plan on the same model and drafter, the first prompt,
+      // variant_tokens new tokens: target-only greedy (decode step) and speculative (propose, verify,
+      // commit per step); their greedy tokens must equal the main run's.
+      const std::vector<int32_t>& p0 = prompts[0].ids;
+      bench::GenerateOptions vgo = go;
+      vgo.max_new_tokens = std::min<int64_t>(variant_tokens, max_new);
+      vgo.stop_tokens.clear();
+      const bench::Generation ref = bench::greedy_generate(*dec, 0, p0, vgo);
+      std::stringstream names(decode_variants);
+      for (std::string name; std::getline(names, name, ',');) {
+        target::FastPathPlan plan = rt.decode_plan();
+        target::FastPathPlan::DecodeFusion& f = plan.fusion;
+        const int pdl_saved = cuda::tuning::pdl;
+        if (name == "no_pdl") cuda::tuning::pdl = 0;
+        else if (name == "no_skinny") f.skinny_gemm = f.swiglu_gemm = false;
+        else if (name == "no_swiglu") f.swiglu_gemm = false;
+        else if (name == "no_gdn_chain") f.gdn_chain = false;
+        else if (name == "no_commit") f.commit = false;
+        else if (name == "unfused") f = {}, cuda::tuning::pdl = 0;
+        else DFLASH_REQUIRE_HINT(name == "fused", "--decode-variants: unknown variant '" << name << "'",
+                                 "use fused, no_pdl, no_skinny, no_swiglu, no_gdn_chain, no_commit, unfused");
+        VariantRow row;
+        row.name = name;
+        row.fusion = plan.fusion.any() ? plan.fusion.str() : "none";
+        row.pdl = cuda::pdl_enabled();
+        {
+          auto vdec = target::make_cuda_decoder(*cuda_model, 1, max_len, plan);
+          const bench::Generation g = bench::greedy_generate(*vdec, 0, p0, vgo);
+          const bench::Generation sp = bench::speculative_generate(*vdec, *prop, 0, p0, vgo);
+          row.same = g.tokens == ref.tokens && sp.tokens.size() >= ref.tokens.size() &&
+                     std::equal(ref.tokens.begin(), ref.tokens.end(), sp.tokens.begin());
+          const double ns = static_cast<double>(std::max<size_t>(sp.accept.size(), 1));
+          row.decode_ms = 1e3 * g.times.decode / static_cast<double>(std::max<size_t>(g.tokens.size(), 1));
+          row.propose_ms = 1e3 * sp.times.propose / ns;
+          row.verify_ms = 1e3 * sp.times.verify / ns;
+          row.commit_ms = 1e3 * sp.times.commit / ns;
+          row.kernels = vdec->kernels_run();
+        }
+        cuda::tuning::pdl = pdl_saved;
+        variant_rows.push_back(row);
+      }
+      std::printf("\ndecode plan variants (fresh decoders, prompt 0, %lld new tokens; greedy tokens vs the main run):\n",
+                  static_cast<long long>(vgo.max_new_tokens));
+      std::printf("%-13s %10s %10s %10s %10s  %-5s %-4s %s\n", "variant", "decode ms", "verify ms", "commit ms", "propose ms",
+                  "same", "pdl", "fusions");
+      for (const VariantRow& v : variant_rows)
+        std::printf("%-13s %10.3f %10.3f %10.3f %10.3f  %-5s %-4s %s\n", v.name.c_str(), v.decode_ms, v.verify_ms,
+                    v.commit_ms, v.propose_ms, v.same ? "yes" : "NO", v.pdl ? "on" : "off", v.fusion.c_str());
+      for (const VariantRow& v : variant_rows) {
+        std::printf("  %s: %s\n", v.name.c_str(), v.kernels.c_str());
+        if (!v.same) ++mismatches;
+      }
+    }
     if (profile_steps > 0 && cuda_model) {
       // Where a target decode step goes: every op bracketed by events, T = 1 steps on the first prompt.
       target::OpProfiler prof;
@@ -536,6 +609,14 @@ int main(int argc, char** argv) {
         row("copy", "d2d_bandwidth", "GB/s", roof.copy_gbs);
       }
       row("speculative", "mismatches", "prompts", static_cast<double>(mismatches));
+#if DFLASH_WITH_CUDA
+      for (const VariantRow& v : variant_rows) {
+        row("variant:" + v.name, "decode_step_ms", "ms", v.decode_ms);
+        row("variant:" + v.name, "verify_step_ms", "ms", v.verify_ms);
+        row("variant:" + v.name, "commit_step_ms", "ms", v.commit_ms);
+        row("variant:" + v.name, "propose_step_ms", "ms", v.propose_ms);
+      }
+#endif
     }
     if (!json_path.empty()) {
       json j{{"format", "dflash.eval.v1"}, {"version", version_string()}, {"target", cfg.summary()},

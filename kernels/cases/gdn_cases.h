@@ -224,14 +224,14 @@ struct ChainCase {
   int64_t Hk = 0, Hv = 0, dk = 128, dv = 128, K = 4;
   bool update = true;              // decode (states advance) or verify (read only, saved inputs written)
   int64_t spare = 2;
-  int64_t pad = 8;                 // extra columns of each in-projection row
+  int64_t pad = 8;                 // extra columns of each in-projection row (a multiple of 8)
   // out after the bf16 roundings of both sides (a few 2^-9); states: the pool kernel's bounds.
   static constexpr double out_bound = 3e-2, state_bound = 1e-3;
 
   int64_t N() const;
   int64_t C() const { return 2 * Hk * dk + Hv * dv; }
   int64_t V() const { return Hv * dv; }
-  int64_t P() const { return C() + V() + 2 * Hv + pad; }
+  int64_t P() const { return (C() + V() + 2 * Hv + 7) / 8 * 8 + pad; }  // 16-byte rows (pad: a multiple of 8)
   double bytes() const;  // states read (+ written), the in-projection rows read, out written
   std::string describe() const;
   bool fused_ok() const;

@@ -261,10 +261,11 @@ FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const Kernel
 #if DFLASH_WITH_CUDA
   // The fused decode kernels (issue 30): sm_90 (thread-block clusters, programmatic dependent
   // launch), bf16 GEMMs on 16-byte aligned sizes; the GatedDeltaNet ones with the fast conv update
-  // and delta rule of every layer (their policies) at the shapes the fused kernels take.
+  // and delta rule of every layer (their policies) at the shapes the fused kernels take. The skinny
+  // GEMM (and with it SwiGLU in down_proj) stays off: on an H200 it streamed the 27B decode weights
+  // at 2.6-3.9 TB/s against cuBLASLt's 3.6-4.1 in CUDA graphs (bench/results/h200-decode4-*), so it
+  // is a variant to measure (dflash_eval --decode-variants skinny), not the plan's choice.
   if (device.is_cuda() && sm_major >= 9 && precision == Precision::Bf16 && unaligned_gemm_sizes(c).empty()) {
-    plan.fusion.skinny_gemm = true;
-    plan.fusion.swiglu_gemm = !c.is_moe();
     bool gdn_fast = true;
     for (const LayerPlan& l : plan.layers)
       if (l.type == LayerType::LinearAttention)
@@ -274,6 +275,7 @@ FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const Kernel
                                                                     c.linear_conv_kernel_dim);
     plan.fusion.gdn_chain = fused;
     plan.fusion.commit = fused;
+    plan.fusion.commit_overlap = fused;
   }
 #endif
   return plan;
@@ -287,7 +289,7 @@ std::string FastPathPlan::DecodeFusion::str() const {
   add(skinny_gemm, "skinny GEMMs");
   add(swiglu_gemm, "SwiGLU in down_proj");
   add(gdn_chain, "fused GatedDeltaNet chain");
-  add(commit, "fused commit");
+  add(commit, commit_overlap ? "fused commit (side stream)" : "fused commit");
   return s;
 }
 
@@ -409,7 +411,8 @@ nlohmann::json FastPathPlan::to_json() const {
   j["decode_fusion"] = {{"skinny_gemm", fusion.skinny_gemm},
                         {"swiglu_gemm", fusion.swiglu_gemm},
                         {"gdn_chain", fusion.gdn_chain},
-                        {"commit", fusion.commit}};
+                        {"commit", fusion.commit},
+                        {"commit_overlap", fusion.commit_overlap}};
   for (const LayerPlan& l : layers) {
     nlohmann::json lj{{"layer", l.layer}, {"type", layer_type_name(l.type)}, {"all_fast", l.all_fast()}};
     for (const StepPlan& s : l.steps)

@@ -147,9 +147,9 @@ struct PromptReport {
 
 // One --decode-variants run: a variant of the decode plan's fused kernels, timed on fresh decoders.
 struct VariantRow {
-  std::string name, fusion, kernels;
+  std::string name, fusion, kernels, vs_main;
   bool pdl = false, same = false;
-  double decode_ms = 0, verify_ms = 0, commit_ms = 0, propose_ms = 0;
+  double decode_ms = 0, decode_gpu_ms = 0, verify_ms = 0, commit_ms = 0, propose_ms = 0;
 };
 
 double mean(const std::vector<int64_t>& v) {
@@ -186,9 +186,10 @@ int main(int argc, char** argv) {
   std::string decode_variants;
   app.add_option("--decode-variants", decode_variants,
                  "GPU: afterwards time the first prompt's decode, propose, verify and commit steps again with fresh "
-                 "decoders of these variants of the decode plan (comma-separated: fused = the plan as is, no_pdl, "
-                 "no_skinny, no_swiglu, no_gdn_chain, no_commit, unfused = every fusion and PDL off); the A/B table "
-                 "of issue 30's fused decode kernels, CSV kernel 'variant:<name>'");
+                 "decoders of these variants of the decode plan (comma-separated, repeats allowed: fused = the plan as "
+                 "is, no_pdl, skinny (+ SwiGLU in down_proj), skinny_no_swiglu, no_gdn_chain, no_commit, no_overlap, "
+                 "unfused = every fusion and PDL off); the A/B table of issue 30's fused decode kernels, CSV kernel "
+                 "'variant:<name>'");
   int64_t variant_tokens = 32;
   app.add_option("--variant-tokens", variant_tokens, "new tokens per --decode-variants run")->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -503,31 +504,60 @@ int main(int argc, char** argv) {
       vgo.max_new_tokens = std::min<int64_t>(variant_tokens, max_new);
       vgo.stop_tokens.clear();
       const bench::Generation ref = bench::greedy_generate(*dec, 0, p0, vgo);
+      const bool ref_skinny = rt.decode_plan().fusion.skinny_gemm;
+      const auto vstream = static_cast<cudaStream_t>(cuda_model->stream());
+      std::vector<cudaEvent_t> ev(2 * static_cast<size_t>(vgo.max_new_tokens));
+      for (cudaEvent_t& e : ev) DFLASH_CUDA_CHECK(cudaEventCreate(&e));
       std::stringstream names(decode_variants);
       for (std::string name; std::getline(names, name, ',');) {
         target::FastPathPlan plan = rt.decode_plan();
         target::FastPathPlan::DecodeFusion& f = plan.fusion;
         const int pdl_saved = cuda::tuning::pdl;
         if (name == "no_pdl") cuda::tuning::pdl = 0;
-        else if (name == "no_skinny") f.skinny_gemm = f.swiglu_gemm = false;
-        else if (name == "no_swiglu") f.swiglu_gemm = false;
+        else if (name == "skinny") f.skinny_gemm = f.swiglu_gemm = true;
+        else if (name == "skinny_no_swiglu") f.skinny_gemm = true, f.swiglu_gemm = false;
         else if (name == "no_gdn_chain") f.gdn_chain = false;
-        else if (name == "no_commit") f.commit = false;
+        else if (name == "no_commit") f.commit = f.commit_overlap = false;
+        else if (name == "no_overlap") f.commit_overlap = false;
         else if (name == "unfused") f = {}, cuda::tuning::pdl = 0;
         else DFLASH_REQUIRE_HINT(name == "fused", "--decode-variants: unknown variant '" << name << "'",
-                                 "use fused, no_pdl, no_skinny, no_swiglu, no_gdn_chain, no_commit, unfused");
+                                 "use fused, no_pdl, skinny, skinny_no_swiglu, no_gdn_chain, no_commit, no_overlap, unfused");
         VariantRow row;
         row.name = name;
         row.fusion = plan.fusion.any() ? plan.fusion.str() : "none";
         row.pdl = cuda::pdl_enabled();
         {
           auto vdec = target::make_cuda_decoder(*cuda_model, 1, max_len, plan);
-          const bench::Generation g = bench::greedy_generate(*vdec, 0, p0, vgo);
+          // Target-only greedy decoding: host time per step, and the device time of each step
+          // (events around it on the decoder's stream: the staging copy, the graph, the token back).
+          target::ExtendOptions eo;
+          eo.last_only = true;
+          vdec->reset(0);
+          std::vector<int32_t> tokens{vdec->extend({0}, {p0}, eo).next.back()};
+          const auto t0 = std::chrono::steady_clock::now();
+          for (size_t i = 1; i < static_cast<size_t>(vgo.max_new_tokens); ++i) {
+            DFLASH_CUDA_CHECK(cudaEventRecord(ev[2 * i], vstream));
+            tokens.push_back(vdec->extend({0}, {{tokens.back()}}, eo).next.back());
+            DFLASH_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], vstream));
+          }
+          const double host_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          DFLASH_CUDA_CHECK(cudaStreamSynchronize(vstream));
+          double gpu_ms = 0;
+          for (size_t i = 1; i < static_cast<size_t>(vgo.max_new_tokens); ++i) {
+            float ms = 0;
+            DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+            gpu_ms += ms;
+          }
+          const double steps = static_cast<double>(std::max<int64_t>(vgo.max_new_tokens - 1, 1));
+          row.decode_ms = 1e3 * host_s / steps;
+          row.decode_gpu_ms = gpu_ms / steps;
           const bench::Generation sp = bench::speculative_generate(*vdec, *prop, 0, p0, vgo);
-          row.same = g.tokens == ref.tokens && sp.tokens.size() >= ref.tokens.size() &&
-                     std::equal(ref.tokens.begin(), ref.tokens.end(), sp.tokens.begin());
+          // Speculative decoding must give this variant's own greedy tokens; against the main run's
+          // only when both ran the same GEMM kernels (another GEMM rounds otherwise).
+          row.same = sp.tokens.size() >= tokens.size() && std::equal(tokens.begin(), tokens.end(), sp.tokens.begin());
+          row.vs_main = f.skinny_gemm != ref_skinny ? "other GEMMs" : tokens == ref.tokens ? "yes" : "NO";
+          if (f.skinny_gemm == ref_skinny && tokens != ref.tokens) row.same = false;
           const double ns = static_cast<double>(std::max<size_t>(sp.accept.size(), 1));
-          row.decode_ms = 1e3 * g.times.decode / static_cast<double>(std::max<size_t>(g.tokens.size(), 1));
           row.propose_ms = 1e3 * sp.times.propose / ns;
           row.verify_ms = 1e3 * sp.times.verify / ns;
           row.commit_ms = 1e3 * sp.times.commit / ns;
@@ -536,13 +566,16 @@ int main(int argc, char** argv) {
         cuda::tuning::pdl = pdl_saved;
         variant_rows.push_back(row);
       }
-      std::printf("\ndecode plan variants (fresh decoders, prompt 0, %lld new tokens; greedy tokens vs the main run):\n",
+      for (cudaEvent_t& e : ev) DFLASH_CUDA_CHECK(cudaEventDestroy(e));
+      std::printf("\ndecode plan variants (fresh decoders, prompt 0, %lld new tokens; decode: host time per step and its device "
+                  "time; same: speculative == the variant's greedy (and == the main run's greedy where the GEMMs are the same)):\n",
                   static_cast<long long>(vgo.max_new_tokens));
-      std::printf("%-13s %10s %10s %10s %10s  %-5s %-4s %s\n", "variant", "decode ms", "verify ms", "commit ms", "propose ms",
-                  "same", "pdl", "fusions");
+      std::printf("%-16s %10s %10s %10s %10s %10s  %-5s %-11s %-4s %s\n", "variant", "decode ms", "dec gpu ms", "verify ms",
+                  "commit ms", "propose ms", "same", "vs main", "pdl", "fusions");
       for (const VariantRow& v : variant_rows)
-        std::printf("%-13s %10.3f %10.3f %10.3f %10.3f  %-5s %-4s %s\n", v.name.c_str(), v.decode_ms, v.verify_ms,
-                    v.commit_ms, v.propose_ms, v.same ? "yes" : "NO", v.pdl ? "on" : "off", v.fusion.c_str());
+        std::printf("%-16s %10.3f %10.3f %10.3f %10.3f %10.3f  %-5s %-11s %-4s %s\n", v.name.c_str(), v.decode_ms,
+                    v.decode_gpu_ms, v.verify_ms, v.commit_ms, v.propose_ms, v.same ? "yes" : "NO", v.vs_main.c_str(),
+                    v.pdl ? "on" : "off", v.fusion.c_str());
       for (const VariantRow& v : variant_rows) {
         std::printf("  %s: %s\n", v.name.c_str(), v.kernels.c_str());
         if (!v.same) ++mismatches;
@@ -612,6 +645,7 @@ int main(int argc, char** argv) {
 #if DFLASH_WITH_CUDA
       for (const VariantRow& v : variant_rows) {
         row("variant:" + v.name, "decode_step_ms", "ms", v.decode_ms);
+        row("variant:" + v.name, "decode_step_gpu_ms", "ms", v.decode_gpu_ms);
         row("variant:" + v.name, "verify_step_ms", "ms", v.verify_ms);
         row("variant:" + v.name, "commit_step_ms", "ms", v.commit_ms);
         row("variant:" + v.name, "propose_step_ms", "ms", v.propose_ms);

@@ -1016,7 +1016,8 @@ void bench_fp8(Ctx& ctx, bool quick) {
 // commit over 48 layers, add_rms_norm's row kernel, and a whole GatedDeltaNet layer's launches in a
 // CUDA graph unfused / fused / fused with programmatic dependent launch. Each provider's output is
 // checked against the first one's before it is timed; graph rows are the per-call time of 20
-// back-to-back calls replayed.
+// back-to-back calls replayed. The layer's rows: cuBLASLt GEMMs unless named skinny (which also
+// fuses SwiGLU into down_proj).
 void bench_fused(Ctx& ctx, bool quick) {
   std::printf("\n== fused: issue 30's fused decode kernels vs their unfused twins (Qwen3.6-27B, 1 sequence, M 16)\n");
   copy_ceiling(ctx, "fused");
@@ -1180,12 +1181,12 @@ void bench_fused(Ctx& ctx, bool quick) {
     Tensor act = Tensor::empty({M, I}, DType::BF16, dev), core_n = Tensor::empty({M, V}, DType::BF16, dev);
     cases::ChainData::Outputs o = data.outputs(c);
     const double gb = 2.0 * static_cast<double>(P * H + H * V + 2 * I * H + H * I) / 1e9;
-    auto layer = [&](bool fused) {
+    auto layer = [&](bool fused, bool skinny) {
       cuda::rms_norm(hid.raw_data(), H, norm_w.raw_data(), normed.raw_data(), H, M, H, 1e-6f, true, ctx.stream);
       auto gemm = [&](const Tensor& x, int64_t ldx, const Tensor& w, Tensor& y, int64_t N, int64_t K, bool sw) {
         cuda::GemmSkinnyParams q;
         q.x = x.raw_data(), q.ldx = ldx, q.w = w.raw_data(), q.y = y.raw_data(), q.ldy = N, q.M = M, q.N = N, q.K = K, q.swiglu = sw;
-        if (fused && cuda::gemm_skinny_splits(q, 0) > 0) return cuda::gemm_skinny(q, 0, ctx.stream);
+        if (skinny && cuda::gemm_skinny_splits(q, 0) > 0) return cuda::gemm_skinny(q, 0, ctx.stream);
         cuda::GemmParams p{x.raw_data(), ldx, w.raw_data(), y.raw_data(), N, M, N, K, false};
         cuda::gemm_bf16(p, 0);
       };
@@ -1201,7 +1202,7 @@ void bench_fused(Ctx& ctx, bool quick) {
       gemm(normed, H, w_gu, gu, 2 * I, H, false);
       cuda::GemmSkinnyParams q;
       q.x = gu.raw_data(), q.ldx = 2 * I, q.w = w_down.raw_data(), q.y = delta.raw_data(), q.ldy = H, q.M = M, q.N = H, q.K = I, q.swiglu = true;
-      if (fused && cuda::gemm_skinny_splits(q, 0) > 0) {
+      if (skinny && cuda::gemm_skinny_splits(q, 0) > 0) {
         cuda::gemm_skinny(q, 0, ctx.stream);
       } else {
         cuda::swiglu(gu.raw_data(), act.raw_data(), M, I, ctx.stream);
@@ -1211,13 +1212,15 @@ void bench_fused(Ctx& ctx, bool quick) {
     };
     std::vector<Provider> prov = {{"unfused", [&] {
                                      const cases::Knob k(cuda::tuning::pdl, 0);
-                                     layer(false);
+                                     layer(false, false);
                                    }, nullptr},
+                                  {"unfused_pdl", [&] { layer(false, false); }, nullptr},
                                   {"fused_no_pdl", [&] {
                                      const cases::Knob k(cuda::tuning::pdl, 0);
-                                     layer(true);
+                                     layer(true, false);
                                    }, nullptr},
-                                  {"fused_pdl", [&] { layer(true); }, nullptr}};
+                                  {"fused_pdl", [&] { layer(true, false); }, nullptr},
+                                  {"fused_pdl_skinny", [&] { layer(true, true); }, nullptr}};
     measure_graph(ctx, "gdn_layer", "1 GatedDeltaNet layer, M16 (weights " + std::to_string(static_cast<int>(gb * 1000)) + " MB)",
                   prov, {{"weight_read", "GB/s", gb}}, 8);
   }

@@ -9,33 +9,33 @@
 # Writes to $OUT (at most 8 files): env.txt, build.log, tests.log, kernel_bench.log, kernel_bench.csv,
 # eval27b.log, eval27b.csv. Switches: SKIP_TESTS=1, SKIP_BENCH=1, SKIP_27B=1, GPU_TESTS (ctest -R
 # regex), TESTS_TIMEOUT / BENCH_TIMEOUT / EVAL_TIMEOUT (s: each stage is cut there, so the call ends in time), EVAL27B_NEW (new tokens, default 32), EVAL27B_PROFILE (profiled steps, default 2),
-# EVAL27B_VARIANTS (default fused,no_pdl,no_skinny,no_swiglu,no_gdn_chain,no_commit,unfused),
+# EVAL27B_VARIANTS (default fused,unfused,no_pdl,no_gdn_chain,no_commit,no_overlap,skinny_no_swiglu,fused,unfused),
 # NINJA_TARGETS.
 source "$(dirname "$0")/gpu_call.sh"
 NINJA_TARGETS=${NINJA_TARGETS:-"test_cuda_ops test_cuda_decode test_cuda_decoder kernel_bench dflash_eval"}
 gpu_call_start /tmp/build-fused
 if [ -z "${SKIP_TESTS:-}" ]; then
   t0=$(date +%s)
-  (cd "$B" && timeout "${TESTS_TIMEOUT:-130}" ctest -L gpu -R "${GPU_TESTS:-CudaOps\.(GemmSkinny|AddRmsNorm)|CudaDecode\.Fused|CudaDecoder\.}" \
+  (cd "$B" && timeout "${TESTS_TIMEOUT:-60}" ctest -L gpu -R "${GPU_TESTS:-CudaOps\.(GemmSkinny|AddRmsNorm|Swiglu|SigmoidGate|Embedding)|CudaDecode\.Fused|CudaDecoder\.(Pieces|Verify|Speculative|GraphReplay|Fp8|Sampling)}" \
     --output-on-failure --timeout 120 >"$OUT/tests.log" 2>&1)
   echo "tests rc=$? $(( $(date +%s) - t0 )) s"
   grep -E "tests passed|Failed|\*\*\*|Test +#" "$OUT/tests.log" | tail -n 30
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   t0=$(date +%s)
-  timeout "${BENCH_TIMEOUT:-80}" "$B/bench/kernel_bench" --only fused --csv "$OUT/kernel_bench.csv" >"$OUT/kernel_bench.log" 2>&1
+  timeout "${BENCH_TIMEOUT:-45}" "$B/bench/kernel_bench" --only fused --csv "$OUT/kernel_bench.csv" >"$OUT/kernel_bench.log" 2>&1
   echo "kernel_bench rc=$? $(( $(date +%s) - t0 )) s"
   grep -E "fused|graph" "$OUT/kernel_bench.log" | grep -vE "^==" | head -n 60
 fi
 if [ -z "${SKIP_27B:-}" ]; then
   t0=$(date +%s)
   python3 -c "import random; random.seed(0); print(' '.join(str(random.randrange(248000)) for _ in range(4096)))" >/tmp/p4k.txt
-  timeout "${EVAL_TIMEOUT:-190}" "$B/bench/dflash_eval" --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 \
+  timeout "${EVAL_TIMEOUT:-160}" "$B/bench/dflash_eval" --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 \
     --precision bf16 --prompts /tmp/p4k.txt --num-prompts 1 --max-new-tokens "${EVAL27B_NEW:-32}" --device cuda \
     --no-estimate --require-fast-path --profile "${EVAL27B_PROFILE:-2}" \
-    --decode-variants "${EVAL27B_VARIANTS:-fused,no_pdl,no_skinny,no_swiglu,no_gdn_chain,no_commit,unfused}" \
+    --decode-variants "${EVAL27B_VARIANTS:-fused,unfused,no_pdl,no_gdn_chain,no_commit,no_overlap,skinny_no_swiglu,fused,unfused}" \
     --csv "$OUT/eval27b.csv" >"$OUT/eval27b.log" 2>&1
   echo "27b eval rc=$? $(( $(date +%s) - t0 )) s"
-  grep -E "^tau|a step|roofline|decode  |verify  |outputs|FAILED|graphs|variant|^fused|^no_|^unfused|sum of ops|between|span" \
+  grep -E "^tau|a step|roofline|decode  |verify  |outputs|FAILED|variant|^fused|^no_|^unfused|^skinny|sum of ops|between|span|gdn_fused|add_rms|swiglu " \
     "$OUT/eval27b.log" | head -n 40
 fi

@@ -30,7 +30,9 @@ fi
 if [ -z "${SKIP_27B:-}" ]; then
   t0=$(date +%s)
   python3 -c "import random; random.seed(0); print(' '.join(str(random.randrange(248000)) for _ in range(4096)))" >/tmp/p4k.txt
-  timeout "${EVAL_TIMEOUT:-160}" "$B/bench/dflash_eval" --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 \
+  # stdbuf: line-buffered stdout, so a run cut by its timeout still leaves its log (the second call of
+  # this script lost the whole eval log that way: fully buffered printf, killed at 140 s).
+  timeout "${EVAL_TIMEOUT:-240}" stdbuf -oL "$B/bench/dflash_eval" --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 \
     --precision bf16 --prompts /tmp/p4k.txt --num-prompts 1 --max-new-tokens "${EVAL27B_NEW:-32}" --device cuda \
     --no-estimate --require-fast-path --profile "${EVAL27B_PROFILE:-2}" \
     --decode-variants "${EVAL27B_VARIANTS:-fused,unfused,no_pdl,no_gdn_chain,no_commit,no_overlap,skinny_no_swiglu,fused,unfused}" \

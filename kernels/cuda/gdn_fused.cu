@@ -27,6 +27,14 @@
 //   5. the gated RMSNorm of each token's o with z; 6. the states written back (decode only): the
 //      recurrent state by each block, the conv state of the v channels by each block and of the q / k
 //      channels by the cluster's first block after a cluster barrier (every block has read them).
+//
+// Measured on an H200 (bench/results/h200-decode4-a84d6d9, kernel_bench --only fused, Qwen3.6-27B
+// heads, one sequence, CUDA-graph replays): the chain at T = 1 5.2 us against 11.0 us for the four
+// unfused kernels, a verify (T = 16) 21.7 against 27.2 us; commit over 48 layers 136 us at n = 1 and
+// 151 us at n = 16 against 410 us / 1.57 ms for the 96 unfused launches (2.2 / 2.0 TB/s of state
+// traffic: the commit grid's 5,000 short blocks, not the bytes, set its time); one GatedDeltaNet
+// layer of the decode step (in_proj, chain, out_proj, norms, MLP on cuBLASLt) 218.3 us fused
+// against 226.8 unfused.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

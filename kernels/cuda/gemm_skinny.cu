@@ -26,6 +26,20 @@
 // so a row of a T = 1 decode and of a T = 16 verify are computed alike (batch invariance).
 // With programmatic dependent launch (pdl.cuh) the first kStages - 1 steps' weight copies are
 // issued before waiting on the previous kernel, which wrote x.
+//
+// Measured on an H200 (bench/results/h200-decode4-aaaaa54 and -a84d6d9, kernel_bench --only fused,
+// M 16, GB/s of the weight read, CUDA-graph replays; copy 4,234-4,257): gdn in_proj 16480 x 5120
+// 3,913 / 3,883 vs cuBLASLt 3,972 / 3,890; attn qkv 14336 x 5120 3,579 / 3,560 vs 4,055 / 3,984;
+// gdn out_proj 5120 x 6144 (ks 2) 2,640 / 2,634 vs 3,589 / 3,536; down 5120 x 17408 (ks 2) 2,862 /
+// 2,855 vs 3,569 / 3,486; gate_up 34816 x 5120 (two waves) 3,731 / 3,678 vs 4,128 / 3,992; with the
+// SwiGLU prologue 1,552 / 1,563 vs swiglu + cuBLASLt 2,931 / 3,381. Slower everywhere, so the decode
+// plan keeps cuBLASLt (FastPathPlan::DecodeFusion::skinny_gemm off; dflash_eval --decode-variants
+// skinny measures it: the 27B decode step 18.3 ms with it against 15.0 without). Why (estimated
+// from the shapes, not profiled): at N = 5120 there are 80 row groups, clusters of 3 did not fit 80
+// at once, so ks 2 put 160 blocks on 132 SMs (28 SMs with twice the bytes); the SwiGLU prologue
+// recomputes silu(gate) * up for every row group (80x the work) between the loads and the MMAs.
+// Next: a stream-K split (equal k-steps per block across tiles), x staged once per block, and
+// SwiGLU applied once by its producer.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -270,7 +270,8 @@ __global__ void __launch_bounds__(kThreads) gated_rms_norm_kernel(const GatedRms
 // load of the row issued before the first store: through the generic kernel each unit's store to h
 // (which may alias the next unit's loads) waited for that unit's loads, so a row took one DRAM round
 // trip per unit (~7 us at 16 rows in h200-graphs-b7c45b1's profile). The norm weight is read before
-// the programmatic-dependent-launch wait (no kernel writes it).
+// the programmatic-dependent-launch wait (no kernel writes it). Measured (H200, 16 x 5120, CUDA
+// graph, bench/results/h200-decode4-*): 1.6 us against the generic kernel's 2.7 us.
 constexpr int kAddCache = 4;  // units per thread: rows up to 4 · 8 · kThreads = 8192 elements
 __global__ void __launch_bounds__(kThreads) add_rms_norm_rows_kernel(const AddRmsNormOp op, int64_t rows, int units,
                                                                      float eps) {

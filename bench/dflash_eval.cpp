@@ -29,6 +29,7 @@
 #include <functional>
 #include <memory>
 #include <numeric>
+#include <sstream>
 #include <tuple>
 
 #include <fmt/ranges.h>
@@ -67,6 +68,7 @@
 #include "drafter/decode_cuda.h"
 #include "drafter/model_cuda.h"
 #include "core/cuda/check.h"
+#include "kernels/cuda/pdl.cuh"
 #include "target_model/model_cuda.h"
 #endif
 
@@ -143,6 +145,13 @@ struct PromptReport {
   int32_t want = -1, got = -1;
 };
 
+// One --decode-variants run: a variant of the decode plan's fused kernels, timed on fresh decoders.
+struct VariantRow {
+  std::string name, fusion, kernels, vs_main;
+  bool pdl = false, same = false;
+  double decode_ms = 0, decode_gpu_ms = 0, verify_ms = 0, commit_ms = 0, propose_ms = 0;
+};
+
 double mean(const std::vector<int64_t>& v) {
   return v.empty() ? 0.0 : static_cast<double>(std::accumulate(v.begin(), v.end(), int64_t{0})) / static_cast<double>(v.size());
 }
@@ -178,6 +187,16 @@ int main(int argc, char** argv) {
                                                "f64 (the double reference); proposals and estimate use the same")
       ->capture_default_str()->check(CLI::IsMember({"f32", "f64"}));
   app.add_flag("--require-fast-path", require_fast, "refuse to run when any decode or prefill step would use a fallback kernel");
+  std::string decode_variants;
+  app.add_option("--decode-variants", decode_variants,
+                 "GPU: afterwards time the first prompt's decode, propose, verify and commit steps again with fresh "
+                 "decoders of these variants of the decode plan (comma-separated, repeats allowed: fused = the plan as "
+                 "is, no_pdl, skinny (+ SwiGLU in down_proj), skinny_no_swiglu, no_gdn_chain, no_commit, no_overlap, "
+                 "unfused = every fusion and PDL off); the A/B table of issue 30's fused decode kernels, CSV kernel "
+                 "'variant:<name>'");
+  int64_t variant_tokens = 32;
+  app.add_option("--variant-tokens", variant_tokens, "new tokens per --decode-variants run")->capture_default_str()
+      ->check(CLI::PositiveNumber);
   int64_t profile_steps = 0, sweep_reps = 20;
   std::vector<int64_t> sweep_blocks;
   app.add_option("--profile", profile_steps, "GPU: afterwards time every op of this many target decode steps (after one "
@@ -556,6 +575,93 @@ int main(int argc, char** argv) {
       }
     }
 #if DFLASH_WITH_CUDA
+    std::vector<VariantRow> variant_rows;
+    if (!decode_variants.empty() && cuda_model) {
+      // Fresh decoders of variants of the decode plan on the same model and drafter, the first prompt,
+      // variant_tokens new tokens: target-only greedy (decode step) and speculative (propose, verify,
+      // commit per step); their greedy tokens must equal the main run's.
+      const std::vector<int32_t>& p0 = prompts[0].ids;
+      bench::GenerateOptions vgo = go;
+      vgo.max_new_tokens = std::min<int64_t>(variant_tokens, max_new);
+      vgo.stop_tokens.clear();
+      const bench::Generation ref = bench::greedy_generate(*dec, 0, p0, vgo);
+      const bool ref_skinny = rt.decode_plan().fusion.skinny_gemm;
+      const auto vstream = static_cast<cudaStream_t>(cuda_model->stream());
+      std::vector<cudaEvent_t> ev(2 * static_cast<size_t>(vgo.max_new_tokens));
+      for (cudaEvent_t& e : ev) DFLASH_CUDA_CHECK(cudaEventCreate(&e));
+      std::stringstream names(decode_variants);
+      for (std::string name; std::getline(names, name, ',');) {
+        target::FastPathPlan plan = rt.decode_plan();
+        target::FastPathPlan::DecodeFusion& f = plan.fusion;
+        const int pdl_saved = cuda::tuning::pdl;
+        if (name == "no_pdl") cuda::tuning::pdl = 0;
+        else if (name == "skinny") f.skinny_gemm = f.swiglu_gemm = true;
+        else if (name == "skinny_no_swiglu") f.skinny_gemm = true, f.swiglu_gemm = false;
+        else if (name == "no_gdn_chain") f.gdn_chain = false;
+        else if (name == "no_commit") f.commit = f.commit_overlap = false;
+        else if (name == "no_overlap") f.commit_overlap = false;
+        else if (name == "unfused") f = {}, cuda::tuning::pdl = 0;
+        else DFLASH_REQUIRE_HINT(name == "fused", "--decode-variants: unknown variant '" << name << "'",
+                                 "use fused, no_pdl, skinny, skinny_no_swiglu, no_gdn_chain, no_commit, no_overlap, unfused");
+        VariantRow row;
+        row.name = name;
+        row.fusion = plan.fusion.any() ? plan.fusion.str() : "none";
+        row.pdl = cuda::pdl_enabled();
+        {
+          auto vdec = target::make_cuda_decoder(*cuda_model, 1, max_len, plan);
+          // Target-only greedy decoding: host time per step, and the device time of each step
+          // (events around it on the decoder's stream: the staging copy, the graph, the token back).
+          target::ExtendOptions eo;
+          eo.last_only = true;
+          vdec->reset(0);
+          std::vector<int32_t> tokens{vdec->extend({0}, {p0}, eo).next.back()};
+          const auto t0 = std::chrono::steady_clock::now();
+          for (size_t i = 1; i < static_cast<size_t>(vgo.max_new_tokens); ++i) {
+            DFLASH_CUDA_CHECK(cudaEventRecord(ev[2 * i], vstream));
+            tokens.push_back(vdec->extend({0}, {{tokens.back()}}, eo).next.back());
+            DFLASH_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], vstream));
+          }
+          const double host_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          DFLASH_CUDA_CHECK(cudaStreamSynchronize(vstream));
+          double gpu_ms = 0;
+          for (size_t i = 1; i < static_cast<size_t>(vgo.max_new_tokens); ++i) {
+            float ms = 0;
+            DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+            gpu_ms += ms;
+          }
+          const double steps = static_cast<double>(std::max<int64_t>(vgo.max_new_tokens - 1, 1));
+          row.decode_ms = 1e3 * host_s / steps;
+          row.decode_gpu_ms = gpu_ms / steps;
+          const bench::Generation sp = bench::speculative_generate(*vdec, *prop, 0, p0, vgo);
+          // Speculative decoding must give this variant's own greedy tokens; against the main run's
+          // only when both ran the same GEMM kernels (another GEMM rounds otherwise).
+          row.same = sp.tokens.size() >= tokens.size() && std::equal(tokens.begin(), tokens.end(), sp.tokens.begin());
+          row.vs_main = f.skinny_gemm != ref_skinny ? "other GEMMs" : tokens == ref.tokens ? "yes" : "NO";
+          if (f.skinny_gemm == ref_skinny && tokens != ref.tokens) row.same = false;
+          const double ns = static_cast<double>(std::max<size_t>(sp.accept.size(), 1));
+          row.propose_ms = 1e3 * sp.times.propose / ns;
+          row.verify_ms = 1e3 * sp.times.verify / ns;
+          row.commit_ms = 1e3 * sp.times.commit / ns;
+          row.kernels = vdec->kernels_run();
+        }
+        cuda::tuning::pdl = pdl_saved;
+        variant_rows.push_back(row);
+      }
+      for (cudaEvent_t& e : ev) DFLASH_CUDA_CHECK(cudaEventDestroy(e));
+      std::printf("\ndecode plan variants (fresh decoders, prompt 0, %lld new tokens; decode: host time per step and its device "
+                  "time; same: speculative == the variant's greedy (and == the main run's greedy where the GEMMs are the same)):\n",
+                  static_cast<long long>(vgo.max_new_tokens));
+      std::printf("%-16s %10s %10s %10s %10s %10s  %-5s %-11s %-4s %s\n", "variant", "decode ms", "dec gpu ms", "verify ms",
+                  "commit ms", "propose ms", "same", "vs main", "pdl", "fusions");
+      for (const VariantRow& v : variant_rows)
+        std::printf("%-16s %10.3f %10.3f %10.3f %10.3f %10.3f  %-5s %-11s %-4s %s\n", v.name.c_str(), v.decode_ms,
+                    v.decode_gpu_ms, v.verify_ms, v.commit_ms, v.propose_ms, v.same ? "yes" : "NO", v.vs_main.c_str(),
+                    v.pdl ? "on" : "off", v.fusion.c_str());
+      for (const VariantRow& v : variant_rows) {
+        std::printf("  %s: %s\n", v.name.c_str(), v.kernels.c_str());
+        if (!v.same) ++mismatches;
+      }
+    }
     if (profile_steps > 0 && cuda_model) {
       // Where a target decode step goes: every op bracketed by events, T = 1 steps on the first prompt.
       target::OpProfiler prof;
@@ -629,6 +735,15 @@ int main(int argc, char** argv) {
             row("verify_sweep", fmt::format("projected_speedup_tau{:.0f}{}", t, b), "x",
                 t * 1e3 * t_dec / (w.propose_ms + w.verify_ms + 1e3 * t_com));
       }
+#if DFLASH_WITH_CUDA
+      for (const VariantRow& v : variant_rows) {
+        row("variant:" + v.name, "decode_step_ms", "ms", v.decode_ms);
+        row("variant:" + v.name, "decode_step_gpu_ms", "ms", v.decode_gpu_ms);
+        row("variant:" + v.name, "verify_step_ms", "ms", v.verify_ms);
+        row("variant:" + v.name, "commit_step_ms", "ms", v.commit_ms);
+        row("variant:" + v.name, "propose_step_ms", "ms", v.propose_ms);
+      }
+#endif
     }
     if (!json_path.empty()) {
       json j{{"format", "dflash.eval.v1"}, {"version", version_string()}, {"target", cfg.summary()},

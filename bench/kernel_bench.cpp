@@ -66,6 +66,7 @@
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/loss.h"
 #include "kernels/cuda/norm.h"
+#include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/sampling.h"
 #include "core/device.h"
 #include "core/log.h"
@@ -77,6 +78,7 @@
 namespace dflash::cuda::tuning {
 extern int sample_threads;
 extern int gemm_fp8_fast_accum;
+extern int add_norm_rows;
 }  // namespace dflash::cuda::tuning
 
 using namespace dflash;
@@ -1008,6 +1010,222 @@ void bench_fp8(Ctx& ctx, bool quick) {
   }
 }
 
+// The fused decode kernels of issue 30 against their unfused twins, Qwen3.6-27B decode shapes (one
+// sequence, 16 padded rows as the decoder runs them): gemm_skinny vs cuBLASLt per projection (GB/s of
+// the weight), down_proj with SwiGLU fused, the GatedDeltaNet chain (decode T 1 and verify T 16),
+// commit over 48 layers, add_rms_norm's row kernel, and a whole GatedDeltaNet layer's launches in a
+// CUDA graph unfused / fused / fused with programmatic dependent launch. Each provider's output is
+// checked against the first one's before it is timed; graph rows are the per-call time of 20
+// back-to-back calls replayed. The layer's rows: cuBLASLt GEMMs unless named skinny (which also
+// fuses SwiGLU into down_proj).
+void bench_fused(Ctx& ctx, bool quick) {
+  std::printf("\n== fused: issue 30's fused decode kernels vs their unfused twins (Qwen3.6-27B, 1 sequence, M 16)\n");
+  copy_ceiling(ctx, "fused");
+  const Device dev = Device::cuda(0);
+  const int64_t M = 16, H = 5120, I = 17408;
+  struct Shape {
+    const char* name;
+    int64_t N, K;
+  };
+  const std::vector<Shape> shapes = {{"gdn_in_proj", 16480, H}, {"attn_qkv", 14336, H}, {"gdn_out_proj", H, 6144},
+                                     {"mlp_down", H, I},         {"mlp_gate_up", 2 * I, H}};
+  for (const Shape& g : shapes) {
+    const double gb = 2.0 * static_cast<double>(g.N) * static_cast<double>(g.K) / 1e9;
+    const int sets = rotation_sets(ctx, gb * 1e9);
+    std::vector<Tensor> ws;
+    for (int i = 0; i < sets; ++i) ws.push_back(dev_randn({g.N, g.K}, DType::BF16, 100 + static_cast<uint64_t>(i), 0.02f));
+    Tensor x = dev_randn({M, g.K}, DType::BF16, 99);
+    Tensor y0 = Tensor::empty({M, g.N}, DType::BF16, dev), y1 = y0.clone(), y2 = y0.clone();
+    int n0 = 0, n1 = 0, n2 = 0;
+    cuda::GemmSkinnyParams sp;
+    sp.x = x.raw_data(), sp.ldx = g.K, sp.ldy = g.N, sp.M = M, sp.N = g.N, sp.K = g.K;
+    const int splits = cuda::gemm_skinny_splits(sp, 0);
+    const std::string shape = std::string(g.name) + " M16 N" + std::to_string(g.N) + " K" + std::to_string(g.K) +
+                              (splits ? " ks" + std::to_string(splits) : " (not one wave)");
+    std::vector<Provider> prov = {
+        {"cublaslt", [&] {
+           cuda::GemmParams p{x.raw_data(), g.K, ws[static_cast<size_t>(n0++ % sets)].raw_data(), y0.raw_data(), g.N, M, g.N, g.K, false};
+           cuda::gemm_bf16(p, 0);
+         }, [&] { return y0; }},
+        {"skinny", [&] {
+           cuda::GemmSkinnyParams q = sp;
+           q.w = ws[static_cast<size_t>(n1++ % sets)].raw_data(), q.y = y1.raw_data();
+           cuda::gemm_skinny(q, 0, ctx.stream);
+         }, [&] { return y1; }}};
+    if (splits > 1)
+      prov.push_back({"skinny_ks1", [&] {
+                        const cases::Knob k(cuda::tuning::gemm_skinny_ks, 1);
+                        cuda::GemmSkinnyParams q = sp;
+                        q.w = ws[static_cast<size_t>(n2++ % sets)].raw_data(), q.y = y2.raw_data();
+                        cuda::gemm_skinny(q, 0, ctx.stream);
+                      }, [&] { return y2; }});
+    measure(ctx, "fused", "gemm_decode", shape, prov, 1e-2, {{"weight_read", "GB/s", gb}});
+    measure_graph(ctx, "gemm_decode", shape, prov, {{"weight_read", "GB/s", gb}});
+  }
+  {  // down_proj with SwiGLU: swiglu + cuBLASLt (the unfused path), swiglu + skinny, skinny with the SwiGLU prologue
+    const double gb = 2.0 * static_cast<double>(H) * static_cast<double>(I) / 1e9;
+    Tensor w = dev_randn({H, I}, DType::BF16, 120, 0.02f), gu = dev_randn({M, 2 * I}, DType::BF16, 121, 2.0f);
+    Tensor act = Tensor::empty({M, I}, DType::BF16, dev), y0 = Tensor::empty({M, H}, DType::BF16, dev), y1 = y0.clone(), y2 = y0.clone();
+    cuda::GemmSkinnyParams sp;
+    sp.x = act.raw_data(), sp.ldx = I, sp.w = w.raw_data(), sp.ldy = H, sp.M = M, sp.N = H, sp.K = I;
+    cuda::GemmSkinnyParams fp = sp;
+    fp.x = gu.raw_data(), fp.ldx = 2 * I, fp.swiglu = true, fp.y = y2.raw_data();
+    sp.y = y1.raw_data();
+    std::vector<Provider> prov = {
+        {"swiglu+cublaslt", [&] {
+           cuda::swiglu(gu.raw_data(), act.raw_data(), M, I, ctx.stream);
+           cuda::GemmParams p{act.raw_data(), I, w.raw_data(), y0.raw_data(), H, M, H, I, false};
+           cuda::gemm_bf16(p, 0);
+         }, [&] { return y0; }},
+        {"swiglu+skinny", [&] {
+           cuda::swiglu(gu.raw_data(), act.raw_data(), M, I, ctx.stream);
+           cuda::gemm_skinny(sp, 0, ctx.stream);
+         }, [&] { return y1; }},
+        {"skinny_swiglu", [&] { cuda::gemm_skinny(fp, 0, ctx.stream); }, [&] { return y2; }}};
+    measure(ctx, "fused", "mlp_down_swiglu", "M16 N5120 K17408", prov, 1e-2, {{"weight_read", "GB/s", gb}});
+    measure_graph(ctx, "mlp_down_swiglu", "M16 N5120 K17408", prov, {{"weight_read", "GB/s", gb}});
+    DeviceContext::get(0).synchronize();
+    DFLASH_CHECK(max_rel_err(y2, y1) == 0.0, "fused: the SwiGLU prologue differs from swiglu + gemm_skinny");
+  }
+  // The GatedDeltaNet chain: unfused (4 kernels) vs fused, decode and verify.
+  for (auto [T, update] : {std::pair<int64_t, bool>{1, true}, {16, false}, {16, true}}) {
+    const cases::ChainCase c = cases::chain_perf_case(1, T, update);
+    const cases::ChainData data = cases::draw(c, kCaseSeed);
+    cases::ChainData::Outputs u = data.outputs(c), f = data.outputs(c);
+    std::vector<Provider> prov = {{"unfused", [&] { data.run_unfused(c, u, ctx.stream); }, [&] { return u.out; }},
+                                  {"fused", [&] { cuda::gdn_decode_fused(data.fused_params(c, f), ctx.stream); }, [&] { return f.out; }}};
+    measure(ctx, "fused", "gdn_chain", c.shape, prov, 1e-2, {{"bandwidth", "GB/s", c.bytes() / 1e9}});
+    measure_graph(ctx, "gdn_chain", c.shape, prov, {{"bandwidth", "GB/s", c.bytes() / 1e9}});
+  }
+  // Commit of n accepted tokens in 48 layers: 96 launches vs one.
+  {
+    const int layers = 48;
+    const cases::ChainCase c = cases::chain_perf_case(1, 16, false);
+    std::vector<cases::ChainData> data;
+    std::vector<cases::ChainData::Outputs> saved;
+    for (int l = 0; l < layers; ++l) {
+      data.push_back(cases::draw(c, kCaseSeed + 1 + static_cast<uint64_t>(l)));
+      saved.push_back(data.back().outputs(c));
+      cuda::gdn_decode_fused(data.back().fused_params(c, saved.back()), ctx.stream);
+    }
+    const int64_t C = c.C(), P = c.P();
+    const Tensor d_slot = cases::device_i32(std::vector<int32_t>{data[0].layout.slots(0)[0]});
+    Tensor scratch = Tensor::empty({16, C}, DType::BF16, dev);
+    for (int n : {1, 16}) {
+      if (quick && n == 16) continue;
+      const Tensor cu = cases::device_i32(std::vector<int64_t>{0, n});
+      std::vector<Tensor> us, uc, fs, fc;
+      cuda::GdnCommitParams fp;
+      fp.slot = d_slot.data<int32_t>();
+      fp.n = n;
+      fp.ldx = P, fp.ldv = C, fp.C = C, fp.K = c.K, fp.Hk = c.Hk, fp.Hv = c.Hv, fp.dk = c.dk, fp.dv = c.dv;
+      fp.num_slots = data[0].layout.pool();
+      for (int l = 0; l < layers; ++l) {
+        us.push_back(data[static_cast<size_t>(l)].state0.clone()), uc.push_back(data[static_cast<size_t>(l)].conv_state0.clone());
+        fs.push_back(data[static_cast<size_t>(l)].state0.clone()), fc.push_back(data[static_cast<size_t>(l)].conv_state0.clone());
+        cuda::GdnCommitLayer& L = fp.layers[fp.num_layers++];
+        L.conv_state = fc.back().raw_data();
+        L.state = fs.back().data<float>();
+        L.x = data[static_cast<size_t>(l)].proj.raw_data();
+        L.q = saved[static_cast<size_t>(l)].q.raw_data();
+        L.k = saved[static_cast<size_t>(l)].k.raw_data();
+        L.v = static_cast<const char*>(saved[static_cast<size_t>(l)].conv.raw_data()) + 2 * 2 * c.Hk * c.dk;
+        L.g = saved[static_cast<size_t>(l)].g.data<float>();
+        L.beta = saved[static_cast<size_t>(l)].beta.data<float>();
+      }
+      auto unfused = [&] {
+        for (int l = 0; l < layers; ++l) {
+          const cuda::GdnCommitLayer& L = fp.layers[l];
+          cuda::ConvUpdateParams cp;
+          cp.x = L.x, cp.ldx = P, cp.w = data[static_cast<size_t>(l)].conv_w.raw_data(), cp.y = scratch.raw_data();
+          cp.state = uc[static_cast<size_t>(l)].raw_data(), cp.slots = fp.slot, cp.cu_seqlens = cu.data<int32_t>();
+          cp.num_seqs = 1, cp.N = n, cp.C = C, cp.K = c.K, cp.num_slots = fp.num_slots, cp.silu = true, cp.update_state = true;
+          cuda::causal_conv1d_update_fast(cp, ctx.stream);
+          cuda::DeltaRulePoolParams dp;
+          dp.q = L.q, dp.k = L.k, dp.v = L.v, dp.ldv = C, dp.g = L.g, dp.beta = L.beta;
+          dp.state = us[static_cast<size_t>(l)].data<float>(), dp.slots = fp.slot, dp.out = nullptr, dp.cu_seqlens = cu.data<int32_t>();
+          dp.num_seqs = 1, dp.N = n, dp.Hk = c.Hk, dp.Hv = c.Hv, dp.dk = c.dk, dp.dv = c.dv, dp.num_slots = fp.num_slots;
+          dp.update_state = true;
+          cuda::gated_delta_rule_pool_fast(dp, ctx.stream);
+        }
+      };
+      const double gb = 2.0 * layers * static_cast<double>(c.Hv * c.dk * c.dv * 4) / 1e9;
+      const std::string shape = "48 layers n" + std::to_string(n) + " Hk16 Hv48 d128";
+      // States change every call: compared once here on fresh copies, then timed without a check.
+      std::vector<Provider> prov = {{"unfused", unfused, nullptr}, {"fused", [&] { cuda::gdn_commit_fused(fp, ctx.stream); }, nullptr}};
+      measure(ctx, "fused", "gdn_commit", shape, prov, 0.0, {{"state_bandwidth", "GB/s", gb}});
+      measure_graph(ctx, "gdn_commit", shape, prov, {{"state_bandwidth", "GB/s", gb}}, 4);
+    }
+  }
+  {  // add_rms_norm at the hidden size: the generic row kernel vs the block-per-row kernel
+    Tensor h0 = dev_randn({M, H}, DType::BF16, 130), d = dev_randn({M, H}, DType::BF16, 131), w = dev_randn({H}, DType::BF16, 132, 0.3f);
+    Tensor ha = h0.clone(), hb = h0.clone(), ya = Tensor::empty({M, H}, DType::BF16, dev), yb = ya.clone();
+    std::vector<Provider> prov = {{"generic", [&] {
+                                     const cases::Knob k(cuda::tuning::add_norm_rows, 0);
+                                     cuda::add_rms_norm(ha.raw_data(), d.raw_data(), w.raw_data(), ya.raw_data(), M, H, 1e-6f, ctx.stream);
+                                   }, nullptr},
+                                  {"rows", [&] {
+                                     cuda::add_rms_norm(hb.raw_data(), d.raw_data(), w.raw_data(), yb.raw_data(), M, H, 1e-6f, ctx.stream);
+                                   }, nullptr}};
+    measure(ctx, "fused", "add_rms_norm", "16 x 5120", prov, 0.0, {{"bandwidth", "GB/s", 8.0 * M * H / 1e9}});
+    measure_graph(ctx, "add_rms_norm", "16 x 5120", prov, {{"bandwidth", "GB/s", 8.0 * M * H / 1e9}});
+  }
+  {  // A GatedDeltaNet layer's decode launches, replayed as one graph: unfused / fused / fused + PDL.
+    const cases::ChainCase c = cases::chain_perf_case(1, 1, true);
+    const cases::ChainData data = cases::draw(c, kCaseSeed + 100);
+    const int64_t P = c.P(), V = c.V();
+    Tensor w_in = dev_randn({P, H}, DType::BF16, 140, 0.02f), w_out = dev_randn({H, V}, DType::BF16, 141, 0.02f);
+    Tensor w_gu = dev_randn({2 * I, H}, DType::BF16, 142, 0.02f), w_down = dev_randn({H, I}, DType::BF16, 143, 0.02f);
+    Tensor norm_w = dev_randn({H}, DType::BF16, 144, 0.3f), hid = dev_randn({M, H}, DType::BF16, 145);
+    Tensor normed = Tensor::empty({M, H}, DType::BF16, dev), delta = normed.clone(), gu = Tensor::empty({M, 2 * I}, DType::BF16, dev);
+    Tensor act = Tensor::empty({M, I}, DType::BF16, dev), core_n = Tensor::empty({M, V}, DType::BF16, dev);
+    cases::ChainData::Outputs o = data.outputs(c);
+    const double gb = 2.0 * static_cast<double>(P * H + H * V + 2 * I * H + H * I) / 1e9;
+    auto layer = [&](bool fused, bool skinny) {
+      cuda::rms_norm(hid.raw_data(), H, norm_w.raw_data(), normed.raw_data(), H, M, H, 1e-6f, true, ctx.stream);
+      auto gemm = [&](const Tensor& x, int64_t ldx, const Tensor& w, Tensor& y, int64_t N, int64_t K, bool sw) {
+        cuda::GemmSkinnyParams q;
+        q.x = x.raw_data(), q.ldx = ldx, q.w = w.raw_data(), q.y = y.raw_data(), q.ldy = N, q.M = M, q.N = N, q.K = K, q.swiglu = sw;
+        if (skinny && cuda::gemm_skinny_splits(q, 0) > 0) return cuda::gemm_skinny(q, 0, ctx.stream);
+        cuda::GemmParams p{x.raw_data(), ldx, w.raw_data(), y.raw_data(), N, M, N, K, false};
+        cuda::gemm_bf16(p, 0);
+      };
+      // The chain reads the in-projection from its own drawn rows (1 real token): the GEMM's output
+      // goes to a scratch of the same shape, so the timing has the layer's dependencies and sizes.
+      Tensor proj = Tensor::empty({M, P}, DType::BF16, dev);
+      gemm(normed, H, w_in, proj, P, H, false);
+      cases::ChainData::Outputs& oo = o;
+      if (fused) cuda::gdn_decode_fused(data.fused_params(c, oo), ctx.stream);
+      else data.run_unfused(c, oo, ctx.stream);
+      gemm(core_n, V, w_out, delta, H, V, false);
+      cuda::add_rms_norm(hid.raw_data(), delta.raw_data(), norm_w.raw_data(), normed.raw_data(), M, H, 1e-6f, ctx.stream);
+      gemm(normed, H, w_gu, gu, 2 * I, H, false);
+      cuda::GemmSkinnyParams q;
+      q.x = gu.raw_data(), q.ldx = 2 * I, q.w = w_down.raw_data(), q.y = delta.raw_data(), q.ldy = H, q.M = M, q.N = H, q.K = I, q.swiglu = true;
+      if (skinny && cuda::gemm_skinny_splits(q, 0) > 0) {
+        cuda::gemm_skinny(q, 0, ctx.stream);
+      } else {
+        cuda::swiglu(gu.raw_data(), act.raw_data(), M, I, ctx.stream);
+        gemm(act, I, w_down, delta, H, I, false);
+      }
+      cuda::add_rms_norm(hid.raw_data(), delta.raw_data(), norm_w.raw_data(), normed.raw_data(), M, H, 1e-6f, ctx.stream);
+    };
+    std::vector<Provider> prov = {{"unfused", [&] {
+                                     const cases::Knob k(cuda::tuning::pdl, 0);
+                                     layer(false, false);
+                                   }, nullptr},
+                                  {"unfused_pdl", [&] { layer(false, false); }, nullptr},
+                                  {"fused_no_pdl", [&] {
+                                     const cases::Knob k(cuda::tuning::pdl, 0);
+                                     layer(true, false);
+                                   }, nullptr},
+                                  {"fused_pdl", [&] { layer(true, false); }, nullptr},
+                                  {"fused_pdl_skinny", [&] { layer(true, true); }, nullptr}};
+    measure_graph(ctx, "gdn_layer", "1 GatedDeltaNet layer, M16 (weights " + std::to_string(static_cast<int>(gb * 1000)) + " MB)",
+                  prov, {{"weight_read", "GB/s", gb}}, 8);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -1021,7 +1239,8 @@ int main(int argc, char** argv) {
   std::string json_path, baseline;
   app.add_option("--json", json_path, "also write this run's rows as JSON");
   app.add_option("--baseline", baseline, "an earlier CSV: print now/baseline per row and the geomean per group");
-  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,attn,dattn,ce,layer,decode,sample,fp8")->capture_default_str();
+  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,attn,dattn,ce,layer,decode,sample,fp8,fused")
+      ->capture_default_str();
   app.add_flag("--quick", quick, "a few shapes only (smoke run)");
   app.add_option("--decode-ops", ctx.decode_ops, "decode section: which of gdn,conv,attn")->capture_default_str();
   app.add_option("--decode-batches", ctx.decode_batches, "decode section, delta rule: only these batch sizes");
@@ -1048,7 +1267,7 @@ int main(int argc, char** argv) {
     const std::vector<std::pair<std::string, void (*)(Ctx&, bool)>> sections = {
         {"conv", bench_conv}, {"gdn", bench_gdn},     {"gemm", bench_gemm},  {"attn", bench_attn},
         {"ce", bench_ce},     {"layer", bench_layer}, {"dattn", bench_dattn}, {"decode", bench_decode},
-        {"sample", bench_sample}, {"fp8", bench_fp8}};
+        {"sample", bench_sample}, {"fp8", bench_fp8}, {"fused", bench_fused}};
     std::set<std::string> wanted;
     for (std::stringstream ss(only); ss.good();) {
       std::string name;
@@ -1056,7 +1275,7 @@ int main(int argc, char** argv) {
       if (name.empty()) continue;
       DFLASH_REQUIRE_HINT(std::any_of(sections.begin(), sections.end(), [&](const auto& s) { return s.first == name; }),
                         "kernel_bench --only: unknown section '" << name << "'",
-                        "the sections are conv, gdn, gemm, attn, dattn, ce, layer, decode, sample, fp8");
+                        "the sections are conv, gdn, gemm, attn, dattn, ce, layer, decode, sample, fp8, fused");
       wanted.insert(name);
     }
     for (const auto& [name, fn] : sections)

@@ -98,13 +98,24 @@ class CudaDecoder final : public Decoder {
       }
     }
     pending_rows_.assign(static_cast<size_t>(num_slots), -1);
+    for (LayerType t : c.layer_types) gdn_layers_ += t == LayerType::LinearAttention;
+    if (plan_.fusion.commit && plan_.fusion.commit_overlap && plan_.cuda_graphs) {
+      cuda::DeviceGuard scope(dev_.index);
+      DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+      DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&ev_fork_, cudaEventDisableTiming));
+      DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&ev_join_, cudaEventDisableTiming));
+    }
   }
 
   ~CudaDecoder() override {
     // The graphs' pools go back to the driver once nothing runs on them and no layer holds their buffers.
+    if (side_) DFLASH_CUDA_WARN(cudaStreamSynchronize(side_));
     DFLASH_CUDA_WARN(cudaStreamSynchronize(static_cast<cudaStream_t>(model_.stream())));
     restore_saved(std::vector<SavedLayer>(state_.size()));
     graphs_.clear();
+    if (ev_fork_) DFLASH_CUDA_WARN(cudaEventDestroy(ev_fork_));
+    if (ev_join_) DFLASH_CUDA_WARN(cudaEventDestroy(ev_join_));
+    if (side_) DFLASH_CUDA_WARN(cudaStreamDestroy(side_));
   }
 
   Device device() const override { return dev_; }
@@ -121,7 +132,10 @@ class CudaDecoder final : public Decoder {
     return out;
   }
   GraphStats graph_stats() const override { return stats_; }
-  void synchronize() override { DFLASH_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(model_.stream()))); }
+  void synchronize() override {
+    join_commit();
+    DFLASH_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(model_.stream())));
+  }
 
  private:
   struct LayerTensors {
@@ -153,7 +167,16 @@ class CudaDecoder final : public Decoder {
     std::vector<SavedLayer> saved;
   };
 
+  // The decoder's stream waits for a commit replayed on the side stream (plan_.fusion.commit_overlap)
+  // before anything else of the decoder touches the states: called first by every entry point.
+  void join_commit() {
+    if (!join_pending_) return;
+    DFLASH_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(model_.stream()), ev_join_, 0));
+    join_pending_ = false;
+  }
+
   void do_reset(int32_t slot) override {
+    join_commit();
     const TargetConfig& c = config_;
     auto s = static_cast<cudaStream_t>(model_.stream());
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
@@ -168,6 +191,7 @@ class CudaDecoder final : public Decoder {
 
   ExtendResult do_extend(const std::vector<int32_t>& slots, const std::vector<int64_t>& lengths,
                          const std::vector<std::vector<int32_t>>& tokens, const ExtendOptions& opt) override {
+    join_commit();
     const TargetConfig& c = config_;
     const int64_t S = static_cast<int64_t>(slots.size()), H = c.hidden_size, V = c.vocab_size;
     DecodeStep step;
@@ -180,6 +204,7 @@ class CudaDecoder final : public Decoder {
     step.max_len = max_len();
     step.layers = &state_;
     step.counters = &counters_;
+    step.fusion = plan_.fusion;
     // The batch: real tokens packed, positions from each slot's length; decode steps padded to 16 rows.
     CudaBatch b;
     b.offsets = {0};
@@ -538,6 +563,7 @@ class CudaDecoder final : public Decoder {
   // The GDN states advance by the n accepted tokens from the verify's saved inputs: the conv update
   // and the delta rule on them alone (their outputs were the verify's).
   void do_commit(int32_t slot, int64_t, int64_t n) override {
+    join_commit();
     const TargetConfig& c = config_;
     const int64_t row0 = pending_rows_[static_cast<size_t>(slot)];
     DFLASH_CHECK(row0 >= 0, "CUDA decoder: slot " << slot << " has no saved verify inputs");
@@ -545,7 +571,36 @@ class CudaDecoder final : public Decoder {
     auto s = static_cast<cudaStream_t>(model_.stream());
     const int64_t Hk = c.linear_num_key_heads, Hv = c.linear_num_value_heads, dk = c.linear_key_head_dim;
     const int64_t dv = c.linear_value_head_dim, C = c.gdn_conv_dim();
+    // Fused (plan_.fusion.commit): every layer's conv state update and delta rule in one kernel, the
+    // unfused launches' values bit for bit (gdn.h gdn_commit_fused).
+    const bool fused = plan_.fusion.commit && n <= 16 && gdn_layers_ <= cuda::kCommitMaxLayers;
+    auto enqueue_fused = [&](const int32_t* d_in, PathCounters* counters) {
+      cuda::GdnCommitParams p;
+      p.slot = d_in;
+      p.n = static_cast<int>(n);
+      p.C = C, p.K = c.linear_conv_kernel_dim, p.Hk = Hk, p.Hv = Hv, p.dk = dk, p.dv = dv, p.num_slots = num_slots();
+      p.ldv = C;
+      for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+        if (c.layer_types[static_cast<size_t>(i)] != LayerType::LinearAttention) continue;
+        const DecodeLayer& dl = state_[static_cast<size_t>(i)];
+        DFLASH_CHECK(p.ldx == 0 || p.ldx == dl.proj_ld, "CUDA decoder: the layers' in-projections differ in width");
+        p.ldx = dl.proj_ld;
+        cuda::GdnCommitLayer& L = p.layers[p.num_layers++];
+        L.conv_state = dl.conv_state;
+        L.state = dl.gdn_state;
+        L.x = static_cast<const char*>(dl.proj.raw_data()) + row0 * dl.proj_ld * 2;
+        L.q = static_cast<const char*>(dl.q.raw_data()) + row0 * Hk * dk * 2;
+        L.k = static_cast<const char*>(dl.k.raw_data()) + row0 * Hk * dk * 2;
+        L.v = static_cast<const char*>(dl.conv.raw_data()) + (row0 * C + 2 * Hk * dk) * 2;
+        L.g = dl.g.data<float>() + row0 * Hv;
+        L.beta = dl.beta.data<float>() + row0 * Hv;
+        counters->add(Step::ConvUpdate, Path::Fast);
+        counters->add(Step::DeltaRulePool, Path::Fast);
+      }
+      cuda::gdn_commit_fused(p, s);
+    };
     auto enqueue = [&](const int32_t* d_in, Tensor& scratch, PathCounters* counters) {
+      if (fused) return enqueue_fused(d_in, counters);
       const int32_t *d_slot = d_in, *d_cu = d_in + 1;
       if (!scratch.defined() || scratch.size(0) < n * C)
         scratch = Tensor::empty({std::max<int64_t>(n, 16) * C}, DType::BF16, dev_);
@@ -584,9 +639,22 @@ class CudaDecoder final : public Decoder {
     }
     count_eager(eager_why);
     if (graph) {
+      // A fused commit replays on the side stream after the verify (fork), and the decoder's next
+      // step waits for it (join_commit): the caller's next work on the stream (the drafter's context
+      // update) runs beside it.
+      cudaStream_t cs = s;
+      if (side_ && fused) {
+        DFLASH_CUDA_CHECK(cudaEventRecord(ev_fork_, s));
+        DFLASH_CUDA_CHECK(cudaStreamWaitEvent(side_, ev_fork_, 0));
+        cs = side_;
+      }
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(graph->input.raw_data(), host.data(), host.size() * sizeof(int32_t),
-                                        cudaMemcpyHostToDevice, s));
-      DFLASH_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph->exec), s));
+                                        cudaMemcpyHostToDevice, cs));
+      DFLASH_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph->exec), cs));
+      if (cs != s) {
+        DFLASH_CUDA_CHECK(cudaEventRecord(ev_join_, cs));
+        join_pending_ = true;
+      }
       ++stats_.replays;
       counters_.add(graph->counts);
     } else {
@@ -607,6 +675,10 @@ class CudaDecoder final : public Decoder {
   std::vector<DecodeLayer> state_;
   std::vector<LayerTensors> tensors_;
   std::vector<int64_t> pending_rows_;  // per slot: its first row in the last verify's batch, -1: none
+  int64_t gdn_layers_ = 0;             // GatedDeltaNet layers (commit's fused kernel takes up to kCommitMaxLayers)
+  cudaStream_t side_ = nullptr;        // plan_.fusion.commit_overlap: replayed fused commits run here
+  cudaEvent_t ev_fork_ = nullptr, ev_join_ = nullptr;
+  bool join_pending_ = false;          // a side-stream commit the decoder's stream has not waited for yet
   PathCounters counters_;
   Tensor workspace_, scratch_;
   std::map<std::string, std::unique_ptr<Graph>> graphs_;  // by graph_key; null: its capture failed

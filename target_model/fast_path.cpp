@@ -258,7 +258,39 @@ FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const Kernel
                               Precision precision) {
   FastPathPlan plan = build_plan(c, device, pol, sm_major, true, precision);
   plan.cuda_graphs = device.is_cuda() && pol.cuda_graphs && !plan.moe_fallback;  // the fallback syncs
+#if DFLASH_WITH_CUDA
+  // The fused decode kernels (issue 30): sm_90 (thread-block clusters, programmatic dependent
+  // launch), bf16 GEMMs on 16-byte aligned sizes; the GatedDeltaNet ones with the fast conv update
+  // and delta rule of every layer (their policies) at the shapes the fused kernels take. The skinny
+  // GEMM (and with it SwiGLU in down_proj) stays off: on an H200 it streamed the 27B decode weights
+  // at 2.6-3.9 TB/s against cuBLASLt's 3.6-4.1 in CUDA graphs (bench/results/h200-decode4-*), so it
+  // is a variant to measure (dflash_eval --decode-variants skinny), not the plan's choice.
+  if (device.is_cuda() && sm_major >= 9 && precision == Precision::Bf16 && unaligned_gemm_sizes(c).empty()) {
+    bool gdn_fast = true;
+    for (const LayerPlan& l : plan.layers)
+      if (l.type == LayerType::LinearAttention)
+        gdn_fast = gdn_fast && l.step(Step::ConvUpdate).path == Path::Fast && l.step(Step::DeltaRulePool).path == Path::Fast;
+    const bool fused = gdn_fast && cuda::gdn_decode_fused_supported(c.linear_num_key_heads, c.linear_num_value_heads,
+                                                                    c.linear_key_head_dim, c.linear_value_head_dim,
+                                                                    c.linear_conv_kernel_dim);
+    plan.fusion.gdn_chain = fused;
+    plan.fusion.commit = fused;
+    plan.fusion.commit_overlap = fused;
+  }
+#endif
   return plan;
+}
+
+std::string FastPathPlan::DecodeFusion::str() const {
+  std::string s;
+  auto add = [&](bool on, const char* what) {
+    if (on) s += (s.empty() ? "" : ", ") + std::string(what);
+  };
+  add(skinny_gemm, "skinny GEMMs");
+  add(swiglu_gemm, "SwiGLU in down_proj");
+  add(gdn_chain, "fused GatedDeltaNet chain");
+  add(commit, commit_overlap ? "fused commit (side stream)" : "fused commit");
+  return s;
 }
 
 bool fp8_gemm_supported(int sm_major) { return sm_major == 9; }
@@ -339,6 +371,7 @@ std::string FastPathPlan::summary() const {
     << count(LayerType::FullAttention, true) << "/" << attn << " attention layers on the fast path" << fp8;
   if (!moe_kernel.empty()) o << ", " << layers.size() << " MoE blocks on " << moe_kernel;
   if (cuda_graphs) o << ", decode / verify steps as CUDA graphs";
+  if (fusion.any()) o << ", fused decode kernels (" << fusion.str() << ")";
   return o.str();
 }
 
@@ -375,6 +408,11 @@ nlohmann::json FastPathPlan::to_json() const {
   j["summary"] = summary();
   j["fallbacks"] = fallbacks();
   j["cuda_graphs"] = cuda_graphs;
+  j["decode_fusion"] = {{"skinny_gemm", fusion.skinny_gemm},
+                        {"swiglu_gemm", fusion.swiglu_gemm},
+                        {"gdn_chain", fusion.gdn_chain},
+                        {"commit", fusion.commit},
+                        {"commit_overlap", fusion.commit_overlap}};
   for (const LayerPlan& l : layers) {
     nlohmann::json lj{{"layer", l.layer}, {"type", layer_type_name(l.type)}, {"all_fast", l.all_fast()}};
     for (const StepPlan& s : l.steps)

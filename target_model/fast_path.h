@@ -80,6 +80,22 @@ struct FastPathPlan {
   // Decode plans on CUDA (KernelPolicies::cuda_graphs): the decoder captures each decode / verify
   // step shape once and replays it; summary() says which.
   bool cuda_graphs = false;
+  // Decode plans on CUDA (issue 30): the fused decode kernels that run (make_decode_plan turns the
+  // GatedDeltaNet ones on with the fast path on sm_90 for bf16 targets; a fallback policy keeps the
+  // unfused kernels, which are also each fused kernel's reference; the skinny GEMM is measured slower
+  // than cuBLASLt and stays off unless a caller sets it); summary() names them.
+  struct DecodeFusion {
+    bool skinny_gemm = false;  // decode / verify GEMMs of <= 16 rows on cuda::gemm_skinny where its grid fits one wave (else cuBLASLt)
+    bool swiglu_gemm = false;  // SwiGLU as down_proj's prologue (gemm_skinny's swiglu), where skinny_gemm runs down_proj
+    bool gdn_chain = false;    // conv update + gates + l2norm + delta rule + gated RMSNorm: one kernel per layer (gdn_decode_fused)
+    bool commit = false;       // commit: every layer's conv update + delta rule re-run in one kernel (gdn_commit_fused)
+    // A replayed fused commit runs on a side stream, so the drafter's context update (the next work
+    // on the decoder's stream) overlaps it; the decoder's next step waits for it.
+    bool commit_overlap = false;
+    bool any() const { return skinny_gemm || swiglu_gemm || gdn_chain || commit; }
+    std::string str() const;   // "skinny GEMMs, SwiGLU in down_proj, fused GatedDeltaNet chain, fused commit" ("" if none)
+  };
+  DecodeFusion fusion;
 
   int64_t count(LayerType t, bool fast_only) const;
   // "48/48 GatedDeltaNet layers on the fast path, 16/16 attention layers on the fast path" (+ ", fp8

@@ -235,8 +235,19 @@ CudaTargetModel::Fp8Input CudaTargetModel::quantize_input(const Tensor& x, int64
   return in;
 }
 
+bool CudaTargetModel::skinny(const Proj& p, int64_t M, int64_t ldx, int64_t ldy, bool swiglu) const {
+  const DecodeStep* ds = decode_;
+  if (!ds || ds->prefill || !ds->fusion.skinny_gemm || p.fp8() || gemm_unaligned_ || M > 16) return false;
+  if (swiglu && !ds->fusion.swiglu_gemm) return false;
+  cuda::GemmSkinnyParams sp;
+  sp.ldx = ldx, sp.ldy = ldy, sp.M = M, sp.N = p.N, sp.K = p.K, sp.swiglu = swiglu;
+  return cuda::gemm_skinny_splits(sp, device_.index) > 0;
+}
+
 void CudaTargetModel::project(ForwardOp op, const Tensor& x, int64_t ldx, const std::vector<Proj>& parts, Tensor& y,
-                              int64_t ldy, int64_t M, const Fp8Input* pre) {
+                              int64_t ldy, int64_t M, const Fp8Input* pre, bool swiglu) {
+  DFLASH_CHECK(!swiglu || (parts.size() == 1 && skinny(parts[0], M, ldx, ldy, true)),
+               "CUDA target model: a GEMM with SwiGLU as its prologue runs on gemm_skinny only");
   Fp8Input in;
   if (pre) in = *pre;
   for (const Proj& p : parts) {
@@ -256,6 +267,18 @@ void CudaTargetModel::project(ForwardOp op, const Tensor& x, int64_t ldx, const 
       g.N = p.N;
       g.K = p.K;
       timed(op, [&] { cuda::gemm_fp8(g, device_.index); }, shape);
+    } else if (skinny(p, M, ldx, ldy, swiglu)) {  // a decode / verify step (DecodeStep::fusion)
+      cuda::GemmSkinnyParams g;
+      g.x = x.raw_data();
+      g.ldx = ldx;
+      g.w = p.w.raw_data();
+      g.y = out;
+      g.ldy = ldy;
+      g.M = M;
+      g.N = p.N;
+      g.K = p.K;
+      g.swiglu = swiglu;
+      timed(op, [&] { cuda::gemm_skinny(g, device_.index, stream_); }, shape);
     } else {
       cuda::GemmParams g;
       g.x = x.raw_data();
@@ -325,6 +348,44 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
 
   DecodeStep* ds = decode_;
   DecodeLayer* dl = ds ? &(*ds->layers)[static_cast<size_t>(i)] : nullptr;
+  if (ds && !ds->prefill && ds->fusion.gdn_chain && ds->max_new <= 16 && !f.out.fp8()) {
+    // The fused chain (gdn.h gdn_decode_fused): conv update .. gated RMSNorm in one kernel, the
+    // unfused kernels' values bit for bit; a verify also keeps what commit re-runs.
+    Tensor normed = device_bf16({N, V}, device_);
+    cuda::GdnDecodeFusedParams fp;
+    fp.proj = proj.raw_data();
+    fp.ldp = P;
+    fp.conv_w = L.gdn.conv1d.raw_data();
+    fp.A_log = L.gdn.A_log.raw_data();
+    fp.dt_bias = L.gdn.dt_bias.raw_data();
+    fp.norm_w = L.gdn.norm.raw_data();
+    fp.conv_state = dl->conv_state;
+    fp.state = dl->gdn_state;
+    fp.slots = ds->slots;
+    fp.cu_seqlens = b.cu_seqlens.data<int32_t>();
+    fp.num_seqs = b.num_seqs;
+    fp.N = ds->real_tokens;
+    fp.Hk = Hk, fp.Hv = Hv, fp.dk = dk, fp.dv = dv, fp.K = c.linear_conv_kernel_dim;
+    fp.num_slots = ds->num_slots;
+    fp.max_new = ds->max_new;
+    fp.scale = 1.0f / std::sqrt(static_cast<float>(dk));
+    fp.eps = static_cast<float>(c.rms_norm_eps);
+    fp.update_state = ds->commit;
+    fp.out = normed.raw_data();
+    fp.ldo = V;
+    if (!ds->commit) {  // what commit re-runs for the accepted tokens
+      Tensor conv = device_bf16({N, C}, device_), q = device_bf16({N, Hk, dk}, device_), k = device_bf16({N, Hk, dk}, device_);
+      Tensor g = Tensor::empty({N, Hv}, DType::F32, device_), beta = Tensor::empty({N, Hv}, DType::F32, device_);
+      fp.conv_out = conv.raw_data(), fp.q = q.raw_data(), fp.k = k.raw_data(), fp.g = g.data<float>(), fp.beta = beta.data<float>();
+      dl->proj = proj, dl->proj_ld = P, dl->conv = conv, dl->q = q, dl->k = k, dl->g = g, dl->beta = beta;
+    }
+    timed(ForwardOp::GdnFused, [&] { cuda::gdn_decode_fused(fp, stream_); });
+    ds->counters->add(Step::ConvUpdate, Path::Fast);
+    ds->counters->add(Step::DeltaRulePool, Path::Fast);
+    project(ForwardOp::GdnOutProj, normed, V, {f.out}, out, H, N);
+    if (tp_) timed(ForwardOp::AllReduce, [&] { tp_->all_reduce_sum(out); });
+    return;
+  }
   Tensor conv = device_bf16({N, C}, device_);
   // The conv update on the slots' conv states: the decode step's conv, and after a prefill the
   // state update from the prompts' last K-1 inputs (its outputs unused).
@@ -693,6 +754,8 @@ void CudaTargetModel::mlp(int64_t i, const Tensor& x, Tensor& out) {
                              stream_);
     });
     project(ForwardOp::MlpDown, Tensor(), I, {f.down}, out, H, N, &in);
+  } else if (skinny(f.down, N, 2 * I, H, true)) {  // SwiGLU as down_proj's prologue (a decode / verify step)
+    project(ForwardOp::MlpDown, gu, 2 * I, {f.down}, out, H, N, nullptr, true);
   } else {
     Tensor act = device_bf16({N, I}, device_);
     timed(ForwardOp::Swiglu, [&] { cuda::swiglu(gu.raw_data(), act.raw_data(), N, I, stream_); });

@@ -33,6 +33,7 @@ enum class ForwardOp : uint8_t {
   AllReduce, CaptureCopy,                                          // tp > 1; ForwardOptions::capture
   Fp8Quant,                                                        // precision fp8: a GEMM input quantized
   MoeBlock,                                                        // MoE targets: the whole sparse MoE block
+  GdnFused,                                                        // decode: the fused GatedDeltaNet chain (conv .. gated norm)
   kCount
 };
 inline constexpr int kNumForwardOps = static_cast<int>(ForwardOp::kCount);
@@ -40,7 +41,7 @@ inline constexpr std::array<std::string_view, kNumForwardOps> kForwardOpNames = 
     "embedding",   "input_norm",   "gdn_in_proj",  "gdn_conv",   "gdn_prep",     "delta_rule",  "gated_rms_norm",
     "gdn_out_proj", "attn_qkv",    "qk_norm_rope", "attention",  "sigmoid_gate", "attn_o_proj",
     "add_rms_norm", "mlp_gate_up", "swiglu",       "mlp_down",   "all_reduce",   "capture_copy", "fp8_quant",
-    "moe_block"};
+    "moe_block",   "gdn_fused"};
 inline std::string_view forward_op_name(ForwardOp op) { return kForwardOpNames[static_cast<size_t>(op)]; }
 inline bool forward_op_is_gemm(ForwardOp op) {
   return op == ForwardOp::GdnInProj || op == ForwardOp::GdnOutProj || op == ForwardOp::AttnQkv ||
@@ -126,6 +127,7 @@ struct DecodeStep {
   int64_t split_keys = 0, key_bound = 0;
   std::vector<DecodeLayer>* layers = nullptr;  // [num_hidden_layers]
   PathCounters* counters = nullptr;            // the decode steps' launches
+  FastPathPlan::DecodeFusion fusion;           // the decode plan's fused kernels (decode / verify steps)
 };
 
 // The GatedDeltaNet decode kernels of one layer as the decode plan chose them, counted in
@@ -218,7 +220,10 @@ class CudaTargetModel {
   // Runs the parts' GEMMs of x (ldx) into y (ldy); FP8 parts read x quantized once.
   // `pre`: x already quantized by a fused producer (swiglu_quant_fp8, gated_rms_norm_quant_fp8).
   void project(ForwardOp op, const Tensor& x, int64_t ldx, const std::vector<Proj>& parts, Tensor& y, int64_t ldy,
-               int64_t M, const Fp8Input* pre = nullptr);
+               int64_t M, const Fp8Input* pre = nullptr, bool swiglu = false);
+  // Whether a decode / verify step's bf16 GEMM of M rows over `p` runs cuda::gemm_skinny (the plan's
+  // fusion, M <= 16, its grid one wave); swiglu: with SwiGLU as its prologue.
+  bool skinny(const Proj& p, int64_t M, int64_t ldx, int64_t ldy, bool swiglu) const;
   // One GEMM over the concatenated weights (their slots become views of it), output from column
   // `col`, with extra_rows zero rows after them.
   Proj make_proj(std::vector<Tensor*> weights, std::vector<Tensor*> scales, int64_t col, int64_t extra_rows);

@@ -64,6 +64,8 @@ class TargetRuntime {
   CudaTargetModel* cuda_model() { return cuda_.get(); }
 
   std::unique_ptr<Decoder> make_decoder(int64_t num_slots, int64_t max_len);
+  // The decode plan later decoders get (benches build decoders of variants of it with make_cuda_decoder).
+  const FastPathPlan& decode_plan() const { return decode_plan_; }
   // Whether later decoders' decode / verify steps replay CUDA graphs (default: on a GPU; the tools'
   // --no-cuda-graphs turns them off). Updates plans().
   void set_cuda_graphs(bool on);

@@ -179,6 +179,129 @@ void check_pool(const cases::PoolCase& c, uint64_t seed, double* worst_out, doub
 
 }  // namespace
 
+// ---- the fused decode chain and the fused commit (gdn_fused.cu) -------------------------------------
+// The fused chain against its unfused twin (the four kernels it replaces) on the same inputs: every
+// output bit for bit (out, both state pools including unused slots, and for a verify the saved
+// conv / q / k / g / beta); the unfused chain against the CPU ops on the GPU's roundings
+// (ChainCase bounds; the conv state is a copy of bf16 inputs: exact).
+TEST(CudaDecode, FusedGdnChainEqualsUnfusedAndMatchesCpu) {
+  DFLASH_REQUIRE_GPU();
+  if (sm_major() < 9) GTEST_SKIP() << "the fused chain launches thread-block clusters (sm_90)";
+  uint64_t seed = 9900;
+  double worst_out = 0, worst_state = 0;
+  int ran = 0;
+  for (const cases::ChainCase& c : cases::chain_check_cases()) {
+    SCOPED_TRACE(c.describe());
+    ASSERT_TRUE(c.fused_ok());
+    const cases::ChainData data = cases::draw(c, seed++);
+    cases::ChainData::Outputs u = data.outputs(c), f = data.outputs(c);
+    data.run_unfused(c, u, stream0());
+    cuda::gdn_decode_fused(data.fused_params(c, f), stream0());
+    DeviceContext::get(0).synchronize();
+    auto same = [&](const Tensor& a, const Tensor& b, const char* what) {
+      EXPECT_TRUE(bit_equal(a.to(Device::cpu()), b.to(Device::cpu()))) << what << ": fused != unfused";
+    };
+    same(f.out, u.out, "out");
+    same(f.conv_state, u.conv_state, "conv state pool");
+    same(f.state, u.state, "recurrent state pool");
+    if (!c.update) {
+      same(f.conv, u.conv, "saved conv");
+      same(f.q, u.q, "saved q");
+      same(f.k, u.k, "saved k");
+      same(f.g, u.g, "saved g");
+      same(f.beta, u.beta, "saved beta");
+    }
+    const cases::ChainData::Ref ref = data.reference(c);
+    const double eo = max_rel_err(u.out, ref.out), es = max_rel_err(u.state, ref.state);
+    EXPECT_LT(eo, c.out_bound);
+    EXPECT_LT(es, c.state_bound);
+    EXPECT_EQ(max_rel_err(u.conv_state, ref.conv_state), 0.0);
+    worst_out = std::max(worst_out, eo);
+    worst_state = std::max(worst_state, es);
+    ++ran;
+  }
+  EXPECT_GE(ran, 16);
+  std::printf("gdn_decode_fused == unfused chain on %d cases; unfused vs CPU: out %.3g, state %.3g\n", ran, worst_out,
+              worst_state);
+}
+
+// The fused commit (every layer in one kernel) against the unfused commit (conv update + pool delta
+// rule per layer, update_state) from a verify's saved inputs: the states bit for bit, for accepted
+// counts 1, 5 and 16, the committed sequence second in its batch (row0 > 0), three layers.
+TEST(CudaDecode, FusedCommitEqualsUnfusedLayers) {
+  DFLASH_REQUIRE_GPU();
+  if (sm_major() < 9) GTEST_SKIP() << "the fused chain launches thread-block clusters (sm_90)";
+  const cases::ChainCase c{"", {3, 16}, 2, 6, 128, 128, 4, false, 2, 8};
+  const int64_t C = c.C(), P = c.P(), row0 = 3;
+  struct Layer {
+    cases::ChainData data;
+    cases::ChainData::Outputs saved;
+  };
+  std::vector<Layer> layers;
+  for (uint64_t l = 0; l < 3; ++l) {
+    Layer L{cases::draw(c, 9950 + l), {}};
+    L.saved = L.data.outputs(c);
+    cuda::gdn_decode_fused(L.data.fused_params(c, L.saved), stream0());  // a verify: the saved inputs
+    layers.push_back(std::move(L));
+  }
+  const int32_t slot = layers[0].data.layout.slots(0)[1];
+  const Tensor d_slot = cases::device_i32(std::vector<int32_t>{slot}), scratch = gpu_out({16, C}, DType::BF16);
+  for (int n : {1, 5, 16}) {
+    SCOPED_TRACE(testing::Message() << "n " << n);
+    const Tensor cu = cu_seqlens_gpu(offsets_of({n}));
+    cuda::GdnCommitParams fp;
+    fp.slot = i32(d_slot);
+    fp.n = n;
+    fp.ldx = P, fp.ldv = C, fp.C = C, fp.K = c.K, fp.Hk = c.Hk, fp.Hv = c.Hv, fp.dk = c.dk, fp.dv = c.dv;
+    fp.num_slots = layers[0].data.layout.pool();
+    std::vector<Tensor> uc, us, fc, fs;
+    for (Layer& L : layers) {
+      uc.push_back(L.data.conv_state0.clone()), us.push_back(L.data.state0.clone());
+      fc.push_back(L.data.conv_state0.clone()), fs.push_back(L.data.state0.clone());
+      cuda::ConvUpdateParams cp;
+      cp.x = at_bf16(L.data.proj, row0 * P);
+      cp.ldx = P;
+      cp.w = L.data.conv_w.raw_data();
+      cp.y = scratch.raw_data();
+      cp.state = uc.back().raw_data();
+      cp.slots = i32(d_slot);
+      cp.cu_seqlens = i32(cu);
+      cp.num_seqs = 1, cp.N = n, cp.C = C, cp.K = c.K, cp.num_slots = fp.num_slots;
+      cp.silu = true, cp.update_state = true;
+      cuda::causal_conv1d_update_fast(cp, stream0());
+      cuda::DeltaRulePoolParams dp;
+      dp.q = at_bf16(L.saved.q, row0 * c.Hk * c.dk);
+      dp.k = at_bf16(L.saved.k, row0 * c.Hk * c.dk);
+      dp.v = at_bf16(L.saved.conv, row0 * C + 2 * c.Hk * c.dk);
+      dp.ldv = C;
+      dp.g = L.saved.g.data<float>() + row0 * c.Hv;
+      dp.beta = L.saved.beta.data<float>() + row0 * c.Hv;
+      dp.state = us.back().data<float>();
+      dp.slots = i32(d_slot);
+      dp.out = nullptr;
+      dp.cu_seqlens = i32(cu);
+      dp.num_seqs = 1, dp.N = n, dp.Hk = c.Hk, dp.Hv = c.Hv, dp.dk = c.dk, dp.dv = c.dv, dp.num_slots = fp.num_slots;
+      dp.update_state = true;
+      cuda::gated_delta_rule_pool_fast(dp, stream0());
+      cuda::GdnCommitLayer& F = fp.layers[fp.num_layers++];
+      F.conv_state = fc.back().raw_data();
+      F.state = fs.back().data<float>();
+      F.x = at_bf16(L.data.proj, row0 * P);
+      F.q = dp.q, F.k = dp.k, F.v = dp.v, F.g = dp.g, F.beta = dp.beta;
+    }
+    cuda::gdn_commit_fused(fp, stream0());
+    DeviceContext::get(0).synchronize();
+    for (size_t l = 0; l < layers.size(); ++l) {
+      EXPECT_TRUE(bit_equal(fc[l].to(Device::cpu()), uc[l].to(Device::cpu()))) << "conv state of layer " << l;
+      EXPECT_TRUE(bit_equal(fs[l].to(Device::cpu()), us[l].to(Device::cpu()))) << "recurrent state of layer " << l;
+      EXPECT_FALSE(bit_equal(fs[l].to(Device::cpu()), layers[l].data.state0.to(Device::cpu()))) << "layer " << l << " not committed";
+    }
+  }
+  cuda::GdnCommitParams bad;
+  bad.dk = bad.dv = 128, bad.K = 4, bad.Hk = 2, bad.Hv = 6, bad.C = C, bad.ldx = P, bad.ldv = C, bad.n = 17, bad.num_layers = 1;
+  EXPECT_THROW(cuda::gdn_commit_fused(bad, stream0()), Error) << "17 tokens";
+}
+
 // The table's cases: Qwen3.6-27B decode at batch 1 and 8, verify T = 16, GVA ratios 1..3, dv 64,
 // dk 64 / 256, T > 16 (several staged chunks), empty sequences, and dims only the fallback takes.
 TEST(CudaDecode, DeltaRulePoolFastAndFallbackMatchCpu) {

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <vector>
 
@@ -31,6 +32,7 @@
 // Test/benchmark knob defined in norm.cu (0 = the launcher's automatic choice).
 namespace dflash::cuda::tuning {
 extern int gated_norm_blocks;
+extern int add_norm_rows;
 }  // namespace dflash::cuda::tuning
 
 using namespace dflash;
@@ -181,6 +183,172 @@ TEST(CudaOps, GemmRejectsBadSizes) {
   EXPECT_NO_THROW(cu::gemm_bf16(p, 0)) << "M = 0 is a no-op";
 }
 
+// ---- skinny GEMM (decode / verify) ------------------------------------------------------------------
+
+namespace {
+bool bit_equal(const Tensor& a, const Tensor& b) {
+  const Tensor x = a.to(Device::cpu()).contiguous(), y = b.to(Device::cpu()).contiguous();
+  return x.nbytes() == y.nbytes() && std::memcmp(x.raw_data(), y.raw_data(), x.nbytes()) == 0;
+}
+}  // namespace
+
+// gemm_skinny against ops::linear (the bound of the file) and against cuBLASLt's gemm_bf16 on the
+// same operands; with SwiGLU as its prologue against cuda::swiglu + gemm_skinny bit for bit; each
+// output row the same bit for bit whatever the other rows are (M = 16 against M = 1: batch
+// invariance); forced K splits (thread-block clusters) 1..8; rows past M and padding columns left
+// alone; a second call gives the same bits.
+TEST(CudaOps, GemmSkinnyMatchesLinear) {
+  DFLASH_REQUIRE_GPU();
+  struct Case {
+    int64_t M, N, K, pad_x, pad_y;
+    int ks;  // 0: automatic
+    bool swiglu;
+  };
+  const Case cases[] = {
+      {1, 64, 32, 0, 0, 0, false},     {5, 136, 96, 8, 0, 0, false},    {16, 520, 640, 8, 16, 0, false},
+      {9, 1032, 1024, 0, 8, 0, false}, {16, 256, 2048, 0, 0, 3, false}, {16, 192, 4096, 0, 0, 8, false},
+      {12, 136, 512, 0, 0, 2, false},  {16, 512, 1024, 0, 0, 0, true},  {3, 264, 96, 0, 8, 0, true},
+      {16, 128, 2048, 8, 0, 4, true},  {8, 72, 64, 0, 0, 1, false},     {16, 64, 8192, 0, 0, 0, false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(testing::Message() << "M=" << c.M << " N=" << c.N << " K=" << c.K << " ldx+" << c.pad_x << " ldy+"
+                                    << c.pad_y << " ks=" << c.ks << (c.swiglu ? " swiglu" : ""));
+    cu::tuning::gemm_skinny_ks = c.ks;
+    const int64_t ldx = (c.swiglu ? 2 * c.K : c.K) + c.pad_x, ldy = c.N + c.pad_y;
+    Pair x = rand_bf16({c.M, ldx}, 0.0f, c.swiglu ? 3.0f : 1.0f), w = rand_bf16({c.N, c.K}, 0.0f, 0.1f);
+    Tensor y = poisoned({16, ldy});  // 16 rows: the ones past M must stay poisoned
+    Tensor y_before = y.to(Device::cpu());
+    cu::GemmSkinnyParams p;
+    p.x = x.dev.raw_data();
+    p.ldx = ldx;
+    p.w = w.dev.raw_data();
+    p.y = y.raw_data();
+    p.ldy = ldy;
+    p.M = c.M;
+    p.N = c.N;
+    p.K = c.K;
+    p.swiglu = c.swiglu;
+    cu::gemm_skinny(p, 0, stream());
+    const int splits = cu::gemm_skinny_splits(p, 0);
+
+    // The reference: the GEMM's input as the op would form it (SwiGLU through ops::swiglu, rounded
+    // to bf16 as the kernel stores it), then ops::linear.
+    Tensor xin = cols(x.host, 0, c.K);
+    if (c.swiglu) {
+      ops::swiglu(cols(x.host, 0, c.K), cols(x.host, c.K, 2 * c.K), xin);
+      xin = xin.to_dtype(DType::BF16).to_dtype(DType::F32);
+    }
+    Tensor ref = Tensor::empty({c.M, c.N}, DType::F32);
+    ops::linear(xin, w.host, ref, false);
+    Tensor got = host_f32(y).slice(0, 0, c.M).clone();
+    const double err = max_rel_err(cols(got, 0, c.N), ref);
+    EXPECT_LT(err, kBound);
+    std::printf("  gemm_skinny M=%ld N=%ld K=%ld%s ks=%d (auto split %d): max_rel_err %.2e\n", long(c.M), long(c.N),
+                long(c.K), c.swiglu ? " swiglu" : "", c.ks, splits, err);
+    expect_cols_untouched(y.to(Device::cpu()).slice(0, 0, c.M).clone(), y_before.slice(0, 0, c.M).clone(), 0, c.N,
+                          "gemm_skinny y padding");
+    if (c.M < 16) {
+      Tensor past = y.to(Device::cpu()).slice(0, c.M, 16).clone(), want = y_before.slice(0, c.M, 16).clone();
+      expect_cols_untouched(past, want, 0, 0, "gemm_skinny rows past M");
+    }
+
+    // The same bits again.
+    Tensor y2 = poisoned({16, ldy});
+    p.y = y2.raw_data();
+    cu::gemm_skinny(p, 0, stream());
+    EXPECT_TRUE(bit_equal(y2.slice(0, 0, c.M), y.slice(0, 0, c.M))) << "a second call differs";
+
+    // cuBLASLt on the same GEMM input (for SwiGLU: cuda::swiglu's output, which the fused call must
+    // reproduce bit for bit through the unfused skinny GEMM).
+    Tensor xg = x.dev;
+    int64_t ldg = ldx;
+    if (c.swiglu) {
+      xg = poisoned({c.M, c.K});
+      ldg = c.K;
+      cu::swiglu(x.dev.raw_data(), xg.raw_data(), c.M, c.K, stream());
+      ASSERT_EQ(ldx, 2 * c.K + c.pad_x);
+      if (c.pad_x == 0) {  // cuda::swiglu reads gu rows 2K apart
+        cu::GemmSkinnyParams u = p;
+        Tensor y3 = poisoned({16, ldy});
+        u.x = xg.raw_data();
+        u.ldx = c.K;
+        u.y = y3.raw_data();
+        u.swiglu = false;
+        cu::gemm_skinny(u, 0, stream());
+        EXPECT_TRUE(bit_equal(y3.slice(0, 0, c.M), y.slice(0, 0, c.M))) << "fused SwiGLU != swiglu + gemm_skinny";
+      }
+    }
+    if (!c.swiglu || c.pad_x == 0) {
+      Tensor yc = poisoned({c.M, ldy});
+      cu::GemmParams gp;
+      gp.x = xg.raw_data();
+      gp.ldx = ldg;
+      gp.w = w.dev.raw_data();
+      gp.y = yc.raw_data();
+      gp.ldy = ldy;
+      gp.M = c.M;
+      gp.N = c.N;
+      gp.K = c.K;
+      cu::gemm_bf16(gp, 0);
+      EXPECT_LT(max_rel_err(cols(host_f32(yc), 0, c.N), cols(got, 0, c.N)), kBound) << "against cuBLASLt";
+    }
+
+    // Batch invariance: each row alone (M = 1) gives its row of the batch bit for bit.
+    for (int64_t r : {int64_t{0}, c.M / 2, c.M - 1}) {
+      cu::GemmSkinnyParams one = p;
+      Tensor y1 = poisoned({1, ldy});
+      one.x = at(x.dev, r * ldx);
+      one.M = 1;
+      one.y = y1.raw_data();
+      cu::gemm_skinny(one, 0, stream());
+      EXPECT_TRUE(bit_equal(y1.to(Device::cpu()).slice(1, 0, c.N), y.to(Device::cpu()).slice(0, r, r + 1).slice(1, 0, c.N)))
+          << "row " << r << " alone";
+    }
+  }
+  cu::tuning::gemm_skinny_ks = 0;
+  // The decode shapes of Qwen3.6-27B on this GPU: which fit one wave (printed, GPU-dependent).
+  for (auto [N, K, sw] : {std::tuple<int64_t, int64_t, bool>{16480, 5120, false}, {14336, 5120, false},
+                          {5120, 6144, false}, {5120, 17408, true}, {34816, 5120, false}}) {
+    cu::GemmSkinnyParams q;
+    q.ldx = sw ? 2 * K : K, q.ldy = N, q.M = 16, q.N = N, q.K = K, q.swiglu = sw;
+    std::printf("  gemm_skinny one-wave split at N=%ld K=%ld%s: %d\n", long(N), long(K), sw ? " swiglu" : "",
+                cu::gemm_skinny_splits(q, 0));
+  }
+}
+
+TEST(CudaOps, GemmSkinnyRejectsBadSizes) {
+  DFLASH_REQUIRE_GPU();
+  Tensor x = poisoned({16, 128}), w = poisoned({64, 64}), y = poisoned({16, 64});
+  auto make = [&] {
+    cu::GemmSkinnyParams p;
+    p.x = x.raw_data();
+    p.ldx = 128;
+    p.w = w.raw_data();
+    p.y = y.raw_data();
+    p.ldy = 64;
+    p.M = 16;
+    p.N = 64;
+    p.K = 64;
+    return p;
+  };
+  const auto expect_throw = throws_after_edit(make(), [](const cu::GemmSkinnyParams& p) { cu::gemm_skinny(p, 0, stream()); });
+  expect_throw([](cu::GemmSkinnyParams& p) { p.M = 17; }, "M > 16");
+  expect_throw([](cu::GemmSkinnyParams& p) { p.K = 48; }, "K not a multiple of 32");
+  expect_throw([](cu::GemmSkinnyParams& p) { p.N = 60; }, "N not a multiple of 8");
+  expect_throw([](cu::GemmSkinnyParams& p) { p.ldx = 56; p.K = 64; }, "ldx < K");
+  expect_throw([](cu::GemmSkinnyParams& p) { p.ldx = 100; p.swiglu = true; }, "ldx < 2K with swiglu");
+  expect_throw([](cu::GemmSkinnyParams& p) { p.ldy = 60; }, "ldy < N");
+  expect_throw([&](cu::GemmSkinnyParams& p) { p.x = at(x, 1); }, "misaligned x");
+  expect_throw([](cu::GemmSkinnyParams& p) { p.w = nullptr; }, "null w");
+  cu::GemmSkinnyParams p = make();
+  p.M = 0;
+  EXPECT_NO_THROW(cu::gemm_skinny(p, 0, stream())) << "M = 0 is a no-op";
+  EXPECT_EQ(cu::gemm_skinny_splits(make(), 0) > 0, true) << "a small shape fits one wave";
+  p = make();
+  p.K = 48;
+  EXPECT_EQ(cu::gemm_skinny_splits(p, 0), 0) << "a shape it cannot run";
+}
+
 // ---- norms ----------------------------------------------------------------------------------------
 
 TEST(CudaOps, RmsNormBothKinds) {
@@ -224,8 +392,8 @@ TEST(CudaOps, RmsNormBothKinds) {
 
 TEST(CudaOps, AddRmsNorm) {
   DFLASH_REQUIRE_GPU();
-  for (auto [rows, D] : {std::pair<int64_t, int64_t>{1, 24}, {63, 130}, {65, 1024}, {64, 96}, {8, 5120}, {3, 4100},
-                         {2, 9000}}) {
+  for (auto [rows, D] : {std::pair<int64_t, int64_t>{1, 24}, {63, 130}, {65, 1024}, {64, 96}, {8, 5120}, {16, 5120},
+                         {5, 2056}, {3, 4100}, {2, 9000}, {4, 8192}}) {
     SCOPED_TRACE(testing::Message() << "rows=" << rows << " D=" << D);
     Pair h = rand_bf16({rows, D}, 0.0f, 3.0f), d = rand_bf16({rows, D}), w = rand_bf16({D}, 0.0f, 0.3f);
     // Reference: h + d in f32, stored as bf16 (what the kernel writes and then normalises), then
@@ -246,6 +414,14 @@ TEST(CudaOps, AddRmsNorm) {
     Tensor hd2 = h.dev.clone();
     cu::add_rms_norm(hd2.raw_data(), d.dev.raw_data(), nullptr, nullptr, rows, D, kEps, stream());
     EXPECT_EQ(max_rel_err(hd2, h_ref), 0.0) << "add only (y == null)";
+
+    // The block-per-row kernel (loads first) against its twin, the generic row kernel: the same bits.
+    cu::tuning::add_norm_rows = 0;
+    Tensor hd3 = h.dev.clone(), y3 = poisoned({rows, D});
+    cu::add_rms_norm(hd3.raw_data(), d.dev.raw_data(), w.dev.raw_data(), y3.raw_data(), rows, D, kEps, stream());
+    cu::tuning::add_norm_rows = 1;
+    EXPECT_TRUE(bit_equal(y3, y)) << "add_rms_norm: the row kernels disagree";
+    EXPECT_TRUE(bit_equal(hd3, hd));
   }
 }
 

@@ -1,11 +1,13 @@
 #include "kernels/cases/gdn_cases.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <numeric>
 #include <tuple>
 
 #include "core/device.h"
+#include "kernels/cuda/norm.h"
 
 namespace dflash::cases {
 
@@ -487,6 +489,197 @@ PoolCase pool_perf_case(int64_t B, int64_t T) {
   c.state_std = 0.1f;
   c.spare = 0;
   return c;
+}
+
+// ---- gdn_decode_fused ----------------------------------------------------------------------------
+int64_t ChainCase::N() const { return sum(lens); }
+double ChainCase::bytes() const {
+  const int64_t B = static_cast<int64_t>(lens.size());
+  const double state = static_cast<double>(B * (Hv * dk * dv * 4 + (K - 1) * C() * 2));
+  return (update ? 2.0 : 1.0) * state + static_cast<double>(N() * (C() + V() + 2 * Hv) * 2 + N() * V() * 2);
+}
+std::string ChainCase::describe() const {
+  return "Hk " + str(Hk) + " Hv " + str(Hv) + " K " + str(K) + " seqs " + lens_str(lens) + (update ? " decode" : " verify");
+}
+bool ChainCase::fused_ok() const { return cuda::gdn_decode_fused_supported(Hk, Hv, dk, dv, K); }
+
+ChainData draw(const ChainCase& c, uint64_t seed, int64_t sets) {
+  Draw d{seed};
+  ChainData data;
+  data.seqs = offsets_of(c.lens);
+  data.layout = {data.seqs.num_sequences(), sets, c.spare};
+  data.proj = normal(d, {c.N(), c.P()}, DType::BF16, kGpu, 1.0f);
+  data.conv_w = normal(d, {c.C(), c.K}, DType::BF16, kGpu, 0.5f);
+  data.A_log = uniform(d, {c.Hv}, DType::BF16, kGpu, -2.0f, 1.0f);
+  data.dt_bias = normal(d, {c.Hv}, DType::BF16, kGpu, 0.5f);
+  data.norm_w = normal(d, {c.dv}, DType::BF16, kGpu, 0.2f, 1.0f);
+  data.conv_state0 = normal(d, {data.layout.pool(), c.K - 1, c.C()}, DType::BF16, kGpu, 1.0f);
+  data.state0 = normal(d, {data.layout.pool(), c.Hv, c.dk, c.dv}, DType::F32, kGpu, 0.3f);
+  data.cu = device_i32(data.seqs.offsets);
+  data.slots = device_i32(data.layout.all());
+  return data;
+}
+
+ChainData::Outputs ChainData::outputs(const ChainCase& c) const {
+  Outputs o;
+  const int64_t N = c.N();
+  o.out = poisoned({N, c.V()}, DType::BF16, kGpu);
+  o.conv_state = conv_state0.clone();
+  o.state = state0.clone();
+  o.conv = poisoned({N, c.C()}, DType::BF16, kGpu);
+  o.q = poisoned({N, c.Hk, c.dk}, DType::BF16, kGpu);
+  o.k = poisoned({N, c.Hk, c.dk}, DType::BF16, kGpu);
+  o.g = poisoned({N, c.Hv}, DType::F32, kGpu);
+  o.beta = poisoned({N, c.Hv}, DType::F32, kGpu);
+  o.core = poisoned({N, c.Hv, c.dv}, DType::BF16, kGpu);
+  return o;
+}
+
+cuda::GdnDecodeFusedParams ChainData::fused_params(const ChainCase& c, Outputs& o, int64_t set) const {
+  cuda::GdnDecodeFusedParams p;
+  p.proj = proj.raw_data();
+  p.ldp = c.P();
+  p.conv_w = conv_w.raw_data();
+  p.A_log = A_log.raw_data();
+  p.dt_bias = dt_bias.raw_data();
+  p.norm_w = norm_w.raw_data();
+  p.conv_state = o.conv_state.raw_data();
+  p.state = o.state.data<float>();
+  p.slots = slots.data<int32_t>() + set * layout.S;
+  p.cu_seqlens = cu.data<int32_t>();
+  p.num_seqs = layout.S;
+  p.N = c.N();
+  p.Hk = c.Hk, p.Hv = c.Hv, p.dk = c.dk, p.dv = c.dv, p.K = c.K;
+  p.num_slots = layout.pool();
+  p.max_new = 0;
+  for (int64_t l : c.lens) p.max_new = std::max(p.max_new, l);
+  p.scale = 1.0f / std::sqrt(static_cast<float>(c.dk));
+  p.eps = 1e-6f;
+  p.update_state = c.update;
+  p.out = o.out.raw_data();
+  p.ldo = c.V();
+  if (!c.update) {
+    p.conv_out = o.conv.raw_data();
+    p.q = o.q.raw_data();
+    p.k = o.k.raw_data();
+    p.g = o.g.data<float>();
+    p.beta = o.beta.data<float>();
+  }
+  return p;
+}
+
+void ChainData::run_unfused(const ChainCase& c, Outputs& o, cuda::Stream s, int64_t set) const {
+  const int64_t C = c.C(), V = c.V(), P = c.P(), N = c.N();
+  cuda::ConvUpdateParams cu_p;
+  cu_p.x = proj.raw_data();
+  cu_p.ldx = P;
+  cu_p.w = conv_w.raw_data();
+  cu_p.y = o.conv.raw_data();
+  cu_p.state = o.conv_state.raw_data();
+  cu_p.slots = slots.data<int32_t>() + set * layout.S;
+  cu_p.cu_seqlens = cu.data<int32_t>();
+  cu_p.num_seqs = layout.S;
+  cu_p.N = N;
+  cu_p.C = C;
+  cu_p.K = c.K;
+  cu_p.num_slots = layout.pool();
+  cu_p.silu = true;
+  cu_p.update_state = c.update;
+  cuda::causal_conv1d_update_fast(cu_p, s);
+  cuda::GdnPrepParams pp;
+  pp.conv = o.conv.raw_data();
+  pp.ld_conv = C;
+  pp.b = bf16_at(proj, C + V);
+  pp.a = bf16_at(proj, C + V + c.Hv);
+  pp.ld_ab = P;
+  pp.A_log = A_log.raw_data();
+  pp.dt_bias = dt_bias.raw_data();
+  pp.q = o.q.raw_data();
+  pp.k = o.k.raw_data();
+  pp.g = o.g.data<float>();
+  pp.beta = o.beta.data<float>();
+  pp.N = N;
+  pp.Hk = c.Hk;
+  pp.Hv = c.Hv;
+  pp.dk = c.dk;
+  pp.scale = 1.0f / std::sqrt(static_cast<float>(c.dk));
+  cuda::gdn_prep(pp, s);
+  cuda::DeltaRulePoolParams dp;
+  dp.q = o.q.raw_data();
+  dp.k = o.k.raw_data();
+  dp.v = bf16_at(o.conv, 2 * c.Hk * c.dk);
+  dp.ldv = C;
+  dp.g = o.g.data<float>();
+  dp.beta = o.beta.data<float>();
+  dp.state = o.state.data<float>();
+  dp.slots = cu_p.slots;
+  dp.out = o.core.raw_data();
+  dp.cu_seqlens = cu.data<int32_t>();
+  dp.num_seqs = layout.S;
+  dp.N = N;
+  dp.Hk = c.Hk, dp.Hv = c.Hv, dp.dk = c.dk, dp.dv = c.dv;
+  dp.num_slots = layout.pool();
+  dp.update_state = c.update;
+  cuda::gated_delta_rule_pool_fast(dp, s);
+  cuda::gated_rms_norm(o.core.raw_data(), bf16_at(proj, C), P, norm_w.raw_data(), o.out.raw_data(), N, c.Hv, c.dv, 1e-6f, s);
+}
+
+ChainData::Ref ChainData::reference(const ChainCase& c) const {
+  const int64_t N = c.N(), C = c.C(), V = c.V(), Hk = c.Hk, Hv = c.Hv, dk = c.dk, dv = c.dv;
+  auto round = [](const Tensor& t) { return t.to_dtype(DType::BF16).to_dtype(DType::F32); };
+  Ref r{host_poisoned({N, V}), host_f32(conv_state0), host_f32(state0)};
+  const Tensor x = host_f32(proj);
+  Tensor y = host_poisoned({N, C});
+  ops::causal_conv1d_update(x.slice(1, 0, C).contiguous(), host_f32(conv_w), r.conv_state, layout.slots(0), seqs, true,
+                            c.update, y);
+  y = round(y);  // the conv output as the GPU stores it (bf16)
+  Tensor q = y.slice(1, 0, Hk * dk).contiguous().view({N, Hk, dk});
+  Tensor k = y.slice(1, Hk * dk, 2 * Hk * dk).contiguous().view({N, Hk, dk});
+  ops::l2norm_inplace(q);
+  ops::l2norm_inplace(k);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  for (int64_t i = 0; i < q.numel(); ++i) q.data<float>()[i] *= scale;
+  ops::DeltaRuleParams dp;
+  dp.q = round(q);
+  dp.k = round(k);
+  dp.v = y.slice(1, 2 * Hk * dk, C).contiguous().view({N, Hv, dv});
+  dp.g = host_poisoned({N, Hv});
+  dp.beta = host_poisoned({N, Hv});
+  ops::gdn_gates(x.slice(1, C + V + Hv, C + V + 2 * Hv).contiguous(), x.slice(1, C + V, C + V + Hv).contiguous(),
+                 host_f32(A_log), host_f32(dt_bias), dp.g, dp.beta);
+  dp.scale = 1.0f;
+  dp.l2norm_qk = false;
+  Tensor core = host_poisoned({N, Hv, dv});
+  ops::gated_delta_rule_pool(dp, seqs, r.state, layout.slots(0), c.update, &core);
+  core = round(core);
+  Tensor out = host_poisoned({N * Hv, dv});
+  ops::gated_rms_norm(core.view({N * Hv, dv}), x.slice(1, C, C + V).contiguous().view({N * Hv, dv}), host_f32(norm_w), 1e-6f,
+                      out);
+  r.out = out.view({N, V});
+  return r;
+}
+
+std::vector<ChainCase> chain_check_cases() {
+  std::vector<ChainCase> cases;
+  struct Dims {
+    int64_t Hk, Hv, K;
+    std::vector<int64_t> lens;
+  };
+  for (const Dims& d : {Dims{16, 48, 4, {1}},                         // Qwen3.6-27B, batch 1 decode
+                        Dims{16, 48, 4, {16}},                        // its verify block
+                        Dims{2, 6, 4, {1, 1, 1}},                     // the tests' real_dims, batch 3
+                        Dims{2, 6, 4, {16, 2, 5}},                    // verify T = 16 / 2 / 5
+                        Dims{4, 4, 4, {3, 1}},                        // GVA 1 (no cluster)
+                        Dims{2, 4, 3, {2, 0, 7}},                     // K 3, an empty sequence
+                        Dims{1, 8, 2, {1, 4}},                        // GVA 8 (the largest cluster), K 2
+                        Dims{3, 6, 1, {2}}})                          // K 1 (no conv state)
+    for (bool update : {true, false}) cases.push_back({"", d.lens, d.Hk, d.Hv, 128, 128, d.K, update, 2, 8});
+  return cases;
+}
+
+ChainCase chain_perf_case(int64_t B, int64_t T, bool update) {
+  return {std::string("B") + str(B) + " T" + str(T) + " Hk16 Hv48 d128 K4" + (update ? "" : " verify"),
+          std::vector<int64_t>(static_cast<size_t>(B), T), 16, 48, 128, 128, 4, update, 0, 0};
 }
 
 }  // namespace dflash::cases

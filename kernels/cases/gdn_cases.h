@@ -214,4 +214,48 @@ std::vector<PoolCase> pool_check_cases();
 // kernel_bench's decode shape: B sequences of T tokens, Qwen3.6-27B heads.
 PoolCase pool_perf_case(int64_t B, int64_t T);
 
+// ---- gdn_decode_fused: the decode / verify chain of one layer (conv update .. gated RMSNorm) ----
+// Variants: "fused" (gdn_decode_fused) and "unfused" (causal_conv1d_update_fast, gdn_prep,
+// gated_delta_rule_pool_fast, gated_rms_norm: the twin the fused kernel equals bit for bit). The
+// reference: the CPU ops on the GPU's roundings (bf16 conv outputs, q / k, core).
+struct ChainCase {
+  std::string shape = {};
+  std::vector<int64_t> lens = {};  // tokens per sequence, <= 16
+  int64_t Hk = 0, Hv = 0, dk = 128, dv = 128, K = 4;
+  bool update = true;              // decode (states advance) or verify (read only, saved inputs written)
+  int64_t spare = 2;
+  int64_t pad = 8;                 // extra columns of each in-projection row (a multiple of 8)
+  // out after the bf16 roundings of both sides (a few 2^-9); states: the pool kernel's bounds.
+  static constexpr double out_bound = 3e-2, state_bound = 1e-3;
+
+  int64_t N() const;
+  int64_t C() const { return 2 * Hk * dk + Hv * dv; }
+  int64_t V() const { return Hv * dv; }
+  int64_t P() const { return (C() + V() + 2 * Hv + 7) / 8 * 8 + pad; }  // 16-byte rows (pad: a multiple of 8)
+  double bytes() const;  // states read (+ written), the in-projection rows read, out written
+  std::string describe() const;
+  bool fused_ok() const;
+};
+struct ChainData {
+  ops::SeqOffsets seqs;
+  SlotLayout layout;
+  Tensor proj, conv_w, A_log, dt_bias, norm_w;  // device bf16 [N, P], [C, K], [Hv], [Hv], [dv]
+  Tensor conv_state0, state0;                   // device bf16 [pool, K-1, C], f32 [pool, Hv, dk, dv]
+  Tensor cu, slots;
+  struct Outputs {  // device; states start as copies of the drawn pools, the rest poisoned
+    Tensor out, conv_state, state, conv, q, k, g, beta, core;
+  };
+  Outputs outputs(const ChainCase& c) const;
+  cuda::GdnDecodeFusedParams fused_params(const ChainCase& c, Outputs& o, int64_t set = 0) const;
+  void run_unfused(const ChainCase& c, Outputs& o, cuda::Stream s, int64_t set = 0) const;
+  struct Ref {
+    Tensor out, conv_state, state;  // host f32 [N, V], [pool, K-1, C], [pool, Hv, dk, dv]
+  };
+  Ref reference(const ChainCase& c) const;  // slot set 0
+};
+ChainData draw(const ChainCase& c, uint64_t seed, int64_t sets = 1);
+std::vector<ChainCase> chain_check_cases();
+// kernel_bench's decode shape: B sequences of T tokens, Qwen3.6-27B heads (Hk 16, Hv 48, K 4).
+ChainCase chain_perf_case(int64_t B, int64_t T, bool update);
+
 }  // namespace dflash::cases

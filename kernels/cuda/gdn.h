@@ -84,4 +84,68 @@ void gated_delta_rule_pool_fallback(const DeltaRulePoolParams& p, Stream s);
 // "register-resident" or "fallback" for these head dims on an sm_major device.
 const char* gated_delta_rule_pool_kernel_name(int64_t dk, int64_t dv, int sm_major);
 
+// ---- Fused decode / verify chain and fused commit (issue 30; kernels/cuda/gdn_fused.cu) ------------
+// One kernel per layer for a decode / verify step: from the in-projection output, per sequence and
+// value head, the conv update (conv.h's causal_conv1d_update_fast on this head's q | k | v
+// channels), the gates and q / k l2norm (gdn_prep), the gated delta rule on the slot's state
+// (gated_delta_rule_pool_fast) and the gated RMSNorm with z (norm.h's gated_rms_norm), each with its
+// unfused twin's device arithmetic, so the chain's outputs, states and saved inputs equal the
+// unfused kernels' bit for bit (tests/test_cuda_decode.cpp). A thread-block cluster of the Hv / Hk
+// value heads that share a key head computes that key head's q / k; its first block writes them
+// (and their conv state) once. Launched with programmatic dependent launch where enabled (pdl.cuh):
+// the recurrent state is read before the wait for the in-projection.
+// Serves dk = dv = 128, conv kernel size 1..4, Hv / Hk <= 8, at most 16 tokens per sequence.
+struct GdnDecodeFusedParams {
+  const void* proj = nullptr;  // [rows, ldp] bf16: conv input q|k|v [0, C), z [C, C+V), b [C+V, +Hv), a [C+V+Hv, +Hv)
+  int64_t ldp = 0;
+  const void* conv_w = nullptr;   // [C, K] bf16
+  const void* A_log = nullptr;    // [Hv] bf16
+  const void* dt_bias = nullptr;  // [Hv] bf16
+  const void* norm_w = nullptr;   // [dv] bf16 (the gated RMSNorm's weight)
+  void* conv_state = nullptr;     // [num_slots, K-1, C] bf16
+  float* state = nullptr;         // [num_slots, Hv, dk, dv] fp32
+  const int32_t* slots = nullptr;       // [num_seqs]
+  const int32_t* cu_seqlens = nullptr;  // [num_seqs + 1] over the real tokens
+  int64_t num_seqs = 0, N = 0, Hk = 0, Hv = 0, dk = 0, dv = 0, K = 0, num_slots = 0;
+  int64_t max_new = 0;            // every sequence's T <= max_new <= 16 (the caller knows it on the host)
+  float scale = 0.0f;             // q scale (1 / sqrt(dk))
+  float eps = 0.0f;               // the gated RMSNorm's eps
+  bool update_state = true;       // decode: conv and recurrent states advance; verify: read only
+  void* out = nullptr;            // [rows, ldo] bf16: the gated RMSNorm's output (out_proj's input), real rows only
+  int64_t ldo = 0;
+  // What commit re-runs (a verify's saved inputs), written when non-null (all or none):
+  void* conv_out = nullptr;       // [rows, C] bf16 (the conv outputs)
+  void* q = nullptr;              // [rows, Hk, dk] bf16 (prepared)
+  void* k = nullptr;
+  float* g = nullptr;             // [rows, Hv]
+  float* beta = nullptr;
+};
+bool gdn_decode_fused_supported(int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t K);
+void gdn_decode_fused(const GdnDecodeFusedParams& p, Stream s);
+
+// Commit (rollback scheme, decode.h): the conv update and the delta rule of the n accepted tokens of
+// one slot in every GatedDeltaNet layer, from a verify's saved inputs, in one kernel (the conv
+// states take the last K-1 rows of [state; x], the recurrent states run the pool kernel's
+// arithmetic): equal bit for bit to causal_conv1d_update_fast + gated_delta_rule_pool_fast with
+// update_state per layer. The layer table travels as the kernel's parameter (graph-capturable).
+inline constexpr int kCommitMaxLayers = 64;
+struct GdnCommitLayer {
+  void* conv_state = nullptr;  // [num_slots, K-1, C] bf16
+  float* state = nullptr;      // [num_slots, Hv, dk, dv] fp32
+  const void* x = nullptr;     // the accepted tokens' conv inputs, rows ldx apart (the verify's proj rows)
+  const void* q = nullptr;     // [n, Hk, dk] bf16, prepared (unused by the state update, kept for symmetry: null allowed)
+  const void* k = nullptr;     // [n, Hk, dk] bf16
+  const void* v = nullptr;     // rows ldv apart, value head h at h * dv
+  const float* g = nullptr;    // [n, Hv]
+  const float* beta = nullptr; // [n, Hv]
+};
+struct GdnCommitParams {
+  GdnCommitLayer layers[kCommitMaxLayers];
+  int num_layers = 0;
+  const int32_t* slot = nullptr;  // device: the slot (one sequence)
+  int n = 0;                      // accepted tokens, 1..16
+  int64_t ldx = 0, ldv = 0, C = 0, K = 0, Hk = 0, Hv = 0, dk = 0, dv = 0, num_slots = 0;
+};
+void gdn_commit_fused(const GdnCommitParams& p, Stream s);
+
 }  // namespace dflash::cuda

@@ -149,4 +149,34 @@ namespace tuning {
 extern int gemm_fp8_stream;  // -1 automatic (stream only for M % 4 != 0), 0 never, 1 whenever supported
 }  // namespace tuning
 
+// ---- Skinny bf16 GEMM for decode / verify (issue 30; kernels/cuda/gemm_skinny.cu) ----------------
+// y[M, N] (row stride ldy) = x[M, K] · w[N, K]^T for 0 <= M <= 16, bf16 in and out, fp32
+// accumulation, each weight byte read once with 16-byte loads (mma.sync, sm_80+; K splits over
+// thread-block clusters on sm_90). swiglu: x is SwiGLU's input gu [M, 2K] (row stride ldx, gate
+// columns [0, K), up [K, 2K)) and the GEMM multiplies silu(gate) * up rounded to bf16 — what
+// cuda::swiglu writes — so swiglu + gemm_skinny and the fused call agree bit for bit. Each output
+// depends only on its own x row and weight row, in a fixed order (batch invariance across M).
+// Launched with programmatic dependent launch where pdl.cuh enables it (its weight loads start
+// under the previous kernel). CPU reference: ops::linear; cuBLASLt's gemm_bf16 is its twin.
+// Needs K % 32 == 0, N % 8 == 0, ldx and ldy multiples of 8, 16-byte aligned x, w, y; w contiguous.
+struct GemmSkinnyParams {
+  const void* x = nullptr;  // bf16 [M, ldx]
+  int64_t ldx = 0;
+  const void* w = nullptr;  // bf16 [N, K] contiguous
+  void* y = nullptr;        // bf16 [M, ldy]
+  int64_t ldy = 0;
+  int64_t M = 0, N = 0, K = 0;
+  bool swiglu = false;
+};
+// The K split (thread-block cluster size, 1..8) gemm_skinny runs this shape with when its grid is
+// resident all at once on `device` (one wave); 0 when the shape breaks its rules or needs more than
+// one wave (the decode path then calls gemm_bf16).
+int gemm_skinny_splits(const GemmSkinnyParams& p, int device);
+// Runs on the given stream (the decode step's); a shape beyond one wave runs in waves (ks 1).
+void gemm_skinny(const GemmSkinnyParams& p, int device, Stream s);
+const char* gemm_skinny_kernel_name();
+namespace tuning {
+extern int gemm_skinny_ks;  // 0: automatic K split; 1..8 forces it (tests, benches)
+}  // namespace tuning
+
 }  // namespace dflash::cuda

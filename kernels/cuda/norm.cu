@@ -42,6 +42,7 @@
 #include "core/cuda/check.h"
 #include "kernels/cuda/grid.h"
 #include "kernels/cuda/norm.h"
+#include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/pointwise.cuh"
 #include "kernels/cuda/vec.cuh"
@@ -53,6 +54,7 @@ namespace dflash::cuda {
 // as fit on the GPU at once; tests use 1 to run every lane group through many rows).
 namespace tuning {
 int gated_norm_blocks = 0;
+int add_norm_rows = 1;  // add_rms_norm's block-per-row kernel with its loads first (0: the generic row kernel, its twin)
 }
 
 namespace {
@@ -75,6 +77,8 @@ template <class Op, int W, int G>
 __global__ void __launch_bounds__(kThreads) row_norm_kernel(const Op op, int64_t rows, int units, int D, float eps) {
   constexpr int kCache = W == 8 ? 4 : 16;  // units kept in registers per thread (32 or 16 floats)
   __shared__ float red[kThreads / 32];
+  pdl_launch_dependents();
+  pdl_wait();  // launched as a programmatic dependent launch (pdl.cuh): the previous kernel wrote the rows
   const int lane = static_cast<int>(threadIdx.x) % G;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / G) + threadIdx.x / G;
   const bool active = row < rows;  // inactive groups still join the shuffles
@@ -261,13 +265,72 @@ __global__ void __launch_bounds__(kThreads) gated_rms_norm_kernel(const GatedRms
   }
 }
 
+// add_rms_norm with 16-byte rows longer than 1024 (a block of kThreads per row; the 5120-wide hidden
+// state), the row_norm_kernel<AddRmsNormOp, 8, kThreads> arithmetic in the same order, with every
+// load of the row issued before the first store: through the generic kernel each unit's store to h
+// (which may alias the next unit's loads) waited for that unit's loads, so a row took one DRAM round
+// trip per unit (~7 us at 16 rows in h200-graphs-b7c45b1's profile). The norm weight is read before
+// the programmatic-dependent-launch wait (no kernel writes it). Measured (H200, 16 x 5120, CUDA
+// graph, bench/results/h200-decode4-*): 1.6 us against the generic kernel's 2.7 us.
+constexpr int kAddCache = 4;  // units per thread: rows up to 4 · 8 · kThreads = 8192 elements
+__global__ void __launch_bounds__(kThreads) add_rms_norm_rows_kernel(const AddRmsNormOp op, int64_t rows, int units,
+                                                                     float eps) {
+  __shared__ float red[kThreads / 32];
+  pdl_launch_dependents();
+  const int lane = static_cast<int>(threadIdx.x);
+  const int64_t row = blockIdx.x;
+  float wv[kAddCache][8];
+#pragma unroll
+  for (int i = 0; i < kAddCache; ++i) {
+    const int u = lane + i * kThreads;
+    if (u < units) load(op.w + u * 8, wv[i]);
+  }
+  pdl_wait();
+  float v[kAddCache][8], dv[kAddCache][8];
+#pragma unroll
+  for (int i = 0; i < kAddCache; ++i) {
+    const int u = lane + i * kThreads;
+    if (u < units) {
+      load(op.h + row * op.D + u * 8, v[i]);
+      load(op.d + row * op.D + u * 8, dv[i]);
+    }
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kAddCache; ++i) {
+    const int u = lane + i * kThreads;
+    if (u < units) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[i][e] += dv[i][e];
+      store(op.h + row * op.D + u * 8, v[i]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[i][e] = round_bf16(v[i][e]);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss += v[i][e] * v[i][e];
+    }
+  }
+  ss = group_sum<kThreads>(ss, red);
+  const float inv = rsqrtf(ss / static_cast<float>(op.D) + eps);
+#pragma unroll
+  for (int i = 0; i < kAddCache; ++i) {
+    const int u = lane + i * kThreads;
+    if (u < units) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[i][e] *= inv;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[i][e] *= 1.0f + wv[i][e];
+      store(op.y + row * op.D + u * 8, v[i]);
+    }
+  }
+  (void)rows;
+}
+
 template <class Op, int W, int G>
 void launch_rows(const Op& op, int64_t rows, int64_t D, float eps, cudaStream_t st) {
   constexpr int kRowsPerBlock = kThreads / G;
   const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  row_norm_kernel<Op, W, G><<<static_cast<unsigned>(blocks), kThreads, 0, st>>>(op, rows, static_cast<int>(D / W),
-                                                                               static_cast<int>(D), eps);
-  DFLASH_CUDA_CHECK_LAST();
+  launch_pdl(row_norm_kernel<Op, W, G>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, st, op, rows,
+             static_cast<int>(D / W), static_cast<int>(D), eps);
 }
 
 // Picks the group size from the row length: the smallest group whose register cache holds a row.
@@ -440,6 +503,11 @@ void add_rms_norm(void* h, const void* d, const void* w, void* y, int64_t rows, 
   }
   const AddRmsNormOp op{static_cast<bf16*>(h), static_cast<const bf16*>(d), static_cast<const bf16*>(w),
                         static_cast<bf16*>(y), D};
+  if (tuning::add_norm_rows != 0 && vec && D / 8 > 32 * 4 && D / 8 <= int64_t{kAddCache} * kThreads) {  // a block per row
+    launch_pdl(add_rms_norm_rows_kernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0, st, op, rows,
+               static_cast<int>(D / 8), eps);
+    return;
+  }
   launch_row_norm(op, vec, rows, D, eps, st);
 }
 

@@ -57,6 +57,8 @@ TEST_F(PreparedKey, ChangesOfInputTokenizerAndOptionsAreNamed) {
   EXPECT_EQ(prepared_key_difference(k0, prepared_key(config({"data.max_length=300"}))), "options.max_length: was 256, now 300");
   EXPECT_EQ(prepared_key_difference(k0, prepared_key(config({"data.prepare.skip_bad=true"}))),
             "options.skip_bad: was false, now true");
+  EXPECT_EQ(prepared_key_difference(k0, prepared_key(config({"data.prepare.prompts_only=true", "data.regenerate.enabled=true"}))),
+            "options.prompts_only: was false, now true");
 
   // A template of its own: its bytes are in the key.
   write("own.jinja", "{{ messages }}?");

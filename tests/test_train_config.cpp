@@ -455,6 +455,15 @@ training: {max_steps: 10}
                     .validate(1);
               }),
               HasSubstr("data.prepare.path and data.regenerate.path are the same file"));
+  // A prompt set (data.prepare.prompts_only) has nothing to train on unless the target writes the responses.
+  EXPECT_THAT(error_of([] {
+                TrainConfig::embedded_default({"data.train=x.jsonl", "data.tokenizer=tok", "data.prepare.prompts_only=true"})
+                    .validate(1);
+              }),
+              HasSubstr("data.prepare.prompts_only: true makes prompts without responses"));
+  EXPECT_NO_THROW(TrainConfig::embedded_default({"data.train=x.jsonl", "data.tokenizer=tok", "data.prepare.prompts_only=true",
+                                                 "data.regenerate.enabled=true"})
+                      .validate(1));
 
   // --set data.train wins over the embedded default's synthetic corpus, and (configured for it) its regeneration.
   const TrainConfig e = TrainConfig::embedded_default({"data.train=x.jsonl"});

@@ -351,6 +351,7 @@ const std::vector<Field>& schema() {
                                DFLASH_MEMBER(data.prepare.enable_thinking)));
     f.push_back(int_field("data.prepare.max_length", 0, DFLASH_MEMBER(data.prepare.max_length)));
     f.push_back(bool_field("data.prepare.skip_bad", DFLASH_MEMBER(data.prepare.skip_bad)));
+    f.push_back(bool_field("data.prepare.prompts_only", DFLASH_MEMBER(data.prepare.prompts_only)));
     f.push_back(string_field("data.prepare.chat_template",
                              "a chat template .jinja file (a string; \"\" = the tokenizer directory's own)", true,
                              DFLASH_MEMBER(data.prepare.chat_template)));
@@ -753,6 +754,10 @@ void TrainConfig::validate(int world_size) const {
     DFLASH_REQUIRE_HINT(!same_file(prepare_path(), data.train),
                       s << ": data.prepare.path '" << prepare_path() << "' is data.train itself; preparing would replace the input",
                       "leave data.prepare.path empty (<run_dir>/data/prepared.h5) or name another file");
+    DFLASH_REQUIRE_HINT(!data.prepare.prompts_only || data.regenerate.enabled,
+                        s << ": data.prepare.prompts_only: true makes prompts without responses, and data.regenerate.enabled "
+                             "is false: nothing would be supervised",
+                        "set data.regenerate.enabled: true (the target writes the responses), or prompts_only: false");
     DFLASH_REQUIRE_HINT(!data.regenerate.enabled || !same_file(prepare_path(), regenerate_path()),
                       s << ": data.prepare.path and data.regenerate.path are the same file '" << prepare_path()
                         << "'; the regenerated data is made from the prepared one",

@@ -79,6 +79,10 @@ struct PrepareSection {
   int64_t max_length = 0;       // longer rows are truncated to it and counted; 0 = data.max_length
   bool skip_bad = false;        // bad rows are counted and reported instead of stopping the run
   std::string chat_template;    // a .jinja file to render with instead of the tokenizer's own ("" = its own)
+  // Every row a prompt (dflash_data prepare --prompts): conversations without their trailing assistant
+  // turns and with the generation prompt, text rows as they are; a prompt set whose responses
+  // data.regenerate makes (which it then needs).
+  bool prompts_only = false;
   bool operator==(const PrepareSection&) const = default;
 };
 

@@ -131,6 +131,7 @@ json prepared_key(const TrainConfig& cfg, const json& previous) {
                 {"enable_thinking", p.enable_thinking ? json(*p.enable_thinking) : json(nullptr)},
                 {"max_length", cfg.prepare_max_length()},
                 {"skip_bad", p.skip_bad},
+                {"prompts_only", p.prompts_only},
                 // The template's bytes (its path aside: content decides); null = the tokenizer's own, hashed above.
                 {"chat_template", p.chat_template.empty() ? json(nullptr) : json(io::sha256_file(p.chat_template))}}}};
 }
@@ -183,6 +184,7 @@ PreparedText prepare_train_text(const TrainConfig& cfg) {
   po.enable_thinking = cfg.data.prepare.enable_thinking;
   po.max_length = static_cast<size_t>(cfg.prepare_max_length());
   po.skip_bad = cfg.data.prepare.skip_bad;
+  po.prompts_only = cfg.data.prepare.prompts_only;
   po.chat_template = cfg.data.prepare.chat_template;
   po.progress = cfg.logging.progress_bar;
   data::PrepareSummary s;

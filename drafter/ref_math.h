@@ -76,6 +76,17 @@ inline T dot(const T* a, const T* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
 }
+// The float step's dot product: 8 interleaved partial sums (lane l takes i = l, l + 8, ...) added by a
+// fixed tree, so the compiler can keep them in one vector; the same bits wherever it is called.
+template <>
+inline float dot<float>(const float* a, const float* b, int64_t n) {
+  float l[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int k = 0; k < 8; ++k) l[k] += a[i + k] * b[i + k];
+  for (int k = 0; i < n; ++i, ++k) l[k] += a[i] * b[i];
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
 template <class T>
 inline void axpy(T* y, T a, const T* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];

@@ -300,15 +300,17 @@ CeSums fused_linear_ce_f32(const float* hidden, int64_t rows, int64_t H, const T
       int64_t b = 0;
       for (int64_t v = 1; v < V; ++v)
         if (z[v] > z[b]) b = v;
+      // exp in float (vectorized), its sum in double in index order.
+      const float zb = z[b];
       double sum = 0;
-      for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(z[v] - z[b]));
-      const double lse = static_cast<double>(z[b]) + std::log(sum);
+      for (int64_t v = 0; v < V; ++v) sum += static_cast<double>(std::exp(z[v] - zb));
+      const double lse = static_cast<double>(zb) + std::log(sum);
       ce[i] = lse - static_cast<double>(z[labels[r]]);
       best[i] = static_cast<int32_t>(b);
       // The row becomes dCE/dz scaled by w·grad_scale: softmax - onehot.
-      const double f = weights[r] * grad_scale;
-      for (int64_t v = 0; v < V; ++v) z[v] = static_cast<float>(std::exp(static_cast<double>(z[v]) - lse) * f);
-      z[labels[r]] -= static_cast<float>(f);
+      const float f = static_cast<float>(weights[r] * grad_scale), lsef = static_cast<float>(lse);
+      for (int64_t v = 0; v < V; ++v) z[v] = std::exp(z[v] - lsef) * f;
+      z[labels[r]] -= f;
     });
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = live[i];

@@ -39,10 +39,11 @@ on the CPU (--device cpu: the same steps, slower). Everything comes from what sh
   prompts   prompts_train.jsonl / prompts_heldout.jsonl: chat rows {"messages": [{"role": "user", ...}]}
             (kind "chat"), raw-text code completions {"text": a function's signature and docstring}
             (kind "code") and prose openings {"text": ...} (kind "prose"), each with its "doc"; the
-            two lists come from disjoint documents (the split above).
+            two lists come from disjoint documents (the split above); prompts_code.jsonl is the code rows
+            of prompts_train.jsonl (the demo's prompts, configs/text.yaml).
 
 Output (--out, default configs/text-target): config.json, model.safetensors (bf16), tokenizer.json,
-tokenizer_config.json, generation_config.json, prompts_train.jsonl, prompts_heldout.jsonl,
+tokenizer_config.json, generation_config.json, prompts_train.jsonl, prompts_heldout.jsonl, prompts_code.jsonl,
 README.md (the provenance: corpus, seed, steps, losses, greedy samples), train_log.csv.
 --golden DIR also writes the golden data of tests/test_text_target.cpp: golden.safetensors (every
 decoder layer's output for real held-out text of 1, 37 and 130 tokens, transformers on the CPU in
@@ -617,7 +618,8 @@ def write_readme(out_dir, args, table, info, counts, samples, versions):
           "## Prompts", "",
           f"prompts_train.jsonl ({counts['prompts_train']} rows) and prompts_heldout.jsonl ({counts['prompts_heldout']} rows:"
           " 48 chat, 48 code, 32 prose where there are that many) come from disjoint documents (`doc`); in each, the"
-          " chat rows come first, then code, then prose.",
+          " chat rows come first, then code, then prose. prompts_code.jsonl holds the code rows of prompts_train.jsonl"
+          " (the demo's prompts, configs/text.yaml).",
           "Kinds: `chat` ({\"messages\": [user turn]}), `code` ({\"text\": a function's def line(s) and docstring}),"
           " `prose` ({\"text\": the opening of a paragraph}).", "", "## Greedy samples (held-out prompts)", ""]
     for kind, prompt, out in samples:
@@ -682,6 +684,11 @@ def main():
     for split in ("train", "heldout"):
         with open(os.path.join(args.out, f"prompts_{split}.jsonl"), "w", encoding="utf-8") as f:
             for p in prompts[split]:
+                f.write(json.dumps(p, ensure_ascii=False) + "\n")
+    # The demo's prompt set (configs/text.yaml): the code rows of prompts_train.jsonl, in its order.
+    with open(os.path.join(args.out, "prompts_code.jsonl"), "w", encoding="utf-8") as f:
+        for p in prompts["train"]:
+            if p["kind"] == "code":
                 f.write(json.dumps(p, ensure_ascii=False) + "\n")
     if args.prompt_ids:
         os.makedirs(args.prompt_ids, exist_ok=True)

@@ -176,17 +176,38 @@ BlockAttentionRef block_attention(const BlockAttentionShape& s, const std::vecto
   return r;
 }
 
+namespace {
+
+// The argument checks of fused_linear_ce and its f32 twin (`op` names which; f32_head: lm_head must be F32).
+void check_ce_args(const char* op, int64_t rows, int64_t H, const Tensor& lm_head, bool f32_head,
+                   const std::vector<int32_t>& labels, const std::vector<double>& weights, int64_t chunk_rows) {
+  DFLASH_CHECK(chunk_rows > 0, op << ": chunk_rows must be positive, got " << chunk_rows);
+  DFLASH_CHECK(lm_head.defined() && lm_head.device().is_cpu() && lm_head.is_contiguous() && lm_head.dim() == 2 &&
+                   lm_head.size(1) == H && (f32_head ? lm_head.dtype() == DType::F32 : dtype_is_float(lm_head.dtype())),
+               op << ": lm_head must be a contiguous host " << (f32_head ? "F32" : "float") << " tensor [V, " << H
+                  << "], got " << (lm_head.defined() ? lm_head.describe() : "undefined"));
+  DFLASH_CHECK(static_cast<int64_t>(labels.size()) == rows && static_cast<int64_t>(weights.size()) == rows,
+               op << ": " << rows << " rows but " << labels.size() << " labels and " << weights.size() << " weights");
+}
+
+// The rows of [r0, r1) with weight > 0, their labels checked against the vocabulary [0, V).
+void live_rows(const char* op, int64_t r0, int64_t r1, const std::vector<int32_t>& labels,
+               const std::vector<double>& weights, int64_t V, std::vector<int64_t>& live) {
+  live.clear();
+  for (int64_t r = r0; r < r1; ++r)
+    if (weights[r] > 0) {
+      DFLASH_CHECK(labels[r] >= 0 && labels[r] < V,
+                   op << ": label " << labels[r] << " of row " << r << " is outside the vocabulary [0, " << V << ")");
+      live.push_back(r);
+    }
+}
+
+}  // namespace
+
 CeSums fused_linear_ce(const double* hidden, int64_t rows, int64_t H, const Tensor& lm_head,
                        const std::vector<int32_t>& labels, const std::vector<double>& weights, int64_t chunk_rows,
                        double grad_scale, double* dhidden, std::vector<int32_t>* argmax) {
-  DFLASH_CHECK(chunk_rows > 0, "fused_linear_ce: chunk_rows must be positive, got " << chunk_rows);
-  DFLASH_CHECK(lm_head.defined() && lm_head.device().is_cpu() && lm_head.is_contiguous() && lm_head.dim() == 2 &&
-                   lm_head.size(1) == H && dtype_is_float(lm_head.dtype()),
-               "fused_linear_ce: lm_head must be a contiguous host float tensor [V, " << H << "], got "
-                                                                                    << (lm_head.defined() ? lm_head.describe() : "undefined"));
-  DFLASH_CHECK(static_cast<int64_t>(labels.size()) == rows && static_cast<int64_t>(weights.size()) == rows,
-               "fused_linear_ce: " << rows << " rows but " << labels.size() << " labels and " << weights.size()
-                                   << " weights");
+  check_ce_args("fused_linear_ce", rows, H, lm_head, false, labels, weights, chunk_rows);
   const int64_t V = lm_head.size(0);
   const size_t esize = dtype_size(lm_head.dtype());
   const auto* base = static_cast<const uint8_t*>(lm_head.raw_data());
@@ -201,13 +222,7 @@ CeSums fused_linear_ce(const double* hidden, int64_t rows, int64_t H, const Tens
   std::vector<double> logits;
   for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows) {
     const int64_t r1 = std::min(rows, r0 + chunk_rows);
-    live.clear();
-    for (int64_t r = r0; r < r1; ++r)
-      if (weights[r] > 0) {
-        DFLASH_CHECK(labels[r] >= 0 && labels[r] < V,
-                     "fused_linear_ce: label " << labels[r] << " of row " << r << " is outside the vocabulary [0, " << V << ")");
-        live.push_back(r);
-      }
+    live_rows("fused_linear_ce", r0, r1, labels, weights, V, live);
     if (live.empty()) continue;
     const int64_t n = static_cast<int64_t>(live.size());
     logits.assign(static_cast<size_t>(n * V), 0.0);  // the only [rows, V] buffer: one chunk
@@ -261,14 +276,7 @@ CeSums fused_linear_ce(const double* hidden, int64_t rows, int64_t H, const Tens
 CeSums fused_linear_ce_f32(const float* hidden, int64_t rows, int64_t H, const Tensor& lm_head,
                            const std::vector<int32_t>& labels, const std::vector<double>& weights, int64_t chunk_rows,
                            double grad_scale, float* dhidden, std::vector<int32_t>* argmax) {
-  DFLASH_CHECK(chunk_rows > 0, "fused_linear_ce_f32: chunk_rows must be positive, got " << chunk_rows);
-  DFLASH_CHECK(lm_head.defined() && lm_head.device().is_cpu() && lm_head.is_contiguous() && lm_head.dim() == 2 &&
-                   lm_head.size(1) == H && lm_head.dtype() == DType::F32,
-               "fused_linear_ce_f32: lm_head must be a contiguous host F32 tensor [V, " << H << "], got "
-                                                                                       << (lm_head.defined() ? lm_head.describe() : "undefined"));
-  DFLASH_CHECK(static_cast<int64_t>(labels.size()) == rows && static_cast<int64_t>(weights.size()) == rows,
-               "fused_linear_ce_f32: " << rows << " rows but " << labels.size() << " labels and " << weights.size()
-                                       << " weights");
+  check_ce_args("fused_linear_ce_f32", rows, H, lm_head, true, labels, weights, chunk_rows);
   const int64_t V = lm_head.size(0);
   const float* W = lm_head.data<float>();
   if (argmax) argmax->assign(static_cast<size_t>(rows), -1);
@@ -279,13 +287,7 @@ CeSums fused_linear_ce_f32(const float* hidden, int64_t rows, int64_t H, const T
   std::vector<int32_t> best;
   for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows) {
     const int64_t r1 = std::min(rows, r0 + chunk_rows);
-    live.clear();
-    for (int64_t r = r0; r < r1; ++r)
-      if (weights[r] > 0) {
-        DFLASH_CHECK(labels[r] >= 0 && labels[r] < V,
-                     "fused_linear_ce_f32: label " << labels[r] << " of row " << r << " is outside the vocabulary [0, " << V << ")");
-        live.push_back(r);
-      }
+    live_rows("fused_linear_ce_f32", r0, r1, labels, weights, V, live);
     if (live.empty()) continue;
     const int64_t n = static_cast<int64_t>(live.size());
     x.resize(static_cast<size_t>(n * H));

@@ -30,7 +30,7 @@
 #include "core/error.h"
 #include "text/tokenizer.h"
 #include "text/utf8.h"
-#include "text/worker_pool.h"
+#include "core/worker_pool.h"
 
 using namespace dflash;
 
@@ -125,9 +125,9 @@ int main(int argc, char** argv) {
     bench::CsvWriter out(csv, "cpu: " + cpu_name() + ", " + std::to_string(std::thread::hardware_concurrency()) + " threads");
     for (int t : threads) {
       DFLASH_CHECK(t >= 1 && t <= 1024, "--threads " << t << " is out of range");
-      // T threads kept from pass to pass (text::WorkerPool), so each keeps its word cache warm, as
+      // T threads kept from pass to pass (WorkerPool), so each keeps its word cache warm, as
       // the threads of a long tokenize run do.
-      text::WorkerPool pool(t);
+      WorkerPool pool(t);
       std::atomic<size_t> next{0}, tokens{0};
       // Largest documents first, so no thread is left with a big one at the end of a pass.
       std::vector<size_t> order(docs.size());

@@ -20,7 +20,7 @@
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
 #include "text/utf8.h"
-#include "text/worker_pool.h"
+#include "core/worker_pool.h"
 #endif
 
 namespace dflash::data {
@@ -318,7 +318,7 @@ PrepareSummary prepare_jsonl(const std::string& in_jsonl, const std::string& out
   DatasetWriter w(out_h5, static_cast<int64_t>(prep.tok.vocab_size()));
   PrepareSummary sum;
   Progress bar(options.progress, ec ? 0 : size);
-  text::WorkerPool pool(static_cast<int>(threads));
+  WorkerPool pool(static_cast<int>(threads));
   constexpr size_t kBatch = 1024;
   std::vector<std::string> lines;
   std::vector<int64_t> numbers;  // 1-based line number of each line of the batch

@@ -17,7 +17,7 @@
 #ifdef DFLASH_WITH_TEXT
 #include "text/tokenizer.h"
 #include "text/utf8.h"
-#include "text/worker_pool.h"
+#include "core/worker_pool.h"
 #endif
 
 namespace dflash::data {
@@ -129,7 +129,7 @@ int TextCommands::run() const {
 
   // Batches of lines, each encoded by the pool's threads (thread t: lines t, t + threads, ...; the
   // threads live for the whole run, so their word caches stay warm), written in order.
-  text::WorkerPool pool(threads);
+  WorkerPool pool(threads);
   constexpr size_t kBatch = 4096;
   std::vector<std::string> lines, results;
   int64_t first_line = 1, rows = 0;

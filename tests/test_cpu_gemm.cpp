@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <random>
+#include <stdexcept>
 #include <vector>
 
 #include "kernels/cpu/gemm.h"
@@ -121,7 +122,7 @@ TEST(CpuGemm, SameBitsOnAnyThreadCountAndForAnyRowSubset) {
   set_cpu_threads(saved);
 }
 
-TEST(CpuGemm, ParallelForRunsEveryIndexOnceAndNests) {
+TEST(CpuGemm, ParallelForRunsEveryIndexOnceNestsAndRethrows) {
   const int saved = cpu_threads();
   set_cpu_threads(4);
   std::vector<int> hits(1000, 0), inner(50 * 20, 0);
@@ -129,6 +130,11 @@ TEST(CpuGemm, ParallelForRunsEveryIndexOnceAndNests) {
   for (int h : hits) ASSERT_EQ(h, 1);
   parallel_for(50, [&](int64_t i) { parallel_for(20, [&](int64_t j) { ++inner[static_cast<size_t>(i * 20 + j)]; }); });
   for (int h : inner) ASSERT_EQ(h, 1);
+  // A task's exception reaches the caller, and the pool serves the next region.
+  EXPECT_THROW(parallel_for(100, [](int64_t i) { if (i == 37) throw std::runtime_error("task 37"); }), std::runtime_error);
+  std::vector<int> again(100, 0);
+  parallel_for(100, [&](int64_t i) { ++again[static_cast<size_t>(i)]; });
+  for (int h : again) ASSERT_EQ(h, 1);
   set_cpu_threads(saved);
 }
 

@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -23,6 +22,8 @@
 #include <new>
 #include <thread>
 #include <vector>
+
+#include "core/worker_pool.h"
 
 namespace dflash::cpu {
 
@@ -312,81 +313,11 @@ int default_threads() {
 }
 
 std::atomic<int> g_threads{0};
-thread_local bool t_in_task = false;
+thread_local bool t_in_task = false;  // this thread is running a parallel_for task: nested calls run inline
 
-class Pool {
- public:
-  ~Pool() {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (std::thread& t : workers_) t.join();
-  }
-  // Runs fn(0..n-1) on `threads` threads (this one included).
-  void run(int64_t n, const std::function<void(int64_t)>& fn, int threads) {
-    std::unique_lock<std::mutex> serial(run_mu_);  // one parallel region at a time
-    grow(threads - 1);
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      fn_ = &fn;
-      n_ = n;
-      next_.store(0);
-      active_ = std::min<int64_t>(threads - 1, n - 1);
-      busy_ = active_;
-      ++generation_;
-    }
-    cv_.notify_all();
-    work();
-    std::unique_lock<std::mutex> l(mu_);
-    done_cv_.wait(l, [&] { return busy_ == 0; });
-    fn_ = nullptr;
-  }
-
- private:
-  void grow(int want) {
-    std::lock_guard<std::mutex> l(mu_);
-    while (static_cast<int>(workers_.size()) < want) {
-      const int id = static_cast<int>(workers_.size());
-      workers_.emplace_back([this, id] { loop(id); });
-    }
-  }
-  void work() {
-    const bool was = t_in_task;
-    t_in_task = true;
-    for (int64_t i; (i = next_.fetch_add(1)) < n_;) (*fn_)(i);
-    t_in_task = was;
-  }
-  void loop(int id) {
-    uint64_t seen = 0;
-    for (;;) {
-      {
-        std::unique_lock<std::mutex> l(mu_);
-        cv_.wait(l, [&] { return stop_ || (generation_ != seen && id < active_); });
-        if (stop_) return;
-        seen = generation_;
-      }
-      work();
-      std::lock_guard<std::mutex> l(mu_);
-      if (--busy_ == 0) done_cv_.notify_all();
-    }
-  }
-  std::mutex run_mu_, mu_;
-  std::condition_variable cv_, done_cv_;
-  std::vector<std::thread> workers_;
-  const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t n_ = 0;
-  std::atomic<int64_t> next_{0};
-  int64_t active_ = 0, busy_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
-};
-
-Pool& pool() {
-  static Pool p;
-  return p;
-}
+// The pool parallel_for runs on (core/worker_pool.h), made for the current thread count on first use.
+std::mutex g_pool_mu;  // one parallel region at a time
+std::unique_ptr<WorkerPool> g_pool;
 
 }  // namespace
 
@@ -410,7 +341,16 @@ void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
-  pool().run(n, fn, static_cast<int>(std::min<int64_t>(threads, n)));
+  std::lock_guard<std::mutex> serial(g_pool_mu);
+  if (!g_pool || g_pool->threads() != threads) g_pool = std::make_unique<WorkerPool>(threads);
+  std::atomic<int64_t> next{0};
+  g_pool->run([&](int) {
+    struct InTask {
+      InTask() { t_in_task = true; }
+      ~InTask() { t_in_task = false; }
+    } in_task;
+    for (int64_t i; (i = next.fetch_add(1)) < n;) fn(i);
+  });
 }
 
 void gemm_f32(Trans ta, Trans tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,

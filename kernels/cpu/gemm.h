@@ -32,8 +32,9 @@ const char* gemm_isa();
 int cpu_threads();
 void set_cpu_threads(int n);
 
-// Runs fn(i) for i in [0, n) on the worker threads (the calling thread takes part) and returns when
-// all are done; called from inside a task it runs the tasks in the calling thread. fn must not throw.
+// Runs fn(i) for i in [0, n) on the worker threads (core/worker_pool.h; the calling thread takes part)
+// and returns when all are done; called from inside a task it runs the tasks in the calling thread. An
+// exception fn throws is rethrown here (the first one; the thread that threw takes no more tasks).
 void parallel_for(int64_t n, const std::function<void(int64_t)>& fn);
 
 }  // namespace dflash::cpu

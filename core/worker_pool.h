@@ -1,14 +1,15 @@
 #pragma once
 // WorkerPool: T threads kept for the pool's life (the caller's thread is one of them), each running
 // the same function once per run(). Encoding wants long-lived threads: each keeps its per-thread
-// word cache (text/bpe.h) warm from one batch of texts to the next.
+// word cache (text/bpe.h) warm from one batch of texts to the next; the CPU backend's ops share one
+// pool through cpu::parallel_for (kernels/cpu/gemm.h).
 #include <barrier>
 #include <exception>
 #include <functional>
 #include <thread>
 #include <vector>
 
-namespace dflash::text {
+namespace dflash {
 
 class WorkerPool {
  public:
@@ -62,4 +63,4 @@ class WorkerPool {
   bool stop_ = false;  // written before the barrier the workers read it after
 };
 
-}  // namespace dflash::text
+}  // namespace dflash

@@ -99,14 +99,15 @@ class CpuBackend final : public TrainBackend {
   double reduce_grads(StepTimes& t) override {
     auto t0 = StepClock::now();
     if (world_ && world_->size() > 1) {  // summed in double whatever the gradients' dtype
-      std::vector<double> buf;
+      std::vector<double> buf(static_cast<size_t>(n_params_));
+      size_t at = 0;
       for (Tensor* g : grad_list_) {
-        const Tensor d = g->dtype() == DType::F64 ? *g : g->to_dtype(DType::F64);
-        buf.insert(buf.end(), d.data<double>(), d.data<double>() + d.numel());
+        convert_elements(g->raw_data(), g->dtype(), buf.data() + at, DType::F64, g->numel());
+        at += static_cast<size_t>(g->numel());
       }
       Tensor b = Tensor::from_blob(buf.data(), {static_cast<int64_t>(buf.size())}, DType::F64);
       world_->all_reduce_sum(b);
-      size_t at = 0;
+      at = 0;
       for (Tensor* g : grad_list_) {
         convert_elements(buf.data() + at, DType::F64, g->raw_data(), g->dtype(), g->numel());
         at += static_cast<size_t>(g->numel());

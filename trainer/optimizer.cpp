@@ -77,17 +77,6 @@ void AdamW::step(const std::vector<const Tensor*>& grads, double lr, double grad
     float* pw = p.data<float>();
     float* m = m_[k].data<float>();
     float* v = v_[k].data<float>();
-    auto update = [&](int64_t i, double g0) {
-      const double g = g0 * grad_factor;
-      const double mi = b1 * m[i] + (1.0 - b1) * g;
-      const double vi = b2 * v[i] + (1.0 - b2) * g * g;
-      m[i] = static_cast<float>(mi);
-      v[i] = static_cast<float>(vi);
-      double w = pw[i];
-      w -= lr * h_.weight_decay * w;
-      w -= lr * (mi / c1) / (std::sqrt(vi / c2) + h_.eps);
-      pw[i] = static_cast<float>(w);
-    };
     const Tensor& gk = *grads[k];
     DFLASH_CHECK(gk.device().is_cpu() && gk.is_contiguous() && (gk.dtype() == DType::F32 || gk.dtype() == DType::F64),
                  "optimizer: gradient of '" << params_[k].first << "' must be a contiguous f32 / f64 host tensor, got "
@@ -113,6 +102,17 @@ void AdamW::step(const std::vector<const Tensor*>& grads, double lr, double grad
       });
       continue;
     }
+    auto update = [&](int64_t i, double g0) {
+      const double g = g0 * grad_factor;
+      const double mi = b1 * m[i] + (1.0 - b1) * g;
+      const double vi = b2 * v[i] + (1.0 - b2) * g * g;
+      m[i] = static_cast<float>(mi);
+      v[i] = static_cast<float>(vi);
+      double w = pw[i];
+      w -= lr * h_.weight_decay * w;
+      w -= lr * (mi / c1) / (std::sqrt(vi / c2) + h_.eps);
+      pw[i] = static_cast<float>(w);
+    };
     cpu::parallel_for((n + kChunk - 1) / kChunk, [&](int64_t c) {
       for_each_value(gk, update, c * kChunk, std::min(n, (c + 1) * kChunk));
     });

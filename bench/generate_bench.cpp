@@ -4,8 +4,12 @@
 // batches, then --max-new-tokens decode steps of every sequence. A decode step reads every weight
 // once whatever the batch; the GDN states (read and written, fp32) and the KV cache grow with it —
 // the table states each point's bytes per step against the copy bandwidth of the run (bench/roofline.h).
+// --step-tokens N > 0 runs chunked prefill inside the decode steps (generate.h): the prompts' pieces
+// ride on the decode steps, N tokens per step; a list runs each point with each schedule. A mixed
+// step also computes its prompt pieces, so its time is above the decode roofline by design; the
+// figure that counts is generated_tok_s (the prefill included).
 //
-//   generate_bench --config configs/qwen3.6-27b/config.json --slots 1,8,32,64,128 --csv gen.csv
+//   generate_bench --config configs/qwen3.6-27b/config.json --slots 1,8,32,64,128 --step-tokens 0,512 --csv gen.csv
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -28,6 +32,7 @@ int main(int argc, char** argv) {
   app.name("generate_bench");
   std::string log_level = "warn", config_path = "configs/qwen3.6-27b/config.json", device = "cuda", csv_path;
   std::vector<int64_t> slot_counts{1, 8, 32, 64, 128};
+  std::vector<int64_t> step_tokens{0};
   int64_t prompt_len = 512, max_new = 512, waves = 1;
   uint64_t seed = 0;
   add_common_options(app, &log_level);
@@ -36,6 +41,10 @@ int main(int argc, char** argv) {
   app.add_option("--slots", slot_counts, "sequences in flight, one point each")->delimiter(',')->capture_default_str();
   app.add_option("--prompt-len", prompt_len, "tokens per prompt")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--max-new-tokens", max_new, "new tokens per sequence")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--step-tokens", step_tokens, "tokens per step with chunked prefill inside the decode steps (0: prompts "
+                                              "prefilled in their own extends); a list runs every point with each")
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_option("--waves", waves, "prompts per point = waves x slots")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--device", device, "cuda[:N]")->capture_default_str();
   app.add_option("--csv", csv_path, "append the rows to this CSV");
@@ -73,58 +82,73 @@ int main(int argc, char** argv) {
     const bench::StepBytes one = step_bytes(1);
     std::printf("copy bandwidth %.0f GB/s (%s); a decode step of one sequence moves %s (context %.0f; roofline.h)\n\n",
                 copy, bench::kCopyMethod, bench::describe(one).c_str(), ctx);
-    std::printf("%6s %8s %10s %10s %9s %11s %11s %9s %9s %7s  %s\n", "slots", "prompts", "prefill_s", "decode_s", "ms/step",
-                "decode_t/s", "total_t/s", "GB/step", "roof_ms", "% roof", "bound");
+    std::printf("%6s %6s %8s %10s %10s %9s %11s %11s %9s %9s %7s  %s\n", "slots", "step_t", "prompts", "prefill_s", "decode_s",
+                "ms/step", "decode_t/s", "total_t/s", "GB/step", "roof_ms", "% roof", "bound");
     bench::CsvWriter csv(csv_path, cuda_device_info(dev.index).name);
+    for (int64_t T : step_tokens)
+      DFLASH_REQUIRE_HINT(T >= 0, "--step-tokens " << T << " must be >= 0", "0: separate prefills; N: tokens per mixed step");
     for (int64_t S : slot_counts) {
-      DFLASH_REQUIRE_HINT(S >= 1, "--slots " << S << " must be >= 1", "sequences in flight per point");
-      std::vector<target::GenRequest> reqs;
-      for (int64_t i = 0; i < S * waves; ++i) {
-        target::GenRequest r;
-        r.id = static_cast<uint64_t>(i);
-        for (int64_t t = 0; t < prompt_len; ++t)
-          r.prompt.push_back(static_cast<int32_t>(rng::bits(seed + 1, static_cast<uint64_t>(i), static_cast<uint64_t>(t)) %
-                                                  static_cast<uint64_t>(cfg.vocab_size)));
-        reqs.push_back(std::move(r));
+      for (int64_t T : step_tokens) {
+        DFLASH_REQUIRE_HINT(S >= 1, "--slots " << S << " must be >= 1", "sequences in flight per point");
+        std::vector<target::GenRequest> reqs;
+        for (int64_t i = 0; i < S * waves; ++i) {
+          target::GenRequest r;
+          r.id = static_cast<uint64_t>(i);
+          for (int64_t t = 0; t < prompt_len; ++t)
+            r.prompt.push_back(static_cast<int32_t>(rng::bits(seed + 1, static_cast<uint64_t>(i), static_cast<uint64_t>(t)) %
+                                                    static_cast<uint64_t>(cfg.vocab_size)));
+          reqs.push_back(std::move(r));
+        }
+        target::GenerateConfig gc;
+        gc.max_new_tokens = max_new;
+        gc.step_tokens = T;
+        const std::unique_ptr<target::Decoder> dec = rt.make_decoder(S, prompt_len + max_new);
+        {  // warm-up: one short generation (allocations, cuBLAS heuristics)
+          target::GenerateConfig w = gc;
+          w.max_new_tokens = 4;
+          target::generate_batch(*dec, {reqs.begin(), reqs.begin() + std::min<int64_t>(S, 2)}, w, [](target::GenResult&&) {});
+        }
+        const target::GenStats st = target::generate_batch(*dec, reqs, gc, [](target::GenResult&&) {});
+        const target::GraphStats gs = dec->graph_stats();
+        const double step_ms = 1e3 * st.decode_s / static_cast<double>(std::max<int64_t>(st.decode_steps, 1));
+        const double occ = st.occupancy();
+        const bench::StepBytes sb = step_bytes(occ);
+        const double bytes = sb.total(), roof_ms = roof.ms(sb);
+        const double decode_tps = static_cast<double>(st.decode_rows) / st.decode_s;
+        const double total_tps = static_cast<double>(st.generated) / st.seconds();
+        const char* bound = sb.weights > sb.state + sb.kv ? "weights" : "state+KV";
+        std::printf("%6lld %6lld %8lld %10.2f %10.2f %9.2f %11.0f %11.0f %9.2f %9.2f %6.1f%%  %s\n", static_cast<long long>(S),
+                    static_cast<long long>(T), static_cast<long long>(reqs.size()), st.prefill_s, st.decode_s, step_ms,
+                    decode_tps, total_tps, bytes / 1e9, roof_ms, roof_ms > 0 ? 100.0 * roof_ms / step_ms : 0.0, bound);
+        if (!no_graphs)
+          std::printf("%6s CUDA graphs: %llu shape(s) captured, %llu replay(s), %llu eager step(s), %llu capture(s) failed\n",
+                      "", static_cast<unsigned long long>(gs.captures), static_cast<unsigned long long>(gs.replays),
+                      static_cast<unsigned long long>(gs.eager), static_cast<unsigned long long>(gs.capture_failures));
+        if (T > 0)
+          std::printf("%6s chunked prefill: %lld of %lld decode steps carried %lld prompt tokens; %lld steps of pieces alone\n",
+                      "", static_cast<long long>(st.mixed_steps), static_cast<long long>(st.decode_steps),
+                      static_cast<long long>(st.mixed_prompt_tokens), static_cast<long long>(st.prefills));
+        const std::string shape = "slots=" + std::to_string(S) + ",prompt=" + std::to_string(prompt_len) +
+                                  ",new=" + std::to_string(max_new) + ",prompts=" + std::to_string(reqs.size()) +
+                                  (T > 0 ? ",step_tokens=" + std::to_string(T) : "") +
+                                  (prec == target::Precision::Fp8 ? ",fp8" : "") + (no_graphs ? ",eager" : "");
+        auto row = [&](const std::string& metric, const std::string& unit, double v) {
+          csv.write({"generate_bench", "generate_batch", "cuda", "greedy", metric, unit, shape, v, v, v, false});
+        };
+        row("generated_tok_s", "tok/s", total_tps);
+        row("decode_tok_s", "tok/s", decode_tps);
+        row("decode_step_ms", "ms", step_ms);
+        row("decode_step_bytes", "GB", bytes / 1e9);
+        row("decode_step_roofline_ms", "ms", roof_ms);
+        row("decode_step_roofline_pct", "%", 100.0 * roof.share(sb, step_ms));
+        row("d2d_bandwidth", "GB/s", copy);
+        // Chunked prefill: the prompt tokens of the steps of pieces alone (the rest rode on decode steps).
+        if (st.prefill_s > 0)
+          row("prefill_tok_s", "tok/s", static_cast<double>(st.prompt_tokens - st.mixed_prompt_tokens) / st.prefill_s);
+        if (T > 0)
+          row("mixed_step_share", "%",
+              100.0 * static_cast<double>(st.mixed_steps) / static_cast<double>(std::max<int64_t>(st.decode_steps, 1)));
       }
-      target::GenerateConfig gc;
-      gc.max_new_tokens = max_new;
-      const std::unique_ptr<target::Decoder> dec = rt.make_decoder(S, prompt_len + max_new);
-      {  // warm-up: one short generation (allocations, cuBLAS heuristics)
-        target::GenerateConfig w = gc;
-        w.max_new_tokens = 4;
-        target::generate_batch(*dec, {reqs.begin(), reqs.begin() + std::min<int64_t>(S, 2)}, w, [](target::GenResult&&) {});
-      }
-      const target::GenStats st = target::generate_batch(*dec, reqs, gc, [](target::GenResult&&) {});
-      const target::GraphStats gs = dec->graph_stats();
-      const double step_ms = 1e3 * st.decode_s / static_cast<double>(std::max<int64_t>(st.decode_steps, 1));
-      const double occ = st.occupancy();
-      const bench::StepBytes sb = step_bytes(occ);
-      const double bytes = sb.total(), roof_ms = roof.ms(sb);
-      const double decode_tps = static_cast<double>(st.decode_rows) / st.decode_s;
-      const double total_tps = static_cast<double>(st.generated) / st.seconds();
-      const char* bound = sb.weights > sb.state + sb.kv ? "weights" : "state+KV";
-      std::printf("%6lld %8lld %10.2f %10.2f %9.2f %11.0f %11.0f %9.2f %9.2f %6.1f%%  %s\n", static_cast<long long>(S),
-                  static_cast<long long>(reqs.size()), st.prefill_s, st.decode_s, step_ms, decode_tps, total_tps, bytes / 1e9,
-                  roof_ms, roof_ms > 0 ? 100.0 * roof_ms / step_ms : 0.0, bound);
-      if (!no_graphs)
-        std::printf("%6s CUDA graphs: %llu shape(s) captured, %llu replay(s), %llu eager step(s), %llu capture(s) failed\n",
-                    "", static_cast<unsigned long long>(gs.captures), static_cast<unsigned long long>(gs.replays),
-                    static_cast<unsigned long long>(gs.eager), static_cast<unsigned long long>(gs.capture_failures));
-      const std::string shape = "slots=" + std::to_string(S) + ",prompt=" + std::to_string(prompt_len) +
-                                ",new=" + std::to_string(max_new) + ",prompts=" + std::to_string(reqs.size()) +
-                                (prec == target::Precision::Fp8 ? ",fp8" : "") + (no_graphs ? ",eager" : "");
-      auto row = [&](const std::string& metric, const std::string& unit, double v) {
-        csv.write({"generate_bench", "generate_batch", "cuda", "greedy", metric, unit, shape, v, v, v, false});
-      };
-      row("generated_tok_s", "tok/s", total_tps);
-      row("decode_tok_s", "tok/s", decode_tps);
-      row("decode_step_ms", "ms", step_ms);
-      row("decode_step_bytes", "GB", bytes / 1e9);
-      row("decode_step_roofline_ms", "ms", roof_ms);
-      row("decode_step_roofline_pct", "%", 100.0 * roof.share(sb, step_ms));
-      row("d2d_bandwidth", "GB/s", copy);
-      row("prefill_tok_s", "tok/s", static_cast<double>(st.prompt_tokens) / st.prefill_s);
     }
     return 0;
   });

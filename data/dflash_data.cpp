@@ -173,6 +173,11 @@ int main(int argc, char** argv) {
   regen->add_option("--prefill-tokens", ropt.gen.prefill_tokens, "prompt tokens per packed prefill")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  regen->add_option("--step-tokens", ropt.gen.step_tokens, "N > 0: chunked prefill inside the decode steps, N tokens per "
+                                                         "step (decode rows first, then prompt pieces); 0: prompts "
+                                                         "prefilled whole between decode steps")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   regen->add_option("--part-size", ropt.part_size, "input sequences per part (the unit of resumption and of data parallelism)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);

@@ -15,7 +15,8 @@
 // (relaxed mode) into a graph whose buffers — the fixed input buffer the host arrays are copied into,
 // temporaries, outputs, a verify's saved layer inputs — come from the graph's own device_alloc::Pool,
 // and are replayed from then on; the caller gets its own copy of the features. Prefill is never
-// captured; a profiler, tensor parallelism or a failed capture (logged) run eagerly, and every eager
+// captured, nor a step with more than 16 tokens of a slot (a chunked prefill's prompt piece: its shapes
+// rarely repeat); a profiler, tensor parallelism or a failed capture (logged) run eagerly, and every eager
 // step with graphs on is counted by reason (kernels_run(), graph_stats()). Replays give the eager
 // launches' values bit for bit (the extra key splits add exact zeros; tests/test_cuda_decoder.cpp).
 #include <cuda_runtime.h>
@@ -389,6 +390,8 @@ class CudaDecoder final : public Decoder {
     if (!step.prefill && plan_.cuda_graphs) {
       if (model_.profiling()) eager_why = "an op profiler is set";
       else if (model_.tensor_parallel()) eager_why = "tensor parallelism (the all-reduces are not captured)";
+      else if (step.max_new > 16)  // chunked prefill (generate.h step_tokens): shapes rarely repeat
+        eager_why = "a step with a prompt piece (> 16 tokens of a slot; not captured)";
       else {
         int64_t splits = 2;
         while (splits * step.split_keys < key_bound) splits *= 2;

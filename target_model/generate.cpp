@@ -11,6 +11,7 @@ namespace dflash::target {
 void GenStats::add(const GenStats& o) {
   sequences += o.sequences, prompt_tokens += o.prompt_tokens, generated += o.generated;
   prefills += o.prefills, decode_steps += o.decode_steps, decode_rows += o.decode_rows;
+  mixed_steps += o.mixed_steps, mixed_prompt_tokens += o.mixed_prompt_tokens;
   prefill_s += o.prefill_s, decode_s += o.decode_s;
 }
 
@@ -19,6 +20,9 @@ void check_generate_config(const GenerateConfig& c, int64_t vocab) {
                     "ask for at least one new token");
   DFLASH_CHECK_HINT(c.prefill_tokens >= 1, "generation: prefill tokens = " << c.prefill_tokens << " must be >= 1",
                     "the prompt tokens one prefill extend may take (at least one prompt always goes in)");
+  DFLASH_CHECK_HINT(c.step_tokens >= 0, "generation: step tokens = " << c.step_tokens << " must be >= 0",
+                    "0 prefills prompts in their own extends; N > 0 runs chunked prefill inside the decode steps, "
+                    "N tokens per step (e.g. 512)");
   for (int32_t t : c.stop_tokens)
     DFLASH_CHECK_HINT(t >= 0 && t < vocab, "generation: stop token " << t << " is outside the vocabulary [0, " << vocab << ")",
                       "stop tokens are ids of the target's tokenizer (e.g. its eos_token_id)");
@@ -32,7 +36,8 @@ double since(clock::time_point t0) { return std::chrono::duration<double>(clock:
 
 struct Running {
   size_t request = 0;
-  std::vector<int32_t> tokens;
+  std::vector<int32_t> tokens;  // generated so far (empty: the prompt is still being prefilled)
+  int64_t prefilled = 0;        // prompt tokens in the slot (step_tokens > 0)
 };
 
 }  // namespace
@@ -88,6 +93,63 @@ GenStats generate_batch(Decoder& dec, const std::vector<GenRequest>& requests, c
     return o;
   };
 
+  if (c.step_tokens > 0) {
+    // Chunked prefill inside the decode steps: free slots take the next prompts at once; each step
+    // decodes every sequence with a first token and gives the rest of the budget to the prompts
+    // being prefilled, oldest first.
+    std::deque<int32_t> filling;  // slots whose prompts are not all in, in the order they came
+    while (next_request < requests.size() || running > 0) {
+      while (!free.empty() && next_request < requests.size()) {
+        const int32_t s = free.front();
+        free.pop_front();
+        dec.reset(s);
+        slot[static_cast<size_t>(s)] = Running{next_request++, {}, 0};
+        ++running;
+        filling.push_back(s);
+      }
+      std::vector<int32_t> slots;
+      std::vector<std::vector<int32_t>> tokens;
+      std::vector<bool> emits;  // the step's row j gives slot j a token (decoding, or its prompt's last piece)
+      for (int32_t s = 0; s < dec.num_slots(); ++s) {
+        const auto& r = slot[static_cast<size_t>(s)];
+        if (!r || r->tokens.empty()) continue;
+        slots.push_back(s);
+        tokens.push_back({r->tokens.back()});
+        emits.push_back(true);
+      }
+      const int64_t decoding = static_cast<int64_t>(slots.size());
+      int64_t left = c.step_tokens - decoding, pieces = 0;
+      for (auto it = filling.begin(); it != filling.end() && left > 0;) {
+        Running& r = *slot[static_cast<size_t>(*it)];
+        const auto& p = requests[r.request].prompt;
+        const int64_t n = std::min<int64_t>(left, static_cast<int64_t>(p.size()) - r.prefilled);
+        slots.push_back(*it);
+        tokens.emplace_back(p.begin() + r.prefilled, p.begin() + r.prefilled + n);
+        r.prefilled += n;
+        left -= n;
+        pieces += n;
+        const bool done = r.prefilled == static_cast<int64_t>(p.size());
+        emits.push_back(done);
+        it = done ? filling.erase(it) : std::next(it);
+      }
+      const auto t0 = clock::now();
+      const ExtendResult r = dec.extend(slots, tokens, options(slots));
+      if (decoding > 0) {
+        st.decode_s += since(t0);
+        ++st.decode_steps;
+        st.decode_rows += decoding;
+        if (pieces > 0) ++st.mixed_steps, st.mixed_prompt_tokens += pieces;
+      } else {
+        st.prefill_s += since(t0);
+        ++st.prefills;
+      }
+      for (size_t j = 0; j < slots.size(); ++j)
+        if (emits[j]) push(slots[j], r.next[j]);
+      if (progress) progress(st);
+    }
+    return st;
+  }
+
   while (next_request < requests.size() || running > 0) {
     if (!free.empty() && next_request < requests.size()) {
       // Prefill: the next prompts into free slots, packed into one extend.
@@ -100,7 +162,7 @@ GenStats generate_batch(Decoder& dec, const std::vector<GenRequest>& requests, c
         const int32_t s = free.front();
         free.pop_front();
         dec.reset(s);
-        slot[static_cast<size_t>(s)] = Running{next_request++, {}};
+        slot[static_cast<size_t>(s)] = Running{next_request++, {}, 0};
         ++running;
         slots.push_back(s);
         prompts.push_back(p);

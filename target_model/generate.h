@@ -8,6 +8,12 @@
 //     every running sequence decodes one token (one extend over all running slots)
 //     a sequence ends at a stop token (kept) or after max_new_tokens; its slot takes the next prompt
 //
+// With step_tokens > 0 (chunked prefill inside the decode steps, as vLLM's and SGLang's schedulers
+// run it) the prompts do not stop the decoding: free slots take the next prompts at once, and every
+// step is one extend of one token per decoding sequence plus pieces of the prompts still being
+// prefilled (oldest first, a prompt cut wherever the budget ends) up to step_tokens tokens in all.
+// A prompt's piece rides on the decode step's weight read; its last piece gives its first token.
+//
 // Greedy decoding, or sampling with the Decoder's reproducible draws (ops::sample_rows): request
 // `id` is the sampling stream, so a sequence's tokens depend on (seed, id, prompt) alone — not on
 // the batch it ran in, the slot count or a restart. (Greedy tokens are the argmax of logits that
@@ -29,6 +35,9 @@ struct GenerateConfig {
   std::vector<int32_t> stop_tokens;          // a generation ends after the first of these (kept)
   std::optional<ops::SampleParams> sample;   // none: greedy
   int64_t prefill_tokens = 16384;            // prompt tokens per prefill extend (at least one prompt)
+  // Tokens per step with chunked prefill inside the decode steps (decode rows first, then prompt
+  // pieces); 0: prompts are prefilled whole in their own extends (prefill_tokens) between decode steps.
+  int64_t step_tokens = 0;
 };
 
 struct GenRequest {
@@ -47,13 +56,16 @@ struct GenStats {
   int64_t sequences = 0, prompt_tokens = 0, generated = 0;  // finished so far
   int64_t prefills = 0, decode_steps = 0;
   int64_t decode_rows = 0;       // sum over decode steps of the sequences in the step
+  // step_tokens > 0: decode steps that carried prompt pieces too, and those pieces' tokens (a step of
+  // prompt pieces alone counts as a prefill; its time is prefill_s, a mixed step's is decode_s).
+  int64_t mixed_steps = 0, mixed_prompt_tokens = 0;
   double prefill_s = 0, decode_s = 0;
   double seconds() const { return prefill_s + decode_s; }
   double occupancy() const { return decode_steps ? static_cast<double>(decode_rows) / static_cast<double>(decode_steps) : 0.0; }
   void add(const GenStats& o);
 };
 
-// Checks the config (max_new_tokens >= 1, stop ids and prefill_tokens, sampling parameters) and
+// Checks the config (max_new_tokens >= 1, stop ids, prefill_tokens, step_tokens, sampling) and
 // that every request fits a slot (prompt + max_new_tokens <= the decoder's max_len), naming the
 // request; then generates every request on the decoder's slots. on_done gets each sequence as it
 // ends (in completion order, not request order); progress (optional) is called after every

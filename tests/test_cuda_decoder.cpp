@@ -7,6 +7,7 @@
 //    as after n decode steps;
 //  - speculative decoding on the GPU gives the GPU's own greedy output token for token, with an
 //    oracle proposer (every acceptance length) and with the CUDA proposer of an untrained drafter;
+//  - chunked prefill's mixed steps (decode rows beside prompt pieces of fresh and started slots);
 //  - packed prefill (several empty slots in one extend, slots in and out of order, prompts of 1 to
 //    200 tokens) against the CPU reference and against one-slot prefills, then decode steps of all;
 //  - sampling (temperature / top-p): each draw is the reference's draw on the GPU's own logits,
@@ -156,6 +157,42 @@ TEST(CudaDecoder, PiecesMatchTheCpuReference) {
     EXPECT_LE(worst_l, kLogitsBound);
     EXPECT_LE(worst_f, kBf16Bound);
   }
+}
+
+// Chunked prefill inside decode steps (generate.h step_tokens): one extend of decode rows (T = 1),
+// a fresh slot's prompt piece and a later piece of a started prompt (T > 16: the unfused decode
+// kernels, run eagerly with graphs on) against the CPU reference, then decode steps of all three.
+TEST(CudaDecoder, MixedStepsOfDecodeRowsAndPromptPiecesMatchTheCpuReference) {
+  DFLASH_REQUIRE_GPU();
+  const TargetConfig c = real_dims();
+  TargetModel cpu(c, bf16_random_weights_f32(c, 3));
+  Gpu g(c, KernelPolicy::Auto, 3, 128);
+  auto ref = make_cpu_decoder(cpu, 3, 128);
+  ExtendOptions eo;
+  eo.capture = {0, c.num_hidden_layers - 1};
+  eo.logits = true;
+  Agreement agree;
+  const std::vector<int32_t> a = random_tokens(30, c.vocab_size, 21), b = random_tokens(40, c.vocab_size, 22),
+                             p = random_tokens(55, c.vocab_size, 23);
+  const std::vector<int32_t> p0(p.begin(), p.begin() + 20), p1(p.begin() + 20, p.end());
+  const std::vector<std::vector<int32_t>> first{a, p0};
+  agree.add(g.dec->extend({0, 2}, first, eo), ref->extend({0, 2}, first, eo), "prefill");
+  const std::vector<std::vector<int32_t>> mixed{{a.back()}, b, p1};  // slot 1 is empty: its piece starts its prompt
+  agree.add(g.dec->extend({0, 1, 2}, mixed, eo), ref->extend({0, 1, 2}, mixed, eo), "mixed step");
+  for (int64_t i = 0; i < 4; ++i) {
+    std::vector<std::vector<int32_t>> toks;
+    for (int32_t sl = 0; sl < 3; ++sl) toks.push_back({random_tokens(1, c.vocab_size, 300 + 3 * i + sl)[0]});
+    agree.add(g.dec->extend({0, 1, 2}, toks, eo), ref->extend({0, 1, 2}, toks, eo), "decode");
+  }
+  EXPECT_EQ(g.dec->length(1), 44);
+  EXPECT_EQ(g.dec->length(2), 59);
+  std::printf("mixed steps vs cpu reference: logits %.2e, features %.2e, %lld of %lld argmax rows clear; %s\n", agree.logits,
+              agree.features, static_cast<long long>(agree.clear), static_cast<long long>(agree.rows),
+              g.dec->kernels_run().c_str());
+  EXPECT_LE(agree.logits, kLogitsBound);
+  EXPECT_LE(agree.features, kBf16Bound);
+  EXPECT_NE(g.dec->kernels_run().find("a step with a prompt piece"), std::string::npos) << g.dec->kernels_run();
+  EXPECT_EQ(g.dec->graph_stats().capture_failures, 0u);
 }
 
 TEST(CudaDecoder, VerifyRowsEqualDecodeStepsBitForBit) {

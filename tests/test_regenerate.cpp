@@ -1,7 +1,8 @@
 // Batched generation (target_model/generate.h) and regeneration (data/regenerate.h) on the CPU
 // reference, on the tiny checkpoint transformers made (tests/data/hf/tiny_a):
 // - continuous batching over any slot count and prefill budget gives, per prompt, exactly the
-//   tokens of decoding that prompt alone (the CPU reference computes each row on its own);
+//   tokens of decoding that prompt alone (the CPU reference computes each row on its own), also
+//   with chunked prefill inside the decode steps (prompts cut into pieces that ride on decode steps);
 // - stop tokens end a response (kept); sampling is reproducible whatever the batch and differs by seed;
 // - regenerate writes prompt + response per input sequence in input order, counts what it skips,
 //   continues from parts on disk (also another TP group's) to the same file, reuses a complete
@@ -108,6 +109,51 @@ TEST(Generate, AnySlotsAndPrefillBudgetEqualDecodingEachPromptAlone) {
     }
 }
 
+// Chunked prefill inside the decode steps: prompts cut anywhere (budgets of 1 to 64 tokens per
+// step, below and above a prompt's length) and mixed with other sequences' decode rows give each
+// prompt the tokens of decoding it alone; small budgets starve no prompt (it waits for decodes to end).
+TEST(Generate, ChunkedPrefillInsideDecodeStepsEqualsDecodingEachPromptAlone) {
+  const int64_t V = tiny().cfg.vocab_size, max_new = 9, max_len = 64;
+  const std::vector<GenRequest> reqs = requests(11, V);
+  std::vector<std::vector<int32_t>> want;
+  for (const GenRequest& r : reqs) want.push_back(alone(r.prompt, max_new, max_len));
+  int64_t mixed = 0;
+  for (int64_t slots : {1, 3, 16})
+    for (int64_t budget : {1, 2, 7, 64}) {
+      GenerateConfig gc;
+      gc.max_new_tokens = max_new;
+      gc.step_tokens = budget;
+      GenStats st;
+      const auto got = run(reqs, gc, slots, max_len, &st);
+      ASSERT_EQ(got.size(), reqs.size());
+      for (size_t i = 0; i < reqs.size(); ++i)
+        EXPECT_EQ(got.at(reqs[i].id).tokens, want[i]) << "request " << i << ", slots " << slots << ", step tokens " << budget;
+      int64_t prompt_tokens = 0;
+      for (const GenRequest& r : reqs) prompt_tokens += static_cast<int64_t>(r.prompt.size());
+      EXPECT_EQ(st.prompt_tokens, prompt_tokens);
+      EXPECT_EQ(st.generated, 11 * max_new);
+      // Every token generated after a sequence's first is one decode row.
+      EXPECT_EQ(st.decode_rows, 11 * (max_new - 1)) << "slots " << slots << ", step tokens " << budget;
+      EXPECT_LE(st.mixed_prompt_tokens, prompt_tokens);
+      if (slots == 1) EXPECT_EQ(st.mixed_steps, 0);  // one slot: its prompt's pieces run before its decode steps
+      mixed += st.mixed_steps;
+    }
+  EXPECT_GT(mixed, 0);  // pieces did ride on decode steps
+}
+
+// With step_tokens, sampling still depends on (seed, id, prompt) alone: equal to the separate prefills' draws.
+TEST(Generate, ChunkedPrefillSamplesAsSeparatePrefills) {
+  const int64_t V = tiny().cfg.vocab_size;
+  const std::vector<GenRequest> reqs = requests(7, V);
+  GenerateConfig gc;
+  gc.max_new_tokens = 10;
+  gc.sample = ops::SampleParams{0.9f, 0.95f, 5};
+  const auto a = run(reqs, gc, 5, 64);
+  gc.step_tokens = 6;
+  const auto b = run(reqs, gc, 3, 64);
+  for (const GenRequest& r : reqs) EXPECT_EQ(a.at(r.id).tokens, b.at(r.id).tokens) << "request id " << r.id;
+}
+
 TEST(Generate, StopTokenEndsTheResponseAndIsKept) {
   const int64_t V = tiny().cfg.vocab_size;
   const std::vector<GenRequest> reqs = requests(5, V);
@@ -164,6 +210,9 @@ TEST(Generate, BadRequestsAndConfigsAreRefused) {
   gc.max_new_tokens = 0;
   EXPECT_THROW_MSG(generate_batch(*dec, {{7, {1}}}, gc, ignore), "max new tokens = 0 must be >= 1");
   gc.max_new_tokens = 2;
+  gc.step_tokens = -1;
+  EXPECT_THROW_MSG(generate_batch(*dec, {{7, {1}}}, gc, ignore), "step tokens = -1 must be >= 0");
+  gc.step_tokens = 0;
   gc.sample = ops::SampleParams{0.0f, 1.0f, 0};
   EXPECT_THROW_MSG(generate_batch(*dec, {{7, {1}}}, gc, ignore), "temperature = 0 must be > 0");
 }

@@ -398,6 +398,7 @@ const std::vector<Field>& schema() {
     f.push_back(int_field("data.regenerate.num_prompts", 0, DFLASH_MEMBER(data.regenerate.num_prompts)));
     f.push_back(int_field("data.regenerate.max_prompt_len", 0, DFLASH_MEMBER(data.regenerate.max_prompt_len)));
     f.push_back(int_field("data.regenerate.slots", 1, DFLASH_MEMBER(data.regenerate.slots)));
+    f.push_back(int_field("data.regenerate.step_tokens", 0, DFLASH_MEMBER(data.regenerate.step_tokens)));
     f.push_back(int_field("parallel.tp", 1, DFLASH_MEMBER(parallel.tp)));
     f.push_back(int_field("parallel.ep", 1, DFLASH_MEMBER(parallel.ep)));
     f.push_back(num_field("parallel.timeout_s", Range::Positive, DFLASH_MEMBER(parallel.timeout_s)));

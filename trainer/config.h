@@ -103,6 +103,7 @@ struct RegenerateSection {
   int64_t num_prompts = 0;        // the first N sequences (0 = all)
   int64_t max_prompt_len = 0;     // longer prompts are skipped and counted (0 = none)
   int64_t slots = 64;             // sequences in flight per TP group
+  int64_t step_tokens = 0;        // > 0: chunked prefill inside the decode steps (target/generate.h)
   bool operator==(const RegenerateSection&) const = default;
 };
 

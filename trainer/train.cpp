@@ -469,6 +469,7 @@ void regenerate_responses(Run& r) {
   if (rc.temperature > 0)
     ro.gen.sample = ops::SampleParams{static_cast<float>(rc.temperature), static_cast<float>(rc.top_p), static_cast<uint64_t>(rc.seed)};
   ro.slots = rc.slots;
+  ro.gen.step_tokens = rc.step_tokens;
   ro.progress = cfg.logging.progress_bar;
   const target::TargetSource src = cfg.model.target.source();
   ro.target_identity = src.identity(tcfg);

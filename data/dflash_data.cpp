@@ -176,8 +176,7 @@ int main(int argc, char** argv) {
   regen->add_option("--step-tokens", ropt.gen.step_tokens, "N > 0: chunked prefill inside the decode steps, N tokens per "
                                                          "step (decode rows first, then prompt pieces); 0: prompts "
                                                          "prefilled whole between decode steps")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->capture_default_str();  // checked with the other decoding options (target::check_generate_config)
   regen->add_option("--part-size", ropt.part_size, "input sequences per part (the unit of resumption and of data parallelism)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);

@@ -342,14 +342,21 @@ TEST_F(RegenFixture, ContinuesFromPartsOnDiskToTheSameFile) {
   }
 }
 
-TEST_F(RegenFixture, SampledRegenerationIsTheSameWhateverTheSlotsAndTheParts) {
-  data::RegenerateOptions a = options((dir / "a.h5").string()), b = options((dir / "b.h5").string());
-  a.gen.sample = b.gen.sample = ops::SampleParams{1.0f, 0.9f, 3};
+TEST_F(RegenFixture, SampledRegenerationIsTheSameWhateverTheSlotsTheScheduleAndTheParts) {
+  data::RegenerateOptions a = options((dir / "a.h5").string()), b = options((dir / "b.h5").string()),
+                          c = options((dir / "c.h5").string());
+  a.gen.sample = b.gen.sample = c.gen.sample = ops::SampleParams{1.0f, 0.9f, 3};
   b.slots = 1;
   regen(a);
   b.part_size = 4;  // (another part size is another regeneration: its own file)
   regen(b);
-  const auto x = read(a.out), y = read(b.out);
+  c.gen.step_tokens = 5;  // chunked prefill inside the decode steps
+  regen(c);
+  const auto x = read(a.out), y = read(b.out), z = read(c.out);
   ASSERT_EQ(x.size(), y.size());
-  for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(x[i].ids, y[i].ids) << i;
+  ASSERT_EQ(x.size(), z.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    EXPECT_EQ(x[i].ids, y[i].ids) << i;
+    EXPECT_EQ(x[i].ids, z[i].ids) << i;
+  }
 }

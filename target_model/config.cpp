@@ -33,7 +33,8 @@ Precision parse_precision(std::string_view name, const std::string& where) {
 
 Precision resolve_precision(Precision p, const TargetConfig& c) {
   if (p != Precision::Auto) return p;
-  return c.fp8 ? Precision::Fp8 : Precision::Bf16;
+  // An MoE target has no FP8 form yet: its FP8 checkpoint runs dequantized (weights.h moe_fp8_precision).
+  return c.fp8 && !c.is_moe() ? Precision::Fp8 : Precision::Bf16;
 }
 
 
@@ -232,10 +233,7 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
         fq.modules_to_not_convert.push_back(m[i].get<std::string>());
       }
     }
-    c.fp8 = std::move(fq);
-    DFLASH_REQUIRE_HINT(!moe, source << ": field '" << qp.substr(0, qp.size() - 1)
-                                     << "': block-FP8 Mixture-of-Experts checkpoints are not supported yet",
-                      "use the bf16 checkpoint of this model (the MoE block runs in bf16 / f32 only for now)");
+    c.fp8 = std::move(fq);  // an MoE target's FP8 checkpoint runs dequantized (weights.h moe_fp8_precision)
   }
   c.validate();
   return c;
@@ -286,7 +284,6 @@ void TargetConfig::validate() const {
                    s << ": MoE sizes num_experts " << num_experts << ", num_experts_per_tok " << num_experts_per_tok
                      << ", moe_intermediate_size " << moe_intermediate_size << ", shared_expert_intermediate_size "
                      << shared_expert_intermediate_size << " are inconsistent");
-    DFLASH_REQUIRE(!fp8, s << ": block-FP8 Mixture-of-Experts targets are not supported yet");
     DFLASH_REQUIRE(ep_size >= 1 && num_experts % ep_size == 0,
                    s << ": ep_size " << ep_size << " does not divide num_experts " << num_experts);
   } else {

@@ -24,7 +24,8 @@ enum class Precision : uint8_t { Auto, Bf16, Fp8 };
 std::optional<Precision> precision_from_name(std::string_view name);  // "auto", "bf16", "fp8"
 const char* precision_name(Precision p);
 struct TargetConfig;
-// Auto resolved for a config: fp8 when it is a block-FP8 checkpoint's, bf16 otherwise.
+// Auto resolved for a config: fp8 when it is a block-FP8 checkpoint's (not an MoE target's, which runs
+// dequantized), bf16 otherwise.
 Precision resolve_precision(Precision p, const TargetConfig& c);
 // precision_from_name, throwing a message that names `where` (e.g. "--precision") otherwise.
 Precision parse_precision(std::string_view name, const std::string& where);

@@ -103,8 +103,8 @@ std::string projections(bool gdn, const TargetConfig& c) {
   return gdn ? "in_proj_qkv|z, out_proj, " + mlp + " (in_proj_b|a bf16)" : "q|k|v, o_proj, " + mlp;
 }
 
-// The GPU runs MoE blocks in bf16 on one rank holding every expert (kernels/cuda/moe.h); FP8 MoE
-// checkpoints and expert parallelism on GPUs are refused by name.
+// The GPU runs MoE blocks in bf16 on one rank holding every expert (kernels/cuda/moe.h; an FP8 MoE
+// checkpoint runs dequantized); precision fp8 and expert parallelism on GPUs are refused by name.
 void require_gpu_moe(const TargetConfig& c, Precision precision, Device device) {
   DFLASH_REQUIRE_HINT(precision != Precision::Fp8,
                       c.source << ": model_type " << c.model_type << " (num_experts " << c.num_experts

@@ -193,7 +193,7 @@ SliceSpec scale_slice_spec(const SliceSpec& w, int tp) {
 namespace {
 // One expert-parallel slice of a fused expert tensor (gate_up_proj / down_proj) from a checkpoint
 // that stores one tensor per expert (mlp.experts.N.{gate,up,down}_proj.weight, what transformers
-// 5.17's save_pretrained writes): only the held experts' tensors are read.
+// 5.17's save_pretrained writes): only the held experts' tensors are read (e4m3 ones dequantized).
 Tensor slice_from_per_expert(const io::SafetensorsIndex& ckpt, const std::map<std::pair<int64_t, std::string>, std::string>& pieces,
                              const SliceSpec& spec) {
   const bool down = spec.name.ends_with("down_proj");
@@ -205,9 +205,9 @@ Tensor slice_from_per_expert(const io::SafetensorsIndex& ckpt, const std::map<st
     const int64_t e = spec.experts.first + j;
     Tensor fused;
     if (down) {
-      fused = ckpt.tensor(pieces.at({e, "down"})).contiguous();
+      fused = read_dequantized(ckpt, pieces.at({e, "down"})).contiguous();
     } else {
-      const Tensor g = ckpt.tensor(pieces.at({e, "gate"})), u = ckpt.tensor(pieces.at({e, "up"}));
+      const Tensor g = read_dequantized(ckpt, pieces.at({e, "gate"})), u = read_dequantized(ckpt, pieces.at({e, "up"}));
       DFLASH_CHECK(g.dtype() == u.dtype(), "tp: the gate and up tensors of expert " << e << " (" << spec.name << ") differ in dtype");
       fused = Tensor::empty(one, g.dtype());
       const size_t half = static_cast<size_t>(g.numel()) * dtype_size(g.dtype());
@@ -244,6 +244,13 @@ TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, 
     by_canonical.emplace(c, n);
   }
   const std::string hint = "run once with tp = 1 (or dflash_doctor) for the full list of checkpoint problems";
+  bool any_fp8 = false;
+  // An e4m3 MoE weight (an FP8 MoE checkpoint; dequantized when read) needs its scales, shaped per 128 x 128 block.
+  auto scales_ok = [&](const std::string& n, const Shape& shape) {
+    constexpr int64_t B = fp8::kBlock;
+    const auto it = by_canonical.find(canonical_weight_name(n) + "_scale_inv");
+    return it != by_canonical.end() && ckpt.info(it->second).shape == Shape{(shape[0] + B - 1) / B, (shape[1] + B - 1) / B};
+  };
   for (const TensorSpec& t : expected_tensors(full)) {
     if (auto pe = per_expert.find(t.name); pe != per_expert.end() && !by_canonical.count(t.name)) {
       const bool down = t.name.ends_with("down_proj");
@@ -251,10 +258,12 @@ TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, 
       for (int64_t e = 0; e < full.num_experts; ++e)
         for (const char* proj : down ? std::vector<const char*>{"down"} : std::vector<const char*>{"gate", "up"}) {
           auto it = pe->second.find({e, proj});
+          const bool e4m3 = it != pe->second.end() && ckpt.info(it->second).dtype == DType::F8E4M3;
+          any_fp8 = any_fp8 || e4m3;
           DFLASH_CHECK_HINT(it != pe->second.end() && ckpt.info(it->second).shape == one &&
-                                ckpt.info(it->second).dtype != DType::F8E4M3,
+                                (!e4m3 || scales_ok(it->second, one)),
                             dir << ": expert " << e << "'s " << proj << "_proj of " << t.name << " " << shape_str(one)
-                                << " is missing, mis-shaped or e4m3",
+                                << " is missing, mis-shaped or e4m3 without its block scales",
                             hint);
         }
       continue;
@@ -262,24 +271,28 @@ TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, 
     auto it = by_canonical.find(t.name);
     DFLASH_CHECK_HINT(it != by_canonical.end() && ckpt.info(it->second).shape == t.shape,
                       dir << ": tensor " << t.name << " " << shape_str(t.shape) << " is missing or mis-shaped", hint);
-    if (ckpt.info(it->second).dtype == DType::F8E4M3)
-      DFLASH_CHECK_HINT(is_fp8_projection(t.name) && by_canonical.count(t.name + "_scale_inv") && !full.is_moe(),
-                        dir << ": " << it->second << " is e4m3 without its weight_scale_inv (or is not a projection, "
-                            << "or belongs to an MoE model, which has no FP8 form yet)",
-                        hint);
+    if (ckpt.info(it->second).dtype == DType::F8E4M3) {
+      any_fp8 = true;
+      DFLASH_CHECK_HINT((is_fp8_projection(t.name) || is_fp8_moe_weight(t.name)) && by_canonical.count(t.name + "_scale_inv"),
+                        dir << ": " << it->second << " is e4m3 without its weight_scale_inv (or is not a projection)", hint);
+    }
   }
+  // An MoE target's FP8 checkpoint runs dequantized: its projections too (moe_fp8_precision).
+  const Precision run_as = moe_fp8_precision(full, any_fp8, precision, dir);
+  const bool dequantize_all = full.is_moe() && any_fp8;
   const auto specs = specs_by_name(full, shard);
   TargetWeights w = assemble_weights(
       local_config(full, shard.size, shard.ep), dtype, device,
       [&](const std::string& name, const Shape&) {
         if (auto pe = per_expert.find(name); pe != per_expert.end() && !by_canonical.count(name))
           return slice_from_per_expert(ckpt, pe->second, specs.at(name));
-        return extract_slice(ckpt.tensor(by_canonical.at(name)), specs.at(name));
+        const std::string& n = by_canonical.at(name);
+        return extract_slice(dequantize_all ? read_dequantized(ckpt, n) : ckpt.tensor(n), specs.at(name));
       },
       [&](const std::string& name, const Shape&) {
         return extract_slice(ckpt.tensor(by_canonical.at(name + "_scale_inv")), scale_slice_spec(specs.at(name), shard.size));
       });
-  apply_precision(w, precision);
+  apply_precision(w, run_as);
   return w;
 }
 

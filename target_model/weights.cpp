@@ -187,7 +187,8 @@ void apply_precision(TargetWeights& w, Precision precision) {
   for (const LayerWeights& L : w.layers)
     DFLASH_REQUIRE_HINT(precision != Precision::Fp8 || !L.moe.defined(),
                       "precision fp8: Mixture-of-Experts targets run in bf16 only for now (no FP8 MoE block yet)",
-                      "use precision bf16 (or auto) for this target");
+                      "use precision bf16 (or auto) for this target: an FP8 MoE checkpoint then runs on its "
+                      "dequantized weights");
   const bool any_fp8 = w.fp8_projections() > 0;
   if (precision == Precision::Fp8 && any_fp8) return;  // an FP8 checkpoint as stored (its bf16 projections stay)
   for_each_projection(w, [&](const std::string&, Tensor& weight, Tensor& scale) {
@@ -296,11 +297,12 @@ std::string scale_name(const std::string& weight_name) { return weight_name + "_
 
 // One fused expert tensor of `shape` [E, rows, cols] from per-expert pieces (checkpoint names, in
 // order; each [rows / pieces-per-expert, cols]) stacked along the first two dims, as f32.
+// e4m3 pieces (an FP8 MoE checkpoint) are dequantized with their block scales.
 Tensor stack_experts(const io::SafetensorsIndex& ckpt, const std::vector<std::string>& pieces, const Shape& shape) {
   Tensor out = Tensor::empty(shape, DType::F32);
   const int64_t per = out.numel() / static_cast<int64_t>(pieces.size());
   for (size_t i = 0; i < pieces.size(); ++i) {
-    const Tensor t = ckpt.tensor(pieces[i]).to_dtype(DType::F32).contiguous();
+    const Tensor t = read_dequantized(ckpt, pieces[i]).to_dtype(DType::F32).contiguous();
     DFLASH_CHECK(t.numel() == per, "weights: " << pieces[i] << " has " << t.numel() << " elements, expected " << per);
     std::memcpy(out.data<float>() + static_cast<int64_t>(i) * per, t.data<float>(), static_cast<size_t>(per) * sizeof(float));
   }
@@ -308,6 +310,29 @@ Tensor stack_experts(const io::SafetensorsIndex& ckpt, const std::vector<std::st
 }
 
 }  // namespace
+
+bool is_fp8_moe_weight(const std::string& n) {
+  for (const char* suffix : {".mlp.shared_expert.gate_proj.weight", ".mlp.shared_expert.up_proj.weight",
+                             ".mlp.shared_expert.down_proj.weight"})
+    if (n.ends_with(suffix)) return true;
+  return false;
+}
+
+Precision moe_fp8_precision(const TargetConfig& c, bool fp8_checkpoint, Precision requested, const std::string& dir) {
+  if (!c.is_moe() || !fp8_checkpoint || requested != Precision::Auto) return requested;
+  spdlog::warn("{}: an FP8 Mixture-of-Experts checkpoint runs in bf16 here: its e4m3 experts, shared experts and "
+               "projections are dequantized at load (exact values; no FP8 MoE block yet)",
+               dir);
+  return Precision::Bf16;
+}
+
+Tensor read_dequantized(const io::SafetensorsIndex& ckpt, const std::string& name) {
+  Tensor t = ckpt.tensor(name);
+  if (t.dtype() != DType::F8E4M3) return t;
+  const std::string s = scale_name(name);
+  DFLASH_CHECK(ckpt.has(s), "weights: " << name << " is e4m3 without its block scales " << s);
+  return ops::dequantize_fp8(ops::Fp8Weight{t.contiguous(), ckpt.tensor(s).to_dtype(DType::F32).contiguous()});
+}
 
 TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType dtype, Device device, Precision precision) {
   io::SafetensorsIndex ckpt = io::open_checkpoint(dir);
@@ -339,6 +364,8 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
   // A layer's experts stored one tensor per expert become the fused tensors of expected_tensors.
   std::map<std::string, std::vector<std::string>> stacked;  // fused canonical name -> pieces in order
   std::set<std::string> per_expert_layout;                  // fused names a layer's per-expert tensors stand for
+  std::set<std::string> expert_scales;                      // per-expert weights whose scales were seen
+  int64_t n_fp8 = 0;
   for (const auto& [layer, entries] : per_expert) {
     const std::string fused = layer_prefix(layer) + "mlp.experts.";
     if (!c.is_moe() || layer >= c.num_hidden_layers) {
@@ -375,9 +402,23 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
           problem("wrong shape: " + it->second + " is " + shape_str(info.shape) + ", expected " + shape_str(shape));
           complete = false;
         }
-        if (info.dtype == DType::F8E4M3) {
-          problem(it->second + " is stored as F8_E4M3, but FP8 Mixture-of-Experts weights are not supported yet");
-          complete = false;
+        const auto sc = scales.find(want);
+        if (sc != scales.end()) expert_scales.insert(want);
+        if (info.dtype == DType::F8E4M3) {  // an FP8 MoE checkpoint: dequantized when stacked
+          ++n_fp8;
+          const Shape ss{blocks(shape[0]), blocks(shape[1])};
+          if (sc == scales.end()) {
+            problem("missing: " + scale_name(it->second) + " " + shape_str(ss) + " (the block scales of the e4m3 " + it->second + ")");
+            complete = false;
+          } else if (ckpt.info(sc->second).shape != ss || (ckpt.info(sc->second).dtype != DType::F32 &&
+                                                           ckpt.info(sc->second).dtype != DType::BF16)) {
+            problem("wrong shape or dtype: " + sc->second + " is " + dtype_name(ckpt.info(sc->second).dtype) + " " +
+                    shape_str(ckpt.info(sc->second).shape) + ", expected f32 (or bf16) " + shape_str(ss) +
+                    " (one scale per 128 x 128 block)");
+            complete = false;
+          }
+        } else if (sc != scales.end()) {
+          problem("unexpected: " + sc->second + " (its weight is " + dtype_name(info.dtype) + ", not e4m3)");
         }
         (std::string(proj) == "down" ? down : gate_up).push_back(it->second);
       }
@@ -387,7 +428,6 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
     }
   }
   std::unordered_set<std::string> used;
-  int64_t n_fp8 = 0;
   for (const TensorSpec& spec : expected_tensors(c)) {
     if (per_expert_layout.count(spec.name)) continue;  // checked above
     auto it = by_canonical.find(spec.name);
@@ -405,9 +445,9 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
       continue;
     }
     ++n_fp8;
-    if (!is_fp8_projection(spec.name)) {
+    if (!is_fp8_projection(spec.name) && !is_fp8_moe_weight(spec.name)) {
       problem(it->second + " is stored as F8_E4M3, but only the large projections run in FP8 here (in_proj_qkv, in_proj_z, "
-              "out_proj, q/k/v/o_proj, gate/up/down_proj)");
+              "out_proj, q/k/v/o_proj, gate/up/down_proj; an MoE checkpoint's experts and shared expert are dequantized)");
       continue;
     }
     if (not_converted(c, it->second))
@@ -430,7 +470,7 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
     problem("unexpected: " + name);
   }
   for (const auto& [weight, name] : scales)
-    if (!by_canonical.count(weight)) problem("unexpected: " + name + " (no weight " + weight + ")");
+    if (!by_canonical.count(weight) && !expert_scales.count(weight)) problem("unexpected: " + name + " (no weight " + weight + ")");
   if (n_fp8 > 0 && !c.fp8)
     problem(std::to_string(n_fp8) + " tensors are F8_E4M3, but config.json has no quantization_config (quant_method fp8)");
   if (n_fp8 == 0 && c.fp8) problem("config.json has a quantization_config (quant_method fp8), but no tensor is F8_E4M3");
@@ -444,10 +484,11 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
       c, dtype, device,
       [&](const std::string& name, const Shape& shape) {
         const auto st = stacked.find(name);
-        return st != stacked.end() ? stack_experts(ckpt, st->second, shape) : ckpt.tensor(by_canonical.at(name));
+        if (st != stacked.end()) return stack_experts(ckpt, st->second, shape);
+        return is_fp8_moe_weight(name) ? read_dequantized(ckpt, by_canonical.at(name)) : ckpt.tensor(by_canonical.at(name));
       },
       [&](const std::string& name, const Shape&) { return ckpt.tensor(scales.at(name)); });
-  apply_precision(w, precision);
+  apply_precision(w, moe_fp8_precision(c, n_fp8 > 0, precision, dir));
   return w;
 }
 

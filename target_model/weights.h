@@ -11,6 +11,10 @@
 #include "core/tensor.h"
 #include "target_model/config.h"
 
+namespace dflash::io {
+class SafetensorsIndex;
+}
+
 namespace dflash::target {
 
 // in_proj_qkv, in_proj_z, out_proj, q/k/v/o_proj, gate/up/down_proj (canonical weight names).
@@ -109,6 +113,19 @@ struct PerExpertName {
   std::string proj;
 };
 bool parse_per_expert_name(const std::string& canonical_name, PerExpertName& out);
+
+// FP8 Mixture-of-Experts checkpoints (the official Qwen3.5/3.6-MoE-FP8 layout: every expert's
+// mlp.experts.N.{gate,up,down}_proj.weight and the shared expert's projections in e4m3, each with
+// its 128 x 128 block scales, weight_scale_inv): the MoE block has no FP8 form yet, so these weights
+// are dequantized (code x block scale, exact in f32) where they are read, and the target runs in
+// bf16 (precision auto resolves to bf16 for MoE targets; fp8 is refused).
+// True for the shared expert's gate / up / down_proj (the per-expert names: parse_per_expert_name).
+bool is_fp8_moe_weight(const std::string& canonical_name);
+// The precision an MoE target's checkpoint runs in: auto on an FP8 checkpoint resolves to bf16
+// (logged, naming dir); anything else is returned as requested (apply_precision refuses fp8).
+Precision moe_fp8_precision(const TargetConfig& c, bool fp8_checkpoint, Precision requested, const std::string& dir);
+// Checkpoint tensor `name` as stored, or dequantized to F32 when it is e4m3 (scales: name + "_scale_inv").
+Tensor read_dequantized(const io::SafetensorsIndex& ckpt, const std::string& name);
 
 // Maps a checkpoint name to the canonical one: "model.layers.3.mlp.up_proj.weight" and
 // "model.language_model.layers.3.mlp.up_proj.weight" -> "layers.3.mlp.up_proj.weight";

@@ -25,6 +25,7 @@
 
 #include "core/io/safetensors.h"
 #include "core/rng.h"
+#include "kernels/ops.h"
 #include "target_model/decode.h"
 #include "target_model/fast_path.h"
 #include "target_model/model.h"
@@ -382,6 +383,81 @@ TEST(MoeLayouts, FusedExpertsAndMultimodalNamesLoadTheSameModel) {
   }
 }
 
+// The official FP8 MoE layout (every expert's and the shared expert's gate / up / down_proj and the
+// attention / GatedDeltaNet projections in e4m3 with 128 x 128 block scales, quantization_config fp8):
+// it loads, on one rank and as an expert-parallel shard, as the model of its dequantized values (bit
+// for bit on the CPU); precision auto runs it in bf16, fp8 is refused; a missing or mis-shaped expert
+// scale, and a scale whose weight is not e4m3, are named.
+TEST(MoeLayouts, Fp8CheckpointLoadsAsItsDequantizedValues) {
+  json cfg = read_json(kDir + "/config.json");
+  const int64_t E = cfg["num_experts"].get<int64_t>();
+  Tensors fp8, deq;  // the FP8 checkpoint; its values dequantized (F32)
+  int64_t quantized = 0, experts = 0;
+  for (const auto& [n, t] : checkpoint_tensors()) {
+    const std::string c = canonical_weight_name(n);
+    PerExpertName pe;
+    const bool expert = parse_per_expert_name(c, pe);
+    if (t.dim() == 2 && (expert || is_fp8_moe_weight(c) || is_fp8_projection(c))) {
+      const ops::Fp8Weight q = ops::quantize_fp8_weight(t);
+      Tensor codes = Tensor::empty(q.q.shape(), DType::F8E4M3);  // the e4m3 bit patterns, as the file stores them
+      std::memcpy(codes.raw_data(), q.q.raw_data(), q.q.nbytes());
+      fp8.emplace_back(n, codes);
+      fp8.emplace_back(n + "_scale_inv", q.scale_inv);
+      deq.emplace_back(n, ops::dequantize_fp8(q));
+      ++quantized;
+      experts += expert;
+    } else {
+      fp8.emplace_back(n, t);
+      deq.emplace_back(n, t);
+    }
+  }
+  EXPECT_EQ(experts, 4 * E * 3);
+  EXPECT_GT(quantized, experts + 4 * 3);  // the shared experts and the projections too
+  const std::string ref_dir = write_checkpoint("fp8_ref", cfg, deq);
+  cfg["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"activation_scheme", "dynamic"},
+                                {"weight_block_size", {128, 128}}};
+  const std::string dir = write_checkpoint("fp8", cfg, fp8);
+  Loaded ref = load(ref_dir), got = load(dir);
+  EXPECT_EQ(got.model->weights().fp8_projections(), 0);  // auto: everything dequantized, bf16 semantics
+  std::vector<int32_t> ids(37);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(rng::bits(5, 3, i) % ref.cfg.vocab_size);
+  expect_identical(run_all(*got.model, {ids}), run_all(*ref.model, {ids}));
+  // An expert-parallel shard (tp 2 = ep 2) holds its experts' dequantized values.
+  const TargetWeights shard = load_weights_tp(got.cfg, dir, DType::F32, Device::cpu(), TpShard{1, 2, 2});
+  const Tensor& full_down = ref.model->weights().layers[1].moe.experts_down;
+  EXPECT_EQ(max_abs_diff(shard.layers[1].moe.experts_down, full_down.slice(0, E / 2, E)), 0.0);
+  EXPECT_EQ(shard.fp8_projections(), 0);
+  // precision fp8 is refused, naming the way out.
+  std::string e = error_of([&] { load_weights(got.cfg, dir, DType::F32, Device::cpu(), Precision::Fp8); });
+  EXPECT_NE(e.find("Mixture-of-Experts targets run in bf16 only for now"), std::string::npos) << e;
+  EXPECT_NE(e.find("dequantized weights"), std::string::npos) << e;
+  // Malformed expert scales are named.
+  auto error_loading = [&](const std::string& name, const Tensors& tensors) {
+    const std::string d = write_checkpoint(name, cfg, tensors);
+    const std::string msg = error_of([&] { load_weights(got.cfg, d, DType::F32, Device::cpu()); });
+    fs::remove_all(d);
+    return msg;
+  };
+  Tensors t = fp8;
+  std::erase_if(t, [](const auto& p) { return p.first == "model.layers.2.mlp.experts.5.up_proj.weight_scale_inv"; });
+  e = error_loading("fp8_noscale", t);
+  EXPECT_NE(e.find("missing: model.layers.2.mlp.experts.5.up_proj.weight_scale_inv [1, 1]"), std::string::npos) << e;
+  t = fp8;
+  for (auto& [n, x] : t)
+    if (n == "model.layers.0.mlp.experts.1.down_proj.weight_scale_inv") x = Tensor::zeros({2, 1}, DType::F32);
+  e = error_loading("fp8_badscale", t);
+  EXPECT_NE(e.find("model.layers.0.mlp.experts.1.down_proj.weight_scale_inv is f32 [2, 1], expected f32 (or bf16) [1, 1]"),
+            std::string::npos) << e;
+  t = fp8;
+  for (auto& [n, x] : t)
+    if (n == "model.layers.3.mlp.experts.0.gate_proj.weight") x = ops::dequantize_fp8(ops::quantize_fp8_weight(x.to_dtype(DType::F32)));
+  e = error_loading("fp8_notcodes", t);
+  EXPECT_NE(e.find("unexpected: model.layers.3.mlp.experts.0.gate_proj.weight_scale_inv (its weight is f32, not e4m3)"),
+            std::string::npos) << e;
+  fs::remove_all(dir);
+  fs::remove_all(ref_dir);
+}
+
 // Checkpoints that do not match the config name every offending tensor.
 TEST(MoeLayouts, BadExpertTensorsAreNamed) {
   const json text = read_json(kDir + "/config.json");
@@ -514,8 +590,10 @@ TEST(MoeConfig, RefusesWhatTheReferenceDoesNotRunByName) {
   EXPECT_NE(e.find("'num_experts_per_tok' is 9, more than num_experts 8"), std::string::npos) << e;
   e = config_error(with("router_aux_loss_coef", "high"));
   EXPECT_NE(e.find("'router_aux_loss_coef' must be a number"), std::string::npos) << e;
-  e = config_error(with("quantization_config", json{{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}}));
-  EXPECT_NE(e.find("block-FP8 Mixture-of-Experts checkpoints are not supported yet"), std::string::npos) << e;
+  // An FP8 MoE checkpoint's config is read (the weights run dequantized: MoeLayouts.Fp8Checkpoint*).
+  const TargetConfig q = TargetConfig::from_json(with("quantization_config", json{{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}}), "cfg.json");
+  EXPECT_TRUE(q.fp8.has_value());
+  EXPECT_EQ(resolve_precision(Precision::Auto, q), Precision::Bf16);
   json missing = moe_fields();
   missing.erase("moe_intermediate_size");
   e = config_error(missing);

@@ -135,7 +135,9 @@ TEST(Generate, ChunkedPrefillInsideDecodeStepsEqualsDecodingEachPromptAlone) {
       // Every token generated after a sequence's first is one decode row.
       EXPECT_EQ(st.decode_rows, 11 * (max_new - 1)) << "slots " << slots << ", step tokens " << budget;
       EXPECT_LE(st.mixed_prompt_tokens, prompt_tokens);
-      if (slots == 1) EXPECT_EQ(st.mixed_steps, 0);  // one slot: its prompt's pieces run before its decode steps
+      if (slots == 1) {
+        EXPECT_EQ(st.mixed_steps, 0);  // one slot: its prompt's pieces run before its decode steps
+      }
       mixed += st.mixed_steps;
     }
   EXPECT_GT(mixed, 0);  // pieces did ride on decode steps

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "drafter/ref_math.h"
 #include "core/error.h"
@@ -163,6 +164,19 @@ StepStats forward_backward_impl(const DrafterConfig& c, const DrafterWeights& w,
                                 const DrafterBatch& batch, const StepOptions& opt, DrafterWeights* grads,
                                 Tensor* grad_context, Tensor* final_hidden) {
   using M = MatT<T>;
+  constexpr bool kF32 = std::is_same_v<T, float>;
+  DFLASH_CHECK(!opt.fp8_linears || kF32, "drafter: FP8 linears run on the f32 step (math f32), not the double reference");
+  // The step's linear layers: f32 / double, or simulated FP8 (opt.fp8_linears).
+  const auto linear = [&](const M& x, const M& w) -> M {
+    if constexpr (std::is_same_v<T, float>)
+      if (opt.fp8_linears) return ref::linear_fp8(x, w);
+    return ref::linear(x, w);
+  };
+  const auto linear_bwd = [&](const M& x, const M& w, const M& dy, M* dx, M* dw) {
+    if constexpr (std::is_same_v<T, float>)
+      if (opt.fp8_linears) return ref::linear_bwd_fp8(x, w, dy, dx, dw);
+    ref::linear_bwd(x, w, dy, dx, dw);
+  };
   c.validate();
   w.check(c);
   const int64_t H = c.hidden_size, B = c.block_size, d = c.head_dim, Hq = c.num_attention_heads;

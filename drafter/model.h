@@ -68,6 +68,10 @@ struct StepOptions {
   MaskVariant mask = MaskVariant::Correct;  // test hook
   int64_t label_shift = 0;                  // test hook: position k predicts token a+k+label_shift
   DrafterMath math = DrafterMath::F64;
+  // The drafter's linear layers (fc, q/k/v/o, gate/up/down; not the LM head) in simulated
+  // block-scaled FP8, forward and backward (ref_math.h linear_fp8; F32 math only): the CPU reference
+  // of the FP8 drafter (model.drafter.precision: fp8).
+  bool fp8_linears = false;
 };
 
 // Checks a batch against the config (context width, sequence offsets, token ids, sorted blocks

@@ -389,6 +389,10 @@ TEST(TrainConfig, InconsistentValues) {
               HasSubstr("data.synth.min_length (300) must be <= data.synth.max_length (256)"));
   EXPECT_THAT(validate_error({"kernels.require_fast_path=true", "kernels.delta_rule=fallback"}),
               HasSubstr("kernels.require_fast_path: true contradicts kernels.delta_rule: fallback"));
+  // The FP8 drafter simulation runs on the CPU backend's f32 step, not its double reference.
+  EXPECT_THAT(validate_error({"model.drafter.precision=fp8", "parallel.device=cpu", "kernels.cpu_drafter=f64"}),
+              HasSubstr("model.drafter.precision: fp8 contradicts kernels.cpu_drafter: f64"));
+  EXPECT_THAT(validate_error({"model.drafter.precision=fp16"}), HasSubstr("model.drafter.precision"));
   // Ranges are checked again for configs changed in code.
   TrainConfig c = minimal();
   c.model.drafter.block_size = 1;

@@ -327,6 +327,9 @@ const std::vector<Field>& schema() {
                               DFLASH_MEMBER(model.drafter.head_dim)));
     f.push_back(opt_int_field("model.drafter.intermediate_size", 1, "an MLP width (null = the target's)",
                               DFLASH_MEMBER(model.drafter.intermediate_size)));
+    f.push_back(enum_field<DrafterPrecision>("model.drafter.precision",
+                                             {{"bf16", DrafterPrecision::Bf16}, {"fp8", DrafterPrecision::Fp8}},
+                                             DFLASH_MEMBER(model.drafter.precision)));
     f.push_back(list_field("data.files", "a list of HDF5 files or globs (strings)", true, 0, string_item,
                            DFLASH_MEMBER(data.files)));
     f.push_back(string_field("data.train", "a JSONL file of conversations (a string; \"\" = none)", true,
@@ -801,6 +804,12 @@ void TrainConfig::validate(int world_size) const {
                          "reference: it has no fast path, every op runs its plain reference code)",
                     "train on GPUs (parallel.device: cuda or auto), or set kernels.require_fast_path: false to run the CPU "
                     "reference on purpose");
+
+  DFLASH_REQUIRE_HINT(!(model.drafter.precision == DrafterPrecision::Fp8 && parallel.device == Backend::Cpu &&
+                        kernels.cpu_drafter == drafter::DrafterMath::F64),
+                    s << ": model.drafter.precision: fp8 contradicts kernels.cpu_drafter: f64 (the simulated FP8 linears "
+                         "run on the f32 step; the double reference is the unquantized oracle)",
+                    "set kernels.cpu_drafter: f32, or model.drafter.precision: bf16");
 
   DFLASH_REQUIRE(world_size >= 1, s << ": world size " << world_size << " must be >= 1");
   try {

@@ -37,6 +37,11 @@ struct TargetSection {  // model.target: a Hugging Face directory, or a config.j
   }
 };
 
+// What the drafter's linear layers train in: bf16 (the GPU's bf16 GEMMs; the CPU backend's
+// kernels.cpu_drafter arithmetic) or fp8 (block-scaled e4m3 forward and backward: simulated on the CPU
+// backend, drafter/ref_math.h linear_fp8; the GPU kernels are not built yet and refuse it).
+enum class DrafterPrecision { Bf16, Fp8 };
+
 struct DrafterSection {  // model.drafter: a config.json, a warm start, or the fields below
   std::string config;      // a DFlash drafter config.json (or a directory holding one)
   std::string warm_start;  // an exported drafter directory to continue from (weights + config.json)
@@ -47,6 +52,7 @@ struct DrafterSection {  // model.drafter: a config.json, a warm start, or the f
   std::vector<int64_t> target_layer_ids;  // empty = z-lab's default for num_layers
   // The drafter's attention and MLP shape; unset = the target's (DrafterConfig::for_target).
   std::optional<int64_t> num_attention_heads, num_key_value_heads, head_dim, intermediate_size;
+  DrafterPrecision precision = DrafterPrecision::Bf16;  // the training step's linears (not the exported weights)
   bool operator==(const DrafterSection&) const = default;
 };
 

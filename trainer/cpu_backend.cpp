@@ -39,6 +39,7 @@ class CpuBackend final : public TrainBackend {
     dw_ = initial_drafter_weights(s, Device::cpu());
     dw_.check(dcfg_);
     math_ = cfg.kernels.cpu_drafter;
+    fp8_ = cfg.model.drafter.precision == DrafterPrecision::Fp8;
     // Ranks sharing a machine share its cores (DFLASH_CPU_THREADS, when set, wins).
     if (s.local_size > 1 && !std::getenv("DFLASH_CPU_THREADS"))
       cpu::set_cpu_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / s.local_size));
@@ -52,9 +53,10 @@ class CpuBackend final : public TrainBackend {
   }
 
   std::string describe() const override {
-    return math_ == drafter::DrafterMath::F32 ? "cpu (f32 target reference, f32 drafter on " + std::to_string(cpu::cpu_threads()) +
-                                                   " thread(s), " + cpu::gemm_isa() + " GEMM)"
-                                             : "cpu (f32 target reference, double drafter reference)";
+    return math_ == drafter::DrafterMath::F32
+               ? "cpu (f32 target reference, f32 drafter" + std::string(fp8_ ? " with simulated block-FP8 linears" : "") +
+                     " on " + std::to_string(cpu::cpu_threads()) + " thread(s), " + cpu::gemm_isa() + " GEMM)"
+               : "cpu (f32 target reference, double drafter reference)";
   }
   std::string expert_load() override {
     const std::vector<int64_t>& load = tmodel_->expert_load();
@@ -161,6 +163,7 @@ class CpuBackend final : public TrainBackend {
   int64_t blocks_per_pass_ = 0;  // training.blocks_per_pass
   std::unique_ptr<AdamW> opt_;
   drafter::DrafterMath math_ = drafter::DrafterMath::F32;
+  bool fp8_ = false;  // model.drafter.precision: fp8 (the step options carry it)
   target::ForwardOptions fopt_;
   target::PathCounters counters_;
 };

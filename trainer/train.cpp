@@ -669,6 +669,7 @@ FaultHooks fault_hooks(const Run& r) {
 drafter::StepOptions step_options(const Run& r) {
   drafter::StepOptions sopt;
   sopt.gamma = r.cfg.training.gamma;
+  sopt.fp8_linears = r.cfg.model.drafter.precision == DrafterPrecision::Fp8;
   if (const char* m = std::getenv("DFLASH_FAULT_MASK")) {
     const std::string v = m;
     DFLASH_REQUIRE_HINT(v == "causal_in_block" || v == "anchor_inclusive",
@@ -778,6 +779,10 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   if (!cfg.data.train.empty()) prepare_text(r);
   r.device = cfg.parallel.device;  // (cuda was checked to be available by check_config)
   if (r.device == Backend::Auto) r.device = cuda_backend_available(ropt.local_size, nullptr) ? Backend::Cuda : Backend::Cpu;
+  DFLASH_REQUIRE_HINT(!(r.on_gpu() && cfg.model.drafter.precision == DrafterPrecision::Fp8),
+                      "model.drafter.precision: fp8: the GPU's FP8 drafter kernels are not built yet (the CPU backend "
+                      "simulates the recipe: parallel.device: cpu)",
+                      "train the drafter in bf16 on GPUs (model.drafter.precision: bf16)");
   if (cfg.data.regenerate.enabled) regenerate_responses(r);
   open_loader(r);
   data::Loader& loader = *r.loader;

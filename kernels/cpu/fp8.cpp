@@ -4,6 +4,8 @@
 #include <cmath>
 
 #include "kernels/cpu/common.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/train_ops.h"
 #include "core/fp8.h"
 
 namespace dflash::ops {
@@ -124,3 +126,30 @@ void gemm_fp8_blockwise(const Fp8Act& a, const Fp8Weight& w, Tensor& out) {
 }
 
 }  // namespace dflash::ops
+
+namespace dflash::cpu {
+
+void fake_quantize_e4m3(float* x, int64_t rows, int64_t cols, int64_t tile_rows, int64_t tile_cols) {
+  DFLASH_CHECK(rows >= 0 && cols >= 0 && tile_rows >= 1 && tile_cols >= 1,
+               "fake_quantize_e4m3: rows " << rows << ", cols " << cols << ", tiles " << tile_rows << " x " << tile_cols);
+  const int64_t tr = (rows + tile_rows - 1) / tile_rows, tc = (cols + tile_cols - 1) / tile_cols;
+  // One task per band of tile rows (each task's tiles are disjoint).
+  parallel_for(tr, [&](int64_t bi) {
+    const int64_t r0 = bi * tile_rows, r1 = std::min(rows, r0 + tile_rows);
+    for (int64_t bj = 0; bj < tc; ++bj) {
+      const int64_t c0 = bj * tile_cols, c1 = std::min(cols, c0 + tile_cols);
+      float amax = 0;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::abs(x[r * cols + c]));
+      const float scale = std::max(amax, fp8::kAmaxFloor) / fp8::kE4m3Max;
+      const float inv = 1.0f / scale;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = c0; c < c1; ++c) {
+          float& v = x[r * cols + c];
+          v = fp8::e4m3_to_float(fp8::e4m3_from_float(std::clamp(v * inv, -fp8::kE4m3Max, fp8::kE4m3Max))) * scale;
+        }
+    }
+  });
+}
+
+}  // namespace dflash::cpu

@@ -88,6 +88,12 @@ CeSums fused_linear_ce(const double* hidden, int64_t rows, int64_t H, const Tens
 // hidden states and gradients, lm_head F32 [V, H] contiguous; the two products of each chunk (logits and
 // the hidden-state gradient) on the GEMM of kernels/cpu/gemm.h, the rows' softmax on the worker threads,
 // the sums in double in row order (the same result on any thread count).
+// Simulated FP8 (the FP8 drafter's recipe on the CPU, drafter/ref_math.h linear_fp8): x [rows, cols]
+// (row-major, in place) rounded to e4m3 with one scale per tile_rows x tile_cols tile (1 x 128, 128 x 1
+// or 128 x 128; edge tiles smaller), as the FP8 kernels quantize: scale = max(amax, 1e-10) / 448,
+// code = e4m3(clamp(x * (1 / scale), +-448)), x <- code * scale. Threaded, deterministic.
+void fake_quantize_e4m3(float* x, int64_t rows, int64_t cols, int64_t tile_rows, int64_t tile_cols);
+
 CeSums fused_linear_ce_f32(const float* hidden, int64_t rows, int64_t H, const Tensor& lm_head,
                            const std::vector<int32_t>& labels, const std::vector<double>& weights, int64_t chunk_rows,
                            double grad_scale, float* dhidden, std::vector<int32_t>* argmax);

@@ -83,6 +83,15 @@ GenStats generate_batch(Decoder& dec, const std::vector<GenRequest>& requests, c
     --running;
     on_done(std::move(out));
   };
+  // The next request into the first free slot (emptied); returns the slot.
+  const auto admit = [&] {
+    const int32_t s = free.front();
+    free.pop_front();
+    dec.reset(s);
+    slot[static_cast<size_t>(s)] = Running{next_request++, {}, 0};
+    ++running;
+    return s;
+  };
   const auto options = [&](const std::vector<int32_t>& slots) {
     ExtendOptions o;
     o.last_only = true;
@@ -99,14 +108,7 @@ GenStats generate_batch(Decoder& dec, const std::vector<GenRequest>& requests, c
     // being prefilled, oldest first.
     std::deque<int32_t> filling;  // slots whose prompts are not all in, in the order they came
     while (next_request < requests.size() || running > 0) {
-      while (!free.empty() && next_request < requests.size()) {
-        const int32_t s = free.front();
-        free.pop_front();
-        dec.reset(s);
-        slot[static_cast<size_t>(s)] = Running{next_request++, {}, 0};
-        ++running;
-        filling.push_back(s);
-      }
+      while (!free.empty() && next_request < requests.size()) filling.push_back(admit());
       std::vector<int32_t> slots;
       std::vector<std::vector<int32_t>> tokens;
       std::vector<bool> emits;  // the step's row j gives slot j a token (decoding, or its prompt's last piece)
@@ -159,12 +161,7 @@ GenStats generate_batch(Decoder& dec, const std::vector<GenRequest>& requests, c
       while (!free.empty() && next_request < requests.size()) {
         const auto& p = requests[next_request].prompt;
         if (!slots.empty() && tokens + static_cast<int64_t>(p.size()) > c.prefill_tokens) break;
-        const int32_t s = free.front();
-        free.pop_front();
-        dec.reset(s);
-        slot[static_cast<size_t>(s)] = Running{next_request++, {}, 0};
-        ++running;
-        slots.push_back(s);
+        slots.push_back(admit());
         prompts.push_back(p);
         tokens += static_cast<int64_t>(p.size());
       }

@@ -2,6 +2,7 @@
 // quantization of activations, and the block-scaled FP8 GEMM.
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "kernels/cpu/common.h"
 #include "kernels/cpu/gemm.h"
@@ -133,21 +134,16 @@ void fake_quantize_e4m3(float* x, int64_t rows, int64_t cols, int64_t tile_rows,
   DFLASH_CHECK(rows >= 0 && cols >= 0 && tile_rows >= 1 && tile_cols >= 1,
                "fake_quantize_e4m3: rows " << rows << ", cols " << cols << ", tiles " << tile_rows << " x " << tile_cols);
   const int64_t tr = (rows + tile_rows - 1) / tile_rows, tc = (cols + tile_cols - 1) / tile_cols;
-  // One task per band of tile rows (each task's tiles are disjoint).
+  // One task per band of tile rows (each task's tiles are disjoint), quantized as activations are
+  // (ops::quantize_fp8_act's arithmetic), then decoded.
+  std::vector<uint8_t> codes(static_cast<size_t>(rows * cols));
   parallel_for(tr, [&](int64_t bi) {
     const int64_t r0 = bi * tile_rows, r1 = std::min(rows, r0 + tile_rows);
     for (int64_t bj = 0; bj < tc; ++bj) {
       const int64_t c0 = bj * tile_cols, c1 = std::min(cols, c0 + tile_cols);
-      float amax = 0;
+      const float scale = ops::quantize_tile(x, cols, r0, r1, c0, c1, codes.data(), false);
       for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::abs(x[r * cols + c]));
-      const float scale = std::max(amax, fp8::kAmaxFloor) / fp8::kE4m3Max;
-      const float inv = 1.0f / scale;
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = c0; c < c1; ++c) {
-          float& v = x[r * cols + c];
-          v = fp8::e4m3_to_float(fp8::e4m3_from_float(std::clamp(v * inv, -fp8::kE4m3Max, fp8::kE4m3Max))) * scale;
-        }
+        for (int64_t c = c0; c < c1; ++c) x[r * cols + c] = fp8::e4m3_to_float(codes[r * cols + c]) * scale;
     }
   });
 }

@@ -9,7 +9,7 @@
 // step also computes its prompt pieces, so its time is above the decode roofline by design; the
 // figure that counts is generated_tok_s (the prefill included).
 //
-//   generate_bench --config configs/qwen3.6-27b/config.json --slots 1,8,32,64,128 --step-tokens 0,512 --csv gen.csv
+//   generate_bench --config configs/qwen3.6-27b/config.json --slots 1,8,32,64,128 --step-tokens 0,160,512 --csv gen.csv
 #include <algorithm>
 #include <chrono>
 #include <cstdio>

@@ -267,6 +267,21 @@ class CudaDecoder final : public Decoder {
     const size_t o_past = st.add(past), o_keep = st.add(keep), o_streams = st.add(streams), o_positions = st.add(positions);
     step.real_tokens = N;
     step.max_new = b.max_seqlen;
+    // Chunked prefill (generate.h step_tokens): prompt pieces after the decode rows run the chunked
+    // delta rule from their slots' states (DecodeStep::piece_from), not the pool kernel token by token.
+    std::vector<int32_t> piece_cu;
+    if (!step.prefill && opt.commit && step.max_new > 16) {
+      int64_t from = S;
+      while (from > 0 && tokens[static_cast<size_t>(from - 1)].size() > 1) --from;
+      bool decode_rows_first = true;
+      for (int64_t s2 = 0; s2 < from; ++s2) decode_rows_first = decode_rows_first && tokens[static_cast<size_t>(s2)].size() == 1;
+      if (decode_rows_first && from < S) {
+        step.piece_from = from;
+        step.piece_row0 = b.offsets[from];
+        for (int64_t s2 = from; s2 <= S; ++s2) piece_cu.push_back(static_cast<int32_t>(b.offsets[s2] - b.offsets[from]));
+      }
+    }
+    const size_t o_piece_cu = st.add(piece_cu);
     int64_t key_bound = 0;
     if (!step.prefill) {
       // Absolute key splits: about 32 of them over the pool's length (enough CTAs for the 132 SMs
@@ -289,6 +304,7 @@ class CudaDecoder final : public Decoder {
       b.cu_seqlens = i32(o_cu, S + 1);
       step.slots = reinterpret_cast<const int32_t*>(at(o_slots));
       step.past_len = reinterpret_cast<const int32_t*>(at(o_past));
+      step.piece_cu = step.piece_from >= 0 ? reinterpret_cast<const int32_t*>(at(o_piece_cu)) : nullptr;
       step.counters = counters;
       const int32_t* d_keep = reinterpret_cast<const int32_t*>(at(o_keep));
       if (!step.prefill) {

@@ -464,8 +464,11 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   dp.dv = dv;
   if (ds && !ds->prefill) {
     dp.N = ds->real_tokens;
-    timed(ForwardOp::DeltaRule,
-          [&] { run_delta_rule_pool(*dl, dp, ds->slots, ds->num_slots, ds->commit, *ds->counters, stream_); });
+    if (ds->piece_from >= 0 && ds->commit)
+      timed(ForwardOp::DeltaRule, [&] { run_delta_rule_pieces(*dl, dp, *ds, lp.step(Step::DeltaRule), stream_); });
+    else
+      timed(ForwardOp::DeltaRule,
+            [&] { run_delta_rule_pool(*dl, dp, ds->slots, ds->num_slots, ds->commit, *ds->counters, stream_); });
     if (!ds->commit) {  // what commit re-runs for the accepted tokens
       dl->proj = proj, dl->proj_ld = P, dl->conv = conv, dl->q = q, dl->k = k, dl->g = g, dl->beta = beta;
     }
@@ -559,6 +562,51 @@ void run_delta_rule_pool(const DecodeLayer& dl, const cuda::DeltaRuleParams& p, 
   if (st.path == Path::Fast) cuda::gated_delta_rule_pool_fast(pp, stream);
   else cuda::gated_delta_rule_pool_fallback(pp, stream);
   counters.add(Step::DeltaRulePool, st.path);
+}
+
+void run_delta_rule_pieces(const DecodeLayer& dl, const cuda::DeltaRuleParams& p, const DecodeStep& ds, const StepPlan& chunked,
+                           void* stream) {
+  const int64_t from = ds.piece_from, row0 = ds.piece_row0, P = p.num_seqs - from;
+  DFLASH_CHECK(from >= 0 && P >= 1 && row0 >= 0 && row0 < p.N && static_cast<int64_t>(ds.host_slots.size()) == p.num_seqs,
+               "CUDA decoder: a chunked-prefill step's pieces (sequences " << from << " .. " << p.num_seqs << ", from row "
+                                                                         << row0 << " of " << p.N << ") do not fit the batch");
+  if (from > 0) {  // the decode rows: one token each, on the pool
+    cuda::DeltaRuleParams head = p;
+    head.num_seqs = from;
+    head.N = row0;
+    run_delta_rule_pool(dl, head, ds.slots, ds.num_slots, true, *ds.counters, stream);
+  }
+  // The pieces: their slots' states copied out, the chunked kernel (or its recurrent fallback, as the
+  // forward's plan says) over their rows, the final states copied back.
+  auto s = static_cast<cudaStream_t>(stream);
+  const int64_t elems = p.Hv * p.dk * p.dv;
+  const size_t bytes = static_cast<size_t>(elems) * sizeof(float);
+  int index = 0;
+  DFLASH_CUDA_CHECK(cudaGetDevice(&index));
+  const Device dev = Device::cuda(index);
+  Tensor init = Tensor::empty({P, elems}, DType::F32, dev), fin = Tensor::empty({P, elems}, DType::F32, dev);
+  for (int64_t j = 0; j < P; ++j)
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(init.data<float>() + j * elems,
+                                      dl.gdn_state + static_cast<int64_t>(ds.host_slots[static_cast<size_t>(from + j)]) * elems,
+                                      bytes, cudaMemcpyDeviceToDevice, s));
+  cuda::DeltaRuleParams tail = p;
+  tail.q = static_cast<const char*>(p.q) + row0 * p.Hk * p.dk * 2;
+  tail.k = static_cast<const char*>(p.k) + row0 * p.Hk * p.dk * 2;
+  tail.v = static_cast<const char*>(p.v) + row0 * p.ldv * 2;
+  tail.g = p.g + row0 * p.Hv;
+  tail.beta = p.beta + row0 * p.Hv;
+  tail.out = static_cast<char*>(p.out) + row0 * p.Hv * p.dv * 2;
+  tail.cu_seqlens = ds.piece_cu;
+  tail.num_seqs = P;
+  tail.N = p.N - row0;
+  tail.initial_state = init.data<float>();
+  tail.final_state = fin.data<float>();
+  if (chunked.path == Path::Fast) cuda::chunk_gated_delta_rule(tail, stream);
+  else cuda::recurrent_gated_delta_rule(tail, stream);
+  ds.counters->add(Step::DeltaRule, chunked.path);
+  for (int64_t j = 0; j < P; ++j)
+    DFLASH_CUDA_CHECK(cudaMemcpyAsync(dl.gdn_state + static_cast<int64_t>(ds.host_slots[static_cast<size_t>(from + j)]) * elems,
+                                      fin.data<float>() + j * elems, bytes, cudaMemcpyDeviceToDevice, s));
 }
 
 void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out) {

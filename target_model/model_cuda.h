@@ -128,6 +128,13 @@ struct DecodeStep {
   std::vector<DecodeLayer>* layers = nullptr;  // [num_hidden_layers]
   PathCounters* counters = nullptr;            // the decode steps' launches
   FastPathPlan::DecodeFusion fusion;           // the decode plan's fused kernels (decode / verify steps)
+  // Chunked prefill inside decode steps (generate.h step_tokens): when sequences [piece_from,
+  // num_seqs) are prompt pieces (more than one token each, one of them more than 16) after one-token
+  // decode rows, their delta rule runs the chunked prefill kernel from copies of their slots' states
+  // (written back after) instead of the pool kernel, which walks a sequence's tokens one by one.
+  // -1: none. piece_cu: device [num_seqs - piece_from + 1], rows counted from piece_row0.
+  int64_t piece_from = -1, piece_row0 = 0;
+  const int32_t* piece_cu = nullptr;
 };
 
 // The GatedDeltaNet decode kernels of one layer as the decode plan chose them, counted in
@@ -148,6 +155,10 @@ void run_conv_update(const TargetConfig& c, const LayerWeights& L, const DecodeL
 // sizes as for the prefill kernel); out may be null.
 void run_delta_rule_pool(const DecodeLayer& dl, const cuda::DeltaRuleParams& p, const int32_t* slots, int64_t num_slots,
                          bool update, PathCounters& counters, void* stream);
+// A chunked-prefill step's delta rule (DecodeStep::piece_from >= 0, commit): the decode rows on the pool,
+// the prompt pieces with the chunked kernel (`chunked` = the forward plan's DeltaRule step) from their slots' states.
+void run_delta_rule_pieces(const DecodeLayer& dl, const cuda::DeltaRuleParams& p, const DecodeStep& ds, const StepPlan& chunked,
+                           void* stream);
 
 class CudaTargetModel {
  public:

@@ -161,7 +161,8 @@ TEST(CudaDecoder, PiecesMatchTheCpuReference) {
 
 // Chunked prefill inside decode steps (generate.h step_tokens): one extend of decode rows (T = 1),
 // a fresh slot's prompt piece and a later piece of a started prompt (T > 16: the unfused decode
-// kernels, run eagerly with graphs on) against the CPU reference, then decode steps of all three.
+// kernels with the pieces' delta rule on the chunked kernel from their slots' states, run eagerly
+// with graphs on) against the CPU reference, then decode steps of all three.
 TEST(CudaDecoder, MixedStepsOfDecodeRowsAndPromptPiecesMatchTheCpuReference) {
   DFLASH_REQUIRE_GPU();
   const TargetConfig c = real_dims();
@@ -192,6 +193,8 @@ TEST(CudaDecoder, MixedStepsOfDecodeRowsAndPromptPiecesMatchTheCpuReference) {
   EXPECT_LE(agree.logits, kLogitsBound);
   EXPECT_LE(agree.features, kBf16Bound);
   EXPECT_NE(g.dec->kernels_run().find("a step with a prompt piece"), std::string::npos) << g.dec->kernels_run();
+  // The pieces ran the chunked delta rule from their slots' states (DecodeStep::piece_from).
+  EXPECT_EQ(g.dec->kernels_run().find("delta_rule fast 0 fallback 0"), std::string::npos) << g.dec->kernels_run();
   EXPECT_EQ(g.dec->graph_stats().capture_failures, 0u);
 }
 

@@ -287,6 +287,12 @@ int main(int argc, char** argv) {
     if (dev.is_cuda()) sm_major = cuda_device_info(dev.index).major;
     const Precision precision = resolve_precision(parse_precision(precision_s, "--precision"), cfg);
     report["model"]["precision"] = precision_name(precision);
+    if (cfg.is_moe() && cfg.fp8) {
+      report["model"]["fp8_checkpoint_dequantized"] = true;
+      std::cout << "\n  An FP8 Mixture-of-Experts checkpoint: its e4m3 experts, shared experts and projections are\n"
+                   "  dequantized at load (exact values) and the target runs in bf16; FP8 MoE compute is not built\n"
+                   "  (--precision fp8 is refused).\n";
+    }
     FastPathPlan plan = make_plan(cfg, dev, pol, sm_major, precision);
     report["plan"] = plan.to_json();
     std::cout << "\n== fast-path plan (" << plan.device << ")\n" << plan.table() << "\n  " << plan.summary() << "\n";

@@ -165,6 +165,9 @@ assert m('by_text.h5.json') == m('by_id.h5.json') == m('def.h5.json'), (m('by_te
 assert m('none.h5.json')['stop_tokens'] == []
 PY
   "$data" dump by_text.h5 > by_text.jsonl && "$data" dump by_id.h5 > by_id.jsonl && cmp by_text.jsonl by_id.jsonl || fail "outputs differ"
+  # Chunked prefill inside the decode steps: the same file (the CPU reference computes each row on its own).
+  "$data" regenerate p.h5 --out chunked.h5 "${rg[@]}" --stop-token 4088 --stop-token 4086 --step-tokens 3 > c.txt 2>&1 || { cat c.txt; fail "chunked"; }
+  "$data" dump chunked.h5 > chunked.jsonl && cmp chunked.jsonl by_id.jsonl || fail "chunked prefill changed the output"
   if "$data" regenerate p.h5 --out x.h5 "${rg[@]}" --stop-token '<|im_end|>' > err.txt 2>&1; then fail "text without a tokenizer"; fi
   grep -q "stop-token '<|im_end|>' is text, and there is no tokenizer" err.txt || { cat err.txt; fail "text without a tokenizer: message"; }
   ;;

@@ -113,8 +113,10 @@ void moe_route_logits(const Tensor& logits, int64_t top_k, bool renormalize, Moe
 // Expert parallelism: gate_up / down hold experts [expert_begin, expert_begin + E) of num_experts
 // (0: E, the whole model); choices of the other experts are skipped (another rank runs them), so
 // y is this shard's share of the sum. Returns the (token, expert) pairs this shard ran.
+// fp8_act (W8A8 block FP8, MoeWeights::fp8): each token's x and each SwiGLU output row are quantized
+// per 1 x 128 group (fake_quantize_fp8_act's values) before their products, as FP8 MoE kernels do.
 int64_t moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, const MoeRouting& r, Tensor& y,
-                    int64_t expert_begin = 0, int64_t num_experts = 0);
+                    int64_t expert_begin = 0, int64_t num_experts = 0, bool fp8_act = false);
 // y[n, :] += sigmoid(gate[n, 0]) · x[n, :] (the shared expert behind its gate). y, x [N, D]; gate [N, 1].
 void add_sigmoid_gated(const Tensor& x, const Tensor& gate, Tensor& y);
 

@@ -33,7 +33,7 @@ Precision parse_precision(std::string_view name, const std::string& where) {
 
 Precision resolve_precision(Precision p, const TargetConfig& c) {
   if (p != Precision::Auto) return p;
-  // An MoE target has no FP8 form yet: its FP8 checkpoint runs dequantized (weights.h moe_fp8_precision).
+  // An MoE target's FP8 checkpoint runs dequantized unless fp8 is asked (the GPU has no FP8 MoE block; weights.h).
   return c.fp8 && !c.is_moe() ? Precision::Fp8 : Precision::Bf16;
 }
 

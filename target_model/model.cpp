@@ -150,16 +150,19 @@ void TargetModel::moe(const LayerWeights& L, const Tensor& x, Tensor& out, ops::
     ops::moe_route(x, L.moe.router, c.num_experts_per_tok, c.norm_topk_prob, routing);
   }
   const int64_t El = c.local_num_experts();
-  ops::moe_experts(x, L.moe.experts_gate_up, L.moe.experts_down, routing, out, expert_group() * El, c.num_experts);
+  ops::moe_experts(x, L.moe.experts_gate_up, L.moe.experts_down, routing, out, expert_group() * El, c.num_experts, L.moe.fp8);
   {
     // Load balance: (token, expert) pairs per expert group (every rank sees the whole routing).
     const int32_t* ex = routing.experts.data<int32_t>();
     for (int64_t i = 0; i < routing.experts.numel(); ++i) expert_load_[static_cast<size_t>(ex[i] / El)] += 1;
   }
+  // The shared expert: W8A8 (MoeWeights::fp8) quantizes its projections' inputs per token, 1 x 128.
+  const Tensor xs = L.moe.fp8 ? ops::fake_quantize_fp8_act(x) : x;
   Tensor g = Tensor::empty({N, Is}, DType::F32), u = Tensor::empty({N, Is}, DType::F32);
-  ops::linear(x, L.moe.shared_gate_proj, g);
-  ops::linear(x, L.moe.shared_up_proj, u);
+  ops::linear(xs, L.moe.shared_gate_proj, g);
+  ops::linear(xs, L.moe.shared_up_proj, u);
   ops::swiglu(g, u, g);
+  if (L.moe.fp8) g = ops::fake_quantize_fp8_act(g);
   Tensor shared = Tensor::empty({N, c.hidden_size}, DType::F32), gate = Tensor::empty({N, 1}, DType::F32);
   ops::linear(g, L.moe.shared_down_proj, shared);
   ops::linear(x, L.moe.shared_expert_gate, gate);

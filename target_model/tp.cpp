@@ -277,9 +277,12 @@ TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, 
                         dir << ": " << it->second << " is e4m3 without its weight_scale_inv (or is not a projection)", hint);
     }
   }
-  // An MoE target's FP8 checkpoint runs dequantized: its projections too (moe_fp8_precision).
+  // An MoE target's FP8 checkpoint: its experts and shared experts are read as their (exact) values;
+  // auto runs it in bf16 (moe_fp8_precision), fp8 in W8A8 on the CPU reference (MoeWeights::fp8).
   const Precision run_as = moe_fp8_precision(full, any_fp8, precision, dir);
-  const bool dequantize_all = full.is_moe() && any_fp8;
+  // Run in bf16, every e4m3 tensor is read as its values (no scale slices to align); in fp8 the
+  // dense projections keep their codes and scale slices (tp must cut them on 128-blocks).
+  const bool dequantize_all = full.is_moe() && any_fp8 && run_as != Precision::Fp8;
   const auto specs = specs_by_name(full, shard);
   TargetWeights w = assemble_weights(
       local_config(full, shard.size, shard.ep), dtype, device,
@@ -287,11 +290,13 @@ TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, 
         if (auto pe = per_expert.find(name); pe != per_expert.end() && !by_canonical.count(name))
           return slice_from_per_expert(ckpt, pe->second, specs.at(name));
         const std::string& n = by_canonical.at(name);
-        return extract_slice(dequantize_all ? read_dequantized(ckpt, n) : ckpt.tensor(n), specs.at(name));
+        return extract_slice(dequantize_all || is_fp8_moe_weight(name) ? read_dequantized(ckpt, n) : ckpt.tensor(n),
+                             specs.at(name));
       },
       [&](const std::string& name, const Shape&) {
         return extract_slice(ckpt.tensor(by_canonical.at(name + "_scale_inv")), scale_slice_spec(specs.at(name), shard.size));
       });
+  mark_fp8_moe_layers(w, full, ckpt);
   apply_precision(w, run_as);
   return w;
 }

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -169,12 +170,55 @@ void for_each_projection(TargetWeights& w, const std::function<void(const std::s
       f(p + "self_attn.v_proj.weight", L.attn.v_proj, L.attn.v_proj_scale);
       f(p + "self_attn.o_proj.weight", L.attn.o_proj, L.attn.o_proj_scale);
     }
-    if (L.moe.defined()) continue;  // the MoE block has no FP8 form (yet): apply_precision refuses fp8
+    if (L.moe.defined()) continue;  // the MoE block's FP8 form is MoeWeights::fp8 (apply_moe_precision)
     f(p + "mlp.gate_proj.weight", L.gate_proj, L.gate_proj_scale);
     f(p + "mlp.up_proj.weight", L.up_proj, L.up_proj_scale);
     f(p + "mlp.down_proj.weight", L.down_proj, L.down_proj_scale);
   }
 }
+
+bool TargetWeights::fp8_moe() const {
+  return std::any_of(layers.begin(), layers.end(), [](const LayerWeights& L) { return L.moe.fp8; });
+}
+
+namespace {
+// w (host f32 [rows, cols], or [E, rows, cols] stacked in `parts` row blocks per expert) rounded to
+// e4m3 block values, per matrix of `rows / parts` rows (an expert's gate and up apart).
+void round_to_e4m3_blocks(Tensor& w, int64_t parts) {
+  DFLASH_CHECK(w.device().is_cpu() && w.dtype() == DType::F32 && w.is_contiguous(),
+               "weights: FP8 MoE weights are rounded on host f32 tensors, got " << w.describe());
+  const int64_t cols = w.size(-1), rows = w.numel() / cols, per = rows / parts;
+  for (int64_t m = 0; m < parts; ++m) {
+    Tensor part = Tensor::from_blob(w.data<float>() + m * per * cols, {per, cols}, DType::F32);
+    const Tensor d = ops::dequantize_fp8(ops::quantize_fp8_weight(part));
+    std::memcpy(part.raw_data(), d.raw_data(), d.nbytes());
+  }
+}
+
+// precision fp8 / bf16 on an MoE target's blocks (apply_precision).
+void apply_moe_precision(TargetWeights& w, Precision precision) {
+  for (LayerWeights& L : w.layers) {
+    MoeWeights& m = L.moe;
+    if (!m.defined()) continue;
+    if (precision != Precision::Fp8) {
+      m.fp8 = false;  // bf16: the weights' values stay (an FP8 checkpoint's exact e4m3 values), no activation quantization
+      continue;
+    }
+    DFLASH_REQUIRE_HINT(w.device.is_cpu() && w.dtype == DType::F32,
+                        "precision fp8: the FP8 Mixture-of-Experts block runs on the CPU reference only (the GPU's FP8 "
+                        "MoE kernels are not built; " << w.device.str() << ")",
+                        "run this MoE target in bf16 on GPUs (precision bf16 or auto: an FP8 checkpoint then runs on its "
+                        "dequantized weights)");
+    if (!m.fp8) {  // bf16 / f32 values: rounded as the official checkpoints were made
+      const int64_t E = m.experts_gate_up.size(0);
+      round_to_e4m3_blocks(m.experts_gate_up, 2 * E);
+      round_to_e4m3_blocks(m.experts_down, E);
+      for (Tensor* t : {&m.shared_gate_proj, &m.shared_up_proj, &m.shared_down_proj}) round_to_e4m3_blocks(*t, 1);
+    }
+    m.fp8 = true;
+  }
+}
+}  // namespace
 
 int64_t TargetWeights::fp8_projections() const {
   int64_t n = 0;
@@ -184,11 +228,7 @@ int64_t TargetWeights::fp8_projections() const {
 
 void apply_precision(TargetWeights& w, Precision precision) {
   if (precision == Precision::Auto) return;
-  for (const LayerWeights& L : w.layers)
-    DFLASH_REQUIRE_HINT(precision != Precision::Fp8 || !L.moe.defined(),
-                      "precision fp8: Mixture-of-Experts targets run in bf16 only for now (no FP8 MoE block yet)",
-                      "use precision bf16 (or auto) for this target: an FP8 MoE checkpoint then runs on its "
-                      "dequantized weights");
+  apply_moe_precision(w, precision);
   const bool any_fp8 = w.fp8_projections() > 0;
   if (precision == Precision::Fp8 && any_fp8) return;  // an FP8 checkpoint as stored (its bf16 projections stay)
   for_each_projection(w, [&](const std::string&, Tensor& weight, Tensor& scale) {
@@ -321,9 +361,27 @@ bool is_fp8_moe_weight(const std::string& n) {
 Precision moe_fp8_precision(const TargetConfig& c, bool fp8_checkpoint, Precision requested, const std::string& dir) {
   if (!c.is_moe() || !fp8_checkpoint || requested != Precision::Auto) return requested;
   spdlog::warn("{}: an FP8 Mixture-of-Experts checkpoint runs in bf16 here: its e4m3 experts, shared experts and "
-               "projections are dequantized at load (exact values; no FP8 MoE block yet)",
+               "projections are dequantized at load (exact values); precision fp8 runs them W8A8 on the CPU reference only",
                dir);
   return Precision::Bf16;
+}
+
+void mark_fp8_moe_layers(TargetWeights& w, const TargetConfig& full, const io::SafetensorsIndex& ckpt) {
+  if (!full.is_moe()) return;
+  std::unordered_set<std::string> e4m3;  // canonical names of the e4m3 tensors
+  for (const std::string& n : ckpt.names())
+    if (ckpt.info(n).dtype == DType::F8E4M3) e4m3.insert(canonical_weight_name(n));
+  if (e4m3.empty()) return;
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    const std::string p = layer_prefix(static_cast<int64_t>(i)) + "mlp.";
+    bool all = w.layers[i].moe.defined();
+    for (const char* proj : {"gate", "up", "down"}) {
+      all = all && e4m3.count(p + "shared_expert." + proj + "_proj.weight");
+      for (int64_t e = 0; all && e < full.num_experts; ++e)
+        all = e4m3.count(p + "experts." + std::to_string(e) + "." + proj + "_proj.weight") > 0;
+    }
+    w.layers[i].moe.fp8 = all;
+  }
 }
 
 Tensor read_dequantized(const io::SafetensorsIndex& ckpt, const std::string& name) {
@@ -488,6 +546,7 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
         return is_fp8_moe_weight(name) ? read_dequantized(ckpt, by_canonical.at(name)) : ckpt.tensor(by_canonical.at(name));
       },
       [&](const std::string& name, const Shape&) { return ckpt.tensor(scales.at(name)); });
+  mark_fp8_moe_layers(w, c, ckpt);
   apply_precision(w, moe_fp8_precision(c, n_fp8 > 0, precision, dir));
   return w;
 }

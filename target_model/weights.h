@@ -61,6 +61,12 @@ struct MoeWeights {
   Tensor shared_up_proj;      // (Is, H)
   Tensor shared_down_proj;    // (H, Is)
   Tensor shared_expert_gate;  // (1, H)        mlp.shared_expert_gate.weight
+  // W8A8 block FP8 (precision fp8; the CPU reference only): the experts' and the shared expert's
+  // weights hold e4m3 values times their 128 x 128 block scales (per expert, gate and up apart, as
+  // the official FP8 checkpoints store them), and their inputs are quantized per token in 1 x 128
+  // groups, as vLLM's and SGLang's FP8 MoE kernels run those checkpoints. The router and the shared
+  // expert's gate stay unquantized (the checkpoints do not convert them).
+  bool fp8 = false;
   bool defined() const { return router.defined(); }
 };
 
@@ -85,7 +91,8 @@ struct TargetWeights {
   Device device;
   size_t bytes() const;  // unique bytes held
   int64_t fp8_projections() const;  // how many projections are FP8 (0: a bf16 / f32 target)
-  Precision precision() const { return fp8_projections() > 0 ? Precision::Fp8 : Precision::Bf16; }
+  bool fp8_moe() const;              // MoE blocks in W8A8 block FP8 (MoeWeights::fp8)
+  Precision precision() const { return fp8_projections() > 0 || fp8_moe() ? Precision::Fp8 : Precision::Bf16; }
 };
 
 // Visits every FP8-capable projection of `w` (is_fp8_projection) with its canonical name, its
@@ -96,7 +103,10 @@ void for_each_projection(TargetWeights& w,
 // Applies `precision` to loaded weights: fp8 quantizes every projection when none is FP8 yet
 // (128 x 128 blocks of each tensor as it is held, i.e. of the rank's slice at tp > 1, which are
 // the full tensor's blocks whenever the slice cuts on multiples of 128); bf16 dequantizes FP8
-// projections; auto keeps what was loaded.
+// projections; auto keeps what was loaded. An MoE target's blocks: fp8 rounds the experts' and the
+// shared expert's weights to e4m3 block values (unless they came from an FP8 checkpoint, then they
+// are already) and sets MoeWeights::fp8 — host f32 weights only (the GPU has no FP8 MoE block: refused);
+// bf16 clears it (the values stay).
 void apply_precision(TargetWeights& w, Precision precision);
 
 // One expected tensor: canonical (text-model) name without the "model." prefix, and HF shape.
@@ -116,14 +126,17 @@ bool parse_per_expert_name(const std::string& canonical_name, PerExpertName& out
 
 // FP8 Mixture-of-Experts checkpoints (the official Qwen3.5/3.6-MoE-FP8 layout: every expert's
 // mlp.experts.N.{gate,up,down}_proj.weight and the shared expert's projections in e4m3, each with
-// its 128 x 128 block scales, weight_scale_inv): the MoE block has no FP8 form yet, so these weights
-// are dequantized (code x block scale, exact in f32) where they are read, and the target runs in
-// bf16 (precision auto resolves to bf16 for MoE targets; fp8 is refused).
+// its 128 x 128 block scales, weight_scale_inv): these weights are dequantized (code x block scale,
+// exact in f32) where they are read; precision auto runs the target in bf16 (the GPU has no FP8 MoE
+// block), fp8 in W8A8 block FP8 on the CPU reference (MoeWeights::fp8).
 // True for the shared expert's gate / up / down_proj (the per-expert names: parse_per_expert_name).
 bool is_fp8_moe_weight(const std::string& canonical_name);
 // The precision an MoE target's checkpoint runs in: auto on an FP8 checkpoint resolves to bf16
 // (logged, naming dir); anything else is returned as requested (apply_precision refuses fp8).
 Precision moe_fp8_precision(const TargetConfig& c, bool fp8_checkpoint, Precision requested, const std::string& dir);
+// Sets MoeWeights::fp8 on the MoE layers of `w` whose experts (one tensor each) and shared expert are
+// all e4m3 in `ckpt` (their loaded values are then exact e4m3 block values; `full`: the checkpoint's config).
+void mark_fp8_moe_layers(TargetWeights& w, const TargetConfig& full, const io::SafetensorsIndex& ckpt);
 // Checkpoint tensor `name` as stored, or dequantized to F32 when it is e4m3 (scales: name + "_scale_inv").
 Tensor read_dequantized(const io::SafetensorsIndex& ckpt, const std::string& name);
 

@@ -24,6 +24,7 @@
 #include <fmt/format.h>
 
 #include "core/io/safetensors.h"
+#include "core/random.h"
 #include "core/rng.h"
 #include "kernels/ops.h"
 #include "target_model/decode.h"
@@ -427,10 +428,32 @@ TEST(MoeLayouts, Fp8CheckpointLoadsAsItsDequantizedValues) {
   const Tensor& full_down = ref.model->weights().layers[1].moe.experts_down;
   EXPECT_EQ(max_abs_diff(shard.layers[1].moe.experts_down, full_down.slice(0, E / 2, E)), 0.0);
   EXPECT_EQ(shard.fp8_projections(), 0);
-  // precision fp8 is refused, naming the way out.
-  std::string e = error_of([&] { load_weights(got.cfg, dir, DType::F32, Device::cpu(), Precision::Fp8); });
-  EXPECT_NE(e.find("Mixture-of-Experts targets run in bf16 only for now"), std::string::npos) << e;
-  EXPECT_NE(e.find("dequantized weights"), std::string::npos) << e;
+  // precision fp8 (W8A8 on the CPU reference): the same exact expert values, not rounded again; the
+  // blocks (and the FP8 projections) quantize their inputs, so the forward moves by e4m3's rounding of
+  // the activations, which this random tiny model amplifies layer by layer and which flips the routing
+  // of tokens near a tie (printed).
+  const TargetWeights w8 = load_weights(got.cfg, dir, DType::F32, Device::cpu(), Precision::Fp8);
+  EXPECT_EQ(w8.precision(), Precision::Fp8);
+  EXPECT_FALSE(got.model->weights().fp8_moe());  // auto: bf16, no activation quantization
+  for (size_t l = 0; l < w8.layers.size(); ++l) {
+    const MoeWeights& m = w8.layers[l].moe;
+    EXPECT_TRUE(m.fp8) << "layer " << l;
+    EXPECT_EQ(max_abs_diff(m.experts_gate_up, ref.model->weights().layers[l].moe.experts_gate_up), 0.0) << "layer " << l;
+    EXPECT_EQ(max_abs_diff(m.shared_down_proj, ref.model->weights().layers[l].moe.shared_down_proj), 0.0) << "layer " << l;
+  }
+  TargetModel m8(got.cfg, load_weights(got.cfg, dir, DType::F32, Device::cpu(), Precision::Fp8));
+  const ForwardResult f8 = run_all(m8, {ids}), f16 = run_all(*ref.model, {ids});
+  for (int64_t l = 0; l < 4; ++l) {
+    const std::vector<double> a = to_doubles(f8.layers.at(l)), r = to_doubles(f16.layers.at(l));
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); ++i) num += (a[i] - r[i]) * (a[i] - r[i]), den += r[i] * r[i];
+    const int64_t flips = routing_mismatches(f8.routing.at(l).experts, f16.routing.at(l).experts);
+    std::printf("W8A8 vs bf16 run, layer %lld: relative Frobenius %.3e, %lld of 37 tokens routed otherwise\n",
+                static_cast<long long>(l), std::sqrt(num / den), static_cast<long long>(flips));
+    EXPECT_GT(num, 0.0);
+    EXPECT_LT(std::sqrt(num / den), 0.25) << "layer " << l;  // measured 0.053 .. 0.163 (as the dense FP8 target's kFroBound order)
+  }
+  std::string e;
   // Malformed expert scales are named.
   auto error_loading = [&](const std::string& name, const Tensors& tensors) {
     const std::string d = write_checkpoint(name, cfg, tensors);
@@ -619,7 +642,7 @@ TEST(MoeConfig, RefusesWhatTheReferenceDoesNotRunByName) {
   EXPECT_NE(e.find("'qwen3_next' is not supported"), std::string::npos) << e;
 }
 
-// fp8 and the CUDA backend are refused at load, naming the field; tp and ep are checked (tp.h,
+// fp8 on the GPU is refused at load, naming the field; tp and ep are checked (tp.h,
 // test_tp_layout and the mpi test_tp cover the MoE block across ranks).
 TEST(MoeConfig, RefusesFp8AndTheGpuBackend) {
   const TargetConfig c = TargetConfig::from_json(moe_fields(), "cfg.json");
@@ -627,8 +650,10 @@ TEST(MoeConfig, RefusesFp8AndTheGpuBackend) {
   EXPECT_NO_THROW(check_tp(c, 2, 2));
   std::string e = error_of([&] { check_tp(c, 4); });
   EXPECT_NE(e.find("parallel.tp = 4 does not divide the model's linear_num_key_heads 2"), std::string::npos) << e;
-  e = error_of([&] { random_weights(c, 1, DType::F32, Device::cpu(), Precision::Fp8); });
-  EXPECT_NE(e.find("precision fp8: Mixture-of-Experts targets run in bf16 only"), std::string::npos) << e;
+  // precision fp8 runs the W8A8 MoE block on the CPU reference (MoeFp8.*); bf16 device weights refuse it.
+  EXPECT_TRUE(random_weights(c, 1, DType::F32, Device::cpu(), Precision::Fp8).fp8_moe());
+  e = error_of([&] { random_weights(c, 1, DType::BF16, Device::cpu(), Precision::Fp8); });
+  EXPECT_NE(e.find("the FP8 Mixture-of-Experts block runs on the CPU reference only"), std::string::npos) << e;
   // The GPU plan (bf16) names the MoE kernels (CUDA builds); FP8 MoE is refused by name.
   e = error_of([&] { make_plan(c, Device::cuda(0), KernelPolicies{}, 9, Precision::Fp8); });
   EXPECT_NE(e.find("FP8 MoE layers do not run on the GPU yet"), std::string::npos) << e;
@@ -780,4 +805,63 @@ TEST(MoeOps, MatchTheFormulasInDouble) {
   r.experts.data<int32_t>()[0] = static_cast<int32_t>(E);
   Tensor y2 = Tensor::empty({2, H}, DType::F32);
   EXPECT_NE(error_of([&] { ops::moe_experts(flat, gate_up, down, r, y2); }).find("expert index 6"), std::string::npos);
+}
+
+// W8A8 block FP8 MoE (MoeWeights::fp8, precision fp8 on the CPU reference), op by op:
+// - moe_experts with fp8_act equals a loop written with other ops: per routed (token, expert), the
+//   token's fake_quantize_fp8_act values through gate | up (ops::linear), SwiGLU, its row quantized
+//   again, through down, weighted and summed — within f32 summation order;
+// - random weights at precision fp8: every expert's gate, up and down and the shared expert equal
+//   their own 128 x 128 block rounding (quantize_fp8_weight, then dequantize), per expert and per
+//   half of gate_up; the router and the shared expert's gate are untouched.
+TEST(MoeFp8, ExpertsQuantizeTheirInputsPerTokenGroup) {
+  const int64_t N = 5, H = 160, I = 136, E = 3, k = 2;
+  auto rnd = [](const Shape& s, uint64_t seed, float sd) {
+    Tensor t = Tensor::empty(s, DType::F32);
+    fill_normal(t, {seed, 1, 0}, 0.0f, sd);
+    return t;
+  };
+  const Tensor x = rnd({N, H}, 1, 1.0f), gu = rnd({E, 2 * I, H}, 2, 0.08f), dn = rnd({E, H, I}, 3, 0.08f);
+  ops::MoeRouting r;
+  ops::moe_route(x, rnd({E, H}, 4, 0.1f), k, true, r);
+  Tensor y = Tensor::empty({N, H}, DType::F32);
+  ops::moe_experts(x, gu, dn, r, y, 0, 0, true);
+  const Tensor xq = ops::fake_quantize_fp8_act(x);
+  Tensor want = Tensor::zeros({N, H}, DType::F32);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = r.experts.data<int32_t>()[n * k + j];
+      const Tensor xr = xq.slice(0, n, n + 1).contiguous();
+      Tensor g = Tensor::empty({1, I}, DType::F32), u = Tensor::empty({1, I}, DType::F32), o = Tensor::empty({1, H}, DType::F32);
+      ops::linear(xr, gu.slice(0, e, e + 1).contiguous().view({2 * I, H}).slice(0, 0, I).contiguous(), g);
+      ops::linear(xr, gu.slice(0, e, e + 1).contiguous().view({2 * I, H}).slice(0, I, 2 * I).contiguous(), u);
+      ops::swiglu(g, u, g);
+      ops::linear(ops::fake_quantize_fp8_act(g), dn.slice(0, e, e + 1).contiguous().view({H, I}), o);
+      for (int64_t h = 0; h < H; ++h) want.data<float>()[n * H + h] += r.weights.data<float>()[n * k + j] * o.data<float>()[h];
+    }
+  EXPECT_LT(max_rel_err(y, want), 1e-5);
+  Tensor plain = Tensor::empty({N, H}, DType::F32);
+  ops::moe_experts(x, gu, dn, r, plain);
+  EXPECT_GT(max_rel_err(y, plain), 1e-3);  // the quantization is there
+
+  const TargetConfig c = TargetConfig::from_json(moe_fields(), "cfg.json");
+  const TargetWeights b = random_weights(c, 7, DType::F32, Device::cpu());
+  const TargetWeights q = random_weights(c, 7, DType::F32, Device::cpu(), Precision::Fp8);
+  const int64_t Ie = c.moe_intermediate_size;
+  auto rounded = [](const Tensor& t) { return ops::dequantize_fp8(ops::quantize_fp8_weight(t)); };
+  for (size_t l = 0; l < q.layers.size(); ++l) {
+    const MoeWeights &m = q.layers[l].moe, &o = b.layers[l].moe;
+    EXPECT_TRUE(m.fp8);
+    for (int64_t e = 0; e < c.num_experts; ++e) {
+      const Tensor gu_e = o.experts_gate_up.slice(0, e, e + 1).contiguous().view({2 * Ie, c.hidden_size});
+      const Tensor got = m.experts_gate_up.slice(0, e, e + 1).contiguous().view({2 * Ie, c.hidden_size});
+      EXPECT_EQ(max_abs_diff(got.slice(0, 0, Ie).contiguous(), rounded(gu_e.slice(0, 0, Ie).contiguous())), 0.0) << l << "/" << e;
+      EXPECT_EQ(max_abs_diff(got.slice(0, Ie, 2 * Ie).contiguous(), rounded(gu_e.slice(0, Ie, 2 * Ie).contiguous())), 0.0);
+      EXPECT_EQ(max_abs_diff(m.experts_down.slice(0, e, e + 1).contiguous().view({c.hidden_size, Ie}),
+                             rounded(o.experts_down.slice(0, e, e + 1).contiguous().view({c.hidden_size, Ie}))), 0.0);
+    }
+    EXPECT_EQ(max_abs_diff(m.shared_up_proj, rounded(o.shared_up_proj)), 0.0);
+    EXPECT_EQ(max_abs_diff(m.router, o.router), 0.0);
+    EXPECT_EQ(max_abs_diff(m.shared_expert_gate, o.shared_expert_gate), 0.0);
+  }
 }

@@ -5,7 +5,9 @@
 #include <numeric>
 #include <vector>
 
+#include "core/fp8.h"
 #include "kernels/cpu/common.h"
+#include "kernels/cpu/train_ops.h"
 
 namespace dflash::ops {
 
@@ -67,7 +69,7 @@ void moe_route(const Tensor& x, const Tensor& router, int64_t top_k, bool renorm
 }
 
 int64_t moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, const MoeRouting& r, Tensor& y,
-                    int64_t expert_begin, int64_t num_experts) {
+                    int64_t expert_begin, int64_t num_experts, bool fp8_act) {
   require_host_f32(x, "moe_experts", "x");
   require_host_f32(gate_up, "moe_experts", "gate_up");
   require_host_f32(down, "moe_experts", "down");
@@ -102,7 +104,8 @@ int64_t moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, 
     hits[static_cast<size_t>(e)].push_back(i);
     ++ran;
   }
-  const float* X = x.data<float>();
+  const Tensor xq = fp8_act ? fake_quantize_fp8_act(x) : Tensor();  // W8A8: the tokens' quantized values
+  const float* X = fp8_act ? xq.data<float>() : x.data<float>();
   const float* GU = gate_up.data<float>();
   const float* D = down.data<float>();
   float* Y = y.data<float>();
@@ -115,6 +118,7 @@ int64_t moe_experts(const Tensor& x, const Tensor& gate_up, const Tensor& down, 
       const int64_t n = i / k;
       const float* xr = X + n * H;
       for (int64_t c = 0; c < I; ++c) act[c] = detail::silu(dot(xr, gu + c * H, H)) * dot(xr, gu + (I + c) * H, H);
+      if (fp8_act) cpu::fake_quantize_e4m3(act.data(), 1, I, 1, fp8::kBlock);
       const float w = wt[i];
       for (int64_t h = 0; h < H; ++h) Y[n * H + h] += dot(act.data(), dn + h * I, I) * w;
     }

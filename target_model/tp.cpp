@@ -224,6 +224,24 @@ Tensor slice_from_per_expert(const io::SafetensorsIndex& ckpt, const std::map<st
 }
 }  // namespace
 
+namespace {
+// W8A8 MoE (precision fp8) quantizes each expert's and the shared expert's SwiGLU output per 1 x 128
+// group and holds their weights in 128 x 128 blocks: a rank's slice of those widths must fall on them.
+void check_moe_fp8_slices(const TargetConfig& full, const TpShard& shard, Precision precision) {
+  if (!full.is_moe() || precision != Precision::Fp8 || shard.size == 1) return;
+  const TargetConfig l = local_config(full, shard.size, shard.ep);
+  const std::pair<const char*, std::pair<int64_t, int64_t>> widths[] = {
+      {"moe_intermediate_size", {full.moe_intermediate_size, l.moe_intermediate_size}},
+      {"shared_expert_intermediate_size", {full.shared_expert_intermediate_size, l.shared_expert_intermediate_size}}};
+  for (const auto& [name, w] : widths)
+    DFLASH_REQUIRE_HINT(w.first == w.second || w.second % fp8::kBlock == 0,
+                        "tp = " << shard.size << ", ep = " << shard.ep << ": precision fp8 (W8A8 MoE) needs each rank's slice of "
+                                << name << " " << w.first << " to fall on 128-wide blocks, but it is " << w.second,
+                        "use a tp / ep whose slices are multiples of 128 (ep = tp keeps experts whole), or run this MoE "
+                        "target in bf16");
+}
+}  // namespace
+
 TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, DType dtype, Device device,
                               const TpShard& shard, Precision precision) {
   if (shard.size == 1) return load_weights(full, dir, dtype, device, precision);
@@ -280,6 +298,7 @@ TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, 
   // An MoE target's FP8 checkpoint: its experts and shared experts are read as their (exact) values;
   // auto runs it in bf16 (moe_fp8_precision), fp8 in W8A8 on the CPU reference (MoeWeights::fp8).
   const Precision run_as = moe_fp8_precision(full, any_fp8, precision, dir);
+  check_moe_fp8_slices(full, shard, run_as);
   // Run in bf16, every e4m3 tensor is read as its values (no scale slices to align); in fp8 the
   // dense projections keep their codes and scale slices (tp must cut them on 128-blocks).
   const bool dequantize_all = full.is_moe() && any_fp8 && run_as != Precision::Fp8;
@@ -303,6 +322,7 @@ TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, 
 
 TargetWeights random_weights_tp(const TargetConfig& full, uint64_t seed, DType dtype, Device device,
                                 const TpShard& shard, Precision precision) {
+  check_moe_fp8_slices(full, shard, precision);
   const auto specs = specs_by_name(full, shard);
   const TargetConfig local = local_config(full, shard.size, shard.ep);
   TargetWeights w = assemble_weights(local, dtype, device, [&](const std::string& name, const Shape& shape) {

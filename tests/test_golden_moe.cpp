@@ -654,6 +654,12 @@ TEST(MoeConfig, RefusesFp8AndTheGpuBackend) {
   EXPECT_TRUE(random_weights(c, 1, DType::F32, Device::cpu(), Precision::Fp8).fp8_moe());
   e = error_of([&] { random_weights(c, 1, DType::BF16, Device::cpu(), Precision::Fp8); });
   EXPECT_NE(e.find("the FP8 Mixture-of-Experts block runs on the CPU reference only"), std::string::npos) << e;
+  // W8A8 across ranks: each rank's slice of the expert / shared widths must fall on 128-blocks.
+  e = error_of([&] { random_weights_tp(c, 1, DType::F32, Device::cpu(), TpShard{0, 2, 1}, Precision::Fp8); });
+  EXPECT_NE(e.find("needs each rank's slice of moe_intermediate_size 32 to fall on 128-wide blocks, but it is 16"),
+            std::string::npos) << e;
+  e = error_of([&] { random_weights_tp(c, 1, DType::F32, Device::cpu(), TpShard{0, 2, 2}, Precision::Fp8); });
+  EXPECT_NE(e.find("shared_expert_intermediate_size 48 to fall on 128-wide blocks, but it is 24"), std::string::npos) << e;
   // The GPU plan (bf16) names the MoE kernels (CUDA builds); FP8 MoE is refused by name.
   e = error_of([&] { make_plan(c, Device::cuda(0), KernelPolicies{}, 9, Precision::Fp8); });
   EXPECT_NE(e.find("FP8 MoE layers do not run on the GPU yet"), std::string::npos) << e;

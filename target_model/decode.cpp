@@ -121,7 +121,14 @@ class CpuDecoder final : public Decoder {
   }
 
   Device device() const override { return Device::cpu(); }
-  std::string describe() const override { return "cpu reference (f32)"; }
+  std::string describe() const override {
+    // f32 arithmetic; an FP8 target's projections and MoE blocks on e4m3 values with quantized inputs.
+    const TargetWeights& w = model_.weights();
+    return w.precision() == Precision::Fp8
+               ? std::string("cpu reference (f32; fp8: ") + (w.fp8_projections() > 0 ? "block-FP8 projections" : "") +
+                     (w.fp8_projections() > 0 && w.fp8_moe() ? ", " : "") + (w.fp8_moe() ? "W8A8 MoE blocks" : "") + ")"
+               : "cpu reference (f32)";
+  }
 
  private:
   struct LayerState {

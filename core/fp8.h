@@ -24,6 +24,9 @@ inline constexpr int64_t kBlock = 128;          // weight blocks kBlock x kBlock
 inline constexpr float kAmaxFloor = 1e-10f;     // transformers' per_token_group_quant_fp8 eps
 inline constexpr uint8_t kE4m3NaN = 0x7F;
 
+// The 128-wide blocks (or activation groups) that cover n rows or columns, the last one partial.
+DFLASH_FP8_HD constexpr int64_t blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
+
 // The value of an e4m3 code (exact in f32).
 DFLASH_FP8_HD float e4m3_to_float(uint8_t v) {
   const uint32_t sign = v >> 7, exp = (v >> 3) & 0xF, man = v & 0x7;

@@ -173,7 +173,7 @@ std::map<std::string, SliceSpec> specs_by_name(const TargetConfig& full, const T
 
 SliceSpec scale_slice_spec(const SliceSpec& w, int tp) {
   constexpr int64_t B = fp8::kBlock;
-  auto blocks = [](int64_t n) { return (n + B - 1) / B; };
+  using fp8::blocks;
   SliceSpec s{w.name + "_scale_inv", {blocks(w.full[0]), blocks(w.full[1])}, {blocks(w.local[0]), blocks(w.local[1])},
               w.dim, {}};
   if (w.dim < 0) return s;
@@ -265,9 +265,8 @@ TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, 
   bool any_fp8 = false;
   // An e4m3 MoE weight (an FP8 MoE checkpoint; dequantized when read) needs its scales, shaped per 128 x 128 block.
   auto scales_ok = [&](const std::string& n, const Shape& shape) {
-    constexpr int64_t B = fp8::kBlock;
     const auto it = by_canonical.find(canonical_weight_name(n) + "_scale_inv");
-    return it != by_canonical.end() && ckpt.info(it->second).shape == Shape{(shape[0] + B - 1) / B, (shape[1] + B - 1) / B};
+    return it != by_canonical.end() && ckpt.info(it->second).shape == Shape{fp8::blocks(shape[0]), fp8::blocks(shape[1])};
   };
   for (const TensorSpec& t : expected_tensors(full)) {
     if (auto pe = per_expert.find(t.name); pe != per_expert.end() && !by_canonical.count(t.name)) {

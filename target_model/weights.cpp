@@ -94,7 +94,7 @@ void finish(const TargetConfig& c, TargetWeights& w, DType dtype, Device device)
   w.device = device;
 }
 
-int64_t blocks(int64_t n) { return (n + fp8::kBlock - 1) / fp8::kBlock; }
+using fp8::blocks;
 
 // Stores an FP8 projection from host codes and scale in the layout of weights.h.
 void place_fp8(Tensor& weight, Tensor& scale, const Tensor& codes, const Tensor& scale_in, DType dtype, Device device) {
@@ -419,6 +419,28 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
     ++n_problems;
   };
   for (const std::string& d : duplicated) problem("duplicate: " + d);
+  // The block scales of the e4m3 weight `weight` (checkpoint name; canonical `canon`, HF shape `shape`):
+  // present, one per 128 x 128 block, F32 or BF16. False (the problems noted) otherwise.
+  auto check_scales = [&](const std::string& canon, const std::string& weight, const Shape& shape) {
+    const Shape want{blocks(shape[0]), blocks(shape[1])};
+    const auto sc = scales.find(canon);
+    if (sc == scales.end()) {
+      problem("missing: " + scale_name(canon) + " " + shape_str(want) + " (the block scales of the e4m3 " + weight + ")");
+      return false;
+    }
+    const io::TensorInfo& si = ckpt.info(sc->second);
+    bool ok = true;
+    if (si.shape != want) {
+      problem("wrong shape: " + sc->second + " is " + shape_str(si.shape) + ", expected " + shape_str(want) +
+              " (one scale per 128 x 128 block of " + shape_str(shape) + ")");
+      ok = false;
+    }
+    if (si.dtype != DType::F32 && si.dtype != DType::BF16) {
+      problem(sc->second + " is " + dtype_name(si.dtype) + "; block scales are F32 (or BF16)");
+      ok = false;
+    }
+    return ok;
+  };
   // A layer's experts stored one tensor per expert become the fused tensors of expected_tensors.
   std::map<std::string, std::vector<std::string>> stacked;  // fused canonical name -> pieces in order
   std::set<std::string> per_expert_layout;                  // fused names a layer's per-expert tensors stand for
@@ -464,17 +486,7 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
         if (sc != scales.end()) expert_scales.insert(want);
         if (info.dtype == DType::F8E4M3) {  // an FP8 MoE checkpoint: dequantized when stacked
           ++n_fp8;
-          const Shape ss{blocks(shape[0]), blocks(shape[1])};
-          if (sc == scales.end()) {
-            problem("missing: " + scale_name(it->second) + " " + shape_str(ss) + " (the block scales of the e4m3 " + it->second + ")");
-            complete = false;
-          } else if (ckpt.info(sc->second).shape != ss || (ckpt.info(sc->second).dtype != DType::F32 &&
-                                                           ckpt.info(sc->second).dtype != DType::BF16)) {
-            problem("wrong shape or dtype: " + sc->second + " is " + dtype_name(ckpt.info(sc->second).dtype) + " " +
-                    shape_str(ckpt.info(sc->second).shape) + ", expected f32 (or bf16) " + shape_str(ss) +
-                    " (one scale per 128 x 128 block)");
-            complete = false;
-          }
+          complete = check_scales(want, it->second, shape) && complete;
         } else if (sc != scales.end()) {
           problem("unexpected: " + sc->second + " (its weight is " + dtype_name(info.dtype) + ", not e4m3)");
         }
@@ -510,17 +522,7 @@ TargetWeights load_weights(const TargetConfig& c, const std::string& dir, DType 
     }
     if (not_converted(c, it->second))
       problem(it->second + " is stored as F8_E4M3, but quantization_config.modules_to_not_convert lists it");
-    const Shape want{blocks(spec.shape[0]), blocks(spec.shape[1])};
-    if (sc == scales.end()) {
-      problem("missing: " + scale_name(spec.name) + " " + shape_str(want) + " (the block scales of the e4m3 " + it->second + ")");
-      continue;
-    }
-    const io::TensorInfo& si = ckpt.info(sc->second);
-    if (si.shape != want)
-      problem("wrong shape: " + sc->second + " is " + shape_str(si.shape) + ", expected " + shape_str(want) +
-              " (one scale per 128 x 128 block of " + shape_str(spec.shape) + ")");
-    if (si.dtype != DType::F32 && si.dtype != DType::BF16)
-      problem(sc->second + " is " + dtype_name(si.dtype) + "; block scales are F32 (or BF16)");
+    check_scales(spec.name, it->second, spec.shape);
   }
   for (const auto& [canon, name] : by_canonical) {
     // A tied checkpoint may still carry lm_head.weight; it must then equal the embedding's shape.

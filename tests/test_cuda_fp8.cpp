@@ -52,7 +52,7 @@ constexpr uint8_t kPoisonCode = 0xAB;
 
 uint64_t g_stream = 7000;  // a fresh RNG stream for every drawn tensor
 
-int64_t blocks(int64_t n) { return (n + fp8::kBlock - 1) / fp8::kBlock; }
+using fp8::blocks;
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 cu::Stream stream() { return DeviceContext::get(0).stream(); }
 void device_sync() { DeviceContext::get(0).synchronize(); }

@@ -464,12 +464,15 @@ TEST(MoeLayouts, Fp8CheckpointLoadsAsItsDequantizedValues) {
   Tensors t = fp8;
   std::erase_if(t, [](const auto& p) { return p.first == "model.layers.2.mlp.experts.5.up_proj.weight_scale_inv"; });
   e = error_loading("fp8_noscale", t);
-  EXPECT_NE(e.find("missing: model.layers.2.mlp.experts.5.up_proj.weight_scale_inv [1, 1]"), std::string::npos) << e;
+  EXPECT_NE(e.find("missing: layers.2.mlp.experts.5.up_proj.weight_scale_inv [1, 1] (the block scales of the e4m3 "
+                   "model.layers.2.mlp.experts.5.up_proj.weight)"),
+            std::string::npos) << e;
   t = fp8;
   for (auto& [n, x] : t)
     if (n == "model.layers.0.mlp.experts.1.down_proj.weight_scale_inv") x = Tensor::zeros({2, 1}, DType::F32);
   e = error_loading("fp8_badscale", t);
-  EXPECT_NE(e.find("model.layers.0.mlp.experts.1.down_proj.weight_scale_inv is f32 [2, 1], expected f32 (or bf16) [1, 1]"),
+  EXPECT_NE(e.find("wrong shape: model.layers.0.mlp.experts.1.down_proj.weight_scale_inv is [2, 1], expected [1, 1] "
+                   "(one scale per 128 x 128 block of [64, 32])"),
             std::string::npos) << e;
   t = fp8;
   for (auto& [n, x] : t)

@@ -13,7 +13,7 @@ namespace dflash::ops {
 
 namespace {
 
-int64_t blocks(int64_t n) { return (n + fp8::kBlock - 1) / fp8::kBlock; }
+using fp8::blocks;
 
 Tensor host_f32_2d(const Tensor& t, const char* op) {
   DFLASH_CHECK(t.defined() && t.device().is_cpu() && t.dim() == 2 && dtype_is_float(t.dtype()),

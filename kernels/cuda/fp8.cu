@@ -54,7 +54,6 @@ constexpr int kBlockUnits = fp8::kBlock / kUnit;       // 16 units across a 128-
 constexpr int kWeightRowsPerPass = kThreads / kBlockUnits;            // 16
 constexpr int kWeightPasses = fp8::kBlock / kWeightRowsPerPass;       // 8
 
-int64_t blocks_of(int64_t n) { return (n + fp8::kBlock - 1) / fp8::kBlock; }
 __device__ __forceinline__ float unit_amax(const float (&v)[kUnit]) {
   float a = 0.0f;
 #pragma unroll
@@ -316,7 +315,7 @@ int64_t act_scale_ld(int64_t M) { return (M + 3) / 4 * 4; }
 
 template <class Source>
 void launch_act(const Source& src, uint8_t* q, int64_t ldq, float* scale, int64_t M, int64_t K, cudaStream_t st) {
-  const int64_t G = blocks_of(K);
+  const int64_t G = fp8::blocks(K);
   const auto kernel = quantize_act_kernel<Source>;
   const unsigned grid = persistent_grid(reinterpret_cast<const void*>(kernel), kThreads, 0, 0, M * G, kGroupsPerBlock);
   kernel<<<grid, kThreads, 0, st>>>(src, q, ldq, scale, act_scale_ld(M), static_cast<int>(M), static_cast<int>(K),
@@ -326,7 +325,7 @@ void launch_act(const Source& src, uint8_t* q, int64_t ldq, float* scale, int64_
 
 // The checks every fused producer shares: its quantized output [M, K] (row stride ldq) and scales.
 void check_quant_output(const char* who, const uint8_t* q, int64_t ldq, const float* scale, int64_t M, int64_t K) {
-  DFLASH_CHECK(K > 0 && K % 16 == 0 && ldq >= K && M * ldq < (int64_t{1} << 31) && M * blocks_of(K) < (int64_t{1} << 31),
+  DFLASH_CHECK(K > 0 && K % 16 == 0 && ldq >= K && M * ldq < (int64_t{1} << 31) && M * fp8::blocks(K) < (int64_t{1} << 31),
                who << ": need K > 0 a multiple of 16, ldq >= K and M * ldq < 2^31, got M=" << M << " K=" << K
                    << " ldq=" << ldq);
   DFLASH_CHECK(q != nullptr && scale != nullptr,
@@ -342,7 +341,7 @@ void check_quant_output(const char* who, const uint8_t* q, int64_t ldq, const fl
 int64_t fp8_act_scale_ld(int64_t M) { return act_scale_ld(M); }
 
 size_t fp8_act_scale_elems(int64_t M, int64_t K) {
-  return static_cast<size_t>(blocks_of(K)) * static_cast<size_t>(fp8_act_scale_ld(M));
+  return static_cast<size_t>(fp8::blocks(K)) * static_cast<size_t>(fp8_act_scale_ld(M));
 }
 
 void quantize_fp8_act(const Fp8ActQuantParams& p, Stream s) {
@@ -351,7 +350,7 @@ void quantize_fp8_act(const Fp8ActQuantParams& p, Stream s) {
   DFLASH_CHECK(p.ldx >= p.K && p.ldq >= p.K,
                "quantize_fp8_act: row strides ldx=" << p.ldx << " ldq=" << p.ldq << " are smaller than K=" << p.K);
   if (p.M == 0) return;
-  const int64_t G = blocks_of(p.K);
+  const int64_t G = fp8::blocks(p.K);
   DFLASH_CHECK(p.M * G < (int64_t{1} << 31) && p.M * p.ldx < (int64_t{1} << 31) && p.M * p.ldq < (int64_t{1} << 31),
                "quantize_fp8_act: M=" << p.M << " x ld=" << std::max(p.ldx, p.ldq)
                                       << " is too large for this kernel's 32-bit indexing");
@@ -372,8 +371,8 @@ void quantize_fp8_weight(const void* w_bf16, int64_t N, int64_t K, uint8_t* q, f
                          Stream s) {
   DFLASH_CHECK(N >= 0 && K > 0 && K % 16 == 0,
                "quantize_fp8_weight: need N >= 0 and K > 0 a multiple of 16, got N=" << N << " K=" << K);
-  DFLASH_CHECK(ld_scale >= blocks_of(K), "quantize_fp8_weight: ld_scale=" << ld_scale << " is smaller than ceil(K/128)="
-                                                                          << blocks_of(K) << " (K=" << K << ")");
+  DFLASH_CHECK(ld_scale >= fp8::blocks(K), "quantize_fp8_weight: ld_scale=" << ld_scale << " is smaller than ceil(K/128)="
+                                                                          << fp8::blocks(K) << " (K=" << K << ")");
   if (N == 0) return;
   DFLASH_CHECK(w_bf16 != nullptr && q != nullptr && scale_inv != nullptr,
                "quantize_fp8_weight: null pointer (w=" << w_bf16 << " q=" << static_cast<const void*>(q)
@@ -382,8 +381,8 @@ void quantize_fp8_weight(const void* w_bf16, int64_t N, int64_t K, uint8_t* q, f
                     "quantize_fp8_weight: w and q must be 16-byte aligned, got w=" << w_bf16
                                                                                    << " q=" << static_cast<const void*>(q),
                     "pass whole tensors (device allocations are aligned), not views at odd offsets");
-  DFLASH_CHECK(blocks_of(N) < 65536, "quantize_fp8_weight: N=" << N << " has more than 65535 row blocks");
-  const dim3 grid(static_cast<unsigned>(blocks_of(K)), static_cast<unsigned>(blocks_of(N)));
+  DFLASH_CHECK(fp8::blocks(N) < 65536, "quantize_fp8_weight: N=" << N << " has more than 65535 row blocks");
+  const dim3 grid(static_cast<unsigned>(fp8::blocks(K)), static_cast<unsigned>(fp8::blocks(N)));
   quantize_weight_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(s)>>>(static_cast<const bf16*>(w_bf16), N, K,
                                                                              q, scale_inv, ld_scale);
   DFLASH_CUDA_CHECK_LAST();

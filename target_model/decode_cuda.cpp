@@ -270,7 +270,7 @@ class CudaDecoder final : public Decoder {
     // Chunked prefill (generate.h step_tokens): prompt pieces after the decode rows run the chunked
     // delta rule from their slots' states (DecodeStep::piece_from), not the pool kernel token by token.
     std::vector<int32_t> piece_cu;
-    if (!step.prefill && opt.commit && step.max_new > 16) {
+    if (!step.prefill && opt.commit && step.max_new > kMaxVerifyTokens) {
       int64_t from = S;
       while (from > 0 && tokens[static_cast<size_t>(from - 1)].size() > 1) --from;
       bool decode_rows_first = true;
@@ -406,7 +406,7 @@ class CudaDecoder final : public Decoder {
     if (!step.prefill && plan_.cuda_graphs) {
       if (model_.profiling()) eager_why = "an op profiler is set";
       else if (model_.tensor_parallel()) eager_why = "tensor parallelism (the all-reduces are not captured)";
-      else if (step.max_new > 16)  // chunked prefill (generate.h step_tokens): shapes rarely repeat
+      else if (step.max_new > kMaxVerifyTokens)  // chunked prefill (generate.h step_tokens): shapes rarely repeat
         eager_why = "a step with a prompt piece (> 16 tokens of a slot; not captured)";
       else {
         int64_t splits = 2;

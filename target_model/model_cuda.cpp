@@ -348,7 +348,7 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
 
   DecodeStep* ds = decode_;
   DecodeLayer* dl = ds ? &(*ds->layers)[static_cast<size_t>(i)] : nullptr;
-  if (ds && !ds->prefill && ds->fusion.gdn_chain && ds->max_new <= 16 && !f.out.fp8()) {
+  if (ds && !ds->prefill && ds->fusion.gdn_chain && ds->max_new <= kMaxVerifyTokens && !f.out.fp8()) {
     // The fused chain (gdn.h gdn_decode_fused): conv update .. gated RMSNorm in one kernel, the
     // unfused kernels' values bit for bit; a verify also keeps what commit re-runs.
     Tensor normed = device_bf16({N, V}, device_);
@@ -479,12 +479,7 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
     if (ds)
       dp.final_state = prefill_.in_place ? dl->gdn_state + static_cast<int64_t>(prefill_.first_slot) * state_elems
                                          : prefill_.state.data<float>();
-    const StepPlan& dr_step = lp.step(Step::DeltaRule);
-    timed(ForwardOp::DeltaRule, [&] {
-      if (dr_step.path == Path::Fast) cuda::chunk_gated_delta_rule(dp, stream_);
-      else cuda::recurrent_gated_delta_rule(dp, stream_);
-    });
-    counters_.add(Step::DeltaRule, dr_step.path);
+    timed(ForwardOp::DeltaRule, [&] { run_delta_rule(dp, lp.step(Step::DeltaRule), counters_, stream_); });
     if (ds && !prefill_.in_place)
       timed(ForwardOp::DeltaRule, [&] {
         for (const auto& [s0, count] : prefill_.runs)
@@ -564,6 +559,12 @@ void run_delta_rule_pool(const DecodeLayer& dl, const cuda::DeltaRuleParams& p, 
   counters.add(Step::DeltaRulePool, st.path);
 }
 
+void run_delta_rule(const cuda::DeltaRuleParams& p, const StepPlan& st, PathCounters& counters, void* stream) {
+  if (st.path == Path::Fast) cuda::chunk_gated_delta_rule(p, stream);
+  else cuda::recurrent_gated_delta_rule(p, stream);
+  counters.add(Step::DeltaRule, st.path);
+}
+
 void run_delta_rule_pieces(const DecodeLayer& dl, const cuda::DeltaRuleParams& p, const DecodeStep& ds, const StepPlan& chunked,
                            void* stream) {
   const int64_t from = ds.piece_from, row0 = ds.piece_row0, P = p.num_seqs - from;
@@ -601,9 +602,7 @@ void run_delta_rule_pieces(const DecodeLayer& dl, const cuda::DeltaRuleParams& p
   tail.N = p.N - row0;
   tail.initial_state = init.data<float>();
   tail.final_state = fin.data<float>();
-  if (chunked.path == Path::Fast) cuda::chunk_gated_delta_rule(tail, stream);
-  else cuda::recurrent_gated_delta_rule(tail, stream);
-  ds.counters->add(Step::DeltaRule, chunked.path);
+  run_delta_rule(tail, chunked, *ds.counters, stream);
   for (int64_t j = 0; j < P; ++j)
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(dl.gdn_state + static_cast<int64_t>(ds.host_slots[static_cast<size_t>(from + j)]) * elems,
                                       fin.data<float>() + j * elems, bytes, cudaMemcpyDeviceToDevice, s));

@@ -107,6 +107,10 @@ struct DecodeLayer {
   Tensor proj, conv, q, k, g, beta;
   int64_t proj_ld = 0;
 };
+// The most tokens of one slot a decode / verify step carries (a verify block; what the fused
+// GatedDeltaNet chain serves). A step with more is a chunked prefill's prompt piece (generate.h).
+inline constexpr int64_t kMaxVerifyTokens = 16;
+
 struct DecodeStep {
   // Prompts into empty slots (every slot of the extend at length 0, commit = true; any number of
   // slots and prompt lengths): the forward's kernels once over the packed varlen batch (causal conv,
@@ -155,6 +159,9 @@ void run_conv_update(const TargetConfig& c, const LayerWeights& L, const DecodeL
 // sizes as for the prefill kernel); out may be null.
 void run_delta_rule_pool(const DecodeLayer& dl, const cuda::DeltaRuleParams& p, const int32_t* slots, int64_t num_slots,
                          bool update, PathCounters& counters, void* stream);
+// The forward's gated delta rule over p's sequences (from p.initial_state, into p.final_state when
+// set): the chunked kernel or its recurrent fallback, as the plan's DeltaRule step `st` says; counted.
+void run_delta_rule(const cuda::DeltaRuleParams& p, const StepPlan& st, PathCounters& counters, void* stream);
 // A chunked-prefill step's delta rule (DecodeStep::piece_from >= 0, commit): the decode rows on the pool,
 // the prompt pieces with the chunked kernel (`chunked` = the forward plan's DeltaRule step) from their slots' states.
 void run_delta_rule_pieces(const DecodeLayer& dl, const cuda::DeltaRuleParams& p, const DecodeStep& ds, const StepPlan& chunked,

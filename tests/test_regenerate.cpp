@@ -79,27 +79,48 @@ std::map<uint64_t, GenResult> run(const std::vector<GenRequest>& reqs, const Gen
   return out;
 }
 
+// The batching tests' requests (11 prompts of 1-36 tokens) and each one's tokens decoded alone
+// (max_new 9, slots of 64 tokens), made once for the file.
+constexpr int64_t kMaxNew = 9, kMaxLen = 64;
+struct AloneOracle {
+  std::vector<GenRequest> reqs;
+  std::vector<std::vector<int32_t>> want;
+};
+const AloneOracle& alone_oracle() {
+  static const AloneOracle o = [] {
+    AloneOracle x;
+    x.reqs = requests(11, tiny().cfg.vocab_size);
+    for (const GenRequest& r : x.reqs) x.want.push_back(alone(r.prompt, kMaxNew, kMaxLen));
+    return x;
+  }();
+  return o;
+}
+
+// Every request of the oracle came back, in its place, run to max_new, with the tokens of decoding it alone.
+void expect_alone(const std::map<uint64_t, GenResult>& got, const std::string& what) {
+  const AloneOracle& o = alone_oracle();
+  ASSERT_EQ(got.size(), o.reqs.size()) << what;
+  for (size_t i = 0; i < o.reqs.size(); ++i) {
+    const GenResult& g = got.at(o.reqs[i].id);
+    EXPECT_EQ(g.index, i) << what;
+    EXPECT_FALSE(g.stopped) << what;
+    EXPECT_EQ(g.tokens, o.want[i]) << "request " << i << ", " << what;
+  }
+}
+
 }  // namespace
 
 TEST(Generate, AnySlotsAndPrefillBudgetEqualDecodingEachPromptAlone) {
-  const int64_t V = tiny().cfg.vocab_size, max_new = 9, max_len = 64;
-  const std::vector<GenRequest> reqs = requests(11, V);
-  std::vector<std::vector<int32_t>> want;
-  for (const GenRequest& r : reqs) want.push_back(alone(r.prompt, max_new, max_len));
+  const int64_t max_new = kMaxNew, max_len = kMaxLen;
+  const std::vector<GenRequest>& reqs = alone_oracle().reqs;
   for (int64_t slots : {1, 3, 16})
     for (int64_t budget : {1, 50, 100000}) {
       GenerateConfig gc;
       gc.max_new_tokens = max_new;
       gc.prefill_tokens = budget;
       GenStats st;
-      const auto got = run(reqs, gc, slots, max_len, &st);
-      ASSERT_EQ(got.size(), reqs.size());
-      for (size_t i = 0; i < reqs.size(); ++i) {
-        const GenResult& g = got.at(reqs[i].id);
-        EXPECT_EQ(g.index, i);
-        EXPECT_FALSE(g.stopped);
-        EXPECT_EQ(g.tokens, want[i]) << "request " << i << ", slots " << slots << ", prefill budget " << budget;
-      }
+      expect_alone(run(reqs, gc, slots, max_len, &st),
+                   "slots " + std::to_string(slots) + ", prefill budget " + std::to_string(budget));
       EXPECT_EQ(st.sequences, 11);
       EXPECT_EQ(st.generated, 11 * max_new);
       EXPECT_LE(st.occupancy(), static_cast<double>(slots));
@@ -113,10 +134,8 @@ TEST(Generate, AnySlotsAndPrefillBudgetEqualDecodingEachPromptAlone) {
 // step, below and above a prompt's length) and mixed with other sequences' decode rows give each
 // prompt the tokens of decoding it alone; small budgets starve no prompt (it waits for decodes to end).
 TEST(Generate, ChunkedPrefillInsideDecodeStepsEqualsDecodingEachPromptAlone) {
-  const int64_t V = tiny().cfg.vocab_size, max_new = 9, max_len = 64;
-  const std::vector<GenRequest> reqs = requests(11, V);
-  std::vector<std::vector<int32_t>> want;
-  for (const GenRequest& r : reqs) want.push_back(alone(r.prompt, max_new, max_len));
+  const int64_t max_new = kMaxNew, max_len = kMaxLen;
+  const std::vector<GenRequest>& reqs = alone_oracle().reqs;
   int64_t mixed = 0;
   for (int64_t slots : {1, 3, 16})
     for (int64_t budget : {1, 2, 7, 64}) {
@@ -124,10 +143,8 @@ TEST(Generate, ChunkedPrefillInsideDecodeStepsEqualsDecodingEachPromptAlone) {
       gc.max_new_tokens = max_new;
       gc.step_tokens = budget;
       GenStats st;
-      const auto got = run(reqs, gc, slots, max_len, &st);
-      ASSERT_EQ(got.size(), reqs.size());
-      for (size_t i = 0; i < reqs.size(); ++i)
-        EXPECT_EQ(got.at(reqs[i].id).tokens, want[i]) << "request " << i << ", slots " << slots << ", step tokens " << budget;
+      expect_alone(run(reqs, gc, slots, max_len, &st),
+                   "slots " + std::to_string(slots) + ", step tokens " + std::to_string(budget));
       int64_t prompt_tokens = 0;
       for (const GenRequest& r : reqs) prompt_tokens += static_cast<int64_t>(r.prompt.size());
       EXPECT_EQ(st.prompt_tokens, prompt_tokens);

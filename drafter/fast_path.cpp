@@ -50,9 +50,34 @@ void check_cuda_drafter_sizes(const DrafterConfig& c) {
 
 bool cuda_drafter_gemm_unaligned(const DrafterConfig& c) { return c.intermediate_size % 8 != 0; }
 
+void check_fp8_drafter_sizes(const DrafterConfig& c) {
+  std::string bad;
+  if (c.hidden_size % 128 != 0)
+    bad += fmt::format("\n  hidden_size {} (the target's; the drafter shares its embedding and LM head)", c.hidden_size);
+  if (c.q_dim() % 128 != 0)
+    bad += fmt::format("\n  q_dim {} = num_attention_heads {} x head_dim {}", c.q_dim(), c.num_attention_heads, c.head_dim);
+  if (c.kv_dim() % 128 != 0)
+    bad += fmt::format("\n  kv_dim {} = num_key_value_heads {} x head_dim {}", c.kv_dim(), c.num_key_value_heads, c.head_dim);
+  if (c.intermediate_size % 128 != 0) bad += fmt::format("\n  intermediate_size {}", c.intermediate_size);
+  DFLASH_REQUIRE_HINT(bad.empty(),
+                      (c.source.empty() ? std::string("drafter") : c.source)
+                          << ": model.drafter.precision: fp8 on GPUs needs these sizes multiples of 128 (each "
+                             "projection's 128 x 128 weight tiles inside the fused q|k|v and gate|up matrices):"
+                          << bad,
+                      "train this drafter in bf16 (model.drafter.precision: bf16), or pick sizes that are multiples of "
+                      "128 (every published DFlash drafter's are)");
+}
+
 DrafterPlan drafter_plan(const DrafterConfig& c, Device device, int sm_major, int sm_minor,
-                         const BlockAttentionKernels& kernels, bool require_fast_path) {
+                         const BlockAttentionKernels& kernels, bool require_fast_path, bool fp8_linears) {
   check_cuda_drafter_sizes(c);
+  if (fp8_linears) {
+    check_fp8_drafter_sizes(c);
+    DFLASH_REQUIRE_HINT(sm_major == 9,
+                        "model.drafter.precision: fp8 needs an sm_90 GPU (cuBLASLt's block-scaled FP8 GEMMs), but "
+                            << device.str() << " is sm_" << sm_major << sm_minor,
+                        "train the drafter in bf16 (model.drafter.precision: bf16) on this GPU");
+  }
   DrafterPlan plan;
   plan.device = device.str();
   plan.head_dim = c.head_dim;
@@ -79,6 +104,10 @@ DrafterPlan drafter_plan(const DrafterConfig& c, Device device, int sm_major, in
                       "require_fast_path is set, but the drafter's GEMMs would run the fallback kernels on "
                           << device.str() << ": " << why,
                       "set model.drafter.intermediate_size to a multiple of 8, or kernels.require_fast_path: false");
+  } else if (fp8_linears) {
+    plan.steps.push_back({"gemm", "fast", "cuBLASLt gemm_fp8 (e4m3 VEC128xBLK128x128, wgrad VEC128xVEC128)",
+                          "model.drafter.precision: fp8: block-scaled e4m3 operands (weights 128x128, activations and "
+                          "gradients 1x128, weight gradients' operands 128x1 along the tokens), fp32 accumulation"});
   } else {
     plan.steps.push_back({"gemm", "fast", "cuBLASLt gemm_ex", "bf16 operands, fp32 accumulation (weight gradients fp32)"});
   }
@@ -86,16 +115,17 @@ DrafterPlan drafter_plan(const DrafterConfig& c, Device device, int sm_major, in
   return plan;
 }
 
-DrafterPlan make_drafter_plan(const DrafterConfig& c, Device device, int sm_major, int sm_minor, bool require_fast_path) {
+DrafterPlan make_drafter_plan(const DrafterConfig& c, Device device, int sm_major, int sm_minor, bool require_fast_path,
+                              bool fp8_linears) {
 #if DFLASH_WITH_CUDA
   BlockAttentionKernels k;
   k.tensor_cores = cuda::block_attention_supported(c.head_dim, sm_major);
   // (Which tensor-core kernel runs is the device's to say; without it, as a test may ask, mma.sync.)
   if (k.tensor_cores)
     k.kernel = device.index < cuda_device_count() ? cuda::block_attention_kernel_name(c.head_dim, device.index) : "mma.sync";
-  return drafter_plan(c, device, sm_major, sm_minor, k, require_fast_path);
+  return drafter_plan(c, device, sm_major, sm_minor, k, require_fast_path, fp8_linears);
 #else
-  (void)c, (void)sm_major, (void)sm_minor, (void)require_fast_path;
+  (void)c, (void)sm_major, (void)sm_minor, (void)require_fast_path, (void)fp8_linears;
   DFLASH_FAIL_HINT("a drafter plan for " << device.str() << " needs the CUDA backend, which this build does not have",
                    "reconfigure with -DDFLASH_CUDA=ON on a machine with nvcc");
 #endif

@@ -51,10 +51,14 @@ struct BlockAttentionKernels {
 
 // The plan of a CUDA device of compute capability sm_major.sm_minor from what its kernels support;
 // require_fast_path refuses the attention fallback (naming the device and the reason, with a hint).
+// fp8_linears (model.drafter.precision: fp8): the gemm step is the block-scaled FP8 one
+// (drafter/fp8_cuda.h); refused, naming the fields or the GPU, where check_fp8_drafter_sizes fails or
+// the GPU is not sm_90 (cuBLASLt's block-scaled FP8 kernels).
 DrafterPlan drafter_plan(const DrafterConfig& c, Device device, int sm_major, int sm_minor,
-                         const BlockAttentionKernels& kernels, bool require_fast_path);
+                         const BlockAttentionKernels& kernels, bool require_fast_path, bool fp8_linears = false);
 // The same, asking the kernels (a build without CUDA throws, naming the way out).
-DrafterPlan make_drafter_plan(const DrafterConfig& c, Device device, int sm_major, int sm_minor, bool require_fast_path);
+DrafterPlan make_drafter_plan(const DrafterConfig& c, Device device, int sm_major, int sm_minor, bool require_fast_path,
+                              bool fp8_linears = false);
 // The CPU reference's plan (every step on the double-precision reference).
 DrafterPlan make_cpu_drafter_plan(const DrafterConfig& c);
 
@@ -67,5 +71,9 @@ void check_cuda_drafter_sizes(const DrafterConfig& c);
 // intermediate_size not a multiple of 8: the MLP's GEMMs run cuBLASLt's kernels for unaligned
 // operands (GemmExParams::unaligned; the plan's gemm step is then "fallback" and says why).
 bool cuda_drafter_gemm_unaligned(const DrafterConfig& c);
+// The FP8 drafter on GPUs (issue 31): hidden_size, q_dim (heads x head_dim), kv_dim and
+// intermediate_size multiples of 128 (the 128 x 128 weight tiles of each projection, inside the fused
+// q|k|v and gate|up matrices); throws naming each field that is not, with the way out (bf16).
+void check_fp8_drafter_sizes(const DrafterConfig& c);
 
 }  // namespace dflash::drafter

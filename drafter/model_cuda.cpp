@@ -14,6 +14,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "drafter/fast_path.h"
+#include "drafter/fp8_cuda.h"
 
 namespace dflash::drafter {
 
@@ -249,6 +250,7 @@ struct CudaDrafter::StepState {
   int64_t max_seqlen = 0;
   double gscale = 0;
   Tensor d_ids, d_pos_b, d_pos_c, d_anchor, d_bseq, d_cuseq, d_cublk, d_labels, d_w;
+  const Fp8Linears* f8 = nullptr;  // the FP8 linears when StepOptions::fp8_linears
   // forward
   cuda::BlockAttnParams ap;
   Tensor ctx_pre, ctx, r_ctx;  // fc(context) [N, H] bf16, hidden_norm of it, its rstd
@@ -260,24 +262,29 @@ struct CudaDrafter::StepState {
 
   Tensor bf(int64_t rows, int64_t cols) const { return dev_empty({rows, cols}, DType::BF16, model.device_); }
   Tensor f32(int64_t rows, int64_t cols) const { return dev_empty({rows, cols}, DType::F32, model.device_); }
-  // y[M, N] = x[M, K] · w[N, K]ᵀ, bf16 out (or fp32 accumulated into y when acc_f32).
-  void linear(const void* x, int64_t ldx, const void* w, void* y, int64_t ldy, int64_t M, int64_t Nn, int64_t K,
-              bool acc_f32 = false) const {
+  // y[M, N] = x[M, K] · w[row0 : row0 + N, K]ᵀ for the parameter w (the fused q|k|v and gate|up start at
+  // q_proj / gate_proj), bf16 out (or fp32 accumulated into y when acc_f32); in FP8 when f8.
+  void linear(const void* x, int64_t ldx, const std::string& w, int64_t row0, void* y, int64_t ldy, int64_t M,
+              int64_t Nn, int64_t K, bool acc_f32 = false) const {
+    if (f8) return f8->forward(x, ldx, M, K, w, row0, Nn, y, ldy, acc_f32);
     cuda::GemmExParams g;
-    g.a = x, g.lda = ldx, g.b = w, g.ldb = K, g.trans_b = true, g.d = y, g.ldd = ldy, g.d_f32 = acc_f32;
+    g.a = x, g.lda = ldx, g.b = bf16_at(model.wptr(w), row0 * K), g.ldb = K, g.trans_b = true, g.d = y, g.ldd = ldy;
+    g.d_f32 = acc_f32;
     g.M = M, g.N = Nn, g.K = K, g.beta = acc_f32 ? 1.0f : 0.0f, g.unaligned = model.gemm_unaligned_;
     cuda::gemm_ex(g, dev);
   }
-  // dx[M, K] = dy[M, N] · w[N, K]   (bf16, or fp32 with accumulation)
-  void linear_dx(const void* dy, int64_t lddy, const void* w, void* dx, int64_t lddx, int64_t M, int64_t Nn, int64_t K,
-                 bool acc_f32 = false) const {
+  // dx[M, K] = dy[M, N] · w[N, K]   (bf16, or fp32 with accumulation; w the parameter's first N rows)
+  void linear_dx(const void* dy, int64_t lddy, const std::string& w, void* dx, int64_t lddx, int64_t M, int64_t Nn,
+                 int64_t K, bool acc_f32 = false) const {
+    if (f8) return f8->dgrad(dy, lddy, M, Nn, w, dx, lddx, K, acc_f32);
     cuda::GemmExParams g;
-    g.a = dy, g.lda = lddy, g.b = w, g.ldb = K, g.d = dx, g.ldd = lddx, g.d_f32 = acc_f32;
+    g.a = dy, g.lda = lddy, g.b = model.wptr(w), g.ldb = K, g.d = dx, g.ldd = lddx, g.d_f32 = acc_f32;
     g.M = M, g.N = K, g.K = Nn, g.beta = acc_f32 ? 1.0f : 0.0f, g.unaligned = model.gemm_unaligned_;
     cuda::gemm_ex(g, dev);
   }
   // dw[N, K] (+)= dy[M, N]ᵀ · x[M, K]   (fp32)
   void linear_dw(const void* dy, int64_t lddy, const void* x, int64_t ldx, float* dw, int64_t M, int64_t Nn, int64_t K) const {
+    if (f8) return f8->wgrad(dy, lddy, x, ldx, dw, M, Nn, K);
     cuda::GemmExParams g;
     g.a = dy, g.lda = lddy, g.trans_a = true, g.b = x, g.ldb = ldx, g.d = dw, g.ldd = K, g.d_f32 = true;
     g.M = Nn, g.N = K, g.K = M, g.beta = 1.0f, g.unaligned = model.gemm_unaligned_;
@@ -314,6 +321,11 @@ StepStats CudaDrafter::step(const DrafterBatch& batch, const StepOptions& opt, b
   StepState st(*this, batch);
   layout(st, opt);
   if (st.nb == 0) return block_stats(c_.block_size, st.tg, {}, 0.0);
+  if (opt.fp8_linears) {  // this step's weight codes, from the bf16 weights the optimizer last wrote
+    if (!fp8_) fp8_ = std::make_shared<Fp8Linears>(c_, device_);
+    fp8_->quantize([&](const std::string& name) { return wptr(name); });
+    st.f8 = fp8_.get();
+  }
   forward(st);
   const StepStats stats = loss(st, opt, with_backward);
   if (with_backward) backward(st, last_micro_batch, on_bucket);
@@ -369,7 +381,7 @@ void CudaDrafter::forward(StepState& st) const {
   const int64_t N = st.N, nb = st.nb, R = st.R, S = st.S;
   st.ctx_pre = st.bf(N, H), st.ctx = st.bf(N, H), st.r_ctx = st.f32(N, 1);
   const Tensor &ctx_pre = st.ctx_pre, &ctx = st.ctx, &r_ctx = st.r_ctx;
-  st.linear(context.raw_data(), KH, wptr("fc.weight"), ctx_pre.raw_data(), H, N, H, KH);
+  st.linear(context.raw_data(), KH, "fc.weight", 0, ctx_pre.raw_data(), H, N, H, KH);
   st.rms_fwd(ctx_pre.raw_data(), false, H, "hidden_norm.weight", ctx.raw_data(), r_ctx.data<float>(), N, H);
 
   st.sv.resize(static_cast<size_t>(L));
@@ -387,14 +399,12 @@ void CudaDrafter::forward(StepState& st) const {
     v.h_in = h;
     v.xn = st.bf(R, H), v.r_in = st.f32(R, 1);
     st.rms_fwd(h.raw_data(), true, H, p + "input_layernorm.weight", v.xn.raw_data(), v.r_in.data<float>(), R, H);
-    void* wq = wptr(p + "self_attn.q_proj.weight");
-    void* wk = wptr(p + "self_attn.k_proj.weight");
-    void* wv = wptr(p + "self_attn.v_proj.weight");
+    const std::string wqkv = p + "self_attn.q_proj.weight";  // q|k|v rows are adjacent
     v.qk_b = st.bf(R, qd + kvd), v.v_b = st.bf(R, kvd), v.k_c = st.bf(N, kvd), v.v_c = st.bf(N, kvd);
-    st.linear(v.xn.raw_data(), H, wq, v.qk_b.raw_data(), qd + kvd, R, qd + kvd, H);  // q|k rows are adjacent
-    st.linear(v.xn.raw_data(), H, wv, v.v_b.raw_data(), kvd, R, kvd, H);
-    st.linear(ctx.raw_data(), H, wk, v.k_c.raw_data(), kvd, N, kvd, H);
-    st.linear(ctx.raw_data(), H, wv, v.v_c.raw_data(), kvd, N, kvd, H);
+    st.linear(v.xn.raw_data(), H, wqkv, 0, v.qk_b.raw_data(), qd + kvd, R, qd + kvd, H);
+    st.linear(v.xn.raw_data(), H, wqkv, qd + kvd, v.v_b.raw_data(), kvd, R, kvd, H);
+    st.linear(ctx.raw_data(), H, wqkv, qd, v.k_c.raw_data(), kvd, N, kvd, H);
+    st.linear(ctx.raw_data(), H, wqkv, qd + kvd, v.v_c.raw_data(), kvd, N, kvd, H);
     v.q_r = st.bf(R, qd), v.k_br = st.bf(R, kvd), v.k_cr = st.bf(N, kvd);
     v.r_q = st.f32(R, Hq), v.r_kb = st.f32(R, Hkv), v.r_kc = st.f32(N, Hkv);
     cuda::head_norm_rope_fwd(st.head_fwd(v.qk_b.raw_data(), qd + kvd, p + "self_attn.q_norm.weight", st.d_pos_b,
@@ -410,15 +420,15 @@ void CudaDrafter::forward(StepState& st) const {
     cuda::block_attention_fwd(ap, s);
     v.h1 = st.f32(R, H);
     copy_async(v.h1.raw_data(), h.raw_data(), h.nbytes(), s);
-    st.linear(v.o.raw_data(), qd, wptr(p + "self_attn.o_proj.weight"), v.h1.raw_data(), H, R, H, qd, true);
+    st.linear(v.o.raw_data(), qd, p + "self_attn.o_proj.weight", 0, v.h1.raw_data(), H, R, H, qd, true);
     v.yn = st.bf(R, H), v.r_post = st.f32(R, 1);
     st.rms_fwd(v.h1.raw_data(), true, H, p + "post_attention_layernorm.weight", v.yn.raw_data(), v.r_post.data<float>(), R, H);
     v.gu = st.bf(R, 2 * I), v.m = st.bf(R, I);
-    st.linear(v.yn.raw_data(), H, wptr(p + "mlp.gate_proj.weight"), v.gu.raw_data(), 2 * I, R, 2 * I, H);
+    st.linear(v.yn.raw_data(), H, p + "mlp.gate_proj.weight", 0, v.gu.raw_data(), 2 * I, R, 2 * I, H);
     cuda::swiglu(v.gu.raw_data(), v.m.raw_data(), R, I, s);
     h = st.f32(R, H);
     copy_async(h.raw_data(), v.h1.raw_data(), h.nbytes(), s);
-    st.linear(v.m.raw_data(), I, wptr(p + "mlp.down_proj.weight"), h.raw_data(), H, R, H, I, true);
+    st.linear(v.m.raw_data(), I, p + "mlp.down_proj.weight", 0, h.raw_data(), H, R, H, I, true);
   }
   st.hf = st.bf(R, H), st.r_f = st.f32(R, 1);
   st.rms_fwd(h.raw_data(), true, H, "norm.weight", st.hf.raw_data(), st.r_f.data<float>(), R, H);
@@ -476,17 +486,17 @@ void CudaDrafter::backward(StepState& st, bool last_micro_batch, const BucketRea
     const std::string p = "layers." + std::to_string(l) + ".";
     // MLP: h_out = h1 + down(m), m = swiglu(gu), gu = yn · [gate; up]ᵀ
     const std::string down = p + "mlp.down_proj.weight", gate = p + "mlp.gate_proj.weight";
-    st.linear_dx(dh_b.raw_data(), H, wptr(down), dm.raw_data(), I, R, H, I);
+    st.linear_dx(dh_b.raw_data(), H, down, dm.raw_data(), I, R, H, I);
     st.linear_dw(dh_b.raw_data(), H, v.m.raw_data(), I, gptr(down), R, H, I);
     cuda::swiglu_bwd(v.gu.raw_data(), dm.raw_data(), dgu.raw_data(), R, I, s);
     st.linear_dw(dgu.raw_data(), 2 * I, v.yn.raw_data(), H, gptr(gate), R, 2 * I, H);
-    st.linear_dx(dgu.raw_data(), 2 * I, wptr(gate), tmp_b.raw_data(), H, R, 2 * I, H);
+    st.linear_dx(dgu.raw_data(), 2 * I, gate, tmp_b.raw_data(), H, R, 2 * I, H);
     st.rms_bwd(v.h1.raw_data(), true, H, p + "post_attention_layernorm.weight", v.r_post.data<float>(), tmp_b.raw_data(),
                dh.data<float>(), nullptr, dh_b.raw_data(), R, H);
     // Attention: h1 = h_in + o_proj(o)
     const std::string o_w = p + "self_attn.o_proj.weight", q_w = p + "self_attn.q_proj.weight";
     const std::string k_w = p + "self_attn.k_proj.weight";
-    st.linear_dx(dh_b.raw_data(), H, wptr(o_w), d_o.raw_data(), qd, R, H, qd);
+    st.linear_dx(dh_b.raw_data(), H, o_w, d_o.raw_data(), qd, R, H, qd);
     st.linear_dw(dh_b.raw_data(), H, v.o.raw_data(), qd, gptr(o_w), R, H, qd);
     ap.q = v.q_r.raw_data(), ap.kc = v.k_cr.raw_data(), ap.vc = v.v_c.raw_data();
     ap.kb = v.k_br.raw_data(), ap.vb = v.v_b.raw_data(), ap.out = v.o.raw_data(), ap.lse = v.lse.data<float>();
@@ -513,8 +523,8 @@ void CudaDrafter::backward(StepState& st, bool last_micro_batch, const BucketRea
     // q|k|v weights (adjacent) from the block rows, k|v from the context rows.
     st.linear_dw(dqkv.raw_data(), QKV, v.xn.raw_data(), H, gptr(q_w), R, QKV, H);
     st.linear_dw(dkv_c.raw_data(), 2 * kvd, ctx.raw_data(), H, gptr(k_w), N, 2 * kvd, H);
-    st.linear_dx(dqkv.raw_data(), QKV, wptr(q_w), tmp_b.raw_data(), H, R, QKV, H);
-    st.linear_dx(dkv_c.raw_data(), 2 * kvd, wptr(k_w), dctx.raw_data(), H, N, 2 * kvd, H, true);
+    st.linear_dx(dqkv.raw_data(), QKV, q_w, tmp_b.raw_data(), H, R, QKV, H);
+    st.linear_dx(dkv_c.raw_data(), 2 * kvd, k_w, dctx.raw_data(), H, N, 2 * kvd, H, true);
     st.rms_bwd(v.h_in.raw_data(), true, H, p + "input_layernorm.weight", v.r_in.data<float>(), tmp_b.raw_data(),
                dh.data<float>(), nullptr, dh_b.raw_data(), R, H);
     report(L - 1 - l);

@@ -6,7 +6,9 @@
 // Precision: bf16 weights and activations, fp32 residual stream and its gradient, fp32 weight
 // gradients (accumulated by the GEMMs: dW (+)= dYᵀ·X in fp32), fp32 master weights and AdamW
 // moments. The CPU reference (model.h) computes the same step in double; tests/test_cuda_drafter
-// compares the two.
+// compares the two. With StepOptions::fp8_linears (model.drafter.precision: fp8) every linear's GEMMs
+// take block-scaled e4m3 operands instead (drafter/fp8_cuda.h), held to the CPU's f32 step with the
+// same option.
 //
 // Parameters live in three flat device buffers in DrafterWeights::entries order (each tensor at a
 // 16-byte aligned offset): masters (fp32), weights (bf16, refreshed from the masters by the
@@ -22,6 +24,7 @@
 //   backward: the same in reverse, activation gradients bf16 between GEMMs, fp32 where they sum.
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -32,6 +35,8 @@
 #include "core/tensor.h"
 
 namespace dflash::drafter {
+
+class Fp8Linears;  // drafter/fp8_cuda.h
 
 class CudaDrafter {
  public:
@@ -114,6 +119,7 @@ class CudaDrafter {
   Device device_;
   Tensor embed_, lm_head_;
   bool gemm_unaligned_ = false;  // cuda_drafter_gemm_unaligned (fast_path.h): every GEMM passes GemmExParams::unaligned
+  std::shared_ptr<Fp8Linears> fp8_;  // the FP8 linears' weight codes (StepOptions::fp8_linears), made by the first such step
   std::vector<Span> spans_;
   std::vector<Bucket> buckets_;
   int64_t flat_ = 0;

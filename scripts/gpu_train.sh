@@ -7,7 +7,8 @@
 #      GPUs with tp=1, 2 and 8 (TRAIN_RUNS=q27_8gpu_.* for issue 8 alone); the Qwen3.6-35B-A3B recipe
 #      (an MoE target, issue 33) on 1 GPU (run q35_1gpu);
 #   3. with SEQ_LENS="4096 8192 16384 32768" (issue 31) the recipe on 1 GPU at each sequence length
-#      (runs q27_seq<L>): SEQ_PRECISION (default fp8) target, one sequence of L tokens a step, SEQ_STEPS
+#      (runs q27_seq<L>): SEQ_PRECISION (default fp8) target, SEQ_DRAFTER (default bf16; fp8: the FP8
+#      drafter, runs q27_seq<L>_d8), one sequence of L tokens a step, SEQ_STEPS
 #      (default 15) steps logged every 5, so the rows average the last 10; SEQ_ANCHORS (default recipe)
 #      "recipe" keeps the recipe's 512 anchors per sequence, "density" its one anchor per 8 tokens (L/8,
 #      in drafter passes of 512 blocks: training.blocks_per_pass; runs q27_seq<L>_density), "recipe
@@ -108,7 +109,9 @@ for L in ${SEQ_LENS:-}; do
         name=q27_seq${L}_density; anchors=(--set training.num_anchors=$((L / 8)) --set training.blocks_per_pass=512) ;;
       *) echo "SEQ_ANCHORS: '$how' is neither recipe nor density" >&2; status=1; continue ;;
     esac
+    [ "${SEQ_DRAFTER:-bf16}" = fp8 ] && name=${name}_d8
     run "$name" "$T" "${Q27[@]}" --set parallel.tp=1 --set model.target.precision="${SEQ_PRECISION:-fp8}" \
+      --set model.drafter.precision="${SEQ_DRAFTER:-bf16}" \
       --set data.max_length=$L --set data.synth.path="$W/q27_synth_$L.h5" --set data.synth.num_sequences=32 \
       --set data.synth.min_length=$L --set data.synth.max_length=$L "${anchors[@]}" \
       --set training.max_steps="${SEQ_STEPS:-15}" --set logging.interval=5 --set logging.progress_bar=false \

@@ -82,3 +82,28 @@ TEST(DrafterFastPath, TheKernelsDecide) {
             std::string::npos);
 #endif
 }
+
+// model.drafter.precision: fp8 (issue 31): the plan's gemm step names the block-scaled FP8 GEMMs; sizes
+// that are not multiples of 128 are refused, naming each field, and so is a GPU that is not sm_90.
+TEST(DrafterFastPath, Fp8LinearsArePlannedOrRefusedNamingWhy) {
+  DrafterConfig c = config_with_head_dim(128);
+  c.hidden_size = 5120, c.num_attention_heads = 32, c.num_key_value_heads = 8, c.intermediate_size = 17408;
+  const DrafterPlan p = drafter_plan(c, Device::cuda(0), 9, 0, {true, "wgmma sm_90a"}, true, true);
+  ASSERT_EQ(p.steps.size(), 3u);
+  EXPECT_EQ(p.steps[1].step, "gemm");
+  EXPECT_EQ(p.steps[1].path, "fast");
+  EXPECT_NE(p.steps[1].kernel.find("gemm_fp8"), std::string::npos) << p.steps[1].kernel;
+  EXPECT_NE(p.steps[1].reason.find("model.drafter.precision: fp8"), std::string::npos) << p.steps[1].reason;
+  EXPECT_EQ(drafter_plan(c, Device::cuda(0), 9, 0, {true, "wgmma sm_90a"}, true).steps[1].kernel, "cuBLASLt gemm_ex");
+  const std::string sm = refusal([&] { drafter_plan(c, Device::cuda(0), 8, 9, {true, "mma.sync"}, true, true); });
+  EXPECT_NE(sm.find("needs an sm_90 GPU"), std::string::npos) << sm;
+  EXPECT_NE(sm.find("cuda:0 is sm_89"), std::string::npos) << sm;
+  DrafterConfig odd = c;
+  odd.hidden_size = 5120 + 64, odd.head_dim = 64, odd.num_key_value_heads = 3, odd.intermediate_size = 17408 + 8;
+  const std::string msg = refusal([&] { check_fp8_drafter_sizes(odd); });
+  for (const char* field : {"hidden_size 5184", "kv_dim 192 = num_key_value_heads 3 x head_dim 64", "intermediate_size 17416",
+                            "model.drafter.precision: bf16"})
+    EXPECT_NE(msg.find(field), std::string::npos) << field << " in: " << msg;
+  EXPECT_EQ(msg.find("q_dim"), std::string::npos) << "q_dim 2048 is a multiple of 128: " << msg;
+  EXPECT_EQ(refusal([&] { check_fp8_drafter_sizes(c); }), "");
+}

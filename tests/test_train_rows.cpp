@@ -40,6 +40,9 @@ TEST(TrainRows, ValuesFromTheSteadyState) {
   sh.tp = 1, sh.dp = 2, sh.drafter_layers = 5, sh.block_size = 16, sh.anchors = 512, sh.batch = 1, sh.micro_batches = 1;
   sh.on_gpu = true, sh.fp8_target = true, sh.peak_mem_gib = 80.7;
   EXPECT_EQ(sh.shape(), "qwen3_5 L64 H5120 seq=4096 fp8 tp=1 dp=2 drafter=5x16 anchors=512 batch=1x1");
+  TrainRowShape d8 = sh;
+  d8.fp8_drafter = true;
+  EXPECT_EQ(d8.shape(), "qwen3_5 L64 H5120 seq=4096 fp8 tp=1 dp=2 drafter=5x16-fp8 anchors=512 batch=1x1");
   SteadyState s;
   s.warmup_steps = 10, s.steps = 10, s.seconds = 4.5, s.tokens = 10 * 2 * 4096.0, s.flops = 4.5 * 2 * 700e12;
   s.times.target_s = 2.3, s.times.drafter_s = 2.0, s.times.comm_s = 0.01, s.times.optimizer_s = 0.18;

@@ -57,7 +57,9 @@ class CudaBackend final : public TrainBackend {
     fast_path_ = "target: " + plan.summary();
     // The drafter's plan (its attention: the tensor-core kernels, or the much slower fallback, which
     // require_fast_path refuses there like a target fallback).
-    drafter_plan_ = drafter::make_drafter_plan(dcfg_, device_, info.major, info.minor, cfg.kernels.require_fast_path);
+    const bool fp8_drafter = cfg.model.drafter.precision == DrafterPrecision::Fp8;
+    drafter_plan_ = drafter::make_drafter_plan(dcfg_, device_, info.major, info.minor, cfg.kernels.require_fast_path,
+                                               fp8_drafter);
     fast_path_ += "; " + drafter_plan_.summary();
     if (drafter_plan_.attention_fallback() && s.rank == 0)
       spdlog::warn("the drafter's attention runs the fallback kernel ({}): expect a slow step", drafter_plan_.attention().reason);
@@ -67,7 +69,7 @@ class CudaBackend final : public TrainBackend {
       const int64_t blocks = blocks_per_drafter_pass(cfg, tps);  // (training.blocks_per_pass)
       const MemoryPlan mp =
           gpu_memory_plan(local, dcfg_, tokens, cfg.data.max_length, blocks, drafter::CudaDrafter::kMinCeChunkRows,
-                          precision == target::Precision::Fp8);
+                          precision == target::Precision::Fp8, fp8_drafter);
       size_t free_b = 0, total_b = 0;
       DFLASH_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
       memory_plan_ = mp.table(static_cast<double>(total_b));

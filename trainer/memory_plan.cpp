@@ -41,7 +41,8 @@ double mlp_activation_bytes_per_token(const target::TargetConfig& t) {
 }
 
 MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::DrafterConfig& d, int64_t tokens,
-                           int64_t max_seqlen, int64_t blocks, int64_t ce_chunk_rows, bool fp8_target) {
+                           int64_t max_seqlen, int64_t blocks, int64_t ce_chunk_rows, bool fp8_target,
+                           bool fp8_drafter) {
   MemoryPlan p;
   const double N = static_cast<double>(tokens), R = static_cast<double>(blocks * d.block_size);
   p.target_weights = 2.0 * static_cast<double>(t.parameter_count());
@@ -63,6 +64,7 @@ MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::Drafter
   // FP8: the largest quantized GEMM input (e4m3) and its scales
   if (fp8_target) p.target_activations += N * fp8_gemm_input_per_token(t) * (1.0 + 4.0 / 128.0);
   p.drafter_state = 18.0 * drafter_params(d);
+  if (fp8_drafter) p.drafter_state += 2.0 * drafter_params(d);  // e4m3 codes + their transposes (upper bound)
   const double Hd = static_cast<double>(d.hidden_size), Id = static_cast<double>(d.intermediate_size);
   const double qd = static_cast<double>(d.q_dim()), kvd = static_cast<double>(d.kv_dim());
   const double Hq = static_cast<double>(d.num_attention_heads), Hkv = static_cast<double>(d.num_key_value_heads);

@@ -779,10 +779,6 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   if (!cfg.data.train.empty()) prepare_text(r);
   r.device = cfg.parallel.device;  // (cuda was checked to be available by check_config)
   if (r.device == Backend::Auto) r.device = cuda_backend_available(ropt.local_size, nullptr) ? Backend::Cuda : Backend::Cpu;
-  DFLASH_REQUIRE_HINT(!(r.on_gpu() && cfg.model.drafter.precision == DrafterPrecision::Fp8),
-                      "model.drafter.precision: fp8: the GPU's FP8 drafter kernels are not built yet (the CPU backend "
-                      "simulates the recipe: parallel.device: cpu)",
-                      "train the drafter in bf16 on GPUs (model.drafter.precision: bf16)");
   if (cfg.data.regenerate.enabled) regenerate_responses(r);
   open_loader(r);
   data::Loader& loader = *r.loader;
@@ -828,6 +824,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     sh.drafter_layers = r.dcfg().num_hidden_layers, sh.block_size = B, sh.anchors = tr.num_anchors;
     sh.batch = tr.batch_size, sh.micro_batches = tr.micro_batches;
     sh.on_gpu = r.on_gpu(), sh.fp8_target = fp8_target;
+    sh.fp8_drafter = cfg.model.drafter.precision == DrafterPrecision::Fp8;
     sh.peak_mem_gib = backend->peak_memory_gib();
     const std::vector<bench::Row> rows = training_rows(sh, metrics.steady(), world);
     if (rows.empty()) {

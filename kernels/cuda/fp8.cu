@@ -311,6 +311,94 @@ __global__ void __launch_bounds__(kThreads) quantize_weight_kernel(const bf16* _
   }
 }
 
+// quantize_fp8_tiles (the FP8 drafter's operands): one 128 x 128 tile of x per CTA, loaded once
+// (thread t: unit t % 16 of rows t / 16 + 16 j, as quantize_weight_kernel) into registers and shared
+// memory. Block mode: one scale for the tile (block reduction), q written from the registers; columns
+// mode: one scale per column (thread pair t, t ^ 1 walks column t / 2 in halves of 64 rows). The
+// transposed codes are written from shared memory by the same pairs, 16 codes per 16-byte store, rows
+// past x's (the padding up to rows_padded) as 0.
+constexpr int kTileLd = fp8::kBlock + 8;  // bf16 per shared row (16-byte aligned rows)
+
+__global__ void __launch_bounds__(kThreads) quantize_tiles_kernel(const bf16* __restrict__ x, int64_t ldx, int64_t rows,
+                                                                   int64_t cols, bool block, uint8_t* __restrict__ q,
+                                                                   int64_t ldq, float* __restrict__ scale, int64_t lds,
+                                                                   uint8_t* __restrict__ qt, int64_t ldqt, int64_t qt_cols,
+                                                                   float* __restrict__ scale_t, int64_t ldst) {
+  __shared__ __align__(16) bf16 tile[fp8::kBlock * kTileLd];
+  __shared__ float red[kThreads / 32];
+  const int64_t cb = blockIdx.x, rb = blockIdx.y;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int unit = tid % kBlockUnits;
+  const int64_t col = cb * fp8::kBlock + unit * kUnit;
+  uint4 raw[kWeightPasses];
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kWeightPasses; ++j) {
+    const int lr = tid / kBlockUnits + j * kWeightRowsPerPass;
+    const int64_t r = rb * fp8::kBlock + lr;
+    raw[j] = make_uint4(0, 0, 0, 0);  // +0 bf16: no effect on the amax, code 0
+    if (r < rows && col < cols) raw[j] = __ldg(reinterpret_cast<const uint4*>(x + r * ldx + col));
+    *reinterpret_cast<uint4*>(tile + lr * kTileLd + unit * kUnit) = raw[j];
+    if (block) {
+      float v[kUnit];
+      unpack(raw[j], v);
+      amax = fmaxf(amax, unit_amax(v));
+    }
+  }
+  float s = 0.0f;
+  if (block) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (tid % 32 == 0) red[tid / 32] = amax;
+  }
+  __syncthreads();
+  if (block) {
+    amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kThreads / 32; ++i) amax = fmaxf(amax, red[i]);
+    s = scale_of(amax);
+    if (tid == 0 && q != nullptr) scale[rb * lds + cb] = s;
+    if (tid == 0 && qt != nullptr) scale_t[cb * ldst + rb] = s;
+    if (q != nullptr) {
+#pragma unroll
+      for (int j = 0; j < kWeightPasses; ++j) {
+        const int64_t r = rb * fp8::kBlock + tid / kBlockUnits + j * kWeightRowsPerPass;
+        if (r >= rows || col >= cols) continue;
+        float v[kUnit];
+        unpack(raw[j], v);
+        *reinterpret_cast<uint2*>(q + r * ldq + col) = encode_act(v, s);
+      }
+    }
+  }
+  if (qt == nullptr) return;
+  // The transposed codes: column c of the tile, rows [h * 64, h * 64 + 64), by the pair (c, h).
+  constexpr int kHalf = fp8::kBlock / 2;
+  const int c = tid / 2, h = tid % 2;
+  const int64_t gc = cb * fp8::kBlock + c;
+  float v[kHalf];
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) v[i] = __bfloat162float(tile[(h * kHalf + i) * kTileLd + c]);
+  if (!block) {
+    float a = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) a = fmaxf(a, fabsf(v[i]));
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+    s = scale_of(a);
+    if (h == 0 && gc < cols) scale_t[rb * ldst + gc] = s;
+  }
+  if (gc >= cols) return;
+#pragma unroll
+  for (int k = 0; k < kHalf / 16; ++k) {
+    const int64_t r = rb * fp8::kBlock + h * kHalf + k * 16;
+    if (r >= qt_cols) break;  // qt_cols % 16 == 0: whole stores
+    float a8[kUnit], b8[kUnit];
+#pragma unroll
+    for (int e = 0; e < kUnit; ++e) a8[e] = v[k * 16 + e], b8[e] = v[k * 16 + kUnit + e];
+    const uint2 lo = encode_act(a8, s), hi = encode_act(b8, s);
+    *reinterpret_cast<uint4*>(qt + gc * ldqt + r) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+  }
+}
+
 int64_t act_scale_ld(int64_t M) { return (M + 3) / 4 * 4; }
 
 template <class Source>
@@ -388,6 +476,43 @@ void quantize_fp8_weight(const void* w_bf16, int64_t N, int64_t K, uint8_t* q, f
   DFLASH_CUDA_CHECK_LAST();
 }
 
+
+void quantize_fp8_tiles(const Fp8TileQuantParams& p, Stream s) {
+  DFLASH_CHECK(p.rows >= 0 && p.cols > 0 && p.cols % 8 == 0 && p.ldx >= p.cols && p.ldx % 8 == 0,
+               "quantize_fp8_tiles: need rows >= 0, cols > 0 a multiple of 8 and ldx >= cols a multiple of 8, got rows="
+                   << p.rows << " cols=" << p.cols << " ldx=" << p.ldx);
+  const int64_t qt_cols = p.block ? p.rows : (p.rows_padded > 0 ? p.rows_padded : (p.rows + 15) / 16 * 16);
+  DFLASH_CHECK(p.block || p.qt != nullptr, "quantize_fp8_tiles: the columns mode writes qt; got none");
+  DFLASH_CHECK(p.block || (p.q == nullptr && qt_cols >= p.rows && qt_cols % 16 == 0),
+               "quantize_fp8_tiles: the columns mode writes only qt, over rows_padded >= rows a multiple of 16; got q="
+                   << static_cast<const void*>(p.q) << " rows=" << p.rows << " rows_padded=" << p.rows_padded);
+  if (qt_cols == 0 && p.rows == 0) return;
+  DFLASH_CHECK(p.x != nullptr && (p.q == nullptr || p.scale != nullptr) && (p.qt == nullptr || p.scale_t != nullptr),
+               "quantize_fp8_tiles: null pointer (x=" << p.x << " q=" << static_cast<const void*>(p.q) << " scale=" << p.scale
+                                                      << " qt=" << static_cast<const void*>(p.qt) << " scale_t=" << p.scale_t
+                                                      << ")");
+  DFLASH_CHECK_HINT(aligned16(p.x) && (p.q == nullptr || (aligned16(p.q) && p.ldq >= p.cols && p.ldq % 16 == 0)) &&
+                        (p.qt == nullptr || (aligned16(p.qt) && p.ldqt >= qt_cols && p.ldqt % 16 == 0 && qt_cols % 16 == 0)),
+                    "quantize_fp8_tiles: x, q and qt must be 16-byte aligned, ldq >= cols and ldqt >= the transposed "
+                    "columns multiples of 16 (block mode: rows a multiple of 16 for qt), got x="
+                        << p.x << " q=" << static_cast<const void*>(p.q) << " ldq=" << p.ldq
+                        << " qt=" << static_cast<const void*>(p.qt) << " ldqt=" << p.ldqt << " rows=" << p.rows
+                        << " qt columns=" << qt_cols,
+                    "these are what gemm_fp8 needs of its operands");
+  DFLASH_CHECK(p.q == nullptr || p.lds >= fp8::blocks(p.cols),
+               "quantize_fp8_tiles: lds=" << p.lds << " is smaller than ceil(cols/128)=" << fp8::blocks(p.cols));
+  DFLASH_CHECK(p.qt == nullptr || p.ldst >= (p.block ? fp8::blocks(p.rows) : p.cols),
+               "quantize_fp8_tiles: ldst=" << p.ldst << " is smaller than "
+                                           << (p.block ? fp8::blocks(p.rows) : p.cols));
+  const int64_t row_blocks = fp8::blocks(std::max(p.rows, p.block ? p.rows : qt_cols));
+  DFLASH_CHECK(row_blocks < 65536, "quantize_fp8_tiles: rows=" << p.rows << " has more than 65535 row blocks");
+  if (row_blocks == 0) return;
+  const dim3 grid(static_cast<unsigned>(fp8::blocks(p.cols)), static_cast<unsigned>(row_blocks));
+  quantize_tiles_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(s)>>>(
+      static_cast<const bf16*>(p.x), p.ldx, p.rows, p.cols, p.block, p.q, p.ldq, p.scale, p.lds, p.qt, p.ldqt, qt_cols,
+      p.scale_t, p.ldst);
+  DFLASH_CUDA_CHECK_LAST();
+}
 
 void rms_norm_quant_fp8(const void* x, int64_t ldx, const void* w, int64_t rows, int64_t D, float eps, uint8_t* q,
                         int64_t ldq, float* scale, Stream s) {

@@ -194,7 +194,7 @@ void launch_rw(int rw, const GemmFp8Params& p, cudaStream_t st) {
 }  // namespace
 
 bool gemm_fp8_stream_supported(const GemmFp8Params& p) {
-  return !p.tensor_scales && p.M >= 1 && p.M <= 16 && p.K % 128 == 0 && p.N >= 1 && p.N * p.K < (int64_t{1} << 40) &&
+  return !p.tensor_scales && !p.w_vec_scales && !p.y_f32 && !p.accumulate && p.M >= 1 && p.M <= 16 && p.K % 128 == 0 && p.N >= 1 && p.N * p.K < (int64_t{1} << 40) &&
          p.K < (int64_t{1} << 30) && p.N < (int64_t{1} << 30);
 }
 

@@ -354,7 +354,8 @@ constexpr bool kFp8FastAccum = false;
 struct Fp8Key {
   int device;
   int64_t M, N, K, ldx, ldy;
-  bool tensor_scales, fast_accum, autotune;  // plans made under another autotune setting are not reused
+  bool tensor_scales, w_vec_scales, y_f32, accumulate;
+  bool fast_accum, autotune;  // plans made under another autotune setting are not reused
   auto operator<=>(const Fp8Key&) const = default;
 };
 
@@ -379,7 +380,9 @@ std::string fp8_shape_text(const Fp8Key& k, int device) {
   const DeviceInfo info = cuda_device_info(device);
   std::string s = "M=" + std::to_string(k.M) + " N=" + std::to_string(k.N) + " K=" + std::to_string(k.K) +
                   " ldx=" + std::to_string(k.ldx) + " ldy=" + std::to_string(k.ldy) +
-                  (k.tensor_scales ? " (per-tensor scales)" : " (VEC128 x BLK128x128 scales)") +
+                  (k.tensor_scales ? " (per-tensor scales)"
+                                   : (k.w_vec_scales ? " (VEC128 x VEC128 scales)" : " (VEC128 x BLK128x128 scales)")) +
+                  (k.y_f32 ? (k.accumulate ? " fp32 D += " : " fp32 D") : "") +
                   (k.fast_accum ? " fast-accum" : "") + " on " + info.name + " (sm_" + std::to_string(info.major) +
                   std::to_string(info.minor) + "), cuBLASLt " + std::to_string(cublasLtGetVersion());
   return s;
@@ -394,7 +397,8 @@ std::unique_ptr<Fp8Plan> make_fp8_plan(const Fp8Key& k, const GemmFp8Params& p, 
   DFLASH_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_w, sizeof(op_w)));
   DFLASH_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_x, sizeof(op_x)));
   if (!k.tensor_scales) {
-    const int32_t mode_w = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, mode_x = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    const int32_t mode_w = k.w_vec_scales ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    const int32_t mode_x = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
     DFLASH_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_w, sizeof(mode_w)));
     DFLASH_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_x, sizeof(mode_x)));
   }
@@ -404,7 +408,7 @@ std::unique_ptr<Fp8Plan> make_fp8_plan(const Fp8Key& k, const GemmFp8Params& p, 
   const auto u = [](int64_t v) { return static_cast<uint64_t>(v); };
   DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, CUDA_R_8F_E4M3, u(k.K), u(k.N), k.K));
   DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, CUDA_R_8F_E4M3, u(k.K), u(k.M), k.ldx));
-  DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, CUDA_R_16BF, u(k.N), u(k.M), k.ldy));
+  DFLASH_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, k.y_f32 ? CUDA_R_32F : CUDA_R_16BF, u(k.N), u(k.M), k.ldy));
 
   cublasLtMatmulHeuristicResult_t results[kCandidates]{};
   int found = 0;
@@ -432,6 +436,9 @@ void gemm_fp8(const GemmFp8Params& p, int device) {
                "gemm_fp8: need M >= 0, N > 0, K > 0, got M=" << p.M << " N=" << p.N << " K=" << p.K);
   DFLASH_CHECK(p.ldx >= p.K, "gemm_fp8: x row stride ldx=" << p.ldx << " is smaller than K=" << p.K);
   DFLASH_CHECK(p.ldy >= p.N, "gemm_fp8: y row stride ldy=" << p.ldy << " is smaller than N=" << p.N);
+  DFLASH_CHECK(!p.accumulate || p.y_f32, "gemm_fp8: accumulate needs the fp32 output (y_f32)");
+  DFLASH_CHECK(!p.w_vec_scales || !p.tensor_scales, "gemm_fp8: w_vec_scales and tensor_scales exclude each other");
+  DFLASH_CHECK(!p.y_f32 || p.ldy % 4 == 0, "gemm_fp8: an fp32 y needs ldy % 4 == 0, got ldy=" << p.ldy);
   if (p.M == 0) return;
   DFLASH_CHECK(p.x != nullptr && p.w != nullptr && p.y != nullptr && p.x_scale != nullptr && p.w_scale != nullptr,
                "gemm_fp8: null pointer (x=" << static_cast<const void*>(p.x) << " x_scale=" << p.x_scale
@@ -472,14 +479,15 @@ void gemm_fp8(const GemmFp8Params& p, int device) {
   auto handle = static_cast<cublasLtHandle_t>(ctx.cublaslt());
   const auto stream = static_cast<cudaStream_t>(ctx.stream());
   const bool fast = tuning::gemm_fp8_fast_accum < 0 ? kFp8FastAccum : tuning::gemm_fp8_fast_accum != 0;
-  const float alpha = 1.0f, beta = 0.0f;
+  const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
   const RunFn run = [&](const GemmPlan& pl, const cublasLtMatmulAlgo_t& algo) {
     set_fp8_scales(pl, p.w_scale, p.x_scale);
     DFLASH_CUBLAS_CHECK(cublasLtMatmul(handle, pl.op, &alpha, p.w, pl.a, p.x, pl.b, &beta, p.y, pl.c, p.y, pl.c, &algo,
                                        ctx.workspace(), ctx.workspace_bytes(), stream));
   };
-  const bool autotune = g_autotune.load();
-  const Fp8Key key{device, p.M, p.N, p.K, p.ldx, p.ldy, p.tensor_scales, fast, autotune};
+  const bool autotune = g_autotune.load() && !p.accumulate;  // timing candidates would add to y
+  const Fp8Key key{device, p.M, p.N, p.K, p.ldx, p.ldy, p.tensor_scales, p.w_vec_scales, p.y_f32, p.accumulate,
+                   fast, autotune};
   Fp8Plan* plan = nullptr;
   {
     std::lock_guard<std::mutex> lock(g_mutex);

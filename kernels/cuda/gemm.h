@@ -111,21 +111,60 @@ void quantize_fp8_act(const Fp8ActQuantParams& p, Stream s);
 void quantize_fp8_weight(const void* w_bf16, int64_t N, int64_t K, uint8_t* q, float* scale_inv, int64_t ld_scale,
                          Stream s);
 
+// The FP8 drafter's operands (issue 31; DeepSeek-V3's training tiles, Transformer Engine's
+// Float8BlockScaling), as cpu::fake_quantize_e4m3 (kernels/cpu/train_ops.h) bit for bit: every tile's
+// scale = max(amax, 1e-10) / 448, codes e4m3(clamp(x * (1 / scale), +-448)) (the activation arithmetic,
+// one reciprocal per tile, for weights too). x is bf16 [rows, cols] (row stride ldx); per mode:
+//   block (128 x 128 tiles, weights [N, K]): optional q [rows, cols] (row stride ldq) with
+//       scale[rb * lds + cb] (gemm_fp8's weight layout: lds = fp8_weight_scale_ld(cols)), and optional
+//       qt = the transpose [cols, rows] (row stride ldqt) with scale_t[cb * ldst + rb]
+//       (ldst = fp8_weight_scale_ld(rows)): the weight of dx = dy · w as gemm_fp8 takes it;
+//   columns (128 x 1 tiles: 128 rows of one column, the tokens of a weight gradient dw = dyᵀ·x): only
+//       qt [cols, rows_padded] (row stride ldqt), codes of rows in [rows, rows_padded) 0, with
+//       scale_t[g * ldst + c] (g = row / 128; ldst = fp8_act_scale_ld(cols), the padding entries
+//       c in [cols, ldst) written as 1): gemm_fp8's activation layout, for either operand (w_vec_scales).
+// Needs cols % 8 == 0, ldx % 8 == 0, 16-byte aligned x, q, qt, ldq and ldqt multiples of 16,
+// rows_padded a multiple of 16 (>= rows). Memory bound: 2·rows·cols read, 1 or 2 bytes per element written.
+struct Fp8TileQuantParams {
+  const void* x = nullptr;
+  int64_t ldx = 0;
+  int64_t rows = 0, cols = 0;
+  bool block = true;                 // 128 x 128 tiles; false: 128 x 1 (columns)
+  uint8_t* q = nullptr;              // block mode only (optional)
+  int64_t ldq = 0;
+  float* scale = nullptr;
+  int64_t lds = 0;
+  uint8_t* qt = nullptr;             // the transposed codes (optional in block mode)
+  int64_t ldqt = 0;
+  int64_t rows_padded = 0;           // columns mode: qt's columns written (0 = rows rounded up to 16)
+  float* scale_t = nullptr;
+  int64_t ldst = 0;
+};
+void quantize_fp8_tiles(const Fp8TileQuantParams& p, Stream s);
+
 // y[M, N] (bf16, row stride ldy) = x[M, K] · w[N, K]^T with both operands e4m3 codes and block
 // scales, fp32 accumulation (per 128-column group the code products summed, times the two scales),
 // through cuBLASLt on the device's DeviceContext; algorithms cached per shape like gemm_bf16 (and
 // autotuned under the same switch). tensor_scales: x_scale and w_scale point to one float each
 // (plain per-tensor scaling: the dense FP8 ceiling kernel_bench compares against).
+//
+// For training (the FP8 drafter, issue 31): y_f32 writes fp32 y (row stride ldy % 4 == 0) and
+// accumulate adds to it (beta 1: the weight gradients' dw += dyᵀ·x); w_vec_scales scales w per row and
+// 128-column group like x (w_scale[g * fp8_act_scale_ld(N) + n]: both operands 1 x 128, the weight
+// gradient's form), else 128 x 128 blocks. The streaming kernel below serves none of these.
 struct GemmFp8Params {
   const uint8_t* x = nullptr;   // e4m3 [M, K], row stride ldx
   int64_t ldx = 0;
   const float* x_scale = nullptr;  // quantize_fp8_act's layout (fp8_act_scale_ld(M))
   const uint8_t* w = nullptr;   // e4m3 [N, K] contiguous
-  const float* w_scale = nullptr;  // [ceil(N/128), fp8_weight_scale_ld(K)]
-  void* y = nullptr;            // bf16 [M, N], row stride ldy
+  const float* w_scale = nullptr;  // [ceil(N/128), fp8_weight_scale_ld(K)] (w_vec_scales: the x layout over N)
+  void* y = nullptr;            // bf16 (y_f32: fp32) [M, N], row stride ldy
   int64_t ldy = 0;
   int64_t M = 0, N = 0, K = 0;
   bool tensor_scales = false;
+  bool w_vec_scales = false;
+  bool y_f32 = false;
+  bool accumulate = false;      // y += (y_f32 only)
 };
 // Needs 16-byte aligned pointers, K % 16 == 0, ldx % 16 == 0, ldy % 8 == 0, and with block scales
 // M % 4 == 0 (cuBLASLt has no block-scaled kernel for other M: pad the rows, see gemm.cpp); throws

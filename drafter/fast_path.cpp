@@ -12,8 +12,12 @@ namespace dflash::drafter {
 
 std::string DrafterPlan::summary() const {
   const DrafterStepPlan& a = attention();
-  if (a.path == "fast") return fmt::format("drafter attention: tensor-core kernels ({}, head_dim {})", a.kernel, head_dim);
-  if (a.path == "fallback") return "drafter attention: FALLBACK kernel (" + a.reason + ")";
+  std::string linears;  // the FP8 linears (model.drafter.precision: fp8) are named; bf16 ones are the default
+  for (const DrafterStepPlan& s : steps)
+    if (s.step == "gemm" && s.kernel.find("gemm_fp8") != std::string::npos) linears = "; drafter linears: block-scaled fp8";
+  if (a.path == "fast")
+    return fmt::format("drafter attention: tensor-core kernels ({}, head_dim {}){}", a.kernel, head_dim, linears);
+  if (a.path == "fallback") return "drafter attention: FALLBACK kernel (" + a.reason + ")" + linears;
   return "drafter attention: " + a.reason;
 }
 

@@ -94,6 +94,7 @@ TEST(DrafterFastPath, Fp8LinearsArePlannedOrRefusedNamingWhy) {
   EXPECT_EQ(p.steps[1].path, "fast");
   EXPECT_NE(p.steps[1].kernel.find("gemm_fp8"), std::string::npos) << p.steps[1].kernel;
   EXPECT_NE(p.steps[1].reason.find("model.drafter.precision: fp8"), std::string::npos) << p.steps[1].reason;
+  EXPECT_EQ(p.summary(), "drafter attention: tensor-core kernels (wgmma sm_90a, head_dim 128); drafter linears: block-scaled fp8");
   EXPECT_EQ(drafter_plan(c, Device::cuda(0), 9, 0, {true, "wgmma sm_90a"}, true).steps[1].kernel, "cuBLASLt gemm_ex");
   const std::string sm = refusal([&] { drafter_plan(c, Device::cuda(0), 8, 9, {true, "mma.sync"}, true, true); });
   EXPECT_NE(sm.find("needs an sm_90 GPU"), std::string::npos) << sm;

@@ -58,6 +58,8 @@ class CudaBackend final : public TrainBackend {
     // The drafter's plan (its attention: the tensor-core kernels, or the much slower fallback, which
     // require_fast_path refuses there like a target fallback).
     const bool fp8_drafter = cfg.model.drafter.precision == DrafterPrecision::Fp8;
+    precision_text_ = fmt::format("{} target, {} drafter", target::precision_name(precision),
+                                  fp8_drafter ? "bf16 (block-scaled fp8 linears)" : "bf16");
     drafter_plan_ = drafter::make_drafter_plan(dcfg_, device_, info.major, info.minor, cfg.kernels.require_fast_path,
                                                fp8_drafter);
     fast_path_ += "; " + drafter_plan_.summary();
@@ -110,7 +112,7 @@ class CudaBackend final : public TrainBackend {
   }
 
   std::string describe() const override {
-    return device_.str() + " (" + gpu_name_ + "), bf16 target and drafter, fp32 masters and gradients";
+    return device_.str() + " (" + gpu_name_ + "), " + precision_text_ + ", fp32 masters and gradients";
   }
   std::string device_name() const override { return gpu_name_; }
   int64_t num_params() const override { return model_->num_params(); }
@@ -288,7 +290,7 @@ class CudaBackend final : public TrainBackend {
 
   drafter::DrafterConfig dcfg_;
   Device device_;
-  std::string gpu_name_, fast_path_;
+  std::string gpu_name_, fast_path_, precision_text_;  // precision_text_: "fp8 target, bf16 drafter", ... (describe)
   void* stream_ = nullptr;
   void* comm_stream_ = nullptr;
   cudaEvent_t grads_ready_ = nullptr;  // orders a bucket's all-reduce after the kernels that finished it

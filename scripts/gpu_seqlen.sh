@@ -3,7 +3,8 @@
 # (Release, sm_90), then runs scripts/gpu_train.sh's q27_seq<L> runs: the Qwen3.6-27B recipe (random
 # target weights) at SEQ_LENS (default 4096 8192 16384 32768), SEQ_PRECISION (default fp8), SEQ_ANCHORS
 # (default recipe: 512 anchors; "density": L/8 in passes of 512 blocks; "recipe density": both),
-# SEQ_STEPS (default 15, logged every 5: the rows average the last 10).
+# SEQ_STEPS (default 15, logged every 5: the rows average the last 10), SEQ_DRAFTER (default bf16; fp8:
+# the FP8 drafter's linears, runs q27_seq<L>_d8, shapes drafter=5x16-fp8).
 #   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_seqlen.sh
 # Writes 5 files to $OUT: env.txt, build.log, train.txt (each run's command, memory plan, step lines,
 # summary and step split), train.tgz (logs, metrics.jsonl) and train_rows.csv (the bench rows

@@ -39,7 +39,7 @@ struct TargetSection {  // model.target: a Hugging Face directory, or a config.j
 
 // What the drafter's linear layers train in: bf16 (the GPU's bf16 GEMMs; the CPU backend's
 // kernels.cpu_drafter arithmetic) or fp8 (block-scaled e4m3 forward and backward: simulated on the CPU
-// backend, drafter/ref_math.h linear_fp8; the GPU kernels are not built yet and refuse it).
+// backend, drafter/ref_math.h linear_fp8; on GPUs drafter/fp8_cuda.h, sm_90 and sizes multiples of 128).
 enum class DrafterPrecision { Bf16, Fp8 };
 
 struct DrafterSection {  // model.drafter: a config.json, a warm start, or the fields below

@@ -22,12 +22,16 @@ void* stream_of(Device d) { return DeviceContext::get(d.index).stream(); }
 struct Act {
   Tensor q, s;
 };
-Act quantize_act(const void* x, int64_t ldx, int64_t M, int64_t K, Device d) {
+Act padded_act(int64_t M, int64_t K, Device d) {  // the buffers, the padding rows' codes 0
   const int64_t Mp = round_up(M, 4);
   Act a{Tensor::empty({Mp, K}, DType::U8, d), Tensor::empty({static_cast<int64_t>(cuda::fp8_act_scale_elems(M, K))}, DType::F32, d)};
   if (Mp > M)
     DFLASH_CUDA_CHECK(cudaMemsetAsync(a.q.data<uint8_t>() + M * K, 0, static_cast<size_t>((Mp - M) * K),
                                       static_cast<cudaStream_t>(stream_of(d))));
+  return a;
+}
+Act quantize_act(const void* x, int64_t ldx, int64_t M, int64_t K, Device d) {
+  Act a = padded_act(M, K, d);
   cuda::Fp8ActQuantParams p;
   p.x = x, p.ldx = ldx, p.q = a.q.data<uint8_t>(), p.ldq = K, p.scale = a.s.data<float>(), p.M = M, p.K = K;
   cuda::quantize_fp8_act(p, stream_of(d));
@@ -35,12 +39,14 @@ Act quantize_act(const void* x, int64_t ldx, int64_t M, int64_t K, Device d) {
 }
 
 // x [M, C] bf16 as the transposed codes [C, Tp] of 128 x 1 tiles along the tokens (Tp = M rounded up
-// to 128, the padding 0) and their scales (the activation layout over C rows): a weight gradient's operand.
+// to 128, the padding 0) and their scales (the activation layout over C rows): a weight gradient's
+// operand; with `rows` (an output gradient) also its 1 x 128 codes as quantize_act makes them.
 struct ActT {
   Tensor q, s;
   int64_t Tp = 0;
+  Act rows;
 };
-ActT quantize_act_t(const void* x, int64_t ldx, int64_t M, int64_t C, Device d) {
+ActT quantize_act_t(const void* x, int64_t ldx, int64_t M, int64_t C, Device d, bool rows = false) {
   ActT a;
   a.Tp = round_up(M, fp8::kBlock);  // whole 128-token groups (cuBLASLt takes K % 128 == 0 as the forward does)
   a.q = Tensor::empty({C, a.Tp}, DType::U8, d);
@@ -49,6 +55,10 @@ ActT quantize_act_t(const void* x, int64_t ldx, int64_t M, int64_t C, Device d) 
   p.x = x, p.ldx = ldx, p.rows = M, p.cols = C, p.block = false;
   p.qt = a.q.data<uint8_t>(), p.ldqt = a.Tp, p.rows_padded = a.Tp, p.scale_t = a.s.data<float>();
   p.ldst = cuda::fp8_act_scale_ld(C);
+  if (rows) {
+    a.rows = padded_act(M, C, d);
+    p.q = a.rows.q.data<uint8_t>(), p.ldq = C, p.scale = a.rows.s.data<float>(), p.lds = cuda::fp8_act_scale_ld(M);
+  }
   cuda::quantize_fp8_tiles(p, stream_of(d));
   return a;
 }
@@ -129,26 +139,20 @@ void Fp8Linears::forward(const void* x, int64_t ldx, int64_t M, int64_t K, const
        m.s.data<float>() + (row0 / fp8::kBlock) * cuda::fp8_weight_scale_ld(K), false, n, y, ldy, acc_f32, acc_f32);
 }
 
-void Fp8Linears::dgrad(const void* dy, int64_t lddy, int64_t M, int64_t n, const std::string& w, void* dx, int64_t lddx,
-                       int64_t K, bool acc_f32) const {
+void Fp8Linears::backward(const void* dy, int64_t lddy, int64_t M, int64_t n, const std::string& w, const void* x,
+                          int64_t ldx, int64_t K, void* dx, int64_t lddx, bool acc_f32, float* dw) const {
   const auto it = mats_.find(w);
-  DFLASH_CHECK(it != mats_.end() && it->second.tr, "Fp8Linears: no dgrad matrix for " << w);
+  DFLASH_CHECK(it != mats_.end() && (dx == nullptr || it->second.tr), "Fp8Linears: no dgrad matrix for " << w);
   const Mat& m = it->second;
-  DFLASH_CHECK(n == m.rows && K == m.cols, "Fp8Linears::dgrad: dy width " << n << ", dx width " << K << " for " << w
-                                                                          << " [" << m.rows << ", " << m.cols << "]");
+  DFLASH_CHECK(n == m.rows && K == m.cols, "Fp8Linears::backward: dy width " << n << ", x width " << K << " for " << w
+                                                                             << " [" << m.rows << ", " << m.cols << "]");
+  DFLASH_CHECK(n % 4 == 0, "Fp8Linears::backward: the gradient's width " << n << " must be a multiple of 4 (its rows of dw)");
   if (M == 0) return;
-  const Act a = quantize_act(dy, lddy, M, n, device_);
-  gemm(a.q.data<uint8_t>(), a.s.data<float>(), M, n, m.qt.data<uint8_t>(), m.st.data<float>(), false, K, dx, lddx,
-       acc_f32, acc_f32);
-}
-
-void Fp8Linears::wgrad(const void* dy, int64_t lddy, const void* x, int64_t ldx, float* dw, int64_t M, int64_t n,
-                       int64_t K) const {
-  if (M == 0) return;
-  DFLASH_CHECK(n % 4 == 0, "Fp8Linears::wgrad: the gradient's width " << n << " must be a multiple of 4 (its rows of dw)");
-  const ActT d = quantize_act_t(dy, lddy, M, n, device_), a = quantize_act_t(x, ldx, M, K, device_);
-  gemm(d.q.data<uint8_t>(), d.s.data<float>(), n, d.Tp, a.q.data<uint8_t>(), a.s.data<float>(), true, K, dw, K,
-       true, true);
+  const ActT g = quantize_act_t(dy, lddy, M, n, device_, dx != nullptr), a = quantize_act_t(x, ldx, M, K, device_);
+  if (dx != nullptr)
+    gemm(g.rows.q.data<uint8_t>(), g.rows.s.data<float>(), M, n, m.qt.data<uint8_t>(), m.st.data<float>(), false, K, dx,
+         lddx, acc_f32, acc_f32);
+  gemm(g.q.data<uint8_t>(), g.s.data<float>(), n, g.Tp, a.q.data<uint8_t>(), a.s.data<float>(), true, K, dw, K, true, true);
 }
 
 }  // namespace dflash::drafter

@@ -41,12 +41,14 @@ class Fp8Linears {
   // the fused gate|up, down_proj); row0 a multiple of 128.
   void forward(const void* x, int64_t ldx, int64_t M, int64_t K, const std::string& w, int64_t row0, int64_t n, void* y,
                int64_t ldy, bool acc_f32) const;
-  // dx[M, K] = dy[M, n] · w (bf16 dx, or fp32 dx += when acc_f32) for w's whole dgrad matrix of n rows:
-  // q_proj (q|k|v), k_proj (the context's k|v), o_proj, gate_proj (gate|up), down_proj.
-  void dgrad(const void* dy, int64_t lddy, int64_t M, int64_t n, const std::string& w, void* dx, int64_t lddx,
-             int64_t K, bool acc_f32) const;
-  // dw[n, K] (fp32, row stride K) += dy[M, n]ᵀ · x[M, K].
-  void wgrad(const void* dy, int64_t lddy, const void* x, int64_t ldx, float* dw, int64_t M, int64_t n, int64_t K) const;
+  // A linear's backward from one quantization of its output gradient dy [M, n] (both encodings from
+  // one read: 1 x 128 codes for dx, transposed 128 x 1 codes for dw):
+  //   dx[M, K] = dy · w  (bf16 dx, or fp32 dx += when acc_f32; skipped when dx is null) for w's whole
+  //     dgrad matrix of n rows: q_proj (q|k|v), k_proj (the context's k|v), o_proj, gate_proj (gate|up),
+  //     down_proj;
+  //   dw[n, K] (fp32, row stride K) += dyᵀ · x[M, K].
+  void backward(const void* dy, int64_t lddy, int64_t M, int64_t n, const std::string& w, const void* x, int64_t ldx,
+                int64_t K, void* dx, int64_t lddx, bool acc_f32, float* dw) const;
 
  private:
   struct Mat {  // one bf16 weight [rows, cols] as 128 x 128 codes: forward (q) and / or transposed (qt)

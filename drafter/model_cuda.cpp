@@ -273,19 +273,19 @@ struct CudaDrafter::StepState {
     g.M = M, g.N = Nn, g.K = K, g.beta = acc_f32 ? 1.0f : 0.0f, g.unaligned = model.gemm_unaligned_;
     cuda::gemm_ex(g, dev);
   }
-  // dx[M, K] = dy[M, N] · w[N, K]   (bf16, or fp32 with accumulation; w the parameter's first N rows)
-  void linear_dx(const void* dy, int64_t lddy, const std::string& w, void* dx, int64_t lddx, int64_t M, int64_t Nn,
-                 int64_t K, bool acc_f32 = false) const {
-    if (f8) return f8->dgrad(dy, lddy, M, Nn, w, dx, lddx, K, acc_f32);
+  // A linear's backward for the parameter w's first N rows: dx[M, K] = dy[M, N] · w[N, K] (bf16, or fp32
+  // with accumulation; skipped when dx is null) and dw[N, K] (+)= dy[M, N]ᵀ · x[M, K] (fp32); in FP8 when
+  // f8 (dy quantized once for both).
+  void linear_bwd(const void* dy, int64_t lddy, const std::string& w, const void* x, int64_t ldx, void* dx, int64_t lddx,
+                  float* dw, int64_t M, int64_t Nn, int64_t K, bool acc_f32 = false) const {
+    if (f8) return f8->backward(dy, lddy, M, Nn, w, x, ldx, K, dx, lddx, acc_f32, dw);
     cuda::GemmExParams g;
-    g.a = dy, g.lda = lddy, g.b = model.wptr(w), g.ldb = K, g.d = dx, g.ldd = lddx, g.d_f32 = acc_f32;
-    g.M = M, g.N = K, g.K = Nn, g.beta = acc_f32 ? 1.0f : 0.0f, g.unaligned = model.gemm_unaligned_;
-    cuda::gemm_ex(g, dev);
-  }
-  // dw[N, K] (+)= dy[M, N]ᵀ · x[M, K]   (fp32)
-  void linear_dw(const void* dy, int64_t lddy, const void* x, int64_t ldx, float* dw, int64_t M, int64_t Nn, int64_t K) const {
-    if (f8) return f8->wgrad(dy, lddy, x, ldx, dw, M, Nn, K);
-    cuda::GemmExParams g;
+    if (dx != nullptr) {
+      g.a = dy, g.lda = lddy, g.b = model.wptr(w), g.ldb = K, g.d = dx, g.ldd = lddx, g.d_f32 = acc_f32;
+      g.M = M, g.N = K, g.K = Nn, g.beta = acc_f32 ? 1.0f : 0.0f, g.unaligned = model.gemm_unaligned_;
+      cuda::gemm_ex(g, dev);
+    }
+    g = {};
     g.a = dy, g.lda = lddy, g.trans_a = true, g.b = x, g.ldb = ldx, g.d = dw, g.ldd = K, g.d_f32 = true;
     g.M = Nn, g.N = K, g.K = M, g.beta = 1.0f, g.unaligned = model.gemm_unaligned_;
     cuda::gemm_ex(g, dev);
@@ -486,18 +486,15 @@ void CudaDrafter::backward(StepState& st, bool last_micro_batch, const BucketRea
     const std::string p = "layers." + std::to_string(l) + ".";
     // MLP: h_out = h1 + down(m), m = swiglu(gu), gu = yn · [gate; up]ᵀ
     const std::string down = p + "mlp.down_proj.weight", gate = p + "mlp.gate_proj.weight";
-    st.linear_dx(dh_b.raw_data(), H, down, dm.raw_data(), I, R, H, I);
-    st.linear_dw(dh_b.raw_data(), H, v.m.raw_data(), I, gptr(down), R, H, I);
+    st.linear_bwd(dh_b.raw_data(), H, down, v.m.raw_data(), I, dm.raw_data(), I, gptr(down), R, H, I);
     cuda::swiglu_bwd(v.gu.raw_data(), dm.raw_data(), dgu.raw_data(), R, I, s);
-    st.linear_dw(dgu.raw_data(), 2 * I, v.yn.raw_data(), H, gptr(gate), R, 2 * I, H);
-    st.linear_dx(dgu.raw_data(), 2 * I, gate, tmp_b.raw_data(), H, R, 2 * I, H);
+    st.linear_bwd(dgu.raw_data(), 2 * I, gate, v.yn.raw_data(), H, tmp_b.raw_data(), H, gptr(gate), R, 2 * I, H);
     st.rms_bwd(v.h1.raw_data(), true, H, p + "post_attention_layernorm.weight", v.r_post.data<float>(), tmp_b.raw_data(),
                dh.data<float>(), nullptr, dh_b.raw_data(), R, H);
     // Attention: h1 = h_in + o_proj(o)
     const std::string o_w = p + "self_attn.o_proj.weight", q_w = p + "self_attn.q_proj.weight";
     const std::string k_w = p + "self_attn.k_proj.weight";
-    st.linear_dx(dh_b.raw_data(), H, o_w, d_o.raw_data(), qd, R, H, qd);
-    st.linear_dw(dh_b.raw_data(), H, v.o.raw_data(), qd, gptr(o_w), R, H, qd);
+    st.linear_bwd(dh_b.raw_data(), H, o_w, v.o.raw_data(), qd, d_o.raw_data(), qd, gptr(o_w), R, H, qd);
     ap.q = v.q_r.raw_data(), ap.kc = v.k_cr.raw_data(), ap.vc = v.v_c.raw_data();
     ap.kb = v.k_br.raw_data(), ap.vb = v.v_b.raw_data(), ap.out = v.o.raw_data(), ap.lse = v.lse.data<float>();
     ap.sliding = c_.layer_types[l] == AttnType::Sliding;
@@ -521,10 +518,8 @@ void CudaDrafter::backward(StepState& st, bool last_micro_batch, const BucketRea
     copy_cols_bf16(bf16_at(dqkv.raw_data(), qd + kvd), QKV, dvb.raw_data(), kvd, R, kvd, s);
     copy_cols_bf16(bf16_at(dkv_c.raw_data(), kvd), 2 * kvd, dvc.raw_data(), kvd, N, kvd, s);
     // q|k|v weights (adjacent) from the block rows, k|v from the context rows.
-    st.linear_dw(dqkv.raw_data(), QKV, v.xn.raw_data(), H, gptr(q_w), R, QKV, H);
-    st.linear_dw(dkv_c.raw_data(), 2 * kvd, ctx.raw_data(), H, gptr(k_w), N, 2 * kvd, H);
-    st.linear_dx(dqkv.raw_data(), QKV, q_w, tmp_b.raw_data(), H, R, QKV, H);
-    st.linear_dx(dkv_c.raw_data(), 2 * kvd, k_w, dctx.raw_data(), H, N, 2 * kvd, H, true);
+    st.linear_bwd(dqkv.raw_data(), QKV, q_w, v.xn.raw_data(), H, tmp_b.raw_data(), H, gptr(q_w), R, QKV, H);
+    st.linear_bwd(dkv_c.raw_data(), 2 * kvd, k_w, ctx.raw_data(), H, dctx.raw_data(), H, gptr(k_w), N, 2 * kvd, H, true);
     st.rms_bwd(v.h_in.raw_data(), true, H, p + "input_layernorm.weight", v.r_in.data<float>(), tmp_b.raw_data(),
                dh.data<float>(), nullptr, dh_b.raw_data(), R, H);
     report(L - 1 - l);
@@ -535,7 +530,7 @@ void CudaDrafter::backward(StepState& st, bool last_micro_batch, const BucketRea
   cuda::cast_f32_bf16(dctx.data<float>(), dctx_b.raw_data(), N * H, s);
   st.rms_bwd(st.ctx_pre.raw_data(), false, H, "hidden_norm.weight", st.r_ctx.data<float>(), dctx_b.raw_data(), nullptr,
              dctx_pre.raw_data(), nullptr, N, H);
-  st.linear_dw(dctx_pre.raw_data(), H, context.raw_data(), KH, gptr("fc.weight"), N, H, KH);
+  st.linear_bwd(dctx_pre.raw_data(), H, "fc.weight", context.raw_data(), KH, nullptr, 0, gptr("fc.weight"), N, H, KH);
   report(static_cast<int64_t>(buckets_.size()) - 1);
 }
 

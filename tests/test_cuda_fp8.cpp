@@ -797,10 +797,11 @@ TEST(CudaFp8, GatedRmsNormQuantEqualsGatedRmsNormThenQuantize) {
 
 // quantize_fp8_tiles against cpu::fake_quantize_e4m3 (the CPU backend's simulation of the FP8 drafter):
 // every dequantized value (code times its tile's scale) bit-identical to the reference's, in the
-// forward layout (q, 128 x 128) and the transposed ones (qt: 128 x 128 blocks of a weight, 128 x 1
-// columns of a gradient's operand), the transposed padding columns coded 0, nothing outside the
+// forward layouts (q: 128 x 128 blocks of a weight, or 1 x 128 rows of a gradient, whose codes and
+// scales must also equal quantize_fp8_act's, padding scale entries 1) and the transposed ones (qt:
+// 128 x 128 blocks, 128 x 1 columns), the transposed padding columns coded 0, nothing outside the
 // outputs written (codes poisoned, scales NaN). Partial blocks at both edges, strided x and outputs,
-// token counts that are not multiples of 128.
+// token counts that are not multiples of 128 (or of 4).
 TEST(CudaFp8, TileQuantizerEqualsTheFakeQuantizerBitForBit) {
   DFLASH_REQUIRE_GPU();
   struct Case {
@@ -808,7 +809,8 @@ TEST(CudaFp8, TileQuantizerEqualsTheFakeQuantizerBitForBit) {
     int64_t rows, cols, pad_x;
   };
   const Case cases[] = {{true, 256, 384, 0}, {true, 208, 264, 8}, {true, 128, 5120, 0}, {true, 384, 128, 16},
-                        {false, 200, 264, 8}, {false, 4096, 256, 0}, {false, 16, 128, 0}, {false, 130, 8, 0}};
+                        {false, 200, 264, 8}, {false, 4096, 256, 0}, {false, 16, 128, 0}, {false, 130, 8, 0},
+                        {false, 237, 384, 0}};
   for (const Case& c : cases) {
     SCOPED_TRACE(testing::Message() << (c.block ? "block" : "columns") << " rows=" << c.rows << " cols=" << c.cols
                                     << " ldx=cols+" << c.pad_x);
@@ -829,21 +831,40 @@ TEST(CudaFp8, TileQuantizerEqualsTheFakeQuantizerBitForBit) {
     } else {
       p.rows_padded = qt_cols, p.ldst = cu::fp8_act_scale_ld(c.cols);
       st = dev_floats(blocks(qt_cols) * p.ldst);
+      p.ldq = round_up(c.cols, 16) + 16, p.lds = cu::fp8_act_scale_ld(c.rows);  // and the 1 x 128 rows
+      q = dev_codes(c.rows * p.ldq), s = dev_floats(blocks(c.cols) * p.lds);
+      p.q = static_cast<uint8_t*>(q.raw_data()), p.scale = static_cast<float*>(s.raw_data());
     }
     p.ldqt = qt_cols + 16;
     qt = dev_codes(c.cols * p.ldqt);
     p.qt = static_cast<uint8_t*>(qt.raw_data()), p.scale_t = static_cast<float*>(st.raw_data());
     cu::quantize_fp8_tiles(p, stream());
     device_sync();
-    const std::vector<uint8_t> hq = c.block ? host_bytes(q) : std::vector<uint8_t>(), hqt = host_bytes(qt);
-    const std::vector<float> hs = c.block ? host_floats(s) : std::vector<float>(), hst = host_floats(st);
+    const std::vector<uint8_t> hq = host_bytes(q), hqt = host_bytes(qt);
+    const std::vector<float> hs = host_floats(s), hst = host_floats(st);
     int64_t bad = 0, bad_t = 0, bad_pad = 0, stray = 0;
+    Tensor ref_rows;  // columns mode: the 1 x 128 rows (cpu::fake_quantize_e4m3) and quantize_fp8_act's codes
+    ops::Fp8Act act;
+    if (!c.block) {
+      ref_rows = x.clone();
+      cpu::fake_quantize_e4m3(ref_rows.data<float>(), c.rows, c.cols, 1, 128);
+      act = ops::quantize_fp8_act(x);
+      for (int64_t r = c.rows; r < p.lds; ++r)
+        for (int64_t g = 0; g < blocks(c.cols); ++g) bad_pad += hs[g * p.lds + r] != 1.0f;
+    }
     for (int64_t r = 0; r < c.rows; ++r)
       for (int64_t k = 0; k < c.cols; ++k) {
         const float want = ref.data<float>()[r * c.cols + k];
         if (c.block) {
           const float got = fp8::e4m3_to_float(hq[r * p.ldq + k]) * hs[(r / 128) * p.lds + k / 128];
           if (!same_bits(got, want) && bad++ < 5) ADD_FAILURE() << "q (" << r << ", " << k << "): " << got << " want " << want;
+        } else {
+          const float got = fp8::e4m3_to_float(hq[r * p.ldq + k]) * hs[(k / 128) * p.lds + r];
+          const float want_row = ref_rows.data<float>()[r * c.cols + k];
+          if ((!same_bits(got, want_row) || hq[r * p.ldq + k] != act.q.data<uint8_t>()[r * c.cols + k] ||
+               !same_bits(hs[(k / 128) * p.lds + r], act.scale.data<float>()[r * blocks(c.cols) + k / 128])) &&
+              bad++ < 5)
+            ADD_FAILURE() << "q rows (" << r << ", " << k << "): " << got << " want " << want_row;
         }
         const float st_v = c.block ? hst[(k / 128) * p.ldst + r / 128] : hst[(r / 128) * p.ldst + k];
         const float got_t = fp8::e4m3_to_float(hqt[k * p.ldqt + r]) * st_v;
@@ -854,12 +875,11 @@ TEST(CudaFp8, TileQuantizerEqualsTheFakeQuantizerBitForBit) {
       for (int64_t r = c.rows; r < qt_cols; ++r) bad_pad += hqt[k * p.ldqt + r] != 0;
       for (int64_t r = qt_cols; r < p.ldqt; ++r) stray += hqt[k * p.ldqt + r] != kPoisonCode;
     }
-    if (c.block)
-      for (int64_t r = 0; r < c.rows; ++r)
-        for (int64_t k = c.cols; k < p.ldq; ++k) stray += hq[r * p.ldq + k] != kPoisonCode;
+    for (int64_t r = 0; r < c.rows; ++r)
+      for (int64_t k = c.cols; k < p.ldq; ++k) stray += hq[r * p.ldq + k] != kPoisonCode;
     EXPECT_EQ(bad, 0);
     EXPECT_EQ(bad_t, 0);
-    EXPECT_EQ(bad_pad, 0) << "the transposed padding columns must be code 0";
+    EXPECT_EQ(bad_pad, 0) << "the transposed padding columns must be code 0, the rows' padding scales 1";
     EXPECT_EQ(stray, 0) << "codes written outside the outputs";
   }
 }

@@ -314,9 +314,11 @@ __global__ void __launch_bounds__(kThreads) quantize_weight_kernel(const bf16* _
 // quantize_fp8_tiles (the FP8 drafter's operands): one 128 x 128 tile of x per CTA, loaded once
 // (thread t: unit t % 16 of rows t / 16 + 16 j, as quantize_weight_kernel) into registers and shared
 // memory. Block mode: one scale for the tile (block reduction), q written from the registers; columns
-// mode: one scale per column (thread pair t, t ^ 1 walks column t / 2 in halves of 64 rows). The
-// transposed codes are written from shared memory by the same pairs, 16 codes per 16-byte store, rows
-// past x's (the padding up to rows_padded) as 0.
+// mode: one scale per column (thread pair t, t ^ 1 walks column t / 2 in halves of 64 rows), and with q
+// also one per row (the 16 lanes of a half warp hold a row's 128 values: quantize_group's reduction and
+// arithmetic, so these codes are quantize_fp8_act's). The transposed codes are written from shared
+// memory by the column pairs, 16 codes per 16-byte store, rows past x's (the padding up to
+// rows_padded) as 0.
 constexpr int kTileLd = fp8::kBlock + 8;  // bf16 per shared row (16-byte aligned rows)
 
 __global__ void __launch_bounds__(kThreads) quantize_tiles_kernel(const bf16* __restrict__ x, int64_t ldx, int64_t rows,
@@ -343,6 +345,17 @@ __global__ void __launch_bounds__(kThreads) quantize_tiles_kernel(const bf16* __
       float v[kUnit];
       unpack(raw[j], v);
       amax = fmaxf(amax, unit_amax(v));
+    }
+  }
+  if (!block && q != nullptr) {  // per row and 128-column group: quantize_fp8_act's codes and scales
+    const unsigned mask = 0xFFFFu << (16 * ((tid / kGroupLanes) % 2));  // this half warp: one row
+#pragma unroll
+    for (int j = 0; j < kWeightPasses; ++j) {
+      const int64_t r = rb * fp8::kBlock + tid / kBlockUnits + j * kWeightRowsPerPass;
+      float v[kUnit];
+      unpack(raw[j], v);
+      if (r < rows) quantize_group(v, col < cols, mask, unit, static_cast<int>(r), static_cast<int>(rows),
+                                   static_cast<int>(cb), q + r * ldq + col, scale, lds);
     }
   }
   float s = 0.0f;
@@ -483,9 +496,9 @@ void quantize_fp8_tiles(const Fp8TileQuantParams& p, Stream s) {
                    << p.rows << " cols=" << p.cols << " ldx=" << p.ldx);
   const int64_t qt_cols = p.block ? p.rows : (p.rows_padded > 0 ? p.rows_padded : (p.rows + 15) / 16 * 16);
   DFLASH_CHECK(p.block || p.qt != nullptr, "quantize_fp8_tiles: the columns mode writes qt; got none");
-  DFLASH_CHECK(p.block || (p.q == nullptr && qt_cols >= p.rows && qt_cols % 16 == 0),
-               "quantize_fp8_tiles: the columns mode writes only qt, over rows_padded >= rows a multiple of 16; got q="
-                   << static_cast<const void*>(p.q) << " rows=" << p.rows << " rows_padded=" << p.rows_padded);
+  DFLASH_CHECK(p.block || (qt_cols >= p.rows && qt_cols % 16 == 0 && p.rows < (int64_t{1} << 31)),
+               "quantize_fp8_tiles: the columns mode writes qt over rows_padded >= rows, a multiple of 16; got rows="
+                   << p.rows << " rows_padded=" << p.rows_padded);
   if (qt_cols == 0 && p.rows == 0) return;
   DFLASH_CHECK(p.x != nullptr && (p.q == nullptr || p.scale != nullptr) && (p.qt == nullptr || p.scale_t != nullptr),
                "quantize_fp8_tiles: null pointer (x=" << p.x << " q=" << static_cast<const void*>(p.q) << " scale=" << p.scale
@@ -499,8 +512,9 @@ void quantize_fp8_tiles(const Fp8TileQuantParams& p, Stream s) {
                         << " qt=" << static_cast<const void*>(p.qt) << " ldqt=" << p.ldqt << " rows=" << p.rows
                         << " qt columns=" << qt_cols,
                     "these are what gemm_fp8 needs of its operands");
-  DFLASH_CHECK(p.q == nullptr || p.lds >= fp8::blocks(p.cols),
-               "quantize_fp8_tiles: lds=" << p.lds << " is smaller than ceil(cols/128)=" << fp8::blocks(p.cols));
+  DFLASH_CHECK(p.q == nullptr || p.lds >= (p.block ? fp8::blocks(p.cols) : act_scale_ld(p.rows)),
+               "quantize_fp8_tiles: lds=" << p.lds << " is smaller than "
+                                          << (p.block ? fp8::blocks(p.cols) : act_scale_ld(p.rows)));
   DFLASH_CHECK(p.qt == nullptr || p.ldst >= (p.block ? fp8::blocks(p.rows) : p.cols),
                "quantize_fp8_tiles: ldst=" << p.ldst << " is smaller than "
                                            << (p.block ? fp8::blocks(p.rows) : p.cols));

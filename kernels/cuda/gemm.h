@@ -119,10 +119,13 @@ void quantize_fp8_weight(const void* w_bf16, int64_t N, int64_t K, uint8_t* q, f
 //       scale[rb * lds + cb] (gemm_fp8's weight layout: lds = fp8_weight_scale_ld(cols)), and optional
 //       qt = the transpose [cols, rows] (row stride ldqt) with scale_t[cb * ldst + rb]
 //       (ldst = fp8_weight_scale_ld(rows)): the weight of dx = dy · w as gemm_fp8 takes it;
-//   columns (128 x 1 tiles: 128 rows of one column, the tokens of a weight gradient dw = dyᵀ·x): only
+//   columns (128 x 1 tiles: 128 rows of one column, the tokens of a weight gradient dw = dyᵀ·x):
 //       qt [cols, rows_padded] (row stride ldqt), codes of rows in [rows, rows_padded) 0, with
-//       scale_t[g * ldst + c] (g = row / 128; ldst = fp8_act_scale_ld(cols), the padding entries
-//       c in [cols, ldst) written as 1): gemm_fp8's activation layout, for either operand (w_vec_scales).
+//       scale_t[g * ldst + c] (g = row / 128; ldst = fp8_act_scale_ld(cols); cols % 8 == 0 leaves no
+//       padding entries): gemm_fp8's activation layout, for either operand (w_vec_scales); and, optional,
+//       q [rows, cols] (row stride ldq) as quantize_fp8_act writes it, bit for bit (1 x 128 per row, its
+//       scales at scale[g * lds + row], lds = fp8_act_scale_ld(rows), the padding rows' entries 1): both
+//       encodings of an output gradient (dx = dy·w takes q, dw = dyᵀ·x takes qt) from one read.
 // Needs cols % 8 == 0, ldx % 8 == 0, 16-byte aligned x, q, qt, ldq and ldqt multiples of 16,
 // rows_padded a multiple of 16 (>= rows). Memory bound: 2·rows·cols read, 1 or 2 bytes per element written.
 struct Fp8TileQuantParams {
@@ -130,7 +133,7 @@ struct Fp8TileQuantParams {
   int64_t ldx = 0;
   int64_t rows = 0, cols = 0;
   bool block = true;                 // 128 x 128 tiles; false: 128 x 1 (columns)
-  uint8_t* q = nullptr;              // block mode only (optional)
+  uint8_t* q = nullptr;              // optional: the 128 x 128 (block) or 1 x 128 (columns) codes
   int64_t ldq = 0;
   float* scale = nullptr;
   int64_t lds = 0;

@@ -1226,6 +1226,126 @@ void bench_fused(Ctx& ctx, bool quick) {
   }
 }
 
+// The FP8 drafter's linears (issue 31, drafter/fp8_cuda.h) at the Qwen3.6-27B recipe's drafter
+// shapes (512 blocks of 16: R 8192 block rows, N 4096 context rows, H 5120, 32/8 heads x 128, I 17408,
+// fc from 5 x 5120): per linear its three GEMMs in bf16 (gemm_ex, as the bf16 step runs them) and in
+// FP8 (gemm_fp8's forms) with each operand's quantization, then the step's totals (x 5 layers, fc once)
+// -- where the FP8 step's drafter time goes. The FP8 results are checked by the gpu tests
+// (CudaFp8.TrainingGemmFormsMatchTheirReference, CudaDrafter.Fp8StepMatchesTheCpuFp8Step), not here.
+void bench_fp8train(Ctx& ctx, bool quick) {
+  std::printf("\n== fp8train: the FP8 drafter's linears vs bf16, Qwen3.6-27B recipe drafter shapes\n");
+  struct Lin {
+    const char* name;
+    int64_t M, n, K;  // rows (tokens), output width, input width
+    bool dgrad;
+    int per_step;     // how many a step runs (layers)
+  };
+  const int64_t R = 8192, Nc = 4096, H = 5120, I = 17408, qd = 4096, kvd = 1024;
+  std::vector<Lin> lins = {{"qkv", R, qd + 2 * kvd, H, true, 5}, {"kv_ctx", Nc, 2 * kvd, H, true, 5},
+                           {"o", R, H, qd, true, 5},             {"gate_up", R, 2 * I, H, true, 5},
+                           {"down", R, H, I, true, 5},           {"fc", Nc, H, 5 * H, false, 1}};
+  if (quick) lins.resize(1);
+  double tot_bf16 = 0, tot_gemm8 = 0, tot_quant = 0;
+  auto p50 = [&] {  // the last measure's time (ms): its one derived-metric row comes after it
+    const auto& rows = ctx.csv->rows();
+    return rows[rows.size() - 2].p50;
+  };
+  for (const Lin& l : lins) {
+    const int64_t M = l.M, n = l.n, K = l.K, Tp = (M + 127) / 128 * 128;
+    const std::string shape = std::string(l.name) + " M" + std::to_string(M) + " N" + std::to_string(n) + " K" + std::to_string(K);
+    Tensor x = dev_randn({M, K}, DType::BF16, 61), dy = dev_randn({M, n}, DType::BF16, 62, 0.01f);
+    Tensor w = dev_randn({n, K}, DType::BF16, 63, 0.02f);
+    Tensor y = Tensor::empty({M, n}, DType::BF16, Device::cuda(0)), dx = Tensor::empty({M, K}, DType::BF16, Device::cuda(0));
+    Tensor dw = Tensor::zeros({n, K}, DType::F32, Device::cuda(0));
+    const double fl = 2.0 * static_cast<double>(M) * static_cast<double>(n) * static_cast<double>(K) / 1e12;
+    using Units = std::vector<std::tuple<std::string, std::string, double>>;
+    const Units tf = {{"achieved", "TFLOP/s", fl}};
+    double bf = 0, g8 = 0, q8 = 0;
+    // bf16 (the bf16 step's calls)
+    auto ex = [&](bool ta, bool tb, const void* a, int64_t lda, const void* b, int64_t ldb, void* d, int64_t ldd, bool f32,
+                  int64_t m, int64_t nn, int64_t k) {
+      cuda::GemmExParams g;
+      g.a = a, g.lda = lda, g.trans_a = ta, g.b = b, g.ldb = ldb, g.trans_b = tb, g.d = d, g.ldd = ldd, g.d_f32 = f32;
+      g.M = m, g.N = nn, g.K = k, g.beta = f32 ? 1.0f : 0.0f;
+      cuda::gemm_ex(g, 0);
+    };
+    measure(ctx, "fp8train", "fwd", shape, {{"bf16_gemm_ex", [&] { ex(false, true, x.raw_data(), K, w.raw_data(), K, y.raw_data(), n, false, M, n, K); }, nullptr}}, 0, tf);
+    bf += p50();
+    if (l.dgrad) {
+      measure(ctx, "fp8train", "dgrad", shape, {{"bf16_gemm_ex", [&] { ex(false, false, dy.raw_data(), n, w.raw_data(), K, dx.raw_data(), K, false, M, K, n); }, nullptr}}, 0, tf);
+      bf += p50();
+    }
+    measure(ctx, "fp8train", "wgrad", shape, {{"bf16_gemm_ex", [&] { ex(true, false, dy.raw_data(), n, x.raw_data(), K, dw.raw_data(), K, true, n, K, M); }, nullptr}}, 0, tf);
+    bf += p50();
+    // FP8: the operands' codes
+    const int64_t Mp = (M + 3) / 4 * 4;
+    Tensor xq = Tensor::zeros({Mp, K}, DType::U8, Device::cuda(0)), dyq = Tensor::zeros({Mp, n}, DType::U8, Device::cuda(0));
+    Tensor xs = Tensor::empty({static_cast<int64_t>(cuda::fp8_act_scale_elems(M, K))}, DType::F32, Device::cuda(0));
+    Tensor dys = Tensor::empty({static_cast<int64_t>(cuda::fp8_act_scale_elems(M, n))}, DType::F32, Device::cuda(0));
+    Tensor xt = Tensor::empty({K, Tp}, DType::U8, Device::cuda(0)), dyt = Tensor::empty({n, Tp}, DType::U8, Device::cuda(0));
+    Tensor xts = Tensor::empty({static_cast<int64_t>(cuda::fp8_act_scale_elems(K, Tp))}, DType::F32, Device::cuda(0));
+    Tensor dyts = Tensor::empty({static_cast<int64_t>(cuda::fp8_act_scale_elems(n, Tp))}, DType::F32, Device::cuda(0));
+    Tensor wq = Tensor::empty({n, K}, DType::U8, Device::cuda(0)), wt = Tensor::empty({K, n}, DType::U8, Device::cuda(0));
+    Tensor ws = Tensor::zeros({(n + 127) / 128 * cuda::fp8_weight_scale_ld(K)}, DType::F32, Device::cuda(0));
+    Tensor wts = Tensor::zeros({(K + 127) / 128 * cuda::fp8_weight_scale_ld(n)}, DType::F32, Device::cuda(0));
+    const cuda::Fp8ActQuantParams qx{x.raw_data(), K, xq.data<uint8_t>(), K, xs.data<float>(), M, K};
+    cuda::Fp8TileQuantParams qw;
+    qw.x = w.raw_data(), qw.ldx = K, qw.rows = n, qw.cols = K, qw.block = true;
+    qw.q = wq.data<uint8_t>(), qw.ldq = K, qw.scale = ws.data<float>(), qw.lds = cuda::fp8_weight_scale_ld(K);
+    if (l.dgrad) qw.qt = wt.data<uint8_t>(), qw.ldqt = n, qw.scale_t = wts.data<float>(), qw.ldst = cuda::fp8_weight_scale_ld(n);
+    cuda::Fp8TileQuantParams qdy;  // both encodings of dy from one read
+    qdy.x = dy.raw_data(), qdy.ldx = n, qdy.rows = M, qdy.cols = n, qdy.block = false;
+    qdy.qt = dyt.data<uint8_t>(), qdy.ldqt = Tp, qdy.rows_padded = Tp, qdy.scale_t = dyts.data<float>();
+    qdy.ldst = cuda::fp8_act_scale_ld(n);
+    if (l.dgrad) qdy.q = dyq.data<uint8_t>(), qdy.ldq = n, qdy.scale = dys.data<float>(), qdy.lds = cuda::fp8_act_scale_ld(M);
+    cuda::Fp8TileQuantParams qxt;
+    qxt.x = x.raw_data(), qxt.ldx = K, qxt.rows = M, qxt.cols = K, qxt.block = false;
+    qxt.qt = xt.data<uint8_t>(), qxt.ldqt = Tp, qxt.rows_padded = Tp, qxt.scale_t = xts.data<float>();
+    qxt.ldst = cuda::fp8_act_scale_ld(K);
+    auto gb = [](double bytes) { return Units{{"bandwidth", "GB/s", bytes / 1e9}}; };
+    const double xe = static_cast<double>(M * K), ye = static_cast<double>(M * n), we = static_cast<double>(n * K);
+    measure(ctx, "fp8train", "quant_weight", shape, {{"quantize_fp8_tiles", [&] { cuda::quantize_fp8_tiles(qw, ctx.stream); }, nullptr}}, 0,
+            gb(we * (2 + (l.dgrad ? 2 : 1))));
+    const double qw_ms = p50();  // once a step per weight
+    measure(ctx, "fp8train", "quant_x", shape, {{"quantize_fp8_act", [&] { cuda::quantize_fp8_act(qx, ctx.stream); }, nullptr}}, 0, gb(3 * xe));
+    q8 += p50();
+    measure(ctx, "fp8train", "quant_dy", shape, {{"quantize_fp8_tiles", [&] { cuda::quantize_fp8_tiles(qdy, ctx.stream); }, nullptr}}, 0,
+            gb(ye * (2 + (l.dgrad ? 2 : 1))));
+    q8 += p50();
+    measure(ctx, "fp8train", "quant_xt", shape, {{"quantize_fp8_tiles", [&] { cuda::quantize_fp8_tiles(qxt, ctx.stream); }, nullptr}}, 0, gb(3 * xe));
+    q8 += p50();
+    cuda::quantize_fp8_tiles(qw, ctx.stream);
+    cuda::quantize_fp8_act(qx, ctx.stream);
+    cuda::quantize_fp8_tiles(qdy, ctx.stream);
+    cuda::quantize_fp8_tiles(qxt, ctx.stream);
+    auto g8call = [&](const uint8_t* a, const float* as, int64_t m, int64_t k, const uint8_t* b, const float* bs, bool vec,
+                      int64_t nn, void* d, bool f32) {
+      cuda::GemmFp8Params p;
+      p.x = a, p.ldx = k, p.x_scale = as, p.w = b, p.w_scale = bs, p.w_vec_scales = vec, p.y = d, p.ldy = nn;
+      p.M = m, p.N = nn, p.K = k, p.y_f32 = f32, p.accumulate = f32;
+      cuda::gemm_fp8(p, 0);
+    };
+    measure(ctx, "fp8train", "fwd", shape, {{"gemm_fp8", [&] { g8call(xq.data<uint8_t>(), xs.data<float>(), Mp, K, wq.data<uint8_t>(), ws.data<float>(), false, n, y.raw_data(), false); }, nullptr}}, 0, tf);
+    g8 += p50();
+    if (l.dgrad) {
+      measure(ctx, "fp8train", "dgrad", shape, {{"gemm_fp8", [&] { g8call(dyq.data<uint8_t>(), dys.data<float>(), Mp, n, wt.data<uint8_t>(), wts.data<float>(), false, K, dx.raw_data(), false); }, nullptr}}, 0, tf);
+      g8 += p50();
+    }
+    measure(ctx, "fp8train", "wgrad", shape, {{"gemm_fp8_vec", [&] { g8call(dyt.data<uint8_t>(), dyts.data<float>(), n, Tp, xt.data<uint8_t>(), xts.data<float>(), true, K, dw.raw_data(), true); }, nullptr}}, 0, tf);
+    g8 += p50();
+    std::printf("  fp8train %-8s per call: bf16 %.3f ms | fp8 GEMMs %.3f ms + quantization %.3f ms (+ weight %.3f ms once a step)\n",
+                l.name, bf, g8, q8, qw_ms);
+    tot_bf16 += bf * l.per_step, tot_gemm8 += g8 * l.per_step, tot_quant += q8 * l.per_step + qw_ms * l.per_step;
+  }
+  std::printf("  fp8train per step (x layers): bf16 GEMMs %.1f ms; fp8 GEMMs %.1f ms + quantization %.1f ms = %.1f ms\n",
+              tot_bf16, tot_gemm8, tot_quant, tot_gemm8 + tot_quant);
+  if (ctx.csv) {
+    ctx.csv->write({"fp8train", "step_linears", "bf16_gemm_ex", "train", "time", "ms", "qwen3.6-27b drafter x5 + fc", tot_bf16, tot_bf16, tot_bf16, false});
+    ctx.csv->write({"fp8train", "step_linears", "gemm_fp8", "train", "time", "ms", "qwen3.6-27b drafter x5 + fc", tot_gemm8, tot_gemm8, tot_gemm8, false});
+    ctx.csv->write({"fp8train", "step_linears", "quantization", "train", "time", "ms", "qwen3.6-27b drafter x5 + fc", tot_quant, tot_quant, tot_quant, false});
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -1239,7 +1359,7 @@ int main(int argc, char** argv) {
   std::string json_path, baseline;
   app.add_option("--json", json_path, "also write this run's rows as JSON");
   app.add_option("--baseline", baseline, "an earlier CSV: print now/baseline per row and the geomean per group");
-  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,attn,dattn,ce,layer,decode,sample,fp8,fused")
+  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,attn,dattn,ce,layer,decode,sample,fp8,fused,fp8train")
       ->capture_default_str();
   app.add_flag("--quick", quick, "a few shapes only (smoke run)");
   app.add_option("--decode-ops", ctx.decode_ops, "decode section: which of gdn,conv,attn")->capture_default_str();
@@ -1267,7 +1387,7 @@ int main(int argc, char** argv) {
     const std::vector<std::pair<std::string, void (*)(Ctx&, bool)>> sections = {
         {"conv", bench_conv}, {"gdn", bench_gdn},     {"gemm", bench_gemm},  {"attn", bench_attn},
         {"ce", bench_ce},     {"layer", bench_layer}, {"dattn", bench_dattn}, {"decode", bench_decode},
-        {"sample", bench_sample}, {"fp8", bench_fp8}, {"fused", bench_fused}};
+        {"sample", bench_sample}, {"fp8", bench_fp8}, {"fused", bench_fused}, {"fp8train", bench_fp8train}};
     std::set<std::string> wanted;
     for (std::stringstream ss(only); ss.good();) {
       std::string name;
@@ -1275,7 +1395,7 @@ int main(int argc, char** argv) {
       if (name.empty()) continue;
       DFLASH_REQUIRE_HINT(std::any_of(sections.begin(), sections.end(), [&](const auto& s) { return s.first == name; }),
                         "kernel_bench --only: unknown section '" << name << "'",
-                        "the sections are conv, gdn, gemm, attn, dattn, ce, layer, decode, sample, fp8, fused");
+                        "the sections are conv, gdn, gemm, attn, dattn, ce, layer, decode, sample, fp8, fused, fp8train");
       wanted.insert(name);
     }
     for (const auto& [name, fn] : sections)

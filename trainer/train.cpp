@@ -26,6 +26,7 @@
 #include "data/regenerate.h"
 #include "data/synth.h"
 #include "drafter/batch.h"
+#include "drafter/fast_path.h"
 #include "drafter/loss.h"
 #include "drafter/model.h"
 #include "drafter/weights.h"
@@ -779,6 +780,9 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
   if (!cfg.data.train.empty()) prepare_text(r);
   r.device = cfg.parallel.device;  // (cuda was checked to be available by check_config)
   if (r.device == Backend::Auto) r.device = cuda_backend_available(ropt.local_size, nullptr) ? Backend::Cuda : Backend::Cpu;
+  // The FP8 drafter's sizes on GPUs, before a regeneration that may run for hours (the GPU's compute
+  // capability is checked by the backend's drafter plan).
+  if (r.on_gpu() && cfg.model.drafter.precision == DrafterPrecision::Fp8) drafter::check_fp8_drafter_sizes(r.dcfg());
   if (cfg.data.regenerate.enabled) regenerate_responses(r);
   open_loader(r);
   data::Loader& loader = *r.loader;

@@ -79,6 +79,8 @@ MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::Drafter
                        R * (4 * Hd + 2 * Hd + 4 * Hd + 4 * Hd + 2 * Hd * 2 + 2 * Id + 4 * Id + 2 * qd * 2 +
                             2 * (qd + 2 * kvd) + 2 * kvd * 2);
   p.drafter_activations = saved + other;
+  if (fp8_drafter)  // the widest backward's operand codes at once: gate|up's gradient in both encodings, yn's transposed
+    p.drafter_activations += R * (2.0 * 2.0 * static_cast<double>(d.intermediate_size) + static_cast<double>(d.hidden_size));
   const double V = static_cast<double>(d.vocab_size);
   p.ce_workspace = static_cast<double>(std::min<int64_t>(ce_chunk_rows, std::max<int64_t>(blocks * d.block_size, 1))) *
                    (V + 8) * 6.0;

@@ -21,7 +21,7 @@
 # appends its rows (dflash_train --csv: trained_tok_s_per_gpu, mfu, peak_mem_gib, the step split) to
 # TRAIN_CSV (default $W/train_rows.csv, tarred into train.tgz; gpu_seqlen.sh passes $OUT/train_rows.csv).
 # TRAIN_STEPS (default 40) sets the 27B-shaped runs' length; TRAIN_RUNS (a regex over the
-# run names: tiny_gpu tt_learn tt_resume tt_nonfinite tt_microbatch tt_sigterm tt_mpi q27_refuse_d256 q27_1gpu q35_1gpu
+# run names: tiny_gpu tiny_gpu_d8 tt_learn tt_resume tt_nonfinite tt_microbatch tt_sigterm tt_mpi q27_refuse_d256 q27_1gpu q35_1gpu
 # q27_seq<L>[_density] q27_2gpu_tp1 q27_2gpu_tp2 q27_8gpu_tp1 q27_8gpu_tp2 q27_8gpu_tp8 q27_ckpt q27_resume) picks
 # runs; DFLASH_DEADLINE (epoch seconds) stops each run with SIGTERM in time (dflash_train then writes
 # its rows and a checkpoint and exits cleanly) so that a device call's time limit never cuts a run's log.
@@ -63,6 +63,9 @@ run() {  # run NAME CMD...: logs to $W/NAME.log, appends the command and the sum
 }
 run tiny_gpu "$T" --set parallel.device=cuda --set training.max_steps=60 --set logging.run_dir="$W/tiny_gpu" \
   --set data.synth.path="$W/tiny_synth.h5" --set checkpoint.at_end=false
+# The same with the FP8 drafter (issue 31: the tiny drafter's sizes are multiples of 128).
+run tiny_gpu_d8 "$T" --set parallel.device=cuda --set training.max_steps=60 --set logging.run_dir="$W/tiny_gpu_d8" \
+  --set data.synth.path="$W/tiny_synth.h5" --set checkpoint.at_end=false --set model.drafter.precision=fp8
 
 # The CPU backend's end-to-end checks on the GPU backend: learning, bit-exact resume, and (2 GPUs)
 # 1 rank vs dp2 / tp2.

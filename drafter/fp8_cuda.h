@@ -9,8 +9,10 @@
 // The activations and gradients between the GEMMs stay bf16 as in the bf16 step; each GEMM quantizes
 // its operands (kernels/cuda/gemm.h quantize_fp8_act, quantize_fp8_tiles) into temporaries. The
 // weights' codes (128 x 128, and their transposes for dgrad) are made from the bf16 weights by
-// quantize() once per step, before the forward: ~2 bytes per parameter (3.4 GB for the 27B recipe's
-// 1.7B-parameter drafter), reading 2 and writing 2 bytes per parameter each step (~1.5 ms on an H200).
+// quantize() at every CudaDrafter::step call, before its forward (so once per micro-batch and per
+// drafter pass of training.blocks_per_pass, not once per optimizer step): ~2 bytes per parameter (3.4 GB
+// for the 27B recipe's 1.7B-parameter drafter), reading 2 and writing 2 bytes per parameter a call
+// (3.7 ms on an H200: kernel_bench --only fp8train's quant_weight rows).
 //
 // Sizes (check_fp8_drafter_sizes, drafter/fast_path.h): hidden_size, q_dim, kv_dim and
 // intermediate_size multiples of 128, so that the fused q|k|v and gate|up matrices' 128-row blocks

@@ -12,6 +12,7 @@ namespace dflash::target {
 // delta-rule state math (~7·dk·dv per token and value head: decay, Sᵀk, update, Sᵀq). For a
 // tensor-parallel rank divide by tp (every term splits by heads or columns). An MoE block counts
 // the weights a token uses (router, its top-k experts, the shared expert and its gate).
-double forward_flops(const TargetConfig& c, const std::vector<int64_t>& seq_lens);
+// num_layers >= 0 counts layers 0..num_layers-1 only (a forward with ForwardOptions::skip_unused_layers).
+double forward_flops(const TargetConfig& c, const std::vector<int64_t>& seq_lens, int64_t num_layers = -1);
 
 }  // namespace dflash::target

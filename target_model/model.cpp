@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace dflash::target {
@@ -174,6 +175,13 @@ int64_t TargetModel::expert_group() const {
   return tp_ ? tp_->rank() / (tp_->size() / static_cast<int>(config_.ep_size)) : 0;
 }
 
+int64_t layers_to_run(const TargetConfig& c, const ForwardOptions& options) {
+  if (!options.skip_unused_layers || options.final_norm || options.capture_routing) return c.num_hidden_layers;
+  int64_t last = -1;
+  for (int64_t id : options.capture) last = std::max(last, id);
+  return std::min(last + 1, c.num_hidden_layers);
+}
+
 ForwardResult TargetModel::forward(const std::vector<std::vector<int32_t>>& sequences,
                                    const ForwardOptions& options) const {
   const TargetConfig& c = config_;
@@ -229,7 +237,7 @@ ForwardResult TargetModel::forward(const std::vector<std::vector<int32_t>>& sequ
     if (options.counters) options.counters->add(Step::Gemm, Path::Cpu);
   };
   Tensor h = run_stack(ids, mixer, options.capture, r.layers, options.capture_routing ? &r.routing : nullptr,
-                       options.router_logits);
+                       options.router_logits, layers_to_run(c, options));
   if (options.final_norm) {
     r.final_hidden = Tensor::empty({N, H}, DType::F32);
     final_norm(h, r.final_hidden);
@@ -239,14 +247,15 @@ ForwardResult TargetModel::forward(const std::vector<std::vector<int32_t>>& sequ
 
 Tensor TargetModel::run_stack(const Tensor& ids, const Mixer& mixer, const std::vector<int64_t>& capture,
                               std::map<int64_t, Tensor>& layers, std::map<int64_t, ops::MoeRouting>* routing,
-                              const std::map<int64_t, Tensor>* router_logits) const {
+                              const std::map<int64_t, Tensor>* router_logits, int64_t num_layers) const {
   const TargetConfig& c = config_;
+  const int64_t layers_run = num_layers < 0 ? c.num_hidden_layers : std::min(num_layers, c.num_hidden_layers);
   const int64_t N = ids.size(0), H = c.hidden_size;
   Tensor h = Tensor::empty({N, H}, DType::F32);
   ops::embedding(ids, weights_.embed_tokens, h);
   Tensor normed = Tensor::empty({N, H}, DType::F32), mixed = Tensor::empty({N, H}, DType::F32);
   const float eps = static_cast<float>(c.rms_norm_eps);
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+  for (int64_t i = 0; i < layers_run; ++i) {
     const LayerWeights& L = weights_.layers[static_cast<size_t>(i)];
     ops::rms_norm(h, L.input_layernorm, eps, ops::RmsNormKind::ZeroCentered, normed);
     mixer(i, L, normed, mixed);

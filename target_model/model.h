@@ -18,6 +18,11 @@ struct ForwardOptions {
   // calls hidden_states[i + 1] (for i < L - 1; transformers' last entry is after the final norm).
   std::vector<int64_t> capture;
   bool final_norm = false;  // also return norm(output of the last layer)
+  // Run only the layers an output needs: with final_norm and capture_routing off, the layers after
+  // the last `capture` id are skipped (their outputs would be dropped). The trainer sets it: the 27B
+  // recipe captures layers 1..61 of 64, so layers 62 and 63 do not run. Off by default, so a forward
+  // with no outputs asked (target_bench) still runs the whole stack.
+  bool skip_unused_layers = false;
   ops::DeltaRuleAlgo delta_rule = ops::DeltaRuleAlgo::Chunked;
   PathCounters* counters = nullptr;  // when set, the CPU forward counts its conv / delta-rule / attention steps
   bool capture_routing = false;      // MoE targets: also return each layer's router choices
@@ -33,6 +38,10 @@ struct ForwardResult {
   Tensor final_hidden;                // (N, H) when ForwardOptions::final_norm
   std::map<int64_t, ops::MoeRouting> routing;  // layer -> top-k experts / weights (N, k), when capture_routing
 };
+
+// How many decoder layers (0..n-1) a forward with `options` runs: num_hidden_layers unless
+// skip_unused_layers lets it stop after the last captured layer.
+int64_t layers_to_run(const TargetConfig& c, const ForwardOptions& options);
 
 // The CPU reference holds f32 weights: throws, naming both sizes and `hint`, when this rank's
 // share `local` of the target `full` would need more than 80% of this machine's memory.
@@ -56,10 +65,10 @@ class TargetModel {
   // Embeds ids [N] (int32, checked) and runs the decoder stack with `mixer` (residuals, norms, MLP);
   // copies the outputs of the `capture` layers into `layers` (and, when `routing` is given, an MoE
   // target's router choices of every layer into it); returns the last layer's output [N, H].
-  // `router_logits`: ForwardOptions::router_logits.
+  // `router_logits`: ForwardOptions::router_logits. num_layers >= 0 runs layers 0..num_layers-1 only.
   Tensor run_stack(const Tensor& ids, const Mixer& mixer, const std::vector<int64_t>& capture,
                    std::map<int64_t, Tensor>& layers, std::map<int64_t, ops::MoeRouting>* routing = nullptr,
-                   const std::map<int64_t, Tensor>* router_logits = nullptr) const;
+                   const std::map<int64_t, Tensor>* router_logits = nullptr, int64_t num_layers = -1) const;
   // The sparse MoE block (config().is_moe()) on x [N, H] -> out [N, H]; the router's choices in
   // `routing`; routed by `logits` [N, E] instead of the router's when given.
   void moe(const LayerWeights& L, const Tensor& x, Tensor& out, ops::MoeRouting& routing,

@@ -938,7 +938,9 @@ ForwardResult CudaTargetModel::forward(const CudaBatch& b, const ForwardOptions&
                    true, stream_);
   });
   if (options.final_norm) r.final_hidden = device_bf16({N, H}, device_);
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+  // A decode step's prefill writes every layer's state: it runs the whole stack.
+  const int64_t layers_run = decode_ ? c.num_hidden_layers : layers_to_run(c, options);
+  for (int64_t i = 0; i < layers_run; ++i) {
     const bool last = i + 1 == c.num_hidden_layers;
     const Tensor* next_norm = last ? (options.final_norm ? &weights_.norm : nullptr)
                                    : &weights_.layers[static_cast<size_t>(i + 1)].input_layernorm;

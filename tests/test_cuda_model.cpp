@@ -121,6 +121,18 @@ TEST(CudaModel, FastEqualsFallbackAndBatchEqualsSingles) {
     Tensor mine = ra.layers.at(7).to(Device::cpu()).slice(0, ra.offsets[s], ra.offsets[s + 1]);
     EXPECT_LE(max_rel_err(mine, single.layers.at(7)), 1e-2) << "sequence " << s;
   }
+  // skip_unused_layers (the trainer's forward): layers after the last captured one (3) do not run,
+  // and layer 3's output is the whole stack's bit for bit.
+  ASSERT_GT(c.num_hidden_layers, 4);
+  ForwardOptions skip;
+  skip.capture = {3};
+  skip.skip_unused_layers = true;
+  const uint64_t gemm0 = a.counters().get(Step::Gemm, Path::Fast);
+  ForwardResult rs = a.forward(batch, skip);
+  EXPECT_EQ(a.counters().get(Step::Gemm, Path::Fast) - gemm0, 4u) << "layers after layer 3 ran";
+  const Tensor x = ra.layers.at(3).to(Device::cpu()), y = rs.layers.at(3).to(Device::cpu());
+  ASSERT_EQ(x.nbytes(), y.nbytes());
+  EXPECT_EQ(std::memcmp(x.raw_data(), y.raw_data(), x.nbytes()), 0);
 }
 
 // The FP8 target (issue 18) against the CPU FP8 reference on the same e4m3 codes and block scales:

@@ -7,9 +7,11 @@
 // transformers' float32 output, and of the float64 run ("exact"). Measured values are printed.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
+#include "target_model/flops.h"
 #include "target_model/model.h"
 #include "core/io/safetensors.h"
 #include "test_util.h"
@@ -92,6 +94,47 @@ TEST_P(Golden, BatchOfSequencesEqualsSeparateRuns) {
 }
 
 INSTANTIATE_TEST_SUITE_P(HfCheckpoints, Golden, ::testing::Values("tiny_a", "tiny_b"));
+
+// ForwardOptions::skip_unused_layers (the trainer's forward): the layers after the last captured one
+// do not run (the counters see layers 0..1 of 4), the captured outputs are those of the whole stack
+// bit for bit, and an option that needs the last layer (final_norm) runs them all.
+TEST(TargetForward, SkipUnusedLayersStopsAfterTheLastCapturedLayer) {
+  const std::string dir = kHf + "tiny_a";
+  TargetConfig cfg = TargetConfig::from_file(dir);
+  ASSERT_EQ(cfg.num_hidden_layers, 4);
+  TargetModel model(cfg, load_weights(cfg, dir, DType::F32, Device::cpu()));
+  io::SafetensorsFile golden(dir + "/golden.safetensors");
+  const std::vector<int32_t> ids = ids_of(golden.tensor("ids.37"));
+  ForwardOptions full;
+  full.capture = {0, 1};
+  PathCounters all, part;
+  full.counters = &all;
+  const ForwardResult rf = model.forward({ids}, full);
+  ForwardOptions skip = full;
+  skip.skip_unused_layers = true;
+  skip.counters = &part;
+  EXPECT_EQ(layers_to_run(cfg, skip), 2);
+  const ForwardResult rs = model.forward({ids}, skip);
+  const uint64_t per_layer_all = all.get(Step::Gemm, Path::Cpu), per_layer_part = part.get(Step::Gemm, Path::Cpu);
+  EXPECT_EQ(per_layer_all, 4u);
+  EXPECT_EQ(per_layer_part, 2u) << "layers 2 and 3 ran though no output needs them";
+  for (int64_t id : {int64_t{0}, int64_t{1}}) {
+    const Tensor& a = rf.layers.at(id);
+    const Tensor& b = rs.layers.at(id);
+    ASSERT_EQ(a.nbytes(), b.nbytes());
+    EXPECT_EQ(std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()), 0) << "layer " << id;
+  }
+  skip.final_norm = true;
+  EXPECT_EQ(layers_to_run(cfg, skip), 4);
+  skip.final_norm = false;
+  skip.capture = {};
+  EXPECT_EQ(layers_to_run(cfg, skip), 0);
+  EXPECT_EQ(layers_to_run(cfg, full), 4) << "without the option every layer runs";
+  // The trainer's MFU counts the layers that ran.
+  EXPECT_DOUBLE_EQ(forward_flops(cfg, {37}, 4), forward_flops(cfg, {37}));
+  EXPECT_LT(forward_flops(cfg, {37}, 2), 0.75 * forward_flops(cfg, {37}));
+  EXPECT_GT(forward_flops(cfg, {37}, 2), 0.25 * forward_flops(cfg, {37}));
+}
 
 // The multimodal checkpoint layout (model_type qwen3_5 with text_config; tensors under
 // model.language_model.*, plus MTP and vision tensors that the target ignores) loads to the same model.

@@ -220,14 +220,18 @@ learn)
   # The exported (Hugging Face, bf16) drafter loads back as a warm start and keeps what it learned:
   # its first loss is near the trained level, far below a fresh drafter's.
   # fast_path.json: this rank's record, rewritten at the end with the target steps that ran (the tiny
-  # target: 6 GatedDeltaNet + 2 attention layers, one forward per step).
+  # target: 6 GatedDeltaNet + 2 attention layers; the drafter reads layers 1 and 5, so layers 0..5 run,
+  # 5 GatedDeltaNet + 1 attention, and 6, 7 are skipped; one forward per step).
   fp=$work/learn/fast_path.json
   grep -q '"when": "end of run"' "$fp" || fail "no end-of-run fast_path.json"
   [ "$(grep -c '"rank":' "$fp")" -eq 1 ] || fail "fast_path.json should hold 1 rank"
+  tr -d ' \n' <"$fp" | grep -qF '"target_layers_run":6' || fail "fast_path.json does not say that 6 target layers run"
+  grep -q "target forward: layers 0..5 run; layers 6..7 are skipped" "$work/learn.log" ||
+    fail "the log does not say which target layers are skipped"
   # On a GPU the tiny target's delta rule runs the fallback kernel (head dims the chunked kernel does
   # not take: the start-up line says 0/6 on the fast path); the counts are keyed cpu, fallback, fast.
-  if [ "$device" = cuda ]; then want='"delta_rule":{"cpu":0,"fallback":240,'; else want='"delta_rule":{"cpu":240,'; fi
-  tr -d ' \n' <"$fp" | grep -qF "$want" || fail "fast_path.json does not count 40 x 6 delta-rule steps ($want...)"
+  if [ "$device" = cuda ]; then want='"delta_rule":{"cpu":0,"fallback":200,'; else want='"delta_rule":{"cpu":200,'; fi
+  tr -d ' \n' <"$fp" | grep -qF "$want" || fail "fast_path.json does not count 40 x 5 delta-rule steps ($want...)"
   # The trained drafter in speculative decoding (dflash_eval, beside dflash_train in the build): the
   # output is the target's own greedy decoding, and the trainer's estimate at the same blocks is the
   # measured acceptance length.

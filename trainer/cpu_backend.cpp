@@ -49,6 +49,7 @@ class CpuBackend final : public TrainBackend {
     for (auto& e : grads_.entries(dcfg_)) grad_list_.push_back(e.tensor);
     opt_ = std::make_unique<AdamW>(params, adamw_hyper(cfg));
     fopt_.capture = dcfg_.target_layer_ids;
+    fopt_.skip_unused_layers = true;  // no layer after the last captured one runs
     fopt_.counters = &counters_;
   }
 
@@ -131,6 +132,7 @@ class CpuBackend final : public TrainBackend {
   nlohmann::json fast_path_json() override {
     return {{"device", "cpu"},
             {"target", "every layer on the CPU reference (f32)"},
+            {"target_layers_run", target::layers_to_run(tmodel_->config(), fopt_)},  // the layers after the last captured one are skipped
             {"target_kernel_launches", counters_.to_json()},
             {"drafter_attention", drafter_plan_.attention_json()},
             {"drafter", drafter_plan_.to_json()}};

@@ -87,6 +87,7 @@ class CudaBackend final : public TrainBackend {
     DeviceContext::get(device_.index).synchronize();
     init_log_ = fmt::format("target {} in {:.1f} s", ts.path.empty() ? "random init" : "load", seconds_since(t0));
     fopt_.capture = dcfg_.target_layer_ids;
+    fopt_.skip_unused_layers = true;  // no layer after the last captured one runs
     t0 = StepClock::now();
     // Drafter: masters from the seed or the warm start; the target's embeddings and LM head shared.
     // (Random masters are drawn on the device: the same values as on the host, without a minute of
@@ -120,6 +121,7 @@ class CudaBackend final : public TrainBackend {
   nlohmann::json fast_path_json() override {
     return {{"device", tmodel_->plan().device},
             {"target", tmodel_->plan().to_json()},
+            {"target_layers_run", target::layers_to_run(tmodel_->config(), fopt_)},  // the layers after the last captured one are skipped
             {"target_kernel_launches", tmodel_->counters().to_json()},
             {"drafter_attention", drafter_plan_.attention_json()},
             {"drafter", drafter_plan_.to_json()}};

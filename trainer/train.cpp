@@ -258,6 +258,14 @@ struct Run {
   bool on_gpu() const { return device == Backend::Cuda; }
 };
 
+// The target layers a training forward runs (the backends set ForwardOptions::skip_unused_layers).
+int64_t target_layers_run(const Run& r) {
+  target::ForwardOptions fo;
+  fo.capture = r.dcfg().target_layer_ids;
+  fo.skip_unused_layers = true;
+  return target::layers_to_run(r.tcfg(), fo);
+}
+
 // The world layout, the directories, and the communicators (CPU collectives over all ranks and the TP group).
 void make_groups(Run& r) {
   const TrainConfig& cfg = r.cfg;
@@ -374,6 +382,11 @@ void log_start(const Run& r) {
                                                        TrainConfig::kTinyTargetPath)
                                          : "");
   spdlog::info("drafter: {}", r.dcfg().summary());
+  const int64_t run = target_layers_run(r), L = r.tcfg().num_hidden_layers;
+  if (run < L)
+    spdlog::info("target forward: layers 0..{} run; {} skipped (after the last captured layer, {}: no output needs them)",
+                 run - 1, run + 1 == L ? fmt::format("layer {} is", run) : fmt::format("layers {}..{} are", run, L - 1),
+                 run - 1);
   write_text(r.run_dir / "config.yaml", cfg.to_yaml());
 }
 
@@ -732,7 +745,7 @@ LocalStep forward_backward(const Run& r, TrainBackend& backend, std::vector<Micr
     if (r.layout.tp_rank == 0) ls.tokens += static_cast<double>(m.tokens);
     std::vector<int64_t> lens;
     for (const auto& q : m.seqs) lens.push_back(static_cast<int64_t>(q.size()));
-    ls.flops += target::forward_flops(r.tcfg(), lens) / tp;
+    ls.flops += target::forward_flops(r.tcfg(), lens, target_layers_run(r)) / tp;
     ls.stats.add(backend.micro_step(m, sopt, mi + 1 == micro.size(), ls.times));
     if (!m.batch.blocks.empty() && global_w > 0) ls.flops += drafter::step_flops(r.dcfg(), m.batch, true);
   }

@@ -9,9 +9,10 @@
 // The activations and gradients between the GEMMs stay bf16 as in the bf16 step; each GEMM quantizes
 // its operands (kernels/cuda/gemm.h quantize_fp8_act, quantize_fp8_tiles) into temporaries. The
 // weights' codes (128 x 128, and their transposes for dgrad) are made from the bf16 weights by
-// quantize() at every CudaDrafter::step call, before its forward (so once per micro-batch and per
-// drafter pass of training.blocks_per_pass, not once per optimizer step): ~2 bytes per parameter (3.4 GB
-// for the 27B recipe's 1.7B-parameter drafter), reading 2 and writing 2 bytes per parameter a call
+// quantize() at the first CudaDrafter::step after the weights changed (refresh_weights() or a write
+// through CudaDrafter::weights(), which the optimizer's update is), so once per optimizer step
+// whatever the micro-batches and drafter passes of training.blocks_per_pass: ~2 bytes per parameter
+// (3.4 GB for the 27B recipe's 1.7B-parameter drafter), reading 2 and writing 2 bytes per parameter
 // (3.7 ms on an H200: kernel_bench --only fp8train's quant_weight rows).
 //
 // Sizes (check_fp8_drafter_sizes, drafter/fast_path.h): hidden_size, q_dim, kv_dim and

@@ -176,6 +176,7 @@ Tensor CudaDrafter::pack_context(const std::vector<Tensor>& layers) {
 }
 
 void CudaDrafter::refresh_weights() {
+  fp8_stale_ = true;
   cuda::cast_f32_bf16(masters_.data<float>(), weights_.raw_data(), flat_, DeviceContext::get(device_.index).stream());
 }
 
@@ -249,7 +250,9 @@ struct CudaDrafter::StepState {
   BlockTargets tg;
   int64_t max_seqlen = 0;
   double gscale = 0;
-  Tensor d_ids, d_pos_b, d_pos_c, d_anchor, d_bseq, d_cuseq, d_cublk, d_labels, d_w;
+  Tensor d_ids, d_pos_b, d_pos_c, d_anchor, d_bseq, d_cuseq, d_cublk;
+  std::vector<int32_t> loss_rows;  // the rows with a loss weight (tg.weights > 0), ascending
+  Tensor d_loss_rows, d_labels, d_w;  // loss_rows on the device (when not all R rows), their labels and weights
   const Fp8Linears* f8 = nullptr;  // the FP8 linears when StepOptions::fp8_linears
   // forward
   cuda::BlockAttnParams ap;
@@ -258,7 +261,7 @@ struct CudaDrafter::StepState {
   Tensor h;                    // [R, H] fp32 residual stream after the last layer
   Tensor hf, r_f;              // final norm [R, H] bf16, its rstd
   // loss
-  Tensor ce, amax, dhf, ws;    // per-row CE, top-1, d(final norm) [R, H] fp32 when backward, CE workspace
+  Tensor ce, amax, dhf;        // CE and top-1 of the loss rows, d(final norm) [R, H] fp32 when backward
 
   Tensor bf(int64_t rows, int64_t cols) const { return dev_empty({rows, cols}, DType::BF16, model.device_); }
   Tensor f32(int64_t rows, int64_t cols) const { return dev_empty({rows, cols}, DType::F32, model.device_); }
@@ -321,9 +324,10 @@ StepStats CudaDrafter::step(const DrafterBatch& batch, const StepOptions& opt, b
   StepState st(*this, batch);
   layout(st, opt);
   if (st.nb == 0) return block_stats(c_.block_size, st.tg, {}, 0.0);
-  if (opt.fp8_linears) {  // this step's weight codes, from the bf16 weights the optimizer last wrote
-    if (!fp8_) fp8_ = std::make_shared<Fp8Linears>(c_, device_);
-    fp8_->quantize([&](const std::string& name) { return wptr(name); });
+  if (opt.fp8_linears) {  // the weight codes, remade only after the bf16 weights changed (an optimizer update)
+    if (!fp8_) fp8_ = std::make_shared<Fp8Linears>(c_, device_), fp8_stale_ = true;
+    if (fp8_stale_) fp8_->quantize([&](const std::string& name) { return wptr(name); });
+    fp8_stale_ = false;
     st.f8 = fp8_.get();
   }
   forward(st);
@@ -363,12 +367,20 @@ void CudaDrafter::layout(StepState& st, const StepOptions& opt) const {
   for (int64_t q = 1; q <= S; ++q) cu_blk[q] = std::max(cu_blk[q], cu_blk[q - 1]);  // sequences without blocks
   st.max_seqlen = max_seqlen;
   st.gscale = opt.grad_scale != 0 ? opt.grad_scale : (tg.weight_sum > 0 ? 1.0 / tg.weight_sum : 0.0);
-  std::vector<float> wts(static_cast<size_t>(R));
-  for (int64_t r = 0; r < R; ++r) wts[r] = static_cast<float>(tg.weights[r]);
+  std::vector<int32_t> labels;
+  std::vector<float> wts;
+  st.loss_rows.clear();
+  for (int64_t r = 0; r < R; ++r)
+    if (tg.weights[r] > 0) {
+      st.loss_rows.push_back(static_cast<int32_t>(r));
+      labels.push_back(tg.labels[r]);
+      wts.push_back(static_cast<float>(tg.weights[r]));
+    }
+  if (!st.loss_rows.empty() && static_cast<int64_t>(st.loss_rows.size()) < R) st.d_loss_rows = upload_i32(st.loss_rows, device_);
   st.d_ids = upload_i32(ids, device_), st.d_pos_b = upload_i32(pos_b, device_), st.d_pos_c = upload_i32(pos_c, device_);
   st.d_anchor = upload_i32(anchor, device_), st.d_bseq = upload_i32(block_seq, device_);
   st.d_cuseq = upload_i32(cu_seq, device_), st.d_cublk = upload_i32(cu_blk, device_);
-  st.d_labels = upload_i32(tg.labels, device_), st.d_w = upload_f32(wts, device_);
+  if (!labels.empty()) st.d_labels = upload_i32(labels, device_), st.d_w = upload_f32(wts, device_);
 }
 
 // ---- forward ----
@@ -435,25 +447,48 @@ void CudaDrafter::forward(StepState& st) const {
 }
 
 // ---- loss ----
+// The LM-head CE runs on the rows with a loss weight only (loss_rows: every block's anchor row k = 0
+// and the rows past a sequence's end or outside its loss mask have none, and neither their CE nor
+// their top-1 enters the stats): 15 of 16 rows on a fully supervised batch, fewer on masked data.
+// Those rows are gathered (cuda::embedding on the final-norm rows) and their gradient scattered
+// back into a zeroed d(final norm); with every row weighted the CE reads hf in place.
 StepStats CudaDrafter::loss(StepState& st, const StepOptions& opt, bool with_backward) const {
-  const int64_t H = c_.hidden_size, B = c_.block_size, R = st.R;
+  const int64_t H = c_.hidden_size, B = c_.block_size, R = st.R, n = static_cast<int64_t>(st.loss_rows.size());
   const BlockTargets& tg = st.tg;
-  st.ce = st.f32(R, 1), st.amax = dev_empty({R}, DType::I32, device_);
-  cuda::LinearCeParams lp;
-  lp.hidden = st.hf.raw_data(), lp.lm_head = lm_head_.raw_data(), lp.labels = st.d_labels.data<int32_t>();
-  lp.weights = st.d_w.data<float>(), lp.R = R, lp.H = H, lp.V = c_.vocab_size;
-  lp.chunk_rows = std::min<int64_t>(R, std::max<int64_t>(opt.ce_chunk_rows, kMinCeChunkRows));
-  lp.grad_scale = static_cast<float>(st.gscale), lp.ce = st.ce.data<float>(), lp.argmax = st.amax.data<int32_t>();
-  if (with_backward) st.dhf = st.f32(R, H), lp.dhidden = st.dhf.data<float>();
-  st.ws = dev_empty({std::max<int64_t>(cuda::linear_ce_workspace(lp.chunk_rows, lp.V), 1)}, DType::U8, device_);
-  lp.workspace = st.ws.raw_data();
-  cuda::linear_ce(lp, st.dev);
-  const Tensor ce_h = st.ce.to(Device::cpu()), am_h = st.amax.to(Device::cpu());  // synchronizes
+  const bool all = n == R;
+  auto* s = static_cast<cudaStream_t>(st.s);
+  if (with_backward) {
+    st.dhf = st.f32(R, H);
+    if (!all) DFLASH_CUDA_CHECK(cudaMemsetAsync(st.dhf.raw_data(), 0, st.dhf.nbytes(), s));
+  }
+  std::vector<int32_t> argmax(static_cast<size_t>(R), -1);
   double wce = 0;
-  std::vector<int32_t> argmax(static_cast<size_t>(R));
-  for (int64_t r = 0; r < R; ++r) {
-    argmax[r] = am_h.data<int32_t>()[r];
-    if (tg.weights[r] > 0) wce += tg.weights[r] * static_cast<double>(ce_h.data<float>()[r]);
+  if (n > 0) {
+    Tensor hc = st.hf, dc = st.dhf;  // the CE's rows: hf itself, or the gathered rows
+    if (!all) {
+      hc = st.bf(n, H);
+      cuda::embedding(st.d_loss_rows.data<int32_t>(), st.hf.raw_data(), hc.raw_data(), n, H, st.s);
+      if (with_backward) dc = st.f32(n, H);
+    }
+    st.ce = st.f32(n, 1), st.amax = dev_empty({n}, DType::I32, device_);
+    cuda::LinearCeParams lp;
+    lp.hidden = hc.raw_data(), lp.lm_head = lm_head_.raw_data(), lp.labels = st.d_labels.data<int32_t>();
+    lp.weights = st.d_w.data<float>(), lp.R = n, lp.H = H, lp.V = c_.vocab_size;
+    lp.chunk_rows = std::min<int64_t>(n, std::max<int64_t>(opt.ce_chunk_rows, kMinCeChunkRows));
+    lp.grad_scale = static_cast<float>(st.gscale), lp.ce = st.ce.data<float>(), lp.argmax = st.amax.data<int32_t>();
+    if (with_backward) lp.dhidden = dc.data<float>();
+    // The workspace (3 GB at the 27B recipe's chunk) lives for the CE only, not through the backward.
+    const Tensor ws = dev_empty({std::max<int64_t>(cuda::linear_ce_workspace(lp.chunk_rows, lp.V), 1)}, DType::U8, device_);
+    lp.workspace = ws.raw_data();
+    cuda::linear_ce(lp, st.dev);
+    if (with_backward && !all)
+      cuda::scatter_rows_f32(dc.data<float>(), st.d_loss_rows.data<int32_t>(), st.dhf.data<float>(), n, H, st.s);
+    const Tensor ce_h = st.ce.to(Device::cpu()), am_h = st.amax.to(Device::cpu());  // synchronizes
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = st.loss_rows[static_cast<size_t>(i)];
+      argmax[r] = am_h.data<int32_t>()[i];
+      wce += tg.weights[r] * static_cast<double>(ce_h.data<float>()[i]);
+    }
   }
   return block_stats(B, tg, argmax, wce);
 }

@@ -61,7 +61,13 @@ class CudaDrafter {
 
   // Flat buffers [flat_size()] on the device.
   Tensor& masters() { return masters_; }
-  Tensor& weights() { return weights_; }
+  // The bf16 weights. The mutable form is how the optimizer writes them: it marks the FP8 weight
+  // codes stale (remade by the next fp8 step), as refresh_weights() does.
+  Tensor& weights() {
+    fp8_stale_ = true;
+    return weights_;
+  }
+  const Tensor& weights() const { return weights_; }
   Tensor& grads() { return grads_; }
 
   // Buckets: [first, end) element ranges of the flat buffers, in the order backward finishes them.
@@ -120,6 +126,7 @@ class CudaDrafter {
   Tensor embed_, lm_head_;
   bool gemm_unaligned_ = false;  // cuda_drafter_gemm_unaligned (fast_path.h): every GEMM passes GemmExParams::unaligned
   std::shared_ptr<Fp8Linears> fp8_;  // the FP8 linears' weight codes (StepOptions::fp8_linears), made by the first such step
+  bool fp8_stale_ = true;            // the bf16 weights changed since fp8_'s codes were made
   std::vector<Span> spans_;
   std::vector<Bucket> buckets_;
   int64_t flat_ = 0;

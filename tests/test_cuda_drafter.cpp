@@ -167,6 +167,27 @@ TEST(CudaDrafter, Fp8StepMatchesTheCpuFp8Step) {
   EXPECT_LT(e_gpu, 0.8 * e_q) << "the GPU's FP8 step is not nearer the FP8 reference than FP8 is to f32";
 }
 
+// The FP8 weight codes are made once and reused until the bf16 weights change: after
+// upload_masters (refresh_weights) and after a write through weights() (the optimizer's update)
+// the next FP8 step equals a fresh drafter's on the new weights, bit for bit.
+TEST(CudaDrafter, Fp8WeightCodesFollowEveryWeightUpdate) {
+  DFLASH_REQUIRE_GPU();
+  Fixture s = make_setup(43, {150, 77, 10});
+  const Fixture t = make_setup(44, {150, 77, 10});
+  StepOptions o8;
+  o8.fp8_linears = true;
+  CudaDrafter gpu(s.c, s.w, s.embed, s.lm_head, Device::cuda(0)), fresh_t(s.c, t.w, s.embed, s.lm_head, Device::cuda(0));
+  const double first = gpu.step(s.dev, o8, false).loss();
+  EXPECT_EQ(gpu.step(s.dev, o8, false).loss(), first) << "the same weights, another loss";
+  gpu.upload_masters(t.w);
+  const double after_upload = gpu.step(s.dev, o8, false).loss();
+  EXPECT_NE(after_upload, first) << "the step still used the old weights' codes";
+  EXPECT_EQ(after_upload, fresh_t.step(s.dev, o8, false).loss());
+  const CudaDrafter fresh_s(s.c, s.w, s.embed, s.lm_head, Device::cuda(0));
+  gpu.weights().copy_from(fresh_s.weights());  // as the optimizer writes them
+  EXPECT_EQ(gpu.step(s.dev, o8, false).loss(), first) << "a write through weights() did not reach the FP8 codes";
+}
+
 TEST(CudaDrafter, MicroBatchesAccumulateAndRunsAreDeterministic) {
   DFLASH_REQUIRE_GPU();
   Fixture s = make_setup(42);

@@ -180,6 +180,28 @@ TEST(CudaTrainOps, EmbeddingF32) {
   }
 }
 
+// scatter_rows_f32: each row lands on its destination exactly; the rows not named keep their values.
+TEST(CudaTrainOps, ScatterRowsF32) {
+  DFLASH_REQUIRE_GPU();
+  for (int64_t D : {int64_t{5120}, int64_t{100}, int64_t{7}}) {
+    const int64_t total = 53, rows = 31;
+    std::vector<int32_t> dst(static_cast<size_t>(total));
+    for (int64_t i = 0; i < total; ++i) dst[i] = static_cast<int32_t>(i);
+    std::mt19937 rng(static_cast<uint32_t>(g_seed++));
+    std::shuffle(dst.begin(), dst.end(), rng);
+    dst.resize(static_cast<size_t>(rows));
+    const std::vector<float> x = randn(rows * D), before = randn(total * D);
+    Buf xb = dev_f32(x), yb = dev_f32(before), ib = dev_i32(dst);
+    cu::scatter_rows_f32(xb.f(), static_cast<const int32_t*>(ib.p()), yb.f(), rows, D, stream());
+    const std::vector<double> got = host(yb);
+    std::vector<float> want = before;
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(x.begin() + r * D, D, want.begin() + dst[r] * D);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < total * D; ++i) bad += got[i] == want[i] ? 0 : 1;
+    EXPECT_EQ(bad, 0) << "scatter_rows_f32 D=" << D;
+  }
+}
+
 // ---- RMSNorm --------------------------------------------------------------------------------------
 
 struct RmsCase {

@@ -10,6 +10,7 @@
 //   cast_bf16_f32 / cast_f32_bf16   6 bytes per element
 //   add_into_f32     h read + written, d read: 10 (bf16 d) or 12 (fp32 d) bytes
 //   embedding_f32    2·D read + 4·D written per row
+//   scatter_rows_f32 4·D read + 4·D written per row
 //   swiglu_bwd       gu 4·I + dm 2·I read, dgu 4·I written
 // Each has a 16-byte (8 elements) instantiation, taken when the pointers and sizes allow, and a
 // scalar one for any size and alignment.
@@ -152,6 +153,19 @@ __global__ void embedding_f32_kernel(const int32_t* __restrict__ ids, const bf16
     }
   } else {
     for (int64_t i = threadIdx.x; i < D; i += blockDim.x) dst[i] = __bfloat162float(src[i]);
+  }
+}
+
+__global__ void scatter_rows_f32_kernel(const float* __restrict__ x, const int32_t* __restrict__ dst_rows,
+                                        float* __restrict__ y, int64_t D, bool vec) {
+  const int64_t r = blockIdx.x;
+  const float* src = x + r * D;
+  float* dst = y + static_cast<int64_t>(dst_rows[r]) * D;
+  if (vec) {
+    for (int64_t u = threadIdx.x; u < D / 4; u += blockDim.x)
+      reinterpret_cast<float4*>(dst)[u] = reinterpret_cast<const float4*>(src)[u];
+  } else {
+    for (int64_t i = threadIdx.x; i < D; i += blockDim.x) dst[i] = src[i];
   }
 }
 
@@ -300,6 +314,17 @@ void embedding_f32(const int32_t* ids, const void* table, float* h, int64_t rows
   const bool vec = D % 8 == 0 && aligned16(table) && aligned16(h);
   embedding_f32_kernel<<<static_cast<unsigned>(rows), 128, 0, static_cast<cudaStream_t>(s)>>>(
       ids, static_cast<const bf16*>(table), h, rows, D, vec);
+  DFLASH_CUDA_CHECK_LAST();
+}
+
+void scatter_rows_f32(const float* x, const int32_t* dst_rows, float* y, int64_t rows, int64_t D, Stream s) {
+  DFLASH_CHECK(rows >= 0 && rows < (int64_t{1} << 31) && D > 0,
+               "scatter_rows_f32: need 0 <= rows < 2^31 and D > 0, got rows=" << rows << " D=" << D);
+  if (rows == 0) return;
+  DFLASH_CHECK(x != nullptr && dst_rows != nullptr && y != nullptr,
+               "scatter_rows_f32: null pointer (x=" << x << " dst_rows=" << dst_rows << " y=" << y << ")");
+  const bool vec = D % 4 == 0 && aligned16(x) && aligned16(y);
+  scatter_rows_f32_kernel<<<static_cast<unsigned>(rows), 128, 0, static_cast<cudaStream_t>(s)>>>(x, dst_rows, y, D, vec);
   DFLASH_CUDA_CHECK_LAST();
 }
 

@@ -27,6 +27,9 @@ void cast_f32_bf16(const float* x, void* y, int64_t n, Stream s);
 void add_into_f32(float* h, const void* d, bool d_f32, int64_t n, Stream s);
 // Embedding rows into the fp32 residual stream: h[r, :] = float(table[ids[r], :]), table bf16 [V, D].
 void embedding_f32(const int32_t* ids, const void* table, float* h, int64_t rows, int64_t D, Stream s);
+// Rows out to their places: y[dst_rows[r], :] = x[r, :] for r < rows (fp32, row stride D); y's other
+// rows untouched. dst_rows distinct (a row written twice is a race), in range (not checked here).
+void scatter_rows_f32(const float* x, const int32_t* dst_rows, float* y, int64_t rows, int64_t D, Stream s);
 
 // ---- SwiGLU backward --------------------------------------------------------------------------------
 // Forward is swiglu() above: m = silu(gu[:, :I]) · gu[:, I:]. Backward from dm bf16 [rows, I]:

@@ -594,15 +594,7 @@ int main(int argc, char** argv) {
         target::FastPathPlan plan = rt.decode_plan();
         target::FastPathPlan::DecodeFusion& f = plan.fusion;
         const int pdl_saved = cuda::tuning::pdl;
-        if (name == "no_pdl") cuda::tuning::pdl = 0;
-        else if (name == "skinny") f.skinny_gemm = f.swiglu_gemm = true;
-        else if (name == "skinny_no_swiglu") f.skinny_gemm = true, f.swiglu_gemm = false;
-        else if (name == "no_gdn_chain") f.gdn_chain = false;
-        else if (name == "no_commit") f.commit = f.commit_overlap = false;
-        else if (name == "no_overlap") f.commit_overlap = false;
-        else if (name == "unfused") f = {}, cuda::tuning::pdl = 0;
-        else DFLASH_REQUIRE_HINT(name == "fused", "--decode-variants: unknown variant '" << name << "'",
-                                 "use fused, no_pdl, skinny, skinny_no_swiglu, no_gdn_chain, no_commit, no_overlap, unfused");
+        bench::apply_decode_variant(name, f, "--decode-variants");
         VariantRow row;
         row.name = name;
         row.fusion = plan.fusion.any() ? plan.fusion.str() : "none";

@@ -22,6 +22,8 @@
 #include "core/device.h"
 #include "core/log.h"
 #include "core/rng.h"
+#include "kernels/cuda/pdl.cuh"
+#include "target_model/decode.h"
 #include "target_model/generate.h"
 #include "target_model/runtime.h"
 
@@ -53,6 +55,11 @@ int main(int argc, char** argv) {
   bool no_graphs = false;
   app.add_flag("--no-cuda-graphs", no_graphs, "launch every decode step's kernels eagerly instead of replaying CUDA "
                                              "graphs (to compare; CSV rows get ',eager')");
+  std::string variant = "fused";
+  app.add_option("--decode-variant", variant,
+                 std::string("a variant of the decode plan's fused kernels for every point (as dflash_eval --decode-variants: ") +
+                     bench::kDecodeVariantNames + "); CSV rows get ',<variant>' unless fused")
+      ->capture_default_str();
   return run_app(app, argc, argv, [&]() -> int {
     init_logging(-1, log_level);
     const Device dev = Device::parse(device);
@@ -64,7 +71,12 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     target::TargetRuntime rt(src, cfg, dev, 1, 0, nullptr, false);
     rt.set_cuda_graphs(!no_graphs);
+    target::FastPathPlan plan = rt.decode_plan();  // the decoders' plan, with --decode-variant applied
+    bench::apply_decode_variant(variant, plan.fusion, "--decode-variant");
     std::printf("== generate_bench: %s\n", version_string().c_str());
+    if (variant != "fused")
+      std::printf("decode variant %s: fused kernels %s, PDL %s\n", variant.c_str(),
+                  plan.fusion.any() ? plan.fusion.str().c_str() : "none", cuda::pdl_enabled() ? "on" : "off");
     std::printf("target %s, random weights, loaded in %.1f s\nkernels %s\n", cfg.summary().c_str(),
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), rt.plans().c_str());
     // The roofline (bench/roofline.h): a decode step's bytes at the mean context of the decode steps.
@@ -102,7 +114,7 @@ int main(int argc, char** argv) {
         target::GenerateConfig gc;
         gc.max_new_tokens = max_new;
         gc.step_tokens = T;
-        const std::unique_ptr<target::Decoder> dec = rt.make_decoder(S, prompt_len + max_new);
+        const std::unique_ptr<target::Decoder> dec = target::make_cuda_decoder(*rt.cuda_model(), S, prompt_len + max_new, plan);
         {  // warm-up: one short generation (allocations, cuBLAS heuristics)
           target::GenerateConfig w = gc;
           w.max_new_tokens = 4;
@@ -131,7 +143,7 @@ int main(int argc, char** argv) {
         const std::string shape = "slots=" + std::to_string(S) + ",prompt=" + std::to_string(prompt_len) +
                                   ",new=" + std::to_string(max_new) + ",prompts=" + std::to_string(reqs.size()) +
                                   (T > 0 ? ",step_tokens=" + std::to_string(T) : "") +
-                                  (prec == target::Precision::Fp8 ? ",fp8" : "") + (no_graphs ? ",eager" : "");
+                                  (prec == target::Precision::Fp8 ? ",fp8" : "") + (no_graphs ? ",eager" : "") + (variant != "fused" ? "," + variant : "");
         auto row = [&](const std::string& metric, const std::string& unit, double v) {
           csv.write({"generate_bench", "generate_batch", "cuda", "greedy", metric, unit, shape, v, v, v, false});
         };

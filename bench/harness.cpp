@@ -8,6 +8,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "kernels/cuda/pdl.cuh"
 
 namespace dflash::bench {
 
@@ -48,6 +49,17 @@ double copy_bandwidth_gbs(int device) {
   });
   // The best copy: the bandwidth the memory reaches (roofline.h states every step against it).
   return 2.0 * static_cast<double>(bytes) / (*std::min_element(ms.begin(), ms.end()) * 1e-3) / 1e9;
+}
+
+void apply_decode_variant(const std::string& name, target::FastPathPlan::DecodeFusion& f, const char* option) {
+  if (name == "no_pdl") cuda::tuning::pdl = 0;
+  else if (name == "skinny") f.skinny_gemm = f.swiglu_gemm = true;
+  else if (name == "skinny_no_swiglu") f.skinny_gemm = true, f.swiglu_gemm = false;
+  else if (name == "no_gdn_chain") f.gdn_chain = false;
+  else if (name == "no_commit") f.commit = f.commit_overlap = false;
+  else if (name == "no_overlap") f.commit_overlap = false;
+  else if (name == "unfused") f = {}, cuda::tuning::pdl = 0;
+  else DFLASH_REQUIRE_HINT(name == "fused", option << ": unknown variant '" << name << "'", "use " << kDecodeVariantNames);
 }
 
 }  // namespace dflash::bench

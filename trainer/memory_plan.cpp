@@ -82,8 +82,11 @@ MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::Drafter
   if (fp8_drafter)  // the widest backward's operand codes at once: gate|up's gradient in both encodings, yn's transposed
     p.drafter_activations += R * (2.0 * 2.0 * static_cast<double>(d.intermediate_size) + static_cast<double>(d.hidden_size));
   const double V = static_cast<double>(d.vocab_size);
+  // A chunk's fp32 logits and bf16 gradient, and the loss rows gathered out of the block rows with
+  // their fp32 d(final norm) (CudaDrafter::loss; at most R rows).
   p.ce_workspace = static_cast<double>(std::min<int64_t>(ce_chunk_rows, std::max<int64_t>(blocks * d.block_size, 1))) *
-                   (V + 8) * 6.0;
+                       (V + 8) * 6.0 +
+                   R * 6.0 * Hd;
   // block_attention_bwd_workspace where the wgmma kernels run (its upper bound elsewhere): δ
   // [R, Hq] fp32 and a 64 x 64 bf16 dSᵀ tile per block, kv head, 64-row query tile and 64-key tile
   // (ceil(max_seqlen / 64) context tiles + the block's own).

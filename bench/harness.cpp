@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "core/cuda/check.h"
 #include "core/device.h"
@@ -56,6 +57,7 @@ void apply_decode_variant(const std::string& name, target::FastPathPlan::DecodeF
   else if (name == "skinny") f.skinny_gemm = f.swiglu_gemm = true;
   else if (name == "skinny_no_swiglu") f.skinny_gemm = true, f.swiglu_gemm = false;
   else if (name == "no_gdn_chain") f.gdn_chain = false;
+  else if (name == "gdn_chain_all") f.gdn_chain_max_seqs = std::numeric_limits<int64_t>::max();
   else if (name == "no_commit") f.commit = f.commit_overlap = false;
   else if (name == "no_overlap") f.commit_overlap = false;
   else if (name == "unfused") f = {}, cuda::tuning::pdl = 0;

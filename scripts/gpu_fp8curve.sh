@@ -9,7 +9,7 @@
 # |loss_fp8 - loss_bf16| / loss_bf16 at every logged step, its maximum after the first 10% of the steps,
 # and the mean of the last 5 logged losses of each; the curves "agree" when that last-5 mean differs by
 # at most TOL (default 0.03) and every logged step after the first 10% by at most 2 x TOL.
-#   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_fp8curve.sh          (B=<build dir> skips the build)
+#   device run: DFLASH_GIT_COMMIT=<sha> PREPARED=P bash scripts/gpu_fp8curve.sh   (B=<build dir> skips the build)
 #   CPU dry run of the logic: DEV=cpu B=build-cpu NPROMPTS=64 STEPS=20 LOGI=2 NEW_EV=8 NHO=4 bash scripts/gpu_fp8curve.sh
 #     (the CPU backend simulates the FP8 linears); NPROMPTS (default 0: all) limits the regenerated prompts.
 # Writes to $OUT: fp8curve.txt (the summary and both curves side by side) and fp8curve.tgz (logs,
@@ -36,9 +36,19 @@ fi
 B=$(cd "$B" && pwd)
 cd "$DFLASH_ROOT"
 TT=configs/text-target
+# The prompts: the committed jsonl files through the tokenizer, or (PREPARED=P, a build without text/, as
+# the GPU machine's) P/train.h5 and P/heldout.h5 made elsewhere:
+#   dflash_data prepare configs/text-target/prompts_train.jsonl --prompts --tokenizer configs/text-target --out P/train.h5
+#   (and prompts_heldout.jsonl -> P/heldout.h5)
+data=() heldout=$TT/prompts_heldout.jsonl
+if [ -n "${PREPARED:-}" ]; then
+  P=$(cd "$PREPARED" && pwd)
+  data=(--set data.train= --set "data.files=[$P/train.h5]" --set data.regenerate.enabled=true)
+  heldout=$P/heldout.h5
+fi
 pids=()
 for p in bf16 fp8; do
-  "$B/trainer/dflash_train" configs/text-gpu.yaml --set parallel.device="$DEV" --set model.drafter.precision=$p \
+  "$B/trainer/dflash_train" configs/text-gpu.yaml "${data[@]}" --set parallel.device="$DEV" --set model.drafter.precision=$p \
     --set data.regenerate.num_prompts="$NPROMPTS" --set training.max_steps="$STEPS" --set logging.interval="$LOGI" \
     --set checkpoint.interval=1000000 \
     --set checkpoint.at_end=false --set logging.progress_bar=false --set logging.run_dir="$W/$p" >"$W/train_$p.log" 2>&1 &
@@ -81,8 +91,8 @@ fi
 for p in bf16 fp8; do
   d=$W/$p/drafter
   [ -d "$d" ] || { echo "eval $p: no exported drafter" | tee -a "$S"; continue; }
-  "$B/bench/dflash_eval" --model "$TT" --drafter "$d" --prompts "$TT/prompts_heldout.jsonl" --num-prompts "$NHO" \
-    --max-new-tokens "$NEW_EV" --device "$DEV" --json "$W/eval_$p.json" >"$W/eval_$p.log" 2>&1
+  "$B/bench/dflash_eval" --model "$TT" --drafter "$d" --prompts "$heldout" --num-prompts "$NHO" \
+    --max-new-tokens "$NEW_EV" --stop-token 4092 --stop-token 4090 --device "$DEV" --json "$W/eval_$p.json" >"$W/eval_$p.log" 2>&1
   echo "eval $p rc=$?: $(grep -E '^tau|^outputs' "$W/eval_$p.log" | tr '\n' ' ')" | tee -a "$S"
 done
 { echo; echo "== curves (metrics.jsonl, every $LOGI steps)"; cat "$W/curve.txt" 2>/dev/null; } >>"$S"

@@ -1,5 +1,6 @@
 #include "target_model/fast_path.h"
 
+#include <limits>
 #include <sstream>
 
 #include "core/device.h"
@@ -283,12 +284,14 @@ FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const Kernel
 
 std::string FastPathPlan::DecodeFusion::str() const {
   std::string s;
-  auto add = [&](bool on, const char* what) {
-    if (on) s += (s.empty() ? "" : ", ") + std::string(what);
+  auto add = [&](bool on, const std::string& what) {
+    if (on) s += (s.empty() ? "" : ", ") + what;
   };
   add(skinny_gemm, "skinny GEMMs");
   add(swiglu_gemm, "SwiGLU in down_proj");
-  add(gdn_chain, "fused GatedDeltaNet chain");
+  add(gdn_chain, gdn_chain_max_seqs == std::numeric_limits<int64_t>::max()
+                     ? std::string("fused GatedDeltaNet chain")
+                     : "fused GatedDeltaNet chain (steps of <= " + std::to_string(gdn_chain_max_seqs) + " sequences)");
   add(commit, commit_overlap ? "fused commit (side stream)" : "fused commit");
   return s;
 }
@@ -411,6 +414,7 @@ nlohmann::json FastPathPlan::to_json() const {
   j["decode_fusion"] = {{"skinny_gemm", fusion.skinny_gemm},
                         {"swiglu_gemm", fusion.swiglu_gemm},
                         {"gdn_chain", fusion.gdn_chain},
+                        {"gdn_chain_max_seqs", fusion.gdn_chain_max_seqs},
                         {"commit", fusion.commit},
                         {"commit_overlap", fusion.commit_overlap}};
   for (const LayerPlan& l : layers) {

@@ -84,10 +84,17 @@ struct FastPathPlan {
   // GatedDeltaNet ones on with the fast path on sm_90 for bf16 targets; a fallback policy keeps the
   // unfused kernels, which are also each fused kernel's reference; the skinny GEMM is measured slower
   // than cuBLASLt and stays off unless a caller sets it); summary() names them.
+  static constexpr int64_t kGdnChainMaxSeqs = 32;
   struct DecodeFusion {
     bool skinny_gemm = false;  // decode / verify GEMMs of <= 16 rows on cuda::gemm_skinny where its grid fits one wave (else cuBLASLt)
     bool swiglu_gemm = false;  // SwiGLU as down_proj's prologue (gemm_skinny's swiglu), where skinny_gemm runs down_proj
     bool gdn_chain = false;    // conv update + gates + l2norm + delta rule + gated RMSNorm: one kernel per layer (gdn_decode_fused)
+    // ... in steps of at most this many sequences; larger steps run the unfused kernels. One block per
+    // (value head, sequence) holding its 64 KB state in registers hides latency worse than the pool
+    // kernel's grid once the grid is many waves: on an H200 (27B shapes, 512-token prompts) a
+    // 64-sequence decode step took 25.5 ms fused against 22.1 unfused, 128 sequences 36.3 against 29.6
+    // (bench/results/h200-genab-*), while one sequence gains ~0.3 ms from it.
+    int64_t gdn_chain_max_seqs = kGdnChainMaxSeqs;
     bool commit = false;       // commit: every layer's conv update + delta rule re-run in one kernel (gdn_commit_fused)
     // A replayed fused commit runs on a side stream, so the drafter's context update (the next work
     // on the decoder's stream) overlaps it; the decoder's next step waits for it.

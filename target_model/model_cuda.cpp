@@ -348,7 +348,8 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
 
   DecodeStep* ds = decode_;
   DecodeLayer* dl = ds ? &(*ds->layers)[static_cast<size_t>(i)] : nullptr;
-  if (ds && !ds->prefill && ds->fusion.gdn_chain && ds->max_new <= kMaxVerifyTokens && !f.out.fp8()) {
+  if (ds && !ds->prefill && ds->fusion.gdn_chain && b.num_seqs <= ds->fusion.gdn_chain_max_seqs &&
+      ds->max_new <= kMaxVerifyTokens && !f.out.fp8()) {
     // The fused chain (gdn.h gdn_decode_fused): conv update .. gated RMSNorm in one kernel, the
     // unfused kernels' values bit for bit; a verify also keeps what commit re-runs.
     Tensor normed = device_bf16({N, V}, device_);

@@ -83,3 +83,18 @@ TEST(FastPath, CpuPlanAndCounters) {
   EXPECT_EQ(counters.get(Step::Conv, Path::Cpu), 0u);
   EXPECT_THROW(parse_policy("fastest", "kernels.conv"), Error);
 }
+
+#if DFLASH_WITH_CUDA
+// The decode plan's fused GatedDeltaNet chain runs in steps of at most kGdnChainMaxSeqs sequences
+// (larger steps take the unfused kernels, faster there: fast_path.h); the plan says so.
+TEST(FastPath, DecodePlanBoundsTheFusedChainBySequences) {
+  const FastPathPlan plan = make_decode_plan(qwen27b(), Device::cuda(0), {}, 9, Precision::Bf16);
+  ASSERT_TRUE(plan.fusion.gdn_chain) << plan.summary();
+  EXPECT_EQ(plan.fusion.gdn_chain_max_seqs, FastPathPlan::kGdnChainMaxSeqs);
+  EXPECT_NE(plan.summary().find("fused GatedDeltaNet chain (steps of <= " + std::to_string(FastPathPlan::kGdnChainMaxSeqs) +
+                                " sequences)"),
+            std::string::npos)
+      << plan.summary();
+  EXPECT_EQ(plan.to_json()["decode_fusion"]["gdn_chain_max_seqs"], FastPathPlan::kGdnChainMaxSeqs);
+}
+#endif

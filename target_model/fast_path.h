@@ -84,7 +84,7 @@ struct FastPathPlan {
   // GatedDeltaNet ones on with the fast path on sm_90 for bf16 targets; a fallback policy keeps the
   // unfused kernels, which are also each fused kernel's reference; the skinny GEMM is measured slower
   // than cuBLASLt and stays off unless a caller sets it); summary() names them.
-  static constexpr int64_t kGdnChainMaxSeqs = 32;
+  static constexpr int64_t kGdnChainMaxSeqs = 4;
   struct DecodeFusion {
     bool skinny_gemm = false;  // decode / verify GEMMs of <= 16 rows on cuda::gemm_skinny where its grid fits one wave (else cuBLASLt)
     bool swiglu_gemm = false;  // SwiGLU as down_proj's prologue (gemm_skinny's swiglu), where skinny_gemm runs down_proj

@@ -91,9 +91,10 @@ struct FastPathPlan {
     bool gdn_chain = false;    // conv update + gates + l2norm + delta rule + gated RMSNorm: one kernel per layer (gdn_decode_fused)
     // ... in steps of at most this many sequences; larger steps run the unfused kernels. One block per
     // (value head, sequence) holding its 64 KB state in registers hides latency worse than the pool
-    // kernel's grid once the grid is many waves: on an H200 (27B shapes, 512-token prompts) a
-    // 64-sequence decode step took 25.5 ms fused against 22.1 unfused, 128 sequences 36.3 against 29.6
-    // (bench/results/h200-genab-*), while one sequence gains ~0.3 ms from it.
+    // kernel's grid once the grid is many waves. On an H200 (27B shapes, 512-token prompts; decode step,
+    // fused vs unfused): 1 / 2 / 4 sequences 14.65 / 14.78 / 15.25 vs 14.92 / 15.09 / 15.40 ms, 8 16.06 vs
+    // 15.89, 32 19.75 vs 18.32, 64 25.49 vs 22.05, 128 36.28 vs 29.58 (bench/results/h200-s20-37f530d
+    // genbench_sweep.csv, h200-genab-627ea7a).
     int64_t gdn_chain_max_seqs = kGdnChainMaxSeqs;
     bool commit = false;       // commit: every layer's conv update + delta rule re-run in one kernel (gdn_commit_fused)
     // A replayed fused commit runs on a side stream, so the drafter's context update (the next work

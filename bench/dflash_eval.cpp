@@ -31,6 +31,7 @@
 #include <numeric>
 #include <sstream>
 #include <tuple>
+#include <utility>
 
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
@@ -585,7 +586,9 @@ int main(int argc, char** argv) {
       vgo.max_new_tokens = std::min<int64_t>(variant_tokens, max_new);
       vgo.stop_tokens.clear();
       const bench::Generation ref = bench::greedy_generate(*dec, 0, p0, vgo);
-      const bool ref_skinny = rt.decode_plan().fusion.skinny_gemm;
+      // Variants whose GEMMs round otherwise (the skinny GEMM, the MoE decode kernels' dot products).
+      const auto gemms_of = [](const target::FastPathPlan::DecodeFusion& f) { return std::make_pair(f.skinny_gemm, f.moe_decode); };
+      const auto ref_gemms = gemms_of(rt.decode_plan().fusion);
       const auto vstream = static_cast<cudaStream_t>(cuda_model->stream());
       std::vector<cudaEvent_t> ev(2 * static_cast<size_t>(vgo.max_new_tokens));
       for (cudaEvent_t& e : ev) DFLASH_CUDA_CHECK(cudaEventCreate(&e));
@@ -628,8 +631,9 @@ int main(int argc, char** argv) {
           // Speculative decoding must give this variant's own greedy tokens; against the main run's
           // only when both ran the same GEMM kernels (another GEMM rounds otherwise).
           row.same = sp.tokens.size() >= tokens.size() && std::equal(tokens.begin(), tokens.end(), sp.tokens.begin());
-          row.vs_main = f.skinny_gemm != ref_skinny ? "other GEMMs" : tokens == ref.tokens ? "yes" : "NO";
-          if (f.skinny_gemm == ref_skinny && tokens != ref.tokens) row.same = false;
+          const bool other_gemms = gemms_of(f) != ref_gemms;
+          row.vs_main = other_gemms ? "other GEMMs" : tokens == ref.tokens ? "yes" : "NO";
+          if (!other_gemms && tokens != ref.tokens) row.same = false;
           const double ns = static_cast<double>(std::max<size_t>(sp.accept.size(), 1));
           row.propose_ms = 1e3 * sp.times.propose / ns;
           row.verify_ms = 1e3 * sp.times.verify / ns;

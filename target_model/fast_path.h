@@ -100,8 +100,14 @@ struct FastPathPlan {
     // A replayed fused commit runs on a side stream, so the drafter's context update (the next work
     // on the decoder's stream) overlaps it; the decoder's next step waits for it.
     bool commit_overlap = false;
-    bool any() const { return skinny_gemm || swiglu_gemm || gdn_chain || commit; }
-    std::string str() const;   // "skinny GEMMs, SwiGLU in down_proj, fused GatedDeltaNet chain, fused commit" ("" if none)
+    // MoE targets: decode / verify steps of <= cuda::kMoeDecodeMaxRows rows run the MoE block as three
+    // kernels streaming each weight row once (cuda::MoeImpl::Decode, "moe_decode_gemv") instead of
+    // the grouped path's eleven launches. Off in the plan until measured on a GPU (written without
+    // one, session 21); dflash_eval / generate_bench --decode-variant moe_decode turn it on.
+    bool moe_decode = false;
+    bool any() const { return skinny_gemm || swiglu_gemm || gdn_chain || commit || moe_decode; }
+    // "skinny GEMMs, SwiGLU in down_proj, fused GatedDeltaNet chain, fused commit, MoE decode kernels" ("" if none)
+    std::string str() const;
   };
   DecodeFusion fusion;
 

@@ -732,7 +732,14 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
   const LayerWeights& L = weights_.layers[static_cast<size_t>(i)];
   const Fused& f = fused_[static_cast<size_t>(i)];
   const int64_t N = x.size(0);
-  const cuda::MoeImpl impl = plan_.moe_fallback ? cuda::MoeImpl::Fallback : cuda::MoeImpl::Grouped;
+  // A decode / verify step of <= 16 rows (a T = 1 decode and a T <= 16 verify alike: their rows are
+  // padded to 16) on the decode plan's MoE decode kernels; prefill, chunked prompt pieces and larger
+  // batches on the grouped GEMMs.
+  static_assert(cuda::kMoeDecodeMaxRows == kMaxVerifyTokens, "the MoE decode kernels take every decode and verify step");
+  const bool decode_kernels = decode_ && !decode_->prefill && decode_->fusion.moe_decode && N <= cuda::kMoeDecodeMaxRows;
+  const cuda::MoeImpl impl = plan_.moe_fallback ? cuda::MoeImpl::Fallback
+                             : decode_kernels   ? cuda::MoeImpl::Decode
+                                                : cuda::MoeImpl::Grouped;
   if (impl == cuda::MoeImpl::Fallback) {
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
     DFLASH_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream_), &st));

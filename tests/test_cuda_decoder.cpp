@@ -50,14 +50,17 @@ std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint64_t seed) {
 struct Gpu {
   std::unique_ptr<CudaTargetModel> model;
   std::unique_ptr<Decoder> dec;
+  // moe_decode: the decode plan's MoE decode kernels (FastPathPlan::DecodeFusion::moe_decode) on.
   Gpu(const TargetConfig& c, KernelPolicy pol, int64_t slots, int64_t max_len, uint64_t seed = 3,
-      Precision precision = Precision::Bf16, bool graphs = true) {
+      Precision precision = Precision::Bf16, bool graphs = true, bool moe_decode = false) {
     const int sm = cuda_device_info(0).major;
     KernelPolicies p = KernelPolicies::all(pol);
     p.cuda_graphs = graphs;
     model = std::make_unique<CudaTargetModel>(c, random_weights(c, seed, DType::BF16, Device::cuda(0), precision),
                                               make_plan(c, Device::cuda(0), p, sm, precision));
-    dec = make_cuda_decoder(*model, slots, max_len, make_decode_plan(c, Device::cuda(0), p, sm, precision));
+    FastPathPlan plan = make_decode_plan(c, Device::cuda(0), p, sm, precision);
+    plan.fusion.moe_decode = moe_decode;
+    dec = make_cuda_decoder(*model, slots, max_len, plan);
   }
 };
 
@@ -379,7 +382,8 @@ TEST(CudaDecoder, Fp8VerifyEqualsDecodeAndSpeculativeEqualsGreedy) {
 // and the states continue alike after commit; speculative decoding gives the target's own greedy
 // output token for token with oracle drafts of every acceptance length and with the CUDA proposer,
 // CUDA graphs replaying the decode / verify steps (the grouped expert GEMMs are captured), equal to
-// eager greedy decoding.
+// eager greedy decoding. All of it on the grouped GEMMs and again on the MoE decode kernels
+// (cuda::MoeImpl::Decode), whose decode logits agree with the grouped path's to rounding.
 TEST(CudaDecoder, MoeVerifyEqualsDecodeAndSpeculativeEqualsGreedy) {
   DFLASH_REQUIRE_GPU();
   const TargetConfig c = real_dims_moe();
@@ -389,51 +393,78 @@ TEST(CudaDecoder, MoeVerifyEqualsDecodeAndSpeculativeEqualsGreedy) {
   commit.logits = true;
   ExtendOptions verify = commit;
   verify.commit = false;
-  for (int64_t n : {1, 6, 16}) {
-    Gpu a(c, KernelPolicy::Auto, 1, 400), b(c, KernelPolicy::Auto, 1, 400);
-    EXPECT_EQ(a.model->plan().moe_kernel, "moe_grouped_mma") << a.model->plan().moe;
-    a.dec->extend({0}, {prompt}, commit);
-    b.dec->extend({0}, {prompt}, commit);
-    const ExtendResult va = a.dec->extend({0}, {block}, verify);
-    a.dec->commit(0, n);
-    for (int64_t t = 0; t < n; ++t) {
-      const ExtendResult sb = b.dec->extend({0}, {{block[static_cast<size_t>(t)]}}, commit);
-      EXPECT_TRUE(bit_equal(rows(va.logits, t, t + 1), sb.logits)) << "moe logits of verify row " << t << " (n " << n << ")";
-      EXPECT_TRUE(bit_equal(rows(va.features, t, t + 1), sb.features)) << "moe features of verify row " << t;
-    }
-    for (int32_t tok : random_tokens(3, c.vocab_size, 4)) {
-      const ExtendResult na = a.dec->extend({0}, {{tok}}, commit), nb = b.dec->extend({0}, {{tok}}, commit);
-      EXPECT_TRUE(bit_equal(na.logits, nb.logits)) << "moe, after commit(" << n << ")";
-    }
-  }
-  Gpu e(c, KernelPolicy::Auto, 1, 256, 3, Precision::Bf16, false), g(c, KernelPolicy::Auto, 1, 256, 3, Precision::Bf16, true);
-  bench::GenerateOptions go;
-  go.max_new_tokens = 60;
-  go.block_size = 8;
   const std::vector<int32_t> p40(prompt.begin(), prompt.begin() + 40);
-  const std::vector<int32_t> want = oracle_equals_greedy(g, c, p40, go);
-  EXPECT_EQ(bench::greedy_generate(*e.dec, 0, p40, go).tokens, want) << "eager greedy";
-  const drafter::DrafterConfig dc = drafter::DrafterConfig::for_target(c, 2, c.vocab_size - 1, 16);
-  const drafter::DrafterWeights w = drafter::DrafterWeights::random(dc, 5, 0.05f);
-  auto prop = drafter::make_cuda_proposer(dc, w, g.model->weights().embed_tokens, g.model->weights().lm_head,
-                                          Device::cuda(0), 1, 256);
-  for (int64_t B : {4, 16}) {
-    go.block_size = B;
-    EXPECT_EQ(bench::speculative_generate(*g.dec, *prop, 0, p40, go).tokens, want) << "block " << B;
+  std::vector<int32_t> grouped_tokens;
+  for (bool md : {false, true}) {
+    SCOPED_TRACE(md ? "MoE decode kernels" : "grouped GEMMs");
+    for (int64_t n : {1, 6, 16}) {
+      Gpu a(c, KernelPolicy::Auto, 1, 400, 3, Precision::Bf16, true, md),
+          b(c, KernelPolicy::Auto, 1, 400, 3, Precision::Bf16, true, md);
+      EXPECT_EQ(a.model->plan().moe_kernel, "moe_grouped_mma") << a.model->plan().moe;
+      a.dec->extend({0}, {prompt}, commit);
+      b.dec->extend({0}, {prompt}, commit);
+      const ExtendResult va = a.dec->extend({0}, {block}, verify);
+      a.dec->commit(0, n);
+      for (int64_t t = 0; t < n; ++t) {
+        const ExtendResult sb = b.dec->extend({0}, {{block[static_cast<size_t>(t)]}}, commit);
+        EXPECT_TRUE(bit_equal(rows(va.logits, t, t + 1), sb.logits)) << "moe logits of verify row " << t << " (n " << n << ")";
+        EXPECT_TRUE(bit_equal(rows(va.features, t, t + 1), sb.features)) << "moe features of verify row " << t;
+      }
+      for (int32_t tok : random_tokens(3, c.vocab_size, 4)) {
+        const ExtendResult na = a.dec->extend({0}, {{tok}}, commit), nb = b.dec->extend({0}, {{tok}}, commit);
+        EXPECT_TRUE(bit_equal(na.logits, nb.logits)) << "moe, after commit(" << n << ")";
+      }
+    }
+    if (md) {
+      // The decode kernels' logits against the grouped path's on the same decode steps.
+      Gpu a(c, KernelPolicy::Auto, 1, 400, 3, Precision::Bf16, true, false),
+          b(c, KernelPolicy::Auto, 1, 400, 3, Precision::Bf16, true, true);
+      a.dec->extend({0}, {prompt}, commit);
+      b.dec->extend({0}, {prompt}, commit);
+      for (int32_t tok : block) {
+        const ExtendResult ga = a.dec->extend({0}, {{tok}}, commit), gb = b.dec->extend({0}, {{tok}}, commit);
+        const double e = max_rel_err(gb.logits.to(Device::cpu()), ga.logits.to(Device::cpu()));
+        EXPECT_LE(e, 2e-2) << "decode-kernel logits vs the grouped path's";
+      }
+    }
+    Gpu e(c, KernelPolicy::Auto, 1, 256, 3, Precision::Bf16, false, md),
+        g(c, KernelPolicy::Auto, 1, 256, 3, Precision::Bf16, true, md);
+    bench::GenerateOptions go;
+    go.max_new_tokens = 60;
+    go.block_size = 8;
+    const std::vector<int32_t> want = oracle_equals_greedy(g, c, p40, go);
+    EXPECT_EQ(bench::greedy_generate(*e.dec, 0, p40, go).tokens, want) << "eager greedy";
+    const drafter::DrafterConfig dc = drafter::DrafterConfig::for_target(c, 2, c.vocab_size - 1, 16);
+    const drafter::DrafterWeights w = drafter::DrafterWeights::random(dc, 5, 0.05f);
+    auto prop = drafter::make_cuda_proposer(dc, w, g.model->weights().embed_tokens, g.model->weights().lm_head,
+                                            Device::cuda(0), 1, 256);
+    for (int64_t B : {4, 16}) {
+      go.block_size = B;
+      EXPECT_EQ(bench::speculative_generate(*g.dec, *prop, 0, p40, go).tokens, want) << "block " << B;
+    }
+    EXPECT_GT(g.dec->graph_stats().replays, 0u) << g.dec->kernels_run();
+    EXPECT_EQ(g.dec->graph_stats().capture_failures, 0u);
+    if (!md) grouped_tokens = want;
+    else {
+      int64_t same = 0;
+      for (size_t i = 0; i < std::min(grouped_tokens.size(), want.size()) && grouped_tokens[i] == want[i]; ++i) ++same;
+      std::printf("moe greedy decoding, decode kernels vs grouped: first %lld of %zu tokens equal\n",
+                  static_cast<long long>(same), want.size());
+    }
   }
-  EXPECT_GT(g.dec->graph_stats().replays, 0u) << g.dec->kernels_run();
-  EXPECT_EQ(g.dec->graph_stats().capture_failures, 0u);
   // Decoding on every fallback kernel (the per-expert loop reads the counts back: eager) runs its
   // steps too; its tokens follow other roundings, so only their agreement is printed.
   Gpu f(c, KernelPolicy::Fallback, 1, 256, 3, Precision::Bf16, false);
   EXPECT_EQ(f.model->plan().moe_kernel, "moe_loop_gemm_bf16");
+  bench::GenerateOptions go;
+  go.max_new_tokens = 60;
   go.block_size = 8;
   const std::vector<int32_t> fb = bench::greedy_generate(*f.dec, 0, p40, go).tokens;
-  ASSERT_EQ(fb.size(), want.size());
+  ASSERT_EQ(fb.size(), grouped_tokens.size());
   int64_t same = 0;
-  for (size_t i = 0; i < std::min(fb.size(), want.size()) && fb[i] == want[i]; ++i) ++same;
+  for (size_t i = 0; i < std::min(fb.size(), grouped_tokens.size()) && fb[i] == grouped_tokens[i]; ++i) ++same;
   std::printf("moe greedy decoding, fallback kernels vs grouped: first %lld of %zu tokens equal\n",
-              static_cast<long long>(same), want.size());
+              static_cast<long long>(same), grouped_tokens.size());
 }
 
 // Several empty slots in one extend: one forward over the packed prompts (the forward's kernels,

@@ -313,6 +313,8 @@ void check_block(const BlockCase& c, cu::MoeImpl impl) {
     ops::linear(x.host, sg.host, gate);
     ops::add_sigmoid_gated(sh, gate, ref);
   }
+  if (impl == cu::MoeImpl::Decode && Nr < c.N)  // the decode kernels write zeros into the pad rows
+    std::fill(ref.data<float>() + Nr * c.H, ref.data<float>() + c.N * c.H, 0.0f);
   EXPECT_LE(max_rel_err(host_f32(out), ref), kBound);
 }
 
@@ -369,14 +371,72 @@ TEST(CudaMoe, BlockMatchesCpu) {
       {16, 256, 64, 8, 64, 64, true, 1},  {16, 128, 16, 4, 48, 64, true, 5}, {70, 128, 16, 4, 48, 0, true, 64},
       {37, 64, 8, 2, 32, 48, true, -1, true}, {16, 256, 64, 8, 64, 64, true, 3, true},
       {16, 128, 16, 4, 48, 64, true, 0},
+      // Decode-kernel edges: rows of H, I, Is not a multiple of a warp's 256 columns, k not a multiple
+      // of 4, no shared expert.
+      {12, 136, 16, 3, 40, 24, false}, {8, 64, 8, 2, 32, 0, true, 5},
   };
-  for (const BlockCase& c : cases)
+  for (const BlockCase& c : cases) {
     for (cu::MoeImpl impl : {cu::MoeImpl::Grouped, cu::MoeImpl::Fallback}) check_block(c, impl);
+    if (c.N <= cu::kMoeDecodeMaxRows) check_block(c, cu::MoeImpl::Decode);
+  }
   // The grouped GEMM's tilings, forced either way on every case.
   for (int narrow : {0, 1}) {
     SCOPED_TRACE(narrow ? "narrow tiles" : "wide tiles");
     NarrowKnob knob(narrow);
     for (const BlockCase& c : cases) check_block(c, cu::MoeImpl::Grouped);
+  }
+}
+
+// The MoE decode kernels compute each token alone: a block of 16 rows (a verify) gives every row
+// the bits it gets as the one routed row of a 16-row decode step (its 15 pad rows routed to none)
+// and as a block of one row, at the 35B-A3B widths (H 2048, I = Is 512, k 8).
+TEST(CudaMoe, DecodeKernelRowsAreBatchInvariant) {
+  if (!gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t N = 16, H = 2048, E = 32, k = 8, I = 512, Is = 512;
+  Pair x = rand_bf16({N, H}, 1.0f), router = rand_bf16({E, H}, 0.02f), gu = rand_bf16({E, 2 * I, H}, 0.02f);
+  Pair dn = rand_bf16({E, H, I}, 0.05f), sgu = rand_bf16({2 * Is, H}, 0.02f), sdn = rand_bf16({H, Is}, 0.05f);
+  Pair sg = rand_bf16({1, H}, 0.02f);
+  // The block on rows [n0, n0 + rows) of x, padded to `pad` rows (the first `rows` routed): out, experts.
+  auto run = [&](int64_t n0, int64_t rows, int64_t pad) {
+    Tensor xin = Tensor::zeros({pad, H}, DType::BF16, Device::cuda(0));
+    DFLASH_CUDA_CHECK(cudaMemcpy(xin.raw_data(), static_cast<const char*>(x.dev.raw_data()) + n0 * H * 2,
+                                 static_cast<size_t>(rows * H * 2), cudaMemcpyDeviceToDevice));
+    Tensor out = Tensor::empty({pad, H}, DType::BF16, Device::cuda(0)), ex = dev_i32(rows * k);
+    poison(out);
+    const size_t bytes = cu::moe_workspace_bytes(pad, H, E, k, I, Is, cu::MoeImpl::Decode);
+    Tensor ws_t = Tensor::empty({static_cast<int64_t>(bytes)}, DType::U8, Device::cuda(0));
+    DFLASH_CUDA_CHECK(cudaMemset(ws_t.raw_data(), 0xff, bytes));
+    cu::MoeBlockParams p;
+    p.x = xin.raw_data();
+    p.N = pad, p.H = H, p.E = E, p.k = k, p.I = I, p.Is = Is, p.routed = rows;
+    p.router = router.dev.raw_data();
+    p.experts_gate_up = gu.dev.raw_data();
+    p.experts_down = dn.dev.raw_data();
+    p.shared_gate_up = sgu.dev.raw_data();
+    p.shared_down = sdn.dev.raw_data();
+    p.shared_gate = sg.dev.raw_data();
+    p.out = out.raw_data();
+    p.workspace = ws_t.raw_data();
+    p.experts_out = ex.data<int32_t>();
+    cu::moe_block(p, cu::MoeImpl::Decode, 0);
+    sync_dev();
+    return std::make_pair(host(out), host(ex));
+  };
+  const auto [all_out, all_ex] = run(0, N, N);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t pad : {int64_t{1}, N}) {
+      const auto [one_out, one_ex] = run(n, 1, pad);
+      EXPECT_EQ(std::memcmp(one_out.raw_data(), static_cast<const char*>(all_out.raw_data()) + n * H * 2,
+                            static_cast<size_t>(H * 2)),
+                0)
+          << "row " << n << " alone (padded to " << pad << ") vs in the 16-row block";
+      EXPECT_EQ(std::memcmp(one_ex.raw_data(), all_ex.data<int32_t>() + n * k, static_cast<size_t>(k * 4)), 0)
+          << "experts of row " << n;
+      if (pad > 1) {  // pad rows are zeros, not poison
+        const Tensor rest = host_f32(one_out).slice(0, 1, pad).contiguous();
+        EXPECT_EQ(max_rel_err(rest, Tensor::zeros({pad - 1, H}, DType::F32)), 0.0) << "pad rows";
+      }
+    }
   }
 }
 
@@ -444,8 +504,13 @@ TEST(CudaMoe, Bench35bA3b) {
   for (int64_t N : {1, 16, 2048, 8192}) {
     Pair x = gpu_rand({N, H}, 1.0f);
     Tensor out = Tensor::empty({N, H}, DType::BF16, Device::cuda(0));
-    for (int variant : {0, 1, 2}) {  // grouped wide tiles, grouped narrow tiles, the fallback
-      const cu::MoeImpl impl = variant < 2 ? cu::MoeImpl::Grouped : cu::MoeImpl::Fallback;
+    // Grouped wide tiles, grouped narrow tiles, the fallback, the decode kernels (N <= 16; its
+    // expert_gemm_gbs column: the whole block's weight bytes, router + touched experts + shared
+    // expert, over the block's time).
+    for (int variant : {0, 1, 2, 3}) {
+      if (variant == 3 && N > cu::kMoeDecodeMaxRows) continue;
+      const cu::MoeImpl impl =
+          variant < 2 ? cu::MoeImpl::Grouped : variant == 2 ? cu::MoeImpl::Fallback : cu::MoeImpl::Decode;
       NarrowKnob knob(variant < 2 ? variant : -1);
       const std::string name = std::string(cu::moe_impl_name(impl)) + (variant == 0 ? "/wide" : variant == 1 ? "/narrow" : "");
       const size_t bytes = cu::moe_workspace_bytes(N, H, E, k, I, Is, impl);
@@ -478,9 +543,17 @@ TEST(CudaMoe, Bench35bA3b) {
         cudaEventDestroy(b);
         return ms / reps;
       };
+      Tensor chosen = dev_i32(N * k);
+      p.experts_out = chosen.data<int32_t>();
       const double ms = time_it([&] { cu::moe_block(p, impl, 0); });
       const double flops = 2.0 * N * (E * H + k * 3 * I * H + 3 * Is * H);
       double ms_g = NAN, gbs = NAN;
+      if (impl == cu::MoeImpl::Decode) {
+        const Tensor hc = host(chosen);
+        std::set<int32_t> touched(hc.data<int32_t>(), hc.data<int32_t>() + N * k);
+        gbs = (static_cast<double>(E) * H + static_cast<double>(touched.size()) * 3.0 * I * H + 3.0 * Is * H) * 2.0 /
+              ms / 1e6;
+      }
       if (impl == cu::MoeImpl::Grouped) {
         // The two grouped GEMMs alone, on the routing moe_block left in the workspace... rerun the
         // routing into separate buffers so the GEMMs' inputs are real.

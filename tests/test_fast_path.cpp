@@ -97,4 +97,17 @@ TEST(FastPath, DecodePlanBoundsTheFusedChainBySequences) {
       << plan.summary();
   EXPECT_EQ(plan.to_json()["decode_fusion"]["gdn_chain_max_seqs"], FastPathPlan::kGdnChainMaxSeqs);
 }
+
+// The MoE decode kernels (cuda::MoeImpl::Decode) stay out of the decode plan until measured on a
+// GPU; the plan names them, in its summary and JSON, when a caller turns them on (dflash_eval /
+// generate_bench --decode-variant moe_decode).
+TEST(FastPath, MoeDecodeKernelsAreNamedWhenOn) {
+  FastPathPlan plan = make_decode_plan(qwen27b(), Device::cuda(0), {}, 9, Precision::Bf16);
+  EXPECT_FALSE(plan.fusion.moe_decode);
+  EXPECT_EQ(plan.summary().find("MoE decode kernels"), std::string::npos) << plan.summary();
+  EXPECT_EQ(plan.to_json()["decode_fusion"]["moe_decode"], false);
+  plan.fusion.moe_decode = true;
+  EXPECT_NE(plan.summary().find("MoE decode kernels (steps of <= 16 rows)"), std::string::npos) << plan.summary();
+  EXPECT_EQ(plan.to_json()["decode_fusion"]["moe_decode"], true);
+}
 #endif

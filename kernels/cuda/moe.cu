@@ -22,6 +22,7 @@
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/moe.h"
+#include "kernels/cuda/moe_topk.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/vec.cuh"
 
@@ -32,70 +33,21 @@ namespace {
 using vec::bf16;
 
 // ---- top-k ----------------------------------------------------------------------------------------
-constexpr int kMaxE = 1024;
+using moe_detail::kMaxE;
 constexpr int kTopkWarps = 4;
 
-// One warp per token: the E logits in registers (E / 32 per lane), the softmax as the CPU computes
-// it (max, sum of exp(l - max), p = e / sum), k rounds of a warp argmax over p (ties: lower index).
+// One warp per token (moe_topk.cuh's warp_topk), then the per-expert counts.
 __global__ void topk_kernel(const float* __restrict__ logits, int N, int E, int k, bool renorm,
                             int32_t* __restrict__ experts, float* __restrict__ weights, int32_t* __restrict__ counts) {
   const int lane = threadIdx.x & 31;
   const int n = blockIdx.x * kTopkWarps + (threadIdx.x >> 5);
   if (n >= N) return;
-  constexpr int kPer = kMaxE / 32;
-  float p[kPer];
-  const float* row = logits + static_cast<int64_t>(n) * E;
-  float mx = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int e = i * 32 + lane;
-    p[i] = e < E ? row[e] : -INFINITY;
-    mx = fmaxf(mx, p[i]);
-  }
-  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  float sum = 0;
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int e = i * 32 + lane;
-    p[i] = e < E ? expf(p[i] - mx) : 0.0f;
-    sum += p[i];
-  }
-  for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) p[i] = (i * 32 + lane) < E ? p[i] / sum : -1.0f;  // taken ones become -1
-  float chosen_p = 0, my_p = 0;
   int my_e = -1;
-  for (int j = 0; j < k; ++j) {
-    float best = -2.0f;
-    int be = INT32_MAX;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int e = i * 32 + lane;
-      if (p[i] > best) {  // i ascending: the first (lowest e) of equal values stays
-        best = p[i];
-        be = e;
-      }
-    }
-    for (int o = 16; o; o >>= 1) {
-      const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oe = __shfl_xor_sync(0xffffffffu, be, o);
-      if (ob > best || (ob == best && oe < be)) {
-        best = ob;
-        be = oe;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kPer; ++i)
-      if (i * 32 + lane == be) p[i] = -1.0f;
-    chosen_p += best;
-    if (lane == j) {
-      my_p = best;
-      my_e = be;
-    }
-  }
+  float my_w = 0;
+  moe_detail::warp_topk(logits + static_cast<int64_t>(n) * E, E, k, renorm, lane, my_e, my_w);
   if (lane < k) {
     experts[static_cast<int64_t>(n) * k + lane] = my_e;
-    weights[static_cast<int64_t>(n) * k + lane] = renorm ? my_p / chosen_p : my_p;
+    weights[static_cast<int64_t>(n) * k + lane] = my_w;
     atomicAdd(&counts[my_e], 1);
   }
 }
@@ -484,14 +436,20 @@ void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, i
 }
 
 const char* moe_impl_name(MoeImpl impl) {
-  return impl == MoeImpl::Grouped ? "moe_grouped_mma" : "moe_loop_gemm_bf16";
+  switch (impl) {
+    case MoeImpl::Grouped: return "moe_grouped_mma";
+    case MoeImpl::Fallback: return "moe_loop_gemm_bf16";
+    case MoeImpl::Decode: return "moe_decode_gemv";
+  }
+  return "?";
 }
 
 namespace {
 
 // The workspace's pieces, each 256-byte aligned, in order.
 struct Layout {
-  size_t logits, experts, weights, counts, offsets, tiles, cursor, src, slot, act, y, xg, gu, sgu, sact, sout, total;
+  size_t logits, glogit, experts, weights, counts, offsets, tiles, cursor, src, slot, act, y, xg, gu, sgu, sact, sout,
+      total;
 };
 Layout layout(int64_t N, int64_t H, int64_t E, int64_t k, int64_t I, int64_t Is, MoeImpl impl) {
   Layout l{};
@@ -505,6 +463,13 @@ Layout layout(int64_t N, int64_t H, int64_t E, int64_t k, int64_t I, int64_t Is,
   l.logits = take(static_cast<size_t>(N * E) * 4);
   l.experts = take(R * 4);
   l.weights = take(R * 4);
+  if (impl == MoeImpl::Decode) {  // the router's and the shared gate's logits, the routed and shared acts
+    l.glogit = take(static_cast<size_t>(N) * 4);
+    l.act = take(R * static_cast<size_t>(I) * 2);
+    l.sact = take(static_cast<size_t>(N * Is) * 2);
+    l.total = at;
+    return l;
+  }
   l.counts = take(static_cast<size_t>(E) * 4);
   l.offsets = take(static_cast<size_t>(E + 1) * 4);
   l.tiles = take(static_cast<size_t>(E + 1) * 4);
@@ -548,6 +513,17 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
   auto f32 = [&](size_t off) { return reinterpret_cast<float*>(ws + off); };
   auto i32 = [&](size_t off) { return reinterpret_cast<int32_t*>(ws + off); };
   const int64_t R = Nr * p.k;
+  if (impl == MoeImpl::Decode) {
+    MoeDecodeBuffers b;
+    b.logits = p.logits_out ? p.logits_out : f32(l.logits);
+    b.gate_logit = f32(l.glogit);
+    b.experts = p.experts_out ? p.experts_out : i32(l.experts);
+    b.weights = p.weights_out ? p.weights_out : f32(l.weights);
+    b.act = ws + l.act;
+    b.sact = ws + l.sact;
+    moe_decode_block(p, b, s);
+    return;
+  }
 
   GemmExParams rg;  // router logits, fp32
   rg.a = p.x;

@@ -82,8 +82,23 @@ void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, i
                  const void* shared, const void* x, const void* gate_w, void* out, Stream s, int64_t routed = -1);
 
 // ---- The whole block --------------------------------------------------------------------------------
-enum class MoeImpl { Grouped, Fallback };
-const char* moe_impl_name(MoeImpl impl);  // "moe_grouped_mma" / "moe_loop_gemm_bf16"
+// Grouped: the steps above. Fallback: the per-expert gemm_bf16 loop. Decode (kernels/cuda/moe_decode.cu,
+// N <= kMoeDecodeMaxRows): a decode / verify step's block in three kernels, each weight row streamed
+// once by one warp against the few token rows (at one token the 11 launches of the grouped path
+// cost as much as reading the 8 experts' 50 MB, h200-moe5-441b581):
+//   1. moe_decode_router:  router logits [N, E] and the shared gate's logit [N], fp32, a warp a weight row;
+//   2. moe_decode_gate_up: per routed (token, choice) the top-k of its token (moe_topk.cuh's warp_topk,
+//                          as moe_topk routes), then act = silu(x · gate_c) * (x · up_c) a warp a column
+//                          (the grouped kernel's rounding: fp32 dots, one bf16 rounding); the shared
+//                          expert's act for the routed tokens (gemm_bf16 + swiglu's roundings);
+//   3. moe_decode_down:    out[n, h] = sum_j w_j · bf16(act_j · down_e_j[h]) + sigmoid(gate_n) ·
+//                          bf16(sact_n · shared_down[h]), in moe_combine's order, a warp an (h, n).
+// Each token's arithmetic is the same whatever N is (a T = 1 decode and a T = 16 verify give a row
+// the same bits); the dot products' order differs from the mma kernels', so Decode and Grouped agree
+// to rounding, not bit for bit. Rows n >= routed (pad rows) are written as zeros: nothing reads them.
+enum class MoeImpl { Grouped, Fallback, Decode };
+const char* moe_impl_name(MoeImpl impl);  // "moe_grouped_mma" / "moe_loop_gemm_bf16" / "moe_decode_gemv"
+inline constexpr int64_t kMoeDecodeMaxRows = 16;
 
 struct MoeBlockParams {
   const void* x = nullptr;  // bf16 [N, H] contiguous
@@ -112,5 +127,18 @@ struct MoeBlockParams {
 };
 size_t moe_workspace_bytes(int64_t N, int64_t H, int64_t E, int64_t k, int64_t I, int64_t Is, MoeImpl impl);
 void moe_block(const MoeBlockParams& p, MoeImpl impl, int device);
+
+// The Decode impl's kernels on buffers moe_block carves from its workspace: logits fp32 [N, E],
+// gate_logit fp32 [N], experts i32 / weights fp32 [routed, k], act bf16 [routed·k, I], sact bf16
+// [routed, Is]. Needs 1 <= N <= kMoeDecodeMaxRows, E <= 1024, k <= 32, H, I, Is multiples of 8.
+struct MoeDecodeBuffers {
+  float* logits = nullptr;
+  float* gate_logit = nullptr;
+  int32_t* experts = nullptr;
+  float* weights = nullptr;
+  void* act = nullptr;
+  void* sact = nullptr;
+};
+void moe_decode_block(const MoeBlockParams& p, const MoeDecodeBuffers& b, Stream s);
 
 }  // namespace dflash::cuda

@@ -1,0 +1,310 @@
+// The MoE block of a decode / verify step (moe.h, MoeImpl::Decode): N <= 16 token rows, of which the
+// first `routed` belong to sequences. Three kernels, each a warp per weight row (or output column)
+// streaming that row once against the few token rows, in place of the grouped path's eleven launches
+// (router GEMM, count reset, top-k, scan, scatter, two grouped GEMMs, the shared expert's two GEMMs
+// and SwiGLU, the combine).
+//
+// Roofline at Qwen3.6-35B-A3B shapes (H 2048, E 256, k 8, I = Is = 512), one routed token: the router
+// 1 MB, 8 experts' gate|up 8 x 4 MB and down 8 x 2 MB, the shared expert 6 MB: 55.6 MB, 13.1 us at
+// 4.24 TB/s; a 16-token verify reads the ~100 distinct experts of its 128 choices (~0.6 GB). The
+// grouped path measured 92 us a block at one token (h200-moe5-441b581: expert GEMMs 46.5 us at
+// 1,083 GB/s, the rest ~10 dependent small launches).
+//
+// Loads: a lane owns the 16-byte units lane + 32·m of a row and issues kB of them per row before
+// using any (16 loads of 16 bytes in flight a lane in the routed gate|up warps: 8 KB a warp). Every
+// (row, token) dot product is summed in an order fixed by K alone (the lane's units in order, then
+// the warp's xor butterfly), so a token's values do not depend on N or on the other tokens.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/cuda/check.h"
+#include "core/error.h"
+#include "kernels/cuda/moe.h"
+#include "kernels/cuda/moe_topk.cuh"
+#include "kernels/cuda/vec.cuh"
+
+namespace dflash::cuda {
+
+namespace {
+
+using vec::bf16;
+
+constexpr int kWarps = 8, kThreads = 32 * kWarps;
+constexpr int kMaxT = static_cast<int>(kMoeDecodeMaxRows);
+
+__device__ __forceinline__ uint4 ldg16(const bf16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+// The grouped GEMM's SwiGLU (moe.cu): silu in expf on the fp32 dot products.
+__device__ __forceinline__ float silu_expf(float g) { return g / (1.0f + expf(-g)); }
+
+// Lane partial sums of kW weight rows w[i] (K elements each) against T <= kT token rows x + t·ldx:
+// acc[i][t]. kB units of every row are loaded before any is used.
+template <int kW, int kT, int kB>
+__device__ __forceinline__ void dots(const bf16* const (&w)[kW], const bf16* __restrict__ x, int64_t ldx, int T, int K,
+                                     int lane, float (&acc)[kW][kT]) {
+#pragma unroll
+  for (int i = 0; i < kW; ++i)
+#pragma unroll
+    for (int t = 0; t < kT; ++t) acc[i][t] = 0.0f;
+  const int units = K >> 3;
+  for (int u0 = 0; u0 < units; u0 += 32 * kB) {
+    uint4 wr[kW][kB];
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+      const int u = u0 + 32 * b + lane;
+#pragma unroll
+      for (int i = 0; i < kW; ++i) wr[i][b] = u < units ? ldg16(w[i] + 8 * u) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int t = 0; t < kT; ++t) {
+      if (t < T) {
+#pragma unroll
+        for (int b = 0; b < kB; ++b) {
+          const int u = u0 + 32 * b + lane;
+          if (u < units) {
+            const uint4 xr = ldg16(x + t * ldx + 8 * u);
+            float xf[8];
+            vec::unpack(xr, xf);
+#pragma unroll
+            for (int i = 0; i < kW; ++i) {
+              float wf[8];
+              vec::unpack(wr[i][b], wf);
+#pragma unroll
+              for (int q = 0; q < 8; ++q) acc[i][t] = fmaf(wf[q], xf[q], acc[i][t]);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Lane partial sums of kW dot products, weight row w[i] against its own activation row a[i] (K each).
+template <int kW, int kB>
+__device__ __forceinline__ void pair_dots(const bf16* const (&w)[kW], const bf16* const (&a)[kW], int K, int lane,
+                                          float (&acc)[kW]) {
+#pragma unroll
+  for (int i = 0; i < kW; ++i) acc[i] = 0.0f;
+  const int units = K >> 3;
+  for (int u0 = 0; u0 < units; u0 += 32 * kB) {
+    uint4 wr[kW][kB], ar[kW][kB];
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+      const int u = u0 + 32 * b + lane;
+#pragma unroll
+      for (int i = 0; i < kW; ++i) {
+        wr[i][b] = u < units ? ldg16(w[i] + 8 * u) : make_uint4(0, 0, 0, 0);
+        ar[i][b] = u < units ? ldg16(a[i] + 8 * u) : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+      if (u0 + 32 * b + lane < units) {
+#pragma unroll
+        for (int i = 0; i < kW; ++i) {
+          float wf[8], af[8];
+          vec::unpack(wr[i][b], wf);
+          vec::unpack(ar[i][b], af);
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[i] = fmaf(wf[q], af[q], acc[i]);
+        }
+      }
+    }
+  }
+}
+
+struct DecParams {
+  const bf16* x;  // [N, H]
+  int N, routed, H, E, k, I, Is;
+  bool renorm;
+  const bf16* router;        // [E, H]
+  const bf16* gate_w;        // [H] or nullptr (no shared expert)
+  const float* route_by;     // the logits top-k reads: the router's, or forced ones
+  const bf16* gate_up;       // [E, 2I, H]
+  const bf16* down;          // [E, H, I]
+  const bf16* shared_gu;     // [2 Is, H] or nullptr
+  const bf16* shared_down;   // [H, Is]
+  float* logits;             // [N, E]
+  float* gate_logit;         // [N]
+  int32_t* experts;          // [routed, k]
+  float* weights;            // [routed, k]
+  bf16* act;                 // [routed·k, I]
+  bf16* sact;                // [routed, Is]
+  bf16* out;                 // [N, H]
+  int col_blocks;            // ceil(I / kWarps): gate|up blocks per routed (token, choice)
+};
+
+// Warp `row` of the grid: row < E router row `row`, row == E the shared gate; every token n < N.
+__global__ void __launch_bounds__(kThreads) router_kernel(const DecParams p) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int row = static_cast<int>(blockIdx.x) * kWarps + (static_cast<int>(threadIdx.x) >> 5);
+  if (row > p.E || (row == p.E && !p.gate_w)) return;
+  const bf16* w[1] = {row < p.E ? p.router + static_cast<int64_t>(row) * p.H : p.gate_w};
+  float acc[1][kMaxT];
+  dots<1, kMaxT, 4>(w, p.x, p.H, p.N, p.H, lane, acc);
+#pragma unroll
+  for (int t = 0; t < kMaxT; ++t) {
+    if (t < p.N) {
+      const float s = vec::warp_sum(acc[0][t]);
+      if (lane == 0) {
+        if (row < p.E) p.logits[static_cast<int64_t>(t) * p.E + row] = s;
+        else p.gate_logit[t] = s;
+      }
+    }
+  }
+}
+
+// Blocks [0, routed·k·col_blocks): (token n, choice j, column block): warp 0 routes token n, then a
+// warp per act column c: act[n·k + j, c] = silu(x_n · gate_e[c]) * (x_n · up_e[c]). The blocks after
+// them: a warp per shared-expert column c for every routed token, with gemm_bf16's bf16 outputs and
+// cuda::swiglu's silu.
+__global__ void __launch_bounds__(kThreads) gate_up_kernel(const DecParams p) {
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const int routed_blocks = p.routed * p.k * p.col_blocks;
+  const int bid = static_cast<int>(blockIdx.x);
+  if (bid < routed_blocks) {
+    const int r = bid / p.col_blocks, cb = bid - r * p.col_blocks;
+    const int n = r / p.k, j = r - n * p.k;
+    __shared__ int s_expert;
+    if (warp == 0) {
+      int my_e = -1;
+      float my_w = 0;
+      moe_detail::warp_topk(p.route_by + static_cast<int64_t>(n) * p.E, p.E, p.k, p.renorm, lane, my_e, my_w);
+      if (lane == j) s_expert = my_e;
+      if (j == 0 && cb == 0 && lane < p.k) {  // one block writes token n's routing for the down kernel
+        p.experts[static_cast<int64_t>(n) * p.k + lane] = my_e;
+        p.weights[static_cast<int64_t>(n) * p.k + lane] = my_w;
+      }
+    }
+    __syncthreads();
+    const int c = cb * kWarps + warp;
+    if (c >= p.I) return;
+    const bf16* base = p.gate_up + static_cast<int64_t>(s_expert) * 2 * p.I * p.H;
+    const bf16* w[2] = {base + static_cast<int64_t>(c) * p.H, base + static_cast<int64_t>(p.I + c) * p.H};
+    float acc[2][1];
+    dots<2, 1, 8>(w, p.x + static_cast<int64_t>(n) * p.H, p.H, 1, p.H, lane, acc);
+    const float g = vec::warp_sum(acc[0][0]), u = vec::warp_sum(acc[1][0]);
+    if (lane == 0) p.act[static_cast<int64_t>(r) * p.I + c] = __float2bfloat16_rn(silu_expf(g) * u);
+  } else {
+    const int c = (bid - routed_blocks) * kWarps + warp;
+    if (c >= p.Is) return;
+    const bf16* w[2] = {p.shared_gu + static_cast<int64_t>(c) * p.H, p.shared_gu + static_cast<int64_t>(p.Is + c) * p.H};
+    float acc[2][kMaxT];
+    dots<2, kMaxT, 4>(w, p.x, p.H, p.routed, p.H, lane, acc);
+#pragma unroll
+    for (int t = 0; t < kMaxT; ++t) {
+      if (t < p.routed) {
+        const float g = vec::round_bf16(vec::warp_sum(acc[0][t])), u = vec::round_bf16(vec::warp_sum(acc[1][t]));
+        if (lane == 0) p.sact[static_cast<int64_t>(t) * p.Is + c] = __float2bfloat16_rn(vec::silu(g) * u);
+      }
+    }
+  }
+}
+
+// Block (column block, token n), a warp per output column h: moe_combine's sum of the k experts' bf16
+// down outputs, weighted in choice order, plus the sigmoid-gated bf16 shared down output. Pad rows
+// (n >= routed): zeros.
+__global__ void __launch_bounds__(kThreads) down_kernel(const DecParams p) {
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const int n = static_cast<int>(blockIdx.y), h = static_cast<int>(blockIdx.x) * kWarps + warp;
+  __shared__ int32_t s_e[32];
+  __shared__ float s_w[32];
+  const int kn = n < p.routed ? p.k : 0;
+  if (static_cast<int>(threadIdx.x) < kn) {
+    s_e[threadIdx.x] = p.experts[static_cast<int64_t>(n) * p.k + threadIdx.x];
+    s_w[threadIdx.x] = p.weights[static_cast<int64_t>(n) * p.k + threadIdx.x];
+  }
+  __syncthreads();
+  if (h >= p.H) return;
+  bf16* o = p.out + static_cast<int64_t>(n) * p.H + h;
+  if (n >= p.routed) {
+    if (lane == 0) *o = __float2bfloat16_rn(0.0f);
+    return;
+  }
+  float acc = 0.0f;
+  for (int j0 = 0; j0 < kn; j0 += 4) {
+    const bf16* w[4];
+    const bf16* a[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int j = min(j0 + i, kn - 1);  // past the k choices: a repeat, its sum unused
+      w[i] = p.down + (static_cast<int64_t>(s_e[j]) * p.H + h) * p.I;
+      a[i] = p.act + (static_cast<int64_t>(n) * p.k + j) * p.I;
+    }
+    float d[4];
+    pair_dots<4, 2>(w, a, p.I, lane, d);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float y = vec::round_bf16(vec::warp_sum(d[i]));
+      if (j0 + i < kn) acc += y * s_w[j0 + i];
+    }
+  }
+  if (p.shared_gu) {
+    const bf16* w[1] = {p.shared_down + static_cast<int64_t>(h) * p.Is};
+    const bf16* a[1] = {p.sact + static_cast<int64_t>(n) * p.Is};
+    float d[1];
+    pair_dots<1, 2>(w, a, p.Is, lane, d);
+    const float gate = 1.0f / (1.0f + expf(-p.gate_logit[n]));
+    acc += gate * vec::round_bf16(vec::warp_sum(d[0]));
+  }
+  if (lane == 0) *o = __float2bfloat16_rn(acc);
+}
+
+bool aligned16(const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; }
+
+}  // namespace
+
+void moe_decode_block(const MoeBlockParams& p, const MoeDecodeBuffers& b, Stream s) {
+  const int64_t Nr = p.routed < 0 ? p.N : p.routed;
+  DFLASH_CHECK(p.N >= 1 && p.N <= kMoeDecodeMaxRows && Nr >= 0 && Nr <= p.N,
+               "moe_decode_block: N " << p.N << " (1.." << kMoeDecodeMaxRows << "), routed " << Nr);
+  DFLASH_CHECK(p.E >= 1 && p.E <= moe_detail::kMaxE && p.k >= 1 && p.k <= p.E && p.k <= 32 && p.H % 8 == 0 &&
+                   p.I % 8 == 0 && p.Is % 8 == 0 && p.H < INT32_MAX / 8 && p.I < INT32_MAX / 2,
+               "moe_decode_block: E " << p.E << " (1..1024), k " << p.k << " (1..min(E, 32)), H " << p.H << ", I "
+                                      << p.I << ", Is " << p.Is << " (multiples of 8)");
+  DFLASH_CHECK(aligned16(p.x) && aligned16(p.router) && aligned16(p.experts_gate_up) && aligned16(p.experts_down) &&
+                   (!p.shared_gate_up ||
+                    (aligned16(p.shared_gate_up) && aligned16(p.shared_down) && aligned16(p.shared_gate))) &&
+                   aligned16(b.act) && aligned16(b.sact),
+               "moe_decode_block: operands must be 16-byte aligned");
+  DecParams d{};
+  d.x = static_cast<const bf16*>(p.x);
+  d.N = static_cast<int>(p.N);
+  d.routed = static_cast<int>(Nr);
+  d.H = static_cast<int>(p.H);
+  d.E = static_cast<int>(p.E);
+  d.k = static_cast<int>(p.k);
+  d.I = static_cast<int>(p.I);
+  d.Is = p.shared_gate_up ? static_cast<int>(p.Is) : 0;
+  d.renorm = p.renormalize;
+  d.router = static_cast<const bf16*>(p.router);
+  d.gate_w = p.shared_gate_up ? static_cast<const bf16*>(p.shared_gate) : nullptr;
+  d.route_by = p.logits_in ? p.logits_in : b.logits;
+  d.gate_up = static_cast<const bf16*>(p.experts_gate_up);
+  d.down = static_cast<const bf16*>(p.experts_down);
+  d.shared_gu = static_cast<const bf16*>(p.shared_gate_up);
+  d.shared_down = static_cast<const bf16*>(p.shared_down);
+  d.logits = b.logits;
+  d.gate_logit = b.gate_logit;
+  d.experts = b.experts;
+  d.weights = b.weights;
+  d.act = static_cast<bf16*>(b.act);
+  d.sact = static_cast<bf16*>(b.sact);
+  d.out = static_cast<bf16*>(p.out);
+  d.col_blocks = (d.I + kWarps - 1) / kWarps;
+  auto st = static_cast<cudaStream_t>(s);
+  const int router_rows = d.E + (d.gate_w ? 1 : 0);
+  router_kernel<<<(router_rows + kWarps - 1) / kWarps, kThreads, 0, st>>>(d);
+  DFLASH_CUDA_CHECK_LAST();
+  const int64_t gu_blocks = Nr * p.k * d.col_blocks + (d.shared_gu ? (d.Is + kWarps - 1) / kWarps : 0);
+  if (gu_blocks > 0) {
+    gate_up_kernel<<<static_cast<unsigned>(gu_blocks), kThreads, 0, st>>>(d);
+    DFLASH_CUDA_CHECK_LAST();
+  }
+  down_kernel<<<dim3(static_cast<unsigned>((d.H + kWarps - 1) / kWarps), static_cast<unsigned>(d.N)), kThreads, 0, st>>>(d);
+  DFLASH_CUDA_CHECK_LAST();
+}
+
+}  // namespace dflash::cuda

@@ -192,9 +192,9 @@ int main(int argc, char** argv) {
   app.add_option("--decode-variants", decode_variants,
                  "GPU: afterwards time the first prompt's decode, propose, verify and commit steps again with fresh "
                  "decoders of these variants of the decode plan (comma-separated, repeats allowed: fused = the plan as "
-                 "is, no_pdl, skinny (+ SwiGLU in down_proj), skinny_no_swiglu, no_gdn_chain, no_commit, no_overlap, "
-                 "unfused = every fusion and PDL off); the A/B table of issue 30's fused decode kernels, CSV kernel "
-                 "'variant:<name>'");
+                 "is, no_pdl, skinny (+ SwiGLU in down_proj), skinny_no_swiglu, no_gdn_chain, gdn_chain_all, no_commit, "
+                 "no_overlap, moe_decode (MoE targets: the MoE decode kernels), unfused = every fusion and PDL off); the "
+                 "A/B table of issue 30's fused decode kernels, CSV kernel 'variant:<name>'");
   int64_t variant_tokens = 32;
   app.add_option("--variant-tokens", variant_tokens, "new tokens per --decode-variants run")->capture_default_str()
       ->check(CLI::PositiveNumber);

@@ -5,7 +5,9 @@
 #      (CudaDecoder.Moe*: verify rows = decode steps bit for bit, speculative = greedy with CUDA graphs);
 #   2. dflash_eval on Qwen3.6-35B-A3B shapes (random weights, an untrained 8-layer drafter, a 4096-token
 #      prompt): the decode step, the verify step against the block size (--verify-sweep), the op profile
-#      of a decode step; again with --no-cuda-graphs (EVAL_EAGER=0 skips it);
+#      of a decode step, and --decode-variants $EVAL_VARIANTS (default fused,moe_decode: the grouped
+#      GEMMs against the MoE decode kernels, decode / propose / verify / commit each); again with
+#      --no-cuda-graphs (EVAL_EAGER=0 skips it);
 #   3. the tiny MoE end to end on the GPU (ctest moe_pipeline_gpu: capture, regenerate, train, eval);
 #   4. the 35B-A3B recipe's training rate on one GPU (gpu_train.sh's run q35_1gpu, TRAIN_STEPS, default 20).
 #   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_moe.sh
@@ -38,7 +40,7 @@ if [ -z "${SKIP_EVAL:-}" ] && [ "$(left)" -gt 120 ]; then
   for graphs in on off; do
     [ "$graphs" = off ] && [ "${EVAL_EAGER:-1}" = 0 ] && continue
     [ "$(left)" -gt 90 ] || { echo "eval graphs $graphs skipped: $(left) s left" | tee -a "$OUT/eval35b.log"; continue; }
-    extra=(--verify-sweep 1,2,4,8,16 --profile 8)
+    extra=(--verify-sweep 1,2,4,8,16 --profile 8 --decode-variants "${EVAL_VARIANTS:-fused,moe_decode}")
     [ "$graphs" = off ] && extra=(--no-cuda-graphs --profile 0)
     echo "=== dflash_eval 35b-a3b bf16 graphs $graphs" >>"$OUT/eval35b.log"
     timeout 150 "$B/bench/dflash_eval" --config configs/qwen3.6-35b-a3b/config.json --random-weights --random-drafter 8 \
@@ -46,7 +48,7 @@ if [ -z "${SKIP_EVAL:-}" ] && [ "$(left)" -gt 120 ]; then
       "${extra[@]}" --csv "$OUT/eval35b.csv" >>"$OUT/eval35b.log" 2>&1
     echo "eval graphs $graphs rc=$?"
   done
-  grep -E "^===|^kernels|step|roofline|decode  |verify  |propose |speed-up|outputs|FAILED|error|^ +[0-9]+ +[0-9.]+ |moe_block|gemm" \
+  grep -E "^===|^kernels|step|roofline|decode  |verify  |propose |speed-up|outputs|FAILED|error|^ +[0-9]+ +[0-9.]+ |moe_block|gemm|variant|moe_decode" \
     "$OUT/eval35b.log" | head -n 70
 fi
 

@@ -949,9 +949,12 @@ ForwardResult CudaTargetModel::forward(const CudaBatch& b, const ForwardOptions&
   // A decode step's prefill writes every layer's state: it runs the whole stack.
   const int64_t layers_run = decode_ ? c.num_hidden_layers : layers_to_run(c, options);
   for (int64_t i = 0; i < layers_run; ++i) {
-    const bool last = i + 1 == c.num_hidden_layers;
-    const Tensor* next_norm = last ? (options.final_norm ? &weights_.norm : nullptr)
-                                   : &weights_.layers[static_cast<size_t>(i + 1)].input_layernorm;
+    // The residual add fuses the next layer's input norm; the last layer run (skip_unused_layers)
+    // has none to prepare.
+    const bool last = i + 1 == c.num_hidden_layers, stops = i + 1 == layers_run;
+    const Tensor* next_norm = last    ? (options.final_norm ? &weights_.norm : nullptr)
+                              : stops ? nullptr
+                                      : &weights_.layers[static_cast<size_t>(i + 1)].input_layernorm;
     Tensor* next_out = last ? &r.final_hidden : &normed;
     layer_body(i, h, normed, b, plan_.layers[static_cast<size_t>(i)], next_norm, next_out);
     for (int64_t id : options.capture)

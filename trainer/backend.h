@@ -57,6 +57,9 @@ class TrainBackend {
   // The benchmark rows' gpu field: the GPU's name ("NVIDIA H200"), "cpu" on the CPU reference.
   virtual std::string device_name() const { return "cpu"; }
   virtual int64_t num_params() const = 0;
+  // The target layers a training forward runs (target::layers_to_run of the backend's own
+  // ForwardOptions: the layers after the last captured one are skipped); MFU counts these.
+  virtual int64_t target_layers_run() const = 0;
   virtual void zero_grads() = 0;
   // The 1-based step about to run (before its micro-steps): for messages and test hooks.
   virtual void begin_step(int64_t /*step*/) {}

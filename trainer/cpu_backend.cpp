@@ -72,6 +72,7 @@ class CpuBackend final : public TrainBackend {
            " of " + std::to_string(sum) + " (max / mean " + ratio + ")";
   }
   int64_t num_params() const override { return n_params_; }
+  int64_t target_layers_run() const override { return target::layers_to_run(tmodel_->config(), fopt_); }
   void zero_grads() override {
     for (Tensor* t : grad_list_) t->fill(0.0);
   }
@@ -132,7 +133,7 @@ class CpuBackend final : public TrainBackend {
   nlohmann::json fast_path_json() override {
     return {{"device", "cpu"},
             {"target", "every layer on the CPU reference (f32)"},
-            {"target_layers_run", target::layers_to_run(tmodel_->config(), fopt_)},  // the layers after the last captured one are skipped
+            {"target_layers_run", target_layers_run()},
             {"target_kernel_launches", counters_.to_json()},
             {"drafter_attention", drafter_plan_.attention_json()},
             {"drafter", drafter_plan_.to_json()}};

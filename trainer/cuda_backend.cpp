@@ -117,11 +117,12 @@ class CudaBackend final : public TrainBackend {
   }
   std::string device_name() const override { return gpu_name_; }
   int64_t num_params() const override { return model_->num_params(); }
+  int64_t target_layers_run() const override { return target::layers_to_run(tmodel_->config(), fopt_); }
   std::string fast_path_summary() override { return fast_path_; }
   nlohmann::json fast_path_json() override {
     return {{"device", tmodel_->plan().device},
             {"target", tmodel_->plan().to_json()},
-            {"target_layers_run", target::layers_to_run(tmodel_->config(), fopt_)},  // the layers after the last captured one are skipped
+            {"target_layers_run", target_layers_run()},
             {"target_kernel_launches", tmodel_->counters().to_json()},
             {"drafter_attention", drafter_plan_.attention_json()},
             {"drafter", drafter_plan_.to_json()}};

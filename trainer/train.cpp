@@ -258,14 +258,6 @@ struct Run {
   bool on_gpu() const { return device == Backend::Cuda; }
 };
 
-// The target layers a training forward runs (the backends set ForwardOptions::skip_unused_layers).
-int64_t target_layers_run(const Run& r) {
-  target::ForwardOptions fo;
-  fo.capture = r.dcfg().target_layer_ids;
-  fo.skip_unused_layers = true;
-  return target::layers_to_run(r.tcfg(), fo);
-}
-
 // The world layout, the directories, and the communicators (CPU collectives over all ranks and the TP group).
 void make_groups(Run& r) {
   const TrainConfig& cfg = r.cfg;
@@ -382,11 +374,6 @@ void log_start(const Run& r) {
                                                        TrainConfig::kTinyTargetPath)
                                          : "");
   spdlog::info("drafter: {}", r.dcfg().summary());
-  const int64_t run = target_layers_run(r), L = r.tcfg().num_hidden_layers;
-  if (run < L)
-    spdlog::info("target forward: layers 0..{} run; {} skipped (after the last captured layer, {}: no output needs them)",
-                 run - 1, run + 1 == L ? fmt::format("layer {} is", run) : fmt::format("layers {}..{} are", run, L - 1),
-                 run - 1);
   write_text(r.run_dir / "config.yaml", cfg.to_yaml());
 }
 
@@ -610,6 +597,11 @@ std::unique_ptr<TrainBackend> start_backend(Run& r, const LrSchedule& sched) {
   write_fast_path_json(r.g, *backend, rank, r.run_dir / "fast_path.json", "start-up");
   if (rank == 0) {
     spdlog::info("backend: {}", backend->describe());
+    const int64_t run = backend->target_layers_run(), L = r.tcfg().num_hidden_layers;
+    if (run < L)
+      spdlog::info("target forward: layers 0..{} run; {} skipped (after the last captured layer, {}: no output needs them)",
+                   run - 1, run + 1 == L ? fmt::format("layer {} is", run) : fmt::format("layers {}..{} are", run, L - 1),
+                   run - 1);
     spdlog::info("drafter: {:.2f} M trainable parameters; schedule {} lr {:g} -> {:g}, {} warmup step(s)",
                  static_cast<double>(backend->num_params()) / 1e6, schedule_name(tr.schedule), tr.lr, tr.min_lr,
                  sched.warmup_steps());
@@ -745,7 +737,7 @@ LocalStep forward_backward(const Run& r, TrainBackend& backend, std::vector<Micr
     if (r.layout.tp_rank == 0) ls.tokens += static_cast<double>(m.tokens);
     std::vector<int64_t> lens;
     for (const auto& q : m.seqs) lens.push_back(static_cast<int64_t>(q.size()));
-    ls.flops += target::forward_flops(r.tcfg(), lens, target_layers_run(r)) / tp;
+    ls.flops += target::forward_flops(r.tcfg(), lens, backend.target_layers_run()) / tp;
     ls.stats.add(backend.micro_step(m, sopt, mi + 1 == micro.size(), ls.times));
     if (!m.batch.blocks.empty() && global_w > 0) ls.flops += drafter::step_flops(r.dcfg(), m.batch, true);
   }

@@ -104,17 +104,14 @@ std::string projections(bool gdn, const TargetConfig& c) {
   return gdn ? "in_proj_qkv|z, out_proj, " + mlp + " (in_proj_b|a bf16)" : "q|k|v, o_proj, " + mlp;
 }
 
-// The GPU runs MoE blocks in bf16 on one rank holding every expert (kernels/cuda/moe.h; an FP8 MoE
-// checkpoint runs dequantized); precision fp8 and expert parallelism on GPUs are refused by name.
+// The GPU runs MoE blocks in bf16 (kernels/cuda/moe.h; an FP8 MoE checkpoint runs dequantized), on
+// one rank or expert-parallel inside the TP group (tp.h: each rank its expert group, the partial
+// outputs summed by the TP all-reduce); precision fp8 is refused by name.
 void require_gpu_moe(const TargetConfig& c, Precision precision, Device device) {
   DFLASH_REQUIRE_HINT(precision != Precision::Fp8,
                       c.source << ": model_type " << c.model_type << " (num_experts " << c.num_experts
                                << "): FP8 MoE layers do not run on the GPU yet (" << device.str() << ")",
                       "run this MoE target in bf16 (model.target.precision: bf16, or --precision bf16)");
-  DFLASH_REQUIRE_HINT(c.ep_size == 1 && c.local_num_experts() == c.num_experts,
-                      c.source << ": MoE layers under expert parallelism (ep " << c.ep_size
-                               << ") run on the CPU backend only for now, not on " << device.str(),
-                      "run this target with parallel.ep 1 on one GPU, or with --device cpu under mpirun");
 }
 
 // The GPU MoE block's steps and kernels (sets the plan's moe_kernel / moe_fallback).
@@ -129,6 +126,9 @@ std::string gpu_moe_detail(const TargetConfig& c, const KernelPolicies& pol, Fas
                       "gate|up + swiglu + gemm_bf16 down; reads the counts back: eager launches, no CUDA graphs)"
                     : "fast moe_grouped_mma (grouped gate|up with the gather and SwiGLU fused, grouped down)";
   steps += ", shared expert gemm_bf16, moe_combine (weighted un-permute + sigmoid-gated shared expert)";
+  if (c.ep_size > 1 || c.local_num_experts() < c.num_experts)
+    steps += "; expert parallel: " + std::to_string(c.local_num_experts()) + " of the " + std::to_string(c.num_experts) +
+             " experts on each rank (ep " + std::to_string(c.ep_size) + "), partial outputs summed by the TP all-reduce";
   return steps;
 }
 

@@ -89,9 +89,9 @@ CudaTargetModel::CudaTargetModel(TargetConfig config, TargetWeights weights, Fas
   DFLASH_CHECK(device_.is_cuda() && weights_.dtype == DType::BF16,
                "CUDA target model: weights must be bf16 on a CUDA device, got " << dtype_name(weights_.dtype) << " on "
                                                                                << device_.str());
-  DFLASH_CHECK_HINT(!config_.is_moe() || !tp_, config_.source << ": MoE layers under tensor / expert parallelism (tp "
-                                                 << tp_->size() << ") run on the CPU backend only for now, not on the GPU",
-                    "run this MoE target on one GPU (parallel.tp 1), or with --device cpu under mpirun");
+  DFLASH_CHECK(!config_.is_moe() || (tp_ ? tp_->size() : 1) % config_.ep_size == 0,
+               config_.source << ": ep " << config_.ep_size << " expert groups in a TP group of " << (tp_ ? tp_->size() : 1)
+                              << " ranks");
   DFLASH_CHECK(plan_.layers.size() == static_cast<size_t>(config_.num_hidden_layers),
                "CUDA target model: the plan has " << plan_.layers.size() << " layers, the config "
                                                   << config_.num_hidden_layers);
@@ -757,6 +757,11 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
   p.I = c.moe_intermediate_size;
   p.Is = c.shared_expert_intermediate_size;
   p.renormalize = c.norm_topk_prob;
+  // Under tp / ep (tp.h) this rank holds its expert group's experts (a slice of each when tp > ep)
+  // and a slice of the shared expert; the partial outputs join in the all-reduce below.
+  const int64_t El = c.local_num_experts();
+  p.expert_begin = expert_group() * El;
+  p.local_experts = El;
   p.router = L.moe.router.raw_data();
   p.experts_gate_up = L.moe.experts_gate_up.raw_data();
   p.experts_down = L.moe.experts_down.raw_data();
@@ -793,6 +798,11 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
                             DType::U8, device_);
   p.workspace = ws.raw_data();
   timed(ForwardOp::MoeBlock, [&] { cuda::moe_block(p, impl, device_.index); });
+  if (tp_) timed(ForwardOp::AllReduce, [&] { tp_->all_reduce_sum(out); });  // the expert groups' and shared slices' partial sums
+}
+
+int64_t CudaTargetModel::expert_group() const {
+  return tp_ ? tp_->rank() / (tp_->size() / static_cast<int>(config_.ep_size)) : 0;
 }
 
 void CudaTargetModel::mlp(int64_t i, const Tensor& x, Tensor& out) {

@@ -278,6 +278,7 @@ class CudaTargetModel {
   bool fp8_ = false;  // the projections run the block-scaled FP8 GEMM
   bool gemm_unaligned_ = false;  // gemm_unaligned()
   void moe(int64_t i, const Tensor& x, Tensor& out);  // the sparse MoE block (cuda::moe_block)
+  int64_t expert_group() const;  // this rank's expert group under tp / ep (0 without tp)
   // What a forward's options ask of its MoE blocks (capture_routing, router_logits), set for the
   // length of one forward: the device buffers the blocks write into, per layer.
   struct MoeIo {

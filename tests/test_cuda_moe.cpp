@@ -387,6 +387,101 @@ TEST(CudaMoe, BlockMatchesCpu) {
   }
 }
 
+// Expert parallelism (target_model/tp.h) on one GPU: the ranks of a TP group simulated one after
+// another, each with its expert group's experts (columns [er·Il, (er+1)·Il) of each when tp > ep),
+// its slice of the shared expert and the replicated router; the sum of their partial outputs (what
+// the TP all-reduce makes) equals the whole block's CPU reference on the same routing, for every
+// implementation (the decode kernels at N <= 16). Every rank routes alike (the same router).
+TEST(CudaMoe, ExpertGroupsSumToTheWholeBlock) {
+  if (!gpu()) GTEST_SKIP() << "no CUDA device";
+  struct Layout {
+    int tp, ep;
+  };
+  for (int64_t N : {int64_t{16}, int64_t{70}}) {
+    const int64_t H = 128, E = 16, k = 4, I = 64, Is = 64;
+    const float ws = 1.0f / std::sqrt(float(H));
+    Pair x = rand_bf16({N, H}, 1.0f), router = rand_bf16({E, H}, ws), gu = rand_bf16({E, 2 * I, H}, ws);
+    Pair dn = rand_bf16({E, H, I}, 1.0f / std::sqrt(float(I))), sgu = rand_bf16({2 * Is, H}, ws);
+    Pair sdn = rand_bf16({H, Is}, 1.0f / std::sqrt(float(Is))), sg = rand_bf16({1, H}, ws);
+    for (Layout lay : {Layout{2, 1}, Layout{2, 2}, Layout{4, 2}, Layout{4, 4}}) {
+      const int64_t per_group = lay.tp / lay.ep, El = E / lay.ep, Il = I / per_group, Isl = Is / lay.tp;
+      std::vector<cu::MoeImpl> impls{cu::MoeImpl::Grouped, cu::MoeImpl::Fallback};
+      if (N <= cu::kMoeDecodeMaxRows) impls.push_back(cu::MoeImpl::Decode);
+      for (cu::MoeImpl impl : impls) {
+        SCOPED_TRACE(std::string(cu::moe_impl_name(impl)) + " N " + std::to_string(N) + " tp " + std::to_string(lay.tp) +
+                     " ep " + std::to_string(lay.ep));
+        Tensor sum = Tensor::zeros({N, H}, DType::F32);
+        Tensor routing_ex = dev_i32(N * k), routing_wt = Tensor::empty({N * k}, DType::F32, Device::cuda(0));
+        for (int r = 0; r < lay.tp; ++r) {
+          const int64_t eg = r / per_group, er = r % per_group;
+          // This rank's weights, sliced from the full ones on the host (bf16 values, exact).
+          Tensor lgu = Tensor::empty({El, 2 * Il, H}, DType::F32), ldn = Tensor::empty({El, H, Il}, DType::F32);
+          Tensor lsgu = Tensor::empty({2 * Isl, H}, DType::F32), lsdn = Tensor::empty({H, Isl}, DType::F32);
+          const float *G = gu.host.data<float>(), *D = dn.host.data<float>();
+          for (int64_t e = 0; e < El; ++e) {
+            const int64_t ge = eg * El + e;
+            for (int64_t c = 0; c < Il; ++c)
+              for (int64_t q = 0; q < H; ++q) {
+                lgu.data<float>()[(e * 2 * Il + c) * H + q] = G[(ge * 2 * I + er * Il + c) * H + q];
+                lgu.data<float>()[(e * 2 * Il + Il + c) * H + q] = G[(ge * 2 * I + I + er * Il + c) * H + q];
+              }
+            for (int64_t h = 0; h < H; ++h)
+              for (int64_t c = 0; c < Il; ++c) ldn.data<float>()[(e * H + h) * Il + c] = D[(ge * H + h) * I + er * Il + c];
+          }
+          for (int64_t c = 0; c < Isl; ++c)
+            for (int64_t q = 0; q < H; ++q) {
+              lsgu.data<float>()[c * H + q] = sgu.host.data<float>()[(r * Isl + c) * H + q];
+              lsgu.data<float>()[(Isl + c) * H + q] = sgu.host.data<float>()[(Is + r * Isl + c) * H + q];
+            }
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t c = 0; c < Isl; ++c) lsdn.data<float>()[h * Isl + c] = sdn.host.data<float>()[h * Is + r * Isl + c];
+          auto dev = [](const Tensor& t) { return t.to_dtype(DType::BF16).to(Device::cuda(0)); };
+          const Tensor dgu = dev(lgu), ddn = dev(ldn), dsgu = dev(lsgu), dsdn = dev(lsdn);
+          Tensor out = Tensor::empty({N, H}, DType::BF16, Device::cuda(0));
+          poison(out);
+          const size_t bytes = cu::moe_workspace_bytes(N, H, E, k, Il, Isl, impl);
+          Tensor ws_t = Tensor::empty({static_cast<int64_t>(bytes)}, DType::U8, Device::cuda(0));
+          DFLASH_CUDA_CHECK(cudaMemset(ws_t.raw_data(), 0xff, bytes));
+          cu::MoeBlockParams p;
+          p.x = x.dev.raw_data();
+          p.N = N, p.H = H, p.E = E, p.k = k, p.I = Il, p.Is = Isl;
+          p.expert_begin = eg * El;
+          p.local_experts = El;
+          p.router = router.dev.raw_data();
+          p.experts_gate_up = dgu.raw_data();
+          p.experts_down = ddn.raw_data();
+          p.shared_gate_up = dsgu.raw_data();
+          p.shared_down = dsdn.raw_data();
+          p.shared_gate = sg.dev.raw_data();
+          p.out = out.raw_data();
+          p.workspace = ws_t.raw_data();
+          p.experts_out = routing_ex.data<int32_t>();
+          p.weights_out = routing_wt.data<float>();
+          cu::moe_block(p, impl, 0);
+          sync_dev();
+          const Tensor part = host_f32(out);
+          for (int64_t i = 0; i < N * H; ++i) sum.data<float>()[i] += part.data<float>()[i];
+        }
+        // The whole block on the (last rank's, shared by all) routing, in f32 on the CPU.
+        ops::MoeRouting gpu;
+        gpu.experts = host(routing_ex).view({N, k});
+        gpu.weights = host(routing_wt).view({N, k});
+        Tensor ref = Tensor::empty({N, H}, DType::F32);
+        ops::moe_experts(x.host, gu.host, dn.host, gpu, ref);
+        Tensor g = Tensor::empty({N, Is}, DType::F32), u = Tensor::empty({N, Is}, DType::F32);
+        ops::linear(x.host, sgu.host.slice(0, 0, Is).clone(), g);
+        ops::linear(x.host, sgu.host.slice(0, Is, 2 * Is).clone(), u);
+        ops::swiglu(g, u, g);
+        Tensor sh = Tensor::empty({N, H}, DType::F32), gate = Tensor::empty({N, 1}, DType::F32);
+        ops::linear(g, sdn.host, sh);
+        ops::linear(x.host, sg.host, gate);
+        ops::add_sigmoid_gated(sh, gate, ref);
+        EXPECT_LE(max_rel_err(sum, ref), 2e-2);
+      }
+    }
+  }
+}
+
 // The MoE decode kernels compute each token alone: a block of 16 rows (a verify) gives every row
 // the bits it gets as the one routed row of a 16-row decode step (its 15 pad rows routed to none)
 // and as a block of one row, at the 35B-A3B widths (H 2048, I = Is 512, k 8).

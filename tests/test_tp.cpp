@@ -3,6 +3,8 @@
 // every rank. Run as `mpirun -n 2 test_tp` (any world size; tp = world size).
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "comm/comm.h"
 #include "core/device.h"
 #include "target_model/model.h"
@@ -234,6 +236,57 @@ TEST(TensorParallel, CudaShardedForwardEqualsUnsharded) {
     if (g.rank() == 0)
       std::printf("cuda layer %lld: max rel err vs f32 reference tp=%d %.2e, tp=1 %.2e; tp=%d vs tp=1 %.2e\n",
                   static_cast<long long>(id), tp, e_tp, e_one, tp, e);
+  }
+}
+
+// Expert parallelism on GPUs (one per rank): a real-dims MoE target (16 experts, top 4, a shared
+// expert) sharded tp ways with ep 1 (every expert split along moe_intermediate_size) and ep = tp
+// (whole experts), the MoE blocks' partial outputs summed by the NCCL all-reduce, against the
+// unsharded CUDA forward and the f32 CPU reference, as the dense test above.
+TEST(MoeParallel, CudaShardedForwardEqualsUnsharded) {
+  const int world = g_mpi->size();
+  if (cuda_device_count() < g_mpi->local_size() || world < 2) GTEST_SKIP() << "needs one GPU per rank and 2+ ranks";
+  const Device dev = g_mpi->bind_device();
+  TargetConfig c = real_dims_moe();
+  c.num_attention_heads = 8;
+  c.num_key_value_heads = 2;
+  c.linear_num_key_heads = 4;
+  c.linear_num_value_heads = 8;
+  c.validate();
+  const int tp = world, sm = cuda_device_info(dev.index).major;
+  comm::Communicator g(MPI_COMM_WORLD, 0, g_mpi->rank(), dev, 120.0, "tp");
+  CudaTargetModel full(c, random_weights(c, 5, DType::BF16, dev), make_plan(c, dev, {}, sm));
+  const std::vector<std::vector<int32_t>> batch{{1, 5, 9, 200, 17, 3, 3, 80, 41, 7}, {3}};
+  // Every model routes by the f32 reference's router logits (ForwardOptions::router_logits), so a
+  // near tie that bf16 rounding flips cannot send one token to other experts in one of them.
+  TargetModel cpu(c, bf16_random_weights_f32(c, 5));
+  ForwardOptions ropt;
+  ropt.capture = {3, 7};
+  ropt.capture_routing = true;
+  const ForwardResult ref = cpu.forward(batch, ropt);
+  std::map<int64_t, Tensor> logits;
+  for (const auto& [i, r] : ref.routing) logits[i] = r.logits;
+  ForwardOptions opt;
+  opt.capture = {3, 7};
+  opt.router_logits = &logits;
+  const ForwardResult a = full.forward(batch, opt);
+  comm::Communicator host_group(MPI_COMM_WORLD, 0, g_mpi->rank(), Device::cpu(), 60.0, "check");
+  for (int ep : {1, tp}) {
+    const TargetConfig local = local_config(c, tp, ep);
+    const FastPathPlan plan = make_plan(local, dev, {}, sm);
+    EXPECT_EQ(plan.moe_kernel, "moe_grouped_mma") << plan.moe;
+    CudaTargetModel shard(local, random_weights_tp(c, 5, DType::BF16, dev, {g.rank(), tp, ep}), plan, &g);
+    const ForwardResult b = shard.forward(batch, opt);
+    for (int64_t id : opt.capture) {
+      Tensor mine = b.layers.at(id).to(Device::cpu()), one = a.layers.at(id).to(Device::cpu());
+      const double e_tp = max_rel_err(mine, ref.layers.at(id)), e = max_rel_err(mine, one);
+      EXPECT_LE(e_tp, 3e-2) << "layer " << id << ": tp=" << tp << " ep=" << ep << " vs the f32 reference";
+      EXPECT_LE(e, 6e-2) << "layer " << id << ": tp=" << tp << " ep=" << ep << " vs tp=1";
+      EXPECT_EQ(max_diff_to_rank0(host_group, mine), 0.0) << "layer " << id << " differs across ranks";
+      if (g.rank() == 0)
+        std::printf("cuda moe layer %lld: tp=%d ep=%d vs f32 reference %.2e, vs tp=1 %.2e\n", static_cast<long long>(id),
+                    tp, ep, e_tp, e);
+    }
   }
 }
 #endif

@@ -865,6 +865,11 @@ TEST(MemoryPlan, Qwen35bA3bRecipe) {
             "moe_grouped_mma");
   const std::string e = error_of([&] { target::make_plan(t, Device::cuda(0), target::KernelPolicies{}, 9, target::Precision::Fp8); });
   EXPECT_THAT(e, HasSubstr("FP8 MoE layers do not run on the GPU yet"));
+  // Expert parallel on GPUs: each rank's plan names its share of the experts.
+  const target::FastPathPlan ep8 =
+      target::make_plan(target::local_config(t, 8, 8), Device::cuda(0), target::KernelPolicies{}, 9, target::Precision::Bf16);
+  EXPECT_EQ(ep8.moe_kernel, "moe_grouped_mma");
+  EXPECT_THAT(ep8.moe, HasSubstr("expert parallel: 32 of the 256 experts on each rank (ep 8)"));
 #endif
   // Expert parallelism (parallel.tp = parallel.ep = 2, 4, 8: each rank holds 256 / ep whole experts,
   // attention and GatedDeltaNet split tp ways): the routed experts' bf16 bytes per rank are

@@ -79,11 +79,17 @@ __global__ void scan_kernel(const int32_t* __restrict__ counts, int E, int32_t* 
   }
 }
 
-__global__ void scatter_kernel(const int32_t* __restrict__ experts, int64_t rows, int k, int32_t* __restrict__ cursor,
-                               int32_t* __restrict__ src_row, int32_t* __restrict__ slot_pos) {
+// Choices of experts outside [e0, e0 + El) (another rank's) get no row: slot_pos -1.
+__global__ void scatter_kernel(const int32_t* __restrict__ experts, int64_t rows, int k, int e0, int El,
+                               int32_t* __restrict__ cursor, int32_t* __restrict__ src_row, int32_t* __restrict__ slot_pos) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows) return;
-  const int pos = atomicAdd(&cursor[experts[i]], 1);
+  const int e = experts[i] - e0;
+  if (e < 0 || e >= El) {
+    slot_pos[i] = -1;
+    return;
+  }
+  const int pos = atomicAdd(&cursor[e], 1);
   src_row[pos] = static_cast<int32_t>(i / k);
   slot_pos[i] = pos;
 }
@@ -339,6 +345,7 @@ __global__ void combine_kernel(const bf16* __restrict__ y, const int32_t* __rest
   for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int j = 0; j < kn; ++j) {
+      if (sp[j] < 0) continue;  // another rank's expert
       float v[8];
       vec::load8(y + static_cast<int64_t>(sp[j]) * H + c, v);
 #pragma unroll
@@ -374,18 +381,22 @@ void moe_topk(const float* logits, int64_t N, int64_t E, int64_t k, bool renorma
 }
 
 void moe_permute(const int32_t* experts, const int32_t* counts, int64_t N, int64_t E, int64_t k, int32_t* offsets,
-                 int32_t* tile_offsets, int32_t* cursor, int32_t* src_row, int32_t* slot_pos, Stream s) {
-  DFLASH_CHECK(E >= 1 && E <= kMaxE && k >= 1 && N >= 0 && N * k < INT32_MAX,
-               "moe_permute: E " << E << " (1..1024), k " << k << ", N " << N << " out of range");
+                 int32_t* tile_offsets, int32_t* cursor, int32_t* src_row, int32_t* slot_pos, Stream s,
+                 int64_t expert_begin, int64_t local_experts) {
+  const int64_t El = local_experts < 0 ? E : local_experts;
+  DFLASH_CHECK(E >= 1 && E <= kMaxE && k >= 1 && N >= 0 && N * k < INT32_MAX && expert_begin >= 0 && El >= 1 &&
+                   expert_begin + El <= E,
+               "moe_permute: E " << E << " (1..1024), k " << k << ", N " << N << ", experts [" << expert_begin << ", "
+                                 << expert_begin + El << ") out of range");
   auto st = static_cast<cudaStream_t>(s);
   int threads = 32;
-  while (threads < E) threads *= 2;
-  scan_kernel<<<1, threads, 0, st>>>(counts, static_cast<int>(E), offsets, tile_offsets, cursor);
+  while (threads < El) threads *= 2;
+  scan_kernel<<<1, threads, 0, st>>>(counts + expert_begin, static_cast<int>(El), offsets, tile_offsets, cursor);
   DFLASH_CUDA_CHECK_LAST();
   const int64_t rows = N * k;
   if (rows == 0) return;
-  scatter_kernel<<<static_cast<unsigned>((rows + 255) / 256), 256, 0, st>>>(experts, rows, static_cast<int>(k), cursor,
-                                                                           src_row, slot_pos);
+  scatter_kernel<<<static_cast<unsigned>((rows + 255) / 256), 256, 0, st>>>(
+      experts, rows, static_cast<int>(k), static_cast<int>(expert_begin), static_cast<int>(El), cursor, src_row, slot_pos);
   DFLASH_CUDA_CHECK_LAST();
 }
 
@@ -506,6 +517,9 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
                "moe_block: a shared expert needs shared_gate_up, shared_down and shared_gate");
   const int64_t Nr = p.routed < 0 ? p.N : p.routed;  // routed rows
   DFLASH_CHECK(Nr <= p.N, "moe_block: " << Nr << " routed rows of " << p.N);
+  const int64_t El = p.local_experts < 0 ? p.E : p.local_experts, e0 = p.expert_begin;  // this rank's experts
+  DFLASH_CHECK(e0 >= 0 && El >= 1 && e0 + El <= p.E,
+               "moe_block: local experts [" << e0 << ", " << e0 + El << ") of " << p.E);
   if (p.N == 0) return;
   Stream s = DeviceContext::get(device).stream();
   const Layout l = layout(p.N, p.H, p.E, p.k, p.I, p.Is, impl);
@@ -544,7 +558,7 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
   float* weights = p.weights_out ? p.weights_out : f32(l.weights);
   moe_topk(p.logits_in ? p.logits_in : logits, Nr, p.E, p.k, p.renormalize, experts, weights, i32(l.counts), s);
   moe_permute(experts, i32(l.counts), Nr, p.E, p.k, i32(l.offsets), i32(l.tiles), i32(l.cursor), i32(l.src),
-              i32(l.slot), s);
+              i32(l.slot), s, e0, El);
   void* act = ws + l.act;
   void* y = ws + l.y;
   if (impl == MoeImpl::Grouped) {
@@ -557,10 +571,10 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     g.ldy = p.I;
     g.offsets = i32(l.offsets);
     g.tile_offsets = i32(l.tiles);
-    g.E = p.E;
+    g.E = El;
     g.Nout = p.I;
     g.K = p.H;
-    g.max_tiles = moe_max_tiles(R, p.E);
+    g.max_tiles = moe_max_tiles(R, El);
     g.swiglu = true;
     g.rows = R;
     moe_grouped_gemm(g, s);
@@ -575,15 +589,16 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     g.swiglu = false;
     moe_grouped_gemm(g, s);
   } else {
-    // The explicit fallback: gathered rows, then per expert gemm_bf16 (gate|up), swiglu, gemm_bf16 (down).
-    moe_gather(p.x, i32(l.src), R, p.H, ws + l.xg, s);
-    std::vector<int32_t> off(static_cast<size_t>(p.E + 1));
+    // The explicit fallback: gathered rows (the local experts' offsets[El] of them), then per expert
+    // gemm_bf16 (gate|up), swiglu, gemm_bf16 (down).
+    std::vector<int32_t> off(static_cast<size_t>(El + 1));
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(off.data(), i32(l.offsets), off.size() * sizeof(int32_t), cudaMemcpyDeviceToHost,
                                       static_cast<cudaStream_t>(s)));
     DFLASH_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(s)));
+    moe_gather(p.x, i32(l.src), off.back(), p.H, ws + l.xg, s);
     const auto* gu_w = static_cast<const bf16*>(p.experts_gate_up);
     const auto* dn_w = static_cast<const bf16*>(p.experts_down);
-    for (int64_t e = 0; e < p.E; ++e) {
+    for (int64_t e = 0; e < El; ++e) {
       const int64_t o = off[static_cast<size_t>(e)], c = off[static_cast<size_t>(e + 1)] - o;
       if (c == 0) continue;
       GemmParams a;

@@ -39,8 +39,13 @@ void moe_topk(const float* logits, int64_t N, int64_t E, int64_t k, bool renorma
 
 // From experts [N, k] and counts [E]: offsets i32 [E + 1], tile_offsets i32 [E + 1] (prefix sums of
 // ceil(counts / kMoeTileRows)), src_row i32 [N * k], slot_pos i32 [N * k]; cursor i32 [E] scratch.
+// With an expert range (expert parallelism: this rank holds experts [expert_begin, expert_begin +
+// local_experts); -1: all E) the offsets, tiles and cursor cover the local experts alone
+// ([local_experts + 1], expert e at index e - expert_begin) and a choice of any other expert gets
+// slot_pos -1 (no row).
 void moe_permute(const int32_t* experts, const int32_t* counts, int64_t N, int64_t E, int64_t k, int32_t* offsets,
-                 int32_t* tile_offsets, int32_t* cursor, int32_t* src_row, int32_t* slot_pos, Stream s);
+                 int32_t* tile_offsets, int32_t* cursor, int32_t* src_row, int32_t* slot_pos, Stream s,
+                 int64_t expert_begin = 0, int64_t local_experts = -1);
 
 // Grouped GEMM over experts. For every expert e and row pos in [offsets[e], offsets[e+1]), with
 // a = x[gather ? src_row[pos] : pos] (bf16 rows of K, row stride ldx):
@@ -78,6 +83,7 @@ void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, 
 // out[n, :] = sum_j weights[n, j] * y[slot_pos[n, j], :] (+ sigmoid(x[n] · gate_w) * shared[n, :]
 // when shared != nullptr; x, gate_w [H] bf16), bf16 out [N, H] contiguous, fp32 math. Rows n >=
 // routed (routed < 0: every row is routed) have no routed term; slot_pos / weights hold the routed rows.
+// A choice with slot_pos -1 (an expert of another rank) adds nothing.
 void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, int64_t N, int64_t k, int64_t H,
                  const void* shared, const void* x, const void* gate_w, void* out, Stream s, int64_t routed = -1);
 
@@ -108,10 +114,15 @@ struct MoeBlockParams {
   // no experts to the step's weight reads; the router and shared-expert GEMMs still run on all N
   // rows (the same GEMM shapes whatever the number of real rows: batch invariance).
   int64_t routed = -1;
+  // Expert parallelism (target_model/tp.h): this rank holds experts [expert_begin, expert_begin +
+  // local_experts) of the E the router scores (experts_gate_up / experts_down hold those alone, I
+  // and Is this rank's slices); a choice of another rank's expert adds nothing here. The ranks'
+  // partial outputs are summed by the caller (the TP group's all-reduce). -1: every expert.
+  int64_t expert_begin = 0, local_experts = -1;
   bool renormalize = true;
   const void* router = nullptr;           // bf16 [E, H]
-  const void* experts_gate_up = nullptr;  // bf16 [E, 2I, H]
-  const void* experts_down = nullptr;     // bf16 [E, H, I]
+  const void* experts_gate_up = nullptr;  // bf16 [local experts, 2I, H]
+  const void* experts_down = nullptr;     // bf16 [local experts, H, I]
   const void* shared_gate_up = nullptr;   // bf16 [2 Is, H] (gate rows, then up rows); nullptr: no shared expert
   const void* shared_down = nullptr;      // bf16 [H, Is]
   const void* shared_gate = nullptr;      // bf16 [H] (mlp.shared_expert_gate.weight)

@@ -118,12 +118,13 @@ __device__ __forceinline__ void pair_dots(const bf16* const (&w)[kW], const bf16
 struct DecParams {
   const bf16* x;  // [N, H]
   int N, routed, H, E, k, I, Is;
+  int e0, El;                // this rank's experts [e0, e0 + El) (expert parallelism; 0, E: all)
   bool renorm;
   const bf16* router;        // [E, H]
   const bf16* gate_w;        // [H] or nullptr (no shared expert)
   const float* route_by;     // the logits top-k reads: the router's, or forced ones
-  const bf16* gate_up;       // [E, 2I, H]
-  const bf16* down;          // [E, H, I]
+  const bf16* gate_up;       // [El, 2I, H]
+  const bf16* down;          // [El, H, I]
   const bf16* shared_gu;     // [2 Is, H] or nullptr
   const bf16* shared_down;   // [H, Is]
   float* logits;             // [N, E]
@@ -179,9 +180,9 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(const DecParams p) {
       }
     }
     __syncthreads();
-    const int c = cb * kWarps + warp;
-    if (c >= p.I) return;
-    const bf16* base = p.gate_up + static_cast<int64_t>(s_expert) * 2 * p.I * p.H;
+    const int c = cb * kWarps + warp, e = s_expert - p.e0;
+    if (c >= p.I || e < 0 || e >= p.El) return;  // another rank's expert: no act row (the down kernel skips it)
+    const bf16* base = p.gate_up + static_cast<int64_t>(e) * 2 * p.I * p.H;
     const bf16* w[2] = {base + static_cast<int64_t>(c) * p.H, base + static_cast<int64_t>(p.I + c) * p.H};
     float acc[2][1];
     dots<2, 1, 8>(w, p.x + static_cast<int64_t>(n) * p.H, p.H, 1, p.H, lane, acc);
@@ -209,14 +210,25 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(const DecParams p) {
 __global__ void __launch_bounds__(kThreads) down_kernel(const DecParams p) {
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int n = static_cast<int>(blockIdx.y), h = static_cast<int>(blockIdx.x) * kWarps + warp;
-  __shared__ int32_t s_e[32];
+  // Token n's choices of this rank's experts, in choice order: local expert, weight, act row.
+  __shared__ int32_t s_e[32], s_r[32];
   __shared__ float s_w[32];
-  const int kn = n < p.routed ? p.k : 0;
-  if (static_cast<int>(threadIdx.x) < kn) {
-    s_e[threadIdx.x] = p.experts[static_cast<int64_t>(n) * p.k + threadIdx.x];
-    s_w[threadIdx.x] = p.weights[static_cast<int64_t>(n) * p.k + threadIdx.x];
+  __shared__ int s_kn;
+  if (warp == 0) {
+    const bool mine = n < p.routed && lane < p.k;
+    const int e = mine ? p.experts[static_cast<int64_t>(n) * p.k + lane] - p.e0 : -1;
+    const bool local = mine && e >= 0 && e < p.El;
+    const unsigned ballot = __ballot_sync(0xffffffffu, local);
+    if (local) {
+      const int at = __popc(ballot & ((1u << lane) - 1u));
+      s_e[at] = e;
+      s_w[at] = p.weights[static_cast<int64_t>(n) * p.k + lane];
+      s_r[at] = n * p.k + lane;
+    }
+    if (lane == 0) s_kn = __popc(ballot);
   }
   __syncthreads();
+  const int kn = s_kn;
   if (h >= p.H) return;
   bf16* o = p.out + static_cast<int64_t>(n) * p.H + h;
   if (n >= p.routed) {
@@ -229,9 +241,9 @@ __global__ void __launch_bounds__(kThreads) down_kernel(const DecParams p) {
     const bf16* a[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int j = min(j0 + i, kn - 1);  // past the k choices: a repeat, its sum unused
+      const int j = min(j0 + i, kn - 1);  // past the local choices: a repeat, its sum unused
       w[i] = p.down + (static_cast<int64_t>(s_e[j]) * p.H + h) * p.I;
-      a[i] = p.act + (static_cast<int64_t>(n) * p.k + j) * p.I;
+      a[i] = p.act + static_cast<int64_t>(s_r[j]) * p.I;
     }
     float d[4];
     pair_dots<4, 2>(w, a, p.I, lane, d);
@@ -276,6 +288,10 @@ void moe_decode_block(const MoeBlockParams& p, const MoeDecodeBuffers& b, Stream
   d.H = static_cast<int>(p.H);
   d.E = static_cast<int>(p.E);
   d.k = static_cast<int>(p.k);
+  d.e0 = static_cast<int>(p.expert_begin);
+  d.El = static_cast<int>(p.local_experts < 0 ? p.E : p.local_experts);
+  DFLASH_CHECK(d.e0 >= 0 && d.El >= 1 && d.e0 + d.El <= d.E,
+               "moe_decode_block: local experts [" << d.e0 << ", " << d.e0 + d.El << ") of " << d.E);
   d.I = static_cast<int>(p.I);
   d.Is = p.shared_gate_up ? static_cast<int>(p.Is) : 0;
   d.renorm = p.renormalize;

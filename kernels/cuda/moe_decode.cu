@@ -14,6 +14,7 @@
 // using any (16 loads of 16 bytes in flight a lane in the routed gate|up warps: 8 KB a warp). Every
 // (row, token) dot product is summed in an order fixed by K alone (the lane's units in order, then
 // the warp's xor butterfly), so a token's values do not depend on N or on the other tokens.
+// Plain C++ (no PTX): tests/test_moe_decode_emulated.cpp runs these kernels on the CPU in CI.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -241,7 +242,7 @@ __global__ void __launch_bounds__(kThreads) down_kernel(const DecParams p) {
     const bf16* a[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int j = min(j0 + i, kn - 1);  // past the local choices: a repeat, its sum unused
+      const int j = j0 + i < kn ? j0 + i : kn - 1;  // past the local choices: a repeat, its sum unused
       w[i] = p.down + (static_cast<int64_t>(s_e[j]) * p.H + h) * p.I;
       a[i] = p.act + static_cast<int64_t>(s_r[j]) * p.I;
     }
@@ -265,6 +266,18 @@ __global__ void __launch_bounds__(kThreads) down_kernel(const DecParams p) {
 }
 
 bool aligned16(const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; }
+
+// One launch of a kernel above; with DFLASH_CUDA_EMULATION (tests/cuda_emulation.h) the CPU runs it.
+template <class Kernel>
+void launch(Kernel kernel, dim3 grid, const DecParams& d, cudaStream_t st) {
+#ifdef DFLASH_CUDA_EMULATION
+  (void)st;
+  emu::launch(grid, dim3(kThreads), kernel, d);
+#else
+  kernel<<<grid, kThreads, 0, st>>>(d);
+  DFLASH_CUDA_CHECK_LAST();
+#endif
+}
 
 }  // namespace
 
@@ -312,15 +325,10 @@ void moe_decode_block(const MoeBlockParams& p, const MoeDecodeBuffers& b, Stream
   d.col_blocks = (d.I + kWarps - 1) / kWarps;
   auto st = static_cast<cudaStream_t>(s);
   const int router_rows = d.E + (d.gate_w ? 1 : 0);
-  router_kernel<<<(router_rows + kWarps - 1) / kWarps, kThreads, 0, st>>>(d);
-  DFLASH_CUDA_CHECK_LAST();
+  launch(router_kernel, dim3(static_cast<unsigned>((router_rows + kWarps - 1) / kWarps)), d, st);
   const int64_t gu_blocks = Nr * p.k * d.col_blocks + (d.shared_gu ? (d.Is + kWarps - 1) / kWarps : 0);
-  if (gu_blocks > 0) {
-    gate_up_kernel<<<static_cast<unsigned>(gu_blocks), kThreads, 0, st>>>(d);
-    DFLASH_CUDA_CHECK_LAST();
-  }
-  down_kernel<<<dim3(static_cast<unsigned>((d.H + kWarps - 1) / kWarps), static_cast<unsigned>(d.N)), kThreads, 0, st>>>(d);
-  DFLASH_CUDA_CHECK_LAST();
+  if (gu_blocks > 0) launch(gate_up_kernel, dim3(static_cast<unsigned>(gu_blocks)), d, st);
+  launch(down_kernel, dim3(static_cast<unsigned>((d.H + kWarps - 1) / kWarps), static_cast<unsigned>(d.N)), d, st);
 }
 
 }  // namespace dflash::cuda

@@ -158,16 +158,18 @@ __global__ void __launch_bounds__(kThreads) router_kernel(const DecParams p) {
   }
 }
 
-// Blocks [0, routed·k·col_blocks): (token n, choice j, column block): warp 0 routes token n, then a
-// warp per act column c: act[n·k + j, c] = silu(x_n · gate_e[c]) * (x_n · up_e[c]). The blocks after
+// Blocks [0, routed·k·col_blocks): (column block, then token n and choice j): warp 0 routes token n,
+// then a warp per act column c: act[n·k + j, c] = silu(x_n · gate_e[c]) * (x_n · up_e[c]). A column
+// block's (token, choice) blocks are neighbours in launch order, so an expert chosen by several
+// tokens of a verify has its rows read from memory once and from L2 by the others. The blocks after
 // them: a warp per shared-expert column c for every routed token, with gemm_bf16's bf16 outputs and
 // cuda::swiglu's silu.
 __global__ void __launch_bounds__(kThreads) gate_up_kernel(const DecParams p) {
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
-  const int routed_blocks = p.routed * p.k * p.col_blocks;
+  const int slots = p.routed * p.k, routed_blocks = slots * p.col_blocks;
   const int bid = static_cast<int>(blockIdx.x);
   if (bid < routed_blocks) {
-    const int r = bid / p.col_blocks, cb = bid - r * p.col_blocks;
+    const int cb = bid / slots, r = bid - cb * slots;
     const int n = r / p.k, j = r - n * p.k;
     __shared__ int s_expert;
     if (warp == 0) {
@@ -205,12 +207,13 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(const DecParams p) {
   }
 }
 
-// Block (column block, token n), a warp per output column h: moe_combine's sum of the k experts' bf16
-// down outputs, weighted in choice order, plus the sigmoid-gated bf16 shared down output. Pad rows
-// (n >= routed): zeros.
+// Block (token n, column block), a warp per output column h: moe_combine's sum of the k experts' bf16
+// down outputs, weighted in choice order, plus the sigmoid-gated bf16 shared down output (the tokens
+// of a column block are launch neighbours: the rows they share come from L2). Pad rows (n >= routed):
+// zeros.
 __global__ void __launch_bounds__(kThreads) down_kernel(const DecParams p) {
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
-  const int n = static_cast<int>(blockIdx.y), h = static_cast<int>(blockIdx.x) * kWarps + warp;
+  const int n = static_cast<int>(blockIdx.x), h = static_cast<int>(blockIdx.y) * kWarps + warp;
   // Token n's choices of this rank's experts, in choice order: local expert, weight, act row.
   __shared__ int32_t s_e[32], s_r[32];
   __shared__ float s_w[32];
@@ -328,7 +331,7 @@ void moe_decode_block(const MoeBlockParams& p, const MoeDecodeBuffers& b, Stream
   launch(router_kernel, dim3(static_cast<unsigned>((router_rows + kWarps - 1) / kWarps)), d, st);
   const int64_t gu_blocks = Nr * p.k * d.col_blocks + (d.shared_gu ? (d.Is + kWarps - 1) / kWarps : 0);
   if (gu_blocks > 0) launch(gate_up_kernel, dim3(static_cast<unsigned>(gu_blocks)), d, st);
-  launch(down_kernel, dim3(static_cast<unsigned>((d.H + kWarps - 1) / kWarps), static_cast<unsigned>(d.N)), d, st);
+  launch(down_kernel, dim3(static_cast<unsigned>(d.N), static_cast<unsigned>((d.H + kWarps - 1) / kWarps)), d, st);
 }
 
 }  // namespace dflash::cuda

@@ -139,9 +139,15 @@ struct DecParams {
 };
 
 // Warp `row` of the grid: row < E router row `row`, row == E the shared gate; every token n < N.
+// The grid's threads also write the pad rows' zeros (n >= routed: no down block runs for them).
 __global__ void __launch_bounds__(kThreads) router_kernel(const DecParams p) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int row = static_cast<int>(blockIdx.x) * kWarps + (static_cast<int>(threadIdx.x) >> 5);
+  {
+    const int64_t units = static_cast<int64_t>(p.N - p.routed) * p.H / 8, stride = int64_t{gridDim.x} * kThreads;
+    uint4* pad = reinterpret_cast<uint4*>(p.out + static_cast<int64_t>(p.routed) * p.H);
+    for (int64_t u = int64_t{blockIdx.x} * kThreads + threadIdx.x; u < units; u += stride) pad[u] = make_uint4(0, 0, 0, 0);
+  }
   if (row > p.E || (row == p.E && !p.gate_w)) return;
   const bf16* w[1] = {row < p.E ? p.router + static_cast<int64_t>(row) * p.H : p.gate_w};
   float acc[1][kMaxT];
@@ -207,10 +213,9 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(const DecParams p) {
   }
 }
 
-// Block (token n, column block), a warp per output column h: moe_combine's sum of the k experts' bf16
-// down outputs, weighted in choice order, plus the sigmoid-gated bf16 shared down output (the tokens
-// of a column block are launch neighbours: the rows they share come from L2). Pad rows (n >= routed):
-// zeros.
+// Block (routed token n, column block), a warp per output column h: moe_combine's sum of the k
+// experts' bf16 down outputs, weighted in choice order, plus the sigmoid-gated bf16 shared down output
+// (the tokens of a column block are launch neighbours: the rows they share come from L2).
 __global__ void __launch_bounds__(kThreads) down_kernel(const DecParams p) {
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int n = static_cast<int>(blockIdx.x), h = static_cast<int>(blockIdx.y) * kWarps + warp;
@@ -219,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) down_kernel(const DecParams p) {
   __shared__ float s_w[32];
   __shared__ int s_kn;
   if (warp == 0) {
-    const bool mine = n < p.routed && lane < p.k;
+    const bool mine = lane < p.k;
     const int e = mine ? p.experts[static_cast<int64_t>(n) * p.k + lane] - p.e0 : -1;
     const bool local = mine && e >= 0 && e < p.El;
     const unsigned ballot = __ballot_sync(0xffffffffu, local);
@@ -235,10 +240,6 @@ __global__ void __launch_bounds__(kThreads) down_kernel(const DecParams p) {
   const int kn = s_kn;
   if (h >= p.H) return;
   bf16* o = p.out + static_cast<int64_t>(n) * p.H + h;
-  if (n >= p.routed) {
-    if (lane == 0) *o = __float2bfloat16_rn(0.0f);
-    return;
-  }
   float acc = 0.0f;
   for (int j0 = 0; j0 < kn; j0 += 4) {
     const bf16* w[4];
@@ -295,7 +296,7 @@ void moe_decode_block(const MoeBlockParams& p, const MoeDecodeBuffers& b, Stream
   DFLASH_CHECK(aligned16(p.x) && aligned16(p.router) && aligned16(p.experts_gate_up) && aligned16(p.experts_down) &&
                    (!p.shared_gate_up ||
                     (aligned16(p.shared_gate_up) && aligned16(p.shared_down) && aligned16(p.shared_gate))) &&
-                   aligned16(b.act) && aligned16(b.sact),
+                   aligned16(b.act) && aligned16(b.sact) && aligned16(p.out),
                "moe_decode_block: operands must be 16-byte aligned");
   DecParams d{};
   d.x = static_cast<const bf16*>(p.x);
@@ -331,7 +332,8 @@ void moe_decode_block(const MoeBlockParams& p, const MoeDecodeBuffers& b, Stream
   launch(router_kernel, dim3(static_cast<unsigned>((router_rows + kWarps - 1) / kWarps)), d, st);
   const int64_t gu_blocks = Nr * p.k * d.col_blocks + (d.shared_gu ? (d.Is + kWarps - 1) / kWarps : 0);
   if (gu_blocks > 0) launch(gate_up_kernel, dim3(static_cast<unsigned>(gu_blocks)), d, st);
-  launch(down_kernel, dim3(static_cast<unsigned>(d.N), static_cast<unsigned>((d.H + kWarps - 1) / kWarps)), d, st);
+  if (Nr > 0)
+    launch(down_kernel, dim3(static_cast<unsigned>(Nr), static_cast<unsigned>((d.H + kWarps - 1) / kWarps)), d, st);
 }
 
 }  // namespace dflash::cuda

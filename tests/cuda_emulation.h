@@ -1,17 +1,19 @@
 #pragma once
-// CUDA kernels written in plain C++ (shared memory, __syncthreads, warp shuffles and ballots; no
-// PTX, tensor cores or atomics) run on the CPU, so a machine without a GPU (CI) checks their
-// indexing, barriers and arithmetic. A kernel source is included after this header with
-// DFLASH_CUDA_EMULATION defined; its launcher calls emu::launch instead of <<<...>>>.
+// CUDA kernels run on the CPU, so a machine without a GPU (CI) checks their indexing, barriers and
+// arithmetic: plain C++ kernels (shared memory, __syncthreads, warp shuffles and ballots, atomics)
+// and those whose PTX has an emulation here (ptx.cuh under DFLASH_CUDA_EMULATION: ldmatrix x4,
+// mma.sync m16n8k16 bf16, the cp.async ring). A kernel source is included after this header with
+// DFLASH_CUDA_EMULATION defined; its launches go through kernels/cuda/emulatable.cuh.
 // Every CUDA thread of a block is a fiber (ucontext) on the calling thread; blocks run one after
 // another; a fiber runs until it waits at a barrier (__syncthreads, or a warp's shuffle / ballot,
 // which meet at a barrier of the warp's 32 threads) or returns, and a returned thread leaves its
 // barriers (as an exited CUDA thread does). __shared__ variables are statics (one block at a time
 // uses them). Compile the including file with -fno-strict-aliasing: the kernels' uint4 <-> bf16
 // punning is sound in device code, not under the host compiler's aliasing rules. Not emulated: the
-// device's own expf / __expf (the host's are used: they may differ in the last bit), atomics, and
-// memory ordering across blocks (blocks never overlap here). A deadlock (a barrier some threads
-// never reach) aborts with a message.
+// device's own expf / __expf (the host's are used: they may differ in the last bit), the tensor
+// cores' internal summation order (mma sums its 16 products and the accumulator in k order, in f32),
+// and memory ordering across blocks (blocks never overlap here; an atomic is a plain add: fibers
+// never interleave inside one). A deadlock (a barrier some threads never reach) aborts with a message.
 #define __shared__ static
 #define __launch_bounds__(...)
 
@@ -49,12 +51,15 @@ struct Block {
   dim3 block_dim, grid_dim;
   Barrier block_bar;
   std::vector<Barrier> warp_bars;
-  std::vector<uint64_t> warp_buf;  // 32 words a warp: the shuffles' and ballots' exchange
+  std::vector<uint64_t> warp_buf;  // kWords words a lane: the shuffles', ballots', ldmatrix's and mma's exchange
+  std::vector<unsigned char> smem;  // the launch's dynamic shared memory
   std::vector<Fiber> fibers;
   Fiber* current = nullptr;
   ucontext_t main{};
   std::function<void()> body;
 };
+
+constexpr int kWords = 16;
 
 inline Block*& block() {
   static Block* b = nullptr;
@@ -92,9 +97,12 @@ inline void fiber_main() {
   swapcontext(&f.ctx, &B.main);  // never resumed
 }
 
-// A kernel over grid x block (1-D blocks of at most 1024 threads), its arguments copied.
+inline void* dynamic_smem() { return block()->smem.data(); }
+
+// A kernel over grid x block (1-D blocks of at most 1024 threads) with `smem` bytes of dynamic
+// shared memory (zeroed, 16-byte aligned), its arguments copied.
 template <class Kernel, class... Args>
-void launch(dim3 grid, dim3 blk, Kernel kernel, const Args&... args) {
+void launch(dim3 grid, dim3 blk, size_t smem, Kernel kernel, const Args&... args) {
   constexpr size_t kStack = 64 * 1024;
   const int n = static_cast<int>(blk.x);
   static std::vector<std::unique_ptr<char[]>> stacks;
@@ -110,7 +118,8 @@ void launch(dim3 grid, dim3 blk, Kernel kernel, const Args&... args) {
         const int warps = (n + 31) / 32;
         B.warp_bars.resize(static_cast<size_t>(warps));
         for (int w = 0; w < warps; ++w) B.warp_bars[static_cast<size_t>(w)].expected = std::min(32, n - 32 * w);
-        B.warp_buf.assign(static_cast<size_t>(warps) * 32, 0);
+        B.warp_buf.assign(static_cast<size_t>(warps) * 32 * kWords, 0);
+        B.smem.assign(smem + 16, 0);
         B.fibers.resize(static_cast<size_t>(n));
         B.body = [&] { kernel(args...); };
         block() = &B;
@@ -145,30 +154,79 @@ void launch(dim3 grid, dim3 blk, Kernel kernel, const Args&... args) {
       }
 }
 
+// The calling lane's exchange words (lane l's start at words(l)), and its warp's barrier.
+inline uint64_t* words(int l) { return block()->warp_buf.data() + (32 * self().warp + l) * kWords; }
+inline Barrier& warp_bar() { return block()->warp_bars[static_cast<size_t>(self().warp)]; }
+
 template <class T>
 T shfl_xor(T v, int mask) {
   static_assert(sizeof(T) <= 8);
-  Fiber& f = self();
-  uint64_t* buf = block()->warp_buf.data() + 32 * f.warp;
-  std::memcpy(&buf[lane()], &v, sizeof(T));
-  Barrier& bar = block()->warp_bars[static_cast<size_t>(f.warp)];
-  wait(bar);
+  std::memcpy(words(lane()), &v, sizeof(T));
+  wait(warp_bar());
   T r;
-  std::memcpy(&r, &buf[lane() ^ mask], sizeof(T));
-  wait(bar);
+  std::memcpy(&r, words(lane() ^ mask), sizeof(T));
+  wait(warp_bar());
   return r;
 }
 
 inline unsigned ballot(bool pred) {
-  Fiber& f = self();
-  uint64_t* buf = block()->warp_buf.data() + 32 * f.warp;
-  buf[lane()] = pred ? 1 : 0;
-  Barrier& bar = block()->warp_bars[static_cast<size_t>(f.warp)];
-  wait(bar);
+  words(lane())[0] = pred ? 1 : 0;
+  wait(warp_bar());
   unsigned r = 0;
-  for (int i = 0; i < 32; ++i) r |= (buf[i] ? 1u : 0u) << i;
-  wait(bar);
+  for (int i = 0; i < 32; ++i) r |= (words(i)[0] ? 1u : 0u) << i;
+  wait(warp_bar());
   return r;
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: lanes 8i..8i+7 give the row addresses of matrix i; lane l
+// receives of matrix i the 32-bit word at row l / 4, columns 2 (l % 4), 2 (l % 4) + 1.
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  const auto* addr = static_cast<const unsigned char*>(p);
+  std::memcpy(words(lane()), &addr, sizeof(addr));
+  wait(warp_bar());
+  for (int i = 0; i < 4; ++i) {
+    const unsigned char* row;
+    std::memcpy(&row, words(8 * i + lane() / 4), sizeof(row));
+    std::memcpy(&r[i], row + 4 * (lane() % 4), 4);
+  }
+  wait(warp_bar());
+}
+
+inline float bf16_lo(uint32_t w) { return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(w & 0xffffu))); }
+inline float bf16_hi(uint32_t w) { return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(w >> 16))); }
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, c += a · b, with lane l = 4 g + t holding
+// a: (g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..); b: (k 2t..2t+1, n g), (k 2t+8.., n g);
+// c: (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1). Each element: the accumulator, then the 16 products
+// in k order, in f32.
+inline void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  uint64_t* mine = words(lane());
+  for (int i = 0; i < 4; ++i) mine[i] = a[i];
+  mine[4] = b0;
+  mine[5] = b1;
+  wait(warp_bar());
+  float A[16][16], B[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const uint64_t* w = words(l);
+    const int g = l / 4, t = l % 4;
+    const int rows[4] = {g, g + 8, g, g + 8}, cols[4] = {2 * t, 2 * t, 2 * t + 8, 2 * t + 8};
+    for (int i = 0; i < 4; ++i) {
+      A[rows[i]][cols[i]] = bf16_lo(static_cast<uint32_t>(w[i]));
+      A[rows[i]][cols[i] + 1] = bf16_hi(static_cast<uint32_t>(w[i]));
+    }
+    B[2 * t][g] = bf16_lo(static_cast<uint32_t>(w[4]));
+    B[2 * t + 1][g] = bf16_hi(static_cast<uint32_t>(w[4]));
+    B[2 * t + 8][g] = bf16_lo(static_cast<uint32_t>(w[5]));
+    B[2 * t + 9][g] = bf16_hi(static_cast<uint32_t>(w[5]));
+  }
+  wait(warp_bar());
+  const int g = lane() / 4, t = lane() % 4;
+  const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+  for (int i = 0; i < 4; ++i) {
+    float s = c[i];
+    for (int k = 0; k < 16; ++k) s += A[rows[i]][k] * B[k][cols[i]];
+    c[i] = s;
+  }
 }
 
 }  // namespace emu
@@ -187,5 +245,14 @@ template <class T>
 T __ldg(const T* p) {
   return *p;
 }
+inline int atomicAdd(int* p, int v) {
+  const int old = *p;
+  *p = old + v;
+  return old;
+}
+// The runtime calls of emulated launchers (no device: memory is host memory, there is one "device").
+#define cudaMemsetAsync(p, v, n, s) (std::memset((p), (v), (n)), cudaSuccess)
+#define cudaGetDevice(d) (*(d) = 0, cudaSuccess)
+#define cudaFuncSetAttribute(...) cudaSuccess
 // Shared-memory addresses (ptx.cuh's helpers compile; the PTX ones are never called here).
 inline size_t __cvta_generic_to_shared(const void* p) { return reinterpret_cast<size_t>(p); }

@@ -2,12 +2,12 @@
 // tests/cuda_emulation.h: their indexing, top-k, barriers, pad rows and expert ranges checked on
 // every machine, GPU or not, against the f32 CPU reference (ops::moe_route / moe_experts / linear /
 // swiglu / add_sigmoid_gated) as test_cuda_moe checks them on a GPU. Small shapes: every CUDA thread
-// is a host thread. The device's own runs are test_cuda_moe's (CudaMoe.BlockMatchesCpu, ...).
+// is a fiber. The device's own runs are test_cuda_moe's (CudaMoe.BlockMatchesCpu, ...);
+// test_moe_emulated.cpp does the same for moe.cu's grouped path.
 #include "cuda_emulation.h"
 
 #define DFLASH_CUDA_EMULATION 1
-#define moe_decode_block moe_decode_block_emulated  // beside the library's real launcher
-#include "kernels/cuda/moe.h"
+#include "moe_emulated.h"
 #include "kernels/cuda/moe_decode.cu"
 
 #include <gtest/gtest.h>
@@ -225,3 +225,4 @@ TEST(MoeDecodeEmulated, ExpertGroupsSumToTheWholeBlock) {
     EXPECT_LE(max_rel_err(sum, reference(c, x, w, last)), 2e-2) << "tp 2, ep " << ep;
   }
 }
+

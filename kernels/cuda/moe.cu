@@ -14,12 +14,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "core/cuda/check.h"
 #include "core/device.h"
 #include "core/error.h"
 #include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/emulatable.cuh"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/moe_topk.cuh"
@@ -103,9 +105,14 @@ constexpr int BM = kMoeTileRows, BK = 32, kThreads = 128;
 constexpr int kLds = BK + 8;  // 80-byte smem rows: ldmatrix's 8 row addresses hit distinct banks
 
 __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+#ifdef DFLASH_CUDA_EMULATION
+  if (valid) std::memcpy(smem, gmem, 16);
+  else std::memset(smem, 0, 16);
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(ptx::smem_addr(smem)), "l"(gmem),
                "r"(valid ? 16 : 0)
                : "memory");
+#endif
 }
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
@@ -117,7 +124,7 @@ template <int BN, int kStages>
 __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p) {
   constexpr int NT = BN / 16, HT = NT / 2, BCH = BN * (BK / 8) / kThreads;  // n8 tiles, half, B chunks a thread
   static_assert(HT % 2 == 0 && BCH >= 1 && (BN & (BN - 1)) == 0, "tile pairs for ldmatrix_x4, whole B chunks, BN a power of 2");
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  DFLASH_DYNAMIC_SMEM(unsigned char, smem_raw);
   bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [kStages][BM][kLds]
   bf16* sb = sa + kStages * BM * kLds;            // [kStages][BN][kLds]
   const int E = static_cast<int>(p.E);
@@ -292,8 +299,7 @@ void launch_grouped(const MoeGemmParams& p, Stream s, bool (&attr)[64]) {
   }
   const int64_t cols = p.swiglu ? BN / 2 : BN;
   const dim3 grid(static_cast<unsigned>(p.max_tiles), static_cast<unsigned>((p.Nout + cols - 1) / cols));
-  grouped_gemm_kernel<BN, kStages><<<grid, kThreads, smem, static_cast<cudaStream_t>(s)>>>(p);
-  DFLASH_CUDA_CHECK_LAST();
+  launch_kernel(grouped_gemm_kernel<BN, kStages>, grid, dim3(kThreads), smem, static_cast<cudaStream_t>(s), p);
 }
 
 // ---- gather / combine -------------------------------------------------------------------------------
@@ -375,9 +381,8 @@ void moe_topk(const float* logits, int64_t N, int64_t E, int64_t k, bool renorma
   DFLASH_CUDA_CHECK(cudaMemsetAsync(counts, 0, static_cast<size_t>(E) * sizeof(int32_t), st));
   if (N == 0) return;
   DFLASH_CHECK(logits && experts && weights && counts, "moe_topk: null pointer");
-  topk_kernel<<<static_cast<unsigned>((N + kTopkWarps - 1) / kTopkWarps), kTopkWarps * 32, 0, st>>>(
-      logits, static_cast<int>(N), static_cast<int>(E), static_cast<int>(k), renormalize, experts, weights, counts);
-  DFLASH_CUDA_CHECK_LAST();
+  launch_kernel(topk_kernel, dim3(static_cast<unsigned>((N + kTopkWarps - 1) / kTopkWarps)), dim3(kTopkWarps * 32), 0, st,
+                logits, static_cast<int>(N), static_cast<int>(E), static_cast<int>(k), renormalize, experts, weights, counts);
 }
 
 void moe_permute(const int32_t* experts, const int32_t* counts, int64_t N, int64_t E, int64_t k, int32_t* offsets,
@@ -391,13 +396,12 @@ void moe_permute(const int32_t* experts, const int32_t* counts, int64_t N, int64
   auto st = static_cast<cudaStream_t>(s);
   int threads = 32;
   while (threads < El) threads *= 2;
-  scan_kernel<<<1, threads, 0, st>>>(counts + expert_begin, static_cast<int>(El), offsets, tile_offsets, cursor);
-  DFLASH_CUDA_CHECK_LAST();
+  launch_kernel(scan_kernel, dim3(1), dim3(threads), 0, st, counts + expert_begin, static_cast<int>(El), offsets,
+                tile_offsets, cursor);
   const int64_t rows = N * k;
   if (rows == 0) return;
-  scatter_kernel<<<static_cast<unsigned>((rows + 255) / 256), 256, 0, st>>>(
-      experts, rows, static_cast<int>(k), static_cast<int>(expert_begin), static_cast<int>(El), cursor, src_row, slot_pos);
-  DFLASH_CUDA_CHECK_LAST();
+  launch_kernel(scatter_kernel, dim3(static_cast<unsigned>((rows + 255) / 256)), dim3(256), 0, st, experts, rows,
+                static_cast<int>(k), static_cast<int>(expert_begin), static_cast<int>(El), cursor, src_row, slot_pos);
 }
 
 void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
@@ -426,9 +430,8 @@ void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, 
   DFLASH_CHECK(H > 0 && H % 8 == 0 && aligned16(x) && aligned16(y), "moe_gather: H " << H
                                                                        << " must be a multiple of 8, x and y 16-byte aligned");
   if (rows == 0) return;
-  gather_kernel<<<static_cast<unsigned>(rows), 128, 0, static_cast<cudaStream_t>(s)>>>(
-      static_cast<const bf16*>(x), src_row, rows, static_cast<int>(H), static_cast<bf16*>(y));
-  DFLASH_CUDA_CHECK_LAST();
+  launch_kernel(gather_kernel, dim3(static_cast<unsigned>(rows)), dim3(128), 0, static_cast<cudaStream_t>(s),
+                static_cast<const bf16*>(x), src_row, rows, static_cast<int>(H), static_cast<bf16*>(y));
 }
 
 void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, int64_t N, int64_t k, int64_t H,
@@ -439,11 +442,10 @@ void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, i
                    (!shared || (aligned16(shared) && aligned16(x) && aligned16(gate_w))),
                "moe_combine: H " << H << " (a multiple of 8), k " << k << " (1..32), 16-byte aligned operands");
   if (N == 0) return;
-  combine_kernel<<<static_cast<unsigned>(N), 256, 0, static_cast<cudaStream_t>(s)>>>(
-      static_cast<const bf16*>(y), slot_pos, weights, static_cast<int>(k), static_cast<int>(H),
-      static_cast<const bf16*>(shared), static_cast<const bf16*>(x), static_cast<const bf16*>(gate_w),
-      static_cast<bf16*>(out), routed);
-  DFLASH_CUDA_CHECK_LAST();
+  launch_kernel(combine_kernel, dim3(static_cast<unsigned>(N)), dim3(256), 0, static_cast<cudaStream_t>(s),
+                static_cast<const bf16*>(y), slot_pos, weights, static_cast<int>(k), static_cast<int>(H),
+                static_cast<const bf16*>(shared), static_cast<const bf16*>(x), static_cast<const bf16*>(gate_w),
+                static_cast<bf16*>(out), routed);
 }
 
 const char* moe_impl_name(MoeImpl impl) {

@@ -22,6 +22,7 @@
 
 #include "core/cuda/check.h"
 #include "core/error.h"
+#include "kernels/cuda/emulatable.cuh"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/moe_topk.cuh"
 #include "kernels/cuda/vec.cuh"
@@ -271,16 +272,9 @@ __global__ void __launch_bounds__(kThreads) down_kernel(const DecParams p) {
 
 bool aligned16(const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; }
 
-// One launch of a kernel above; with DFLASH_CUDA_EMULATION (tests/cuda_emulation.h) the CPU runs it.
 template <class Kernel>
 void launch(Kernel kernel, dim3 grid, const DecParams& d, cudaStream_t st) {
-#ifdef DFLASH_CUDA_EMULATION
-  (void)st;
-  emu::launch(grid, dim3(kThreads), kernel, d);
-#else
-  kernel<<<grid, kThreads, 0, st>>>(d);
-  DFLASH_CUDA_CHECK_LAST();
-#endif
+  launch_kernel(kernel, grid, dim3(kThreads), 0, st, d);
 }
 
 }  // namespace

@@ -13,10 +13,16 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 // Four 8x8 b16 matrices from shared memory (row addresses from lanes 0-31), optionally transposed.
+// (Under DFLASH_CUDA_EMULATION, kernels/cuda/emulatable.cuh, the CPU runs the non-transposed x4
+// load, mma_bf16 and the cp.async ring's commit / wait; the rest stays device-only.)
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+#ifdef DFLASH_CUDA_EMULATION
+  ::emu::ldmatrix_x4(r, p);
+#else
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
+#endif
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -29,11 +35,15 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t& r0, uint32_t& r1, const vo
 
 // c[16x8] += a[16x16] (row) · b[16x8] (col), bf16 in, f32 accumulate.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#ifdef DFLASH_CUDA_EMULATION
+  ::emu::mma_bf16(c, a, b0, b1);
+#else
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 
 // f32 -> tf32 (round to nearest, ties away) and c[16x8] += a[16x8] (row) . b[8x8] (col) in tf32.
@@ -59,11 +69,17 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async16_ring(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
 }
+#ifdef DFLASH_CUDA_EMULATION  // the emulated copies complete at once
+__device__ __forceinline__ void cp_async_commit_ring() {}
+template <int N>
+__device__ __forceinline__ void cp_async_wait_ring() {}
+#else
 __device__ __forceinline__ void cp_async_commit_ring() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait_ring() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+#endif
 
 // Shared-memory load of two floats / store of one 32-bit word through the shared window (a generic
 // pointer the compiler cannot place in shared memory would become a slower generic access).

@@ -1,0 +1,16 @@
+#pragma once
+// The emulated MoE kernels' names (tests/test_moe_emulated.cpp includes moe.cu, tests/
+// test_moe_decode_emulated.cpp moe_decode.cu, under DFLASH_CUDA_EMULATION): renamed, so that they sit
+// beside the library's real definitions in one test binary; then kernels/cuda/moe.h declares them.
+#define moe_decode_block moe_decode_block_emulated
+#define moe_topk moe_topk_emulated
+#define moe_permute moe_permute_emulated
+#define moe_grouped_gemm moe_grouped_gemm_emulated
+#define moe_combine moe_combine_emulated
+#define moe_gather moe_gather_emulated
+#define moe_block moe_block_emulated
+#define moe_max_tiles moe_max_tiles_emulated
+#define moe_workspace_bytes moe_workspace_bytes_emulated
+#define moe_impl_name moe_impl_name_emulated
+#define moe_narrow_tiles moe_narrow_tiles_emulated
+#include "kernels/cuda/moe.h"

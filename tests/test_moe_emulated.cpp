@@ -1,0 +1,104 @@
+// The grouped MoE path (kernels/cuda/moe.cu: top-k, the permutation by expert, the grouped mma.sync
+// GEMM in both tilings, the combine) run on the CPU through tests/cuda_emulation.h (mma.sync and
+// ldmatrix emulated): routing, tile tables, expert ranges (expert parallelism) and the products
+// checked on every machine, GPU or not, against the f32 CPU reference. The device's own runs are
+// test_cuda_moe's (CudaMoe.*).
+#include "cuda_emulation.h"
+
+#define DFLASH_CUDA_EMULATION 1
+#include "moe_emulated.h"
+#include "kernels/cuda/moe.cu"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "core/random.h"
+#include "core/tensor.h"
+#include "kernels/ops.h"
+#include "test_util.h"
+
+namespace {
+
+using namespace dflash;
+namespace cu = dflash::cuda;
+
+uint64_t g_stream = 7900;
+Tensor f32(const Tensor& t) { return t.to_dtype(DType::F32); }
+struct Pair {
+  Tensor bf, f;  // bf16, and the same values in f32
+};
+Pair rand_bf16(const Shape& s, float sd) {
+  Tensor f = Tensor::empty(s, DType::F32);
+  fill_normal(f, {4421, g_stream++, 0}, 0.0f, sd);
+  Tensor b = f.to_dtype(DType::BF16);
+  return {b, b.to_dtype(DType::F32)};
+}
+
+}  // namespace
+
+// The grouped path's kernels: top-k on given logits, the permutation over this rank's experts (all,
+// or an expert range: expert parallelism), the grouped gate|up (gather + SwiGLU fused) and down
+// GEMMs in both tilings (mma.sync emulated), the combine with a sigmoid-gated shared term; against
+// the CPU's top-k and experts on the same routing.
+TEST(MoeEmulated, GroupedPathMatchesTheCpuReference) {
+  struct G {
+    int64_t N, H, E, k, I, e0, El;
+  };
+  for (const G& c : std::vector<G>{{40, 64, 8, 2, 32, 0, 8}, {70, 72, 8, 3, 40, 4, 4}, {9, 64, 4, 2, 24, 1, 2}}) {
+    for (int narrow : {0, 1}) {
+      SCOPED_TRACE("N " + std::to_string(c.N) + " experts [" + std::to_string(c.e0) + ", " +
+                   std::to_string(c.e0 + c.El) + ") of " + std::to_string(c.E) + (narrow ? ", narrow" : ", wide"));
+      cu::tuning::moe_narrow_tiles = narrow;
+      Tensor logits = Tensor::empty({c.N, c.E}, DType::F32);
+      fill_normal(logits, {4413, g_stream++, 0}, 0.0f, 2.0f);
+      const Pair x = rand_bf16({c.N, c.H}, 1.0f);
+      const Pair gu = rand_bf16({c.El, 2 * c.I, c.H}, 0.1f), dn = rand_bf16({c.El, c.H, c.I}, 0.2f);
+      const int64_t R = c.N * c.k;
+      Tensor ex = Tensor::empty({R}, DType::I32), wt = Tensor::empty({R}, DType::F32), counts = Tensor::empty({c.E}, DType::I32);
+      Tensor off = Tensor::empty({c.E + 1}, DType::I32), tiles = Tensor::empty({c.E + 1}, DType::I32);
+      Tensor cursor = Tensor::empty({c.E}, DType::I32), src = Tensor::empty({R}, DType::I32), slot = Tensor::empty({R}, DType::I32);
+      cu::moe_topk(logits.data<float>(), c.N, c.E, c.k, true, ex.data<int32_t>(), wt.data<float>(), counts.data<int32_t>(),
+                   nullptr);
+      ops::MoeRouting want;
+      ops::moe_route_logits(logits, c.k, true, want);
+      for (int64_t i = 0; i < R; ++i) {
+        ASSERT_EQ(ex.data<int32_t>()[i], want.experts.data<int32_t>()[i]) << "choice " << i;
+        ASSERT_NEAR(wt.data<float>()[i], want.weights.data<float>()[i], 1e-6) << "weight " << i;
+      }
+      cu::moe_permute(ex.data<int32_t>(), counts.data<int32_t>(), c.N, c.E, c.k, off.data<int32_t>(), tiles.data<int32_t>(),
+                      cursor.data<int32_t>(), src.data<int32_t>(), slot.data<int32_t>(), nullptr, c.e0, c.El);
+      int64_t local = 0;
+      for (int64_t i = 0; i < R; ++i) {
+        const int32_t e = ex.data<int32_t>()[i];
+        const bool mine = e >= c.e0 && e < c.e0 + c.El;
+        local += mine;
+        ASSERT_EQ(slot.data<int32_t>()[i] >= 0, mine) << "slot of choice " << i;
+        if (mine) ASSERT_EQ(src.data<int32_t>()[slot.data<int32_t>()[i]], i / c.k) << "row of choice " << i;
+      }
+      ASSERT_EQ(off.data<int32_t>()[c.El], local);
+      Tensor act = Tensor::empty({std::max<int64_t>(1, local), c.I}, DType::BF16);
+      Tensor y = Tensor::empty({std::max<int64_t>(1, local), c.H}, DType::BF16);
+      cu::MoeGemmParams g;
+      g.x = x.bf.raw_data(), g.ldx = c.H, g.src_row = src.data<int32_t>(), g.w = gu.bf.raw_data(), g.y = act.raw_data();
+      g.ldy = c.I, g.offsets = off.data<int32_t>(), g.tile_offsets = tiles.data<int32_t>(), g.E = c.El, g.Nout = c.I;
+      g.K = c.H, g.max_tiles = cu::moe_max_tiles(R, c.El), g.swiglu = true, g.rows = R;
+      cu::moe_grouped_gemm(g, nullptr);
+      cu::MoeGemmParams d = g;
+      d.x = act.raw_data(), d.ldx = c.I, d.src_row = nullptr, d.w = dn.bf.raw_data(), d.y = y.raw_data(), d.ldy = c.H;
+      d.Nout = c.H, d.K = c.I, d.swiglu = false;
+      cu::moe_grouped_gemm(d, nullptr);
+      // The combine, with a shared term behind the gate sigmoid(x · gate_w).
+      const Pair shared = rand_bf16({c.N, c.H}, 0.5f), gate_w = rand_bf16({1, c.H}, 0.1f);
+      Tensor out = Tensor::empty({c.N, c.H}, DType::BF16);
+      cu::moe_combine(y.raw_data(), slot.data<int32_t>(), wt.data<float>(), c.N, c.k, c.H, shared.bf.raw_data(),
+                      x.bf.raw_data(), gate_w.bf.raw_data(), out.raw_data(), nullptr);
+      Tensor ref = Tensor::empty({c.N, c.H}, DType::F32), gate = Tensor::empty({c.N, 1}, DType::F32);
+      ops::moe_experts(x.f, gu.f, dn.f, want, ref, c.e0, c.E);
+      ops::linear(x.f, gate_w.f, gate);
+      ops::add_sigmoid_gated(shared.f, gate, ref);
+      EXPECT_LE(max_rel_err(f32(out), ref), 1e-2);
+    }
+  }
+  cu::tuning::moe_narrow_tiles = -1;
+}

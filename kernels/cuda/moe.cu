@@ -8,6 +8,7 @@
 // At 8192 tokens a block is ~470 GFLOP (~0.5 ms at 989 TFLOP/s dense bf16): compute bound; the
 // weights (E·3·I·H·2 = 1.6 GB per layer) are read once per column tile. At decode (N = 1..16) it is
 // bound by reading the chosen experts' weights (k·3·I·H·2 = 50 MB for N = 1).
+// Emulatable (kernels/cuda/emulatable.cuh): test_moe_emulated runs these kernels on the CPU in CI.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

@@ -14,7 +14,7 @@
 // using any (16 loads of 16 bytes in flight a lane in the routed gate|up warps: 8 KB a warp). Every
 // (row, token) dot product is summed in an order fixed by K alone (the lane's units in order, then
 // the warp's xor butterfly), so a token's values do not depend on N or on the other tokens.
-// Plain C++ (no PTX): tests/test_moe_decode_emulated.cpp runs these kernels on the CPU in CI.
+// Plain C++ (no PTX): test_moe_emulated runs these kernels on the CPU in CI (tests/cuda_emulation.h).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

@@ -194,6 +194,17 @@ void check_grouped_plain(int64_t N, int64_t E, int64_t k, int64_t Nout, int64_t 
   EXPECT_LE(max_rel_err(hy, ref), kBound);
 }
 
+// The block's weights (device pointers; no shared expert when sgu is null).
+void set_weights(cu::MoeBlockParams& p, const void* router, const void* gu, const void* dn, const void* sgu = nullptr,
+                 const void* sdn = nullptr, const void* sg = nullptr) {
+  p.router = router;
+  p.experts_gate_up = gu;
+  p.experts_down = dn;
+  p.shared_gate_up = sgu;
+  p.shared_down = sdn;
+  p.shared_gate = sg;
+}
+
 struct BlockCase {
   int64_t N, H, E, k, I, Is;
   bool renorm;
@@ -240,14 +251,11 @@ void check_block(const BlockCase& c, cu::MoeImpl impl) {
   p.I = c.I;
   p.Is = c.Is;
   p.renormalize = c.renorm;
-  p.router = router.dev.raw_data();
-  p.experts_gate_up = gu.dev.raw_data();
-  p.experts_down = dn.dev.raw_data();
-  if (c.Is) {
-    p.shared_gate_up = sgu.dev.raw_data();
-    p.shared_down = sdn.dev.raw_data();
-    p.shared_gate = sg.dev.raw_data();
-  }
+  if (c.Is)
+    set_weights(p, router.dev.raw_data(), gu.dev.raw_data(), dn.dev.raw_data(), sgu.dev.raw_data(), sdn.dev.raw_data(),
+                sg.dev.raw_data());
+  else
+    set_weights(p, router.dev.raw_data(), gu.dev.raw_data(), dn.dev.raw_data());
   p.out = out.raw_data();
   p.workspace = ws_t.raw_data();
   p.experts_out = ex.data<int32_t>();
@@ -447,12 +455,7 @@ TEST(CudaMoe, ExpertGroupsSumToTheWholeBlock) {
           p.N = N, p.H = H, p.E = E, p.k = k, p.I = Il, p.Is = Isl;
           p.expert_begin = eg * El;
           p.local_experts = El;
-          p.router = router.dev.raw_data();
-          p.experts_gate_up = dgu.raw_data();
-          p.experts_down = ddn.raw_data();
-          p.shared_gate_up = dsgu.raw_data();
-          p.shared_down = dsdn.raw_data();
-          p.shared_gate = sg.dev.raw_data();
+          set_weights(p, router.dev.raw_data(), dgu.raw_data(), ddn.raw_data(), dsgu.raw_data(), dsdn.raw_data(), sg.dev.raw_data());
           p.out = out.raw_data();
           p.workspace = ws_t.raw_data();
           p.experts_out = routing_ex.data<int32_t>();
@@ -504,12 +507,7 @@ TEST(CudaMoe, DecodeKernelRowsAreBatchInvariant) {
     cu::MoeBlockParams p;
     p.x = xin.raw_data();
     p.N = pad, p.H = H, p.E = E, p.k = k, p.I = I, p.Is = Is, p.routed = rows;
-    p.router = router.dev.raw_data();
-    p.experts_gate_up = gu.dev.raw_data();
-    p.experts_down = dn.dev.raw_data();
-    p.shared_gate_up = sgu.dev.raw_data();
-    p.shared_down = sdn.dev.raw_data();
-    p.shared_gate = sg.dev.raw_data();
+    set_weights(p, router.dev.raw_data(), gu.dev.raw_data(), dn.dev.raw_data(), sgu.dev.raw_data(), sdn.dev.raw_data(), sg.dev.raw_data());
     p.out = out.raw_data();
     p.workspace = ws_t.raw_data();
     p.experts_out = ex.data<int32_t>();
@@ -613,12 +611,7 @@ TEST(CudaMoe, Bench35bA3b) {
       cu::MoeBlockParams p;
       p.x = x.dev.raw_data();
       p.N = N, p.H = H, p.E = E, p.k = k, p.I = I, p.Is = Is;
-      p.router = router.dev.raw_data();
-      p.experts_gate_up = gu.dev.raw_data();
-      p.experts_down = dn.dev.raw_data();
-      p.shared_gate_up = sgu.dev.raw_data();
-      p.shared_down = sdn.dev.raw_data();
-      p.shared_gate = sg.dev.raw_data();
+      set_weights(p, router.dev.raw_data(), gu.dev.raw_data(), dn.dev.raw_data(), sgu.dev.raw_data(), sdn.dev.raw_data(), sg.dev.raw_data());
       p.out = out.raw_data();
       p.workspace = ws_t.raw_data();
       auto time_it = [&](auto&& fn) {

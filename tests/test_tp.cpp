@@ -192,6 +192,16 @@ TEST(MoeParallel, RandomShardsForwardEqualsUnsharded) {
 }
 
 #if DFLASH_WITH_CUDA
+// A real-dims model with more heads, so that tp (2, 4 or 8) divides them.
+TargetConfig with_tp_heads(TargetConfig c) {
+  c.num_attention_heads = 8;
+  c.num_key_value_heads = 2;
+  c.linear_num_key_heads = 4;
+  c.linear_num_value_heads = 8;
+  c.validate();
+  return c;
+}
+
 // On a machine with a GPU per rank: the bf16 CUDA forward sharded over the group (NCCL all-reduce)
 // against the unsharded CUDA forward on rank 0's GPU, on a model with the real head dims (fast
 // kernels), every rank holding the same hidden states. Skips unless each rank has its own GPU.
@@ -199,12 +209,7 @@ TEST(TensorParallel, CudaShardedForwardEqualsUnsharded) {
   const int world = g_mpi->size();
   if (cuda_device_count() < g_mpi->local_size() || world < 2) GTEST_SKIP() << "needs one GPU per rank and 2+ ranks";
   const Device dev = g_mpi->bind_device();
-  TargetConfig c = real_dims();  // with more heads, so that tp divides them
-  c.num_attention_heads = 8;
-  c.num_key_value_heads = 2;
-  c.linear_num_key_heads = 4;
-  c.linear_num_value_heads = 8;
-  c.validate();
+  const TargetConfig c = with_tp_heads(real_dims());
   const int tp = world, sm = cuda_device_info(dev.index).major;
   comm::Communicator g(MPI_COMM_WORLD, 0, g_mpi->rank(), dev, 120.0, "tp");
   const TargetConfig local = local_config(c, tp);
@@ -247,12 +252,7 @@ TEST(MoeParallel, CudaShardedForwardEqualsUnsharded) {
   const int world = g_mpi->size();
   if (cuda_device_count() < g_mpi->local_size() || world < 2) GTEST_SKIP() << "needs one GPU per rank and 2+ ranks";
   const Device dev = g_mpi->bind_device();
-  TargetConfig c = real_dims_moe();
-  c.num_attention_heads = 8;
-  c.num_key_value_heads = 2;
-  c.linear_num_key_heads = 4;
-  c.linear_num_value_heads = 8;
-  c.validate();
+  const TargetConfig c = with_tp_heads(real_dims_moe());
   const int tp = world, sm = cuda_device_info(dev.index).major;
   comm::Communicator g(MPI_COMM_WORLD, 0, g_mpi->rank(), dev, 120.0, "tp");
   CudaTargetModel full(c, random_weights(c, 5, DType::BF16, dev), make_plan(c, dev, {}, sm));

@@ -13,4 +13,5 @@
 #define moe_workspace_bytes moe_workspace_bytes_emulated
 #define moe_impl_name moe_impl_name_emulated
 #define moe_narrow_tiles moe_narrow_tiles_emulated
+#define moe_decode_topk_first moe_decode_topk_first_emulated
 #include "kernels/cuda/moe.h"

@@ -579,6 +579,11 @@ TEST(CudaMoe, NarrowAndWideTilesAreBitIdentical) {
   EXPECT_FALSE(cu::moe_narrow_tiles(p));
 }
 
+struct TopkKnob {  // cu::tuning::moe_decode_topk_first for the scope
+  explicit TopkKnob(int v) { cu::tuning::moe_decode_topk_first = v; }
+  ~TopkKnob() { cu::tuning::moe_decode_topk_first = -1; }
+};
+
 // Timing rows at Qwen3.6-35B-A3B shapes (H 2048, E 256, k 8, I 512, Is 512), random bf16 weights:
 // only with DFLASH_MOE_BENCH=1 (kernel_bench-style rows on stdout: impl, N, ms, TFLOP/s).
 TEST(CudaMoe, Bench35bA3b) {
@@ -600,12 +605,19 @@ TEST(CudaMoe, Bench35bA3b) {
     // Grouped wide tiles, grouped narrow tiles, the fallback, the decode kernels (N <= 16; its
     // expert_gemm_gbs column: the whole block's weight bytes, router + touched experts + shared
     // expert, over the block's time).
-    for (int variant : {0, 1, 2, 3}) {
-      if (variant == 3 && N > cu::kMoeDecodeMaxRows) continue;
+    // 3: the decode kernels routing inside the gate|up blocks, 4: by the top-k kernel first.
+    for (int variant : {0, 1, 2, 3, 4}) {
+      if (variant >= 3 && N > cu::kMoeDecodeMaxRows) continue;
       const cu::MoeImpl impl =
           variant < 2 ? cu::MoeImpl::Grouped : variant == 2 ? cu::MoeImpl::Fallback : cu::MoeImpl::Decode;
       NarrowKnob knob(variant < 2 ? variant : -1);
-      const std::string name = std::string(cu::moe_impl_name(impl)) + (variant == 0 ? "/wide" : variant == 1 ? "/narrow" : "");
+      const TopkKnob topk(variant >= 3 ? variant - 3 : -1);
+      const std::string name = std::string(cu::moe_impl_name(impl)) +
+                               (variant == 0   ? "/wide"
+                                : variant == 1 ? "/narrow"
+                                : variant == 3 ? "/topk_in_blocks"
+                                : variant == 4 ? "/topk_first"
+                                               : "");
       const size_t bytes = cu::moe_workspace_bytes(N, H, E, k, I, Is, impl);
       Tensor ws_t = Tensor::empty({static_cast<int64_t>(bytes)}, DType::U8, Device::cuda(0));
       cu::MoeBlockParams p;

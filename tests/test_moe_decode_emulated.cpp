@@ -123,45 +123,58 @@ Tensor reference(const Case& c, const Pair& x, const Weights& w, const Out& o) {
   return ref;
 }
 
+// One case against the reference (MatchesTheCpuReference).
+void check_case(const Case& c) {
+  const Pair x = rand_bf16({c.N, c.H}, 1.0f);
+  const Weights w = make_weights(c);
+  const Out o = run(c, x.bf, w, w.gu.bf, w.dn.bf, w.sgu.bf, w.sdn.bf, c.I, c.Is);
+  ops::MoeRouting cpu;
+  ops::moe_route(x.f, w.router.f, c.k, c.renorm, cpu);
+  EXPECT_LE(max_rel_err(o.logits, cpu.logits), 1e-5) << "router logits";
+  const int64_t Nr = c.routed < 0 ? c.N : c.routed;
+  ops::MoeRouting mine;
+  ops::moe_route_logits(o.logits.slice(0, 0, Nr).contiguous(), c.k, c.renorm, mine);
+  for (int64_t i = 0; i < Nr * c.k; ++i) {
+    EXPECT_EQ(o.experts.data<int32_t>()[i], mine.experts.data<int32_t>()[i]) << "choice " << i;
+    EXPECT_NEAR(o.weights.data<float>()[i], mine.weights.data<float>()[i], 1e-6) << "weight " << i;
+  }
+  EXPECT_LE(max_rel_err(f32(o.out), reference(c, x, w, o)), 1e-2);
+  // Forced routing: the given logits' top-k, the router's logits still returned.
+  Tensor forced = Tensor::empty({c.N, c.E}, DType::F32);
+  fill_normal(forced, {4412, g_stream++, 0}, 0.0f, 3.0f);
+  const Out f = run(c, x.bf, w, w.gu.bf, w.dn.bf, w.sgu.bf, w.sdn.bf, c.I, c.Is, 0, -1, &forced);
+  ops::MoeRouting want;
+  ops::moe_route_logits(forced.slice(0, 0, Nr).contiguous(), c.k, c.renorm, want);
+  for (int64_t i = 0; i < Nr * c.k; ++i) EXPECT_EQ(f.experts.data<int32_t>()[i], want.experts.data<int32_t>()[i]);
+  EXPECT_LE(max_rel_err(f.logits, cpu.logits), 1e-5);
+  EXPECT_LE(max_rel_err(f32(f.out), reference(c, x, w, f)), 1e-2);
+}
+
 }  // namespace
 
 // Against the f32 reference: the router's logits, the routing (the CPU's top-k on the kernels' own
-// logits, exactly), the block's output; pad rows (routed < N) zero; forced routing (logits_in).
+// logits, exactly), the block's output; pad rows (routed < N) zero; forced routing (logits_in); the
+// routing inside the gate|up blocks and by the top-k kernel first.
 TEST(MoeDecodeEmulated, MatchesTheCpuReference) {
-  for (const Case& c : std::vector<Case>{{3, 64, 8, 2, 32, 32},
-                                         {4, 72, 8, 3, 40, 24, 2},  // rows not a multiple of 256, k = 3, pad rows
-                                         {2, 64, 8, 2, 32, 0, -1, false},  // no shared expert, no renormalisation
-                                         {16, 64, 4, 2, 16, 16, 1}}) {  // a decode step: 1 routed row of 16
-    SCOPED_TRACE("N " + std::to_string(c.N) + " H " + std::to_string(c.H) + " k " + std::to_string(c.k) + " Is " +
-                 std::to_string(c.Is) + " routed " + std::to_string(c.routed));
-    const Pair x = rand_bf16({c.N, c.H}, 1.0f);
-    const Weights w = make_weights(c);
-    const Out o = run(c, x.bf, w, w.gu.bf, w.dn.bf, w.sgu.bf, w.sdn.bf, c.I, c.Is);
-    ops::MoeRouting cpu;
-    ops::moe_route(x.f, w.router.f, c.k, c.renorm, cpu);
-    EXPECT_LE(max_rel_err(o.logits, cpu.logits), 1e-5) << "router logits";
-    const int64_t Nr = c.routed < 0 ? c.N : c.routed;
-    ops::MoeRouting mine;
-    ops::moe_route_logits(o.logits.slice(0, 0, Nr).contiguous(), c.k, c.renorm, mine);
-    for (int64_t i = 0; i < Nr * c.k; ++i) {
-      EXPECT_EQ(o.experts.data<int32_t>()[i], mine.experts.data<int32_t>()[i]) << "choice " << i;
-      EXPECT_NEAR(o.weights.data<float>()[i], mine.weights.data<float>()[i], 1e-6) << "weight " << i;
+  const std::vector<Case> cases{{3, 64, 8, 2, 32, 32},
+                                {4, 72, 8, 3, 40, 24, 2},         // rows not a multiple of 256, k = 3, pad rows
+                                {2, 64, 8, 2, 32, 0, -1, false},  // no shared expert, no renormalisation
+                                {16, 64, 4, 2, 16, 16, 1}};       // a decode step: 1 routed row of 16
+  for (int first : {0, 1}) {
+    cu::tuning::moe_decode_topk_first = first;
+    for (const Case& c : cases) {
+      SCOPED_TRACE("N " + std::to_string(c.N) + " H " + std::to_string(c.H) + " k " + std::to_string(c.k) + " Is " +
+                   std::to_string(c.Is) + " routed " + std::to_string(c.routed) +
+                   (first ? ", top-k first" : ", top-k in the blocks"));
+      check_case(c);
     }
-    EXPECT_LE(max_rel_err(f32(o.out), reference(c, x, w, o)), 1e-2);
-    // Forced routing: the given logits' top-k, the router's logits still returned.
-    Tensor forced = Tensor::empty({c.N, c.E}, DType::F32);
-    fill_normal(forced, {4412, g_stream++, 0}, 0.0f, 3.0f);
-    const Out f = run(c, x.bf, w, w.gu.bf, w.dn.bf, w.sgu.bf, w.sdn.bf, c.I, c.Is, 0, -1, &forced);
-    ops::MoeRouting want;
-    ops::moe_route_logits(forced.slice(0, 0, Nr).contiguous(), c.k, c.renorm, want);
-    for (int64_t i = 0; i < Nr * c.k; ++i) EXPECT_EQ(f.experts.data<int32_t>()[i], want.experts.data<int32_t>()[i]);
-    EXPECT_LE(max_rel_err(f.logits, cpu.logits), 1e-5);
-    EXPECT_LE(max_rel_err(f32(f.out), reference(c, x, w, f)), 1e-2);
   }
+  cu::tuning::moe_decode_topk_first = -1;
 }
 
 // A token's bits do not depend on the other rows: each row alone (as the one routed row of a padded
-// step) equals the same row in a block of all of them.
+// step, routed inside the gate|up blocks) equals the same row in a block of all of them (5 routed:
+// routed by the top-k kernel first).
 TEST(MoeDecodeEmulated, RowsAreBatchInvariant) {
   const Case all{5, 64, 8, 2, 32, 32};
   const Pair x = rand_bf16({all.N, all.H}, 1.0f);

@@ -74,7 +74,9 @@ TEST(MoeEmulated, GroupedPathMatchesTheCpuReference) {
         const bool mine = e >= c.e0 && e < c.e0 + c.El;
         local += mine;
         ASSERT_EQ(slot.data<int32_t>()[i] >= 0, mine) << "slot of choice " << i;
-        if (mine) ASSERT_EQ(src.data<int32_t>()[slot.data<int32_t>()[i]], i / c.k) << "row of choice " << i;
+        if (mine) {
+          ASSERT_EQ(src.data<int32_t>()[slot.data<int32_t>()[i]], i / c.k) << "row of choice " << i;
+        }
       }
       ASSERT_EQ(off.data<int32_t>()[c.El], local);
       Tensor act = Tensor::empty({std::max<int64_t>(1, local), c.I}, DType::BF16);

@@ -94,7 +94,8 @@ void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, i
 // cost as much as reading the 8 experts' 50 MB, h200-moe5-441b581):
 //   1. moe_decode_router:  router logits [N, E] and the shared gate's logit [N], fp32, a warp a weight row;
 //   2. moe_decode_gate_up: per routed (token, choice) the top-k of its token (moe_topk.cuh's warp_topk,
-//                          as moe_topk routes), then act = silu(x · gate_c) * (x · up_c) a warp a column
+//                          as moe_topk routes; with > 2 routed tokens a top-k kernel runs it once per
+//                          token before), then act = silu(x · gate_c) * (x · up_c) a warp a column
 //                          (the grouped kernel's rounding: fp32 dots, one bf16 rounding); the shared
 //                          expert's act for the routed tokens (gemm_bf16 + swiglu's roundings);
 //   3. moe_decode_down:    out[n, h] = sum_j w_j · bf16(act_j · down_e_j[h]) + sigmoid(gate_n) ·
@@ -151,5 +152,10 @@ struct MoeDecodeBuffers {
   void* sact = nullptr;
 };
 void moe_decode_block(const MoeBlockParams& p, const MoeDecodeBuffers& b, Stream s);
+namespace tuning {
+// The decode kernels' routing: -1 automatic (a top-k kernel first when more than 2 tokens are routed,
+// else inside each gate|up block), 0 always inside the blocks, 1 always first (tests, benches).
+extern int moe_decode_topk_first;
+}  // namespace tuning
 
 }  // namespace dflash::cuda

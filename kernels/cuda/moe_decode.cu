@@ -122,6 +122,7 @@ struct DecParams {
   int N, routed, H, E, k, I, Is;
   int e0, El;                // this rank's experts [e0, e0 + El) (expert parallelism; 0, E: all)
   bool renorm;
+  bool routed_before;        // topk_kernel routed every token first (else each gate|up block routes its own)
   const bf16* router;        // [E, H]
   const bf16* gate_w;        // [H] or nullptr (no shared expert)
   const float* route_by;     // the logits top-k reads: the router's, or forced ones
@@ -165,8 +166,23 @@ __global__ void __launch_bounds__(kThreads) router_kernel(const DecParams p) {
   }
 }
 
-// Blocks [0, routed·k·col_blocks): (column block, then token n and choice j): warp 0 routes token n,
-// then a warp per act column c: act[n·k + j, c] = silu(x_n · gate_e[c]) * (x_n · up_e[c]). A column
+// One warp per routed token: its top-k into experts / weights (many routed tokens: a verify, where
+// the gate|up blocks would otherwise route their token 8 x col_blocks times over).
+__global__ void __launch_bounds__(kThreads) topk_kernel(const DecParams p) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int n = static_cast<int>(blockIdx.x) * kWarps + (static_cast<int>(threadIdx.x) >> 5);
+  if (n >= p.routed) return;
+  int my_e = -1;
+  float my_w = 0;
+  moe_detail::warp_topk(p.route_by + static_cast<int64_t>(n) * p.E, p.E, p.k, p.renorm, lane, my_e, my_w);
+  if (lane < p.k) {
+    p.experts[static_cast<int64_t>(n) * p.k + lane] = my_e;
+    p.weights[static_cast<int64_t>(n) * p.k + lane] = my_w;
+  }
+}
+
+// Blocks [0, routed·k·col_blocks): (column block, then token n and choice j): the token's choice j
+// (routed by topk_kernel before, or here by warp 0), then a warp per act column c: act[n·k + j, c] = silu(x_n · gate_e[c]) * (x_n · up_e[c]). A column
 // block's (token, choice) blocks are neighbours in launch order, so an expert chosen by several
 // tokens of a verify has its rows read from memory once and from L2 by the others. The blocks after
 // them: a warp per shared-expert column c for every routed token, with gemm_bf16's bf16 outputs and
@@ -179,7 +195,9 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(const DecParams p) {
     const int cb = bid / slots, r = bid - cb * slots;
     const int n = r / p.k, j = r - n * p.k;
     __shared__ int s_expert;
-    if (warp == 0) {
+    if (p.routed_before) {
+      if (threadIdx.x == 0) s_expert = p.experts[r];
+    } else if (warp == 0) {
       int my_e = -1;
       float my_w = 0;
       moe_detail::warp_topk(p.route_by + static_cast<int64_t>(n) * p.E, p.E, p.k, p.renorm, lane, my_e, my_w);
@@ -279,6 +297,10 @@ void launch(Kernel kernel, dim3 grid, const DecParams& d, cudaStream_t st) {
 
 }  // namespace
 
+namespace tuning {
+int moe_decode_topk_first = -1;
+}  // namespace tuning
+
 void moe_decode_block(const MoeBlockParams& p, const MoeDecodeBuffers& b, Stream s) {
   const int64_t Nr = p.routed < 0 ? p.N : p.routed;
   DFLASH_CHECK(p.N >= 1 && p.N <= kMoeDecodeMaxRows && Nr >= 0 && Nr <= p.N,
@@ -324,6 +346,10 @@ void moe_decode_block(const MoeBlockParams& p, const MoeDecodeBuffers& b, Stream
   auto st = static_cast<cudaStream_t>(s);
   const int router_rows = d.E + (d.gate_w ? 1 : 0);
   launch(router_kernel, dim3(static_cast<unsigned>((router_rows + kWarps - 1) / kWarps)), d, st);
+  // A decode step (one routed token, or two) routes inside the gate|up blocks; more tokens (a verify)
+  // first, once per token (tuning::moe_decode_topk_first: -1 this rule, 0 never, 1 always).
+  d.routed_before = tuning::moe_decode_topk_first >= 0 ? tuning::moe_decode_topk_first == 1 : Nr > 2;
+  if (d.routed_before && Nr > 0) launch(topk_kernel, dim3(static_cast<unsigned>((Nr + kWarps - 1) / kWarps)), d, st);
   const int64_t gu_blocks = Nr * p.k * d.col_blocks + (d.shared_gu ? (d.Is + kWarps - 1) / kWarps : 0);
   if (gu_blocks > 0) launch(gate_up_kernel, dim3(static_cast<unsigned>(gu_blocks)), d, st);
   if (Nr > 0)

@@ -16,6 +16,7 @@
 #include <set>
 
 #include "core/random.h"
+#include "moe_fp8_util.h"
 #include "core/tensor.h"
 #include "kernels/ops.h"
 #include "test_util.h"
@@ -64,8 +65,14 @@ struct Out {
 };
 
 // The three kernels on host memory: experts [e0, e0 + El) of the gate|up / down given (sliced).
+// FP8 experts: gu / dn hold e4m3 codes and fp8 points at their block scales.
+struct Fp8Scales {
+  const Tensor* gate_up = nullptr;
+  const Tensor* down = nullptr;
+};
 Out run(const Case& c, const Tensor& x, const Weights& w, const Tensor& gu, const Tensor& dn, const Tensor& sgu,
-        const Tensor& sdn, int64_t I, int64_t Is, int64_t e0 = 0, int64_t El = -1, const Tensor* forced = nullptr) {
+        const Tensor& sdn, int64_t I, int64_t Is, int64_t e0 = 0, int64_t El = -1, const Tensor* forced = nullptr,
+        Fp8Scales fp8 = {}) {
   const int64_t Nr = c.routed < 0 ? c.N : c.routed;
   Out o{Tensor::empty({c.N, c.H}, DType::BF16), Tensor::empty({Nr * c.k}, DType::I32), Tensor::empty({Nr * c.k}, DType::F32),
         Tensor::empty({c.N, c.E}, DType::F32)};
@@ -80,6 +87,10 @@ Out run(const Case& c, const Tensor& x, const Weights& w, const Tensor& gu, cons
   p.router = w.router.bf.raw_data();
   p.experts_gate_up = gu.raw_data();
   p.experts_down = dn.raw_data();
+  if (fp8.gate_up) {
+    p.experts_gate_up_scale = fp8.gate_up->data<float>();
+    p.experts_down_scale = fp8.down->data<float>();
+  }
   if (Is) {
     p.shared_gate_up = sgu.raw_data();
     p.shared_down = sdn.raw_data();
@@ -239,3 +250,28 @@ TEST(MoeDecodeEmulated, ExpertGroupsSumToTheWholeBlock) {
   }
 }
 
+
+// FP8 experts (W8A16, moe_fp8.cuh): e4m3 codes with block scales give, bit for bit, what the bf16
+// experts holding their dequantized values give (outputs and routing); several row and column blocks,
+// a partial last block, both routings, and an expert range (expert parallelism).
+TEST(MoeDecodeEmulated, Fp8ExpertsGiveTheBf16ExpertsBits) {
+  const Case c{3, 136, 4, 2, 136, 32};  // H: 2 column blocks (the last partial); I: 2 row blocks a part
+  const Pair x = rand_bf16({c.N, c.H}, 1.0f);
+  const Weights w = make_weights(c);
+  const Fp8Experts gu = make_fp8_experts(c.E, 2 * c.I, c.H, c.I, 11), dn = make_fp8_experts(c.E, c.H, c.I, c.H, 12);
+  for (const auto& [first, e0] : std::vector<std::pair<int, int64_t>>{{0, 0}, {1, 2}}) {
+    cu::tuning::moe_decode_topk_first = first;
+    const int64_t El = e0 == 0 ? c.E : 2;
+    SCOPED_TRACE("experts [" + std::to_string(e0) + ", " + std::to_string(e0 + El) + ")" + (first ? ", top-k first" : ""));
+    auto experts = [&](const Tensor& t) { return t.slice(0, e0, e0 + El).contiguous(); };
+    const Tensor gs = experts(gu.scale), ds = experts(dn.scale);
+    const Out a = run(c, x.bf, w, experts(gu.bf16), experts(dn.bf16), w.sgu.bf, w.sdn.bf, c.I, c.Is, e0, El);
+    const Out b = run(c, x.bf, w, experts(gu.codes), experts(dn.codes), w.sgu.bf, w.sdn.bf, c.I, c.Is, e0, El, nullptr,
+                      {&gs, &ds});
+    EXPECT_EQ(std::memcmp(a.out.raw_data(), b.out.raw_data(), a.out.nbytes()), 0) << "outputs";
+    EXPECT_EQ(std::memcmp(a.experts.raw_data(), b.experts.raw_data(), a.experts.nbytes()), 0) << "routing";
+    const Tensor af = f32(a.out);
+    EXPECT_TRUE(std::any_of(af.data<float>(), af.data<float>() + af.numel(), [](float v) { return v != 0.0f; }));
+  }
+  cu::tuning::moe_decode_topk_first = -1;
+}

@@ -12,8 +12,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
+#include <cstring>
 
 #include "core/random.h"
+#include "moe_fp8_util.h"
 #include "core/tensor.h"
 #include "kernels/ops.h"
 #include "test_util.h"
@@ -103,4 +106,15 @@ TEST(MoeEmulated, GroupedPathMatchesTheCpuReference) {
     }
   }
   cu::tuning::moe_narrow_tiles = -1;
+}
+
+// FP8 experts for the grouped GEMMs and the fallback: moe_dequantize_experts writes exactly the
+// loader's bf16 values (gate|up blocked apart at I; down in one part; partial last blocks).
+TEST(MoeEmulated, Fp8ExpertsDequantizeToTheLoadersValues) {
+  for (const auto& [E, R, K, split] : std::vector<std::array<int64_t, 4>>{{3, 272, 264, 136}, {2, 264, 136, 264}}) {
+    const Fp8Experts f = make_fp8_experts(E, R, K, split, 21);
+    Tensor y = Tensor::empty({E, R, K}, DType::BF16);
+    cu::moe_dequantize_experts(f.codes.raw_data(), f.scale.data<float>(), E, R, K, split, y.raw_data(), nullptr);
+    EXPECT_EQ(std::memcmp(y.raw_data(), f.bf16.raw_data(), y.nbytes()), 0) << "R " << R << " K " << K << " split " << split;
+  }
 }

@@ -25,6 +25,7 @@
 #include "kernels/cuda/emulatable.cuh"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/moe.h"
+#include "kernels/cuda/moe_fp8.cuh"
 #include "kernels/cuda/moe_topk.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/vec.cuh"
@@ -370,7 +371,39 @@ __global__ void combine_kernel(const bf16* __restrict__ y, const int32_t* __rest
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// 8 values a thread: FP8 expert rows to their bf16 values (moe_fp8.cuh).
+__global__ void dequant_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale, int64_t units, int R, int K,
+                               int split, bf16* __restrict__ y) {
+  const int ku = K / 8, kb = (K + 127) / 128, rb = moe_detail::fp8_row_blocks(R, split);
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < units;
+       u += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = u / ku;  // over all experts' rows
+    const int c8 = static_cast<int>(u - row * ku), e = static_cast<int>(row / R), r = static_cast<int>(row - int64_t{e} * R);
+    const float s = scale[(static_cast<int64_t>(e) * rb + moe_detail::fp8_row_block(r, split)) * kb + c8 / 16];
+    float f[8];
+    moe_detail::unpack_e4m3x8(*reinterpret_cast<const uint2*>(q + 8 * u), s, f);
+    vec::store8(y + 8 * u, f);
+  }
+}
+
 }  // namespace
+
+size_t moe_experts_scratch_bytes(int64_t El, int64_t I, int64_t H) {
+  return static_cast<size_t>(El) * 3 * static_cast<size_t>(I) * static_cast<size_t>(H) * 2;
+}
+
+void moe_dequantize_experts(const void* q, const float* scale, int64_t El, int64_t R, int64_t K, int64_t split, void* y,
+                            Stream s) {
+  DFLASH_CHECK(El >= 1 && R >= 1 && K >= 8 && K % 8 == 0 && split >= 1 && split <= R && R < INT32_MAX &&
+                   K < INT32_MAX && q && scale && aligned16(y) && reinterpret_cast<uintptr_t>(q) % 8 == 0,
+               "moe_dequantize_experts: El " << El << ", R " << R << ", K " << K << " (a multiple of 8), split " << split
+                                             << ", aligned q / y");
+  const int64_t units = El * R * K / 8;
+  const int64_t blocks = std::min<int64_t>((units + 255) / 256, 132 * 16);
+  launch_kernel(dequant_kernel, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, static_cast<cudaStream_t>(s),
+                static_cast<const uint8_t*>(q), scale, units, static_cast<int>(R), static_cast<int>(K),
+                static_cast<int>(split), static_cast<bf16*>(y));
+}
 
 int64_t moe_max_tiles(int64_t rows, int64_t E) { return (rows + kMoeTileRows - 1) / kMoeTileRows + std::min(E, rows); }
 
@@ -564,12 +597,26 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
               i32(l.slot), s, e0, El);
   void* act = ws + l.act;
   void* y = ws + l.y;
+  // FP8 experts: their bf16 values into the scratch, read by the GEMMs below (the decode kernels read
+  // the codes themselves).
+  const void* gate_up_w = p.experts_gate_up;
+  const void* down_w = p.experts_down;
+  if (p.experts_gate_up_scale) {
+    DFLASH_CHECK(p.experts_down_scale && p.experts_scratch && aligned16(p.experts_scratch),
+                 "moe_block: FP8 experts need both block scales and a 16-byte aligned experts_scratch");
+    bf16* gu_b = static_cast<bf16*>(p.experts_scratch);
+    bf16* dn_b = gu_b + El * 2 * p.I * p.H;
+    moe_dequantize_experts(p.experts_gate_up, p.experts_gate_up_scale, El, 2 * p.I, p.H, p.I, gu_b, s);
+    moe_dequantize_experts(p.experts_down, p.experts_down_scale, El, p.H, p.I, p.H, dn_b, s);
+    gate_up_w = gu_b;
+    down_w = dn_b;
+  }
   if (impl == MoeImpl::Grouped) {
     MoeGemmParams g;
     g.x = p.x;
     g.ldx = p.H;
     g.src_row = i32(l.src);
-    g.w = p.experts_gate_up;
+    g.w = gate_up_w;
     g.y = act;
     g.ldy = p.I;
     g.offsets = i32(l.offsets);
@@ -584,7 +631,7 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     g.x = act;
     g.ldx = p.I;
     g.src_row = nullptr;
-    g.w = p.experts_down;
+    g.w = down_w;
     g.y = y;
     g.ldy = p.H;
     g.Nout = p.H;
@@ -599,8 +646,8 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
                                       static_cast<cudaStream_t>(s)));
     DFLASH_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(s)));
     moe_gather(p.x, i32(l.src), off.back(), p.H, ws + l.xg, s);
-    const auto* gu_w = static_cast<const bf16*>(p.experts_gate_up);
-    const auto* dn_w = static_cast<const bf16*>(p.experts_down);
+    const auto* gu_w = static_cast<const bf16*>(gate_up_w);
+    const auto* dn_w = static_cast<const bf16*>(down_w);
     for (int64_t e = 0; e < El; ++e) {
       const int64_t o = off[static_cast<size_t>(e)], c = off[static_cast<size_t>(e + 1)] - o;
       if (c == 0) continue;

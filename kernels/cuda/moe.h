@@ -122,8 +122,17 @@ struct MoeBlockParams {
   int64_t expert_begin = 0, local_experts = -1;
   bool renormalize = true;
   const void* router = nullptr;           // bf16 [E, H]
-  const void* experts_gate_up = nullptr;  // bf16 [local experts, 2I, H]
+  const void* experts_gate_up = nullptr;  // bf16 [local experts, 2I, H] (or e4m3 codes: below)
   const void* experts_down = nullptr;     // bf16 [local experts, H, I]
+  // FP8 experts (W8A16, kernels/cuda/moe_fp8.cuh): experts_gate_up / experts_down hold e4m3 codes and
+  // these their 128 x 128 block scales, f32 [El, 2·ceil(I/128), ceil(H/128)] (the gate rows' blocks,
+  // then the up rows') and [El, ceil(H/128), ceil(I/128)]; every weight reads as the bf16-rounded
+  // code · scale, the bf16 experts' values, so the outputs are the bf16 experts' bits. The decode
+  // kernels read the codes; the grouped GEMMs and the fallback read a bf16 copy that moe_block writes
+  // into experts_scratch (moe_experts_scratch_bytes) first.
+  const float* experts_gate_up_scale = nullptr;
+  const float* experts_down_scale = nullptr;
+  void* experts_scratch = nullptr;
   const void* shared_gate_up = nullptr;   // bf16 [2 Is, H] (gate rows, then up rows); nullptr: no shared expert
   const void* shared_down = nullptr;      // bf16 [H, Is]
   const void* shared_gate = nullptr;      // bf16 [H] (mlp.shared_expert_gate.weight)
@@ -138,6 +147,13 @@ struct MoeBlockParams {
   const float* logits_in = nullptr;
 };
 size_t moe_workspace_bytes(int64_t N, int64_t H, int64_t E, int64_t k, int64_t I, int64_t Is, MoeImpl impl);
+// The bf16 copy of El FP8 experts (gate|up, then down) for the grouped GEMMs / the fallback.
+size_t moe_experts_scratch_bytes(int64_t El, int64_t I, int64_t H);
+// y bf16 [El, R, K] = the bf16-rounded code · scale of e4m3 codes q [El, R, K] with block scales
+// [El, row blocks, ceil(K/128)], rows [0, split) and [split, R) blocked apart (gate|up: R = 2I,
+// split = I; down: split = R). Needs K % 8 == 0, 16-byte aligned y and 8-byte aligned q.
+void moe_dequantize_experts(const void* q, const float* scale, int64_t El, int64_t R, int64_t K, int64_t split, void* y,
+                            Stream s);
 void moe_block(const MoeBlockParams& p, MoeImpl impl, int device);
 
 // The Decode impl's kernels on buffers moe_block carves from its workspace: logits fp32 [N, E],

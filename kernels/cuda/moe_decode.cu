@@ -16,14 +16,18 @@
 // the warp's xor butterfly), so a token's values do not depend on N or on the other tokens.
 // Plain C++ (no PTX): test_moe_emulated runs these kernels on the CPU in CI (tests/cuda_emulation.h).
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "core/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/emulatable.cuh"
 #include "kernels/cuda/moe.h"
+#include "kernels/cuda/moe_fp8.cuh"
 #include "kernels/cuda/moe_topk.cuh"
 #include "kernels/cuda/vec.cuh"
 
@@ -41,23 +45,49 @@ __device__ __forceinline__ uint4 ldg16(const bf16* p) { return __ldg(reinterpret
 // The grouped GEMM's SwiGLU (moe.cu): silu in expf on the fp32 dot products.
 __device__ __forceinline__ float silu_expf(float g) { return g / (1.0f + expf(-g)); }
 
+// A weight row in 8-element units: bf16 as stored, or e4m3 codes with their 128 x 128 block scales
+// (FP8 experts, MoeBlockParams::experts_*_scale), each value the bf16-rounded code · scale: exactly
+// what the loader's dequantization (f32 product, round to nearest even) puts in a bf16 row, so both
+// rows give the same bits. load(u) fetches unit u (columns 8u .. 8u + 7), unpack makes it floats.
+struct Bf16Row {
+  const bf16* p = nullptr;
+  using Raw = uint4;
+  __device__ __forceinline__ Raw load(int u) const { return ldg16(p + 8 * u); }
+  __device__ __forceinline__ void unpack(const Raw& r, int, float (&f)[8]) const { vec::unpack(r, f); }
+};
+struct Fp8Row {
+  const uint8_t* p = nullptr;   // the row's codes
+  const float* scale = nullptr;  // the row's block scales, one per 128 columns
+  using Raw = uint2;
+  __device__ __forceinline__ Raw load(int u) const { return __ldg(reinterpret_cast<const uint2*>(p + 8 * u)); }
+  __device__ __forceinline__ void unpack(const Raw& r, int u, float (&f)[8]) const {
+    moe_detail::unpack_e4m3x8(r, __ldg(scale + (u >> 4)), f);
+  }
+};
+template <class W>
+__device__ __forceinline__ typename W::Raw zero_raw() {
+  typename W::Raw r;
+  memset(&r, 0, sizeof(r));
+  return r;
+}
+
 // Lane partial sums of kW weight rows w[i] (K elements each) against T <= kT token rows x + t·ldx:
 // acc[i][t]. kB units of every row are loaded before any is used.
-template <int kW, int kT, int kB>
-__device__ __forceinline__ void dots(const bf16* const (&w)[kW], const bf16* __restrict__ x, int64_t ldx, int T, int K,
-                                     int lane, float (&acc)[kW][kT]) {
+template <class W, int kW, int kT, int kB>
+__device__ __forceinline__ void dots(const W (&w)[kW], const bf16* __restrict__ x, int64_t ldx, int T, int K, int lane,
+                                     float (&acc)[kW][kT]) {
 #pragma unroll
   for (int i = 0; i < kW; ++i)
 #pragma unroll
     for (int t = 0; t < kT; ++t) acc[i][t] = 0.0f;
   const int units = K >> 3;
   for (int u0 = 0; u0 < units; u0 += 32 * kB) {
-    uint4 wr[kW][kB];
+    typename W::Raw wr[kW][kB];
 #pragma unroll
     for (int b = 0; b < kB; ++b) {
       const int u = u0 + 32 * b + lane;
 #pragma unroll
-      for (int i = 0; i < kW; ++i) wr[i][b] = u < units ? ldg16(w[i] + 8 * u) : make_uint4(0, 0, 0, 0);
+      for (int i = 0; i < kW; ++i) wr[i][b] = u < units ? w[i].load(u) : zero_raw<W>();
     }
 #pragma unroll
     for (int t = 0; t < kT; ++t) {
@@ -72,7 +102,7 @@ __device__ __forceinline__ void dots(const bf16* const (&w)[kW], const bf16* __r
 #pragma unroll
             for (int i = 0; i < kW; ++i) {
               float wf[8];
-              vec::unpack(wr[i][b], wf);
+              w[i].unpack(wr[i][b], u, wf);
 #pragma unroll
               for (int q = 0; q < 8; ++q) acc[i][t] = fmaf(wf[q], xf[q], acc[i][t]);
             }
@@ -84,30 +114,32 @@ __device__ __forceinline__ void dots(const bf16* const (&w)[kW], const bf16* __r
 }
 
 // Lane partial sums of kW dot products, weight row w[i] against its own activation row a[i] (K each).
-template <int kW, int kB>
-__device__ __forceinline__ void pair_dots(const bf16* const (&w)[kW], const bf16* const (&a)[kW], int K, int lane,
+template <class W, int kW, int kB>
+__device__ __forceinline__ void pair_dots(const W (&w)[kW], const bf16* const (&a)[kW], int K, int lane,
                                           float (&acc)[kW]) {
 #pragma unroll
   for (int i = 0; i < kW; ++i) acc[i] = 0.0f;
   const int units = K >> 3;
   for (int u0 = 0; u0 < units; u0 += 32 * kB) {
-    uint4 wr[kW][kB], ar[kW][kB];
+    typename W::Raw wr[kW][kB];
+    uint4 ar[kW][kB];
 #pragma unroll
     for (int b = 0; b < kB; ++b) {
       const int u = u0 + 32 * b + lane;
 #pragma unroll
       for (int i = 0; i < kW; ++i) {
-        wr[i][b] = u < units ? ldg16(w[i] + 8 * u) : make_uint4(0, 0, 0, 0);
+        wr[i][b] = u < units ? w[i].load(u) : zero_raw<W>();
         ar[i][b] = u < units ? ldg16(a[i] + 8 * u) : make_uint4(0, 0, 0, 0);
       }
     }
 #pragma unroll
     for (int b = 0; b < kB; ++b) {
-      if (u0 + 32 * b + lane < units) {
+      const int u = u0 + 32 * b + lane;
+      if (u < units) {
 #pragma unroll
         for (int i = 0; i < kW; ++i) {
           float wf[8], af[8];
-          vec::unpack(wr[i][b], wf);
+          w[i].unpack(wr[i][b], u, wf);
           vec::unpack(ar[i][b], af);
 #pragma unroll
           for (int q = 0; q < 8; ++q) acc[i] = fmaf(wf[q], af[q], acc[i]);
@@ -126,8 +158,12 @@ struct DecParams {
   const bf16* router;        // [E, H]
   const bf16* gate_w;        // [H] or nullptr (no shared expert)
   const float* route_by;     // the logits top-k reads: the router's, or forced ones
-  const bf16* gate_up;       // [El, 2I, H]
-  const bf16* down;          // [El, H, I]
+  const void* gate_up;       // [El, 2I, H] bf16, or e4m3 codes with gate_up_scale
+  const void* down;          // [El, H, I]
+  // FP8 experts (moe_fp8.cuh): the block scales [El, 2·ceil(I/128), ceil(H/128)] and [El, ceil(H/128),
+  // ceil(I/128)]; nullptr: bf16 experts.
+  const float* gate_up_scale;
+  const float* down_scale;
   const bf16* shared_gu;     // [2 Is, H] or nullptr
   const bf16* shared_down;   // [H, Is]
   float* logits;             // [N, E]
@@ -151,9 +187,9 @@ __global__ void __launch_bounds__(kThreads) router_kernel(const DecParams p) {
     for (int64_t u = int64_t{blockIdx.x} * kThreads + threadIdx.x; u < units; u += stride) pad[u] = make_uint4(0, 0, 0, 0);
   }
   if (row > p.E || (row == p.E && !p.gate_w)) return;
-  const bf16* w[1] = {row < p.E ? p.router + static_cast<int64_t>(row) * p.H : p.gate_w};
+  const Bf16Row w[1] = {{row < p.E ? p.router + static_cast<int64_t>(row) * p.H : p.gate_w}};
   float acc[1][kMaxT];
-  dots<1, kMaxT, 4>(w, p.x, p.H, p.N, p.H, lane, acc);
+  dots<Bf16Row, 1, kMaxT, 4>(w, p.x, p.H, p.N, p.H, lane, acc);
 #pragma unroll
   for (int t = 0; t < kMaxT; ++t) {
     if (t < p.N) {
@@ -187,6 +223,33 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const DecParams p) {
 // tokens of a verify has its rows read from memory once and from L2 by the others. The blocks after
 // them: a warp per shared-expert column c for every routed token, with gemm_bf16's bf16 outputs and
 // cuda::swiglu's silu.
+// Expert e's row `row` of gate|up ([2I, H]: gate rows, then up rows) and of down ([H, I]).
+template <class W>
+__device__ __forceinline__ W gate_up_row(const DecParams& p, int e, int row);
+template <>
+__device__ __forceinline__ Bf16Row gate_up_row<Bf16Row>(const DecParams& p, int e, int row) {
+  return {static_cast<const bf16*>(p.gate_up) + (static_cast<int64_t>(e) * 2 * p.I + row) * p.H};
+}
+template <>
+__device__ __forceinline__ Fp8Row gate_up_row<Fp8Row>(const DecParams& p, int e, int row) {
+  const int rb = moe_detail::fp8_row_blocks(2 * p.I, p.I), kb = (p.H + 127) / 128;
+  return {static_cast<const uint8_t*>(p.gate_up) + (static_cast<int64_t>(e) * 2 * p.I + row) * p.H,
+          p.gate_up_scale + (static_cast<int64_t>(e) * rb + moe_detail::fp8_row_block(row, p.I)) * kb};
+}
+template <class W>
+__device__ __forceinline__ W down_row(const DecParams& p, int e, int h);
+template <>
+__device__ __forceinline__ Bf16Row down_row<Bf16Row>(const DecParams& p, int e, int h) {
+  return {static_cast<const bf16*>(p.down) + (static_cast<int64_t>(e) * p.H + h) * p.I};
+}
+template <>
+__device__ __forceinline__ Fp8Row down_row<Fp8Row>(const DecParams& p, int e, int h) {
+  const int rb = (p.H + 127) / 128, kb = (p.I + 127) / 128;
+  return {static_cast<const uint8_t*>(p.down) + (static_cast<int64_t>(e) * p.H + h) * p.I,
+          p.down_scale + (static_cast<int64_t>(e) * rb + h / 128) * kb};
+}
+
+template <class W>
 __global__ void __launch_bounds__(kThreads) gate_up_kernel(const DecParams p) {
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int slots = p.routed * p.k, routed_blocks = slots * p.col_blocks;
@@ -210,18 +273,17 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(const DecParams p) {
     __syncthreads();
     const int c = cb * kWarps + warp, e = s_expert - p.e0;
     if (c >= p.I || e < 0 || e >= p.El) return;  // another rank's expert: no act row (the down kernel skips it)
-    const bf16* base = p.gate_up + static_cast<int64_t>(e) * 2 * p.I * p.H;
-    const bf16* w[2] = {base + static_cast<int64_t>(c) * p.H, base + static_cast<int64_t>(p.I + c) * p.H};
+    const W w[2] = {gate_up_row<W>(p, e, c), gate_up_row<W>(p, e, p.I + c)};
     float acc[2][1];
-    dots<2, 1, 8>(w, p.x + static_cast<int64_t>(n) * p.H, p.H, 1, p.H, lane, acc);
+    dots<W, 2, 1, 8>(w, p.x + static_cast<int64_t>(n) * p.H, p.H, 1, p.H, lane, acc);
     const float g = vec::warp_sum(acc[0][0]), u = vec::warp_sum(acc[1][0]);
     if (lane == 0) p.act[static_cast<int64_t>(r) * p.I + c] = __float2bfloat16_rn(silu_expf(g) * u);
   } else {
     const int c = (bid - routed_blocks) * kWarps + warp;
     if (c >= p.Is) return;
-    const bf16* w[2] = {p.shared_gu + static_cast<int64_t>(c) * p.H, p.shared_gu + static_cast<int64_t>(p.Is + c) * p.H};
+    const Bf16Row w[2] = {{p.shared_gu + static_cast<int64_t>(c) * p.H}, {p.shared_gu + static_cast<int64_t>(p.Is + c) * p.H}};
     float acc[2][kMaxT];
-    dots<2, kMaxT, 4>(w, p.x, p.H, p.routed, p.H, lane, acc);
+    dots<Bf16Row, 2, kMaxT, 4>(w, p.x, p.H, p.routed, p.H, lane, acc);
 #pragma unroll
     for (int t = 0; t < kMaxT; ++t) {
       if (t < p.routed) {
@@ -235,6 +297,7 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(const DecParams p) {
 // Block (routed token n, column block), a warp per output column h: moe_combine's sum of the k
 // experts' bf16 down outputs, weighted in choice order, plus the sigmoid-gated bf16 shared down output
 // (the tokens of a column block are launch neighbours: the rows they share come from L2).
+template <class W>
 __global__ void __launch_bounds__(kThreads) down_kernel(const DecParams p) {
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int n = static_cast<int>(blockIdx.x), h = static_cast<int>(blockIdx.y) * kWarps + warp;
@@ -261,16 +324,16 @@ __global__ void __launch_bounds__(kThreads) down_kernel(const DecParams p) {
   bf16* o = p.out + static_cast<int64_t>(n) * p.H + h;
   float acc = 0.0f;
   for (int j0 = 0; j0 < kn; j0 += 4) {
-    const bf16* w[4];
+    W w[4];
     const bf16* a[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int j = j0 + i < kn ? j0 + i : kn - 1;  // past the local choices: a repeat, its sum unused
-      w[i] = p.down + (static_cast<int64_t>(s_e[j]) * p.H + h) * p.I;
+      w[i] = down_row<W>(p, s_e[j], h);
       a[i] = p.act + static_cast<int64_t>(s_r[j]) * p.I;
     }
     float d[4];
-    pair_dots<4, 2>(w, a, p.I, lane, d);
+    pair_dots<W, 4, 2>(w, a, p.I, lane, d);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float y = vec::round_bf16(vec::warp_sum(d[i]));
@@ -278,10 +341,10 @@ __global__ void __launch_bounds__(kThreads) down_kernel(const DecParams p) {
     }
   }
   if (p.shared_gu) {
-    const bf16* w[1] = {p.shared_down + static_cast<int64_t>(h) * p.Is};
+    const Bf16Row w[1] = {{p.shared_down + static_cast<int64_t>(h) * p.Is}};
     const bf16* a[1] = {p.sact + static_cast<int64_t>(n) * p.Is};
     float d[1];
-    pair_dots<1, 2>(w, a, p.Is, lane, d);
+    pair_dots<Bf16Row, 1, 2>(w, a, p.Is, lane, d);
     const float gate = 1.0f / (1.0f + expf(-p.gate_logit[n]));
     acc += gate * vec::round_bf16(vec::warp_sum(d[0]));
   }
@@ -314,6 +377,8 @@ void moe_decode_block(const MoeBlockParams& p, const MoeDecodeBuffers& b, Stream
                     (aligned16(p.shared_gate_up) && aligned16(p.shared_down) && aligned16(p.shared_gate))) &&
                    aligned16(b.act) && aligned16(b.sact) && aligned16(p.out),
                "moe_decode_block: operands must be 16-byte aligned");
+  DFLASH_CHECK(!p.experts_gate_up_scale == !p.experts_down_scale,
+               "moe_decode_block: FP8 experts need the block scales of both gate|up and down");
   DecParams d{};
   d.x = static_cast<const bf16*>(p.x);
   d.N = static_cast<int>(p.N);
@@ -331,8 +396,10 @@ void moe_decode_block(const MoeBlockParams& p, const MoeDecodeBuffers& b, Stream
   d.router = static_cast<const bf16*>(p.router);
   d.gate_w = p.shared_gate_up ? static_cast<const bf16*>(p.shared_gate) : nullptr;
   d.route_by = p.logits_in ? p.logits_in : b.logits;
-  d.gate_up = static_cast<const bf16*>(p.experts_gate_up);
-  d.down = static_cast<const bf16*>(p.experts_down);
+  d.gate_up = p.experts_gate_up;
+  d.down = p.experts_down;
+  d.gate_up_scale = p.experts_gate_up_scale;
+  d.down_scale = p.experts_down_scale;
   d.shared_gu = static_cast<const bf16*>(p.shared_gate_up);
   d.shared_down = static_cast<const bf16*>(p.shared_down);
   d.logits = b.logits;
@@ -351,9 +418,12 @@ void moe_decode_block(const MoeBlockParams& p, const MoeDecodeBuffers& b, Stream
   d.routed_before = tuning::moe_decode_topk_first >= 0 ? tuning::moe_decode_topk_first == 1 : Nr > 2;
   if (d.routed_before && Nr > 0) launch(topk_kernel, dim3(static_cast<unsigned>((Nr + kWarps - 1) / kWarps)), d, st);
   const int64_t gu_blocks = Nr * p.k * d.col_blocks + (d.shared_gu ? (d.Is + kWarps - 1) / kWarps : 0);
-  if (gu_blocks > 0) launch(gate_up_kernel, dim3(static_cast<unsigned>(gu_blocks)), d, st);
+  const bool fp8 = d.gate_up_scale != nullptr;
+  if (gu_blocks > 0)
+    launch(fp8 ? gate_up_kernel<Fp8Row> : gate_up_kernel<Bf16Row>, dim3(static_cast<unsigned>(gu_blocks)), d, st);
   if (Nr > 0)
-    launch(down_kernel, dim3(static_cast<unsigned>(Nr), static_cast<unsigned>((d.H + kWarps - 1) / kWarps)), d, st);
+    launch(fp8 ? down_kernel<Fp8Row> : down_kernel<Bf16Row>,
+           dim3(static_cast<unsigned>(Nr), static_cast<unsigned>((d.H + kWarps - 1) / kWarps)), d, st);
 }
 
 }  // namespace dflash::cuda

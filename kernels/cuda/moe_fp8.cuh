@@ -1,0 +1,40 @@
+#pragma once
+// FP8 experts (the official Qwen3.5/3.6-MoE-FP8 checkpoints' e4m3 codes with 128 x 128 block
+// scales), as moe.cu's dequantization and moe_decode.cu's decode kernels read them: every value the
+// bf16-rounded code · scale, i.e. exactly what the loader's dequantization (an f32 product, rounded to
+// nearest even) stores in a bf16 expert, so FP8 experts give the bf16 experts' bits (W8A16).
+// Block layout per expert: gate|up [2I, H] has 2·ceil(I/128) row blocks (the gate rows' blocks, then
+// the up rows', as each projection is scaled apart), down [H, I] ceil(H/128); ceil(K/128) column blocks.
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/vec.cuh"
+
+namespace dflash::cuda::moe_detail {
+
+// The scale row of weight row r of a matrix whose rows [0, split) and [split, R) are scaled apart
+// (gate|up: split = I; down: split = R, one part).
+__device__ __forceinline__ int fp8_row_block(int r, int split) {
+  return r < split ? r / 128 : (split + 127) / 128 + (r - split) / 128;
+}
+__host__ __device__ __forceinline__ int fp8_row_blocks(int R, int split) {
+  return (split + 127) / 128 + (R - split + 127) / 128;
+}
+
+// 8 e4m3 codes (little-endian in r) -> their bf16-rounded values times `scale`.
+__device__ __forceinline__ void unpack_e4m3x8(const uint2& r, float scale, float (&f)[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t word = i < 2 ? r.x : r.y;
+    const __half2_raw h =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>((word >> (16 * (i & 1))) & 0xffffu), __NV_E4M3);
+    const float2 v = __half22float2(__half2(h));
+    f[2 * i] = vec::round_bf16(v.x * scale);
+    f[2 * i + 1] = vec::round_bf16(v.y * scale);
+  }
+}
+
+}  // namespace dflash::cuda::moe_detail

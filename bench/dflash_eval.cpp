@@ -503,8 +503,9 @@ int main(int argc, char** argv) {
       ctx += static_cast<double>(r.prompt_len) + 0.5 * static_cast<double>(r.generated);
     ctx /= static_cast<double>(std::max<size_t>(reports.size(), 1));
     const target::Precision prec = tw.precision();
-    const bench::StepBytes b_dec = bench::target_step_bytes(rt.local_config(), prec, 1, 1, ctx);
-    const bench::StepBytes b_ver = bench::target_step_bytes(rt.local_config(), prec, 1, block_size, ctx);
+    const bool fp8x = target.src.fp8_experts;
+    const bench::StepBytes b_dec = bench::target_step_bytes(rt.local_config(), prec, 1, 1, ctx, fp8x);
+    const bench::StepBytes b_ver = bench::target_step_bytes(rt.local_config(), prec, 1, block_size, ctx, fp8x);
     const bench::StepBytes b_prop = bench::propose_bytes(dc, 1, ctx);
     if (roof.copy_gbs > 0) {
       std::printf("  roofline (bytes a step moves / the copy bandwidth, %.0f GB/s: %s; context %.0f):\n", roof.copy_gbs,
@@ -554,7 +555,7 @@ int main(int argc, char** argv) {
           }
         }
         sweep.push_back({B, 1e3 * prop_s / static_cast<double>(sweep_reps), 1e3 * ver_s / static_cast<double>(sweep_reps),
-                         bench::target_step_bytes(rt.local_config(), prec, 1, B, sweep_ctx)});
+                         bench::target_step_bytes(rt.local_config(), prec, 1, B, sweep_ctx, target.src.fp8_experts)});
       }
       std::printf("\nverify step against block size B (%lld steps each, context %.0f; decode step %.2f ms, commit %.2f ms "
                   "from the run above; speed-up at tau = tau x decode / (propose + verify + commit)):\n",
@@ -689,7 +690,7 @@ int main(int argc, char** argv) {
       const std::string shape = fmt::format("{} L{} H{} ctx={:.0f} block={} {},prompts={},max_new={}", cfg.model_type,
                                             cfg.num_hidden_layers, cfg.hidden_size, ctx, block_size,
                                             dev.is_cpu() ? "f32" : target::precision_name(prec), prompts.size(), max_new) +
-                                (no_graphs && !dev.is_cpu() ? ",eager" : "");
+                                (target.src.fp8_experts ? ",fp8x" : "") + (no_graphs && !dev.is_cpu() ? ",eager" : "");
       auto row = [&](const std::string& kernel, const std::string& metric, const std::string& unit, double v) {
         csv.write({"dflash_eval", kernel, dev.is_cpu() ? "cpu" : "cuda", "tp" + std::to_string(tp), metric, unit, shape, v, v, v, false});
       };

@@ -52,6 +52,8 @@ int main(int argc, char** argv) {
   app.add_option("--csv", csv_path, "append the rows to this CSV");
   std::string precision_s = "auto";
   app.add_option("--precision", precision_s, target::kPrecisionHelp)->capture_default_str();
+  bool fp8_experts = false;
+  app.add_flag("--fp8-experts", fp8_experts, "MoE targets: the routed experts stored in FP8 (as dflash_eval); CSV shapes say 'fp8x'");
   bool no_graphs = false;
   app.add_flag("--no-cuda-graphs", no_graphs, "launch every decode step's kernels eagerly instead of replaying CUDA "
                                              "graphs (to compare; CSV rows get ',eager')");
@@ -64,7 +66,8 @@ int main(int argc, char** argv) {
     init_logging(-1, log_level);
     const Device dev = Device::parse(device);
     DFLASH_REQUIRE_HINT(!dev.is_cpu(), "generate_bench measures a GPU", "pass --device cuda");
-    const target::TargetSource src{"", config_path, true, seed, target::parse_precision(precision_s, "--precision")};
+    target::TargetSource src{"", config_path, true, seed, target::parse_precision(precision_s, "--precision")};
+    src.fp8_experts = fp8_experts;
     const target::TargetConfig cfg = src.read_config();
     // The copy bandwidth before the weights are on the GPU (as dflash_eval and dflash_doctor measure it).
     const double copy = bench::copy_bandwidth_gbs(dev.index);
@@ -86,7 +89,7 @@ int main(int argc, char** argv) {
     // Mean sequences in flight `occ` (fractional): the bytes between those of floor(occ) and ceil(occ) sequences.
     auto step_bytes = [&](double occ) {
       const int64_t lo = std::max<int64_t>(1, static_cast<int64_t>(occ));
-      const bench::StepBytes a = bench::target_step_bytes(rt.local_config(), prec, lo, 1, ctx);
+      const bench::StepBytes a = bench::target_step_bytes(rt.local_config(), prec, lo, 1, ctx, fp8_experts);
       const bench::StepBytes b = bench::target_step_bytes(rt.local_config(), prec, lo + 1, 1, ctx);
       const double f = std::max(0.0, occ - static_cast<double>(lo));
       return bench::StepBytes{a.weights + f * (b.weights - a.weights), a.state + f * (b.state - a.state), a.kv + f * (b.kv - a.kv)};
@@ -143,7 +146,8 @@ int main(int argc, char** argv) {
         const std::string shape = "slots=" + std::to_string(S) + ",prompt=" + std::to_string(prompt_len) +
                                   ",new=" + std::to_string(max_new) + ",prompts=" + std::to_string(reqs.size()) +
                                   (T > 0 ? ",step_tokens=" + std::to_string(T) : "") +
-                                  (prec == target::Precision::Fp8 ? ",fp8" : "") + (no_graphs ? ",eager" : "") + (variant != "fused" ? "," + variant : "");
+                                  (prec == target::Precision::Fp8 ? ",fp8" : "") + (fp8_experts ? ",fp8x" : "") +
+                                  (no_graphs ? ",eager" : "") + (variant != "fused" ? "," + variant : "");
         auto row = [&](const std::string& metric, const std::string& unit, double v) {
           csv.write({"generate_bench", "generate_batch", "cuda", "greedy", metric, unit, shape, v, v, v, false});
         };

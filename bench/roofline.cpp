@@ -16,7 +16,7 @@ double blocks128(int64_t n) { return static_cast<double>((n + 127) / 128); }
 }  // namespace
 
 StepBytes target_step_bytes(const target::TargetConfig& c, target::Precision precision, int64_t seqs, int64_t tokens,
-                            double context) {
+                            double context, bool fp8_experts) {
   DFLASH_CHECK(seqs >= 1 && tokens >= 1 && context >= 0,
                "target_step_bytes: seqs " << seqs << ", tokens " << tokens << ", context " << context);
   const bool fp8 = target::resolve_precision(precision, c) == target::Precision::Fp8;
@@ -35,11 +35,16 @@ StepBytes target_step_bytes(const target::TargetConfig& c, target::Precision pre
       continue;
     }
     double bytes;
+    const bool expert = t.name.find(".mlp.experts.") != std::string::npos;
     if (fp8 && target::is_fp8_projection(t.name))
       bytes = numel(t.shape) + 4.0 * blocks128(t.shape[0]) * blocks128(t.shape[1]);
+    else if (fp8_experts && expert)  // [E, rows, K]: codes and block scales (gate and up rows blocked apart)
+      bytes = numel(t.shape) + 4.0 * static_cast<double>(t.shape[0]) *
+                                   (t.name.ends_with("gate_up_proj") ? 2.0 * blocks128(t.shape[1] / 2) : blocks128(t.shape[1])) *
+                                   blocks128(t.shape[2]);
     else
       bytes = numel(t.shape) * 2.0;
-    if (t.name.find(".mlp.experts.") != std::string::npos) bytes *= expert_share;
+    if (expert) bytes *= expert_share;
     b.weights += bytes;
   }
   const double S = static_cast<double>(seqs);

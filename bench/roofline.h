@@ -9,7 +9,8 @@
 //   (bf16 on the GPU; at fp8 the is_fp8_projection tensors are 1 byte a value plus their F32
 //   [ceil(N/128), ceil(K/128)] block scales), except the embedding table, of which one bf16 row per
 //   token is read (a tied lm_head still reads the whole table once). MoE: the router and shared
-//   expert in full, and min(E, rows x top-k) of the E experts (the most a step can touch).
+//   expert in full, and min(E, rows x top-k) of the E experts (the most a step can touch); FP8
+//   experts (--fp8-experts) 1 byte a value plus their F32 128 x 128 block scales.
 // - state: per sequence and GatedDeltaNet layer the recurrent state (fp32 Hv x dk x dv) and the conv
 //   state (bf16 (K-1) x conv_dim), each read once and written once.
 // - KV: per sequence and attention layer the bf16 K and V of the context read once, and the step's
@@ -35,7 +36,7 @@ struct StepBytes {
 // One target step of `seqs` sequences, each bringing `tokens` new rows (1 decode, block verify)
 // after `context` tokens already in its KV cache. precision Auto resolves as the config says.
 StepBytes target_step_bytes(const target::TargetConfig& c, target::Precision precision, int64_t seqs, int64_t tokens,
-                            double context);
+                            double context, bool fp8_experts = false);
 
 // One drafter propose of `seqs` sequences (block of dc.block_size tokens each) after `context`
 // context tokens in the drafter's K / V cache; lm_head is the target's [V, H] bf16 (tied or not).

@@ -15,6 +15,9 @@ void add_target_options(CLI::App& app, TargetOptions& o, const TargetOptionHelp&
   app.add_flag("--random-weights", o.src.random_weights, help.random)->needs(config);
   app.add_option(help.seed_flag, o.src.seed, help.seed)->capture_default_str();
   app.add_option("--precision", o.precision, kPrecisionHelp)->capture_default_str();
+  app.add_flag("--fp8-experts", o.src.fp8_experts,
+               "MoE targets on a GPU: store the routed experts in FP8 (e4m3 with 128 x 128 block scales, read as bf16: "
+               "half their memory and of a decode step's expert reads; bf16 experts are quantized at load)");
 }
 
 }  // namespace dflash::target

@@ -4,6 +4,7 @@
 //   --model DIR                     a Hugging Face model directory, or
 //   --config FILE --random-weights  seeded random weights of that architecture (--seed S)
 //   --precision auto|bf16|fp8       what the projections run in
+//   --fp8-experts                   MoE targets on a GPU: the routed experts stored in FP8
 // --model excludes --config and --random-weights needs --config (CLI11 says so, naming both).
 #include <CLI/CLI.hpp>
 

@@ -765,6 +765,15 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
   p.router = L.moe.router.raw_data();
   p.experts_gate_up = L.moe.experts_gate_up.raw_data();
   p.experts_down = L.moe.experts_down.raw_data();
+  Tensor scratch;  // FP8 experts: their bf16 values for the grouped GEMMs / the fallback (not the decode kernels)
+  if (L.moe.experts_gate_up_scale.defined()) {
+    p.experts_gate_up_scale = L.moe.experts_gate_up_scale.data<float>();
+    p.experts_down_scale = L.moe.experts_down_scale.data<float>();
+    if (impl != cuda::MoeImpl::Decode) {
+      scratch = Tensor::empty({static_cast<int64_t>(cuda::moe_experts_scratch_bytes(El, p.I, p.H))}, DType::U8, device_);
+      p.experts_scratch = scratch.raw_data();
+    }
+  }
   if (p.Is > 0) {
     p.shared_gate_up = f.shared_gate_up.w.raw_data();
     p.shared_down = L.moe.shared_down_proj.raw_data();

@@ -29,6 +29,10 @@ struct TargetSource {
   bool random_weights = false;
   uint64_t seed = 0;
   Precision precision = Precision::Auto;  // what the projections run in (weights.h)
+  // MoE targets on a GPU: the routed experts stored in FP8 after loading (store_moe_experts_fp8:
+  // W8A16, half their memory and of a decode step's expert reads; a bf16 or random target's experts
+  // are quantized per 128 x 128 block, an FP8 checkpoint's re-quantized from their bf16 values).
+  bool fp8_experts = false;
   // Checks that exactly one source is given (naming the options as `model_opt` / `config_opt` say).
   void check(const std::string& model_opt = "--model", const std::string& config_opt = "--config") const;
   TargetConfig read_config() const;   // the full model's architecture

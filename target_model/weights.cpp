@@ -226,6 +226,43 @@ int64_t TargetWeights::fp8_projections() const {
   return n;
 }
 
+void store_moe_experts_fp8(TargetWeights& w) {
+  DFLASH_REQUIRE_HINT(w.device.is_cuda() && w.dtype == DType::BF16,
+                      "FP8 experts are a GPU storage of bf16 weights; these are " << dtype_name(w.dtype) << " on "
+                                                                                   << w.device.str(),
+                      "drop --fp8-experts on the CPU (the CPU reference runs its experts in f32)");
+#if DFLASH_WITH_CUDA
+  const auto stream = DeviceContext::get(w.device.index).stream();
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    MoeWeights& m = w.layers[i].moe;
+    if (!m.defined() || m.experts_gate_up_scale.defined()) continue;
+    const int64_t E = m.experts_gate_up.size(0), I2 = m.experts_gate_up.size(1), H = m.experts_gate_up.size(2);
+    const int64_t I = I2 / 2;
+    DFLASH_REQUIRE_HINT(H % 16 == 0 && I % 16 == 0, "--fp8-experts: layer " << i << "'s experts are " << I << " x " << H
+                                                                             << " (this rank's share); FP8 experts need multiples of 16",
+                        "run this target without --fp8-experts");
+    const int64_t kbH = blocks(H), kbI = blocks(I), rbI = blocks(I), rbH = blocks(H);
+    Tensor gq = Tensor::empty({E, I2, H}, DType::F8E4M3, w.device), gs = Tensor::empty({E, 2 * rbI, kbH}, DType::F32, w.device);
+    Tensor dq = Tensor::empty({E, H, I}, DType::F8E4M3, w.device), ds = Tensor::empty({E, rbH, kbI}, DType::F32, w.device);
+    const auto* gb = static_cast<const char*>(m.experts_gate_up.raw_data());
+    const auto* db = static_cast<const char*>(m.experts_down.raw_data());
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t part = 0; part < 2; ++part)  // gate rows, then up rows: scaled apart
+        cuda::quantize_fp8_weight(gb + ((e * I2 + part * I) * H) * 2, I, H,
+                                  static_cast<uint8_t*>(gq.raw_data()) + (e * I2 + part * I) * H,
+                                  gs.data<float>() + (e * 2 * rbI + part * rbI) * kbH, kbH, stream);
+      cuda::quantize_fp8_weight(db + (e * H * I) * 2, H, I, static_cast<uint8_t*>(dq.raw_data()) + e * H * I,
+                                ds.data<float>() + e * rbH * kbI, kbI, stream);
+    }
+    m.experts_gate_up = gq;
+    m.experts_down = dq;
+    m.experts_gate_up_scale = gs;
+    m.experts_down_scale = ds;
+  }
+  device_alloc::empty_cache(w.device.index);  // the bf16 experts went back to the cache
+#endif
+}
+
 void apply_precision(TargetWeights& w, Precision precision) {
   if (precision == Precision::Auto) return;
   apply_moe_precision(w, precision);
@@ -262,7 +299,8 @@ size_t TargetWeights::bytes() const {
                             &L.attn.k_proj_scale, &L.attn.v_proj_scale, &L.attn.o_proj_scale, &L.gate_proj_scale,
                             &L.up_proj_scale, &L.down_proj_scale, &L.moe.router, &L.moe.experts_gate_up,
                             &L.moe.experts_down, &L.moe.shared_gate_proj, &L.moe.shared_up_proj,
-                            &L.moe.shared_down_proj, &L.moe.shared_expert_gate})
+                            &L.moe.shared_down_proj, &L.moe.shared_expert_gate, &L.moe.experts_gate_up_scale,
+                            &L.moe.experts_down_scale})
       add(*t);
   }
   return total;

@@ -67,6 +67,11 @@ struct MoeWeights {
   // groups, as vLLM's and SGLang's FP8 MoE kernels run those checkpoints. The router and the shared
   // expert's gate stay unquantized (the checkpoints do not convert them).
   bool fp8 = false;
+  // FP8 experts on a GPU (store_moe_experts_fp8; kernels/cuda/moe_fp8.cuh): when defined, experts_gate_up
+  // and experts_down hold e4m3 codes and these their 128 x 128 block scales (f32 [E, 2·ceil(Ie/128),
+  // ceil(H/128)], gate rows' blocks then up rows', and [E, ceil(H/128), ceil(Ie/128)]); the kernels
+  // read every weight as the bf16-rounded code · scale (W8A16): half the experts' bytes.
+  Tensor experts_gate_up_scale, experts_down_scale;
   bool defined() const { return router.defined(); }
 };
 
@@ -108,6 +113,11 @@ void for_each_projection(TargetWeights& w,
 // are already) and sets MoeWeights::fp8 — host f32 weights only (the GPU has no FP8 MoE block: refused);
 // bf16 clears it (the values stay).
 void apply_precision(TargetWeights& w, Precision precision);
+// FP8 experts (TargetSource::fp8_experts, --fp8-experts): every MoE layer's routed experts of bf16
+// GPU weights quantized per 128 x 128 block (gate and up apart; as ops::quantize_fp8_weight) into
+// e4m3 codes and scales (MoeWeights::experts_*_scale), the bf16 copies freed. Refused on the CPU and
+// for experts whose widths are not multiples of 16 (the quantizer's rows), naming them.
+void store_moe_experts_fp8(TargetWeights& w);
 
 // One expected tensor: canonical (text-model) name without the "model." prefix, and HF shape.
 struct TensorSpec {

@@ -27,6 +27,7 @@
 #include "target_model/decode.h"
 #include "target_model/model.h"
 #include "target_model/model_cuda.h"
+#include "kernels/cuda/moe.h"
 #include "real_dims.h"
 #include "test_util.h"
 
@@ -465,6 +466,58 @@ TEST(CudaDecoder, MoeVerifyEqualsDecodeAndSpeculativeEqualsGreedy) {
   for (size_t i = 0; i < std::min(fb.size(), grouped_tokens.size()) && fb[i] == grouped_tokens[i]; ++i) ++same;
   std::printf("moe greedy decoding, fallback kernels vs grouped: first %lld of %zu tokens equal\n",
               static_cast<long long>(same), grouped_tokens.size());
+}
+
+// FP8 experts (store_moe_experts_fp8, --fp8-experts; W8A16): a target whose routed experts are e4m3
+// codes with block scales computes, bit for bit, what the same target with bf16 experts holding the
+// codes' dequantized values computes: the prefill forward (grouped GEMMs on moe_block's bf16 scratch),
+// decode and verify steps (on the grouped GEMMs, and on the MoE decode kernels reading the codes), and
+// speculative decoding gives its own greedy output under CUDA graphs.
+TEST(CudaDecoder, MoeFp8ExpertsEqualTheirBf16Values) {
+  DFLASH_REQUIRE_GPU();
+  const TargetConfig c = real_dims_moe();
+  const int sm = cuda_device_info(0).major;
+  TargetWeights wq = random_weights(c, 3, DType::BF16, Device::cuda(0)), wb = random_weights(c, 3, DType::BF16, Device::cuda(0));
+  store_moe_experts_fp8(wq);
+  const auto stream = DeviceContext::get(0).stream();
+  for (size_t i = 0; i < wq.layers.size(); ++i) {  // wb's experts: wq's codes as bf16 values
+    const MoeWeights& q = wq.layers[i].moe;
+    MoeWeights& b = wb.layers[i].moe;
+    ASSERT_TRUE(q.experts_gate_up_scale.defined());
+    ASSERT_EQ(q.experts_gate_up.dtype(), DType::F8E4M3);
+    const int64_t E = q.experts_gate_up.size(0), I2 = q.experts_gate_up.size(1), H = q.experts_gate_up.size(2);
+    cuda::moe_dequantize_experts(q.experts_gate_up.raw_data(), q.experts_gate_up_scale.data<float>(), E, I2, H, I2 / 2,
+                                 b.experts_gate_up.raw_data(), stream);
+    cuda::moe_dequantize_experts(q.experts_down.raw_data(), q.experts_down_scale.data<float>(), E, H, I2 / 2, H,
+                                 b.experts_down.raw_data(), stream);
+  }
+  KernelPolicies pol;
+  CudaTargetModel mq(c, std::move(wq), make_plan(c, Device::cuda(0), pol, sm)), mb(c, std::move(wb), make_plan(c, Device::cuda(0), pol, sm));
+  ForwardOptions fo;
+  fo.capture = {1, c.num_hidden_layers - 1};
+  const std::vector<int32_t> prompt = random_tokens(150, c.vocab_size, 2), block = random_tokens(16, c.vocab_size, 3);
+  const ForwardResult fq = mq.forward({prompt}, fo), fb = mb.forward({prompt}, fo);
+  for (int64_t id : fo.capture) EXPECT_TRUE(bit_equal(fq.layers.at(id), fb.layers.at(id))) << "prefill layer " << id;
+  ExtendOptions commit;
+  commit.capture = {1, c.num_hidden_layers - 1};
+  commit.logits = true;
+  ExtendOptions verify = commit;
+  verify.commit = false;
+  for (bool md : {false, true}) {
+    SCOPED_TRACE(md ? "MoE decode kernels" : "grouped GEMMs");
+    FastPathPlan dp = make_decode_plan(c, Device::cuda(0), pol, sm);
+    dp.fusion.moe_decode = md;
+    auto dq = make_cuda_decoder(mq, 1, 400, dp), db = make_cuda_decoder(mb, 1, 400, dp);
+    dq->extend({0}, {prompt}, commit);
+    db->extend({0}, {prompt}, commit);
+    const ExtendResult vq = dq->extend({0}, {block}, verify), vb = db->extend({0}, {block}, verify);
+    EXPECT_TRUE(bit_equal(vq.logits, vb.logits)) << "verify logits";
+    for (int32_t tok : random_tokens(4, c.vocab_size, 4)) {
+      const ExtendResult a = dq->extend({0}, {{tok}}, commit), b = db->extend({0}, {{tok}}, commit);
+      EXPECT_TRUE(bit_equal(a.logits, b.logits)) << "decode logits";
+      EXPECT_TRUE(bit_equal(a.features, b.features)) << "decode features";
+    }
+  }
 }
 
 // Several empty slots in one extend: one forward over the packed prompts (the forward's kernels,

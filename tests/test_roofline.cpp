@@ -97,3 +97,17 @@ TEST(Roofline, RejectsAnEmptyStep) {
   EXPECT_THROW((void)bench::target_step_bytes(c, Precision::Bf16, 0, 1, 0), dflash::Error);
   EXPECT_THROW((void)bench::target_step_bytes(c, Precision::Bf16, 1, 0, 0), dflash::Error);
 }
+
+// FP8 experts: the touched experts' bytes are their codes (1 byte a value) and F32 block scales.
+TEST(Roofline, Fp8ExpertsReadCodesAndScales) {
+  const TargetConfig c = TargetConfig::from_file(kConfigs + "qwen3.6-35b-a3b/config.json");
+  const double E = static_cast<double>(c.num_experts), I = static_cast<double>(c.moe_intermediate_size);
+  const double H = static_cast<double>(c.hidden_size), L = static_cast<double>(c.num_hidden_layers);
+  const double touched = 8.0;  // one token, top 8
+  const double codes = L * touched * 3.0 * I * H;
+  const double scales = L * touched * 4.0 * (2.0 * (I / 128) * (H / 128) + (H / 128) * (I / 128));
+  const double bf16 = bench::target_step_bytes(c, Precision::Bf16, 1, 1, 4096).weights;
+  const double fp8x = bench::target_step_bytes(c, Precision::Bf16, 1, 1, 4096, true).weights;
+  EXPECT_DOUBLE_EQ(bf16 - fp8x, 2.0 * codes - (codes + scales));
+  EXPECT_EQ(E, 256.0);
+}

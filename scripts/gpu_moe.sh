@@ -6,14 +6,15 @@
 #   2. dflash_eval on Qwen3.6-35B-A3B shapes (random weights, an untrained 8-layer drafter, a 4096-token
 #      prompt): the decode step, the verify step against the block size (--verify-sweep), the op profile
 #      of a decode step, and --decode-variants $EVAL_VARIANTS (default fused,moe_decode: the grouped
-#      GEMMs against the MoE decode kernels, decode / propose / verify / commit each); again with
-#      --no-cuda-graphs (EVAL_EAGER=0 skips it);
+#      GEMMs against the MoE decode kernels, decode / propose / verify / commit each); again with the
+#      routed experts in FP8 (--fp8-experts; EVAL_FP8X=0 skips it) and with --no-cuda-graphs (EVAL_EAGER=0
+#      skips it);
 #   3. the tiny MoE end to end on the GPU (ctest moe_pipeline_gpu: capture, regenerate, train, eval);
 #   4. the 35B-A3B recipe's training rate on one GPU (gpu_train.sh's run q35_1gpu, TRAIN_STEPS, default 20).
 #   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_moe.sh
 # Writes at most 8 files to $OUT: env.txt, build.log, tests.log, eval35b.log, eval35b.csv, pipeline.log,
 # train.txt, train.tgz (with train_rows.csv). MOE_BENCH=1 adds test_cuda_moe's timing rows (moe_bench,...: the
-# block and its expert GEMMs at 35B-A3B shapes, both tilings) to tests.log. SKIP_TESTS / SKIP_EVAL / SKIP_PIPELINE / SKIP_TRAIN=1 skip a
+# block and its expert GEMMs at 35B-A3B shapes, both tilings, the decode kernels, FP8 experts) to tests.log. SKIP_TESTS / SKIP_EVAL / SKIP_PIPELINE / SKIP_TRAIN=1 skip a
 # stage; every stage after the build is skipped or stopped (SIGTERM: dflash_train keeps its rows) before
 # DFLASH_DEADLINE (default 540 s after the start).
 source "$(dirname "$0")/gpu_call.sh"
@@ -37,10 +38,12 @@ fi
 if [ -z "${SKIP_EVAL:-}" ] && [ "$(left)" -gt 120 ]; then
   python3 -c "import random; random.seed(0); print(' '.join(str(random.randrange(248000)) for _ in range(4096)))" >/tmp/p4k.txt
   : >"$OUT/eval35b.log"
-  for graphs in on off; do
+  for graphs in on fp8x off; do
     [ "$graphs" = off ] && [ "${EVAL_EAGER:-1}" = 0 ] && continue
+    [ "$graphs" = fp8x ] && [ "${EVAL_FP8X:-1}" = 0 ] && continue
     [ "$(left)" -gt 90 ] || { echo "eval graphs $graphs skipped: $(left) s left" | tee -a "$OUT/eval35b.log"; continue; }
     extra=(--verify-sweep 1,2,4,8,16 --profile 8 --decode-variants "${EVAL_VARIANTS:-fused,moe_decode}")
+    [ "$graphs" = fp8x ] && extra=(--fp8-experts --verify-sweep 1,4,16 --decode-variants fused,moe_decode)
     [ "$graphs" = off ] && extra=(--no-cuda-graphs --profile 0)
     echo "=== dflash_eval 35b-a3b bf16 graphs $graphs" >>"$OUT/eval35b.log"
     timeout 150 "$B/bench/dflash_eval" --config configs/qwen3.6-35b-a3b/config.json --random-weights --random-drafter 8 \

@@ -18,6 +18,7 @@
 #include "core/rng.h"
 #if DFLASH_WITH_CUDA
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/moe.h"
 #endif
 #include "core/io/safetensors.h"
 
@@ -244,16 +245,9 @@ void store_moe_experts_fp8(TargetWeights& w) {
     const int64_t kbH = blocks(H), kbI = blocks(I), rbI = blocks(I), rbH = blocks(H);
     Tensor gq = Tensor::empty({E, I2, H}, DType::F8E4M3, w.device), gs = Tensor::empty({E, 2 * rbI, kbH}, DType::F32, w.device);
     Tensor dq = Tensor::empty({E, H, I}, DType::F8E4M3, w.device), ds = Tensor::empty({E, rbH, kbI}, DType::F32, w.device);
-    const auto* gb = static_cast<const char*>(m.experts_gate_up.raw_data());
-    const auto* db = static_cast<const char*>(m.experts_down.raw_data());
-    for (int64_t e = 0; e < E; ++e) {
-      for (int64_t part = 0; part < 2; ++part)  // gate rows, then up rows: scaled apart
-        cuda::quantize_fp8_weight(gb + ((e * I2 + part * I) * H) * 2, I, H,
-                                  static_cast<uint8_t*>(gq.raw_data()) + (e * I2 + part * I) * H,
-                                  gs.data<float>() + (e * 2 * rbI + part * rbI) * kbH, kbH, stream);
-      cuda::quantize_fp8_weight(db + (e * H * I) * 2, H, I, static_cast<uint8_t*>(dq.raw_data()) + e * H * I,
-                                ds.data<float>() + e * rbH * kbI, kbI, stream);
-    }
+    // gate rows and up rows scaled apart; down in one part
+    cuda::moe_quantize_experts(m.experts_gate_up.raw_data(), E, I2, H, I, gq.raw_data(), gs.data<float>(), stream);
+    cuda::moe_quantize_experts(m.experts_down.raw_data(), E, H, I, H, dq.raw_data(), ds.data<float>(), stream);
     m.experts_gate_up = gq;
     m.experts_down = dq;
     m.experts_gate_up_scale = gs;

@@ -16,4 +16,5 @@
 #define moe_decode_topk_first moe_decode_topk_first_emulated
 #define moe_dequantize_experts moe_dequantize_experts_emulated
 #define moe_experts_scratch_bytes moe_experts_scratch_bytes_emulated
+#define moe_quantize_experts moe_quantize_experts_emulated
 #include "kernels/cuda/moe.h"

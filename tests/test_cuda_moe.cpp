@@ -651,6 +651,13 @@ TEST(CudaMoe, Bench35bA3b) {
   };
   Pair router = gpu_rand({E, H}, 0.02f), gu = gpu_rand({E, 2 * I, H}, 0.02f), dn = gpu_rand({E, H, I}, 0.02f);
   Pair sgu = gpu_rand({2 * Is, H}, 0.02f), sdn = gpu_rand({H, Is}, 0.02f), sg = gpu_rand({1, H}, 0.02f);
+  // FP8 experts (W8A16) of the same weights: codes and block scales.
+  const int64_t rbI = 2 * ((I + 127) / 128), kbH = (H + 127) / 128, rbH = (H + 127) / 128, kbI = (I + 127) / 128;
+  Tensor gq = Tensor::empty({E, 2 * I, H}, DType::F8E4M3, Device::cuda(0)), dq = Tensor::empty({E, H, I}, DType::F8E4M3, Device::cuda(0));
+  Tensor gs = Tensor::empty({E, rbI, kbH}, DType::F32, Device::cuda(0)), ds = Tensor::empty({E, rbH, kbI}, DType::F32, Device::cuda(0));
+  cu::moe_quantize_experts(gu.dev.raw_data(), E, 2 * I, H, I, gq.raw_data(), gs.data<float>(), stream());
+  cu::moe_quantize_experts(dn.dev.raw_data(), E, H, I, H, dq.raw_data(), ds.data<float>(), stream());
+  Tensor scratch = Tensor::empty({static_cast<int64_t>(cu::moe_experts_scratch_bytes(E, I, H))}, DType::U8, Device::cuda(0));
   std::printf("moe_bench,impl,tokens,ms_block,block_tflops,ms_expert_gemms,expert_gemm_tflops,expert_gemm_gbs\n");
   for (int64_t N : {1, 16, 2048, 8192}) {
     Pair x = gpu_rand({N, H}, 1.0f);
@@ -658,18 +665,23 @@ TEST(CudaMoe, Bench35bA3b) {
     // Grouped wide tiles, grouped narrow tiles, the fallback, the decode kernels (N <= 16; its
     // expert_gemm_gbs column: the whole block's weight bytes, router + touched experts + shared
     // expert, over the block's time).
-    // 3: the decode kernels routing inside the gate|up blocks, 4: by the top-k kernel first.
-    for (int variant : {0, 1, 2, 3, 4}) {
-      if (variant >= 3 && N > cu::kMoeDecodeMaxRows) continue;
-      const cu::MoeImpl impl =
-          variant < 2 ? cu::MoeImpl::Grouped : variant == 2 ? cu::MoeImpl::Fallback : cu::MoeImpl::Decode;
+    // 3: the decode kernels routing inside the gate|up blocks, 4: by the top-k kernel first; 5: the
+    // decode kernels on FP8 experts (expert_gemm_gbs: the block's bytes with the experts' codes and
+    // scales); 6: the grouped GEMMs on FP8 experts (their bf16 scratch written first, in the time).
+    for (int variant : {0, 1, 2, 3, 4, 5, 6}) {
+      if ((variant == 3 || variant == 4 || variant == 5) && N > cu::kMoeDecodeMaxRows) continue;
+      const bool fp8 = variant >= 5;
+      const cu::MoeImpl impl = variant < 2 || variant == 6 ? cu::MoeImpl::Grouped
+                               : variant == 2              ? cu::MoeImpl::Fallback
+                                                           : cu::MoeImpl::Decode;
       NarrowKnob knob(variant < 2 ? variant : -1);
-      const TopkKnob topk(variant >= 3 ? variant - 3 : -1);
+      const TopkKnob topk(variant == 3 || variant == 4 ? variant - 3 : -1);
       const std::string name = std::string(cu::moe_impl_name(impl)) +
                                (variant == 0   ? "/wide"
                                 : variant == 1 ? "/narrow"
                                 : variant == 3 ? "/topk_in_blocks"
                                 : variant == 4 ? "/topk_first"
+                                : fp8          ? "/fp8_experts"
                                                : "");
       const size_t bytes = cu::moe_workspace_bytes(N, H, E, k, I, Is, impl);
       Tensor ws_t = Tensor::empty({static_cast<int64_t>(bytes)}, DType::U8, Device::cuda(0));
@@ -696,6 +708,13 @@ TEST(CudaMoe, Bench35bA3b) {
         cudaEventDestroy(b);
         return ms / reps;
       };
+      if (fp8) {
+        p.experts_gate_up = gq.raw_data();
+        p.experts_down = dq.raw_data();
+        p.experts_gate_up_scale = gs.data<float>();
+        p.experts_down_scale = ds.data<float>();
+        p.experts_scratch = scratch.raw_data();
+      }
       Tensor chosen = dev_i32(N * k);
       p.experts_out = chosen.data<int32_t>();
       const double ms = time_it([&] { cu::moe_block(p, impl, 0); });
@@ -704,10 +723,10 @@ TEST(CudaMoe, Bench35bA3b) {
       if (impl == cu::MoeImpl::Decode) {
         const Tensor hc = host(chosen);
         std::set<int32_t> touched(hc.data<int32_t>(), hc.data<int32_t>() + N * k);
-        gbs = (static_cast<double>(E) * H + static_cast<double>(touched.size()) * 3.0 * I * H + 3.0 * Is * H) * 2.0 /
-              ms / 1e6;
+        const double expert_bytes = fp8 ? 3.0 * I * H + 4.0 * (rbI * kbH + rbH * kbI) : 3.0 * I * H * 2.0;
+        gbs = ((static_cast<double>(E) * H + 3.0 * Is * H) * 2.0 + static_cast<double>(touched.size()) * expert_bytes) / ms / 1e6;
       }
-      if (impl == cu::MoeImpl::Grouped) {
+      if (impl == cu::MoeImpl::Grouped && !fp8) {
         // The two grouped GEMMs alone, on the routing moe_block left in the workspace... rerun the
         // routing into separate buffers so the GEMMs' inputs are real.
         const int64_t R = N * k;

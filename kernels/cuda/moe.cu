@@ -388,6 +388,20 @@ __global__ void dequant_kernel(const uint8_t* __restrict__ q, const float* __res
 
 }  // namespace
 
+void moe_quantize_experts(const void* w, int64_t El, int64_t R, int64_t K, int64_t split, void* q, float* scale, Stream s) {
+  DFLASH_CHECK(El >= 1 && split >= 1 && split <= R && K % 16 == 0 && R < INT32_MAX && K < INT32_MAX,
+               "moe_quantize_experts: El " << El << ", R " << R << ", K " << K << " (a multiple of 16), split " << split);
+  const int64_t kb = (K + 127) / 128, rb = moe_detail::fp8_row_blocks(static_cast<int>(R), static_cast<int>(split));
+  const int64_t parts[2][2] = {{0, split}, {split, R - split}};  // row offset, rows
+  for (int64_t e = 0; e < El; ++e)
+    for (int part = 0; part < 2; ++part) {
+      const int64_t r0 = parts[part][0], rows = parts[part][1];
+      if (rows == 0) continue;
+      quantize_fp8_weight(static_cast<const bf16*>(w) + (e * R + r0) * K, rows, K, static_cast<uint8_t*>(q) + (e * R + r0) * K,
+                          scale + (e * rb + (part == 0 ? 0 : (split + 127) / 128)) * kb, kb, s);
+    }
+}
+
 size_t moe_experts_scratch_bytes(int64_t El, int64_t I, int64_t H) {
   return static_cast<size_t>(El) * 3 * static_cast<size_t>(I) * static_cast<size_t>(H) * 2;
 }

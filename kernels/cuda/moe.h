@@ -154,6 +154,10 @@ size_t moe_experts_scratch_bytes(int64_t El, int64_t I, int64_t H);
 // split = I; down: split = R). Needs K % 8 == 0, 16-byte aligned y and 8-byte aligned q.
 void moe_dequantize_experts(const void* q, const float* scale, int64_t El, int64_t R, int64_t K, int64_t split, void* y,
                             Stream s);
+// The inverse for bf16 experts w [El, R, K]: codes q [El, R, K] and block scales as above, each
+// expert's row parts quantized apart (quantize_fp8_weight, gemm.h: amax / 448 per 128 x 128 block).
+// Needs K % 16 == 0, (R - split) and split multiples of 16 or the whole R, 16-byte aligned w and q.
+void moe_quantize_experts(const void* w, int64_t El, int64_t R, int64_t K, int64_t split, void* q, float* scale, Stream s);
 void moe_block(const MoeBlockParams& p, MoeImpl impl, int device);
 
 // The Decode impl's kernels on buffers moe_block carves from its workspace: logits fp32 [N, E],

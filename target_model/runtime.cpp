@@ -35,11 +35,13 @@ std::string TargetSource::identity(const TargetConfig& full) const {
 TargetWeights load_target_shard(const TargetSource& source, const TargetConfig& full, Device device, const TpShard& shard) {
   const DType dtype = device.is_cpu() ? DType::F32 : DType::BF16;
   DFLASH_REQUIRE_HINT(!source.fp8_experts || full.is_moe(),
-                      "--fp8-experts: " << full.source << " is a dense model (no experts to store in FP8)",
-                      "drop --fp8-experts, or use --precision fp8 for the dense FP8 target");
+                      "FP8 experts (--fp8-experts, model.target.fp8_experts): " << full.source
+                                                                               << " is a dense model (no experts to store in FP8)",
+                      "drop them; precision fp8 is the dense FP8 target");
   DFLASH_REQUIRE_HINT(!source.fp8_experts || device.is_cuda(),
-                      "--fp8-experts: FP8 experts are a GPU storage of bf16 weights, not for " << device.str(),
-                      "drop --fp8-experts on the CPU (the CPU reference runs its experts in f32)");
+                      "FP8 experts (--fp8-experts, model.target.fp8_experts) are a GPU storage of bf16 weights, not for "
+                          << device.str(),
+                      "drop them on the CPU (the CPU reference runs its experts in f32)");
   TargetWeights w = source.random_weights ? random_weights_tp(full, source.seed, dtype, device, shard, source.precision)
                                           : load_weights_tp(full, source.model_dir, dtype, device, shard, source.precision);
   if (source.fp8_experts) store_moe_experts_fp8(w);

@@ -871,6 +871,15 @@ TEST(MemoryPlan, Qwen35bA3bRecipe) {
   EXPECT_EQ(ep8.moe_kernel, "moe_grouped_mma");
   EXPECT_THAT(ep8.moe, HasSubstr("expert parallel: 32 of the 256 experts on each rank (ep 8)"));
 #endif
+  // FP8 experts (model.target.fp8_experts): the experts' bytes halve (plus block scales), one layer's
+  // bf16 experts join the activations; on one H100 (79.1 GiB usable) the recipe then fits.
+  const MemoryPlan fx = gpu_memory_plan(target::local_config(t, 1), d, 4096, 4096, 512, 2048, false, false, true);
+  EXPECT_NEAR(fx.target_experts, one.target_experts * (0.5 + 2.0 / (128.0 * 128.0)), 1.0);
+  EXPECT_NEAR(one.target_weights - fx.target_weights, one.target_experts - fx.target_experts, 1.0);
+  EXPECT_NEAR(fx.target_activations - one.target_activations, t.expert_bytes_per_layer(2.0), 1.0);
+  EXPECT_LT(fx.total(), 79.1 * (1 << 30));
+  EXPECT_GT(one.total(), 79.1 * (1 << 30));
+  std::printf("Qwen3.6-35B-A3B recipe, tp=1, FP8 experts:\n%s\n", fx.table(79.1 * (1 << 30)).c_str());
   // Expert parallelism (parallel.tp = parallel.ep = 2, 4, 8: each rank holds 256 / ep whole experts,
   // attention and GatedDeltaNet split tp ways): the routed experts' bf16 bytes per rank are
   // 40 layers x 256 / ep experts x 3 x 2048 x 512 x 2 B, and the plan is printed per layout.
@@ -901,6 +910,10 @@ TEST(TrainConfig, ExpertParallelIsChecked) {
               HasSubstr("parallel.ep = 2: "));
   EXPECT_THAT(error_of([&] { minimal({"parallel.tp=2", "parallel.ep=2"}).validate_against(dense); }),
               HasSubstr("is a dense model (no experts to split)"));
+  EXPECT_THAT(error_of([&] { minimal({"model.target.fp8_experts=true"}).validate_against(dense); }),
+              HasSubstr("model.target.fp8_experts: "));
+  EXPECT_NO_THROW(minimal({"model.target.fp8_experts=true", "model.drafter.target_layer_ids=[1]",
+                           "model.drafter.mask_token_id=1"}).validate_against(moe));
   target::TargetConfig six = moe;
   six.num_experts = 6;
   six.linear_num_key_heads = six.linear_num_value_heads = six.num_attention_heads = 4;

@@ -309,6 +309,7 @@ const std::vector<Field>& schema() {
         "model.target.precision",
         {{"auto", target::Precision::Auto}, {"bf16", target::Precision::Bf16}, {"fp8", target::Precision::Fp8}},
         DFLASH_MEMBER(model.target.precision)));
+    f.push_back(bool_field("model.target.fp8_experts", DFLASH_MEMBER(model.target.fp8_experts)));
     f.push_back(string_field("model.drafter.config", "a drafter config.json path (a string)", true,
                              DFLASH_MEMBER(model.drafter.config)));
     f.push_back(string_field("model.drafter.warm_start", "an exported drafter directory (a string)", true,
@@ -900,6 +901,9 @@ void TrainConfig::validate_against(const target::TargetConfig& target) const {
   } catch (const Error& e) {
     DFLASH_REJECT_HINT(s << ": " << e.message(), e.hint());
   }
+  DFLASH_REQUIRE_HINT(!model.target.fp8_experts || target.is_moe(),
+                      s << ": model.target.fp8_experts: " << target.source << " is a dense model (no experts to store in FP8)",
+                      "set model.target.fp8_experts: false (model.target.precision: fp8 is the dense FP8 target)");
   const drafter::DrafterConfig c = drafter_config(target);
   DFLASH_REQUIRE(data.max_length > c.block_size, s << ": data.max_length (" << data.max_length
                                                  << ") must be greater than the drafter's block_size (" << c.block_size

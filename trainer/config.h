@@ -31,9 +31,12 @@ struct TargetSection {  // model.target: a Hugging Face directory, or a config.j
   bool random_weights = false;  // initialize the target randomly (benches, demos)
   int64_t seed = 0;             // seed of the random weights
   target::Precision precision = target::Precision::Auto;  // auto | bf16 | fp8 (target_model/config.h)
+  bool fp8_experts = false;  // MoE targets on GPUs: the routed experts stored in FP8 (TargetSource::fp8_experts)
   bool operator==(const TargetSection&) const = default;
   target::TargetSource source() const {  // what target::load_target_shard / TargetRuntime load
-    return {path, config, random_weights, static_cast<uint64_t>(seed), precision};
+    target::TargetSource s{path, config, random_weights, static_cast<uint64_t>(seed), precision};
+    s.fp8_experts = fp8_experts;
+    return s;
   }
 };
 

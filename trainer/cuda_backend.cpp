@@ -71,7 +71,7 @@ class CudaBackend final : public TrainBackend {
       const int64_t blocks = blocks_per_drafter_pass(cfg, tps);  // (training.blocks_per_pass)
       const MemoryPlan mp =
           gpu_memory_plan(local, dcfg_, tokens, cfg.data.max_length, blocks, drafter::CudaDrafter::kMinCeChunkRows,
-                          precision == target::Precision::Fp8, fp8_drafter);
+                          precision == target::Precision::Fp8, fp8_drafter, cfg.model.target.fp8_experts);
       size_t free_b = 0, total_b = 0;
       DFLASH_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
       memory_plan_ = mp.table(static_cast<double>(total_b));

@@ -44,7 +44,18 @@ TargetWeights load_target_shard(const TargetSource& source, const TargetConfig& 
                       "drop them on the CPU (the CPU reference runs its experts in f32)");
   TargetWeights w = source.random_weights ? random_weights_tp(full, source.seed, dtype, device, shard, source.precision)
                                           : load_weights_tp(full, source.model_dir, dtype, device, shard, source.precision);
-  if (source.fp8_experts) store_moe_experts_fp8(w);
+  if (source.fp8_experts) {
+    // An FP8 checkpoint's experts keep its own codes (quantized with its own scales); otherwise the
+    // experts are quantized per block.
+    std::string why;
+    const std::vector<MoeExpertScales> scales =
+        source.random_weights ? std::vector<MoeExpertScales>{} : read_moe_expert_scales(full, source.model_dir, shard, &why);
+    if (!source.random_weights)
+      spdlog::info("FP8 experts: {}", scales.empty() ? "quantized per 128 x 128 block (the checkpoint's own codes not used: " +
+                                                           why + ")"
+                                                     : std::string("the checkpoint's own codes and scales"));
+    store_moe_experts_fp8(w, &scales);
+  }
   return w;
 }
 

@@ -319,6 +319,54 @@ TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, 
   return w;
 }
 
+std::vector<MoeExpertScales> read_moe_expert_scales(const TargetConfig& full, const std::string& dir, const TpShard& shard,
+                                                    std::string* why) {
+  auto none = [&](const std::string& reason) {
+    if (why) *why = reason;
+    return std::vector<MoeExpertScales>{};
+  };
+  if (!full.is_moe()) return none("a dense model");
+  io::SafetensorsIndex ckpt = io::open_checkpoint(dir);
+  std::map<int64_t, std::map<std::pair<int64_t, std::string>, std::string>> per_expert;  // layer -> (expert, proj) -> name
+  for (const std::string& n : ckpt.names())
+    if (PerExpertName pe; parse_per_expert_name(canonical_weight_name(n), pe)) per_expert[pe.layer][{pe.expert, pe.proj}] = n;
+  const TargetConfig l = local_config(full, shard.size, shard.ep);
+  const int64_t per_group = shard.size / shard.ep, eg = shard.rank / per_group, er = shard.rank % per_group;
+  const int64_t El = l.local_num_experts(), I = full.moe_intermediate_size, Il = l.moe_intermediate_size;
+  const int64_t H = full.hidden_size, kI = fp8::blocks(I), kH = fp8::blocks(H), rb = fp8::blocks(Il);
+  if (Il != I && Il % fp8::kBlock != 0)
+    return none("this rank's " + std::to_string(Il) + " columns of each expert do not fall on 128-blocks");
+  const int64_t b0 = er * Il / fp8::kBlock;  // the shard's first row block of gate / up, column block of down
+  std::vector<MoeExpertScales> out;
+  for (int64_t layer = 0; layer < full.num_hidden_layers; ++layer) {
+    const auto it = per_expert.find(layer);
+    if (it == per_expert.end()) return none("its experts are not stored one tensor each");
+    MoeExpertScales m{Tensor::empty({El, 2 * rb, kH}, DType::F32), Tensor::empty({El, kH, rb}, DType::F32)};
+    for (int64_t e = 0; e < El; ++e) {
+      const int64_t ge = eg * El + e;
+      auto scales = [&](const char* proj, const Shape& want) -> Tensor {
+        const auto n = it->second.find({ge, proj});
+        if (n == it->second.end() || ckpt.info(n->second).dtype != DType::F8E4M3 || !ckpt.has(n->second + "_scale_inv"))
+          return {};
+        Tensor s = ckpt.tensor(n->second + "_scale_inv").to_dtype(DType::F32).contiguous();
+        return s.shape() == want ? s : Tensor{};
+      };
+      for (int part = 0; part < 2; ++part) {
+        const Tensor s = scales(part == 0 ? "gate" : "up", {kI, kH});
+        if (!s.defined()) return none("its experts are not e4m3 with [ceil(I/128), ceil(H/128)] scales");
+        std::memcpy(m.gate_up.data<float>() + (e * 2 * rb + part * rb) * kH, s.data<float>() + b0 * kH,
+                    static_cast<size_t>(rb * kH) * sizeof(float));
+      }
+      const Tensor s = scales("down", {kH, kI});
+      if (!s.defined()) return none("its experts are not e4m3 with [ceil(H/128), ceil(I/128)] scales");
+      for (int64_t r = 0; r < kH; ++r)
+        std::memcpy(m.down.data<float>() + (e * kH + r) * rb, s.data<float>() + r * kI + b0, static_cast<size_t>(rb) * sizeof(float));
+    }
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
 TargetWeights random_weights_tp(const TargetConfig& full, uint64_t seed, DType dtype, Device device,
                                 const TpShard& shard, Precision precision) {
   check_moe_fp8_slices(full, shard, precision);

@@ -72,6 +72,17 @@ TargetWeights load_weights_tp(const TargetConfig& full, const std::string& dir, 
                               const TpShard& shard, Precision precision = Precision::Auto);
 // The rank's slice of exactly the model random_weights(full, seed) would make (precision fp8:
 // quantized after slicing, see apply_precision).
+// An FP8 MoE checkpoint's routed-expert block scales for this shard, as MoeWeights::experts_*_scale
+// lays them out: per layer host F32 [El, 2·ceil(Il/128), ceil(H/128)] (gate's row blocks, then up's)
+// and [El, ceil(H/128), ceil(Il/128)]. Empty, with the reason in *why, when the checkpoint's experts
+// are not e4m3 tensors of their own with scales, or this shard's columns of an expert do not start
+// and end on 128-blocks. (store_moe_experts_fp8 quantizes with them: the checkpoint's own codes.)
+struct MoeExpertScales {
+  Tensor gate_up, down;
+};
+std::vector<MoeExpertScales> read_moe_expert_scales(const TargetConfig& full, const std::string& dir, const TpShard& shard,
+                                                    std::string* why);
+
 TargetWeights random_weights_tp(const TargetConfig& full, uint64_t seed, DType dtype, Device device,
                                 const TpShard& shard, Precision precision = Precision::Auto);
 

@@ -1,4 +1,5 @@
 #include "target_model/weights.h"
+#include "target_model/tp.h"
 
 #include <spdlog/spdlog.h>
 
@@ -227,7 +228,7 @@ int64_t TargetWeights::fp8_projections() const {
   return n;
 }
 
-void store_moe_experts_fp8(TargetWeights& w) {
+void store_moe_experts_fp8(TargetWeights& w, const std::vector<MoeExpertScales>* scales) {
   DFLASH_REQUIRE_HINT(w.device.is_cuda() && w.dtype == DType::BF16,
                       "FP8 experts are a GPU storage of bf16 weights; these are " << dtype_name(w.dtype) << " on "
                                                                                    << w.device.str(),
@@ -246,8 +247,20 @@ void store_moe_experts_fp8(TargetWeights& w) {
     Tensor gq = Tensor::empty({E, I2, H}, DType::F8E4M3, w.device), gs = Tensor::empty({E, 2 * rbI, kbH}, DType::F32, w.device);
     Tensor dq = Tensor::empty({E, H, I}, DType::F8E4M3, w.device), ds = Tensor::empty({E, rbH, kbI}, DType::F32, w.device);
     // gate rows and up rows scaled apart; down in one part
-    cuda::moe_quantize_experts(m.experts_gate_up.raw_data(), E, I2, H, I, gq.raw_data(), gs.data<float>(), stream);
-    cuda::moe_quantize_experts(m.experts_down.raw_data(), E, H, I, H, dq.raw_data(), ds.data<float>(), stream);
+    if (scales && !scales->empty()) {  // the checkpoint's own scales
+      const MoeExpertScales& given = scales->at(i);
+      DFLASH_CHECK(given.gate_up.shape() == gs.shape() && given.down.shape() == ds.shape(),
+                   "FP8 experts: layer " << i << "'s checkpoint scales " << given.gate_up.describe() << " / "
+                                         << given.down.describe() << " do not fit the experts " << gs.describe() << " / "
+                                         << ds.describe());
+      gs = given.gate_up.to(w.device);
+      ds = given.down.to(w.device);
+      cuda::moe_quantize_experts_scaled(m.experts_gate_up.raw_data(), E, I2, H, I, gs.data<float>(), gq.raw_data(), stream);
+      cuda::moe_quantize_experts_scaled(m.experts_down.raw_data(), E, H, I, H, ds.data<float>(), dq.raw_data(), stream);
+    } else {
+      cuda::moe_quantize_experts(m.experts_gate_up.raw_data(), E, I2, H, I, gq.raw_data(), gs.data<float>(), stream);
+      cuda::moe_quantize_experts(m.experts_down.raw_data(), E, H, I, H, dq.raw_data(), ds.data<float>(), stream);
+    }
     m.experts_gate_up = gq;
     m.experts_down = dq;
     m.experts_gate_up_scale = gs;

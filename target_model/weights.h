@@ -115,9 +115,12 @@ void for_each_projection(TargetWeights& w,
 void apply_precision(TargetWeights& w, Precision precision);
 // FP8 experts (TargetSource::fp8_experts, --fp8-experts): every MoE layer's routed experts of bf16
 // GPU weights quantized per 128 x 128 block (gate and up apart; as ops::quantize_fp8_weight) into
-// e4m3 codes and scales (MoeWeights::experts_*_scale), the bf16 copies freed. Refused on the CPU and
-// for experts whose widths are not multiples of 16 (the quantizer's rows), naming them.
-void store_moe_experts_fp8(TargetWeights& w);
+// e4m3 codes and scales (MoeWeights::experts_*_scale), the bf16 copies freed. With `scales` (an FP8
+// checkpoint's own, tp.h read_moe_expert_scales: host F32, one pair a layer) the codes are those
+// nearest to value / scale: the checkpoint's own codes again, so the experts keep its exact values.
+// Refused on the CPU and for experts whose widths are not multiples of 16, naming them.
+struct MoeExpertScales;
+void store_moe_experts_fp8(TargetWeights& w, const std::vector<MoeExpertScales>* scales = nullptr);
 
 // One expected tensor: canonical (text-model) name without the "model." prefix, and HF shape.
 struct TensorSpec {

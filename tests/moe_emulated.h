@@ -17,4 +17,5 @@
 #define moe_dequantize_experts moe_dequantize_experts_emulated
 #define moe_experts_scratch_bytes moe_experts_scratch_bytes_emulated
 #define moe_quantize_experts moe_quantize_experts_emulated
+#define moe_quantize_experts_scaled moe_quantize_experts_scaled_emulated
 #include "kernels/cuda/moe.h"

@@ -393,6 +393,7 @@ TEST(MoeLayouts, Fp8CheckpointLoadsAsItsDequantizedValues) {
   json cfg = read_json(kDir + "/config.json");
   const int64_t E = cfg["num_experts"].get<int64_t>();
   Tensors fp8, deq;  // the FP8 checkpoint; its values dequantized (F32)
+  std::map<std::string, Tensor> expert_scales;  // canonical expert weight name -> its block scales
   int64_t quantized = 0, experts = 0;
   for (const auto& [n, t] : checkpoint_tensors()) {
     const std::string c = canonical_weight_name(n);
@@ -407,6 +408,7 @@ TEST(MoeLayouts, Fp8CheckpointLoadsAsItsDequantizedValues) {
       deq.emplace_back(n, ops::dequantize_fp8(q));
       ++quantized;
       experts += expert;
+      if (expert) expert_scales[c] = q.scale_inv;
     } else {
       fp8.emplace_back(n, t);
       deq.emplace_back(n, t);
@@ -428,6 +430,28 @@ TEST(MoeLayouts, Fp8CheckpointLoadsAsItsDequantizedValues) {
   const Tensor& full_down = ref.model->weights().layers[1].moe.experts_down;
   EXPECT_EQ(max_abs_diff(shard.layers[1].moe.experts_down, full_down.slice(0, E / 2, E)), 0.0);
   EXPECT_EQ(shard.fp8_projections(), 0);
+  // The experts' own block scales for FP8 experts on a GPU (read_moe_expert_scales): this shard's
+  // experts, gate's then up's row blocks, down's column blocks; none from a checkpoint that is not FP8.
+  std::string why;
+  const std::vector<MoeExpertScales> sc = read_moe_expert_scales(got.cfg, dir, TpShard{1, 2, 2}, &why);
+  ASSERT_EQ(sc.size(), static_cast<size_t>(got.cfg.num_hidden_layers)) << why;
+  for (int64_t layer = 0; layer < got.cfg.num_hidden_layers; ++layer)
+    for (int64_t e = 0; e < E / 2; ++e) {
+      const std::string p = "layers." + std::to_string(layer) + ".mlp.experts." + std::to_string(E / 2 + e) + ".";
+      const Tensor& g = expert_scales.at(p + "gate_proj.weight");
+      const Tensor& u = expert_scales.at(p + "up_proj.weight");
+      const Tensor& d = expert_scales.at(p + "down_proj.weight");
+      const int64_t rb = g.size(0);
+      ASSERT_EQ(sc[layer].gate_up.shape(), Shape({E / 2, 2 * rb, g.size(1)}));
+      const Tensor gu_e = sc[layer].gate_up.slice(0, e, e + 1).contiguous().view({2 * rb, g.size(1)});
+      EXPECT_EQ(max_abs_diff(gu_e.slice(0, 0, rb).contiguous(), g), 0.0) << p << "gate";
+      EXPECT_EQ(max_abs_diff(gu_e.slice(0, rb, 2 * rb).contiguous(), u), 0.0) << p << "up";
+      EXPECT_EQ(max_abs_diff(sc[layer].down.slice(0, e, e + 1).contiguous().view(d.shape()), d), 0.0) << p << "down";
+    }
+  EXPECT_TRUE(read_moe_expert_scales(ref.cfg, ref_dir, TpShard{}, &why).empty());
+  EXPECT_NE(why.find("not e4m3"), std::string::npos) << why;
+  EXPECT_TRUE(read_moe_expert_scales(got.cfg, dir, TpShard{0, 2, 1}, &why).empty());  // half of each 32-wide expert
+  EXPECT_NE(why.find("do not fall on 128-blocks"), std::string::npos) << why;
   // precision fp8 (W8A8 on the CPU reference): the same exact expert values, not rounded again; the
   // blocks (and the FP8 projections) quantize their inputs, so the forward moves by e4m3's rounding of
   // the activations, which this random tiny model amplifies layer by layer and which flips the routing

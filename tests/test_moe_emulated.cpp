@@ -116,5 +116,15 @@ TEST(MoeEmulated, Fp8ExpertsDequantizeToTheLoadersValues) {
     Tensor y = Tensor::empty({E, R, K}, DType::BF16);
     cu::moe_dequantize_experts(f.codes.raw_data(), f.scale.data<float>(), E, R, K, split, y.raw_data(), nullptr);
     EXPECT_EQ(std::memcmp(y.raw_data(), f.bf16.raw_data(), y.nbytes()), 0) << "R " << R << " K " << K << " split " << split;
+    // And back: those bf16 values quantized with the same scales give codes of the same values (the
+    // checkpoint's own codes; +0 / -0 aside).
+    Tensor q = Tensor::empty({E, R, K}, DType::U8), y2 = Tensor::empty({E, R, K}, DType::BF16);
+    cu::moe_quantize_experts_scaled(f.bf16.raw_data(), E, R, K, split, f.scale.data<float>(), q.raw_data(), nullptr);
+    cu::moe_dequantize_experts(q.raw_data(), f.scale.data<float>(), E, R, K, split, y2.raw_data(), nullptr);
+    EXPECT_EQ(max_rel_err(f32(y2), f32(f.bf16)), 0.0) << "round trip, R " << R;
+    int64_t same = 0;
+    for (int64_t i = 0; i < E * R * K; ++i)
+      same += q.data<uint8_t>()[i] == f.codes.data<uint8_t>()[i] || (f.codes.data<uint8_t>()[i] & 0x7f) == 0;
+    EXPECT_EQ(same, E * R * K) << "codes recovered";
   }
 }

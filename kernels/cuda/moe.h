@@ -158,6 +158,11 @@ void moe_dequantize_experts(const void* q, const float* scale, int64_t El, int64
 // expert's row parts quantized apart (quantize_fp8_weight, gemm.h: amax / 448 per 128 x 128 block).
 // Needs K % 16 == 0, (R - split) and split multiples of 16 or the whole R, 16-byte aligned w and q.
 void moe_quantize_experts(const void* w, int64_t El, int64_t R, int64_t K, int64_t split, void* q, float* scale, Stream s);
+// The same with given block scales (an FP8 checkpoint's own): q = the e4m3 code nearest to w / scale.
+// For w holding the bf16-rounded code · scale this recovers the code (bf16's 2^-9 relative error is
+// far below e4m3's half step), so the FP8 experts hold the checkpoint's own codes again. K % 8 == 0.
+void moe_quantize_experts_scaled(const void* w, int64_t El, int64_t R, int64_t K, int64_t split, const float* scale,
+                                 void* q, Stream s);
 void moe_block(const MoeBlockParams& p, MoeImpl impl, int device);
 
 // The Decode impl's kernels on buffers moe_block carves from its workspace: logits fp32 [N, E],

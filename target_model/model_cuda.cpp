@@ -738,8 +738,8 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
   // and larger batches on the grouped GEMMs.
   static_assert(cuda::kMoeDecodeMaxRows == kMaxVerifyTokens, "the MoE decode kernels take every decode and verify step");
   const bool fp8_experts = L.moe.experts_gate_up_scale.defined();
-  const bool decode_kernels = decode_ && !decode_->prefill && (decode_->fusion.moe_decode || fp8_experts) &&
-                              N <= cuda::kMoeDecodeMaxRows && !plan_.moe_fallback;
+  const bool decode_kernels =
+      decode_ && !decode_->prefill && (decode_->fusion.moe_decode || fp8_experts) && N <= cuda::kMoeDecodeMaxRows;
   const cuda::MoeImpl impl = plan_.moe_fallback ? cuda::MoeImpl::Fallback
                              : decode_kernels   ? cuda::MoeImpl::Decode
                                                 : cuda::MoeImpl::Grouped;

@@ -375,12 +375,9 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 // 8 values a thread: FP8 expert rows to their bf16 values (moe_fp8.cuh).
 __global__ void dequant_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale, int64_t units, int R, int K,
                                int split, bf16* __restrict__ y) {
-  const int ku = K / 8, kb = (K + 127) / 128, rb = moe_detail::fp8_row_blocks(R, split);
   for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < units;
        u += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = u / ku;  // over all experts' rows
-    const int c8 = static_cast<int>(u - row * ku), e = static_cast<int>(row / R), r = static_cast<int>(row - int64_t{e} * R);
-    const float s = scale[(static_cast<int64_t>(e) * rb + moe_detail::fp8_row_block(r, split)) * kb + c8 / 16];
+    const float s = moe_detail::fp8_unit_scale(scale, u, R, K, split);
     float f[8];
     moe_detail::unpack_e4m3x8(*reinterpret_cast<const uint2*>(q + 8 * u), s, f);
     vec::store8(y + 8 * u, f);
@@ -390,12 +387,9 @@ __global__ void dequant_kernel(const uint8_t* __restrict__ q, const float* __res
 // 8 values a thread: bf16 expert rows to the e4m3 codes nearest to value / its block scale.
 __global__ void requant_kernel(const bf16* __restrict__ w, const float* __restrict__ scale, int64_t units, int R, int K,
                                int split, uint8_t* __restrict__ q) {
-  const int ku = K / 8, kb = (K + 127) / 128, rb = moe_detail::fp8_row_blocks(R, split);
   for (int64_t u = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u < units;
        u += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = u / ku;
-    const int c8 = static_cast<int>(u - row * ku), e = static_cast<int>(row / R), r = static_cast<int>(row - int64_t{e} * R);
-    const float s = scale[(static_cast<int64_t>(e) * rb + moe_detail::fp8_row_block(r, split)) * kb + c8 / 16];
+    const float s = moe_detail::fp8_unit_scale(scale, u, R, K, split);
     float f[8];
     vec::load8(w + 8 * u, f);
     uint8_t c[8];

@@ -217,12 +217,6 @@ __global__ void __launch_bounds__(kThreads) topk_kernel(const DecParams p) {
   }
 }
 
-// Blocks [0, routed·k·col_blocks): (column block, then token n and choice j): the token's choice j
-// (routed by topk_kernel before, or here by warp 0), then a warp per act column c: act[n·k + j, c] = silu(x_n · gate_e[c]) * (x_n · up_e[c]). A column
-// block's (token, choice) blocks are neighbours in launch order, so an expert chosen by several
-// tokens of a verify has its rows read from memory once and from L2 by the others. The blocks after
-// them: a warp per shared-expert column c for every routed token, with gemm_bf16's bf16 outputs and
-// cuda::swiglu's silu.
 // Expert e's row `row` of gate|up ([2I, H]: gate rows, then up rows) and of down ([H, I]).
 template <class W>
 __device__ __forceinline__ W gate_up_row(const DecParams& p, int e, int row);
@@ -249,6 +243,12 @@ __device__ __forceinline__ Fp8Row down_row<Fp8Row>(const DecParams& p, int e, in
           p.down_scale + (static_cast<int64_t>(e) * rb + h / 128) * kb};
 }
 
+// Blocks [0, routed·k·col_blocks): (column block, then token n and choice j): the token's choice j
+// (routed by topk_kernel before, or here by warp 0), then a warp per act column c: act[n·k + j, c] = silu(x_n · gate_e[c]) * (x_n · up_e[c]). A column
+// block's (token, choice) blocks are neighbours in launch order, so an expert chosen by several
+// tokens of a verify has its rows read from memory once and from L2 by the others. The blocks after
+// them: a warp per shared-expert column c for every routed token, with gemm_bf16's bf16 outputs and
+// cuda::swiglu's silu.
 template <class W>
 __global__ void __launch_bounds__(kThreads) gate_up_kernel(const DecParams p) {
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;

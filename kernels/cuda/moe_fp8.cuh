@@ -24,6 +24,14 @@ __host__ __device__ __forceinline__ int fp8_row_blocks(int R, int split) {
   return (split + 127) / 128 + (R - split + 127) / 128;
 }
 
+// The block scale of 8-value unit u (values 8u .. 8u + 7, row-major) of El experts [R, K].
+__device__ __forceinline__ float fp8_unit_scale(const float* __restrict__ scale, int64_t u, int R, int K, int split) {
+  const int ku = K / 8, kb = (K + 127) / 128;
+  const int64_t row = u / ku;  // over all experts' rows
+  const int c8 = static_cast<int>(u - row * ku), e = static_cast<int>(row / R), r = static_cast<int>(row - int64_t{e} * R);
+  return scale[(static_cast<int64_t>(e) * fp8_row_blocks(R, split) + fp8_row_block(r, split)) * kb + c8 / 16];
+}
+
 // 8 e4m3 codes (little-endian in r) -> their bf16-rounded values times `scale`.
 __device__ __forceinline__ void unpack_e4m3x8(const uint2& r, float scale, float (&f)[8]) {
 #pragma unroll

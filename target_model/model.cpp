@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "target_model/tp.h"
+
 namespace dflash::target {
 
 using ops::SeqOffsets;
@@ -172,7 +174,7 @@ void TargetModel::moe(const LayerWeights& L, const Tensor& x, Tensor& out, ops::
 }
 
 int64_t TargetModel::expert_group() const {
-  return tp_ ? tp_->rank() / (tp_->size() / static_cast<int>(config_.ep_size)) : 0;
+  return tp_ ? TpShard{tp_->rank(), tp_->size(), static_cast<int>(config_.ep_size)}.expert_group() : 0;
 }
 
 int64_t layers_to_run(const TargetConfig& c, const ForwardOptions& options) {

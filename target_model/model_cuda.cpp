@@ -17,6 +17,7 @@
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/rope.h"
 #include "core/device.h"
+#include "target_model/tp.h"
 
 namespace dflash::target {
 
@@ -769,7 +770,7 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
   p.experts_gate_up = L.moe.experts_gate_up.raw_data();
   p.experts_down = L.moe.experts_down.raw_data();
   Tensor scratch;  // FP8 experts: their bf16 values for the grouped GEMMs / the fallback (not the decode kernels)
-  if (L.moe.experts_gate_up_scale.defined()) {
+  if (fp8_experts) {
     p.experts_gate_up_scale = L.moe.experts_gate_up_scale.data<float>();
     p.experts_down_scale = L.moe.experts_down_scale.data<float>();
     if (impl != cuda::MoeImpl::Decode) {
@@ -814,7 +815,7 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
 }
 
 int64_t CudaTargetModel::expert_group() const {
-  return tp_ ? tp_->rank() / (tp_->size() / static_cast<int>(config_.ep_size)) : 0;
+  return tp_ ? TpShard{tp_->rank(), tp_->size(), static_cast<int>(config_.ep_size)}.expert_group() : 0;
 }
 
 void CudaTargetModel::mlp(int64_t i, const Tensor& x, Tensor& out) {

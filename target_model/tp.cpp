@@ -84,7 +84,7 @@ std::vector<SliceSpec> shard_specs(const TargetConfig& c, const TpShard& sh) {
   const int64_t kv0 = c.num_key_value_heads >= sh.size ? r * Hkv_l : (r * c.num_key_value_heads) / sh.size;
   // MoE: expert group eg = r / (tp / ep) holds experts [eg·El, (eg+1)·El); rank er of the group's
   // tp / ep ranks holds columns [er·Ie_l, ...) of each of them.
-  const int64_t per_group = sh.size / sh.ep, eg = r / per_group, er = r % per_group;
+  const int64_t eg = sh.expert_group(), er = sh.expert_rank();
   const int64_t El = l.local_num_experts(), Ie_l = l.moe_intermediate_size, Is_l = l.shared_expert_intermediate_size;
   std::vector<SliceSpec> out;
   for (size_t i = 0; i < full.size(); ++i) {
@@ -331,7 +331,7 @@ std::vector<MoeExpertScales> read_moe_expert_scales(const TargetConfig& full, co
   for (const std::string& n : ckpt.names())
     if (PerExpertName pe; parse_per_expert_name(canonical_weight_name(n), pe)) per_expert[pe.layer][{pe.expert, pe.proj}] = n;
   const TargetConfig l = local_config(full, shard.size, shard.ep);
-  const int64_t per_group = shard.size / shard.ep, eg = shard.rank / per_group, er = shard.rank % per_group;
+  const int64_t eg = shard.expert_group(), er = shard.expert_rank();
   const int64_t El = l.local_num_experts(), I = full.moe_intermediate_size, Il = l.moe_intermediate_size;
   const int64_t H = full.hidden_size, kI = fp8::blocks(I), kH = fp8::blocks(H), rb = fp8::blocks(Il);
   if (Il != I && Il % fp8::kBlock != 0)

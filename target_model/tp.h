@@ -31,6 +31,10 @@ namespace dflash::target {
 struct TpShard {
   int rank = 0, size = 1;
   int ep = 1;  // expert groups of the MoE block within the TP group (divides size)
+  // MoE: this rank's expert group (of ep groups of size / ep consecutive ranks), and its place in it
+  // (which slice of each of the group's experts it holds).
+  int expert_group() const { return rank / (size / ep); }
+  int expert_rank() const { return rank % (size / ep); }
 };
 
 // Throws one message naming every count that tp does not divide (heads, intermediate sizes; an

@@ -734,9 +734,9 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
   const Fused& f = fused_[static_cast<size_t>(i)];
   const int64_t N = x.size(0);
   // A decode / verify step of <= 16 rows (a T = 1 decode and a T <= 16 verify alike: their rows are
-  // padded to 16) on the decode plan's MoE decode kernels, and always with FP8 experts (the grouped
-  // GEMMs would first write a bf16 copy of all the layer's experts); prefill, chunked prompt pieces
-  // and larger batches on the grouped GEMMs.
+  // padded to 16) on the decode plan's MoE decode kernels, and always with FP8 experts (written for
+  // them: three launches streaming the codes); prefill, chunked prompt pieces and larger batches on
+  // the grouped GEMMs (which read FP8 codes too).
   static_assert(cuda::kMoeDecodeMaxRows == kMaxVerifyTokens, "the MoE decode kernels take every decode and verify step");
   const bool fp8_experts = L.moe.experts_gate_up_scale.defined();
   const bool decode_kernels =
@@ -769,11 +769,11 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
   p.router = L.moe.router.raw_data();
   p.experts_gate_up = L.moe.experts_gate_up.raw_data();
   p.experts_down = L.moe.experts_down.raw_data();
-  Tensor scratch;  // FP8 experts: their bf16 values for the grouped GEMMs / the fallback (not the decode kernels)
+  Tensor scratch;  // FP8 experts: their bf16 values for the fallback's gemm_bf16 (the other paths read the codes)
   if (fp8_experts) {
     p.experts_gate_up_scale = L.moe.experts_gate_up_scale.data<float>();
     p.experts_down_scale = L.moe.experts_down_scale.data<float>();
-    if (impl != cuda::MoeImpl::Decode) {
+    if (impl == cuda::MoeImpl::Fallback || (impl == cuda::MoeImpl::Grouped && cuda::tuning::moe_fp8_dequantize_first)) {
       scratch = Tensor::empty({static_cast<int64_t>(cuda::moe_experts_scratch_bytes(El, p.I, p.H))}, DType::U8, device_);
       p.experts_scratch = scratch.raw_data();
     }

@@ -13,6 +13,7 @@
 #define moe_workspace_bytes moe_workspace_bytes_emulated
 #define moe_impl_name moe_impl_name_emulated
 #define moe_narrow_tiles moe_narrow_tiles_emulated
+#define moe_fp8_dequantize_first moe_fp8_dequantize_first_emulated
 #define moe_decode_topk_first moe_decode_topk_first_emulated
 #define moe_dequantize_experts moe_dequantize_experts_emulated
 #define moe_experts_scratch_bytes moe_experts_scratch_bytes_emulated

@@ -667,11 +667,12 @@ TEST(CudaMoe, Bench35bA3b) {
     // expert, over the block's time).
     // 3: the decode kernels routing inside the gate|up blocks, 4: by the top-k kernel first; 5: the
     // decode kernels on FP8 experts (expert_gemm_gbs: the block's bytes with the experts' codes and
-    // scales); 6: the grouped GEMMs on FP8 experts (their bf16 scratch written first, in the time).
-    for (int variant : {0, 1, 2, 3, 4, 5, 6}) {
+    // scales); 6: the grouped GEMMs on FP8 experts (reading the codes), 7: the same with a bf16 copy of
+    // the experts written first (tuning::moe_fp8_dequantize_first, in the time).
+    for (int variant : {0, 1, 2, 3, 4, 5, 6, 7}) {
       if ((variant == 3 || variant == 4 || variant == 5) && N > cu::kMoeDecodeMaxRows) continue;
       const bool fp8 = variant >= 5;
-      const cu::MoeImpl impl = variant < 2 || variant == 6 ? cu::MoeImpl::Grouped
+      const cu::MoeImpl impl = variant < 2 || variant >= 6 ? cu::MoeImpl::Grouped
                                : variant == 2              ? cu::MoeImpl::Fallback
                                                            : cu::MoeImpl::Decode;
       NarrowKnob knob(variant < 2 ? variant : -1);
@@ -681,8 +682,10 @@ TEST(CudaMoe, Bench35bA3b) {
                                 : variant == 1 ? "/narrow"
                                 : variant == 3 ? "/topk_in_blocks"
                                 : variant == 4 ? "/topk_first"
+                                : variant == 7 ? "/fp8_dequantize_first"
                                 : fp8          ? "/fp8_experts"
                                                : "");
+      cu::tuning::moe_fp8_dequantize_first = variant == 7;
       const size_t bytes = cu::moe_workspace_bytes(N, H, E, k, I, Is, impl);
       Tensor ws_t = Tensor::empty({static_cast<int64_t>(bytes)}, DType::U8, Device::cuda(0));
       cu::MoeBlockParams p;
@@ -760,4 +763,5 @@ TEST(CudaMoe, Bench35bA3b) {
       std::fflush(stdout);
     }
   }
+  cu::tuning::moe_fp8_dequantize_first = false;
 }

@@ -128,3 +128,49 @@ TEST(MoeEmulated, Fp8ExpertsDequantizeToTheLoadersValues) {
     EXPECT_EQ(same, E * R * K) << "codes recovered";
   }
 }
+
+// FP8 experts on the grouped GEMMs (w_scale): the e4m3 tiles converted in the kernel give the bits
+// of the same GEMMs on the loader's bf16 values of those experts, in both tilings (gate|up with
+// SwiGLU blocked apart at I, I not a multiple of 128 and partial tiles; down in one part).
+TEST(MoeEmulated, Fp8GroupedGemmsGiveTheBf16ExpertsBits) {
+  const int64_t N = 23, H = 144, E = 3, k = 2, I = 80, R = N * k;
+  const Fp8Experts gu = make_fp8_experts(E, 2 * I, H, I, 31), dn = make_fp8_experts(E, H, I, H, 32);
+  const Pair x = rand_bf16({N, H}, 1.0f);
+  // Routing: choice j of row n to expert (n + j) % E, through the permutation kernel.
+  Tensor ex = Tensor::empty({R}, DType::I32), counts = Tensor::zeros({E}, DType::I32);
+  for (int64_t i = 0; i < R; ++i) {
+    ex.data<int32_t>()[i] = static_cast<int32_t>((i / k + i % k) % E);
+    ++counts.data<int32_t>()[ex.data<int32_t>()[i]];
+  }
+  Tensor off = Tensor::empty({E + 1}, DType::I32), tiles = Tensor::empty({E + 1}, DType::I32);
+  Tensor cursor = Tensor::empty({E}, DType::I32), src = Tensor::empty({R}, DType::I32), slot = Tensor::empty({R}, DType::I32);
+  cu::moe_permute(ex.data<int32_t>(), counts.data<int32_t>(), N, E, k, off.data<int32_t>(), tiles.data<int32_t>(),
+                  cursor.data<int32_t>(), src.data<int32_t>(), slot.data<int32_t>(), nullptr, 0, E);
+  for (int narrow : {0, 1}) {
+    cu::tuning::moe_narrow_tiles = narrow;
+    Tensor act[2], y[2];
+    for (int fp8 : {0, 1}) {
+      act[fp8] = Tensor::empty({R, I}, DType::BF16);
+      y[fp8] = Tensor::empty({R, H}, DType::BF16);
+      poison(act[fp8]);
+      poison(y[fp8]);
+      cu::MoeGemmParams g;
+      g.x = x.bf.raw_data(), g.ldx = H, g.src_row = src.data<int32_t>(), g.y = act[fp8].raw_data(), g.ldy = I;
+      g.offsets = off.data<int32_t>(), g.tile_offsets = tiles.data<int32_t>(), g.E = E, g.Nout = I, g.K = H;
+      g.max_tiles = cu::moe_max_tiles(R, E), g.swiglu = true, g.rows = R;
+      g.w = fp8 ? gu.codes.raw_data() : gu.bf16.raw_data();
+      g.w_scale = fp8 ? gu.scale.data<float>() : nullptr;
+      cu::moe_grouped_gemm(g, nullptr);
+      cu::MoeGemmParams d = g;
+      d.x = act[fp8].raw_data(), d.ldx = I, d.src_row = nullptr, d.y = y[fp8].raw_data(), d.ldy = H, d.Nout = H, d.K = I;
+      d.swiglu = false;
+      d.w = fp8 ? dn.codes.raw_data() : dn.bf16.raw_data();
+      d.w_scale = fp8 ? dn.scale.data<float>() : nullptr;
+      cu::moe_grouped_gemm(d, nullptr);
+    }
+    EXPECT_LT(max_rel_err(f32(y[1]), f32(y[1])), 1.0) << "every row written, narrow " << narrow;
+    EXPECT_EQ(std::memcmp(act[0].raw_data(), act[1].raw_data(), act[0].nbytes()), 0) << "gate|up, narrow " << narrow;
+    EXPECT_EQ(std::memcmp(y[0].raw_data(), y[1].raw_data(), y[0].nbytes()), 0) << "down, narrow " << narrow;
+  }
+  cu::tuning::moe_narrow_tiles = -1;
+}

@@ -47,7 +47,6 @@ MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::Drafter
   const double N = static_cast<double>(tokens), R = static_cast<double>(blocks * d.block_size);
   p.target_weights = 2.0 * static_cast<double>(t.parameter_count());
   if (t.is_moe()) p.target_experts = static_cast<double>(t.num_hidden_layers) * t.expert_bytes_per_layer(2.0);
-  const double expert_layer_bf16 = t.is_moe() ? t.expert_bytes_per_layer(2.0) : 0.0;
   if (fp8_experts && t.is_moe()) {  // 2 -> 1 byte a value, plus a 4-byte scale per 128 x 128 block
     const double fp8 = p.target_experts * (0.5 + 2.0 / (128.0 * 128.0));
     p.target_weights -= p.target_experts - fp8;
@@ -69,7 +68,8 @@ MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::Drafter
                          2.0 * N * H * static_cast<double>(d.num_context_layers()) * 2;  // captures + packed context
   // FP8: the largest quantized GEMM input (e4m3) and its scales
   if (fp8_target) p.target_activations += N * fp8_gemm_input_per_token(t) * (1.0 + 4.0 / 128.0);
-  if (fp8_experts) p.target_activations += expert_layer_bf16;  // moe_block's bf16 copy of a layer's experts
+  // (FP8 experts: the grouped GEMMs and the decode kernels read the codes; only the explicit fallback,
+  // kernels.moe: fallback, writes a bf16 copy of a layer's experts first, expert_bytes_per_layer(2) more.)
   p.drafter_state = 18.0 * drafter_params(d);
   if (fp8_drafter) p.drafter_state += 2.0 * drafter_params(d);  // e4m3 codes + their transposes (upper bound)
   const double Hd = static_cast<double>(d.hidden_size), Id = static_cast<double>(d.intermediate_size);

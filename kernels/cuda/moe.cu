@@ -106,6 +106,7 @@ __global__ void scatter_kernel(const int32_t* __restrict__ experts, int64_t rows
 // mma.sync k16 steps in the same K order either way, so the two give the same bits.
 constexpr int BM = kMoeTileRows, BK = 32, kThreads = 128;
 constexpr int kLds = BK + 8;  // 80-byte smem rows: ldmatrix's 8 row addresses hit distinct banks
+constexpr int kLdq = BK + 16;  // FP8 weight rows of 48 bytes: a fragment's 8 rows x 4 byte pairs hit distinct banks
 
 __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
 #ifdef DFLASH_CUDA_EMULATION
@@ -123,13 +124,21 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 // Block: BM rows of one expert x (swiglu ? BN/2 act columns (BN/2 gate + BN/2 up weight rows) : BN
 // output columns). 4 warps, 2 (rows) x 2 (columns); a warp 32 rows x NT = BN/16 n8 tiles. In swiglu
 // mode the warp's tiles [0, NT/2) are gate columns and [NT/2, NT) the up columns of the same act columns.
-template <int BN, int kStages>
+// kFp8: the weights are e4m3 codes with 128 x 128 block scales (p.w_scale, moe_fp8.cuh's layout):
+// their tiles come into shared memory as codes (half the bytes of bf16) and each thread builds its
+// mma B fragments from them, every weight the bf16-rounded code · scale: the bf16 experts' values,
+// so the products are the bf16 kernel's bits on those experts.
+template <int BN, int kStages, bool kFp8>
 __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p) {
-  constexpr int NT = BN / 16, HT = NT / 2, BCH = BN * (BK / 8) / kThreads;  // n8 tiles, half, B chunks a thread
+  constexpr int NT = BN / 16, HT = NT / 2;  // n8 tiles, half of them
+  // B chunks of 16 bytes a thread per k tile (8 bf16 or 16 e4m3 values); fp8 rows of kLdq bytes.
+  constexpr int BCH = BN * BK * (kFp8 ? 1 : 2) / 16 / kThreads, CW = kFp8 ? 16 : 8;
   static_assert(HT % 2 == 0 && BCH >= 1 && (BN & (BN - 1)) == 0, "tile pairs for ldmatrix_x4, whole B chunks, BN a power of 2");
+  static_assert(BN <= 128 && 128 % BK == 0, "a block's weight rows of a part and a k tile lie in one 128 x 128 scale block");
   DFLASH_DYNAMIC_SMEM(unsigned char, smem_raw);
   bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [kStages][BM][kLds]
-  bf16* sb = sa + kStages * BM * kLds;            // [kStages][BN][kLds]
+  bf16* sb = sa + kStages * BM * kLds;            // [kStages][BN][kLds] (bf16) or [kStages][BN][kLdq] (bytes)
+  constexpr int kRowB = kFp8 ? kLdq : kLds * 2;   // a B smem row's bytes
   const int E = static_cast<int>(p.E);
   const int tile = blockIdx.x;
   if (tile >= p.tile_offsets[E]) return;
@@ -144,7 +153,8 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
   const int K = static_cast<int>(p.K), Nout = static_cast<int>(p.Nout);
   const int col0 = blockIdx.y * (p.swiglu ? BN / 2 : BN);
   const bf16* X = static_cast<const bf16*>(p.x);
-  const bf16* W = static_cast<const bf16*>(p.w) + static_cast<int64_t>(e) * (p.swiglu ? 2 : 1) * Nout * K;
+  const int R = (p.swiglu ? 2 : 1) * Nout;  // the expert's weight rows
+  const unsigned char* W = static_cast<const unsigned char*>(p.w) + static_cast<int64_t>(e) * R * K * (kFp8 ? 1 : 2);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 1, wn = warp & 1;
 
   // Each thread's load assignments: A 2 chunks (row, 8-col group), B 4 chunks.
@@ -160,12 +170,13 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
     a_src[c] = X + static_cast<int64_t>(src) * p.ldx + g * 8;
     a_off[c] = r * kLds + g * 8;
   }
-  const bf16* b_src[BCH];
+  const unsigned char* b_src[BCH];
   bool b_ok[BCH];
   int b_off[BCH];
+  constexpr int GPR = BK / CW;  // chunks a B row per k tile
 #pragma unroll
   for (int c = 0; c < BCH; ++c) {
-    const int idx = tid + c * kThreads, r = idx >> 2, g = idx & 3;
+    const int idx = tid + c * kThreads, r = idx / GPR, g = idx % GPR;
     int wrow;
     bool ok;
     if (p.swiglu) {
@@ -177,14 +188,24 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
       ok = wrow < Nout;
     }
     b_ok[c] = ok;
-    b_src[c] = W + static_cast<int64_t>(ok ? wrow : 0) * K + g * 8;
-    b_off[c] = r * kLds + g * 8;
+    b_src[c] = W + (static_cast<int64_t>(ok ? wrow : 0) * K + g * CW) * (kFp8 ? 1 : 2);
+    b_off[c] = r * kRowB + g * 16;
+  }
+  // FP8: the scale rows of the block's gate (or down) rows and of its up rows; one 128-column block
+  // holds a whole k tile.
+  const float* s_lo = nullptr;
+  const float* s_hi = nullptr;
+  if constexpr (kFp8) {
+    const int kb = (K + 127) / 128;
+    const float* se = p.w_scale + static_cast<int64_t>(e) * moe_detail::fp8_row_blocks(R, Nout) * kb;
+    s_lo = se + static_cast<int64_t>(moe_detail::fp8_row_block(col0, Nout)) * kb;
+    s_hi = p.swiglu ? se + static_cast<int64_t>(moe_detail::fp8_row_block(Nout + col0, Nout)) * kb : s_lo;
   }
   const int KT = (K + BK - 1) / BK;
   auto load = [&](int stage, int kt) {
     const int k0 = kt * BK;
     bf16* A = sa + stage * BM * kLds;
-    bf16* B = sb + stage * BN * kLds;
+    unsigned char* B = reinterpret_cast<unsigned char*>(sb) + stage * BN * kRowB;
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int kk = k0 + ((tid + c * kThreads) & 3) * 8;
@@ -193,9 +214,9 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
     }
 #pragma unroll
     for (int c = 0; c < BCH; ++c) {
-      const int kk = k0 + ((tid + c * kThreads) & 3) * 8;
+      const int kk = k0 + ((tid + c * kThreads) % GPR) * CW;
       const bool v = b_ok[c] && kk < K;
-      cp_async16_zfill(B + b_off[c], v ? b_src[c] + k0 : W, v);
+      cp_async16_zfill(B + b_off[c], v ? b_src[c] + k0 * (kFp8 ? 1 : 2) : W, v);
     }
   };
 
@@ -223,7 +244,12 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
     if (kt + kStages - 1 < KT) load((kt + kStages - 1) % kStages, kt + kStages - 1);
     ptx::cp_async_commit_ring();
     const bf16* A = sa + (kt % kStages) * BM * kLds;
-    const bf16* B = sb + (kt % kStages) * BN * kLds;
+    const unsigned char* Bs = reinterpret_cast<const unsigned char*>(sb) + (kt % kStages) * BN * kRowB;
+    float sc_lo = 0.0f, sc_hi = 0.0f;
+    if constexpr (kFp8) {
+      sc_lo = s_lo[kt * BK / 128];
+      sc_hi = s_hi[kt * BK / 128];
+    }
 #pragma unroll
     for (int ks = 0; ks < BK; ks += 16) {
       uint32_t af[2][4];
@@ -233,7 +259,20 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
 #pragma unroll
       for (int j = 0; j < NT; j += 2) {
         uint32_t bfr[4];
-        ptx::ldmatrix_x4(bfr, B + (brow(j) + (lane >> 4) * 8 + (lane & 7)) * kLds + ks + ((lane >> 3) & 1) * 8);
+        if constexpr (kFp8) {
+          // The m16n8k16 B fragment of n8 tile t: weight row brow(t) + lane / 4, k pairs ks + 2 (lane % 4)
+          // (register 0) and 8 further (register 1).
+          const float sc = p.swiglu && j >= HT ? sc_hi : sc_lo;
+#pragma unroll
+          for (int t = 0; t < 2; ++t) {
+            const unsigned char* q = Bs + (brow(j + t) + (lane >> 2)) * kLdq + ks + (lane & 3) * 2;
+            bfr[2 * t] = moe_detail::e4m3x2_to_bf16x2(*reinterpret_cast<const uint16_t*>(q), sc);
+            bfr[2 * t + 1] = moe_detail::e4m3x2_to_bf16x2(*reinterpret_cast<const uint16_t*>(q + 8), sc);
+          }
+        } else {
+          const bf16* B = reinterpret_cast<const bf16*>(Bs);
+          ptx::ldmatrix_x4(bfr, B + (brow(j) + (lane >> 4) * 8 + (lane & 7)) * kLds + ks + ((lane >> 3) & 1) * 8);
+        }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           ptx::mma_bf16(acc[i][j], af[i], bfr[0], bfr[1]);
@@ -284,25 +323,26 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
   }
 }
 
-template <int BN, int kStages>
+template <int BN, int kStages, bool kFp8>
 constexpr size_t gemm_smem() {
-  return static_cast<size_t>(kStages) * (BM + BN) * kLds * sizeof(bf16);
+  return static_cast<size_t>(kStages) * (BM * kLds * sizeof(bf16) + BN * (kFp8 ? kLdq : kLds * sizeof(bf16)));
 }
 
-// Launches one tiling (`attr`: the shared-memory opt-in done, per device).
-template <int BN, int kStages>
-void launch_grouped(const MoeGemmParams& p, Stream s, bool (&attr)[64]) {
-  constexpr size_t smem = gemm_smem<BN, kStages>();
+// Launches one tiling (its shared-memory opt-in once per device).
+template <int BN, int kStages, bool kFp8>
+void launch_grouped(const MoeGemmParams& p, Stream s) {
+  static bool attr[64] = {};
+  constexpr size_t smem = gemm_smem<BN, kStages, kFp8>();
   int dev = 0;
   DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev >= 64 || !attr[dev]) {
-    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<BN, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem)));
+    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<BN, kStages, kFp8>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     if (dev < 64) attr[dev] = true;
   }
   const int64_t cols = p.swiglu ? BN / 2 : BN;
   const dim3 grid(static_cast<unsigned>(p.max_tiles), static_cast<unsigned>((p.Nout + cols - 1) / cols));
-  launch_kernel(grouped_gemm_kernel<BN, kStages>, grid, dim3(kThreads), smem, static_cast<cudaStream_t>(s), p);
+  launch_kernel(grouped_gemm_kernel<BN, kStages, kFp8>, grid, dim3(kThreads), smem, static_cast<cudaStream_t>(s), p);
 }
 
 // ---- gather / combine -------------------------------------------------------------------------------
@@ -485,10 +525,11 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
                                       << p.ldx << " (a multiple of 8, >= K), ldy " << p.ldy << " (>= Nout)");
   DFLASH_CHECK(p.x && p.w && p.y && p.offsets && p.tile_offsets && aligned16(p.x) && aligned16(p.w),
                "moe_grouped_gemm: null or not 16-byte aligned x / w, or no offsets");
+  DFLASH_CHECK(!p.w_scale || p.K % 16 == 0, "moe_grouped_gemm: FP8 weights need K " << p.K << " a multiple of 16");
   if (p.max_tiles == 0) return;
-  static bool attr_wide[64] = {}, attr_narrow[64] = {};  // the shared-memory opt-ins, once per device
-  if (moe_narrow_tiles(p)) launch_grouped<64, 5>(p, s, attr_narrow);
-  else launch_grouped<128, 3>(p, s, attr_wide);
+  const bool narrow = moe_narrow_tiles(p);
+  if (p.w_scale) narrow ? launch_grouped<64, 5, true>(p, s) : launch_grouped<128, 3, true>(p, s);
+  else narrow ? launch_grouped<64, 5, false>(p, s) : launch_grouped<128, 3, false>(p, s);
 }
 
 bool moe_narrow_tiles(const MoeGemmParams& p) {
@@ -498,6 +539,7 @@ bool moe_narrow_tiles(const MoeGemmParams& p) {
 
 namespace tuning {
 int moe_narrow_tiles = -1;
+bool moe_fp8_dequantize_first = false;
 }  // namespace tuning
 
 void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, void* y, Stream s) {
@@ -637,13 +679,15 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
               i32(l.slot), s, e0, El);
   void* act = ws + l.act;
   void* y = ws + l.y;
-  // FP8 experts: their bf16 values into the scratch, read by the GEMMs below (the decode kernels read
-  // the codes themselves).
+  // FP8 experts: the grouped GEMMs read the codes; the fallback's gemm_bf16 (or, to compare,
+  // tuning::moe_fp8_dequantize_first) reads their bf16 values, written into the scratch first.
   const void* gate_up_w = p.experts_gate_up;
   const void* down_w = p.experts_down;
-  if (p.experts_gate_up_scale) {
-    DFLASH_CHECK(p.experts_down_scale && p.experts_scratch && aligned16(p.experts_scratch),
-                 "moe_block: FP8 experts need both block scales and a 16-byte aligned experts_scratch");
+  const bool fp8 = p.experts_gate_up_scale != nullptr;
+  DFLASH_CHECK(!fp8 || p.experts_down_scale, "moe_block: FP8 experts need both block scales");
+  if (fp8 && (impl == MoeImpl::Fallback || tuning::moe_fp8_dequantize_first)) {
+    DFLASH_CHECK(p.experts_scratch && aligned16(p.experts_scratch),
+                 "moe_block: FP8 experts on the " << moe_impl_name(impl) << " path need a 16-byte aligned experts_scratch");
     bf16* gu_b = static_cast<bf16*>(p.experts_scratch);
     bf16* dn_b = gu_b + El * 2 * p.I * p.H;
     moe_dequantize_experts(p.experts_gate_up, p.experts_gate_up_scale, El, 2 * p.I, p.H, p.I, gu_b, s);
@@ -651,6 +695,7 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     gate_up_w = gu_b;
     down_w = dn_b;
   }
+  const bool codes = fp8 && gate_up_w == p.experts_gate_up;  // the grouped GEMMs read the FP8 codes
   if (impl == MoeImpl::Grouped) {
     MoeGemmParams g;
     g.x = p.x;
@@ -667,6 +712,7 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     g.max_tiles = moe_max_tiles(R, El);
     g.swiglu = true;
     g.rows = R;
+    g.w_scale = codes ? p.experts_gate_up_scale : nullptr;
     moe_grouped_gemm(g, s);
     g.x = act;
     g.ldx = p.I;
@@ -677,6 +723,7 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     g.Nout = p.H;
     g.K = p.I;
     g.swiglu = false;
+    g.w_scale = codes ? p.experts_down_scale : nullptr;
     moe_grouped_gemm(g, s);
   } else {
     // The explicit fallback: gathered rows (the local experts' offsets[El] of them), then per expert

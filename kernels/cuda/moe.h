@@ -65,6 +65,11 @@ struct MoeGemmParams {
   int64_t E = 0, Nout = 0, K = 0, max_tiles = 0;
   bool swiglu = false;
   int64_t rows = -1;  // the routed rows (offsets[E]) when the host knows them: picks the tiling
+  // FP8 weights (W8A16): w holds e4m3 codes and w_scale their 128 x 128 block scales, f32
+  // [E, row blocks, ceil(K/128)], the rows [0, Nout) and [Nout, 2 Nout) (swiglu's gate and up) blocked
+  // apart (moe_fp8.cuh); every weight reads as the bf16-rounded code · scale (the bf16 experts' bits).
+  // Needs K % 16 == 0.
+  const float* w_scale = nullptr;
 };
 void moe_grouped_gemm(const MoeGemmParams& p, Stream s);
 // The grouped GEMM's two tilings give the same bits (the same mma k16 steps per element in the same
@@ -75,6 +80,9 @@ inline constexpr int64_t kMoeNarrowRows = 512;
 bool moe_narrow_tiles(const MoeGemmParams& p);  // narrow: rows known and <= kMoeNarrowRows, or the knob
 namespace tuning {
 extern int moe_narrow_tiles;  // -1 automatic (moe_narrow_tiles(p)), 0 never, 1 always (tests, benches)
+// FP8 experts on the grouped path: false (the default) the GEMMs read the codes; true a bf16 copy of
+// the layer's experts is written first and read (the fallback's way; benches compare the two).
+extern bool moe_fp8_dequantize_first;
 }  // namespace tuning
 
 // y[pos, :] = x[src_row[pos], :] for pos < rows (bf16, H columns, contiguous).
@@ -128,8 +136,8 @@ struct MoeBlockParams {
   // these their 128 x 128 block scales, f32 [El, 2·ceil(I/128), ceil(H/128)] (the gate rows' blocks,
   // then the up rows') and [El, ceil(H/128), ceil(I/128)]; every weight reads as the bf16-rounded
   // code · scale, the bf16 experts' values, so the outputs are the bf16 experts' bits. The decode
-  // kernels read the codes; the grouped GEMMs and the fallback read a bf16 copy that moe_block writes
-  // into experts_scratch (moe_experts_scratch_bytes) first.
+  // kernels and the grouped GEMMs read the codes; the fallback reads a bf16 copy that moe_block writes
+  // into experts_scratch (moe_experts_scratch_bytes) first (needed only there).
   const float* experts_gate_up_scale = nullptr;
   const float* experts_down_scale = nullptr;
   void* experts_scratch = nullptr;

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/cuda/vec.cuh"
 
@@ -43,6 +44,17 @@ __device__ __forceinline__ void unpack_e4m3x8(const uint2& r, float scale, float
     f[2 * i] = vec::round_bf16(v.x * scale);
     f[2 * i + 1] = vec::round_bf16(v.y * scale);
   }
+}
+
+// 2 e4m3 codes (little-endian in q) -> their bf16-rounded values times `scale`, packed as an mma
+// operand register (the lower k in the low half).
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint16_t q, float scale) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(q), __NV_E4M3);
+  const float2 v = __half22float2(__half2(h));
+  const __nv_bfloat162 b = __floats2bfloat162_rn(v.x * scale, v.y * scale);
+  uint32_t r;
+  memcpy(&r, &b, sizeof(r));
+  return r;
 }
 
 }  // namespace dflash::cuda::moe_detail

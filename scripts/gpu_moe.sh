@@ -10,7 +10,8 @@
 #      routed experts in FP8 (--fp8-experts; EVAL_FP8X=0 skips it) and with --no-cuda-graphs (EVAL_EAGER=0
 #      skips it);
 #   3. the tiny MoE end to end on the GPU (ctest moe_pipeline_gpu: capture, regenerate, train, eval);
-#   4. the 35B-A3B recipe's training rate on one GPU (gpu_train.sh's run q35_1gpu, TRAIN_STEPS, default 20).
+#   4. the 35B-A3B recipe's training rate on one GPU (gpu_train.sh's runs q35_1gpu, with FP8 experts
+#      q35_1gpu_fp8x and with the FP8 drafter q35_1gpu_d8: MOE_TRAIN_RUNS, a regex; TRAIN_STEPS, default 20).
 #   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_moe.sh
 # Writes at most 8 files to $OUT: env.txt, build.log, tests.log, eval35b.log, eval35b.csv, pipeline.log,
 # train.txt, train.tgz (with train_rows.csv). MOE_BENCH=1 adds test_cuda_moe's timing rows (moe_bench,...: the
@@ -62,7 +63,7 @@ if [ -z "${SKIP_PIPELINE:-}" ] && [ "$(left)" -gt 100 ]; then
 fi
 
 if [ -z "${SKIP_TRAIN:-}" ]; then
-  DFLASH_BUILD=$B TRAIN_RUNS=q35_1gpu TRAIN_STEPS=${TRAIN_STEPS:-20} DFLASH_TRAIN_WORK=/tmp/dflash_q35 \
+  DFLASH_BUILD=$B TRAIN_RUNS=${MOE_TRAIN_RUNS:-q35_1gpu.*} TRAIN_STEPS=${TRAIN_STEPS:-20} DFLASH_TRAIN_WORK=/tmp/dflash_q35 \
     bash scripts/gpu_train.sh "$OUT"
   grep -E "^== |memory|summary:|step time|rc=" "$OUT/train.txt" | head -n 20
   grep -E "trained_tok_s_per_gpu|peak_mem_gib|,step_s,|target_fwd_s|drafter_s" /tmp/dflash_q35/train_rows.csv 2>/dev/null | cut -d, -f5,8

@@ -21,7 +21,7 @@
 # appends its rows (dflash_train --csv: trained_tok_s_per_gpu, mfu, peak_mem_gib, the step split) to
 # TRAIN_CSV (default $W/train_rows.csv, tarred into train.tgz; gpu_seqlen.sh passes $OUT/train_rows.csv).
 # TRAIN_STEPS (default 40) sets the 27B-shaped runs' length; TRAIN_RUNS (a regex over the
-# run names: tiny_gpu tiny_gpu_d8 tt_learn tt_resume tt_nonfinite tt_microbatch tt_sigterm tt_mpi q27_refuse_d256 q27_1gpu q35_1gpu
+# run names: tiny_gpu tiny_gpu_d8 tt_learn tt_resume tt_nonfinite tt_microbatch tt_sigterm tt_mpi q27_refuse_d256 q27_1gpu q35_1gpu q35_1gpu_fp8x q35_1gpu_d8
 # q27_seq<L>[_density] q27_2gpu_tp1 q27_2gpu_tp2 q27_8gpu_tp1 q27_8gpu_tp2 q27_8gpu_tp8 q27_ckpt q27_resume) picks
 # runs; DFLASH_DEADLINE (epoch seconds) stops each run with SIGTERM in time (dflash_train then writes
 # its rows and a checkpoint and exits cleanly) so that a device call's time limit never cuts a run's log.
@@ -103,6 +103,11 @@ Q35=(configs/qwen3.6-35b-a3b.yaml --set model.target.path= --set model.target.co
      --set training.epochs=null --set training.max_steps="$STEPS" --set logging.interval=10 --set checkpoint.at_end=false
      --set parallel.device=cuda --set kernels.require_fast_path=true)
 run q35_1gpu "$T" "${Q35[@]}" --set parallel.tp=1 --set logging.run_dir="$W/q35_1gpu" --csv "$CSV"
+# The same with the routed experts in FP8 (W8A16: the grouped GEMMs read e4m3 tiles) and with the FP8 drafter.
+run q35_1gpu_fp8x "$T" "${Q35[@]}" --set parallel.tp=1 --set model.target.fp8_experts=true \
+  --set logging.run_dir="$W/q35_1gpu_fp8x" --csv "$CSV"
+run q35_1gpu_d8 "$T" "${Q35[@]}" --set parallel.tp=1 --set model.drafter.precision=fp8 \
+  --set logging.run_dir="$W/q35_1gpu_d8" --csv "$CSV"
 # Sequence length as a scale axis (issue 31): one sequence of L tokens a step, its own synthetic corpus.
 for L in ${SEQ_LENS:-}; do
   for how in ${SEQ_ANCHORS:-recipe}; do

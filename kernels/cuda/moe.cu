@@ -27,6 +27,7 @@
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/moe_fp8.cuh"
+#include "kernels/cuda/moe_gemm.cuh"
 #include "kernels/cuda/moe_topk.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/vec.cuh"
@@ -108,19 +109,6 @@ constexpr int BM = kMoeTileRows, BK = 32, kThreads = 128;
 constexpr int kLds = BK + 8;  // 80-byte smem rows: ldmatrix's 8 row addresses hit distinct banks
 constexpr int kLdq = BK + 16;  // FP8 weight rows of 48 bytes: a fragment's 8 rows x 4 byte pairs hit distinct banks
 
-__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
-#ifdef DFLASH_CUDA_EMULATION
-  if (valid) std::memcpy(smem, gmem, 16);
-  else std::memset(smem, 0, 16);
-#else
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(ptx::smem_addr(smem)), "l"(gmem),
-               "r"(valid ? 16 : 0)
-               : "memory");
-#endif
-}
-
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
-
 // Block: BM rows of one expert x (swiglu ? BN/2 act columns (BN/2 gate + BN/2 up weight rows) : BN
 // output columns). 4 warps, 2 (rows) x 2 (columns); a warp 32 rows x NT = BN/16 n8 tiles. In swiglu
 // mode the warp's tiles [0, NT/2) are gate columns and [NT/2, NT) the up columns of the same act columns.
@@ -139,17 +127,8 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
   bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [kStages][BM][kLds]
   bf16* sb = sa + kStages * BM * kLds;            // [kStages][BN][kLds] (bf16) or [kStages][BN][kLdq] (bytes)
   constexpr int kRowB = kFp8 ? kLdq : kLds * 2;   // a B smem row's bytes
-  const int E = static_cast<int>(p.E);
-  const int tile = blockIdx.x;
-  if (tile >= p.tile_offsets[E]) return;
-  int lo = 0, hi = E - 1;  // the expert e with tile_offsets[e] <= tile < tile_offsets[e + 1]
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (p.tile_offsets[mid] <= tile) lo = mid;
-    else hi = mid - 1;
-  }
-  const int e = lo;
-  const int row0 = p.offsets[e] + (tile - p.tile_offsets[e]) * BM, row_end = p.offsets[e + 1];
+  int e, row0, row_end;
+  if (!moe_detail::tile_rows(p, static_cast<int>(blockIdx.x), BM, e, row0, row_end)) return;
   const int K = static_cast<int>(p.K), Nout = static_cast<int>(p.Nout);
   const int col0 = blockIdx.y * (p.swiglu ? BN / 2 : BN);
   const bf16* X = static_cast<const bf16*>(p.x);
@@ -177,16 +156,8 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
 #pragma unroll
   for (int c = 0; c < BCH; ++c) {
     const int idx = tid + c * kThreads, r = idx / GPR, g = idx % GPR;
-    int wrow;
     bool ok;
-    if (p.swiglu) {
-      const int ac = col0 + (r & (BN / 2 - 1));
-      ok = ac < Nout;
-      wrow = (r < BN / 2 ? 0 : Nout) + ac;
-    } else {
-      wrow = col0 + r;
-      ok = wrow < Nout;
-    }
+    const int wrow = moe_detail::weight_row(p, r, col0, BN, ok);
     b_ok[c] = ok;
     b_src[c] = W + (static_cast<int64_t>(ok ? wrow : 0) * K + g * CW) * (kFp8 ? 1 : 2);
     b_off[c] = r * kRowB + g * 16;
@@ -210,13 +181,13 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
     for (int c = 0; c < 2; ++c) {
       const int kk = k0 + ((tid + c * kThreads) & 3) * 8;
       const bool v = a_ok[c] && kk < K;
-      cp_async16_zfill(A + a_off[c], v ? a_src[c] + k0 : X, v);
+      ptx::cp_async16_zfill(A + a_off[c], v ? a_src[c] + k0 : X, v);
     }
 #pragma unroll
     for (int c = 0; c < BCH; ++c) {
       const int kk = k0 + ((tid + c * kThreads) % GPR) * CW;
       const bool v = b_ok[c] && kk < K;
-      cp_async16_zfill(B + b_off[c], v ? b_src[c] + k0 * (kFp8 ? 1 : 2) : W, v);
+      ptx::cp_async16_zfill(B + b_off[c], v ? b_src[c] + k0 * (kFp8 ? 1 : 2) : W, v);
     }
   };
 
@@ -297,26 +268,14 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
 #pragma unroll
         for (int j = 0; j < HT; ++j) {
           const int c = col0 + wn * (BN / 4) + j * 8 + (lane & 3) * 2;
-          const float v0 = silu(acc[i][j][2 * h]) * acc[i][j + HT][2 * h];
-          const float v1 = silu(acc[i][j][2 * h + 1]) * acc[i][j + HT][2 * h + 1];
-          if (pairs && c + 1 < Nout) {
-            *reinterpret_cast<__nv_bfloat162*>(yr + c) = __floats2bfloat162_rn(v0, v1);
-          } else {
-            if (c < Nout) yr[c] = __float2bfloat16(v0);
-            if (c + 1 < Nout) yr[c + 1] = __float2bfloat16(v1);
-          }
+          moe_detail::store2(yr, c, Nout, moe_detail::silu_expf(acc[i][j][2 * h]) * acc[i][j + HT][2 * h],
+                             moe_detail::silu_expf(acc[i][j][2 * h + 1]) * acc[i][j + HT][2 * h + 1], pairs);
         }
       } else {
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
           const int c = col0 + wn * (BN / 2) + j * 8 + (lane & 3) * 2;
-          const float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
-          if (pairs && c + 1 < Nout) {
-            *reinterpret_cast<__nv_bfloat162*>(yr + c) = __floats2bfloat162_rn(v0, v1);
-          } else {
-            if (c < Nout) yr[c] = __float2bfloat16(v0);
-            if (c + 1 < Nout) yr[c + 1] = __float2bfloat16(v1);
-          }
+          moe_detail::store2(yr, c, Nout, acc[i][j][2 * h], acc[i][j][2 * h + 1], pairs);
         }
       }
     }

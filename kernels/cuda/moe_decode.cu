@@ -28,6 +28,7 @@
 #include "kernels/cuda/emulatable.cuh"
 #include "kernels/cuda/moe.h"
 #include "kernels/cuda/moe_fp8.cuh"
+#include "kernels/cuda/moe_gemm.cuh"
 #include "kernels/cuda/moe_topk.cuh"
 #include "kernels/cuda/vec.cuh"
 
@@ -41,9 +42,6 @@ constexpr int kWarps = 8, kThreads = 32 * kWarps;
 constexpr int kMaxT = static_cast<int>(kMoeDecodeMaxRows);
 
 __device__ __forceinline__ uint4 ldg16(const bf16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
-
-// The grouped GEMM's SwiGLU (moe.cu): silu in expf on the fp32 dot products.
-__device__ __forceinline__ float silu_expf(float g) { return g / (1.0f + expf(-g)); }
 
 // A weight row in 8-element units: bf16 as stored, or e4m3 codes with their 128 x 128 block scales
 // (FP8 experts, MoeBlockParams::experts_*_scale), each value the bf16-rounded code · scale: exactly
@@ -277,7 +275,7 @@ __global__ void __launch_bounds__(kThreads) gate_up_kernel(const DecParams p) {
     float acc[2][1];
     dots<W, 2, 1, 8>(w, p.x + static_cast<int64_t>(n) * p.H, p.H, 1, p.H, lane, acc);
     const float g = vec::warp_sum(acc[0][0]), u = vec::warp_sum(acc[1][0]);
-    if (lane == 0) p.act[static_cast<int64_t>(r) * p.I + c] = __float2bfloat16_rn(silu_expf(g) * u);
+    if (lane == 0) p.act[static_cast<int64_t>(r) * p.I + c] = __float2bfloat16_rn(moe_detail::silu_expf(g) * u);
   } else {
     const int c = (bid - routed_blocks) * kWarps + warp;
     if (c >= p.Is) return;

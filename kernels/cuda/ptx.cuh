@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace dflash::cuda::ptx {
 
@@ -68,6 +69,16 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 // refills it.
 __device__ __forceinline__ void cp_async16_ring(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
+}
+// The same copy, zero-filling the 16 bytes instead where !valid (gmem must still be a valid address).
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+#ifdef DFLASH_CUDA_EMULATION
+  if (valid) std::memcpy(smem, gmem, 16);
+  else std::memset(smem, 0, 16);
+#else
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+#endif
 }
 #ifdef DFLASH_CUDA_EMULATION  // the emulated copies complete at once
 __device__ __forceinline__ void cp_async_commit_ring() {}

@@ -124,7 +124,8 @@ std::string gpu_moe_detail(const TargetConfig& c, const KernelPolicies& pol, Fas
                       "), moe_permute, ";
   steps += fallback ? "fallback moe_loop_gemm_bf16 (kernels.moe: fallback; gathered rows, per expert gemm_bf16 "
                       "gate|up + swiglu + gemm_bf16 down; reads the counts back: eager launches, no CUDA graphs)"
-                    : "fast moe_grouped_mma (grouped gate|up with the gather and SwiGLU fused, grouped down)";
+                    : "fast moe_grouped_mma (grouped gate|up with the gather and SwiGLU fused, grouped down; "
+                      "wgmma tiles on sm_90 for calls of more than 512 routed rows, mma.sync below)";
   steps += ", shared expert gemm_bf16, moe_combine (weighted un-permute + sigmoid-gated shared expert)";
   if (c.ep_size > 1 || c.local_num_experts() < c.num_experts)
     steps += "; expert parallel: " + std::to_string(c.local_num_experts()) + " of the " + std::to_string(c.num_experts) +

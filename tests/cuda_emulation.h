@@ -2,7 +2,7 @@
 // CUDA kernels run on the CPU, so a machine without a GPU (CI) checks their indexing, barriers and
 // arithmetic: plain C++ kernels (shared memory, __syncthreads, warp shuffles and ballots, atomics)
 // and those whose PTX has an emulation here (ptx.cuh under DFLASH_CUDA_EMULATION: ldmatrix x4,
-// mma.sync m16n8k16 bf16, the cp.async ring). A kernel source is included after this header with
+// mma.sync m16n8k16 bf16, the cp.async ring; wgmma.cuh: wgmma m64n64k16 bf16 from shared memory). A kernel source is included after this header with
 // DFLASH_CUDA_EMULATION defined; its launches go through kernels/cuda/emulatable.cuh.
 // Every CUDA thread of a block is a fiber (ucontext) on the calling thread; blocks run one after
 // another; a fiber runs until it waits at a barrier (__syncthreads, or a warp's shuffle / ballot,
@@ -52,7 +52,8 @@ struct Block {
   Barrier block_bar;
   std::vector<Barrier> warp_bars;
   std::vector<uint64_t> warp_buf;  // kWords words a lane: the shuffles', ballots', ldmatrix's and mma's exchange
-  std::vector<unsigned char> smem;  // the launch's dynamic shared memory
+  std::vector<unsigned char> smem;  // the launch's dynamic shared memory, from `origin` (1024-byte aligned)
+  unsigned char* origin = nullptr;
   std::vector<Fiber> fibers;
   Fiber* current = nullptr;
   ucontext_t main{};
@@ -97,7 +98,7 @@ inline void fiber_main() {
   swapcontext(&f.ctx, &B.main);  // never resumed
 }
 
-inline void* dynamic_smem() { return block()->smem.data(); }
+inline void* dynamic_smem() { return block()->origin; }
 
 // A kernel over grid x block (1-D blocks of at most 1024 threads) with `smem` bytes of dynamic
 // shared memory (zeroed, 16-byte aligned), its arguments copied.
@@ -119,7 +120,8 @@ void launch(dim3 grid, dim3 blk, size_t smem, Kernel kernel, const Args&... args
         B.warp_bars.resize(static_cast<size_t>(warps));
         for (int w = 0; w < warps; ++w) B.warp_bars[static_cast<size_t>(w)].expected = std::min(32, n - 32 * w);
         B.warp_buf.assign(static_cast<size_t>(warps) * 32 * kWords, 0);
-        B.smem.assign(smem + 16, 0);
+        B.smem.assign(smem + 1024 + 16, 0);
+        B.origin = B.smem.data() + (1024 - reinterpret_cast<uintptr_t>(B.smem.data()) % 1024) % 1024;
         B.fibers.resize(static_cast<size_t>(n));
         B.body = [&] { kernel(args...); };
         block() = &B;
@@ -229,6 +231,42 @@ inline void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
   }
 }
 
+[[noreturn]] inline void not_emulated(const char* what) {
+  std::fprintf(stderr, "cuda emulation: %s is not emulated\n", what);
+  std::abort();
+}
+
+// wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 with both operands in shared memory, K-major,
+// 128-byte swizzle (wgmma.cuh's descriptors: start >> 4 in bits 0-13, the stride between 8-row
+// groups >> 4 in bits 32-45, the swizzle mode in bits 62-63; addresses are offsets in the dynamic
+// shared memory, see __cvta_generic_to_shared below): element (r, k) of A [64 x 16] or of B
+// [64 (n) x 16] at start + (r / 8) stride + (r % 8) 128 + 2k, address bits 4-6 XORed with bits 7-9.
+// Thread (warp w of its warpgroup, lane 4g + t) holds d[4i + 2h + j] = (row 16w + g + 8h, column
+// 8i + 2t + j); each: the accumulator (0 when !accumulate), then the 16 products in k order, in f32.
+// Completes when issued (the fences, commits and waits are no-ops).
+inline void wgmma_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  auto element = [](uint64_t desc, int r, int k) {
+    if ((desc >> 62) != 1) {
+      std::fprintf(stderr, "cuda emulation: wgmma descriptor without the 128-byte swizzle\n");
+      std::abort();
+    }
+    const uint32_t start = static_cast<uint32_t>(desc & 0x3FFF) << 4, sbo = static_cast<uint32_t>((desc >> 32) & 0x3FFF) << 4;
+    const uint32_t logical = start + static_cast<uint32_t>(r / 8) * sbo + static_cast<uint32_t>(r % 8) * 128 + 2 * k;
+    const uint32_t phys = logical ^ (((logical >> 7) & 7) << 4);
+    uint16_t v;
+    std::memcpy(&v, block()->origin + phys, 2);
+    return __bfloat162float(__ushort_as_bfloat16(v));
+  };
+  const int w = self().warp % 4, g = lane() / 4, t = lane() % 4;
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 4; ++j) {
+      const int row = 16 * w + g + 8 * (j >> 1), col = 8 * i + 2 * t + (j & 1);
+      float s = accumulate ? d[4 * i + j] : 0.0f;
+      for (int k = 0; k < 16; ++k) s += element(desc_a, row, k) * element(desc_b, col, k);
+      d[4 * i + j] = s;
+    }
+}
+
 }  // namespace emu
 
 #define threadIdx (::emu::self().thread)
@@ -238,6 +276,7 @@ inline void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
 #define __syncthreads() (::emu::wait(::emu::block()->block_bar))
 #define __shfl_xor_sync(mask, v, o) (::emu::shfl_xor((v), (o)))
 #define __ballot_sync(mask, pred) (::emu::ballot(static_cast<bool>(pred)))
+#define __all_sync(mask, pred) (::emu::ballot(static_cast<bool>(pred)) == 0xffffffffu)
 #define __popc(x) (__builtin_popcount(static_cast<unsigned>(x)))
 #define __expf(x) (::expf(x))
 
@@ -254,5 +293,8 @@ inline int atomicAdd(int* p, int v) {
 #define cudaMemsetAsync(p, v, n, s) (std::memset((p), (v), (n)), cudaSuccess)
 #define cudaGetDevice(d) (*(d) = 0, cudaSuccess)
 #define cudaFuncSetAttribute(...) cudaSuccess
-// Shared-memory addresses (ptx.cuh's helpers compile; the PTX ones are never called here).
-inline size_t __cvta_generic_to_shared(const void* p) { return reinterpret_cast<size_t>(p); }
+// Shared-memory addresses: offsets in the launch's dynamic shared memory (what wgmma descriptors
+// hold; ptx.cuh's PTX users of them are never called here).
+inline size_t __cvta_generic_to_shared(const void* p) {
+  return static_cast<size_t>(static_cast<const unsigned char*>(p) - ::emu::block()->origin);
+}

@@ -1,6 +1,6 @@
 #pragma once
 // The emulated MoE kernels' names (tests/test_moe_emulated.cpp includes moe.cu, tests/
-// test_moe_decode_emulated.cpp moe_decode.cu, under DFLASH_CUDA_EMULATION): renamed, so that they sit
+// test_moe_decode_emulated.cpp moe_decode.cu, tests/test_moe_wgmma_emulated.cpp moe_sm90.cu, under DFLASH_CUDA_EMULATION): renamed, so that they sit
 // beside the library's real definitions in one test binary; then kernels/cuda/moe.h declares them.
 #define moe_decode_block moe_decode_block_emulated
 #define moe_topk moe_topk_emulated
@@ -14,6 +14,9 @@
 #define moe_impl_name moe_impl_name_emulated
 #define moe_narrow_tiles moe_narrow_tiles_emulated
 #define moe_fp8_dequantize_first moe_fp8_dequantize_first_emulated
+#define moe_wgmma moe_wgmma_emulated
+#define moe_grouped_gemm_wgmma moe_grouped_gemm_wgmma_emulated
+#define moe_wgmma_supported moe_wgmma_supported_emulated
 #define moe_decode_topk_first moe_decode_topk_first_emulated
 #define moe_dequantize_experts moe_dequantize_experts_emulated
 #define moe_experts_scratch_bytes moe_experts_scratch_bytes_emulated

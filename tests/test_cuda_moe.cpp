@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <vector>
 
@@ -352,18 +353,30 @@ TEST(CudaMoe, Permute) {
   check_permute(500, 256, 8);
 }
 
-// Both tilings of the grouped GEMM (tuning::moe_narrow_tiles forced), each against the reference
-// here and each other bit for bit in the block tests below.
-struct NarrowKnob {
-  explicit NarrowKnob(int v) { cu::tuning::moe_narrow_tiles = v; }
-  ~NarrowKnob() { cu::tuning::moe_narrow_tiles = -1; }
+// The grouped GEMM's kernels, forced for a scope (tuning::moe_narrow_tiles, tuning::moe_wgmma): 0 the
+// mma.sync kernel's wide tiles, 1 its narrow tiles (the two bit for bit alike, below), 2 the wgmma
+// kernel (moe_sm90.cu; on an sm_90 device); each against the reference.
+struct GemmKnob {
+  explicit GemmKnob(int v) {
+    cu::tuning::moe_narrow_tiles = v == 1;
+    cu::tuning::moe_wgmma = v == 2 ? 1 : 0;
+  }
+  ~GemmKnob() {
+    cu::tuning::moe_narrow_tiles = -1;
+    cu::tuning::moe_wgmma = -1;
+  }
 };
+std::vector<int> gemm_kernels() {
+  if (cu::moe_wgmma_supported(0)) return {0, 1, 2};
+  return {0, 1};
+}
+const char* gemm_kernel_name(int v) { return v == 0 ? "mma.sync wide tiles" : v == 1 ? "mma.sync narrow tiles" : "wgmma"; }
 
 TEST(CudaMoe, GroupedGemmEdges) {
   if (!gpu()) GTEST_SKIP() << "no CUDA device";
-  for (int narrow : {0, 1}) {
-    SCOPED_TRACE(narrow ? "narrow tiles" : "wide tiles");
-    NarrowKnob knob(narrow);
+  for (int kernel : gemm_kernels()) {
+    SCOPED_TRACE(gemm_kernel_name(kernel));
+    GemmKnob knob(kernel);
     check_grouped_plain(150, 4, 2, 101, 40);  // ~75 rows an expert: two row tiles; partial column and k tiles
     check_grouped_plain(7, 16, 4, 136, 64);
     check_grouped_plain(3, 64, 8, 72, 48);    // decode-like: one or two rows an expert
@@ -388,10 +401,10 @@ TEST(CudaMoe, BlockMatchesCpu) {
     for (cu::MoeImpl impl : {cu::MoeImpl::Grouped, cu::MoeImpl::Fallback}) check_block(c, impl);
     if (c.N <= cu::kMoeDecodeMaxRows) check_block(c, cu::MoeImpl::Decode);
   }
-  // The grouped GEMM's tilings, forced either way on every case.
-  for (int narrow : {0, 1}) {
-    SCOPED_TRACE(narrow ? "narrow tiles" : "wide tiles");
-    NarrowKnob knob(narrow);
+  // The grouped GEMM's kernels, each forced on every case.
+  for (int kernel : gemm_kernels()) {
+    SCOPED_TRACE(gemm_kernel_name(kernel));
+    GemmKnob knob(kernel);
     for (const BlockCase& c : cases) check_block(c, cu::MoeImpl::Grouped);
   }
 }
@@ -598,7 +611,7 @@ TEST(CudaMoe, NarrowAndWideTilesAreBitIdentical) {
   Pair x = rand_bf16({N, H}, 1.0f), gu = rand_bf16({E, 2 * I, H}, 0.02f), dn = rand_bf16({E, H, I}, 0.05f);
   Tensor out[2][2];
   for (int narrow : {0, 1}) {
-    NarrowKnob knob(narrow);
+    GemmKnob knob(narrow);
     Tensor act = Tensor::empty({R, I}, DType::BF16, Device::cuda(0)), y = Tensor::empty({R, H}, DType::BF16, Device::cuda(0));
     poison(act);
     poison(y);
@@ -668,14 +681,17 @@ TEST(CudaMoe, Bench35bA3b) {
     // 3: the decode kernels routing inside the gate|up blocks, 4: by the top-k kernel first; 5: the
     // decode kernels on FP8 experts (expert_gemm_gbs: the block's bytes with the experts' codes and
     // scales); 6: the grouped GEMMs on FP8 experts (reading the codes), 7: the same with a bf16 copy of
-    // the experts written first (tuning::moe_fp8_dequantize_first, in the time).
-    for (int variant : {0, 1, 2, 3, 4, 5, 6, 7}) {
+    // the experts written first (tuning::moe_fp8_dequantize_first, in the time); 8: the grouped path on
+    // the wgmma kernel (sm_90; 0 and 1 are the mma.sync kernel's tilings).
+    for (int variant : {0, 1, 2, 3, 4, 5, 6, 7, 8}) {
       if ((variant == 3 || variant == 4 || variant == 5) && N > cu::kMoeDecodeMaxRows) continue;
-      const bool fp8 = variant >= 5;
+      if (variant == 8 && !cu::moe_wgmma_supported(0)) continue;
+      const bool fp8 = variant >= 5 && variant <= 7;
       const cu::MoeImpl impl = variant < 2 || variant >= 6 ? cu::MoeImpl::Grouped
                                : variant == 2              ? cu::MoeImpl::Fallback
                                                            : cu::MoeImpl::Decode;
-      NarrowKnob knob(variant < 2 ? variant : -1);
+      std::optional<GemmKnob> knob;
+      if (variant < 2 || variant == 8) knob.emplace(variant == 8 ? 2 : variant);
       const TopkKnob topk(variant == 3 || variant == 4 ? variant - 3 : -1);
       const std::string name = std::string(cu::moe_impl_name(impl)) +
                                (variant == 0   ? "/wide"
@@ -683,6 +699,7 @@ TEST(CudaMoe, Bench35bA3b) {
                                 : variant == 3 ? "/topk_in_blocks"
                                 : variant == 4 ? "/topk_first"
                                 : variant == 7 ? "/fp8_dequantize_first"
+                                : variant == 8 ? "/wgmma"
                                 : fp8          ? "/fp8_experts"
                                                : "");
       cu::tuning::moe_fp8_dequantize_first = variant == 7;

@@ -487,6 +487,13 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
   DFLASH_CHECK(!p.w_scale || p.K % 16 == 0, "moe_grouped_gemm: FP8 weights need K " << p.K << " a multiple of 16");
   if (p.max_tiles == 0) return;
   const bool narrow = moe_narrow_tiles(p);
+#ifndef DFLASH_CUDA_EMULATION  // (the emulated tests run the wgmma kernel by itself)
+  if (!p.w_scale && tuning::moe_wgmma != 0 && (tuning::moe_wgmma == 1 || !narrow)) {
+    int dev = 0;
+    DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
+    if (moe_wgmma_supported(dev)) return moe_grouped_gemm_wgmma(p, s);
+  }
+#endif
   if (p.w_scale) narrow ? launch_grouped<64, 5, true>(p, s) : launch_grouped<128, 3, true>(p, s);
   else narrow ? launch_grouped<64, 5, false>(p, s) : launch_grouped<128, 3, false>(p, s);
 }
@@ -498,6 +505,7 @@ bool moe_narrow_tiles(const MoeGemmParams& p) {
 
 namespace tuning {
 int moe_narrow_tiles = -1;
+int moe_wgmma = -1;
 bool moe_fp8_dequantize_first = false;
 }  // namespace tuning
 

@@ -80,10 +80,19 @@ inline constexpr int64_t kMoeNarrowRows = 512;
 bool moe_narrow_tiles(const MoeGemmParams& p);  // narrow: rows known and <= kMoeNarrowRows, or the knob
 namespace tuning {
 extern int moe_narrow_tiles;  // -1 automatic (moe_narrow_tiles(p)), 0 never, 1 always (tests, benches)
+// The wgmma kernel (moe_sm90.cu) for bf16 weights on an sm_90 device: -1 for the wide tiling's calls
+// (the default), 0 never (the mma.sync kernels), 1 for every bf16 call.
+extern int moe_wgmma;
 // FP8 experts on the grouped path: false (the default) the GEMMs read the codes; true a bf16 copy of
 // the layer's experts is written first and read (the fallback's way; benches compare the two).
 extern bool moe_fp8_dequantize_first;
 }  // namespace tuning
+
+// The grouped GEMM on Hopper warpgroup MMA (moe_sm90.cu; bf16 weights, no w_scale), which
+// moe_grouped_gemm runs where tuning::moe_wgmma says and moe_wgmma_supported(device): an sm_90 GPU
+// and this build's sm_90a code.
+void moe_grouped_gemm_wgmma(const MoeGemmParams& p, Stream s);
+bool moe_wgmma_supported(int device);
 
 // y[pos, :] = x[src_row[pos], :] for pos < rows (bf16, H columns, contiguous).
 void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, void* y, Stream s);

@@ -1,5 +1,6 @@
 #pragma once
-// Hopper warpgroup MMA (wgmma, sm_90a only) for the attention kernels: shared-memory matrix
+// Hopper warpgroup MMA (wgmma, sm_90a only) for the attention kernels and the MoE grouped GEMM
+// (moe_sm90.cu; tests/cuda_emulation.h emulates mma_ss and makes the fences no-ops): shared-memory matrix
 // descriptors for the 128-byte-swizzled tile layout below, the fences and the bf16 m64n64k16
 // instruction with A from shared memory (SS) or from registers (RS). Force-inlined one-liners.
 //
@@ -33,6 +34,16 @@ __device__ __forceinline__ uint64_t descriptor(const void* smem, uint32_t lbo_by
   return d;
 }
 
+#ifdef DFLASH_CUDA_EMULATION  // (tests/cuda_emulation.h: an emulated wgmma completes when issued)
+__device__ __forceinline__ void fence() {}
+__device__ __forceinline__ void commit() {}
+template <int N>
+__device__ __forceinline__ void wait() {}
+__device__ __forceinline__ void fence_async_smem() {}
+template <int R>
+__device__ __forceinline__ void pin(float (&)[R]) {}
+__device__ __forceinline__ void pin(uint32_t (&)[4]) {}
+#else
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -53,6 +64,7 @@ __device__ __forceinline__ void pin(uint32_t (&r)[4]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
+#endif
 template <int P>
 __device__ __forceinline__ void pin(float (&r)[P][32]) {
 #pragma unroll
@@ -81,6 +93,8 @@ __device__ __forceinline__ void mma_ss(float (&d)[32], uint64_t desc_a, uint64_t
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+#elif defined(DFLASH_CUDA_EMULATION)
+  ::emu::wgmma_ss(d, desc_a, desc_b, accumulate);
 #endif
 }
 
@@ -102,6 +116,9 @@ __device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], u
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(TRANS_B));
+#elif defined(DFLASH_CUDA_EMULATION)
+  (void)d, (void)a, (void)desc_b;
+  ::emu::not_emulated("wgmma with A from registers");
 #endif
 }
 __device__ __forceinline__ void mma_rs_tb(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {

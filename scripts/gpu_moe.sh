@@ -3,7 +3,8 @@
 #   1. the MoE gpu tests: test_cuda_moe (op cases, pad rows, forced routing), the HF tiny MoE golden
 #      (CudaMoeGolden.*: T = 1, and T = 37 / 130 with routing forced and free), the MoE decoder
 #      (CudaDecoder.Moe*: verify rows = decode steps bit for bit, speculative = greedy with CUDA graphs);
-#   2. dflash_eval on Qwen3.6-35B-A3B shapes (random weights, an untrained 8-layer drafter, a 4096-token
+#   2. target_bench on Qwen3.6-35B-A3B shapes (random weights; 2048 and 8192 tokens, bf16 and FP8 experts;
+#      SKIP_BENCH=1 skips it), then dflash_eval on those shapes (random weights, an untrained 8-layer drafter, a 4096-token
 #      prompt): the decode step, the verify step against the block size (--verify-sweep), the op profile
 #      of a decode step, and --decode-variants $EVAL_VARIANTS (default fused,moe_decode: the grouped
 #      GEMMs against the MoE decode kernels, decode / propose / verify / commit each); again with the
@@ -20,7 +21,7 @@
 # DFLASH_DEADLINE (default 540 s after the start).
 source "$(dirname "$0")/gpu_call.sh"
 export DFLASH_DEADLINE=${DFLASH_DEADLINE:-$(( $(date +%s) + 540 ))}
-NINJA_TARGETS=${NINJA_TARGETS:-test_cuda_moe test_cuda_model test_cuda_decoder dflash_eval dflash_train dflash_features dflash_data_tool}
+NINJA_TARGETS=${NINJA_TARGETS:-test_cuda_moe test_cuda_model test_cuda_decoder target_bench dflash_eval dflash_train dflash_features dflash_data_tool}
 gpu_call_start /tmp/build-moe
 left() { echo $(( DFLASH_DEADLINE - $(date +%s) )); }
 cd "$DFLASH_ROOT"
@@ -36,9 +37,21 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   grep -E "^\[  (PASSED|FAILED) |^tiny_moe gpu .*(forced|free)|moe greedy|^moe_bench" "$OUT/tests.log" | head -n 40
 fi
 
+# The target forward at 35B-A3B shapes (the prefill's grouped GEMMs: wgmma on sm_90), bf16 experts and
+# FP8 experts; its rows join eval35b.csv, its log eval35b.log (SKIP_BENCH=1 skips it).
+if [ -z "${SKIP_BENCH:-}" ] && [ "$(left)" -gt 150 ]; then
+  : >"$OUT/eval35b.log"
+  for fx in "" --fp8-experts; do
+    echo "=== target_bench 35b-a3b $fx" >>"$OUT/eval35b.log"
+    timeout 90 "$B/bench/target_bench" --config configs/qwen3.6-35b-a3b/config.json --random-weights --seq 2048,8192 \
+      --path fast --warmup 1 --iters 3 --rounds 1 $fx --csv "$OUT/eval35b.csv" >>"$OUT/eval35b.log" 2>&1
+    echo "target_bench $fx rc=$?"
+  done
+  grep -E "^===|tok/s|T8192|T2048" "$OUT/eval35b.log" | head -n 16
+fi
+
 if [ -z "${SKIP_EVAL:-}" ] && [ "$(left)" -gt 120 ]; then
   python3 -c "import random; random.seed(0); print(' '.join(str(random.randrange(248000)) for _ in range(4096)))" >/tmp/p4k.txt
-  : >"$OUT/eval35b.log"
   for graphs in on fp8x off; do
     [ "$graphs" = off ] && [ "${EVAL_EAGER:-1}" = 0 ] && continue
     [ "$graphs" = fp8x ] && [ "${EVAL_FP8X:-1}" = 0 ] && continue

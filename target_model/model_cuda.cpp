@@ -769,11 +769,14 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
   p.router = L.moe.router.raw_data();
   p.experts_gate_up = L.moe.experts_gate_up.raw_data();
   p.experts_down = L.moe.experts_down.raw_data();
-  Tensor scratch;  // FP8 experts: their bf16 values for the fallback's gemm_bf16 (the other paths read the codes)
+  // A decode step's pad rows (after the real tokens) belong to no sequence: they are not routed, so
+  // they read no expert weights.
+  p.routed = decode_ && !decode_->prefill ? decode_->real_tokens : N;
+  Tensor scratch;  // FP8 experts: their bf16 values where the kernels read bf16 (cuda::moe_fp8_scratch)
   if (fp8_experts) {
     p.experts_gate_up_scale = L.moe.experts_gate_up_scale.data<float>();
     p.experts_down_scale = L.moe.experts_down_scale.data<float>();
-    if (impl == cuda::MoeImpl::Fallback || (impl == cuda::MoeImpl::Grouped && cuda::tuning::moe_fp8_dequantize_first)) {
+    if (cuda::moe_fp8_scratch(impl, p.routed * p.k, device_.index)) {
       scratch = Tensor::empty({static_cast<int64_t>(cuda::moe_experts_scratch_bytes(El, p.I, p.H))}, DType::U8, device_);
       p.experts_scratch = scratch.raw_data();
     }
@@ -784,9 +787,6 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
     p.shared_gate = L.moe.shared_expert_gate.raw_data();
   }
   p.out = out.raw_data();
-  // A decode step's pad rows (after the real tokens) belong to no sequence: they are not routed, so
-  // they read no expert weights.
-  p.routed = decode_ && !decode_->prefill ? decode_->real_tokens : N;
   if (moe_io_) {
     MoeIo::Layer& io = moe_io_->layers[i];
     const ForwardOptions& o = *moe_io_->options;

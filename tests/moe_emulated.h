@@ -17,6 +17,7 @@
 #define moe_wgmma moe_wgmma_emulated
 #define moe_grouped_gemm_wgmma moe_grouped_gemm_wgmma_emulated
 #define moe_wgmma_supported moe_wgmma_supported_emulated
+#define moe_fp8_scratch moe_fp8_scratch_emulated
 #define moe_decode_topk_first moe_decode_topk_first_emulated
 #define moe_dequantize_experts moe_dequantize_experts_emulated
 #define moe_experts_scratch_bytes moe_experts_scratch_bytes_emulated

@@ -702,7 +702,7 @@ TEST(CudaMoe, Bench35bA3b) {
                                 : variant == 8 ? "/wgmma"
                                 : fp8          ? "/fp8_experts"
                                                : "");
-      cu::tuning::moe_fp8_dequantize_first = variant == 7;
+      cu::tuning::moe_fp8_dequantize_first = variant == 7 ? 1 : variant == 6 ? 0 : -1;
       const size_t bytes = cu::moe_workspace_bytes(N, H, E, k, I, Is, impl);
       Tensor ws_t = Tensor::empty({static_cast<int64_t>(bytes)}, DType::U8, Device::cuda(0));
       cu::MoeBlockParams p;
@@ -780,5 +780,5 @@ TEST(CudaMoe, Bench35bA3b) {
       std::fflush(stdout);
     }
   }
-  cu::tuning::moe_fp8_dequantize_first = false;
+  cu::tuning::moe_fp8_dequantize_first = -1;
 }

@@ -498,6 +498,14 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
   else narrow ? launch_grouped<64, 5, false>(p, s) : launch_grouped<128, 3, false>(p, s);
 }
 
+bool moe_fp8_scratch(MoeImpl impl, int64_t routed_rows, int device) {
+  if (impl != MoeImpl::Grouped) return impl == MoeImpl::Fallback;
+  if (tuning::moe_fp8_dequantize_first >= 0) return tuning::moe_fp8_dequantize_first == 1;
+  MoeGemmParams g;
+  g.rows = routed_rows;
+  return tuning::moe_wgmma != 0 && !moe_narrow_tiles(g) && moe_wgmma_supported(device);
+}
+
 bool moe_narrow_tiles(const MoeGemmParams& p) {
   if (tuning::moe_narrow_tiles >= 0) return tuning::moe_narrow_tiles == 1;
   return p.rows >= 0 && p.rows <= kMoeNarrowRows;
@@ -506,7 +514,7 @@ bool moe_narrow_tiles(const MoeGemmParams& p) {
 namespace tuning {
 int moe_narrow_tiles = -1;
 int moe_wgmma = -1;
-bool moe_fp8_dequantize_first = false;
+int moe_fp8_dequantize_first = -1;
 }  // namespace tuning
 
 void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, void* y, Stream s) {
@@ -646,13 +654,13 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
               i32(l.slot), s, e0, El);
   void* act = ws + l.act;
   void* y = ws + l.y;
-  // FP8 experts: the grouped GEMMs read the codes; the fallback's gemm_bf16 (or, to compare,
-  // tuning::moe_fp8_dequantize_first) reads their bf16 values, written into the scratch first.
+  // FP8 experts: the grouped GEMMs read the codes, or (moe_fp8_scratch: the fallback's gemm_bf16, the
+  // wgmma kernel) their bf16 values, written into the scratch first.
   const void* gate_up_w = p.experts_gate_up;
   const void* down_w = p.experts_down;
   const bool fp8 = p.experts_gate_up_scale != nullptr;
   DFLASH_CHECK(!fp8 || p.experts_down_scale, "moe_block: FP8 experts need both block scales");
-  if (fp8 && (impl == MoeImpl::Fallback || tuning::moe_fp8_dequantize_first)) {
+  if (fp8 && moe_fp8_scratch(impl, R, device)) {
     DFLASH_CHECK(p.experts_scratch && aligned16(p.experts_scratch),
                  "moe_block: FP8 experts on the " << moe_impl_name(impl) << " path need a 16-byte aligned experts_scratch");
     bf16* gu_b = static_cast<bf16*>(p.experts_scratch);

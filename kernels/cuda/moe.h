@@ -83,9 +83,11 @@ extern int moe_narrow_tiles;  // -1 automatic (moe_narrow_tiles(p)), 0 never, 1 
 // The wgmma kernel (moe_sm90.cu) for bf16 weights on an sm_90 device: -1 for the wide tiling's calls
 // (the default), 0 never (the mma.sync kernels), 1 for every bf16 call.
 extern int moe_wgmma;
-// FP8 experts on the grouped path: false (the default) the GEMMs read the codes; true a bf16 copy of
-// the layer's experts is written first and read (the fallback's way; benches compare the two).
-extern bool moe_fp8_dequantize_first;
+// FP8 experts on the grouped path: 0 the GEMMs read the codes; 1 a bf16 copy of the layer's experts
+// is written first and read (the fallback's way); -1 (the default) the copy where the call takes the
+// wgmma kernel (more than kMoeNarrowRows routed rows on sm_90: a prefill), which reads bf16 tiles
+// only (moe_fp8_scratch says which; benches compare the two).
+extern int moe_fp8_dequantize_first;
 }  // namespace tuning
 
 // The grouped GEMM on Hopper warpgroup MMA (moe_sm90.cu; bf16 weights, no w_scale), which
@@ -145,8 +147,8 @@ struct MoeBlockParams {
   // these their 128 x 128 block scales, f32 [El, 2·ceil(I/128), ceil(H/128)] (the gate rows' blocks,
   // then the up rows') and [El, ceil(H/128), ceil(I/128)]; every weight reads as the bf16-rounded
   // code · scale, the bf16 experts' values, so the outputs are the bf16 experts' bits. The decode
-  // kernels and the grouped GEMMs read the codes; the fallback reads a bf16 copy that moe_block writes
-  // into experts_scratch (moe_experts_scratch_bytes) first (needed only there).
+  // kernels and the grouped GEMMs read the codes; the fallback (and the grouped path's wgmma calls,
+  // moe_fp8_scratch) reads a bf16 copy that moe_block writes into experts_scratch first.
   const float* experts_gate_up_scale = nullptr;
   const float* experts_down_scale = nullptr;
   void* experts_scratch = nullptr;
@@ -166,6 +168,10 @@ struct MoeBlockParams {
 size_t moe_workspace_bytes(int64_t N, int64_t H, int64_t E, int64_t k, int64_t I, int64_t Is, MoeImpl impl);
 // The bf16 copy of El FP8 experts (gate|up, then down) for the grouped GEMMs / the fallback.
 size_t moe_experts_scratch_bytes(int64_t El, int64_t I, int64_t H);
+// Whether moe_block with FP8 experts on `impl`, `routed_rows` = routed tokens x k, on `device` reads a
+// bf16 copy of the experts (MoeBlockParams::experts_scratch, moe_experts_scratch_bytes): the
+// fallback always, the grouped path as tuning::moe_fp8_dequantize_first says, the decode kernels never.
+bool moe_fp8_scratch(MoeImpl impl, int64_t routed_rows, int device);
 // y bf16 [El, R, K] = the bf16-rounded code · scale of e4m3 codes q [El, R, K] with block scales
 // [El, row blocks, ceil(K/128)], rows [0, split) and [split, R) blocked apart (gate|up: R = 2I,
 // split = I; down: split = R). Needs K % 8 == 0, 16-byte aligned y and 8-byte aligned q.

@@ -871,12 +871,13 @@ TEST(MemoryPlan, Qwen35bA3bRecipe) {
   EXPECT_EQ(ep8.moe_kernel, "moe_grouped_mma");
   EXPECT_THAT(ep8.moe, HasSubstr("expert parallel: 32 of the 256 experts on each rank (ep 8)"));
 #endif
-  // FP8 experts (model.target.fp8_experts): the experts' bytes halve (plus block scales); the kernels
-  // read the codes (no bf16 copy of a layer's experts); on one H100 (79.1 GiB usable) the recipe then fits.
+  // FP8 experts (model.target.fp8_experts): the experts' bytes halve (plus block scales), one layer's
+  // bf16 copy joins the activations (the prefill's wgmma calls read it); on one H100 (79.1 GiB usable)
+  // the recipe then fits.
   const MemoryPlan fx = gpu_memory_plan(target::local_config(t, 1), d, 4096, 4096, 512, 2048, false, false, true);
   EXPECT_NEAR(fx.target_experts, one.target_experts * (0.5 + 2.0 / (128.0 * 128.0)), 1.0);
   EXPECT_NEAR(one.target_weights - fx.target_weights, one.target_experts - fx.target_experts, 1.0);
-  EXPECT_EQ(fx.target_activations, one.target_activations);
+  EXPECT_NEAR(fx.target_activations - one.target_activations, t.expert_bytes_per_layer(2.0), 1.0);
   EXPECT_LT(fx.total(), 79.1 * (1 << 30));
   EXPECT_GT(one.total(), 79.1 * (1 << 30));
   std::printf("Qwen3.6-35B-A3B recipe, tp=1, FP8 experts:\n%s\n", fx.table(79.1 * (1 << 30)).c_str());

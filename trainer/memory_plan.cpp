@@ -68,8 +68,9 @@ MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::Drafter
                          2.0 * N * H * static_cast<double>(d.num_context_layers()) * 2;  // captures + packed context
   // FP8: the largest quantized GEMM input (e4m3) and its scales
   if (fp8_target) p.target_activations += N * fp8_gemm_input_per_token(t) * (1.0 + 4.0 / 128.0);
-  // (FP8 experts: the grouped GEMMs and the decode kernels read the codes; only the explicit fallback,
-  // kernels.moe: fallback, writes a bf16 copy of a layer's experts first, expert_bytes_per_layer(2) more.)
+  // FP8 experts: the prefill's grouped calls on sm_90 (the wgmma kernel, bf16 tiles only) and the
+  // fallback read a bf16 copy of a layer's experts (cuda::moe_fp8_scratch), written first.
+  if (fp8_experts && t.is_moe()) p.target_activations += t.expert_bytes_per_layer(2.0);
   p.drafter_state = 18.0 * drafter_params(d);
   if (fp8_drafter) p.drafter_state += 2.0 * drafter_params(d);  // e4m3 codes + their transposes (upper bound)
   const double Hd = static_cast<double>(d.hidden_size), Id = static_cast<double>(d.intermediate_size);

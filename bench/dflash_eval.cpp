@@ -193,7 +193,8 @@ int main(int argc, char** argv) {
                  "GPU: afterwards time the first prompt's decode, propose, verify and commit steps again with fresh "
                  "decoders of these variants of the decode plan (comma-separated, repeats allowed: fused = the plan as "
                  "is, no_pdl, skinny (+ SwiGLU in down_proj), skinny_no_swiglu, no_gdn_chain, gdn_chain_all, no_commit, "
-                 "no_overlap, moe_decode (MoE targets: the MoE decode kernels), unfused = every fusion and PDL off); the "
+                 "no_overlap, moe_decode (MoE targets: the MoE decode kernels), moe_wgmma (MoE targets: the expert GEMMs on "
+                 "wgmma), unfused = every fusion and PDL off); the "
                  "A/B table of issue 30's fused decode kernels, CSV kernel 'variant:<name>'");
   int64_t variant_tokens = 32;
   app.add_option("--variant-tokens", variant_tokens, "new tokens per --decode-variants run")->capture_default_str()
@@ -587,8 +588,10 @@ int main(int argc, char** argv) {
       vgo.max_new_tokens = std::min<int64_t>(variant_tokens, max_new);
       vgo.stop_tokens.clear();
       const bench::Generation ref = bench::greedy_generate(*dec, 0, p0, vgo);
-      // Variants whose GEMMs round otherwise (the skinny GEMM, the MoE decode kernels' dot products).
-      const auto gemms_of = [](const target::FastPathPlan::DecodeFusion& f) { return std::make_pair(f.skinny_gemm, f.moe_decode); };
+      // Variants whose GEMMs round otherwise (the skinny GEMM, the MoE decode kernels' dot products, wgmma).
+      const auto gemms_of = [](const target::FastPathPlan::DecodeFusion& f) {
+        return std::make_tuple(f.skinny_gemm, f.moe_decode, f.moe_wgmma);
+      };
       const auto ref_gemms = gemms_of(rt.decode_plan().fusion);
       const auto vstream = static_cast<cudaStream_t>(cuda_model->stream());
       std::vector<cudaEvent_t> ev(2 * static_cast<size_t>(vgo.max_new_tokens));

@@ -61,6 +61,7 @@ void apply_decode_variant(const std::string& name, target::FastPathPlan::DecodeF
   else if (name == "no_commit") f.commit = f.commit_overlap = false;
   else if (name == "no_overlap") f.commit_overlap = false;
   else if (name == "moe_decode") f.moe_decode = true;
+  else if (name == "moe_wgmma") f.moe_wgmma = true;
   else if (name == "unfused") f = {}, cuda::tuning::pdl = 0;
   else DFLASH_REQUIRE_HINT(name == "fused", option << ": unknown variant '" << name << "'", "use " << kDecodeVariantNames);
 }

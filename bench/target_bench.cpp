@@ -269,7 +269,7 @@ int main(int argc, char** argv) {
       const std::string shape = cfg.model_type + " L" + std::to_string(cfg.num_hidden_layers) + " H" +
                                 std::to_string(cfg.hidden_size) + " T" + std::to_string(T) + " B" + std::to_string(batch) +
                                 (cuda::gemm_autotune() ? " gemm-autotune" : "") + (tp > 1 ? " TP" + std::to_string(tp) : "") +
-                                (fp8 ? " fp8" : "");
+                                (fp8 ? " fp8" : "") + (source.fp8_experts ? " fp8x" : "");
       std::map<std::string, double> p50;
       for (const std::string& p : {std::string("fast"), std::string("fallback")}) {
         if (!samples.count(p)) continue;

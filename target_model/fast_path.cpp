@@ -295,6 +295,7 @@ std::string FastPathPlan::DecodeFusion::str() const {
                      : "fused GatedDeltaNet chain (steps of <= " + std::to_string(gdn_chain_max_seqs) + " sequences)");
   add(commit, commit_overlap ? "fused commit (side stream)" : "fused commit");
   add(moe_decode, "MoE decode kernels (steps of <= 16 rows)");
+  add(moe_wgmma, "MoE expert GEMMs on wgmma");
   return s;
 }
 
@@ -419,7 +420,8 @@ nlohmann::json FastPathPlan::to_json() const {
                         {"gdn_chain_max_seqs", fusion.gdn_chain_max_seqs},
                         {"commit", fusion.commit},
                         {"commit_overlap", fusion.commit_overlap},
-                        {"moe_decode", fusion.moe_decode}};
+                        {"moe_decode", fusion.moe_decode},
+                        {"moe_wgmma", fusion.moe_wgmma}};
   for (const LayerPlan& l : layers) {
     nlohmann::json lj{{"layer", l.layer}, {"type", layer_type_name(l.type)}, {"all_fast", l.all_fast()}};
     for (const StepPlan& s : l.steps)

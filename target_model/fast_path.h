@@ -105,7 +105,10 @@ struct FastPathPlan {
     // the grouped path's eleven launches. Off in the plan until measured on a GPU (written without
     // one, session 21); dflash_eval / generate_bench --decode-variant moe_decode turn it on.
     bool moe_decode = false;
-    bool any() const { return skinny_gemm || swiglu_gemm || gdn_chain || commit || moe_decode; }
+    // MoE targets: the grouped path's expert GEMMs of decode / verify steps on the wgmma kernel
+    // (cuda::moe_grouped_gemm_wgmma, sm_90) instead of mma.sync's narrow tiles (--decode-variant moe_wgmma).
+    bool moe_wgmma = false;
+    bool any() const { return skinny_gemm || swiglu_gemm || gdn_chain || commit || moe_decode || moe_wgmma; }
     // "skinny GEMMs, SwiGLU in down_proj, fused GatedDeltaNet chain, fused commit, MoE decode kernels" ("" if none)
     std::string str() const;
   };

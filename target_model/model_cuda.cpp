@@ -772,6 +772,7 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
   // A decode step's pad rows (after the real tokens) belong to no sequence: they are not routed, so
   // they read no expert weights.
   p.routed = decode_ && !decode_->prefill ? decode_->real_tokens : N;
+  if (decode_ && !decode_->prefill && decode_->fusion.moe_wgmma) p.wgmma = 1;
   Tensor scratch;  // FP8 experts: their bf16 values where the kernels read bf16 (cuda::moe_fp8_scratch)
   if (fp8_experts) {
     p.experts_gate_up_scale = L.moe.experts_gate_up_scale.data<float>();

@@ -488,7 +488,8 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
   if (p.max_tiles == 0) return;
   const bool narrow = moe_narrow_tiles(p);
 #ifndef DFLASH_CUDA_EMULATION  // (the emulated tests run the wgmma kernel by itself)
-  if (!p.w_scale && tuning::moe_wgmma != 0 && (tuning::moe_wgmma == 1 || !narrow)) {
+  const int wg = p.wgmma >= 0 ? p.wgmma : tuning::moe_wgmma;
+  if (!p.w_scale && wg != 0 && (wg == 1 || !narrow)) {
     int dev = 0;
     DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
     if (moe_wgmma_supported(dev)) return moe_grouped_gemm_wgmma(p, s);
@@ -501,9 +502,7 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
 bool moe_fp8_scratch(MoeImpl impl, int64_t routed_rows, int device) {
   if (impl != MoeImpl::Grouped) return impl == MoeImpl::Fallback;
   if (tuning::moe_fp8_dequantize_first >= 0) return tuning::moe_fp8_dequantize_first == 1;
-  MoeGemmParams g;
-  g.rows = routed_rows;
-  return tuning::moe_wgmma != 0 && !moe_narrow_tiles(g) && moe_wgmma_supported(device);
+  return tuning::moe_wgmma != 0 && routed_rows >= kMoeFp8ScratchRows && moe_wgmma_supported(device);
 }
 
 bool moe_narrow_tiles(const MoeGemmParams& p) {
@@ -687,6 +686,7 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     g.max_tiles = moe_max_tiles(R, El);
     g.swiglu = true;
     g.rows = R;
+    g.wgmma = p.wgmma;
     g.w_scale = codes ? p.experts_gate_up_scale : nullptr;
     moe_grouped_gemm(g, s);
     g.x = act;

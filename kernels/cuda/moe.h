@@ -65,6 +65,7 @@ struct MoeGemmParams {
   int64_t E = 0, Nout = 0, K = 0, max_tiles = 0;
   bool swiglu = false;
   int64_t rows = -1;  // the routed rows (offsets[E]) when the host knows them: picks the tiling
+  int wgmma = -1;     // the wgmma kernel: -1 as tuning::moe_wgmma says, 1 for this call where supported, 0 not
   // FP8 weights (W8A16): w holds e4m3 codes and w_scale their 128 x 128 block scales, f32
   // [E, row blocks, ceil(K/128)], the rows [0, Nout) and [Nout, 2 Nout) (swiglu's gate and up) blocked
   // apart (moe_fp8.cuh); every weight reads as the bf16-rounded code · scale (the bf16 experts' bits).
@@ -81,14 +82,19 @@ bool moe_narrow_tiles(const MoeGemmParams& p);  // narrow: rows known and <= kMo
 namespace tuning {
 extern int moe_narrow_tiles;  // -1 automatic (moe_narrow_tiles(p)), 0 never, 1 always (tests, benches)
 // The wgmma kernel (moe_sm90.cu) for bf16 weights on an sm_90 device: -1 for the wide tiling's calls
-// (the default), 0 never (the mma.sync kernels), 1 for every bf16 call.
+// (the default: prefill; a call's MoeGemmParams::wgmma overrides it), 0 never (the mma.sync kernels),
+// 1 for every bf16 call.
 extern int moe_wgmma;
 // FP8 experts on the grouped path: 0 the GEMMs read the codes; 1 a bf16 copy of the layer's experts
-// is written first and read (the fallback's way); -1 (the default) the copy where the call takes the
-// wgmma kernel (more than kMoeNarrowRows routed rows on sm_90: a prefill), which reads bf16 tiles
-// only (moe_fp8_scratch says which; benches compare the two).
+// is written first and read by the wgmma kernel (the fallback's way); -1 (the default) the copy for
+// large prefills on sm_90 (moe_fp8_scratch says which; moe_bench compares the two) ...
 extern int moe_fp8_dequantize_first;
 }  // namespace tuning
+// ... from this many routed rows on. Measured on an H200 (bench/results/h200-moe6-c4bc6aa, moe_bench at
+// 35B-A3B shapes): 2,048 tokens (16,384 rows) codes 0.95 ms a block vs the copy + wgmma 1.35; 8,192
+// (65,536 rows) 2.88 vs 2.48: the copy costs ~0.66 ms a layer, the codes kernel (mma.sync) ~0.016 ms
+// more than wgmma per 1,000 rows; they cross near 40,000.
+inline constexpr int64_t kMoeFp8ScratchRows = 40960;
 
 // The grouped GEMM on Hopper warpgroup MMA (moe_sm90.cu; bf16 weights, no w_scale), which
 // moe_grouped_gemm runs where tuning::moe_wgmma says and moe_wgmma_supported(device): an sm_90 GPU
@@ -139,6 +145,7 @@ struct MoeBlockParams {
   // and Is this rank's slices); a choice of another rank's expert adds nothing here. The ranks'
   // partial outputs are summed by the caller (the TP group's all-reduce). -1: every expert.
   int64_t expert_begin = 0, local_experts = -1;
+  int wgmma = -1;  // the grouped path's expert GEMMs on the wgmma kernel: MoeGemmParams::wgmma
   bool renormalize = true;
   const void* router = nullptr;           // bf16 [E, H]
   const void* experts_gate_up = nullptr;  // bf16 [local experts, 2I, H] (or e4m3 codes: below)

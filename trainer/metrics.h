@@ -110,7 +110,7 @@ struct TrainRowShape {
   std::string model_type;         // the target's ("qwen3_5_text")
   int64_t target_layers = 0, hidden = 0;
   int64_t seq_len = 0;            // data.max_length
-  std::string precision;          // "bf16" | "fp8" (GPU); "f32" on the CPU reference
+  std::string precision;          // "bf16" | "fp8" (GPU), ",fp8x" added with FP8 experts; "f32" on the CPU reference
   int tp = 1, dp = 1;             // parallel.tp; TP groups (data-parallel replicas)
   int64_t drafter_layers = 0, block_size = 0, anchors = 0, batch = 0, micro_batches = 0;
   bool on_gpu = false, fp8_target = false;

@@ -829,6 +829,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     sh.model_type = t.model_type, sh.target_layers = t.num_hidden_layers, sh.hidden = t.hidden_size;
     sh.seq_len = cfg.data.max_length;
     sh.precision = r.on_gpu() ? target::precision_name(target::resolve_precision(cfg.model.target.precision, t)) : "f32";
+    if (cfg.model.target.fp8_experts) sh.precision += ",fp8x";  // MoE: the routed experts in FP8 (W8A16)
     sh.tp = r.layout.tp_size, sh.dp = r.layout.num_tp_groups;
     sh.drafter_layers = r.dcfg().num_hidden_layers, sh.block_size = B, sh.anchors = tr.num_anchors;
     sh.batch = tr.batch_size, sh.micro_batches = tr.micro_batches;

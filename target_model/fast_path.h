@@ -102,8 +102,8 @@ struct FastPathPlan {
     bool commit_overlap = false;
     // MoE targets: decode / verify steps of <= cuda::kMoeDecodeMaxRows rows run the MoE block as three
     // kernels streaming each weight row once (cuda::MoeImpl::Decode, "moe_decode_gemv") instead of
-    // the grouped path's eleven launches. Off in the plan until measured on a GPU (written without
-    // one, session 21); dflash_eval / generate_bench --decode-variant moe_decode turn it on.
+    // the grouped path's eleven launches. Off in the plan: measured slower in a 35B-A3B decode
+    // (h200-moe6-c4bc6aa: 5.35 vs 4.95 ms); dflash_eval / generate_bench --decode-variant moe_decode.
     bool moe_decode = false;
     // MoE targets: the grouped path's expert GEMMs of decode / verify steps on the wgmma kernel
     // (cuda::moe_grouped_gemm_wgmma, sm_90) instead of mma.sync's narrow tiles (--decode-variant moe_wgmma).

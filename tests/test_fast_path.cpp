@@ -98,8 +98,8 @@ TEST(FastPath, DecodePlanBoundsTheFusedChainBySequences) {
   EXPECT_EQ(plan.to_json()["decode_fusion"]["gdn_chain_max_seqs"], FastPathPlan::kGdnChainMaxSeqs);
 }
 
-// The MoE decode kernels (cuda::MoeImpl::Decode) stay out of the decode plan until measured on a
-// GPU; the plan names them, in its summary and JSON, when a caller turns them on (dflash_eval /
+// The MoE decode kernels (cuda::MoeImpl::Decode) stay out of the decode plan (slower than the
+// grouped path in a measured decode); the plan names them, in its summary and JSON, when a caller turns them on (dflash_eval /
 // generate_bench --decode-variant moe_decode).
 TEST(FastPath, MoeDecodeKernelsAreNamedWhenOn) {
   FastPathPlan plan = make_decode_plan(qwen27b(), Device::cuda(0), {}, 9, Precision::Bf16);

@@ -734,13 +734,12 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
   const Fused& f = fused_[static_cast<size_t>(i)];
   const int64_t N = x.size(0);
   // A decode / verify step of <= 16 rows (a T = 1 decode and a T <= 16 verify alike: their rows are
-  // padded to 16) on the decode plan's MoE decode kernels, and always with FP8 experts (written for
-  // them: three launches streaming the codes); prefill, chunked prompt pieces and larger batches on
-  // the grouped GEMMs (which read FP8 codes too).
+  // padded to 16) on the MoE decode kernels where the decode plan says (off by default: slower in a
+  // measured decode); the rest on the grouped GEMMs (which read FP8 experts' codes too).
   static_assert(cuda::kMoeDecodeMaxRows == kMaxVerifyTokens, "the MoE decode kernels take every decode and verify step");
   const bool fp8_experts = L.moe.experts_gate_up_scale.defined();
   const bool decode_kernels =
-      decode_ && !decode_->prefill && (decode_->fusion.moe_decode || fp8_experts) && N <= cuda::kMoeDecodeMaxRows;
+      decode_ && !decode_->prefill && decode_->fusion.moe_decode && N <= cuda::kMoeDecodeMaxRows;
   const cuda::MoeImpl impl = plan_.moe_fallback ? cuda::MoeImpl::Fallback
                              : decode_kernels   ? cuda::MoeImpl::Decode
                                                 : cuda::MoeImpl::Grouped;

@@ -481,9 +481,9 @@ TEST(CudaDecoder, MoeVerifyEqualsDecodeAndSpeculativeEqualsGreedy) {
 
 // FP8 experts (store_moe_experts_fp8, --fp8-experts; W8A16): a target whose routed experts are e4m3
 // codes with block scales computes, bit for bit, what the same target with bf16 experts holding the
-// codes' dequantized values computes: the prefill forward (grouped GEMMs on moe_block's bf16 scratch)
-// and the decode and verify steps (FP8 experts always decode on the MoE decode kernels, which read the
-// codes; the bf16 target here with moe_decode on).
+// codes' dequantized values computes: the prefill forward and the decode and verify steps, on the
+// grouped GEMMs (which read the codes, or a bf16 copy for large prefills on sm_90) and on the MoE
+// decode kernels (moe_decode on).
 TEST(CudaDecoder, MoeFp8ExpertsEqualTheirBf16Values) {
   DFLASH_REQUIRE_GPU();
   const TargetConfig c = real_dims_moe();
@@ -514,9 +514,10 @@ TEST(CudaDecoder, MoeFp8ExpertsEqualTheirBf16Values) {
   commit.logits = true;
   ExtendOptions verify = commit;
   verify.commit = false;
-  {
+  for (bool md : {false, true}) {
+    SCOPED_TRACE(md ? "MoE decode kernels" : "grouped GEMMs");
     FastPathPlan dp = make_decode_plan(c, Device::cuda(0), pol, sm);
-    dp.fusion.moe_decode = true;
+    dp.fusion.moe_decode = md;
     auto dq = make_cuda_decoder(mq, 1, 400, dp), db = make_cuda_decoder(mb, 1, 400, dp);
     dq->extend({0}, {prompt}, commit);
     db->extend({0}, {prompt}, commit);

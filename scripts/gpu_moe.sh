@@ -6,8 +6,9 @@
 #   2. target_bench on Qwen3.6-35B-A3B shapes (random weights; 2048 and 8192 tokens, bf16 and FP8 experts;
 #      SKIP_BENCH=1 skips it), then dflash_eval on those shapes (random weights, an untrained 8-layer drafter, a 4096-token
 #      prompt): the decode step, the verify step against the block size (--verify-sweep), the op profile
-#      of a decode step, and --decode-variants $EVAL_VARIANTS (default fused,moe_decode: the grouped
-#      GEMMs against the MoE decode kernels, decode / propose / verify / commit each); again with the
+#      of a decode step, and --decode-variants $EVAL_VARIANTS (default fused,moe_decode,moe_wgmma: the
+#      grouped mma.sync GEMMs against the MoE decode kernels and against the expert GEMMs on wgmma,
+#      decode / propose / verify / commit each); again with the
 #      routed experts in FP8 (--fp8-experts; EVAL_FP8X=0 skips it) and with --no-cuda-graphs (EVAL_EAGER=0
 #      skips it);
 #   3. the tiny MoE end to end on the GPU (ctest moe_pipeline_gpu: capture, regenerate, train, eval);
@@ -56,7 +57,7 @@ if [ -z "${SKIP_EVAL:-}" ] && [ "$(left)" -gt 120 ]; then
     [ "$graphs" = off ] && [ "${EVAL_EAGER:-1}" = 0 ] && continue
     [ "$graphs" = fp8x ] && [ "${EVAL_FP8X:-1}" = 0 ] && continue
     [ "$(left)" -gt 90 ] || { echo "eval graphs $graphs skipped: $(left) s left" | tee -a "$OUT/eval35b.log"; continue; }
-    extra=(--verify-sweep 1,2,4,8,16 --profile 8 --decode-variants "${EVAL_VARIANTS:-fused,moe_decode}")
+    extra=(--verify-sweep 1,2,4,8,16 --profile 8 --decode-variants "${EVAL_VARIANTS:-fused,moe_decode,moe_wgmma}")
     [ "$graphs" = fp8x ] && extra=(--fp8-experts --verify-sweep 1,4,16 --decode-variants fused,moe_decode)
     [ "$graphs" = off ] && extra=(--no-cuda-graphs --profile 0)
     echo "=== dflash_eval 35b-a3b bf16 graphs $graphs" >>"$OUT/eval35b.log"

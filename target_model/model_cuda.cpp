@@ -738,8 +738,8 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
   // measured decode); the rest on the grouped GEMMs (which read FP8 experts' codes too).
   static_assert(cuda::kMoeDecodeMaxRows == kMaxVerifyTokens, "the MoE decode kernels take every decode and verify step");
   const bool fp8_experts = L.moe.experts_gate_up_scale.defined();
-  const bool decode_kernels =
-      decode_ && !decode_->prefill && decode_->fusion.moe_decode && N <= cuda::kMoeDecodeMaxRows;
+  const bool step = decode_ && !decode_->prefill;  // a decode / verify step (not a prompt's prefill)
+  const bool decode_kernels = step && decode_->fusion.moe_decode && N <= cuda::kMoeDecodeMaxRows;
   const cuda::MoeImpl impl = plan_.moe_fallback ? cuda::MoeImpl::Fallback
                              : decode_kernels   ? cuda::MoeImpl::Decode
                                                 : cuda::MoeImpl::Grouped;
@@ -770,13 +770,13 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
   p.experts_down = L.moe.experts_down.raw_data();
   // A decode step's pad rows (after the real tokens) belong to no sequence: they are not routed, so
   // they read no expert weights.
-  p.routed = decode_ && !decode_->prefill ? decode_->real_tokens : N;
-  if (decode_ && !decode_->prefill && decode_->fusion.moe_wgmma) p.wgmma = 1;
+  p.routed = step ? decode_->real_tokens : N;
+  if (step && decode_->fusion.moe_wgmma) p.wgmma = 1;
   Tensor scratch;  // FP8 experts: their bf16 values where the kernels read bf16 (cuda::moe_fp8_scratch)
   if (fp8_experts) {
     p.experts_gate_up_scale = L.moe.experts_gate_up_scale.data<float>();
     p.experts_down_scale = L.moe.experts_down_scale.data<float>();
-    if (cuda::moe_fp8_scratch(impl, p.routed * p.k, device_.index)) {
+    if (cuda::moe_fp8_scratch(impl, p.routed * p.k, p.wgmma, device_.index)) {
       scratch = Tensor::empty({static_cast<int64_t>(cuda::moe_experts_scratch_bytes(El, p.I, p.H))}, DType::U8, device_);
       p.experts_scratch = scratch.raw_data();
     }

@@ -477,6 +477,16 @@ void moe_permute(const int32_t* experts, const int32_t* counts, int64_t N, int64
                 static_cast<int>(k), static_cast<int>(expert_begin), static_cast<int>(El), cursor, src_row, slot_pos);
 }
 
+namespace {
+// Whether a grouped call on bf16 weights takes the wgmma kernel: the call's own choice
+// (MoeGemmParams::wgmma) or tuning::moe_wgmma's, by default the wide tiling's calls, on a device that
+// runs the sm_90a code.
+bool takes_wgmma(int choice, bool narrow, int device) {
+  const int wg = choice >= 0 ? choice : tuning::moe_wgmma;
+  return wg != 0 && (wg == 1 || !narrow) && moe_wgmma_supported(device);
+}
+}  // namespace
+
 void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
   DFLASH_CHECK(p.E >= 1 && p.Nout > 0 && p.K > 0 && p.K % 8 == 0 && p.ldx % 8 == 0 && p.ldx >= p.K &&
                    p.ldy >= p.Nout && p.K < INT32_MAX && p.Nout < INT32_MAX,
@@ -488,21 +498,22 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
   if (p.max_tiles == 0) return;
   const bool narrow = moe_narrow_tiles(p);
 #ifndef DFLASH_CUDA_EMULATION  // (the emulated tests run the wgmma kernel by itself)
-  const int wg = p.wgmma >= 0 ? p.wgmma : tuning::moe_wgmma;
-  if (!p.w_scale && wg != 0 && (wg == 1 || !narrow)) {
+  if (!p.w_scale) {
     int dev = 0;
     DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
-    if (moe_wgmma_supported(dev)) return moe_grouped_gemm_wgmma(p, s);
+    if (takes_wgmma(p.wgmma, narrow, dev)) return moe_grouped_gemm_wgmma(p, s);
   }
 #endif
   if (p.w_scale) narrow ? launch_grouped<64, 5, true>(p, s) : launch_grouped<128, 3, true>(p, s);
   else narrow ? launch_grouped<64, 5, false>(p, s) : launch_grouped<128, 3, false>(p, s);
 }
 
-bool moe_fp8_scratch(MoeImpl impl, int64_t routed_rows, int device) {
+bool moe_fp8_scratch(MoeImpl impl, int64_t routed_rows, int wgmma, int device) {
   if (impl != MoeImpl::Grouped) return impl == MoeImpl::Fallback;
   if (tuning::moe_fp8_dequantize_first >= 0) return tuning::moe_fp8_dequantize_first == 1;
-  return tuning::moe_wgmma != 0 && routed_rows >= kMoeFp8ScratchRows && moe_wgmma_supported(device);
+  MoeGemmParams g;  // the grouped calls' tiling, as moe_block sets it
+  g.rows = routed_rows;
+  return routed_rows >= kMoeFp8ScratchRows && takes_wgmma(wgmma, moe_narrow_tiles(g), device);
 }
 
 bool moe_narrow_tiles(const MoeGemmParams& p) {
@@ -659,7 +670,8 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
   const void* down_w = p.experts_down;
   const bool fp8 = p.experts_gate_up_scale != nullptr;
   DFLASH_CHECK(!fp8 || p.experts_down_scale, "moe_block: FP8 experts need both block scales");
-  if (fp8 && moe_fp8_scratch(impl, R, device)) {
+  const bool scratch = fp8 && moe_fp8_scratch(impl, R, p.wgmma, device);
+  if (scratch) {
     DFLASH_CHECK(p.experts_scratch && aligned16(p.experts_scratch),
                  "moe_block: FP8 experts on the " << moe_impl_name(impl) << " path need a 16-byte aligned experts_scratch");
     bf16* gu_b = static_cast<bf16*>(p.experts_scratch);
@@ -669,7 +681,7 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     gate_up_w = gu_b;
     down_w = dn_b;
   }
-  const bool codes = fp8 && gate_up_w == p.experts_gate_up;  // the grouped GEMMs read the FP8 codes
+  const bool codes = fp8 && !scratch;  // the grouped GEMMs read the FP8 codes
   if (impl == MoeImpl::Grouped) {
     MoeGemmParams g;
     g.x = p.x;

@@ -175,10 +175,11 @@ struct MoeBlockParams {
 size_t moe_workspace_bytes(int64_t N, int64_t H, int64_t E, int64_t k, int64_t I, int64_t Is, MoeImpl impl);
 // The bf16 copy of El FP8 experts (gate|up, then down) for the grouped GEMMs / the fallback.
 size_t moe_experts_scratch_bytes(int64_t El, int64_t I, int64_t H);
-// Whether moe_block with FP8 experts on `impl`, `routed_rows` = routed tokens x k, on `device` reads a
-// bf16 copy of the experts (MoeBlockParams::experts_scratch, moe_experts_scratch_bytes): the
-// fallback always, the grouped path as tuning::moe_fp8_dequantize_first says, the decode kernels never.
-bool moe_fp8_scratch(MoeImpl impl, int64_t routed_rows, int device);
+// Whether moe_block with FP8 experts on `impl`, `routed_rows` = routed tokens x k, `wgmma` =
+// MoeBlockParams::wgmma, on `device` reads a bf16 copy of the experts (MoeBlockParams::experts_scratch,
+// moe_experts_scratch_bytes): the fallback always, the grouped path as tuning::moe_fp8_dequantize_first
+// says (by default where its calls take the wgmma kernel, from kMoeFp8ScratchRows), the decode kernels never.
+bool moe_fp8_scratch(MoeImpl impl, int64_t routed_rows, int wgmma, int device);
 // y bf16 [El, R, K] = the bf16-rounded code · scale of e4m3 codes q [El, R, K] with block scales
 // [El, row blocks, ceil(K/128)], rows [0, split) and [split, R) blocked apart (gate|up: R = 2I,
 // split = I; down: split = R). Needs K % 8 == 0, 16-byte aligned y and 8-byte aligned q.

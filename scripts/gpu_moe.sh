@@ -16,7 +16,7 @@
 #      q35_1gpu_fp8x and with the FP8 drafter q35_1gpu_d8: MOE_TRAIN_RUNS, a regex; TRAIN_STEPS, default 20).
 #   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_moe.sh
 # Writes at most 8 files to $OUT: env.txt, build.log, tests.log, eval35b.log, eval35b.csv, pipeline.log,
-# train.txt, train.tgz (with train_rows.csv). MOE_BENCH=1 adds test_cuda_moe's timing rows (moe_bench,...: the
+# train.txt, train.tgz (with train_rows.csv). NCU_MOE=1 adds the decode-sized MoE blocks kernel by kernel under ncu (CSV in tests.log). MOE_BENCH=1 adds test_cuda_moe's timing rows (moe_bench,...: the
 # block and its expert GEMMs at 35B-A3B shapes, both tilings, the decode kernels, FP8 experts) to tests.log. SKIP_TESTS / SKIP_EVAL / SKIP_PIPELINE / SKIP_TRAIN=1 skip a
 # stage; every stage after the build is skipped or stopped (SIGTERM: dflash_train keeps its rows) before
 # DFLASH_DEADLINE (default 540 s after the start).
@@ -34,6 +34,17 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     timeout 120 "$B/tests/test_cuda_model" --gtest_filter='CudaMoeGolden.*'
     timeout 150 "$B/tests/test_cuda_decoder" --gtest_filter='CudaDecoder.Moe*'
   } >"$OUT/tests.log" 2>&1
+  # NCU_MOE=1: the decode-sized MoE blocks (1 and 16 tokens, every implementation) kernel by kernel under
+  # ncu, each kernel from a flushed cache (time, DRAM bytes read, share of the DRAM and SM peaks), as CSV
+  # after a '=== ncu moe' line in tests.log.
+  if [ -n "${NCU_MOE:-}" ]; then
+    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    echo "=== ncu moe" >>"$OUT/tests.log"
+    DFLASH_MOE_BENCH=1 DFLASH_MOE_PROFILE=1 timeout 240 "$NCU" --profile-from-start off --clock-control none --csv \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
+      "$B/tests/test_cuda_moe" --gtest_filter='CudaMoe.Bench35bA3b' >>"$OUT/tests.log" 2>&1
+    echo "ncu moe rc=$?"
+  fi
   echo "tests $(( $(date +%s) - t0 )) s"
   grep -E "^\[  (PASSED|FAILED) |^tiny_moe gpu .*(forced|free)|moe greedy|^moe_bench" "$OUT/tests.log" | head -n 40
 fi

@@ -11,6 +11,7 @@
 // within 1e-4 of each other (a near tie), and the expert outputs are checked on the GPU's choices.
 // Outputs (bf16): max |got - ref| / max |ref| <= 1e-2 (bf16 rounding of the activations ~2^-9 and
 // of the expert outputs; a wrong row, expert or weight is >= 1e-1).
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -673,7 +674,12 @@ TEST(CudaMoe, Bench35bA3b) {
   Tensor scratch = Tensor::empty({static_cast<int64_t>(cu::moe_experts_scratch_bytes(E, I, H))}, DType::U8, Device::cuda(0));
   Tensor l2_flush = Tensor::empty({int64_t{256} << 20}, DType::U8, Device::cuda(0));  // (time_it, N <= 16)
   std::printf("moe_bench,impl,tokens,ms_block,block_tflops,ms_expert_gemms,expert_gemm_tflops,expert_gemm_gbs\n");
+  // DFLASH_MOE_PROFILE=1 (scripts/gpu_moe.sh NCU_MOE=1): decode-sized blocks only, and one more call of
+  // each after an L2 flush between cudaProfilerStart / Stop, for `ncu --profile-from-start off` (the
+  // block's kernels one by one: time, DRAM bytes, share of the DRAM peak).
+  const bool profile = std::getenv("DFLASH_MOE_PROFILE") != nullptr;
   for (int64_t N : {1, 16, 2048, 8192}) {
+    if (profile && N > cu::kMoeDecodeMaxRows) continue;
     Pair x = gpu_rand({N, H}, 1.0f);
     Tensor out = Tensor::empty({N, H}, DType::BF16, Device::cuda(0));
     // Grouped wide tiles, grouped narrow tiles, the fallback, the decode kernels (N <= 16; its
@@ -751,6 +757,16 @@ TEST(CudaMoe, Bench35bA3b) {
       Tensor chosen = dev_i32(N * k);
       p.experts_out = chosen.data<int32_t>();
       const double ms = time_it([&] { cu::moe_block(p, impl, 0); });
+      if (profile) {
+        DFLASH_CUDA_CHECK(cudaMemsetAsync(l2_flush.raw_data(), 1, l2_flush.nbytes(), static_cast<cudaStream_t>(stream())));
+        sync_dev();
+        std::printf("moe_profile,%s,%lld\n", name.c_str(), static_cast<long long>(N));
+        std::fflush(stdout);
+        cudaProfilerStart();
+        cu::moe_block(p, impl, 0);
+        sync_dev();
+        cudaProfilerStop();
+      }
       const double flops = 2.0 * N * (E * H + k * 3 * I * H + 3 * Is * H);
       double ms_g = NAN, gbs = NAN;
       if (impl == cu::MoeImpl::Decode) {

@@ -43,15 +43,19 @@ Pair rand_bf16(const Shape& s, float sd) {
 // The grouped path's kernels: top-k on given logits, the permutation over this rank's experts (all,
 // or an expert range: expert parallelism), the grouped gate|up (gather + SwiGLU fused) and down
 // GEMMs in both tilings (mma.sync emulated), the combine with a sigmoid-gated shared term; against
-// the CPU's top-k and experts on the same routing.
+// the CPU's top-k and experts on the same routing; the three tilings give the same bits.
 TEST(MoeEmulated, GroupedPathMatchesTheCpuReference) {
+  const char* const tiling[] = {"wide", "narrow", "deep"};
   struct G {
     int64_t N, H, E, k, I, e0, El;
   };
   for (const G& c : std::vector<G>{{40, 64, 8, 2, 32, 0, 8}, {70, 72, 8, 3, 40, 4, 4}, {9, 64, 4, 2, 24, 1, 2}}) {
-    for (int narrow : {0, 1}) {
+    Tensor first_out;
+    const uint64_t draws = g_stream;  // every tiling on the same inputs
+    for (int narrow : {0, 1, 2}) {
+      g_stream = draws;
       SCOPED_TRACE("N " + std::to_string(c.N) + " experts [" + std::to_string(c.e0) + ", " +
-                   std::to_string(c.e0 + c.El) + ") of " + std::to_string(c.E) + (narrow ? ", narrow" : ", wide"));
+                   std::to_string(c.e0 + c.El) + ") of " + std::to_string(c.E) + ", " + tiling[narrow]);
       cu::tuning::moe_narrow_tiles = narrow;
       Tensor logits = Tensor::empty({c.N, c.E}, DType::F32);
       fill_normal(logits, {4413, g_stream++, 0}, 0.0f, 2.0f);
@@ -103,6 +107,8 @@ TEST(MoeEmulated, GroupedPathMatchesTheCpuReference) {
       ops::linear(x.f, gate_w.f, gate);
       ops::add_sigmoid_gated(shared.f, gate, ref);
       EXPECT_LE(max_rel_err(f32(out), ref), 1e-2);
+      if (narrow == 0) first_out = out;
+      else EXPECT_EQ(std::memcmp(out.raw_data(), first_out.raw_data(), out.nbytes()), 0) << "the wide tiling's bits";
     }
   }
   cu::tuning::moe_narrow_tiles = -1;
@@ -131,7 +137,7 @@ TEST(MoeEmulated, Fp8ExpertsDequantizeToTheLoadersValues) {
 
 // FP8 experts on the grouped GEMMs (w_scale): the e4m3 tiles converted in the kernel give the bits
 // of the same GEMMs on the loader's bf16 values of those experts, in both tilings (gate|up with
-// SwiGLU blocked apart at I, I not a multiple of 128 and partial tiles; down in one part).
+// SwiGLU blocked apart at I, I not a multiple of 128 and partial tiles; down in one part); every tiling.
 TEST(MoeEmulated, Fp8GroupedGemmsGiveTheBf16ExpertsBits) {
   const int64_t N = 23, H = 144, E = 3, k = 2, I = 80, R = N * k;
   const Fp8Experts gu = make_fp8_experts(E, 2 * I, H, I, 31), dn = make_fp8_experts(E, H, I, H, 32);
@@ -146,7 +152,7 @@ TEST(MoeEmulated, Fp8GroupedGemmsGiveTheBf16ExpertsBits) {
   Tensor cursor = Tensor::empty({E}, DType::I32), src = Tensor::empty({R}, DType::I32), slot = Tensor::empty({R}, DType::I32);
   cu::moe_permute(ex.data<int32_t>(), counts.data<int32_t>(), N, E, k, off.data<int32_t>(), tiles.data<int32_t>(),
                   cursor.data<int32_t>(), src.data<int32_t>(), slot.data<int32_t>(), nullptr, 0, E);
-  for (int narrow : {0, 1}) {
+  for (int narrow : {0, 1, 2}) {
     cu::tuning::moe_narrow_tiles = narrow;
     Tensor act[2], y[2];
     for (int fp8 : {0, 1}) {

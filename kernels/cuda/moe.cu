@@ -101,13 +101,22 @@ __global__ void scatter_kernel(const int32_t* __restrict__ experts, int64_t rows
 }
 
 // ---- grouped GEMM -----------------------------------------------------------------------------------
-// Two tilings of one kernel: BN weight rows a block (128: the prefill's, fewer blocks reading each A
-// tile; 64 with 5 stages: few routed rows (decode / verify), twice the blocks and more loads in
-// flight, where reading the experts' weights is the whole cost). Every output element is the same
-// mma.sync k16 steps in the same K order either way, so the two give the same bits.
-constexpr int BM = kMoeTileRows, BK = 32, kThreads = 128;
-constexpr int kLds = BK + 8;  // 80-byte smem rows: ldmatrix's 8 row addresses hit distinct banks
-constexpr int kLdq = BK + 16;  // FP8 weight rows of 48 bytes: a fragment's 8 rows x 4 byte pairs hit distinct banks
+// Three tilings of one kernel (BN weight rows x BK columns a k tile, kStages of them in flight):
+//   wide   128 x 32, 3 stages: the prefill's, fewer blocks reading each A tile;
+//   narrow  64 x 32, 5 stages: few routed rows, twice the blocks;
+//   deep    64 x 128, 4 stages: decode / verify steps (moe_deep_tiles), where a call is ~128 blocks
+//           streaming the experts' weights and nothing else: 64 KB of weights in flight a block
+//           where narrow has 20 KB (at 35B-A3B shapes narrow's expert GEMMs ran at ~1.1 TB/s).
+// Every output element is the same mma.sync k16 steps in the same K order in each, so all give the
+// same bits (k16 steps past K add zero products: they change nothing but an all-(-0) sum's sign).
+constexpr int BM = kMoeTileRows, kThreads = 128;
+// Shared-memory rows: bf16 rows of BK + 8 elements (ldmatrix's 8 row addresses hit distinct banks:
+// the row pitch is an odd number of 16-byte units) and FP8 weight rows of BK + 16 bytes (a
+// fragment's 8 rows x 4 byte pairs hit distinct banks).
+template <int BK>
+constexpr int lds() { return BK + 8; }
+template <int BK>
+constexpr int ldq() { return BK + 16; }
 
 // Block: BM rows of one expert x (swiglu ? BN/2 act columns (BN/2 gate + BN/2 up weight rows) : BN
 // output columns). 4 warps, 2 (rows) x 2 (columns); a warp 32 rows x NT = BN/16 n8 tiles. In swiglu
@@ -116,12 +125,15 @@ constexpr int kLdq = BK + 16;  // FP8 weight rows of 48 bytes: a fragment's 8 ro
 // their tiles come into shared memory as codes (half the bytes of bf16) and each thread builds its
 // mma B fragments from them, every weight the bf16-rounded code · scale: the bf16 experts' values,
 // so the products are the bf16 kernel's bits on those experts.
-template <int BN, int kStages, bool kFp8>
+template <int BN, int BK, int kStages, bool kFp8>
 __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p) {
   constexpr int NT = BN / 16, HT = NT / 2;  // n8 tiles, half of them
-  // B chunks of 16 bytes a thread per k tile (8 bf16 or 16 e4m3 values); fp8 rows of kLdq bytes.
+  constexpr int kLds = lds<BK>(), kLdq = ldq<BK>();
+  // A and B chunks of 16 bytes a thread per k tile (8 bf16 or 16 e4m3 values); fp8 rows of kLdq bytes.
+  constexpr int GPA = BK / 8, ACH = BM * GPA / kThreads;
   constexpr int BCH = BN * BK * (kFp8 ? 1 : 2) / 16 / kThreads, CW = kFp8 ? 16 : 8;
   static_assert(HT % 2 == 0 && BCH >= 1 && (BN & (BN - 1)) == 0, "tile pairs for ldmatrix_x4, whole B chunks, BN a power of 2");
+  static_assert(BK % 32 == 0 && ACH * kThreads == BM * GPA, "k tiles of whole fp8 chunk pairs, whole A chunks");
   static_assert(BN <= 128 && 128 % BK == 0, "a block's weight rows of a part and a k tile lie in one 128 x 128 scale block");
   DFLASH_DYNAMIC_SMEM(unsigned char, smem_raw);
   bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [kStages][BM][kLds]
@@ -136,13 +148,13 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
   const unsigned char* W = static_cast<const unsigned char*>(p.w) + static_cast<int64_t>(e) * R * K * (kFp8 ? 1 : 2);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 1, wn = warp & 1;
 
-  // Each thread's load assignments: A 2 chunks (row, 8-col group), B 4 chunks.
-  const bf16* a_src[2];
-  bool a_ok[2];
-  int a_off[2];
+  // Each thread's load assignments: A ACH chunks (row, 8-col group), B BCH chunks.
+  const bf16* a_src[ACH];
+  bool a_ok[ACH];
+  int a_off[ACH];
 #pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const int idx = tid + c * kThreads, r = idx >> 2, g = idx & 3;
+  for (int c = 0; c < ACH; ++c) {
+    const int idx = tid + c * kThreads, r = idx / GPA, g = idx % GPA;
     const int pos = row0 + r;
     a_ok[c] = pos < row_end;
     const int src = a_ok[c] ? (p.src_row ? p.src_row[pos] : pos) : 0;
@@ -178,8 +190,8 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
     bf16* A = sa + stage * BM * kLds;
     unsigned char* B = reinterpret_cast<unsigned char*>(sb) + stage * BN * kRowB;
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int kk = k0 + ((tid + c * kThreads) & 3) * 8;
+    for (int c = 0; c < ACH; ++c) {
+      const int kk = k0 + ((tid + c * kThreads) % GPA) * 8;
       const bool v = a_ok[c] && kk < K;
       ptx::cp_async16_zfill(A + a_off[c], v ? a_src[c] + k0 : X, v);
     }
@@ -282,26 +294,26 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
   }
 }
 
-template <int BN, int kStages, bool kFp8>
+template <int BN, int BK, int kStages, bool kFp8>
 constexpr size_t gemm_smem() {
-  return static_cast<size_t>(kStages) * (BM * kLds * sizeof(bf16) + BN * (kFp8 ? kLdq : kLds * sizeof(bf16)));
+  return static_cast<size_t>(kStages) * (BM * lds<BK>() * sizeof(bf16) + BN * (kFp8 ? ldq<BK>() : lds<BK>() * sizeof(bf16)));
 }
 
 // Launches one tiling (its shared-memory opt-in once per device).
-template <int BN, int kStages, bool kFp8>
+template <int BN, int BK, int kStages, bool kFp8>
 void launch_grouped(const MoeGemmParams& p, Stream s) {
   static bool attr[64] = {};
-  constexpr size_t smem = gemm_smem<BN, kStages, kFp8>();
+  constexpr size_t smem = gemm_smem<BN, BK, kStages, kFp8>();
   int dev = 0;
   DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev >= 64 || !attr[dev]) {
-    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<BN, kStages, kFp8>,
+    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<BN, BK, kStages, kFp8>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     if (dev < 64) attr[dev] = true;
   }
   const int64_t cols = p.swiglu ? BN / 2 : BN;
   const dim3 grid(static_cast<unsigned>(p.max_tiles), static_cast<unsigned>((p.Nout + cols - 1) / cols));
-  launch_kernel(grouped_gemm_kernel<BN, kStages, kFp8>, grid, dim3(kThreads), smem, static_cast<cudaStream_t>(s), p);
+  launch_kernel(grouped_gemm_kernel<BN, BK, kStages, kFp8>, grid, dim3(kThreads), smem, static_cast<cudaStream_t>(s), p);
 }
 
 // ---- gather / combine -------------------------------------------------------------------------------
@@ -504,8 +516,14 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
     if (takes_wgmma(p.wgmma, narrow, dev)) return moe_grouped_gemm_wgmma(p, s);
   }
 #endif
-  if (p.w_scale) narrow ? launch_grouped<64, 5, true>(p, s) : launch_grouped<128, 3, true>(p, s);
-  else narrow ? launch_grouped<64, 5, false>(p, s) : launch_grouped<128, 3, false>(p, s);
+  const bool deep = narrow && moe_deep_tiles(p);
+  if (p.w_scale) {
+    if (deep) launch_grouped<64, 128, 4, true>(p, s);
+    else narrow ? launch_grouped<64, 32, 5, true>(p, s) : launch_grouped<128, 32, 3, true>(p, s);
+  } else {
+    if (deep) launch_grouped<64, 128, 4, false>(p, s);
+    else narrow ? launch_grouped<64, 32, 5, false>(p, s) : launch_grouped<128, 32, 3, false>(p, s);
+  }
 }
 
 bool moe_fp8_scratch(MoeImpl impl, int64_t routed_rows, int wgmma, int device) {
@@ -517,8 +535,13 @@ bool moe_fp8_scratch(MoeImpl impl, int64_t routed_rows, int wgmma, int device) {
 }
 
 bool moe_narrow_tiles(const MoeGemmParams& p) {
-  if (tuning::moe_narrow_tiles >= 0) return tuning::moe_narrow_tiles == 1;
+  if (tuning::moe_narrow_tiles >= 0) return tuning::moe_narrow_tiles >= 1;
   return p.rows >= 0 && p.rows <= kMoeNarrowRows;
+}
+
+bool moe_deep_tiles(const MoeGemmParams& p) {
+  if (tuning::moe_narrow_tiles >= 0) return tuning::moe_narrow_tiles == 2;
+  return p.rows >= 0 && p.rows <= kMoeDeepRows;
 }
 
 namespace tuning {

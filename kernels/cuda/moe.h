@@ -73,14 +73,19 @@ struct MoeGemmParams {
   const float* w_scale = nullptr;
 };
 void moe_grouped_gemm(const MoeGemmParams& p, Stream s);
-// The grouped GEMM's two tilings give the same bits (the same mma k16 steps per element in the same
-// K order); narrow tiles (64 weight rows a block, 5 stages) have twice the blocks and more loads in
-// flight, for few routed rows, where the experts' weight reads are the cost (a decode or verify
-// step: 8-128 rows at 35B-A3B shapes); wide ones (128, 3 stages) read each row tile half as often.
+// The grouped GEMM's three tilings give the same bits (the same mma k16 steps per element in the same
+// K order); narrow tiles (64 weight rows a block, 32-column k tiles, 5 stages) have twice the blocks
+// and more loads in flight, for few routed rows, where the experts' weight reads are the cost; deep
+// ones (64 rows, 128-column k tiles, 4 stages: 64 KB of weights in flight a block) for the fewest
+// (a decode or verify step: 8-128 rows at 35B-A3B shapes, ~128 blocks a call); wide ones (128, 3
+// stages) read each row tile half as often.
 inline constexpr int64_t kMoeNarrowRows = 512;
-bool moe_narrow_tiles(const MoeGemmParams& p);  // narrow: rows known and <= kMoeNarrowRows, or the knob
+inline constexpr int64_t kMoeDeepRows = 128;
+bool moe_narrow_tiles(const MoeGemmParams& p);  // narrow (or deep): rows known and <= kMoeNarrowRows, or the knob
+bool moe_deep_tiles(const MoeGemmParams& p);    // deep: rows known and <= kMoeDeepRows, or the knob
 namespace tuning {
-extern int moe_narrow_tiles;  // -1 automatic (moe_narrow_tiles(p)), 0 never, 1 always (tests, benches)
+// -1 automatic (moe_narrow_tiles(p), moe_deep_tiles(p)), 0 wide, 1 narrow, 2 deep (tests, benches).
+extern int moe_narrow_tiles;
 // The wgmma kernel (moe_sm90.cu) for bf16 weights on an sm_90 device: -1 for the wide tiling's calls
 // (the default: prefill; a call's MoeGemmParams::wgmma overrides it), 0 never (the mma.sync kernels),
 // 1 for every bf16 call.

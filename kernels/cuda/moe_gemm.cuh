@@ -14,18 +14,20 @@ namespace dflash::cuda::moe_detail {
 __device__ __forceinline__ float silu_expf(float g) { return g / (1.0f + expf(-g)); }
 
 // The block of grouped-GEMM tile `tile`: its expert e (tile_offsets[e] <= tile < tile_offsets[e + 1])
-// and its rows [row0, row_end) of the permuted rows; false for the grid's spare blocks.
+// and its rows [row0, row_end) of the permuted rows; false for the grid's spare blocks (the same for
+// every thread). Every thread of the block calls it (a barrier inside): the threads test experts t,
+// t + blockDim.x, ... in one round of loads, where a binary search was ~8 dependent global loads
+// before a block could issue its first weight load (microseconds of a decode step's expert GEMMs).
 __device__ __forceinline__ bool tile_rows(const MoeGemmParams& p, int tile, int rows_per_tile, int& e, int& row0,
                                           int& row_end) {
+  __shared__ int s_expert;
   const int E = static_cast<int>(p.E);
   if (tile >= p.tile_offsets[E]) return false;
-  int lo = 0, hi = E - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (p.tile_offsets[mid] <= tile) lo = mid;
-    else hi = mid - 1;
-  }
-  e = lo;
+#pragma unroll 2
+  for (int i = static_cast<int>(threadIdx.x); i < E; i += static_cast<int>(blockDim.x))
+    if (p.tile_offsets[i] <= tile && tile < p.tile_offsets[i + 1]) s_expert = i;  // exactly one expert
+  __syncthreads();
+  e = s_expert;
   row0 = p.offsets[e] + (tile - p.tile_offsets[e]) * rows_per_tile;
   row_end = p.offsets[e + 1];
   return true;

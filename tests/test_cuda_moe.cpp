@@ -355,11 +355,11 @@ TEST(CudaMoe, Permute) {
 }
 
 // The grouped GEMM's kernels, forced for a scope (tuning::moe_narrow_tiles, tuning::moe_wgmma): 0 the
-// mma.sync kernel's wide tiles, 1 its narrow tiles (the two bit for bit alike, below), 2 the wgmma
-// kernel (moe_sm90.cu; on an sm_90 device); each against the reference.
+// mma.sync kernel's wide tiles, 1 its narrow tiles, 3 its deep tiles (the three bit for bit alike,
+// below), 2 the wgmma kernel (moe_sm90.cu; on an sm_90 device); each against the reference.
 struct GemmKnob {
   explicit GemmKnob(int v) {
-    cu::tuning::moe_narrow_tiles = v == 1;
+    cu::tuning::moe_narrow_tiles = v == 1 ? 1 : v == 3 ? 2 : 0;
     cu::tuning::moe_wgmma = v == 2 ? 1 : 0;
   }
   ~GemmKnob() {
@@ -368,10 +368,12 @@ struct GemmKnob {
   }
 };
 std::vector<int> gemm_kernels() {
-  if (cu::moe_wgmma_supported(0)) return {0, 1, 2};
-  return {0, 1};
+  if (cu::moe_wgmma_supported(0)) return {0, 1, 3, 2};
+  return {0, 1, 3};
 }
-const char* gemm_kernel_name(int v) { return v == 0 ? "mma.sync wide tiles" : v == 1 ? "mma.sync narrow tiles" : "wgmma"; }
+const char* gemm_kernel_name(int v) {
+  return v == 0 ? "mma.sync wide tiles" : v == 1 ? "mma.sync narrow tiles" : v == 3 ? "mma.sync deep tiles" : "wgmma";
+}
 
 TEST(CudaMoe, GroupedGemmEdges) {
   if (!gpu()) GTEST_SKIP() << "no CUDA device";
@@ -600,8 +602,8 @@ TEST(CudaMoe, DecodeKernelRowsAreBatchInvariant) {
   }
 }
 
-// The two tilings give the same bits (each output is the same mma k16 steps in the same K order),
-// at the 35B-A3B block's widths (H 2048, I 512: 32 k-steps of gate|up, 16 of down) and a row count
+// The three tilings give the same bits (each output is the same mma k16 steps in the same K order),
+// at the 35B-A3B block's widths (H 2048, I 512: 128 k-steps of gate|up, 32 of down) and a row count
 // whose experts hold 1 to several tiles.
 TEST(CudaMoe, NarrowAndWideTilesAreBitIdentical) {
   if (!gpu()) GTEST_SKIP() << "no CUDA device";
@@ -610,9 +612,9 @@ TEST(CudaMoe, NarrowAndWideTilesAreBitIdentical) {
   fill_normal(lf, {81, g_stream++, 0}, 0.0f, 1.0f);
   Routed rt = route(lf.to(Device::cuda(0)), N, E, k);
   Pair x = rand_bf16({N, H}, 1.0f), gu = rand_bf16({E, 2 * I, H}, 0.02f), dn = rand_bf16({E, H, I}, 0.05f);
-  Tensor out[2][2];
-  for (int narrow : {0, 1}) {
-    GemmKnob knob(narrow);
+  Tensor out[3][2];
+  for (int narrow : {0, 1, 2}) {
+    GemmKnob knob(narrow == 2 ? 3 : narrow);
     Tensor act = Tensor::empty({R, I}, DType::BF16, Device::cuda(0)), y = Tensor::empty({R, H}, DType::BF16, Device::cuda(0));
     poison(act);
     poison(y);
@@ -620,7 +622,8 @@ TEST(CudaMoe, NarrowAndWideTilesAreBitIdentical) {
     g.x = x.dev.raw_data(), g.ldx = H, g.src_row = rt.src.data<int32_t>(), g.w = gu.dev.raw_data();
     g.y = act.raw_data(), g.ldy = I, g.offsets = rt.off.data<int32_t>(), g.tile_offsets = rt.tiles.data<int32_t>();
     g.E = E, g.Nout = I, g.K = H, g.max_tiles = cu::moe_max_tiles(R, E), g.swiglu = true, g.rows = R;
-    EXPECT_EQ(cu::moe_narrow_tiles(g), narrow == 1);
+    EXPECT_EQ(cu::moe_narrow_tiles(g), narrow >= 1);
+    EXPECT_EQ(cu::moe_deep_tiles(g), narrow == 2);
     cu::moe_grouped_gemm(g, stream());
     cu::MoeGemmParams d = g;
     d.x = act.raw_data(), d.ldx = I, d.src_row = nullptr, d.w = dn.dev.raw_data(), d.y = y.raw_data();
@@ -630,16 +633,24 @@ TEST(CudaMoe, NarrowAndWideTilesAreBitIdentical) {
     out[narrow][0] = host(act);
     out[narrow][1] = host(y);
   }
-  for (int t = 0; t < 2; ++t) {
-    const Tensor &a = out[0][t], &b = out[1][t];
-    ASSERT_EQ(a.nbytes(), b.nbytes());
-    EXPECT_EQ(std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()), 0) << (t ? "down" : "gate|up + swiglu");
-    EXPECT_EQ(max_rel_err(b, a), 0.0);  // and no NaN (poisoned outputs all written)
+  for (int v = 1; v < 3; ++v) {
+    for (int t = 0; t < 2; ++t) {
+      const Tensor &a = out[0][t], &b = out[v][t];
+      ASSERT_EQ(a.nbytes(), b.nbytes());
+      EXPECT_EQ(std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()), 0)
+          << (v == 1 ? "narrow " : "deep ") << (t ? "down" : "gate|up + swiglu");
+      EXPECT_EQ(max_rel_err(b, a), 0.0);  // and no NaN (poisoned outputs all written)
+    }
   }
-  // The automatic choice: narrow for few known rows, wide for many or unknown.
+  // The automatic choice: deep for a decode / verify step's rows, narrow for few more, wide for many
+  // or unknown.
   cu::MoeGemmParams p;
   p.rows = 8;
   EXPECT_TRUE(cu::moe_narrow_tiles(p));
+  EXPECT_TRUE(cu::moe_deep_tiles(p));
+  p.rows = cu::kMoeDeepRows + 1;
+  EXPECT_TRUE(cu::moe_narrow_tiles(p));
+  EXPECT_FALSE(cu::moe_deep_tiles(p));
   p.rows = cu::kMoeNarrowRows + 1;
   EXPECT_FALSE(cu::moe_narrow_tiles(p));
   p.rows = -1;
@@ -689,8 +700,9 @@ TEST(CudaMoe, Bench35bA3b) {
     // decode kernels on FP8 experts (expert_gemm_gbs: the block's bytes with the experts' codes and
     // scales); 6: the grouped GEMMs on FP8 experts (reading the codes), 7: the same with a bf16 copy of
     // the experts written first (tuning::moe_fp8_dequantize_first, in the time); 8: the grouped path on
-    // the wgmma kernel (sm_90; 0 and 1 are the mma.sync kernel's tilings).
-    for (int variant : {0, 1, 2, 3, 4, 5, 6, 7, 8}) {
+    // the wgmma kernel (sm_90); 0, 1 and 9 the mma.sync kernel's tilings: wide, narrow, deep (6 and 7
+    // take the automatic tiling: deep for N <= 16).
+    for (int variant : {0, 1, 9, 2, 3, 4, 5, 6, 7, 8}) {
       if ((variant == 3 || variant == 4 || variant == 5) && N > cu::kMoeDecodeMaxRows) continue;
       if (variant == 8 && !cu::moe_wgmma_supported(0)) continue;
       const bool fp8 = variant >= 5 && variant <= 7;
@@ -698,7 +710,7 @@ TEST(CudaMoe, Bench35bA3b) {
                                : variant == 2              ? cu::MoeImpl::Fallback
                                                            : cu::MoeImpl::Decode;
       std::optional<GemmKnob> knob;
-      if (variant < 2 || variant == 8) knob.emplace(variant == 8 ? 2 : variant);
+      if (variant < 2 || variant == 8 || variant == 9) knob.emplace(variant == 8 ? 2 : variant == 9 ? 3 : variant);
       const TopkKnob topk(variant == 3 || variant == 4 ? variant - 3 : -1);
       const std::string name = std::string(cu::moe_impl_name(impl)) +
                                (variant == 0   ? "/wide"
@@ -707,6 +719,7 @@ TEST(CudaMoe, Bench35bA3b) {
                                 : variant == 4 ? "/topk_first"
                                 : variant == 7 ? "/fp8_dequantize_first"
                                 : variant == 8 ? "/wgmma"
+                                : variant == 9 ? "/deep"
                                 : fp8          ? "/fp8_experts"
                                                : "");
       cu::tuning::moe_fp8_dequantize_first = variant == 7 ? 1 : variant == 6 ? 0 : -1;

@@ -5,6 +5,7 @@
 #define moe_decode_block moe_decode_block_emulated
 #define moe_topk moe_topk_emulated
 #define moe_permute moe_permute_emulated
+#define moe_route_small moe_route_small_emulated
 #define moe_grouped_gemm moe_grouped_gemm_emulated
 #define moe_combine moe_combine_emulated
 #define moe_gather moe_gather_emulated

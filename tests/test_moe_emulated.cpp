@@ -114,6 +114,56 @@ TEST(MoeEmulated, GroupedPathMatchesTheCpuReference) {
   cu::tuning::moe_narrow_tiles = -1;
 }
 
+// The one-block routing of decode / verify steps (moe_route_small) against moe_topk + moe_permute:
+// the same choices, weights, counts, offsets and tiles; every local choice a row of its expert's
+// range, in (token, choice) order; other ranks' choices no row. Ties included (integer logits).
+TEST(MoeEmulated, SmallRoutingEqualsTopkAndPermute) {
+  struct C {
+    int64_t N, E, k, e0, El;
+  };
+  for (const C& c : std::vector<C>{{1, 256, 8, 0, 256}, {16, 256, 8, 0, 256}, {5, 64, 4, 16, 32}, {128, 8, 8, 0, 8}}) {
+    SCOPED_TRACE("N " + std::to_string(c.N) + " E " + std::to_string(c.E) + " k " + std::to_string(c.k));
+    Tensor logits = Tensor::empty({c.N, c.E}, DType::F32);
+    fill_normal(logits, {4417, g_stream++, 0}, 0.0f, 2.0f);
+    if (c.N == 16)
+      for (int64_t i = 0; i < c.N * c.E; ++i) logits.data<float>()[i] = std::round(logits.data<float>()[i]);
+    const int64_t R = c.N * c.k;
+    auto i32 = [](int64_t n) {
+      Tensor t = Tensor::empty({n}, DType::I32);
+      std::fill_n(t.data<int32_t>(), n, -7);
+      return t;
+    };
+    Tensor ex[2] = {i32(R), i32(R)}, cnt[2] = {i32(c.E), i32(c.E)}, off[2] = {i32(c.El + 1), i32(c.El + 1)};
+    Tensor tiles[2] = {i32(c.El + 1), i32(c.El + 1)}, cur[2] = {i32(c.El), i32(c.El)};
+    Tensor src[2] = {i32(R), i32(R)}, slot[2] = {i32(R), i32(R)};
+    Tensor wt[2] = {Tensor::empty({R}, DType::F32), Tensor::empty({R}, DType::F32)};
+    cu::moe_topk(logits.data<float>(), c.N, c.E, c.k, true, ex[0].data<int32_t>(), wt[0].data<float>(),
+                 cnt[0].data<int32_t>(), nullptr);
+    cu::moe_permute(ex[0].data<int32_t>(), cnt[0].data<int32_t>(), c.N, c.E, c.k, off[0].data<int32_t>(),
+                    tiles[0].data<int32_t>(), cur[0].data<int32_t>(), src[0].data<int32_t>(), slot[0].data<int32_t>(),
+                    nullptr, c.e0, c.El);
+    cu::moe_route_small(logits.data<float>(), c.N, c.E, c.k, true, ex[1].data<int32_t>(), wt[1].data<float>(),
+                        cnt[1].data<int32_t>(), off[1].data<int32_t>(), tiles[1].data<int32_t>(), cur[1].data<int32_t>(),
+                        src[1].data<int32_t>(), slot[1].data<int32_t>(), nullptr, c.e0, c.El);
+    for (Tensor* t : {ex, cnt, off, tiles, cur, wt})
+      EXPECT_EQ(std::memcmp(t[0].raw_data(), t[1].raw_data(), t[0].nbytes()), 0) << "same values";
+    for (int64_t i = 0; i < R; ++i) {
+      const int32_t e = ex[1].data<int32_t>()[i] - static_cast<int32_t>(c.e0), pos = slot[1].data<int32_t>()[i];
+      if (e < 0 || e >= c.El) {
+        EXPECT_EQ(pos, -1) << "choice " << i;
+        continue;
+      }
+      ASSERT_GE(pos, off[1].data<int32_t>()[e]) << "choice " << i;
+      ASSERT_LT(pos, off[1].data<int32_t>()[e + 1]) << "choice " << i;
+      EXPECT_EQ(src[1].data<int32_t>()[pos], i / c.k) << "choice " << i;
+    }
+    // (token, choice) order inside each expert's range (a token chooses an expert once).
+    for (int64_t e = 0; e < c.El; ++e)
+      for (int32_t pos = off[1].data<int32_t>()[e] + 1; pos < off[1].data<int32_t>()[e + 1]; ++pos)
+        EXPECT_LT(src[1].data<int32_t>()[pos - 1], src[1].data<int32_t>()[pos]) << "expert " << e;
+  }
+}
+
 // FP8 experts for the grouped GEMMs and the fallback: moe_dequantize_experts writes exactly the
 // loader's bf16 values (gate|up blocked apart at I; down in one part; partial last blocks).
 TEST(MoeEmulated, Fp8ExpertsDequantizeToTheLoadersValues) {

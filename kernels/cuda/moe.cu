@@ -100,6 +100,74 @@ __global__ void scatter_kernel(const int32_t* __restrict__ experts, int64_t rows
   slot_pos[i] = pos;
 }
 
+// ---- routing of a decode / verify step in one block --------------------------------------------------
+// topk_kernel + counts + scan_kernel + scatter_kernel (and the counts' memset) in one launch, for N·k
+// <= kRouteThreads rows: a warp a token's top-k, the counts in shared memory, the scans, then a thread
+// a row. Rows take their place inside an expert's range in (token, choice) order (the multi-kernel
+// path's order is atomic arrival: a row's result never depends on it).
+constexpr int kRouteThreads = 1024;
+__global__ void __launch_bounds__(kRouteThreads)
+    route_small_kernel(const float* __restrict__ logits, int N, int E, int k, bool renorm, int e0, int El,
+                       int32_t* __restrict__ experts, float* __restrict__ weights, int32_t* __restrict__ counts,
+                       int32_t* __restrict__ offsets, int32_t* __restrict__ tile_offsets, int32_t* __restrict__ cursor,
+                       int32_t* __restrict__ src_row, int32_t* __restrict__ slot_pos) {
+  __shared__ int32_t s_count[kMaxE], s_off[kMaxE], s_tiles[kMaxE], s_expert[kRouteThreads];
+  const int t = static_cast<int>(threadIdx.x), lane = t & 31, warp = t >> 5, warps = kRouteThreads / 32;
+  for (int e = t; e < E; e += kRouteThreads) s_count[e] = 0;
+  __syncthreads();
+  for (int n = warp; n < N; n += warps) {
+    int my_e = -1;
+    float my_w = 0;
+    moe_detail::warp_topk(logits + static_cast<int64_t>(n) * E, E, k, renorm, lane, my_e, my_w);
+    if (lane < k) {
+      experts[n * k + lane] = my_e;
+      weights[n * k + lane] = my_w;
+      s_expert[n * k + lane] = my_e;
+      atomicAdd(&s_count[my_e], 1);
+    }
+  }
+  __syncthreads();
+  for (int e = t; e < E; e += kRouteThreads) counts[e] = s_count[e];
+  // Inclusive scans (Hillis-Steele) of the local experts' counts and row tiles.
+  const int c = t < El ? s_count[e0 + t] : 0;
+  if (t < kMaxE) {
+    s_off[t] = c;
+    s_tiles[t] = (c + kMoeTileRows - 1) / kMoeTileRows;
+  }
+  __syncthreads();
+  for (int d = 1; d < El; d <<= 1) {
+    const int a = t < El && t >= d ? s_off[t - d] : 0, b = t < El && t >= d ? s_tiles[t - d] : 0;
+    __syncthreads();
+    if (t < El) {
+      s_off[t] += a;
+      s_tiles[t] += b;
+    }
+    __syncthreads();
+  }
+  if (t < El) {
+    offsets[t + 1] = s_off[t];
+    tile_offsets[t + 1] = s_tiles[t];
+    cursor[t] = s_off[t];  // (the scatter's cursors, as they end there)
+  }
+  if (t == 0) {
+    offsets[0] = 0;
+    tile_offsets[0] = 0;
+  }
+  const int rows = N * k;
+  if (t < rows) {
+    const int ex = s_expert[t], e = ex - e0;
+    if (e < 0 || e >= El) {
+      slot_pos[t] = -1;
+    } else {
+      int rank = 0;
+      for (int j = 0; j < t; ++j) rank += s_expert[j] == ex;
+      const int pos = s_off[e] - s_count[ex] + rank;
+      src_row[pos] = t / k;
+      slot_pos[t] = pos;
+    }
+  }
+}
+
 // ---- grouped GEMM -----------------------------------------------------------------------------------
 // Three tilings of one kernel (BN weight rows x BK columns a k tile, kStages of them in flight):
 //   wide   128 x 32, 3 stages: the prefill's, fewer blocks reading each A tile;
@@ -489,6 +557,23 @@ void moe_permute(const int32_t* experts, const int32_t* counts, int64_t N, int64
                 static_cast<int>(k), static_cast<int>(expert_begin), static_cast<int>(El), cursor, src_row, slot_pos);
 }
 
+void moe_route_small(const float* logits, int64_t N, int64_t E, int64_t k, bool renormalize, int32_t* experts,
+                     float* weights, int32_t* counts, int32_t* offsets, int32_t* tile_offsets, int32_t* cursor,
+                     int32_t* src_row, int32_t* slot_pos, Stream s, int64_t expert_begin, int64_t local_experts) {
+  const int64_t El = local_experts < 0 ? E : local_experts;
+  DFLASH_CHECK(E >= 1 && E <= kMaxE && k >= 1 && k <= E && k <= 32 && N >= 1 && N * k <= kMoeRouteSmallRows &&
+                   expert_begin >= 0 && El >= 1 && expert_begin + El <= E,
+               "moe_route_small: E " << E << " (1..1024), k " << k << " (1..min(E, 32)), N " << N << " (N k <= "
+                                     << kMoeRouteSmallRows << "), experts [" << expert_begin << ", "
+                                     << expert_begin + El << ") out of range");
+  DFLASH_CHECK(logits && experts && weights && counts && offsets && tile_offsets && cursor && src_row && slot_pos,
+               "moe_route_small: null pointer");
+  static_assert(kMoeRouteSmallRows == kRouteThreads, "a thread a routed row");
+  launch_kernel(route_small_kernel, dim3(1), dim3(kRouteThreads), 0, static_cast<cudaStream_t>(s), logits,
+                static_cast<int>(N), static_cast<int>(E), static_cast<int>(k), renormalize, static_cast<int>(expert_begin),
+                static_cast<int>(El), experts, weights, counts, offsets, tile_offsets, cursor, src_row, slot_pos);
+}
+
 namespace {
 // Whether a grouped call on bf16 weights takes the wgmma kernel: the call's own choice
 // (MoeGemmParams::wgmma) or tuning::moe_wgmma's, by default the wide tiling's calls, on a device that
@@ -682,9 +767,15 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
   gemm_ex(rg, device);
   int32_t* experts = p.experts_out ? p.experts_out : i32(l.experts);
   float* weights = p.weights_out ? p.weights_out : f32(l.weights);
-  moe_topk(p.logits_in ? p.logits_in : logits, Nr, p.E, p.k, p.renormalize, experts, weights, i32(l.counts), s);
-  moe_permute(experts, i32(l.counts), Nr, p.E, p.k, i32(l.offsets), i32(l.tiles), i32(l.cursor), i32(l.src),
-              i32(l.slot), s, e0, El);
+  const float* route_by = p.logits_in ? p.logits_in : logits;
+  if (R >= 1 && R <= kMoeRouteSmallRows) {  // a decode / verify step: one launch where there were four
+    moe_route_small(route_by, Nr, p.E, p.k, p.renormalize, experts, weights, i32(l.counts), i32(l.offsets),
+                    i32(l.tiles), i32(l.cursor), i32(l.src), i32(l.slot), s, e0, El);
+  } else {
+    moe_topk(route_by, Nr, p.E, p.k, p.renormalize, experts, weights, i32(l.counts), s);
+    moe_permute(experts, i32(l.counts), Nr, p.E, p.k, i32(l.offsets), i32(l.tiles), i32(l.cursor), i32(l.src),
+                i32(l.slot), s, e0, El);
+  }
   void* act = ws + l.act;
   void* y = ws + l.y;
   // FP8 experts: the grouped GEMMs read the codes, or (moe_fp8_scratch: the fallback's gemm_bf16, the

@@ -47,6 +47,16 @@ void moe_permute(const int32_t* experts, const int32_t* counts, int64_t N, int64
                  int32_t* tile_offsets, int32_t* cursor, int32_t* src_row, int32_t* slot_pos, Stream s,
                  int64_t expert_begin = 0, int64_t local_experts = -1);
 
+// moe_topk + moe_permute in one launch (one block) for N·k <= kMoeRouteSmallRows routed rows (a decode
+// or verify step: moe_block takes it there): the same experts, weights, counts, offsets and tile
+// offsets; the rows inside an expert's range in (token, choice) order; cursor left as moe_permute
+// leaves it. Needs N >= 1.
+inline constexpr int64_t kMoeRouteSmallRows = 1024;
+void moe_route_small(const float* logits, int64_t N, int64_t E, int64_t k, bool renormalize, int32_t* experts,
+                     float* weights, int32_t* counts, int32_t* offsets, int32_t* tile_offsets, int32_t* cursor,
+                     int32_t* src_row, int32_t* slot_pos, Stream s, int64_t expert_begin = 0,
+                     int64_t local_experts = -1);
+
 // Grouped GEMM over experts. For every expert e and row pos in [offsets[e], offsets[e+1]), with
 // a = x[gather ? src_row[pos] : pos] (bf16 rows of K, row stride ldx):
 //   swiglu:  y[pos, c] = silu(a · w[e][c]) * (a · w[e][Nout + c]),  c < Nout; w[e] is [2 Nout, K]

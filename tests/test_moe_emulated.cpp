@@ -164,6 +164,64 @@ TEST(MoeEmulated, SmallRoutingEqualsTopkAndPermute) {
   }
 }
 
+// The extra group (a shared expert riding in the routed experts' launch): its rows are the same
+// kernel's rows of a one-expert grouped GEMM over every token (bits), the routed rows are untouched
+// (bits), in every tiling; gate|up with SwiGLU and down; rows past a 64-row tile.
+TEST(MoeEmulated, ExtraGroupIsADenseGroupInTheSameLaunch) {
+  const int64_t N = 70, H = 144, E = 3, k = 2, I = 80, R = N * k;
+  const Pair x = rand_bf16({N, H}, 1.0f), gu = rand_bf16({E, 2 * I, H}, 0.1f), dn = rand_bf16({E, H, I}, 0.2f);
+  const Pair sgu = rand_bf16({2 * I, H}, 0.1f), sdn = rand_bf16({H, I}, 0.2f);
+  Tensor ex = Tensor::empty({R}, DType::I32), counts = Tensor::zeros({E}, DType::I32);
+  for (int64_t i = 0; i < R; ++i) {
+    ex.data<int32_t>()[i] = static_cast<int32_t>((i / k + i % k) % E);
+    ++counts.data<int32_t>()[ex.data<int32_t>()[i]];
+  }
+  Tensor off = Tensor::empty({E + 1}, DType::I32), tiles = Tensor::empty({E + 1}, DType::I32);
+  Tensor cursor = Tensor::empty({E}, DType::I32), src = Tensor::empty({R}, DType::I32), slot = Tensor::empty({R}, DType::I32);
+  cu::moe_permute(ex.data<int32_t>(), counts.data<int32_t>(), N, E, k, off.data<int32_t>(), tiles.data<int32_t>(),
+                  cursor.data<int32_t>(), src.data<int32_t>(), slot.data<int32_t>(), nullptr, 0, E);
+  // One expert holding every token: offsets {0, N}, tiles {0, ceil(N / 64)}.
+  Tensor off1 = Tensor::empty({2}, DType::I32), tiles1 = Tensor::empty({2}, DType::I32);
+  off1.data<int32_t>()[0] = 0, off1.data<int32_t>()[1] = static_cast<int32_t>(N);
+  tiles1.data<int32_t>()[0] = 0, tiles1.data<int32_t>()[1] = static_cast<int32_t>((N + cu::kMoeTileRows - 1) / cu::kMoeTileRows);
+  auto bf = [](int64_t r, int64_t c) {
+    Tensor t = Tensor::empty({r, c}, DType::BF16);
+    poison(t);
+    return t;
+  };
+  for (int tiling : {0, 1, 2}) {
+    SCOPED_TRACE(tiling == 0 ? "wide" : tiling == 1 ? "narrow" : "deep");
+    cu::tuning::moe_narrow_tiles = tiling;
+    Tensor act[2] = {bf(R, I), bf(R, I)}, y[2] = {bf(R, H), bf(R, H)}, sact[2] = {bf(N, I), bf(N, I)}, sout[2] = {bf(N, H), bf(N, H)};
+    for (int extra : {0, 1}) {
+      cu::MoeGemmParams g;
+      g.x = x.bf.raw_data(), g.ldx = H, g.src_row = src.data<int32_t>(), g.w = gu.bf.raw_data(), g.y = act[extra].raw_data();
+      g.ldy = I, g.offsets = off.data<int32_t>(), g.tile_offsets = tiles.data<int32_t>(), g.E = E, g.Nout = I, g.K = H;
+      g.max_tiles = cu::moe_max_tiles(R, E), g.swiglu = true, g.rows = R;
+      if (extra) g.extra_x = x.bf.raw_data(), g.extra_w = sgu.bf.raw_data(), g.extra_y = sact[1].raw_data(), g.extra_rows = N;
+      cu::moe_grouped_gemm(g, nullptr);
+      cu::MoeGemmParams d = g;
+      d.x = act[extra].raw_data(), d.ldx = I, d.src_row = nullptr, d.w = dn.bf.raw_data(), d.y = y[extra].raw_data();
+      d.ldy = H, d.Nout = H, d.K = I, d.swiglu = false;
+      if (extra) d.extra_x = sact[1].raw_data(), d.extra_w = sdn.bf.raw_data(), d.extra_y = sout[1].raw_data();
+      cu::moe_grouped_gemm(d, nullptr);
+    }
+    // The shared expert as a one-expert grouped GEMM of its own.
+    cu::MoeGemmParams g;
+    g.x = x.bf.raw_data(), g.ldx = H, g.w = sgu.bf.raw_data(), g.y = sact[0].raw_data(), g.ldy = I;
+    g.offsets = off1.data<int32_t>(), g.tile_offsets = tiles1.data<int32_t>(), g.E = 1, g.Nout = I, g.K = H;
+    g.max_tiles = cu::moe_max_tiles(N, 1), g.swiglu = true, g.rows = R;  // (rows: the routed call's tiling)
+    cu::moe_grouped_gemm(g, nullptr);
+    cu::MoeGemmParams d = g;
+    d.x = sact[1].raw_data(), d.ldx = I, d.w = sdn.bf.raw_data(), d.y = sout[0].raw_data(), d.ldy = H, d.Nout = H, d.K = I;
+    d.swiglu = false;
+    cu::moe_grouped_gemm(d, nullptr);
+    EXPECT_LT(max_rel_err(f32(sout[1]), f32(sout[1])), 1.0) << "every shared row written";
+    for (auto* t : {act, y, sact, sout}) EXPECT_EQ(std::memcmp(t[0].raw_data(), t[1].raw_data(), t[0].nbytes()), 0);
+  }
+  cu::tuning::moe_narrow_tiles = -1;
+}
+
 // FP8 experts for the grouped GEMMs and the fallback: moe_dequantize_experts writes exactly the
 // loader's bf16 values (gate|up blocked apart at I; down in one part; partial last blocks).
 TEST(MoeEmulated, Fp8ExpertsDequantizeToTheLoadersValues) {

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "core/random.h"
 #include "core/tensor.h"
@@ -92,4 +93,43 @@ TEST(MoeEmulated, WgmmaGroupedGemmsMatchTheReference) {
     EXPECT_LT(worst_act, 1.6e-2);
     EXPECT_LT(worst_y, 1.6e-2);
   }
+}
+
+// The extra group (a shared expert in the routed experts' launch) on the wgmma kernel: its rows are
+// the kernel's rows of a one-expert grouped GEMM over every token, the routed rows untouched (bits).
+TEST(MoeEmulated, WgmmaExtraGroupIsADenseGroupInTheSameLaunch) {
+  const int64_t N = 70, H = 72, E = 3, k = 2, I = 24, R = N * k;
+  const Tensor x = rand_bf16({N, H}, 1.0f, 101), gu = rand_bf16({E, 2 * I, H}, 0.1f, 102), sgu = rand_bf16({2 * I, H}, 0.1f, 103);
+  Tensor ex = Tensor::empty({R}, DType::I32), counts = Tensor::zeros({E}, DType::I32);
+  for (int64_t i = 0; i < R; ++i) {
+    ex.data<int32_t>()[i] = static_cast<int32_t>((i / k + i % k) % E);
+    ++counts.data<int32_t>()[ex.data<int32_t>()[i]];
+  }
+  Tensor off = Tensor::empty({E + 1}, DType::I32), tiles = Tensor::empty({E + 1}, DType::I32);
+  Tensor cursor = Tensor::empty({E}, DType::I32), src = Tensor::empty({R}, DType::I32), slot = Tensor::empty({R}, DType::I32);
+  cu::moe_permute(ex.data<int32_t>(), counts.data<int32_t>(), N, E, k, off.data<int32_t>(), tiles.data<int32_t>(),
+                  cursor.data<int32_t>(), src.data<int32_t>(), slot.data<int32_t>(), nullptr, 0, E);
+  Tensor off1 = Tensor::empty({2}, DType::I32), tiles1 = Tensor::empty({2}, DType::I32);
+  off1.data<int32_t>()[0] = 0, off1.data<int32_t>()[1] = static_cast<int32_t>(N);
+  tiles1.data<int32_t>()[0] = 0, tiles1.data<int32_t>()[1] = static_cast<int32_t>((N + cu::kMoeTileRows - 1) / cu::kMoeTileRows);
+  Tensor act[2], sact[2];
+  for (int extra : {0, 1}) {
+    act[extra] = Tensor::empty({R, I}, DType::BF16);
+    sact[extra] = Tensor::empty({N, I}, DType::BF16);
+    poison(act[extra]);
+    poison(sact[extra]);
+    cu::MoeGemmParams g;
+    g.x = x.raw_data(), g.ldx = H, g.src_row = src.data<int32_t>(), g.w = gu.raw_data(), g.y = act[extra].raw_data();
+    g.ldy = I, g.offsets = off.data<int32_t>(), g.tile_offsets = tiles.data<int32_t>(), g.E = E, g.Nout = I, g.K = H;
+    g.max_tiles = cu::moe_max_tiles(R, E), g.swiglu = true, g.rows = R;
+    if (extra) g.extra_x = x.raw_data(), g.extra_w = sgu.raw_data(), g.extra_y = sact[1].raw_data(), g.extra_rows = N;
+    cu::moe_grouped_gemm_wgmma(g, nullptr);
+  }
+  cu::MoeGemmParams g;
+  g.x = x.raw_data(), g.ldx = H, g.w = sgu.raw_data(), g.y = sact[0].raw_data(), g.ldy = I;
+  g.offsets = off1.data<int32_t>(), g.tile_offsets = tiles1.data<int32_t>(), g.E = 1, g.Nout = I, g.K = H;
+  g.max_tiles = cu::moe_max_tiles(N, 1), g.swiglu = true, g.rows = N;
+  cu::moe_grouped_gemm_wgmma(g, nullptr);
+  EXPECT_EQ(std::memcmp(act[0].raw_data(), act[1].raw_data(), act[0].nbytes()), 0) << "routed rows";
+  EXPECT_EQ(std::memcmp(sact[0].raw_data(), sact[1].raw_data(), sact[0].nbytes()), 0) << "shared rows";
 }

@@ -207,13 +207,14 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
   bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [kStages][BM][kLds]
   bf16* sb = sa + kStages * BM * kLds;            // [kStages][BN][kLds] (bf16) or [kStages][BN][kLdq] (bytes)
   constexpr int kRowB = kFp8 ? kLdq : kLds * 2;   // a B smem row's bytes
-  int e, row0, row_end;
-  if (!moe_detail::tile_rows(p, static_cast<int>(blockIdx.x), BM, e, row0, row_end)) return;
+  moe_detail::TileOperands op;
+  if (!moe_detail::tile_operands<kFp8 ? 1 : 2>(p, BM, op)) return;
+  const int e = op.e, row0 = op.row0, row_end = op.row_end;
   const int K = static_cast<int>(p.K), Nout = static_cast<int>(p.Nout);
   const int col0 = blockIdx.y * (p.swiglu ? BN / 2 : BN);
-  const bf16* X = static_cast<const bf16*>(p.x);
+  const bf16* X = op.x;
   const int R = (p.swiglu ? 2 : 1) * Nout;  // the expert's weight rows
-  const unsigned char* W = static_cast<const unsigned char*>(p.w) + static_cast<int64_t>(e) * R * K * (kFp8 ? 1 : 2);
+  const unsigned char* W = op.w;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 1, wn = warp & 1;
 
   // Each thread's load assignments: A ACH chunks (row, 8-col group), B BCH chunks.
@@ -225,7 +226,7 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
     const int idx = tid + c * kThreads, r = idx / GPA, g = idx % GPA;
     const int pos = row0 + r;
     a_ok[c] = pos < row_end;
-    const int src = a_ok[c] ? (p.src_row ? p.src_row[pos] : pos) : 0;
+    const int src = a_ok[c] ? (op.src_row ? op.src_row[pos] : pos) : 0;
     a_src[c] = X + static_cast<int64_t>(src) * p.ldx + g * 8;
     a_off[c] = r * kLds + g * 8;
   }
@@ -334,9 +335,9 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
   }
   ptx::cp_async_wait_ring<0>();
 
-  bf16* Y = static_cast<bf16*>(p.y);
+  bf16* Y = op.y;
   // Paired (4-byte) stores only where every row start is 4-byte aligned (odd ldy: scalar stores).
-  const bool pairs = p.ldy % 2 == 0 && reinterpret_cast<uintptr_t>(p.y) % 4 == 0;
+  const bool pairs = p.ldy % 2 == 0 && reinterpret_cast<uintptr_t>(Y) % 4 == 0;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -380,7 +381,7 @@ void launch_grouped(const MoeGemmParams& p, Stream s) {
     if (dev < 64) attr[dev] = true;
   }
   const int64_t cols = p.swiglu ? BN / 2 : BN;
-  const dim3 grid(static_cast<unsigned>(p.max_tiles), static_cast<unsigned>((p.Nout + cols - 1) / cols));
+  const dim3 grid(static_cast<unsigned>(p.max_tiles + moe_extra_tiles(p)), static_cast<unsigned>((p.Nout + cols - 1) / cols));
   launch_kernel(grouped_gemm_kernel<BN, BK, kStages, kFp8>, grid, dim3(kThreads), smem, static_cast<cudaStream_t>(s), p);
 }
 
@@ -592,7 +593,11 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
   DFLASH_CHECK(p.x && p.w && p.y && p.offsets && p.tile_offsets && aligned16(p.x) && aligned16(p.w),
                "moe_grouped_gemm: null or not 16-byte aligned x / w, or no offsets");
   DFLASH_CHECK(!p.w_scale || p.K % 16 == 0, "moe_grouped_gemm: FP8 weights need K " << p.K << " a multiple of 16");
-  if (p.max_tiles == 0) return;
+  DFLASH_CHECK(!p.extra_w || (!p.w_scale && p.extra_x && p.extra_y && p.extra_rows >= 0 && aligned16(p.extra_x) &&
+                              aligned16(p.extra_w) && p.max_tiles + moe_extra_tiles(p) < INT32_MAX),
+               "moe_grouped_gemm: the extra group needs bf16 weights (no w_scale), 16-byte aligned extra_x / extra_w, "
+               "an extra_y and extra_rows >= 0");
+  if (p.max_tiles + moe_extra_tiles(p) == 0) return;
   const bool narrow = moe_narrow_tiles(p);
 #ifndef DFLASH_CUDA_EMULATION  // (the emulated tests run the wgmma kernel by itself)
   if (!p.w_scale) {
@@ -619,6 +624,11 @@ bool moe_fp8_scratch(MoeImpl impl, int64_t routed_rows, int wgmma, int device) {
   return routed_rows >= kMoeFp8ScratchRows && takes_wgmma(wgmma, moe_narrow_tiles(g), device);
 }
 
+bool moe_fuse_shared(bool shared, int64_t I, int64_t Is, int64_t routed_rows, bool fp8_codes) {
+  if (tuning::moe_fuse_shared >= 0 && tuning::moe_fuse_shared != 1) return false;
+  return shared && Is == I && !fp8_codes && routed_rows >= 1 && (tuning::moe_fuse_shared == 1 || routed_rows <= kMoeNarrowRows);
+}
+
 bool moe_narrow_tiles(const MoeGemmParams& p) {
   if (tuning::moe_narrow_tiles >= 0) return tuning::moe_narrow_tiles >= 1;
   return p.rows >= 0 && p.rows <= kMoeNarrowRows;
@@ -630,6 +640,7 @@ bool moe_deep_tiles(const MoeGemmParams& p) {
 }
 
 namespace tuning {
+int moe_fuse_shared = -1;
 int moe_narrow_tiles = -1;
 int moe_wgmma = -1;
 int moe_fp8_dequantize_first = -1;
@@ -796,6 +807,10 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     down_w = dn_b;
   }
   const bool codes = fp8 && !scratch;  // the grouped GEMMs read the FP8 codes
+  // A decode / verify step's shared expert rides in the grouped GEMMs' launches as their extra group
+  // (moe_fuse_shared): two launches fewer on the step's critical path, and its weights stream beside
+  // the routed experts'.
+  const bool fuse_shared = impl == MoeImpl::Grouped && moe_fuse_shared(p.shared_gate_up != nullptr, p.I, p.Is, R, codes);
   if (impl == MoeImpl::Grouped) {
     MoeGemmParams g;
     g.x = p.x;
@@ -814,7 +829,18 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     g.rows = R;
     g.wgmma = p.wgmma;
     g.w_scale = codes ? p.experts_gate_up_scale : nullptr;
+    if (fuse_shared) {
+      g.extra_x = p.x;
+      g.extra_w = p.shared_gate_up;
+      g.extra_y = ws + l.sact;
+      g.extra_rows = p.N;
+    }
     moe_grouped_gemm(g, s);
+    if (fuse_shared) {
+      g.extra_x = ws + l.sact;
+      g.extra_w = p.shared_down;
+      g.extra_y = ws + l.sout;
+    }
     g.x = act;
     g.ldx = p.I;
     g.src_row = nullptr;
@@ -862,8 +888,8 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
       gemm_bf16(d, device);
     }
   }
-  const void* shared = nullptr;
-  if (p.shared_gate_up) {
+  const void* shared = fuse_shared ? ws + l.sout : nullptr;
+  if (p.shared_gate_up && !fuse_shared) {
     GemmParams a;
     a.x = p.x;
     a.ldx = p.H;

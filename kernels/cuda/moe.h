@@ -81,8 +81,26 @@ struct MoeGemmParams {
   // apart (moe_fp8.cuh); every weight reads as the bf16-rounded code · scale (the bf16 experts' bits).
   // Needs K % 16 == 0.
   const float* w_scale = nullptr;
+  // An extra dense group in the same launch (the shared expert of a decode / verify step: its GEMM
+  // rides beside the routed experts' instead of three launches after them): rows [0, extra_rows) of
+  // extra_x (no gather, row stride ldx) through extra_w (bf16, [2 Nout, K] with swiglu, else [Nout,
+  // K]) into extra_y (row stride ldy), in blocks past max_tiles (moe_extra_tiles of them). bf16
+  // weights only (no w_scale).
+  const void* extra_x = nullptr;
+  const void* extra_w = nullptr;
+  void* extra_y = nullptr;
+  int64_t extra_rows = 0;
 };
 void moe_grouped_gemm(const MoeGemmParams& p, Stream s);
+// Whether moe_block runs the shared expert as the grouped GEMMs' extra group: a shared expert as wide
+// as the routed ones (Is == I), bf16 weights in the call (not the FP8 codes), and a decode-sized call
+// (1..kMoeNarrowRows routed rows), or as tuning::moe_fuse_shared says (-1 this rule, 0 never, 1 for
+// every such call whatever its size). Otherwise: gemm_bf16, swiglu, gemm_bf16 after the experts.
+bool moe_fuse_shared(bool shared, int64_t I, int64_t Is, int64_t routed_rows, bool fp8_codes);
+namespace tuning {
+extern int moe_fuse_shared;
+}  // namespace tuning
+inline int64_t moe_extra_tiles(const MoeGemmParams& p) { return p.extra_w ? (p.extra_rows + kMoeTileRows - 1) / kMoeTileRows : 0; }
 // The grouped GEMM's three tilings give the same bits (the same mma k16 steps per element in the same
 // K order); narrow tiles (64 weight rows a block, 32-column k tiles, 5 stages) have twice the blocks
 // and more loads in flight, for few routed rows, where the experts' weight reads are the cost; deep

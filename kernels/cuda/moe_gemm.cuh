@@ -33,6 +33,37 @@ __device__ __forceinline__ bool tile_rows(const MoeGemmParams& p, int tile, int 
   return true;
 }
 
+// A grouped-GEMM block's operands: a routed tile of the tile table (blockIdx.x < max_tiles), or a
+// tile of the extra group (MoeGemmParams::extra_*) past them; false for the grid's spare blocks (the
+// same for every thread; every thread calls it). w: the expert's weight matrix (kWeightBytes a
+// weight); e: the expert, -1 for the extra group.
+struct TileOperands {
+  int e = -1, row0 = 0, row_end = 0;
+  const unsigned char* w = nullptr;
+  const __nv_bfloat16* x = nullptr;
+  const int32_t* src_row = nullptr;  // nullptr: row pos reads x row pos
+  __nv_bfloat16* y = nullptr;
+};
+template <int kWeightBytes>
+__device__ __forceinline__ bool tile_operands(const MoeGemmParams& p, int rows_per_tile, TileOperands& o) {
+  const int tile = static_cast<int>(blockIdx.x);
+  if (tile >= p.max_tiles) {
+    o.row0 = (tile - static_cast<int>(p.max_tiles)) * rows_per_tile;
+    if (!p.extra_w || o.row0 >= p.extra_rows) return false;
+    o.row_end = static_cast<int>(p.extra_rows);
+    o.w = static_cast<const unsigned char*>(p.extra_w);
+    o.x = static_cast<const __nv_bfloat16*>(p.extra_x);
+    o.y = static_cast<__nv_bfloat16*>(p.extra_y);
+    return true;
+  }
+  if (!tile_rows(p, tile, rows_per_tile, o.e, o.row0, o.row_end)) return false;
+  o.w = static_cast<const unsigned char*>(p.w) + static_cast<int64_t>(o.e) * (p.swiglu ? 2 : 1) * p.Nout * p.K * kWeightBytes;
+  o.x = static_cast<const __nv_bfloat16*>(p.x);
+  o.src_row = p.src_row;
+  o.y = static_cast<__nv_bfloat16*>(p.y);
+  return true;
+}
+
 // The expert's weight row read by row r of a block's BN-row weight tile whose first output column
 // is col0: with swiglu rows [0, BN/2) are gate rows col0 + r, the rest the up rows of the same
 // columns (at Nout + ...); ok: the row exists (else the tile row is zero-filled).

@@ -43,12 +43,13 @@ static_assert(BM == 64, "one warpgroup's wgmma rows");
 __global__ void __launch_bounds__(kThreads) grouped_gemm_wgmma_kernel(MoeGemmParams p) {
   DFLASH_DYNAMIC_SMEM(unsigned char, smem_raw);
   unsigned char* smem = wgmma::align1024(smem_raw);
-  int e, row0, row_end;
-  if (!moe_detail::tile_rows(p, static_cast<int>(blockIdx.x), BM, e, row0, row_end)) return;
+  moe_detail::TileOperands op;
+  if (!moe_detail::tile_operands<2>(p, BM, op)) return;
+  const int row0 = op.row0, row_end = op.row_end;
   const int K = static_cast<int>(p.K), Nout = static_cast<int>(p.Nout);
   const int col0 = static_cast<int>(blockIdx.y) * (p.swiglu ? BN / 2 : BN);
-  const bf16* X = static_cast<const bf16*>(p.x);
-  const bf16* W = static_cast<const bf16*>(p.w) + static_cast<int64_t>(e) * (p.swiglu ? 2 : 1) * Nout * K;
+  const bf16* X = op.x;
+  const bf16* W = reinterpret_cast<const bf16*>(op.w);
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
 
   // Each thread's 16-byte chunks of a stage: A 64 rows x 8 chunks (4 a thread), B 128 x 8 (8).
@@ -60,7 +61,7 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_wgmma_kernel(MoeGemmPar
   for (int c = 0; c < ACH; ++c) {
     const int idx = tid + c * kThreads, r = idx >> 3, ch = idx & 7, pos = row0 + r;
     a_ok[c] = pos < row_end;
-    const int src = a_ok[c] ? (p.src_row ? p.src_row[pos] : pos) : 0;
+    const int src = a_ok[c] ? (op.src_row ? op.src_row[pos] : pos) : 0;
     a_src[c] = X + static_cast<int64_t>(src) * p.ldx + ch * 8;
     a_off[c] = wgmma::panel_offset(BM, r, ch);
   }
@@ -126,8 +127,8 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_wgmma_kernel(MoeGemmPar
 
   // Accumulator element (warp w, lane 4g + t) 4i + 2h + j: row 16w + g + 8h, column 8i + 2t + j of
   // its 64-column half.
-  bf16* Y = static_cast<bf16*>(p.y);
-  const bool pairs = p.ldy % 2 == 0 && reinterpret_cast<uintptr_t>(p.y) % 4 == 0;
+  bf16* Y = op.y;
+  const bool pairs = p.ldy % 2 == 0 && reinterpret_cast<uintptr_t>(Y) % 4 == 0;
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -163,7 +164,7 @@ void moe_grouped_gemm_wgmma(const MoeGemmParams& p, Stream s) {
     if (dev < 64) attr[dev] = true;
   }
   const int64_t cols = p.swiglu ? BN / 2 : BN;
-  const dim3 grid(static_cast<unsigned>(p.max_tiles), static_cast<unsigned>((p.Nout + cols - 1) / cols));
+  const dim3 grid(static_cast<unsigned>(p.max_tiles + moe_extra_tiles(p)), static_cast<unsigned>((p.Nout + cols - 1) / cols));
   launch_kernel(grouped_gemm_wgmma_kernel, grid, dim3(kThreads), kSmem, static_cast<cudaStream_t>(s), p);
 }
 

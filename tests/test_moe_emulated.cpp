@@ -164,6 +164,53 @@ TEST(MoeEmulated, SmallRoutingEqualsTopkAndPermute) {
   }
 }
 
+// The router and routing in one launch (moe_router_route): the logits and the shared gate's logit
+// against double-precision dot products, a token's logits the same bits whatever N, the routing
+// equal to moe_route_small's on those logits (and on given logits: logits_in), the pad tokens
+// (routed < N) with logits and no routing; called twice (the arrival counter resets itself).
+TEST(MoeEmulated, RouterRouteIsTheRouterGemmAndTheRouting) {
+  const int64_t H = 136, E = 40, k = 4;
+  const Pair x = rand_bf16({16, H}, 1.0f), router = rand_bf16({E, H}, 0.2f), gate = rand_bf16({1, H}, 0.2f);
+  auto i32 = [](int64_t n) { return Tensor::empty({n}, DType::I32); };
+  struct Out {
+    Tensor logits, glogit, ex, wt, cnt, off, tiles, cur, src, slot;
+  };
+  auto run = [&](int64_t N, int64_t routed, bool small, const float* logits_in) {
+    const int64_t R = routed * k;
+    Out o{Tensor::empty({N, E}, DType::F32), Tensor::empty({N}, DType::F32), i32(R), Tensor::empty({R}, DType::F32),
+          i32(E), i32(E + 1), i32(E + 1), i32(E), i32(R), i32(R)};
+    poison(o.logits);
+    if (small)
+      cu::moe_route_small(logits_in, routed, E, k, true, o.ex.data<int32_t>(), o.wt.data<float>(), o.cnt.data<int32_t>(),
+                          o.off.data<int32_t>(), o.tiles.data<int32_t>(), o.cur.data<int32_t>(), o.src.data<int32_t>(),
+                          o.slot.data<int32_t>(), nullptr);
+    else
+      cu::moe_router_route(x.bf.raw_data(), router.bf.raw_data(), gate.bf.raw_data(), N, routed, H, E, k, true,
+                           o.logits.data<float>(), o.glogit.data<float>(), logits_in, o.ex.data<int32_t>(), o.wt.data<float>(),
+                           o.cnt.data<int32_t>(), o.off.data<int32_t>(), o.tiles.data<int32_t>(), o.cur.data<int32_t>(),
+                           o.src.data<int32_t>(), o.slot.data<int32_t>(), nullptr);
+    return o;
+  };
+  const Out a = run(16, 13, false, nullptr), b = run(1, 1, false, nullptr);
+  double worst = 0;
+  for (int64_t n = 0; n < 16; ++n)
+    for (int64_t e = 0; e <= E; ++e) {
+      double want = 0;
+      for (int64_t h = 0; h < H; ++h)
+        want += static_cast<double>(x.f.data<float>()[n * H + h]) * (e < E ? router.f.data<float>()[e * H + h] : gate.f.data<float>()[h]);
+      const double got = e < E ? a.logits.data<float>()[n * E + e] : a.glogit.data<float>()[n];
+      worst = std::max(worst, std::abs(got - want));
+    }
+  EXPECT_LT(worst, 1e-4) << "logits and gate logits (every token, the pad ones too)";
+  EXPECT_EQ(std::memcmp(a.logits.raw_data(), b.logits.raw_data(), E * 4), 0) << "token 0's logits at N 16 and N 1";
+  EXPECT_EQ(a.glogit.data<float>()[0], b.glogit.data<float>()[0]);
+  for (const float* given : {static_cast<const float*>(nullptr), static_cast<const float*>(a.logits.data<float>())}) {
+    const Out c = given ? run(16, 13, false, given) : a, want = run(16, 13, true, a.logits.data<float>());
+    for (auto m : {&Out::ex, &Out::wt, &Out::cnt, &Out::off, &Out::tiles, &Out::cur, &Out::src, &Out::slot})
+      EXPECT_EQ(std::memcmp((c.*m).raw_data(), (want.*m).raw_data(), (c.*m).nbytes()), 0) << (given ? "logits_in" : "own logits");
+  }
+}
+
 // The extra group (a shared expert riding in the routed experts' launch): its rows are the same
 // kernel's rows of a one-expert grouped GEMM over every token (bits), the routed rows are untouched
 // (bits), in every tiling; gate|up with SwiGLU and down; rows past a 64-row tile.

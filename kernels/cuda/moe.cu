@@ -26,6 +26,7 @@
 #include "kernels/cuda/emulatable.cuh"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/moe.h"
+#include "kernels/cuda/moe_dots.cuh"
 #include "kernels/cuda/moe_fp8.cuh"
 #include "kernels/cuda/moe_gemm.cuh"
 #include "kernels/cuda/moe_topk.cuh"
@@ -101,71 +102,144 @@ __global__ void scatter_kernel(const int32_t* __restrict__ experts, int64_t rows
 }
 
 // ---- routing of a decode / verify step in one block --------------------------------------------------
-// topk_kernel + counts + scan_kernel + scatter_kernel (and the counts' memset) in one launch, for N·k
-// <= kRouteThreads rows: a warp a token's top-k, the counts in shared memory, the scans, then a thread
-// a row. Rows take their place inside an expert's range in (token, choice) order (the multi-kernel
-// path's order is atomic arrival: a row's result never depends on it).
-constexpr int kRouteThreads = 1024;
-__global__ void __launch_bounds__(kRouteThreads)
-    route_small_kernel(const float* __restrict__ logits, int N, int E, int k, bool renorm, int e0, int El,
-                       int32_t* __restrict__ experts, float* __restrict__ weights, int32_t* __restrict__ counts,
-                       int32_t* __restrict__ offsets, int32_t* __restrict__ tile_offsets, int32_t* __restrict__ cursor,
-                       int32_t* __restrict__ src_row, int32_t* __restrict__ slot_pos) {
-  __shared__ int32_t s_count[kMaxE], s_off[kMaxE], s_tiles[kMaxE], s_expert[kRouteThreads];
-  const int t = static_cast<int>(threadIdx.x), lane = t & 31, warp = t >> 5, warps = kRouteThreads / 32;
-  for (int e = t; e < E; e += kRouteThreads) s_count[e] = 0;
+// topk_kernel + counts + scan_kernel + scatter_kernel (and the counts' memset) in one block, for N·k
+// <= kMoeRouteSmallRows rows: a warp a token's top-k, the counts in shared memory, the scans, then a
+// thread a row. Rows take their place inside an expert's range in (token, choice) order (the
+// multi-kernel path's order is atomic arrival: a row's result never depends on it). Any block size
+// (a multiple of 32, <= 1024); every thread of the block calls it.
+struct RouteOut {
+  int32_t* experts;
+  float* weights;
+  int32_t* counts;
+  int32_t* offsets;
+  int32_t* tile_offsets;
+  int32_t* cursor;
+  int32_t* src_row;
+  int32_t* slot_pos;
+};
+struct RouteSmem {
+  int32_t count[kMaxE], off[kMaxE], part_off[1024], part_tiles[1024];
+  int32_t expert[kMoeRouteSmallRows];
+};
+template <bool kCoherent>
+__device__ __forceinline__ void route_block(const float* logits, int N, int E, int k, bool renorm, int e0, int El,
+                                            const RouteOut& o, RouteSmem& sm) {
+  const int t = static_cast<int>(threadIdx.x), nt = static_cast<int>(blockDim.x), lane = t & 31, warp = t >> 5;
+  for (int e = t; e < E; e += nt) sm.count[e] = 0;
   __syncthreads();
-  for (int n = warp; n < N; n += warps) {
+  for (int n = warp; n < N; n += nt / 32) {
     int my_e = -1;
     float my_w = 0;
-    moe_detail::warp_topk(logits + static_cast<int64_t>(n) * E, E, k, renorm, lane, my_e, my_w);
+    moe_detail::warp_topk<kCoherent>(logits + static_cast<int64_t>(n) * E, E, k, renorm, lane, my_e, my_w);
     if (lane < k) {
-      experts[n * k + lane] = my_e;
-      weights[n * k + lane] = my_w;
-      s_expert[n * k + lane] = my_e;
-      atomicAdd(&s_count[my_e], 1);
+      o.experts[n * k + lane] = my_e;
+      o.weights[n * k + lane] = my_w;
+      sm.expert[n * k + lane] = my_e;
+      atomicAdd(&sm.count[my_e], 1);
     }
   }
   __syncthreads();
-  for (int e = t; e < E; e += kRouteThreads) counts[e] = s_count[e];
-  // Inclusive scans (Hillis-Steele) of the local experts' counts and row tiles.
-  const int c = t < El ? s_count[e0 + t] : 0;
-  if (t < kMaxE) {
-    s_off[t] = c;
-    s_tiles[t] = (c + kMoeTileRows - 1) / kMoeTileRows;
+  for (int e = t; e < E; e += nt) o.counts[e] = sm.count[e];
+  // Inclusive scans of the local experts' counts and row tiles: thread t sums its run of `per`
+  // experts, a Hillis-Steele scan over the threads' sums, then each run in order.
+  const int per = (El + nt - 1) / nt, lo = t * per, hi = lo + per < El ? lo + per : El;
+  int c_sum = 0, t_sum = 0;
+  for (int e = lo; e < hi; ++e) {
+    const int c = sm.count[e0 + e];
+    c_sum += c;
+    t_sum += (c + kMoeTileRows - 1) / kMoeTileRows;
   }
+  sm.part_off[t] = c_sum;
+  sm.part_tiles[t] = t_sum;
   __syncthreads();
-  for (int d = 1; d < El; d <<= 1) {
-    const int a = t < El && t >= d ? s_off[t - d] : 0, b = t < El && t >= d ? s_tiles[t - d] : 0;
+  for (int d = 1; d < nt; d <<= 1) {
+    const int a = t >= d ? sm.part_off[t - d] : 0, b = t >= d ? sm.part_tiles[t - d] : 0;
     __syncthreads();
-    if (t < El) {
-      s_off[t] += a;
-      s_tiles[t] += b;
-    }
+    sm.part_off[t] += a;
+    sm.part_tiles[t] += b;
     __syncthreads();
   }
-  if (t < El) {
-    offsets[t + 1] = s_off[t];
-    tile_offsets[t + 1] = s_tiles[t];
-    cursor[t] = s_off[t];  // (the scatter's cursors, as they end there)
+  int run_off = sm.part_off[t] - c_sum, run_tiles = sm.part_tiles[t] - t_sum;
+  for (int e = lo; e < hi; ++e) {
+    const int c = sm.count[e0 + e];
+    run_off += c;
+    run_tiles += (c + kMoeTileRows - 1) / kMoeTileRows;
+    sm.off[e] = run_off;  // inclusive
+    o.offsets[e + 1] = run_off;
+    o.tile_offsets[e + 1] = run_tiles;
+    o.cursor[e] = run_off;  // (the scatter's cursors, as they end there)
   }
   if (t == 0) {
-    offsets[0] = 0;
-    tile_offsets[0] = 0;
+    o.offsets[0] = 0;
+    o.tile_offsets[0] = 0;
   }
-  const int rows = N * k;
-  if (t < rows) {
-    const int ex = s_expert[t], e = ex - e0;
+  __syncthreads();
+  for (int i = t; i < N * k; i += nt) {
+    const int ex = sm.expert[i], e = ex - e0;
     if (e < 0 || e >= El) {
-      slot_pos[t] = -1;
-    } else {
-      int rank = 0;
-      for (int j = 0; j < t; ++j) rank += s_expert[j] == ex;
-      const int pos = s_off[e] - s_count[ex] + rank;
-      src_row[pos] = t / k;
-      slot_pos[t] = pos;
+      o.slot_pos[i] = -1;
+      continue;
+    }
+    int rank = 0;
+    for (int j = 0; j < i; ++j) rank += sm.expert[j] == ex;
+    const int pos = sm.off[e] - sm.count[ex] + rank;
+    o.src_row[pos] = i / k;
+    o.slot_pos[i] = pos;
+  }
+}
+
+constexpr int kRouteThreads = 1024;
+__global__ void __launch_bounds__(kRouteThreads)
+    route_small_kernel(const float* __restrict__ logits, int N, int E, int k, bool renorm, int e0, int El, RouteOut o) {
+  __shared__ RouteSmem sm;
+  route_block<false>(logits, N, E, k, renorm, e0, El, o, sm);
+}
+
+// The router of a decode / verify step (N <= kMoeDecodeMaxRows tokens) and its routing in one
+// launch: a warp a weight row (the E router rows, then the shared expert's gate row) against the
+// tokens, its logits in fp32 (moe_dots.cuh: each token's in an order fixed by H alone); the block
+// that finishes last (an arrival counter, reset by that block for the next launch) routes.
+constexpr int kRouterWarps = 8;
+__device__ int32_t g_router_arrivals = 0;
+struct RouterParams {
+  const bf16* x;
+  const bf16* router;  // [E, H]
+  const bf16* gate_w;  // [H] or nullptr
+  float* logits;       // [N, E]
+  float* gate_logit;   // [N] (with gate_w)
+  const float* route_by;  // the logits top-k reads: logits, or given ones
+  int N, routed, H, E, k, e0, El;
+  bool renorm;
+};
+__global__ void __launch_bounds__(kRouterWarps * 32) router_route_kernel(const RouterParams q, RouteOut o) {
+  __shared__ RouteSmem sm;
+  __shared__ bool s_last;
+  constexpr int kT = static_cast<int>(kMoeDecodeMaxRows);
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int row = static_cast<int>(blockIdx.x) * kRouterWarps + (static_cast<int>(threadIdx.x) >> 5);
+  if (row < q.E || (row == q.E && q.gate_w)) {
+    const moe_detail::Bf16Row w[1] = {{row < q.E ? q.router + static_cast<int64_t>(row) * q.H : q.gate_w}};
+    float acc[1][kT];
+    moe_detail::dots<moe_detail::Bf16Row, 1, kT, 4>(w, q.x, q.H, q.N, q.H, lane, acc);
+#pragma unroll
+    for (int t = 0; t < kT; ++t) {
+      if (t < q.N) {
+        const float v = vec::warp_sum(acc[0][t]);
+        if (lane == 0) {
+          if (row < q.E) q.logits[static_cast<int64_t>(t) * q.E + row] = v;
+          else q.gate_logit[t] = v;
+        }
+      }
     }
   }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(&g_router_arrivals, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  if (threadIdx.x == 0) g_router_arrivals = 0;
+  route_block<true>(q.route_by, q.routed, q.E, q.k, q.renorm, q.e0, q.El, o, sm);
 }
 
 // ---- grouped GEMM -----------------------------------------------------------------------------------
@@ -395,12 +469,12 @@ __global__ void gather_kernel(const bf16* __restrict__ x, const int32_t* __restr
   for (int c = threadIdx.x; c < H / 8; c += blockDim.x) d[c] = s[c];
 }
 
-// One block per token: the shared gate's dot product (block reduction), then 8 columns a thread.
-// Rows n >= routed have no routed term (kn = 0).
+// One block per token: the shared gate's dot product (block reduction; or its logit given), then 8
+// columns a thread. Rows n >= routed have no routed term (kn = 0).
 __global__ void combine_kernel(const bf16* __restrict__ y, const int32_t* __restrict__ slot_pos,
                                const float* __restrict__ weights, int k, int H, const bf16* __restrict__ shared,
-                               const bf16* __restrict__ x, const bf16* __restrict__ gate_w, bf16* __restrict__ out,
-                               int64_t routed) {
+                               const bf16* __restrict__ x, const bf16* __restrict__ gate_w,
+                               const float* __restrict__ gate_logit, bf16* __restrict__ out, int64_t routed) {
   const int64_t n = blockIdx.x;
   const int kn = n < routed ? k : 0;
   __shared__ float red[32];
@@ -411,7 +485,7 @@ __global__ void combine_kernel(const bf16* __restrict__ y, const int32_t* __rest
     sw[threadIdx.x] = weights[n * k + threadIdx.x];
   }
   float gate = 0;
-  if (shared) {
+  if (shared && !gate_logit) {
     float d = 0;
     for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
       float a[8], b[8];
@@ -430,7 +504,7 @@ __global__ void combine_kernel(const bf16* __restrict__ y, const int32_t* __rest
     }
   }
   __syncthreads();
-  if (shared) gate = 1.0f / (1.0f + expf(-red[0]));
+  if (shared) gate = 1.0f / (1.0f + expf(-(gate_logit ? gate_logit[n] : red[0])));
   for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int j = 0; j < kn; ++j) {
@@ -558,21 +632,58 @@ void moe_permute(const int32_t* experts, const int32_t* counts, int64_t N, int64
                 static_cast<int>(k), static_cast<int>(expert_begin), static_cast<int>(El), cursor, src_row, slot_pos);
 }
 
+namespace {
+void check_route(int64_t N, int64_t E, int64_t k, int64_t expert_begin, int64_t El, const char* what) {
+  DFLASH_CHECK(E >= 1 && E <= kMaxE && k >= 1 && k <= E && k <= 32 && N >= 1 && N * k <= kMoeRouteSmallRows &&
+                   expert_begin >= 0 && El >= 1 && expert_begin + El <= E,
+               what << ": E " << E << " (1..1024), k " << k << " (1..min(E, 32)), N " << N << " (N k <= "
+                    << kMoeRouteSmallRows << "), experts [" << expert_begin << ", " << expert_begin + El
+                    << ") out of range");
+}
+RouteOut route_out(int32_t* experts, float* weights, int32_t* counts, int32_t* offsets, int32_t* tile_offsets,
+                   int32_t* cursor, int32_t* src_row, int32_t* slot_pos) {
+  DFLASH_CHECK(experts && weights && counts && offsets && tile_offsets && cursor && src_row && slot_pos,
+               "moe routing: null output pointer");
+  return RouteOut{experts, weights, counts, offsets, tile_offsets, cursor, src_row, slot_pos};
+}
+}  // namespace
+
 void moe_route_small(const float* logits, int64_t N, int64_t E, int64_t k, bool renormalize, int32_t* experts,
                      float* weights, int32_t* counts, int32_t* offsets, int32_t* tile_offsets, int32_t* cursor,
                      int32_t* src_row, int32_t* slot_pos, Stream s, int64_t expert_begin, int64_t local_experts) {
   const int64_t El = local_experts < 0 ? E : local_experts;
-  DFLASH_CHECK(E >= 1 && E <= kMaxE && k >= 1 && k <= E && k <= 32 && N >= 1 && N * k <= kMoeRouteSmallRows &&
-                   expert_begin >= 0 && El >= 1 && expert_begin + El <= E,
-               "moe_route_small: E " << E << " (1..1024), k " << k << " (1..min(E, 32)), N " << N << " (N k <= "
-                                     << kMoeRouteSmallRows << "), experts [" << expert_begin << ", "
-                                     << expert_begin + El << ") out of range");
-  DFLASH_CHECK(logits && experts && weights && counts && offsets && tile_offsets && cursor && src_row && slot_pos,
-               "moe_route_small: null pointer");
-  static_assert(kMoeRouteSmallRows == kRouteThreads, "a thread a routed row");
+  check_route(N, E, k, expert_begin, El, "moe_route_small");
+  DFLASH_CHECK(logits, "moe_route_small: null logits");
   launch_kernel(route_small_kernel, dim3(1), dim3(kRouteThreads), 0, static_cast<cudaStream_t>(s), logits,
                 static_cast<int>(N), static_cast<int>(E), static_cast<int>(k), renormalize, static_cast<int>(expert_begin),
-                static_cast<int>(El), experts, weights, counts, offsets, tile_offsets, cursor, src_row, slot_pos);
+                static_cast<int>(El), route_out(experts, weights, counts, offsets, tile_offsets, cursor, src_row, slot_pos));
+}
+
+void moe_router_route(const void* x, const void* router, const void* gate_w, int64_t N, int64_t routed, int64_t H,
+                      int64_t E, int64_t k, bool renormalize, float* logits, float* gate_logit, const float* logits_in, int32_t* experts,
+                      float* weights, int32_t* counts, int32_t* offsets, int32_t* tile_offsets, int32_t* cursor,
+                      int32_t* src_row, int32_t* slot_pos, Stream s, int64_t expert_begin, int64_t local_experts) {
+  const int64_t El = local_experts < 0 ? E : local_experts;
+  check_route(routed, E, k, expert_begin, El, "moe_router_route");
+  DFLASH_CHECK(N >= routed && N <= kMoeDecodeMaxRows && H % 8 == 0 && H < INT32_MAX / 8,
+               "moe_router_route: N " << N << " (routed " << routed << " .. " << kMoeDecodeMaxRows << "), H " << H
+                                      << " (a multiple of 8)");
+  DFLASH_CHECK(x && router && logits && aligned16(x) && aligned16(router) && (!gate_w || (aligned16(gate_w) && gate_logit)),
+               "moe_router_route: null or not 16-byte aligned x / router / gate, or a gate without gate_logit");
+  RouterParams q{};
+  q.x = static_cast<const bf16*>(x);
+  q.router = static_cast<const bf16*>(router);
+  q.gate_w = static_cast<const bf16*>(gate_w);
+  q.logits = logits;
+  q.gate_logit = gate_logit;
+  q.route_by = logits_in ? logits_in : logits;
+  q.N = static_cast<int>(N), q.routed = static_cast<int>(routed), q.H = static_cast<int>(H), q.E = static_cast<int>(E), q.k = static_cast<int>(k);
+  q.e0 = static_cast<int>(expert_begin), q.El = static_cast<int>(El);
+  q.renorm = renormalize;
+  const int rows = static_cast<int>(E) + (gate_w ? 1 : 0);
+  launch_kernel(router_route_kernel, dim3(static_cast<unsigned>((rows + kRouterWarps - 1) / kRouterWarps)),
+                dim3(kRouterWarps * 32), 0, static_cast<cudaStream_t>(s), q,
+                route_out(experts, weights, counts, offsets, tile_offsets, cursor, src_row, slot_pos));
 }
 
 namespace {
@@ -640,6 +751,7 @@ bool moe_deep_tiles(const MoeGemmParams& p) {
 }
 
 namespace tuning {
+int moe_router_route = -1;
 int moe_fuse_shared = -1;
 int moe_narrow_tiles = -1;
 int moe_wgmma = -1;
@@ -655,7 +767,8 @@ void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, 
 }
 
 void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, int64_t N, int64_t k, int64_t H,
-                 const void* shared, const void* x, const void* gate_w, void* out, Stream s, int64_t routed) {
+                 const void* shared, const void* x, const void* gate_w, void* out, Stream s, int64_t routed,
+                 const float* gate_logit) {
   if (routed < 0) routed = N;
   DFLASH_CHECK(routed <= N, "moe_combine: " << routed << " routed rows of " << N);
   DFLASH_CHECK(H > 0 && H % 8 == 0 && k >= 1 && k <= 32 && aligned16(y) && aligned16(out) &&
@@ -664,7 +777,7 @@ void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, i
   if (N == 0) return;
   launch_kernel(combine_kernel, dim3(static_cast<unsigned>(N)), dim3(256), 0, static_cast<cudaStream_t>(s),
                 static_cast<const bf16*>(y), slot_pos, weights, static_cast<int>(k), static_cast<int>(H),
-                static_cast<const bf16*>(shared), static_cast<const bf16*>(x), static_cast<const bf16*>(gate_w),
+                static_cast<const bf16*>(shared), static_cast<const bf16*>(x), static_cast<const bf16*>(gate_w), gate_logit,
                 static_cast<bf16*>(out), routed);
 }
 
@@ -703,6 +816,7 @@ Layout layout(int64_t N, int64_t H, int64_t E, int64_t k, int64_t I, int64_t Is,
     l.total = at;
     return l;
   }
+  l.glogit = take(static_cast<size_t>(N) * 4);  // (the one-launch router's shared gate logits)
   l.counts = take(static_cast<size_t>(E) * 4);
   l.offsets = take(static_cast<size_t>(E + 1) * 4);
   l.tiles = take(static_cast<size_t>(E + 1) * 4);
@@ -761,31 +875,44 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     return;
   }
 
-  GemmExParams rg;  // router logits, fp32
-  rg.a = p.x;
-  rg.lda = p.H;
-  rg.b = p.router;
-  rg.ldb = p.H;
-  rg.trans_b = true;
-  float* logits = p.logits_out ? p.logits_out : f32(l.logits);
-  rg.d = logits;
-  rg.ldd = p.E;
-  rg.d_f32 = true;
-  rg.M = p.N;
-  rg.N = p.E;
-  rg.K = p.H;
-  rg.unaligned = p.E % 4 != 0;
-  gemm_ex(rg, device);
   int32_t* experts = p.experts_out ? p.experts_out : i32(l.experts);
   float* weights = p.weights_out ? p.weights_out : f32(l.weights);
+  float* logits = p.logits_out ? p.logits_out : f32(l.logits);
   const float* route_by = p.logits_in ? p.logits_in : logits;
-  if (R >= 1 && R <= kMoeRouteSmallRows) {  // a decode / verify step: one launch where there were four
-    moe_route_small(route_by, Nr, p.E, p.k, p.renormalize, experts, weights, i32(l.counts), i32(l.offsets),
-                    i32(l.tiles), i32(l.cursor), i32(l.src), i32(l.slot), s, e0, El);
+  // A decode / verify step: the router and the routing in one launch (moe_router_route), the shared
+  // gate's logits with them. Else the router GEMM (cuBLASLt), then the routing in one launch for few
+  // rows or top-k + permute.
+  const bool one_launch = impl == MoeImpl::Grouped && p.N <= kMoeDecodeMaxRows && Nr >= 1 && R <= kMoeRouteSmallRows &&
+                          tuning::moe_router_route != 0;
+  const float* gate_logit = nullptr;
+  if (one_launch) {
+    gate_logit = p.shared_gate_up ? f32(l.glogit) : nullptr;
+    moe_router_route(p.x, p.router, p.shared_gate_up ? p.shared_gate : nullptr, p.N, Nr, p.H, p.E, p.k, p.renormalize,
+                     logits, f32(l.glogit), p.logits_in, experts, weights, i32(l.counts), i32(l.offsets), i32(l.tiles),
+                     i32(l.cursor), i32(l.src), i32(l.slot), s, e0, El);
   } else {
-    moe_topk(route_by, Nr, p.E, p.k, p.renormalize, experts, weights, i32(l.counts), s);
-    moe_permute(experts, i32(l.counts), Nr, p.E, p.k, i32(l.offsets), i32(l.tiles), i32(l.cursor), i32(l.src),
-                i32(l.slot), s, e0, El);
+    GemmExParams rg;  // router logits, fp32
+    rg.a = p.x;
+    rg.lda = p.H;
+    rg.b = p.router;
+    rg.ldb = p.H;
+    rg.trans_b = true;
+    rg.d = logits;
+    rg.ldd = p.E;
+    rg.d_f32 = true;
+    rg.M = p.N;
+    rg.N = p.E;
+    rg.K = p.H;
+    rg.unaligned = p.E % 4 != 0;
+    gemm_ex(rg, device);
+    if (R >= 1 && R <= kMoeRouteSmallRows) {  // few rows: one launch where there were four
+      moe_route_small(route_by, Nr, p.E, p.k, p.renormalize, experts, weights, i32(l.counts), i32(l.offsets),
+                      i32(l.tiles), i32(l.cursor), i32(l.src), i32(l.slot), s, e0, El);
+    } else {
+      moe_topk(route_by, Nr, p.E, p.k, p.renormalize, experts, weights, i32(l.counts), s);
+      moe_permute(experts, i32(l.counts), Nr, p.E, p.k, i32(l.offsets), i32(l.tiles), i32(l.cursor), i32(l.src),
+                  i32(l.slot), s, e0, El);
+    }
   }
   void* act = ws + l.act;
   void* y = ws + l.y;
@@ -913,7 +1040,7 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     gemm_bf16(d, device);
     shared = ws + l.sout;
   }
-  moe_combine(y, i32(l.slot), weights, p.N, p.k, p.H, shared, p.x, p.shared_gate, p.out, s, Nr);
+  moe_combine(y, i32(l.slot), weights, p.N, p.k, p.H, shared, p.x, p.shared_gate, p.out, s, Nr, gate_logit);
 }
 
 }  // namespace dflash::cuda

@@ -57,6 +57,19 @@ void moe_route_small(const float* logits, int64_t N, int64_t E, int64_t k, bool 
                      int32_t* src_row, int32_t* slot_pos, Stream s, int64_t expert_begin = 0,
                      int64_t local_experts = -1);
 
+// The router GEMM and moe_route_small in one launch, for a decode / verify step (1 <= N <=
+// kMoeDecodeMaxRows tokens): logits fp32 [N, E] = x · router^T and, with gate_w ([H] bf16), gate_logit
+// fp32 [N] = x · gate_w, each a warp's dot product in an order fixed by H (a token's logits do not
+// depend on N); then the routing of the first `routed` tokens (1 <= routed <= N, routed·k <=
+// kMoeRouteSmallRows) from logits_in (given logits, as MoeBlockParams::logits_in) or from those
+// logits, as moe_route_small. x [N, H] bf16 (16-byte aligned, H a multiple of 8), router [E, H] bf16.
+void moe_router_route(const void* x, const void* router, const void* gate_w, int64_t N, int64_t routed, int64_t H,
+                      int64_t E, int64_t k,
+                      bool renormalize, float* logits, float* gate_logit, const float* logits_in, int32_t* experts,
+                      float* weights, int32_t* counts, int32_t* offsets, int32_t* tile_offsets, int32_t* cursor,
+                      int32_t* src_row, int32_t* slot_pos, Stream s, int64_t expert_begin = 0,
+                      int64_t local_experts = -1);
+
 // Grouped GEMM over experts. For every expert e and row pos in [offsets[e], offsets[e+1]), with
 // a = x[gather ? src_row[pos] : pos] (bf16 rows of K, row stride ldx):
 //   swiglu:  y[pos, c] = silu(a · w[e][c]) * (a · w[e][Nout + c]),  c < Nout; w[e] is [2 Nout, K]
@@ -99,6 +112,9 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s);
 bool moe_fuse_shared(bool shared, int64_t I, int64_t Is, int64_t routed_rows, bool fp8_codes);
 namespace tuning {
 extern int moe_fuse_shared;
+// moe_block's router for decode / verify steps: -1 / 1 moe_router_route where it applies, 0 never
+// (the router GEMM on cuBLASLt, then the routing; tests, benches).
+extern int moe_router_route;
 }  // namespace tuning
 inline int64_t moe_extra_tiles(const MoeGemmParams& p) { return p.extra_w ? (p.extra_rows + kMoeTileRows - 1) / kMoeTileRows : 0; }
 // The grouped GEMM's three tilings give the same bits (the same mma k16 steps per element in the same
@@ -141,9 +157,11 @@ void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, 
 // out[n, :] = sum_j weights[n, j] * y[slot_pos[n, j], :] (+ sigmoid(x[n] · gate_w) * shared[n, :]
 // when shared != nullptr; x, gate_w [H] bf16), bf16 out [N, H] contiguous, fp32 math. Rows n >=
 // routed (routed < 0: every row is routed) have no routed term; slot_pos / weights hold the routed rows.
-// A choice with slot_pos -1 (an expert of another rank) adds nothing.
+// A choice with slot_pos -1 (an expert of another rank) adds nothing. gate_logit (fp32 [N], optional):
+// the gate's logits x[n] · gate_w computed before (moe_router_route), in place of the dot product here.
 void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, int64_t N, int64_t k, int64_t H,
-                 const void* shared, const void* x, const void* gate_w, void* out, Stream s, int64_t routed = -1);
+                 const void* shared, const void* x, const void* gate_w, void* out, Stream s, int64_t routed = -1,
+                 const float* gate_logit = nullptr);
 
 // ---- The whole block --------------------------------------------------------------------------------
 // Grouped: the steps above. Fallback: the per-expert gemm_bf16 loop. Decode (kernels/cuda/moe_decode.cu,

@@ -13,7 +13,9 @@ namespace dflash::cuda::moe_detail {
 constexpr int kMaxE = 1024;
 
 // Every lane of the warp calls it. Lane j < k gets choice j: its expert and its weight (p, or p over
-// the chosen p's sum when renorm). `row`: the token's E fp32 logits.
+// the chosen p's sum when renorm). `row`: the token's E fp32 logits (kCoherent: written by other
+// blocks of the same launch, read through L2).
+template <bool kCoherent = false>
 __device__ __forceinline__ void warp_topk(const float* __restrict__ row, int E, int k, bool renorm, int lane,
                                           int& my_e, float& my_w) {
   constexpr int kPer = kMaxE / 32;
@@ -22,7 +24,7 @@ __device__ __forceinline__ void warp_topk(const float* __restrict__ row, int E, 
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int e = i * 32 + lane;
-    p[i] = e < E ? row[e] : -INFINITY;
+    p[i] = e < E ? (kCoherent ? __ldcg(row + e) : row[e]) : -INFINITY;
     mx = fmaxf(mx, p[i]);
   }
   for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));

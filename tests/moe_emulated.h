@@ -7,6 +7,8 @@
 #define moe_permute moe_permute_emulated
 #define moe_route_small moe_route_small_emulated
 #define moe_router_route moe_router_route_emulated
+#define moe_fuse_combine moe_fuse_combine_emulated
+#define moe_router_one_launch moe_router_one_launch_emulated
 #define moe_grouped_gemm moe_grouped_gemm_emulated
 #define moe_combine moe_combine_emulated
 #define moe_gather moe_gather_emulated
@@ -17,7 +19,6 @@
 #define moe_narrow_tiles moe_narrow_tiles_emulated
 #define moe_deep_tiles moe_deep_tiles_emulated
 #define moe_fuse_shared moe_fuse_shared_emulated
-#define moe_router_route moe_router_route_emulated
 #define moe_fp8_dequantize_first moe_fp8_dequantize_first_emulated
 #define moe_wgmma moe_wgmma_emulated
 #define moe_grouped_gemm_wgmma moe_grouped_gemm_wgmma_emulated

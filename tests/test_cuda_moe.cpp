@@ -702,9 +702,11 @@ TEST(CudaMoe, Bench35bA3b) {
     // the experts written first (tuning::moe_fp8_dequantize_first, in the time); 8: the grouped path on
     // the wgmma kernel (sm_90); 0, 1 and 9 the mma.sync kernel's tilings: wide, narrow, deep (6 and 7
     // take the automatic tiling: deep for N <= 16); 10 deep tiles with the shared expert in launches of
-    // its own after the experts (tuning::moe_fuse_shared 0; the others run it as the grouped GEMMs'
-    // extra group where moe_fuse_shared says: N <= 64).
-    for (int variant : {0, 1, 9, 10, 2, 3, 4, 5, 6, 7, 8}) {
+    // its own after the experts (tuning::moe_fuse_shared 0, so the combine in its own launch too; the
+    // others run it as the grouped GEMMs' extra group where moe_fuse_shared says: N <= 64, and the
+    // combine in the down GEMM's launch for N <= 16); 11 as 10 with the router on cuBLASLt
+    // (tuning::moe_router_one_launch 0; the others route N <= 16 in one launch with the router).
+    for (int variant : {0, 1, 9, 10, 11, 2, 3, 4, 5, 6, 7, 8}) {
       if ((variant == 3 || variant == 4 || variant == 5) && N > cu::kMoeDecodeMaxRows) continue;
       if (variant == 8 && !cu::moe_wgmma_supported(0)) continue;
       const bool fp8 = variant >= 5 && variant <= 7;
@@ -713,7 +715,8 @@ TEST(CudaMoe, Bench35bA3b) {
                                                            : cu::MoeImpl::Decode;
       std::optional<GemmKnob> knob;
       if (variant < 2 || variant >= 8) knob.emplace(variant == 8 ? 2 : variant >= 9 ? 3 : variant);
-      cu::tuning::moe_fuse_shared = variant == 10 ? 0 : -1;
+      cu::tuning::moe_fuse_shared = variant == 10 || variant == 11 ? 0 : -1;
+      cu::tuning::moe_router_one_launch = variant == 11 ? 0 : -1;
       const TopkKnob topk(variant == 3 || variant == 4 ? variant - 3 : -1);
       const std::string name = std::string(cu::moe_impl_name(impl)) +
                                (variant == 0   ? "/wide"
@@ -724,6 +727,7 @@ TEST(CudaMoe, Bench35bA3b) {
                                 : variant == 8 ? "/wgmma"
                                 : variant == 9 ? "/deep"
                                 : variant == 10 ? "/deep_shared_apart"
+                                : variant == 11 ? "/deep_router_gemm"
                                 : fp8          ? "/fp8_experts"
                                                : "");
       cu::tuning::moe_fp8_dequantize_first = variant == 7 ? 1 : variant == 6 ? 0 : -1;
@@ -828,4 +832,5 @@ TEST(CudaMoe, Bench35bA3b) {
   }
   cu::tuning::moe_fp8_dequantize_first = -1;
   cu::tuning::moe_fuse_shared = -1;
+  cu::tuning::moe_router_one_launch = -1;
 }

@@ -213,7 +213,8 @@ TEST(MoeEmulated, RouterRouteIsTheRouterGemmAndTheRouting) {
 
 // The extra group (a shared expert riding in the routed experts' launch): its rows are the same
 // kernel's rows of a one-expert grouped GEMM over every token (bits), the routed rows are untouched
-// (bits), in every tiling; gate|up with SwiGLU and down; rows past a 64-row tile.
+// (bits), in every tiling; gate|up with SwiGLU and down; rows past a 64-row tile. And the combine in
+// the down GEMM's launch: moe_combine's bits.
 TEST(MoeEmulated, ExtraGroupIsADenseGroupInTheSameLaunch) {
   const int64_t N = 70, H = 144, E = 3, k = 2, I = 80, R = N * k;
   const Pair x = rand_bf16({N, H}, 1.0f), gu = rand_bf16({E, 2 * I, H}, 0.1f), dn = rand_bf16({E, H, I}, 0.2f);
@@ -227,6 +228,9 @@ TEST(MoeEmulated, ExtraGroupIsADenseGroupInTheSameLaunch) {
   Tensor cursor = Tensor::empty({E}, DType::I32), src = Tensor::empty({R}, DType::I32), slot = Tensor::empty({R}, DType::I32);
   cu::moe_permute(ex.data<int32_t>(), counts.data<int32_t>(), N, E, k, off.data<int32_t>(), tiles.data<int32_t>(),
                   cursor.data<int32_t>(), src.data<int32_t>(), slot.data<int32_t>(), nullptr, 0, E);
+  Tensor wts = Tensor::empty({R}, DType::F32), glogit = Tensor::empty({N}, DType::F32);
+  fill_normal(wts, {4419, g_stream++, 0}, 0.0f, 0.5f);
+  fill_normal(glogit, {4419, g_stream++, 0}, 0.0f, 2.0f);
   // One expert holding every token: offsets {0, N}, tiles {0, ceil(N / 64)}.
   Tensor off1 = Tensor::empty({2}, DType::I32), tiles1 = Tensor::empty({2}, DType::I32);
   off1.data<int32_t>()[0] = 0, off1.data<int32_t>()[1] = static_cast<int32_t>(N);
@@ -265,6 +269,24 @@ TEST(MoeEmulated, ExtraGroupIsADenseGroupInTheSameLaunch) {
     cu::moe_grouped_gemm(d, nullptr);
     EXPECT_LT(max_rel_err(f32(sout[1]), f32(sout[1])), 1.0) << "every shared row written";
     for (auto* t : {act, y, sact, sout}) EXPECT_EQ(std::memcmp(t[0].raw_data(), t[1].raw_data(), t[0].nbytes()), 0);
+    // The combine in the down GEMM's launch (the last block of each column block) against
+    // moe_combine on the same rows: the same bits; the last 3 tokens padding (no routed term).
+    Tensor out[2] = {bf(N, H), bf(N, H)}, y2 = bf(R, H), sout2 = bf(N, H);
+    cu::moe_combine(y[1].raw_data(), slot.data<int32_t>(), wts.data<float>(), N, k, H, sout[1].raw_data(), x.bf.raw_data(),
+                    sgu.bf.raw_data(), out[0].raw_data(), nullptr, N - 3, glogit.data<float>());
+    for (int twice = 0; twice < 2; ++twice) {  // (the arrival counters reset themselves)
+      d = cu::MoeGemmParams{};
+      d.x = act[1].raw_data(), d.ldx = I, d.w = dn.bf.raw_data(), d.y = y2.raw_data(), d.ldy = H;
+      d.offsets = off.data<int32_t>(), d.tile_offsets = tiles.data<int32_t>(), d.E = E, d.Nout = H, d.K = I;
+      d.max_tiles = cu::moe_max_tiles(R, E), d.rows = R;
+      d.extra_x = sact[1].raw_data(), d.extra_w = sdn.bf.raw_data(), d.extra_y = sout2.raw_data(), d.extra_rows = N;
+      d.combine.out = out[1].raw_data(), d.combine.slot_pos = slot.data<int32_t>(), d.combine.weights = wts.data<float>();
+      d.combine.gate_logit = glogit.data<float>(), d.combine.N = N, d.combine.routed = N - 3, d.combine.k = k;
+      poison(out[1]);
+      cu::moe_grouped_gemm(d, nullptr);
+      EXPECT_EQ(std::memcmp(out[0].raw_data(), out[1].raw_data(), out[0].nbytes()), 0) << "combined rows, call " << twice;
+    }
+    EXPECT_EQ(std::memcmp(y2.raw_data(), y[1].raw_data(), y2.nbytes()), 0);
   }
   cu::tuning::moe_narrow_tiles = -1;
 }

@@ -242,6 +242,68 @@ __global__ void __launch_bounds__(kRouterWarps * 32) router_route_kernel(const R
   route_block<true>(q.route_by, q.routed, q.E, q.k, q.renorm, q.e0, q.El, o, sm);
 }
 
+// ---- combine ---------------------------------------------------------------------------------------
+// out[n, c .. c + 7] of the combine: the token's kn choices' down rows weighted in choice order (slot
+// -1: another rank's expert, nothing), then the gated shared row; fp32 sums, bf16 out. kCoherent: y
+// and shared were written by other blocks of the same launch (read through L2).
+template <bool kCoherent>
+__device__ __forceinline__ void combine8(const bf16* y, const int32_t* sp, const float* sw, int kn, int64_t H,
+                                         const bf16* shared, float gate, int64_t n, int64_t c, bf16* out) {
+  auto load = [](const bf16* q, float (&v)[8]) {
+    if constexpr (kCoherent) vec::unpack(__ldcg(reinterpret_cast<const uint4*>(q)), v);
+    else vec::load8(q, v);
+  };
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int j = 0; j < kn; ++j) {
+    if (sp[j] < 0) continue;  // another rank's expert
+    float v[8];
+    load(y + static_cast<int64_t>(sp[j]) * H + c, v);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) acc[q] += v[q] * sw[j];
+  }
+  if (shared) {
+    float v[8];
+    load(shared + n * H + c, v);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) acc[q] += gate * v[q];
+  }
+  vec::store8(out + n * H + c, acc);
+}
+__device__ __forceinline__ float sigmoid_gate(float logit) { return 1.0f / (1.0f + expf(-logit)); }
+
+
+// The combine of a grouped down GEMM's launch (MoeGemmParams::combine): every block that computed
+// rows calls it after its stores; the last of column block blockIdx.y to arrive writes out[:, col0 ..
+// col0 + BN) (combine8, as combine_kernel) and resets the counter for the next launch.
+constexpr int kMaxCombineColumnBlocks = 4096;
+__device__ int32_t g_combine_arrivals[kMaxCombineColumnBlocks];
+template <int BN>
+__device__ __forceinline__ void combine_last_block(const MoeGemmParams& p, int col0) {
+  __shared__ int s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int extra = p.extra_w ? static_cast<int>((p.extra_rows + kMoeTileRows - 1) / kMoeTileRows) : 0;
+    const int blocks = p.tile_offsets[p.E] + extra;  // (moe_extra_tiles, host only)
+    s_last = atomicAdd(&g_combine_arrivals[blockIdx.y], 1) == blocks - 1;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  if (threadIdx.x == 0) g_combine_arrivals[blockIdx.y] = 0;
+  const MoeGemmParams::Combine& c = p.combine;
+  const auto* y = static_cast<const bf16*>(p.y);
+  const auto* shared = p.extra_w ? static_cast<const bf16*>(p.extra_y) : nullptr;
+  constexpr int kUnits = BN / 8;  // 8-column units of the block's columns
+  for (int i = static_cast<int>(threadIdx.x); i < c.N * kUnits; i += static_cast<int>(blockDim.x)) {
+    const int64_t n = i / kUnits, col = col0 + (i % kUnits) * 8;
+    if (col >= p.Nout) continue;
+    const int kn = n < c.routed ? static_cast<int>(c.k) : 0;
+    const float gate = shared ? sigmoid_gate(c.gate_logit[n]) : 0.0f;
+    combine8<true>(y, c.slot_pos + n * c.k, c.weights + n * c.k, kn, p.ldy, shared, gate, n, col, static_cast<bf16*>(c.out));
+  }
+}
+
 // ---- grouped GEMM -----------------------------------------------------------------------------------
 // Three tilings of one kernel (BN weight rows x BK columns a k tile, kStages of them in flight):
 //   wide   128 x 32, 3 stages: the prefill's, fewer blocks reading each A tile;
@@ -435,6 +497,7 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
       }
     }
   }
+  if (!p.swiglu && p.combine.out) combine_last_block<BN>(p, col0);
 }
 
 template <int BN, int BK, int kStages, bool kFp8>
@@ -504,24 +567,8 @@ __global__ void combine_kernel(const bf16* __restrict__ y, const int32_t* __rest
     }
   }
   __syncthreads();
-  if (shared) gate = 1.0f / (1.0f + expf(-(gate_logit ? gate_logit[n] : red[0])));
-  for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int j = 0; j < kn; ++j) {
-      if (sp[j] < 0) continue;  // another rank's expert
-      float v[8];
-      vec::load8(y + static_cast<int64_t>(sp[j]) * H + c, v);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) acc[q] += v[q] * sw[j];
-    }
-    if (shared) {
-      float v[8];
-      vec::load8(shared + n * H + c, v);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) acc[q] += gate * v[q];
-    }
-    vec::store8(out + n * H + c, acc);
-  }
+  if (shared) gate = sigmoid_gate(gate_logit ? gate_logit[n] : red[0]);
+  for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) combine8<false>(y, sp, sw, kn, H, shared, gate, n, c, out);
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -708,10 +755,21 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
                               aligned16(p.extra_w) && p.max_tiles + moe_extra_tiles(p) < INT32_MAX),
                "moe_grouped_gemm: the extra group needs bf16 weights (no w_scale), 16-byte aligned extra_x / extra_w, "
                "an extra_y and extra_rows >= 0");
+  if (p.combine.out) {
+    const int64_t cols = moe_narrow_tiles(p) ? 64 : 128;
+    DFLASH_CHECK(!p.swiglu && p.ldy == p.Nout && p.Nout % 8 == 0 && p.combine.slot_pos && p.combine.weights &&
+                     p.extra_w && p.extra_rows >= 1 && p.combine.gate_logit && p.combine.N >= p.combine.routed && p.combine.routed >= 0 &&
+                     p.combine.k >= 1 && (p.Nout + cols - 1) / cols <= kMaxCombineColumnBlocks && aligned16(p.y) &&
+                     aligned16(p.combine.out) && (!p.extra_w || aligned16(p.extra_y)),
+                 "moe_grouped_gemm: a combine needs the down GEMM (no swiglu) with ldy == Nout (a multiple of 8), "
+                 "slot_pos, weights, the extra group (every column block has a block) and its gate logits, routed <= N, "
+                 "16-byte aligned y / out, at most "
+                     << kMaxCombineColumnBlocks << " column blocks");
+  }
   if (p.max_tiles + moe_extra_tiles(p) == 0) return;
   const bool narrow = moe_narrow_tiles(p);
 #ifndef DFLASH_CUDA_EMULATION  // (the emulated tests run the wgmma kernel by itself)
-  if (!p.w_scale) {
+  if (!p.w_scale && !p.combine.out) {  // (the combine: the mma.sync kernel's)
     int dev = 0;
     DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
     if (takes_wgmma(p.wgmma, narrow, dev)) return moe_grouped_gemm_wgmma(p, s);
@@ -751,7 +809,8 @@ bool moe_deep_tiles(const MoeGemmParams& p) {
 }
 
 namespace tuning {
-int moe_router_route = -1;
+int moe_fuse_combine = -1;
+int moe_router_one_launch = -1;
 int moe_fuse_shared = -1;
 int moe_narrow_tiles = -1;
 int moe_wgmma = -1;
@@ -883,7 +942,7 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
   // gate's logits with them. Else the router GEMM (cuBLASLt), then the routing in one launch for few
   // rows or top-k + permute.
   const bool one_launch = impl == MoeImpl::Grouped && p.N <= kMoeDecodeMaxRows && Nr >= 1 && R <= kMoeRouteSmallRows &&
-                          tuning::moe_router_route != 0;
+                          tuning::moe_router_one_launch != 0;
   const float* gate_logit = nullptr;
   if (one_launch) {
     gate_logit = p.shared_gate_up ? f32(l.glogit) : nullptr;
@@ -938,6 +997,11 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
   // (moe_fuse_shared): two launches fewer on the step's critical path, and its weights stream beside
   // the routed experts'.
   const bool fuse_shared = impl == MoeImpl::Grouped && moe_fuse_shared(p.shared_gate_up != nullptr, p.I, p.Is, R, codes);
+  // ... and with the router in one launch (its gate logits), the combine rides in the down GEMM's.
+  MoeGemmParams tiling;  // the grouped calls' tiling, as set below
+  tiling.rows = R;
+  const bool fuse_combine = fuse_shared && gate_logit && tuning::moe_fuse_combine != 0 &&
+                            !takes_wgmma(p.wgmma, moe_narrow_tiles(tiling), device);
   if (impl == MoeImpl::Grouped) {
     MoeGemmParams g;
     g.x = p.x;
@@ -967,6 +1031,15 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
       g.extra_x = ws + l.sact;
       g.extra_w = p.shared_down;
       g.extra_y = ws + l.sout;
+    }
+    if (fuse_combine) {
+      g.combine.out = p.out;
+      g.combine.slot_pos = i32(l.slot);
+      g.combine.weights = weights;
+      g.combine.gate_logit = gate_logit;
+      g.combine.N = p.N;
+      g.combine.routed = Nr;
+      g.combine.k = p.k;
     }
     g.x = act;
     g.ldx = p.I;
@@ -1040,7 +1113,7 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     gemm_bf16(d, device);
     shared = ws + l.sout;
   }
-  moe_combine(y, i32(l.slot), weights, p.N, p.k, p.H, shared, p.x, p.shared_gate, p.out, s, Nr, gate_logit);
+  if (!fuse_combine) moe_combine(y, i32(l.slot), weights, p.N, p.k, p.H, shared, p.x, p.shared_gate, p.out, s, Nr, gate_logit);
 }
 
 }  // namespace dflash::cuda

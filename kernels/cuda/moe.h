@@ -103,6 +103,18 @@ struct MoeGemmParams {
   const void* extra_w = nullptr;
   void* extra_y = nullptr;
   int64_t extra_rows = 0;
+  // The combine in the same launch (a decode / verify step's down GEMM, no swiglu; the mma.sync
+  // kernel): the block that finishes a column block last (an arrival counter per column block, reset
+  // by that block) writes moe_combine's out [N, Nout] for those columns from the blocks' y rows and,
+  // with the extra group, its rows as the shared term behind sigmoid(gate_logit[n]); the same
+  // arithmetic as moe_combine, so the same bits. out == nullptr: no combine.
+  struct Combine {
+    void* out = nullptr;
+    const int32_t* slot_pos = nullptr;  // [routed, k]
+    const float* weights = nullptr;     // [routed, k]
+    const float* gate_logit = nullptr;  // [N] (needed with the extra group)
+    int64_t N = 0, routed = 0, k = 0;
+  } combine;
 };
 void moe_grouped_gemm(const MoeGemmParams& p, Stream s);
 // Whether moe_block runs the shared expert as the grouped GEMMs' extra group: a shared expert as wide
@@ -114,7 +126,10 @@ namespace tuning {
 extern int moe_fuse_shared;
 // moe_block's router for decode / verify steps: -1 / 1 moe_router_route where it applies, 0 never
 // (the router GEMM on cuBLASLt, then the routing; tests, benches).
-extern int moe_router_route;
+extern int moe_router_one_launch;
+// moe_block's combine for decode / verify steps: -1 / 1 in the down GEMM's launch where the shared
+// expert rides there and the router ran in one launch (MoeGemmParams::combine), 0 never.
+extern int moe_fuse_combine;
 }  // namespace tuning
 inline int64_t moe_extra_tiles(const MoeGemmParams& p) { return p.extra_w ? (p.extra_rows + kMoeTileRows - 1) / kMoeTileRows : 0; }
 // The grouped GEMM's three tilings give the same bits (the same mma k16 steps per element in the same

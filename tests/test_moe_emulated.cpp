@@ -16,6 +16,7 @@
 #include <cstring>
 
 #include "core/random.h"
+#include "moe_emulated_routing.h"
 #include "moe_fp8_util.h"
 #include "core/tensor.h"
 #include "kernels/ops.h"
@@ -25,6 +26,7 @@ namespace {
 
 using namespace dflash;
 namespace cu = dflash::cuda;
+namespace cu_test = dflash::cuda_test;
 
 uint64_t g_stream = 7900;
 Tensor f32(const Tensor& t) { return t.to_dtype(DType::F32); }
@@ -219,15 +221,8 @@ TEST(MoeEmulated, ExtraGroupIsADenseGroupInTheSameLaunch) {
   const int64_t N = 70, H = 144, E = 3, k = 2, I = 80, R = N * k;
   const Pair x = rand_bf16({N, H}, 1.0f), gu = rand_bf16({E, 2 * I, H}, 0.1f), dn = rand_bf16({E, H, I}, 0.2f);
   const Pair sgu = rand_bf16({2 * I, H}, 0.1f), sdn = rand_bf16({H, I}, 0.2f);
-  Tensor ex = Tensor::empty({R}, DType::I32), counts = Tensor::zeros({E}, DType::I32);
-  for (int64_t i = 0; i < R; ++i) {
-    ex.data<int32_t>()[i] = static_cast<int32_t>((i / k + i % k) % E);
-    ++counts.data<int32_t>()[ex.data<int32_t>()[i]];
-  }
-  Tensor off = Tensor::empty({E + 1}, DType::I32), tiles = Tensor::empty({E + 1}, DType::I32);
-  Tensor cursor = Tensor::empty({E}, DType::I32), src = Tensor::empty({R}, DType::I32), slot = Tensor::empty({R}, DType::I32);
-  cu::moe_permute(ex.data<int32_t>(), counts.data<int32_t>(), N, E, k, off.data<int32_t>(), tiles.data<int32_t>(),
-                  cursor.data<int32_t>(), src.data<int32_t>(), slot.data<int32_t>(), nullptr, 0, E);
+  const cu_test::FixedRouting rt = cu_test::fixed_routing(N, E, k, 1);
+  const Tensor &off = rt.off, &tiles = rt.tiles, &src = rt.src, &slot = rt.slot;
   Tensor wts = Tensor::empty({R}, DType::F32), glogit = Tensor::empty({N}, DType::F32);
   fill_normal(wts, {4419, g_stream++, 0}, 0.0f, 0.5f);
   fill_normal(glogit, {4419, g_stream++, 0}, 0.0f, 2.0f);
@@ -320,15 +315,8 @@ TEST(MoeEmulated, Fp8GroupedGemmsGiveTheBf16ExpertsBits) {
   const Fp8Experts gu = make_fp8_experts(E, 2 * I, H, I, 31), dn = make_fp8_experts(E, H, I, H, 32);
   const Pair x = rand_bf16({N, H}, 1.0f);
   // Routing: choice j of row n to expert (n + j) % E, through the permutation kernel.
-  Tensor ex = Tensor::empty({R}, DType::I32), counts = Tensor::zeros({E}, DType::I32);
-  for (int64_t i = 0; i < R; ++i) {
-    ex.data<int32_t>()[i] = static_cast<int32_t>((i / k + i % k) % E);
-    ++counts.data<int32_t>()[ex.data<int32_t>()[i]];
-  }
-  Tensor off = Tensor::empty({E + 1}, DType::I32), tiles = Tensor::empty({E + 1}, DType::I32);
-  Tensor cursor = Tensor::empty({E}, DType::I32), src = Tensor::empty({R}, DType::I32), slot = Tensor::empty({R}, DType::I32);
-  cu::moe_permute(ex.data<int32_t>(), counts.data<int32_t>(), N, E, k, off.data<int32_t>(), tiles.data<int32_t>(),
-                  cursor.data<int32_t>(), src.data<int32_t>(), slot.data<int32_t>(), nullptr, 0, E);
+  const cu_test::FixedRouting rt = cu_test::fixed_routing(N, E, k, 1);
+  const Tensor &off = rt.off, &tiles = rt.tiles, &src = rt.src, &slot = rt.slot;
   for (int narrow : {0, 1, 2}) {
     cu::tuning::moe_narrow_tiles = narrow;
     Tensor act[2], y[2];

@@ -17,12 +17,14 @@
 
 #include "core/random.h"
 #include "core/tensor.h"
+#include "moe_emulated_routing.h"
 #include "test_util.h"
 
 namespace {
 
 using namespace dflash;
 namespace cu = dflash::cuda;
+namespace cu_test = dflash::cuda_test;
 
 Tensor rand_bf16(const Shape& s, float sd, uint64_t stream) {
   Tensor f = Tensor::empty(s, DType::F32);
@@ -44,15 +46,8 @@ TEST(MoeEmulated, WgmmaGroupedGemmsMatchTheReference) {
     const Tensor x = rand_bf16({c.N, c.H}, 1.0f, stream++), gu = rand_bf16({c.E, 2 * c.I, c.H}, 0.1f, stream++);
     const Tensor dn = rand_bf16({c.E, c.H, c.I}, 0.2f, stream++);
     // Choice j of row n to expert (n + 2j) % E, permuted by the (emulated) moe_permute.
-    Tensor ex = Tensor::empty({R}, DType::I32), counts = Tensor::zeros({c.E}, DType::I32);
-    for (int64_t i = 0; i < R; ++i) {
-      ex.data<int32_t>()[i] = static_cast<int32_t>((i / c.k + 2 * (i % c.k)) % c.E);
-      ++counts.data<int32_t>()[ex.data<int32_t>()[i]];
-    }
-    Tensor off = Tensor::empty({c.E + 1}, DType::I32), tiles = Tensor::empty({c.E + 1}, DType::I32);
-    Tensor cursor = Tensor::empty({c.E}, DType::I32), src = Tensor::empty({R}, DType::I32), slot = Tensor::empty({R}, DType::I32);
-    cu::moe_permute(ex.data<int32_t>(), counts.data<int32_t>(), c.N, c.E, c.k, off.data<int32_t>(), tiles.data<int32_t>(),
-                    cursor.data<int32_t>(), src.data<int32_t>(), slot.data<int32_t>(), nullptr, 0, c.E);
+    const cu_test::FixedRouting rt = cu_test::fixed_routing(c.N, c.E, c.k, 2);
+    const Tensor &off = rt.off, &tiles = rt.tiles, &src = rt.src;
     Tensor act = Tensor::empty({R, c.I}, DType::BF16), y = Tensor::empty({R, c.H}, DType::BF16);
     poison(act);
     poison(y);
@@ -100,15 +95,8 @@ TEST(MoeEmulated, WgmmaGroupedGemmsMatchTheReference) {
 TEST(MoeEmulated, WgmmaExtraGroupIsADenseGroupInTheSameLaunch) {
   const int64_t N = 70, H = 72, E = 3, k = 2, I = 24, R = N * k;
   const Tensor x = rand_bf16({N, H}, 1.0f, 101), gu = rand_bf16({E, 2 * I, H}, 0.1f, 102), sgu = rand_bf16({2 * I, H}, 0.1f, 103);
-  Tensor ex = Tensor::empty({R}, DType::I32), counts = Tensor::zeros({E}, DType::I32);
-  for (int64_t i = 0; i < R; ++i) {
-    ex.data<int32_t>()[i] = static_cast<int32_t>((i / k + i % k) % E);
-    ++counts.data<int32_t>()[ex.data<int32_t>()[i]];
-  }
-  Tensor off = Tensor::empty({E + 1}, DType::I32), tiles = Tensor::empty({E + 1}, DType::I32);
-  Tensor cursor = Tensor::empty({E}, DType::I32), src = Tensor::empty({R}, DType::I32), slot = Tensor::empty({R}, DType::I32);
-  cu::moe_permute(ex.data<int32_t>(), counts.data<int32_t>(), N, E, k, off.data<int32_t>(), tiles.data<int32_t>(),
-                  cursor.data<int32_t>(), src.data<int32_t>(), slot.data<int32_t>(), nullptr, 0, E);
+  const cu_test::FixedRouting rt = cu_test::fixed_routing(N, E, k, 1);
+  const Tensor &off = rt.off, &tiles = rt.tiles, &src = rt.src, &slot = rt.slot;
   Tensor off1 = Tensor::empty({2}, DType::I32), tiles1 = Tensor::empty({2}, DType::I32);
   off1.data<int32_t>()[0] = 0, off1.data<int32_t>()[1] = static_cast<int32_t>(N);
   tiles1.data<int32_t>()[0] = 0, tiles1.data<int32_t>()[1] = static_cast<int32_t>((N + cu::kMoeTileRows - 1) / cu::kMoeTileRows);

@@ -308,9 +308,12 @@ __device__ __forceinline__ void combine_last_block(const MoeGemmParams& p, int c
 // Three tilings of one kernel (BN weight rows x BK columns a k tile, kStages of them in flight):
 //   wide   128 x 32, 3 stages: the prefill's, fewer blocks reading each A tile;
 //   narrow  64 x 32, 5 stages: few routed rows, twice the blocks;
-//   deep    64 x 128, 4 stages: decode / verify steps (moe_deep_tiles), where a call is ~128 blocks
-//           streaming the experts' weights and nothing else: 64 KB of weights in flight a block
-//           where narrow has 20 KB (at 35B-A3B shapes narrow's expert GEMMs ran at ~1.1 TB/s).
+//   deep    64 x 128, 3 stages (FP8 weights 4): decode / verify steps (moe_deep_tiles), where a call
+//           is a few hundred blocks streaming the experts' weights and nothing else: 32 KB of weights
+//           in flight a block (48 KB FP8 codes) where narrow has 16 KB, two blocks an SM (104 KB of
+//           shared memory each: a one-token step's gate|up, 144 blocks at 35B-A3B shapes, in one wave;
+//           4 bf16 stages would hold one block an SM and take two). At 35B-A3B shapes narrow's expert
+//           GEMMs ran at ~1.1 TB/s.
 // Every output element is the same mma.sync k16 steps in the same K order in each, so all give the
 // same bits (k16 steps past K add zero products: they change nothing but an all-(-0) sum's sign).
 constexpr int BM = kMoeTileRows, kThreads = 128;
@@ -780,7 +783,7 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
     if (deep) launch_grouped<64, 128, 4, true>(p, s);
     else narrow ? launch_grouped<64, 32, 5, true>(p, s) : launch_grouped<128, 32, 3, true>(p, s);
   } else {
-    if (deep) launch_grouped<64, 128, 4, false>(p, s);
+    if (deep) launch_grouped<64, 128, 3, false>(p, s);
     else narrow ? launch_grouped<64, 32, 5, false>(p, s) : launch_grouped<128, 32, 3, false>(p, s);
   }
 }

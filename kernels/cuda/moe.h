@@ -135,7 +135,7 @@ inline int64_t moe_extra_tiles(const MoeGemmParams& p) { return p.extra_w ? (p.e
 // The grouped GEMM's three tilings give the same bits (the same mma k16 steps per element in the same
 // K order); narrow tiles (64 weight rows a block, 32-column k tiles, 5 stages) have twice the blocks
 // and more loads in flight, for few routed rows, where the experts' weight reads are the cost; deep
-// ones (64 rows, 128-column k tiles, 4 stages: 64 KB of weights in flight a block) for the fewest
+// ones (64 rows, 128-column k tiles, 3 stages: 32 KB of weights in flight a block, 2 blocks an SM) for the fewest
 // (a decode or verify step: 8-128 rows at 35B-A3B shapes, ~128 blocks a call); wide ones (128, 3
 // stages) read each row tile half as often.
 inline constexpr int64_t kMoeNarrowRows = 512;

@@ -188,7 +188,7 @@ __device__ __forceinline__ void route_block(const float* logits, int N, int E, i
   }
 }
 
-constexpr int kRouteThreads = 1024;
+constexpr int kRouteThreads = 512;
 __global__ void __launch_bounds__(kRouteThreads)
     route_small_kernel(const float* __restrict__ logits, int N, int E, int k, bool renorm, int e0, int El, RouteOut o) {
   __shared__ RouteSmem sm;

@@ -355,11 +355,12 @@ TEST(CudaMoe, Permute) {
 }
 
 // The grouped GEMM's kernels, forced for a scope (tuning::moe_narrow_tiles, tuning::moe_wgmma): 0 the
-// mma.sync kernel's wide tiles, 1 its narrow tiles, 3 its deep tiles (the three bit for bit alike,
-// below), 2 the wgmma kernel (moe_sm90.cu; on an sm_90 device); each against the reference.
+// mma.sync kernel's wide tiles, 1 its narrow tiles, 3 its deep tiles, 4 its deep tiles of 16-row
+// blocks (the four bit for bit alike, below), 2 the wgmma kernel (moe_sm90.cu; on an sm_90 device);
+// each against the reference.
 struct GemmKnob {
   explicit GemmKnob(int v) {
-    cu::tuning::moe_narrow_tiles = v == 1 ? 1 : v == 3 ? 2 : 0;
+    cu::tuning::moe_narrow_tiles = v == 1 ? 1 : v == 3 ? 2 : v == 4 ? 3 : 0;
     cu::tuning::moe_wgmma = v == 2 ? 1 : 0;
   }
   ~GemmKnob() {
@@ -368,11 +369,15 @@ struct GemmKnob {
   }
 };
 std::vector<int> gemm_kernels() {
-  if (cu::moe_wgmma_supported(0)) return {0, 1, 3, 2};
-  return {0, 1, 3};
+  if (cu::moe_wgmma_supported(0)) return {0, 1, 3, 4, 2};
+  return {0, 1, 3, 4};
 }
 const char* gemm_kernel_name(int v) {
-  return v == 0 ? "mma.sync wide tiles" : v == 1 ? "mma.sync narrow tiles" : v == 3 ? "mma.sync deep tiles" : "wgmma";
+  return v == 0   ? "mma.sync wide tiles"
+         : v == 1 ? "mma.sync narrow tiles"
+         : v == 3 ? "mma.sync deep tiles"
+         : v == 4 ? "mma.sync deep tiles, 16-row blocks"
+                  : "wgmma";
 }
 
 TEST(CudaMoe, GroupedGemmEdges) {
@@ -612,9 +617,9 @@ TEST(CudaMoe, NarrowAndWideTilesAreBitIdentical) {
   fill_normal(lf, {81, g_stream++, 0}, 0.0f, 1.0f);
   Routed rt = route(lf.to(Device::cuda(0)), N, E, k);
   Pair x = rand_bf16({N, H}, 1.0f), gu = rand_bf16({E, 2 * I, H}, 0.02f), dn = rand_bf16({E, H, I}, 0.05f);
-  Tensor out[3][2];
-  for (int narrow : {0, 1, 2}) {
-    GemmKnob knob(narrow == 2 ? 3 : narrow);
+  Tensor out[4][2];
+  for (int narrow : {0, 1, 2, 3}) {
+    GemmKnob knob(narrow >= 2 ? narrow + 1 : narrow);
     Tensor act = Tensor::empty({R, I}, DType::BF16, Device::cuda(0)), y = Tensor::empty({R, H}, DType::BF16, Device::cuda(0));
     poison(act);
     poison(y);
@@ -623,7 +628,8 @@ TEST(CudaMoe, NarrowAndWideTilesAreBitIdentical) {
     g.y = act.raw_data(), g.ldy = I, g.offsets = rt.off.data<int32_t>(), g.tile_offsets = rt.tiles.data<int32_t>();
     g.E = E, g.Nout = I, g.K = H, g.max_tiles = cu::moe_max_tiles(R, E), g.swiglu = true, g.rows = R;
     EXPECT_EQ(cu::moe_narrow_tiles(g), narrow >= 1);
-    EXPECT_EQ(cu::moe_deep_tiles(g), narrow == 2);
+    EXPECT_EQ(cu::moe_deep_tiles(g), narrow >= 2);
+    EXPECT_EQ(cu::moe_deep16_tiles(g), narrow == 3);
     cu::moe_grouped_gemm(g, stream());
     cu::MoeGemmParams d = g;
     d.x = act.raw_data(), d.ldx = I, d.src_row = nullptr, d.w = dn.dev.raw_data(), d.y = y.raw_data();
@@ -633,12 +639,12 @@ TEST(CudaMoe, NarrowAndWideTilesAreBitIdentical) {
     out[narrow][0] = host(act);
     out[narrow][1] = host(y);
   }
-  for (int v = 1; v < 3; ++v) {
+  for (int v = 1; v < 4; ++v) {
     for (int t = 0; t < 2; ++t) {
       const Tensor &a = out[0][t], &b = out[v][t];
       ASSERT_EQ(a.nbytes(), b.nbytes());
       EXPECT_EQ(std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()), 0)
-          << (v == 1 ? "narrow " : "deep ") << (t ? "down" : "gate|up + swiglu");
+          << (v == 1 ? "narrow " : v == 2 ? "deep " : "deep 16-row ") << (t ? "down" : "gate|up + swiglu");
       EXPECT_EQ(max_rel_err(b, a), 0.0);  // and no NaN (poisoned outputs all written)
     }
   }
@@ -648,6 +654,11 @@ TEST(CudaMoe, NarrowAndWideTilesAreBitIdentical) {
   p.rows = 8;
   EXPECT_TRUE(cu::moe_narrow_tiles(p));
   EXPECT_TRUE(cu::moe_deep_tiles(p));
+  EXPECT_FALSE(cu::moe_deep16_tiles(p));  // (rows an expert holds unknown)
+  p.max_expert_rows = 16;
+  EXPECT_TRUE(cu::moe_deep16_tiles(p));
+  p.max_expert_rows = 17;
+  EXPECT_FALSE(cu::moe_deep16_tiles(p));
   p.rows = cu::kMoeDeepRows + 1;
   EXPECT_TRUE(cu::moe_narrow_tiles(p));
   EXPECT_FALSE(cu::moe_deep_tiles(p));
@@ -700,25 +711,25 @@ TEST(CudaMoe, Bench35bA3b) {
     // decode kernels on FP8 experts (expert_gemm_gbs: the block's bytes with the experts' codes and
     // scales); 6: the grouped GEMMs on FP8 experts (reading the codes), 7: the same with a bf16 copy of
     // the experts written first (tuning::moe_fp8_dequantize_first, in the time); 8: the grouped path on
-    // the wgmma kernel (sm_90); 0, 1 and 9 the mma.sync kernel's tilings: wide, narrow, deep (6 and 7
-    // take the automatic tiling: deep for N <= 16); 10 deep tiles with the shared expert in launches of
-    // its own after the experts (tuning::moe_fuse_shared 0, so the combine in its own launch too; the
-    // others run it as the grouped GEMMs' extra group where moe_fuse_shared says: N <= 64, and the
-    // combine in the down GEMM's launch for N <= 16); 11 as 10 with the router on cuBLASLt
-    // (tuning::moe_router_one_launch 0; the others route N <= 16 in one launch with the router).
-    for (int variant : {0, 1, 9, 10, 11, 2, 3, 4, 5, 6, 7, 8}) {
+    // the wgmma kernel (sm_90); 0, 1, 9 and 12 the mma.sync kernel's tilings: wide, narrow, deep, deep
+    // of 16-row blocks (6 and 7 take the automatic tiling: deep of 16-row blocks for N <= 16); 10 deep
+    // tiles of 16-row blocks with the shared expert in launches of its own after the experts
+    // (tuning::moe_fuse_shared 0; the others run it as the grouped GEMMs' extra group where
+    // moe_fuse_shared says: N <= 64); 11 as 12 with the router and the routing in one launch and the
+    // combine in the down GEMM's (tuning::moe_router_one_launch 1; off by default).
+    for (int variant : {0, 1, 9, 12, 10, 11, 2, 3, 4, 5, 6, 7, 8}) {
       if ((variant == 3 || variant == 4 || variant == 5) && N > cu::kMoeDecodeMaxRows) continue;
       if (variant == 8 && !cu::moe_wgmma_supported(0)) continue;
       // (profiled: the decode-sized paths worth a kernel-by-kernel look)
-      if (profile && variant != 1 && variant != 3 && variant != 8 && variant != 9 && variant != 10 && variant != 11) continue;
+      if (profile && variant != 9 && variant != 12 && variant != 10 && variant != 11 && variant != 8) continue;
       const bool fp8 = variant >= 5 && variant <= 7;
       const cu::MoeImpl impl = variant < 2 || variant >= 6 ? cu::MoeImpl::Grouped
                                : variant == 2              ? cu::MoeImpl::Fallback
                                                            : cu::MoeImpl::Decode;
       std::optional<GemmKnob> knob;
-      if (variant < 2 || variant >= 8) knob.emplace(variant == 8 ? 2 : variant >= 9 ? 3 : variant);
-      cu::tuning::moe_fuse_shared = variant == 10 || variant == 11 ? 0 : -1;
-      cu::tuning::moe_router_one_launch = variant == 11 ? 0 : -1;
+      if (variant < 2 || variant >= 8) knob.emplace(variant == 8 ? 2 : variant == 9 ? 3 : variant >= 10 ? 4 : variant);
+      cu::tuning::moe_fuse_shared = variant == 10 ? 0 : -1;
+      cu::tuning::moe_router_one_launch = variant == 11 ? 1 : -1;
       const TopkKnob topk(variant == 3 || variant == 4 ? variant - 3 : -1);
       const std::string name = std::string(cu::moe_impl_name(impl)) +
                                (variant == 0   ? "/wide"
@@ -728,8 +739,9 @@ TEST(CudaMoe, Bench35bA3b) {
                                 : variant == 7 ? "/fp8_dequantize_first"
                                 : variant == 8 ? "/wgmma"
                                 : variant == 9 ? "/deep"
-                                : variant == 10 ? "/deep_shared_apart"
-                                : variant == 11 ? "/deep_router_gemm"
+                                : variant == 10 ? "/deep16_shared_apart"
+                                : variant == 11 ? "/deep16_router_one_launch"
+                                : variant == 12 ? "/deep16"
                                 : fp8          ? "/fp8_experts"
                                                : "");
       cu::tuning::moe_fp8_dequantize_first = variant == 7 ? 1 : variant == 6 ? 0 : -1;

@@ -316,7 +316,7 @@ __device__ __forceinline__ void combine_last_block(const MoeGemmParams& p, int c
 //           GEMMs ran at ~1.1 TB/s.
 // Every output element is the same mma.sync k16 steps in the same K order in each, so all give the
 // same bits (k16 steps past K add zero products: they change nothing but an all-(-0) sum's sign).
-constexpr int BM = kMoeTileRows, kThreads = 128;
+constexpr int kThreads = 128;
 // Shared-memory rows: bf16 rows of BK + 8 elements (ldmatrix's 8 row addresses hit distinct banks:
 // the row pitch is an odd number of 16-byte units) and FP8 weight rows of BK + 16 bytes (a
 // fragment's 8 rows x 4 byte pairs hit distinct banks).
@@ -326,20 +326,25 @@ template <int BK>
 constexpr int ldq() { return BK + 16; }
 
 // Block: BM rows of one expert x (swiglu ? BN/2 act columns (BN/2 gate + BN/2 up weight rows) : BN
-// output columns). 4 warps, 2 (rows) x 2 (columns); a warp 32 rows x NT = BN/16 n8 tiles. In swiglu
-// mode the warp's tiles [0, NT/2) are gate columns and [NT/2, NT) the up columns of the same act columns.
+// output columns). 4 warps: BM 64, 2 (rows) x 2 (columns), a warp 32 rows (two m16 tiles) x NT =
+// BN/16 n8 tiles; BM 16 (a 64-row tile's rows in blockIdx.z's sub-tile: a decode step, where an
+// expert has at most 16 rows), 1 x 4, a warp 16 rows x NT = BN/32 n8 tiles. In swiglu mode the
+// warp's tiles [0, NT/2) are gate columns and [NT/2, NT) the up columns of the same act columns.
 // kFp8: the weights are e4m3 codes with 128 x 128 block scales (p.w_scale, moe_fp8.cuh's layout):
 // their tiles come into shared memory as codes (half the bytes of bf16) and each thread builds its
 // mma B fragments from them, every weight the bf16-rounded code · scale: the bf16 experts' values,
 // so the products are the bf16 kernel's bits on those experts.
-template <int BN, int BK, int kStages, bool kFp8>
+template <int BM, int BN, int BK, int kStages, bool kFp8>
 __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p) {
-  constexpr int NT = BN / 16, HT = NT / 2;  // n8 tiles, half of them
+  static_assert(BM == 64 || BM == 16, "a 64-row tile, or a 16-row sub-tile of one");
+  constexpr int WM = BM == 64 ? 2 : 1, WN = 4 / WM, MI = BM / (16 * WM);  // warps along rows / columns, m16 tiles a warp
+  constexpr int NT = BN / (8 * WN), HT = NT / 2;  // n8 tiles, half of them
   constexpr int kLds = lds<BK>(), kLdq = ldq<BK>();
   // A and B chunks of 16 bytes a thread per k tile (8 bf16 or 16 e4m3 values); fp8 rows of kLdq bytes.
   constexpr int GPA = BK / 8, ACH = BM * GPA / kThreads;
   constexpr int BCH = BN * BK * (kFp8 ? 1 : 2) / 16 / kThreads, CW = kFp8 ? 16 : 8;
-  static_assert(HT % 2 == 0 && BCH >= 1 && (BN & (BN - 1)) == 0, "tile pairs for ldmatrix_x4, whole B chunks, BN a power of 2");
+  static_assert(NT % 2 == 0 && (HT % 2 == 0 || HT == 1) && BCH >= 1 && (BN & (BN - 1)) == 0,
+                "tile pairs for ldmatrix_x4, whole B chunks, BN a power of 2");
   static_assert(BK % 32 == 0 && ACH * kThreads == BM * GPA, "k tiles of whole fp8 chunk pairs, whole A chunks");
   static_assert(BN <= 128 && 128 % BK == 0, "a block's weight rows of a part and a k tile lie in one 128 x 128 scale block");
   DFLASH_DYNAMIC_SMEM(unsigned char, smem_raw);
@@ -347,14 +352,15 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
   bf16* sb = sa + kStages * BM * kLds;            // [kStages][BN][kLds] (bf16) or [kStages][BN][kLdq] (bytes)
   constexpr int kRowB = kFp8 ? kLdq : kLds * 2;   // a B smem row's bytes
   moe_detail::TileOperands op;
-  if (!moe_detail::tile_operands<kFp8 ? 1 : 2>(p, BM, op)) return;
-  const int e = op.e, row0 = op.row0, row_end = op.row_end;
+  if (!moe_detail::tile_operands<kFp8 ? 1 : 2>(p, kMoeTileRows, op)) return;
+  const int e = op.e, row0 = op.row0 + static_cast<int>(blockIdx.z) * BM, row_end = op.row_end;
+  if (row0 >= row_end) return;  // (an empty sub-tile; the same for the whole block)
   const int K = static_cast<int>(p.K), Nout = static_cast<int>(p.Nout);
   const int col0 = blockIdx.y * (p.swiglu ? BN / 2 : BN);
   const bf16* X = op.x;
   const int R = (p.swiglu ? 2 : 1) * Nout;  // the expert's weight rows
   const unsigned char* W = op.w;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 1, wn = warp & 1;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp / WN, wn = warp % WN;
 
   // Each thread's load assignments: A ACH chunks (row, 8-col group), B BCH chunks.
   const bf16* a_src[ACH];
@@ -411,17 +417,18 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
     }
   };
 
-  float acc[2][NT][4];
+  float acc[MI][NT][4];
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < MI; ++i)
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
 
-  // The warp's B smem row of its n8 tile j (j even: tiles j, j + 1 are 16 consecutive rows).
+  // The warp's B smem row of its n8 tile j (j even: tiles j, j + 1 are 16 consecutive rows, but for
+  // HT 1: tile 0 the gate rows, tile 1 the up rows of the same act columns).
   auto brow = [&](int j) {
-    return p.swiglu ? ((j < HT ? 0 : BN / 2) + wn * (BN / 4) + (j % HT) * 8) : (wn * (BN / 2) + j * 8);
+    return p.swiglu ? ((j < HT ? 0 : BN / 2) + wn * (BN / (2 * WN)) + (j % HT) * 8) : (wn * (BN / WN) + j * 8);
   };
 
 #pragma unroll
@@ -443,29 +450,30 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
     }
 #pragma unroll
     for (int ks = 0; ks < BK; ks += 16) {
-      uint32_t af[2][4];
+      uint32_t af[MI][4];
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
-        ptx::ldmatrix_x4(af[i], A + (wm * 32 + i * 16 + (lane & 15)) * kLds + ks + (lane >> 4) * 8);
+      for (int i = 0; i < MI; ++i)
+        ptx::ldmatrix_x4(af[i], A + (wm * (16 * MI) + i * 16 + (lane & 15)) * kLds + ks + (lane >> 4) * 8);
 #pragma unroll
       for (int j = 0; j < NT; j += 2) {
         uint32_t bfr[4];
         if constexpr (kFp8) {
           // The m16n8k16 B fragment of n8 tile t: weight row brow(t) + lane / 4, k pairs ks + 2 (lane % 4)
           // (register 0) and 8 further (register 1).
-          const float sc = p.swiglu && j >= HT ? sc_hi : sc_lo;
 #pragma unroll
           for (int t = 0; t < 2; ++t) {
+            const float sc = p.swiglu && j + t >= HT ? sc_hi : sc_lo;
             const unsigned char* q = Bs + (brow(j + t) + (lane >> 2)) * kLdq + ks + (lane & 3) * 2;
             bfr[2 * t] = moe_detail::e4m3x2_to_bf16x2(*reinterpret_cast<const uint16_t*>(q), sc);
             bfr[2 * t + 1] = moe_detail::e4m3x2_to_bf16x2(*reinterpret_cast<const uint16_t*>(q + 8), sc);
           }
         } else {
           const bf16* B = reinterpret_cast<const bf16*>(Bs);
-          ptx::ldmatrix_x4(bfr, B + (brow(j) + (lane >> 4) * 8 + (lane & 7)) * kLds + ks + ((lane >> 3) & 1) * 8);
+          // Lanes 16-31 address tile j + 1 (8 rows on from tile j's, but for BM 16's gate / up pair).
+          ptx::ldmatrix_x4(bfr, B + (brow(j + (lane >> 4)) + (lane & 7)) * kLds + ks + ((lane >> 3) & 1) * 8);
         }
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < MI; ++i) {
           ptx::mma_bf16(acc[i][j], af[i], bfr[0], bfr[1]);
           ptx::mma_bf16(acc[i][j + 1], af[i], bfr[2], bfr[3]);
         }
@@ -478,23 +486,23 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
   // Paired (4-byte) stores only where every row start is 4-byte aligned (odd ldy: scalar stores).
   const bool pairs = p.ldy % 2 == 0 && reinterpret_cast<uintptr_t>(Y) % 4 == 0;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < MI; ++i) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int pos = row0 + wm * 32 + i * 16 + (lane >> 2) + h * 8;
+      const int pos = row0 + wm * (16 * MI) + i * 16 + (lane >> 2) + h * 8;
       if (pos >= row_end) continue;
       bf16* yr = Y + static_cast<int64_t>(pos) * p.ldy;
       if (p.swiglu) {
 #pragma unroll
         for (int j = 0; j < HT; ++j) {
-          const int c = col0 + wn * (BN / 4) + j * 8 + (lane & 3) * 2;
+          const int c = col0 + wn * (BN / (2 * WN)) + j * 8 + (lane & 3) * 2;
           moe_detail::store2(yr, c, Nout, moe_detail::silu_expf(acc[i][j][2 * h]) * acc[i][j + HT][2 * h],
                              moe_detail::silu_expf(acc[i][j][2 * h + 1]) * acc[i][j + HT][2 * h + 1], pairs);
         }
       } else {
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-          const int c = col0 + wn * (BN / 2) + j * 8 + (lane & 3) * 2;
+          const int c = col0 + wn * (BN / WN) + j * 8 + (lane & 3) * 2;
           moe_detail::store2(yr, c, Nout, acc[i][j][2 * h], acc[i][j][2 * h + 1], pairs);
         }
       }
@@ -503,26 +511,30 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
   if (!p.swiglu && p.combine.out) combine_last_block<BN>(p, col0);
 }
 
-template <int BN, int BK, int kStages, bool kFp8>
+template <int BM, int BN, int BK, int kStages, bool kFp8>
 constexpr size_t gemm_smem() {
   return static_cast<size_t>(kStages) * (BM * lds<BK>() * sizeof(bf16) + BN * (kFp8 ? ldq<BK>() : lds<BK>() * sizeof(bf16)));
 }
 
 // Launches one tiling (its shared-memory opt-in once per device).
-template <int BN, int BK, int kStages, bool kFp8>
+template <int BM, int BN, int BK, int kStages, bool kFp8>
 void launch_grouped(const MoeGemmParams& p, Stream s) {
   static bool attr[64] = {};
-  constexpr size_t smem = gemm_smem<BN, BK, kStages, kFp8>();
+  constexpr size_t smem = gemm_smem<BM, BN, BK, kStages, kFp8>();
   int dev = 0;
   DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev >= 64 || !attr[dev]) {
-    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<BN, BK, kStages, kFp8>,
+    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<BM, BN, BK, kStages, kFp8>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     if (dev < 64) attr[dev] = true;
   }
   const int64_t cols = p.swiglu ? BN / 2 : BN;
-  const dim3 grid(static_cast<unsigned>(p.max_tiles + moe_extra_tiles(p)), static_cast<unsigned>((p.Nout + cols - 1) / cols));
-  launch_kernel(grouped_gemm_kernel<BN, BK, kStages, kFp8>, grid, dim3(kThreads), smem, static_cast<cudaStream_t>(s), p);
+  // BM 16: the sub-tiles of a 64-row tile that can hold rows (MoeGemmParams::max_expert_rows).
+  const int64_t rows = p.max_expert_rows >= 1 ? std::min<int64_t>(p.max_expert_rows, kMoeTileRows) : kMoeTileRows;
+  const unsigned sub = static_cast<unsigned>((rows + BM - 1) / BM);
+  DFLASH_CHECK(!p.combine.out || sub == 1, "moe_grouped_gemm: a combine needs one row block a tile (max_expert_rows <= " << BM << ")");
+  const dim3 grid(static_cast<unsigned>(p.max_tiles + moe_extra_tiles(p)), static_cast<unsigned>((p.Nout + cols - 1) / cols), sub);
+  launch_kernel(grouped_gemm_kernel<BM, BN, BK, kStages, kFp8>, grid, dim3(kThreads), smem, static_cast<cudaStream_t>(s), p);
 }
 
 // ---- gather / combine -------------------------------------------------------------------------------
@@ -778,13 +790,15 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
     if (takes_wgmma(p.wgmma, narrow, dev)) return moe_grouped_gemm_wgmma(p, s);
   }
 #endif
-  const bool deep = narrow && moe_deep_tiles(p);
+  const bool deep = narrow && moe_deep_tiles(p), deep16 = deep && moe_deep16_tiles(p);
   if (p.w_scale) {
-    if (deep) launch_grouped<64, 128, 4, true>(p, s);
-    else narrow ? launch_grouped<64, 32, 5, true>(p, s) : launch_grouped<128, 32, 3, true>(p, s);
+    if (deep16) launch_grouped<16, 64, 128, 8, true>(p, s);
+    else if (deep) launch_grouped<64, 64, 128, 4, true>(p, s);
+    else narrow ? launch_grouped<64, 64, 32, 5, true>(p, s) : launch_grouped<64, 128, 32, 3, true>(p, s);
   } else {
-    if (deep) launch_grouped<64, 128, 3, false>(p, s);
-    else narrow ? launch_grouped<64, 32, 5, false>(p, s) : launch_grouped<128, 32, 3, false>(p, s);
+    if (deep16) launch_grouped<16, 64, 128, 5, false>(p, s);
+    else if (deep) launch_grouped<64, 64, 128, 3, false>(p, s);
+    else narrow ? launch_grouped<64, 64, 32, 5, false>(p, s) : launch_grouped<64, 128, 32, 3, false>(p, s);
   }
 }
 
@@ -807,8 +821,13 @@ bool moe_narrow_tiles(const MoeGemmParams& p) {
 }
 
 bool moe_deep_tiles(const MoeGemmParams& p) {
-  if (tuning::moe_narrow_tiles >= 0) return tuning::moe_narrow_tiles == 2;
+  if (tuning::moe_narrow_tiles >= 0) return tuning::moe_narrow_tiles >= 2;
   return p.rows >= 0 && p.rows <= kMoeDeepRows;
+}
+
+bool moe_deep16_tiles(const MoeGemmParams& p) {
+  if (tuning::moe_narrow_tiles >= 0) return tuning::moe_narrow_tiles == 3;
+  return moe_deep_tiles(p) && p.max_expert_rows >= 1 && p.max_expert_rows <= 16;
 }
 
 namespace tuning {
@@ -945,7 +964,7 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
   // gate's logits with them. Else the router GEMM (cuBLASLt), then the routing in one launch for few
   // rows or top-k + permute.
   const bool one_launch = impl == MoeImpl::Grouped && p.N <= kMoeDecodeMaxRows && Nr >= 1 && R <= kMoeRouteSmallRows &&
-                          tuning::moe_router_one_launch != 0;
+                          tuning::moe_router_one_launch == 1;
   const float* gate_logit = nullptr;
   if (one_launch) {
     gate_logit = p.shared_gate_up ? f32(l.glogit) : nullptr;
@@ -1021,6 +1040,7 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     g.max_tiles = moe_max_tiles(R, El);
     g.swiglu = true;
     g.rows = R;
+    g.max_expert_rows = std::max<int64_t>(Nr, fuse_shared ? p.N : 0);  // (a token chooses an expert once)
     g.wgmma = p.wgmma;
     g.w_scale = codes ? p.experts_gate_up_scale : nullptr;
     if (fuse_shared) {

@@ -88,6 +88,9 @@ struct MoeGemmParams {
   int64_t E = 0, Nout = 0, K = 0, max_tiles = 0;
   bool swiglu = false;
   int64_t rows = -1;  // the routed rows (offsets[E]) when the host knows them: picks the tiling
+  // The most rows an expert (or the extra group) can hold when the host knows it (a step of N tokens:
+  // N, each token choosing an expert once): <= 16 picks the deep tiling's 16-row blocks.
+  int64_t max_expert_rows = -1;
   int wgmma = -1;     // the wgmma kernel: -1 as tuning::moe_wgmma says, 1 for this call where supported, 0 not
   // FP8 weights (W8A16): w holds e4m3 codes and w_scale their 128 x 128 block scales, f32
   // [E, row blocks, ceil(K/128)], the rows [0, Nout) and [Nout, 2 Nout) (swiglu's gate and up) blocked
@@ -124,8 +127,11 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s);
 bool moe_fuse_shared(bool shared, int64_t I, int64_t Is, int64_t routed_rows, bool fp8_codes);
 namespace tuning {
 extern int moe_fuse_shared;
-// moe_block's router for decode / verify steps: -1 / 1 moe_router_route where it applies, 0 never
-// (the router GEMM on cuBLASLt, then the routing; tests, benches).
+// moe_block's router for decode / verify steps: 1 moe_router_route where it applies; -1 (the default)
+// and 0 the router GEMM on cuBLASLt, then moe_route_small. Measured on an H200 (h200-moe7-88de416, ncu,
+// L2-cold, one token): moe_router_route 26 us against cuBLASLt's 6.5 + moe_route_small's 9.3 (its
+// last block's routing on 256 threads, with spills, took ~19 us), 83 against ~20 at 16 tokens (the
+// row dots of 16 tokens on 33 blocks).
 extern int moe_router_one_launch;
 // moe_block's combine for decode / verify steps: -1 / 1 in the down GEMM's launch where the shared
 // expert rides there and the router ran in one launch (MoeGemmParams::combine), 0 never.
@@ -142,8 +148,13 @@ inline constexpr int64_t kMoeNarrowRows = 512;
 inline constexpr int64_t kMoeDeepRows = 128;
 bool moe_narrow_tiles(const MoeGemmParams& p);  // narrow (or deep): rows known and <= kMoeNarrowRows, or the knob
 bool moe_deep_tiles(const MoeGemmParams& p);    // deep: rows known and <= kMoeDeepRows, or the knob
+// Deep tiles of 16 rows (16 x 64 blocks, 5 stages: 2 blocks an SM with 64 KB of weights in flight
+// each, where the 64-row deep block's A tile, all but a row or two zero in a decode step, took half the
+// shared memory): deep and max_expert_rows known and <= 16, or the knob.
+bool moe_deep16_tiles(const MoeGemmParams& p);
 namespace tuning {
-// -1 automatic (moe_narrow_tiles(p), moe_deep_tiles(p)), 0 wide, 1 narrow, 2 deep (tests, benches).
+// -1 automatic (moe_narrow_tiles(p), moe_deep_tiles(p), moe_deep16_tiles(p)), 0 wide, 1 narrow, 2 deep,
+// 3 deep with 16-row blocks (tests, benches).
 extern int moe_narrow_tiles;
 // The wgmma kernel (moe_sm90.cu) for bf16 weights on an sm_90 device: -1 for the wide tiling's calls
 // (the default: prefill; a call's MoeGemmParams::wgmma overrides it), 0 never (the mma.sync kernels),

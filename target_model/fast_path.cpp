@@ -128,10 +128,10 @@ std::string gpu_moe_detail(const TargetConfig& c, const KernelPolicies& pol, Fas
                       "wgmma tiles on sm_90 for calls of more than 512 routed rows, mma.sync below)";
   steps += ", shared expert gemm_bf16, moe_combine (weighted un-permute + sigmoid-gated shared expert)";
   if (!fallback)
-    steps += "; decode / verify steps (<= 16 tokens): the router and the routing in one launch (moe_router_route), "
-             "deep mma.sync tiles, and with bf16 experts and a shared expert as wide as the routed ones (" +
+    steps += "; decode / verify steps (<= 16 tokens): the routing in one launch (moe_route_small), deep mma.sync "
+             "tiles of 16-row blocks, and with bf16 experts and a shared expert as wide as the routed ones (" +
              std::string(c.shared_expert_intermediate_size == c.moe_intermediate_size ? "here" : "not here") +
-             ") the shared expert in the expert GEMMs' launches and the combine in the down GEMM's: 3 launches a block";
+             ") the shared expert in the expert GEMMs' launches: 5 launches a block";
   if (c.ep_size > 1 || c.local_num_experts() < c.num_experts)
     steps += "; expert parallel: " + std::to_string(c.local_num_experts()) + " of the " + std::to_string(c.num_experts) +
              " experts on each rank (ep " + std::to_string(c.ep_size) + "), partial outputs summed by the TP all-reduce";

@@ -171,6 +171,33 @@ T shfl_xor(T v, int mask) {
   return r;
 }
 
+// __shfl_up_sync: lane l gets lane l - d's value (its own below d).
+template <class T>
+T shfl_up(T v, int d) {
+  static_assert(sizeof(T) <= 8);
+  std::memcpy(words(lane()), &v, sizeof(T));
+  wait(warp_bar());
+  T r = v;
+  if (lane() >= d) std::memcpy(&r, words(lane() - d), sizeof(T));
+  wait(warp_bar());
+  return r;
+}
+
+// __reduce_max_sync / __reduce_min_sync (sm_80+): every lane gets the warp's max / min.
+template <class T, class Op>
+T reduce(T v, Op op) {
+  std::memcpy(words(lane()), &v, sizeof(T));
+  wait(warp_bar());
+  T r = v;
+  for (int i = 0; i < 32; ++i) {
+    T o;
+    std::memcpy(&o, words(i), sizeof(T));
+    r = op(r, o);
+  }
+  wait(warp_bar());
+  return r;
+}
+
 inline unsigned ballot(bool pred) {
   words(lane())[0] = pred ? 1 : 0;
   wait(warp_bar());
@@ -275,11 +302,24 @@ inline void wgmma_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accum
 #define gridDim (::emu::block()->grid_dim)
 #define __syncthreads() (::emu::wait(::emu::block()->block_bar))
 #define __shfl_xor_sync(mask, v, o) (::emu::shfl_xor((v), (o)))
+#define __shfl_up_sync(mask, v, d) (::emu::shfl_up((v), (d)))
 #define __ballot_sync(mask, pred) (::emu::ballot(static_cast<bool>(pred)))
 #define __all_sync(mask, pred) (::emu::ballot(static_cast<bool>(pred)) == 0xffffffffu)
 #define __popc(x) (__builtin_popcount(static_cast<unsigned>(x)))
+#define __reduce_max_sync(mask, v) (::emu::reduce((v), [](auto a, auto b) { return a > b ? a : b; }))
+#define __reduce_min_sync(mask, v) (::emu::reduce((v), [](auto a, auto b) { return a < b ? a : b; }))
 #define __expf(x) (::expf(x))
 
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float __uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 template <class T>
 T __ldg(const T* p) {
   return *p;
@@ -292,6 +332,11 @@ inline void __threadfence() {}  // blocks run one after another: every write is 
 inline int atomicAdd(int* p, int v) {
   const int old = *p;
   *p = old + v;
+  return old;
+}
+inline unsigned atomicOr(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  *p = old | v;
   return old;
 }
 // The runtime calls of emulated launchers (no device: memory is host memory, there is one "device").

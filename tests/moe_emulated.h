@@ -6,9 +6,6 @@
 #define moe_topk moe_topk_emulated
 #define moe_permute moe_permute_emulated
 #define moe_route_small moe_route_small_emulated
-#define moe_router_route moe_router_route_emulated
-#define moe_fuse_combine moe_fuse_combine_emulated
-#define moe_router_one_launch moe_router_one_launch_emulated
 #define moe_grouped_gemm moe_grouped_gemm_emulated
 #define moe_combine moe_combine_emulated
 #define moe_gather moe_gather_emulated

@@ -483,9 +483,15 @@ TEST(CudaDecoder, MoeVerifyEqualsDecodeAndSpeculativeEqualsGreedy) {
 // codes with block scales computes, bit for bit, what the same target with bf16 experts holding the
 // codes' dequantized values computes: the prefill forward and the decode and verify steps, on the
 // grouped GEMMs (which read the codes, or a bf16 copy for large prefills on sm_90) and on the MoE
-// decode kernels (moe_decode on).
+// decode kernels (moe_decode on). The shared expert runs apart in both (its bf16 GEMMs): a step on
+// bf16 experts otherwise takes it into the grouped GEMMs' launches (moe_fuse_shared), FP8 codes do
+// not, and the two placements sum its products in different orders.
 TEST(CudaDecoder, MoeFp8ExpertsEqualTheirBf16Values) {
   DFLASH_REQUIRE_GPU();
+  struct SharedApart {
+    SharedApart() { cuda::tuning::moe_fuse_shared = 0; }
+    ~SharedApart() { cuda::tuning::moe_fuse_shared = -1; }
+  } shared_apart;
   const TargetConfig c = real_dims_moe();
   const int sm = cuda_device_info(0).major;
   TargetWeights wq = random_weights(c, 3, DType::BF16, Device::cuda(0)), wb = random_weights(c, 3, DType::BF16, Device::cuda(0));

@@ -29,7 +29,9 @@
 #include "core/cuda/check.h"
 #include "core/device.h"
 #include "core/random.h"
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/moe.h"
+#include "kernels/cuda/pdl.cuh"
 #include "moe_fp8_util.h"
 #include "kernels/ops.h"
 #include "test_util.h"
@@ -668,6 +670,64 @@ TEST(CudaMoe, NarrowAndWideTilesAreBitIdentical) {
   EXPECT_FALSE(cu::moe_narrow_tiles(p));
 }
 
+// Programmatic dependent launch inside the block (pdl.cuh: the routing, the expert GEMMs and the
+// combine start under the previous kernel's tail; the down GEMM and the combine read the routing,
+// and the combine x, before their waits): in a CUDA graph between a PDL kernel that writes x and one
+// that reads out, replayed on fresh inputs each time, the bits of plain launches. A missing wait
+// reads the previous replay's routing or rows: other bits.
+TEST(CudaMoe, PdlLaunchesGiveThePlainLaunchesBits) {
+  if (!gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t H = 2048, E = 64, k = 8, I = 512, Is = 512;
+  const float ws = 1.0f / std::sqrt(float(H));
+  Pair router = rand_bf16({E, H}, ws), gu = rand_bf16({E, 2 * I, H}, ws), dn = rand_bf16({E, H, I}, 1.0f / std::sqrt(float(I)));
+  Pair sgu = rand_bf16({2 * Is, H}, ws), sdn = rand_bf16({H, Is}, 1.0f / std::sqrt(float(Is))), sg = rand_bf16({1, H}, ws);
+  const cudaStream_t st = static_cast<cudaStream_t>(stream());
+  for (int64_t N : {1, 16, 40}) {
+    SCOPED_TRACE("N " + std::to_string(N));
+    Tensor xf = Tensor::empty({N, H}, DType::F32, Device::cuda(0)), x = Tensor::empty({N, H}, DType::BF16, Device::cuda(0));
+    Tensor out = Tensor::empty({N, H}, DType::BF16, Device::cuda(0)), outf = Tensor::empty({N, H}, DType::F32, Device::cuda(0));
+    Tensor ws_t = Tensor::empty({static_cast<int64_t>(cu::moe_workspace_bytes(N, H, E, k, I, Is, cu::MoeImpl::Grouped))},
+                                DType::U8, Device::cuda(0));
+    cu::MoeBlockParams p;
+    p.x = x.raw_data();
+    p.N = N, p.H = H, p.E = E, p.k = k, p.I = I, p.Is = Is;
+    set_weights(p, router.dev.raw_data(), gu.dev.raw_data(), dn.dev.raw_data(), sgu.dev.raw_data(), sdn.dev.raw_data(),
+                sg.dev.raw_data());
+    p.out = out.raw_data();
+    p.workspace = ws_t.raw_data();
+    auto step = [&] {
+      cu::cast_f32_bf16(xf.data<float>(), x.raw_data(), N * H, stream());
+      cu::moe_block(p, cu::MoeImpl::Grouped, 0);
+      cu::cast_bf16_f32(out.raw_data(), outf.data<float>(), N * H, stream());
+    };
+    const int pdl_saved = cu::tuning::pdl;
+    cu::tuning::pdl = 1;
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    DFLASH_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    step();
+    DFLASH_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+    DFLASH_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int rep = 0; rep < 6; ++rep) {
+      Tensor in = Tensor::empty({N, H}, DType::F32);
+      fill_normal(in, {3313, g_stream++, 0}, 0.0f, 1.0f);
+      cu::tuning::pdl = 0;
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(xf.raw_data(), in.raw_data(), in.nbytes(), cudaMemcpyHostToDevice, st));
+      step();
+      const Tensor want = host(outf);
+      poison(ws_t);
+      poison(outf);
+      DFLASH_CUDA_CHECK(cudaGraphLaunch(exec, st));
+      const Tensor got = host(outf);
+      EXPECT_EQ(std::memcmp(got.raw_data(), want.raw_data(), want.nbytes()), 0) << "replay " << rep;
+      EXPECT_EQ(max_rel_err(got, want), 0.0);  // (and no NaN)
+    }
+    cu::tuning::pdl = pdl_saved;
+    DFLASH_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    DFLASH_CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+}
+
 struct TopkKnob {  // cu::tuning::moe_decode_topk_first for the scope
   explicit TopkKnob(int v) { cu::tuning::moe_decode_topk_first = v; }
   ~TopkKnob() { cu::tuning::moe_decode_topk_first = -1; }
@@ -715,13 +775,12 @@ TEST(CudaMoe, Bench35bA3b) {
     // of 16-row blocks (6 and 7 take the automatic tiling: deep of 16-row blocks for N <= 16); 10 deep
     // tiles of 16-row blocks with the shared expert in launches of its own after the experts
     // (tuning::moe_fuse_shared 0; the others run it as the grouped GEMMs' extra group where
-    // moe_fuse_shared says: N <= 64); 11 as 12 with the router and the routing in one launch and the
-    // combine in the down GEMM's (tuning::moe_router_one_launch 1; off by default).
-    for (int variant : {0, 1, 9, 12, 10, 11, 2, 3, 4, 5, 6, 7, 8}) {
-      if ((variant == 3 || variant == 4 || variant == 5) && N > cu::kMoeDecodeMaxRows) continue;
+    // moe_fuse_shared says: N <= 64). (The 16-row blocks only where an expert holds <= 16 rows.)
+    for (int variant : {0, 1, 9, 12, 10, 2, 3, 4, 5, 6, 7, 8}) {
+      if ((variant == 3 || variant == 4 || variant == 5 || variant == 10 || variant == 12) && N > cu::kMoeDecodeMaxRows) continue;
       if (variant == 8 && !cu::moe_wgmma_supported(0)) continue;
       // (profiled: the decode-sized paths worth a kernel-by-kernel look)
-      if (profile && variant != 9 && variant != 12 && variant != 10 && variant != 11 && variant != 8) continue;
+      if (profile && variant != 9 && variant != 12 && variant != 10 && variant != 8) continue;
       const bool fp8 = variant >= 5 && variant <= 7;
       const cu::MoeImpl impl = variant < 2 || variant >= 6 ? cu::MoeImpl::Grouped
                                : variant == 2              ? cu::MoeImpl::Fallback
@@ -729,7 +788,6 @@ TEST(CudaMoe, Bench35bA3b) {
       std::optional<GemmKnob> knob;
       if (variant < 2 || variant >= 8) knob.emplace(variant == 8 ? 2 : variant == 9 ? 3 : variant >= 10 ? 4 : variant);
       cu::tuning::moe_fuse_shared = variant == 10 ? 0 : -1;
-      cu::tuning::moe_router_one_launch = variant == 11 ? 1 : -1;
       const TopkKnob topk(variant == 3 || variant == 4 ? variant - 3 : -1);
       const std::string name = std::string(cu::moe_impl_name(impl)) +
                                (variant == 0   ? "/wide"
@@ -740,7 +798,6 @@ TEST(CudaMoe, Bench35bA3b) {
                                 : variant == 8 ? "/wgmma"
                                 : variant == 9 ? "/deep"
                                 : variant == 10 ? "/deep16_shared_apart"
-                                : variant == 11 ? "/deep16_router_one_launch"
                                 : variant == 12 ? "/deep16"
                                 : fp8          ? "/fp8_experts"
                                                : "");
@@ -846,5 +903,4 @@ TEST(CudaMoe, Bench35bA3b) {
   }
   cu::tuning::moe_fp8_dequantize_first = -1;
   cu::tuning::moe_fuse_shared = -1;
-  cu::tuning::moe_router_one_launch = -1;
 }

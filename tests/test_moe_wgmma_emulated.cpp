@@ -96,7 +96,7 @@ TEST(MoeEmulated, WgmmaExtraGroupIsADenseGroupInTheSameLaunch) {
   const int64_t N = 70, H = 72, E = 3, k = 2, I = 24, R = N * k;
   const Tensor x = rand_bf16({N, H}, 1.0f, 101), gu = rand_bf16({E, 2 * I, H}, 0.1f, 102), sgu = rand_bf16({2 * I, H}, 0.1f, 103);
   const cu_test::FixedRouting rt = cu_test::fixed_routing(N, E, k, 1);
-  const Tensor &off = rt.off, &tiles = rt.tiles, &src = rt.src, &slot = rt.slot;
+  const Tensor &off = rt.off, &tiles = rt.tiles, &src = rt.src;
   Tensor off1 = Tensor::empty({2}, DType::I32), tiles1 = Tensor::empty({2}, DType::I32);
   off1.data<int32_t>()[0] = 0, off1.data<int32_t>()[1] = static_cast<int32_t>(N);
   tiles1.data<int32_t>()[0] = 0, tiles1.data<int32_t>()[1] = static_cast<int32_t>((N + cu::kMoeTileRows - 1) / cu::kMoeTileRows);

@@ -10,6 +10,14 @@
 #include <cstddef>
 
 #include "core/cuda/check.h"
+#ifdef DFLASH_CUDA_EMULATION
+namespace dflash::cuda {  // (blocks run one after another: nothing to wait for)
+inline void pdl_wait() {}
+inline void pdl_launch_dependents() {}
+}  // namespace dflash::cuda
+#else
+#include "kernels/cuda/pdl.cuh"
+#endif
 
 #ifdef DFLASH_CUDA_EMULATION
 #define DFLASH_DYNAMIC_SMEM(type, name) type* name = reinterpret_cast<type*>(::emu::dynamic_smem())
@@ -27,6 +35,18 @@ void launch_kernel(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream
 #else
   kernel<<<grid, block, smem, stream>>>(args...);
   DFLASH_CUDA_CHECK_LAST();
+#endif
+}
+
+// The same launch with programmatic dependent launch (pdl.cuh's launch_pdl: the attribute where
+// pdl_enabled()); emulated, a plain launch (blocks run one after another, pdl_wait is a no-op).
+template <class Kernel, class... Args>
+void launch_kernel_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Args&... args) {
+#ifdef DFLASH_CUDA_EMULATION
+  (void)stream;
+  ::emu::launch(grid, block, smem, kernel, args...);
+#else
+  launch_pdl(kernel, grid, block, smem, stream, args...);
 #endif
 }
 

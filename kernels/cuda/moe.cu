@@ -103,10 +103,12 @@ __global__ void scatter_kernel(const int32_t* __restrict__ experts, int64_t rows
 
 // ---- routing of a decode / verify step in one block --------------------------------------------------
 // topk_kernel + counts + scan_kernel + scatter_kernel (and the counts' memset) in one block, for N·k
-// <= kMoeRouteSmallRows rows: a warp a token's top-k, the counts in shared memory, the scans, then a
-// thread a row. Rows take their place inside an expert's range in (token, choice) order (the
-// multi-kernel path's order is atomic arrival: a row's result never depends on it). Any block size
-// (a multiple of 32, <= 1024); every thread of the block calls it.
+// <= kMoeRouteSmallRows rows: a warp a token's top-k, the counts in shared memory, the scans by one
+// warp (a lane a run of experts, a shuffle scan over the runs), then a thread a row. Rows take their
+// place inside an expert's range in (token, choice) order (the multi-kernel path's order is atomic
+// arrival: a row's result never depends on it): a row's rank among its expert's rows is the number
+// of earlier tokens that chose the expert (a token chooses an expert once), from a bitmask of the
+// tokens a expert for N <= 32 (a decode or verify step), else by counting.
 struct RouteOut {
   int32_t* experts;
   float* weights;
@@ -117,153 +119,104 @@ struct RouteOut {
   int32_t* src_row;
   int32_t* slot_pos;
 };
-struct RouteSmem {
-  int32_t count[kMaxE], off[kMaxE], part_off[1024], part_tiles[1024];
-  int32_t expert[kMoeRouteSmallRows];
-};
-template <bool kCoherent>
-__device__ __forceinline__ void route_block(const float* logits, int N, int E, int k, bool renorm, int e0, int El,
-                                            const RouteOut& o, RouteSmem& sm) {
+
+constexpr int kRouteThreads = 512;
+__global__ void __launch_bounds__(kRouteThreads)
+    route_small_kernel(const float* __restrict__ logits, int N, int E, int k, bool renorm, int e0, int El, RouteOut o) {
+  __shared__ int32_t s_count[kMaxE], s_off[kMaxE];
+  __shared__ uint32_t s_tokens[kMaxE];  // (N <= 32) bit n: token n chose the expert
+  __shared__ int32_t s_expert[kMoeRouteSmallRows];
   const int t = static_cast<int>(threadIdx.x), nt = static_cast<int>(blockDim.x), lane = t & 31, warp = t >> 5;
-  for (int e = t; e < E; e += nt) sm.count[e] = 0;
+  const bool masks = N <= 32;
+  for (int e = t; e < E; e += nt) {
+    s_count[e] = 0;
+    s_tokens[e] = 0;
+  }
+  pdl_wait();  // (the router's logits)
+  pdl_launch_dependents();
   __syncthreads();
   for (int n = warp; n < N; n += nt / 32) {
     int my_e = -1;
     float my_w = 0;
-    moe_detail::warp_topk<kCoherent>(logits + static_cast<int64_t>(n) * E, E, k, renorm, lane, my_e, my_w);
+    moe_detail::warp_topk(logits + static_cast<int64_t>(n) * E, E, k, renorm, lane, my_e, my_w);
     if (lane < k) {
       o.experts[n * k + lane] = my_e;
       o.weights[n * k + lane] = my_w;
-      sm.expert[n * k + lane] = my_e;
-      atomicAdd(&sm.count[my_e], 1);
+      s_expert[n * k + lane] = my_e;
+      atomicAdd(&s_count[my_e], 1);
+      if (masks) atomicOr(&s_tokens[my_e], 1u << n);
     }
   }
   __syncthreads();
-  for (int e = t; e < E; e += nt) o.counts[e] = sm.count[e];
-  // Inclusive scans of the local experts' counts and row tiles: thread t sums its run of `per`
-  // experts, a Hillis-Steele scan over the threads' sums, then each run in order.
-  const int per = (El + nt - 1) / nt, lo = t * per, hi = lo + per < El ? lo + per : El;
-  int c_sum = 0, t_sum = 0;
-  for (int e = lo; e < hi; ++e) {
-    const int c = sm.count[e0 + e];
-    c_sum += c;
-    t_sum += (c + kMoeTileRows - 1) / kMoeTileRows;
-  }
-  sm.part_off[t] = c_sum;
-  sm.part_tiles[t] = t_sum;
-  __syncthreads();
-  for (int d = 1; d < nt; d <<= 1) {
-    const int a = t >= d ? sm.part_off[t - d] : 0, b = t >= d ? sm.part_tiles[t - d] : 0;
-    __syncthreads();
-    sm.part_off[t] += a;
-    sm.part_tiles[t] += b;
-    __syncthreads();
-  }
-  int run_off = sm.part_off[t] - c_sum, run_tiles = sm.part_tiles[t] - t_sum;
-  for (int e = lo; e < hi; ++e) {
-    const int c = sm.count[e0 + e];
-    run_off += c;
-    run_tiles += (c + kMoeTileRows - 1) / kMoeTileRows;
-    sm.off[e] = run_off;  // inclusive
-    o.offsets[e + 1] = run_off;
-    o.tile_offsets[e + 1] = run_tiles;
-    o.cursor[e] = run_off;  // (the scatter's cursors, as they end there)
-  }
-  if (t == 0) {
-    o.offsets[0] = 0;
-    o.tile_offsets[0] = 0;
+  for (int e = t; e < E; e += nt) o.counts[e] = s_count[e];
+  // Inclusive scans of the local experts' counts and row tiles by warp 0: lane l sums its run of
+  // `per` experts, a shuffle scan over the lanes' sums, then each lane its run in order.
+  if (warp == 0) {
+    const int per = (El + 31) / 32, lo = lane * per, hi = lo + per < El ? lo + per : El;
+    int c_sum = 0, t_sum = 0;
+    for (int e = lo; e < hi; ++e) {
+      const int c = s_count[e0 + e];
+      c_sum += c;
+      t_sum += (c + kMoeTileRows - 1) / kMoeTileRows;
+    }
+    int c_inc = c_sum, t_inc = t_sum;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int a = __shfl_up_sync(0xffffffffu, c_inc, d), b = __shfl_up_sync(0xffffffffu, t_inc, d);
+      if (lane >= d) {
+        c_inc += a;
+        t_inc += b;
+      }
+    }
+    int run_off = c_inc - c_sum, run_tiles = t_inc - t_sum;
+    for (int e = lo; e < hi; ++e) {
+      const int c = s_count[e0 + e];
+      run_off += c;
+      run_tiles += (c + kMoeTileRows - 1) / kMoeTileRows;
+      s_off[e] = run_off;  // inclusive
+      o.offsets[e + 1] = run_off;
+      o.tile_offsets[e + 1] = run_tiles;
+      o.cursor[e] = run_off;  // (the scatter's cursors, as they end there)
+    }
+    if (lane == 0) {
+      o.offsets[0] = 0;
+      o.tile_offsets[0] = 0;
+    }
   }
   __syncthreads();
   for (int i = t; i < N * k; i += nt) {
-    const int ex = sm.expert[i], e = ex - e0;
+    const int ex = s_expert[i], e = ex - e0, n = i / k;
     if (e < 0 || e >= El) {
       o.slot_pos[i] = -1;
       continue;
     }
     int rank = 0;
-    for (int j = 0; j < i; ++j) rank += sm.expert[j] == ex;
-    const int pos = sm.off[e] - sm.count[ex] + rank;
-    o.src_row[pos] = i / k;
+    if (masks) {
+      rank = __popc(s_tokens[ex] & ((1u << n) - 1u));
+    } else {
+      for (int j = 0; j < n * k; ++j) rank += s_expert[j] == ex;
+    }
+    const int pos = s_off[e] - s_count[ex] + rank;
+    o.src_row[pos] = n;
     o.slot_pos[i] = pos;
   }
 }
 
-constexpr int kRouteThreads = 512;
-__global__ void __launch_bounds__(kRouteThreads)
-    route_small_kernel(const float* __restrict__ logits, int N, int E, int k, bool renorm, int e0, int El, RouteOut o) {
-  __shared__ RouteSmem sm;
-  route_block<false>(logits, N, E, k, renorm, e0, El, o, sm);
-}
-
-// The router of a decode / verify step (N <= kMoeDecodeMaxRows tokens) and its routing in one
-// launch: a warp a weight row (the E router rows, then the shared expert's gate row) against the
-// tokens, its logits in fp32 (moe_dots.cuh: each token's in an order fixed by H alone); the block
-// that finishes last (an arrival counter, reset by that block for the next launch) routes.
-constexpr int kRouterWarps = 8;
-__device__ int32_t g_router_arrivals = 0;
-struct RouterParams {
-  const bf16* x;
-  const bf16* router;  // [E, H]
-  const bf16* gate_w;  // [H] or nullptr
-  float* logits;       // [N, E]
-  float* gate_logit;   // [N] (with gate_w)
-  const float* route_by;  // the logits top-k reads: logits, or given ones
-  int N, routed, H, E, k, e0, El;
-  bool renorm;
-};
-__global__ void __launch_bounds__(kRouterWarps * 32) router_route_kernel(const RouterParams q, RouteOut o) {
-  __shared__ RouteSmem sm;
-  __shared__ bool s_last;
-  constexpr int kT = static_cast<int>(kMoeDecodeMaxRows);
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int row = static_cast<int>(blockIdx.x) * kRouterWarps + (static_cast<int>(threadIdx.x) >> 5);
-  if (row < q.E || (row == q.E && q.gate_w)) {
-    const moe_detail::Bf16Row w[1] = {{row < q.E ? q.router + static_cast<int64_t>(row) * q.H : q.gate_w}};
-    float acc[1][kT];
-    moe_detail::dots<moe_detail::Bf16Row, 1, kT, 4>(w, q.x, q.H, q.N, q.H, lane, acc);
-#pragma unroll
-    for (int t = 0; t < kT; ++t) {
-      if (t < q.N) {
-        const float v = vec::warp_sum(acc[0][t]);
-        if (lane == 0) {
-          if (row < q.E) q.logits[static_cast<int64_t>(t) * q.E + row] = v;
-          else q.gate_logit[t] = v;
-        }
-      }
-    }
-  }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(&g_router_arrivals, 1) == static_cast<int>(gridDim.x) - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  if (threadIdx.x == 0) g_router_arrivals = 0;
-  route_block<true>(q.route_by, q.routed, q.E, q.k, q.renorm, q.e0, q.El, o, sm);
-}
-
 // ---- combine ---------------------------------------------------------------------------------------
 // out[n, c .. c + 7] of the combine: the token's kn choices' down rows weighted in choice order (slot
-// -1: another rank's expert, nothing), then the gated shared row; fp32 sums, bf16 out. kCoherent: y
-// and shared were written by other blocks of the same launch (read through L2).
-template <bool kCoherent>
+// -1: another rank's expert, nothing), then the gated shared row; fp32 sums, bf16 out.
 __device__ __forceinline__ void combine8(const bf16* y, const int32_t* sp, const float* sw, int kn, int64_t H,
                                          const bf16* shared, float gate, int64_t n, int64_t c, bf16* out) {
-  auto load = [](const bf16* q, float (&v)[8]) {
-    if constexpr (kCoherent) vec::unpack(__ldcg(reinterpret_cast<const uint4*>(q)), v);
-    else vec::load8(q, v);
-  };
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int j = 0; j < kn; ++j) {
     if (sp[j] < 0) continue;  // another rank's expert
     float v[8];
-    load(y + static_cast<int64_t>(sp[j]) * H + c, v);
+    vec::load8(y + static_cast<int64_t>(sp[j]) * H + c, v);
 #pragma unroll
     for (int q = 0; q < 8; ++q) acc[q] += v[q] * sw[j];
   }
   if (shared) {
     float v[8];
-    load(shared + n * H + c, v);
+    vec::load8(shared + n * H + c, v);
 #pragma unroll
     for (int q = 0; q < 8; ++q) acc[q] += gate * v[q];
   }
@@ -271,38 +224,6 @@ __device__ __forceinline__ void combine8(const bf16* y, const int32_t* sp, const
 }
 __device__ __forceinline__ float sigmoid_gate(float logit) { return 1.0f / (1.0f + expf(-logit)); }
 
-
-// The combine of a grouped down GEMM's launch (MoeGemmParams::combine): every block that computed
-// rows calls it after its stores; the last of column block blockIdx.y to arrive writes out[:, col0 ..
-// col0 + BN) (combine8, as combine_kernel) and resets the counter for the next launch.
-constexpr int kMaxCombineColumnBlocks = 4096;
-__device__ int32_t g_combine_arrivals[kMaxCombineColumnBlocks];
-template <int BN>
-__device__ __forceinline__ void combine_last_block(const MoeGemmParams& p, int col0) {
-  __shared__ int s_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int extra = p.extra_w ? static_cast<int>((p.extra_rows + kMoeTileRows - 1) / kMoeTileRows) : 0;
-    const int blocks = p.tile_offsets[p.E] + extra;  // (moe_extra_tiles, host only)
-    s_last = atomicAdd(&g_combine_arrivals[blockIdx.y], 1) == blocks - 1;
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  if (threadIdx.x == 0) g_combine_arrivals[blockIdx.y] = 0;
-  const MoeGemmParams::Combine& c = p.combine;
-  const auto* y = static_cast<const bf16*>(p.y);
-  const auto* shared = p.extra_w ? static_cast<const bf16*>(p.extra_y) : nullptr;
-  constexpr int kUnits = BN / 8;  // 8-column units of the block's columns
-  for (int i = static_cast<int>(threadIdx.x); i < c.N * kUnits; i += static_cast<int>(blockDim.x)) {
-    const int64_t n = i / kUnits, col = col0 + (i % kUnits) * 8;
-    if (col >= p.Nout) continue;
-    const int kn = n < c.routed ? static_cast<int>(c.k) : 0;
-    const float gate = shared ? sigmoid_gate(c.gate_logit[n]) : 0.0f;
-    combine8<true>(y, c.slot_pos + n * c.k, c.weights + n * c.k, kn, p.ldy, shared, gate, n, col, static_cast<bf16*>(c.out));
-  }
-}
 
 // ---- grouped GEMM -----------------------------------------------------------------------------------
 // Three tilings of one kernel (BN weight rows x BK columns a k tile, kStages of them in flight):
@@ -351,10 +272,19 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
   bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [kStages][BM][kLds]
   bf16* sb = sa + kStages * BM * kLds;            // [kStages][BN][kLds] (bf16) or [kStages][BN][kLdq] (bytes)
   constexpr int kRowB = kFp8 ? kLdq : kLds * 2;   // a B smem row's bytes
+  // PDL: a block whose operands are known before the previous kernel ends (the extra group's
+  // blocks; every block where the tile table is settled, MoeGemmParams::routing_settled) issues its
+  // first stages' weight loads before pdl_wait; every block waits (once) before it reads x or exits.
+  const bool early = p.routing_settled || static_cast<int64_t>(blockIdx.x) >= p.max_tiles;
+  if (!early) pdl_wait();
   moe_detail::TileOperands op;
-  if (!moe_detail::tile_operands<kFp8 ? 1 : 2>(p, kMoeTileRows, op)) return;
+  const bool has_tile = moe_detail::tile_operands<kFp8 ? 1 : 2>(p, kMoeTileRows, op);
   const int e = op.e, row0 = op.row0 + static_cast<int>(blockIdx.z) * BM, row_end = op.row_end;
-  if (row0 >= row_end) return;  // (an empty sub-tile; the same for the whole block)
+  if (!has_tile || row0 >= row_end) {  // a spare block, or an empty sub-tile (the same for the whole block)
+    if (early) pdl_wait();
+    pdl_launch_dependents();
+    return;
+  }
   const int K = static_cast<int>(p.K), Nout = static_cast<int>(p.Nout);
   const int col0 = blockIdx.y * (p.swiglu ? BN / 2 : BN);
   const bf16* X = op.x;
@@ -399,16 +329,19 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
     s_hi = p.swiglu ? se + static_cast<int64_t>(moe_detail::fp8_row_block(Nout + col0, Nout)) * kb : s_lo;
   }
   const int KT = (K + BK - 1) / BK;
-  auto load = [&](int stage, int kt) {
+  auto load_a = [&](int stage, int kt) {
     const int k0 = kt * BK;
     bf16* A = sa + stage * BM * kLds;
-    unsigned char* B = reinterpret_cast<unsigned char*>(sb) + stage * BN * kRowB;
 #pragma unroll
     for (int c = 0; c < ACH; ++c) {
       const int kk = k0 + ((tid + c * kThreads) % GPA) * 8;
       const bool v = a_ok[c] && kk < K;
       ptx::cp_async16_zfill(A + a_off[c], v ? a_src[c] + k0 : X, v);
     }
+  };
+  auto load_b = [&](int stage, int kt) {
+    const int k0 = kt * BK;
+    unsigned char* B = reinterpret_cast<unsigned char*>(sb) + stage * BN * kRowB;
 #pragma unroll
     for (int c = 0; c < BCH; ++c) {
       const int kk = k0 + ((tid + c * kThreads) % GPR) * CW;
@@ -431,15 +364,30 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
     return p.swiglu ? ((j < HT ? 0 : BN / 2) + wn * (BN / (2 * WN)) + (j % HT) * 8) : (wn * (BN / WN) + j * 8);
   };
 
+  // Prologue: the first kStages - 1 k tiles, one commit group each (empty past KT, so the counts
+  // stay fixed); an early block's weights of all of them before the wait (in the first group).
+  if (early) {
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s)
+      if (s < KT) load_b(s, s);
+    pdl_wait();
+  }
+  pdl_launch_dependents();
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < KT) load(s, s);
+    if (s < KT) {
+      load_a(s, s);
+      if (!early) load_b(s, s);
+    }
     ptx::cp_async_commit_ring();
   }
   for (int kt = 0; kt < KT; ++kt) {
     ptx::cp_async_wait_ring<kStages - 2>();
     __syncthreads();
-    if (kt + kStages - 1 < KT) load((kt + kStages - 1) % kStages, kt + kStages - 1);
+    if (kt + kStages - 1 < KT) {
+      load_a((kt + kStages - 1) % kStages, kt + kStages - 1);
+      load_b((kt + kStages - 1) % kStages, kt + kStages - 1);
+    }
     ptx::cp_async_commit_ring();
     const bf16* A = sa + (kt % kStages) * BM * kLds;
     const unsigned char* Bs = reinterpret_cast<const unsigned char*>(sb) + (kt % kStages) * BN * kRowB;
@@ -508,7 +456,6 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
       }
     }
   }
-  if (!p.swiglu && p.combine.out) combine_last_block<BN>(p, col0);
 }
 
 template <int BM, int BN, int BK, int kStages, bool kFp8>
@@ -532,9 +479,8 @@ void launch_grouped(const MoeGemmParams& p, Stream s) {
   // BM 16: the sub-tiles of a 64-row tile that can hold rows (MoeGemmParams::max_expert_rows).
   const int64_t rows = p.max_expert_rows >= 1 ? std::min<int64_t>(p.max_expert_rows, kMoeTileRows) : kMoeTileRows;
   const unsigned sub = static_cast<unsigned>((rows + BM - 1) / BM);
-  DFLASH_CHECK(!p.combine.out || sub == 1, "moe_grouped_gemm: a combine needs one row block a tile (max_expert_rows <= " << BM << ")");
   const dim3 grid(static_cast<unsigned>(p.max_tiles + moe_extra_tiles(p)), static_cast<unsigned>((p.Nout + cols - 1) / cols), sub);
-  launch_kernel(grouped_gemm_kernel<BM, BN, BK, kStages, kFp8>, grid, dim3(kThreads), smem, static_cast<cudaStream_t>(s), p);
+  launch_kernel_pdl(grouped_gemm_kernel<BM, BN, BK, kStages, kFp8>, grid, dim3(kThreads), smem, static_cast<cudaStream_t>(s), p);
 }
 
 // ---- gather / combine -------------------------------------------------------------------------------
@@ -552,18 +498,19 @@ __global__ void gather_kernel(const bf16* __restrict__ x, const int32_t* __restr
 __global__ void combine_kernel(const bf16* __restrict__ y, const int32_t* __restrict__ slot_pos,
                                const float* __restrict__ weights, int k, int H, const bf16* __restrict__ shared,
                                const bf16* __restrict__ x, const bf16* __restrict__ gate_w,
-                               const float* __restrict__ gate_logit, bf16* __restrict__ out, int64_t routed) {
+                               bf16* __restrict__ out, int64_t routed, bool settled) {
   const int64_t n = blockIdx.x;
   const int kn = n < routed ? k : 0;
   __shared__ float red[32];
   __shared__ int32_t sp[32];
   __shared__ float sw[32];
+  if (!settled) pdl_wait();  // (settled: the choices and the gate's dot product before the wait)
   if (threadIdx.x < kn) {
     sp[threadIdx.x] = slot_pos[n * k + threadIdx.x];
     sw[threadIdx.x] = weights[n * k + threadIdx.x];
   }
   float gate = 0;
-  if (shared && !gate_logit) {
+  if (shared) {
     float d = 0;
     for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
       float a[8], b[8];
@@ -582,8 +529,10 @@ __global__ void combine_kernel(const bf16* __restrict__ y, const int32_t* __rest
     }
   }
   __syncthreads();
-  if (shared) gate = sigmoid_gate(gate_logit ? gate_logit[n] : red[0]);
-  for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) combine8<false>(y, sp, sw, kn, H, shared, gate, n, c, out);
+  if (shared) gate = sigmoid_gate(red[0]);
+  if (settled) pdl_wait();  // (y and shared: the GEMMs before)
+  pdl_launch_dependents();
+  for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) combine8(y, sp, sw, kn, H, shared, gate, n, c, out);
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -716,36 +665,9 @@ void moe_route_small(const float* logits, int64_t N, int64_t E, int64_t k, bool 
   const int64_t El = local_experts < 0 ? E : local_experts;
   check_route(N, E, k, expert_begin, El, "moe_route_small");
   DFLASH_CHECK(logits, "moe_route_small: null logits");
-  launch_kernel(route_small_kernel, dim3(1), dim3(kRouteThreads), 0, static_cast<cudaStream_t>(s), logits,
+  launch_kernel_pdl(route_small_kernel, dim3(1), dim3(kRouteThreads), 0, static_cast<cudaStream_t>(s), logits,
                 static_cast<int>(N), static_cast<int>(E), static_cast<int>(k), renormalize, static_cast<int>(expert_begin),
                 static_cast<int>(El), route_out(experts, weights, counts, offsets, tile_offsets, cursor, src_row, slot_pos));
-}
-
-void moe_router_route(const void* x, const void* router, const void* gate_w, int64_t N, int64_t routed, int64_t H,
-                      int64_t E, int64_t k, bool renormalize, float* logits, float* gate_logit, const float* logits_in, int32_t* experts,
-                      float* weights, int32_t* counts, int32_t* offsets, int32_t* tile_offsets, int32_t* cursor,
-                      int32_t* src_row, int32_t* slot_pos, Stream s, int64_t expert_begin, int64_t local_experts) {
-  const int64_t El = local_experts < 0 ? E : local_experts;
-  check_route(routed, E, k, expert_begin, El, "moe_router_route");
-  DFLASH_CHECK(N >= routed && N <= kMoeDecodeMaxRows && H % 8 == 0 && H < INT32_MAX / 8,
-               "moe_router_route: N " << N << " (routed " << routed << " .. " << kMoeDecodeMaxRows << "), H " << H
-                                      << " (a multiple of 8)");
-  DFLASH_CHECK(x && router && logits && aligned16(x) && aligned16(router) && (!gate_w || (aligned16(gate_w) && gate_logit)),
-               "moe_router_route: null or not 16-byte aligned x / router / gate, or a gate without gate_logit");
-  RouterParams q{};
-  q.x = static_cast<const bf16*>(x);
-  q.router = static_cast<const bf16*>(router);
-  q.gate_w = static_cast<const bf16*>(gate_w);
-  q.logits = logits;
-  q.gate_logit = gate_logit;
-  q.route_by = logits_in ? logits_in : logits;
-  q.N = static_cast<int>(N), q.routed = static_cast<int>(routed), q.H = static_cast<int>(H), q.E = static_cast<int>(E), q.k = static_cast<int>(k);
-  q.e0 = static_cast<int>(expert_begin), q.El = static_cast<int>(El);
-  q.renorm = renormalize;
-  const int rows = static_cast<int>(E) + (gate_w ? 1 : 0);
-  launch_kernel(router_route_kernel, dim3(static_cast<unsigned>((rows + kRouterWarps - 1) / kRouterWarps)),
-                dim3(kRouterWarps * 32), 0, static_cast<cudaStream_t>(s), q,
-                route_out(experts, weights, counts, offsets, tile_offsets, cursor, src_row, slot_pos));
 }
 
 namespace {
@@ -770,21 +692,10 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
                               aligned16(p.extra_w) && p.max_tiles + moe_extra_tiles(p) < INT32_MAX),
                "moe_grouped_gemm: the extra group needs bf16 weights (no w_scale), 16-byte aligned extra_x / extra_w, "
                "an extra_y and extra_rows >= 0");
-  if (p.combine.out) {
-    const int64_t cols = moe_narrow_tiles(p) ? 64 : 128;
-    DFLASH_CHECK(!p.swiglu && p.ldy == p.Nout && p.Nout % 8 == 0 && p.combine.slot_pos && p.combine.weights &&
-                     p.extra_w && p.extra_rows >= 1 && p.combine.gate_logit && p.combine.N >= p.combine.routed && p.combine.routed >= 0 &&
-                     p.combine.k >= 1 && (p.Nout + cols - 1) / cols <= kMaxCombineColumnBlocks && aligned16(p.y) &&
-                     aligned16(p.combine.out) && (!p.extra_w || aligned16(p.extra_y)),
-                 "moe_grouped_gemm: a combine needs the down GEMM (no swiglu) with ldy == Nout (a multiple of 8), "
-                 "slot_pos, weights, the extra group (every column block has a block) and its gate logits, routed <= N, "
-                 "16-byte aligned y / out, at most "
-                     << kMaxCombineColumnBlocks << " column blocks");
-  }
   if (p.max_tiles + moe_extra_tiles(p) == 0) return;
   const bool narrow = moe_narrow_tiles(p);
 #ifndef DFLASH_CUDA_EMULATION  // (the emulated tests run the wgmma kernel by itself)
-  if (!p.w_scale && !p.combine.out) {  // (the combine: the mma.sync kernel's)
+  if (!p.w_scale) {
     int dev = 0;
     DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
     if (takes_wgmma(p.wgmma, narrow, dev)) return moe_grouped_gemm_wgmma(p, s);
@@ -831,8 +742,6 @@ bool moe_deep16_tiles(const MoeGemmParams& p) {
 }
 
 namespace tuning {
-int moe_fuse_combine = -1;
-int moe_router_one_launch = -1;
 int moe_fuse_shared = -1;
 int moe_narrow_tiles = -1;
 int moe_wgmma = -1;
@@ -849,17 +758,17 @@ void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, 
 
 void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, int64_t N, int64_t k, int64_t H,
                  const void* shared, const void* x, const void* gate_w, void* out, Stream s, int64_t routed,
-                 const float* gate_logit) {
+                 bool settled) {
   if (routed < 0) routed = N;
   DFLASH_CHECK(routed <= N, "moe_combine: " << routed << " routed rows of " << N);
   DFLASH_CHECK(H > 0 && H % 8 == 0 && k >= 1 && k <= 32 && aligned16(y) && aligned16(out) &&
                    (!shared || (aligned16(shared) && aligned16(x) && aligned16(gate_w))),
                "moe_combine: H " << H << " (a multiple of 8), k " << k << " (1..32), 16-byte aligned operands");
   if (N == 0) return;
-  launch_kernel(combine_kernel, dim3(static_cast<unsigned>(N)), dim3(256), 0, static_cast<cudaStream_t>(s),
+  launch_kernel_pdl(combine_kernel, dim3(static_cast<unsigned>(N)), dim3(256), 0, static_cast<cudaStream_t>(s),
                 static_cast<const bf16*>(y), slot_pos, weights, static_cast<int>(k), static_cast<int>(H),
-                static_cast<const bf16*>(shared), static_cast<const bf16*>(x), static_cast<const bf16*>(gate_w), gate_logit,
-                static_cast<bf16*>(out), routed);
+                static_cast<const bf16*>(shared), static_cast<const bf16*>(x), static_cast<const bf16*>(gate_w),
+                static_cast<bf16*>(out), routed, settled);
 }
 
 const char* moe_impl_name(MoeImpl impl) {
@@ -897,7 +806,6 @@ Layout layout(int64_t N, int64_t H, int64_t E, int64_t k, int64_t I, int64_t Is,
     l.total = at;
     return l;
   }
-  l.glogit = take(static_cast<size_t>(N) * 4);  // (the one-launch router's shared gate logits)
   l.counts = take(static_cast<size_t>(E) * 4);
   l.offsets = take(static_cast<size_t>(E + 1) * 4);
   l.tiles = take(static_cast<size_t>(E + 1) * 4);
@@ -960,40 +868,29 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
   float* weights = p.weights_out ? p.weights_out : f32(l.weights);
   float* logits = p.logits_out ? p.logits_out : f32(l.logits);
   const float* route_by = p.logits_in ? p.logits_in : logits;
-  // A decode / verify step: the router and the routing in one launch (moe_router_route), the shared
-  // gate's logits with them. Else the router GEMM (cuBLASLt), then the routing in one launch for few
-  // rows or top-k + permute.
-  const bool one_launch = impl == MoeImpl::Grouped && p.N <= kMoeDecodeMaxRows && Nr >= 1 && R <= kMoeRouteSmallRows &&
-                          tuning::moe_router_one_launch == 1;
-  const float* gate_logit = nullptr;
-  if (one_launch) {
-    gate_logit = p.shared_gate_up ? f32(l.glogit) : nullptr;
-    moe_router_route(p.x, p.router, p.shared_gate_up ? p.shared_gate : nullptr, p.N, Nr, p.H, p.E, p.k, p.renormalize,
-                     logits, f32(l.glogit), p.logits_in, experts, weights, i32(l.counts), i32(l.offsets), i32(l.tiles),
-                     i32(l.cursor), i32(l.src), i32(l.slot), s, e0, El);
+  // The router GEMM (cuBLASLt), then the routing: one launch for few rows (a decode / verify step),
+  // else top-k + permute.
+  GemmExParams rg;  // router logits, fp32
+  rg.a = p.x;
+  rg.lda = p.H;
+  rg.b = p.router;
+  rg.ldb = p.H;
+  rg.trans_b = true;
+  rg.d = logits;
+  rg.ldd = p.E;
+  rg.d_f32 = true;
+  rg.M = p.N;
+  rg.N = p.E;
+  rg.K = p.H;
+  rg.unaligned = p.E % 4 != 0;
+  gemm_ex(rg, device);
+  if (R >= 1 && R <= kMoeRouteSmallRows) {  // few rows: one launch where there were four
+    moe_route_small(route_by, Nr, p.E, p.k, p.renormalize, experts, weights, i32(l.counts), i32(l.offsets),
+                    i32(l.tiles), i32(l.cursor), i32(l.src), i32(l.slot), s, e0, El);
   } else {
-    GemmExParams rg;  // router logits, fp32
-    rg.a = p.x;
-    rg.lda = p.H;
-    rg.b = p.router;
-    rg.ldb = p.H;
-    rg.trans_b = true;
-    rg.d = logits;
-    rg.ldd = p.E;
-    rg.d_f32 = true;
-    rg.M = p.N;
-    rg.N = p.E;
-    rg.K = p.H;
-    rg.unaligned = p.E % 4 != 0;
-    gemm_ex(rg, device);
-    if (R >= 1 && R <= kMoeRouteSmallRows) {  // few rows: one launch where there were four
-      moe_route_small(route_by, Nr, p.E, p.k, p.renormalize, experts, weights, i32(l.counts), i32(l.offsets),
-                      i32(l.tiles), i32(l.cursor), i32(l.src), i32(l.slot), s, e0, El);
-    } else {
-      moe_topk(route_by, Nr, p.E, p.k, p.renormalize, experts, weights, i32(l.counts), s);
-      moe_permute(experts, i32(l.counts), Nr, p.E, p.k, i32(l.offsets), i32(l.tiles), i32(l.cursor), i32(l.src),
-                  i32(l.slot), s, e0, El);
-    }
+    moe_topk(route_by, Nr, p.E, p.k, p.renormalize, experts, weights, i32(l.counts), s);
+    moe_permute(experts, i32(l.counts), Nr, p.E, p.k, i32(l.offsets), i32(l.tiles), i32(l.cursor), i32(l.src),
+                i32(l.slot), s, e0, El);
   }
   void* act = ws + l.act;
   void* y = ws + l.y;
@@ -1019,11 +916,6 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
   // (moe_fuse_shared): two launches fewer on the step's critical path, and its weights stream beside
   // the routed experts'.
   const bool fuse_shared = impl == MoeImpl::Grouped && moe_fuse_shared(p.shared_gate_up != nullptr, p.I, p.Is, R, codes);
-  // ... and with the router in one launch (its gate logits), the combine rides in the down GEMM's.
-  MoeGemmParams tiling;  // the grouped calls' tiling, as set below
-  tiling.rows = R;
-  const bool fuse_combine = fuse_shared && gate_logit && tuning::moe_fuse_combine != 0 &&
-                            !takes_wgmma(p.wgmma, moe_narrow_tiles(tiling), device);
   if (impl == MoeImpl::Grouped) {
     MoeGemmParams g;
     g.x = p.x;
@@ -1055,15 +947,7 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
       g.extra_w = p.shared_down;
       g.extra_y = ws + l.sout;
     }
-    if (fuse_combine) {
-      g.combine.out = p.out;
-      g.combine.slot_pos = i32(l.slot);
-      g.combine.weights = weights;
-      g.combine.gate_logit = gate_logit;
-      g.combine.N = p.N;
-      g.combine.routed = Nr;
-      g.combine.k = p.k;
-    }
+    g.routing_settled = true;  // (written by the routing, before the gate|up GEMM's launch)
     g.x = act;
     g.ldx = p.I;
     g.src_row = nullptr;
@@ -1136,7 +1020,8 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     gemm_bf16(d, device);
     shared = ws + l.sout;
   }
-  if (!fuse_combine) moe_combine(y, i32(l.slot), weights, p.N, p.k, p.H, shared, p.x, p.shared_gate, p.out, s, Nr, gate_logit);
+  // (settled: x came before the router, the choices before the expert GEMMs)
+  moe_combine(y, i32(l.slot), weights, p.N, p.k, p.H, shared, p.x, p.shared_gate, p.out, s, Nr, true);
 }
 
 }  // namespace dflash::cuda

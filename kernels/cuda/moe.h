@@ -57,19 +57,6 @@ void moe_route_small(const float* logits, int64_t N, int64_t E, int64_t k, bool 
                      int32_t* src_row, int32_t* slot_pos, Stream s, int64_t expert_begin = 0,
                      int64_t local_experts = -1);
 
-// The router GEMM and moe_route_small in one launch, for a decode / verify step (1 <= N <=
-// kMoeDecodeMaxRows tokens): logits fp32 [N, E] = x · router^T and, with gate_w ([H] bf16), gate_logit
-// fp32 [N] = x · gate_w, each a warp's dot product in an order fixed by H (a token's logits do not
-// depend on N); then the routing of the first `routed` tokens (1 <= routed <= N, routed·k <=
-// kMoeRouteSmallRows) from logits_in (given logits, as MoeBlockParams::logits_in) or from those
-// logits, as moe_route_small. x [N, H] bf16 (16-byte aligned, H a multiple of 8), router [E, H] bf16.
-void moe_router_route(const void* x, const void* router, const void* gate_w, int64_t N, int64_t routed, int64_t H,
-                      int64_t E, int64_t k,
-                      bool renormalize, float* logits, float* gate_logit, const float* logits_in, int32_t* experts,
-                      float* weights, int32_t* counts, int32_t* offsets, int32_t* tile_offsets, int32_t* cursor,
-                      int32_t* src_row, int32_t* slot_pos, Stream s, int64_t expert_begin = 0,
-                      int64_t local_experts = -1);
-
 // Grouped GEMM over experts. For every expert e and row pos in [offsets[e], offsets[e+1]), with
 // a = x[gather ? src_row[pos] : pos] (bf16 rows of K, row stride ldx):
 //   swiglu:  y[pos, c] = silu(a · w[e][c]) * (a · w[e][Nout + c]),  c < Nout; w[e] is [2 Nout, K]
@@ -106,18 +93,13 @@ struct MoeGemmParams {
   const void* extra_w = nullptr;
   void* extra_y = nullptr;
   int64_t extra_rows = 0;
-  // The combine in the same launch (a decode / verify step's down GEMM, no swiglu; the mma.sync
-  // kernel): the block that finishes a column block last (an arrival counter per column block, reset
-  // by that block) writes moe_combine's out [N, Nout] for those columns from the blocks' y rows and,
-  // with the extra group, its rows as the shared term behind sigmoid(gate_logit[n]); the same
-  // arithmetic as moe_combine, so the same bits. out == nullptr: no combine.
-  struct Combine {
-    void* out = nullptr;
-    const int32_t* slot_pos = nullptr;  // [routed, k]
-    const float* weights = nullptr;     // [routed, k]
-    const float* gate_logit = nullptr;  // [N] (needed with the extra group)
-    int64_t N = 0, routed = 0, k = 0;
-  } combine;
+  // The mma.sync kernel launches with programmatic dependent launch (pdl.cuh): the extra group's
+  // blocks issue their first weight loads before the wait. routing_settled: offsets, tile_offsets
+  // and src_row were written before the launch preceding this one (moe_block's down GEMM: by the
+  // routing, before the gate|up GEMM), so every block finds its tile and issues its first weight loads
+  // before the wait, under the previous kernel's tail. (Every PDL kernel of the MoE block signals its
+  // dependents only after its own wait, which makes "two launches back" complete by then.)
+  bool routing_settled = false;
 };
 void moe_grouped_gemm(const MoeGemmParams& p, Stream s);
 // Whether moe_block runs the shared expert as the grouped GEMMs' extra group: a shared expert as wide
@@ -127,15 +109,6 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s);
 bool moe_fuse_shared(bool shared, int64_t I, int64_t Is, int64_t routed_rows, bool fp8_codes);
 namespace tuning {
 extern int moe_fuse_shared;
-// moe_block's router for decode / verify steps: 1 moe_router_route where it applies; -1 (the default)
-// and 0 the router GEMM on cuBLASLt, then moe_route_small. Measured on an H200 (h200-moe7-88de416, ncu,
-// L2-cold, one token): moe_router_route 26 us against cuBLASLt's 6.5 + moe_route_small's 9.3 (its
-// last block's routing on 256 threads, with spills, took ~19 us), 83 against ~20 at 16 tokens (the
-// row dots of 16 tokens on 33 blocks).
-extern int moe_router_one_launch;
-// moe_block's combine for decode / verify steps: -1 / 1 in the down GEMM's launch where the shared
-// expert rides there and the router ran in one launch (MoeGemmParams::combine), 0 never.
-extern int moe_fuse_combine;
 }  // namespace tuning
 inline int64_t moe_extra_tiles(const MoeGemmParams& p) { return p.extra_w ? (p.extra_rows + kMoeTileRows - 1) / kMoeTileRows : 0; }
 // The grouped GEMM's three tilings give the same bits (the same mma k16 steps per element in the same
@@ -183,11 +156,13 @@ void moe_gather(const void* x, const int32_t* src_row, int64_t rows, int64_t H, 
 // out[n, :] = sum_j weights[n, j] * y[slot_pos[n, j], :] (+ sigmoid(x[n] · gate_w) * shared[n, :]
 // when shared != nullptr; x, gate_w [H] bf16), bf16 out [N, H] contiguous, fp32 math. Rows n >=
 // routed (routed < 0: every row is routed) have no routed term; slot_pos / weights hold the routed rows.
-// A choice with slot_pos -1 (an expert of another rank) adds nothing. gate_logit (fp32 [N], optional):
-// the gate's logits x[n] · gate_w computed before (moe_router_route), in place of the dot product here.
+// A choice with slot_pos -1 (an expert of another rank) adds nothing. Launched with programmatic
+// dependent launch (pdl.cuh); settled: slot_pos, weights and x were written before the launch
+// preceding this one (moe_block), so the gate's dot product and the choices are read before the
+// wait, under the previous kernel's tail.
 void moe_combine(const void* y, const int32_t* slot_pos, const float* weights, int64_t N, int64_t k, int64_t H,
                  const void* shared, const void* x, const void* gate_w, void* out, Stream s, int64_t routed = -1,
-                 const float* gate_logit = nullptr);
+                 bool settled = false);
 
 // ---- The whole block --------------------------------------------------------------------------------
 // Grouped: the steps above. Fallback: the per-expert gemm_bf16 loop. Decode (kernels/cuda/moe_decode.cu,

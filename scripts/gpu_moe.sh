@@ -16,7 +16,8 @@
 #      q35_1gpu_fp8x and with the FP8 drafter q35_1gpu_d8: MOE_TRAIN_RUNS, a regex; TRAIN_STEPS, default 20).
 #   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_moe.sh
 # Writes at most 8 files to $OUT: env.txt, build.log, tests.log, eval35b.log, eval35b.csv, pipeline.log,
-# train.txt, train.tgz (with train_rows.csv). NCU_MOE=1 adds the decode-sized MoE blocks kernel by kernel under ncu (CSV in tests.log). MOE_BENCH=1 adds test_cuda_moe's timing rows (moe_bench,...: the
+# train.txt, train.tgz (with train_rows.csv). NCU_MOE_DETAIL=1 adds the one-token expert GEMMs' ncu sections (stall reasons).
+# NCU_MOE=1 adds the decode-sized MoE blocks kernel by kernel under ncu (CSV in tests.log). MOE_BENCH=1 adds test_cuda_moe's timing rows (moe_bench,...: the
 # block and its expert GEMMs at 35B-A3B shapes, both tilings, the decode kernels, FP8 experts) to tests.log. SKIP_TESTS / SKIP_EVAL / SKIP_PIPELINE / SKIP_TRAIN=1 skip a
 # stage; every stage after the build is skipped or stopped (SIGTERM: dflash_train keeps its rows) before
 # DFLASH_DEADLINE (default 540 s after the start).
@@ -44,6 +45,18 @@ if [ -z "${SKIP_TESTS:-}" ]; then
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
       "$B/tests/test_cuda_moe" --gtest_filter='CudaMoe.Bench35bA3b' >>"$OUT/tests.log" 2>&1
     echo "ncu moe rc=$?"
+  fi
+  # NCU_MOE_DETAIL=1: the first two mma.sync grouped GEMMs on 16-row blocks of the profiled region (the one-token
+  # deep16 gate|up and down) with ncu's speed-of-light, memory, warp-state (stall reasons) and
+  # occupancy sections, as text after a '=== ncu moe detail' line in tests.log.
+  if [ -n "${NCU_MOE_DETAIL:-}" ]; then
+    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    echo "=== ncu moe detail" >>"$OUT/tests.log"
+    DFLASH_MOE_BENCH=1 DFLASH_MOE_PROFILE=1 timeout 180 "$NCU" --profile-from-start off --clock-control none \
+      --kernel-name-base demangled --kernel-name "regex:grouped_gemm_kernel<16" --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
+      "$B/tests/test_cuda_moe" --gtest_filter='CudaMoe.Bench35bA3b' >>"$OUT/tests.log" 2>&1
+    echo "ncu moe detail rc=$?"
   fi
   echo "tests $(( $(date +%s) - t0 )) s"
   grep -E "^\[  (PASSED|FAILED) |^tiny_moe gpu .*(forced|free)|moe greedy|^moe_bench" "$OUT/tests.log" | head -n 40

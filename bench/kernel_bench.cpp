@@ -1010,26 +1010,16 @@ void bench_fp8(Ctx& ctx, bool quick) {
   }
 }
 
-// The fused decode kernels of issue 30 against their unfused twins, Qwen3.6-27B decode shapes (one
-// sequence, 16 padded rows as the decoder runs them): gemm_skinny vs cuBLASLt per projection (GB/s of
-// the weight), down_proj with SwiGLU fused, the GatedDeltaNet chain (decode T 1 and verify T 16),
-// commit over 48 layers, add_rms_norm's row kernel, and a whole GatedDeltaNet layer's launches in a
-// CUDA graph unfused / fused / fused with programmatic dependent launch. Each provider's output is
-// checked against the first one's before it is timed; graph rows are the per-call time of 20
-// back-to-back calls replayed. The layer's rows: cuBLASLt GEMMs unless named skinny (which also
-// fuses SwiGLU into down_proj).
-void bench_fused(Ctx& ctx, bool quick) {
-  std::printf("\n== fused: issue 30's fused decode kernels vs their unfused twins (Qwen3.6-27B, 1 sequence, M 16)\n");
-  copy_ceiling(ctx, "fused");
+// gemm_skinny vs cuBLASLt on decode GEMM shapes (M 16, as the decoder pads a step's rows): GB/s of
+// the weight read, alone and as CUDA-graph replays.
+struct DecodeGemmShape {
+  const char* name;
+  int64_t N, K;
+};
+void bench_decode_gemms(Ctx& ctx, const std::vector<DecodeGemmShape>& shapes) {
   const Device dev = Device::cuda(0);
-  const int64_t M = 16, H = 5120, I = 17408;
-  struct Shape {
-    const char* name;
-    int64_t N, K;
-  };
-  const std::vector<Shape> shapes = {{"gdn_in_proj", 16480, H}, {"attn_qkv", 14336, H}, {"gdn_out_proj", H, 6144},
-                                     {"mlp_down", H, I},         {"mlp_gate_up", 2 * I, H}};
-  for (const Shape& g : shapes) {
+  const int64_t M = 16;
+  for (const DecodeGemmShape& g : shapes) {
     const double gb = 2.0 * static_cast<double>(g.N) * static_cast<double>(g.K) / 1e9;
     const int sets = rotation_sets(ctx, gb * 1e9);
     std::vector<Tensor> ws;
@@ -1062,6 +1052,36 @@ void bench_fused(Ctx& ctx, bool quick) {
     measure(ctx, "fused", "gemm_decode", shape, prov, 1e-2, {{"weight_read", "GB/s", gb}});
     measure_graph(ctx, "gemm_decode", shape, prov, {{"weight_read", "GB/s", gb}});
   }
+}
+
+// The dense decode GEMMs alone (--only decode_gemm): Qwen3.6-27B's and Qwen3.6-35B-A3B's projections
+// (the MoE model's attention, GatedDeltaNet and shared-expert shapes at hidden 2048).
+void bench_decode_gemm(Ctx& ctx, bool quick) {
+  (void)quick;
+  std::printf("\n== decode_gemm: gemm_skinny vs cuBLASLt, M 16 (Qwen3.6-27B and Qwen3.6-35B-A3B projections)\n");
+  copy_ceiling(ctx, "decode_gemm");
+  const int64_t H = 5120, I = 17408, H3 = 2048;
+  bench_decode_gemms(ctx, {{"gdn_in_proj", 16480, H}, {"attn_qkv", 14336, H}, {"gdn_out_proj", H, 6144},
+                           {"mlp_down", H, I}, {"mlp_gate_up", 2 * I, H}, {"35b_gdn_in_proj", 12352, H3},
+                           {"35b_attn_qkv", 9216, H3}, {"35b_out_proj", H3, 4096}, {"35b_shared_gate_up", 1024, H3},
+                           {"35b_shared_down", H3, 512}, {"35b_router", 256, H3}});
+}
+
+// The fused decode kernels of issue 30 against their unfused twins, Qwen3.6-27B decode shapes (one
+// sequence, 16 padded rows as the decoder runs them): gemm_skinny vs cuBLASLt per projection (GB/s of
+// the weight), down_proj with SwiGLU fused, the GatedDeltaNet chain (decode T 1 and verify T 16),
+// commit over 48 layers, add_rms_norm's row kernel, and a whole GatedDeltaNet layer's launches in a
+// CUDA graph unfused / fused / fused with programmatic dependent launch. Each provider's output is
+// checked against the first one's before it is timed; graph rows are the per-call time of 20
+// back-to-back calls replayed. The layer's rows: cuBLASLt GEMMs unless named skinny (which also
+// fuses SwiGLU into down_proj).
+void bench_fused(Ctx& ctx, bool quick) {
+  std::printf("\n== fused: issue 30's fused decode kernels vs their unfused twins (Qwen3.6-27B, 1 sequence, M 16)\n");
+  copy_ceiling(ctx, "fused");
+  const Device dev = Device::cuda(0);
+  const int64_t M = 16, H = 5120, I = 17408;
+  bench_decode_gemms(ctx, {{"gdn_in_proj", 16480, H}, {"attn_qkv", 14336, H}, {"gdn_out_proj", H, 6144},
+                           {"mlp_down", H, I}, {"mlp_gate_up", 2 * I, H}});
   {  // down_proj with SwiGLU: swiglu + cuBLASLt (the unfused path), swiglu + skinny, skinny with the SwiGLU prologue
     const double gb = 2.0 * static_cast<double>(H) * static_cast<double>(I) / 1e9;
     Tensor w = dev_randn({H, I}, DType::BF16, 120, 0.02f), gu = dev_randn({M, 2 * I}, DType::BF16, 121, 2.0f);
@@ -1359,7 +1379,7 @@ int main(int argc, char** argv) {
   std::string json_path, baseline;
   app.add_option("--json", json_path, "also write this run's rows as JSON");
   app.add_option("--baseline", baseline, "an earlier CSV: print now/baseline per row and the geomean per group");
-  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,attn,dattn,ce,layer,decode,sample,fp8,fused,fp8train")
+  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,attn,dattn,ce,layer,decode,sample,fp8,fused,fp8train,decode_gemm")
       ->capture_default_str();
   app.add_flag("--quick", quick, "a few shapes only (smoke run)");
   app.add_option("--decode-ops", ctx.decode_ops, "decode section: which of gdn,conv,attn")->capture_default_str();
@@ -1387,7 +1407,8 @@ int main(int argc, char** argv) {
     const std::vector<std::pair<std::string, void (*)(Ctx&, bool)>> sections = {
         {"conv", bench_conv}, {"gdn", bench_gdn},     {"gemm", bench_gemm},  {"attn", bench_attn},
         {"ce", bench_ce},     {"layer", bench_layer}, {"dattn", bench_dattn}, {"decode", bench_decode},
-        {"sample", bench_sample}, {"fp8", bench_fp8}, {"fused", bench_fused}, {"fp8train", bench_fp8train}};
+        {"sample", bench_sample}, {"fp8", bench_fp8}, {"fused", bench_fused}, {"fp8train", bench_fp8train},
+        {"decode_gemm", bench_decode_gemm}};
     std::set<std::string> wanted;
     for (std::stringstream ss(only); ss.good();) {
       std::string name;
@@ -1395,7 +1416,7 @@ int main(int argc, char** argv) {
       if (name.empty()) continue;
       DFLASH_REQUIRE_HINT(std::any_of(sections.begin(), sections.end(), [&](const auto& s) { return s.first == name; }),
                         "kernel_bench --only: unknown section '" << name << "'",
-                        "the sections are conv, gdn, gemm, attn, dattn, ce, layer, decode, sample, fp8, fused, fp8train");
+                        "the sections are conv, gdn, gemm, attn, dattn, ce, layer, decode, sample, fp8, fused, fp8train, decode_gemm");
       wanted.insert(name);
     }
     for (const auto& [name, fn] : sections)

@@ -17,13 +17,14 @@
 #   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_moe.sh
 # Writes at most 8 files to $OUT: env.txt, build.log, tests.log, eval35b.log, eval35b.csv, pipeline.log,
 # train.txt, train.tgz (with train_rows.csv). NCU_MOE_DETAIL=1 adds the one-token expert GEMMs' ncu sections (stall reasons).
+# KB_DECODE_GEMM=1 adds kernel_bench's decode_gemm rows (skinny vs cuBLASLt at the 27B / 35B-A3B decode shapes).
 # NCU_MOE=1 adds the decode-sized MoE blocks kernel by kernel under ncu (CSV in tests.log). MOE_BENCH=1 adds test_cuda_moe's timing rows (moe_bench,...: the
 # block and its expert GEMMs at 35B-A3B shapes, both tilings, the decode kernels, FP8 experts) to tests.log. SKIP_TESTS / SKIP_EVAL / SKIP_PIPELINE / SKIP_TRAIN=1 skip a
 # stage; every stage after the build is skipped or stopped (SIGTERM: dflash_train keeps its rows) before
 # DFLASH_DEADLINE (default 540 s after the start).
 source "$(dirname "$0")/gpu_call.sh"
 export DFLASH_DEADLINE=${DFLASH_DEADLINE:-$(( $(date +%s) + 540 ))}
-NINJA_TARGETS=${NINJA_TARGETS:-test_cuda_moe test_cuda_model test_cuda_decoder target_bench dflash_eval dflash_train dflash_features dflash_data_tool}
+NINJA_TARGETS=${NINJA_TARGETS:-test_cuda_moe test_cuda_model test_cuda_decoder target_bench kernel_bench dflash_eval dflash_train dflash_features dflash_data_tool}
 gpu_call_start /tmp/build-moe
 left() { echo $(( DFLASH_DEADLINE - $(date +%s) )); }
 cd "$DFLASH_ROOT"
@@ -57,6 +58,13 @@ if [ -z "${SKIP_TESTS:-}" ]; then
       --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
       "$B/tests/test_cuda_moe" --gtest_filter='CudaMoe.Bench35bA3b' >>"$OUT/tests.log" 2>&1
     echo "ncu moe detail rc=$?"
+  fi
+  # KB_DECODE_GEMM=1: kernel_bench's decode_gemm section (gemm_skinny vs cuBLASLt at M 16 on the 27B and
+  # 35B-A3B projections) after a '=== kernel_bench decode_gemm' line in tests.log.
+  if [ -n "${KB_DECODE_GEMM:-}" ]; then
+    echo "=== kernel_bench decode_gemm" >>"$OUT/tests.log"
+    timeout 120 "$B/bench/kernel_bench" --only decode_gemm --rounds 2 --csv "$OUT/eval35b.csv" >>"$OUT/tests.log" 2>&1
+    echo "kernel_bench decode_gemm rc=$?"
   fi
   echo "tests $(( $(date +%s) - t0 )) s"
   grep -E "^\[  (PASSED|FAILED) |^tiny_moe gpu .*(forced|free)|moe greedy|^moe_bench" "$OUT/tests.log" | head -n 40

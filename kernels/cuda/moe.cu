@@ -376,8 +376,8 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < KT) {
+      if (!early) load_b(s, s);  // (the weights first: A's addresses wait on the gathered rows' src_row)
       load_a(s, s);
-      if (!early) load_b(s, s);
     }
     ptx::cp_async_commit_ring();
   }
@@ -385,8 +385,8 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p)
     ptx::cp_async_wait_ring<kStages - 2>();
     __syncthreads();
     if (kt + kStages - 1 < KT) {
-      load_a((kt + kStages - 1) % kStages, kt + kStages - 1);
       load_b((kt + kStages - 1) % kStages, kt + kStages - 1);
+      load_a((kt + kStages - 1) % kStages, kt + kStages - 1);
     }
     ptx::cp_async_commit_ring();
     const bf16* A = sa + (kt % kStages) * BM * kLds;

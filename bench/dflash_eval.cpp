@@ -194,7 +194,7 @@ int main(int argc, char** argv) {
                  "decoders of these variants of the decode plan (comma-separated, repeats allowed: fused = the plan as "
                  "is, no_pdl, skinny (+ SwiGLU in down_proj), skinny_no_swiglu, no_gdn_chain, gdn_chain_all, no_commit, "
                  "no_overlap, moe_decode (MoE targets: the MoE decode kernels), moe_wgmma (MoE targets: the expert GEMMs on "
-                 "wgmma), moe_load_warps (MoE targets: their 16-row blocks with load-only warps), unfused = every fusion and PDL off); the "
+                 "wgmma), unfused = every fusion and PDL off); the "
                  "A/B table of issue 30's fused decode kernels, CSV kernel 'variant:<name>'");
   int64_t variant_tokens = 32;
   app.add_option("--variant-tokens", variant_tokens, "new tokens per --decode-variants run")->capture_default_str()

@@ -60,12 +60,11 @@ std::string utc_timestamp();  // 2026-11-30T08:00:00Z
 // --decode-variant): fused (the plan as is), no_pdl, skinny (+ SwiGLU in down_proj), skinny_no_swiglu,
 // no_gdn_chain, gdn_chain_all (the fused chain at any number of sequences), no_commit, no_overlap,
 // moe_decode (MoE targets: the MoE decode kernels, off in the plan: slower in the 35B-A3B decode),
-// moe_wgmma (MoE targets: the decode / verify steps' expert GEMMs on the wgmma kernel), moe_load_warps
-// (MoE targets: their 16-row deep blocks with load-only warps), unfused (every
+// moe_wgmma (MoE targets: the decode / verify steps' expert GEMMs on the wgmma kernel), unfused (every
 // fusion and PDL off). Sets `fusion` and
 // cuda::tuning::pdl (the caller restores pdl); an unknown name throws, naming `option` and the variants.
 inline constexpr const char* kDecodeVariantNames =
-    "fused, no_pdl, skinny, skinny_no_swiglu, no_gdn_chain, gdn_chain_all, no_commit, no_overlap, moe_decode, moe_wgmma, moe_load_warps, unfused";
+    "fused, no_pdl, skinny, skinny_no_swiglu, no_gdn_chain, gdn_chain_all, no_commit, no_overlap, moe_decode, moe_wgmma, unfused";
 void apply_decode_variant(const std::string& name, target::FastPathPlan::DecodeFusion& fusion, const char* option);
 
 }  // namespace dflash::bench

@@ -301,7 +301,6 @@ std::string FastPathPlan::DecodeFusion::str() const {
   add(commit, commit_overlap ? "fused commit (side stream)" : "fused commit");
   add(moe_decode, "MoE decode kernels (steps of <= 16 rows)");
   add(moe_wgmma, "MoE expert GEMMs on wgmma");
-  add(moe_load_warps, "MoE expert GEMMs with load-only warps");
   return s;
 }
 
@@ -427,8 +426,7 @@ nlohmann::json FastPathPlan::to_json() const {
                         {"commit", fusion.commit},
                         {"commit_overlap", fusion.commit_overlap},
                         {"moe_decode", fusion.moe_decode},
-                        {"moe_wgmma", fusion.moe_wgmma},
-                        {"moe_load_warps", fusion.moe_load_warps}};
+                        {"moe_wgmma", fusion.moe_wgmma}};
   for (const LayerPlan& l : layers) {
     nlohmann::json lj{{"layer", l.layer}, {"type", layer_type_name(l.type)}, {"all_fast", l.all_fast()}};
     for (const StepPlan& s : l.steps)

@@ -108,10 +108,7 @@ struct FastPathPlan {
     // MoE targets: the grouped path's expert GEMMs of decode / verify steps on the wgmma kernel
     // (cuda::moe_grouped_gemm_wgmma, sm_90) instead of mma.sync's narrow tiles (--decode-variant moe_wgmma).
     bool moe_wgmma = false;
-    // MoE targets: the expert GEMMs' 16-row deep blocks with 4 load-only warps (cuda::moe_load_warps:
-    // the same bits; --decode-variant moe_load_warps).
-    bool moe_load_warps = false;
-    bool any() const { return skinny_gemm || swiglu_gemm || gdn_chain || commit || moe_decode || moe_wgmma || moe_load_warps; }
+    bool any() const { return skinny_gemm || swiglu_gemm || gdn_chain || commit || moe_decode || moe_wgmma; }
     // "skinny GEMMs, SwiGLU in down_proj, fused GatedDeltaNet chain, fused commit, MoE decode kernels" ("" if none)
     std::string str() const;
   };

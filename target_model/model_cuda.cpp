@@ -772,7 +772,6 @@ void CudaTargetModel::moe(int64_t i, const Tensor& x, Tensor& out) {
   // they read no expert weights.
   p.routed = step ? decode_->real_tokens : N;
   if (step && decode_->fusion.moe_wgmma) p.wgmma = 1;
-  if (step && decode_->fusion.moe_load_warps) p.load_warps = 1;
   Tensor scratch;  // FP8 experts: their bf16 values where the kernels read bf16 (cuda::moe_fp8_scratch)
   if (fp8_experts) {
     p.experts_gate_up_scale = L.moe.experts_gate_up_scale.data<float>();

@@ -358,12 +358,11 @@ TEST(CudaMoe, Permute) {
 
 // The grouped GEMM's kernels, forced for a scope (tuning::moe_narrow_tiles, tuning::moe_wgmma): 0 the
 // mma.sync kernel's wide tiles, 1 its narrow tiles, 3 its deep tiles, 4 its deep tiles of 16-row
-// blocks, 5 those with load-only warps (the five bit for bit alike, below), 2 the wgmma kernel
-// (moe_sm90.cu; on an sm_90 device);
+// blocks (the four bit for bit alike, below), 2 the wgmma kernel (moe_sm90.cu; on an sm_90 device);
 // each against the reference.
 struct GemmKnob {
   explicit GemmKnob(int v) {
-    cu::tuning::moe_narrow_tiles = v == 1 ? 1 : v == 3 ? 2 : v == 4 ? 3 : v == 5 ? 4 : 0;
+    cu::tuning::moe_narrow_tiles = v == 1 ? 1 : v == 3 ? 2 : v == 4 ? 3 : 0;
     cu::tuning::moe_wgmma = v == 2 ? 1 : 0;
   }
   ~GemmKnob() {
@@ -372,15 +371,14 @@ struct GemmKnob {
   }
 };
 std::vector<int> gemm_kernels() {
-  if (cu::moe_wgmma_supported(0)) return {0, 1, 3, 4, 5, 2};
-  return {0, 1, 3, 4, 5};
+  if (cu::moe_wgmma_supported(0)) return {0, 1, 3, 4, 2};
+  return {0, 1, 3, 4};
 }
 const char* gemm_kernel_name(int v) {
   return v == 0   ? "mma.sync wide tiles"
          : v == 1 ? "mma.sync narrow tiles"
          : v == 3 ? "mma.sync deep tiles"
          : v == 4 ? "mma.sync deep tiles, 16-row blocks"
-         : v == 5 ? "mma.sync deep tiles, 16-row blocks, load-only warps"
                   : "wgmma";
 }
 
@@ -621,8 +619,8 @@ TEST(CudaMoe, NarrowAndWideTilesAreBitIdentical) {
   fill_normal(lf, {81, g_stream++, 0}, 0.0f, 1.0f);
   Routed rt = route(lf.to(Device::cuda(0)), N, E, k);
   Pair x = rand_bf16({N, H}, 1.0f), gu = rand_bf16({E, 2 * I, H}, 0.02f), dn = rand_bf16({E, H, I}, 0.05f);
-  Tensor out[5][2];
-  for (int narrow : {0, 1, 2, 3, 4}) {
+  Tensor out[4][2];
+  for (int narrow : {0, 1, 2, 3}) {
     GemmKnob knob(narrow >= 2 ? narrow + 1 : narrow);
     Tensor act = Tensor::empty({R, I}, DType::BF16, Device::cuda(0)), y = Tensor::empty({R, H}, DType::BF16, Device::cuda(0));
     poison(act);
@@ -633,8 +631,7 @@ TEST(CudaMoe, NarrowAndWideTilesAreBitIdentical) {
     g.E = E, g.Nout = I, g.K = H, g.max_tiles = cu::moe_max_tiles(R, E), g.swiglu = true, g.rows = R;
     EXPECT_EQ(cu::moe_narrow_tiles(g), narrow >= 1);
     EXPECT_EQ(cu::moe_deep_tiles(g), narrow >= 2);
-    EXPECT_EQ(cu::moe_deep16_tiles(g), narrow >= 3);
-    EXPECT_EQ(cu::moe_load_warps(g), narrow == 4);
+    EXPECT_EQ(cu::moe_deep16_tiles(g), narrow == 3);
     cu::moe_grouped_gemm(g, stream());
     cu::MoeGemmParams d = g;
     d.x = act.raw_data(), d.ldx = I, d.src_row = nullptr, d.w = dn.dev.raw_data(), d.y = y.raw_data();
@@ -644,13 +641,12 @@ TEST(CudaMoe, NarrowAndWideTilesAreBitIdentical) {
     out[narrow][0] = host(act);
     out[narrow][1] = host(y);
   }
-  for (int v = 1; v < 5; ++v) {
+  for (int v = 1; v < 4; ++v) {
     for (int t = 0; t < 2; ++t) {
       const Tensor &a = out[0][t], &b = out[v][t];
       ASSERT_EQ(a.nbytes(), b.nbytes());
       EXPECT_EQ(std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()), 0)
-          << (v == 1 ? "narrow " : v == 2 ? "deep " : v == 3 ? "deep 16-row " : "deep 16-row, load-only warps ")
-          << (t ? "down" : "gate|up + swiglu");
+          << (v == 1 ? "narrow " : v == 2 ? "deep " : "deep 16-row ") << (t ? "down" : "gate|up + swiglu");
       EXPECT_EQ(max_rel_err(b, a), 0.0);  // and no NaN (poisoned outputs all written)
     }
   }
@@ -779,21 +775,18 @@ TEST(CudaMoe, Bench35bA3b) {
     // of 16-row blocks (6 and 7 take the automatic tiling: deep of 16-row blocks for N <= 16); 10 deep
     // tiles of 16-row blocks with the shared expert in launches of its own after the experts
     // (tuning::moe_fuse_shared 0; the others run it as the grouped GEMMs' extra group where
-    // moe_fuse_shared says: N <= 64); 13 as 12 with 4 load-only warps a block. (The 16-row blocks only
-    // where an expert holds <= 16 rows.)
-    for (int variant : {0, 1, 9, 12, 13, 10, 2, 3, 4, 5, 6, 7, 8}) {
-      if ((variant == 3 || variant == 4 || variant == 5 || variant == 10 || variant == 12 || variant == 13) &&
-          N > cu::kMoeDecodeMaxRows)
-        continue;
+    // moe_fuse_shared says: N <= 64). (The 16-row blocks only where an expert holds <= 16 rows.)
+    for (int variant : {0, 1, 9, 12, 10, 2, 3, 4, 5, 6, 7, 8}) {
+      if ((variant == 3 || variant == 4 || variant == 5 || variant == 10 || variant == 12) && N > cu::kMoeDecodeMaxRows) continue;
       if (variant == 8 && !cu::moe_wgmma_supported(0)) continue;
       // (profiled: the decode-sized paths worth a kernel-by-kernel look)
-      if (profile && variant != 9 && variant != 12 && variant != 13 && variant != 10 && variant != 8) continue;
+      if (profile && variant != 9 && variant != 12 && variant != 10 && variant != 8) continue;
       const bool fp8 = variant >= 5 && variant <= 7;
       const cu::MoeImpl impl = variant < 2 || variant >= 6 ? cu::MoeImpl::Grouped
                                : variant == 2              ? cu::MoeImpl::Fallback
                                                            : cu::MoeImpl::Decode;
       std::optional<GemmKnob> knob;
-      if (variant < 2 || variant >= 8) knob.emplace(variant == 8 ? 2 : variant == 9 ? 3 : variant == 13 ? 5 : variant >= 10 ? 4 : variant);
+      if (variant < 2 || variant >= 8) knob.emplace(variant == 8 ? 2 : variant == 9 ? 3 : variant >= 10 ? 4 : variant);
       cu::tuning::moe_fuse_shared = variant == 10 ? 0 : -1;
       const TopkKnob topk(variant == 3 || variant == 4 ? variant - 3 : -1);
       const std::string name = std::string(cu::moe_impl_name(impl)) +
@@ -806,7 +799,6 @@ TEST(CudaMoe, Bench35bA3b) {
                                 : variant == 9 ? "/deep"
                                 : variant == 10 ? "/deep16_shared_apart"
                                 : variant == 12 ? "/deep16"
-                                : variant == 13 ? "/deep16_load_warps"
                                 : fp8          ? "/fp8_experts"
                                                : "");
       cu::tuning::moe_fp8_dequantize_first = variant == 7 ? 1 : variant == 6 ? 0 : -1;

@@ -47,14 +47,14 @@ Pair rand_bf16(const Shape& s, float sd) {
 // GEMMs in both tilings (mma.sync emulated), the combine with a sigmoid-gated shared term; against
 // the CPU's top-k and experts on the same routing; the three tilings give the same bits.
 TEST(MoeEmulated, GroupedPathMatchesTheCpuReference) {
-  const char* const tiling[] = {"wide", "narrow", "deep", "deep, 16-row blocks", "deep, 16-row blocks, load-only warps"};
+  const char* const tiling[] = {"wide", "narrow", "deep", "deep, 16-row blocks"};
   struct G {
     int64_t N, H, E, k, I, e0, El;
   };
   for (const G& c : std::vector<G>{{40, 64, 8, 2, 32, 0, 8}, {70, 72, 8, 3, 40, 4, 4}, {9, 64, 4, 2, 24, 1, 2}}) {
     Tensor first_out;
     const uint64_t draws = g_stream;  // every tiling on the same inputs
-    for (int narrow : {0, 1, 2, 3, 4}) {
+    for (int narrow : {0, 1, 2, 3}) {
       g_stream = draws;
       SCOPED_TRACE("N " + std::to_string(c.N) + " experts [" + std::to_string(c.e0) + ", " +
                    std::to_string(c.e0 + c.El) + ") of " + std::to_string(c.E) + ", " + tiling[narrow]);
@@ -191,12 +191,8 @@ TEST(MoeEmulated, ExtraGroupIsADenseGroupInTheSameLaunch) {
     poison(t);
     return t;
   };
-  for (int tiling : {0, 1, 2, 3, 4}) {
-    SCOPED_TRACE(tiling == 0   ? "wide"
-                 : tiling == 1 ? "narrow"
-                 : tiling == 2 ? "deep"
-                 : tiling == 3 ? "deep, 16-row blocks"
-                               : "deep, 16-row blocks, load-only warps");
+  for (int tiling : {0, 1, 2, 3}) {
+    SCOPED_TRACE(tiling == 0 ? "wide" : tiling == 1 ? "narrow" : tiling == 2 ? "deep" : "deep, 16-row blocks");
     cu::tuning::moe_narrow_tiles = tiling;
     Tensor act[2] = {bf(R, I), bf(R, I)}, y[2] = {bf(R, H), bf(R, H)}, sact[2] = {bf(N, I), bf(N, I)}, sout[2] = {bf(N, H), bf(N, H)};
     for (int extra : {0, 1}) {
@@ -259,7 +255,7 @@ TEST(MoeEmulated, Fp8GroupedGemmsGiveTheBf16ExpertsBits) {
   // Routing: choice j of row n to expert (n + j) % E, through the permutation kernel.
   const cu_test::FixedRouting rt = cu_test::fixed_routing(N, E, k, 1);
   const Tensor &off = rt.off, &tiles = rt.tiles, &src = rt.src;
-  for (int narrow : {0, 1, 2, 3, 4}) {
+  for (int narrow : {0, 1, 2, 3}) {
     cu::tuning::moe_narrow_tiles = narrow;
     Tensor act[2], y[2];
     for (int fp8 : {0, 1}) {

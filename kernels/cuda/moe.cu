@@ -237,6 +237,7 @@ __device__ __forceinline__ float sigmoid_gate(float logit) { return 1.0f / (1.0f
 //           GEMMs ran at ~1.1 TB/s.
 // Every output element is the same mma.sync k16 steps in the same K order in each, so all give the
 // same bits (k16 steps past K add zero products: they change nothing but an all-(-0) sum's sign).
+constexpr int kThreads = 128;
 // Shared-memory rows: bf16 rows of BK + 8 elements (ldmatrix's 8 row addresses hit distinct banks:
 // the row pitch is an odd number of 16-byte units) and FP8 weight rows of BK + 16 bytes (a
 // fragment's 8 rows x 4 byte pairs hit distinct banks).
@@ -254,23 +255,18 @@ constexpr int ldq() { return BK + 16; }
 // their tiles come into shared memory as codes (half the bytes of bf16) and each thread builds its
 // mma B fragments from them, every weight the bf16-rounded code · scale: the bf16 experts' values,
 // so the products are the bf16 kernel's bits on those experts.
-// kWarps 8: warps 4-7 share the cp.async copies and do no MMA (the same MMAs in the same order: the
-// same bits), for calls of one block an SM, where 4 warps' copies in flight did not keep the DRAM
-// busy.
-template <int BM, int BN, int BK, int kStages, bool kFp8, int kWarps = 4>
-__global__ void __launch_bounds__(kWarps * 32) grouped_gemm_kernel(MoeGemmParams p) {
-  static_assert(kWarps == 4 || kWarps == 8, "4 MMA warps, and 4 more that only load");
-  constexpr int kLoadThreads = kWarps * 32;
+template <int BM, int BN, int BK, int kStages, bool kFp8>
+__global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(MoeGemmParams p) {
   static_assert(BM == 64 || BM == 16, "a 64-row tile, or a 16-row sub-tile of one");
   constexpr int WM = BM == 64 ? 2 : 1, WN = 4 / WM, MI = BM / (16 * WM);  // warps along rows / columns, m16 tiles a warp
   constexpr int NT = BN / (8 * WN), HT = NT / 2;  // n8 tiles, half of them
   constexpr int kLds = lds<BK>(), kLdq = ldq<BK>();
   // A and B chunks of 16 bytes a thread per k tile (8 bf16 or 16 e4m3 values); fp8 rows of kLdq bytes.
-  constexpr int GPA = BK / 8, ACH = BM * GPA / kLoadThreads;
-  constexpr int BCH = BN * BK * (kFp8 ? 1 : 2) / 16 / kLoadThreads, CW = kFp8 ? 16 : 8;
+  constexpr int GPA = BK / 8, ACH = BM * GPA / kThreads;
+  constexpr int BCH = BN * BK * (kFp8 ? 1 : 2) / 16 / kThreads, CW = kFp8 ? 16 : 8;
   static_assert(NT % 2 == 0 && (HT % 2 == 0 || HT == 1) && BCH >= 1 && (BN & (BN - 1)) == 0,
                 "tile pairs for ldmatrix_x4, whole B chunks, BN a power of 2");
-  static_assert(BK % 32 == 0 && ACH * kLoadThreads == BM * GPA, "k tiles of whole fp8 chunk pairs, whole A chunks");
+  static_assert(BK % 32 == 0 && ACH * kThreads == BM * GPA, "k tiles of whole fp8 chunk pairs, whole A chunks");
   static_assert(BN <= 128 && 128 % BK == 0, "a block's weight rows of a part and a k tile lie in one 128 x 128 scale block");
   DFLASH_DYNAMIC_SMEM(unsigned char, smem_raw);
   bf16* sa = reinterpret_cast<bf16*>(smem_raw);  // [kStages][BM][kLds]
@@ -302,7 +298,7 @@ __global__ void __launch_bounds__(kWarps * 32) grouped_gemm_kernel(MoeGemmParams
   int a_off[ACH];
 #pragma unroll
   for (int c = 0; c < ACH; ++c) {
-    const int idx = tid + c * kLoadThreads, r = idx / GPA, g = idx % GPA;
+    const int idx = tid + c * kThreads, r = idx / GPA, g = idx % GPA;
     const int pos = row0 + r;
     a_ok[c] = pos < row_end;
     const int src = a_ok[c] ? (op.src_row ? op.src_row[pos] : pos) : 0;
@@ -315,7 +311,7 @@ __global__ void __launch_bounds__(kWarps * 32) grouped_gemm_kernel(MoeGemmParams
   constexpr int GPR = BK / CW;  // chunks a B row per k tile
 #pragma unroll
   for (int c = 0; c < BCH; ++c) {
-    const int idx = tid + c * kLoadThreads, r = idx / GPR, g = idx % GPR;
+    const int idx = tid + c * kThreads, r = idx / GPR, g = idx % GPR;
     bool ok;
     const int wrow = moe_detail::weight_row(p, r, col0, BN, ok);
     b_ok[c] = ok;
@@ -338,7 +334,7 @@ __global__ void __launch_bounds__(kWarps * 32) grouped_gemm_kernel(MoeGemmParams
     bf16* A = sa + stage * BM * kLds;
 #pragma unroll
     for (int c = 0; c < ACH; ++c) {
-      const int kk = k0 + ((tid + c * kLoadThreads) % GPA) * 8;
+      const int kk = k0 + ((tid + c * kThreads) % GPA) * 8;
       const bool v = a_ok[c] && kk < K;
       ptx::cp_async16_zfill(A + a_off[c], v ? a_src[c] + k0 : X, v);
     }
@@ -348,7 +344,7 @@ __global__ void __launch_bounds__(kWarps * 32) grouped_gemm_kernel(MoeGemmParams
     unsigned char* B = reinterpret_cast<unsigned char*>(sb) + stage * BN * kRowB;
 #pragma unroll
     for (int c = 0; c < BCH; ++c) {
-      const int kk = k0 + ((tid + c * kLoadThreads) % GPR) * CW;
+      const int kk = k0 + ((tid + c * kThreads) % GPR) * CW;
       const bool v = b_ok[c] && kk < K;
       ptx::cp_async16_zfill(B + b_off[c], v ? b_src[c] + k0 * (kFp8 ? 1 : 2) : W, v);
     }
@@ -400,7 +396,6 @@ __global__ void __launch_bounds__(kWarps * 32) grouped_gemm_kernel(MoeGemmParams
       sc_lo = s_lo[kt * BK / 128];
       sc_hi = s_hi[kt * BK / 128];
     }
-    if (warp >= 4) continue;  // (a load-only warp: on to the next k tile's barrier)
 #pragma unroll
     for (int ks = 0; ks < BK; ks += 16) {
       uint32_t af[MI][4];
@@ -434,7 +429,6 @@ __global__ void __launch_bounds__(kWarps * 32) grouped_gemm_kernel(MoeGemmParams
     }
   }
   ptx::cp_async_wait_ring<0>();
-  if (warp >= 4) return;
 
   bf16* Y = op.y;
   // Paired (4-byte) stores only where every row start is 4-byte aligned (odd ldy: scalar stores).
@@ -470,14 +464,14 @@ constexpr size_t gemm_smem() {
 }
 
 // Launches one tiling (its shared-memory opt-in once per device).
-template <int BM, int BN, int BK, int kStages, bool kFp8, int kWarps = 4>
+template <int BM, int BN, int BK, int kStages, bool kFp8>
 void launch_grouped(const MoeGemmParams& p, Stream s) {
   static bool attr[64] = {};
   constexpr size_t smem = gemm_smem<BM, BN, BK, kStages, kFp8>();
   int dev = 0;
   DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev >= 64 || !attr[dev]) {
-    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<BM, BN, BK, kStages, kFp8, kWarps>,
+    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(grouped_gemm_kernel<BM, BN, BK, kStages, kFp8>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     if (dev < 64) attr[dev] = true;
   }
@@ -486,8 +480,7 @@ void launch_grouped(const MoeGemmParams& p, Stream s) {
   const int64_t rows = p.max_expert_rows >= 1 ? std::min<int64_t>(p.max_expert_rows, kMoeTileRows) : kMoeTileRows;
   const unsigned sub = static_cast<unsigned>((rows + BM - 1) / BM);
   const dim3 grid(static_cast<unsigned>(p.max_tiles + moe_extra_tiles(p)), static_cast<unsigned>((p.Nout + cols - 1) / cols), sub);
-  launch_kernel_pdl(grouped_gemm_kernel<BM, BN, BK, kStages, kFp8, kWarps>, grid, dim3(kWarps * 32), smem,
-                    static_cast<cudaStream_t>(s), p);
+  launch_kernel_pdl(grouped_gemm_kernel<BM, BN, BK, kStages, kFp8>, grid, dim3(kThreads), smem, static_cast<cudaStream_t>(s), p);
 }
 
 // ---- gather / combine -------------------------------------------------------------------------------
@@ -709,15 +702,12 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
   }
 #endif
   const bool deep = narrow && moe_deep_tiles(p), deep16 = deep && moe_deep16_tiles(p);
-  const bool loaders = deep16 && moe_load_warps(p);
   if (p.w_scale) {
-    if (loaders) launch_grouped<16, 64, 128, 8, true, 8>(p, s);
-    else if (deep16) launch_grouped<16, 64, 128, 8, true>(p, s);
+    if (deep16) launch_grouped<16, 64, 128, 8, true>(p, s);
     else if (deep) launch_grouped<64, 64, 128, 4, true>(p, s);
     else narrow ? launch_grouped<64, 64, 32, 5, true>(p, s) : launch_grouped<64, 128, 32, 3, true>(p, s);
   } else {
-    if (loaders) launch_grouped<16, 64, 128, 5, false, 8>(p, s);
-    else if (deep16) launch_grouped<16, 64, 128, 5, false>(p, s);
+    if (deep16) launch_grouped<16, 64, 128, 5, false>(p, s);
     else if (deep) launch_grouped<64, 64, 128, 3, false>(p, s);
     else narrow ? launch_grouped<64, 64, 32, 5, false>(p, s) : launch_grouped<64, 128, 32, 3, false>(p, s);
   }
@@ -747,13 +737,8 @@ bool moe_deep_tiles(const MoeGemmParams& p) {
 }
 
 bool moe_deep16_tiles(const MoeGemmParams& p) {
-  if (tuning::moe_narrow_tiles >= 0) return tuning::moe_narrow_tiles == 3 || tuning::moe_narrow_tiles == 4;
+  if (tuning::moe_narrow_tiles >= 0) return tuning::moe_narrow_tiles == 3;
   return moe_deep_tiles(p) && p.max_expert_rows >= 1 && p.max_expert_rows <= 16;
-}
-
-bool moe_load_warps(const MoeGemmParams& p) {
-  if (tuning::moe_narrow_tiles >= 0) return tuning::moe_narrow_tiles == 4;
-  return p.load_warps == 1;
 }
 
 namespace tuning {
@@ -949,7 +934,6 @@ void moe_block(const MoeBlockParams& p, MoeImpl impl, int device) {
     g.rows = R;
     g.max_expert_rows = std::max<int64_t>(Nr, fuse_shared ? p.N : 0);  // (a token chooses an expert once)
     g.wgmma = p.wgmma;
-    g.load_warps = p.load_warps;
     g.w_scale = codes ? p.experts_gate_up_scale : nullptr;
     if (fuse_shared) {
       g.extra_x = p.x;

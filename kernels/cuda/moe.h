@@ -79,7 +79,6 @@ struct MoeGemmParams {
   // N, each token choosing an expert once): <= 16 picks the deep tiling's 16-row blocks.
   int64_t max_expert_rows = -1;
   int wgmma = -1;     // the wgmma kernel: -1 as tuning::moe_wgmma says, 1 for this call where supported, 0 not
-  int load_warps = -1;  // the 16-row deep blocks' load-only warps: -1 moe_load_warps' rule, 1 for this call, 0 not
   // FP8 weights (W8A16): w holds e4m3 codes and w_scale their 128 x 128 block scales, f32
   // [E, row blocks, ceil(K/128)], the rows [0, Nout) and [Nout, 2 Nout) (swiglu's gate and up) blocked
   // apart (moe_fp8.cuh); every weight reads as the bf16-rounded code · scale (the bf16 experts' bits).
@@ -126,12 +125,9 @@ bool moe_deep_tiles(const MoeGemmParams& p);    // deep: rows known and <= kMoeD
 // each, where the 64-row deep block's A tile, all but a row or two zero in a decode step, took half the
 // shared memory): deep and max_expert_rows known and <= 16, or the knob.
 bool moe_deep16_tiles(const MoeGemmParams& p);
-// The 16-row deep blocks with 4 more warps that only load (8 warps, the same MMAs: the same bits): the
-// knob's 4, else the call's load_warps (default off: being measured).
-bool moe_load_warps(const MoeGemmParams& p);
 namespace tuning {
-// -1 automatic (moe_narrow_tiles(p), moe_deep_tiles(p), moe_deep16_tiles(p), moe_load_warps(p)), 0 wide,
-// 1 narrow, 2 deep, 3 deep with 16-row blocks, 4 those with load-only warps (tests, benches).
+// -1 automatic (moe_narrow_tiles(p), moe_deep_tiles(p), moe_deep16_tiles(p)), 0 wide, 1 narrow, 2 deep,
+// 3 deep with 16-row blocks (tests, benches).
 extern int moe_narrow_tiles;
 // The wgmma kernel (moe_sm90.cu) for bf16 weights on an sm_90 device: -1 for the wide tiling's calls
 // (the default: prefill; a call's MoeGemmParams::wgmma overrides it), 0 never (the mma.sync kernels),
@@ -202,7 +198,6 @@ struct MoeBlockParams {
   // partial outputs are summed by the caller (the TP group's all-reduce). -1: every expert.
   int64_t expert_begin = 0, local_experts = -1;
   int wgmma = -1;  // the grouped path's expert GEMMs on the wgmma kernel: MoeGemmParams::wgmma
-  int load_warps = -1;  // MoeGemmParams::load_warps
   bool renormalize = true;
   const void* router = nullptr;           // bf16 [E, H]
   const void* experts_gate_up = nullptr;  // bf16 [local experts, 2I, H] (or e4m3 codes: below)

@@ -192,7 +192,7 @@ int main(int argc, char** argv) {
   app.add_option("--decode-variants", decode_variants,
                  "GPU: afterwards time the first prompt's decode, propose, verify and commit steps again with fresh "
                  "decoders of these variants of the decode plan (comma-separated, repeats allowed: fused = the plan as "
-                 "is, no_pdl, skinny (+ SwiGLU in down_proj), skinny_no_swiglu, no_gdn_chain, gdn_chain_all, no_commit, "
+                 "is, no_pdl, skinny (+ SwiGLU in down_proj), skinny_no_swiglu, no_skinny, no_gdn_chain, gdn_chain_all, no_commit, "
                  "no_overlap, moe_decode (MoE targets: the MoE decode kernels), moe_wgmma (MoE targets: the expert GEMMs on "
                  "wgmma), unfused = every fusion and PDL off); the "
                  "A/B table of issue 30's fused decode kernels, CSV kernel 'variant:<name>'");

@@ -269,9 +269,14 @@ FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const Kernel
   // The fused decode kernels (issue 30): sm_90 (thread-block clusters, programmatic dependent
   // launch), bf16 GEMMs on 16-byte aligned sizes; the GatedDeltaNet ones with the fast conv update
   // and delta rule of every layer (their policies) at the shapes the fused kernels take. The skinny
-  // GEMM (and with it SwiGLU in down_proj) stays off: on an H200 it streamed the 27B decode weights
-  // at 2.6-3.9 TB/s against cuBLASLt's 3.6-4.1 in CUDA graphs (bench/results/h200-decode4-*), so it
-  // is a variant to measure (dflash_eval --decode-variants skinny), not the plan's choice.
+  // GEMM (and with it SwiGLU in down_proj) stays off for dense targets: on an H200 it streamed the 27B
+  // decode weights at 2.6-3.9 TB/s against cuBLASLt's 3.6-4.1 in CUDA graphs
+  // (bench/results/h200-decode4-*). MoE targets (no dense MLP: their projections are the attention's
+  // and GatedDeltaNet's, 16-50 MB at hidden 2048) take it: alone it is no faster than cuBLASLt there
+  // (kernel_bench --only decode_gemm), but in the step it issues its weight loads before the PDL wait,
+  // under the previous kernel (cuBLASLt's kernels cannot): the 35B-A3B decode step 4.02 / 4.03 / 4.06
+  // ms against 4.20 / 4.22 on an H100 (bench/results/h100-moe8-*, three runs). dflash_eval
+  // --decode-variants no_skinny measures it off.
   if (device.is_cuda() && sm_major >= 9 && precision == Precision::Bf16 && unaligned_gemm_sizes(c).empty()) {
     bool gdn_fast = true;
     for (const LayerPlan& l : plan.layers)
@@ -280,6 +285,7 @@ FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const Kernel
     const bool fused = gdn_fast && cuda::gdn_decode_fused_supported(c.linear_num_key_heads, c.linear_num_value_heads,
                                                                     c.linear_key_head_dim, c.linear_value_head_dim,
                                                                     c.linear_conv_kernel_dim);
+    plan.fusion.skinny_gemm = c.is_moe();
     plan.fusion.gdn_chain = fused;
     plan.fusion.commit = fused;
     plan.fusion.commit_overlap = fused;

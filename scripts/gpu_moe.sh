@@ -54,7 +54,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     echo "=== ncu moe detail" >>"$OUT/tests.log"
     DFLASH_MOE_BENCH=1 DFLASH_MOE_PROFILE=1 timeout 180 "$NCU" --profile-from-start off --clock-control none \
-      --kernel-name-base demangled --kernel-name "regex:grouped_gemm_kernel<.int.16" --launch-count 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --kernel-name-base demangled --kernel-name "regex:grouped_gemm_kernel<.int.16" --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
       "$B/tests/test_cuda_moe" --gtest_filter='CudaMoe.Bench35bA3b' >>"$OUT/tests.log" 2>&1
     echo "ncu moe detail rc=$?"

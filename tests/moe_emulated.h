@@ -16,6 +16,7 @@
 #define moe_narrow_tiles moe_narrow_tiles_emulated
 #define moe_deep_tiles moe_deep_tiles_emulated
 #define moe_deep16_tiles moe_deep16_tiles_emulated
+#define moe_deep16_short moe_deep16_short_emulated
 #define moe_fuse_shared moe_fuse_shared_emulated
 #define moe_fp8_dequantize_first moe_fp8_dequantize_first_emulated
 #define moe_wgmma moe_wgmma_emulated

@@ -775,12 +775,15 @@ TEST(CudaMoe, Bench35bA3b) {
     // of 16-row blocks (6 and 7 take the automatic tiling: deep of 16-row blocks for N <= 16); 10 deep
     // tiles of 16-row blocks with the shared expert in launches of its own after the experts
     // (tuning::moe_fuse_shared 0; the others run it as the grouped GEMMs' extra group where
-    // moe_fuse_shared says: N <= 64). (The 16-row blocks only where an expert holds <= 16 rows.)
-    for (int variant : {0, 1, 9, 12, 10, 2, 3, 4, 5, 6, 7, 8}) {
-      if ((variant == 3 || variant == 4 || variant == 5 || variant == 10 || variant == 12) && N > cu::kMoeDecodeMaxRows) continue;
+    // moe_fuse_shared says: N <= 64); 13 as 12 with 5 stages at any K (tuning::moe_deep16_short 0; 12's
+    // down GEMM, K = I = 512, takes 3). (The 16-row blocks only where an expert holds <= 16 rows.)
+    for (int variant : {0, 1, 9, 12, 13, 10, 2, 3, 4, 5, 6, 7, 8}) {
+      if ((variant == 3 || variant == 4 || variant == 5 || variant == 10 || variant == 12 || variant == 13) &&
+          N > cu::kMoeDecodeMaxRows)
+        continue;
       if (variant == 8 && !cu::moe_wgmma_supported(0)) continue;
       // (profiled: the decode-sized paths worth a kernel-by-kernel look)
-      if (profile && variant != 9 && variant != 12 && variant != 10 && variant != 8) continue;
+      if (profile && variant != 9 && variant != 12 && variant != 13 && variant != 10 && variant != 8) continue;
       const bool fp8 = variant >= 5 && variant <= 7;
       const cu::MoeImpl impl = variant < 2 || variant >= 6 ? cu::MoeImpl::Grouped
                                : variant == 2              ? cu::MoeImpl::Fallback
@@ -788,6 +791,7 @@ TEST(CudaMoe, Bench35bA3b) {
       std::optional<GemmKnob> knob;
       if (variant < 2 || variant >= 8) knob.emplace(variant == 8 ? 2 : variant == 9 ? 3 : variant >= 10 ? 4 : variant);
       cu::tuning::moe_fuse_shared = variant == 10 ? 0 : -1;
+      cu::tuning::moe_deep16_short = variant == 13 ? 0 : -1;
       const TopkKnob topk(variant == 3 || variant == 4 ? variant - 3 : -1);
       const std::string name = std::string(cu::moe_impl_name(impl)) +
                                (variant == 0   ? "/wide"
@@ -799,6 +803,7 @@ TEST(CudaMoe, Bench35bA3b) {
                                 : variant == 9 ? "/deep"
                                 : variant == 10 ? "/deep16_shared_apart"
                                 : variant == 12 ? "/deep16"
+                                : variant == 13 ? "/deep16_5stages"
                                 : fp8          ? "/fp8_experts"
                                                : "");
       cu::tuning::moe_fp8_dequantize_first = variant == 7 ? 1 : variant == 6 ? 0 : -1;
@@ -903,4 +908,5 @@ TEST(CudaMoe, Bench35bA3b) {
   }
   cu::tuning::moe_fp8_dequantize_first = -1;
   cu::tuning::moe_fuse_shared = -1;
+  cu::tuning::moe_deep16_short = -1;
 }

@@ -47,18 +47,19 @@ Pair rand_bf16(const Shape& s, float sd) {
 // GEMMs in both tilings (mma.sync emulated), the combine with a sigmoid-gated shared term; against
 // the CPU's top-k and experts on the same routing; the three tilings give the same bits.
 TEST(MoeEmulated, GroupedPathMatchesTheCpuReference) {
-  const char* const tiling[] = {"wide", "narrow", "deep", "deep, 16-row blocks"};
+  const char* const tiling[] = {"wide", "narrow", "deep", "deep, 16-row blocks", "deep, 16-row blocks, 5 stages at any K"};
   struct G {
     int64_t N, H, E, k, I, e0, El;
   };
   for (const G& c : std::vector<G>{{40, 64, 8, 2, 32, 0, 8}, {70, 72, 8, 3, 40, 4, 4}, {9, 64, 4, 2, 24, 1, 2}}) {
     Tensor first_out;
     const uint64_t draws = g_stream;  // every tiling on the same inputs
-    for (int narrow : {0, 1, 2, 3}) {
+    for (int narrow : {0, 1, 2, 3, 4}) {
       g_stream = draws;
       SCOPED_TRACE("N " + std::to_string(c.N) + " experts [" + std::to_string(c.e0) + ", " +
                    std::to_string(c.e0 + c.El) + ") of " + std::to_string(c.E) + ", " + tiling[narrow]);
-      cu::tuning::moe_narrow_tiles = narrow;
+      cu::tuning::moe_narrow_tiles = std::min(narrow, 3);
+      cu::tuning::moe_deep16_short = narrow == 4 ? 0 : -1;  // (3: the short-K stages at these K)
       Tensor logits = Tensor::empty({c.N, c.E}, DType::F32);
       fill_normal(logits, {4413, g_stream++, 0}, 0.0f, 2.0f);
       const Pair x = rand_bf16({c.N, c.H}, 1.0f);
@@ -114,6 +115,7 @@ TEST(MoeEmulated, GroupedPathMatchesTheCpuReference) {
     }
   }
   cu::tuning::moe_narrow_tiles = -1;
+  cu::tuning::moe_deep16_short = -1;
 }
 
 // The one-block routing of decode / verify steps (moe_route_small) against moe_topk + moe_permute:
@@ -191,9 +193,14 @@ TEST(MoeEmulated, ExtraGroupIsADenseGroupInTheSameLaunch) {
     poison(t);
     return t;
   };
-  for (int tiling : {0, 1, 2, 3}) {
-    SCOPED_TRACE(tiling == 0 ? "wide" : tiling == 1 ? "narrow" : tiling == 2 ? "deep" : "deep, 16-row blocks");
-    cu::tuning::moe_narrow_tiles = tiling;
+  for (int tiling : {0, 1, 2, 3, 4}) {
+    SCOPED_TRACE(tiling == 0   ? "wide"
+                 : tiling == 1 ? "narrow"
+                 : tiling == 2 ? "deep"
+                 : tiling == 3 ? "deep, 16-row blocks"
+                               : "deep, 16-row blocks, 5 stages at any K");
+    cu::tuning::moe_narrow_tiles = std::min(tiling, 3);
+    cu::tuning::moe_deep16_short = tiling == 4 ? 0 : -1;
     Tensor act[2] = {bf(R, I), bf(R, I)}, y[2] = {bf(R, H), bf(R, H)}, sact[2] = {bf(N, I), bf(N, I)}, sout[2] = {bf(N, H), bf(N, H)};
     for (int extra : {0, 1}) {
       cu::MoeGemmParams g;
@@ -222,6 +229,7 @@ TEST(MoeEmulated, ExtraGroupIsADenseGroupInTheSameLaunch) {
     for (auto* t : {act, y, sact, sout}) EXPECT_EQ(std::memcmp(t[0].raw_data(), t[1].raw_data(), t[0].nbytes()), 0);
   }
   cu::tuning::moe_narrow_tiles = -1;
+  cu::tuning::moe_deep16_short = -1;
 }
 
 // FP8 experts for the grouped GEMMs and the fallback: moe_dequantize_experts writes exactly the
@@ -255,8 +263,9 @@ TEST(MoeEmulated, Fp8GroupedGemmsGiveTheBf16ExpertsBits) {
   // Routing: choice j of row n to expert (n + j) % E, through the permutation kernel.
   const cu_test::FixedRouting rt = cu_test::fixed_routing(N, E, k, 1);
   const Tensor &off = rt.off, &tiles = rt.tiles, &src = rt.src;
-  for (int narrow : {0, 1, 2, 3}) {
-    cu::tuning::moe_narrow_tiles = narrow;
+  for (int narrow : {0, 1, 2, 3, 4}) {
+    cu::tuning::moe_narrow_tiles = std::min(narrow, 3);
+    cu::tuning::moe_deep16_short = narrow == 4 ? 0 : -1;
     Tensor act[2], y[2];
     for (int fp8 : {0, 1}) {
       act[fp8] = Tensor::empty({R, I}, DType::BF16);
@@ -282,4 +291,5 @@ TEST(MoeEmulated, Fp8GroupedGemmsGiveTheBf16ExpertsBits) {
     EXPECT_EQ(std::memcmp(y[0].raw_data(), y[1].raw_data(), y[0].nbytes()), 0) << "down, narrow " << narrow;
   }
   cu::tuning::moe_narrow_tiles = -1;
+  cu::tuning::moe_deep16_short = -1;
 }

@@ -703,11 +703,13 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
 #endif
   const bool deep = narrow && moe_deep_tiles(p), deep16 = deep && moe_deep16_tiles(p);
   if (p.w_scale) {
-    if (deep16) launch_grouped<16, 64, 128, 8, true>(p, s);
+    if (deep16 && moe_deep16_short(p)) launch_grouped<16, 64, 128, 4, true>(p, s);
+    else if (deep16) launch_grouped<16, 64, 128, 8, true>(p, s);
     else if (deep) launch_grouped<64, 64, 128, 4, true>(p, s);
     else narrow ? launch_grouped<64, 64, 32, 5, true>(p, s) : launch_grouped<64, 128, 32, 3, true>(p, s);
   } else {
-    if (deep16) launch_grouped<16, 64, 128, 5, false>(p, s);
+    if (deep16 && moe_deep16_short(p)) launch_grouped<16, 64, 128, 3, false>(p, s);
+    else if (deep16) launch_grouped<16, 64, 128, 5, false>(p, s);
     else if (deep) launch_grouped<64, 64, 128, 3, false>(p, s);
     else narrow ? launch_grouped<64, 64, 32, 5, false>(p, s) : launch_grouped<64, 128, 32, 3, false>(p, s);
   }
@@ -736,12 +738,18 @@ bool moe_deep_tiles(const MoeGemmParams& p) {
   return p.rows >= 0 && p.rows <= kMoeDeepRows;
 }
 
+bool moe_deep16_short(const MoeGemmParams& p) {
+  if (tuning::moe_deep16_short >= 0) return tuning::moe_deep16_short == 1;
+  return p.K <= kMoeDeep16ShortK;
+}
+
 bool moe_deep16_tiles(const MoeGemmParams& p) {
   if (tuning::moe_narrow_tiles >= 0) return tuning::moe_narrow_tiles == 3;
   return moe_deep_tiles(p) && p.max_expert_rows >= 1 && p.max_expert_rows <= 16;
 }
 
 namespace tuning {
+int moe_deep16_short = -1;
 int moe_fuse_shared = -1;
 int moe_narrow_tiles = -1;
 int moe_wgmma = -1;

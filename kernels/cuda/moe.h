@@ -125,7 +125,14 @@ bool moe_deep_tiles(const MoeGemmParams& p);    // deep: rows known and <= kMoeD
 // each, where the 64-row deep block's A tile, all but a row or two zero in a decode step, took half the
 // shared memory): deep and max_expert_rows known and <= 16, or the knob.
 bool moe_deep16_tiles(const MoeGemmParams& p);
+// The 16-row deep blocks of a short K (<= kMoeDeep16ShortK: 4 k tiles, the down GEMM at 35B-A3B's I 512)
+// with 3 stages (FP8 codes 4) where 5 (8) held shared memory for k tiles that do not exist: 3 blocks an SM
+// instead of 2, so a one-token down GEMM's 288 blocks run in one wave, not 1.2 (ncu,
+// bench/results/h100-moe8-7ba8105). The same bits. tuning::moe_deep16_short: -1 this rule, 0 never, 1 always.
+inline constexpr int64_t kMoeDeep16ShortK = 512;
+bool moe_deep16_short(const MoeGemmParams& p);
 namespace tuning {
+extern int moe_deep16_short;
 // -1 automatic (moe_narrow_tiles(p), moe_deep_tiles(p), moe_deep16_tiles(p)), 0 wide, 1 narrow, 2 deep,
 // 3 deep with 16-row blocks (tests, benches).
 extern int moe_narrow_tiles;

@@ -275,7 +275,8 @@ FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const Kernel
   // and GatedDeltaNet's, 16-50 MB at hidden 2048) take it: alone it is no faster than cuBLASLt there
   // (kernel_bench --only decode_gemm), but in the step it issues its weight loads before the PDL wait,
   // under the previous kernel (cuBLASLt's kernels cannot): the 35B-A3B decode step 4.02 / 4.03 / 4.06
-  // ms against 4.20 / 4.22 on an H100 (bench/results/h100-moe8-f28f635 and -7ba8105). dflash_eval
+  // ms against 4.20 / 4.22 on an H100 (bench/results/h100-moe8-f28f635 and -7ba8105), 3.87 / 3.89
+  // against 4.02 / 4.05 with the plan's default (h100-moe8-8b89610). dflash_eval
   // --decode-variants no_skinny measures it off.
   if (device.is_cuda() && sm_major >= 9 && precision == Precision::Bf16 && unaligned_gemm_sizes(c).empty()) {
     bool gdn_fast = true;

@@ -27,27 +27,25 @@ inline void pdl_launch_dependents() {}
 
 namespace dflash::cuda {
 
-template <class Kernel, class... Args>
+// kPdl: with programmatic dependent launch (pdl.cuh's launch_pdl: the attribute where pdl_enabled());
+// emulated, a plain launch either way (blocks run one after another, pdl_wait is a no-op).
+template <bool kPdl = false, class Kernel, class... Args>
 void launch_kernel(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Args&... args) {
 #ifdef DFLASH_CUDA_EMULATION
   (void)stream;
   ::emu::launch(grid, block, smem, kernel, args...);
 #else
-  kernel<<<grid, block, smem, stream>>>(args...);
-  DFLASH_CUDA_CHECK_LAST();
+  if constexpr (kPdl) {
+    launch_pdl(kernel, grid, block, smem, stream, args...);
+  } else {
+    kernel<<<grid, block, smem, stream>>>(args...);
+    DFLASH_CUDA_CHECK_LAST();
+  }
 #endif
 }
-
-// The same launch with programmatic dependent launch (pdl.cuh's launch_pdl: the attribute where
-// pdl_enabled()); emulated, a plain launch (blocks run one after another, pdl_wait is a no-op).
 template <class Kernel, class... Args>
 void launch_kernel_pdl(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Args&... args) {
-#ifdef DFLASH_CUDA_EMULATION
-  (void)stream;
-  ::emu::launch(grid, block, smem, kernel, args...);
-#else
-  launch_pdl(kernel, grid, block, smem, stream, args...);
-#endif
+  launch_kernel<true>(kernel, grid, block, smem, stream, args...);
 }
 
 }  // namespace dflash::cuda

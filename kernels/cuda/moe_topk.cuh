@@ -12,20 +12,17 @@ namespace dflash::cuda::moe_detail {
 
 constexpr int kMaxE = 1024;
 
-// The warp's max / min (__reduce_*_sync on sm_80+, a shuffle tree below).
-__device__ __forceinline__ unsigned warp_max_u32(unsigned v) {
+// The warp's max (kMax) or min of v (__reduce_*_sync on sm_80+, a shuffle tree below).
+template <bool kMax, class T>
+__device__ __forceinline__ T warp_reduce_extreme(T v) {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  return __reduce_max_sync(0xffffffffu, v);
+  if constexpr (kMax) return __reduce_max_sync(0xffffffffu, v);
+  else return __reduce_min_sync(0xffffffffu, v);
 #else
-  for (int o = 16; o; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-#endif
-}
-__device__ __forceinline__ int warp_min_i32(int v) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
-  return __reduce_min_sync(0xffffffffu, v);
-#else
-  for (int o = 16; o; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+  for (int o = 16; o; o >>= 1) {
+    const T w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = kMax ? (w > v ? w : v) : (w < v ? w : v);
+  }
   return v;
 #endif
 }
@@ -75,8 +72,8 @@ __device__ __forceinline__ void warp_topk_n(const float* __restrict__ row, int E
   my_e = -1;
   for (int j = 0; j < k; ++j) {
     const unsigned key = best >= 0.0f ? __float_as_uint(best) + 1u : 0u;
-    const unsigned top = warp_max_u32(key);
-    const int we = warp_min_i32(key == top ? be : INT32_MAX);  // ties: the lower expert
+    const unsigned top = warp_reduce_extreme<true>(key);
+    const int we = warp_reduce_extreme<false>(key == top ? be : INT32_MAX);  // ties: the lower expert
     const float wp = __uint_as_float(top - 1u);
     if (be == we) {  // the winning lane: its next best
 #pragma unroll

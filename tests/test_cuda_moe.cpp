@@ -736,7 +736,8 @@ struct TopkKnob {  // cu::tuning::moe_decode_topk_first for the scope
 // Timing rows at Qwen3.6-35B-A3B shapes (H 2048, E 256, k 8, I 512, Is 512), random bf16 weights:
 // only with DFLASH_MOE_BENCH=1 (kernel_bench-style rows on stdout: impl, N, ms, TFLOP/s).
 TEST(CudaMoe, Bench35bA3b) {
-  if (!gpu() || !std::getenv("DFLASH_MOE_BENCH")) GTEST_SKIP() << "set DFLASH_MOE_BENCH=1 (and a GPU)";
+  const char* bench = std::getenv("DFLASH_MOE_BENCH");  // (gpu_moe.sh passes an empty value when MOE_BENCH is unset)
+  if (!gpu() || !bench || !*bench) GTEST_SKIP() << "set DFLASH_MOE_BENCH=1 (and a GPU)";
   const int64_t H = 2048, E = 256, k = 8, I = 512, Is = 512;
   // Weights drawn on the GPU (a host draw of 800M values would take most of a minute).
   auto gpu_rand = [](const Shape& s, float sd) {

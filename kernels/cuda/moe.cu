@@ -59,31 +59,48 @@ __global__ void topk_kernel(const float* __restrict__ logits, int N, int E, int 
   }
 }
 
-// One block of up to 1024 threads: exclusive scans of counts and of their row tiles.
-__global__ void scan_kernel(const int32_t* __restrict__ counts, int E, int32_t* __restrict__ offsets,
-                            int32_t* __restrict__ tile_offsets, int32_t* __restrict__ cursor) {
-  __shared__ int32_t sc[kMaxE], st[kMaxE];
-  const int t = threadIdx.x;
-  const int c = t < E ? counts[t] : 0;
-  sc[t] = c;
-  st[t] = (c + kMoeTileRows - 1) / kMoeTileRows;
-  __syncthreads();
-  for (int d = 1; d < blockDim.x; d <<= 1) {  // Hillis-Steele inclusive scan
-    const int a = t >= d ? sc[t - d] : 0, b = t >= d ? st[t - d] : 0;
-    __syncthreads();
-    sc[t] += a;
-    st[t] += b;
-    __syncthreads();
+// The scans of El experts' row counts and row tiles by one warp (every lane calls it): lane l sums its
+// run of ceil(El / 32) experts, a shuffle scan over the runs, then each lane its run in order:
+// offsets[e + 1] and tile_offsets[e + 1] inclusive (offsets[0] = tile_offsets[0] = 0), and
+// done(e, count, inclusive offset) for the caller's own use of them. count(e): expert e's rows.
+template <class Count, class Done>
+__device__ __forceinline__ void warp_scan_experts(int El, int lane, Count count, int32_t* offsets, int32_t* tile_offsets,
+                                                  Done done) {
+  const int per = (El + 31) / 32, lo = lane * per, hi = lo + per < El ? lo + per : El;
+  int c_sum = 0, t_sum = 0;
+  for (int e = lo; e < hi; ++e) {
+    const int c = count(e);
+    c_sum += c;
+    t_sum += (c + kMoeTileRows - 1) / kMoeTileRows;
   }
-  if (t < E) {
-    offsets[t + 1] = sc[t];
-    tile_offsets[t + 1] = st[t];
-    cursor[t] = sc[t] - c;
+  int c_inc = c_sum, t_inc = t_sum;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int a = __shfl_up_sync(0xffffffffu, c_inc, d), b = __shfl_up_sync(0xffffffffu, t_inc, d);
+    if (lane >= d) {
+      c_inc += a;
+      t_inc += b;
+    }
   }
-  if (t == 0) {
+  int run_off = c_inc - c_sum, run_tiles = t_inc - t_sum;
+  for (int e = lo; e < hi; ++e) {
+    const int c = count(e);
+    run_off += c;
+    run_tiles += (c + kMoeTileRows - 1) / kMoeTileRows;
+    offsets[e + 1] = run_off;
+    tile_offsets[e + 1] = run_tiles;
+    done(e, c, run_off);
+  }
+  if (lane == 0) {
     offsets[0] = 0;
     tile_offsets[0] = 0;
   }
+}
+
+// One warp: the scans of counts and of their row tiles; the scatter's cursors at each expert's start.
+__global__ void scan_kernel(const int32_t* __restrict__ counts, int E, int32_t* __restrict__ offsets,
+                            int32_t* __restrict__ tile_offsets, int32_t* __restrict__ cursor) {
+  warp_scan_experts(E, static_cast<int>(threadIdx.x), [&](int e) { return counts[e]; }, offsets, tile_offsets,
+                    [&](int e, int c, int off) { cursor[e] = off - c; });
 }
 
 // Choices of experts outside [e0, e0 + El) (another rank's) get no row: slot_pos -1.
@@ -149,39 +166,12 @@ __global__ void __launch_bounds__(kRouteThreads)
   }
   __syncthreads();
   for (int e = t; e < E; e += nt) o.counts[e] = s_count[e];
-  // Inclusive scans of the local experts' counts and row tiles by warp 0: lane l sums its run of
-  // `per` experts, a shuffle scan over the lanes' sums, then each lane its run in order.
-  if (warp == 0) {
-    const int per = (El + 31) / 32, lo = lane * per, hi = lo + per < El ? lo + per : El;
-    int c_sum = 0, t_sum = 0;
-    for (int e = lo; e < hi; ++e) {
-      const int c = s_count[e0 + e];
-      c_sum += c;
-      t_sum += (c + kMoeTileRows - 1) / kMoeTileRows;
-    }
-    int c_inc = c_sum, t_inc = t_sum;
-    for (int d = 1; d < 32; d <<= 1) {
-      const int a = __shfl_up_sync(0xffffffffu, c_inc, d), b = __shfl_up_sync(0xffffffffu, t_inc, d);
-      if (lane >= d) {
-        c_inc += a;
-        t_inc += b;
-      }
-    }
-    int run_off = c_inc - c_sum, run_tiles = t_inc - t_sum;
-    for (int e = lo; e < hi; ++e) {
-      const int c = s_count[e0 + e];
-      run_off += c;
-      run_tiles += (c + kMoeTileRows - 1) / kMoeTileRows;
-      s_off[e] = run_off;  // inclusive
-      o.offsets[e + 1] = run_off;
-      o.tile_offsets[e + 1] = run_tiles;
-      o.cursor[e] = run_off;  // (the scatter's cursors, as they end there)
-    }
-    if (lane == 0) {
-      o.offsets[0] = 0;
-      o.tile_offsets[0] = 0;
-    }
-  }
+  // The scans of the local experts' counts and row tiles by warp 0 (the scatter's cursors as they end).
+  if (warp == 0)
+    warp_scan_experts(El, lane, [&](int e) { return s_count[e0 + e]; }, o.offsets, o.tile_offsets, [&](int e, int, int off) {
+      s_off[e] = off;  // inclusive
+      o.cursor[e] = off;
+    });
   __syncthreads();
   for (int i = t; i < N * k; i += nt) {
     const int ex = s_expert[i], e = ex - e0, n = i / k;
@@ -633,10 +623,8 @@ void moe_permute(const int32_t* experts, const int32_t* counts, int64_t N, int64
                "moe_permute: E " << E << " (1..1024), k " << k << ", N " << N << ", experts [" << expert_begin << ", "
                                  << expert_begin + El << ") out of range");
   auto st = static_cast<cudaStream_t>(s);
-  int threads = 32;
-  while (threads < El) threads *= 2;
-  launch_kernel(scan_kernel, dim3(1), dim3(threads), 0, st, counts + expert_begin, static_cast<int>(El), offsets,
-                tile_offsets, cursor);
+  launch_kernel(scan_kernel, dim3(1), dim3(32), 0, st, counts + expert_begin, static_cast<int>(El), offsets, tile_offsets,
+                cursor);
   const int64_t rows = N * k;
   if (rows == 0) return;
   launch_kernel(scatter_kernel, dim3(static_cast<unsigned>((rows + 255) / 256)), dim3(256), 0, st, experts, rows,

@@ -192,7 +192,8 @@ int main(int argc, char** argv) {
   app.add_option("--decode-variants", decode_variants,
                  "GPU: afterwards time the first prompt's decode, propose, verify and commit steps again with fresh "
                  "decoders of these variants of the decode plan (comma-separated, repeats allowed: fused = the plan as "
-                 "is, no_pdl, skinny (+ SwiGLU in down_proj), skinny_no_swiglu, no_skinny, no_gdn_chain, gdn_chain_all, no_commit, "
+                 "is, no_pdl, skinny (+ SwiGLU in down_proj; FP8 targets: the streaming FP8 GEMM), skinny_no_swiglu, "
+                 "no_skinny, skinny_streamk (bf16 GEMMs on the stream-K kernel), no_gdn_chain, gdn_chain_all, no_commit, "
                  "no_overlap, moe_decode (MoE targets: the MoE decode kernels), moe_wgmma (MoE targets: the expert GEMMs on "
                  "wgmma), unfused = every fusion and PDL off); the "
                  "A/B table of issue 30's fused decode kernels, CSV kernel 'variant:<name>'");
@@ -590,7 +591,7 @@ int main(int argc, char** argv) {
       const bench::Generation ref = bench::greedy_generate(*dec, 0, p0, vgo);
       // Variants whose GEMMs round otherwise (the skinny GEMM, the MoE decode kernels' dot products, wgmma).
       const auto gemms_of = [](const target::FastPathPlan::DecodeFusion& f) {
-        return std::make_tuple(f.skinny_gemm, f.moe_decode, f.moe_wgmma);
+        return std::make_tuple(f.skinny_gemm, f.skinny_streamk, f.moe_decode, f.moe_wgmma);
       };
       const auto ref_gemms = gemms_of(rt.decode_plan().fusion);
       const auto vstream = static_cast<cudaStream_t>(cuda_model->stream());

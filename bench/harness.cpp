@@ -56,7 +56,8 @@ void apply_decode_variant(const std::string& name, target::FastPathPlan::DecodeF
   if (name == "no_pdl") cuda::tuning::pdl = 0;
   else if (name == "skinny") f.skinny_gemm = f.swiglu_gemm = true;
   else if (name == "skinny_no_swiglu") f.skinny_gemm = true, f.swiglu_gemm = false;
-  else if (name == "no_skinny") f.skinny_gemm = f.swiglu_gemm = false;
+  else if (name == "no_skinny") f.skinny_gemm = f.swiglu_gemm = f.skinny_streamk = false;
+  else if (name == "skinny_streamk") f.skinny_gemm = f.skinny_streamk = true, f.swiglu_gemm = false;
   else if (name == "no_gdn_chain") f.gdn_chain = false;
   else if (name == "gdn_chain_all") f.gdn_chain_max_seqs = std::numeric_limits<int64_t>::max();
   else if (name == "no_commit") f.commit = f.commit_overlap = false;

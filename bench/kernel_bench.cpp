@@ -1010,8 +1010,8 @@ void bench_fp8(Ctx& ctx, bool quick) {
   }
 }
 
-// gemm_skinny vs cuBLASLt on decode GEMM shapes (M 16, as the decoder pads a step's rows): GB/s of
-// the weight read, alone and as CUDA-graph replays.
+// gemm_skinny (cluster kernel, and the stream-K kernel where it applies) vs cuBLASLt on decode GEMM
+// shapes (M 16, as the decoder pads a step's rows): GB/s of the weight read, alone and as CUDA-graph replays.
 struct DecodeGemmShape {
   const char* name;
   int64_t N, K;
@@ -1025,8 +1025,8 @@ void bench_decode_gemms(Ctx& ctx, const std::vector<DecodeGemmShape>& shapes) {
     std::vector<Tensor> ws;
     for (int i = 0; i < sets; ++i) ws.push_back(dev_randn({g.N, g.K}, DType::BF16, 100 + static_cast<uint64_t>(i), 0.02f));
     Tensor x = dev_randn({M, g.K}, DType::BF16, 99);
-    Tensor y0 = Tensor::empty({M, g.N}, DType::BF16, dev), y1 = y0.clone(), y2 = y0.clone();
-    int n0 = 0, n1 = 0, n2 = 0;
+    Tensor y0 = Tensor::empty({M, g.N}, DType::BF16, dev), y1 = y0.clone(), y2 = y0.clone(), y3 = y0.clone();
+    int n0 = 0, n1 = 0, n2 = 0, n3 = 0;
     cuda::GemmSkinnyParams sp;
     sp.x = x.raw_data(), sp.ldx = g.K, sp.ldy = g.N, sp.M = M, sp.N = g.N, sp.K = g.K;
     const int splits = cuda::gemm_skinny_splits(sp, 0);
@@ -1049,6 +1049,12 @@ void bench_decode_gemms(Ctx& ctx, const std::vector<DecodeGemmShape>& shapes) {
                         q.w = ws[static_cast<size_t>(n2++ % sets)].raw_data(), q.y = y2.raw_data();
                         cuda::gemm_skinny(q, 0, ctx.stream);
                       }, [&] { return y2; }});
+    if (cuda::gemm_bf16_stream_supported(sp))  // the stream-K kernel (gemm_stream.cu)
+      prov.push_back({"skinny_streamk", [&] {
+                        cuda::GemmSkinnyParams q = sp;
+                        q.w = ws[static_cast<size_t>(n3++ % sets)].raw_data(), q.y = y3.raw_data();
+                        cuda::gemm_bf16_stream(q, 0, ctx.stream);
+                      }, [&] { return y3; }});
     measure(ctx, "fused", "gemm_decode", shape, prov, 1e-2, {{"weight_read", "GB/s", gb}});
     measure_graph(ctx, "gemm_decode", shape, prov, {{"weight_read", "GB/s", gb}});
   }

@@ -300,7 +300,7 @@ std::string FastPathPlan::DecodeFusion::str() const {
   auto add = [&](bool on, const std::string& what) {
     if (on) s += (s.empty() ? "" : ", ") + what;
   };
-  add(skinny_gemm, "skinny GEMMs");
+  add(skinny_gemm, skinny_streamk ? "skinny GEMMs (stream-K)" : "skinny GEMMs");
   add(swiglu_gemm, "SwiGLU in down_proj");
   add(gdn_chain, gdn_chain_max_seqs == std::numeric_limits<int64_t>::max()
                      ? std::string("fused GatedDeltaNet chain")
@@ -427,6 +427,7 @@ nlohmann::json FastPathPlan::to_json() const {
   j["fallbacks"] = fallbacks();
   j["cuda_graphs"] = cuda_graphs;
   j["decode_fusion"] = {{"skinny_gemm", fusion.skinny_gemm},
+                        {"skinny_streamk", fusion.skinny_streamk},
                         {"swiglu_gemm", fusion.swiglu_gemm},
                         {"gdn_chain", fusion.gdn_chain},
                         {"gdn_chain_max_seqs", fusion.gdn_chain_max_seqs},

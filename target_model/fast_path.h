@@ -86,7 +86,12 @@ struct FastPathPlan {
   // than cuBLASLt and stays off unless a caller sets it); summary() names them.
   static constexpr int64_t kGdnChainMaxSeqs = 4;
   struct DecodeFusion {
-    bool skinny_gemm = false;  // decode / verify GEMMs of <= 16 rows on cuda::gemm_skinny where its grid fits one wave (else cuBLASLt)
+    // decode / verify GEMMs of <= 16 rows on the skinny kernels: bf16 on cuda::gemm_skinny where its
+    // grid fits one wave (else cuBLASLt), FP8 on cuda::gemm_fp8_stream
+    bool skinny_gemm = false;
+    // with skinny_gemm: bf16 GEMMs on the stream-K kernel (cuda::gemm_bf16_stream) where it applies (no
+    // SwiGLU prologue, K % 128 == 0); off in the plan until measured (--decode-variant skinny_streamk)
+    bool skinny_streamk = false;
     bool swiglu_gemm = false;  // SwiGLU as down_proj's prologue (gemm_skinny's swiglu), where skinny_gemm runs down_proj
     bool gdn_chain = false;    // conv update + gates + l2norm + delta rule + gated RMSNorm: one kernel per layer (gdn_decode_fused)
     // ... in steps of at most this many sequences; larger steps run the unfused kernels. One block per

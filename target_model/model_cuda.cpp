@@ -236,13 +236,21 @@ CudaTargetModel::Fp8Input CudaTargetModel::quantize_input(const Tensor& x, int64
   return in;
 }
 
-bool CudaTargetModel::skinny(const Proj& p, int64_t M, int64_t ldx, int64_t ldy, bool swiglu) const {
+bool CudaTargetModel::skinny_step(int64_t M) const {
   const DecodeStep* ds = decode_;
-  if (!ds || ds->prefill || !ds->fusion.skinny_gemm || p.fp8() || gemm_unaligned_ || M > 16) return false;
-  if (swiglu && !ds->fusion.swiglu_gemm) return false;
+  return ds && !ds->prefill && ds->fusion.skinny_gemm && !gemm_unaligned_ && M <= 16;
+}
+
+bool CudaTargetModel::skinny(const Proj& p, int64_t M, int64_t ldx, int64_t ldy, bool swiglu) const {
+  if (!skinny_step(M) || p.fp8()) return false;
+  if (swiglu && !decode_->fusion.swiglu_gemm) return false;
   cuda::GemmSkinnyParams sp;
   sp.ldx = ldx, sp.ldy = ldy, sp.M = M, sp.N = p.N, sp.K = p.K, sp.swiglu = swiglu;
-  return cuda::gemm_skinny_splits(sp, device_.index) > 0;
+  return streamk(sp) || cuda::gemm_skinny_splits(sp, device_.index) > 0;
+}
+
+bool CudaTargetModel::streamk(const cuda::GemmSkinnyParams& sp) const {
+  return decode_ && decode_->fusion.skinny_streamk && cuda::gemm_bf16_stream_supported(sp);
 }
 
 void CudaTargetModel::project(ForwardOp op, const Tensor& x, int64_t ldx, const std::vector<Proj>& parts, Tensor& y,
@@ -267,7 +275,10 @@ void CudaTargetModel::project(ForwardOp op, const Tensor& x, int64_t ldx, const 
       g.M = gemm_rows(M);  // y has those rows (gemm_rows)
       g.N = p.N;
       g.K = p.K;
-      timed(op, [&] { cuda::gemm_fp8(g, device_.index); }, shape);
+      if (skinny_step(M) && cuda::gemm_fp8_stream_supported(g))  // a decode / verify step: the streaming kernel
+        timed(op, [&] { cuda::gemm_fp8_stream(g, device_.index, stream_); }, shape);
+      else
+        timed(op, [&] { cuda::gemm_fp8(g, device_.index); }, shape);
     } else if (skinny(p, M, ldx, ldy, swiglu)) {  // a decode / verify step (DecodeStep::fusion)
       cuda::GemmSkinnyParams g;
       g.x = x.raw_data();
@@ -279,7 +290,10 @@ void CudaTargetModel::project(ForwardOp op, const Tensor& x, int64_t ldx, const 
       g.N = p.N;
       g.K = p.K;
       g.swiglu = swiglu;
-      timed(op, [&] { cuda::gemm_skinny(g, device_.index, stream_); }, shape);
+      if (streamk(g))
+        timed(op, [&] { cuda::gemm_bf16_stream(g, device_.index, stream_); }, shape);
+      else
+        timed(op, [&] { cuda::gemm_skinny(g, device_.index, stream_); }, shape);
     } else {
       cuda::GemmParams g;
       g.x = x.raw_data();

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels/cuda/gdn.h"
+#include "kernels/cuda/gemm.h"
 #include "target_model/fast_path.h"
 #include "target_model/model.h"
 
@@ -239,9 +240,15 @@ class CudaTargetModel {
   // `pre`: x already quantized by a fused producer (swiglu_quant_fp8, gated_rms_norm_quant_fp8).
   void project(ForwardOp op, const Tensor& x, int64_t ldx, const std::vector<Proj>& parts, Tensor& y, int64_t ldy,
                int64_t M, const Fp8Input* pre = nullptr, bool swiglu = false);
+  // Whether this is a decode / verify step of M <= 16 rows whose GEMMs the plan puts on the skinny
+  // kernels (DecodeFusion::skinny_gemm): bf16 projections on cuda::gemm_skinny, FP8 ones on
+  // cuda::gemm_fp8_stream.
+  bool skinny_step(int64_t M) const;
   // Whether a decode / verify step's bf16 GEMM of M rows over `p` runs cuda::gemm_skinny (the plan's
   // fusion, M <= 16, its grid one wave); swiglu: with SwiGLU as its prologue.
   bool skinny(const Proj& p, int64_t M, int64_t ldx, int64_t ldy, bool swiglu) const;
+  // ... and on the stream-K kernel (the plan's DecodeFusion::skinny_streamk, where it applies).
+  bool streamk(const cuda::GemmSkinnyParams& sp) const;
   // One GEMM over the concatenated weights (their slots become views of it), output from column
   // `col`, with extra_rows zero rows after them.
   Proj make_proj(std::vector<Tensor*> weights, std::vector<Tensor*> scales, int64_t col, int64_t extra_rows);

@@ -2,7 +2,7 @@
 // CUDA kernels run on the CPU, so a machine without a GPU (CI) checks their indexing, barriers and
 // arithmetic: plain C++ kernels (shared memory, __syncthreads, warp shuffles and ballots, atomics)
 // and those whose PTX has an emulation here (ptx.cuh under DFLASH_CUDA_EMULATION: ldmatrix x4,
-// mma.sync m16n8k16 bf16, the cp.async ring; wgmma.cuh: wgmma m64n64k16 bf16 from shared memory). A kernel source is included after this header with
+// mma.sync m16n8k16 bf16 and m16n8k32 e4m3, the cp.async ring; wgmma.cuh: wgmma m64n64k16 bf16 from shared memory). A kernel source is included after this header with
 // DFLASH_CUDA_EMULATION defined; its launches go through kernels/cuda/emulatable.cuh.
 // Every CUDA thread of a block is a fiber (ucontext) on the calling thread; blocks run one after
 // another; a fiber runs until it waits at a barrier (__syncthreads, or a warp's shuffle / ballot,
@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 #include <ucontext.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -29,6 +30,8 @@
 #include <functional>
 #include <memory>
 #include <vector>
+
+#include "core/fp8.h"
 
 namespace emu {
 
@@ -258,6 +261,44 @@ inline void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
   }
 }
 
+// mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 (ptx.cuh's mma_e4m3): lane l = 4 g + t holds
+// a: (g, 4t..4t+3), (g+8, 4t..), (g, 4t+16..), (g+8, 4t+16..), b: (k 4t..4t+3, n g), (k 4t+16.., n g),
+// four codes a register, the lowest byte first; c as mma_bf16's. Each element: the accumulator, then
+// the 32 products (exact in f32) in k order, in f32.
+inline void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  uint64_t* mine = words(lane());
+  for (int i = 0; i < 4; ++i) mine[i] = a[i];
+  mine[4] = b0;
+  mine[5] = b1;
+  wait(warp_bar());
+  static const auto e4m3 = [] {
+    std::array<float, 256> v{};
+    for (int c = 0; c < 256; ++c) v[static_cast<size_t>(c)] = ::dflash::fp8::e4m3_to_float(static_cast<uint8_t>(c));
+    return v;
+  }();
+  float A[16][32], B[32][8];
+  for (int l = 0; l < 32; ++l) {
+    const uint64_t* w = words(l);
+    const int g = l / 4, t = l % 4;
+    const int rows[4] = {g, g + 8, g, g + 8}, cols[4] = {4 * t, 4 * t, 4 * t + 16, 4 * t + 16};
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 4; ++j)
+        A[rows[i]][cols[i] + j] = e4m3[(w[i] >> (8 * j)) & 0xFF];
+    for (int j = 0; j < 4; ++j) {
+      B[4 * t + j][g] = e4m3[(w[4] >> (8 * j)) & 0xFF];
+      B[4 * t + 16 + j][g] = e4m3[(w[5] >> (8 * j)) & 0xFF];
+    }
+  }
+  wait(warp_bar());
+  const int g = lane() / 4, t = lane() % 4;
+  const int rows[4] = {g, g, g + 8, g + 8}, cols[4] = {2 * t, 2 * t + 1, 2 * t, 2 * t + 1};
+  for (int i = 0; i < 4; ++i) {
+    float s = c[i];
+    for (int k = 0; k < 32; ++k) s += A[rows[i]][k] * B[k][cols[i]];
+    c[i] = s;
+  }
+}
+
 [[noreturn]] inline void not_emulated(const char* what) {
   std::fprintf(stderr, "cuda emulation: %s is not emulated\n", what);
   std::abort();
@@ -301,6 +342,7 @@ inline void wgmma_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accum
 #define blockDim (::emu::block()->block_dim)
 #define gridDim (::emu::block()->grid_dim)
 #define __syncthreads() (::emu::wait(::emu::block()->block_bar))
+#define __syncwarp(...) (::emu::wait(::emu::warp_bar()))
 #define __shfl_xor_sync(mask, v, o) (::emu::shfl_xor((v), (o)))
 #define __shfl_up_sync(mask, v, d) (::emu::shfl_up((v), (d)))
 #define __ballot_sync(mask, pred) (::emu::ballot(static_cast<bool>(pred)))
@@ -327,6 +369,10 @@ T __ldg(const T* p) {
 template <class T>
 T __ldcg(const T* p) {
   return *p;
+}
+template <class T>
+void __stcg(T* p, T v) {
+  *p = v;
 }
 inline void __threadfence() {}  // blocks run one after another: every write is seen
 inline int atomicAdd(int* p, int v) {

@@ -41,6 +41,7 @@
 #include "kernels/cpu/train_ops.h"
 #include "kernels/ops.h"
 #include "core/random.h"
+#include "fp8_gemm_layout.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -106,33 +107,12 @@ std::vector<float> host_floats(const Tensor& dev) {
 }
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, 4) == 0; }
 
+using fp8_gemm_layout::act_scale_at;
+using fp8_gemm_layout::act_scales_for_gemm;
+using fp8_gemm_layout::weight_scale_at;
+using fp8_gemm_layout::weight_scales_for_gemm;
 // Codes [R, C] (host U8, contiguous) into a byte vector of rows ld apart (padding kPoisonCode).
-std::vector<uint8_t> strided_codes(const Tensor& q, int64_t ld) {
-  const int64_t R = q.size(0), C = q.size(1);
-  std::vector<uint8_t> out(static_cast<size_t>(R * ld), kPoisonCode);
-  for (int64_t r = 0; r < R; ++r) std::memcpy(out.data() + r * ld, q.data<uint8_t>() + r * C, static_cast<size_t>(C));
-  return out;
-}
-
-// Where gemm_fp8 reads a scale (gemm.h "FP8").
-int64_t act_scale_at(int64_t m, int64_t g, int64_t M) { return g * cu::fp8_act_scale_ld(M) + m; }
-int64_t weight_scale_at(int64_t nb, int64_t kb, int64_t K) { return nb * cu::fp8_weight_scale_ld(K) + kb; }
-
-// The reference's scales [M, G] / [Nb, Kb] in gemm_fp8's layouts (padding 1).
-std::vector<float> act_scales_for_gemm(const Tensor& s) {
-  const int64_t M = s.size(0), G = s.size(1);
-  std::vector<float> out(cu::fp8_act_scale_elems(M, G * fp8::kBlock), 1.0f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) out[act_scale_at(m, g, M)] = s.data<float>()[m * G + g];
-  return out;
-}
-std::vector<float> weight_scales_for_gemm(const Tensor& s, int64_t K) {
-  const int64_t Nb = s.size(0), Kb = s.size(1);
-  std::vector<float> out(static_cast<size_t>(Nb * cu::fp8_weight_scale_ld(K)), 1.0f);
-  for (int64_t nb = 0; nb < Nb; ++nb)
-    for (int64_t kb = 0; kb < Kb; ++kb) out[weight_scale_at(nb, kb, K)] = s.data<float>()[nb * Kb + kb];
-  return out;
-}
+std::vector<uint8_t> strided_codes(const Tensor& q, int64_t ld) { return fp8_gemm_layout::strided_codes(q, ld, kPoisonCode); }
 
 // Random finite e4m3 codes [R, C] (host U8) and random power-of-two scales [rows, cols] (or all 1).
 Tensor rand_codes(int64_t R, int64_t C, std::mt19937_64& g) {
@@ -461,11 +441,14 @@ TEST(CudaFp8, GemmMatchesCpuBlockwise) {
   }
 }
 
-// The streaming decode GEMM (issue 30, fp8_stream.cu) on fresh random inputs at odd shapes: every M
-// from 1 to 16 (one and two MMA token tiles, M % 4 != 0 included), N not a multiple of 16 or 128,
-// split-K (small N) and row-wide (large N) blocks, ldx > K and an output window; against the CPU
-// reference (same codes and scales, fp32 sums in another order: kGemmBound) and against cuBLASLt
-// (tuning::gemm_fp8_stream = 0) where that runs (M % 4 == 0). Outputs NaN-poisoned.
+// The streaming decode GEMM (issue 30, gemm_stream.cu: stream-K over the device's resident blocks)
+// on fresh random inputs at odd shapes: every M from 1 to 16 (one and two MMA token halves, M % 4 != 0
+// included), N not a multiple of 4, 16 or 128, tiles split over blocks (small N) and many tiles per
+// block (large N), ldx > K and an output window; against the CPU reference (same codes and scales,
+// fp32 sums in another order: kGemmBound) and against cuBLASLt (tuning::gemm_fp8_stream = 0) where
+// that runs (M % 4 == 0); each case twice (the second call must give the same bits: the split tiles'
+// counters reset); a row alone (M = 1) gives its row of the batch bit for bit. Outputs NaN-poisoned.
+// (tests/test_gemm_stream_emulated.cpp checks the kernel's logic on the CPU, on every grid.)
 TEST(CudaFp8, StreamingGemmMatchesCpuBlockwise) {
   DFLASH_REQUIRE_GPU();
   struct Case {
@@ -499,6 +482,20 @@ TEST(CudaFp8, StreamingGemmMatchesCpuBlockwise) {
     const Tensor got = run(1);
     const double err = max_rel_err(got.slice(1, y_col, y_col + c.N).clone(), ref);
     EXPECT_LT(err, kGemmBound);
+    const Tensor again = run(1);
+    EXPECT_EQ(std::memcmp(got.raw_data(), again.raw_data(), got.nbytes()), 0) << "a second call differs";
+    {  // row M - 1 alone: the same bits
+      Tensor y1 = Tensor::empty({1, ldy}, DType::BF16, Device::cuda(0));
+      poison(y1);
+      Tensor x1 = dev_from(strided_codes(a.q.slice(0, c.M - 1, c.M).clone(), ldx));
+      Tensor s1 = dev_from(act_scales_for_gemm(a.scale.slice(0, c.M - 1, c.M).clone()));
+      cu::GemmFp8Params p1 = fp8_gemm_params(x1.raw_data(), ldx, s1.raw_data(), wq.raw_data(), ws.raw_data(),
+                                             static_cast<uint16_t*>(y1.raw_data()) + y_col, ldy, 1, c.N, c.K);
+      cu::gemm_fp8_stream(p1, 0, stream());
+      const Tensor row = y1.to(Device::cpu()).to_dtype(DType::F32);
+      EXPECT_EQ(std::memcmp(row.raw_data(), got.slice(0, c.M - 1, c.M).clone().raw_data(), row.nbytes()), 0)
+          << "row " << c.M - 1 << " alone differs from its row of the batch";
+    }
     int64_t written = 0;
     for (int64_t m = 0; m < c.M; ++m)
       for (int64_t n = 0; n < ldy; ++n)
@@ -531,7 +528,7 @@ TEST(CudaFp8, StreamingGemmMatchesCpuBlockwise) {
                                           dev_floats(64).raw_data(), 32, 4, 32, 144);
   EXPECT_FALSE(cu::gemm_fp8_stream_supported(bad));
   try {
-    cu::gemm_fp8_stream(bad, 132, nullptr);
+    cu::gemm_fp8_stream(bad, 0, nullptr);
     ADD_FAILURE() << "K = 144 accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("gemm_fp8_stream"), std::string::npos) << e.what();

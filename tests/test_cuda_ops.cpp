@@ -196,7 +196,9 @@ bool bit_equal(const Tensor& a, const Tensor& b) {
 // same operands; with SwiGLU as its prologue against cuda::swiglu + gemm_skinny bit for bit; each
 // output row the same bit for bit whatever the other rows are (M = 16 against M = 1: batch
 // invariance); forced K splits (thread-block clusters) 1..8; rows past M and padding columns left
-// alone; a second call gives the same bits.
+// alone; a second call gives the same bits. All of it twice: on the cluster kernel, then with
+// tuning::gemm_skinny_streamk = 1 (the stream-K kernel of gemm_stream.cu where it applies: no SwiGLU,
+// K % 128 == 0; the other cases stay on the cluster kernel).
 TEST(CudaOps, GemmSkinnyMatchesLinear) {
   DFLASH_REQUIRE_GPU();
   struct Case {
@@ -209,11 +211,14 @@ TEST(CudaOps, GemmSkinnyMatchesLinear) {
       {9, 1032, 1024, 0, 8, 0, false}, {16, 256, 2048, 0, 0, 3, false}, {16, 192, 4096, 0, 0, 8, false},
       {12, 136, 512, 0, 0, 2, false},  {16, 512, 1024, 0, 0, 0, true},  {3, 264, 96, 0, 8, 0, true},
       {16, 128, 2048, 8, 0, 4, true},  {8, 72, 64, 0, 0, 1, false},     {16, 64, 8192, 0, 0, 0, false},
+      {16, 5120, 2048, 0, 8, 0, false}, {7, 17000, 768, 8, 0, 0, false},
   };
+  for (int streamk : {0, 1})
   for (const Case& c : cases) {
     SCOPED_TRACE(testing::Message() << "M=" << c.M << " N=" << c.N << " K=" << c.K << " ldx+" << c.pad_x << " ldy+"
-                                    << c.pad_y << " ks=" << c.ks << (c.swiglu ? " swiglu" : ""));
+                                    << c.pad_y << " ks=" << c.ks << (c.swiglu ? " swiglu" : "") << " streamk=" << streamk);
     cu::tuning::gemm_skinny_ks = c.ks;
+    cu::tuning::gemm_skinny_streamk = streamk;
     const int64_t ldx = (c.swiglu ? 2 * c.K : c.K) + c.pad_x, ldy = c.N + c.pad_y;
     Pair x = rand_bf16({c.M, ldx}, 0.0f, c.swiglu ? 3.0f : 1.0f), w = rand_bf16({c.N, c.K}, 0.0f, 0.1f);
     Tensor y = poisoned({16, ldy});  // 16 rows: the ones past M must stay poisoned
@@ -243,8 +248,9 @@ TEST(CudaOps, GemmSkinnyMatchesLinear) {
     Tensor got = host_f32(y).slice(0, 0, c.M).clone();
     const double err = max_rel_err(cols(got, 0, c.N), ref);
     EXPECT_LT(err, kBound);
-    std::printf("  gemm_skinny M=%ld N=%ld K=%ld%s ks=%d (auto split %d): max_rel_err %.2e\n", long(c.M), long(c.N),
-                long(c.K), c.swiglu ? " swiglu" : "", c.ks, splits, err);
+    std::printf("  gemm_skinny M=%ld N=%ld K=%ld%s ks=%d (auto split %d)%s: max_rel_err %.2e\n", long(c.M), long(c.N),
+                long(c.K), c.swiglu ? " swiglu" : "", c.ks, splits,
+                streamk && cu::gemm_bf16_stream_supported(p) ? " stream-K" : "", err);
     expect_cols_untouched(y.to(Device::cpu()).slice(0, 0, c.M).clone(), y_before.slice(0, 0, c.M).clone(), 0, c.N,
                           "gemm_skinny y padding");
     if (c.M < 16) {
@@ -306,6 +312,7 @@ TEST(CudaOps, GemmSkinnyMatchesLinear) {
     }
   }
   cu::tuning::gemm_skinny_ks = 0;
+  cu::tuning::gemm_skinny_streamk = 0;
   // The decode shapes of Qwen3.6-27B on this GPU: which fit one wave (printed, GPU-dependent).
   for (auto [N, K, sw] : {std::tuple<int64_t, int64_t, bool>{16480, 5120, false}, {14336, 5120, false},
                           {5120, 6144, false}, {5120, 17408, true}, {34816, 5120, false}}) {

@@ -455,16 +455,12 @@ void gemm_fp8(const GemmFp8Params& p, int device) {
                     "projection's K is a multiple of 128");
   if (tuning::gemm_fp8_stream != 0 && gemm_fp8_stream_supported(p) && (tuning::gemm_fp8_stream == 1 || p.M % 4 != 0)) {
     // The streaming kernel (issue 30) on sm_90: always when forced on, else only where cuBLASLt has
-    // no block-scaled kernel (M % 4 != 0); at M = 4 / 16 it measured slower than cuBLASLt (fp8_stream.cu).
-    static int sms[64] = {}, major[64] = {};
-    if (device >= 0 && device < 64 && major[device] == 0) {
-      DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device));
+    // no block-scaled kernel (M % 4 != 0); the model's decode steps call it directly where the plan says.
+    static int major[64] = {};
+    if (device >= 0 && device < 64 && major[device] == 0)
       DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device));
-    }
     if (device >= 0 && device < 64 && major[device] == 9) {
-      DeviceContext& ctx = DeviceContext::get(device);
-      DeviceGuard scope(device);
-      gemm_fp8_stream(p, sms[device], ctx.stream());
+      gemm_fp8_stream(p, device, DeviceContext::get(device).stream());
       return;
     }
   }

@@ -179,13 +179,17 @@ const char* gemm_fp8_kernel_name();
 
 // Streaming FP8 skinny GEMM (issue 30; kernels/cuda/fp8_stream.cu): gemm_fp8's operands and result
 // for 1 <= M <= 16 (no M % 4 needed), block scales only, K % 128 == 0; each weight byte read once
-// with 16-byte loads, mma.sync e4m3 on sm_90 (sm >= 89). gemm_fp8 runs it on sm_90 where cuBLASLt
-// has no block-scaled kernel (M % 4 != 0), or for every shape it supports when
-// tuning::gemm_fp8_stream == 1 (kernel_bench's stream_e4m3 rows); it is not yet faster than
-// cuBLASLt at M = 4 / 16 (h200-fp8dec rows), so the model's padded GEMMs stay on cuBLASLt. Same sums as ops::gemm_fp8_blockwise (per group code products in
-// fp32, times the two scales), in another order. Throws naming the shape for what it cannot do.
+// with 16-byte cp.async copies over a one-wave stream-K grid, mma.sync e4m3 (sm_89+; run on sm_90).
+// gemm_fp8 runs it on sm_90 where cuBLASLt has no block-scaled kernel (M % 4 != 0), or for every
+// shape it supports when tuning::gemm_fp8_stream == 1 (kernel_bench's stream_e4m3 rows); the
+// model's decode / verify steps run it where the decode plan's skinny GEMMs are on. Same sums as
+// ops::gemm_fp8_blockwise (per group code products in fp32, times the two scales), in another
+// order, fixed by N, K and the device (deterministic, and a row's result does not depend on M).
+// Uses a per-device workspace (8 KB per resident block, allocated on first use) on the stream it
+// is given: launches on one device are stream-ordered (dflash's single stream per device). Throws
+// naming the shape for what it cannot do.
 bool gemm_fp8_stream_supported(const GemmFp8Params& p);
-void gemm_fp8_stream(const GemmFp8Params& p, int sm_count, Stream s);
+void gemm_fp8_stream(const GemmFp8Params& p, int device, Stream s);
 const char* gemm_fp8_stream_kernel_name();
 namespace tuning {
 extern int gemm_fp8_stream;  // -1 automatic (stream only for M % 4 != 0), 0 never, 1 whenever supported
@@ -217,8 +221,16 @@ int gemm_skinny_splits(const GemmSkinnyParams& p, int device);
 // Runs on the given stream (the decode step's); a shape beyond one wave runs in waves (ks 1).
 void gemm_skinny(const GemmSkinnyParams& p, int device, Stream s);
 const char* gemm_skinny_kernel_name();
+// The stream-K twin (kernels/cuda/gemm_stream.cu, as gemm_fp8_stream on bf16): one wave whatever N
+// and K (no cluster split, no partial last wave), K % 128 == 0, no SwiGLU prologue; the same
+// products in another fixed order (deterministic, batch invariant). gemm_skinny runs it where
+// tuning::gemm_skinny_streamk == 1 and it applies (tests, kernel_bench); the model's decode steps run it
+// where the plan's DecodeFusion::skinny_streamk says (dflash_eval --decode-variants skinny_streamk).
+bool gemm_bf16_stream_supported(const GemmSkinnyParams& p);
+void gemm_bf16_stream(const GemmSkinnyParams& p, int device, Stream s);
 namespace tuning {
-extern int gemm_skinny_ks;  // 0: automatic K split; 1..8 forces it (tests, benches)
+extern int gemm_skinny_ks;        // 0: automatic K split; 1..8 forces it (tests, benches)
+extern int gemm_skinny_streamk;   // 1: gemm_skinny takes the stream-K kernel where it applies (default 0)
 }  // namespace tuning
 
 }  // namespace dflash::cuda

@@ -94,14 +94,6 @@ struct SkParams {
   int M, N, K, ks;
 };
 
-// 16 bytes global -> shared, bypassing L1 and asking L2 for the 256 bytes around it; src_bytes 0
-// writes zeros (rows past N, tokens past M) without reading.
-__device__ __forceinline__ void cp16(void* smem, const void* gmem, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(ptx::smem_addr(smem)), "l"(gmem),
-               "r"(src_bytes)
-               : "memory");
-}
-
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -137,7 +129,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_skinny_kernel(const SkParams
 #pragma unroll
     for (int j = 0; j < kWUnits; ++j) {
       const bool v = (wvalid >> j) & 1u;
-      cp16(slot + j * 32, v ? wbase + j * wstride + s * kStepK : p.w, v ? 16 : 0);
+      ptx::cp_async16_l2_256(slot + j * 32, v ? wbase + j * wstride + s * kStepK : p.w, v);
     }
   };
   auto issue_x = [&](int s) {
@@ -146,10 +138,10 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_skinny_kernel(const SkParams
     for (int j = 0; j < 2; ++j) {
       const bf16* q = xp[j] + s * kStepK;
       if constexpr (kSwiglu) {
-        cp16(slot + (2 * j) * 32, q, xv[j] ? 16 : 0);
-        cp16(slot + (2 * j + 1) * 32, q + p.K, xv[j] ? 16 : 0);
+        ptx::cp_async16_l2_256(slot + (2 * j) * 32, q, xv[j]);
+        ptx::cp_async16_l2_256(slot + (2 * j + 1) * 32, q + p.K, xv[j]);
       } else {
-        cp16(slot + j * 32, q, xv[j] ? 16 : 0);
+        ptx::cp_async16_l2_256(slot + j * 32, q, xv[j]);
       }
     }
   };
@@ -364,6 +356,7 @@ void gemm_skinny(const GemmSkinnyParams& p, int device, Stream s) {
                                           << " ldy=" << p.ldy << (p.swiglu ? " swiglu" : "") << ")",
                     "gemm_skinny serves decode shapes (M <= 16, K % 32 == 0, N % 8 == 0); use gemm_bf16");
   if (p.M == 0) return;
+  if (tuning::gemm_skinny_streamk == 1 && gemm_bf16_stream_supported(p)) return gemm_bf16_stream(p, device, s);
   DFLASH_CHECK(p.x && p.w && p.y, "gemm_skinny: null pointer (x=" << p.x << " w=" << p.w << " y=" << p.y << ")");
   DFLASH_CHECK(vec::aligned16(p.x) && vec::aligned16(p.w) && vec::aligned16(p.y),
                "gemm_skinny: x, w and y must be 16-byte aligned (x=" << p.x << " w=" << p.w << " y=" << p.y << ")");

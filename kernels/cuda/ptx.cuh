@@ -15,7 +15,7 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 // Four 8x8 b16 matrices from shared memory (row addresses from lanes 0-31), optionally transposed.
 // (Under DFLASH_CUDA_EMULATION, kernels/cuda/emulatable.cuh, the CPU runs the non-transposed x4
-// load, mma_bf16 and the cp.async ring's commit / wait; the rest stays device-only.)
+// load, mma_bf16, mma_e4m3 and the cp.async ring's copies, commit and wait; the rest stays device-only.)
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
 #ifdef DFLASH_CUDA_EMULATION
   ::emu::ldmatrix_x4(r, p);
@@ -91,6 +91,37 @@ __device__ __forceinline__ void cp_async_wait_ring() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 #endif
+
+// The ring copy of the streaming GEMMs (gemm_skinny.cu, fp8_stream.cu): 16 bytes global -> shared
+// bypassing L1 and asking L2 for the 256 bytes around it (a weight row read ahead); !valid writes
+// zeros without reading (gmem must still be a valid address).
+__device__ __forceinline__ void cp_async16_l2_256(void* smem, const void* gmem, bool valid) {
+#ifdef DFLASH_CUDA_EMULATION
+  if (valid) std::memcpy(smem, gmem, 16);
+  else std::memset(smem, 0, 16);
+#else
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(valid ? 16 : 0)
+               : "memory");
+#endif
+}
+
+// c[16x8] += a[16x32] (row) · b[32x8] (col), e4m3 in, f32 accumulate (sm_89+; traps below). Lane
+// l = 4 g + t holds a: (g, 4t..4t+3), (g+8, 4t..), (g, 4t+16..), (g+8, 4t+16..), four codes a
+// register, the lowest byte first; b: (k 4t..4t+3, n g), (k 4t+16.., n g); c as mma_bf16's.
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#ifdef DFLASH_CUDA_EMULATION
+  ::emu::mma_e4m3(c, a, b0, b1);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // callers run it on sm_89+ only
+#endif
+}
 
 // Shared-memory load of two floats / store of one 32-bit word through the shared window (a generic
 // pointer the compiler cannot place in shared memory would become a slower generic access).

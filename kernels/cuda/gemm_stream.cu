@@ -1,0 +1,496 @@
+// Streaming skinny GEMMs for decode / verify steps (issue 30): y[M, N] = x[M, K] · w[N, K]^T for
+// 1 <= M <= 16, fp32 accumulation, bf16 out, each weight byte read once, on a one-wave stream-K grid.
+// Two element types, one kernel:
+//   - FP8 (gemm_fp8_stream): gemm_fp8's operands (e4m3 codes, per-token 1 x 128 activation scales,
+//     128 x 128 weight block scales; layouts in gemm.h "FP8"), mma.sync m16n8k32 e4m3, per 128-column
+//     group the code-product sums times the weight block's and the token's scale (as
+//     ops::gemm_fp8_blockwise). gemm_fp8 runs it for M % 4 != 0 (cuBLASLt has no block-scaled kernel
+//     there) or when tuning::gemm_fp8_stream == 1; the model's decode / verify steps call it where
+//     the decode plan's skinny GEMMs are on (FastPathPlan::DecodeFusion::skinny_gemm).
+//   - bf16 (gemm_skinny with tuning::gemm_skinny_streamk = 1, K % 128 == 0, no SwiGLU prologue):
+//     mma.sync m16n8k16 bf16, as gemm_skinny's cluster kernel but on this grid.
+// CPU references: ops::gemm_fp8_blockwise, ops::linear.
+//
+// Roofline: the weight read once (x, its scales and y are < 1% at M = 16): at the Qwen3.6-27B decode
+// shapes in FP8 31 MB (out_proj 5120 x 6144) to 178 MB (gate/up 34816 x 5120), 7-42 us at an H200's
+// copy bandwidth (~4.25 TB/s); bf16 twice that. The FP8 kernel before this one (af49b75: 8-warp
+// blocks over fixed runs of rows, a batch of loads then the math) streamed 2.0-2.9 TB/s and made the
+// fp8 decode step slower than cuBLASLt (14.72 vs 12.11 ms, bench/results/h200-fp8dec-af49b75);
+// gemm_skinny's cluster grids lost to wave quantization at N = 5120 (2,640-2,862 GB/s, h200-decode4-*).
+//
+// Design. The work is a list of units (a 64-row tile x a 128-column group), tile-major:
+// U = ceil(N / 64) · K / 128. A grid of B = min(U, resident blocks) blocks takes equal contiguous runs
+// ([U b / B, U (b + 1) / B)) and each block's 4 warps take equal contiguous runs of the block's, so
+// every warp streams the same bytes whatever N and K (no partial last wave). A warp walks its run in
+// steps of 64 bytes of its 64 rows through a ring of kStages steps in shared memory filled by
+// cp.async, continuously across tile boundaries (16 bytes per lane and copy, each lane reading back
+// only what it copied, so no barrier; per step each lane copies 8 weight units: rows g and g + 8 of
+// each 16-row tile, bytes 16t..16t+15 of the step, and the x units of tokens g and g + 8), then runs
+// 8 or 16 MMAs (weight rows as the MMA's M, tokens as its N; the k order permuted alike for both
+// operands so that the 16-byte units are used as loaded: fp8 lane t's bytes 16t + 8h .. + 3 serve
+// logical k 4t.., bytes + 4 .. + 7 serve k 16 + 4t.. of MMA h; bf16 words 2h / 2h + 1 serve k 2t.. /
+// 2t + 8..). kStages - 1 steps are in flight per warp while one is multiplied.
+// A warp's run covers whole tiles, which it stores itself, and at most two pieces: one of a tile
+// begun before its run (kept in shared memory, part0) and one of a tile continued after it (kept in
+// registers to the end, then in the warp's drained ring, part1). After a barrier the block sums the
+// pieces of each tile its warps share, in warp order; a tile whole in the block is stored; a tile
+// shared with other blocks (at most the block's first and last) leaves the block's sum in a
+// workspace slot (global memory, L2-resident, 16 x 64 floats; slot 0: begun in an earlier block,
+// 1: continued in a later one), and the block that arrives last (a counter per shared tile, at its
+// first block) sums the slots in block order, stores the tile and resets the counter, so the next
+// launch (or graph replay) starts from zero. No block waits for another: any grid size is correct.
+// Every sum has a fixed order (k, warp, block order, set by N, K and the grid), so the result is
+// deterministic and each output depends only on its own x row and weight row, not on M: a row of
+// a T = 1 decode and of a T = 16 verify are computed alike (batch invariance). With programmatic
+// dependent launch (pdl.cuh) the first kStages - 1 steps' weight copies are issued before waiting on
+// the previous kernel, which wrote x.
+//
+// Not measured on a GPU yet (written in a session without one; tests/test_gemm_stream_emulated.cpp
+// runs it on the CPU): kernel_bench --only fp8 (stream_e4m3 rows, DFLASH_BENCH_FP8_DECODE=1) and
+// --only decode_gemm (skinny_streamk rows), and dflash_eval --decode-variants fused,skinny (fp8) /
+// skinny_streamk (bf16) measure it against cuBLASLt.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <mutex>
+
+#include "core/cuda/check.h"
+#include "core/error.h"
+#include "kernels/cuda/emulatable.cuh"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/ptx.cuh"
+
+namespace dflash::cuda {
+
+namespace tuning {
+int gemm_fp8_stream = -1;     // -1: only where cuBLASLt has no kernel (M % 4 != 0); 0: never; 1: whenever supported
+int gemm_skinny_streamk = 0;  // 1: gemm_skinny runs the stream-K kernel where it can (no SwiGLU, K % 128 == 0)
+}  // namespace tuning
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTiles = 4;              // m16 tiles of weight rows per warp (a tile of work: 64 rows)
+constexpr int kRows = 16 * kTiles;
+constexpr int kStepBytes = 64;         // bytes of a weight row per step
+constexpr int kGroupCols = 128;        // columns per unit of work (an FP8 scale group)
+constexpr int kStages = 4;             // ring depth (steps) per warp
+constexpr int kWUnits = 2 * kTiles;    // 16-byte weight units per lane and step (rows g, g + 8 of each tile)
+constexpr int kXUnits = 2;             // tokens g and g + 8
+constexpr int kUnits = kWUnits + kXUnits;
+constexpr int kRedLd = kRows + 4;      // padded rows of a piece buffer [16 tokens][kRedLd]: conflict-free stores
+constexpr int kSlots = 2;              // workspace slots per block
+constexpr int64_t kSlotFloats = 16 * kRows;
+constexpr size_t kWarpRing = static_cast<size_t>(kStages) * kUnits * 32;  // uint4s
+constexpr size_t kRingBytes = kWarps * kWarpRing * 16;                    // 80 KB
+static_assert(sizeof(float) * 16 * kRedLd <= kWarpRing * 16, "a drained ring holds its warp's part1 piece");
+
+struct StreamParams {
+  const uint8_t* x;   // [M, ldx] elements
+  int64_t ldx_bytes;
+  const float* xs;    // FP8: x scales, (token m, group g) at xs[g * ldxs + m]
+  int64_t ldxs;
+  const uint8_t* w;   // [N, K] elements
+  int64_t row_bytes;  // K · element size
+  const float* ws;    // FP8: weight scales, (block nb, kb) at ws[nb * ldws + kb]
+  int64_t ldws;
+  bf16* y;            // [M, ldy]
+  int64_t ldy;
+  int M, N, G;        // G: units (128-column groups) per tile
+  int tiles, blocks;
+  float* partial;     // [blocks][kSlots][16][kRows]
+  int* counters;      // [blocks], zero between launches
+};
+
+// Run r of `parts` equal contiguous runs of n items is [run_begin(n, parts, r), run_begin(n, parts, r + 1)).
+__host__ __device__ __forceinline__ int run_begin(int64_t n, int64_t parts, int64_t r) {
+  return static_cast<int>(n * r / parts);
+}
+// The (non-empty) run holding item i, 0 <= i < n.
+__host__ __device__ __forceinline__ int run_of(int64_t n, int64_t parts, int64_t i) {
+  int64_t r = i * parts / n;
+  while (r + 1 < parts && run_begin(n, parts, r + 1) <= i) ++r;
+  while (r > 0 && run_begin(n, parts, r) > i) --r;
+  return static_cast<int>(r);
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Rows row .. row + 3 of token tok (< M) from a sum; rows past N are not stored.
+__device__ __forceinline__ void store_quad(const StreamParams& p, int tok, int row, const float4& v) {
+  bf16* dst = p.y + static_cast<int64_t>(tok) * p.ldy + row;
+  if (row + 3 < p.N) {
+    uint2 u;
+    u.x = ptx::pack_bf16(v.x, v.y);
+    u.y = ptx::pack_bf16(v.z, v.w);
+    *reinterpret_cast<uint2*>(dst) = u;
+    return;
+  }
+  const float f[4] = {v.x, v.y, v.z, v.w};
+  for (int i = 0; i < 4 && row + i < p.N; ++i) dst[i] = __float2bfloat16(f[i]);
+}
+
+// A warp's accumulators: acc[i][hf][c] is weight row 16 i + g + 8 (c >> 1) of the tile, token
+// 8 hf + 2 t + (c & 1).
+using Acc = float[kTiles][2][4];
+
+__device__ __forceinline__ void acc_to_piece(const Acc& acc, float (*piece)[kRedLd], int g, int t) {
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) piece[8 * hf + 2 * t + (c & 1)][16 * i + g + 8 * (c >> 1)] = acc[i][hf][c];
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamParams p) {
+  constexpr int kElem = kFp8 ? 1 : 2;
+  constexpr int kSteps = kGroupCols * kElem / kStepBytes;  // steps per unit: 2 (FP8), 4 (bf16)
+  DFLASH_DYNAMIC_SMEM(uint4, ring);  // [kWarps][kStages][kUnits][32 lanes]
+  __shared__ __align__(16) float part0[kWarps][16][kRedLd];
+  __shared__ int last;
+  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int G = p.G, U = p.tiles * G, B = p.blocks, b = static_cast<int>(blockIdx.x);
+  const int ub = run_begin(U, B, b), ue = run_begin(U, B, b + 1), bn = ue - ub;
+  const int wu0 = ub + run_begin(bn, kWarps, warp), wu1 = ub + run_begin(bn, kWarps, warp + 1);
+  uint4* my = ring + static_cast<size_t>(warp) * kWarpRing + lane;  // unit j of slot q: my[(q·kUnits + j)·32]
+  auto part1 = [&](int w) { return reinterpret_cast<float(*)[kRedLd]>(ring + static_cast<size_t>(w) * kWarpRing); };
+  const bool two = p.M > 8;
+  const bool xv[2] = {g < p.M, g + 8 < p.M};
+  const uint8_t* xp[2] = {p.x + static_cast<int64_t>(xv[0] ? g : 0) * p.ldx_bytes + 16 * t,
+                          p.x + static_cast<int64_t>(xv[1] ? g + 8 : 0) * p.ldx_bytes + 16 * t};
+  const int nsteps = (wu1 - wu0) * kSteps;
+
+  // Step vs of the warp's run: unit wu0 + vs / kSteps, bytes (vs % kSteps) · 64 of its group.
+  auto issue_w = [&](int vs) {
+    const int u = wu0 + vs / kSteps, tile = u / G;
+    const int64_t col = static_cast<int64_t>(u - tile * G) * kGroupCols * kElem + (vs % kSteps) * kStepBytes + 16 * t;
+    uint4* slot = my + static_cast<size_t>(vs % kStages) * kUnits * 32;
+#pragma unroll
+    for (int j = 0; j < kWUnits; ++j) {
+      const int row = tile * kRows + 8 * j + g;
+      const bool v = row < p.N;
+      ptx::cp_async16_l2_256(slot + j * 32, v ? p.w + static_cast<int64_t>(row) * p.row_bytes + col : p.w, v);
+    }
+  };
+  auto issue_x = [&](int vs) {
+    const int u = wu0 + vs / kSteps, grp = u % G;
+    const int64_t col = static_cast<int64_t>(grp) * kGroupCols * kElem + (vs % kSteps) * kStepBytes;
+    uint4* slot = my + (static_cast<size_t>(vs % kStages) * kUnits + kWUnits) * 32;
+    ptx::cp_async16_l2_256(slot, xp[0] + col, xv[0]);
+    if (two) ptx::cp_async16_l2_256(slot + 32, xp[1] + col, xv[1]);
+  };
+
+  Acc acc, d;  // d: FP8's code sums of the current group (unused for bf16)
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][hf][c] = d[i][hf][c] = 0.0f;
+
+  // Prologue: the first kStages - 1 steps' weights before the wait (nothing in the step writes
+  // them), their x after it; one commit group per step (empty past the run, so the counts stay fixed).
+  pdl_launch_dependents();
+#pragma unroll
+  for (int q = 0; q < kStages - 1; ++q)
+    if (q < nsteps) issue_w(q);
+  pdl_wait();
+#pragma unroll
+  for (int q = 0; q < kStages - 1; ++q) {
+    if (q < nsteps) issue_x(q);
+    ptx::cp_async_commit_ring();
+  }
+  int piece0 = wu0;    // the first unit of the piece being summed
+  bool keep = false;   // acc holds a piece of a tile continued after this run (part1)
+  for (int vs = 0; vs < nsteps; ++vs) {
+    ptx::cp_async_wait_ring<kStages - 2>();  // step vs has landed (this lane's copies)
+    const uint4* slot = my + static_cast<size_t>(vs % kStages) * kUnits * 32;
+    uint4 wv[kWUnits];
+#pragma unroll
+    for (int j = 0; j < kWUnits; ++j) wv[j] = slot[j * 32];
+    const uint4 xa0 = slot[kWUnits * 32];
+    const uint4 xa1 = two ? slot[(kWUnits + 1) * 32] : make_uint4(0, 0, 0, 0);
+    // Refill the slot consumed last step with step vs + kStages - 1.
+    if (vs + kStages - 1 < nsteps) {
+      issue_w(vs + kStages - 1);
+      issue_x(vs + kStages - 1);
+    }
+    ptx::cp_async_commit_ring();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) {
+        const uint32_t a[4] = {word(wv[2 * i], 2 * h), word(wv[2 * i + 1], 2 * h), word(wv[2 * i], 2 * h + 1),
+                               word(wv[2 * i + 1], 2 * h + 1)};
+        if constexpr (kFp8) {
+          ptx::mma_e4m3(d[i][0], a, word(xa0, 2 * h), word(xa0, 2 * h + 1));
+          if (two) ptx::mma_e4m3(d[i][1], a, word(xa1, 2 * h), word(xa1, 2 * h + 1));
+        } else {
+          ptx::mma_bf16(acc[i][0], a, word(xa0, 2 * h), word(xa0, 2 * h + 1));
+          if (two) ptx::mma_bf16(acc[i][1], a, word(xa1, 2 * h), word(xa1, 2 * h + 1));
+        }
+      }
+    }
+    if (vs % kSteps != kSteps - 1) continue;
+    // The unit's last step.
+    const int u = wu0 + vs / kSteps, tile = u / G, grp = u - tile * G, n0 = tile * kRows;
+    if constexpr (kFp8) {  // the group's code sums times the weight block's and each token's scale
+      const float sw = __ldg(p.ws + static_cast<int64_t>(n0 / 128) * p.ldws + grp);
+      const float* xg = p.xs + static_cast<int64_t>(grp) * p.ldxs;
+      const int toks[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
+      float sc[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[e] = toks[e] < p.M ? sw * __ldg(xg + toks[e]) : 0.0f;
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            acc[i][hf][c] += d[i][hf][c] * sc[2 * hf + (c & 1)];
+            d[i][hf][c] = 0.0f;
+          }
+    }
+    if (grp != G - 1 && u != wu1 - 1) continue;
+    // The end of a piece of `tile`.
+    const bool from_start = piece0 == tile * G;
+    if (from_start && grp == G - 1) {  // the whole tile: store it
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int tok = 8 * hf + 2 * t + (c & 1), row = n0 + 16 * i + g + 8 * (c >> 1);
+            if (tok < p.M && row < p.N) p.y[static_cast<int64_t>(tok) * p.ldy + row] = __float2bfloat16(acc[i][hf][c]);
+          }
+    } else if (!from_start) {  // a tile begun before this run (its first piece)
+      acc_to_piece(acc, part0[warp], g, t);
+    } else {  // a tile continued after this run: the run's last piece
+      keep = true;
+      break;
+    }
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[i][hf][c] = 0.0f;
+    piece0 = u + 1;
+  }
+  ptx::cp_async_wait_ring<0>();
+  __syncwarp();  // every lane is done with the ring part1 overwrites
+  if (keep) acc_to_piece(acc, part1(warp), g, t);
+  __syncthreads();
+
+  // The tiles the block's warps share or share with other blocks: the block's sum of their pieces
+  // (warp order), stored, or left for the tile's last block.
+  if (bn == 0) return;
+  constexpr int kQuads = 16 * kRows / 4, kPerThread = kQuads / kThreads;
+  for (int T = ub / G; T <= (ue - 1) / G; ++T) {
+    const int u0 = ub > T * G ? ub : T * G, u1 = ue < (T + 1) * G ? ue : (T + 1) * G;
+    const int wa = run_of(bn, kWarps, u0 - ub), wb = run_of(bn, kWarps, u1 - 1 - ub);
+    const bool whole = u0 == T * G && u1 == (T + 1) * G;
+    if (whole && wa == wb) continue;  // stored by its warp
+    float4 sum[kPerThread];
+#pragma unroll
+    for (int e = 0; e < kPerThread; ++e) {
+      const int q = static_cast<int>(threadIdx.x) + e * kThreads, tok = q >> 4, r4 = (q & 15) * 4;
+      sum[e] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (tok >= p.M) continue;
+      for (int w = wa; w <= wb; ++w) {
+        const int w0 = ub + run_begin(bn, kWarps, w);
+        if (w0 == ub + run_begin(bn, kWarps, w + 1)) continue;  // an empty run
+        const float* src = w0 <= T * G ? &part1(w)[tok][r4] : &part0[w][tok][r4];
+        const float4 v = *reinterpret_cast<const float4*>(src);
+        sum[e].x += v.x, sum[e].y += v.y, sum[e].z += v.z, sum[e].w += v.w;
+      }
+    }
+    if (whole) {
+#pragma unroll
+      for (int e = 0; e < kPerThread; ++e) {
+        const int q = static_cast<int>(threadIdx.x) + e * kThreads, tok = q >> 4;
+        if (tok < p.M) store_quad(p, tok, T * kRows + (q & 15) * 4, sum[e]);
+      }
+      continue;
+    }
+    // Shared with other blocks c0..c1: this block's sum into its slot, then the last block sums
+    // them all in block order.
+    const int c0 = run_of(U, B, T * G), c1 = run_of(U, B, (T + 1) * G - 1);
+    float* mine = p.partial + (static_cast<int64_t>(b) * kSlots + (u0 == T * G ? 1 : 0)) * kSlotFloats;
+#pragma unroll
+    for (int e = 0; e < kPerThread; ++e) {
+      const int q = static_cast<int>(threadIdx.x) + e * kThreads, tok = q >> 4;
+      if (tok < p.M) __stcg(reinterpret_cast<float4*>(mine + tok * kRows + (q & 15) * 4), sum[e]);
+    }
+    __threadfence();  // the slot is visible before the count says so
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(p.counters + c0, 1) == c1 - c0;
+    __syncthreads();
+    if (!last) continue;
+    __threadfence();
+#pragma unroll
+    for (int e = 0; e < kPerThread; ++e) {
+      const int q = static_cast<int>(threadIdx.x) + e * kThreads, tok = q >> 4, r4 = (q & 15) * 4;
+      if (tok >= p.M) continue;
+      float4 tot = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int c = c0; c <= c1; ++c) {
+        const float* slot = p.partial + (static_cast<int64_t>(c) * kSlots + (c == c0 ? 1 : 0)) * kSlotFloats;
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(slot + tok * kRows + r4));
+        tot.x += v.x, tot.y += v.y, tot.z += v.z, tot.w += v.w;
+      }
+      store_quad(p, tok, T * kRows + r4, tot);
+    }
+    if (threadIdx.x == 0) p.counters[c0] = 0;  // ready for the next launch
+  }
+}
+
+// The launch on a given workspace (the emulated test passes host memory and any grid).
+template <bool kFp8>
+void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* counters, cudaStream_t st) {
+  k.G = static_cast<int>(K / kGroupCols);
+  k.tiles = static_cast<int>((k.N + kRows - 1) / kRows);
+  k.blocks = static_cast<int>(std::min<int64_t>(blocks, int64_t{k.tiles} * k.G));
+  k.partial = partial;
+  k.counters = counters;
+  launch_kernel_pdl(gemm_stream_kernel<kFp8>, dim3(static_cast<unsigned>(k.blocks)), dim3(kThreads), kRingBytes, st, k);
+}
+
+StreamParams fp8_params(const GemmFp8Params& p) {
+  StreamParams k{};
+  k.x = p.x;
+  k.ldx_bytes = p.ldx;
+  k.xs = p.x_scale;
+  k.ldxs = fp8_act_scale_ld(p.M);
+  k.w = p.w;
+  k.row_bytes = p.K;
+  k.ws = p.w_scale;
+  k.ldws = fp8_weight_scale_ld(p.K);
+  k.y = static_cast<bf16*>(p.y);
+  k.ldy = p.ldy;
+  k.M = static_cast<int>(p.M);
+  k.N = static_cast<int>(p.N);
+  return k;
+}
+
+StreamParams bf16_params(const GemmSkinnyParams& p) {
+  StreamParams k{};
+  k.x = static_cast<const uint8_t*>(p.x);
+  k.ldx_bytes = 2 * p.ldx;
+  k.w = static_cast<const uint8_t*>(p.w);
+  k.row_bytes = 2 * p.K;
+  k.y = static_cast<bf16*>(p.y);
+  k.ldy = p.ldy;
+  k.M = static_cast<int>(p.M);
+  k.N = static_cast<int>(p.N);
+  return k;
+}
+
+#ifndef DFLASH_CUDA_EMULATION
+// Per device: the blocks resident at once (the grid; both kernels have the same resources) and the
+// workspace for that many blocks.
+struct Workspace {
+  int blocks = 0;
+  float* partial = nullptr;
+  int* counters = nullptr;
+};
+
+const Workspace& workspace(int device, cudaStream_t st) {
+  static std::mutex mu;
+  static std::array<Workspace, 64> spaces;
+  DFLASH_CHECK(device >= 0 && device < static_cast<int>(spaces.size()), "gemm_stream: device " << device << " out of range");
+  std::lock_guard<std::mutex> lock(mu);
+  Workspace& w = spaces[static_cast<size_t>(device)];
+  if (w.blocks > 0) return w;
+  DeviceGuard scope(device);
+  int sms = 0, per_sm = 1 << 30;
+  DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  for (const auto kernel : {gemm_stream_kernel<true>, gemm_stream_kernel<false>}) {
+    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kRingBytes)));
+    int n = 0;
+    DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kRingBytes));
+    per_sm = std::min(per_sm, n);
+  }
+  DFLASH_CHECK(per_sm > 0, "gemm_stream: the kernels do not fit an SM of device " << device);
+  const int blocks = per_sm * sms;
+  // Lives until exit, like the device context's cuBLASLt workspace (8 KB per block).
+  DFLASH_CUDA_CHECK(cudaMalloc(&w.partial, static_cast<size_t>(blocks) * kSlots * kSlotFloats * sizeof(float)));
+  DFLASH_CUDA_CHECK(cudaMalloc(&w.counters, static_cast<size_t>(blocks) * sizeof(int)));
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  DFLASH_CUDA_CHECK(cudaStreamIsCapturing(st, &cap));
+  if (cap == cudaStreamCaptureStatusNone) {
+    DFLASH_CUDA_CHECK(cudaMemset(w.counters, 0, static_cast<size_t>(blocks) * sizeof(int)));
+  } else {  // first used inside a capture: the graph zeroes them before its kernels, at every replay
+    DFLASH_CUDA_CHECK(cudaMemsetAsync(w.counters, 0, static_cast<size_t>(blocks) * sizeof(int), st));
+  }
+  w.blocks = blocks;
+  return w;
+}
+#endif
+
+}  // namespace
+
+bool gemm_fp8_stream_supported(const GemmFp8Params& p) {
+  return !p.tensor_scales && !p.w_vec_scales && !p.y_f32 && !p.accumulate && p.M >= 1 && p.M <= 16 && p.K % 128 == 0 &&
+         p.N >= 1 && p.N * p.K < (int64_t{1} << 40) && p.K < (int64_t{1} << 30) && p.N < (int64_t{1} << 30);
+}
+
+bool gemm_bf16_stream_supported(const GemmSkinnyParams& p) {
+  return !p.swiglu && p.M >= 1 && p.M <= 16 && p.K % 128 == 0 && p.N >= 1 && p.N % 8 == 0 && p.ldx >= p.K &&
+         p.ldx % 8 == 0 && p.ldy >= p.N && p.ldy % 8 == 0 && p.N * p.K < (int64_t{1} << 40) &&
+         p.K < (int64_t{1} << 30) && p.N < (int64_t{1} << 30);
+}
+
+#ifndef DFLASH_CUDA_EMULATION
+void gemm_fp8_stream(const GemmFp8Params& p, int device, Stream s) {
+  DFLASH_CHECK_HINT(gemm_fp8_stream_supported(p),
+                    "gemm_fp8_stream: the streaming FP8 GEMM needs block scales, 1 <= M <= 16 and K a multiple "
+                    "of 128, got M=" << p.M << " N=" << p.N << " K=" << p.K
+                                     << (p.tensor_scales ? " (tensor scales)" : ""),
+                    "run gemm_fp8 (cuBLASLt) for other shapes; checkpoints' FP8 projections have K a multiple of 128");
+  DFLASH_CHECK(p.x != nullptr && p.w != nullptr && p.y != nullptr && p.x_scale != nullptr && p.w_scale != nullptr,
+               "gemm_fp8_stream: null pointer for M=" << p.M << " N=" << p.N << " K=" << p.K);
+  DFLASH_CHECK(p.ldx >= p.K && p.ldx % 16 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(p.w) % 16 == 0 && reinterpret_cast<uintptr_t>(p.y) % 8 == 0 &&
+                   p.ldy >= p.N && p.ldy % 4 == 0,
+               "gemm_fp8_stream: needs 16-byte aligned codes with ldx a multiple of 16 (>= K), an 8-byte aligned y "
+               "and ldy a multiple of 4 (>= N), got ldx="
+                   << p.ldx << " ldy=" << p.ldy << " K=" << p.K << " N=" << p.N);
+  DeviceGuard scope(device);
+  const auto st = static_cast<cudaStream_t>(s);
+  const Workspace& w = workspace(device, st);
+  launch_stream<true>(fp8_params(p), p.K, w.blocks, w.partial, w.counters, st);
+}
+
+void gemm_bf16_stream(const GemmSkinnyParams& p, int device, Stream s) {
+  DFLASH_CHECK_HINT(gemm_bf16_stream_supported(p),
+                    "gemm_bf16_stream: the stream-K skinny GEMM needs 1 <= M <= 16, K a multiple of 128, N, ldx and "
+                    "ldy multiples of 8 and no SwiGLU prologue, got M=" << p.M << " N=" << p.N << " K=" << p.K
+                                                                        << " ldx=" << p.ldx << " ldy=" << p.ldy
+                                                                        << (p.swiglu ? " swiglu" : ""),
+                    "gemm_skinny's cluster kernel takes the other decode shapes");
+  const auto aligned16 = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  DFLASH_CHECK(p.x && p.w && p.y && aligned16(p.x) && aligned16(p.w) && aligned16(p.y),
+               "gemm_bf16_stream: x, w and y must be non-null and 16-byte aligned (x=" << p.x << " w=" << p.w
+                                                                                       << " y=" << p.y << ")");
+  DeviceGuard scope(device);
+  const auto st = static_cast<cudaStream_t>(s);
+  const Workspace& w = workspace(device, st);
+  launch_stream<false>(bf16_params(p), p.K, w.blocks, w.partial, w.counters, st);
+}
+#endif
+
+const char* gemm_fp8_stream_kernel_name() { return "dflash e4m3 stream-K (mma m16n8k32, M <= 16, one wave)"; }
+
+}  // namespace dflash::cuda

@@ -1,0 +1,249 @@
+// The streaming decode GEMMs (kernels/cuda/gemm_stream.cu: a one-wave stream-K grid, per-warp
+// cp.async rings across tile boundaries, mma.sync m16n8k32 e4m3 / m16n8k16 bf16, tiles shared by
+// warps summed in the block and tiles shared by blocks summed by the last block through a
+// workspace) run on the CPU through tests/cuda_emulation.h, so CI checks their partition, rings,
+// scales and fix-ups without a GPU; the device's own runs are test_cuda_fp8's
+// (CudaFp8.StreamingGemmMatchesCpuBlockwise) and test_cuda_ops' (CudaOps.SkinnyGemm*).
+//
+// Bound: the emulated MMAs sum exact products in f32 (k order), the references (ops::gemm_fp8_blockwise;
+// a double sum for bf16) in another order, so per element |got - ref| <= 2^-8 |ref| (the bf16 store:
+// 2^-9) + 1e-5 max |ref| (f32 order). A wrong scale, k permutation, tile or piece gives errors of
+// the order of |ref|.
+#include "cuda_emulation.h"
+
+#define DFLASH_CUDA_EMULATION 1
+// Renamed, so that the emulated definitions sit beside the library's real ones in one test binary.
+#define gemm_fp8_stream gemm_fp8_stream_emulated
+#define gemm_fp8_stream_supported gemm_fp8_stream_supported_emulated
+#define gemm_fp8_stream_kernel_name gemm_fp8_stream_kernel_name_emulated
+#define gemm_bf16_stream gemm_bf16_stream_emulated
+#define gemm_bf16_stream_supported gemm_bf16_stream_supported_emulated
+#define gemm_skinny_streamk gemm_skinny_streamk_emulated
+#include "kernels/cuda/gemm_stream.cu"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/random.h"
+#include "core/tensor.h"
+#include "fp8_gemm_layout.h"
+#include "kernels/ops.h"
+
+namespace {
+
+using namespace dflash;
+namespace cu = dflash::cuda;
+using namespace fp8_gemm_layout;
+
+uint64_t g_stream = 8300;
+
+// Host f32 [R, C]: N(0, sd) times 2^e varying by row and 128-column group (neighbouring groups and
+// blocks get different scales).
+Tensor rand_values(int64_t R, int64_t C, float sd) {
+  Tensor f = Tensor::empty({R, C}, DType::F32);
+  fill_normal(f, {4243, g_stream++, 0}, 0.0f, sd);
+  float* v = f.data<float>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) v[r * C + c] *= std::ldexp(1.0f, static_cast<int>((r + 3 * (c / 128)) % 7) - 3);
+  return f.to_dtype(DType::BF16).to_dtype(DType::F32);
+}
+
+struct Operands {
+  ops::Fp8Act a;
+  ops::Fp8Weight w;
+  std::vector<uint8_t> xq, wq;
+  std::vector<float> xs, ws;
+  int64_t ldx = 0;
+};
+
+Operands make(const Tensor& x, const Tensor& w, int64_t pad_x) {
+  Operands o;
+  o.a = ops::quantize_fp8_act(x);
+  o.w = ops::quantize_fp8_weight(w);
+  o.ldx = x.size(1) + pad_x;
+  o.xq = strided_codes(o.a.q, o.ldx, 0xAB);
+  o.wq = strided_codes(o.w.q, w.size(1), 0xAB);
+  o.xs = act_scales_for_gemm(o.a.scale);
+  o.ws = weight_scales_for_gemm(o.w.scale_inv, w.size(1));
+  return o;
+}
+
+// Runs the kernel on k's operands with a grid of `blocks` on host memory; y [M, ldy] in f32 (NaN
+// before, the output window at column y_col). Every counter must be back to zero.
+template <bool kFp8>
+std::vector<float> run(cu::StreamParams k, int64_t K, int blocks, int64_t y_col, int64_t ldy) {
+  std::vector<uint16_t> y(static_cast<size_t>(k.M * ldy), 0x7FC0);  // bf16 NaN
+  k.y = reinterpret_cast<__nv_bfloat16*>(y.data() + y_col);
+  k.ldy = ldy;
+  std::vector<float> partial(static_cast<size_t>(blocks) * cu::kSlots * cu::kSlotFloats, NAN);
+  std::vector<int> counters(static_cast<size_t>(blocks), 0);
+  cu::launch_stream<kFp8>(k, K, blocks, partial.data(), counters.data(), nullptr);
+  for (int c : counters) EXPECT_EQ(c, 0) << "a shared tile's counter was not reset";
+  std::vector<float> out(y.size());
+  for (size_t i = 0; i < y.size(); ++i) {
+    const uint32_t bits = static_cast<uint32_t>(y[i]) << 16;
+    std::memcpy(&out[i], &bits, 4);
+  }
+  return out;
+}
+
+std::vector<float> run_fp8(const Operands& o, int64_t M, int64_t N, int64_t K, int blocks, int64_t y_col, int64_t ldy) {
+  cu::GemmFp8Params p;
+  p.x = o.xq.data();
+  p.ldx = o.ldx;
+  p.x_scale = o.xs.data();
+  p.w = o.wq.data();
+  p.w_scale = o.ws.data();
+  p.y = nullptr;
+  p.ldy = ldy;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  EXPECT_TRUE(cu::gemm_fp8_stream_supported(p));
+  return run<true>(cu::fp8_params(p), K, blocks, y_col, ldy);
+}
+
+// bf16 operands: x [M, ldx] and w [N, K] as bf16 bits, from f32 values that are bf16-exact.
+std::vector<uint16_t> bf16_bits(const Tensor& v, int64_t ld) {
+  const int64_t R = v.size(0), C = v.size(1);
+  std::vector<uint16_t> out(static_cast<size_t>(R * ld), 0x7FC0);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) {
+      uint32_t b;
+      std::memcpy(&b, v.data<float>() + r * C + c, 4);
+      out[static_cast<size_t>(r * ld + c)] = static_cast<uint16_t>(b >> 16);
+    }
+  return out;
+}
+
+std::vector<float> run_bf16(const std::vector<uint16_t>& x, int64_t ldx, const std::vector<uint16_t>& w, int64_t M,
+                            int64_t N, int64_t K, int blocks, int64_t y_col, int64_t ldy) {
+  cu::GemmSkinnyParams p;
+  p.x = x.data();
+  p.ldx = ldx;
+  p.w = w.data();
+  p.ldy = ldy;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  EXPECT_TRUE(cu::gemm_bf16_stream_supported(p));
+  return run<false>(cu::bf16_params(p), K, blocks, y_col, ldy);
+}
+
+// Elements of y's window off ref [M, N] beyond the bound, and elements outside the window written.
+void expect_matches(const std::vector<float>& y, const Tensor& ref, int64_t y_col, int64_t ldy) {
+  const int64_t M = ref.size(0), N = ref.size(1);
+  double max_ref = 0;
+  for (int64_t i = 0; i < ref.numel(); ++i) max_ref = std::max(max_ref, std::abs(double(ref.data<float>()[i])));
+  int64_t bad = 0, written = 0;
+  double worst = 0;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < ldy; ++n) {
+      const float got = y[static_cast<size_t>(m * ldy + n)];
+      if (n < y_col || n >= y_col + N) {
+        written += !std::isnan(got);
+        continue;
+      }
+      const double r = ref.data<float>()[m * N + n - y_col];
+      const double err = std::abs(double(got) - r);
+      worst = std::max(worst, std::isnan(err) ? INFINITY : err / max_ref);
+      if (!(err <= std::ldexp(std::abs(r), -8) + 1e-5 * max_ref)) ++bad;
+    }
+  EXPECT_EQ(bad, 0) << "elements off the reference (worst " << worst << " of max |ref|)";
+  EXPECT_EQ(written, 0) << "elements outside the output window were written";
+}
+
+// Shapes and grids that split tiles every way: a tile over two, three and four blocks, blocks and
+// warps holding a tile's end and the next one's start, tiles shared by warps inside a block,
+// whole tiles stored by one warp (short K), empty warp runs (fewer units than warps), one unit per
+// block; M 1..16 (one and two MMA token halves), N not a multiple of 64 (and, FP8, of 4: partial
+// quads), ldx > K, an output window inside wider rows (NaN-poisoned: nothing outside it written).
+struct Case {
+  int64_t M, N, K, pad_x;
+  std::vector<int> grids;
+};
+const std::vector<Case> kCases = {
+    {16, 192, 512, 0, {1, 2, 5, 7, 12}},  // U = 3 tiles x 4 groups
+    {9, 200, 384, 16, {1, 3, 4, 13}},     // a last tile of 8 rows
+    {8, 136, 640, 32, {4, 9, 15}},
+    {1, 64, 128, 0, {1}},                 // one unit: three empty warps
+    {12, 640, 128, 0, {1, 2, 3}},         // K 128: every unit a whole tile
+    {3, 256, 1024, 0, {1, 6}},
+};
+
+}  // namespace
+
+// The partition: every unit in exactly one block's run, block_of the inverse of unit_begin.
+TEST(GemmStreamEmulated, UnitRunsCoverEveryUnitOnce) {
+  for (int64_t U : {1, 2, 7, 12, 80, 3840, 21760})
+    for (int64_t B : {1, 2, 3, 5, 7, 12, 132, 264}) {
+      if (B > U) continue;
+      int64_t covered = 0;
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t lo = cu::run_begin(U, B, b), hi = cu::run_begin(U, B, b + 1);
+        ASSERT_LT(lo, hi) << "U " << U << " B " << B << ": block " << b << " empty";
+        for (int64_t u = lo; u < hi; ++u) ASSERT_EQ(cu::run_of(U, B, u), b) << "U " << U << " B " << B << " u " << u;
+        covered += hi - lo;
+      }
+      EXPECT_EQ(covered, U);
+    }
+}
+
+// The FP8 kernel against ops::gemm_fp8_blockwise on the same codes and scales.
+TEST(GemmStreamEmulated, Fp8MatchesCpuBlockwiseOnEveryGrid) {
+  std::vector<Case> cases = kCases;
+  cases.push_back({5, 77, 256, 0, {1, 2}});  // N % 4 != 0
+  cases.push_back({16, 1, 256, 0, {2}});
+  for (const Case& c : cases) {
+    const Operands o = make(rand_values(c.M, c.K, 1.0f), rand_values(c.N, c.K, 0.05f), c.pad_x);
+    Tensor ref = Tensor::empty({c.M, c.N}, DType::F32);
+    ops::gemm_fp8_blockwise(o.a, o.w, ref);
+    const int64_t y_col = 8, ldy = (c.N + 24 + 7) / 8 * 8;
+    for (int blocks : c.grids) {
+      SCOPED_TRACE("M " + std::to_string(c.M) + " N " + std::to_string(c.N) + " K " + std::to_string(c.K) + " grid " +
+                   std::to_string(blocks));
+      expect_matches(run_fp8(o, c.M, c.N, c.K, blocks, y_col, ldy), ref, y_col, ldy);
+    }
+  }
+}
+
+// The bf16 kernel against a double-precision product of the same bf16 values.
+TEST(GemmStreamEmulated, Bf16MatchesTheProductOnEveryGrid) {
+  for (const Case& c : kCases) {
+    if (c.N % 8 != 0) continue;
+    const Tensor x = rand_values(c.M, c.K, 1.0f), w = rand_values(c.N, c.K, 0.05f);
+    Tensor ref = Tensor::empty({c.M, c.N}, DType::F32);
+    for (int64_t m = 0; m < c.M; ++m)
+      for (int64_t n = 0; n < c.N; ++n) {
+        double s = 0;
+        for (int64_t k = 0; k < c.K; ++k) s += double(x.data<float>()[m * c.K + k]) * w.data<float>()[n * c.K + k];
+        ref.data<float>()[m * c.N + n] = static_cast<float>(s);
+      }
+    const int64_t ldx = c.K + c.pad_x, y_col = 8, ldy = (c.N + 24 + 7) / 8 * 8;
+    const std::vector<uint16_t> xb = bf16_bits(x, ldx), wb = bf16_bits(w, c.K);
+    for (int blocks : c.grids) {
+      SCOPED_TRACE("M " + std::to_string(c.M) + " N " + std::to_string(c.N) + " K " + std::to_string(c.K) + " grid " +
+                   std::to_string(blocks));
+      expect_matches(run_bf16(xb, ldx, wb, c.M, c.N, c.K, blocks, y_col, ldy), ref, y_col, ldy);
+    }
+  }
+}
+
+// A row's result does not depend on the other rows of the step (M): token 0 alone and as row 0 of
+// 16 give the same bits (the same grid), so a T = 1 decode and a T = 16 verify agree.
+TEST(GemmStreamEmulated, ARowsBitsDoNotDependOnM) {
+  const int64_t N = 200, K = 512;
+  const Tensor x16 = rand_values(16, K, 1.0f), w = rand_values(N, K, 0.05f);
+  const Operands o16 = make(x16, w, 0), o1 = make(x16.slice(0, 0, 1).clone(), w, 0);
+  const std::vector<uint16_t> xb = bf16_bits(x16, K), wb = bf16_bits(w.slice(0, 0, 192).clone(), K);
+  for (int blocks : {2, 7}) {
+    const std::vector<float> y16 = run_fp8(o16, 16, N, K, blocks, 0, N), y1 = run_fp8(o1, 1, N, K, blocks, 0, N);
+    EXPECT_EQ(std::memcmp(y16.data(), y1.data(), static_cast<size_t>(N) * sizeof(float)), 0) << "fp8, grid " << blocks;
+    const std::vector<float> b16 = run_bf16(xb, K, wb, 16, 192, K, blocks, 0, 192), b1 = run_bf16(xb, K, wb, 1, 192, K, blocks, 0, 192);
+    EXPECT_EQ(std::memcmp(b16.data(), b1.data(), 192 * sizeof(float)), 0) << "bf16, grid " << blocks;
+  }
+}

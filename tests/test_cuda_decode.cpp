@@ -36,9 +36,6 @@ Tensor gpu_out(const Shape& s, DType dt) {
   poison(t);
   return t;
 }
-bool bit_equal(const Tensor& a, const Tensor& b) {
-  return a.nbytes() == b.nbytes() && std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()) == 0;
-}
 Tensor cu_seqlens_gpu(const ops::SeqOffsets& s) { return cases::device_i32(s.offsets); }
 cuda::Stream stream0() { return DeviceContext::get(0).stream(); }
 const int32_t* i32(const Tensor& t) { return static_cast<const int32_t*>(t.raw_data()); }

@@ -65,10 +65,6 @@ struct Gpu {
   }
 };
 
-bool bit_equal(const Tensor& a, const Tensor& b) {
-  const Tensor x = a.to(Device::cpu()).contiguous(), y = b.to(Device::cpu()).contiguous();
-  return x.nbytes() == y.nbytes() && std::memcmp(x.raw_data(), y.raw_data(), x.nbytes()) == 0;
-}
 
 Tensor rows(const Tensor& t, int64_t a, int64_t b) { return t.slice(0, a, b).contiguous(); }
 

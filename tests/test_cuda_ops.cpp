@@ -185,13 +185,6 @@ TEST(CudaOps, GemmRejectsBadSizes) {
 
 // ---- skinny GEMM (decode / verify) ------------------------------------------------------------------
 
-namespace {
-bool bit_equal(const Tensor& a, const Tensor& b) {
-  const Tensor x = a.to(Device::cpu()).contiguous(), y = b.to(Device::cpu()).contiguous();
-  return x.nbytes() == y.nbytes() && std::memcmp(x.raw_data(), y.raw_data(), x.nbytes()) == 0;
-}
-}  // namespace
-
 // gemm_skinny against ops::linear (the bound of the file) and against cuBLASLt's gemm_bf16 on the
 // same operands; with SwiGLU as its prologue against cuda::swiglu + gemm_skinny bit for bit; each
 // output row the same bit for bit whatever the other rows are (M = 16 against M = 1: batch

@@ -25,9 +25,6 @@ SeqOffsets offsets_of(const std::vector<int64_t>& lens) {
   for (int64_t l : lens) s.offsets.push_back(s.offsets.back() + l);
   return s;
 }
-bool bit_equal(const Tensor& a, const Tensor& b) {
-  return a.nbytes() == b.nbytes() && std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()) == 0;
-}
 
 // Rows [r0, r0 + n) of a row-major tensor, as a contiguous copy / the destination of one.
 Tensor rows(const Tensor& t, int64_t r0, int64_t n) { return t.slice(0, r0, r0 + n).contiguous(); }

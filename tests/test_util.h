@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <limits>
@@ -51,6 +52,12 @@ inline double max_rel_err(const Tensor& got, const Tensor& ref) {
 
 // Overwrites every element so that outputs a kernel forgot to write are caught: NaN for float
 // dtypes, an unlikely sentinel for integer ones. Works on cpu and cuda tensors.
+// Same bytes (host copies of any device, contiguous), and the same byte count.
+inline bool bit_equal(const Tensor& a, const Tensor& b) {
+  const Tensor x = a.to(Device::cpu()).contiguous(), y = b.to(Device::cpu()).contiguous();
+  return x.nbytes() == y.nbytes() && std::memcmp(x.raw_data(), y.raw_data(), x.nbytes()) == 0;
+}
+
 inline void poison(Tensor& t) {
   if (!t.defined() || t.numel() == 0) return;
   switch (t.dtype()) {

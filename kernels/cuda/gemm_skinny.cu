@@ -53,6 +53,7 @@
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/ptx.cuh"
+#include "kernels/cuda/skinny_mma.cuh"
 #include "kernels/cuda/vec.cuh"
 
 namespace dflash::cuda {
@@ -93,10 +94,6 @@ struct SkParams {
   int64_t ldy;
   int M, N, K, ks;
 };
-
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
 
 template <bool kSwiglu>
 __global__ void __launch_bounds__(kThreads, 2) gemm_skinny_kernel(const SkParams p) {
@@ -192,16 +189,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_skinny_kernel(const SkParams
       issue_x(s + kStages - 1);
     }
     ptx::cp_async_commit_ring();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int i = 0; i < kTiles; ++i) {
-        const uint32_t a[4] = {word(wv[2 * i], 2 * h), word(wv[2 * i + 1], 2 * h), word(wv[2 * i], 2 * h + 1),
-                               word(wv[2 * i + 1], 2 * h + 1)};
-        ptx::mma_bf16(acc[i][0], a, word(xa[0], 2 * h), word(xa[0], 2 * h + 1));
-        if (two_halves) ptx::mma_bf16(acc[i][1], a, word(xa[1], 2 * h), word(xa[1], 2 * h + 1));
-      }
-    }
+    skinny::step_mmas<false, kTiles>(wv, xa[0], xa[1], two_halves, acc);
   }
   ptx::cp_async_wait_ring<0>();
 

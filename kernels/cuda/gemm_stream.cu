@@ -62,6 +62,7 @@
 #include "kernels/cuda/emulatable.cuh"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/ptx.cuh"
+#include "kernels/cuda/skinny_mma.cuh"
 
 namespace dflash::cuda {
 
@@ -118,10 +119,6 @@ __host__ __device__ __forceinline__ int run_of(int64_t n, int64_t parts, int64_t
   while (r + 1 < parts && run_begin(n, parts, r + 1) <= i) ++r;
   while (r > 0 && run_begin(n, parts, r) > i) --r;
   return static_cast<int>(r);
-}
-
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
 // Rows row .. row + 3 of token tok (< M) from a sum; rows past N are not stored.
@@ -227,21 +224,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
       issue_x(vs + kStages - 1);
     }
     ptx::cp_async_commit_ring();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int i = 0; i < kTiles; ++i) {
-        const uint32_t a[4] = {word(wv[2 * i], 2 * h), word(wv[2 * i + 1], 2 * h), word(wv[2 * i], 2 * h + 1),
-                               word(wv[2 * i + 1], 2 * h + 1)};
-        if constexpr (kFp8) {
-          ptx::mma_e4m3(d[i][0], a, word(xa0, 2 * h), word(xa0, 2 * h + 1));
-          if (two) ptx::mma_e4m3(d[i][1], a, word(xa1, 2 * h), word(xa1, 2 * h + 1));
-        } else {
-          ptx::mma_bf16(acc[i][0], a, word(xa0, 2 * h), word(xa0, 2 * h + 1));
-          if (two) ptx::mma_bf16(acc[i][1], a, word(xa1, 2 * h), word(xa1, 2 * h + 1));
-        }
-      }
-    }
+    skinny::step_mmas<kFp8, kTiles>(wv, xa0, xa1, two, kFp8 ? d : acc);
     if (vs % kSteps != kSteps - 1) continue;
     // The unit's last step.
     const int u = wu0 + vs / kSteps, tile = u / G, grp = u - tile * G, n0 = tile * kRows;

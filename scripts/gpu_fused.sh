@@ -10,7 +10,8 @@
 # eval27b.log, eval27b.csv. Switches: SKIP_TESTS=1, SKIP_BENCH=1, SKIP_27B=1, GPU_TESTS (ctest -R
 # regex), TESTS_TIMEOUT / BENCH_TIMEOUT / EVAL_TIMEOUT (s: each stage is cut there, so the call ends in time), EVAL27B_NEW (new tokens, default 32), EVAL27B_PROFILE (profiled steps, default 2),
 # EVAL27B_VARIANTS (default fused,unfused,no_pdl,no_gdn_chain,no_commit,no_overlap,skinny_no_swiglu,fused,unfused),
-# EVAL27B_PRECISIONS (default bf16; "bf16 fp8": one dflash_eval each, both in eval27b.log / .csv), KB_ONLY
+# EVAL27B_PRECISIONS (default bf16; "bf16 fp8": one dflash_eval each, both in eval27b.log / .csv; "fp8+anq": fp8
+# with DFLASH_ADD_NORM_QUANT=1, the residual steps fused with the FP8 quantization), KB_ONLY
 # (kernel_bench sections, default fused; e.g. "fused decode_gemm fp8": fp8 times the decode rows M 16 / 4 / 1
 # only, DFLASH_BENCH_FP8_DECODE=1), NINJA_TARGETS.
 # The streaming GEMMs (issue 30, kernels/cuda/gemm_stream.cu), first measured by:
@@ -44,14 +45,17 @@ if [ -z "${SKIP_27B:-}" ]; then
   # stdbuf: line-buffered stdout, so a run cut by its timeout still leaves its log (the second call of
   # this script lost the whole eval log that way: fully buffered printf, killed at 140 s).
   : >"$OUT/eval27b.log"
-  for prec in ${EVAL27B_PRECISIONS:-bf16}; do
-    echo "=== dflash_eval $prec" >>"$OUT/eval27b.log"
-    timeout "${EVAL_TIMEOUT:-240}" stdbuf -oL "$B/bench/dflash_eval" --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 \
+  for run in ${EVAL27B_PRECISIONS:-bf16}; do
+    prec=${run%+anq}
+    anq=0
+    [ "$prec" != "$run" ] && anq=1
+    echo "=== dflash_eval $run" >>"$OUT/eval27b.log"
+    DFLASH_ADD_NORM_QUANT=$anq timeout "${EVAL_TIMEOUT:-240}" stdbuf -oL "$B/bench/dflash_eval" --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 \
       --precision "$prec" --prompts /tmp/p4k.txt --num-prompts 1 --max-new-tokens "${EVAL27B_NEW:-32}" --device cuda \
       --no-estimate --require-fast-path --profile "${EVAL27B_PROFILE:-2}" \
       --decode-variants "${EVAL27B_VARIANTS:-fused,unfused,no_pdl,no_gdn_chain,no_commit,no_overlap,skinny_no_swiglu,fused,unfused}" \
       --csv "$OUT/eval27b.csv" >>"$OUT/eval27b.log" 2>&1
-    echo "27b eval $prec rc=$? $(( $(date +%s) - t0 )) s"
+    echo "27b eval $run rc=$? $(( $(date +%s) - t0 )) s"
   done
   grep -E "^===|^tau|a step|roofline|decode  |verify  |outputs|FAILED|variant|^fused|^no_|^unfused|^skinny|sum of ops|between|span|gdn_fused|add_rms|swiglu " \
     "$OUT/eval27b.log" | head -n 80

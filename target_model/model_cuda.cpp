@@ -350,7 +350,8 @@ CudaBatch CudaTargetModel::make_batch(const std::vector<std::vector<int32_t>>& s
   return b;
 }
 
-void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out) {
+void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out,
+                                const Fp8Input* x_q) {
   const TargetConfig& c = config_;
   const LayerWeights& L = weights_.layers[static_cast<size_t>(i)];
   const Fused& f = fused_[static_cast<size_t>(i)];
@@ -358,7 +359,7 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, C = c.gdn_conv_dim(), V = c.gdn_value_dim();
   const int64_t P = f.rows;
   Tensor proj = device_bf16({gemm_rows(N), P}, device_);
-  project(ForwardOp::GdnInProj, x, H, f.in_parts, proj, P, N);
+  project(ForwardOp::GdnInProj, x, H, f.in_parts, proj, P, N, x_q);
   auto col = [&](int64_t j) { return static_cast<char*>(proj.raw_data()) + j * 2; };
 
   DecodeStep* ds = decode_;
@@ -624,7 +625,8 @@ void run_delta_rule_pieces(const DecodeLayer& dl, const cuda::DeltaRuleParams& p
                                       fin.data<float>() + j * elems, bytes, cudaMemcpyDeviceToDevice, s));
 }
 
-void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out) {
+void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out,
+                                      const Fp8Input* x_q) {
   const TargetConfig& c = config_;
   const LayerWeights& L = weights_.layers[static_cast<size_t>(i)];
   const Fused& f = fused_[static_cast<size_t>(i)];
@@ -632,7 +634,7 @@ void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatc
   const int64_t d = c.head_dim, Q = c.attn_q_proj_rows(), P = f.rows;
   const bool gated = c.attn_output_gate;
   Tensor proj = device_bf16({gemm_rows(N), P}, device_);
-  project(ForwardOp::AttnQkv, x, H, f.in_parts, proj, P, N);
+  project(ForwardOp::AttnQkv, x, H, f.in_parts, proj, P, N, x_q);
   char* base = static_cast<char*>(proj.raw_data());
 
   Tensor q = device_bf16({N, Hq, d}, device_);
@@ -832,13 +834,13 @@ int64_t CudaTargetModel::expert_group() const {
   return tp_ ? TpShard{tp_->rank(), tp_->size(), static_cast<int>(config_.ep_size)}.expert_group() : 0;
 }
 
-void CudaTargetModel::mlp(int64_t i, const Tensor& x, Tensor& out) {
+void CudaTargetModel::mlp(int64_t i, const Tensor& x, Tensor& out, const Fp8Input* x_q) {
   const TargetConfig& c = config_;
   if (c.is_moe()) return moe(i, x, out);
   const Fused& f = fused_[static_cast<size_t>(i)];
   const int64_t N = x.size(0), H = c.hidden_size, I = c.intermediate_size;
   Tensor gu = device_bf16({gemm_rows(N), 2 * I}, device_);
-  project(ForwardOp::MlpGateUp, x, H, f.gate_up, gu, 2 * I, N);
+  project(ForwardOp::MlpGateUp, x, H, f.gate_up, gu, 2 * I, N, x_q);
   if (f.down.fp8()) {  // SwiGLU writes down_proj's quantized input (fused)
     const Fp8Input in = alloc_input(N, I);
     timed(ForwardOp::Swiglu, [&] {
@@ -856,22 +858,41 @@ void CudaTargetModel::mlp(int64_t i, const Tensor& x, Tensor& out) {
   if (tp_) timed(ForwardOp::AllReduce, [&] { tp_->all_reduce_sum(out); });
 }
 
+void CudaTargetModel::add_norm(Tensor& h, const Tensor& delta, const Tensor* w, Tensor* y, int64_t N,
+                               const std::vector<Proj>* parts, Fp8Input* q) {
+  const int64_t H = config_.hidden_size;
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  bool fp8_parts = false, bf16_parts = false;
+  if (parts)
+    for (const Proj& p : *parts) (p.fp8() ? fp8_parts : bf16_parts) = true;
+  if (w && y && q && fp8_parts && cuda::tuning::add_norm_quant != 0 && cuda::add_rms_norm_quant_fp8_supported(H)) {
+    *q = alloc_input(N, H);
+    timed(ForwardOp::AddRmsNorm, [&] {
+      cuda::add_rms_norm_quant_fp8(h.raw_data(), delta.raw_data(), w->raw_data(), bf16_parts ? y->raw_data() : nullptr, N,
+                                   H, eps, static_cast<uint8_t*>(q->q.raw_data()), H, q->scale.data<float>(), stream_);
+    });
+    return;
+  }
+  timed(ForwardOp::AddRmsNorm, [&] {
+    cuda::add_rms_norm(h.raw_data(), delta.raw_data(), w ? w->raw_data() : nullptr, w && y ? y->raw_data() : nullptr, N,
+                       H, eps, stream_);
+  });
+}
+
 void CudaTargetModel::layer_body(int64_t i, Tensor& h, Tensor& normed, const CudaBatch& b, const LayerPlan& lp,
-                                 const Tensor* next_norm, Tensor* next_out) {
+                                 const Tensor* next_norm, Tensor* next_out, const Fp8Input* in_q, Fp8Input* next_q) {
   DFLASH_CHECK(i >= 0 && i < config_.num_hidden_layers, "run_layer: layer " << i << " out of range");
   DFLASH_CHECK(lp.type == config_.layer_types[static_cast<size_t>(i)], "run_layer: plan of the wrong layer type");
   const TargetConfig& c = config_;
   const LayerWeights& L = weights_.layers[static_cast<size_t>(i)];
   const int64_t N = b.num_tokens, H = c.hidden_size;
-  const float eps = static_cast<float>(c.rms_norm_eps);
   Tensor delta = device_bf16({gemm_rows(N), H}, device_);  // the GEMMs' output rows (gemm_rows)
-  if (L.type == LayerType::LinearAttention) gdn_mixer(i, normed, b, lp, delta);
-  else attention_mixer(i, normed, b, lp, delta);
-  timed(ForwardOp::AddRmsNorm, [&] {
-    cuda::add_rms_norm(h.raw_data(), delta.raw_data(), L.post_attention_layernorm.raw_data(), normed.raw_data(), N, H,
-                       eps, stream_);
-  });
-  mlp(i, normed, delta);
+  if (L.type == LayerType::LinearAttention) gdn_mixer(i, normed, b, lp, delta, in_q);
+  else attention_mixer(i, normed, b, lp, delta, in_q);
+  Fp8Input mlp_q;
+  add_norm(h, delta, &L.post_attention_layernorm, &normed, N, c.is_moe() ? nullptr : &fused_[static_cast<size_t>(i)].gate_up,
+           &mlp_q);
+  mlp(i, normed, delta, mlp_q.q.defined() ? &mlp_q : nullptr);
   {  // the layer's projections ran on the gemm step's kernel (counted once per layer)
     const DecodeStep* ds = decode_;
     if (ds && !ds->prefill) {
@@ -882,11 +903,9 @@ void CudaTargetModel::layer_body(int64_t i, Tensor& h, Tensor& normed, const Cud
     }
   }
   // The residual add, fused with the norm the next step needs (the next layer's input norm, or
-  // the final norm after the last layer) when there is one.
-  timed(ForwardOp::AddRmsNorm, [&] {
-    cuda::add_rms_norm(h.raw_data(), delta.raw_data(), next_norm ? next_norm->raw_data() : nullptr,
-                       next_norm ? next_out->raw_data() : nullptr, N, H, eps, stream_);
-  });
+  // the final norm after the last layer) when there is one, and with the next layer's input
+  // quantization where next_q asks.
+  add_norm(h, delta, next_norm, next_out, N, next_q ? &fused_[static_cast<size_t>(i + 1)].in_parts : nullptr, next_q);
 }
 
 void CudaTargetModel::run_layer(int64_t i, Tensor& h, const CudaBatch& b, const LayerPlan& lp) {
@@ -985,6 +1004,7 @@ ForwardResult CudaTargetModel::forward(const CudaBatch& b, const ForwardOptions&
   if (options.final_norm) r.final_hidden = device_bf16({N, H}, device_);
   // A decode step's prefill writes every layer's state: it runs the whole stack.
   const int64_t layers_run = decode_ ? c.num_hidden_layers : layers_to_run(c, options);
+  Fp8Input cur_q, next_q;
   for (int64_t i = 0; i < layers_run; ++i) {
     // The residual add fuses the next layer's input norm; the last layer run (skip_unused_layers)
     // has none to prepare.
@@ -993,7 +1013,11 @@ ForwardResult CudaTargetModel::forward(const CudaBatch& b, const ForwardOptions&
                               : stops ? nullptr
                                       : &weights_.layers[static_cast<size_t>(i + 1)].input_layernorm;
     Tensor* next_out = last ? &r.final_hidden : &normed;
-    layer_body(i, h, normed, b, plan_.layers[static_cast<size_t>(i)], next_norm, next_out);
+    // The next layer's input, quantized by this layer's residual step where its projections are FP8.
+    next_q = Fp8Input{};
+    layer_body(i, h, normed, b, plan_.layers[static_cast<size_t>(i)], next_norm, next_out,
+               cur_q.q.defined() ? &cur_q : nullptr, !last && !stops ? &next_q : nullptr);
+    cur_q = next_q;
     for (int64_t id : options.capture)
       if (id == i) {
         Tensor copy = device_bf16({N, H}, device_);

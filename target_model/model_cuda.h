@@ -254,11 +254,22 @@ class CudaTargetModel {
   Proj make_proj(std::vector<Tensor*> weights, std::vector<Tensor*> scales, int64_t col, int64_t extra_rows);
   // Mixer and MLP of layer i on h, from `normed` = input_norm(h) (overwritten as scratch); ends with
   // the residual add fused with `next_norm` into *next_out when next_norm is set.
+  // in_q: `normed` already quantized for the mixer's FP8 projections (by the previous layer's residual
+  // step); next_q (where given): the residual step quantizes next_out for the next layer's projections
+  // too, when they are FP8 (add_norm).
   void layer_body(int64_t i, Tensor& h, Tensor& normed, const CudaBatch& b, const LayerPlan& lp, const Tensor* next_norm,
-                  Tensor* next_out);
-  void gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out);
-  void attention_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out);
-  void mlp(int64_t i, const Tensor& x, Tensor& out);
+                  Tensor* next_out, const Fp8Input* in_q = nullptr, Fp8Input* next_q = nullptr);
+  // The residual step: h += delta (N rows), then, with w, y = rmsnorm(h) · (1 + w); where `parts` (the
+  // projections that read y) take FP8 input and tuning::add_norm_quant is on, fused with their
+  // quantization into *q (add_rms_norm_quant_fp8; y then written only where a part is bf16).
+  void add_norm(Tensor& h, const Tensor& delta, const Tensor* w, Tensor* y, int64_t N, const std::vector<Proj>* parts,
+                Fp8Input* q);
+  // x_q (optional): x already quantized for the FP8 input projections.
+  void gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out,
+                 const Fp8Input* x_q = nullptr);
+  void attention_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out,
+                       const Fp8Input* x_q = nullptr);
+  void mlp(int64_t i, const Tensor& x, Tensor& out, const Fp8Input* x_q = nullptr);
   // What a prefill (DecodeStep::prefill) needs beside the batch, built once per forward (one upload)
   // by begin_prefill and dropped at the end of the forward.
   struct Prefill {

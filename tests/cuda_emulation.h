@@ -351,6 +351,13 @@ inline void wgmma_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accum
 #define __reduce_max_sync(mask, v) (::emu::reduce((v), [](auto a, auto b) { return a > b ? a : b; }))
 #define __reduce_min_sync(mask, v) (::emu::reduce((v), [](auto a, auto b) { return a < b ? a : b; }))
 #define __expf(x) (::expf(x))
+// IEEE round-to-nearest f32 arithmetic is the host's (no FMA contraction on x86-64 without -mfma);
+// rsqrtf is the device's approximation, here 1 / sqrtf: bits may differ from a GPU's in the last place.
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __frcp_rn(float a) { return 1.0f / a; }
+inline float rsqrtf(float a) { return 1.0f / std::sqrt(a); }
 
 inline unsigned __float_as_uint(float f) {
   unsigned u;

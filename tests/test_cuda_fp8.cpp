@@ -733,6 +733,53 @@ TEST(CudaFp8, RmsNormQuantEqualsRmsNormThenQuantize) {
   }
 }
 
+// The residual step fused with the quantization (add_rms_norm_quant_fp8) against add_rms_norm then
+// quantize_fp8_act on the same h, d, w: h, y (where asked) and the codes and scales bit for bit; the
+// rows kernel's widths (1040, 4112: a partial last group; 5120 the 27B hidden size; 8192 the limit), a
+// decode step's 16 rows and a prefill's many; widths outside its kernel refused by name.
+TEST(CudaFp8, AddRmsNormQuantEqualsAddRmsNormThenQuantize) {
+  DFLASH_REQUIRE_GPU();
+  struct Case {
+    int64_t rows, D;
+    bool with_y;
+  };
+  const Case cases[] = {{1, 5120, true}, {16, 5120, false}, {300, 5120, true}, {5, 1040, true},
+                        {33, 8192, false}, {16, 2048, true}, {7, 4112, true}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(testing::Message() << "rows=" << c.rows << " D=" << c.D << (c.with_y ? " with y" : ""));
+    ASSERT_TRUE(cu::add_rms_norm_quant_fp8_supported(c.D));
+    const Tensor h0 = rand_bf16_values(c.rows, c.D, 1.0f), d = rand_bf16_values(c.rows, c.D, 0.5f);
+    const Tensor w = rand_bf16_values(1, c.D, 0.3f);
+    Tensor dd = to_device_bf16(d, c.D), wd = to_device_bf16(w, c.D);
+    // Unfused: add_rms_norm, then quantize_fp8_act of its y.
+    Tensor h1 = to_device_bf16(h0, c.D), y1 = Tensor::empty({c.rows, c.D}, DType::BF16, Device::cuda(0));
+    poison(y1);
+    cu::add_rms_norm(h1.raw_data(), dd.raw_data(), wd.raw_data(), y1.raw_data(), c.rows, c.D, kNormEps, stream());
+    const Quantized unfused = quantize_on_gpu(y1, c.rows, c.D, c.D);
+    // Fused.
+    Tensor h2 = to_device_bf16(h0, c.D), y2 = Tensor::empty({c.rows, c.D}, DType::BF16, Device::cuda(0));
+    poison(y2);
+    const Tensor y2_before = y2.to(Device::cpu());
+    QuantBuffers fused(c.rows, c.D, c.D);
+    cu::add_rms_norm_quant_fp8(h2.raw_data(), dd.raw_data(), wd.raw_data(), c.with_y ? y2.raw_data() : nullptr, c.rows,
+                               c.D, kNormEps, fused.qp(), c.D, fused.sp(), stream());
+    device_sync();
+    expect_bit_identical(fused.host(), unfused, "add_rms_norm_quant_fp8");
+    const Tensor a = h1.to(Device::cpu()), b = h2.to(Device::cpu());
+    EXPECT_EQ(std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()), 0) << "h differs from add_rms_norm's";
+    const Tensor ya = c.with_y ? y1.to(Device::cpu()) : y2_before, yb = y2.to(Device::cpu());
+    EXPECT_EQ(std::memcmp(ya.raw_data(), yb.raw_data(), ya.nbytes()), 0)
+        << (c.with_y ? "y differs from add_rms_norm's" : "y written though not asked for");
+  }
+  for (int64_t D : {1024, 1032, 8208}) EXPECT_FALSE(cu::add_rms_norm_quant_fp8_supported(D)) << "D=" << D;
+  try {
+    cu::add_rms_norm_quant_fp8(nullptr, nullptr, nullptr, nullptr, 4, 1024, kNormEps, nullptr, 1024, nullptr, stream());
+    ADD_FAILURE() << "D = 1024 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("add_rms_norm_quant_fp8"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CudaFp8, SwigluQuantEqualsSwigluThenQuantize) {
   DFLASH_REQUIRE_GPU();
   for (int64_t N : {1, 37, 300})

@@ -10,6 +10,7 @@
 
 #include "target_model/model.h"
 #include "target_model/model_cuda.h"
+#include "kernels/cuda/norm.h"
 #include "kernels/ops.h"
 #include "core/io/safetensors.h"
 #include "target_model/weights.h"
@@ -206,6 +207,39 @@ TEST(CudaModel, Fp8MatchesTheCpuFp8Reference) {
                         make_plan(c, Device::cuda(0), {}, sm, Precision::Bf16));
   });
   EXPECT_NE(e.find("the weights are FP8 but the plan's gemm steps are gemm_bf16"), std::string::npos) << e;
+}
+
+// The residual step fused with the next projections' FP8 quantization (cuda::add_rms_norm_quant_fp8,
+// tuning::add_norm_quant) gives the unfused forward's bits: every layer's hidden state and the final
+// norm's output, a prefill batch of three sequences and a one-token forward; hidden 2048 (the fused
+// kernel takes 1024 < D <= 8192), one layer of each kind and a third whose input the attention
+// layer's residual step quantizes.
+TEST(CudaModel, Fp8FusedNormQuantGivesTheUnfusedBits) {
+  DFLASH_REQUIRE_GPU();
+  const int sm = cuda_device_info(0).major;
+  if (!fp8_gemm_supported(sm)) GTEST_SKIP() << "block-scaled FP8 GEMMs need sm_90";
+  TargetConfig c = real_dims();
+  c.hidden_size = 2048;
+  c.num_hidden_layers = 3;
+  c.layer_types = {LayerType::LinearAttention, LayerType::FullAttention, LayerType::LinearAttention};
+  c.validate();
+  ASSERT_TRUE(cuda::add_rms_norm_quant_fp8_supported(c.hidden_size));
+  CudaTargetModel gpu(c, random_weights(c, 5, DType::BF16, Device::cuda(0), Precision::Fp8),
+                      make_plan(c, Device::cuda(0), {}, sm, Precision::Fp8));
+  ForwardOptions o;
+  o.capture = {0, 1, 2};
+  o.final_norm = true;
+  const int saved = cuda::tuning::add_norm_quant;
+  for (const std::vector<std::vector<int32_t>>& batch :
+       {packed_batch({65, 1, 200}, c.vocab_size), packed_batch({1}, c.vocab_size)}) {
+    cuda::tuning::add_norm_quant = 0;
+    const ForwardResult a = gpu.forward(batch, o);
+    cuda::tuning::add_norm_quant = 1;
+    const ForwardResult b = gpu.forward(batch, o);
+    for (int64_t i : o.capture) EXPECT_TRUE(bit_equal(a.layers.at(i), b.layers.at(i))) << "layer " << i;
+    EXPECT_TRUE(bit_equal(a.final_hidden, b.final_hidden)) << "final norm";
+  }
+  cuda::tuning::add_norm_quant = saved;
 }
 
 // The HF tiny qwen3_5_moe model on the GPU (bf16, kernels/cuda/moe.h): every layer against the

@@ -30,17 +30,29 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "core/cuda/check.h"
 #include "kernels/cuda/grid.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/norm.h"
+#include "kernels/cuda/emulatable.cuh"
 #include "kernels/cuda/vec.cuh"
 #include "core/error.h"
 #include "core/fp8.h"
 
 namespace dflash::cuda {
+
+namespace tuning {
+// 1: the CUDA target model runs add_rms_norm_quant_fp8 where an FP8 projection reads the norm (off until
+// measured on a GPU: DFLASH_ADD_NORM_QUANT=1 in the environment turns it on at start-up).
+int add_norm_quant = [] {
+  const char* e = std::getenv("DFLASH_ADD_NORM_QUANT");
+  return e && std::strcmp(e, "1") == 0 ? 1 : 0;
+}();
+}  // namespace tuning
 
 namespace {
 
@@ -217,6 +229,73 @@ __global__ void __launch_bounds__(kThreads) rms_norm_quant_kernel(const bf16* __
       for (int e = 0; e < kUnit; ++e) y[e] = 0.0f;
     }
     quantize_group(y, on, mask, lane % kGroupLanes, row, rows, u / kGroupLanes, q + row * ldq + u * kUnit, scale, lds);
+  }
+}
+
+// add_rms_norm_quant_fp8: norm.cu's add_rms_norm_rows_kernel (a block of kThreads per row, every load
+// of h and d issued before the first store, the norm weight read before the programmatic-dependent-
+// launch wait) with the same arithmetic in the same order (h + d in f32 stored as bf16, the sum of
+// squares of the rounded values per lane in unit order, group_sum<kThreads>, y = rn_bf16(h * inv *
+// (1 + w))), then per 128 columns the quantization, as rms_norm_quant_kernel<kThreads> does it; y
+// (the bf16 row) also stored where it is given (a bf16 consumer of the normed row).
+__global__ void __launch_bounds__(kThreads) add_rms_norm_quant_kernel(bf16* __restrict__ h, const bf16* __restrict__ d,
+                                                                       const bf16* __restrict__ w, bf16* __restrict__ y,
+                                                                       uint8_t* __restrict__ q, int64_t ldq,
+                                                                       float* __restrict__ scale, int64_t lds, int rows,
+                                                                       int units, int D, float eps) {
+  __shared__ float red[kThreads / 32];
+  pdl_launch_dependents();
+  const int lane = static_cast<int>(threadIdx.x);
+  const int row = static_cast<int>(blockIdx.x);
+  const int64_t base = static_cast<int64_t>(row) * D;
+  float wv[kNormCache][kUnit];
+#pragma unroll
+  for (int i = 0; i < kNormCache; ++i) {
+    const int u = lane + i * kThreads;
+    if (u < units) load(w + u * kUnit, wv[i]);
+  }
+  pdl_wait();
+  float v[kNormCache][kUnit], dv[kNormCache][kUnit];
+#pragma unroll
+  for (int i = 0; i < kNormCache; ++i) {
+    const int u = lane + i * kThreads;
+    if (u < units) {
+      load(h + base + u * kUnit, v[i]);
+      load(d + base + u * kUnit, dv[i]);
+    }
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kNormCache; ++i) {
+    const int u = lane + i * kThreads;
+    if (u < units) {
+#pragma unroll
+      for (int e = 0; e < kUnit; ++e) v[i][e] += dv[i][e];
+      store(h + base + u * kUnit, v[i]);
+#pragma unroll
+      for (int e = 0; e < kUnit; ++e) v[i][e] = round_bf16(v[i][e]);
+#pragma unroll
+      for (int e = 0; e < kUnit; ++e) ss += v[i][e] * v[i][e];
+    }
+  }
+  ss = group_sum<kThreads>(ss, red);
+  const float inv = rsqrtf(ss / static_cast<float>(D) + eps);
+  const unsigned mask = 0xFFFFu << (16 * ((threadIdx.x / kGroupLanes) % 2));
+#pragma unroll
+  for (int i = 0; i < kNormCache; ++i) {
+    const int u = lane + i * kThreads;
+    if ((u & ~(kGroupLanes - 1)) >= units) continue;  // the half warp's group starts past the row
+    const bool on = u < units;
+    float yv[kUnit];
+#pragma unroll
+    for (int e = 0; e < kUnit; ++e) {
+      float t = on ? v[i][e] * inv : 0.0f;
+      t *= on ? 1.0f + wv[i][e] : 0.0f;
+      yv[e] = round_bf16(t);
+    }
+    if (on && y) store(y + base + u * kUnit, yv);
+    quantize_group(yv, on, mask, lane % kGroupLanes, row, rows, u / kGroupLanes, q + static_cast<int64_t>(row) * ldq + u * kUnit,
+                   scale, lds);
   }
 }
 
@@ -419,9 +498,8 @@ void launch_act(const Source& src, uint8_t* q, int64_t ldq, float* scale, int64_
   const int64_t G = fp8::blocks(K);
   const auto kernel = quantize_act_kernel<Source>;
   const unsigned grid = persistent_grid(reinterpret_cast<const void*>(kernel), kThreads, 0, 0, M * G, kGroupsPerBlock);
-  kernel<<<grid, kThreads, 0, st>>>(src, q, ldq, scale, act_scale_ld(M), static_cast<int>(M), static_cast<int>(K),
-                                    static_cast<int>(G));
-  DFLASH_CUDA_CHECK_LAST();
+  launch_kernel(kernel, dim3(grid), dim3(kThreads), 0, st, src, q, ldq, scale, act_scale_ld(M), static_cast<int>(M),
+                static_cast<int>(K), static_cast<int>(G));
 }
 
 // The checks every fused producer shares: its quantized output [M, K] (row stride ldq) and scales.
@@ -484,9 +562,8 @@ void quantize_fp8_weight(const void* w_bf16, int64_t N, int64_t K, uint8_t* q, f
                     "pass whole tensors (device allocations are aligned), not views at odd offsets");
   DFLASH_CHECK(fp8::blocks(N) < 65536, "quantize_fp8_weight: N=" << N << " has more than 65535 row blocks");
   const dim3 grid(static_cast<unsigned>(fp8::blocks(K)), static_cast<unsigned>(fp8::blocks(N)));
-  quantize_weight_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(s)>>>(static_cast<const bf16*>(w_bf16), N, K,
-                                                                             q, scale_inv, ld_scale);
-  DFLASH_CUDA_CHECK_LAST();
+  launch_kernel(quantize_weight_kernel, grid, dim3(kThreads), 0, static_cast<cudaStream_t>(s),
+                static_cast<const bf16*>(w_bf16), N, K, q, scale_inv, ld_scale);
 }
 
 
@@ -522,10 +599,9 @@ void quantize_fp8_tiles(const Fp8TileQuantParams& p, Stream s) {
   DFLASH_CHECK(row_blocks < 65536, "quantize_fp8_tiles: rows=" << p.rows << " has more than 65535 row blocks");
   if (row_blocks == 0) return;
   const dim3 grid(static_cast<unsigned>(fp8::blocks(p.cols)), static_cast<unsigned>(row_blocks));
-  quantize_tiles_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(s)>>>(
-      static_cast<const bf16*>(p.x), p.ldx, p.rows, p.cols, p.block, p.q, p.ldq, p.scale, p.lds, p.qt, p.ldqt, qt_cols,
-      p.scale_t, p.ldst);
-  DFLASH_CUDA_CHECK_LAST();
+  launch_kernel(quantize_tiles_kernel, grid, dim3(kThreads), 0, static_cast<cudaStream_t>(s),
+                static_cast<const bf16*>(p.x), p.ldx, p.rows, p.cols, p.block, p.q, p.ldq, p.scale, p.lds, p.qt, p.ldqt,
+                qt_cols, p.scale_t, p.ldst);
 }
 
 void rms_norm_quant_fp8(const void* x, int64_t ldx, const void* w, int64_t rows, int64_t D, float eps, uint8_t* q,
@@ -548,14 +624,40 @@ void rms_norm_quant_fp8(const void* x, int64_t ldx, const void* w, int64_t rows,
   auto launch = [&](auto kernel, int G) {
     const int per_block = kThreads / G;
     const auto grid = static_cast<unsigned>((rows + per_block - 1) / per_block);
-    kernel<<<grid, kThreads, 0, st>>>(static_cast<const bf16*>(x), ldx, static_cast<const bf16*>(w), q, ldq, scale,
-                                      act_scale_ld(rows), static_cast<int>(rows), units, static_cast<int>(D), eps);
-    DFLASH_CUDA_CHECK_LAST();
+    launch_kernel(kernel, dim3(grid), dim3(kThreads), 0, st, static_cast<const bf16*>(x), ldx, static_cast<const bf16*>(w),
+                  q, ldq, scale, act_scale_ld(rows), static_cast<int>(rows), units, static_cast<int>(D), eps);
   };
   // The group size rms_norm picks for this row length (norm.cu launch_row_norm, W = 8).
   if (units <= 16) launch(rms_norm_quant_kernel<16>, 16);
   else if (units <= 32 * kNormCache) launch(rms_norm_quant_kernel<32>, 32);
   else launch(rms_norm_quant_kernel<kThreads>, kThreads);
+}
+
+bool add_rms_norm_quant_fp8_supported(int64_t D) {
+  // add_rms_norm's block-per-row kernel, whose arithmetic the fused kernel repeats (norm.cu).
+  // (and D % 16 == 0: the quantized operand's rule, check_quant_output)
+  return tuning::add_norm_rows != 0 && D % 16 == 0 && D / kUnit > 32 * 4 && D / kUnit <= int64_t{kNormCache} * kThreads;
+}
+
+void add_rms_norm_quant_fp8(void* h, const void* d, const void* w, void* y, int64_t rows, int64_t D, float eps,
+                            uint8_t* q, int64_t ldq, float* scale, Stream s) {
+  DFLASH_CHECK(rows >= 0 && rows < (int64_t{1} << 31),
+               "add_rms_norm_quant_fp8: need 0 <= rows < 2^31, got rows=" << rows);
+  DFLASH_CHECK_HINT(add_rms_norm_quant_fp8_supported(D),
+                    "add_rms_norm_quant_fp8: rows of D=" << D << " do not take add_rms_norm's block-per-row kernel "
+                                                         << "(1024 < D <= 8192, D % 16 == 0, tuning::add_norm_rows)",
+                    "run add_rms_norm then quantize_fp8_act");
+  if (rows == 0) return;
+  check_quant_output("add_rms_norm_quant_fp8", q, ldq, scale, rows, D);
+  DFLASH_CHECK(h != nullptr && d != nullptr && w != nullptr,
+               "add_rms_norm_quant_fp8: null pointer (h=" << h << " d=" << d << " w=" << w << ")");
+  DFLASH_CHECK_HINT(aligned16(h) && aligned16(d) && aligned16(w) && (!y || aligned16(y)) && rows * D < (int64_t{1} << 31),
+                    "add_rms_norm_quant_fp8: h, d, w and y must be 16-byte aligned, got h=" << h << " d=" << d << " w="
+                                                                                             << w << " y=" << y,
+                    "the unfused pair (add_rms_norm, quantize_fp8_act) takes any alignment");
+  launch_kernel_pdl(add_rms_norm_quant_kernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0, static_cast<cudaStream_t>(s),
+             static_cast<bf16*>(h), static_cast<const bf16*>(d), static_cast<const bf16*>(w), static_cast<bf16*>(y), q, ldq,
+             scale, act_scale_ld(rows), static_cast<int>(rows), static_cast<int>(D / kUnit), static_cast<int>(D), eps);
 }
 
 void swiglu_quant_fp8(const void* gu, int64_t N, int64_t I, uint8_t* q, int64_t ldq, float* scale, Stream s) {
@@ -588,10 +690,9 @@ void gated_rms_norm_quant_fp8(const void* core, const void* z, int64_t ldz, cons
   auto launch = [&](auto kernel, int G) {
     const unsigned grid =
         persistent_grid(reinterpret_cast<const void*>(kernel), kThreads, 0, 0, N * Hv, kThreads / G);
-    kernel<<<grid, kThreads, 0, st>>>(static_cast<const bf16*>(core), static_cast<const bf16*>(z), ldz,
-                                      static_cast<const bf16*>(w), q, ldq, scale, act_scale_ld(N), static_cast<int>(N),
-                                      static_cast<int>(Hv), eps);
-    DFLASH_CUDA_CHECK_LAST();
+    launch_kernel(kernel, dim3(grid), dim3(kThreads), 0, st, static_cast<const bf16*>(core), static_cast<const bf16*>(z),
+                  ldz, static_cast<const bf16*>(w), q, ldq, scale, act_scale_ld(N), static_cast<int>(N), static_cast<int>(Hv),
+                  eps);
   };
   if (dv == 128) launch(gated_rms_norm_quant_kernel<16>, 16);
   else launch(gated_rms_norm_quant_kernel<32>, 32);

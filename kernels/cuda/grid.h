@@ -15,6 +15,10 @@ namespace dflash::cuda {
 // resident on the current GPU at once: SMs x blocks per SM, the latter capped at max_per_sm when
 // > 0 and at least 1.
 inline int64_t resident_blocks(const void* kernel, int threads, size_t smem, int max_per_sm) {
+#ifdef DFLASH_CUDA_EMULATION  // (tests/cuda_emulation.h: no device; a few blocks, so grid-stride loops wrap)
+  (void)kernel, (void)threads, (void)smem, (void)max_per_sm;
+  return 3;
+#endif
   int dev = 0, sms = 0, per_sm = 0;
   DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
   DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));

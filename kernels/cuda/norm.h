@@ -62,6 +62,21 @@ void rms_norm_bwd(const RmsNormBwdParams& p, Stream s);
 void rms_norm_quant_fp8(const void* x, int64_t ldx, const void* w, int64_t rows, int64_t D, float eps, uint8_t* q,
                         int64_t ldq, float* scale, Stream s);
 
+// The residual step fused with the next GEMM's quantization: h += d, y = rmsnorm(h) · (1 + w), as
+// add_rms_norm's block-per-row kernel computes them (the same arithmetic in the same order), y
+// quantized: codes and scales equal add_rms_norm then quantize_fp8_act bit for bit, h too; y (optional,
+// may be null) also gets the bf16 row. h, d, y contiguous [rows, D], 16-byte aligned; D as
+// add_rms_norm_quant_fp8_supported says (1024 < D <= 8192, D % 16 == 0: add_rms_norm's block-per-row
+// kernel, whose arithmetic it repeats; tuning::add_norm_rows on). Launched with programmatic dependent
+// launch where pdl.cuh enables it, as add_rms_norm.
+bool add_rms_norm_quant_fp8_supported(int64_t D);
+namespace tuning {
+extern int add_norm_rows;   // add_rms_norm's block-per-row kernel (default 1; 0: the generic row kernel, its twin)
+extern int add_norm_quant;  // the CUDA target model's use of add_rms_norm_quant_fp8 (default 0; DFLASH_ADD_NORM_QUANT=1)
+}  // namespace tuning
+void add_rms_norm_quant_fp8(void* h, const void* d, const void* w, void* y, int64_t rows, int64_t D, float eps,
+                            uint8_t* q, int64_t ldq, float* scale, Stream s);
+
 // y[n, h*dv:(h+1)*dv] = rmsnorm(core[n, h, :]) · w · silu(z[n, h*dv + :]), K = Hv·dv; dv 128 or 256
 // (each head one or two 128-column groups), z rows strided (ldz % 8 == 0).
 void gated_rms_norm_quant_fp8(const void* core, const void* z, int64_t ldz, const void* w, int64_t N, int64_t Hv,

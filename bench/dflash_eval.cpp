@@ -187,6 +187,13 @@ int main(int argc, char** argv) {
   app.add_option("--cpu-drafter", cpu_drafter, "CPU: the drafter's arithmetic, f32 (threaded GEMM, the trainer's default) or "
                                                "f64 (the double reference); proposals and estimate use the same")
       ->capture_default_str()->check(CLI::IsMember({"f32", "f64"}));
+  std::string draft_precision = "bf16";
+  app.add_option("--draft-precision", draft_precision,
+                 "GPU: the propose step's GEMMs in bf16, or fp8 (the drafter's projections and the lm_head quantized "
+                 "once to e4m3 with 128 x 128 block scales, on the streaming FP8 GEMM: about half the bytes a propose "
+                 "reads; the drafts may differ, the output stays the target's greedy output; the trainer's estimate "
+                 "stays the bf16 drafter's; CSV rows get ',draft_fp8')")
+      ->capture_default_str()->check(CLI::IsMember({"bf16", "fp8"}));
   app.add_flag("--require-fast-path", require_fast, "refuse to run when any decode or prefill step would use a fallback kernel");
   std::string decode_variants;
   app.add_option("--decode-variants", decode_variants,
@@ -244,6 +251,9 @@ int main(int argc, char** argv) {
     DFLASH_REQUIRE_HINT(!target.src.model_dir.empty() || target.src.random_weights, "no target given",
                       "pass --model DIR, or --config FILE --random-weights");
     const Device dev = Device::parse(device);
+    const bool draft_fp8 = draft_precision == "fp8";
+    DFLASH_REQUIRE_HINT(!draft_fp8 || dev.is_cuda(), "--draft-precision fp8 proposes on the GPU only, got --device " << device,
+                        "pass --device cuda, or drop --draft-precision");
 
     // ---- the target and the drafter, checked against each other before anything is loaded ----
     const target::TargetConfig cfg = target.src.read_config();
@@ -381,7 +391,7 @@ int main(int argc, char** argv) {
       scorer = bench::cpu_scorer(dc, d.weights, frozen, block_size, math);
     } else {
 #if DFLASH_WITH_CUDA
-      prop = drafter::make_cuda_proposer(dc, d.weights, tw.embed_tokens, tw.lm_head, dev, 1, max_len);
+      prop = drafter::make_cuda_proposer(dc, d.weights, tw.embed_tokens, tw.lm_head, dev, 1, max_len, draft_fp8);
       if (!no_estimate) {
         drafter::DrafterConfig sc = dc;
         sc.block_size = block_size;
@@ -470,7 +480,9 @@ int main(int argc, char** argv) {
     std::printf("\n== dflash_eval: %s\n", version_string().c_str());
     std::printf("target  %s on %s (%s), tp %d\n", cfg.summary().c_str(), dec->describe().c_str(), dev.str().c_str(), tp);
     if (!plans.empty()) std::printf("kernels %s\n", plans.c_str());
-    std::printf("drafter %s (%s)\n", dc.summary().c_str(), drafter_dir.c_str());
+    std::printf("drafter %s (%s)%s\n", dc.summary().c_str(), drafter_dir.c_str(),
+                draft_fp8 ? "; proposes with FP8 weights (e4m3, 128 x 128 block scales; the estimate is the bf16 drafter's)"
+                          : "");
     std::printf("%zu prompt(s) from %s, %lld new tokens each (at most), block %lld; loaded in %.1f s\n", prompts.size(),
                 prompts_path.c_str(), static_cast<long long>(max_new), static_cast<long long>(block_size), load_s);
     std::printf("\ntau (mean acceptance length over %lld steps): %.3f\n", static_cast<long long>(steps), tau);
@@ -508,7 +520,7 @@ int main(int argc, char** argv) {
     const bool fp8x = target.src.fp8_experts;
     const bench::StepBytes b_dec = bench::target_step_bytes(rt.local_config(), prec, 1, 1, ctx, fp8x);
     const bench::StepBytes b_ver = bench::target_step_bytes(rt.local_config(), prec, 1, block_size, ctx, fp8x);
-    const bench::StepBytes b_prop = bench::propose_bytes(dc, 1, ctx);
+    const bench::StepBytes b_prop = bench::propose_bytes(dc, 1, ctx, draft_fp8);
     if (roof.copy_gbs > 0) {
       std::printf("  roofline (bytes a step moves / the copy bandwidth, %.0f GB/s: %s; context %.0f):\n", roof.copy_gbs,
                   bench::kCopyMethod, ctx);
@@ -694,7 +706,8 @@ int main(int argc, char** argv) {
       const std::string shape = fmt::format("{} L{} H{} ctx={:.0f} block={} {},prompts={},max_new={}", cfg.model_type,
                                             cfg.num_hidden_layers, cfg.hidden_size, ctx, block_size,
                                             dev.is_cpu() ? "f32" : target::precision_name(prec), prompts.size(), max_new) +
-                                (target.src.fp8_experts ? ",fp8x" : "") + (no_graphs && !dev.is_cpu() ? ",eager" : "");
+                                (target.src.fp8_experts ? ",fp8x" : "") + (no_graphs && !dev.is_cpu() ? ",eager" : "") +
+                                (draft_fp8 ? ",draft_fp8" : "");
       auto row = [&](const std::string& kernel, const std::string& metric, const std::string& unit, double v) {
         csv.write({"dflash_eval", kernel, dev.is_cpu() ? "cpu" : "cuda", "tp" + std::to_string(tp), metric, unit, shape, v, v, v, false});
       };

@@ -1,6 +1,7 @@
 #include "bench/roofline.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 
 #include "core/error.h"
@@ -58,16 +59,23 @@ StepBytes target_step_bytes(const target::TargetConfig& c, target::Precision pre
   return b;
 }
 
-StepBytes propose_bytes(const drafter::DrafterConfig& dc, int64_t seqs, double context) {
+StepBytes propose_bytes(const drafter::DrafterConfig& dc, int64_t seqs, double context, bool fp8) {
   DFLASH_CHECK(seqs >= 1 && context >= 0, "propose_bytes: seqs " << seqs << ", context " << context);
   drafter::DrafterWeights w;
   w.layers.resize(static_cast<size_t>(dc.num_hidden_layers));
   StepBytes b;
-  for (const drafter::DrafterWeights::Entry& e : w.entries(dc))
-    if (e.name != "fc.weight" && e.name != "hidden_norm.weight") b.weights += numel(e.shape) * 2.0;  // add_context's
+  // A [N, K] projection: bf16, or e4m3 with F32 128 x 128 block scales.
+  auto matrix = [&](double N, double K) {
+    return fp8 ? N * K + 4.0 * std::ceil(N / 128.0) * std::ceil(K / 128.0) : 2.0 * N * K;
+  };
+  for (const drafter::DrafterWeights::Entry& e : w.entries(dc)) {
+    if (e.name == "fc.weight" || e.name == "hidden_norm.weight") continue;  // add_context's
+    b.weights += e.is_norm || e.shape.size() != 2 ? numel(e.shape) * 2.0
+                                                  : matrix(static_cast<double>(e.shape[0]), static_cast<double>(e.shape[1]));
+  }
   const double H = static_cast<double>(dc.hidden_size), S = static_cast<double>(seqs);
   const double B = static_cast<double>(dc.block_size);
-  b.weights += static_cast<double>(dc.vocab_size) * H * 2.0;  // lm_head
+  b.weights += matrix(static_cast<double>(dc.vocab_size), H);  // lm_head
   b.weights += S * B * H * 2.0;                               // the block's embedding rows
   const double kv_row = 2.0 * 2.0 * static_cast<double>(dc.kv_dim());
   b.kv = S * static_cast<double>(dc.num_hidden_layers) * kv_row * (context + B);

@@ -16,7 +16,9 @@
 // - KV: per sequence and attention layer the bf16 K and V of the context read once, and the step's
 //   T new rows written.
 // - propose (the drafter): its layer and final-norm weights (bf16), the target's lm_head (bf16,
-//   shared), one embedding row per block token, and per layer the bf16 context K / V read once.
+//   shared), one embedding row per block token, and per layer the bf16 context K / V read once; an
+//   FP8 propose (make_cuda_proposer's fp8_propose) reads its projections and the lm_head as e4m3 (1
+//   byte a value plus the F32 128 x 128 block scales).
 // Bandwidth: copy_bandwidth_gbs (harness.h): the best of 10 device-to-device copies of 1 GiB,
 // counting read + write (2 x 1 GiB per copy), measured once per run by the tool that states it, at
 // its start, before the model is loaded.
@@ -39,8 +41,9 @@ StepBytes target_step_bytes(const target::TargetConfig& c, target::Precision pre
                             double context, bool fp8_experts = false);
 
 // One drafter propose of `seqs` sequences (block of dc.block_size tokens each) after `context`
-// context tokens in the drafter's K / V cache; lm_head is the target's [V, H] bf16 (tied or not).
-StepBytes propose_bytes(const drafter::DrafterConfig& dc, int64_t seqs, double context);
+// context tokens in the drafter's K / V cache; lm_head is the target's [V, H] bf16 (tied or not),
+// or with fp8 its e4m3 copy, as the projections.
+StepBytes propose_bytes(const drafter::DrafterConfig& dc, int64_t seqs, double context, bool fp8 = false);
 
 struct Roofline {
   double copy_gbs = 0;  // read + write GB/s of the best device-to-device copy

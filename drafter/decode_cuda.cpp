@@ -1,6 +1,7 @@
 #include "drafter/decode_cuda.h"
 
 #include <cuda_runtime.h>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 #include <cmath>
@@ -84,9 +85,9 @@ class Pinned {
 class CudaProposer final : public Proposer {
  public:
   CudaProposer(const DrafterConfig& c, const DrafterWeights& w, Tensor embed, Tensor lm_head, Device device,
-               int64_t num_slots, int64_t max_len)
+               int64_t num_slots, int64_t max_len, bool fp8_propose)
       : c_(c), slots_(c, num_slots, max_len, "cuda proposer"), device_(device), embed_(std::move(embed)),
-        lm_head_(std::move(lm_head)) {
+        lm_head_(std::move(lm_head)), fp8_(fp8_propose) {
     c_.validate();
     w.check(c_);
     DFLASH_CHECK(device_.is_cuda(), "cuda proposer: device must be a CUDA device, got " << device_.str());
@@ -140,6 +141,7 @@ class CudaProposer final : public Proposer {
     workspace_ = empty({static_cast<int64_t>(std::max<size_t>(ws, 16))}, DType::U8);
     meta_host_.get(meta_.numel());  // the pinned staging of propose, at its largest
     drafts_host_.get(num_slots * (B - 1));
+    if (fp8_) quantize_weights(Rmax);
   }
 
   const DrafterConfig& config() const override { return c_; }
@@ -227,7 +229,7 @@ class CudaProposer final : public Proposer {
       Layer& L = layers_[l];
       const bool sliding = c_.layer_types[l] == AttnType::Sliding;
       cuda::rms_norm_fwd(h, true, H, L.in_ln.raw_data(), x_.raw_data(), rstd_.data<float>(), R, H, eps(), st);
-      linear(x_.raw_data(), H, L.qkv.raw_data(), qkv_.raw_data(), QKV, R, QKV, H);
+      project(L.qkv, L.qkv_q, x_.raw_data(), H, qkv_.raw_data(), QKV, R, QKV, H);
       cuda::head_norm_rope_fwd(head_params(qkv_.raw_data(), QKV, L.q_norm, d_pos, q_.raw_data(), rstd_, R,
                                            c_.num_attention_heads), st);
       cuda::head_norm_rope_fwd(head_params(bf16_at(qkv_.raw_data(), qd), QKV, L.k_norm, d_pos, k_.raw_data(), rstd_, R,
@@ -240,17 +242,17 @@ class CudaProposer final : public Proposer {
       a.workspace = workspace_.raw_data(), a.workspace_bytes = workspace_.nbytes();
       if (fast_attention_) cuda::attention_decode_fast(a, st);
       else cuda::attention_decode_fallback(a, st);
-      linear(o_.raw_data(), qd, L.o.raw_data(), h, H, R, H, qd, true);  // h += o_proj(attn)
+      project(L.o, L.o_q, o_.raw_data(), qd, h, H, R, H, qd, true);  // h += o_proj(attn)
       cuda::rms_norm_fwd(h, true, H, L.post_ln.raw_data(), x_.raw_data(), rstd_.data<float>(), R, H, eps(), st);
-      linear(x_.raw_data(), H, L.gu.raw_data(), gu_.raw_data(), 2 * I, R, 2 * I, H);
+      project(L.gu, L.gu_q, x_.raw_data(), H, gu_.raw_data(), 2 * I, R, 2 * I, H);
       cuda::swiglu(gu_.raw_data(), m_.raw_data(), R, I, st);
-      linear(m_.raw_data(), I, L.down.raw_data(), h, H, R, H, I, true);  // h += down(silu(gate) · up)
+      project(L.down, L.down_q, m_.raw_data(), I, h, H, R, H, I, true);  // h += down(silu(gate) · up)
     }
     cuda::rms_norm_fwd(h, true, H, norm_.raw_data(), x_.raw_data(), rstd_.data<float>(), R, H, eps(), st);
     for (int64_t r0 = 0; r0 < R; r0 += kLogitChunkRows) {
       const int64_t rows = std::min(kLogitChunkRows, R - r0);
       const int64_t Vp = padded_vocab(V);
-      linear(bf16_at(x_.raw_data(), r0 * H), H, lm_head_.raw_data(), logits_.raw_data(), Vp, rows, V, H, false, true);
+      project(lm_head_, lm_head_q_, bf16_at(x_.raw_data(), r0 * H), H, logits_.raw_data(), Vp, rows, V, H, false, true);
       cuda::argmax_rows(logits_.raw_data(), false, Vp, rows, V, amax_.data<int32_t>() + r0, st);
       if (logits)  // the V real columns of each row (the pad columns are never written)
         DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(logits->data<float>() + r0 * V, static_cast<size_t>(V) * 4,
@@ -269,8 +271,13 @@ class CudaProposer final : public Proposer {
   }
 
  private:
+  // A weight's e4m3 codes and 128 x 128 block scales in gemm_fp8's layout (FP8 propose).
+  struct Fp8Weight {
+    Tensor q, s;
+  };
   struct Layer {
     Tensor qkv, o, gu, down;                      // bf16 [q+k+v, H], [H, q], [2I, H], [H, I]
+    Fp8Weight qkv_q, o_q, gu_q, down_q;           // FP8 propose: their quantized copies
     Tensor q_norm, k_norm, in_ln, post_ln;        // bf16 [d], [d], [H], [H]
     Tensor k_cache, v_cache;                      // bf16 [num_slots, max_len, Hkv, d]
   };
@@ -282,6 +289,59 @@ class CudaProposer final : public Proposer {
     Tensor x = Tensor::empty(s, t, device_);
     memset_device(x.raw_data(), device_.index, 0, x.nbytes());
     return x;
+  }
+
+  // FP8 propose: each propose GEMM's weight (q|k|v, o, gate|up, down, and the target's lm_head)
+  // quantized once into e4m3 codes with 128 x 128 block scales (as the official FP8 checkpoints
+  // store them); the bf16 weights stay for add_context (any number of rows). Scratch for the
+  // quantized GEMM inputs of a block of every slot.
+  void quantize_weights(int64_t Rmax) {
+    const int64_t H = c_.hidden_size, I = c_.intermediate_size, qd = c_.q_dim(), kvd = c_.kv_dim();
+    DFLASH_CHECK_HINT(cuda_device_info(device_.index).major >= 9,
+                      "cuda proposer: FP8 propose runs the streaming FP8 GEMM, which needs sm_90 (this GPU is sm_"
+                          << cuda_device_info(device_.index).major << "x)",
+                      "propose in bf16 (--draft-precision bf16)");
+    for (const auto& [K, what] : {std::pair{H, "hidden_size"}, {qd, "q_dim (heads x head_dim)"}, {I, "intermediate_size"}})
+      DFLASH_CHECK_HINT(K % 128 == 0, "cuda proposer: FP8 propose needs every GEMM's K a multiple of 128 (the block "
+                                      "scales' width), got "
+                                          << what << " = " << K,
+                        "propose in bf16 (--draft-precision bf16)");
+    auto quantize = [&](const Tensor& w, int64_t N, int64_t K) {
+      const int64_t ld = cuda::fp8_weight_scale_ld(K);
+      Fp8Weight f{empty({N, K}, DType::U8), empty({(N + 127) / 128, ld}, DType::F32)};
+      memset_device(f.s.raw_data(), device_.index, 0, f.s.nbytes());  // the padding entries
+      cuda::quantize_fp8_weight(w.raw_data(), N, K, f.q.data<uint8_t>(), f.s.data<float>(), ld, stream());
+      return f;
+    };
+    for (Layer& L : layers_) {
+      L.qkv_q = quantize(L.qkv, qd + 2 * kvd, H);
+      L.o_q = quantize(L.o, H, qd);
+      L.gu_q = quantize(L.gu, 2 * I, H);
+      L.down_q = quantize(L.down, H, I);
+    }
+    lm_head_q_ = quantize(lm_head_, c_.vocab_size, H);
+    const int64_t K = std::max({H, qd, I});
+    xq_ = empty({Rmax, K}, DType::U8);
+    xs_ = empty({static_cast<int64_t>(cuda::fp8_act_scale_elems(Rmax, K))}, DType::F32);
+  }
+
+  // y[M, N] = x[M, K] · w[N, K]ᵀ as linear() does it, or, in an FP8 propose of <= 16 rows, from the
+  // quantized weight `f` through cuda::gemm_fp8_stream (x quantized per token and 128 columns first).
+  void project(const Tensor& w, const Fp8Weight& f, const void* x, int64_t ldx, void* y, int64_t ldy, int64_t M, int64_t N,
+               int64_t K, bool accumulate = false, bool f32_out = false) {
+    if (!fp8_ || M > 16) {
+      if (fp8_ && fp8_fallbacks_++ == 0)
+        spdlog::warn("cuda proposer: FP8 propose runs steps of at most 16 rows (one slot's block); a step of {} rows "
+                     "runs its GEMMs in bf16 (this and every such step)",
+                     M);
+      return linear(x, ldx, w.raw_data(), y, ldy, M, N, K, accumulate, f32_out);
+    }
+    cuda::Fp8ActQuantParams qp{x, ldx, xq_.data<uint8_t>(), K, xs_.data<float>(), M, K};
+    cuda::quantize_fp8_act(qp, stream());
+    cuda::GemmFp8Params g;
+    g.x = xq_.data<uint8_t>(), g.ldx = K, g.x_scale = xs_.data<float>(), g.w = f.q.data<uint8_t>(), g.w_scale = f.s.data<float>();
+    g.y = y, g.ldy = ldy, g.M = M, g.N = N, g.K = K, g.y_f32 = accumulate || f32_out, g.accumulate = accumulate;
+    cuda::gemm_fp8_stream(g, device_.index, stream());
   }
 
   // y[M, N] = x[M, K] · w[N, K]ᵀ: bf16 y, or fp32 y added into (accumulate) or written (f32_out).
@@ -323,6 +383,10 @@ class CudaProposer final : public Proposer {
   ProposerSlots slots_;
   Device device_;
   Tensor embed_, lm_head_;
+  bool fp8_ = false;                // FP8 propose (make_cuda_proposer's fp8_propose)
+  Fp8Weight lm_head_q_;             // FP8 propose: the lm_head's codes and scales
+  Tensor xq_, xs_;                  // FP8 propose: a GEMM input's codes [Rmax, K] and scales
+  int64_t fp8_fallbacks_ = 0;       // FP8 propose GEMMs of more than 16 rows, run in bf16
   bool fast_attention_ = false;
   bool gemm_unaligned_ = false;     // cuda_drafter_gemm_unaligned: intermediate_size not a multiple of 8
   Tensor fc_, hidden_norm_, norm_;  // bf16 [H, k·H], [H], [H]
@@ -343,9 +407,9 @@ class CudaProposer final : public Proposer {
 
 std::unique_ptr<Proposer> make_cuda_proposer(const DrafterConfig& config, const DrafterWeights& host_weights,
                                              Tensor embed_tokens, Tensor lm_head, Device device, int64_t num_slots,
-                                             int64_t max_len) {
+                                             int64_t max_len, bool fp8_propose) {
   return std::make_unique<CudaProposer>(config, host_weights, std::move(embed_tokens), std::move(lm_head), device,
-                                        num_slots, max_len);
+                                        num_slots, max_len, fp8_propose);
 }
 
 const char* cuda_proposer_attention_kernel(const DrafterConfig& config, Device device) {

@@ -10,15 +10,16 @@
 # eval27b.log, eval27b.csv. Switches: SKIP_TESTS=1, SKIP_BENCH=1, SKIP_27B=1, GPU_TESTS (ctest -R
 # regex), TESTS_TIMEOUT / BENCH_TIMEOUT / EVAL_TIMEOUT (s: each stage is cut there, so the call ends in time), EVAL27B_NEW (new tokens, default 32), EVAL27B_PROFILE (profiled steps, default 2),
 # EVAL27B_VARIANTS (default fused,unfused,no_pdl,no_gdn_chain,no_commit,no_overlap,skinny_no_swiglu,fused,unfused),
-# EVAL27B_PRECISIONS (default bf16; "bf16 fp8": one dflash_eval each, both in eval27b.log / .csv; "fp8+anq": fp8
-# with DFLASH_ADD_NORM_QUANT=1, the residual steps fused with the FP8 quantization), KB_ONLY
+# EVAL27B_PRECISIONS (default bf16; "bf16 fp8": one dflash_eval each, both in eval27b.log / .csv; suffixes: "+anq"
+# with DFLASH_ADD_NORM_QUANT=1, the residual steps fused with the FP8 quantization; "+dfp8" with --draft-precision fp8,
+# the FP8 propose; e.g. "fp8+anq+dfp8"), KB_ONLY
 # (kernel_bench sections, default fused; e.g. "fused decode_gemm fp8": fp8 times the decode rows M 16 / 4 / 1
 # only, DFLASH_BENCH_FP8_DECODE=1), NINJA_TARGETS.
 # The streaming GEMMs (issue 30, kernels/cuda/gemm_stream.cu), first measured by:
 #   KB_ONLY="decode_gemm fp8" EVAL27B_PRECISIONS="bf16 fp8" EVAL27B_VARIANTS=fused,skinny_streamk,skinny,fused,skinny_streamk,skinny
 #   (bf16: cuBLASLt / the cluster kernel / stream-K; fp8: skinny = the streaming FP8 GEMM for every FP8 projection).
 source "$(dirname "$0")/gpu_call.sh"
-NINJA_TARGETS=${NINJA_TARGETS:-"test_cuda_ops test_cuda_fp8 test_cuda_decode test_cuda_decoder kernel_bench dflash_eval"}
+NINJA_TARGETS=${NINJA_TARGETS:-"test_cuda_ops test_cuda_fp8 test_cuda_decode test_cuda_decoder test_cuda_model test_cuda_drafter_decode kernel_bench dflash_eval"}
 gpu_call_start /tmp/build-fused
 if [ -z "${SKIP_TESTS:-}" ]; then
   t0=$(date +%s)
@@ -46,11 +47,13 @@ if [ -z "${SKIP_27B:-}" ]; then
   # this script lost the whole eval log that way: fully buffered printf, killed at 140 s).
   : >"$OUT/eval27b.log"
   for run in ${EVAL27B_PRECISIONS:-bf16}; do
-    prec=${run%+anq}
+    prec=${run%%+*}
     anq=0
-    [ "$prec" != "$run" ] && anq=1
+    dprec=bf16
+    case "$run" in *+anq*) anq=1 ;; esac
+    case "$run" in *+dfp8*) dprec=fp8 ;; esac
     echo "=== dflash_eval $run" >>"$OUT/eval27b.log"
-    DFLASH_ADD_NORM_QUANT=$anq timeout "${EVAL_TIMEOUT:-240}" stdbuf -oL "$B/bench/dflash_eval" --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 \
+    DFLASH_ADD_NORM_QUANT=$anq timeout "${EVAL_TIMEOUT:-240}" stdbuf -oL "$B/bench/dflash_eval" --draft-precision "$dprec" --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 \
       --precision "$prec" --prompts /tmp/p4k.txt --num-prompts 1 --max-new-tokens "${EVAL27B_NEW:-32}" --device cuda \
       --no-estimate --require-fast-path --profile "${EVAL27B_PROFILE:-2}" \
       --decode-variants "${EVAL27B_VARIANTS:-fused,unfused,no_pdl,no_gdn_chain,no_commit,no_overlap,skinny_no_swiglu,fused,unfused}" \

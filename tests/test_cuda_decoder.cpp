@@ -51,9 +51,10 @@ std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint64_t seed) {
 struct Gpu {
   std::unique_ptr<CudaTargetModel> model;
   std::unique_ptr<Decoder> dec;
-  // moe_decode: the decode plan's MoE decode kernels (FastPathPlan::DecodeFusion::moe_decode) on.
+  // moe_decode: the decode plan's MoE decode kernels (FastPathPlan::DecodeFusion::moe_decode) on;
+  // skinny: its skinny GEMMs on (DecodeFusion::skinny_gemm: FP8 targets' on gemm_fp8_stream).
   Gpu(const TargetConfig& c, KernelPolicy pol, int64_t slots, int64_t max_len, uint64_t seed = 3,
-      Precision precision = Precision::Bf16, bool graphs = true, bool moe_decode = false) {
+      Precision precision = Precision::Bf16, bool graphs = true, bool moe_decode = false, bool skinny = false) {
     const int sm = cuda_device_info(0).major;
     KernelPolicies p = KernelPolicies::all(pol);
     p.cuda_graphs = graphs;
@@ -61,6 +62,7 @@ struct Gpu {
                                               make_plan(c, Device::cuda(0), p, sm, precision));
     FastPathPlan plan = make_decode_plan(c, Device::cuda(0), p, sm, precision);
     plan.fusion.moe_decode = moe_decode;
+    if (skinny) plan.fusion.skinny_gemm = true;
     dec = make_cuda_decoder(*model, slots, max_len, plan);
   }
 };
@@ -341,6 +343,32 @@ TEST(CudaDecoder, SpeculativeWithGraphsEqualsEagerGreedy) {
   EXPECT_EQ(bench::greedy_generate(*g.dec, 0, prompt, go).tokens, want.tokens) << "greedy with graphs";
   EXPECT_GT(g.dec->graph_stats().replays, 0u) << g.dec->kernels_run();
   EXPECT_EQ(g.dec->graph_stats().capture_failures, 0u);
+}
+
+// Speculative decoding with an FP8 proposer (make_cuda_proposer's fp8_propose: other drafts, the
+// target's output unchanged) gives the target's greedy output token for token, with graphs on; on an
+// FP8 target too (its decode and verify GEMMs then stream FP8 weights as well, with the plan's skinny
+// GEMMs on).
+TEST(CudaDecoder, Fp8ProposeStaysLossless) {
+  DFLASH_REQUIRE_GPU();
+  if (!fp8_gemm_supported(cuda_device_info(0).major)) GTEST_SKIP() << "FP8 GEMMs need sm_90";
+  const TargetConfig c = real_dims();
+  const std::vector<int32_t> prompt = random_tokens(40, c.vocab_size, 9);
+  bench::GenerateOptions go;
+  go.max_new_tokens = 60;
+  go.block_size = 16;
+  const drafter::DrafterConfig dc = drafter::DrafterConfig::for_target(c, 2, c.vocab_size - 1, 16);
+  const drafter::DrafterWeights w = drafter::DrafterWeights::random(dc, 5, 0.05f);
+  for (Precision p : {Precision::Bf16, Precision::Fp8}) {
+    SCOPED_TRACE(p == Precision::Fp8 ? "fp8 target, skinny GEMMs" : "bf16 target");
+    Gpu g(c, KernelPolicy::Auto, 1, 256, 3, p, true, false, p == Precision::Fp8);
+    const bench::Generation want = bench::greedy_generate(*g.dec, 0, prompt, go);
+    auto prop = drafter::make_cuda_proposer(dc, w, g.model->weights().embed_tokens, g.model->weights().lm_head,
+                                            Device::cuda(0), 1, 256, true);
+    const bench::Generation spec = bench::speculative_generate(*g.dec, *prop, 0, prompt, go);
+    EXPECT_EQ(spec.tokens, want.tokens);
+    EXPECT_EQ(g.dec->graph_stats().capture_failures, 0u);
+  }
 }
 
 // The FP8 target decodes like the bf16 one: verify rows equal T = 1 decode steps bit for bit (the

@@ -140,3 +140,77 @@ TEST(CudaProposer, BadInputsAreRefused) {
                 .find("embed_tokens must be bf16 [1000, 256] on cuda:0"),
             std::string::npos);
 }
+
+// FP8 propose (make_cuda_proposer's fp8_propose: e4m3 weights and lm_head, the streaming FP8 GEMM)
+// against the bf16 proposer on the same weights and context: logits within the W8A8 quantization's
+// error (both operands rounded to 3 mantissa bits per 128-value block: a few % of the largest logit
+// through 2 layers and the lm_head; the measured value is printed), every draft the argmax of its own
+// logits and equal to the bf16 proposer's wherever that one's top-2 margin is wider than twice the
+// row's logit difference. A step of more than 16 rows runs the bf16 GEMMs: then bit for bit the bf16
+// proposer's. A drafter whose GEMM widths are not multiples of 128 is refused by name.
+TEST(CudaProposer, Fp8ProposeIsNearTheBf16Proposer) {
+  DFLASH_REQUIRE_GPU();
+  if (cuda_device_info(0).major < 9) GTEST_SKIP() << "the streaming FP8 GEMM runs on sm_90";
+  const DrafterConfig c = gpu_test_drafter(12, 16);
+  const Bf16DrafterInputs in = bf16_drafter_inputs(c, 61);
+  const Tensor embed = in.embed.to_dtype(DType::BF16).to(Device::cuda(0));
+  const Tensor lm_head = in.lm_head.to_dtype(DType::BF16).to(Device::cuda(0));
+  auto bf = make_cuda_proposer(c, in.w, embed, lm_head, Device::cuda(0), 4, 128, false);
+  auto f8 = make_cuda_proposer(c, in.w, embed, lm_head, Device::cuda(0), 4, 128, true);
+  const std::vector<int32_t> slots{0, 1, 2, 3};
+  ops::SeqOffsets seqs{{0, 30, 31, 50, 90}};
+  Tensor f = Tensor::empty({90, c.context_dim()}, DType::F32);
+  fill_normal(f, {98, 1, 0}, 0.0f, 1.0f);
+  const Tensor fd = f.to_dtype(DType::BF16).to(Device::cuda(0));
+  bf->add_context(slots, fd, seqs);
+  f8->add_context(slots, fd, seqs);
+  // One slot's block of 16 and two slots' blocks of 6: FP8 GEMMs (<= 16 rows).
+  int64_t clear = 0, clear_equal = 0;
+  for (const auto& [ss, x, Bp] : {std::tuple{std::vector<int32_t>{2}, std::vector<int32_t>{17}, int64_t{16}},
+                                  std::tuple{std::vector<int32_t>{0, 3}, std::vector<int32_t>{401, 5}, int64_t{6}}}) {
+    Tensor lb, l8;
+    const auto db = bf->propose(ss, x, Bp, &lb);
+    const auto d8 = f8->propose(ss, x, Bp, &l8);
+    const double err = max_rel_err(l8, lb);
+    std::printf("  fp8 propose, %zu slot(s), block %ld: logits max rel err %.2e vs bf16\n", ss.size(), long(Bp), err);
+    EXPECT_LE(err, 0.15) << "fp8 logits far from the bf16 proposer's";
+    EXPECT_GT(err, 0.0) << "fp8 logits equal to bf16: the FP8 GEMMs did not run";
+    std::vector<int32_t> own;
+    ops::argmax_rows(l8, own);
+    const int64_t V = c.vocab_size;
+    for (size_t s = 0; s < ss.size(); ++s)
+      for (int64_t j = 1; j < Bp; ++j) {
+        const int64_t r = static_cast<int64_t>(s) * Bp + j;
+        EXPECT_EQ(d8[s][j - 1], own[r]) << "slot " << ss[s] << " row " << j << ": draft is not the argmax of its logits";
+        const float* b = lb.data<float>() + r * V;
+        const float* g = l8.data<float>() + r * V;
+        double e = 0, top1 = -INFINITY, top2 = -INFINITY;
+        for (int64_t v = 0; v < V; ++v) {
+          e = std::max(e, std::abs(static_cast<double>(g[v]) - b[v]));
+          if (b[v] > top1) top2 = top1, top1 = b[v];
+          else if (b[v] > top2) top2 = b[v];
+        }
+        if (top1 - top2 > 2 * e) {
+          ++clear;
+          clear_equal += d8[s][j - 1] == db[s][j - 1];
+          EXPECT_EQ(d8[s][j - 1], db[s][j - 1]) << "slot " << ss[s] << " row " << j;
+        }
+      }
+  }
+  std::printf("  fp8 propose: drafts equal to bf16's on %ld of %ld rows with a clear margin\n", long(clear_equal), long(clear));
+  // Four slots' blocks of 16 (64 rows): the bf16 GEMMs, bit for bit.
+  Tensor lb, l8;
+  const auto db = bf->propose(slots, {1, 2, 3, 4}, 16, &lb);
+  const auto d8 = f8->propose(slots, {1, 2, 3, 4}, 16, &l8);
+  EXPECT_EQ(db, d8);
+  EXPECT_TRUE(bit_equal(lb, l8)) << "a step of 64 rows must run the bf16 GEMMs";
+  // GEMM widths that are not multiples of 128 are refused by name.
+  DrafterConfig odd = full_and_sliding_drafter("odd", {.hidden = 192, .intermediate = 512, .vocab = 1000, .heads = 3,
+                                                       .kv_heads = 1, .head_dim = 64, .sliding_window = 12, .block_size = 16});
+  const Bf16DrafterInputs oi = bf16_drafter_inputs(odd, 62);
+  const std::string e = error_of([&] {
+    make_cuda_proposer(odd, oi.w, oi.embed.to_dtype(DType::BF16).to(Device::cuda(0)),
+                       oi.lm_head.to_dtype(DType::BF16).to(Device::cuda(0)), Device::cuda(0), 1, 64, true);
+  });
+  EXPECT_NE(e.find("FP8 propose needs every GEMM's K a multiple of 128"), std::string::npos) << e;
+}

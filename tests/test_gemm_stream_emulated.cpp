@@ -233,6 +233,47 @@ TEST(GemmStreamEmulated, Bf16MatchesTheProductOnEveryGrid) {
   }
 }
 
+// The FP8 kernel's f32 outputs (gemm_fp8's y_f32): written, and added into (accumulate: each output
+// once, whether its tile is stored by a warp, summed in its block or by the last of its blocks).
+TEST(GemmStreamEmulated, Fp8F32OutputsAndAccumulate) {
+  for (const Case& c : kCases) {
+    const Operands o = make(rand_values(c.M, c.K, 1.0f), rand_values(c.N, c.K, 0.05f), c.pad_x);
+    Tensor ref = Tensor::empty({c.M, c.N}, DType::F32);
+    ops::gemm_fp8_blockwise(o.a, o.w, ref);
+    double max_ref = 0;
+    for (int64_t i = 0; i < ref.numel(); ++i) max_ref = std::max(max_ref, std::abs(double(ref.data<float>()[i])));
+    const int64_t ldy = (c.N + 3) / 4 * 4 + 4;
+    for (int blocks : c.grids)
+      for (bool acc : {false, true}) {
+        SCOPED_TRACE("M " + std::to_string(c.M) + " N " + std::to_string(c.N) + " K " + std::to_string(c.K) + " grid " +
+                     std::to_string(blocks) + (acc ? " accumulate" : ""));
+        std::vector<float> y(static_cast<size_t>(c.M * ldy));
+        for (size_t i = 0; i < y.size(); ++i) y[i] = acc ? 0.25f * static_cast<float>(i % 7) : NAN;
+        const std::vector<float> y0 = y;
+        cu::GemmFp8Params p;
+        p.x = o.xq.data(), p.ldx = o.ldx, p.x_scale = o.xs.data(), p.w = o.wq.data(), p.w_scale = o.ws.data();
+        p.y = y.data(), p.ldy = ldy, p.M = c.M, p.N = c.N, p.K = c.K, p.y_f32 = true, p.accumulate = acc;
+        ASSERT_TRUE(cu::gemm_fp8_stream_supported(p));
+        std::vector<float> partial(static_cast<size_t>(blocks) * cu::kSlots * cu::kSlotFloats, NAN);
+        std::vector<int> counters(static_cast<size_t>(blocks), 0);
+        cu::launch_stream<true>(cu::fp8_params(p), c.K, blocks, partial.data(), counters.data(), nullptr);
+        int64_t bad = 0, touched = 0;
+        for (int64_t m = 0; m < c.M; ++m)
+          for (int64_t n = 0; n < ldy; ++n) {
+            const size_t at = static_cast<size_t>(m * ldy + n);
+            if (n >= c.N) {
+              touched += std::memcmp(&y[at], &y0[at], 4) != 0;
+              continue;
+            }
+            const double r = ref.data<float>()[m * c.N + n] + (acc ? y0[at] : 0.0f);
+            bad += !(std::abs(double(y[at]) - r) <= 1e-5 * (max_ref + 2.0));
+          }
+        EXPECT_EQ(bad, 0) << "outputs off the reference (f32 out: the order of f32 sums only)";
+        EXPECT_EQ(touched, 0) << "columns past N written";
+      }
+  }
+}
+
 // A row's result does not depend on the other rows of the step (M): token 0 alone and as row 0 of
 // 16 give the same bits (the same grid), so a T = 1 decode and a T = 16 verify agree.
 TEST(GemmStreamEmulated, ARowsBitsDoNotDependOnM) {

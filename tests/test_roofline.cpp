@@ -6,7 +6,10 @@
 //   KV           = seqs x attention layers x 2 x 2 Hkv d x (context + tokens)
 //   propose      = 2 (layers (2 q_dim H + 2 kv_dim H + 3 I H + 2 d + 2 H) + H + V H + seqs B H)
 //                  + seqs x layers x 2 x 2 kv_dim x (context + B)
+//   fp8 propose    = the same with each projection [N, K] and the lm_head at N K + 4 ceil(N/128) ceil(K/128)
 #include <gtest/gtest.h>
+
+#include <cmath>
 
 #include "bench/roofline.h"
 #include "core/error.h"
@@ -88,6 +91,14 @@ TEST(Roofline, ProposeBytesMatchTheFormula) {
                                          static_cast<double>(dc.vocab_size) * H + S * 16 * H));
       EXPECT_DOUBLE_EQ(b.state, 0.0);
       EXPECT_DOUBLE_EQ(b.kv, S * L * 4.0 * kv * (4096 + 16));
+      // FP8 propose: the projections and the lm_head 1 byte a value plus their 128 x 128 block scales.
+      auto blocks = [](double n) { return std::ceil(n / 128.0); };
+      auto fp8 = [&](double N, double K) { return N * K + 4.0 * blocks(N) * blocks(K); };
+      const bench::StepBytes b8 = bench::propose_bytes(dc, seqs, 4096, true);
+      const double per_layer = fp8(q, H) + 2 * fp8(kv, H) + fp8(H, q) + 2 * fp8(I, H) + fp8(H, I) + 2.0 * (2 * d + 2 * H);
+      EXPECT_DOUBLE_EQ(b8.weights, L * per_layer + 2.0 * H + fp8(static_cast<double>(dc.vocab_size), H) + 2.0 * S * 16 * H);
+      EXPECT_DOUBLE_EQ(b8.kv, b.kv);
+      EXPECT_LT(b8.weights, 0.55 * b.weights);
     }
   }
 }

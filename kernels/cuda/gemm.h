@@ -154,7 +154,8 @@ void quantize_fp8_tiles(const Fp8TileQuantParams& p, Stream s);
 // For training (the FP8 drafter, issue 31): y_f32 writes fp32 y (row stride ldy % 4 == 0) and
 // accumulate adds to it (beta 1: the weight gradients' dw += dyᵀ·x); w_vec_scales scales w per row and
 // 128-column group like x (w_scale[g * fp8_act_scale_ld(N) + n]: both operands 1 x 128, the weight
-// gradient's form), else 128 x 128 blocks. The streaming kernel below serves none of these.
+// gradient's form), else 128 x 128 blocks. The streaming kernel below serves y_f32 and accumulate (not
+// w_vec_scales or tensor_scales).
 struct GemmFp8Params {
   const uint8_t* x = nullptr;   // e4m3 [M, K], row stride ldx
   int64_t ldx = 0;
@@ -178,7 +179,8 @@ void gemm_fp8(const GemmFp8Params& p, int device);
 const char* gemm_fp8_kernel_name();
 
 // Streaming FP8 skinny GEMM (issue 30; kernels/cuda/fp8_stream.cu): gemm_fp8's operands and result
-// for 1 <= M <= 16 (no M % 4 needed), block scales only, K % 128 == 0; each weight byte read once
+// for 1 <= M <= 16 (no M % 4 needed), block scales only, K % 128 == 0, y bf16 or f32 (y_f32; accumulate:
+// y += x · wᵀ, each output added once); each weight byte read once
 // with 16-byte cp.async copies over a one-wave stream-K grid, mma.sync e4m3 (sm_89+; run on sm_90).
 // gemm_fp8 runs it on sm_90 where cuBLASLt has no block-scaled kernel (M % 4 != 0), or for every
 // shape it supports when tuning::gemm_fp8_stream == 1 (kernel_bench's stream_e4m3 rows); the

@@ -101,8 +101,9 @@ struct StreamParams {
   int64_t row_bytes;  // K · element size
   const float* ws;    // FP8: weight scales, (block nb, kb) at ws[nb * ldws + kb]
   int64_t ldws;
-  bf16* y;            // [M, ldy]
+  void* y;            // [M, ldy]: bf16, or (FP8's y_f32) f32, added into where accumulate
   int64_t ldy;
+  bool y_f32, accumulate;
   int M, N, G;        // G: units (128-column groups) per tile
   int tiles, blocks;
   float* partial;     // [blocks][kSlots][16][kRows]
@@ -121,18 +122,29 @@ __host__ __device__ __forceinline__ int run_of(int64_t n, int64_t parts, int64_t
   return static_cast<int>(r);
 }
 
+// One output: y[tok, row] = v as bf16, or as f32 (y_f32), or y[tok, row] += v (accumulate, f32).
+__device__ __forceinline__ void store_one(const StreamParams& p, int tok, int row, float v) {
+  const int64_t at = static_cast<int64_t>(tok) * p.ldy + row;
+  if (!p.y_f32) static_cast<bf16*>(p.y)[at] = __float2bfloat16(v);
+  else if (p.accumulate) static_cast<float*>(p.y)[at] += v;
+  else static_cast<float*>(p.y)[at] = v;
+}
+
 // Rows row .. row + 3 of token tok (< M) from a sum; rows past N are not stored.
 __device__ __forceinline__ void store_quad(const StreamParams& p, int tok, int row, const float4& v) {
-  bf16* dst = p.y + static_cast<int64_t>(tok) * p.ldy + row;
-  if (row + 3 < p.N) {
+  if (row + 3 < p.N && !p.y_f32) {  // (ldy % 4 == 0: 8-byte aligned)
     uint2 u;
     u.x = ptx::pack_bf16(v.x, v.y);
     u.y = ptx::pack_bf16(v.z, v.w);
-    *reinterpret_cast<uint2*>(dst) = u;
+    *reinterpret_cast<uint2*>(static_cast<bf16*>(p.y) + static_cast<int64_t>(tok) * p.ldy + row) = u;
+    return;
+  }
+  if (row + 3 < p.N && !p.accumulate) {  // (f32: ldy % 4 == 0, 16-byte aligned)
+    *reinterpret_cast<float4*>(static_cast<float*>(p.y) + static_cast<int64_t>(tok) * p.ldy + row) = v;
     return;
   }
   const float f[4] = {v.x, v.y, v.z, v.w};
-  for (int i = 0; i < 4 && row + i < p.N; ++i) dst[i] = __float2bfloat16(f[i]);
+  for (int i = 0; i < 4 && row + i < p.N; ++i) store_one(p, tok, row + i, f[i]);
 }
 
 // A warp's accumulators: acc[i][hf][c] is weight row 16 i + g + 8 (c >> 1) of the tile, token
@@ -256,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
             const int tok = 8 * hf + 2 * t + (c & 1), row = n0 + 16 * i + g + 8 * (c >> 1);
-            if (tok < p.M && row < p.N) p.y[static_cast<int64_t>(tok) * p.ldy + row] = __float2bfloat16(acc[i][hf][c]);
+            if (tok < p.M && row < p.N) store_one(p, tok, row, acc[i][hf][c]);
           }
     } else if (!from_start) {  // a tile begun before this run (its first piece)
       acc_to_piece(acc, part0[warp], g, t);
@@ -360,8 +372,10 @@ StreamParams fp8_params(const GemmFp8Params& p) {
   k.row_bytes = p.K;
   k.ws = p.w_scale;
   k.ldws = fp8_weight_scale_ld(p.K);
-  k.y = static_cast<bf16*>(p.y);
+  k.y = p.y;
   k.ldy = p.ldy;
+  k.y_f32 = p.y_f32;
+  k.accumulate = p.accumulate;
   k.M = static_cast<int>(p.M);
   k.N = static_cast<int>(p.N);
   return k;
@@ -373,7 +387,7 @@ StreamParams bf16_params(const GemmSkinnyParams& p) {
   k.ldx_bytes = 2 * p.ldx;
   k.w = static_cast<const uint8_t*>(p.w);
   k.row_bytes = 2 * p.K;
-  k.y = static_cast<bf16*>(p.y);
+  k.y = p.y;
   k.ldy = p.ldy;
   k.M = static_cast<int>(p.M);
   k.N = static_cast<int>(p.N);
@@ -425,7 +439,7 @@ const Workspace& workspace(int device, cudaStream_t st) {
 }  // namespace
 
 bool gemm_fp8_stream_supported(const GemmFp8Params& p) {
-  return !p.tensor_scales && !p.w_vec_scales && !p.y_f32 && !p.accumulate && p.M >= 1 && p.M <= 16 && p.K % 128 == 0 &&
+  return !p.tensor_scales && !p.w_vec_scales && (p.y_f32 || !p.accumulate) && p.M >= 1 && p.M <= 16 && p.K % 128 == 0 &&
          p.N >= 1 && p.N * p.K < (int64_t{1} << 40) && p.K < (int64_t{1} << 30) && p.N < (int64_t{1} << 30);
 }
 
@@ -445,10 +459,10 @@ void gemm_fp8_stream(const GemmFp8Params& p, int device, Stream s) {
   DFLASH_CHECK(p.x != nullptr && p.w != nullptr && p.y != nullptr && p.x_scale != nullptr && p.w_scale != nullptr,
                "gemm_fp8_stream: null pointer for M=" << p.M << " N=" << p.N << " K=" << p.K);
   DFLASH_CHECK(p.ldx >= p.K && p.ldx % 16 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(p.w) % 16 == 0 && reinterpret_cast<uintptr_t>(p.y) % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(p.w) % 16 == 0 && reinterpret_cast<uintptr_t>(p.y) % (p.y_f32 ? 16 : 8) == 0 &&
                    p.ldy >= p.N && p.ldy % 4 == 0,
                "gemm_fp8_stream: needs 16-byte aligned codes with ldx a multiple of 16 (>= K), an 8-byte aligned y "
-               "and ldy a multiple of 4 (>= N), got ldx="
+               "(16 for an f32 y) and ldy a multiple of 4 (>= N), got ldx="
                    << p.ldx << " ldy=" << p.ldy << " K=" << p.K << " N=" << p.N);
   DeviceGuard scope(device);
   const auto st = static_cast<cudaStream_t>(s);

@@ -2,15 +2,29 @@
 // FP8 GEMM operands in gemm_fp8's layouts (kernels/cuda/gemm.h "FP8") from the CPU reference's
 // tensors (kernels/ops.h: Fp8Act / Fp8Weight): strided codes and the two scale layouts. Shared by
 // the device tests (test_cuda_fp8.cpp) and the emulated streaming GEMM (test_gemm_stream_emulated.cpp).
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "core/fp8.h"
+#include "core/random.h"
 #include "core/tensor.h"
 #include "kernels/cuda/gemm.h"
 
 namespace fp8_gemm_layout {
+
+// Host f32 [R, C] of bf16-representable values: N(0, stddev) times 2^e with e in [-3, 3] varying by
+// row and 128-column group, so that neighbouring groups and blocks get different scales (a wrong
+// scale index shows). `key`: the draw's counter-based RNG key.
+inline dflash::Tensor group_scaled_values(int64_t R, int64_t C, float stddev, dflash::RandomParams key) {
+  dflash::Tensor f = dflash::Tensor::empty({R, C}, dflash::DType::F32);
+  dflash::fill_normal(f, key, 0.0f, stddev);
+  float* v = f.data<float>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) v[r * C + c] *= std::ldexp(1.0f, static_cast<int>((r + 3 * (c / 128)) % 7) - 3);
+  return f.to_dtype(dflash::DType::BF16).to_dtype(dflash::DType::F32);
+}
 
 // Codes [R, C] (host U8, contiguous) into a byte vector of rows ld apart (padding `pad`).
 inline std::vector<uint8_t> strided_codes(const dflash::Tensor& q, int64_t ld, uint8_t pad) {

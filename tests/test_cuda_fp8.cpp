@@ -62,12 +62,7 @@ void device_sync() { DeviceContext::get(0).synchronize(); }
 // Host f32 [R, C] of bf16-representable values: N(0, stddev) times 2^e with e in [-3, 3] varying
 // by row and 128-column group, so that neighbouring groups and blocks get different scales.
 Tensor rand_bf16_values(int64_t R, int64_t C, float stddev) {
-  Tensor f = Tensor::empty({R, C}, DType::F32);
-  fill_normal(f, {4242, g_stream++, 0}, 0.0f, stddev);
-  float* v = f.data<float>();
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = 0; c < C; ++c) v[r * C + c] *= std::ldexp(1.0f, static_cast<int>((r + 3 * (c / 128)) % 7) - 3);
-  return f.to_dtype(DType::BF16).to_dtype(DType::F32);
+  return fp8_gemm_layout::group_scaled_values(R, C, stddev, {4242, g_stream++, 0});
 }
 
 // A host f32 [R, C] into a device bf16 buffer [R, ld] (columns >= C zero).

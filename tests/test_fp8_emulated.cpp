@@ -53,14 +53,9 @@ namespace cu = dflash::cuda;
 
 uint64_t g_stream = 8400;
 
-// Host bf16 [R, C] of N(0, sd) values times 2^e varying by row and 128-column group.
+// Host bf16 [R, C] (fp8_gemm_layout::group_scaled_values).
 Tensor rand_bf16(int64_t R, int64_t C, float sd) {
-  Tensor f = Tensor::empty({R, C}, DType::F32);
-  fill_normal(f, {4244, g_stream++, 0}, 0.0f, sd);
-  float* v = f.data<float>();
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = 0; c < C; ++c) v[r * C + c] *= std::ldexp(1.0f, static_cast<int>((r + 3 * (c / 128)) % 7) - 3);
-  return f.to_dtype(DType::BF16);
+  return fp8_gemm_layout::group_scaled_values(R, C, sd, {4244, g_stream++, 0}).to_dtype(DType::BF16);
 }
 
 struct Quantized {

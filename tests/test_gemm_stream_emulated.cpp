@@ -41,16 +41,7 @@ using namespace fp8_gemm_layout;
 
 uint64_t g_stream = 8300;
 
-// Host f32 [R, C]: N(0, sd) times 2^e varying by row and 128-column group (neighbouring groups and
-// blocks get different scales).
-Tensor rand_values(int64_t R, int64_t C, float sd) {
-  Tensor f = Tensor::empty({R, C}, DType::F32);
-  fill_normal(f, {4243, g_stream++, 0}, 0.0f, sd);
-  float* v = f.data<float>();
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = 0; c < C; ++c) v[r * C + c] *= std::ldexp(1.0f, static_cast<int>((r + 3 * (c / 128)) % 7) - 3);
-  return f.to_dtype(DType::BF16).to_dtype(DType::F32);
-}
+Tensor rand_values(int64_t R, int64_t C, float sd) { return group_scaled_values(R, C, sd, {4243, g_stream++, 0}); }
 
 struct Operands {
   ops::Fp8Act a;

@@ -38,8 +38,10 @@
 // from the shapes, not profiled): at N = 5120 there are 80 row groups, clusters of 3 did not fit 80
 // at once, so ks 2 put 160 blocks on 132 SMs (28 SMs with twice the bytes); the SwiGLU prologue
 // recomputes silu(gate) * up for every row group (80x the work) between the loads and the MMAs.
-// Next: a stream-K split (equal k-steps per block across tiles), x staged once per block, and
-// SwiGLU applied once by its producer.
+// The stream-K split (equal k-steps per block across tiles) is built in gemm_stream.cu (session 25,
+// not yet measured): tuning::gemm_skinny_streamk = 1 sends this function's non-SwiGLU calls there, and
+// the decode plan's DecodeFusion::skinny_streamk the model's. Still open: SwiGLU applied once by its
+// producer (the prologue here recomputes it per row group).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

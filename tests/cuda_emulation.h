@@ -343,7 +343,7 @@ inline void wgmma_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accum
 #define gridDim (::emu::block()->grid_dim)
 #define __syncthreads() (::emu::wait(::emu::block()->block_bar))
 #define __syncwarp(...) (::emu::wait(::emu::warp_bar()))
-#define __shfl_xor_sync(mask, v, o) (::emu::shfl_xor((v), (o)))
+#define __shfl_xor_sync(mask, v, o) ((void)(mask), ::emu::shfl_xor((v), (o)))
 #define __shfl_up_sync(mask, v, d) (::emu::shfl_up((v), (d)))
 #define __ballot_sync(mask, pred) (::emu::ballot(static_cast<bool>(pred)))
 #define __all_sync(mask, pred) (::emu::ballot(static_cast<bool>(pred)) == 0xffffffffu)

@@ -42,7 +42,7 @@
 #include "core/cuda/check.h"
 #include "kernels/cuda/grid.h"
 #include "kernels/cuda/norm.h"
-#include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/emulatable.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/pointwise.cuh"
 #include "kernels/cuda/vec.cuh"
@@ -329,8 +329,8 @@ template <class Op, int W, int G>
 void launch_rows(const Op& op, int64_t rows, int64_t D, float eps, cudaStream_t st) {
   constexpr int kRowsPerBlock = kThreads / G;
   const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  launch_pdl(row_norm_kernel<Op, W, G>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, st, op, rows,
-             static_cast<int>(D / W), static_cast<int>(D), eps);
+  launch_kernel_pdl(row_norm_kernel<Op, W, G>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, st, op, rows,
+                    static_cast<int>(D / W), static_cast<int>(D), eps);
 }
 
 // Picks the group size from the row length: the smallest group whose register cache holds a row.
@@ -504,7 +504,7 @@ void add_rms_norm(void* h, const void* d, const void* w, void* y, int64_t rows, 
   const AddRmsNormOp op{static_cast<bf16*>(h), static_cast<const bf16*>(d), static_cast<const bf16*>(w),
                         static_cast<bf16*>(y), D};
   if (tuning::add_norm_rows != 0 && vec && D / 8 > 32 * 4 && D / 8 <= int64_t{kAddCache} * kThreads) {  // a block per row
-    launch_pdl(add_rms_norm_rows_kernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0, st, op, rows,
+    launch_kernel_pdl(add_rms_norm_rows_kernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0, st, op, rows,
                static_cast<int>(D / 8), eps);
     return;
   }
@@ -530,9 +530,8 @@ void gated_rms_norm(const void* core, const void* z, int64_t ldz, const void* w,
       const auto kernel = gated_rms_norm_kernel<G>;
       const unsigned grid = persistent_grid(reinterpret_cast<const void*>(kernel), kThreads, kGatedMaxBlocksPerSm,
                                             tuning::gated_norm_blocks, rows, kThreads / G);
-      kernel<<<grid, kThreads, 0, st>>>(op, rows, eps);
+      launch_kernel(kernel, dim3(grid), dim3(kThreads), 0, st, op, rows, eps);
     });
-    DFLASH_CUDA_CHECK_LAST();
     return;
   }
   launch_row_norm(op, vec, N * Hv, dv, eps, st);
@@ -554,13 +553,14 @@ void rms_norm_fwd(const void* x, bool x_f32, int64_t ldx, const void* w, void* y
   const auto* xb = static_cast<const bf16*>(x);
   const auto* wb = static_cast<const bf16*>(w);
   auto* yb = static_cast<bf16*>(y);
-  if (x_f32 && vec) rms_norm_fwd_kernel<8><<<grid, kThreads, 0, st>>>(xf, ldx, wb, yb, rstd, D, eps);
-  else if (x_f32) rms_norm_fwd_kernel<1><<<grid, kThreads, 0, st>>>(xf, ldx, wb, yb, rstd, D, eps);
-  else if (vec) rms_norm_fwd_kernel<8><<<grid, kThreads, 0, st>>>(xb, ldx, wb, yb, rstd, D, eps);
-  else rms_norm_fwd_kernel<1><<<grid, kThreads, 0, st>>>(xb, ldx, wb, yb, rstd, D, eps);
-  DFLASH_CUDA_CHECK_LAST();
+  const dim3 g(grid), b(kThreads);
+  if (x_f32 && vec) launch_kernel(rms_norm_fwd_kernel<8, float>, g, b, 0, st, xf, ldx, wb, yb, rstd, D, eps);
+  else if (x_f32) launch_kernel(rms_norm_fwd_kernel<1, float>, g, b, 0, st, xf, ldx, wb, yb, rstd, D, eps);
+  else if (vec) launch_kernel(rms_norm_fwd_kernel<8, bf16>, g, b, 0, st, xb, ldx, wb, yb, rstd, D, eps);
+  else launch_kernel(rms_norm_fwd_kernel<1, bf16>, g, b, 0, st, xb, ldx, wb, yb, rstd, D, eps);
 }
 
+#ifndef DFLASH_CUDA_EMULATION  // (its partials come from the device allocator)
 void rms_norm_bwd(const RmsNormBwdParams& p, Stream s) {
   DFLASH_CHECK(p.rows >= 0 && p.rows < (int64_t{1} << 31) && p.D > 0 && p.D <= kMaxNormD,
                "rms_norm_bwd: need 0 <= rows < 2^31 and 0 < D <= " << kMaxNormD << ", got rows=" << p.rows
@@ -601,5 +601,6 @@ void reduce_partials(const float* partial, int parts, int64_t D, float* dw, Stre
   DFLASH_CUDA_CHECK_LAST();
 }
 }  // namespace detail
+#endif
 
 }  // namespace dflash::cuda

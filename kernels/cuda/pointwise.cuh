@@ -9,7 +9,7 @@
 
 #include "core/cuda/check.h"
 #include "core/error.h"
-#include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/emulatable.cuh"
 
 namespace dflash::cuda {
 namespace {
@@ -44,8 +44,8 @@ void launch_pointwise(const Op& op, bool vec, int64_t rows, int64_t cols, cudaSt
   DFLASH_CHECK(chunks < 65536, "pointwise: " << cols << " columns are too many for the grid");
   const int64_t blocks = std::min<int64_t>((rows + ty - 1) / ty, std::max<int64_t>(1, (int64_t(1) << 20) / chunks));
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(chunks)), block(static_cast<unsigned>(tx), static_cast<unsigned>(ty));
-  if (vec) launch_pdl(pointwise_kernel<Op, 8>, grid, block, 0, st, op, rows, units);
-  else launch_pdl(pointwise_kernel<Op, 1>, grid, block, 0, st, op, rows, units);
+  if (vec) launch_kernel_pdl(pointwise_kernel<Op, 8>, grid, block, 0, st, op, rows, units);
+  else launch_kernel_pdl(pointwise_kernel<Op, 1>, grid, block, 0, st, op, rows, units);
 }
 
 }  // namespace

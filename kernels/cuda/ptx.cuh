@@ -68,7 +68,11 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 // commit groups, with "memory" clobbers so the compiler keeps shared-memory reads of a slot before the copy that
 // refills it.
 __device__ __forceinline__ void cp_async16_ring(void* smem, const void* gmem) {
+#ifdef DFLASH_CUDA_EMULATION
+  std::memcpy(smem, gmem, 16);
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
+#endif
 }
 // The same copy, zero-filling the 16 bytes instead where !valid (gmem must still be a valid address).
 __device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {

@@ -1,0 +1,107 @@
+// The norm family's kernels (kernels/cuda/norm.cu) run on the CPU through tests/cuda_emulation.h, so CI
+// checks them without a GPU where the bits between two device paths are the claim: add_rms_norm's
+// block-per-row kernel against its twin, the generic row kernel (tuning::add_norm_rows 0), and the
+// residual step fused with the FP8 quantization (fp8.cu's add_rms_norm_quant_fp8, emulated in
+// test_fp8_emulated.cpp's unit) against add_rms_norm then quantize_fp8_act: h, y, codes and scales bit
+// for bit. (The emulated rsqrtf is 1 / sqrtf: a GPU's bits may differ in the last place, but both sides
+// of each comparison share it.) The device's own runs: CudaOps.AddRmsNorm,
+// CudaFp8.AddRmsNormQuantEqualsAddRmsNormThenQuantize.
+#include "cuda_emulation.h"
+
+#define DFLASH_CUDA_EMULATION 1
+#include "fp8_gemm_layout.h"  // (first: gemm.h's real declarations)
+// Renamed, so that the emulated definitions sit beside the library's real ones in one test binary.
+#define rms_norm rms_norm_emulated
+#define add_rms_norm add_rms_norm_emulated
+#define gated_rms_norm gated_rms_norm_emulated
+#define rms_norm_fwd rms_norm_fwd_emulated
+#define rms_norm_bwd rms_norm_bwd_emulated
+#define gated_norm_blocks gated_norm_blocks_emulated
+#define add_norm_rows add_norm_rows_emulated
+#include "kernels/cuda/norm.cu"
+#undef rms_norm
+#undef add_rms_norm
+#undef gated_rms_norm
+#undef rms_norm_fwd
+#undef rms_norm_bwd
+#undef gated_norm_blocks
+#undef add_norm_rows
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace dflash::cuda {  // fp8.cu's emulated definitions (test_fp8_emulated.cpp's unit)
+size_t fp8_act_scale_elems_emulated(int64_t M, int64_t K);
+void quantize_fp8_act_emulated(const Fp8ActQuantParams& p, Stream s);
+void add_rms_norm_quant_fp8_emulated(void* h, const void* d, const void* w, void* y, int64_t rows, int64_t D, float eps,
+                                     uint8_t* q, int64_t ldq, float* scale, Stream s);
+}  // namespace dflash::cuda
+
+namespace {
+
+using namespace dflash;
+namespace cu = dflash::cuda;
+
+uint64_t g_stream = 8500;
+
+Tensor rand_bf16(int64_t R, int64_t C, float sd) {
+  return fp8_gemm_layout::group_scaled_values(R, C, sd, {4245, g_stream++, 0}).to_dtype(DType::BF16);
+}
+
+bool same(const Tensor& a, const Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()) == 0;
+}
+
+}  // namespace
+
+// add_rms_norm: the block-per-row kernel (rows of 1024 < D <= 8192) and the generic row kernel give the
+// same h and y bit for bit (the same sums in the same order).
+TEST(NormEmulated, AddRmsNormRowsKernelEqualsItsTwin) {
+  for (int64_t rows : {1, 5})
+    for (int64_t D : {1040, 5120}) {
+      SCOPED_TRACE("rows " + std::to_string(rows) + " D " + std::to_string(D));
+      const Tensor h0 = rand_bf16(rows, D, 1.0f), d = rand_bf16(rows, D, 0.5f), w = rand_bf16(1, D, 0.3f);
+      Tensor h[2] = {h0.clone(), h0.clone()}, y[2] = {Tensor::zeros({rows, D}, DType::BF16), Tensor::zeros({rows, D}, DType::BF16)};
+      for (int k : {0, 1}) {
+        cu::tuning::add_norm_rows_emulated = k;
+        cu::add_rms_norm_emulated(h[k].raw_data(), d.raw_data(), w.raw_data(), y[k].raw_data(), rows, D, 1e-6f, nullptr);
+      }
+      cu::tuning::add_norm_rows_emulated = 1;
+      EXPECT_TRUE(same(h[0], h[1])) << "h";
+      EXPECT_TRUE(same(y[0], y[1])) << "y";
+    }
+}
+
+// The fused residual step against add_rms_norm (its block-per-row kernel) then quantize_fp8_act: h, y,
+// the codes and the scales (padding entries included) bit for bit; a decode step's 16 rows and one.
+TEST(NormEmulated, AddRmsNormQuantEqualsAddRmsNormThenQuantize) {
+  const float eps = 1e-6f;
+  for (int64_t rows : {1, 16})
+    for (int64_t D : {1040, 2048, 5120}) {
+      SCOPED_TRACE("rows " + std::to_string(rows) + " D " + std::to_string(D));
+      const Tensor h0 = rand_bf16(rows, D, 1.0f), d = rand_bf16(rows, D, 0.5f), w = rand_bf16(1, D, 0.3f);
+      const size_t S = cu::fp8_act_scale_elems_emulated(rows, D);
+      // Unfused.
+      Tensor h1 = h0.clone(), y1 = Tensor::zeros({rows, D}, DType::BF16);
+      cu::add_rms_norm_emulated(h1.raw_data(), d.raw_data(), w.raw_data(), y1.raw_data(), rows, D, eps, nullptr);
+      std::vector<uint8_t> q1(static_cast<size_t>(rows * D), 0xAB);
+      std::vector<float> s1(S, NAN);
+      cu::Fp8ActQuantParams qp{y1.raw_data(), D, q1.data(), D, s1.data(), rows, D};
+      cu::quantize_fp8_act_emulated(qp, nullptr);
+      // Fused.
+      Tensor h2 = h0.clone(), y2 = Tensor::zeros({rows, D}, DType::BF16);
+      std::vector<uint8_t> q2(q1.size(), 0xAB);
+      std::vector<float> s2(S, NAN);
+      cu::add_rms_norm_quant_fp8_emulated(h2.raw_data(), d.raw_data(), w.raw_data(), y2.raw_data(), rows, D, eps, q2.data(),
+                                          D, s2.data(), nullptr);
+      EXPECT_TRUE(same(h1, h2)) << "h";
+      EXPECT_TRUE(same(y1, y2)) << "y";
+      EXPECT_EQ(q1, q2) << "codes";
+      EXPECT_EQ(std::memcmp(s1.data(), s2.data(), S * sizeof(float)), 0) << "scales";
+    }
+}

@@ -146,12 +146,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_skinny_kernel(const SkParams
   };
 
   float acc[kTiles][2][4];
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i)
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[i][hf][c] = 0.0f;
+  skinny::zero(acc);
 
   // Prologue: the first kStages - 1 steps' weights before the wait (nothing in the step writes
   // them), their x after it; one commit group per step (empty past s1, so the counts stay fixed).
@@ -195,16 +190,11 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_skinny_kernel(const SkParams
   }
   ptx::cp_async_wait_ring<0>();
 
-  // acc[i][hf][c]: weight row 16 i + g + 8 (c >> 1), token 8 hf + 2 t + (c & 1). The reduction
-  // buffer reuses the rings: every warp must be done with its own first.
+  // The warps' fragments (skinny::c_row / c_token) into the reduction buffer, which reuses the
+  // rings: every warp must be done with its own first.
   __syncthreads();
   auto* red = reinterpret_cast<float(*)[16][kRedLd]>(ring);  // [kWarps][16][kRedLd]
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i)
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) red[warp][8 * hf + 2 * t + (c & 1)][16 * i + g + 8 * (c >> 1)] = acc[i][hf][c];
+  skinny::store_fragments(acc, red[warp], g, t);
   __syncthreads();
   // Thread: quads q = threadIdx, threadIdx + kThreads of the block's 16 tokens x 64 rows (token
   // q / 16, rows 4 (q % 16) ..); the warps' partials summed in warp order.

@@ -147,18 +147,8 @@ __device__ __forceinline__ void store_quad(const StreamParams& p, int tok, int r
   for (int i = 0; i < 4 && row + i < p.N; ++i) store_one(p, tok, row + i, f[i]);
 }
 
-// A warp's accumulators: acc[i][hf][c] is weight row 16 i + g + 8 (c >> 1) of the tile, token
-// 8 hf + 2 t + (c & 1).
+// A warp's accumulators: skinny_mma.cuh's C fragments (skinny::c_row / c_token) of its kTiles tiles.
 using Acc = float[kTiles][2][4];
-
-__device__ __forceinline__ void acc_to_piece(const Acc& acc, float (*piece)[kRedLd], int g, int t) {
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i)
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) piece[8 * hf + 2 * t + (c & 1)][16 * i + g + 8 * (c >> 1)] = acc[i][hf][c];
-}
 
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamParams p) {
@@ -201,12 +191,8 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
   };
 
   Acc acc, d;  // d: FP8's code sums of the current group (unused for bf16)
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i)
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[i][hf][c] = d[i][hf][c] = 0.0f;
+  skinny::zero(acc);
+  skinny::zero(d);
 
   // Prologue: the first kStages - 1 steps' weights before the wait (nothing in the step writes
   // them), their x after it; one commit group per step (empty past the run, so the counts stay fixed).
@@ -243,10 +229,12 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
     if constexpr (kFp8) {  // the group's code sums times the weight block's and each token's scale
       const float sw = __ldg(p.ws + static_cast<int64_t>(n0 / 128) * p.ldws + grp);
       const float* xg = p.xs + static_cast<int64_t>(grp) * p.ldxs;
-      const int toks[4] = {2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9};
-      float sc[4];
+      float sc[4];  // tokens c_token(e / 2, e % 2, t): sc[2 hf + (c & 1)] scales acc[.][hf][c]
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sc[e] = toks[e] < p.M ? sw * __ldg(xg + toks[e]) : 0.0f;
+      for (int e = 0; e < 4; ++e) {
+        const int tok = skinny::c_token(e >> 1, e & 1, t);
+        sc[e] = tok < p.M ? sw * __ldg(xg + tok) : 0.0f;
+      }
 #pragma unroll
       for (int i = 0; i < kTiles; ++i)
 #pragma unroll
@@ -267,26 +255,21 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
         for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
-            const int tok = 8 * hf + 2 * t + (c & 1), row = n0 + 16 * i + g + 8 * (c >> 1);
+            const int tok = skinny::c_token(hf, c, t), row = n0 + skinny::c_row(i, c, g);
             if (tok < p.M && row < p.N) store_one(p, tok, row, acc[i][hf][c]);
           }
     } else if (!from_start) {  // a tile begun before this run (its first piece)
-      acc_to_piece(acc, part0[warp], g, t);
+      skinny::store_fragments(acc, part0[warp], g, t);
     } else {  // a tile continued after this run: the run's last piece
       keep = true;
       break;
     }
-#pragma unroll
-    for (int i = 0; i < kTiles; ++i)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[i][hf][c] = 0.0f;
+    skinny::zero(acc);
     piece0 = u + 1;
   }
   ptx::cp_async_wait_ring<0>();
   __syncwarp();  // every lane is done with the ring part1 overwrites
-  if (keep) acc_to_piece(acc, part1(warp), g, t);
+  if (keep) skinny::store_fragments(acc, part1(warp), g, t);
   __syncthreads();
 
   // The tiles the block's warps share or share with other blocks: the block's sum of their pieces

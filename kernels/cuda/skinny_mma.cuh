@@ -37,4 +37,31 @@ __device__ __forceinline__ void step_mmas(const uint4 (&wv)[2 * kTiles], const u
   }
 }
 
+// The C fragment's element acc[i][hf][c]: weight row 16 i + g + 8 (c >> 1) of the warp's tiles, token
+// 8 hf + 2 t + (c & 1).
+__device__ __forceinline__ int c_row(int i, int c, int g) { return 16 * i + g + 8 * (c >> 1); }
+__device__ __forceinline__ int c_token(int hf, int c, int t) { return 8 * hf + 2 * t + (c & 1); }
+
+template <int kTiles>
+__device__ __forceinline__ void zero(float (&acc)[kTiles][2][4]) {
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][hf][c] = 0.0f;
+}
+
+// The fragments into a [16 tokens][kLd >= 16 kTiles rows] buffer: buf[token][row] (a warp's partial
+// sums before the block adds them up).
+template <int kTiles, int kLd>
+__device__ __forceinline__ void store_fragments(const float (&acc)[kTiles][2][4], float (*buf)[kLd], int g, int t) {
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) buf[c_token(hf, c, t)][c_row(i, c, g)] = acc[i][hf][c];
+}
+
 }  // namespace dflash::cuda::skinny

@@ -1,9 +1,9 @@
 // The norm family's kernels (kernels/cuda/norm.cu) run on the CPU through tests/cuda_emulation.h, so CI
 // checks them without a GPU where the bits between two device paths are the claim: add_rms_norm's
 // block-per-row kernel against its twin, the generic row kernel (tuning::add_norm_rows 0), and the
-// residual step fused with the FP8 quantization (fp8.cu's add_rms_norm_quant_fp8, emulated in
-// test_fp8_emulated.cpp's unit) against add_rms_norm then quantize_fp8_act: h, y, codes and scales bit
-// for bit. (The emulated rsqrtf is 1 / sqrtf: a GPU's bits may differ in the last place, but both sides
+// same kernel with the FP8 quantization as its output (add_rms_norm_quant_fp8) against add_rms_norm
+// then quantize_fp8_act and against rms_norm_quant_fp8 (fp8.cu, emulated in test_fp8_emulated.cpp's
+// unit): h, y, codes and scales bit for bit. (The emulated rsqrtf is 1 / sqrtf: a GPU's bits may differ in the last place, but both sides
 // of each comparison share it.) The device's own runs: CudaOps.AddRmsNorm,
 // CudaFp8.AddRmsNormQuantEqualsAddRmsNormThenQuantize.
 #include "cuda_emulation.h"
@@ -18,6 +18,9 @@
 #define rms_norm_bwd rms_norm_bwd_emulated
 #define gated_norm_blocks gated_norm_blocks_emulated
 #define add_norm_rows add_norm_rows_emulated
+#define add_norm_quant add_norm_quant_emulated
+#define add_rms_norm_quant_fp8 add_rms_norm_quant_fp8_emulated
+#define add_rms_norm_quant_fp8_supported add_rms_norm_quant_fp8_supported_emulated
 #include "kernels/cuda/norm.cu"
 #undef rms_norm
 #undef add_rms_norm
@@ -26,6 +29,9 @@
 #undef rms_norm_bwd
 #undef gated_norm_blocks
 #undef add_norm_rows
+#undef add_norm_quant
+#undef add_rms_norm_quant_fp8
+#undef add_rms_norm_quant_fp8_supported
 
 #include <gtest/gtest.h>
 
@@ -38,8 +44,8 @@
 namespace dflash::cuda {  // fp8.cu's emulated definitions (test_fp8_emulated.cpp's unit)
 size_t fp8_act_scale_elems_emulated(int64_t M, int64_t K);
 void quantize_fp8_act_emulated(const Fp8ActQuantParams& p, Stream s);
-void add_rms_norm_quant_fp8_emulated(void* h, const void* d, const void* w, void* y, int64_t rows, int64_t D, float eps,
-                                     uint8_t* q, int64_t ldq, float* scale, Stream s);
+void rms_norm_quant_fp8_emulated(const void* x, int64_t ldx, const void* w, int64_t rows, int64_t D, float eps, uint8_t* q,
+                                 int64_t ldq, float* scale, Stream s);
 }  // namespace dflash::cuda
 
 namespace {
@@ -78,12 +84,16 @@ TEST(NormEmulated, AddRmsNormRowsKernelEqualsItsTwin) {
 }
 
 // The fused residual step against add_rms_norm (its block-per-row kernel) then quantize_fp8_act: h, y,
-// the codes and the scales (padding entries included) bit for bit; a decode step's 16 rows and one.
+// the codes and the scales (padding entries included) bit for bit; h = bf16(h + d); the codes also
+// rms_norm_quant_fp8's of the updated h (the same norm arithmetic); without y the same codes and y
+// untouched. Widths of the block-per-row kernel: 1040 (a partial last group), 2048, 5120; one row, a
+// decode step's 16; other widths refused.
 TEST(NormEmulated, AddRmsNormQuantEqualsAddRmsNormThenQuantize) {
   const float eps = 1e-6f;
   for (int64_t rows : {1, 16})
     for (int64_t D : {1040, 2048, 5120}) {
       SCOPED_TRACE("rows " + std::to_string(rows) + " D " + std::to_string(D));
+      ASSERT_TRUE(cu::add_rms_norm_quant_fp8_supported_emulated(D));
       const Tensor h0 = rand_bf16(rows, D, 1.0f), d = rand_bf16(rows, D, 0.5f), w = rand_bf16(1, D, 0.3f);
       const size_t S = cu::fp8_act_scale_elems_emulated(rows, D);
       // Unfused.
@@ -103,5 +113,31 @@ TEST(NormEmulated, AddRmsNormQuantEqualsAddRmsNormThenQuantize) {
       EXPECT_TRUE(same(y1, y2)) << "y";
       EXPECT_EQ(q1, q2) << "codes";
       EXPECT_EQ(std::memcmp(s1.data(), s2.data(), S * sizeof(float)), 0) << "scales";
+      // h after the add: the f32 sum of the two bf16 values, rounded to bf16.
+      Tensor sum = h0.to_dtype(DType::F32);
+      const Tensor df = d.to_dtype(DType::F32);
+      for (int64_t i = 0; i < sum.numel(); ++i) sum.data<float>()[i] += df.data<float>()[i];
+      const Tensor h_want = sum.to_dtype(DType::BF16);
+      EXPECT_TRUE(same(h2, h_want)) << "h != bf16(h + d)";
+      std::vector<uint8_t> q3(q1.size(), 0xAB);
+      std::vector<float> s3(S, NAN);
+      cu::rms_norm_quant_fp8_emulated(h_want.raw_data(), D, w.raw_data(), rows, D, eps, q3.data(), D, s3.data(), nullptr);
+      EXPECT_EQ(q3, q2) << "codes != rms_norm_quant_fp8 of the updated h";
+      EXPECT_EQ(std::memcmp(s3.data(), s2.data(), S * sizeof(float)), 0) << "scales != rms_norm_quant_fp8's";
+      // Without y: the same codes, h as before, y untouched.
+      Tensor h4 = h0.clone(), y4 = Tensor::empty({rows, D}, DType::BF16);
+      std::memset(y4.raw_data(), 0xFF, y4.nbytes());
+      std::vector<uint8_t> q4(q1.size(), 0xAB);
+      std::vector<float> s4(S, NAN);
+      cu::add_rms_norm_quant_fp8_emulated(h4.raw_data(), d.raw_data(), w.raw_data(), nullptr, rows, D, eps, q4.data(), D,
+                                          s4.data(), nullptr);
+      EXPECT_EQ(q4, q2) << "codes without y";
+      EXPECT_EQ(std::memcmp(s4.data(), s2.data(), S * sizeof(float)), 0) << "scales without y";
+      EXPECT_TRUE(same(h4, h_want)) << "h != bf16(h + d) without y";
+      std::vector<unsigned char> ff(y4.nbytes(), 0xFF);
+      EXPECT_EQ(std::memcmp(y4.raw_data(), ff.data(), ff.size()), 0) << "y written though not given";
     }
+  EXPECT_FALSE(cu::add_rms_norm_quant_fp8_supported_emulated(1024)) << "a warp-per-row width";
+  EXPECT_FALSE(cu::add_rms_norm_quant_fp8_supported_emulated(8208)) << "past the register cache";
+  EXPECT_FALSE(cu::add_rms_norm_quant_fp8_supported_emulated(1032)) << "D % 16 != 0";
 }

@@ -30,8 +30,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "core/cuda/check.h"
 #include "kernels/cuda/grid.h"
@@ -39,67 +37,24 @@
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/emulatable.cuh"
+#include "kernels/cuda/fp8_act.cuh"
 #include "kernels/cuda/vec.cuh"
 #include "core/error.h"
 #include "core/fp8.h"
 
 namespace dflash::cuda {
 
-namespace tuning {
-// 1: the CUDA target model runs add_rms_norm_quant_fp8 where an FP8 projection reads the norm (off until
-// measured on a GPU: DFLASH_ADD_NORM_QUANT=1 in the environment turns it on at start-up).
-int add_norm_quant = [] {
-  const char* e = std::getenv("DFLASH_ADD_NORM_QUANT");
-  return e && std::strcmp(e, "1") == 0 ? 1 : 0;
-}();
-}  // namespace tuning
-
 namespace {
 
 using namespace vec;
 
+using namespace fp8_act;
+
 constexpr int kThreads = 256;
-constexpr int kGroupLanes = 16;                        // lanes per 128-column activation group
-constexpr int kUnit = 8;                               // bf16 per 16-byte access
 constexpr int kGroupsPerBlock = kThreads / kGroupLanes;
 constexpr int kBlockUnits = fp8::kBlock / kUnit;       // 16 units across a 128-wide block
 constexpr int kWeightRowsPerPass = kThreads / kBlockUnits;            // 16
 constexpr int kWeightPasses = fp8::kBlock / kWeightRowsPerPass;       // 8
-
-__device__ __forceinline__ float unit_amax(const float (&v)[kUnit]) {
-  float a = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kUnit; ++i) a = fmaxf(a, fabsf(v[i]));  // NaN ignored, as std::max in the reference
-  return a;
-}
-
-// The reference's scale: max(amax, floor) / 448 (amax is never NaN here).
-__device__ __forceinline__ float scale_of(float amax) { return __fdiv_rn(fmaxf(amax, fp8::kAmaxFloor), fp8::kE4m3Max); }
-
-// 8 values -> 8 e4m3 codes (byte i = code of v[i]) of v[i] / scale (weights: IEEE division, as the
-// checkpoints were made) or v[i] * inv with inv = 1 / scale (activations: one correctly rounded
-// reciprocal per group and a multiply per element, as the CPU reference's quantize_fp8_act). The
-// reference's clamp to +-448 is the cvt's satfinite (a finite quotient beyond 448, or an infinite one,
-// gives +-448 either way); NaN stays NaN (the reference's NaN code is 0x7F whatever the sign; the
-// cvt may keep a negative NaN's sign).
-template <bool kDivide>
-__device__ __forceinline__ uint2 encode_as(const float (&v)[kUnit], float scale_or_inv) {
-  uint32_t w[2] = {0, 0};
-#pragma unroll
-  for (int i = 0; i < kUnit; i += 2) {
-    const float a = kDivide ? __fdiv_rn(v[i], scale_or_inv) : __fmul_rn(v[i], scale_or_inv);
-    const float b = kDivide ? __fdiv_rn(v[i + 1], scale_or_inv) : __fmul_rn(v[i + 1], scale_or_inv);
-    uint32_t pair = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);  // low byte: a
-    if (a != a) pair = (pair & 0xFF00u) | fp8::kE4m3NaN;
-    if (b != b) pair = (pair & 0x00FFu) | (uint32_t{fp8::kE4m3NaN} << 8);
-    w[i / 4] |= pair << (16 * ((i / 2) % 2));
-  }
-  return make_uint2(w[0], w[1]);
-}
-__device__ __forceinline__ uint2 encode(const float (&v)[kUnit], float scale) { return encode_as<true>(v, scale); }
-__device__ __forceinline__ uint2 encode_act(const float (&v)[kUnit], float scale) {
-  return encode_as<false>(v, __frcp_rn(scale));
-}
 
 // What the activation quantizer reads: 8 bf16 values (as f32) of row m at column col.
 struct PlainSource {  // quantize_fp8_act
@@ -121,22 +76,6 @@ struct SwigluSource {  // swiglu_quant_fp8: silu(gate) * up rounded to bf16, as 
     for (int e = 0; e < kUnit; ++e) v[e] = round_bf16(silu(v[e]) * up[e]);
   }
 };
-
-// Writes the codes of one unit and the group's scale (lane 0 of the group; with the padding entries
-// m in [M, lds) of the group's row of scales, written as 1 by the last token's group).
-__device__ __forceinline__ void quantize_group(const float (&v)[kUnit], bool active, unsigned mask, int lane, int m,
-                                               int M, int g, uint8_t* q, float* scale, int64_t lds) {
-  float amax = unit_amax(v);  // inactive units hold zeros
-#pragma unroll
-  for (int o = kGroupLanes / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, o));
-  const float s = scale_of(amax);
-  if (active) *reinterpret_cast<uint2*>(q) = encode_act(v, s);
-  if (lane == 0) {
-    scale[g * lds + m] = s;
-    if (m == M - 1)
-      for (int64_t p = M; p < lds; ++p) scale[g * lds + p] = 1.0f;
-  }
-}
 
 // kActBatch (token, group) pairs per half warp and pass, their loads issued before any is reduced
 // (ncu at 4d73020: with 4 the kernel held 3 blocks per SM by registers and was issue-bound, 60% SM
@@ -229,73 +168,6 @@ __global__ void __launch_bounds__(kThreads) rms_norm_quant_kernel(const bf16* __
       for (int e = 0; e < kUnit; ++e) y[e] = 0.0f;
     }
     quantize_group(y, on, mask, lane % kGroupLanes, row, rows, u / kGroupLanes, q + row * ldq + u * kUnit, scale, lds);
-  }
-}
-
-// add_rms_norm_quant_fp8: norm.cu's add_rms_norm_rows_kernel (a block of kThreads per row, every load
-// of h and d issued before the first store, the norm weight read before the programmatic-dependent-
-// launch wait) with the same arithmetic in the same order (h + d in f32 stored as bf16, the sum of
-// squares of the rounded values per lane in unit order, group_sum<kThreads>, y = rn_bf16(h * inv *
-// (1 + w))), then per 128 columns the quantization, as rms_norm_quant_kernel<kThreads> does it; y
-// (the bf16 row) also stored where it is given (a bf16 consumer of the normed row).
-__global__ void __launch_bounds__(kThreads) add_rms_norm_quant_kernel(bf16* __restrict__ h, const bf16* __restrict__ d,
-                                                                       const bf16* __restrict__ w, bf16* __restrict__ y,
-                                                                       uint8_t* __restrict__ q, int64_t ldq,
-                                                                       float* __restrict__ scale, int64_t lds, int rows,
-                                                                       int units, int D, float eps) {
-  __shared__ float red[kThreads / 32];
-  pdl_launch_dependents();
-  const int lane = static_cast<int>(threadIdx.x);
-  const int row = static_cast<int>(blockIdx.x);
-  const int64_t base = static_cast<int64_t>(row) * D;
-  float wv[kNormCache][kUnit];
-#pragma unroll
-  for (int i = 0; i < kNormCache; ++i) {
-    const int u = lane + i * kThreads;
-    if (u < units) load(w + u * kUnit, wv[i]);
-  }
-  pdl_wait();
-  float v[kNormCache][kUnit], dv[kNormCache][kUnit];
-#pragma unroll
-  for (int i = 0; i < kNormCache; ++i) {
-    const int u = lane + i * kThreads;
-    if (u < units) {
-      load(h + base + u * kUnit, v[i]);
-      load(d + base + u * kUnit, dv[i]);
-    }
-  }
-  float ss = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kNormCache; ++i) {
-    const int u = lane + i * kThreads;
-    if (u < units) {
-#pragma unroll
-      for (int e = 0; e < kUnit; ++e) v[i][e] += dv[i][e];
-      store(h + base + u * kUnit, v[i]);
-#pragma unroll
-      for (int e = 0; e < kUnit; ++e) v[i][e] = round_bf16(v[i][e]);
-#pragma unroll
-      for (int e = 0; e < kUnit; ++e) ss += v[i][e] * v[i][e];
-    }
-  }
-  ss = group_sum<kThreads>(ss, red);
-  const float inv = rsqrtf(ss / static_cast<float>(D) + eps);
-  const unsigned mask = 0xFFFFu << (16 * ((threadIdx.x / kGroupLanes) % 2));
-#pragma unroll
-  for (int i = 0; i < kNormCache; ++i) {
-    const int u = lane + i * kThreads;
-    if ((u & ~(kGroupLanes - 1)) >= units) continue;  // the half warp's group starts past the row
-    const bool on = u < units;
-    float yv[kUnit];
-#pragma unroll
-    for (int e = 0; e < kUnit; ++e) {
-      float t = on ? v[i][e] * inv : 0.0f;
-      t *= on ? 1.0f + wv[i][e] : 0.0f;
-      yv[e] = round_bf16(t);
-    }
-    if (on && y) store(y + base + u * kUnit, yv);
-    quantize_group(yv, on, mask, lane % kGroupLanes, row, rows, u / kGroupLanes, q + static_cast<int64_t>(row) * ldq + u * kUnit,
-                   scale, lds);
   }
 }
 
@@ -502,19 +374,6 @@ void launch_act(const Source& src, uint8_t* q, int64_t ldq, float* scale, int64_
                 static_cast<int>(K), static_cast<int>(G));
 }
 
-// The checks every fused producer shares: its quantized output [M, K] (row stride ldq) and scales.
-void check_quant_output(const char* who, const uint8_t* q, int64_t ldq, const float* scale, int64_t M, int64_t K) {
-  DFLASH_CHECK(K > 0 && K % 16 == 0 && ldq >= K && M * ldq < (int64_t{1} << 31) && M * fp8::blocks(K) < (int64_t{1} << 31),
-               who << ": need K > 0 a multiple of 16, ldq >= K and M * ldq < 2^31, got M=" << M << " K=" << K
-                   << " ldq=" << ldq);
-  DFLASH_CHECK(q != nullptr && scale != nullptr,
-               who << ": null output (q=" << static_cast<const void*>(q) << " scale=" << scale << ")");
-  DFLASH_CHECK_HINT(aligned16(q) && aligned16(scale) && ldq % 16 == 0,
-                    who << ": q and scale must be 16-byte aligned with ldq % 16 == 0, got q=" << static_cast<const void*>(q)
-                        << " ldq=" << ldq << " scale=" << scale,
-                    "these are what gemm_fp8 needs of its operand");
-}
-
 }  // namespace
 
 int64_t fp8_act_scale_ld(int64_t M) { return act_scale_ld(M); }
@@ -631,33 +490,6 @@ void rms_norm_quant_fp8(const void* x, int64_t ldx, const void* w, int64_t rows,
   if (units <= 16) launch(rms_norm_quant_kernel<16>, 16);
   else if (units <= 32 * kNormCache) launch(rms_norm_quant_kernel<32>, 32);
   else launch(rms_norm_quant_kernel<kThreads>, kThreads);
-}
-
-bool add_rms_norm_quant_fp8_supported(int64_t D) {
-  // add_rms_norm's block-per-row kernel, whose arithmetic the fused kernel repeats (norm.cu).
-  // (and D % 16 == 0: the quantized operand's rule, check_quant_output)
-  return tuning::add_norm_rows != 0 && D % 16 == 0 && D / kUnit > 32 * 4 && D / kUnit <= int64_t{kNormCache} * kThreads;
-}
-
-void add_rms_norm_quant_fp8(void* h, const void* d, const void* w, void* y, int64_t rows, int64_t D, float eps,
-                            uint8_t* q, int64_t ldq, float* scale, Stream s) {
-  DFLASH_CHECK(rows >= 0 && rows < (int64_t{1} << 31),
-               "add_rms_norm_quant_fp8: need 0 <= rows < 2^31, got rows=" << rows);
-  DFLASH_CHECK_HINT(add_rms_norm_quant_fp8_supported(D),
-                    "add_rms_norm_quant_fp8: rows of D=" << D << " do not take add_rms_norm's block-per-row kernel "
-                                                         << "(1024 < D <= 8192, D % 16 == 0, tuning::add_norm_rows)",
-                    "run add_rms_norm then quantize_fp8_act");
-  if (rows == 0) return;
-  check_quant_output("add_rms_norm_quant_fp8", q, ldq, scale, rows, D);
-  DFLASH_CHECK(h != nullptr && d != nullptr && w != nullptr,
-               "add_rms_norm_quant_fp8: null pointer (h=" << h << " d=" << d << " w=" << w << ")");
-  DFLASH_CHECK_HINT(aligned16(h) && aligned16(d) && aligned16(w) && (!y || aligned16(y)) && rows * D < (int64_t{1} << 31),
-                    "add_rms_norm_quant_fp8: h, d, w and y must be 16-byte aligned, got h=" << h << " d=" << d << " w="
-                                                                                             << w << " y=" << y,
-                    "the unfused pair (add_rms_norm, quantize_fp8_act) takes any alignment");
-  launch_kernel_pdl(add_rms_norm_quant_kernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0, static_cast<cudaStream_t>(s),
-             static_cast<bf16*>(h), static_cast<const bf16*>(d), static_cast<const bf16*>(w), static_cast<bf16*>(y), q, ldq,
-             scale, act_scale_ld(rows), static_cast<int>(rows), static_cast<int>(D / kUnit), static_cast<int>(D), eps);
 }
 
 void swiglu_quant_fp8(const void* gu, int64_t N, int64_t I, uint8_t* q, int64_t ldq, float* scale, Stream s) {

@@ -38,11 +38,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "core/cuda/check.h"
 #include "kernels/cuda/grid.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/emulatable.cuh"
+#include "kernels/cuda/fp8_act.cuh"
 #include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/pointwise.cuh"
 #include "kernels/cuda/vec.cuh"
@@ -55,6 +58,12 @@ namespace dflash::cuda {
 namespace tuning {
 int gated_norm_blocks = 0;
 int add_norm_rows = 1;  // add_rms_norm's block-per-row kernel with its loads first (0: the generic row kernel, its twin)
+// 1: the CUDA target model runs add_rms_norm_quant_fp8 where an FP8 projection reads the norm (off until
+// measured on a GPU: DFLASH_ADD_NORM_QUANT=1 in the environment turns it on at start-up).
+int add_norm_quant = [] {
+  const char* e = std::getenv("DFLASH_ADD_NORM_QUANT");
+  return e && std::strcmp(e, "1") == 0 ? 1 : 0;
+}();
 }
 
 namespace {
@@ -272,9 +281,19 @@ __global__ void __launch_bounds__(kThreads) gated_rms_norm_kernel(const GatedRms
 // trip per unit (~7 us at 16 rows in h200-graphs-b7c45b1's profile). The norm weight is read before
 // the programmatic-dependent-launch wait (no kernel writes it). Measured (H200, 16 x 5120, CUDA
 // graph, bench/results/h200-decode4-*): 1.6 us against the generic kernel's 2.7 us.
+// kQuant (add_rms_norm_quant_fp8): the same row then quantized per 128 columns (16 units: the 16
+// lanes of a half warp) as quantize_fp8_act quantizes the stored y (fp8_act.cuh), y itself stored only
+// where op.y is set; the same arithmetic, so the codes equal add_rms_norm then quantize_fp8_act's.
+struct QuantOut {
+  uint8_t* q = nullptr;  // [rows, ldq] codes
+  int64_t ldq = 0;
+  float* scale = nullptr;  // fp8_act_scale_elems(rows, D), row stride lds
+  int64_t lds = 0;
+};
 constexpr int kAddCache = 4;  // units per thread: rows up to 4 · 8 · kThreads = 8192 elements
+template <bool kQuant>
 __global__ void __launch_bounds__(kThreads) add_rms_norm_rows_kernel(const AddRmsNormOp op, int64_t rows, int units,
-                                                                     float eps) {
+                                                                     float eps, const QuantOut qo) {
   __shared__ float red[kThreads / 32];
   pdl_launch_dependents();
   const int lane = static_cast<int>(threadIdx.x);
@@ -311,6 +330,7 @@ __global__ void __launch_bounds__(kThreads) add_rms_norm_rows_kernel(const AddRm
   }
   ss = group_sum<kThreads>(ss, red);
   const float inv = rsqrtf(ss / static_cast<float>(op.D) + eps);
+  const unsigned mask = 0xFFFFu << (16 * ((threadIdx.x / fp8_act::kGroupLanes) % 2));  // (kQuant: this half warp)
 #pragma unroll
   for (int i = 0; i < kAddCache; ++i) {
     const int u = lane + i * kThreads;
@@ -319,10 +339,24 @@ __global__ void __launch_bounds__(kThreads) add_rms_norm_rows_kernel(const AddRm
       for (int e = 0; e < 8; ++e) v[i][e] *= inv;
 #pragma unroll
       for (int e = 0; e < 8; ++e) v[i][e] *= 1.0f + wv[i][e];
-      store(op.y + row * op.D + u * 8, v[i]);
+      if (!kQuant || op.y) store(op.y + row * op.D + u * 8, v[i]);
+    }
+    if constexpr (kQuant) {
+      if ((u & ~(fp8_act::kGroupLanes - 1)) >= units) continue;  // the half warp's group starts past the row
+      const bool on = u < units;
+      float yv[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) yv[e] = on ? round_bf16(v[i][e]) : 0.0f;  // y as stored
+      fp8_act::quantize_group(yv, on, mask, lane % fp8_act::kGroupLanes, static_cast<int>(row), static_cast<int>(rows),
+                              u / fp8_act::kGroupLanes, qo.q + row * qo.ldq + u * 8, qo.scale, qo.lds);
     }
   }
-  (void)rows;
+  (void)mask;
+}
+
+// Whether add_rms_norm takes its block-per-row kernel at width D (16-byte rows of 1024 < D <= 8192).
+bool rows_kernel_takes(int64_t D) {
+  return tuning::add_norm_rows != 0 && D % 8 == 0 && D / 8 > 32 * 4 && D / 8 <= int64_t{kAddCache} * kThreads;
 }
 
 template <class Op, int W, int G>
@@ -503,12 +537,39 @@ void add_rms_norm(void* h, const void* d, const void* w, void* y, int64_t rows, 
   }
   const AddRmsNormOp op{static_cast<bf16*>(h), static_cast<const bf16*>(d), static_cast<const bf16*>(w),
                         static_cast<bf16*>(y), D};
-  if (tuning::add_norm_rows != 0 && vec && D / 8 > 32 * 4 && D / 8 <= int64_t{kAddCache} * kThreads) {  // a block per row
-    launch_kernel_pdl(add_rms_norm_rows_kernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0, st, op, rows,
-               static_cast<int>(D / 8), eps);
+  if (vec && rows_kernel_takes(D)) {  // a block per row
+    launch_kernel_pdl(add_rms_norm_rows_kernel<false>, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0, st, op,
+                      rows, static_cast<int>(D / 8), eps, QuantOut{});
     return;
   }
   launch_row_norm(op, vec, rows, D, eps, st);
+}
+
+bool add_rms_norm_quant_fp8_supported(int64_t D) {
+  return D % 16 == 0 && rows_kernel_takes(D);  // (16: the quantized operand's rule, check_quant_output)
+}
+
+void add_rms_norm_quant_fp8(void* h, const void* d, const void* w, void* y, int64_t rows, int64_t D, float eps,
+                            uint8_t* q, int64_t ldq, float* scale, Stream s) {
+  DFLASH_CHECK(rows >= 0 && rows < (int64_t{1} << 31),
+               "add_rms_norm_quant_fp8: need 0 <= rows < 2^31, got rows=" << rows);
+  DFLASH_CHECK_HINT(add_rms_norm_quant_fp8_supported(D),
+                    "add_rms_norm_quant_fp8: rows of D=" << D << " do not take add_rms_norm's block-per-row kernel "
+                                                         << "(1024 < D <= 8192, D % 16 == 0, tuning::add_norm_rows)",
+                    "run add_rms_norm then quantize_fp8_act");
+  if (rows == 0) return;
+  fp8_act::check_quant_output("add_rms_norm_quant_fp8", q, ldq, scale, rows, D);
+  DFLASH_CHECK(h != nullptr && d != nullptr && w != nullptr,
+               "add_rms_norm_quant_fp8: null pointer (h=" << h << " d=" << d << " w=" << w << ")");
+  DFLASH_CHECK_HINT(aligned16(h) && aligned16(d) && aligned16(w) && (!y || aligned16(y)) && rows * D < (int64_t{1} << 31),
+                    "add_rms_norm_quant_fp8: h, d, w and y must be 16-byte aligned, got h=" << h << " d=" << d << " w="
+                                                                                             << w << " y=" << y,
+                    "the unfused pair (add_rms_norm, quantize_fp8_act) takes any alignment");
+  const AddRmsNormOp op{static_cast<bf16*>(h), static_cast<const bf16*>(d), static_cast<const bf16*>(w),
+                        static_cast<bf16*>(y), D};
+  launch_kernel_pdl(add_rms_norm_rows_kernel<true>, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0,
+                    static_cast<cudaStream_t>(s), op, rows, static_cast<int>(D / 8), eps,
+                    QuantOut{q, ldq, scale, fp8_act_scale_ld(rows)});
 }
 
 void gated_rms_norm(const void* core, const void* z, int64_t ldz, const void* w, void* y, int64_t N, int64_t Hv,

@@ -1,7 +1,7 @@
 #pragma once
 // Norm family: RMSNorm in its forms (decoder norm, residual add + norm, GatedDeltaNet gated norm,
 // the drafter's plain norm forward and backward, the FP8-quantizing twins), side by side
-// (kernels/cuda/norm.cu; the quantizing twins in fp8.cu). CPU reference: ops::rms_norm,
+// (kernels/cuda/norm.cu; the quantizing twins in fp8.cu, add_rms_norm_quant_fp8 in norm.cu). CPU reference: ops::rms_norm,
 // ops::gated_rms_norm (kernels/ops.h), cpu::rms_norm_bwd (kernels/cpu/train_ops.h).
 #include <cstdint>
 
@@ -62,13 +62,13 @@ void rms_norm_bwd(const RmsNormBwdParams& p, Stream s);
 void rms_norm_quant_fp8(const void* x, int64_t ldx, const void* w, int64_t rows, int64_t D, float eps, uint8_t* q,
                         int64_t ldq, float* scale, Stream s);
 
-// The residual step fused with the next GEMM's quantization: h += d, y = rmsnorm(h) · (1 + w), as
-// add_rms_norm's block-per-row kernel computes them (the same arithmetic in the same order), y
-// quantized: codes and scales equal add_rms_norm then quantize_fp8_act bit for bit, h too; y (optional,
-// may be null) also gets the bf16 row. h, d, y contiguous [rows, D], 16-byte aligned; D as
-// add_rms_norm_quant_fp8_supported says (1024 < D <= 8192, D % 16 == 0: add_rms_norm's block-per-row
-// kernel, whose arithmetic it repeats; tuning::add_norm_rows on). Launched with programmatic dependent
-// launch where pdl.cuh enables it, as add_rms_norm.
+// The residual step fused with the next GEMM's quantization: h += d, y = rmsnorm(h) · (1 + w) by
+// add_rms_norm's block-per-row kernel itself (norm.cu; quantize_fp8_act's arithmetic, fp8_act.cuh, as
+// its output), y quantized: codes and scales equal add_rms_norm then quantize_fp8_act bit for bit, h
+// too; y (optional, may be null) also gets the bf16 row. h, d, y contiguous [rows, D], 16-byte aligned;
+// D as add_rms_norm_quant_fp8_supported says (1024 < D <= 8192, D % 16 == 0: where add_rms_norm takes
+// that kernel; tuning::add_norm_rows on). Launched with programmatic dependent launch where pdl.cuh
+// enables it, as add_rms_norm.
 bool add_rms_norm_quant_fp8_supported(int64_t D);
 namespace tuning {
 extern int add_norm_rows;   // add_rms_norm's block-per-row kernel (default 1; 0: the generic row kernel, its twin)

@@ -26,7 +26,22 @@
 #include "core/tensor.h"
 #include "drafter/config.h"
 
+namespace dflash::cuda {
+struct LinearCeParams;
+}
+
 namespace dflash::drafter {
+
+// The frozen LM head's codes for the FP8 cross-entropy (model.drafter.lm_head_precision: fp8; the
+// contract is kernels/cuda/loss.h's FP8 form of linear_ce): the head [V, H] bf16 as 128 x 128 e4m3 tiles,
+// q [Vq, H] and its transpose qt [H, Vq] (Vq = V rounded up to 16, the padding 0) with their scales,
+// made once on the head's device and stream (2 bytes a parameter: 2.5 GB for a 248,320 x 5,120 head,
+// which the memory plan counts). Needs H % 16 == 0.
+struct Fp8LmHead {
+  explicit Fp8LmHead(const Tensor& lm_head);
+  void fill(cuda::LinearCeParams& p) const;  // the four FP8 fields
+  Tensor q, s, qt, st;
+};
 
 class Fp8Linears {
  public:

@@ -33,15 +33,21 @@ struct LayerCache {
 
 // The LM-head loss of the final hidden states: the double reference or its f32 twin.
 CeSums head_ce(const Mat& hf, const Tensor& lm_head, const BlockTargets& tg, int64_t chunk, double gscale, Mat* dhf,
-               std::vector<int32_t>& argmax) {
+               std::vector<int32_t>& argmax, bool /*fp8: F32 only, checked by the step*/) {
   return fused_linear_ce(hf.v.data(), hf.rows, hf.cols, lm_head.contiguous(), tg.labels, tg.weights, chunk, gscale,
                          dhf ? dhf->v.data() : nullptr, &argmax);
 }
+// fp8: the simulated FP8 LM head (StepOptions::fp8_lm_head): the head's 128 x 128 tiles here, the
+// hidden rows' and the logits' gradient's 1 x 128 tiles in fused_linear_ce_f32.
 CeSums head_ce(const MatF& hf, const Tensor& lm_head, const BlockTargets& tg, int64_t chunk, double gscale, MatF* dhf,
-               std::vector<int32_t>& argmax) {
-  const Tensor head = lm_head.dtype() == DType::F32 ? lm_head.contiguous() : lm_head.to_dtype(DType::F32);
+               std::vector<int32_t>& argmax, bool fp8) {
+  Tensor head = lm_head.dtype() == DType::F32 ? lm_head.contiguous() : lm_head.to_dtype(DType::F32);
+  if (fp8) {
+    if (head.raw_data() == lm_head.raw_data()) head = head.clone();
+    cpu::fake_quantize_e4m3(head.data<float>(), head.size(0), head.size(1), 128, 128);
+  }
   return cpu::fused_linear_ce_f32(hf.v.data(), hf.rows, hf.cols, head, tg.labels, tg.weights, chunk, gscale,
-                             dhf ? dhf->v.data() : nullptr, &argmax);
+                                  dhf ? dhf->v.data() : nullptr, &argmax, fp8);
 }
 
 template <class T>
@@ -166,6 +172,7 @@ StepStats forward_backward_impl(const DrafterConfig& c, const DrafterWeights& w,
   using M = MatT<T>;
   constexpr bool kF32 = std::is_same_v<T, float>;
   DFLASH_CHECK(!opt.fp8_linears || kF32, "drafter: FP8 linears run on the f32 step (math f32), not the double reference");
+  DFLASH_CHECK(!opt.fp8_lm_head || kF32, "drafter: the FP8 LM head runs on the f32 step (math f32), not the double reference");
   // The step's linear layers: f32 / double, or simulated FP8 (opt.fp8_linears).
   const auto linear = [&](const M& x, const M& w) -> M {
     if constexpr (std::is_same_v<T, float>)
@@ -272,7 +279,8 @@ StepStats forward_backward_impl(const DrafterConfig& c, const DrafterWeights& w,
   const double gscale = opt.grad_scale != 0 ? opt.grad_scale : (wsum > 0 ? 1.0 / wsum : 0.0);
   M dhf(R, H);
   std::vector<int32_t> argmax;
-  const CeSums ce = head_ce(hf, target.lm_head, tg, opt.ce_chunk_rows, gscale, backward ? &dhf : nullptr, argmax);
+  const CeSums ce =
+      head_ce(hf, target.lm_head, tg, opt.ce_chunk_rows, gscale, backward ? &dhf : nullptr, argmax, opt.fp8_lm_head);
 
   StepStats st = block_stats(B, tg, argmax, ce.weighted_ce_sum);
   st.weight_sum = ce.weight_sum;

@@ -72,6 +72,9 @@ struct StepOptions {
   // block-scaled FP8, forward and backward (ref_math.h linear_fp8; F32 math only): the CPU reference
   // of the FP8 drafter (model.drafter.precision: fp8).
   bool fp8_linears = false;
+  // The LM-head cross-entropy's two GEMMs in block-scaled FP8 (model.drafter.lm_head_precision: fp8;
+  // F32 math only on the CPU: cpu::fused_linear_ce_f32's fp8 form on the head's 128 x 128 tiles).
+  bool fp8_lm_head = false;
 };
 
 // Checks a batch against the config (context width, sequence offsets, token ids, sorted blocks

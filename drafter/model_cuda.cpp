@@ -330,6 +330,7 @@ StepStats CudaDrafter::step(const DrafterBatch& batch, const StepOptions& opt, b
     fp8_stale_ = false;
     st.f8 = fp8_.get();
   }
+  if (opt.fp8_lm_head && !lm_fp8_) lm_fp8_ = std::make_shared<Fp8LmHead>(lm_head_);  // the head is frozen: once
   forward(st);
   const StepStats stats = loss(st, opt, with_backward);
   if (with_backward) backward(st, last_micro_batch, on_bucket);
@@ -477,8 +478,12 @@ StepStats CudaDrafter::loss(StepState& st, const StepOptions& opt, bool with_bac
     lp.chunk_rows = std::min<int64_t>(n, std::max<int64_t>(opt.ce_chunk_rows, kMinCeChunkRows));
     lp.grad_scale = static_cast<float>(st.gscale), lp.ce = st.ce.data<float>(), lp.argmax = st.amax.data<int32_t>();
     if (with_backward) lp.dhidden = dc.data<float>();
+    if (opt.fp8_lm_head) {
+      DFLASH_CHECK(lm_fp8_, "CudaDrafter: the FP8 LM head's codes are made by step()");
+      lm_fp8_->fill(lp);
+    }
     // The workspace (3 GB at the 27B recipe's chunk) lives for the CE only, not through the backward.
-    const Tensor ws = dev_empty({std::max<int64_t>(cuda::linear_ce_workspace(lp.chunk_rows, lp.V), 1)}, DType::U8, device_);
+    const Tensor ws = dev_empty({std::max<int64_t>(cuda::linear_ce_workspace(lp), 1)}, DType::U8, device_);
     lp.workspace = ws.raw_data();
     cuda::linear_ce(lp, st.dev);
     if (with_backward && !all)

@@ -8,7 +8,8 @@
 // moments. The CPU reference (model.h) computes the same step in double; tests/test_cuda_drafter
 // compares the two. With StepOptions::fp8_linears (model.drafter.precision: fp8) every linear's GEMMs
 // take block-scaled e4m3 operands instead (drafter/fp8_cuda.h), held to the CPU's f32 step with the
-// same option.
+// same option; with StepOptions::fp8_lm_head the LM-head cross-entropy's two GEMMs do (Fp8LmHead, the
+// FP8 form of cuda::linear_ce).
 //
 // Parameters live in three flat device buffers in DrafterWeights::entries order (each tensor at a
 // 16-byte aligned offset): masters (fp32), weights (bf16, refreshed from the masters by the
@@ -37,6 +38,7 @@
 namespace dflash::drafter {
 
 class Fp8Linears;  // drafter/fp8_cuda.h
+struct Fp8LmHead;
 
 class CudaDrafter {
  public:
@@ -127,6 +129,7 @@ class CudaDrafter {
   bool gemm_unaligned_ = false;  // cuda_drafter_gemm_unaligned (fast_path.h): every GEMM passes GemmExParams::unaligned
   std::shared_ptr<Fp8Linears> fp8_;  // the FP8 linears' weight codes (StepOptions::fp8_linears), made by the first such step
   bool fp8_stale_ = true;            // the bf16 weights changed since fp8_'s codes were made
+  std::shared_ptr<Fp8LmHead> lm_fp8_;  // the frozen head's codes (StepOptions::fp8_lm_head), made by the first such step
   std::vector<Span> spans_;
   std::vector<Bucket> buckets_;
   int64_t flat_ = 0;

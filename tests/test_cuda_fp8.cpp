@@ -847,7 +847,7 @@ TEST(CudaFp8, TileQuantizerEqualsTheFakeQuantizerBitForBit) {
     bool block;
     int64_t rows, cols, pad_x;
   };
-  const Case cases[] = {{true, 256, 384, 0}, {true, 208, 264, 8}, {true, 128, 5120, 0}, {true, 384, 128, 16},
+  const Case cases[] = {{true, 256, 384, 0}, {true, 208, 264, 8}, {true, 128, 5120, 0}, {true, 384, 128, 16}, {true, 203, 256, 0},
                         {false, 200, 264, 8}, {false, 4096, 256, 0}, {false, 16, 128, 0}, {false, 130, 8, 0},
                         {false, 237, 384, 0}};
   for (const Case& c : cases) {
@@ -859,7 +859,9 @@ TEST(CudaFp8, TileQuantizerEqualsTheFakeQuantizerBitForBit) {
     const Tensor xd = to_device_bf16(x, c.cols + c.pad_x);
     cu::Fp8TileQuantParams p;
     p.x = xd.raw_data(), p.ldx = c.cols + c.pad_x, p.rows = c.rows, p.cols = c.cols, p.block = c.block;
-    const int64_t qt_cols = c.block ? c.rows : round_up(c.rows, 128);  // the drafter pads tokens to 128
+    // (block: the transposed codes' columns rounded up to 16, the FP8 LM head's vocabulary; columns: the drafter
+    // pads tokens to 128)
+    const int64_t qt_cols = c.block ? round_up(c.rows, 16) : round_up(c.rows, 128);
     Tensor q, s, qt, st;
     if (c.block) {
       p.ldq = round_up(c.cols, 16) + 16, p.lds = cu::fp8_weight_scale_ld(c.cols);

@@ -56,6 +56,9 @@ struct DrafterSection {  // model.drafter: a config.json, a warm start, or the f
   // The drafter's attention and MLP shape; unset = the target's (DrafterConfig::for_target).
   std::optional<int64_t> num_attention_heads, num_key_value_heads, head_dim, intermediate_size;
   DrafterPrecision precision = DrafterPrecision::Bf16;  // the training step's linears (not the exported weights)
+  // The LM-head cross-entropy's two GEMMs (logits, the hidden states' gradient) through the frozen head:
+  // bf16, or block-scaled e4m3 (kernels/cuda/loss.h, the FP8 form of linear_ce; simulated on the CPU).
+  DrafterPrecision lm_head_precision = DrafterPrecision::Bf16;
   bool operator==(const DrafterSection&) const = default;
 };
 

@@ -676,6 +676,7 @@ drafter::StepOptions step_options(const Run& r) {
   drafter::StepOptions sopt;
   sopt.gamma = r.cfg.training.gamma;
   sopt.fp8_linears = r.cfg.model.drafter.precision == DrafterPrecision::Fp8;
+  sopt.fp8_lm_head = r.cfg.model.drafter.lm_head_precision == DrafterPrecision::Fp8;
   if (const char* m = std::getenv("DFLASH_FAULT_MASK")) {
     const std::string v = m;
     DFLASH_REQUIRE_HINT(v == "causal_in_block" || v == "anchor_inclusive",

@@ -275,7 +275,7 @@ CeSums fused_linear_ce(const double* hidden, int64_t rows, int64_t H, const Tens
 
 CeSums fused_linear_ce_f32(const float* hidden, int64_t rows, int64_t H, const Tensor& lm_head,
                            const std::vector<int32_t>& labels, const std::vector<double>& weights, int64_t chunk_rows,
-                           double grad_scale, float* dhidden, std::vector<int32_t>* argmax) {
+                           double grad_scale, float* dhidden, std::vector<int32_t>* argmax, bool fp8) {
   check_ce_args("fused_linear_ce_f32", rows, H, lm_head, true, labels, weights, chunk_rows);
   const int64_t V = lm_head.size(0);
   const float* W = lm_head.data<float>();
@@ -292,6 +292,7 @@ CeSums fused_linear_ce_f32(const float* hidden, int64_t rows, int64_t H, const T
     const int64_t n = static_cast<int64_t>(live.size());
     x.resize(static_cast<size_t>(n * H));
     for (int64_t i = 0; i < n; ++i) std::copy_n(hidden + live[i] * H, H, x.data() + i * H);
+    if (fp8) fake_quantize_e4m3(x.data(), n, H, 1, 128);
     logits.resize(static_cast<size_t>(n * V));  // the only [rows, V] buffer: one chunk
     gemm_f32(Trans::N, Trans::T, n, V, H, x.data(), H, W, H, false, logits.data(), V);
     ce.assign(static_cast<size_t>(n), 0.0);
@@ -322,6 +323,7 @@ CeSums fused_linear_ce_f32(const float* hidden, int64_t rows, int64_t H, const T
     }
     if (!dhidden) continue;
     dx.resize(static_cast<size_t>(n * H));
+    if (fp8) fake_quantize_e4m3(logits.data(), n, V, 1, 128);
     gemm_f32(Trans::N, Trans::N, n, H, V, logits.data(), V, W, H, false, dx.data(), H);
     for (int64_t i = 0; i < n; ++i) {
       float* dh = dhidden + live[i] * H;

@@ -94,8 +94,11 @@ CeSums fused_linear_ce(const double* hidden, int64_t rows, int64_t H, const Tens
 // code = e4m3(clamp(x * (1 / scale), +-448)), x <- code * scale. Threaded, deterministic.
 void fake_quantize_e4m3(float* x, int64_t rows, int64_t cols, int64_t tile_rows, int64_t tile_cols);
 
+// fp8: the FP8 form of the GPU's linear_ce (simulated): each chunk's hidden rows and the logits'
+// gradient rows are rounded to e4m3 in 1 x 128 tiles along H and V before their products (the caller
+// passes the head already rounded in its 128 x 128 tiles: drafter/model.cpp head_ce).
 CeSums fused_linear_ce_f32(const float* hidden, int64_t rows, int64_t H, const Tensor& lm_head,
                            const std::vector<int32_t>& labels, const std::vector<double>& weights, int64_t chunk_rows,
-                           double grad_scale, float* dhidden, std::vector<int32_t>* argmax);
+                           double grad_scale, float* dhidden, std::vector<int32_t>* argmax, bool fp8 = false);
 
 }  // namespace dflash::cpu

@@ -430,7 +430,8 @@ void quantize_fp8_tiles(const Fp8TileQuantParams& p, Stream s) {
   DFLASH_CHECK(p.rows >= 0 && p.cols > 0 && p.cols % 8 == 0 && p.ldx >= p.cols && p.ldx % 8 == 0,
                "quantize_fp8_tiles: need rows >= 0, cols > 0 a multiple of 8 and ldx >= cols a multiple of 8, got rows="
                    << p.rows << " cols=" << p.cols << " ldx=" << p.ldx);
-  const int64_t qt_cols = p.block ? p.rows : (p.rows_padded > 0 ? p.rows_padded : (p.rows + 15) / 16 * 16);
+  // (block mode: qt's columns [rows, rows rounded up to 16) get codes 0, the tile's zero rows)
+  const int64_t qt_cols = p.block ? (p.rows + 15) / 16 * 16 : (p.rows_padded > 0 ? p.rows_padded : (p.rows + 15) / 16 * 16);
   DFLASH_CHECK(p.block || p.qt != nullptr, "quantize_fp8_tiles: the columns mode writes qt; got none");
   DFLASH_CHECK(p.block || (qt_cols >= p.rows && qt_cols % 16 == 0 && p.rows < (int64_t{1} << 31)),
                "quantize_fp8_tiles: the columns mode writes qt over rows_padded >= rows, a multiple of 16; got rows="
@@ -443,7 +444,7 @@ void quantize_fp8_tiles(const Fp8TileQuantParams& p, Stream s) {
   DFLASH_CHECK_HINT(aligned16(p.x) && (p.q == nullptr || (aligned16(p.q) && p.ldq >= p.cols && p.ldq % 16 == 0)) &&
                         (p.qt == nullptr || (aligned16(p.qt) && p.ldqt >= qt_cols && p.ldqt % 16 == 0 && qt_cols % 16 == 0)),
                     "quantize_fp8_tiles: x, q and qt must be 16-byte aligned, ldq >= cols and ldqt >= the transposed "
-                    "columns multiples of 16 (block mode: rows a multiple of 16 for qt), got x="
+                    "columns multiples of 16 (block mode: rows rounded up to 16), got x="
                         << p.x << " q=" << static_cast<const void*>(p.q) << " ldq=" << p.ldq
                         << " qt=" << static_cast<const void*>(p.qt) << " ldqt=" << p.ldqt << " rows=" << p.rows
                         << " qt columns=" << qt_cols,

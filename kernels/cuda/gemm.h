@@ -118,7 +118,8 @@ void quantize_fp8_weight(const void* w_bf16, int64_t N, int64_t K, uint8_t* q, f
 //   block (128 x 128 tiles, weights [N, K]): optional q [rows, cols] (row stride ldq) with
 //       scale[rb * lds + cb] (gemm_fp8's weight layout: lds = fp8_weight_scale_ld(cols)), and optional
 //       qt = the transpose [cols, rows] (row stride ldqt) with scale_t[cb * ldst + rb]
-//       (ldst = fp8_weight_scale_ld(rows)): the weight of dx = dy · w as gemm_fp8 takes it;
+//       (ldst = fp8_weight_scale_ld(rows)): the weight of dx = dy · w as gemm_fp8 takes it (its columns
+//       [rows, rows rounded up to 16) written as codes 0, so ldqt >= that);
 //   columns (128 x 1 tiles: 128 rows of one column, the tokens of a weight gradient dw = dyᵀ·x):
 //       qt [cols, rows_padded] (row stride ldqt), codes of rows in [rows, rows_padded) 0, with
 //       scale_t[g * ldst + c] (g = row / 128; ldst = fp8_act_scale_ld(cols); cols % 8 == 0 leaves no

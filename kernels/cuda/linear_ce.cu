@@ -41,10 +41,12 @@
 #include <cstdint>
 
 #include "core/cuda/check.h"
-#include "kernels/cuda/gemm.h"
-#include "kernels/cuda/loss.h"
 #include "core/device.h"
 #include "core/error.h"
+#include "kernels/cuda/emulatable.cuh"
+#include "kernels/cuda/fp8_act.cuh"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/loss.h"
 
 namespace dflash::cuda {
 
@@ -105,16 +107,71 @@ __device__ __forceinline__ RowStat warp_combine(RowStat st) {
   return st;
 }
 
-// One block per row of the chunk. logits: [n, Vp] fp32; grad: [n, Vp] bf16 (kGrad only).
-// Rows r0 + blockIdx.x of labels / weights / ce / argmax.
-template <bool kGrad>
-__global__ void __launch_bounds__(kThreads) ce_rows_kernel(const float* __restrict__ logits, bf16* __restrict__ grad,
+// What the row kernel writes besides ce / argmax: nothing (no dhidden), the bf16 gradient of the
+// logits, or its FP8 codes (1 x 128 along V, quantize_fp8_act's arithmetic on the fp32 values).
+enum class GradOut { None, Bf16, Fp8 };
+
+// The gradient's destination: bf16 [rows, ld] (Bf16), or e4m3 codes [rows, ld] with their scales at
+// scale[g * lds + row] (Fp8: gemm_fp8's activation layout).
+struct GradDst {
+  void* g = nullptr;
+  int64_t ld = 0;
+  float* scale = nullptr;
+  int64_t lds = 0;
+};
+
+// The FP8 gradient of one row (block i of the chunk): a half warp per 128-column group, 8 values a
+// lane (scale * (softmax - onehot), or exact zeros when scale == 0), the group's codes and scale as
+// quantize_fp8_act writes them; columns [V, ld) get codes 0. Every thread runs the same number of
+// iterations (the shuffles are full-warp); groups past the row's last only compute zeros.
+__device__ __forceinline__ void grad_row_fp8(const float* __restrict__ z, int V, float lse, int label, float scale,
+                                             const GradDst& d, int64_t i) {
+  const int G = (V + 127) / 128;
+  const int lane16 = threadIdx.x % fp8_act::kGroupLanes, half = threadIdx.x / fp8_act::kGroupLanes;
+  constexpr int kHalves = kThreads / fp8_act::kGroupLanes;
+  auto* q = static_cast<uint8_t*>(d.g) + i * d.ld;
+  for (int g0 = 0; g0 < G; g0 += kHalves) {
+    const int g = g0 + half;
+    const int v = g * 128 + lane16 * fp8_act::kUnit;
+    float x[fp8_act::kUnit];
+    if (g < G && v + fp8_act::kUnit <= V) {  // 32-byte aligned: v % 8 == 0 and the row stride % 8 == 0
+      const float4 a = *reinterpret_cast<const float4*>(z + v), b = *reinterpret_cast<const float4*>(z + v + 4);
+      x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < fp8_act::kUnit; ++j) x[j] = g < G && v + j < V ? z[v + j] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < fp8_act::kUnit; ++j)
+      x[j] = g < G && v + j < V && scale != 0.0f ? scale * (expf(x[j] - lse) - (v + j == label ? 1.0f : 0.0f)) : 0.0f;
+    float amax = fp8_act::unit_amax(x);
+#pragma unroll
+    for (int o = fp8_act::kGroupLanes / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = fp8_act::scale_of(amax);
+    if (g < G && v < d.ld) *reinterpret_cast<uint2*>(q + v) = fp8_act::encode_act(x, s);
+    if (g < G && lane16 == 0) d.scale[g * d.lds + i] = s;
+  }
+}
+
+// One block per row of the chunk. logits: [n, Vp] fp32. Rows r0 + blockIdx.x of labels / weights /
+// ce / argmax; with the FP8 gradient, blocks [n, gridDim.x) are the GEMM's padding rows: codes 0,
+// scales 1.
+template <GradOut kOut>
+__global__ void __launch_bounds__(kThreads) ce_rows_kernel(const float* __restrict__ logits, GradDst grad,
                                                            const int32_t* __restrict__ labels,
                                                            const float* __restrict__ weights, float grad_scale,
                                                            float* __restrict__ ce, int32_t* __restrict__ argmax,
-                                                           int64_t r0, int V, int64_t Vp) {
+                                                           int64_t r0, int64_t n, int V, int64_t Vp) {
   const int64_t i = blockIdx.x;
   const int64_t r = r0 + i;
+  if constexpr (kOut == GradOut::Fp8) {
+    if (i >= n) {
+      auto* q = static_cast<uint8_t*>(grad.g) + i * grad.ld;
+      for (int64_t v = threadIdx.x * 16; v < grad.ld; v += kThreads * 16) *reinterpret_cast<uint4*>(q + v) = make_uint4(0, 0, 0, 0);
+      for (int g = threadIdx.x; g < (V + 127) / 128; g += kThreads) grad.scale[g * grad.lds + i] = 1.0f;
+      return;
+    }
+  }
   const float* z = logits + i * Vp;
   const int V4 = V / 4 * 4;  // [0, V4) as float4 (row start 16-byte aligned: Vp % 8 == 0), the rest scalar
 
@@ -148,12 +205,16 @@ __global__ void __launch_bounds__(kThreads) ce_rows_kernel(const float* __restri
       s_lse = lse;
     }
   }
-  if constexpr (kGrad) {
+  if constexpr (kOut == GradOut::Fp8) {
+    __syncthreads();
+    grad_row_fp8(z, V, s_lse, labels[r], grad_scale * weights[r], grad, i);
+  }
+  if constexpr (kOut == GradOut::Bf16) {
     __syncthreads();
     const float lse = s_lse;
     const int label = labels[r];
     const float scale = grad_scale * weights[r];
-    bf16* g = grad + i * Vp;
+    bf16* g = static_cast<bf16*>(grad.g) + i * grad.ld;
     if (scale == 0.0f) {
       // Exact zeros (not 0 · softmax, which would keep a NaN of a broken row).
       const __nv_bfloat162 zero2 = __floats2bfloat162_rn(0.0f, 0.0f);
@@ -192,6 +253,85 @@ int64_t linear_ce_workspace(int64_t chunk_rows, int64_t V) {
   return logits_bytes(chunk_rows, V) + align_up(chunk_rows * padded_vocab(V) * 2, kWsAlign);
 }
 
+int64_t linear_ce_fp8_vocab_ld(int64_t V) { return align_up(V, 16); }
+
+namespace {
+
+// The FP8 form's workspace, for chunks of up to chunk_rows rows (the GEMMs run them rounded up to 4).
+struct Fp8Ws {
+  float* logits;    // [np, Vq] fp32 (the logits GEMM's N is Vq: lm_head_q's padding rows give 0)
+  uint8_t* hq;      // [np, H]
+  float* hs;        // fp8_act_scale_elems(np, H)
+  uint8_t* gq;      // [np, Vq]
+  float* gs;        // fp8_act_scale_elems(np, Vq)
+  float* dh;        // [np, H]: the last chunk's dhidden when its rows are not a multiple of 4
+  int64_t bytes;
+};
+Fp8Ws fp8_ws(void* base, int64_t chunk_rows, int64_t V, int64_t H) {
+  const int64_t np = align_up(chunk_rows, 4), Vq = linear_ce_fp8_vocab_ld(V);
+  auto* b = static_cast<char*>(base);
+  int64_t off = 0;
+  auto take = [&](int64_t bytes) {
+    char* p = b ? b + off : nullptr;
+    off += align_up(bytes, kWsAlign);
+    return p;
+  };
+  Fp8Ws w;
+  w.logits = reinterpret_cast<float*>(take(np * Vq * 4));
+  w.hq = reinterpret_cast<uint8_t*>(take(np * H));
+  w.hs = reinterpret_cast<float*>(take(static_cast<int64_t>(fp8_act_scale_elems(np, H)) * 4));
+  w.gq = reinterpret_cast<uint8_t*>(take(np * Vq));
+  w.gs = reinterpret_cast<float*>(take(static_cast<int64_t>(fp8_act_scale_elems(np, Vq)) * 4));
+  w.dh = reinterpret_cast<float*>(take(np * H * 4));
+  w.bytes = off;
+  return w;
+}
+
+// The FP8 form (LinearCeParams' FP8 fields), chunk by chunk on the device's stream.
+void linear_ce_fp8(const LinearCeParams& p, int device, cudaStream_t stream) {
+  const int64_t Vq = linear_ce_fp8_vocab_ld(p.V);
+  const Fp8Ws w = fp8_ws(p.workspace, p.chunk_rows, p.V, p.H);
+  const int V = static_cast<int>(p.V);
+  for (int64_t r0 = 0; r0 < p.R; r0 += p.chunk_rows) {
+    const int64_t n = std::min(p.chunk_rows, p.R - r0), np = align_up(n, 4);
+    Fp8ActQuantParams qa;  // the hidden rows, 1 x 128 along H (the padding rows' codes are never used:
+    qa.x = static_cast<const bf16*>(p.hidden) + r0 * p.H, qa.ldx = p.H;  // their logits are not read)
+    qa.q = w.hq, qa.ldq = p.H, qa.scale = w.hs, qa.M = n, qa.K = p.H;
+    quantize_fp8_act(qa, stream);
+    GemmFp8Params g;  // logits [np, Vq] (fp32) = hidden codes [np, H] · lm_head_q [Vq, H]ᵀ
+    g.x = w.hq, g.ldx = p.H, g.x_scale = w.hs, g.w = p.lm_head_q, g.w_scale = p.lm_head_scale;
+    g.y = w.logits, g.ldy = Vq, g.y_f32 = true, g.M = np, g.N = Vq, g.K = p.H;
+    gemm_fp8(g, device);
+    if (!p.dhidden) {
+      launch_kernel(ce_rows_kernel<GradOut::None>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream,
+                    static_cast<const float*>(w.logits), GradDst{}, p.labels, static_cast<const float*>(nullptr),
+                    0.0f, p.ce, p.argmax, r0, n, V, Vq);
+      continue;
+    }
+    const GradDst gd{w.gq, Vq, w.gs, fp8_act_scale_ld(np)};
+    launch_kernel(ce_rows_kernel<GradOut::Fp8>, dim3(static_cast<unsigned>(np)), dim3(kThreads), 0, stream,
+                  static_cast<const float*>(w.logits), gd, p.labels, p.weights, p.grad_scale, p.ce, p.argmax, r0, n,
+                  V, Vq);
+    // dhidden [np, H] (fp32) = grad codes [np, Vq] · lm_head_qt [H, Vq]ᵀ, through the staging buffer
+    // when the chunk's rows are not a multiple of 4 (dhidden has only n rows here)
+    float* dh = p.dhidden + r0 * p.H;
+    GemmFp8Params d;
+    d.x = w.gq, d.ldx = Vq, d.x_scale = w.gs, d.w = p.lm_head_qt, d.w_scale = p.lm_head_scale_t;
+    d.y = np == n ? dh : w.dh, d.ldy = p.H, d.y_f32 = true, d.M = np, d.N = p.H, d.K = Vq;
+    gemm_fp8(d, device);
+    if (np != n) DFLASH_CUDA_CHECK(cudaMemcpyAsync(dh, w.dh, static_cast<size_t>(n * p.H) * 4, cudaMemcpyDeviceToDevice, stream));
+  }
+}
+
+}  // namespace
+
+int64_t linear_ce_workspace(const LinearCeParams& p) {
+  if (!p.fp8()) return linear_ce_workspace(p.chunk_rows, p.V);
+  DFLASH_CHECK(p.chunk_rows > 0 && p.V > 0 && p.H > 0, "linear_ce_workspace: need chunk_rows, V and H > 0, got chunk_rows="
+                                                           << p.chunk_rows << " V=" << p.V << " H=" << p.H);
+  return fp8_ws(nullptr, p.chunk_rows, p.V, p.H).bytes;
+}
+
 void linear_ce(const LinearCeParams& p, int device) {
   DFLASH_CHECK(p.R >= 0 && p.H > 0 && p.V > 0 && p.chunk_rows > 0,
                "linear_ce: need R >= 0, H > 0, V > 0, chunk_rows > 0, got R=" << p.R << " H=" << p.H << " V=" << p.V
@@ -200,13 +340,20 @@ void linear_ce(const LinearCeParams& p, int device) {
   DFLASH_CHECK_HINT(p.H % 8 == 0,
                     "linear_ce: hidden size H=" << p.H << " must be a multiple of 8 (16-byte rows for cuBLASLt)",
                     "pad the hidden size to a multiple of 8; every Qwen3.5 / DFlash hidden size is one");
+  DFLASH_CHECK_HINT(!p.fp8() || p.H % 16 == 0,
+                    "linear_ce: the FP8 LM head needs the hidden size H a multiple of 16, got H=" << p.H,
+                    "run the LM head in bf16 (model.drafter.lm_head_precision: bf16)");
   if (p.R == 0) return;
-  DFLASH_CHECK(p.hidden && p.lm_head && p.labels && p.ce && p.argmax && p.workspace && (p.weights || !p.dhidden),
+  DFLASH_CHECK(p.hidden && (p.lm_head || p.fp8()) && p.labels && p.ce && p.argmax && p.workspace &&
+                   (p.weights || !p.dhidden),
                "linear_ce: null pointer (hidden=" << p.hidden << " lm_head=" << p.lm_head << " labels=" << p.labels
                                                   << " weights=" << p.weights << " ce=" << p.ce << " argmax="
                                                   << p.argmax << " workspace=" << p.workspace
                                                   << "; weights are needed only with dhidden)");
-  DFLASH_CHECK(aligned16(p.hidden) && aligned16(p.lm_head) && aligned16(p.workspace) &&
+  DFLASH_CHECK(!p.fp8() || (p.lm_head_scale && (!p.dhidden || (p.lm_head_qt && p.lm_head_scale_t))),
+               "linear_ce: the FP8 LM head needs lm_head_scale, and with dhidden lm_head_qt and lm_head_scale_t (got "
+                   << p.lm_head_scale << ", " << static_cast<const void*>(p.lm_head_qt) << ", " << p.lm_head_scale_t << ")");
+  DFLASH_CHECK(aligned16(p.hidden) && (p.fp8() || aligned16(p.lm_head)) && aligned16(p.workspace) &&
                    (!p.dhidden || aligned16(p.dhidden)),
                "linear_ce: hidden, lm_head, dhidden and workspace must be 16-byte aligned, got hidden="
                    << p.hidden << " lm_head=" << p.lm_head << " dhidden=" << p.dhidden
@@ -215,6 +362,10 @@ void linear_ce(const LinearCeParams& p, int device) {
   DeviceContext& ctx = DeviceContext::get(device);
   DeviceGuard scope(device);
   const auto stream = static_cast<cudaStream_t>(ctx.stream());
+  if (p.fp8()) {
+    linear_ce_fp8(p, device, stream);
+    return;
+  }
   const int64_t Vp = padded_vocab(p.V);
   auto* logits = static_cast<float*>(p.workspace);
   auto* grad = reinterpret_cast<bf16*>(static_cast<char*>(p.workspace) + logits_bytes(p.chunk_rows, p.V));
@@ -231,14 +382,14 @@ void linear_ce(const LinearCeParams& p, int device) {
     }
     const int V = static_cast<int>(p.V);
     if (!p.dhidden) {
-      ce_rows_kernel<false><<<static_cast<unsigned>(n), kThreads, 0, stream>>>(
-          logits, nullptr, p.labels, nullptr, 0.0f, p.ce, p.argmax, r0, V, Vp);
-      DFLASH_CUDA_CHECK_LAST();
+      launch_kernel(ce_rows_kernel<GradOut::None>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream,
+                    static_cast<const float*>(logits), GradDst{}, p.labels, static_cast<const float*>(nullptr), 0.0f,
+                    p.ce, p.argmax, r0, n, V, Vp);
       continue;
     }
-    ce_rows_kernel<true><<<static_cast<unsigned>(n), kThreads, 0, stream>>>(
-        logits, grad, p.labels, p.weights, p.grad_scale, p.ce, p.argmax, r0, V, Vp);
-    DFLASH_CUDA_CHECK_LAST();
+    launch_kernel(ce_rows_kernel<GradOut::Bf16>, dim3(static_cast<unsigned>(n)), dim3(kThreads), 0, stream,
+                  static_cast<const float*>(logits), GradDst{grad, Vp, nullptr, 0}, p.labels, p.weights, p.grad_scale,
+                  p.ce, p.argmax, r0, n, V, Vp);
     float* dh = p.dhidden + r0 * p.H;
     // dhidden [n, H] (fp32) = grad [n, V] (bf16, row stride Vp) · lm_head [V, H]
     GemmExParams g;

@@ -26,8 +26,30 @@ struct LinearCeParams {
   int32_t* argmax = nullptr;  // [R] written
   float* dhidden = nullptr;   // [R, H] written when non-null
   void* workspace = nullptr;
+  // FP8 (model.drafter.lm_head_precision: fp8; issue 31): both GEMMs on block-scaled e4m3 operands
+  // with fp32 accumulation (gemm_fp8, cuBLASLt), in the FP8 drafter's tiles. The frozen LM head's
+  // codes are made once by the caller (quantize_fp8_tiles, block mode, from lm_head):
+  //   lm_head_q [Vq, H] (Vq = linear_ce_fp8_vocab_ld(V); the padding rows [V, Vq) 0) with 128 x 128
+  //     scales lm_head_scale[vb * fp8_weight_scale_ld(H) + hb] (the logits' weight), and its transpose
+  //     lm_head_qt [H, Vq] (the padding columns 0) with lm_head_scale_t[hb * fp8_weight_scale_ld(V) + vb]
+  //     (dhidden's): every dimension of both GEMMs a multiple of 16, whatever V;
+  // each chunk's hidden rows are quantized 1 x 128 along H (quantize_fp8_act), and the gradient of
+  // the logits 1 x 128 along V straight from the fp32 logits by the row kernel (no bf16 rounding
+  // first): its codes replace the bf16 grad of the bf16 form. The logits stay fp32, so ce / argmax /
+  // the softmax are exact for the FP8 logits; what FP8 changes is the logits themselves (e4m3
+  // rounding of both operands: the GPU test states the distance). Needs H % 16 == 0 and sm_90.
+  const uint8_t* lm_head_q = nullptr;
+  const float* lm_head_scale = nullptr;
+  const uint8_t* lm_head_qt = nullptr;
+  const float* lm_head_scale_t = nullptr;
+  bool fp8() const { return lm_head_q != nullptr; }
 };
+// Workspace bytes of the bf16 form, and of the form p asks for (p.fp8(): the padded fp32 logits, the
+// hidden rows' and the gradient's codes and scales, an fp32 [chunk, H] staging buffer).
 int64_t linear_ce_workspace(int64_t chunk_rows, int64_t V);
+int64_t linear_ce_workspace(const LinearCeParams& p);
+// Row stride of the FP8 form's transposed LM-head codes (and of its gradient codes): V rounded up to 16.
+int64_t linear_ce_fp8_vocab_ld(int64_t V);
 void linear_ce(const LinearCeParams& p, int device);
 
 }  // namespace dflash::cuda

@@ -356,29 +356,33 @@ TEST(CudaMoe, Permute) {
   check_permute(500, 256, 8);
 }
 
-// The grouped GEMM's kernels, forced for a scope (tuning::moe_narrow_tiles, tuning::moe_wgmma): 0 the
-// mma.sync kernel's wide tiles, 1 its narrow tiles, 3 its deep tiles, 4 its deep tiles of 16-row
-// blocks (the four bit for bit alike, below), 2 the wgmma kernel (moe_sm90.cu; on an sm_90 device);
-// each against the reference.
+// The grouped GEMM's kernels, forced for a scope (tuning::moe_narrow_tiles, tuning::moe_wgmma,
+// tuning::moe_streamk): 0 the mma.sync kernel's wide tiles, 1 its narrow tiles, 3 its deep tiles, 4 its
+// deep tiles of 16-row blocks (the four bit for bit alike, below), 2 the wgmma kernel (moe_sm90.cu; on an
+// sm_90 device), 5 the stream-K kernel (moe_stream.cu) where a call supports it (moe_block's decode /
+// verify steps; the other calls the automatic tiling); each against the reference.
 struct GemmKnob {
   explicit GemmKnob(int v) {
-    cu::tuning::moe_narrow_tiles = v == 1 ? 1 : v == 3 ? 2 : v == 4 ? 3 : 0;
-    cu::tuning::moe_wgmma = v == 2 ? 1 : 0;
+    cu::tuning::moe_narrow_tiles = v == 1 ? 1 : v == 3 ? 2 : v == 4 ? 3 : v == 5 ? -1 : 0;
+    cu::tuning::moe_wgmma = v == 2 ? 1 : v == 5 ? -1 : 0;
+    cu::tuning::moe_streamk = v == 5 ? 1 : -1;
   }
   ~GemmKnob() {
     cu::tuning::moe_narrow_tiles = -1;
     cu::tuning::moe_wgmma = -1;
+    cu::tuning::moe_streamk = -1;
   }
 };
 std::vector<int> gemm_kernels() {
-  if (cu::moe_wgmma_supported(0)) return {0, 1, 3, 4, 2};
-  return {0, 1, 3, 4};
+  if (cu::moe_wgmma_supported(0)) return {0, 1, 3, 4, 2, 5};
+  return {0, 1, 3, 4, 5};
 }
 const char* gemm_kernel_name(int v) {
   return v == 0   ? "mma.sync wide tiles"
          : v == 1 ? "mma.sync narrow tiles"
          : v == 3 ? "mma.sync deep tiles"
          : v == 4 ? "mma.sync deep tiles, 16-row blocks"
+         : v == 5 ? "stream-K where supported"
                   : "wgmma";
 }
 
@@ -609,6 +613,84 @@ TEST(CudaMoe, DecodeKernelRowsAreBatchInvariant) {
   }
 }
 
+// The stream-K expert GEMMs (moe_stream.cu, tuning::moe_streamk 1) compute each token row alone: at the
+// 35B-A3B widths (H 2048, I = Is 512, k 8, the shared expert as the extra group), a token's act and y rows
+// (each choice, wherever the permutation puts it) and shared rows are the same bits at N = 1, 2, 5 and 16
+// tokens, on the one-wave grid and on 1 and 7 blocks, and twice in a row (the counters back at zero);
+// against the 16-row deep blocks within the bound (another summation order, not the same bits).
+TEST(CudaMoe, StreamKRowsAreBatchInvariantAndDeterministic) {
+  if (!gpu()) GTEST_SKIP() << "no CUDA device";
+  const int64_t T = 16, H = 2048, E = 32, k = 8, I = 512;
+  Pair x = rand_bf16({T, H}, 1.0f), gu = rand_bf16({E, 2 * I, H}, 0.02f), dn = rand_bf16({E, H, I}, 0.05f);
+  Pair sgu = rand_bf16({2 * I, H}, 0.02f), sdn = rand_bf16({H, I}, 0.05f);
+  Tensor lf = Tensor::empty({T, E}, DType::F32);
+  fill_normal(lf, {82, g_stream++, 0}, 0.0f, 1.0f);
+  const Tensor ld = lf.to(Device::cuda(0));
+  struct Out {
+    Tensor slot, act, y, sact, sout;  // host copies
+  };
+  // Tokens [0, N) through the routing of a decode / verify step, gate|up and down (moe_block's calls).
+  auto run = [&](int64_t N, int streamk, int blocks) {
+    const int64_t R = N * k;
+    Tensor ex = dev_i32(R), counts = dev_i32(E), off = dev_i32(E + 1), tiles = dev_i32(E + 1), cur = dev_i32(E);
+    Tensor src = dev_i32(R), slot = dev_i32(R), wt = Tensor::empty({R}, DType::F32, Device::cuda(0));
+    cu::moe_route_small(ld.data<float>(), N, E, k, true, ex.data<int32_t>(), wt.data<float>(), counts.data<int32_t>(),
+                        off.data<int32_t>(), tiles.data<int32_t>(), cur.data<int32_t>(), src.data<int32_t>(),
+                        slot.data<int32_t>(), stream());
+    auto bf = [](int64_t r, int64_t c) {
+      Tensor t = Tensor::empty({r, c}, DType::BF16, Device::cuda(0));
+      poison(t);
+      return t;
+    };
+    Tensor act = bf(R, I), y = bf(R, H), sact = bf(N, I), sout = bf(N, H);
+    cu::tuning::moe_streamk = streamk;
+    cu::tuning::moe_streamk_blocks = blocks;
+    cu::MoeGemmParams g;
+    g.x = x.dev.raw_data(), g.ldx = H, g.src_row = src.data<int32_t>(), g.w = gu.dev.raw_data(), g.y = act.raw_data();
+    g.ldy = I, g.offsets = off.data<int32_t>(), g.tile_offsets = tiles.data<int32_t>(), g.E = E, g.Nout = I, g.K = H;
+    g.max_tiles = cu::moe_max_tiles(R, E), g.swiglu = true, g.rows = R, g.max_expert_rows = N;
+    g.extra_x = x.dev.raw_data(), g.extra_w = sgu.dev.raw_data(), g.extra_y = sact.raw_data(), g.extra_rows = N;
+    EXPECT_EQ(cu::moe_streamk(g), streamk == 1);
+    cu::moe_grouped_gemm(g, stream());
+    cu::MoeGemmParams d = g;
+    d.x = act.raw_data(), d.ldx = I, d.src_row = nullptr, d.w = dn.dev.raw_data(), d.y = y.raw_data(), d.ldy = H;
+    d.Nout = H, d.K = I, d.swiglu = false, d.routing_settled = true;
+    d.extra_x = sact.raw_data(), d.extra_w = sdn.dev.raw_data(), d.extra_y = sout.raw_data();
+    cu::moe_grouped_gemm(d, stream());
+    sync_dev();
+    cu::tuning::moe_streamk = -1;
+    cu::tuning::moe_streamk_blocks = 0;
+    return Out{host(slot), host(act), host(y), host(sact), host(sout)};
+  };
+  const Out all = run(T, 1, 0);
+  const Out again = run(T, 1, 0);
+  for (const auto& [a, b] : std::vector<std::pair<const Tensor*, const Tensor*>>{
+           {&all.act, &again.act}, {&all.y, &again.y}, {&all.sact, &again.sact}, {&all.sout, &again.sout}})
+    EXPECT_TRUE(bit_equal(*a, *b)) << "a second run's bits";
+  const Out deep = run(T, 0, 0);
+  EXPECT_LE(max_rel_err(host_f32(all.act), host_f32(deep.act)), kBound) << "gate|up vs the 16-row deep blocks";
+  EXPECT_LE(max_rel_err(host_f32(all.y), host_f32(deep.y)), kBound) << "down vs the 16-row deep blocks";
+  EXPECT_LE(max_rel_err(host_f32(all.sout), host_f32(deep.sout)), kBound) << "shared expert vs the 16-row deep blocks";
+  // A row of `t` (row bytes `bytes`) equals a row of `ref`.
+  auto same_row = [](const Tensor& t, int64_t r, const Tensor& ref, int64_t rr, int64_t bytes) {
+    return std::memcmp(static_cast<const char*>(t.raw_data()) + r * bytes, static_cast<const char*>(ref.raw_data()) + rr * bytes,
+                       static_cast<size_t>(bytes)) == 0;
+  };
+  for (const auto& [N, blocks] : std::vector<std::pair<int64_t, int>>{{1, 0}, {1, 1}, {2, 7}, {5, 0}, {16, 7}, {16, 1}}) {
+    SCOPED_TRACE("N " + std::to_string(N) + " grid " + (blocks ? std::to_string(blocks) : std::string("one wave")));
+    const Out o = run(N, 1, blocks);
+    int64_t bad = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t i = n * k + j, po = o.slot.data<int32_t>()[i], pa = all.slot.data<int32_t>()[i];
+        bad += !same_row(o.act, po, all.act, pa, I * 2) + !same_row(o.y, po, all.y, pa, H * 2);
+      }
+      bad += !same_row(o.sact, n, all.sact, n, I * 2) + !same_row(o.sout, n, all.sout, n, H * 2);
+    }
+    EXPECT_EQ(bad, 0) << "token rows off the 16-token step's bits";
+  }
+}
+
 // The three tilings give the same bits (each output is the same mma k16 steps in the same K order),
 // at the 35B-A3B block's widths (H 2048, I 512: 128 k-steps of gate|up, 32 of down) and a row count
 // whose experts hold 1 to several tiles.
@@ -682,8 +764,12 @@ TEST(CudaMoe, PdlLaunchesGiveThePlainLaunchesBits) {
   Pair router = rand_bf16({E, H}, ws), gu = rand_bf16({E, 2 * I, H}, ws), dn = rand_bf16({E, H, I}, 1.0f / std::sqrt(float(I)));
   Pair sgu = rand_bf16({2 * Is, H}, ws), sdn = rand_bf16({H, Is}, 1.0f / std::sqrt(float(Is))), sg = rand_bf16({1, H}, ws);
   const cudaStream_t st = static_cast<cudaStream_t>(stream());
-  for (int64_t N : {1, 16, 40}) {
-    SCOPED_TRACE("N " + std::to_string(N));
+  // (stream-K: the decode / verify steps' expert GEMMs on moe_stream.cu's kernel, whose workspace is
+  // first allocated inside the capture and whose counters every replay must leave at zero; N 40 takes
+  // the other tilings)
+  for (const auto& [N, streamk] : std::vector<std::pair<int64_t, bool>>{{1, false}, {16, false}, {40, false}, {1, true}, {16, true}}) {
+    SCOPED_TRACE("N " + std::to_string(N) + (streamk ? " stream-K" : ""));
+    cu::tuning::moe_streamk = streamk ? 1 : -1;
     Tensor xf = Tensor::empty({N, H}, DType::F32, Device::cuda(0)), x = Tensor::empty({N, H}, DType::BF16, Device::cuda(0));
     Tensor out = Tensor::empty({N, H}, DType::BF16, Device::cuda(0)), outf = Tensor::empty({N, H}, DType::F32, Device::cuda(0));
     Tensor ws_t = Tensor::empty({static_cast<int64_t>(cu::moe_workspace_bytes(N, H, E, k, I, Is, cu::MoeImpl::Grouped))},
@@ -726,6 +812,7 @@ TEST(CudaMoe, PdlLaunchesGiveThePlainLaunchesBits) {
     DFLASH_CUDA_CHECK(cudaGraphExecDestroy(exec));
     DFLASH_CUDA_CHECK(cudaGraphDestroy(graph));
   }
+  cu::tuning::moe_streamk = -1;
 }
 
 struct TopkKnob {  // cu::tuning::moe_decode_topk_first for the scope
@@ -777,14 +864,17 @@ TEST(CudaMoe, Bench35bA3b) {
     // tiles of 16-row blocks with the shared expert in launches of its own after the experts
     // (tuning::moe_fuse_shared 0; the others run it as the grouped GEMMs' extra group where
     // moe_fuse_shared says: N <= 64); 13 as 12 with 5 stages at any K (tuning::moe_deep16_short 0; 12's
-    // down GEMM, K = I = 512, takes 3). (The 16-row blocks only where an expert holds <= 16 rows.)
-    for (int variant : {0, 1, 9, 12, 13, 10, 2, 3, 4, 5, 6, 7, 8}) {
-      if ((variant == 3 || variant == 4 || variant == 5 || variant == 10 || variant == 12 || variant == 13) &&
+    // down GEMM, K = I = 512, takes 3). (The 16-row blocks only where an expert holds <= 16 rows.) 14 the
+    // expert GEMMs on the stream-K kernel (moe_stream.cu, tuning::moe_streamk 1: K pieces of 256 / 128
+    // columns), 15 the same with 16 pieces at most (tuning::moe_streamk_pieces: 128-column pieces).
+    for (int variant : {0, 1, 9, 12, 13, 14, 15, 10, 2, 3, 4, 5, 6, 7, 8}) {
+      const bool streamk = variant == 14 || variant == 15;
+      if ((variant == 3 || variant == 4 || variant == 5 || variant == 10 || variant == 12 || variant == 13 || streamk) &&
           N > cu::kMoeDecodeMaxRows)
         continue;
       if (variant == 8 && !cu::moe_wgmma_supported(0)) continue;
       // (profiled: the decode-sized paths worth a kernel-by-kernel look)
-      if (profile && variant != 9 && variant != 12 && variant != 13 && variant != 10 && variant != 8) continue;
+      if (profile && variant != 9 && variant != 12 && variant != 13 && variant != 10 && variant != 8 && !streamk) continue;
       const bool fp8 = variant >= 5 && variant <= 7;
       const cu::MoeImpl impl = variant < 2 || variant >= 6 ? cu::MoeImpl::Grouped
                                : variant == 2              ? cu::MoeImpl::Fallback
@@ -793,6 +883,8 @@ TEST(CudaMoe, Bench35bA3b) {
       if (variant < 2 || variant >= 8) knob.emplace(variant == 8 ? 2 : variant == 9 ? 3 : variant >= 10 ? 4 : variant);
       cu::tuning::moe_fuse_shared = variant == 10 ? 0 : -1;
       cu::tuning::moe_deep16_short = variant == 13 ? 0 : -1;
+      cu::tuning::moe_streamk = streamk ? 1 : -1;
+      cu::tuning::moe_streamk_pieces = variant == 15 ? 16 : cu::kMoeStreamkPieces;
       const TopkKnob topk(variant == 3 || variant == 4 ? variant - 3 : -1);
       const std::string name = std::string(cu::moe_impl_name(impl)) +
                                (variant == 0   ? "/wide"
@@ -805,6 +897,8 @@ TEST(CudaMoe, Bench35bA3b) {
                                 : variant == 10 ? "/deep16_shared_apart"
                                 : variant == 12 ? "/deep16"
                                 : variant == 13 ? "/deep16_5stages"
+                                : variant == 14 ? "/streamk"
+                                : variant == 15 ? "/streamk_p16"
                                 : fp8          ? "/fp8_experts"
                                                : "");
       cu::tuning::moe_fp8_dequantize_first = variant == 7 ? 1 : variant == 6 ? 0 : -1;
@@ -891,6 +985,7 @@ TEST(CudaMoe, Bench35bA3b) {
         g2.x = act.raw_data(), g2.ldx = I, g2.src_row = nullptr, g2.w = dn.dev.raw_data(), g2.y = y.raw_data();
         g2.ldy = H, g2.Nout = H, g2.K = I, g2.swiglu = false;
         g1.rows = g2.rows = R;
+        if (streamk) g1.max_expert_rows = g2.max_expert_rows = N;  // (the stream-K kernel needs it; moe_block sets it)
         ms_g = time_it([&] {
           cu::moe_grouped_gemm(g1, stream());
           cu::moe_grouped_gemm(g2, stream());
@@ -910,4 +1005,6 @@ TEST(CudaMoe, Bench35bA3b) {
   cu::tuning::moe_fp8_dequantize_first = -1;
   cu::tuning::moe_fuse_shared = -1;
   cu::tuning::moe_deep16_short = -1;
+  cu::tuning::moe_streamk = -1;
+  cu::tuning::moe_streamk_pieces = cu::kMoeStreamkPieces;
 }

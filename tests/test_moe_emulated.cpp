@@ -1,13 +1,21 @@
 // The grouped MoE path (kernels/cuda/moe.cu: top-k, the permutation by expert, the grouped mma.sync
-// GEMM in both tilings, the combine) run on the CPU through tests/cuda_emulation.h (mma.sync and
-// ldmatrix emulated): routing, tile tables, expert ranges (expert parallelism) and the products
-// checked on every machine, GPU or not, against the f32 CPU reference. The device's own runs are
-// test_cuda_moe's (CudaMoe.*).
+// GEMM in both tilings, the combine; moe_stream.cu's stream-K expert GEMMs) run on the CPU through
+// tests/cuda_emulation.h (mma.sync and ldmatrix emulated): routing, tile tables, expert ranges (expert
+// parallelism) and the products checked on every machine, GPU or not, against the f32 CPU reference.
+// The device's own runs are test_cuda_moe's (CudaMoe.*).
 #include "cuda_emulation.h"
 
 #define DFLASH_CUDA_EMULATION 1
+// The stream-K expert GEMMs' names (moe_stream.cu, included here beside moe.cu, whose moe_grouped_gemm
+// calls them), renamed as moe_emulated.h renames the others.
+#define moe_streamk moe_streamk_emulated
+#define moe_streamk_supported moe_streamk_supported_emulated
+#define moe_streamk_blocks moe_streamk_blocks_emulated
+#define moe_streamk_pieces moe_streamk_pieces_emulated
+#define moe_grouped_gemm_stream moe_grouped_gemm_stream_emulated
 #include "moe_emulated.h"
 #include "kernels/cuda/moe.cu"
+#include "kernels/cuda/moe_stream.cu"
 
 #include <gtest/gtest.h>
 
@@ -293,4 +301,294 @@ TEST(MoeEmulated, Fp8GroupedGemmsGiveTheBf16ExpertsBits) {
   }
   cu::tuning::moe_narrow_tiles = -1;
   cu::tuning::moe_deep16_short = -1;
+}
+
+// ---- the stream-K expert GEMMs (moe_stream.cu) ----------------------------------------------------------
+namespace {
+
+// A decode / verify step's expert GEMMs on the stream-K kernel: tokens [0, N) of the 16 in x routed by
+// their rows of `logits` (moe_route_small, the decode path's routing), gate|up (row gather, SwiGLU, the
+// shared expert as the extra group) then down (routing settled, as moe_block runs it), each launched on
+// `blocks` blocks over its own workspace (partials NaN, counters zero: every counter must be zero again
+// after the call).
+struct StreamShape {
+  int64_t H, E, k, I;
+};
+struct StreamWeights {
+  Pair gu, dn, sgu, sdn;
+};
+struct StreamOut {
+  Tensor ex, slot, src, act, y, sact, sout;  // outputs bf16: act [R, I], y [R, H], sact [N, I], sout [N, H]
+};
+StreamWeights stream_weights(const StreamShape& c) {
+  return {rand_bf16({c.E, 2 * c.I, c.H}, 0.1f), rand_bf16({c.E, c.H, c.I}, 0.2f), rand_bf16({2 * c.I, c.H}, 0.1f),
+          rand_bf16({c.H, c.I}, 0.2f)};
+}
+
+// Operands whose sums cancel, so that another summation order (other K pieces) shows in the bf16 outputs
+// (with plain random values a piece layout's f32 rounding rarely reaches a bf16 bit): over the last
+// dimension C, column c + C/2 = sign · column c + noise of `small` deviation, `big` the columns' deviation.
+Pair halves(const Shape& s, float big, float sign, float small) {
+  Tensor f = Tensor::empty(s, DType::F32), noise = Tensor::empty(s, DType::F32);
+  fill_normal(f, {4431, g_stream++, 0}, 0.0f, big);
+  fill_normal(noise, {4433, g_stream++, 0}, 0.0f, small);
+  const int64_t C = s.back(), h = C / 2;
+  for (int64_t r = 0; r < f.numel() / C; ++r)
+    for (int64_t col = 0; col < h; ++col)
+      f.data<float>()[r * C + h + col] =
+          sign * f.data<float>()[r * C + col] + (small > 0 ? noise.data<float>()[r * C + h + col] : 0.0f);
+  Tensor b = f.to_dtype(DType::BF16);
+  return {b, b.to_dtype(DType::F32)};
+}
+// x [16, H] with x[h + H/2] = -x[h] + noise (2^12 against 1) and gate|up rows even in K (w[h + H/2] = w[h]):
+// x · w = sum w[h] · noise[h], its partial sums ~2^12 times larger. The gate|up rows of act columns c and
+// c + I/2 alike (the same act bits), the down rows odd in I (w[i + I/2] = -w[i] + noise: 2^14 against 1):
+// act · w sums the act pairs' noise terms, its partial sums again far larger.
+Pair cancelling_x(const StreamShape& c) { return halves({16, c.H}, 4096.0f, -1.0f, 1.0f); }
+StreamWeights cancelling_weights(const StreamShape& c) {
+  StreamWeights w{halves({c.E, 2 * c.I, c.H}, 0.1f, 1.0f, 0.0f), halves({c.E, c.H, c.I}, 3277.0f, -1.0f, 0.2f),
+                  halves({2 * c.I, c.H}, 0.1f, 1.0f, 0.0f), halves({c.H, c.I}, 3277.0f, -1.0f, 0.2f)};
+  for (Pair* p : {&w.gu, &w.sgu}) {  // rows c + I/2 of the gate and of the up rows = rows c
+    const int64_t H = c.H, I = c.I, mats = p->f.numel() / (2 * I * H);
+    for (int64_t m = 0; m < mats; ++m)
+      for (int64_t part = 0; part < 2; ++part)
+        for (int64_t r = 0; r < I / 2; ++r) {
+          const int64_t from = (m * 2 * I + part * I + r) * H, to = from + I / 2 * H;
+          std::memcpy(static_cast<char*>(p->bf.raw_data()) + to * 2, static_cast<const char*>(p->bf.raw_data()) + from * 2, H * 2);
+          std::memcpy(p->f.data<float>() + to, p->f.data<float>() + from, H * 4);
+        }
+  }
+  return w;
+}
+StreamOut run_streamk(const StreamShape& c, const StreamWeights& w, const Tensor& logits, const Pair& x, int64_t N,
+                      int blocks) {
+  const int64_t R = N * c.k;
+  auto i32 = [](int64_t n) { return Tensor::empty({n}, DType::I32); };
+  auto bf = [](int64_t r, int64_t cols) {
+    Tensor t = Tensor::empty({r, cols}, DType::BF16);
+    poison(t);
+    return t;
+  };
+  StreamOut o{i32(R), i32(R), i32(R), bf(R, c.I), bf(R, c.H), bf(N, c.I), bf(N, c.H)};
+  Tensor wt = Tensor::empty({R}, DType::F32), counts = i32(c.E), off = i32(c.E + 1), tiles = i32(c.E + 1), cur = i32(c.E);
+  cu::moe_route_small(logits.data<float>(), N, c.E, c.k, true, o.ex.data<int32_t>(), wt.data<float>(),
+                      counts.data<int32_t>(), off.data<int32_t>(), tiles.data<int32_t>(), cur.data<int32_t>(),
+                      o.src.data<int32_t>(), o.slot.data<int32_t>(), nullptr);
+  cu::MoeGemmParams g;
+  g.x = x.bf.raw_data(), g.ldx = c.H, g.src_row = o.src.data<int32_t>(), g.w = w.gu.bf.raw_data(), g.y = o.act.raw_data();
+  g.ldy = c.I, g.offsets = off.data<int32_t>(), g.tile_offsets = tiles.data<int32_t>(), g.E = c.E, g.Nout = c.I;
+  g.K = c.H, g.max_tiles = cu::moe_max_tiles(R, c.E), g.swiglu = true, g.rows = R, g.max_expert_rows = N;
+  g.extra_x = x.bf.raw_data(), g.extra_w = w.sgu.bf.raw_data(), g.extra_y = o.sact.raw_data(), g.extra_rows = N;
+  cu::MoeGemmParams d = g;
+  d.x = o.act.raw_data(), d.ldx = c.I, d.src_row = nullptr, d.w = w.dn.bf.raw_data(), d.y = o.y.raw_data(), d.ldy = c.H;
+  d.Nout = c.H, d.K = c.I, d.swiglu = false, d.routing_settled = true;
+  d.extra_x = o.sact.raw_data(), d.extra_w = w.sdn.bf.raw_data(), d.extra_y = o.sout.raw_data();
+  for (const cu::MoeGemmParams* q : {&g, &d}) {
+    EXPECT_TRUE(cu::moe_streamk_supported(*q));
+    const cu::streamk::Shape sh = cu::streamk::shape_of(*q);
+    std::vector<float> partial(sh.partial_floats(), NAN);
+    std::vector<int> counters(sh.counter_ints(), 0);
+    cu::streamk::launch(*q, blocks, partial.data(), counters.data(), nullptr);
+    int64_t left = 0;
+    for (int v : counters) left += v != 0;
+    EXPECT_EQ(left, 0) << "counters not back to zero (" << (q == &g ? "gate|up" : "down") << ", grid " << blocks << ")";
+  }
+  return o;
+}
+
+// The GEMMs' references in double: act = silu(x · gate) · (x · up) of each routed row (its token, its
+// expert) and of the shared rows, y = act · down on the kernel's own act (bf16), likewise the shared rows.
+void expect_streamk_matches(const StreamShape& c, const StreamWeights& w, const Pair& x, int64_t N, const StreamOut& o) {
+  const int64_t R = N * c.k, H = c.H, I = c.I;
+  Tensor act_ref = Tensor::empty({R, I}, DType::F32), y_ref = Tensor::empty({R, H}, DType::F32);
+  Tensor sact_ref = Tensor::empty({N, I}, DType::F32), sout_ref = Tensor::empty({N, H}, DType::F32);
+  const Tensor act = f32(o.act), sact = f32(o.sact);
+  // Row `row` of act / y: token n through gate|up rows gu (2I x H) and down rows dn (H x I).
+  auto rows = [&](int64_t n, const float* gu, const float* dn, const float* a_got, float* a_ref, float* y_ref_row) {
+    for (int64_t col = 0; col < I; ++col) {
+      double gs = 0, us = 0;
+      for (int64_t h = 0; h < H; ++h) {
+        gs += double(x.f.data<float>()[n * H + h]) * gu[col * H + h];
+        us += double(x.f.data<float>()[n * H + h]) * gu[(I + col) * H + h];
+      }
+      a_ref[col] = static_cast<float>(gs / (1.0 + std::exp(-gs)) * us);
+    }
+    for (int64_t col = 0; col < H; ++col) {
+      double s = 0;
+      for (int64_t i = 0; i < I; ++i) s += double(a_got[i]) * dn[col * I + i];
+      y_ref_row[col] = static_cast<float>(s);
+    }
+  };
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t pos = o.slot.data<int32_t>()[i], e = o.ex.data<int32_t>()[i];
+    ASSERT_EQ(o.src.data<int32_t>()[pos], i / c.k);
+    rows(i / c.k, w.gu.f.data<float>() + e * 2 * I * H, w.dn.f.data<float>() + e * H * I, act.data<float>() + pos * I,
+         act_ref.data<float>() + pos * I, y_ref.data<float>() + pos * H);
+  }
+  for (int64_t n = 0; n < N; ++n)
+    rows(n, w.sgu.f.data<float>(), w.sdn.f.data<float>(), sact.data<float>() + n * I, sact_ref.data<float>() + n * I,
+         sout_ref.data<float>() + n * H);
+  // (bf16 outputs: 2^-9 relative; a lost piece, tile or token row is O(1))
+  EXPECT_LE(max_rel_err(act, act_ref), 1e-2) << "gate|up";
+  EXPECT_LE(max_rel_err(f32(o.y), y_ref), 1e-2) << "down";
+  EXPECT_LE(max_rel_err(sact, sact_ref), 1e-2) << "shared gate|up";
+  EXPECT_LE(max_rel_err(f32(o.sout), sout_ref), 1e-2) << "shared down";
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()) == 0;
+}
+
+// Shapes: gate|up K (H) 512 in 4 pieces of 128 columns, I 80 (a last tile of 16 act columns; the down
+// GEMM's K 80 one piece: its tiles stored by their warps, a last step of 16 columns); K 136 in 2 pieces
+// (the second one step of 8 columns), I 256 (the down GEMM's K in 2 pieces, its Nout 136 a partial tile).
+const StreamShape kStreamShapes[] = {{512, 8, 4, 80}, {136, 16, 3, 256}};
+
+}  // namespace
+
+// The stream-K GEMMs against double references, on grids that split a tile's pieces every way (one block:
+// a warp holding pieces of several tiles and groups; a tile's pieces in warps of one block, of two
+// blocks, the last piece first or last to arrive; grids past the items: empty warps), every grid the
+// same bits; a second run on a grid its bits.
+TEST(MoeEmulated, StreamKGemmsMatchTheReferenceOnEveryGrid) {
+  for (const StreamShape& c : kStreamShapes) {
+    const StreamWeights w = stream_weights(c);
+    const Pair x = rand_bf16({16, c.H}, 1.0f);
+    Tensor logits = Tensor::empty({16, c.E}, DType::F32);
+    fill_normal(logits, {4419, g_stream++, 0}, 0.0f, 2.0f);
+    for (const auto& [N, grids] : std::vector<std::pair<int64_t, std::vector<int>>>{{16, {1, 7, 400, 7}}, {5, {1, 3}}}) {
+      StreamOut first;
+      for (int blocks : grids) {
+        SCOPED_TRACE("H " + std::to_string(c.H) + " I " + std::to_string(c.I) + " N " + std::to_string(N) + " grid " +
+                     std::to_string(blocks));
+        const StreamOut o = run_streamk(c, w, logits, x, N, blocks);
+        if (blocks == 1) {
+          expect_streamk_matches(c, w, x, N, o);
+          first = o;
+          continue;
+        }
+        EXPECT_TRUE(same_bits(o.act, first.act) && same_bits(o.y, first.y)) << "routed rows: grid 1's bits";
+        EXPECT_TRUE(same_bits(o.sact, first.sact) && same_bits(o.sout, first.sout)) << "shared rows: grid 1's bits";
+      }
+    }
+  }
+}
+
+// A token row's bits do not depend on the step's other tokens (decode == verify): token n's act and y
+// rows (each of its choices, wherever the permutation puts them) and its shared rows at N = 1, 2, 5 and
+// 16 tokens, each N on another grid, against the 16-token step's. On operands whose sums cancel, where
+// another piece layout gives other bits (checked first: tuning::moe_streamk_pieces 1, one piece), so a
+// layout that moved with N would show; and within the references' bound.
+TEST(MoeEmulated, StreamKRowsDoNotDependOnTheTokens) {
+  for (const StreamShape& c : kStreamShapes) {
+    SCOPED_TRACE("H " + std::to_string(c.H) + " I " + std::to_string(c.I));
+    const StreamWeights w = cancelling_weights(c);
+    const Pair x = cancelling_x(c);
+    Tensor logits = Tensor::empty({16, c.E}, DType::F32);
+    fill_normal(logits, {4423, g_stream++, 0}, 0.0f, 2.0f);
+    const StreamOut all = run_streamk(c, w, logits, x, 16, 5);
+    expect_streamk_matches(c, w, x, 16, all);
+    {
+      cu::tuning::moe_streamk_pieces = 1;
+      const StreamOut one = run_streamk(c, w, logits, x, 16, 5);
+      cu::tuning::moe_streamk_pieces = cu::kMoeStreamkPieces;
+      EXPECT_FALSE(same_bits(one.act, all.act)) << "the gate|up bits of one K piece: the check below can fail";
+      if (c.I > 128) {  // (the down GEMM's K I in more than one piece)
+        EXPECT_FALSE(same_bits(one.y, all.y)) << "the down bits of one K piece";
+      }
+    }
+    const int64_t row_bytes[2] = {c.I * 2, c.H * 2};
+    for (const auto& [N, blocks] : std::vector<std::pair<int64_t, int>>{{1, 1}, {2, 3}, {5, 2}, {16, 13}}) {
+      const StreamOut o = run_streamk(c, w, logits, x, N, blocks);
+      for (int64_t n = 0; n < N; ++n) {
+        for (int64_t j = 0; j < c.k; ++j) {
+          const int64_t i = n * c.k + j, pa = all.slot.data<int32_t>()[i], po = o.slot.data<int32_t>()[i];
+          ASSERT_EQ(all.ex.data<int32_t>()[i], o.ex.data<int32_t>()[i]) << "token " << n << " choice " << j;
+          EXPECT_EQ(std::memcmp(static_cast<const char*>(o.act.raw_data()) + po * row_bytes[0],
+                                static_cast<const char*>(all.act.raw_data()) + pa * row_bytes[0], row_bytes[0]),
+                    0)
+              << "act of token " << n << " choice " << j << " at N " << N;
+          EXPECT_EQ(std::memcmp(static_cast<const char*>(o.y.raw_data()) + po * row_bytes[1],
+                                static_cast<const char*>(all.y.raw_data()) + pa * row_bytes[1], row_bytes[1]),
+                    0)
+              << "y of token " << n << " choice " << j << " at N " << N;
+        }
+        EXPECT_EQ(std::memcmp(static_cast<const char*>(o.sact.raw_data()) + n * row_bytes[0],
+                              static_cast<const char*>(all.sact.raw_data()) + n * row_bytes[0], row_bytes[0]),
+                  0)
+            << "shared act of token " << n << " at N " << N;
+        EXPECT_EQ(std::memcmp(static_cast<const char*>(o.sout.raw_data()) + n * row_bytes[1],
+                              static_cast<const char*>(all.sout.raw_data()) + n * row_bytes[1], row_bytes[1]),
+                  0)
+            << "shared out of token " << n << " at N " << N;
+      }
+    }
+  }
+}
+
+// moe_grouped_gemm takes the stream-K kernel where tuning::moe_streamk is 1 and the call is supported
+// (its per-device workspace: host memory here; the counters it leaves zero), the other tilings otherwise;
+// both within the reference's bound of each other (other summation orders: not the same bits).
+TEST(MoeEmulated, GroupedGemmTakesTheStreamKKernelWhereTheKnobSays) {
+  const StreamShape c = kStreamShapes[0];
+  const int64_t N = 16, R = N * c.k;
+  const StreamWeights w = stream_weights(c);
+  const Pair x = rand_bf16({N, c.H}, 1.0f);
+  Tensor logits = Tensor::empty({N, c.E}, DType::F32);
+  fill_normal(logits, {4427, g_stream++, 0}, 0.0f, 2.0f);
+  const StreamOut direct = run_streamk(c, w, logits, x, N, 3);  // (the emulated workspace's grid)
+  cu::MoeGemmParams g;
+  g.x = x.bf.raw_data(), g.ldx = c.H, g.src_row = direct.src.data<int32_t>(), g.w = w.gu.bf.raw_data(), g.ldy = c.I;
+  g.E = c.E, g.Nout = c.I, g.K = c.H, g.max_tiles = cu::moe_max_tiles(R, c.E), g.swiglu = true, g.rows = R;
+  g.max_expert_rows = N, g.extra_x = x.bf.raw_data(), g.extra_w = w.sgu.bf.raw_data(), g.extra_rows = N;
+  // The routing again (run_streamk's tables are its own).
+  Tensor ex = Tensor::empty({R}, DType::I32), wt = Tensor::empty({R}, DType::F32), counts = Tensor::empty({c.E}, DType::I32);
+  Tensor off = Tensor::empty({c.E + 1}, DType::I32), tiles = Tensor::empty({c.E + 1}, DType::I32);
+  Tensor cur = Tensor::empty({c.E}, DType::I32), src = Tensor::empty({R}, DType::I32), slot = Tensor::empty({R}, DType::I32);
+  cu::moe_route_small(logits.data<float>(), N, c.E, c.k, true, ex.data<int32_t>(), wt.data<float>(), counts.data<int32_t>(),
+                      off.data<int32_t>(), tiles.data<int32_t>(), cur.data<int32_t>(), src.data<int32_t>(),
+                      slot.data<int32_t>(), nullptr);
+  g.src_row = src.data<int32_t>(), g.offsets = off.data<int32_t>(), g.tile_offsets = tiles.data<int32_t>();
+  Tensor act[2], sact[2];
+  for (int knob : {1, -1}) {
+    cu::tuning::moe_streamk = knob;
+    EXPECT_EQ(cu::moe_streamk(g), knob == 1);
+    Tensor& a = act[knob == 1 ? 0 : 1];
+    Tensor& sa = sact[knob == 1 ? 0 : 1];
+    a = Tensor::empty({R, c.I}, DType::BF16);
+    sa = Tensor::empty({N, c.I}, DType::BF16);
+    poison(a);
+    poison(sa);
+    g.y = a.raw_data(), g.extra_y = sa.raw_data();
+    cu::moe_grouped_gemm(g, nullptr);
+  }
+  cu::tuning::moe_streamk = -1;
+  EXPECT_TRUE(same_bits(act[0], direct.act) && same_bits(sact[0], direct.sact)) << "the stream-K kernel's bits";
+  EXPECT_LE(max_rel_err(f32(act[1]), f32(act[0])), 1e-2) << "the 16-row deep blocks";
+  EXPECT_LE(max_rel_err(f32(sact[1]), f32(sact[0])), 1e-2);
+  {
+    const cu::streamk::Shape sh = cu::streamk::shape_of(g);
+    const cu::streamk::Workspace& ws = cu::streamk::workspace(sh);
+    int64_t left = 0;
+    for (size_t i = 0; i < sh.counter_ints(); ++i) left += ws.counters[i] != 0;
+    EXPECT_EQ(left, 0) << "the per-device workspace's counters";
+  }
+  // Supported: bf16 weights, the rows known, <= 16 rows an expert and in the extra group.
+  cu::tuning::moe_streamk = 1;
+  cu::MoeGemmParams q = g;
+  EXPECT_TRUE(cu::moe_streamk(q));
+  q.max_expert_rows = 17;
+  EXPECT_FALSE(cu::moe_streamk(q));
+  q = g, q.max_expert_rows = -1;
+  EXPECT_FALSE(cu::moe_streamk(q));
+  q = g, q.rows = -1;
+  EXPECT_FALSE(cu::moe_streamk(q));
+  q = g, q.extra_rows = 17;
+  EXPECT_FALSE(cu::moe_streamk(q));
+  q = g, q.w_scale = logits.data<float>();
+  EXPECT_FALSE(cu::moe_streamk(q));
+  cu::tuning::moe_streamk = 0;
+  EXPECT_FALSE(cu::moe_streamk(g));
+  cu::tuning::moe_streamk = -1;
+  EXPECT_FALSE(cu::moe_streamk(g)) << "off by default (not measured)";
 }

@@ -681,6 +681,7 @@ void moe_grouped_gemm(const MoeGemmParams& p, Stream s) {
                "moe_grouped_gemm: the extra group needs bf16 weights (no w_scale), 16-byte aligned extra_x / extra_w, "
                "an extra_y and extra_rows >= 0");
   if (p.max_tiles + moe_extra_tiles(p) == 0) return;
+  if (moe_streamk(p)) return moe_grouped_gemm_stream(p, s);
   const bool narrow = moe_narrow_tiles(p);
 #ifndef DFLASH_CUDA_EMULATION  // (the emulated tests run the wgmma kernel by itself)
   if (!p.w_scale) {

@@ -151,6 +151,27 @@ extern int moe_fp8_dequantize_first;
 // more than wgmma per 1,000 rows; they cross near 40,000.
 inline constexpr int64_t kMoeFp8ScratchRows = 40960;
 
+// The one-token expert GEMMs on a balanced one-wave grid (moe_stream.cu: items of (active expert or the
+// extra group, 64 weight rows, a K piece fixed by K) split evenly over every resident warp, each warp's
+// weights through one cp.async ring; a tile's pieces summed in piece order by the warp that brings the
+// last, through a per-device workspace): bf16 weights, the routed rows known (MoeGemmParams::rows) and
+// every expert and the extra group <= 16 rows (max_expert_rows: a decode / verify step of <= 16 tokens).
+// A token row's bits depend on neither N nor the grid (decode == verify); not the 16-row deep blocks'
+// bits (another summation order: equal to f32 rounding). moe_grouped_gemm takes it where moe_streamk(p).
+bool moe_streamk_supported(const MoeGemmParams& p);
+bool moe_streamk(const MoeGemmParams& p);  // tuning::moe_streamk == 1 and supported
+void moe_grouped_gemm_stream(const MoeGemmParams& p, Stream s);
+// K pieces: a tile's K columns in ceil(K / c) pieces of c = ceil(ceil(K / 128) / pieces) · 128 columns
+// (at 35B-A3B shapes 8 of 256 for gate|up, 4 of 128 for down).
+inline constexpr int kMoeStreamkPieces = 8;
+namespace tuning {
+// -1 (the default) and 0: the other tilings (the stream-K kernel is not measured on a GPU yet); 1: every
+// supported call (tests, benches: moe_bench's /streamk rows).
+extern int moe_streamk;
+extern int moe_streamk_blocks;  // its grid: 0 every resident block (one wave), > 0 this many (tests)
+extern int moe_streamk_pieces;  // kMoeStreamkPieces; another value gives other bits (the same at every N)
+}  // namespace tuning
+
 // The grouped GEMM on Hopper warpgroup MMA (moe_sm90.cu; bf16 weights, no w_scale), which
 // moe_grouped_gemm runs where tuning::moe_wgmma says and moe_wgmma_supported(device): an sm_90 GPU
 // and this build's sm_90a code.

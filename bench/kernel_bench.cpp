@@ -411,6 +411,39 @@ void bench_ce(Ctx& ctx, bool quick) {
     prov.push_back({"chunk" + std::to_string(x.chunk), [&call, &x] { call(x); }, [&x] { return x.dh; }});
   const size_t first_row = ctx.csv->rows().size();
   measure(ctx, "ce", "linear_ce_fwd_bwd", shape, prov, 1e-3, {{"achieved", "TFLOP/s", tflop}});
+
+  // The FP8 form (model.drafter.lm_head_precision: fp8) at the first chunk size: the head's codes made
+  // once (as the drafter does), its own row (it differs from the bf16 form by what FP8 does to the logits).
+  {
+    const int64_t Vq = cuda::linear_ce_fp8_vocab_ld(V);
+    Tensor q = Tensor::empty({Vq, H}, DType::U8, Device::cuda(0)), qt = Tensor::empty({H, Vq}, DType::U8, Device::cuda(0));
+    Tensor s = Tensor::zeros({(V + 127) / 128, cuda::fp8_weight_scale_ld(H)}, DType::F32, Device::cuda(0));
+    Tensor st = Tensor::zeros({(H + 127) / 128, cuda::fp8_weight_scale_ld(V)}, DType::F32, Device::cuda(0));
+    const cuda::LinearCeFp8Head head{q.data<uint8_t>(), s.data<float>(), qt.data<uint8_t>(), st.data<float>()};
+    cuda::linear_ce_quantize_head(lm_head.raw_data(), V, H, head, DeviceContext::get(0).stream());
+    Run f8{chunks[0], Tensor(), Tensor::empty({R}, DType::F32, Device::cuda(0)), Tensor::empty({R}, DType::I32, Device::cuda(0)),
+           Tensor::empty({R, H}, DType::F32, Device::cuda(0))};
+    auto call8 = [&] {
+      cuda::LinearCeParams p;
+      p.hidden = hidden.raw_data(), p.labels = lab.data<int32_t>(), p.weights = wt.data<float>();
+      p.R = R, p.H = H, p.V = V, p.chunk_rows = f8.chunk, p.grad_scale = 1.0f / static_cast<float>(R);
+      p.ce = f8.ce.data<float>(), p.argmax = f8.am.data<int32_t>(), p.dhidden = f8.dh.data<float>();
+      cuda::linear_ce_use_fp8_head(p, head);
+      if (!f8.ws.defined()) f8.ws = Tensor::empty({cuda::linear_ce_workspace(p)}, DType::U8, Device::cuda(0));
+      p.workspace = f8.ws.raw_data();
+      cuda::linear_ce(p, 0);
+    };
+    call8();
+    DeviceContext::get(0).synchronize();
+    const Tensor ce8 = f8.ce.to(Device::cpu());
+    double dce = 0;
+    for (int64_t r = 0; r < R; ++r) dce += std::abs(ce8.data<float>()[r] - ce0.data<float>()[r]) / static_cast<double>(R);
+    std::printf("  fp8 form: mean |ce(fp8) - ce(bf16)| %.4f, dhidden max rel diff to the bf16 form %.3g\n", dce,
+                max_rel_err(f8.dh, runs[0].dh));
+    DFLASH_CHECK(std::isfinite(dce) && dce < 0.1, "ce: the FP8 form's cross-entropy is " << dce << " from the bf16 form's");
+    measure(ctx, "ce", "linear_ce_fwd_bwd_fp8", shape, {{"fp8_chunk" + std::to_string(f8.chunk), call8, nullptr}}, 1e-3,
+            {{"achieved", "TFLOP/s", tflop}});
+  }
   write_dense_shares(ctx, "ce", first_row, dense_p50);
 }
 

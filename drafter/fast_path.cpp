@@ -73,8 +73,19 @@ void check_fp8_drafter_sizes(const DrafterConfig& c) {
 }
 
 DrafterPlan drafter_plan(const DrafterConfig& c, Device device, int sm_major, int sm_minor,
-                         const BlockAttentionKernels& kernels, bool require_fast_path, bool fp8_linears) {
+                         const BlockAttentionKernels& kernels, bool require_fast_path, bool fp8_linears,
+                         bool fp8_lm_head) {
   check_cuda_drafter_sizes(c);
+  if (fp8_lm_head) {
+    DFLASH_REQUIRE_HINT(c.hidden_size % 16 == 0,
+                        "model.drafter.lm_head_precision: fp8 needs a hidden size that is a multiple of 16, got "
+                            << c.hidden_size,
+                        "run the LM head in bf16 (model.drafter.lm_head_precision: bf16)");
+    DFLASH_REQUIRE_HINT(sm_major == 9,
+                        "model.drafter.lm_head_precision: fp8 needs an sm_90 GPU (cuBLASLt's block-scaled FP8 GEMMs), but "
+                            << device.str() << " is sm_" << sm_major << sm_minor,
+                        "run the LM head in bf16 (model.drafter.lm_head_precision: bf16) on this GPU");
+  }
   if (fp8_linears) {
     check_fp8_drafter_sizes(c);
     DFLASH_REQUIRE_HINT(sm_major == 9,
@@ -115,21 +126,26 @@ DrafterPlan drafter_plan(const DrafterConfig& c, Device device, int sm_major, in
   } else {
     plan.steps.push_back({"gemm", "fast", "cuBLASLt gemm_ex", "bf16 operands, fp32 accumulation (weight gradients fp32)"});
   }
-  plan.steps.push_back({"lm_head_ce", "fast", "linear_ce", "fused chunked LM head + cross-entropy (no R x V logits)"});
+  if (fp8_lm_head)
+    plan.steps.push_back({"lm_head_ce", "fast", "linear_ce fp8 (cuBLASLt gemm_fp8)",
+                          "model.drafter.lm_head_precision: fp8: fused chunked LM head + cross-entropy on block-scaled e4m3 "
+                          "operands (head 128x128, hidden rows and the logits' gradient 1x128), fp32 logits"});
+  else
+    plan.steps.push_back({"lm_head_ce", "fast", "linear_ce", "fused chunked LM head + cross-entropy (no R x V logits)"});
   return plan;
 }
 
 DrafterPlan make_drafter_plan(const DrafterConfig& c, Device device, int sm_major, int sm_minor, bool require_fast_path,
-                              bool fp8_linears) {
+                              bool fp8_linears, bool fp8_lm_head) {
 #if DFLASH_WITH_CUDA
   BlockAttentionKernels k;
   k.tensor_cores = cuda::block_attention_supported(c.head_dim, sm_major);
   // (Which tensor-core kernel runs is the device's to say; without it, as a test may ask, mma.sync.)
   if (k.tensor_cores)
     k.kernel = device.index < cuda_device_count() ? cuda::block_attention_kernel_name(c.head_dim, device.index) : "mma.sync";
-  return drafter_plan(c, device, sm_major, sm_minor, k, require_fast_path, fp8_linears);
+  return drafter_plan(c, device, sm_major, sm_minor, k, require_fast_path, fp8_linears, fp8_lm_head);
 #else
-  (void)c, (void)sm_major, (void)sm_minor, (void)require_fast_path, (void)fp8_linears;
+  (void)c, (void)sm_major, (void)sm_minor, (void)require_fast_path, (void)fp8_linears, (void)fp8_lm_head;
   DFLASH_FAIL_HINT("a drafter plan for " << device.str() << " needs the CUDA backend, which this build does not have",
                    "reconfigure with -DDFLASH_CUDA=ON on a machine with nvcc");
 #endif

@@ -55,10 +55,11 @@ struct BlockAttentionKernels {
 // (drafter/fp8_cuda.h); refused, naming the fields or the GPU, where check_fp8_drafter_sizes fails or
 // the GPU is not sm_90 (cuBLASLt's block-scaled FP8 kernels).
 DrafterPlan drafter_plan(const DrafterConfig& c, Device device, int sm_major, int sm_minor,
-                         const BlockAttentionKernels& kernels, bool require_fast_path, bool fp8_linears = false);
+                         const BlockAttentionKernels& kernels, bool require_fast_path, bool fp8_linears = false,
+                         bool fp8_lm_head = false);
 // The same, asking the kernels (a build without CUDA throws, naming the way out).
 DrafterPlan make_drafter_plan(const DrafterConfig& c, Device device, int sm_major, int sm_minor, bool require_fast_path,
-                              bool fp8_linears = false);
+                              bool fp8_linears = false, bool fp8_lm_head = false);
 // The CPU reference's plan (every step on the double-precision reference).
 DrafterPlan make_cpu_drafter_plan(const DrafterConfig& c);
 

@@ -72,27 +72,19 @@ Fp8LmHead::Fp8LmHead(const Tensor& head) {
                "Fp8LmHead: the LM head must be a contiguous bf16 [V, H] matrix on a GPU, got "
                    << (head.defined() ? head.describe() : "undefined"));
   const int64_t V = head.size(0), H = head.size(1), Vq = cuda::linear_ce_fp8_vocab_ld(V);
-  DFLASH_CHECK_HINT(H % 16 == 0, "the FP8 LM head needs a hidden size that is a multiple of 16, got " << H,
-                    "set model.drafter.lm_head_precision: bf16");
   const Device d = head.device();
-  const auto s_ = static_cast<cudaStream_t>(stream_of(d));
   q = Tensor::empty({Vq, H}, DType::U8, d);
   qt = Tensor::empty({H, Vq}, DType::U8, d);
   s = Tensor::zeros({fp8::blocks(V), cuda::fp8_weight_scale_ld(H)}, DType::F32, d);
   st = Tensor::zeros({fp8::blocks(H), cuda::fp8_weight_scale_ld(V)}, DType::F32, d);
-  if (Vq > V)  // q's padding rows (codes 0: logits 0); quantize_fp8_tiles writes qt's padding columns as 0
-    DFLASH_CUDA_CHECK(cudaMemsetAsync(q.data<uint8_t>() + V * H, 0, static_cast<size_t>((Vq - V) * H), s_));
-  cuda::Fp8TileQuantParams p;
-  p.x = head.raw_data(), p.ldx = H, p.rows = V, p.cols = H, p.block = true;
-  p.q = q.data<uint8_t>(), p.ldq = H, p.scale = s.data<float>(), p.lds = cuda::fp8_weight_scale_ld(H);
-  p.qt = qt.data<uint8_t>(), p.ldqt = Vq, p.scale_t = st.data<float>(), p.ldst = cuda::fp8_weight_scale_ld(V);
-  cuda::quantize_fp8_tiles(p, s_);
+  cuda::linear_ce_quantize_head(head.raw_data(), V, H, codes(), stream_of(d));
 }
 
-void Fp8LmHead::fill(cuda::LinearCeParams& p) const {
-  p.lm_head_q = q.data<uint8_t>(), p.lm_head_scale = s.data<float>();
-  p.lm_head_qt = qt.data<uint8_t>(), p.lm_head_scale_t = st.data<float>();
+cuda::LinearCeFp8Head Fp8LmHead::codes() const {
+  return {q.data<uint8_t>(), s.data<float>(), qt.data<uint8_t>(), st.data<float>()};
 }
+
+void Fp8LmHead::fill(cuda::LinearCeParams& p) const { cuda::linear_ce_use_fp8_head(p, codes()); }
 
 Fp8Linears::Fp8Linears(const DrafterConfig& c, Device device) : device_(device) {
   check_fp8_drafter_sizes(c);

@@ -26,9 +26,7 @@
 #include "core/tensor.h"
 #include "drafter/config.h"
 
-namespace dflash::cuda {
-struct LinearCeParams;
-}
+#include "kernels/cuda/loss.h"
 
 namespace dflash::drafter {
 
@@ -39,6 +37,7 @@ namespace dflash::drafter {
 // which the memory plan counts). Needs H % 16 == 0.
 struct Fp8LmHead {
   explicit Fp8LmHead(const Tensor& lm_head);
+  cuda::LinearCeFp8Head codes() const;
   void fill(cuda::LinearCeParams& p) const;  // the four FP8 fields
   Tensor q, s, qt, st;
 };

@@ -106,12 +106,9 @@ TEST(CudaDrafter, StepMatchesCpuReference) {
 // ~0); the GPU's FP8 gradients nearer the CPU's FP8 gradients than FP8 is to f32 (relative Frobenius
 // < 0.8 of it); the loss within 1%. Context rows 237 (not a multiple of 4: the padded GEMM path),
 // blocks of 8 (block rows 8·nb).
-TEST(CudaDrafter, Fp8StepMatchesTheCpuFp8Step) {
-  DFLASH_REQUIRE_GPU();
+static void expect_fp8_step_matches_the_cpu(const StepOptions& o8) {
   Fixture s = make_setup(43, {150, 77, 10});
   CudaDrafter gpu(s.c, s.w, s.embed, s.lm_head, Device::cuda(0));
-  StepOptions o8;
-  o8.fp8_linears = true;
   gpu.zero_grads();
   const StepStats g8 = gpu.step(s.dev, o8, true);
   const DrafterWeights gg8 = gpu.download_grads();
@@ -165,6 +162,23 @@ TEST(CudaDrafter, Fp8StepMatchesTheCpuFp8Step) {
   EXPECT_GT(e_q, 1e-3) << "the CPU's FP8 step must differ from f32 (quantized, not skipped)";
   EXPECT_GT(cosine, 0.6) << "FP8 moves the GPU's gradients another way than the CPU reference's";
   EXPECT_LT(e_gpu, 0.8 * e_q) << "the GPU's FP8 step is not nearer the FP8 reference than FP8 is to f32";
+}
+
+TEST(CudaDrafter, Fp8StepMatchesTheCpuFp8Step) {
+  DFLASH_REQUIRE_GPU();
+  StepOptions o8;
+  o8.fp8_linears = true;
+  expect_fp8_step_matches_the_cpu(o8);
+}
+
+// The same with the LM-head cross-entropy's two GEMMs in FP8 too (model.drafter.lm_head_precision: fp8):
+// the CPU's f32 step simulates its tiles (the head 128 x 128, the hidden rows and the logits' gradient
+// 1 x 128), and the GPU's step must again be nearer that than FP8 is to f32.
+TEST(CudaDrafter, Fp8LmHeadStepMatchesTheCpuFp8Step) {
+  DFLASH_REQUIRE_GPU();
+  StepOptions o8;
+  o8.fp8_linears = o8.fp8_lm_head = true;
+  expect_fp8_step_matches_the_cpu(o8);
 }
 
 // The FP8 weight codes are made once and reused until the bf16 weights change: after

@@ -23,7 +23,9 @@
 #include <cstdio>
 #include <vector>
 
+#include "drafter/fp8_cuda.h"
 #include "drafter/loss.h"
+#include "kernels/cpu/train_ops.h"
 #include "kernels/cuda/loss.h"
 #include "core/device.h"
 #include "core/random.h"
@@ -102,12 +104,12 @@ struct Out {
   Tensor dhidden;  // f32 host [R, H]; undefined when run without the gradient
 };
 
-Out run_gpu(const Inputs& in, int64_t chunk_rows, float grad_scale, bool with_grad) {
-  Tensor ws = Tensor::empty({cu::linear_ce_workspace(chunk_rows, in.V)}, DType::U8, Device::cuda(0));
+// fp8: the FP8 form with these head codes.
+Out run_gpu(const Inputs& in, int64_t chunk_rows, float grad_scale, bool with_grad,
+            const drafter::Fp8LmHead* fp8 = nullptr) {
   Tensor ce = Tensor::empty({in.R}, DType::F32, Device::cuda(0));
   Tensor am = Tensor::empty({in.R}, DType::I32, Device::cuda(0));
   Tensor dh;
-  poison(ws);
   poison(ce);
   poison(am);
   if (with_grad) {
@@ -127,6 +129,9 @@ Out run_gpu(const Inputs& in, int64_t chunk_rows, float grad_scale, bool with_gr
   p.ce = ce.data<float>();
   p.argmax = am.data<int32_t>();
   p.dhidden = with_grad ? dh.data<float>() : nullptr;
+  if (fp8) fp8->fill(p);
+  Tensor ws = Tensor::empty({cu::linear_ce_workspace(p)}, DType::U8, Device::cuda(0));
+  poison(ws);
   p.workspace = ws.raw_data();
   cu::linear_ce(p, 0);
   DeviceContext::get(0).synchronize();
@@ -286,4 +291,87 @@ TEST(CudaLinearCe, RejectsBadSizes) {
   EXPECT_NE(e.find("linear_ce: null pointer"), std::string::npos) << e;
   p.R = 0;  // no rows: a no-op, pointers not needed
   EXPECT_EQ(error_of([&] { cu::linear_ce(p, 0); }), "");
+}
+
+// The FP8 form (LinearCeParams' FP8 fields, drafter::Fp8LmHead's codes) against the CPU's simulation of
+// it (cpu::fused_linear_ce_f32 with fp8 on the head rounded in its 128 x 128 tiles): both round the
+// same bf16 hidden rows and head to the same e4m3 values (the tile quantizers are bit for bit the
+// CPU's), so their logits differ only by the GEMMs' accumulation (cuBLASLt sums each 128-deep block of
+// FP8 products in less than fp32: ~2e-3 of the largest logit, CudaFp8.TrainingGemmFormsMatchTheirReference).
+// Bounds: ce per row 3e-2 absolute (logits ~N(0, 2), largest ~8); argmax equal but for near ties (the
+// reference's logits within 3e-2); dhidden max_rel_err 5e-2 (the gradient's codes are rounded from
+// slightly different fp32 values on the two sides: an element near an e4m3 boundary moves by one
+// step, 6-12% of itself); rows of weight 0 exactly 0. A wrong scale, tile or padding gives O(1).
+// What FP8 itself does (the FP8 form against the exact double oracle) is printed and held loosely
+// (mean |Δce| < 0.1). Shapes: V not a multiple of 16 (the head's padding rows / columns), chunks whose
+// rows are not a multiple of 4 (the staged dhidden), one chunk larger than the rows.
+TEST(CudaLinearCe, Fp8FormMatchesTheCpuFp8Simulation) {
+  DFLASH_REQUIRE_GPU();
+  struct Case {
+    int64_t R, H, V, chunk;
+    float grad_scale;
+  };
+  for (const Case& c : {Case{50, 256, 1001, 16, 0.37f}, Case{19, 128, 4099, 64, 1.0f}, Case{133, 512, 2048, 32, 2.0f}}) {
+    SCOPED_TRACE(testing::Message() << "R=" << c.R << " H=" << c.H << " V=" << c.V << " chunk=" << c.chunk);
+    const Inputs in = make_inputs(c.R, c.H, c.V);
+    const drafter::Fp8LmHead head(in.lm_dev);
+    const Out got = run_gpu(in, c.chunk, c.grad_scale, true, &head);
+
+    // The CPU simulation: per row (weight 1) for ce / argmax, then all rows with the weights for dhidden.
+    Tensor hf = Tensor::empty({c.R, c.H}, DType::F32);
+    for (int64_t i = 0; i < c.R * c.H; ++i) hf.data<float>()[i] = static_cast<float>(in.hidden[i]);
+    Tensor wq = in.lm_host.to_dtype(DType::F32);
+    cpu::fake_quantize_e4m3(wq.data<float>(), c.V, c.H, 128, 128);
+    std::vector<double> ce_ref(static_cast<size_t>(c.R)), ce_exact(static_cast<size_t>(c.R));
+    std::vector<int32_t> am_ref(static_cast<size_t>(c.R));
+    for (int64_t r = 0; r < c.R; ++r) {
+      std::vector<int32_t> am;
+      ce_ref[r] = cpu::fused_linear_ce_f32(hf.data<float>() + r * c.H, 1, c.H, wq, {in.labels[r]}, {1.0}, 1, 1.0, nullptr,
+                                           &am, true)
+                      .weighted_ce_sum;
+      am_ref[r] = am[0];
+      ce_exact[r] = drafter::fused_linear_ce(&in.hidden[r * c.H], 1, c.H, in.lm_host, {in.labels[r]}, {1.0}, 1, 1.0,
+                                             nullptr, nullptr)
+                        .weighted_ce_sum;
+    }
+    Tensor dh_ref = Tensor::zeros({c.R, c.H}, DType::F32);
+    cpu::fused_linear_ce_f32(hf.data<float>(), c.R, c.H, wq, in.labels, in.weights, c.chunk, c.grad_scale,
+                             dh_ref.data<float>(), nullptr, true);
+    const double ce_err = max_abs_diff(got.ce, ce_ref);
+    double fp8_effect = 0;
+    for (int64_t r = 0; r < c.R; ++r) fp8_effect += std::abs(got.ce[r] - ce_exact[r]) / static_cast<double>(c.R);
+    int64_t far_ties = 0;
+    for (int64_t r = 0; r < c.R; ++r) {
+      if (got.argmax[r] == am_ref[r]) continue;
+      // the reference's own (simulated FP8) logits of the two ids
+      auto zq = [&](int64_t v) {
+        double s = 0;
+        std::vector<float> x(hf.data<float>() + r * c.H, hf.data<float>() + (r + 1) * c.H);
+        cpu::fake_quantize_e4m3(x.data(), 1, c.H, 1, 128);
+        for (int64_t k = 0; k < c.H; ++k) s += static_cast<double>(x[k]) * wq.data<float>()[v * c.H + k];
+        return s;
+      };
+      ASSERT_TRUE(got.argmax[r] >= 0 && got.argmax[r] < c.V) << "row " << r;
+      far_ties += std::abs(zq(got.argmax[r]) - zq(am_ref[r])) > 3e-2;
+    }
+    const double dh_err = max_rel_err(got.dhidden, dh_ref);
+    int64_t nonzero = 0;
+    for (int64_t r = 0; r < c.R; ++r)
+      if (in.weights[r] == 0)
+        for (int64_t k = 0; k < c.H; ++k) nonzero += got.dhidden.data<float>()[r * c.H + k] != 0.0f;
+    std::printf("  fp8 R=%lld H=%lld V=%lld chunk=%lld: ce max abs err vs the CPU simulation %.3g, dhidden err %.3g; "
+                "mean |ce(fp8) - ce(exact)| %.3g\n",
+                static_cast<long long>(c.R), static_cast<long long>(c.H), static_cast<long long>(c.V),
+                static_cast<long long>(c.chunk), ce_err, dh_err, fp8_effect);
+    EXPECT_LE(ce_err, 3e-2);
+    EXPECT_EQ(far_ties, 0) << "argmax differs from the simulation's beyond a near tie";
+    EXPECT_LE(dh_err, 5e-2);
+    EXPECT_EQ(nonzero, 0) << "rows with weight 0 must get dhidden exactly 0";
+    EXPECT_GT(fp8_effect, 0.0) << "the FP8 form gives the exact ce: not quantized?";
+    EXPECT_LT(fp8_effect, 0.1);
+    // Without dhidden: the same ce and argmax.
+    const Out fwd = run_gpu(in, c.chunk, c.grad_scale, false, &head);
+    EXPECT_LE(max_abs_diff(fwd.ce, got.ce), 1e-6);
+    EXPECT_EQ(fwd.argmax, got.argmax);
+  }
 }

@@ -274,7 +274,12 @@ TEST(CudaOps, GemmSkinnyMatchesLinear) {
         u.y = y3.raw_data();
         u.swiglu = false;
         cu::gemm_skinny(u, 0, stream());
-        EXPECT_TRUE(bit_equal(y3.slice(0, 0, c.M), y.slice(0, 0, c.M))) << "fused SwiGLU != swiglu + gemm_skinny";
+        // (with the stream-K knob the unfused call runs that kernel, the fused one the cluster kernel:
+        // the same products summed in another order, so only within the bound)
+        if (streamk && cu::gemm_bf16_stream_supported(u))
+          EXPECT_LT(max_rel_err(cols(host_f32(y3).slice(0, 0, c.M).clone(), 0, c.N), cols(got, 0, c.N)), kBound);
+        else
+          EXPECT_TRUE(bit_equal(y3.slice(0, 0, c.M), y.slice(0, 0, c.M))) << "fused SwiGLU != swiglu + gemm_skinny";
       }
     }
     if (!c.swiglu || c.pad_x == 0) {

@@ -58,10 +58,12 @@ class CudaBackend final : public TrainBackend {
     // The drafter's plan (its attention: the tensor-core kernels, or the much slower fallback, which
     // require_fast_path refuses there like a target fallback).
     const bool fp8_drafter = cfg.model.drafter.precision == DrafterPrecision::Fp8;
-    precision_text_ = fmt::format("{} target, {} drafter", target::precision_name(precision),
-                                  fp8_drafter ? "bf16 (block-scaled fp8 linears)" : "bf16");
+    const bool fp8_head = cfg.model.drafter.lm_head_precision == DrafterPrecision::Fp8;
+    precision_text_ = fmt::format("{} target, {} drafter{}", target::precision_name(precision),
+                                  fp8_drafter ? "bf16 (block-scaled fp8 linears)" : "bf16",
+                                  fp8_head ? ", fp8 LM-head cross-entropy" : "");
     drafter_plan_ = drafter::make_drafter_plan(dcfg_, device_, info.major, info.minor, cfg.kernels.require_fast_path,
-                                               fp8_drafter);
+                                               fp8_drafter, fp8_head);
     fast_path_ += "; " + drafter_plan_.summary();
     if (drafter_plan_.attention_fallback() && s.rank == 0)
       spdlog::warn("the drafter's attention runs the fallback kernel ({}): expect a slow step", drafter_plan_.attention().reason);
@@ -71,7 +73,7 @@ class CudaBackend final : public TrainBackend {
       const int64_t blocks = blocks_per_drafter_pass(cfg, tps);  // (training.blocks_per_pass)
       const MemoryPlan mp =
           gpu_memory_plan(local, dcfg_, tokens, cfg.data.max_length, blocks, drafter::CudaDrafter::kMinCeChunkRows,
-                          precision == target::Precision::Fp8, fp8_drafter, cfg.model.target.fp8_experts);
+                          precision == target::Precision::Fp8, fp8_drafter, cfg.model.target.fp8_experts, fp8_head);
       size_t free_b = 0, total_b = 0;
       DFLASH_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
       memory_plan_ = mp.table(static_cast<double>(total_b));

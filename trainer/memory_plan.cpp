@@ -42,7 +42,7 @@ double mlp_activation_bytes_per_token(const target::TargetConfig& t) {
 
 MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::DrafterConfig& d, int64_t tokens,
                            int64_t max_seqlen, int64_t blocks, int64_t ce_chunk_rows, bool fp8_target,
-                           bool fp8_drafter, bool fp8_experts) {
+                           bool fp8_drafter, bool fp8_experts, bool fp8_lm_head) {
   MemoryPlan p;
   const double N = static_cast<double>(tokens), R = static_cast<double>(blocks * d.block_size);
   p.target_weights = 2.0 * static_cast<double>(t.parameter_count());
@@ -92,9 +92,11 @@ MemoryPlan gpu_memory_plan(const target::TargetConfig& t, const drafter::Drafter
   const double V = static_cast<double>(d.vocab_size);
   // A chunk's fp32 logits and bf16 gradient, and the loss rows gathered out of the block rows with
   // their fp32 d(final norm) (CudaDrafter::loss; at most R rows).
-  p.ce_workspace = static_cast<double>(std::min<int64_t>(ce_chunk_rows, std::max<int64_t>(blocks * d.block_size, 1))) *
-                       (V + 8) * 6.0 +
-                   R * 6.0 * Hd;
+  const double chunk = static_cast<double>(std::min<int64_t>(ce_chunk_rows, std::max<int64_t>(blocks * d.block_size, 1)));
+  p.ce_workspace = chunk * (V + 8) * 6.0 + R * 6.0 * Hd;
+  if (fp8_lm_head)  // (cuda::linear_ce_workspace's FP8 form: logits fp32 + gradient codes over V + 16, hidden codes,
+                    // an fp32 staging block; the head's codes and their transpose)
+    p.ce_workspace = (chunk + 4) * ((V + 16) * 5.0 + Hd * 5.0 + 4.0 * (V / 128.0 + 2)) + R * 6.0 * Hd + 2.0 * V * Hd;
   // block_attention_bwd_workspace where the wgmma kernels run (its upper bound elsewhere): δ
   // [R, Hq] fp32 and a 64 x 64 bf16 dSᵀ tile per block, kv head, 64-row query tile and 64-key tile
   // (ceil(max_seqlen / 64) context tiles + the block's own).

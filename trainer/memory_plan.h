@@ -32,9 +32,11 @@ struct MemoryPlan {
 // fp8): the drafter state adds its linears' e4m3 codes and their transposes (drafter/fp8_cuda.h).
 // fp8_experts (model.target.fp8_experts): an MoE target's routed experts as e4m3 codes plus their
 // block scales, and one layer's experts in bf16 (the grouped GEMMs' copy) among the activations.
+// fp8_lm_head (model.drafter.lm_head_precision: fp8): the CE workspace is the FP8 form's (the chunk's
+// fp32 logits, its hidden rows' and gradient's codes) and holds the frozen head's codes (2 bytes a value).
 MemoryPlan gpu_memory_plan(const target::TargetConfig& local_target, const drafter::DrafterConfig& d, int64_t tokens,
                            int64_t max_seqlen, int64_t blocks, int64_t ce_chunk_rows, bool fp8_target = false,
-                           bool fp8_drafter = false, bool fp8_experts = false);
+                           bool fp8_drafter = false, bool fp8_experts = false, bool fp8_lm_head = false);
 
 // The anchor blocks of one drafter pass on a rank of a TP group of `tp` (what gpu_memory_plan's `blocks`
 // is): a micro-batch's share, batch_size · num_anchors / tp rounded up, at most training.blocks_per_pass.

@@ -115,6 +115,7 @@ struct TrainRowShape {
   int64_t drafter_layers = 0, block_size = 0, anchors = 0, batch = 0, micro_batches = 0;
   bool on_gpu = false, fp8_target = false;
   bool fp8_drafter = false;       // model.drafter.precision: fp8 (the shape's drafter=5x16-fp8)
+  bool fp8_lm_head = false;       // model.drafter.lm_head_precision: fp8 (drafter=5x16-fp8-fp8head)
   double peak_mem_gib = 0;        // the peak allocated on any rank (GPU)
   // "qwen3_5_text L64 H5120 seq=4096 fp8 tp=1 dp=1 drafter=5x16 anchors=512 batch=1x1"
   std::string shape() const;

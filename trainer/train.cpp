@@ -836,6 +836,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     sh.batch = tr.batch_size, sh.micro_batches = tr.micro_batches;
     sh.on_gpu = r.on_gpu(), sh.fp8_target = fp8_target;
     sh.fp8_drafter = cfg.model.drafter.precision == DrafterPrecision::Fp8;
+    sh.fp8_lm_head = cfg.model.drafter.lm_head_precision == DrafterPrecision::Fp8;
     sh.peak_mem_gib = backend->peak_memory_gib();
     const std::vector<bench::Row> rows = training_rows(sh, metrics.steady(), world);
     if (rows.empty()) {

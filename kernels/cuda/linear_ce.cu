@@ -92,7 +92,7 @@ __device__ __forceinline__ RowStat combine(const RowStat& a, const RowStat& b) {
   } else {
     r.s = (a.s == 0.0f ? 0.0f : a.s * expf(a.m - r.m)) + (b.s == 0.0f ? 0.0f : b.s * expf(b.m - r.m));
   }
-  r.idx = a.m > b.m ? a.idx : (b.m > a.m ? b.idx : min(a.idx, b.idx));
+  r.idx = a.m > b.m ? a.idx : (b.m > a.m ? b.idx : (a.idx < b.idx ? a.idx : b.idx));
   return r;
 }
 
@@ -254,6 +254,25 @@ int64_t linear_ce_workspace(int64_t chunk_rows, int64_t V) {
 }
 
 int64_t linear_ce_fp8_vocab_ld(int64_t V) { return align_up(V, 16); }
+
+void linear_ce_quantize_head(const void* lm_head, int64_t V, int64_t H, const LinearCeFp8Head& out, Stream s) {
+  DFLASH_CHECK_HINT(V > 0 && H > 0 && H % 16 == 0,
+                    "linear_ce: the FP8 LM head needs V > 0 and a hidden size H that is a multiple of 16, got V="
+                        << V << " H=" << H,
+                    "run the LM head in bf16 (model.drafter.lm_head_precision: bf16)");
+  const int64_t Vq = linear_ce_fp8_vocab_ld(V);
+  if (Vq > V)  // q's padding rows (codes 0: logits 0); quantize_fp8_tiles writes qt's padding columns as 0
+    DFLASH_CUDA_CHECK(cudaMemsetAsync(out.q + V * H, 0, static_cast<size_t>((Vq - V) * H), static_cast<cudaStream_t>(s)));
+  Fp8TileQuantParams p;
+  p.x = lm_head, p.ldx = H, p.rows = V, p.cols = H, p.block = true;
+  p.q = out.q, p.ldq = H, p.scale = out.scale, p.lds = fp8_weight_scale_ld(H);
+  p.qt = out.qt, p.ldqt = Vq, p.scale_t = out.scale_t, p.ldst = fp8_weight_scale_ld(V);
+  quantize_fp8_tiles(p, s);
+}
+
+void linear_ce_use_fp8_head(LinearCeParams& p, const LinearCeFp8Head& head) {
+  p.lm_head_q = head.q, p.lm_head_scale = head.scale, p.lm_head_qt = head.qt, p.lm_head_scale_t = head.scale_t;
+}
 
 namespace {
 

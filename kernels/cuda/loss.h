@@ -50,6 +50,18 @@ int64_t linear_ce_workspace(int64_t chunk_rows, int64_t V);
 int64_t linear_ce_workspace(const LinearCeParams& p);
 // Row stride of the FP8 form's transposed LM-head codes (and of its gradient codes): V rounded up to 16.
 int64_t linear_ce_fp8_vocab_ld(int64_t V);
+// The FP8 form's head codes from the bf16 head [V, H] (contiguous) on stream s: q [Vq, H] (its padding
+// rows written 0), scale [ceil(V / 128), fp8_weight_scale_ld(H)], qt [H, Vq] (padding columns 0),
+// scale_t [ceil(H / 128), fp8_weight_scale_ld(V)] (Vq = linear_ce_fp8_vocab_ld(V)); every buffer
+// 16-byte aligned; H % 16 == 0. Sets the four FP8 fields of p to them.
+struct LinearCeFp8Head {
+  uint8_t* q = nullptr;
+  float* scale = nullptr;
+  uint8_t* qt = nullptr;
+  float* scale_t = nullptr;
+};
+void linear_ce_quantize_head(const void* lm_head, int64_t V, int64_t H, const LinearCeFp8Head& out, Stream s);
+void linear_ce_use_fp8_head(LinearCeParams& p, const LinearCeFp8Head& head);
 void linear_ce(const LinearCeParams& p, int device);
 
 }  // namespace dflash::cuda

@@ -11,7 +11,8 @@
 # regex), TESTS_TIMEOUT / BENCH_TIMEOUT / EVAL_TIMEOUT (s: each stage is cut there, so the call ends in time), EVAL27B_NEW (new tokens, default 32), EVAL27B_PROFILE (profiled steps, default 2),
 # EVAL27B_VARIANTS (default fused,unfused,no_pdl,no_gdn_chain,no_commit,no_overlap,skinny_no_swiglu,fused,unfused),
 # EVAL27B_PRECISIONS (default bf16; "bf16 fp8": one dflash_eval each, both in eval27b.log / .csv; suffixes: "+anq"
-# with DFLASH_ADD_NORM_QUANT=1, the residual steps fused with the FP8 quantization; "+dfp8" with --draft-precision fp8,
+# with DFLASH_ADD_NORM_QUANT=1, the residual steps fused with the FP8 quantization (the default since session 26: a run
+# without "+anq" sets 0, the unfused side of the A/B); "+dfp8" with --draft-precision fp8,
 # the FP8 propose; e.g. "fp8+anq+dfp8"), KB_ONLY
 # (kernel_bench sections, default fused; e.g. "fused decode_gemm fp8": fp8 times the decode rows M 16 / 4 / 1
 # only, DFLASH_BENCH_FP8_DECODE=1), NINJA_TARGETS.

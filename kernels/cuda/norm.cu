@@ -58,11 +58,12 @@ namespace dflash::cuda {
 namespace tuning {
 int gated_norm_blocks = 0;
 int add_norm_rows = 1;  // add_rms_norm's block-per-row kernel with its loads first (0: the generic row kernel, its twin)
-// 1: the CUDA target model runs add_rms_norm_quant_fp8 where an FP8 projection reads the norm (off until
-// measured on a GPU: DFLASH_ADD_NORM_QUANT=1 in the environment turns it on at start-up).
+// 1: the CUDA target model runs add_rms_norm_quant_fp8 where an FP8 projection reads the norm (the same
+// bits as add_rms_norm then quantize_fp8_act; the 27B fp8 decode step 14.33 -> 14.19 ms on an H100,
+// bench/results/h100-fused-6bf6ff4). DFLASH_ADD_NORM_QUANT=0 in the environment turns it off at start-up.
 int add_norm_quant = [] {
   const char* e = std::getenv("DFLASH_ADD_NORM_QUANT");
-  return e && std::strcmp(e, "1") == 0 ? 1 : 0;
+  return e && std::strcmp(e, "0") == 0 ? 0 : 1;
 }();
 }
 

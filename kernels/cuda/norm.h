@@ -72,7 +72,7 @@ void rms_norm_quant_fp8(const void* x, int64_t ldx, const void* w, int64_t rows,
 bool add_rms_norm_quant_fp8_supported(int64_t D);
 namespace tuning {
 extern int add_norm_rows;   // add_rms_norm's block-per-row kernel (default 1; 0: the generic row kernel, its twin)
-extern int add_norm_quant;  // the CUDA target model's use of add_rms_norm_quant_fp8 (default 0; DFLASH_ADD_NORM_QUANT=1)
+extern int add_norm_quant;  // the CUDA target model's use of add_rms_norm_quant_fp8 (default 1; DFLASH_ADD_NORM_QUANT=0)
 }  // namespace tuning
 void add_rms_norm_quant_fp8(void* h, const void* d, const void* w, void* y, int64_t rows, int64_t D, float eps,
                             uint8_t* q, int64_t ldq, float* scale, Stream s);

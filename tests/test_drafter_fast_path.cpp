@@ -108,3 +108,18 @@ TEST(DrafterFastPath, Fp8LinearsArePlannedOrRefusedNamingWhy) {
   EXPECT_EQ(msg.find("q_dim"), std::string::npos) << "q_dim 2048 is a multiple of 128: " << msg;
   EXPECT_EQ(refusal([&] { check_fp8_drafter_sizes(c); }), "");
 }
+
+// model.drafter.lm_head_precision: fp8: the plan's lm_head_ce step names the FP8 form; a GPU that is not
+// sm_90 is refused, naming the fix.
+TEST(DrafterFastPath, Fp8LmHeadIsPlannedOrRefusedNamingWhy) {
+  DrafterConfig c = config_with_head_dim(128);
+  const DrafterPlan p = drafter_plan(c, Device::cuda(0), 9, 0, {true, "wgmma sm_90a"}, true, false, true);
+  ASSERT_EQ(p.steps.size(), 3u);
+  EXPECT_EQ(p.steps[2].step, "lm_head_ce");
+  EXPECT_EQ(p.steps[2].kernel, "linear_ce fp8 (cuBLASLt gemm_fp8)");
+  EXPECT_NE(p.steps[2].reason.find("model.drafter.lm_head_precision: fp8"), std::string::npos) << p.steps[2].reason;
+  EXPECT_EQ(drafter_plan(c, Device::cuda(0), 9, 0, {true, "wgmma sm_90a"}, true).steps[2].kernel, "linear_ce");
+  const std::string sm = refusal([&] { drafter_plan(c, Device::cuda(0), 8, 9, {true, "mma.sync"}, true, false, true); });
+  EXPECT_NE(sm.find("model.drafter.lm_head_precision: fp8 needs an sm_90 GPU"), std::string::npos) << sm;
+  EXPECT_NE(sm.find("model.drafter.lm_head_precision: bf16"), std::string::npos) << sm;
+}

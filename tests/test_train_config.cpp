@@ -393,6 +393,9 @@ TEST(TrainConfig, InconsistentValues) {
   EXPECT_THAT(validate_error({"model.drafter.precision=fp8", "parallel.device=cpu", "kernels.cpu_drafter=f64"}),
               HasSubstr("model.drafter.precision: fp8 contradicts kernels.cpu_drafter: f64"));
   EXPECT_THAT(validate_error({"model.drafter.precision=fp16"}), HasSubstr("model.drafter.precision"));
+  EXPECT_THAT(validate_error({"model.drafter.lm_head_precision=fp8", "parallel.device=cpu", "kernels.cpu_drafter=f64"}),
+              HasSubstr("model.drafter.lm_head_precision: fp8 contradicts kernels.cpu_drafter: f64"));
+  EXPECT_THAT(validate_error({"model.drafter.lm_head_precision=int8"}), HasSubstr("model.drafter.lm_head_precision"));
   // Ranges are checked again for configs changed in code.
   TrainConfig c = minimal();
   c.model.drafter.block_size = 1;

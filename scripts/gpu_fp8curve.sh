@@ -9,7 +9,8 @@
 # |loss_fp8 - loss_bf16| / loss_bf16 at every logged step, its maximum after the first 10% of the steps,
 # and the mean of the last 5 logged losses of each; the curves "agree" when that last-5 mean differs by
 # at most TOL (default 0.03) and every logged step after the first 10% by at most 2 x TOL.
-#   device run: DFLASH_GIT_COMMIT=<sha> PREPARED=P bash scripts/gpu_fp8curve.sh   (B=<build dir> skips the build)
+#   device run: DFLASH_GIT_COMMIT=<sha> PREPARED=P bash scripts/gpu_fp8curve.sh   (B=<build dir> skips the build;
+#   FP8_HEAD=1: the fp8 run's LM-head cross-entropy in FP8 too, model.drafter.lm_head_precision: fp8)
 #   CPU dry run of the logic: DEV=cpu B=build-cpu NPROMPTS=64 STEPS=20 LOGI=2 NEW_EV=8 NHO=4 bash scripts/gpu_fp8curve.sh
 #     (the CPU backend simulates the FP8 linears); NPROMPTS (default 0: all) limits the regenerated prompts.
 # Writes to $OUT: fp8curve.txt (the summary and both curves side by side) and fp8curve.tgz (logs,
@@ -48,7 +49,10 @@ if [ -n "${PREPARED:-}" ]; then
 fi
 pids=()
 for p in bf16 fp8; do
+  head=bf16  # FP8_HEAD=1: the fp8 run's LM-head CE in FP8 too (model.drafter.lm_head_precision)
+  [ "$p" = fp8 ] && [ -n "${FP8_HEAD:-}" ] && head=fp8
   "$B/trainer/dflash_train" configs/text-gpu.yaml "${data[@]}" --set parallel.device="$DEV" --set model.drafter.precision=$p \
+    --set model.drafter.lm_head_precision=$head \
     --set data.regenerate.num_prompts="$NPROMPTS" --set training.max_steps="$STEPS" --set logging.interval="$LOGI" \
     --set checkpoint.interval=1000000 \
     --set checkpoint.at_end=false --set logging.progress_bar=false --set logging.run_dir="$W/$p" >"$W/train_$p.log" 2>&1 &

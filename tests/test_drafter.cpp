@@ -219,13 +219,24 @@ TEST(Drafter, F32MathMatchesTheDoubleReference) {
 // quantization is not skipped); the same bits on 1 and 3 threads; the double reference refuses it.
 // (The tiles themselves: Fp8Quantize.FakeQuantizeTilesEqualTheQuantizers; the loss over a real run:
 // docs/training.md.)
+// The FP8 tests' inputs: the tiny drafter in f32, its target and batch, and the f32 step's options.
+struct TinyF32Step {
+  DrafterConfig c = tiny_config();
+  DrafterWeights w = tiny_weights(c, DType::F32);
+  FrozenTarget t = tiny_target(c);
+  DrafterBatch b = tiny_batch(c);
+  StepOptions o32 = f32();
+  static StepOptions f32() {
+    StepOptions o;
+    o.math = DrafterMath::F32;
+    return o;
+  }
+};
+
 TEST(Drafter, Fp8LinearsStayNearTheF32Step) {
-  const DrafterConfig c = tiny_config();
-  const DrafterWeights w = tiny_weights(c, DType::F32);
-  const FrozenTarget t = tiny_target(c);
-  const DrafterBatch b = tiny_batch(c);
-  StepOptions o32, o8;
-  o32.math = o8.math = DrafterMath::F32;
+  const TinyF32Step s;
+  const auto& [c, w, t, b, o32] = s;
+  StepOptions o8 = o32;
   o8.fp8_linears = true;
   auto fro = [](const Tensor& x, const Tensor& y) {
     const Tensor a = x.to_dtype(DType::F64).contiguous(), r = y.to_dtype(DType::F64).contiguous();
@@ -271,12 +282,9 @@ TEST(Drafter, Fp8LinearsStayNearTheF32Step) {
 // this tiny drafter across input draws, as the FP8 linears' 0.52); the forward's final hidden states
 // do not move at all; the same bits on 1 and 3 threads; the double reference refuses it.
 TEST(Drafter, Fp8LmHeadStaysNearTheF32Step) {
-  const DrafterConfig c = tiny_config();
-  const DrafterWeights w = tiny_weights(c, DType::F32);
-  const FrozenTarget t = tiny_target(c);
-  const DrafterBatch b = tiny_batch(c);
-  StepOptions o32, o8;
-  o32.math = o8.math = DrafterMath::F32;
+  const TinyF32Step s;
+  const auto& [c, w, t, b, o32] = s;
+  StepOptions o8 = o32;
   o8.fp8_lm_head = true;
   DrafterWeights g32 = DrafterWeights::zeros(c, DType::F32), g8 = DrafterWeights::zeros(c, DType::F32);
   Tensor c32, c8, h32, h8;

@@ -298,7 +298,7 @@ class CudaProposer final : public Proposer {
   void quantize_weights(int64_t Rmax) {
     const int64_t H = c_.hidden_size, I = c_.intermediate_size, qd = c_.q_dim(), kvd = c_.kv_dim();
     DFLASH_CHECK_HINT(cuda_device_info(device_.index).major >= 9,
-                      "cuda proposer: FP8 propose runs the streaming FP8 GEMM, which needs sm_90 (this GPU is sm_"
+                      "cuda proposer: FP8 propose runs block-scaled FP8 GEMMs, which need sm_90 (this GPU is sm_"
                           << cuda_device_info(device_.index).major << "x)",
                       "propose in bf16 (--draft-precision bf16)");
     for (const auto& [K, what] : {std::pair{H, "hidden_size"}, {qd, "q_dim (heads x head_dim)"}, {I, "intermediate_size"}})
@@ -326,7 +326,10 @@ class CudaProposer final : public Proposer {
   }
 
   // y[M, N] = x[M, K] · w[N, K]ᵀ as linear() does it, or, in an FP8 propose of <= 16 rows, from the
-  // quantized weight `f` through cuda::gemm_fp8_stream (x quantized per token and 128 columns first).
+  // quantized weight `f` (x quantized per token and 128 columns first): cuBLASLt's block-scaled kernel
+  // (cuda::gemm_fp8) where it applies (rows a multiple of 4, y's row stride a multiple of 8), else the
+  // streaming kernel (at M 16 cuBLASLt streams the decode shapes at 1.6-2.3 TB/s against the streaming
+  // kernel's 1.0-1.4 on an H100: bench/results/h100-fused-6bf6ff4).
   void project(const Tensor& w, const Fp8Weight& f, const void* x, int64_t ldx, void* y, int64_t ldy, int64_t M, int64_t N,
                int64_t K, bool accumulate = false, bool f32_out = false) {
     if (!fp8_ || M > 16) {
@@ -341,7 +344,10 @@ class CudaProposer final : public Proposer {
     cuda::GemmFp8Params g;
     g.x = xq_.data<uint8_t>(), g.ldx = K, g.x_scale = xs_.data<float>(), g.w = f.q.data<uint8_t>(), g.w_scale = f.s.data<float>();
     g.y = y, g.ldy = ldy, g.M = M, g.N = N, g.K = K, g.y_f32 = accumulate || f32_out, g.accumulate = accumulate;
-    cuda::gemm_fp8_stream(g, device_.index, stream());
+    if (M % 4 == 0 && ldy % 8 == 0)
+      cuda::gemm_fp8(g, device_.index);
+    else
+      cuda::gemm_fp8_stream(g, device_.index, stream());
   }
 
   // y[M, N] = x[M, K] · w[N, K]ᵀ: bf16 y, or fp32 y added into (accumulate) or written (f32_out).

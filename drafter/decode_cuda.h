@@ -25,7 +25,8 @@ namespace dflash::drafter {
 // embed_tokens / lm_head: the target's bf16 [V, H] tensors on `device` (shared, never written).
 // fp8_propose: a propose step's GEMMs (q|k|v, o, gate|up, down and the lm_head) read e4m3 copies of
 // their weights with 128 x 128 block scales (made once here; +~50% weight memory, the lm_head's copy
-// included) through cuda::gemm_fp8_stream, their inputs quantized per token and 128 columns: about
+// included) through cuda::gemm_fp8 (cuBLASLt; the streaming kernel where that has none), their inputs quantized
+// per token and 128 columns: about
 // half the bytes a propose step reads. The drafts may differ from the bf16 proposer's where two
 // logits are close; speculative decoding stays lossless (the target verifies every draft). Steps of
 // more than 16 rows (several slots) run the bf16 GEMMs. Needs hidden_size, q_dim and

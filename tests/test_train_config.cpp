@@ -630,6 +630,16 @@ TEST(MemoryPlan, Qwen27bRecipe) {
   EXPECT_DOUBLE_EQ(f8.drafter_state - b8.drafter_state, 2.0 * static_cast<double>(params));
   EXPECT_DOUBLE_EQ(f8.drafter_activations - b8.drafter_activations, 8192.0 * (4 * 17408 + 5120));
   EXPECT_LT(f8.total() * (1 + kMemoryPlanMargin), 139.8 * (1 << 30));
+  // The FP8 LM head (model.drafter.lm_head_precision: fp8) holds the head's codes and their transpose (2 bytes a
+  // value: 2.37 GiB) and the FP8 form's CE workspace (a 2048-row chunk's fp32 logits and gradient codes:
+  // ~2.4 GiB, against the bf16 form's ~2.8); measured on the H200 at 4096 tokens: 86.1 GiB peak against 84.2
+  // (bench/results/h200-fp8head-5d8af27).
+  const MemoryPlan h8 = gpu_memory_plan(target::local_config(t, 1), d, 4096, 4096, 512, 2048, true, true, false, true);
+  const double V = static_cast<double>(t.vocab_size), H = static_cast<double>(d.hidden_size);
+  EXPECT_GT(h8.ce_workspace - f8.ce_workspace, 2.0 * V * H - 2048.0 * V * 2);
+  EXPECT_LT(h8.ce_workspace - f8.ce_workspace, 2.0 * V * H);
+  EXPECT_EQ(h8.drafter_state, f8.drafter_state);
+  EXPECT_LT(h8.total() * (1 + kMemoryPlanMargin), 139.8 * (1 << 30));
 }
 
 // The start-up refusal (issue 32): on an H200 (139.8 GiB, 139.2 free as at start-up) the 27B recipe

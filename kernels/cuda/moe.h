@@ -165,8 +165,9 @@ void moe_grouped_gemm_stream(const MoeGemmParams& p, Stream s);
 // (at 35B-A3B shapes 8 of 256 for gate|up, 4 of 128 for down).
 inline constexpr int kMoeStreamkPieces = 8;
 namespace tuning {
-// -1 (the default) and 0: the other tilings (the stream-K kernel is not measured on a GPU yet); 1: every
-// supported call (tests, benches: moe_bench's /streamk rows).
+// -1 (the default) and 0: the other tilings (the stream-K kernel loses to deep16: the one-token block 0.078
+// against 0.043 ms on an H200, bench/results/h200-fp8head-5d8af27); 1: every supported call (tests,
+// benches: moe_bench's /streamk rows).
 extern int moe_streamk;
 extern int moe_streamk_blocks;  // its grid: 0 every resident block (one wave), > 0 this many (tests)
 extern int moe_streamk_pieces;  // kMoeStreamkPieces; another value gives other bits (the same at every N)

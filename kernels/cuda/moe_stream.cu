@@ -42,8 +42,8 @@
 // signalled after the wait, as every kernel of the MoE block does.
 //
 // Only bf16 weights (FP8 codes keep the 16-row deep blocks). One workspace per device, used by one stream
-// at a time (as gemm_stream.cu's). Off by default (tuning::moe_streamk): not measured on a GPU yet
-// (written in a session without one); tests/test_moe_emulated.cpp runs it on the CPU,
+// at a time (as gemm_stream.cu's). Off by default (tuning::moe_streamk): it loses to the 16-row deep blocks
+// (H200: the one-token block 0.078 against 0.043 ms, bench/results/h200-fp8head-5d8af27); tests/test_moe_emulated.cpp runs it on the CPU,
 // test_cuda_moe's CudaMoe.StreamK* on the device, its Bench35bA3b rows /streamk, /streamk_p16 time it.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

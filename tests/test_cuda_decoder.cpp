@@ -89,19 +89,12 @@ struct Agreement {
     const int64_t R = ref.logits.size(0), V = ref.logits.size(1);
     if (got.logits.numel() != R * V || got.next.size() != static_cast<size_t>(R)) return;
     for (int64_t j = 0; j < R; ++j) {
-      const float* g = got.logits.data<float>() + j * V;
-      const float* r = ref.logits.data<float>() + j * V;
-      double err = 0, top1 = -INFINITY, top2 = -INFINITY;
-      for (int64_t v = 0; v < V; ++v) {
-        err = std::max(err, std::abs(static_cast<double>(g[v]) - r[v]));
-        if (r[v] > top1) top2 = top1, top1 = r[v];
-        else if (r[v] > top2) top2 = r[v];
-      }
+      const RowMargin m = row_margin(got.logits.data<float>() + j * V, ref.logits.data<float>() + j * V, V);
       ++rows;
-      if (top1 - top2 > 2 * err) {
+      if (m.margin > 2 * m.err) {
         ++clear;
         EXPECT_EQ(got.next[static_cast<size_t>(j)], ref.next[static_cast<size_t>(j)])
-            << what << ", row " << j << ": margin " << top1 - top2 << " > 2 x error " << err;
+            << what << ", row " << j << ": margin " << m.margin << " > 2 x error " << m.err;
       }
     }
   }

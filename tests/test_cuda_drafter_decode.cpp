@@ -70,21 +70,14 @@ Agreement compare(Pair& p, const std::vector<int32_t>& slots, const std::vector<
     for (int64_t j = 1; j < Bp; ++j) {
       const int64_t r = static_cast<int64_t>(s) * Bp + j;
       EXPECT_EQ(dg[s][j - 1], own[r]) << "slot " << slots[s] << " row " << j << ": draft is not the argmax of its logits";
-      const float* c = lc.data<float>() + r * V;
-      const float* g = lg.data<float>() + r * V;
-      double err = 0, top1 = -INFINITY, top2 = -INFINITY;
-      for (int64_t v = 0; v < V; ++v) {
-        err = std::max(err, std::abs(static_cast<double>(g[v]) - c[v]));
-        if (c[v] > top1) top2 = top1, top1 = c[v];
-        else if (c[v] > top2) top2 = c[v];
-      }
+      const RowMargin m = row_margin(lg.data<float>() + r * V, lc.data<float>() + r * V, V);
       ++a.rows;
       a.equal += dg[s][j - 1] == dc[s][j - 1];
-      if (top1 - top2 > 2 * err) {
+      if (m.margin > 2 * m.err) {
         ++a.clear;
         a.clear_equal += dg[s][j - 1] == dc[s][j - 1];
-        EXPECT_EQ(dg[s][j - 1], dc[s][j - 1]) << "slot " << slots[s] << " row " << j << ": margin " << top1 - top2
-                                              << " > 2 x error " << err;
+        EXPECT_EQ(dg[s][j - 1], dc[s][j - 1]) << "slot " << slots[s] << " row " << j << ": margin " << m.margin
+                                              << " > 2 x error " << m.err;
       }
     }
   }
@@ -182,15 +175,8 @@ TEST(CudaProposer, Fp8ProposeIsNearTheBf16Proposer) {
       for (int64_t j = 1; j < Bp; ++j) {
         const int64_t r = static_cast<int64_t>(s) * Bp + j;
         EXPECT_EQ(d8[s][j - 1], own[r]) << "slot " << ss[s] << " row " << j << ": draft is not the argmax of its logits";
-        const float* b = lb.data<float>() + r * V;
-        const float* g = l8.data<float>() + r * V;
-        double e = 0, top1 = -INFINITY, top2 = -INFINITY;
-        for (int64_t v = 0; v < V; ++v) {
-          e = std::max(e, std::abs(static_cast<double>(g[v]) - b[v]));
-          if (b[v] > top1) top2 = top1, top1 = b[v];
-          else if (b[v] > top2) top2 = b[v];
-        }
-        if (top1 - top2 > 2 * e) {
+        const RowMargin m = row_margin(l8.data<float>() + r * V, lb.data<float>() + r * V, V);
+        if (m.margin > 2 * m.err) {
           ++clear;
           clear_equal += d8[s][j - 1] == db[s][j - 1];
           EXPECT_EQ(d8[s][j - 1], db[s][j - 1]) << "slot " << ss[s] << " row " << j;

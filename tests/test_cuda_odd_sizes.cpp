@@ -134,15 +134,8 @@ double compare_extend(const ExtendResult& g, const ExtendResult& r, int64_t V, c
   const int64_t R = r.logits.size(0);
   if (g.logits.numel() != R * V || g.next.size() != static_cast<size_t>(R)) return INFINITY;
   for (int64_t j = 0; j < R; ++j) {
-    const float* a = g.logits.data<float>() + j * V;
-    const float* b = r.logits.data<float>() + j * V;
-    double err = 0, top1 = -INFINITY, top2 = -INFINITY;
-    for (int64_t v = 0; v < V; ++v) {
-      err = std::max(err, std::abs(static_cast<double>(a[v]) - b[v]));
-      if (b[v] > top1) top2 = top1, top1 = b[v];
-      else if (b[v] > top2) top2 = b[v];
-    }
-    if (top1 - top2 > 2 * err) {
+    const RowMargin m = row_margin(g.logits.data<float>() + j * V, r.logits.data<float>() + j * V, V);
+    if (m.margin > 2 * m.err) {
       ++*clear;
       EXPECT_EQ(g.next[static_cast<size_t>(j)], r.next[static_cast<size_t>(j)]) << what << ", row " << j;
     }

@@ -50,14 +50,30 @@ inline double max_rel_err(const Tensor& got, const Tensor& ref) {
   return max_diff / std::max(max_ref, 1e-30);
 }
 
-// Overwrites every element so that outputs a kernel forgot to write are caught: NaN for float
-// dtypes, an unlikely sentinel for integer ones. Works on cpu and cuda tensors.
+// One row of V logits against its reference row: the largest |got - ref| and the reference's top-1 minus
+// top-2 margin. Where the margin exceeds twice the error, the two argmaxes must agree (a greedy token or
+// a draft); elsewhere rounding may pick either.
+struct RowMargin {
+  double err = 0, margin = 0;
+};
+inline RowMargin row_margin(const float* got, const float* ref, int64_t V) {
+  double err = 0, top1 = -INFINITY, top2 = -INFINITY;
+  for (int64_t v = 0; v < V; ++v) {
+    err = std::max(err, std::abs(static_cast<double>(got[v]) - ref[v]));
+    if (ref[v] > top1) top2 = top1, top1 = ref[v];
+    else if (ref[v] > top2) top2 = ref[v];
+  }
+  return {err, top1 - top2};
+}
+
 // Same bytes (host copies of any device, contiguous), and the same byte count.
 inline bool bit_equal(const Tensor& a, const Tensor& b) {
   const Tensor x = a.to(Device::cpu()).contiguous(), y = b.to(Device::cpu()).contiguous();
   return x.nbytes() == y.nbytes() && std::memcmp(x.raw_data(), y.raw_data(), x.nbytes()) == 0;
 }
 
+// Overwrites every element so that outputs a kernel forgot to write are caught: NaN for float
+// dtypes, an unlikely sentinel for integer ones. Works on cpu and cuda tensors.
 inline void poison(Tensor& t) {
   if (!t.defined() || t.numel() == 0) return;
   switch (t.dtype()) {

@@ -323,8 +323,9 @@ void linear_ce_fp8(const LinearCeParams& p, int device, cudaStream_t stream) {
   const int V = static_cast<int>(p.V);
   for (int64_t r0 = 0; r0 < p.R; r0 += p.chunk_rows) {
     const int64_t n = std::min(p.chunk_rows, p.R - r0), np = align_up(n, 4);
-    Fp8ActQuantParams qa;  // the hidden rows, 1 x 128 along H (the padding rows' codes are never used:
-    qa.x = static_cast<const bf16*>(p.hidden) + r0 * p.H, qa.ldx = p.H;  // their logits are not read)
+    // The hidden rows, 1 x 128 along H (the padding rows' stale codes only make logits rows nobody reads).
+    Fp8ActQuantParams qa;
+    qa.x = static_cast<const bf16*>(p.hidden) + r0 * p.H, qa.ldx = p.H;
     qa.q = w.hq, qa.ldq = p.H, qa.scale = w.hs, qa.M = n, qa.K = p.H;
     quantize_fp8_act(qa, stream);
     GemmFp8Params g;  // logits [np, Vq] (fp32) = hidden codes [np, H] · lm_head_q [Vq, H]ᵀ

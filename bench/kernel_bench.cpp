@@ -988,7 +988,7 @@ void bench_fp8(Ctx& ctx, bool quick) {
       measure(ctx, "fp8", "gemm_bf16", shape, {{"cublaslt_bf16", bf16_call, nullptr}}, 0, units(2));
       if (cuda::gemm_fp8_stream_supported({xq.data<uint8_t>(), K, xs.data<float>(), wq[0].data<uint8_t>(),
                                            ws[0].data<float>(), y8.raw_data(), N, M, N, K, false})) {
-        // The streaming decode GEMM (issue 30; fp8_stream.cu), checked against gemm_bf16 first.
+        // The streaming decode GEMM (issue 30; gemm_stream.cu), checked against gemm_bf16 first.
         cuda::tuning::gemm_fp8_stream = 1;
         next = 0;
         bf16_call();

@@ -45,10 +45,11 @@
 // dependent launch (pdl.cuh) the first kStages - 1 steps' weight copies are issued before waiting on
 // the previous kernel, which wrote x.
 //
-// Not measured on a GPU yet (written in a session without one; tests/test_gemm_stream_emulated.cpp
-// runs it on the CPU): kernel_bench --only fp8 (stream_e4m3 rows, DFLASH_BENCH_FP8_DECODE=1) and
-// --only decode_gemm (skinny_streamk rows), and dflash_eval --decode-variants fused,skinny (fp8) /
-// skinny_streamk (bf16) measure it against cuBLASLt.
+// Measured (H100, bench/results/h100-fused-6bf6ff4): slower than cuBLASLt at M 16, FP8 0.98-1.39 TB/s
+// against 1.62-2.27, bf16 1.05-2.03 against 2.54-2.90, so off by default (docs/fp8.md says why).
+// tests/test_gemm_stream_emulated.cpp runs it on the CPU; kernel_bench --only fp8 (stream_e4m3 rows,
+// DFLASH_BENCH_FP8_DECODE=1) and --only decode_gemm (skinny_streamk rows), and dflash_eval
+// --decode-variants fused,skinny (fp8) / skinny_streamk (bf16) measure it against cuBLASLt.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

@@ -1,9 +1,9 @@
 // The streaming decode GEMMs (kernels/cuda/gemm_stream.cu: a one-wave stream-K grid, per-warp
-// cp.async rings across tile boundaries, mma.sync m16n8k32 e4m3 / m16n8k16 bf16, tiles shared by
+// register rings of weight loads across tile boundaries, mma.sync m16n8k32 e4m3 / m16n8k16 bf16, tiles shared by
 // warps summed in the block and tiles shared by blocks summed by the last block through a
 // workspace) run on the CPU through tests/cuda_emulation.h, so CI checks their partition, rings,
 // scales and fix-ups without a GPU; the device's own runs are test_cuda_fp8's
-// (CudaFp8.StreamingGemmMatchesCpuBlockwise) and test_cuda_ops' (CudaOps.SkinnyGemm*).
+// (CudaFp8.StreamingGemmMatchesCpuBlockwise) and test_cuda_ops' (CudaOps.GemmSkinnyMatchesLinear).
 //
 // Bound: the emulated MMAs sum exact products in f32 (k order), the references (ops::gemm_fp8_blockwise;
 // a double sum for bf16) in another order, so per element |got - ref| <= 2^-8 |ref| (the bf16 store:
@@ -151,17 +151,18 @@ void expect_matches(const std::vector<float>& y, const Tensor& ref, int64_t y_co
 // Shapes and grids that split tiles every way: a tile over two, three and four blocks, blocks and
 // warps holding a tile's end and the next one's start, tiles shared by warps inside a block,
 // whole tiles stored by one warp (short K), empty warp runs (fewer units than warps), one unit per
-// block; M 1..16 (one and two MMA token halves), N not a multiple of 64 (and, FP8, of 4: partial
+// block, runs longer than the register ring (K 1024, one block); M 1..16 (one and two MMA token halves),
+// N not a multiple of 16 (and, FP8, of 4: partial
 // quads), ldx > K, an output window inside wider rows (NaN-poisoned: nothing outside it written).
 struct Case {
   int64_t M, N, K, pad_x;
   std::vector<int> grids;
 };
 const std::vector<Case> kCases = {
-    {16, 192, 512, 0, {1, 2, 5, 7, 12}},  // U = 3 tiles x 4 groups
+    {16, 192, 512, 0, {1, 2, 5, 7, 12}},  // U = 12 tiles x 4 groups (FP8; bf16 8)
     {9, 200, 384, 16, {1, 3, 4, 13}},     // a last tile of 8 rows
     {8, 136, 640, 32, {4, 9, 15}},
-    {1, 64, 128, 0, {1}},                 // one unit: three empty warps
+    {1, 64, 128, 0, {1}},                 // four units (FP8): four empty warps
     {12, 640, 128, 0, {1, 2, 3}},         // K 128: every unit a whole tile
     {3, 256, 1024, 0, {1, 6}},
 };

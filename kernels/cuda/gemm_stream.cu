@@ -18,38 +18,43 @@
 // fp8 decode step slower than cuBLASLt (14.72 vs 12.11 ms, bench/results/h200-fp8dec-af49b75);
 // gemm_skinny's cluster grids lost to wave quantization at N = 5120 (2,640-2,862 GB/s, h200-decode4-*).
 //
-// Design. The work is a list of units (a 64-row tile x a 128-column group), tile-major:
-// U = ceil(N / 64) · K / 128. A grid of B = min(U, resident blocks) blocks takes equal contiguous runs
-// ([U b / B, U (b + 1) / B)) and each block's 4 warps take equal contiguous runs of the block's, so
-// every warp streams the same bytes whatever N and K (no partial last wave). A warp walks its run in
-// steps of 64 bytes of its 64 rows through a ring of kStages steps in shared memory filled by
-// cp.async, continuously across tile boundaries (16 bytes per lane and copy, each lane reading back
-// only what it copied, so no barrier; per step each lane copies 8 weight units: rows g and g + 8 of
-// each 16-row tile, bytes 16t..16t+15 of the step, and the x units of tokens g and g + 8), then runs
-// 8 or 16 MMAs (weight rows as the MMA's M, tokens as its N; the k order permuted alike for both
-// operands so that the 16-byte units are used as loaded: fp8 lane t's bytes 16t + 8h .. + 3 serve
-// logical k 4t.., bytes + 4 .. + 7 serve k 16 + 4t.. of MMA h; bf16 words 2h / 2h + 1 serve k 2t.. /
-// 2t + 8..). kStages - 1 steps are in flight per warp while one is multiplied.
+// Design (second version, session 27). The work is a list of units (a 16-row tile x 128 bytes of its
+// rows: FP8 one scale group, bf16 64 columns), tile-major: U = ceil(N / 16) · K · elem / 128. A grid of
+// B = min(U, resident blocks) blocks takes equal contiguous runs ([U b / B, U (b + 1) / B)) and each
+// block's 8 warps take equal contiguous runs of the block's, so every warp streams the same bytes
+// whatever N and K (no partial last wave). A warp walks its run unit by unit, continuously across tile
+// boundaries, with its weight bytes loaded straight into registers (16-byte non-coherent loads that
+// skip L1: per unit and lane rows g and g + 8 of the tile, bytes 16t and 64 + 16t of the unit, so a
+// load instruction reads 64 contiguous bytes of each of 8 rows) through a register ring of kDepth
+// units: a unit's slot is refilled with the unit kDepth ahead as soon as its MMAs have read it, so
+// kDepth - 1 to kDepth units (1-2 KB a warp, ~16 warps an SM) are always in flight. x is read at the
+// math (L1 / L2: every warp of an SM reads the same rows). The MMAs take the weight rows as the MMA's
+// M and the tokens as its N (one token half for M <= 8, two for M <= 16), the k order permuted alike
+// for both operands so the 16-byte units are used as loaded (skinny_mma.cuh: fp8 lane t's bytes
+// 16t + 8h .. + 3 serve logical k 4t.., bytes + 4 .. + 7 serve k 16 + 4t.. of MMA h; bf16 words 2h /
+// 2h + 1 serve k 2t.. / 2t + 8..). The first version (635606c: 4-warp blocks, 64-row tiles, a cp.async
+// ring in shared memory, 8 warps an SM) streamed 0.98-1.39 TB/s on an H100 (FP8; bf16 1.05-2.03).
 // A warp's run covers whole tiles, which it stores itself, and at most two pieces: one of a tile
-// begun before its run (kept in shared memory, part0) and one of a tile continued after it (kept in
-// registers to the end, then in the warp's drained ring, part1). After a barrier the block sums the
-// pieces of each tile its warps share, in warp order; a tile whole in the block is stored; a tile
-// shared with other blocks (at most the block's first and last) leaves the block's sum in a
-// workspace slot (global memory, L2-resident, 16 x 64 floats; slot 0: begun in an earlier block,
-// 1: continued in a later one), and the block that arrives last (a counter per shared tile, at its
-// first block) sums the slots in block order, stores the tile and resets the counter, so the next
-// launch (or graph replay) starts from zero. No block waits for another: any grid size is correct.
+// begun before its run (part0) and one of a tile continued after it (kept in registers to the end,
+// then part1; both in shared memory). After a barrier the block sums the pieces of each tile its
+// warps share, in warp order; a tile whole in the block is stored; a tile shared with other blocks
+// (at most the block's first and last) leaves the block's sum in a workspace slot (global memory,
+// L2-resident, 16 x 16 floats; slot 0: begun in an earlier block, 1: continued in a later one), and
+// the block that arrives last (a counter per shared tile, at its first block) sums the slots in block
+// order, stores the tile and resets the counter, so the next launch (or graph replay) starts from
+// zero. No block waits for another: any grid size is correct.
 // Every sum has a fixed order (k, warp, block order, set by N, K and the grid), so the result is
 // deterministic and each output depends only on its own x row and weight row, not on M: a row of
 // a T = 1 decode and of a T = 16 verify are computed alike (batch invariance). With programmatic
-// dependent launch (pdl.cuh) the first kStages - 1 steps' weight copies are issued before waiting on
-// the previous kernel, which wrote x.
+// dependent launch (pdl.cuh) the first kDepth units' weight loads are issued before waiting on the
+// previous kernel, which wrote x.
 //
-// Measured (H100, bench/results/h100-fused-6bf6ff4): slower than cuBLASLt at M 16, FP8 0.98-1.39 TB/s
-// against 1.62-2.27, bf16 1.05-2.03 against 2.54-2.90, so off by default (docs/fp8.md says why).
-// tests/test_gemm_stream_emulated.cpp runs it on the CPU; kernel_bench --only fp8 (stream_e4m3 rows,
-// DFLASH_BENCH_FP8_DECODE=1) and --only decode_gemm (skinny_streamk rows), and dflash_eval
-// --decode-variants fused,skinny (fp8) / skinny_streamk (bf16) measure it against cuBLASLt.
+// Measured: the first version lost to cuBLASLt (H100, bench/results/h100-fused-6bf6ff4: FP8 0.98-1.39
+// TB/s against 1.62-2.27 at M 16, bf16 1.05-2.03 against 2.54-2.90), so both stay off by default until
+// this one is measured. tests/test_gemm_stream_emulated.cpp runs it on the CPU; kernel_bench --only fp8
+// (stream_e4m3 rows, DFLASH_BENCH_FP8_DECODE=1) and --only decode_gemm (skinny_streamk rows), and
+// dflash_eval --decode-variants fused,skinny (fp8) / skinny_streamk (bf16) measure it against cuBLASLt;
+// bench/probes/fp8_gemv_probe.cu times the load patterns it was chosen from.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -76,22 +81,17 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-constexpr int kWarps = 4;
+constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kTiles = 4;              // m16 tiles of weight rows per warp (a tile of work: 64 rows)
+constexpr int kTiles = 1;              // m16 tiles of weight rows per warp (a tile of work: 16 rows)
 constexpr int kRows = 16 * kTiles;
-constexpr int kStepBytes = 64;         // bytes of a weight row per step
-constexpr int kGroupCols = 128;        // columns per unit of work (an FP8 scale group)
-constexpr int kStages = 4;             // ring depth (steps) per warp
-constexpr int kWUnits = 2 * kTiles;    // 16-byte weight units per lane and step (rows g, g + 8 of each tile)
-constexpr int kXUnits = 2;             // tokens g and g + 8
-constexpr int kUnits = kWUnits + kXUnits;
+constexpr int kUnitBytes = 128;        // bytes of a weight row per unit (FP8: one scale group; bf16: 64 columns)
+constexpr int kDepth = 4;              // units whose weight loads are in flight per warp
+constexpr int kWLoads = 4 * kTiles;    // 16-byte weight loads per lane and unit (rows g, g + 8; bytes 16t, 64 + 16t)
 constexpr int kRedLd = kRows + 4;      // padded rows of a piece buffer [16 tokens][kRedLd]: conflict-free stores
 constexpr int kSlots = 2;              // workspace slots per block
 constexpr int64_t kSlotFloats = 16 * kRows;
-constexpr size_t kWarpRing = static_cast<size_t>(kStages) * kUnits * 32;  // uint4s
-constexpr size_t kRingBytes = kWarps * kWarpRing * 16;                    // 80 KB
-static_assert(sizeof(float) * 16 * kRedLd <= kWarpRing * 16, "a drained ring holds its warp's part1 piece");
+constexpr size_t kRingBytes = 0;       // (no dynamic shared memory: the loads land in registers)
 
 struct StreamParams {
   const uint8_t* x;   // [M, ldx] elements
@@ -105,7 +105,7 @@ struct StreamParams {
   void* y;            // [M, ldy]: bf16, or (FP8's y_f32) f32, added into where accumulate
   int64_t ldy;
   bool y_f32, accumulate;
-  int M, N, G;        // G: units (128-column groups) per tile
+  int M, N, G;        // G: units (128-byte column runs) per tile
   int tiles, blocks;
   float* partial;     // [blocks][kSlots][16][kRows]
   int* counters;      // [blocks], zero between launches
@@ -153,176 +153,152 @@ using Acc = float[kTiles][2][4];
 
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamParams p) {
-  constexpr int kElem = kFp8 ? 1 : 2;
-  constexpr int kSteps = kGroupCols * kElem / kStepBytes;  // steps per unit: 2 (FP8), 4 (bf16)
-  DFLASH_DYNAMIC_SMEM(uint4, ring);  // [kWarps][kStages][kUnits][32 lanes]
-  __shared__ __align__(16) float part0[kWarps][16][kRedLd];
+  __shared__ __align__(16) float part0[kWarps][16][kRedLd];  // a warp's piece of a tile begun before its run
+  __shared__ __align__(16) float part1[kWarps][16][kRedLd];  // ... of a tile continued after its run
   __shared__ int last;
   const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
   const int g = lane >> 2, t = lane & 3;
   const int G = p.G, U = p.tiles * G, B = p.blocks, b = static_cast<int>(blockIdx.x);
   const int ub = run_begin(U, B, b), ue = run_begin(U, B, b + 1), bn = ue - ub;
   const int wu0 = ub + run_begin(bn, kWarps, warp), wu1 = ub + run_begin(bn, kWarps, warp + 1);
-  uint4* my = ring + static_cast<size_t>(warp) * kWarpRing + lane;  // unit j of slot q: my[(q·kUnits + j)·32]
-  auto part1 = [&](int w) { return reinterpret_cast<float(*)[kRedLd]>(ring + static_cast<size_t>(w) * kWarpRing); };
   const bool two = p.M > 8;
   const bool xv[2] = {g < p.M, g + 8 < p.M};
   const uint8_t* xp[2] = {p.x + static_cast<int64_t>(xv[0] ? g : 0) * p.ldx_bytes + 16 * t,
                           p.x + static_cast<int64_t>(xv[1] ? g + 8 : 0) * p.ldx_bytes + 16 * t};
-  const int nsteps = (wu1 - wu0) * kSteps;
 
-  // Step vs of the warp's run: unit wu0 + vs / kSteps, bytes (vs % kSteps) · 64 of its group.
-  auto issue_w = [&](int vs) {
-    const int u = wu0 + vs / kSteps, tile = u / G;
-    const int64_t col = static_cast<int64_t>(u - tile * G) * kGroupCols * kElem + (vs % kSteps) * kStepBytes + 16 * t;
-    uint4* slot = my + static_cast<size_t>(vs % kStages) * kUnits * 32;
+  // Unit u's weight bytes of this lane: rows g and g + 8 of each tile, bytes 16t and 64 + 16t of the
+  // unit's 128 (wv[4i + 2r + j]: tile i, row g + 8r, half j); rows past N read as zeros.
+  auto load_w = [&](int u, uint4 (&wv)[kWLoads]) {
+    const int tile = u / G;
+    const int64_t col = static_cast<int64_t>(u - tile * G) * kUnitBytes + 16 * t;
 #pragma unroll
-    for (int j = 0; j < kWUnits; ++j) {
-      const int row = tile * kRows + 8 * j + g;
-      const bool v = row < p.N;
-      ptx::cp_async16_l2_256(slot + j * 32, v ? p.w + static_cast<int64_t>(row) * p.row_bytes + col : p.w, v);
-    }
-  };
-  auto issue_x = [&](int vs) {
-    const int u = wu0 + vs / kSteps, grp = u % G;
-    const int64_t col = static_cast<int64_t>(grp) * kGroupCols * kElem + (vs % kSteps) * kStepBytes;
-    uint4* slot = my + (static_cast<size_t>(vs % kStages) * kUnits + kWUnits) * 32;
-    ptx::cp_async16_l2_256(slot, xp[0] + col, xv[0]);
-    if (two) ptx::cp_async16_l2_256(slot + 32, xp[1] + col, xv[1]);
+    for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = tile * kRows + 16 * i + 8 * r + g;
+        const uint8_t* src = p.w + static_cast<int64_t>(row) * p.row_bytes + col;
+        const bool v = row < p.N;
+        wv[4 * i + 2 * r] = v ? ptx::ldg_stream16(src) : make_uint4(0, 0, 0, 0);
+        wv[4 * i + 2 * r + 1] = v ? ptx::ldg_stream16(src + 64) : make_uint4(0, 0, 0, 0);
+      }
   };
 
   Acc acc, d;  // d: FP8's code sums of the current group (unused for bf16)
   skinny::zero(acc);
   skinny::zero(d);
 
-  // Prologue: the first kStages - 1 steps' weights before the wait (nothing in the step writes
-  // them), their x after it; one commit group per step (empty past the run, so the counts stay fixed).
+  // A register ring of kDepth units per lane: unit wu0 + q sits in buf[q % kDepth] from its load (kDepth
+  // units ahead of its math) until its math. The first loads go before the wait on the previous kernel
+  // (nothing in the step writes weights); x is read at the math, after it.
+  uint4 buf[kDepth][kWLoads];
   pdl_launch_dependents();
 #pragma unroll
-  for (int q = 0; q < kStages - 1; ++q)
-    if (q < nsteps) issue_w(q);
+  for (int q = 0; q < kDepth; ++q)
+    if (wu0 + q < wu1) load_w(wu0 + q, buf[q]);
   pdl_wait();
-#pragma unroll
-  for (int q = 0; q < kStages - 1; ++q) {
-    if (q < nsteps) issue_x(q);
-    ptx::cp_async_commit_ring();
-  }
   int piece0 = wu0;    // the first unit of the piece being summed
   bool keep = false;   // acc holds a piece of a tile continued after this run (part1)
-  for (int vs = 0; vs < nsteps; ++vs) {
-    ptx::cp_async_wait_ring<kStages - 2>();  // step vs has landed (this lane's copies)
-    const uint4* slot = my + static_cast<size_t>(vs % kStages) * kUnits * 32;
-    uint4 wv[kWUnits];
+  for (int u0 = wu0; u0 < wu1; u0 += kDepth) {
 #pragma unroll
-    for (int j = 0; j < kWUnits; ++j) wv[j] = slot[j * 32];
-    const uint4 xa0 = slot[kWUnits * 32];
-    const uint4 xa1 = two ? slot[(kWUnits + 1) * 32] : make_uint4(0, 0, 0, 0);
-    // Refill the slot consumed last step with step vs + kStages - 1.
-    if (vs + kStages - 1 < nsteps) {
-      issue_w(vs + kStages - 1);
-      issue_x(vs + kStages - 1);
-    }
-    ptx::cp_async_commit_ring();
-    skinny::step_mmas<kFp8, kTiles>(wv, xa0, xa1, two, kFp8 ? d : acc);
-    if (vs % kSteps != kSteps - 1) continue;
-    // The unit's last step.
-    const int u = wu0 + vs / kSteps, tile = u / G, grp = u - tile * G, n0 = tile * kRows;
-    if constexpr (kFp8) {  // the group's code sums times the weight block's and each token's scale
-      const float sw = __ldg(p.ws + static_cast<int64_t>(n0 / 128) * p.ldws + grp);
-      const float* xg = p.xs + static_cast<int64_t>(grp) * p.ldxs;
-      float sc[4];  // tokens c_token(e / 2, e % 2, t): sc[2 hf + (c & 1)] scales acc[.][hf][c]
+    for (int q = 0; q < kDepth; ++q) {
+      const int u = u0 + q;
+      if (u >= wu1) break;
+      const uint4(&wv)[kWLoads] = buf[q];
+      const int tile = u / G, grp = u - tile * G, n0 = tile * kRows;
+      const int64_t col = static_cast<int64_t>(grp) * kUnitBytes;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = skinny::c_token(e >> 1, e & 1, t);
-        sc[e] = tok < p.M ? sw * __ldg(xg + tok) : 0.0f;
+      for (int j = 0; j < 2; ++j) {  // the unit's two 64-byte halves: skinny_mma's steps
+        const uint4 xa0 = xv[0] ? __ldg(reinterpret_cast<const uint4*>(xp[0] + col + 64 * j)) : make_uint4(0, 0, 0, 0);
+        const uint4 xa1 = two && xv[1] ? __ldg(reinterpret_cast<const uint4*>(xp[1] + col + 64 * j)) : make_uint4(0, 0, 0, 0);
+        uint4 ws[2 * kTiles];
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) ws[2 * i] = wv[4 * i + j], ws[2 * i + 1] = wv[4 * i + 2 + j];
+        skinny::step_mmas<kFp8, kTiles>(ws, xa0, xa1, two, kFp8 ? d : acc);
       }
+      if (u + kDepth < wu1) load_w(u + kDepth, buf[q]);  // refill the slot: kDepth units ahead
+      if constexpr (kFp8) {  // the group's code sums times the weight block's and each token's scale
+        const float sw = __ldg(p.ws + static_cast<int64_t>(n0 / 128) * p.ldws + grp);
+        const float* xg = p.xs + static_cast<int64_t>(grp) * p.ldxs;
+        float sc[4];  // tokens c_token(e / 2, e % 2, t): sc[2 hf + (c & 1)] scales acc[.][hf][c]
 #pragma unroll
-      for (int i = 0; i < kTiles; ++i)
+        for (int e = 0; e < 4; ++e) {
+          const int tok = skinny::c_token(e >> 1, e & 1, t);
+          sc[e] = tok < p.M ? sw * __ldg(xg + tok) : 0.0f;
+        }
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf)
+        for (int i = 0; i < kTiles; ++i)
 #pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            acc[i][hf][c] += d[i][hf][c] * sc[2 * hf + (c & 1)];
-            d[i][hf][c] = 0.0f;
-          }
+          for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              acc[i][hf][c] += d[i][hf][c] * sc[2 * hf + (c & 1)];
+              d[i][hf][c] = 0.0f;
+            }
+      }
+      if (grp != G - 1 && u != wu1 - 1) continue;
+      // The end of a piece of `tile`.
+      const bool from_start = piece0 == tile * G;
+      if (from_start && grp == G - 1) {  // the whole tile: store it
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              const int tok = skinny::c_token(hf, c, t), row = n0 + skinny::c_row(i, c, g);
+              if (tok < p.M && row < p.N) store_one(p, tok, row, acc[i][hf][c]);
+            }
+      } else if (!from_start) {  // a tile begun before this run (its first piece)
+        skinny::store_fragments(acc, part0[warp], g, t);
+      } else {  // a tile continued after this run: the run's last unit (u == wu1 - 1)
+        keep = true;
+        continue;
+      }
+      skinny::zero(acc);
+      piece0 = u + 1;
     }
-    if (grp != G - 1 && u != wu1 - 1) continue;
-    // The end of a piece of `tile`.
-    const bool from_start = piece0 == tile * G;
-    if (from_start && grp == G - 1) {  // the whole tile: store it
-#pragma unroll
-      for (int i = 0; i < kTiles; ++i)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int tok = skinny::c_token(hf, c, t), row = n0 + skinny::c_row(i, c, g);
-            if (tok < p.M && row < p.N) store_one(p, tok, row, acc[i][hf][c]);
-          }
-    } else if (!from_start) {  // a tile begun before this run (its first piece)
-      skinny::store_fragments(acc, part0[warp], g, t);
-    } else {  // a tile continued after this run: the run's last piece
-      keep = true;
-      break;
-    }
-    skinny::zero(acc);
-    piece0 = u + 1;
   }
-  ptx::cp_async_wait_ring<0>();
-  __syncwarp();  // every lane is done with the ring part1 overwrites
-  if (keep) skinny::store_fragments(acc, part1(warp), g, t);
+  if (keep) skinny::store_fragments(acc, part1[warp], g, t);
   __syncthreads();
 
   // The tiles the block's warps share or share with other blocks: the block's sum of their pieces
-  // (warp order), stored, or left for the tile's last block.
+  // (warp order), stored, or left for the tile's last block. One thread per 4 rows of a token.
   if (bn == 0) return;
-  constexpr int kQuads = 16 * kRows / 4, kPerThread = kQuads / kThreads;
+  constexpr int kQuads = 16 * kRows / 4;
+  static_assert(kQuads <= kThreads, "one quad per thread");
+  const int q = static_cast<int>(threadIdx.x), tok = q / (kRows / 4), r4 = (q % (kRows / 4)) * 4;
+  const bool mine_q = q < kQuads && tok < p.M;
   for (int T = ub / G; T <= (ue - 1) / G; ++T) {
     const int u0 = ub > T * G ? ub : T * G, u1 = ue < (T + 1) * G ? ue : (T + 1) * G;
     const int wa = run_of(bn, kWarps, u0 - ub), wb = run_of(bn, kWarps, u1 - 1 - ub);
     const bool whole = u0 == T * G && u1 == (T + 1) * G;
     if (whole && wa == wb) continue;  // stored by its warp
-    float4 sum[kPerThread];
-#pragma unroll
-    for (int e = 0; e < kPerThread; ++e) {
-      const int q = static_cast<int>(threadIdx.x) + e * kThreads, tok = q >> 4, r4 = (q & 15) * 4;
-      sum[e] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (tok >= p.M) continue;
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (mine_q) {
       for (int w = wa; w <= wb; ++w) {
         const int w0 = ub + run_begin(bn, kWarps, w);
         if (w0 == ub + run_begin(bn, kWarps, w + 1)) continue;  // an empty run
-        const float* src = w0 <= T * G ? &part1(w)[tok][r4] : &part0[w][tok][r4];
+        const float* src = w0 <= T * G ? &part1[w][tok][r4] : &part0[w][tok][r4];
         const float4 v = *reinterpret_cast<const float4*>(src);
-        sum[e].x += v.x, sum[e].y += v.y, sum[e].z += v.z, sum[e].w += v.w;
+        sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
       }
     }
     if (whole) {
-#pragma unroll
-      for (int e = 0; e < kPerThread; ++e) {
-        const int q = static_cast<int>(threadIdx.x) + e * kThreads, tok = q >> 4;
-        if (tok < p.M) store_quad(p, tok, T * kRows + (q & 15) * 4, sum[e]);
-      }
+      if (mine_q) store_quad(p, tok, T * kRows + r4, sum);
       continue;
     }
     // Shared with other blocks c0..c1: this block's sum into its slot, then the last block sums
     // them all in block order.
     const int c0 = run_of(U, B, T * G), c1 = run_of(U, B, (T + 1) * G - 1);
     float* mine = p.partial + (static_cast<int64_t>(b) * kSlots + (u0 == T * G ? 1 : 0)) * kSlotFloats;
-#pragma unroll
-    for (int e = 0; e < kPerThread; ++e) {
-      const int q = static_cast<int>(threadIdx.x) + e * kThreads, tok = q >> 4;
-      if (tok < p.M) __stcg(reinterpret_cast<float4*>(mine + tok * kRows + (q & 15) * 4), sum[e]);
-    }
+    if (mine_q) __stcg(reinterpret_cast<float4*>(mine + tok * kRows + r4), sum);
     __threadfence();  // the slot is visible before the count says so
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(p.counters + c0, 1) == c1 - c0;
     __syncthreads();
     if (!last) continue;
     __threadfence();
-#pragma unroll
-    for (int e = 0; e < kPerThread; ++e) {
-      const int q = static_cast<int>(threadIdx.x) + e * kThreads, tok = q >> 4, r4 = (q & 15) * 4;
-      if (tok >= p.M) continue;
+    if (mine_q) {
       float4 tot = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       for (int c = c0; c <= c1; ++c) {
         const float* slot = p.partial + (static_cast<int64_t>(c) * kSlots + (c == c0 ? 1 : 0)) * kSlotFloats;
@@ -338,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
 // The launch on a given workspace (the emulated test passes host memory and any grid).
 template <bool kFp8>
 void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* counters, cudaStream_t st) {
-  k.G = static_cast<int>(K / kGroupCols);
+  k.G = static_cast<int>(K * (kFp8 ? 1 : 2) / kUnitBytes);
   k.tiles = static_cast<int>((k.N + kRows - 1) / kRows);
   k.blocks = static_cast<int>(std::min<int64_t>(blocks, int64_t{k.tiles} * k.G));
   k.partial = partial;

@@ -110,6 +110,20 @@ __device__ __forceinline__ void cp_async16_l2_256(void* smem, const void* gmem, 
 #endif
 }
 
+// 16 bytes global -> registers for data read once (a streamed weight): non-coherent, not kept in
+// L1. p must be 16-byte aligned and the bytes unchanged while the kernel runs.
+__device__ __forceinline__ uint4 ldg_stream16(const void* p) {
+  uint4 v;
+#ifdef DFLASH_CUDA_EMULATION
+  std::memcpy(&v, p, 16);
+#else
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+#endif
+  return v;
+}
+
 // c[16x8] += a[16x32] (row) · b[32x8] (col), e4m3 in, f32 accumulate (sm_89+; traps below). Lane
 // l = 4 g + t holds a: (g, 4t..4t+3), (g+8, 4t..), (g, 4t+16..), (g+8, 4t+16..), four codes a
 // register, the lowest byte first; b: (k 4t..4t+3, n g), (k 4t+16.., n g); c as mma_bf16's.

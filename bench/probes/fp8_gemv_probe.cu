@@ -1,0 +1,486 @@
+// Probe (issue 30): why do FP8 decode GEMMs (M <= 16, 128 x 128 weight block scales) stream the weight
+// at 2.0-2.9 TB/s on an H200 where a copy reaches ~4.25? Standalone (nvcc -O3 -arch=sm_90 -std=c++17
+// fp8_gemv_probe.cu), not part of the build; it times, on the Qwen3.6-27B decode shapes, with the
+// weights rotated through enough copies that L2 never holds them:
+//   - copy: cudaMemcpy device to device (bytes read + written), the roofline every tool uses;
+//   - read: a plain read of the weight bytes (512 contiguous bytes per warp and load);
+//   - the same warp-level GEMV kernel in variants: the weight in its checkpoint layout or repacked so
+//     each warp's 2 KB unit (16 rows x 128 columns) is contiguous; a one-wave grid whose warps take
+//     equal runs of (16-row tile, 128-column group) units (stream-K, partial tiles summed with fp32
+//     atomics: fine for timing, not deterministic) or af49b75's grid (a warp a tile, all of K);
+//     DEPTH groups of loads in flight per warp, with or without issuing the next batch's loads before
+//     the math of this one; "nomath" keeps the loads and drops the MMAs.
+// Every GEMV variant's output is checked against a plain fp32 reference kernel (max relative error).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#define CK(x)                                                                                  \
+  do {                                                                                         \
+    cudaError_t e_ = (x);                                                                      \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+__device__ __forceinline__ float e4m3_value(uint32_t v) {
+  const uint32_t s = v >> 7, e = (v >> 3) & 15, m = v & 7;
+  float f = e == 0 ? ldexpf(static_cast<float>(m), -9) : ldexpf(static_cast<float>(8 + m), static_cast<int>(e) - 10);
+  return s ? -f : f;
+}
+
+__device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float bf16_value(const uint8_t* p) {
+  const uint32_t v = static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8);
+  return __uint_as_float(v << 16);
+}
+
+// bf16 reference: y[m, n] = sum_k w[n, k] x[m, k] (K elements, 2 bytes each).
+__global__ void ref_bf16_kernel(const uint8_t* x, const uint8_t* w, float* y, int M, int N, int K) {
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  for (int m = 0; m < M; ++m) {
+    float acc = 0;
+    for (int k = 0; k < K; ++k)
+      acc += bf16_value(w + 2 * (static_cast<int64_t>(n) * K + k)) * bf16_value(x + 2 * (static_cast<int64_t>(m) * K + k));
+    y[static_cast<int64_t>(m) * N + n] = acc;
+  }
+}
+
+// Reference: y[m, n] = sum_g ws[n / 128, g] xs[g, m] sum_{k in g} w[n, k] x[m, k], fp32.
+__global__ void ref_kernel(const uint8_t* x, const float* xs, int ldxs, const uint8_t* w, const float* ws, int ldws,
+                           float* y, int M, int N, int K) {
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  for (int m = 0; m < M; ++m) {
+    float acc = 0;
+    for (int g = 0; g < K / 128; ++g) {
+      float s = 0;
+      for (int k = g * 128; k < g * 128 + 128; ++k)
+        s += e4m3_value(w[static_cast<int64_t>(n) * K + k]) * e4m3_value(x[static_cast<int64_t>(m) * K + k]);
+      acc += s * ws[(n / 128) * ldws + g] * xs[g * ldxs + m];
+    }
+    y[static_cast<int64_t>(m) * N + n] = acc;
+  }
+}
+
+// The packed layout: unit (tile t, group gi) at (t * G + gi) * 2048; load j of lane L at j * 512 + 16 L holds
+// row 16 t + L / 4 + 8 (j >= 2), columns 128 gi + 64 (j & 1) + 16 (L % 4) .. + 15 (what the checkpoint
+// layout's lane loads as its a[j / 2][j & 1]).
+__global__ void pack_kernel(const uint8_t* w, uint8_t* p, int N, int K) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // one 16-byte piece
+  const int G = K / 128;
+  const int64_t pieces = static_cast<int64_t>(N) * K / 16;
+  if (i >= pieces) return;
+  const int64_t unit = i / 128;
+  const int within = static_cast<int>(i % 128), j = within / 32, L = within % 32;
+  const int64_t t = unit / G, gi = unit % G;
+  const int64_t row = 16 * t + L / 4 + 8 * (j >> 1), col = 128 * gi + 64 * (j & 1) + 16 * (L % 4);
+  *reinterpret_cast<uint4*>(p + i * 16) = *reinterpret_cast<const uint4*>(w + row * K + col);
+}
+
+__global__ void read_kernel(const uint8_t* w, int64_t bytes, unsigned* sink) {
+  const int64_t n = bytes / 16;
+  uint32_t acc = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    uint4 a = ld_stream(w + 16 * i), b = ld_stream(w + 16 * (i + stride)), c = ld_stream(w + 16 * (i + 2 * stride)),
+          d = ld_stream(w + 16 * (i + 3 * stride));
+    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+  }
+  for (; i < n; i += stride) {
+    uint4 a = ld_stream(w + 16 * i);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w;
+  }
+  if (acc == 0x12345678u) *sink = acc;
+}
+
+struct Args {
+  const uint8_t* x;
+  int ldx;  // row bytes of x and w (K for FP8, 2 K for bf16)
+  const float* xs;
+  int ldxs;
+  const uint8_t* w;
+  const float* ws;
+  int ldws;
+  float* y;
+  int M, N, K, G;
+  int64_t units;
+  int dist;  // 0: stream-K runs; 1: warp = tile (af49b75's grid)
+  unsigned* sink;
+};
+
+// A unit: 16 weight rows x 128 bytes (an FP8 scale group; 64 bf16 columns).
+template <int NT, int DEPTH, bool PACKED, bool PIPE, bool NOMATH, int WARPS, bool FP8 = true>
+__global__ void __launch_bounds__(WARPS * 32) gemv_kernel(Args a) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane >> 2, c = lane & 3;
+  const int64_t wg = static_cast<int64_t>(blockIdx.x) * WARPS + warp, W = static_cast<int64_t>(gridDim.x) * WARPS;
+  int64_t u0, u1;
+  if (a.dist == 0) {
+    u0 = a.units * wg / W;
+    u1 = a.units * (wg + 1) / W;
+  } else {
+    u0 = wg * a.G;
+    u1 = min(u0 + a.G, a.units);
+  }
+  float acc0[4] = {0, 0, 0, 0}, acc1[4] = {0, 0, 0, 0};
+  int64_t cur = u0 < u1 ? u0 / a.G : -1;
+  uint32_t x_or = 0;
+  auto flush = [&](int64_t tile) {
+    const int r0 = static_cast<int>(tile) * 16 + g;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = r0 + (i >> 1) * 8, tok = 2 * c + (i & 1);
+      if (tok < a.M) atomicAdd(a.y + static_cast<int64_t>(tok) * a.N + row, acc0[i]);
+      if (NT == 2 && tok + 8 < a.M) atomicAdd(a.y + static_cast<int64_t>(tok + 8) * a.N + row, acc1[i]);
+      acc0[i] = 0, acc1[i] = 0;
+    }
+  };
+  auto load = [&](int64_t u, uint4 (&wr)[4]) {
+    if (PACKED) {
+      const uint8_t* p = a.w + u * 2048 + 16 * lane;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) wr[j] = ld_stream(p + 512 * j);
+    } else {
+      const int64_t t = u / a.G, gi = u % a.G;
+      const uint8_t* p = a.w + (16 * t + g) * a.ldx + 128 * gi + 16 * c;
+      wr[0] = ld_stream(p);
+      wr[1] = ld_stream(p + 64);
+      wr[2] = ld_stream(p + 8 * static_cast<int64_t>(a.ldx));
+      wr[3] = ld_stream(p + 8 * static_cast<int64_t>(a.ldx) + 64);
+    }
+  };
+  auto math = [&](int64_t u, const uint4 (&wr)[4]) {
+    const int64_t t = u / a.G;
+    const int gi = static_cast<int>(u % a.G);
+    if (t != cur) {
+      flush(cur);
+      cur = t;
+    }
+    if (NOMATH) {
+      x_or ^= wr[0].x ^ wr[1].y ^ wr[2].z ^ wr[3].w;
+      return;
+    }
+    const uint8_t* xp = a.x + static_cast<int64_t>(g) * a.ldx + 128 * gi + 16 * c;
+    uint4 b0[2], b1[2];
+    b0[0] = g < a.M ? __ldg(reinterpret_cast<const uint4*>(xp)) : make_uint4(0, 0, 0, 0);
+    b0[1] = g < a.M ? __ldg(reinterpret_cast<const uint4*>(xp + 64)) : make_uint4(0, 0, 0, 0);
+    if (NT == 2) {
+      b1[0] = g + 8 < a.M ? __ldg(reinterpret_cast<const uint4*>(xp + 8 * a.ldx)) : make_uint4(0, 0, 0, 0);
+      b1[1] = g + 8 < a.M ? __ldg(reinterpret_cast<const uint4*>(xp + 8 * a.ldx + 64)) : make_uint4(0, 0, 0, 0);
+    }
+    if (!FP8) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t A0 = word(wr[j], 2 * h), A1 = word(wr[2 + j], 2 * h);
+          const uint32_t A2 = word(wr[j], 2 * h + 1), A3 = word(wr[2 + j], 2 * h + 1);
+          mma_bf16(acc0, A0, A1, A2, A3, word(b0[j], 2 * h), word(b0[j], 2 * h + 1));
+          if (NT == 2) mma_bf16(acc1, A0, A1, A2, A3, word(b1[j], 2 * h), word(b1[j], 2 * h + 1));
+        }
+      return;
+    }
+    float d0[4] = {0, 0, 0, 0}, d1[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t A0 = word(wr[j], 2 * h), A1 = word(wr[2 + j], 2 * h);
+        const uint32_t A2 = word(wr[j], 2 * h + 1), A3 = word(wr[2 + j], 2 * h + 1);
+        mma_e4m3(d0, A0, A1, A2, A3, word(b0[j], 2 * h), word(b0[j], 2 * h + 1));
+        if (NT == 2) mma_e4m3(d1, A0, A1, A2, A3, word(b1[j], 2 * h), word(b1[j], 2 * h + 1));
+      }
+    const float sw = __ldg(a.ws + (t * 16 / 128) * a.ldws + gi);
+    const float* xg = a.xs + static_cast<int64_t>(gi) * a.ldxs;
+    const float s0 = sw * __ldg(xg + 2 * c), s1 = sw * __ldg(xg + 2 * c + 1);
+    acc0[0] += d0[0] * s0, acc0[1] += d0[1] * s1, acc0[2] += d0[2] * s0, acc0[3] += d0[3] * s1;
+    if (NT == 2) {
+      const float s2 = sw * __ldg(xg + 2 * c + 8), s3 = sw * __ldg(xg + 2 * c + 9);
+      acc1[0] += d1[0] * s2, acc1[1] += d1[1] * s3, acc1[2] += d1[2] * s2, acc1[3] += d1[3] * s3;
+    }
+  };
+  if (PIPE) {
+    uint4 bufA[DEPTH][4], bufB[DEPTH][4];
+    int64_t u = u0;
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d)
+      if (u + d < u1) load(u + d, bufA[d]);
+    while (u < u1) {
+#pragma unroll
+      for (int d = 0; d < DEPTH; ++d)
+        if (u + DEPTH + d < u1) load(u + DEPTH + d, bufB[d]);
+#pragma unroll
+      for (int d = 0; d < DEPTH; ++d)
+        if (u + d < u1) math(u + d, bufA[d]);
+      u += DEPTH;
+      if (u >= u1) break;
+#pragma unroll
+      for (int d = 0; d < DEPTH; ++d)
+        if (u + DEPTH + d < u1) load(u + DEPTH + d, bufA[d]);
+#pragma unroll
+      for (int d = 0; d < DEPTH; ++d)
+        if (u + d < u1) math(u + d, bufB[d]);
+      u += DEPTH;
+    }
+  } else {
+    for (int64_t u = u0; u < u1; u += DEPTH) {
+      uint4 buf[DEPTH][4];
+#pragma unroll
+      for (int d = 0; d < DEPTH; ++d)
+        if (u + d < u1) load(u + d, buf[d]);
+#pragma unroll
+      for (int d = 0; d < DEPTH; ++d)
+        if (u + d < u1) math(u + d, buf[d]);
+    }
+  }
+  if (cur >= 0) flush(cur);
+  if (x_or == 0x12345678u) *a.sink = x_or;
+}
+
+struct Shape {
+  const char* name;
+  int N, K;
+};
+
+static float time_ms(cudaEvent_t e0, cudaEvent_t e1) {
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  return ms;
+}
+
+int main(int argc, char** argv) {
+  int dev = 0, sms = 0;
+  CK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, dev));
+  sms = prop.multiProcessorCount;
+  std::printf("device %s, %d SMs, L2 %d MB\n", prop.name, sms, prop.l2CacheSize >> 20);
+  const int reps = 20;
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  unsigned* sink;
+  CK(cudaMalloc(&sink, 4));
+  // Copy roofline.
+  {
+    const size_t bytes = size_t{1} << 30;
+    void *s, *d;
+    CK(cudaMalloc(&s, bytes));
+    CK(cudaMalloc(&d, bytes));
+    CK(cudaMemset(s, 1, bytes));
+    float best = 1e9;
+    for (int r = 0; r < 6; ++r) {
+      CK(cudaEventRecord(e0));
+      CK(cudaMemcpy(d, s, bytes, cudaMemcpyDeviceToDevice));
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      best = std::min(best, time_ms(e0, e1));
+    }
+    std::printf("copy 1 GiB: %.0f GB/s (read + write)\n", 2.0 * bytes / best / 1e6);
+    CK(cudaFree(s));
+    CK(cudaFree(d));
+  }
+  const std::vector<Shape> shapes = {{"gate_up", 34816, 5120}, {"down", 5120, 17408}, {"gdn_in", 16384, 5120},
+                                     {"attn_qkv", 14336, 5120}, {"gdn_out", 5120, 6144}};
+  std::vector<int> Ms = {1, 16};
+  if (argc > 1) Ms = {std::atoi(argv[1])};
+  const size_t nshapes = argc > 2 ? static_cast<size_t>(std::atoi(argv[2])) : shapes.size();  // the first n shapes
+  const bool do_bf16 = argc > 3 ? std::atoi(argv[3]) != 0 : true;
+  for (int pass = 0; pass < (do_bf16 ? 2 : 1); ++pass) {
+  const bool fp8 = pass == 0;
+  std::printf("== %s weights\n", fp8 ? "e4m3 (128 x 128 block scales)" : "bf16");
+  for (size_t si = 0; si < std::min(nshapes, shapes.size()); ++si) {
+    const Shape& sh = shapes[si];
+    const int N = sh.N, K = sh.K, RB = fp8 ? K : 2 * K, G = RB / 128;
+    const size_t wbytes = static_cast<size_t>(N) * RB;
+    const int copies = static_cast<int>(std::max<size_t>(2, (size_t{400} << 20) / wbytes + 1));
+    uint8_t *w, *wp, *x;
+    float *ws, *xs, *y, *yref;
+    CK(cudaMalloc(&w, wbytes * copies));
+    CK(cudaMalloc(&wp, wbytes * copies));
+    const int ldws = (G + 3) / 4 * 4, ldxs = 16;
+    CK(cudaMalloc(&ws, sizeof(float) * ldws * ((N + 127) / 128)));
+    CK(cudaMalloc(&x, 16 * RB));
+    CK(cudaMalloc(&xs, sizeof(float) * ldxs * G));
+    CK(cudaMalloc(&y, sizeof(float) * 16 * N));
+    CK(cudaMalloc(&yref, sizeof(float) * 16 * N));
+    {
+      std::vector<uint8_t> hw(wbytes), hx(16 * RB);
+      uint32_t s = 12345u + N;
+      auto rnd = [&] {
+        s = s * 1664525u + 1013904223u;
+        return s >> 8;
+      };
+      auto code = [&] {
+        uint8_t v = static_cast<uint8_t>(rnd());
+        v &= 0xBF;  // e4m3: |value| < 2 (exponent bit 3 clear), no NaN codes
+        return v;
+      };
+      auto fill = [&](std::vector<uint8_t>& v) {
+        if (fp8) {
+          for (auto& b : v) b = code();
+        } else {  // bf16 in (-1, 1): sign, exponent 112..126, random mantissa
+          for (size_t i = 0; i + 1 < v.size(); i += 2) {
+            const uint32_t r = rnd();
+            const uint32_t bits = ((r & 1u) << 15) | ((112u + (r >> 1) % 15u) << 7) | ((r >> 5) & 127u);
+            v[i] = static_cast<uint8_t>(bits & 255u), v[i + 1] = static_cast<uint8_t>(bits >> 8);
+          }
+        }
+      };
+      fill(hw);
+      fill(hx);
+      std::vector<float> hws(ldws * ((N + 127) / 128)), hxs(ldxs * G);
+      for (auto& v : hws) v = 0.5f + (rnd() % 1000) / 1000.0f;
+      for (auto& v : hxs) v = 0.5f + (rnd() % 1000) / 1000.0f;
+      for (int c = 0; c < copies; ++c) CK(cudaMemcpy(w + c * wbytes, hw.data(), wbytes, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(x, hx.data(), hx.size(), cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(ws, hws.data(), hws.size() * 4, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(xs, hxs.data(), hxs.size() * 4, cudaMemcpyHostToDevice));
+      for (int c = 0; c < copies; ++c)
+        pack_kernel<<<static_cast<unsigned>((wbytes / 16 + 255) / 256), 256>>>(w + c * wbytes, wp + c * wbytes, N, RB);
+      CK(cudaGetLastError());
+    }
+    // Read roofline on these bytes.
+    {
+      float best = 1e9;
+      for (int r = 0; r < reps; ++r) {
+        const uint8_t* src = w + (r % copies) * wbytes;
+        CK(cudaEventRecord(e0));
+        read_kernel<<<sms * 8, 256>>>(src, static_cast<int64_t>(wbytes), sink);
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        if (r > 1) best = std::min(best, time_ms(e0, e1));
+      }
+      std::printf("%-9s N %5d K %5d  %6.1f MB  read            %7.1f us  %5.0f GB/s\n", sh.name, N, K, wbytes / 1e6,
+                  best * 1e3, wbytes / best / 1e6);
+    }
+    for (int M : Ms) {
+      if (fp8)
+        ref_kernel<<<(N + 127) / 128, 128>>>(x, xs, ldxs, w, ws, ldws, yref, M, N, K);
+      else
+        ref_bf16_kernel<<<(N + 127) / 128, 128>>>(x, w, yref, M, N, K);
+      CK(cudaGetLastError());
+      std::vector<float> href(static_cast<size_t>(M) * N), hy(static_cast<size_t>(M) * N);
+      CK(cudaMemcpy(href.data(), yref, href.size() * 4, cudaMemcpyDeviceToHost));
+      auto run = [&](const char* label, auto kernel, bool packed, int dist, int warps, bool check) {
+        Args a{};
+        a.x = x, a.ldx = RB, a.xs = xs, a.ldxs = ldxs, a.ws = ws, a.ldws = ldws, a.y = y, a.M = M, a.N = N, a.K = K,
+        a.G = G, a.units = static_cast<int64_t>(N / 16) * G, a.dist = dist, a.sink = sink;
+        int occ = 0;
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, warps * 32, 0));
+        const unsigned grid = dist == 0 ? static_cast<unsigned>(sms * occ) : static_cast<unsigned>((N / 16 + warps - 1) / warps);
+        float best = 1e9, sum = 0;
+        int cnt = 0;
+        for (int r = 0; r < reps; ++r) {
+          a.w = (packed ? wp : w) + (r % copies) * wbytes;
+          CK(cudaMemsetAsync(y, 0, sizeof(float) * M * N));
+          CK(cudaEventRecord(e0));
+          kernel<<<grid, warps * 32>>>(a);
+          CK(cudaEventRecord(e1));
+          CK(cudaEventSynchronize(e1));
+          CK(cudaGetLastError());
+          if (r > 1) {
+            const float t = time_ms(e0, e1);
+            best = std::min(best, t), sum += t, ++cnt;
+          }
+        }
+        double err = -1;
+        if (check) {
+          CK(cudaMemcpy(hy.data(), y, hy.size() * 4, cudaMemcpyDeviceToHost));
+          double num = 0, den = 0;
+          for (size_t i = 0; i < hy.size(); ++i) {
+            num = std::max(num, static_cast<double>(std::fabs(hy[i] - href[i])));
+            den = std::max(den, static_cast<double>(std::fabs(href[i])));
+          }
+          err = num / std::max(den, 1e-30);
+        }
+        std::printf("%-9s N %5d K %5d  M %2d  %-34s occ %d grid %4u  best %7.1f us  %5.0f GB/s  mean %5.0f GB/s  err %.1e\n",
+                    sh.name, N, K, M, label, occ, grid, best * 1e3, wbytes / best / 1e6, wbytes / (sum / cnt) / 1e6, err);
+      };
+      if (!fp8) {
+        if (M <= 8) {
+          run("af49b75 grid d4", gemv_kernel<1, 4, false, false, false, 8, false>, false, 1, 8, true);
+          run("streamK d4", gemv_kernel<1, 4, false, false, false, 8, false>, false, 0, 8, true);
+          run("streamK d2 pipe", gemv_kernel<1, 2, false, true, false, 8, false>, false, 0, 8, true);
+          run("packed streamK d4", gemv_kernel<1, 4, true, false, false, 8, false>, true, 0, 8, true);
+          run("packed streamK d2 pipe", gemv_kernel<1, 2, true, true, false, 8, false>, true, 0, 8, true);
+        } else {
+          run("af49b75 grid d4", gemv_kernel<2, 4, false, false, false, 8, false>, false, 1, 8, true);
+          run("streamK d4", gemv_kernel<2, 4, false, false, false, 8, false>, false, 0, 8, true);
+          run("streamK d2 pipe", gemv_kernel<2, 2, false, true, false, 8, false>, false, 0, 8, true);
+          run("packed streamK d4", gemv_kernel<2, 4, true, false, false, 8, false>, true, 0, 8, true);
+          run("packed streamK d2 pipe", gemv_kernel<2, 2, true, true, false, 8, false>, true, 0, 8, true);
+        }
+        continue;
+      }
+      if (M <= 8) {
+        run("af49b75 grid d4", gemv_kernel<1, 4, false, false, false, 8>, false, 1, 8, true);
+        run("streamK d4", gemv_kernel<1, 4, false, false, false, 8>, false, 0, 8, true);
+        run("streamK d2 pipe", gemv_kernel<1, 2, false, true, false, 8>, false, 0, 8, true);
+        run("streamK d4 pipe", gemv_kernel<1, 4, false, true, false, 8>, false, 0, 8, true);
+        run("streamK d8", gemv_kernel<1, 8, false, false, false, 8>, false, 0, 8, true);
+        run("packed streamK d4", gemv_kernel<1, 4, true, false, false, 8>, true, 0, 8, true);
+        run("packed streamK d2 pipe", gemv_kernel<1, 2, true, true, false, 8>, true, 0, 8, true);
+        run("packed streamK d4 pipe", gemv_kernel<1, 4, true, true, false, 8>, true, 0, 8, true);
+        run("packed streamK d8", gemv_kernel<1, 8, true, false, false, 8>, true, 0, 8, true);
+        run("nomath streamK d4", gemv_kernel<1, 4, false, false, true, 8>, false, 0, 8, false);
+        run("nomath packed streamK d4", gemv_kernel<1, 4, true, false, true, 8>, true, 0, 8, false);
+        run("packed streamK d4 w4", gemv_kernel<1, 4, true, false, false, 4>, true, 0, 4, true);
+      } else {
+        run("af49b75 grid d4", gemv_kernel<2, 4, false, false, false, 8>, false, 1, 8, true);
+        run("streamK d4", gemv_kernel<2, 4, false, false, false, 8>, false, 0, 8, true);
+        run("streamK d2 pipe", gemv_kernel<2, 2, false, true, false, 8>, false, 0, 8, true);
+        run("streamK d4 pipe", gemv_kernel<2, 4, false, true, false, 8>, false, 0, 8, true);
+        run("packed streamK d4", gemv_kernel<2, 4, true, false, false, 8>, true, 0, 8, true);
+        run("packed streamK d2 pipe", gemv_kernel<2, 2, true, true, false, 8>, true, 0, 8, true);
+        run("packed streamK d4 pipe", gemv_kernel<2, 4, true, true, false, 8>, true, 0, 8, true);
+        run("packed streamK d8", gemv_kernel<2, 8, true, false, false, 8>, true, 0, 8, true);
+        run("packed streamK d4 w4", gemv_kernel<2, 4, true, false, false, 4>, true, 0, 4, true);
+      }
+    }
+    CK(cudaFree(w));
+    CK(cudaFree(wp));
+    CK(cudaFree(ws));
+    CK(cudaFree(x));
+    CK(cudaFree(xs));
+    CK(cudaFree(y));
+    CK(cudaFree(yref));
+  }
+  }
+  return 0;
+}

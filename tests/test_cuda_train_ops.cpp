@@ -482,6 +482,43 @@ TEST(CudaTrainOps, AdamWThreeSteps) {
   }
 }
 
+// adamw_step takes 16-byte accesses where every buffer is aligned and 4-byte ones otherwise: the same
+// arithmetic per element, so the same bits. The aligned run (vector loop + a 3-element tail) against a
+// run on the same values one element into the buffers (scalar loop).
+TEST(CudaTrainOps, AdamWVectorAndScalarLoopsGiveTheSameBits) {
+  DFLASH_REQUIRE_GPU();
+  const int64_t n = 4099;
+  const std::vector<float> master0 = randn(n), m0 = randn(n, 0.01), grad = randn(n, 0.01);
+  std::vector<float> v0 = randn(n, 1e-4);
+  for (float& x : v0) x = std::abs(x);
+  auto shifted = [](const std::vector<float>& v) {
+    std::vector<float> s(v.size() + 1, 0.0f);
+    std::copy(v.begin(), v.end(), s.begin() + 1);
+    return s;
+  };
+  std::vector<std::vector<double>> out[2];
+  for (int off : {0, 1}) {
+    Buf master = dev_f32(off ? shifted(master0) : master0), m = dev_f32(off ? shifted(m0) : m0),
+        v = dev_f32(off ? shifted(v0) : v0), g = dev_f32(off ? shifted(grad) : grad), weight = poisoned(n + 1, DType::BF16);
+    cu::AdamWParams p;
+    p.master = master.f() + off, p.grad = g.f() + off, p.m = m.f() + off, p.v = v.f() + off;
+    p.weight = static_cast<uint16_t*>(weight.p()) + off;
+    p.n = n, p.lr = 1e-3f, p.beta1 = 0.9f, p.beta2 = 0.95f, p.eps = 1e-8f, p.weight_decay = 0.1f, p.step = 5;
+    p.grad_scale_host = 0.7f;
+    cu::adamw_step(p, stream());
+    for (Buf* b : {&master, &m, &v, &weight}) {
+      std::vector<double> h = host(*b);
+      out[off].emplace_back(h.begin() + off, h.begin() + off + n);
+    }
+  }
+  const char* names[] = {"master", "m", "v", "bf16 weight"};
+  for (size_t k = 0; k < 4; ++k) {
+    int64_t diff = 0;
+    for (int64_t i = 0; i < n; ++i) diff += out[0][k][i] == out[1][k][i] ? 0 : 1;
+    EXPECT_EQ(diff, 0) << names[k] << ": elements that differ between the vector and the scalar loop";
+  }
+}
+
 TEST(CudaTrainOps, ClipFactor) {
   DFLASH_REQUIRE_GPU();
   struct Case {

@@ -2,7 +2,9 @@
 // the clip factor on the device, and AdamW on fp32 masters.
 //
 // Roofline. Bound by HBM bandwidth (~4.8 TB/s on H200): sum_squares reads 4 bytes per element;
-// adamw_step reads and writes master, m, v, reads grad and writes the bf16 weight: 30 bytes.
+// adamw_step reads and writes master, m, v, reads grad and writes the bf16 weight: 30 bytes (16-byte
+// accesses where the buffers allow: the 27B recipe's 1.73 B-parameter drafter took 17 ms a step with
+// 4-byte ones, ~3.0 TB/s on an H200).
 //
 // Determinism. sum_squares never uses float atomics: a FIXED number of CTAs (a function of n only)
 // each sum a fixed set of elements in double and write one partial; a second kernel adds the
@@ -65,17 +67,49 @@ struct AdamArgs {
   const float* grad_scale;
   float grad_scale_host;
 };
+// One element's update (the same arithmetic for the vector and the scalar loop): m, v, p in place.
+__device__ __forceinline__ void adam_one(const AdamArgs& a, float scale, float g, float& m, float& v, float& p) {
+  g *= scale;
+  m = a.beta1 * m + (1.0f - a.beta1) * g;
+  v = a.beta2 * v + (1.0f - a.beta2) * g * g;
+  p -= a.lr * (a.wd * p + (m / a.bc1) / (sqrtf(v / a.bc2) + a.eps));
+}
+// vec4: master, grad, m, v 16-byte aligned and the weight (if any) 8-byte aligned: elements [0, n4 · 4)
+// four at a time (one 16-byte load / store per array: ~30% more of the bandwidth than 4-byte accesses),
+// the rest one at a time.
+template <bool kVec4>
 __global__ void adamw_kernel(const AdamArgs a) {
   const float scale = a.grad_scale_host * (a.grad_scale != nullptr ? *a.grad_scale : 1.0f);
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < a.n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float g = a.grad[i] * scale;
-    const float m = a.beta1 * a.m[i] + (1.0f - a.beta1) * g;
-    const float v = a.beta2 * a.v[i] + (1.0f - a.beta2) * g * g;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t tail = 0;
+  if constexpr (kVec4) {
+    const int64_t n4 = a.n / 4;
+    for (int64_t j = i; j < n4; j += stride) {
+      const float4 g = reinterpret_cast<const float4*>(a.grad)[j];
+      float4 m = reinterpret_cast<const float4*>(a.m)[j], v = reinterpret_cast<const float4*>(a.v)[j];
+      float4 p = reinterpret_cast<const float4*>(a.master)[j];
+      adam_one(a, scale, g.x, m.x, v.x, p.x);
+      adam_one(a, scale, g.y, m.y, v.y, p.y);
+      adam_one(a, scale, g.z, m.z, v.z, p.z);
+      adam_one(a, scale, g.w, m.w, v.w, p.w);
+      reinterpret_cast<float4*>(a.m)[j] = m;
+      reinterpret_cast<float4*>(a.v)[j] = v;
+      reinterpret_cast<float4*>(a.master)[j] = p;
+      if (a.weight != nullptr) {
+        uint2 w;
+        w.x = ptx::pack_bf16(p.x, p.y);
+        w.y = ptx::pack_bf16(p.z, p.w);
+        reinterpret_cast<uint2*>(a.weight)[j] = w;
+      }
+    }
+    tail = n4 * 4;
+  }
+  for (i += tail; i < a.n; i += stride) {
+    float m = a.m[i], v = a.v[i], p = a.master[i];
+    adam_one(a, scale, a.grad[i], m, v, p);
     a.m[i] = m;
     a.v[i] = v;
-    float p = a.master[i];
-    p -= a.lr * (a.wd * p + (m / a.bc1) / (sqrtf(v / a.bc2) + a.eps));
     a.master[i] = p;
     if (a.weight != nullptr) a.weight[i] = __float2bfloat16_rn(p);
   }
@@ -145,7 +179,13 @@ void adamw_step(const AdamWParams& p, Stream s) {
   a.bc2 = static_cast<float>(1.0 - std::pow(static_cast<double>(p.beta2), step));
   a.grad_scale = p.grad_scale;
   a.grad_scale_host = p.grad_scale_host;
-  adamw_kernel<<<blocks_for(p.n, kThreads * 4, 8192), kThreads, 0, static_cast<cudaStream_t>(s)>>>(a);
+  const bool vec4 = aligned16(a.master) && aligned16(a.grad) && aligned16(a.m) && aligned16(a.v) &&
+                    reinterpret_cast<uintptr_t>(a.weight) % 8 == 0;
+  const unsigned blocks = blocks_for(p.n, kThreads * (vec4 ? 8 : 4), 8192);
+  if (vec4)
+    adamw_kernel<true><<<blocks, kThreads, 0, static_cast<cudaStream_t>(s)>>>(a);
+  else
+    adamw_kernel<false><<<blocks, kThreads, 0, static_cast<cudaStream_t>(s)>>>(a);
   DFLASH_CUDA_CHECK_LAST();
 }
 

@@ -420,6 +420,12 @@ TEST(CudaTrainOps, SumSquaresDeterministic) {
       EXPECT_EQ(got, 0.0);
     }
     EXPECT_EQ(bits(out), bits(out2)) << "sum_squares n=" << n << " differs between two runs";
+    // The same values one float into a buffer (not 16-byte aligned: the scalar loads) give the same bits.
+    std::vector<float> shifted(static_cast<size_t>(n) + 1, 0.0f);
+    std::copy(x.begin(), x.end(), shifted.begin() + 1);
+    Buf xs = dev_f32(shifted), out3 = poisoned(1, DType::F32);
+    cu::sum_squares(xs.f() + 1, n, out3.f(), ws.p(), stream());
+    EXPECT_EQ(bits(out), bits(out3)) << "sum_squares n=" << n << ": aligned and unaligned x differ";
   }
 }
 

@@ -32,16 +32,26 @@ constexpr int kSsParts = 1024;       // max CTAs (partials) of sum_squares
 
 // ---- optimizer --------------------------------------------------------------------------------------
 
-// Block b sums x[i]² (in double) over i = b·kThreads + t + j·parts·kThreads, then reduces in fixed
-// order and writes partial[b].
+// Block b sums x[i]² (in double) over the 4-element chunks c = b·kThreads + t + j·parts·kThreads (elements
+// 4c .. 4c + 3, in order), then reduces in fixed order and writes partial[b]. A chunk is one 16-byte load
+// where x is 16-byte aligned and four 4-byte loads otherwise: the same sums in the same order either way.
 __global__ void __launch_bounds__(kThreads) sum_squares_kernel(const float* __restrict__ x, int64_t n,
                                                                double* __restrict__ partial) {
   __shared__ double red[kThreads / 32];
+  const bool vec = reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  const int64_t chunks = (n + 3) / 4;
   double s = 0.0;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const double v = x[i];
-    s += v * v;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; c < chunks;
+       c += static_cast<int64_t>(gridDim.x) * kThreads) {
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (vec && 4 * c + 3 < n) {
+      const float4 f = reinterpret_cast<const float4*>(x)[c];
+      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    } else {
+      for (int e = 0; e < 4 && 4 * c + e < n; ++e) v[e] = x[4 * c + e];
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s += static_cast<double>(v[e]) * v[e];
   }
   s = block_sum<kThreads>(s, red);
   if (threadIdx.x == 0) partial[blockIdx.x] = s;

@@ -182,14 +182,15 @@ const char* gemm_fp8_kernel_name();
 // Streaming FP8 skinny GEMM (issue 30; kernels/cuda/gemm_stream.cu): gemm_fp8's operands and result
 // for 1 <= M <= 16 (no M % 4 needed), block scales only, K % 128 == 0, y bf16 or f32 (y_f32; accumulate:
 // y += x · wᵀ, each output added once); each weight byte read once
-// with 16-byte cp.async copies over a one-wave stream-K grid, mma.sync e4m3 (sm_89+; run on sm_90).
+// with 16-byte loads into a per-warp register ring over a one-wave stream-K grid, mma.sync e4m3 (sm_89+;
+// run on sm_90).
 // gemm_fp8 runs it on sm_90 where cuBLASLt has no block-scaled kernel (M % 4 != 0), or for every
 // shape it supports when tuning::gemm_fp8_stream == 1 (kernel_bench's stream_e4m3 rows); the
 // model's decode / verify steps run it where the decode plan's skinny GEMMs are on (slower than cuBLASLt at M 16:
-// bench/results/h100-fused-6bf6ff4; off by default). Same sums as
+// bench/results/h100-stream2-7ce8e65; off by default). Same sums as
 // ops::gemm_fp8_blockwise (per group code products in fp32, times the two scales), in another
 // order, fixed by N, K and the device (deterministic, and a row's result does not depend on M).
-// Uses a per-device workspace (8 KB per resident block, allocated on first use) on the stream it
+// Uses a per-device workspace (2 KB per resident block, allocated on first use) on the stream it
 // is given: launches on one device are stream-ordered (dflash's single stream per device). Throws
 // naming the shape for what it cannot do.
 bool gemm_fp8_stream_supported(const GemmFp8Params& p);

@@ -27,7 +27,7 @@
 // skip L1: per unit and lane rows g and g + 8 of the tile, bytes 16t and 64 + 16t of the unit, so a
 // load instruction reads 64 contiguous bytes of each of 8 rows) through a register ring of kDepth
 // units: a unit's slot is refilled with the unit kDepth ahead as soon as its MMAs have read it, so
-// kDepth - 1 to kDepth units (1-2 KB a warp, ~16 warps an SM) are always in flight. x is read at the
+// kDepth - 1 to kDepth units (6-8 KB a warp, 16 warps an SM) are always in flight. x is read at the
 // math (L1 / L2: every warp of an SM reads the same rows). The MMAs take the weight rows as the MMA's
 // M and the tokens as its N (one token half for M <= 8, two for M <= 16), the k order permuted alike
 // for both operands so the 16-byte units are used as loaded (skinny_mma.cuh: fp8 lane t's bytes
@@ -49,9 +49,10 @@
 // dependent launch (pdl.cuh) the first kDepth units' weight loads are issued before waiting on the
 // previous kernel, which wrote x.
 //
-// Measured: the first version lost to cuBLASLt (H100, bench/results/h100-fused-6bf6ff4: FP8 0.98-1.39
-// TB/s against 1.62-2.27 at M 16, bf16 1.05-2.03 against 2.54-2.90), so both stay off by default until
-// this one is measured. tests/test_gemm_stream_emulated.cpp runs it on the CPU; kernel_bench --only fp8
+// Measured (H100, M 16): the first version 0.98-1.39 TB/s FP8 against cuBLASLt's 1.62-2.27 (bf16 1.05-2.03
+// against 2.54-2.90, bench/results/h100-fused-6bf6ff4), this one 1.03-1.83 FP8 against 1.62-2.25 and bf16
+// 1.91-2.36 against 2.59-2.83 (bench/results/h100-stream2-7ce8e65): still slower, so both stay off by default.
+// The probe there says why (the loads and the math share warps; docs/fp8.md). tests/test_gemm_stream_emulated.cpp runs it on the CPU; kernel_bench --only fp8
 // (stream_e4m3 rows, DFLASH_BENCH_FP8_DECODE=1) and --only decode_gemm (skinny_streamk rows), and
 // dflash_eval --decode-variants fused,skinny (fp8) / skinny_streamk (bf16) measure it against cuBLASLt;
 // bench/probes/fp8_gemv_probe.cu times the load patterns it was chosen from.
@@ -381,7 +382,7 @@ const Workspace& workspace(int device, cudaStream_t st) {
   }
   DFLASH_CHECK(per_sm > 0, "gemm_stream: the kernels do not fit an SM of device " << device);
   const int blocks = per_sm * sms;
-  // Lives until exit, like the device context's cuBLASLt workspace (8 KB per block).
+  // Lives until exit, like the device context's cuBLASLt workspace (2 KB per block).
   DFLASH_CUDA_CHECK(cudaMalloc(&w.partial, static_cast<size_t>(blocks) * kSlots * kSlotFloats * sizeof(float)));
   DFLASH_CUDA_CHECK(cudaMalloc(&w.counters, static_cast<size_t>(blocks) * sizeof(int)));
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;

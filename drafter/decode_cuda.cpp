@@ -5,6 +5,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <utility>
 
 #include "drafter/fast_path.h"
 #include "drafter/proposer_slots.h"
@@ -85,9 +89,9 @@ class Pinned {
 class CudaProposer final : public Proposer {
  public:
   CudaProposer(const DrafterConfig& c, const DrafterWeights& w, Tensor embed, Tensor lm_head, Device device,
-               int64_t num_slots, int64_t max_len, bool fp8_propose)
+               int64_t num_slots, int64_t max_len, bool fp8_propose, bool cuda_graphs)
       : c_(c), slots_(c, num_slots, max_len, "cuda proposer"), device_(device), embed_(std::move(embed)),
-        lm_head_(std::move(lm_head)), fp8_(fp8_propose) {
+        lm_head_(std::move(lm_head)), fp8_(fp8_propose), graphs_on_(cuda_graphs) {
     c_.validate();
     w.check(c_);
     DFLASH_CHECK(device_.is_cuda(), "cuda proposer: device must be a CUDA device, got " << device_.str());
@@ -150,6 +154,14 @@ class CudaProposer final : public Proposer {
   int64_t max_len() const override { return slots_.max_len(); }
   int64_t context_length(int32_t slot) const override { return slots_.length(slot); }
   void reset(int32_t slot) override { slots_.reset(slot); }  // positions past the length are never read
+  std::string graph_stats() const override {
+    if (!graphs_on_) return "CUDA graphs off (eager launches)";
+    std::string out = "CUDA graphs: " + std::to_string(graph_captures_) + " shape(s) captured, " +
+                      std::to_string(graph_replays_) + " replay(s), " + std::to_string(graph_eager_) +
+                      " eager step(s) (a shape's first, or one whose capture failed)";
+    if (graph_failures_ > 0) out += ", " + std::to_string(graph_failures_) + " capture(s) FAILED (eager)";
+    return out;
+  }
 
   void add_context(const std::vector<int32_t>& slots, const Tensor& features, const ops::SeqOffsets& seqs) override {
     slots_.check_add(slots, features, seqs);
@@ -197,9 +209,7 @@ class CudaProposer final : public Proposer {
                                             int64_t block_size, Tensor* logits) override {
     slots_.check_propose(slots, x_start, block_size);
     const int64_t Bp = block_size, S = static_cast<int64_t>(slots.size()), R = S * Bp;
-    const int64_t H = c_.hidden_size, I = c_.intermediate_size, qd = c_.q_dim(), kvd = c_.kv_dim();
-    const int64_t QKV = qd + 2 * kvd, V = c_.vocab_size;
-    if (logits) *logits = Tensor::empty({R, V}, DType::F32);
+    if (logits) *logits = Tensor::empty({R, c_.vocab_size}, DType::F32);
     if (S == 0) return {};
     const cudaStream_t st = stream();
     // Device metadata: [block tokens R | positions R | slots S | past lengths S | cu_seqlens S+1].
@@ -223,6 +233,48 @@ class CudaProposer final : public Proposer {
     const int32_t* d_past = d_slots + S;
     const int32_t* d_cu = d_past + S;
 
+    // The step's kernels: as CUDA graph replays per (slots, block) shape where graphs are on and no
+    // logits are asked for (a shape's first call runs eagerly, which also settles cuBLASLt's algorithm
+    // choices; its second is captured; a failed capture is logged, counted, and that shape stays eager).
+    const Meta dm{d_ids, d_pos, d_slots, d_past, d_cu};
+    if (logits || !graphs_on_) {
+      enqueue(S, Bp, dm, logits);
+    } else {
+      PGraph& g = graphs_.try_emplace({S, Bp}, device_.index).first->second;
+      if (!g.exec && !g.failed && g.calls > 0) capture(g, S, Bp, dm);
+      ++g.calls;
+      if (g.exec) {
+        DFLASH_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(g.exec), st));
+        ++graph_replays_;
+      } else {
+        enqueue(S, Bp, dm, nullptr);
+        ++graph_eager_;
+      }
+    }
+    // Rows 1 .. Bp-1 of each block: (Bp-1) ids per slot come back, then the one synchronisation.
+    int32_t* out = drafts_host_.get(S * (Bp - 1));
+    DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(out, static_cast<size_t>(Bp - 1) * 4, amax_.data<int32_t>() + 1,
+                                        static_cast<size_t>(Bp) * 4, static_cast<size_t>(Bp - 1) * 4,
+                                        static_cast<size_t>(S), cudaMemcpyDeviceToHost, st));
+    DFLASH_CUDA_CHECK(cudaStreamSynchronize(st));
+    std::vector<std::vector<int32_t>> drafts(static_cast<size_t>(S));
+    for (int64_t s = 0; s < S; ++s) drafts[s].assign(out + s * (Bp - 1), out + (s + 1) * (Bp - 1));
+    return drafts;
+  }
+
+ private:
+  // The device pointers of a propose call's metadata (meta_'s sections: fixed for a given S and Bp).
+  struct Meta {
+    const int32_t *ids, *pos, *slots, *past, *cu;
+  };
+
+  // A propose step's kernels on the stream: embeddings, the layers, the final norm, the LM head and
+  // the argmax of every block row into amax_ (and, when given, the fp32 logits copied to the host).
+  void enqueue(int64_t S, int64_t Bp, const Meta& dm, Tensor* logits) {
+    const int64_t R = S * Bp, H = c_.hidden_size, I = c_.intermediate_size, qd = c_.q_dim(), kvd = c_.kv_dim();
+    const int64_t QKV = qd + 2 * kvd, V = c_.vocab_size;
+    const cudaStream_t st = stream();
+    const int32_t *d_ids = dm.ids, *d_pos = dm.pos, *d_slots = dm.slots, *d_past = dm.past, *d_cu = dm.cu;
     float* h = h_.data<float>();
     cuda::embedding_f32(d_ids, embed_.raw_data(), h, R, H, st);
     for (int64_t l = 0; l < c_.num_hidden_layers; ++l) {
@@ -259,18 +311,60 @@ class CudaProposer final : public Proposer {
                                             logits_.raw_data(), static_cast<size_t>(Vp) * 4, static_cast<size_t>(V) * 4,
                                             static_cast<size_t>(rows), cudaMemcpyDeviceToHost, st));
     }
-    // Rows 1 .. Bp-1 of each block: (Bp-1) ids per slot come back, then the one synchronisation.
-    int32_t* out = drafts_host_.get(S * (Bp - 1));
-    DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(out, static_cast<size_t>(Bp - 1) * 4, amax_.data<int32_t>() + 1,
-                                        static_cast<size_t>(Bp) * 4, static_cast<size_t>(Bp - 1) * 4,
-                                        static_cast<size_t>(S), cudaMemcpyDeviceToHost, st));
-    DFLASH_CUDA_CHECK(cudaStreamSynchronize(st));
-    std::vector<std::vector<int32_t>> drafts(static_cast<size_t>(S));
-    for (int64_t s = 0; s < S; ++s) drafts[s].assign(out + s * (Bp - 1), out + (s + 1) * (Bp - 1));
-    return drafts;
   }
 
- private:
+  // A CUDA graph of one propose shape (S slots, block Bp): captured once, replayed after the metadata
+  // upload (its device addresses and every buffer it touches are fixed at construction).
+  struct PGraph {
+    explicit PGraph(int device) : pool(device) {}
+    ~PGraph() {
+      if (exec) DFLASH_CUDA_WARN(cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec)));
+    }
+    PGraph(const PGraph&) = delete;
+    PGraph& operator=(const PGraph&) = delete;
+    device_alloc::Pool pool;  // whatever a kernel wrapper allocates while captured stays the graph's
+    void* exec = nullptr;     // cudaGraphExec_t
+    int64_t calls = 0;
+    bool failed = false;
+  };
+  void capture(PGraph& g, int64_t S, int64_t Bp, const Meta& dm) {
+    const cudaStream_t st = stream();
+    std::string err;
+    cudaGraph_t cg = nullptr;
+    {
+      device_alloc::PoolScope scope(g.pool);
+      try {
+        DFLASH_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed));
+        try {
+          enqueue(S, Bp, dm, nullptr);
+        } catch (const std::exception& e) {
+          err = e.what();
+        }
+        const cudaError_t end = cudaStreamEndCapture(st, &cg);
+        if (err.empty() && end != cudaSuccess) err = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(end);
+        if (err.empty()) {
+          cudaGraphExec_t exec = nullptr;
+          const cudaError_t inst = cudaGraphInstantiate(&exec, cg, 0);
+          if (inst != cudaSuccess) err = std::string("cudaGraphInstantiate: ") + cudaGetErrorString(inst);
+          else g.exec = exec;
+        }
+      } catch (const std::exception& e) {
+        if (err.empty()) err = e.what();
+      }
+      if (cg) DFLASH_CUDA_WARN(cudaGraphDestroy(cg));
+      if (!err.empty()) cudaGetLastError();  // a failed capture leaves its error behind
+    }
+    if (!err.empty()) {
+      g.failed = true;
+      ++graph_failures_;
+      spdlog::warn("cuda proposer: capturing the propose shape ({} slot(s), block {}) as a CUDA graph failed ({}); "
+                   "that shape runs eager launches",
+                   S, Bp, err);
+      return;
+    }
+    ++graph_captures_;
+  }
+
   // A weight's e4m3 codes and 128 x 128 block scales in gemm_fp8's layout (FP8 propose).
   struct Fp8Weight {
     Tensor q, s;
@@ -390,6 +484,9 @@ class CudaProposer final : public Proposer {
   Device device_;
   Tensor embed_, lm_head_;
   bool fp8_ = false;                // FP8 propose (make_cuda_proposer's fp8_propose)
+  bool graphs_on_ = true;           // propose steps as CUDA graphs (make_cuda_proposer's cuda_graphs)
+  std::map<std::pair<int64_t, int64_t>, PGraph> graphs_;  // by (slots, block)
+  int64_t graph_captures_ = 0, graph_replays_ = 0, graph_eager_ = 0, graph_failures_ = 0;
   Fp8Weight lm_head_q_;             // FP8 propose: the lm_head's codes and scales
   Tensor xq_, xs_;                  // FP8 propose: a GEMM input's codes [Rmax, K] and scales
   int64_t fp8_fallbacks_ = 0;       // FP8 propose GEMMs of more than 16 rows, run in bf16
@@ -413,9 +510,11 @@ class CudaProposer final : public Proposer {
 
 std::unique_ptr<Proposer> make_cuda_proposer(const DrafterConfig& config, const DrafterWeights& host_weights,
                                              Tensor embed_tokens, Tensor lm_head, Device device, int64_t num_slots,
-                                             int64_t max_len, bool fp8_propose) {
+                                             int64_t max_len, bool fp8_propose, bool cuda_graphs) {
+  // DFLASH_PROPOSE_GRAPHS=0: eager propose steps whatever the caller asks (the A/B of scripts/gpu_fused.sh's "+peager").
+  if (const char* e = std::getenv("DFLASH_PROPOSE_GRAPHS"); e != nullptr && std::string(e) == "0") cuda_graphs = false;
   return std::make_unique<CudaProposer>(config, host_weights, std::move(embed_tokens), std::move(lm_head), device,
-                                        num_slots, max_len, fp8_propose);
+                                        num_slots, max_len, fp8_propose, cuda_graphs);
 }
 
 const char* cuda_proposer_attention_kernel(const DrafterConfig& config, Device device) {

@@ -511,8 +511,9 @@ class CudaProposer final : public Proposer {
 std::unique_ptr<Proposer> make_cuda_proposer(const DrafterConfig& config, const DrafterWeights& host_weights,
                                              Tensor embed_tokens, Tensor lm_head, Device device, int64_t num_slots,
                                              int64_t max_len, bool fp8_propose, bool cuda_graphs) {
-  // DFLASH_PROPOSE_GRAPHS=0: eager propose steps whatever the caller asks (the A/B of scripts/gpu_fused.sh's "+peager").
-  if (const char* e = std::getenv("DFLASH_PROPOSE_GRAPHS"); e != nullptr && std::string(e) == "0") cuda_graphs = false;
+  // DFLASH_PROPOSE_GRAPHS=1 / 0: graphs on / off whatever the caller asks (scripts/gpu_fused.sh's "+pgraphs" A/B).
+  if (const char* e = std::getenv("DFLASH_PROPOSE_GRAPHS"); e != nullptr && (std::string(e) == "0" || std::string(e) == "1"))
+    cuda_graphs = std::string(e) == "1";
   return std::make_unique<CudaProposer>(config, host_weights, std::move(embed_tokens), std::move(lm_head), device,
                                         num_slots, max_len, fp8_propose, cuda_graphs);
 }

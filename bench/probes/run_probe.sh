@@ -8,11 +8,14 @@ nvcc -O3 -arch=sm_90 -std=c++17 -Xptxas -v fp8_gemv_probe.cu -o /tmp/probe >"$OU
 timeout 240 /tmp/probe >"$OUT/probe.txt" 2>&1
 echo "probe rc=$?"
 : >"$OUT/ncu.txt"
-for spec in "gemv_kernel<2, 4, false, false, false, 8, true>:2" "gemv_kernel<2, 4, false, false, false, 8, true>:22" \
-            "gemv_kernel<2, 4, true, false, false, 8, true>:2"; do
+# (ncu's demangled names spell the template arguments "(int)2, (bool)0": the regex matches that, "(" and ")" as ".")
+for spec in "gemv_kernel<(int)2, (int)4, (bool)0, (bool)0, (bool)0, (int)8, (bool)1>:2" \
+            "gemv_kernel<(int)2, (int)4, (bool)0, (bool)0, (bool)0, (int)8, (bool)1>:22" \
+            "gemv_kernel<(int)2, (int)4, (bool)1, (bool)0, (bool)0, (int)8, (bool)1>:2"; do
   k=${spec%:*} skip=${spec##*:}
   echo "=== $k launch-skip $skip" >>"$OUT/ncu.txt"
-  timeout 90 ncu --clock-control none --kernel-name-base demangled -k "regex:${k//[<>]/.}" --launch-skip "$skip" -c 1 \
+  re=$(printf '%s' "$k" | sed 's/[][<>()]/./g')
+  timeout 90 ncu --clock-control none --kernel-name-base demangled -k "regex:$re" --launch-skip "$skip" -c 1 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
     /tmp/probe 16 1 0 >>"$OUT/ncu.txt" 2>&1
   echo "ncu rc=$?" >>"$OUT/ncu.txt"

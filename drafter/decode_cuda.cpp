@@ -14,6 +14,7 @@
 #include "drafter/proposer_slots.h"
 #include "kernels/cuda/attention.h"
 #include "core/cuda/check.h"
+#include "core/cuda/graph.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/norm.h"
@@ -328,31 +329,10 @@ class CudaProposer final : public Proposer {
     bool failed = false;
   };
   void capture(PGraph& g, int64_t S, int64_t Bp, const Meta& dm) {
-    const cudaStream_t st = stream();
     std::string err;
-    cudaGraph_t cg = nullptr;
     {
       device_alloc::PoolScope scope(g.pool);
-      try {
-        DFLASH_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeRelaxed));
-        try {
-          enqueue(S, Bp, dm, nullptr);
-        } catch (const std::exception& e) {
-          err = e.what();
-        }
-        const cudaError_t end = cudaStreamEndCapture(st, &cg);
-        if (err.empty() && end != cudaSuccess) err = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(end);
-        if (err.empty()) {
-          cudaGraphExec_t exec = nullptr;
-          const cudaError_t inst = cudaGraphInstantiate(&exec, cg, 0);
-          if (inst != cudaSuccess) err = std::string("cudaGraphInstantiate: ") + cudaGetErrorString(inst);
-          else g.exec = exec;
-        }
-      } catch (const std::exception& e) {
-        if (err.empty()) err = e.what();
-      }
-      if (cg) DFLASH_CUDA_WARN(cudaGraphDestroy(cg));
-      if (!err.empty()) cudaGetLastError();  // a failed capture leaves its error behind
+      err = capture_cuda_graph(stream(), [&] { enqueue(S, Bp, dm, nullptr); }, &g.exec);
     }
     if (!err.empty()) {
       g.failed = true;

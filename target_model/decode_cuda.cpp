@@ -31,6 +31,7 @@
 
 #include "kernels/cuda/attention.h"
 #include "core/cuda/check.h"
+#include "core/cuda/graph.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gdn.h"
 #include "kernels/cuda/gemm.h"
@@ -474,32 +475,17 @@ class CudaDecoder final : public Decoder {
     auto g = std::make_unique<Graph>(dev_.index);
     const std::vector<SavedLayer> eager_saved = save_saved();  // the eager verify's, for commit
     std::string err;
-    cudaGraph_t cg = nullptr;
     {
       device_alloc::PoolScope scope(g->pool);
       try {
         synchronize();
         g->input = Tensor::empty({static_cast<int64_t>(input_bytes)}, DType::U8, dev_);
         // Relaxed: the pool may cudaMalloc its blocks while capturing (nothing synchronizes).
-        DFLASH_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
-        try {
-          record(static_cast<const char*>(g->input.raw_data()), *g);
-        } catch (const std::exception& e) {
-          err = e.what();
-        }
-        const cudaError_t end = cudaStreamEndCapture(s, &cg);
-        if (err.empty() && end != cudaSuccess) err = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(end);
-        if (err.empty()) {
-          cudaGraphExec_t exec = nullptr;
-          const cudaError_t inst = cudaGraphInstantiate(&exec, cg, 0);
-          if (inst != cudaSuccess) err = std::string("cudaGraphInstantiate: ") + cudaGetErrorString(inst);
-          else g->exec = exec;
-        }
-      } catch (const std::exception& e) {
+        err = capture_cuda_graph(s, [&] { record(static_cast<const char*>(g->input.raw_data()), *g); }, &g->exec);
+      } catch (const std::exception& e) {  // (before the capture: the synchronisation, the input buffer)
         if (err.empty()) err = e.what();
+        cudaGetLastError();
       }
-      if (cg) DFLASH_CUDA_WARN(cudaGraphDestroy(cg));
-      if (!err.empty()) cudaGetLastError();  // a failed capture leaves its error behind
       if (keep_saved) g->saved = save_saved();
       restore_saved(eager_saved);
     }

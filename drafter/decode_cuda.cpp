@@ -245,7 +245,7 @@ class CudaProposer final : public Proposer {
       if (!g.exec && !g.failed && g.calls > 0) capture(g, S, Bp, dm);
       ++g.calls;
       if (g.exec) {
-        DFLASH_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(g.exec), st));
+        g.exec.launch(st);
         ++graph_replays_;
       } else {
         enqueue(S, Bp, dm, nullptr);
@@ -318,13 +318,8 @@ class CudaProposer final : public Proposer {
   // upload (its device addresses and every buffer it touches are fixed at construction).
   struct PGraph {
     explicit PGraph(int device) : pool(device) {}
-    ~PGraph() {
-      if (exec) DFLASH_CUDA_WARN(cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec)));
-    }
-    PGraph(const PGraph&) = delete;
-    PGraph& operator=(const PGraph&) = delete;
     device_alloc::Pool pool;  // whatever a kernel wrapper allocates while captured stays the graph's
-    void* exec = nullptr;     // cudaGraphExec_t
+    CudaGraphExec exec;
     int64_t calls = 0;
     bool failed = false;
   };

@@ -153,20 +153,15 @@ class CudaDecoder final : public Decoder {
   };
   // One captured step shape: its graph, and every buffer the graph reads or writes beside the
   // decoder's states (the inputs it is replayed on, its outputs, a verify's saved layer inputs), all
-  // from its own pool (declared first: released last).
+  // from its own pool (declared first: released last; the graph declared last: destroyed first).
   struct Graph {
     explicit Graph(int device) : pool(device) {}
-    ~Graph() {
-      if (exec) DFLASH_CUDA_WARN(cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec)));
-    }
-    Graph(const Graph&) = delete;
-    Graph& operator=(const Graph&) = delete;
     device_alloc::Pool pool;
-    void* exec = nullptr;  // cudaGraphExec_t
     Tensor input, workspace;
     StepOutputs out;
     PathCounters counts;  // the decode kernels one replay launches
     std::vector<SavedLayer> saved;
+    CudaGraphExec exec;
   };
 
   // The decoder's stream waits for a commit replayed on the side stream (plan_.fusion.commit_overlap)
@@ -426,7 +421,7 @@ class CudaDecoder final : public Decoder {
       DFLASH_CHECK(bytes.size() == graph->input.nbytes(), "CUDA decoder: a graph's inputs are " << graph->input.nbytes()
                                                             << " bytes, the step's " << bytes.size());
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(graph->input.raw_data(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice, s));
-      DFLASH_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph->exec), s));
+      graph->exec.launch(s);
       ++stats_.replays;
       counters_.add(graph->counts);
       if (!opt.commit) restore_saved(graph->saved);  // what commit re-runs: the graph's buffers
@@ -655,7 +650,7 @@ class CudaDecoder final : public Decoder {
       }
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(graph->input.raw_data(), host.data(), host.size() * sizeof(int32_t),
                                         cudaMemcpyHostToDevice, cs));
-      DFLASH_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(graph->exec), cs));
+      graph->exec.launch(cs);
       if (cs != s) {
         DFLASH_CUDA_CHECK(cudaEventRecord(ev_join_, cs));
         join_pending_ = true;

@@ -5,12 +5,21 @@
 #include <exception>
 
 #include "core/cuda/check.h"
+#include "core/error.h"
 
 namespace dflash {
 
-std::string capture_cuda_graph(void* stream, const std::function<void()>& enqueue, void** exec) {
+CudaGraphExec::~CudaGraphExec() {
+  if (exec_) DFLASH_CUDA_WARN(cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_)));
+}
+
+void CudaGraphExec::launch(void* stream) const {
+  DFLASH_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_), static_cast<cudaStream_t>(stream)));
+}
+
+std::string capture_cuda_graph(void* stream, const std::function<void()>& enqueue, CudaGraphExec* exec) {
   const auto s = static_cast<cudaStream_t>(stream);
-  *exec = nullptr;
+  DFLASH_CHECK(!*exec, "capture_cuda_graph: the graph to fill is not empty");
   std::string err;
   cudaGraph_t cg = nullptr;
   try {
@@ -26,7 +35,7 @@ std::string capture_cuda_graph(void* stream, const std::function<void()>& enqueu
       cudaGraphExec_t e = nullptr;
       const cudaError_t inst = cudaGraphInstantiate(&e, cg, 0);
       if (inst != cudaSuccess) err = std::string("cudaGraphInstantiate: ") + cudaGetErrorString(inst);
-      else *exec = e;
+      else exec->exec_ = e;
     }
   } catch (const std::exception& e) {
     if (err.empty()) err = e.what();

@@ -5,11 +5,28 @@
 
 namespace dflash {
 
+// An instantiated CUDA graph (a cudaGraphExec_t), destroyed with its owner; empty until
+// capture_cuda_graph fills it.
+class CudaGraphExec {
+ public:
+  CudaGraphExec() = default;
+  ~CudaGraphExec();
+  CudaGraphExec(const CudaGraphExec&) = delete;
+  CudaGraphExec& operator=(const CudaGraphExec&) = delete;
+  explicit operator bool() const { return exec_ != nullptr; }
+  // Replays the graph on `stream` (a cudaStream_t); throws naming the CUDA error.
+  void launch(void* stream) const;
+
+ private:
+  friend std::string capture_cuda_graph(void* stream, const std::function<void()>& enqueue, CudaGraphExec* exec);
+  void* exec_ = nullptr;  // cudaGraphExec_t
+};
+
 // Begins a relaxed-mode capture on `stream` (an allocator pool may cudaMalloc while capturing), runs
-// `enqueue`, ends the capture and instantiates the graph into *exec (a cudaGraphExec_t). Returns ""
-// on success, else what failed (an exception of enqueue, the end of the capture, the instantiation);
-// then *exec stays null and the error a failed capture leaves behind is cleared. The stream is out of
-// capture mode either way. The caller owns *exec (cudaGraphExecDestroy).
-std::string capture_cuda_graph(void* stream, const std::function<void()>& enqueue, void** exec);
+// `enqueue`, ends the capture and instantiates the graph into *exec (empty before). Returns "" on
+// success, else what failed (an exception of enqueue, the end of the capture, the instantiation);
+// then *exec stays empty and the error a failed capture leaves behind is cleared. The stream is out of
+// capture mode either way.
+std::string capture_cuda_graph(void* stream, const std::function<void()>& enqueue, CudaGraphExec* exec);
 
 }  // namespace dflash

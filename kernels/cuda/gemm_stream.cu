@@ -92,7 +92,6 @@ constexpr int kWLoads = 4 * kTiles;    // 16-byte weight loads per lane and unit
 constexpr int kRedLd = kRows + 4;      // padded rows of a piece buffer [16 tokens][kRedLd]: conflict-free stores
 constexpr int kSlots = 2;              // workspace slots per block
 constexpr int64_t kSlotFloats = 16 * kRows;
-constexpr size_t kRingBytes = 0;       // (no dynamic shared memory: the loads land in registers)
 
 struct StreamParams {
   const uint8_t* x;   // [M, ldx] elements
@@ -320,7 +319,7 @@ void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* c
   k.blocks = static_cast<int>(std::min<int64_t>(blocks, int64_t{k.tiles} * k.G));
   k.partial = partial;
   k.counters = counters;
-  launch_kernel_pdl(gemm_stream_kernel<kFp8>, dim3(static_cast<unsigned>(k.blocks)), dim3(kThreads), kRingBytes, st, k);
+  launch_kernel_pdl(gemm_stream_kernel<kFp8>, dim3(static_cast<unsigned>(k.blocks)), dim3(kThreads), 0, st, k);
 }
 
 StreamParams fp8_params(const GemmFp8Params& p) {
@@ -375,9 +374,8 @@ const Workspace& workspace(int device, cudaStream_t st) {
   int sms = 0, per_sm = 1 << 30;
   DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   for (const auto kernel : {gemm_stream_kernel<true>, gemm_stream_kernel<false>}) {
-    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kRingBytes)));
     int n = 0;
-    DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kRingBytes));
+    DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
     per_sm = std::min(per_sm, n);
   }
   DFLASH_CHECK(per_sm > 0, "gemm_stream: the kernels do not fit an SM of device " << device);

@@ -15,7 +15,7 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 // Four 8x8 b16 matrices from shared memory (row addresses from lanes 0-31), optionally transposed.
 // (Under DFLASH_CUDA_EMULATION, kernels/cuda/emulatable.cuh, the CPU runs the non-transposed x4
-// load, mma_bf16, mma_e4m3 and the cp.async ring's copies, commit and wait; the rest stays device-only.)
+// load, mma_bf16, mma_e4m3, ldg_stream16 and the cp.async ring's copies, commit and wait; the rest stays device-only.)
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
 #ifdef DFLASH_CUDA_EMULATION
   ::emu::ldmatrix_x4(r, p);

@@ -143,7 +143,81 @@ struct Args {
   unsigned* sink;
 };
 
-// A unit: 16 weight rows x 128 bytes (an FP8 scale group; 64 bf16 columns).
+// One warp's share of a unit: the MMAs of 16 weight rows x 128 bytes (an FP8 scale group; 64 bf16 columns)
+// against the M <= 16 tokens' x, scaled into acc0 (tokens 0-7) / acc1 (8-15); a tile change first flushes the
+// finished tile's sums (fp32 atomics).
+struct Acc {
+  float acc0[4] = {0, 0, 0, 0}, acc1[4] = {0, 0, 0, 0};
+  int64_t cur = -1;
+  uint32_t x_or = 0;
+};
+
+template <int NT>
+__device__ __forceinline__ void flush(const Args& a, Acc& s, int64_t tile) {
+  const int g = (threadIdx.x % 32) >> 2, c = threadIdx.x & 3;
+  const int r0 = static_cast<int>(tile) * 16 + g;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = r0 + (i >> 1) * 8, tok = 2 * c + (i & 1);
+    if (tok < a.M) atomicAdd(a.y + static_cast<int64_t>(tok) * a.N + row, s.acc0[i]);
+    if (NT == 2 && tok + 8 < a.M) atomicAdd(a.y + static_cast<int64_t>(tok + 8) * a.N + row, s.acc1[i]);
+    s.acc0[i] = 0, s.acc1[i] = 0;
+  }
+}
+
+template <int NT, bool NOMATH, bool FP8>
+__device__ __forceinline__ void unit_math(const Args& a, Acc& s, int64_t u, const uint4 (&wr)[4]) {
+  const int lane = threadIdx.x % 32, g = lane >> 2, c = lane & 3;
+  const int64_t t = u / a.G;
+  const int gi = static_cast<int>(u % a.G);
+  if (t != s.cur) {
+    if (s.cur >= 0) flush<NT>(a, s, s.cur);
+    s.cur = t;
+  }
+  if (NOMATH) {
+    s.x_or ^= wr[0].x ^ wr[1].y ^ wr[2].z ^ wr[3].w;
+    return;
+  }
+  const uint8_t* xp = a.x + static_cast<int64_t>(g) * a.ldx + 128 * gi + 16 * c;
+  uint4 b0[2], b1[2];
+  b0[0] = g < a.M ? __ldg(reinterpret_cast<const uint4*>(xp)) : make_uint4(0, 0, 0, 0);
+  b0[1] = g < a.M ? __ldg(reinterpret_cast<const uint4*>(xp + 64)) : make_uint4(0, 0, 0, 0);
+  if (NT == 2) {
+    b1[0] = g + 8 < a.M ? __ldg(reinterpret_cast<const uint4*>(xp + 8 * a.ldx)) : make_uint4(0, 0, 0, 0);
+    b1[1] = g + 8 < a.M ? __ldg(reinterpret_cast<const uint4*>(xp + 8 * a.ldx + 64)) : make_uint4(0, 0, 0, 0);
+  }
+  if (!FP8) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t A0 = word(wr[j], 2 * h), A1 = word(wr[2 + j], 2 * h);
+        const uint32_t A2 = word(wr[j], 2 * h + 1), A3 = word(wr[2 + j], 2 * h + 1);
+        mma_bf16(s.acc0, A0, A1, A2, A3, word(b0[j], 2 * h), word(b0[j], 2 * h + 1));
+        if (NT == 2) mma_bf16(s.acc1, A0, A1, A2, A3, word(b1[j], 2 * h), word(b1[j], 2 * h + 1));
+      }
+    return;
+  }
+  float d0[4] = {0, 0, 0, 0}, d1[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t A0 = word(wr[j], 2 * h), A1 = word(wr[2 + j], 2 * h);
+      const uint32_t A2 = word(wr[j], 2 * h + 1), A3 = word(wr[2 + j], 2 * h + 1);
+      mma_e4m3(d0, A0, A1, A2, A3, word(b0[j], 2 * h), word(b0[j], 2 * h + 1));
+      if (NT == 2) mma_e4m3(d1, A0, A1, A2, A3, word(b1[j], 2 * h), word(b1[j], 2 * h + 1));
+    }
+  const float sw = __ldg(a.ws + (t * 16 / 128) * a.ldws + gi);
+  const float* xg = a.xs + static_cast<int64_t>(gi) * a.ldxs;
+  const float s0 = sw * __ldg(xg + 2 * c), s1 = sw * __ldg(xg + 2 * c + 1);
+  s.acc0[0] += d0[0] * s0, s.acc0[1] += d0[1] * s1, s.acc0[2] += d0[2] * s0, s.acc0[3] += d0[3] * s1;
+  if (NT == 2) {
+    const float s2 = sw * __ldg(xg + 2 * c + 8), s3 = sw * __ldg(xg + 2 * c + 9);
+    s.acc1[0] += d1[0] * s2, s.acc1[1] += d1[1] * s3, s.acc1[2] += d1[2] * s2, s.acc1[3] += d1[3] * s3;
+  }
+}
+
 template <int NT, int DEPTH, bool PACKED, bool PIPE, bool NOMATH, int WARPS, bool FP8 = true>
 __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(Args a) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -157,19 +231,7 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(Args a) {
     u0 = wg * a.G;
     u1 = min(u0 + a.G, a.units);
   }
-  float acc0[4] = {0, 0, 0, 0}, acc1[4] = {0, 0, 0, 0};
-  int64_t cur = u0 < u1 ? u0 / a.G : -1;
-  uint32_t x_or = 0;
-  auto flush = [&](int64_t tile) {
-    const int r0 = static_cast<int>(tile) * 16 + g;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int row = r0 + (i >> 1) * 8, tok = 2 * c + (i & 1);
-      if (tok < a.M) atomicAdd(a.y + static_cast<int64_t>(tok) * a.N + row, acc0[i]);
-      if (NT == 2 && tok + 8 < a.M) atomicAdd(a.y + static_cast<int64_t>(tok + 8) * a.N + row, acc1[i]);
-      acc0[i] = 0, acc1[i] = 0;
-    }
-  };
+  Acc s;
   auto load = [&](int64_t u, uint4 (&wr)[4]) {
     if (PACKED) {
       const uint8_t* p = a.w + u * 2048 + 16 * lane;
@@ -184,56 +246,7 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(Args a) {
       wr[3] = ld_stream(p + 8 * static_cast<int64_t>(a.ldx) + 64);
     }
   };
-  auto math = [&](int64_t u, const uint4 (&wr)[4]) {
-    const int64_t t = u / a.G;
-    const int gi = static_cast<int>(u % a.G);
-    if (t != cur) {
-      flush(cur);
-      cur = t;
-    }
-    if (NOMATH) {
-      x_or ^= wr[0].x ^ wr[1].y ^ wr[2].z ^ wr[3].w;
-      return;
-    }
-    const uint8_t* xp = a.x + static_cast<int64_t>(g) * a.ldx + 128 * gi + 16 * c;
-    uint4 b0[2], b1[2];
-    b0[0] = g < a.M ? __ldg(reinterpret_cast<const uint4*>(xp)) : make_uint4(0, 0, 0, 0);
-    b0[1] = g < a.M ? __ldg(reinterpret_cast<const uint4*>(xp + 64)) : make_uint4(0, 0, 0, 0);
-    if (NT == 2) {
-      b1[0] = g + 8 < a.M ? __ldg(reinterpret_cast<const uint4*>(xp + 8 * a.ldx)) : make_uint4(0, 0, 0, 0);
-      b1[1] = g + 8 < a.M ? __ldg(reinterpret_cast<const uint4*>(xp + 8 * a.ldx + 64)) : make_uint4(0, 0, 0, 0);
-    }
-    if (!FP8) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t A0 = word(wr[j], 2 * h), A1 = word(wr[2 + j], 2 * h);
-          const uint32_t A2 = word(wr[j], 2 * h + 1), A3 = word(wr[2 + j], 2 * h + 1);
-          mma_bf16(acc0, A0, A1, A2, A3, word(b0[j], 2 * h), word(b0[j], 2 * h + 1));
-          if (NT == 2) mma_bf16(acc1, A0, A1, A2, A3, word(b1[j], 2 * h), word(b1[j], 2 * h + 1));
-        }
-      return;
-    }
-    float d0[4] = {0, 0, 0, 0}, d1[4] = {0, 0, 0, 0};
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t A0 = word(wr[j], 2 * h), A1 = word(wr[2 + j], 2 * h);
-        const uint32_t A2 = word(wr[j], 2 * h + 1), A3 = word(wr[2 + j], 2 * h + 1);
-        mma_e4m3(d0, A0, A1, A2, A3, word(b0[j], 2 * h), word(b0[j], 2 * h + 1));
-        if (NT == 2) mma_e4m3(d1, A0, A1, A2, A3, word(b1[j], 2 * h), word(b1[j], 2 * h + 1));
-      }
-    const float sw = __ldg(a.ws + (t * 16 / 128) * a.ldws + gi);
-    const float* xg = a.xs + static_cast<int64_t>(gi) * a.ldxs;
-    const float s0 = sw * __ldg(xg + 2 * c), s1 = sw * __ldg(xg + 2 * c + 1);
-    acc0[0] += d0[0] * s0, acc0[1] += d0[1] * s1, acc0[2] += d0[2] * s0, acc0[3] += d0[3] * s1;
-    if (NT == 2) {
-      const float s2 = sw * __ldg(xg + 2 * c + 8), s3 = sw * __ldg(xg + 2 * c + 9);
-      acc1[0] += d1[0] * s2, acc1[1] += d1[1] * s3, acc1[2] += d1[2] * s2, acc1[3] += d1[3] * s3;
-    }
-  };
+  auto math = [&](int64_t u, const uint4 (&wr)[4]) { unit_math<NT, NOMATH, FP8>(a, s, u, wr); };
   if (PIPE) {
     uint4 bufA[DEPTH][4], bufB[DEPTH][4];
     int64_t u = u0;
@@ -268,8 +281,109 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(Args a) {
         if (u + d < u1) math(u + d, buf[d]);
     }
   }
-  if (cur >= 0) flush(cur);
-  if (x_or == 0x12345678u) *a.sink = x_or;
+  if (s.cur >= 0) flush<NT>(a, s, s.cur);
+  if (s.x_or == 0x12345678u) *a.sink = s.x_or;
+}
+
+// Warp-specialized variant (docs/fp8.md's next design): one producer warp's lane 0 streams the packed units with
+// bulk copies (cp.async.bulk, completion counted on an mbarrier) into a shared ring of S chunks per consumer warp
+// (a chunk: CH consecutive units of that warp's stream-K run); the CW consumer warps only wait, read their
+// fragments from shared memory (lane L's 16-byte pieces at 512 j + 16 L: conflict-free) and do the MMAs, then
+// free the slot. HINT: the copies carry an L2 evict-first policy.
+__device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t* b, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(saddr(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* b, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred P1;\n LAB_WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n @P1 bra DONE;\n"
+      " bra LAB_WAIT;\n DONE:\n }\n" ::"r"(saddr(b)),
+      "r"(parity)
+      : "memory");
+}
+template <bool HINT>
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned bytes, uint64_t* b, uint64_t policy) {
+  if (HINT)
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+            saddr(dst)),
+        "l"(src), "r"(bytes), "r"(saddr(b)), "l"(policy)
+        : "memory");
+  else
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(saddr(dst)),
+                 "l"(src), "r"(bytes), "r"(saddr(b))
+                 : "memory");
+}
+
+template <int CW, int S, int CH>
+constexpr int bulk_smem() {
+  return CW * S * CH * 2048 + 2 * CW * S * 8;
+}
+
+template <int NT, int CW, int S, int CH, bool HINT, bool FP8 = true>
+__global__ void __launch_bounds__((CW + 1) * 32) bulk_kernel(Args a) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + CW * S * CH * 2048);
+  uint64_t* empty = full + CW * S;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < CW * S; ++i) mbar_init(full + i, 1), mbar_init(empty + i, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int64_t W = static_cast<int64_t>(gridDim.x) * CW;
+  if (warp == CW) {
+    if (lane != 0) return;
+    uint64_t policy = 0;
+    if (HINT) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    int64_t u0[CW], n[CW];
+    int64_t most = 0;
+#pragma unroll
+    for (int w = 0; w < CW; ++w) {
+      const int64_t wg = static_cast<int64_t>(blockIdx.x) * CW + w;
+      u0[w] = a.units * wg / W;
+      n[w] = a.units * (wg + 1) / W - u0[w];
+      most = max(most, (n[w] + CH - 1) / CH);
+    }
+    for (int64_t i = 0; i < most; ++i) {
+#pragma unroll
+      for (int w = 0; w < CW; ++w) {
+        if (i * CH >= n[w]) continue;
+        const int slot = w * S + static_cast<int>(i % S);
+        if (i >= S) mbar_wait(empty + slot, static_cast<unsigned>((i / S - 1) & 1));
+        const unsigned bytes = static_cast<unsigned>(min(static_cast<int64_t>(CH), n[w] - i * CH)) * 2048u;
+        mbar_expect_tx(full + slot, bytes);
+        bulk_g2s<HINT>(smem + slot * (CH * 2048), a.w + (u0[w] + i * CH) * 2048, bytes, full + slot, policy);
+      }
+    }
+    return;
+  }
+  const int64_t wg = static_cast<int64_t>(blockIdx.x) * CW + warp;
+  const int64_t u0 = a.units * wg / W, u1 = a.units * (wg + 1) / W;
+  Acc s;
+  for (int64_t i = 0; u0 + i * CH < u1; ++i) {
+    const int slot = warp * S + static_cast<int>(i % S);
+    mbar_wait(full + slot, static_cast<unsigned>((i / S) & 1));
+    const uint8_t* buf = smem + slot * (CH * 2048) + 16 * lane;
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+      const int64_t u = u0 + i * CH + k;
+      if (u >= u1) break;
+      uint4 wr[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) wr[j] = *reinterpret_cast<const uint4*>(buf + k * 2048 + 512 * j);
+      unit_math<NT, false, FP8>(a, s, u, wr);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + slot);
+  }
+  if (s.cur >= 0) flush<NT>(a, s, s.cur);
 }
 
 struct Shape {
@@ -397,12 +511,13 @@ int main(int argc, char** argv) {
       CK(cudaGetLastError());
       std::vector<float> href(static_cast<size_t>(M) * N), hy(static_cast<size_t>(M) * N);
       CK(cudaMemcpy(href.data(), yref, href.size() * 4, cudaMemcpyDeviceToHost));
-      auto run = [&](const char* label, auto kernel, bool packed, int dist, int warps, bool check) {
+      auto run = [&](const char* label, auto kernel, bool packed, int dist, int warps, bool check, int smem = 0) {
         Args a{};
         a.x = x, a.ldx = RB, a.xs = xs, a.ldxs = ldxs, a.ws = ws, a.ldws = ldws, a.y = y, a.M = M, a.N = N, a.K = K,
         a.G = G, a.units = static_cast<int64_t>(N / 16) * G, a.dist = dist, a.sink = sink;
         int occ = 0;
-        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, warps * 32, 0));
+        if (smem > 48 * 1024) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, warps * 32, smem));
         const unsigned grid = dist == 0 ? static_cast<unsigned>(sms * occ) : static_cast<unsigned>((N / 16 + warps - 1) / warps);
         float best = 1e9, sum = 0;
         int cnt = 0;
@@ -410,7 +525,7 @@ int main(int argc, char** argv) {
           a.w = (packed ? wp : w) + (r % copies) * wbytes;
           CK(cudaMemsetAsync(y, 0, sizeof(float) * M * N));
           CK(cudaEventRecord(e0));
-          kernel<<<grid, warps * 32>>>(a);
+          kernel<<<grid, warps * 32, smem>>>(a);
           CK(cudaEventRecord(e1));
           CK(cudaEventSynchronize(e1));
           CK(cudaGetLastError());
@@ -445,6 +560,7 @@ int main(int argc, char** argv) {
           run("streamK d2 pipe", gemv_kernel<2, 2, false, true, false, 8, false>, false, 0, 8, true);
           run("packed streamK d4", gemv_kernel<2, 4, true, false, false, 8, false>, true, 0, 8, true);
           run("packed streamK d2 pipe", gemv_kernel<2, 2, true, true, false, 8, false>, true, 0, 8, true);
+          run("bulk cw8 s4 ch2", bulk_kernel<2, 8, 4, 2, false, false>, true, 0, 9, true, bulk_smem<8, 4, 2>());
         }
         continue;
       }
@@ -461,6 +577,8 @@ int main(int argc, char** argv) {
         run("nomath streamK d4", gemv_kernel<1, 4, false, false, true, 8>, false, 0, 8, false);
         run("nomath packed streamK d4", gemv_kernel<1, 4, true, false, true, 8>, true, 0, 8, false);
         run("packed streamK d4 w4", gemv_kernel<1, 4, true, false, false, 4>, true, 0, 4, true);
+        run("bulk cw8 s4 ch2", bulk_kernel<1, 8, 4, 2, false>, true, 0, 9, true, bulk_smem<8, 4, 2>());
+        run("bulk cw8 s4 ch2 evict-first", bulk_kernel<1, 8, 4, 2, true>, true, 0, 9, true, bulk_smem<8, 4, 2>());
       } else {
         run("af49b75 grid d4", gemv_kernel<2, 4, false, false, false, 8>, false, 1, 8, true);
         run("streamK d4", gemv_kernel<2, 4, false, false, false, 8>, false, 0, 8, true);
@@ -471,6 +589,13 @@ int main(int argc, char** argv) {
         run("packed streamK d4 pipe", gemv_kernel<2, 4, true, true, false, 8>, true, 0, 8, true);
         run("packed streamK d8", gemv_kernel<2, 8, true, false, false, 8>, true, 0, 8, true);
         run("packed streamK d4 w4", gemv_kernel<2, 4, true, false, false, 4>, true, 0, 4, true);
+        run("bulk cw8 s4 ch2", bulk_kernel<2, 8, 4, 2, false>, true, 0, 9, true, bulk_smem<8, 4, 2>());
+        run("bulk cw8 s4 ch2 evict-first", bulk_kernel<2, 8, 4, 2, true>, true, 0, 9, true, bulk_smem<8, 4, 2>());
+        run("bulk cw8 s8 ch1", bulk_kernel<2, 8, 8, 1, false>, true, 0, 9, true, bulk_smem<8, 8, 1>());
+        run("bulk cw4 s4 ch4", bulk_kernel<2, 4, 4, 4, false>, true, 0, 5, true, bulk_smem<4, 4, 4>());
+        run("bulk cw4 s2 ch4 (2 blocks/SM)", bulk_kernel<2, 4, 2, 4, false>, true, 0, 5, true, bulk_smem<4, 2, 4>());
+        run("bulk cw12 s3 ch2", bulk_kernel<2, 12, 3, 2, false>, true, 0, 13, true, bulk_smem<12, 3, 2>());
+        run("bulk cw8 s2 ch2 (2 blocks/SM)", bulk_kernel<2, 8, 2, 2, false>, true, 0, 9, true, bulk_smem<8, 2, 2>());
       }
     }
     CK(cudaFree(w));

@@ -11,6 +11,7 @@
 //     DEPTH groups of loads in flight per warp, with or without issuing the next batch's loads before
 //     the math of this one; "nomath" keeps the loads and drops the MMAs.
 // Every GEMV variant's output is checked against a plain fp32 reference kernel (max relative error).
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -19,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #define CK(x)                                                                                  \
@@ -140,6 +142,7 @@ struct Args {
   int M, N, K, G;
   int64_t units;
   int dist;  // 0: stream-K runs; 1: warp = tile (af49b75's grid)
+  const uint8_t* xp;  // tma_kernel: x permuted so a lane's 8 B-fragment words of a group are 32 contiguous bytes
   unsigned* sink;
 };
 
@@ -386,6 +389,180 @@ __global__ void __launch_bounds__((CW + 1) * 32) bulk_kernel(Args a) {
   if (s.cur >= 0) flush<NT>(a, s, s.cur);
 }
 
+// TMA variant: no repacking. The producer lane fetches each unit straight from the checkpoint layout with a 2-D
+// tensor copy (box 128 bytes x 16 rows, 128-byte swizzle: 16-byte chunk q of row r lands at chunk q ^ (r % 8)),
+// so the consumers' ldmatrix.x4 (8 rows of one chunk a matrix) is conflict-free and gives the mma's natural A
+// fragments; x comes permuted (xperm_kernel, in dflash the activation quantizer's output layout) so each lane's
+// B words of a group are 32 contiguous bytes.
+__global__ void xperm_kernel(const uint8_t* x, uint8_t* xp, int M, int K) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // one 4-byte word of xp
+  if (i >= static_cast<int64_t>(M) * K / 4) return;
+  const int64_t m = i / (K / 4);
+  const int o = static_cast<int>(i % (K / 4)) * 4, gi = o / 128, w = (o % 128) / 4;  // w = 8 c + 2 s + h
+  const int c = w / 8, st = (w % 8) / 2, h = w % 2;
+  *reinterpret_cast<uint32_t*>(xp + m * K + o) =
+      *reinterpret_cast<const uint32_t*>(x + m * K + 128 * gi + 32 * st + 16 * h + 4 * c);
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+template <bool HINT>
+__device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* tm, int col, int row, uint64_t* b, uint64_t policy) {
+  if (HINT)
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
+        "%3}], [%4], %5;" ::"r"(saddr(dst)),
+        "l"(tm), "r"(col), "r"(row), "r"(saddr(b)), "l"(policy)
+        : "memory");
+  else
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+            saddr(dst)),
+        "l"(tm), "r"(col), "r"(row), "r"(saddr(b))
+        : "memory");
+}
+
+template <int NT>
+__device__ __forceinline__ void unit_math_tma(const Args& a, Acc& s, int64_t u, uint32_t unit) {
+  const int lane = threadIdx.x % 32, g = lane >> 2, c = lane & 3;
+  const int64_t t = u / a.G;
+  const int gi = static_cast<int>(u % a.G);
+  if (t != s.cur) {
+    if (s.cur >= 0) flush<NT>(a, s, s.cur);
+    s.cur = t;
+  }
+  const uint8_t* xq = a.xp + static_cast<int64_t>(g) * a.ldx + 128 * gi + 32 * c;
+  uint4 b0[2], b1[2];
+  b0[0] = g < a.M ? __ldg(reinterpret_cast<const uint4*>(xq)) : make_uint4(0, 0, 0, 0);
+  b0[1] = g < a.M ? __ldg(reinterpret_cast<const uint4*>(xq + 16)) : make_uint4(0, 0, 0, 0);
+  if (NT == 2) {
+    b1[0] = g + 8 < a.M ? __ldg(reinterpret_cast<const uint4*>(xq + 8 * a.ldx)) : make_uint4(0, 0, 0, 0);
+    b1[1] = g + 8 < a.M ? __ldg(reinterpret_cast<const uint4*>(xq + 8 * a.ldx + 16)) : make_uint4(0, 0, 0, 0);
+  }
+  const int mi = lane >> 3, r = lane & 7, row = r + 8 * (mi & 1);
+  float d0[4] = {0, 0, 0, 0}, d1[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int st = 0; st < 4; ++st) {
+    const int chunk = 2 * st + (mi >> 1);
+    uint32_t A[4];
+    ldsm_x4(A, unit + row * 128 + ((chunk ^ r) << 4));
+    const uint4& x0 = b0[st >> 1];
+    mma_e4m3(d0, A[0], A[1], A[2], A[3], word(x0, 2 * (st & 1)), word(x0, 2 * (st & 1) + 1));
+    if (NT == 2) {
+      const uint4& x1 = b1[st >> 1];
+      mma_e4m3(d1, A[0], A[1], A[2], A[3], word(x1, 2 * (st & 1)), word(x1, 2 * (st & 1) + 1));
+    }
+  }
+  const float sw = __ldg(a.ws + (t * 16 / 128) * a.ldws + gi);
+  const float* xg = a.xs + static_cast<int64_t>(gi) * a.ldxs;
+  const float s0 = sw * __ldg(xg + 2 * c), s1 = sw * __ldg(xg + 2 * c + 1);
+  s.acc0[0] += d0[0] * s0, s.acc0[1] += d0[1] * s1, s.acc0[2] += d0[2] * s0, s.acc0[3] += d0[3] * s1;
+  if (NT == 2) {
+    const float s2 = sw * __ldg(xg + 2 * c + 8), s3 = sw * __ldg(xg + 2 * c + 9);
+    s.acc1[0] += d1[0] * s2, s.acc1[1] += d1[1] * s3, s.acc1[2] += d1[2] * s2, s.acc1[3] += d1[3] * s3;
+  }
+}
+
+template <int CW, int S, int CH>
+constexpr int tma_smem() {
+  return 1024 + CW * S * CH * 2048 + 2 * CW * S * 8;
+}
+
+template <int NT, int CW, int S, int CH, bool HINT>
+__global__ void __launch_bounds__((CW + 1) * 32) tma_kernel(Args a, const __grid_constant__ CUtensorMap tm) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + CW * S * CH * 2048);
+  uint64_t* empty = full + CW * S;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < CW * S; ++i) mbar_init(full + i, 1), mbar_init(empty + i, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int64_t W = static_cast<int64_t>(gridDim.x) * CW;
+  if (warp == CW) {
+    if (lane != 0) return;
+    uint64_t policy = 0;
+    if (HINT) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    int64_t u0[CW], n[CW];
+    int64_t most = 0;
+#pragma unroll
+    for (int w = 0; w < CW; ++w) {
+      const int64_t wg = static_cast<int64_t>(blockIdx.x) * CW + w;
+      u0[w] = a.units * wg / W;
+      n[w] = a.units * (wg + 1) / W - u0[w];
+      most = max(most, (n[w] + CH - 1) / CH);
+    }
+    for (int64_t i = 0; i < most; ++i) {
+#pragma unroll
+      for (int w = 0; w < CW; ++w) {
+        if (i * CH >= n[w]) continue;
+        const int slot = w * S + static_cast<int>(i % S);
+        if (i >= S) mbar_wait(empty + slot, static_cast<unsigned>((i / S - 1) & 1));
+        const int cnt = static_cast<int>(min(static_cast<int64_t>(CH), n[w] - i * CH));
+        mbar_expect_tx(full + slot, static_cast<unsigned>(cnt) * 2048u);
+        for (int k = 0; k < cnt; ++k) {
+          const int64_t u = u0[w] + i * CH + k;
+          tma_2d<HINT>(smem + (slot * CH + k) * 2048, &tm, static_cast<int>(128 * (u % a.G)), static_cast<int>(16 * (u / a.G)),
+                       full + slot, policy);
+        }
+      }
+    }
+    return;
+  }
+  const int64_t wg = static_cast<int64_t>(blockIdx.x) * CW + warp;
+  const int64_t u0 = a.units * wg / W, u1 = a.units * (wg + 1) / W;
+  Acc s;
+  for (int64_t i = 0; u0 + i * CH < u1; ++i) {
+    const int slot = warp * S + static_cast<int>(i % S);
+    mbar_wait(full + slot, static_cast<unsigned>((i / S) & 1));
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+      const int64_t u = u0 + i * CH + k;
+      if (u >= u1) break;
+      unit_math_tma<NT>(a, s, u, saddr(smem + (slot * CH + k) * 2048));
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty + slot);
+  }
+  if (s.cur >= 0) flush<NT>(a, s, s.cur);
+}
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
+                                 const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static CUtensorMap weight_map(const uint8_t* w, int N, int K) {
+  static EncodeTiled encode = nullptr;
+  if (encode == nullptr) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
+    if (fn == nullptr || q != cudaDriverEntryPointSuccess) {
+      std::fprintf(stderr, "cuTensorMapEncodeTiled not found\n");
+      std::exit(1);
+    }
+    encode = reinterpret_cast<EncodeTiled>(fn);
+  }
+  CUtensorMap m{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(N)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K)};
+  const cuuint32_t box[2] = {128, 16}, estr[2] = {1, 1};
+  const CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(w), dims, strides, box, estr,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(r));
+    std::exit(1);
+  }
+  return m;
+}
+
 struct Shape {
   const char* name;
   int N, K;
@@ -450,6 +627,8 @@ int main(int argc, char** argv) {
     const int ldws = (G + 3) / 4 * 4, ldxs = 16;
     CK(cudaMalloc(&ws, sizeof(float) * ldws * ((N + 127) / 128)));
     CK(cudaMalloc(&x, 16 * RB));
+    uint8_t* xpm;
+    CK(cudaMalloc(&xpm, 16 * RB));
     CK(cudaMalloc(&xs, sizeof(float) * ldxs * G));
     CK(cudaMalloc(&y, sizeof(float) * 16 * N));
     CK(cudaMalloc(&yref, sizeof(float) * 16 * N));
@@ -487,6 +666,7 @@ int main(int argc, char** argv) {
       CK(cudaMemcpy(xs, hxs.data(), hxs.size() * 4, cudaMemcpyHostToDevice));
       for (int c = 0; c < copies; ++c)
         pack_kernel<<<static_cast<unsigned>((wbytes / 16 + 255) / 256), 256>>>(w + c * wbytes, wp + c * wbytes, N, RB);
+      if (fp8) xperm_kernel<<<(16 * RB / 4 + 255) / 256, 256>>>(x, xpm, 16, K);
       CK(cudaGetLastError());
     }
     // Read roofline on these bytes.
@@ -514,7 +694,11 @@ int main(int argc, char** argv) {
       auto run = [&](const char* label, auto kernel, bool packed, int dist, int warps, bool check, int smem = 0) {
         Args a{};
         a.x = x, a.ldx = RB, a.xs = xs, a.ldxs = ldxs, a.ws = ws, a.ldws = ldws, a.y = y, a.M = M, a.N = N, a.K = K,
-        a.G = G, a.units = static_cast<int64_t>(N / 16) * G, a.dist = dist, a.sink = sink;
+        a.G = G, a.units = static_cast<int64_t>(N / 16) * G, a.dist = dist, a.sink = sink, a.xp = xpm;
+        constexpr bool tma = std::is_invocable_v<decltype(kernel), Args, CUtensorMap>;
+        std::vector<CUtensorMap> maps;
+        if constexpr (tma)
+          for (int c = 0; c < copies; ++c) maps.push_back(weight_map(w + c * wbytes, N, K));
         int occ = 0;
         if (smem > 48 * 1024) CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
         CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, warps * 32, smem));
@@ -525,7 +709,10 @@ int main(int argc, char** argv) {
           a.w = (packed ? wp : w) + (r % copies) * wbytes;
           CK(cudaMemsetAsync(y, 0, sizeof(float) * M * N));
           CK(cudaEventRecord(e0));
-          kernel<<<grid, warps * 32, smem>>>(a);
+          if constexpr (tma)
+            kernel<<<grid, warps * 32, smem>>>(a, maps[r % copies]);
+          else
+            kernel<<<grid, warps * 32, smem>>>(a);
           CK(cudaEventRecord(e1));
           CK(cudaEventSynchronize(e1));
           CK(cudaGetLastError());
@@ -578,6 +765,7 @@ int main(int argc, char** argv) {
         run("nomath packed streamK d4", gemv_kernel<1, 4, true, false, true, 8>, true, 0, 8, false);
         run("packed streamK d4 w4", gemv_kernel<1, 4, true, false, false, 4>, true, 0, 4, true);
         run("bulk cw8 s4 ch2", bulk_kernel<1, 8, 4, 2, false>, true, 0, 9, true, bulk_smem<8, 4, 2>());
+        run("tma cw8 s4 ch2", tma_kernel<1, 8, 4, 2, false>, false, 0, 9, true, tma_smem<8, 4, 2>());
         run("bulk cw8 s4 ch2 evict-first", bulk_kernel<1, 8, 4, 2, true>, true, 0, 9, true, bulk_smem<8, 4, 2>());
       } else {
         run("af49b75 grid d4", gemv_kernel<2, 4, false, false, false, 8>, false, 1, 8, true);
@@ -590,6 +778,12 @@ int main(int argc, char** argv) {
         run("packed streamK d8", gemv_kernel<2, 8, true, false, false, 8>, true, 0, 8, true);
         run("packed streamK d4 w4", gemv_kernel<2, 4, true, false, false, 4>, true, 0, 4, true);
         run("bulk cw8 s4 ch2", bulk_kernel<2, 8, 4, 2, false>, true, 0, 9, true, bulk_smem<8, 4, 2>());
+        run("tma cw8 s4 ch2", tma_kernel<2, 8, 4, 2, false>, false, 0, 9, true, tma_smem<8, 4, 2>());
+        run("tma cw8 s4 ch2 evict-first", tma_kernel<2, 8, 4, 2, true>, false, 0, 9, true, tma_smem<8, 4, 2>());
+        run("tma cw8 s8 ch1", tma_kernel<2, 8, 8, 1, false>, false, 0, 9, true, tma_smem<8, 8, 1>());
+        run("tma cw4 s4 ch4", tma_kernel<2, 4, 4, 4, false>, false, 0, 5, true, tma_smem<4, 4, 4>());
+        run("tma cw12 s3 ch2", tma_kernel<2, 12, 3, 2, false>, false, 0, 13, true, tma_smem<12, 3, 2>());
+        run("tma cw4 s3 ch2 (2+ blocks/SM)", tma_kernel<2, 4, 3, 2, false>, false, 0, 5, true, tma_smem<4, 3, 2>());
         run("bulk cw8 s4 ch2 evict-first", bulk_kernel<2, 8, 4, 2, true>, true, 0, 9, true, bulk_smem<8, 4, 2>());
         run("bulk cw8 s8 ch1", bulk_kernel<2, 8, 8, 1, false>, true, 0, 9, true, bulk_smem<8, 8, 1>());
         run("bulk cw4 s4 ch4", bulk_kernel<2, 4, 4, 4, false>, true, 0, 5, true, bulk_smem<4, 4, 4>());
@@ -602,6 +796,7 @@ int main(int argc, char** argv) {
     CK(cudaFree(wp));
     CK(cudaFree(ws));
     CK(cudaFree(x));
+    CK(cudaFree(xpm));
     CK(cudaFree(xs));
     CK(cudaFree(y));
     CK(cudaFree(yref));

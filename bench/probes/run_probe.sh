@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call for fp8_gemv_probe.cu: build, run, and four ncu looks at gate/up M 16 (FP8).
+# Device call for fp8_gemv_probe.cu: build, run, and five ncu looks at gate/up M 16 (FP8).
 #   run: bash bench/probes/run_probe.sh   (writes probe.txt, ncu.txt, build.txt to $OUT)
 set -u
 OUT=${OUT:-/tmp/out}
@@ -12,7 +12,8 @@ echo "probe rc=$?"
 for spec in "gemv_kernel<(int)2, (int)4, (bool)0, (bool)0, (bool)0, (int)8, (bool)1>:2" \
             "gemv_kernel<(int)2, (int)4, (bool)0, (bool)0, (bool)0, (int)8, (bool)1>:22" \
             "gemv_kernel<(int)2, (int)4, (bool)1, (bool)0, (bool)0, (int)8, (bool)1>:2" \
-            "bulk_kernel<(int)2, (int)8, (int)4, (int)2, (bool)0, (bool)1>:2"; do
+            "bulk_kernel<(int)2, (int)8, (int)4, (int)2, (bool)0, (bool)1>:2" \
+            "tma_kernel<(int)2, (int)8, (int)4, (int)2, (bool)0>:2"; do
   k=${spec%:*} skip=${spec##*:}
   echo "=== $k launch-skip $skip" >>"$OUT/ncu.txt"
   re=$(printf '%s' "$k" | sed 's/[][<>()]/./g')

@@ -472,7 +472,9 @@ constexpr int tma_smem() {
   return 1024 + CW * S * CH * 2048 + 2 * CW * S * 8;
 }
 
-template <int NT, int CW, int S, int CH, bool HINT>
+// SWZ false: the map without swizzle, x unpermuted; each lane reads its four 16-byte pieces with ld.shared.v4 (row
+// g and g + 8, chunks c and 4 + c: the k order of gemv_kernel's fragments), 2-way bank conflicts per quarter warp.
+template <int NT, int CW, int S, int CH, bool HINT, bool SWZ = true>
 __global__ void __launch_bounds__((CW + 1) * 32) tma_kernel(Args a, const __grid_constant__ CUtensorMap tm) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -525,7 +527,17 @@ __global__ void __launch_bounds__((CW + 1) * 32) tma_kernel(Args a, const __grid
     for (int k = 0; k < CH; ++k) {
       const int64_t u = u0 + i * CH + k;
       if (u >= u1) break;
-      unit_math_tma<NT>(a, s, u, saddr(smem + (slot * CH + k) * 2048));
+      if (SWZ) {
+        unit_math_tma<NT>(a, s, u, saddr(smem + (slot * CH + k) * 2048));
+      } else {
+        const uint8_t* p = smem + (slot * CH + k) * 2048 + (lane >> 2) * 128 + 16 * (lane & 3);
+        uint4 wr[4];
+        wr[0] = *reinterpret_cast<const uint4*>(p);
+        wr[1] = *reinterpret_cast<const uint4*>(p + 64);
+        wr[2] = *reinterpret_cast<const uint4*>(p + 1024);
+        wr[3] = *reinterpret_cast<const uint4*>(p + 1024 + 64);
+        unit_math<NT, false, true>(a, s, u, wr);
+      }
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(empty + slot);
@@ -536,6 +548,8 @@ __global__ void __launch_bounds__((CW + 1) * 32) tma_kernel(Args a, const __grid
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
                                  const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
                                  CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+static bool g_map_swizzle = true;  // the next run's tensor maps (tma_kernel's SWZ)
 
 static CUtensorMap weight_map(const uint8_t* w, int N, int K) {
   static EncodeTiled encode = nullptr;
@@ -554,7 +568,7 @@ static CUtensorMap weight_map(const uint8_t* w, int N, int K) {
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K)};
   const cuuint32_t box[2] = {128, 16}, estr[2] = {1, 1};
   const CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(w), dims, strides, box, estr,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, g_map_swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     std::fprintf(stderr, "cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(r));
@@ -780,6 +794,10 @@ int main(int argc, char** argv) {
         run("bulk cw8 s4 ch2", bulk_kernel<2, 8, 4, 2, false>, true, 0, 9, true, bulk_smem<8, 4, 2>());
         run("tma cw8 s4 ch2", tma_kernel<2, 8, 4, 2, false>, false, 0, 9, true, tma_smem<8, 4, 2>());
         run("tma cw8 s4 ch2 evict-first", tma_kernel<2, 8, 4, 2, true>, false, 0, 9, true, tma_smem<8, 4, 2>());
+        g_map_swizzle = false;
+        run("tma-noswz cw8 s4 ch2", tma_kernel<2, 8, 4, 2, false, false>, false, 0, 9, true, tma_smem<8, 4, 2>());
+        run("tma-noswz cw8 s8 ch1", tma_kernel<2, 8, 8, 1, false, false>, false, 0, 9, true, tma_smem<8, 8, 1>());
+        g_map_swizzle = true;
         run("tma cw8 s8 ch1", tma_kernel<2, 8, 8, 1, false>, false, 0, 9, true, tma_smem<8, 8, 1>());
         run("tma cw4 s4 ch4", tma_kernel<2, 4, 4, 4, false>, false, 0, 5, true, tma_smem<4, 4, 4>());
         run("tma cw12 s3 ch2", tma_kernel<2, 12, 3, 2, false>, false, 0, 13, true, tma_smem<12, 3, 2>());

@@ -181,7 +181,7 @@ int main(int argc, char** argv) {
   drafter_opt->excludes(random_drafter_opt);
   app.add_flag("--no-estimate", no_estimate, "skip the trainer's acceptance estimate (on a GPU it holds the drafter's "
                                               "training state: fp32 masters and gradients)");
-  app.add_flag("--no-cuda-graphs", no_graphs, "GPU: launch every decode / verify step's kernels eagerly instead of "
+  app.add_flag("--no-cuda-graphs", no_graphs, "GPU: launch every decode / verify / commit / propose step's kernels eagerly instead of "
                                              "replaying CUDA graphs (to compare; CSV rows get ',eager')");
   std::string cpu_drafter = "f32";
   app.add_option("--cpu-drafter", cpu_drafter, "CPU: the drafter's arithmetic, f32 (threaded GEMM, the trainer's default) or "
@@ -391,8 +391,8 @@ int main(int argc, char** argv) {
       scorer = bench::cpu_scorer(dc, d.weights, frozen, block_size, math);
     } else {
 #if DFLASH_WITH_CUDA
-      // (The proposer's graphs stay off until their GPU test has run: DFLASH_PROPOSE_GRAPHS=1 turns them on.)
-      prop = drafter::make_cuda_proposer(dc, d.weights, tw.embed_tokens, tw.lm_head, dev, 1, max_len, draft_fp8, false);
+      // (--no-cuda-graphs launches the propose steps eagerly too.)
+      prop = drafter::make_cuda_proposer(dc, d.weights, tw.embed_tokens, tw.lm_head, dev, 1, max_len, draft_fp8, !no_graphs);
       if (!no_estimate) {
         drafter::DrafterConfig sc = dc;
         sc.block_size = block_size;

@@ -13,8 +13,8 @@
 # EVAL27B_PRECISIONS (default bf16; "bf16 fp8": one dflash_eval each, both in eval27b.log / .csv; suffixes: "+anq"
 # with DFLASH_ADD_NORM_QUANT=1, the residual steps fused with the FP8 quantization (the default since session 26: a run
 # without "+anq" sets 0, the unfused side of the A/B); "+dfp8" with --draft-precision fp8,
-# the FP8 propose; "+pgraphs" with DFLASH_PROPOSE_GRAPHS=1, the propose steps as CUDA graphs (off by default
-# until measured); e.g. "fp8+anq+dfp8"), KB_ONLY
+# the FP8 propose; "+peager" with DFLASH_PROPOSE_GRAPHS=0, the propose steps launched eagerly (graphs are the
+# default since 1edc71b's A/B; "+pgraphs" names the default explicitly); e.g. "fp8+anq+dfp8"), KB_ONLY
 # (kernel_bench sections, default fused; e.g. "fused decode_gemm fp8": fp8 times the decode rows M 16 / 4 / 1
 # only, DFLASH_BENCH_FP8_DECODE=1), NINJA_TARGETS.
 # The streaming GEMMs (issue 30, kernels/cuda/gemm_stream.cu), first measured by:
@@ -54,8 +54,8 @@ if [ -z "${SKIP_27B:-}" ]; then
     dprec=bf16
     case "$run" in *+anq*) anq=1 ;; esac
     case "$run" in *+dfp8*) dprec=fp8 ;; esac
-    pgraphs=0
-    case "$run" in *+pgraphs*) pgraphs=1 ;; esac
+    pgraphs=1
+    case "$run" in *+peager*) pgraphs=0 ;; esac
     echo "=== dflash_eval $run" >>"$OUT/eval27b.log"
     DFLASH_PROPOSE_GRAPHS=$pgraphs DFLASH_ADD_NORM_QUANT=$anq timeout "${EVAL_TIMEOUT:-240}" stdbuf -oL "$B/bench/dflash_eval" --draft-precision "$dprec" --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 \
       --precision "$prec" --prompts /tmp/p4k.txt --num-prompts 1 --max-new-tokens "${EVAL27B_NEW:-32}" --device cuda \

@@ -149,10 +149,18 @@ struct Args {
 // One warp's share of a unit: the MMAs of 16 weight rows x 128 bytes (an FP8 scale group; 64 bf16 columns)
 // against the M <= 16 tokens' x, scaled into acc0 (tokens 0-7) / acc1 (8-15); a tile change first flushes the
 // finished tile's sums (fp32 atomics).
+// Units come to a warp in order, so the (tile, group) of the next one is kept by increments, not 64-bit divisions
+// (start() once at the warp's first unit).
 struct Acc {
   float acc0[4] = {0, 0, 0, 0}, acc1[4] = {0, 0, 0, 0};
   int64_t cur = -1;
   uint32_t x_or = 0;
+  int64_t t = 0;
+  int gi = 0;
+  __device__ void start(int64_t u, int G) { t = u / G, gi = static_cast<int>(u % G); }
+  __device__ void advance(int G) {
+    if (++gi == G) gi = 0, ++t;
+  }
 };
 
 template <int NT>
@@ -169,10 +177,11 @@ __device__ __forceinline__ void flush(const Args& a, Acc& s, int64_t tile) {
 }
 
 template <int NT, bool NOMATH, bool FP8>
-__device__ __forceinline__ void unit_math(const Args& a, Acc& s, int64_t u, const uint4 (&wr)[4]) {
+__device__ __forceinline__ void unit_math(const Args& a, Acc& s, const uint4 (&wr)[4]) {
   const int lane = threadIdx.x % 32, g = lane >> 2, c = lane & 3;
-  const int64_t t = u / a.G;
-  const int gi = static_cast<int>(u % a.G);
+  const int64_t t = s.t;
+  const int gi = s.gi;
+  s.advance(a.G);
   if (t != s.cur) {
     if (s.cur >= 0) flush<NT>(a, s, s.cur);
     s.cur = t;
@@ -235,6 +244,7 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(Args a) {
     u1 = min(u0 + a.G, a.units);
   }
   Acc s;
+  s.start(u0, a.G);
   auto load = [&](int64_t u, uint4 (&wr)[4]) {
     if (PACKED) {
       const uint8_t* p = a.w + u * 2048 + 16 * lane;
@@ -249,7 +259,7 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(Args a) {
       wr[3] = ld_stream(p + 8 * static_cast<int64_t>(a.ldx) + 64);
     }
   };
-  auto math = [&](int64_t u, const uint4 (&wr)[4]) { unit_math<NT, NOMATH, FP8>(a, s, u, wr); };
+  auto math = [&](int64_t, const uint4 (&wr)[4]) { unit_math<NT, NOMATH, FP8>(a, s, wr); };
   if (PIPE) {
     uint4 bufA[DEPTH][4], bufB[DEPTH][4];
     int64_t u = u0;
@@ -370,6 +380,7 @@ __global__ void __launch_bounds__((CW + 1) * 32) bulk_kernel(Args a) {
   const int64_t wg = static_cast<int64_t>(blockIdx.x) * CW + warp;
   const int64_t u0 = a.units * wg / W, u1 = a.units * (wg + 1) / W;
   Acc s;
+  s.start(u0, a.G);
   for (int64_t i = 0; u0 + i * CH < u1; ++i) {
     const int slot = warp * S + static_cast<int>(i % S);
     mbar_wait(full + slot, static_cast<unsigned>((i / S) & 1));
@@ -381,7 +392,7 @@ __global__ void __launch_bounds__((CW + 1) * 32) bulk_kernel(Args a) {
       uint4 wr[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) wr[j] = *reinterpret_cast<const uint4*>(buf + k * 2048 + 512 * j);
-      unit_math<NT, false, FP8>(a, s, u, wr);
+      unit_math<NT, false, FP8>(a, s, wr);
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(empty + slot);
@@ -427,10 +438,11 @@ __device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* tm, int col
 }
 
 template <int NT>
-__device__ __forceinline__ void unit_math_tma(const Args& a, Acc& s, int64_t u, uint32_t unit) {
+__device__ __forceinline__ void unit_math_tma(const Args& a, Acc& s, uint32_t unit) {
   const int lane = threadIdx.x % 32, g = lane >> 2, c = lane & 3;
-  const int64_t t = u / a.G;
-  const int gi = static_cast<int>(u % a.G);
+  const int64_t t = s.t;
+  const int gi = s.gi;
+  s.advance(a.G);
   if (t != s.cur) {
     if (s.cur >= 0) flush<NT>(a, s, s.cur);
     s.cur = t;
@@ -491,35 +503,44 @@ __global__ void __launch_bounds__((CW + 1) * 32) tma_kernel(Args a, const __grid
     if (lane != 0) return;
     uint64_t policy = 0;
     if (HINT) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    int64_t u0[CW], n[CW];
-    int64_t most = 0;
+    // (Per warp: units left, and the next unit's tile row / group column kept by increments: the one producer
+    // thread must not spend its time in 64-bit divisions.)
+    int n[CW], row[CW], col[CW];
+    int most = 0;
 #pragma unroll
     for (int w = 0; w < CW; ++w) {
       const int64_t wg = static_cast<int64_t>(blockIdx.x) * CW + w;
-      u0[w] = a.units * wg / W;
-      n[w] = a.units * (wg + 1) / W - u0[w];
+      const int64_t u0 = a.units * wg / W;
+      n[w] = static_cast<int>(a.units * (wg + 1) / W - u0);
+      row[w] = static_cast<int>(16 * (u0 / a.G)), col[w] = static_cast<int>(128 * (u0 % a.G));
       most = max(most, (n[w] + CH - 1) / CH);
     }
-    for (int64_t i = 0; i < most; ++i) {
+    const int K = 128 * a.G;
+    for (int i = 0, stage = 0, phase = 0; i < most; ++i) {
 #pragma unroll
       for (int w = 0; w < CW; ++w) {
-        if (i * CH >= n[w]) continue;
-        const int slot = w * S + static_cast<int>(i % S);
-        if (i >= S) mbar_wait(empty + slot, static_cast<unsigned>((i / S - 1) & 1));
-        const int cnt = static_cast<int>(min(static_cast<int64_t>(CH), n[w] - i * CH));
+        if (n[w] <= 0) continue;
+        const int slot = w * S + stage;
+        if (i >= S) mbar_wait(empty + slot, static_cast<unsigned>(phase ^ 1));
+        const int cnt = min(CH, n[w]);
+        n[w] -= cnt;
         mbar_expect_tx(full + slot, static_cast<unsigned>(cnt) * 2048u);
-        for (int k = 0; k < cnt; ++k) {
-          const int64_t u = u0[w] + i * CH + k;
-          tma_2d<HINT>(smem + (slot * CH + k) * 2048, &tm, static_cast<int>(128 * (u % a.G)), static_cast<int>(16 * (u / a.G)),
-                       full + slot, policy);
+#pragma unroll
+        for (int k = 0; k < CH; ++k) {
+          if (k >= cnt) break;
+          tma_2d<HINT>(smem + (slot * CH + k) * 2048, &tm, col[w], row[w], full + slot, policy);
+          col[w] += 128;
+          if (col[w] == K) col[w] = 0, row[w] += 16;
         }
       }
+      if (++stage == S) stage = 0, phase ^= 1;
     }
     return;
   }
   const int64_t wg = static_cast<int64_t>(blockIdx.x) * CW + warp;
   const int64_t u0 = a.units * wg / W, u1 = a.units * (wg + 1) / W;
   Acc s;
+  s.start(u0, a.G);
   for (int64_t i = 0; u0 + i * CH < u1; ++i) {
     const int slot = warp * S + static_cast<int>(i % S);
     mbar_wait(full + slot, static_cast<unsigned>((i / S) & 1));
@@ -528,7 +549,7 @@ __global__ void __launch_bounds__((CW + 1) * 32) tma_kernel(Args a, const __grid
       const int64_t u = u0 + i * CH + k;
       if (u >= u1) break;
       if (SWZ) {
-        unit_math_tma<NT>(a, s, u, saddr(smem + (slot * CH + k) * 2048));
+        unit_math_tma<NT>(a, s, saddr(smem + (slot * CH + k) * 2048));
       } else {
         const uint8_t* p = smem + (slot * CH + k) * 2048 + (lane >> 2) * 128 + 16 * (lane & 3);
         uint4 wr[4];
@@ -536,7 +557,7 @@ __global__ void __launch_bounds__((CW + 1) * 32) tma_kernel(Args a, const __grid
         wr[1] = *reinterpret_cast<const uint4*>(p + 64);
         wr[2] = *reinterpret_cast<const uint4*>(p + 1024);
         wr[3] = *reinterpret_cast<const uint4*>(p + 1024 + 64);
-        unit_math<NT, false, true>(a, s, u, wr);
+        unit_math<NT, false, true>(a, s, wr);
       }
     }
     __syncwarp();

@@ -41,7 +41,8 @@ class Proposer {
   // Empties slot `slot` (context length 0).
   virtual void reset(int32_t slot) = 0;
   virtual int64_t context_length(int32_t slot) const = 0;
-  // How the proposer launched its propose steps ("" where that does not apply, e.g. the CPU proposer).
+  // How the proposer launched its propose and add_context steps ("" where that does not apply, e.g. the
+  // CPU proposer).
   virtual std::string graph_stats() const { return {}; }
 
   // Appends to each slots[s] the context rows features[seqs.offsets[s] .. seqs.offsets[s+1]) (the

@@ -93,6 +93,7 @@ class CudaProposer final : public Proposer {
                int64_t num_slots, int64_t max_len, bool fp8_propose, bool cuda_graphs)
       : c_(c), slots_(c, num_slots, max_len, "cuda proposer"), device_(device), embed_(std::move(embed)),
         lm_head_(std::move(lm_head)), fp8_(fp8_propose), graphs_on_(cuda_graphs) {
+    if (const char* e = std::getenv("DFLASH_CONTEXT_GRAPHS")) ctx_graphs_on_ = graphs_on_ && std::string(e) == "1";
     c_.validate();
     w.check(c_);
     DFLASH_CHECK(device_.is_cuda(), "cuda proposer: device must be a CUDA device, got " << device_.str());
@@ -157,11 +158,15 @@ class CudaProposer final : public Proposer {
   void reset(int32_t slot) override { slots_.reset(slot); }  // positions past the length are never read
   std::string graph_stats() const override {
     if (!graphs_on_) return "CUDA graphs off (eager launches)";
-    std::string out = "CUDA graphs: " + std::to_string(graph_captures_) + " shape(s) captured, " +
-                      std::to_string(graph_replays_) + " replay(s), " + std::to_string(graph_eager_) +
-                      " eager step(s) (a shape's first, or one whose capture failed)";
-    if (graph_failures_ > 0) out += ", " + std::to_string(graph_failures_) + " capture(s) FAILED (eager)";
-    return out;
+    auto part = [](const char* what, int64_t captures, int64_t replays, int64_t eager, int64_t failures) {
+      std::string out = std::string(what) + " " + std::to_string(captures) + " shape(s) captured, " +
+                        std::to_string(replays) + " replay(s), " + std::to_string(eager) + " eager";
+      if (failures > 0) out += ", " + std::to_string(failures) + " capture(s) FAILED (eager)";
+      return out;
+    };
+    return "CUDA graphs: " + part("propose", graph_captures_, graph_replays_, graph_eager_, graph_failures_) + "; " +
+           part("add_context", ctx_captures_, ctx_replays_, ctx_eager_, ctx_failures_) +
+           " (eager: a shape's first call or a failed capture; prefill-sized contexts always run eagerly)";
   }
 
   void add_context(const std::vector<int32_t>& slots, const Tensor& features, const ops::SeqOffsets& seqs) override {
@@ -186,22 +191,47 @@ class CudaProposer final : public Proposer {
       max_new = std::max(max_new, T);
     }
     m[N + 3 * S] = static_cast<int32_t>(N);
-    const Tensor meta = empty({count}, DType::I32);
-    ctx_meta_.upload(meta.raw_data(), count, st);
-    const int32_t* d_pos = meta.data<int32_t>();
-    const int32_t* d_slots = d_pos + N;
-    const int32_t* d_past = d_slots + S;
-    const int32_t* d_cu = d_past + S;
-
-    // ctx = hidden_norm(fc(features)); per layer k = rope(k_norm(k_proj ctx)), v = v_proj ctx.
-    const Tensor pre = empty({N, H}, DType::BF16), ctx = empty({N, H}, DType::BF16), kv = empty({N, 2 * kvd}, DType::BF16);
-    const Tensor k = empty({N, kvd}, DType::BF16), rstd = empty({N * std::max<int64_t>(Hkv, 1)}, DType::F32);
-    linear(features.raw_data(), c_.context_dim(), fc_.raw_data(), pre.raw_data(), H, N, H, c_.context_dim());
-    cuda::rms_norm_fwd(pre.raw_data(), false, H, hidden_norm_.raw_data(), ctx.raw_data(), rstd.data<float>(), N, H, eps(), st);
-    for (Layer& L : layers_) {
-      linear(ctx.raw_data(), H, bf16_at(L.qkv.raw_data(), qd * H), kv.raw_data(), 2 * kvd, N, 2 * kvd, H);  // k|v rows
-      cuda::head_norm_rope_fwd(head_params(kv.raw_data(), 2 * kvd, L.k_norm, d_pos, k.raw_data(), rstd, N, Hkv), st);
-      append(L, k.raw_data(), 0, bf16_at(kv.raw_data(), kvd), 2 * kvd, d_slots, d_past, d_cu, S, N, max_new);
+    // Contexts of at most a block per slot (the accepted tokens of a speculative step) run as a CUDA
+    // graph per (slots, rows, longest sequence) shape, from fixed copies of the features and metadata
+    // (captured at a shape's second call, as propose's); a prefill-sized context runs eagerly.
+    if (!ctx_graphs_on_ || N > c_.block_size * slots_.num_slots()) {
+      const Tensor meta = empty({count}, DType::I32);
+      ctx_meta_.upload(meta.raw_data(), count, st);
+      enqueue_context(features.raw_data(), meta.data<int32_t>(), N, S, max_new);
+    } else {
+      CGraph& g = ctx_graphs_.try_emplace(std::tuple{S, N, max_new}, device_.index).first->second;
+      if (!g.meta.defined()) {
+        g.meta = empty({count}, DType::I32);
+        g.features = empty({N, c_.context_dim()}, DType::BF16);
+      }
+      ctx_meta_.upload(g.meta.raw_data(), count, st);
+      DFLASH_CUDA_CHECK(cudaMemcpyAsync(g.features.raw_data(), features.raw_data(), features.nbytes(),
+                                        cudaMemcpyDeviceToDevice, st));
+      if (!g.exec && !g.failed && g.calls > 0) {
+        std::string err;
+        {
+          device_alloc::PoolScope scope(g.pool);
+          err = capture_cuda_graph(
+              st, [&] { enqueue_context(g.features.raw_data(), g.meta.data<int32_t>(), N, S, max_new); }, &g.exec);
+        }
+        if (err.empty()) {
+          ++ctx_captures_;
+        } else {
+          g.failed = true;
+          ++ctx_failures_;
+          spdlog::warn("cuda proposer: capturing the context shape ({} slot(s), {} rows) as a CUDA graph failed ({}); "
+                       "that shape runs eager launches",
+                       S, N, err);
+        }
+      }
+      ++g.calls;
+      if (g.exec) {
+        g.exec.launch(st);
+        ++ctx_replays_;
+      } else {
+        enqueue_context(g.features.raw_data(), g.meta.data<int32_t>(), N, S, max_new);
+        ++ctx_eager_;
+      }
     }
     slots_.commit_add(slots, seqs);
   }
@@ -313,6 +343,38 @@ class CudaProposer final : public Proposer {
                                             static_cast<size_t>(rows), cudaMemcpyDeviceToHost, st));
     }
   }
+
+  // add_context's kernels on the stream: ctx = hidden_norm(fc(features)); per layer k = rope(k_norm(k_proj
+  // ctx)), v = v_proj ctx, appended to the slots' caches. meta: [positions N | slots S | past lengths S |
+  // cu_seqlens S+1] on the device. Its temporaries come from the allocator (a capture's pool when captured).
+  void enqueue_context(const void* features, const int32_t* meta, int64_t N, int64_t S, int64_t max_new) {
+    const int64_t H = c_.hidden_size, qd = c_.q_dim(), kvd = c_.kv_dim(), Hkv = c_.num_key_value_heads;
+    const cudaStream_t st = stream();
+    const int32_t* d_pos = meta;
+    const int32_t* d_slots = d_pos + N;
+    const int32_t* d_past = d_slots + S;
+    const int32_t* d_cu = d_past + S;
+    const Tensor pre = empty({N, H}, DType::BF16), ctx = empty({N, H}, DType::BF16), kv = empty({N, 2 * kvd}, DType::BF16);
+    const Tensor k = empty({N, kvd}, DType::BF16), rstd = empty({N * std::max<int64_t>(Hkv, 1)}, DType::F32);
+    linear(features, c_.context_dim(), fc_.raw_data(), pre.raw_data(), H, N, H, c_.context_dim());
+    cuda::rms_norm_fwd(pre.raw_data(), false, H, hidden_norm_.raw_data(), ctx.raw_data(), rstd.data<float>(), N, H, eps(), st);
+    for (Layer& L : layers_) {
+      linear(ctx.raw_data(), H, bf16_at(L.qkv.raw_data(), qd * H), kv.raw_data(), 2 * kvd, N, 2 * kvd, H);  // k|v rows
+      cuda::head_norm_rope_fwd(head_params(kv.raw_data(), 2 * kvd, L.k_norm, d_pos, k.raw_data(), rstd, N, Hkv), st);
+      append(L, k.raw_data(), 0, bf16_at(kv.raw_data(), kvd), 2 * kvd, d_slots, d_past, d_cu, S, N, max_new);
+    }
+  }
+
+  // A CUDA graph of one context shape: the features and metadata it reads are its own fixed buffers
+  // (add_context copies each call's into them first); its temporaries stay in its pool.
+  struct CGraph {
+    explicit CGraph(int device) : pool(device) {}
+    device_alloc::Pool pool;  // (declared first: released after the graph and the buffers)
+    Tensor meta, features;
+    CudaGraphExec exec;
+    int64_t calls = 0;
+    bool failed = false;
+  };
 
   // A CUDA graph of one propose shape (S slots, block Bp): captured once, replayed after the metadata
   // upload (its device addresses and every buffer it touches are fixed at construction).
@@ -460,8 +522,11 @@ class CudaProposer final : public Proposer {
   Tensor embed_, lm_head_;
   bool fp8_ = false;                // FP8 propose (make_cuda_proposer's fp8_propose)
   bool graphs_on_ = true;           // propose steps as CUDA graphs (make_cuda_proposer's cuda_graphs)
+  bool ctx_graphs_on_ = false;      // add_context too (graphs_on_ and DFLASH_CONTEXT_GRAPHS=1: not yet run on a GPU)
   std::map<std::pair<int64_t, int64_t>, PGraph> graphs_;  // by (slots, block)
   int64_t graph_captures_ = 0, graph_replays_ = 0, graph_eager_ = 0, graph_failures_ = 0;
+  std::map<std::tuple<int64_t, int64_t, int64_t>, CGraph> ctx_graphs_;  // by (slots, rows, longest sequence)
+  int64_t ctx_captures_ = 0, ctx_replays_ = 0, ctx_eager_ = 0, ctx_failures_ = 0;
   Fp8Weight lm_head_q_;             // FP8 propose: the lm_head's codes and scales
   Tensor xq_, xs_;                  // FP8 propose: a GEMM input's codes [Rmax, K] and scales
   int64_t fp8_fallbacks_ = 0;       // FP8 propose GEMMs of more than 16 rows, run in bf16

@@ -38,6 +38,10 @@ namespace dflash::drafter {
 // (CudaProposer.GraphReplaysGiveTheEagerDrafts passed on an H100 at 1edc71b; 27B fp8 target, 5-layer
 // drafter, block 16: propose 1.83 -> 1.75 ms with the FP8 propose, 2.89 -> 2.82 bf16:
 // bench/results/h100-pgraphs-1edc71b). DFLASH_PROPOSE_GRAPHS=1 / 0 overrides the argument.
+// add_context calls of at most block_size rows per slot (a speculative step's accepted tokens; part
+// of the commit step) can run as graphs too, one per (slots, rows, longest sequence) shape, from fixed
+// copies of the features and metadata: with cuda_graphs and DFLASH_CONTEXT_GRAPHS=1 (written in
+// session 28, off until its GPU test has run); prefill-sized contexts always run eagerly.
 std::unique_ptr<Proposer> make_cuda_proposer(const DrafterConfig& config, const DrafterWeights& host_weights,
                                              Tensor embed_tokens, Tensor lm_head, Device device, int64_t num_slots,
                                              int64_t max_len, bool fp8_propose = false, bool cuda_graphs = true);

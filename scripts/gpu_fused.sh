@@ -14,7 +14,8 @@
 # with DFLASH_ADD_NORM_QUANT=1, the residual steps fused with the FP8 quantization (the default since session 26: a run
 # without "+anq" sets 0, the unfused side of the A/B); "+dfp8" with --draft-precision fp8,
 # the FP8 propose; "+peager" with DFLASH_PROPOSE_GRAPHS=0, the propose steps launched eagerly (graphs are the
-# default since 1edc71b's A/B; "+pgraphs" names the default explicitly); e.g. "fp8+anq+dfp8"), KB_ONLY
+# default since 1edc71b's A/B; "+pgraphs" names the default explicitly); "+cgraphs" with DFLASH_CONTEXT_GRAPHS=1, the
+# drafter's add_context of the commit step as CUDA graphs too; e.g. "fp8+anq+dfp8"), KB_ONLY
 # (kernel_bench sections, default fused; e.g. "fused decode_gemm fp8": fp8 times the decode rows M 16 / 4 / 1
 # only, DFLASH_BENCH_FP8_DECODE=1), NINJA_TARGETS.
 # The streaming GEMMs (issue 30, kernels/cuda/gemm_stream.cu), first measured by:
@@ -56,8 +57,10 @@ if [ -z "${SKIP_27B:-}" ]; then
     case "$run" in *+dfp8*) dprec=fp8 ;; esac
     pgraphs=1
     case "$run" in *+peager*) pgraphs=0 ;; esac
+    cgraphs=0
+    case "$run" in *+cgraphs*) cgraphs=1 ;; esac
     echo "=== dflash_eval $run" >>"$OUT/eval27b.log"
-    DFLASH_PROPOSE_GRAPHS=$pgraphs DFLASH_ADD_NORM_QUANT=$anq timeout "${EVAL_TIMEOUT:-240}" stdbuf -oL "$B/bench/dflash_eval" --draft-precision "$dprec" --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 \
+    DFLASH_CONTEXT_GRAPHS=$cgraphs DFLASH_PROPOSE_GRAPHS=$pgraphs DFLASH_ADD_NORM_QUANT=$anq timeout "${EVAL_TIMEOUT:-240}" stdbuf -oL "$B/bench/dflash_eval" --draft-precision "$dprec" --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 \
       --precision "$prec" --prompts /tmp/p4k.txt --num-prompts 1 --max-new-tokens "${EVAL27B_NEW:-32}" --device cuda \
       --no-estimate --require-fast-path --profile "${EVAL27B_PROFILE:-2}" \
       --decode-variants "${EVAL27B_VARIANTS:-fused,unfused,no_pdl,no_gdn_chain,no_commit,no_overlap,skinny_no_swiglu,fused,unfused}" \

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "drafter/decode.h"
@@ -138,7 +139,10 @@ TEST(CudaProposer, BadInputsAreRefused) {
 // launching eagerly, on the same weights and contexts, give the same drafts call after call (bf16 and
 // FP8 propose; one slot's block of 16 and two slots' blocks of 6, with context added between the calls
 // so the replays read new lengths and positions from the uploaded metadata); each shape is captured
-// once (at its second call) and replayed after; asking for logits runs eagerly.
+// once (at its second call) and replayed after; asking for logits runs eagerly. The add_context calls
+// run as graphs too (DFLASH_CONTEXT_GRAPHS=1): shapes of 3 slots x 6 / 7 rows and 1 slot x 2 rows
+// repeat, so they are captured and replayed, and the drafts read the K / V those replays wrote; the
+// first, prefill-sized context (62 rows > 3 blocks of 16) runs eagerly.
 TEST(CudaProposer, GraphReplaysGiveTheEagerDrafts) {
   DFLASH_REQUIRE_GPU();
   const DrafterConfig c = gpu_test_drafter(12, 16);
@@ -148,7 +152,9 @@ TEST(CudaProposer, GraphReplaysGiveTheEagerDrafts) {
   for (bool fp8 : {false, true}) {
     if (fp8 && cuda_device_info(0).major < 9) continue;
     SCOPED_TRACE(fp8 ? "fp8 propose" : "bf16 propose");
+    setenv("DFLASH_CONTEXT_GRAPHS", "1", 1);
     auto graphs = make_cuda_proposer(c, in.w, embed, lm_head, Device::cuda(0), 3, 256, fp8, true);
+    unsetenv("DFLASH_CONTEXT_GRAPHS");
     auto eager = make_cuda_proposer(c, in.w, embed, lm_head, Device::cuda(0), 3, 256, fp8, false);
     uint64_t stream = 1;
     auto add = [&](const std::vector<int32_t>& slots, const std::vector<int64_t>& rows) {
@@ -176,14 +182,16 @@ TEST(CudaProposer, GraphReplaysGiveTheEagerDrafts) {
           previous = dg;
         }
       }
-      add({0, 1, 2}, {1 + call, 2, 3});  // new context: the next replays read new lengths
+      add({0, 1, 2}, {1 + call % 2, 2, 3});  // new context: the next replays read new lengths
+      add({1}, {2});
     }
     EXPECT_GE(differing_calls, 2) << "the drafts never changed with the inputs: a weak check";
     Tensor logits;  // logits asked for: an eager call, the same drafts
     EXPECT_EQ(graphs->propose({1}, {3}, 16, &logits), eager->propose({1}, {3}, 16, nullptr));
     const std::string st = graphs->graph_stats();
     std::printf("  %s: %s\n", fp8 ? "fp8" : "bf16", st.c_str());
-    EXPECT_NE(st.find("2 shape(s) captured, 6 replay(s), 2 eager step(s)"), std::string::npos) << st;
+    EXPECT_NE(st.find("propose 2 shape(s) captured, 6 replay(s), 2 eager;"), std::string::npos) << st;
+    EXPECT_NE(st.find("add_context 3 shape(s) captured, 5 replay(s), 3 eager "), std::string::npos) << st;
     EXPECT_EQ(st.find("FAILED"), std::string::npos) << st;
     EXPECT_NE(eager->graph_stats().find("off"), std::string::npos) << eager->graph_stats();
   }

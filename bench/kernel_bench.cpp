@@ -1044,15 +1044,17 @@ void bench_fp8(Ctx& ctx, bool quick) {
 }
 
 // gemm_skinny (cluster kernel, and the stream-K kernel where it applies) vs cuBLASLt on decode GEMM
-// shapes (M 16, as the decoder pads a step's rows): GB/s of the weight read, alone and as CUDA-graph replays.
+// shapes (M 16 as the decoder pads a step's rows, unless a shape says otherwise): GB/s of the weight
+// read, alone and as CUDA-graph replays.
 struct DecodeGemmShape {
   const char* name;
   int64_t N, K;
+  int64_t M = 16;
 };
 void bench_decode_gemms(Ctx& ctx, const std::vector<DecodeGemmShape>& shapes) {
   const Device dev = Device::cuda(0);
-  const int64_t M = 16;
   for (const DecodeGemmShape& g : shapes) {
+    const int64_t M = g.M;
     const double gb = 2.0 * static_cast<double>(g.N) * static_cast<double>(g.K) / 1e9;
     const int sets = rotation_sets(ctx, gb * 1e9);
     std::vector<Tensor> ws;
@@ -1063,7 +1065,7 @@ void bench_decode_gemms(Ctx& ctx, const std::vector<DecodeGemmShape>& shapes) {
     cuda::GemmSkinnyParams sp;
     sp.x = x.raw_data(), sp.ldx = g.K, sp.ldy = g.N, sp.M = M, sp.N = g.N, sp.K = g.K;
     const int splits = cuda::gemm_skinny_splits(sp, 0);
-    const std::string shape = std::string(g.name) + " M16 N" + std::to_string(g.N) + " K" + std::to_string(g.K) +
+    const std::string shape = std::string(g.name) + " M" + std::to_string(M) + " N" + std::to_string(g.N) + " K" + std::to_string(g.K) +
                               (splits ? " ks" + std::to_string(splits) : " (not one wave)");
     std::vector<Provider> prov = {
         {"cublaslt", [&] {
@@ -1104,6 +1106,10 @@ void bench_decode_gemm(Ctx& ctx, bool quick) {
                            {"mlp_down", H, I}, {"mlp_gate_up", 2 * I, H}, {"35b_gdn_in_proj", 12352, H3},
                            {"35b_attn_qkv", 9216, H3}, {"35b_out_proj", H3, 4096}, {"35b_shared_gate_up", 1024, H3},
                            {"35b_shared_down", H3, 512}, {"35b_router", 256, H3}});
+  // The drafter's context update in a commit step (add_context of the accepted tokens, 1..16 rows; a
+  // 5-layer drafter over 5 captured target layers): fc 5 H -> H, each layer's k|v 1024 + 1024 rows.
+  bench_decode_gemms(ctx, {{"drafter_fc", H, 5 * H, 1}, {"drafter_fc", H, 5 * H, 4}, {"drafter_fc", H, 5 * H, 16},
+                           {"drafter_kv", 2048, H, 1}, {"drafter_kv", 2048, H, 16}});
 }
 
 // The fused decode kernels of issue 30 against their unfused twins, Qwen3.6-27B decode shapes (one

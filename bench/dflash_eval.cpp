@@ -467,8 +467,8 @@ int main(int argc, char** argv) {
     drafter::StepStats est_steps, est_all;
     for (const PromptReport& r : reports) {
       all_accept.insert(all_accept.end(), r.accept.begin(), r.accept.end());
-      g.prefill += r.greedy.prefill, g.decode += r.greedy.decode;
-      s.prefill += r.spec.prefill, s.propose += r.spec.propose, s.verify += r.spec.verify, s.commit += r.spec.commit;
+      g.add(r.greedy);
+      s.add(r.spec);
       tokens += r.generated;
       est_steps.add(r.est_steps);
       est_all.add(r.est_all);
@@ -507,9 +507,22 @@ int main(int argc, char** argv) {
     const double nsteps = static_cast<double>(std::max<int64_t>(steps, 1));
     const double t_dec = g.decode / static_cast<double>(std::max<int64_t>(tokens, 1));
     const double t_prop = s.propose / nsteps, t_ver = s.verify / nsteps, t_com = s.commit / nsteps;
-    std::printf("  a step: propose %.2f ms, verify %.2f ms, commit %.2f ms (target decode step %.2f ms; verify = %.2fx "
+    std::printf("  a step (means): propose %.2f ms, verify %.2f ms, commit %.2f ms (target decode step %.2f ms; verify = %.2fx "
                 "decode, propose = %.1f%% of verify)\n",
                 1e3 * t_prop, 1e3 * t_ver, 1e3 * t_com, 1e3 * t_dec, t_ver / t_dec, 100.0 * t_prop / t_ver);
+    // Medians of the per-step times (the CSV rows' p50, with p20 / p80): apart from one-off costs the
+    // means carry (a shape's first, eager step and its graph capture; the commit after an eager verify).
+    auto ms_stats = [](const std::vector<double>& seconds) {
+      std::vector<double> ms;
+      for (double v : seconds) ms.push_back(1e3 * v);
+      return bench::summarize(ms, {}, 0.0);
+    };
+    const bench::Stats st_dec = ms_stats(g.decode_steps), st_prop = ms_stats(s.propose_steps);
+    const bench::Stats st_ver = ms_stats(s.verify_steps), st_com = ms_stats(s.commit_steps);
+    std::printf("  medians (p20-p80): propose %.2f (%.2f-%.2f) ms, verify %.2f (%.2f-%.2f), commit %.3f (%.3f-%.3f), "
+                "decode %.2f (%.2f-%.2f); the means above include each shape's first step and graph capture\n",
+                st_prop.p50, st_prop.p20, st_prop.p80, st_ver.p50, st_ver.p20, st_ver.p80, st_com.p50, st_com.p20,
+                st_com.p80, st_dec.p50, st_dec.p20, st_dec.p80);
     const double projected = 6.0 * t_dec / (t_prop + t_ver + t_com);
     std::printf("  projected speed-up at tau = 6: %.2fx (6 x decode step / (propose + verify + commit))\n", projected);
     // The roofline (bench/roofline.h) at the mean context of the timed steps, this rank's shard.
@@ -523,12 +536,12 @@ int main(int argc, char** argv) {
     const bench::StepBytes b_ver = bench::target_step_bytes(rt.local_config(), prec, 1, block_size, ctx, fp8x);
     const bench::StepBytes b_prop = bench::propose_bytes(dc, 1, ctx, draft_fp8);
     if (roof.copy_gbs > 0) {
-      std::printf("  roofline (bytes a step moves / the copy bandwidth, %.0f GB/s: %s; context %.0f):\n", roof.copy_gbs,
-                  bench::kCopyMethod, ctx);
-      for (const auto& [what, b, ms] : {std::tuple{"decode", b_dec, t_dec}, std::tuple{"verify", b_ver, t_ver},
-                                        std::tuple{"propose", b_prop, t_prop}})
+      std::printf("  roofline (bytes a step moves / the copy bandwidth, %.0f GB/s: %s; context %.0f; the steps' medians):\n",
+                  roof.copy_gbs, bench::kCopyMethod, ctx);
+      for (const auto& [what, b, ms] : {std::tuple{"decode", b_dec, st_dec.p50}, std::tuple{"verify", b_ver, st_ver.p50},
+                                        std::tuple{"propose", b_prop, st_prop.p50}})
         std::printf("    %-7s %s -> %.2f ms; the step (%.2f ms) is %.1f%% of it\n", what, bench::describe(b).c_str(),
-                    roof.ms(b), 1e3 * ms, 100.0 * roof.share(b, 1e3 * ms));
+                    roof.ms(b), ms, 100.0 * roof.share(b, ms));
     }
     if (!dec->kernels_run().empty()) std::printf("  decode kernels run: %s\n", dec->kernels_run().c_str());
     if (!prop->graph_stats().empty()) std::printf("  propose: %s\n", prop->graph_stats().c_str());
@@ -653,10 +666,14 @@ int main(int argc, char** argv) {
           const bool other_gemms = gemms_of(f) != ref_gemms;
           row.vs_main = other_gemms ? "other GEMMs" : tokens == ref.tokens ? "yes" : "NO";
           if (!other_gemms && tokens != ref.tokens) row.same = false;
-          const double ns = static_cast<double>(std::max<size_t>(sp.accept.size(), 1));
-          row.propose_ms = 1e3 * sp.times.propose / ns;
-          row.verify_ms = 1e3 * sp.times.verify / ns;
-          row.commit_ms = 1e3 * sp.times.commit / ns;
+          auto median_ms = [](const std::vector<double>& seconds) {
+            std::vector<double> ms;
+            for (double v : seconds) ms.push_back(1e3 * v);
+            return bench::summarize(ms, {}, 0.0).p50;
+          };
+          row.propose_ms = median_ms(sp.times.propose_steps);
+          row.verify_ms = median_ms(sp.times.verify_steps);
+          row.commit_ms = median_ms(sp.times.commit_steps);
           row.kernels = vdec->kernels_run();
         }
         cuda::tuning::pdl = pdl_saved;
@@ -664,7 +681,8 @@ int main(int argc, char** argv) {
       }
       for (cudaEvent_t& e : ev) DFLASH_CUDA_CHECK(cudaEventDestroy(e));
       std::printf("\ndecode plan variants (fresh decoders, prompt 0, %lld new tokens; decode: host time per step and its device "
-                  "time; same: speculative == the variant's greedy (and == the main run's greedy where the GEMMs are the same)):\n",
+                  "time; verify / commit / propose: medians of the steps; same: speculative == the variant's greedy (and == the main "
+                  "run's greedy where the GEMMs are the same)):\n",
                   static_cast<long long>(vgo.max_new_tokens));
       std::printf("%-16s %10s %10s %10s %10s %10s  %-5s %-11s %-4s %s\n", "variant", "decode ms", "dec gpu ms", "verify ms",
                   "commit ms", "propose ms", "same", "vs main", "pdl", "fusions");
@@ -721,21 +739,26 @@ int main(int argc, char** argv) {
       row("speculative", "tok_s", "tok/s", tps_s);
       row("greedy", "tok_s", "tok/s", tps_g);
       row("speculative", "speedup", "x", tps_s / tps_g);
-      row("speculative", "propose_step_ms", "ms", 1e3 * t_prop);
-      row("speculative", "verify_step_ms", "ms", 1e3 * t_ver);
-      row("speculative", "commit_step_ms", "ms", 1e3 * t_com);
-      row("greedy", "decode_step_ms", "ms", 1e3 * t_dec);
+      // The step times: median, p20, p80 of the steps (the means are in the log and the tok/s rows).
+      auto step_row = [&](const std::string& kernel, const std::string& metric, const bench::Stats& st) {
+        csv.write({"dflash_eval", kernel, dev.is_cpu() ? "cpu" : "cuda", "tp" + std::to_string(tp), metric, "ms", shape,
+                   st.p50, st.p20, st.p80, false});
+      };
+      step_row("speculative", "propose_step_ms", st_prop);
+      step_row("speculative", "verify_step_ms", st_ver);
+      step_row("speculative", "commit_step_ms", st_com);
+      step_row("greedy", "decode_step_ms", st_dec);
       row("speculative", "projected_speedup_tau6", "x", projected);
       row("greedy", "decode_step_bytes", "GB", b_dec.total() / 1e9);
       row("speculative", "verify_step_bytes", "GB", b_ver.total() / 1e9);
       row("speculative", "propose_step_bytes", "GB", b_prop.total() / 1e9);
       if (roof.copy_gbs > 0) {
         row("greedy", "decode_step_roofline_ms", "ms", roof.ms(b_dec));
-        row("greedy", "decode_step_roofline_pct", "%", 100.0 * roof.share(b_dec, 1e3 * t_dec));
+        row("greedy", "decode_step_roofline_pct", "%", 100.0 * roof.share(b_dec, st_dec.p50));
         row("speculative", "verify_step_roofline_ms", "ms", roof.ms(b_ver));
-        row("speculative", "verify_step_roofline_pct", "%", 100.0 * roof.share(b_ver, 1e3 * t_ver));
+        row("speculative", "verify_step_roofline_pct", "%", 100.0 * roof.share(b_ver, st_ver.p50));
         row("speculative", "propose_step_roofline_ms", "ms", roof.ms(b_prop));
-        row("speculative", "propose_step_roofline_pct", "%", 100.0 * roof.share(b_prop, 1e3 * t_prop));
+        row("speculative", "propose_step_roofline_pct", "%", 100.0 * roof.share(b_prop, st_prop.p50));
         row("copy", "d2d_bandwidth", "GB/s", roof.copy_gbs);
       }
       row("speculative", "mismatches", "prompts", static_cast<double>(mismatches));

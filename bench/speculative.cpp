@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <utility>
 
 #include "core/error.h"
 
@@ -29,6 +30,13 @@ void check_options(const GenerateOptions& o) {
 
 }  // namespace
 
+void PhaseTimes::add(const PhaseTimes& o) {
+  prefill += o.prefill, decode += o.decode, propose += o.propose, verify += o.verify, commit += o.commit;
+  for (auto [to, from] : {std::pair{&decode_steps, &o.decode_steps}, {&propose_steps, &o.propose_steps},
+                          {&verify_steps, &o.verify_steps}, {&commit_steps, &o.commit_steps}})
+    to->insert(to->end(), from->begin(), from->end());
+}
+
 Generation greedy_generate(target::Decoder& target, int32_t slot, const std::vector<int32_t>& prompt,
                            const GenerateOptions& o, int64_t extra) {
   check_options(o);
@@ -42,7 +50,9 @@ Generation greedy_generate(target::Decoder& target, int32_t slot, const std::vec
   t0 = clock::now();
   bool done = push(g, o, next);
   while (!done) {
+    const auto t1 = clock::now();
     next = target.extend({slot}, {{next}}, eo).next.back();
+    g.times.decode_steps.push_back(since(t1));
     done = push(g, o, next);
   }
   g.times.decode = since(t0);
@@ -81,19 +91,22 @@ Generation speculative_generate(target::Decoder& target, drafter::Proposer& prop
                                                                  << target.length(slot) << ") disagree");
     t0 = clock::now();
     const std::vector<int32_t> drafts = proposer.propose({slot}, {x_start}, B).front();
-    g.times.propose += since(t0);
+    g.times.propose_steps.push_back(since(t0));
+    g.times.propose += g.times.propose_steps.back();
     std::vector<int32_t> block{x_start};
     block.insert(block.end(), drafts.begin(), drafts.end());
     t0 = clock::now();
     r = target.extend({slot}, {block}, verify);
-    g.times.verify += since(t0);
+    g.times.verify_steps.push_back(since(t0));
+    g.times.verify += g.times.verify_steps.back();
     int64_t k = 0;
     while (k < B - 1 && drafts[static_cast<size_t>(k)] == r.next[static_cast<size_t>(k)]) ++k;
     t0 = clock::now();
     target.commit(slot, k + 1);
     proposer.add_context({slot}, r.features.slice(0, 0, k + 1), ops::SeqOffsets{{0, k + 1}});
     target.synchronize();  // (a GPU's commit returns before its kernels are done: time them here)
-    g.times.commit += since(t0);
+    g.times.commit_steps.push_back(since(t0));
+    g.times.commit += g.times.commit_steps.back();
     g.block_starts.push_back(static_cast<int64_t>(prompt.size() + g.tokens.size()) - 1);
     g.accept.push_back(k + 1);
     for (int64_t i = 0; i < k && !done; ++i) done = push(g, o, drafts[static_cast<size_t>(i)]);

@@ -33,6 +33,11 @@ struct PhaseTimes {
   double prefill = 0, decode = 0;            // target-only: the prompt, then one token per step
   double propose = 0, verify = 0, commit = 0;  // speculative (prefill as above)
   double steps() const { return decode + propose + verify + commit; }  // everything after the prefill
+  // Each step's seconds, in order (their sums are the totals above): the medians and p20 / p80 of
+  // dflash_eval's step rows, apart from the one-off costs the means carry (a shape's first, eager step
+  // and its CUDA graph capture).
+  std::vector<double> decode_steps, propose_steps, verify_steps, commit_steps;
+  void add(const PhaseTimes& o);  // totals added, step lists appended
 };
 
 struct Generation {

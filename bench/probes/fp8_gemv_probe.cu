@@ -9,7 +9,10 @@
 //     equal runs of (16-row tile, 128-column group) units (stream-K, partial tiles summed with fp32
 //     atomics: fine for timing, not deterministic) or af49b75's grid (a warp a tile, all of K);
 //     DEPTH groups of loads in flight per warp, with or without issuing the next batch's loads before
-//     the math of this one; "nomath" keeps the loads and drops the MMAs.
+//     the math of this one; "nomath" keeps the loads and drops the MMAs;
+//   - warp-specialized variants (session 28): one producer lane per block feeds each consumer warp's
+//     shared-memory ring (mbarriers) with cp.async.bulk copies of repacked units ("bulk") or 2-D TMA
+//     boxes from the checkpoint layout ("tma", swizzled or not); the consumers only multiply.
 // Every GEMV variant's output is checked against a plain fp32 reference kernel (max relative error).
 #include <cuda.h>
 #include <cuda_runtime.h>

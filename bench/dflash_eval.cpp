@@ -217,6 +217,11 @@ int main(int argc, char** argv) {
       ->delimiter(',');
   app.add_option("--verify-sweep-reps", sweep_reps, "timed steps per block size of --verify-sweep (after 2 warm-ups)")
       ->capture_default_str()->check(CLI::PositiveNumber);
+  int64_t commit_probe = 0;
+  app.add_option("--commit-probe", commit_probe, "afterwards time the commit step's two parts apart on the last prompt's "
+                                                 "state, this many steps each: the target's commit alone, the drafter's "
+                                                 "context update alone, and both as the loop runs them")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--prompts", prompts_path, "prompts: a dflash.tokens.v1 .h5 file, JSONL rows (chat {\"messages\"} / "
                                             "{\"conversations\"}, text {\"prompt\"} / {\"text\"}, or {\"input_ids\"}) or a "
                                             "token-id text file")->required();
@@ -361,7 +366,10 @@ int main(int argc, char** argv) {
                           "a verify step holds x_start and at most block_size - 1 drafts");
       sweep_max = std::max(sweep_max, b);
     }
-    const int64_t max_len = longest + max_new + 2 * std::max(block_size, sweep_max);
+    DFLASH_REQUIRE_HINT(commit_probe == 0 || tp == 1, "--commit-probe runs on one rank (tp 1), here tp " << tp,
+                        "time the commit step without mpirun");
+    // (--commit-probe commits one token per probe step: 2 N + 2 more positions.)
+    const int64_t max_len = longest + max_new + 2 * std::max(block_size, sweep_max) + 2 * commit_probe + 2;
 
     std::unique_ptr<comm::Communicator> tp_comm;
     if (tp > 1) tp_comm = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, layout.tp_group, rank, dev, timeout_s, "tp");
@@ -605,6 +613,48 @@ int main(int argc, char** argv) {
         std::printf("\n");
       }
     }
+    // ---- --commit-probe N: the commit step's two parts apart, on the last prompt's state ----
+    // Each probe step proposes a block and verifies it as speculative decoding does, then commits one
+    // token (x_start): on even steps the target's commit alone (then a synchronisation), then the
+    // drafter's context update of that token alone (then one); on odd steps both as the loop runs
+    // them (the target's commit beside the context update on the GPU, one synchronisation). The first
+    // two steps are warm-ups (graph captures). The medians say which part the commit step waits for.
+    bench::Stats cp_target, cp_context, cp_both;
+    if (commit_probe > 0) {
+      using clk = std::chrono::steady_clock;
+      auto ms = [](clk::time_point a, clk::time_point b) { return 1e3 * std::chrono::duration<double>(b - a).count(); };
+      target::ExtendOptions vo;
+      vo.capture = dc.target_layer_ids;
+      vo.commit = false;
+      int32_t x = reports.back().tokens.empty() ? 0 : reports.back().tokens.back();
+      std::vector<double> t_target, t_context, t_both;
+      for (int64_t it = 0; it < 2 * commit_probe + 2; ++it) {
+        std::vector<int32_t> block{x};
+        const std::vector<int32_t> drafts = prop->propose({0}, {x}, block_size).front();
+        block.insert(block.end(), drafts.begin(), drafts.end());
+        const target::ExtendResult r = dec->extend({0}, {block}, vo);
+        const bool apart = it % 2 == 0;
+        const auto t0 = clk::now();
+        dec->commit(0, 1);
+        if (apart) dec->synchronize();
+        const auto t1 = clk::now();
+        prop->add_context({0}, r.features.slice(0, 0, 1), ops::SeqOffsets{{0, 1}});
+        dec->synchronize();
+        const auto t2 = clk::now();
+        if (it >= 2 && apart) t_target.push_back(ms(t0, t1)), t_context.push_back(ms(t1, t2));
+        if (it >= 2 && !apart) t_both.push_back(ms(t0, t2));
+        x = r.next[0];
+      }
+      cp_target = bench::summarize(t_target, {}, 0.0);
+      cp_context = bench::summarize(t_context, {}, 0.0);
+      cp_both = bench::summarize(t_both, {}, 0.0);
+      std::printf("\ncommit step apart (%lld steps each, context %lld, one token committed; medians, p20-p80): target commit "
+                  "%.3f (%.3f-%.3f) ms, drafter context update %.3f (%.3f-%.3f) ms, both as the loop runs them %.3f "
+                  "(%.3f-%.3f) ms\n",
+                  static_cast<long long>(commit_probe), static_cast<long long>(dec->length(0)), cp_target.p50,
+                  cp_target.p20, cp_target.p80, cp_context.p50, cp_context.p20, cp_context.p80, cp_both.p50, cp_both.p20,
+                  cp_both.p80);
+    }
 #if DFLASH_WITH_CUDA
     std::vector<VariantRow> variant_rows;
     if (!decode_variants.empty() && cuda_model) {
@@ -762,6 +812,11 @@ int main(int argc, char** argv) {
         row("copy", "d2d_bandwidth", "GB/s", roof.copy_gbs);
       }
       row("speculative", "mismatches", "prompts", static_cast<double>(mismatches));
+      if (commit_probe > 0) {
+        step_row("commit_probe", "target_commit_ms", cp_target);
+        step_row("commit_probe", "context_update_ms", cp_context);
+        step_row("commit_probe", "commit_step_ms", cp_both);
+      }
       for (const SweepRow& w : sweep) {
         // The sweep's rows: kernel verify_sweep, the block size in the metric's name.
         const std::string b = "_b" + std::to_string(w.B);

@@ -8,7 +8,7 @@
 #   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_fused.sh
 # Writes to $OUT (at most 8 files): env.txt, build.log, tests.log, kernel_bench.log, kernel_bench.csv,
 # eval27b.log, eval27b.csv. Switches: SKIP_TESTS=1, SKIP_BENCH=1, SKIP_27B=1, GPU_TESTS (ctest -R
-# regex), TESTS_TIMEOUT / BENCH_TIMEOUT / EVAL_TIMEOUT (s: each stage is cut there, so the call ends in time), EVAL27B_NEW (new tokens, default 32), EVAL27B_PROFILE (profiled steps, default 2),
+# regex), TESTS_TIMEOUT / BENCH_TIMEOUT / EVAL_TIMEOUT (s: each stage is cut there, so the call ends in time), EVAL27B_NEW (new tokens, default 32), EVAL27B_PROFILE (profiled steps, default 2), EVAL27B_COMMIT_PROBE (dflash_eval --commit-probe steps, default 10),
 # EVAL27B_VARIANTS (default fused,unfused,no_pdl,no_gdn_chain,no_commit,no_overlap,skinny_no_swiglu,fused,unfused),
 # EVAL27B_PRECISIONS (default bf16; "bf16 fp8": one dflash_eval each, both in eval27b.log / .csv; suffixes: "+anq"
 # with DFLASH_ADD_NORM_QUANT=1, the residual steps fused with the FP8 quantization (the default since session 26: a run
@@ -62,11 +62,11 @@ if [ -z "${SKIP_27B:-}" ]; then
     echo "=== dflash_eval $run" >>"$OUT/eval27b.log"
     DFLASH_CONTEXT_GRAPHS=$cgraphs DFLASH_PROPOSE_GRAPHS=$pgraphs DFLASH_ADD_NORM_QUANT=$anq timeout "${EVAL_TIMEOUT:-240}" stdbuf -oL "$B/bench/dflash_eval" --draft-precision "$dprec" --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 \
       --precision "$prec" --prompts /tmp/p4k.txt --num-prompts 1 --max-new-tokens "${EVAL27B_NEW:-32}" --device cuda \
-      --no-estimate --require-fast-path --profile "${EVAL27B_PROFILE:-2}" \
+      --no-estimate --require-fast-path --profile "${EVAL27B_PROFILE:-2}" --commit-probe "${EVAL27B_COMMIT_PROBE:-10}" \
       --decode-variants "${EVAL27B_VARIANTS:-fused,unfused,no_pdl,no_gdn_chain,no_commit,no_overlap,skinny_no_swiglu,fused,unfused}" \
       --csv "$OUT/eval27b.csv" >>"$OUT/eval27b.log" 2>&1
     echo "27b eval $run rc=$? $(( $(date +%s) - t0 )) s"
   done
-  grep -E "^===|^tau|a step|roofline|decode  |verify  |outputs|FAILED|variant|^fused|^no_|^unfused|^skinny|sum of ops|between|span|gdn_fused|add_rms|swiglu " \
+  grep -E "^===|^tau|a step|medians|commit step apart|roofline|decode  |verify  |outputs|FAILED|variant|^fused|^no_|^unfused|^skinny|sum of ops|between|span|gdn_fused|add_rms|swiglu " \
     "$OUT/eval27b.log" | head -n 80
 fi

@@ -522,7 +522,7 @@ class CudaProposer final : public Proposer {
   Tensor embed_, lm_head_;
   bool fp8_ = false;                // FP8 propose (make_cuda_proposer's fp8_propose)
   bool graphs_on_ = true;           // propose steps as CUDA graphs (make_cuda_proposer's cuda_graphs)
-  bool ctx_graphs_on_ = false;      // add_context too (graphs_on_ and DFLASH_CONTEXT_GRAPHS=1: not yet run on a GPU)
+  bool ctx_graphs_on_ = false;      // add_context too (graphs_on_ and DFLASH_CONTEXT_GRAPHS=1: opt-in, no gain measured)
   std::map<std::pair<int64_t, int64_t>, PGraph> graphs_;  // by (slots, block)
   int64_t graph_captures_ = 0, graph_replays_ = 0, graph_eager_ = 0, graph_failures_ = 0;
   std::map<std::tuple<int64_t, int64_t, int64_t>, CGraph> ctx_graphs_;  // by (slots, rows, longest sequence)

@@ -40,8 +40,9 @@ namespace dflash::drafter {
 // bench/results/h100-pgraphs-1edc71b). DFLASH_PROPOSE_GRAPHS=1 / 0 overrides the argument.
 // add_context calls of at most block_size rows per slot (a speculative step's accepted tokens; part
 // of the commit step) can run as graphs too, one per (slots, rows, longest sequence) shape, from fixed
-// copies of the features and metadata: with cuda_graphs and DFLASH_CONTEXT_GRAPHS=1 (written in
-// session 28, off until its GPU test has run); prefill-sized contexts always run eagerly.
+// copies of the features and metadata: with cuda_graphs and DFLASH_CONTEXT_GRAPHS=1. Opt-in: its GPU
+// test passed (H100, 2209fd5) but the commit step did not move (0.90 vs 0.89 ms on the 27B shapes,
+// bench/results/h100-commit-0ee3d07). Prefill-sized contexts always run eagerly.
 std::unique_ptr<Proposer> make_cuda_proposer(const DrafterConfig& config, const DrafterWeights& host_weights,
                                              Tensor embed_tokens, Tensor lm_head, Device device, int64_t num_slots,
                                              int64_t max_len, bool fp8_propose = false, bool cuda_graphs = true);

@@ -551,11 +551,15 @@ class CudaProposer final : public Proposer {
 std::unique_ptr<Proposer> make_cuda_proposer(const DrafterConfig& config, const DrafterWeights& host_weights,
                                              Tensor embed_tokens, Tensor lm_head, Device device, int64_t num_slots,
                                              int64_t max_len, bool fp8_propose, bool cuda_graphs) {
-  // DFLASH_PROPOSE_GRAPHS=1 / 0: graphs on / off whatever the caller asks (scripts/gpu_fused.sh's "+pgraphs" A/B).
-  if (const char* e = std::getenv("DFLASH_PROPOSE_GRAPHS"); e != nullptr && (std::string(e) == "0" || std::string(e) == "1"))
-    cuda_graphs = std::string(e) == "1";
   return std::make_unique<CudaProposer>(config, host_weights, std::move(embed_tokens), std::move(lm_head), device,
-                                        num_slots, max_len, fp8_propose, cuda_graphs);
+                                        num_slots, max_len, fp8_propose, cuda_proposer_graphs(cuda_graphs));
+}
+
+bool cuda_proposer_graphs(bool requested) {
+  // (scripts/gpu_fused.sh's "+peager" A/B sets 0.)
+  if (const char* e = std::getenv("DFLASH_PROPOSE_GRAPHS"); e != nullptr && (std::string(e) == "0" || std::string(e) == "1"))
+    return std::string(e) == "1";
+  return requested;
 }
 
 const char* cuda_proposer_attention_kernel(const DrafterConfig& config, Device device) {

@@ -47,6 +47,10 @@ std::unique_ptr<Proposer> make_cuda_proposer(const DrafterConfig& config, const 
                                              Tensor embed_tokens, Tensor lm_head, Device device, int64_t num_slots,
                                              int64_t max_len, bool fp8_propose = false, bool cuda_graphs = true);
 
+// Whether a CUDA proposer asked for `requested` replays its propose steps as CUDA graphs here:
+// DFLASH_PROPOSE_GRAPHS=1 / 0 overrides the request (make_cuda_proposer; dflash_doctor reports it).
+bool cuda_proposer_graphs(bool requested = true);
+
 // The attention kernel the CUDA proposer runs for `config` on `device` ("flash-decoding mma.sync"
 // or "fallback"), for reports.
 const char* cuda_proposer_attention_kernel(const DrafterConfig& config, Device device);

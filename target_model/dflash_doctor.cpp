@@ -30,6 +30,7 @@
 #include <cuda_runtime.h>
 
 #include "core/cuda/check.h"
+#include "drafter/decode_cuda.h"
 #include "core/cuda/env.h"
 #include "bench/harness.h"
 #include "target_model/model_cuda.h"
@@ -303,6 +304,17 @@ int main(int argc, char** argv) {
       const FastPathPlan dp = make_decode_plan(cfg, dev, pol, sm_major, precision);
       report["decode_plan"] = {{"summary", dp.summary()}, {"cuda_graphs", dp.cuda_graphs}, {"fallbacks", dp.fallbacks()}};
       std::cout << "  decode plan: " << dp.summary() << (dp.cuda_graphs ? "" : " (eager launches: no CUDA device)") << "\n";
+      // The CUDA proposer's propose steps (drafter/decode_cuda.h): a graph per (slots, block) shape
+      // unless DFLASH_PROPOSE_GRAPHS=0 (or dflash_eval --no-cuda-graphs).
+      bool pgraphs = false;
+#if DFLASH_WITH_CUDA
+      pgraphs = dev.is_cuda() && drafter::cuda_proposer_graphs();
+#endif
+      report["decode_plan"]["propose_cuda_graphs"] = pgraphs;
+      std::cout << "  propose steps: "
+                << (pgraphs ? "CUDA graphs per (slots, block) shape"
+                            : dev.is_cuda() ? "eager launches (DFLASH_PROPOSE_GRAPHS=0)" : "eager launches: no CUDA device")
+                << "\n";
     }
     {
       // The memory roofline (bench/roofline.h), the same bytes and bandwidth as dflash_eval and generate_bench.

@@ -64,6 +64,22 @@ ActT quantize_act_t(const void* x, int64_t ldx, int64_t M, int64_t C, Device d, 
   return a;
 }
 
+// x [M, C] bf16 as 128 x 128 blocks, transposed: codes [C, Tp] (Tp = M rounded up to 128; the columns past
+// M are 0 codes: zeroed first, the block kernel writes them only up to M rounded to 16) with gemm_fp8's
+// weight-layout scales [C / 128, fp8_weight_scale_ld(Tp)]: the weight gradient's x under
+// model.drafter.fp8_wgrad_x_tiles: 128x128 (the B operand of a VEC128 x BLK128x128 GEMM).
+ActT quantize_act_t_blocks(const void* x, int64_t ldx, int64_t M, int64_t C, Device d) {
+  ActT a;
+  a.Tp = round_up(M, fp8::kBlock);
+  a.q = Tensor::zeros({C, a.Tp}, DType::U8, d);
+  a.s = Tensor::zeros({fp8::blocks(C), cuda::fp8_weight_scale_ld(a.Tp)}, DType::F32, d);
+  cuda::Fp8TileQuantParams p;
+  p.x = x, p.ldx = ldx, p.rows = M, p.cols = C, p.block = true;
+  p.qt = a.q.data<uint8_t>(), p.ldqt = a.Tp, p.scale_t = a.s.data<float>(), p.ldst = cuda::fp8_weight_scale_ld(a.Tp);
+  cuda::quantize_fp8_tiles(p, stream_of(d));
+  return a;
+}
+
 }  // namespace
 
 Fp8LmHead::Fp8LmHead(const Tensor& head) {
@@ -161,7 +177,7 @@ void Fp8Linears::forward(const void* x, int64_t ldx, int64_t M, int64_t K, const
 }
 
 void Fp8Linears::backward(const void* dy, int64_t lddy, int64_t M, int64_t n, const std::string& w, const void* x,
-                          int64_t ldx, int64_t K, void* dx, int64_t lddx, bool acc_f32, float* dw) const {
+                          int64_t ldx, int64_t K, void* dx, int64_t lddx, bool acc_f32, float* dw, bool x_blocks) const {
   const auto it = mats_.find(w);
   DFLASH_CHECK(it != mats_.end() && (dx == nullptr || it->second.tr), "Fp8Linears: no dgrad matrix for " << w);
   const Mat& m = it->second;
@@ -169,10 +185,16 @@ void Fp8Linears::backward(const void* dy, int64_t lddy, int64_t M, int64_t n, co
                                                                              << " [" << m.rows << ", " << m.cols << "]");
   DFLASH_CHECK(n % 4 == 0, "Fp8Linears::backward: the gradient's width " << n << " must be a multiple of 4 (its rows of dw)");
   if (M == 0) return;
-  const ActT g = quantize_act_t(dy, lddy, M, n, device_, dx != nullptr), a = quantize_act_t(x, ldx, M, K, device_);
+  const ActT g = quantize_act_t(dy, lddy, M, n, device_, dx != nullptr);
   if (dx != nullptr)
     gemm(g.rows.q.data<uint8_t>(), g.rows.s.data<float>(), M, n, m.qt.data<uint8_t>(), m.st.data<float>(), false, K, dx,
          lddx, acc_f32, acc_f32);
+  if (x_blocks) {
+    const ActT a = quantize_act_t_blocks(x, ldx, M, K, device_);
+    gemm(g.q.data<uint8_t>(), g.s.data<float>(), n, g.Tp, a.q.data<uint8_t>(), a.s.data<float>(), false, K, dw, K, true, true);
+    return;
+  }
+  const ActT a = quantize_act_t(x, ldx, M, K, device_);
   gemm(g.q.data<uint8_t>(), g.s.data<float>(), n, g.Tp, a.q.data<uint8_t>(), a.s.data<float>(), true, K, dw, K, true, true);
 }
 

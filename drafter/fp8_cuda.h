@@ -6,6 +6,7 @@
 //   forward  y = x·wᵀ     x 1 x 128 (per token, along K), w 128 x 128       gemm_fp8 VEC128 x BLK128x128
 //   dgrad    dx = dy·w    dy 1 x 128 (along the output dim), wᵀ 128 x 128  the same, on wᵀ's codes
 //   wgrad    dw += dyᵀ·x  dy and x 128 x 1 (along the tokens), fp32 dw     gemm_fp8 VEC128 x VEC128
+//            (model.drafter.fp8_wgrad_x_tiles: 128x128: x in 128 x 128 blocks, VEC128 x BLK128x128)
 // The activations and gradients between the GEMMs stay bf16 as in the bf16 step; each GEMM quantizes
 // its operands (kernels/cuda/gemm.h quantize_fp8_act, quantize_fp8_tiles) into temporaries. The
 // weights' codes (128 x 128, and their transposes for dgrad) are made from the bf16 weights by
@@ -63,9 +64,11 @@ class Fp8Linears {
   //   dx[M, K] = dy · w  (bf16 dx, or fp32 dx += when acc_f32; skipped when dx is null) for w's whole
   //     dgrad matrix of n rows: q_proj (q|k|v), k_proj (the context's k|v), o_proj, gate_proj (gate|up),
   //     down_proj;
-  //   dw[n, K] (fp32, row stride K) += dyᵀ · x[M, K].
+  //   dw[n, K] (fp32, row stride K) += dyᵀ · x[M, K]: x as 128 x 1 tiles along the tokens (VEC128 x VEC128),
+  //     or with x_blocks as 128 x 128 blocks (VEC128 x BLK128x128, the forward's mode; StepOptions::
+  //     fp8_wgrad_x_blocks, ref_math.h linear_bwd_fp8's x_blocks).
   void backward(const void* dy, int64_t lddy, int64_t M, int64_t n, const std::string& w, const void* x, int64_t ldx,
-                int64_t K, void* dx, int64_t lddx, bool acc_f32, float* dw) const;
+                int64_t K, void* dx, int64_t lddx, bool acc_f32, float* dw, bool x_blocks = false) const;
 
  private:
   struct Mat {  // one bf16 weight [rows, cols] as 128 x 128 codes: forward (q) and / or transposed (qt)

@@ -181,7 +181,7 @@ StepStats forward_backward_impl(const DrafterConfig& c, const DrafterWeights& w,
   };
   const auto linear_bwd = [&](const M& x, const M& w, const M& dy, M* dx, M* dw) {
     if constexpr (std::is_same_v<T, float>)
-      if (opt.fp8_linears) return ref::linear_bwd_fp8(x, w, dy, dx, dw);
+      if (opt.fp8_linears) return ref::linear_bwd_fp8(x, w, dy, dx, dw, opt.fp8_wgrad_x_blocks);
     ref::linear_bwd(x, w, dy, dx, dw);
   };
   c.validate();

@@ -75,6 +75,9 @@ struct StepOptions {
   // The LM-head cross-entropy's two GEMMs in block-scaled FP8 (model.drafter.lm_head_precision: fp8;
   // F32 math only on the CPU: cpu::fused_linear_ce_f32's fp8 form on the head's 128 x 128 tiles).
   bool fp8_lm_head = false;
+  // With fp8_linears: the weight gradient's x operand in 128 x 128 blocks instead of 128 x 1 tiles along
+  // the tokens (model.drafter.fp8_wgrad_x_tiles: 128x128; ref_math.h linear_bwd_fp8).
+  bool fp8_wgrad_x_blocks = false;
 };
 
 // Checks a batch against the config (context width, sequence offsets, token ids, sorted blocks

@@ -254,6 +254,7 @@ struct CudaDrafter::StepState {
   std::vector<int32_t> loss_rows;  // the rows with a loss weight (tg.weights > 0), ascending
   Tensor d_loss_rows, d_labels, d_w;  // loss_rows on the device (when not all R rows), their labels and weights
   const Fp8Linears* f8 = nullptr;  // the FP8 linears when StepOptions::fp8_linears
+  bool f8_x_blocks = false;        // StepOptions::fp8_wgrad_x_blocks: the weight gradients' x in 128 x 128 blocks
   // forward
   cuda::BlockAttnParams ap;
   Tensor ctx_pre, ctx, r_ctx;  // fc(context) [N, H] bf16, hidden_norm of it, its rstd
@@ -281,7 +282,7 @@ struct CudaDrafter::StepState {
   // f8 (dy quantized once for both).
   void linear_bwd(const void* dy, int64_t lddy, const std::string& w, const void* x, int64_t ldx, void* dx, int64_t lddx,
                   float* dw, int64_t M, int64_t Nn, int64_t K, bool acc_f32 = false) const {
-    if (f8) return f8->backward(dy, lddy, M, Nn, w, x, ldx, K, dx, lddx, acc_f32, dw);
+    if (f8) return f8->backward(dy, lddy, M, Nn, w, x, ldx, K, dx, lddx, acc_f32, dw, f8_x_blocks);
     cuda::GemmExParams g;
     if (dx != nullptr) {
       g.a = dy, g.lda = lddy, g.b = model.wptr(w), g.ldb = K, g.d = dx, g.ldd = lddx, g.d_f32 = acc_f32;
@@ -329,6 +330,7 @@ StepStats CudaDrafter::step(const DrafterBatch& batch, const StepOptions& opt, b
     if (fp8_stale_) fp8_->quantize([&](const std::string& name) { return wptr(name); });
     fp8_stale_ = false;
     st.f8 = fp8_.get();
+    st.f8_x_blocks = opt.fp8_wgrad_x_blocks;
   }
   if (opt.fp8_lm_head && !lm_fp8_) lm_fp8_ = std::make_shared<Fp8LmHead>(lm_head_);  // the head is frozen: once
   forward(st);

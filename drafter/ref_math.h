@@ -136,16 +136,18 @@ inline void linear_bwd(const MatF& x, const MatF& w, const MatF& dy, MatF* dx, M
 // as FP8 tensor cores with f32 accumulation compute them. The tiles are DeepSeek-V3's recipe
 // (Transformer Engine's Float8BlockScaling): weights 128 x 128; activations and output gradients
 // 1 x 128 along the reduction dim for the forward (y = x·wᵀ) and the input gradient (dx = dy·w);
-// 128 x 1 (along the tokens, the reduction dim) for the weight gradient's operands (dw = dyᵀ·x).
+// 128 x 1 (along the tokens, the reduction dim) for the weight gradient's operands (dw = dyᵀ·x); with
+// x_blocks, x's as 128 x 128 blocks (model.drafter.fp8_wgrad_x_tiles: 128x128, cuBLASLt's vector x block
+// mode, which runs the forward's rate).
 inline MatF fake_e4m3(const MatF& m, int64_t tile_rows, int64_t tile_cols) {
   MatF q = m;
   cpu::fake_quantize_e4m3(q.v.data(), q.rows, q.cols, tile_rows, tile_cols);
   return q;
 }
 inline MatF linear_fp8(const MatF& x, const MatF& w) { return linear(fake_e4m3(x, 1, 128), fake_e4m3(w, 128, 128)); }
-inline void linear_bwd_fp8(const MatF& x, const MatF& w, const MatF& dy, MatF* dx, MatF* dw) {
+inline void linear_bwd_fp8(const MatF& x, const MatF& w, const MatF& dy, MatF* dx, MatF* dw, bool x_blocks = false) {
   if (dx) linear_bwd(x, fake_e4m3(w, 128, 128), fake_e4m3(dy, 1, 128), dx, nullptr);
-  if (dw) linear_bwd(fake_e4m3(x, 128, 1), w, fake_e4m3(dy, 128, 1), nullptr, dw);
+  if (dw) linear_bwd(fake_e4m3(x, 128, x_blocks ? 128 : 1), w, fake_e4m3(dy, 128, 1), nullptr, dw);
 }
 
 // Plain RMSNorm (x̂·w) over consecutive groups of D values (D = cols, or head_dim per head).

@@ -181,6 +181,16 @@ TEST(CudaDrafter, Fp8LmHeadStepMatchesTheCpuFp8Step) {
   expect_fp8_step_matches_the_cpu(o8);
 }
 
+// The same with the weight gradients' x operand in 128 x 128 blocks (model.drafter.fp8_wgrad_x_tiles:
+// 128x128; the GPU quantizes x transposed with block scales and runs cuBLASLt's vector x block mode): the
+// CPU's f32 step simulates the same tiles. Written in session 28 (not yet run on a GPU).
+TEST(CudaDrafter, Fp8WgradXBlocksStepMatchesTheCpuFp8Step) {
+  DFLASH_REQUIRE_GPU();
+  StepOptions o8;
+  o8.fp8_linears = o8.fp8_wgrad_x_blocks = true;
+  expect_fp8_step_matches_the_cpu(o8);
+}
+
 // The FP8 weight codes are made once and reused until the bf16 weights change: after
 // upload_masters (refresh_weights) and after a write through weights() (the optimizer's update)
 // the next FP8 step equals a fresh drafter's on the new weights, bit for bit.

@@ -396,6 +396,9 @@ TEST(TrainConfig, InconsistentValues) {
   EXPECT_THAT(validate_error({"model.drafter.lm_head_precision=fp8", "parallel.device=cpu", "kernels.cpu_drafter=f64"}),
               HasSubstr("model.drafter.lm_head_precision: fp8 contradicts kernels.cpu_drafter: f64"));
   EXPECT_THAT(validate_error({"model.drafter.lm_head_precision=int8"}), HasSubstr("model.drafter.lm_head_precision"));
+  EXPECT_THAT(validate_error({"model.drafter.fp8_wgrad_x_tiles=128x128"}),
+              HasSubstr("model.drafter.fp8_wgrad_x_tiles: 128x128 applies to FP8 linears, but model.drafter.precision is bf16"));
+  EXPECT_THAT(validate_error({"model.drafter.fp8_wgrad_x_tiles=64x64"}), HasSubstr("model.drafter.fp8_wgrad_x_tiles"));
   // Ranges are checked again for configs changed in code.
   TrainConfig c = minimal();
   c.model.drafter.block_size = 1;

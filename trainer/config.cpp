@@ -334,6 +334,9 @@ const std::vector<Field>& schema() {
     f.push_back(enum_field<DrafterPrecision>("model.drafter.lm_head_precision",
                                              {{"bf16", DrafterPrecision::Bf16}, {"fp8", DrafterPrecision::Fp8}},
                                              DFLASH_MEMBER(model.drafter.lm_head_precision)));
+    f.push_back(enum_field<Fp8WgradTiles>("model.drafter.fp8_wgrad_x_tiles",
+                                          {{"128x1", Fp8WgradTiles::Columns}, {"128x128", Fp8WgradTiles::Blocks}},
+                                          DFLASH_MEMBER(model.drafter.fp8_wgrad_x_tiles)));
     f.push_back(list_field("data.files", "a list of HDF5 files or globs (strings)", true, 0, string_item,
                            DFLASH_MEMBER(data.files)));
     f.push_back(string_field("data.train", "a JSONL file of conversations (a string; \"\" = none)", true,
@@ -814,6 +817,11 @@ void TrainConfig::validate(int world_size) const {
                     s << ": model.drafter.precision: fp8 contradicts kernels.cpu_drafter: f64 (the simulated FP8 linears "
                          "run on the f32 step; the double reference is the unquantized oracle)",
                     "set kernels.cpu_drafter: f32, or model.drafter.precision: bf16");
+  DFLASH_REQUIRE_HINT(!(model.drafter.fp8_wgrad_x_tiles == Fp8WgradTiles::Blocks &&
+                        model.drafter.precision != DrafterPrecision::Fp8),
+                    s << ": model.drafter.fp8_wgrad_x_tiles: 128x128 applies to FP8 linears, but model.drafter.precision "
+                         "is bf16",
+                    "set model.drafter.precision: fp8, or drop model.drafter.fp8_wgrad_x_tiles");
   DFLASH_REQUIRE_HINT(!(model.drafter.lm_head_precision == DrafterPrecision::Fp8 && parallel.device == Backend::Cpu &&
                         kernels.cpu_drafter == drafter::DrafterMath::F64),
                     s << ": model.drafter.lm_head_precision: fp8 contradicts kernels.cpu_drafter: f64 (the simulated FP8 "

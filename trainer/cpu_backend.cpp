@@ -40,6 +40,7 @@ class CpuBackend final : public TrainBackend {
     dw_.check(dcfg_);
     math_ = cfg.kernels.cpu_drafter;
     fp8_ = cfg.model.drafter.precision == DrafterPrecision::Fp8;
+    wgx_ = cfg.model.drafter.fp8_wgrad_x_tiles == Fp8WgradTiles::Blocks;
     // Ranks sharing a machine share its cores (DFLASH_CPU_THREADS, when set, wins).
     if (s.local_size > 1 && !std::getenv("DFLASH_CPU_THREADS"))
       cpu::set_cpu_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / s.local_size));
@@ -55,7 +56,10 @@ class CpuBackend final : public TrainBackend {
 
   std::string describe() const override {
     return math_ == drafter::DrafterMath::F32
-               ? "cpu (f32 target reference, f32 drafter" + std::string(fp8_ ? " with simulated block-FP8 linears" : "") +
+               ? "cpu (f32 target reference, f32 drafter" +
+                     std::string(fp8_ ? (wgx_ ? " with simulated block-FP8 linears, weight gradients' x in 128 x 128 blocks"
+                                              : " with simulated block-FP8 linears")
+                                      : "") +
                      " on " + std::to_string(cpu::cpu_threads()) + " thread(s), " + cpu::gemm_isa() + " GEMM)"
                : "cpu (f32 target reference, double drafter reference)";
   }
@@ -167,6 +171,7 @@ class CpuBackend final : public TrainBackend {
   std::unique_ptr<AdamW> opt_;
   drafter::DrafterMath math_ = drafter::DrafterMath::F32;
   bool fp8_ = false;  // model.drafter.precision: fp8 (the step options carry it)
+  bool wgx_ = false;  // model.drafter.fp8_wgrad_x_tiles: 128x128 (likewise)
   target::ForwardOptions fopt_;
   target::PathCounters counters_;
 };

@@ -59,8 +59,11 @@ class CudaBackend final : public TrainBackend {
     // require_fast_path refuses there like a target fallback).
     const bool fp8_drafter = cfg.model.drafter.precision == DrafterPrecision::Fp8;
     const bool fp8_head = cfg.model.drafter.lm_head_precision == DrafterPrecision::Fp8;
+    const bool wgx = cfg.model.drafter.fp8_wgrad_x_tiles == Fp8WgradTiles::Blocks;
     precision_text_ = fmt::format("{} target, {} drafter{}", target::precision_name(precision),
-                                  fp8_drafter ? "bf16 (block-scaled fp8 linears)" : "bf16",
+                                  fp8_drafter ? (wgx ? "bf16 (block-scaled fp8 linears, weight gradients' x in 128 x 128 blocks)"
+                                                     : "bf16 (block-scaled fp8 linears)")
+                                              : "bf16",
                                   fp8_head ? ", fp8 LM-head cross-entropy" : "");
     drafter_plan_ = drafter::make_drafter_plan(dcfg_, device_, info.major, info.minor, cfg.kernels.require_fast_path,
                                                fp8_drafter, fp8_head);

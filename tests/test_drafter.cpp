@@ -233,21 +233,23 @@ struct TinyF32Step {
   }
 };
 
+// Relative Frobenius error of x against y: ||x - y|| / ||y||.
+static double rel_fro(const Tensor& x, const Tensor& y) {
+  const Tensor a = x.to_dtype(DType::F64).contiguous(), r = y.to_dtype(DType::F64).contiguous();
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    const double d = a.data<double>()[i] - r.data<double>()[i];
+    num += d * d;
+    den += r.data<double>()[i] * r.data<double>()[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
 TEST(Drafter, Fp8LinearsStayNearTheF32Step) {
   const TinyF32Step s;
   const auto& [c, w, t, b, o32] = s;
   StepOptions o8 = o32;
   o8.fp8_linears = true;
-  auto fro = [](const Tensor& x, const Tensor& y) {
-    const Tensor a = x.to_dtype(DType::F64).contiguous(), r = y.to_dtype(DType::F64).contiguous();
-    double num = 0, den = 0;
-    for (int64_t i = 0; i < a.numel(); ++i) {
-      const double d = a.data<double>()[i] - r.data<double>()[i];
-      num += d * d;
-      den += r.data<double>()[i] * r.data<double>()[i];
-    }
-    return std::sqrt(num / std::max(den, 1e-300));
-  };
   DrafterWeights g32 = DrafterWeights::zeros(c, DType::F32), g8 = DrafterWeights::zeros(c, DType::F32);
   Tensor c32, c8, h32, h8;
   const StepStats s32 = forward_backward(c, w, t, b, o32, &g32, &c32, &h32);
@@ -257,17 +259,17 @@ TEST(Drafter, Fp8LinearsStayNearTheF32Step) {
   std::string worst_name;
   auto a = g32.entries(c), z = g8.entries(c);
   for (size_t i = 0; i < a.size(); ++i) {
-    const double e = fro(*z[i].tensor, *a[i].tensor);
+    const double e = rel_fro(*z[i].tensor, *a[i].tensor);
     EXPECT_LT(e, 0.7) << a[i].name;
     if (e > worst) worst = e, worst_name = a[i].name;
   }
   std::printf("fp8 linears vs f32: loss %.3e relative, final hidden %.3e, context gradient %.3e, worst gradient %.3e (%s)\n",
-              loss_rel, fro(h8, h32), fro(c8, c32), worst, worst_name.c_str());
+              loss_rel, rel_fro(h8, h32), rel_fro(c8, c32), worst, worst_name.c_str());
   EXPECT_LT(loss_rel, 0.05);
   EXPECT_GT(loss_rel, 0.0);  // quantized, not skipped
-  EXPECT_LT(fro(h8, h32), 0.25);
-  EXPECT_GT(fro(h8, h32), 1e-3);
-  EXPECT_LT(fro(c8, c32), 0.25);
+  EXPECT_LT(rel_fro(h8, h32), 0.25);
+  EXPECT_GT(rel_fro(h8, h32), 1e-3);
+  EXPECT_LT(rel_fro(c8, c32), 0.25);
   expect_same_bits_on_1_and_3_threads(c, w, t, b, o8);
   StepOptions o64 = o8;
   o64.math = DrafterMath::F64;
@@ -286,16 +288,6 @@ TEST(Drafter, Fp8WgradXBlocksChangeOnlyTheWeightGradients) {
   StepOptions o8 = o32, ob = o32;
   o8.fp8_linears = ob.fp8_linears = true;
   ob.fp8_wgrad_x_blocks = true;
-  auto fro = [](const Tensor& x, const Tensor& y) {
-    const Tensor a = x.to_dtype(DType::F64).contiguous(), r = y.to_dtype(DType::F64).contiguous();
-    double num = 0, den = 0;
-    for (int64_t i = 0; i < a.numel(); ++i) {
-      const double d = a.data<double>()[i] - r.data<double>()[i];
-      num += d * d;
-      den += r.data<double>()[i] * r.data<double>()[i];
-    }
-    return std::sqrt(num / std::max(den, 1e-300));
-  };
   DrafterWeights g32 = DrafterWeights::zeros(c, DType::F32), g8 = DrafterWeights::zeros(c, DType::F32);
   DrafterWeights gb = DrafterWeights::zeros(c, DType::F32);
   Tensor c32, c8, cb, h32, h8, hb;
@@ -303,20 +295,20 @@ TEST(Drafter, Fp8WgradXBlocksChangeOnlyTheWeightGradients) {
   const StepStats s8 = forward_backward(c, w, t, b, o8, &g8, &c8, &h8);
   const StepStats sb = forward_backward(c, w, t, b, ob, &gb, &cb, &hb);
   EXPECT_EQ(s8.loss(), sb.loss());
-  EXPECT_EQ(fro(hb, h8), 0.0);
-  EXPECT_EQ(fro(cb, c8), 0.0);
+  EXPECT_EQ(rel_fro(hb, h8), 0.0);
+  EXPECT_EQ(rel_fro(cb, c8), 0.0);
   auto e32 = g32.entries(c), e8 = g8.entries(c), eb = gb.entries(c);
   int moved = 0;
   for (size_t i = 0; i < e32.size(); ++i) {
     const std::string& name = e32[i].name;
     const bool norm = name.find("norm") != std::string::npos || name.find("layernorm") != std::string::npos;
-    const double d = fro(*eb[i].tensor, *e8[i].tensor);
+    const double d = rel_fro(*eb[i].tensor, *e8[i].tensor);
     if (norm) {
       EXPECT_EQ(d, 0.0) << name;
       continue;
     }
     moved += d > 0;
-    const double err8 = fro(*e8[i].tensor, *e32[i].tensor), errb = fro(*eb[i].tensor, *e32[i].tensor);
+    const double err8 = rel_fro(*e8[i].tensor, *e32[i].tensor), errb = rel_fro(*eb[i].tensor, *e32[i].tensor);
     std::printf("  %-40s vs f32: 128x1 %.3e, 128x128 %.3e\n", name.c_str(), err8, errb);
     EXPECT_LT(errb, 1.5 * err8 + 0.02) << name;
   }

@@ -1,6 +1,7 @@
 #include "drafter/decode_cuda.h"
 
 #include <cuda_runtime.h>
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -158,14 +159,7 @@ class CudaProposer final : public Proposer {
   void reset(int32_t slot) override { slots_.reset(slot); }  // positions past the length are never read
   std::string graph_stats() const override {
     if (!graphs_on_) return "CUDA graphs off (eager launches)";
-    auto part = [](const char* what, int64_t captures, int64_t replays, int64_t eager, int64_t failures) {
-      std::string out = std::string(what) + " " + std::to_string(captures) + " shape(s) captured, " +
-                        std::to_string(replays) + " replay(s), " + std::to_string(eager) + " eager";
-      if (failures > 0) out += ", " + std::to_string(failures) + " capture(s) FAILED (eager)";
-      return out;
-    };
-    return "CUDA graphs: " + part("propose", graph_captures_, graph_replays_, graph_eager_, graph_failures_) + "; " +
-           part("add_context", ctx_captures_, ctx_replays_, ctx_eager_, ctx_failures_) +
+    return "CUDA graphs: " + propose_counts_.str("propose") + "; " + ctx_counts_.str("add_context") +
            " (eager: a shape's first call or a failed capture; prefill-sized contexts always run eagerly)";
   }
 
@@ -176,7 +170,6 @@ class CudaProposer final : public Proposer {
                                                                                     << features.describe());
     const int64_t N = features.size(0), S = static_cast<int64_t>(slots.size());
     if (N == 0) return;
-    const int64_t H = c_.hidden_size, qd = c_.q_dim(), kvd = c_.kv_dim(), Hkv = c_.num_key_value_heads;
     const cudaStream_t st = stream();
     // Device metadata: [positions N | slots S | past lengths S | cu_seqlens S+1].
     const int64_t count = N + 3 * S + 1;
@@ -199,7 +192,7 @@ class CudaProposer final : public Proposer {
       ctx_meta_.upload(meta.raw_data(), count, st);
       enqueue_context(features.raw_data(), meta.data<int32_t>(), N, S, max_new);
     } else {
-      CGraph& g = ctx_graphs_.try_emplace(std::tuple{S, N, max_new}, device_.index).first->second;
+      ShapeGraph& g = ctx_graphs_.try_emplace(std::tuple{S, N, max_new}, device_.index).first->second;
       if (!g.meta.defined()) {
         g.meta = empty({count}, DType::I32);
         g.features = empty({N, c_.context_dim()}, DType::BF16);
@@ -207,31 +200,9 @@ class CudaProposer final : public Proposer {
       ctx_meta_.upload(g.meta.raw_data(), count, st);
       DFLASH_CUDA_CHECK(cudaMemcpyAsync(g.features.raw_data(), features.raw_data(), features.nbytes(),
                                         cudaMemcpyDeviceToDevice, st));
-      if (!g.exec && !g.failed && g.calls > 0) {
-        std::string err;
-        {
-          device_alloc::PoolScope scope(g.pool);
-          err = capture_cuda_graph(
-              st, [&] { enqueue_context(g.features.raw_data(), g.meta.data<int32_t>(), N, S, max_new); }, &g.exec);
-        }
-        if (err.empty()) {
-          ++ctx_captures_;
-        } else {
-          g.failed = true;
-          ++ctx_failures_;
-          spdlog::warn("cuda proposer: capturing the context shape ({} slot(s), {} rows) as a CUDA graph failed ({}); "
-                       "that shape runs eager launches",
-                       S, N, err);
-        }
-      }
-      ++g.calls;
-      if (g.exec) {
-        g.exec.launch(st);
-        ++ctx_replays_;
-      } else {
-        enqueue_context(g.features.raw_data(), g.meta.data<int32_t>(), N, S, max_new);
-        ++ctx_eager_;
-      }
+      run_graphed(
+          g, ctx_counts_, [&] { enqueue_context(g.features.raw_data(), g.meta.data<int32_t>(), N, S, max_new); },
+          [&] { return fmt::format("the context shape ({} slot(s), {} rows)", S, N); });
     }
     slots_.commit_add(slots, seqs);
   }
@@ -271,16 +242,10 @@ class CudaProposer final : public Proposer {
     if (logits || !graphs_on_) {
       enqueue(S, Bp, dm, logits);
     } else {
-      PGraph& g = graphs_.try_emplace({S, Bp}, device_.index).first->second;
-      if (!g.exec && !g.failed && g.calls > 0) capture(g, S, Bp, dm);
-      ++g.calls;
-      if (g.exec) {
-        g.exec.launch(st);
-        ++graph_replays_;
-      } else {
-        enqueue(S, Bp, dm, nullptr);
-        ++graph_eager_;
-      }
+      run_graphed(
+          graphs_.try_emplace({S, Bp}, device_.index).first->second, propose_counts_,
+          [&] { enqueue(S, Bp, dm, nullptr); },
+          [&] { return fmt::format("the propose shape ({} slot(s), block {})", S, Bp); });
     }
     // Rows 1 .. Bp-1 of each block: (Bp-1) ids per slot come back, then the one synchronisation.
     int32_t* out = drafts_host_.get(S * (Bp - 1));
@@ -365,41 +330,55 @@ class CudaProposer final : public Proposer {
     }
   }
 
-  // A CUDA graph of one context shape: the features and metadata it reads are its own fixed buffers
-  // (add_context copies each call's into them first); its temporaries stay in its pool.
-  struct CGraph {
-    explicit CGraph(int device) : pool(device) {}
+  // A CUDA graph of one step shape: a propose shape (S slots, block Bp; the device addresses and every
+  // buffer it touches fixed at construction, replayed after the metadata upload) or a context shape
+  // (the features and metadata it reads are its own fixed buffers, which add_context copies each
+  // call's into first). Whatever a kernel wrapper allocates while captured stays in its pool.
+  struct ShapeGraph {
+    explicit ShapeGraph(int device) : pool(device) {}
     device_alloc::Pool pool;  // (declared first: released after the graph and the buffers)
-    Tensor meta, features;
+    Tensor meta, features;    // a context shape's inputs (unused by propose shapes)
     CudaGraphExec exec;
     int64_t calls = 0;
     bool failed = false;
   };
-
-  // A CUDA graph of one propose shape (S slots, block Bp): captured once, replayed after the metadata
-  // upload (its device addresses and every buffer it touches are fixed at construction).
-  struct PGraph {
-    explicit PGraph(int device) : pool(device) {}
-    device_alloc::Pool pool;  // whatever a kernel wrapper allocates while captured stays the graph's
-    CudaGraphExec exec;
-    int64_t calls = 0;
-    bool failed = false;
+  // What one kind of step did with its graphs, for graph_stats().
+  struct GraphCounts {
+    int64_t captures = 0, replays = 0, eager = 0, failures = 0;
+    std::string str(const char* what) const {
+      std::string out = std::string(what) + " " + std::to_string(captures) + " shape(s) captured, " +
+                        std::to_string(replays) + " replay(s), " + std::to_string(eager) + " eager";
+      if (failures > 0) out += ", " + std::to_string(failures) + " capture(s) FAILED (eager)";
+      return out;
+    }
   };
-  void capture(PGraph& g, int64_t S, int64_t Bp, const Meta& dm) {
-    std::string err;
-    {
-      device_alloc::PoolScope scope(g.pool);
-      err = capture_cuda_graph(stream(), [&] { enqueue(S, Bp, dm, nullptr); }, &g.exec);
+  // One call of a graphed shape: its first call runs `enqueue` eagerly (which also settles cuBLASLt's
+  // algorithm choices), its second captures it and replays, later calls replay; a failed capture is
+  // logged (naming what()), counted, and leaves that shape eager.
+  template <class Enqueue, class What>
+  void run_graphed(ShapeGraph& g, GraphCounts& n, const Enqueue& enqueue, const What& what) {
+    if (!g.exec && !g.failed && g.calls > 0) {
+      std::string err;
+      {
+        device_alloc::PoolScope scope(g.pool);
+        err = capture_cuda_graph(stream(), enqueue, &g.exec);
+      }
+      if (err.empty()) {
+        ++n.captures;
+      } else {
+        g.failed = true;
+        ++n.failures;
+        spdlog::warn("cuda proposer: capturing {} as a CUDA graph failed ({}); that shape runs eager launches", what(), err);
+      }
     }
-    if (!err.empty()) {
-      g.failed = true;
-      ++graph_failures_;
-      spdlog::warn("cuda proposer: capturing the propose shape ({} slot(s), block {}) as a CUDA graph failed ({}); "
-                   "that shape runs eager launches",
-                   S, Bp, err);
-      return;
+    ++g.calls;
+    if (g.exec) {
+      g.exec.launch(stream());
+      ++n.replays;
+    } else {
+      enqueue();
+      ++n.eager;
     }
-    ++graph_captures_;
   }
 
   // A weight's e4m3 codes and 128 x 128 block scales in gemm_fp8's layout (FP8 propose).
@@ -523,10 +502,9 @@ class CudaProposer final : public Proposer {
   bool fp8_ = false;                // FP8 propose (make_cuda_proposer's fp8_propose)
   bool graphs_on_ = true;           // propose steps as CUDA graphs (make_cuda_proposer's cuda_graphs)
   bool ctx_graphs_on_ = false;      // add_context too (graphs_on_ and DFLASH_CONTEXT_GRAPHS=1: opt-in, no gain measured)
-  std::map<std::pair<int64_t, int64_t>, PGraph> graphs_;  // by (slots, block)
-  int64_t graph_captures_ = 0, graph_replays_ = 0, graph_eager_ = 0, graph_failures_ = 0;
-  std::map<std::tuple<int64_t, int64_t, int64_t>, CGraph> ctx_graphs_;  // by (slots, rows, longest sequence)
-  int64_t ctx_captures_ = 0, ctx_replays_ = 0, ctx_eager_ = 0, ctx_failures_ = 0;
+  std::map<std::pair<int64_t, int64_t>, ShapeGraph> graphs_;  // propose shapes, by (slots, block)
+  std::map<std::tuple<int64_t, int64_t, int64_t>, ShapeGraph> ctx_graphs_;  // by (slots, rows, longest sequence)
+  GraphCounts propose_counts_, ctx_counts_;
   Fp8Weight lm_head_q_;             // FP8 propose: the lm_head's codes and scales
   Tensor xq_, xs_;                  // FP8 propose: a GEMM input's codes [Rmax, K] and scales
   int64_t fp8_fallbacks_ = 0;       // FP8 propose GEMMs of more than 16 rows, run in bf16

@@ -157,6 +157,13 @@ double mean(const std::vector<int64_t>& v) {
   return v.empty() ? 0.0 : static_cast<double>(std::accumulate(v.begin(), v.end(), int64_t{0})) / static_cast<double>(v.size());
 }
 
+// Median, p20, p80 (ms) of per-step times in seconds (bench::PhaseTimes' step lists).
+bench::Stats step_ms(const std::vector<double>& seconds) {
+  std::vector<double> ms;
+  for (double v : seconds) ms.push_back(1e3 * v);
+  return bench::summarize(ms, {}, 0.0);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -520,13 +527,8 @@ int main(int argc, char** argv) {
                 1e3 * t_prop, 1e3 * t_ver, 1e3 * t_com, 1e3 * t_dec, t_ver / t_dec, 100.0 * t_prop / t_ver);
     // Medians of the per-step times (the CSV rows' p50, with p20 / p80): apart from one-off costs the
     // means carry (a shape's first, eager step and its graph capture; the commit after an eager verify).
-    auto ms_stats = [](const std::vector<double>& seconds) {
-      std::vector<double> ms;
-      for (double v : seconds) ms.push_back(1e3 * v);
-      return bench::summarize(ms, {}, 0.0);
-    };
-    const bench::Stats st_dec = ms_stats(g.decode_steps), st_prop = ms_stats(s.propose_steps);
-    const bench::Stats st_ver = ms_stats(s.verify_steps), st_com = ms_stats(s.commit_steps);
+    const bench::Stats st_dec = step_ms(g.decode_steps), st_prop = step_ms(s.propose_steps);
+    const bench::Stats st_ver = step_ms(s.verify_steps), st_com = step_ms(s.commit_steps);
     std::printf("  medians (p20-p80): propose %.2f (%.2f-%.2f) ms, verify %.2f (%.2f-%.2f), commit %.3f (%.3f-%.3f), "
                 "decode %.2f (%.2f-%.2f); the means above include each shape's first step and graph capture\n",
                 st_prop.p50, st_prop.p20, st_prop.p80, st_ver.p50, st_ver.p20, st_ver.p80, st_com.p50, st_com.p20,
@@ -622,7 +624,7 @@ int main(int argc, char** argv) {
     bench::Stats cp_target, cp_context, cp_both;
     if (commit_probe > 0) {
       using clk = std::chrono::steady_clock;
-      auto ms = [](clk::time_point a, clk::time_point b) { return 1e3 * std::chrono::duration<double>(b - a).count(); };
+      auto sec = [](clk::time_point a, clk::time_point b) { return std::chrono::duration<double>(b - a).count(); };
       target::ExtendOptions vo;
       vo.capture = dc.target_layer_ids;
       vo.commit = false;
@@ -641,13 +643,11 @@ int main(int argc, char** argv) {
         prop->add_context({0}, r.features.slice(0, 0, 1), ops::SeqOffsets{{0, 1}});
         dec->synchronize();
         const auto t2 = clk::now();
-        if (it >= 2 && apart) t_target.push_back(ms(t0, t1)), t_context.push_back(ms(t1, t2));
-        if (it >= 2 && !apart) t_both.push_back(ms(t0, t2));
+        if (it >= 2 && apart) t_target.push_back(sec(t0, t1)), t_context.push_back(sec(t1, t2));
+        if (it >= 2 && !apart) t_both.push_back(sec(t0, t2));
         x = r.next[0];
       }
-      cp_target = bench::summarize(t_target, {}, 0.0);
-      cp_context = bench::summarize(t_context, {}, 0.0);
-      cp_both = bench::summarize(t_both, {}, 0.0);
+      cp_target = step_ms(t_target), cp_context = step_ms(t_context), cp_both = step_ms(t_both);
       std::printf("\ncommit step apart (%lld steps each, context %lld, one token committed; medians, p20-p80): target commit "
                   "%.3f (%.3f-%.3f) ms, drafter context update %.3f (%.3f-%.3f) ms, both as the loop runs them %.3f "
                   "(%.3f-%.3f) ms\n",
@@ -716,14 +716,9 @@ int main(int argc, char** argv) {
           const bool other_gemms = gemms_of(f) != ref_gemms;
           row.vs_main = other_gemms ? "other GEMMs" : tokens == ref.tokens ? "yes" : "NO";
           if (!other_gemms && tokens != ref.tokens) row.same = false;
-          auto median_ms = [](const std::vector<double>& seconds) {
-            std::vector<double> ms;
-            for (double v : seconds) ms.push_back(1e3 * v);
-            return bench::summarize(ms, {}, 0.0).p50;
-          };
-          row.propose_ms = median_ms(sp.times.propose_steps);
-          row.verify_ms = median_ms(sp.times.verify_steps);
-          row.commit_ms = median_ms(sp.times.commit_steps);
+          row.propose_ms = step_ms(sp.times.propose_steps).p50;
+          row.verify_ms = step_ms(sp.times.verify_steps).p50;
+          row.commit_ms = step_ms(sp.times.commit_steps).p50;
           row.kernels = vdec->kernels_run();
         }
         cuda::tuning::pdl = pdl_saved;

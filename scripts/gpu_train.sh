@@ -29,6 +29,7 @@
 # its rows and a checkpoint and exits cleanly) so that a device call's time limit never cuts a run's log.
 #   bash scripts/gpu_train.sh RESULTS_DIR   (DFLASH_BUILD = the build directory)
 source "$(dirname "$0")/common.sh"
+set +e  # (common.sh sets -e) a failing run is logged and counted in status; under -e it ended the script before its log lines
 RESULTS=${1:?results dir}
 # Work outside $OUT (the device returns at most 8 files, and nothing at all when more are there at a
 # timeout): after each run train.txt and train.tgz are brought up to date, so a run cut by the time

@@ -277,8 +277,11 @@ FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const Kernel
   // under the previous kernel (cuBLASLt's kernels cannot): the 35B-A3B decode step 4.02 / 4.03 / 4.06
   // ms against 4.20 / 4.22 on an H100 (bench/results/h100-moe8-f28f635 and -7ba8105), 3.87 / 3.89
   // against 4.02 / 4.05 with the plan's default (h100-moe8-8b89610). dflash_eval
-  // --decode-variants no_skinny measures it off.
-  if (device.is_cuda() && sm_major >= 9 && precision == Precision::Bf16 && unaligned_gemm_sizes(c).empty()) {
+  // --decode-variants no_skinny measures it off. FP8 targets take the GatedDeltaNet chain (writing
+  // out_proj's quantized input) and the fused commit too (the states are the same bf16 / fp32 ones);
+  // the skinny GEMM is bf16's (their FP8 projections have gemm_stream.cu, project()'s own choice).
+  if (device.is_cuda() && sm_major >= 9 && (precision == Precision::Bf16 || precision == Precision::Fp8) &&
+      unaligned_gemm_sizes(c).empty()) {
     bool gdn_fast = true;
     for (const LayerPlan& l : plan.layers)
       if (l.type == LayerType::LinearAttention)
@@ -286,7 +289,7 @@ FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const Kernel
     const bool fused = gdn_fast && cuda::gdn_decode_fused_supported(c.linear_num_key_heads, c.linear_num_value_heads,
                                                                     c.linear_key_head_dim, c.linear_value_head_dim,
                                                                     c.linear_conv_kernel_dim);
-    plan.fusion.skinny_gemm = c.is_moe();
+    plan.fusion.skinny_gemm = c.is_moe() && precision == Precision::Bf16;
     plan.fusion.gdn_chain = fused;
     plan.fusion.commit = fused;
     plan.fusion.commit_overlap = fused;

@@ -365,11 +365,25 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   DecodeStep* ds = decode_;
   DecodeLayer* dl = ds ? &(*ds->layers)[static_cast<size_t>(i)] : nullptr;
   if (ds && !ds->prefill && ds->fusion.gdn_chain && b.num_seqs <= ds->fusion.gdn_chain_max_seqs &&
-      ds->max_new <= kMaxVerifyTokens && !f.out.fp8()) {
+      ds->max_new <= kMaxVerifyTokens) {
     // The fused chain (gdn.h gdn_decode_fused): conv update .. gated RMSNorm in one kernel, the
-    // unfused kernels' values bit for bit; a verify also keeps what commit re-runs.
-    Tensor normed = device_bf16({N, V}, device_);
+    // unfused kernels' values bit for bit; a verify also keeps what commit re-runs. With an FP8
+    // out_proj it writes out_proj's quantized input (gated_rms_norm_quant_fp8's codes and scales).
+    Tensor normed;
+    Fp8Input in;
     cuda::GdnDecodeFusedParams fp;
+    if (f.out.fp8()) {
+      in = alloc_input(N, V);
+      fp.out_q = static_cast<uint8_t*>(in.q.raw_data());
+      fp.ldq = V;
+      fp.out_scale = in.scale.data<float>();
+      fp.lds = cuda::fp8_act_scale_ld(N);
+      fp.rows = N;
+    } else {
+      normed = device_bf16({N, V}, device_);
+      fp.out = normed.raw_data();
+      fp.ldo = V;
+    }
     fp.proj = proj.raw_data();
     fp.ldp = P;
     fp.conv_w = L.gdn.conv1d.raw_data();
@@ -388,8 +402,6 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
     fp.scale = 1.0f / std::sqrt(static_cast<float>(dk));
     fp.eps = static_cast<float>(c.rms_norm_eps);
     fp.update_state = ds->commit;
-    fp.out = normed.raw_data();
-    fp.ldo = V;
     if (!ds->commit) {  // what commit re-runs for the accepted tokens
       Tensor conv = device_bf16({N, C}, device_), q = device_bf16({N, Hk, dk}, device_), k = device_bf16({N, Hk, dk}, device_);
       Tensor g = Tensor::empty({N, Hv}, DType::F32, device_), beta = Tensor::empty({N, Hv}, DType::F32, device_);
@@ -399,7 +411,7 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
     timed(ForwardOp::GdnFused, [&] { cuda::gdn_decode_fused(fp, stream_); });
     ds->counters->add(Step::ConvUpdate, Path::Fast);
     ds->counters->add(Step::DeltaRulePool, Path::Fast);
-    project(ForwardOp::GdnOutProj, normed, V, {f.out}, out, H, N);
+    project(ForwardOp::GdnOutProj, normed, V, {f.out}, out, H, N, f.out.fp8() ? &in : nullptr);
     if (tp_) timed(ForwardOp::AllReduce, [&] { tp_->all_reduce_sum(out); });
     return;
   }

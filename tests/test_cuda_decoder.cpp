@@ -52,9 +52,11 @@ struct Gpu {
   std::unique_ptr<CudaTargetModel> model;
   std::unique_ptr<Decoder> dec;
   // moe_decode: the decode plan's MoE decode kernels (FastPathPlan::DecodeFusion::moe_decode) on;
-  // skinny: its skinny GEMMs on (DecodeFusion::skinny_gemm: FP8 targets' on gemm_fp8_stream).
+  // skinny: its skinny GEMMs on (DecodeFusion::skinny_gemm: FP8 targets' on gemm_fp8_stream);
+  // unfused_gdn: the fused GatedDeltaNet chain and fused commit off (the unfused twins).
   Gpu(const TargetConfig& c, KernelPolicy pol, int64_t slots, int64_t max_len, uint64_t seed = 3,
-      Precision precision = Precision::Bf16, bool graphs = true, bool moe_decode = false, bool skinny = false) {
+      Precision precision = Precision::Bf16, bool graphs = true, bool moe_decode = false, bool skinny = false,
+      bool unfused_gdn = false) {
     const int sm = cuda_device_info(0).major;
     KernelPolicies p = KernelPolicies::all(pol);
     p.cuda_graphs = graphs;
@@ -63,6 +65,7 @@ struct Gpu {
     FastPathPlan plan = make_decode_plan(c, Device::cuda(0), p, sm, precision);
     plan.fusion.moe_decode = moe_decode;
     if (skinny) plan.fusion.skinny_gemm = true;
+    if (unfused_gdn) plan.fusion.gdn_chain = plan.fusion.commit = plan.fusion.commit_overlap = false;
     dec = make_cuda_decoder(*model, slots, max_len, plan);
   }
 };
@@ -392,6 +395,45 @@ TEST(CudaDecoder, Fp8VerifyEqualsDecodeAndSpeculativeEqualsGreedy) {
   oracle_equals_greedy(g, c, prompt, go);
   // What ran is the FP8 plan's: the decode counters saw only fast gemm steps.
   EXPECT_EQ(g.model->counters().get(Step::Gemm, Path::Fallback), 0u);
+}
+
+// The FP8 target's fused GatedDeltaNet chain (writing out_proj's quantized input) and its fused commit
+// (on the side stream, CUDA graphs on) give the unfused kernels' logits and features bit for bit:
+// prefill, a verify of 16, commits of 1 / 5 / 16 accepted tokens, then decode steps.
+TEST(CudaDecoder, Fp8FusedChainAndCommitEqualTheUnfusedKernels) {
+  DFLASH_REQUIRE_GPU();
+  const int sm = cuda_device_info(0).major;
+  if (!fp8_gemm_supported(sm)) GTEST_SKIP() << "block-scaled FP8 GEMMs need sm_90";
+  const TargetConfig c = real_dims();
+  const std::vector<int32_t> prompt = random_tokens(200, c.vocab_size, 2), block = random_tokens(16, c.vocab_size, 3);
+  const std::vector<int32_t> after = random_tokens(4, c.vocab_size, 4);
+  ExtendOptions commit;
+  commit.capture = {1, c.num_hidden_layers - 1};
+  commit.logits = true;
+  ExtendOptions verify = commit;
+  verify.commit = false;
+  for (int64_t n : {1, 5, 16}) {
+    Gpu f(c, KernelPolicy::Auto, 1, 400, 3, Precision::Fp8), u(c, KernelPolicy::Auto, 1, 400, 3, Precision::Fp8, true,
+                                                                  false, false, true);
+    ASSERT_TRUE(make_decode_plan(c, Device::cuda(0), {}, sm, Precision::Fp8).fusion.gdn_chain);
+    auto same = [&](const ExtendResult& a, const ExtendResult& b, const std::string& what) {
+      EXPECT_TRUE(bit_equal(a.logits, b.logits)) << "logits, " << what << " (n " << n << ")";
+      EXPECT_TRUE(bit_equal(a.features, b.features)) << "features, " << what << " (n " << n << ")";
+      EXPECT_EQ(a.next, b.next) << what;
+    };
+    same(f.dec->extend({0}, {prompt}, commit), u.dec->extend({0}, {prompt}, commit), "prefill");
+    same(f.dec->extend({0}, {block}, verify), u.dec->extend({0}, {block}, verify), "verify");
+    f.dec->commit(0, n);
+    u.dec->commit(0, n);
+    for (int32_t tok : after)
+      same(f.dec->extend({0}, {{tok}}, commit), u.dec->extend({0}, {{tok}}, commit), "decode after commit");
+    // Twice the same verify shape: the second replays its graph (and the commit's after it).
+    same(f.dec->extend({0}, {block}, verify), u.dec->extend({0}, {block}, verify), "second verify");
+    f.dec->commit(0, n);
+    u.dec->commit(0, n);
+    same(f.dec->extend({0}, {{after[0]}}, commit), u.dec->extend({0}, {{after[0]}}, commit), "decode after 2nd commit");
+    EXPECT_EQ(f.dec->graph_stats().capture_failures, 0u);
+  }
 }
 
 // An MoE target (real_dims_moe: 16 experts, top 4, a shared expert; kernels/cuda/moe.h) decodes like

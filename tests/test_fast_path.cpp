@@ -98,6 +98,18 @@ TEST(FastPath, DecodePlanBoundsTheFusedChainBySequences) {
   EXPECT_EQ(plan.to_json()["decode_fusion"]["gdn_chain_max_seqs"], FastPathPlan::kGdnChainMaxSeqs);
 }
 
+// FP8 targets take the fused GatedDeltaNet chain (writing out_proj's quantized input) and the fused,
+// overlapped commit as bf16 ones do; the skinny bf16 GEMM is not theirs.
+TEST(FastPath, Fp8DecodePlansTakeTheChainAndTheFusedCommit) {
+  const FastPathPlan plan = make_decode_plan(qwen27b(), Device::cuda(0), {}, 9, Precision::Fp8);
+  EXPECT_TRUE(plan.fusion.gdn_chain) << plan.summary();
+  EXPECT_TRUE(plan.fusion.commit);
+  EXPECT_TRUE(plan.fusion.commit_overlap);
+  EXPECT_FALSE(plan.fusion.skinny_gemm);
+  EXPECT_NE(plan.summary().find("fused commit (side stream)"), std::string::npos) << plan.summary();
+  EXPECT_FALSE(make_decode_plan(qwen27b(), Device::cuda(0), {}, 8, Precision::Fp8).fusion.commit);  // below sm_90
+}
+
 // The MoE decode kernels (cuda::MoeImpl::Decode) stay out of the decode plan (slower than the
 // grouped path in a measured decode); the plan names them, in its summary and JSON, when a caller turns them on (dflash_eval /
 // generate_bench --decode-variant moe_decode).

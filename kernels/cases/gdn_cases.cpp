@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "core/device.h"
+#include "kernels/cuda/gemm.h"
 #include "kernels/cuda/norm.h"
 
 namespace dflash::cases {
@@ -499,7 +500,8 @@ double ChainCase::bytes() const {
   return (update ? 2.0 : 1.0) * state + static_cast<double>(N() * (C() + V() + 2 * Hv) * 2 + N() * V() * 2);
 }
 std::string ChainCase::describe() const {
-  return "Hk " + str(Hk) + " Hv " + str(Hv) + " K " + str(K) + " seqs " + lens_str(lens) + (update ? " decode" : " verify");
+  return "Hk " + str(Hk) + " Hv " + str(Hv) + " K " + str(K) + " seqs " + lens_str(lens) + (update ? " decode" : " verify") +
+         (fp8_out ? " fp8 out" : "");
 }
 bool ChainCase::fused_ok() const { return cuda::gdn_decode_fused_supported(Hk, Hv, dk, dv, K); }
 
@@ -532,6 +534,10 @@ ChainData::Outputs ChainData::outputs(const ChainCase& c) const {
   o.g = poisoned({N, c.Hv}, DType::F32, kGpu);
   o.beta = poisoned({N, c.Hv}, DType::F32, kGpu);
   o.core = poisoned({N, c.Hv, c.dv}, DType::BF16, kGpu);
+  if (c.fp8_out) {
+    o.out_q = poisoned({c.rows(), c.V()}, DType::F8E4M3, kGpu);
+    o.out_scale = poisoned({static_cast<int64_t>(cuda::fp8_act_scale_elems(c.rows(), c.V()))}, DType::F32, kGpu);
+  }
   return o;
 }
 
@@ -556,8 +562,16 @@ cuda::GdnDecodeFusedParams ChainData::fused_params(const ChainCase& c, Outputs& 
   p.scale = 1.0f / std::sqrt(static_cast<float>(c.dk));
   p.eps = 1e-6f;
   p.update_state = c.update;
-  p.out = o.out.raw_data();
-  p.ldo = c.V();
+  if (c.fp8_out) {
+    p.out_q = static_cast<uint8_t*>(o.out_q.raw_data());
+    p.ldq = c.V();
+    p.out_scale = o.out_scale.data<float>();
+    p.rows = c.rows();
+    p.lds = cuda::fp8_act_scale_ld(c.rows());
+  } else {
+    p.out = o.out.raw_data();
+    p.ldo = c.V();
+  }
   if (!c.update) {
     p.conv_out = o.conv.raw_data();
     p.q = o.q.raw_data();
@@ -621,7 +635,11 @@ void ChainData::run_unfused(const ChainCase& c, Outputs& o, cuda::Stream s, int6
   dp.num_slots = layout.pool();
   dp.update_state = c.update;
   cuda::gated_delta_rule_pool_fast(dp, s);
-  cuda::gated_rms_norm(o.core.raw_data(), bf16_at(proj, C), P, norm_w.raw_data(), o.out.raw_data(), N, c.Hv, c.dv, 1e-6f, s);
+  if (!c.fp8_out)
+    cuda::gated_rms_norm(o.core.raw_data(), bf16_at(proj, C), P, norm_w.raw_data(), o.out.raw_data(), N, c.Hv, c.dv, 1e-6f, s);
+  else
+    cuda::gated_rms_norm_quant_fp8(o.core.raw_data(), bf16_at(proj, C), P, norm_w.raw_data(), N, c.Hv, c.dv, 1e-6f,
+                                   static_cast<uint8_t*>(o.out_q.raw_data()), V, o.out_scale.data<float>(), s);
 }
 
 ChainData::Ref ChainData::reference(const ChainCase& c) const {
@@ -674,6 +692,9 @@ std::vector<ChainCase> chain_check_cases() {
                         Dims{1, 8, 2, {1, 4}},                        // GVA 8 (the largest cluster), K 2
                         Dims{3, 6, 1, {2}}})                          // K 1 (no conv state)
     for (bool update : {true, false}) cases.push_back({"", d.lens, d.Hk, d.Hv, 128, 128, d.K, update, 2, 8});
+  // FP8 out_proj input: the 27B decode (1 real row of 16) and verify, a ragged batch, GVA 8.
+  for (const Dims& d : {Dims{16, 48, 4, {1}}, Dims{16, 48, 4, {16}}, Dims{2, 6, 4, {16, 2, 5}}, Dims{1, 8, 2, {1, 4}}})
+    for (bool update : {true, false}) cases.push_back({"", d.lens, d.Hk, d.Hv, 128, 128, d.K, update, 2, 8, true});
   return cases;
 }
 

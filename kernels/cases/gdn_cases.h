@@ -225,10 +225,13 @@ struct ChainCase {
   bool update = true;              // decode (states advance) or verify (read only, saved inputs written)
   int64_t spare = 2;
   int64_t pad = 8;                 // extra columns of each in-projection row (a multiple of 8)
+  bool fp8_out = false;            // out as out_proj's FP8 input (codes + scales over rows() rows); twin:
+                                   // gated_rms_norm_quant_fp8 in place of gated_rms_norm
   // out after the bf16 roundings of both sides (a few 2^-9); states: the pool kernel's bounds.
   static constexpr double out_bound = 3e-2, state_bound = 1e-3;
 
   int64_t N() const;
+  int64_t rows() const { return (N() + 15) / 16 * 16; }  // fp8_out: the decode step's padded rows
   int64_t C() const { return 2 * Hk * dk + Hv * dv; }
   int64_t V() const { return Hv * dv; }
   int64_t P() const { return (C() + V() + 2 * Hv + 7) / 8 * 8 + pad; }  // 16-byte rows (pad: a multiple of 8)
@@ -244,9 +247,12 @@ struct ChainData {
   Tensor cu, slots;
   struct Outputs {  // device; states start as copies of the drawn pools, the rest poisoned
     Tensor out, conv_state, state, conv, q, k, g, beta, core;
+    Tensor out_q, out_scale;  // fp8_out: e4m3 [rows, V], f32 [fp8_act_scale_elems(rows, V)]
   };
   Outputs outputs(const ChainCase& c) const;
   cuda::GdnDecodeFusedParams fused_params(const ChainCase& c, Outputs& o, int64_t set = 0) const;
+  // The twin; with fp8_out it writes out_q / out_scale instead of out (gated_rms_norm_quant_fp8 over
+  // the N real rows: scale layout fp8_act_scale_ld(N)).
   void run_unfused(const ChainCase& c, Outputs& o, cuda::Stream s, int64_t set = 0) const;
   struct Ref {
     Tensor out, conv_state, state;  // host f32 [N, V], [pool, K-1, C], [pool, Hv, dk, dv]

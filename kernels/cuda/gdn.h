@@ -113,6 +113,15 @@ struct GdnDecodeFusedParams {
   bool update_state = true;       // decode: conv and recurrent states advance; verify: read only
   void* out = nullptr;            // [rows, ldo] bf16: the gated RMSNorm's output (out_proj's input), real rows only
   int64_t ldo = 0;
+  // Or (FP8 out_proj, instead of out) out_proj's quantized input as gated_rms_norm_quant_fp8 writes it
+  // for rows: codes [rows, ldq] e4m3 and scale[g * lds + m] per 128-column group g = value head, the
+  // real rows' values bit for bit those of gated_rms_norm_quant_fp8; the pad rows [N, rows) get zero
+  // codes and the scales of rows [N, lds) are 1 (the last sequence's blocks write them).
+  uint8_t* out_q = nullptr;
+  int64_t ldq = 0;
+  float* out_scale = nullptr;
+  int64_t lds = 0;                // fp8_act_scale_ld(rows)
+  int64_t rows = 0;               // the batch's rows (>= N; the GEMM's M)
   // What commit re-runs (a verify's saved inputs), written when non-null (all or none):
   void* conv_out = nullptr;       // [rows, C] bf16 (the conv outputs)
   void* q = nullptr;              // [rows, Hk, dk] bf16 (prepared)

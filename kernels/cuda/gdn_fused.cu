@@ -40,10 +40,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 
 #include "core/cuda/check.h"
 #include "core/error.h"
 #include "kernels/cuda/conv_tile.cuh"
+#include "kernels/cuda/fp8_act.cuh"
 #include "kernels/cuda/gdn.h"
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/ptx.cuh"
@@ -143,6 +145,14 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_decode_fused_kernel(const Gdn
   const int32_t slot = p.slots[seq];
   const int64_t begin = p.cu_seqlens[seq];
   const int T = static_cast<int>(p.cu_seqlens[seq + 1] - begin);
+  if (p.out_q && seq == static_cast<int>(p.num_seqs) - 1) {
+    // FP8 out: the pad rows of this head's group (zero codes) and the scales of rows [N, lds) (1), after
+    // the wait (the buffers may be the previous kernel's, recycled).
+    pdl_wait();
+    for (int64_t m = p.N + tid / 8; m < p.rows; m += kThreads / 8)
+      *reinterpret_cast<uint4*>(p.out_q + m * p.ldq + h * kDV + (tid % 8) * 16) = make_uint4(0, 0, 0, 0);
+    for (int64_t m = p.N + tid; m < p.lds; m += kThreads) p.out_scale[h * p.lds + m] = 1.0f;
+  }
   // Uniform over the cluster (one sequence): a skipped sequence skips every barrier.
   if (slot < 0 || slot >= p.num_slots || T <= 0 || T > kMaxT) return;
   const int cc = warp * 4 * kCG + cg_ * 4;  // this thread's first column
@@ -285,7 +295,15 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_decode_fused_kernel(const Gdn
         v[e] *= inv;
         v[e] *= wv[e] * vec::silu(zv[e]);
       }
-      vec::store8(static_cast<bf16*>(p.out) + (begin + t) * p.ldo + h * kDV + 8 * j, v);
+      if (p.out_q) {  // fp8.cu gated_rms_norm_quant_kernel: the bf16-rounded values, one group per head
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = vec::round_bf16(v[e]);
+        // (M = INT_MAX: the scale padding is the pad writer's above)
+        fp8_act::quantize_group(v, true, 0xFFFFu << (16 * (t % 2)), j, static_cast<int>(begin + t), INT_MAX, h,
+                                p.out_q + (begin + t) * p.ldq + h * kDV + 8 * j, p.out_scale, p.lds);
+      } else {
+        vec::store8(static_cast<bf16*>(p.out) + (begin + t) * p.ldo + h * kDV + 8 * j, v);
+      }
     }
   }
 
@@ -395,15 +413,23 @@ void gdn_decode_fused(const GdnDecodeFusedParams& p, Stream s) {
   const int64_t C = 2 * p.Hk * p.dk + p.Hv * p.dv, V = p.Hv * p.dv;
   DFLASH_CHECK(p.ldp >= C + V + 2 * p.Hv && p.ldp % 8 == 0,
                op << ": the in-projection's row stride " << p.ldp << " must be a multiple of 8 and >= " << C + V + 2 * p.Hv);
-  DFLASH_CHECK(p.ldo >= V && p.ldo % 8 == 0, op << ": out row stride " << p.ldo << " must be a multiple of 8 and >= " << V);
+  DFLASH_CHECK((p.out != nullptr) != (p.out_q != nullptr), op << ": exactly one of out (bf16) and out_q (fp8) is written");
+  if (p.out_q) {
+    DFLASH_CHECK(p.rows >= p.N && p.lds == fp8_act_scale_ld(p.rows),
+                 op << ": fp8 out needs rows >= N and lds = fp8_act_scale_ld(rows), got rows " << p.rows << ", N " << p.N
+                    << ", lds " << p.lds);
+    fp8_act::check_quant_output(op, p.out_q, p.ldq, p.out_scale, p.rows, V);
+  } else {
+    DFLASH_CHECK(p.ldo >= V && p.ldo % 8 == 0, op << ": out row stride " << p.ldo << " must be a multiple of 8 and >= " << V);
+  }
   DFLASH_CHECK((p.conv_out && p.q && p.k && p.g && p.beta) || (!p.conv_out && !p.q && !p.k && !p.g && !p.beta),
                op << ": the saved inputs (conv_out, q, k, g, beta) are written all or none");
   if (p.num_seqs == 0 || p.N == 0) return;
-  DFLASH_CHECK(p.proj && p.conv_w && p.A_log && p.dt_bias && p.norm_w && p.state && p.slots && p.cu_seqlens && p.out &&
+  DFLASH_CHECK(p.proj && p.conv_w && p.A_log && p.dt_bias && p.norm_w && p.state && p.slots && p.cu_seqlens &&
                    (p.K == 1 || p.conv_state),
                op << ": null pointer among the inputs / outputs");
   DFLASH_CHECK(aligned16(p.proj) && aligned16(p.conv_w) && aligned16(p.norm_w) && aligned16(p.state) &&
-                   aligned16(p.out) && (p.K == 1 || aligned16(p.conv_state)) &&
+                   (!p.out || aligned16(p.out)) && (p.K == 1 || aligned16(p.conv_state)) &&
                    (!p.conv_out || (aligned16(p.conv_out) && aligned16(p.q) && aligned16(p.k))),
                op << ": proj, conv_w, norm_w, state, conv_state, out and the saved q / k / conv must be 16-byte aligned");
   const int ratio = static_cast<int>(p.Hv / p.Hk);

@@ -10,8 +10,8 @@
 # and the mean of the last 5 logged losses of each; the curves "agree" when that last-5 mean differs by
 # at most TOL (default 0.03) and every logged step after the first 10% by at most 2 x TOL.
 #   device run: DFLASH_GIT_COMMIT=<sha> PREPARED=P bash scripts/gpu_fp8curve.sh   (B=<build dir> skips the build;
-#   FP8_HEAD=1: the fp8 run's LM-head cross-entropy in FP8 too, model.drafter.lm_head_precision: fp8; WGRAD_X=128x128:
-#   the fp8 run's weight gradients with x in 128 x 128 blocks, model.drafter.fp8_wgrad_x_tiles)
+#   FP8_HEAD=1: the fp8 run's LM-head cross-entropy in FP8 too, model.drafter.lm_head_precision: fp8; WGRAD_X=128x1:
+#   the fp8 run's weight gradients with x in 128 x 1 tiles, model.drafter.fp8_wgrad_x_tiles; default auto = 128x128)
 #   CPU dry run of the logic: DEV=cpu B=build-cpu NPROMPTS=64 STEPS=20 LOGI=2 NEW_EV=8 NHO=4 bash scripts/gpu_fp8curve.sh
 #     (the CPU backend simulates the FP8 linears); NPROMPTS (default 0: all) limits the regenerated prompts.
 # Writes to $OUT: fp8curve.txt (the summary and both curves side by side) and fp8curve.tgz (logs,
@@ -52,8 +52,8 @@ pids=()
 for p in bf16 fp8; do
   head=bf16  # FP8_HEAD=1: the fp8 run's LM-head CE in FP8 too (model.drafter.lm_head_precision)
   [ "$p" = fp8 ] && [ -n "${FP8_HEAD:-}" ] && head=fp8
-  wgx=128x1  # WGRAD_X=128x128: the fp8 run's weight-gradient x tiles (model.drafter.fp8_wgrad_x_tiles)
-  [ "$p" = fp8 ] && wgx=${WGRAD_X:-128x1}
+  wgx=auto  # WGRAD_X: the fp8 run's weight-gradient x tiles (model.drafter.fp8_wgrad_x_tiles)
+  [ "$p" = fp8 ] && wgx=${WGRAD_X:-auto}
   "$B/trainer/dflash_train" configs/text-gpu.yaml "${data[@]}" --set parallel.device="$DEV" --set model.drafter.precision=$p \
     --set model.drafter.lm_head_precision=$head --set model.drafter.fp8_wgrad_x_tiles=$wgx \
     --set data.regenerate.num_prompts="$NPROMPTS" --set training.max_steps="$STEPS" --set logging.interval="$LOGI" \

@@ -399,6 +399,13 @@ TEST(TrainConfig, InconsistentValues) {
   EXPECT_THAT(validate_error({"model.drafter.fp8_wgrad_x_tiles=128x128"}),
               HasSubstr("model.drafter.fp8_wgrad_x_tiles: 128x128 applies to FP8 linears, but model.drafter.precision is bf16"));
   EXPECT_THAT(validate_error({"model.drafter.fp8_wgrad_x_tiles=64x64"}), HasSubstr("model.drafter.fp8_wgrad_x_tiles"));
+  // auto (the default): 128 x 128 blocks for an FP8 drafter, nothing for a bf16 one; 128x1 the other tiles.
+  EXPECT_EQ(minimal().model.drafter.fp8_wgrad_x_tiles, Fp8WgradTiles::Auto);
+  EXPECT_FALSE(fp8_wgrad_x_blocks(minimal().model.drafter));
+  EXPECT_TRUE(fp8_wgrad_x_blocks(minimal({"model.drafter.precision=fp8"}).model.drafter));
+  EXPECT_FALSE(fp8_wgrad_x_blocks(minimal({"model.drafter.precision=fp8", "model.drafter.fp8_wgrad_x_tiles=128x1"}).model.drafter));
+  EXPECT_TRUE(fp8_wgrad_x_blocks(minimal({"model.drafter.precision=fp8", "model.drafter.fp8_wgrad_x_tiles=128x128"}).model.drafter));
+  EXPECT_NO_THROW(minimal({"model.drafter.fp8_wgrad_x_tiles=128x1"}).validate(1));  // (no effect on a bf16 drafter)
   // Ranges are checked again for configs changed in code.
   TrainConfig c = minimal();
   c.model.drafter.block_size = 1;

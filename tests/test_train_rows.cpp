@@ -41,7 +41,9 @@ TEST(TrainRows, ValuesFromTheSteadyState) {
   sh.on_gpu = true, sh.fp8_target = true, sh.peak_mem_gib = 80.7;
   EXPECT_EQ(sh.shape(), "qwen3_5 L64 H5120 seq=4096 fp8 tp=1 dp=2 drafter=5x16 anchors=512 batch=1x1");
   TrainRowShape d8 = sh;
-  d8.fp8_drafter = true;
+  d8.fp8_drafter = true;  // (its weight gradients' x in 128 x 1 tiles: fp8_wgrad_x_tiles 128x1)
+  EXPECT_EQ(d8.shape(), "qwen3_5 L64 H5120 seq=4096 fp8 tp=1 dp=2 drafter=5x16-fp8-wgx1 anchors=512 batch=1x1");
+  d8.fp8_wgrad_x_blocks = true;  // the default: 128 x 128 blocks
   EXPECT_EQ(d8.shape(), "qwen3_5 L64 H5120 seq=4096 fp8 tp=1 dp=2 drafter=5x16-fp8 anchors=512 batch=1x1");
   d8.fp8_lm_head = true;  // model.drafter.lm_head_precision: fp8
   EXPECT_EQ(d8.shape(), "qwen3_5 L64 H5120 seq=4096 fp8 tp=1 dp=2 drafter=5x16-fp8-fp8head anchors=512 batch=1x1");

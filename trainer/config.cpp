@@ -335,7 +335,7 @@ const std::vector<Field>& schema() {
                                              {{"bf16", DrafterPrecision::Bf16}, {"fp8", DrafterPrecision::Fp8}},
                                              DFLASH_MEMBER(model.drafter.lm_head_precision)));
     f.push_back(enum_field<Fp8WgradTiles>("model.drafter.fp8_wgrad_x_tiles",
-                                          {{"128x1", Fp8WgradTiles::Columns}, {"128x128", Fp8WgradTiles::Blocks}},
+                                          {{"auto", Fp8WgradTiles::Auto}, {"128x1", Fp8WgradTiles::Columns}, {"128x128", Fp8WgradTiles::Blocks}},
                                           DFLASH_MEMBER(model.drafter.fp8_wgrad_x_tiles)));
     f.push_back(list_field("data.files", "a list of HDF5 files or globs (strings)", true, 0, string_item,
                            DFLASH_MEMBER(data.files)));

@@ -40,7 +40,7 @@ class CpuBackend final : public TrainBackend {
     dw_.check(dcfg_);
     math_ = cfg.kernels.cpu_drafter;
     fp8_ = cfg.model.drafter.precision == DrafterPrecision::Fp8;
-    wgx_ = cfg.model.drafter.fp8_wgrad_x_tiles == Fp8WgradTiles::Blocks;
+    wgx_ = fp8_wgrad_x_blocks(cfg.model.drafter);
     // Ranks sharing a machine share its cores (DFLASH_CPU_THREADS, when set, wins).
     if (s.local_size > 1 && !std::getenv("DFLASH_CPU_THREADS"))
       cpu::set_cpu_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / s.local_size));

@@ -59,7 +59,7 @@ class CudaBackend final : public TrainBackend {
     // require_fast_path refuses there like a target fallback).
     const bool fp8_drafter = cfg.model.drafter.precision == DrafterPrecision::Fp8;
     const bool fp8_head = cfg.model.drafter.lm_head_precision == DrafterPrecision::Fp8;
-    const bool wgx = cfg.model.drafter.fp8_wgrad_x_tiles == Fp8WgradTiles::Blocks;
+    const bool wgx = fp8_wgrad_x_blocks(cfg.model.drafter);
     precision_text_ = fmt::format("{} target, {} drafter{}", target::precision_name(precision),
                                   fp8_drafter ? (wgx ? "bf16 (block-scaled fp8 linears, weight gradients' x in 128 x 128 blocks)"
                                                      : "bf16 (block-scaled fp8 linears)")

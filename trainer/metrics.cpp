@@ -262,7 +262,7 @@ SteadyState RunMetrics::steady() const {
 std::string TrainRowShape::shape() const {
   return fmt::format("{} L{} H{} seq={} {} tp={} dp={} drafter={}x{}{}{}{} anchors={} batch={}x{}", model_type,
                      target_layers, hidden, seq_len, precision, tp, dp, drafter_layers, block_size,
-                     fp8_drafter ? "-fp8" : "", fp8_wgrad_x_blocks ? "-wgx128" : "", fp8_lm_head ? "-fp8head" : "",
+                     fp8_drafter ? "-fp8" : "", fp8_drafter && !fp8_wgrad_x_blocks ? "-wgx1" : "", fp8_lm_head ? "-fp8head" : "",
                      anchors, batch, micro_batches);
 }
 

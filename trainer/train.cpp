@@ -677,7 +677,7 @@ drafter::StepOptions step_options(const Run& r) {
   sopt.gamma = r.cfg.training.gamma;
   sopt.fp8_linears = r.cfg.model.drafter.precision == DrafterPrecision::Fp8;
   sopt.fp8_lm_head = r.cfg.model.drafter.lm_head_precision == DrafterPrecision::Fp8;
-  sopt.fp8_wgrad_x_blocks = r.cfg.model.drafter.fp8_wgrad_x_tiles == Fp8WgradTiles::Blocks;
+  sopt.fp8_wgrad_x_blocks = fp8_wgrad_x_blocks(r.cfg.model.drafter);
   if (const char* m = std::getenv("DFLASH_FAULT_MASK")) {
     const std::string v = m;
     DFLASH_REQUIRE_HINT(v == "causal_in_block" || v == "anchor_inclusive",
@@ -838,7 +838,7 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     sh.on_gpu = r.on_gpu(), sh.fp8_target = fp8_target;
     sh.fp8_drafter = cfg.model.drafter.precision == DrafterPrecision::Fp8;
     sh.fp8_lm_head = cfg.model.drafter.lm_head_precision == DrafterPrecision::Fp8;
-    sh.fp8_wgrad_x_blocks = cfg.model.drafter.fp8_wgrad_x_tiles == Fp8WgradTiles::Blocks;
+    sh.fp8_wgrad_x_blocks = fp8_wgrad_x_blocks(cfg.model.drafter);
     sh.peak_mem_gib = backend->peak_memory_gib();
     const std::vector<bench::Row> rows = training_rows(sh, metrics.steady(), world);
     if (rows.empty()) {

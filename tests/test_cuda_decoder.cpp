@@ -73,6 +73,17 @@ struct Gpu {
 
 Tensor rows(const Tensor& t, int64_t a, int64_t b) { return t.slice(0, a, b).contiguous(); }
 
+// The extend options of the bit-for-bit tests: a committing step and a verify, both returning logits and
+// two captured layers' features.
+std::pair<ExtendOptions, ExtendOptions> commit_and_verify(const TargetConfig& c) {
+  ExtendOptions commit;
+  commit.capture = {1, c.num_hidden_layers - 1};
+  commit.logits = true;
+  ExtendOptions verify = commit;
+  verify.commit = false;
+  return {commit, verify};
+}
+
 // The CPU reference target on the bf16-rounded weights of Gpu(c, ..., seed).
 std::unique_ptr<TargetModel> cpu_reference(const TargetConfig& c, uint64_t seed = 3) {
   return std::make_unique<TargetModel>(c, bf16_random_weights_f32(c, seed));
@@ -202,11 +213,7 @@ TEST(CudaDecoder, VerifyRowsEqualDecodeStepsBitForBit) {
   const int64_t B = 16;
   const std::vector<int32_t> prompt = random_tokens(300, c.vocab_size, 2), block = random_tokens(B, c.vocab_size, 3);
   const std::vector<int32_t> after = random_tokens(3, c.vocab_size, 4);
-  ExtendOptions commit;
-  commit.capture = {1, c.num_hidden_layers - 1};
-  commit.logits = true;
-  ExtendOptions verify = commit;
-  verify.commit = false;
+  const auto [commit, verify] = commit_and_verify(c);
   for (int64_t n : {1, 5, 16}) {
     Gpu a(c, KernelPolicy::Auto, 1, 400), b(c, KernelPolicy::Auto, 1, 400);
     a.dec->extend({0}, {prompt}, commit);
@@ -266,11 +273,7 @@ TEST(CudaDecoder, GraphReplayEqualsEagerLaunchesBitForBit) {
   Gpu e(c, KernelPolicy::Auto, 3, 400, 3, Precision::Bf16, false), g(c, KernelPolicy::Auto, 3, 400, 3, Precision::Bf16, true);
   EXPECT_EQ(e.dec->describe().find("CUDA graphs"), std::string::npos);
   EXPECT_NE(g.dec->describe().find("decode / verify steps as CUDA graphs"), std::string::npos);
-  ExtendOptions commit;
-  commit.capture = {1, c.num_hidden_layers - 1};
-  commit.logits = true;
-  ExtendOptions verify = commit;
-  verify.commit = false;
+  const auto [commit, verify] = commit_and_verify(c);
   int64_t step = 0;
   auto same = [&](const ExtendResult& a, const ExtendResult& b, const std::string& what) {
     EXPECT_EQ(a.next, b.next) << what << " (step " << step << ")";
@@ -407,11 +410,7 @@ TEST(CudaDecoder, Fp8FusedChainAndCommitEqualTheUnfusedKernels) {
   const TargetConfig c = real_dims();
   const std::vector<int32_t> prompt = random_tokens(200, c.vocab_size, 2), block = random_tokens(16, c.vocab_size, 3);
   const std::vector<int32_t> after = random_tokens(4, c.vocab_size, 4);
-  ExtendOptions commit;
-  commit.capture = {1, c.num_hidden_layers - 1};
-  commit.logits = true;
-  ExtendOptions verify = commit;
-  verify.commit = false;
+  const auto [commit, verify] = commit_and_verify(c);
   for (int64_t n : {1, 5, 16}) {
     Gpu f(c, KernelPolicy::Auto, 1, 400, 3, Precision::Fp8), u(c, KernelPolicy::Auto, 1, 400, 3, Precision::Fp8, true,
                                                                   false, false, true);
@@ -448,11 +447,7 @@ TEST(CudaDecoder, MoeVerifyEqualsDecodeAndSpeculativeEqualsGreedy) {
   DFLASH_REQUIRE_GPU();
   const TargetConfig c = real_dims_moe();
   const std::vector<int32_t> prompt = random_tokens(150, c.vocab_size, 2), block = random_tokens(16, c.vocab_size, 3);
-  ExtendOptions commit;
-  commit.capture = {1, c.num_hidden_layers - 1};
-  commit.logits = true;
-  ExtendOptions verify = commit;
-  verify.commit = false;
+  const auto [commit, verify] = commit_and_verify(c);
   const std::vector<int32_t> p40(prompt.begin(), prompt.begin() + 40);
   std::vector<int32_t> grouped_tokens;
   for (bool md : {false, true}) {
@@ -574,11 +569,7 @@ TEST(CudaDecoder, MoeFp8ExpertsEqualTheirBf16Values) {
   const std::vector<int32_t> prompt = random_tokens(150, c.vocab_size, 2), block = random_tokens(16, c.vocab_size, 3);
   const ForwardResult fq = mq.forward({prompt}, fo), fb = mb.forward({prompt}, fo);
   for (int64_t id : fo.capture) EXPECT_TRUE(bit_equal(fq.layers.at(id), fb.layers.at(id))) << "prefill layer " << id;
-  ExtendOptions commit;
-  commit.capture = {1, c.num_hidden_layers - 1};
-  commit.logits = true;
-  ExtendOptions verify = commit;
-  verify.commit = false;
+  const auto [commit, verify] = commit_and_verify(c);
   for (bool md : {false, true}) {
     SCOPED_TRACE(md ? "MoE decode kernels" : "grouped GEMMs");
     FastPathPlan dp = make_decode_plan(c, Device::cuda(0), pol, sm);

@@ -14,7 +14,7 @@
 #      (default 15) steps logged every 5, so the rows average the last 10; SEQ_ANCHORS (default recipe)
 #      "recipe" keeps the recipe's 512 anchors per sequence, "density" its one anchor per 8 tokens (L/8,
 #      in drafter passes of 512 blocks: training.blocks_per_pass; runs q27_seq<L>_density), "recipe
-#      density" both. Expected at the last measured step's rates (fp8 0.451 s at 4096: target 0.227,
+#      density" both, a number N that many anchors (runs q27_seq<L>_aN: e.g. 2048 tokens with 256 fit an H100). Expected at the last measured step's rates (fp8 0.451 s at 4096: target 0.227,
 #      drafter 0.203; scaled by FLOPs, TrainFlops.SequenceLengthAxis) plus ~30 s a run (start-up, drafter
 #      export): recipe 37 / 41 / 48 / 65 s at 4096 / 8192 / 16384 / 32768 (~190 s; the attention layers
 #      run slower than the GEMMs, so 32768 may take ~15 s more), density 37 / 44 / 58 / ~100 s;
@@ -118,7 +118,8 @@ for L in ${SEQ_LENS:-}; do
       recipe) name=q27_seq$L; anchors=(--set training.num_anchors=512) ;;
       density) [ $((L / 8)) = 512 ] && continue  # (the recipe's run)
         name=q27_seq${L}_density; anchors=(--set training.num_anchors=$((L / 8)) --set training.blocks_per_pass=512) ;;
-      *) echo "SEQ_ANCHORS: '$how' is neither recipe nor density" >&2; status=1; continue ;;
+      [1-9]*) name=q27_seq${L}_a$how; anchors=(--set training.num_anchors=$how) ;;  # a fixed count (what fits a smaller GPU)
+      *) echo "SEQ_ANCHORS: '$how' is neither recipe, density nor a number of anchors" >&2; status=1; continue ;;
     esac
     [ "${SEQ_DRAFTER:-bf16}" = fp8 ] && name=${name}_d8
     for head in ${SEQ_HEADS:-bf16}; do  # model.drafter.lm_head_precision (fp8: runs <name>_h8)

@@ -91,7 +91,10 @@ class CudaBackend final : public TrainBackend {
     Tensor embed = tw.embed_tokens, lm_head = tw.lm_head;
     tmodel_ = std::make_unique<target::CudaTargetModel>(local, std::move(tw), std::move(plan), tp_.get());
     DeviceContext::get(device_.index).synchronize();
-    init_log_ = fmt::format("target {} in {:.1f} s", ts.path.empty() ? "random init" : "load", seconds_since(t0));
+    // (the live bytes after each part: what the memory plan's target weights and drafter state are checked by)
+    const size_t live0 = device_alloc::stats(device_.index).allocated;
+    init_log_ = fmt::format("target {} in {:.1f} s ({:.2f} GiB on the device)", ts.path.empty() ? "random init" : "load",
+                            seconds_since(t0), gib(live0));
     fopt_.capture = dcfg_.target_layer_ids;
     fopt_.skip_unused_layers = true;  // no layer after the last captured one runs
     t0 = StepClock::now();
@@ -108,8 +111,9 @@ class CudaBackend final : public TrainBackend {
     sumsq_ws_ = Tensor::empty({std::max<int64_t>(cuda::sum_squares_workspace(n), 1)}, DType::U8, device_);
     hyper_ = adamw_hyper(cfg);
     DeviceContext::get(device_.index).synchronize();
-    init_log_ += fmt::format(", drafter + optimizer state ({:.2f} B parameters) in {:.1f} s",
-                             static_cast<double>(model_->num_params()) / 1e9, seconds_since(t0));
+    init_log_ += fmt::format(", drafter + optimizer state ({:.2f} B parameters) in {:.1f} s ({:.2f} GiB more)",
+                             static_cast<double>(model_->num_params()) / 1e9, seconds_since(t0),
+                             gib(device_alloc::stats(device_.index).allocated - live0));
     DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&grads_ready_, cudaEventDisableTiming));
   }
 

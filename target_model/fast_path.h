@@ -81,7 +81,7 @@ struct FastPathPlan {
   // step shape once and replays it; summary() says which.
   bool cuda_graphs = false;
   // Decode plans on CUDA (issue 30): the fused decode kernels that run (make_decode_plan turns the
-  // GatedDeltaNet ones on with the fast path on sm_90 for bf16 targets; a fallback policy keeps the
+  // GatedDeltaNet ones on with the fast path on sm_90 for bf16 and fp8 targets; a fallback policy keeps the
   // unfused kernels, which are also each fused kernel's reference; the skinny GEMM is measured slower
   // than cuBLASLt and stays off unless a caller sets it); summary() names them.
   static constexpr int64_t kGdnChainMaxSeqs = 4;

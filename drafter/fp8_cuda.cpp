@@ -189,13 +189,10 @@ void Fp8Linears::backward(const void* dy, int64_t lddy, int64_t M, int64_t n, co
   if (dx != nullptr)
     gemm(g.rows.q.data<uint8_t>(), g.rows.s.data<float>(), M, n, m.qt.data<uint8_t>(), m.st.data<float>(), false, K, dx,
          lddx, acc_f32, acc_f32);
-  if (x_blocks) {
-    const ActT a = quantize_act_t_blocks(x, ldx, M, K, device_);
-    gemm(g.q.data<uint8_t>(), g.s.data<float>(), n, g.Tp, a.q.data<uint8_t>(), a.s.data<float>(), false, K, dw, K, true, true);
-    return;
-  }
-  const ActT a = quantize_act_t(x, ldx, M, K, device_);
-  gemm(g.q.data<uint8_t>(), g.s.data<float>(), n, g.Tp, a.q.data<uint8_t>(), a.s.data<float>(), true, K, dw, K, true, true);
+  // x's codes: 128 x 1 tiles along the tokens (vector scales) or 128 x 128 blocks (the weight layout's).
+  const ActT a = x_blocks ? quantize_act_t_blocks(x, ldx, M, K, device_) : quantize_act_t(x, ldx, M, K, device_);
+  gemm(g.q.data<uint8_t>(), g.s.data<float>(), n, g.Tp, a.q.data<uint8_t>(), a.s.data<float>(), !x_blocks, K, dw, K, true,
+       true);
 }
 
 }  // namespace dflash::drafter

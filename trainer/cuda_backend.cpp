@@ -153,7 +153,7 @@ class CudaBackend final : public TrainBackend {
     });
     t.target_s += seconds_since(t0);
     const bool first = !first_step_checked_;
-    if (first) target_peak_ = device_alloc::stats(device_.index).peak_allocated;
+    const size_t target_peak = first ? device_alloc::stats(device_.index).peak_allocated : 0;  // (the plan check's)
     if (m.batch.blocks.empty() || opt.grad_scale <= 0) {
       if (last) pending_ = 0;
       return {};
@@ -175,7 +175,7 @@ class CudaBackend final : public TrainBackend {
       DeviceContext::get(device_.index).synchronize();
     });
     t.drafter_s += seconds_since(t0);
-    if (first) check_plan_after_first_step();
+    if (first) check_plan_after_first_step(target_peak);
     return st;
   }
 
@@ -266,12 +266,12 @@ class CudaBackend final : public TrainBackend {
   // The memory plan against the first step's measured peaks (through the target forward, then the whole step):
   // logged, and a warning where the plan was low, since its start-up check then passes runs that may not fit
   // (session 29: 70.9 GiB planned, out of memory at 79.5 in the FP8 drafter's first step on an H100).
-  void check_plan_after_first_step() {
+  void check_plan_after_first_step(size_t target_peak) {
     first_step_checked_ = true;
     const double peak = gib(device_alloc::stats(device_.index).peak_allocated), plan = plan_bytes_ / (1024.0 * 1024.0 * 1024.0);
     spdlog::info("first step's GPU memory: peak {:.2f} GiB through the target forward, {:.2f} GiB through the drafter's "
                  "forward + backward; the memory plan said {:.2f} GiB",
-                 gib(target_peak_), peak, plan);
+                 gib(target_peak), peak, plan);
     if (peak > plan)
       spdlog::warn("the memory plan underestimated this run's first step by {:.2f} GiB ({:.2f} planned, {:.2f} measured): "
                    "its start-up check ({:.0f}% headroom) may pass runs that do not fit",
@@ -337,7 +337,6 @@ class CudaBackend final : public TrainBackend {
   int64_t blocks_per_pass_ = 0;  // training.blocks_per_pass
   int64_t step_ = 0;  // the 1-based step running (begin_step)
   double plan_bytes_ = 0;            // the memory plan's total (gpu_memory_plan)
-  size_t target_peak_ = 0;           // the first step's allocator peak after its target forward
   bool first_step_checked_ = false;  // check_plan_after_first_step ran
   CudaFault fault_;   // the test hook DFLASH_FAULT_CUDA_ERROR
   std::string init_log_, memory_plan_;

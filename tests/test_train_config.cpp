@@ -684,6 +684,13 @@ TEST(MemoryPlan, RefusesWhatDoesNotFitNamingTheFiguresAndWhatToChange) {
     std::printf("plan %.2f GiB, measured peak %.1f GiB (%.1f%%)\n", plan.total() / gib, peak,
                 100.0 * (plan.total() / gib - peak) / peak);
   }
+  // After the first step the GPU backend compares its peak with the plan and warns where the plan was low
+  // (session 29's FP8 drafter recipe on an H100: 68.08 GiB planned, 77.07 measured).
+  EXPECT_EQ(memory_plan_shortfall(recipe.total(), 0.99 * recipe.total()), "");
+  EXPECT_EQ(memory_plan_shortfall(recipe.total(), recipe.total()), "");
+  EXPECT_EQ(memory_plan_shortfall(68.08 * gib, 77.07 * gib),
+            "the memory plan underestimated this run's first step by 8.99 GiB (68.08 planned, 77.07 measured): its "
+            "start-up check (10% headroom) may pass runs that do not fit");
 }
 
 // Sequence length as a scale axis (issue 31): the 27B recipe's plan at 4096..32768 tokens, one

@@ -268,14 +268,11 @@ class CudaBackend final : public TrainBackend {
   // (session 29: 70.9 GiB planned, out of memory at 79.5 in the FP8 drafter's first step on an H100).
   void check_plan_after_first_step(size_t target_peak) {
     first_step_checked_ = true;
-    const double peak = gib(device_alloc::stats(device_.index).peak_allocated), plan = plan_bytes_ / (1024.0 * 1024.0 * 1024.0);
+    const size_t peak = device_alloc::stats(device_.index).peak_allocated;
     spdlog::info("first step's GPU memory: peak {:.2f} GiB through the target forward, {:.2f} GiB through the drafter's "
                  "forward + backward; the memory plan said {:.2f} GiB",
-                 gib(target_peak), peak, plan);
-    if (peak > plan)
-      spdlog::warn("the memory plan underestimated this run's first step by {:.2f} GiB ({:.2f} planned, {:.2f} measured): "
-                   "its start-up check ({:.0f}% headroom) may pass runs that do not fit",
-                   peak - plan, plan, peak, 100 * kMemoryPlanMargin);
+                 gib(target_peak), gib(peak), plan_bytes_ / (1024.0 * 1024.0 * 1024.0));
+    if (const std::string w = memory_plan_shortfall(plan_bytes_, static_cast<double>(peak)); !w.empty()) spdlog::warn("{}", w);
   }
 
   // Starts the sum of bucket b's gradients over all ranks on the comm stream, ordered after the

@@ -50,4 +50,12 @@ void check_memory_plan_fits(const MemoryPlan& plan, double free_bytes, double to
                       "or use fewer drafter layers");
 }
 
+std::string memory_plan_shortfall(double plan_bytes, double peak_bytes) {
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  if (peak_bytes <= plan_bytes) return "";
+  return fmt::format("the memory plan underestimated this run's first step by {:.2f} GiB ({:.2f} planned, {:.2f} measured): "
+                     "its start-up check ({:.0f}% headroom) may pass runs that do not fit",
+                     (peak_bytes - plan_bytes) / kGiB, plan_bytes / kGiB, peak_bytes / kGiB, 100 * kMemoryPlanMargin);
+}
+
 }  // namespace dflash::trainer

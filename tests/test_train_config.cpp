@@ -688,9 +688,14 @@ TEST(MemoryPlan, RefusesWhatDoesNotFitNamingTheFiguresAndWhatToChange) {
   // (session 29's FP8 drafter recipe on an H100: 68.08 GiB planned, 77.07 measured).
   EXPECT_EQ(memory_plan_shortfall(recipe.total(), 0.99 * recipe.total()), "");
   EXPECT_EQ(memory_plan_shortfall(recipe.total(), recipe.total()), "");
+  EXPECT_EQ(memory_plan_shortfall(70.85 * gib, 71.74 * gib), "");  // (the same recipe after 1fa7c68: +1.3%)
+  EXPECT_EQ(memory_plan_shortfall(100 * gib, 104.9 * gib), "");
+  EXPECT_NE(memory_plan_shortfall(100 * gib, 105.5 * gib).find("by 5.50 GiB (100.00 planned, 105.50 measured, +5.5%)"),
+            std::string::npos);
   EXPECT_EQ(memory_plan_shortfall(68.08 * gib, 77.07 * gib),
-            "the memory plan underestimated this run's first step by 8.99 GiB (68.08 planned, 77.07 measured): its "
-            "start-up check (10% headroom) may pass runs that do not fit");
+            "the memory plan underestimated this run's first step by 8.99 GiB (68.08 planned, 77.07 measured, "
+            "+13.2%): more than half of its start-up check's 10% headroom, so the check may pass runs that do not "
+            "fit");
 }
 
 // Sequence length as a scale axis (issue 31): the 27B recipe's plan at 4096..32768 tokens, one

@@ -35,9 +35,10 @@ constexpr double kMemoryPlanMargin = 0.10;
 // Throws a user error with the plan's table and what to change when the plan does not fit in
 // free_bytes of device `device` (total_bytes: its size, for the table's shares).
 void check_memory_plan_fits(const MemoryPlan& plan, double free_bytes, double total_bytes, const std::string& device);
-// The first step's measured peak against the plan's total (bytes): "" when the plan covered it, else the
-// warning the GPU backend logs (a low plan lets the start-up check pass runs that may not fit: session 29's
-// FP8 drafter recipe, 68.08 GiB planned, 77.07 measured).
+// The first step's measured peak against the plan's total (bytes): "" when the peak is within half of the
+// start-up check's headroom above the plan, else the warning the GPU backend logs (a low plan lets the
+// start-up check pass runs that may not fit: session 29's FP8 drafter recipe, 68.08 GiB planned, 77.07
+// measured; after its fix, 70.85 planned and 71.74 measured, +1.3%, is no warning).
 std::string memory_plan_shortfall(double plan_bytes, double peak_bytes);
 
 }  // namespace dflash::trainer

@@ -64,6 +64,8 @@ void apply_decode_variant(const std::string& name, target::FastPathPlan::DecodeF
   else if (name == "no_overlap") f.commit_overlap = false;
   else if (name == "moe_decode") f.moe_decode = true;
   else if (name == "moe_wgmma") f.moe_wgmma = true;
+  else if (name == "prefetch") f.prefetch = true;
+  else if (name == "no_prefetch") f.prefetch = false;
   else if (name == "unfused") f = {}, cuda::tuning::pdl = 0;
   else DFLASH_REQUIRE_HINT(name == "fused", option << ": unknown variant '" << name << "'", "use " << kDecodeVariantNames);
 }

@@ -311,6 +311,7 @@ std::string FastPathPlan::DecodeFusion::str() const {
   add(commit, commit_overlap ? "fused commit (side stream)" : "fused commit");
   add(moe_decode, "MoE decode kernels (steps of <= 16 rows)");
   add(moe_wgmma, "MoE expert GEMMs on wgmma");
+  add(prefetch, "weights prefetched into L2");
   return s;
 }
 

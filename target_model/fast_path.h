@@ -113,8 +113,13 @@ struct FastPathPlan {
     // MoE targets: the grouped path's expert GEMMs of decode / verify steps on the wgmma kernel
     // (cuda::moe_grouped_gemm_wgmma, sm_90) instead of mma.sync's narrow tiles (--decode-variant moe_wgmma).
     bool moe_wgmma = false;
-    bool any() const { return skinny_gemm || swiglu_gemm || gdn_chain || commit || moe_decode || moe_wgmma; }
-    // "skinny GEMMs, SwiGLU in down_proj, fused GatedDeltaNet chain, fused commit, MoE decode kernels" ("" if none)
+    // After each decode / verify GEMM the next GEMM's first weight bytes are fetched into L2 on a side
+    // stream (cuda::prefetch_l2, tuning::decode_prefetch_mb MiB each), so they travel while the short
+    // ops between the two run. Off in the plan until measured (--decode-variant prefetch).
+    bool prefetch = false;
+    bool any() const { return skinny_gemm || swiglu_gemm || gdn_chain || commit || moe_decode || moe_wgmma || prefetch; }
+    // "skinny GEMMs, SwiGLU in down_proj, fused GatedDeltaNet chain, fused commit, MoE decode kernels, weights
+    // prefetched into L2" ("" if none)
     std::string str() const;
   };
   DecodeFusion fusion;

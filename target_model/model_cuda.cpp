@@ -253,6 +253,55 @@ bool CudaTargetModel::streamk(const cuda::GemmSkinnyParams& sp) const {
   return decode_ && decode_->fusion.skinny_streamk && cuda::gemm_bf16_stream_supported(sp);
 }
 
+struct CudaTargetModel::PrefetchLane {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+};
+
+void CudaTargetModel::PrefetchLaneDeleter::operator()(PrefetchLane* lane) const {
+  if (lane->stream) DFLASH_CUDA_WARN(cudaStreamSynchronize(lane->stream));
+  if (lane->fork) DFLASH_CUDA_WARN(cudaEventDestroy(lane->fork));
+  if (lane->join) DFLASH_CUDA_WARN(cudaEventDestroy(lane->join));
+  if (lane->stream) DFLASH_CUDA_WARN(cudaStreamDestroy(lane->stream));
+  delete lane;
+}
+
+void CudaTargetModel::prefetch_next(const std::vector<Proj>& parts) {
+  const DecodeStep* ds = decode_;
+  if (!ds || ds->prefill || !ds->fusion.prefetch || cuda::tuning::decode_prefetch_mb <= 0 || parts.empty()) return;
+  if (!prefetch_) {
+    cuda::DeviceGuard scope(device_.index);
+    prefetch_.reset(new PrefetchLane);
+    DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&prefetch_->stream, cudaStreamNonBlocking));
+    DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&prefetch_->fork, cudaEventDisableTiming));
+    DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&prefetch_->join, cudaEventDisableTiming));
+  }
+  // The budget shared by the parts in proportion to their bytes (the parts run back to back).
+  const int64_t budget = static_cast<int64_t>(cuda::tuning::decode_prefetch_mb) << 20;
+  int64_t total = 0;
+  for (const Proj& p : parts) total += static_cast<int64_t>(p.w.nbytes());
+  DFLASH_CUDA_CHECK(cudaEventRecord(prefetch_->fork, static_cast<cudaStream_t>(stream_)));
+  DFLASH_CUDA_CHECK(cudaStreamWaitEvent(prefetch_->stream, prefetch_->fork, 0));
+  for (const Proj& p : parts) {
+    const int64_t bytes = static_cast<int64_t>(p.w.nbytes());
+    cuda::L2PrefetchParams g;
+    g.w = p.w.raw_data();
+    g.rows = p.N;
+    g.row_bytes = p.K * static_cast<int64_t>(dtype_size(p.w.dtype()));
+    g.bytes_per_row = cuda::l2_prefetch_bytes_per_row(g.rows, g.row_bytes,
+                                                      total > budget ? static_cast<int64_t>(static_cast<double>(budget) * bytes / total) : bytes);
+    if (cuda::prefetch_l2_supported(g)) cuda::prefetch_l2(g, prefetch_->stream);
+  }
+  prefetch_pending_ = true;
+}
+
+void CudaTargetModel::join_prefetch() {
+  if (!prefetch_pending_) return;
+  DFLASH_CUDA_CHECK(cudaEventRecord(prefetch_->join, prefetch_->stream));
+  DFLASH_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream_), prefetch_->join, 0));
+  prefetch_pending_ = false;
+}
+
 void CudaTargetModel::project(ForwardOp op, const Tensor& x, int64_t ldx, const std::vector<Proj>& parts, Tensor& y,
                               int64_t ldy, int64_t M, const Fp8Input* pre, bool swiglu) {
   DFLASH_CHECK(!swiglu || (parts.size() == 1 && skinny(parts[0], M, ldx, ldy, true)),
@@ -360,6 +409,7 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   const int64_t P = f.rows;
   Tensor proj = device_bf16({gemm_rows(N), P}, device_);
   project(ForwardOp::GdnInProj, x, H, f.in_parts, proj, P, N, x_q);
+  prefetch_next({f.out});
   auto col = [&](int64_t j) { return static_cast<char*>(proj.raw_data()) + j * 2; };
 
   DecodeStep* ds = decode_;
@@ -647,6 +697,7 @@ void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatc
   const bool gated = c.attn_output_gate;
   Tensor proj = device_bf16({gemm_rows(N), P}, device_);
   project(ForwardOp::AttnQkv, x, H, f.in_parts, proj, P, N, x_q);
+  prefetch_next({f.out});
   char* base = static_cast<char*>(proj.raw_data());
 
   Tensor q = device_bf16({N, Hq, d}, device_);
@@ -853,6 +904,7 @@ void CudaTargetModel::mlp(int64_t i, const Tensor& x, Tensor& out, const Fp8Inpu
   const int64_t N = x.size(0), H = c.hidden_size, I = c.intermediate_size;
   Tensor gu = device_bf16({gemm_rows(N), 2 * I}, device_);
   project(ForwardOp::MlpGateUp, x, H, f.gate_up, gu, 2 * I, N, x_q);
+  prefetch_next({f.down});
   if (f.down.fp8()) {  // SwiGLU writes down_proj's quantized input (fused)
     const Fp8Input in = alloc_input(N, I);
     timed(ForwardOp::Swiglu, [&] {
@@ -901,10 +953,12 @@ void CudaTargetModel::layer_body(int64_t i, Tensor& h, Tensor& normed, const Cud
   Tensor delta = device_bf16({gemm_rows(N), H}, device_);  // the GEMMs' output rows (gemm_rows)
   if (L.type == LayerType::LinearAttention) gdn_mixer(i, normed, b, lp, delta, in_q);
   else attention_mixer(i, normed, b, lp, delta, in_q);
+  if (!c.is_moe()) prefetch_next(fused_[static_cast<size_t>(i)].gate_up);  // (fetched under the residual step)
   Fp8Input mlp_q;
   add_norm(h, delta, &L.post_attention_layernorm, &normed, N, c.is_moe() ? nullptr : &fused_[static_cast<size_t>(i)].gate_up,
            &mlp_q);
   mlp(i, normed, delta, mlp_q.q.defined() ? &mlp_q : nullptr);
+  if (i + 1 < c.num_hidden_layers) prefetch_next(fused_[static_cast<size_t>(i + 1)].in_parts);
   {  // the layer's projections ran on the gemm step's kernel (counted once per layer)
     const DecodeStep* ds = decode_;
     if (ds && !ds->prefill) {
@@ -1040,6 +1094,7 @@ ForwardResult CudaTargetModel::forward(const CudaBatch& b, const ForwardOptions&
         r.layers[id] = copy;
       }
   }
+  join_prefetch();
   if (options.capture_routing)
     for (auto& [i, io] : moe_io.layers)
       if (io.experts.defined())

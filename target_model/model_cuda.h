@@ -5,6 +5,8 @@
 #include <array>
 #include <compare>
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -308,6 +310,17 @@ class CudaTargetModel {
     std::map<int64_t, Layer> layers;
   };
   MoeIo* moe_io_ = nullptr;
+  // Decode steps' L2 prefetches (FastPathPlan::DecodeFusion::prefetch): after a GEMM, the next GEMM's
+  // first weight bytes are fetched on a side stream forked from stream_ (made on first use); the
+  // forward's end joins it (a captured step's graph holds the fork and the join).
+  struct PrefetchLane;
+  struct PrefetchLaneDeleter {
+    void operator()(PrefetchLane* lane) const;
+  };
+  std::unique_ptr<PrefetchLane, PrefetchLaneDeleter> prefetch_;
+  bool prefetch_pending_ = false;
+  void prefetch_next(const std::vector<Proj>& parts);
+  void join_prefetch();
   PathCounters counters_;
   Device device_;
   void* stream_ = nullptr;

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 
 #include "bench/speculative.h"
@@ -54,9 +55,10 @@ struct Gpu {
   // moe_decode: the decode plan's MoE decode kernels (FastPathPlan::DecodeFusion::moe_decode) on;
   // skinny: its skinny GEMMs on (DecodeFusion::skinny_gemm: FP8 targets' on gemm_fp8_stream);
   // unfused_gdn: the fused GatedDeltaNet chain and fused commit off (the unfused twins).
+  // edit: any other change to the decode plan's fusions (after the flags above).
   Gpu(const TargetConfig& c, KernelPolicy pol, int64_t slots, int64_t max_len, uint64_t seed = 3,
       Precision precision = Precision::Bf16, bool graphs = true, bool moe_decode = false, bool skinny = false,
-      bool unfused_gdn = false) {
+      bool unfused_gdn = false, const std::function<void(FastPathPlan::DecodeFusion&)>& edit = {}) {
     const int sm = cuda_device_info(0).major;
     KernelPolicies p = KernelPolicies::all(pol);
     p.cuda_graphs = graphs;
@@ -66,6 +68,7 @@ struct Gpu {
     plan.fusion.moe_decode = moe_decode;
     if (skinny) plan.fusion.skinny_gemm = true;
     if (unfused_gdn) plan.fusion.gdn_chain = plan.fusion.commit = plan.fusion.commit_overlap = false;
+    if (edit) edit(plan.fusion);
     dec = make_cuda_decoder(*model, slots, max_len, plan);
   }
 };
@@ -433,6 +436,47 @@ TEST(CudaDecoder, Fp8FusedChainAndCommitEqualTheUnfusedKernels) {
     same(f.dec->extend({0}, {{after[0]}}, commit), u.dec->extend({0}, {{after[0]}}, commit), "decode after 2nd commit");
     EXPECT_EQ(f.dec->graph_stats().capture_failures, 0u);
   }
+}
+
+// The decode plan's L2 prefetches (DecodeFusion::prefetch: after each decode / verify GEMM the next
+// GEMM's weights fetched into L2 on a side stream, cuda::prefetch_l2) change no bit: logits and
+// features of a prefill, verifies, commits and decode steps (graphs captured, then replayed) equal
+// the same steps without them, bf16 and FP8, with whole weights fetched (16 MiB: every projection of
+// these dims fits) and with equal row prefixes (1 MiB shared by the parts of a fused projection).
+TEST(CudaDecoder, L2PrefetchLeavesEveryStepBitForBit) {
+  DFLASH_REQUIRE_GPU();
+  const int sm = cuda_device_info(0).major;
+  const TargetConfig c = real_dims();
+  const std::vector<int32_t> prompt = random_tokens(200, c.vocab_size, 2), block = random_tokens(16, c.vocab_size, 3);
+  const std::vector<int32_t> after = random_tokens(3, c.vocab_size, 4);
+  const auto [commit, verify] = commit_and_verify(c);
+  const int saved = cuda::tuning::decode_prefetch_mb;
+  for (Precision precision : {Precision::Bf16, Precision::Fp8}) {
+    if (precision == Precision::Fp8 && !fp8_gemm_supported(sm)) continue;
+    for (int mb : {16, 1}) {
+      SCOPED_TRACE(std::string(precision == Precision::Fp8 ? "fp8" : "bf16") + ", " + std::to_string(mb) + " MiB");
+      cuda::tuning::decode_prefetch_mb = mb;
+      Gpu on(c, KernelPolicy::Auto, 1, 400, 3, precision, true, false, false, false,
+             [](FastPathPlan::DecodeFusion& f) { f.prefetch = true; }),
+          off(c, KernelPolicy::Auto, 1, 400, 3, precision);
+      ASSERT_FALSE(make_decode_plan(c, Device::cuda(0), {}, sm, precision).fusion.prefetch);  // (off by default)
+      auto same = [&](const ExtendResult& a, const ExtendResult& b, const std::string& what) {
+        EXPECT_TRUE(bit_equal(a.logits, b.logits)) << "logits, " << what;
+        EXPECT_TRUE(bit_equal(a.features, b.features)) << "features, " << what;
+        EXPECT_EQ(a.next, b.next) << what;
+      };
+      same(on.dec->extend({0}, {prompt}, commit), off.dec->extend({0}, {prompt}, commit), "prefill");
+      for (int round = 0; round < 2; ++round) {  // the second round replays the captured graphs
+        same(on.dec->extend({0}, {block}, verify), off.dec->extend({0}, {block}, verify), "verify");
+        on.dec->commit(0, 5);
+        off.dec->commit(0, 5);
+        for (int32_t tok : after) same(on.dec->extend({0}, {{tok}}, commit), off.dec->extend({0}, {{tok}}, commit), "decode");
+      }
+      EXPECT_EQ(on.dec->graph_stats().capture_failures, 0u);
+      EXPECT_GT(on.dec->graph_stats().replays, 0u);
+    }
+  }
+  cuda::tuning::decode_prefetch_mb = saved;
 }
 
 // An MoE target (real_dims_moe: 16 experts, top 4, a shared expert; kernels/cuda/moe.h) decodes like

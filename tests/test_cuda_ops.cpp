@@ -19,6 +19,7 @@
 #include <functional>
 #include <vector>
 
+#include "core/cuda/check.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/norm.h"
@@ -319,6 +320,57 @@ TEST(CudaOps, GemmSkinnyMatchesLinear) {
     std::printf("  gemm_skinny one-wave split at N=%ld K=%ld%s: %d\n", long(N), long(K), sw ? " swiglu" : "",
                 cu::gemm_skinny_splits(q, 0));
   }
+}
+
+// The decode steps' L2 prefetch (cuda::prefetch_l2, gemm.h) writes nothing and takes every shape its
+// callers give it: row prefixes of 16 bytes, whole rows, rows longer than one 32 KB bulk instruction,
+// a grid-stride loop over more rows than its 32 x 128 threads; by cp.async.bulk.prefetch.L2 and by
+// prefetch.global.L2 per line (tuning::decode_prefetch_bulk 0). Misaligned pointers, row strides and
+// prefixes are refused. l2_prefetch_bytes_per_row splits a budget into equal 16-byte multiples.
+TEST(CudaOps, L2PrefetchWritesNothingAndRefusesMisalignment) {
+  DFLASH_REQUIRE_GPU();
+  EXPECT_EQ(cu::l2_prefetch_bytes_per_row(1000, 10240, 16 << 20), 10240);  // all of it fits
+  EXPECT_EQ(cu::l2_prefetch_bytes_per_row(34816, 10240, 16 << 20), 480);   // 27B gate_up, bf16: 481 -> 480
+  EXPECT_EQ(cu::l2_prefetch_bytes_per_row(34816, 10240, 100000), 0);       // < 16 bytes a row
+  EXPECT_EQ(cu::l2_prefetch_bytes_per_row(0, 10240, 1 << 20), 0);
+  const int64_t bytes = 8 << 20;
+  std::vector<uint8_t> host(static_cast<size_t>(bytes));
+  for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint8_t>(i * 131 + 7);
+  Tensor buf = Tensor::empty({bytes}, DType::U8, Device::cuda(0));
+  DFLASH_CUDA_CHECK(cudaMemcpy(buf.raw_data(), host.data(), host.size(), cudaMemcpyHostToDevice));
+  const int saved = cu::tuning::decode_prefetch_bulk;
+  struct Shape {
+    int64_t rows, row_bytes, bytes_per_row;
+  };
+  for (int bulk : {1, 0}) {
+    cu::tuning::decode_prefetch_bulk = bulk;
+    for (const Shape& sh : {Shape{1, 16, 16}, Shape{100, 1024, 16}, Shape{64, 131072, 131072}, Shape{8192, 1024, 1024},
+                            Shape{5000, 1600, 480}}) {
+      cu::L2PrefetchParams p;
+      p.w = buf.raw_data();
+      p.rows = sh.rows, p.row_bytes = sh.row_bytes, p.bytes_per_row = sh.bytes_per_row;
+      ASSERT_LE(p.rows * p.row_bytes, bytes);
+      ASSERT_TRUE(cu::prefetch_l2_supported(p));
+      cu::prefetch_l2(p, stream());
+    }
+  }
+  cu::tuning::decode_prefetch_bulk = saved;
+  DFLASH_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<uint8_t> back(host.size());
+  DFLASH_CUDA_CHECK(cudaMemcpy(back.data(), buf.raw_data(), back.size(), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(std::memcmp(back.data(), host.data(), host.size()), 0) << "the prefetch wrote to its source";
+  auto make = [&] {
+    cu::L2PrefetchParams p;
+    p.w = buf.raw_data();
+    p.rows = 16, p.row_bytes = 1024, p.bytes_per_row = 256;
+    return p;
+  };
+  const auto expect_throw = throws_after_edit(make(), [](const cu::L2PrefetchParams& p) { cu::prefetch_l2(p, stream()); });
+  expect_throw([&](cu::L2PrefetchParams& p) { p.w = static_cast<const char*>(buf.raw_data()) + 8; }, "w not 16-byte aligned");
+  expect_throw([](cu::L2PrefetchParams& p) { p.row_bytes = 1000; }, "row_bytes not a multiple of 16");
+  expect_throw([](cu::L2PrefetchParams& p) { p.bytes_per_row = 250; }, "bytes_per_row not a multiple of 16");
+  expect_throw([](cu::L2PrefetchParams& p) { p.bytes_per_row = 2048; }, "bytes_per_row > row_bytes");
+  expect_throw([](cu::L2PrefetchParams& p) { p.rows = 0; }, "no rows");
 }
 
 TEST(CudaOps, GemmSkinnyRejectsBadSizes) {

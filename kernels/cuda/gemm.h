@@ -200,6 +200,25 @@ namespace tuning {
 extern int gemm_fp8_stream;  // -1 automatic (stream only for M % 4 != 0), 0 never, 1 whenever supported
 }  // namespace tuning
 
+// ---- Weights into L2 ahead of a decode GEMM (issue 30; kernels/cuda/gemm_prefetch.cu) ----------------
+// Hints L2 to fetch the first bytes_per_row bytes of each of `rows` rows (row stride row_bytes) at w:
+// the model forks it onto a side stream after a decode step's GEMM, so the next GEMM's weights start
+// to travel while the short ops between the two run. Writes nothing (no reference to compare: the
+// decode steps' outputs stay the same bits, CudaDecoder.L2PrefetchLeavesEveryStepBitForBit).
+// Needs w, row_bytes and bytes_per_row 16-byte aligned (cp.async.bulk), 0 < bytes_per_row <= row_bytes.
+struct L2PrefetchParams {
+  const void* w = nullptr;
+  int64_t rows = 0, row_bytes = 0, bytes_per_row = 0;
+};
+bool prefetch_l2_supported(const L2PrefetchParams& p);
+void prefetch_l2(const L2PrefetchParams& p, Stream s);
+// The equal prefix of every row that fits `budget` bytes, in multiples of 16 (0 when less than 16 a row).
+int64_t l2_prefetch_bytes_per_row(int64_t rows, int64_t row_bytes, int64_t budget);
+namespace tuning {
+extern int decode_prefetch_mb;    // the bytes fetched ahead of each decode GEMM, MiB (default 16; DFLASH_DECODE_PREFETCH_MB)
+extern int decode_prefetch_bulk;  // 1: cp.async.bulk.prefetch.L2 on sm_90 (default); 0: prefetch.global.L2 per line
+}  // namespace tuning
+
 // ---- Skinny bf16 GEMM for decode / verify (issue 30; kernels/cuda/gemm_skinny.cu) ----------------
 // y[M, N] (row stride ldy) = x[M, K] · w[N, K]^T for 0 <= M <= 16, bf16 in and out, fp32
 // accumulation, each weight byte read once with 16-byte loads (mma.sync, sm_80+; K splits over

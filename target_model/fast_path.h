@@ -115,7 +115,8 @@ struct FastPathPlan {
     bool moe_wgmma = false;
     // After each decode / verify GEMM the next GEMM's first weight bytes are fetched into L2 on a side
     // stream (cuda::prefetch_l2, tuning::decode_prefetch_mb MiB each), so they travel while the short
-    // ops between the two run. Off in the plan until measured (--decode-variant prefetch).
+    // ops between the two run. Off in the plan: no gain on an H100 (27B decode bf16 19.68 vs 19.66 ms,
+    // fp8 13.8-14.0 vs 13.65-13.89; bench/results/h100-prefetch-dea16b8); --decode-variant prefetch.
     bool prefetch = false;
     bool any() const { return skinny_gemm || swiglu_gemm || gdn_chain || commit || moe_decode || moe_wgmma || prefetch; }
     // "skinny GEMMs, SwiGLU in down_proj, fused GatedDeltaNet chain, fused commit, MoE decode kernels, weights

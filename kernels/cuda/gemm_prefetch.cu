@@ -12,6 +12,11 @@
 // (sm_90; one instruction per <= 32 KB) or prefetch.global.L2 per 128-byte line (below sm_90, or
 // tuning::decode_prefetch_bulk = 0).
 // A prefetch is a hint: nothing is written, and a dropped one costs only its bytes' time later.
+//
+// Measured on an H100 (27B shapes, bench/results/h100-prefetch-dea16b8): no gain in the decode step
+// (bf16 19.68 vs 19.66 ms with 16 MiB ahead of each GEMM, 19.71 vs 19.63 with 24 MiB per line; fp8
+// 13.8-14.0 vs 13.65-13.89), so the decode plan leaves it off. Not known yet: whether the GEMM's loads
+// hit the prefetched lines (ncu's L2 hit rate of the GEMM after a prefetch would say).
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -43,6 +43,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cmath>
 #include <map>
@@ -1112,6 +1113,87 @@ void bench_decode_gemm(Ctx& ctx, bool quick) {
                            {"drafter_kv", 2048, H, 1}, {"drafter_kv", 2048, H, 16}});
 }
 
+// Does a decode GEMM find the lines cuda::prefetch_l2 sent for (--only l2prefetch; issue 30,
+// DecodeFusion::prefetch, which gave the 27B decode step nothing on an H100)? cuBLASLt's M 16 GEMM at
+// three 27B shapes, timed alone (events around the GEMM only) after L2 is flushed (a memset of 4x its
+// size) and then: nothing (cold); prefetch_l2 of a 16 MiB budget as equal row prefixes, by bulk
+// instructions or per line, then 50 us on the host before the GEMM is enqueued (the prefetch has
+// landed); the same without the wait (bulk_now: the GEMM right behind the prefetch, as when the ops
+// between are short); a real read of the same prefixes (copy: cudaMemcpy2D into a scratch, the lines
+// surely in L2: what a landed prefetch can give). Saving against cold, us; 16 MiB at the copy rate is
+// the most a landed prefetch can save.
+void bench_l2prefetch(Ctx& ctx, bool quick) {
+  std::printf("\n== l2prefetch: a decode GEMM after its weights' row prefixes were prefetched into L2 (M 16, bf16)\n");
+  const double copy_gbs = copy_ceiling(ctx, "l2prefetch");
+  const Device dev = Device::cuda(0);
+  const auto st = static_cast<cudaStream_t>(ctx.stream);
+  const int64_t H = 5120, I = 17408, budget = int64_t{16} << 20;
+  Tensor flush = Tensor::empty({4 * ctx.l2_bytes}, DType::U8, dev), sink = Tensor::empty({budget + (1 << 20)}, DType::U8, dev);
+  cudaEvent_t e0, e1;
+  DFLASH_CUDA_CHECK(cudaEventCreate(&e0));
+  DFLASH_CUDA_CHECK(cudaEventCreate(&e1));
+  struct Shape {
+    const char* name;
+    int64_t N, K;
+  };
+  const std::vector<Shape> shapes = quick ? std::vector<Shape>{{"mlp_gate_up", 2 * I, H}}
+                                          : std::vector<Shape>{{"mlp_gate_up", 2 * I, H}, {"mlp_down", H, I}, {"gdn_out_proj", H, 6144}};
+  const std::vector<std::string> modes = {"cold", "bulk", "line", "bulk_now", "copy"};
+  for (const Shape& g : shapes) {
+    Tensor w = dev_randn({g.N, g.K}, DType::BF16, 100, 0.02f), x = dev_randn({16, g.K}, DType::BF16, 99);
+    Tensor y = Tensor::empty({16, g.N}, DType::BF16, dev);
+    cuda::L2PrefetchParams pp;
+    pp.w = w.raw_data(), pp.rows = g.N, pp.row_bytes = 2 * g.K;
+    pp.bytes_per_row = cuda::l2_prefetch_bytes_per_row(pp.rows, pp.row_bytes, budget);
+    const cuda::GemmParams gp{x.raw_data(), g.K, w.raw_data(), y.raw_data(), g.N, 16, g.N, g.K, false};
+    cuda::gemm_bf16(gp, 0);  // (the plan made before timing)
+    std::map<std::string, std::vector<double>> ms;
+    std::vector<size_t> order(modes.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    for (int rep = 0; rep < (quick ? 5 : 15); ++rep) {
+      std::shuffle(order.begin(), order.end(), ctx.order);
+      for (size_t i : order) {
+        const std::string& m = modes[i];
+        DFLASH_CUDA_CHECK(cudaMemsetAsync(flush.raw_data(), rep & 0xff, flush.nbytes(), st));
+        const cases::Knob bulk(cuda::tuning::decode_prefetch_bulk, m == "line" ? 0 : 1);
+        if (m == "bulk" || m == "line" || m == "bulk_now") cuda::prefetch_l2(pp, ctx.stream);
+        if (m == "copy")
+          DFLASH_CUDA_CHECK(cudaMemcpy2DAsync(sink.raw_data(), static_cast<size_t>(pp.bytes_per_row), w.raw_data(),
+                                              static_cast<size_t>(pp.row_bytes), static_cast<size_t>(pp.bytes_per_row),
+                                              static_cast<size_t>(pp.rows), cudaMemcpyDeviceToDevice, st));
+        if (m != "bulk_now") {
+          DFLASH_CUDA_CHECK(cudaStreamSynchronize(st));
+          const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+          while (std::chrono::steady_clock::now() < until) {
+          }
+        }
+        DFLASH_CUDA_CHECK(cudaEventRecord(e0, st));
+        cuda::gemm_bf16(gp, 0);
+        DFLASH_CUDA_CHECK(cudaEventRecord(e1, st));
+        DFLASH_CUDA_CHECK(cudaEventSynchronize(e1));
+        float t = 0;
+        DFLASH_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+        ms[m].push_back(t);
+      }
+    }
+    const std::string shape = std::string(g.name) + " M16 N" + std::to_string(g.N) + " K" + std::to_string(g.K) +
+                              " prefix" + std::to_string(pp.bytes_per_row) + "B";
+    std::sort(ms["cold"].begin(), ms["cold"].end());
+    const double cold = ms["cold"][ms["cold"].size() / 2];
+    for (const std::string& m : modes) {
+      std::vector<double>& v = ms[m];
+      std::sort(v.begin(), v.end());
+      const double p50 = v[v.size() / 2], p20 = v[v.size() / 5], p80 = v[v.size() * 4 / 5];
+      std::printf("  l2prefetch %-46s %-9s %8.4f ms  saves %6.2f us (the prefix at the copy rate: %.2f us)\n",
+                  shape.c_str(), m.c_str(), p50, (cold - p50) * 1e3,
+                  static_cast<double>(pp.bytes_per_row * pp.rows) / (copy_gbs * 1e9) * 1e6);
+      ctx.csv->write({"l2prefetch", "gemm_after_prefetch", m, "fwd", "time", "ms", shape, p50, p20, p80, false});
+    }
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+}
+
 // The fused decode kernels of issue 30 against their unfused twins, Qwen3.6-27B decode shapes (one
 // sequence, 16 padded rows as the decoder runs them): gemm_skinny vs cuBLASLt per projection (GB/s of
 // the weight), down_proj with SwiGLU fused, the GatedDeltaNet chain (decode T 1 and verify T 16),
@@ -1445,7 +1527,7 @@ int main(int argc, char** argv) {
   std::string json_path, baseline;
   app.add_option("--json", json_path, "also write this run's rows as JSON");
   app.add_option("--baseline", baseline, "an earlier CSV: print now/baseline per row and the geomean per group");
-  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,attn,dattn,ce,layer,decode,sample,fp8,fused,fp8train,decode_gemm")
+  app.add_option("--only", only, "comma-separated subset of conv,gdn,gemm,attn,dattn,ce,layer,decode,sample,fp8,fused,fp8train,decode_gemm,l2prefetch")
       ->capture_default_str();
   app.add_flag("--quick", quick, "a few shapes only (smoke run)");
   app.add_option("--decode-ops", ctx.decode_ops, "decode section: which of gdn,conv,attn")->capture_default_str();
@@ -1474,7 +1556,7 @@ int main(int argc, char** argv) {
         {"conv", bench_conv}, {"gdn", bench_gdn},     {"gemm", bench_gemm},  {"attn", bench_attn},
         {"ce", bench_ce},     {"layer", bench_layer}, {"dattn", bench_dattn}, {"decode", bench_decode},
         {"sample", bench_sample}, {"fp8", bench_fp8}, {"fused", bench_fused}, {"fp8train", bench_fp8train},
-        {"decode_gemm", bench_decode_gemm}};
+        {"decode_gemm", bench_decode_gemm}, {"l2prefetch", bench_l2prefetch}};
     std::set<std::string> wanted;
     for (std::stringstream ss(only); ss.good();) {
       std::string name;
@@ -1482,7 +1564,7 @@ int main(int argc, char** argv) {
       if (name.empty()) continue;
       DFLASH_REQUIRE_HINT(std::any_of(sections.begin(), sections.end(), [&](const auto& s) { return s.first == name; }),
                         "kernel_bench --only: unknown section '" << name << "'",
-                        "the sections are conv, gdn, gemm, attn, dattn, ce, layer, decode, sample, fp8, fused, fp8train, decode_gemm");
+                        "the sections are conv, gdn, gemm, attn, dattn, ce, layer, decode, sample, fp8, fused, fp8train, decode_gemm, l2prefetch");
       wanted.insert(name);
     }
     for (const auto& [name, fn] : sections)

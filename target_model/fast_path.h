@@ -115,8 +115,9 @@ struct FastPathPlan {
     bool moe_wgmma = false;
     // After each decode / verify GEMM the next GEMM's first weight bytes are fetched into L2 on a side
     // stream (cuda::prefetch_l2, tuning::decode_prefetch_mb MiB each), so they travel while the short
-    // ops between the two run. Off in the plan: no gain on an H100 (27B decode bf16 19.68 vs 19.66 ms,
-    // fp8 13.8-14.0 vs 13.65-13.89; bench/results/h100-prefetch-dea16b8); --decode-variant prefetch.
+    // ops between the two run. Off in the plan: on H100s the 27B bf16 decode step gained 2.1-2.3% at
+    // 8-12 MiB on one machine and nothing at 16 MiB on another, fp8 lost 0.7% (bench/results/
+    // h100-prefetch-dea16b8, h100-l2prefetch-7e34c98); --decode-variant prefetch.
     bool prefetch = false;
     bool any() const { return skinny_gemm || swiglu_gemm || gdn_chain || commit || moe_decode || moe_wgmma || prefetch; }
     // "skinny GEMMs, SwiGLU in down_proj, fused GatedDeltaNet chain, fused commit, MoE decode kernels, weights

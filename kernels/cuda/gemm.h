@@ -215,7 +215,7 @@ void prefetch_l2(const L2PrefetchParams& p, Stream s);
 // The equal prefix of every row that fits `budget` bytes, in multiples of 16 (0 when less than 16 a row).
 int64_t l2_prefetch_bytes_per_row(int64_t rows, int64_t row_bytes, int64_t budget);
 namespace tuning {
-extern int decode_prefetch_mb;    // the bytes fetched ahead of each decode GEMM, MiB (default 16; DFLASH_DECODE_PREFETCH_MB)
+extern int decode_prefetch_mb;    // the bytes fetched ahead of each decode GEMM, MiB (default 8; DFLASH_DECODE_PREFETCH_MB)
 extern int decode_prefetch_bulk;  // 1: cp.async.bulk.prefetch.L2 on sm_90 (default); 0: prefetch.global.L2 per line
 }  // namespace tuning
 

@@ -13,10 +13,11 @@
 // tuning::decode_prefetch_bulk = 0).
 // A prefetch is a hint: nothing is written, and a dropped one costs only its bytes' time later.
 //
-// Measured on an H100 (27B shapes, bench/results/h100-prefetch-dea16b8): no gain in the decode step
-// (bf16 19.68 vs 19.66 ms with 16 MiB ahead of each GEMM, 19.71 vs 19.63 with 24 MiB per line; fp8
-// 13.8-14.0 vs 13.65-13.89), so the decode plan leaves it off. Not known yet: whether the GEMM's loads
-// hit the prefetched lines (ncu's L2 hit rate of the GEMM after a prefetch would say).
+// Measured on H100s (27B shapes): the prefetched lines land (kernel_bench --only l2prefetch: a GEMM
+// alone after a 16 MiB prefetch saves 3.6-6.4 us, a real read of the same bytes 3.9-7.5), but the decode
+// step gains only sometimes: bf16 -2.1% / -2.3% at 8 / 12 MiB on one H100, +0.5% at 4 MiB, nothing at
+// 16 MiB on another, fp8 +0.7% at 8 MiB (bench/results/h100-prefetch-dea16b8, h100-l2prefetch-7e34c98).
+// So the decode plan leaves it off.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -35,7 +36,7 @@ int env_int(const char* name, int fallback) {
   return e && *e ? std::atoi(e) : fallback;
 }
 }  // namespace
-int decode_prefetch_mb = env_int("DFLASH_DECODE_PREFETCH_MB", 16);
+int decode_prefetch_mb = env_int("DFLASH_DECODE_PREFETCH_MB", 8);
 int decode_prefetch_bulk = env_int("DFLASH_DECODE_PREFETCH_BULK", 1);
 }  // namespace tuning
 

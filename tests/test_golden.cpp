@@ -14,6 +14,7 @@
 #include "target_model/flops.h"
 #include "target_model/model.h"
 #include "core/io/safetensors.h"
+#include "golden_layers.h"
 #include "test_util.h"
 
 using namespace dflash;
@@ -40,34 +41,7 @@ class Golden : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(Golden, EveryLayerMatchesTransformers) {
   const std::string dir = kHf + GetParam();
-  TargetConfig cfg = TargetConfig::from_file(dir);
-  TargetModel model(cfg, load_weights(cfg, dir, DType::F32, Device::cpu()));
-  io::SafetensorsFile golden(dir + "/golden.safetensors");
-  ForwardOptions opt;
-  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) opt.capture.push_back(i);
-  opt.final_norm = true;
-  for (auto algo : {ops::DeltaRuleAlgo::Chunked, ops::DeltaRuleAlgo::Recurrent}) {
-    opt.delta_rule = algo;
-    for (int T : {1, 37, 130}) {
-      const std::string t = std::to_string(T);
-      ForwardResult r = model.forward({ids_of(golden.tensor("ids." + t))}, opt);
-      double worst = 0, worst_exact = 0;
-      for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
-        const std::string li = t + "." + std::to_string(i);
-        const double e = max_rel_err(r.layers.at(i), golden.tensor("layer." + li));
-        const double ex = max_rel_err(r.layers.at(i), golden.tensor("exact." + li));
-        EXPECT_LE(e, kBound) << GetParam() << " T=" << T << " layer " << i;
-        EXPECT_LE(ex, kBound) << GetParam() << " T=" << T << " layer " << i << " vs float64";
-        worst = std::max(worst, e);
-        worst_exact = std::max(worst_exact, ex);
-      }
-      const double ef = max_rel_err(r.final_hidden, golden.tensor("final." + t));
-      EXPECT_LE(ef, kBound) << GetParam() << " T=" << T << " final norm";
-      std::printf("%s %-9s T=%3d: max rel err vs transformers f32 %.2e (f64 %.2e), final norm %.2e\n",
-                  GetParam().c_str(), algo == ops::DeltaRuleAlgo::Chunked ? "chunked" : "recurrent", T, worst,
-                  worst_exact, ef);
-    }
-  }
+  expect_every_layer_matches_golden(dir, dir + "/golden.safetensors", GetParam(), kBound);
 }
 
 // Packing several sequences in one batch gives each the result it gets alone.

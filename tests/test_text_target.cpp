@@ -14,6 +14,7 @@
 
 #include "core/io/safetensors.h"
 #include "target_model/model.h"
+#include "golden_layers.h"
 #include "test_util.h"
 #ifdef DFLASH_WITH_TEXT
 #include "text/tokenizer.h"
@@ -41,33 +42,7 @@ TEST(TextTarget, ConfigIsTheHybridShape) {
 }
 
 TEST(TextTarget, EveryLayerMatchesTransformers) {
-  TargetConfig cfg = TargetConfig::from_file(kModel);
-  TargetModel model(cfg, load_weights(cfg, kModel, DType::F32, Device::cpu()));
-  io::SafetensorsFile golden(kGolden + "golden.safetensors");
-  ForwardOptions opt;
-  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) opt.capture.push_back(i);
-  opt.final_norm = true;
-  for (auto algo : {ops::DeltaRuleAlgo::Chunked, ops::DeltaRuleAlgo::Recurrent}) {
-    opt.delta_rule = algo;
-    for (int T : {1, 37, 130}) {
-      const std::string t = std::to_string(T);
-      ForwardResult r = model.forward({ids_of(golden.tensor("ids." + t))}, opt);
-      double worst = 0, worst_exact = 0;
-      for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
-        const std::string li = t + "." + std::to_string(i);
-        const double e = max_rel_err(r.layers.at(i), golden.tensor("layer." + li));
-        const double ex = max_rel_err(r.layers.at(i), golden.tensor("exact." + li));
-        EXPECT_LE(e, kBound) << "T=" << T << " layer " << i;
-        EXPECT_LE(ex, kBound) << "T=" << T << " layer " << i << " vs float64";
-        worst = std::max(worst, e);
-        worst_exact = std::max(worst_exact, ex);
-      }
-      const double ef = max_rel_err(r.final_hidden, golden.tensor("final." + t));
-      EXPECT_LE(ef, kBound) << "T=" << T << " final norm";
-      std::printf("text-target %-9s T=%3d: max rel err vs transformers f32 %.2e (f64 %.2e), final norm %.2e\n",
-                  algo == ops::DeltaRuleAlgo::Chunked ? "chunked" : "recurrent", T, worst, worst_exact, ef);
-    }
-  }
+  expect_every_layer_matches_golden(kModel, kGolden + "golden.safetensors", "text-target", kBound);
 }
 
 #ifdef DFLASH_WITH_TEXT

@@ -290,7 +290,9 @@ void CudaTargetModel::prefetch_next(const std::vector<Proj>& parts) {
     g.row_bytes = p.K * static_cast<int64_t>(dtype_size(p.w.dtype()));
     g.bytes_per_row = cuda::l2_prefetch_bytes_per_row(g.rows, g.row_bytes,
                                                       total > budget ? static_cast<int64_t>(static_cast<double>(budget) * bytes / total) : bytes);
-    if (cuda::prefetch_l2_supported(g)) cuda::prefetch_l2(g, prefetch_->stream);
+    if (!cuda::prefetch_l2_supported(g)) continue;
+    cuda::prefetch_l2(g, prefetch_->stream);
+    ++prefetches_;
   }
   prefetch_pending_ = true;
 }

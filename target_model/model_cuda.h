@@ -197,6 +197,9 @@ class CudaTargetModel {
   void set_decode(DecodeStep* step) { decode_ = step; }
   const TargetWeights& weights() const { return weights_; }
   void* stream() const { return stream_; }
+  // The L2 prefetches of decode GEMMs' weights enqueued so far (DecodeFusion::prefetch; a captured
+  // step's count once, not per replay).
+  uint64_t l2_prefetches() const { return prefetches_; }
   // The plan's gemm step is kGemmUnalignedKernel (sizes not multiples of 8): every GEMM on this
   // model's activations, the decoder's LM head too, passes cuda::GemmParams::unaligned.
   bool gemm_unaligned() const { return gemm_unaligned_; }
@@ -319,6 +322,7 @@ class CudaTargetModel {
   };
   std::unique_ptr<PrefetchLane, PrefetchLaneDeleter> prefetch_;
   bool prefetch_pending_ = false;
+  uint64_t prefetches_ = 0;  // prefetch_l2 launches enqueued (eager or captured; replays not counted)
   void prefetch_next(const std::vector<Proj>& parts);
   void join_prefetch();
   PathCounters counters_;

@@ -474,6 +474,10 @@ TEST(CudaDecoder, L2PrefetchLeavesEveryStepBitForBit) {
       }
       EXPECT_EQ(on.dec->graph_stats().capture_failures, 0u);
       EXPECT_GT(on.dec->graph_stats().replays, 0u);
+      // Every GEMM of a decode / verify step but the first was preceded by its prefetch (4 a layer, the
+      // first layer's in-projection excepted): the steps above did prefetch.
+      EXPECT_GE(on.model->l2_prefetches(), static_cast<uint64_t>(4 * c.num_hidden_layers - 1));
+      EXPECT_EQ(off.model->l2_prefetches(), 0u);
     }
   }
   cuda::tuning::decode_prefetch_mb = saved;

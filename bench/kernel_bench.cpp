@@ -1178,16 +1178,13 @@ void bench_l2prefetch(Ctx& ctx, bool quick) {
     }
     const std::string shape = std::string(g.name) + " M16 N" + std::to_string(g.N) + " K" + std::to_string(g.K) +
                               " prefix" + std::to_string(pp.bytes_per_row) + "B";
-    std::sort(ms["cold"].begin(), ms["cold"].end());
-    const double cold = ms["cold"][ms["cold"].size() / 2];
+    const double cold = bench::summarize(ms["cold"], {}, 0.05).p50;
     for (const std::string& m : modes) {
-      std::vector<double>& v = ms[m];
-      std::sort(v.begin(), v.end());
-      const double p50 = v[v.size() / 2], p20 = v[v.size() / 5], p80 = v[v.size() * 4 / 5];
+      const bench::Stats st = bench::summarize(ms[m], {}, 0.05);  // (one sample a round: no round spread)
       std::printf("  l2prefetch %-46s %-9s %8.4f ms  saves %6.2f us (the prefix at the copy rate: %.2f us)\n",
-                  shape.c_str(), m.c_str(), p50, (cold - p50) * 1e3,
+                  shape.c_str(), m.c_str(), st.p50, (cold - st.p50) * 1e3,
                   static_cast<double>(pp.bytes_per_row * pp.rows) / (copy_gbs * 1e9) * 1e6);
-      ctx.csv->write({"l2prefetch", "gemm_after_prefetch", m, "fwd", "time", "ms", shape, p50, p20, p80, false});
+      ctx.csv->write({"l2prefetch", "gemm_after_prefetch", m, "fwd", "time", "ms", shape, st.p50, st.p20, st.p80, st.noisy});
     }
   }
   cudaEventDestroy(e0);

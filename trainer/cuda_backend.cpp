@@ -261,7 +261,7 @@ class CudaBackend final : public TrainBackend {
     }
   }
 
-  static double gib(size_t b) { return static_cast<double>(b) / (1024.0 * 1024.0 * 1024.0); }
+  static double gib(double b) { return b / (1024.0 * 1024.0 * 1024.0); }
 
   // The memory plan against the first step's measured peaks (through the target forward, then the whole step):
   // logged, and a warning where the plan was low, since its start-up check then passes runs that may not fit
@@ -271,7 +271,7 @@ class CudaBackend final : public TrainBackend {
     const size_t peak = device_alloc::stats(device_.index).peak_allocated;
     spdlog::info("first step's GPU memory: peak {:.2f} GiB through the target forward, {:.2f} GiB through the drafter's "
                  "forward + backward; the memory plan said {:.2f} GiB",
-                 gib(target_peak), gib(peak), plan_bytes_ / (1024.0 * 1024.0 * 1024.0));
+                 gib(target_peak), gib(peak), gib(plan_bytes_));
     if (const std::string w = memory_plan_shortfall(plan_bytes_, static_cast<double>(peak)); !w.empty()) spdlog::warn("{}", w);
   }
 

@@ -1024,35 +1024,6 @@ void bench_fp8(Ctx& ctx, bool quick) {
         }
       }
       cuda::tuning::gemm_fp8_fast_accum = -1;
-      cuda::tuning::gemm_fp8_stream = 0;
-      // DFLASH_BENCH_FP8_ALGOS=1: every answer of cuBLASLt's heuristic for the decode shapes (the plan
-      // takes its first), each checked against gemm_bf16 and timed on the rotated weight copies.
-      if (const char* a = std::getenv("DFLASH_BENCH_FP8_ALGOS"); decode && a && *a == '1') {
-        for (int i = 0; i < 16; ++i) {
-          cuda::tuning::gemm_fp8_algo = i;
-          try {
-            const cuda::GemmFp8Params p0{xq.data<uint8_t>(), K, xs.data<float>(), wq[0].data<uint8_t>(),
-                                         ws[0].data<float>(), y8.raw_data(), N, M, N, K, false};
-            const std::string text = cuda::gemm_fp8_algo_text(p0, 0);
-            next = 0;
-            bf16_call();
-            next = 0;
-            fp8_call(false);
-            DeviceContext::get(0).synchronize();
-            const int64_t rows = std::min<int64_t>(M, 64);
-            const double e = max_rel_err(y8.slice(0, 0, rows), y16.slice(0, 0, rows));
-            DFLASH_CHECK(e <= 0.1, "fp8 " << shape << ": cuBLASLt answer " << i << " disagrees with gemm_bf16 (max rel err "
-                                          << e << " > 0.1); not timing a wrong kernel");
-            measure(ctx, "fp8", "gemm_fp8", shape, {{"cublaslt_answer" + std::to_string(i), [&] { fp8_call(false); }, nullptr}},
-                    0, units(1));
-            std::printf("  fp8    cublaslt %s\n", text.c_str());
-          } catch (const Error& e) {
-            std::printf("  fp8    cublaslt answer %d: %s\n", i, e.what());
-            break;
-          }
-        }
-        cuda::tuning::gemm_fp8_algo = -1;
-      }
       cuda::tuning::gemm_fp8_stream = -1;
       if (ceiling_p50 > 0)
         write_shares(ctx, "fp8", first_row, ceiling_p50, "achieved", "of_fp8_ceiling", "fp8 ceiling");

@@ -8,8 +8,7 @@
 #      (an MoE target, issue 33) on 1 GPU (run q35_1gpu);
 #   3. with SEQ_LENS="4096 8192 16384 32768" (issue 31) the recipe on 1 GPU at each sequence length
 #      (runs q27_seq<L>): SEQ_PRECISION (default fp8) target, SEQ_DRAFTER (default bf16; fp8: the FP8
-#      drafter, runs q27_seq<L>_d8), SEQ_OVERLAP (default true; "true false": each run also with the optimizer
-#      update inside its step, training.overlap_optimizer false, runs <name>_seropt), SEQ_WGRAD_X (default auto = 128 x 128 blocks; "auto 128x1": with the FP8
+#      drafter, runs q27_seq<L>_d8), SEQ_WGRAD_X (default auto = 128 x 128 blocks; "auto 128x1": with the FP8
 #      drafter each length also with the weight gradients' x in 128 x 1 tiles, runs <name>_wgx1), SEQ_HEADS (default bf16; "bf16 fp8": each length with the LM-head CE in
 #      bf16 and in FP8, model.drafter.lm_head_precision, runs ..._h8), one sequence of L tokens a step, SEQ_STEPS
 #      (default 15) steps logged every 5, so the rows average the last 10; SEQ_ANCHORS (default recipe)
@@ -126,19 +125,16 @@ for L in ${SEQ_LENS:-}; do
     for head in ${SEQ_HEADS:-bf16}; do  # model.drafter.lm_head_precision (fp8: runs <name>_h8)
      for wgx in ${SEQ_WGRAD_X:-auto}; do  # model.drafter.fp8_wgrad_x_tiles (128x1: runs <name>_wgx1; FP8 drafter only)
       [ "$wgx" != auto ] && [ "${SEQ_DRAFTER:-bf16}" != fp8 ] && continue
-      for ovl in ${SEQ_OVERLAP:-true}; do  # training.overlap_optimizer (false: runs <name>_seropt)
       hname=$name
       [ "$head" = fp8 ] && hname=${name}_h8
       [ "$wgx" = 128x1 ] && hname=${hname}_wgx1
-      [ "$ovl" = false ] && hname=${hname}_seropt
       run "$hname" "$T" "${Q27[@]}" --set parallel.tp=1 --set model.target.precision="${SEQ_PRECISION:-fp8}" \
         --set model.drafter.precision="${SEQ_DRAFTER:-bf16}" --set model.drafter.lm_head_precision="$head" \
-        --set model.drafter.fp8_wgrad_x_tiles="$wgx" --set training.overlap_optimizer="$ovl" \
+        --set model.drafter.fp8_wgrad_x_tiles="$wgx" \
         --set data.max_length=$L --set data.synth.path="$W/q27_synth_$L.h5" --set data.synth.num_sequences=32 \
         --set data.synth.min_length=$L --set data.synth.max_length=$L "${anchors[@]}" \
         --set training.max_steps="${SEQ_STEPS:-15}" --set logging.interval=5 --set logging.progress_bar=false \
         --set logging.run_dir="$W/$hname" --csv "$CSV"
-      done
      done
     done
     rm -f "$W/q27_synth_$L.h5"

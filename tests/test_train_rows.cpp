@@ -47,9 +47,6 @@ TEST(TrainRows, ValuesFromTheSteadyState) {
   EXPECT_EQ(d8.shape(), "qwen3_5 L64 H5120 seq=4096 fp8 tp=1 dp=2 drafter=5x16-fp8 anchors=512 batch=1x1");
   d8.fp8_lm_head = true;  // model.drafter.lm_head_precision: fp8
   EXPECT_EQ(d8.shape(), "qwen3_5 L64 H5120 seq=4096 fp8 tp=1 dp=2 drafter=5x16-fp8-fp8head anchors=512 batch=1x1");
-  TrainRowShape serial = sh;
-  serial.serial_optimizer = true;  // training.overlap_optimizer: false
-  EXPECT_EQ(serial.shape(), "qwen3_5 L64 H5120 seq=4096 fp8 tp=1 dp=2 drafter=5x16 anchors=512 batch=1x1 opt=serial");
   SteadyState s;
   s.warmup_steps = 10, s.steps = 10, s.seconds = 4.5, s.tokens = 10 * 2 * 4096.0, s.flops = 4.5 * 2 * 700e12;
   s.times.target_s = 2.3, s.times.drafter_s = 2.0, s.times.comm_s = 0.01, s.times.optimizer_s = 0.18;

@@ -61,10 +61,8 @@
 #   kill9bg kill -9 while the background checkpoint writer is active (DFLASH_FAULT_CHECKPOINT_PAUSE holds ckpt-8's write
 #           after its drafter files): the partial ckpt-8 has no COMMIT and is never resumed; the same command resumes
 #           from ckpt-4 and ends with the uninterrupted run's losses, bit for bit; the partial directory is removed.
-#   determinism  the same run twice (DFLASH_DET_STEPS steps, default 6), the second with training.overlap_optimizer=false
-#           (on the GPU backend the update inside its step instead of beside the next target forward): losses and grad
-#           norms equal as text, the final checkpoint's optimizer state and drafter byte for byte (on a mismatch: the
-#           largest difference).
+#   determinism  the same run twice (DFLASH_DET_STEPS steps, default 6): losses and grad norms equal as text, the
+#           final checkpoint's optimizer state and drafter byte for byte (on a mismatch: the largest difference).
 #   cudaerror  on the CPU backend DFLASH_FAULT_CUDA_ERROR (a GPU-backend hook) and a malformed value are refused at
 #           start-up; on the GPU backend each fault of DFLASH_CUDA_FAULTS (default drafter:6 target:7:trap
 #           optimizer:10) ends the run non-zero (never a hang: 120 s) naming rank, step and op, after the last complete
@@ -574,9 +572,7 @@ determinism)
   n=${DFLASH_DET_STEPS:-6}
   common=(--set training.max_steps=$n --set logging.interval=1 --set checkpoint.interval=100000)
   run a "${common[@]}" || fail "run a failed"
-  # (b: the optimizer update inside its step; a: beside the next step's target forward, the GPU
-  # backend's default. The CPU backend updates on the host either way.)
-  run b "${common[@]}" --set training.overlap_optimizer=false || fail "run b failed"
+  run b "${common[@]}" || fail "run b failed"
   ok=1
   for k in loss grad_norm; do
     if [ "$(col "$work/a/metrics.jsonl" $k)" != "$(col "$work/b/metrics.jsonl" $k)" ]; then
@@ -589,8 +585,8 @@ determinism)
   for f in "checkpoints/ckpt-$n/optimizer.safetensors" drafter/model.safetensors; do
     cmp -s "$work/a/$f" "$work/b/$f" || { ok=0; echo "  $f differs: $(cmp "$work/a/$f" "$work/b/$f" -l 2>/dev/null | wc -l) bytes"; }
   done
-  [ $ok = 1 ] || fail "two identical runs differ ($device backend; the second with training.overlap_optimizer=false)"
-  echo "two identical $n-step runs (the second with the optimizer update inside its step): losses, grad norms, optimizer state and drafter equal bit for bit"
+  [ $ok = 1 ] || fail "two identical runs differ ($device backend)"
+  echo "two identical $n-step runs: losses, grad norms, optimizer state and drafter equal bit for bit"
   ;;
 cudaerror)
   common=(--set training.max_steps=12 --set logging.interval=1 --set checkpoint.interval=4 --set checkpoint.keep_last=2)

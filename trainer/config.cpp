@@ -435,7 +435,6 @@ const std::vector<Field>& schema() {
     f.push_back(num_field("training.grad_clip", Range::NonNegative, DFLASH_MEMBER(training.grad_clip)));
     f.push_back(int_field("training.seed", 0, DFLASH_MEMBER(training.seed)));
     f.push_back(int_field("training.skip_nonfinite_limit", 1, DFLASH_MEMBER(training.skip_nonfinite_limit)));
-    f.push_back(bool_field("training.overlap_optimizer", DFLASH_MEMBER(training.overlap_optimizer)));
     f.push_back(enum_field<KernelPolicy>("kernels.conv", policies,
                                                                                  DFLASH_MEMBER(kernels.conv)));
     f.push_back(enum_field<KernelPolicy>(

@@ -181,10 +181,6 @@ struct TrainingSection {
   double grad_clip = 1.0;  // max global grad norm; 0 = no clipping
   int64_t seed = 0;
   int64_t skip_nonfinite_limit = 5;  // this many non-finite steps in a row stop the run
-  // CUDA backend: the AdamW update and the gradients' zeroing run on a side stream beside the next
-  // step's target forward (which reads none of the drafter's state); the drafter's forward waits for
-  // them. The same bits either way; false: the update inside its step, after the all-reduce.
-  bool overlap_optimizer = true;
   bool operator==(const TrainingSection&) const = default;
 };
 

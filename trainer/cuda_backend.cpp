@@ -2,9 +2,7 @@
 // TP group) captures the drafter's layers; the CUDA drafter trains data-parallel over all ranks.
 // Gradients are fp32 in one flat buffer; backward reports each layer's bucket as soon as it is
 // final and its NCCL all-reduce starts on a second stream while the earlier layers' backward runs.
-// AdamW runs on the device on fp32 masters and refreshes the bf16 weights; with
-// training.overlap_optimizer (the default) it runs on a third stream beside the next step's target
-// forward, which reads none of the drafter's state, and the drafter's forward waits for it.
+// AdamW runs on the device on fp32 masters and refreshes the bf16 weights.
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -40,13 +38,11 @@ class CudaBackend final : public TrainBackend {
     const TrainConfig& cfg = *s.cfg;
     const auto& ts = cfg.model.target;
     blocks_per_pass_ = cfg.training.blocks_per_pass;
-    overlap_optimizer_ = cfg.training.overlap_optimizer;
     DFLASH_CUDA_CHECK(cudaSetDevice(device_.index));
     const DeviceInfo info = cuda_device_info(device_.index);
     gpu_name_ = info.name;
     stream_ = DeviceContext::get(device_.index).stream();
     DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(reinterpret_cast<cudaStream_t*>(&comm_stream_), cudaStreamNonBlocking));
-    DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(reinterpret_cast<cudaStream_t*>(&opt_stream_), cudaStreamNonBlocking));
     if (s.world > 1) {
       world_ = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, 0, s.rank, device_, cfg.parallel.timeout_s, "dp");
       if (s.layout.tp_size > 1)
@@ -119,16 +115,10 @@ class CudaBackend final : public TrainBackend {
                              static_cast<double>(model_->num_params()) / 1e9, seconds_since(t0),
                              gib(device_alloc::stats(device_.index).allocated - live0));
     DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&grads_ready_, cudaEventDisableTiming));
-    DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&opt_done_, cudaEventDisableTiming));
   }
 
   ~CudaBackend() override {
-    if (opt_done_) {
-      if (opt_pending_) cudaEventSynchronize(opt_done_);  // (an error here was or will be reported by the step)
-      cudaEventDestroy(opt_done_);
-    }
     if (grads_ready_) cudaEventDestroy(grads_ready_);
-    if (opt_stream_) cudaStreamDestroy(static_cast<cudaStream_t>(opt_stream_));
     if (comm_stream_) cudaStreamDestroy(static_cast<cudaStream_t>(comm_stream_));
   }
 
@@ -147,14 +137,7 @@ class CudaBackend final : public TrainBackend {
             {"drafter_attention", drafter_plan_.attention_json()},
             {"drafter", drafter_plan_.to_json()}};
   }
-  // (After an overlapped update the gradients were zeroed behind it on the optimizer's stream.)
-  void zero_grads() override {
-    if (grads_zeroed_) {
-      grads_zeroed_ = false;
-      return;
-    }
-    model_->zero_grads();
-  }
+  void zero_grads() override { model_->zero_grads(); }
 
   void begin_step(int64_t step) override { step_ = step; }
 
@@ -169,7 +152,6 @@ class CudaBackend final : public TrainBackend {
       DeviceContext::get(device_.index).synchronize();
     });
     t.target_s += seconds_since(t0);
-    settle_optimizer(&t);  // (ran beside the target forward; the drafter reads its weights)
     const bool first = !first_step_checked_;
     const size_t target_peak = first ? device_alloc::stats(device_.index).peak_allocated : 0;  // (the plan check's)
     if (m.batch.blocks.empty() || opt.grad_scale <= 0) {
@@ -198,7 +180,6 @@ class CudaBackend final : public TrainBackend {
   }
 
   double reduce_grads(StepTimes& t) override {
-    settle_optimizer(&t);  // (a step whose micro-batches had no blocks: the gradients' zeroing)
     auto t0 = StepClock::now();
     if (world_ && world_->size() > 1) {
       if (pending_ == 0) {
@@ -229,43 +210,22 @@ class CudaBackend final : public TrainBackend {
     p.lr = static_cast<float>(lr), p.beta1 = static_cast<float>(hyper_.beta1), p.beta2 = static_cast<float>(hyper_.beta2);
     p.eps = static_cast<float>(hyper_.eps), p.weight_decay = static_cast<float>(hyper_.weight_decay);
     p.step = steps_, p.grad_scale_host = static_cast<float>(grad_factor);
-    if (!overlap_optimizer_) {
-      in_op("optimizer (AdamW)", "optimizer", [&] {
-        cuda::adamw_step(p, stream_);
-        DeviceContext::get(device_.index).synchronize();  // (so optimizer_s is the update, not its launch)
-      });
-      t.optimizer_s += seconds_since(t0);
-      return;
-    }
-    // On the optimizer's stream after everything queued so far (the gradients, the norm), then the
-    // gradients zeroed for the next step; settle_optimizer waits for both. optimizer_s: the launch
-    // here and the wait there, the part of the update the target forward did not hide.
-    DFLASH_CUDA_CHECK(cudaEventRecord(grads_ready_, static_cast<cudaStream_t>(stream_)));
-    DFLASH_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(opt_stream_), grads_ready_, 0));
     in_op("optimizer (AdamW)", "optimizer", [&] {
-      cuda::adamw_step(p, opt_stream_);
-      DFLASH_CUDA_CHECK(cudaMemsetAsync(model_->grads().raw_data(), 0, model_->grads().nbytes(),
-                                        static_cast<cudaStream_t>(opt_stream_)));
-      DFLASH_CUDA_CHECK(cudaEventRecord(opt_done_, static_cast<cudaStream_t>(opt_stream_)));
-    }, opt_stream_);
-    opt_pending_ = true, grads_zeroed_ = true, opt_step_ = step_;
+      cuda::adamw_step(p, stream_);
+      DeviceContext::get(device_.index).synchronize();  // (so optimizer_s is the update, not its launch)
+    });
     t.optimizer_s += seconds_since(t0);
   }
 
-  drafter::DrafterWeights weights() override {
-    settle_optimizer(nullptr);
-    return model_->download_masters();
-  }
+  drafter::DrafterWeights weights() override { return model_->download_masters(); }
 
   CheckpointState checkpoint_state() override {
-    settle_optimizer(nullptr);
     // The device state copied into the host tensors (made on first use, then reused: they stay
     // unchanged until the next call); the masters serve as the exported weights too.
     sync_host_state();
     return {host_w_, host_opt_->state(false)};
   }
   void load_optimizer(const std::string& path, const nlohmann::json& state) override {
-    settle_optimizer(nullptr);
     make_host_state();
     host_opt_->load(path, state);
     steps_ = host_opt_->steps();
@@ -288,39 +248,17 @@ class CudaBackend final : public TrainBackend {
  private:
   // Runs f, the body of the step's op `what` (fault_op: its name in DFLASH_FAULT_CUDA_ERROR); an error
   // raised inside names the op. The test hook's failing launch is queued first on the op's stream.
-  // An error found while the previous step's update was running beside the op (a device fault surfaces
-  // at whichever wait comes first) says so.
   template <class F>
-  void in_op(const char* what, const char* fault_op, F&& f, void* op_stream = nullptr) {
+  void in_op(const char* what, const char* fault_op, F&& f) {
     try {
       if (fault_.at(step_, fault_op)) {
         spdlog::warn("test hook DFLASH_FAULT_CUDA_ERROR: a failing CUDA launch ({}) in the {} of step {}", fault_.kind, what, step_);
-        cuda::launch_fault(fault_.kind == "trap", op_stream ? op_stream : stream_);
+        cuda::launch_fault(fault_.kind == "trap", stream_);
       }
       f();
     } catch (const Error& e) {
-      std::string hint = e.hint();
-      if (opt_pending_)
-        hint = fmt::format("{}the optimizer update of step {} was running beside it on its own stream (a device fault "
-                           "shows at the first wait, whichever op caused it): training.overlap_optimizer: false "
-                           "runs the update inside its step",
-                           hint.empty() ? "" : hint + "; ", opt_step_);
-      throw Error(std::string(what) + ": " + e.message(), hint, e.where(), e.kind());
+      throw Error(std::string(what) + ": " + e.message(), e.hint(), e.where(), e.kind());
     }
-  }
-
-  // Waits for an update queued by apply (and the gradients' zeroing behind it): before anything reads
-  // the drafter's weights, masters, moments or gradients. Its errors name the update's op and step.
-  void settle_optimizer(StepTimes* t) {
-    if (!opt_pending_) return;
-    auto t0 = StepClock::now();
-    opt_pending_ = false;
-    try {
-      DFLASH_CUDA_CHECK(cudaEventSynchronize(opt_done_));
-    } catch (const Error& e) {
-      throw Error(fmt::format("optimizer (AdamW) of step {}: {}", opt_step_, e.message()), e.hint(), e.where(), e.kind());
-    }
-    if (t) t->optimizer_s += seconds_since(t0);
   }
 
   static double gib(double b) { return b / (1024.0 * 1024.0 * 1024.0); }
@@ -383,13 +321,7 @@ class CudaBackend final : public TrainBackend {
   std::string gpu_name_, fast_path_, precision_text_;  // precision_text_: "fp8 target, bf16 drafter", ... (describe)
   void* stream_ = nullptr;
   void* comm_stream_ = nullptr;
-  void* opt_stream_ = nullptr;  // AdamW and the gradients' zeroing with training.overlap_optimizer
-  cudaEvent_t grads_ready_ = nullptr;  // orders a bucket's all-reduce (or the update) after the kernels that finished it
-  cudaEvent_t opt_done_ = nullptr;     // the update queued on opt_stream_ and the zeroing behind it
-  bool overlap_optimizer_ = true;      // training.overlap_optimizer
-  bool opt_pending_ = false;           // an update is queued and not yet waited for (settle_optimizer)
-  bool grads_zeroed_ = false;          // the queued update zeroed the gradients: zero_grads has nothing to do
-  int64_t opt_step_ = 0;               // the step whose update is queued
+  cudaEvent_t grads_ready_ = nullptr;  // orders a bucket's all-reduce after the kernels that finished it
   std::unique_ptr<comm::Communicator> world_, tp_;
   std::unique_ptr<target::CudaTargetModel> tmodel_;
   target::ForwardOptions fopt_;

@@ -260,10 +260,10 @@ SteadyState RunMetrics::steady() const {
 }
 
 std::string TrainRowShape::shape() const {
-  return fmt::format("{} L{} H{} seq={} {} tp={} dp={} drafter={}x{}{}{}{} anchors={} batch={}x{}{}", model_type,
+  return fmt::format("{} L{} H{} seq={} {} tp={} dp={} drafter={}x{}{}{}{} anchors={} batch={}x{}", model_type,
                      target_layers, hidden, seq_len, precision, tp, dp, drafter_layers, block_size,
                      fp8_drafter ? "-fp8" : "", fp8_drafter && !fp8_wgrad_x_blocks ? "-wgx1" : "", fp8_lm_head ? "-fp8head" : "",
-                     anchors, batch, micro_batches, serial_optimizer ? " opt=serial" : "");
+                     anchors, batch, micro_batches);
 }
 
 std::vector<bench::Row> training_rows(const TrainRowShape& sh, const SteadyState& s, int world) {

@@ -118,8 +118,6 @@ struct TrainRowShape {
   bool fp8_lm_head = false;       // model.drafter.lm_head_precision: fp8 (drafter=5x16-fp8-fp8head)
   bool fp8_wgrad_x_blocks = false;  // the FP8 weight gradients' x in 128 x 128 blocks (the default; 128 x 1:
                                     // drafter=5x16-fp8-wgx1; rows before session 29 without the suffix were 128 x 1)
-  bool serial_optimizer = false;  // GPU, training.overlap_optimizer: false (" opt=serial" at the end; rows before
-                                  // session 31 had the update inside the step without the suffix)
   double peak_mem_gib = 0;        // the peak allocated on any rank (GPU)
   // "qwen3_5_text L64 H5120 seq=4096 fp8 tp=1 dp=1 drafter=5x16 anchors=512 batch=1x1"
   std::string shape() const;

@@ -839,7 +839,6 @@ RunResult train(const TrainConfig& cfg, int world, int rank, const RunOptions& r
     sh.fp8_drafter = cfg.model.drafter.precision == DrafterPrecision::Fp8;
     sh.fp8_lm_head = cfg.model.drafter.lm_head_precision == DrafterPrecision::Fp8;
     sh.fp8_wgrad_x_blocks = fp8_wgrad_x_blocks(cfg.model.drafter);
-    sh.serial_optimizer = r.on_gpu() && !tr.overlap_optimizer;
     sh.peak_mem_gib = backend->peak_memory_gib();
     const std::vector<bench::Row> rows = training_rows(sh, metrics.steady(), world);
     if (rows.empty()) {

@@ -36,7 +36,6 @@
 #include <compare>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <map>
@@ -346,7 +345,6 @@ bool gemm_autotune() { return g_autotune.load(); }
 // it stays off; tuning::gemm_fp8_fast_accum (kernel_bench) forces it on or off.
 namespace tuning {
 int gemm_fp8_fast_accum = -1;  // -1: kFp8FastAccum; 0 / 1: off / on
-int gemm_fp8_algo = -1;
 }  // namespace tuning
 
 namespace {
@@ -358,7 +356,6 @@ struct Fp8Key {
   int64_t M, N, K, ldx, ldy;
   bool tensor_scales, w_vec_scales, y_f32, accumulate;
   bool fast_accum, autotune;  // plans made under another autotune setting are not reused
-  int algo;                   // tuning::gemm_fp8_algo when made (block scales only; else -1)
   auto operator<=>(const Fp8Key&) const = default;
 };
 
@@ -367,7 +364,6 @@ struct Fp8Key {
 struct Fp8Plan {
   GemmPlan plan;
   std::mutex mutex;
-  int answer = 0, answers = 1;  // the heuristic's answer taken, and how many it gave (gemm_fp8_algo_text)
 };
 
 auto* g_fp8_plans = new std::map<Fp8Key, std::unique_ptr<Fp8Plan>>();
@@ -416,26 +412,14 @@ std::unique_ptr<Fp8Plan> make_fp8_plan(const Fp8Key& k, const GemmFp8Params& p, 
 
   cublasLtMatmulHeuristicResult_t results[kCandidates]{};
   int found = 0;
-  const cublasStatus_t st =
-      heuristic(handle, plan, workspace_bytes, autotune || k.algo >= 0 ? kCandidates : 1, results, found);
+  const cublasStatus_t st = heuristic(handle, plan, workspace_bytes, autotune ? kCandidates : 1, results, found);
   DFLASH_CHECK_HINT(st == CUBLAS_STATUS_SUCCESS && found > 0 && results[0].state == CUBLAS_STATUS_SUCCESS,
                     "gemm_fp8: cuBLASLt found no algorithm (status " << static_cast<int>(st) << ", " << found
                                                                      << " answers) for " << fp8_shape_text(k, k.device),
                     "block-scaled FP8 GEMMs need an sm_90 GPU and cuBLAS >= 12.9; run the bf16 target "
                     "(model.target.precision: bf16) on other GPUs");
   plan.algo = results[0].algo;
-  out->answers = found;
-  if (k.algo >= 0) {
-    DFLASH_CHECK(k.algo < found && results[k.algo].state == CUBLAS_STATUS_SUCCESS,
-                 "gemm_fp8: tuning::gemm_fp8_algo = " << k.algo << " but cuBLASLt gave " << found << " answers for "
-                                                      << fp8_shape_text(k, k.device));
-    plan.algo = results[k.algo].algo;
-    out->answer = k.algo;
-  } else if (autotune && found > 1) {
-    plan.algo = fastest(plan, results, found, stream, run);
-    for (int i = 0; i < found; ++i)
-      if (std::memcmp(&results[i].algo, &plan.algo, sizeof(plan.algo)) == 0) out->answer = i;
-  }
+  if (autotune && found > 1) plan.algo = fastest(plan, results, found, stream, run);
   return out;
 }
 
@@ -447,10 +431,7 @@ const char* gemm_fp8_kernel_name() {
   return kFp8FastAccum ? "cublasLt e4m3 VEC128xBLK128x128 fast-accum" : "cublasLt e4m3 VEC128xBLK128x128";
 }
 
-namespace {
-
-// gemm_fp8's checks of a call; false when there is nothing to do (M == 0).
-bool check_fp8_call(const GemmFp8Params& p) {
+void gemm_fp8(const GemmFp8Params& p, int device) {
   DFLASH_CHECK(p.M >= 0 && p.N > 0 && p.K > 0,
                "gemm_fp8: need M >= 0, N > 0, K > 0, got M=" << p.M << " N=" << p.N << " K=" << p.K);
   DFLASH_CHECK(p.ldx >= p.K, "gemm_fp8: x row stride ldx=" << p.ldx << " is smaller than K=" << p.K);
@@ -458,7 +439,7 @@ bool check_fp8_call(const GemmFp8Params& p) {
   DFLASH_CHECK(!p.accumulate || p.y_f32, "gemm_fp8: accumulate needs the fp32 output (y_f32)");
   DFLASH_CHECK(!p.w_vec_scales || !p.tensor_scales, "gemm_fp8: w_vec_scales and tensor_scales exclude each other");
   DFLASH_CHECK(!p.y_f32 || p.ldy % 4 == 0, "gemm_fp8: an fp32 y needs ldy % 4 == 0, got ldy=" << p.ldy);
-  if (p.M == 0) return false;
+  if (p.M == 0) return;
   DFLASH_CHECK(p.x != nullptr && p.w != nullptr && p.y != nullptr && p.x_scale != nullptr && p.w_scale != nullptr,
                "gemm_fp8: null pointer (x=" << static_cast<const void*>(p.x) << " x_scale=" << p.x_scale
                                             << " w=" << static_cast<const void*>(p.w) << " w_scale=" << p.w_scale
@@ -472,11 +453,6 @@ bool check_fp8_call(const GemmFp8Params& p) {
                         << " ldy=" << p.ldy,
                     "slice activations and outputs at column offsets that are multiples of 16; every Qwen3.5 "
                     "projection's K is a multiple of 128");
-  return true;
-}
-
-// Runs the call on the streaming kernel where its rule says (true), else leaves it to cuBLASLt.
-bool ran_fp8_stream(const GemmFp8Params& p, int device) {
   if (tuning::gemm_fp8_stream != 0 && gemm_fp8_stream_supported(p) && (tuning::gemm_fp8_stream == 1 || p.M % 4 != 0)) {
     // The streaming kernel (issue 30) on sm_90: always when forced on, else only where cuBLASLt has
     // no block-scaled kernel (M % 4 != 0); the model's decode steps call it directly where the plan says.
@@ -485,14 +461,9 @@ bool ran_fp8_stream(const GemmFp8Params& p, int device) {
       DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device));
     if (device >= 0 && device < 64 && major[device] == 9) {
       gemm_fp8_stream(p, device, DeviceContext::get(device).stream());
-      return true;
+      return;
     }
   }
-  return false;
-}
-
-// The cuBLASLt plan of a checked call (made on first use).
-Fp8Plan* fp8_plan_for(const GemmFp8Params& p, int device) {
   DFLASH_CHECK_HINT(p.tensor_scales || p.M % 4 == 0,
                     "gemm_fp8: block-scaled FP8 GEMMs need M (tokens) a multiple of 4, got M="
                         << p.M << " (N=" << p.N << " K=" << p.K
@@ -512,7 +483,7 @@ Fp8Plan* fp8_plan_for(const GemmFp8Params& p, int device) {
   };
   const bool autotune = g_autotune.load() && !p.accumulate;  // timing candidates would add to y
   const Fp8Key key{device, p.M, p.N, p.K, p.ldx, p.ldy, p.tensor_scales, p.w_vec_scales, p.y_f32, p.accumulate,
-                   fast, autotune, p.tensor_scales ? -1 : tuning::gemm_fp8_algo};
+                   fast, autotune};
   Fp8Plan* plan = nullptr;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -522,42 +493,8 @@ Fp8Plan* fp8_plan_for(const GemmFp8Params& p, int device) {
                                                    stream, run)).first;
     plan = it->second.get();
   }
-  return plan;
-}
-
-}  // namespace
-
-void gemm_fp8(const GemmFp8Params& p, int device) {
-  if (!check_fp8_call(p) || ran_fp8_stream(p, device)) return;
-  Fp8Plan* plan = fp8_plan_for(p, device);
-  DeviceContext& ctx = DeviceContext::get(device);
-  DeviceGuard scope(device);
-  const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
   std::lock_guard<std::mutex> lock(plan->mutex);
-  set_fp8_scales(plan->plan, p.w_scale, p.x_scale);
-  DFLASH_CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(ctx.cublaslt()), plan->plan.op, &alpha, p.w,
-                                     plan->plan.a, p.x, plan->plan.b, &beta, p.y, plan->plan.c, p.y, plan->plan.c,
-                                     &plan->plan.algo, ctx.workspace(), ctx.workspace_bytes(),
-                                     static_cast<cudaStream_t>(ctx.stream())));
-}
-
-std::string gemm_fp8_algo_text(const GemmFp8Params& p, int device) {
-  if (!check_fp8_call(p)) return "no plan (M == 0)";
-  Fp8Plan* plan = fp8_plan_for(p, device);  // (cuBLASLt's, whatever the streaming kernel's rule says)
-  const cublasLtMatmulAlgo_t& a = plan->plan.algo;
-  auto cfg = [&](cublasLtMatmulAlgoConfigAttributes_t attr) -> int64_t {
-    uint64_t v = 0;  // (every attribute read here is 32 bits or less: the low bytes)
-    size_t written = 0;
-    if (cublasLtMatmulAlgoConfigGetAttribute(&a, attr, &v, sizeof(v), &written) != CUBLAS_STATUS_SUCCESS) return -1;
-    return static_cast<int64_t>(v);
-  };
-  return "answer " + std::to_string(plan->answer) + " of " + std::to_string(plan->answers) + ": algo " +
-         std::to_string(cfg(CUBLASLT_ALGO_CONFIG_ID)) + " tile " + std::to_string(cfg(CUBLASLT_ALGO_CONFIG_TILE_ID)) +
-         " stages " + std::to_string(cfg(CUBLASLT_ALGO_CONFIG_STAGES_ID)) + " splitk " +
-         std::to_string(cfg(CUBLASLT_ALGO_CONFIG_SPLITK_NUM)) + " reduction " +
-         std::to_string(cfg(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME)) + " swizzle " +
-         std::to_string(cfg(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING)) + " cluster " +
-         std::to_string(cfg(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID));
+  run(plan->plan, plan->plan.algo);
 }
 
 }  // namespace dflash::cuda

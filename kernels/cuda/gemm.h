@@ -5,7 +5,6 @@
 // ops::quantize_fp8_act / quantize_fp8_weight (kernels/ops.h).
 #include <cstddef>
 #include <cstdint>
-#include <string>
 
 #include "kernels/cuda/launch.h"
 
@@ -179,17 +178,6 @@ struct GemmFp8Params {
 void gemm_fp8(const GemmFp8Params& p, int device);
 // The kernel gemm_fp8 runs, in words ("cublasLt e4m3 VEC128xBLK128x128").
 const char* gemm_fp8_kernel_name();
-// The cuBLASLt algorithm gemm_fp8 runs for this call (its plan, made if not yet), in words: the
-// heuristic's answer index and how many it gave, the algo id, tile, stages, split-K, reduction scheme,
-// swizzle and cluster shape ("answer 0 of 8: algo 66 tile 64x16 stages 8 splitk 1 ..."). For
-// kernel_bench's candidate rows.
-std::string gemm_fp8_algo_text(const GemmFp8Params& p, int device);
-namespace tuning {
-// -1: cuBLASLt's first heuristic answer (or the fastest, autotuning); i >= 0: its answer i for every
-// block-scaled plan made from then on (kernel_bench's candidate rows); a call whose shape has fewer
-// answers throws naming the count.
-extern int gemm_fp8_algo;
-}  // namespace tuning
 
 // Streaming FP8 skinny GEMM (issue 30; kernels/cuda/gemm_stream.cu): gemm_fp8's operands and result
 // for 1 <= M <= 16 (no M % 4 needed), block scales only, K % 128 == 0, y bf16 or f32 (y_f32; accumulate:

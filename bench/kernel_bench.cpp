@@ -1001,6 +1001,29 @@ void bench_fp8(Ctx& ctx, bool quick) {
                                       << " > 0.1); not timing a wrong kernel");
         measure(ctx, "fp8", "gemm_fp8", shape, {{"stream_e4m3", [&] { fp8_call(false); }, nullptr}}, 0, units(1));
         std::printf("  fp8    gemm_fp8_stream max rel err vs bf16 %.2e\n", e);
+        // The same kernel on the packed unit layout (pack_stream_weight): the same bits, checked first.
+        std::vector<Tensor> wp;
+        for (int i = 0; i < copies; ++i) {
+          wp.push_back(Tensor::empty({cuda::stream_packed_bytes(N, K)}, DType::U8, Device::cuda(0)));
+          cuda::pack_stream_weight(wq[i].raw_data(), N, K, wp[i].raw_data(), ctx.stream);
+        }
+        auto packed_call = [&] {
+          const int i = next++ % copies;
+          cuda::GemmFp8Params p{xq.data<uint8_t>(), K, xs.data<float>(), wq[i].data<uint8_t>(), ws[i].data<float>(),
+                                y8.raw_data(), N, M, N, K, false};
+          p.w_packed = wp[i].data<uint8_t>();
+          cuda::gemm_fp8_stream(p, 0, ctx.stream);
+        };
+        next = 0;
+        fp8_call(false);
+        Tensor y_rowmajor = y8.clone();
+        next = 0;
+        packed_call();
+        DeviceContext::get(0).synchronize();
+        const Tensor a8 = y8.to(Device::cpu()), b8 = y_rowmajor.to(Device::cpu());
+        DFLASH_CHECK(std::memcmp(a8.raw_data(), b8.raw_data(), a8.nbytes()) == 0, "fp8 " << shape << ": the packed weight's outputs differ from the row-major "
+                                                          "weight's; not timing a wrong kernel");
+        measure(ctx, "fp8", "gemm_fp8", shape, {{"stream_e4m3_packed", packed_call, nullptr}}, 0, units(1));
       }
       cuda::tuning::gemm_fp8_stream = 0;  // the cuBLASLt rows below
       for (int fast : {0, 1}) {

@@ -479,6 +479,20 @@ TEST(CudaFp8, StreamingGemmMatchesCpuBlockwise) {
     EXPECT_LT(err, kGemmBound);
     const Tensor again = run(1);
     EXPECT_EQ(std::memcmp(got.raw_data(), again.raw_data(), got.nbytes()), 0) << "a second call differs";
+    {  // the packed weight (pack_stream_weight; poisoned past its end): the same bits
+      const int64_t bytes = cu::stream_packed_bytes(c.N, c.K);
+      Tensor packed = Tensor::empty({bytes + 256}, DType::U8, Device::cuda(0));
+      poison(packed);
+      cu::pack_stream_weight(wq.raw_data(), c.N, c.K, packed.raw_data(), stream());
+      Tensor y = Tensor::empty({c.M, ldy}, DType::BF16, Device::cuda(0));
+      poison(y);
+      cu::GemmFp8Params p = fp8_gemm_params(xq.raw_data(), ldx, xs.raw_data(), wq.raw_data(), ws.raw_data(),
+                                            static_cast<uint16_t*>(y.raw_data()) + y_col, ldy, c.M, c.N, c.K);
+      p.w_packed = packed.data<uint8_t>();
+      cu::gemm_fp8_stream(p, 0, stream());
+      const Tensor from_packed = y.to(Device::cpu()).to_dtype(DType::F32);
+      EXPECT_EQ(std::memcmp(got.raw_data(), from_packed.raw_data(), got.nbytes()), 0) << "the packed weight's outputs differ";
+    }
     {  // row M - 1 alone: the same bits
       Tensor y1 = Tensor::empty({1, ldy}, DType::BF16, Device::cuda(0));
       poison(y1);

@@ -19,10 +19,12 @@
 #define gemm_bf16_stream gemm_bf16_stream_emulated
 #define gemm_bf16_stream_supported gemm_bf16_stream_supported_emulated
 #define gemm_skinny_streamk gemm_skinny_streamk_emulated
+#define stream_packed_bytes stream_packed_bytes_emulated
 #include "kernels/cuda/gemm_stream.cu"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -82,8 +84,10 @@ std::vector<float> run(cu::StreamParams k, int64_t K, int blocks, int64_t y_col,
   return out;
 }
 
-std::vector<float> run_fp8(const Operands& o, int64_t M, int64_t N, int64_t K, int blocks, int64_t y_col, int64_t ldy) {
+std::vector<float> run_fp8(const Operands& o, int64_t M, int64_t N, int64_t K, int blocks, int64_t y_col, int64_t ldy,
+                           const uint8_t* packed = nullptr) {
   cu::GemmFp8Params p;
+  p.w_packed = packed;
   p.x = o.xq.data();
   p.ldx = o.ldx;
   p.x_scale = o.xs.data();
@@ -263,6 +267,38 @@ TEST(GemmStreamEmulated, Fp8F32OutputsAndAccumulate) {
         EXPECT_EQ(bad, 0) << "outputs off the reference (f32 out: the order of f32 sums only)";
         EXPECT_EQ(touched, 0) << "columns past N written";
       }
+  }
+}
+
+// The packed unit layout (pack_stream_weight, built here on the host from packed_source as pack_kernel
+// does): every piece comes from the right row and bytes (or is zero past N), so the kernel reading it
+// gives the row-major weight's outputs bit for bit, on every grid; a sentinel after the copy stays.
+TEST(GemmStreamEmulated, PackedWeightGivesTheSameBits) {
+  std::vector<Case> cases = kCases;
+  cases.push_back({5, 77, 256, 0, {1, 2}});  // a last tile of 13 rows: zero pieces
+  for (const Case& c : cases) {
+    const Operands o = make(rand_values(c.M, c.K, 1.0f), rand_values(c.N, c.K, 0.05f), c.pad_x);
+    const int64_t bytes = cu::stream_packed_bytes(c.N, c.K);
+    ASSERT_EQ(bytes, (c.N + 15) / 16 * 16 * c.K);
+    std::vector<uint8_t> packed(static_cast<size_t>(bytes + 16), 0xCD);
+    std::vector<int> seen(static_cast<size_t>(c.N * c.K), 0);
+    for (int64_t i = 0; i < bytes / 16; ++i) {
+      const int64_t src = cu::packed_source(i, c.N, c.K);
+      for (int b = 0; b < 16; ++b) {
+        packed[static_cast<size_t>(16 * i + b)] = src >= 0 ? o.wq[static_cast<size_t>(src + b)] : 0;
+        if (src >= 0) ++seen[static_cast<size_t>(src + b)];
+      }
+    }
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), c.N * c.K) << "every weight byte packed exactly once";
+    const int64_t ldy = (c.N + 7) / 8 * 8;
+    for (int blocks : c.grids) {
+      SCOPED_TRACE("M " + std::to_string(c.M) + " N " + std::to_string(c.N) + " K " + std::to_string(c.K) + " grid " +
+                   std::to_string(blocks));
+      const std::vector<float> a = run_fp8(o, c.M, c.N, c.K, blocks, 0, ldy);
+      const std::vector<float> b = run_fp8(o, c.M, c.N, c.K, blocks, 0, ldy, packed.data());
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+    }
+    EXPECT_EQ(packed[static_cast<size_t>(bytes)], 0xCD);
   }
 }
 

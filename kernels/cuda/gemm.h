@@ -170,6 +170,9 @@ struct GemmFp8Params {
   bool w_vec_scales = false;
   bool y_f32 = false;
   bool accumulate = false;      // y += (y_f32 only)
+  // Or nullptr: w also in the streaming kernel's packed unit layout (pack_stream_weight), which
+  // gemm_fp8_stream reads instead of w (the same bits); cuBLASLt reads w.
+  const uint8_t* w_packed = nullptr;
 };
 // Needs 16-byte aligned pointers, K % 16 == 0, ldx % 16 == 0, ldy % 8 == 0, and with block scales
 // M % 4 == 0 (cuBLASLt has no block-scaled kernel for other M: pad the rows, see gemm.cpp); throws
@@ -194,6 +197,14 @@ const char* gemm_fp8_kernel_name();
 // is given: launches on one device are stream-ordered (dflash's single stream per device). Throws
 // naming the shape for what it cannot do.
 bool gemm_fp8_stream_supported(const GemmFp8Params& p);
+// The streaming kernel's packed weight layout: every (16-row tile, 128-byte column run) unit's 2 KB
+// contiguous, tile-major, in the order its lanes load them (rows past N zero), so a warp's loads of a
+// unit read one 2 KB run instead of 64-byte pieces of 16 rows (bench/probes/fp8_gemv_probe.cu: the
+// checkpoint layout cost ~8-10% of the weight stream). A decode-only copy (GemmFp8Params::w_packed) of
+// stream_packed_bytes(N, row_bytes) bytes (N rounded up to 16 rows) of the row-major [N, row_bytes] w;
+// row_bytes a multiple of 128, 16-byte aligned pointers.
+int64_t stream_packed_bytes(int64_t N, int64_t row_bytes);
+void pack_stream_weight(const void* w, int64_t N, int64_t row_bytes, void* packed, Stream s);
 void gemm_fp8_stream(const GemmFp8Params& p, int device, Stream s);
 const char* gemm_fp8_stream_kernel_name();
 namespace tuning {

@@ -99,6 +99,7 @@ struct StreamParams {
   const float* xs;    // FP8: x scales, (token m, group g) at xs[g * ldxs + m]
   int64_t ldxs;
   const uint8_t* w;   // [N, K] elements
+  const uint8_t* wp;  // or nullptr: w in the packed unit layout (pack_stream_weight), read instead of w
   int64_t row_bytes;  // K · element size
   const float* ws;    // FP8: weight scales, (block nb, kb) at ws[nb * ldws + kb]
   int64_t ldws;
@@ -121,6 +122,19 @@ __host__ __device__ __forceinline__ int run_of(int64_t n, int64_t parts, int64_t
   while (r + 1 < parts && run_begin(n, parts, r + 1) <= i) ++r;
   while (r > 0 && run_begin(n, parts, r) > i) --r;
   return static_cast<int>(r);
+}
+
+// The packed unit layout (pack_stream_weight): unit u = (tile, 128-byte run) at u · 2 KB, its lane L's
+// 16-byte load j (the kernel's wv[j]: row 16 tile + L / 4 + 8 (j / 2), bytes 128 run + 64 (j % 2) + 16 (L % 4))
+// at 512 j + 16 L, so a warp's four loads of a unit read 2 KB of contiguous memory. The byte offset in the
+// row-major weight of packed piece i (16 bytes), or -1 for a row past N (a zero piece).
+constexpr int64_t kPackedUnitBytes = kRows * kUnitBytes;
+__host__ __device__ __forceinline__ int64_t packed_source(int64_t i, int64_t N, int64_t row_bytes) {
+  const int64_t G = row_bytes / kUnitBytes, unit = i / 128;
+  const int within = static_cast<int>(i % 128), j = within / 32, L = within % 32;
+  const int64_t tile = unit / G, run = unit % G;
+  const int64_t row = 16 * tile + L / 4 + 8 * (j >> 1);
+  return row < N ? row * row_bytes + run * kUnitBytes + 64 * (j & 1) + 16 * (L % 4) : -1;
 }
 
 // One output: y[tok, row] = v as bf16, or as f32 (y_f32), or y[tok, row] += v (accumulate, f32).
@@ -169,6 +183,13 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
   // Unit u's weight bytes of this lane: rows g and g + 8 of each tile, bytes 16t and 64 + 16t of the
   // unit's 128 (wv[4i + 2r + j]: tile i, row g + 8r, half j); rows past N read as zeros.
   auto load_w = [&](int u, uint4 (&wv)[kWLoads]) {
+    static_assert(kTiles == 1, "the packed layout holds 16-row tiles");
+    if (p.wp) {  // the packed copy: rows past N are zero there
+      const uint8_t* src = p.wp + static_cast<int64_t>(u) * kPackedUnitBytes + 16 * lane;
+#pragma unroll
+      for (int j = 0; j < kWLoads; ++j) wv[j] = ptx::ldg_stream16(src + 512 * j);
+      return;
+    }
     const int tile = u / G;
     const int64_t col = static_cast<int64_t>(u - tile * G) * kUnitBytes + 16 * t;
 #pragma unroll
@@ -329,6 +350,7 @@ StreamParams fp8_params(const GemmFp8Params& p) {
   k.xs = p.x_scale;
   k.ldxs = fp8_act_scale_ld(p.M);
   k.w = p.w;
+  k.wp = p.w_packed;
   k.row_bytes = p.K;
   k.ws = p.w_scale;
   k.ldws = fp8_weight_scale_ld(p.K);
@@ -355,6 +377,13 @@ StreamParams bf16_params(const GemmSkinnyParams& p) {
 }
 
 #ifndef DFLASH_CUDA_EMULATION
+__global__ void pack_kernel(const uint8_t* w, int64_t N, int64_t row_bytes, int64_t pieces, uint8_t* out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= pieces) return;
+  const int64_t src = packed_source(i, N, row_bytes);
+  *reinterpret_cast<uint4*>(out + 16 * i) = src >= 0 ? *reinterpret_cast<const uint4*>(w + src) : make_uint4(0, 0, 0, 0);
+}
+
 // Per device: the blocks resident at once (the grid; both kernels have the same resources) and the
 // workspace for that many blocks.
 struct Workspace {
@@ -397,6 +426,22 @@ const Workspace& workspace(int device, cudaStream_t st) {
 
 }  // namespace
 
+int64_t stream_packed_bytes(int64_t N, int64_t row_bytes) { return (N + kRows - 1) / kRows * kRows * row_bytes; }
+
+#ifndef DFLASH_CUDA_EMULATION
+void pack_stream_weight(const void* w, int64_t N, int64_t row_bytes, void* packed, Stream s) {
+  DFLASH_CHECK(N >= 1 && row_bytes >= kUnitBytes && row_bytes % kUnitBytes == 0,
+               "pack_stream_weight: needs N >= 1 rows of a multiple of " << kUnitBytes << " bytes, got N=" << N
+                                                                         << " row_bytes=" << row_bytes);
+  DFLASH_CHECK(w && packed && reinterpret_cast<uintptr_t>(w) % 16 == 0 && reinterpret_cast<uintptr_t>(packed) % 16 == 0,
+               "pack_stream_weight: w and packed must be non-null and 16-byte aligned (w=" << w << " packed=" << packed << ")");
+  const int64_t pieces = stream_packed_bytes(N, row_bytes) / 16;
+  pack_kernel<<<static_cast<unsigned>((pieces + 255) / 256), 256, 0, static_cast<cudaStream_t>(s)>>>(
+      static_cast<const uint8_t*>(w), N, row_bytes, pieces, static_cast<uint8_t*>(packed));
+  DFLASH_CUDA_CHECK_LAST();
+}
+#endif
+
 bool gemm_fp8_stream_supported(const GemmFp8Params& p) {
   return !p.tensor_scales && !p.w_vec_scales && (p.y_f32 || !p.accumulate) && p.M >= 1 && p.M <= 16 && p.K % 128 == 0 &&
          p.N >= 1 && p.N * p.K < (int64_t{1} << 40) && p.K < (int64_t{1} << 30) && p.N < (int64_t{1} << 30);
@@ -417,6 +462,8 @@ void gemm_fp8_stream(const GemmFp8Params& p, int device, Stream s) {
                     "run gemm_fp8 (cuBLASLt) for other shapes; checkpoints' FP8 projections have K a multiple of 128");
   DFLASH_CHECK(p.x != nullptr && p.w != nullptr && p.y != nullptr && p.x_scale != nullptr && p.w_scale != nullptr,
                "gemm_fp8_stream: null pointer for M=" << p.M << " N=" << p.N << " K=" << p.K);
+  DFLASH_CHECK(reinterpret_cast<uintptr_t>(p.w_packed) % 16 == 0,
+               "gemm_fp8_stream: the packed weight must be 16-byte aligned, got " << static_cast<const void*>(p.w_packed));
   DFLASH_CHECK(p.ldx >= p.K && p.ldx % 16 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(p.w) % 16 == 0 && reinterpret_cast<uintptr_t>(p.y) % (p.y_f32 ? 16 : 8) == 0 &&
                    p.ldy >= p.N && p.ldy % 4 == 0,

@@ -66,6 +66,8 @@ void apply_decode_variant(const std::string& name, target::FastPathPlan::DecodeF
   else if (name == "moe_wgmma") f.moe_wgmma = true;
   else if (name == "prefetch") f.prefetch = true;
   else if (name == "no_prefetch") f.prefetch = false;
+  else if (name == "packed") f.skinny_gemm = f.swiglu_gemm = f.fp8_packed = true;
+  else if (name == "no_packed") f.fp8_packed = false;
   else if (name == "unfused") f = {}, cuda::tuning::pdl = 0;
   else DFLASH_REQUIRE_HINT(name == "fused", option << ": unknown variant '" << name << "'", "use " << kDecodeVariantNames);
 }

@@ -67,7 +67,7 @@ std::string utc_timestamp();  // 2026-11-30T08:00:00Z
 // off). Sets `fusion` and
 // cuda::tuning::pdl (the caller restores pdl); an unknown name throws, naming `option` and the variants.
 inline constexpr const char* kDecodeVariantNames =
-    "fused, no_pdl, skinny, skinny_no_swiglu, no_skinny, skinny_streamk, no_gdn_chain, gdn_chain_all, no_commit, no_overlap, moe_decode, moe_wgmma, prefetch, no_prefetch, unfused";
+    "fused, no_pdl, skinny, skinny_no_swiglu, no_skinny, skinny_streamk, no_gdn_chain, gdn_chain_all, no_commit, no_overlap, moe_decode, moe_wgmma, prefetch, no_prefetch, packed, no_packed, unfused";
 void apply_decode_variant(const std::string& name, target::FastPathPlan::DecodeFusion& fusion, const char* option);
 
 }  // namespace dflash::bench

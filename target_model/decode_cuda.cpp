@@ -101,6 +101,11 @@ class CudaDecoder final : public Decoder {
     }
     pending_rows_.assign(static_cast<size_t>(num_slots), -1);
     for (LayerType t : c.layer_types) gdn_layers_ += t == LayerType::LinearAttention;
+    if (plan_.fusion.fp8_packed && plan_.fusion.skinny_gemm) {
+      const int64_t bytes = model_.pack_decode_weights();
+      if (bytes > 0)
+        spdlog::info("decode plan: the FP8 projections' packed decode copies hold {:.2f} GB", static_cast<double>(bytes) / 1e9);
+    }
     if (plan_.fusion.commit && plan_.fusion.commit_overlap && plan_.cuda_graphs) {
       cuda::DeviceGuard scope(dev_.index);
       DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));

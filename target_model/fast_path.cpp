@@ -312,6 +312,7 @@ std::string FastPathPlan::DecodeFusion::str() const {
   add(moe_decode, "MoE decode kernels (steps of <= 16 rows)");
   add(moe_wgmma, "MoE expert GEMMs on wgmma");
   add(prefetch, "weights prefetched into L2");
+  add(fp8_packed, "packed FP8 decode weights");
   return s;
 }
 

@@ -119,7 +119,14 @@ struct FastPathPlan {
     // 8-12 MiB on one machine and nothing at 16 MiB on another, fp8 lost 0.7% (bench/results/
     // h100-prefetch-dea16b8, h100-l2prefetch-7e34c98); --decode-variant prefetch.
     bool prefetch = false;
-    bool any() const { return skinny_gemm || swiglu_gemm || gdn_chain || commit || moe_decode || moe_wgmma || prefetch; }
+    // With skinny_gemm on an FP8 target: the streaming kernel reads decode copies of the FP8 projections
+    // in its packed unit layout (cuda::pack_stream_weight, made when a decoder with it is built: the
+    // projections' bytes once more), whose loads are contiguous 2 KB runs. The same bits as the
+    // row-major weights; --decode-variant packed (skinny + packed), no_packed.
+    bool fp8_packed = false;
+    bool any() const {
+      return skinny_gemm || swiglu_gemm || gdn_chain || commit || moe_decode || moe_wgmma || prefetch || fp8_packed;
+    }
     // "skinny GEMMs, SwiGLU in down_proj, fused GatedDeltaNet chain, fused commit, MoE decode kernels, weights
     // prefetched into L2" ("" if none)
     std::string str() const;

@@ -297,6 +297,25 @@ void CudaTargetModel::prefetch_next(const std::vector<Proj>& parts) {
   prefetch_pending_ = true;
 }
 
+int64_t CudaTargetModel::pack_decode_weights() {
+  int64_t bytes = 0;
+  cuda::DeviceGuard scope(device_.index);
+  for (Fused& f : fused_) {
+    std::vector<Proj*> parts{&f.out, &f.down, &f.shared_gate_up};
+    for (Proj& p : f.in_parts) parts.push_back(&p);
+    for (Proj& p : f.gate_up) parts.push_back(&p);
+    for (Proj* p : parts) {
+      if (!p->w.defined() || !p->fp8()) continue;
+      if (!p->packed.defined()) {
+        p->packed = Tensor::empty({cuda::stream_packed_bytes(p->N, p->K)}, DType::U8, device_);
+        cuda::pack_stream_weight(p->w.raw_data(), p->N, p->K, p->packed.raw_data(), stream_);
+      }
+      bytes += static_cast<int64_t>(p->packed.nbytes());
+    }
+  }
+  return bytes;
+}
+
 void CudaTargetModel::join_prefetch() {
   if (!prefetch_pending_) return;
   DFLASH_CUDA_CHECK(cudaEventRecord(prefetch_->join, prefetch_->stream));
@@ -326,10 +345,15 @@ void CudaTargetModel::project(ForwardOp op, const Tensor& x, int64_t ldx, const 
       g.M = gemm_rows(M);  // y has those rows (gemm_rows)
       g.N = p.N;
       g.K = p.K;
-      if (skinny_step(M) && cuda::gemm_fp8_stream_supported(g))  // a decode / verify step: the streaming kernel
+      if (skinny_step(M) && cuda::gemm_fp8_stream_supported(g)) {  // a decode / verify step: the streaming kernel
+        if (decode_->fusion.fp8_packed && p.packed.defined()) {
+          g.w_packed = p.packed.data<uint8_t>();
+          ++packed_gemms_;
+        }
         timed(op, [&] { cuda::gemm_fp8_stream(g, device_.index, stream_); }, shape);
-      else
+      } else {
         timed(op, [&] { cuda::gemm_fp8(g, device_.index); }, shape);
+      }
     } else if (skinny(p, M, ldx, ldy, swiglu)) {  // a decode / verify step (DecodeStep::fusion)
       cuda::GemmSkinnyParams g;
       g.x = x.raw_data();

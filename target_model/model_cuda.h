@@ -200,6 +200,12 @@ class CudaTargetModel {
   // The L2 prefetches of decode GEMMs' weights enqueued so far (DecodeFusion::prefetch; a captured
   // step's count once, not per replay).
   uint64_t l2_prefetches() const { return prefetches_; }
+  // The decode copies of the FP8 projections in the streaming kernel's packed layout
+  // (DecodeFusion::fp8_packed; made once, on the model's stream, by the first decoder that asks);
+  // returns the bytes they hold (0 on a bf16 target).
+  int64_t pack_decode_weights();
+  // The decode / verify GEMMs enqueued on a packed copy so far (a captured step's once, not per replay).
+  uint64_t packed_gemms() const { return packed_gemms_; }
   // The plan's gemm step is kGemmUnalignedKernel (sizes not multiples of 8): every GEMM on this
   // model's activations, the decoder's LM head too, passes cuda::GemmParams::unaligned.
   bool gemm_unaligned() const { return gemm_unaligned_; }
@@ -222,6 +228,7 @@ class CudaTargetModel {
   // their block scales in the layout cuda::gemm_fp8 reads (rows of cuda::fp8_weight_scale_ld(K)).
   struct Proj {
     Tensor w, scale;  // scale undefined: bf16
+    Tensor packed;    // FP8: w in the streaming kernel's packed layout (pack_decode_weights), or undefined
     int64_t col = 0, N = 0, K = 0;
     bool fp8() const { return scale.defined(); }
   };
@@ -323,6 +330,7 @@ class CudaTargetModel {
   std::unique_ptr<PrefetchLane, PrefetchLaneDeleter> prefetch_;
   bool prefetch_pending_ = false;
   uint64_t prefetches_ = 0;  // prefetch_l2 launches enqueued (eager or captured; replays not counted)
+  uint64_t packed_gemms_ = 0;  // streaming GEMMs enqueued on a packed decode copy (likewise)
   void prefetch_next(const std::vector<Proj>& parts);
   void join_prefetch();
   PathCounters counters_;

@@ -483,6 +483,43 @@ TEST(CudaDecoder, L2PrefetchLeavesEveryStepBitForBit) {
   cuda::tuning::decode_prefetch_mb = saved;
 }
 
+// The packed FP8 decode copies (DecodeFusion::fp8_packed: the streaming kernel reads each projection in
+// its packed unit layout, cuda::pack_stream_weight) change no bit: an FP8 target's prefill, verifies,
+// commits and decode steps (graphs captured, then replayed) give the logits and features of the same
+// steps on the row-major weights (both on the streaming kernel: DecodeFusion::skinny_gemm), and the
+// steps did read the copies.
+TEST(CudaDecoder, Fp8PackedWeightsLeaveEveryStepBitForBit) {
+  DFLASH_REQUIRE_GPU();
+  const int sm = cuda_device_info(0).major;
+  if (!fp8_gemm_supported(sm)) GTEST_SKIP() << "block-scaled FP8 GEMMs need sm_90";
+  const TargetConfig c = real_dims();
+  const std::vector<int32_t> prompt = random_tokens(200, c.vocab_size, 2), block = random_tokens(16, c.vocab_size, 3);
+  const std::vector<int32_t> after = random_tokens(3, c.vocab_size, 4);
+  const auto [commit, verify] = commit_and_verify(c);
+  Gpu on(c, KernelPolicy::Auto, 1, 400, 3, Precision::Fp8, true, false, false, false,
+         [](FastPathPlan::DecodeFusion& f) { f.skinny_gemm = f.swiglu_gemm = f.fp8_packed = true; }),
+      off(c, KernelPolicy::Auto, 1, 400, 3, Precision::Fp8, true, false, false, false,
+          [](FastPathPlan::DecodeFusion& f) { f.skinny_gemm = f.swiglu_gemm = true, f.fp8_packed = false; });
+  ASSERT_FALSE(make_decode_plan(c, Device::cuda(0), {}, sm, Precision::Fp8).fusion.fp8_packed);  // (off by default)
+  auto same = [&](const ExtendResult& a, const ExtendResult& b, const std::string& what) {
+    EXPECT_TRUE(bit_equal(a.logits, b.logits)) << "logits, " << what;
+    EXPECT_TRUE(bit_equal(a.features, b.features)) << "features, " << what;
+    EXPECT_EQ(a.next, b.next) << what;
+  };
+  same(on.dec->extend({0}, {prompt}, commit), off.dec->extend({0}, {prompt}, commit), "prefill");
+  for (int round = 0; round < 2; ++round) {  // the second round replays the captured graphs
+    same(on.dec->extend({0}, {block}, verify), off.dec->extend({0}, {block}, verify), "verify");
+    on.dec->commit(0, 5);
+    off.dec->commit(0, 5);
+    for (int32_t tok : after) same(on.dec->extend({0}, {{tok}}, commit), off.dec->extend({0}, {{tok}}, commit), "decode");
+  }
+  EXPECT_EQ(on.dec->graph_stats().capture_failures, 0u);
+  EXPECT_GT(on.dec->graph_stats().replays, 0u);
+  // Every layer's four projections of the steps above read their packed copies (4 a layer, each step shape).
+  EXPECT_GE(on.model->packed_gemms(), static_cast<uint64_t>(4 * c.num_hidden_layers));
+  EXPECT_EQ(off.model->packed_gemms(), 0u);
+}
+
 // An MoE target (real_dims_moe: 16 experts, top 4, a shared expert; kernels/cuda/moe.h) decodes like
 // the dense one: a verify of 16 tokens gives each row's logits and features bit for bit as T = 1
 // decode steps (a decode step routes its one real row, its 15 pad rows none; a verify routes 16),

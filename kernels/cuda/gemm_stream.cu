@@ -182,7 +182,8 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
 
   // Unit u's weight bytes of this lane: rows g and g + 8 of each tile, bytes 16t and 64 + 16t of the
   // unit's 128 (wv[4i + 2r + j]: tile i, row g + 8r, half j); rows past N read as zeros.
-  auto load_w = [&](int u, uint4 (&wv)[kWLoads]) {
+  // (tile, grp) = (u / G, u % G), kept by increments where units come in order (no division a unit).
+  auto load_w = [&](int u, int tile, int grp, uint4 (&wv)[kWLoads]) {
     static_assert(kTiles == 1, "the packed layout holds 16-row tiles");
     if (p.wp) {  // the packed copy: rows past N are zero there
       const uint8_t* src = p.wp + static_cast<int64_t>(u) * kPackedUnitBytes + 16 * lane;
@@ -190,8 +191,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
       for (int j = 0; j < kWLoads; ++j) wv[j] = ptx::ldg_stream16(src + 512 * j);
       return;
     }
-    const int tile = u / G;
-    const int64_t col = static_cast<int64_t>(u - tile * G) * kUnitBytes + 16 * t;
+    const int64_t col = static_cast<int64_t>(grp) * kUnitBytes + 16 * t;
 #pragma unroll
     for (int i = 0; i < kTiles; ++i)
 #pragma unroll
@@ -215,8 +215,10 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
   pdl_launch_dependents();
 #pragma unroll
   for (int q = 0; q < kDepth; ++q)
-    if (wu0 + q < wu1) load_w(wu0 + q, buf[q]);
+    if (wu0 + q < wu1) load_w(wu0 + q, (wu0 + q) / G, (wu0 + q) % G, buf[q]);
   pdl_wait();
+  int tile_at = wu0 / G, grp_at = wu0 - tile_at * G;                                 // the unit of the math
+  int tile_ld = (wu0 + kDepth) / G, grp_ld = (wu0 + kDepth) - tile_ld * G;           // the next unit loaded
   int piece0 = wu0;    // the first unit of the piece being summed
   bool keep = false;   // acc holds a piece of a tile continued after this run (part1)
   for (int u0 = wu0; u0 < wu1; u0 += kDepth) {
@@ -225,7 +227,8 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
       const int u = u0 + q;
       if (u >= wu1) break;
       const uint4(&wv)[kWLoads] = buf[q];
-      const int tile = u / G, grp = u - tile * G, n0 = tile * kRows;
+      const int tile = tile_at, grp = grp_at, n0 = tile * kRows;
+      if (++grp_at == G) grp_at = 0, ++tile_at;
       const int64_t col = static_cast<int64_t>(grp) * kUnitBytes;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {  // the unit's two 64-byte halves: skinny_mma's steps
@@ -236,7 +239,10 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
         for (int i = 0; i < kTiles; ++i) ws[2 * i] = wv[4 * i + j], ws[2 * i + 1] = wv[4 * i + 2 + j];
         skinny::step_mmas<kFp8, kTiles>(ws, xa0, xa1, two, kFp8 ? d : acc);
       }
-      if (u + kDepth < wu1) load_w(u + kDepth, buf[q]);  // refill the slot: kDepth units ahead
+      if (u + kDepth < wu1) {  // refill the slot: kDepth units ahead
+        load_w(u + kDepth, tile_ld, grp_ld, buf[q]);
+        if (++grp_ld == G) grp_ld = 0, ++tile_ld;
+      }
       if constexpr (kFp8) {  // the group's code sums times the weight block's and each token's scale
         const float sw = __ldg(p.ws + static_cast<int64_t>(n0 / 128) * p.ldws + grp);
         const float* xg = p.xs + static_cast<int64_t>(grp) * p.ldxs;

@@ -122,7 +122,9 @@ struct FastPathPlan {
     // With skinny_gemm on an FP8 target: the streaming kernel reads decode copies of the FP8 projections
     // in its packed unit layout (cuda::pack_stream_weight, made when a decoder with it is built: the
     // projections' bytes once more), whose loads are contiguous 2 KB runs. The same bits as the
-    // row-major weights; --decode-variant packed (skinny + packed), no_packed.
+    // row-major weights; --decode-variant packed (skinny + packed), no_packed. Off in the plan: it makes the
+    // streaming kernel 6-11% faster, still slower than cuBLASLt (27B fp8 decode on an H100: 16.56 ms against
+    // 13.75, bench/results/h100-packed-effd9fd).
     bool fp8_packed = false;
     bool any() const {
       return skinny_gemm || swiglu_gemm || gdn_chain || commit || moe_decode || moe_wgmma || prefetch || fp8_packed;

@@ -52,7 +52,10 @@
 // Measured (H100, M 16): the first version 0.98-1.39 TB/s FP8 against cuBLASLt's 1.62-2.27 (bf16 1.05-2.03
 // against 2.54-2.90, bench/results/h100-fused-6bf6ff4), this one 1.03-1.83 FP8 against 1.62-2.25 and bf16
 // 1.91-2.36 against 2.59-2.83 (bench/results/h100-stream2-7ce8e65): still slower, so both stay off by default.
-// The probe there says why (the loads and the math share warps; docs/fp8.md). tests/test_gemm_stream_emulated.cpp runs it on the CPU; kernel_bench --only fp8
+// The probe there says why (the loads and the math share warps; docs/fp8.md). On packed weights (session 31,
+// pack_stream_weight: a unit's 2 KB contiguous) with no division a unit: 1.10-2.09 TB/s FP8 against cuBLASLt's
+// 1.60-2.25, the fp8 decode step 16.56 against 13.75 ms (bench/results/h100-packed-effd9fd).
+// tests/test_gemm_stream_emulated.cpp runs it on the CPU; kernel_bench --only fp8
 // (stream_e4m3 rows, DFLASH_BENCH_FP8_DECODE=1) and --only decode_gemm (skinny_streamk rows), and
 // dflash_eval --decode-variants fused,skinny (fp8) / skinny_streamk (bf16) measure it against cuBLASLt;
 // bench/probes/fp8_gemv_probe.cu times the load patterns it was chosen from.

@@ -438,6 +438,29 @@ TEST(CudaDecoder, Fp8FusedChainAndCommitEqualTheUnfusedKernels) {
   }
 }
 
+// Two decoders on the same weights that must compute alike: a prefill, then twice (the second round replays
+// the captured graphs) a verify of `block`, a commit of 5 and decode steps of `after`, each step's logits,
+// features and next tokens equal bit for bit.
+void expect_every_step_bit_for_bit(Gpu& on, Gpu& off, const TargetConfig& c) {
+  const std::vector<int32_t> prompt = random_tokens(200, c.vocab_size, 2), block = random_tokens(16, c.vocab_size, 3);
+  const std::vector<int32_t> after = random_tokens(3, c.vocab_size, 4);
+  const auto [commit, verify] = commit_and_verify(c);
+  auto same = [&](const ExtendResult& a, const ExtendResult& b, const std::string& what) {
+    EXPECT_TRUE(bit_equal(a.logits, b.logits)) << "logits, " << what;
+    EXPECT_TRUE(bit_equal(a.features, b.features)) << "features, " << what;
+    EXPECT_EQ(a.next, b.next) << what;
+  };
+  same(on.dec->extend({0}, {prompt}, commit), off.dec->extend({0}, {prompt}, commit), "prefill");
+  for (int round = 0; round < 2; ++round) {
+    same(on.dec->extend({0}, {block}, verify), off.dec->extend({0}, {block}, verify), "verify");
+    on.dec->commit(0, 5);
+    off.dec->commit(0, 5);
+    for (int32_t tok : after) same(on.dec->extend({0}, {{tok}}, commit), off.dec->extend({0}, {{tok}}, commit), "decode");
+  }
+  EXPECT_EQ(on.dec->graph_stats().capture_failures, 0u);
+  EXPECT_GT(on.dec->graph_stats().replays, 0u);
+}
+
 // The decode plan's L2 prefetches (DecodeFusion::prefetch: after each decode / verify GEMM the next
 // GEMM's weights fetched into L2 on a side stream, cuda::prefetch_l2) change no bit: logits and
 // features of a prefill, verifies, commits and decode steps (graphs captured, then replayed) equal
@@ -447,9 +470,6 @@ TEST(CudaDecoder, L2PrefetchLeavesEveryStepBitForBit) {
   DFLASH_REQUIRE_GPU();
   const int sm = cuda_device_info(0).major;
   const TargetConfig c = real_dims();
-  const std::vector<int32_t> prompt = random_tokens(200, c.vocab_size, 2), block = random_tokens(16, c.vocab_size, 3);
-  const std::vector<int32_t> after = random_tokens(3, c.vocab_size, 4);
-  const auto [commit, verify] = commit_and_verify(c);
   const int saved = cuda::tuning::decode_prefetch_mb;
   for (Precision precision : {Precision::Bf16, Precision::Fp8}) {
     if (precision == Precision::Fp8 && !fp8_gemm_supported(sm)) continue;
@@ -460,20 +480,7 @@ TEST(CudaDecoder, L2PrefetchLeavesEveryStepBitForBit) {
              [](FastPathPlan::DecodeFusion& f) { f.prefetch = true; }),
           off(c, KernelPolicy::Auto, 1, 400, 3, precision);
       ASSERT_FALSE(make_decode_plan(c, Device::cuda(0), {}, sm, precision).fusion.prefetch);  // (off by default)
-      auto same = [&](const ExtendResult& a, const ExtendResult& b, const std::string& what) {
-        EXPECT_TRUE(bit_equal(a.logits, b.logits)) << "logits, " << what;
-        EXPECT_TRUE(bit_equal(a.features, b.features)) << "features, " << what;
-        EXPECT_EQ(a.next, b.next) << what;
-      };
-      same(on.dec->extend({0}, {prompt}, commit), off.dec->extend({0}, {prompt}, commit), "prefill");
-      for (int round = 0; round < 2; ++round) {  // the second round replays the captured graphs
-        same(on.dec->extend({0}, {block}, verify), off.dec->extend({0}, {block}, verify), "verify");
-        on.dec->commit(0, 5);
-        off.dec->commit(0, 5);
-        for (int32_t tok : after) same(on.dec->extend({0}, {{tok}}, commit), off.dec->extend({0}, {{tok}}, commit), "decode");
-      }
-      EXPECT_EQ(on.dec->graph_stats().capture_failures, 0u);
-      EXPECT_GT(on.dec->graph_stats().replays, 0u);
+      expect_every_step_bit_for_bit(on, off, c);
       // Every GEMM of a decode / verify step but the first was preceded by its prefetch (4 a layer, the
       // first layer's in-projection excepted): the steps above did prefetch.
       EXPECT_GE(on.model->l2_prefetches(), static_cast<uint64_t>(4 * c.num_hidden_layers - 1));
@@ -493,28 +500,12 @@ TEST(CudaDecoder, Fp8PackedWeightsLeaveEveryStepBitForBit) {
   const int sm = cuda_device_info(0).major;
   if (!fp8_gemm_supported(sm)) GTEST_SKIP() << "block-scaled FP8 GEMMs need sm_90";
   const TargetConfig c = real_dims();
-  const std::vector<int32_t> prompt = random_tokens(200, c.vocab_size, 2), block = random_tokens(16, c.vocab_size, 3);
-  const std::vector<int32_t> after = random_tokens(3, c.vocab_size, 4);
-  const auto [commit, verify] = commit_and_verify(c);
   Gpu on(c, KernelPolicy::Auto, 1, 400, 3, Precision::Fp8, true, false, false, false,
          [](FastPathPlan::DecodeFusion& f) { f.skinny_gemm = f.swiglu_gemm = f.fp8_packed = true; }),
       off(c, KernelPolicy::Auto, 1, 400, 3, Precision::Fp8, true, false, false, false,
           [](FastPathPlan::DecodeFusion& f) { f.skinny_gemm = f.swiglu_gemm = true, f.fp8_packed = false; });
   ASSERT_FALSE(make_decode_plan(c, Device::cuda(0), {}, sm, Precision::Fp8).fusion.fp8_packed);  // (off by default)
-  auto same = [&](const ExtendResult& a, const ExtendResult& b, const std::string& what) {
-    EXPECT_TRUE(bit_equal(a.logits, b.logits)) << "logits, " << what;
-    EXPECT_TRUE(bit_equal(a.features, b.features)) << "features, " << what;
-    EXPECT_EQ(a.next, b.next) << what;
-  };
-  same(on.dec->extend({0}, {prompt}, commit), off.dec->extend({0}, {prompt}, commit), "prefill");
-  for (int round = 0; round < 2; ++round) {  // the second round replays the captured graphs
-    same(on.dec->extend({0}, {block}, verify), off.dec->extend({0}, {block}, verify), "verify");
-    on.dec->commit(0, 5);
-    off.dec->commit(0, 5);
-    for (int32_t tok : after) same(on.dec->extend({0}, {{tok}}, commit), off.dec->extend({0}, {{tok}}, commit), "decode");
-  }
-  EXPECT_EQ(on.dec->graph_stats().capture_failures, 0u);
-  EXPECT_GT(on.dec->graph_stats().replays, 0u);
+  expect_every_step_bit_for_bit(on, off, c);
   // Every layer's four projections of the steps above read their packed copies (4 a layer, each step shape).
   EXPECT_GE(on.model->packed_gemms(), static_cast<uint64_t>(4 * c.num_hidden_layers));
   EXPECT_EQ(off.model->packed_gemms(), 0u);

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <numeric>
 
+#include <fmt/format.h>
+
 #include "kernels/cuda/attention.h"
 #include "core/cuda/check.h"
 #include "kernels/cuda/conv.h"
@@ -307,7 +309,16 @@ int64_t CudaTargetModel::pack_decode_weights() {
     for (Proj* p : parts) {
       if (!p->w.defined() || !p->fp8()) continue;
       if (!p->packed.defined()) {
-        p->packed = Tensor::empty({cuda::stream_packed_bytes(p->N, p->K)}, DType::U8, device_);
+        const int64_t need = cuda::stream_packed_bytes(p->N, p->K);
+        try {
+          p->packed = Tensor::empty({need}, DType::U8, device_);
+        } catch (const Error& e) {
+          throw Error(fmt::format("the packed FP8 decode copies (DecodeFusion::fp8_packed) did not fit: {:.2f} GB made, "
+                                  "{:.2f} GB more asked: {}",
+                                  static_cast<double>(bytes) / 1e9, static_cast<double>(need) / 1e9, e.message()),
+                      "run without the packed copies (they are off in the plan; --decode-variant packed turns them on)",
+                      e.where(), e.kind());
+        }
         cuda::pack_stream_weight(p->w.raw_data(), p->N, p->K, p->packed.raw_data(), stream_);
       }
       bytes += static_cast<int64_t>(p->packed.nbytes());

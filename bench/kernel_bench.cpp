@@ -1021,8 +1021,8 @@ void bench_fp8(Ctx& ctx, bool quick) {
         packed_call();
         DeviceContext::get(0).synchronize();
         const Tensor a8 = y8.to(Device::cpu()), b8 = y_rowmajor.to(Device::cpu());
-        DFLASH_CHECK(std::memcmp(a8.raw_data(), b8.raw_data(), a8.nbytes()) == 0, "fp8 " << shape << ": the packed weight's outputs differ from the row-major "
-                                                          "weight's; not timing a wrong kernel");
+        DFLASH_CHECK(std::memcmp(a8.raw_data(), b8.raw_data(), a8.nbytes()) == 0,
+                     "fp8 " << shape << ": the packed weight's outputs differ from the row-major weight's; not timing a wrong kernel");
         measure(ctx, "fp8", "gemm_fp8", shape, {{"stream_e4m3_packed", packed_call, nullptr}}, 0, units(1));
       }
       cuda::tuning::gemm_fp8_stream = 0;  // the cuBLASLt rows below

@@ -962,12 +962,13 @@ void bench_fp8(Ctx& ctx, bool quick) {
         const int i = next++ % copies;
         cuda::gemm_bf16({x.raw_data(), K, w[i].raw_data(), y16.raw_data(), N, M, N, K, false}, 0);
       };
-      auto fp8_call = [&](bool tensor_scales) {
+      // The operands of the next weight copy's call.
+      auto fp8_params = [&](bool tensor_scales) {
         const int i = next++ % copies;
-        cuda::GemmFp8Params p{xq.data<uint8_t>(), K, tensor_scales ? unit_scale : xs.data<float>(), wq[i].data<uint8_t>(),
-                              tensor_scales ? unit_scale : ws[i].data<float>(), y8.raw_data(), N, M, N, K, tensor_scales};
-        cuda::gemm_fp8(p, 0);
+        return cuda::GemmFp8Params{xq.data<uint8_t>(), K, tensor_scales ? unit_scale : xs.data<float>(), wq[i].data<uint8_t>(),
+                                   tensor_scales ? unit_scale : ws[i].data<float>(), y8.raw_data(), N, M, N, K, tensor_scales};
       };
+      auto fp8_call = [&](bool tensor_scales) { cuda::gemm_fp8(fp8_params(tensor_scales), 0); };
       using Units = std::vector<std::tuple<std::string, std::string, double>>;
       const bool decode = M < 1024;
       auto units = [&](double bytes_per_weight) {
@@ -1008,9 +1009,8 @@ void bench_fp8(Ctx& ctx, bool quick) {
           cuda::pack_stream_weight(wq[i].raw_data(), N, K, wp[i].raw_data(), ctx.stream);
         }
         auto packed_call = [&] {
-          const int i = next++ % copies;
-          cuda::GemmFp8Params p{xq.data<uint8_t>(), K, xs.data<float>(), wq[i].data<uint8_t>(), ws[i].data<float>(),
-                                y8.raw_data(), N, M, N, K, false};
+          const int i = next % copies;
+          cuda::GemmFp8Params p = fp8_params(false);
           p.w_packed = wp[i].data<uint8_t>();
           cuda::gemm_fp8_stream(p, 0, ctx.stream);
         };

@@ -6,7 +6,8 @@
 // DFLASH_CUDA_EMULATION defined; its launches go through kernels/cuda/emulatable.cuh.
 // Every CUDA thread of a block is a fiber (ucontext) on the calling thread; blocks run one after
 // another; a fiber runs until it waits at a barrier (__syncthreads, or a warp's shuffle / ballot,
-// which meet at a barrier of the warp's 32 threads) or returns, and a returned thread leaves its
+// which meet at a barrier of the warp's 32 threads, or of its half's 16 where the shuffle's mask is
+// that half warp's) or returns, and a returned thread leaves its
 // barriers (as an exited CUDA thread does). __shared__ variables are statics (one block at a time
 // uses them). Compile the including file with -fno-strict-aliasing: the kernels' uint4 <-> bf16
 // punning is sound in device code, not under the host compiler's aliasing rules. Not emulated: the
@@ -54,6 +55,7 @@ struct Block {
   dim3 block_dim, grid_dim;
   Barrier block_bar;
   std::vector<Barrier> warp_bars;
+  std::vector<Barrier> half_bars;  // two a warp: the shuffles whose mask is one half warp's 16 lanes
   std::vector<uint64_t> warp_buf;  // kWords words a lane: the shuffles', ballots', ldmatrix's and mma's exchange
   std::vector<unsigned char> smem;  // the launch's dynamic shared memory, from `origin` (1024-byte aligned)
   unsigned char* origin = nullptr;
@@ -97,6 +99,7 @@ inline void fiber_main() {
   Fiber& f = self();
   f.done = true;
   leave(B.warp_bars[static_cast<size_t>(f.warp)]);
+  leave(B.half_bars[static_cast<size_t>(f.thread.x / 16)]);
   leave(B.block_bar);
   swapcontext(&f.ctx, &B.main);  // never resumed
 }
@@ -122,6 +125,8 @@ void launch(dim3 grid, dim3 blk, size_t smem, Kernel kernel, const Args&... args
         const int warps = (n + 31) / 32;
         B.warp_bars.resize(static_cast<size_t>(warps));
         for (int w = 0; w < warps; ++w) B.warp_bars[static_cast<size_t>(w)].expected = std::min(32, n - 32 * w);
+        B.half_bars.resize(static_cast<size_t>(2 * warps));
+        for (int h = 0; h < 2 * warps; ++h) B.half_bars[static_cast<size_t>(h)].expected = std::max(0, std::min(16, n - 16 * h));
         B.warp_buf.assign(static_cast<size_t>(warps) * 32 * kWords, 0);
         B.smem.assign(smem + 1024 + 16, 0);
         B.origin = B.smem.data() + (1024 - reinterpret_cast<uintptr_t>(B.smem.data()) % 1024) % 1024;
@@ -163,14 +168,24 @@ void launch(dim3 grid, dim3 blk, size_t smem, Kernel kernel, const Args&... args
 inline uint64_t* words(int l) { return block()->warp_buf.data() + (32 * self().warp + l) * kWords; }
 inline Barrier& warp_bar() { return block()->warp_bars[static_cast<size_t>(self().warp)]; }
 
+// The barrier a shuffle of this member mask meets at: the calling lane's half warp where the mask is
+// exactly that half's lanes (a half warp's 16-lane group may shuffle while the other half does
+// something else, as on the device), else the whole warp's.
+inline Barrier& shfl_bar(unsigned members) {
+  const unsigned half = 0xFFFFu << (16 * (lane() / 16));
+  if (members == half) return block()->half_bars[static_cast<size_t>(self().thread.x / 16)];
+  return warp_bar();
+}
+
 template <class T>
-T shfl_xor(T v, int mask) {
+T shfl_xor(T v, int mask, unsigned members = 0xffffffffu) {
   static_assert(sizeof(T) <= 8);
+  Barrier& bar = shfl_bar(members);
   std::memcpy(words(lane()), &v, sizeof(T));
-  wait(warp_bar());
+  wait(bar);
   T r;
   std::memcpy(&r, words(lane() ^ mask), sizeof(T));
-  wait(warp_bar());
+  wait(bar);
   return r;
 }
 
@@ -343,7 +358,7 @@ inline void wgmma_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accum
 #define gridDim (::emu::block()->grid_dim)
 #define __syncthreads() (::emu::wait(::emu::block()->block_bar))
 #define __syncwarp(...) (::emu::wait(::emu::warp_bar()))
-#define __shfl_xor_sync(mask, v, o) ((void)(mask), ::emu::shfl_xor((v), (o)))
+#define __shfl_xor_sync(mask, v, o) (::emu::shfl_xor((v), (o), static_cast<unsigned>(mask)))
 #define __shfl_up_sync(mask, v, d) (::emu::shfl_up((v), (d)))
 #define __ballot_sync(mask, pred) (::emu::ballot(static_cast<bool>(pred)))
 #define __all_sync(mask, pred) (::emu::ballot(static_cast<bool>(pred)) == 0xffffffffu)

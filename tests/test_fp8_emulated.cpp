@@ -1,6 +1,7 @@
 // The FP8 quantization kernels (kernels/cuda/fp8.cu) run on the CPU through tests/cuda_emulation.h,
 // so CI checks their indexing and arithmetic without a GPU: quantize_fp8_act against the CPU
-// reference bit for bit (ops::quantize_fp8_act: the same division, reciprocal and rounding). The
+// reference bit for bit (ops::quantize_fp8_act: the same division, reciprocal and rounding), and
+// quantize_fp8_tiles (the FP8 drafter's operands) against the fake quantizer of the same tiles. The
 // residual step fused with the quantization (norm.cu's add_rms_norm_quant_fp8) is checked against
 // these in test_norm_emulated.cpp. The device's own runs are test_cuda_fp8's.
 #include "cuda_emulation.h"
@@ -35,6 +36,7 @@
 
 #include "core/random.h"
 #include "core/tensor.h"
+#include "kernels/cpu/train_ops.h"
 #include "kernels/ops.h"
 
 namespace {
@@ -84,3 +86,88 @@ TEST(Fp8Emulated, QuantizeActMatchesTheCpuBitForBit) {
       EXPECT_TRUE(fp8_gemm_layout::act_scales_for_gemm(ref.scale) == std::vector<float>(got.s)) << "scales";
     }
 }
+
+// quantize_fp8_tiles against cpu::fake_quantize_e4m3 of the same tiles (test_cuda_fp8's
+// TileQuantizerEqualsTheFakeQuantizerBitForBit, smaller): block mode (128 x 128: q and the transposed
+// codes, one scale a tile) and columns mode (qt in 128 x 1 tiles along the rows, q in 1 x 128 groups:
+// quantize_fp8_act's codes and scales), partial tiles, padded rows of x, the transposed padding
+// columns as code 0 and nothing written outside the outputs.
+TEST(Fp8Emulated, TileQuantizerEqualsTheFakeQuantizerBitForBit) {
+  struct Case {
+    bool block;
+    int64_t rows, cols, pad_x;
+  };
+  const Case cases[] = {{true, 208, 264, 8}, {true, 130, 128, 0}, {false, 200, 264, 8}, {false, 37, 136, 0}};
+  constexpr uint8_t kPoison = 0xAB;
+  auto same_bits = [](float a, float b) { return std::memcmp(&a, &b, 4) == 0; };
+  auto blocks = [](int64_t n) { return (n + 127) / 128; };
+  auto round_up = [](int64_t n, int64_t m) { return (n + m - 1) / m * m; };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(testing::Message() << (c.block ? "block" : "columns") << " rows=" << c.rows << " cols=" << c.cols
+                                    << " ldx=cols+" << c.pad_x);
+    const Tensor x = rand_bf16(c.rows, c.cols, 1.0f).to_dtype(DType::F32);
+    const int64_t ldx = c.cols + c.pad_x;
+    std::vector<uint16_t> xb(static_cast<size_t>(c.rows * ldx), 0x7FC0);  // padding columns: NaN (never read)
+    const Tensor x16 = x.to_dtype(DType::BF16);
+    for (int64_t r = 0; r < c.rows; ++r)
+      std::memcpy(xb.data() + r * ldx, static_cast<const uint16_t*>(x16.raw_data()) + r * c.cols,
+                  static_cast<size_t>(c.cols) * 2);
+    Tensor ref = x.clone();
+    cpu::fake_quantize_e4m3(ref.data<float>(), c.rows, c.cols, 128, c.block ? 128 : 1);
+    const int64_t qt_cols = c.block ? round_up(c.rows, 16) : round_up(c.rows, 128);
+    cu::Fp8TileQuantParams p;
+    p.x = xb.data(), p.ldx = ldx, p.rows = c.rows, p.cols = c.cols, p.block = c.block;
+    p.ldq = round_up(c.cols, 16) + 16;
+    p.lds = c.block ? cu::fp8_weight_scale_ld(c.cols) : cu::fp8_act_scale_ld_emulated(c.rows);
+    p.ldst = c.block ? cu::fp8_weight_scale_ld(c.rows) : cu::fp8_act_scale_ld_emulated(c.cols);
+    if (!c.block) p.rows_padded = qt_cols;
+    p.ldqt = qt_cols + 16;
+    std::vector<uint8_t> q(static_cast<size_t>(c.rows * p.ldq), kPoison), qt(static_cast<size_t>(c.cols * p.ldqt), kPoison);
+    std::vector<float> s(static_cast<size_t>(blocks(c.block ? c.rows : c.cols) * p.lds), NAN);
+    std::vector<float> st(static_cast<size_t>(blocks(c.block ? c.cols : qt_cols) * p.ldst), NAN);
+    p.q = q.data(), p.scale = s.data(), p.qt = qt.data(), p.scale_t = st.data();
+    cu::quantize_fp8_tiles_emulated(p, nullptr);
+    ops::Fp8Act act;
+    Tensor ref_rows;
+    if (!c.block) {
+      act = ops::quantize_fp8_act(x);
+      ref_rows = x.clone();
+      cpu::fake_quantize_e4m3(ref_rows.data<float>(), c.rows, c.cols, 1, 128);
+    }
+    int64_t bad = 0, bad_t = 0, bad_pad = 0, stray = 0;
+    for (int64_t r = 0; r < c.rows; ++r)
+      for (int64_t k = 0; k < c.cols; ++k) {
+        const float want = ref.data<float>()[r * c.cols + k];
+        const uint8_t code = q[static_cast<size_t>(r * p.ldq + k)];
+        if (c.block) {
+          const float got = fp8::e4m3_to_float(code) * s[static_cast<size_t>((r / 128) * p.lds + k / 128)];
+          if (!same_bits(got, want) && bad++ < 5) ADD_FAILURE() << "q (" << r << ", " << k << "): " << got << " want " << want;
+        } else {
+          const float sc = s[static_cast<size_t>((k / 128) * p.lds + r)];
+          const float got = fp8::e4m3_to_float(code) * sc;
+          if ((!same_bits(got, ref_rows.data<float>()[r * c.cols + k]) || code != act.q.data<uint8_t>()[r * c.cols + k] ||
+               !same_bits(sc, act.scale.data<float>()[r * blocks(c.cols) + k / 128])) &&
+              bad++ < 5)
+            ADD_FAILURE() << "q rows (" << r << ", " << k << "): " << got;
+        }
+        const float st_v = c.block ? st[static_cast<size_t>((k / 128) * p.ldst + r / 128)]
+                                   : st[static_cast<size_t>((r / 128) * p.ldst + k)];
+        const float got_t = fp8::e4m3_to_float(qt[static_cast<size_t>(k * p.ldqt + r)]) * st_v;
+        if (!same_bits(got_t, want) && bad_t++ < 5) ADD_FAILURE() << "qt (" << k << ", " << r << "): " << got_t << " want " << want;
+      }
+    for (int64_t k = 0; k < c.cols; ++k) {
+      for (int64_t r = c.rows; r < qt_cols; ++r) bad_pad += qt[static_cast<size_t>(k * p.ldqt + r)] != 0;
+      for (int64_t r = qt_cols; r < p.ldqt; ++r) stray += qt[static_cast<size_t>(k * p.ldqt + r)] != kPoison;
+    }
+    if (!c.block)
+      for (int64_t r = c.rows; r < p.lds; ++r)
+        for (int64_t g = 0; g < blocks(c.cols); ++g) bad_pad += s[static_cast<size_t>(g * p.lds + r)] != 1.0f;
+    for (int64_t r = 0; r < c.rows; ++r)
+      for (int64_t k = c.cols; k < p.ldq; ++k) stray += q[static_cast<size_t>(r * p.ldq + k)] != kPoison;
+    EXPECT_EQ(bad, 0);
+    EXPECT_EQ(bad_t, 0);
+    EXPECT_EQ(bad_pad, 0) << "the transposed padding columns must be code 0, the rows' padding scales 1";
+    EXPECT_EQ(stray, 0) << "codes written outside the outputs";
+  }
+}
+

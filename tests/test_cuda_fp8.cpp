@@ -267,7 +267,8 @@ TEST(CudaFp8, ScaleLayoutsAreCublasLts) {
 // ---- quantization ------------------------------------------------------------------------------------
 
 // Makes row 0 all zeros, row 1 one huge outlier per group (the others get subnormal codes), row 2
-// exact ties: each group's first value 448 (scale 1) and the others on midpoints between codes.
+// exact ties: each group's first value 448 (scale 1) and the others on midpoints between codes, row 3
+// a NaN of each sign (code 0x7F either way; the scale from the group's other values).
 void plant_special_rows(Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1);
   float* v = x.data<float>();
@@ -281,6 +282,7 @@ void plant_special_rows(Tensor& x) {
       const float mid = 0.5f * (fp8::e4m3_to_float(static_cast<uint8_t>(c)) + fp8::e4m3_to_float(static_cast<uint8_t>(c + 1)));
       v[2 * K + k] = (k % 128 == 0) ? 448.0f : ((k & 1) ? -mid : mid);
     }
+  if (M > 3 && K > 2) v[3 * K + 1] = std::nanf(""), v[3 * K + 2] = -std::nanf("");
   // Every value must stay exactly representable: the CPU reference gets the values the GPU reads.
   x = x.to_dtype(DType::BF16).to_dtype(DType::F32);
 }

@@ -74,12 +74,17 @@ Quantized quantize(const Tensor& x_bf16) {
 }  // namespace
 
 // quantize_fp8_act's codes and scales (padding entries 1) equal the CPU reference's bit for bit:
-// partial last groups, one and several tokens, the grid-stride loop over more groups than the grid.
+// partial last groups, one and several tokens, the grid-stride loop over more groups than the grid,
+// NaN inputs of both signs.
 TEST(Fp8Emulated, QuantizeActMatchesTheCpuBitForBit) {
   for (int64_t M : {1, 5, 37})
     for (int64_t K : {128, 96, 640, 1040}) {
       SCOPED_TRACE("M " + std::to_string(M) + " K " + std::to_string(K));
-      const Tensor x = rand_bf16(M, K, 1.0f);
+      Tensor x = rand_bf16(M, K, 1.0f);
+      if (M > 1) {  // NaN of either sign: code 0x7F, the group's scale from the other values
+        reinterpret_cast<uint16_t*>(x.raw_data())[3] = 0x7FC1;
+        reinterpret_cast<uint16_t*>(x.raw_data())[K + 5] = 0xFFC1;
+      }
       const Quantized got = quantize(x);
       const ops::Fp8Act ref = ops::quantize_fp8_act(x.to_dtype(DType::F32));
       EXPECT_EQ(std::memcmp(got.q.data(), ref.q.raw_data(), got.q.size()), 0) << "codes";
@@ -171,3 +176,22 @@ TEST(Fp8Emulated, TileQuantizerEqualsTheFakeQuantizerBitForBit) {
   }
 }
 
+// The encoders' NaN rule on four packed codes at once (fp8_act::nan_codes_positive): every byte whose
+// low 7 bits are all ones (e4m3's NaN, either sign: the device's cvt may keep the sign; the host's
+// here never does) becomes 0x7F, every other byte stays, whatever its neighbours: all byte values in
+// every position, beside every value of the byte below it (the one a carry would come from).
+TEST(Fp8Emulated, NanCodesLoseTheirSignAndNothingElseChanges) {
+  int64_t bad = 0;
+  for (uint32_t lo = 0; lo < 256; ++lo)
+    for (uint32_t hi = 0; hi < 256; ++hi)
+      for (int pos = 0; pos < 3; ++pos) {
+        const uint32_t w = (lo << (8 * pos)) | (hi << (8 * pos + 8)) | (pos == 0 ? 0xA5000000u : 0x000000A5u);
+        const uint32_t got = cu::fp8_act::nan_codes_positive(w);
+        for (int b = 0; b < 4; ++b) {
+          const uint32_t in = (w >> (8 * b)) & 0xFF, out = (got >> (8 * b)) & 0xFF;
+          const uint32_t want = (in & 0x7F) == 0x7F ? 0x7F : in;
+          if (out != want && bad++ < 5) ADD_FAILURE() << std::hex << "word " << w << " byte " << b << ": " << out;
+        }
+      }
+  EXPECT_EQ(bad, 0);
+}

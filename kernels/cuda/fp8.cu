@@ -83,8 +83,9 @@ struct SwigluSource {  // swiglu_quant_fp8: silu(gate) * up rounded to bf16, as 
 // fp8_act_scale_ld(M): scale of (m, g) at scale[g * lds + m].
 constexpr int kActBatch = 2;
 // CTAs an SM the registers allow (48 a thread, no spills; 55 and 4 CTAs without the bound): the grid
-// is persistent, every resident CTA's half warps have their loads in flight (ncu, H100, e30ec37: 50%
-// occupancy, DRAM 67%, the warps waiting on loads).
+// is persistent, and every resident CTA's half warps have their loads in flight (ncu, H100, e30ec37:
+// 50% occupancy, DRAM 67%, the warps waiting on loads; with the bound 62.5%, DRAM 73%, and 3-6% more
+// bandwidth at the drafter's shapes, bench/results/h100-quant-b5ed5d0).
 constexpr int kActMinBlocks = 5;
 
 template <class Source>
@@ -280,29 +281,24 @@ __global__ void __launch_bounds__(kThreads) quantize_weight_kernel(const bf16* _
 // quantize_fp8_tiles (the FP8 drafter's operands): one 128 x 128 tile of x per CTA, loaded once
 // (thread t: unit t % 16 of rows t / 16 + 16 j, as quantize_weight_kernel) into registers and shared
 // memory. Block mode: one scale for the tile (block reduction), q written from the registers; columns
-// mode: one scale per column, and with q also one per row (the 16 lanes of a half warp hold a row's
-// 128 values: quantize_group's reduction and arithmetic, so these codes are quantize_fp8_act's). The
-// transposed codes are written from shared memory: thread t takes column t % 128 over the rows of half
-// t / 128 (64 rows; a warp reads 32 neighbouring columns of one row, 64 bytes, free of bank conflicts),
-// in two passes of 16 rows at a time (the column half's amax, then its codes, 16 a 16-byte store), so
-// few values are live at once; the halves' amaxes meet in shared memory. Rows past x's (the padding
-// up to rows_padded) are codes 0.
-// Why so (ncu, H100, e30ec37, block mode at the qkv weight's 6144 x 5120): the kernel was latency-bound,
-// 1.70 TB/s with DRAM at 51% and the SMs at 29%, 55% of the warps' time waiting on loads, at 37.5%
-// occupancy (80 registers: 3 CTAs an SM; the transposed part held its 64 column values in registers,
-// read by thread pairs whose two halves hit the same shared-memory banks). kTileMinBlocks CTAs an SM
-// caps the registers so that more tiles' loads are in flight.
+// mode: one scale per column (thread pair t, t ^ 1 walks column t / 2 in halves of 64 rows), and with q
+// also one per row (the 16 lanes of a half warp hold a row's 128 values: quantize_group's reduction and
+// arithmetic, so these codes are quantize_fp8_act's). The transposed codes are written from shared
+// memory by the column pairs, 16 codes per 16-byte store, rows past x's (the padding up to
+// rows_padded) as 0.
+// Tried (b5ed5d0, reverted): the transposed codes by warp-uniform column halves in two passes of 16
+// rows over shared memory, 62 registers and 4 CTAs an SM instead of 80 and 3: 5-33% slower on an H100
+// (quant_xt 2,100 -> 1,410 GB/s; ncu: more stalls per instruction, the passes' shared loads exposed).
+// The kernel is latency-bound (block mode at 6144 x 5120: DRAM 51%, SMs 29%), not short of registers.
 constexpr int kTileLd = fp8::kBlock + 8;  // bf16 per shared row (16-byte aligned rows)
-constexpr int kTileMinBlocks = 4;         // 4 x 34.8 KB of shared memory and <= 64 registers a thread
 
-__global__ void __launch_bounds__(kThreads, kTileMinBlocks)
-    quantize_tiles_kernel(const bf16* __restrict__ x, int64_t ldx, int64_t rows, int64_t cols, bool block,
-                          uint8_t* __restrict__ q, int64_t ldq, float* __restrict__ scale, int64_t lds,
-                          uint8_t* __restrict__ qt, int64_t ldqt, int64_t qt_cols, float* __restrict__ scale_t,
-                          int64_t ldst) {
+__global__ void __launch_bounds__(kThreads) quantize_tiles_kernel(const bf16* __restrict__ x, int64_t ldx, int64_t rows,
+                                                                   int64_t cols, bool block, uint8_t* __restrict__ q,
+                                                                   int64_t ldq, float* __restrict__ scale, int64_t lds,
+                                                                   uint8_t* __restrict__ qt, int64_t ldqt, int64_t qt_cols,
+                                                                   float* __restrict__ scale_t, int64_t ldst) {
   __shared__ __align__(16) bf16 tile[fp8::kBlock * kTileLd];
   __shared__ float red[kThreads / 32];
-  __shared__ float half_amax[2][fp8::kBlock];
   const int64_t cb = blockIdx.x, rb = blockIdx.y;
   const int tid = static_cast<int>(threadIdx.x);
   const int unit = tid % kBlockUnits;
@@ -359,31 +355,29 @@ __global__ void __launch_bounds__(kThreads, kTileMinBlocks)
     }
   }
   if (qt == nullptr) return;
-  // The transposed codes: column c of the tile, rows [h * 64, h * 64 + 64), 16 at a time.
-  constexpr int kHalf = fp8::kBlock / 2, kChunk = 16;
-  const int c = tid % fp8::kBlock, h = tid / fp8::kBlock;
+  // The transposed codes: column c of the tile, rows [h * 64, h * 64 + 64), by the pair (c, h).
+  constexpr int kHalf = fp8::kBlock / 2;
+  const int c = tid / 2, h = tid % 2;
   const int64_t gc = cb * fp8::kBlock + c;
-  const bf16* colp = tile + h * kHalf * kTileLd + c;
+  float v[kHalf];
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) v[i] = __bfloat162float(tile[(h * kHalf + i) * kTileLd + c]);
   if (!block) {
     float a = 0.0f;
-#pragma unroll 16
-    for (int i = 0; i < kHalf; ++i) a = fmaxf(a, fabsf(__bfloat162float(colp[i * kTileLd])));
-    half_amax[h][c] = a;
-    __syncthreads();
-    s = scale_of(fmaxf(half_amax[0][c], half_amax[1][c]));
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) a = fmaxf(a, fabsf(v[i]));
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+    s = scale_of(a);
     if (h == 0 && gc < cols) scale_t[rb * ldst + gc] = s;
   }
   if (gc >= cols) return;
-#pragma unroll 1
-  for (int k = 0; k < kHalf / kChunk; ++k) {
-    const int64_t r = rb * fp8::kBlock + h * kHalf + k * kChunk;
+#pragma unroll
+  for (int k = 0; k < kHalf / 16; ++k) {
+    const int64_t r = rb * fp8::kBlock + h * kHalf + k * 16;
     if (r >= qt_cols) break;  // qt_cols % 16 == 0: whole stores
     float a8[kUnit], b8[kUnit];
 #pragma unroll
-    for (int e = 0; e < kUnit; ++e) {
-      a8[e] = __bfloat162float(colp[(k * kChunk + e) * kTileLd]);
-      b8[e] = __bfloat162float(colp[(k * kChunk + kUnit + e) * kTileLd]);
-    }
+    for (int e = 0; e < kUnit; ++e) a8[e] = v[k * 16 + e], b8[e] = v[k * 16 + kUnit + e];
     const uint2 lo = encode_act(a8, s), hi = encode_act(b8, s);
     *reinterpret_cast<uint4*>(qt + gc * ldqt + r) = make_uint4(lo.x, lo.y, hi.x, hi.y);
   }

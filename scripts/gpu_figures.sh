@@ -2,7 +2,8 @@
 # The open issues' goal figures at one commit in one device call (issues 30, 31, 33; meant for an H200,
 # where the goals are stated), each stage skipped when the call's time would not hold it:
 #   1. train:  the 27B recipe at 4096 tokens, fp8 target, FP8 drafter linears and LM head (gpu_seqlen.sh,
-#              15 steps; FIGURES_WGRAD_X, default "auto": the weight gradients' x operand, "auto 128x1" both)
+#              15 steps; FIGURES_WGRAD_X, default "auto": the weight gradients' x operand, "auto 128x1" both;
+#              FIGURES_SEQ_LENS / FIGURES_SEQ_ANCHORS, default 4096 / recipe: on an H100 2048 / 256 fit)
 #   2. target: target_bench fp8 at 8192 tokens (Qwen3.6-27B shapes, random weights)
 #   3. decode: dflash_eval on Qwen3.6-27B shapes, fp8 (fused residual quantization, FP8 propose) and bf16,
 #              one op profile each (gpu_fused.sh's 27B stage; FIGURES_DECODE_VARIANTS, default fused)
@@ -46,8 +47,8 @@ for s in ${FIGURES_STAGES:-train target decode moe}; do
   case "$s" in
     train)
       stage train 90 || continue
-      DFLASH_DEADLINE=$(( $(date +%s) + 150 < END ? $(date +%s) + 150 : END )) OUT="$W/train" DFLASH_BUILD="$B" SEQ_LENS=4096 \
-        SEQ_DRAFTER=fp8 SEQ_HEADS=fp8 SEQ_WGRAD_X="${FIGURES_WGRAD_X:-auto}" bash scripts/gpu_seqlen.sh >"$W/train/seqlen.out" 2>&1
+      DFLASH_DEADLINE=$(( $(date +%s) + 150 < END ? $(date +%s) + 150 : END )) OUT="$W/train" DFLASH_BUILD="$B" SEQ_LENS="${FIGURES_SEQ_LENS:-4096}" \
+        SEQ_ANCHORS="${FIGURES_SEQ_ANCHORS:-recipe}" SEQ_DRAFTER=fp8 SEQ_HEADS=fp8 SEQ_WGRAD_X="${FIGURES_WGRAD_X:-auto}" bash scripts/gpu_seqlen.sh >"$W/train/seqlen.out" 2>&1
       grep -E "trained_tok_s_per_gpu|peak_mem_gib|,step_s,|target_fwd_s|drafter_s|optimizer_s" "$W/train/train_rows.csv" 2>/dev/null |
         cut -d, -f5,7,8 >>"$R/summary.txt" ;;
     target)

@@ -38,7 +38,6 @@
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/emulatable.cuh"
 #include "kernels/cuda/fp8_act.cuh"
-#include "kernels/cuda/ptx.cuh"
 #include "kernels/cuda/vec.cuh"
 #include "core/error.h"
 #include "core/fp8.h"
@@ -279,136 +278,113 @@ __global__ void __launch_bounds__(kThreads) quantize_weight_kernel(const bf16* _
   }
 }
 
-// quantize_fp8_tiles (the FP8 drafter's operands): 128 x 128 tiles of x on a persistent grid, each
-// CTA's tiles through two shared-memory buffers: the next tile's cp.async copies (thread t: unit t % 16
-// of rows t / 16 + 16 j, rows and columns past x's zero-filled) are in flight while this tile is
-// quantized, so the loads never wait on the math. Block mode: one scale for the tile (block
-// reduction); columns mode: one scale per column (thread pair t, t ^ 1 walks column t / 2 in halves of
-// 64 rows), and with q also one per row (the 16 lanes of a half warp hold a row's 128 values:
-// quantize_group's reduction and arithmetic, so these codes are quantize_fp8_act's). The transposed
-// codes are written from shared memory by the column pairs, 16 codes per 16-byte store, rows past x's
-// (the padding up to rows_padded) as 0.
-// Why pipelined (ncu, H100, e30ec37, one tile a CTA, loaded to registers): latency-bound, 1.70 TB/s in
-// block mode at 6144 x 5120 with DRAM at 51% and the SMs at 29%, 55% of the warps' time waiting on
-// loads: a CTA loaded, then computed and stored with nothing in flight.
+// quantize_fp8_tiles (the FP8 drafter's operands): one 128 x 128 tile of x per CTA, loaded once
+// (thread t: unit t % 16 of rows t / 16 + 16 j, as quantize_weight_kernel) into registers and shared
+// memory. Block mode: one scale for the tile (block reduction), q written from the registers; columns
+// mode: one scale per column (thread pair t, t ^ 1 walks column t / 2 in halves of 64 rows), and with q
+// also one per row (the 16 lanes of a half warp hold a row's 128 values: quantize_group's reduction and
+// arithmetic, so these codes are quantize_fp8_act's). The transposed codes are written from shared
+// memory by the column pairs, 16 codes per 16-byte store, rows past x's (the padding up to
+// rows_padded) as 0.
 // Tried (b5ed5d0, reverted): the transposed codes by warp-uniform column halves in two passes of 16
 // rows over shared memory, 62 registers and 4 CTAs an SM instead of 80 and 3: 5-33% slower on an H100
 // (quant_xt 2,100 -> 1,410 GB/s; ncu: more stalls per instruction, the passes' shared loads exposed).
+// The kernel is latency-bound (block mode at 6144 x 5120: DRAM 51%, SMs 29%), not short of registers.
+// Tried (9bda3b1, reverted): a persistent grid with two shared-memory tile buffers, the next tile's
+// cp.async copies in flight while this one is quantized: block mode (the weights) +14-17% at 2 CTAs an
+// SM (98 registers), but the columns mode (the output gradients and xᵀ) 3-8% slower, and 3 CTAs an SM
+// (80 registers, spilling) slower in both; kernel_bench's quantization sum of a 27B drafter step 11.8
+// -> 11.5 ms on an H100 at best (bench/results/h100-quant-b5ed5d0): not worth a second tile kernel.
 constexpr int kTileLd = fp8::kBlock + 8;  // bf16 per shared row (16-byte aligned rows)
-constexpr int kTileElems = fp8::kBlock * kTileLd;
-constexpr size_t kTilesSmem = 2 * kTileElems * sizeof(bf16) + (kThreads / 32) * sizeof(float);
 
-__global__ void __launch_bounds__(kThreads, 3) quantize_tiles_kernel(const bf16* __restrict__ x, int64_t ldx, int64_t rows,
+__global__ void __launch_bounds__(kThreads) quantize_tiles_kernel(const bf16* __restrict__ x, int64_t ldx, int64_t rows,
                                                                    int64_t cols, bool block, uint8_t* __restrict__ q,
                                                                    int64_t ldq, float* __restrict__ scale, int64_t lds,
                                                                    uint8_t* __restrict__ qt, int64_t ldqt, int64_t qt_cols,
-                                                                   float* __restrict__ scale_t, int64_t ldst,
-                                                                   int64_t col_blocks, int64_t tiles) {
-  DFLASH_DYNAMIC_SMEM(unsigned char, smem);
-  bf16* const bufs = reinterpret_cast<bf16*>(smem);
-  float* const red = reinterpret_cast<float*>(smem + 2 * kTileElems * sizeof(bf16));
+                                                                   float* __restrict__ scale_t, int64_t ldst) {
+  __shared__ __align__(16) bf16 tile[fp8::kBlock * kTileLd];
+  __shared__ float red[kThreads / 32];
+  const int64_t cb = blockIdx.x, rb = blockIdx.y;
   const int tid = static_cast<int>(threadIdx.x);
   const int unit = tid % kBlockUnits;
-  // Tile t = (row block t / col_blocks, column block t % col_blocks) into buffer b.
-  auto issue = [&](int64_t t, int b) {
-    const int64_t cb = t % col_blocks, rb = t / col_blocks;
-    const int64_t col = cb * fp8::kBlock + unit * kUnit;
-    bf16* dst = bufs + b * kTileElems;
+  const int64_t col = cb * fp8::kBlock + unit * kUnit;
+  uint4 raw[kWeightPasses];
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kWeightPasses; ++j) {
+    const int lr = tid / kBlockUnits + j * kWeightRowsPerPass;
+    const int64_t r = rb * fp8::kBlock + lr;
+    raw[j] = make_uint4(0, 0, 0, 0);  // +0 bf16: no effect on the amax, code 0
+    if (r < rows && col < cols) raw[j] = __ldg(reinterpret_cast<const uint4*>(x + r * ldx + col));
+    *reinterpret_cast<uint4*>(tile + lr * kTileLd + unit * kUnit) = raw[j];
+    if (block) {
+      float v[kUnit];
+      unpack(raw[j], v);
+      amax = fmaxf(amax, unit_amax(v));
+    }
+  }
+  if (!block && q != nullptr) {  // per row and 128-column group: quantize_fp8_act's codes and scales
+    const unsigned mask = 0xFFFFu << (16 * ((tid / kGroupLanes) % 2));  // this half warp: one row
 #pragma unroll
     for (int j = 0; j < kWeightPasses; ++j) {
-      const int lr = tid / kBlockUnits + j * kWeightRowsPerPass;
-      const int64_t r = rb * fp8::kBlock + lr;
-      const bool valid = r < rows && col < cols;  // else +0 bf16: no effect on an amax, code 0
-      ptx::cp_async16_zfill(dst + lr * kTileLd + unit * kUnit, valid ? x + r * ldx + col : x, valid);
+      const int64_t r = rb * fp8::kBlock + tid / kBlockUnits + j * kWeightRowsPerPass;
+      float v[kUnit];
+      unpack(raw[j], v);
+      if (r < rows) quantize_group(v, col < cols, mask, unit, static_cast<int>(r), static_cast<int>(rows),
+                                   static_cast<int>(cb), q + r * ldq + col, scale, lds);
     }
-  };
-  int b = 0;
-  if (blockIdx.x < tiles) issue(blockIdx.x, 0);
-  ptx::cp_async_commit_ring();
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x, b ^= 1) {
-    if (t + gridDim.x < tiles) issue(t + gridDim.x, b ^ 1);
-    ptx::cp_async_commit_ring();  // (an empty group past the last tile)
-    ptx::cp_async_wait_ring<1>();  // this thread's copies of tile t have landed
-    __syncthreads();               // and every thread's
-    const bf16* tile = bufs + b * kTileElems;
-    const int64_t cb = t % col_blocks, rb = t / col_blocks;
-    const int64_t col = cb * fp8::kBlock + unit * kUnit;
-    uint4 raw[kWeightPasses];
-    float amax = 0.0f;
+  }
+  float s = 0.0f;
+  if (block) {
 #pragma unroll
-    for (int j = 0; j < kWeightPasses; ++j) {
-      const int lr = tid / kBlockUnits + j * kWeightRowsPerPass;
-      raw[j] = *reinterpret_cast<const uint4*>(tile + lr * kTileLd + unit * kUnit);
-      if (block) {
-        float v[kUnit];
-        unpack(raw[j], v);
-        amax = fmaxf(amax, unit_amax(v));
-      }
-    }
-    if (!block && q != nullptr) {  // per row and 128-column group: quantize_fp8_act's codes and scales
-      const unsigned mask = 0xFFFFu << (16 * ((tid / kGroupLanes) % 2));  // this half warp: one row
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (tid % 32 == 0) red[tid / 32] = amax;
+  }
+  __syncthreads();
+  if (block) {
+    amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kThreads / 32; ++i) amax = fmaxf(amax, red[i]);
+    s = scale_of(amax);
+    if (tid == 0 && q != nullptr) scale[rb * lds + cb] = s;
+    if (tid == 0 && qt != nullptr) scale_t[cb * ldst + rb] = s;
+    if (q != nullptr) {
 #pragma unroll
       for (int j = 0; j < kWeightPasses; ++j) {
         const int64_t r = rb * fp8::kBlock + tid / kBlockUnits + j * kWeightRowsPerPass;
+        if (r >= rows || col >= cols) continue;
         float v[kUnit];
         unpack(raw[j], v);
-        if (r < rows) quantize_group(v, col < cols, mask, unit, static_cast<int>(r), static_cast<int>(rows),
-                                     static_cast<int>(cb), q + r * ldq + col, scale, lds);
+        *reinterpret_cast<uint2*>(q + r * ldq + col) = encode_act(v, s);
       }
     }
-    float s = 0.0f;
-    if (block) {
+  }
+  if (qt == nullptr) return;
+  // The transposed codes: column c of the tile, rows [h * 64, h * 64 + 64), by the pair (c, h).
+  constexpr int kHalf = fp8::kBlock / 2;
+  const int c = tid / 2, h = tid % 2;
+  const int64_t gc = cb * fp8::kBlock + c;
+  float v[kHalf];
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      if (tid % 32 == 0) red[tid / 32] = amax;
-      __syncthreads();
-      amax = 0.0f;
+  for (int i = 0; i < kHalf; ++i) v[i] = __bfloat162float(tile[(h * kHalf + i) * kTileLd + c]);
+  if (!block) {
+    float a = 0.0f;
 #pragma unroll
-      for (int i = 0; i < kThreads / 32; ++i) amax = fmaxf(amax, red[i]);
-      s = scale_of(amax);
-      if (tid == 0 && q != nullptr) scale[rb * lds + cb] = s;
-      if (tid == 0 && qt != nullptr) scale_t[cb * ldst + rb] = s;
-      if (q != nullptr) {
+    for (int i = 0; i < kHalf; ++i) a = fmaxf(a, fabsf(v[i]));
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+    s = scale_of(a);
+    if (h == 0 && gc < cols) scale_t[rb * ldst + gc] = s;
+  }
+  if (gc >= cols) return;
 #pragma unroll
-        for (int j = 0; j < kWeightPasses; ++j) {
-          const int64_t r = rb * fp8::kBlock + tid / kBlockUnits + j * kWeightRowsPerPass;
-          if (r >= rows || col >= cols) continue;
-          float v[kUnit];
-          unpack(raw[j], v);
-          *reinterpret_cast<uint2*>(q + r * ldq + col) = encode_act(v, s);
-        }
-      }
-    }
-    if (qt != nullptr) {
-      // The transposed codes: column c of the tile, rows [h * 64, h * 64 + 64), by the pair (c, h).
-      constexpr int kHalf = fp8::kBlock / 2;
-      const int c = tid / 2, h = tid % 2;
-      const int64_t gc = cb * fp8::kBlock + c;
-      float v[kHalf];
+  for (int k = 0; k < kHalf / 16; ++k) {
+    const int64_t r = rb * fp8::kBlock + h * kHalf + k * 16;
+    if (r >= qt_cols) break;  // qt_cols % 16 == 0: whole stores
+    float a8[kUnit], b8[kUnit];
 #pragma unroll
-      for (int i = 0; i < kHalf; ++i) v[i] = __bfloat162float(tile[(h * kHalf + i) * kTileLd + c]);
-      if (!block) {
-        float a = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kHalf; ++i) a = fmaxf(a, fabsf(v[i]));
-        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
-        s = scale_of(a);
-        if (h == 0 && gc < cols) scale_t[rb * ldst + gc] = s;
-      }
-      if (gc < cols) {
-#pragma unroll
-        for (int k = 0; k < kHalf / 16; ++k) {
-          const int64_t r = rb * fp8::kBlock + h * kHalf + k * 16;
-          if (r >= qt_cols) break;  // qt_cols % 16 == 0: whole stores
-          float a8[kUnit], b8[kUnit];
-#pragma unroll
-          for (int e = 0; e < kUnit; ++e) a8[e] = v[k * 16 + e], b8[e] = v[k * 16 + kUnit + e];
-          const uint2 lo = encode_act(a8, s), hi = encode_act(b8, s);
-          *reinterpret_cast<uint4*>(qt + gc * ldqt + r) = make_uint4(lo.x, lo.y, hi.x, hi.y);
-        }
-      }
-    }
-    __syncthreads();  // the buffer and red are free for the tile after next
+    for (int e = 0; e < kUnit; ++e) a8[e] = v[k * 16 + e], b8[e] = v[k * 16 + kUnit + e];
+    const uint2 lo = encode_act(a8, s), hi = encode_act(b8, s);
+    *reinterpret_cast<uint4*>(qt + gc * ldqt + r) = make_uint4(lo.x, lo.y, hi.x, hi.y);
   }
 }
 
@@ -507,20 +483,10 @@ void quantize_fp8_tiles(const Fp8TileQuantParams& p, Stream s) {
   const int64_t row_blocks = fp8::blocks(std::max(p.rows, p.block ? p.rows : qt_cols));
   DFLASH_CHECK(row_blocks < 65536, "quantize_fp8_tiles: rows=" << p.rows << " has more than 65535 row blocks");
   if (row_blocks == 0) return;
-  const int64_t col_blocks = fp8::blocks(p.cols), tiles = col_blocks * row_blocks;
-  static bool attr[64] = {};  // the shared-memory opt-in, once per device
-  int dev = 0;
-  DFLASH_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= 64 || !attr[dev]) {
-    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(quantize_tiles_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(kTilesSmem)));
-    if (dev < 64) attr[dev] = true;
-  }
-  const int64_t grid =
-      std::min(tiles, resident_blocks(reinterpret_cast<const void*>(quantize_tiles_kernel), kThreads, kTilesSmem, 0));
-  launch_kernel(quantize_tiles_kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), kTilesSmem,
-                static_cast<cudaStream_t>(s), static_cast<const bf16*>(p.x), p.ldx, p.rows, p.cols, p.block, p.q, p.ldq,
-                p.scale, p.lds, p.qt, p.ldqt, qt_cols, p.scale_t, p.ldst, col_blocks, tiles);
+  const dim3 grid(static_cast<unsigned>(fp8::blocks(p.cols)), static_cast<unsigned>(row_blocks));
+  launch_kernel(quantize_tiles_kernel, grid, dim3(kThreads), 0, static_cast<cudaStream_t>(s),
+                static_cast<const bf16*>(p.x), p.ldx, p.rows, p.cols, p.block, p.q, p.ldq, p.scale, p.lds, p.qt, p.ldqt,
+                qt_cols, p.scale_t, p.ldst);
 }
 
 void rms_norm_quant_fp8(const void* x, int64_t ldx, const void* w, int64_t rows, int64_t D, float eps, uint8_t* q,

@@ -56,7 +56,7 @@ for s in ${FIGURES_STAGES:-train target decode moe}; do
       timeout $(( $(left) < 120 ? $(left) : 120 )) "$B/bench/target_bench" --config configs/qwen3.6-27b/config.json --random-weights \
         --precision fp8 --seq 8192 --path fast --csv "$W/target/target_bench.csv" >"$W/target/target_bench.log" 2>&1
       echo "target_bench rc=$?" >>"$R/summary.txt"
-      grep -E "tok/s" "$W/target/target_bench.log" | head -n 6 >>"$R/summary.txt" ;;
+      grep -E "^[0-9]+ +fast|MFU against" "$W/target/target_bench.log" | head -n 4 >>"$R/summary.txt" ;;
     decode)
       stage decode 150 || continue
       OUT="$W/decode" DFLASH_BUILD="$B" NINJA_TARGETS=dflash_eval SKIP_TESTS=1 SKIP_BENCH=1 EVAL27B_PROFILE=1 \

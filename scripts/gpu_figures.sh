@@ -8,10 +8,16 @@
 #   3. decode: dflash_eval on Qwen3.6-27B shapes, fp8 (fused residual quantization, FP8 propose) and bf16,
 #              one op profile each (gpu_fused.sh's 27B stage; FIGURES_DECODE_VARIANTS, default fused)
 #   4. moe:    dflash_eval on Qwen3.6-35B-A3B shapes with CUDA graphs (gpu_moe.sh's eval stage)
+#   optional stages (name them in FIGURES_STAGES):
+#   train_bf16: the same recipe all in bf16 (target, drafter, LM head: issue 31's bf16 goal)
+#   regen:     generate_bench on Qwen3.6-27B shapes, 64 sequences in flight, 512-token prompts, 512 new tokens,
+#              bf16 and fp8 (FIGURES_REGEN_PRECISIONS), separate prefills and prefill inside the decode steps
+#              (FIGURES_REGEN_STEP_TOKENS, default 0,512)
+#   e.g. a second call on the warm machine: FIGURES_STAGES="train_bf16 regen"
 #   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_figures.sh
 # One build of dflash_train, dflash_eval and target_bench first (~110 s on 16 cores). Writes to $OUT:
 # env.txt, build.log, summary.txt (each stage's key lines) and a tarball a stage (train.tgz, target.tgz,
-# decode.tgz, moe.tgz): 7 files. FIGURES_BUDGET (s, default 560) is when the last stage must end;
+# decode.tgz, moe.tgz, train_bf16.tgz, regen.tgz): at most 8 files for the stages of one call. FIGURES_BUDGET (s, default 560) is when the last stage must end;
 # FIGURES_STAGES (default "train target decode moe") picks and orders them.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
@@ -28,7 +34,7 @@ rm -rf "$W"
 mkdir -p "$W"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv >"$R/env.txt" 2>&1
 cmake -S "$DFLASH_ROOT" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >"$R/build.log" 2>&1 &&
-  ninja -C "$B" -j "$DFLASH_JOBS" dflash_train dflash_eval target_bench >>"$R/build.log" 2>&1 ||
+  ninja -C "$B" -j "$DFLASH_JOBS" dflash_train dflash_eval target_bench generate_bench >>"$R/build.log" 2>&1 ||
   { echo "build failed"; grep -E "error|FAILED" "$R/build.log" | head -n 30; exit 1; }
 echo "build $(( $(date +%s) - T0 )) s" | tee "$R/summary.txt"
 cd "$DFLASH_ROOT"
@@ -51,6 +57,23 @@ for s in ${FIGURES_STAGES:-train target decode moe}; do
         SEQ_ANCHORS="${FIGURES_SEQ_ANCHORS:-recipe}" SEQ_DRAFTER=fp8 SEQ_HEADS=fp8 SEQ_WGRAD_X="${FIGURES_WGRAD_X:-auto}" bash scripts/gpu_seqlen.sh >"$W/train/seqlen.out" 2>&1
       grep -E "trained_tok_s_per_gpu|peak_mem_gib|,step_s,|target_fwd_s|drafter_s|optimizer_s" "$W/train/train_rows.csv" 2>/dev/null |
         cut -d, -f5,7,8 >>"$R/summary.txt" ;;
+    train_bf16)
+      stage train_bf16 90 || continue
+      DFLASH_DEADLINE=$(( $(date +%s) + 150 < END ? $(date +%s) + 150 : END )) OUT="$W/train_bf16" DFLASH_BUILD="$B" \
+        SEQ_LENS="${FIGURES_SEQ_LENS:-4096}" SEQ_ANCHORS="${FIGURES_SEQ_ANCHORS:-recipe}" SEQ_PRECISION=bf16 SEQ_DRAFTER=bf16 \
+        SEQ_HEADS=bf16 bash scripts/gpu_seqlen.sh >"$W/train_bf16/seqlen.out" 2>&1
+      grep -E "trained_tok_s_per_gpu|peak_mem_gib|,step_s,|target_fwd_s|drafter_s|optimizer_s" "$W/train_bf16/train_rows.csv" \
+        2>/dev/null | cut -d, -f5,7,8 >>"$R/summary.txt" ;;
+    regen)
+      stage regen 120 || continue
+      for p in ${FIGURES_REGEN_PRECISIONS:-bf16 fp8}; do
+        [ "$(left)" -gt 60 ] || { echo "regen $p skipped: $(left) s left" >>"$R/summary.txt"; continue; }
+        timeout $(( $(left) < 240 ? $(left) : 240 )) "$B/bench/generate_bench" --config configs/qwen3.6-27b/config.json \
+          --slots 64 --prompt-len 512 --max-new-tokens 512 --step-tokens "${FIGURES_REGEN_STEP_TOKENS:-0,512}" --precision "$p" \
+          --csv "$W/regen/genbench.csv" >"$W/regen/genbench_$p.log" 2>&1
+        echo "generate_bench $p rc=$?" >>"$R/summary.txt"
+        grep -E "generated|decode step|tok/s" "$W/regen/genbench_$p.log" | head -n 6 >>"$R/summary.txt"
+      done ;;
     target)
       stage target 60 || continue
       timeout $(( $(left) < 120 ? $(left) : 120 )) "$B/bench/target_bench" --config configs/qwen3.6-27b/config.json --random-weights \

@@ -89,9 +89,9 @@ constexpr int kActBatch = 2;
 constexpr int kActMinBlocks = 5;
 
 template <class Source>
-__global__ void __launch_bounds__(kThreads, kActMinBlocks) quantize_act_kernel(const Source src, uint8_t* __restrict__ q, int64_t ldq,
-                                                                 float* __restrict__ scale, int64_t lds, int M, int K,
-                                                                 int G) {
+__global__ void __launch_bounds__(kThreads, kActMinBlocks)
+    quantize_act_kernel(const Source src, uint8_t* __restrict__ q, int64_t ldq, float* __restrict__ scale, int64_t lds,
+                        int M, int K, int G) {
   const int lane = static_cast<int>(threadIdx.x) % kGroupLanes;
   const unsigned mask = 0xFFFFu << (16 * ((threadIdx.x / kGroupLanes) % 2));  // this half warp
   const int total = M * G;  // < 2^31: checked on the host

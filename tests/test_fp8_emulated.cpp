@@ -195,3 +195,25 @@ TEST(Fp8Emulated, NanCodesLoseTheirSignAndNothingElseChanges) {
       }
   EXPECT_EQ(bad, 0);
 }
+
+// swiglu_quant_fp8 (the down projection's input in the FP8 target and drafter) against SwiGLU as
+// cuda::swiglu computes and stores it (silu(g) * u in f32, rounded to bf16) then the CPU reference
+// quantizer: codes and scales bit for bit; gate | up halves of one [N, 2I] row, partial last groups.
+TEST(Fp8Emulated, SwigluQuantEqualsSwigluThenQuantize) {
+  for (int64_t N : {1, 5, 37})
+    for (int64_t I : {128, 336}) {
+      SCOPED_TRACE("N " + std::to_string(N) + " I " + std::to_string(I));
+      const Tensor gu = rand_bf16(N, 2 * I, 1.0f), guf = gu.to_dtype(DType::F32);
+      Tensor y = Tensor::empty({N, I}, DType::F32);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t i = 0; i < I; ++i)
+          y.data<float>()[n * I + i] =
+              cu::vec::silu(guf.data<float>()[n * 2 * I + i]) * guf.data<float>()[n * 2 * I + I + i];
+      const Tensor y_stored = y.to_dtype(DType::BF16).to_dtype(DType::F32);  // as cuda::swiglu stores it
+      Quantized got = buffers(N, I);
+      cu::swiglu_quant_fp8_emulated(gu.raw_data(), N, I, got.q.data(), I, got.s.data(), nullptr);
+      const ops::Fp8Act ref = ops::quantize_fp8_act(y_stored);
+      EXPECT_EQ(std::memcmp(got.q.data(), ref.q.raw_data(), got.q.size()), 0) << "codes";
+      EXPECT_TRUE(fp8_gemm_layout::act_scales_for_gemm(ref.scale) == got.s) << "scales";
+    }
+}

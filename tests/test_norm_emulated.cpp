@@ -3,7 +3,8 @@
 // block-per-row kernel against its twin, the generic row kernel (tuning::add_norm_rows 0), and the
 // same kernel with the FP8 quantization as its output (add_rms_norm_quant_fp8) against add_rms_norm
 // then quantize_fp8_act and against rms_norm_quant_fp8 (fp8.cu, emulated in test_fp8_emulated.cpp's
-// unit): h, y, codes and scales bit for bit. (The emulated rsqrtf is 1 / sqrtf: a GPU's bits may differ in the last place, but both sides
+// unit): h, y, codes and scales bit for bit; and gated_rms_norm_quant_fp8 against gated_rms_norm then
+// quantize_fp8_act. (The emulated rsqrtf is 1 / sqrtf: a GPU's bits may differ in the last place, but both sides
 // of each comparison share it.) The device's own runs: CudaOps.AddRmsNorm,
 // CudaFp8.AddRmsNormQuantEqualsAddRmsNormThenQuantize.
 #include "cuda_emulation.h"
@@ -46,6 +47,8 @@ size_t fp8_act_scale_elems_emulated(int64_t M, int64_t K);
 void quantize_fp8_act_emulated(const Fp8ActQuantParams& p, Stream s);
 void rms_norm_quant_fp8_emulated(const void* x, int64_t ldx, const void* w, int64_t rows, int64_t D, float eps, uint8_t* q,
                                  int64_t ldq, float* scale, Stream s);
+void gated_rms_norm_quant_fp8_emulated(const void* core, const void* z, int64_t ldz, const void* w, int64_t N, int64_t Hv,
+                                       int64_t dv, float eps, uint8_t* q, int64_t ldq, float* scale, Stream s);
 }  // namespace dflash::cuda
 
 namespace {
@@ -140,4 +143,32 @@ TEST(NormEmulated, AddRmsNormQuantEqualsAddRmsNormThenQuantize) {
   EXPECT_FALSE(cu::add_rms_norm_quant_fp8_supported_emulated(1024)) << "a warp-per-row width";
   EXPECT_FALSE(cu::add_rms_norm_quant_fp8_supported_emulated(8208)) << "past the register cache";
   EXPECT_FALSE(cu::add_rms_norm_quant_fp8_supported_emulated(1032)) << "D % 16 != 0";
+}
+
+// The GatedDeltaNet output norm fused with its FP8 quantization (gated_rms_norm_quant_fp8, fp8.cu) against
+// gated_rms_norm (norm.cu) then quantize_fp8_act: codes and scales bit for bit. dv 128 (a head a group) and
+// 256 (two groups a head), z strided inside a wider row (the in-projection's output), more rows than the
+// emulated persistent grid's lane groups (the grid-stride loop).
+TEST(NormEmulated, GatedRmsNormQuantEqualsGatedRmsNormThenQuantize) {
+  const float eps = 1e-6f;
+  struct Case {
+    int64_t N, Hv, dv, z_off, z_pad;
+  };
+  for (const Case& c : {Case{1, 1, 128, 0, 0}, Case{7, 3, 128, 64, 8}, Case{5, 2, 256, 0, 16}, Case{70, 2, 128, 0, 0}}) {
+    SCOPED_TRACE("N " + std::to_string(c.N) + " Hv " + std::to_string(c.Hv) + " dv " + std::to_string(c.dv));
+    const int64_t K = c.Hv * c.dv, ldz = c.z_off + K + c.z_pad;
+    const Tensor core = rand_bf16(c.N * c.Hv, c.dv, 1.0f), proj = rand_bf16(c.N, ldz, 2.0f), w = rand_bf16(1, c.dv, 0.3f);
+    const void* z = static_cast<const uint16_t*>(proj.raw_data()) + c.z_off;
+    const size_t S = cu::fp8_act_scale_elems_emulated(c.N, K);
+    Tensor y = Tensor::zeros({c.N, K}, DType::BF16);
+    cu::gated_rms_norm_emulated(core.raw_data(), z, ldz, w.raw_data(), y.raw_data(), c.N, c.Hv, c.dv, eps, nullptr);
+    std::vector<uint8_t> q1(static_cast<size_t>(c.N * K), 0xAB), q2(q1.size(), 0xAB);
+    std::vector<float> s1(S, NAN), s2(S, NAN);
+    cu::Fp8ActQuantParams qp{y.raw_data(), K, q1.data(), K, s1.data(), c.N, K};
+    cu::quantize_fp8_act_emulated(qp, nullptr);
+    cu::gated_rms_norm_quant_fp8_emulated(core.raw_data(), z, ldz, w.raw_data(), c.N, c.Hv, c.dv, eps, q2.data(), K,
+                                          s2.data(), nullptr);
+    EXPECT_EQ(q1, q2) << "codes";
+    EXPECT_EQ(std::memcmp(s1.data(), s2.data(), S * sizeof(float)), 0) << "scales";
+  }
 }

@@ -30,8 +30,10 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/random.h"
@@ -216,4 +218,30 @@ TEST(Fp8Emulated, SwigluQuantEqualsSwigluThenQuantize) {
       EXPECT_EQ(std::memcmp(got.q.data(), ref.q.raw_data(), got.q.size()), 0) << "codes";
       EXPECT_TRUE(fp8_gemm_layout::act_scales_for_gemm(ref.scale) == got.s) << "scales";
     }
+}
+
+// quantize_fp8_weight (a bf16 checkpoint or random weights quantized at load) against the CPU
+// reference's 128 x 128 blocks bit for bit: codes (IEEE division, as the checkpoints were made) and
+// scales at ld_scale (padding entries not written), partial blocks at both edges, NaN of either sign.
+TEST(Fp8Emulated, QuantizeWeightMatchesTheCpuBitForBit) {
+  for (const auto& [N, K] : {std::pair<int64_t, int64_t>{128, 128}, {200, 336}, {130, 96}}) {
+    SCOPED_TRACE("N " + std::to_string(N) + " K " + std::to_string(K));
+    Tensor w = rand_bf16(N, K, 0.05f);
+    reinterpret_cast<uint16_t*>(w.raw_data())[7] = 0x7FC1;
+    reinterpret_cast<uint16_t*>(w.raw_data())[K + 9] = 0xFFC1;
+    const int64_t Kb = (K + 127) / 128, Nb = (N + 127) / 128, ld = Kb + 3;
+    std::vector<uint8_t> q(static_cast<size_t>(N * K), 0xAB);
+    std::vector<float> s(static_cast<size_t>(Nb * ld), NAN);
+    cu::quantize_fp8_weight_emulated(w.raw_data(), N, K, q.data(), s.data(), ld, nullptr);
+    const ops::Fp8Weight ref = ops::quantize_fp8_weight(w.to_dtype(DType::F32));
+    EXPECT_EQ(std::memcmp(q.data(), ref.q.raw_data(), q.size()), 0) << "codes";
+    int64_t bad = 0;
+    for (int64_t nb = 0; nb < Nb; ++nb)
+      for (int64_t kb = 0; kb < ld; ++kb) {
+        const float got = s[static_cast<size_t>(nb * ld + kb)];
+        if (kb >= Kb) bad += !std::isnan(got);  // padding: not written
+        else bad += std::memcmp(&got, ref.scale_inv.data<float>() + nb * Kb + kb, 4) != 0;
+      }
+    EXPECT_EQ(bad, 0) << "scales";
+  }
 }

@@ -23,6 +23,11 @@ set -uo pipefail
 source "$(dirname "$0")/common.sh"
 set +e
 R=${OUT:-/tmp/out}
+STAGES=${FIGURES_STAGES:-train target decode moe}
+if [ "$(echo "$STAGES" | wc -w)" -gt 5 ]; then  # 3 files + a tarball a stage; the device returns at most 8
+  echo "FIGURES_STAGES='$STAGES': at most 5 stages a call (the device returns 8 files); split them over two calls" >&2
+  exit 2
+fi
 mkdir -p "$R"
 export DFLASH_GIT_COMMIT=${DFLASH_GIT_COMMIT:-}
 B=${DFLASH_BUILD:-/tmp/build-figures}
@@ -48,7 +53,7 @@ stage() {
   mkdir -p "$W/$1"
   echo "== $1 ($(left) s left)" >>"$R/summary.txt"
 }
-for s in ${FIGURES_STAGES:-train target decode moe}; do
+for s in $STAGES; do
   t0=$(date +%s)
   case "$s" in
     train)

@@ -96,22 +96,16 @@ __global__ void __launch_bounds__(kThreads, kActMinBlocks)
   const unsigned mask = 0xFFFFu << (16 * ((threadIdx.x / kGroupLanes) % 2));  // this half warp
   const int total = M * G;  // < 2^31: checked on the host
   const int stride = static_cast<int>(gridDim.x) * kGroupsPerBlock;
-  // Pair i is (token m, group g) = (i / G, i % G): each batch slot's pair is divided once here and then
-  // advanced by the pass's step (dm, dg) with a carry, not divided again every pass (the kernel is
-  // issue-bound: a 32-bit division costs about as many instructions as a group's quantization).
-  const int step = stride * kActBatch, dm = step / G, dg = step - dm * G;
-  const int base0 = static_cast<int>(blockIdx.x) * kGroupsPerBlock + static_cast<int>(threadIdx.x) / kGroupLanes;
-  int pm[kActBatch], pg[kActBatch];
-#pragma unroll
-  for (int b = 0; b < kActBatch; ++b) pm[b] = (base0 + b * stride) / G, pg[b] = (base0 + b * stride) - pm[b] * G;
-  for (int base = base0; base < total; base += step) {
+  for (int base = static_cast<int>(blockIdx.x) * kGroupsPerBlock + static_cast<int>(threadIdx.x) / kGroupLanes;
+       base < total; base += stride * kActBatch) {
     float v[kActBatch][kUnit];
 #pragma unroll
     for (int b = 0; b < kActBatch; ++b) {
       const int i = base + b * stride;  // (uniform across the half warp)
-      const int col = pg[b] * static_cast<int>(fp8::kBlock) + lane * kUnit;
+      const int m = i / G, g = i - m * G;
+      const int col = g * static_cast<int>(fp8::kBlock) + lane * kUnit;
       if (i < total && col < K) {  // the last group may be partial (K % 8 == 0: whole units)
-        src(pm[b], col, v[b]);
+        src(m, col, v[b]);
       } else {
 #pragma unroll
         for (int j = 0; j < kUnit; ++j) v[b][j] = 0.0f;
@@ -121,14 +115,9 @@ __global__ void __launch_bounds__(kThreads, kActMinBlocks)
     for (int b = 0; b < kActBatch; ++b) {
       const int i = base + b * stride;
       if (i >= total) break;
-      const int m = pm[b], g = pg[b];
+      const int m = i / G, g = i - m * G;
       const int col = g * static_cast<int>(fp8::kBlock) + lane * kUnit;
       quantize_group(v[b], col < K, mask, lane, m, M, g, q + m * ldq + col, scale, lds);
-    }
-#pragma unroll
-    for (int b = 0; b < kActBatch; ++b) {
-      pm[b] += dm, pg[b] += dg;
-      if (pg[b] >= G) pg[b] -= G, ++pm[b];
     }
   }
 }

@@ -53,22 +53,26 @@ stage() {
   mkdir -p "$W/$1"
   echo "== $1 ($(left) s left)" >>"$R/summary.txt"
 }
+# train_run NAME VAR=VALUE...: the 27B recipe through gpu_seqlen.sh at FIGURES_SEQ_LENS / FIGURES_SEQ_ANCHORS with
+# the precisions given, stopped within 150 s (or the call's end), its rows' key metrics into the summary.
+train_run() {
+  local name=$1
+  shift
+  env "$@" DFLASH_DEADLINE=$(( $(date +%s) + 150 < END ? $(date +%s) + 150 : END )) OUT="$W/$name" DFLASH_BUILD="$B" \
+    SEQ_LENS="${FIGURES_SEQ_LENS:-4096}" SEQ_ANCHORS="${FIGURES_SEQ_ANCHORS:-recipe}" bash scripts/gpu_seqlen.sh \
+    >"$W/$name/seqlen.out" 2>&1
+  grep -E "trained_tok_s_per_gpu|peak_mem_gib|,step_s,|target_fwd_s|drafter_s|optimizer_s" "$W/$name/train_rows.csv" \
+    2>/dev/null | cut -d, -f5,7,8 >>"$R/summary.txt"
+}
 for s in $STAGES; do
   t0=$(date +%s)
   case "$s" in
     train)
       stage train 90 || continue
-      DFLASH_DEADLINE=$(( $(date +%s) + 150 < END ? $(date +%s) + 150 : END )) OUT="$W/train" DFLASH_BUILD="$B" SEQ_LENS="${FIGURES_SEQ_LENS:-4096}" \
-        SEQ_ANCHORS="${FIGURES_SEQ_ANCHORS:-recipe}" SEQ_DRAFTER=fp8 SEQ_HEADS=fp8 SEQ_WGRAD_X="${FIGURES_WGRAD_X:-auto}" bash scripts/gpu_seqlen.sh >"$W/train/seqlen.out" 2>&1
-      grep -E "trained_tok_s_per_gpu|peak_mem_gib|,step_s,|target_fwd_s|drafter_s|optimizer_s" "$W/train/train_rows.csv" 2>/dev/null |
-        cut -d, -f5,7,8 >>"$R/summary.txt" ;;
+      train_run train SEQ_DRAFTER=fp8 SEQ_HEADS=fp8 SEQ_WGRAD_X="${FIGURES_WGRAD_X:-auto}" ;;
     train_bf16)
       stage train_bf16 90 || continue
-      DFLASH_DEADLINE=$(( $(date +%s) + 150 < END ? $(date +%s) + 150 : END )) OUT="$W/train_bf16" DFLASH_BUILD="$B" \
-        SEQ_LENS="${FIGURES_SEQ_LENS:-4096}" SEQ_ANCHORS="${FIGURES_SEQ_ANCHORS:-recipe}" SEQ_PRECISION=bf16 SEQ_DRAFTER=bf16 \
-        SEQ_HEADS=bf16 bash scripts/gpu_seqlen.sh >"$W/train_bf16/seqlen.out" 2>&1
-      grep -E "trained_tok_s_per_gpu|peak_mem_gib|,step_s,|target_fwd_s|drafter_s|optimizer_s" "$W/train_bf16/train_rows.csv" \
-        2>/dev/null | cut -d, -f5,7,8 >>"$R/summary.txt" ;;
+      train_run train_bf16 SEQ_PRECISION=bf16 SEQ_DRAFTER=bf16 SEQ_HEADS=bf16 ;;
     regen)
       stage regen 120 || continue
       for p in ${FIGURES_REGEN_PRECISIONS:-bf16 fp8}; do

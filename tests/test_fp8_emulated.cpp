@@ -107,7 +107,7 @@ TEST(Fp8Emulated, TileQuantizerEqualsTheFakeQuantizerBitForBit) {
   const Case cases[] = {{true, 208, 264, 8}, {true, 130, 128, 0}, {false, 200, 264, 8}, {false, 37, 136, 0}};
   constexpr uint8_t kPoison = 0xAB;
   auto same_bits = [](float a, float b) { return std::memcmp(&a, &b, 4) == 0; };
-  auto blocks = [](int64_t n) { return (n + 127) / 128; };
+  using fp8::blocks;
   auto round_up = [](int64_t n, int64_t m) { return (n + m - 1) / m * m; };
   for (const Case& c : cases) {
     SCOPED_TRACE(testing::Message() << (c.block ? "block" : "columns") << " rows=" << c.rows << " cols=" << c.cols
@@ -229,7 +229,7 @@ TEST(Fp8Emulated, QuantizeWeightMatchesTheCpuBitForBit) {
     Tensor w = rand_bf16(N, K, 0.05f);
     reinterpret_cast<uint16_t*>(w.raw_data())[7] = 0x7FC1;
     reinterpret_cast<uint16_t*>(w.raw_data())[K + 9] = 0xFFC1;
-    const int64_t Kb = (K + 127) / 128, Nb = (N + 127) / 128, ld = Kb + 3;
+    const int64_t Kb = fp8::blocks(K), Nb = fp8::blocks(N), ld = Kb + 3;
     std::vector<uint8_t> q(static_cast<size_t>(N * K), 0xAB);
     std::vector<float> s(static_cast<size_t>(Nb * ld), NAN);
     cu::quantize_fp8_weight_emulated(w.raw_data(), N, K, q.data(), s.data(), ld, nullptr);

@@ -6,7 +6,10 @@
 #              FIGURES_SEQ_LENS / FIGURES_SEQ_ANCHORS, default 4096 / recipe: on an H100 2048 / 256 fit)
 #   2. target: target_bench fp8 at 8192 tokens (Qwen3.6-27B shapes, random weights)
 #   3. decode: dflash_eval on Qwen3.6-27B shapes, fp8 (fused residual quantization, FP8 propose) and bf16,
-#              one op profile each (gpu_fused.sh's 27B stage; FIGURES_DECODE_VARIANTS, default fused)
+#              one op profile each (gpu_fused.sh's 27B stage; FIGURES_DECODE_VARIANTS, default fused;
+#              FIGURES_DECODE_PRECISIONS, default "fp8+anq+dfp8 bf16+dfp8": the bf16 target's steps do not
+#              depend on the propose precision, and its row gives the FP8 propose against the bf16 verify;
+#              "bf16" alone for the bf16 propose)
 #   4. moe:    dflash_eval on Qwen3.6-35B-A3B shapes with CUDA graphs (gpu_moe.sh's eval stage)
 #   optional stages (name them in FIGURES_STAGES):
 #   train_bf16: the same recipe all in bf16 (target, drafter, LM head: issue 31's bf16 goal)
@@ -92,14 +95,14 @@ for s in $STAGES; do
     decode)
       stage decode 150 || continue
       OUT="$W/decode" DFLASH_BUILD="$B" NINJA_TARGETS=dflash_eval SKIP_TESTS=1 SKIP_BENCH=1 EVAL27B_PROFILE=1 \
-        EVAL27B_PRECISIONS="fp8+anq+dfp8 bf16" EVAL27B_VARIANTS="${FIGURES_DECODE_VARIANTS:-fused}" \
+        EVAL27B_PRECISIONS="${FIGURES_DECODE_PRECISIONS:-fp8+anq+dfp8 bf16+dfp8}" EVAL27B_VARIANTS="${FIGURES_DECODE_VARIANTS:-fused}" \
         EVAL_TIMEOUT=$(( $(left) / 2 < 150 ? $(left) / 2 : 150 )) bash scripts/gpu_fused.sh >"$W/decode/fused.out" 2>&1
       grep -E "^===|roofline|decode  |verify  |outputs|a step" "$W/decode/eval27b.log" | head -n 30 >>"$R/summary.txt" ;;
     moe)
       stage moe 125 || continue
       DFLASH_DEADLINE=$END OUT="$W/moe" DFLASH_BUILD="$B" NINJA_TARGETS=dflash_eval SKIP_TESTS=1 SKIP_BENCH=1 \
         SKIP_PIPELINE=1 SKIP_TRAIN=1 EVAL_EAGER=0 EVAL_FP8X=0 EVAL_VARIANTS=fused bash scripts/gpu_moe.sh >"$W/moe/moe.out" 2>&1
-      grep -E "^===|roofline|decode  |verify  |outputs" "$W/moe/eval35b.log" | head -n 20 >>"$R/summary.txt" ;;
+      grep -E "^===|roofline|decode  |verify  |outputs|^ +(B  verify|[0-9]+ +[0-9.]+ +[0-9.]+x)" "$W/moe/eval35b.log" | head -n 24 >>"$R/summary.txt" ;;
     *) echo "unknown stage $s" | tee -a "$R/summary.txt"; continue ;;
   esac
   echo "$s $(( $(date +%s) - t0 )) s" | tee -a "$R/summary.txt"

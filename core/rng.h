@@ -28,7 +28,7 @@ DFLASH_HD uint32_t mulhilo(uint32_t a, uint32_t b, uint32_t* hi) {
 
 DFLASH_HD U32x4 philox4x32_10(U32x4 c, uint32_t k0, uint32_t k1) {
   constexpr uint32_t M0 = 0xD2511F53u, M1 = 0xCD9E8D57u, W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
-#if defined(__CUDACC__)
+#if defined(__CUDA_ARCH__)  // device code only: the host compiler of a .cu file warns on the pragma
 #pragma unroll
 #endif
   for (int r = 0; r < 10; ++r) {

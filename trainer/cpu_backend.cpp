@@ -68,7 +68,11 @@ class CpuBackend final : public TrainBackend {
     if (load.empty()) return "";
     int64_t sum = 0, most = 0;
     std::string per;
-    for (int64_t v : load) sum += v, most = std::max(most, v), per += (per.empty() ? "" : " ") + std::to_string(v);
+    for (int64_t v : load) {
+      sum += v, most = std::max(most, v);
+      if (!per.empty()) per += ' ';
+      per += std::to_string(v);
+    }
     char ratio[32];
     std::snprintf(ratio, sizeof ratio, "%.2f",
                   sum > 0 ? static_cast<double>(most) * static_cast<double>(load.size()) / static_cast<double>(sum) : 0.0);

@@ -66,6 +66,36 @@ __device__ __forceinline__ void mbar_wait(uint64_t* b, unsigned parity) {
       "r"(parity)
       : "memory");
 }
+// Cluster versions (MC): the producer's wait acquires at cluster scope (the peer's consumers release their reads
+// of this CTA's stage there), a consumer warp frees a stage in the peer CTA too, and the B copies are multicast.
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t* b, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred P1;\n LAB_WAIT:\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
+      " @P1 bra DONE;\n bra LAB_WAIT;\n DONE:\n }\n" ::"r"(saddr(b)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_peer(uint64_t* b, uint32_t peer) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(saddr(b)), "r"(peer));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {  // every thread of both CTAs (not .aligned: lanes arrive apart)
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+__device__ __forceinline__ void tma_2d_multicast(void* dst, const CUtensorMap* tm, int col, int row, uint64_t* b,
+                                                 uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, "
+      "%3}], [%4], %5;" ::"r"(saddr(dst)),
+      "l"(tm), "r"(col), "r"(row), "r"(saddr(b)), "h"(mask)
+      : "memory");
+}
 __device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* tm, int col, int row, uint64_t* b) {
   asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
                    saddr(dst)),
@@ -149,7 +179,10 @@ __device__ __forceinline__ void tile_coords(int t, int mbn, int nbn, int& mb, in
 // NOPROMO (NH 1, timing only): every K block's chain accumulates straight into acc (no scales, no per-block wait
 // but the one that frees the previous stage, wait_group 1): the same loads and wgmma without the promotion, i.e.
 // the structure's per-tensor ceiling; its output is not the GEMM's and is not checked.
-template <int NH, int S, bool NOPROMO = false>
+// MC (NH 2): CTAs in clusters of two take the two row blocks of a pair of tiles with the same 256 columns; each
+// loads its own A and one 128-row half of B, multicast into both CTAs' stage (halving B's L2 reads); a stage is
+// refilled once both CTAs' consumers freed it.
+template <int NH, int S, bool NOPROMO = false, bool MC = false>
 __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_constant__ CUtensorMap ta,
                                                            const __grid_constant__ CUtensorMap tb) {
   using L = Layout<NH, S>;
@@ -159,30 +192,53 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * L::kStage + S * L::kSa);
   uint64_t* empty = full + S;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  static_assert(!MC || (NH == 2 && !NOPROMO), "MC: 256-column tiles, promoted");
+  const uint32_t rank = MC ? cluster_rank() : 0;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) mbar_init(full + s, 1), mbar_init(empty + s, 256);  // every consumer thread frees a stage
+    // every consumer thread frees a stage; MC: lane 0 of each consumer warp of both CTAs
+    for (int s = 0; s < S; ++s) mbar_init(full + s, 1), mbar_init(empty + s, MC ? 16 : 256);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
-  const int mbn = a.M / kBM, nbn = a.N / (128 * NH), kbn = a.K / kBK, tiles = mbn * nbn;
+  if constexpr (MC) cluster_sync();
+  else __syncthreads();
+  const int mbn = a.M / kBM, nbn = a.N / (128 * NH), kbn = a.K / kBK;
+  // the tiles this CTA runs: t = first, first + stride, ... < tiles; MC: tile pairs (row blocks 2p, 2p + 1)
+  const int tiles = MC ? mbn / 2 * nbn : mbn * nbn;
+  const int first = MC ? static_cast<int>(blockIdx.x / 2) : static_cast<int>(blockIdx.x);
+  const int stride = MC ? static_cast<int>(gridDim.x / 2) : static_cast<int>(gridDim.x);
+  auto coords = [&](int t, int& mb, int& nb) {
+    if constexpr (MC) {
+      tile_coords<NH>(t, mbn / 2, nbn, mb, nb);
+      mb = 2 * mb + static_cast<int>(rank);
+    } else {
+      tile_coords<NH>(t, mbn, nbn, mb, nb);
+    }
+  };
   if (wg == 0) {  // producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    if (warp != 0 || lane != 0) return;
-    int it = 0;
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-      int mb, nb;
-      tile_coords<NH>(t, mbn, nbn, mb, nb);
-      for (int kb = 0; kb < kbn; ++kb, ++it) {
-        const int s = it % S;
-        mbar_wait(empty + s, ((it / S) & 1) ^ 1);
-        mbar_expect_tx(full + s, L::kStage + L::kSa);
-        uint8_t* st = smem + s * L::kStage;
-        tma_2d(st, &ta, kb * kBK, mb * kBM, full + s);
+    if (warp == 0 && lane == 0) {
+      int it = 0;
+      for (int t = first; t < tiles; t += stride) {
+        int mb, nb;
+        coords(t, mb, nb);
+        for (int kb = 0; kb < kbn; ++kb, ++it) {
+          const int s = it % S;
+          if constexpr (MC) mbar_wait_cluster(empty + s, ((it / S) & 1) ^ 1);
+          else mbar_wait(empty + s, ((it / S) & 1) ^ 1);
+          mbar_expect_tx(full + s, L::kStage + L::kSa);
+          uint8_t* st = smem + s * L::kStage;
+          tma_2d(st, &ta, kb * kBK, mb * kBM, full + s);
+          if constexpr (MC) {
+            tma_2d_multicast(st + L::kA + rank * 128 * kBK, &tb, kb * kBK, (nb * NH + static_cast<int>(rank)) * 128, full + s, 3);
+          } else {
 #pragma unroll
-        for (int h = 0; h < NH; ++h) tma_2d(st + L::kA + h * 128 * kBK, &tb, kb * kBK, (nb * NH + h) * 128, full + s);
-        bulk_g2s(sa_s + s * kBM, a.sa + static_cast<int64_t>(kb) * a.M + mb * kBM, L::kSa, full + s);
+            for (int h = 0; h < NH; ++h) tma_2d(st + L::kA + h * 128 * kBK, &tb, kb * kBK, (nb * NH + h) * 128, full + s);
+          }
+          bulk_g2s(sa_s + s * kBM, a.sa + static_cast<int64_t>(kb) * a.M + mb * kBM, L::kSa, full + s);
+        }
       }
     }
+    if constexpr (MC) cluster_sync();  // the peer's last multicasts and arrivals land before this CTA exits
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
@@ -192,9 +248,9 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
   float acc[NH][64];
   float tmp[64];
   int it = 0;
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+  for (int t = first; t < tiles; t += stride) {
     int mb, nb;
-    tile_coords<NH>(t, mbn, nbn, mb, nb);
+    coords(t, mb, nb);
 #pragma unroll
     for (int h = 0; h < NH; ++h)
 #pragma unroll
@@ -231,7 +287,14 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
         wg_commit();
         wg_wait0();
         pin(tmp);
-        if (h == NH - 1) mbar_arrive(empty + s);  // the stage's operands are read (every thread: no divergent path)
+        if (h == NH - 1) {  // the stage's operands are read (every thread: no divergent path; MC: a warp at once)
+          if constexpr (MC) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty + s), mbar_arrive_peer(empty + s, rank ^ 1);
+          } else {
+            mbar_arrive(empty + s);
+          }
+        }
         const float s0 = sa0 * sb, s1 = sa1 * sb;
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
@@ -255,6 +318,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
       }
     }
   }
+  if constexpr (MC) cluster_sync();
 }
 
 __device__ __forceinline__ float e4m3_value(uint32_t v) {
@@ -350,7 +414,7 @@ float bf16_to_float(uint16_t b) {
   return f;
 }
 
-template <int NH, int S, bool NOPROMO = false>
+template <int NH, int S, bool NOPROMO = false, bool MC = false>
 void run(const char* variant, const Shape& sh, int sms, const uint8_t* x, const uint8_t* w, Args a, float* dref,
          int step) {
   using L = Layout<NH, S>;
@@ -358,14 +422,20 @@ void run(const char* variant, const Shape& sh, int sms, const uint8_t* x, const 
     std::printf("%-14s %-10s skipped (N %% %d)\n", sh.name, variant, 128 * NH);
     return;
   }
-  auto kernel = gemm_kernel<NH, S, NOPROMO>;
+  auto kernel = gemm_kernel<NH, S, NOPROMO, MC>;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes));
   const CUtensorMap ta = tile_map(x, sh.M, sh.K), tb = tile_map(w, sh.N, sh.K);
   const int tiles = (sh.M / kBM) * (sh.N / (128 * NH));
-  const int grid = std::min(tiles, sms);
+  const int grid = MC ? std::min(tiles, sms) / 2 * 2 : std::min(tiles, sms);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = MC ? 2 : 1, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid), cfg.blockDim = dim3(kThreads), cfg.dynamicSmemBytes = L::kBytes, cfg.stream = nullptr;
+  cfg.attrs = attr, cfg.numAttrs = 1;
+  auto launch = [&] { CK(cudaLaunchKernelEx(&cfg, kernel, a, ta, tb)); };
   CK(cudaMemset(a.y, 0xFF, static_cast<size_t>(sh.M) * sh.N * 2));  // poisoned: NaN bf16
-  kernel<<<grid, kThreads, L::kBytes>>>(a, ta, tb);
-  CK(cudaGetLastError());
+  launch();
   CK(cudaDeviceSynchronize());
   // every output written and finite, then the sampled rows against the reference
   unsigned long long* dcount;
@@ -401,7 +471,7 @@ void run(const char* variant, const Shape& sh, int sms, const uint8_t* x, const 
   std::vector<float> ms;
   for (int rep = 0; rep < 23; ++rep) {
     CK(cudaEventRecord(e0));
-    kernel<<<grid, kThreads, L::kBytes>>>(a, ta, tb);
+    launch();
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     float t = 0;
@@ -451,7 +521,7 @@ int main(int argc, char** argv) {  // fp8_gemm_probe [M [variant]]
   fill_scales<<<256, 256>>>(sa, max_x / 128, 7u);
   fill_scales<<<256, 256>>>(sb, max_w / (128 * 128), 11u);
   CK(cudaDeviceSynchronize());
-  const int variant = argc > 2 ? std::atoi(argv[2]) : -1;  // 0: bn128, 1: bn256, 2: bn128 without promotion, -1: all (one process each is safer:
+  const int variant = argc > 2 ? std::atoi(argv[2]) : -1;  // 0: bn128, 1: bn256, 2: bn128 without promotion, 3: bn256 B multicast over 2-CTA clusters, -1: all (one process each is safer:
                                                           // a trapped kernel ends the process)
   for (const Shape& s : shapes) {
     Args a{sa, sb, y, s.M, s.N, s.K};
@@ -462,6 +532,7 @@ int main(int argc, char** argv) {  // fp8_gemm_probe [M [variant]]
     if (variant < 0 || variant == 0) run<1, 6>("bn128 s6", s, prop.multiProcessorCount, x, w, a, ref, step);
     if (variant < 0 || variant == 1) run<2, 4>("bn256 s4", s, prop.multiProcessorCount, x, w, a, ref, step);
     if (variant < 0 || variant == 2) run<1, 6, true>("bn128 nopromo", s, prop.multiProcessorCount, x, w, a, ref, step);
+    if (variant < 0 || variant == 3) run<2, 4, false, true>("bn256 mc2", s, prop.multiProcessorCount, x, w, a, ref, step);
     std::fflush(stdout);
   }
   return 0;

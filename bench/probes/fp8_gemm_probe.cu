@@ -20,9 +20,7 @@
 // (bench/probes/run_gemm_probe.sh). Each variant's output is checked on sampled rows against a plain fp32
 // reference kernel; it prints ms and TFLOP/s per shape, the comparison being kernel_bench --only fp8's
 // gemm_fp8 rows (cuBLASLt) in the same device call.
-#include <cuda.h>
 #include <cuda_bf16.h>
-#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
@@ -32,14 +30,7 @@
 #include <cstring>
 #include <vector>
 
-#define CK(x)                                                                                  \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
+#include "probe_util.cuh"
 
 namespace {
 
@@ -47,34 +38,7 @@ constexpr int kBM = 128, kBK = 128;
 constexpr int kThreads = 384;
 constexpr int kGroupM = 16;  // raster: row blocks per group
 
-__device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint64_t* b, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(saddr(b)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* b, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(b)) : "memory");
-}
-// The spin is inside the asm (a C++ loop around try_wait is a divergent path to ptxas, which then serializes the
-// wgmma chains in flight around it); a stuck wait hangs, and the probe's process timeout ends it.
-__device__ __forceinline__ void mbar_wait(uint64_t* b, unsigned parity) {
-  asm volatile(
-      "{\n .reg .pred P1;\n LAB_WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n @P1 bra DONE;\n"
-      " bra LAB_WAIT;\n DONE:\n }\n" ::"r"(saddr(b)),
-      "r"(parity)
-      : "memory");
-}
-// Cluster versions (MC): the producer's wait acquires at cluster scope (the peer's consumers release their reads
-// of this CTA's stage there), a consumer warp frees a stage in the peer CTA too, and the B copies are multicast.
-__device__ __forceinline__ void mbar_wait_cluster(uint64_t* b, unsigned parity) {
-  asm volatile(
-      "{\n .reg .pred P1;\n LAB_WAIT:\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
-      " @P1 bra DONE;\n bra LAB_WAIT;\n DONE:\n }\n" ::"r"(saddr(b)),
-      "r"(parity)
-      : "memory");
-}
+// Cluster pieces (MC): a consumer warp frees a stage in the peer CTA too, and the B copies are multicast.
 __device__ __forceinline__ void mbar_arrive_peer(uint64_t* b, uint32_t peer) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(saddr(b)), "r"(peer));
@@ -223,8 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
         coords(t, mb, nb);
         for (int kb = 0; kb < kbn; ++kb, ++it) {
           const int s = it % S;
-          if constexpr (MC) mbar_wait_cluster(empty + s, ((it / S) & 1) ^ 1);
-          else mbar_wait(empty + s, ((it / S) & 1) ^ 1);
+          mbar_wait<MC>(empty + s, ((it / S) & 1) ^ 1);  // MC: the peer's consumers release at cluster scope
           mbar_expect_tx(full + s, L::kStage + L::kSa);
           uint8_t* st = smem + s * L::kStage;
           tma_2d(st, &ta, kb * kBK, mb * kBM, full + s);
@@ -321,12 +284,6 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
   if constexpr (MC) cluster_sync();
 }
 
-__device__ __forceinline__ float e4m3_value(uint32_t v) {
-  const uint32_t s = v >> 7, e = (v >> 3) & 15, m = v & 7;
-  float f = e == 0 ? ldexpf(static_cast<float>(m), -9) : ldexpf(static_cast<float>(8 + m), static_cast<int>(e) - 10);
-  return s ? -f : f;
-}
-
 // The reference on sampled rows (every `step`-th): one thread an output, fp32 sums per K block as the GEMM.
 __global__ void reference_kernel(const uint8_t* x, const uint8_t* w, Args a, int step, float* ref) {
   const int n = blockIdx.x * blockDim.x + threadIdx.x, i = blockIdx.y;
@@ -372,36 +329,6 @@ __global__ void fill_scales(float* p, int64_t n, uint32_t seed) {
   }
 }
 
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
-                                 const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-CUtensorMap tile_map(const uint8_t* p, int rows, int K) {
-  static EncodeTiled encode = nullptr;
-  if (encode == nullptr) {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult qr{};
-    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &qr));
-    if (fn == nullptr || qr != cudaDriverEntryPointSuccess) {
-      std::fprintf(stderr, "cuTensorMapEncodeTiled not found\n");
-      std::exit(1);
-    }
-    encode = reinterpret_cast<EncodeTiled>(fn);
-  }
-  CUtensorMap m{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K)};
-  const cuuint32_t box[2] = {128, 128}, estr[2] = {1, 1};
-  const CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(p), dims, strides, box, estr,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    std::fprintf(stderr, "cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(r));
-    std::exit(1);
-  }
-  return m;
-}
-
 struct Shape {
   const char* name;
   int M, N, K;
@@ -424,7 +351,7 @@ void run(const char* variant, const Shape& sh, int sms, const uint8_t* x, const 
   }
   auto kernel = gemm_kernel<NH, S, NOPROMO, MC>;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes));
-  const CUtensorMap ta = tile_map(x, sh.M, sh.K), tb = tile_map(w, sh.N, sh.K);
+  const CUtensorMap ta = byte_matrix_map(x, sh.M, sh.K, 128, true), tb = byte_matrix_map(w, sh.N, sh.K, 128, true);
   const int tiles = (sh.M / kBM) * (sh.N / (128 * NH));
   const int grid = MC ? std::min(tiles, sms) / 2 * 2 : std::min(tiles, sms);
   cudaLaunchAttribute attr[1];

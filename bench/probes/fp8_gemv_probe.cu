@@ -26,20 +26,7 @@
 #include <type_traits>
 #include <vector>
 
-#define CK(x)                                                                                  \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
-
-__device__ __forceinline__ float e4m3_value(uint32_t v) {
-  const uint32_t s = v >> 7, e = (v >> 3) & 15, m = v & 7;
-  float f = e == 0 ? ldexpf(static_cast<float>(m), -9) : ldexpf(static_cast<float>(8 + m), static_cast<int>(e) - 10);
-  return s ? -f : f;
-}
+#include "probe_util.cuh"
 
 __device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
   uint4 v;
@@ -306,23 +293,6 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(Args a) {
 // (a chunk: CH consecutive units of that warp's stream-K run); the CW consumer warps only wait, read their
 // fragments from shared memory (lane L's 16-byte pieces at 512 j + 16 L: conflict-free) and do the MMAs, then
 // free the slot. HINT: the copies carry an L2 evict-first policy.
-__device__ __forceinline__ uint32_t saddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint64_t* b, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(saddr(b)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* b, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* b, unsigned parity) {
-  asm volatile(
-      "{\n .reg .pred P1;\n LAB_WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n @P1 bra DONE;\n"
-      " bra LAB_WAIT;\n DONE:\n }\n" ::"r"(saddr(b)),
-      "r"(parity)
-      : "memory");
-}
 template <bool HINT>
 __device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned bytes, uint64_t* b, uint64_t policy) {
   if (HINT)
@@ -569,37 +539,9 @@ __global__ void __launch_bounds__((CW + 1) * 32) tma_kernel(Args a, const __grid
   if (s.cur >= 0) flush<NT>(a, s, s.cur);
 }
 
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
-                                 const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
 static bool g_map_swizzle = true;  // the next run's tensor maps (tma_kernel's SWZ)
 
-static CUtensorMap weight_map(const uint8_t* w, int N, int K) {
-  static EncodeTiled encode = nullptr;
-  if (encode == nullptr) {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q));
-    if (fn == nullptr || q != cudaDriverEntryPointSuccess) {
-      std::fprintf(stderr, "cuTensorMapEncodeTiled not found\n");
-      std::exit(1);
-    }
-    encode = reinterpret_cast<EncodeTiled>(fn);
-  }
-  CUtensorMap m{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(K), static_cast<cuuint64_t>(N)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(K)};
-  const cuuint32_t box[2] = {128, 16}, estr[2] = {1, 1};
-  const CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(w), dims, strides, box, estr,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, g_map_swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    std::fprintf(stderr, "cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(r));
-    std::exit(1);
-  }
-  return m;
-}
+static CUtensorMap weight_map(const uint8_t* w, int N, int K) { return byte_matrix_map(w, N, K, 16, g_map_swizzle); }
 
 struct Shape {
   const char* name;

@@ -15,11 +15,13 @@
 // (one CTA an SM, tiles rastered in groups of 16 row blocks for L2 reuse); 384 threads: warpgroup 0 the
 // producer (one lane issues the TMA copies and the scale row's bulk copy; 40 registers after setmaxnreg),
 // warpgroups 1-2 the consumers (64 rows each; 232 registers). NH = 2 runs the two 128-column halves of a
-// 256-wide tile one after the other into the same temporary.
-// Standalone (not part of the build): nvcc -O3 -arch=sm_90a -std=c++17 -Xptxas -v fp8_gemm_probe.cu -o probe
-// (bench/probes/run_gemm_probe.sh). Each variant's output is checked on sampled rows against a plain fp32
-// reference kernel; it prints ms and TFLOP/s per shape, the comparison being kernel_bench --only fp8's
-// gemm_fp8 rows (cuBLASLt) in the same device call.
+// 256-wide tile one after the other into the same temporary. Variants (`probe M V`): 0 128 x 128, 1 128 x 256,
+// 2 128 x 128 without the promotion (timing only), 3 128 x 256 on 2-CTA clusters sharing B by TMA multicast.
+// Standalone (not part of the build): nvcc -O3 -gencode arch=compute_90a,code=sm_90a -std=c++17 -Xptxas -v
+// fp8_gemm_probe.cu -o probe (bench/probes/run_gemm_probe.sh; plain -arch=sm_90a made compute_90 PTX, which has
+// no wgmma); check ptxas's C75xx lines, which say when the wgmma chains get serialized. Each variant's output is
+// checked on sampled rows against a plain fp32 reference kernel; it prints ms and TFLOP/s per shape, the
+// comparison being kernel_bench --only fp8's gemm_fp8 rows (cuBLASLt) in the same device call.
 #include <cuda_bf16.h>
 
 #include <algorithm>

@@ -17,7 +17,7 @@
 // warpgroups 1-2 the consumers (64 rows each; 232 registers). NH = 2 runs the two 128-column halves of a
 // 256-wide tile one after the other into the same temporary. Variants (`probe M V`): 0 128 x 128, 1 128 x 256,
 // 2 128 x 128 without the promotion (timing only), 3 128 x 256 on 2-CTA clusters sharing B by TMA multicast.
-// Standalone (not part of the build): nvcc -O3 -gencode arch=compute_90a,code=sm_90a -std=c++17 -Xptxas -v
+// Standalone (not part of the build): nvcc -O3 -gencode arch=compute_90a,code=sm_90a -std=c++17 -I../.. -Xptxas -v
 // fp8_gemm_probe.cu -o probe (bench/probes/run_gemm_probe.sh; plain -arch=sm_90a made compute_90 PTX, which has
 // no wgmma); check ptxas's C75xx lines, which say when the wgmma chains get serialized. Each variant's output is
 // checked on sampled rows against a plain fp32 reference kernel; it prints ms and TFLOP/s per shape, the
@@ -32,6 +32,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cuda/wgmma.cuh"
 #include "probe_util.cuh"
 
 namespace {
@@ -62,38 +63,7 @@ __device__ __forceinline__ void tma_2d_multicast(void* dst, const CUtensorMap* t
       "l"(tm), "r"(col), "r"(row), "r"(saddr(b)), "h"(mask)
       : "memory");
 }
-__device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* tm, int col, int row, uint64_t* b) {
-  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-                   saddr(dst)),
-               "l"(tm), "r"(col), "r"(row), "r"(saddr(b))
-               : "memory");
-}
-__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned bytes, uint64_t* b) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(saddr(dst)),
-               "l"(src), "r"(bytes), "r"(saddr(b))
-               : "memory");
-}
-
-// Shared-memory matrix descriptor of a K-major tile whose 128-byte rows are 128-byte swizzled (what the TMA
-// writes with CU_TENSOR_MAP_SWIZZLE_128B): 8-row groups 1024 bytes apart; a K step of 32 bytes inside the
-// swizzle atom advances the start address (the atom's base stays 1024-aligned).
-__device__ __forceinline__ uint64_t desc_sw128(const void* smem) {
-  uint64_t d = static_cast<uint64_t>((saddr(smem) & 0x3FFFF) >> 4);
-  d |= static_cast<uint64_t>(1) << 16;              // leading byte offset (unused for swizzled K-major)
-  d |= static_cast<uint64_t>(1024 >> 4) << 32;      // stride byte offset: 8 rows x 128 bytes
-  d |= static_cast<uint64_t>(1) << 62;              // 128-byte swizzle
-  return d;
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
-// After the wait: the accumulator registers' reads may not move above it (the wgmma asm "wrote" them at issue).
-__device__ __forceinline__ void pin(float (&r)[64]) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
+namespace wg = dflash::cuda::wgmma;  // the project's descriptor (128-byte swizzle), fences, waits and pins
 
 // d[64 x 128] (+)= A[64 x 32] . B[32 x 128], e4m3 operands K-major in shared memory, fp32 accumulators in the
 // standard layout: warp w of the warpgroup holds rows 16w + g and 16w + g + 8 (g = lane / 4), d[4i + {0,1}] at
@@ -132,7 +102,10 @@ struct Layout {
   static constexpr int kBytes = S * kStage + S * kSa + 2 * S * 8 + 1024;  // + alignment slack
 };
 
-template <int NH>
+// A K-major tile of 128-byte rows as the TMA writes it (128-byte swizzle, 8-row groups 1024 bytes apart); a K step
+// of 32 bytes inside the swizzle atom advances the start address, as wgmma.cuh's kernels do.
+__device__ __forceinline__ uint64_t sw128(const void* smem) { return wg::descriptor(smem, 16, 1024); }
+
 __device__ __forceinline__ void tile_coords(int t, int mbn, int nbn, int& mb, int& nb) {
   const int in_group = kGroupM * nbn, group = t / in_group, first = group * kGroupM;
   const int gm = min(mbn - first, kGroupM), r = t % in_group;
@@ -174,10 +147,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
   const int stride = MC ? static_cast<int>(gridDim.x / 2) : static_cast<int>(gridDim.x);
   auto coords = [&](int t, int& mb, int& nb) {
     if constexpr (MC) {
-      tile_coords<NH>(t, mbn / 2, nbn, mb, nb);
+      tile_coords(t, mbn / 2, nbn, mb, nb);
       mb = 2 * mb + static_cast<int>(rank);
     } else {
-      tile_coords<NH>(t, mbn, nbn, mb, nb);
+      tile_coords(t, mbn, nbn, mb, nb);
     }
   };
   if (wg == 0) {  // producer
@@ -192,14 +165,14 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
           mbar_wait<MC>(empty + s, ((it / S) & 1) ^ 1);  // MC: the peer's consumers release at cluster scope
           mbar_expect_tx(full + s, L::kStage + L::kSa);
           uint8_t* st = smem + s * L::kStage;
-          tma_2d(st, &ta, kb * kBK, mb * kBM, full + s);
+          tma_2d<false>(st, &ta, kb * kBK, mb * kBM, full + s);
           if constexpr (MC) {
             tma_2d_multicast(st + L::kA + rank * 128 * kBK, &tb, kb * kBK, (nb * NH + static_cast<int>(rank)) * 128, full + s, 3);
           } else {
 #pragma unroll
-            for (int h = 0; h < NH; ++h) tma_2d(st + L::kA + h * 128 * kBK, &tb, kb * kBK, (nb * NH + h) * 128, full + s);
+            for (int h = 0; h < NH; ++h) tma_2d<false>(st + L::kA + h * 128 * kBK, &tb, kb * kBK, (nb * NH + h) * 128, full + s);
           }
-          bulk_g2s(sa_s + s * kBM, a.sa + static_cast<int64_t>(kb) * a.M + mb * kBM, L::kSa, full + s);
+          bulk_g2s<false>(sa_s + s * kBM, a.sa + static_cast<int64_t>(kb) * a.M + mb * kBM, L::kSa, full + s);
         }
       }
     }
@@ -225,16 +198,16 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
         const int s = it % S;
         mbar_wait(full + s, (it / S) & 1);
         const uint8_t* st = smem + s * L::kStage;
-        wg_fence();
+        wg::fence();
 #pragma unroll
         for (int k = 0; k < kBK / 32; ++k)
-          wgmma_m64n128k32(acc[0], desc_sw128(st + c * 64 * kBK + 32 * k), desc_sw128(st + L::kA + 32 * k), 1);
-        wg_commit();
-        wg_wait1();
+          wgmma_m64n128k32(acc[0], sw128(st + c * 64 * kBK + 32 * k), sw128(st + L::kA + 32 * k), 1);
+        wg::commit();
+        wg::wait<1>();
         if (kb > 0) mbar_arrive(empty + (it - 1) % S);
       }
-      wg_wait0();
-      pin(acc[0]);
+      wg::wait<0>();
+      wg::pin(acc[0]);
       mbar_arrive(empty + (it - 1) % S);
     } else
     for (int kb = 0; kb < kbn; ++kb, ++it) {
@@ -245,13 +218,13 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
 #pragma unroll
       for (int h = 0; h < NH; ++h) {
         const float sb = __ldg(a.sb + static_cast<int64_t>(nb * NH + h) * kbn + kb);
-        wg_fence();
+        wg::fence();
 #pragma unroll
         for (int k = 0; k < kBK / 32; ++k)
-          wgmma_m64n128k32(tmp, desc_sw128(st + c * 64 * kBK + 32 * k), desc_sw128(st + L::kA + h * 128 * kBK + 32 * k), k);
-        wg_commit();
-        wg_wait0();
-        pin(tmp);
+          wgmma_m64n128k32(tmp, sw128(st + c * 64 * kBK + 32 * k), sw128(st + L::kA + h * 128 * kBK + 32 * k), k);
+        wg::commit();
+        wg::wait<0>();
+        wg::pin(tmp);
         if (h == NH - 1) {  // the stage's operands are read (every thread: no divergent path; MC: a warp at once)
           if constexpr (MC) {
             __syncwarp();

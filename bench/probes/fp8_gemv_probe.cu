@@ -292,21 +292,7 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(Args a) {
 // bulk copies (cp.async.bulk, completion counted on an mbarrier) into a shared ring of S chunks per consumer warp
 // (a chunk: CH consecutive units of that warp's stream-K run); the CW consumer warps only wait, read their
 // fragments from shared memory (lane L's 16-byte pieces at 512 j + 16 L: conflict-free) and do the MMAs, then
-// free the slot. HINT: the copies carry an L2 evict-first policy.
-template <bool HINT>
-__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned bytes, uint64_t* b, uint64_t policy) {
-  if (HINT)
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
-            saddr(dst)),
-        "l"(src), "r"(bytes), "r"(saddr(b)), "l"(policy)
-        : "memory");
-  else
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(saddr(dst)),
-                 "l"(src), "r"(bytes), "r"(saddr(b))
-                 : "memory");
-}
-
+// free the slot. HINT: the copies carry an L2 evict-first policy (probe_util.cuh's bulk_g2s / tma_2d).
 template <int CW, int S, int CH>
 constexpr int bulk_smem() {
   return CW * S * CH * 2048 + 2 * CW * S * 8;
@@ -392,22 +378,6 @@ __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
-}
-
-template <bool HINT>
-__device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* tm, int col, int row, uint64_t* b, uint64_t policy) {
-  if (HINT)
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
-        "%3}], [%4], %5;" ::"r"(saddr(dst)),
-        "l"(tm), "r"(col), "r"(row), "r"(saddr(b)), "l"(policy)
-        : "memory");
-  else
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
-            saddr(dst)),
-        "l"(tm), "r"(col), "r"(row), "r"(saddr(b))
-        : "memory");
 }
 
 template <int NT>

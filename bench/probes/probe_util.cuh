@@ -53,6 +53,38 @@ __device__ __forceinline__ void mbar_wait(uint64_t* b, unsigned parity) {
         : "memory");
 }
 
+// A bulk copy global -> shared (cp.async.bulk) and a 2-D TMA box copy, each counted on an mbarrier's transaction
+// bytes; HINT: with an L2 cache policy (createpolicy), else plain.
+template <bool HINT>
+__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, unsigned bytes, uint64_t* b, uint64_t policy = 0) {
+  if (HINT)
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+            saddr(dst)),
+        "l"(src), "r"(bytes), "r"(saddr(b)), "l"(policy)
+        : "memory");
+  else
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(saddr(dst)),
+                 "l"(src), "r"(bytes), "r"(saddr(b))
+                 : "memory");
+}
+
+template <bool HINT>
+__device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* tm, int col, int row, uint64_t* b, uint64_t policy = 0) {
+  if (HINT)
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
+        "%3}], [%4], %5;" ::"r"(saddr(dst)),
+        "l"(tm), "r"(col), "r"(row), "r"(saddr(b)), "l"(policy)
+        : "memory");
+  else
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+            saddr(dst)),
+        "l"(tm), "r"(col), "r"(row), "r"(saddr(b))
+        : "memory");
+}
+
 // A 2-D TMA map of a row-major byte matrix [rows, cols] (row stride cols), boxes of box_rows x 128 bytes.
 inline CUtensorMap byte_matrix_map(const uint8_t* p, int64_t rows, int64_t cols, uint32_t box_rows, bool swizzle128) {
   using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,

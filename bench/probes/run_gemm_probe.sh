@@ -6,7 +6,7 @@
 set -u
 OUT=${OUT:-/tmp/out}
 cd "$(dirname "$0")"
-nvcc -O3 -gencode arch=compute_90a,code=sm_90a -std=c++17 -Xptxas -v fp8_gemm_probe.cu -o /tmp/gemm_probe \
+nvcc -O3 -gencode arch=compute_90a,code=sm_90a -std=c++17 -I../.. -Xptxas -v fp8_gemm_probe.cu -o /tmp/gemm_probe \
   >"$OUT/gemm_probe_build.txt" 2>&1 || { tail -n 30 "$OUT/gemm_probe_build.txt"; exit 1; }
 : >"$OUT/gemm_probe.txt"
 for m in ${GEMM_PROBE_M:-8192}; do

@@ -16,7 +16,9 @@
 // producer (one lane issues the TMA copies and the scale row's bulk copy; 40 registers after setmaxnreg),
 // warpgroups 1-2 the consumers (64 rows each; 232 registers). NH = 2 runs the two 128-column halves of a
 // 256-wide tile one after the other into the same temporary. Variants (`probe M V`): 0 128 x 128, 1 128 x 256,
-// 2 128 x 128 without the promotion (timing only), 3 128 x 256 on 2-CTA clusters sharing B by TMA multicast.
+// 2 128 x 128 without the promotion (timing only), 3 128 x 256 on 2-CTA clusters sharing B by TMA multicast,
+// 4 128 x 256 with A from registers (one shared-memory read of A a K block), 5 both 3 and 4, 6 4 with the TMA-store
+// epilogue, 7 all three.
 // Standalone (not part of the build): nvcc -O3 -gencode arch=compute_90a,code=sm_90a -std=c++17 -I../.. -Xptxas -v
 // fp8_gemm_probe.cu -o probe (bench/probes/run_gemm_probe.sh; plain -arch=sm_90a made compute_90 PTX, which has
 // no wgmma); check ptxas's C75xx lines, which say when the wgmma chains get serialized. Each variant's output is
@@ -63,6 +65,14 @@ __device__ __forceinline__ void tma_2d_multicast(void* dst, const CUtensorMap* t
       "l"(tm), "r"(col), "r"(row), "r"(saddr(b)), "h"(mask)
       : "memory");
 }
+// The TMA store of a box of y from shared memory (bulk group of the issuing thread) and a named barrier of one
+// consumer warpgroup (ids 1, 2; 0 is __syncthreads').
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* tm, const void* src, int col, int row) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(tm), "r"(col), "r"(row),
+               "r"(saddr(src))
+               : "memory");
+}
+__device__ __forceinline__ void warpgroup_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
 namespace wg = dflash::cuda::wgmma;  // the project's descriptor (128-byte swizzle), fences, waits and pins
 
 // d[64 x 128] (+)= A[64 x 32] . B[32 x 128], e4m3 operands K-major in shared memory, fp32 accumulators in the
@@ -86,6 +96,28 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t desc_a
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+// The same with A from registers: this warp's 16 rows x 32 bytes as the m16n8k32 A fragment (a0: row g, bytes 4q ..
+// 4q + 3; a1: row g + 8; a2 / a3: bytes 16 + 4q), which is byte for byte the bf16 m16n8k16 fragment that
+// wgmma::load_a_fragments reads by ldmatrix from the same 128-byte-swizzled rows.
+__device__ __forceinline__ void wgmma_m64n128k32_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b,
+                                                    int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, "
+      "%13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
+      "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "
+      "%57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
 struct Args {
   const float* sa;  // [K/128][M]
   const float* sb;  // [N/128][K/128]
@@ -93,13 +125,16 @@ struct Args {
   int M, N, K;
 };
 
-template <int NH, int S>
+template <int NH, int S, bool TS = false>
 struct Layout {
   static constexpr int kA = kBM * kBK;            // bytes of an A tile
   static constexpr int kB = NH * 128 * kBK;       // bytes of a B tile
   static constexpr int kSa = kBM * 4;             // the tile rows' scales of one K block
   static constexpr int kStage = kA + kB;
-  static constexpr int kBytes = S * kStage + S * kSa + 2 * S * 8 + 1024;  // + alignment slack
+  static constexpr int kOut = TS ? 2 * 64 * 128 * 2 : 0;  // TS: a consumer warpgroup's 64 x 128 bf16 of y
+  // + alignment slack; TS has no room for it (S 4: 227 KB, the opt-in limit, with 960 bytes to spare) and checks that
+  // the dynamic shared memory starts 1024-aligned, as it does without static shared memory
+  static constexpr int kBytes = S * kStage + kOut + S * kSa + 2 * S * 8 + (TS ? 0 : 1024);
 };
 
 // A K-major tile of 128-byte rows as the TMA writes it (128-byte swizzle, 8-row groups 1024 bytes apart); a K step
@@ -121,17 +156,31 @@ __device__ __forceinline__ void tile_coords(int t, int mbn, int nbn, int& mb, in
 // MC (NH 2): CTAs in clusters of two take the two row blocks of a pair of tiles with the same 256 columns; each
 // loads its own A and one 128-row half of B, multicast into both CTAs' stage (halving B's L2 reads); a stage is
 // refilled once both CTAs' consumers freed it.
-template <int NH, int S, bool NOPROMO = false, bool MC = false>
+// TS: the epilogue through shared memory: each consumer warpgroup writes a 128-column half of its 64 rows of y as bf16
+// (two 64 x 64 panels, 128-byte swizzle: conflict-free 4-byte stores) and one lane stores them by TMA, so the
+// tensor cores wait for 32 shared-memory stores a thread instead of 32 scattered global ones (each touching 8 rows),
+// and the global writes drain while the next tile's chains run.
+// RS (promoted): each consumer warp reads its 16 rows of the A tile into registers once per K block (ldmatrix) and
+// both 128-column halves' chains take A from there, so A is read from shared memory once, not NH times (with NH 2
+// the wgmma reads of a K block fall from 48 to 40 KB a warpgroup: the shared-memory side of the question).
+template <int NH, int S, bool NOPROMO = false, bool MC = false, bool RS = false, bool TS = false>
 __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_constant__ CUtensorMap ta,
-                                                           const __grid_constant__ CUtensorMap tb) {
-  using L = Layout<NH, S>;
+                                                           const __grid_constant__ CUtensorMap tb,
+                                                           const __grid_constant__ CUtensorMap ty) {
+  using L = Layout<NH, S, TS>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  float* sa_s = reinterpret_cast<float*>(smem + S * L::kStage);
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S * L::kStage + S * L::kSa);
+  if constexpr (TS) {
+    if (saddr(smem_raw) % 1024 != 0) __trap();  // no slack (Layout): a misaligned base would overrun
+  }
+  uint8_t* out_s = smem + S * L::kStage;  // TS (1024-aligned: kStage is a multiple of 1024)
+  float* sa_s = reinterpret_cast<float*>(out_s + L::kOut);
+  uint64_t* full = reinterpret_cast<uint64_t*>(out_s + L::kOut + S * L::kSa);
   uint64_t* empty = full + S;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   static_assert(!MC || (NH == 2 && !NOPROMO), "MC: 256-column tiles, promoted");
+  static_assert(!RS || !NOPROMO, "RS: promoted");
+  static_assert(!TS || !NOPROMO, "TS: promoted");
   const uint32_t rank = MC ? cluster_rank() : 0;
   if (threadIdx.x == 0) {
     // every consumer thread frees a stage; MC: lane 0 of each consumer warp of both CTAs
@@ -215,16 +264,23 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
       mbar_wait(full + s, (it / S) & 1);
       const float sa0 = sa_s[s * kBM + r0], sa1 = sa_s[s * kBM + r0 + 8];
       const uint8_t* st = smem + s * L::kStage;
+      uint32_t af[kBK / 32][4];  // RS: this warp's A fragments of the K block (one panel: A's 128 rows x 128 bytes)
+      if constexpr (RS) wg::load_a_fragments<kBK / 32>(af, st, kBM, c * 64);
 #pragma unroll
       for (int h = 0; h < NH; ++h) {
         const float sb = __ldg(a.sb + static_cast<int64_t>(nb * NH + h) * kbn + kb);
         wg::fence();
 #pragma unroll
-        for (int k = 0; k < kBK / 32; ++k)
-          wgmma_m64n128k32(tmp, sw128(st + c * 64 * kBK + 32 * k), sw128(st + L::kA + h * 128 * kBK + 32 * k), k);
+        for (int k = 0; k < kBK / 32; ++k) {
+          if constexpr (RS)
+            wgmma_m64n128k32_rs(tmp, af[k], sw128(st + L::kA + h * 128 * kBK + 32 * k), k);
+          else
+            wgmma_m64n128k32(tmp, sw128(st + c * 64 * kBK + 32 * k), sw128(st + L::kA + h * 128 * kBK + 32 * k), k);
+        }
         wg::commit();
         wg::wait<0>();
         wg::pin(tmp);
+        if constexpr (RS) wg::pin(af);  // read by the chain until it completed
         if (h == NH - 1) {  // the stage's operands are read (every thread: no divergent path; MC: a warp at once)
           if constexpr (MC) {
             __syncwarp();
@@ -243,6 +299,35 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
         }
       }
     }
+    if constexpr (TS) {
+      uint8_t* ob = out_s + c * (L::kOut / 2);
+      const int wr = warp * 16 + g;  // this thread's rows wr, wr + 8 of the warpgroup's 64 (both have row & 7 == g)
+      const bool leader = threadIdx.x % 128 == 0;
+#pragma unroll
+      for (int h = 0; h < NH; ++h) {
+        if (t != first || h > 0) {  // the previous TMA store has read the buffer
+          if (leader) wg::bulk_wait_read<0>();
+          warpgroup_sync(1 + c);
+        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {  // n8 tile i: columns 8i + 2q, 8i + 2q + 1 (panel i / 8, 16-byte chunk i % 8)
+          uint8_t* p = ob + (i / 8) * 8192 + wr * 128 + (((i % 8) ^ g) << 4) + 4 * q;
+          const __nv_bfloat162 v0 = __floats2bfloat162_rn(acc[h][4 * i], acc[h][4 * i + 1]);
+          const __nv_bfloat162 v1 = __floats2bfloat162_rn(acc[h][4 * i + 2], acc[h][4 * i + 3]);
+          *reinterpret_cast<__nv_bfloat162*>(p) = v0;
+          *reinterpret_cast<__nv_bfloat162*>(p + 8 * 128) = v1;
+        }
+        wg::fence_async_smem();
+        warpgroup_sync(1 + c);
+        if (leader) {
+          const int col = (nb * NH + h) * 128, row = mb * kBM + c * 64;
+          tma_store_2d(&ty, ob, col, row);
+          tma_store_2d(&ty, ob + 8192, col + 64, row);
+          wg::bulk_commit();
+        }
+      }
+      continue;
+    }
     const int64_t row = static_cast<int64_t>(mb) * kBM + r0;
 #pragma unroll
     for (int h = 0; h < NH; ++h) {
@@ -255,6 +340,9 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
             __floats2bfloat162_rn(acc[h][4 * i + 2], acc[h][4 * i + 3]);
       }
     }
+  }
+  if constexpr (TS) {
+    if (threadIdx.x % 128 == 0) wg::bulk_wait<0>();  // the last stores are done before the CTA's memory goes
   }
   if constexpr (MC) cluster_sync();
 }
@@ -316,17 +404,18 @@ float bf16_to_float(uint16_t b) {
   return f;
 }
 
-template <int NH, int S, bool NOPROMO = false, bool MC = false>
+template <int NH, int S, bool NOPROMO = false, bool MC = false, bool RS = false, bool TS = false>
 void run(const char* variant, const Shape& sh, int sms, const uint8_t* x, const uint8_t* w, Args a, float* dref,
          int step) {
-  using L = Layout<NH, S>;
+  using L = Layout<NH, S, TS>;
   if (sh.N % (128 * NH) != 0) {
     std::printf("%-14s %-10s skipped (N %% %d)\n", sh.name, variant, 128 * NH);
     return;
   }
-  auto kernel = gemm_kernel<NH, S, NOPROMO, MC>;
+  auto kernel = gemm_kernel<NH, S, NOPROMO, MC, RS, TS>;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes));
   const CUtensorMap ta = byte_matrix_map(x, sh.M, sh.K, 128, true), tb = byte_matrix_map(w, sh.N, sh.K, 128, true);
+  const CUtensorMap ty = matrix_map(a.y, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, sh.M, sh.N, 64, 64, true);
   const int tiles = (sh.M / kBM) * (sh.N / (128 * NH));
   const int grid = MC ? std::min(tiles, sms) / 2 * 2 : std::min(tiles, sms);
   cudaLaunchAttribute attr[1];
@@ -344,7 +433,7 @@ void run(const char* variant, const Shape& sh, int sms, const uint8_t* x, const 
     }
     cfg.gridDim = dim3(std::min(grid, 2 * clusters));
   }
-  auto launch = [&] { CK(cudaLaunchKernelEx(&cfg, kernel, a, ta, tb)); };
+  auto launch = [&] { CK(cudaLaunchKernelEx(&cfg, kernel, a, ta, tb, ty)); };
   CK(cudaMemset(a.y, 0xFF, static_cast<size_t>(sh.M) * sh.N * 2));  // poisoned: NaN bf16
   launch();
   CK(cudaDeviceSynchronize());
@@ -432,7 +521,8 @@ int main(int argc, char** argv) {  // fp8_gemm_probe [M [variant]]
   fill_scales<<<256, 256>>>(sa, max_x / 128, 7u);
   fill_scales<<<256, 256>>>(sb, max_w / (128 * 128), 11u);
   CK(cudaDeviceSynchronize());
-  const int variant = argc > 2 ? std::atoi(argv[2]) : -1;  // 0: bn128, 1: bn256, 2: bn128 without promotion, 3: bn256 B multicast over 2-CTA clusters, -1: all (one process each is safer:
+  const int variant = argc > 2 ? std::atoi(argv[2]) : -1;  // 0: bn128, 1: bn256, 2: bn128 without promotion, 3: bn256 B multicast over 2-CTA clusters, 4: bn256 A from
+                                                          // registers, 5: 3 + 4, 6: 4 + TMA-store epilogue, 7: 3 + 6, -1: all (one process each is safer:
                                                           // a trapped kernel ends the process)
   for (const Shape& s : shapes) {
     Args a{sa, sb, y, s.M, s.N, s.K};
@@ -446,6 +536,10 @@ int main(int argc, char** argv) {  // fp8_gemm_probe [M [variant]]
     if (variant < 0 || variant == 1) run<2, 4>("bn256 s4", s, prop.multiProcessorCount, x, w, a, ref, step);
     if (variant < 0 || variant == 2) run<1, 6, true>("bn128 nopromo", s, prop.multiProcessorCount, x, w, a, ref, step);
     if (variant < 0 || variant == 3) run<2, 4, false, true>("bn256 mc2", s, prop.multiProcessorCount, x, w, a, ref, step);
+    if (variant < 0 || variant == 4) run<2, 4, false, false, true>("bn256 rs", s, prop.multiProcessorCount, x, w, a, ref, step);
+    if (variant < 0 || variant == 5) run<2, 4, false, true, true>("bn256 mc2 rs", s, prop.multiProcessorCount, x, w, a, ref, step);
+    if (variant < 0 || variant == 6) run<2, 4, false, false, true, true>("bn256 rs ts", s, prop.multiProcessorCount, x, w, a, ref, step);
+    if (variant < 0 || variant == 7) run<2, 4, false, true, true, true>("bn256 mc2rsts", s, prop.multiProcessorCount, x, w, a, ref, step);
     std::fflush(stdout);
   }
   return 0;

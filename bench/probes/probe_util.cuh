@@ -85,8 +85,10 @@ __device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* tm, int col
         : "memory");
 }
 
-// A 2-D TMA map of a row-major byte matrix [rows, cols] (row stride cols), boxes of box_rows x 128 bytes.
-inline CUtensorMap byte_matrix_map(const uint8_t* p, int64_t rows, int64_t cols, uint32_t box_rows, bool swizzle128) {
+// A 2-D TMA map of a row-major matrix [rows, cols] of `dtype` (elem_bytes each, row stride cols), boxes of box_rows x
+// box_cols elements.
+inline CUtensorMap matrix_map(const void* p, CUtensorMapDataType dtype, uint32_t elem_bytes, int64_t rows, int64_t cols,
+                              uint32_t box_rows, uint32_t box_cols, bool swizzle128) {
   using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                    const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                    CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
@@ -103,14 +105,18 @@ inline CUtensorMap byte_matrix_map(const uint8_t* p, int64_t rows, int64_t cols,
   }
   CUtensorMap m{};
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols)};
-  const cuuint32_t box[2] = {128, box_rows}, estr[2] = {1, 1};
-  const CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t*>(p), dims, strides, box, estr,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * elem_bytes};
+  const cuuint32_t box[2] = {box_cols, box_rows}, estr[2] = {1, 1};
+  const CUresult r = encode(&m, dtype, 2, const_cast<void*>(p), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            swizzle128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     std::fprintf(stderr, "cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(r));
     std::exit(1);
   }
   return m;
+}
+// Of a byte matrix, boxes of box_rows x 128 bytes.
+inline CUtensorMap byte_matrix_map(const uint8_t* p, int64_t rows, int64_t cols, uint32_t box_rows, bool swizzle128) {
+  return matrix_map(p, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, rows, cols, box_rows, 128, swizzle128);
 }

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Device call for fp8_gemm_probe.cu: build it (sm_90a) and run it at M 8192 (and GEMM_PROBE_M, e.g. "8192 4096").
-#   run: bash bench/probes/run_gemm_probe.sh   (writes gemm_probe.txt and gemm_probe_build.txt to $OUT)
-# The comparison is cuBLASLt's block-scaled kernels on the same shapes: kernel_bench --only fp8 (gemm_fp8 M8192 rows)
-# in the same call.
+# Device call for fp8_gemm_probe.cu: build it (sm_90a) and run its variants (GEMM_PROBE_VARIANTS, default all) at
+# M 8192 (or GEMM_PROBE_M, e.g. "8192 4096"); writes gemm_probe.txt and gemm_probe_build.txt to $OUT.
+#   run: bash bench/probes/run_gemm_probe.sh
+# The comparison is cuBLASLt's block-scaled kernels on the same shapes: with GEMM_PROBE_CUBLAS=1 the same call builds
+# kernel_bench (Release, sm_90, into ${DFLASH_BUILD:-/tmp/build-probe}; build.log) and runs --only fp8
+# (kernel_bench_fp8.csv / .log: the gemm_fp8 M8192 rows).
 set -u
 OUT=${OUT:-/tmp/out}
-cd "$(dirname "$0")"
+mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT/bench/probes"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/env.txt" 2>&1
 nvcc -O3 -gencode arch=compute_90a,code=sm_90a -std=c++17 -I../.. -Xptxas -v fp8_gemm_probe.cu -o /tmp/gemm_probe \
   >"$OUT/gemm_probe_build.txt" 2>&1 || { tail -n 30 "$OUT/gemm_probe_build.txt"; exit 1; }
 : >"$OUT/gemm_probe.txt"
@@ -15,3 +20,12 @@ for m in ${GEMM_PROBE_M:-8192}; do
     echo "gemm_probe M $m variant $v rc=$?" | tee -a "$OUT/gemm_probe.txt"
   done
 done
+grep -E "TFLOP|FAIL|mismatch|skipped|error" "$OUT/gemm_probe.txt"
+if [ "${GEMM_PROBE_CUBLAS:-0}" = 1 ]; then
+  B=${DFLASH_BUILD:-/tmp/build-probe}
+  { cmake -S "$ROOT" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 &&
+    ninja -C "$B" kernel_bench; } >"$OUT/build.log" 2>&1 || { echo "kernel_bench build failed"; tail -n 20 "$OUT/build.log"; exit 1; }
+  timeout 200 "$B/bench/kernel_bench" --only fp8 --csv "$OUT/kernel_bench_fp8.csv" >"$OUT/kernel_bench_fp8.log" 2>&1
+  echo "kernel_bench fp8 rc=$?"
+  grep gemm_fp8 "$OUT/kernel_bench_fp8.log" | grep M8192 | head -n 24
+fi

@@ -491,7 +491,7 @@ void run(const char* variant, const Shape& sh, int sms, const uint8_t* x, const 
 
 }  // namespace
 
-int main(int argc, char** argv) {  // fp8_gemm_probe [M [variant]]
+int main(int argc, char** argv) {  // fp8_gemm_probe [M [variant [shape index]]]
   setvbuf(stdout, nullptr, _IOLBF, 0);
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -524,7 +524,9 @@ int main(int argc, char** argv) {  // fp8_gemm_probe [M [variant]]
   const int variant = argc > 2 ? std::atoi(argv[2]) : -1;  // 0: bn128, 1: bn256, 2: bn128 without promotion, 3: bn256 B multicast over 2-CTA clusters, 4: bn256 A from
                                                           // registers, 5: 3 + 4, 6: 4 + TMA-store epilogue, 7: 3 + 6, -1: all (one process each is safer:
                                                           // a trapped kernel ends the process)
+  const int only_shape = argc > 3 ? std::atoi(argv[3]) : -1;  // (one shape: for a profiler's single launch)
   for (const Shape& s : shapes) {
+    if (only_shape >= 0 && &s != &shapes[only_shape % 6]) continue;
     Args a{sa, sb, y, s.M, s.N, s.K};
     if (variant != 2) {  // the checked variants' reference
       const int rows = (s.M + step - 1) / step;

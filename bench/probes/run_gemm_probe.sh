@@ -4,7 +4,7 @@
 #   run: bash bench/probes/run_gemm_probe.sh
 # The comparison is cuBLASLt's block-scaled kernels on the same shapes: with GEMM_PROBE_CUBLAS=1 the same call builds
 # kernel_bench (Release, sm_90, into ${DFLASH_BUILD:-/tmp/build-probe}; build.log) and runs --only fp8
-# (kernel_bench_fp8.csv / .log: the gemm_fp8 M8192 rows).
+# (kernel_bench_fp8.csv / .log: the gemm_fp8 M8192 rows). At most 7 files come back.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -21,6 +21,14 @@ for m in ${GEMM_PROBE_M:-8192}; do
   done
 done
 grep -E "TFLOP|FAIL|mismatch|skipped|error" "$OUT/gemm_probe.txt"
+# GEMM_PROBE_NCU="1 4": Nsight Compute's speed-of-light and memory sections of those variants' gate/up GEMM (shape 3)
+# at the first M, one launch each (ncu.txt): which of L2, shared memory and the tensor pipes is near its peak.
+for v in ${GEMM_PROBE_NCU:-}; do
+  m=${GEMM_PROBE_M:-8192}
+  timeout 150 ncu --clock-control none -k regex:gemm_kernel -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section ComputeWorkloadAnalysis /tmp/gemm_probe "${m%% *}" "$v" 3 >>"$OUT/ncu.txt" 2>&1
+  echo "ncu variant $v rc=$?" | tee -a "$OUT/ncu.txt"
+done
 if [ "${GEMM_PROBE_CUBLAS:-0}" = 1 ]; then
   B=${DFLASH_BUILD:-/tmp/build-probe}
   { cmake -S "$ROOT" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 &&

@@ -18,7 +18,7 @@
 // 256-wide tile one after the other into the same temporary. Variants (`probe M V`): 0 128 x 128, 1 128 x 256,
 // 2 128 x 128 without the promotion (timing only), 3 128 x 256 on 2-CTA clusters sharing B by TMA multicast,
 // 4 128 x 256 with A from registers (one shared-memory read of A a K block), 5 both 3 and 4, 6 4 with the TMA-store
-// epilogue, 7 all three.
+// epilogue, 7 all three, 8 4 on 2 x 2 clusters sharing A and B by multicast, 9 8 with the TMA-store epilogue.
 // Standalone (not part of the build): nvcc -O3 -gencode arch=compute_90a,code=sm_90a -std=c++17 -I../.. -Xptxas -v
 // fp8_gemm_probe.cu -o probe (bench/probes/run_gemm_probe.sh; plain -arch=sm_90a made compute_90 PTX, which has
 // no wgmma); check ptxas's C75xx lines, which say when the wgmma chains get serialized. Each variant's output is
@@ -43,7 +43,7 @@ constexpr int kBM = 128, kBK = 128;
 constexpr int kThreads = 384;
 constexpr int kGroupM = 16;  // raster: row blocks per group
 
-// Cluster pieces (MC): a consumer warp frees a stage in the peer CTA too, and the B copies are multicast.
+// Cluster pieces: a consumer warp frees a stage in every CTA of its cluster, and the copies are multicast.
 __device__ __forceinline__ void mbar_arrive_peer(uint64_t* b, uint32_t peer) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(saddr(b)), "r"(peer));
@@ -153,9 +153,11 @@ __device__ __forceinline__ void tile_coords(int t, int mbn, int nbn, int& mb, in
 // NOPROMO (NH 1, timing only): every K block's chain accumulates straight into acc (no scales, no per-block wait
 // but the one that frees the previous stage, wait_group 1): the same loads and wgmma without the promotion, i.e.
 // the structure's per-tensor ceiling; its output is not the GEMM's and is not checked.
-// MC (NH 2): CTAs in clusters of two take the two row blocks of a pair of tiles with the same 256 columns; each
-// loads its own A and one 128-row half of B, multicast into both CTAs' stage (halving B's L2 reads); a stage is
-// refilled once both CTAs' consumers freed it.
+// CM (cluster size; NH 2): CM 2: CTAs in clusters of two take the two row blocks of a pair of tiles with the same
+// 256 columns; each loads its own A and one 128-row half of B, multicast into both CTAs' stage (B's L2 reads halved:
+// 32 KB a K block a CTA instead of 48). CM 4: clusters of 2 x 2 take the four tiles of 2 row blocks x 2 column
+// blocks; CTA (i, j) (rank i + 2j) loads the j-th 64-row half of A_i for (i, 0) and (i, 1) and the i-th 128-row half
+// of B_j for (0, j) and (1, j) (24 KB a K block a CTA). A stage is refilled once every CTA's consumers freed it.
 // TS: the epilogue through shared memory: each consumer warpgroup writes a 128-column half of its 64 rows of y as bf16
 // (two 64 x 64 panels, 128-byte swizzle: conflict-free 4-byte stores) and one lane stores them by TMA, so the
 // tensor cores wait for 32 shared-memory stores a thread instead of 32 scattered global ones (each touching 8 rows),
@@ -163,7 +165,7 @@ __device__ __forceinline__ void tile_coords(int t, int mbn, int nbn, int& mb, in
 // RS (promoted): each consumer warp reads its 16 rows of the A tile into registers once per K block (ldmatrix) and
 // both 128-column halves' chains take A from there, so A is read from shared memory once, not NH times (with NH 2
 // the wgmma reads of a K block fall from 48 to 40 KB a warpgroup: the shared-memory side of the question).
-template <int NH, int S, bool NOPROMO = false, bool MC = false, bool RS = false, bool TS = false>
+template <int NH, int S, bool NOPROMO = false, int CM = 1, bool RS = false, bool TS = false>
 __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_constant__ CUtensorMap ta,
                                                            const __grid_constant__ CUtensorMap tb,
                                                            const __grid_constant__ CUtensorMap ty) {
@@ -178,24 +180,30 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
   uint64_t* full = reinterpret_cast<uint64_t*>(out_s + L::kOut + S * L::kSa);
   uint64_t* empty = full + S;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  static_assert(!MC || (NH == 2 && !NOPROMO), "MC: 256-column tiles, promoted");
+  constexpr bool MC = CM > 1;
+  static_assert(CM == 1 || CM == 2 || CM == 4, "clusters of 1, 2 or 4");
+  static_assert(!MC || (NH == 2 && !NOPROMO), "clusters: 256-column tiles, promoted");
   static_assert(!RS || !NOPROMO, "RS: promoted");
   static_assert(!TS || !NOPROMO, "TS: promoted");
   const uint32_t rank = MC ? cluster_rank() : 0;
+  const int ci = static_cast<int>(rank & 1), cj = static_cast<int>(rank >> 1);  // CM 4: this CTA's (i, j)
   if (threadIdx.x == 0) {
-    // every consumer thread frees a stage; MC: lane 0 of each consumer warp of both CTAs
-    for (int s = 0; s < S; ++s) mbar_init(full + s, 1), mbar_init(empty + s, MC ? 16 : 256);
+    // every consumer thread frees a stage; clusters: lane 0 of each consumer warp of every CTA
+    for (int s = 0; s < S; ++s) mbar_init(full + s, 1), mbar_init(empty + s, MC ? 8 * CM : 256);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if constexpr (MC) cluster_sync();
   else __syncthreads();
   const int mbn = a.M / kBM, nbn = a.N / (128 * NH), kbn = a.K / kBK;
-  // the tiles this CTA runs: t = first, first + stride, ... < tiles; MC: tile pairs (row blocks 2p, 2p + 1)
-  const int tiles = MC ? mbn / 2 * nbn : mbn * nbn;
-  const int first = MC ? static_cast<int>(blockIdx.x / 2) : static_cast<int>(blockIdx.x);
-  const int stride = MC ? static_cast<int>(gridDim.x / 2) : static_cast<int>(gridDim.x);
+  // the tiles this CTA runs: t = first, first + stride, ... < tiles; clusters: groups of CM tiles (CM 2: row blocks
+  // 2p, 2p + 1; CM 4: those times column blocks 2r, 2r + 1)
+  const int tiles = CM == 4 ? mbn / 2 * (nbn / 2) : CM == 2 ? mbn / 2 * nbn : mbn * nbn;
+  const int first = static_cast<int>(blockIdx.x) / CM, stride = static_cast<int>(gridDim.x) / CM;
   auto coords = [&](int t, int& mb, int& nb) {
-    if constexpr (MC) {
+    if constexpr (CM == 4) {
+      tile_coords(t, mbn / 2, nbn / 2, mb, nb);
+      mb = 2 * mb + ci, nb = 2 * nb + cj;
+    } else if constexpr (CM == 2) {
       tile_coords(t, mbn / 2, nbn, mb, nb);
       mb = 2 * mb + static_cast<int>(rank);
     } else {
@@ -203,6 +211,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
     }
   };
   if (wg == 0) {  // producer
+    // 40: the 16,384 registers the consumers' 168 -> 232 take must come from this warpgroup (128 x (168 - 40));
+    // CM 4's producer spills 16 bytes at 40 (one lane's local memory, in L1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (warp == 0 && lane == 0) {
       int it = 0;
@@ -214,10 +224,16 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
           mbar_wait<MC>(empty + s, ((it / S) & 1) ^ 1);  // MC: the peer's consumers release at cluster scope
           mbar_expect_tx(full + s, L::kStage + L::kSa);
           uint8_t* st = smem + s * L::kStage;
-          tma_2d<false>(st, &ta, kb * kBK, mb * kBM, full + s);
-          if constexpr (MC) {
+          if constexpr (CM == 4) {  // A's half j to (i, 0), (i, 1) (ta's boxes: 64 rows); B's half i to (0, j), (1, j)
+            tma_2d_multicast(st + cj * 64 * kBK, &ta, kb * kBK, mb * kBM + cj * 64, full + s,
+                             static_cast<uint16_t>((1u << ci) | (1u << (ci + 2))));
+            tma_2d_multicast(st + L::kA + ci * 128 * kBK, &tb, kb * kBK, (nb * NH + ci) * 128, full + s,
+                             static_cast<uint16_t>(3u << (2 * cj)));
+          } else if constexpr (CM == 2) {
+            tma_2d<false>(st, &ta, kb * kBK, mb * kBM, full + s);
             tma_2d_multicast(st + L::kA + rank * 128 * kBK, &tb, kb * kBK, (nb * NH + static_cast<int>(rank)) * 128, full + s, 3);
           } else {
+            tma_2d<false>(st, &ta, kb * kBK, mb * kBM, full + s);
 #pragma unroll
             for (int h = 0; h < NH; ++h) tma_2d<false>(st + L::kA + h * 128 * kBK, &tb, kb * kBK, (nb * NH + h) * 128, full + s);
           }
@@ -284,7 +300,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
         if (h == NH - 1) {  // the stage's operands are read (every thread: no divergent path; MC: a warp at once)
           if constexpr (MC) {
             __syncwarp();
-            if (lane == 0) mbar_arrive(empty + s), mbar_arrive_peer(empty + s, rank ^ 1);
+            if (lane == 0) {
+#pragma unroll
+              for (int p = 0; p < CM; ++p) mbar_arrive_peer(empty + s, static_cast<uint32_t>(p));  // (p == rank: its own)
+            }
           } else {
             mbar_arrive(empty + s);
           }
@@ -404,7 +423,7 @@ float bf16_to_float(uint16_t b) {
   return f;
 }
 
-template <int NH, int S, bool NOPROMO = false, bool MC = false, bool RS = false, bool TS = false>
+template <int NH, int S, bool NOPROMO = false, int CM = 1, bool RS = false, bool TS = false>
 void run(const char* variant, const Shape& sh, int sms, const uint8_t* x, const uint8_t* w, Args a, float* dref,
          int step) {
   using L = Layout<NH, S, TS>;
@@ -412,15 +431,20 @@ void run(const char* variant, const Shape& sh, int sms, const uint8_t* x, const 
     std::printf("%-14s %-10s skipped (N %% %d)\n", sh.name, variant, 128 * NH);
     return;
   }
-  auto kernel = gemm_kernel<NH, S, NOPROMO, MC, RS, TS>;
+  constexpr bool MC = CM > 1;
+  if (CM == 4 && (sh.M / kBM) % 2 + (sh.N / 256) % 2 != 0) {
+    std::printf("%-14s %-10s skipped (2 x 2 tiles)\n", sh.name, variant);
+    return;
+  }
+  auto kernel = gemm_kernel<NH, S, NOPROMO, CM, RS, TS>;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes));
-  const CUtensorMap ta = byte_matrix_map(x, sh.M, sh.K, 128, true), tb = byte_matrix_map(w, sh.N, sh.K, 128, true);
+  const CUtensorMap ta = byte_matrix_map(x, sh.M, sh.K, CM == 4 ? 64 : 128, true), tb = byte_matrix_map(w, sh.N, sh.K, 128, true);
   const CUtensorMap ty = matrix_map(a.y, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, sh.M, sh.N, 64, 64, true);
   const int tiles = (sh.M / kBM) * (sh.N / (128 * NH));
-  const int grid = MC ? std::min(tiles, sms) / 2 * 2 : std::min(tiles, sms);
+  const int grid = std::min(tiles, sms) / CM * CM;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = MC ? 2 : 1, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+  attr[0].val.clusterDim.x = CM, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(grid), cfg.blockDim = dim3(kThreads), cfg.dynamicSmemBytes = L::kBytes, cfg.stream = nullptr;
   cfg.attrs = attr, cfg.numAttrs = 1;
@@ -428,10 +452,10 @@ void run(const char* variant, const Shape& sh, int sms, const uint8_t* x, const 
     int clusters = 0;
     CK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
     if (clusters < 1) {
-      std::printf("%-14s %-10s skipped: no cluster of 2 fits\n", sh.name, variant);
+      std::printf("%-14s %-10s skipped: no cluster of %d fits\n", sh.name, variant, CM);
       return;
     }
-    cfg.gridDim = dim3(std::min(grid, 2 * clusters));
+    cfg.gridDim = dim3(std::min(grid, CM * clusters));
   }
   auto launch = [&] { CK(cudaLaunchKernelEx(&cfg, kernel, a, ta, tb, ty)); };
   CK(cudaMemset(a.y, 0xFF, static_cast<size_t>(sh.M) * sh.N * 2));  // poisoned: NaN bf16
@@ -522,7 +546,8 @@ int main(int argc, char** argv) {  // fp8_gemm_probe [M [variant [shape index]]]
   fill_scales<<<256, 256>>>(sb, max_w / (128 * 128), 11u);
   CK(cudaDeviceSynchronize());
   const int variant = argc > 2 ? std::atoi(argv[2]) : -1;  // 0: bn128, 1: bn256, 2: bn128 without promotion, 3: bn256 B multicast over 2-CTA clusters, 4: bn256 A from
-                                                          // registers, 5: 3 + 4, 6: 4 + TMA-store epilogue, 7: 3 + 6, -1: all (one process each is safer:
+                                                          // registers, 5: 3 + 4, 6: 4 + TMA-store epilogue, 7: 3 + 6,
+                                                          // 8: 4 on 2 x 2 clusters, 9: 8 + TMA store, -1: all (one process each is safer:
                                                           // a trapped kernel ends the process)
   const int only_shape = argc > 3 ? std::atoi(argv[3]) : -1;  // (one shape: for a profiler's single launch)
   for (const Shape& s : shapes) {
@@ -537,11 +562,13 @@ int main(int argc, char** argv) {  // fp8_gemm_probe [M [variant [shape index]]]
     if (variant < 0 || variant == 0) run<1, 6>("bn128 s6", s, prop.multiProcessorCount, x, w, a, ref, step);
     if (variant < 0 || variant == 1) run<2, 4>("bn256 s4", s, prop.multiProcessorCount, x, w, a, ref, step);
     if (variant < 0 || variant == 2) run<1, 6, true>("bn128 nopromo", s, prop.multiProcessorCount, x, w, a, ref, step);
-    if (variant < 0 || variant == 3) run<2, 4, false, true>("bn256 mc2", s, prop.multiProcessorCount, x, w, a, ref, step);
-    if (variant < 0 || variant == 4) run<2, 4, false, false, true>("bn256 rs", s, prop.multiProcessorCount, x, w, a, ref, step);
-    if (variant < 0 || variant == 5) run<2, 4, false, true, true>("bn256 mc2 rs", s, prop.multiProcessorCount, x, w, a, ref, step);
-    if (variant < 0 || variant == 6) run<2, 4, false, false, true, true>("bn256 rs ts", s, prop.multiProcessorCount, x, w, a, ref, step);
-    if (variant < 0 || variant == 7) run<2, 4, false, true, true, true>("bn256 mc2rsts", s, prop.multiProcessorCount, x, w, a, ref, step);
+    if (variant < 0 || variant == 3) run<2, 4, false, 2>("bn256 mc2", s, prop.multiProcessorCount, x, w, a, ref, step);
+    if (variant < 0 || variant == 4) run<2, 4, false, 1, true>("bn256 rs", s, prop.multiProcessorCount, x, w, a, ref, step);
+    if (variant < 0 || variant == 5) run<2, 4, false, 2, true>("bn256 mc2 rs", s, prop.multiProcessorCount, x, w, a, ref, step);
+    if (variant < 0 || variant == 6) run<2, 4, false, 1, true, true>("bn256 rs ts", s, prop.multiProcessorCount, x, w, a, ref, step);
+    if (variant < 0 || variant == 7) run<2, 4, false, 2, true, true>("bn256 mc2rsts", s, prop.multiProcessorCount, x, w, a, ref, step);
+    if (variant < 0 || variant == 8) run<2, 4, false, 4, true>("bn256 mc4 rs", s, prop.multiProcessorCount, x, w, a, ref, step);
+    if (variant < 0 || variant == 9) run<2, 4, false, 4, true, true>("bn256 mc4rsts", s, prop.multiProcessorCount, x, w, a, ref, step);
     std::fflush(stdout);
   }
   return 0;

@@ -1,12 +1,16 @@
 // kernels/cpu/gemm.h: the f32 GEMM against a double-precision product on fresh random inputs (every
 // transpose combination, awkward sizes: one row, sizes off the 16-column and k-range tiles, leading
 // dimensions larger than the rows), outputs poisoned with NaN; and its determinism contract: the same
-// bits on 1 and 2 threads, and a row's values independent of the other rows of the product.
+// bits on 1, 2 and 3 threads, a row's values independent of the other rows of the product, and every
+// instruction set the CPU runs giving the bits of the documented order of sums.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <iostream>
 #include <random>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu/gemm.h"
@@ -120,6 +124,66 @@ TEST(CpuGemm, SameBitsOnAnyThreadCountAndForAnyRowSubset) {
     }
   }
   set_cpu_threads(saved);
+}
+
+// The documented order of an element's sum, written out here: the NT path's 8 interleaved lanes of fused
+// multiply-adds (a K tail's lanes multiply zeros) reduced by ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7));
+// the packed path's fused multiply-adds over k ascending within 256-long k ranges, each range's sum added to the
+// element in order. With `init` (accumulating) the sums are added to *init the same way.
+float documented_sum(const Case& c, const Operands& o, int64_t i, int64_t j, const float* init) {
+  if (c.ta == Trans::N && c.tb == Trans::T) {
+    float l[8] = {};
+    for (int64_t k = 0; k < (c.K + 7) / 8 * 8; ++k) {
+      const bool in = k < c.K;
+      l[k % 8] = std::fma(in ? static_cast<float>(at_a(c, o, i, k)) : 0.0f, in ? static_cast<float>(at_b(c, o, k, j)) : 0.0f,
+                          l[k % 8]);
+    }
+    const float sum = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+    return init ? *init + sum : sum;
+  }
+  float total = init ? *init : 0.0f;
+  for (int64_t k0 = 0; k0 < c.K; k0 += 256) {
+    float part = 0.0f;
+    for (int64_t k = k0; k < std::min<int64_t>(c.K, k0 + 256); ++k)
+      part = std::fma(static_cast<float>(at_a(c, o, i, k)), static_cast<float>(at_b(c, o, k, j)), part);
+    total = k0 == 0 && !init ? part : total + part;
+  }
+  return total;
+}
+
+TEST(CpuGemm, SameBitsOnEveryInstructionSetInTheDocumentedOrder) {
+  const std::string saved = gemm_isa();
+  const std::vector<std::string> isas = gemm_isas();
+  ASSERT_FALSE(isas.empty());
+  EXPECT_EQ(isas.back(), "portable");
+  std::cout << "instruction sets on this CPU:";
+  for (const std::string& n : isas) std::cout << " " << n;
+  std::cout << "\n";
+  uint64_t seed = std::random_device{}();
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(testing::Message() << "M " << c.M << " N " << c.N << " K " << c.K << " seed " << seed);
+    const Operands o = draw(c, seed++);
+    std::vector<float> init(static_cast<size_t>(c.M * c.N));
+    for (size_t i = 0; i < init.size(); ++i) init[i] = static_cast<float>(i % 7) - 3.0f;
+    std::vector<std::vector<float>> got, got_acc;
+    for (const std::string& n : isas) {
+      set_gemm_isa(n);
+      ASSERT_EQ(n, gemm_isa());
+      got.push_back(run(c, o, c.N, nullptr));
+      got_acc.push_back(run(c, o, c.N, &init));
+    }
+    for (int64_t i = 0; i < c.M; ++i)
+      for (int64_t j = 0; j < c.N; ++j) {
+        const size_t e = static_cast<size_t>(i * c.N + j);
+        const float want = documented_sum(c, o, i, j, nullptr), want_acc = documented_sum(c, o, i, j, &init[e]);
+        for (size_t t = 0; t < isas.size(); ++t) {
+          ASSERT_EQ(got[t][e], want) << isas[t] << ", element (" << i << ", " << j << ")";
+          ASSERT_EQ(got_acc[t][e], want_acc) << isas[t] << " accumulating, element (" << i << ", " << j << ")";
+        }
+      }
+  }
+  EXPECT_THROW(set_gemm_isa("sse9"), std::invalid_argument);
+  set_gemm_isa(saved);
 }
 
 TEST(CpuGemm, ParallelForRunsEveryIndexOnceNestsAndRethrows) {

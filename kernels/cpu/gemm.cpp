@@ -20,6 +20,8 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -99,38 +101,48 @@ __attribute__((target("avx512f"))) void micro_avx512(int64_t kc, const float* ap
 }
 
 // The NT product (op(A) = A [M, K], op(B) = B^T with B [N, K]: both operands contiguous along k, the
-// linear layers' forward) needs no packing: each element is a dot product of two rows, summed in L
-// lanes (lane l takes k = l, l + L, ...; a K tail is read masked as zeros) and the lanes reduced by one
-// fixed tree. A call covers mi <= MI rows of A and nj <= NJ rows of B, sharing their loads; rows past
-// mi / nj repeat row 0 and are dropped, so an element's bits do not depend on its neighbours (M = 1
-// decoding runs at the speed of the rest, with the same bits).
+// linear layers' forward) needs no packing: each element is a dot product of two rows, summed in 8
+// lanes (lane l takes k = l, l + 8, ... by fused multiply-adds; a K tail is read masked as zeros and
+// multiplied like the rest) and the lanes reduced by one fixed tree, ((l0 + l4) + (l2 + l6)) + ((l1 +
+// l5) + (l3 + l7)). Every instruction set runs this same arithmetic (AVX-512 machines on 8-float
+// vectors too, with the 32 registers AVX-512 gives them), so the product has the same bits on any
+// x86-64 CPU: an AVX2 machine and an AVX-512 one train the same drafter and print the same tau. A call
+// covers mi <= MI rows of A and nj <= NJ rows of B, sharing their loads; rows past mi / nj repeat row 0
+// and are dropped, so an element's bits do not depend on its neighbours (M = 1 decoding runs at the
+// speed of the rest, with the same bits).
 using DotKernel = void (*)(int64_t K, const float* a, int64_t lda, int mi, const float* b, int64_t ldb, int nj, float* c,
                            int64_t ldc, bool add);
+
+constexpr int kDotLanes = 8;
 
 template <int MI, int NJ>
 void dot_portable(int64_t K, const float* a, int64_t lda, int mi, const float* b, int64_t ldb, int nj, float* c,
                   int64_t ldc, bool add) {
-  constexpr int L = 8;
+  const int64_t k_end = (K + kDotLanes - 1) / kDotLanes * kDotLanes;  // the masked tail's zero products too
   for (int i = 0; i < mi; ++i)
     for (int j = 0; j < nj; ++j) {
-      float lane[L] = {};
+      float lane[kDotLanes] = {};
       const float* x = a + i * lda;
       const float* w = b + j * ldb;
-      for (int64_t k = 0; k < K; ++k) lane[k % L] = std::fma(x[k], w[k], lane[k % L]);
+      for (int64_t k = 0; k < k_end; ++k)
+        lane[k % kDotLanes] = std::fma(k < K ? x[k] : 0.0f, k < K ? w[k] : 0.0f, lane[k % kDotLanes]);
       const float s = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
       c[i * ldc + j] = add ? c[i * ldc + j] + s : s;
     }
 }
 
-__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+__attribute__((target("avx2,fma"), always_inline)) inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // (0+4, 1+5, 2+6, 3+7)
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                        // (0+4)+(2+6), (1+5)+(3+7)
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
-__attribute__((target("avx2,fma"))) void dot_avx2(int64_t K, const float* a, int64_t lda, int mi, const float* b,
-                                                  int64_t ldb, int nj, float* c, int64_t ldc, bool add) {
-  constexpr int MI = 2, NJ = 4;
+// The 8-lane kernel on 8-float vectors: dot_avx2 instantiates it for AVX2's 16 registers (2 x 4 rows),
+// dot_avx512 inlines it where AVX-512 gives 32 (4 x 4 rows); the same instructions per element either way.
+template <int MI, int NJ>
+__attribute__((target("avx2,fma"), always_inline)) inline void dot8(int64_t K, const float* a, int64_t lda, int mi,
+                                                                   const float* b, int64_t ldb, int nj, float* c,
+                                                                   int64_t ldc, bool add) {
   const float* x[MI];
   const float* w[NJ];
   for (int i = 0; i < MI; ++i) x[i] = a + (i < mi ? i : 0) * lda;
@@ -163,54 +175,15 @@ __attribute__((target("avx2,fma"))) void dot_avx2(int64_t K, const float* a, int
     }
 }
 
-// The lane sums of four vectors: out[t] = Σ of v_t's 16 lanes, by one fixed tree (halves, then
-// quarters, then pairs within a quarter).
-__attribute__((target("avx512f"))) inline __m256 fold16(__m512 v) {  // 16 -> 8 lanes: low half + high half
-  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_castps512_ps256(_mm512_shuffle_f32x4(v, v, 0xee)));
-}
-__attribute__((target("avx512f"))) inline __m128 hsum16x4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
-  const __m256 a0 = fold16(v0), a1 = fold16(v1), a2 = fold16(v2), a3 = fold16(v3);
-  // 8 -> 4 lanes each, two vectors at a time in one register: (a0 | a1) -> low 128 + high 128.
-  const __m256 b01 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20), _mm256_permute2f128_ps(a0, a1, 0x31));
-  const __m256 b23 = _mm256_add_ps(_mm256_permute2f128_ps(a2, a3, 0x20), _mm256_permute2f128_ps(a2, a3, 0x31));
-  // Within each 4-lane quarter: hadd twice gives (s0, s1, s2, s3) in lane order.
-  const __m256 c = _mm256_hadd_ps(b01, b23);  // (a0 01, a0 23, a2 01, a2 23 | a1 01, a1 23, a3 01, a3 23)
-  const __m256 d = _mm256_hadd_ps(c, c);      // (a0, a2, a0, a2 | a1, a3, a1, a3)
-  const __m128 lo = _mm256_castps256_ps128(d), hi = _mm256_extractf128_ps(d, 1);
-  return _mm_unpacklo_ps(lo, hi);  // (a0, a1, a2, a3)
+__attribute__((target("avx2,fma"))) void dot_avx2(int64_t K, const float* a, int64_t lda, int mi, const float* b,
+                                                  int64_t ldb, int nj, float* c, int64_t ldc, bool add) {
+  dot8<2, 4>(K, a, lda, mi, b, ldb, nj, c, ldc, add);
 }
 
-__attribute__((target("avx512f"))) void dot_avx512(int64_t K, const float* a, int64_t lda, int mi, const float* b,
-                                                   int64_t ldb, int nj, float* c, int64_t ldc, bool add) {
-  constexpr int MI = 4, NJ = 4;
-  const float* x[MI];
-  const float* w[NJ];
-  for (int i = 0; i < MI; ++i) x[i] = a + (i < mi ? i : 0) * lda;
-  for (int j = 0; j < NJ; ++j) w[j] = b + (j < nj ? j : 0) * ldb;
-  __m512 acc[MI][NJ];
-  for (int i = 0; i < MI; ++i)
-    for (int j = 0; j < NJ; ++j) acc[i][j] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 xv[MI], wv[NJ];
-    for (int i = 0; i < MI; ++i) xv[i] = _mm512_loadu_ps(x[i] + k);
-    for (int j = 0; j < NJ; ++j) wv[j] = _mm512_loadu_ps(w[j] + k);
-    for (int i = 0; i < MI; ++i)
-      for (int j = 0; j < NJ; ++j) acc[i][j] = _mm512_fmadd_ps(xv[i], wv[j], acc[i][j]);
-  }
-  if (k < K) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
-    __m512 xv[MI], wv[NJ];
-    for (int i = 0; i < MI; ++i) xv[i] = _mm512_maskz_loadu_ps(m, x[i] + k);
-    for (int j = 0; j < NJ; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w[j] + k);
-    for (int i = 0; i < MI; ++i)
-      for (int j = 0; j < NJ; ++j) acc[i][j] = _mm512_fmadd_ps(xv[i], wv[j], acc[i][j]);
-  }
-  for (int i = 0; i < mi; ++i) {
-    alignas(16) float s[4];
-    _mm_store_ps(s, hsum16x4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
-    for (int j = 0; j < nj; ++j) c[i * ldc + j] = add ? c[i * ldc + j] + s[j] : s[j];
-  }
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) void dot_avx512(int64_t K, const float* a, int64_t lda, int mi,
+                                                                     const float* b, int64_t ldb, int nj, float* c,
+                                                                     int64_t ldc, bool add) {
+  dot8<4, 4>(K, a, lda, mi, b, ldb, nj, c, ldc, add);
 }
 
 struct Isa {
@@ -221,16 +194,32 @@ struct Isa {
   DotKernel dot;
 };
 
-Isa pick_isa() {
+// Every instruction set this build has, best first; those the CPU runs are the ones gemm_isas() names.
+const Isa kIsas[] = {{"avx512", 12, micro_avx512, 4, 4, dot_avx512},
+                     {"avx2", 6, micro_avx2, 2, 4, dot_avx2},
+                     {"portable", 4, micro_portable<4>, 2, 2, dot_portable<2, 2>}};
+
+bool cpu_runs(const Isa& i) {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return {"avx512", 12, micro_avx512, 4, 4, dot_avx512};
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return {"avx2", 6, micro_avx2, 2, 4, dot_avx2};
-  return {"portable", 4, micro_portable<4>, 2, 2, dot_portable<2, 2>};
+  if (std::strcmp(i.name, "avx512") == 0)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
+  if (std::strcmp(i.name, "avx2") == 0) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return true;
 }
 
+std::atomic<const Isa*> g_isa{nullptr};
+
 const Isa& isa() {
-  static const Isa i = pick_isa();
-  return i;
+  const Isa* i = g_isa.load(std::memory_order_acquire);
+  if (i == nullptr) {
+    for (const Isa& c : kIsas)
+      if (cpu_runs(c)) {
+        i = &c;
+        break;
+      }
+    g_isa.store(i, std::memory_order_release);
+  }
+  return *i;
 }
 
 // A 64-byte aligned scratch buffer per thread (the packed panels), grown on demand.
@@ -322,6 +311,23 @@ std::unique_ptr<WorkerPool> g_pool;
 }  // namespace
 
 const char* gemm_isa() { return isa().name; }
+
+std::vector<std::string> gemm_isas() {
+  std::vector<std::string> names;
+  for (const Isa& i : kIsas)
+    if (cpu_runs(i)) names.emplace_back(i.name);
+  return names;
+}
+
+void set_gemm_isa(const std::string& name) {
+  for (const Isa& i : kIsas)
+    if (name == i.name) {
+      if (!cpu_runs(i)) throw std::invalid_argument("set_gemm_isa: this CPU cannot run \"" + name + "\"");
+      g_isa.store(&i, std::memory_order_release);
+      return;
+    }
+  throw std::invalid_argument("set_gemm_isa: no instruction set \"" + name + "\" (avx512, avx2 or portable)");
+}
 
 int cpu_threads() {
   int n = g_threads.load();

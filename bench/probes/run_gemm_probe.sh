@@ -3,7 +3,7 @@
 # M 8192 (or GEMM_PROBE_M, e.g. "8192 4096"); writes gemm_probe.txt and gemm_probe_build.txt to $OUT.
 #   run: bash bench/probes/run_gemm_probe.sh
 # The comparison is cuBLASLt's block-scaled kernels on the same shapes: with GEMM_PROBE_CUBLAS=1 the same call builds
-# kernel_bench (Release, sm_90, into ${DFLASH_BUILD:-/tmp/build-probe}; build.log) and runs --only fp8
+# kernel_bench (Release, sm_90, into ${DFLASH_BUILD:-/tmp/build-probe}; build.log) and runs --only fp8 --quick
 # (kernel_bench_fp8.csv / .log: the gemm_fp8 M8192 rows). At most 7 files come back.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -33,7 +33,7 @@ if [ "${GEMM_PROBE_CUBLAS:-0}" = 1 ]; then
   B=${DFLASH_BUILD:-/tmp/build-probe}
   { cmake -S "$ROOT" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 &&
     ninja -C "$B" kernel_bench; } >"$OUT/build.log" 2>&1 || { echo "kernel_bench build failed"; tail -n 20 "$OUT/build.log"; exit 1; }
-  timeout 200 "$B/bench/kernel_bench" --only fp8 --csv "$OUT/kernel_bench_fp8.csv" >"$OUT/kernel_bench_fp8.log" 2>&1
+  timeout 200 "$B/bench/kernel_bench" --only fp8 --quick --csv "$OUT/kernel_bench_fp8.csv" >"$OUT/kernel_bench_fp8.log" 2>&1
   echo "kernel_bench fp8 rc=$?"
   grep gemm_fp8 "$OUT/kernel_bench_fp8.log" | grep M8192 | head -n 24
 fi

@@ -47,7 +47,10 @@ constexpr int kGroupM = 16;  // raster: row blocks per group
 __device__ __forceinline__ void mbar_arrive_peer(uint64_t* b, uint32_t peer) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(saddr(b)), "r"(peer));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+  // (the default .release.cta, as CUTLASS's cluster barriers: the first H100 run used .release.cluster, and the
+  // clusters ran at half the speed of the plain kernel with twice its L2 and DRAM traffic, SMs 26% busy; the
+  // stage's reads are complete before the arrival anyway: wgmma waited, ldmatrix returned)
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t r;
@@ -214,7 +217,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
         coords(t, mb, nb);
         for (int kb = 0; kb < kbn; ++kb, ++it) {
           const int s = it % S;
-          mbar_wait<MC>(empty + s, ((it / S) & 1) ^ 1);  // MC: the peer's consumers release at cluster scope
+          mbar_wait(empty + s, ((it / S) & 1) ^ 1);  // (clusters too: CTA-scope acquire, see mbar_arrive_peer)
           mbar_expect_tx(full + s, L::kStage + L::kSa);
           uint8_t* st = smem + s * L::kStage;
           if constexpr (CM == 4) {  // A's half j to (i, 0), (i, 1) (ta's boxes: 64 rows); B's half i to (0, j), (1, j)

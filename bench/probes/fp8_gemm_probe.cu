@@ -18,7 +18,8 @@
 // 256-wide tile one after the other into the same temporary. Variants (`probe M V`): 0 128 x 128, 1 128 x 256,
 // 2 128 x 128 without the promotion (timing only), 3 128 x 256 on 2-CTA clusters sharing B by TMA multicast,
 // 4 128 x 256 with A from registers (one shared-memory read of A a K block), 5 both 3 and 4, 6 4 with the TMA-store
-// epilogue, 7 all three, 8 4 on 2 x 2 clusters sharing A and B by multicast, 9 8 with the TMA-store epilogue.
+// epilogue, 7 all three, 8 4 on 2 x 2 clusters sharing A and B by multicast, 9 8 with the TMA-store epilogue, 10 7
+// without the promotion (A from shared memory; timing only: what the promotion costs).
 // Standalone (not part of the build): nvcc -O3 -gencode arch=compute_90a,code=sm_90a -std=c++17 -I../.. -Xptxas -v
 // fp8_gemm_probe.cu -o probe (bench/probes/run_gemm_probe.sh; plain -arch=sm_90a made compute_90 PTX, which has
 // no wgmma); check ptxas's C75xx lines, which say when the wgmma chains get serialized. Each variant's output is
@@ -146,7 +147,7 @@ __device__ __forceinline__ void tile_coords(int t, int mbn, int nbn, int& mb, in
 // (Tried: two temporaries, block kb + 1's chain issued before block kb is promoted under wait_group 1. ptxas
 // serializes it, C7514: accumulator registers of one wgmma read while another is in flight; so each block waits
 // for its chain, as DeepGEMM's kernels do, and the other warpgroup's chain fills the tensor cores meanwhile.)
-// NOPROMO (NH 1, timing only): every K block's chain accumulates straight into acc (no scales, no per-block wait
+// NOPROMO (timing only): every K block's chains accumulate straight into acc (no scales, no per-block wait
 // but the one that frees the previous stage, wait_group 1): the same loads and wgmma without the promotion, i.e.
 // the structure's per-tensor ceiling; its output is not the GEMM's and is not checked.
 // CM (cluster size; NH 2): CM 2: CTAs in clusters of two take the two row blocks of a pair of tiles with the same
@@ -178,9 +179,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   constexpr bool MC = CM > 1;
   static_assert(CM == 1 || CM == 2 || CM == 4, "clusters of 1, 2 or 4");
-  static_assert(!MC || (NH == 2 && !NOPROMO), "clusters: 256-column tiles, promoted");
+  static_assert(!MC || NH == 2, "clusters: 256-column tiles");
   static_assert(!RS || !NOPROMO, "RS: promoted");
-  static_assert(!TS || !NOPROMO, "TS: promoted");
   const uint32_t rank = MC ? cluster_rank() : 0;
   const int ci = static_cast<int>(rank & 1), cj = static_cast<int>(rank >> 1);  // CM 4: this CTA's (i, j)
   if (threadIdx.x == 0) {
@@ -254,6 +254,19 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
     for (int h = 0; h < NH; ++h)
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
+    // Frees stage s for the producer(s): every consumer thread arrives (plain), or lane 0 of each warp on every CTA
+    // of the cluster (after its warp's reads: the caller waited for them).
+    auto release = [&](int s) {
+      if constexpr (MC) {
+        __syncwarp();
+        if (lane == 0) {
+#pragma unroll
+          for (int p = 0; p < CM; ++p) mbar_arrive_peer(empty + s, static_cast<uint32_t>(p));  // (p == rank: its own)
+        }
+      } else {
+        mbar_arrive(empty + s);
+      }
+    };
     if constexpr (NOPROMO) {
       for (int kb = 0; kb < kbn; ++kb, ++it) {
         const int s = it % S;
@@ -261,15 +274,18 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
         const uint8_t* st = smem + s * L::kStage;
         wg::fence();
 #pragma unroll
-        for (int k = 0; k < kBK / 32; ++k)
-          wgmma_m64n128k32(acc[0], sw128(st + c * 64 * kBK + 32 * k), sw128(st + L::kA + 32 * k), 1);
+        for (int h = 0; h < NH; ++h)
+#pragma unroll
+          for (int k = 0; k < kBK / 32; ++k)
+            wgmma_m64n128k32(acc[h], sw128(st + c * 64 * kBK + 32 * k), sw128(st + L::kA + h * 128 * kBK + 32 * k), 1);
         wg::commit();
         wg::wait<1>();
-        if (kb > 0) mbar_arrive(empty + (it - 1) % S);
+        if (kb > 0) release((it - 1) % S);
       }
       wg::wait<0>();
-      wg::pin(acc[0]);
-      mbar_arrive(empty + (it - 1) % S);
+#pragma unroll
+      for (int h = 0; h < NH; ++h) wg::pin(acc[h]);
+      release((it - 1) % S);
     } else
     for (int kb = 0; kb < kbn; ++kb, ++it) {
       const int s = it % S;
@@ -293,17 +309,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
         wg::wait<0>();
         wg::pin(tmp);
         if constexpr (RS) wg::pin(af);  // read by the chain until it completed
-        if (h == NH - 1) {  // the stage's operands are read (every thread: no divergent path; MC: a warp at once)
-          if constexpr (MC) {
-            __syncwarp();
-            if (lane == 0) {
-#pragma unroll
-              for (int p = 0; p < CM; ++p) mbar_arrive_peer(empty + s, static_cast<uint32_t>(p));  // (p == rank: its own)
-            }
-          } else {
-            mbar_arrive(empty + s);
-          }
-        }
+        if (h == NH - 1) release(s);  // the stage's operands are read
         const float s0 = sa0 * sb, s1 = sa1 * sb;
 #pragma unroll
         for (int i = 0; i < 16; ++i) {
@@ -543,13 +549,14 @@ int main(int argc, char** argv) {  // fp8_gemm_probe [M [variant [shape index]]]
   CK(cudaDeviceSynchronize());
   const int variant = argc > 2 ? std::atoi(argv[2]) : -1;  // 0: bn128, 1: bn256, 2: bn128 without promotion, 3: bn256 B multicast over 2-CTA clusters, 4: bn256 A from
                                                           // registers, 5: 3 + 4, 6: 4 + TMA-store epilogue, 7: 3 + 6,
-                                                          // 8: 4 on 2 x 2 clusters, 9: 8 + TMA store, -1: all (one process each is safer:
+                                                          // 8: 4 on 2 x 2 clusters, 9: 8 + TMA store, 10: 7 without
+                                                          // promotion (timing only), -1: all (one process each is safer:
                                                           // a trapped kernel ends the process)
   const int only_shape = argc > 3 ? std::atoi(argv[3]) : -1;  // (one shape: for a profiler's single launch)
   for (const Shape& s : shapes) {
     if (only_shape >= 0 && &s != &shapes[only_shape % 6]) continue;
     Args a{sa, sb, y, s.M, s.N, s.K};
-    if (variant != 2) {  // the checked variants' reference
+    if (variant != 2 && variant != 10) {  // the checked variants' reference
       const int rows = (s.M + step - 1) / step;
       reference_kernel<<<dim3((s.N + 127) / 128, rows), 128>>>(x, w, a, step, ref);
       CK(cudaGetLastError());
@@ -564,6 +571,7 @@ int main(int argc, char** argv) {  // fp8_gemm_probe [M [variant [shape index]]]
     if (variant < 0 || variant == 6) run<2, 4, false, 1, true, true>("bn256 rs ts", s, prop.multiProcessorCount, x, w, a, ref, step);
     if (variant < 0 || variant == 7) run<2, 4, false, 2, true, true>("bn256 mc2rsts", s, prop.multiProcessorCount, x, w, a, ref, step);
     if (variant < 0 || variant == 8) run<2, 4, false, 4, true>("bn256 mc4 rs", s, prop.multiProcessorCount, x, w, a, ref, step);
+    if (variant < 0 || variant == 10) run<2, 4, true, 2, false, true>("mc2ts nopromo", s, prop.multiProcessorCount, x, w, a, ref, step);
     if (variant < 0 || variant == 9) run<2, 4, false, 4, true, true>("bn256 mc4rsts", s, prop.multiProcessorCount, x, w, a, ref, step);
     std::fflush(stdout);
   }

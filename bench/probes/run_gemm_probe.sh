@@ -15,7 +15,7 @@ nvcc -O3 -gencode arch=compute_90a,code=sm_90a -std=c++17 -I../.. -Xptxas -v fp8
   >"$OUT/gemm_probe_build.txt" 2>&1 || { tail -n 30 "$OUT/gemm_probe_build.txt"; exit 1; }
 : >"$OUT/gemm_probe.txt"
 for m in ${GEMM_PROBE_M:-8192}; do
-  for v in ${GEMM_PROBE_VARIANTS:-0 1 2 3 4 5 6 7}; do  # one process a variant: a trapped (stuck) kernel ends only its own
+  for v in ${GEMM_PROBE_VARIANTS:-0 1 2 3 4 5 6 7 8 9 10}; do  # one process a variant: a trapped (stuck) kernel ends only its own
     timeout "${GEMM_PROBE_TIMEOUT:-90}" /tmp/gemm_probe "$m" "$v" >>"$OUT/gemm_probe.txt" 2>&1
     echo "gemm_probe M $m variant $v rc=$?" | tee -a "$OUT/gemm_probe.txt"
   done

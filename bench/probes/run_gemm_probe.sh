@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device call for fp8_gemm_probe.cu: build it (sm_90a) and run its variants (GEMM_PROBE_VARIANTS, default all) at
 # M 8192 (or GEMM_PROBE_M, e.g. "8192 4096"); writes gemm_probe.txt and gemm_probe_build.txt to $OUT.
-#   run: bash bench/probes/run_gemm_probe.sh
+#   run: bash bench/probes/run_gemm_probe.sh   (DFLASH_GIT_COMMIT=<sha>: the commit kernel_bench's rows name)
 # The comparison is cuBLASLt's block-scaled kernels on the same shapes: with GEMM_PROBE_CUBLAS=1 the same call builds
 # kernel_bench (Release, sm_90, into ${DFLASH_BUILD:-/tmp/build-probe}; build.log) and runs --only fp8 --quick
 # (kernel_bench_fp8.csv / .log: the gemm_fp8 M8192 rows). At most 7 files come back.

@@ -12,8 +12,9 @@
 // bit for bit on any number of threads and for any tiling of M and N, which bit-exact resume and the
 // data-parallel tests rely on. The instruction set (AVX-512, AVX2 + FMA, or portable C++) is chosen
 // once per process from what the CPU has (gemm_isa() names it) and each runs the same arithmetic, so
-// the bits do not depend on the CPU either (an AVX2 machine's products are an AVX-512 machine's). Cost: 2·M·N·K FLOPs; ~40-60 GFLOP/s a thread at the drafter's shapes on AMD EPYC (AVX-512 or
-// AVX2), ~10x the plain double loops of the reference.
+// the bits do not depend on the CPU either (an AVX2 machine's products are an AVX-512 machine's).
+// Cost: 2·M·N·K FLOPs; ~40-60 GFLOP/s a thread at the drafter's shapes on AMD EPYC (AVX-512 or AVX2),
+// ~10x the plain double loops of the reference.
 #include <cstdint>
 #include <functional>
 #include <string>

@@ -33,6 +33,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <vector>
 
 #include "kernels/cuda/wgmma.cuh"
@@ -246,6 +247,19 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
   const int r0 = c * 64 + warp * 16 + g;     // this thread's two rows: r0, r0 + 8
   float acc[NH][64];
   float tmp[64];
+  // Frees stage s for the producer(s): every consumer thread arrives (plain), or lane 0 of each warp on every CTA
+  // of the cluster (after its warp's reads: the caller waited for them).
+  auto release = [&](int s) {
+    if constexpr (MC) {
+      __syncwarp();
+      if (lane == 0) {
+#pragma unroll
+        for (int p = 0; p < CM; ++p) mbar_arrive_peer(empty + s, static_cast<uint32_t>(p));  // (p == rank: its own)
+      }
+    } else {
+      mbar_arrive(empty + s);
+    }
+  };
   int it = 0;
   for (int t = first; t < tiles; t += stride) {
     int mb, nb;
@@ -254,19 +268,6 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
     for (int h = 0; h < NH; ++h)
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
-    // Frees stage s for the producer(s): every consumer thread arrives (plain), or lane 0 of each warp on every CTA
-    // of the cluster (after its warp's reads: the caller waited for them).
-    auto release = [&](int s) {
-      if constexpr (MC) {
-        __syncwarp();
-        if (lane == 0) {
-#pragma unroll
-          for (int p = 0; p < CM; ++p) mbar_arrive_peer(empty + s, static_cast<uint32_t>(p));  // (p == rank: its own)
-        }
-      } else {
-        mbar_arrive(empty + s);
-      }
-    };
     if constexpr (NOPROMO) {
       for (int kb = 0; kb < kbn; ++kb, ++it) {
         const int s = it % S;
@@ -547,14 +548,11 @@ int main(int argc, char** argv) {  // fp8_gemm_probe [M [variant [shape index]]]
   fill_scales<<<256, 256>>>(sa, max_x / 128, 7u);
   fill_scales<<<256, 256>>>(sb, max_w / (128 * 128), 11u);
   CK(cudaDeviceSynchronize());
-  const int variant = argc > 2 ? std::atoi(argv[2]) : -1;  // 0: bn128, 1: bn256, 2: bn128 without promotion, 3: bn256 B multicast over 2-CTA clusters, 4: bn256 A from
-                                                          // registers, 5: 3 + 4, 6: 4 + TMA-store epilogue, 7: 3 + 6,
-                                                          // 8: 4 on 2 x 2 clusters, 9: 8 + TMA store, 10: 7 without
-                                                          // promotion (timing only), -1: all (one process each is safer:
-                                                          // a trapped kernel ends the process)
+  // the variants of the header's list, -1 all (one process each is safer: a trapped kernel ends the process)
+  const int variant = argc > 2 ? std::atoi(argv[2]) : -1;
   const int only_shape = argc > 3 ? std::atoi(argv[3]) : -1;  // (one shape: for a profiler's single launch)
   for (const Shape& s : shapes) {
-    if (only_shape >= 0 && &s != &shapes[only_shape % 6]) continue;
+    if (only_shape >= 0 && &s != &shapes[only_shape % std::size(shapes)]) continue;
     Args a{sa, sb, y, s.M, s.N, s.K};
     if (variant != 2 && variant != 10) {  // the checked variants' reference
       const int rows = (s.M + step - 1) / step;
@@ -571,8 +569,8 @@ int main(int argc, char** argv) {  // fp8_gemm_probe [M [variant [shape index]]]
     if (variant < 0 || variant == 6) run<2, 4, false, 1, true, true>("bn256 rs ts", s, prop.multiProcessorCount, x, w, a, ref, step);
     if (variant < 0 || variant == 7) run<2, 4, false, 2, true, true>("bn256 mc2rsts", s, prop.multiProcessorCount, x, w, a, ref, step);
     if (variant < 0 || variant == 8) run<2, 4, false, 4, true>("bn256 mc4 rs", s, prop.multiProcessorCount, x, w, a, ref, step);
-    if (variant < 0 || variant == 10) run<2, 4, true, 2, false, true>("mc2ts nopromo", s, prop.multiProcessorCount, x, w, a, ref, step);
     if (variant < 0 || variant == 9) run<2, 4, false, 4, true, true>("bn256 mc4rsts", s, prop.multiProcessorCount, x, w, a, ref, step);
+    if (variant < 0 || variant == 10) run<2, 4, true, 2, false, true>("mc2ts nopromo", s, prop.multiProcessorCount, x, w, a, ref, step);
     std::fflush(stdout);
   }
   return 0;

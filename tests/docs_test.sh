@@ -4,7 +4,8 @@
 #      that exists;
 #   2. every `bench/results/` folder those pages name (`h200-<name>/`, `h100x2-<name>/...`) exists (at any depth
 #      under bench/results/: a rerun may sit inside its call's folder);
-#   3. docs/layout.md names every top-level source folder (one with a CMakeLists.txt) and every file of scripts/.
+#   3. docs/layout.md names every top-level source folder (one with a CMakeLists.txt) and every file of scripts/;
+#   4. every docs/<page>.md the sources, scripts and configs name (messages, hints, comments) exists.
 # Prints each broken reference and fails if there is one.
 #   docs_test.sh ROOT
 set -uo pipefail
@@ -37,6 +38,13 @@ for s in scripts/*; do
   s=$(basename "$s")
   grep -qF "$s" docs/layout.md || broken "docs/layout.md does not name scripts/$s"
 done
+
+while read -r page; do
+  [ -f "$page" ] || broken "the sources name $page, which does not exist ($(grep -rlF "$page" --include='*.cpp' --include='*.h' \
+    --include='*.cu' --include='*.cuh' --include='*.sh' --include='*.py' --include='*.yaml' --include='*.in' \
+    --exclude-dir='build*' . | head -n 3 | tr '\n' ' '))"
+done < <(grep -rohE 'docs/[A-Za-z0-9_.-]+\.md' --include='*.cpp' --include='*.h' --include='*.cu' --include='*.cuh' \
+  --include='*.sh' --include='*.py' --include='*.yaml' --include='*.in' --exclude-dir='build*' . | sort -u)
 
 if [ "$bad" -gt 0 ]; then
   echo "FAIL: $bad broken reference(s) in the pages"

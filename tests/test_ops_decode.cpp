@@ -10,6 +10,7 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/cpu/gemm.h"
 #include "kernels/ops.h"
 #include "core/random.h"
 #include "test_util.h"
@@ -271,6 +272,56 @@ TEST(OpsDecode, AttentionDecodeNonCausalAndWindowedMatchBruteForce) {
           }
         }
     EXPECT_LT(max_rel_err(out, ref), 1e-5) << (causal ? "causal" : "non-causal") << " window " << window;
+  }
+}
+
+// The decode attention and the delta rule split their (sequence, head) pairs over the CPU backend's
+// worker threads: the outputs and states are the same bits on 1, 2 and 3 threads (CPU speculative
+// decoding's equality with greedy decoding, and bit-exact resume, rely on it).
+TEST(OpsDecode, AttentionAndDeltaRuleGiveTheSameBitsOnAnyThreadCount) {
+  const std::vector<int64_t> lens = {1, 5, 16, 2}, past = {0, 17, 23, 3};
+  const std::vector<int32_t> slots = {3, 1, 0, 4};
+  const SeqOffsets seqs = offsets_of(lens);
+  const int64_t N = seqs.total_tokens(), S = seqs.num_sequences(), Hq = 6, Hkv = 2, d = 8, L = 40, Hk = 2,
+                Hv = 6, dk = 8, dv = 6;
+  const Tensor q = g_draws.randn({N, Hq, d}), kc = g_draws.randn({5, L, Hkv, d}), vc = g_draws.randn({5, L, Hkv, d});
+  DeltaRuleParams p;
+  p.q = g_draws.randn({N, Hk, dk});
+  p.k = g_draws.randn({N, Hk, dk});
+  p.v = g_draws.randn({N, Hv, dv});
+  p.g = g_draws.uniform({N, Hv}, -0.5f, -0.01f);
+  p.beta = g_draws.uniform({N, Hv}, 0.05f, 0.95f);
+  p.chunk_size = 4;
+  p.initial_state = g_draws.randn({S, Hv, dk, dv}, 0.3f);
+  const Tensor pool0 = g_draws.randn({5, Hv, dk, dv}, 0.3f);
+  const int saved = cpu::cpu_threads();
+  std::vector<Tensor> attn, rec, chk, rec_state, chk_state, pool_out, pools;
+  for (int threads : {1, 2, 3}) {
+    cpu::set_cpu_threads(threads);
+    attn.push_back(poisoned_f32({N, Hq, d}));
+    attention_decode(q, kc, vc, slots, past, seqs, /*causal=*/true, /*window=*/0, 0.3f, attn.back());
+    rec.push_back(poisoned_f32({N, Hv, dv}));
+    chk.push_back(poisoned_f32({N, Hv, dv}));
+    rec_state.push_back(poisoned_f32({S, Hv, dk, dv}));
+    chk_state.push_back(poisoned_f32({S, Hv, dk, dv}));
+    gated_delta_rule(p, seqs, DeltaRuleAlgo::Recurrent, rec.back(), &rec_state.back());
+    gated_delta_rule(p, seqs, DeltaRuleAlgo::Chunked, chk.back(), &chk_state.back());
+    pools.push_back(pool0.clone());
+    pool_out.push_back(poisoned_f32({N, Hv, dv}));
+    DeltaRuleParams pp = p;
+    pp.initial_state = Tensor();
+    gated_delta_rule_pool(pp, seqs, pools.back(), slots, /*update_state=*/true, &pool_out.back());
+  }
+  cpu::set_cpu_threads(saved);
+  // Every output written (the poison is NaN, which max_rel_err reports as infinite), and close to its twin.
+  for (const Tensor* t : {&attn[0], &rec[0], &chk[0], &rec_state[0], &chk_state[0], &pool_out[0]})
+    EXPECT_LT(max_rel_err(*t, *t), 1.0) << "an output was not written";
+  EXPECT_LT(max_rel_err(chk[0], rec[0]), 1e-5);
+  for (size_t i = 1; i < attn.size(); ++i) {
+    EXPECT_TRUE(bit_equal(attn[i], attn[0])) << "attention_decode on " << i + 1 << " threads";
+    EXPECT_TRUE(bit_equal(rec[i], rec[0]) && bit_equal(rec_state[i], rec_state[0])) << "recurrent, " << i + 1 << " threads";
+    EXPECT_TRUE(bit_equal(chk[i], chk[0]) && bit_equal(chk_state[i], chk_state[0])) << "chunked, " << i + 1 << " threads";
+    EXPECT_TRUE(bit_equal(pool_out[i], pool_out[0]) && bit_equal(pools[i], pools[0])) << "pool, " << i + 1 << " threads";
   }
 }
 

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "kernels/cpu/common.h"
+#include "kernels/cpu/gemm.h"
 
 namespace dflash::ops {
 
@@ -161,40 +162,40 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
   check_slots(slots, seqs, P, false, op);
   check_past_len(past_len, seqs, L, op);
   const int64_t group = Hq / Hkv;
-  std::vector<float> scores;
-  for (int64_t s = 0; s < seqs.num_sequences(); ++s) {
+  // Every (sequence, query head) writes its own output rows: they run on the CPU backend's worker
+  // threads, the same bits on any thread count.
+  cpu::parallel_for(seqs.num_sequences() * Hq, [&](int64_t sh) {
+    const int64_t s = sh / Hq, h = sh % Hq, kh = h / group;
     const int64_t begin = seqs.offsets[s], T = seqs.offsets[s + 1] - begin, past = past_len[s];
     const float* Kc = k_cache.data<float>() + slots[static_cast<size_t>(s)] * L * Hkv * d;
     const float* Vc = v_cache.data<float>() + slots[static_cast<size_t>(s)] * L * Hkv * d;
+    std::vector<float> scores;
     for (int64_t t = 0; t < T; ++t) {
       const int64_t pos = past + t;
       const int64_t hi = causal ? pos : past + T - 1;                   // last key attended
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - (window - 1)) : 0;  // first key
-      scores.assign(static_cast<size_t>(std::max<int64_t>(hi - lo + 1, 0)), 0.0f);
-      for (int64_t h = 0; h < Hq; ++h) {
-        const int64_t kh = h / group;
-        const float* qr = q.data<float>() + ((begin + t) * Hq + h) * d;
-        float* orow = out.data<float>() + ((begin + t) * Hq + h) * d;
-        std::fill(orow, orow + d, 0.0f);
-        if (hi < lo) continue;  // no key (cannot happen for causal or window: a query sees itself)
-        float mx = -INFINITY;
-        for (int64_t kp = lo; kp <= hi; ++kp) {
-          const float* kr = Kc + (kp * Hkv + kh) * d;
-          float dot = 0;
-          for (int64_t e = 0; e < d; ++e) dot += qr[e] * kr[e];
-          scores[static_cast<size_t>(kp - lo)] = dot * scale;
-          mx = std::max(mx, dot * scale);
-        }
-        float denom = 0;
-        for (float& sc : scores) denom += (sc = std::exp(sc - mx));
-        for (int64_t kp = lo; kp <= hi; ++kp) {
-          const float pr = scores[static_cast<size_t>(kp - lo)] / denom;
-          const float* vr = Vc + (kp * Hkv + kh) * d;
-          for (int64_t e = 0; e < d; ++e) orow[e] += pr * vr[e];
-        }
+      const float* qr = q.data<float>() + ((begin + t) * Hq + h) * d;
+      float* orow = out.data<float>() + ((begin + t) * Hq + h) * d;
+      std::fill(orow, orow + d, 0.0f);
+      if (hi < lo) continue;  // no key (cannot happen for causal or window: a query sees itself)
+      scores.assign(static_cast<size_t>(hi - lo + 1), 0.0f);
+      float mx = -INFINITY;
+      for (int64_t kp = lo; kp <= hi; ++kp) {
+        const float* kr = Kc + (kp * Hkv + kh) * d;
+        float dot = 0;
+        for (int64_t e = 0; e < d; ++e) dot += qr[e] * kr[e];
+        scores[static_cast<size_t>(kp - lo)] = dot * scale;
+        mx = std::max(mx, dot * scale);
+      }
+      float denom = 0;
+      for (float& sc : scores) denom += (sc = std::exp(sc - mx));
+      for (int64_t kp = lo; kp <= hi; ++kp) {
+        const float pr = scores[static_cast<size_t>(kp - lo)] / denom;
+        const float* vr = Vc + (kp * Hkv + kh) * d;
+        for (int64_t e = 0; e < d; ++e) orow[e] += pr * vr[e];
       }
     }
-  }
+  });
 }
 
 }  // namespace dflash::ops

@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "kernels/cpu/common.h"
+#include "kernels/cpu/gemm.h"
 
 namespace dflash::ops {
 
@@ -176,21 +177,20 @@ void gated_delta_rule(const DeltaRuleParams& p, const SeqOffsets& seqs, DeltaRul
     require_shape(*final_state, state_shape, op, "final_state");
   }
   const float scale = p.scale > 0 ? p.scale : 1.0f / std::sqrt(static_cast<float>(dm.dk));
-  std::vector<float> state(static_cast<size_t>(dm.dk * dm.dv));
-  for (int64_t s = 0; s < dm.S; ++s) {
-    for (int64_t h = 0; h < dm.Hv; ++h) {
-      const int64_t soff = (s * dm.Hv + h) * dm.dk * dm.dv;
-      if (p.initial_state.defined())
-        std::copy_n(p.initial_state.data<float>() + soff, dm.dk * dm.dv, state.begin());
-      else
-        std::fill(state.begin(), state.end(), 0.0f);
-      if (algo == DeltaRuleAlgo::Chunked)
-        chunked_head(p, dm, seqs.offsets[s], seqs.offsets[s + 1], h, scale, state.data(), out.data<float>());
-      else
-        recurrent_head(p, dm, seqs.offsets[s], seqs.offsets[s + 1], h, scale, state.data(), out.data<float>());
-      if (final_state != nullptr) std::copy(state.begin(), state.end(), final_state->data<float>() + soff);
-    }
-  }
+  // Every (sequence, value head) is its own recurrence writing its own rows of out and its own state:
+  // they run on the CPU backend's worker threads, the same bits on any thread count.
+  cpu::parallel_for(dm.S * dm.Hv, [&](int64_t sh) {
+    const int64_t s = sh / dm.Hv, h = sh % dm.Hv;
+    std::vector<float> state(static_cast<size_t>(dm.dk * dm.dv));
+    const int64_t soff = sh * dm.dk * dm.dv;
+    if (p.initial_state.defined())
+      std::copy_n(p.initial_state.data<float>() + soff, dm.dk * dm.dv, state.begin());
+    if (algo == DeltaRuleAlgo::Chunked)
+      chunked_head(p, dm, seqs.offsets[s], seqs.offsets[s + 1], h, scale, state.data(), out.data<float>());
+    else
+      recurrent_head(p, dm, seqs.offsets[s], seqs.offsets[s + 1], h, scale, state.data(), out.data<float>());
+    if (final_state != nullptr) std::copy(state.begin(), state.end(), final_state->data<float>() + soff);
+  });
 }
 
 }  // namespace dflash::ops

@@ -84,6 +84,19 @@ void scatter_piece(Tensor& whole, const SeqOffsets& whole_seqs, const std::vecto
   }
 }
 
+// Random delta-rule inputs for N tokens (decays in (-0.5, -0.01), betas in (0.05, 0.95)), chunk size 4
+// (the chunked form crosses several chunks).
+DeltaRuleParams draw_delta_rule(int64_t N, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv) {
+  DeltaRuleParams p;
+  p.q = g_draws.randn({N, Hk, dk});
+  p.k = g_draws.randn({N, Hk, dk});
+  p.v = g_draws.randn({N, Hv, dv});
+  p.g = g_draws.uniform({N, Hv}, -0.5f, -0.01f);
+  p.beta = g_draws.uniform({N, Hv}, 0.05f, 0.95f);
+  p.chunk_size = 4;
+  return p;
+}
+
 const std::vector<int64_t> kLens = {13, 1, 9};           // three sequences
 const std::vector<int32_t> kSlots = {4, 0, 2};           // in a pool of 6: slots 1, 3, 5 unused
 const std::vector<int64_t> kPieceSizes = {1, 2, 3, 7};
@@ -143,13 +156,7 @@ TEST(OpsDecode, DeltaRulePoolInPiecesEqualsWholeRule) {
   double worst = 0;
   for (int64_t ratio : {1, 2, 3}) {
     const int64_t Hv = Hk * ratio;
-    DeltaRuleParams p;
-    p.q = g_draws.randn({N, Hk, dk});
-    p.k = g_draws.randn({N, Hk, dk});
-    p.v = g_draws.randn({N, Hv, dv});
-    p.g = g_draws.uniform({N, Hv}, -0.5f, -0.01f);
-    p.beta = g_draws.uniform({N, Hv}, 0.05f, 0.95f);
-    p.chunk_size = 4;  // the chunked reference crosses several chunks
+    DeltaRuleParams p = draw_delta_rule(N, Hk, Hv, dk, dv);
     // Start from non-zero states (a sequence that already holds context).
     Tensor pool = g_draws.randn({kPool, Hv, dk, dv}, 0.3f);
     const Tensor pool0 = pool.clone();
@@ -285,13 +292,7 @@ TEST(OpsDecode, AttentionAndDeltaRuleGiveTheSameBitsOnAnyThreadCount) {
   const int64_t N = seqs.total_tokens(), S = seqs.num_sequences(), Hq = 6, Hkv = 2, d = 8, L = 40, Hk = 2,
                 Hv = 6, dk = 8, dv = 6;
   const Tensor q = g_draws.randn({N, Hq, d}), kc = g_draws.randn({5, L, Hkv, d}), vc = g_draws.randn({5, L, Hkv, d});
-  DeltaRuleParams p;
-  p.q = g_draws.randn({N, Hk, dk});
-  p.k = g_draws.randn({N, Hk, dk});
-  p.v = g_draws.randn({N, Hv, dv});
-  p.g = g_draws.uniform({N, Hv}, -0.5f, -0.01f);
-  p.beta = g_draws.uniform({N, Hv}, 0.05f, 0.95f);
-  p.chunk_size = 4;
+  DeltaRuleParams p = draw_delta_rule(N, Hk, Hv, dk, dv);
   p.initial_state = g_draws.randn({S, Hv, dk, dv}, 0.3f);
   const Tensor pool0 = g_draws.randn({5, Hv, dk, dv}, 0.3f);
   const int saved = cpu::cpu_threads();

@@ -23,10 +23,14 @@ done
 grep -E "TFLOP|FAIL|mismatch|skipped|error" "$OUT/gemm_probe.txt"
 # GEMM_PROBE_NCU="1 4": Nsight Compute's speed-of-light and memory sections of those variants' gate/up GEMM (shape 3)
 # at the first M, one launch each (ncu.txt): which of L2, shared memory and the tensor pipes is near its peak.
+# GEMM_PROBE_NCU_SECTIONS: other sections (e.g. "WarpStateStats SchedulerStats SourceCounters": where the warps
+# stall and on which instructions).
 for v in ${GEMM_PROBE_NCU:-}; do
   m=${GEMM_PROBE_M:-8192}
-  timeout 150 ncu --clock-control none -k regex:gemm_kernel -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section ComputeWorkloadAnalysis /tmp/gemm_probe "${m%% *}" "$v" 3 >>"$OUT/ncu.txt" 2>&1
+  sections=()
+  for sec in ${GEMM_PROBE_NCU_SECTIONS:-SpeedOfLight MemoryWorkloadAnalysis ComputeWorkloadAnalysis}; do sections+=(--section "$sec"); done
+  timeout 150 ncu --clock-control none -k regex:gemm_kernel -c 1 "${sections[@]}" /tmp/gemm_probe "${m%% *}" "$v" 3 \
+    >>"$OUT/ncu.txt" 2>&1
   echo "ncu variant $v rc=$?" | tee -a "$OUT/ncu.txt"
 done
 if [ "${GEMM_PROBE_CUBLAS:-0}" = 1 ]; then

@@ -19,7 +19,8 @@
 // 2 128 x 128 without the promotion (timing only), 3 128 x 256 on 2-CTA clusters sharing B by TMA multicast,
 // 4 128 x 256 with A from registers (one shared-memory read of A a K block), 5 both 3 and 4, 6 4 with the TMA-store
 // epilogue, 7 all three, 8 4 on 2 x 2 clusters sharing A and B by multicast, 9 8 with the TMA-store epilogue, 10 7
-// without the promotion (A from shared memory; timing only: what the promotion costs).
+// without the promotion (A from shared memory; timing only: what the promotion costs), 11 7 with the two consumer
+// warpgroups' chains ordered to alternate (ORD).
 // Standalone (not part of the build): nvcc -O3 -gencode arch=compute_90a,code=sm_90a -std=c++17 -I../.. -Xptxas -v
 // fp8_gemm_probe.cu -o probe (bench/probes/run_gemm_probe.sh; plain -arch=sm_90a made compute_90 PTX, which has
 // no wgmma); check ptxas's C75xx lines, which say when the wgmma chains get serialized. Each variant's output is
@@ -78,6 +79,10 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* tm, const void* 
                : "memory");
 }
 __device__ __forceinline__ void warpgroup_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
+// ORD's turn tokens between the two consumer warpgroups (named barriers 3 and 4 of 256 threads: one warpgroup
+// arrives, the other waits).
+__device__ __forceinline__ void turn_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void turn_wait(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
 namespace wg = dflash::cuda::wgmma;  // the project's descriptor (128-byte swizzle), fences, waits and pins
 
 // The 64 fp32 accumulators of an m64n128 wgmma as asm operands %0 .. %63 (both forms below).
@@ -163,7 +168,14 @@ __device__ __forceinline__ void tile_coords(int t, int mbn, int nbn, int& mb, in
 // RS (promoted): each consumer warp reads its 16 rows of the A tile into registers once per K block (ldmatrix) and
 // both 128-column halves' chains take A from there, so A is read from shared memory once, not NH times (with NH 2
 // the wgmma reads of a K block fall from 48 to 40 KB a warpgroup: the shared-memory side of the question).
-template <int NH, int S, bool NOPROMO = false, int CM = 1, bool RS = false, bool TS = false>
+// ORD (promoted; session 35's ncu: without it the tensor pipe is busy 70% of the time, 91% without the promotion,
+// and the warps wait for their siblings at the warpgroup-wide wgmma fence / wait): the two consumer warpgroups take
+// turns to issue their chains. Warpgroup 1 (c 0) issues a chain and then passes the turn (named barrier 3) to
+// warpgroup 2 (c 1), which issues its chain and passes it back (barrier 4); both issue the same number of chains,
+// and warpgroup 1 takes the last pass after its loop. Two chains issued at once interleave in the tensor pipe
+// and complete together, so both warpgroups then promote while the tensor cores idle; in turns, one warpgroup's
+// chain completes while the other's is queued behind it, and each promotion runs under the other's chain.
+template <int NH, int S, bool NOPROMO = false, int CM = 1, bool RS = false, bool TS = false, bool ORD = false>
 __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_constant__ CUtensorMap ta,
                                                            const __grid_constant__ CUtensorMap tb,
                                                            const __grid_constant__ CUtensorMap ty) {
@@ -182,6 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
   static_assert(CM == 1 || CM == 2 || CM == 4, "clusters of 1, 2 or 4");
   static_assert(!MC || NH == 2, "clusters: 256-column tiles");
   static_assert(!RS || !NOPROMO, "RS: promoted");
+  static_assert(!ORD || !NOPROMO, "ORD: promoted");
   const uint32_t rank = MC ? cluster_rank() : 0;
   const int ci = static_cast<int>(rank & 1), cj = static_cast<int>(rank >> 1);  // CM 4: this CTA's (i, j)
   if (threadIdx.x == 0) {
@@ -261,6 +274,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
     }
   };
   int it = 0;
+  bool first_chain = true;  // ORD
   for (int t = first; t < tiles; t += stride) {
     int mb, nb;
     coords(t, mb, nb);
@@ -298,6 +312,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
 #pragma unroll
       for (int h = 0; h < NH; ++h) {
         const float sb = __ldg(a.sb + static_cast<int64_t>(nb * NH + h) * kbn + kb);
+        if constexpr (ORD) {
+          if (c == 1 || !first_chain) turn_wait(4 - c);  // warpgroup 1's very first chain needs no turn
+          first_chain = false;
+        }
         wg::fence();
 #pragma unroll
         for (int k = 0; k < kBK / 32; ++k) {
@@ -307,6 +325,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
             wgmma_m64n128k32(tmp, sw128(st + c * 64 * kBK + 32 * k), sw128(st + L::kA + h * 128 * kBK + 32 * k), k);
         }
         wg::commit();
+        if constexpr (ORD) turn_arrive(3 + c);  // the other warpgroup's turn (3: warpgroup 2's, 4: warpgroup 1's)
         wg::wait<0>();
         wg::pin(tmp);
         if constexpr (RS) wg::pin(af);  // read by the chain until it completed
@@ -362,6 +381,9 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_kernel(Args a, const __grid_
             __floats2bfloat162_rn(acc[h][4 * i + 2], acc[h][4 * i + 3]);
       }
     }
+  }
+  if constexpr (ORD) {
+    if (c == 0 && !first_chain) turn_wait(4);  // warpgroup 2's last pass of the turn: no arrival left pending
   }
   if constexpr (TS) {
     if (threadIdx.x % 128 == 0) wg::bulk_wait<0>();  // the last stores are done before the CTA's memory goes
@@ -426,7 +448,7 @@ float bf16_to_float(uint16_t b) {
   return f;
 }
 
-template <int NH, int S, bool NOPROMO = false, int CM = 1, bool RS = false, bool TS = false>
+template <int NH, int S, bool NOPROMO = false, int CM = 1, bool RS = false, bool TS = false, bool ORD = false>
 void run(const char* variant, const Shape& sh, int sms, const uint8_t* x, const uint8_t* w, Args a, float* dref,
          int step) {
   using L = Layout<NH, S, TS>;
@@ -439,7 +461,7 @@ void run(const char* variant, const Shape& sh, int sms, const uint8_t* x, const 
     std::printf("%-14s %-10s skipped (2 x 2 tiles)\n", sh.name, variant);
     return;
   }
-  auto kernel = gemm_kernel<NH, S, NOPROMO, CM, RS, TS>;
+  auto kernel = gemm_kernel<NH, S, NOPROMO, CM, RS, TS, ORD>;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes));
   const CUtensorMap ta = byte_matrix_map(x, sh.M, sh.K, CM == 4 ? 64 : 128, true), tb = byte_matrix_map(w, sh.N, sh.K, 128, true);
   const CUtensorMap ty = matrix_map(a.y, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, sh.M, sh.N, 64, 64, true);
@@ -571,6 +593,7 @@ int main(int argc, char** argv) {  // fp8_gemm_probe [M [variant [shape index]]]
     if (variant < 0 || variant == 8) run<2, 4, false, 4, true>("bn256 mc4 rs", s, prop.multiProcessorCount, x, w, a, ref, step);
     if (variant < 0 || variant == 9) run<2, 4, false, 4, true, true>("bn256 mc4rsts", s, prop.multiProcessorCount, x, w, a, ref, step);
     if (variant < 0 || variant == 10) run<2, 4, true, 2, false, true>("mc2ts nopromo", s, prop.multiProcessorCount, x, w, a, ref, step);
+    if (variant < 0 || variant == 11) run<2, 4, false, 2, true, true, true>("mc2rsts ord", s, prop.multiProcessorCount, x, w, a, ref, step);
     std::fflush(stdout);
   }
   return 0;

@@ -7,9 +7,13 @@
 // --step-tokens N > 0 runs chunked prefill inside the decode steps (generate.h): the prompts' pieces
 // ride on the decode steps, N tokens per step; a list runs each point with each schedule. A mixed
 // step also computes its prompt pieces, so its time is above the decode roofline by design; the
-// figure that counts is generated_tok_s (the prefill included).
+// figure that counts is generated_tok_s (the prefill included). --waves W runs W x slots prompts a
+// point, so freed slots take new prompts; --min-new-tokens stops each sequence after its own length
+// drawn from [min, max] (as responses end at their stop tokens), so sequences end and new prompts
+// come in at different steps: the stream that continuous batching and chunked prefill are for.
 //
 //   generate_bench --config configs/qwen3.6-27b/config.json --slots 1,8,32,64,128 --step-tokens 0,160,512 --csv gen.csv
+//   generate_bench --slots 64 --waves 4 --min-new-tokens 256 --max-new-tokens 768 --step-tokens 0,128,192
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -35,7 +39,7 @@ int main(int argc, char** argv) {
   std::string log_level = "warn", config_path = "configs/qwen3.6-27b/config.json", device = "cuda", csv_path;
   std::vector<int64_t> slot_counts{1, 8, 32, 64, 128};
   std::vector<int64_t> step_tokens{0};
-  int64_t prompt_len = 512, max_new = 512, waves = 1;
+  int64_t prompt_len = 512, max_new = 512, min_new = 0, waves = 1;
   uint64_t seed = 0;
   add_common_options(app, &log_level);
   app.add_option("--config", config_path, "the target's config.json (random weights)")->capture_default_str();
@@ -48,6 +52,11 @@ int main(int argc, char** argv) {
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--waves", waves, "prompts per point = waves x slots")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--min-new-tokens", min_new,
+                 "each sequence stops after a length drawn uniformly from [this, --max-new-tokens] (as responses that end "
+                 "at their own stop token; 0: every one at --max-new-tokens)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--device", device, "cuda[:N]")->capture_default_str();
   app.add_option("--csv", csv_path, "append the rows to this CSV");
   std::string precision_s = "auto";
@@ -66,6 +75,9 @@ int main(int argc, char** argv) {
     init_logging(-1, log_level);
     const Device dev = Device::parse(device);
     DFLASH_REQUIRE_HINT(!dev.is_cpu(), "generate_bench measures a GPU", "pass --device cuda");
+    DFLASH_REQUIRE_HINT(min_new <= max_new, "--min-new-tokens " << min_new << " is above --max-new-tokens " << max_new,
+                        "the lengths are drawn from [min, max]; 0 stops every sequence at --max-new-tokens");
+    const bool spread = min_new > 0 && min_new < max_new;
     target::TargetSource src{"", config_path, true, seed, target::parse_precision(precision_s, "--precision")};
     src.fp8_experts = fp8_experts;
     const target::TargetConfig cfg = src.read_config();
@@ -84,7 +96,8 @@ int main(int argc, char** argv) {
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), rt.plans().c_str());
     // The roofline (bench/roofline.h): a decode step's bytes at the mean context of the decode steps.
     const target::Precision prec = rt.weights().precision();
-    const double ctx = static_cast<double>(prompt_len) + 0.5 * static_cast<double>(max_new);
+    const double mean_new = spread ? 0.5 * static_cast<double>(min_new + max_new) : static_cast<double>(max_new);
+    const double ctx = static_cast<double>(prompt_len) + 0.5 * mean_new;
     const bench::Roofline roof{copy};
     // Mean sequences in flight `occ` (fractional): the bytes between those of floor(occ) and ceil(occ) sequences.
     auto step_bytes = [&](double occ) {
@@ -112,6 +125,9 @@ int main(int argc, char** argv) {
           for (int64_t t = 0; t < prompt_len; ++t)
             r.prompt.push_back(static_cast<int32_t>(rng::bits(seed + 1, static_cast<uint64_t>(i), static_cast<uint64_t>(t)) %
                                                     static_cast<uint64_t>(cfg.vocab_size)));
+          if (spread)  // the same lengths at every point: a function of (seed, request)
+            r.max_new_tokens = min_new + static_cast<int64_t>(rng::bits(seed + 2, static_cast<uint64_t>(i), 0) %
+                                                              static_cast<uint64_t>(max_new - min_new + 1));
           reqs.push_back(std::move(r));
         }
         target::GenerateConfig gc;
@@ -121,7 +137,9 @@ int main(int argc, char** argv) {
         {  // warm-up: one short generation (allocations, cuBLAS heuristics)
           target::GenerateConfig w = gc;
           w.max_new_tokens = 4;
-          target::generate_batch(*dec, {reqs.begin(), reqs.begin() + std::min<int64_t>(S, 2)}, w, [](target::GenResult&&) {});
+          std::vector<target::GenRequest> few(reqs.begin(), reqs.begin() + std::min<int64_t>(S, 2));
+          for (target::GenRequest& r : few) r.max_new_tokens = 0;  // the warm-up's 4 tokens
+          target::generate_batch(*dec, few, w, [](target::GenResult&&) {});
         }
         const target::GenStats st = target::generate_batch(*dec, reqs, gc, [](target::GenResult&&) {});
         const target::GraphStats gs = dec->graph_stats();
@@ -144,7 +162,8 @@ int main(int argc, char** argv) {
                       "", static_cast<long long>(st.mixed_steps), static_cast<long long>(st.decode_steps),
                       static_cast<long long>(st.mixed_prompt_tokens), static_cast<long long>(st.prefills));
         const std::string shape = "slots=" + std::to_string(S) + ",prompt=" + std::to_string(prompt_len) +
-                                  ",new=" + std::to_string(max_new) + ",prompts=" + std::to_string(reqs.size()) +
+                                  ",new=" + (spread ? std::to_string(min_new) + "-" : std::string()) + std::to_string(max_new) +
+                                  ",prompts=" + std::to_string(reqs.size()) +
                                   (T > 0 ? ",step_tokens=" + std::to_string(T) : "") +
                                   (prec == target::Precision::Fp8 ? ",fp8" : "") + (fp8_experts ? ",fp8x" : "") +
                                   (no_graphs ? ",eager" : "") + (variant != "fused" ? "," + variant : "");

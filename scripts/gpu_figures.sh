@@ -16,11 +16,14 @@
 #   regen:     generate_bench on Qwen3.6-27B shapes, 64 sequences in flight, 512-token prompts, 512 new tokens,
 #              bf16 and fp8 (FIGURES_REGEN_PRECISIONS), separate prefills and prefill inside the decode steps
 #              (FIGURES_REGEN_STEP_TOKENS, default 0,512)
+#   stream:    generate_bench as regen, bf16, on a stream: 3 waves of 64 prompts, each response 256-768 tokens
+#              (--min-new-tokens: sequences end and new prompts come in at different steps), separate prefills
+#              against prefill inside the decode steps (FIGURES_STREAM_STEP_TOKENS, default 0,128)
 #   e.g. a second call on the warm machine: FIGURES_STAGES="train_bf16 regen"
 #   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_figures.sh
 # One build of dflash_train, dflash_eval and target_bench first (~110 s on 16 cores). Writes to $OUT:
 # env.txt, build.log, summary.txt (each stage's key lines) and a tarball a stage (train.tgz, target.tgz,
-# decode.tgz, moe.tgz, train_bf16.tgz, regen.tgz): at most 8 files for the stages of one call. FIGURES_BUDGET (s, default 560) is when the last stage must end;
+# decode.tgz, moe.tgz, train_bf16.tgz, regen.tgz, stream.tgz): at most 8 files for the stages of one call. FIGURES_BUDGET (s, default 560) is when the last stage must end;
 # FIGURES_STAGES (default "train target decode moe") picks and orders them.
 set -uo pipefail
 source "$(dirname "$0")/common.sh"
@@ -86,6 +89,14 @@ for s in $STAGES; do
         echo "generate_bench $p rc=$?" >>"$R/summary.txt"
         grep -E "generated|decode step|tok/s" "$W/regen/genbench_$p.log" | head -n 6 >>"$R/summary.txt"
       done ;;
+    stream)
+      stage stream 120 || continue
+      timeout $(( $(left) < 300 ? $(left) : 300 )) "$B/bench/generate_bench" --config configs/qwen3.6-27b/config.json \
+        --slots 64 --waves 3 --prompt-len 512 --min-new-tokens 256 --max-new-tokens 768 \
+        --step-tokens "${FIGURES_STREAM_STEP_TOKENS:-0,128}" --precision bf16 \
+        --csv "$W/stream/genbench.csv" >"$W/stream/genbench.log" 2>&1
+      echo "generate_bench stream rc=$?" >>"$R/summary.txt"
+      grep -E "^ +[0-9]+ +[0-9]+ |chunked prefill|CUDA graphs" "$W/stream/genbench.log" | head -n 8 >>"$R/summary.txt" ;;
     target)
       stage target 60 || continue
       timeout $(( $(left) < 120 ? $(left) : 120 )) "$B/bench/target_bench" --config configs/qwen3.6-27b/config.json --random-weights \

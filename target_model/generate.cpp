@@ -46,13 +46,19 @@ GenStats generate_batch(Decoder& dec, const std::vector<GenRequest>& requests, c
                         const std::function<void(GenResult&&)>& on_done,
                         const std::function<void(const GenStats&)>& progress) {
   check_generate_config(c, dec.config().vocab_size);
+  // A request's cap on new tokens: its own, or the config's.
+  const auto cap = [&](size_t i) { return requests[i].max_new_tokens > 0 ? requests[i].max_new_tokens : c.max_new_tokens; };
   for (size_t i = 0; i < requests.size(); ++i) {
     const int64_t n = static_cast<int64_t>(requests[i].prompt.size());
     DFLASH_CHECK_HINT(n >= 1, "generation: request " << i << " (id " << requests[i].id << ") has an empty prompt",
                       "every prompt needs at least one token");
-    DFLASH_CHECK_HINT(n + c.max_new_tokens <= dec.max_len(),
+    DFLASH_CHECK_HINT(requests[i].max_new_tokens >= 0,
+                      "generation: request " << i << " (id " << requests[i].id << ") asks for " << requests[i].max_new_tokens
+                                             << " new tokens",
+                      "a request's max_new_tokens is >= 1, or 0 for the config's");
+    DFLASH_CHECK_HINT(n + cap(i) <= dec.max_len(),
                       "generation: request " << i << " (id " << requests[i].id << "): its " << n << "-token prompt + "
-                                             << c.max_new_tokens << " new tokens exceed the decoder's " << dec.max_len()
+                                             << cap(i) << " new tokens exceed the decoder's " << dec.max_len()
                                              << " tokens per slot",
                       "size the decoder for the longest prompt + max new tokens");
   }
@@ -69,7 +75,7 @@ GenStats generate_batch(Decoder& dec, const std::vector<GenRequest>& requests, c
     Running& r = *slot[static_cast<size_t>(s)];
     r.tokens.push_back(t);
     const bool stopped = is_stop(t);
-    if (!stopped && static_cast<int64_t>(r.tokens.size()) < c.max_new_tokens) return;
+    if (!stopped && static_cast<int64_t>(r.tokens.size()) < cap(r.request)) return;
     GenResult out;
     out.index = r.request;
     out.id = requests[r.request].id;

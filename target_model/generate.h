@@ -6,7 +6,8 @@
 //     free slots take the next prompts, packed into one prefill extend (at most prefill_tokens
 //       prompt tokens per extend, at least one prompt); each prompt's last row gives its first token
 //     every running sequence decodes one token (one extend over all running slots)
-//     a sequence ends at a stop token (kept) or after max_new_tokens; its slot takes the next prompt
+//     a sequence ends at a stop token (kept) or after its max new tokens (the request's, else the
+//       config's); its slot takes the next prompt
 //
 // With step_tokens > 0 (chunked prefill inside the decode steps, as vLLM's and SGLang's schedulers
 // run it) the prompts do not stop the decoding: free slots take the next prompts at once, and every
@@ -43,6 +44,7 @@ struct GenerateConfig {
 struct GenRequest {
   uint64_t id = 0;               // the sampling stream (e.g. the sequence's index in its dataset)
   std::vector<int32_t> prompt;   // >= 1 token
+  int64_t max_new_tokens = 0;    // this request's cap on new tokens (>= 1); 0: the config's max_new_tokens
 };
 
 struct GenResult {
@@ -66,7 +68,7 @@ struct GenStats {
 };
 
 // Checks the config (max_new_tokens >= 1, stop ids, prefill_tokens, step_tokens, sampling) and
-// that every request fits a slot (prompt + max_new_tokens <= the decoder's max_len), naming the
+// that every request fits a slot (prompt + its max new tokens <= the decoder's max_len), naming the
 // request; then generates every request on the decoder's slots. on_done gets each sequence as it
 // ends (in completion order, not request order); progress (optional) is called after every
 // prefill and decode step with the running totals.

@@ -160,6 +160,40 @@ TEST(Generate, ChunkedPrefillInsideDecodeStepsEqualsDecodingEachPromptAlone) {
   EXPECT_GT(mixed, 0);  // pieces did ride on decode steps
 }
 
+// Requests with their own caps on new tokens (1 to 9, and 0 for the config's) end at different
+// steps, so slots free and refill while others decode, under both schedules: each request gets the
+// first tokens of decoding it alone, as many as its cap.
+TEST(Generate, PerRequestCapsEndSequencesAtTheirOwnLengths) {
+  const AloneOracle& o = alone_oracle();
+  std::vector<GenRequest> reqs = o.reqs;
+  for (size_t i = 0; i < reqs.size(); ++i) reqs[i].max_new_tokens = static_cast<int64_t>((i * 5) % 10);  // 0, 5, 1, 6, ...
+  for (int64_t step_tokens : {0, 7})
+    for (int64_t slots : {1, 4}) {
+      GenerateConfig gc;
+      gc.max_new_tokens = kMaxNew;
+      gc.step_tokens = step_tokens;
+      GenStats st;
+      const auto got = run(reqs, gc, slots, kMaxLen, &st);
+      const std::string what = "slots " + std::to_string(slots) + ", step tokens " + std::to_string(step_tokens);
+      ASSERT_EQ(got.size(), reqs.size()) << what;
+      int64_t generated = 0;
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        const int64_t n = reqs[i].max_new_tokens > 0 ? reqs[i].max_new_tokens : kMaxNew;
+        const std::vector<int32_t> want(o.want[i].begin(), o.want[i].begin() + n);
+        EXPECT_EQ(got.at(reqs[i].id).tokens, want) << "request " << i << ", " << what;
+        generated += n;
+      }
+      EXPECT_EQ(st.generated, generated) << what;
+    }
+  // A cap the slot cannot hold, or a negative one, is refused naming the request.
+  auto dec = make_cpu_decoder(*tiny().model, 1, 16);
+  GenerateConfig gc;
+  gc.max_new_tokens = 4;
+  const auto ignore = [](GenResult&&) {};
+  EXPECT_THROW_MSG(generate_batch(*dec, {{7, {1, 2}, 15}}, gc, ignore), "request 0 (id 7): its 2-token prompt + 15 new tokens");
+  EXPECT_THROW_MSG(generate_batch(*dec, {{7, {1}, -2}}, gc, ignore), "request 0 (id 7) asks for -2 new tokens");
+}
+
 // With step_tokens, sampling still depends on (seed, id, prompt) alone: equal to the separate prefills' draws.
 TEST(Generate, ChunkedPrefillSamplesAsSeparatePrefills) {
   const int64_t V = tiny().cfg.vocab_size;

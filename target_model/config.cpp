@@ -154,6 +154,7 @@ TargetConfig TargetConfig::from_json(const json& doc, const std::string& source)
   c.linear_key_head_dim = f.positive_int("linear_key_head_dim");
   c.linear_value_head_dim = f.positive_int("linear_value_head_dim");
   c.linear_conv_kernel_dim = f.positive_int_or("linear_conv_kernel_dim", 4);
+  c.mamba_ssm_dtype = f.string_or("mamba_ssm_dtype", "float32");
   // tie_word_embeddings may sit at the top level of a multimodal config.
   c.tie_word_embeddings = f.bool_or("tie_word_embeddings", io::JsonFields(doc, source, "").bool_or("tie_word_embeddings", false));
   c.max_position_embeddings = f.positive_int_or("max_position_embeddings", 0);
@@ -363,6 +364,13 @@ std::string TargetConfig::summary() const {
   return o.str();
 }
 
+std::string TargetConfig::state_dtype_note() const {
+  if (mamba_ssm_dtype == "float32") return "";
+  return source + ": mamba_ssm_dtype is '" + mamba_ssm_dtype +
+         "'; dflash keeps the GatedDeltaNet states in float32 (a serving stack that keeps them in " + mamba_ssm_dtype +
+         " may differ from dflash's outputs in the last bits)";
+}
+
 json TargetConfig::to_json() const {
   json lt = json::array();
   for (LayerType t : layer_types) lt.push_back(layer_type_name(t));
@@ -388,6 +396,7 @@ json TargetConfig::to_json() const {
       {"linear_key_head_dim", linear_key_head_dim},
       {"linear_value_head_dim", linear_value_head_dim},
       {"linear_conv_kernel_dim", linear_conv_kernel_dim},
+      {"mamba_ssm_dtype", mamba_ssm_dtype},
   };
   if (is_moe()) {
     j["num_experts"] = num_experts;

@@ -78,6 +78,12 @@ struct TargetConfig {
   int64_t linear_key_head_dim = 0;
   int64_t linear_value_head_dim = 0;
   int64_t linear_conv_kernel_dim = 4;
+  // The recurrent state's dtype config.json asks for (mamba_ssm_dtype: the Qwen3.5 / 3.6 checkpoints say
+  // float32, and vLLM sizes its state cache by it). dflash keeps the states in float32 on every backend;
+  // another value is kept for to_json and named in a warning when the target loads (load_target_shard) and
+  // by dflash_doctor: state_dtype_note().
+  std::string mamba_ssm_dtype = "float32";
+  std::string state_dtype_note() const;  // "" for float32
 
   // Mixture of experts (qwen3_5_moe as transformers 5.17 reads it): every decoder layer's MLP is a
   // sparse MoE block. router logits = x · gateᵀ (f32), softmax over all experts (f32), the top

@@ -254,6 +254,7 @@ int main(int argc, char** argv) {
     report["model"] = {{"source", model_dir.empty() ? config_path : model_dir}, {"summary", cfg.summary()}};
     print_environment(report["environment"]);
     std::cout << "\n== model\n  " << cfg.summary() << "\n";
+    if (const std::string note = cfg.state_dtype_note(); !note.empty()) std::cout << "  note: " << note << "\n";
     if (cfg.is_moe()) {
       // Per-rank weights of the layouts of target_model/tp.h (parallel.tp, parallel.ep): bf16 bytes.
       std::cout << "\n== MoE layouts: bf16 weights per rank (parallel.tp x parallel.ep; ep expert groups of tp / ep "

@@ -34,6 +34,7 @@ std::string TargetSource::identity(const TargetConfig& full) const {
 
 TargetWeights load_target_shard(const TargetSource& source, const TargetConfig& full, Device device, const TpShard& shard) {
   const DType dtype = device.is_cpu() ? DType::F32 : DType::BF16;
+  if (const std::string note = full.state_dtype_note(); !note.empty()) spdlog::warn("{}", note);
   DFLASH_REQUIRE_HINT(!source.fp8_experts || full.is_moe(),
                       "FP8 experts (--fp8-experts, model.target.fp8_experts): " << full.source
                                                                                << " is a dense model (no experts to store in FP8)",

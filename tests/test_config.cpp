@@ -76,6 +76,17 @@ TEST(Config, RoundTripThroughToJson) {
   EXPECT_EQ(a.gdn_conv_dim(), b.gdn_conv_dim());
   EXPECT_DOUBLE_EQ(a.rope_theta, b.rope_theta);
   EXPECT_EQ(a.parameter_count(), b.parameter_count());
+  EXPECT_EQ(a.mamba_ssm_dtype, "float32");  // absent: what the checkpoints ask for
+  EXPECT_EQ(b.mamba_ssm_dtype, "float32");
+  // Another state dtype is read and kept (the runtime names it in a warning; the states stay float32).
+  json j = text_fields();
+  j["mamba_ssm_dtype"] = "bfloat16";
+  const TargetConfig c = TargetConfig::from_json(j, "cfg.json");
+  EXPECT_EQ(c.mamba_ssm_dtype, "bfloat16");
+  EXPECT_EQ(TargetConfig::from_json(c.to_json(), "round trip").mamba_ssm_dtype, "bfloat16");
+  EXPECT_NE(c.state_dtype_note().find("cfg.json: mamba_ssm_dtype is 'bfloat16'; dflash keeps"), std::string::npos)
+      << c.state_dtype_note();
+  EXPECT_EQ(a.state_dtype_note(), "");
 }
 
 TEST(Config, RefusesMoeAndUnknownTypesByName) {

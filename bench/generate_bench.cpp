@@ -13,7 +13,7 @@
 // come in at different steps: the stream that continuous batching and chunked prefill are for.
 //
 //   generate_bench --config configs/qwen3.6-27b/config.json --slots 1,8,32,64,128 --step-tokens 0,160,512 --csv gen.csv
-//   generate_bench --slots 64 --waves 4 --min-new-tokens 256 --max-new-tokens 768 --step-tokens 0,128,192
+//   generate_bench --slots 64 --waves 4 --min-new-tokens 256 --max-new-tokens 768 --step-tokens 0,256,1024
 #include <algorithm>
 #include <chrono>
 #include <cstdio>

@@ -126,7 +126,10 @@ GenStats generate_batch(Decoder& dec, const std::vector<GenRequest>& requests, c
         emits.push_back(true);
       }
       const int64_t decoding = static_cast<int64_t>(slots.size());
-      int64_t left = c.step_tokens - decoding, pieces = 0;
+      // With sequences decoding, the pieces ride on their step (step_tokens in all); with none (the
+      // start, or every sequence ended together), nothing waits on the prompts, so a step of pieces
+      // alone takes as many as a packed prefill: one wave's schedule is then the separate prefills' one.
+      int64_t left = decoding > 0 ? c.step_tokens - decoding : std::max(c.step_tokens, c.prefill_tokens), pieces = 0;
       for (auto it = filling.begin(); it != filling.end() && left > 0;) {
         Running& r = *slot[static_cast<size_t>(*it)];
         const auto& p = requests[r.request].prompt;

@@ -14,6 +14,8 @@
 // step is one extend of one token per decoding sequence plus pieces of the prompts still being
 // prefilled (oldest first, a prompt cut wherever the budget ends) up to step_tokens tokens in all.
 // A prompt's piece rides on the decode step's weight read; its last piece gives its first token.
+// A step with no sequence decoding (the start, or all ended together) takes up to
+// max(step_tokens, prefill_tokens) prompt tokens: nothing waits on it, as in a packed prefill.
 //
 // Greedy decoding, or sampling with the Decoder's reproducible draws (ops::sample_rows): request
 // `id` is the sampling stream, so a sequence's tokens depend on (seed, id, prompt) alone — not on
@@ -37,7 +39,8 @@ struct GenerateConfig {
   std::optional<ops::SampleParams> sample;   // none: greedy
   int64_t prefill_tokens = 16384;            // prompt tokens per prefill extend (at least one prompt)
   // Tokens per step with chunked prefill inside the decode steps (decode rows first, then prompt
-  // pieces); 0: prompts are prefilled whole in their own extends (prefill_tokens) between decode steps.
+  // pieces; a step with nothing decoding takes up to prefill_tokens); 0: prompts are prefilled whole
+  // in their own extends (prefill_tokens) between decode steps.
   int64_t step_tokens = 0;
 };
 

@@ -142,6 +142,7 @@ TEST(Generate, ChunkedPrefillInsideDecodeStepsEqualsDecodingEachPromptAlone) {
       GenerateConfig gc;
       gc.max_new_tokens = max_new;
       gc.step_tokens = budget;
+      gc.prefill_tokens = budget;  // steps with nothing decoding cut prompts too (every sequence here ends together)
       GenStats st;
       expect_alone(run(reqs, gc, slots, max_len, &st),
                    "slots " + std::to_string(slots) + ", step tokens " + std::to_string(budget));
@@ -192,6 +193,34 @@ TEST(Generate, PerRequestCapsEndSequencesAtTheirOwnLengths) {
   const auto ignore = [](GenResult&&) {};
   EXPECT_THROW_MSG(generate_batch(*dec, {{7, {1, 2}, 15}}, gc, ignore), "request 0 (id 7): its 2-token prompt + 15 new tokens");
   EXPECT_THROW_MSG(generate_batch(*dec, {{7, {1}, -2}}, gc, ignore), "request 0 (id 7) asks for -2 new tokens");
+}
+
+// With nothing decoding (the start, or a wave that ended together), a chunked-prefill step takes up to
+// prefill_tokens of prompt pieces, not step_tokens: one wave of prompts that fit is one step of pieces
+// alone, then decode steps without pieces, as with separate prefills.
+TEST(Generate, ChunkedPrefillWithNothingDecodingTakesAPackedPrefillsBudget) {
+  const int64_t V = tiny().cfg.vocab_size;
+  std::vector<GenRequest> reqs;
+  for (int64_t i = 0; i < 4; ++i) reqs.push_back({static_cast<uint64_t>(i), random_tokens(10, V, 70 + i)});
+  GenerateConfig gc;
+  gc.max_new_tokens = 5;
+  gc.step_tokens = 3;  // below one prompt
+  gc.prefill_tokens = 100;
+  GenStats st;
+  const auto got = run(reqs, gc, 4, 32, &st);
+  EXPECT_EQ(st.prefills, 1);      // the 40 prompt tokens in one step
+  EXPECT_EQ(st.mixed_steps, 0);
+  EXPECT_EQ(st.decode_steps, 4);  // then every sequence decodes together
+  for (const GenRequest& r : reqs) EXPECT_EQ(got.at(r.id).tokens, alone(r.prompt, 5, 32)) << "request id " << r.id;
+  // A budget of 25: the first step takes prompts 0 and 1 and 5 tokens of prompt 2; the two decoding
+  // sequences then leave one token a step to prompt 2 (4 mixed steps), and when they end, nothing
+  // decodes: a second step of pieces alone takes prompt 2's last token and prompt 3.
+  gc.prefill_tokens = 25;
+  const auto cut = run(reqs, gc, 4, 32, &st);
+  EXPECT_EQ(st.prefills, 2);
+  EXPECT_EQ(st.mixed_steps, 4);
+  EXPECT_EQ(st.mixed_prompt_tokens, 4);
+  for (const GenRequest& r : reqs) EXPECT_EQ(cut.at(r.id).tokens, alone(r.prompt, 5, 32)) << "request id " << r.id;
 }
 
 // With step_tokens, sampling still depends on (seed, id, prompt) alone: equal to the separate prefills' draws.

@@ -272,11 +272,12 @@ class CudaDecoder final : public Decoder {
     // delta rule from their slots' states (DecodeStep::piece_from), not the pool kernel token by token.
     std::vector<int32_t> piece_cu;
     if (!step.prefill && opt.commit && step.max_new > kMaxVerifyTokens) {
-      int64_t from = S;
-      while (from > 0 && tokens[static_cast<size_t>(from - 1)].size() > 1) --from;
-      bool decode_rows_first = true;
-      for (int64_t s2 = 0; s2 < from; ++s2) decode_rows_first = decode_rows_first && tokens[static_cast<size_t>(s2)].size() == 1;
-      if (decode_rows_first && from < S) {
+      // The leading one-token rows are decode rows (the pool kernel); every row from the first longer one
+      // on is a piece, one-token pieces included (generate.h cuts the last piece wherever the budget
+      // ends, and a prompt's last token may follow a longer piece).
+      int64_t from = 0;
+      while (from < S && tokens[static_cast<size_t>(from)].size() == 1) ++from;
+      if (from < S) {
         step.piece_from = from;
         step.piece_row0 = b.offsets[from];
         for (int64_t s2 = from; s2 <= S; ++s2) piece_cu.push_back(static_cast<int32_t>(b.offsets[s2] - b.offsets[from]));

@@ -172,15 +172,15 @@ TEST(CudaDecoder, PiecesMatchTheCpuReference) {
 }
 
 // Chunked prefill inside decode steps (generate.h step_tokens): one extend of decode rows (T = 1),
-// a fresh slot's prompt piece and a later piece of a started prompt (T > 16: the unfused decode
-// kernels with the pieces' delta rule on the chunked kernel from their slots' states, run eagerly
-// with graphs on) against the CPU reference, then decode steps of all three.
+// a fresh slot's prompt piece, a later piece of a started prompt and a one-token piece after them
+// (T > 16: the unfused decode kernels with the pieces' delta rule on the chunked kernel from their
+// slots' states, run eagerly with graphs on) against the CPU reference, then decode steps of all four.
 TEST(CudaDecoder, MixedStepsOfDecodeRowsAndPromptPiecesMatchTheCpuReference) {
   DFLASH_REQUIRE_GPU();
   const TargetConfig c = real_dims();
   TargetModel cpu(c, bf16_random_weights_f32(c, 3));
-  Gpu g(c, KernelPolicy::Auto, 3, 128);
-  auto ref = make_cpu_decoder(cpu, 3, 128);
+  Gpu g(c, KernelPolicy::Auto, 4, 128);
+  auto ref = make_cpu_decoder(cpu, 4, 128);
   ExtendOptions eo;
   eo.capture = {0, c.num_hidden_layers - 1};
   eo.logits = true;
@@ -190,15 +190,17 @@ TEST(CudaDecoder, MixedStepsOfDecodeRowsAndPromptPiecesMatchTheCpuReference) {
   const std::vector<int32_t> p0(p.begin(), p.begin() + 20), p1(p.begin() + 20, p.end());
   const std::vector<std::vector<int32_t>> first{a, p0};
   agree.add(g.dec->extend({0, 2}, first, eo), ref->extend({0, 2}, first, eo), "prefill");
-  const std::vector<std::vector<int32_t>> mixed{{a.back()}, b, p1};  // slot 1 is empty: its piece starts its prompt
-  agree.add(g.dec->extend({0, 1, 2}, mixed, eo), ref->extend({0, 1, 2}, mixed, eo), "mixed step");
+  // Slots 1 and 3 are empty: their pieces start their prompts; slot 3's is one token after the longer pieces.
+  const std::vector<std::vector<int32_t>> mixed{{a.back()}, b, p1, {random_tokens(1, c.vocab_size, 24)[0]}};
+  agree.add(g.dec->extend({0, 1, 2, 3}, mixed, eo), ref->extend({0, 1, 2, 3}, mixed, eo), "mixed step");
   for (int64_t i = 0; i < 4; ++i) {
     std::vector<std::vector<int32_t>> toks;
-    for (int32_t sl = 0; sl < 3; ++sl) toks.push_back({random_tokens(1, c.vocab_size, 300 + 3 * i + sl)[0]});
-    agree.add(g.dec->extend({0, 1, 2}, toks, eo), ref->extend({0, 1, 2}, toks, eo), "decode");
+    for (int32_t sl = 0; sl < 4; ++sl) toks.push_back({random_tokens(1, c.vocab_size, 300 + 4 * i + sl)[0]});
+    agree.add(g.dec->extend({0, 1, 2, 3}, toks, eo), ref->extend({0, 1, 2, 3}, toks, eo), "decode");
   }
   EXPECT_EQ(g.dec->length(1), 44);
   EXPECT_EQ(g.dec->length(2), 59);
+  EXPECT_EQ(g.dec->length(3), 5);
   std::printf("mixed steps vs cpu reference: logits %.2e, features %.2e, %lld of %lld argmax rows clear; %s\n", agree.logits,
               agree.features, static_cast<long long>(agree.clear), static_cast<long long>(agree.rows),
               g.dec->kernels_run().c_str());

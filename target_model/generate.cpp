@@ -126,10 +126,13 @@ GenStats generate_batch(Decoder& dec, const std::vector<GenRequest>& requests, c
         emits.push_back(true);
       }
       const int64_t decoding = static_cast<int64_t>(slots.size());
-      // With sequences decoding, the pieces ride on their step (step_tokens in all); with none (the
-      // start, or every sequence ended together), nothing waits on the prompts, so a step of pieces
-      // alone takes as many as a packed prefill: one wave's schedule is then the separate prefills' one.
-      int64_t left = decoding > 0 ? c.step_tokens - decoding : std::max(c.step_tokens, c.prefill_tokens), pieces = 0;
+      // With sequences decoding, the pieces ride on their step (step_tokens in all). With none (the
+      // start, or every sequence ended together) nothing waits on the prompts: when the oldest prompt
+      // has not started, the step is a packed prefill of fresh prompts (up to prefill_tokens; only the
+      // oldest prompt can be part-way, as pieces go oldest first), so one wave gets the separate
+      // prefills' schedule; a part-way prompt's rest goes on with step_tokens.
+      const bool packed = decoding == 0 && !filling.empty() && slot[static_cast<size_t>(filling.front())]->prefilled == 0;
+      int64_t left = packed ? std::max(c.step_tokens, c.prefill_tokens) : c.step_tokens - decoding, pieces = 0;
       for (auto it = filling.begin(); it != filling.end() && left > 0;) {
         Running& r = *slot[static_cast<size_t>(*it)];
         const auto& p = requests[r.request].prompt;

@@ -14,8 +14,9 @@
 // step is one extend of one token per decoding sequence plus pieces of the prompts still being
 // prefilled (oldest first, a prompt cut wherever the budget ends) up to step_tokens tokens in all.
 // A prompt's piece rides on the decode step's weight read; its last piece gives its first token.
-// A step with no sequence decoding (the start, or all ended together) takes up to
-// max(step_tokens, prefill_tokens) prompt tokens: nothing waits on it, as in a packed prefill.
+// A step with no sequence decoding (the start, or all ended together) whose prompts have not
+// started takes up to max(step_tokens, prefill_tokens) prompt tokens: nothing waits on it, and it
+// is a packed prefill (a prompt cut at its end goes on with step_tokens).
 //
 // Greedy decoding, or sampling with the Decoder's reproducible draws (ops::sample_rows): request
 // `id` is the sampling stream, so a sequence's tokens depend on (seed, id, prompt) alone — not on

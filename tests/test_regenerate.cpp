@@ -195,9 +195,10 @@ TEST(Generate, PerRequestCapsEndSequencesAtTheirOwnLengths) {
   EXPECT_THROW_MSG(generate_batch(*dec, {{7, {1}, -2}}, gc, ignore), "request 0 (id 7) asks for -2 new tokens");
 }
 
-// With nothing decoding (the start, or a wave that ended together), a chunked-prefill step takes up to
-// prefill_tokens of prompt pieces, not step_tokens: one wave of prompts that fit is one step of pieces
-// alone, then decode steps without pieces, as with separate prefills.
+// With nothing decoding (the start, or a wave that ended together) and the oldest prompt not started, a
+// chunked-prefill step takes up to prefill_tokens of fresh prompts, not step_tokens: one wave of prompts
+// that fit is one step of pieces alone (a packed prefill), then decode steps without pieces, as with
+// separate prefills; a prompt left part-way goes on with step_tokens.
 TEST(Generate, ChunkedPrefillWithNothingDecodingTakesAPackedPrefillsBudget) {
   const int64_t V = tiny().cfg.vocab_size;
   std::vector<GenRequest> reqs;
@@ -213,13 +214,14 @@ TEST(Generate, ChunkedPrefillWithNothingDecodingTakesAPackedPrefillsBudget) {
   EXPECT_EQ(st.decode_steps, 4);  // then every sequence decodes together
   for (const GenRequest& r : reqs) EXPECT_EQ(got.at(r.id).tokens, alone(r.prompt, 5, 32)) << "request id " << r.id;
   // A budget of 25: the first step takes prompts 0 and 1 and 5 tokens of prompt 2; the two decoding
-  // sequences then leave one token a step to prompt 2 (4 mixed steps), and when they end, nothing
-  // decodes: a second step of pieces alone takes prompt 2's last token and prompt 3.
+  // sequences then leave one token a step to prompt 2 (steps 2-5). When they end nothing decodes, but
+  // prompt 2 is part-way, so step 6 has step_tokens: its last token and 2 of prompt 3; then prompt 2
+  // decodes beside 2-token pieces of prompt 3 (steps 7-10).
   gc.prefill_tokens = 25;
   const auto cut = run(reqs, gc, 4, 32, &st);
   EXPECT_EQ(st.prefills, 2);
-  EXPECT_EQ(st.mixed_steps, 4);
-  EXPECT_EQ(st.mixed_prompt_tokens, 4);
+  EXPECT_EQ(st.mixed_steps, 8);
+  EXPECT_EQ(st.mixed_prompt_tokens, 4 + 8);
   for (const GenRequest& r : reqs) EXPECT_EQ(cut.at(r.id).tokens, alone(r.prompt, 5, 32)) << "request id " << r.id;
 }
 

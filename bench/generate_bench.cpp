@@ -17,8 +17,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 
 #include "bench/harness.h"
+#include "bench/profile.h"
 #include "bench/report.h"
 #include "bench/roofline.h"
 #include "dflash/version.h"
@@ -32,6 +34,83 @@
 #include "target_model/runtime.h"
 
 using namespace dflash;
+
+namespace {
+
+// --profile: the op table of `steps` eager steps (one more first, discarded: it grows the event pool).
+void print_profile(target::CudaTargetModel& model, const char* what, int64_t steps,
+                   const std::function<void()>& step) {
+  target::OpProfiler prof;
+  std::vector<target::OpProfile> profiles;
+  model.set_profiler(&prof);
+  for (int64_t i = 0; i <= steps; ++i) {
+    step();
+    target::OpProfile op = prof.collect();
+    if (i > 0) profiles.push_back(std::move(op));
+  }
+  model.set_profiler(nullptr);
+  if (profiles.empty()) return;
+  const bench::ProfileSummary ps = bench::summarize_profile(profiles, 0.0);
+  std::printf("\n%6s where %s goes (%zu steps, ms per step):\n%s\n", "", what, profiles.size(), bench::profile_table(ps).c_str());
+}
+
+// Every slot refilled with its point's prompts, then the op profiles of a decode step of all S slots and,
+// with T > S, of a mixed step: S - 1 decode rows and one prompt piece of T - S + 1 tokens in the last slot
+// (the chunked-prefill step of generate.h, its pieces' rows on the decode path).
+void profile_point(target::CudaTargetModel& model, target::Decoder& dec, const std::vector<target::GenRequest>& reqs,
+                   int64_t S, int64_t T, int64_t steps) {
+  target::ExtendOptions eo;
+  eo.last_only = true;
+  constexpr int64_t kSlotsPerPrefill = 16;
+  std::vector<int32_t> next(static_cast<size_t>(S));
+  for (int64_t s0 = 0; s0 < S; s0 += kSlotsPerPrefill) {
+    std::vector<int32_t> slots;
+    std::vector<std::vector<int32_t>> prompts;
+    for (int64_t s = s0; s < std::min(S, s0 + kSlotsPerPrefill); ++s) {
+      dec.reset(static_cast<int32_t>(s));
+      slots.push_back(static_cast<int32_t>(s));
+      prompts.push_back(reqs[static_cast<size_t>(s)].prompt);
+    }
+    const target::ExtendResult r = dec.extend(slots, prompts, eo);
+    for (size_t j = 0; j < slots.size(); ++j) next[static_cast<size_t>(slots[j])] = r.next[j];
+  }
+  std::vector<int32_t> all(static_cast<size_t>(S));
+  for (int64_t s = 0; s < S; ++s) all[static_cast<size_t>(s)] = static_cast<int32_t>(s);
+  print_profile(model, ("a decode step of " + std::to_string(S) + " sequences").c_str(), steps, [&] {
+    std::vector<std::vector<int32_t>> toks;
+    for (int32_t t : next) toks.push_back({t});
+    const target::ExtendResult r = dec.extend(all, toks, eo);
+    for (int64_t s = 0; s < S; ++s) next[static_cast<size_t>(s)] = r.next[static_cast<size_t>(s)];
+  });
+  const int64_t piece = T - (S - 1);
+  if (T <= 0 || S < 2 || piece <= target::kMaxVerifyTokens) return;
+  // The last slot takes a fresh prompt in pieces: as many steps as its length allows.
+  const int32_t last = static_cast<int32_t>(S - 1);
+  const int64_t fit = std::min<int64_t>(steps + 1, dec.max_len() / piece - 1);
+  if (fit < 2) {
+    std::printf("%6s no mixed-step profile: a %lld-token piece fits the %lld-token slot fewer than 3 times\n", "",
+                static_cast<long long>(piece), static_cast<long long>(dec.max_len()));
+    return;
+  }
+  dec.reset(last);
+  const std::vector<int32_t>& src = reqs[static_cast<size_t>(last)].prompt;
+  int64_t at = 0;
+  std::vector<int32_t> rows(all.begin(), all.end() - 1);
+  rows.push_back(last);
+  print_profile(model,
+                ("a mixed step (" + std::to_string(S - 1) + " decode rows + a " + std::to_string(piece) + "-token piece)").c_str(),
+                fit - 1, [&] {
+                  std::vector<std::vector<int32_t>> toks;
+                  for (int64_t s = 0; s + 1 < S; ++s) toks.push_back({next[static_cast<size_t>(s)]});
+                  std::vector<int32_t> p;
+                  for (int64_t i = 0; i < piece; ++i, ++at) p.push_back(src[static_cast<size_t>(at % static_cast<int64_t>(src.size()))]);
+                  toks.push_back(std::move(p));
+                  const target::ExtendResult r = dec.extend(rows, toks, eo);
+                  for (int64_t s = 0; s + 1 < S; ++s) next[static_cast<size_t>(s)] = r.next[static_cast<size_t>(s)];
+                });
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"Batched generation throughput of the target (random weights) over the sequences in flight."};
@@ -66,6 +145,13 @@ int main(int argc, char** argv) {
   bool no_graphs = false;
   app.add_flag("--no-cuda-graphs", no_graphs, "launch every decode step's kernels eagerly instead of replaying CUDA "
                                              "graphs (to compare; CSV rows get ',eager')");
+  int64_t profile_steps = 0;
+  app.add_option("--profile", profile_steps,
+                 "after each point, time every op of this many steps (eager, one discarded first): a decode step of "
+                 "every slot and, with --step-tokens N > slots, a mixed step of slots - 1 decode rows and one "
+                 "(N - slots + 1)-token prompt piece")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   std::string variant = "fused";
   app.add_option("--decode-variant", variant,
                  std::string("a variant of the decode plan's fused kernels for every point (as dflash_eval --decode-variants: ") +
@@ -161,6 +247,7 @@ int main(int argc, char** argv) {
           std::printf("%6s chunked prefill: %lld of %lld decode steps carried %lld prompt tokens; %lld steps of pieces alone\n",
                       "", static_cast<long long>(st.mixed_steps), static_cast<long long>(st.decode_steps),
                       static_cast<long long>(st.mixed_prompt_tokens), static_cast<long long>(st.prefills));
+        if (profile_steps > 0) profile_point(*rt.cuda_model(), *dec, reqs, S, T, profile_steps);
         const std::string shape = "slots=" + std::to_string(S) + ",prompt=" + std::to_string(prompt_len) +
                                   ",new=" + (spread ? std::to_string(min_new) + "-" : std::string()) + std::to_string(max_new) +
                                   ",prompts=" + std::to_string(reqs.size()) +

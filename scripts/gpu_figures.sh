@@ -18,7 +18,8 @@
 #              (FIGURES_REGEN_STEP_TOKENS, default 0,512)
 #   stream:    generate_bench as regen, bf16, on a stream: 3 waves of 64 prompts, each response 256-768 tokens
 #              (--min-new-tokens: sequences end and new prompts come in at different steps), separate prefills
-#              against prefill inside the decode steps (FIGURES_STREAM_STEP_TOKENS, default 0,256,1024)
+#              against prefill inside the decode steps (FIGURES_STREAM_STEP_TOKENS, default 0,256,1024), with
+#              generate_bench --profile 3: the op tables of a 64-sequence decode step and of a mixed step
 #   e.g. a second call on the warm machine: FIGURES_STAGES="train_bf16 regen"
 #   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_figures.sh
 # One build of dflash_train, dflash_eval and target_bench first (~110 s on 16 cores). Writes to $OUT:
@@ -93,7 +94,7 @@ for s in $STAGES; do
       stage stream 120 || continue
       timeout $(( $(left) < 300 ? $(left) : 300 )) "$B/bench/generate_bench" --config configs/qwen3.6-27b/config.json \
         --slots 64 --waves 3 --prompt-len 512 --min-new-tokens 256 --max-new-tokens 768 \
-        --step-tokens "${FIGURES_STREAM_STEP_TOKENS:-0,256,1024}" --precision bf16 \
+        --step-tokens "${FIGURES_STREAM_STEP_TOKENS:-0,256,1024}" --precision bf16 --profile 3 \
         --csv "$W/stream/genbench.csv" >"$W/stream/genbench.log" 2>&1
       echo "generate_bench stream rc=$?" >>"$R/summary.txt"
       grep -E "^ +[0-9]+ +[0-9]+ |chunked prefill|CUDA graphs" "$W/stream/genbench.log" | head -n 8 >>"$R/summary.txt" ;;

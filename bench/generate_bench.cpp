@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstdio>
 #include <functional>
+#include <numeric>
 
 #include "bench/harness.h"
 #include "bench/profile.h"
@@ -74,39 +75,38 @@ void profile_point(target::CudaTargetModel& model, target::Decoder& dec, const s
     const target::ExtendResult r = dec.extend(slots, prompts, eo);
     for (size_t j = 0; j < slots.size(); ++j) next[static_cast<size_t>(slots[j])] = r.next[j];
   }
-  std::vector<int32_t> all(static_cast<size_t>(S));
-  for (int64_t s = 0; s < S; ++s) all[static_cast<size_t>(s)] = static_cast<int32_t>(s);
-  print_profile(model, ("a decode step of " + std::to_string(S) + " sequences").c_str(), steps, [&] {
+  // One step: decode rows of slots [0, D) and, when given, a prompt piece in the last slot.
+  const auto step = [&](int64_t D, std::vector<int32_t> piece) {
+    std::vector<int32_t> rows(static_cast<size_t>(D));
+    std::iota(rows.begin(), rows.end(), 0);
     std::vector<std::vector<int32_t>> toks;
-    for (int32_t t : next) toks.push_back({t});
-    const target::ExtendResult r = dec.extend(all, toks, eo);
-    for (int64_t s = 0; s < S; ++s) next[static_cast<size_t>(s)] = r.next[static_cast<size_t>(s)];
-  });
+    for (int64_t s = 0; s < D; ++s) toks.push_back({next[static_cast<size_t>(s)]});
+    if (!piece.empty()) {
+      rows.push_back(static_cast<int32_t>(S - 1));
+      toks.push_back(std::move(piece));
+    }
+    const target::ExtendResult r = dec.extend(rows, toks, eo);
+    for (int64_t s = 0; s < D; ++s) next[static_cast<size_t>(s)] = r.next[static_cast<size_t>(s)];
+  };
+  print_profile(model, ("a decode step of " + std::to_string(S) + " sequences").c_str(), steps, [&] { step(S, {}); });
   const int64_t piece = T - (S - 1);
   if (T <= 0 || S < 2 || piece <= target::kMaxVerifyTokens) return;
   // The last slot takes a fresh prompt in pieces: as many steps as its length allows.
-  const int32_t last = static_cast<int32_t>(S - 1);
   const int64_t fit = std::min<int64_t>(steps + 1, dec.max_len() / piece - 1);
   if (fit < 2) {
     std::printf("%6s no mixed-step profile: a %lld-token piece fits the %lld-token slot fewer than 3 times\n", "",
                 static_cast<long long>(piece), static_cast<long long>(dec.max_len()));
     return;
   }
-  dec.reset(last);
-  const std::vector<int32_t>& src = reqs[static_cast<size_t>(last)].prompt;
+  dec.reset(static_cast<int32_t>(S - 1));
+  const std::vector<int32_t>& src = reqs[static_cast<size_t>(S - 1)].prompt;
   int64_t at = 0;
-  std::vector<int32_t> rows(all.begin(), all.end() - 1);
-  rows.push_back(last);
   print_profile(model,
                 ("a mixed step (" + std::to_string(S - 1) + " decode rows + a " + std::to_string(piece) + "-token piece)").c_str(),
                 fit - 1, [&] {
-                  std::vector<std::vector<int32_t>> toks;
-                  for (int64_t s = 0; s + 1 < S; ++s) toks.push_back({next[static_cast<size_t>(s)]});
                   std::vector<int32_t> p;
                   for (int64_t i = 0; i < piece; ++i, ++at) p.push_back(src[static_cast<size_t>(at % static_cast<int64_t>(src.size()))]);
-                  toks.push_back(std::move(p));
-                  const target::ExtendResult r = dec.extend(rows, toks, eo);
-                  for (int64_t s = 0; s + 1 < S; ++s) next[static_cast<size_t>(s)] = r.next[static_cast<size_t>(s)];
+                  step(S - 1, std::move(p));
                 });
 }
 

@@ -189,7 +189,7 @@ int main(int argc, char** argv) {
     auto step_bytes = [&](double occ) {
       const int64_t lo = std::max<int64_t>(1, static_cast<int64_t>(occ));
       const bench::StepBytes a = bench::target_step_bytes(rt.local_config(), prec, lo, 1, ctx, fp8_experts);
-      const bench::StepBytes b = bench::target_step_bytes(rt.local_config(), prec, lo + 1, 1, ctx);
+      const bench::StepBytes b = bench::target_step_bytes(rt.local_config(), prec, lo + 1, 1, ctx, fp8_experts);
       const double f = std::max(0.0, occ - static_cast<double>(lo));
       return bench::StepBytes{a.weights + f * (b.weights - a.weights), a.state + f * (b.state - a.state), a.kv + f * (b.kv - a.kv)};
     };

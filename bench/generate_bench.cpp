@@ -91,21 +91,25 @@ void profile_point(target::CudaTargetModel& model, target::Decoder& dec, const s
   print_profile(model, ("a decode step of " + std::to_string(S) + " sequences").c_str(), steps, [&] { step(S, {}); });
   const int64_t piece = T - (S - 1);
   if (T <= 0 || S < 2 || piece <= target::kMaxVerifyTokens) return;
-  // The last slot takes a fresh prompt in pieces: as many steps as its length allows.
-  const int64_t fit = std::min<int64_t>(steps + 1, dec.max_len() / piece - 1);
-  if (fit < 2) {
-    std::printf("%6s no mixed-step profile: a %lld-token piece fits the %lld-token slot fewer than 3 times\n", "",
+  // The last slot takes a prompt in pieces, its context growing piece by piece; when the next piece would not
+  // fit the slot, the slot starts over (the steps' contexts then average over 0 .. max_len).
+  if (piece > dec.max_len()) {
+    std::printf("%6s no mixed-step profile: a %lld-token piece does not fit the %lld-token slot\n", "",
                 static_cast<long long>(piece), static_cast<long long>(dec.max_len()));
     return;
   }
-  dec.reset(static_cast<int32_t>(S - 1));
   const std::vector<int32_t>& src = reqs[static_cast<size_t>(S - 1)].prompt;
-  int64_t at = 0;
+  int64_t at = 0, used = dec.max_len();
   print_profile(model,
                 ("a mixed step (" + std::to_string(S - 1) + " decode rows + a " + std::to_string(piece) + "-token piece)").c_str(),
-                fit - 1, [&] {
+                steps, [&] {
+                  if (used + piece > dec.max_len()) {
+                    dec.reset(static_cast<int32_t>(S - 1));
+                    used = 0;
+                  }
                   std::vector<int32_t> p;
                   for (int64_t i = 0; i < piece; ++i, ++at) p.push_back(src[static_cast<size_t>(at % static_cast<int64_t>(src.size()))]);
+                  used += piece;
                   step(S - 1, std::move(p));
                 });
 }

@@ -680,29 +680,35 @@ void bench_decode(Ctx& ctx, bool quick) {
   }
 
   // Conv update, GatedDeltaNet q|k|v channels (C 10240, K 4, SiLU), x strided as the in-projection's
-  // output (ldx 16480). GB/s counts state read + write and x read + y write.
+  // output (ldx 16480): decode / verify steps (B sequences of T tokens) and chunked-prefill steps (63
+  // decode rows and a prompt piece of 193 or 961 tokens: the runs kernel's shapes). GB/s counts state
+  // read + write and x read + y write.
   if (wanted("conv")) {
+    std::vector<cases::ConvUpdateCase> convs;
     for (int64_t B : {int64_t{1}, int64_t{8}, int64_t{64}})
-      for (int64_t T : {int64_t{1}, int64_t{16}}) {
-        const cases::ConvUpdateCase c = cases::conv_update_perf_case(B, T);
-        const double bytes = c.bytes();
-        const int sets = rotation_sets(ctx, bytes);
-        const cases::ConvUpdateData data = cases::draw(c, kCaseSeed, sets);
-        struct Run {
-          const cases::Variant<cuda::ConvUpdateParams>& variant;
-          Tensor state, y;
-          int next = 0;
-        };
-        Run fb{cases::kConvUpdateFallback, data.state0.clone(), Tensor::empty({c.N(), c.C}, DType::BF16, dev)};
-        Run fa{cases::kConvUpdateFast, data.state0.clone(), Tensor::empty({c.N(), c.C}, DType::BF16, dev)};
-        auto call = [&](Run& r) {
-          r.variant.launch(data.params(c, r.y.raw_data(), r.state.raw_data(), r.next++ % sets), ctx.stream);
-        };
-        std::vector<Provider> prov = {{fb.variant.name, [&] { call(fb); }, [&] { return fb.y; }},
-                                      {fa.variant.name, [&] { call(fa); }, [&] { return fa.y; }}};
-        measure(ctx, "decode", "causal_conv1d_update", c.shape, prov, c.y_bound, {{"bandwidth", "GB/s", bytes / 1e9}});
-        measure_graph(ctx, "causal_conv1d_update", c.shape, {prov[1]}, {{"bandwidth", "GB/s", bytes / 1e9}});
-      }
+      for (int64_t T : {int64_t{1}, int64_t{16}}) convs.push_back(cases::conv_update_perf_case(B, T));
+    for (int64_t T : {int64_t{193}, int64_t{961}}) convs.push_back(cases::conv_update_piece_perf_case(64, T));
+    for (const cases::ConvUpdateCase& c : convs) {
+      const double bytes = c.bytes();
+      const int sets = rotation_sets(ctx, bytes);
+      const cases::ConvUpdateData data = cases::draw(c, kCaseSeed, sets);
+      struct Run {
+        const cases::Variant<cuda::ConvUpdateParams>& variant;
+        Tensor state, y;
+        int next = 0;
+      };
+      Run fb{cases::kConvUpdateFallback, data.state0.clone(), Tensor::empty({c.N(), c.C}, DType::BF16, dev)};
+      Run fa{cases::kConvUpdateFast, data.state0.clone(), Tensor::empty({c.N(), c.C}, DType::BF16, dev)};
+      Run ru{cases::kConvUpdateRuns, data.state0.clone(), Tensor::empty({c.N(), c.C}, DType::BF16, dev)};
+      auto call = [&](Run& r) {
+        r.variant.launch(data.params(c, r.y.raw_data(), r.state.raw_data(), r.next++ % sets), ctx.stream);
+      };
+      std::vector<Provider> prov = {{fb.variant.name, [&] { call(fb); }, [&] { return fb.y; }},
+                                    {fa.variant.name, [&] { call(fa); }, [&] { return fa.y; }},
+                                    {ru.variant.name, [&] { call(ru); }, [&] { return ru.y; }}};
+      measure(ctx, "decode", "causal_conv1d_update", c.shape, prov, c.y_bound, {{"bandwidth", "GB/s", bytes / 1e9}});
+      measure_graph(ctx, "causal_conv1d_update", c.shape, {prov[1]}, {{"bandwidth", "GB/s", bytes / 1e9}});
+    }
   }
 
   // Attention over a KV cache (the op-case table's decode_attention_perf_case): the target (Hq 24,

@@ -227,6 +227,24 @@ class CudaDecoder final : public Decoder {
     ids.resize(static_cast<size_t>(rows), 0);
     pos.resize(static_cast<size_t>(rows), 0);
 
+    // Chunked prefill (generate.h step_tokens): prompt pieces after the decode rows (DecodeStep::piece_from)
+    // run the chunked delta rule from their slots' states, the token-parallel conv and an attention call of
+    // their own, not the decode kernels that walk a sequence's tokens one by one.
+    std::vector<int32_t> piece_cu;
+    if (!step.prefill && opt.commit && b.max_seqlen > kMaxVerifyTokens) {
+      // The leading one-token rows are decode rows (the pool kernel); every row from the first longer one
+      // on is a piece, one-token pieces included (generate.h cuts the last piece wherever the budget
+      // ends, and a prompt's last token may follow a longer piece).
+      int64_t from = 0;
+      while (from < S && tokens[static_cast<size_t>(from)].size() == 1) ++from;
+      if (from < S) {
+        step.piece_from = from;
+        step.piece_row0 = b.offsets[from];
+        for (int64_t s2 = from; s2 < S; ++s2)
+          step.piece_max_new = std::max<int64_t>(step.piece_max_new, static_cast<int64_t>(tokens[static_cast<size_t>(s2)].size()));
+        for (int64_t s2 = from; s2 <= S; ++s2) piece_cu.push_back(static_cast<int32_t>(b.offsets[s2] - b.offsets[from]));
+      }
+    }
     // Kept rows: all new tokens, or each slot's last one.
     ExtendResult r;
     r.offsets = {0};
@@ -237,9 +255,11 @@ class CudaDecoder final : public Decoder {
       r.offsets.push_back(static_cast<int64_t>(keep.size()));
     }
     const int64_t R = static_cast<int64_t>(keep.size());
-    // The lm_head: a prefill's kept rows alone (gathered when that is not every row: last_only); a
-    // decode step's every (padded) row, the same GEMM shape for T = 1 and T = 16 (batch invariance).
-    const bool gather_head = step.prefill && R < N;
+    // The lm_head: a prefill's or a step with prompt pieces' kept rows alone (gathered when that is not
+    // every row: last_only; a 1,024-row step's lm_head at the 27B shapes is 2.6 TFLOP and 1 GB of fp32
+    // logits, where its kept rows are one a sequence); a decode
+    // step's every (padded) row, the same GEMM shape for T = 1 and T = 16 (batch invariance).
+    const bool gather_head = (step.prefill || step.piece_from >= 0) && R < N;
     const int64_t M = gather_head ? R : rows;
     auto head_row = [&](int64_t j) -> int64_t { return gather_head ? j : keep[static_cast<size_t>(j)]; };
     // Sampling: lm_head row m is drawn with its slot's stream at its token's position (pad rows:
@@ -268,21 +288,6 @@ class CudaDecoder final : public Decoder {
     const size_t o_past = st.add(past), o_keep = st.add(keep), o_streams = st.add(streams), o_positions = st.add(positions);
     step.real_tokens = N;
     step.max_new = b.max_seqlen;
-    // Chunked prefill (generate.h step_tokens): prompt pieces after the decode rows run the chunked
-    // delta rule from their slots' states (DecodeStep::piece_from), not the pool kernel token by token.
-    std::vector<int32_t> piece_cu;
-    if (!step.prefill && opt.commit && step.max_new > kMaxVerifyTokens) {
-      // The leading one-token rows are decode rows (the pool kernel); every row from the first longer one
-      // on is a piece, one-token pieces included (generate.h cuts the last piece wherever the budget
-      // ends, and a prompt's last token may follow a longer piece).
-      int64_t from = 0;
-      while (from < S && tokens[static_cast<size_t>(from)].size() == 1) ++from;
-      if (from < S) {
-        step.piece_from = from;
-        step.piece_row0 = b.offsets[from];
-        for (int64_t s2 = from; s2 <= S; ++s2) piece_cu.push_back(static_cast<int32_t>(b.offsets[s2] - b.offsets[from]));
-      }
-    }
     const size_t o_piece_cu = st.add(piece_cu);
     int64_t key_bound = 0;
     if (!step.prefill) {

@@ -506,7 +506,7 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   // The conv update on the slots' conv states: the decode step's conv, and after a prefill the
   // state update from the prompts' last K-1 inputs (its outputs unused).
   auto conv_update = [&](const void* x, int64_t ldx, int64_t rows, const int32_t* cu, void* y, bool update) {
-    const ConvUpdateCall call{x, ldx, y, ds->slots, cu, b.num_seqs, rows, ds->num_slots, update};
+    const ConvUpdateCall call{x, ldx, y, ds->slots, cu, b.num_seqs, rows, ds->num_slots, update, ds->piece_from >= 0};
     timed(ForwardOp::GdnConv, [&] { run_conv_update(c, L, *dl, call, *ds->counters, stream_); });
   };
   if (ds && !ds->prefill) {
@@ -643,7 +643,8 @@ void run_conv_update(const TargetConfig& c, const LayerWeights& L, const DecodeL
   up.silu = true;
   up.update_state = call.update;
   const StepPlan& st = dl.plan->step(Step::ConvUpdate);
-  if (st.path == Path::Fast) cuda::causal_conv1d_update_fast(up, stream);
+  if (st.path == Path::Fast && call.pieces) cuda::causal_conv1d_update_runs(up, stream);
+  else if (st.path == Path::Fast) cuda::causal_conv1d_update_fast(up, stream);
   else cuda::causal_conv1d_update_fallback(up, stream);
   counters.add(Step::ConvUpdate, st.path);
 }
@@ -775,58 +776,82 @@ void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatc
   ap.d = d;
   ap.scale = 1.0f / std::sqrt(static_cast<float>(d));
   DecodeStep* ds = decode_;
-  if (ds) {  // the new K / V into the slots' caches (a verify's are overwritten by the next extend)
+  // A decode step's sequences [s0, s1) from row `row0` (their rows up to `rows`, cu_seqlens `cu` counted
+  // from row0, at most `max_new` tokens each): the K / V append, then the attention over the cache.
+  // A step with prompt pieces makes two calls (the decode rows, then the pieces; DecodeStep::piece_from).
+  struct Part {
+    int64_t s0, s1, row0, rows, max_new;
+    const int32_t* cu;
+    bool absolute_splits;
+  };
+  auto rows_at = [](const void* base, int64_t row0, int64_t ld) { return static_cast<const char*>(base) + row0 * ld * 2; };
+  auto append = [&](const Part& pt) {
     DecodeLayer& dl = (*ds->layers)[static_cast<size_t>(i)];
     cuda::KvAppendParams kp;
-    kp.k = ap.k;
+    kp.k = rows_at(ap.k, pt.row0, P);
     kp.ldk = P;
-    kp.v = ap.v;
+    kp.v = rows_at(ap.v, pt.row0, P);
     kp.ldv = P;
     kp.k_cache = dl.k_cache;
     kp.v_cache = dl.v_cache;
-    kp.slots = ds->slots;
-    kp.past_len = ds->past_len;
-    kp.cu_seqlens = ap.cu_seqlens;
-    kp.num_seqs = b.num_seqs;
-    kp.N = ds->real_tokens;
+    kp.slots = ds->slots + pt.s0;
+    kp.past_len = ds->past_len + pt.s0;
+    kp.cu_seqlens = pt.cu;
+    kp.num_seqs = pt.s1 - pt.s0;
+    kp.N = pt.rows;
     kp.Hkv = Hkv;
     kp.d = d;
     kp.max_len = ds->max_len;
     kp.num_slots = ds->num_slots;
-    kp.max_new = ds->max_new;
+    kp.max_new = pt.max_new;
     timed(ForwardOp::Attention, [&] { cuda::kv_cache_append(kp, stream_); });
-  }
-  if (ds && !ds->prefill) {
+  };
+  auto attend = [&](const Part& pt) {
     DecodeLayer& dl = (*ds->layers)[static_cast<size_t>(i)];
     cuda::AttentionDecodeParams adp;
-    adp.q = ap.q;
+    adp.q = rows_at(ap.q, pt.row0, Hq * d);
     adp.k_cache = dl.k_cache;
     adp.v_cache = dl.v_cache;
-    adp.out = ap.out;
-    adp.slots = ds->slots;
-    adp.past_len = ds->past_len;
-    adp.cu_seqlens = ap.cu_seqlens;
-    adp.num_seqs = b.num_seqs;
-    adp.N = ds->real_tokens;
+    adp.out = const_cast<char*>(rows_at(ap.out, pt.row0, Hq * d));
+    adp.slots = ds->slots + pt.s0;
+    adp.past_len = ds->past_len + pt.s0;
+    adp.cu_seqlens = pt.cu;
+    adp.num_seqs = pt.s1 - pt.s0;
+    adp.N = pt.rows;
     adp.Hq = Hq;
     adp.Hkv = Hkv;
     adp.d = d;
     adp.max_len = ds->max_len;
     adp.num_slots = ds->num_slots;
-    adp.max_new = ds->max_new;
+    adp.max_new = pt.max_new;
     adp.causal = true;
     adp.window = 0;
     adp.scale = ap.scale;
     adp.workspace = ds->attn_workspace;
     adp.workspace_bytes = ds->attn_workspace_bytes;
-    adp.split_keys = ds->split_keys;
-    adp.key_bound = ds->key_bound;
+    // Decode and verify rows: absolute key splits (batch invariance); prompt pieces: splits for speed
+    // (a prefill's values are not the decode steps' either way).
+    adp.split_keys = pt.absolute_splits ? ds->split_keys : 0;
+    adp.key_bound = pt.absolute_splits ? ds->key_bound : 0;
     const StepPlan& st = dl.plan->step(Step::AttentionDecode);
     timed(ForwardOp::Attention, [&] {
       if (st.path == Path::Fast) cuda::attention_decode_fast(adp, stream_);
       else cuda::attention_decode_fallback(adp, stream_);
     });
     ds->counters->add(Step::AttentionDecode, st.path);
+  };
+  std::vector<Part> parts;
+  if (ds && !ds->prefill && ds->piece_from >= 0) {
+    if (ds->piece_from > 0) parts.push_back({0, ds->piece_from, 0, ds->piece_row0, 1, ap.cu_seqlens, true});
+    parts.push_back({ds->piece_from, b.num_seqs, ds->piece_row0, ds->real_tokens - ds->piece_row0, ds->piece_max_new,
+                     ds->piece_cu, false});
+  } else if (ds) {
+    parts.push_back({0, b.num_seqs, 0, ds->real_tokens, ds->max_new, ap.cu_seqlens, true});
+  }
+  // The new K / V into the slots' caches (a verify's are overwritten by the next extend).
+  for (const Part& pt : parts) append(pt);
+  if (ds && !ds->prefill) {
+    for (const Part& pt : parts) attend(pt);
   } else {
     const StepPlan& st = lp.step(Step::Attention);
     timed(ForwardOp::Attention, [&] {

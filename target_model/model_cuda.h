@@ -139,8 +139,11 @@ struct DecodeStep {
   // num_seqs) are prompt pieces (more than one token each, one of them more than 16) after one-token
   // decode rows, their delta rule runs the chunked prefill kernel from copies of their slots' states
   // (written back after) instead of the pool kernel, which walks a sequence's tokens one by one.
-  // -1: none. piece_cu: device [num_seqs - piece_from + 1], rows counted from piece_row0.
-  int64_t piece_from = -1, piece_row0 = 0;
+  // -1: none. piece_cu: device [num_seqs - piece_from + 1], rows counted from piece_row0. The pieces'
+  // conv runs parallel over tokens (ConvUpdateCall::pieces), and their attention is a call of its own
+  // (up to piece_max_new tokens a sequence, splits chosen for speed) after the decode rows' (one token
+  // each, the absolute splits): the decode kernels size their grids by the longest sequence.
+  int64_t piece_from = -1, piece_row0 = 0, piece_max_new = 0;
   const int32_t* piece_cu = nullptr;
 };
 
@@ -155,6 +158,9 @@ struct ConvUpdateCall {
   const int32_t* cu_seqlens = nullptr;
   int64_t num_seqs = 0, rows = 0, num_slots = 0;
   bool update = true;
+  // A step with prompt pieces (DecodeStep::piece_from >= 0): the token-parallel kernel on the fast
+  // path (causal_conv1d_update_runs), not the vec8 one that walks a sequence's tokens in one thread.
+  bool pieces = false;
 };
 void run_conv_update(const TargetConfig& c, const LayerWeights& L, const DecodeLayer& dl, const ConvUpdateCall& call,
                      PathCounters& counters, void* stream);

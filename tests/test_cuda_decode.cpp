@@ -68,6 +68,7 @@ struct Launchers {
 TEST(CudaDecode, ConvUpdateFastAndFallbackMatchCpu) {
   DFLASH_REQUIRE_GPU();
   double worst_fast = 0, worst_fb = 0;
+  int runs_checked = 0;
   uint64_t seed = 9000;
   for (const cases::ConvUpdateCase& c : cases::conv_update_check_cases()) {
     SCOPED_TRACE(c.describe());
@@ -93,8 +94,29 @@ TEST(CudaDecode, ConvUpdateFastAndFallbackMatchCpu) {
     EXPECT_LT(ef, c.y_bound) << "fast";
     EXPECT_EQ(max_rel_err(yf, yfb), 0.0) << "fast vs fallback";
     EXPECT_EQ(max_rel_err(sf, ref.state), 0.0) << "fast state";
+    // The token-parallel kernel (prompt pieces): the same values and states bit for bit.
+    Tensor yr, sr;
+    run(cases::kConvUpdateRuns, yr, sr);
+    EXPECT_EQ(max_rel_err(yr, yfb), 0.0) << "runs vs fallback";
+    EXPECT_EQ(max_rel_err(sr, ref.state), 0.0) << "runs state";
+    ++runs_checked;
   }
-  std::printf("causal_conv1d_update: worst normalised error vs CPU: fast %.3g, fallback %.3g\n", worst_fast, worst_fb);
+  // Every run length through the runs kernel's sequence boundaries (tuning knob): 8 .. 512 tokens a thread.
+  for (int R : {8, 16, 512}) {
+    const cases::ConvUpdateCase c{"", {1, 1, 300, 1, 2, 0, 77}, 160, 4, 176, true, true, 2};
+    SCOPED_TRACE(c.describe() + " R " + std::to_string(R));
+    const cases::ConvUpdateData data = cases::draw(c, seed++);
+    const cases::ConvUpdateData::Ref ref = data.reference(c);
+    Tensor yr = gpu_out({c.N(), c.C}, DType::BF16), sr = data.state0.clone();
+    cuda::tuning::conv_tokens_per_thread = R;
+    cases::kConvUpdateRuns.launch(data.params(c, yr.raw_data(), sr.raw_data()), stream0());
+    cuda::tuning::conv_tokens_per_thread = 0;
+    EXPECT_LT(max_rel_err(yr, ref.y), c.y_bound) << "runs";
+    EXPECT_EQ(max_rel_err(sr, ref.state), 0.0) << "runs state";
+  }
+  EXPECT_GT(runs_checked, 100);
+  std::printf("causal_conv1d_update: worst normalised error vs CPU: fast %.3g, fallback %.3g; runs == fallback on %d cases\n",
+              worst_fast, worst_fb, runs_checked);
 }
 
 TEST(CudaDecode, ConvUpdateRejectsBadSizes) {
@@ -105,6 +127,12 @@ TEST(CudaDecode, ConvUpdateRejectsBadSizes) {
   Tensor y = Tensor::empty({4, 64}, DType::BF16, Device::cuda(0)), st = data.state0.clone();
   const cuda::ConvUpdateParams p = data.params(c, y.raw_data(), st.raw_data());
   EXPECT_NO_THROW(cuda::causal_conv1d_update_fast(p, stream0()));
+  EXPECT_NO_THROW(cuda::causal_conv1d_update_runs(p, stream0()));
+  {  // the runs kernel takes the vec8 kernel's shapes only
+    const Launchers<cuda::ConvUpdateParams> runs{cuda::causal_conv1d_update_runs, cuda::causal_conv1d_update_fallback, p};
+    runs.rejects([](cuda::ConvUpdateParams& q) { q.K = 5; }, true);
+    runs.rejects([&](cuda::ConvUpdateParams& q) { q.x = at_bf16(data.x, 1); q.C = 56; }, true);
+  }
   const Launchers<cuda::ConvUpdateParams> op{cuda::causal_conv1d_update_fast, cuda::causal_conv1d_update_fallback, p};
   op.rejects([](cuda::ConvUpdateParams& q) { q.K = 5; }, true);
   op.rejects([](cuda::ConvUpdateParams& q) { q.C = 60; }, true);

@@ -179,37 +179,45 @@ TEST(CudaDecoder, MixedStepsOfDecodeRowsAndPromptPiecesMatchTheCpuReference) {
   DFLASH_REQUIRE_GPU();
   const TargetConfig c = real_dims();
   TargetModel cpu(c, bf16_random_weights_f32(c, 3));
-  Gpu g(c, KernelPolicy::Auto, 4, 128);
-  auto ref = make_cpu_decoder(cpu, 4, 128);
-  ExtendOptions eo;
-  eo.capture = {0, c.num_hidden_layers - 1};
-  eo.logits = true;
-  Agreement agree;
-  const std::vector<int32_t> a = random_tokens(30, c.vocab_size, 21), b = random_tokens(40, c.vocab_size, 22),
-                             p = random_tokens(55, c.vocab_size, 23);
-  const std::vector<int32_t> p0(p.begin(), p.begin() + 20), p1(p.begin() + 20, p.end());
-  const std::vector<std::vector<int32_t>> first{a, p0};
-  agree.add(g.dec->extend({0, 2}, first, eo), ref->extend({0, 2}, first, eo), "prefill");
-  // Slots 1 and 3 are empty: their pieces start their prompts; slot 3's is one token after the longer pieces.
-  const std::vector<std::vector<int32_t>> mixed{{a.back()}, b, p1, {random_tokens(1, c.vocab_size, 24)[0]}};
-  agree.add(g.dec->extend({0, 1, 2, 3}, mixed, eo), ref->extend({0, 1, 2, 3}, mixed, eo), "mixed step");
-  for (int64_t i = 0; i < 4; ++i) {
-    std::vector<std::vector<int32_t>> toks;
-    for (int32_t sl = 0; sl < 4; ++sl) toks.push_back({random_tokens(1, c.vocab_size, 300 + 4 * i + sl)[0]});
-    agree.add(g.dec->extend({0, 1, 2, 3}, toks, eo), ref->extend({0, 1, 2, 3}, toks, eo), "decode");
+  // Every row kept, then each sequence's last row alone (last_only: the mixed step's lm_head gathers
+  // its kept rows, as a prefill's).
+  for (bool last_only : {false, true}) {
+    SCOPED_TRACE(last_only ? "last_only" : "every row");
+    Gpu g(c, KernelPolicy::Auto, 4, 128);
+    auto ref = make_cpu_decoder(cpu, 4, 128);
+    ExtendOptions eo;
+    eo.capture = {0, c.num_hidden_layers - 1};
+    eo.logits = true;
+    eo.last_only = last_only;
+    Agreement agree;
+    const std::vector<int32_t> a = random_tokens(30, c.vocab_size, 21), b = random_tokens(40, c.vocab_size, 22),
+                               p = random_tokens(55, c.vocab_size, 23);
+    const std::vector<int32_t> p0(p.begin(), p.begin() + 20), p1(p.begin() + 20, p.end());
+    const std::vector<std::vector<int32_t>> first{a, p0};
+    agree.add(g.dec->extend({0, 2}, first, eo), ref->extend({0, 2}, first, eo), "prefill");
+    // Slots 1 and 3 are empty: their pieces start their prompts; slot 3's is one token after the longer pieces.
+    const std::vector<std::vector<int32_t>> mixed{{a.back()}, b, p1, {random_tokens(1, c.vocab_size, 24)[0]}};
+    const ExtendResult mg = g.dec->extend({0, 1, 2, 3}, mixed, eo);
+    EXPECT_EQ(mg.next.size(), last_only ? 4u : 1u + 40u + 35u + 1u);
+    agree.add(mg, ref->extend({0, 1, 2, 3}, mixed, eo), "mixed step");
+    for (int64_t i = 0; i < 4; ++i) {
+      std::vector<std::vector<int32_t>> toks;
+      for (int32_t sl = 0; sl < 4; ++sl) toks.push_back({random_tokens(1, c.vocab_size, 300 + 4 * i + sl)[0]});
+      agree.add(g.dec->extend({0, 1, 2, 3}, toks, eo), ref->extend({0, 1, 2, 3}, toks, eo), "decode");
+    }
+    EXPECT_EQ(g.dec->length(1), 44);
+    EXPECT_EQ(g.dec->length(2), 59);
+    EXPECT_EQ(g.dec->length(3), 5);
+    std::printf("mixed steps vs cpu reference (%s): logits %.2e, features %.2e, %lld of %lld argmax rows clear; %s\n",
+                last_only ? "last_only" : "every row", agree.logits, agree.features, static_cast<long long>(agree.clear),
+                static_cast<long long>(agree.rows), g.dec->kernels_run().c_str());
+    EXPECT_LE(agree.logits, kLogitsBound);
+    EXPECT_LE(agree.features, kBf16Bound);
+    EXPECT_NE(g.dec->kernels_run().find("a step with a prompt piece"), std::string::npos) << g.dec->kernels_run();
+    // The pieces ran the chunked delta rule from their slots' states (DecodeStep::piece_from).
+    EXPECT_EQ(g.dec->kernels_run().find("delta_rule fast 0 fallback 0"), std::string::npos) << g.dec->kernels_run();
+    EXPECT_EQ(g.dec->graph_stats().capture_failures, 0u);
   }
-  EXPECT_EQ(g.dec->length(1), 44);
-  EXPECT_EQ(g.dec->length(2), 59);
-  EXPECT_EQ(g.dec->length(3), 5);
-  std::printf("mixed steps vs cpu reference: logits %.2e, features %.2e, %lld of %lld argmax rows clear; %s\n", agree.logits,
-              agree.features, static_cast<long long>(agree.clear), static_cast<long long>(agree.rows),
-              g.dec->kernels_run().c_str());
-  EXPECT_LE(agree.logits, kLogitsBound);
-  EXPECT_LE(agree.features, kBf16Bound);
-  EXPECT_NE(g.dec->kernels_run().find("a step with a prompt piece"), std::string::npos) << g.dec->kernels_run();
-  // The pieces ran the chunked delta rule from their slots' states (DecodeStep::piece_from).
-  EXPECT_EQ(g.dec->kernels_run().find("delta_rule fast 0 fallback 0"), std::string::npos) << g.dec->kernels_run();
-  EXPECT_EQ(g.dec->graph_stats().capture_failures, 0u);
 }
 
 TEST(CudaDecoder, VerifyRowsEqualDecodeStepsBitForBit) {

@@ -349,6 +349,7 @@ std::vector<RuleCase> rule_perf_cases(bool quick) {
 
 // ---- causal_conv1d_update ------------------------------------------------------------------------
 const Variant<cuda::ConvUpdateParams> kConvUpdateFast{"fast", cuda::causal_conv1d_update_fast};
+const Variant<cuda::ConvUpdateParams> kConvUpdateRuns{"runs", cuda::causal_conv1d_update_runs};
 const Variant<cuda::ConvUpdateParams> kConvUpdateFallback{"fallback", cuda::causal_conv1d_update_fallback};
 
 int64_t ConvUpdateCase::N() const { return sum(lens); }
@@ -410,12 +411,24 @@ std::vector<ConvUpdateCase> conv_update_check_cases() {
          {std::vector<int64_t>{1}, std::vector<int64_t>(8, 1), {16, 1, 5, 2}, {0, 3}, {2, 9}})
       for (int64_t K = 1; K <= 5; ++K)
         for (bool update : {true, false}) cases.push_back({"", lens, C, K, C + 16, update, update, 3});
+  // Chunked-prefill steps (decode rows, then prompt pieces: the runs kernel's case): pieces longer than
+  // a run, a piece of one token after a longer one, an empty sequence, pieces shorter than K - 1.
+  for (int64_t C : {24, 160, 10240})
+    for (const std::vector<int64_t>& lens : {std::vector<int64_t>{1, 1, 300, 1}, {1, 2, 37, 0, 129}, {2, 1}})
+      for (int64_t K = 1; K <= 4; ++K)
+        for (bool update : {true, false}) cases.push_back({"", lens, C, K, C + 16, update, update, 2});
   return cases;
 }
 
 ConvUpdateCase conv_update_perf_case(int64_t B, int64_t T) {
   return {std::string("B") + str(B) + " T" + str(T) + " C10240 K4", std::vector<int64_t>(static_cast<size_t>(B), T), 10240, 4,
           16480, true, true, 0};
+}
+
+ConvUpdateCase conv_update_piece_perf_case(int64_t B, int64_t T) {
+  std::vector<int64_t> lens(static_cast<size_t>(B - 1), 1);
+  lens.push_back(T);
+  return {std::string("B") + str(B - 1) + " T1 + piece T" + str(T) + " C10240 K4", lens, 10240, 4, 16480, true, true, 0};
 }
 
 // ---- gated_delta_rule_pool -----------------------------------------------------------------------

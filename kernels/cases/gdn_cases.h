@@ -160,7 +160,7 @@ struct ConvUpdateCase {
   std::string describe() const;
   bool fast_ok() const;
 };
-extern const Variant<cuda::ConvUpdateParams> kConvUpdateFast, kConvUpdateFallback;
+extern const Variant<cuda::ConvUpdateParams> kConvUpdateFast, kConvUpdateRuns, kConvUpdateFallback;
 
 struct ConvUpdateData {
   ops::SeqOffsets seqs;
@@ -178,6 +178,8 @@ std::vector<ConvUpdateCase> conv_update_check_cases();
 // kernel_bench's decode shape: B sequences of T tokens, the 27B q|k|v channels (C 10240, K 4)
 // strided as the in-projection's output (ldx 16480).
 ConvUpdateCase conv_update_perf_case(int64_t B, int64_t T);
+// A chunked-prefill step of the same channels: B - 1 decode rows and one prompt piece of T tokens.
+ConvUpdateCase conv_update_piece_perf_case(int64_t B, int64_t T);
 
 // ---- gated_delta_rule_pool: the delta rule of decode / verify tokens on a pool of states --------
 struct PoolCase {

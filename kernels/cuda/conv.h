@@ -48,6 +48,12 @@ struct ConvUpdateParams {
 // 16-byte loads and stores. Needs C % 8 == 0, ldx % 8 == 0, K in [1, 4], 16-byte aligned x / y / state.
 void causal_conv1d_update_fast(const ConvUpdateParams& p, Stream s);
 bool causal_conv1d_update_fast_supported(int64_t C, int64_t K);
+// The same results (y and new states, bit for bit) parallel over tokens, for steps with long
+// sequences (a chunked prefill's prompt pieces: the vec8 kernel walks a sequence's tokens in one
+// thread, ~0.63 ms for a 961-token piece at C 10240 on an H100): the prefill kernel's runs of tokens
+// with each sequence's first K-1 window rows read from its slot, then (update_state) one thread per
+// (sequence, 8 channels) writes the states. Two launches; the shapes and alignment of the vec8 kernel.
+void causal_conv1d_update_runs(const ConvUpdateParams& p, Stream s);
 // One thread per (sequence, channel); any C and K, any alignment.
 void causal_conv1d_update_fallback(const ConvUpdateParams& p, Stream s);
 // The kernel the fast path names for this shape ("vec8" or "fallback").
@@ -57,6 +63,10 @@ namespace detail {
 // The shape checks of the two vec8 launchers (gdn_conv.cu): C % 8 == 0, K in [1, 4] and 16-byte rows
 // (ldx % 8 == 0); the message of `op` names `fallback` as the launcher that takes any shape.
 void check_conv_vec8_shape(const char* op, int64_t C, int64_t K, int64_t ldx, const char* fallback);
+// causal_conv1d_fast's kernel over p's rows with the slots' conv states ([num_slots, K-1, C], read
+// only) as the sequences' initial windows (causal_conv1d_update_runs' first launch; p checked there).
+void causal_conv1d_runs_with_states(const ConvParams& p, const void* state, const int32_t* slots, int64_t num_slots,
+                                    Stream s);
 }  // namespace detail
 
 }  // namespace dflash::cuda

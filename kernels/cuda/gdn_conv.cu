@@ -83,12 +83,17 @@ __device__ __forceinline__ int64_t find_sequence(const int32_t* __restrict__ cu,
 
 // Thread (group g = 8 channels, run r = tokens [r·R, min((r+1)·R, N))). Threads x: channel groups
 // (fastest, so a warp reads a contiguous stretch of a row), y: runs.
-template <int K>
+// With kState (causal_conv1d_update_runs: prompt pieces continuing from their slots), the rows before
+// a sequence's first token are its slot's conv state rows (state [num_slots, K-1, C], read only)
+// instead of zeros; a slot outside [0, num_slots) reads zeros.
+template <int K, bool kState>
 __global__ void __launch_bounds__(256, 2) causal_conv1d_fast_kernel(const __nv_bfloat16* __restrict__ x, int64_t ldx,
                                                                  const __nv_bfloat16* __restrict__ w,
                                                                  __nv_bfloat16* __restrict__ y,
                                                                  const int32_t* __restrict__ cu, int64_t num_seqs,
-                                                                 int64_t N, int64_t C, int R, bool silu) {
+                                                                 int64_t N, int64_t C, int R, bool silu,
+                                                                 const __nv_bfloat16* __restrict__ state,
+                                                                 const int32_t* __restrict__ slots, int64_t num_slots) {
   const int64_t groups = C / 8;
   const int64_t g = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   const int64_t run = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -107,28 +112,35 @@ __global__ void __launch_bounds__(256, 2) causal_conv1d_fast_kernel(const __nv_b
   const int64_t seq_begin = __ldg(cu + s);
   int64_t seq_end = __ldg(cu + s + 1);
 
-  // win[j] = x[t - (K-1) + j] for the next token t (j < K-1), zero before the sequence start.
+  // Row r (< K-1) of sequence s's initial window: its slot's state row (kState), else zero.
+  auto initial_row = [&](int64_t seq, int r, float (&row)[8]) {
+    const int32_t slot = kState ? __ldg(slots + seq) : -1;
+    if (kState && slot >= 0 && slot < num_slots) {
+      unpack8(__ldg(reinterpret_cast<const uint4*>(state + (static_cast<int64_t>(slot) * (K - 1) + r) * C + c0)), row);
+    } else {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) row[c] = 0.0f;
+    }
+  };
+  // win[j] = x[t - (K-1) + j] for the next token t (j < K-1); before the sequence start, the
+  // initial window's rows.
   float win[K > 1 ? K - 1 : 1][8];
 #pragma unroll
   for (int j = 0; j < K - 1; ++j) {
     const int64_t src = t0 - (K - 1) + j;
-    if (src >= seq_begin) {
+    if (src >= seq_begin)
       unpack8(__ldg(reinterpret_cast<const uint4*>(x + src * ldx + c0)), win[j]);
-    } else {
-#pragma unroll
-      for (int c = 0; c < 8; ++c) win[j][c] = 0.0f;
-    }
+    else
+      initial_row(s, static_cast<int>(src - seq_begin + (K - 1)), win[j]);
   }
 
   // One output row: t's input is cur_raw; the window holds the K-1 rows before it.
   auto step = [&](int64_t t, const uint4& cur_raw) {
-    if (t == seq_end) {  // a new sequence starts at t: zeros before it (block-uniform branch)
-#pragma unroll
-      for (int j = 0; j < K - 1; ++j)
-#pragma unroll
-        for (int c = 0; c < 8; ++c) win[j][c] = 0.0f;
+    if (t == seq_end) {  // a new sequence starts at t: its initial window before it
       while (static_cast<int64_t>(__ldg(cu + s + 1)) <= t) ++s;
       seq_end = __ldg(cu + s + 1);
+#pragma unroll
+      for (int j = 0; j < K - 1; ++j) initial_row(s, j, win[j]);
     }
     float cur[8], out[8];
     unpack8(cur_raw, cur);
@@ -193,13 +205,12 @@ void detail::check_conv_vec8_shape(const char* op, int64_t C, int64_t K, int64_t
   DFLASH_CHECK(ldx % 8 == 0, op << ": row stride ldx " << ldx << " must be a multiple of 8 (16-byte rows)");
 }
 
-void causal_conv1d_fast(const ConvParams& p, Stream s) {
-  const char* op = "causal_conv1d_fast";
-  check_conv_common(p, op);
-  detail::check_conv_vec8_shape(op, p.C, p.K, p.ldx, "causal_conv1d_fallback");
-  if (p.N == 0) return;
-  DFLASH_CHECK(aligned16(p.x) && aligned16(p.y),
-               op << ": x and y must be 16-byte aligned (use causal_conv1d_fallback)");
+namespace {
+
+// The fast kernel over p's rows (runs of R tokens, R chosen below), with the slots' states as the
+// sequences' initial windows when `state` is set (causal_conv1d_update_runs), else zeros.
+void launch_conv_runs(const ConvParams& p, const void* state, const int32_t* slots, int64_t num_slots, Stream s) {
+  const char* op = state ? "causal_conv1d_update_runs" : "causal_conv1d_fast";
   const int64_t groups = p.C / 8;
   // Block: bx threads over channel groups (a warp reads a contiguous 512-byte stretch of a row) x
   // by runs. blocks(R) = gy · ceil(runs / by).
@@ -217,14 +228,14 @@ void causal_conv1d_fast(const ConvParams& p, Stream s) {
   // old rule (R = 64, 640 blocks = 2.4 waves) idled ~20% of the machine in the last wave.
   int R = tuning::conv_tokens_per_thread;
   if (R <= 0) {
-    const int64_t slots = resident_blocks(reinterpret_cast<const void*>(causal_conv1d_fast_kernel<4>), 256, 0, 0);
+    const int64_t slots_resident = resident_blocks(reinterpret_cast<const void*>(causal_conv1d_fast_kernel<4, false>), 256, 0, 0);
     constexpr int64_t kRamp = 16;
     int64_t best = -1;
     for (int64_t r = 8; r <= 512; r += 8) {
       int by = 1;
       int64_t gx = 0;
       shape(r, by, gx);
-      const int64_t cost = (gx * gy + slots - 1) / slots * (r + kRamp);
+      const int64_t cost = (gx * gy + slots_resident - 1) / slots_resident * (r + kRamp);
       if (best < 0 || cost < best) best = cost, R = static_cast<int>(r);
       if (r >= p.N) break;
     }
@@ -239,16 +250,43 @@ void causal_conv1d_fast(const ConvParams& p, Stream s) {
   auto x = static_cast<const __nv_bfloat16*>(p.x);
   auto w = static_cast<const __nv_bfloat16*>(p.w);
   auto y = static_cast<__nv_bfloat16*>(p.y);
+  auto st = static_cast<const __nv_bfloat16*>(state);
   auto launch = [&](auto kernel) {
-    kernel<<<grid, block, 0, stream>>>(x, p.ldx, w, y, p.cu_seqlens, p.num_seqs, p.N, p.C, R, p.silu);
+    kernel<<<grid, block, 0, stream>>>(x, p.ldx, w, y, p.cu_seqlens, p.num_seqs, p.N, p.C, R, p.silu, st, slots, num_slots);
   };
-  switch (p.K) {
-    case 1: launch(causal_conv1d_fast_kernel<1>); break;
-    case 2: launch(causal_conv1d_fast_kernel<2>); break;
-    case 3: launch(causal_conv1d_fast_kernel<3>); break;
-    default: launch(causal_conv1d_fast_kernel<4>); break;
+  if (state) {
+    switch (p.K) {
+      case 1: launch(causal_conv1d_fast_kernel<1, true>); break;
+      case 2: launch(causal_conv1d_fast_kernel<2, true>); break;
+      case 3: launch(causal_conv1d_fast_kernel<3, true>); break;
+      default: launch(causal_conv1d_fast_kernel<4, true>); break;
+    }
+  } else {
+    switch (p.K) {
+      case 1: launch(causal_conv1d_fast_kernel<1, false>); break;
+      case 2: launch(causal_conv1d_fast_kernel<2, false>); break;
+      case 3: launch(causal_conv1d_fast_kernel<3, false>); break;
+      default: launch(causal_conv1d_fast_kernel<4, false>); break;
+    }
   }
   DFLASH_CUDA_CHECK_LAST();
+}
+
+}  // namespace
+
+void causal_conv1d_fast(const ConvParams& p, Stream s) {
+  const char* op = "causal_conv1d_fast";
+  check_conv_common(p, op);
+  detail::check_conv_vec8_shape(op, p.C, p.K, p.ldx, "causal_conv1d_fallback");
+  if (p.N == 0) return;
+  DFLASH_CHECK(aligned16(p.x) && aligned16(p.y),
+               op << ": x and y must be 16-byte aligned (use causal_conv1d_fallback)");
+  launch_conv_runs(p, nullptr, nullptr, 0, s);
+}
+
+void detail::causal_conv1d_runs_with_states(const ConvParams& p, const void* state, const int32_t* slots,
+                                            int64_t num_slots, Stream s) {
+  launch_conv_runs(p, state, slots, num_slots, s);
 }
 
 void causal_conv1d_fallback(const ConvParams& p, Stream s) {

@@ -125,6 +125,30 @@ __global__ void conv_update_fallback_kernel(const ConvUpdateParams p) {
     for (int64_t r = 0; r < K - 1; ++r) st[r * p.C] = __float2bfloat16_rn(window(T + r));
 }
 
+// causal_conv1d_update_runs' second launch: thread (sequence blockIdx.y, channels 8g .. 8g + 7) sets
+// its slot's state to the window's last K-1 rows (window row i: state row i < K-1, else x row
+// i - (K-1) of the sequence), all read before any is written; the bf16 bits as the vec8 kernel's.
+template <int K>
+__global__ void __launch_bounds__(128) conv_state_write_kernel(const ConvUpdateParams p) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, s = blockIdx.y;
+  if (g >= p.C / 8) return;
+  const int32_t slot = p.slots[s];
+  if (slot < 0 || slot >= p.num_slots) return;
+  const int64_t begin = p.cu_seqlens[s], T = p.cu_seqlens[s + 1] - begin, c0 = g * 8;
+  if (T <= 0) return;
+  bf16* st = static_cast<bf16*>(p.state) + static_cast<int64_t>(slot) * (K - 1) * p.C + c0;
+  const bf16* x = static_cast<const bf16*>(p.x) + begin * p.ldx + c0;
+  uint4 rows[K - 1];
+#pragma unroll
+  for (int r = 0; r < K - 1; ++r) {
+    const int64_t i = T + r;
+    rows[r] = i < K - 1 ? *reinterpret_cast<const uint4*>(st + i * p.C)
+                        : __ldg(reinterpret_cast<const uint4*>(x + (i - (K - 1)) * p.ldx));
+  }
+#pragma unroll
+  for (int r = 0; r < K - 1; ++r) *reinterpret_cast<uint4*>(st + r * p.C) = rows[r];
+}
+
 void check_conv_update(const ConvUpdateParams& p, const char* op) {
   DFLASH_CHECK(p.N >= 0 && p.C >= 1 && p.K >= 1 && p.num_seqs >= 0 && p.num_slots >= 1,
                op << ": needs N >= 0, C >= 1, K >= 1, num_seqs >= 0, num_slots >= 1, got N " << p.N << ", C " << p.C
@@ -159,6 +183,37 @@ void causal_conv1d_update_fast(const ConvUpdateParams& p, Stream s) {
     case 2: conv_update_fast_kernel<2><<<grid, 128, 0, stream>>>(p); break;
     case 3: conv_update_fast_kernel<3><<<grid, 128, 0, stream>>>(p); break;
     default: conv_update_fast_kernel<4><<<grid, 128, 0, stream>>>(p); break;
+  }
+  DFLASH_CUDA_CHECK_LAST();
+}
+
+void causal_conv1d_update_runs(const ConvUpdateParams& p, Stream s) {
+  const char* op = "causal_conv1d_update_runs";
+  check_conv_update(p, op);
+  detail::check_conv_vec8_shape(op, p.C, p.K, p.ldx, "causal_conv1d_update_fallback");
+  if (p.num_seqs == 0 || p.N == 0) return;
+  DFLASH_CHECK(aligned16(p.x) && aligned16(p.y) && (p.K == 1 || aligned16(p.state)),
+               op << ": x, y and state must be 16-byte aligned (use causal_conv1d_update_fallback)");
+  ConvParams cp;
+  cp.x = p.x;
+  cp.ldx = p.ldx;
+  cp.w = p.w;
+  cp.y = p.y;
+  cp.cu_seqlens = p.cu_seqlens;
+  cp.num_seqs = p.num_seqs;
+  cp.N = p.N;
+  cp.C = p.C;
+  cp.K = p.K;
+  cp.silu = p.silu;
+  // K = 1 keeps no state: the plain conv (a null state reads zeros, and there are no rows to read).
+  detail::causal_conv1d_runs_with_states(cp, p.K > 1 ? p.state : nullptr, p.slots, p.num_slots, s);
+  if (!p.update_state || p.K == 1) return;
+  const dim3 grid(static_cast<unsigned>((p.C / 8 + 127) / 128), static_cast<unsigned>(p.num_seqs));
+  auto stream = static_cast<cudaStream_t>(s);
+  switch (p.K) {
+    case 2: conv_state_write_kernel<2><<<grid, 128, 0, stream>>>(p); break;
+    case 3: conv_state_write_kernel<3><<<grid, 128, 0, stream>>>(p); break;
+    default: conv_state_write_kernel<4><<<grid, 128, 0, stream>>>(p); break;
   }
   DFLASH_CUDA_CHECK_LAST();
 }

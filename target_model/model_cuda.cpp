@@ -255,12 +255,12 @@ bool CudaTargetModel::streamk(const cuda::GemmSkinnyParams& sp) const {
   return decode_ && decode_->fusion.skinny_streamk && cuda::gemm_bf16_stream_supported(sp);
 }
 
-struct CudaTargetModel::SideLane {
+struct CudaTargetModel::PrefetchLane {
   cudaStream_t stream = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
 };
 
-void CudaTargetModel::SideLaneDeleter::operator()(SideLane* lane) const {
+void CudaTargetModel::PrefetchLaneDeleter::operator()(PrefetchLane* lane) const {
   if (lane->stream) DFLASH_CUDA_WARN(cudaStreamSynchronize(lane->stream));
   if (lane->fork) DFLASH_CUDA_WARN(cudaEventDestroy(lane->fork));
   if (lane->join) DFLASH_CUDA_WARN(cudaEventDestroy(lane->join));
@@ -268,19 +268,16 @@ void CudaTargetModel::SideLaneDeleter::operator()(SideLane* lane) const {
   delete lane;
 }
 
-std::unique_ptr<CudaTargetModel::SideLane, CudaTargetModel::SideLaneDeleter> CudaTargetModel::make_side_lane() const {
-  cuda::DeviceGuard scope(device_.index);
-  std::unique_ptr<SideLane, SideLaneDeleter> lane(new SideLane);
-  DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&lane->stream, cudaStreamNonBlocking));
-  DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&lane->fork, cudaEventDisableTiming));
-  DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&lane->join, cudaEventDisableTiming));
-  return lane;
-}
-
 void CudaTargetModel::prefetch_next(const std::vector<Proj>& parts) {
   const DecodeStep* ds = decode_;
   if (!ds || ds->prefill || !ds->fusion.prefetch || cuda::tuning::decode_prefetch_mb <= 0 || parts.empty()) return;
-  if (!prefetch_) prefetch_ = make_side_lane();
+  if (!prefetch_) {
+    cuda::DeviceGuard scope(device_.index);
+    prefetch_.reset(new PrefetchLane);
+    DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&prefetch_->stream, cudaStreamNonBlocking));
+    DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&prefetch_->fork, cudaEventDisableTiming));
+    DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&prefetch_->join, cudaEventDisableTiming));
+  }
   // The budget shared by the parts in proportion to their bytes (the parts run back to back).
   const int64_t budget = static_cast<int64_t>(cuda::tuning::decode_prefetch_mb) << 20;
   int64_t total = 0;
@@ -584,11 +581,7 @@ void CudaTargetModel::gdn_mixer(int64_t i, const Tensor& x, const CudaBatch& b, 
   if (ds && !ds->prefill) {
     dp.N = ds->real_tokens;
     if (ds->piece_from >= 0 && ds->commit)
-      timed(ForwardOp::DeltaRule, [&] {
-        if (!pieces_lane_) pieces_lane_ = make_side_lane();
-        run_delta_rule_pieces(*dl, dp, *ds, lp.step(Step::DeltaRule), stream_,
-                              {pieces_lane_->stream, pieces_lane_->fork, pieces_lane_->join});
-      });
+      timed(ForwardOp::DeltaRule, [&] { run_delta_rule_pieces(*dl, dp, *ds, lp.step(Step::DeltaRule), stream_); });
     else
       timed(ForwardOp::DeltaRule,
             [&] { run_delta_rule_pool(*dl, dp, ds->slots, ds->num_slots, ds->commit, *ds->counters, stream_); });
@@ -690,30 +683,20 @@ void run_delta_rule(const cuda::DeltaRuleParams& p, const StepPlan& st, PathCoun
 }
 
 void run_delta_rule_pieces(const DecodeLayer& dl, const cuda::DeltaRuleParams& p, const DecodeStep& ds, const StepPlan& chunked,
-                           void* stream, const SideStream& side) {
+                           void* stream) {
   const int64_t from = ds.piece_from, row0 = ds.piece_row0, P = p.num_seqs - from;
   DFLASH_CHECK(from >= 0 && P >= 1 && row0 >= 0 && row0 < p.N && static_cast<int64_t>(ds.host_slots.size()) == p.num_seqs,
                "CUDA decoder: a chunked-prefill step's pieces (sequences " << from << " .. " << p.num_seqs << ", from row "
                                                                          << row0 << " of " << p.N << ") do not fit the batch");
-  auto s = static_cast<cudaStream_t>(stream);
-  // The pieces' lane: forked after the step's inputs are ready on `stream`. The pool kernel is enqueued
-  // on `stream` before the pieces' launchers run: the chunked kernel's scratch (and the state copies
-  // below) go back to the caching allocator when their launchers return, and no work on `stream` may
-  // reuse them before the join.
-  auto t = s;
-  if (side.stream) {
-    DFLASH_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(side.fork), s));
-    t = static_cast<cudaStream_t>(side.stream);
-  }
   if (from > 0) {  // the decode rows: one token each, on the pool
     cuda::DeltaRuleParams head = p;
     head.num_seqs = from;
     head.N = row0;
     run_delta_rule_pool(dl, head, ds.slots, ds.num_slots, true, *ds.counters, stream);
   }
-  if (side.stream) DFLASH_CUDA_CHECK(cudaStreamWaitEvent(t, static_cast<cudaEvent_t>(side.fork), 0));
   // The pieces: their slots' states copied out, the chunked kernel (or its recurrent fallback, as the
   // forward's plan says) over their rows, the final states copied back.
+  auto s = static_cast<cudaStream_t>(stream);
   const int64_t elems = p.Hv * p.dk * p.dv;
   const size_t bytes = static_cast<size_t>(elems) * sizeof(float);
   int index = 0;
@@ -723,7 +706,7 @@ void run_delta_rule_pieces(const DecodeLayer& dl, const cuda::DeltaRuleParams& p
   for (int64_t j = 0; j < P; ++j)
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(init.data<float>() + j * elems,
                                       dl.gdn_state + static_cast<int64_t>(ds.host_slots[static_cast<size_t>(from + j)]) * elems,
-                                      bytes, cudaMemcpyDeviceToDevice, t));
+                                      bytes, cudaMemcpyDeviceToDevice, s));
   cuda::DeltaRuleParams tail = p;
   tail.q = static_cast<const char*>(p.q) + row0 * p.Hk * p.dk * 2;
   tail.k = static_cast<const char*>(p.k) + row0 * p.Hk * p.dk * 2;
@@ -736,14 +719,10 @@ void run_delta_rule_pieces(const DecodeLayer& dl, const cuda::DeltaRuleParams& p
   tail.N = p.N - row0;
   tail.initial_state = init.data<float>();
   tail.final_state = fin.data<float>();
-  run_delta_rule(tail, chunked, *ds.counters, t);
+  run_delta_rule(tail, chunked, *ds.counters, stream);
   for (int64_t j = 0; j < P; ++j)
     DFLASH_CUDA_CHECK(cudaMemcpyAsync(dl.gdn_state + static_cast<int64_t>(ds.host_slots[static_cast<size_t>(from + j)]) * elems,
-                                      fin.data<float>() + j * elems, bytes, cudaMemcpyDeviceToDevice, t));
-  if (side.stream) {
-    DFLASH_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(side.join), t));
-    DFLASH_CUDA_CHECK(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(side.join), 0));
-  }
+                                      fin.data<float>() + j * elems, bytes, cudaMemcpyDeviceToDevice, s));
 }
 
 void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatch& b, const LayerPlan& lp, Tensor& out,

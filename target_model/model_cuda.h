@@ -173,16 +173,8 @@ void run_delta_rule_pool(const DecodeLayer& dl, const cuda::DeltaRuleParams& p, 
 void run_delta_rule(const cuda::DeltaRuleParams& p, const StepPlan& st, PathCounters& counters, void* stream);
 // A chunked-prefill step's delta rule (DecodeStep::piece_from >= 0, commit): the decode rows on the pool,
 // the prompt pieces with the chunked kernel (`chunked` = the forward plan's DeltaRule step) from their slots' states.
-// With `side` (a stream and its fork / join events), the pieces run there while the pool kernel runs on
-// `stream` (the pool kernel is bound by the decode rows' state traffic; a piece's chunked kernel has a
-// grid of its heads alone), and `stream` waits for them before this returns.
-struct SideStream {
-  void* stream = nullptr;  // cudaStream_t
-  void* fork = nullptr;    // cudaEvent_t
-  void* join = nullptr;    // cudaEvent_t
-};
 void run_delta_rule_pieces(const DecodeLayer& dl, const cuda::DeltaRuleParams& p, const DecodeStep& ds, const StepPlan& chunked,
-                           void* stream, const SideStream& side = {});
+                           void* stream);
 
 class CudaTargetModel {
  public:
@@ -337,15 +329,11 @@ class CudaTargetModel {
   // Decode steps' L2 prefetches (FastPathPlan::DecodeFusion::prefetch): after a GEMM, the next GEMM's
   // first weight bytes are fetched on a side stream forked from stream_ (made on first use); the
   // forward's end joins it (a captured step's graph holds the fork and the join).
-  struct SideLane;  // a stream forked from stream_ and joined back (two events)
-  struct SideLaneDeleter {
-    void operator()(SideLane* lane) const;
+  struct PrefetchLane;
+  struct PrefetchLaneDeleter {
+    void operator()(PrefetchLane* lane) const;
   };
-  std::unique_ptr<SideLane, SideLaneDeleter> make_side_lane() const;
-  std::unique_ptr<SideLane, SideLaneDeleter> prefetch_;
-  // A chunked-prefill step's prompt pieces: their delta rule runs on this lane beside the decode rows'
-  // pool kernel on stream_ (run_delta_rule_pieces), made on first use.
-  std::unique_ptr<SideLane, SideLaneDeleter> pieces_lane_;
+  std::unique_ptr<PrefetchLane, PrefetchLaneDeleter> prefetch_;
   bool prefetch_pending_ = false;
   uint64_t prefetches_ = 0;  // prefetch_l2 launches enqueued (eager or captured; replays not counted)
   uint64_t packed_gemms_ = 0;  // streaming GEMMs enqueued on a packed decode copy (likewise)

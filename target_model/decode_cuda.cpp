@@ -316,11 +316,20 @@ class CudaDecoder final : public Decoder {
       const int32_t* d_keep = reinterpret_cast<const int32_t*>(at(o_keep));
       if (!step.prefill) {
         step.key_bound = kb;
-        cuda::AttentionDecodeParams probe;  // the workspace the flash-decoding kernel wants for this step
-        probe.num_seqs = S, probe.N = N, probe.Hq = c.num_attention_heads, probe.Hkv = c.num_key_value_heads;
-        probe.d = c.head_dim, probe.max_len = max_len(), probe.num_slots = num_slots(), probe.max_new = step.max_new;
-        probe.scale = 1.0f, probe.split_keys = step.split_keys, probe.key_bound = step.key_bound;
-        const size_t need = cuda::attention_decode_workspace(probe);
+        // The workspace the flash-decoding kernel wants for this step: its rows with the absolute splits,
+        // or with prompt pieces (model_cuda.h) the decode rows' call and the pieces' (splits for speed).
+        auto workspace_for = [&](int64_t seqs, int64_t rows_, int64_t max_new, bool absolute) {
+          if (seqs == 0) return size_t{0};
+          cuda::AttentionDecodeParams probe;
+          probe.num_seqs = seqs, probe.N = rows_, probe.Hq = c.num_attention_heads, probe.Hkv = c.num_key_value_heads;
+          probe.d = c.head_dim, probe.max_len = max_len(), probe.num_slots = num_slots(), probe.max_new = max_new;
+          probe.scale = 1.0f, probe.split_keys = absolute ? step.split_keys : 0, probe.key_bound = absolute ? step.key_bound : 0;
+          return cuda::attention_decode_workspace(probe);
+        };
+        const size_t need = step.piece_from < 0
+                                ? workspace_for(S, N, step.max_new, true)
+                                : std::max(workspace_for(step.piece_from, step.piece_row0, 1, true),
+                                           workspace_for(S - step.piece_from, N - step.piece_row0, step.piece_max_new, false));
         if (!ws.defined() || ws.nbytes() < need)
           ws = Tensor::empty({static_cast<int64_t>(std::max<size_t>(need, 1))}, DType::U8, dev_);
         step.attn_workspace = ws.raw_data();

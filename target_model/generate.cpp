@@ -126,13 +126,16 @@ GenStats generate_batch(Decoder& dec, const std::vector<GenRequest>& requests, c
         emits.push_back(true);
       }
       const int64_t decoding = static_cast<int64_t>(slots.size());
-      // With sequences decoding, the pieces ride on their step (step_tokens in all). With none (the
-      // start, or every sequence ended together) nothing waits on the prompts: when the oldest prompt
-      // has not started, the step is a packed prefill of fresh prompts (up to prefill_tokens; only the
-      // oldest prompt can be part-way, as pieces go oldest first), so one wave gets the separate
-      // prefills' schedule; a part-way prompt's rest goes on with step_tokens.
-      const bool packed = decoding == 0 && !filling.empty() && slot[static_cast<size_t>(filling.front())]->prefilled == 0;
-      int64_t left = packed ? std::max(c.step_tokens, c.prefill_tokens) : c.step_tokens - decoding, pieces = 0;
+      // The step's budget. While the sequences decoding outnumber the prompts waiting in their slots with
+      // none of their tokens in, the pieces ride on a step that mostly decodes: step_tokens in all. Else
+      // (the start, a wave that ended together, many slots freed at once) the step is mostly prefill and
+      // takes up to max(step_tokens, prefill_tokens) tokens, the decode rows riding along: fed step_tokens
+      // a step, a wave's later prompts would start (and end) many steps after its first, and the steps of
+      // that tail would decode half their slots.
+      int64_t fresh = 0;
+      for (int32_t s : filling) fresh += slot[static_cast<size_t>(s)]->prefilled == 0;
+      const bool packed = !filling.empty() && (decoding == 0 || fresh >= decoding);
+      int64_t left = (packed ? std::max(c.step_tokens, c.prefill_tokens) : c.step_tokens) - decoding, pieces = 0;
       for (auto it = filling.begin(); it != filling.end() && left > 0;) {
         Running& r = *slot[static_cast<size_t>(*it)];
         const auto& p = requests[r.request].prompt;

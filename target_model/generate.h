@@ -14,9 +14,10 @@
 // step is one extend of one token per decoding sequence plus pieces of the prompts still being
 // prefilled (oldest first, a prompt cut wherever the budget ends) up to step_tokens tokens in all.
 // A prompt's piece rides on the decode step's weight read; its last piece gives its first token.
-// A step with no sequence decoding (the start, or all ended together) whose prompts have not
-// started takes up to max(step_tokens, prefill_tokens) prompt tokens: nothing waits on it, and it
-// is a packed prefill (a prompt cut at its end goes on with step_tokens).
+// A step whose decoding sequences are not more than the prompts waiting with none of their tokens in
+// (the start, a wave that ended together; nothing decoding) takes up to max(step_tokens,
+// prefill_tokens) tokens in all, its decode rows included: it is mostly prefill, and a wave fed
+// step_tokens a step would start, and end, its later prompts many steps after its first.
 //
 // Greedy decoding, or sampling with the Decoder's reproducible draws (ops::sample_rows): request
 // `id` is the sampling stream, so a sequence's tokens depend on (seed, id, prompt) alone — not on

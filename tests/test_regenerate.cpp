@@ -195,11 +195,13 @@ TEST(Generate, PerRequestCapsEndSequencesAtTheirOwnLengths) {
   EXPECT_THROW_MSG(generate_batch(*dec, {{7, {1}, -2}}, gc, ignore), "request 0 (id 7) asks for -2 new tokens");
 }
 
-// With nothing decoding (the start, or a wave that ended together) and the oldest prompt not started, a
-// chunked-prefill step takes up to prefill_tokens of fresh prompts, not step_tokens: one wave of prompts
-// that fit is one step of pieces alone (a packed prefill), then decode steps without pieces, as with
-// separate prefills; a prompt left part-way goes on with step_tokens.
-TEST(Generate, ChunkedPrefillWithNothingDecodingTakesAPackedPrefillsBudget) {
+// With nothing decoding (the start, or a wave that ended together), or no more sequences decoding than
+// prompts waiting with none of their tokens in, a chunked-prefill step takes up to prefill_tokens, not
+// step_tokens: one wave of prompts that fit is one step of pieces alone (a packed prefill), then decode
+// steps without pieces, as with separate prefills; a wave larger than prefill_tokens takes a second
+// such step with its first prompts' decode rows; a prompt left part-way while more sequences decode
+// goes on with step_tokens.
+TEST(Generate, ChunkedPrefillWithFewSequencesDecodingTakesAPackedPrefillsBudget) {
   const int64_t V = tiny().cfg.vocab_size;
   std::vector<GenRequest> reqs;
   for (int64_t i = 0; i < 4; ++i) reqs.push_back({static_cast<uint64_t>(i), random_tokens(10, V, 70 + i)});
@@ -214,15 +216,28 @@ TEST(Generate, ChunkedPrefillWithNothingDecodingTakesAPackedPrefillsBudget) {
   EXPECT_EQ(st.decode_steps, 4);  // then every sequence decodes together
   for (const GenRequest& r : reqs) EXPECT_EQ(got.at(r.id).tokens, alone(r.prompt, 5, 32)) << "request id " << r.id;
   // A budget of 25: the first step takes prompts 0 and 1 and 5 tokens of prompt 2; the two decoding
-  // sequences then leave one token a step to prompt 2 (steps 2-5). When they end nothing decodes, but
-  // prompt 2 is part-way, so step 6 has step_tokens: its last token and 2 of prompt 3; then prompt 2
-  // decodes beside 2-token pieces of prompt 3 (steps 7-10).
+  // sequences outnumber the one fresh prompt (3), so they leave one token a step to prompt 2 (steps 2-5).
+  // When they end nothing decodes: step 6 takes the rest, prompt 2's last token and prompt 3 whole, and
+  // the two decode together (steps 7-10).
   gc.prefill_tokens = 25;
   const auto cut = run(reqs, gc, 4, 32, &st);
   EXPECT_EQ(st.prefills, 2);
-  EXPECT_EQ(st.mixed_steps, 8);
-  EXPECT_EQ(st.mixed_prompt_tokens, 4 + 8);
+  EXPECT_EQ(st.mixed_steps, 4);
+  EXPECT_EQ(st.mixed_prompt_tokens, 4);
+  EXPECT_EQ(st.decode_steps, 8);
   for (const GenRequest& r : reqs) EXPECT_EQ(cut.at(r.id).tokens, alone(r.prompt, 5, 32)) << "request id " << r.id;
+  // Six prompts in six slots, a budget of 20 (two prompts): step 1 takes prompts 0 and 1; two sequences
+  // decode and four prompts wait, so step 2 takes 18 tokens (prompt 2, 8 of prompt 3) beside the two
+  // decode rows; steps 3-5 (three decoding, two fresh prompts) have step_tokens 3, no room beside their
+  // decode rows; after sequences 0 and 1 end, step 6 (one decoding, two fresh) takes 19 tokens (the rest
+  // of prompt 3, prompt 4, 7 of prompt 5) and steps 7-9 one token each of prompt 5.
+  for (int64_t i = 4; i < 6; ++i) reqs.push_back({static_cast<uint64_t>(i), random_tokens(10, V, 70 + i)});
+  gc.prefill_tokens = 20;
+  const auto wave = run(reqs, gc, 6, 32, &st);
+  EXPECT_EQ(st.prefills, 1);
+  EXPECT_EQ(st.mixed_steps, 5);
+  EXPECT_EQ(st.mixed_prompt_tokens, 18 + 19 + 3);
+  for (const GenRequest& r : reqs) EXPECT_EQ(wave.at(r.id).tokens, alone(r.prompt, 5, 32)) << "request id " << r.id;
 }
 
 // With step_tokens, sampling still depends on (seed, id, prompt) alone: equal to the separate prefills' draws.

@@ -34,7 +34,11 @@ struct RegenerateOptions {
   // Prompts longer than this are skipped and counted (-1: none; the slots are sized for the longest
   // sequence of the inputs + max_new_tokens).
   int64_t max_prompt_len = -1;
-  target::GenerateConfig gen;
+  target::GenerateConfig gen = [] {
+    target::GenerateConfig g;
+    g.step_tokens = target::kRegenerateStepTokens;  // chunked prefill (generate.h)
+    return g;
+  }();
   int64_t slots = 64;               // sequences in flight per TP group
   int64_t part_size = 512;          // input sequences per part
   bool progress = true;             // progress on stderr (world rank 0)

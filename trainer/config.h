@@ -21,6 +21,7 @@
 #include "drafter/config.h"
 #include "target_model/config.h"
 #include "target_model/fast_path.h"
+#include "target_model/generate.h"
 #include "target_model/runtime.h"
 
 namespace dflash::trainer {
@@ -128,7 +129,7 @@ struct RegenerateSection {
   int64_t num_prompts = 0;        // the first N sequences (0 = all)
   int64_t max_prompt_len = 0;     // longer prompts are skipped and counted (0 = none)
   int64_t slots = 64;             // sequences in flight per TP group
-  int64_t step_tokens = 0;        // > 0: chunked prefill inside the decode steps (target/generate.h)
+  int64_t step_tokens = target::kRegenerateStepTokens;  // > 0: chunked prefill inside the decode steps; 0: separate prefills
   bool operator==(const RegenerateSection&) const = default;
 };
 

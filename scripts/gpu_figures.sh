@@ -15,7 +15,7 @@
 #   train_bf16: the same recipe all in bf16 (target, drafter, LM head: issue 31's bf16 goal)
 #   regen:     generate_bench on Qwen3.6-27B shapes, 64 sequences in flight, 512-token prompts, 512 new tokens,
 #              bf16 and fp8 (FIGURES_REGEN_PRECISIONS), separate prefills and prefill inside the decode steps
-#              (FIGURES_REGEN_STEP_TOKENS, default 0,512)
+#              (FIGURES_REGEN_STEP_TOKENS, default 0,256: separate prefills and the regeneration default)
 #   stream:    generate_bench as regen, bf16, on a stream: 3 waves of 64 prompts, each response 256-768 tokens
 #              (--min-new-tokens: sequences end and new prompts come in at different steps), separate prefills
 #              against prefill inside the decode steps (FIGURES_STREAM_STEP_TOKENS, default 0,256,1024), with
@@ -85,7 +85,7 @@ for s in $STAGES; do
       for p in ${FIGURES_REGEN_PRECISIONS:-bf16 fp8}; do
         [ "$(left)" -gt 60 ] || { echo "regen $p skipped: $(left) s left" >>"$R/summary.txt"; continue; }
         timeout $(( $(left) < 240 ? $(left) : 240 )) "$B/bench/generate_bench" --config configs/qwen3.6-27b/config.json \
-          --slots 64 --prompt-len 512 --max-new-tokens 512 --step-tokens "${FIGURES_REGEN_STEP_TOKENS:-0,512}" --precision "$p" \
+          --slots 64 --prompt-len 512 --max-new-tokens 512 --step-tokens "${FIGURES_REGEN_STEP_TOKENS:-0,256}" --precision "$p" \
           --csv "$W/regen/genbench.csv" >"$W/regen/genbench_$p.log" 2>&1
         echo "generate_bench $p rc=$?" >>"$R/summary.txt"
         grep -E "generated|decode step|tok/s" "$W/regen/genbench_$p.log" | head -n 6 >>"$R/summary.txt"

@@ -9,7 +9,7 @@
 # Writes at most 8 files to $OUT: env.txt, build.log, tests.log, genbench.log, genbench.csv, gate.log,
 # tp2.log. Switches: SKIP_TESTS=1, GPU_TESTS (ctest -L gpu -R regex, default every gpu test),
 # SKIP_GENBENCH=1, GENBENCH_SLOTS (default 1,8,32,64,128), GENBENCH_NEW (default 512),
-# GENBENCH_STEP_TOKENS (default 0,160,512: each point with separate prefills and chunked prefill),
+# GENBENCH_STEP_TOKENS (default 0,256,1024: each point with separate prefills and chunked prefill),
 # GENBENCH_VARIANT (generate_bench --decode-variant, e.g. prefetch; default fused: the plan as is),
 # SKIP_GATE=1, SKIP_TP2=1.
 source "$(dirname "$0")/gpu_call.sh"
@@ -19,7 +19,7 @@ gpu_call_tests . -E Timing
 if [ -z "${SKIP_GENBENCH:-}" ]; then
   timeout 540 "$B/bench/generate_bench" --config configs/qwen3.6-27b/config.json --slots "${GENBENCH_SLOTS:-1,8,32,64,128}" \
     --prompt-len 512 --max-new-tokens "${GENBENCH_NEW:-512}" \
-    --step-tokens "${GENBENCH_STEP_TOKENS:-0,160,512}" --decode-variant "${GENBENCH_VARIANT:-fused}" \
+    --step-tokens "${GENBENCH_STEP_TOKENS:-0,256,1024}" --decode-variant "${GENBENCH_VARIANT:-fused}" \
     --csv "$OUT/genbench.csv" >"$OUT/genbench.log" 2>&1
   echo "generate_bench rc=$?"
   cat "$OUT/genbench.log"

@@ -98,18 +98,16 @@ void profile_point(target::CudaTargetModel& model, target::Decoder& dec, const s
                 static_cast<long long>(piece), static_cast<long long>(dec.max_len()));
     return;
   }
-  const std::vector<int32_t>& src = reqs[static_cast<size_t>(S - 1)].prompt;
-  int64_t at = 0, used = dec.max_len();
+  const int32_t last = static_cast<int32_t>(S - 1);
+  const std::vector<int32_t>& src = reqs[static_cast<size_t>(last)].prompt;
+  int64_t at = 0;
+  dec.reset(last);
   print_profile(model,
                 ("a mixed step (" + std::to_string(S - 1) + " decode rows + a " + std::to_string(piece) + "-token piece)").c_str(),
                 steps, [&] {
-                  if (used + piece > dec.max_len()) {
-                    dec.reset(static_cast<int32_t>(S - 1));
-                    used = 0;
-                  }
+                  if (dec.length(last) + piece > dec.max_len()) dec.reset(last);
                   std::vector<int32_t> p;
                   for (int64_t i = 0; i < piece; ++i, ++at) p.push_back(src[static_cast<size_t>(at % static_cast<int64_t>(src.size()))]);
-                  used += piece;
                   step(S - 1, std::move(p));
                 });
 }

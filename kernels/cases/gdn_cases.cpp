@@ -426,9 +426,10 @@ ConvUpdateCase conv_update_perf_case(int64_t B, int64_t T) {
 }
 
 ConvUpdateCase conv_update_piece_perf_case(int64_t B, int64_t T) {
-  std::vector<int64_t> lens(static_cast<size_t>(B - 1), 1);
-  lens.push_back(T);
-  return {std::string("B") + str(B - 1) + " T1 + piece T" + str(T) + " C10240 K4", lens, 10240, 4, 16480, true, true, 0};
+  ConvUpdateCase c = conv_update_perf_case(B - 1, 1);  // the same channels and row stride
+  c.lens.push_back(T);
+  c.shape = std::string("B") + str(B - 1) + " T1 + piece T" + str(T) + " C" + str(c.C) + " K" + str(c.K);
+  return c;
 }
 
 // ---- gated_delta_rule_pool -----------------------------------------------------------------------

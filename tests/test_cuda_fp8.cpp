@@ -25,6 +25,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -481,19 +482,31 @@ TEST(CudaFp8, StreamingGemmMatchesCpuBlockwise) {
     EXPECT_LT(err, kGemmBound);
     const Tensor again = run(1);
     EXPECT_EQ(std::memcmp(got.raw_data(), again.raw_data(), got.nbytes()), 0) << "a second call differs";
-    {  // the packed weight (pack_stream_weight; poisoned past its end): the same bits
+    {  // the packed weight (pack_stream_weight; poisoned past its end): the same bits through the register
+       // ring (stages 0) and the bulk kernel's shared-memory rings (slots x units a slot, evict-first)
       const int64_t bytes = cu::stream_packed_bytes(c.N, c.K);
       Tensor packed = Tensor::empty({bytes + 256}, DType::U8, Device::cuda(0));
       poison(packed);
       cu::pack_stream_weight(wq.raw_data(), c.N, c.K, packed.raw_data(), stream());
-      Tensor y = Tensor::empty({c.M, ldy}, DType::BF16, Device::cuda(0));
-      poison(y);
-      cu::GemmFp8Params p = fp8_gemm_params(xq.raw_data(), ldx, xs.raw_data(), wq.raw_data(), ws.raw_data(),
-                                            static_cast<uint16_t*>(y.raw_data()) + y_col, ldy, c.M, c.N, c.K);
-      p.w_packed = packed.data<uint8_t>();
-      cu::gemm_fp8_stream(p, 0, stream());
-      const Tensor from_packed = y.to(Device::cpu()).to_dtype(DType::F32);
-      EXPECT_EQ(std::memcmp(got.raw_data(), from_packed.raw_data(), got.nbytes()), 0) << "the packed weight's outputs differ";
+      const int saved[3] = {cu::tuning::gemm_fp8_stream_stages, cu::tuning::gemm_fp8_stream_chunk,
+                            cu::tuning::gemm_fp8_stream_evict_first};
+      for (const auto& ring : {std::array<int, 3>{0, 1, 1}, {1, 1, 1}, {saved[0], saved[1], saved[2]}, {3, 4, 0}}) {
+        cu::tuning::gemm_fp8_stream_stages = ring[0];
+        cu::tuning::gemm_fp8_stream_chunk = ring[1];
+        cu::tuning::gemm_fp8_stream_evict_first = ring[2];
+        Tensor y = Tensor::empty({c.M, ldy}, DType::BF16, Device::cuda(0));
+        poison(y);
+        cu::GemmFp8Params p = fp8_gemm_params(xq.raw_data(), ldx, xs.raw_data(), wq.raw_data(), ws.raw_data(),
+                                              static_cast<uint16_t*>(y.raw_data()) + y_col, ldy, c.M, c.N, c.K);
+        p.w_packed = packed.data<uint8_t>();
+        cu::gemm_fp8_stream(p, 0, stream());
+        const Tensor from_packed = y.to(Device::cpu()).to_dtype(DType::F32);
+        EXPECT_EQ(std::memcmp(got.raw_data(), from_packed.raw_data(), got.nbytes()), 0)
+            << "the packed weight's outputs differ (ring " << ring[0] << " x " << ring[1] << ", evict-first " << ring[2] << ")";
+      }
+      cu::tuning::gemm_fp8_stream_stages = saved[0];
+      cu::tuning::gemm_fp8_stream_chunk = saved[1];
+      cu::tuning::gemm_fp8_stream_evict_first = saved[2];
     }
     {  // row M - 1 alone: the same bits
       Tensor y1 = Tensor::empty({1, ldy}, DType::BF16, Device::cuda(0));

@@ -20,6 +20,9 @@
 #define gemm_bf16_stream_supported gemm_bf16_stream_supported_emulated
 #define gemm_skinny_streamk gemm_skinny_streamk_emulated
 #define stream_packed_bytes stream_packed_bytes_emulated
+#define gemm_fp8_stream_stages gemm_fp8_stream_stages_emulated
+#define gemm_fp8_stream_chunk gemm_fp8_stream_chunk_emulated
+#define gemm_fp8_stream_evict_first gemm_fp8_stream_evict_first_emulated
 #include "kernels/cuda/gemm_stream.cu"
 
 #include <gtest/gtest.h>
@@ -28,6 +31,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/random.h"
@@ -85,7 +89,7 @@ std::vector<float> run(cu::StreamParams k, int64_t K, int blocks, int64_t y_col,
 }
 
 std::vector<float> run_fp8(const Operands& o, int64_t M, int64_t N, int64_t K, int blocks, int64_t y_col, int64_t ldy,
-                           const uint8_t* packed = nullptr) {
+                           const uint8_t* packed = nullptr, int stages = 0, int chunk = 1) {
   cu::GemmFp8Params p;
   p.w_packed = packed;
   p.x = o.xq.data();
@@ -99,7 +103,10 @@ std::vector<float> run_fp8(const Operands& o, int64_t M, int64_t N, int64_t K, i
   p.N = N;
   p.K = K;
   EXPECT_TRUE(cu::gemm_fp8_stream_supported(p));
-  return run<true>(cu::fp8_params(p), K, blocks, y_col, ldy);
+  cu::StreamParams k = cu::fp8_params(p);
+  k.stages = stages;  // > 0 with a packed weight: the bulk kernel's rings of `chunk` units a slot
+  k.chunk = chunk;
+  return run<true>(k, K, blocks, y_col, ldy);
 }
 
 // bf16 operands: x [M, ldx] and w [N, K] as bf16 bits, from f32 values that are bf16-exact.
@@ -272,7 +279,10 @@ TEST(GemmStreamEmulated, Fp8F32OutputsAndAccumulate) {
 
 // The packed unit layout (pack_stream_weight, built here on the host from packed_source as pack_kernel
 // does): every piece comes from the right row and bytes (or is zero past N), so the kernel reading it
-// gives the row-major weight's outputs bit for bit, on every grid; a sentinel after the copy stays.
+// gives the row-major weight's outputs bit for bit, on every grid, through the register ring and through
+// the bulk kernel's shared-memory rings (slots x units: 1 x 1, every unit waits for its own copy; 3 x 1 and
+// 2 x 3, a run wraps the ring, and with 3 units a slot a run's last copy is short); a sentinel after the
+// copy stays.
 TEST(GemmStreamEmulated, PackedWeightGivesTheSameBits) {
   std::vector<Case> cases = kCases;
   cases.push_back({5, 77, 256, 0, {1, 2}});  // a last tile of 13 rows: zero pieces
@@ -295,8 +305,10 @@ TEST(GemmStreamEmulated, PackedWeightGivesTheSameBits) {
       SCOPED_TRACE("M " + std::to_string(c.M) + " N " + std::to_string(c.N) + " K " + std::to_string(c.K) + " grid " +
                    std::to_string(blocks));
       const std::vector<float> a = run_fp8(o, c.M, c.N, c.K, blocks, 0, ldy);
-      const std::vector<float> b = run_fp8(o, c.M, c.N, c.K, blocks, 0, ldy, packed.data());
-      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+      for (const auto& [stages, chunk] : {std::pair{0, 1}, {1, 1}, {3, 1}, {2, 3}}) {
+        const std::vector<float> b = run_fp8(o, c.M, c.N, c.K, blocks, 0, ldy, packed.data(), stages, chunk);
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "ring " << stages << " x " << chunk;
+      }
     }
     EXPECT_EQ(packed[static_cast<size_t>(bytes)], 0xCD);
   }

@@ -209,6 +209,14 @@ void gemm_fp8_stream(const GemmFp8Params& p, int device, Stream s);
 const char* gemm_fp8_stream_kernel_name();
 namespace tuning {
 extern int gemm_fp8_stream;  // -1 automatic (stream only for M % 4 != 0), 0 never, 1 whenever supported
+// On a packed weight (w_packed) the streaming kernel takes its units through per-warp rings in shared
+// memory filled by the copy engine (cp.async.bulk on mbarriers, sm_90): gemm_fp8_stream_stages slots of
+// gemm_fp8_stream_chunk 2-KB units (DFLASH_FP8_STREAM_STAGES / _CHUNK; chunk default 2), the copies with
+// an L2 evict-first hint unless gemm_fp8_stream_evict_first is 0 (DFLASH_FP8_STREAM_EVICT_FIRST). Stages
+// default 0, the register ring as on row-major weights: the shared-memory ring has not run on a GPU yet.
+extern int gemm_fp8_stream_stages;
+extern int gemm_fp8_stream_chunk;
+extern int gemm_fp8_stream_evict_first;
 }  // namespace tuning
 
 // ---- Weights into L2 ahead of a decode GEMM (issue 30; kernels/cuda/gemm_prefetch.cu) ----------------

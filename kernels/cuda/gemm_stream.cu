@@ -55,6 +55,16 @@
 // The probe there says why (the loads and the math share warps; docs/fp8.md). On packed weights (session 31,
 // pack_stream_weight: a unit's 2 KB contiguous) with no division a unit: 1.10-2.09 TB/s FP8 against cuBLASLt's
 // 1.60-2.25, the fp8 decode step 16.56 against 13.75 ms (bench/results/h100-packed-effd9fd).
+// On a packed weight the FP8 kernel can take its units through shared memory instead (session 38, kBulk;
+// DFLASH_FP8_STREAM_STAGES=2 turns it on: not yet run on a GPU, so off by default):
+// each warp's run of units is contiguous in the packed layout, so lane 0 streams it with cp.async.bulk
+// copies of tuning::gemm_fp8_stream_chunk units (default 2: 4 KB) into a ring of gemm_fp8_stream_stages
+// slots (2 to try first) completed on one mbarrier a slot, with an L2 evict-first hint; the lanes wait on the
+// slot, read their 16-byte pieces from shared memory (the packed order: 512 contiguous bytes a load, no
+// bank conflicts), and lane 0 refills the slot as soon as its last unit is in registers, before that
+// unit's math. The loads no longer take the warps' issue slots or registers (the probe's finding), the
+// math, the sums and the fix-up are the register ring's, so the bits are the same. The first slots go
+// out before the programmatic-launch wait.
 // tests/test_gemm_stream_emulated.cpp runs it on the CPU; kernel_bench --only fp8
 // (stream_e4m3 rows, DFLASH_BENCH_FP8_DECODE=1) and --only decode_gemm (skinny_streamk rows), and
 // dflash_eval --decode-variants fused,skinny (fp8) / skinny_streamk (bf16) measure it against cuBLASLt;
@@ -65,6 +75,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 
 #include "core/cuda/check.h"
@@ -76,9 +87,26 @@
 
 namespace dflash::cuda {
 
+namespace {
+// The bulk kernel's ring unless DFLASH_FP8_STREAM_STAGES / _CHUNK say otherwise. Stages 0: off until a GPU
+// has run it (written in session 38 without one; the emulated test checks its logic). The ring to try first
+// is the probe's best: 2 slots of 2 units (4 KB copies) a warp, 64 KB a block with 8 warps, 85 KB with the
+// static pieces: two blocks an SM.
+constexpr int kDefaultBulkStages = 0;
+constexpr int kDefaultBulkChunk = 2;
+
+int env_or(const char* name, int fallback) {
+  const char* e = std::getenv(name);
+  return e && *e ? std::atoi(e) : fallback;
+}
+}  // namespace
+
 namespace tuning {
 int gemm_fp8_stream = -1;     // -1: only where cuBLASLt has no kernel (M % 4 != 0); 0: never; 1: whenever supported
 int gemm_skinny_streamk = 0;  // 1: gemm_skinny runs the stream-K kernel where it can (no SwiGLU, K % 128 == 0)
+int gemm_fp8_stream_stages = env_or("DFLASH_FP8_STREAM_STAGES", kDefaultBulkStages);
+int gemm_fp8_stream_chunk = env_or("DFLASH_FP8_STREAM_CHUNK", kDefaultBulkChunk);
+int gemm_fp8_stream_evict_first = env_or("DFLASH_FP8_STREAM_EVICT_FIRST", 1);
 }  // namespace tuning
 
 namespace {
@@ -111,6 +139,8 @@ struct StreamParams {
   bool y_f32, accumulate;
   int M, N, G;        // G: units (128-byte column runs) per tile
   int tiles, blocks;
+  int stages, chunk;  // stages > 0 with wp: the bulk kernel's ring, slots per warp x units per slot
+  bool evict_first;   // the bulk kernel's copies leave L2 first
   float* partial;     // [blocks][kSlots][16][kRows]
   int* counters;      // [blocks], zero between launches
 };
@@ -168,7 +198,7 @@ __device__ __forceinline__ void store_quad(const StreamParams& p, int tok, int r
 // A warp's accumulators: skinny_mma.cuh's C fragments (skinny::c_row / c_token) of its kTiles tiles.
 using Acc = float[kTiles][2][4];
 
-template <bool kFp8>
+template <bool kFp8, bool kBulk>
 __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamParams p) {
   __shared__ __align__(16) float part0[kWarps][16][kRedLd];  // a warp's piece of a tile begun before its run
   __shared__ __align__(16) float part1[kWarps][16][kRedLd];  // ... of a tile continued after its run
@@ -211,81 +241,136 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
   skinny::zero(acc);
   skinny::zero(d);
 
-  // A register ring of kDepth units per lane: unit wu0 + q sits in buf[q % kDepth] from its load (kDepth
-  // units ahead of its math) until its math. The first loads go before the wait on the previous kernel
-  // (nothing in the step writes weights); x is read at the math, after it.
-  uint4 buf[kDepth][kWLoads];
-  pdl_launch_dependents();
-#pragma unroll
-  for (int q = 0; q < kDepth; ++q)
-    if (wu0 + q < wu1) load_w(wu0 + q, (wu0 + q) / G, (wu0 + q) % G, buf[q]);
-  pdl_wait();
-  int tile_at = wu0 / G, grp_at = wu0 - tile_at * G;                                 // the unit of the math
-  int tile_ld = (wu0 + kDepth) / G, grp_ld = (wu0 + kDepth) - tile_ld * G;           // the next unit loaded
+  int tile_at = wu0 / G, grp_at = wu0 - tile_at * G;  // the unit of the math
   int piece0 = wu0;    // the first unit of the piece being summed
   bool keep = false;   // acc holds a piece of a tile continued after this run (part1)
-  for (int u0 = wu0; u0 < wu1; u0 += kDepth) {
+  // Unit u's math on its weight registers wv; refill() (issued between the MMAs and the scales) puts the
+  // next loads of the ring in flight. Ends a piece of a tile where the unit ends one.
+  auto unit = [&](const int u, const uint4(&wv)[kWLoads], auto&& refill) {
+    const int tile = tile_at, grp = grp_at, n0 = tile * kRows;
+    if (++grp_at == G) grp_at = 0, ++tile_at;
+    const int64_t col = static_cast<int64_t>(grp) * kUnitBytes;
 #pragma unroll
-    for (int q = 0; q < kDepth; ++q) {
-      const int u = u0 + q;
-      if (u >= wu1) break;
-      const uint4(&wv)[kWLoads] = buf[q];
-      const int tile = tile_at, grp = grp_at, n0 = tile * kRows;
-      if (++grp_at == G) grp_at = 0, ++tile_at;
-      const int64_t col = static_cast<int64_t>(grp) * kUnitBytes;
+    for (int j = 0; j < 2; ++j) {  // the unit's two 64-byte halves: skinny_mma's steps
+      const uint4 xa0 = xv[0] ? __ldg(reinterpret_cast<const uint4*>(xp[0] + col + 64 * j)) : make_uint4(0, 0, 0, 0);
+      const uint4 xa1 = two && xv[1] ? __ldg(reinterpret_cast<const uint4*>(xp[1] + col + 64 * j)) : make_uint4(0, 0, 0, 0);
+      uint4 ws[2 * kTiles];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {  // the unit's two 64-byte halves: skinny_mma's steps
-        const uint4 xa0 = xv[0] ? __ldg(reinterpret_cast<const uint4*>(xp[0] + col + 64 * j)) : make_uint4(0, 0, 0, 0);
-        const uint4 xa1 = two && xv[1] ? __ldg(reinterpret_cast<const uint4*>(xp[1] + col + 64 * j)) : make_uint4(0, 0, 0, 0);
-        uint4 ws[2 * kTiles];
+      for (int i = 0; i < kTiles; ++i) ws[2 * i] = wv[4 * i + j], ws[2 * i + 1] = wv[4 * i + 2 + j];
+      skinny::step_mmas<kFp8, kTiles>(ws, xa0, xa1, two, kFp8 ? d : acc);
+    }
+    refill();
+    if constexpr (kFp8) {  // the group's code sums times the weight block's and each token's scale
+      const float sw = __ldg(p.ws + static_cast<int64_t>(n0 / 128) * p.ldws + grp);
+      const float* xg = p.xs + static_cast<int64_t>(grp) * p.ldxs;
+      float sc[4];  // tokens c_token(e / 2, e % 2, t): sc[2 hf + (c & 1)] scales acc[.][hf][c]
 #pragma unroll
-        for (int i = 0; i < kTiles; ++i) ws[2 * i] = wv[4 * i + j], ws[2 * i + 1] = wv[4 * i + 2 + j];
-        skinny::step_mmas<kFp8, kTiles>(ws, xa0, xa1, two, kFp8 ? d : acc);
+      for (int e = 0; e < 4; ++e) {
+        const int tok = skinny::c_token(e >> 1, e & 1, t);
+        sc[e] = tok < p.M ? sw * __ldg(xg + tok) : 0.0f;
       }
-      if (u + kDepth < wu1) {  // refill the slot: kDepth units ahead
-        load_w(u + kDepth, tile_ld, grp_ld, buf[q]);
-        if (++grp_ld == G) grp_ld = 0, ++tile_ld;
-      }
-      if constexpr (kFp8) {  // the group's code sums times the weight block's and each token's scale
-        const float sw = __ldg(p.ws + static_cast<int64_t>(n0 / 128) * p.ldws + grp);
-        const float* xg = p.xs + static_cast<int64_t>(grp) * p.ldxs;
-        float sc[4];  // tokens c_token(e / 2, e % 2, t): sc[2 hf + (c & 1)] scales acc[.][hf][c]
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int tok = skinny::c_token(e >> 1, e & 1, t);
-          sc[e] = tok < p.M ? sw * __ldg(xg + tok) : 0.0f;
+      for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            acc[i][hf][c] += d[i][hf][c] * sc[2 * hf + (c & 1)];
+            d[i][hf][c] = 0.0f;
+          }
+    }
+    if (grp != G - 1 && u != wu1 - 1) return;
+    // The end of a piece of `tile`.
+    const bool from_start = piece0 == tile * G;
+    if (from_start && grp == G - 1) {  // the whole tile: store it
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int tok = skinny::c_token(hf, c, t), row = n0 + skinny::c_row(i, c, g);
+            if (tok < p.M && row < p.N) store_one(p, tok, row, acc[i][hf][c]);
+          }
+    } else if (!from_start) {  // a tile begun before this run (its first piece)
+      skinny::store_fragments(acc, part0[warp], g, t);
+    } else {  // a tile continued after this run: the run's last unit (u == wu1 - 1)
+      keep = true;
+      return;
+    }
+    skinny::zero(acc);
+    piece0 = u + 1;
+  };
+
+  if constexpr (kBulk) {
+    // The packed copy's units through a ring of p.stages slots of p.chunk 2-KB units in shared memory per
+    // warp, filled by the copy engine (one cp.async.bulk a slot of the warp's next units, contiguous in the
+    // packed layout, issued by lane 0 and completed on the slot's mbarrier): a slot is refilled with the
+    // units p.stages slots ahead as soon as the lanes have its last unit in registers, so (p.stages - 1)
+    // to p.stages slots are in flight while the warp does its math.
+    DFLASH_DYNAMIC_SMEM(uint8_t, bulk);
+    const int S = p.stages, C = p.chunk;
+    const int64_t slot_bytes = static_cast<int64_t>(C) * kPackedUnitBytes;
+    uint8_t* ring = bulk + static_cast<int64_t>(warp) * S * slot_bytes;
+    uint64_t* bars = reinterpret_cast<uint64_t*>(bulk + static_cast<int64_t>(kWarps) * S * slot_bytes) + warp * S;
+    const uint64_t policy = p.evict_first ? ptx::l2_evict_first_policy() : 0;
+    const auto fill = [&](int slot, int u) {  // units u .. u + C - 1 of the run (fewer at its end)
+      const int n = wu1 - u < C ? wu1 - u : C;
+      ptx::bulk_load(ring + slot * slot_bytes, p.wp + static_cast<int64_t>(u) * kPackedUnitBytes,
+                     static_cast<uint32_t>(n * kPackedUnitBytes), bars + slot, p.evict_first, policy);
+    };
+    if (lane == 0) {
+      for (int q = 0; q < S; ++q) ptx::mbar_init(bars + q, 1);
+      ptx::mbar_init_fence();
+      for (int q = 0; q < S && wu0 + q * C < wu1; ++q) fill(q, wu0 + q * C);  // before the wait: weights are not written
+    }
+    __syncwarp();
+    pdl_launch_dependents();
+    pdl_wait();
+    int slot = 0;
+    uint32_t phase = 0;
+    for (int u0 = wu0; u0 < wu1; u0 += C) {
+      ptx::mbar_wait(bars + slot, phase);
+      const int n = wu1 - u0 < C ? wu1 - u0 : C;
+      for (int i = 0; i < n; ++i) {
+        uint4 wv[kWLoads];
+        const uint8_t* src = ring + slot * slot_bytes + i * kPackedUnitBytes + 16 * lane;
+#pragma unroll
+        for (int j = 0; j < kWLoads; ++j) wv[j] = *reinterpret_cast<const uint4*>(src + 512 * j);
+        if (i == n - 1) {
+          __syncwarp();  // every lane has read the slot before it is refilled
+          if (lane == 0 && u0 + S * C < wu1) {
+            ptx::proxy_async_fence();  // the generic reads of the slot before the copy engine's writes
+            fill(slot, u0 + S * C);
+          }
+          if (++slot == S) slot = 0, phase ^= 1u;
         }
-#pragma unroll
-        for (int i = 0; i < kTiles; ++i)
-#pragma unroll
-          for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-              acc[i][hf][c] += d[i][hf][c] * sc[2 * hf + (c & 1)];
-              d[i][hf][c] = 0.0f;
-            }
+        unit(u0 + i, wv, [] {});
       }
-      if (grp != G - 1 && u != wu1 - 1) continue;
-      // The end of a piece of `tile`.
-      const bool from_start = piece0 == tile * G;
-      if (from_start && grp == G - 1) {  // the whole tile: store it
+    }
+  } else {
+    // A register ring of kDepth units per lane: unit wu0 + q sits in buf[q % kDepth] from its load (kDepth
+    // units ahead of its math) until its math. The first loads go before the wait on the previous kernel
+    // (nothing in the step writes weights); x is read at the math, after it.
+    uint4 buf[kDepth][kWLoads];
+    pdl_launch_dependents();
 #pragma unroll
-        for (int i = 0; i < kTiles; ++i)
+    for (int q = 0; q < kDepth; ++q)
+      if (wu0 + q < wu1) load_w(wu0 + q, (wu0 + q) / G, (wu0 + q) % G, buf[q]);
+    pdl_wait();
+    int tile_ld = (wu0 + kDepth) / G, grp_ld = (wu0 + kDepth) - tile_ld * G;  // the next unit loaded
+    for (int u0 = wu0; u0 < wu1; u0 += kDepth) {
 #pragma unroll
-          for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-              const int tok = skinny::c_token(hf, c, t), row = n0 + skinny::c_row(i, c, g);
-              if (tok < p.M && row < p.N) store_one(p, tok, row, acc[i][hf][c]);
-            }
-      } else if (!from_start) {  // a tile begun before this run (its first piece)
-        skinny::store_fragments(acc, part0[warp], g, t);
-      } else {  // a tile continued after this run: the run's last unit (u == wu1 - 1)
-        keep = true;
-        continue;
+      for (int q = 0; q < kDepth; ++q) {
+        const int u = u0 + q;
+        if (u >= wu1) break;
+        unit(u, buf[q], [&] {  // refill the slot: kDepth units ahead
+          if (u + kDepth < wu1) {
+            load_w(u + kDepth, tile_ld, grp_ld, buf[q]);
+            if (++grp_ld == G) grp_ld = 0, ++tile_ld;
+          }
+        });
       }
-      skinny::zero(acc);
-      piece0 = u + 1;
     }
   }
   if (keep) skinny::store_fragments(acc, part1[warp], g, t);
@@ -341,7 +426,15 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
   }
 }
 
-// The launch on a given workspace (the emulated test passes host memory and any grid).
+// The bulk kernel's dynamic shared memory: every warp's ring of `stages` slots of `chunk` 2-KB units, then
+// their barriers.
+constexpr size_t bulk_smem_bytes(int stages, int chunk) {
+  return static_cast<size_t>(kWarps) * static_cast<size_t>(stages) *
+         (static_cast<size_t>(chunk) * kPackedUnitBytes + sizeof(uint64_t));
+}
+
+// The launch on a given workspace (the emulated test passes host memory and any grid). FP8 on a packed
+// weight with k.stages > 0 runs the bulk kernel (its grid from the caller, sized for its shared memory).
 template <bool kFp8>
 void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* counters, cudaStream_t st) {
   k.G = static_cast<int>(K * (kFp8 ? 1 : 2) / kUnitBytes);
@@ -349,7 +442,16 @@ void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* c
   k.blocks = static_cast<int>(std::min<int64_t>(blocks, int64_t{k.tiles} * k.G));
   k.partial = partial;
   k.counters = counters;
-  launch_kernel_pdl(gemm_stream_kernel<kFp8>, dim3(static_cast<unsigned>(k.blocks)), dim3(kThreads), 0, st, k);
+  const dim3 grid(static_cast<unsigned>(k.blocks));
+  if constexpr (kFp8) {
+    if (k.wp != nullptr && k.stages > 0) {
+      DFLASH_CHECK(k.chunk >= 1, "gemm_fp8_stream: the bulk ring's slots need >= 1 unit, got " << k.chunk);
+      launch_kernel_pdl(gemm_stream_kernel<true, true>, grid, dim3(kThreads), bulk_smem_bytes(k.stages, k.chunk), st, k);
+      return;
+    }
+  }
+  k.stages = 0;
+  launch_kernel_pdl(gemm_stream_kernel<kFp8, false>, grid, dim3(kThreads), 0, st, k);
 }
 
 StreamParams fp8_params(const GemmFp8Params& p) {
@@ -393,42 +495,83 @@ __global__ void pack_kernel(const uint8_t* w, int64_t N, int64_t row_bytes, int6
   *reinterpret_cast<uint4*>(out + 16 * i) = src >= 0 ? *reinterpret_cast<const uint4*>(w + src) : make_uint4(0, 0, 0, 0);
 }
 
-// Per device: the blocks resident at once (the grid; both kernels have the same resources) and the
-// workspace for that many blocks.
+// Per device: the blocks of the register-ring kernels resident at once (their grid; both have the same
+// resources), the bulk kernel's for the last ring depth asked, and a workspace for the most blocks an SM
+// can hold (kThreads-thread blocks).
 struct Workspace {
+  int sms = 0;
   int blocks = 0;
+  int bulk_stages = 0, bulk_chunk = 0, bulk_blocks = 0;
   float* partial = nullptr;
   int* counters = nullptr;
 };
+constexpr int kMaxBlocksPerSm = 2048 / kThreads;
 
-const Workspace& workspace(int device, cudaStream_t st) {
+std::mutex& workspace_mutex() {
   static std::mutex mu;
+  return mu;
+}
+
+Workspace& workspace_locked(int device, cudaStream_t st) {
   static std::array<Workspace, 64> spaces;
   DFLASH_CHECK(device >= 0 && device < static_cast<int>(spaces.size()), "gemm_stream: device " << device << " out of range");
-  std::lock_guard<std::mutex> lock(mu);
   Workspace& w = spaces[static_cast<size_t>(device)];
   if (w.blocks > 0) return w;
   DeviceGuard scope(device);
   int sms = 0, per_sm = 1 << 30;
   DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  for (const auto kernel : {gemm_stream_kernel<true>, gemm_stream_kernel<false>}) {
+  for (const auto kernel : {gemm_stream_kernel<true, false>, gemm_stream_kernel<false, false>}) {
     int n = 0;
     DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
     per_sm = std::min(per_sm, n);
   }
   DFLASH_CHECK(per_sm > 0, "gemm_stream: the kernels do not fit an SM of device " << device);
-  const int blocks = per_sm * sms;
+  const int most = kMaxBlocksPerSm * sms;
   // Lives until exit, like the device context's cuBLASLt workspace (2 KB per block).
-  DFLASH_CUDA_CHECK(cudaMalloc(&w.partial, static_cast<size_t>(blocks) * kSlots * kSlotFloats * sizeof(float)));
-  DFLASH_CUDA_CHECK(cudaMalloc(&w.counters, static_cast<size_t>(blocks) * sizeof(int)));
+  DFLASH_CUDA_CHECK(cudaMalloc(&w.partial, static_cast<size_t>(most) * kSlots * kSlotFloats * sizeof(float)));
+  DFLASH_CUDA_CHECK(cudaMalloc(&w.counters, static_cast<size_t>(most) * sizeof(int)));
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   DFLASH_CUDA_CHECK(cudaStreamIsCapturing(st, &cap));
   if (cap == cudaStreamCaptureStatusNone) {
-    DFLASH_CUDA_CHECK(cudaMemset(w.counters, 0, static_cast<size_t>(blocks) * sizeof(int)));
+    DFLASH_CUDA_CHECK(cudaMemset(w.counters, 0, static_cast<size_t>(most) * sizeof(int)));
   } else {  // first used inside a capture: the graph zeroes them before its kernels, at every replay
-    DFLASH_CUDA_CHECK(cudaMemsetAsync(w.counters, 0, static_cast<size_t>(blocks) * sizeof(int), st));
+    DFLASH_CUDA_CHECK(cudaMemsetAsync(w.counters, 0, static_cast<size_t>(most) * sizeof(int), st));
   }
-  w.blocks = blocks;
+  w.sms = sms;
+  w.blocks = per_sm * sms;
+  return w;
+}
+
+const Workspace& workspace(int device, cudaStream_t st) {
+  std::lock_guard<std::mutex> lock(workspace_mutex());
+  return workspace_locked(device, st);
+}
+
+// The workspace with the bulk kernel's grid for its ring (its shared memory opted in).
+const Workspace& bulk_workspace(int device, cudaStream_t st, int stages, int chunk) {
+  std::lock_guard<std::mutex> lock(workspace_mutex());
+  Workspace& w = workspace_locked(device, st);
+  if (w.bulk_stages == stages && w.bulk_chunk == chunk) return w;
+  DeviceGuard scope(device);
+  const auto kernel = gemm_stream_kernel<true, true>;
+  const size_t smem = bulk_smem_bytes(stages, chunk);
+  int n = 0, optin = 0;
+  DFLASH_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  cudaFuncAttributes attr{};
+  DFLASH_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  if (smem + attr.sharedSizeBytes <= static_cast<size_t>(optin)) {
+    DFLASH_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    DFLASH_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, smem));
+  }
+  DFLASH_CHECK_HINT(n > 0, "gemm_fp8_stream: a ring of " << stages << " slots of " << chunk << " units a warp ("
+                                                         << smem << " bytes of shared memory a block beside "
+                                                         << attr.sharedSizeBytes << " static) does not fit an SM of device "
+                                                         << device,
+                    "set DFLASH_FP8_STREAM_STAGES / DFLASH_FP8_STREAM_CHUNK lower (defaults " << kDefaultBulkStages << " / "
+                                                                                               << kDefaultBulkChunk << ")");
+  w.bulk_stages = stages;
+  w.bulk_chunk = chunk;
+  w.bulk_blocks = std::min(n, kMaxBlocksPerSm) * w.sms;
   return w;
 }
 #endif
@@ -481,8 +624,19 @@ void gemm_fp8_stream(const GemmFp8Params& p, int device, Stream s) {
                    << p.ldx << " ldy=" << p.ldy << " K=" << p.K << " N=" << p.N);
   DeviceGuard scope(device);
   const auto st = static_cast<cudaStream_t>(s);
+  StreamParams k = fp8_params(p);
+  if (p.w_packed != nullptr && tuning::gemm_fp8_stream_stages > 0) {
+    k.stages = tuning::gemm_fp8_stream_stages;
+    k.chunk = tuning::gemm_fp8_stream_chunk;
+    k.evict_first = tuning::gemm_fp8_stream_evict_first != 0;
+    DFLASH_CHECK_HINT(k.chunk >= 1, "gemm_fp8_stream: DFLASH_FP8_STREAM_CHUNK must be >= 1, got " << k.chunk,
+                      "leave it unset (default " << kDefaultBulkChunk << ")");
+    const Workspace& w = bulk_workspace(device, st, k.stages, k.chunk);
+    launch_stream<true>(k, p.K, w.bulk_blocks, w.partial, w.counters, st);
+    return;
+  }
   const Workspace& w = workspace(device, st);
-  launch_stream<true>(fp8_params(p), p.K, w.blocks, w.partial, w.counters, st);
+  launch_stream<true>(k, p.K, w.blocks, w.partial, w.counters, st);
 }
 
 void gemm_bf16_stream(const GemmSkinnyParams& p, int device, Stream s) {

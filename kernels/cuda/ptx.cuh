@@ -152,6 +152,77 @@ __device__ __forceinline__ void sts_u32(void* p, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_addr(p)), "r"(v) : "memory");
 }
 
+// ---- Bulk copies into shared memory completed on an mbarrier (sm_90; gemm_stream.cu's packed path) ----
+// A ring slot's barrier: mbar_init(bar, 1) once (then mbar_init_fence before any copy signals it); per
+// fill one thread calls bulk_load(dst, src, bytes, bar) (it arms the barrier with the bytes to expect
+// and issues one cp.async.bulk the copy engine completes on it), and every reader waits with
+// mbar_wait(bar, phase), phase 0 for the slot's first fill, 1 for its second, and so on alternately.
+// dst, src and bytes multiples of 16. Emulated (DFLASH_CUDA_EMULATION) the copy is a memcpy done at
+// once and the barrier calls do nothing.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+#ifndef DFLASH_CUDA_EMULATION
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+#else
+  (void)bar, (void)count;
+#endif
+}
+// Makes initialized barriers visible to the copy engine (the async proxy).
+__device__ __forceinline__ void mbar_init_fence() {
+#ifndef DFLASH_CUDA_EMULATION
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// Orders this thread's earlier generic accesses of shared memory before later copy-engine ones.
+__device__ __forceinline__ void proxy_async_fence() {
+#ifndef DFLASH_CUDA_EMULATION
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// An L2 policy for data read once (the copies' lines leave L2 first); 0 emulated.
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t policy = 0;
+#ifndef DFLASH_CUDA_EMULATION
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+#endif
+  return policy;
+}
+// evict_first: the copy carries `policy` (l2_evict_first_policy) as its L2 cache hint.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar, bool evict_first = false,
+                                          uint64_t policy = 0) {
+#ifndef DFLASH_CUDA_EMULATION
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+  if (evict_first)
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::"r"(
+            smem_addr(dst)),
+        "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
+        : "memory");
+  else
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+#else
+  (void)bar, (void)evict_first, (void)policy;
+  std::memcpy(dst, src, bytes);
+#endif
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
+#ifndef DFLASH_CUDA_EMULATION
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(phase)
+        : "memory");
+  } while (!done);
+#else
+  (void)bar, (void)phase;
+#endif
+}
+
 // Two f32 -> one register of two bf16 (round to nearest even); lo goes to the low half.
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);

@@ -314,10 +314,10 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
     uint8_t* ring = bulk + static_cast<int64_t>(warp) * S * slot_bytes;
     uint64_t* bars = reinterpret_cast<uint64_t*>(bulk + static_cast<int64_t>(kWarps) * S * slot_bytes) + warp * S;
     const uint64_t policy = p.evict_first ? ptx::l2_evict_first_policy() : 0;
-    const auto fill = [&](int slot, int u) {  // units u .. u + C - 1 of the run (fewer at its end)
-      const int n = wu1 - u < C ? wu1 - u : C;
+    const auto slot_units = [&](int u) { return wu1 - u < C ? wu1 - u : C; };  // a slot from unit u: fewer at the run's end
+    const auto fill = [&](int slot, int u) {
       ptx::bulk_load(ring + slot * slot_bytes, p.wp + static_cast<int64_t>(u) * kPackedUnitBytes,
-                     static_cast<uint32_t>(n * kPackedUnitBytes), bars + slot, p.evict_first, policy);
+                     static_cast<uint32_t>(slot_units(u) * kPackedUnitBytes), bars + slot, p.evict_first, policy);
     };
     if (lane == 0) {
       for (int q = 0; q < S; ++q) ptx::mbar_init(bars + q, 1);
@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
     uint32_t phase = 0;
     for (int u0 = wu0; u0 < wu1; u0 += C) {
       ptx::mbar_wait(bars + slot, phase);
-      const int n = wu1 - u0 < C ? wu1 - u0 : C;
+      const int n = slot_units(u0);
       for (int i = 0; i < n; ++i) {
         uint4 wv[kWLoads];
         const uint8_t* src = ring + slot * slot_bytes + i * kPackedUnitBytes + 16 * lane;
@@ -445,12 +445,12 @@ void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* c
   const dim3 grid(static_cast<unsigned>(k.blocks));
   if constexpr (kFp8) {
     if (k.wp != nullptr && k.stages > 0) {
-      DFLASH_CHECK(k.chunk >= 1, "gemm_fp8_stream: the bulk ring's slots need >= 1 unit, got " << k.chunk);
+      DFLASH_CHECK_HINT(k.chunk >= 1, "gemm_fp8_stream: the bulk ring's slots need >= 1 unit, got " << k.chunk,
+                        "leave DFLASH_FP8_STREAM_CHUNK unset (default " << kDefaultBulkChunk << ")");
       launch_kernel_pdl(gemm_stream_kernel<true, true>, grid, dim3(kThreads), bulk_smem_bytes(k.stages, k.chunk), st, k);
       return;
     }
   }
-  k.stages = 0;
   launch_kernel_pdl(gemm_stream_kernel<kFp8, false>, grid, dim3(kThreads), 0, st, k);
 }
 
@@ -629,8 +629,6 @@ void gemm_fp8_stream(const GemmFp8Params& p, int device, Stream s) {
     k.stages = tuning::gemm_fp8_stream_stages;
     k.chunk = tuning::gemm_fp8_stream_chunk;
     k.evict_first = tuning::gemm_fp8_stream_evict_first != 0;
-    DFLASH_CHECK_HINT(k.chunk >= 1, "gemm_fp8_stream: DFLASH_FP8_STREAM_CHUNK must be >= 1, got " << k.chunk,
-                      "leave it unset (default " << kDefaultBulkChunk << ")");
     const Workspace& w = bulk_workspace(device, st, k.stages, k.chunk);
     launch_stream<true>(k, p.K, w.bulk_blocks, w.partial, w.counters, st);
     return;

@@ -166,18 +166,18 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
   (void)bar, (void)count;
 #endif
 }
-// Makes initialized barriers visible to the copy engine (the async proxy).
-__device__ __forceinline__ void mbar_init_fence() {
-#ifndef DFLASH_CUDA_EMULATION
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
 // Orders this thread's earlier generic accesses of shared memory before later copy-engine ones.
 __device__ __forceinline__ void proxy_async_fence() {
 #ifndef DFLASH_CUDA_EMULATION
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
+}
+// Makes initialized barriers visible to the copy engine (the async proxy).
+__device__ __forceinline__ void mbar_init_fence() {
+#ifndef DFLASH_CUDA_EMULATION
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+  proxy_async_fence();
 }
 // An L2 policy for data read once (the copies' lines leave L2 first); 0 emulated.
 __device__ __forceinline__ uint64_t l2_evict_first_policy() {

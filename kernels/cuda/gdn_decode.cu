@@ -67,17 +67,35 @@ using conv::silu_f;
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // ---- conv update --------------------------------------------------------------------------------
+// A vec8 thread's sequence and channels: (sequence blockIdx.y, channels c0 .. c0 + 7), its tokens'
+// first row and count, and its slot's state rows (K - 1 of them); false for a thread past C or a
+// sequence without a valid slot (it does nothing).
+struct Vec8Thread {
+  int64_t c0, begin, T;
+  bf16* st;
+};
+template <int K>
+__device__ __forceinline__ bool vec8_thread(const ConvUpdateParams& p, Vec8Thread& v) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, s = blockIdx.y;
+  if (g >= p.C / 8) return false;
+  const int32_t slot = p.slots[s];
+  if (slot < 0 || slot >= p.num_slots) return false;
+  v.c0 = g * 8;
+  v.begin = p.cu_seqlens[s];
+  v.T = p.cu_seqlens[s + 1] - v.begin;
+  v.st = static_cast<bf16*>(p.state) + static_cast<int64_t>(slot) * (K - 1) * p.C + v.c0;
+  return true;
+}
+
 // Thread (sequence blockIdx.y, channels 8g .. 8g + 7).
 template <int K>
 __global__ void __launch_bounds__(128) conv_update_fast_kernel(const ConvUpdateParams p) {
-  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, s = blockIdx.y;
-  if (g >= p.C / 8) return;
-  const int32_t slot = p.slots[s];
-  if (slot < 0 || slot >= p.num_slots) return;
-  const int64_t begin = p.cu_seqlens[s], T = p.cu_seqlens[s + 1] - begin, c0 = g * 8;
+  Vec8Thread v;
+  if (!vec8_thread<K>(p, v)) return;
+  const int64_t begin = v.begin, T = v.T, c0 = v.c0;
   const bf16* __restrict__ x = static_cast<const bf16*>(p.x) + begin * p.ldx + c0;
   bf16* __restrict__ y = static_cast<bf16*>(p.y) + begin * p.C + c0;
-  bf16* __restrict__ st = static_cast<bf16*>(p.state) + static_cast<int64_t>(slot) * (K - 1) * p.C + c0;
+  bf16* __restrict__ st = v.st;
   const bf16* w = static_cast<const bf16*>(p.w);
   float wr[8][K];
 #pragma unroll
@@ -130,14 +148,11 @@ __global__ void conv_update_fallback_kernel(const ConvUpdateParams p) {
 // i - (K-1) of the sequence), all read before any is written; the bf16 bits as the vec8 kernel's.
 template <int K>
 __global__ void __launch_bounds__(128) conv_state_write_kernel(const ConvUpdateParams p) {
-  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, s = blockIdx.y;
-  if (g >= p.C / 8) return;
-  const int32_t slot = p.slots[s];
-  if (slot < 0 || slot >= p.num_slots) return;
-  const int64_t begin = p.cu_seqlens[s], T = p.cu_seqlens[s + 1] - begin, c0 = g * 8;
-  if (T <= 0) return;
-  bf16* st = static_cast<bf16*>(p.state) + static_cast<int64_t>(slot) * (K - 1) * p.C + c0;
-  const bf16* x = static_cast<const bf16*>(p.x) + begin * p.ldx + c0;
+  Vec8Thread v;
+  if (!vec8_thread<K>(p, v) || v.T <= 0) return;
+  const int64_t T = v.T;
+  bf16* st = v.st;
+  const bf16* x = static_cast<const bf16*>(p.x) + v.begin * p.ldx + v.c0;
   uint4 rows[K - 1];
 #pragma unroll
   for (int r = 0; r < K - 1; ++r) {

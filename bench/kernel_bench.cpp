@@ -1027,8 +1027,21 @@ void bench_fp8(Ctx& ctx, bool quick) {
         packed_call();
         DeviceContext::get(0).synchronize();
         const Tensor a8 = y8.to(Device::cpu()), b8 = y_rowmajor.to(Device::cpu());
-        DFLASH_CHECK(std::memcmp(a8.raw_data(), b8.raw_data(), a8.nbytes()) == 0,
-                     "fp8 " << shape << ": the packed weight's outputs differ from the row-major weight's; not timing a wrong kernel");
+        cuda::GemmFp8Params gp = fp8_params(false);
+        const int row_major_grid = cuda::gemm_fp8_stream_grid(gp, 0, ctx.stream);
+        gp.w_packed = wp[0].data<uint8_t>();
+        const int packed_grid = cuda::gemm_fp8_stream_grid(gp, 0, ctx.stream);
+        if (packed_grid == row_major_grid) {  // the same sums in the same order
+          DFLASH_CHECK(std::memcmp(a8.raw_data(), b8.raw_data(), a8.nbytes()) == 0,
+                       "fp8 " << shape << ": the packed weight's outputs differ from the row-major weight's on the same grid; "
+                              "not timing a wrong kernel");
+        } else {  // the bulk ring's grid (fewer blocks an SM): the same sums in another order
+          const double ep = max_rel_err(a8, b8);
+          std::printf("  fp8    packed weight on its own grid (%d blocks, row-major %d): max rel err vs row-major %.2e\n",
+                      packed_grid, row_major_grid, ep);
+          DFLASH_CHECK(ep <= 1e-2, "fp8 " << shape << ": the packed weight's outputs differ from the row-major weight's (max rel err "
+                                          << ep << " > 1e-2); not timing a wrong kernel");
+        }
         measure(ctx, "fp8", "gemm_fp8", shape, {{"stream_e4m3_packed", packed_call, nullptr}}, 0, units(1));
       }
       cuda::tuning::gemm_fp8_stream = 0;  // the cuBLASLt rows below

@@ -72,13 +72,13 @@ Operands make(const Tensor& x, const Tensor& w, int64_t pad_x) {
 // Runs the kernel on k's operands with a grid of `blocks` on host memory; y [M, ldy] in f32 (NaN
 // before, the output window at column y_col). Every counter must be back to zero.
 template <bool kFp8>
-std::vector<float> run(cu::StreamParams k, int64_t K, int blocks, int64_t y_col, int64_t ldy) {
+std::vector<float> run(cu::StreamParams k, int64_t K, int blocks, int64_t y_col, int64_t ldy, const cu::BulkRing& ring = {}) {
   std::vector<uint16_t> y(static_cast<size_t>(k.M * ldy), 0x7FC0);  // bf16 NaN
   k.y = reinterpret_cast<__nv_bfloat16*>(y.data() + y_col);
   k.ldy = ldy;
   std::vector<float> partial(static_cast<size_t>(blocks) * cu::kSlots * cu::kSlotFloats, NAN);
   std::vector<int> counters(static_cast<size_t>(blocks), 0);
-  cu::launch_stream<kFp8>(k, K, blocks, partial.data(), counters.data(), nullptr);
+  cu::launch_stream<kFp8>(k, K, blocks, partial.data(), counters.data(), nullptr, ring);
   for (int c : counters) EXPECT_EQ(c, 0) << "a shared tile's counter was not reset";
   std::vector<float> out(y.size());
   for (size_t i = 0; i < y.size(); ++i) {
@@ -103,10 +103,10 @@ std::vector<float> run_fp8(const Operands& o, int64_t M, int64_t N, int64_t K, i
   p.N = N;
   p.K = K;
   EXPECT_TRUE(cu::gemm_fp8_stream_supported(p));
-  cu::StreamParams k = cu::fp8_params(p);
-  k.stages = stages;  // > 0 with a packed weight: the bulk kernel's rings of `chunk` units a slot
-  k.chunk = chunk;
-  return run<true>(k, K, blocks, y_col, ldy);
+  cu::BulkRing ring;  // stages > 0 with a packed weight: the bulk kernel's rings of `chunk` units a slot
+  ring.stages = stages;
+  ring.chunk = chunk;
+  return run<true>(cu::fp8_params(p), K, blocks, y_col, ldy, ring);
 }
 
 // bf16 operands: x [M, ldx] and w [N, K] as bf16 bits, from f32 values that are bf16-exact.

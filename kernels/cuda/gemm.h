@@ -206,6 +206,11 @@ bool gemm_fp8_stream_supported(const GemmFp8Params& p);
 int64_t stream_packed_bytes(int64_t N, int64_t row_bytes);
 void pack_stream_weight(const void* w, int64_t N, int64_t row_bytes, void* packed, Stream s);
 void gemm_fp8_stream(const GemmFp8Params& p, int device, Stream s);
+// The blocks gemm_fp8_stream launches for p on device (its one-wave grid: the register ring's, or on a packed
+// weight with the bulk ring on, the bulk kernel's, which fits fewer blocks an SM for rings of more than ~100 KB
+// a block). The sums' order and so the output bits depend on it: two launches with the same grid give the
+// same bits (row-major or packed weight, either ring).
+int gemm_fp8_stream_grid(const GemmFp8Params& p, int device, Stream s);
 const char* gemm_fp8_stream_kernel_name();
 namespace tuning {
 extern int gemm_fp8_stream;  // -1 automatic (stream only for M % 4 != 0), 0 never, 1 whenever supported

@@ -139,10 +139,17 @@ struct StreamParams {
   bool y_f32, accumulate;
   int M, N, G;        // G: units (128-byte column runs) per tile
   int tiles, blocks;
-  int stages, chunk;  // stages > 0 with wp: the bulk kernel's ring, slots per warp x units per slot
-  bool evict_first;   // the bulk kernel's copies leave L2 first
   float* partial;     // [blocks][kSlots][16][kRows]
   int* counters;      // [blocks], zero between launches
+};
+
+// The bulk kernel's ring (FP8 on a packed weight): stages > 0 slots per warp of chunk units each; the copies
+// leave L2 first where evict_first. A kernel parameter of its own: with these fields in StreamParams, ptxas
+// allocated the register-ring kernels' registers differently (FP8: 90-byte spill stores against 36) and they
+// streamed 4-10% slower on an H100 (bench/results/h100-bulkring-384ebce).
+struct BulkRing {
+  int stages = 0, chunk = 0;
+  int evict_first = 0;
 };
 
 // Run r of `parts` equal contiguous runs of n items is [run_begin(n, parts, r), run_begin(n, parts, r + 1)).
@@ -199,7 +206,7 @@ __device__ __forceinline__ void store_quad(const StreamParams& p, int tok, int r
 using Acc = float[kTiles][2][4];
 
 template <bool kFp8, bool kBulk>
-__global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamParams p) {
+__global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamParams p, const BulkRing ring) {
   __shared__ __align__(16) float part0[kWarps][16][kRedLd];  // a warp's piece of a tile begun before its run
   __shared__ __align__(16) float part1[kWarps][16][kRedLd];  // ... of a tile continued after its run
   __shared__ int last;
@@ -303,21 +310,22 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
   };
 
   if constexpr (kBulk) {
-    // The packed copy's units through a ring of p.stages slots of p.chunk 2-KB units in shared memory per
+    // The packed copy's units through a ring of ring.stages slots of ring.chunk 2-KB units in shared memory per
     // warp, filled by the copy engine (one cp.async.bulk a slot of the warp's next units, contiguous in the
     // packed layout, issued by lane 0 and completed on the slot's mbarrier): a slot is refilled with the
-    // units p.stages slots ahead as soon as the lanes have its last unit in registers, so (p.stages - 1)
-    // to p.stages slots are in flight while the warp does its math.
+    // units ring.stages slots ahead as soon as the lanes have its last unit in registers, so (ring.stages - 1)
+    // to ring.stages slots are in flight while the warp does its math.
     DFLASH_DYNAMIC_SMEM(uint8_t, bulk);
-    const int S = p.stages, C = p.chunk;
+    const int S = ring.stages, C = ring.chunk;
     const int64_t slot_bytes = static_cast<int64_t>(C) * kPackedUnitBytes;
-    uint8_t* ring = bulk + static_cast<int64_t>(warp) * S * slot_bytes;
+    uint8_t* slots = bulk + static_cast<int64_t>(warp) * S * slot_bytes;
     uint64_t* bars = reinterpret_cast<uint64_t*>(bulk + static_cast<int64_t>(kWarps) * S * slot_bytes) + warp * S;
-    const uint64_t policy = p.evict_first ? ptx::l2_evict_first_policy() : 0;
+    const bool evict_first = ring.evict_first != 0;
+    const uint64_t policy = evict_first ? ptx::l2_evict_first_policy() : 0;
     const auto slot_units = [&](int u) { return wu1 - u < C ? wu1 - u : C; };  // a slot from unit u: fewer at the run's end
     const auto fill = [&](int slot, int u) {
-      ptx::bulk_load(ring + slot * slot_bytes, p.wp + static_cast<int64_t>(u) * kPackedUnitBytes,
-                     static_cast<uint32_t>(slot_units(u) * kPackedUnitBytes), bars + slot, p.evict_first, policy);
+      ptx::bulk_load(slots + slot * slot_bytes, p.wp + static_cast<int64_t>(u) * kPackedUnitBytes,
+                     static_cast<uint32_t>(slot_units(u) * kPackedUnitBytes), bars + slot, evict_first, policy);
     };
     if (lane == 0) {
       for (int q = 0; q < S; ++q) ptx::mbar_init(bars + q, 1);
@@ -334,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
       const int n = slot_units(u0);
       for (int i = 0; i < n; ++i) {
         uint4 wv[kWLoads];
-        const uint8_t* src = ring + slot * slot_bytes + i * kPackedUnitBytes + 16 * lane;
+        const uint8_t* src = slots + slot * slot_bytes + i * kPackedUnitBytes + 16 * lane;
 #pragma unroll
         for (int j = 0; j < kWLoads; ++j) wv[j] = *reinterpret_cast<const uint4*>(src + 512 * j);
         if (i == n - 1) {
@@ -434,9 +442,10 @@ constexpr size_t bulk_smem_bytes(int stages, int chunk) {
 }
 
 // The launch on a given workspace (the emulated test passes host memory and any grid). FP8 on a packed
-// weight with k.stages > 0 runs the bulk kernel (its grid from the caller, sized for its shared memory).
+// weight with ring.stages > 0 runs the bulk kernel (its grid from the caller, sized for its shared memory).
 template <bool kFp8>
-void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* counters, cudaStream_t st) {
+void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* counters, cudaStream_t st,
+                   const BulkRing& ring = {}) {
   k.G = static_cast<int>(K * (kFp8 ? 1 : 2) / kUnitBytes);
   k.tiles = static_cast<int>((k.N + kRows - 1) / kRows);
   k.blocks = static_cast<int>(std::min<int64_t>(blocks, int64_t{k.tiles} * k.G));
@@ -444,14 +453,15 @@ void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* c
   k.counters = counters;
   const dim3 grid(static_cast<unsigned>(k.blocks));
   if constexpr (kFp8) {
-    if (k.wp != nullptr && k.stages > 0) {
-      DFLASH_CHECK_HINT(k.chunk >= 1, "gemm_fp8_stream: the bulk ring's slots need >= 1 unit, got " << k.chunk,
+    if (k.wp != nullptr && ring.stages > 0) {
+      DFLASH_CHECK_HINT(ring.chunk >= 1, "gemm_fp8_stream: the bulk ring's slots need >= 1 unit, got " << ring.chunk,
                         "leave DFLASH_FP8_STREAM_CHUNK unset (default " << kDefaultBulkChunk << ")");
-      launch_kernel_pdl(gemm_stream_kernel<true, true>, grid, dim3(kThreads), bulk_smem_bytes(k.stages, k.chunk), st, k);
+      launch_kernel_pdl(gemm_stream_kernel<true, true>, grid, dim3(kThreads), bulk_smem_bytes(ring.stages, ring.chunk), st, k,
+                        ring);
       return;
     }
   }
-  launch_kernel_pdl(gemm_stream_kernel<kFp8, false>, grid, dim3(kThreads), 0, st, k);
+  launch_kernel_pdl(gemm_stream_kernel<kFp8, false>, grid, dim3(kThreads), 0, st, k, BulkRing{});
 }
 
 StreamParams fp8_params(const GemmFp8Params& p) {
@@ -626,15 +636,26 @@ void gemm_fp8_stream(const GemmFp8Params& p, int device, Stream s) {
   const auto st = static_cast<cudaStream_t>(s);
   StreamParams k = fp8_params(p);
   if (p.w_packed != nullptr && tuning::gemm_fp8_stream_stages > 0) {
-    k.stages = tuning::gemm_fp8_stream_stages;
-    k.chunk = tuning::gemm_fp8_stream_chunk;
-    k.evict_first = tuning::gemm_fp8_stream_evict_first != 0;
-    const Workspace& w = bulk_workspace(device, st, k.stages, k.chunk);
-    launch_stream<true>(k, p.K, w.bulk_blocks, w.partial, w.counters, st);
+    BulkRing ring;
+    ring.stages = tuning::gemm_fp8_stream_stages;
+    ring.chunk = tuning::gemm_fp8_stream_chunk;
+    ring.evict_first = tuning::gemm_fp8_stream_evict_first != 0;
+    const Workspace& w = bulk_workspace(device, st, ring.stages, ring.chunk);
+    launch_stream<true>(k, p.K, w.bulk_blocks, w.partial, w.counters, st, ring);
     return;
   }
   const Workspace& w = workspace(device, st);
   launch_stream<true>(k, p.K, w.blocks, w.partial, w.counters, st);
+}
+
+int gemm_fp8_stream_grid(const GemmFp8Params& p, int device, Stream s) {
+  DeviceGuard scope(device);
+  const auto st = static_cast<cudaStream_t>(s);
+  const bool bulk = p.w_packed != nullptr && tuning::gemm_fp8_stream_stages > 0;
+  const int blocks = bulk ? bulk_workspace(device, st, tuning::gemm_fp8_stream_stages, tuning::gemm_fp8_stream_chunk).bulk_blocks
+                          : workspace(device, st).blocks;
+  const int64_t units = (p.N + kRows - 1) / kRows * (p.K / kUnitBytes);
+  return static_cast<int>(std::min<int64_t>(blocks, units));
 }
 
 void gemm_bf16_stream(const GemmSkinnyParams& p, int device, Stream s) {

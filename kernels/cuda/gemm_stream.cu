@@ -56,7 +56,8 @@
 // pack_stream_weight: a unit's 2 KB contiguous) with no division a unit: 1.10-2.09 TB/s FP8 against cuBLASLt's
 // 1.60-2.25, the fp8 decode step 16.56 against 13.75 ms (bench/results/h100-packed-effd9fd).
 // On a packed weight the FP8 kernel can take its units through shared memory instead (session 38, kBulk;
-// DFLASH_FP8_STREAM_STAGES=2 turns it on: not yet run on a GPU, so off by default):
+// DFLASH_FP8_STREAM_STAGES=2 turns it on; off by default: its best ring, 2 x 1, streams 1.21-2.08 TB/s at M 16 on
+// an H100, 4-15% above the packed register ring and 8-27% below cuBLASLt, bench/results/h100-bulkring-384ebce):
 // each warp's run of units is contiguous in the packed layout, so lane 0 streams it with cp.async.bulk
 // copies of tuning::gemm_fp8_stream_chunk units (default 2: 4 KB) into a ring of gemm_fp8_stream_stages
 // slots (2 to try first) completed on one mbarrier a slot, with an L2 evict-first hint; the lanes wait on the
@@ -88,10 +89,9 @@
 namespace dflash::cuda {
 
 namespace {
-// The bulk kernel's ring unless DFLASH_FP8_STREAM_STAGES / _CHUNK say otherwise. Stages 0: off until a GPU
-// has run it (written in session 38 without one; the emulated test checks its logic). The ring to try first
-// is the probe's best: 2 slots of 2 units (4 KB copies) a warp, 64 KB a block with 8 warps, 85 KB with the
-// static pieces: two blocks an SM.
+// The bulk kernel's ring unless DFLASH_FP8_STREAM_STAGES / _CHUNK say otherwise. Stages 0: off, since it loses
+// to cuBLASLt (bench/results/h100-bulkring-384ebce: of 2 x 1, 2 x 2 and 5 x 1, 2 x 1 was best; chunk 2 stays the
+// default a ring gets when only the stages are set).
 constexpr int kDefaultBulkStages = 0;
 constexpr int kDefaultBulkChunk = 2;
 

@@ -68,6 +68,8 @@ void apply_decode_variant(const std::string& name, target::FastPathPlan::DecodeF
   else if (name == "no_prefetch") f.prefetch = false;
   else if (name == "packed") f.skinny_gemm = f.swiglu_gemm = f.fp8_packed = true;
   else if (name == "no_packed") f.fp8_packed = false;
+  else if (name == "side_gemms") f.fp8_side_gemms = true;
+  else if (name == "no_side_gemms") f.fp8_side_gemms = false;
   else if (name == "unfused") f = {}, cuda::tuning::pdl = 0;
   else DFLASH_REQUIRE_HINT(name == "fused", option << ": unknown variant '" << name << "'", "use " << kDecodeVariantNames);
 }

@@ -63,11 +63,12 @@ std::string utc_timestamp();  // 2026-11-30T08:00:00Z
 // no_gdn_chain, gdn_chain_all (the fused chain at any number of sequences), no_commit, no_overlap,
 // moe_decode (MoE targets: the MoE decode kernels, off in the plan: slower in the 35B-A3B decode),
 // moe_wgmma (MoE targets: the decode / verify steps' expert GEMMs on the wgmma kernel), prefetch / no_prefetch
-// (the next GEMM's weights into L2 after each decode GEMM: DecodeFusion::prefetch), unfused (every fusion and PDL
-// off). Sets `fusion` and
+// (the next GEMM's weights into L2 after each decode GEMM: DecodeFusion::prefetch), packed / no_packed (FP8: the
+// streaming kernel on packed copies), side_gemms / no_side_gemms (FP8: the bf16 b|a GEMM on a side stream beside
+// the in_proj's FP8 GEMM: DecodeFusion::fp8_side_gemms), unfused (every fusion and PDL off). Sets `fusion` and
 // cuda::tuning::pdl (the caller restores pdl); an unknown name throws, naming `option` and the variants.
 inline constexpr const char* kDecodeVariantNames =
-    "fused, no_pdl, skinny, skinny_no_swiglu, no_skinny, skinny_streamk, no_gdn_chain, gdn_chain_all, no_commit, no_overlap, moe_decode, moe_wgmma, prefetch, no_prefetch, packed, no_packed, unfused";
+    "fused, no_pdl, skinny, skinny_no_swiglu, no_skinny, skinny_streamk, no_gdn_chain, gdn_chain_all, no_commit, no_overlap, moe_decode, moe_wgmma, prefetch, no_prefetch, packed, no_packed, side_gemms, no_side_gemms, unfused";
 void apply_decode_variant(const std::string& name, target::FastPathPlan::DecodeFusion& fusion, const char* option);
 
 }  // namespace dflash::bench

@@ -313,6 +313,7 @@ std::string FastPathPlan::DecodeFusion::str() const {
   add(moe_wgmma, "MoE expert GEMMs on wgmma");
   add(prefetch, "weights prefetched into L2");
   add(fp8_packed, "packed FP8 decode weights");
+  add(fp8_side_gemms, "bf16 GEMM parts beside the FP8 ones (side stream)");
   return s;
 }
 

@@ -255,12 +255,40 @@ bool CudaTargetModel::streamk(const cuda::GemmSkinnyParams& sp) const {
   return decode_ && decode_->fusion.skinny_streamk && cuda::gemm_bf16_stream_supported(sp);
 }
 
-struct CudaTargetModel::PrefetchLane {
+bool CudaTargetModel::side_gemms(const std::vector<Proj>& parts, int64_t M, int64_t ldx, int64_t ldy, bool swiglu) const {
+  const DecodeStep* ds = decode_;
+  if (!ds || ds->prefill || !ds->fusion.fp8_side_gemms || profiler_ || gemm_unaligned_ || swiglu || M > 16) return false;
+  bool fp8 = false, bf16 = false;
+  for (const Proj& p : parts) {
+    if (p.fp8()) {
+      fp8 = true;
+      continue;
+    }
+    cuda::GemmSkinnyParams sp;
+    sp.ldx = ldx, sp.ldy = ldy, sp.M = M, sp.N = p.N, sp.K = p.K;
+    if (cuda::gemm_skinny_splits(sp, device_.index) <= 0) return false;
+    bf16 = true;
+  }
+  return fp8 && bf16;
+}
+
+struct CudaTargetModel::SideLane {
   cudaStream_t stream = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
 };
 
-void CudaTargetModel::PrefetchLaneDeleter::operator()(PrefetchLane* lane) const {
+CudaTargetModel::SideLane& CudaTargetModel::lane(SideLanePtr& l) {
+  if (!l) {
+    cuda::DeviceGuard scope(device_.index);
+    l.reset(new SideLane);
+    DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&l->stream, cudaStreamNonBlocking));
+    DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&l->fork, cudaEventDisableTiming));
+    DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&l->join, cudaEventDisableTiming));
+  }
+  return *l;
+}
+
+void CudaTargetModel::SideLaneDeleter::operator()(SideLane* lane) const {
   if (lane->stream) DFLASH_CUDA_WARN(cudaStreamSynchronize(lane->stream));
   if (lane->fork) DFLASH_CUDA_WARN(cudaEventDestroy(lane->fork));
   if (lane->join) DFLASH_CUDA_WARN(cudaEventDestroy(lane->join));
@@ -271,13 +299,7 @@ void CudaTargetModel::PrefetchLaneDeleter::operator()(PrefetchLane* lane) const 
 void CudaTargetModel::prefetch_next(const std::vector<Proj>& parts) {
   const DecodeStep* ds = decode_;
   if (!ds || ds->prefill || !ds->fusion.prefetch || cuda::tuning::decode_prefetch_mb <= 0 || parts.empty()) return;
-  if (!prefetch_) {
-    cuda::DeviceGuard scope(device_.index);
-    prefetch_.reset(new PrefetchLane);
-    DFLASH_CUDA_CHECK(cudaStreamCreateWithFlags(&prefetch_->stream, cudaStreamNonBlocking));
-    DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&prefetch_->fork, cudaEventDisableTiming));
-    DFLASH_CUDA_CHECK(cudaEventCreateWithFlags(&prefetch_->join, cudaEventDisableTiming));
-  }
+  lane(prefetch_);
   // The budget shared by the parts in proportion to their bytes (the parts run back to back).
   const int64_t budget = static_cast<int64_t>(cuda::tuning::decode_prefetch_mb) << 20;
   int64_t total = 0;
@@ -340,8 +362,21 @@ void CudaTargetModel::project(ForwardOp op, const Tensor& x, int64_t ldx, const 
                "CUDA target model: a GEMM with SwiGLU as its prologue runs on gemm_skinny only");
   Fp8Input in;
   if (pre) in = *pre;
+  SideLane* side = nullptr;
+  if (side_gemms(parts, M, ldx, ldy, swiglu)) {  // x is ready on stream_: the side lane starts from here
+    side = &lane(side_);
+    DFLASH_CUDA_CHECK(cudaEventRecord(side->fork, static_cast<cudaStream_t>(stream_)));
+    DFLASH_CUDA_CHECK(cudaStreamWaitEvent(side->stream, side->fork, 0));
+  }
   for (const Proj& p : parts) {
     char* out = static_cast<char*>(y.raw_data()) + p.col * 2;
+    if (side && !p.fp8()) {  // beside the FP8 GEMMs (which write other columns of y)
+      cuda::GemmSkinnyParams g;
+      g.x = x.raw_data(), g.ldx = ldx, g.w = p.w.raw_data(), g.y = out, g.ldy = ldy, g.M = M, g.N = p.N, g.K = p.K;
+      cuda::gemm_skinny(g, device_.index, side->stream);
+      ++side_gemms_;
+      continue;
+    }
     const GemmShape shape{p.fp8() ? gemm_rows(M) : M, p.N, p.K, p.fp8() ? p.K : ldx, ldy, p.fp8()};
     if (p.fp8()) {
       if (!in.q.defined()) in = quantize_input(x, ldx, M, p.K);
@@ -393,6 +428,10 @@ void CudaTargetModel::project(ForwardOp op, const Tensor& x, int64_t ldx, const 
       g.unaligned = gemm_unaligned_;
       timed(op, [&] { cuda::gemm_bf16(g, device_.index); }, shape);
     }
+  }
+  if (side) {  // y's readers wait for the side GEMMs
+    DFLASH_CUDA_CHECK(cudaEventRecord(side->join, side->stream));
+    DFLASH_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream_), side->join, 0));
   }
 }
 

@@ -212,6 +212,9 @@ class CudaTargetModel {
   int64_t pack_decode_weights();
   // The decode / verify GEMMs enqueued on a packed copy so far (a captured step's once, not per replay).
   uint64_t packed_gemms() const { return packed_gemms_; }
+  // The FP8 decode / verify steps' bf16 GEMMs enqueued on the side lane so far (DecodeFusion::fp8_side_gemms;
+  // a captured step's once).
+  uint64_t side_gemms() const { return side_gemms_; }
   // The plan's gemm step is kGemmUnalignedKernel (sizes not multiples of 8): every GEMM on this
   // model's activations, the decoder's LM head too, passes cuda::GemmParams::unaligned.
   bool gemm_unaligned() const { return gemm_unaligned_; }
@@ -267,6 +270,10 @@ class CudaTargetModel {
   bool skinny(const Proj& p, int64_t M, int64_t ldx, int64_t ldy, bool swiglu) const;
   // ... and on the stream-K kernel (the plan's DecodeFusion::skinny_streamk, where it applies).
   bool streamk(const cuda::GemmSkinnyParams& sp) const;
+  // Whether an FP8 decode / verify step runs the bf16 parts of `parts` (a GatedDeltaNet in_proj's b|a)
+  // on cuda::gemm_skinny on the side lane, beside the FP8 GEMMs (DecodeFusion::fp8_side_gemms; not while
+  // profiling, whose events time ops on stream_ one after another).
+  bool side_gemms(const std::vector<Proj>& parts, int64_t M, int64_t ldx, int64_t ldy, bool swiglu) const;
   // One GEMM over the concatenated weights (their slots become views of it), output from column
   // `col`, with extra_rows zero rows after them.
   Proj make_proj(std::vector<Tensor*> weights, std::vector<Tensor*> scales, int64_t col, int64_t extra_rows);
@@ -326,15 +333,20 @@ class CudaTargetModel {
     std::map<int64_t, Layer> layers;
   };
   MoeIo* moe_io_ = nullptr;
-  // Decode steps' L2 prefetches (FastPathPlan::DecodeFusion::prefetch): after a GEMM, the next GEMM's
-  // first weight bytes are fetched on a side stream forked from stream_ (made on first use); the
-  // forward's end joins it (a captured step's graph holds the fork and the join).
-  struct PrefetchLane;
-  struct PrefetchLaneDeleter {
-    void operator()(PrefetchLane* lane) const;
+  // A side stream with its fork and join events (made on first use; a captured step's graph holds
+  // the forks and joins). Decode steps' L2 prefetches (FastPathPlan::DecodeFusion::prefetch): after a
+  // GEMM, the next GEMM's first weight bytes are fetched on prefetch_, joined at the forward's end.
+  // FP8 decode steps' bf16 GEMM parts (DecodeFusion::fp8_side_gemms) run on side_, joined after the
+  // projection's FP8 GEMMs.
+  struct SideLane;
+  struct SideLaneDeleter {
+    void operator()(SideLane* lane) const;
   };
-  std::unique_ptr<PrefetchLane, PrefetchLaneDeleter> prefetch_;
+  using SideLanePtr = std::unique_ptr<SideLane, SideLaneDeleter>;
+  SideLane& lane(SideLanePtr& l);
+  SideLanePtr prefetch_, side_;
   bool prefetch_pending_ = false;
+  uint64_t side_gemms_ = 0;  // GEMMs enqueued on side_ (eager or captured; replays not counted)
   uint64_t prefetches_ = 0;  // prefetch_l2 launches enqueued (eager or captured; replays not counted)
   uint64_t packed_gemms_ = 0;  // streaming GEMMs enqueued on a packed decode copy (likewise)
   void prefetch_next(const std::vector<Proj>& parts);

@@ -667,8 +667,10 @@ int main(int argc, char** argv) {
       vgo.stop_tokens.clear();
       const bench::Generation ref = bench::greedy_generate(*dec, 0, p0, vgo);
       // Variants whose GEMMs round otherwise (the skinny GEMM, the MoE decode kernels' dot products, wgmma).
-      const auto gemms_of = [](const target::FastPathPlan::DecodeFusion& f) {
-        return std::make_tuple(f.skinny_gemm, f.skinny_streamk, f.moe_decode, f.moe_wgmma);
+      // (fp8_side_gemms puts an FP8 target's bf16 b|a GEMM on gemm_skinny instead of cuBLASLt)
+      const bool fp8_target = cuda_model->weights().fp8_projections() > 0;
+      const auto gemms_of = [fp8_target](const target::FastPathPlan::DecodeFusion& f) {
+        return std::make_tuple(f.skinny_gemm, f.skinny_streamk, f.moe_decode, f.moe_wgmma, fp8_target && f.fp8_side_gemms);
       };
       const auto ref_gemms = gemms_of(rt.decode_plan().fusion);
       const auto vstream = static_cast<cudaStream_t>(cuda_model->stream());

@@ -280,6 +280,9 @@ FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const Kernel
   // --decode-variants no_skinny measures it off. FP8 targets take the GatedDeltaNet chain (writing
   // out_proj's quantized input) and the fused commit too (the states are the same bf16 / fp32 ones);
   // the skinny GEMM is bf16's (their FP8 projections have gemm_stream.cu, project()'s own choice).
+  // FP8 targets run the GatedDeltaNet in_proj's bf16 b|a GEMM (gemm_skinny) on a side stream beside the FP8
+  // qkv|z GEMM (DecodeFusion::fp8_side_gemms): the 27B fp8 decode step 13.61 against 13.77 ms, verify 13.97
+  // against 14.14 (five alternated pairs on two H100s, bench/results/h100-sidegemm-0c25100).
   if (device.is_cuda() && sm_major >= 9 && (precision == Precision::Bf16 || precision == Precision::Fp8) &&
       unaligned_gemm_sizes(c).empty()) {
     bool gdn_fast = true;
@@ -290,6 +293,7 @@ FastPathPlan make_decode_plan(const TargetConfig& c, Device device, const Kernel
                                                                     c.linear_key_head_dim, c.linear_value_head_dim,
                                                                     c.linear_conv_kernel_dim);
     plan.fusion.skinny_gemm = c.is_moe() && precision == Precision::Bf16;
+    plan.fusion.fp8_side_gemms = precision == Precision::Fp8;
     plan.fusion.gdn_chain = fused;
     plan.fusion.commit = fused;
     plan.fusion.commit_overlap = fused;

@@ -129,7 +129,8 @@ struct FastPathPlan {
     // FP8 targets: a decode / verify step's bf16 GEMMs beside FP8 ones in one projection (the GatedDeltaNet
     // in_proj's b|a, 96 rows the checkpoints keep in bf16: one ~10 us GEMM a layer after the FP8 one,
     // 0.51 ms of an H100's 14.8-ms 27B fp8 decode step, bench/results/h100-bulkring-384ebce) run on
-    // cuda::gemm_skinny on a side stream while the FP8 GEMM runs; --decode-variant side_gemms.
+    // cuda::gemm_skinny on a side stream while the FP8 GEMM runs (on in the plan: -1.1% on the step,
+    // bench/results/h100-sidegemm-0c25100); --decode-variant no_side_gemms.
     bool fp8_side_gemms = false;
     bool any() const {
       return skinny_gemm || swiglu_gemm || gdn_chain || commit || moe_decode || moe_wgmma || prefetch || fp8_packed ||

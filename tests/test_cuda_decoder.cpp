@@ -525,21 +525,22 @@ TEST(CudaDecoder, Fp8PackedWeightsLeaveEveryStepBitForBit) {
 // b|a on gemm_skinny beside the FP8 GEMM of qkv|z) change no bit against the same kernel on the main stream
 // (both with the skinny GEMMs on, so the b|a GEMM is gemm_skinny either way): prefill, verifies, commits and
 // decode steps, graphs captured and replayed; the steps did use the side stream (one GEMM a GatedDeltaNet layer
-// and step shape). With the plan's cuBLASLt GEMMs beside it, speculative decoding still gives greedy's tokens.
+// and step shape). With the plan's cuBLASLt GEMMs beside it (the default), speculative decoding gives greedy's
+// tokens.
 TEST(CudaDecoder, Fp8SideGemmsLeaveEveryStepBitForBit) {
   DFLASH_REQUIRE_GPU();
   const int sm = cuda_device_info(0).major;
   if (!fp8_gemm_supported(sm)) GTEST_SKIP() << "block-scaled FP8 GEMMs need sm_90";
   const TargetConfig c = real_dims();
-  Gpu on(c, KernelPolicy::Auto, 1, 400, 3, Precision::Fp8, true, false, true, false,
-         [](FastPathPlan::DecodeFusion& f) { f.fp8_side_gemms = true; }),
-      off(c, KernelPolicy::Auto, 1, 400, 3, Precision::Fp8, true, false, true);
-  ASSERT_FALSE(make_decode_plan(c, Device::cuda(0), {}, sm, Precision::Fp8).fusion.fp8_side_gemms);  // (off by default)
+  Gpu on(c, KernelPolicy::Auto, 1, 400, 3, Precision::Fp8, true, false, true),
+      off(c, KernelPolicy::Auto, 1, 400, 3, Precision::Fp8, true, false, true, false,
+          [](FastPathPlan::DecodeFusion& f) { f.fp8_side_gemms = false; });
+  ASSERT_TRUE(make_decode_plan(c, Device::cuda(0), {}, sm, Precision::Fp8).fusion.fp8_side_gemms);  // (on by default)
+  ASSERT_FALSE(make_decode_plan(c, Device::cuda(0), {}, sm, Precision::Bf16).fusion.fp8_side_gemms);
   expect_every_step_bit_for_bit(on, off, c);
   EXPECT_GE(on.model->side_gemms(), static_cast<uint64_t>(c.count_layers(LayerType::LinearAttention)));
   EXPECT_EQ(off.model->side_gemms(), 0u);
-  Gpu g(c, KernelPolicy::Auto, 1, 256, 3, Precision::Fp8, true, false, false, false,
-        [](FastPathPlan::DecodeFusion& f) { f.fp8_side_gemms = true; });
+  Gpu g(c, KernelPolicy::Auto, 1, 256, 3, Precision::Fp8);
   bench::GenerateOptions go;
   go.max_new_tokens = 40;
   go.block_size = 8;

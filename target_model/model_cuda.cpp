@@ -899,9 +899,19 @@ void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatc
     });
     counters_.add(Step::Attention, st.path);
   }
-  if (gated)
-    timed(ForwardOp::SigmoidGate, [&] { cuda::sigmoid_gate(attn.raw_data(), base + d * 2, P, 2 * d, N, Hq, d, stream_); });
-  project(ForwardOp::AttnOProj, attn, Hq * d, {f.out}, out, H, N);
+  if (gated && f.out.fp8() && cuda::tuning::gate_quant != 0 && d % 8 == 0 && P % 8 == 0 && (Hq * d) % 16 == 0) {
+    // the gate writes o_proj's quantized input (fused)
+    const Fp8Input in = alloc_input(N, Hq * d);
+    timed(ForwardOp::SigmoidGate, [&] {
+      cuda::sigmoid_gate_quant_fp8(attn.raw_data(), base + d * 2, P, 2 * d, N, Hq, d, static_cast<uint8_t*>(in.q.raw_data()),
+                                   Hq * d, in.scale.data<float>(), stream_);
+    });
+    project(ForwardOp::AttnOProj, Tensor(), Hq * d, {f.out}, out, H, N, &in);
+  } else {
+    if (gated)
+      timed(ForwardOp::SigmoidGate, [&] { cuda::sigmoid_gate(attn.raw_data(), base + d * 2, P, 2 * d, N, Hq, d, stream_); });
+    project(ForwardOp::AttnOProj, attn, Hq * d, {f.out}, out, H, N);
+  }
   if (tp_) timed(ForwardOp::AllReduce, [&] { tp_->all_reduce_sum(out); });
 }
 

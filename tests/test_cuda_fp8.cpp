@@ -840,6 +840,45 @@ TEST(CudaFp8, SwigluQuantEqualsSwigluThenQuantize) {
     }
 }
 
+// The gated attention's o_proj input: sigmoid_gate_quant_fp8 gives sigmoid_gate then quantize_fp8_act bit for bit
+// (the gate at the q projection's [q | gate] head stride and a padded row stride), near the CPU's x * sigmoid(g),
+// and leaves x as it was.
+TEST(CudaFp8, SigmoidGateQuantEqualsSigmoidGateThenQuantize) {
+  DFLASH_REQUIRE_GPU();
+  for (int64_t N : {1, 16, 300})
+    for (const auto& [H, d] : {std::pair<int64_t, int64_t>{24, 256}, {3, 128}, {5, 64}, {6, 8}}) {
+      SCOPED_TRACE(testing::Message() << "N=" << N << " H=" << H << " d=" << d);
+      const int64_t K = H * d, hsg = 2 * d, ldg = H * hsg + 40;
+      const Tensor x = rand_bf16_values(N, K, 2.0f), gate = rand_bf16_values(N, ldg, 3.0f);
+      Tensor xd = to_device_bf16(x, K), gd = to_device_bf16(gate, ldg), xu = to_device_bf16(x, K);
+      const void* g0 = static_cast<const uint16_t*>(gd.raw_data()) + d;  // each head's gate half
+      cu::sigmoid_gate(xu.raw_data(), g0, ldg, hsg, N, H, d, stream());
+      const Quantized unfused = quantize_on_gpu(xu, N, K, K);
+      QuantBuffers fused(N, K, K);
+      cu::sigmoid_gate_quant_fp8(xd.raw_data(), g0, ldg, hsg, N, H, d, fused.qp(), K, fused.sp(), stream());
+      device_sync();
+      const Quantized got = fused.host();
+      expect_bit_identical(got, unfused, "sigmoid_gate_quant_fp8");
+      const Tensor x_after = xd.to(Device::cpu());
+      const Tensor x_before = to_device_bf16(x, K).to(Device::cpu());
+      EXPECT_EQ(std::memcmp(x_after.raw_data(), x_before.raw_data(), x_after.nbytes()), 0) << "x was written";
+      Tensor ref = Tensor::empty({N, K}, DType::F32);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t j = 0; j < d; ++j) {
+            const float g = gate.data<float>()[n * ldg + h * hsg + d + j];
+            ref.data<float>()[n * K + h * d + j] = x.data<float>()[n * K + h * d + j] / (1.0f + std::exp(-g));
+          }
+      expect_near_cpu(got, ref, K, "sigmoid_gate_quant_fp8");
+    }
+  try {
+    cu::sigmoid_gate_quant_fp8(nullptr, nullptr, 12, 6, 2, 2, 3, nullptr, 6, nullptr, stream());
+    ADD_FAILURE() << "d = 3 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sigmoid_gate_quant_fp8"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CudaFp8, GatedRmsNormQuantEqualsGatedRmsNormThenQuantize) {
   DFLASH_REQUIRE_GPU();
   struct Case {

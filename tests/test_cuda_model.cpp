@@ -10,6 +10,7 @@
 
 #include "target_model/model.h"
 #include "target_model/model_cuda.h"
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/ops.h"
 #include "core/io/safetensors.h"
@@ -210,10 +211,11 @@ TEST(CudaModel, Fp8MatchesTheCpuFp8Reference) {
 }
 
 // The residual step fused with the next projections' FP8 quantization (cuda::add_rms_norm_quant_fp8,
-// tuning::add_norm_quant) gives the unfused forward's bits: every layer's hidden state and the final
+// tuning::add_norm_quant) and the attention's output gate fused with o_proj's (cuda::sigmoid_gate_quant_fp8,
+// tuning::gate_quant) give the unfused forward's bits: every layer's hidden state and the final
 // norm's output, a prefill batch of three sequences and a one-token forward; hidden 2048 (the fused
 // kernel takes 1024 < D <= 8192), one layer of each kind and a third whose input the attention
-// layer's residual step quantizes.
+// layer's residual step quantizes; each fusion alone and both.
 TEST(CudaModel, Fp8FusedNormQuantGivesTheUnfusedBits) {
   DFLASH_REQUIRE_GPU();
   const int sm = cuda_device_info(0).major;
@@ -229,17 +231,23 @@ TEST(CudaModel, Fp8FusedNormQuantGivesTheUnfusedBits) {
   ForwardOptions o;
   o.capture = {0, 1, 2};
   o.final_norm = true;
-  const int saved = cuda::tuning::add_norm_quant;
+  ASSERT_TRUE(c.attn_output_gate);
+  const int saved[2] = {cuda::tuning::add_norm_quant, cuda::tuning::gate_quant};
   for (const std::vector<std::vector<int32_t>>& batch :
        {packed_batch({65, 1, 200}, c.vocab_size), packed_batch({1}, c.vocab_size)}) {
-    cuda::tuning::add_norm_quant = 0;
+    cuda::tuning::add_norm_quant = cuda::tuning::gate_quant = 0;
     const ForwardResult a = gpu.forward(batch, o);
-    cuda::tuning::add_norm_quant = 1;
-    const ForwardResult b = gpu.forward(batch, o);
-    for (int64_t i : o.capture) EXPECT_TRUE(bit_equal(a.layers.at(i), b.layers.at(i))) << "layer " << i;
-    EXPECT_TRUE(bit_equal(a.final_hidden, b.final_hidden)) << "final norm";
+    for (const auto& [anq, gq] : {std::pair{1, 0}, {0, 1}, {1, 1}}) {
+      SCOPED_TRACE(testing::Message() << "add_norm_quant " << anq << ", gate_quant " << gq);
+      cuda::tuning::add_norm_quant = anq;
+      cuda::tuning::gate_quant = gq;
+      const ForwardResult b = gpu.forward(batch, o);
+      for (int64_t i : o.capture) EXPECT_TRUE(bit_equal(a.layers.at(i), b.layers.at(i))) << "layer " << i;
+      EXPECT_TRUE(bit_equal(a.final_hidden, b.final_hidden)) << "final norm";
+    }
   }
-  cuda::tuning::add_norm_quant = saved;
+  cuda::tuning::add_norm_quant = saved[0];
+  cuda::tuning::gate_quant = saved[1];
 }
 
 // The HF tiny qwen3_5_moe model on the GPU (bf16, kernels/cuda/moe.h): every layer against the

@@ -16,6 +16,7 @@
 #define quantize_fp8_tiles quantize_fp8_tiles_emulated
 #define rms_norm_quant_fp8 rms_norm_quant_fp8_emulated
 #define swiglu_quant_fp8 swiglu_quant_fp8_emulated
+#define sigmoid_gate_quant_fp8 sigmoid_gate_quant_fp8_emulated
 #define gated_rms_norm_quant_fp8 gated_rms_norm_quant_fp8_emulated
 #include "kernels/cuda/fp8.cu"
 #undef fp8_act_scale_ld
@@ -25,6 +26,7 @@
 #undef quantize_fp8_tiles
 #undef rms_norm_quant_fp8
 #undef swiglu_quant_fp8
+#undef sigmoid_gate_quant_fp8
 #undef gated_rms_norm_quant_fp8
 // (from here on the emulated kernels go by their _emulated names; kernels/ops.h has a quantize_fp8_act too)
 
@@ -171,6 +173,33 @@ TEST(Fp8Emulated, SwigluQuantEqualsSwigluThenQuantize) {
       const Tensor y_stored = y.to_dtype(DType::BF16).to_dtype(DType::F32);  // as cuda::swiglu stores it
       Quantized got = buffers(N, I);
       cu::swiglu_quant_fp8_emulated(gu.raw_data(), N, I, got.q.data(), I, got.s.data(), nullptr);
+      const ops::Fp8Act ref = ops::quantize_fp8_act(y_stored);
+      EXPECT_EQ(std::memcmp(got.q.data(), ref.q.raw_data(), got.q.size()), 0) << "codes";
+      EXPECT_TRUE(fp8_gemm_layout::act_scales_for_gemm(ref.scale) == got.s) << "scales";
+    }
+}
+
+// sigmoid_gate_quant_fp8 (the gated attention's o_proj input in the FP8 target) against the gate as
+// cuda::sigmoid_gate computes and stores it (x * sigmoid(g) in f32, rounded to bf16) then the CPU reference
+// quantizer: codes and scales bit for bit; the gate read at its row and head strides (the q projection's
+// [q | gate] per head), heads of 8, 64 and 256 columns (groups across heads when d < 128), partial last groups.
+TEST(Fp8Emulated, SigmoidGateQuantEqualsSigmoidGateThenQuantize) {
+  for (int64_t N : {1, 6})
+    for (const auto& [H, d] : {std::pair<int64_t, int64_t>{3, 256}, {5, 64}, {22, 8}}) {
+      SCOPED_TRACE("N " + std::to_string(N) + " H " + std::to_string(H) + " d " + std::to_string(d));
+      const int64_t K = H * d, hsg = 2 * d, ldg = H * hsg + 24;
+      const Tensor x = rand_bf16(N, K, 2.0f), gate = rand_bf16(N, ldg, 3.0f);
+      const Tensor xf = x.to_dtype(DType::F32), gf = gate.to_dtype(DType::F32);
+      Tensor y = Tensor::empty({N, K}, DType::F32);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t j = 0; j < d; ++j)
+            y.data<float>()[n * K + h * d + j] =
+                xf.data<float>()[n * K + h * d + j] * cu::vec::sigmoid(gf.data<float>()[n * ldg + h * hsg + d + j]);
+      const Tensor y_stored = y.to_dtype(DType::BF16).to_dtype(DType::F32);  // as cuda::sigmoid_gate stores it
+      Quantized got = buffers(N, K);
+      const uint16_t* g0 = reinterpret_cast<const uint16_t*>(gate.raw_data()) + d;  // the gate half of each head
+      cu::sigmoid_gate_quant_fp8_emulated(x.raw_data(), g0, ldg, hsg, N, H, d, got.q.data(), K, got.s.data(), nullptr);
       const ops::Fp8Act ref = ops::quantize_fp8_act(y_stored);
       EXPECT_EQ(std::memcmp(got.q.data(), ref.q.raw_data(), got.q.size()), 0) << "codes";
       EXPECT_TRUE(fp8_gemm_layout::act_scales_for_gemm(ref.scale) == got.s) << "scales";

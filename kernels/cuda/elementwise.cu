@@ -20,6 +20,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "core/cuda/check.h"
 #include "kernels/cuda/elementwise.h"
@@ -28,6 +30,15 @@
 #include "core/error.h"
 
 namespace dflash::cuda {
+
+namespace tuning {
+// 1: the CUDA target model runs sigmoid_gate_quant_fp8 where an FP8 o_proj reads the gate's output (the same
+// bits as sigmoid_gate then quantize_fp8_act). DFLASH_GATE_QUANT=0 in the environment turns it off at start-up.
+int gate_quant = [] {
+  const char* e = std::getenv("DFLASH_GATE_QUANT");
+  return e && std::strcmp(e, "0") == 0 ? 0 : 1;
+}();
+}  // namespace tuning
 
 namespace {
 

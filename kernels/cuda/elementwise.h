@@ -1,6 +1,6 @@
 #pragma once
 // Elementwise family: embedding, SwiGLU (forward, backward, FP8-quantizing), the sigmoid output
-// gate, casts and residual adds (kernels/cuda/elementwise.cu; swiglu_quant_fp8 in fp8.cu).
+// gate, casts and residual adds (kernels/cuda/elementwise.cu; swiglu_quant_fp8 and sigmoid_gate_quant_fp8 in fp8.cu).
 // CPU reference: kernels/ops.h.
 #include <cstdint>
 
@@ -40,5 +40,13 @@ void swiglu_bwd(const void* gu, const void* dm, void* dgu, int64_t rows, int64_t
 // rms_norm_quant_fp8 in norm.h, gemm.h):
 // y[N, I] = silu(gu[:, 0:I]) * gu[:, I:2I] (gu [N, 2I] contiguous, the fused gate|up GEMM output).
 void swiglu_quant_fp8(const void* gu, int64_t N, int64_t I, uint8_t* q, int64_t ldq, float* scale, Stream s);
+// ... of sigmoid_gate (the gated attention's o_proj input): y[N, H*d] = x * sigmoid(gate), x [N, H*d]
+// contiguous, gate as sigmoid_gate's, rounded to bf16 as sigmoid_gate stores it; x is not written. d, hsg and
+// ldg multiples of 8, H*d of 16, x and gate 16-byte aligned.
+void sigmoid_gate_quant_fp8(const void* x, const void* gate, int64_t ldg, int64_t hsg, int64_t N, int64_t H, int64_t d,
+                            uint8_t* q, int64_t ldq, float* scale, Stream s);
+namespace tuning {
+extern int gate_quant;  // the CUDA target model's use of sigmoid_gate_quant_fp8 (default 1; DFLASH_GATE_QUANT=0)
+}  // namespace tuning
 
 }  // namespace dflash::cuda

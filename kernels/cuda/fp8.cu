@@ -76,6 +76,20 @@ struct SwigluSource {  // swiglu_quant_fp8: silu(gate) * up rounded to bf16, as 
     for (int e = 0; e < kUnit; ++e) v[e] = round_bf16(silu(v[e]) * up[e]);
   }
 };
+struct SigmoidGateSource {  // sigmoid_gate_quant_fp8: x * sigmoid(gate) rounded to bf16, as cuda::sigmoid_gate stores it
+  const bf16* x;            // [N, H * d] contiguous
+  const bf16* gate;         // token n, head h at gate + n * ldg + h * hsg
+  int64_t ldg, hsg, K;
+  int d;                    // a multiple of 8: a unit of 8 columns lies in one head
+  __device__ void operator()(int m, int col, float (&v)[kUnit]) const {
+    const int h = col / d, j = col - h * d;
+    float g[kUnit];
+    unpack(__ldg(reinterpret_cast<const uint4*>(x + m * K + col)), v);
+    unpack(__ldg(reinterpret_cast<const uint4*>(gate + m * ldg + h * hsg + j)), g);
+#pragma unroll
+    for (int e = 0; e < kUnit; ++e) v[e] = round_bf16(v[e] * sigmoid(g[e]));
+  }
+};
 
 // kActBatch (token, group) pairs per half warp and pass, their loads issued before any is reduced
 // (ncu at 4d73020: with 4 the kernel held 3 blocks per SM by registers and was issue-bound, 60% SM
@@ -543,5 +557,25 @@ void gated_rms_norm_quant_fp8(const void* core, const void* z, int64_t ldz, cons
   };
   if (dv == 128) launch(gated_rms_norm_quant_kernel<16>, 16);
   else launch(gated_rms_norm_quant_kernel<32>, 32);
+}
+
+void sigmoid_gate_quant_fp8(const void* x, const void* gate, int64_t ldg, int64_t hsg, int64_t N, int64_t H, int64_t d,
+                            uint8_t* q, int64_t ldq, float* scale, Stream s) {
+  DFLASH_CHECK(N >= 0 && H > 0 && d > 0, "sigmoid_gate_quant_fp8: need N >= 0, H > 0 and d > 0, got N=" << N << " H=" << H
+                                                                                                     << " d=" << d);
+  if (N == 0) return;
+  const int64_t K = H * d;
+  check_quant_output("sigmoid_gate_quant_fp8", q, ldq, scale, N, K);
+  DFLASH_CHECK(x != nullptr && gate != nullptr, "sigmoid_gate_quant_fp8: null pointer (x=" << x << " gate=" << gate << ")");
+  DFLASH_CHECK(hsg >= d && ldg >= (H - 1) * hsg + d,
+               "sigmoid_gate_quant_fp8: gate strides too small: hsg=" << hsg << " ldg=" << ldg << " for H=" << H << " d=" << d);
+  DFLASH_CHECK_HINT(d % 8 == 0 && hsg % 8 == 0 && ldg % 8 == 0 && aligned16(x) && aligned16(gate) &&
+                        N * std::max(K, ldg) < (int64_t{1} << 31),
+                    "sigmoid_gate_quant_fp8: needs d, hsg and ldg multiples of 8 and 16-byte aligned x and gate (and "
+                    "N * max(H d, ldg) < 2^31), got d=" << d << " hsg=" << hsg << " ldg=" << ldg << " x=" << x
+                                                        << " gate=" << gate,
+                    "the unfused pair (sigmoid_gate, quantize_fp8_act) takes any alignment");
+  launch_act(SigmoidGateSource{static_cast<const bf16*>(x), static_cast<const bf16*>(gate), ldg, hsg, K, static_cast<int>(d)},
+             q, ldq, scale, N, K, static_cast<cudaStream_t>(s));
 }
 }  // namespace dflash::cuda

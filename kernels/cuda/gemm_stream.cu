@@ -441,6 +441,11 @@ constexpr size_t bulk_smem_bytes(int stages, int chunk) {
          (static_cast<size_t>(chunk) * kPackedUnitBytes + sizeof(uint64_t));
 }
 
+// The grid of a launch with `blocks` resident: at most one block a unit (16 rows x 128 bytes).
+int launch_blocks(int blocks, int64_t N, int64_t row_bytes) {
+  return static_cast<int>(std::min<int64_t>(blocks, (N + kRows - 1) / kRows * (row_bytes / kUnitBytes)));
+}
+
 // The launch on a given workspace (the emulated test passes host memory and any grid). FP8 on a packed
 // weight with ring.stages > 0 runs the bulk kernel (its grid from the caller, sized for its shared memory).
 template <bool kFp8>
@@ -448,7 +453,7 @@ void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* c
                    const BulkRing& ring = {}) {
   k.G = static_cast<int>(K * (kFp8 ? 1 : 2) / kUnitBytes);
   k.tiles = static_cast<int>((k.N + kRows - 1) / kRows);
-  k.blocks = static_cast<int>(std::min<int64_t>(blocks, int64_t{k.tiles} * k.G));
+  k.blocks = launch_blocks(blocks, k.N, k.row_bytes);
   k.partial = partial;
   k.counters = counters;
   const dim3 grid(static_cast<unsigned>(k.blocks));
@@ -584,6 +589,28 @@ const Workspace& bulk_workspace(int device, cudaStream_t st, int stages, int chu
   w.bulk_blocks = std::min(n, kMaxBlocksPerSm) * w.sms;
   return w;
 }
+
+// What gemm_fp8_stream launches for p: the bulk ring on a packed weight where tuning asks for one (its
+// blocks resident for the ring's shared memory), else the register ring on the register kernels' blocks.
+struct Fp8Launch {
+  BulkRing ring;
+  const Workspace* w = nullptr;
+  int blocks = 0;  // resident (launch_blocks caps them at the units)
+};
+Fp8Launch fp8_launch(const GemmFp8Params& p, int device, cudaStream_t st) {
+  Fp8Launch l;
+  if (p.w_packed != nullptr && tuning::gemm_fp8_stream_stages > 0) {
+    l.ring.stages = tuning::gemm_fp8_stream_stages;
+    l.ring.chunk = tuning::gemm_fp8_stream_chunk;
+    l.ring.evict_first = tuning::gemm_fp8_stream_evict_first != 0;
+    l.w = &bulk_workspace(device, st, l.ring.stages, l.ring.chunk);
+    l.blocks = l.w->bulk_blocks;
+  } else {
+    l.w = &workspace(device, st);
+    l.blocks = l.w->blocks;
+  }
+  return l;
+}
 #endif
 
 }  // namespace
@@ -634,28 +661,13 @@ void gemm_fp8_stream(const GemmFp8Params& p, int device, Stream s) {
                    << p.ldx << " ldy=" << p.ldy << " K=" << p.K << " N=" << p.N);
   DeviceGuard scope(device);
   const auto st = static_cast<cudaStream_t>(s);
-  StreamParams k = fp8_params(p);
-  if (p.w_packed != nullptr && tuning::gemm_fp8_stream_stages > 0) {
-    BulkRing ring;
-    ring.stages = tuning::gemm_fp8_stream_stages;
-    ring.chunk = tuning::gemm_fp8_stream_chunk;
-    ring.evict_first = tuning::gemm_fp8_stream_evict_first != 0;
-    const Workspace& w = bulk_workspace(device, st, ring.stages, ring.chunk);
-    launch_stream<true>(k, p.K, w.bulk_blocks, w.partial, w.counters, st, ring);
-    return;
-  }
-  const Workspace& w = workspace(device, st);
-  launch_stream<true>(k, p.K, w.blocks, w.partial, w.counters, st);
+  const Fp8Launch l = fp8_launch(p, device, st);
+  launch_stream<true>(fp8_params(p), p.K, l.blocks, l.w->partial, l.w->counters, st, l.ring);
 }
 
 int gemm_fp8_stream_grid(const GemmFp8Params& p, int device, Stream s) {
   DeviceGuard scope(device);
-  const auto st = static_cast<cudaStream_t>(s);
-  const bool bulk = p.w_packed != nullptr && tuning::gemm_fp8_stream_stages > 0;
-  const int blocks = bulk ? bulk_workspace(device, st, tuning::gemm_fp8_stream_stages, tuning::gemm_fp8_stream_chunk).bulk_blocks
-                          : workspace(device, st).blocks;
-  const int64_t units = (p.N + kRows - 1) / kRows * (p.K / kUnitBytes);
-  return static_cast<int>(std::min<int64_t>(blocks, units));
+  return launch_blocks(fp8_launch(p, device, static_cast<cudaStream_t>(s)).blocks, p.N, p.K);
 }
 
 void gemm_bf16_stream(const GemmSkinnyParams& p, int device, Stream s) {

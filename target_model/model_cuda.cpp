@@ -243,11 +243,17 @@ bool CudaTargetModel::skinny_step(int64_t M) const {
   return ds && !ds->prefill && ds->fusion.skinny_gemm && !gemm_unaligned_ && M <= 16;
 }
 
+cuda::GemmSkinnyParams CudaTargetModel::skinny_params(const Proj& p, const void* x, int64_t ldx, void* y, int64_t ldy,
+                                                      int64_t M, bool swiglu) {
+  cuda::GemmSkinnyParams g;
+  g.x = x, g.ldx = ldx, g.w = p.w.raw_data(), g.y = y, g.ldy = ldy, g.M = M, g.N = p.N, g.K = p.K, g.swiglu = swiglu;
+  return g;
+}
+
 bool CudaTargetModel::skinny(const Proj& p, int64_t M, int64_t ldx, int64_t ldy, bool swiglu) const {
   if (!skinny_step(M) || p.fp8()) return false;
   if (swiglu && !decode_->fusion.swiglu_gemm) return false;
-  cuda::GemmSkinnyParams sp;
-  sp.ldx = ldx, sp.ldy = ldy, sp.M = M, sp.N = p.N, sp.K = p.K, sp.swiglu = swiglu;
+  const cuda::GemmSkinnyParams sp = skinny_params(p, nullptr, ldx, nullptr, ldy, M, swiglu);
   return streamk(sp) || cuda::gemm_skinny_splits(sp, device_.index) > 0;
 }
 
@@ -264,9 +270,7 @@ bool CudaTargetModel::side_gemms(const std::vector<Proj>& parts, int64_t M, int6
       fp8 = true;
       continue;
     }
-    cuda::GemmSkinnyParams sp;
-    sp.ldx = ldx, sp.ldy = ldy, sp.M = M, sp.N = p.N, sp.K = p.K;
-    if (cuda::gemm_skinny_splits(sp, device_.index) <= 0) return false;
+    if (cuda::gemm_skinny_splits(skinny_params(p, nullptr, ldx, nullptr, ldy, M, false), device_.index) <= 0) return false;
     bf16 = true;
   }
   return fp8 && bf16;
@@ -371,9 +375,7 @@ void CudaTargetModel::project(ForwardOp op, const Tensor& x, int64_t ldx, const 
   for (const Proj& p : parts) {
     char* out = static_cast<char*>(y.raw_data()) + p.col * 2;
     if (side && !p.fp8()) {  // beside the FP8 GEMMs (which write other columns of y)
-      cuda::GemmSkinnyParams g;
-      g.x = x.raw_data(), g.ldx = ldx, g.w = p.w.raw_data(), g.y = out, g.ldy = ldy, g.M = M, g.N = p.N, g.K = p.K;
-      cuda::gemm_skinny(g, device_.index, side->stream);
+      cuda::gemm_skinny(skinny_params(p, x.raw_data(), ldx, out, ldy, M, false), device_.index, side->stream);
       ++side_gemms_;
       continue;
     }
@@ -401,16 +403,7 @@ void CudaTargetModel::project(ForwardOp op, const Tensor& x, int64_t ldx, const 
         timed(op, [&] { cuda::gemm_fp8(g, device_.index); }, shape);
       }
     } else if (skinny(p, M, ldx, ldy, swiglu)) {  // a decode / verify step (DecodeStep::fusion)
-      cuda::GemmSkinnyParams g;
-      g.x = x.raw_data();
-      g.ldx = ldx;
-      g.w = p.w.raw_data();
-      g.y = out;
-      g.ldy = ldy;
-      g.M = M;
-      g.N = p.N;
-      g.K = p.K;
-      g.swiglu = swiglu;
+      const cuda::GemmSkinnyParams g = skinny_params(p, x.raw_data(), ldx, out, ldy, M, swiglu);
       if (streamk(g))
         timed(op, [&] { cuda::gemm_bf16_stream(g, device_.index, stream_); }, shape);
       else
@@ -899,7 +892,7 @@ void CudaTargetModel::attention_mixer(int64_t i, const Tensor& x, const CudaBatc
     });
     counters_.add(Step::Attention, st.path);
   }
-  if (gated && f.out.fp8() && cuda::tuning::gate_quant != 0 && d % 8 == 0 && P % 8 == 0 && (Hq * d) % 16 == 0) {
+  if (gated && f.out.fp8() && cuda::tuning::gate_quant != 0 && cuda::sigmoid_gate_quant_fp8_supported(P, 2 * d, Hq, d)) {
     // the gate writes o_proj's quantized input (fused)
     const Fp8Input in = alloc_input(N, Hq * d);
     timed(ForwardOp::SigmoidGate, [&] {

@@ -270,6 +270,9 @@ class CudaTargetModel {
   bool skinny(const Proj& p, int64_t M, int64_t ldx, int64_t ldy, bool swiglu) const;
   // ... and on the stream-K kernel (the plan's DecodeFusion::skinny_streamk, where it applies).
   bool streamk(const cuda::GemmSkinnyParams& sp) const;
+  // gemm_skinny's operands for y (ldy) = x (ldx) · p's weightᵀ over M rows (x, y null for the shape alone).
+  static cuda::GemmSkinnyParams skinny_params(const Proj& p, const void* x, int64_t ldx, void* y, int64_t ldy, int64_t M,
+                                              bool swiglu);
   // Whether an FP8 decode / verify step runs the bf16 parts of `parts` (a GatedDeltaNet in_proj's b|a)
   // on cuda::gemm_skinny on the side lane, beside the FP8 GEMMs (DecodeFusion::fp8_side_gemms; not while
   // profiling, whose events time ops on stream_ one after another).

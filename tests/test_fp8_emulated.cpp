@@ -17,6 +17,7 @@
 #define rms_norm_quant_fp8 rms_norm_quant_fp8_emulated
 #define swiglu_quant_fp8 swiglu_quant_fp8_emulated
 #define sigmoid_gate_quant_fp8 sigmoid_gate_quant_fp8_emulated
+#define sigmoid_gate_quant_fp8_supported sigmoid_gate_quant_fp8_supported_emulated
 #define gated_rms_norm_quant_fp8 gated_rms_norm_quant_fp8_emulated
 #include "kernels/cuda/fp8.cu"
 #undef fp8_act_scale_ld
@@ -27,6 +28,7 @@
 #undef rms_norm_quant_fp8
 #undef swiglu_quant_fp8
 #undef sigmoid_gate_quant_fp8
+#undef sigmoid_gate_quant_fp8_supported
 #undef gated_rms_norm_quant_fp8
 // (from here on the emulated kernels go by their _emulated names; kernels/ops.h has a quantize_fp8_act too)
 

@@ -42,7 +42,8 @@ void swiglu_bwd(const void* gu, const void* dm, void* dgu, int64_t rows, int64_t
 void swiglu_quant_fp8(const void* gu, int64_t N, int64_t I, uint8_t* q, int64_t ldq, float* scale, Stream s);
 // ... of sigmoid_gate (the gated attention's o_proj input): y[N, H*d] = x * sigmoid(gate), x [N, H*d]
 // contiguous, gate as sigmoid_gate's, rounded to bf16 as sigmoid_gate stores it; x is not written. d, hsg and
-// ldg multiples of 8, H*d of 16, x and gate 16-byte aligned.
+// ldg multiples of 8, H*d of 16 (sigmoid_gate_quant_fp8_supported), x and gate 16-byte aligned.
+bool sigmoid_gate_quant_fp8_supported(int64_t ldg, int64_t hsg, int64_t H, int64_t d);
 void sigmoid_gate_quant_fp8(const void* x, const void* gate, int64_t ldg, int64_t hsg, int64_t N, int64_t H, int64_t d,
                             uint8_t* q, int64_t ldq, float* scale, Stream s);
 namespace tuning {

@@ -559,6 +559,10 @@ void gated_rms_norm_quant_fp8(const void* core, const void* z, int64_t ldz, cons
   else launch(gated_rms_norm_quant_kernel<32>, 32);
 }
 
+bool sigmoid_gate_quant_fp8_supported(int64_t ldg, int64_t hsg, int64_t H, int64_t d) {
+  return H > 0 && d > 0 && d % 8 == 0 && hsg % 8 == 0 && ldg % 8 == 0 && (H * d) % 16 == 0;
+}
+
 void sigmoid_gate_quant_fp8(const void* x, const void* gate, int64_t ldg, int64_t hsg, int64_t N, int64_t H, int64_t d,
                             uint8_t* q, int64_t ldq, float* scale, Stream s) {
   DFLASH_CHECK(N >= 0 && H > 0 && d > 0, "sigmoid_gate_quant_fp8: need N >= 0, H > 0 and d > 0, got N=" << N << " H=" << H
@@ -569,11 +573,11 @@ void sigmoid_gate_quant_fp8(const void* x, const void* gate, int64_t ldg, int64_
   DFLASH_CHECK(x != nullptr && gate != nullptr, "sigmoid_gate_quant_fp8: null pointer (x=" << x << " gate=" << gate << ")");
   DFLASH_CHECK(hsg >= d && ldg >= (H - 1) * hsg + d,
                "sigmoid_gate_quant_fp8: gate strides too small: hsg=" << hsg << " ldg=" << ldg << " for H=" << H << " d=" << d);
-  DFLASH_CHECK_HINT(d % 8 == 0 && hsg % 8 == 0 && ldg % 8 == 0 && aligned16(x) && aligned16(gate) &&
+  DFLASH_CHECK_HINT(sigmoid_gate_quant_fp8_supported(ldg, hsg, H, d) && aligned16(x) && aligned16(gate) &&
                         N * std::max(K, ldg) < (int64_t{1} << 31),
-                    "sigmoid_gate_quant_fp8: needs d, hsg and ldg multiples of 8 and 16-byte aligned x and gate (and "
-                    "N * max(H d, ldg) < 2^31), got d=" << d << " hsg=" << hsg << " ldg=" << ldg << " x=" << x
-                                                        << " gate=" << gate,
+                    "sigmoid_gate_quant_fp8: needs d, hsg and ldg multiples of 8, H d of 16 and 16-byte aligned x and "
+                    "gate (and N * max(H d, ldg) < 2^31), got d=" << d << " hsg=" << hsg << " ldg=" << ldg << " H=" << H
+                                                               << " x=" << x << " gate=" << gate,
                     "the unfused pair (sigmoid_gate, quantize_fp8_act) takes any alignment");
   launch_act(SigmoidGateSource{static_cast<const bf16*>(x), static_cast<const bf16*>(gate), ldg, hsg, K, static_cast<int>(d)},
              q, ldq, scale, N, K, static_cast<cudaStream_t>(s));

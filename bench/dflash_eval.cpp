@@ -69,6 +69,7 @@
 #include "drafter/decode_cuda.h"
 #include "drafter/model_cuda.h"
 #include "core/cuda/check.h"
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/pdl.cuh"
 #include "target_model/model_cuda.h"
 #endif
@@ -680,11 +681,12 @@ int main(int argc, char** argv) {
       for (std::string name; std::getline(names, name, ',');) {
         target::FastPathPlan plan = rt.decode_plan();
         target::FastPathPlan::DecodeFusion& f = plan.fusion;
-        const int pdl_saved = cuda::tuning::pdl;
+        const bench::VariantSwitches switches = bench::VariantSwitches::save();
         bench::apply_decode_variant(name, f, "--decode-variants");
         VariantRow row;
         row.name = name;
         row.fusion = plan.fusion.any() ? plan.fusion.str() : "none";
+        if (fp8_target && cuda::tuning::gate_quant != 0) row.fusion += ",gate_quant";
         row.pdl = cuda::pdl_enabled();
         {
           auto vdec = target::make_cuda_decoder(*cuda_model, 1, max_len, plan);
@@ -723,7 +725,7 @@ int main(int argc, char** argv) {
           row.commit_ms = step_ms(sp.times.commit_steps).p50;
           row.kernels = vdec->kernels_run();
         }
-        cuda::tuning::pdl = pdl_saved;
+        switches.restore();
         variant_rows.push_back(row);
       }
       for (cudaEvent_t& e : ev) DFLASH_CUDA_CHECK(cudaEventDestroy(e));

@@ -9,6 +9,7 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/pdl.cuh"
 
 namespace dflash::bench {
@@ -70,8 +71,17 @@ void apply_decode_variant(const std::string& name, target::FastPathPlan::DecodeF
   else if (name == "no_packed") f.fp8_packed = false;
   else if (name == "side_gemms") f.fp8_side_gemms = true;
   else if (name == "no_side_gemms") f.fp8_side_gemms = false;
-  else if (name == "unfused") f = {}, cuda::tuning::pdl = 0;
+  else if (name == "gate_quant") cuda::tuning::gate_quant = 1;
+  else if (name == "no_gate_quant") cuda::tuning::gate_quant = 0;
+  else if (name == "unfused") f = {}, cuda::tuning::pdl = cuda::tuning::gate_quant = 0;
   else DFLASH_REQUIRE_HINT(name == "fused", option << ": unknown variant '" << name << "'", "use " << kDecodeVariantNames);
+}
+
+VariantSwitches VariantSwitches::save() { return {cuda::tuning::pdl, cuda::tuning::gate_quant}; }
+
+void VariantSwitches::restore() const {
+  cuda::tuning::pdl = pdl;
+  cuda::tuning::gate_quant = gate_quant;
 }
 
 }  // namespace dflash::bench

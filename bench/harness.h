@@ -65,10 +65,18 @@ std::string utc_timestamp();  // 2026-11-30T08:00:00Z
 // moe_wgmma (MoE targets: the decode / verify steps' expert GEMMs on the wgmma kernel), prefetch / no_prefetch
 // (the next GEMM's weights into L2 after each decode GEMM: DecodeFusion::prefetch), packed / no_packed (FP8: the
 // streaming kernel on packed copies), side_gemms / no_side_gemms (FP8: the bf16 b|a GEMM on a side stream beside
-// the in_proj's FP8 GEMM: DecodeFusion::fp8_side_gemms), unfused (every fusion and PDL off). Sets `fusion` and
-// cuda::tuning::pdl (the caller restores pdl); an unknown name throws, naming `option` and the variants.
+// the in_proj's FP8 GEMM: DecodeFusion::fp8_side_gemms), gate_quant / no_gate_quant (FP8: the attention's output
+// gate writing o_proj's FP8 input: cuda::tuning::gate_quant), unfused (every fusion and PDL off). Sets `fusion`
+// and the process-wide switches cuda::tuning::pdl and gate_quant (save them first with VariantSwitches::save()
+// and restore them after the variant ran); an unknown name throws, naming `option` and the variants.
 inline constexpr const char* kDecodeVariantNames =
-    "fused, no_pdl, skinny, skinny_no_swiglu, no_skinny, skinny_streamk, no_gdn_chain, gdn_chain_all, no_commit, no_overlap, moe_decode, moe_wgmma, prefetch, no_prefetch, packed, no_packed, side_gemms, no_side_gemms, unfused";
+    "fused, no_pdl, skinny, skinny_no_swiglu, no_skinny, skinny_streamk, no_gdn_chain, gdn_chain_all, no_commit, no_overlap, moe_decode, moe_wgmma, prefetch, no_prefetch, packed, no_packed, side_gemms, no_side_gemms, gate_quant, no_gate_quant, unfused";
 void apply_decode_variant(const std::string& name, target::FastPathPlan::DecodeFusion& fusion, const char* option);
+// The process-wide switches apply_decode_variant may set, to put back after a variant.
+struct VariantSwitches {
+  int pdl = 0, gate_quant = 0;
+  static VariantSwitches save();
+  void restore() const;
+};
 
 }  // namespace dflash::bench

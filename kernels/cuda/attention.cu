@@ -200,25 +200,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) flash_fwd_kern
     if (n_start <= m_start + warp * 16 + 15) {
       // S = Q Kᵀ  [16, BN] per warp
       float s[NT][4];
-#pragma unroll
-      for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        uint32_t qa[4];
-        if constexpr (Cfg::kQInRegs) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) qa[e] = qf[ks][e];
-        } else {
-          ldmatrix_x4(qa, sQ + swz<D>(a_row, ks * 2 + a_chk));
-        }
-#pragma unroll
-        for (int n2 = 0; n2 < NT / 2; ++n2) {
-          uint32_t kb[4];
-          ldmatrix_x4(kb, tK + swz<D>(n2 * 16 + k_row, ks * 2 + k_chk));
-          mma_bf16(s[2 * n2], qa, kb[0], kb[1]);
-          mma_bf16(s[2 * n2 + 1], qa, kb[2], kb[3]);
-        }
-      }
+      qk_scores<NT, KS, D, Cfg::kQInRegs>(s, qf, sQ, a_row, a_chk, tK, k_row, k_chk);
 
       // Causal mask (and the end of the sequence) only where a key can exceed the warp's first row.
       if (n_start + BN - 1 > m_start + warp * 16 || n_start + BN > seqlen) {

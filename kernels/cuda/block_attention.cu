@@ -114,18 +114,7 @@ __global__ void __launch_bounds__(kThreads, 2) ba_fwd_kernel(const Args a) {
     __syncthreads();
 
     float s[NT][4];
-#pragma unroll
-    for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-#pragma unroll
-      for (int n2 = 0; n2 < NT / 2; ++n2) {
-        uint32_t kb[4];
-        ldmatrix_x4(kb, tK + swz<D>(n2 * 16 + k_row, ks * 2 + k_chk));
-        mma_bf16(s[2 * n2], qf[ks], kb[0], kb[1]);
-        mma_bf16(s[2 * n2 + 1], qf[ks], kb[2], kb[3]);
-      }
-    }
+    qk_scores<NT, KS, D, true>(s, qf, nullptr, 0, 0, tK, k_row, k_chk);
     mask_scores<NT>(s, a, kt, kp.anc, j0, j1, t4);
 
     flash::softmax_tile_pv<NT, DT, D>(s, o, m0, m1, l0, l1, a.scale_log2, tV, v_row, v_chk);

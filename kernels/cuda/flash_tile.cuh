@@ -1,8 +1,8 @@
 #pragma once
 // Pieces shared by the flash-style attention kernels (attention.cu: the target's causal attention;
-// block_attention.cu: the DFlash drafter's block attention): cp.async copies into XOR-swizzled
-// shared tiles, exp2, and the per-key-tile online-softmax step with O += P·V for one warp's 16
-// query rows. Force-inlined, so the kernels compile exactly as if written in place.
+// attention_decode.cu: its decode / verify form; block_attention.cu: the DFlash drafter's block
+// attention): cp.async copies into XOR-swizzled shared tiles, exp2, the scores S = Q·Kᵀ of a key tile
+// and the per-key-tile online-softmax step with O += P·V for one warp's 16 query rows. Force-inlined, so the kernels compile exactly as if written in place.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -109,6 +109,35 @@ __device__ __forceinline__ void finish_rows(float& l0, float& l1, float& inv0, f
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
   inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f;
   inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+}
+
+// S = Q·Kᵀ of one key tile for the warp's 16 query rows: s (NT n-tiles of 8 keys) zeroed, then KS
+// k-steps of 16 columns, each NT mma.sync against the swizzled key tile tK [NT·8, D] (ldmatrix at
+// k_row / k_chk). The warp's Q fragments come from qf (Q_IN_REGS: every k-step's, QN = KS) or else
+// from the swizzled tile sQ at a_row / a_chk each k-step.
+template <int NT, int KS, int D, bool Q_IN_REGS, int QN>
+__device__ __forceinline__ void qk_scores(float (&s)[NT][4], const uint32_t (&qf)[QN][4], const __nv_bfloat16* sQ,
+                                          int a_row, int a_chk, const __nv_bfloat16* tK, int k_row, int k_chk) {
+  static_assert(!Q_IN_REGS || QN == KS, "qf holds every k-step's Q fragment");
+#pragma unroll
+  for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    uint32_t qa[4];
+    if constexpr (Q_IN_REGS) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) qa[e] = qf[ks][e];
+    } else {
+      ptx::ldmatrix_x4(qa, sQ + swz<D>(a_row, ks * 2 + a_chk));
+    }
+#pragma unroll
+    for (int n2 = 0; n2 < NT / 2; ++n2) {
+      uint32_t kb[4];
+      ptx::ldmatrix_x4(kb, tK + swz<D>(n2 * 16 + k_row, ks * 2 + k_chk));
+      ptx::mma_bf16(s[2 * n2], qa, kb[0], kb[1]);
+      ptx::mma_bf16(s[2 * n2 + 1], qa, kb[2], kb[3]);
+    }
+  }
 }
 
 // The bf16 A fragment (m16n8k16 layout, which is also wgmma's register-A layout for a warp's 16

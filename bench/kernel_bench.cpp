@@ -46,6 +46,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -1043,6 +1044,31 @@ void bench_fp8(Ctx& ctx, bool quick) {
                                           << ep << " > 1e-2); not timing a wrong kernel");
         }
         measure(ctx, "fp8", "gemm_fp8", shape, {{"stream_e4m3_packed", packed_call, nullptr}}, 0, units(1));
+        // The register ring at depths 2 and 3 (tuning::gemm_fp8_stream_depth; no spills, where 4 spills): the
+        // same bits as the default depth on the same grid, checked, then timed on both layouts.
+        const int depth_saved = cuda::tuning::gemm_fp8_stream_depth;
+        for (const auto& [name, call] : {std::pair<std::string, std::function<void()>>{"stream_e4m3", [&] { fp8_call(false); }},
+                                         {"stream_e4m3_packed", packed_call}}) {
+          if (name == "stream_e4m3_packed" && cuda::tuning::gemm_fp8_stream_stages > 0) continue;  // the bulk ring
+          cuda::tuning::gemm_fp8_stream_depth = depth_saved;
+          next = 0;
+          call();
+          DeviceContext::get(0).synchronize();
+          const Tensor ref = y8.to(Device::cpu());
+          for (int depth : {2, 3}) {
+            if (depth == depth_saved) continue;
+            cuda::tuning::gemm_fp8_stream_depth = depth;
+            next = 0;
+            call();
+            DeviceContext::get(0).synchronize();
+            const Tensor got = y8.to(Device::cpu());
+            DFLASH_CHECK(std::memcmp(got.raw_data(), ref.raw_data(), ref.nbytes()) == 0,
+                         "fp8 " << shape << ": " << name << " at ring depth " << depth << " differs from depth " << depth_saved
+                                << "; not timing a wrong kernel");
+            measure(ctx, "fp8", "gemm_fp8", shape, {{name + "_d" + std::to_string(depth), call, nullptr}}, 0, units(1));
+          }
+        }
+        cuda::tuning::gemm_fp8_stream_depth = depth_saved;
       }
       cuda::tuning::gemm_fp8_stream = 0;  // the cuBLASLt rows below
       for (int fast : {0, 1}) {

@@ -482,6 +482,16 @@ TEST(CudaFp8, StreamingGemmMatchesCpuBlockwise) {
     EXPECT_LT(err, kGemmBound);
     const Tensor again = run(1);
     EXPECT_EQ(std::memcmp(got.raw_data(), again.raw_data(), got.nbytes()), 0) << "a second call differs";
+    {  // the register ring at depths 2 and 3 (tuning::gemm_fp8_stream_depth): the loads go out at other times,
+       // the sums are the same: the default depth's bits
+      const int saved = cu::tuning::gemm_fp8_stream_depth;
+      for (int depth : {2, 3}) {
+        cu::tuning::gemm_fp8_stream_depth = depth;
+        const Tensor at_depth = run(1);
+        EXPECT_EQ(std::memcmp(got.raw_data(), at_depth.raw_data(), got.nbytes()), 0) << "ring depth " << depth;
+      }
+      cu::tuning::gemm_fp8_stream_depth = saved;
+    }
     {  // the packed weight (pack_stream_weight; poisoned past its end): the same bits through the register
        // ring (stages 0) and the bulk kernel's shared-memory rings (slots x units a slot, evict-first) on the
        // same grid; a ring that fits fewer blocks an SM (3 x 4: ~197 KB a block) has a grid of its own, so its

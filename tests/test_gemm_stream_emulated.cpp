@@ -23,6 +23,7 @@
 #define gemm_fp8_stream_stages gemm_fp8_stream_stages_emulated
 #define gemm_fp8_stream_chunk gemm_fp8_stream_chunk_emulated
 #define gemm_fp8_stream_evict_first gemm_fp8_stream_evict_first_emulated
+#define gemm_fp8_stream_depth gemm_fp8_stream_depth_emulated
 #include "kernels/cuda/gemm_stream.cu"
 
 #include <gtest/gtest.h>
@@ -312,6 +313,38 @@ TEST(GemmStreamEmulated, PackedWeightGivesTheSameBits) {
     }
     EXPECT_EQ(packed[static_cast<size_t>(bytes)], 0xCD);
   }
+}
+
+// The register ring's depth (tuning::gemm_fp8_stream_depth: 2, 3 or 4 units in flight a warp) changes when
+// the loads are issued, not what is summed: every depth gives the default's bits on every grid, runs shorter
+// and longer than the ring, row-major and packed; an unbuilt depth is refused by name.
+TEST(GemmStreamEmulated, RingDepthsGiveTheSameBits) {
+  const int saved = cu::tuning::gemm_fp8_stream_depth;
+  for (const Case& c : kCases) {
+    const Operands o = make(rand_values(c.M, c.K, 1.0f), rand_values(c.N, c.K, 0.05f), c.pad_x);
+    const int64_t ldy = (c.N + 7) / 8 * 8;
+    for (int blocks : c.grids) {
+      SCOPED_TRACE("M " + std::to_string(c.M) + " N " + std::to_string(c.N) + " K " + std::to_string(c.K) + " grid " +
+                   std::to_string(blocks));
+      cu::tuning::gemm_fp8_stream_depth = 4;
+      const std::vector<float> a = run_fp8(o, c.M, c.N, c.K, blocks, 0, ldy);
+      for (int depth : {2, 3}) {
+        cu::tuning::gemm_fp8_stream_depth = depth;
+        const std::vector<float> b = run_fp8(o, c.M, c.N, c.K, blocks, 0, ldy);
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "depth " << depth;
+      }
+    }
+  }
+  cu::tuning::gemm_fp8_stream_depth = 5;
+  const Case& c = kCases.front();
+  const Operands o = make(rand_values(c.M, c.K, 1.0f), rand_values(c.N, c.K, 0.05f), c.pad_x);
+  try {
+    run_fp8(o, c.M, c.N, c.K, c.grids.front(), 0, (c.N + 7) / 8 * 8);
+    ADD_FAILURE() << "depth 5 was not refused";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("DFLASH_FP8_STREAM_DEPTH"), std::string::npos) << e.what();
+  }
+  cu::tuning::gemm_fp8_stream_depth = saved;
 }
 
 // A row's result does not depend on the other rows of the step (M): token 0 alone and as row 0 of

@@ -223,6 +223,10 @@ extern int gemm_fp8_stream;  // -1 automatic (stream only for M % 4 != 0), 0 nev
 extern int gemm_fp8_stream_stages;
 extern int gemm_fp8_stream_chunk;
 extern int gemm_fp8_stream_evict_first;
+// The register ring's depth (units of weight loads in flight a warp; 2, 3 or 4, default 4;
+// DFLASH_FP8_STREAM_DEPTH): the same bits at any depth. Depth 4 spills at the kernel's 128 registers
+// (36 / 92 bytes of spill stores / loads), 2 and 3 do not: kernel_bench --only fp8 compares them.
+extern int gemm_fp8_stream_depth;
 }  // namespace tuning
 
 // ---- Weights into L2 ahead of a decode GEMM (issue 30; kernels/cuda/gemm_prefetch.cu) ----------------

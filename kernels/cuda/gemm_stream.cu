@@ -27,7 +27,9 @@
 // skip L1: per unit and lane rows g and g + 8 of the tile, bytes 16t and 64 + 16t of the unit, so a
 // load instruction reads 64 contiguous bytes of each of 8 rows) through a register ring of kDepth
 // units: a unit's slot is refilled with the unit kDepth ahead as soon as its MMAs have read it, so
-// kDepth - 1 to kDepth units (6-8 KB a warp, 16 warps an SM) are always in flight. x is read at the
+// kDepth - 1 to kDepth units (6-8 KB a warp, 16 warps an SM) are always in flight (the FP8 kernel also
+// at depth 2 or 3, tuning::gemm_fp8_stream_depth: at 4 ptxas spills 36 / 92 bytes under the 128 registers
+// two blocks an SM allow, at 2 and 3 nothing; the same bits at every depth). x is read at the
 // math (L1 / L2: every warp of an SM reads the same rows). The MMAs take the weight rows as the MMA's
 // M and the tokens as its N (one token half for M <= 8, two for M <= 16), the k order permuted alike
 // for both operands so the 16-byte units are used as loaded (skinny_mma.cuh: fp8 lane t's bytes
@@ -94,6 +96,7 @@ namespace {
 // default a ring gets when only the stages are set).
 constexpr int kDefaultBulkStages = 0;
 constexpr int kDefaultBulkChunk = 2;
+constexpr int kDefaultRingDepth = 4;  // the register ring's units in flight a warp (kDepth)
 
 int env_or(const char* name, int fallback) {
   const char* e = std::getenv(name);
@@ -107,6 +110,7 @@ int gemm_skinny_streamk = 0;  // 1: gemm_skinny runs the stream-K kernel where i
 int gemm_fp8_stream_stages = env_or("DFLASH_FP8_STREAM_STAGES", kDefaultBulkStages);
 int gemm_fp8_stream_chunk = env_or("DFLASH_FP8_STREAM_CHUNK", kDefaultBulkChunk);
 int gemm_fp8_stream_evict_first = env_or("DFLASH_FP8_STREAM_EVICT_FIRST", 1);
+int gemm_fp8_stream_depth = env_or("DFLASH_FP8_STREAM_DEPTH", kDefaultRingDepth);
 }  // namespace tuning
 
 namespace {
@@ -118,7 +122,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTiles = 1;              // m16 tiles of weight rows per warp (a tile of work: 16 rows)
 constexpr int kRows = 16 * kTiles;
 constexpr int kUnitBytes = 128;        // bytes of a weight row per unit (FP8: one scale group; bf16: 64 columns)
-constexpr int kDepth = 4;              // units whose weight loads are in flight per warp
+constexpr int kDepth = kDefaultRingDepth;  // units whose weight loads are in flight per warp (FP8: tuning::gemm_fp8_stream_depth)
 constexpr int kWLoads = 4 * kTiles;    // 16-byte weight loads per lane and unit (rows g, g + 8; bytes 16t, 64 + 16t)
 constexpr int kRedLd = kRows + 4;      // padded rows of a piece buffer [16 tokens][kRedLd]: conflict-free stores
 constexpr int kSlots = 2;              // workspace slots per block
@@ -205,7 +209,7 @@ __device__ __forceinline__ void store_quad(const StreamParams& p, int tok, int r
 // A warp's accumulators: skinny_mma.cuh's C fragments (skinny::c_row / c_token) of its kTiles tiles.
 using Acc = float[kTiles][2][4];
 
-template <bool kFp8, bool kBulk>
+template <bool kFp8, bool kBulk, int kRing = kDepth>
 __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamParams p, const BulkRing ring) {
   __shared__ __align__(16) float part0[kWarps][16][kRedLd];  // a warp's piece of a tile begun before its run
   __shared__ __align__(16) float part1[kWarps][16][kRedLd];  // ... of a tile continued after its run
@@ -357,24 +361,24 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
       }
     }
   } else {
-    // A register ring of kDepth units per lane: unit wu0 + q sits in buf[q % kDepth] from its load (kDepth
+    // A register ring of kRing units per lane: unit wu0 + q sits in buf[q % kRing] from its load (kRing
     // units ahead of its math) until its math. The first loads go before the wait on the previous kernel
     // (nothing in the step writes weights); x is read at the math, after it.
-    uint4 buf[kDepth][kWLoads];
+    uint4 buf[kRing][kWLoads];
     pdl_launch_dependents();
 #pragma unroll
-    for (int q = 0; q < kDepth; ++q)
+    for (int q = 0; q < kRing; ++q)
       if (wu0 + q < wu1) load_w(wu0 + q, (wu0 + q) / G, (wu0 + q) % G, buf[q]);
     pdl_wait();
-    int tile_ld = (wu0 + kDepth) / G, grp_ld = (wu0 + kDepth) - tile_ld * G;  // the next unit loaded
-    for (int u0 = wu0; u0 < wu1; u0 += kDepth) {
+    int tile_ld = (wu0 + kRing) / G, grp_ld = (wu0 + kRing) - tile_ld * G;  // the next unit loaded
+    for (int u0 = wu0; u0 < wu1; u0 += kRing) {
 #pragma unroll
-      for (int q = 0; q < kDepth; ++q) {
+      for (int q = 0; q < kRing; ++q) {
         const int u = u0 + q;
         if (u >= wu1) break;
-        unit(u, buf[q], [&] {  // refill the slot: kDepth units ahead
-          if (u + kDepth < wu1) {
-            load_w(u + kDepth, tile_ld, grp_ld, buf[q]);
+        unit(u, buf[q], [&] {  // refill the slot: kRing units ahead
+          if (u + kRing < wu1) {
+            load_w(u + kRing, tile_ld, grp_ld, buf[q]);
             if (++grp_ld == G) grp_ld = 0, ++tile_ld;
           }
         });
@@ -464,6 +468,18 @@ void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* c
       launch_kernel_pdl(gemm_stream_kernel<true, true>, grid, dim3(kThreads), bulk_smem_bytes(ring.stages, ring.chunk), st, k,
                         ring);
       return;
+    }
+  }
+  if constexpr (kFp8) {
+    // The register ring's depth (the same loads, math and sums in the same order: the same bits): 4 unless
+    // tuning::gemm_fp8_stream_depth asks 2 or 3 (fewer registers, no spills: an experiment, kernel_bench).
+    switch (tuning::gemm_fp8_stream_depth) {
+      case 2: launch_kernel_pdl(gemm_stream_kernel<true, false, 2>, grid, dim3(kThreads), 0, st, k, BulkRing{}); return;
+      case 3: launch_kernel_pdl(gemm_stream_kernel<true, false, 3>, grid, dim3(kThreads), 0, st, k, BulkRing{}); return;
+      case kDepth: break;
+      default:
+        DFLASH_REJECT_HINT("gemm_fp8_stream: register ring depth " << tuning::gemm_fp8_stream_depth << " is not built",
+                          "set DFLASH_FP8_STREAM_DEPTH to 2, 3 or 4 (default " << kDepth << ")");
     }
   }
   launch_kernel_pdl(gemm_stream_kernel<kFp8, false>, grid, dim3(kThreads), 0, st, k, BulkRing{});

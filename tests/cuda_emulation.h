@@ -402,6 +402,11 @@ inline int atomicAdd(int* p, int v) {
   *p = old + v;
   return old;
 }
+inline float atomicAdd(float* p, float v) {
+  const float old = *p;
+  *p = old + v;
+  return old;
+}
 inline unsigned atomicOr(unsigned* p, unsigned v) {
   const unsigned old = *p;
   *p = old | v;

@@ -24,6 +24,7 @@
 #define gemm_fp8_stream_chunk gemm_fp8_stream_chunk_emulated
 #define gemm_fp8_stream_evict_first gemm_fp8_stream_evict_first_emulated
 #define gemm_fp8_stream_depth gemm_fp8_stream_depth_emulated
+#define gemm_fp8_stream_atomic gemm_fp8_stream_atomic_emulated
 #include "kernels/cuda/gemm_stream.cu"
 
 #include <gtest/gtest.h>
@@ -32,6 +33,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -238,8 +240,11 @@ TEST(GemmStreamEmulated, Bf16MatchesTheProductOnEveryGrid) {
 }
 
 // The FP8 kernel's f32 outputs (gemm_fp8's y_f32): written, and added into (accumulate: each output
-// once, whether its tile is stored by a warp, summed in its block or by the last of its blocks).
+// once, whether its tile is stored by a warp, summed in its block or by the last of its blocks); and the
+// timing experiment's atomic pieces (tuning::gemm_fp8_stream_atomic, at ring depths 4 and 2): every piece
+// added once, no fix-up, f32 accumulate outputs only (anything else refused by name).
 TEST(GemmStreamEmulated, Fp8F32OutputsAndAccumulate) {
+  const int saved[2] = {cu::tuning::gemm_fp8_stream_atomic, cu::tuning::gemm_fp8_stream_depth};
   for (const Case& c : kCases) {
     const Operands o = make(rand_values(c.M, c.K, 1.0f), rand_values(c.N, c.K, 0.05f), c.pad_x);
     Tensor ref = Tensor::empty({c.M, c.N}, DType::F32);
@@ -248,9 +253,11 @@ TEST(GemmStreamEmulated, Fp8F32OutputsAndAccumulate) {
     for (int64_t i = 0; i < ref.numel(); ++i) max_ref = std::max(max_ref, std::abs(double(ref.data<float>()[i])));
     const int64_t ldy = (c.N + 3) / 4 * 4 + 4;
     for (int blocks : c.grids)
-      for (bool acc : {false, true}) {
+      for (const auto& [acc, atomic, depth] : {std::tuple{false, 0, 4}, {true, 0, 4}, {true, 1, 4}, {true, 1, 2}, {false, 1, 4}}) {
         SCOPED_TRACE("M " + std::to_string(c.M) + " N " + std::to_string(c.N) + " K " + std::to_string(c.K) + " grid " +
-                     std::to_string(blocks) + (acc ? " accumulate" : ""));
+                     std::to_string(blocks) + (acc ? " accumulate" : "") + (atomic ? " atomic depth " + std::to_string(depth) : ""));
+        cu::tuning::gemm_fp8_stream_atomic = atomic;
+        cu::tuning::gemm_fp8_stream_depth = depth;
         std::vector<float> y(static_cast<size_t>(c.M * ldy));
         for (size_t i = 0; i < y.size(); ++i) y[i] = acc ? 0.25f * static_cast<float>(i % 7) : NAN;
         const std::vector<float> y0 = y;
@@ -260,6 +267,15 @@ TEST(GemmStreamEmulated, Fp8F32OutputsAndAccumulate) {
         ASSERT_TRUE(cu::gemm_fp8_stream_supported(p));
         std::vector<float> partial(static_cast<size_t>(blocks) * cu::kSlots * cu::kSlotFloats, NAN);
         std::vector<int> counters(static_cast<size_t>(blocks), 0);
+        if (atomic && !acc) {
+          try {
+            cu::launch_stream<true>(cu::fp8_params(p), c.K, blocks, partial.data(), counters.data(), nullptr);
+            ADD_FAILURE() << "the atomic pieces took an output without accumulate";
+          } catch (const std::exception& e) {
+            EXPECT_NE(std::string(e.what()).find("DFLASH_FP8_STREAM_ATOMIC"), std::string::npos) << e.what();
+          }
+          continue;
+        }
         cu::launch_stream<true>(cu::fp8_params(p), c.K, blocks, partial.data(), counters.data(), nullptr);
         int64_t bad = 0, touched = 0;
         for (int64_t m = 0; m < c.M; ++m)
@@ -276,6 +292,8 @@ TEST(GemmStreamEmulated, Fp8F32OutputsAndAccumulate) {
         EXPECT_EQ(touched, 0) << "columns past N written";
       }
   }
+  cu::tuning::gemm_fp8_stream_atomic = saved[0];
+  cu::tuning::gemm_fp8_stream_depth = saved[1];
 }
 
 // The packed unit layout (pack_stream_weight, built here on the host from packed_source as pack_kernel

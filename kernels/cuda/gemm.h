@@ -227,6 +227,11 @@ extern int gemm_fp8_stream_evict_first;
 // DFLASH_FP8_STREAM_DEPTH): the same bits at any depth. Depth 4 spills at the kernel's 128 registers
 // (36 / 92 bytes of spill stores / loads), 2 and 3 do not: kernel_bench --only fp8 compares them.
 extern int gemm_fp8_stream_depth;
+// 1 (DFLASH_FP8_STREAM_ATOMIC): the register ring adds every piece of a tile into the output with fp32
+// atomics and skips the deterministic fix-up (the block's barrier, its sums and the last block's sum of
+// the workspace slots). A timing experiment only (kernel_bench: what the fix-up costs), never in a plan:
+// the sums' order then depends on timing, and only an f32 accumulate output (y_f32, accumulate) is taken.
+extern int gemm_fp8_stream_atomic;
 }  // namespace tuning
 
 // ---- Weights into L2 ahead of a decode GEMM (issue 30; kernels/cuda/gemm_prefetch.cu) ----------------

@@ -111,6 +111,7 @@ int gemm_fp8_stream_stages = env_or("DFLASH_FP8_STREAM_STAGES", kDefaultBulkStag
 int gemm_fp8_stream_chunk = env_or("DFLASH_FP8_STREAM_CHUNK", kDefaultBulkChunk);
 int gemm_fp8_stream_evict_first = env_or("DFLASH_FP8_STREAM_EVICT_FIRST", 1);
 int gemm_fp8_stream_depth = env_or("DFLASH_FP8_STREAM_DEPTH", kDefaultRingDepth);
+int gemm_fp8_stream_atomic = env_or("DFLASH_FP8_STREAM_ATOMIC", 0);
 }  // namespace tuning
 
 namespace {
@@ -209,7 +210,7 @@ __device__ __forceinline__ void store_quad(const StreamParams& p, int tok, int r
 // A warp's accumulators: skinny_mma.cuh's C fragments (skinny::c_row / c_token) of its kTiles tiles.
 using Acc = float[kTiles][2][4];
 
-template <bool kFp8, bool kBulk, int kRing = kDepth>
+template <bool kFp8, bool kBulk, int kRing = kDepth, bool kAtomic = false>
 __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamParams p, const BulkRing ring) {
   __shared__ __align__(16) float part0[kWarps][16][kRedLd];  // a warp's piece of a tile begun before its run
   __shared__ __align__(16) float part1[kWarps][16][kRedLd];  // ... of a tile continued after its run
@@ -291,6 +292,20 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
           }
     }
     if (grp != G - 1 && u != wu1 - 1) return;
+    if constexpr (kAtomic) {  // timing experiment (f32 accumulate outputs): every piece added with atomics
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int tok = skinny::c_token(hf, c, t), row = n0 + skinny::c_row(i, c, g);
+            if (tok < p.M && row < p.N) atomicAdd(static_cast<float*>(p.y) + static_cast<int64_t>(tok) * p.ldy + row, acc[i][hf][c]);
+          }
+      skinny::zero(acc);
+      piece0 = u + 1;
+      return;
+    }
     // The end of a piece of `tile`.
     const bool from_start = piece0 == tile * G;
     if (from_start && grp == G - 1) {  // the whole tile: store it
@@ -385,6 +400,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
       }
     }
   }
+  if constexpr (kAtomic) return;  // no pieces left: no fix-up
   if (keep) skinny::store_fragments(acc, part1[warp], g, t);
   __syncthreads();
 
@@ -473,14 +489,26 @@ void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* c
   if constexpr (kFp8) {
     // The register ring's depth (the same loads, math and sums in the same order: the same bits): 4 unless
     // tuning::gemm_fp8_stream_depth asks 2 or 3 (fewer registers, no spills: an experiment, kernel_bench).
-    switch (tuning::gemm_fp8_stream_depth) {
-      case 2: launch_kernel_pdl(gemm_stream_kernel<true, false, 2>, grid, dim3(kThreads), 0, st, k, BulkRing{}); return;
-      case 3: launch_kernel_pdl(gemm_stream_kernel<true, false, 3>, grid, dim3(kThreads), 0, st, k, BulkRing{}); return;
-      case kDepth: break;
-      default:
-        DFLASH_REJECT_HINT("gemm_fp8_stream: register ring depth " << tuning::gemm_fp8_stream_depth << " is not built",
-                          "set DFLASH_FP8_STREAM_DEPTH to 2, 3 or 4 (default " << kDepth << ")");
+    // tuning::gemm_fp8_stream_atomic: the pieces added into an f32 accumulate output with atomics, no
+    // fix-up (not deterministic: kernel_bench's measure of what the deterministic fix-up costs).
+    const int depth = tuning::gemm_fp8_stream_depth;
+    DFLASH_REQUIRE_HINT(depth >= 2 && depth <= kDepth,
+                        "gemm_fp8_stream: register ring depth " << depth << " is not built",
+                        "set DFLASH_FP8_STREAM_DEPTH to 2, 3 or 4 (default " << kDepth << ")");
+    if (tuning::gemm_fp8_stream_atomic != 0) {
+      DFLASH_REQUIRE_HINT(k.y_f32 && k.accumulate,
+                          "gemm_fp8_stream: the atomic pieces (DFLASH_FP8_STREAM_ATOMIC, a timing experiment) add into an f32 "
+                          "output (y_f32 with accumulate); this call writes "
+                              << (k.y_f32 ? "f32 without accumulate" : "bf16"),
+                          "unset DFLASH_FP8_STREAM_ATOMIC");
+      const auto kernel = depth == 2   ? gemm_stream_kernel<true, false, 2, true>
+                          : depth == 3 ? gemm_stream_kernel<true, false, 3, true>
+                                       : gemm_stream_kernel<true, false, kDepth, true>;
+      launch_kernel_pdl(kernel, grid, dim3(kThreads), 0, st, k, BulkRing{});
+      return;
     }
+    if (depth == 2) return launch_kernel_pdl(gemm_stream_kernel<true, false, 2>, grid, dim3(kThreads), 0, st, k, BulkRing{});
+    if (depth == 3) return launch_kernel_pdl(gemm_stream_kernel<true, false, 3>, grid, dim3(kThreads), 0, st, k, BulkRing{});
   }
   launch_kernel_pdl(gemm_stream_kernel<kFp8, false>, grid, dim3(kThreads), 0, st, k, BulkRing{});
 }

@@ -1069,33 +1069,45 @@ void bench_fp8(Ctx& ctx, bool quick) {
           }
         }
         cuda::tuning::gemm_fp8_stream_depth = depth_saved;
-        // What the deterministic fix-up costs (tuning::gemm_fp8_stream_atomic, a timing experiment): the same
-        // kernel adding into an f32 output, its tiles' pieces summed by the fix-up, then added with atomics and
-        // no fix-up; checked against each other first (the same products, other f32 orders).
+        // What the deterministic fix-up costs (tuning::gemm_fp8_stream_fixup: block, the default, warp and atomic,
+        // a timing experiment): the same kernel adding into an f32 output, its tiles' pieces summed by either
+        // fix-up, then added with atomics and no fix-up; checked against each other first (the same products,
+        // other f32 orders).
         Tensor y32 = Tensor::empty({M, N}, DType::F32, Device::cuda(0));
-        auto f32_call = [&](int atomic) {
+        const int fix_saved = cuda::tuning::gemm_fp8_stream_fixup;
+        auto f32_call = [&](int fix) {
           cuda::GemmFp8Params p = fp8_params(false);
           p.y = y32.raw_data(), p.ldy = N, p.y_f32 = true, p.accumulate = true;
-          cuda::tuning::gemm_fp8_stream_atomic = atomic;
+          cuda::tuning::gemm_fp8_stream_fixup = fix;
           cuda::gemm_fp8_stream(p, 0, ctx.stream);
-          cuda::tuning::gemm_fp8_stream_atomic = 0;
+          cuda::tuning::gemm_fp8_stream_fixup = fix_saved;
         };
         Tensor acc_ref;
-        for (int atomic : {0, 1}) {
+        const std::pair<int, const char*> fixups[] = {{0, "stream_e4m3_f32acc"}, {2, "stream_e4m3_f32acc_warpfix"},
+                                                      {1, "stream_e4m3_f32acc_atomic"}};
+        for (const auto& [fix, name] : fixups) {
           y32.fill(0.0);
           next = 0;
-          f32_call(atomic);
+          f32_call(fix);
           DeviceContext::get(0).synchronize();
-          if (atomic == 0) {
+          if (fix == 0) {
             acc_ref = y32.clone();
             continue;
           }
           const double ea = max_rel_err(y32, acc_ref);
-          DFLASH_CHECK(ea <= 1e-4, "fp8 " << shape << ": the atomic pieces differ from the fix-up's sums (max rel err " << ea
+          DFLASH_CHECK(ea <= 1e-4, "fp8 " << shape << ": " << name << " differs from the block fix-up's sums (max rel err " << ea
                                           << " > 1e-4); not timing a wrong kernel");
         }
-        measure(ctx, "fp8", "gemm_fp8", shape, {{"stream_e4m3_f32acc", [&] { f32_call(0); }, nullptr}}, 0, units(1));
-        measure(ctx, "fp8", "gemm_fp8", shape, {{"stream_e4m3_f32acc_atomic", [&] { f32_call(1); }, nullptr}}, 0, units(1));
+        // at the default ring depth (4: the warp fix-up spills more there) and at 2 (no variant spills)
+        for (int depth : {depth_saved, 2}) {
+          cuda::tuning::gemm_fp8_stream_depth = depth;
+          for (const auto& [fix, name] : fixups)
+            measure(ctx, "fp8", "gemm_fp8", shape,
+                    {{std::string(name) + (depth == depth_saved ? "" : "_d" + std::to_string(depth)),
+                      [&, fix = fix] { f32_call(fix); }, nullptr}},
+                    0, units(1));
+        }
+        cuda::tuning::gemm_fp8_stream_depth = depth_saved;
       }
       cuda::tuning::gemm_fp8_stream = 0;  // the cuBLASLt rows below
       for (int fast : {0, 1}) {

@@ -189,6 +189,19 @@ T shfl_xor(T v, int mask, unsigned members = 0xffffffffu) {
   return r;
 }
 
+// __shfl_sync: every lane gets lane src's value.
+template <class T>
+T shfl(T v, int src, unsigned members = 0xffffffffu) {
+  static_assert(sizeof(T) <= 8);
+  Barrier& bar = shfl_bar(members);
+  std::memcpy(words(lane()), &v, sizeof(T));
+  wait(bar);
+  T r;
+  std::memcpy(&r, words(src & 31), sizeof(T));
+  wait(bar);
+  return r;
+}
+
 // __shfl_up_sync: lane l gets lane l - d's value (its own below d).
 template <class T>
 T shfl_up(T v, int d) {
@@ -360,6 +373,7 @@ inline void wgmma_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accum
 #define __syncwarp(...) (::emu::wait(::emu::warp_bar()))
 #define __shfl_xor_sync(mask, v, o) (::emu::shfl_xor((v), (o), static_cast<unsigned>(mask)))
 #define __shfl_up_sync(mask, v, d) (::emu::shfl_up((v), (d)))
+#define __shfl_sync(mask, v, src) (::emu::shfl((v), (src), static_cast<unsigned>(mask)))
 #define __ballot_sync(mask, pred) (::emu::ballot(static_cast<bool>(pred)))
 #define __all_sync(mask, pred) (::emu::ballot(static_cast<bool>(pred)) == 0xffffffffu)
 #define __popc(x) (__builtin_popcount(static_cast<unsigned>(x)))

@@ -24,7 +24,7 @@
 #define gemm_fp8_stream_chunk gemm_fp8_stream_chunk_emulated
 #define gemm_fp8_stream_evict_first gemm_fp8_stream_evict_first_emulated
 #define gemm_fp8_stream_depth gemm_fp8_stream_depth_emulated
-#define gemm_fp8_stream_atomic gemm_fp8_stream_atomic_emulated
+#define gemm_fp8_stream_fixup gemm_fp8_stream_fixup_emulated
 #include "kernels/cuda/gemm_stream.cu"
 
 #include <gtest/gtest.h>
@@ -79,8 +79,8 @@ std::vector<float> run(cu::StreamParams k, int64_t K, int blocks, int64_t y_col,
   std::vector<uint16_t> y(static_cast<size_t>(k.M * ldy), 0x7FC0);  // bf16 NaN
   k.y = reinterpret_cast<__nv_bfloat16*>(y.data() + y_col);
   k.ldy = ldy;
-  std::vector<float> partial(static_cast<size_t>(blocks) * cu::kSlots * cu::kSlotFloats, NAN);
-  std::vector<int> counters(static_cast<size_t>(blocks), 0);
+  std::vector<float> partial(static_cast<size_t>(cu::workspace_floats(blocks)), NAN);
+  std::vector<int> counters(static_cast<size_t>(cu::workspace_counters(blocks)), 0);
   cu::launch_stream<kFp8>(k, K, blocks, partial.data(), counters.data(), nullptr, ring);
   for (int c : counters) EXPECT_EQ(c, 0) << "a shared tile's counter was not reset";
   std::vector<float> out(y.size());
@@ -217,6 +217,54 @@ TEST(GemmStreamEmulated, Fp8MatchesCpuBlockwiseOnEveryGrid) {
   }
 }
 
+// The warp fix-up (tuning::gemm_fp8_stream_fixup = 2, DFLASH_FP8_STREAM_FIXUP=warp: each shared tile summed by the
+// last of its warps, in global warp order) against the CPU reference on every grid and ring depth, its counters
+// back at zero (run() checks), the same bits twice, and a row's bits independent of M.
+TEST(GemmStreamEmulated, WarpFixupMatchesCpuBlockwiseOnEveryGrid) {
+  const int saved[2] = {cu::tuning::gemm_fp8_stream_fixup, cu::tuning::gemm_fp8_stream_depth};
+  std::vector<Case> cases = kCases;
+  cases.push_back({5, 77, 256, 0, {1, 2}});
+  cases.push_back({16, 1, 256, 0, {2}});
+  cases.push_back({16, 64, 2048, 0, {1, 3}});  // a tile over several warps' runs and both blocks
+  cu::tuning::gemm_fp8_stream_fixup = 2;
+  for (const Case& c : cases) {
+    const Operands o = make(rand_values(c.M, c.K, 1.0f), rand_values(c.N, c.K, 0.05f), c.pad_x);
+    Tensor ref = Tensor::empty({c.M, c.N}, DType::F32);
+    ops::gemm_fp8_blockwise(o.a, o.w, ref);
+    const int64_t y_col = 8, ldy = (c.N + 24 + 7) / 8 * 8;
+    for (int blocks : c.grids)
+      for (int depth : {4, 2}) {
+        SCOPED_TRACE("M " + std::to_string(c.M) + " N " + std::to_string(c.N) + " K " + std::to_string(c.K) + " grid " +
+                     std::to_string(blocks) + " depth " + std::to_string(depth));
+        cu::tuning::gemm_fp8_stream_depth = depth;
+        const std::vector<float> a = run_fp8(o, c.M, c.N, c.K, blocks, y_col, ldy);
+        expect_matches(a, ref, y_col, ldy);
+        const std::vector<float> b = run_fp8(o, c.M, c.N, c.K, blocks, y_col, ldy);
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "a second call differs";
+      }
+  }
+  {  // row 0 alone and as row 0 of 16: the same bits
+    const int64_t N = 200, K = 512;
+    const Tensor x16 = rand_values(16, K, 1.0f), w = rand_values(N, K, 0.05f);
+    const Operands o16 = make(x16, w, 0), o1 = make(x16.slice(0, 0, 1).clone(), w, 0);
+    for (int blocks : {2, 7}) {
+      const std::vector<float> y16 = run_fp8(o16, 16, N, K, blocks, 0, N), y1 = run_fp8(o1, 1, N, K, blocks, 0, N);
+      EXPECT_EQ(std::memcmp(y16.data(), y1.data(), N * sizeof(float)), 0) << "grid " << blocks;
+    }
+  }
+  cu::tuning::gemm_fp8_stream_fixup = 3;
+  const Case& c = kCases.front();
+  const Operands o = make(rand_values(c.M, c.K, 1.0f), rand_values(c.N, c.K, 0.05f), c.pad_x);
+  try {
+    run_fp8(o, c.M, c.N, c.K, c.grids.front(), 0, (c.N + 7) / 8 * 8);
+    ADD_FAILURE() << "fix-up 3 was not refused";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("DFLASH_FP8_STREAM_FIXUP"), std::string::npos) << e.what();
+  }
+  cu::tuning::gemm_fp8_stream_fixup = saved[0];
+  cu::tuning::gemm_fp8_stream_depth = saved[1];
+}
+
 // The bf16 kernel against a double-precision product of the same bf16 values.
 TEST(GemmStreamEmulated, Bf16MatchesTheProductOnEveryGrid) {
   for (const Case& c : kCases) {
@@ -240,11 +288,12 @@ TEST(GemmStreamEmulated, Bf16MatchesTheProductOnEveryGrid) {
 }
 
 // The FP8 kernel's f32 outputs (gemm_fp8's y_f32): written, and added into (accumulate: each output
-// once, whether its tile is stored by a warp, summed in its block or by the last of its blocks); and the
-// timing experiment's atomic pieces (tuning::gemm_fp8_stream_atomic, at ring depths 4 and 2): every piece
-// added once, no fix-up, f32 accumulate outputs only (anything else refused by name).
+// once, whether its tile is stored by a warp, summed in its block or by the last of its blocks, or by the last
+// of its warps: the warp fix-up); and the timing experiment's atomic pieces (tuning::gemm_fp8_stream_fixup 1,
+// at ring depths 4 and 2): every piece added once, no fix-up, f32 accumulate outputs only (anything else
+// refused by name).
 TEST(GemmStreamEmulated, Fp8F32OutputsAndAccumulate) {
-  const int saved[2] = {cu::tuning::gemm_fp8_stream_atomic, cu::tuning::gemm_fp8_stream_depth};
+  const int saved[2] = {cu::tuning::gemm_fp8_stream_fixup, cu::tuning::gemm_fp8_stream_depth};
   for (const Case& c : kCases) {
     const Operands o = make(rand_values(c.M, c.K, 1.0f), rand_values(c.N, c.K, 0.05f), c.pad_x);
     Tensor ref = Tensor::empty({c.M, c.N}, DType::F32);
@@ -253,10 +302,13 @@ TEST(GemmStreamEmulated, Fp8F32OutputsAndAccumulate) {
     for (int64_t i = 0; i < ref.numel(); ++i) max_ref = std::max(max_ref, std::abs(double(ref.data<float>()[i])));
     const int64_t ldy = (c.N + 3) / 4 * 4 + 4;
     for (int blocks : c.grids)
-      for (const auto& [acc, atomic, depth] : {std::tuple{false, 0, 4}, {true, 0, 4}, {true, 1, 4}, {true, 1, 2}, {false, 1, 4}}) {
+      for (const auto& [acc, fix, depth] :
+           {std::tuple{false, 0, 4}, {true, 0, 4}, {true, 1, 4}, {true, 1, 2}, {false, 1, 4}, {false, 2, 4}, {true, 2, 3}}) {
         SCOPED_TRACE("M " + std::to_string(c.M) + " N " + std::to_string(c.N) + " K " + std::to_string(c.K) + " grid " +
-                     std::to_string(blocks) + (acc ? " accumulate" : "") + (atomic ? " atomic depth " + std::to_string(depth) : ""));
-        cu::tuning::gemm_fp8_stream_atomic = atomic;
+                     std::to_string(blocks) + (acc ? " accumulate" : "") + " fix-up " + std::to_string(fix) + " depth " +
+                     std::to_string(depth));
+        const bool atomic = fix == 1;
+        cu::tuning::gemm_fp8_stream_fixup = fix;
         cu::tuning::gemm_fp8_stream_depth = depth;
         std::vector<float> y(static_cast<size_t>(c.M * ldy));
         for (size_t i = 0; i < y.size(); ++i) y[i] = acc ? 0.25f * static_cast<float>(i % 7) : NAN;
@@ -265,14 +317,14 @@ TEST(GemmStreamEmulated, Fp8F32OutputsAndAccumulate) {
         p.x = o.xq.data(), p.ldx = o.ldx, p.x_scale = o.xs.data(), p.w = o.wq.data(), p.w_scale = o.ws.data();
         p.y = y.data(), p.ldy = ldy, p.M = c.M, p.N = c.N, p.K = c.K, p.y_f32 = true, p.accumulate = acc;
         ASSERT_TRUE(cu::gemm_fp8_stream_supported(p));
-        std::vector<float> partial(static_cast<size_t>(blocks) * cu::kSlots * cu::kSlotFloats, NAN);
-        std::vector<int> counters(static_cast<size_t>(blocks), 0);
+        std::vector<float> partial(static_cast<size_t>(cu::workspace_floats(blocks)), NAN);
+        std::vector<int> counters(static_cast<size_t>(cu::workspace_counters(blocks)), 0);
         if (atomic && !acc) {
           try {
             cu::launch_stream<true>(cu::fp8_params(p), c.K, blocks, partial.data(), counters.data(), nullptr);
             ADD_FAILURE() << "the atomic pieces took an output without accumulate";
           } catch (const std::exception& e) {
-            EXPECT_NE(std::string(e.what()).find("DFLASH_FP8_STREAM_ATOMIC"), std::string::npos) << e.what();
+            EXPECT_NE(std::string(e.what()).find("DFLASH_FP8_STREAM_FIXUP"), std::string::npos) << e.what();
           }
           continue;
         }
@@ -292,7 +344,7 @@ TEST(GemmStreamEmulated, Fp8F32OutputsAndAccumulate) {
         EXPECT_EQ(touched, 0) << "columns past N written";
       }
   }
-  cu::tuning::gemm_fp8_stream_atomic = saved[0];
+  cu::tuning::gemm_fp8_stream_fixup = saved[0];
   cu::tuning::gemm_fp8_stream_depth = saved[1];
 }
 

@@ -79,6 +79,7 @@
 #include <array>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "core/cuda/check.h"
@@ -102,6 +103,16 @@ int env_or(const char* name, int fallback) {
   const char* e = std::getenv(name);
   return e && *e ? std::atoi(e) : fallback;
 }
+
+// DFLASH_FP8_STREAM_FIXUP: block (default), warp or atomic (tuning::gemm_fp8_stream_fixup); an unknown name is
+// refused where the kernel launches.
+int fixup_from_env() {
+  const char* e = std::getenv("DFLASH_FP8_STREAM_FIXUP");
+  if (!e || !*e || std::strcmp(e, "block") == 0) return 0;
+  if (std::strcmp(e, "atomic") == 0) return 1;
+  if (std::strcmp(e, "warp") == 0) return 2;
+  return -1;
+}
 }  // namespace
 
 namespace tuning {
@@ -111,7 +122,7 @@ int gemm_fp8_stream_stages = env_or("DFLASH_FP8_STREAM_STAGES", kDefaultBulkStag
 int gemm_fp8_stream_chunk = env_or("DFLASH_FP8_STREAM_CHUNK", kDefaultBulkChunk);
 int gemm_fp8_stream_evict_first = env_or("DFLASH_FP8_STREAM_EVICT_FIRST", 1);
 int gemm_fp8_stream_depth = env_or("DFLASH_FP8_STREAM_DEPTH", kDefaultRingDepth);
-int gemm_fp8_stream_atomic = env_or("DFLASH_FP8_STREAM_ATOMIC", 0);
+int gemm_fp8_stream_fixup = fixup_from_env();
 }  // namespace tuning
 
 namespace {
@@ -128,6 +139,10 @@ constexpr int kWLoads = 4 * kTiles;    // 16-byte weight loads per lane and unit
 constexpr int kRedLd = kRows + 4;      // padded rows of a piece buffer [16 tokens][kRedLd]: conflict-free stores
 constexpr int kSlots = 2;              // workspace slots per block
 constexpr int64_t kSlotFloats = 16 * kRows;
+// The workspace a launch of `blocks` blocks needs: the block fix-up's kSlots slots and one counter a block, the
+// warp fix-up's two slots and one counter a warp.
+constexpr int64_t workspace_floats(int64_t blocks) { return blocks * kWarps * 2 * kSlotFloats; }
+constexpr int64_t workspace_counters(int64_t blocks) { return blocks * kWarps; }
 
 struct StreamParams {
   const uint8_t* x;   // [M, ldx] elements
@@ -210,7 +225,64 @@ __device__ __forceinline__ void store_quad(const StreamParams& p, int tok, int r
 // A warp's accumulators: skinny_mma.cuh's C fragments (skinny::c_row / c_token) of its kTiles tiles.
 using Acc = float[kTiles][2][4];
 
-template <bool kFp8, bool kBulk, int kRing = kDepth, bool kAtomic = false>
+// The warp fix-up (kFix 2, tuning::gemm_fp8_stream_fixup = warp): no block barrier and no block sums. A warp
+// that ends a piece of a tile other warps share writes it to its own workspace slot (global warp gw's slot 0
+// for the piece its run begins with, 1 for the one it ends with: p.partial[2 gw + slot], 16 tokens x 16 rows),
+// then counts it on the tile's counter (p.counters[the tile's first warp]; the first warp of a shared tile
+// is the one whose run it starts in, so no two tiles share a counter); the warp that brings the count to the
+// tile's number of pieces sums them in global warp order, stores the tile and zeroes the counter for the next
+// launch. The order is set by N, K and the grid, so the bits are deterministic and batch invariant (another
+// order than the block fix-up's where a tile spans more than two blocks' warps).
+// The global warp holding unit u (a non-empty run): block run_of(U, B, u), then its warp.
+__device__ __forceinline__ int warp_of_unit(int U, int B, int u) {
+  const int blk = run_of(U, B, u), ub = run_begin(U, B, blk), bn = run_begin(U, B, blk + 1) - ub;
+  return blk * kWarps + run_of(bn, kWarps, u - ub);
+}
+// The first unit of global warp gw's run, and whether the run is empty.
+__device__ __forceinline__ int warp_first_unit(int U, int B, int gw, bool& empty) {
+  const int blk = gw / kWarps, w = gw % kWarps, ub = run_begin(U, B, blk), bn = run_begin(U, B, blk + 1) - ub;
+  const int a = run_begin(bn, kWarps, w);
+  empty = a == run_begin(bn, kWarps, w + 1);
+  return ub + a;
+}
+__device__ __forceinline__ void warp_fixup(const StreamParams& p, const Acc& acc, int tile, int slot, int gw, int lane) {
+  const int G = p.G, U = p.tiles * G, B = p.blocks;
+  float* mine = p.partial + (2 * static_cast<int64_t>(gw) + slot) * kSlotFloats;
+  skinny::store_fragments(acc, reinterpret_cast<float(*)[kRows]>(mine), lane >> 2, lane & 3);
+  __threadfence();  // the piece is visible before the count says so
+  __syncwarp();
+  const int first = warp_of_unit(U, B, tile * G), last_w = warp_of_unit(U, B, (tile + 1) * G - 1);
+  int done = 0;
+  if (lane == 0) {
+    int pieces = 0;
+    for (int w = first; w <= last_w; ++w) {
+      bool empty = false;
+      warp_first_unit(U, B, w, empty);
+      pieces += !empty;
+    }
+    done = atomicAdd(p.counters + first, 1) == pieces - 1;
+  }
+  done = __shfl_sync(0xffffffffu, done, 0);
+  if (!done) return;
+  __threadfence();
+  for (int q = lane; q < 16 * kRows / 4; q += 32) {  // a quad of rows of a token per lane and step
+    const int tok = q / (kRows / 4), r4 = (q % (kRows / 4)) * 4;
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int w = first; w <= last_w; ++w) {
+      bool empty = false;
+      const int w0 = warp_first_unit(U, B, w, empty);
+      if (empty) continue;
+      const float* src = p.partial + (2 * static_cast<int64_t>(w) + (tile * G <= w0 ? 0 : 1)) * kSlotFloats;
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(src + tok * kRows + r4));
+      sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+    }
+    if (tok < p.M) store_quad(p, tok, tile * kRows + r4, sum);
+  }
+  if (lane == 0) p.counters[first] = 0;  // ready for the next launch
+}
+
+// kFix: how the pieces of tiles shared by warps are summed (FixUp: 0 block, 1 atomic, 2 warp).
+template <bool kFp8, bool kBulk, int kRing = kDepth, int kFix = 0>
 __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamParams p, const BulkRing ring) {
   __shared__ __align__(16) float part0[kWarps][16][kRedLd];  // a warp's piece of a tile begun before its run
   __shared__ __align__(16) float part1[kWarps][16][kRedLd];  // ... of a tile continued after its run
@@ -292,7 +364,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
           }
     }
     if (grp != G - 1 && u != wu1 - 1) return;
-    if constexpr (kAtomic) {  // timing experiment (f32 accumulate outputs): every piece added with atomics
+    if constexpr (kFix == 1) {  // timing experiment (f32 accumulate outputs): every piece added with atomics
 #pragma unroll
       for (int i = 0; i < kTiles; ++i)
 #pragma unroll
@@ -308,6 +380,14 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
     }
     // The end of a piece of `tile`.
     const bool from_start = piece0 == tile * G;
+    if constexpr (kFix == 2) {
+      if (!(from_start && grp == G - 1)) {  // a piece of a tile shared with other warps: the warp fix-up
+        warp_fixup(p, acc, tile, piece0 == wu0 ? 0 : 1, b * kWarps + warp, lane);
+        skinny::zero(acc);
+        piece0 = u + 1;
+        return;
+      }
+    }
     if (from_start && grp == G - 1) {  // the whole tile: store it
 #pragma unroll
       for (int i = 0; i < kTiles; ++i)
@@ -400,7 +480,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
       }
     }
   }
-  if constexpr (kAtomic) return;  // no pieces left: no fix-up
+  if constexpr (kFix != 0) return;  // no pieces left: no block fix-up
   if (keep) skinny::store_fragments(acc, part1[warp], g, t);
   __syncthreads();
 
@@ -489,26 +569,28 @@ void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* c
   if constexpr (kFp8) {
     // The register ring's depth (the same loads, math and sums in the same order: the same bits): 4 unless
     // tuning::gemm_fp8_stream_depth asks 2 or 3 (fewer registers, no spills: an experiment, kernel_bench).
-    // tuning::gemm_fp8_stream_atomic: the pieces added into an f32 accumulate output with atomics, no
-    // fix-up (not deterministic: kernel_bench's measure of what the deterministic fix-up costs).
-    const int depth = tuning::gemm_fp8_stream_depth;
-    DFLASH_REQUIRE_HINT(depth >= 2 && depth <= kDepth,
-                        "gemm_fp8_stream: register ring depth " << depth << " is not built",
+    // tuning::gemm_fp8_stream_fixup: the shared tiles' pieces summed by the block fix-up (0, default), by
+    // the warp fix-up (2) or added into an f32 accumulate output with atomics (1: not deterministic, a
+    // timing experiment: what a fix-up costs).
+    const int depth = tuning::gemm_fp8_stream_depth, fix = tuning::gemm_fp8_stream_fixup;
+    DFLASH_REQUIRE_HINT(depth >= 2 && depth <= kDepth, "gemm_fp8_stream: register ring depth " << depth << " is not built",
                         "set DFLASH_FP8_STREAM_DEPTH to 2, 3 or 4 (default " << kDepth << ")");
-    if (tuning::gemm_fp8_stream_atomic != 0) {
-      DFLASH_REQUIRE_HINT(k.y_f32 && k.accumulate,
-                          "gemm_fp8_stream: the atomic pieces (DFLASH_FP8_STREAM_ATOMIC, a timing experiment) add into an f32 "
-                          "output (y_f32 with accumulate); this call writes "
-                              << (k.y_f32 ? "f32 without accumulate" : "bf16"),
-                          "unset DFLASH_FP8_STREAM_ATOMIC");
-      const auto kernel = depth == 2   ? gemm_stream_kernel<true, false, 2, true>
-                          : depth == 3 ? gemm_stream_kernel<true, false, 3, true>
-                                       : gemm_stream_kernel<true, false, kDepth, true>;
-      launch_kernel_pdl(kernel, grid, dim3(kThreads), 0, st, k, BulkRing{});
-      return;
-    }
-    if (depth == 2) return launch_kernel_pdl(gemm_stream_kernel<true, false, 2>, grid, dim3(kThreads), 0, st, k, BulkRing{});
-    if (depth == 3) return launch_kernel_pdl(gemm_stream_kernel<true, false, 3>, grid, dim3(kThreads), 0, st, k, BulkRing{});
+    DFLASH_REQUIRE_HINT(fix >= 0 && fix <= 2,
+                        "gemm_fp8_stream: DFLASH_FP8_STREAM_FIXUP='" << (std::getenv("DFLASH_FP8_STREAM_FIXUP") ? std::getenv("DFLASH_FP8_STREAM_FIXUP") : "")
+                                                                     << "' is not a fix-up (tuning::gemm_fp8_stream_fixup " << fix << ")",
+                        "set DFLASH_FP8_STREAM_FIXUP to block (default), warp or atomic");
+    DFLASH_REQUIRE_HINT(fix != 1 || (k.y_f32 && k.accumulate),
+                        "gemm_fp8_stream: the atomic fix-up (DFLASH_FP8_STREAM_FIXUP=atomic, a timing experiment) adds "
+                        "into an f32 output (y_f32 with accumulate); this call writes "
+                            << (k.y_f32 ? "f32 without accumulate" : "bf16"),
+                        "unset DFLASH_FP8_STREAM_FIXUP, or set it to block or warp");
+    using Kernel = void (*)(const StreamParams, const BulkRing);
+    static const Kernel kKernels[3][3] = {
+        {gemm_stream_kernel<true, false, 2, 0>, gemm_stream_kernel<true, false, 3, 0>, gemm_stream_kernel<true, false, 4, 0>},
+        {gemm_stream_kernel<true, false, 2, 1>, gemm_stream_kernel<true, false, 3, 1>, gemm_stream_kernel<true, false, 4, 1>},
+        {gemm_stream_kernel<true, false, 2, 2>, gemm_stream_kernel<true, false, 3, 2>, gemm_stream_kernel<true, false, 4, 2>}};
+    launch_kernel_pdl(kKernels[fix][depth - 2], grid, dim3(kThreads), 0, st, k, BulkRing{});
+    return;
   }
   launch_kernel_pdl(gemm_stream_kernel<kFp8, false>, grid, dim3(kThreads), 0, st, k, BulkRing{});
 }
@@ -586,15 +668,15 @@ Workspace& workspace_locked(int device, cudaStream_t st) {
   }
   DFLASH_CHECK(per_sm > 0, "gemm_stream: the kernels do not fit an SM of device " << device);
   const int most = kMaxBlocksPerSm * sms;
-  // Lives until exit, like the device context's cuBLASLt workspace (2 KB per block).
-  DFLASH_CUDA_CHECK(cudaMalloc(&w.partial, static_cast<size_t>(most) * kSlots * kSlotFloats * sizeof(float)));
-  DFLASH_CUDA_CHECK(cudaMalloc(&w.counters, static_cast<size_t>(most) * sizeof(int)));
+  // Lives until exit, like the device context's cuBLASLt workspace (16 KB per block: the warp fix-up's slots).
+  DFLASH_CUDA_CHECK(cudaMalloc(&w.partial, static_cast<size_t>(workspace_floats(most)) * sizeof(float)));
+  DFLASH_CUDA_CHECK(cudaMalloc(&w.counters, static_cast<size_t>(workspace_counters(most)) * sizeof(int)));
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   DFLASH_CUDA_CHECK(cudaStreamIsCapturing(st, &cap));
   if (cap == cudaStreamCaptureStatusNone) {
-    DFLASH_CUDA_CHECK(cudaMemset(w.counters, 0, static_cast<size_t>(most) * sizeof(int)));
+    DFLASH_CUDA_CHECK(cudaMemset(w.counters, 0, static_cast<size_t>(workspace_counters(most)) * sizeof(int)));
   } else {  // first used inside a capture: the graph zeroes them before its kernels, at every replay
-    DFLASH_CUDA_CHECK(cudaMemsetAsync(w.counters, 0, static_cast<size_t>(most) * sizeof(int), st));
+    DFLASH_CUDA_CHECK(cudaMemsetAsync(w.counters, 0, static_cast<size_t>(workspace_counters(most)) * sizeof(int), st));
   }
   w.sms = sms;
   w.blocks = per_sm * sms;

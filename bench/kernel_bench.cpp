@@ -1069,18 +1069,18 @@ void bench_fp8(Ctx& ctx, bool quick) {
           }
         }
         cuda::tuning::gemm_fp8_stream_depth = depth_saved;
-        // What the deterministic fix-up costs (tuning::gemm_fp8_stream_fixup: block, the default, warp and atomic,
+        // What the deterministic fix-up costs (tuning::gemm_stream_fixup: block, the default, warp and atomic,
         // a timing experiment): the same kernel adding into an f32 output, its tiles' pieces summed by either
         // fix-up, then added with atomics and no fix-up; checked against each other first (the same products,
         // other f32 orders).
         Tensor y32 = Tensor::empty({M, N}, DType::F32, Device::cuda(0));
-        const int fix_saved = cuda::tuning::gemm_fp8_stream_fixup;
+        const int fix_saved = cuda::tuning::gemm_stream_fixup;
         auto f32_call = [&](int fix) {
           cuda::GemmFp8Params p = fp8_params(false);
           p.y = y32.raw_data(), p.ldy = N, p.y_f32 = true, p.accumulate = true;
-          cuda::tuning::gemm_fp8_stream_fixup = fix;
+          cuda::tuning::gemm_stream_fixup = fix;
           cuda::gemm_fp8_stream(p, 0, ctx.stream);
-          cuda::tuning::gemm_fp8_stream_fixup = fix_saved;
+          cuda::tuning::gemm_stream_fixup = fix_saved;
         };
         Tensor acc_ref;
         const std::pair<int, const char*> fixups[] = {{0, "stream_e4m3_f32acc"}, {2, "stream_e4m3_f32acc_warpfix"},
@@ -1168,8 +1168,8 @@ void bench_decode_gemms(Ctx& ctx, const std::vector<DecodeGemmShape>& shapes) {
     std::vector<Tensor> ws;
     for (int i = 0; i < sets; ++i) ws.push_back(dev_randn({g.N, g.K}, DType::BF16, 100 + static_cast<uint64_t>(i), 0.02f));
     Tensor x = dev_randn({M, g.K}, DType::BF16, 99);
-    Tensor y0 = Tensor::empty({M, g.N}, DType::BF16, dev), y1 = y0.clone(), y2 = y0.clone(), y3 = y0.clone();
-    int n0 = 0, n1 = 0, n2 = 0, n3 = 0;
+    Tensor y0 = Tensor::empty({M, g.N}, DType::BF16, dev), y1 = y0.clone(), y2 = y0.clone(), y3 = y0.clone(), y4 = y0.clone();
+    int n0 = 0, n1 = 0, n2 = 0, n3 = 0, n4 = 0;
     cuda::GemmSkinnyParams sp;
     sp.x = x.raw_data(), sp.ldx = g.K, sp.ldy = g.N, sp.M = M, sp.N = g.N, sp.K = g.K;
     const int splits = cuda::gemm_skinny_splits(sp, 0);
@@ -1198,6 +1198,13 @@ void bench_decode_gemms(Ctx& ctx, const std::vector<DecodeGemmShape>& shapes) {
                         q.w = ws[static_cast<size_t>(n3++ % sets)].raw_data(), q.y = y3.raw_data();
                         cuda::gemm_bf16_stream(q, 0, ctx.stream);
                       }, [&] { return y3; }});
+    if (cuda::gemm_bf16_stream_supported(sp))  // ... with the warp fix-up (tuning::gemm_stream_fixup = 2)
+      prov.push_back({"skinny_streamk_warpfix", [&] {
+                        const cases::Knob k(cuda::tuning::gemm_stream_fixup, 2);
+                        cuda::GemmSkinnyParams q = sp;
+                        q.w = ws[static_cast<size_t>(n4++ % sets)].raw_data(), q.y = y4.raw_data();
+                        cuda::gemm_bf16_stream(q, 0, ctx.stream);
+                      }, [&] { return y4; }});
     measure(ctx, "fused", "gemm_decode", shape, prov, 1e-2, {{"weight_read", "GB/s", gb}});
     measure_graph(ctx, "gemm_decode", shape, prov, {{"weight_read", "GB/s", gb}});
   }

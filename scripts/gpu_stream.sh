@@ -4,16 +4,18 @@
 # cuBLASLt, and the Qwen3.6-27B fp8 decode step with the gate fusion and the streaming kernel under each setting.
 #   stages (STREAM_STAGES, default "tests kbench eval"; each skipped when the call's time would not hold it):
 #   tests:  CudaFp8 (the streaming kernel at ring depths 2 / 3 and with the warp fix-up, sigmoid_gate_quant_fp8,
-#           add_rms_norm_quant_fp8), CudaModel.Fp8* (the gate fusion toggled), CudaDecoder.Fp8* / L2Prefetch*, and
+#           add_rms_norm_quant_fp8), CudaOps.GemmSkinny* (the bf16 twin with the warp fix-up), CudaModel.Fp8* (the
+#           gate fusion toggled), CudaDecoder.Fp8* / L2Prefetch*, and
 #           the attention kernels on their shared qk_scores (CudaAttention, CudaBlockAttention, CudaDecode attention)
 #   kbench: kernel_bench --only fp8 at the decode rows (M 16 / 4 / 1): cuBLASLt, the register ring at depths 4 / 3 / 2
 #           (stream_e4m3{,_packed}{,_d2,_d3}), and into an f32 output the block fix-up, the warp fix-up and atomics
 #           with no fix-up (stream_e4m3_f32acc{,_warpfix,_atomic}{,_d2}): which of the ring's spills and the
-#           fix-up hold the kernel below the probe's 2.4-2.6 TB/s on an H100
+#           fix-up hold the kernel below the probe's 2.4-2.6 TB/s on an H100; then --only decode_gemm (the bf16
+#           twin, skinny_streamk{,_warpfix}, against cuBLASLt)
 #   eval:   dflash_eval on Qwen3.6-27B shapes (random weights, FP8 propose, context ~4100) with DFLASH_GATE_QUANT=1:
 #           a 2-step op profile and the decode-plan variants no_gate_quant / fused alternated (the gate fusion's A/B)
 #           and packed (the streaming kernel on packed weights); then once more with STREAM_EVAL_ENV (default
-#           "DFLASH_FP8_STREAM_DEPTH=2 DFLASH_FP8_STREAM_FIXUP=warp"), fused / packed alternated
+#           "DFLASH_FP8_STREAM_DEPTH=2 DFLASH_STREAM_FIXUP=warp"), fused / packed alternated
 #   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_stream.sh
 # Writes to $OUT (at most 8 files): env.txt, build.log, tests.log, kernel_bench.log / .csv, eval27b.log / .csv,
 # summary.txt. STREAM_BUDGET (s, default 560): when the last stage must end.
@@ -30,8 +32,8 @@ left() { echo $(( END - $(date +%s) )); }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv >"$R/env.txt" 2>&1
 cat "$R/env.txt"
 cmake -S "$DFLASH_ROOT" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >"$R/build.log" 2>&1 &&
-  ninja -C "$B" -j "$DFLASH_JOBS" kernel_bench dflash_eval test_cuda_fp8 test_cuda_model test_cuda_decoder test_cuda_attention \
-    test_cuda_block_attention test_cuda_decode >>"$R/build.log" 2>&1 ||
+  ninja -C "$B" -j "$DFLASH_JOBS" kernel_bench dflash_eval test_cuda_fp8 test_cuda_ops test_cuda_model test_cuda_decoder \
+    test_cuda_attention test_cuda_block_attention test_cuda_decode >>"$R/build.log" 2>&1 ||
   { echo "build failed"; grep -E "error|FAILED" "$R/build.log" | head -n 30; exit 1; }
 echo "build $(( $(date +%s) - T0 )) s" | tee "$R/summary.txt"
 cd "$DFLASH_ROOT" || exit 1
@@ -41,6 +43,7 @@ for s in ${STREAM_STAGES:-tests kbench eval}; do
       [ "$(left)" -gt 150 ] || { echo "tests skipped: $(left) s left" | tee -a "$R/summary.txt"; continue; }
       {
         timeout 90 "$B/tests/test_cuda_fp8" --gtest_filter='CudaFp8.SigmoidGate*:CudaFp8.Streaming*:CudaFp8.AddRmsNorm*'
+        timeout 90 "$B/tests/test_cuda_ops" --gtest_filter='CudaOps.GemmSkinny*'
         timeout 120 "$B/tests/test_cuda_model" --gtest_filter='CudaModel.Fp8*'
         timeout 150 "$B/tests/test_cuda_decoder" --gtest_filter='CudaDecoder.Fp8*:CudaDecoder.L2Prefetch*'
         timeout 90 "$B/tests/test_cuda_attention" --gtest_filter='CudaAttention.*:-*TimingPrintOnly'
@@ -52,8 +55,10 @@ for s in ${STREAM_STAGES:-tests kbench eval}; do
       [ "$(left)" -gt 100 ] || { echo "kbench skipped: $(left) s left" | tee -a "$R/summary.txt"; continue; }
       DFLASH_BENCH_FP8_DECODE=1 timeout $(( $(left) < 150 ? $(left) - 10 : 140 )) "$B/bench/kernel_bench" --only fp8 \
         --csv "$R/kernel_bench.csv" >"$R/kernel_bench.log" 2>&1
-      echo "kernel_bench rc=$?" | tee -a "$R/summary.txt"
-      grep -E "(stream_e4m3|cublaslt_e4m3) " "$R/kernel_bench.log" | grep -v ceiling | head -n 60 >>"$R/summary.txt" ;;
+      echo "kernel_bench fp8 rc=$?" | tee -a "$R/summary.txt"
+      [ "$(left)" -gt 150 ] && { timeout 60 "$B/bench/kernel_bench" --only decode_gemm --csv "$R/kernel_bench.csv" \
+        >>"$R/kernel_bench.log" 2>&1; echo "kernel_bench decode_gemm rc=$?" | tee -a "$R/summary.txt"; }
+      grep -E "(stream_e4m3|cublaslt_e4m3|skinny_streamk)" "$R/kernel_bench.log" | grep -v ceiling | head -n 80 >>"$R/summary.txt" ;;
     eval)
       [ "$(left)" -gt 120 ] || { echo "eval skipped: $(left) s left" | tee -a "$R/summary.txt"; continue; }
       python3 -c "import random; random.seed(0); print(' '.join(str(random.randrange(248000)) for _ in range(4096)))" >/tmp/p4k.txt
@@ -70,7 +75,7 @@ for s in ${STREAM_STAGES:-tests kbench eval}; do
       : >"$R/eval27b.log"
       eval27b "no_gate_quant,fused,no_gate_quant,fused,no_gate_quant,fused,packed"
       # shellcheck disable=SC2086
-      [ "$(left)" -gt 100 ] && eval27b "fused,packed,fused,packed" ${STREAM_EVAL_ENV:-DFLASH_FP8_STREAM_DEPTH=2 DFLASH_FP8_STREAM_FIXUP=warp}
+      [ "$(left)" -gt 100 ] && eval27b "fused,packed,fused,packed" ${STREAM_EVAL_ENV:-DFLASH_FP8_STREAM_DEPTH=2 DFLASH_STREAM_FIXUP=warp}
       grep -E "^===|^(fused|no_gate_quant|packed) |decode  |verify  |outputs|FAILED|sigmoid_gate|fp8_quant" "$R/eval27b.log" |
         head -n 60 >>"$R/summary.txt" ;;
     *) echo "unknown stage $s" | tee -a "$R/summary.txt" ;;

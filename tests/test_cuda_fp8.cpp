@@ -492,13 +492,13 @@ TEST(CudaFp8, StreamingGemmMatchesCpuBlockwise) {
       }
       cu::tuning::gemm_fp8_stream_depth = saved;
     }
-    {  // the warp fix-up (tuning::gemm_fp8_stream_fixup = 2: shared tiles summed by their last warp, in global
+    {  // the warp fix-up (tuning::gemm_stream_fixup = 2: shared tiles summed by their last warp, in global
        // warp order): within the CPU bound, the same bits twice, its counters left at zero for the block
        // fix-up's next call (which must give its own bits again)
-      const int saved = cu::tuning::gemm_fp8_stream_fixup;
-      cu::tuning::gemm_fp8_stream_fixup = 2;
+      const int saved = cu::tuning::gemm_stream_fixup;
+      cu::tuning::gemm_stream_fixup = 2;
       const Tensor warp_fix = run(1), warp_again = run(1);
-      cu::tuning::gemm_fp8_stream_fixup = saved;
+      cu::tuning::gemm_stream_fixup = saved;
       EXPECT_LT(max_rel_err(warp_fix.slice(1, y_col, y_col + c.N).clone(), ref), kGemmBound);
       EXPECT_EQ(std::memcmp(warp_fix.raw_data(), warp_again.raw_data(), got.nbytes()), 0) << "warp fix-up: a second call differs";
       const Tensor block_again = run(1);

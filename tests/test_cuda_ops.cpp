@@ -192,7 +192,8 @@ TEST(CudaOps, GemmRejectsBadSizes) {
 // invariance); forced K splits (thread-block clusters) 1..8; rows past M and padding columns left
 // alone; a second call gives the same bits. All of it twice: on the cluster kernel, then with
 // tuning::gemm_skinny_streamk = 1 (the stream-K kernel of gemm_stream.cu where it applies: no SwiGLU,
-// K % 128 == 0; the other cases stay on the cluster kernel).
+// K % 128 == 0; the other cases stay on the cluster kernel), and a third time on the stream-K kernel with the
+// warp fix-up (tuning::gemm_stream_fixup = 2).
 TEST(CudaOps, GemmSkinnyMatchesLinear) {
   DFLASH_REQUIRE_GPU();
   struct Case {
@@ -207,12 +208,13 @@ TEST(CudaOps, GemmSkinnyMatchesLinear) {
       {16, 128, 2048, 8, 0, 4, true},  {8, 72, 64, 0, 0, 1, false},     {16, 64, 8192, 0, 0, 0, false},
       {16, 5120, 2048, 0, 8, 0, false}, {7, 17000, 768, 8, 0, 0, false},
   };
-  for (int streamk : {0, 1})
+  for (int streamk : {0, 1, 2})
   for (const Case& c : cases) {
     SCOPED_TRACE(testing::Message() << "M=" << c.M << " N=" << c.N << " K=" << c.K << " ldx+" << c.pad_x << " ldy+"
                                     << c.pad_y << " ks=" << c.ks << (c.swiglu ? " swiglu" : "") << " streamk=" << streamk);
     cu::tuning::gemm_skinny_ks = c.ks;
-    cu::tuning::gemm_skinny_streamk = streamk;
+    cu::tuning::gemm_skinny_streamk = streamk != 0;
+    cu::tuning::gemm_stream_fixup = streamk == 2 ? 2 : 0;
     const int64_t ldx = (c.swiglu ? 2 * c.K : c.K) + c.pad_x, ldy = c.N + c.pad_y;
     Pair x = rand_bf16({c.M, ldx}, 0.0f, c.swiglu ? 3.0f : 1.0f), w = rand_bf16({c.N, c.K}, 0.0f, 0.1f);
     Tensor y = poisoned({16, ldy});  // 16 rows: the ones past M must stay poisoned
@@ -312,6 +314,7 @@ TEST(CudaOps, GemmSkinnyMatchesLinear) {
   }
   cu::tuning::gemm_skinny_ks = 0;
   cu::tuning::gemm_skinny_streamk = 0;
+  cu::tuning::gemm_stream_fixup = 0;
   // The decode shapes of Qwen3.6-27B on this GPU: which fit one wave (printed, GPU-dependent).
   for (auto [N, K, sw] : {std::tuple<int64_t, int64_t, bool>{16480, 5120, false}, {14336, 5120, false},
                           {5120, 6144, false}, {5120, 17408, true}, {34816, 5120, false}}) {

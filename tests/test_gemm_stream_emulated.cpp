@@ -24,7 +24,7 @@
 #define gemm_fp8_stream_chunk gemm_fp8_stream_chunk_emulated
 #define gemm_fp8_stream_evict_first gemm_fp8_stream_evict_first_emulated
 #define gemm_fp8_stream_depth gemm_fp8_stream_depth_emulated
-#define gemm_fp8_stream_fixup gemm_fp8_stream_fixup_emulated
+#define gemm_stream_fixup gemm_stream_fixup_emulated
 #include "kernels/cuda/gemm_stream.cu"
 
 #include <gtest/gtest.h>
@@ -217,16 +217,16 @@ TEST(GemmStreamEmulated, Fp8MatchesCpuBlockwiseOnEveryGrid) {
   }
 }
 
-// The warp fix-up (tuning::gemm_fp8_stream_fixup = 2, DFLASH_FP8_STREAM_FIXUP=warp: each shared tile summed by the
+// The warp fix-up (tuning::gemm_stream_fixup = 2, DFLASH_STREAM_FIXUP=warp: each shared tile summed by the
 // last of its warps, in global warp order) against the CPU reference on every grid and ring depth, its counters
 // back at zero (run() checks), the same bits twice, and a row's bits independent of M.
 TEST(GemmStreamEmulated, WarpFixupMatchesCpuBlockwiseOnEveryGrid) {
-  const int saved[2] = {cu::tuning::gemm_fp8_stream_fixup, cu::tuning::gemm_fp8_stream_depth};
+  const int saved[2] = {cu::tuning::gemm_stream_fixup, cu::tuning::gemm_fp8_stream_depth};
   std::vector<Case> cases = kCases;
   cases.push_back({5, 77, 256, 0, {1, 2}});
   cases.push_back({16, 1, 256, 0, {2}});
   cases.push_back({16, 64, 2048, 0, {1, 3}});  // a tile over several warps' runs and both blocks
-  cu::tuning::gemm_fp8_stream_fixup = 2;
+  cu::tuning::gemm_stream_fixup = 2;
   for (const Case& c : cases) {
     const Operands o = make(rand_values(c.M, c.K, 1.0f), rand_values(c.N, c.K, 0.05f), c.pad_x);
     Tensor ref = Tensor::empty({c.M, c.N}, DType::F32);
@@ -252,20 +252,20 @@ TEST(GemmStreamEmulated, WarpFixupMatchesCpuBlockwiseOnEveryGrid) {
       EXPECT_EQ(std::memcmp(y16.data(), y1.data(), N * sizeof(float)), 0) << "grid " << blocks;
     }
   }
-  cu::tuning::gemm_fp8_stream_fixup = 3;
+  cu::tuning::gemm_stream_fixup = 3;
   const Case& c = kCases.front();
   const Operands o = make(rand_values(c.M, c.K, 1.0f), rand_values(c.N, c.K, 0.05f), c.pad_x);
   try {
     run_fp8(o, c.M, c.N, c.K, c.grids.front(), 0, (c.N + 7) / 8 * 8);
     ADD_FAILURE() << "fix-up 3 was not refused";
   } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("DFLASH_FP8_STREAM_FIXUP"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("DFLASH_STREAM_FIXUP"), std::string::npos) << e.what();
   }
-  cu::tuning::gemm_fp8_stream_fixup = saved[0];
+  cu::tuning::gemm_stream_fixup = saved[0];
   cu::tuning::gemm_fp8_stream_depth = saved[1];
 }
 
-// The bf16 kernel against a double-precision product of the same bf16 values.
+// The bf16 kernel against a double-precision product of the same bf16 values, with either fix-up.
 TEST(GemmStreamEmulated, Bf16MatchesTheProductOnEveryGrid) {
   for (const Case& c : kCases) {
     if (c.N % 8 != 0) continue;
@@ -279,21 +279,25 @@ TEST(GemmStreamEmulated, Bf16MatchesTheProductOnEveryGrid) {
       }
     const int64_t ldx = c.K + c.pad_x, y_col = 8, ldy = (c.N + 24 + 7) / 8 * 8;
     const std::vector<uint16_t> xb = bf16_bits(x, ldx), wb = bf16_bits(w, c.K);
-    for (int blocks : c.grids) {
-      SCOPED_TRACE("M " + std::to_string(c.M) + " N " + std::to_string(c.N) + " K " + std::to_string(c.K) + " grid " +
-                   std::to_string(blocks));
-      expect_matches(run_bf16(xb, ldx, wb, c.M, c.N, c.K, blocks, y_col, ldy), ref, y_col, ldy);
-    }
+    for (int blocks : c.grids)
+      for (int fix : {0, 2}) {  // the block fix-up and the warp fix-up (tuning::gemm_stream_fixup)
+        SCOPED_TRACE("M " + std::to_string(c.M) + " N " + std::to_string(c.N) + " K " + std::to_string(c.K) + " grid " +
+                     std::to_string(blocks) + " fix-up " + std::to_string(fix));
+        const int saved = cu::tuning::gemm_stream_fixup;
+        cu::tuning::gemm_stream_fixup = fix;
+        expect_matches(run_bf16(xb, ldx, wb, c.M, c.N, c.K, blocks, y_col, ldy), ref, y_col, ldy);
+        cu::tuning::gemm_stream_fixup = saved;
+      }
   }
 }
 
 // The FP8 kernel's f32 outputs (gemm_fp8's y_f32): written, and added into (accumulate: each output
 // once, whether its tile is stored by a warp, summed in its block or by the last of its blocks, or by the last
-// of its warps: the warp fix-up); and the timing experiment's atomic pieces (tuning::gemm_fp8_stream_fixup 1,
+// of its warps: the warp fix-up); and the timing experiment's atomic pieces (tuning::gemm_stream_fixup 1,
 // at ring depths 4 and 2): every piece added once, no fix-up, f32 accumulate outputs only (anything else
 // refused by name).
 TEST(GemmStreamEmulated, Fp8F32OutputsAndAccumulate) {
-  const int saved[2] = {cu::tuning::gemm_fp8_stream_fixup, cu::tuning::gemm_fp8_stream_depth};
+  const int saved[2] = {cu::tuning::gemm_stream_fixup, cu::tuning::gemm_fp8_stream_depth};
   for (const Case& c : kCases) {
     const Operands o = make(rand_values(c.M, c.K, 1.0f), rand_values(c.N, c.K, 0.05f), c.pad_x);
     Tensor ref = Tensor::empty({c.M, c.N}, DType::F32);
@@ -308,7 +312,7 @@ TEST(GemmStreamEmulated, Fp8F32OutputsAndAccumulate) {
                      std::to_string(blocks) + (acc ? " accumulate" : "") + " fix-up " + std::to_string(fix) + " depth " +
                      std::to_string(depth));
         const bool atomic = fix == 1;
-        cu::tuning::gemm_fp8_stream_fixup = fix;
+        cu::tuning::gemm_stream_fixup = fix;
         cu::tuning::gemm_fp8_stream_depth = depth;
         std::vector<float> y(static_cast<size_t>(c.M * ldy));
         for (size_t i = 0; i < y.size(); ++i) y[i] = acc ? 0.25f * static_cast<float>(i % 7) : NAN;
@@ -324,7 +328,7 @@ TEST(GemmStreamEmulated, Fp8F32OutputsAndAccumulate) {
             cu::launch_stream<true>(cu::fp8_params(p), c.K, blocks, partial.data(), counters.data(), nullptr);
             ADD_FAILURE() << "the atomic pieces took an output without accumulate";
           } catch (const std::exception& e) {
-            EXPECT_NE(std::string(e.what()).find("DFLASH_FP8_STREAM_FIXUP"), std::string::npos) << e.what();
+            EXPECT_NE(std::string(e.what()).find("DFLASH_STREAM_FIXUP"), std::string::npos) << e.what();
           }
           continue;
         }
@@ -344,7 +348,7 @@ TEST(GemmStreamEmulated, Fp8F32OutputsAndAccumulate) {
         EXPECT_EQ(touched, 0) << "columns past N written";
       }
   }
-  cu::tuning::gemm_fp8_stream_fixup = saved[0];
+  cu::tuning::gemm_stream_fixup = saved[0];
   cu::tuning::gemm_fp8_stream_depth = saved[1];
 }
 

@@ -227,14 +227,15 @@ extern int gemm_fp8_stream_evict_first;
 // DFLASH_FP8_STREAM_DEPTH): the same bits at any depth. Depth 4 spills at the kernel's 128 registers
 // (36 / 92 bytes of spill stores / loads), 2 and 3 do not: kernel_bench --only fp8 compares them.
 extern int gemm_fp8_stream_depth;
-// How the FP8 register ring sums the pieces of tiles that several warps share (DFLASH_FP8_STREAM_FIXUP):
+// How the streaming kernels' register rings (FP8 and bf16) sum the pieces of tiles that several warps share
+// (DFLASH_STREAM_FIXUP; the bf16 kernel takes block or warp):
 // 0 block (default): the block's warps meet at a barrier, the block sums its pieces and the last block of a
 // tile shared by blocks sums their slots; 2 warp: a warp that ends a piece writes it to its own slot and the
 // last warp of the tile sums them in global warp order (no barrier; deterministic, batch invariant, other
 // bits than block's where a tile spans more than two blocks' warps); 1 atomic: every piece added into the
 // output with fp32 atomics, no fix-up — a timing experiment only (kernel_bench: what a fix-up costs), never in
 // a plan: the sums' order then depends on timing, and only an f32 accumulate output (y_f32, accumulate) is taken.
-extern int gemm_fp8_stream_fixup;
+extern int gemm_stream_fixup;
 }  // namespace tuning
 
 // ---- Weights into L2 ahead of a decode GEMM (issue 30; kernels/cuda/gemm_prefetch.cu) ----------------

@@ -104,10 +104,10 @@ int env_or(const char* name, int fallback) {
   return e && *e ? std::atoi(e) : fallback;
 }
 
-// DFLASH_FP8_STREAM_FIXUP: block (default), warp or atomic (tuning::gemm_fp8_stream_fixup); an unknown name is
+// DFLASH_STREAM_FIXUP: block (default), warp or atomic (tuning::gemm_stream_fixup); an unknown name is
 // refused where the kernel launches.
 int fixup_from_env() {
-  const char* e = std::getenv("DFLASH_FP8_STREAM_FIXUP");
+  const char* e = std::getenv("DFLASH_STREAM_FIXUP");
   if (!e || !*e || std::strcmp(e, "block") == 0) return 0;
   if (std::strcmp(e, "atomic") == 0) return 1;
   if (std::strcmp(e, "warp") == 0) return 2;
@@ -122,7 +122,7 @@ int gemm_fp8_stream_stages = env_or("DFLASH_FP8_STREAM_STAGES", kDefaultBulkStag
 int gemm_fp8_stream_chunk = env_or("DFLASH_FP8_STREAM_CHUNK", kDefaultBulkChunk);
 int gemm_fp8_stream_evict_first = env_or("DFLASH_FP8_STREAM_EVICT_FIRST", 1);
 int gemm_fp8_stream_depth = env_or("DFLASH_FP8_STREAM_DEPTH", kDefaultRingDepth);
-int gemm_fp8_stream_fixup = fixup_from_env();
+int gemm_stream_fixup = fixup_from_env();
 }  // namespace tuning
 
 namespace {
@@ -225,7 +225,7 @@ __device__ __forceinline__ void store_quad(const StreamParams& p, int tok, int r
 // A warp's accumulators: skinny_mma.cuh's C fragments (skinny::c_row / c_token) of its kTiles tiles.
 using Acc = float[kTiles][2][4];
 
-// The warp fix-up (kFix 2, tuning::gemm_fp8_stream_fixup = warp): no block barrier and no block sums. A warp
+// The warp fix-up (kFix 2, tuning::gemm_stream_fixup = warp): no block barrier and no block sums. A warp
 // that ends a piece of a tile other warps share writes it to its own workspace slot (global warp gw's slot 0
 // for the piece its run begins with, 1 for the one it ends with: p.partial[2 gw + slot], 16 tokens x 16 rows),
 // then counts it on the tile's counter (p.counters[the tile's first warp]; the first warp of a shared tile
@@ -569,21 +569,21 @@ void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* c
   if constexpr (kFp8) {
     // The register ring's depth (the same loads, math and sums in the same order: the same bits): 4 unless
     // tuning::gemm_fp8_stream_depth asks 2 or 3 (fewer registers, no spills: an experiment, kernel_bench).
-    // tuning::gemm_fp8_stream_fixup: the shared tiles' pieces summed by the block fix-up (0, default), by
+    // tuning::gemm_stream_fixup: the shared tiles' pieces summed by the block fix-up (0, default), by
     // the warp fix-up (2) or added into an f32 accumulate output with atomics (1: not deterministic, a
     // timing experiment: what a fix-up costs).
-    const int depth = tuning::gemm_fp8_stream_depth, fix = tuning::gemm_fp8_stream_fixup;
+    const int depth = tuning::gemm_fp8_stream_depth, fix = tuning::gemm_stream_fixup;
     DFLASH_REQUIRE_HINT(depth >= 2 && depth <= kDepth, "gemm_fp8_stream: register ring depth " << depth << " is not built",
                         "set DFLASH_FP8_STREAM_DEPTH to 2, 3 or 4 (default " << kDepth << ")");
     DFLASH_REQUIRE_HINT(fix >= 0 && fix <= 2,
-                        "gemm_fp8_stream: DFLASH_FP8_STREAM_FIXUP='" << (std::getenv("DFLASH_FP8_STREAM_FIXUP") ? std::getenv("DFLASH_FP8_STREAM_FIXUP") : "")
-                                                                     << "' is not a fix-up (tuning::gemm_fp8_stream_fixup " << fix << ")",
-                        "set DFLASH_FP8_STREAM_FIXUP to block (default), warp or atomic");
+                        "gemm_fp8_stream: DFLASH_STREAM_FIXUP='" << (std::getenv("DFLASH_STREAM_FIXUP") ? std::getenv("DFLASH_STREAM_FIXUP") : "")
+                                                                     << "' is not a fix-up (tuning::gemm_stream_fixup " << fix << ")",
+                        "set DFLASH_STREAM_FIXUP to block (default), warp or atomic");
     DFLASH_REQUIRE_HINT(fix != 1 || (k.y_f32 && k.accumulate),
-                        "gemm_fp8_stream: the atomic fix-up (DFLASH_FP8_STREAM_FIXUP=atomic, a timing experiment) adds "
+                        "gemm_fp8_stream: the atomic fix-up (DFLASH_STREAM_FIXUP=atomic, a timing experiment) adds "
                         "into an f32 output (y_f32 with accumulate); this call writes "
                             << (k.y_f32 ? "f32 without accumulate" : "bf16"),
-                        "unset DFLASH_FP8_STREAM_FIXUP, or set it to block or warp");
+                        "unset DFLASH_STREAM_FIXUP, or set it to block or warp");
     using Kernel = void (*)(const StreamParams, const BulkRing);
     static const Kernel kKernels[3][3] = {
         {gemm_stream_kernel<true, false, 2, 0>, gemm_stream_kernel<true, false, 3, 0>, gemm_stream_kernel<true, false, 4, 0>},
@@ -592,7 +592,15 @@ void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* c
     launch_kernel_pdl(kKernels[fix][depth - 2], grid, dim3(kThreads), 0, st, k, BulkRing{});
     return;
   }
-  launch_kernel_pdl(gemm_stream_kernel<kFp8, false>, grid, dim3(kThreads), 0, st, k, BulkRing{});
+  // bf16 (no spills at depth 4): the block or the warp fix-up (atomics need an f32 output, which bf16 has not)
+  const int fix = tuning::gemm_stream_fixup;
+  DFLASH_REQUIRE_HINT(fix == 0 || fix == 2,
+                      (fix == 1 ? "gemm_bf16_stream: the atomic fix-up (DFLASH_STREAM_FIXUP=atomic) adds into an f32 output, "
+                                  "which the bf16 kernel does not write"
+                                : "gemm_bf16_stream: DFLASH_STREAM_FIXUP is not block, warp or atomic"),
+                      "set DFLASH_STREAM_FIXUP to block (default) or warp");
+  launch_kernel_pdl(fix == 2 ? gemm_stream_kernel<false, false, kDepth, 2> : gemm_stream_kernel<false, false>, grid,
+                    dim3(kThreads), 0, st, k, BulkRing{});
 }
 
 StreamParams fp8_params(const GemmFp8Params& p) {

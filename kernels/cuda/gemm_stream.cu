@@ -561,6 +561,10 @@ void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* c
     if (k.wp != nullptr && ring.stages > 0) {
       DFLASH_CHECK_HINT(ring.chunk >= 1, "gemm_fp8_stream: the bulk ring's slots need >= 1 unit, got " << ring.chunk,
                         "leave DFLASH_FP8_STREAM_CHUNK unset (default " << kDefaultBulkChunk << ")");
+      DFLASH_REQUIRE_HINT(tuning::gemm_stream_fixup == 0,
+                          "gemm_fp8_stream: the bulk ring (DFLASH_FP8_STREAM_STAGES=" << ring.stages
+                                                                                  << ") has the block fix-up only, not DFLASH_STREAM_FIXUP's",
+                          "unset DFLASH_STREAM_FIXUP or DFLASH_FP8_STREAM_STAGES");
       launch_kernel_pdl(gemm_stream_kernel<true, true>, grid, dim3(kThreads), bulk_smem_bytes(ring.stages, ring.chunk), st, k,
                         ring);
       return;

@@ -205,13 +205,10 @@ int main(int argc, char** argv) {
   app.add_flag("--require-fast-path", require_fast, "refuse to run when any decode or prefill step would use a fallback kernel");
   std::string decode_variants;
   app.add_option("--decode-variants", decode_variants,
-                 "GPU: afterwards time the first prompt's decode, propose, verify and commit steps again with fresh "
-                 "decoders of these variants of the decode plan (comma-separated, repeats allowed: fused = the plan as "
-                 "is, no_pdl, skinny (+ SwiGLU in down_proj; FP8 targets: the streaming FP8 GEMM), skinny_no_swiglu, "
-                 "no_skinny, skinny_streamk (bf16 GEMMs on the stream-K kernel), no_gdn_chain, gdn_chain_all, no_commit, "
-                 "no_overlap, moe_decode (MoE targets: the MoE decode kernels), moe_wgmma (MoE targets: the expert GEMMs on "
-                 "wgmma), unfused = every fusion and PDL off); the "
-                 "A/B table of issue 30's fused decode kernels, CSV kernel 'variant:<name>'");
+                 std::string("GPU: afterwards time the first prompt's decode, propose, verify and commit steps again with "
+                             "fresh decoders of these variants of the decode plan (comma-separated, repeats allowed; fused = the "
+                             "plan as is, unfused = every fusion and PDL off; bench/harness.h says what each does: ") +
+                     bench::kDecodeVariantNames + "); the A/B table of issue 30's fused decode kernels, CSV kernel 'variant:<name>'");
   int64_t variant_tokens = 32;
   app.add_option("--variant-tokens", variant_tokens, "new tokens per --decode-variants run")->capture_default_str()
       ->check(CLI::PositiveNumber);

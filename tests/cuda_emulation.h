@@ -177,29 +177,26 @@ inline Barrier& shfl_bar(unsigned members) {
   return warp_bar();
 }
 
+// A shuffle: every lane gets lane src's value (src computed by each lane for itself).
 template <class T>
-T shfl_xor(T v, int mask, unsigned members = 0xffffffffu) {
+T shfl_from(T v, int src, unsigned members) {
   static_assert(sizeof(T) <= 8);
   Barrier& bar = shfl_bar(members);
   std::memcpy(words(lane()), &v, sizeof(T));
   wait(bar);
   T r;
-  std::memcpy(&r, words(lane() ^ mask), sizeof(T));
+  std::memcpy(&r, words(src), sizeof(T));
   wait(bar);
   return r;
 }
-
+template <class T>
+T shfl_xor(T v, int mask, unsigned members = 0xffffffffu) {
+  return shfl_from(v, lane() ^ mask, members);
+}
 // __shfl_sync: every lane gets lane src's value.
 template <class T>
 T shfl(T v, int src, unsigned members = 0xffffffffu) {
-  static_assert(sizeof(T) <= 8);
-  Barrier& bar = shfl_bar(members);
-  std::memcpy(words(lane()), &v, sizeof(T));
-  wait(bar);
-  T r;
-  std::memcpy(&r, words(src & 31), sizeof(T));
-  wait(bar);
-  return r;
+  return shfl_from(v, src & 31, members);
 }
 
 // __shfl_up_sync: lane l gets lane l - d's value (its own below d).

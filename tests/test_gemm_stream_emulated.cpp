@@ -139,6 +139,17 @@ std::vector<float> run_bf16(const std::vector<uint16_t>& x, int64_t ldx, const s
   return run<false>(cu::bf16_params(p), K, blocks, y_col, ldy);
 }
 
+// call() must throw, its message naming `needle` (the switch to change).
+template <class F>
+void expect_refused(F&& call, const char* needle) {
+  try {
+    call();
+    ADD_FAILURE() << "not refused (expected a message naming " << needle << ")";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
 // Elements of y's window off ref [M, N] beyond the bound, and elements outside the window written.
 void expect_matches(const std::vector<float>& y, const Tensor& ref, int64_t y_col, int64_t ldy) {
   const int64_t M = ref.size(0), N = ref.size(1);
@@ -255,12 +266,7 @@ TEST(GemmStreamEmulated, WarpFixupMatchesCpuBlockwiseOnEveryGrid) {
   cu::tuning::gemm_stream_fixup = 3;
   const Case& c = kCases.front();
   const Operands o = make(rand_values(c.M, c.K, 1.0f), rand_values(c.N, c.K, 0.05f), c.pad_x);
-  try {
-    run_fp8(o, c.M, c.N, c.K, c.grids.front(), 0, (c.N + 7) / 8 * 8);
-    ADD_FAILURE() << "fix-up 3 was not refused";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("DFLASH_STREAM_FIXUP"), std::string::npos) << e.what();
-  }
+  expect_refused([&] { run_fp8(o, c.M, c.N, c.K, c.grids.front(), 0, (c.N + 7) / 8 * 8); }, "DFLASH_STREAM_FIXUP");
   cu::tuning::gemm_stream_fixup = saved[0];
   cu::tuning::gemm_fp8_stream_depth = saved[1];
 }
@@ -324,12 +330,8 @@ TEST(GemmStreamEmulated, Fp8F32OutputsAndAccumulate) {
         std::vector<float> partial(static_cast<size_t>(cu::workspace_floats(blocks)), NAN);
         std::vector<int> counters(static_cast<size_t>(cu::workspace_counters(blocks)), 0);
         if (atomic && !acc) {
-          try {
-            cu::launch_stream<true>(cu::fp8_params(p), c.K, blocks, partial.data(), counters.data(), nullptr);
-            ADD_FAILURE() << "the atomic pieces took an output without accumulate";
-          } catch (const std::exception& e) {
-            EXPECT_NE(std::string(e.what()).find("DFLASH_STREAM_FIXUP"), std::string::npos) << e.what();
-          }
+          expect_refused([&] { cu::launch_stream<true>(cu::fp8_params(p), c.K, blocks, partial.data(), counters.data(), nullptr); },
+                         "DFLASH_STREAM_FIXUP");
           continue;
         }
         cu::launch_stream<true>(cu::fp8_params(p), c.K, blocks, partial.data(), counters.data(), nullptr);
@@ -412,12 +414,7 @@ TEST(GemmStreamEmulated, RingDepthsGiveTheSameBits) {
   cu::tuning::gemm_fp8_stream_depth = 5;
   const Case& c = kCases.front();
   const Operands o = make(rand_values(c.M, c.K, 1.0f), rand_values(c.N, c.K, 0.05f), c.pad_x);
-  try {
-    run_fp8(o, c.M, c.N, c.K, c.grids.front(), 0, (c.N + 7) / 8 * 8);
-    ADD_FAILURE() << "depth 5 was not refused";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("DFLASH_FP8_STREAM_DEPTH"), std::string::npos) << e.what();
-  }
+  expect_refused([&] { run_fp8(o, c.M, c.N, c.K, c.grids.front(), 0, (c.N + 7) / 8 * 8); }, "DFLASH_FP8_STREAM_DEPTH");
   cu::tuning::gemm_fp8_stream_depth = saved;
 }
 

@@ -364,7 +364,8 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
           }
     }
     if (grp != G - 1 && u != wu1 - 1) return;
-    if constexpr (kFix == 1) {  // timing experiment (f32 accumulate outputs): every piece added with atomics
+    // f(token, row, value) for each of the lane's outputs of `tile` (tokens < M, rows < N)
+    const auto each_output = [&](auto&& f) {
 #pragma unroll
       for (int i = 0; i < kTiles; ++i)
 #pragma unroll
@@ -372,8 +373,11 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
             const int tok = skinny::c_token(hf, c, t), row = n0 + skinny::c_row(i, c, g);
-            if (tok < p.M && row < p.N) atomicAdd(static_cast<float*>(p.y) + static_cast<int64_t>(tok) * p.ldy + row, acc[i][hf][c]);
+            if (tok < p.M && row < p.N) f(tok, row, acc[i][hf][c]);
           }
+    };
+    if constexpr (kFix == 1) {  // timing experiment (f32 accumulate outputs): every piece added with atomics
+      each_output([&](int tok, int row, float v) { atomicAdd(static_cast<float*>(p.y) + static_cast<int64_t>(tok) * p.ldy + row, v); });
       skinny::zero(acc);
       piece0 = u + 1;
       return;
@@ -389,15 +393,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_stream_kernel(const StreamPa
       }
     }
     if (from_start && grp == G - 1) {  // the whole tile: store it
-#pragma unroll
-      for (int i = 0; i < kTiles; ++i)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int tok = skinny::c_token(hf, c, t), row = n0 + skinny::c_row(i, c, g);
-            if (tok < p.M && row < p.N) store_one(p, tok, row, acc[i][hf][c]);
-          }
+      each_output([&](int tok, int row, float v) { store_one(p, tok, row, v); });
     } else if (!from_start) {  // a tile begun before this run (its first piece)
       skinny::store_fragments(acc, part0[warp], g, t);
     } else {  // a tile continued after this run: the run's last unit (u == wu1 - 1)

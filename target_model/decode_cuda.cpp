@@ -371,14 +371,18 @@ class CudaDecoder final : public Decoder {
       gp.d_f32 = true;
       gp.M = M, gp.N = V, gp.K = H;
       gp.unaligned = model_.gemm_unaligned();  // hidden_size not a multiple of 8
-      cuda::gemm_ex(gp, dev_.index);
+      GemmShape head_shape;
+      head_shape.M = M, head_shape.N = V, head_shape.K = H, head_shape.ldx = H, head_shape.ldy = Vp;
+      model_.profiled(ForwardOp::LmHead, [&] { cuda::gemm_ex(gp, dev_.index); }, head_shape);
       out.next = Tensor::empty({M}, DType::I32, dev_);
-      if (opt.sample)
-        cuda::sample_rows(out.logits.data<float>(), Vp, M, V, opt.sample->temperature, opt.sample->top_p, opt.sample->seed,
-                          reinterpret_cast<const uint64_t*>(at(o_streams)), reinterpret_cast<const int64_t*>(at(o_positions)),
-                          out.next.data<int32_t>(), s);
-      else
-        cuda::argmax_rows(out.logits.raw_data(), false, Vp, M, V, out.next.data<int32_t>(), s);
+      model_.profiled(ForwardOp::NextToken, [&] {
+        if (opt.sample)
+          cuda::sample_rows(out.logits.data<float>(), Vp, M, V, opt.sample->temperature, opt.sample->top_p, opt.sample->seed,
+                            reinterpret_cast<const uint64_t*>(at(o_streams)), reinterpret_cast<const int64_t*>(at(o_positions)),
+                            out.next.data<int32_t>(), s);
+        else
+          cuda::argmax_rows(out.logits.raw_data(), false, Vp, M, V, out.next.data<int32_t>(), s);
+      });
       if (!opt.capture.empty()) {
         const int64_t k = static_cast<int64_t>(opt.capture.size());
         out.features = Tensor::empty({R, k * H}, DType::BF16, dev_);

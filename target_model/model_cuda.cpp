@@ -87,6 +87,10 @@ void CudaTargetModel::timed(ForwardOp op, Enqueue&& enqueue, const GemmShape& ge
   profiler_->end(slot, stream_);
 }
 
+void CudaTargetModel::profiled(ForwardOp op, const std::function<void()>& enqueue, const GemmShape& gemm) {
+  timed(op, enqueue, gemm);
+}
+
 CudaTargetModel::CudaTargetModel(TargetConfig config, TargetWeights weights, FastPathPlan plan, comm::Communicator* tp)
     : config_(std::move(config)), weights_(std::move(weights)), plan_(std::move(plan)), device_(weights_.device), tp_(tp) {
   DFLASH_CHECK(device_.is_cuda() && weights_.dtype == DType::BF16,

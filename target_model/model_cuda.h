@@ -5,6 +5,7 @@
 #include <array>
 #include <compare>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string_view>
@@ -37,6 +38,7 @@ enum class ForwardOp : uint8_t {
   Fp8Quant,                                                        // precision fp8: a GEMM input quantized
   MoeBlock,                                                        // MoE targets: the whole sparse MoE block
   GdnFused,                                                        // decode: the fused GatedDeltaNet chain (conv .. gated norm)
+  LmHead, NextToken,                                               // decode / verify steps (decode_cuda.cpp): logits, argmax / sampling
   kCount
 };
 inline constexpr int kNumForwardOps = static_cast<int>(ForwardOp::kCount);
@@ -44,11 +46,11 @@ inline constexpr std::array<std::string_view, kNumForwardOps> kForwardOpNames = 
     "embedding",   "input_norm",   "gdn_in_proj",  "gdn_conv",   "gdn_prep",     "delta_rule",  "gated_rms_norm",
     "gdn_out_proj", "attn_qkv",    "qk_norm_rope", "attention",  "sigmoid_gate", "attn_o_proj",
     "add_rms_norm", "mlp_gate_up", "swiglu",       "mlp_down",   "all_reduce",   "capture_copy", "fp8_quant",
-    "moe_block",   "gdn_fused"};
+    "moe_block",   "gdn_fused",    "lm_head",      "next_token"};
 inline std::string_view forward_op_name(ForwardOp op) { return kForwardOpNames[static_cast<size_t>(op)]; }
 inline bool forward_op_is_gemm(ForwardOp op) {
   return op == ForwardOp::GdnInProj || op == ForwardOp::GdnOutProj || op == ForwardOp::AttnQkv ||
-         op == ForwardOp::AttnOProj || op == ForwardOp::MlpGateUp || op == ForwardOp::MlpDown;
+         op == ForwardOp::AttnOProj || op == ForwardOp::MlpGateUp || op == ForwardOp::MlpDown || op == ForwardOp::LmHead;
 }
 
 // A GEMM as the forward runs it (cuda::gemm_bf16): y[M, N] (row stride ldy) = x[M, K] (row stride
@@ -197,6 +199,9 @@ class CudaTargetModel {
   // Per-op timing of every later forward / run_layer (null, the default: off, and each op costs one
   // pointer test). The profiler must outlive its use; collect() after the forward.
   void set_profiler(OpProfiler* profiler) { profiler_ = profiler; }
+  // Runs `enqueue` (a step's op outside the forward: the decoder's LM head and next-token choice) on the
+  // model's stream, bracketed by the profiler's events when one is set, so a step's profile has every op.
+  void profiled(ForwardOp op, const std::function<void()>& enqueue, const GemmShape& gemm = {});
   bool profiling() const { return profiler_ != nullptr; }
   bool tensor_parallel() const { return tp_ != nullptr; }
   // Makes the next forwards a decode step on slot states (null: plain forwards again).

@@ -1050,14 +1050,13 @@ void bench_fp8(Ctx& ctx, bool quick) {
         for (const auto& [name, call] : {std::pair<std::string, std::function<void()>>{"stream_e4m3", [&] { fp8_call(false); }},
                                          {"stream_e4m3_packed", packed_call}}) {
           if (name == "stream_e4m3_packed" && cuda::tuning::gemm_fp8_stream_stages > 0) continue;  // the bulk ring
-          cuda::tuning::gemm_fp8_stream_depth = depth_saved;
           next = 0;
           call();
           DeviceContext::get(0).synchronize();
           const Tensor ref = y8.to(Device::cpu());
           for (int depth : {2, 3}) {
             if (depth == depth_saved) continue;
-            cuda::tuning::gemm_fp8_stream_depth = depth;
+            const cases::Knob at_depth(cuda::tuning::gemm_fp8_stream_depth, depth);
             next = 0;
             call();
             DeviceContext::get(0).synchronize();
@@ -1068,19 +1067,16 @@ void bench_fp8(Ctx& ctx, bool quick) {
             measure(ctx, "fp8", "gemm_fp8", shape, {{name + "_d" + std::to_string(depth), call, nullptr}}, 0, units(1));
           }
         }
-        cuda::tuning::gemm_fp8_stream_depth = depth_saved;
         // What the deterministic fix-up costs (tuning::gemm_stream_fixup: block, the default, warp and atomic,
         // a timing experiment): the same kernel adding into an f32 output, its tiles' pieces summed by either
         // fix-up, then added with atomics and no fix-up; checked against each other first (the same products,
         // other f32 orders).
         Tensor y32 = Tensor::empty({M, N}, DType::F32, Device::cuda(0));
-        const int fix_saved = cuda::tuning::gemm_stream_fixup;
         auto f32_call = [&](int fix) {
           cuda::GemmFp8Params p = fp8_params(false);
           p.y = y32.raw_data(), p.ldy = N, p.y_f32 = true, p.accumulate = true;
-          cuda::tuning::gemm_stream_fixup = fix;
+          const cases::Knob with_fix(cuda::tuning::gemm_stream_fixup, fix);
           cuda::gemm_fp8_stream(p, 0, ctx.stream);
-          cuda::tuning::gemm_stream_fixup = fix_saved;
         };
         Tensor acc_ref;
         const std::pair<int, const char*> fixups[] = {{0, "stream_e4m3_f32acc"}, {2, "stream_e4m3_f32acc_warpfix"},
@@ -1100,14 +1096,13 @@ void bench_fp8(Ctx& ctx, bool quick) {
         }
         // at the default ring depth (4: the warp fix-up spills more there) and at 2 (no variant spills)
         for (int depth : {depth_saved, 2}) {
-          cuda::tuning::gemm_fp8_stream_depth = depth;
+          const cases::Knob at_depth(cuda::tuning::gemm_fp8_stream_depth, depth);
           for (const auto& [fix, name] : fixups)
             measure(ctx, "fp8", "gemm_fp8", shape,
                     {{std::string(name) + (depth == depth_saved ? "" : "_d" + std::to_string(depth)),
                       [&, fix = fix] { f32_call(fix); }, nullptr}},
                     0, units(1));
         }
-        cuda::tuning::gemm_fp8_stream_depth = depth_saved;
       }
       cuda::tuning::gemm_fp8_stream = 0;  // the cuBLASLt rows below
       for (int fast : {0, 1}) {
@@ -1192,19 +1187,17 @@ void bench_decode_gemms(Ctx& ctx, const std::vector<DecodeGemmShape>& shapes) {
                         q.w = ws[static_cast<size_t>(n2++ % sets)].raw_data(), q.y = y2.raw_data();
                         cuda::gemm_skinny(q, 0, ctx.stream);
                       }, [&] { return y2; }});
-    if (cuda::gemm_bf16_stream_supported(sp))  // the stream-K kernel (gemm_stream.cu)
-      prov.push_back({"skinny_streamk", [&] {
-                        cuda::GemmSkinnyParams q = sp;
-                        q.w = ws[static_cast<size_t>(n3++ % sets)].raw_data(), q.y = y3.raw_data();
-                        cuda::gemm_bf16_stream(q, 0, ctx.stream);
-                      }, [&] { return y3; }});
-    if (cuda::gemm_bf16_stream_supported(sp))  // ... with the warp fix-up (tuning::gemm_stream_fixup = 2)
-      prov.push_back({"skinny_streamk_warpfix", [&] {
-                        const cases::Knob k(cuda::tuning::gemm_stream_fixup, 2);
-                        cuda::GemmSkinnyParams q = sp;
-                        q.w = ws[static_cast<size_t>(n4++ % sets)].raw_data(), q.y = y4.raw_data();
-                        cuda::gemm_bf16_stream(q, 0, ctx.stream);
-                      }, [&] { return y4; }});
+    // the stream-K kernel (gemm_stream.cu) with the block or the warp fix-up (outlives prov: measure calls it)
+    auto streamk = [&](int fix, int& n, Tensor& y) {
+      const cases::Knob k(cuda::tuning::gemm_stream_fixup, fix);
+      cuda::GemmSkinnyParams q = sp;
+      q.w = ws[static_cast<size_t>(n++ % sets)].raw_data(), q.y = y.raw_data();
+      cuda::gemm_bf16_stream(q, 0, ctx.stream);
+    };
+    if (cuda::gemm_bf16_stream_supported(sp)) {
+      prov.push_back({"skinny_streamk", [&] { streamk(0, n3, y3); }, [&] { return y3; }});
+      prov.push_back({"skinny_streamk_warpfix", [&] { streamk(2, n4, y4); }, [&] { return y4; }});
+    }
     measure(ctx, "fused", "gemm_decode", shape, prov, 1e-2, {{"weight_read", "GB/s", gb}});
     measure_graph(ctx, "gemm_decode", shape, prov, {{"weight_read", "GB/s", gb}});
   }

@@ -18,39 +18,25 @@
 #           "DFLASH_FP8_STREAM_DEPTH=2 DFLASH_STREAM_FIXUP=warp"), fused / packed alternated
 #   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_stream.sh
 # Writes to $OUT (at most 8 files): env.txt, build.log, tests.log, kernel_bench.log / .csv, eval27b.log / .csv,
-# summary.txt. STREAM_BUDGET (s, default 560): when the last stage must end.
-set -uo pipefail
-source "$(dirname "$0")/common.sh"
-set +e
-R=${OUT:-/tmp/out}
-mkdir -p "$R"
-export DFLASH_GIT_COMMIT=${DFLASH_GIT_COMMIT:-}
-B=${DFLASH_BUILD:-/tmp/build-stream}
+# summary.txt. STREAM_BUDGET (s, default 560): when the last stage must end; gpu_call.sh's switches (GPU_TESTS,
+# NINJA_TARGETS, DFLASH_BUILD) apply.
 T0=$(date +%s)
 END=$(( T0 + ${STREAM_BUDGET:-560} ))
 left() { echo $(( END - $(date +%s) )); }
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv >"$R/env.txt" 2>&1
+source "$(dirname "$0")/gpu_call.sh"
+NINJA_TARGETS=${NINJA_TARGETS:-kernel_bench dflash_eval test_cuda_fp8 test_cuda_ops test_cuda_model test_cuda_decoder \
+test_cuda_attention test_cuda_block_attention test_cuda_decode}
+gpu_call_start /tmp/build-stream
+R=$OUT
 cat "$R/env.txt"
-cmake -S "$DFLASH_ROOT" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >"$R/build.log" 2>&1 &&
-  ninja -C "$B" -j "$DFLASH_JOBS" kernel_bench dflash_eval test_cuda_fp8 test_cuda_ops test_cuda_model test_cuda_decoder \
-    test_cuda_attention test_cuda_block_attention test_cuda_decode >>"$R/build.log" 2>&1 ||
-  { echo "build failed"; grep -E "error|FAILED" "$R/build.log" | head -n 30; exit 1; }
-echo "build $(( $(date +%s) - T0 )) s" | tee "$R/summary.txt"
+echo "build done at $(( $(date +%s) - T0 )) s" >"$R/summary.txt"
 cd "$DFLASH_ROOT" || exit 1
 for s in ${STREAM_STAGES:-tests kbench eval}; do
   case "$s" in
     tests)
       [ "$(left)" -gt 150 ] || { echo "tests skipped: $(left) s left" | tee -a "$R/summary.txt"; continue; }
-      {
-        timeout 90 "$B/tests/test_cuda_fp8" --gtest_filter='CudaFp8.SigmoidGate*:CudaFp8.Streaming*:CudaFp8.AddRmsNorm*'
-        timeout 90 "$B/tests/test_cuda_ops" --gtest_filter='CudaOps.GemmSkinny*'
-        timeout 120 "$B/tests/test_cuda_model" --gtest_filter='CudaModel.Fp8*'
-        timeout 150 "$B/tests/test_cuda_decoder" --gtest_filter='CudaDecoder.Fp8*:CudaDecoder.L2Prefetch*'
-        timeout 90 "$B/tests/test_cuda_attention" --gtest_filter='CudaAttention.*:-*TimingPrintOnly'
-        timeout 90 "$B/tests/test_cuda_block_attention"
-        timeout 90 "$B/tests/test_cuda_decode" --gtest_filter='CudaDecode.*Attention*:CudaDecode.Kv*'
-      } >"$R/tests.log" 2>&1
-      grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$R/tests.log" | tee -a "$R/summary.txt" ;;
+      gpu_call_tests 'CudaFp8\.(SigmoidGate|Streaming|AddRmsNorm)|CudaOps\.GemmSkinny|CudaModel\.Fp8|CudaDecoder\.(Fp8|L2Prefetch)|CudaAttention\.|CudaBlockAttention\.|CudaDecode\.(.*Attention|Kv)' \
+        -E Timing | tee -a "$R/summary.txt" ;;
     kbench)
       [ "$(left)" -gt 100 ] || { echo "kbench skipped: $(left) s left" | tee -a "$R/summary.txt"; continue; }
       DFLASH_BENCH_FP8_DECODE=1 timeout $(( $(left) < 150 ? $(left) - 10 : 140 )) "$B/bench/kernel_bench" --only fp8 \

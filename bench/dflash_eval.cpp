@@ -619,7 +619,14 @@ int main(int argc, char** argv) {
     // drafter's context update of that token alone (then one); on odd steps both as the loop runs
     // them (the target's commit beside the context update on the GPU, one synchronisation). The first
     // two steps are warm-ups (graph captures). The medians say which part the commit step waits for.
-    bench::Stats cp_target, cp_context, cp_both;
+    // Under FP8 propose every pair of steps runs twice, the context update on its bf16 weights and on
+    // the FP8 copies (drafter::cuda_context_fp8): the A/B of the commit step in one process.
+    bench::Stats cp_target, cp_context, cp_both, cp_context8, cp_both8;
+#if DFLASH_WITH_CUDA
+    const bool cp_fp8 = draft_fp8 && dev.is_cuda();
+#else
+    const bool cp_fp8 = false;
+#endif
     if (commit_probe > 0) {
       using clk = std::chrono::steady_clock;
       auto sec = [](clk::time_point a, clk::time_point b) { return std::chrono::duration<double>(b - a).count(); };
@@ -627,8 +634,16 @@ int main(int argc, char** argv) {
       vo.capture = dc.target_layer_ids;
       vo.commit = false;
       int32_t x = reports.back().tokens.empty() ? 0 : reports.back().tokens.back();
-      std::vector<double> t_target, t_context, t_both;
-      for (int64_t it = 0; it < 2 * commit_probe + 2; ++it) {
+      std::vector<double> t_target, t_context, t_both, t_context8, t_both8;
+      const int64_t modes = cp_fp8 ? 2 : 1;
+#if DFLASH_WITH_CUDA
+      const int saved_ctx_fp8 = drafter::cuda_context_fp8;
+#endif
+      for (int64_t it = 0; it < modes * (2 * commit_probe + 2); ++it) {
+        const bool fp8_ctx = (it / 2) % modes == 1;  // steps 2j, 2j+1 of one setting, then of the other
+#if DFLASH_WITH_CUDA
+        if (cp_fp8) drafter::cuda_context_fp8 = fp8_ctx ? 1 : 0;
+#endif
         std::vector<int32_t> block{x};
         const std::vector<int32_t> drafts = prop->propose({0}, {x}, block_size).front();
         block.insert(block.end(), drafts.begin(), drafts.end());
@@ -641,10 +656,13 @@ int main(int argc, char** argv) {
         prop->add_context({0}, r.features.slice(0, 0, 1), ops::SeqOffsets{{0, 1}});
         dec->synchronize();
         const auto t2 = clk::now();
-        if (it >= 2 && apart) t_target.push_back(sec(t0, t1)), t_context.push_back(sec(t1, t2));
-        if (it >= 2 && !apart) t_both.push_back(sec(t0, t2));
+        if (it >= 2 * modes && apart) t_target.push_back(sec(t0, t1)), (fp8_ctx ? t_context8 : t_context).push_back(sec(t1, t2));
+        if (it >= 2 * modes && !apart) (fp8_ctx ? t_both8 : t_both).push_back(sec(t0, t2));
         x = r.next[0];
       }
+#if DFLASH_WITH_CUDA
+      drafter::cuda_context_fp8 = saved_ctx_fp8;
+#endif
       cp_target = step_ms(t_target), cp_context = step_ms(t_context), cp_both = step_ms(t_both);
       std::printf("\ncommit step apart (%lld steps each, context %lld, one token committed; medians, p20-p80): target commit "
                   "%.3f (%.3f-%.3f) ms, drafter context update %.3f (%.3f-%.3f) ms, both as the loop runs them %.3f "
@@ -652,6 +670,12 @@ int main(int argc, char** argv) {
                   static_cast<long long>(commit_probe), static_cast<long long>(dec->length(0)), cp_target.p50,
                   cp_target.p20, cp_target.p80, cp_context.p50, cp_context.p20, cp_context.p80, cp_both.p50, cp_both.p20,
                   cp_both.p80);
+      if (cp_fp8) {
+        cp_context8 = step_ms(t_context8), cp_both8 = step_ms(t_both8);
+        std::printf("  the context update on the FP8 copies (drafter::cuda_context_fp8; DFLASH_CONTEXT_FP8=1): %.3f "
+                    "(%.3f-%.3f) ms alone, commit step %.3f (%.3f-%.3f) ms\n",
+                    cp_context8.p50, cp_context8.p20, cp_context8.p80, cp_both8.p50, cp_both8.p20, cp_both8.p80);
+      }
     }
 #if DFLASH_WITH_CUDA
     std::vector<VariantRow> variant_rows;
@@ -812,6 +836,10 @@ int main(int argc, char** argv) {
         step_row("commit_probe", "target_commit_ms", cp_target);
         step_row("commit_probe", "context_update_ms", cp_context);
         step_row("commit_probe", "commit_step_ms", cp_both);
+        if (cp_fp8) {
+          step_row("commit_probe", "context_update_fp8_ms", cp_context8);
+          step_row("commit_probe", "commit_step_fp8_context_ms", cp_both8);
+        }
       }
       for (const SweepRow& w : sweep) {
         // The sweep's rows: kernel verify_sweep, the block size in the metric's name.

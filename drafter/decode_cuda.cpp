@@ -192,7 +192,7 @@ class CudaProposer final : public Proposer {
       ctx_meta_.upload(meta.raw_data(), count, st);
       enqueue_context(features.raw_data(), meta.data<int32_t>(), N, S, max_new);
     } else {
-      ShapeGraph& g = ctx_graphs_.try_emplace(std::tuple{S, N, max_new}, device_.index).first->second;
+      ShapeGraph& g = ctx_graphs_.try_emplace(std::tuple{S, N, max_new, context_fp8(N)}, device_.index).first->second;
       if (!g.meta.defined()) {
         g.meta = empty({count}, DType::I32);
         g.features = empty({N, c_.context_dim()}, DType::BF16);
@@ -309,6 +309,10 @@ class CudaProposer final : public Proposer {
     }
   }
 
+  // Whether a context update of N rows runs its GEMMs (fc, each layer's k|v) on the FP8 copies: under FP8
+  // propose with cuda_context_fp8 on, at most 16 rows (a speculative step's accepted tokens).
+  bool context_fp8(int64_t N) const { return fp8_ && cuda_context_fp8 != 0 && N <= std::min<int64_t>(16, xq_rows_); }
+
   // add_context's kernels on the stream: ctx = hidden_norm(fc(features)); per layer k = rope(k_norm(k_proj
   // ctx)), v = v_proj ctx, appended to the slots' caches. meta: [positions N | slots S | past lengths S |
   // cu_seqlens S+1] on the device. Its temporaries come from the allocator (a capture's pool when captured).
@@ -321,10 +325,14 @@ class CudaProposer final : public Proposer {
     const int32_t* d_cu = d_past + S;
     const Tensor pre = empty({N, H}, DType::BF16), ctx = empty({N, H}, DType::BF16), kv = empty({N, 2 * kvd}, DType::BF16);
     const Tensor k = empty({N, kvd}, DType::BF16), rstd = empty({N * std::max<int64_t>(Hkv, 1)}, DType::F32);
-    linear(features, c_.context_dim(), fc_.raw_data(), pre.raw_data(), H, N, H, c_.context_dim());
+    const int64_t Kc = c_.context_dim();
+    const bool q8 = context_fp8(N);
+    if (q8) gemm_fp8_rows(fc_q_.rows_from(0, Kc), features, Kc, pre.raw_data(), H, N, H, Kc);
+    else linear(features, Kc, fc_.raw_data(), pre.raw_data(), H, N, H, Kc);
     cuda::rms_norm_fwd(pre.raw_data(), false, H, hidden_norm_.raw_data(), ctx.raw_data(), rstd.data<float>(), N, H, eps(), st);
     for (Layer& L : layers_) {
-      linear(ctx.raw_data(), H, bf16_at(L.qkv.raw_data(), qd * H), kv.raw_data(), 2 * kvd, N, 2 * kvd, H);  // k|v rows
+      if (q8) gemm_fp8_rows(L.qkv_q.rows_from(qd, H), ctx.raw_data(), H, kv.raw_data(), 2 * kvd, N, 2 * kvd, H);  // k|v rows
+      else linear(ctx.raw_data(), H, bf16_at(L.qkv.raw_data(), qd * H), kv.raw_data(), 2 * kvd, N, 2 * kvd, H);
       cuda::head_norm_rope_fwd(head_params(kv.raw_data(), 2 * kvd, L.k_norm, d_pos, k.raw_data(), rstd, N, Hkv), st);
       append(L, k.raw_data(), 0, bf16_at(kv.raw_data(), kvd), 2 * kvd, d_slots, d_past, d_cu, S, N, max_new);
     }
@@ -381,9 +389,20 @@ class CudaProposer final : public Proposer {
     }
   }
 
+  // Where a GEMM reads an FP8 weight's codes and 128 x 128 block scales (rows from a block boundary on).
+  struct Fp8View {
+    const uint8_t* q = nullptr;
+    const float* s = nullptr;
+  };
   // A weight's e4m3 codes and 128 x 128 block scales in gemm_fp8's layout (FP8 propose).
   struct Fp8Weight {
     Tensor q, s;
+    // Rows row0.. of the [N, K] weight (row0 a multiple of 128: whole blocks of scales).
+    Fp8View rows_from(int64_t row0, int64_t K) const {
+      DFLASH_CHECK(row0 % 128 == 0, "cuda proposer: an FP8 weight's rows are addressed by 128-row blocks, got row " << row0);
+      if (!q.defined()) return {};
+      return {q.data<uint8_t>() + row0 * K, s.data<float>() + row0 / 128 * cuda::fp8_weight_scale_ld(K)};
+    }
   };
   struct Layer {
     Tensor qkv, o, gu, down;                      // bf16 [q+k+v, H], [H, q], [2I, H], [H, I]
@@ -403,8 +422,8 @@ class CudaProposer final : public Proposer {
 
   // FP8 propose: each propose GEMM's weight (q|k|v, o, gate|up, down, and the target's lm_head)
   // quantized once into e4m3 codes with 128 x 128 block scales (as the official FP8 checkpoints
-  // store them); the bf16 weights stay for add_context (any number of rows). Scratch for the
-  // quantized GEMM inputs of a block of every slot.
+  // store them), and fc's for the context update of a commit (cuda_context_fp8); the bf16 weights stay for
+  // add_context of any number of rows. Scratch for the quantized GEMM inputs of a block of every slot.
   void quantize_weights(int64_t Rmax) {
     const int64_t H = c_.hidden_size, I = c_.intermediate_size, qd = c_.q_dim(), kvd = c_.kv_dim();
     DFLASH_CHECK_HINT(cuda_device_info(device_.index).major >= 9,
@@ -430,7 +449,9 @@ class CudaProposer final : public Proposer {
       L.down_q = quantize(L.down, H, I);
     }
     lm_head_q_ = quantize(lm_head_, c_.vocab_size, H);
-    const int64_t K = std::max({H, qd, I});
+    fc_q_ = quantize(fc_, H, c_.context_dim());
+    const int64_t K = std::max({H, qd, I, c_.context_dim()});
+    xq_rows_ = Rmax, xq_k_ = K;
     xq_ = empty({Rmax, K}, DType::U8);
     xs_ = empty({static_cast<int64_t>(cuda::fp8_act_scale_elems(Rmax, K))}, DType::F32);
   }
@@ -449,10 +470,16 @@ class CudaProposer final : public Proposer {
                      M);
       return linear(x, ldx, w.raw_data(), y, ldy, M, N, K, accumulate, f32_out);
     }
+    gemm_fp8_rows(f.rows_from(0, K), x, ldx, y, ldy, M, N, K, accumulate, f32_out);
+  }
+  // project()'s FP8 GEMM of M <= 16 rows on the weight rows `w` (N of them, K columns).
+  void gemm_fp8_rows(const Fp8View& w, const void* x, int64_t ldx, void* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
+                     bool accumulate = false, bool f32_out = false) {
+    DFLASH_CHECK(M <= std::min<int64_t>(16, xq_rows_) && K <= xq_k_, "cuda proposer: an FP8 GEMM of " << M << " x " << K << " exceeds its scratch");
     cuda::Fp8ActQuantParams qp{x, ldx, xq_.data<uint8_t>(), K, xs_.data<float>(), M, K};
     cuda::quantize_fp8_act(qp, stream());
     cuda::GemmFp8Params g;
-    g.x = xq_.data<uint8_t>(), g.ldx = K, g.x_scale = xs_.data<float>(), g.w = f.q.data<uint8_t>(), g.w_scale = f.s.data<float>();
+    g.x = xq_.data<uint8_t>(), g.ldx = K, g.x_scale = xs_.data<float>(), g.w = w.q, g.w_scale = w.s;
     g.y = y, g.ldy = ldy, g.M = M, g.N = N, g.K = K, g.y_f32 = accumulate || f32_out, g.accumulate = accumulate;
     if (M % 4 == 0 && ldy % 8 == 0)
       cuda::gemm_fp8(g, device_.index);
@@ -503,10 +530,11 @@ class CudaProposer final : public Proposer {
   bool graphs_on_ = true;           // propose steps as CUDA graphs (make_cuda_proposer's cuda_graphs)
   bool ctx_graphs_on_ = false;      // add_context too (graphs_on_ and DFLASH_CONTEXT_GRAPHS=1: opt-in, no gain measured)
   std::map<std::pair<int64_t, int64_t>, ShapeGraph> graphs_;  // propose shapes, by (slots, block)
-  std::map<std::tuple<int64_t, int64_t, int64_t>, ShapeGraph> ctx_graphs_;  // by (slots, rows, longest sequence)
+  std::map<std::tuple<int64_t, int64_t, int64_t, bool>, ShapeGraph> ctx_graphs_;  // by (slots, rows, longest, context_fp8)
   GraphCounts propose_counts_, ctx_counts_;
-  Fp8Weight lm_head_q_;             // FP8 propose: the lm_head's codes and scales
+  Fp8Weight lm_head_q_, fc_q_;      // FP8 propose: the lm_head's and fc's codes and scales
   Tensor xq_, xs_;                  // FP8 propose: a GEMM input's codes [Rmax, K] and scales
+  int64_t xq_rows_ = 0, xq_k_ = 0;  // (their Rmax and K)
   int64_t fp8_fallbacks_ = 0;       // FP8 propose GEMMs of more than 16 rows, run in bf16
   bool fast_attention_ = false;
   bool gemm_unaligned_ = false;     // cuda_drafter_gemm_unaligned: intermediate_size not a multiple of 8
@@ -539,6 +567,11 @@ bool cuda_proposer_graphs(bool requested) {
     return std::string(e) == "1";
   return requested;
 }
+
+int cuda_context_fp8 = [] {
+  const char* e = std::getenv("DFLASH_CONTEXT_FP8");
+  return e != nullptr && std::string(e) == "1" ? 1 : 0;
+}();
 
 const char* cuda_proposer_attention_kernel(const DrafterConfig& config, Device device) {
   return cuda::attention_decode_kernel_name(config.head_dim, cuda_device_info(device.index).major);

@@ -47,6 +47,15 @@ std::unique_ptr<Proposer> make_cuda_proposer(const DrafterConfig& config, const 
                                              Tensor embed_tokens, Tensor lm_head, Device device, int64_t num_slots,
                                              int64_t max_len, bool fp8_propose = false, bool cuda_graphs = true);
 
+// The commit step's context update under FP8 propose (issue 30): 1 runs the GEMMs of an add_context of at
+// most 16 rows (a speculative step's accepted tokens: fc and each layer's k|v) on e4m3 copies of their weights
+// (fc's made at construction, +k·H·H bytes; k|v are rows of the propose copies), the features and the context
+// quantized per token and 128 columns: about half the bytes of the drafter's part of a commit step (the 27B
+// drafter's fc is 262 MB in bf16). The drafter's context K / V then carry the W8A8 error, as FP8 propose's own
+// block K / V do: drafts may change, the output stays the target's. Read at each call (a context graph is
+// kept per setting). Default 0 until a GPU has run it; DFLASH_CONTEXT_FP8=1 sets it at start-up.
+extern int cuda_context_fp8;
+
 // Whether a CUDA proposer asked for `requested` replays its propose steps as CUDA graphs here:
 // DFLASH_PROPOSE_GRAPHS=1 / 0 overrides the request (make_cuda_proposer; dflash_doctor reports it).
 bool cuda_proposer_graphs(bool requested = true);

@@ -14,8 +14,11 @@
 #           twin, skinny_streamk{,_warpfix}, against cuBLASLt)
 #   eval:   dflash_eval on Qwen3.6-27B shapes (random weights, FP8 propose, context ~4100) with DFLASH_GATE_QUANT=1:
 #           a 2-step op profile and the decode-plan variants no_gate_quant / fused alternated (the gate fusion's A/B)
-#           and packed (the streaming kernel on packed weights); then once more with STREAM_EVAL_ENV (default
-#           "DFLASH_FP8_STREAM_DEPTH=2 DFLASH_STREAM_FIXUP=warp"), fused / packed alternated
+#           and packed (the streaming kernel on packed weights), and the commit probe (the target's commit and the
+#           drafter's context update apart and together, the context update on bf16 weights and on the FP8 copies:
+#           DFLASH_CONTEXT_FP8's A/B); then once more with STREAM_EVAL_ENV (default "DFLASH_FP8_STREAM_DEPTH=2
+#           DFLASH_STREAM_FIXUP=warp DFLASH_CONTEXT_GRAPHS=1": the commit probe's context update as CUDA graphs,
+#           which the ring depth and fix-up do not touch), fused / packed alternated
 #   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_stream.sh
 # Writes to $OUT (at most 8 files): env.txt, build.log, tests.log, kernel_bench.log / .csv, eval27b.log / .csv,
 # summary.txt. STREAM_BUDGET (s, default 560): when the last stage must end; gpu_call.sh's switches (GPU_TESTS,
@@ -55,14 +58,14 @@ for s in ${STREAM_STAGES:-tests kbench eval}; do
         env DFLASH_GATE_QUANT=1 "$@" timeout $(( $(left) < 200 ? $(left) - 5 : 200 )) stdbuf -oL "$B/bench/dflash_eval" \
           --config configs/qwen3.6-27b/config.json --random-weights --random-drafter 5 --precision fp8 --draft-precision fp8 \
           --prompts /tmp/p4k.txt --num-prompts 1 --max-new-tokens 32 --device cuda --no-estimate --require-fast-path \
-          --profile 2 --decode-variants "$variants" --csv "$R/eval27b.csv" >>"$R/eval27b.log" 2>&1
+          --profile 2 --commit-probe 8 --decode-variants "$variants" --csv "$R/eval27b.csv" >>"$R/eval27b.log" 2>&1
         echo "eval ${*:-default} rc=$?" | tee -a "$R/summary.txt"
       }
       : >"$R/eval27b.log"
       eval27b "no_gate_quant,fused,no_gate_quant,fused,no_gate_quant,fused,packed"
       # shellcheck disable=SC2086
-      [ "$(left)" -gt 100 ] && eval27b "fused,packed,fused,packed" ${STREAM_EVAL_ENV:-DFLASH_FP8_STREAM_DEPTH=2 DFLASH_STREAM_FIXUP=warp}
-      grep -E "^===|^(fused|no_gate_quant|packed) |decode  |verify  |outputs|FAILED|sigmoid_gate|fp8_quant" "$R/eval27b.log" |
+      [ "$(left)" -gt 100 ] && eval27b "fused,packed,fused,packed" ${STREAM_EVAL_ENV:-DFLASH_FP8_STREAM_DEPTH=2 DFLASH_STREAM_FIXUP=warp DFLASH_CONTEXT_GRAPHS=1}
+      grep -E "^===|^(fused|no_gate_quant|packed) |decode  |verify  |outputs|FAILED|sigmoid_gate|fp8_quant|commit step apart|FP8 copies" "$R/eval27b.log" |
         head -n 60 >>"$R/summary.txt" ;;
     *) echo "unknown stage $s" | tee -a "$R/summary.txt" ;;
   esac

@@ -197,6 +197,88 @@ TEST(CudaProposer, GraphReplaysGiveTheEagerDrafts) {
   }
 }
 
+// The commit step's context update on the FP8 copies (cuda_context_fp8, under FP8 propose): a prefill-sized
+// context runs bf16 either way; the accepted tokens' contexts (1, 6 and 16 rows) then go through the FP8 fc
+// and k|v GEMMs in one proposer and the bf16 ones in another (both FP8 propose, the same weights): the
+// proposals over those contexts differ (the FP8 path ran) within the W8A8 error, the drafts are equal where
+// the margin is clear, and a context of more than 16 rows runs the bf16 GEMMs (bit for bit the other's).
+TEST(CudaProposer, Fp8ContextUpdateIsNearTheBf16One) {
+  DFLASH_REQUIRE_GPU();
+  if (cuda_device_info(0).major < 9) GTEST_SKIP() << "block-scaled FP8 GEMMs run on sm_90";
+  const DrafterConfig c = gpu_test_drafter(12, 16);
+  const Bf16DrafterInputs in = bf16_drafter_inputs(c, 64);
+  const Tensor embed = in.embed.to_dtype(DType::BF16).to(Device::cuda(0));
+  const Tensor lm_head = in.lm_head.to_dtype(DType::BF16).to(Device::cuda(0));
+  const int saved = cuda_context_fp8;
+  for (bool graphs : {false, true}) {
+    SCOPED_TRACE(graphs ? "context graphs" : "eager");
+    if (graphs) setenv("DFLASH_CONTEXT_GRAPHS", "1", 1);
+    auto ref = make_cuda_proposer(c, in.w, embed, lm_head, Device::cuda(0), 3, 128, true, graphs);
+    auto q8 = make_cuda_proposer(c, in.w, embed, lm_head, Device::cuda(0), 3, 128, true, graphs);
+    unsetenv("DFLASH_CONTEXT_GRAPHS");
+    uint64_t stream = 1;
+    auto add_to = [&](Proposer& a, Proposer& b, const std::vector<int32_t>& slots, const std::vector<int64_t>& rows) {
+      ops::SeqOffsets seqs{{0}};
+      for (int64_t r : rows) seqs.offsets.push_back(seqs.offsets.back() + r);
+      Tensor f = Tensor::empty({seqs.offsets.back(), c.context_dim()}, DType::F32);
+      fill_normal(f, {96, stream++, 0}, 0.0f, 1.0f);
+      const Tensor fd = f.to_dtype(DType::BF16).to(Device::cuda(0));
+      cuda_context_fp8 = 0;
+      a.add_context(slots, fd, seqs);
+      cuda_context_fp8 = 1;
+      b.add_context(slots, fd, seqs);
+      cuda_context_fp8 = saved;
+    };
+    auto add = [&](const std::vector<int32_t>& slots, const std::vector<int64_t>& rows) { add_to(*ref, *q8, slots, rows); };
+    auto logits = [&](Proposer& p, const std::vector<int32_t>& slots, std::vector<std::vector<int32_t>>* drafts) {
+      Tensor l;
+      *drafts = p.propose(slots, std::vector<int32_t>(slots.size(), 7), 6, &l);
+      return l;
+    };
+    add({0, 1, 2}, {30, 20, 25});  // 75 rows: bf16 in both
+    std::vector<std::vector<int32_t>> dr, dq;
+    Tensor lr = logits(*ref, {0, 1, 2}, &dr), lq = logits(*q8, {0, 1, 2}, &dq);
+    EXPECT_TRUE(bit_equal(lr, lq)) << "a context of 75 rows must run the bf16 GEMMs in both";
+    int64_t clear = 0, clear_equal = 0;
+    for (int round = 0; round < 5; ++round) {  // accepted tokens: 1 row, 2 slots x 3, one slot's 16, 1, 1
+      if (round == 1) add({0, 2}, {3, 3});
+      else if (round == 2) add({2}, {16});
+      else add({1}, {1});  // (rounds 0, 3, 4: the shape's eager call, capture and replay with graphs on)
+      lr = logits(*ref, {0, 1, 2}, &dr), lq = logits(*q8, {0, 1, 2}, &dq);
+      const double err = max_rel_err(lq, lr);
+      std::printf("  fp8 context, round %d: logits max rel err %.2e vs the bf16 context update\n", round, err);
+      EXPECT_GT(err, 0.0) << "round " << round << ": equal logits: the FP8 context GEMMs did not run";
+      EXPECT_LE(err, 0.15) << "round " << round << ": the FP8 context update is far from the bf16 one";
+      const int64_t V = c.vocab_size;
+      for (size_t s = 0; s < dq.size(); ++s)
+        for (int64_t j = 1; j < 6; ++j) {
+          const int64_t r = static_cast<int64_t>(s) * 6 + j;
+          const RowMargin m = row_margin(lq.data<float>() + r * V, lr.data<float>() + r * V, V);
+          if (m.margin > 2 * m.err) {
+            ++clear;
+            clear_equal += dq[s][j - 1] == dr[s][j - 1];
+            EXPECT_EQ(dq[s][j - 1], dr[s][j - 1]) << "round " << round << ", slot " << s << " row " << j;
+          }
+        }
+    }
+    EXPECT_GT(clear, 20) << "too few rows with a clear margin: the draft comparison is vacuous";
+    std::printf("  fp8 context: drafts equal on %ld of %ld rows with a clear margin\n", long(clear_equal), long(clear));
+    // 2 slots x 9 rows = 18 > 16 (and <= the 3 slots' 48 block rows) into a fresh pair: the bf16 GEMMs in both.
+    auto fresh_ref = make_cuda_proposer(c, in.w, embed, lm_head, Device::cuda(0), 3, 128, true, graphs);
+    auto fresh_q8 = make_cuda_proposer(c, in.w, embed, lm_head, Device::cuda(0), 3, 128, true, graphs);
+    add_to(*fresh_ref, *fresh_q8, {0, 1}, {9, 9});
+    lr = logits(*fresh_ref, {0, 1}, &dr), lq = logits(*fresh_q8, {0, 1}, &dq);
+    EXPECT_TRUE(bit_equal(lr, lq)) << "a context of 18 rows must run the bf16 GEMMs with cuda_context_fp8 on";
+    if (graphs) {  // the 1-row shape: eager, captured, replayed; the 6- and 16-row shapes: eager once each
+      const std::string st = q8->graph_stats();
+      std::printf("  %s\n", st.c_str());
+      EXPECT_NE(st.find("add_context 1 shape(s) captured, 1 replay(s), 3 eager"), std::string::npos) << st;
+      EXPECT_EQ(st.find("FAILED"), std::string::npos) << st;
+    }
+  }
+  EXPECT_EQ(cuda_context_fp8, saved);
+}
+
 // FP8 propose (make_cuda_proposer's fp8_propose: e4m3 weights and lm_head, the streaming FP8 GEMM)
 // against the bf16 proposer on the same weights and context: logits within the W8A8 quantization's
 // error (both operands rounded to 3 mantissa bits per 128-value block: a few % of the largest logit

@@ -6,7 +6,8 @@
 #   tests:  CudaFp8 (the streaming kernel at ring depths 2 / 3 and with the warp fix-up, sigmoid_gate_quant_fp8,
 #           add_rms_norm_quant_fp8), CudaOps.GemmSkinny* (the bf16 twin with the warp fix-up), CudaModel.Fp8* (the
 #           gate fusion toggled), CudaDecoder.Fp8* / L2Prefetch*, and
-#           the attention kernels on their shared qk_scores (CudaAttention, CudaBlockAttention, CudaDecode attention)
+#           the attention kernels on their shared qk_scores (CudaAttention, CudaBlockAttention, CudaDecode attention),
+#           CudaProposer (the FP8 context update)
 #   kbench: kernel_bench --only fp8 at the decode rows (M 16 / 4 / 1): cuBLASLt, the register ring at depths 4 / 3 / 2
 #           (stream_e4m3{,_packed}{,_d2,_d3}), and into an f32 output the block fix-up, the warp fix-up and atomics
 #           with no fix-up (stream_e4m3_f32acc{,_warpfix,_atomic}{,_d2}): which of the ring's spills and the
@@ -28,7 +29,7 @@ END=$(( T0 + ${STREAM_BUDGET:-560} ))
 left() { echo $(( END - $(date +%s) )); }
 source "$(dirname "$0")/gpu_call.sh"
 NINJA_TARGETS=${NINJA_TARGETS:-kernel_bench dflash_eval test_cuda_fp8 test_cuda_ops test_cuda_model test_cuda_decoder \
-test_cuda_attention test_cuda_block_attention test_cuda_decode}
+test_cuda_attention test_cuda_block_attention test_cuda_decode test_cuda_drafter_decode}
 gpu_call_start /tmp/build-stream
 R=$OUT
 cat "$R/env.txt"
@@ -38,7 +39,7 @@ for s in ${STREAM_STAGES:-tests kbench eval}; do
   case "$s" in
     tests)
       [ "$(left)" -gt 150 ] || { echo "tests skipped: $(left) s left" | tee -a "$R/summary.txt"; continue; }
-      gpu_call_tests 'CudaFp8\.(SigmoidGate|Streaming|AddRmsNorm)|CudaOps\.GemmSkinny|CudaModel\.Fp8|CudaDecoder\.(Fp8|L2Prefetch)|CudaAttention\.|CudaBlockAttention\.|CudaDecode\.(.*Attention|Kv)' \
+      gpu_call_tests 'CudaFp8\.(SigmoidGate|Streaming|AddRmsNorm)|CudaOps\.GemmSkinny|CudaModel\.Fp8|CudaDecoder\.(Fp8|L2Prefetch)|CudaAttention\.|CudaBlockAttention\.|CudaDecode\.(.*Attention|Kv)|CudaProposer\.' \
         -E Timing | tee -a "$R/summary.txt" ;;
     kbench)
       [ "$(left)" -gt 100 ] || { echo "kbench skipped: $(left) s left" | tee -a "$R/summary.txt"; continue; }

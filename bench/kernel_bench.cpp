@@ -1044,8 +1044,8 @@ void bench_fp8(Ctx& ctx, bool quick) {
                                           << ep << " > 1e-2); not timing a wrong kernel");
         }
         measure(ctx, "fp8", "gemm_fp8", shape, {{"stream_e4m3_packed", packed_call, nullptr}}, 0, units(1));
-        // The register ring at depths 2 and 3 (tuning::gemm_fp8_stream_depth; no spills, where 4 spills): the
-        // same bits as the default depth on the same grid, checked, then timed on both layouts.
+        // The register ring at the depths of 2, 3 and 4 not in use (tuning::gemm_fp8_stream_depth, 2 by default;
+        // 4 spills): the same bits as the depth in use on the same grid, checked, then timed on both layouts.
         const int depth_saved = cuda::tuning::gemm_fp8_stream_depth;
         for (const auto& [name, call] : {std::pair<std::string, std::function<void()>>{"stream_e4m3", [&] { fp8_call(false); }},
                                          {"stream_e4m3_packed", packed_call}}) {
@@ -1054,7 +1054,7 @@ void bench_fp8(Ctx& ctx, bool quick) {
           call();
           DeviceContext::get(0).synchronize();
           const Tensor ref = y8.to(Device::cpu());
-          for (int depth : {2, 3}) {
+          for (int depth : {2, 3, 4}) {
             if (depth == depth_saved) continue;
             const cases::Knob at_depth(cuda::tuning::gemm_fp8_stream_depth, depth);
             next = 0;
@@ -1094,8 +1094,9 @@ void bench_fp8(Ctx& ctx, bool quick) {
           DFLASH_CHECK(ea <= 1e-4, "fp8 " << shape << ": " << name << " differs from the block fix-up's sums (max rel err " << ea
                                           << " > 1e-4); not timing a wrong kernel");
         }
-        // at the default ring depth (4: the warp fix-up spills more there) and at 2 (no variant spills)
-        for (int depth : {depth_saved, 2}) {
+        // at the ring depth in use (2 by default: no variant spills) and at 4 (the old default, where the warp
+        // fix-up spills more), or at 2 when 4 is in use
+        for (int depth : {depth_saved, depth_saved == 4 ? 2 : 4}) {
           const cases::Knob at_depth(cuda::tuning::gemm_fp8_stream_depth, depth);
           for (const auto& [fix, name] : fixups)
             measure(ctx, "fp8", "gemm_fp8", shape,

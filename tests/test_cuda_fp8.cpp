@@ -482,10 +482,10 @@ TEST(CudaFp8, StreamingGemmMatchesCpuBlockwise) {
     EXPECT_LT(err, kGemmBound);
     const Tensor again = run(1);
     EXPECT_EQ(std::memcmp(got.raw_data(), again.raw_data(), got.nbytes()), 0) << "a second call differs";
-    {  // the register ring at depths 2 and 3 (tuning::gemm_fp8_stream_depth): the loads go out at other times,
-       // the sums are the same: the default depth's bits
+    {  // the register ring at depths 2, 3 and 4 (tuning::gemm_fp8_stream_depth, 2 by default): the loads go
+       // out at other times, the sums are the same: the default depth's bits
       const int saved = cu::tuning::gemm_fp8_stream_depth;
-      for (int depth : {2, 3}) {
+      for (int depth : {2, 3, 4}) {
         cu::tuning::gemm_fp8_stream_depth = depth;
         const Tensor at_depth = run(1);
         EXPECT_EQ(std::memcmp(got.raw_data(), at_depth.raw_data(), got.nbytes()), 0) << "ring depth " << depth;

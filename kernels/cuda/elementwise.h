@@ -47,7 +47,7 @@ bool sigmoid_gate_quant_fp8_supported(int64_t ldg, int64_t hsg, int64_t H, int64
 void sigmoid_gate_quant_fp8(const void* x, const void* gate, int64_t ldg, int64_t hsg, int64_t N, int64_t H, int64_t d,
                             uint8_t* q, int64_t ldq, float* scale, Stream s);
 namespace tuning {
-extern int gate_quant;  // the CUDA target model's use of sigmoid_gate_quant_fp8 (default 0 until GPU-tested; DFLASH_GATE_QUANT=1)
+extern int gate_quant;  // the CUDA target model's use of sigmoid_gate_quant_fp8 (default 1; DFLASH_GATE_QUANT=0)
 }  // namespace tuning
 
 }  // namespace dflash::cuda

@@ -223,9 +223,10 @@ extern int gemm_fp8_stream;  // -1 automatic (stream only for M % 4 != 0), 0 nev
 extern int gemm_fp8_stream_stages;
 extern int gemm_fp8_stream_chunk;
 extern int gemm_fp8_stream_evict_first;
-// The register ring's depth (units of weight loads in flight a warp; 2, 3 or 4, default 4;
+// The register ring's depth (units of weight loads in flight a warp; 2, 3 or 4, default 2 since session 41;
 // DFLASH_FP8_STREAM_DEPTH): the same bits at any depth. Depth 4 spills at the kernel's 128 registers
-// (36 / 92 bytes of spill stores / loads), 2 and 3 do not: kernel_bench --only fp8 compares them.
+// (36 / 92 bytes of spill stores / loads), 2 and 3 do not; 2 is 4-17% faster than 4 on every decode shape
+// (kernel_bench --only fp8 on an H100, bench/results/h100-stream-f683da9).
 extern int gemm_fp8_stream_depth;
 // How the streaming kernels' register rings (FP8 and bf16) sum the pieces of tiles that several warps share
 // (DFLASH_STREAM_FIXUP; the bf16 kernel takes block or warp):

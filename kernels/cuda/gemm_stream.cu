@@ -28,8 +28,8 @@
 // load instruction reads 64 contiguous bytes of each of 8 rows) through a register ring of kDepth
 // units: a unit's slot is refilled with the unit kDepth ahead as soon as its MMAs have read it, so
 // kDepth - 1 to kDepth units (6-8 KB a warp, 16 warps an SM) are always in flight (the FP8 kernel also
-// at depth 2 or 3, tuning::gemm_fp8_stream_depth: at 4 ptxas spills 36 / 92 bytes under the 128 registers
-// two blocks an SM allow, at 2 and 3 nothing; the same bits at every depth). x is read at the
+// at depth 2 or 3, tuning::gemm_fp8_stream_depth, 2 by default: at 4 ptxas spills 36 / 92 bytes under the 128
+// registers two blocks an SM allow, at 2 and 3 nothing; the same bits at every depth; 2 is the fastest). x is read at the
 // math (L1 / L2: every warp of an SM reads the same rows). The MMAs take the weight rows as the MMA's
 // M and the tokens as its N (one token half for M <= 8, two for M <= 16), the k order permuted alike
 // for both operands so the 16-byte units are used as loaded (skinny_mma.cuh: fp8 lane t's bytes
@@ -121,7 +121,9 @@ int gemm_skinny_streamk = 0;  // 1: gemm_skinny runs the stream-K kernel where i
 int gemm_fp8_stream_stages = env_or("DFLASH_FP8_STREAM_STAGES", kDefaultBulkStages);
 int gemm_fp8_stream_chunk = env_or("DFLASH_FP8_STREAM_CHUNK", kDefaultBulkChunk);
 int gemm_fp8_stream_evict_first = env_or("DFLASH_FP8_STREAM_EVICT_FIRST", 1);
-int gemm_fp8_stream_depth = env_or("DFLASH_FP8_STREAM_DEPTH", kDefaultRingDepth);
+// 2 by default since session 41: depths 2 > 3 > 4 on every decode shape of kernel_bench on an H100 (packed
+// gate|up at M 16 2,145 -> 2,269 GB/s, o_proj 1,120 -> 1,246; bench/results/h100-stream-f683da9).
+int gemm_fp8_stream_depth = env_or("DFLASH_FP8_STREAM_DEPTH", 2);
 int gemm_stream_fixup = fixup_from_env();
 }  // namespace tuning
 
@@ -567,8 +569,8 @@ void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* c
     }
   }
   if constexpr (kFp8) {
-    // The register ring's depth (the same loads, math and sums in the same order: the same bits): 4 unless
-    // tuning::gemm_fp8_stream_depth asks 2 or 3 (fewer registers, no spills: an experiment, kernel_bench).
+    // The register ring's depth (the same loads, math and sums in the same order: the same bits):
+    // tuning::gemm_fp8_stream_depth, 2 by default (no spills; 3 none either, 4 spills; kernel_bench times all).
     // tuning::gemm_stream_fixup: the shared tiles' pieces summed by the block fix-up (0, default), by
     // the warp fix-up (2) or added into an f32 accumulate output with atomics (1: not deterministic, a
     // timing experiment: what a fix-up costs).

@@ -621,7 +621,7 @@ int main(int argc, char** argv) {
     // two steps are warm-ups (graph captures). The medians say which part the commit step waits for.
     // Under FP8 propose every pair of steps runs twice, the context update on its bf16 weights and on
     // the FP8 copies (drafter::cuda_context_fp8): the A/B of the commit step in one process.
-    bench::Stats cp_target, cp_context, cp_both, cp_context8, cp_both8;
+    bench::Stats cp_target, cp_context, cp_both, cp_context8, cp_both8, cp_context_gpu, cp_beside_gpu;
 #if DFLASH_WITH_CUDA
     const bool cp_fp8 = draft_fp8 && dev.is_cuda();
 #else
@@ -636,8 +636,17 @@ int main(int argc, char** argv) {
       int32_t x = reports.back().tokens.empty() ? 0 : reports.back().tokens.back();
       std::vector<double> t_target, t_context, t_both, t_context8, t_both8;
       const int64_t modes = cp_fp8 ? 2 : 1;
+      // On a GPU also the context update's device span (events on the proposer's stream around it; bf16
+      // setting): alone, and beside the target's commit (the first event before the commit forks it).
+      std::vector<double> g_context, g_beside;
 #if DFLASH_WITH_CUDA
       const int saved_ctx_fp8 = drafter::cuda_context_fp8;
+      cudaEvent_t ce[2] = {nullptr, nullptr};
+      const cudaStream_t cs = dev.is_cuda() ? static_cast<cudaStream_t>(DeviceContext::get(dev.index).stream()) : nullptr;
+      if (cs) for (cudaEvent_t& e : ce) DFLASH_CUDA_CHECK(cudaEventCreate(&e));
+      auto mark = [&](int i) { if (cs) DFLASH_CUDA_CHECK(cudaEventRecord(ce[i], cs)); };
+#else
+      auto mark = [](int) {};
 #endif
       for (int64_t it = 0; it < modes * (2 * commit_probe + 2); ++it) {
         const bool fp8_ctx = (it / 2) % modes == 1;  // steps 2j, 2j+1 of one setting, then of the other
@@ -650,18 +659,29 @@ int main(int argc, char** argv) {
         const target::ExtendResult r = dec->extend({0}, {block}, vo);
         const bool apart = it % 2 == 0;
         const auto t0 = clk::now();
+        if (!apart) mark(0);
         dec->commit(0, 1);
         if (apart) dec->synchronize();
         const auto t1 = clk::now();
+        if (apart) mark(0);
         prop->add_context({0}, r.features.slice(0, 0, 1), ops::SeqOffsets{{0, 1}});
+        mark(1);
         dec->synchronize();
         const auto t2 = clk::now();
+#if DFLASH_WITH_CUDA
+        if (cs && it >= 2 * modes && !fp8_ctx) {
+          float ms = 0;
+          DFLASH_CUDA_CHECK(cudaEventElapsedTime(&ms, ce[0], ce[1]));
+          (apart ? g_context : g_beside).push_back(ms * 1e-3);
+        }
+#endif
         if (it >= 2 * modes && apart) t_target.push_back(sec(t0, t1)), (fp8_ctx ? t_context8 : t_context).push_back(sec(t1, t2));
         if (it >= 2 * modes && !apart) (fp8_ctx ? t_both8 : t_both).push_back(sec(t0, t2));
         x = r.next[0];
       }
 #if DFLASH_WITH_CUDA
       drafter::cuda_context_fp8 = saved_ctx_fp8;
+      if (cs) for (cudaEvent_t& e : ce) DFLASH_CUDA_CHECK(cudaEventDestroy(e));
 #endif
       cp_target = step_ms(t_target), cp_context = step_ms(t_context), cp_both = step_ms(t_both);
       std::printf("\ncommit step apart (%lld steps each, context %lld, one token committed; medians, p20-p80): target commit "
@@ -670,6 +690,13 @@ int main(int argc, char** argv) {
                   static_cast<long long>(commit_probe), static_cast<long long>(dec->length(0)), cp_target.p50,
                   cp_target.p20, cp_target.p80, cp_context.p50, cp_context.p20, cp_context.p80, cp_both.p50, cp_both.p20,
                   cp_both.p80);
+      if (!g_context.empty()) {
+        cp_context_gpu = step_ms(g_context), cp_beside_gpu = step_ms(g_beside);
+        std::printf("  the context update's device span (events on its stream; medians, p20-p80): alone %.3f (%.3f-%.3f) "
+                    "ms, beside the target's commit %.3f (%.3f-%.3f) ms\n",
+                    cp_context_gpu.p50, cp_context_gpu.p20, cp_context_gpu.p80, cp_beside_gpu.p50, cp_beside_gpu.p20,
+                    cp_beside_gpu.p80);
+      }
       if (cp_fp8) {
         cp_context8 = step_ms(t_context8), cp_both8 = step_ms(t_both8);
         std::printf("  the context update on the FP8 copies (drafter::cuda_context_fp8; DFLASH_CONTEXT_FP8=1): %.3f "
@@ -836,6 +863,10 @@ int main(int argc, char** argv) {
         step_row("commit_probe", "target_commit_ms", cp_target);
         step_row("commit_probe", "context_update_ms", cp_context);
         step_row("commit_probe", "commit_step_ms", cp_both);
+        if (!cp_context_gpu.samples.empty()) {
+          step_row("commit_probe", "context_update_gpu_ms", cp_context_gpu);
+          step_row("commit_probe", "context_update_beside_commit_gpu_ms", cp_beside_gpu);
+        }
         if (cp_fp8) {
           step_row("commit_probe", "context_update_fp8_ms", cp_context8);
           step_row("commit_probe", "commit_step_fp8_context_ms", cp_both8);

@@ -621,7 +621,7 @@ int main(int argc, char** argv) {
     // two steps are warm-ups (graph captures). The medians say which part the commit step waits for.
     // Under FP8 propose every pair of steps runs twice, the context update on its bf16 weights and on
     // the FP8 copies (drafter::cuda_context_fp8): the A/B of the commit step in one process.
-    bench::Stats cp_target, cp_context, cp_both, cp_context8, cp_both8, cp_context_gpu, cp_beside_gpu;
+    bench::Stats cp_target, cp_context, cp_both, cp_context8, cp_both8, cp_context_gpu, cp_beside_gpu, cp_serial, cp_pipe;
 #if DFLASH_WITH_CUDA
     const bool cp_fp8 = draft_fp8 && dev.is_cuda();
 #else
@@ -703,6 +703,31 @@ int main(int argc, char** argv) {
                     "(%.3f-%.3f) ms alone, commit step %.3f (%.3f-%.3f) ms\n",
                     cp_context8.p50, cp_context8.p20, cp_context8.p80, cp_both8.p50, cp_both8.p20, cp_both8.p80);
       }
+      // The commit step and the next propose together, alternately with the synchronisation the loop has
+      // between them (speculative_generate waits there to time the commit) and without it (pipelined: the
+      // propose queued behind the context update while the target's commit may still run on its side
+      // stream; the next verify waits for it): what a loop that does not time its phases would save.
+      std::vector<int32_t> next_drafts = prop->propose({0}, {x}, block_size).front();
+      std::vector<double> t_serial, t_pipe;
+      for (int64_t it = 0; it < 2 * commit_probe + 2; ++it) {
+        std::vector<int32_t> block{x};
+        block.insert(block.end(), next_drafts.begin(), next_drafts.end());
+        const target::ExtendResult r = dec->extend({0}, {block}, vo);
+        const bool pipelined = it % 2 == 1;
+        const auto t0 = clk::now();
+        dec->commit(0, 1);
+        prop->add_context({0}, r.features.slice(0, 0, 1), ops::SeqOffsets{{0, 1}});
+        if (!pipelined) dec->synchronize();
+        x = r.next[0];
+        next_drafts = prop->propose({0}, {x}, block_size).front();
+        const auto t1 = clk::now();
+        if (it >= 2) (pipelined ? t_pipe : t_serial).push_back(sec(t0, t1));
+      }
+      dec->synchronize();
+      cp_serial = step_ms(t_serial), cp_pipe = step_ms(t_pipe);
+      std::printf("  commit step + the next propose (medians, p20-p80): with the loop's synchronisation between them %.3f "
+                  "(%.3f-%.3f) ms, pipelined %.3f (%.3f-%.3f) ms\n",
+                  cp_serial.p50, cp_serial.p20, cp_serial.p80, cp_pipe.p50, cp_pipe.p20, cp_pipe.p80);
     }
 #if DFLASH_WITH_CUDA
     std::vector<VariantRow> variant_rows;
@@ -863,6 +888,8 @@ int main(int argc, char** argv) {
         step_row("commit_probe", "target_commit_ms", cp_target);
         step_row("commit_probe", "context_update_ms", cp_context);
         step_row("commit_probe", "commit_step_ms", cp_both);
+        step_row("commit_probe", "commit_propose_serial_ms", cp_serial);
+        step_row("commit_probe", "commit_propose_pipelined_ms", cp_pipe);
         if (!cp_context_gpu.samples.empty()) {
           step_row("commit_probe", "context_update_gpu_ms", cp_context_gpu);
           step_row("commit_probe", "context_update_beside_commit_gpu_ms", cp_beside_gpu);

@@ -53,7 +53,9 @@ std::unique_ptr<Proposer> make_cuda_proposer(const DrafterConfig& config, const 
 // quantized per token and 128 columns: about half the bytes of the drafter's part of a commit step (the 27B
 // drafter's fc is 262 MB in bf16). The drafter's context K / V then carry the W8A8 error, as FP8 propose's own
 // block K / V do: drafts may change, the output stays the target's. Read at each call (a context graph is
-// kept per setting). Default 0 until a GPU has run it; DFLASH_CONTEXT_FP8=1 sets it at start-up.
+// kept per setting). Default 0: on an H100 the context update alone took 0.316 -> 0.268 ms but the commit step
+// 0.400 -> 0.388 (the target's commit beside it; bench/results/h100-stream-f683da9), too little for the W8A8
+// error it puts in the context. DFLASH_CONTEXT_FP8=1 sets it at start-up.
 extern int cuda_context_fp8;
 
 // Whether a CUDA proposer asked for `requested` replays its propose steps as CUDA graphs here:

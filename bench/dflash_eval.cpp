@@ -373,8 +373,9 @@ int main(int argc, char** argv) {
     }
     DFLASH_REQUIRE_HINT(commit_probe == 0 || tp == 1, "--commit-probe runs on one rank (tp 1), here tp " << tp,
                         "time the commit step without mpirun");
-    // (--commit-probe commits one token per probe step: 2 N + 2 more positions.)
-    const int64_t max_len = longest + max_new + 2 * std::max(block_size, sweep_max) + 2 * commit_probe + 2;
+    // (--commit-probe commits one token per probe step: 2 N + 2 steps per context-update setting (two under FP8
+    // propose), then 2 N + 2 steps of commit + propose: at most 6 N + 6 more positions.)
+    const int64_t max_len = longest + max_new + 2 * std::max(block_size, sweep_max) + 6 * commit_probe + 6;
 
     std::unique_ptr<comm::Communicator> tp_comm;
     if (tp > 1) tp_comm = std::make_unique<comm::Communicator>(MPI_COMM_WORLD, layout.tp_group, rank, dev, timeout_s, "tp");

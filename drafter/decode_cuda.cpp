@@ -331,7 +331,8 @@ class CudaProposer final : public Proposer {
     else linear(features, Kc, fc_.raw_data(), pre.raw_data(), H, N, H, Kc);
     cuda::rms_norm_fwd(pre.raw_data(), false, H, hidden_norm_.raw_data(), ctx.raw_data(), rstd.data<float>(), N, H, eps(), st);
     for (Layer& L : layers_) {
-      if (q8) gemm_fp8_rows(L.qkv_q.rows_from(qd, H), ctx.raw_data(), H, kv.raw_data(), 2 * kvd, N, 2 * kvd, H);  // k|v rows
+      // k|v: rows qd .. qd + 2 kvd of the fused q|k|v weight
+      if (q8) gemm_fp8_rows(L.qkv_q.rows_from(qd, H), ctx.raw_data(), H, kv.raw_data(), 2 * kvd, N, 2 * kvd, H);
       else linear(ctx.raw_data(), H, bf16_at(L.qkv.raw_data(), qd * H), kv.raw_data(), 2 * kvd, N, 2 * kvd, H);
       cuda::head_norm_rope_fwd(head_params(kv.raw_data(), 2 * kvd, L.k_norm, d_pos, k.raw_data(), rstd, N, Hkv), st);
       append(L, k.raw_data(), 0, bf16_at(kv.raw_data(), kvd), 2 * kvd, d_slots, d_past, d_cu, S, N, max_new);
@@ -475,7 +476,8 @@ class CudaProposer final : public Proposer {
   // project()'s FP8 GEMM of M <= 16 rows on the weight rows `w` (N of them, K columns).
   void gemm_fp8_rows(const Fp8View& w, const void* x, int64_t ldx, void* y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                      bool accumulate = false, bool f32_out = false) {
-    DFLASH_CHECK(M <= std::min<int64_t>(16, xq_rows_) && K <= xq_k_, "cuda proposer: an FP8 GEMM of " << M << " x " << K << " exceeds its scratch");
+    DFLASH_CHECK(M <= std::min<int64_t>(16, xq_rows_) && K <= xq_k_,
+                 "cuda proposer: an FP8 GEMM of " << M << " x " << K << " exceeds its scratch");
     cuda::Fp8ActQuantParams qp{x, ldx, xq_.data<uint8_t>(), K, xs_.data<float>(), M, K};
     cuda::quantize_fp8_act(qp, stream());
     cuda::GemmFp8Params g;

@@ -97,7 +97,8 @@ namespace {
 // default a ring gets when only the stages are set).
 constexpr int kDefaultBulkStages = 0;
 constexpr int kDefaultBulkChunk = 2;
-constexpr int kDefaultRingDepth = 4;  // the register ring's units in flight a warp (kDepth)
+constexpr int kMaxRingDepth = 4;      // the deepest register ring built (kDepth: the bf16 kernel's, FP8 depth 4)
+constexpr int kDefaultFp8RingDepth = 2;  // tuning::gemm_fp8_stream_depth's default
 
 int env_or(const char* name, int fallback) {
   const char* e = std::getenv(name);
@@ -123,7 +124,7 @@ int gemm_fp8_stream_chunk = env_or("DFLASH_FP8_STREAM_CHUNK", kDefaultBulkChunk)
 int gemm_fp8_stream_evict_first = env_or("DFLASH_FP8_STREAM_EVICT_FIRST", 1);
 // 2 by default since session 41: depths 2 > 3 > 4 on every decode shape of kernel_bench on an H100 (packed
 // gate|up at M 16 2,145 -> 2,269 GB/s, o_proj 1,120 -> 1,246; bench/results/h100-stream-f683da9).
-int gemm_fp8_stream_depth = env_or("DFLASH_FP8_STREAM_DEPTH", 2);
+int gemm_fp8_stream_depth = env_or("DFLASH_FP8_STREAM_DEPTH", kDefaultFp8RingDepth);
 int gemm_stream_fixup = fixup_from_env();
 }  // namespace tuning
 
@@ -136,7 +137,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTiles = 1;              // m16 tiles of weight rows per warp (a tile of work: 16 rows)
 constexpr int kRows = 16 * kTiles;
 constexpr int kUnitBytes = 128;        // bytes of a weight row per unit (FP8: one scale group; bf16: 64 columns)
-constexpr int kDepth = kDefaultRingDepth;  // units whose weight loads are in flight per warp (FP8: tuning::gemm_fp8_stream_depth)
+constexpr int kDepth = kMaxRingDepth;  // units whose weight loads are in flight per warp (FP8: tuning::gemm_fp8_stream_depth)
 constexpr int kWLoads = 4 * kTiles;    // 16-byte weight loads per lane and unit (rows g, g + 8; bytes 16t, 64 + 16t)
 constexpr int kRedLd = kRows + 4;      // padded rows of a piece buffer [16 tokens][kRedLd]: conflict-free stores
 constexpr int kSlots = 2;              // workspace slots per block
@@ -576,7 +577,7 @@ void launch_stream(StreamParams k, int64_t K, int blocks, float* partial, int* c
     // timing experiment: what a fix-up costs).
     const int depth = tuning::gemm_fp8_stream_depth, fix = tuning::gemm_stream_fixup;
     DFLASH_REQUIRE_HINT(depth >= 2 && depth <= kDepth, "gemm_fp8_stream: register ring depth " << depth << " is not built",
-                        "set DFLASH_FP8_STREAM_DEPTH to 2, 3 or 4 (default " << kDepth << ")");
+                        "set DFLASH_FP8_STREAM_DEPTH to 2, 3 or 4 (default " << kDefaultFp8RingDepth << ")");
     DFLASH_REQUIRE_HINT(fix >= 0 && fix <= 2,
                         "gemm_fp8_stream: DFLASH_STREAM_FIXUP='" << (std::getenv("DFLASH_STREAM_FIXUP") ? std::getenv("DFLASH_STREAM_FIXUP") : "")
                                                                      << "' is not a fix-up (tuning::gemm_stream_fixup " << fix << ")",

@@ -623,11 +623,7 @@ int main(int argc, char** argv) {
     // Under FP8 propose every pair of steps runs twice, the context update on its bf16 weights and on
     // the FP8 copies (drafter::cuda_context_fp8): the A/B of the commit step in one process.
     bench::Stats cp_target, cp_context, cp_both, cp_context8, cp_both8, cp_context_gpu, cp_beside_gpu, cp_serial, cp_pipe;
-#if DFLASH_WITH_CUDA
-    const bool cp_fp8 = draft_fp8 && dev.is_cuda();
-#else
-    const bool cp_fp8 = false;
-#endif
+    const bool cp_fp8 = draft_fp8;  // (a CUDA device, checked at start-up)
     if (commit_probe > 0) {
       using clk = std::chrono::steady_clock;
       auto sec = [](clk::time_point a, clk::time_point b) { return std::chrono::duration<double>(b - a).count(); };

@@ -25,6 +25,20 @@ using namespace dflash::drafter;
 
 namespace {
 
+// rows[s] context rows of random features for the s-th slot of a call: the f32 values (normal, stream
+// {seed, stream}) and their offsets.
+struct RandomContext {
+  Tensor f;
+  ops::SeqOffsets seqs{{0}};
+};
+RandomContext random_context(const DrafterConfig& c, const std::vector<int64_t>& rows, uint64_t seed, uint64_t stream) {
+  RandomContext rc;
+  for (int64_t r : rows) rc.seqs.offsets.push_back(rc.seqs.offsets.back() + r);
+  rc.f = Tensor::empty({rc.seqs.offsets.back(), c.context_dim()}, DType::F32);
+  fill_normal(rc.f, {seed, stream, 0}, 0.0f, 1.0f);
+  return rc;
+}
+
 struct Pair {
   DrafterConfig c = gpu_test_drafter(12, 16);  // window 12, blocks of 16
   std::unique_ptr<Proposer> cpu, gpu;
@@ -38,12 +52,9 @@ struct Pair {
   }
   // The same random features (rows[s] of them for slots[s]) into both proposers.
   void add(const std::vector<int32_t>& slots, const std::vector<int64_t>& rows) {
-    ops::SeqOffsets seqs{{0}};
-    for (int64_t r : rows) seqs.offsets.push_back(seqs.offsets.back() + r);
-    Tensor f = Tensor::empty({seqs.offsets.back(), c.context_dim()}, DType::F32);
-    fill_normal(f, {99, stream++, 0}, 0.0f, 1.0f);
-    cpu->add_context(slots, bf16_values(f), seqs);
-    gpu->add_context(slots, f.to_dtype(DType::BF16).to(Device::cuda(0)), seqs);
+    const RandomContext rc = random_context(c, rows, 99, stream++);
+    cpu->add_context(slots, bf16_values(rc.f), rc.seqs);
+    gpu->add_context(slots, rc.f.to_dtype(DType::BF16).to(Device::cuda(0)), rc.seqs);
   }
 };
 
@@ -51,6 +62,35 @@ struct Agreement {
   double logit_err = 0;
   int64_t clear = 0, clear_equal = 0, equal = 0, rows = 0;
 };
+
+// The drafts `got` (their logits lg) against `ref`'s (logits lr) for `slots`' blocks of Bp rows: each draft
+// the argmax of its own logits, and equal to ref's wherever the row's top-2 margin is wider than twice its
+// logit difference (so no rounding can flip it). Adds the rows, equal drafts and clear rows to `a`.
+void expect_drafts_agree(const std::vector<std::vector<int32_t>>& got, const Tensor& lg,
+                         const std::vector<std::vector<int32_t>>& ref, const Tensor& lr, const std::vector<int32_t>& slots,
+                         int64_t Bp, Agreement& a) {
+  std::vector<int32_t> own;
+  ops::argmax_rows(lg, own);
+  const int64_t V = lg.size(1);
+  EXPECT_EQ(got.size(), slots.size());
+  for (size_t s = 0; s < std::min(got.size(), slots.size()); ++s) {
+    EXPECT_EQ(static_cast<int64_t>(got[s].size()), Bp - 1);
+    if (static_cast<int64_t>(got[s].size()) != Bp - 1) continue;
+    for (int64_t j = 1; j < Bp; ++j) {
+      const int64_t r = static_cast<int64_t>(s) * Bp + j;
+      EXPECT_EQ(got[s][j - 1], own[r]) << "slot " << slots[s] << " row " << j << ": draft is not the argmax of its logits";
+      const RowMargin m = row_margin(lg.data<float>() + r * V, lr.data<float>() + r * V, V);
+      ++a.rows;
+      a.equal += got[s][j - 1] == ref[s][j - 1];
+      if (m.margin > 2 * m.err) {
+        ++a.clear;
+        a.clear_equal += got[s][j - 1] == ref[s][j - 1];
+        EXPECT_EQ(got[s][j - 1], ref[s][j - 1]) << "slot " << slots[s] << " row " << j << ": margin " << m.margin
+                                                << " > 2 x error " << m.err;
+      }
+    }
+  }
+}
 
 // Proposes on both and compares; returns the figures and fails on any inconsistency.
 Agreement compare(Pair& p, const std::vector<int32_t>& slots, const std::vector<int32_t>& x_start, int64_t Bp) {
@@ -61,27 +101,7 @@ Agreement compare(Pair& p, const std::vector<int32_t>& slots, const std::vector<
   a.logit_err = max_rel_err(lg, lc);
   // bf16 weights and activations through 2 layers (measured 3.4e-3 .. 4.5e-3 on an H200).
   EXPECT_LE(a.logit_err, 1e-2) << "block " << Bp << ": logits vs the CPU proposer";
-  std::vector<int32_t> own;
-  ops::argmax_rows(lg, own);
-  const int64_t V = p.c.vocab_size;
-  EXPECT_EQ(dg.size(), slots.size());
-  for (size_t s = 0; s < std::min(dg.size(), slots.size()); ++s) {
-    EXPECT_EQ(static_cast<int64_t>(dg[s].size()), Bp - 1);
-    if (static_cast<int64_t>(dg[s].size()) != Bp - 1) continue;
-    for (int64_t j = 1; j < Bp; ++j) {
-      const int64_t r = static_cast<int64_t>(s) * Bp + j;
-      EXPECT_EQ(dg[s][j - 1], own[r]) << "slot " << slots[s] << " row " << j << ": draft is not the argmax of its logits";
-      const RowMargin m = row_margin(lg.data<float>() + r * V, lc.data<float>() + r * V, V);
-      ++a.rows;
-      a.equal += dg[s][j - 1] == dc[s][j - 1];
-      if (m.margin > 2 * m.err) {
-        ++a.clear;
-        a.clear_equal += dg[s][j - 1] == dc[s][j - 1];
-        EXPECT_EQ(dg[s][j - 1], dc[s][j - 1]) << "slot " << slots[s] << " row " << j << ": margin " << m.margin
-                                              << " > 2 x error " << m.err;
-      }
-    }
-  }
+  expect_drafts_agree(dg, lg, dc, lc, slots, Bp, a);
   std::printf("  block %2ld: logits max rel err %.2e; drafts equal %ld / %ld (clear margin: %ld / %ld)\n",
               static_cast<long>(Bp), a.logit_err, static_cast<long>(a.equal), static_cast<long>(a.rows),
               static_cast<long>(a.clear_equal), static_cast<long>(a.clear));
@@ -158,13 +178,10 @@ TEST(CudaProposer, GraphReplaysGiveTheEagerDrafts) {
     auto eager = make_cuda_proposer(c, in.w, embed, lm_head, Device::cuda(0), 3, 256, fp8, false);
     uint64_t stream = 1;
     auto add = [&](const std::vector<int32_t>& slots, const std::vector<int64_t>& rows) {
-      ops::SeqOffsets seqs{{0}};
-      for (int64_t r : rows) seqs.offsets.push_back(seqs.offsets.back() + r);
-      Tensor f = Tensor::empty({seqs.offsets.back(), c.context_dim()}, DType::F32);
-      fill_normal(f, {97, stream++, 0}, 0.0f, 1.0f);
-      const Tensor fd = f.to_dtype(DType::BF16).to(Device::cuda(0));
-      graphs->add_context(slots, fd, seqs);
-      eager->add_context(slots, fd, seqs);
+      const RandomContext rc = random_context(c, rows, 97, stream++);
+      const Tensor fd = rc.f.to_dtype(DType::BF16).to(Device::cuda(0));
+      graphs->add_context(slots, fd, rc.seqs);
+      eager->add_context(slots, fd, rc.seqs);
     };
     add({0, 1, 2}, {20, 9, 33});
     int64_t differing_calls = 0;
@@ -218,15 +235,12 @@ TEST(CudaProposer, Fp8ContextUpdateIsNearTheBf16One) {
     unsetenv("DFLASH_CONTEXT_GRAPHS");
     uint64_t stream = 1;
     auto add_to = [&](Proposer& a, Proposer& b, const std::vector<int32_t>& slots, const std::vector<int64_t>& rows) {
-      ops::SeqOffsets seqs{{0}};
-      for (int64_t r : rows) seqs.offsets.push_back(seqs.offsets.back() + r);
-      Tensor f = Tensor::empty({seqs.offsets.back(), c.context_dim()}, DType::F32);
-      fill_normal(f, {96, stream++, 0}, 0.0f, 1.0f);
-      const Tensor fd = f.to_dtype(DType::BF16).to(Device::cuda(0));
+      const RandomContext rc = random_context(c, rows, 96, stream++);
+      const Tensor fd = rc.f.to_dtype(DType::BF16).to(Device::cuda(0));
       cuda_context_fp8 = 0;
-      a.add_context(slots, fd, seqs);
+      a.add_context(slots, fd, rc.seqs);
       cuda_context_fp8 = 1;
-      b.add_context(slots, fd, seqs);
+      b.add_context(slots, fd, rc.seqs);
       cuda_context_fp8 = saved;
     };
     auto add = [&](const std::vector<int32_t>& slots, const std::vector<int64_t>& rows) { add_to(*ref, *q8, slots, rows); };
@@ -240,7 +254,7 @@ TEST(CudaProposer, Fp8ContextUpdateIsNearTheBf16One) {
     std::vector<std::vector<int32_t>> dr, dq;
     Tensor lr = logits(*ref, {0, 1, 2}, &dr), lq = logits(*q8, {0, 1, 2}, &dq);
     EXPECT_TRUE(bit_equal(lr, lq)) << "a context of 75 rows must run the bf16 GEMMs in both";
-    int64_t clear = 0, clear_equal = 0;
+    Agreement agree;
     for (int round = 0; round < 5; ++round) {  // accepted tokens: 1 row, 2 slots x 3, one slot's 16, 1, 1
       if (round == 1) add({0, 2}, {3, 3});
       else if (round == 2) add({2}, {16});
@@ -250,20 +264,12 @@ TEST(CudaProposer, Fp8ContextUpdateIsNearTheBf16One) {
       std::printf("  fp8 context, round %d: logits max rel err %.2e vs the bf16 context update\n", round, err);
       EXPECT_GT(err, 0.0) << "round " << round << ": equal logits: the FP8 context GEMMs did not run";
       EXPECT_LE(err, 0.15) << "round " << round << ": the FP8 context update is far from the bf16 one";
-      const int64_t V = c.vocab_size;
-      for (size_t s = 0; s < dq.size(); ++s)
-        for (int64_t j = 1; j < kBp; ++j) {
-          const int64_t r = static_cast<int64_t>(s) * kBp + j;
-          const RowMargin m = row_margin(lq.data<float>() + r * V, lr.data<float>() + r * V, V);
-          if (m.margin > 2 * m.err) {
-            ++clear;
-            clear_equal += dq[s][j - 1] == dr[s][j - 1];
-            EXPECT_EQ(dq[s][j - 1], dr[s][j - 1]) << "round " << round << ", slot " << s << " row " << j;
-          }
-        }
+      SCOPED_TRACE(testing::Message() << "round " << round);
+      expect_drafts_agree(dq, lq, dr, lr, {0, 1, 2}, kBp, agree);
     }
-    EXPECT_GT(clear, 20) << "too few rows with a clear margin: the draft comparison is vacuous";
-    std::printf("  fp8 context: drafts equal on %ld of %ld rows with a clear margin\n", long(clear_equal), long(clear));
+    EXPECT_GT(agree.clear, 20) << "too few rows with a clear margin: the draft comparison is vacuous";
+    std::printf("  fp8 context: drafts equal on %ld of %ld rows with a clear margin\n", long(agree.clear_equal),
+                long(agree.clear));
     // 2 slots x 9 rows = 18 > 16 (and <= the 3 slots' 48 block rows) into a fresh pair: the bf16 GEMMs in both.
     auto fresh_ref = make_cuda_proposer(c, in.w, embed, lm_head, Device::cuda(0), 3, 128, true, graphs);
     auto fresh_q8 = make_cuda_proposer(c, in.w, embed, lm_head, Device::cuda(0), 3, 128, true, graphs);
@@ -297,14 +303,12 @@ TEST(CudaProposer, Fp8ProposeIsNearTheBf16Proposer) {
   auto bf = make_cuda_proposer(c, in.w, embed, lm_head, Device::cuda(0), 4, 128, false);
   auto f8 = make_cuda_proposer(c, in.w, embed, lm_head, Device::cuda(0), 4, 128, true);
   const std::vector<int32_t> slots{0, 1, 2, 3};
-  ops::SeqOffsets seqs{{0, 30, 31, 50, 90}};
-  Tensor f = Tensor::empty({90, c.context_dim()}, DType::F32);
-  fill_normal(f, {98, 1, 0}, 0.0f, 1.0f);
-  const Tensor fd = f.to_dtype(DType::BF16).to(Device::cuda(0));
-  bf->add_context(slots, fd, seqs);
-  f8->add_context(slots, fd, seqs);
+  const RandomContext rc = random_context(c, {30, 1, 19, 40}, 98, 1);
+  const Tensor fd = rc.f.to_dtype(DType::BF16).to(Device::cuda(0));
+  bf->add_context(slots, fd, rc.seqs);
+  f8->add_context(slots, fd, rc.seqs);
   // One slot's block of 16 and two slots' blocks of 6: FP8 GEMMs (<= 16 rows).
-  int64_t clear = 0, clear_equal = 0;
+  Agreement agree;
   for (const auto& [ss, x, Bp] : {std::tuple{std::vector<int32_t>{2}, std::vector<int32_t>{17}, int64_t{16}},
                                   std::tuple{std::vector<int32_t>{0, 3}, std::vector<int32_t>{401, 5}, int64_t{6}}}) {
     Tensor lb, l8;
@@ -314,22 +318,10 @@ TEST(CudaProposer, Fp8ProposeIsNearTheBf16Proposer) {
     std::printf("  fp8 propose, %zu slot(s), block %ld: logits max rel err %.2e vs bf16\n", ss.size(), long(Bp), err);
     EXPECT_LE(err, 0.15) << "fp8 logits far from the bf16 proposer's";
     EXPECT_GT(err, 0.0) << "fp8 logits equal to bf16: the FP8 GEMMs did not run";
-    std::vector<int32_t> own;
-    ops::argmax_rows(l8, own);
-    const int64_t V = c.vocab_size;
-    for (size_t s = 0; s < ss.size(); ++s)
-      for (int64_t j = 1; j < Bp; ++j) {
-        const int64_t r = static_cast<int64_t>(s) * Bp + j;
-        EXPECT_EQ(d8[s][j - 1], own[r]) << "slot " << ss[s] << " row " << j << ": draft is not the argmax of its logits";
-        const RowMargin m = row_margin(l8.data<float>() + r * V, lb.data<float>() + r * V, V);
-        if (m.margin > 2 * m.err) {
-          ++clear;
-          clear_equal += d8[s][j - 1] == db[s][j - 1];
-          EXPECT_EQ(d8[s][j - 1], db[s][j - 1]) << "slot " << ss[s] << " row " << j;
-        }
-      }
+    expect_drafts_agree(d8, l8, db, lb, ss, Bp, agree);
   }
-  std::printf("  fp8 propose: drafts equal to bf16's on %ld of %ld rows with a clear margin\n", long(clear_equal), long(clear));
+  std::printf("  fp8 propose: drafts equal to bf16's on %ld of %ld rows with a clear margin\n", long(agree.clear_equal),
+              long(agree.clear));
   // Four slots' blocks of 16 (64 rows): the bf16 GEMMs, bit for bit.
   Tensor lb, l8;
   const auto db = bf->propose(slots, {1, 2, 3, 4}, 16, &lb);

@@ -13,14 +13,17 @@
 #   4. moe:    dflash_eval on Qwen3.6-35B-A3B shapes with CUDA graphs (gpu_moe.sh's eval stage)
 #   optional stages (name them in FIGURES_STAGES):
 #   train_bf16: the same recipe all in bf16 (target, drafter, LM head: issue 31's bf16 goal)
-#   regen:     generate_bench on Qwen3.6-27B shapes, 64 sequences in flight, 512-token prompts, 512 new tokens,
-#              bf16 and fp8 (FIGURES_REGEN_PRECISIONS), separate prefills and prefill inside the decode steps
-#              (FIGURES_REGEN_STEP_TOKENS, default 0,256: separate prefills and the regeneration default)
+#   regen:     generate_bench on Qwen3.6-27B shapes, 64 and 256 sequences in flight (FIGURES_REGEN_SLOTS, default
+#              64,256: the goal's point and the top of issue 30's curve, which no run has reached), 512-token prompts,
+#              512 new tokens, bf16 and fp8 (FIGURES_REGEN_PRECISIONS), separate prefills and prefill inside the decode
+#              steps (FIGURES_REGEN_STEP_TOKENS, default 0,256: separate prefills and the regeneration default)
 #   stream:    generate_bench as regen, bf16, on a stream: 3 waves of 64 prompts, each response 256-768 tokens
 #              (--min-new-tokens: sequences end and new prompts come in at different steps), separate prefills
 #              against prefill inside the decode steps (FIGURES_STREAM_STEP_TOKENS, default 0,256,1024), with
 #              generate_bench --profile 3: the op tables of a 64-sequence decode step and of a mixed step
-#   e.g. a second call on the warm machine: FIGURES_STAGES="train_bf16 regen"
+#   tests:     GPU tests not yet run on a GPU: builds FIGURES_TEST_TARGETS (default test_cuda_drafter_decode) and
+#              runs `ctest -L gpu -R FIGURES_TESTS` (default 'CudaProposer\.': the refactored proposer tests of c4002f0)
+#   e.g. a second call on the warm machine: FIGURES_STAGES="tests train_bf16 regen"
 #   device run: DFLASH_GIT_COMMIT=<sha> bash scripts/gpu_figures.sh
 # One build of dflash_train, dflash_eval and target_bench first (~110 s on 16 cores). Writes to $OUT:
 # env.txt, build.log, summary.txt (each stage's key lines) and a tarball a stage (train.tgz, target.tgz,
@@ -85,10 +88,11 @@ for s in $STAGES; do
       for p in ${FIGURES_REGEN_PRECISIONS:-bf16 fp8}; do
         [ "$(left)" -gt 60 ] || { echo "regen $p skipped: $(left) s left" >>"$R/summary.txt"; continue; }
         timeout $(( $(left) < 240 ? $(left) : 240 )) "$B/bench/generate_bench" --config configs/qwen3.6-27b/config.json \
-          --slots 64 --prompt-len 512 --max-new-tokens 512 --step-tokens "${FIGURES_REGEN_STEP_TOKENS:-0,256}" --precision "$p" \
+          --slots "${FIGURES_REGEN_SLOTS:-64,256}" --prompt-len 512 --max-new-tokens 512 \
+          --step-tokens "${FIGURES_REGEN_STEP_TOKENS:-0,256}" --precision "$p" \
           --csv "$W/regen/genbench.csv" >"$W/regen/genbench_$p.log" 2>&1
         echo "generate_bench $p rc=$?" >>"$R/summary.txt"
-        grep -E "generated|decode step|tok/s" "$W/regen/genbench_$p.log" | head -n 6 >>"$R/summary.txt"
+        grep -E "generated|decode step|tok/s|^ +[0-9]+ +[0-9]+ " "$W/regen/genbench_$p.log" | head -n 10 >>"$R/summary.txt"
       done ;;
     stream)
       stage stream 120 || continue
@@ -98,6 +102,15 @@ for s in $STAGES; do
         --csv "$W/stream/genbench.csv" >"$W/stream/genbench.log" 2>&1
       echo "generate_bench stream rc=$?" >>"$R/summary.txt"
       grep -E "^ +[0-9]+ +[0-9]+ |chunked prefill|CUDA graphs" "$W/stream/genbench.log" | head -n 8 >>"$R/summary.txt" ;;
+    tests)
+      stage tests 90 || continue
+      # shellcheck disable=SC2086  # (a list of ninja targets)
+      ninja -C "$B" -j "$DFLASH_JOBS" ${FIGURES_TEST_TARGETS:-test_cuda_drafter_decode} >"$W/tests/build.log" 2>&1 ||
+        echo "tests: build failed (tests/build.log)" >>"$R/summary.txt"
+      (cd "$B" && timeout $(( $(left) < 240 ? $(left) : 240 )) ctest -L gpu -R "${FIGURES_TESTS:-CudaProposer\.}" \
+        --output-on-failure --timeout 200) >"$W/tests/tests.log" 2>&1
+      echo "ctest rc=$?" >>"$R/summary.txt"
+      grep -E "tests passed|Failed|\*\*\*" "$W/tests/tests.log" | tail -n 8 >>"$R/summary.txt" ;;
     target)
       stage target 60 || continue
       timeout $(( $(left) < 120 ? $(left) : 120 )) "$B/bench/target_bench" --config configs/qwen3.6-27b/config.json --random-weights \

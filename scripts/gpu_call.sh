@@ -4,16 +4,14 @@ set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 set +e  # (common.sh sets -e) every stage runs and reports, whatever the one before did
 
-# gpu_call_start DEFAULT_BUILD_DIR: $OUT exists, $B is the build dir: $DFLASH_BUILD, which common.sh always
-# sets (the tree's build/ unless the caller set it), so DEFAULT_BUILD_DIR is not reached from these scripts — a
-# command after the script finds its binaries in build/ (session 41 lost a call to /tmp/build-stream);
-# $OUT/env.txt names the GPU and its clocks; then a Release sm_90 build of
-# everything (or only the targets in $NINJA_TARGETS) into $B (log $OUT/build.log; on failure its tail
-# is printed and the script exits 1).
+# gpu_call_start: $OUT exists, $B is the build dir: $DFLASH_BUILD, which common.sh sets (the tree's build/ unless
+# the caller set it: a command after the script finds its binaries there); $OUT/env.txt names the GPU and its
+# clocks; then a Release sm_90 build of everything (or only the targets in $NINJA_TARGETS) into $B (log
+# $OUT/build.log; on failure its tail is printed and the script exits 1).
 gpu_call_start() {
   OUT=${OUT:-/tmp/out}
   mkdir -p "$OUT"
-  B=${DFLASH_BUILD:-$1}
+  B=$DFLASH_BUILD
   export DFLASH_GIT_COMMIT=${DFLASH_GIT_COMMIT:-}
   nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/env.txt" 2>&1
   local t0

@@ -13,7 +13,7 @@
 # NINJA_TARGETS (build only these, e.g. "test_cuda_decoder dflash_eval").
 # The op profile (--profile) times eager launches in both modes (a profiler bypasses the graphs).
 source "$(dirname "$0")/gpu_call.sh"
-gpu_call_start /tmp/build-decode
+gpu_call_start
 gpu_call_tests "CudaDecode|CudaProposer|CudaSampling|CudaModel|CudaGolden"
 if [ -z "${SKIP_TINY:-}" ]; then
   w=/tmp/tiny-eval

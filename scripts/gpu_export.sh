@@ -14,7 +14,7 @@ set -uo pipefail
 source "$(dirname "$0")/common.sh"
 set +e
 OUT=${OUT:-/tmp/out}
-B=${DFLASH_BUILD:-/tmp/build-export}
+B=$DFLASH_BUILD  # (common.sh: the tree's build/ unless the caller set DFLASH_BUILD)
 W=/tmp/export_check
 mkdir -p "$OUT"
 rm -rf "$W"

@@ -40,7 +40,7 @@ if [ "$(echo "$STAGES" | wc -w)" -gt 5 ]; then  # 3 files + a tarball a stage; t
 fi
 mkdir -p "$R"
 export DFLASH_GIT_COMMIT=${DFLASH_GIT_COMMIT:-}
-B=${DFLASH_BUILD:-/tmp/build-figures}
+B=$DFLASH_BUILD  # (common.sh: the tree's build/ unless the caller set DFLASH_BUILD)
 T0=$(date +%s)
 END=$(( T0 + ${FIGURES_BUDGET:-560} ))
 left() { echo $(( END - $(date +%s) )); }

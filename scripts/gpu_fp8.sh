@@ -17,7 +17,7 @@ source "$(dirname "$0")/common.sh"
 set +e
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/fp8res
-B=${DFLASH_BUILD:-/tmp/build-fp8}
+B=$DFLASH_BUILD  # (common.sh: the tree's build/ unless the caller set DFLASH_BUILD)
 R=/tmp/fp8res
 export DFLASH_GIT_COMMIT=${DFLASH_GIT_COMMIT:-}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv >"$OUT/env.txt" 2>&1

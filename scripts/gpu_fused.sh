@@ -23,7 +23,7 @@
 #   (bf16: cuBLASLt / the cluster kernel / stream-K; fp8: skinny = the streaming FP8 GEMM for every FP8 projection).
 source "$(dirname "$0")/gpu_call.sh"
 NINJA_TARGETS=${NINJA_TARGETS:-"test_cuda_ops test_cuda_fp8 test_cuda_decode test_cuda_decoder test_cuda_model test_cuda_drafter_decode kernel_bench dflash_eval"}
-gpu_call_start /tmp/build-fused
+gpu_call_start
 if [ -z "${SKIP_TESTS:-}" ]; then
   t0=$(date +%s)
   (cd "$B" && timeout "${TESTS_TIMEOUT:-60}" ctest -L gpu -R "${GPU_TESTS:-CudaOps\.(GemmSkinny|AddRmsNorm|Swiglu|SigmoidGate|Embedding)|CudaFp8\.Streaming|CudaDecode\.Fused|CudaDecoder\.(Pieces|Verify|Speculative|GraphReplay|Fp8|Sampling)}" \

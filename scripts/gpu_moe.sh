@@ -25,7 +25,7 @@
 source "$(dirname "$0")/gpu_call.sh"
 export DFLASH_DEADLINE=${DFLASH_DEADLINE:-$(( $(date +%s) + 540 ))}
 NINJA_TARGETS=${NINJA_TARGETS:-test_cuda_moe test_cuda_model test_cuda_decoder target_bench kernel_bench dflash_eval dflash_train dflash_features dflash_data_tool}
-gpu_call_start /tmp/build-moe
+gpu_call_start
 left() { echo $(( DFLASH_DEADLINE - $(date +%s) )); }
 cd "$DFLASH_ROOT"
 

@@ -13,7 +13,7 @@
 # GENBENCH_VARIANT (generate_bench --decode-variant, e.g. prefetch; default fused: the plan as is),
 # SKIP_GATE=1, SKIP_TP2=1.
 source "$(dirname "$0")/gpu_call.sh"
-gpu_call_start /tmp/build-regen
+gpu_call_start
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 gpu_call_tests . -E Timing
 if [ -z "${SKIP_GENBENCH:-}" ]; then

@@ -19,7 +19,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export DFLASH_DEADLINE=${DFLASH_DEADLINE:-$(( $(date +%s) + 570 ))}
 export DFLASH_GIT_COMMIT=${DFLASH_GIT_COMMIT:-}
-B=${DFLASH_BUILD:-/tmp/build-seqlen}
+B=$DFLASH_BUILD  # (common.sh: the tree's build/ unless the caller set DFLASH_BUILD)
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total,memory.used --format=csv; date -u; } >"$OUT/env.txt" 2>&1
 t0=$(date +%s)
 cmake -S "$DFLASH_ROOT" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 >"$OUT/build.log" 2>&1 &&

@@ -29,7 +29,7 @@ left() { echo $(( END - $(date +%s) )); }
 source "$(dirname "$0")/gpu_call.sh"
 NINJA_TARGETS=${NINJA_TARGETS:-kernel_bench dflash_eval test_cuda_fp8 test_cuda_ops test_cuda_model test_cuda_decoder \
 test_cuda_attention test_cuda_block_attention test_cuda_decode test_cuda_drafter_decode}
-gpu_call_start /tmp/build-stream
+gpu_call_start
 R=$OUT
 cat "$R/env.txt"
 echo "build done at $(( $(date +%s) - T0 )) s" >"$R/summary.txt"

@@ -8,6 +8,7 @@
 
 #include "bench/report.h"
 #include "core/error.h"
+#include "text/conversation.h"
 #if DFLASH_WITH_TEXT
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
@@ -36,28 +37,19 @@ ojson chat_messages(const ojson& row, const std::string& where) {
                       (openai ? "messages: [{\"role\": \"user\", \"content\": \"...\"}, ...]"
                               : "conversations: [{\"from\": \"human\", \"value\": \"...\"}, ...]"));
   ojson out = ojson::array();
-  for (size_t i = 0; i < conv.size(); ++i) {
-    const ojson& m = conv[i];
-    const std::string at = where + ": " + key + "[" + std::to_string(i) + "]";
-    DFLASH_REQUIRE(m.is_object(), at << " is not an object");
-    if (openai) {
+  if (sharegpt) {
+    out = text::sharegpt_messages(row, where);
+  } else {
+    for (size_t i = 0; i < conv.size(); ++i) {
+      const ojson& m = conv[i];
+      const std::string at = where + ": messages[" + std::to_string(i) + "]";
+      DFLASH_REQUIRE(m.is_object(), at << " is not an object");
       DFLASH_REQUIRE_HINT(m.contains("role") && m["role"].is_string(), at << " has no string \"role\"",
                           "each message is {\"role\": \"user\" | \"assistant\" | \"system\" | \"tool\", \"content\": ...}");
       out.push_back(m);
-      continue;
     }
-    DFLASH_REQUIRE_HINT(m.contains("from") && m["from"].is_string() && m.contains("value") && m["value"].is_string(),
-                        at << " needs a string \"from\" and a string \"value\"", "ShareGPT turns are {\"from\": \"human\", \"value\": \"...\"}");
-    const std::string from = m["from"];
-    std::string role;
-    if (from == "human" || from == "user") role = "user";
-    else if (from == "gpt" || from == "assistant" || from == "chatgpt" || from == "bard" || from == "model") role = "assistant";
-    else if (from == "system") role = "system";
-    else if (from == "tool" || from == "function" || from == "observation") role = "tool";
-    DFLASH_REQUIRE_HINT(!role.empty(), at << ": unknown \"from\": \"" << from << "\"",
-                        "ShareGPT speakers (as dflash_data prepare reads them): human/user, gpt/assistant/chatgpt/bard/model, system, tool/function/observation");
-    out.push_back(ojson{{"role", role}, {"content", m["value"]}});
   }
+  text::normalize_tool_calls(out, where);  // string arguments parsed, as the serving stacks do
   while (!out.empty() && out.back()["role"] == "assistant") out.erase(out.size() - 1);
   DFLASH_REQUIRE_HINT(!out.empty(), where << ": the conversation holds only assistant turns: no prompt is left",
                       "a chat prompt needs a user (or system) turn before the assistant's");

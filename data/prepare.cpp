@@ -18,6 +18,7 @@
 #include "data/dataset.h"
 #ifdef DFLASH_WITH_TEXT
 #include "text/chat_template.h"
+#include "text/conversation.h"
 #include "text/tokenizer.h"
 #include "text/utf8.h"
 #include "core/worker_pool.h"
@@ -72,15 +73,6 @@ std::string config_token(const nlohmann::json& cfg, const char* key) {
   if (it->is_string()) return it->get<std::string>();
   if (it->is_object() && it->contains("content") && (*it)["content"].is_string()) return (*it)["content"].get<std::string>();
   return "";
-}
-
-// ShareGPT "from" -> OpenAI role.
-const char* sharegpt_role(const std::string& from) {
-  if (from == "human" || from == "user") return "user";
-  if (from == "gpt" || from == "assistant" || from == "chatgpt" || from == "bard" || from == "model") return "assistant";
-  if (from == "system") return "system";
-  if (from == "tool" || from == "function" || from == "observation" || from == "function_response") return "tool";
-  return nullptr;
 }
 
 bool known_role(const std::string& r) { return r == "system" || r == "user" || r == "assistant" || r == "tool"; }
@@ -179,24 +171,11 @@ struct Preparer {
                             "roles: system, user, assistant, tool");
       }
       messages = m;
+      text::normalize_tool_calls(messages, where);  // string arguments parsed, as the serving stacks do
     } else if (j.contains("conversations")) {
-      const ojson& c = j["conversations"];
-      DFLASH_REQUIRE_HINT(c.is_array(), where << ": \"conversations\" is not a list (" << c.type_name() << ")", forms);
-      for (size_t i = 0; i < c.size(); ++i) {
-        DFLASH_REQUIRE_HINT(c[i].is_object() && c[i].contains("from") && c[i]["from"].is_string(),
-                            where << ": conversations[" << i << "] has no string \"from\"", "ShareGPT turns are {\"from\": ..., \"value\": ...}");
-        const std::string& from = c[i]["from"].get_ref<const std::string&>();
-        const char* role = sharegpt_role(from);
-        DFLASH_REQUIRE_HINT(role != nullptr, where << ": conversations[" << i << "].from = \"" << from << "\" is not a known speaker",
-                            "speakers: human/user, gpt/assistant/chatgpt/bard/model, system, tool/function/observation");
-        DFLASH_REQUIRE_HINT(c[i].contains("value") && c[i]["value"].is_string(), where << ": conversations[" << i << "] has no string \"value\"",
-                            "ShareGPT turns are {\"from\": ..., \"value\": ...}");
-        messages.push_back(ojson{{"role", role}, {"content", c[i]["value"]}});
-      }
-      // ShareGPT's optional top-level system prompt.
-      if (j.contains("system") && j["system"].is_string() && !j["system"].get_ref<const std::string&>().empty() &&
-          (messages.empty() || messages[0]["role"] != "system"))
-        messages.insert(messages.begin(), ojson{{"role", "system"}, {"content", j["system"]}});
+      DFLASH_REQUIRE_HINT(j["conversations"].is_array(), where << ": \"conversations\" is not a list (" << j["conversations"].type_name() << ")",
+                          forms);
+      messages = text::sharegpt_messages(j, where);
     } else {
       DFLASH_REJECT_HINT(where << ": the row has none of \"messages\", \"conversations\", \"text\"", forms);
     }

@@ -140,7 +140,11 @@ bad)
   expect "--show: decoded text needs a tokenizer" "$eval" "${common[@]}" --prompts chat.jsonl --show 1
   expect "error: --tokenizer no_such_dir: tokenizer file 'no_such_dir' does not exist" "$eval" "${common[@]}" --tokenizer no_such_dir --prompts chat.jsonl
   echo '{"conversations": [{"from": "robot", "value": "hi"}]}' > bad_from.jsonl
-  expect "bad_from.jsonl:1: conversations\[0\]: unknown \"from\": \"robot\"" "$eval" "${common[@]}" --tokenizer "$tok" --prompts bad_from.jsonl
+  expect "bad_from.jsonl:1: conversations\[0\].from = \"robot\" is not a known speaker" "$eval" "${common[@]}" --tokenizer "$tok" --prompts bad_from.jsonl
+  # OpenAI tool calls: a malformed arguments string is named (as dflash_data prepare names it)
+  echo '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}, {"role": "tool", "content": "r"}]}' > bad_args.jsonl
+  expect "bad_args.jsonl:1: messages\[1\].tool_calls\[0\].function.arguments is a string but not valid JSON" \
+    "$eval" "${common[@]}" --tokenizer "$tok" --prompts bad_args.jsonl
   echo '{"messages": [{"role": "assistant", "content": "only me"}]}' > only_assistant.jsonl
   expect "only_assistant.jsonl:1: the conversation holds only assistant turns" \
     "$eval" "${common[@]}" --tokenizer "$tok" --prompts only_assistant.jsonl

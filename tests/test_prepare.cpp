@@ -176,6 +176,15 @@ TEST(Prepare, BadRowsAreNamedAndSkippedOnRequest) {
       {R"({"text": 5})", "\"text\" is not a string"},
       {"{\"text\": \"bad \xC3( byte\"}", "invalid UTF-8 at byte 14 of the line (0xC3)"},
       {R"({"messages": [{"role": "assistant", "content": "no user"}], "tools": 3})", "\"tools\" is not a list"},
+      // OpenAI tool calls whose arguments vLLM would coerce to {} (with a warning): refused, naming the call
+      {R"({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{\"a\": "}}]}]})",
+       "messages[1].tool_calls[0].function.arguments is a string but not valid JSON"},
+      {R"({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}]}]})",
+       "messages[1].tool_calls[0].function.arguments decodes to a JSON array, not an object"},
+      {R"({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": 7}]}]})",
+       "messages[1].tool_calls[0].arguments is a number, not an object or a JSON string"},
+      {R"({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": ["f"]}]})",
+       "messages[1].tool_calls[0] is a string, not an object"},
   };
   const fs::path d = work_dir("bad");
   PrepareOptions o;
@@ -235,6 +244,51 @@ TEST(Prepare, ThreadsDoNotChangeTheOutput) {
     const Sequence x = da.sequence(i), y = db.sequence(i);
     ASSERT_EQ(x.ids, y.ids) << i;
     ASSERT_EQ(x.mask, y.mask) << i;
+  }
+}
+
+// OpenAI rows carry tool-call arguments as a JSON string; vLLM and SGLang parse it before the chat
+// template sees it, so prepare does too (text/conversation.h): the string form gives the ids and
+// mask of the object form, on Qwen3's template (which would print a string as it is: the compact
+// spacing here differs from tojson's) and on Qwen3.6's (which needs a mapping); an empty tool_calls
+// list is the plain assistant turn, and null / "" / missing arguments are {}.
+TEST(Prepare, ToolCallArgumentsAreParsedAsTheServingStacksParseThem) {
+  const std::string head = R"({"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Checking.", )";
+  const std::string tail = R"(}, {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]})";
+  auto call = [&](const std::string& args) {
+    return head + R"("tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": )" + args + "}}]" + tail;
+  };
+  const std::vector<std::string> lines = {
+      call(R"({"city": "Z\u00fcrich", "days": [1, 2], "metric": true})"),      // 1: the object
+      call(R"("{\"city\":\"Z\u00fcrich\",\"days\":[1,2],\"metric\":true}")"),  // 2: the same as an OpenAI string
+      call("{}"),                                                              // 3
+      call("null"),                                                            // 4: = 3
+      call(R"("")"),                                                           // 5: = 3
+      head + R"("tool_calls": [{"type": "function", "function": {"name": "weather"}}])" + tail,  // 6: = 3
+      head + R"("tool_calls": [])" + tail,                                     // 7
+      head + R"("x": 0)" + tail,                                               // 8: = 7 (no tool_calls)
+  };
+  const fs::path d = work_dir("toolargs");
+  write_lines(d / "in.jsonl", lines);
+  for (const char* tmpl : {"", "qwen3_6_training.jinja"}) {
+    SCOPED_TRACE(std::string("template ") + (*tmpl ? tmpl : "Qwen3's own"));
+    PrepareOptions o;
+    o.tokenizer = kTokenizer;
+    if (*tmpl) o.chat_template = kTemplates + "/" + tmpl;
+    o.progress = false;
+    const PrepareSummary s = prepare(d / "in.jsonl", d / "out.h5", o);
+    ASSERT_EQ(s.written, lines.size());
+    const Dataset ds({(d / "out.h5").string()});
+    auto seq = [&](int64_t i) { return ds.sequence(i); };
+    EXPECT_EQ(seq(1).ids, seq(0).ids) << "string arguments render otherwise than their object";
+    EXPECT_EQ(seq(1).mask, seq(0).mask);
+    EXPECT_NE(seq(2).ids, seq(0).ids);
+    for (int64_t i : {3, 4, 5}) {
+      EXPECT_EQ(seq(i).ids, seq(2).ids) << "row " << i + 1 << " is not the empty-arguments call";
+      EXPECT_EQ(seq(i).mask, seq(2).mask) << "row " << i + 1;
+    }
+    EXPECT_EQ(seq(6).ids, seq(7).ids) << "an empty tool_calls list is not the plain assistant turn";
+    EXPECT_NE(seq(6).ids, seq(2).ids);
   }
 }
 

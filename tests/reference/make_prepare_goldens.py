@@ -6,7 +6,8 @@ read by tests/test_prepare.cpp.
 
 What is independent of dflash's C++ here is the mask:
   * the render: python3-jinja2, configured as transformers' apply_chat_template (the environment of
-    make_chat_goldens.py);
+    make_chat_goldens.py), of the messages as vLLM passes them to it (serving_tool_calls: tool-call
+    arguments written as JSON strings parsed with json.loads);
   * the assistant spans: on TRL's training templates the {% generation %} blocks (what TRL's
     assistant mask marks); on Qwen3's own template SpecForge's way, a regex over the render,
     <|im_start|>assistant\\n(.*?<|im_end|>\\n), required to find exactly one span per assistant
@@ -98,12 +99,43 @@ def rows_corpus():
     return rows
 
 
+def serving_tool_calls(messages):
+    """The messages as vLLM's chat_utils._postprocess_messages hands them to the template (SGLang does
+    the same): an assistant's empty tool_calls list dropped, each call's arguments that are a JSON
+    string json.loads-ed (keys in their order), missing / null / "" arguments as {}. Where vLLM
+    coerces bad arguments to {} with a warning, prepare refuses the row: ValueError here."""
+    out = json.loads(json.dumps(messages))  # a copy
+    for i, m in enumerate(out):
+        if m.get("role") != "assistant" or not isinstance(m.get("tool_calls"), list):
+            continue
+        if not m["tool_calls"]:
+            del m["tool_calls"]
+            continue
+        for k, call in enumerate(m["tool_calls"]):
+            if not isinstance(call, dict):
+                raise ValueError(f"messages[{i}].tool_calls[{k}] is not an object")
+            fn = call.get("function", call)
+            if not isinstance(fn, dict):
+                raise ValueError(f"messages[{i}].tool_calls[{k}].function is not an object")
+            args = fn.get("arguments")
+            if args is None or args == "":
+                fn["arguments"] = {}
+            elif isinstance(args, str):
+                parsed = json.loads(args)
+                if not isinstance(parsed, dict):
+                    raise ValueError(f"messages[{i}].tool_calls[{k}] arguments decode to {type(parsed).__name__}")
+                fn["arguments"] = parsed
+            elif not isinstance(args, dict):
+                raise ValueError(f"messages[{i}].tool_calls[{k}] arguments are {type(args).__name__}")
+    return out
+
+
 def to_messages(row):
     """(messages, tools, kind) of a row as prepare reads it; kind: chat or text."""
     if "text" in row:
         return None, None, "text"
     if "messages" in row:
-        return row["messages"], row.get("tools"), "chat"
+        return serving_tool_calls(row["messages"]), row.get("tools"), "chat"
     roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
     msgs = [{"role": roles[t["from"]], "content": t["value"]} for t in row["conversations"]]
     if row.get("system") and (not msgs or msgs[0]["role"] != "system"):

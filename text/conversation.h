@@ -1,0 +1,45 @@
+#pragma once
+// dflash::text conversations: the rows of a chat dataset (OpenAI "messages" or ShareGPT
+// "conversations") turned into the messages a chat template renders, the way the serving stacks
+// turn an OpenAI request into them. The template engine itself (chat_template.h) takes messages as
+// transformers' apply_chat_template does, as they are; what differs between a dataset and a
+// request is decided here, once, for every tool that renders conversations (`dflash_data prepare`,
+// dflash_train's JSONL data, dflash_eval's chat prompts), so a drafter trains on the bytes its
+// serving stack will render.
+#include <string>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+namespace dflash::text {
+
+// The OpenAI role of a ShareGPT speaker: human / user -> "user"; gpt / assistant / chatgpt / bard /
+// model -> "assistant"; system; tool / function / observation / function_response -> "tool";
+// nullptr for any other.
+const char* sharegpt_role(std::string_view from);
+// The speakers sharegpt_role knows, for error hints.
+extern const char* const kSharegptSpeakers;
+
+// A ShareGPT row ({"conversations": [{"from": ..., "value": "..."}, ...], "system": "..."}) as OpenAI
+// messages: each turn {"role": sharegpt_role(from), "content": value}, and the row's optional
+// top-level "system" string as a leading system message (unless the turns begin with one). Errors
+// name `where` and the turn: a turn that is not an object or has no string "from" / "value", an
+// unknown speaker, a "conversations" that is not a list.
+nlohmann::ordered_json sharegpt_messages(const nlohmann::ordered_json& row, const std::string& where);
+
+// The assistant messages' tool calls as vLLM and SGLang pass them to a chat template (vLLM's
+// chat_utils `_postprocess_messages`; transformers' tool-use templates expect the arguments as a
+// mapping, while the OpenAI format carries them as a JSON string):
+//  - an empty `tool_calls` list is removed (the template takes its plain assistant path);
+//  - each call's arguments (`function.arguments`, or `arguments` of a call written without the
+//    `function` wrapper) that are a JSON string are parsed into an object, keys in their written
+//    order (so `tojson` prints them as Python's json.dumps prints json.loads' dict); missing, null
+//    or empty arguments become {} (vLLM's rule);
+// and, where vLLM would coerce to {} with a warning, a dataset row is refused instead (a training row
+// must not silently become another one): a call that is not an object, a `function` that is not
+// an object, arguments that are not valid JSON, decode to something other than an object, or are
+// neither a string nor an object. `where` prefixes the errors ("IN:line"), which name the message
+// and call ("messages[2].tool_calls[0].function.arguments"). Other fields are left as they are.
+void normalize_tool_calls(nlohmann::ordered_json& messages, const std::string& where);
+
+}  // namespace dflash::text

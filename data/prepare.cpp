@@ -171,7 +171,7 @@ struct Preparer {
                             "roles: system, user, assistant, tool");
       }
       messages = m;
-      text::normalize_tool_calls(messages, where);  // string arguments parsed, as the serving stacks do
+      text::serving_messages(messages, where);  // null content, string tool arguments: as the serving stacks pass them
     } else if (j.contains("conversations")) {
       DFLASH_REQUIRE_HINT(j["conversations"].is_array(), where << ": \"conversations\" is not a list (" << j["conversations"].type_name() << ")",
                           forms);

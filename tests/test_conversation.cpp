@@ -1,5 +1,5 @@
 // text/conversation.h: chat-dataset rows -> the messages a template renders, as vLLM / SGLang make
-// them from an OpenAI request (tool-call arguments parsed from their JSON strings, keys in order),
+// them from an OpenAI request (null content as "", tool-call arguments parsed from their JSON strings, keys in order),
 // and ShareGPT rows -> OpenAI messages. The rendered effect is checked in test_prepare.cpp
 // (ToolCallArgumentsAreParsedAsTheServingStacksParseThem) and against jinja2 in its goldens.
 #include <gtest/gtest.h>
@@ -19,7 +19,7 @@ namespace {
 
 ojson normalized(const char* messages) {
   ojson m = ojson::parse(messages);
-  text::normalize_tool_calls(m, "in.jsonl:7");
+  text::serving_messages(m, "in.jsonl:7");
   return m;
 }
 
@@ -47,9 +47,16 @@ TEST(Conversation, ToolCallArgumentsFromJsonStrings) {
   // Only assistant turns are touched: a user's (odd) tool_calls and a tool result stay strings.
   EXPECT_TRUE(m[0]["tool_calls"][0]["function"]["arguments"].is_string());
   EXPECT_TRUE(m[3]["content"].is_string());
+  // A null or missing content is "" (vLLM, SGLang); other contents stay as they are.
+  const ojson c = normalized(R"([{"role": "user"}, {"role": "assistant", "content": null, "tool_calls": [{"function": {"name": "f"}}]},
+                                  {"role": "user", "content": [{"type": "text", "text": "part"}]}, {"role": "tool", "content": 3}])");
+  EXPECT_EQ(c[0]["content"], "");
+  EXPECT_EQ(c[1]["content"], "");
+  EXPECT_TRUE(c[2]["content"].is_array());
+  EXPECT_EQ(c[3]["content"], 3);
   // Idempotent.
   ojson again = m;
-  text::normalize_tool_calls(again, "x");
+  text::serving_messages(again, "x");
   EXPECT_EQ(again, m);
 }
 

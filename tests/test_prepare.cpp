@@ -251,7 +251,7 @@ TEST(Prepare, ThreadsDoNotChangeTheOutput) {
 // template sees it, so prepare does too (text/conversation.h): the string form gives the ids and
 // mask of the object form, on Qwen3's template (which would print a string as it is: the compact
 // spacing here differs from tojson's) and on Qwen3.6's (which needs a mapping); an empty tool_calls
-// list is the plain assistant turn, and null / "" / missing arguments are {}.
+// list is the plain assistant turn, null / "" / missing arguments are {}, and a null content is "".
 TEST(Prepare, ToolCallArgumentsAreParsedAsTheServingStacksParseThem) {
   const std::string head = R"({"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Checking.", )";
   const std::string tail = R"(}, {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]})";
@@ -267,6 +267,10 @@ TEST(Prepare, ToolCallArgumentsAreParsedAsTheServingStacksParseThem) {
       head + R"("tool_calls": [{"type": "function", "function": {"name": "weather"}}])" + tail,  // 6: = 3
       head + R"("tool_calls": [])" + tail,                                     // 7
       head + R"("x": 0)" + tail,                                               // 8: = 7 (no tool_calls)
+      R"({"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": null, )"
+      R"("tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": "{}"}}]}]})",  // 9: OpenAI's null content
+      R"({"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", )"
+      R"("tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {}}}]}]})",    // 10: = 9
   };
   const fs::path d = work_dir("toolargs");
   write_lines(d / "in.jsonl", lines);
@@ -289,6 +293,8 @@ TEST(Prepare, ToolCallArgumentsAreParsedAsTheServingStacksParseThem) {
     }
     EXPECT_EQ(seq(6).ids, seq(7).ids) << "an empty tool_calls list is not the plain assistant turn";
     EXPECT_NE(seq(6).ids, seq(2).ids);
+    EXPECT_EQ(seq(8).ids, seq(9).ids) << "null content is not the empty string (Qwen3's template fails on null)";
+    EXPECT_EQ(seq(8).mask, seq(9).mask);
   }
 }
 

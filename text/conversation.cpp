@@ -43,7 +43,7 @@ ojson sharegpt_messages(const ojson& row, const std::string& where) {
   return out;
 }
 
-void normalize_tool_calls(ojson& messages, const std::string& where) {
+void serving_messages(ojson& messages, const std::string& where) {
   if (!messages.is_array()) return;
   static const char* kCallForm =
       "a tool call is {\"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": ...}} (OpenAI) or "
@@ -54,6 +54,7 @@ void normalize_tool_calls(ojson& messages, const std::string& where) {
   for (size_t i = 0; i < messages.size(); ++i) {
     ojson& m = messages[i];
     if (!m.is_object()) continue;
+    if (!m.contains("content") || m["content"].is_null()) m["content"] = "";  // vLLM and SGLang: "" (or [], the same here)
     const auto role = m.find("role");
     if (role == m.end() || !role->is_string() || role->get_ref<const std::string&>() != "assistant") continue;
     const auto calls = m.find("tool_calls");

@@ -27,19 +27,22 @@ extern const char* const kSharegptSpeakers;
 // unknown speaker, a "conversations" that is not a list.
 nlohmann::ordered_json sharegpt_messages(const nlohmann::ordered_json& row, const std::string& where);
 
-// The assistant messages' tool calls as vLLM and SGLang pass them to a chat template (vLLM's
-// chat_utils `_postprocess_messages`; transformers' tool-use templates expect the arguments as a
-// mapping, while the OpenAI format carries them as a JSON string):
-//  - an empty `tool_calls` list is removed (the template takes its plain assistant path);
-//  - each call's arguments (`function.arguments`, or `arguments` of a call written without the
+// The messages as vLLM and SGLang pass an OpenAI request's messages to a chat template (vLLM's
+// chat_utils: `_parse_chat_message_content` and `_postprocess_messages`):
+//  - a message's missing or null "content" becomes "" (the OpenAI API writes null on an assistant's
+//    tool-call turn; Qwen3's template fails on null, the Qwen3.5 / 3.6 templates render null, "" and []
+//    alike);
+//  - an assistant's empty `tool_calls` list is removed (the template takes its plain assistant path);
+//  - each tool call's arguments (`function.arguments`, or `arguments` of a call written without the
 //    `function` wrapper) that are a JSON string are parsed into an object, keys in their written
-//    order (so `tojson` prints them as Python's json.dumps prints json.loads' dict); missing, null
-//    or empty arguments become {} (vLLM's rule);
+//    order (so `tojson` prints them as Python's json.dumps prints json.loads' dict; transformers'
+//    tool-use templates expect a mapping there); missing, null or "" arguments become {} (vLLM's rule);
 // and, where vLLM would coerce to {} with a warning, a dataset row is refused instead (a training row
 // must not silently become another one): a call that is not an object, a `function` that is not
 // an object, arguments that are not valid JSON, decode to something other than an object, or are
 // neither a string nor an object. `where` prefixes the errors ("IN:line"), which name the message
-// and call ("messages[2].tool_calls[0].function.arguments"). Other fields are left as they are.
-void normalize_tool_calls(nlohmann::ordered_json& messages, const std::string& where);
+// and call ("messages[2].tool_calls[0].function.arguments"). Other fields (content parts included)
+// are left as they are. Idempotent.
+void serving_messages(nlohmann::ordered_json& messages, const std::string& where);
 
 }  // namespace dflash::text

@@ -6,8 +6,8 @@ read by tests/test_prepare.cpp.
 
 What is independent of dflash's C++ here is the mask:
   * the render: python3-jinja2, configured as transformers' apply_chat_template (the environment of
-    make_chat_goldens.py), of the messages as vLLM passes them to it (serving_tool_calls: tool-call
-    arguments written as JSON strings parsed with json.loads);
+    make_chat_goldens.py), of the messages as vLLM passes them to it (serving_messages: null content
+    as "", tool-call arguments written as JSON strings parsed with json.loads);
   * the assistant spans: on TRL's training templates the {% generation %} blocks (what TRL's
     assistant mask marks); on Qwen3's own template SpecForge's way, a regex over the render,
     <|im_start|>assistant\\n(.*?<|im_end|>\\n), required to find exactly one span per assistant
@@ -99,13 +99,16 @@ def rows_corpus():
     return rows
 
 
-def serving_tool_calls(messages):
-    """The messages as vLLM's chat_utils._postprocess_messages hands them to the template (SGLang does
-    the same): an assistant's empty tool_calls list dropped, each call's arguments that are a JSON
-    string json.loads-ed (keys in their order), missing / null / "" arguments as {}. Where vLLM
-    coerces bad arguments to {} with a warning, prepare refuses the row: ValueError here."""
+def serving_messages(messages):
+    """The messages as vLLM's chat_utils hands them to the template (SGLang does the same): a
+    missing or null content as "" (vLLM: [] joined, SGLang: ""), an assistant's empty tool_calls
+    list dropped, each call's arguments that are a JSON string json.loads-ed (keys in their order),
+    missing / null / "" arguments as {}. Where vLLM coerces bad arguments to {} with a warning,
+    prepare refuses the row: ValueError here."""
     out = json.loads(json.dumps(messages))  # a copy
     for i, m in enumerate(out):
+        if m.get("content") is None:
+            m["content"] = ""
         if m.get("role") != "assistant" or not isinstance(m.get("tool_calls"), list):
             continue
         if not m["tool_calls"]:
@@ -135,7 +138,7 @@ def to_messages(row):
     if "text" in row:
         return None, None, "text"
     if "messages" in row:
-        return serving_tool_calls(row["messages"]), row.get("tools"), "chat"
+        return serving_messages(row["messages"]), row.get("tools"), "chat"
     roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
     msgs = [{"role": roles[t["from"]], "content": t["value"]} for t in row["conversations"]]
     if row.get("system") and (not msgs or msgs[0]["role"] != "system"):

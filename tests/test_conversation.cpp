@@ -54,6 +54,13 @@ TEST(Conversation, ToolCallArgumentsFromJsonStrings) {
   EXPECT_EQ(c[1]["content"], "");
   EXPECT_TRUE(c[2]["content"].is_array());
   EXPECT_EQ(c[3]["content"], 3);
+  // "reasoning" goes to reasoning_content (vLLM), unless the message has its own; only on assistant turns.
+  const ojson r = normalized(R"([{"role": "user", "content": "q", "reasoning": "u"},
+                                  {"role": "assistant", "content": "a", "reasoning": "why"},
+                                  {"role": "assistant", "content": "b", "reasoning": "x", "reasoning_content": "own"}])");
+  EXPECT_FALSE(r[0].contains("reasoning_content"));
+  EXPECT_EQ(r[1]["reasoning_content"], "why");
+  EXPECT_EQ(r[2]["reasoning_content"], "own");
   // Idempotent.
   ojson again = m;
   text::serving_messages(again, "x");

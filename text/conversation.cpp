@@ -57,6 +57,10 @@ void serving_messages(ojson& messages, const std::string& where) {
     if (!m.contains("content") || m["content"].is_null()) m["content"] = "";  // vLLM and SGLang: "" (or [], the same here)
     const auto role = m.find("role");
     if (role == m.end() || !role->is_string() || role->get_ref<const std::string&>() != "assistant") continue;
+    // The reasoning under "reasoning" (vLLM's and OpenRouter's responses) goes where the Qwen3.5 / 3.6
+    // templates read it, as vLLM copies it there (a message that has reasoning_content keeps it).
+    if (const auto r = m.find("reasoning"); r != m.end() && r->is_string() && !m.contains("reasoning_content"))
+      m["reasoning_content"] = *r;
     const auto calls = m.find("tool_calls");
     if (calls == m.end() || !calls->is_array()) continue;
     if (calls->empty()) {  // no calls: the template's plain assistant path, as vLLM drops the empty list

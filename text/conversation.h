@@ -32,6 +32,10 @@ nlohmann::ordered_json sharegpt_messages(const nlohmann::ordered_json& row, cons
 //  - a message's missing or null "content" becomes "" (the OpenAI API writes null on an assistant's
 //    tool-call turn; Qwen3's template fails on null, the Qwen3.5 / 3.6 templates render null, "" and []
 //    alike);
+//  - an assistant's "reasoning" string (the field vLLM's and OpenRouter's responses use) is copied to
+//    "reasoning_content", where the Qwen3.5 / 3.6 templates read it, as vLLM copies it, unless the
+//    message has a "reasoning_content" of its own (else the think block would render empty and the
+//    drafter would train without the reasoning it must draft at serving time);
 //  - an assistant's empty `tool_calls` list is removed (the template takes its plain assistant path);
 //  - each tool call's arguments (`function.arguments`, or `arguments` of a call written without the
 //    `function` wrapper) that are a JSON string are parsed into an object, keys in their written

@@ -95,13 +95,16 @@ def rows_corpus():
                       {"role": "assistant", "content": "\U0001D11E answer", "reasoning_content": "\U0001D11E thought"}]},
         {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "r1"},
                       {"role": "user", "content": "c"}, {"role": "assistant", "content": "d", "reasoning_content": "r2"}]},
+        {"messages": [{"role": "user", "content": "Is 51 prime?"},
+                      {"role": "assistant", "content": "No: 51 = 3 x 17.", "reasoning": "5 + 1 = 6: divisible by 3."}]},
     ]
     return rows
 
 
 def serving_messages(messages):
     """The messages as vLLM's chat_utils hands them to the template (SGLang does the same): a
-    missing or null content as "" (vLLM: [] joined, SGLang: ""), an assistant's empty tool_calls
+    missing or null content as "" (vLLM: [] joined, SGLang: ""), an assistant's "reasoning" copied to
+    reasoning_content when it has none, an assistant's empty tool_calls
     list dropped, each call's arguments that are a JSON string json.loads-ed (keys in their order),
     missing / null / "" arguments as {}. Where vLLM coerces bad arguments to {} with a warning,
     prepare refuses the row: ValueError here."""
@@ -109,6 +112,8 @@ def serving_messages(messages):
     for i, m in enumerate(out):
         if m.get("content") is None:
             m["content"] = ""
+        if m.get("role") == "assistant" and isinstance(m.get("reasoning"), str) and "reasoning_content" not in m:
+            m["reasoning_content"] = m["reasoning"]  # vLLM: result_msg["reasoning_content"] = reasoning
         if m.get("role") != "assistant" or not isinstance(m.get("tool_calls"), list):
             continue
         if not m["tool_calls"]:

@@ -30,6 +30,11 @@ class Tokenizer;
 
 namespace dflash::data {
 
+// The rendering rules' version, in dflash_train's key of a prepared JSONL (trainer/prepared_data.cpp), so a
+// file prepared under other rules is made again. 2: the messages as the serving stacks pass them to the
+// template (text/conversation.h: null content, "reasoning", tool-call arguments in JSON strings).
+inline constexpr int kPrepareRules = 2;
+
 enum class ThinkMode { in, out };  // <think>...</think> inside or outside the loss
 
 struct PrepareOptions {

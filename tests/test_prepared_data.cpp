@@ -60,6 +60,13 @@ TEST_F(PreparedKey, ChangesOfInputTokenizerAndOptionsAreNamed) {
   EXPECT_EQ(prepared_key_difference(k0, prepared_key(config({"data.prepare.prompts_only=true", "data.regenerate.enabled=true"}))),
             "options.prompts_only: was false, now true");
 
+  // Other rendering rules (a file prepared by an older dflash: no "rules", or another version).
+  nlohmann::json old_rules = k0;
+  old_rules.erase("rules");
+  EXPECT_EQ(prepared_key_difference(old_rules, k0), "rules: not in the earlier key");
+  old_rules["rules"] = 1;
+  EXPECT_EQ(prepared_key_difference(old_rules, k0), "rules: was 1, now 2");
+
   // A template of its own: its bytes are in the key.
   write("own.jinja", "{{ messages }}?");
   const nlohmann::json own = prepared_key(config({"data.prepare.chat_template=" + (dir / "own.jinja").string()}));

@@ -123,6 +123,7 @@ json prepared_key(const TrainConfig& cfg, const json& previous) {
   if (!fs::is_directory(tok)) files[fs::path(tok).filename().string()] = io::sha256_file(tok);
   const PrepareSection& p = cfg.data.prepare;
   return json{{"format", kFormat},
+              {"rules", data::kPrepareRules},
               {"input", {{"path", in}, {"bytes", bytes}, {"mtime_ns", mtime}, {"sha256", sha}}},
               {"tokenizer", {{"path", absolute(tok)}, {"files", files}}},
               {"options",

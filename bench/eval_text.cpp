@@ -49,7 +49,7 @@ ojson chat_messages(const ojson& row, const std::string& where) {
       out.push_back(m);
     }
   }
-  text::serving_messages(out, where);  // null content, string tool arguments: as the serving stacks pass them
+  text::serving_messages(out, where);  // as vLLM / SGLang pass them to the template
   while (!out.empty() && out.back()["role"] == "assistant") out.erase(out.size() - 1);
   DFLASH_REQUIRE_HINT(!out.empty(), where << ": the conversation holds only assistant turns: no prompt is left",
                       "a chat prompt needs a user (or system) turn before the assistant's");

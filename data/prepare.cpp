@@ -171,7 +171,7 @@ struct Preparer {
                             "roles: system, user, assistant, tool");
       }
       messages = m;
-      text::serving_messages(messages, where);  // null content, string tool arguments: as the serving stacks pass them
+      text::serving_messages(messages, where);  // as vLLM / SGLang pass them to the template
     } else if (j.contains("conversations")) {
       DFLASH_REQUIRE_HINT(j["conversations"].is_array(), where << ": \"conversations\" is not a list (" << j["conversations"].type_name() << ")",
                           forms);

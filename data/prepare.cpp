@@ -38,6 +38,9 @@ std::string PrepareSummary::describe() const {
      << "prompt-only: " << prompt_only << " (all-zero mask, with the generation prompt)\n"
      << "truncated:   " << truncated << "\n"
      << "bad rows:    " << bad_skipped << (bad_skipped ? " skipped" : "");
+  if (served_arguments + served_content + served_reasoning > 0)
+    os << "\nas served:   " << served_arguments << " rows' tool-call arguments parsed from JSON strings (or {}), " << served_content
+       << " rows' null content as \"\", " << served_reasoning << " rows' \"reasoning\" as reasoning_content (vLLM's rules)";
   if (!first_bad.empty()) os << "\n  first bad row: " << first_bad;
   return os.str();
 }
@@ -80,6 +83,7 @@ bool known_role(const std::string& r) { return r == "system" || r == "user" || r
 struct Row {
   Sequence seq;
   bool prompt_only = false, truncated = false;
+  text::ServingChanges served;  // what the serving rules changed in the row's messages
   std::string error;  // non-empty: a bad row ("IN:line: ...")
   std::string hint;
 };
@@ -171,7 +175,7 @@ struct Preparer {
                             "roles: system, user, assistant, tool");
       }
       messages = m;
-      text::serving_messages(messages, where);  // as vLLM / SGLang pass them to the template
+      r.served = text::serving_messages(messages, where);  // as vLLM / SGLang pass them to the template
     } else if (j.contains("conversations")) {
       DFLASH_REQUIRE_HINT(j["conversations"].is_array(), where << ": \"conversations\" is not a list (" << j["conversations"].type_name() << ")",
                           forms);
@@ -339,6 +343,9 @@ PrepareSummary prepare_jsonl(const std::string& in_jsonl, const std::string& out
       ++sum.written;
       sum.prompt_only += r.prompt_only;
       sum.truncated += r.truncated;
+      sum.served_arguments += r.served.arguments > 0;
+      sum.served_content += r.served.content > 0;
+      sum.served_reasoning += r.served.reasoning > 0;
       sum.tokens += r.seq.ids.size();
       for (uint8_t m : r.seq.mask) sum.supervised += m;
     }

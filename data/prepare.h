@@ -56,10 +56,15 @@ struct PrepareSummary {
   size_t bad_skipped = 0;  // bad rows skipped (skip_bad)
   size_t prompt_only = 0;  // rows without an assistant turn (all-zero mask)
   size_t truncated = 0;    // rows cut to max_length
+  // Rows the serving stacks' message rules changed before the template (text/conversation.h): tool-call
+  // arguments parsed from JSON strings or set to {}, a null / missing content made "", "reasoning"
+  // copied to reasoning_content.
+  size_t served_arguments = 0, served_content = 0, served_reasoning = 0;
   size_t tokens = 0;       // tokens written
   size_t supervised = 0;   // tokens with loss_mask 1
   std::string first_bad;   // the first bad row's error, when skip_bad skipped any
-  // Several lines: rows, written, tokens, supervised share, truncated, prompt-only, bad.
+  // Several lines: rows, written, tokens, supervised share, truncated, prompt-only, bad; and the rows the
+  // serving rules changed, when any.
   std::string describe() const;
 };
 

@@ -17,13 +17,15 @@ using ojson = nlohmann::ordered_json;
 
 namespace {
 
-ojson normalized(const char* messages) {
+ojson normalized(const char* messages, text::ServingChanges* changes = nullptr) {
   ojson m = ojson::parse(messages);
-  text::serving_messages(m, "in.jsonl:7");
+  const text::ServingChanges ch = text::serving_messages(m, "in.jsonl:7");
+  if (changes) *changes = ch;
   return m;
 }
 
 TEST(Conversation, ToolCallArgumentsFromJsonStrings) {
+  text::ServingChanges ch;
   const ojson m = normalized(R"([
     {"role": "user", "content": "q", "tool_calls": [{"function": {"name": "u", "arguments": "{\"z\": 1}"}}]},
     {"role": "assistant", "content": "", "tool_calls": [
@@ -34,7 +36,10 @@ TEST(Conversation, ToolCallArgumentsFromJsonStrings) {
       {"type": "function", "function": {"name": "j"}},
       {"name": "k", "arguments": "{\"x\": true}"}]},
     {"role": "assistant", "content": "none", "tool_calls": []},
-    {"role": "tool", "content": "{\"not\": \"touched\"}"}])");
+    {"role": "tool", "content": "{\"not\": \"touched\"}"}])", &ch);
+  EXPECT_EQ(ch.arguments, 5u);  // calls 0, 2, 3, 4, 5 of the assistant's six
+  EXPECT_EQ(ch.empty_calls, 1u);
+  EXPECT_EQ(ch.content + ch.reasoning, 0u);
   const ojson& calls = m[1]["tool_calls"];
   ASSERT_EQ(calls.size(), 6u);
   // Parsed into an object, keys in their written order (tojson prints them so, as json.dumps does).
@@ -49,7 +54,9 @@ TEST(Conversation, ToolCallArgumentsFromJsonStrings) {
   EXPECT_TRUE(m[3]["content"].is_string());
   // A null or missing content is "" (vLLM, SGLang); other contents stay as they are.
   const ojson c = normalized(R"([{"role": "user"}, {"role": "assistant", "content": null, "tool_calls": [{"function": {"name": "f"}}]},
-                                  {"role": "user", "content": [{"type": "text", "text": "part"}]}, {"role": "tool", "content": 3}])");
+                                  {"role": "user", "content": [{"type": "text", "text": "part"}]}, {"role": "tool", "content": 3}])", &ch);
+  EXPECT_EQ(ch.content, 2u);
+  EXPECT_EQ(ch.arguments, 1u);  // the missing arguments
   EXPECT_EQ(c[0]["content"], "");
   EXPECT_EQ(c[1]["content"], "");
   EXPECT_TRUE(c[2]["content"].is_array());
@@ -57,13 +64,14 @@ TEST(Conversation, ToolCallArgumentsFromJsonStrings) {
   // "reasoning" goes to reasoning_content (vLLM), unless the message has its own; only on assistant turns.
   const ojson r = normalized(R"([{"role": "user", "content": "q", "reasoning": "u"},
                                   {"role": "assistant", "content": "a", "reasoning": "why"},
-                                  {"role": "assistant", "content": "b", "reasoning": "x", "reasoning_content": "own"}])");
+                                  {"role": "assistant", "content": "b", "reasoning": "x", "reasoning_content": "own"}])", &ch);
+  EXPECT_EQ(ch.reasoning, 1u);
   EXPECT_FALSE(r[0].contains("reasoning_content"));
   EXPECT_EQ(r[1]["reasoning_content"], "why");
   EXPECT_EQ(r[2]["reasoning_content"], "own");
   // Idempotent.
   ojson again = m;
-  text::serving_messages(again, "x");
+  EXPECT_FALSE(text::serving_messages(again, "x").any());
   EXPECT_EQ(again, m);
 }
 

@@ -282,6 +282,13 @@ TEST(Prepare, ToolCallArgumentsAreParsedAsTheServingStacksParseThem) {
     o.progress = false;
     const PrepareSummary s = prepare(d / "in.jsonl", d / "out.h5", o);
     ASSERT_EQ(s.written, lines.size());
+    // Counted: rows 2, 4, 5, 6 and 9 had their arguments parsed or set to {}, row 9 a null content.
+    EXPECT_EQ(s.served_arguments, 5u);
+    EXPECT_EQ(s.served_content, 1u);
+    EXPECT_EQ(s.served_reasoning, 0u);
+    EXPECT_NE(s.describe().find("as served:   5 rows' tool-call arguments parsed from JSON strings (or {}), 1 rows' null content"),
+              std::string::npos)
+        << s.describe();
     const Dataset ds({(d / "out.h5").string()});
     auto seq = [&](int64_t i) { return ds.sequence(i); };
     EXPECT_EQ(seq(1).ids, seq(0).ids) << "string arguments render otherwise than their object";

@@ -43,8 +43,9 @@ ojson sharegpt_messages(const ojson& row, const std::string& where) {
   return out;
 }
 
-void serving_messages(ojson& messages, const std::string& where) {
-  if (!messages.is_array()) return;
+ServingChanges serving_messages(ojson& messages, const std::string& where) {
+  ServingChanges ch;
+  if (!messages.is_array()) return ch;
   static const char* kCallForm =
       "a tool call is {\"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": ...}} (OpenAI) or "
       "{\"name\": ..., \"arguments\": ...}";
@@ -54,17 +55,23 @@ void serving_messages(ojson& messages, const std::string& where) {
   for (size_t i = 0; i < messages.size(); ++i) {
     ojson& m = messages[i];
     if (!m.is_object()) continue;
-    if (!m.contains("content") || m["content"].is_null()) m["content"] = "";  // vLLM and SGLang: "" (or [], the same here)
+    if (!m.contains("content") || m["content"].is_null()) {  // vLLM and SGLang: "" (or [], the same here)
+      m["content"] = "";
+      ++ch.content;
+    }
     const auto role = m.find("role");
     if (role == m.end() || !role->is_string() || role->get_ref<const std::string&>() != "assistant") continue;
     // The reasoning under "reasoning" (vLLM's and OpenRouter's responses) goes where the Qwen3.5 / 3.6
     // templates read it, as vLLM copies it there (a message that has reasoning_content keeps it).
-    if (const auto r = m.find("reasoning"); r != m.end() && r->is_string() && !m.contains("reasoning_content"))
+    if (const auto r = m.find("reasoning"); r != m.end() && r->is_string() && !m.contains("reasoning_content")) {
       m["reasoning_content"] = *r;
+      ++ch.reasoning;
+    }
     const auto calls = m.find("tool_calls");
     if (calls == m.end() || !calls->is_array()) continue;
     if (calls->empty()) {  // no calls: the template's plain assistant path, as vLLM drops the empty list
       m.erase(calls);
+      ++ch.empty_calls;
       continue;
     }
     for (size_t k = 0; k < calls->size(); ++k) {
@@ -83,6 +90,7 @@ void serving_messages(ojson& messages, const std::string& where) {
       if (args.is_object()) continue;
       if (args.is_null() || (args.is_string() && args.get_ref<const std::string&>().empty())) {
         args = ojson::object();
+        ++ch.arguments;
         continue;
       }
       DFLASH_REQUIRE_HINT(args.is_string(), fn_at << ".arguments is a " << args.type_name() << ", not an object or a JSON string",
@@ -96,8 +104,10 @@ void serving_messages(ojson& messages, const std::string& where) {
       DFLASH_REQUIRE_HINT(parsed.is_object(), fn_at << ".arguments decodes to a JSON " << parsed.type_name() << ", not an object",
                           kArgsForm);
       args = std::move(parsed);
+      ++ch.arguments;
     }
   }
+  return ch;
 }
 
 }  // namespace dflash::text

@@ -6,6 +6,7 @@
 // request is decided here, once, for every tool that renders conversations (`dflash_data prepare`,
 // dflash_train's JSONL data, dflash_eval's chat prompts), so a drafter trains on the bytes its
 // serving stack will render.
+#include <cstddef>
 #include <string>
 #include <string_view>
 
@@ -47,6 +48,13 @@ nlohmann::ordered_json sharegpt_messages(const nlohmann::ordered_json& row, cons
 // neither a string nor an object. `where` prefixes the errors ("IN:line"), which name the message
 // and call ("messages[2].tool_calls[0].function.arguments"). Other fields (content parts included)
 // are left as they are. Idempotent.
-void serving_messages(nlohmann::ordered_json& messages, const std::string& where);
+// What serving_messages changed: messages whose content was null or missing, assistant messages given
+// reasoning_content from "reasoning", tool calls whose arguments were parsed or set to {}, empty
+// tool_calls lists dropped.
+struct ServingChanges {
+  size_t content = 0, reasoning = 0, arguments = 0, empty_calls = 0;
+  bool any() const { return content + reasoning + arguments + empty_calls > 0; }
+};
+ServingChanges serving_messages(nlohmann::ordered_json& messages, const std::string& where);
 
 }  // namespace dflash::text

@@ -177,8 +177,6 @@ struct Preparer {
       messages = m;
       r.served = text::serving_messages(messages, where);  // as vLLM / SGLang pass them to the template
     } else if (j.contains("conversations")) {
-      DFLASH_REQUIRE_HINT(j["conversations"].is_array(), where << ": \"conversations\" is not a list (" << j["conversations"].type_name() << ")",
-                          forms);
       messages = text::sharegpt_messages(j, where);
     } else {
       DFLASH_REJECT_HINT(where << ": the row has none of \"messages\", \"conversations\", \"text\"", forms);

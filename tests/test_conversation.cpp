@@ -119,7 +119,7 @@ TEST(Conversation, SharegptRows) {
                 .find("r:3: conversations[0] has no string \"value\""),
             std::string::npos);
   EXPECT_NE(error_of([] { text::sharegpt_messages(ojson::parse(R"({"conversations": {}})"), "r:4"); })
-                .find("r:4: \"conversations\" is not a list"),
+                .find("r:4: \"conversations\" is not a list (object)"),
             std::string::npos);
 }
 

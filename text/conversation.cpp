@@ -22,7 +22,9 @@ const char* sharegpt_role(std::string_view from) {
 ojson sharegpt_messages(const ojson& row, const std::string& where) {
   static const char* kTurn = "ShareGPT turns are {\"from\": \"human\" | \"gpt\" | ..., \"value\": \"...\"}";
   const auto conv = row.find("conversations");
-  DFLASH_REQUIRE_HINT(conv != row.end() && conv->is_array(), where << ": \"conversations\" is not a list", kTurn);
+  DFLASH_REQUIRE_HINT(conv != row.end() && conv->is_array(),
+                      where << ": \"conversations\" is not a list (" << (conv == row.end() ? "missing" : conv->type_name()) << ")",
+                      kTurn);
   ojson out = ojson::array();
   for (size_t i = 0; i < conv->size(); ++i) {
     const ojson& t = (*conv)[i];

@@ -27,8 +27,8 @@
 // skip L1: per unit and lane rows g and g + 8 of the tile, bytes 16t and 64 + 16t of the unit, so a
 // load instruction reads 64 contiguous bytes of each of 8 rows) through a register ring of kDepth
 // units: a unit's slot is refilled with the unit kDepth ahead as soon as its MMAs have read it, so
-// kDepth - 1 to kDepth units (6-8 KB a warp, 16 warps an SM) are always in flight (the FP8 kernel also
-// at depth 2 or 3, tuning::gemm_fp8_stream_depth, 2 by default: at 4 ptxas spills 36 / 92 bytes under the 128
+// kDepth - 1 to kDepth units (6-8 KB a warp, 16 warps an SM) are always in flight (the FP8 kernel's depth is
+// tuning::gemm_fp8_stream_depth, 2 by default, 3 and 4 built too: at 4 ptxas spills 36 / 92 bytes under the 128
 // registers two blocks an SM allow, at 2 and 3 nothing; the same bits at every depth; 2 is the fastest). x is read at the
 // math (L1 / L2: every warp of an SM reads the same rows). The MMAs take the weight rows as the MMA's
 // M and the tokens as its N (one token half for M <= 8, two for M <= 16), the k order permuted alike
